@@ -1,0 +1,12 @@
+//! The eBPF dataplane: socket-level load balancing with cgroup sock_addr programs.
+
+mod bpffs;
+mod cgroup;
+mod ids;
+mod loader;
+mod object;
+mod program;
+mod stats;
+
+pub use loader::{EbpfDataplane, EbpfOptions, LoadError};
+pub use program::{ApplyError, ApplySummary, MapOps, Programmer};

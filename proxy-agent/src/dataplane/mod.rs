@@ -1,0 +1,3 @@
+//! Dataplanes make the kernel match a [`crate::desired::Snapshot`]; they never decide policy.
+
+pub mod ebpf;

@@ -1,0 +1,9 @@
+//! kubeproxy-rs node agent as a library: the binary (`src/main.rs`) only parses flags and sets up
+//! logging; benchmarks and tests can drive the same modules.
+
+pub mod cli;
+pub mod dataplane;
+pub mod desired;
+pub mod objects;
+pub mod run;
+pub mod source;

@@ -1,0 +1,3 @@
+//! Where Service and EndpointSlice objects come from.
+
+pub mod manifests;

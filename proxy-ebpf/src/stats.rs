@@ -1,0 +1,14 @@
+//! Per-CPU counters; per-CPU so the hot path never contends on a shared cache line.
+
+use proxy_common::StatIndex;
+
+use crate::maps::KPR_STATS;
+
+#[inline(always)]
+pub fn bump(index: StatIndex) {
+    if let Some(counter) = KPR_STATS.get_ptr_mut(index as u32) {
+        // SAFETY: the pointer comes from a successful map lookup and the slot is per-CPU, so
+        // nothing else writes it while this program runs (programs are not preempted on a CPU).
+        unsafe { *counter += 1 };
+    }
+}

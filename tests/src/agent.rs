@@ -1,0 +1,226 @@
+//! The real `proxy-agent` process, run against a manifests directory, a child cgroup and a
+//! private bpffs root.
+
+use std::fs::{self, File};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::time::Duration;
+
+use nix::sys::signal::{Signal, kill};
+use nix::unistd::Pid;
+
+use crate::process::{describe, kill_and_reap, wait_bounded};
+use crate::{Result, RigError, profile_dir, unique_name};
+
+/// How long the agent gets to shut down after SIGINT before it is SIGKILLed.
+pub const STOP_TIMEOUT: Duration = Duration::from_secs(10);
+/// Lines of log included in rig error messages.
+pub const LOG_TAIL_LINES: usize = 40;
+
+/// How to run the agent.
+#[derive(Debug, Clone, Default)]
+pub struct AgentConfig {
+    pub manifests_dir: PathBuf,
+    /// cgroup2 directory the agent attaches its socket programs to.
+    pub cgroup_path: PathBuf,
+    pub hostname: String,
+    /// Network namespace to run the agent in (entered with `nsenter --net=`, which keeps the
+    /// host mount namespace so cgroup2 and bpffs stay visible). None = the caller's namespace.
+    pub netns: Option<PathBuf>,
+    pub extra_args: Vec<String>,
+}
+
+/// Path of the agent binary: `PROXY_AGENT_BIN`, else `target/<profile>/proxy-agent`.
+pub fn agent_binary() -> Result<PathBuf> {
+    if let Some(p) = std::env::var_os("PROXY_AGENT_BIN") {
+        return Ok(PathBuf::from(p));
+    }
+    let path = profile_dir()?.join("proxy-agent");
+    if path.is_file() {
+        Ok(path)
+    } else {
+        Err(RigError::MissingBinary {
+            path,
+            hint: "run `cargo xtask test`, which builds the eBPF object and the agent \
+                   (or set PROXY_AGENT_BIN)",
+        })
+    }
+}
+
+/// A running agent. Drop stops it (SIGINT, then SIGKILL after [`STOP_TIMEOUT`]), unmounts
+/// its private bpffs and removes its temp directories.
+#[derive(Debug)]
+pub struct Agent {
+    child: Option<Child>,
+    /// Private directory holding the log file; removed on drop.
+    work_dir: PathBuf,
+    log_path: PathBuf,
+    bpf_root: PathBuf,
+}
+
+impl Agent {
+    pub fn start(config: &AgentConfig) -> Result<Self> {
+        let bin = agent_binary()?;
+        let work_dir = std::env::temp_dir().join(unique_name("agent"));
+        let bpf_root = work_dir.join("bpf");
+        fs::create_dir_all(&bpf_root)
+            .map_err(|e| RigError::io(format!("creating {}", bpf_root.display()), e))?;
+        let log_path = work_dir.join("agent.log");
+        // From here on the guard owns the directories, even if spawning fails.
+        let mut agent = Self {
+            child: None,
+            work_dir,
+            log_path,
+            bpf_root,
+        };
+        let log = File::create(&agent.log_path)
+            .map_err(|e| RigError::io(format!("creating {}", agent.log_path.display()), e))?;
+        let log2 = log
+            .try_clone()
+            .map_err(|e| RigError::io("duplicating log file", e))?;
+
+        let mut cmd = match &config.netns {
+            Some(ns) => {
+                let mut c = Command::new("nsenter");
+                c.arg(format!("--net={}", ns.display())).arg("--").arg(&bin);
+                c
+            }
+            None => Command::new(&bin),
+        };
+        cmd.args(["--proxy-mode", "ebpf"])
+            .arg("--manifests")
+            .arg(&config.manifests_dir)
+            .args(["--hostname-override", &config.hostname])
+            .arg("--cgroup-path")
+            .arg(&config.cgroup_path)
+            .arg("--bpf-root")
+            .arg(&agent.bpf_root)
+            .arg("-v")
+            .args(&config.extra_args)
+            .stdin(Stdio::null())
+            .stdout(log)
+            .stderr(log2);
+        if std::env::var_os("RUST_LOG").is_none() {
+            cmd.env("RUST_LOG", "info");
+        }
+        let what = describe(&cmd);
+        // nsenter execs the agent in place, so the child's pid is the agent's pid.
+        let child = cmd
+            .spawn()
+            .map_err(|e| RigError::io(format!("spawning `{what}`"), e))?;
+        agent.child = Some(child);
+        Ok(agent)
+    }
+
+    /// Everything the agent has logged so far.
+    pub fn log_contents(&self) -> String {
+        fs::read(&self.log_path)
+            .map(|b| String::from_utf8_lossy(&b).into_owned())
+            .unwrap_or_else(|e| format!("(cannot read {}: {e})", self.log_path.display()))
+    }
+
+    /// The last `lines` lines of the log.
+    pub fn log_tail(&self, lines: usize) -> String {
+        let log = self.log_contents();
+        let all: Vec<&str> = log.lines().collect();
+        all[all.len().saturating_sub(lines)..].join("\n")
+    }
+
+    /// Wraps a message into an error carrying the log tail, for failures that may be the
+    /// agent's fault.
+    pub fn error(&self, message: impl Into<String>) -> RigError {
+        RigError::Agent {
+            message: message.into(),
+            log_tail: self.log_tail(LOG_TAIL_LINES),
+        }
+    }
+
+    /// Where the agent was told to put its bpffs pins.
+    pub fn bpf_root(&self) -> &Path {
+        &self.bpf_root
+    }
+
+    pub fn log_path(&self) -> &Path {
+        &self.log_path
+    }
+
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+
+    /// True while the process has not exited.
+    pub fn is_running(&mut self) -> bool {
+        self.child
+            .as_mut()
+            .is_some_and(|c| matches!(c.try_wait(), Ok(None)))
+    }
+
+    /// The exit status if the process has exited on its own (None while running or after
+    /// [`Agent::stop`]).
+    pub fn exit_status(&mut self) -> Option<ExitStatus> {
+        self.child
+            .as_mut()
+            .and_then(|c| c.try_wait().ok().flatten())
+    }
+
+    /// Stops the agent with SIGINT (graceful shutdown), waiting up to [`STOP_TIMEOUT`] before
+    /// SIGKILL. Returns the exit status; an error if it had to be killed.
+    pub fn stop(&mut self) -> Result<ExitStatus> {
+        let Some(mut child) = self.child.take() else {
+            return Err(RigError::Other("agent already stopped".into()));
+        };
+        if let Ok(Some(status)) = child.try_wait() {
+            return Ok(status);
+        }
+        let pid = i32::try_from(child.id())
+            .map_err(|_| RigError::Other(format!("pid {} out of range", child.id())))?;
+        kill(Pid::from_raw(pid), Signal::SIGINT)
+            .map_err(|e| RigError::nix("sending SIGINT to the agent", e))?;
+        match wait_bounded(&mut child, STOP_TIMEOUT)? {
+            Some(status) => Ok(status),
+            None => Err(self.error(format!(
+                "agent did not exit within {STOP_TIMEOUT:?} of SIGINT and was killed"
+            ))),
+        }
+    }
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        if let Some(child) = self.child.as_mut() {
+            if matches!(child.try_wait(), Ok(None)) {
+                if let Err(e) = self.stop() {
+                    eprintln!("rig: stopping agent: {e}");
+                }
+            } else {
+                kill_and_reap(child);
+            }
+        }
+        unmount_if_mounted(&self.bpf_root);
+        if let Err(e) = fs::remove_dir_all(&self.work_dir) {
+            eprintln!("rig: removing {} failed: {e}", self.work_dir.display());
+        }
+    }
+}
+
+/// Lazily unmounts `dir` if something (the agent's bpffs) is mounted there; the pins of a
+/// private bpffs instance disappear with its last mount.
+fn unmount_if_mounted(dir: &Path) {
+    let Ok(mounts) = fs::read_to_string("/proc/self/mounts") else {
+        return;
+    };
+    let Ok(canon) = dir.canonicalize() else {
+        return;
+    };
+    // A directory may be mounted over more than once; bounded by the mount count.
+    let count = mounts
+        .lines()
+        .filter(|l| l.split_whitespace().nth(1) == Some(&*canon.to_string_lossy()))
+        .count();
+    for _ in 0..count {
+        if let Err(e) = nix::mount::umount2(&canon, nix::mount::MntFlags::MNT_DETACH) {
+            eprintln!("rig: unmounting {} failed: {e}", canon.display());
+            break;
+        }
+    }
+}

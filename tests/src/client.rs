@@ -1,0 +1,185 @@
+//! Runs `rig-helper client` inside a namespace (and optionally a cgroup) and parses its output.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+pub use crate::helper::Proto;
+use crate::process::{describe, run_bounded};
+use crate::{Result, RigError, helper_binary};
+
+/// The outcome of one connection attempt.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Attempt {
+    Ok {
+        /// Name of the echo server that answered, e.g. `pod2` or `untranslated`.
+        backend: String,
+        /// The client address as the server saw it.
+        client: SocketAddr,
+        /// getpeername() on the client socket.
+        peer: SocketAddr,
+    },
+    /// `ECONNREFUSED`, `TIMEOUT`, `ENETUNREACH`, ...
+    Err(String),
+}
+
+impl Attempt {
+    /// Backend name, or `err REASON` for a failed attempt: a key for tallies.
+    pub fn label(&self) -> String {
+        match self {
+            Self::Ok { backend, .. } => backend.clone(),
+            Self::Err(reason) => format!("err {reason}"),
+        }
+    }
+
+    pub fn backend(&self) -> Option<&str> {
+        match self {
+            Self::Ok { backend, .. } => Some(backend),
+            Self::Err(_) => None,
+        }
+    }
+
+    /// Parses one helper output line (`ok NAME IP:PORT peer=IP:PORT` or `err REASON`).
+    pub fn parse(line: &str) -> Result<Self> {
+        let bad = || RigError::Parse {
+            what: "client output line",
+            line: line.to_owned(),
+        };
+        if let Some(reason) = line.strip_prefix("err ") {
+            return Ok(Self::Err(reason.trim().to_owned()));
+        }
+        let rest = line.strip_prefix("ok ").ok_or_else(bad)?;
+        let (reply, peer) = rest.rsplit_once(" peer=").ok_or_else(bad)?;
+        let (backend, client) = reply.split_once(' ').ok_or_else(bad)?;
+        Ok(Self::Ok {
+            backend: backend.to_owned(),
+            client: client.trim().parse().map_err(|_| bad())?,
+            peer: peer.trim().parse().map_err(|_| bad())?,
+        })
+    }
+}
+
+/// Counts attempts per [`Attempt::label`].
+pub fn tally(attempts: &[Attempt]) -> BTreeMap<String, usize> {
+    let mut counts = BTreeMap::new();
+    for a in attempts {
+        *counts.entry(a.label()).or_insert(0) += 1;
+    }
+    counts
+}
+
+/// A client configuration: where it runs and how long each attempt may take.
+#[derive(Debug, Clone)]
+pub struct Client {
+    netns: PathBuf,
+    cgroup: Option<PathBuf>,
+    proto: Proto,
+    timeout: Duration,
+}
+
+impl Client {
+    /// A TCP client in the namespace at `netns` (e.g. `Netns::path()`), outside any rig cgroup.
+    pub fn new(netns: impl Into<PathBuf>) -> Self {
+        Self {
+            netns: netns.into(),
+            cgroup: None,
+            proto: Proto::Tcp,
+            timeout: Duration::from_millis(1000),
+        }
+    }
+
+    /// Runs the client inside this cgroup2 directory.
+    pub fn in_cgroup(mut self, cgroup: &Path) -> Self {
+        self.cgroup = Some(cgroup.to_path_buf());
+        self
+    }
+
+    pub fn proto(mut self, proto: Proto) -> Self {
+        self.proto = proto;
+        self
+    }
+
+    /// Per-attempt connect/read timeout.
+    pub fn timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
+    }
+
+    /// Makes `count` attempts to `target`, each on a new socket.
+    pub fn run(&self, target: SocketAddr, count: u32) -> Result<Vec<Attempt>> {
+        let mut cmd = Command::new(helper_binary()?);
+        cmd.arg("client")
+            .args(["--target", &target.to_string()])
+            .args(["--count", &count.to_string()])
+            .args(["--proto", self.proto.as_arg()])
+            .args(["--timeout-ms", &self.timeout.as_millis().to_string()])
+            .arg("--netns")
+            .arg(&self.netns);
+        if let Some(cg) = &self.cgroup {
+            cmd.arg("--cgroup").arg(cg);
+        }
+        // An attempt can wait for connect and then read: bound the whole run accordingly.
+        let bound = self.timeout * 2 * count + Duration::from_secs(5);
+        let out = run_bounded(&mut cmd, bound)?;
+        if !out.status.success() {
+            return Err(RigError::Command {
+                command: describe(&cmd),
+                status: out.status.to_string(),
+                stderr: String::from_utf8_lossy(&out.stderr).trim().to_owned(),
+            });
+        }
+        let attempts = String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .filter(|l| !l.trim().is_empty())
+            .map(Attempt::parse)
+            .collect::<Result<Vec<_>>>()?;
+        if attempts.len() != count as usize {
+            return Err(RigError::Other(format!(
+                "client printed {} results for {count} attempts",
+                attempts.len()
+            )));
+        }
+        Ok(attempts)
+    }
+
+    /// Convenience: a single attempt.
+    pub fn once(&self, target: SocketAddr) -> Result<Attempt> {
+        self.run(target, 1)?
+            .into_iter()
+            .next()
+            .ok_or_else(|| RigError::Other("client printed no result".into()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_ok_and_err_lines() -> Result<()> {
+        let ok = Attempt::parse("ok pod1 10.244.1.1:40312 peer=10.96.0.10:80")?;
+        assert_eq!(
+            ok,
+            Attempt::Ok {
+                backend: "pod1".into(),
+                client: "10.244.1.1:40312"
+                    .parse()
+                    .map_err(|_| RigError::Other("addr".into()))?,
+                peer: "10.96.0.10:80"
+                    .parse()
+                    .map_err(|_| RigError::Other("addr".into()))?,
+            }
+        );
+        assert_eq!(
+            Attempt::parse("err ECONNREFUSED")?,
+            Attempt::Err("ECONNREFUSED".into())
+        );
+        assert!(Attempt::parse("garbage").is_err());
+        let counts = tally(&[ok.clone(), ok, Attempt::Err("TIMEOUT".into())]);
+        assert_eq!(counts.get("pod1"), Some(&2));
+        assert_eq!(counts.get("err TIMEOUT"), Some(&1));
+        Ok(())
+    }
+}

@@ -1,0 +1,223 @@
+//! The `rig-helper` subcommands: an echo server and a socket client. They live in the library
+//! so that any binary (rig-helper, demo) can act as the helper.
+//!
+//! Both first enter the requested network namespace with `setns`, before any thread exists,
+//! so that every thread and socket belongs to it. Only the network namespace is entered: the
+//! host mount namespace (cgroup2, bpffs) stays visible.
+
+use std::fs::{self, File};
+use std::io::{self, BufRead, BufReader, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream, UdpSocket};
+use std::path::{Path, PathBuf};
+use std::thread;
+use std::time::Duration;
+
+use clap::{Parser, Subcommand, ValueEnum};
+use nix::sched::{CloneFlags, setns};
+
+use crate::{Result, RigError};
+
+#[derive(Debug, Parser)]
+#[command(about = "kubeproxy-rs test rig helper: echo server and socket client")]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: HelperCommand,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum HelperCommand {
+    /// Serve TCP and UDP on one address, answering `NAME CLIENTIP:CLIENTPORT`.
+    Echo {
+        #[arg(long)]
+        name: String,
+        #[arg(long)]
+        listen: SocketAddr,
+        /// Network namespace file to enter first, e.g. /run/netns/NAME.
+        #[arg(long)]
+        netns: Option<PathBuf>,
+    },
+    /// Make N independent connection attempts and print one result line per attempt.
+    Client {
+        #[arg(long)]
+        target: SocketAddr,
+        #[arg(long, default_value_t = 1)]
+        count: u32,
+        #[arg(long, value_enum, default_value_t = Proto::Tcp)]
+        proto: Proto,
+        #[arg(long)]
+        netns: Option<PathBuf>,
+        /// cgroup2 directory to join (by writing our pid to its cgroup.procs).
+        #[arg(long)]
+        cgroup: Option<PathBuf>,
+        #[arg(long, default_value_t = 1000)]
+        timeout_ms: u64,
+    },
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Proto {
+    Tcp,
+    Udp,
+}
+
+impl Proto {
+    pub fn as_arg(self) -> &'static str {
+        match self {
+            Self::Tcp => "tcp",
+            Self::Udp => "udp",
+        }
+    }
+}
+
+/// Runs a parsed helper command (never returns for `echo` unless binding fails).
+pub fn run(cli: Cli) -> Result<()> {
+    match cli.command {
+        HelperCommand::Echo {
+            name,
+            listen,
+            netns,
+        } => {
+            // Die with the rig: an orphaned server would keep its namespace alive.
+            nix::sys::prctl::set_pdeathsig(nix::sys::signal::Signal::SIGKILL)
+                .map_err(|e| RigError::nix("prctl(PR_SET_PDEATHSIG)", e))?;
+            if let Some(ns) = netns {
+                enter_netns(&ns)?;
+            }
+            echo(&name, listen)
+        }
+        HelperCommand::Client {
+            target,
+            count,
+            proto,
+            netns,
+            cgroup,
+            timeout_ms,
+        } => {
+            if let Some(ns) = netns {
+                enter_netns(&ns)?;
+            }
+            if let Some(cg) = cgroup {
+                join_cgroup(&cg)?;
+            }
+            client(target, count, proto, Duration::from_millis(timeout_ms))
+        }
+    }
+}
+
+/// Moves the calling thread (the only one, when called first) into a network namespace.
+pub fn enter_netns(path: &Path) -> Result<()> {
+    let f = File::open(path).map_err(|e| RigError::io(format!("opening {}", path.display()), e))?;
+    setns(&f, CloneFlags::CLONE_NEWNET)
+        .map_err(|e| RigError::nix(format!("setns({})", path.display()), e))
+}
+
+/// Moves this process into a cgroup2 directory.
+pub fn join_cgroup(dir: &Path) -> Result<()> {
+    let procs = dir.join("cgroup.procs");
+    fs::write(&procs, std::process::id().to_string())
+        .map_err(|e| RigError::io(format!("writing {}", procs.display()), e))
+}
+
+fn echo(name: &str, listen: SocketAddr) -> Result<()> {
+    let tcp =
+        TcpListener::bind(listen).map_err(|e| RigError::io(format!("binding TCP {listen}"), e))?;
+    let udp =
+        UdpSocket::bind(listen).map_err(|e| RigError::io(format!("binding UDP {listen}"), e))?;
+    let mut out = io::stdout();
+    writeln!(out, "ready")
+        .and_then(|()| out.flush())
+        .map_err(|e| RigError::io("printing ready", e))?;
+
+    let udp_name = name.to_owned();
+    thread::spawn(move || serve_udp(&udp_name, &udp));
+    for conn in tcp.incoming() {
+        // A failed accept (e.g. the peer reset early) only affects that connection.
+        let Ok(conn) = conn else { continue };
+        let name = name.to_owned();
+        thread::spawn(move || {
+            let _ = serve_tcp(&name, conn);
+        });
+    }
+    Ok(())
+}
+
+fn serve_tcp(name: &str, conn: TcpStream) -> io::Result<()> {
+    let peer = conn.peer_addr()?;
+    let mut writer = conn.try_clone()?;
+    writer.write_all(format!("{name} {peer}\n").as_bytes())?;
+    for line in BufReader::new(conn).lines() {
+        writer.write_all(format!("{}\n", line?).as_bytes())?;
+    }
+    Ok(())
+}
+
+fn serve_udp(name: &str, sock: &UdpSocket) {
+    let mut buf = [0u8; 2048];
+    loop {
+        if let Ok((_, peer)) = sock.recv_from(&mut buf) {
+            let _ = sock.send_to(format!("{name} {peer}\n").as_bytes(), peer);
+        }
+    }
+}
+
+fn client(target: SocketAddr, count: u32, proto: Proto, timeout: Duration) -> Result<()> {
+    let mut out = io::stdout().lock();
+    for _ in 0..count {
+        let line = match attempt(target, proto, timeout) {
+            Ok((reply, peer)) => format!("ok {reply} peer={peer}"),
+            Err(e) => format!("err {}", error_name(&e)),
+        };
+        writeln!(out, "{line}")
+            .and_then(|()| out.flush())
+            .map_err(|e| RigError::io("printing attempt", e))?;
+    }
+    Ok(())
+}
+
+/// One attempt on a fresh socket: returns the first reply line and getpeername().
+fn attempt(
+    target: SocketAddr,
+    proto: Proto,
+    timeout: Duration,
+) -> io::Result<(String, SocketAddr)> {
+    match proto {
+        Proto::Tcp => {
+            let conn = TcpStream::connect_timeout(&target, timeout)?;
+            conn.set_read_timeout(Some(timeout))?;
+            let peer = conn.peer_addr()?;
+            let mut line = String::new();
+            if BufReader::new(&conn).read_line(&mut line)? == 0 {
+                return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "EOF"));
+            }
+            Ok((line.trim_end().to_owned(), peer))
+        }
+        Proto::Udp => {
+            let unspecified: SocketAddr = if target.is_ipv4() {
+                ([0, 0, 0, 0], 0).into()
+            } else {
+                ([0u16; 8], 0).into()
+            };
+            let sock = UdpSocket::bind(unspecified)?;
+            sock.connect(target)?;
+            sock.set_read_timeout(Some(timeout))?;
+            let peer = sock.peer_addr()?;
+            sock.send(b"x")?;
+            let mut buf = [0u8; 2048];
+            let n = sock.recv(&mut buf)?;
+            let reply = String::from_utf8_lossy(buf.get(..n).unwrap_or_default());
+            Ok((reply.trim_end().to_owned(), peer))
+        }
+    }
+}
+
+/// `TIMEOUT`, `EOF`, or the errno name (`ECONNREFUSED`, `ENETUNREACH`, ...).
+fn error_name(e: &io::Error) -> String {
+    match e.kind() {
+        io::ErrorKind::TimedOut | io::ErrorKind::WouldBlock => "TIMEOUT".into(),
+        io::ErrorKind::UnexpectedEof => "EOF".into(),
+        _ => match e.raw_os_error() {
+            Some(code) => format!("{:?}", nix::errno::Errno::from_raw(code)),
+            None => format!("{:?}", e.kind()),
+        },
+    }
+}

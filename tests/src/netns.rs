@@ -1,0 +1,83 @@
+//! Named network namespaces (`ip netns add`) with a deleting guard.
+
+use std::path::PathBuf;
+use std::process::Command;
+
+use crate::process::run_ok;
+use crate::{Result, RigError, unique_name};
+
+/// Attempts at finding a free name when a stale namespace from a crashed run holds ours.
+const NAME_ATTEMPTS: usize = 20;
+
+/// A network namespace created with `ip netns add`; deleted (`ip netns del`) on drop.
+#[derive(Debug)]
+pub struct Netns {
+    name: String,
+}
+
+impl Netns {
+    /// Creates `kpr-<pid>-<n>-<role>` and brings its `lo` up.
+    pub fn new(role: &str) -> Result<Self> {
+        let mut last_err = None;
+        for _ in 0..NAME_ATTEMPTS {
+            let name = unique_name(role);
+            if name.len() > 32 {
+                return Err(RigError::Other(format!("netns name {name} is too long")));
+            }
+            match run_ok(Command::new("ip").args(["netns", "add", &name])) {
+                Ok(_) => {
+                    let ns = Self { name };
+                    ns.ip(&["link", "set", "lo", "up"])?;
+                    return Ok(ns);
+                }
+                // A leftover with the same pid and counter: skip to the next counter value.
+                Err(RigError::Command { stderr, .. }) if stderr.contains("exists") => {
+                    last_err = Some(stderr);
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        Err(RigError::Other(format!(
+            "no free netns name for role {role}: {}",
+            last_err.unwrap_or_default()
+        )))
+    }
+
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// `/run/netns/NAME`, the bind mount `setns`/`nsenter --net=` use.
+    pub fn path(&self) -> PathBuf {
+        PathBuf::from("/run/netns").join(&self.name)
+    }
+
+    /// Runs `ip -n NAME ARGS...`, failing on a non-zero exit; returns stdout.
+    pub fn ip(&self, args: &[&str]) -> Result<String> {
+        run_ok(Command::new("ip").arg("-n").arg(&self.name).args(args))
+    }
+
+    /// Runs an arbitrary command inside the namespace with `ip netns exec`. Note that this
+    /// also remounts /sys, so it suits `sysctl` but not anything needing cgroup2 or bpffs.
+    pub fn exec(&self, program: &str, args: &[&str]) -> Result<String> {
+        run_ok(
+            Command::new("ip")
+                .args(["netns", "exec", &self.name, program])
+                .args(args),
+        )
+    }
+
+    /// Sets a sysctl inside the namespace (e.g. `net.ipv4.ip_forward`).
+    pub fn sysctl(&self, key: &str, value: &str) -> Result<()> {
+        self.exec("sysctl", &["-qw", &format!("{key}={value}")])
+            .map(drop)
+    }
+}
+
+impl Drop for Netns {
+    fn drop(&mut self) {
+        if let Err(e) = run_ok(Command::new("ip").args(["netns", "del", &self.name])) {
+            eprintln!("rig: cleanup of netns {} failed: {e}", self.name);
+        }
+    }
+}

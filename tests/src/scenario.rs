@@ -1,0 +1,172 @@
+//! The ClusterIP scenario shared by the integration tests and the demo: a node with pods
+//! running `pod<i>` echo servers, a decoy for untranslated traffic, a child cgroup for
+//! clients, a manifests directory and (once started) the agent.
+
+use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
+use std::time::{Duration, Instant};
+
+use crate::agent::{Agent, AgentConfig};
+use crate::cgroup::ChildCgroup;
+use crate::client::{Attempt, Client};
+use crate::manifests::{
+    Endpoint, ManifestsDir, Protocol, ServicePort, SlicePort, endpoint_slice_yaml, service_yaml,
+};
+use crate::topology::Topology;
+use crate::{Result, RigError};
+
+pub const CLUSTER_IP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 10);
+pub const SERVICE_PORT: u16 = 80;
+pub const BACKEND_PORT: u16 = 8080;
+pub const PORT_NAME: &str = "http";
+pub const HOSTNAME: &str = "kpr-node";
+/// Bound for the agent to program (or reprogram) the datapath.
+pub const DATAPATH_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// `CLUSTER_IP:SERVICE_PORT`.
+pub fn cluster_addr() -> SocketAddr {
+    SocketAddrV4::new(CLUSTER_IP, SERVICE_PORT).into()
+}
+
+/// A ClusterIP Service with one TCP port `http` (80).
+pub fn http_service(namespace: &str, name: &str, cluster_ip: Ipv4Addr) -> String {
+    service_yaml(
+        namespace,
+        name,
+        cluster_ip,
+        &[ServicePort {
+            name: PORT_NAME.into(),
+            port: SERVICE_PORT,
+            protocol: Protocol::Tcp,
+        }],
+    )
+}
+
+/// An EndpointSlice for `service` with port `http` (8080) and the given endpoints.
+pub fn http_slice(namespace: &str, slice: &str, service: &str, endpoints: &[Endpoint]) -> String {
+    endpoint_slice_yaml(
+        namespace,
+        slice,
+        service,
+        &[SlicePort {
+            name: PORT_NAME.into(),
+            port: BACKEND_PORT,
+            protocol: Protocol::Tcp,
+        }],
+        endpoints,
+    )
+}
+
+/// A ready endpoint for pod `i` on this node.
+pub fn pod_endpoint(i: usize) -> Endpoint {
+    Endpoint {
+        node_name: Some(HOSTNAME.into()),
+        ..Endpoint::ready(Topology::pod_ip(i))
+    }
+}
+
+/// Everything a ClusterIP test needs. Fields drop in order: agent, manifests, cgroup,
+/// topology — the agent detaches before its cgroup and namespaces go away.
+#[derive(Debug)]
+pub struct Scenario {
+    agent: Option<Agent>,
+    pub manifests: ManifestsDir,
+    pub cgroup: ChildCgroup,
+    pub topo: Topology,
+}
+
+impl Scenario {
+    /// Builds `pods` pods with echo servers `pod<i>` on `10.244.<i>.2:8080` and the decoy
+    /// `untranslated` on `CLUSTER_IP:80` in the node namespace. The agent is not started yet.
+    pub fn new(pods: usize) -> Result<Self> {
+        let mut topo = Topology::new(pods)?;
+        topo.start_pod_echoes(BACKEND_PORT)?;
+        topo.add_decoy(CLUSTER_IP, SERVICE_PORT)?;
+        Ok(Self {
+            agent: None,
+            manifests: ManifestsDir::new()?,
+            cgroup: ChildCgroup::new()?,
+            topo,
+        })
+    }
+
+    /// Starts the agent in the node namespace, attached to the scenario's cgroup.
+    pub fn start_agent(&mut self) -> Result<&mut Agent> {
+        let config = AgentConfig {
+            manifests_dir: self.manifests.path().to_path_buf(),
+            cgroup_path: self.cgroup.path().to_path_buf(),
+            hostname: HOSTNAME.into(),
+            netns: Some(self.topo.node().path()),
+            extra_args: Vec::new(),
+        };
+        Ok(self.agent.insert(Agent::start(&config)?))
+    }
+
+    pub fn agent(&mut self) -> Result<&mut Agent> {
+        self.agent
+            .as_mut()
+            .ok_or_else(|| RigError::Other("agent not started".into()))
+    }
+
+    /// A client in the node namespace inside the agent's cgroup (subject to socket LB).
+    pub fn cgroup_client(&self) -> Client {
+        Client::new(self.topo.node().path()).in_cgroup(self.cgroup.path())
+    }
+
+    /// A client in the node namespace outside the agent's cgroup.
+    pub fn outside_client(&self) -> Client {
+        Client::new(self.topo.node().path())
+    }
+
+    /// Polls `target` with single attempts from the cgroup until one satisfies `ready`
+    /// (bounded by [`DATAPATH_TIMEOUT`]); returns it. The error carries the agent log.
+    pub fn wait_for_datapath(
+        &mut self,
+        target: SocketAddr,
+        what: &str,
+        ready: impl Fn(&Attempt) -> bool,
+    ) -> Result<Attempt> {
+        let client = self.cgroup_client();
+        let start = Instant::now();
+        let mut last = None;
+        while start.elapsed() < DATAPATH_TIMEOUT {
+            let attempt = client.once(target)?;
+            if ready(&attempt) {
+                return Ok(attempt);
+            }
+            last = Some(attempt);
+            if !self.agent()?.is_running() {
+                // No point waiting for a dead agent.
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        let message = match self.agent()?.exit_status() {
+            Some(status) => format!(
+                "agent exited ({status}) before the datapath for {target} was ready ({what}); \
+                 last attempt: {last:?}"
+            ),
+            None => format!(
+                "datapath for {target} not ready ({what}) within {DATAPATH_TIMEOUT:?}; \
+                 last attempt: {last:?}"
+            ),
+        };
+        Err(self.agent_error(message))
+    }
+
+    /// An error carrying the agent log tail (or just the message without an agent).
+    pub fn agent_error(&self, message: String) -> RigError {
+        match &self.agent {
+            Some(agent) => agent.error(message),
+            None => RigError::Other(message),
+        }
+    }
+
+    /// Fails with the agent log tail attached unless `cond` holds.
+    pub fn ensure(&self, cond: bool, message: impl FnOnce() -> String) -> Result<()> {
+        if cond {
+            Ok(())
+        } else {
+            Err(self.agent_error(message()))
+        }
+    }
+}

@@ -1,0 +1,199 @@
+//! ClusterIP socket load balancing through the real agent: the eBPF connect hook on a child
+//! cgroup must translate the ClusterIP to ready endpoints only. A decoy echo server answers
+//! on the ClusterIP itself, so untranslated traffic shows up as `untranslated` rather than
+//! as a failure — every negative assertion below is meaningful. Needs root.
+
+use std::collections::BTreeMap;
+use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
+
+use anyhow::Context;
+use proxy_tests::client::{Attempt, tally};
+use proxy_tests::manifests::Endpoint;
+use proxy_tests::scenario::{
+    CLUSTER_IP, SERVICE_PORT, Scenario, cluster_addr, http_service, http_slice, pod_endpoint,
+};
+use proxy_tests::topology::{DECOY_NAME, Topology};
+
+const NAMESPACE: &str = "default";
+const SERVICE: &str = "web";
+const CONNECTIONS: u32 = 60;
+
+fn setup(pods: usize) -> anyhow::Result<Scenario> {
+    proxy_tests::require_root();
+    proxy_tests::set_helper_binary(env!("CARGO_BIN_EXE_rig-helper"));
+    Ok(Scenario::new(pods)?)
+}
+
+fn write_web(s: &Scenario, endpoints: &[Endpoint]) -> anyhow::Result<()> {
+    s.manifests.write(
+        "web-svc.yaml",
+        &http_service(NAMESPACE, SERVICE, CLUSTER_IP),
+    )?;
+    s.manifests.write(
+        "web-slice.yaml",
+        &http_slice(NAMESPACE, "web-1", SERVICE, endpoints),
+    )?;
+    Ok(())
+}
+
+fn is_pod(a: &Attempt) -> bool {
+    a.backend().is_some_and(|b| b.starts_with("pod"))
+}
+
+/// Starts the agent and waits until the ClusterIP is answered by a pod.
+fn start_and_wait_for_pods(s: &mut Scenario) -> anyhow::Result<()> {
+    s.start_agent()?;
+    let first = s.wait_for_datapath(cluster_addr(), "answered by a pod", is_pod)?;
+    eprintln!("datapath ready, first answer: {first:?}");
+    Ok(())
+}
+
+/// `CONNECTIONS` attempts from the cgroup to the ClusterIP; prints and returns the tally.
+fn connect_many(
+    s: &Scenario,
+    label: &str,
+) -> anyhow::Result<(Vec<Attempt>, BTreeMap<String, usize>)> {
+    let attempts = s.cgroup_client().run(cluster_addr(), CONNECTIONS)?;
+    let counts = tally(&attempts);
+    eprintln!("{label}: answers: {counts:?}");
+    Ok((attempts, counts))
+}
+
+#[test]
+fn clusterip_tcp_reaches_only_ready_endpoints() -> anyhow::Result<()> {
+    let mut s = setup(3)?;
+    let not_ready = Endpoint {
+        node_name: pod_endpoint(3).node_name,
+        ..Endpoint::not_ready(Topology::pod_ip(3))
+    };
+    write_web(&s, &[pod_endpoint(1), pod_endpoint(2), not_ready])?;
+    start_and_wait_for_pods(&mut s)?;
+
+    let (attempts, counts) = connect_many(&s, "pod1+pod2 ready, pod3 not ready")?;
+    for a in &attempts {
+        let Attempt::Ok {
+            backend,
+            client,
+            peer,
+        } = a
+        else {
+            return Err(s.agent_error(format!("attempt failed: {a:?}")).into());
+        };
+        s.ensure(backend == "pod1" || backend == "pod2", || {
+            format!("answer from {backend}, expected only pod1/pod2 (all: {counts:?})")
+        })?;
+        s.ensure(*peer == cluster_addr(), || {
+            format!(
+                "getpeername() = {peer}, expected the ClusterIP {}",
+                cluster_addr()
+            )
+        })?;
+        let i: usize = backend
+            .trim_start_matches("pod")
+            .parse()
+            .context("pod index")?;
+        s.ensure(client.ip() == Topology::pod_gateway(i), || {
+            format!(
+                "{backend} saw client {client}, expected {}",
+                Topology::pod_gateway(i)
+            )
+        })?;
+    }
+    s.ensure(
+        counts.contains_key("pod1") && counts.contains_key("pod2"),
+        || format!("both ready endpoints must be used: {counts:?}"),
+    )?;
+    Ok(())
+}
+
+#[test]
+fn removed_endpoint_gets_no_new_connections() -> anyhow::Result<()> {
+    let mut s = setup(3)?;
+    write_web(&s, &[pod_endpoint(1), pod_endpoint(2), pod_endpoint(3)])?;
+    start_and_wait_for_pods(&mut s)?;
+
+    let (_, before) = connect_many(&s, "before removing pod2")?;
+    s.ensure(
+        ["pod1", "pod2", "pod3"]
+            .iter()
+            .all(|p| before.contains_key(*p))
+            && before.len() == 3,
+        || format!("expected exactly pod1..pod3 before the update: {before:?}"),
+    )?;
+
+    write_web(&s, &[pod_endpoint(1), pod_endpoint(3)])?;
+    std::thread::sleep(std::time::Duration::from_secs(1));
+
+    let (_, after) = connect_many(&s, "after removing pod2")?;
+    s.ensure(
+        after.contains_key("pod1") && after.contains_key("pod3") && after.len() == 2,
+        || format!("expected exactly pod1 and pod3 after removing pod2: {after:?}"),
+    )?;
+    Ok(())
+}
+
+#[test]
+fn service_without_endpoints_refuses_connections() -> anyhow::Result<()> {
+    let mut s = setup(1)?;
+    // Case 1: web has a slice with zero endpoints. Case 2: lonely (10.96.0.11) has no slice.
+    let lonely_ip = Ipv4Addr::new(10, 96, 0, 11);
+    let lonely: SocketAddr = SocketAddrV4::new(lonely_ip, SERVICE_PORT).into();
+    s.topo.add_decoy(lonely_ip, SERVICE_PORT)?;
+    write_web(&s, &[])?;
+    s.manifests.write(
+        "lonely-svc.yaml",
+        &http_service(NAMESPACE, "lonely", lonely_ip),
+    )?;
+    s.start_agent()?;
+
+    let refused = |a: &Attempt| *a == Attempt::Err("ECONNREFUSED".into());
+    for (target, case) in [(cluster_addr(), "empty slice"), (lonely, "no slice")] {
+        s.wait_for_datapath(target, "refusing", refused)?;
+        let attempts = s.cgroup_client().run(target, 20)?;
+        let counts = tally(&attempts);
+        eprintln!("{case} ({target}): answers: {counts:?}");
+        s.ensure(attempts.iter().all(refused), || {
+            format!("{case}: every attempt must be ECONNREFUSED: {counts:?}")
+        })?;
+    }
+    Ok(())
+}
+
+#[test]
+fn process_outside_cgroup_is_not_translated() -> anyhow::Result<()> {
+    let mut s = setup(2)?;
+    write_web(&s, &[pod_endpoint(1), pod_endpoint(2)])?;
+    start_and_wait_for_pods(&mut s)?;
+
+    let outside = s.outside_client().run(cluster_addr(), 20)?;
+    let outside_counts = tally(&outside);
+    eprintln!("outside the cgroup: answers: {outside_counts:?}");
+    s.ensure(
+        outside.iter().all(|a| a.backend() == Some(DECOY_NAME)),
+        || format!("a process outside the cgroup must not be translated: {outside_counts:?}"),
+    )?;
+
+    let (inside, inside_counts) = connect_many(&s, "inside the cgroup")?;
+    s.ensure(inside.iter().all(is_pod), || {
+        format!("a process inside the cgroup must reach pods: {inside_counts:?}")
+    })?;
+    Ok(())
+}
+
+#[test]
+fn agent_shutdown_detaches_programs() -> anyhow::Result<()> {
+    let mut s = setup(2)?;
+    write_web(&s, &[pod_endpoint(1), pod_endpoint(2)])?;
+    start_and_wait_for_pods(&mut s)?;
+
+    let status = s.agent()?.stop()?;
+    eprintln!("agent exit status after SIGINT: {status}");
+    s.ensure(status.success(), || format!("agent exited with {status}"))?;
+
+    let (attempts, counts) = connect_many(&s, "after agent shutdown")?;
+    s.ensure(
+        attempts.iter().all(|a| a.backend() == Some(DECOY_NAME)),
+        || format!("after shutdown nothing may be translated any more: {counts:?}"),
+    )?;
+    Ok(())
+}

@@ -1,0 +1,167 @@
+//! Building the eBPF object and running the checks, tests and demo.
+
+use std::{
+    path::{Path, PathBuf},
+    process::Command,
+};
+
+use anyhow::{Context as _, Result, bail};
+
+/// Where the eBPF build puts its artifacts: a target dir of its own, so the nightly build and the
+/// stable host builds do not invalidate each other's caches.
+const EBPF_TARGET_DIR: &str = "target/ebpf";
+const EBPF_TARGET: &str = "bpfel-unknown-none";
+
+pub fn step(what: &str) {
+    println!("\n==> {what}");
+}
+
+pub fn run_cmd(command: &mut Command) -> Result<()> {
+    let shown = format!("{command:?}");
+    let status = command
+        .status()
+        .with_context(|| format!("cannot start {shown}"))?;
+    if !status.success() {
+        bail!("command failed ({status}): {shown}");
+    }
+    Ok(())
+}
+
+fn workspace_root() -> PathBuf {
+    // xtask lives one level below the workspace root.
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .map(Path::to_path_buf)
+        .unwrap_or_else(|| PathBuf::from("."))
+}
+
+/// A cargo command for the host toolchain, run in the workspace root.
+fn cargo() -> Command {
+    let mut command = Command::new("cargo");
+    command.current_dir(workspace_root());
+    command
+}
+
+pub fn ebpf_object() -> PathBuf {
+    workspace_root()
+        .join(EBPF_TARGET_DIR)
+        .join(EBPF_TARGET)
+        .join("release/proxy-ebpf")
+}
+
+pub fn ebpf() -> Result<()> {
+    step("build-ebpf: proxy-ebpf (nightly, build-std=core, bpf-linker)");
+    run_cmd(
+        Command::new("cargo")
+            .current_dir(workspace_root())
+            .args(["+nightly", "build", "--package", "proxy-ebpf", "--release"])
+            .args(["--target", EBPF_TARGET, "-Z", "build-std=core"])
+            .args(["--target-dir", EBPF_TARGET_DIR])
+            // The outer `cargo xtask` pins the stable toolchain through these.
+            .env_remove("RUSTUP_TOOLCHAIN")
+            .env_remove("RUSTC")
+            .env_remove("RUSTC_WRAPPER")
+            .env_remove("RUSTC_WORKSPACE_WRAPPER"),
+    )?;
+    let object = ebpf_object();
+    if !object.is_file() {
+        bail!(
+            "the eBPF build succeeded but {} is missing",
+            object.display()
+        );
+    }
+    println!("  eBPF object: {}", object.display());
+    Ok(())
+}
+
+pub fn test() -> Result<()> {
+    let object = ebpf_object();
+    step("fmt: cargo fmt --check");
+    run_cmd(cargo().args(["fmt", "--all", "--check"]))?;
+    step("clippy: host crates");
+    run_cmd(
+        cargo()
+            .args([
+                "clippy",
+                "--workspace",
+                "--all-targets",
+                "--",
+                "-D",
+                "warnings",
+            ])
+            .env("PROXY_EBPF_OBJECT", &object),
+    )?;
+    step("clippy: eBPF programs");
+    run_cmd(
+        Command::new("cargo")
+            .current_dir(workspace_root())
+            .args(["+nightly", "clippy", "--package", "proxy-ebpf", "--release"])
+            .args(["--target", EBPF_TARGET, "-Z", "build-std=core"])
+            .args(["--target-dir", EBPF_TARGET_DIR, "--", "-D", "warnings"])
+            .env_remove("RUSTUP_TOOLCHAIN")
+            .env_remove("RUSTC")
+            .env_remove("RUSTC_WORKSPACE_WRAPPER"),
+    )?;
+    step("build: proxy-agent and test helpers");
+    run_cmd(
+        cargo()
+            .args([
+                "build",
+                "--package",
+                "proxy-agent",
+                "--package",
+                "proxy-tests",
+                "--bins",
+            ])
+            .env("PROXY_EBPF_OBJECT", &object),
+    )?;
+    if !is_root() {
+        println!(
+            "  warning: not root — the integration tests will fail (they need namespaces, cgroups and BPF)"
+        );
+    }
+    step("test: unit and integration tests (workspace)");
+    run_cmd(
+        cargo()
+            .args(["test", "--workspace", "--no-fail-fast"])
+            .env("PROXY_EBPF_OBJECT", &object)
+            .env(
+                "PROXY_AGENT_BIN",
+                workspace_root().join("target/debug/proxy-agent"),
+            ),
+    )
+}
+
+pub fn demo() -> Result<()> {
+    let object = ebpf_object();
+    step("build: proxy-agent and the demo");
+    run_cmd(
+        cargo()
+            .args([
+                "build",
+                "--package",
+                "proxy-agent",
+                "--package",
+                "proxy-tests",
+                "--bins",
+            ])
+            .env("PROXY_EBPF_OBJECT", &object),
+    )?;
+    if !is_root() {
+        bail!("the demo needs root (network namespaces, cgroups, BPF)");
+    }
+    step("demo");
+    run_cmd(
+        Command::new(workspace_root().join("target/debug/demo")).env(
+            "PROXY_AGENT_BIN",
+            workspace_root().join("target/debug/proxy-agent"),
+        ),
+    )
+}
+
+fn is_root() -> bool {
+    Command::new("id")
+        .arg("-u")
+        .output()
+        .is_ok_and(|out| out.stdout.trim_ascii() == b"0")
+}

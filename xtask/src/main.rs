@@ -1,0 +1,46 @@
+//! Project tasks. `cargo xtask --help` lists them; README.md explains the main two (demo, test).
+
+mod build;
+mod setup;
+
+use anyhow::Result;
+use clap::{Parser, Subcommand};
+
+#[derive(Debug, Parser)]
+#[command(name = "cargo xtask", about = "kubeproxy-rs project tasks")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Install what building and testing need (idempotent: skips what is present).
+    Setup,
+    /// Build the eBPF object (release, nightly + build-std + bpf-linker).
+    BuildEbpf,
+    /// Build everything and run every check, unit test and integration test (needs root).
+    Test,
+    /// Show socket-level load balancing to three pods in a throwaway topology (needs root).
+    Demo,
+}
+
+fn main() -> Result<()> {
+    match Cli::parse().command {
+        Command::Setup => setup::run(setup::Mode::Always),
+        Command::BuildEbpf => {
+            setup::run(setup::Mode::IfMissing)?;
+            build::ebpf()
+        }
+        Command::Test => {
+            setup::run(setup::Mode::IfMissing)?;
+            build::ebpf()?;
+            build::test()
+        }
+        Command::Demo => {
+            setup::run(setup::Mode::IfMissing)?;
+            build::ebpf()?;
+            build::demo()
+        }
+    }
+}

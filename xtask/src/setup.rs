@@ -1,0 +1,111 @@
+//! `cargo xtask setup`: the eBPF build chain from ../shared/toolchain.md, installed idempotently.
+
+use std::process::Command;
+
+use anyhow::{Context as _, Result, bail};
+
+use crate::build::{run_cmd, step};
+
+/// Debian packages: LLVM 22 for bpf-linker (nightly's LLVM is 22), runtime tools for tests.
+const DEBIAN_PACKAGES: [&str; 4] = ["llvm-22-dev", "libpolly-22-dev", "iptables", "iproute2"];
+const BPF_LINKER_VERSION: &str = "0.13.0";
+const LLVM_PREFIX: &str = "/usr/lib/llvm-22";
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    /// `cargo xtask setup`: report every item, install what is missing.
+    Always,
+    /// Other commands: stay quiet when everything is present.
+    IfMissing,
+}
+
+pub fn run(mode: Mode) -> Result<()> {
+    let rust_src = has_nightly_rust_src();
+    let missing_packages: Vec<&str> = DEBIAN_PACKAGES
+        .iter()
+        .copied()
+        .filter(|package| !debian_package_installed(package))
+        .collect();
+    let linker = has_bpf_linker();
+    if mode == Mode::IfMissing && rust_src && missing_packages.is_empty() && linker {
+        return Ok(());
+    }
+    step("setup: checking the eBPF build chain");
+
+    if rust_src {
+        println!("  nightly rust-src: present");
+    } else {
+        println!("  nightly rust-src: installing");
+        run_cmd(Command::new("rustup").args(["component", "add", "rust-src", "--toolchain", "nightly"]))
+            .context("cannot add rust-src to the nightly toolchain (is `nightly` installed? see ../shared/toolchain.md)")?;
+    }
+
+    if missing_packages.is_empty() {
+        println!("  Debian packages {}: present", DEBIAN_PACKAGES.join(" "));
+    } else {
+        println!(
+            "  Debian packages: installing {}",
+            missing_packages.join(" ")
+        );
+        run_cmd(Command::new("apt-get").arg("update").arg("-q"))?;
+        run_cmd(
+            Command::new("apt-get")
+                .args(["install", "-y", "-q", "--no-install-recommends"])
+                .args(&missing_packages)
+                .env("DEBIAN_FRONTEND", "noninteractive"),
+        )?;
+    }
+
+    if linker {
+        println!("  bpf-linker {BPF_LINKER_VERSION}: present");
+    } else {
+        println!("  bpf-linker {BPF_LINKER_VERSION}: building against LLVM 22 (about 2 minutes)");
+        run_cmd(
+            Command::new("cargo")
+                .args([
+                    "install",
+                    "bpf-linker",
+                    "--locked",
+                    "--version",
+                    BPF_LINKER_VERSION,
+                ])
+                .args(["--no-default-features", "--features", "llvm-22"])
+                .env("LLVM_PREFIX", LLVM_PREFIX)
+                .env_remove("RUSTUP_TOOLCHAIN"),
+        )?;
+        if !has_bpf_linker() {
+            bail!("bpf-linker was installed but is not on PATH; add ~/.cargo/bin to PATH");
+        }
+    }
+    println!("  setup complete");
+    Ok(())
+}
+
+fn has_nightly_rust_src() -> bool {
+    Command::new("rustup")
+        .args(["component", "list", "--toolchain", "nightly", "--installed"])
+        .output()
+        .is_ok_and(|out| {
+            out.status.success()
+                && String::from_utf8_lossy(&out.stdout)
+                    .lines()
+                    .any(|line| line.starts_with("rust-src"))
+        })
+}
+
+fn debian_package_installed(package: &str) -> bool {
+    Command::new("dpkg-query")
+        .args(["-W", "-f=${db:Status-Abbrev}", package])
+        .output()
+        .is_ok_and(|out| out.status.success() && out.stdout.starts_with(b"ii"))
+}
+
+fn has_bpf_linker() -> bool {
+    Command::new("bpf-linker")
+        .arg("--version")
+        .output()
+        .is_ok_and(|out| {
+            out.status.success()
+                && String::from_utf8_lossy(&out.stdout).contains(BPF_LINKER_VERSION)
+        })
+}
