@@ -30,13 +30,14 @@ fn main() {
         return;
     }
     if !object.is_file() {
-        panic!(
-            "\n\nThe eBPF object {} does not exist.\nBuild it first with `cargo xtask build-ebpf` \
+        eprintln!(
+            "\nThe eBPF object {} does not exist.\nBuild it first with `cargo xtask build-ebpf` \
              (or run `cargo xtask test` / `cargo xtask demo`, which do it for you).\nFor \
              `cargo check`/`cargo clippy` on a machine without bpf-linker, set \
-             PROXY_EBPF_PLACEHOLDER=1.\n\n",
+             PROXY_EBPF_PLACEHOLDER=1.\n",
             object.display()
         );
+        std::process::exit(1);
     }
     let object = object.canonicalize().unwrap_or(object);
     println!("cargo::rustc-env=PROXY_EBPF_OBJECT={}", object.display());

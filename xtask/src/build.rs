@@ -42,6 +42,28 @@ fn cargo() -> Command {
     command
 }
 
+/// `cargo +nightly SUBCOMMAND` for the eBPF crate: release, bpfel target, build-std=core.
+fn nightly_ebpf_cargo(subcommand: &str) -> Command {
+    let mut command = Command::new("cargo");
+    command
+        .current_dir(workspace_root())
+        .args([
+            "+nightly",
+            subcommand,
+            "--package",
+            "proxy-ebpf",
+            "--release",
+        ])
+        .args(["--target", EBPF_TARGET, "-Z", "build-std=core"])
+        .args(["--target-dir", EBPF_TARGET_DIR])
+        // The outer `cargo xtask` pins the stable toolchain through these.
+        .env_remove("RUSTUP_TOOLCHAIN")
+        .env_remove("RUSTC")
+        .env_remove("RUSTC_WRAPPER")
+        .env_remove("RUSTC_WORKSPACE_WRAPPER");
+    command
+}
+
 pub fn ebpf_object() -> PathBuf {
     workspace_root()
         .join(EBPF_TARGET_DIR)
@@ -51,18 +73,7 @@ pub fn ebpf_object() -> PathBuf {
 
 pub fn ebpf() -> Result<()> {
     step("build-ebpf: proxy-ebpf (nightly, build-std=core, bpf-linker)");
-    run_cmd(
-        Command::new("cargo")
-            .current_dir(workspace_root())
-            .args(["+nightly", "build", "--package", "proxy-ebpf", "--release"])
-            .args(["--target", EBPF_TARGET, "-Z", "build-std=core"])
-            .args(["--target-dir", EBPF_TARGET_DIR])
-            // The outer `cargo xtask` pins the stable toolchain through these.
-            .env_remove("RUSTUP_TOOLCHAIN")
-            .env_remove("RUSTC")
-            .env_remove("RUSTC_WRAPPER")
-            .env_remove("RUSTC_WORKSPACE_WRAPPER"),
-    )?;
+    run_cmd(&mut nightly_ebpf_cargo("build"))?;
     let object = ebpf_object();
     if !object.is_file() {
         bail!(
@@ -92,16 +103,7 @@ pub fn test() -> Result<()> {
             .env("PROXY_EBPF_OBJECT", &object),
     )?;
     step("clippy: eBPF programs");
-    run_cmd(
-        Command::new("cargo")
-            .current_dir(workspace_root())
-            .args(["+nightly", "clippy", "--package", "proxy-ebpf", "--release"])
-            .args(["--target", EBPF_TARGET, "-Z", "build-std=core"])
-            .args(["--target-dir", EBPF_TARGET_DIR, "--", "-D", "warnings"])
-            .env_remove("RUSTUP_TOOLCHAIN")
-            .env_remove("RUSTC")
-            .env_remove("RUSTC_WORKSPACE_WRAPPER"),
-    )?;
+    run_cmd(nightly_ebpf_cargo("clippy").args(["--", "-D", "warnings"]))?;
     step("build: proxy-agent and test helpers");
     run_cmd(
         cargo()
