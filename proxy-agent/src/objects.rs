@@ -1,9 +1,18 @@
-//! The objects the proxy watches, keyed by namespace/name. Every source (manifests folder today,
-//! the Kubernetes API later) produces this same view.
+//! The objects the proxy watches and the store every source feeds.
+//!
+//! Sources (the manifests folder, the Kubernetes API) send [`Update`]s; the [`Store`] applies
+//! them, remembers which Services changed since the last sync (kube-proxy's change trackers), and
+//! says when every kind has been listed once, so the first sync never programs a half-empty view.
 
-use std::{collections::BTreeMap, fmt};
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    fmt,
+};
 
-use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
+use k8s_openapi::api::{
+    core::v1::{Node, Service},
+    discovery::v1::EndpointSlice,
+};
 
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct ObjectKey {
@@ -17,12 +26,196 @@ impl fmt::Display for ObjectKey {
     }
 }
 
+impl ObjectKey {
+    /// The key of an object's metadata; objects without a namespace land in "default" (like
+    /// kubectl does for namespaced kinds). `None` without a name.
+    pub fn of(
+        metadata: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta,
+    ) -> Option<Self> {
+        Some(Self {
+            namespace: metadata
+                .namespace
+                .clone()
+                .unwrap_or_else(|| "default".to_owned()),
+            name: metadata.name.clone()?,
+        })
+    }
+}
+
 /// Everything the desired-state computation reads.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Objects {
     pub services: BTreeMap<ObjectKey, Service>,
     pub endpoint_slices: BTreeMap<ObjectKey, EndpointSlice>,
+    /// This node, when known (standalone mode has none unless a manifest defines it).
+    pub node: Option<Node>,
 }
 
 /// Label that ties an EndpointSlice to its Service.
 pub const LABEL_SERVICE_NAME: &str = "kubernetes.io/service-name";
+
+/// The Service an EndpointSlice belongs to.
+pub fn slice_service(key: &ObjectKey, slice: &EndpointSlice) -> Option<ObjectKey> {
+    let name = slice.metadata.labels.as_ref()?.get(LABEL_SERVICE_NAME)?;
+    Some(ObjectKey {
+        namespace: key.namespace.clone(),
+        name: name.clone(),
+    })
+}
+
+/// The kinds a source lists and watches.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Kind {
+    Service,
+    EndpointSlice,
+    Node,
+}
+
+/// One change from a source.
+#[derive(Debug, Clone)]
+pub enum Update {
+    /// The complete current set of Services (initial list, relist, or a re-read folder).
+    ReplaceServices(BTreeMap<ObjectKey, Service>),
+    ReplaceEndpointSlices(BTreeMap<ObjectKey, EndpointSlice>),
+    /// This node as currently listed (`None`: it does not exist).
+    ReplaceNode(Option<Node>),
+    ServiceApplied(ObjectKey, Service),
+    ServiceDeleted(ObjectKey),
+    EndpointSliceApplied(ObjectKey, EndpointSlice),
+    EndpointSliceDeleted(ObjectKey),
+}
+
+/// What changed since the last [`Store::take_changes`].
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Changes {
+    /// Services whose own object or whose EndpointSlices changed.
+    pub services: BTreeSet<ObjectKey>,
+    /// The node changed (labels, taints, deletion): every Service may be affected.
+    pub node: bool,
+}
+
+impl Changes {
+    pub fn is_empty(&self) -> bool {
+        self.services.is_empty() && !self.node
+    }
+
+    pub fn merge(&mut self, other: Changes) {
+        self.services.extend(other.services);
+        self.node |= other.node;
+    }
+}
+
+#[derive(Debug, Default)]
+pub struct Store {
+    objects: Objects,
+    synced: BTreeSet<Kind>,
+    changes: Changes,
+}
+
+impl Store {
+    pub fn objects(&self) -> &Objects {
+        &self.objects
+    }
+
+    /// Whether Services, EndpointSlices and the Node have each been listed once.
+    pub fn is_synced(&self) -> bool {
+        self.synced.len() == 3
+    }
+
+    /// Marks a kind as listed even though no `Replace*` update comes for it (standalone mode
+    /// has no Node object unless a manifest defines one).
+    pub fn mark_synced(&mut self, kind: Kind) {
+        self.synced.insert(kind);
+    }
+
+    pub fn take_changes(&mut self) -> Changes {
+        std::mem::take(&mut self.changes)
+    }
+
+    /// Applies one update; returns whether anything changed.
+    pub fn apply(&mut self, update: Update) -> bool {
+        match update {
+            Update::ReplaceServices(services) => {
+                self.synced.insert(Kind::Service);
+                let changed = diff_keys(&self.objects.services, &services);
+                self.changes.services.extend(changed.iter().cloned());
+                self.objects.services = services;
+                !changed.is_empty()
+            }
+            Update::ReplaceEndpointSlices(slices) => {
+                self.synced.insert(Kind::EndpointSlice);
+                let changed = diff_keys(&self.objects.endpoint_slices, &slices);
+                for key in &changed {
+                    self.mark_slice_service(
+                        key,
+                        self.objects.endpoint_slices.get(key).cloned().as_ref(),
+                    );
+                    self.mark_slice_service(key, slices.get(key));
+                }
+                self.objects.endpoint_slices = slices;
+                !changed.is_empty()
+            }
+            Update::ReplaceNode(node) => {
+                self.synced.insert(Kind::Node);
+                let changed = self.objects.node != node;
+                self.changes.node |= changed;
+                self.objects.node = node;
+                changed
+            }
+            Update::ServiceApplied(key, service) => {
+                if self.objects.services.get(&key) == Some(&service) {
+                    return false;
+                }
+                self.changes.services.insert(key.clone());
+                self.objects.services.insert(key, service);
+                true
+            }
+            Update::ServiceDeleted(key) => {
+                let changed = self.objects.services.remove(&key).is_some();
+                if changed {
+                    self.changes.services.insert(key);
+                }
+                changed
+            }
+            Update::EndpointSliceApplied(key, slice) => {
+                if self.objects.endpoint_slices.get(&key) == Some(&slice) {
+                    return false;
+                }
+                let old = self
+                    .objects
+                    .endpoint_slices
+                    .insert(key.clone(), slice.clone());
+                self.mark_slice_service(&key, old.as_ref());
+                self.mark_slice_service(&key, Some(&slice));
+                true
+            }
+            Update::EndpointSliceDeleted(key) => {
+                let old = self.objects.endpoint_slices.remove(&key);
+                self.mark_slice_service(&key, old.as_ref());
+                old.is_some()
+            }
+        }
+    }
+
+    fn mark_slice_service(&mut self, key: &ObjectKey, slice: Option<&EndpointSlice>) {
+        if let Some(service) = slice.and_then(|slice| slice_service(key, slice)) {
+            self.changes.services.insert(service);
+        }
+    }
+}
+
+/// Keys added, removed or changed between two maps.
+fn diff_keys<T: PartialEq>(
+    old: &BTreeMap<ObjectKey, T>,
+    new: &BTreeMap<ObjectKey, T>,
+) -> Vec<ObjectKey> {
+    let removed_or_changed = old
+        .iter()
+        .filter(|(key, value)| new.get(*key) != Some(value))
+        .map(|(key, _)| key.clone());
+    let added = new.keys().filter(|key| !old.contains_key(*key)).cloned();
+    removed_or_changed.chain(added).collect()
+}
+
+#[cfg(test)]
+mod tests;

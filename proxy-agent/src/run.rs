@@ -5,7 +5,7 @@ use std::{collections::BTreeSet, time::Instant};
 use anyhow::{Context as _, bail};
 use tokio::{
     signal::unix::{SignalKind, signal},
-    sync::watch,
+    sync::mpsc,
 };
 use tracing::{debug, error, info, warn};
 
@@ -13,7 +13,7 @@ use crate::{
     cli::{Args, ProxyMode},
     dataplane::ebpf::{EbpfDataplane, EbpfOptions},
     desired::{self, NodeContext},
-    objects::Objects,
+    objects::{Kind, Objects, Store},
     source,
 };
 
@@ -40,21 +40,33 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     })
     .context("cannot start the eBPF dataplane")?;
 
-    let (tx, mut rx) = watch::channel::<Option<Objects>>(None);
-    let source_task = tokio::spawn(source::manifests::run(manifests, tx));
+    let (tx, mut rx) = mpsc::channel(64);
+    let source_task = tokio::spawn(source::manifests::run(manifests, node.name.clone(), tx));
+    let mut store = Store::default();
+    // A manifests folder may hold no Node: that counts as listed.
+    store.mark_synced(Kind::Node);
     let mut sigint = signal(SignalKind::interrupt()).context("cannot handle SIGINT")?;
     let mut sigterm = signal(SignalKind::terminate()).context("cannot handle SIGTERM")?;
     let mut reported = BTreeSet::new();
+    let mut synced_once = false;
 
     let outcome = loop {
         tokio::select! {
-            changed = rx.changed() => {
-                if changed.is_err() {
+            update = rx.recv() => {
+                let Some(update) = update else {
                     break Err(anyhow::anyhow!("the manifests source stopped"));
+                };
+                let mut changed = store.apply(update);
+                // Drain what is already queued so a burst becomes one sync.
+                while let Ok(update) = rx.try_recv() {
+                    changed |= store.apply(update);
                 }
-                let objects = rx.borrow_and_update().clone();
-                if let Some(objects) = objects {
-                    sync(&objects, &node, &mut dataplane, &mut reported);
+                // The first sync waits until every kind was listed once, then runs even if the
+                // last update changed nothing.
+                if store.is_synced() && (changed || !synced_once) {
+                    synced_once = true;
+                    store.take_changes();
+                    sync(store.objects(), &node, &mut dataplane, &mut reported);
                 }
             }
             _ = sigint.recv() => break Ok("SIGINT"),

@@ -13,14 +13,17 @@ use std::{
 
 use k8s_openapi::{
     Resource as _,
-    api::{core::v1::Service, discovery::v1::EndpointSlice},
+    api::{
+        core::v1::{Node, Service},
+        discovery::v1::EndpointSlice,
+    },
 };
 use notify::{RecursiveMode, Watcher as _};
 use serde::de::DeserializeOwned;
-use tokio::sync::{Notify, watch};
+use tokio::sync::{Notify, mpsc};
 use tracing::{debug, info, warn};
 
-use crate::objects::{ObjectKey, Objects};
+use crate::objects::{ObjectKey, Update};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ManifestError {
@@ -72,7 +75,10 @@ type Origins = BTreeMap<(&'static str, ObjectKey), PathBuf>;
 /// The result of reading the folder once.
 #[derive(Debug, Default)]
 pub struct Loaded {
-    pub objects: Objects,
+    pub services: BTreeMap<ObjectKey, Service>,
+    pub endpoint_slices: BTreeMap<ObjectKey, EndpointSlice>,
+    /// Nodes by name (cluster-scoped: the key's namespace is empty).
+    pub nodes: BTreeMap<ObjectKey, Node>,
     pub errors: Vec<ManifestError>,
 }
 
@@ -186,7 +192,7 @@ fn load_document(
             doc,
             key,
             service,
-            &mut loaded.objects.services,
+            &mut loaded.services,
             origins,
             "Service",
         )
@@ -198,10 +204,25 @@ fn load_document(
             doc,
             key,
             slice,
-            &mut loaded.objects.endpoint_slices,
+            &mut loaded.endpoint_slices,
             origins,
             "EndpointSlice",
         )
+    } else if is(Node::API_VERSION, Node::KIND) {
+        let node: Node = parse_object(path, doc, &kind, &name, value)?;
+        let key = ObjectKey {
+            namespace: String::new(),
+            name: node
+                .metadata
+                .name
+                .clone()
+                .ok_or(ManifestError::MissingField {
+                    path: path.to_owned(),
+                    doc,
+                    field: "metadata.name",
+                })?,
+        };
+        insert_unique(path, doc, key, node, &mut loaded.nodes, origins, "Node")
     } else {
         debug!(path = %path.display(), doc, %api_version, %kind, %name, "ignoring object of a kind the proxy does not use");
         Ok(())
@@ -229,18 +250,10 @@ fn object_key(
     doc: usize,
     metadata: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta,
 ) -> Result<ObjectKey, ManifestError> {
-    let name = metadata.name.clone().ok_or(ManifestError::MissingField {
+    ObjectKey::of(metadata).ok_or(ManifestError::MissingField {
         path: path.to_owned(),
         doc,
         field: "metadata.name",
-    })?;
-    Ok(ObjectKey {
-        // Like kubectl, objects without a namespace land in "default".
-        namespace: metadata
-            .namespace
-            .clone()
-            .unwrap_or_else(|| "default".to_owned()),
-        name,
     })
 }
 
@@ -276,9 +289,10 @@ fn insert_unique<T>(
 /// filesystems where inotify misses events.
 const RESCAN_INTERVAL: Duration = Duration::from_secs(10);
 
-/// Watches `dir` and publishes its objects into `tx` every time they change. Errors are logged
-/// (once per distinct message) and never stop the watch.
-pub async fn run(dir: PathBuf, tx: watch::Sender<Option<Objects>>) -> anyhow::Result<()> {
+/// Watches `dir` and sends its objects to the store every time the folder changes: the complete
+/// sets of Services and EndpointSlices, and the Node named `node_name` if a manifest defines it.
+/// Errors are logged (once per distinct message) and never stop the watch.
+pub async fn run(dir: PathBuf, node_name: String, tx: mpsc::Sender<Update>) -> anyhow::Result<()> {
     let changed = Arc::new(Notify::new());
     let notifier = Arc::clone(&changed);
     let mut watcher = notify::recommended_watcher(move |event: notify::Result<notify::Event>| {
@@ -292,7 +306,7 @@ pub async fn run(dir: PathBuf, tx: watch::Sender<Option<Objects>>) -> anyhow::Re
     let mut last_errors: Vec<String> = Vec::new();
     loop {
         let reader_dir = dir.clone();
-        let loaded = tokio::task::spawn_blocking(move || load_dir(&reader_dir)).await?;
+        let mut loaded = tokio::task::spawn_blocking(move || load_dir(&reader_dir)).await?;
         let errors: Vec<String> = loaded.errors.iter().map(ToString::to_string).collect();
         if errors != last_errors {
             for error in &errors {
@@ -300,18 +314,24 @@ pub async fn run(dir: PathBuf, tx: watch::Sender<Option<Objects>>) -> anyhow::Re
             }
             last_errors = errors;
         }
-        tx.send_if_modified(|current| {
-            if current.as_ref() == Some(&loaded.objects) {
-                return false;
-            }
-            info!(
-                services = loaded.objects.services.len(),
-                endpoint_slices = loaded.objects.endpoint_slices.len(),
-                "manifests loaded"
-            );
-            *current = Some(loaded.objects);
-            true
+        debug!(
+            services = loaded.services.len(),
+            endpoint_slices = loaded.endpoint_slices.len(),
+            "manifests read"
+        );
+        let node = loaded.nodes.remove(&ObjectKey {
+            namespace: String::new(),
+            name: node_name.clone(),
         });
+        for update in [
+            Update::ReplaceNode(node),
+            Update::ReplaceServices(loaded.services),
+            Update::ReplaceEndpointSlices(loaded.endpoint_slices),
+        ] {
+            if tx.send(update).await.is_err() {
+                return Ok(()); // the agent is shutting down
+            }
+        }
         tokio::select! {
             () = changed.notified() => {
                 // Editors and `cp` write in several steps; let them finish before re-reading.

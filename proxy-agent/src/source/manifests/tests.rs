@@ -49,11 +49,10 @@ fn reads_multi_document_files_and_ignores_other_kinds_and_files() {
     dir.write("notes.txt", "not a manifest");
     let loaded = load_dir(&dir.0);
     assert!(loaded.errors.is_empty(), "{:?}", loaded.errors);
-    assert!(loaded.objects.services.contains_key(&key("shop", "web")));
+    assert!(loaded.services.contains_key(&key("shop", "web")));
     // No namespace in the manifest: like kubectl, "default".
     assert!(
         loaded
-            .objects
             .endpoint_slices
             .contains_key(&key("default", "web-1"))
     );
@@ -68,7 +67,7 @@ fn a_broken_file_is_reported_and_the_other_files_still_load() {
         "kind: Service\napiVersion: v1\nmetadata: [unclosed\n",
     );
     let loaded = load_dir(&dir.0);
-    assert_eq!(loaded.objects.services.len(), 1);
+    assert_eq!(loaded.services.len(), 1);
     assert_eq!(loaded.errors.len(), 1);
     let message = loaded.errors[0].to_string();
     assert!(
@@ -84,7 +83,7 @@ fn an_invalid_object_names_its_kind_name_and_document_and_its_neighbours_load() 
         "apiVersion: v1\nkind: Service\nmetadata: {name: bad}\nspec:\n  ports: [{port: eighty}]\n";
     dir.write("mixed.yaml", &format!("{bad}---\n{SERVICE}"));
     let loaded = load_dir(&dir.0);
-    assert_eq!(loaded.objects.services.len(), 1);
+    assert_eq!(loaded.services.len(), 1);
     let message = loaded.errors[0].to_string();
     assert!(
         message.contains("mixed.yaml: document 1: Service bad:"),
@@ -110,7 +109,7 @@ fn a_duplicate_object_names_both_files_and_the_first_wins() {
     dir.write("1.yaml", SERVICE);
     dir.write("2.yaml", &SERVICE.replace("10.96.0.10", "10.96.0.99"));
     let loaded = load_dir(&dir.0);
-    let service = &loaded.objects.services[&key("shop", "web")];
+    let service = &loaded.services[&key("shop", "web")];
     let cluster_ip = service.spec.as_ref().and_then(|s| s.cluster_ip.as_deref());
     assert_eq!(cluster_ip, Some("10.96.0.10"));
     let message = loaded.errors[0].to_string();
@@ -123,7 +122,7 @@ fn a_duplicate_object_names_both_files_and_the_first_wins() {
 #[test]
 fn a_missing_folder_is_an_error_not_a_panic() {
     let loaded = load_dir(Path::new("/nonexistent/kpr-manifests"));
-    assert!(loaded.objects.services.is_empty());
+    assert!(loaded.services.is_empty());
     assert!(
         loaded.errors[0]
             .to_string()
@@ -141,5 +140,5 @@ fn list_objects_are_unpacked() {
     );
     let loaded = load_dir(&dir.0);
     assert!(loaded.errors.is_empty(), "{:?}", loaded.errors);
-    assert_eq!(loaded.objects.services.len(), 1);
+    assert_eq!(loaded.services.len(), 1);
 }

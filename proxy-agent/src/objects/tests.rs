@@ -1,0 +1,76 @@
+use super::*;
+
+fn key(name: &str) -> ObjectKey {
+    ObjectKey {
+        namespace: "ns".into(),
+        name: name.into(),
+    }
+}
+
+fn service(name: &str, ip: &str) -> Service {
+    serde_yaml::from_str(&format!(
+        "metadata: {{name: {name}, namespace: ns}}\nspec: {{clusterIP: {ip}}}"
+    ))
+    .expect("service")
+}
+
+fn slice(name: &str, service: &str) -> EndpointSlice {
+    serde_yaml::from_str(&format!(
+        "metadata: {{name: {name}, namespace: ns, labels: {{kubernetes.io/service-name: {service}}}}}\naddressType: IPv4\nendpoints: []"
+    ))
+    .expect("slice")
+}
+
+#[test]
+fn synced_only_after_every_kind_was_listed() {
+    let mut store = Store::default();
+    store.apply(Update::ReplaceServices(BTreeMap::new()));
+    store.apply(Update::ReplaceEndpointSlices(BTreeMap::new()));
+    assert!(!store.is_synced());
+    store.apply(Update::ReplaceNode(None));
+    assert!(store.is_synced());
+}
+
+#[test]
+fn replace_reports_added_changed_and_removed_services_only() {
+    let mut store = Store::default();
+    store.apply(Update::ReplaceServices(BTreeMap::from([
+        (key("a"), service("a", "10.96.0.1")),
+        (key("b"), service("b", "10.96.0.2")),
+        (key("c"), service("c", "10.96.0.3")),
+    ])));
+    store.take_changes();
+    store.apply(Update::ReplaceServices(BTreeMap::from([
+        (key("a"), service("a", "10.96.0.1")),
+        (key("b"), service("b", "10.96.0.22")),
+        (key("d"), service("d", "10.96.0.4")),
+    ])));
+    let changes = store.take_changes();
+    assert_eq!(
+        changes.services,
+        BTreeSet::from([key("b"), key("c"), key("d")])
+    );
+}
+
+#[test]
+fn slice_changes_mark_their_service_including_a_relabel() {
+    let mut store = Store::default();
+    store.apply(Update::EndpointSliceApplied(key("s1"), slice("s1", "web")));
+    assert_eq!(store.take_changes().services, BTreeSet::from([key("web")]));
+    store.apply(Update::EndpointSliceApplied(key("s1"), slice("s1", "api")));
+    assert_eq!(
+        store.take_changes().services,
+        BTreeSet::from([key("web"), key("api")])
+    );
+    assert!(!store.apply(Update::EndpointSliceApplied(key("s1"), slice("s1", "api"))));
+    assert!(store.take_changes().is_empty());
+    store.apply(Update::EndpointSliceDeleted(key("s1")));
+    assert_eq!(store.take_changes().services, BTreeSet::from([key("api")]));
+}
+
+#[test]
+fn deleting_an_unknown_object_changes_nothing() {
+    let mut store = Store::default();
+    assert!(!store.apply(Update::ServiceDeleted(key("ghost"))));
+    assert!(store.take_changes().is_empty());
+}
