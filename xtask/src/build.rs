@@ -123,7 +123,7 @@ pub fn test() -> Result<()> {
         );
     }
     step("test: unit and integration tests (workspace)");
-    run_cmd(
+    let totals = run_tests(
         cargo()
             .args(["test", "--workspace", "--no-fail-fast"])
             .env("PROXY_EBPF_OBJECT", &object)
@@ -131,7 +131,59 @@ pub fn test() -> Result<()> {
                 "PROXY_AGENT_BIN",
                 workspace_root().join("target/debug/proxy-agent"),
             ),
-    )
+    )?;
+    // One closing line for the whole run (the last per-binary line is often a doc-test run of 0).
+    println!(
+        "\ntests: {} passed, {} failed",
+        totals.passed, totals.failed
+    );
+    if totals.failed > 0 || !totals.success {
+        bail!("tests failed");
+    }
+    if totals.passed == 0 {
+        bail!("no test ran");
+    }
+    Ok(())
+}
+
+#[derive(Debug, Default)]
+struct TestTotals {
+    passed: u64,
+    failed: u64,
+    success: bool,
+}
+
+/// Runs `cargo test`, passing its output through, and adds up its `test result:` lines.
+fn run_tests(command: &mut Command) -> Result<TestTotals> {
+    use std::io::{BufRead as _, BufReader};
+    let shown = format!("{command:?}");
+    let mut child = command
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .with_context(|| format!("cannot start {shown}"))?;
+    let mut totals = TestTotals::default();
+    if let Some(stdout) = child.stdout.take() {
+        for line in BufReader::new(stdout).lines() {
+            let line = line?;
+            println!("{line}");
+            if let Some(result) = line.strip_prefix("test result: ") {
+                totals.passed += count_before(result, " passed");
+                totals.failed += count_before(result, " failed");
+            }
+        }
+    }
+    totals.success = child.wait()?.success();
+    Ok(totals)
+}
+
+/// The number in front of `label` in "ok. 37 passed; 0 failed; ...".
+fn count_before(result: &str, label: &str) -> u64 {
+    result
+        .split(';')
+        .find_map(|part| part.trim().strip_suffix(label))
+        .and_then(|number| number.rsplit(' ').next())
+        .and_then(|number| number.parse().ok())
+        .unwrap_or(0)
 }
 
 pub fn demo() -> Result<()> {
