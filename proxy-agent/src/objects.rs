@@ -46,9 +46,79 @@ impl ObjectKey {
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Objects {
     pub services: BTreeMap<ObjectKey, Service>,
-    pub endpoint_slices: BTreeMap<ObjectKey, EndpointSlice>,
+    endpoint_slices: BTreeMap<ObjectKey, EndpointSlice>,
+    /// Slice keys by the Service they belong to, so one Service's slices are found without a scan.
+    slices_by_service: BTreeMap<ObjectKey, BTreeSet<ObjectKey>>,
     /// This node, when known (standalone mode has none unless a manifest defines it).
     pub node: Option<Node>,
+}
+
+impl Objects {
+    pub fn new(
+        services: BTreeMap<ObjectKey, Service>,
+        endpoint_slices: BTreeMap<ObjectKey, EndpointSlice>,
+        node: Option<Node>,
+    ) -> Self {
+        let mut objects = Self {
+            services,
+            node,
+            ..Self::default()
+        };
+        objects.replace_slices(endpoint_slices);
+        objects
+    }
+
+    pub fn endpoint_slices(&self) -> &BTreeMap<ObjectKey, EndpointSlice> {
+        &self.endpoint_slices
+    }
+
+    /// The EndpointSlices of one Service, in slice-name order.
+    pub fn slices_of(&self, service: &ObjectKey) -> Vec<(&ObjectKey, &EndpointSlice)> {
+        self.slices_by_service
+            .get(service)
+            .into_iter()
+            .flatten()
+            .filter_map(|key| self.endpoint_slices.get_key_value(key))
+            .collect()
+    }
+
+    pub fn insert_slice(&mut self, key: ObjectKey, slice: EndpointSlice) -> Option<EndpointSlice> {
+        let old = self.remove_slice(&key);
+        if let Some(service) = slice_service(&key, &slice) {
+            self.slices_by_service
+                .entry(service)
+                .or_default()
+                .insert(key.clone());
+        }
+        self.endpoint_slices.insert(key, slice);
+        old
+    }
+
+    pub fn remove_slice(&mut self, key: &ObjectKey) -> Option<EndpointSlice> {
+        let old = self.endpoint_slices.remove(key)?;
+        if let Some(service) = slice_service(key, &old)
+            && let Some(keys) = self.slices_by_service.get_mut(&service)
+        {
+            keys.remove(key);
+            if keys.is_empty() {
+                self.slices_by_service.remove(&service);
+            }
+        }
+        Some(old)
+    }
+
+    pub fn replace_slices(&mut self, slices: BTreeMap<ObjectKey, EndpointSlice>) {
+        self.slices_by_service.clear();
+        for (key, slice) in &slices {
+            if let Some(service) = slice_service(key, slice) {
+                self.slices_by_service
+                    .entry(service)
+                    .or_default()
+                    .insert(key.clone());
+            }
+        }
+        self.endpoint_slices = slices;
+    }
 }
 
 /// Label that ties an EndpointSlice to its Service.
@@ -150,13 +220,15 @@ impl Store {
                 self.synced.insert(Kind::EndpointSlice);
                 let changed = diff_keys(&self.objects.endpoint_slices, &slices);
                 for key in &changed {
-                    self.mark_slice_service(
-                        key,
-                        self.objects.endpoint_slices.get(key).cloned().as_ref(),
-                    );
-                    self.mark_slice_service(key, slices.get(key));
+                    let old = self
+                        .objects
+                        .endpoint_slices
+                        .get(key)
+                        .and_then(|slice| slice_service(key, slice));
+                    let new = slices.get(key).and_then(|slice| slice_service(key, slice));
+                    self.changes.services.extend(old.into_iter().chain(new));
                 }
-                self.objects.endpoint_slices = slices;
+                self.objects.replace_slices(slices);
                 !changed.is_empty()
             }
             Update::ReplaceNode(node) => {
@@ -185,16 +257,13 @@ impl Store {
                 if self.objects.endpoint_slices.get(&key) == Some(&slice) {
                     return false;
                 }
-                let old = self
-                    .objects
-                    .endpoint_slices
-                    .insert(key.clone(), slice.clone());
-                self.mark_slice_service(&key, old.as_ref());
                 self.mark_slice_service(&key, Some(&slice));
+                let old = self.objects.insert_slice(key.clone(), slice);
+                self.mark_slice_service(&key, old.as_ref());
                 true
             }
             Update::EndpointSliceDeleted(key) => {
-                let old = self.objects.endpoint_slices.remove(&key);
+                let old = self.objects.remove_slice(&key);
                 self.mark_slice_service(&key, old.as_ref());
                 old.is_some()
             }

@@ -12,8 +12,8 @@ use tracing::{debug, error, info, warn};
 use crate::{
     cli::{Args, ProxyMode},
     dataplane::ebpf::{EbpfDataplane, EbpfOptions},
-    desired::{self, NodeContext},
-    objects::{Kind, Objects, Store},
+    desired::{NodeContext, Snapshot},
+    objects::{Kind, ObjectKey, Objects, Store},
     source,
 };
 
@@ -27,9 +27,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     if !manifests.is_dir() {
         bail!("--manifests {}: not a directory", manifests.display());
     }
-    let node = NodeContext {
-        name: node_name(args.hostname_override.as_deref())?,
-    };
+    let node = NodeContext::new(&node_name(args.hostname_override.as_deref())?, None);
     info!(node = %node.name, mode = "ebpf", "starting proxy-agent");
 
     let mut dataplane = EbpfDataplane::start(&EbpfOptions {
@@ -47,7 +45,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     store.mark_synced(Kind::Node);
     let mut sigint = signal(SignalKind::interrupt()).context("cannot handle SIGINT")?;
     let mut sigterm = signal(SignalKind::terminate()).context("cannot handle SIGTERM")?;
-    let mut reported = BTreeSet::new();
+    let mut snapshot = Snapshot::default();
     let mut synced_once = false;
 
     let outcome = loop {
@@ -64,9 +62,11 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
                 // The first sync waits until every kind was listed once, then runs even if the
                 // last update changed nothing.
                 if store.is_synced() && (changed || !synced_once) {
+                    let changes = store.take_changes();
+                    // The first sync, and any node change, recompute every Service.
+                    let scope = (synced_once && !changes.node).then_some(&changes.services);
                     synced_once = true;
-                    store.take_changes();
-                    sync(store.objects(), &node, &mut dataplane, &mut reported);
+                    sync(store.objects(), &node, scope, &mut snapshot, &mut dataplane);
                 }
             }
             _ = sigint.recv() => break Ok("SIGINT"),
@@ -82,26 +82,25 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     outcome.map(|_| ())
 }
 
-/// One sync: compute the snapshot and apply it. Errors are logged once each (not on every sync)
-/// and never stop the agent.
+/// One sync: update the snapshot for the changed Services and apply what changed. Problems are
+/// logged once each (when they appear) and never stop the agent.
 fn sync(
     objects: &Objects,
     node: &NodeContext,
+    services: Option<&BTreeSet<ObjectKey>>,
+    snapshot: &mut Snapshot,
     dataplane: &mut EbpfDataplane,
-    reported: &mut BTreeSet<String>,
 ) {
     let started = Instant::now();
-    let (snapshot, service_errors) = desired::compute(objects, node);
-    let (summary, apply_errors) = dataplane.apply(&snapshot);
-    let messages: BTreeSet<String> = service_errors
-        .iter()
-        .map(ToString::to_string)
-        .chain(apply_errors.iter().map(ToString::to_string))
-        .collect();
-    for message in messages.difference(reported) {
-        warn!("{message}");
+    let update = snapshot.update(objects, &node.name, services);
+    for error in &update.new_errors {
+        warn!("{error}");
     }
-    *reported = messages;
+    let scope = services.map(|_| &update.changed);
+    let (summary, apply_errors) = dataplane.apply(snapshot, scope);
+    for error in &apply_errors {
+        warn!("{error}");
+    }
     if summary.frontends_unsupported > 0 {
         warn!(
             count = summary.frontends_unsupported,
@@ -109,7 +108,8 @@ fn sync(
         );
     }
     info!(
-        frontends = snapshot.frontends.len(),
+        service_ports = snapshot.v4.service_ports.len() + snapshot.v6.service_ports.len(),
+        changed = update.changed.len(),
         written = summary.frontends_written,
         removed = summary.frontends_removed,
         unchanged = summary.frontends_unchanged,

@@ -1,116 +1,149 @@
-//! Endpoint selection, following kube-proxy's `CategorizeEndpoints` (pkg/proxy/topology.go).
-//! Topology hints and trafficDistribution come with the control-plane work; until then every
-//! ready endpoint is usable cluster-wide.
+//! EndpointSlices → the endpoints of each service port, as kube-proxy's `endpointslicecache`
+//! builds them: slice ports match by name and protocol, an endpoint's first address is used,
+//! endpoints of the other IP family are ignored, and an endpoint listed twice counts once (a
+//! local copy wins). The result is sorted by endpoint string, kube-proxy's order.
 
-use std::net::IpAddr;
+use std::{collections::BTreeMap, net::IpAddr};
 
-/// One endpoint of a Service port, with the conditions selection depends on.
+use k8s_openapi::api::discovery::v1::EndpointSlice;
+
+use super::{IpFamily, Protocol};
+use crate::objects::ObjectKey;
+
+/// An endpoint before selection, with what selection needs.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct EndpointInfo {
+pub struct RawEndpoint {
     pub addr: IpAddr,
     pub port: u16,
+    pub is_local: bool,
     pub ready: bool,
     pub serving: bool,
     pub terminating: bool,
-    pub node_name: Option<String>,
+    pub zone_hints: Vec<String>,
+    pub node_hints: Vec<String>,
 }
 
-impl EndpointInfo {
-    fn is_serving_terminating(&self) -> bool {
-        self.serving && self.terminating
-    }
-
-    fn is_local(&self, node_name: &str) -> bool {
-        self.node_name.as_deref() == Some(node_name)
-    }
+/// A slice problem worth one warning; the rest of the slice is still used.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SliceWarning {
+    #[error("EndpointSlice {slice}: ports[{index}]: no name; ignored (kube-proxy ignores it too)")]
+    PortWithoutName { slice: ObjectKey, index: usize },
+    #[error("EndpointSlice {slice}: ports[{index}]: missing or invalid port; ignored")]
+    InvalidPort { slice: ObjectKey, index: usize },
+    #[error("EndpointSlice {slice}: ports[{index}]: unsupported protocol {value:?}; ignored")]
+    InvalidProtocol {
+        slice: ObjectKey,
+        index: usize,
+        value: String,
+    },
+    #[error("EndpointSlice {slice}: endpoints[{index}]: invalid address {value:?}; ignored")]
+    InvalidAddress {
+        slice: ObjectKey,
+        index: usize,
+        value: String,
+    },
 }
 
-/// The endpoints new connections may use.
-///
-/// Cluster policy: the ready endpoints; if there are none, the serving-and-terminating ones
-/// (so connections keep working while a Deployment rolls). Local policy: the same two steps
-/// restricted to endpoints on this node.
-pub fn select_endpoints<'a>(
-    endpoints: &'a [EndpointInfo],
-    local_only: bool,
+pub type EndpointsByPort = BTreeMap<(String, Protocol), Vec<RawEndpoint>>;
+
+/// The endpoints of every (port name, protocol) of one Service in one IP family.
+pub fn endpoints_by_port(
+    slices: &[(&ObjectKey, &EndpointSlice)],
+    family: IpFamily,
     node_name: &str,
-) -> Vec<&'a EndpointInfo> {
-    let eligible = |e: &&EndpointInfo| !local_only || e.is_local(node_name);
-    let ready: Vec<&EndpointInfo> = endpoints
-        .iter()
-        .filter(eligible)
-        .filter(|e| e.ready)
-        .collect();
-    if !ready.is_empty() {
-        return ready;
+    warnings: &mut Vec<SliceWarning>,
+) -> EndpointsByPort {
+    // Keyed by endpoint string so duplicates collapse and the order is kube-proxy's.
+    let mut by_port: BTreeMap<(String, Protocol), BTreeMap<String, RawEndpoint>> = BTreeMap::new();
+    for (key, slice) in slices {
+        for (index, slice_port) in slice.ports.iter().flatten().enumerate() {
+            let Some(name) = slice_port.name.clone() else {
+                warnings.push(SliceWarning::PortWithoutName {
+                    slice: (*key).clone(),
+                    index,
+                });
+                continue;
+            };
+            let Some(port) = slice_port
+                .port
+                .and_then(|p| u16::try_from(p).ok())
+                .filter(|&p| p != 0)
+            else {
+                warnings.push(SliceWarning::InvalidPort {
+                    slice: (*key).clone(),
+                    index,
+                });
+                continue;
+            };
+            let Some(protocol) = Protocol::from_k8s(slice_port.protocol.as_deref()) else {
+                warnings.push(SliceWarning::InvalidProtocol {
+                    slice: (*key).clone(),
+                    index,
+                    value: slice_port.protocol.clone().unwrap_or_default(),
+                });
+                continue;
+            };
+            let endpoints = by_port.entry((name, protocol)).or_default();
+            add_endpoints(key, slice, port, family, node_name, endpoints, warnings);
+        }
     }
-    endpoints
-        .iter()
-        .filter(eligible)
-        .filter(|e| e.is_serving_terminating())
+    by_port
+        .into_iter()
+        .map(|(port, endpoints)| (port, endpoints.into_values().collect()))
         .collect()
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn ep(last: u8, ready: bool, serving: bool, terminating: bool, node: &str) -> EndpointInfo {
-        EndpointInfo {
-            addr: IpAddr::from([10, 0, 0, last]),
-            port: 80,
-            ready,
-            serving,
-            terminating,
-            node_name: Some(node.to_owned()),
+fn add_endpoints(
+    key: &ObjectKey,
+    slice: &EndpointSlice,
+    port: u16,
+    family: IpFamily,
+    node_name: &str,
+    into: &mut BTreeMap<String, RawEndpoint>,
+    warnings: &mut Vec<SliceWarning>,
+) {
+    for (index, endpoint) in slice.endpoints.iter().enumerate() {
+        let Some(address) = endpoint.addresses.first() else {
+            continue;
+        };
+        let Ok(addr) = address.parse::<IpAddr>() else {
+            // Only worth a warning once per slice, not once per port.
+            let warning = SliceWarning::InvalidAddress {
+                slice: key.clone(),
+                index,
+                value: address.clone(),
+            };
+            if !warnings.contains(&warning) {
+                warnings.push(warning);
+            }
+            continue;
+        };
+        if IpFamily::of(&addr) != family {
+            continue;
         }
-    }
-
-    fn lasts(selected: &[&EndpointInfo]) -> Vec<u8> {
-        selected
-            .iter()
-            .map(|e| match e.addr {
-                IpAddr::V4(v4) => v4.octets()[3],
-                IpAddr::V6(_) => 0,
-            })
-            .collect()
-    }
-
-    #[test]
-    fn ready_endpoints_win_over_terminating_ones() {
-        let eps = [ep(1, true, true, false, "a"), ep(2, false, true, true, "b")];
-        assert_eq!(lasts(&select_endpoints(&eps, false, "a")), [1]);
-    }
-
-    #[test]
-    fn serving_terminating_endpoints_are_the_fallback() {
-        let eps = [
-            ep(1, false, false, false, "a"),
-            ep(2, false, true, true, "b"),
-            ep(3, false, false, true, "b"),
-        ];
-        assert_eq!(lasts(&select_endpoints(&eps, false, "a")), [2]);
-    }
-
-    #[test]
-    fn not_ready_not_serving_endpoints_are_never_used() {
-        let eps = [
-            ep(1, false, false, false, "a"),
-            ep(2, false, false, true, "a"),
-        ];
-        assert!(select_endpoints(&eps, false, "a").is_empty());
-    }
-
-    #[test]
-    fn local_policy_keeps_only_this_nodes_endpoints() {
-        let eps = [ep(1, true, true, false, "a"), ep(2, true, true, false, "b")];
-        assert_eq!(lasts(&select_endpoints(&eps, true, "b")), [2]);
-        assert!(select_endpoints(&eps, true, "c").is_empty());
-    }
-
-    #[test]
-    fn local_policy_falls_back_to_local_terminating_not_remote_ready() {
-        let eps = [ep(1, true, true, false, "a"), ep(2, false, true, true, "b")];
-        assert_eq!(lasts(&select_endpoints(&eps, true, "b")), [2]);
+        let conditions = endpoint.conditions.as_ref();
+        let is_local = !node_name.is_empty() && endpoint.node_name.as_deref() == Some(node_name);
+        let hints = endpoint.hints.as_ref();
+        let raw = RawEndpoint {
+            addr,
+            port,
+            is_local,
+            ready: conditions.and_then(|c| c.ready).unwrap_or(true),
+            serving: conditions.and_then(|c| c.serving).unwrap_or(true),
+            terminating: conditions.and_then(|c| c.terminating).unwrap_or(false),
+            zone_hints: hints
+                .and_then(|h| h.for_zones.as_ref())
+                .map(|zones| zones.iter().map(|z| z.name.clone()).collect())
+                .unwrap_or_default(),
+            node_hints: hints
+                .and_then(|h| h.for_nodes.as_ref())
+                .map(|nodes| nodes.iter().map(|n| n.name.clone()).collect())
+                .unwrap_or_default(),
+        };
+        let endpoint_string = std::net::SocketAddr::new(addr, port).to_string();
+        // kube-proxy keeps the first copy unless a later one is local.
+        if is_local || !into.contains_key(&endpoint_string) {
+            into.insert(endpoint_string, raw);
+        }
     }
 }

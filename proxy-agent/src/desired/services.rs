@@ -1,241 +1,359 @@
-//! Services and their EndpointSlices → frontends with their usable backends.
+//! A Service → its service ports in one IP family, as kube-proxy's `newBaseServiceInfo` reads
+//! them. Invalid fields are reported naming the Service and the field; the valid rest is kept.
 
-use std::{
-    collections::{BTreeMap, BTreeSet},
-    net::IpAddr,
-};
+use std::net::IpAddr;
 
-use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
+use ipnet::IpNet;
+use k8s_openapi::api::core::v1::Service;
 
-use super::{
-    Backend, Frontend, FrontendKey, NodeContext, Protocol, ServicePortName, Snapshot,
-    endpoints::{EndpointInfo, select_endpoints},
-};
-use crate::objects::{LABEL_SERVICE_NAME, ObjectKey, Objects};
+use super::{IpFamily, Protocol, ServicePort, ServicePortName};
+use crate::objects::ObjectKey;
+
+/// Kubernetes' default `sessionAffinityConfig.clientIP.timeoutSeconds` (3 hours).
+pub const DEFAULT_AFFINITY_TIMEOUT: u32 = 10_800;
 
 /// A Service (or part of it) that cannot be programmed; the rest of the snapshot still is.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ServiceError {
-    #[error("Service {service}: {field}: invalid IP address {value:?}")]
+    #[error("Service {service}: {field}: invalid IP address {value:?}; ignored")]
     InvalidIp {
         service: ObjectKey,
         field: String,
         value: String,
     },
-    #[error("Service {service}: {field}: port {value} is outside 1-65535")]
+    #[error("Service {service}: {field}: invalid CIDR {value:?}; ignored")]
+    InvalidCidr {
+        service: ObjectKey,
+        field: String,
+        value: String,
+    },
+    #[error("Service {service}: {field}: {value} is outside 1-65535; port ignored")]
     InvalidPort {
         service: ObjectKey,
         field: String,
         value: i32,
     },
-    #[error("Service {service}: {field}: unsupported protocol {value:?} (TCP, UDP or SCTP)")]
+    #[error(
+        "Service {service}: {field}: unsupported protocol {value:?} (TCP, UDP or SCTP); port ignored"
+    )]
     InvalidProtocol {
         service: ObjectKey,
         field: String,
         value: String,
     },
-    #[error("Service {service}: frontend {frontend} is already used by {owner}; ignoring it here")]
-    DuplicateFrontend {
+    #[error(
+        "Service {service}: {field}: port {port}/{protocol} is listed twice; ignoring this copy"
+    )]
+    DuplicatePort {
         service: ObjectKey,
-        frontend: FrontendKey,
-        owner: ServicePortName,
+        field: String,
+        port: u16,
+        protocol: Protocol,
     },
+    #[error(
+        "Service {service}: {field}: invalid sessionAffinity timeout {value}; using {DEFAULT_AFFINITY_TIMEOUT}"
+    )]
+    InvalidAffinityTimeout {
+        service: ObjectKey,
+        field: String,
+        value: i32,
+    },
+    #[error("{0}")]
+    Slice(#[from] super::endpoints::SliceWarning),
 }
 
-/// Computes the snapshot. Deterministic: the same objects always give the same snapshot and the
-/// same errors, in the same order.
-pub fn compute(objects: &Objects, node: &NodeContext) -> (Snapshot, Vec<ServiceError>) {
-    let mut snapshot = Snapshot::default();
-    let mut errors = Vec::new();
-    let slices_by_service = index_slices(objects);
-    for (key, service) in &objects.services {
-        let slices = slices_by_service.get(key).map_or(&[][..], Vec::as_slice);
-        add_service(key, service, slices, node, &mut snapshot, &mut errors);
-    }
-    (snapshot, errors)
-}
-
-fn index_slices(objects: &Objects) -> BTreeMap<ObjectKey, Vec<&EndpointSlice>> {
-    let mut index: BTreeMap<ObjectKey, Vec<&EndpointSlice>> = BTreeMap::new();
-    for (key, slice) in &objects.endpoint_slices {
-        let service_name = slice
-            .metadata
-            .labels
-            .as_ref()
-            .and_then(|labels| labels.get(LABEL_SERVICE_NAME));
-        if let Some(service_name) = service_name {
-            index
-                .entry(ObjectKey {
-                    namespace: key.namespace.clone(),
-                    name: service_name.clone(),
-                })
-                .or_default()
-                .push(slice);
-        }
-    }
-    index
-}
-
-fn add_service(
-    key: &ObjectKey,
-    service: &Service,
-    slices: &[&EndpointSlice],
-    node: &NodeContext,
-    snapshot: &mut Snapshot,
-    errors: &mut Vec<ServiceError>,
-) {
+/// Whether kube-proxy handles this Service at all (`ShouldSkipService`): not ExternalName, and a
+/// cluster IP is set (headless `None` and unallocated `""` are skipped).
+pub fn is_proxied(service: &Service) -> bool {
     let Some(spec) = &service.spec else {
-        return;
+        return false;
     };
     if spec.type_.as_deref() == Some("ExternalName") {
-        return;
+        return false;
     }
-    let cluster_ips: Vec<(String, &str)> = match (&spec.cluster_ips, &spec.cluster_ip) {
-        (Some(ips), _) if !ips.is_empty() => ips
+    matches!(spec.cluster_ip.as_deref(), Some(ip) if !ip.is_empty() && ip != "None")
+        || spec
+            .cluster_ips
             .iter()
-            .enumerate()
-            .map(|(i, ip)| (format!("spec.clusterIPs[{i}]"), ip.as_str()))
-            .collect(),
-        (_, Some(ip)) => vec![("spec.clusterIP".to_owned(), ip.as_str())],
-        _ => Vec::new(),
+            .flatten()
+            .any(|ip| !ip.is_empty() && ip != "None")
+}
+
+/// The service ports of `service` in `family`, without endpoints yet.
+pub fn service_ports(
+    key: &ObjectKey,
+    service: &Service,
+    family: IpFamily,
+    errors: &mut Vec<ServiceError>,
+) -> Vec<ServicePort> {
+    let Some(spec) = &service.spec else {
+        return Vec::new();
     };
-    // Headless Services ("None") and Services without an allocated IP have no frontend.
-    let mut addrs = Vec::new();
-    for (field, value) in cluster_ips {
-        if value.is_empty() || value == "None" {
-            continue;
-        }
-        match value.parse::<IpAddr>() {
-            Ok(addr) => addrs.push(addr),
-            Err(_) => errors.push(ServiceError::InvalidIp {
-                service: key.clone(),
-                field,
-                value: value.to_owned(),
-            }),
-        }
+    if !is_proxied(service) {
+        return Vec::new();
     }
-    let local_only = spec.internal_traffic_policy.as_deref() == Some("Local");
+    let Some(cluster_ip) = cluster_ip(key, service, family, errors) else {
+        return Vec::new();
+    };
+    let type_ = spec.type_.as_deref().unwrap_or("ClusterIP");
+    let external_ip_strings = spec.external_ips.as_deref().unwrap_or_default();
+    let externally_accessible = matches!(type_, "LoadBalancer" | "NodePort")
+        || (type_ == "ClusterIP" && !external_ip_strings.is_empty());
+    let external_policy_local =
+        externally_accessible && spec.external_traffic_policy.as_deref() == Some("Local");
+    let internal_policy_local = spec.internal_traffic_policy.as_deref() == Some("Local");
+    let needs_health_check = type_ == "LoadBalancer" && external_policy_local;
+
+    let report = first_family(service) == Some(family);
+    let external_ips = ips_of_family(
+        key,
+        "spec.externalIPs",
+        external_ip_strings.iter().map(String::as_str),
+        family,
+        report,
+        errors,
+    );
+    let ingress = service
+        .status
+        .as_ref()
+        .and_then(|s| s.load_balancer.as_ref())
+        .and_then(|lb| lb.ingress.as_ref());
+    // Only VIP-style load balancers: `ipMode: Proxy` ones deliver to the node themselves.
+    let load_balancer_ips = ips_of_family(
+        key,
+        "status.loadBalancer.ingress[].ip",
+        ingress
+            .into_iter()
+            .flatten()
+            .filter(|ing| ing.ip_mode.as_deref().is_none_or(|mode| mode == "VIP"))
+            .filter_map(|ing| ing.ip.as_deref())
+            .filter(|ip| !ip.is_empty()),
+        family,
+        report,
+        errors,
+    );
+    let source_ranges = cidrs_of_family(
+        key,
+        spec.load_balancer_source_ranges
+            .as_deref()
+            .unwrap_or_default(),
+        family,
+        report,
+        errors,
+    );
+    let affinity_timeout = affinity_timeout(key, service, report, errors);
+    let health_check_node_port = if needs_health_check {
+        spec.health_check_node_port
+            .and_then(|p| u16::try_from(p).ok())
+            .filter(|&p| p != 0)
+    } else {
+        None
+    };
+
+    let mut ports: Vec<ServicePort> = Vec::new();
+    let mut port_errors = Vec::new();
     for (index, port) in spec.ports.iter().flatten().enumerate() {
         let field = |name: &str| format!("spec.ports[{index}].{name}");
-        let Ok(port_number) = u16::try_from(port.port) else {
-            errors.push(ServiceError::InvalidPort {
+        let Some(port_number) = u16::try_from(port.port).ok().filter(|&p| p != 0) else {
+            port_errors.push(ServiceError::InvalidPort {
                 service: key.clone(),
                 field: field("port"),
                 value: port.port,
             });
             continue;
         };
-        if port_number == 0 {
-            errors.push(ServiceError::InvalidPort {
-                service: key.clone(),
-                field: field("port"),
-                value: port.port,
-            });
-            continue;
-        }
         let Some(protocol) = Protocol::from_k8s(port.protocol.as_deref()) else {
-            errors.push(ServiceError::InvalidProtocol {
+            port_errors.push(ServiceError::InvalidProtocol {
                 service: key.clone(),
                 field: field("protocol"),
                 value: port.protocol.clone().unwrap_or_default(),
             });
             continue;
         };
-        let service_port = ServicePortName {
+        let name = ServicePortName {
             service: key.clone(),
             port: port.name.clone().unwrap_or_default(),
             protocol,
         };
-        let endpoints = collect_endpoints(slices, &service_port);
-        for &addr in &addrs {
-            let family: Vec<EndpointInfo> = endpoints
-                .iter()
-                .filter(|e| e.addr.is_ipv4() == addr.is_ipv4())
-                .cloned()
-                .collect();
-            let backends: BTreeSet<Backend> = select_endpoints(&family, local_only, &node.name)
-                .into_iter()
-                .map(|e| Backend {
-                    addr: e.addr,
-                    port: e.port,
-                })
-                .collect();
-            let frontend_key = FrontendKey {
-                addr,
+        if ports
+            .iter()
+            .any(|p| p.name == name || (p.port == port_number && p.protocol == protocol))
+        {
+            port_errors.push(ServiceError::DuplicatePort {
+                service: key.clone(),
+                field: field("port"),
                 port: port_number,
                 protocol,
-            };
-            if let Some(owner) = snapshot.frontends.get(&frontend_key) {
-                errors.push(ServiceError::DuplicateFrontend {
-                    service: key.clone(),
-                    frontend: frontend_key,
-                    owner: owner.service_port.clone(),
-                });
-                continue;
-            }
-            snapshot.frontends.insert(
-                frontend_key,
-                Frontend {
-                    service_port: service_port.clone(),
-                    backends: backends.into_iter().collect(),
-                },
-            );
-        }
-    }
-}
-
-/// The endpoints of one Service port across all of the Service's slices. Slice ports match by
-/// name and protocol, as in kube-proxy's endpointslicecache; only an endpoint's first address is
-/// used, and an endpoint listed twice counts once (the first copy, in slice-name order, wins).
-fn collect_endpoints(
-    slices: &[&EndpointSlice],
-    service_port: &ServicePortName,
-) -> Vec<EndpointInfo> {
-    let mut seen = BTreeSet::new();
-    let mut endpoints = Vec::new();
-    for slice in slices {
-        if !matches!(slice.address_type.as_str(), "IPv4" | "IPv6") {
+            });
             continue;
         }
-        for slice_port in slice.ports.iter().flatten() {
-            let name = slice_port.name.as_deref().unwrap_or_default();
-            let protocol = Protocol::from_k8s(slice_port.protocol.as_deref());
-            if name != service_port.port || protocol != Some(service_port.protocol) {
-                continue;
-            }
-            let Some(port) = slice_port
-                .port
-                .and_then(|p| u16::try_from(p).ok())
-                .filter(|&p| p != 0)
-            else {
-                continue;
-            };
-            for endpoint in &slice.endpoints {
-                let Some(addr) = endpoint
-                    .addresses
-                    .first()
-                    .and_then(|a| a.parse::<IpAddr>().ok())
-                else {
-                    continue;
-                };
-                if !seen.insert((addr, port)) {
-                    continue;
+        let node_port = match port.node_port {
+            None | Some(0) => None,
+            Some(value) => match u16::try_from(value) {
+                Ok(p) => Some(p),
+                Err(_) => {
+                    port_errors.push(ServiceError::InvalidPort {
+                        service: key.clone(),
+                        field: field("nodePort"),
+                        value,
+                    });
+                    None
                 }
-                let conditions = endpoint.conditions.as_ref();
-                let ready = conditions.and_then(|c| c.ready).unwrap_or(true);
-                endpoints.push(EndpointInfo {
-                    addr,
-                    port,
-                    ready,
-                    serving: conditions.and_then(|c| c.serving).unwrap_or(ready),
-                    terminating: conditions.and_then(|c| c.terminating).unwrap_or(false),
-                    node_name: endpoint.node_name.clone(),
-                });
-            }
-        }
+            },
+        };
+        ports.push(ServicePort {
+            name,
+            cluster_ip,
+            port: port_number,
+            protocol,
+            node_port,
+            external_ips: external_ips.clone(),
+            load_balancer_ips: load_balancer_ips.clone(),
+            source_ranges: source_ranges.clone(),
+            affinity_timeout,
+            external_policy_local,
+            internal_policy_local,
+            health_check_node_port,
+            traffic_distribution: spec.traffic_distribution.clone(),
+            endpoints: Vec::new(),
+            has_any_endpoints: false,
+        });
     }
-    endpoints
+    if report {
+        errors.extend(port_errors);
+    }
+    ports
 }
 
-#[cfg(test)]
-mod tests;
+/// The family of the Service's first valid cluster IP: per-Service problems are reported in
+/// that family's pass only.
+fn first_family(service: &Service) -> Option<IpFamily> {
+    let spec = service.spec.as_ref()?;
+    spec.cluster_ips
+        .iter()
+        .flatten()
+        .chain(spec.cluster_ip.iter())
+        .find_map(|ip| ip.parse::<IpAddr>().ok())
+        .map(|ip| IpFamily::of(&ip))
+}
+
+/// kube-proxy's `GetClusterIPByFamily`: from `clusterIPs` when set, else `clusterIP`.
+fn cluster_ip(
+    key: &ObjectKey,
+    service: &Service,
+    family: IpFamily,
+    errors: &mut Vec<ServiceError>,
+) -> Option<IpAddr> {
+    let spec = service.spec.as_ref()?;
+    let candidates: Vec<(String, &str)> = match &spec.cluster_ips {
+        Some(ips) if !ips.is_empty() => ips
+            .iter()
+            .enumerate()
+            .map(|(i, ip)| (format!("spec.clusterIPs[{i}]"), ip.as_str()))
+            .collect(),
+        _ => spec
+            .cluster_ip
+            .iter()
+            .map(|ip| ("spec.clusterIP".to_owned(), ip.as_str()))
+            .collect(),
+    };
+    for (field, value) in candidates {
+        if value.is_empty() || value == "None" {
+            continue;
+        }
+        match value.parse::<IpAddr>() {
+            Ok(ip) if IpFamily::of(&ip) == family => return Some(ip),
+            Ok(_) => {}
+            // Reported once, with the IPv4 pass, not once per family.
+            Err(_) if family == IpFamily::V4 => errors.push(ServiceError::InvalidIp {
+                service: key.clone(),
+                field,
+                value: value.to_owned(),
+            }),
+            Err(_) => {}
+        }
+    }
+    None
+}
+
+/// `report`: whether to report invalid values (only in the first family's pass, so each problem
+/// is reported once).
+fn ips_of_family<'a>(
+    key: &ObjectKey,
+    field: &str,
+    values: impl Iterator<Item = &'a str>,
+    family: IpFamily,
+    report: bool,
+    errors: &mut Vec<ServiceError>,
+) -> Vec<IpAddr> {
+    let mut ips = Vec::new();
+    for value in values {
+        match value.trim().parse::<IpAddr>() {
+            Ok(ip) if IpFamily::of(&ip) == family => ips.push(ip),
+            Ok(_) => {}
+            Err(_) if report => errors.push(ServiceError::InvalidIp {
+                service: key.clone(),
+                field: field.to_owned(),
+                value: value.to_owned(),
+            }),
+            Err(_) => {}
+        }
+    }
+    ips
+}
+
+fn cidrs_of_family(
+    key: &ObjectKey,
+    values: &[String],
+    family: IpFamily,
+    report: bool,
+    errors: &mut Vec<ServiceError>,
+) -> Vec<IpNet> {
+    let mut cidrs = Vec::new();
+    for (i, value) in values.iter().enumerate() {
+        // Validation upstream mistakenly allows whitespace padding; trim like kube-proxy.
+        match value.trim().parse::<IpNet>() {
+            Ok(net) if IpFamily::of(&net.addr()) == family => cidrs.push(net.trunc()),
+            Ok(_) => {}
+            Err(_) if report => errors.push(ServiceError::InvalidCidr {
+                service: key.clone(),
+                field: format!("spec.loadBalancerSourceRanges[{i}]"),
+                value: value.clone(),
+            }),
+            Err(_) => {}
+        }
+    }
+    cidrs
+}
+
+fn affinity_timeout(
+    key: &ObjectKey,
+    service: &Service,
+    report: bool,
+    errors: &mut Vec<ServiceError>,
+) -> Option<u32> {
+    let spec = service.spec.as_ref()?;
+    if spec.session_affinity.as_deref() != Some("ClientIP") {
+        return None;
+    }
+    let configured = spec
+        .session_affinity_config
+        .as_ref()
+        .and_then(|c| c.client_ip.as_ref())
+        .and_then(|c| c.timeout_seconds);
+    Some(match configured {
+        None => DEFAULT_AFFINITY_TIMEOUT,
+        // The API allows 1..=86400.
+        Some(value @ 1..=86_400) => value.unsigned_abs(),
+        Some(value) => {
+            if report {
+                errors.push(ServiceError::InvalidAffinityTimeout {
+                    service: key.clone(),
+                    field: "spec.sessionAffinityConfig.clientIP.timeoutSeconds".to_owned(),
+                    value,
+                });
+            }
+            DEFAULT_AFFINITY_TIMEOUT
+        }
+    })
+}

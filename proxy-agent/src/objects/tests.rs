@@ -74,3 +74,24 @@ fn deleting_an_unknown_object_changes_nothing() {
     assert!(!store.apply(Update::ServiceDeleted(key("ghost"))));
     assert!(store.take_changes().is_empty());
 }
+
+#[test]
+fn every_update_keeps_the_slices_by_service_index() {
+    let mut store = Store::default();
+    let web = key("web");
+    let api = key("api");
+    store.apply(Update::ReplaceEndpointSlices(BTreeMap::from([(
+        key("s1"),
+        slice("s1", "web"),
+    )])));
+    assert_eq!(store.objects().slices_of(&web).len(), 1);
+    store.apply(Update::EndpointSliceApplied(key("s2"), slice("s2", "web")));
+    assert_eq!(store.objects().slices_of(&web).len(), 2);
+    store.apply(Update::EndpointSliceApplied(key("s1"), slice("s1", "api")));
+    assert_eq!(store.objects().slices_of(&web).len(), 1);
+    assert_eq!(store.objects().slices_of(&api).len(), 1);
+    store.apply(Update::EndpointSliceDeleted(key("s2")));
+    assert!(store.objects().slices_of(&web).is_empty());
+    store.apply(Update::ReplaceEndpointSlices(BTreeMap::new()));
+    assert!(store.objects().slices_of(&api).is_empty());
+}

@@ -296,7 +296,8 @@ pub async fn run(dir: PathBuf, node_name: String, tx: mpsc::Sender<Update>) -> a
     let changed = Arc::new(Notify::new());
     let notifier = Arc::clone(&changed);
     let mut watcher = notify::recommended_watcher(move |event: notify::Result<notify::Event>| {
-        if event.is_ok() {
+        // Reading the files ourselves raises access events: only changes count.
+        if event.is_ok_and(|event| !event.kind.is_access()) {
             notifier.notify_one();
         }
     })?;

@@ -2,6 +2,7 @@
 //! taking all of it down again.
 
 use std::{
+    collections::BTreeSet,
     fs::File,
     io,
     path::{Path, PathBuf},
@@ -22,7 +23,7 @@ use tracing::{debug, info, warn};
 use super::{
     ApplyError, ApplySummary, MapOps, Programmer, bpffs, cgroup, object, stats::read_stats,
 };
-use crate::desired::Snapshot;
+use crate::desired::{ServicePortName, Snapshot};
 
 /// Directory under `--bpf-root` that holds our pins.
 pub const PIN_DIR_NAME: &str = "kubeproxy-rs";
@@ -197,9 +198,15 @@ impl EbpfDataplane {
         })
     }
 
-    /// Makes the maps match `snapshot`, writing only what changed since the last call.
-    pub fn apply(&mut self, snapshot: &Snapshot) -> (ApplySummary, Vec<ApplyError>) {
-        self.programmer.apply(snapshot, &mut self.maps)
+    /// Makes the maps match `snapshot` for the service ports in `changed` (`None`: all of them),
+    /// writing only entries that differ from what is programmed.
+    pub fn apply(
+        &mut self,
+        snapshot: &Snapshot,
+        changed: Option<&BTreeSet<ServicePortName>>,
+    ) -> (ApplySummary, Vec<ApplyError>) {
+        self.programmer
+            .apply_snapshot(snapshot, changed, &mut self.maps)
     }
 
     /// Datapath counters summed over all CPUs.

@@ -15,7 +15,9 @@ use proxy_common::{Backend4, BackendSlotKey, Frontend4Key, FrontendValue, scope}
 use tracing::{debug, warn};
 
 use super::ids::IdAllocator;
-use crate::desired::{Frontend, FrontendKey, Snapshot};
+use crate::desired::{
+    Frontend, FrontendKey, IpFamily, ServicePortName, Snapshot, socket_frontends,
+};
 
 /// Raw writes to the service maps; implemented over the kernel maps, and over plain collections
 /// in unit tests of the diff logic.
@@ -55,6 +57,7 @@ pub struct ApplySummary {
 
 #[derive(Debug)]
 struct AppliedFrontend {
+    owner: ServicePortName,
     value: FrontendValue,
     /// Backend ids by slot, in the live generation.
     slots: Vec<u32>,
@@ -71,63 +74,115 @@ struct BackendEntry {
 #[derive(Debug, Default)]
 pub struct Programmer {
     frontends: BTreeMap<FrontendKey, AppliedFrontend>,
+    /// Which frontends each service port owns.
+    owned: BTreeMap<ServicePortName, Vec<FrontendKey>>,
     backends: BTreeMap<Backend4, BackendEntry>,
     service_ids: IdAllocator,
     backend_ids: IdAllocator,
 }
 
 impl Programmer {
-    pub fn apply(
+    /// Applies the snapshot for the service ports in `changed` (`None`: every service port,
+    /// known or new — a full resync).
+    pub fn apply_snapshot(
         &mut self,
         snapshot: &Snapshot,
+        changed: Option<&BTreeSet<ServicePortName>>,
+        maps: &mut impl MapOps,
+    ) -> (ApplySummary, Vec<ApplyError>) {
+        let names: BTreeSet<ServicePortName> = match changed {
+            Some(changed) => changed.clone(),
+            None => self
+                .owned
+                .keys()
+                .chain(snapshot.v4.service_ports.keys())
+                .chain(snapshot.v6.service_ports.keys())
+                .cloned()
+                .collect(),
+        };
+        let updates = names.into_iter().map(|name| {
+            let frontends = IpFamily::ALL
+                .iter()
+                .filter_map(|&family| snapshot.family(family).service_ports.get(&name))
+                .flat_map(socket_frontends)
+                .collect();
+            (name, frontends)
+        });
+        self.apply(updates, maps)
+    }
+
+    /// Makes each given service port own exactly the given frontends.
+    pub fn apply(
+        &mut self,
+        updates: impl IntoIterator<Item = (ServicePortName, Vec<(FrontendKey, Frontend)>)>,
         maps: &mut impl MapOps,
     ) -> (ApplySummary, Vec<ApplyError>) {
         let mut summary = ApplySummary::default();
         let mut errors = Vec::new();
-
-        let stale: Vec<FrontendKey> = self
-            .frontends
-            .keys()
-            .filter(|key| !snapshot.frontends.contains_key(key))
-            .copied()
-            .collect();
-        for key in stale {
-            match self.remove_frontend(key, maps) {
-                Ok(()) => summary.frontends_removed += 1,
-                Err(reason) => errors.push(ApplyError::Remove {
-                    frontend: key,
-                    reason,
-                }),
+        for (name, frontends) in updates {
+            let previous = self.owned.remove(&name).unwrap_or_default();
+            for key in previous {
+                if frontends.iter().any(|(k, _)| *k == key) {
+                    continue;
+                }
+                match self.remove_frontend(key, maps) {
+                    Ok(()) => summary.frontends_removed += 1,
+                    Err(reason) => errors.push(ApplyError::Remove {
+                        frontend: key,
+                        reason,
+                    }),
+                }
             }
-        }
-
-        for (key, frontend) in &snapshot.frontends {
-            let Some(map_key) = frontend_map_key(key) else {
-                summary.frontends_unsupported += 1;
-                continue;
-            };
-            let Some(backends) = backends4(frontend) else {
-                summary.frontends_unsupported += 1;
-                continue;
-            };
-            if self
-                .frontends
-                .get(key)
-                .is_some_and(|applied| applied.backends == backends)
-            {
-                summary.frontends_unchanged += 1;
-                continue;
+            let mut owned = Vec::new();
+            for (key, frontend) in frontends {
+                if let Some(owner) = self.owner_other_than(&key, &name) {
+                    errors.push(ApplyError::Frontend {
+                        frontend: key,
+                        service: name.to_string(),
+                        reason: format!("the address is already used by {owner}"),
+                    });
+                    continue;
+                }
+                let (Some(map_key), Some(backends)) =
+                    (frontend_map_key(&key), backends4(&frontend))
+                else {
+                    summary.frontends_unsupported += 1;
+                    continue;
+                };
+                owned.push(key);
+                if self
+                    .frontends
+                    .get(&key)
+                    .is_some_and(|applied| applied.backends == backends)
+                {
+                    summary.frontends_unchanged += 1;
+                    continue;
+                }
+                match self.write_frontend(key, map_key, backends, name.clone(), maps) {
+                    Ok(()) => summary.frontends_written += 1,
+                    Err(reason) => errors.push(ApplyError::Frontend {
+                        frontend: key,
+                        service: name.to_string(),
+                        reason,
+                    }),
+                }
             }
-            match self.write_frontend(*key, map_key, backends, maps) {
-                Ok(()) => summary.frontends_written += 1,
-                Err(reason) => errors.push(ApplyError::Frontend {
-                    frontend: *key,
-                    service: frontend.service_port.to_string(),
-                    reason,
-                }),
+            if !owned.is_empty() {
+                self.owned.insert(name, owned);
             }
         }
         (summary, errors)
+    }
+
+    fn owner_other_than(
+        &self,
+        key: &FrontendKey,
+        name: &ServicePortName,
+    ) -> Option<&ServicePortName> {
+        self.frontends
+            .get(key)
+            .map(|applied| &applied.owner)
+            .filter(|owner| *owner != name)
     }
 
     fn write_frontend(
@@ -135,6 +190,7 @@ impl Programmer {
         key: FrontendKey,
         map_key: Frontend4Key,
         backends: Vec<Backend4>,
+        owner: ServicePortName,
         maps: &mut impl MapOps,
     ) -> Result<(), String> {
         let slot_count = u16::try_from(backends.len()).map_err(|_| {
@@ -182,6 +238,7 @@ impl Programmer {
         let old = self.frontends.insert(
             key,
             AppliedFrontend {
+                owner,
                 value,
                 slots,
                 backends,
@@ -330,6 +387,7 @@ fn frontend_map_key(key: &FrontendKey) -> Option<Frontend4Key> {
 
 fn backends4(frontend: &Frontend) -> Option<Vec<Backend4>> {
     let proto = frontend.service_port.protocol.number();
+    // Backends are a set for the datapath: the order of slots does not matter, only membership.
     let set: BTreeSet<Backend4> = frontend
         .backends
         .iter()

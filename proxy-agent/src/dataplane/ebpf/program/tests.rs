@@ -133,20 +133,26 @@ fn key(ip: [u8; 4], port: u16) -> FrontendKey {
     }
 }
 
-fn snapshot(frontends: &[(FrontendKey, &[u8])]) -> Snapshot {
-    let mut snapshot = Snapshot::default();
-    for (key, pods) in frontends {
-        snapshot.frontends.insert(
-            *key,
-            Frontend {
-                service_port: ServicePortName {
-                    service: ObjectKey {
-                        namespace: "ns".into(),
-                        name: format!("svc-{}", key.port),
-                    },
-                    port: "http".into(),
-                    protocol: Protocol::Tcp,
-                },
+type Update = (ServicePortName, Vec<(FrontendKey, Frontend)>);
+
+/// Each frontend as the only frontend of its own service port.
+fn name_of(key: &FrontendKey) -> ServicePortName {
+    ServicePortName {
+        service: ObjectKey {
+            namespace: "ns".into(),
+            name: format!("svc-{}-{}", key.addr, key.port),
+        },
+        port: "http".into(),
+        protocol: Protocol::Tcp,
+    }
+}
+
+fn snapshot(frontends: &[(FrontendKey, &[u8])]) -> Vec<Update> {
+    frontends
+        .iter()
+        .map(|(key, pods)| {
+            let frontend = Frontend {
+                service_port: name_of(key),
                 backends: pods
                     .iter()
                     .map(|&pod| Backend {
@@ -154,10 +160,16 @@ fn snapshot(frontends: &[(FrontendKey, &[u8])]) -> Snapshot {
                         port: 8080,
                     })
                     .collect(),
-            },
-        );
-    }
-    snapshot
+                affinity_timeout: None,
+            };
+            (name_of(key), vec![(*key, frontend)])
+        })
+        .collect()
+}
+
+/// The service port of `key` no longer has any frontend.
+fn gone(key: FrontendKey) -> Update {
+    (name_of(&key), Vec::new())
 }
 
 fn pods(maps: &FakeMaps, key: &FrontendKey) -> Vec<u8> {
@@ -172,7 +184,7 @@ fn first_apply_writes_frontend_slots_and_backends_in_network_order() {
     let mut maps = FakeMaps::with_slot_capacity(100);
     let mut programmer = Programmer::default();
     let web = key([10, 96, 0, 10], 80);
-    let (summary, errors) = programmer.apply(&snapshot(&[(web, &[1, 2])]), &mut maps);
+    let (summary, errors) = programmer.apply(snapshot(&[(web, &[1, 2])]), &mut maps);
     assert!(errors.is_empty());
     assert_eq!(summary.frontends_written, 1);
     maps.check_invariants();
@@ -193,9 +205,9 @@ fn a_backend_change_switches_generation_and_cleans_the_old_one() {
     let mut maps = FakeMaps::with_slot_capacity(100);
     let mut programmer = Programmer::default();
     let web = key([10, 96, 0, 10], 80);
-    programmer.apply(&snapshot(&[(web, &[1, 2, 3])]), &mut maps);
+    programmer.apply(snapshot(&[(web, &[1, 2, 3])]), &mut maps);
     let before = maps.frontends[&frontend_map_key(&web).expect("ipv4")];
-    programmer.apply(&snapshot(&[(web, &[1, 3])]), &mut maps);
+    programmer.apply(snapshot(&[(web, &[1, 3])]), &mut maps);
     let after = maps.frontends[&frontend_map_key(&web).expect("ipv4")];
     maps.check_invariants();
     assert_eq!(after.service_id, before.service_id);
@@ -212,9 +224,9 @@ fn an_unchanged_snapshot_writes_nothing() {
         (key([10, 96, 0, 10], 80), &[1, 2]),
         (key([10, 96, 0, 11], 80), &[3]),
     ]);
-    programmer.apply(&state, &mut maps);
+    programmer.apply(state.clone(), &mut maps);
     let writes = maps.writes;
-    let (summary, _) = programmer.apply(&state, &mut maps);
+    let (summary, _) = programmer.apply(state.clone(), &mut maps);
     assert_eq!(maps.writes, writes);
     assert_eq!(summary.frontends_unchanged, 2);
 }
@@ -226,11 +238,11 @@ fn only_the_changed_frontend_is_rewritten() {
     let many: Vec<(FrontendKey, &[u8])> = (0..100u8)
         .map(|i| (key([10, 96, 1, i], 80), &[1u8, 2][..]))
         .collect();
-    programmer.apply(&snapshot(&many), &mut maps);
+    programmer.apply(snapshot(&many), &mut maps);
     let writes = maps.writes;
     let mut changed = many.clone();
     changed[7].1 = &[1, 2, 3];
-    let (summary, _) = programmer.apply(&snapshot(&changed), &mut maps);
+    let (summary, _) = programmer.apply(snapshot(&changed), &mut maps);
     maps.check_invariants();
     assert_eq!(summary.frontends_written, 1);
     // 1 new backend + 3 slots + 1 frontend + 2 old slots deleted.
@@ -243,13 +255,13 @@ fn removing_a_frontend_removes_everything_it_used() {
     let mut programmer = Programmer::default();
     let web = key([10, 96, 0, 10], 80);
     let api = key([10, 96, 0, 11], 443);
-    programmer.apply(&snapshot(&[(web, &[1, 2]), (api, &[2, 3])]), &mut maps);
-    let (summary, _) = programmer.apply(&snapshot(&[(api, &[2, 3])]), &mut maps);
+    programmer.apply(snapshot(&[(web, &[1, 2]), (api, &[2, 3])]), &mut maps);
+    let (summary, _) = programmer.apply(vec![gone(web)], &mut maps);
     maps.check_invariants();
     assert_eq!(summary.frontends_removed, 1);
     assert_eq!(maps.frontends.len(), 1);
     assert_eq!(pods(&maps, &api), [2, 3], "the shared backend survives");
-    programmer.apply(&Snapshot::default(), &mut maps);
+    programmer.apply(vec![gone(api)], &mut maps);
     assert!(maps.frontends.is_empty() && maps.slots.is_empty() && maps.backends.is_empty());
 }
 
@@ -258,7 +270,7 @@ fn a_frontend_without_backends_is_written_with_count_zero() {
     let mut maps = FakeMaps::with_slot_capacity(100);
     let mut programmer = Programmer::default();
     let web = key([10, 96, 0, 10], 80);
-    programmer.apply(&snapshot(&[(web, &[])]), &mut maps);
+    programmer.apply(snapshot(&[(web, &[])]), &mut maps);
     let value = maps.frontends[&frontend_map_key(&web).expect("ipv4")];
     assert_eq!(value.backend_count, 0);
     maps.check_invariants();
@@ -269,9 +281,9 @@ fn a_full_map_leaves_the_frontend_on_its_previous_complete_set() {
     let mut maps = FakeMaps::with_slot_capacity(5);
     let mut programmer = Programmer::default();
     let web = key([10, 96, 0, 10], 80);
-    programmer.apply(&snapshot(&[(web, &[1, 2])]), &mut maps);
+    programmer.apply(snapshot(&[(web, &[1, 2])]), &mut maps);
     // The new generation needs 4 slots while 2 are still live: only 3 fit.
-    let (summary, errors) = programmer.apply(&snapshot(&[(web, &[1, 2, 3, 4])]), &mut maps);
+    let (summary, errors) = programmer.apply(snapshot(&[(web, &[1, 2, 3, 4])]), &mut maps);
     assert_eq!(summary.frontends_written, 0);
     assert_eq!(errors.len(), 1);
     assert!(
@@ -284,7 +296,7 @@ fn a_full_map_leaves_the_frontend_on_its_previous_complete_set() {
     maps.check_invariants();
     assert_eq!(pods(&maps, &web), [1, 2]);
     // A later snapshot that fits is applied normally.
-    let (summary, errors) = programmer.apply(&snapshot(&[(web, &[3])]), &mut maps);
+    let (summary, errors) = programmer.apply(snapshot(&[(web, &[3])]), &mut maps);
     assert!(errors.is_empty());
     assert_eq!(summary.frontends_written, 1);
     maps.check_invariants();
@@ -296,7 +308,7 @@ fn a_new_frontend_that_does_not_fit_leaves_nothing_behind() {
     let mut maps = FakeMaps::with_slot_capacity(2);
     let mut programmer = Programmer::default();
     let web = key([10, 96, 0, 10], 80);
-    let (_, errors) = programmer.apply(&snapshot(&[(web, &[1, 2, 3])]), &mut maps);
+    let (_, errors) = programmer.apply(snapshot(&[(web, &[1, 2, 3])]), &mut maps);
     assert_eq!(errors.len(), 1);
     assert!(maps.frontends.is_empty() && maps.slots.is_empty() && maps.backends.is_empty());
     assert_eq!(programmer.counts(), (0, 0));
@@ -306,26 +318,34 @@ fn a_new_frontend_that_does_not_fit_leaves_nothing_behind() {
 fn ipv6_frontends_are_counted_as_unsupported_not_dropped_silently() {
     let mut maps = FakeMaps::with_slot_capacity(10);
     let mut programmer = Programmer::default();
-    let mut state = Snapshot::default();
-    state.frontends.insert(
-        FrontendKey {
-            addr: "fd00::10".parse().expect("ipv6"),
-            port: 80,
-            protocol: Protocol::Tcp,
-        },
-        Frontend {
-            service_port: ServicePortName {
-                service: ObjectKey {
-                    namespace: "ns".into(),
-                    name: "v6".into(),
-                },
-                port: String::new(),
-                protocol: Protocol::Tcp,
-            },
-            backends: Vec::new(),
-        },
-    );
-    let (summary, _) = programmer.apply(&state, &mut maps);
+    let key = FrontendKey {
+        addr: "fd00::10".parse().expect("ipv6"),
+        port: 80,
+        protocol: Protocol::Tcp,
+    };
+    let mut update = snapshot(&[(key, &[])]);
+    update[0].1[0].1.backends.clear();
+    let (summary, _) = programmer.apply(update, &mut maps);
     assert_eq!(summary.frontends_unsupported, 1);
     assert!(maps.frontends.is_empty());
+}
+
+#[test]
+fn a_frontend_claimed_by_two_service_ports_stays_with_the_first() {
+    let mut maps = FakeMaps::with_slot_capacity(10);
+    let mut programmer = Programmer::default();
+    let web = key([10, 96, 0, 10], 80);
+    programmer.apply(snapshot(&[(web, &[1])]), &mut maps);
+    let mut intruder = snapshot(&[(web, &[2])]);
+    intruder[0].0.service.name = "intruder".into();
+    let (summary, errors) = programmer.apply(intruder, &mut maps);
+    assert_eq!(summary.frontends_written, 0);
+    assert!(
+        errors[0]
+            .to_string()
+            .contains("already used by ns/svc-10.96.0.10-80:http"),
+        "{}",
+        errors[0]
+    );
+    assert_eq!(pods(&maps, &web), [1]);
 }

@@ -1,0 +1,231 @@
+//! The types of the desired state.
+
+use std::{fmt, net::IpAddr};
+
+use ipnet::IpNet;
+
+use crate::objects::ObjectKey;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum IpFamily {
+    V4,
+    V6,
+}
+
+impl IpFamily {
+    pub const ALL: [IpFamily; 2] = [IpFamily::V4, IpFamily::V6];
+
+    pub fn of(addr: &IpAddr) -> Self {
+        match addr {
+            IpAddr::V4(_) => IpFamily::V4,
+            IpAddr::V6(_) => IpFamily::V6,
+        }
+    }
+
+    /// kube-proxy's label value (`ip_family` metric label, `ipFamilies` entries).
+    pub const fn as_k8s(self) -> &'static str {
+        match self {
+            IpFamily::V4 => "IPv4",
+            IpFamily::V6 => "IPv6",
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Protocol {
+    Tcp,
+    Udp,
+    Sctp,
+}
+
+impl Protocol {
+    /// The IP protocol number the kernel uses.
+    pub const fn number(self) -> u8 {
+        match self {
+            Protocol::Tcp => proxy_common::proto::TCP,
+            Protocol::Udp => proxy_common::proto::UDP,
+            Protocol::Sctp => proxy_common::proto::SCTP,
+        }
+    }
+
+    /// Parses a Kubernetes protocol field; the API server defaults it to TCP.
+    pub fn from_k8s(value: Option<&str>) -> Option<Self> {
+        match value {
+            None | Some("TCP") => Some(Protocol::Tcp),
+            Some("UDP") => Some(Protocol::Udp),
+            Some("SCTP") => Some(Protocol::Sctp),
+            Some(_) => None,
+        }
+    }
+
+    pub const fn as_k8s(self) -> &'static str {
+        match self {
+            Protocol::Tcp => "TCP",
+            Protocol::Udp => "UDP",
+            Protocol::Sctp => "SCTP",
+        }
+    }
+
+    /// Lower-case, as iptables' `-p`/`-m` take it.
+    pub const fn as_lower(self) -> &'static str {
+        match self {
+            Protocol::Tcp => "tcp",
+            Protocol::Udp => "udp",
+            Protocol::Sctp => "sctp",
+        }
+    }
+}
+
+impl fmt::Display for Protocol {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_k8s())
+    }
+}
+
+/// kube-proxy's ServicePortName: a Service, one of its port names and the protocol.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct ServicePortName {
+    pub service: ObjectKey,
+    /// The port's name; empty for a Service's single unnamed port.
+    pub port: String,
+    pub protocol: Protocol,
+}
+
+impl fmt::Display for ServicePortName {
+    /// `ns/name:port` — the form kube-proxy uses in rule comments and logs.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}:{}", self.service, self.port)
+    }
+}
+
+/// One endpoint of a service port, with what endpoint selection decided about it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Endpoint {
+    pub addr: IpAddr,
+    pub port: u16,
+    /// On this node (`nodeName` equals this node's name).
+    pub is_local: bool,
+    pub ready: bool,
+    pub serving: bool,
+    pub terminating: bool,
+    /// In the set Cluster traffic policy uses (ready and topology-eligible, or the
+    /// serving+terminating fallback).
+    pub cluster: bool,
+    /// In the set Local traffic policy uses.
+    pub local: bool,
+}
+
+impl Endpoint {
+    /// `ip:port` (`[ip]:port` for IPv6), kube-proxy's endpoint string; endpoints are sorted by it.
+    pub fn to_endpoint_string(&self) -> String {
+        std::net::SocketAddr::new(self.addr, self.port).to_string()
+    }
+}
+
+impl fmt::Display for Endpoint {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        std::net::SocketAddr::new(self.addr, self.port).fmt(f)
+    }
+}
+
+/// Everything a dataplane needs about one service port in one IP family (kube-proxy's
+/// `ServicePort` plus its categorized endpoints).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ServicePort {
+    pub name: ServicePortName,
+    pub cluster_ip: IpAddr,
+    pub port: u16,
+    pub protocol: Protocol,
+    pub node_port: Option<u16>,
+    /// `spec.externalIPs` of this family.
+    pub external_ips: Vec<IpAddr>,
+    /// `status.loadBalancer.ingress[].ip` of this family, except `ipMode: Proxy`.
+    pub load_balancer_ips: Vec<IpAddr>,
+    /// `spec.loadBalancerSourceRanges` of this family (whitespace trimmed, as upstream).
+    pub source_ranges: Vec<IpNet>,
+    /// `sessionAffinity: ClientIP` timeout in seconds.
+    pub affinity_timeout: Option<u32>,
+    pub external_policy_local: bool,
+    pub internal_policy_local: bool,
+    pub health_check_node_port: Option<u16>,
+    /// `spec.trafficDistribution` as given; selection itself follows the slices' hints.
+    pub traffic_distribution: Option<String>,
+    /// Every endpoint of this family, sorted by endpoint string (kube-proxy's order), with the
+    /// selection flags set.
+    pub endpoints: Vec<Endpoint>,
+    /// Whether any endpoint anywhere in the cluster is usable (decides REJECT vs DROP).
+    pub has_any_endpoints: bool,
+}
+
+impl ServicePort {
+    /// kube-proxy's `ExternallyAccessible`.
+    pub fn externally_accessible(&self) -> bool {
+        self.node_port.is_some()
+            || !self.load_balancer_ips.is_empty()
+            || !self.external_ips.is_empty()
+    }
+
+    /// kube-proxy's `UsesClusterEndpoints`: Cluster internal policy, or any external access
+    /// (even with Local external policy, for short-circuiting traffic from inside the cluster).
+    pub fn uses_cluster_endpoints(&self) -> bool {
+        !self.internal_policy_local || self.externally_accessible()
+    }
+
+    /// kube-proxy's `UsesLocalEndpoints`.
+    pub fn uses_local_endpoints(&self) -> bool {
+        self.internal_policy_local || (self.external_policy_local && self.externally_accessible())
+    }
+
+    pub fn cluster_endpoints(&self) -> impl Iterator<Item = &Endpoint> {
+        self.endpoints.iter().filter(|e| e.cluster)
+    }
+
+    pub fn local_endpoints(&self) -> impl Iterator<Item = &Endpoint> {
+        self.endpoints.iter().filter(|e| e.local)
+    }
+
+    /// The union of the two sets: every endpoint this node may send to.
+    pub fn reachable_endpoints(&self) -> impl Iterator<Item = &Endpoint> {
+        self.endpoints.iter().filter(|e| e.cluster || e.local)
+    }
+
+    /// Endpoints for traffic to the ClusterIP.
+    pub fn internal_endpoints(&self) -> impl Iterator<Item = &Endpoint> {
+        let local = self.internal_policy_local;
+        self.endpoints
+            .iter()
+            .filter(move |e| if local { e.local } else { e.cluster })
+    }
+
+    /// Endpoints for traffic from outside the node to NodePorts, externalIPs and LB IPs.
+    pub fn external_endpoints(&self) -> impl Iterator<Item = &Endpoint> {
+        let local = self.external_policy_local;
+        self.endpoints
+            .iter()
+            .filter(move |e| if local { e.local } else { e.cluster })
+    }
+}
+
+/// Facts about this node that the desired state depends on.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct NodeContext {
+    pub name: String,
+    /// The node's `topology.kubernetes.io/zone` label.
+    pub zone: Option<String>,
+}
+
+impl NodeContext {
+    pub const ZONE_LABEL: &'static str = "topology.kubernetes.io/zone";
+
+    /// The context for `name`, with the zone from the node object when there is one.
+    pub fn new(name: &str, node: Option<&k8s_openapi::api::core::v1::Node>) -> Self {
+        let zone = node
+            .and_then(|node| node.metadata.labels.as_ref())
+            .and_then(|labels| labels.get(Self::ZONE_LABEL))
+            .cloned();
+        Self {
+            name: name.to_owned(),
+            zone,
+        }
+    }
+}

@@ -1,0 +1,196 @@
+//! The snapshot: every service port per IP family, kept up to date incrementally. Recomputing a
+//! Service touches only that Service and its slices, so a sync costs O(changed Services).
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use super::{
+    IpFamily, NodeContext, ServicePort, ServicePortName,
+    endpoints::endpoints_by_port,
+    services::{ServiceError, service_ports},
+    topology::{Usage, categorize},
+};
+use crate::objects::{ObjectKey, Objects};
+
+/// The service ports of one IP family.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct FamilySnapshot {
+    pub service_ports: BTreeMap<ServicePortName, ServicePort>,
+}
+
+impl FamilySnapshot {
+    /// The service ports of one Service.
+    pub fn of_service<'a>(&'a self, service: &ObjectKey) -> impl Iterator<Item = &'a ServicePort> {
+        let start = ServicePortName {
+            service: service.clone(),
+            port: String::new(),
+            protocol: super::Protocol::Tcp,
+        };
+        let service = service.clone();
+        self.service_ports
+            .range(start..)
+            .take_while(move |(name, _)| name.service == service)
+            .map(|(_, port)| port)
+    }
+}
+
+/// What this node must do, for both IP families.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Snapshot {
+    pub v4: FamilySnapshot,
+    pub v6: FamilySnapshot,
+    /// Current problems per Service (invalid fields, bad slices).
+    errors: BTreeMap<ObjectKey, Vec<ServiceError>>,
+}
+
+/// What one [`Snapshot::update`] changed.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SnapshotUpdate {
+    /// Service ports added, removed or modified, in either family.
+    pub changed: BTreeSet<ServicePortName>,
+    /// Problems that were not reported before.
+    pub new_errors: Vec<ServiceError>,
+}
+
+impl Snapshot {
+    /// The snapshot of `objects` from scratch.
+    pub fn compute(objects: &Objects, node_name: &str) -> Self {
+        let mut snapshot = Self::default();
+        snapshot.update(objects, node_name, None);
+        snapshot
+    }
+
+    pub fn family(&self, family: IpFamily) -> &FamilySnapshot {
+        match family {
+            IpFamily::V4 => &self.v4,
+            IpFamily::V6 => &self.v6,
+        }
+    }
+
+    fn family_mut(&mut self, family: IpFamily) -> &mut FamilySnapshot {
+        match family {
+            IpFamily::V4 => &mut self.v4,
+            IpFamily::V6 => &mut self.v6,
+        }
+    }
+
+    pub fn errors(&self) -> impl Iterator<Item = &ServiceError> {
+        self.errors.values().flatten()
+    }
+
+    /// Recomputes the given Services (`None`: all of them, e.g. after a node change) and returns
+    /// what changed.
+    pub fn update(
+        &mut self,
+        objects: &Objects,
+        node_name: &str,
+        services: Option<&BTreeSet<ObjectKey>>,
+    ) -> SnapshotUpdate {
+        let node = NodeContext::new(node_name, objects.node.as_ref());
+        let keys: BTreeSet<ObjectKey> = match services {
+            Some(keys) => keys.clone(),
+            None => objects
+                .services
+                .keys()
+                .chain(self.errors.keys())
+                .chain(self.v4.service_ports.keys().map(|n| &n.service))
+                .chain(self.v6.service_ports.keys().map(|n| &n.service))
+                .cloned()
+                .collect(),
+        };
+        let mut update = SnapshotUpdate::default();
+        for key in &keys {
+            self.update_service(objects, &node, key, &mut update);
+        }
+        update
+    }
+
+    fn update_service(
+        &mut self,
+        objects: &Objects,
+        node: &NodeContext,
+        key: &ObjectKey,
+        update: &mut SnapshotUpdate,
+    ) {
+        let mut errors = Vec::new();
+        for family in IpFamily::ALL {
+            let new = compute_service(objects, node, key, family, &mut errors);
+            let table = &mut self.family_mut(family).service_ports;
+            let old: Vec<ServicePortName> = table
+                .range(
+                    ServicePortName {
+                        service: key.clone(),
+                        port: String::new(),
+                        protocol: super::Protocol::Tcp,
+                    }..,
+                )
+                .take_while(|(name, _)| &name.service == key)
+                .map(|(name, _)| name.clone())
+                .collect();
+            for name in old {
+                if !new.contains_key(&name)
+                    && let Some(removed) = table.remove(&name)
+                {
+                    update.changed.insert(removed.name);
+                }
+            }
+            for (name, port) in new {
+                if table.get(&name) != Some(&port) {
+                    update.changed.insert(name.clone());
+                    table.insert(name, port);
+                }
+            }
+        }
+        errors.dedup();
+        let previous = self.errors.remove(key).unwrap_or_default();
+        update
+            .new_errors
+            .extend(errors.iter().filter(|e| !previous.contains(e)).cloned());
+        if !errors.is_empty() {
+            self.errors.insert(key.clone(), errors);
+        }
+    }
+}
+
+/// The service ports of one Service in one family, with their endpoints selected.
+fn compute_service(
+    objects: &Objects,
+    node: &NodeContext,
+    key: &ObjectKey,
+    family: IpFamily,
+    errors: &mut Vec<ServiceError>,
+) -> BTreeMap<ServicePortName, ServicePort> {
+    let Some(service) = objects.services.get(key) else {
+        return BTreeMap::new();
+    };
+    let ports = service_ports(key, service, family, errors);
+    if ports.is_empty() {
+        return BTreeMap::new();
+    }
+    let mut warnings = Vec::new();
+    let mut by_port = endpoints_by_port(&objects.slices_of(key), family, &node.name, &mut warnings);
+    for warning in warnings {
+        let error = ServiceError::from(warning);
+        if !errors.contains(&error) {
+            errors.push(error);
+        }
+    }
+    ports
+        .into_iter()
+        .map(|mut port| {
+            let raw = by_port
+                .remove(&(port.name.port.clone(), port.protocol))
+                .unwrap_or_default();
+            let usage = Usage {
+                cluster: port.uses_cluster_endpoints(),
+                local: port.uses_local_endpoints(),
+            };
+            let (endpoints, has_any) = categorize(raw, usage, node);
+            port.endpoints = endpoints;
+            port.has_any_endpoints = has_any;
+            (port.name.clone(), port)
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,505 @@
+//! Table-style tests of the whole desired-state function: Services + EndpointSlices (+ Node)
+//! → service ports per family, with every field kube-proxy reads.
+
+use std::{collections::BTreeMap, net::IpAddr};
+
+use k8s_openapi::api::{
+    core::v1::{Node, Service},
+    discovery::v1::EndpointSlice,
+};
+
+use super::*;
+use crate::desired::{Endpoint, Protocol};
+
+/// Builds the object view from a multi-document YAML string, as the sources would.
+fn objects(yaml: &str) -> Objects {
+    let mut services = BTreeMap::new();
+    let mut slices = BTreeMap::new();
+    let mut node = None;
+    for document in serde_yaml::Deserializer::from_str(yaml) {
+        let value: serde_yaml::Value = serde::Deserialize::deserialize(document).expect("yaml");
+        let kind = value
+            .get("kind")
+            .and_then(|k| k.as_str())
+            .expect("kind")
+            .to_owned();
+        match kind.as_str() {
+            "Service" => {
+                let svc: Service = serde_yaml::from_value(value).expect("service");
+                services.insert(ObjectKey::of(&svc.metadata).expect("key"), svc);
+            }
+            "EndpointSlice" => {
+                let slice: EndpointSlice = serde_yaml::from_value(value).expect("slice");
+                slices.insert(ObjectKey::of(&slice.metadata).expect("key"), slice);
+            }
+            "Node" => node = Some(serde_yaml::from_value::<Node>(value).expect("node")),
+            other => panic!("unexpected kind {other}"),
+        }
+    }
+    Objects::new(services, slices, node)
+}
+
+const NODE: &str = "node-a";
+
+fn port<'a>(
+    snapshot: &'a Snapshot,
+    family: IpFamily,
+    service: &str,
+    port: &str,
+    protocol: Protocol,
+) -> &'a ServicePort {
+    let (namespace, name) = service.split_once('/').expect("ns/name");
+    let key = ServicePortName {
+        service: ObjectKey {
+            namespace: namespace.into(),
+            name: name.into(),
+        },
+        port: port.into(),
+        protocol,
+    };
+    snapshot
+        .family(family)
+        .service_ports
+        .get(&key)
+        .unwrap_or_else(|| panic!("no service port {key} in {family:?}"))
+}
+
+fn strings<'a>(endpoints: impl Iterator<Item = &'a Endpoint>) -> Vec<String> {
+    endpoints.map(ToString::to_string).collect()
+}
+
+const WEB: &str = r#"
+apiVersion: v1
+kind: Service
+metadata: {name: web, namespace: shop}
+spec:
+  clusterIP: 10.96.0.10
+  ports:
+  - {name: http, port: 80, protocol: TCP}
+  - {name: dns, port: 53, protocol: UDP}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: web-a, namespace: shop, labels: {kubernetes.io/service-name: web}}
+addressType: IPv4
+ports:
+- {name: http, port: 8080, protocol: TCP}
+- {name: dns, port: 5353, protocol: UDP}
+endpoints:
+- addresses: [10.244.1.2]
+  nodeName: node-a
+- addresses: [10.244.2.2]
+  conditions: {ready: true}
+  nodeName: node-b
+- addresses: [10.244.3.2]
+  conditions: {ready: false, serving: false}
+  nodeName: node-a
+"#;
+
+#[test]
+fn cluster_ip_ports_get_their_endpoints_by_port_name() {
+    let snapshot = Snapshot::compute(&objects(WEB), NODE);
+    assert_eq!(
+        snapshot.errors().count(),
+        0,
+        "{:?}",
+        snapshot.errors().collect::<Vec<_>>()
+    );
+    let http = port(&snapshot, IpFamily::V4, "shop/web", "http", Protocol::Tcp);
+    assert_eq!(http.cluster_ip, IpAddr::from([10, 96, 0, 10]));
+    assert_eq!(http.port, 80);
+    assert_eq!(
+        strings(http.endpoints.iter()),
+        ["10.244.1.2:8080", "10.244.2.2:8080", "10.244.3.2:8080"]
+    );
+    assert_eq!(
+        strings(http.cluster_endpoints()),
+        ["10.244.1.2:8080", "10.244.2.2:8080"]
+    );
+    assert!(http.endpoints[0].is_local && !http.endpoints[1].is_local);
+    let dns = port(&snapshot, IpFamily::V4, "shop/web", "dns", Protocol::Udp);
+    assert_eq!(
+        strings(dns.internal_endpoints()),
+        ["10.244.1.2:5353", "10.244.2.2:5353"]
+    );
+    assert!(snapshot.v6.service_ports.is_empty());
+    assert_eq!(http.name.to_string(), "shop/web:http");
+}
+
+#[test]
+fn endpoints_are_sorted_by_endpoint_string_like_kube_proxy() {
+    let yaml = WEB.replace("10.244.2.2", "10.244.1.11");
+    let snapshot = Snapshot::compute(&objects(&yaml), NODE);
+    let http = port(&snapshot, IpFamily::V4, "shop/web", "http", Protocol::Tcp);
+    // String order: "10.244.1.11:8080" < "10.244.1.2:8080".
+    assert_eq!(
+        strings(http.endpoints.iter())[..2],
+        ["10.244.1.11:8080", "10.244.1.2:8080"]
+    );
+}
+
+#[test]
+fn missing_conditions_mean_ready_and_serving() {
+    let snapshot = Snapshot::compute(&objects(WEB), NODE);
+    let first = &port(&snapshot, IpFamily::V4, "shop/web", "http", Protocol::Tcp).endpoints[0];
+    assert!(first.ready && first.serving && !first.terminating);
+}
+
+#[test]
+fn slice_ports_match_by_name_and_protocol_and_nameless_ports_are_ignored() {
+    let yaml = WEB
+        .replace(
+            "{name: dns, port: 5353, protocol: UDP}",
+            "{name: dns, port: 5353, protocol: TCP}",
+        )
+        .replace(
+            "- {name: http, port: 8080, protocol: TCP}",
+            "- {port: 8080, protocol: TCP}",
+        );
+    let snapshot = Snapshot::compute(&objects(&yaml), NODE);
+    assert!(
+        port(&snapshot, IpFamily::V4, "shop/web", "dns", Protocol::Udp)
+            .endpoints
+            .is_empty()
+    );
+    assert!(
+        port(&snapshot, IpFamily::V4, "shop/web", "http", Protocol::Tcp)
+            .endpoints
+            .is_empty()
+    );
+    let errors: Vec<String> = snapshot.errors().map(ToString::to_string).collect();
+    assert_eq!(
+        errors,
+        ["EndpointSlice shop/web-a: ports[0]: no name; ignored (kube-proxy ignores it too)"]
+    );
+}
+
+const SECOND_SLICE: &str = r#"
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: web-b, namespace: shop, labels: {kubernetes.io/service-name: web}}
+addressType: IPv4
+ports: [{name: http, port: 8080, protocol: TCP}]
+endpoints:
+- addresses: [10.244.2.2]
+  conditions: {ready: false}
+  nodeName: node-b
+- addresses: [10.244.4.2]
+"#;
+
+#[test]
+fn several_slices_merge_and_a_duplicate_endpoint_counts_once() {
+    let yaml = format!("{WEB}---\n{SECOND_SLICE}");
+    let snapshot = Snapshot::compute(&objects(&yaml), NODE);
+    let http = port(&snapshot, IpFamily::V4, "shop/web", "http", Protocol::Tcp);
+    assert_eq!(
+        strings(http.endpoints.iter()),
+        [
+            "10.244.1.2:8080",
+            "10.244.2.2:8080",
+            "10.244.3.2:8080",
+            "10.244.4.2:8080"
+        ]
+    );
+    // The first copy (web-a, ready) wins over web-b's not-ready copy: neither is local.
+    assert!(http.endpoints[1].ready);
+}
+
+#[test]
+fn slices_of_another_namespace_are_not_used() {
+    let yaml = WEB.replace(
+        "name: web-a, namespace: shop",
+        "name: web-a, namespace: other",
+    );
+    let snapshot = Snapshot::compute(&objects(&yaml), NODE);
+    assert!(
+        port(&snapshot, IpFamily::V4, "shop/web", "http", Protocol::Tcp)
+            .endpoints
+            .is_empty()
+    );
+}
+
+#[test]
+fn headless_unallocated_and_external_name_services_are_skipped() {
+    for replacement in [
+        "clusterIP: None",
+        "clusterIP: ''",
+        "type: ExternalName\n  externalName: example.org",
+    ] {
+        let yaml = WEB.replace("clusterIP: 10.96.0.10", replacement);
+        let snapshot = Snapshot::compute(&objects(&yaml), NODE);
+        assert!(snapshot.v4.service_ports.is_empty(), "{replacement}");
+    }
+}
+
+const LB: &str = r#"
+apiVersion: v1
+kind: Service
+metadata: {name: lb, namespace: edge}
+spec:
+  type: LoadBalancer
+  clusterIP: 10.96.1.1
+  clusterIPs: [10.96.1.1, 'fd00::1:1']
+  ipFamilies: [IPv4, IPv6]
+  externalIPs: [192.0.2.10, '2001:db8::10']
+  externalTrafficPolicy: Local
+  healthCheckNodePort: 30999
+  loadBalancerSourceRanges: [' 203.0.113.0/24', '2001:db8:1::/48', 198.51.100.7/32]
+  sessionAffinity: ClientIP
+  sessionAffinityConfig: {clientIP: {timeoutSeconds: 60}}
+  trafficDistribution: PreferClose
+  ports:
+  - {name: https, port: 443, nodePort: 30443}
+status:
+  loadBalancer:
+    ingress:
+    - {ip: 198.51.100.1}
+    - {ip: 198.51.100.2, ipMode: Proxy}
+    - {ip: 198.51.100.3, ipMode: VIP}
+    - {ip: '2001:db8::1'}
+    - {hostname: lb.example.org}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: lb-v4, namespace: edge, labels: {kubernetes.io/service-name: lb}}
+addressType: IPv4
+ports: [{name: https, port: 8443}]
+endpoints:
+- {addresses: [10.244.1.5], nodeName: node-a}
+- {addresses: [10.244.2.5], nodeName: node-b}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: lb-v6, namespace: edge, labels: {kubernetes.io/service-name: lb}}
+addressType: IPv6
+ports: [{name: https, port: 8443}]
+endpoints:
+- {addresses: ['fd00:244::5'], nodeName: node-b}
+"#;
+
+#[test]
+fn load_balancer_service_fields_per_family() {
+    let snapshot = Snapshot::compute(&objects(LB), NODE);
+    assert_eq!(
+        snapshot.errors().count(),
+        0,
+        "{:?}",
+        snapshot.errors().collect::<Vec<_>>()
+    );
+    let v4 = port(&snapshot, IpFamily::V4, "edge/lb", "https", Protocol::Tcp);
+    assert_eq!(v4.node_port, Some(30443));
+    assert_eq!(v4.external_ips, [IpAddr::from([192, 0, 2, 10])]);
+    assert_eq!(
+        v4.load_balancer_ips,
+        [
+            IpAddr::from([198, 51, 100, 1]),
+            IpAddr::from([198, 51, 100, 3])
+        ],
+        "ipMode: Proxy and hostname-only ingress are not VIPs"
+    );
+    let ranges: Vec<String> = v4.source_ranges.iter().map(ToString::to_string).collect();
+    assert_eq!(ranges, ["203.0.113.0/24", "198.51.100.7/32"]);
+    assert_eq!(v4.affinity_timeout, Some(60));
+    assert!(v4.external_policy_local && !v4.internal_policy_local);
+    assert_eq!(v4.health_check_node_port, Some(30999));
+    assert_eq!(v4.traffic_distribution.as_deref(), Some("PreferClose"));
+    assert_eq!(strings(v4.external_endpoints()), ["10.244.1.5:8443"]);
+    assert_eq!(
+        strings(v4.internal_endpoints()),
+        ["10.244.1.5:8443", "10.244.2.5:8443"]
+    );
+
+    let v6 = port(&snapshot, IpFamily::V6, "edge/lb", "https", Protocol::Tcp);
+    assert_eq!(v6.cluster_ip, "fd00::1:1".parse::<IpAddr>().expect("ip"));
+    assert_eq!(
+        v6.external_ips,
+        ["2001:db8::10".parse::<IpAddr>().expect("ip")]
+    );
+    assert_eq!(
+        v6.load_balancer_ips,
+        ["2001:db8::1".parse::<IpAddr>().expect("ip")]
+    );
+    assert_eq!(v6.source_ranges.len(), 1);
+    assert_eq!(strings(v6.endpoints.iter()), ["[fd00:244::5]:8443"]);
+    assert_eq!(v6.external_endpoints().count(), 0, "no local IPv6 endpoint");
+    assert!(v6.has_any_endpoints);
+}
+
+#[test]
+fn external_policy_local_needs_external_access_and_health_check_needs_a_load_balancer() {
+    let cluster_ip = WEB.replace(
+        "  clusterIP: 10.96.0.10",
+        "  clusterIP: 10.96.0.10\n  externalTrafficPolicy: Local\n  healthCheckNodePort: 30001",
+    );
+    let snapshot = Snapshot::compute(&objects(&cluster_ip), NODE);
+    let http = port(&snapshot, IpFamily::V4, "shop/web", "http", Protocol::Tcp);
+    assert!(
+        !http.external_policy_local,
+        "a plain ClusterIP Service is not externally accessible"
+    );
+    assert_eq!(http.health_check_node_port, None);
+
+    let node_port = cluster_ip.replace(
+        "  clusterIP: 10.96.0.10\n",
+        "  clusterIP: 10.96.0.10\n  type: NodePort\n",
+    );
+    let snapshot = Snapshot::compute(&objects(&node_port), NODE);
+    let http = port(&snapshot, IpFamily::V4, "shop/web", "http", Protocol::Tcp);
+    assert!(http.external_policy_local);
+    assert_eq!(
+        http.health_check_node_port, None,
+        "only LoadBalancer Services need health checks"
+    );
+}
+
+#[test]
+fn internal_traffic_policy_local_uses_local_endpoints_for_the_cluster_ip() {
+    let yaml = WEB.replace(
+        "  clusterIP: 10.96.0.10",
+        "  clusterIP: 10.96.0.10\n  internalTrafficPolicy: Local",
+    );
+    let snapshot = Snapshot::compute(&objects(&yaml), NODE);
+    let http = port(&snapshot, IpFamily::V4, "shop/web", "http", Protocol::Tcp);
+    assert_eq!(strings(http.internal_endpoints()), ["10.244.1.2:8080"]);
+    assert!(!http.uses_cluster_endpoints());
+}
+
+#[test]
+fn default_affinity_timeout_is_three_hours() {
+    let yaml = WEB.replace(
+        "  clusterIP: 10.96.0.10",
+        "  clusterIP: 10.96.0.10\n  sessionAffinity: ClientIP",
+    );
+    let snapshot = Snapshot::compute(&objects(&yaml), NODE);
+    assert_eq!(
+        port(&snapshot, IpFamily::V4, "shop/web", "http", Protocol::Tcp).affinity_timeout,
+        Some(10_800)
+    );
+}
+
+#[test]
+fn zone_hints_follow_the_node_objects_zone_label() {
+    let yaml = format!(
+        "{}---\n{}",
+        WEB.replace(
+            "  nodeName: node-b",
+            "  nodeName: node-b\n  hints: {forZones: [{name: z2}]}"
+        )
+        .replace(
+            "- addresses: [10.244.1.2]\n  nodeName: node-a",
+            "- addresses: [10.244.1.2]\n  nodeName: node-a\n  hints: {forZones: [{name: z1}]}"
+        ),
+        "apiVersion: v1\nkind: Node\nmetadata: {name: node-a, labels: {topology.kubernetes.io/zone: z1}}\n"
+    );
+    let snapshot = Snapshot::compute(&objects(&yaml), NODE);
+    let http = port(&snapshot, IpFamily::V4, "shop/web", "http", Protocol::Tcp);
+    assert_eq!(strings(http.cluster_endpoints()), ["10.244.1.2:8080"]);
+}
+
+#[test]
+fn invalid_fields_are_reported_by_object_and_field_and_the_rest_is_kept() {
+    let yaml = format!(
+        "{WEB}---\n{}",
+        r#"
+apiVersion: v1
+kind: Service
+metadata: {name: broken, namespace: shop}
+spec:
+  clusterIPs: [10.96.0.20]
+  externalIPs: [not-an-ip]
+  loadBalancerSourceRanges: [10.0.0.0/33]
+  ports:
+  - {name: a, port: 70000}
+  - {name: b, port: 81, protocol: QUIC}
+  - {name: c, port: 82}
+  - {name: d, port: 82}
+"#
+    );
+    let snapshot = Snapshot::compute(&objects(&yaml), NODE);
+    let messages: Vec<String> = snapshot.errors().map(ToString::to_string).collect();
+    assert_eq!(
+        messages,
+        [
+            r#"Service shop/broken: spec.externalIPs: invalid IP address "not-an-ip"; ignored"#,
+            r#"Service shop/broken: spec.loadBalancerSourceRanges[0]: invalid CIDR "10.0.0.0/33"; ignored"#,
+            "Service shop/broken: spec.ports[0].port: 70000 is outside 1-65535; port ignored",
+            r#"Service shop/broken: spec.ports[1].protocol: unsupported protocol "QUIC" (TCP, UDP or SCTP); port ignored"#,
+            "Service shop/broken: spec.ports[3].port: port 82/TCP is listed twice; ignoring this copy",
+        ]
+    );
+    // The valid port of the broken Service and the whole of shop/web are still there.
+    assert_eq!(snapshot.v4.service_ports.len(), 3);
+    port(&snapshot, IpFamily::V4, "shop/broken", "c", Protocol::Tcp);
+}
+
+#[test]
+fn an_invalid_cluster_ip_drops_the_service_with_one_error() {
+    let yaml = WEB.replace("clusterIP: 10.96.0.10", "clusterIP: 10.96.0.300");
+    let snapshot = Snapshot::compute(&objects(&yaml), NODE);
+    let messages: Vec<String> = snapshot.errors().map(ToString::to_string).collect();
+    assert_eq!(
+        messages,
+        [r#"Service shop/web: spec.clusterIP: invalid IP address "10.96.0.300"; ignored"#]
+    );
+    assert!(snapshot.v4.service_ports.is_empty());
+}
+
+#[test]
+fn incremental_update_touches_only_the_changed_service_and_reports_what_changed() {
+    let base = format!("{WEB}---\n{LB}");
+    let mut objects_now = objects(&base);
+    let mut snapshot = Snapshot::compute(&objects_now, NODE);
+    let full = snapshot.clone();
+
+    // Remove one endpoint of shop/web.
+    let changed_yaml = base.replace(
+        "- addresses: [10.244.2.2]\n  conditions: {ready: true}",
+        "- addresses: [10.244.2.2]\n  conditions: {ready: false}",
+    );
+    objects_now = objects(&changed_yaml);
+    let web = ObjectKey {
+        namespace: "shop".into(),
+        name: "web".into(),
+    };
+    let update = snapshot.update(&objects_now, NODE, Some(&BTreeSet::from([web.clone()])));
+    let changed: Vec<String> = update.changed.iter().map(ToString::to_string).collect();
+    assert_eq!(changed, ["shop/web:dns", "shop/web:http"]);
+    assert_eq!(
+        snapshot,
+        Snapshot::compute(&objects_now, NODE),
+        "incremental equals full"
+    );
+    assert_ne!(snapshot, full);
+
+    // Deleting the Service removes its ports.
+    let mut services = objects_now.services.clone();
+    services.remove(&web);
+    let without_web = Objects::new(services, objects_now.endpoint_slices().clone(), None);
+    let update = snapshot.update(&without_web, NODE, Some(&BTreeSet::from([web])));
+    assert_eq!(update.changed.len(), 2);
+    assert!(
+        snapshot
+            .v4
+            .service_ports
+            .keys()
+            .all(|k| k.service.name != "web")
+    );
+}
+
+#[test]
+fn a_problem_is_reported_once_not_on_every_sync() {
+    let yaml = WEB.replace("clusterIP: 10.96.0.10", "clusterIP: 10.96.0.300");
+    let objects = objects(&yaml);
+    let mut snapshot = Snapshot::default();
+    assert_eq!(snapshot.update(&objects, NODE, None).new_errors.len(), 1);
+    assert_eq!(snapshot.update(&objects, NODE, None).new_errors.len(), 0);
+}
+
+#[test]
+fn compute_is_deterministic() {
+    let objects = objects(&format!("{WEB}---\n{LB}---\n{SECOND_SLICE}"));
+    assert_eq!(
+        Snapshot::compute(&objects, NODE),
+        Snapshot::compute(&objects, NODE)
+    );
+}
