@@ -7,3 +7,4 @@ pub mod desired;
 pub mod objects;
 pub mod run;
 pub mod source;
+pub mod sync_runner;

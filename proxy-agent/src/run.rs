@@ -1,11 +1,12 @@
 //! The agent's main loop: source → desired state → dataplane, until a signal stops it.
 
-use std::{collections::BTreeSet, time::Instant};
+use std::{collections::BTreeSet, time::Duration};
 
 use anyhow::{Context as _, bail};
 use tokio::{
     signal::unix::{SignalKind, signal},
     sync::mpsc,
+    time::Instant,
 };
 use tracing::{debug, error, info, warn};
 
@@ -15,6 +16,16 @@ use crate::{
     desired::{NodeContext, Snapshot},
     objects::{Kind, ObjectKey, Objects, Store},
     source,
+    sync_runner::{RunnerConfig, SyncReason, SyncRunner},
+};
+
+/// Sync pacing in eBPF mode. A sync costs O(changed Services) there, so no minimum interval is
+/// needed beyond coalescing what is already queued; the periodic full reconcile repairs anything a
+/// failed incremental apply left behind.
+const EBPF_RUNNER: RunnerConfig = RunnerConfig {
+    min_interval: Duration::ZERO,
+    max_interval: Duration::from_secs(30),
+    burst: 2,
 };
 
 pub async fn run(args: Args) -> anyhow::Result<()> {
@@ -47,8 +58,16 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     let mut sigterm = signal(SignalKind::terminate()).context("cannot handle SIGTERM")?;
     let mut snapshot = Snapshot::default();
     let mut synced_once = false;
+    let mut runner = SyncRunner::new(EBPF_RUNNER, Instant::now());
 
     let outcome = loop {
+        // Nothing is programmed until every kind was listed once (kube-proxy's rule), so a
+        // restart never programs a half-empty view.
+        let wake = if store.is_synced() {
+            runner.next_wakeup(Instant::now())
+        } else {
+            Instant::now() + EBPF_RUNNER.max_interval
+        };
         tokio::select! {
             update = rx.recv() => {
                 let Some(update) = update else {
@@ -59,15 +78,23 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
                 while let Ok(update) = rx.try_recv() {
                     changed |= store.apply(update);
                 }
-                // The first sync waits until every kind was listed once, then runs even if the
-                // last update changed nothing.
-                if store.is_synced() && (changed || !synced_once) {
-                    let changes = store.take_changes();
-                    // The first sync, and any node change, recompute every Service.
-                    let scope = (synced_once && !changes.node).then_some(&changes.services);
-                    synced_once = true;
-                    sync(store.objects(), &node, scope, &mut snapshot, &mut dataplane);
+                if changed || (store.is_synced() && !synced_once) {
+                    runner.request();
                 }
+            }
+            () = tokio::time::sleep_until(wake) => {
+                if !store.is_synced() {
+                    continue;
+                }
+                let Some(reason) = runner.due(Instant::now()) else {
+                    continue;
+                };
+                let changes = store.take_changes();
+                // The first sync, a node change and the periodic resync cover every Service.
+                let full = !synced_once || changes.node || reason == SyncReason::Periodic;
+                synced_once = true;
+                let scope = (!full).then_some(&changes.services);
+                sync(store.objects(), &node, scope, &mut snapshot, &mut dataplane);
             }
             _ = sigint.recv() => break Ok("SIGINT"),
             _ = sigterm.recv() => break Ok("SIGTERM"),
