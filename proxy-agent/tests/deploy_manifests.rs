@@ -1,5 +1,9 @@
 //! Every manifest in deploy/ parses as the typed Kubernetes object it claims to be, with no field
 //! the type does not know (a typo would otherwise be silently dropped by the API server too).
+#![expect(
+    clippy::expect_used,
+    reason = "test helpers: a failed expectation is a failed test"
+)]
 
 use std::path::{Path, PathBuf};
 
