@@ -10,33 +10,33 @@ use tokio::{
 use tracing::{debug, error, info, warn};
 
 use crate::{
-    cli::{Args, ProxyMode},
+    config::{Config, ProxyMode},
     dataplane::ebpf::{EbpfDataplane, EbpfOptions},
     desired::{self, NodeContext},
     objects::{Kind, Objects, Store},
     source,
 };
 
-pub async fn run(args: Args) -> anyhow::Result<()> {
-    if args.proxy_mode == ProxyMode::Iptables {
+pub async fn run(config: Config) -> anyhow::Result<()> {
+    if config.mode == ProxyMode::Iptables {
         bail!("--proxy-mode iptables is not implemented yet; use --proxy-mode ebpf");
     }
-    let Some(manifests) = args.manifests.clone() else {
+    let Some(manifests) = config.ebpf.manifests.clone() else {
         bail!("--manifests DIR is required (the Kubernetes API source is not implemented yet)");
     };
     if !manifests.is_dir() {
         bail!("--manifests {}: not a directory", manifests.display());
     }
     let node = NodeContext {
-        name: node_name(args.hostname_override.as_deref())?,
+        name: node_name(config.hostname_override.as_deref())?,
     };
     info!(node = %node.name, mode = "ebpf", "starting proxy-agent");
 
     let mut dataplane = EbpfDataplane::start(&EbpfOptions {
-        cgroup_path: args.cgroup_path.clone(),
-        bpf_root: args.bpf_root.clone(),
-        frontends_capacity: args.bpf_map_frontends,
-        backends_capacity: args.bpf_map_backends,
+        cgroup_path: config.ebpf.cgroup_path.clone(),
+        bpf_root: config.ebpf.bpf_root.clone(),
+        frontends_capacity: config.ebpf.map_frontends,
+        backends_capacity: config.ebpf.map_backends,
     })
     .context("cannot start the eBPF dataplane")?;
 
