@@ -10,6 +10,10 @@ use std::{
 
 const BIN: &str = env!("CARGO_BIN_EXE_proxy-agent");
 
+#[expect(
+    clippy::unwrap_used,
+    reason = "test helper: a failure is a failed test"
+)]
 fn temp_dir() -> PathBuf {
     static NEXT: AtomicU32 = AtomicU32::new(0);
     let dir = std::env::temp_dir().join(format!(
@@ -21,6 +25,10 @@ fn temp_dir() -> PathBuf {
     dir
 }
 
+#[expect(
+    clippy::unwrap_used,
+    reason = "test helper: a failure is a failed test"
+)]
 fn run(args: &[&str]) -> Output {
     Command::new(BIN)
         .args(args)
