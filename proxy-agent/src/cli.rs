@@ -1,56 +1,279 @@
-//! Command-line flags. Names follow kube-proxy's where a kube-proxy flag exists.
+//! Command-line flags: kube-proxy's names and value syntax, plus our eBPF additions.
+//!
+//! Values are taken as text here and parsed in `config::flags`, so that every bad value is
+//! reported together (with the flag and the configuration field it sets) instead of clap
+//! stopping at the first one. Booleans follow Go's pflag: `--flag` means true, and
+//! `--flag=false` (with `=`) sets false.
 
 use std::path::PathBuf;
 
-use clap::{Parser, ValueEnum};
+use clap::Parser;
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum ProxyMode {
-    /// Socket-level load balancing with eBPF programs on the cgroup2 hierarchy.
-    Ebpf,
-    /// kube-proxy's iptables rules (not implemented yet).
-    Iptables,
-}
-
-#[derive(Debug, Parser)]
+#[derive(Debug, Default, Clone, Parser)]
 #[command(
     name = "proxy-agent",
     version,
-    about = "Kubernetes service proxy on eBPF"
+    about = "Kubernetes service proxy on eBPF (a kube-proxy replacement)",
+    after_help = "A flag given on the command line overrides the same setting in --config \
+                  (kube-proxy ignores most flags when --config is given); see README.md."
 )]
 pub struct Args {
-    /// Which dataplane programs the node.
-    #[arg(long, value_enum, default_value = "ebpf")]
-    pub proxy_mode: ProxyMode,
+    // ----- the configuration file -----
+    /// The path to a KubeProxyConfiguration file (kubeproxy.config.k8s.io/v1alpha1, YAML or
+    /// JSON). Unknown fields are errors.
+    #[arg(long, value_name = "FILE", help_heading = "Configuration file")]
+    pub config: Option<PathBuf>,
 
-    /// Standalone mode: read Service and EndpointSlice objects from the multi-document YAML
-    /// files (*.yaml, *.yml) in this folder, and re-read them when they change.
-    #[arg(long, value_name = "DIR")]
-    pub manifests: Option<PathBuf>,
+    /// Write the effective configuration (file + flags + defaults) as YAML to FILE and exit.
+    #[arg(long, value_name = "FILE", help_heading = "Configuration file")]
+    pub write_config_to: Option<PathBuf>,
 
-    /// The name of this node (kube-proxy's flag); defaults to the host name.
-    #[arg(long, value_name = "NAME")]
+    /// Remove everything the agent installed, then exit (not implemented yet).
+    #[arg(long, value_name = "BOOL", num_args = 0..=1, require_equals = true,
+          default_missing_value = "true", help_heading = "Configuration file")]
+    pub cleanup: Option<String>,
+
+    // ----- kube-proxy flags -----
+    /// Which proxy mode to use: 'ebpf' (default) or 'iptables'. [mode]
+    #[arg(long, value_name = "MODE", help_heading = "kube-proxy flags")]
+    pub proxy_mode: Option<String>,
+
+    /// The name of this node; defaults to the host name (trimmed, lower-cased). [hostnameOverride]
+    #[arg(long, value_name = "NAME", help_heading = "kube-proxy flags")]
     pub hostname_override: Option<String>,
 
-    /// The cgroup2 directory the socket programs attach to; defaults to the cgroup2 mount point
-    /// found in /proc/mounts, so every process on the node is covered.
-    #[arg(long, value_name = "PATH")]
+    /// Overrides the node's primary IP (no socket is bound to it). [bindAddress]
+    #[arg(long, value_name = "IP", help_heading = "kube-proxy flags")]
+    pub bind_address: Option<String>,
+
+    /// The pods' CIDR range(s), comma-separated for a dual-stack pair. [clusterCIDR]
+    #[arg(long, value_name = "CIDRS", help_heading = "kube-proxy flags")]
+    pub cluster_cidr: Option<String>,
+
+    /// Node IP ranges NodePorts are served on (CIDRs, comma-separated), or 'primary'; default:
+    /// all local IPs. [nodePortAddresses]
+    #[arg(
+        long,
+        value_name = "CIDRS",
+        value_delimiter = ',',
+        help_heading = "kube-proxy flags"
+    )]
+    pub nodeport_addresses: Option<Vec<String>>,
+
+    /// SNAT all traffic sent to Service cluster IPs. [iptables.masqueradeAll]
+    #[arg(long, value_name = "BOOL", num_args = 0..=1, require_equals = true,
+          default_missing_value = "true", help_heading = "kube-proxy flags")]
+    pub masquerade_all: Option<String>,
+
+    /// The fwmark bit marking packets that need SNAT, 0..31 (default 14). [iptables.masqueradeBit]
+    #[arg(
+        long,
+        value_name = "BIT",
+        allow_hyphen_values = true,
+        help_heading = "kube-proxy flags"
+    )]
+    pub iptables_masquerade_bit: Option<String>,
+
+    /// Allow NodePorts on localhost (iptables mode, IPv4; default true). [iptables.localhostNodePorts]
+    #[arg(long, value_name = "BOOL", num_args = 0..=1, require_equals = true,
+          default_missing_value = "true", help_heading = "kube-proxy flags")]
+    pub iptables_localhost_nodeports: Option<String>,
+
+    /// Resync interval, e.g. 30s, 1m (default 30s). [iptables.syncPeriod]
+    #[arg(
+        long,
+        value_name = "DURATION",
+        allow_hyphen_values = true,
+        help_heading = "kube-proxy flags"
+    )]
+    pub iptables_sync_period: Option<String>,
+
+    /// Minimum time between syncs; 0 syncs on every change (default 1s). [iptables.minSyncPeriod]
+    #[arg(
+        long,
+        value_name = "DURATION",
+        allow_hyphen_values = true,
+        help_heading = "kube-proxy flags"
+    )]
+    pub iptables_min_sync_period: Option<String>,
+
+    /// Conntrack entries per CPU core; 0 leaves the limit (default 32768). [conntrack.maxPerCore]
+    #[arg(
+        long,
+        value_name = "N",
+        allow_hyphen_values = true,
+        help_heading = "kube-proxy flags"
+    )]
+    pub conntrack_max_per_core: Option<String>,
+
+    /// Minimum conntrack table size (default 131072). [conntrack.min]
+    #[arg(
+        long,
+        value_name = "N",
+        allow_hyphen_values = true,
+        help_heading = "kube-proxy flags"
+    )]
+    pub conntrack_min: Option<String>,
+
+    /// Idle timeout of established TCP entries; 0 leaves it (default 24h). [conntrack.tcpEstablishedTimeout]
+    #[arg(
+        long,
+        value_name = "DURATION",
+        allow_hyphen_values = true,
+        help_heading = "kube-proxy flags"
+    )]
+    pub conntrack_tcp_timeout_established: Option<String>,
+
+    /// Timeout of TCP entries in CLOSE_WAIT (default 1h). [conntrack.tcpCloseWaitTimeout]
+    #[arg(
+        long,
+        value_name = "DURATION",
+        allow_hyphen_values = true,
+        help_heading = "kube-proxy flags"
+    )]
+    pub conntrack_tcp_timeout_close_wait: Option<String>,
+
+    /// Set nf_conntrack_tcp_be_liberal. [conntrack.tcpBeLiberal]
+    #[arg(long, value_name = "BOOL", num_args = 0..=1, require_equals = true,
+          default_missing_value = "true", help_heading = "kube-proxy flags")]
+    pub conntrack_tcp_be_liberal: Option<String>,
+
+    /// Idle timeout of UNREPLIED UDP entries; 0 leaves it. [conntrack.udpTimeout]
+    #[arg(
+        long,
+        value_name = "DURATION",
+        allow_hyphen_values = true,
+        help_heading = "kube-proxy flags"
+    )]
+    pub conntrack_udp_timeout: Option<String>,
+
+    /// Idle timeout of ASSURED UDP entries; 0 leaves it. [conntrack.udpStreamTimeout]
+    #[arg(
+        long,
+        value_name = "DURATION",
+        allow_hyphen_values = true,
+        help_heading = "kube-proxy flags"
+    )]
+    pub conntrack_udp_timeout_stream: Option<String>,
+
+    /// Health check server address, IP or IP:port (default 0.0.0.0:10256); empty disables it.
+    /// [healthzBindAddress]
+    #[arg(long, value_name = "IP:PORT", help_heading = "kube-proxy flags")]
+    pub healthz_bind_address: Option<String>,
+
+    /// Metrics server address, IP or IP:port (default 127.0.0.1:10249); empty disables it.
+    /// [metricsBindAddress]
+    #[arg(long, value_name = "IP:PORT", help_heading = "kube-proxy flags")]
+    pub metrics_bind_address: Option<String>,
+
+    /// The process's oom_score_adj, -1000..1000 (default -999). [oomScoreAdj]
+    #[arg(
+        long,
+        value_name = "N",
+        allow_hyphen_values = true,
+        help_heading = "kube-proxy flags"
+    )]
+    pub oom_score_adj: Option<String>,
+
+    /// Path to a kubeconfig file. [clientConnection.kubeconfig]
+    #[arg(long, value_name = "FILE", help_heading = "kube-proxy flags")]
+    pub kubeconfig: Option<String>,
+
+    /// The API server address (overrides the kubeconfig's).
+    #[arg(long, value_name = "URL", help_heading = "kube-proxy flags")]
+    pub master: Option<String>,
+
+    /// Content type of requests to the API server. [clientConnection.contentType]
+    #[arg(long, value_name = "TYPE", help_heading = "kube-proxy flags")]
+    pub kube_api_content_type: Option<String>,
+
+    /// QPS towards the API server (default 5). [clientConnection.qps]
+    #[arg(
+        long,
+        value_name = "QPS",
+        allow_hyphen_values = true,
+        help_heading = "kube-proxy flags"
+    )]
+    pub kube_api_qps: Option<String>,
+
+    /// Burst towards the API server (default 10). [clientConnection.burst]
+    #[arg(
+        long,
+        value_name = "N",
+        allow_hyphen_values = true,
+        help_heading = "kube-proxy flags"
+    )]
+    pub kube_api_burst: Option<String>,
+
+    /// How often the API informers resync (default 15m). [configSyncPeriod]
+    #[arg(
+        long,
+        value_name = "DURATION",
+        allow_hyphen_values = true,
+        help_heading = "kube-proxy flags"
+    )]
+    pub config_sync_period: Option<String>,
+
+    /// How to tell pod traffic: ClusterCIDR (default), NodeCIDR, BridgeInterface,
+    /// InterfaceNamePrefix. [detectLocalMode]
+    #[arg(long, value_name = "MODE", help_heading = "kube-proxy flags")]
+    pub detect_local_mode: Option<String>,
+
+    /// The pod bridge, for --detect-local-mode BridgeInterface. [detectLocal.bridgeInterface]
+    #[arg(long, value_name = "NAME", help_heading = "kube-proxy flags")]
+    pub pod_bridge_interface: Option<String>,
+
+    /// The pod interface name prefix, for --detect-local-mode InterfaceNamePrefix.
+    /// [detectLocal.interfaceNamePrefix]
+    #[arg(long, value_name = "PREFIX", help_heading = "kube-proxy flags")]
+    pub pod_interface_name_prefix: Option<String>,
+
+    /// Log verbosity as klog's -v: 0-1 info, 2-3 debug, 4+ trace; a bare -v means 2.
+    /// RUST_LOG overrides it. [logging.verbosity]
+    #[arg(short = 'v', long = "v", value_name = "N", num_args = 0..=1,
+          default_missing_value = "2", help_heading = "kube-proxy flags")]
+    pub verbosity: Option<String>,
+
+    // ----- our additions -----
+    /// Standalone mode: read Service, EndpointSlice and Node objects from the multi-document
+    /// YAML files (*.yaml, *.yml) in DIR, re-read on change.
+    #[arg(long, value_name = "DIR", help_heading = "kubeproxy-rs additions")]
+    pub manifests: Option<PathBuf>,
+
+    /// The cgroup2 directory the socket programs attach to (default: the cgroup2 mount point
+    /// from /proc/mounts, i.e. every process on the node).
+    #[arg(long, value_name = "PATH", help_heading = "kubeproxy-rs additions")]
     pub cgroup_path: Option<PathBuf>,
 
-    /// A bpffs mount (mounted there if it is not one yet); maps are pinned in
-    /// `<bpf-root>/kubeproxy-rs/`.
-    #[arg(long, value_name = "PATH", default_value = "/sys/fs/bpf")]
-    pub bpf_root: PathBuf,
+    /// A bpffs mount (mounted if needed); maps are pinned in <bpf-root>/kubeproxy-rs/
+    /// (default /sys/fs/bpf).
+    #[arg(long, value_name = "PATH", help_heading = "kubeproxy-rs additions")]
+    pub bpf_root: Option<PathBuf>,
 
-    /// Capacity of the frontend map (service address, port, protocol).
-    #[arg(long, default_value_t = proxy_common::default_sizes::FRONTENDS)]
-    pub bpf_map_frontends: u32,
+    /// Capacity of the frontend map (default 65536).
+    #[arg(
+        long,
+        value_name = "N",
+        allow_hyphen_values = true,
+        help_heading = "kubeproxy-rs additions"
+    )]
+    pub bpf_map_frontends: Option<String>,
 
-    /// Capacity of the backend and backend-slot maps.
-    #[arg(long, default_value_t = proxy_common::default_sizes::BACKENDS)]
-    pub bpf_map_backends: u32,
+    /// Capacity of the backend and backend-slot maps (default 262144).
+    #[arg(
+        long,
+        value_name = "N",
+        allow_hyphen_values = true,
+        help_heading = "kubeproxy-rs additions"
+    )]
+    pub bpf_map_backends: Option<String>,
 
-    /// Log more (-v: debug, -vv: trace). RUST_LOG overrides it.
-    #[arg(short, long, action = clap::ArgAction::Count)]
-    pub verbose: u8,
+    /// Network interfaces for the packet-level programs, comma-separated (not used yet).
+    #[arg(
+        long,
+        value_name = "NAMES",
+        value_delimiter = ',',
+        help_heading = "kubeproxy-rs additions"
+    )]
+    pub interfaces: Option<Vec<String>>,
 }

@@ -2,6 +2,7 @@
 //! logging; benchmarks and tests can drive the same modules.
 
 pub mod cli;
+pub mod config;
 pub mod conntrack;
 pub mod dataplane;
 pub mod desired;

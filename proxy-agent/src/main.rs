@@ -1,25 +1,67 @@
 //! `proxy-agent`: the kubeproxy-rs node agent.
 
-use std::io::IsTerminal as _;
+use std::{io::IsTerminal as _, process::ExitCode};
 
 use clap::Parser as _;
-use proxy_agent::{cli, run};
+use proxy_agent::{cli, config, run};
+use tracing::{error, info, warn};
 use tracing_subscriber::EnvFilter;
 
 #[tokio::main]
-async fn main() -> anyhow::Result<()> {
+async fn main() -> ExitCode {
     let args = cli::Args::parse();
-    let default_level = match args.verbose {
-        0 => "info",
-        1 => "debug",
-        _ => "trace",
+    // Everything is resolved and validated before anything is touched; a bad configuration
+    // is reported (one line per problem) and exits 1 without a backtrace.
+    let loaded = match config::load(&args) {
+        Ok(loaded) => loaded,
+        Err(error) => {
+            for line in error.lines() {
+                eprintln!("proxy-agent: {line}");
+            }
+            return ExitCode::FAILURE;
+        }
     };
-    let filter =
-        EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default_level));
+    let config = loaded.config;
+
+    // RUST_LOG, when set, wins over -v / logging.verbosity.
+    let filter = EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| EnvFilter::new(config.log_level().to_string()));
     tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
         .with_ansi(std::io::stderr().is_terminal())
         .init();
-    run::run(args).await
+    for notice in &loaded.notices {
+        match notice {
+            config::Notice::Info(message) => info!("{message}"),
+            config::Notice::Warn(message) => warn!("{message}"),
+        }
+    }
+    if !loaded.overridden.is_empty() {
+        info!(flags = ?loaded.overridden, "command-line flags override the configuration file");
+    }
+
+    if let Some(path) = &args.write_config_to {
+        return match config::write_file(&loaded.document, path) {
+            Ok(()) => {
+                info!(file = %path.display(), "wrote the configuration");
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                error!("{e}");
+                ExitCode::FAILURE
+            }
+        };
+    }
+    if config.cleanup {
+        error!("--cleanup is not implemented yet");
+        return ExitCode::FAILURE;
+    }
+    match run::run(config).await {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            error!("{e:#}");
+            ExitCode::FAILURE
+        }
+    }
 }

@@ -11,7 +11,7 @@ use tokio::{
 use tracing::{debug, error, info, warn};
 
 use crate::{
-    cli::{Args, ProxyMode},
+    config::{Config, ProxyMode},
     dataplane::ebpf::{EbpfDataplane, EbpfOptions},
     desired::{NodeContext, Snapshot},
     objects::{Kind, ObjectKey, Objects, Store},
@@ -20,32 +20,35 @@ use crate::{
 };
 
 /// Sync pacing in eBPF mode. A sync costs O(changed Services) there, so no minimum interval is
-/// needed beyond coalescing what is already queued; the periodic full reconcile repairs anything a
+/// needed beyond coalescing what is already queued (`--iptables-min-sync-period` is, as its name
+/// says, for the iptables mode); the periodic full reconcile every sync period repairs anything a
 /// failed incremental apply left behind.
-const EBPF_RUNNER: RunnerConfig = RunnerConfig {
-    min_interval: Duration::ZERO,
-    max_interval: Duration::from_secs(30),
-    burst: 2,
-};
+fn ebpf_runner(config: &Config) -> RunnerConfig {
+    RunnerConfig {
+        min_interval: Duration::ZERO,
+        max_interval: config.sync_period,
+        burst: 2,
+    }
+}
 
-pub async fn run(args: Args) -> anyhow::Result<()> {
-    if args.proxy_mode == ProxyMode::Iptables {
+pub async fn run(config: Config) -> anyhow::Result<()> {
+    if config.mode == ProxyMode::Iptables {
         bail!("--proxy-mode iptables is not implemented yet; use --proxy-mode ebpf");
     }
-    let Some(manifests) = args.manifests.clone() else {
+    let Some(manifests) = config.ebpf.manifests.clone() else {
         bail!("--manifests DIR is required (the Kubernetes API source is not implemented yet)");
     };
     if !manifests.is_dir() {
         bail!("--manifests {}: not a directory", manifests.display());
     }
-    let node = NodeContext::new(&node_name(args.hostname_override.as_deref())?, None);
+    let node = NodeContext::new(&node_name(config.hostname_override.as_deref())?, None);
     info!(node = %node.name, mode = "ebpf", "starting proxy-agent");
 
     let mut dataplane = EbpfDataplane::start(&EbpfOptions {
-        cgroup_path: args.cgroup_path.clone(),
-        bpf_root: args.bpf_root.clone(),
-        frontends_capacity: args.bpf_map_frontends,
-        backends_capacity: args.bpf_map_backends,
+        cgroup_path: config.ebpf.cgroup_path.clone(),
+        bpf_root: config.ebpf.bpf_root.clone(),
+        frontends_capacity: config.ebpf.map_frontends,
+        backends_capacity: config.ebpf.map_backends,
     })
     .context("cannot start the eBPF dataplane")?;
 
@@ -58,7 +61,8 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     let mut sigterm = signal(SignalKind::terminate()).context("cannot handle SIGTERM")?;
     let mut snapshot = Snapshot::default();
     let mut synced_once = false;
-    let mut runner = SyncRunner::new(EBPF_RUNNER, Instant::now());
+    let runner_config = ebpf_runner(&config);
+    let mut runner = SyncRunner::new(runner_config, Instant::now());
 
     let outcome = loop {
         // Nothing is programmed until every kind was listed once (kube-proxy's rule), so a
@@ -66,7 +70,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         let wake = if store.is_synced() {
             runner.next_wakeup(Instant::now())
         } else {
-            Instant::now() + EBPF_RUNNER.max_interval
+            Instant::now() + runner_config.max_interval
         };
         tokio::select! {
             update = rx.recv() => {

@@ -1,0 +1,352 @@
+//! The command-line overlay: every flag given on the command line replaces the corresponding
+//! field of the (already defaulted) document, and is remembered as that field's source.
+//!
+//! Values are parsed like Go's pflag parses them (ints in decimal, Go durations, Go booleans);
+//! a value that does not parse is a [`Problem`] naming the flag and the field, and the field
+//! keeps its previous value so the other checks still run.
+
+use std::str::FromStr;
+
+use super::{
+    EbpfConfig, GoDuration, Origins, Problem, Source,
+    defaults::append_port_if_needed,
+    defaults::{HEALTHZ_PORT, METRICS_PORT},
+    file::KubeProxyConfiguration,
+};
+use crate::cli::Args;
+
+/// Settings that only exist as flags.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Extras {
+    pub master: Option<String>,
+    pub cleanup: bool,
+    pub ebpf: EbpfConfig,
+}
+
+/// Applies the flags to `doc`, recording in `origins` which field each one set.
+pub fn apply(
+    args: &Args,
+    doc: &mut KubeProxyConfiguration,
+    origins: &mut Origins,
+    problems: &mut Vec<Problem>,
+) -> Extras {
+    let mut overlay = Overlay { origins, problems };
+
+    if let Some(mode) = &args.proxy_mode {
+        overlay.set("mode", "proxy-mode");
+        doc.mode.clone_from(mode);
+    }
+    // processHostnameOverrideFlag: an empty flag is ignored; blank text is an error.
+    if let Some(name) = args.hostname_override.as_deref().filter(|n| !n.is_empty()) {
+        overlay.set("hostnameOverride", "hostname-override");
+        let trimmed = name.trim();
+        if trimmed.is_empty() {
+            overlay.invalid("hostnameOverride", name, "must not be blank");
+        } else {
+            doc.hostname_override = trimmed.to_lowercase();
+        }
+    }
+    if let Some(address) = &args.bind_address {
+        overlay.set("bindAddress", "bind-address");
+        address.trim().clone_into(&mut doc.bind_address);
+    }
+    // Without --config upstream appends the default port to a bare IP after the flags
+    // (addressFromDeprecatedFlags); we do it with --config too.
+    if let Some(address) = &args.healthz_bind_address {
+        overlay.set("healthzBindAddress", "healthz-bind-address");
+        doc.healthz_bind_address = append_port_if_needed(address.trim(), HEALTHZ_PORT);
+    }
+    if let Some(address) = &args.metrics_bind_address {
+        overlay.set("metricsBindAddress", "metrics-bind-address");
+        doc.metrics_bind_address = append_port_if_needed(address.trim(), METRICS_PORT);
+    }
+    if let Some(cidrs) = &args.cluster_cidr {
+        overlay.set("clusterCIDR", "cluster-cidr");
+        doc.cluster_cidr.clone_from(cidrs);
+    }
+    if let Some(addresses) = &args.nodeport_addresses {
+        overlay.set("nodePortAddresses", "nodeport-addresses");
+        // pflag's StringSlice: `--nodeport-addresses ""` is the empty list.
+        let list: Vec<String> = addresses
+            .iter()
+            .map(|a| a.trim().to_owned())
+            .filter(|a| !a.is_empty())
+            .collect();
+        doc.node_port_addresses = (!list.is_empty()).then_some(list);
+    }
+    let iptables = &mut doc.iptables;
+    overlay.parse(
+        &args.masquerade_all,
+        "iptables.masqueradeAll",
+        "masquerade-all",
+        parse_bool,
+        |v| iptables.masquerade_all = v,
+    );
+    overlay.parse(
+        &args.iptables_masquerade_bit,
+        "iptables.masqueradeBit",
+        "iptables-masquerade-bit",
+        parse_int,
+        |v| iptables.masquerade_bit = Some(v),
+    );
+    overlay.parse(
+        &args.iptables_localhost_nodeports,
+        "iptables.localhostNodePorts",
+        "iptables-localhost-nodeports",
+        parse_bool,
+        |v| iptables.localhost_node_ports = Some(v),
+    );
+    overlay.parse(
+        &args.iptables_sync_period,
+        "iptables.syncPeriod",
+        "iptables-sync-period",
+        parse_duration,
+        |v| iptables.sync_period = v,
+    );
+    overlay.parse(
+        &args.iptables_min_sync_period,
+        "iptables.minSyncPeriod",
+        "iptables-min-sync-period",
+        parse_duration,
+        |v| iptables.min_sync_period = v,
+    );
+    let conntrack = &mut doc.conntrack;
+    overlay.parse(
+        &args.conntrack_max_per_core,
+        "conntrack.maxPerCore",
+        "conntrack-max-per-core",
+        parse_int,
+        |v| conntrack.max_per_core = Some(v),
+    );
+    overlay.parse(
+        &args.conntrack_min,
+        "conntrack.min",
+        "conntrack-min",
+        parse_int,
+        |v| conntrack.min = Some(v),
+    );
+    overlay.parse(
+        &args.conntrack_tcp_timeout_established,
+        "conntrack.tcpEstablishedTimeout",
+        "conntrack-tcp-timeout-established",
+        parse_duration,
+        |v| conntrack.tcp_established_timeout = Some(v),
+    );
+    overlay.parse(
+        &args.conntrack_tcp_timeout_close_wait,
+        "conntrack.tcpCloseWaitTimeout",
+        "conntrack-tcp-timeout-close-wait",
+        parse_duration,
+        |v| conntrack.tcp_close_wait_timeout = Some(v),
+    );
+    overlay.parse(
+        &args.conntrack_tcp_be_liberal,
+        "conntrack.tcpBeLiberal",
+        "conntrack-tcp-be-liberal",
+        parse_bool,
+        |v| conntrack.tcp_be_liberal = v,
+    );
+    overlay.parse(
+        &args.conntrack_udp_timeout,
+        "conntrack.udpTimeout",
+        "conntrack-udp-timeout",
+        parse_duration,
+        |v| conntrack.udp_timeout = v,
+    );
+    overlay.parse(
+        &args.conntrack_udp_timeout_stream,
+        "conntrack.udpStreamTimeout",
+        "conntrack-udp-timeout-stream",
+        parse_duration,
+        |v| conntrack.udp_stream_timeout = v,
+    );
+    overlay.parse(
+        &args.oom_score_adj,
+        "oomScoreAdj",
+        "oom-score-adj",
+        parse_int,
+        |v| doc.oom_score_adj = Some(v),
+    );
+    let client = &mut doc.client_connection;
+    if let Some(path) = &args.kubeconfig {
+        overlay.set("clientConnection.kubeconfig", "kubeconfig");
+        client.kubeconfig.clone_from(path);
+    }
+    if let Some(content_type) = &args.kube_api_content_type {
+        overlay.set("clientConnection.contentType", "kube-api-content-type");
+        client.content_type.clone_from(content_type);
+    }
+    overlay.parse(
+        &args.kube_api_qps,
+        "clientConnection.qps",
+        "kube-api-qps",
+        parse_float,
+        |v| client.qps = v,
+    );
+    overlay.parse(
+        &args.kube_api_burst,
+        "clientConnection.burst",
+        "kube-api-burst",
+        parse_int,
+        |v| client.burst = v,
+    );
+    overlay.parse(
+        &args.config_sync_period,
+        "configSyncPeriod",
+        "config-sync-period",
+        parse_duration,
+        |v| doc.config_sync_period = v,
+    );
+    if let Some(mode) = &args.detect_local_mode {
+        overlay.set("detectLocalMode", "detect-local-mode");
+        doc.detect_local_mode.clone_from(mode);
+    }
+    if let Some(name) = &args.pod_bridge_interface {
+        overlay.set("detectLocal.bridgeInterface", "pod-bridge-interface");
+        doc.detect_local.bridge_interface.clone_from(name);
+    }
+    if let Some(prefix) = &args.pod_interface_name_prefix {
+        overlay.set(
+            "detectLocal.interfaceNamePrefix",
+            "pod-interface-name-prefix",
+        );
+        doc.detect_local.interface_name_prefix.clone_from(prefix);
+    }
+    overlay.parse(&args.verbosity, "logging.verbosity", "v", parse_int, |v| {
+        doc.logging.verbosity = v
+    });
+
+    let mut extras = Extras {
+        master: args.master.clone().filter(|m| !m.is_empty()),
+        ..Extras::default()
+    };
+    if let Some(text) = &args.cleanup {
+        match parse_bool(text) {
+            Ok(v) => extras.cleanup = v,
+            Err(reason) => overlay.flag_only("cleanup", text, reason),
+        }
+    }
+    let ebpf = &mut extras.ebpf;
+    ebpf.manifests.clone_from(&args.manifests);
+    ebpf.cgroup_path.clone_from(&args.cgroup_path);
+    if let Some(root) = &args.bpf_root {
+        if root.as_os_str().is_empty() {
+            overlay.flag_only("bpf-root", "", "must not be empty".to_owned());
+        } else {
+            ebpf.bpf_root.clone_from(root);
+        }
+    }
+    for (text, flag, slot) in [
+        (
+            &args.bpf_map_frontends,
+            "bpf-map-frontends",
+            &mut ebpf.map_frontends,
+        ),
+        (
+            &args.bpf_map_backends,
+            "bpf-map-backends",
+            &mut ebpf.map_backends,
+        ),
+    ] {
+        let Some(text) = text else { continue };
+        match parse_int::<u32>(text) {
+            Ok(0) => overlay.flag_only(flag, text, "must be greater than 0".to_owned()),
+            Ok(v) => *slot = v,
+            Err(reason) => overlay.flag_only(flag, text, reason),
+        }
+    }
+    if let Some(names) = &args.interfaces {
+        for name in names.iter().map(|n| n.trim()).filter(|n| !n.is_empty()) {
+            match interface_name_problem(name) {
+                Some(reason) => overlay.flag_only("interfaces", name, reason.to_owned()),
+                None => ebpf.interfaces.push(name.to_owned()),
+            }
+        }
+    }
+    extras
+}
+
+/// Linux interface names: 1..=15 bytes (IFNAMSIZ - 1), no '/', ':' or whitespace.
+fn interface_name_problem(name: &str) -> Option<&'static str> {
+    if name.len() > 15 {
+        return Some("an interface name has at most 15 characters");
+    }
+    if name
+        .chars()
+        .any(|c| c == '/' || c == ':' || c.is_whitespace())
+    {
+        return Some("an interface name cannot contain '/', ':' or whitespace");
+    }
+    None
+}
+
+struct Overlay<'a> {
+    origins: &'a mut Origins,
+    problems: &'a mut Vec<Problem>,
+}
+
+impl Overlay<'_> {
+    fn set(&mut self, field: &'static str, flag: &'static str) {
+        self.origins.set_by_flag(field, flag);
+    }
+
+    fn invalid(&mut self, field: &str, value: &str, reason: &str) {
+        self.problems.push(Problem {
+            source: self.origins.source(field),
+            field: Some(field.to_owned()),
+            value: value.to_owned(),
+            reason: reason.to_owned(),
+        });
+    }
+
+    fn flag_only(&mut self, flag: &'static str, value: &str, reason: String) {
+        self.problems.push(Problem {
+            source: Source::Flag(flag),
+            field: None,
+            value: value.to_owned(),
+            reason,
+        });
+    }
+
+    /// If the flag was given: parse it and store it, or report it.
+    fn parse<T>(
+        &mut self,
+        text: &Option<String>,
+        field: &'static str,
+        flag: &'static str,
+        parse: impl FnOnce(&str) -> Result<T, String>,
+        store: impl FnOnce(T),
+    ) {
+        let Some(text) = text else { return };
+        self.set(field, flag);
+        match parse(text.trim()) {
+            Ok(value) => store(value),
+            Err(reason) => self.invalid(field, text, &reason),
+        }
+    }
+}
+
+/// Go's strconv.ParseBool, which pflag uses.
+pub fn parse_bool(text: &str) -> Result<bool, String> {
+    match text {
+        "1" | "t" | "T" | "true" | "TRUE" | "True" => Ok(true),
+        "0" | "f" | "F" | "false" | "FALSE" | "False" => Ok(false),
+        _ => Err("must be a boolean (true or false)".to_owned()),
+    }
+}
+
+fn parse_int<T: FromStr>(text: &str) -> Result<T, String> {
+    text.parse()
+        .map_err(|_| "must be an integer in range".to_owned())
+}
+
+fn parse_float(text: &str) -> Result<f32, String> {
+    match text.parse::<f32>() {
+        Ok(v) if v.is_finite() => Ok(v),
+        _ => Err("must be a number".to_owned()),
+    }
+}
+
+fn parse_duration(text: &str) -> Result<GoDuration, String> {
+    text.parse::<GoDuration>().map_err(|e| e.to_string())
+}

@@ -1,0 +1,409 @@
+//! The agent's configuration: kube-proxy's `KubeProxyConfiguration` file and flags, resolved
+//! into one typed [`Config`].
+//!
+//! Order, as kube-proxy without `--config`: read the file (or start from an empty document) →
+//! apply kube-proxy's defaults (`defaults`) → apply the flags given on the command line
+//! (`flags`) → platform defaults (mode, detectLocalMode) → validate everything and resolve the
+//! typed [`Config`] (`validate`). Nothing is touched before all of it succeeds; every problem
+//! is reported, each naming its source (file or flag), field and value.
+
+pub mod defaults;
+pub mod duration;
+pub mod file;
+pub mod flags;
+pub mod validate;
+
+use std::{
+    collections::BTreeMap,
+    fmt,
+    net::{IpAddr, SocketAddr},
+    path::{Path, PathBuf},
+    time::Duration,
+};
+
+pub use ipnet::IpNet;
+use thiserror::Error;
+use tracing::level_filters::LevelFilter;
+
+pub use self::{duration::GoDuration, file::KubeProxyConfiguration};
+use crate::cli::Args;
+
+/// The resolved configuration every other module reads. Durations, addresses and CIDRs are
+/// parsed; kube-proxy's defaults are filled in.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Config {
+    /// `mode` / `--proxy-mode`.
+    pub mode: ProxyMode,
+    /// `hostnameOverride` / `--hostname-override`, trimmed and lower-cased as kube-proxy does;
+    /// None: use the host name.
+    pub hostname_override: Option<String>,
+    /// `bindAddress` / `--bind-address`: overrides the node's primary IP (nothing binds it).
+    pub bind_address: IpAddr,
+    /// `healthzBindAddress`; None when disabled with `--healthz-bind-address ""`.
+    pub healthz_bind_address: Option<SocketAddr>,
+    /// `metricsBindAddress`; None when disabled with `--metrics-bind-address ""`.
+    pub metrics_bind_address: Option<SocketAddr>,
+    pub bind_address_hard_fail: bool,
+    pub enable_profiling: bool,
+    pub client_connection: ClientConnection,
+    /// `--master` (flag only): overrides the kubeconfig's server.
+    pub master: Option<String>,
+    /// `iptables.syncPeriod` / `--iptables-sync-period`: the sync runner's maximum interval
+    /// (both modes; upstream's internal config also keeps it mode-independent).
+    pub sync_period: Duration,
+    /// `iptables.minSyncPeriod` / `--iptables-min-sync-period`: the runner's minimum interval.
+    pub min_sync_period: Duration,
+    /// `iptables.masqueradeAll` / `--masquerade-all`.
+    pub masquerade_all: bool,
+    pub iptables: Iptables,
+    pub conntrack: Conntrack,
+    /// `detectLocalMode` + `detectLocal` (+ `clusterCIDR` for ClusterCIDR mode).
+    pub detect_local: DetectLocal,
+    /// `clusterCIDR` / `--cluster-cidr`: zero, one, or a dual-stack pair (one per family).
+    pub cluster_cidrs: Vec<IpNet>,
+    /// `nodePortAddresses` / `--nodeport-addresses`.
+    pub node_port_addresses: NodePortAddresses,
+    /// `oomScoreAdj` / `--oom-score-adj`, -1000..=1000.
+    pub oom_score_adj: i32,
+    /// `configSyncPeriod` / `--config-sync-period`: informer resync interval.
+    pub config_sync_period: Duration,
+    /// `featureGates`: accepted, not interpreted (a warning lists them).
+    pub feature_gates: BTreeMap<String, bool>,
+    /// `logging.verbosity` / `-v`: klog verbosity; see [`Config::log_level`].
+    pub verbosity: u32,
+    /// `--cleanup` (flag only).
+    pub cleanup: bool,
+    /// Our additions (flags only, never in the file).
+    pub ebpf: EbpfConfig,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ProxyMode {
+    /// Socket-level load balancing with eBPF programs on the cgroup2 hierarchy.
+    Ebpf,
+    /// kube-proxy's iptables rules (not implemented yet).
+    Iptables,
+}
+
+impl ProxyMode {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ProxyMode::Ebpf => "ebpf",
+            ProxyMode::Iptables => "iptables",
+        }
+    }
+}
+
+impl fmt::Display for ProxyMode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// component-base's ClientConnectionConfiguration.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ClientConnection {
+    /// `clientConnection.kubeconfig` / `--kubeconfig`; None: in-cluster configuration.
+    pub kubeconfig: Option<PathBuf>,
+    pub accept_content_types: String,
+    pub content_type: String,
+    pub qps: f32,
+    pub burst: i32,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Iptables {
+    /// `iptables.masqueradeBit`, 0..=31: the mark is `1 << bit`.
+    pub masquerade_bit: u8,
+    /// `iptables.localhostNodePorts`.
+    pub localhost_node_ports: bool,
+}
+
+/// `conntrack.*`. A zero value means "leave the kernel's setting as it is", as upstream.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Conntrack {
+    pub max_per_core: u32,
+    pub min: u32,
+    pub tcp_established_timeout: Duration,
+    pub tcp_close_wait_timeout: Duration,
+    pub tcp_be_liberal: bool,
+    pub udp_timeout: Duration,
+    pub udp_stream_timeout: Duration,
+}
+
+/// How traffic from local pods is recognised (pkg/proxy/util/localdetector.go).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum DetectLocal {
+    /// Source in [`Config::cluster_cidrs`] (per family; none configured → no detection).
+    ClusterCidr,
+    /// Source in the Node's `spec.podCIDRs`.
+    NodeCidr,
+    /// Arriving on this bridge.
+    BridgeInterface(String),
+    /// Arriving on an interface whose name starts with this prefix.
+    InterfaceNamePrefix(String),
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum NodePortAddresses {
+    /// Unset: every local IP.
+    All,
+    /// `primary`: the Node object's primary IP(s).
+    Primary,
+    /// Node IPs inside these ranges.
+    Cidrs(Vec<IpNet>),
+}
+
+/// Our additions for the eBPF dataplane and the standalone source.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EbpfConfig {
+    /// `--manifests DIR`: standalone mode.
+    pub manifests: Option<PathBuf>,
+    /// `--cgroup-path`; None: the cgroup2 mount point.
+    pub cgroup_path: Option<PathBuf>,
+    /// `--bpf-root` (default /sys/fs/bpf).
+    pub bpf_root: PathBuf,
+    /// `--bpf-map-frontends`.
+    pub map_frontends: u32,
+    /// `--bpf-map-backends`.
+    pub map_backends: u32,
+    /// `--interfaces` (for the tc programs; not used yet).
+    pub interfaces: Vec<String>,
+}
+
+impl Default for EbpfConfig {
+    fn default() -> Self {
+        EbpfConfig {
+            manifests: None,
+            cgroup_path: None,
+            bpf_root: PathBuf::from("/sys/fs/bpf"),
+            map_frontends: proxy_common::default_sizes::FRONTENDS,
+            map_backends: proxy_common::default_sizes::BACKENDS,
+            interfaces: Vec::new(),
+        }
+    }
+}
+
+impl Config {
+    /// klog verbosity → tracing: 0-1 info (klog's default and "steady state" levels),
+    /// 2-3 debug (klog's "extended info" and "debug"), 4 and above trace.
+    pub fn log_level(&self) -> LevelFilter {
+        match self.verbosity {
+            0 | 1 => LevelFilter::INFO,
+            2 | 3 => LevelFilter::DEBUG,
+            _ => LevelFilter::TRACE,
+        }
+    }
+}
+
+/// Where a setting came from, for error messages.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Source {
+    Default,
+    File(PathBuf),
+    Flag(&'static str),
+}
+
+impl fmt::Display for Source {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Source::Default => f.write_str("default"),
+            Source::File(path) => write!(f, "{}", path.display()),
+            Source::Flag(name) => write!(f, "--{name}"),
+        }
+    }
+}
+
+/// Which flag set which field (by its path in the file, e.g. `iptables.masqueradeBit`).
+#[derive(Debug, Clone, Default)]
+pub struct Origins {
+    file: Option<PathBuf>,
+    flags: BTreeMap<&'static str, &'static str>,
+}
+
+impl Origins {
+    pub fn new(file: Option<PathBuf>) -> Self {
+        Origins {
+            file,
+            flags: BTreeMap::new(),
+        }
+    }
+
+    pub fn set_by_flag(&mut self, field: &'static str, flag: &'static str) {
+        self.flags.insert(field, flag);
+    }
+
+    /// The flag that set `field`; else the file when there is one (a value absent from the
+    /// file is a default, and defaults are valid on their own); else "default".
+    pub fn source(&self, field: &str) -> Source {
+        if let Some(flag) = self.flags.get(field) {
+            return Source::Flag(flag);
+        }
+        match &self.file {
+            Some(path) => Source::File(path.clone()),
+            None => Source::Default,
+        }
+    }
+
+    /// Flags that overrode a value of the configuration file, for the log.
+    pub fn overridden(&self) -> Vec<&'static str> {
+        if self.file.is_none() {
+            return Vec::new();
+        }
+        let mut flags: Vec<_> = self.flags.values().copied().collect();
+        flags.sort_unstable();
+        flags.dedup();
+        flags
+    }
+}
+
+/// One invalid setting.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Problem {
+    pub source: Source,
+    /// The field path in the file (`iptables.masqueradeBit`); None for flag-only settings.
+    pub field: Option<String>,
+    pub value: String,
+    pub reason: String,
+}
+
+impl fmt::Display for Problem {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}: ", self.source)?;
+        if let Some(field) = &self.field {
+            write!(f, "{field}: ")?;
+        }
+        write!(f, "invalid value {:?}: {}", self.value, self.reason)
+    }
+}
+
+#[derive(Debug, Error)]
+pub enum ConfigError {
+    #[error("cannot read the configuration file {}: {source}", path.display())]
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("{}: {message}", path.display())]
+    Parse { path: PathBuf, message: String },
+    #[error("{}", Problems(.0))]
+    Invalid(Vec<Problem>),
+    #[error("cannot write the configuration to {}: {source}", path.display())]
+    Write {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("cannot encode the configuration: {0}")]
+    Encode(#[from] serde_yaml::Error),
+}
+
+impl ConfigError {
+    /// One line per problem (a single line for the other errors).
+    pub fn lines(&self) -> Vec<String> {
+        match self {
+            ConfigError::Invalid(problems) => problems.iter().map(ToString::to_string).collect(),
+            other => vec![other.to_string()],
+        }
+    }
+}
+
+struct Problems<'a>(&'a [Problem]);
+
+impl fmt::Display for Problems<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for (i, problem) in self.0.iter().enumerate() {
+            if i > 0 {
+                f.write_str("\n")?;
+            }
+            write!(f, "{problem}")?;
+        }
+        Ok(())
+    }
+}
+
+/// Something accepted but worth logging (upstream logs these too).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Notice {
+    Info(String),
+    Warn(String),
+}
+
+/// The outcome of [`load`].
+#[derive(Debug, Clone)]
+pub struct Loaded {
+    pub config: Config,
+    /// The effective document (what `--write-config-to` writes).
+    pub document: KubeProxyConfiguration,
+    /// Accepted but noteworthy settings, for the log once logging is set up.
+    pub notices: Vec<Notice>,
+    /// Flags that overrode the file.
+    pub overridden: Vec<&'static str>,
+}
+
+/// File (if `--config`) → defaults → flags → validation. Touches nothing but the file read.
+pub fn load(args: &Args) -> Result<Loaded, ConfigError> {
+    let mut document = match &args.config {
+        Some(path) => read_file(path)?,
+        None => KubeProxyConfiguration::default(),
+    };
+    defaults::apply(&mut document);
+    let mut origins = Origins::new(args.config.clone());
+    let mut problems = Vec::new();
+    let extras = flags::apply(args, &mut document, &mut origins, &mut problems);
+    defaults::apply_platform(&mut document);
+    let (config, notices) = validate::resolve(&document, &origins, extras, &mut problems);
+    if !problems.is_empty() {
+        return Err(ConfigError::Invalid(problems));
+    }
+    Ok(Loaded {
+        config,
+        document,
+        notices,
+        overridden: origins.overridden(),
+    })
+}
+
+/// Reads and decodes a KubeProxyConfiguration file (YAML, or JSON which is YAML too).
+pub fn read_file(path: &Path) -> Result<KubeProxyConfiguration, ConfigError> {
+    let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+        path: path.to_owned(),
+        source,
+    })?;
+    parse(&text).map_err(|message| ConfigError::Parse {
+        path: path.to_owned(),
+        message,
+    })
+}
+
+/// Decodes a document strictly: unknown fields, a wrong apiVersion or kind are errors.
+pub fn parse(text: &str) -> Result<KubeProxyConfiguration, String> {
+    let document: KubeProxyConfiguration =
+        serde_yaml::from_str(text).map_err(|error| error.to_string())?;
+    if document.api_version != file::API_VERSION || document.kind != file::KIND {
+        return Err(format!(
+            "apiVersion {:?}, kind {:?}: expected apiVersion {:?} and kind {:?}",
+            document.api_version,
+            document.kind,
+            file::API_VERSION,
+            file::KIND
+        ));
+    }
+    Ok(document)
+}
+
+/// The document as YAML, fields in alphabetical order like kube-proxy's `--write-config-to`.
+pub fn to_yaml(document: &KubeProxyConfiguration) -> Result<String, ConfigError> {
+    Ok(serde_yaml::to_string(document)?)
+}
+
+/// `--write-config-to`.
+pub fn write_file(document: &KubeProxyConfiguration, path: &Path) -> Result<(), ConfigError> {
+    let text = to_yaml(document)?;
+    std::fs::write(path, text).map_err(|source| ConfigError::Write {
+        path: path.to_owned(),
+        source,
+    })
+}
+
+#[cfg(test)]
+mod tests;
