@@ -24,9 +24,20 @@ pub struct Args {
     pub proxy_mode: ProxyMode,
 
     /// Standalone mode: read Service and EndpointSlice objects from the multi-document YAML
-    /// files (*.yaml, *.yml) in this folder, and re-read them when they change.
+    /// files (*.yaml, *.yml) in this folder, and re-read them when they change. Without it,
+    /// objects come from the Kubernetes API.
     #[arg(long, value_name = "DIR")]
     pub manifests: Option<PathBuf>,
+
+    /// Path to a kubeconfig file with the API server address and credentials (used when
+    /// --manifests is not given).
+    #[arg(long, value_name = "FILE", conflicts_with = "manifests")]
+    pub kubeconfig: Option<PathBuf>,
+
+    /// The address of the API server; overrides the kubeconfig's server. Without this and
+    /// --kubeconfig, the configuration is inferred ($KUBECONFIG, ~/.kube/config, in-cluster).
+    #[arg(long, value_name = "URL", conflicts_with = "manifests")]
+    pub master: Option<String>,
 
     /// The name of this node (kube-proxy's flag); defaults to the host name.
     #[arg(long, value_name = "NAME")]

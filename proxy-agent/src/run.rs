@@ -1,6 +1,6 @@
 //! The agent's main loop: source → desired state → dataplane, until a signal stops it.
 
-use std::{collections::BTreeSet, time::Instant};
+use std::{collections::BTreeSet, path::PathBuf, time::Instant};
 
 use anyhow::{Context as _, bail};
 use tokio::{
@@ -14,23 +14,48 @@ use crate::{
     dataplane::ebpf::{EbpfDataplane, EbpfOptions},
     desired::{self, NodeContext},
     objects::{Kind, Objects, Store},
-    source,
+    source::{self, kubernetes::ClientOptions},
 };
+
+/// Where the objects come from.
+enum Source {
+    Manifests(PathBuf),
+    Kubernetes(kube::Client),
+}
+
+impl Source {
+    fn name(&self) -> &'static str {
+        match self {
+            Self::Manifests(_) => "manifests",
+            Self::Kubernetes(_) => "kubernetes",
+        }
+    }
+}
 
 pub async fn run(args: Args) -> anyhow::Result<()> {
     if args.proxy_mode == ProxyMode::Iptables {
         bail!("--proxy-mode iptables is not implemented yet; use --proxy-mode ebpf");
     }
-    let Some(manifests) = args.manifests.clone() else {
-        bail!("--manifests DIR is required (the Kubernetes API source is not implemented yet)");
-    };
-    if !manifests.is_dir() {
-        bail!("--manifests {}: not a directory", manifests.display());
-    }
     let node = NodeContext {
         name: node_name(args.hostname_override.as_deref())?,
     };
-    info!(node = %node.name, mode = "ebpf", "starting proxy-agent");
+    // Resolve the source before touching the kernel, so a bad flag fails fast.
+    let source = match args.manifests.clone() {
+        Some(manifests) => {
+            if !manifests.is_dir() {
+                bail!("--manifests {}: not a directory", manifests.display());
+            }
+            Source::Manifests(manifests)
+        }
+        None => Source::Kubernetes(
+            source::kubernetes::client(&ClientOptions {
+                kubeconfig: args.kubeconfig.clone(),
+                master: args.master.clone(),
+            })
+            .await?,
+        ),
+    };
+    info!(node = %node.name, mode = "ebpf", source = source.name(), "starting proxy-agent");
 
     let mut dataplane = EbpfDataplane::start(&EbpfOptions {
         cgroup_path: args.cgroup_path.clone(),
@@ -41,10 +66,23 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     .context("cannot start the eBPF dataplane")?;
 
     let (tx, mut rx) = mpsc::channel(64);
-    let source_task = tokio::spawn(source::manifests::run(manifests, node.name.clone(), tx));
+    let source_name = source.name();
     let mut store = Store::default();
-    // A manifests folder may hold no Node: that counts as listed.
-    store.mark_synced(Kind::Node);
+    let source_task = match source {
+        Source::Manifests(dir) => {
+            // A manifests folder may hold no Node: that counts as listed.
+            store.mark_synced(Kind::Node);
+            tokio::spawn(source::manifests::run(dir, node.name.clone(), tx))
+        }
+        // The Node is watched like the other kinds: the first sync waits for its list.
+        Source::Kubernetes(client) => {
+            let name = node.name.clone();
+            tokio::spawn(async move {
+                source::kubernetes::run(client, name, tx).await;
+                Ok(())
+            })
+        }
+    };
     let mut sigint = signal(SignalKind::interrupt()).context("cannot handle SIGINT")?;
     let mut sigterm = signal(SignalKind::terminate()).context("cannot handle SIGTERM")?;
     let mut reported = BTreeSet::new();
@@ -54,7 +92,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         tokio::select! {
             update = rx.recv() => {
                 let Some(update) = update else {
-                    break Err(anyhow::anyhow!("the manifests source stopped"));
+                    break Err(anyhow::anyhow!("the {source_name} source stopped"));
                 };
                 let mut changed = store.apply(update);
                 // Drain what is already queued so a burst becomes one sync.
