@@ -99,11 +99,14 @@ fn answers(s: &Scenario, target: SocketAddr, label: &str) -> anyhow::Result<BTre
     Ok(counts.into_keys().collect())
 }
 
+/// Each probe's start time and outcome.
+type ProbeLog = Vec<(Instant, Attempt)>;
+
 /// Connections made one after another from the cgroup in a background thread, with the time
 /// each was made, until stopped.
 struct Prober {
     stop: Arc<AtomicBool>,
-    thread: Option<JoinHandle<anyhow::Result<Vec<(Instant, Attempt)>>>>,
+    thread: Option<JoinHandle<anyhow::Result<ProbeLog>>>,
 }
 
 impl Prober {
@@ -124,7 +127,7 @@ impl Prober {
         }
     }
 
-    fn finish(mut self) -> anyhow::Result<Vec<(Instant, Attempt)>> {
+    fn finish(mut self) -> anyhow::Result<ProbeLog> {
         self.stop.store(true, Ordering::Relaxed);
         let thread = self
             .thread
@@ -192,7 +195,7 @@ fn probe_until_switched(
     old: &BTreeSet<String>,
     new: &BTreeSet<String>,
     change: impl FnOnce() -> anyhow::Result<()>,
-) -> anyhow::Result<(Vec<(Instant, Attempt)>, Instant)> {
+) -> anyhow::Result<(ProbeLog, Instant)> {
     let prober = Prober::start(s.cgroup_client(), cluster_addr());
     std::thread::sleep(Duration::from_millis(300));
     let changed_at = Instant::now();

@@ -10,7 +10,7 @@
 mod client;
 mod mapping;
 
-use std::{fmt, future::Future};
+use std::fmt;
 
 use futures::{StreamExt as _, future};
 use k8s_openapi::api::{
@@ -66,57 +66,52 @@ pub async fn run(client: Client, node_name: String, tx: mpsc::Sender<Update>) {
 }
 
 /// One kind's watch loop. Returns when the receiver is gone.
-fn watch<K, M>(
-    api: Api<K>,
-    config: watcher::Config,
-    mut mapper: M,
-    tx: mpsc::Sender<Update>,
-) -> impl Future<Output = ()>
+async fn watch<K, M>(api: Api<K>, config: watcher::Config, mut mapper: M, tx: mpsc::Sender<Update>)
 where
     K: Resource + Clone + DeserializeOwned + fmt::Debug + Send + 'static,
     M: EventMapper<K>,
 {
-    async move {
-        let kind = M::KIND;
-        let mut stream = watcher(api, config).default_backoff().boxed();
-        let mut lists = 0_u64;
-        let mut failing = false;
-        while let Some(result) = stream.next().await {
-            let event = match result {
-                Ok(event) => event,
-                Err(error) => {
-                    // kube-runtime only logs these at debug; they matter to an operator (the
-                    // datapath is frozen on the last state until the watch is back).
-                    warn!(kind = ?kind, %error, "watch failed; retrying with backoff, keeping the last state");
-                    failing = true;
-                    continue;
-                }
-            };
-            if failing {
-                failing = false;
-                info!(kind = ?kind, "watch reconnected");
-            }
-            match &event {
-                watcher::Event::Init if lists == 0 => info!(kind = ?kind, "listing"),
-                watcher::Event::Init => {
-                    warn!(kind = ?kind, "relisting (the watch could not resume: history expired or the stream was lost)");
-                }
-                _ => {}
-            }
-            let Some(update) = mapper.map(event) else {
+    let kind = M::KIND;
+    let mut stream = watcher(api, config).default_backoff().boxed();
+    let mut lists = 0_u64;
+    let mut failing = false;
+    while let Some(result) = stream.next().await {
+        let event = match result {
+            Ok(event) => event,
+            Err(error) => {
+                // kube-runtime only logs these at debug; they matter to an operator (the
+                // datapath is frozen on the last state until the watch is back).
+                warn!(kind = ?kind, %error, "watch failed; keeping the last state, retrying");
+                failing = true;
                 continue;
-            };
-            if let Some(count) = replaced_count(&update) {
-                lists += 1;
-                info!(kind = ?kind, objects = count, "listed");
             }
-            if tx.send(update).await.is_err() {
-                return;
-            }
+        };
+        if failing {
+            failing = false;
+            info!(kind = ?kind, "watch reconnected");
         }
-        // A kube-runtime watcher stream never ends on its own; say so if it ever does.
-        warn!(kind = ?kind, "watch stream ended");
+        match &event {
+            watcher::Event::Init if lists == 0 => info!(kind = ?kind, "listing"),
+            watcher::Event::Init => {
+                // The watch could not resume from its resourceVersion (410 Gone: history
+                // expired) and starts over with a full list.
+                warn!(kind = ?kind, "relisting");
+            }
+            _ => {}
+        }
+        let Some(update) = mapper.map(event) else {
+            continue;
+        };
+        if let Some(count) = replaced_count(&update) {
+            lists += 1;
+            info!(kind = ?kind, objects = count, "listed");
+        }
+        if tx.send(update).await.is_err() {
+            return;
+        }
     }
+    // A kube-runtime watcher stream never ends on its own; say so if it ever does.
+    warn!(kind = ?kind, "watch stream ended");
 }
 
 /// The object count of a `Replace*` update (None for watch events).

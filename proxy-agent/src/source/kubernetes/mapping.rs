@@ -155,7 +155,9 @@ impl EventMapper<Node> for NodeEvents {
                 None
             }
             Event::InitDone => Some(Update::ReplaceNode(self.listed.take())),
-            Event::Apply(node) => self.is_ours(&node).then(|| Update::ReplaceNode(Some(node))),
+            Event::Apply(node) => self
+                .is_ours(&node)
+                .then_some(Update::ReplaceNode(Some(node))),
             Event::Delete(node) => self.is_ours(&node).then_some(Update::ReplaceNode(None)),
         }
     }
