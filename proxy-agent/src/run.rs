@@ -1,6 +1,6 @@
 //! The agent's main loop: source → desired state → dataplane, until a signal stops it.
 
-use std::{collections::BTreeSet, time::Duration};
+use std::{collections::BTreeSet, path::PathBuf, time::Duration};
 
 use anyhow::{Context as _, bail};
 use tokio::{
@@ -15,7 +15,7 @@ use crate::{
     dataplane::ebpf::{EbpfDataplane, EbpfOptions},
     desired::{NodeContext, Snapshot},
     objects::{Kind, ObjectKey, Objects, Store},
-    source,
+    source::{self, kubernetes::ClientOptions},
     sync_runner::{RunnerConfig, SyncReason, SyncRunner},
 };
 
@@ -31,18 +31,43 @@ fn ebpf_runner(config: &Config) -> RunnerConfig {
     }
 }
 
+/// Where the objects come from.
+enum Source {
+    Manifests(PathBuf),
+    Kubernetes(kube::Client),
+}
+
+impl Source {
+    fn name(&self) -> &'static str {
+        match self {
+            Self::Manifests(_) => "manifests",
+            Self::Kubernetes(_) => "kubernetes",
+        }
+    }
+}
+
 pub async fn run(config: Config) -> anyhow::Result<()> {
     if config.mode == ProxyMode::Iptables {
         bail!("--proxy-mode iptables is not implemented yet; use --proxy-mode ebpf");
     }
-    let Some(manifests) = config.ebpf.manifests.clone() else {
-        bail!("--manifests DIR is required (the Kubernetes API source is not implemented yet)");
-    };
-    if !manifests.is_dir() {
-        bail!("--manifests {}: not a directory", manifests.display());
-    }
     let node = NodeContext::new(&node_name(config.hostname_override.as_deref())?, None);
-    info!(node = %node.name, mode = "ebpf", "starting proxy-agent");
+    // Resolve the source before touching the kernel, so a bad flag fails fast.
+    let source = match config.ebpf.manifests.clone() {
+        Some(manifests) => {
+            if !manifests.is_dir() {
+                bail!("--manifests {}: not a directory", manifests.display());
+            }
+            Source::Manifests(manifests)
+        }
+        None => Source::Kubernetes(
+            source::kubernetes::client(&ClientOptions {
+                kubeconfig: config.client_connection.kubeconfig.clone(),
+                master: config.master.clone(),
+            })
+            .await?,
+        ),
+    };
+    info!(node = %node.name, mode = "ebpf", source = source.name(), "starting proxy-agent");
 
     let mut dataplane = EbpfDataplane::start(&EbpfOptions {
         cgroup_path: config.ebpf.cgroup_path.clone(),
@@ -53,10 +78,23 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     .context("cannot start the eBPF dataplane")?;
 
     let (tx, mut rx) = mpsc::channel(64);
-    let source_task = tokio::spawn(source::manifests::run(manifests, node.name.clone(), tx));
+    let source_name = source.name();
     let mut store = Store::default();
-    // A manifests folder may hold no Node: that counts as listed.
-    store.mark_synced(Kind::Node);
+    let source_task = match source {
+        Source::Manifests(dir) => {
+            // A manifests folder may hold no Node: that counts as listed.
+            store.mark_synced(Kind::Node);
+            tokio::spawn(source::manifests::run(dir, node.name.clone(), tx))
+        }
+        // The Node is watched like the other kinds: the first sync waits for its list.
+        Source::Kubernetes(client) => {
+            let name = node.name.clone();
+            tokio::spawn(async move {
+                source::kubernetes::run(client, name, tx).await;
+                Ok(())
+            })
+        }
+    };
     let mut sigint = signal(SignalKind::interrupt()).context("cannot handle SIGINT")?;
     let mut sigterm = signal(SignalKind::terminate()).context("cannot handle SIGTERM")?;
     let mut snapshot = Snapshot::default();
@@ -75,7 +113,7 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
         tokio::select! {
             update = rx.recv() => {
                 let Some(update) = update else {
-                    break Err(anyhow::anyhow!("the manifests source stopped"));
+                    break Err(anyhow::anyhow!("the {source_name} source stopped"));
                 };
                 let mut changed = store.apply(update);
                 // Drain what is already queued so a burst becomes one sync.

@@ -1,5 +1,5 @@
-//! The real `proxy-agent` process, run against a manifests directory, a child cgroup and a
-//! private bpffs root.
+//! The real `proxy-agent` process, run against a manifests directory or an API server
+//! (kubeconfig), a child cgroup and a private bpffs root.
 
 use std::fs::{self, File};
 use std::path::{Path, PathBuf};
@@ -17,10 +17,25 @@ pub const STOP_TIMEOUT: Duration = Duration::from_secs(10);
 /// Lines of log included in rig error messages.
 pub const LOG_TAIL_LINES: usize = 40;
 
+/// Where the agent reads its objects from.
+#[derive(Debug, Clone)]
+pub enum AgentSource {
+    /// `--manifests DIR`
+    Manifests(PathBuf),
+    /// `--kubeconfig FILE` (the Kubernetes API source)
+    Kubeconfig(PathBuf),
+}
+
+impl Default for AgentSource {
+    fn default() -> Self {
+        Self::Manifests(PathBuf::new())
+    }
+}
+
 /// How to run the agent.
 #[derive(Debug, Clone, Default)]
 pub struct AgentConfig {
-    pub manifests_dir: PathBuf,
+    pub source: AgentSource,
     /// cgroup2 directory the agent attaches its socket programs to.
     pub cgroup_path: PathBuf,
     pub hostname: String,
@@ -87,9 +102,13 @@ impl Agent {
             }
             None => Command::new(&bin),
         };
+        let (source_flag, source_path) = match &config.source {
+            AgentSource::Manifests(dir) => ("--manifests", dir),
+            AgentSource::Kubeconfig(file) => ("--kubeconfig", file),
+        };
         cmd.args(["--proxy-mode", "ebpf"])
-            .arg("--manifests")
-            .arg(&config.manifests_dir)
+            .arg(source_flag)
+            .arg(source_path)
             .args(["--hostname-override", &config.hostname])
             .arg("--cgroup-path")
             .arg(&config.cgroup_path)

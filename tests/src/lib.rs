@@ -5,6 +5,7 @@
 //! test leaves nothing behind on the host.
 
 pub mod agent;
+pub mod apiserver;
 pub mod cgroup;
 pub mod client;
 pub mod echo;

@@ -3,9 +3,10 @@
 //! clients, a manifests directory and (once started) the agent.
 
 use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
+use std::path::Path;
 use std::time::{Duration, Instant};
 
-use crate::agent::{Agent, AgentConfig};
+use crate::agent::{Agent, AgentConfig, AgentSource};
 use crate::cgroup::ChildCgroup;
 use crate::client::{Attempt, Client};
 use crate::manifests::{
@@ -89,10 +90,21 @@ impl Scenario {
         })
     }
 
-    /// Starts the agent in the node namespace, attached to the scenario's cgroup.
+    /// Starts the agent in the node namespace on the scenario's manifests directory, attached
+    /// to the scenario's cgroup.
     pub fn start_agent(&mut self) -> Result<&mut Agent> {
+        let source = AgentSource::Manifests(self.manifests.path().to_path_buf());
+        self.start_agent_with(source)
+    }
+
+    /// Like [`Scenario::start_agent`], with the Kubernetes API source (`--kubeconfig FILE`).
+    pub fn start_agent_with_kubeconfig(&mut self, kubeconfig: &Path) -> Result<&mut Agent> {
+        self.start_agent_with(AgentSource::Kubeconfig(kubeconfig.to_path_buf()))
+    }
+
+    fn start_agent_with(&mut self, source: AgentSource) -> Result<&mut Agent> {
         let config = AgentConfig {
-            manifests_dir: self.manifests.path().to_path_buf(),
+            source,
             cgroup_path: self.cgroup.path().to_path_buf(),
             hostname: HOSTNAME.into(),
             netns: Some(self.topo.node().path()),

@@ -1,3 +1,4 @@
-//! Where Service and EndpointSlice objects come from.
+//! Where Service, EndpointSlice and Node objects come from.
 
+pub mod kubernetes;
 pub mod manifests;

@@ -1,0 +1,322 @@
+//! The HTTP side: LIST and WATCH for the three resources, with the real API server's paths,
+//! query parameters, JSON shapes and status codes.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::Router;
+use axum::body::{Body, Bytes};
+use axum::extract::{Path, Query, State as AxumState};
+use axum::http::{StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use futures::stream;
+use serde_json::{Value, json};
+use tokio::time::Instant;
+
+use super::selector::{FieldSelector, Filter, LabelSelector};
+use super::state::{EventType, HistoryEvent};
+use super::{Resource, Shared};
+
+type Params = Query<HashMap<String, String>>;
+
+pub fn router(shared: Arc<Shared>) -> Router {
+    let route = |resource: Resource| {
+        get(
+            move |AxumState(s): AxumState<Arc<Shared>>, Query(q): Params| async move {
+                handle(s, resource, None, q).await
+            },
+        )
+    };
+    let namespaced = |resource: Resource| {
+        get(
+            move |AxumState(s): AxumState<Arc<Shared>>,
+                  Path(ns): Path<String>,
+                  Query(q): Params| async move { handle(s, resource, Some(ns), q).await },
+        )
+    };
+    Router::new()
+        .route("/api/v1/services", route(Resource::Services))
+        .route(
+            "/api/v1/namespaces/{ns}/services",
+            namespaced(Resource::Services),
+        )
+        .route(
+            "/apis/discovery.k8s.io/v1/endpointslices",
+            route(Resource::EndpointSlices),
+        )
+        .route(
+            "/apis/discovery.k8s.io/v1/namespaces/{ns}/endpointslices",
+            namespaced(Resource::EndpointSlices),
+        )
+        .route("/api/v1/nodes", route(Resource::Nodes))
+        .fallback(|| async {
+            status_response(
+                StatusCode::NOT_FOUND,
+                "NotFound",
+                "the server could not find the requested resource",
+            )
+        })
+        .with_state(shared)
+}
+
+async fn handle(
+    shared: Arc<Shared>,
+    resource: Resource,
+    namespace: Option<String>,
+    query: HashMap<String, String>,
+) -> Response {
+    let param = |name: &str| query.get(name).map(String::as_str).unwrap_or_default();
+    let filter = match parse_filter(param("labelSelector"), param("fieldSelector"), namespace) {
+        Ok(filter) => filter,
+        Err(message) => return status_response(StatusCode::BAD_REQUEST, "BadRequest", &message),
+    };
+    if matches!(param("watch"), "true" | "1") {
+        let Ok(rv) = parse_rv(param("resourceVersion")) else {
+            return status_response(
+                StatusCode::BAD_REQUEST,
+                "BadRequest",
+                "invalid resourceVersion",
+            );
+        };
+        let timeout = param("timeoutSeconds")
+            .parse()
+            .ok()
+            .map(Duration::from_secs);
+        let bookmarks = param("allowWatchBookmarks") == "true";
+        shared
+            .counters(resource)
+            .watches
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        return watch(shared, resource, filter, rv, timeout, bookmarks);
+    }
+    list(shared, resource, filter).await
+}
+
+fn parse_filter(labels: &str, fields: &str, namespace: Option<String>) -> Result<Filter, String> {
+    Ok(Filter {
+        labels: LabelSelector::parse(labels)?,
+        fields: FieldSelector::parse(fields)?,
+        namespace,
+    })
+}
+
+/// `""` and `"0"` mean "any version": the watch starts with the current state.
+fn parse_rv(text: &str) -> Result<Option<u64>, std::num::ParseIntError> {
+    match text {
+        "" | "0" => Ok(None),
+        text => text.parse().map(Some),
+    }
+}
+
+async fn list(shared: Arc<Shared>, resource: Resource, filter: Filter) -> Response {
+    // A held list answers only once the test releases it (the hold is re-read on release).
+    let mut held = shared.held_rx(resource);
+    // An error means the sender is gone, i.e. the server is being torn down: answer anyway.
+    let _ = held.wait_for(|held| !held).await;
+    shared
+        .counters(resource)
+        .lists
+        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let state = shared.lock();
+    let items: Vec<Value> = state
+        .list(resource)
+        .filter(|o| filter.matches(o))
+        .map(|o| {
+            // Items of a typed list carry no kind/apiVersion, as from the real server.
+            let mut item = o.clone();
+            if let Some(map) = item.as_object_mut() {
+                map.remove("kind");
+                map.remove("apiVersion");
+            }
+            item
+        })
+        .collect();
+    let body = json!({
+        "kind": resource.list_kind(),
+        "apiVersion": resource.api_version(),
+        "metadata": {"resourceVersion": state.rv.to_string()},
+        "items": items,
+    });
+    json_response(StatusCode::OK, &body)
+}
+
+/// What a watch stream still has to do.
+struct Cursor {
+    shared: Arc<Shared>,
+    resource: Resource,
+    filter: Filter,
+    rv: u64,
+    pending: std::collections::VecDeque<Bytes>,
+    drop_generation: u64,
+    changes: tokio::sync::watch::Receiver<u64>,
+    deadline: Option<Instant>,
+    bookmarks: bool,
+    done: bool,
+}
+
+fn watch(
+    shared: Arc<Shared>,
+    resource: Resource,
+    filter: Filter,
+    from: Option<u64>,
+    timeout: Option<Duration>,
+    bookmarks: bool,
+) -> Response {
+    let cursor = {
+        let state = shared.lock();
+        // Subscribed under the lock (changes are announced under it too): no change can fall
+        // between the state read here and the first wait.
+        let changes = shared.changes_rx();
+        let mut cursor = Cursor {
+            shared: shared.clone(),
+            resource,
+            filter,
+            rv: state.rv,
+            pending: Default::default(),
+            drop_generation: state.drop_generation,
+            changes,
+            deadline: timeout.map(|t| Instant::now() + t),
+            bookmarks,
+            done: false,
+        };
+        match from {
+            // No version: synthetic ADDED events for the current state, then live events.
+            None => {
+                for object in state.list(resource).filter(|o| cursor.filter.matches(o)) {
+                    cursor.pending.push_back(event_line("ADDED", object));
+                }
+            }
+            // Too old: the real server answers 200 with one ERROR event and ends the stream.
+            Some(rv) if rv < state.compacted => {
+                let status = status_object(
+                    410,
+                    "Expired",
+                    &format!("too old resource version: {rv} ({})", state.compacted),
+                );
+                cursor.pending.push_back(event_line("ERROR", &status));
+                cursor.done = true;
+            }
+            Some(rv) => {
+                cursor.rv = rv;
+                cursor.collect(&state.history);
+                cursor.rv = state.rv.max(rv);
+            }
+        }
+        cursor
+    };
+    let body = stream::unfold(cursor, |mut cursor| async move {
+        let item = cursor.next().await?;
+        Some((item, cursor))
+    });
+    Response::builder()
+        .status(StatusCode::OK)
+        .header(header::CONTENT_TYPE, "application/json")
+        .body(Body::from_stream(body))
+        .unwrap_or_else(|_| StatusCode::INTERNAL_SERVER_ERROR.into_response())
+}
+
+impl Cursor {
+    /// Queues the events after `self.rv` that this watch sees.
+    fn collect(&mut self, history: &[HistoryEvent]) {
+        for event in history.iter().filter(|e| e.rv > self.rv) {
+            if event.resource != self.resource {
+                continue;
+            }
+            let was = event.old.as_ref().is_some_and(|o| self.filter.matches(o));
+            let is = self.filter.matches(&event.new);
+            // A change that moves an object into or out of the selection is an ADDED or
+            // DELETED for this watch (what the real server's watch cache does).
+            let kind = match (event.kind, was, is) {
+                (EventType::Deleted, true, _) => "DELETED",
+                (EventType::Deleted, false, _) => continue,
+                (_, false, true) => "ADDED",
+                (_, true, true) => "MODIFIED",
+                (_, true, false) => "DELETED",
+                (_, false, false) => continue,
+            };
+            self.pending.push_back(event_line(kind, &event.new));
+        }
+    }
+
+    async fn next(&mut self) -> Option<Result<Bytes, std::io::Error>> {
+        loop {
+            if let Some(line) = self.pending.pop_front() {
+                return Some(Ok(line));
+            }
+            if self.done {
+                return None;
+            }
+            let bookmark_at = Instant::now() + self.shared.bookmark_interval;
+            let deadline = self.deadline;
+            tokio::select! {
+                biased;
+                _ = self.changes.changed() => {
+                    let shared = self.shared.clone();
+                    let state = shared.lock();
+                    if state.drop_generation != self.drop_generation {
+                        // A broken connection, not a clean end: the client sees a read error.
+                        self.done = true;
+                        return Some(Err(std::io::Error::other("watch dropped by the test")));
+                    }
+                    self.collect(&state.history);
+                    self.rv = state.rv;
+                }
+                _ = tokio::time::sleep_until(bookmark_at), if self.bookmarks => {
+                    let rv = self.shared.lock().rv;
+                    let object = json!({
+                        "kind": self.resource.kind(),
+                        "apiVersion": self.resource.api_version(),
+                        "metadata": {"resourceVersion": rv.to_string()},
+                    });
+                    // Only what this stream has already delivered may be bookmarked.
+                    if rv == self.rv {
+                        self.pending.push_back(event_line("BOOKMARK", &object));
+                    }
+                }
+                _ = sleep_until_opt(deadline) => {
+                    self.done = true;
+                }
+            }
+        }
+    }
+}
+
+async fn sleep_until_opt(deadline: Option<Instant>) {
+    match deadline {
+        Some(deadline) => tokio::time::sleep_until(deadline).await,
+        None => std::future::pending().await,
+    }
+}
+
+fn event_line(kind: &str, object: &Value) -> Bytes {
+    let mut line = json!({"type": kind, "object": object}).to_string();
+    line.push('\n');
+    Bytes::from(line)
+}
+
+fn status_object(code: u16, reason: &str, message: &str) -> Value {
+    json!({
+        "kind": "Status",
+        "apiVersion": "v1",
+        "metadata": {},
+        "status": "Failure",
+        "message": message,
+        "reason": reason,
+        "code": code,
+    })
+}
+
+fn status_response(code: StatusCode, reason: &str, message: &str) -> Response {
+    json_response(code, &status_object(code.as_u16(), reason, message))
+}
+
+fn json_response(code: StatusCode, body: &Value) -> Response {
+    (
+        code,
+        [(header::CONTENT_TYPE, "application/json")],
+        body.to_string(),
+    )
+        .into_response()
+}

@@ -1,0 +1,397 @@
+//! The agent's Kubernetes API source end to end: the real agent (`--kubeconfig`) watches the
+//! rig's API test server, and connections from the agent's cgroup show what it programmed. A
+//! decoy answers on each ClusterIP, so untranslated traffic shows up as `untranslated`. Needs
+//! root.
+
+use std::collections::BTreeSet;
+use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use k8s_openapi::api::core::v1::{Node, Service};
+use k8s_openapi::api::discovery::v1::EndpointSlice;
+use proxy_tests::apiserver::{ApiServer, Break, Resource};
+use proxy_tests::client::{Attempt, Client, tally};
+use proxy_tests::manifests::Endpoint;
+use proxy_tests::scenario::{
+    CLUSTER_IP, HOSTNAME, SERVICE_PORT, Scenario, cluster_addr, http_service, http_slice,
+    pod_endpoint,
+};
+use proxy_tests::topology::DECOY_NAME;
+
+const NAMESPACE: &str = "default";
+const SERVICE: &str = "web";
+const SLICE: &str = "web-1";
+const CONNECTIONS: u32 = 40;
+/// How long a watch break or an outage may take to converge (the watcher's backoff starts at
+/// 0.8 s and doubles).
+const CONVERGE_TIMEOUT: Duration = Duration::from_secs(30);
+
+fn service(name: &str, ip: Ipv4Addr) -> anyhow::Result<Service> {
+    Ok(serde_yaml::from_str(&http_service(NAMESPACE, name, ip))?)
+}
+
+fn slice(name: &str, service: &str, pods: &[usize]) -> anyhow::Result<EndpointSlice> {
+    let endpoints: Vec<Endpoint> = pods.iter().map(|&i| pod_endpoint(i)).collect();
+    Ok(serde_yaml::from_str(&http_slice(
+        NAMESPACE, name, service, &endpoints,
+    ))?)
+}
+
+fn node() -> anyhow::Result<Node> {
+    Ok(serde_json::from_value(serde_json::json!({
+        "apiVersion": "v1", "kind": "Node", "metadata": {"name": HOSTNAME},
+    }))?)
+}
+
+fn pods(names: &[usize]) -> BTreeSet<String> {
+    names.iter().map(|i| format!("pod{i}")).collect()
+}
+
+/// A scenario with `pods` pods and an API server in the node namespace holding this node,
+/// `web` and its slice over `web_pods`. The agent is not started yet.
+fn setup(pods: usize, web_pods: &[usize]) -> anyhow::Result<(Scenario, ApiServer)> {
+    proxy_tests::require_root();
+    proxy_tests::set_helper_binary(env!("CARGO_BIN_EXE_rig-helper"));
+    let s = Scenario::new(pods)?;
+    let api = ApiServer::start(Some(&s.topo.node().path()))?;
+    api.apply(&node()?)?;
+    api.apply(&service(SERVICE, CLUSTER_IP)?)?;
+    api.apply(&slice(SLICE, SERVICE, web_pods)?)?;
+    Ok((s, api))
+}
+
+fn start_and_wait_for_pods(s: &mut Scenario, api: &ApiServer) -> anyhow::Result<()> {
+    let started = Instant::now();
+    s.start_agent_with_kubeconfig(api.kubeconfig())?;
+    let first = s.wait_for_datapath(cluster_addr(), "answered by a pod", is_pod)?;
+    eprintln!(
+        "datapath ready {:?} after the agent started, first answer: {first:?}",
+        started.elapsed()
+    );
+    Ok(())
+}
+
+/// Prints the agent's source log lines (lists, relists, watch failures and reconnects).
+fn print_source_log(s: &mut Scenario) -> anyhow::Result<()> {
+    for line in s.agent()?.log_contents().lines() {
+        if ["listing", "listed", "relisting", "watch "]
+            .iter()
+            .any(|w| line.contains(w))
+        {
+            eprintln!("  agent: {line}");
+        }
+    }
+    Ok(())
+}
+
+fn is_pod(a: &Attempt) -> bool {
+    a.backend().is_some_and(|b| b.starts_with("pod"))
+}
+
+/// `CONNECTIONS` attempts from the cgroup; prints the tally and returns the set of answers.
+fn answers(s: &Scenario, target: SocketAddr, label: &str) -> anyhow::Result<BTreeSet<String>> {
+    let attempts = s.cgroup_client().run(target, CONNECTIONS)?;
+    let counts = tally(&attempts);
+    eprintln!("{label}: answers: {counts:?}");
+    Ok(counts.into_keys().collect())
+}
+
+/// Each probe's start time and outcome.
+type ProbeLog = Vec<(Instant, Attempt)>;
+
+/// Connections made one after another from the cgroup in a background thread, with the time
+/// each was made, until stopped.
+struct Prober {
+    stop: Arc<AtomicBool>,
+    thread: Option<JoinHandle<anyhow::Result<ProbeLog>>>,
+}
+
+impl Prober {
+    fn start(client: Client, target: SocketAddr) -> Self {
+        let stop = Arc::new(AtomicBool::new(false));
+        let flag = stop.clone();
+        let thread = std::thread::spawn(move || {
+            let mut seen = Vec::new();
+            while !flag.load(Ordering::Relaxed) {
+                let at = Instant::now();
+                seen.push((at, client.once(target)?));
+            }
+            Ok(seen)
+        });
+        Self {
+            stop,
+            thread: Some(thread),
+        }
+    }
+
+    fn finish(mut self) -> anyhow::Result<ProbeLog> {
+        self.stop.store(true, Ordering::Relaxed);
+        let thread = self
+            .thread
+            .take()
+            .ok_or_else(|| anyhow::anyhow!("finished twice"))?;
+        thread
+            .join()
+            .map_err(|_| anyhow::anyhow!("the prober thread panicked"))?
+    }
+}
+
+impl Drop for Prober {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+/// Checks a probe log across a change from `old` to `new` endpoints: every answer comes from
+/// `old ∪ new` (never the decoy, never refused: the datapath is never emptied while the agent
+/// catches up), and once an endpoint only in `new` has answered, every later answer is in
+/// `new`. Returns the time from `changed_at` to the first new-only answer.
+fn check_transition(
+    s: &Scenario,
+    log: &[(Instant, Attempt)],
+    old: &BTreeSet<String>,
+    new: &BTreeSet<String>,
+    changed_at: Instant,
+) -> anyhow::Result<Duration> {
+    let allowed: BTreeSet<&String> = old.union(new).collect();
+    let mut switched_at = None;
+    for (at, attempt) in log {
+        let Some(backend) = attempt.backend() else {
+            return Err(s
+                .agent_error(format!("attempt failed during the change: {attempt:?}"))
+                .into());
+        };
+        s.ensure(allowed.contains(&backend.to_owned()), || {
+            format!("answer from {backend}, outside old {old:?} ∪ new {new:?}")
+        })?;
+        if switched_at.is_some() {
+            s.ensure(new.contains(backend), || {
+                format!("answer from {backend} after the new endpoints {new:?} were in use")
+            })?;
+        } else if new.contains(backend) && !old.contains(backend) {
+            switched_at = Some(*at);
+        }
+    }
+    let Some(switched_at) = switched_at else {
+        return Err(s
+            .agent_error(format!(
+                "no answer from the new endpoints {new:?} in {} attempts",
+                log.len()
+            ))
+            .into());
+    };
+    Ok(switched_at.saturating_duration_since(changed_at))
+}
+
+/// Probes until an endpoint only in `new` answered (bounded), then a little more.
+fn probe_until_switched(
+    s: &Scenario,
+    old: &BTreeSet<String>,
+    new: &BTreeSet<String>,
+    change: impl FnOnce() -> anyhow::Result<()>,
+) -> anyhow::Result<(ProbeLog, Instant)> {
+    let prober = Prober::start(s.cgroup_client(), cluster_addr());
+    std::thread::sleep(Duration::from_millis(300));
+    let changed_at = Instant::now();
+    change()?;
+    let client = s.cgroup_client();
+    let new_only: BTreeSet<&String> = new.difference(old).collect();
+    while changed_at.elapsed() < CONVERGE_TIMEOUT {
+        if client
+            .once(cluster_addr())?
+            .backend()
+            .is_some_and(|b| new_only.contains(&b.to_owned()))
+        {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    std::thread::sleep(Duration::from_millis(500));
+    Ok((prober.finish()?, changed_at))
+}
+
+#[test]
+fn api_objects_reach_pods_and_follow_updates_and_deletes() -> anyhow::Result<()> {
+    let (mut s, api) = setup(3, &[1, 2, 3])?;
+    start_and_wait_for_pods(&mut s, &api)?;
+    let before = answers(&s, cluster_addr(), "slice pod1..pod3")?;
+    s.ensure(before == pods(&[1, 2, 3]), || {
+        format!("expected exactly pod1..pod3: {before:?}")
+    })?;
+
+    api.apply(&slice(SLICE, SERVICE, &[1, 3])?)?;
+    std::thread::sleep(Duration::from_secs(1));
+    let after = answers(&s, cluster_addr(), "1 s after removing pod2 from the slice")?;
+    s.ensure(after == pods(&[1, 3]), || {
+        format!("expected exactly pod1 and pod3 after removing pod2: {after:?}")
+    })?;
+
+    let deleted_at = Instant::now();
+    api.delete::<Service>(NAMESPACE, SERVICE)
+        .ok_or_else(|| anyhow::anyhow!("web was not on the server"))?;
+    s.wait_for_datapath(cluster_addr(), "untranslated after the delete", |a| {
+        a.backend() == Some(DECOY_NAME)
+    })?;
+    eprintln!(
+        "untranslated {:?} after deleting the Service",
+        deleted_at.elapsed()
+    );
+    let gone = answers(&s, cluster_addr(), "after deleting the Service")?;
+    s.ensure(gone == BTreeSet::from([DECOY_NAME.to_owned()]), || {
+        format!("a deleted Service must not be translated: {gone:?}")
+    })?;
+    Ok(())
+}
+
+#[test]
+fn nothing_is_programmed_until_every_kind_was_listed() -> anyhow::Result<()> {
+    let (mut s, api) = setup(2, &[1, 2])?;
+    api.hold_lists(Resource::Nodes);
+    s.start_agent_with_kubeconfig(api.kubeconfig())?;
+    // Services and EndpointSlices are listed; the Node list hangs.
+    proxy_tests::wait::wait_until(
+        "Services and EndpointSlices listed",
+        Duration::from_secs(10),
+        Duration::from_millis(100),
+        || {
+            api.lists_served(Resource::Services) > 0
+                && api.lists_served(Resource::EndpointSlices) > 0
+        },
+    )?;
+    std::thread::sleep(Duration::from_secs(1));
+    let held = answers(&s, cluster_addr(), "Node list held back")?;
+    s.ensure(held == BTreeSet::from([DECOY_NAME.to_owned()]), || {
+        format!("nothing may be translated before the Node was listed: {held:?}")
+    })?;
+    let log = s.agent()?.log_contents();
+    s.ensure(!log.contains("sync applied"), || {
+        "the agent synced before the Node was listed".into()
+    })?;
+
+    let released_at = Instant::now();
+    api.release_lists(Resource::Nodes);
+    s.wait_for_datapath(cluster_addr(), "answered by a pod", is_pod)?;
+    eprintln!(
+        "pods answer {:?} after the Node list was released",
+        released_at.elapsed()
+    );
+    let after = answers(&s, cluster_addr(), "Node listed")?;
+    s.ensure(after == pods(&[1, 2]), || {
+        format!("expected pod1 and pod2: {after:?}")
+    })?;
+    Ok(())
+}
+
+#[test]
+fn expired_watch_relists_and_converges_without_foreign_endpoints() -> anyhow::Result<()> {
+    let (mut s, api) = setup(3, &[1, 2])?;
+    let extra_ip = Ipv4Addr::new(10, 96, 0, 11);
+    let extra: SocketAddr = SocketAddrV4::new(extra_ip, SERVICE_PORT).into();
+    s.topo.add_decoy(extra_ip, SERVICE_PORT)?;
+    start_and_wait_for_pods(&mut s, &api)?;
+    let lists_before = api.lists_served(Resource::EndpointSlices);
+
+    // In the same step as the 410: web moves to pod3, and a new Service appears. No watch
+    // delivers these; only a relist shows them.
+    let (old, new) = (pods(&[1, 2]), pods(&[3]));
+    let (log, changed_at) = probe_until_switched(&s, &old, &new, || {
+        api.break_watches(Break::Expire, |b| -> anyhow::Result<()> {
+            b.apply(&slice(SLICE, SERVICE, &[3])?)?;
+            b.apply(&service("extra", extra_ip)?)?;
+            b.apply(&slice("extra-1", "extra", &[1])?)?;
+            Ok(())
+        })
+    })?;
+    let switched = check_transition(&s, &log, &old, &new, changed_at)?;
+    eprintln!(
+        "410 Expired: {} probes, all from old ∪ new; pod3 answered {switched:?} after the break",
+        log.len()
+    );
+    s.ensure(
+        api.lists_served(Resource::EndpointSlices) > lists_before,
+        || "the agent did not relist EndpointSlices after the 410".into(),
+    )?;
+    print_source_log(&mut s)?;
+    let relisted = s.agent()?.log_contents().contains("relisting");
+    s.ensure(relisted, || "the agent did not log the relist".into())?;
+    let extra_answers = answers(&s, extra, "the Service created during the break")?;
+    s.ensure(extra_answers == pods(&[1]), || {
+        format!("the Service created during the break must reach pod1: {extra_answers:?}")
+    })?;
+
+    // The watch works again after the relist.
+    api.apply(&slice(SLICE, SERVICE, &[2, 3])?)?;
+    s.wait_for_datapath(cluster_addr(), "pod2 back via the resumed watch", |a| {
+        a.backend() == Some("pod2")
+    })?;
+    Ok(())
+}
+
+#[test]
+fn dropped_watch_resumes_and_catches_up() -> anyhow::Result<()> {
+    let (mut s, api) = setup(3, &[1, 2])?;
+    start_and_wait_for_pods(&mut s, &api)?;
+    let lists_before = api.lists_served(Resource::EndpointSlices);
+    let (old, new) = (pods(&[1, 2]), pods(&[2, 3]));
+    let (log, changed_at) = probe_until_switched(&s, &old, &new, || {
+        let slice = slice(SLICE, SERVICE, &[2, 3])?;
+        api.break_watches(Break::Disconnect, |b| b.apply(&slice))?;
+        Ok(())
+    })?;
+    let switched = check_transition(&s, &log, &old, &new, changed_at)?;
+    eprintln!(
+        "disconnect: {} probes, all from old ∪ new; pod3 answered {switched:?} after the break",
+        log.len()
+    );
+    s.ensure(
+        api.lists_served(Resource::EndpointSlices) == lists_before,
+        || "a dropped watch with its history intact must resume, not relist".into(),
+    )?;
+    let after = answers(&s, cluster_addr(), "after the disconnect")?;
+    s.ensure(after == new, || {
+        format!("expected exactly {new:?}: {after:?}")
+    })?;
+    Ok(())
+}
+
+#[test]
+fn api_server_outage_keeps_the_datapath_and_catches_up() -> anyhow::Result<()> {
+    let (mut s, mut api) = setup(3, &[1, 2])?;
+    start_and_wait_for_pods(&mut s, &api)?;
+
+    api.stop();
+    let stopped_at = Instant::now();
+    // Made while the server is down: the agent can only learn it after the restart.
+    api.apply(&slice(SLICE, SERVICE, &[3])?)?;
+    let mut during = Vec::new();
+    while stopped_at.elapsed() < Duration::from_secs(3) {
+        during.extend(s.cgroup_client().run(cluster_addr(), CONNECTIONS)?);
+    }
+    let counts = tally(&during);
+    eprintln!("API server down for 3 s: answers: {counts:?}");
+    s.ensure(counts.keys().eq(["pod1", "pod2"].iter()), || {
+        format!("during the outage the last state (pod1, pod2) must keep serving: {counts:?}")
+    })?;
+
+    let (old, new) = (pods(&[1, 2]), pods(&[3]));
+    let (log, restarted_at) = probe_until_switched(&s, &old, &new, || Ok(api.restart()?))?;
+    let caught_up = check_transition(&s, &log, &old, &new, restarted_at)?;
+    eprintln!(
+        "outage of {:?}: {} probes after the restart, all from old ∪ new; pod3 answered \
+         {caught_up:?} after the restart",
+        restarted_at.duration_since(stopped_at),
+        log.len()
+    );
+    print_source_log(&mut s)?;
+    let after = answers(&s, cluster_addr(), "after the restart")?;
+    s.ensure(after == new, || {
+        format!("expected exactly {new:?}: {after:?}")
+    })?;
+    Ok(())
+}
