@@ -50,6 +50,12 @@ pub struct Args {
     #[arg(long, default_value_t = proxy_common::default_sizes::BACKENDS)]
     pub bpf_map_backends: u32,
 
+    /// Remove everything the eBPF dataplane left in the kernel (pinned links, which detaches
+    /// the programs, and pinned maps under `<bpf-root>/kubeproxy-rs/`), then exit. A normal
+    /// shutdown (SIGTERM/SIGINT) leaves the datapath running for the next agent to adopt.
+    #[arg(long)]
+    pub cleanup: bool,
+
     /// Log more (-v: debug, -vv: trace). RUST_LOG overrides it.
     #[arg(short, long, action = clap::ArgAction::Count)]
     pub verbose: u8,

@@ -11,13 +11,18 @@ use tracing::{debug, error, info, warn};
 
 use crate::{
     cli::{Args, ProxyMode},
-    dataplane::ebpf::{EbpfDataplane, EbpfOptions},
+    dataplane::ebpf::{self, EbpfDataplane, EbpfOptions},
     desired::{NodeContext, Snapshot},
     objects::{Kind, ObjectKey, Objects, Store},
     source,
 };
 
 pub async fn run(args: Args) -> anyhow::Result<()> {
+    if args.cleanup {
+        let removed = ebpf::cleanup(&args.bpf_root).context("--cleanup failed")?;
+        info!(removed, "cleanup done");
+        return Ok(());
+    }
     if args.proxy_mode == ProxyMode::Iptables {
         bail!("--proxy-mode iptables is not implemented yet; use --proxy-mode ebpf");
     }
@@ -104,7 +109,7 @@ fn sync(
     if summary.frontends_unsupported > 0 {
         warn!(
             count = summary.frontends_unsupported,
-            "IPv6 frontends are not programmed yet by the eBPF dataplane"
+            "frontends the eBPF dataplane cannot program (mixed-family backends)"
         );
     }
     info!(
@@ -113,6 +118,8 @@ fn sync(
         written = summary.frontends_written,
         removed = summary.frontends_removed,
         unchanged = summary.frontends_unchanged,
+        removed_backends = summary.removed_backends.len(),
+        udp_sockets_destroyed = summary.udp_sockets_destroyed,
         elapsed_us = started.elapsed().as_micros() as u64,
         "sync applied"
     );
