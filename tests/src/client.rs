@@ -47,7 +47,8 @@ impl Attempt {
         Self::parse_timed(line).map(|(attempt, _)| attempt)
     }
 
-    /// Like [`Attempt::parse`], also returning the `at=` milliseconds since the client started.
+    /// Like [`Attempt::parse`], also returning `at=`: when the attempt started, in ms since the
+    /// client started.
     pub fn parse_timed(line: &str) -> Result<(Self, Option<u64>)> {
         let (line, at) = match line.trim_end().rsplit_once(" at=") {
             Some((rest, ms)) if ms.chars().all(|c| c.is_ascii_digit()) => (rest, ms.parse().ok()),
@@ -149,7 +150,7 @@ impl Client {
             .collect())
     }
 
-    /// Like [`Client::run`], with each attempt's end time in ms since the client started.
+    /// Like [`Client::run`], with each attempt's start time in ms since the client started.
     pub fn run_timed(&self, target: SocketAddr, count: u32) -> Result<Vec<(Attempt, u64)>> {
         let mut cmd = Command::new(helper_binary()?);
         cmd.arg("client")

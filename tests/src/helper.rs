@@ -212,6 +212,7 @@ fn client(
         if i > 0 && !interval.is_zero() {
             thread::sleep(interval);
         }
+        let started_ms = start.elapsed().as_millis();
         let result = match mode {
             Mode::Connect => attempt(target, proto, timeout),
             Mode::Sendto => sendto_attempt(target, timeout),
@@ -221,7 +222,7 @@ fn client(
             Ok((reply, peer)) => format!("ok {reply} peer={peer}"),
             Err(e) => format!("err {}", error_name(&e)),
         };
-        writeln!(out, "{line} at={}", start.elapsed().as_millis())
+        writeln!(out, "{line} at={started_ms}")
             .and_then(|()| out.flush())
             .map_err(|e| RigError::io("printing attempt", e))?;
     }
