@@ -244,7 +244,6 @@ pub struct EbpfDataplane {
     maps: ServiceMaps,
     stats: PerCpuArray<MapData, u64>,
     programmer: Programmer,
-    /// Whether the next apply must be a full one (after adopting pinned state).
     pin_dir: PathBuf,
     cgroup_path: PathBuf,
     links: Vec<PinnedLink>,
