@@ -54,8 +54,13 @@ async fn main() -> ExitCode {
         };
     }
     if config.cleanup {
-        error!("--cleanup is not implemented yet");
-        return ExitCode::FAILURE;
+        return match run::cleanup(&config) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                error!("{e:#}");
+                ExitCode::FAILURE
+            }
+        };
     }
     match run::run(config).await {
         Ok(()) => ExitCode::SUCCESS,

@@ -12,7 +12,7 @@ use tracing::{debug, error, info, warn};
 
 use crate::{
     config::{Config, ProxyMode},
-    dataplane::ebpf::{EbpfDataplane, EbpfOptions},
+    dataplane::ebpf::{self, EbpfDataplane, EbpfOptions},
     desired::{NodeContext, Snapshot},
     objects::{Kind, ObjectKey, Objects, Store},
     source::{self, kubernetes::ClientOptions},
@@ -44,6 +44,14 @@ impl Source {
             Self::Kubernetes(_) => "kubernetes",
         }
     }
+}
+
+/// `--cleanup`: removes everything the agent installed (pinned maps and links, which detaches
+/// the programs), then returns.
+pub fn cleanup(config: &Config) -> anyhow::Result<()> {
+    let removed = ebpf::cleanup(&config.ebpf.bpf_root).context("--cleanup failed")?;
+    info!(removed, "cleanup done");
+    Ok(())
 }
 
 pub async fn run(config: Config) -> anyhow::Result<()> {
@@ -173,7 +181,7 @@ fn sync(
     if summary.frontends_unsupported > 0 {
         warn!(
             count = summary.frontends_unsupported,
-            "IPv6 frontends are not programmed yet by the eBPF dataplane"
+            "frontends the eBPF dataplane cannot program (mixed-family backends)"
         );
     }
     info!(
@@ -182,6 +190,8 @@ fn sync(
         written = summary.frontends_written,
         removed = summary.frontends_removed,
         unchanged = summary.frontends_unchanged,
+        removed_backends = summary.removed_backends.len(),
+        udp_sockets_destroyed = summary.udp_sockets_destroyed,
         elapsed_us = started.elapsed().as_micros() as u64,
         "sync applied"
     );

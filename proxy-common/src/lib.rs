@@ -29,11 +29,27 @@ mod pod {
     // spelled out as named fields, so any bit pattern is valid and no byte is uninitialised.
     unsafe impl aya::Pod for Frontend4Key {}
     // SAFETY: as above.
+    unsafe impl aya::Pod for Frontend6Key {}
+    // SAFETY: as above.
     unsafe impl aya::Pod for FrontendValue {}
     // SAFETY: as above.
     unsafe impl aya::Pod for BackendSlotKey {}
     // SAFETY: as above.
     unsafe impl aya::Pod for Backend4 {}
     // SAFETY: as above.
+    unsafe impl aya::Pod for Backend6 {}
+    // SAFETY: as above.
+    unsafe impl aya::Pod for RevNat4Key {}
+    // SAFETY: as above.
     unsafe impl aya::Pod for RevNat4 {}
+    // SAFETY: as above.
+    unsafe impl aya::Pod for RevNat6Key {}
+    // SAFETY: as above.
+    unsafe impl aya::Pod for RevNat6 {}
+    // SAFETY: as above.
+    unsafe impl aya::Pod for AffinityKey {}
+    // SAFETY: as above.
+    unsafe impl aya::Pod for AffinityValue {}
+    // SAFETY: as above.
+    unsafe impl aya::Pod for AffinityMatchKey {}
 }

@@ -1,38 +1,63 @@
-//! Service lookup and backend selection (frontend → slot → backend).
+//! Backend selection: frontend value → (session affinity | random slot) → backend id → backend.
+//! Shared by IPv4 and IPv6; only the backend map differs.
 
-use aya_ebpf::helpers::bpf_get_prandom_u32;
-use proxy_common::{Backend4, BackendSlotKey, Frontend4Key, FrontendValue};
+use aya_ebpf::{
+    helpers::{bpf_get_prandom_u32, bpf_ktime_get_ns},
+    maps::HashMap,
+};
+use proxy_common::{
+    AffinityKey, AffinityMatchKey, AffinityValue, BackendSlotKey, FrontendValue, StatIndex,
+    frontend_flags,
+};
 
-use crate::maps::{KPR_BACKEND_SLOTS, KPR_BACKENDS4, KPR_FRONTENDS4};
+use crate::{
+    maps::{KPR_AFFINITY, KPR_AFFINITY_MATCH, KPR_BACKEND_SLOTS},
+    stats::bump,
+};
 
-/// What to do with a connection to an address.
-pub enum Decision {
-    /// Not a service address: leave the socket alone.
-    NotAService,
+const NANOS_PER_SECOND: u64 = 1_000_000_000;
+
+/// What to do with a connection to a frontend.
+pub enum Decision<B> {
     /// A service without usable backends: refuse like kube-proxy's REJECT.
     NoBackends,
     /// The frontend's slot or backend vanished between lookups.
     BackendMissing,
-    Backend(Backend4),
+    Backend(B),
 }
 
+/// Picks the backend for a new connection (or datagram) of `client` to `frontend`.
+///
+/// Without affinity the choice is uniform at random, like kube-proxy's iptables `statistic`
+/// rules per connection. With affinity, a client keeps the backend it used last as long as it
+/// comes back within the timeout (measured from its last use, like `-m recent --rcheck
+/// --seconds`) and the backend is still in the service.
 #[inline(always)]
-pub fn lookup_frontend(key: &Frontend4Key) -> Option<FrontendValue> {
-    // SAFETY: hash map values are copied out immediately; the agent replaces frontend values
-    // with whole-value updates, so a copy is always one complete value.
-    unsafe { KPR_FRONTENDS4.get(key) }.copied()
-}
-
-/// Picks a backend uniformly at random, like kube-proxy's iptables `statistic` rules do per
-/// connection.
-#[inline(always)]
-pub fn select_backend(key: &Frontend4Key) -> Decision {
-    let Some(frontend) = lookup_frontend(key) else {
-        return Decision::NotAService;
-    };
+pub fn select_backend<B: Copy>(
+    frontend: &FrontendValue,
+    client: impl FnOnce() -> u64,
+    backends: &HashMap<u32, B>,
+) -> Decision<B> {
     if frontend.backend_count == 0 {
         return Decision::NoBackends;
     }
+    let affinity = frontend.flags & frontend_flags::AFFINITY != 0;
+    let mut affinity_key = None;
+    // SAFETY: bpf_ktime_get_ns has no preconditions.
+    let now = unsafe { bpf_ktime_get_ns() };
+    if affinity {
+        let key = AffinityKey {
+            client: client(),
+            service_id: frontend.service_id,
+            _pad: 0,
+        };
+        if let Some(backend) = affinity_backend(&key, frontend, now, backends) {
+            bump(StatIndex::AffinityHit);
+            return Decision::Backend(backend);
+        }
+        affinity_key = Some(key);
+    }
+
     // SAFETY: bpf_get_prandom_u32 has no preconditions.
     let random = unsafe { bpf_get_prandom_u32() };
     let slot_key = BackendSlotKey {
@@ -41,13 +66,60 @@ pub fn select_backend(key: &Frontend4Key) -> Decision {
         generation: frontend.generation,
         _pad: 0,
     };
-    // SAFETY: see lookup_frontend; values are plain integers copied out at once.
+    // SAFETY: map values are plain integers, copied out at once; the agent replaces values
+    // with whole-value updates, so a copy is always one complete value.
     let Some(backend_id) = (unsafe { KPR_BACKEND_SLOTS.get(slot_key) }).copied() else {
         return Decision::BackendMissing;
     };
     // SAFETY: as above.
-    match unsafe { KPR_BACKENDS4.get(backend_id) } {
-        Some(backend) => Decision::Backend(*backend),
-        None => Decision::BackendMissing,
+    let Some(backend) = (unsafe { backends.get(backend_id) }).copied() else {
+        return Decision::BackendMissing;
+    };
+    if let Some(key) = affinity_key {
+        remember(&key, backend_id, now);
     }
+    Decision::Backend(backend)
+}
+
+#[inline(always)]
+fn affinity_backend<B: Copy>(
+    key: &AffinityKey,
+    frontend: &FrontendValue,
+    now: u64,
+    backends: &HashMap<u32, B>,
+) -> Option<B> {
+    // SAFETY: as in select_backend.
+    let entry = (unsafe { KPR_AFFINITY.get(key) }).copied()?;
+    let timeout = u64::from(frontend.affinity_timeout) * NANOS_PER_SECOND;
+    let fresh = now.wrapping_sub(entry.last_used_ns) <= timeout;
+    let member = AffinityMatchKey {
+        service_id: frontend.service_id,
+        backend_id: entry.backend_id,
+    };
+    // SAFETY: as in select_backend.
+    let live = unsafe { KPR_AFFINITY_MATCH.get(member) }.is_some();
+    // SAFETY: as in select_backend.
+    let backend = (unsafe { backends.get(entry.backend_id) }).copied();
+    match backend {
+        Some(backend) if fresh && live => {
+            remember(key, entry.backend_id, now);
+            Some(backend)
+        }
+        _ => {
+            bump(StatIndex::AffinityStale);
+            None
+        }
+    }
+}
+
+#[inline(always)]
+fn remember(key: &AffinityKey, backend_id: u32, now: u64) {
+    let value = AffinityValue {
+        backend_id,
+        _pad: 0,
+        last_used_ns: now,
+    };
+    // Best effort: an LRU insert only fails on allocation failure; the next connection then
+    // simply chooses again.
+    let _ = KPR_AFFINITY.insert(key, value, 0);
 }

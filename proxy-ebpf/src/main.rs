@@ -17,17 +17,52 @@ mod stats;
 #[cfg(target_arch = "bpf")]
 mod programs {
     use aya_ebpf::{macros::cgroup_sock_addr, programs::SockAddrContext};
+    use proxy_common::StatIndex;
+
+    use crate::sock::{Hook, reverse4, reverse6, translate4, translate6};
 
     /// `connect()` of TCP and UDP sockets in the attached cgroup: service address → backend.
     #[cgroup_sock_addr(connect4)]
     pub fn kpr_connect4(ctx: SockAddrContext) -> i32 {
-        crate::sock::connect4(&ctx)
+        translate4(&ctx, Hook::Connect)
+    }
+
+    #[cgroup_sock_addr(connect6)]
+    pub fn kpr_connect6(ctx: SockAddrContext) -> i32 {
+        translate6(&ctx, Hook::Connect)
+    }
+
+    /// Unconnected UDP `sendmsg()`/`sendto()`: service address → backend, per datagram.
+    #[cgroup_sock_addr(sendmsg4)]
+    pub fn kpr_sendmsg4(ctx: SockAddrContext) -> i32 {
+        translate4(&ctx, Hook::Sendmsg)
+    }
+
+    #[cgroup_sock_addr(sendmsg6)]
+    pub fn kpr_sendmsg6(ctx: SockAddrContext) -> i32 {
+        translate6(&ctx, Hook::Sendmsg)
+    }
+
+    /// UDP `recvmsg()`/`recvfrom()`: a reply from the backend appears to come from the service.
+    #[cgroup_sock_addr(recvmsg4)]
+    pub fn kpr_recvmsg4(ctx: SockAddrContext) -> i32 {
+        reverse4(&ctx, StatIndex::RecvmsgRewritten)
+    }
+
+    #[cgroup_sock_addr(recvmsg6)]
+    pub fn kpr_recvmsg6(ctx: SockAddrContext) -> i32 {
+        reverse6(&ctx, StatIndex::RecvmsgRewritten)
     }
 
     /// `getpeername()`: show the service address the application dialled, not the backend.
     #[cgroup_sock_addr(getpeername4)]
     pub fn kpr_getpeername4(ctx: SockAddrContext) -> i32 {
-        crate::sock::getpeername4(&ctx)
+        reverse4(&ctx, StatIndex::PeerNameRewritten)
+    }
+
+    #[cgroup_sock_addr(getpeername6)]
+    pub fn kpr_getpeername6(ctx: SockAddrContext) -> i32 {
+        reverse6(&ctx, StatIndex::PeerNameRewritten)
     }
 }
 

@@ -1,7 +1,7 @@
 //! The real `proxy-agent` process, run against a manifests directory or an API server
 //! (kubeconfig), a child cgroup and a private bpffs root.
 
-use std::fs::{self, File};
+use std::fs;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::Duration;
@@ -63,9 +63,11 @@ pub fn agent_binary() -> Result<PathBuf> {
 }
 
 /// A running agent. Drop stops it (SIGINT, then SIGKILL after [`STOP_TIMEOUT`]), unmounts
-/// its private bpffs and removes its temp directories.
+/// its private bpffs (which releases the pinned links and maps the agent leaves in place) and
+/// removes its temp directories.
 #[derive(Debug)]
 pub struct Agent {
+    config: AgentConfig,
     child: Option<Child>,
     /// Private directory holding the log file; removed on drop.
     work_dir: PathBuf,
@@ -75,7 +77,6 @@ pub struct Agent {
 
 impl Agent {
     pub fn start(config: &AgentConfig) -> Result<Self> {
-        let bin = agent_binary()?;
         let work_dir = std::env::temp_dir().join(unique_name("agent"));
         let bpf_root = work_dir.join("bpf");
         fs::create_dir_all(&bpf_root)
@@ -83,17 +84,29 @@ impl Agent {
         let log_path = work_dir.join("agent.log");
         // From here on the guard owns the directories, even if spawning fails.
         let mut agent = Self {
+            config: config.clone(),
             child: None,
             work_dir,
             log_path,
             bpf_root,
         };
-        let log = File::create(&agent.log_path)
-            .map_err(|e| RigError::io(format!("creating {}", agent.log_path.display()), e))?;
+        agent.spawn()?;
+        Ok(agent)
+    }
+
+    /// Starts the agent process (again) with the same configuration, bpffs root and log file
+    /// (appended to).
+    fn spawn(&mut self) -> Result<()> {
+        let bin = agent_binary()?;
+        let log = fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&self.log_path)
+            .map_err(|e| RigError::io(format!("opening {}", self.log_path.display()), e))?;
         let log2 = log
             .try_clone()
             .map_err(|e| RigError::io("duplicating log file", e))?;
-
+        let config = &self.config;
         let mut cmd = match &config.netns {
             Some(ns) => {
                 let mut c = Command::new("nsenter");
@@ -113,7 +126,7 @@ impl Agent {
             .arg("--cgroup-path")
             .arg(&config.cgroup_path)
             .arg("--bpf-root")
-            .arg(&agent.bpf_root)
+            .arg(&self.bpf_root)
             .arg("-v")
             .args(&config.extra_args)
             .stdin(Stdio::null())
@@ -127,8 +140,40 @@ impl Agent {
         let child = cmd
             .spawn()
             .map_err(|e| RigError::io(format!("spawning `{what}`"), e))?;
-        agent.child = Some(child);
-        Ok(agent)
+        self.child = Some(child);
+        Ok(())
+    }
+
+    /// SIGKILLs the agent (no chance to clean anything up) and reaps it.
+    pub fn kill(&mut self) -> Result<()> {
+        let mut child = self
+            .child
+            .take()
+            .ok_or_else(|| RigError::Other("agent not running".into()))?;
+        kill_and_reap(&mut child);
+        Ok(())
+    }
+
+    /// Starts a new agent process after [`Agent::stop`] or [`Agent::kill`], on the same pins.
+    pub fn restart(&mut self) -> Result<()> {
+        if self.child.is_some() {
+            return Err(RigError::Other("agent still running".into()));
+        }
+        self.spawn()
+    }
+
+    /// Runs `proxy-agent --cleanup` on this agent's bpffs root (bounded); returns its status.
+    pub fn run_cleanup(&self) -> Result<ExitStatus> {
+        let mut cmd = Command::new(agent_binary()?);
+        cmd.arg("--cleanup").arg("--bpf-root").arg(&self.bpf_root);
+        let out = crate::process::run_bounded(&mut cmd, STOP_TIMEOUT)?;
+        let mut log = fs::OpenOptions::new()
+            .append(true)
+            .open(&self.log_path)
+            .map_err(|e| RigError::io(format!("opening {}", self.log_path.display()), e))?;
+        // Best effort: the cleanup's output only matters for diagnostics.
+        let _ = std::io::Write::write_all(&mut log, &out.stderr);
+        Ok(out.status)
     }
 
     /// Everything the agent has logged so far.

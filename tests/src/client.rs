@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
-pub use crate::helper::Proto;
+pub use crate::helper::{Mode, Proto};
 use crate::process::{describe, run_bounded};
 use crate::{Result, RigError, helper_binary};
 
@@ -41,8 +41,23 @@ impl Attempt {
         }
     }
 
-    /// Parses one helper output line (`ok NAME IP:PORT peer=IP:PORT` or `err REASON`).
+    /// Parses one helper output line (`ok NAME IP:PORT peer=IP:PORT` or `err REASON`, each
+    /// optionally followed by ` at=MS`).
     pub fn parse(line: &str) -> Result<Self> {
+        Self::parse_timed(line).map(|(attempt, _)| attempt)
+    }
+
+    /// Like [`Attempt::parse`], also returning `at=`: when the attempt started, in ms since the
+    /// client started.
+    pub fn parse_timed(line: &str) -> Result<(Self, Option<u64>)> {
+        let (line, at) = match line.trim_end().rsplit_once(" at=") {
+            Some((rest, ms)) if ms.chars().all(|c| c.is_ascii_digit()) => (rest, ms.parse().ok()),
+            _ => (line, None),
+        };
+        Self::parse_untimed(line).map(|attempt| (attempt, at))
+    }
+
+    fn parse_untimed(line: &str) -> Result<Self> {
         let bad = || RigError::Parse {
             what: "client output line",
             line: line.to_owned(),
@@ -76,7 +91,9 @@ pub struct Client {
     netns: PathBuf,
     cgroup: Option<PathBuf>,
     proto: Proto,
+    mode: Mode,
     timeout: Duration,
+    interval: Duration,
 }
 
 impl Client {
@@ -86,7 +103,9 @@ impl Client {
             netns: netns.into(),
             cgroup: None,
             proto: Proto::Tcp,
+            mode: Mode::Connect,
             timeout: Duration::from_millis(1000),
+            interval: Duration::ZERO,
         }
     }
 
@@ -101,27 +120,53 @@ impl Client {
         self
     }
 
+    /// How sockets are used (see [`Mode`]); `Sendto` and `Stream` imply UDP.
+    pub fn mode(mut self, mode: Mode) -> Self {
+        self.mode = mode;
+        if mode != Mode::Connect {
+            self.proto = Proto::Udp;
+        }
+        self
+    }
+
+    /// Pause between attempts.
+    pub fn interval(mut self, interval: Duration) -> Self {
+        self.interval = interval;
+        self
+    }
+
     /// Per-attempt connect/read timeout.
     pub fn timeout(mut self, timeout: Duration) -> Self {
         self.timeout = timeout;
         self
     }
 
-    /// Makes `count` attempts to `target`, each on a new socket.
+    /// Makes `count` attempts to `target` (each on a new socket, except in `Stream` mode).
     pub fn run(&self, target: SocketAddr, count: u32) -> Result<Vec<Attempt>> {
+        Ok(self
+            .run_timed(target, count)?
+            .into_iter()
+            .map(|(attempt, _)| attempt)
+            .collect())
+    }
+
+    /// Like [`Client::run`], with each attempt's start time in ms since the client started.
+    pub fn run_timed(&self, target: SocketAddr, count: u32) -> Result<Vec<(Attempt, u64)>> {
         let mut cmd = Command::new(helper_binary()?);
         cmd.arg("client")
             .args(["--target", &target.to_string()])
             .args(["--count", &count.to_string()])
             .args(["--proto", self.proto.as_arg()])
             .args(["--timeout-ms", &self.timeout.as_millis().to_string()])
+            .args(["--mode", self.mode.as_arg()])
+            .args(["--interval-ms", &self.interval.as_millis().to_string()])
             .arg("--netns")
             .arg(&self.netns);
         if let Some(cg) = &self.cgroup {
             cmd.arg("--cgroup").arg(cg);
         }
         // An attempt can wait for connect and then read: bound the whole run accordingly.
-        let bound = self.timeout * 2 * count + Duration::from_secs(5);
+        let bound = (self.timeout * 2 + self.interval) * count + Duration::from_secs(5);
         let out = run_bounded(&mut cmd, bound)?;
         if !out.status.success() {
             return Err(RigError::Command {
@@ -133,7 +178,9 @@ impl Client {
         let attempts = String::from_utf8_lossy(&out.stdout)
             .lines()
             .filter(|l| !l.trim().is_empty())
-            .map(Attempt::parse)
+            .map(|line| {
+                Attempt::parse_timed(line).map(|(attempt, at)| (attempt, at.unwrap_or_default()))
+            })
             .collect::<Result<Vec<_>>>()?;
         if attempts.len() != count as usize {
             return Err(RigError::Other(format!(
@@ -177,6 +224,9 @@ mod tests {
             Attempt::Err("ECONNREFUSED".into())
         );
         assert!(Attempt::parse("garbage").is_err());
+        let (timed, at) = Attempt::parse_timed("err ECONNABORTED at=1234")?;
+        assert_eq!(timed, Attempt::Err("ECONNABORTED".into()));
+        assert_eq!(at, Some(1234));
         let counts = tally(&[ok.clone(), ok, Attempt::Err("TIMEOUT".into())]);
         assert_eq!(counts.get("pod1"), Some(&2));
         assert_eq!(counts.get("err TIMEOUT"), Some(&1));

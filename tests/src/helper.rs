@@ -51,7 +51,35 @@ pub enum HelperCommand {
         cgroup: Option<PathBuf>,
         #[arg(long, default_value_t = 1000)]
         timeout_ms: u64,
+        #[arg(long, value_enum, default_value_t = Mode::Connect)]
+        mode: Mode,
+        /// Pause between attempts.
+        #[arg(long, default_value_t = 0)]
+        interval_ms: u64,
     },
+}
+
+/// How the client uses its sockets.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Mode {
+    /// A new socket per attempt, `connect()`ed (TCP, or connected UDP).
+    Connect,
+    /// A new unconnected UDP socket per attempt: `sendto()` + `recvfrom()`; `peer=` is the
+    /// address the reply came from.
+    Sendto,
+    /// One connected UDP socket for all attempts, replaced only after an error — a DNS-style
+    /// retry loop.
+    Stream,
+}
+
+impl Mode {
+    pub fn as_arg(self) -> &'static str {
+        match self {
+            Self::Connect => "connect",
+            Self::Sendto => "sendto",
+            Self::Stream => "stream",
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -92,6 +120,8 @@ pub fn run(cli: Cli) -> Result<()> {
             netns,
             cgroup,
             timeout_ms,
+            mode,
+            interval_ms,
         } => {
             if let Some(ns) = netns {
                 enter_netns(&ns)?;
@@ -99,7 +129,14 @@ pub fn run(cli: Cli) -> Result<()> {
             if let Some(cg) = cgroup {
                 join_cgroup(&cg)?;
             }
-            client(target, count, proto, Duration::from_millis(timeout_ms))
+            client(
+                target,
+                count,
+                proto,
+                mode,
+                Duration::from_millis(timeout_ms),
+                Duration::from_millis(interval_ms),
+            )
         }
     }
 }
@@ -160,18 +197,85 @@ fn serve_udp(name: &str, sock: &UdpSocket) {
     }
 }
 
-fn client(target: SocketAddr, count: u32, proto: Proto, timeout: Duration) -> Result<()> {
+fn client(
+    target: SocketAddr,
+    count: u32,
+    proto: Proto,
+    mode: Mode,
+    timeout: Duration,
+    interval: Duration,
+) -> Result<()> {
     let mut out = io::stdout().lock();
-    for _ in 0..count {
-        let line = match attempt(target, proto, timeout) {
+    let start = std::time::Instant::now();
+    let mut stream: Option<UdpSocket> = None;
+    for i in 0..count {
+        if i > 0 && !interval.is_zero() {
+            thread::sleep(interval);
+        }
+        let started_ms = start.elapsed().as_millis();
+        let result = match mode {
+            Mode::Connect => attempt(target, proto, timeout),
+            Mode::Sendto => sendto_attempt(target, timeout),
+            Mode::Stream => stream_attempt(&mut stream, target, timeout),
+        };
+        let line = match result {
             Ok((reply, peer)) => format!("ok {reply} peer={peer}"),
             Err(e) => format!("err {}", error_name(&e)),
         };
-        writeln!(out, "{line}")
+        writeln!(out, "{line} at={started_ms}")
             .and_then(|()| out.flush())
             .map_err(|e| RigError::io("printing attempt", e))?;
     }
     Ok(())
+}
+
+fn unspecified(target: SocketAddr) -> SocketAddr {
+    if target.is_ipv4() {
+        ([0, 0, 0, 0], 0).into()
+    } else {
+        ([0u16; 8], 0).into()
+    }
+}
+
+/// Unconnected UDP: the sendmsg hook translates, the recvmsg hook must show the reply as
+/// coming from `target`.
+fn sendto_attempt(target: SocketAddr, timeout: Duration) -> io::Result<(String, SocketAddr)> {
+    let sock = UdpSocket::bind(unspecified(target))?;
+    sock.set_read_timeout(Some(timeout))?;
+    sock.send_to(b"x", target)?;
+    let mut buf = [0u8; 2048];
+    let (n, from) = sock.recv_from(&mut buf)?;
+    let reply = String::from_utf8_lossy(buf.get(..n).unwrap_or_default());
+    Ok((reply.trim_end().to_owned(), from))
+}
+
+/// One request on the long-lived connected socket; an error drops it, so the next attempt
+/// connects anew (what a resolver's retry does).
+fn stream_attempt(
+    stream: &mut Option<UdpSocket>,
+    target: SocketAddr,
+    timeout: Duration,
+) -> io::Result<(String, SocketAddr)> {
+    let sock = match stream.take() {
+        Some(sock) => sock,
+        None => {
+            let sock = UdpSocket::bind(unspecified(target))?;
+            sock.connect(target)?;
+            sock.set_read_timeout(Some(timeout))?;
+            sock
+        }
+    };
+    let result = (|| {
+        sock.send(b"x")?;
+        let mut buf = [0u8; 2048];
+        let n = sock.recv(&mut buf)?;
+        let reply = String::from_utf8_lossy(buf.get(..n).unwrap_or_default());
+        Ok((reply.trim_end().to_owned(), sock.peer_addr()?))
+    })();
+    if result.is_ok() {
+        *stream = Some(sock);
+    }
+    result
 }
 
 /// One attempt on a fresh socket: returns the first reply line and getpeername().
@@ -192,12 +296,7 @@ fn attempt(
             Ok((line.trim_end().to_owned(), peer))
         }
         Proto::Udp => {
-            let unspecified: SocketAddr = if target.is_ipv4() {
-                ([0, 0, 0, 0], 0).into()
-            } else {
-                ([0u16; 8], 0).into()
-            };
-            let sock = UdpSocket::bind(unspecified)?;
+            let sock = UdpSocket::bind(unspecified(target))?;
             sock.connect(target)?;
             sock.set_read_timeout(Some(timeout))?;
             let peer = sock.peer_addr()?;

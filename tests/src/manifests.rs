@@ -3,7 +3,7 @@
 
 use std::fmt::Write as _;
 use std::fs;
-use std::net::Ipv4Addr;
+use std::net::{IpAddr, Ipv4Addr};
 use std::path::{Path, PathBuf};
 
 use crate::{Result, RigError, unique_name};
@@ -86,7 +86,7 @@ pub struct SlicePort {
 /// One endpoint of an EndpointSlice.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Endpoint {
-    pub ip: Ipv4Addr,
+    pub ip: IpAddr,
     pub ready: bool,
     pub serving: bool,
     pub terminating: bool,
@@ -96,9 +96,9 @@ pub struct Endpoint {
 
 impl Endpoint {
     /// A ready, serving, non-terminating endpoint.
-    pub fn ready(ip: Ipv4Addr) -> Self {
+    pub fn ready(ip: impl Into<IpAddr>) -> Self {
         Self {
-            ip,
+            ip: ip.into(),
             ready: true,
             serving: true,
             terminating: false,
@@ -108,7 +108,7 @@ impl Endpoint {
     }
 
     /// An endpoint that is neither ready nor serving (e.g. failing its readiness probe).
-    pub fn not_ready(ip: Ipv4Addr) -> Self {
+    pub fn not_ready(ip: impl Into<IpAddr>) -> Self {
         Self {
             ready: false,
             serving: false,
@@ -124,13 +124,52 @@ pub fn service_yaml(
     cluster_ip: Ipv4Addr,
     ports: &[ServicePort],
 ) -> String {
+    service_yaml_with(namespace, name, &[cluster_ip.into()], ports, None)
+}
+
+/// A v1 Service of type ClusterIP with one ClusterIP per family (the first is primary;
+/// two make it `RequireDualStack`) and optionally `sessionAffinity: ClientIP` with a timeout.
+pub fn service_yaml_with(
+    namespace: &str,
+    name: &str,
+    cluster_ips: &[IpAddr],
+    ports: &[ServicePort],
+    affinity_timeout: Option<u32>,
+) -> String {
+    let quoted = |ips: &mut dyn Iterator<Item = String>| {
+        ips.map(|ip| format!("\"{ip}\""))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    let primary = cluster_ips
+        .first()
+        .map(ToString::to_string)
+        .unwrap_or_default();
+    let ips = quoted(&mut cluster_ips.iter().map(ToString::to_string));
+    let families = cluster_ips
+        .iter()
+        .map(|ip| if ip.is_ipv4() { "IPv4" } else { "IPv6" })
+        .collect::<Vec<_>>()
+        .join(", ");
+    let policy = if cluster_ips.len() > 1 {
+        "RequireDualStack"
+    } else {
+        "SingleStack"
+    };
     let mut y = format!(
         "apiVersion: v1\n\
          kind: Service\n\
          metadata:\n  name: {name:?}\n  namespace: {namespace:?}\n\
-         spec:\n  type: ClusterIP\n  clusterIP: \"{cluster_ip}\"\n  clusterIPs: [\"{cluster_ip}\"]\n\
-         \x20 ipFamilies: [IPv4]\n  ports:\n"
+         spec:\n  type: ClusterIP\n  clusterIP: \"{primary}\"\n  clusterIPs: [{ips}]\n\
+         \x20 ipFamilies: [{families}]\n  ipFamilyPolicy: {policy}\n"
     );
+    if let Some(timeout) = affinity_timeout {
+        let _ = writeln!(
+            y,
+            "  sessionAffinity: ClientIP\n  sessionAffinityConfig:\n    clientIP:\n      timeoutSeconds: {timeout}"
+        );
+    }
+    y.push_str("  ports:\n");
     for p in ports {
         // writeln! into a String cannot fail.
         let _ = writeln!(
@@ -145,7 +184,8 @@ pub fn service_yaml(
     y
 }
 
-/// A discovery.k8s.io/v1 EndpointSlice (addressType IPv4) owned by `service_name`.
+/// A discovery.k8s.io/v1 EndpointSlice owned by `service_name`; addressType IPv6 if the first
+/// endpoint is IPv6, else IPv4 (see [`endpoint_slice_yaml_family`] for empty IPv6 slices).
 pub fn endpoint_slice_yaml(
     namespace: &str,
     slice_name: &str,
@@ -153,12 +193,26 @@ pub fn endpoint_slice_yaml(
     ports: &[SlicePort],
     endpoints: &[Endpoint],
 ) -> String {
+    let ipv6 = endpoints.first().is_some_and(|e| e.ip.is_ipv6());
+    endpoint_slice_yaml_family(namespace, slice_name, service_name, ports, endpoints, ipv6)
+}
+
+/// An EndpointSlice with an explicit address type.
+pub fn endpoint_slice_yaml_family(
+    namespace: &str,
+    slice_name: &str,
+    service_name: &str,
+    ports: &[SlicePort],
+    endpoints: &[Endpoint],
+    ipv6: bool,
+) -> String {
+    let address_type = if ipv6 { "IPv6" } else { "IPv4" };
     let mut y = format!(
         "apiVersion: discovery.k8s.io/v1\n\
          kind: EndpointSlice\n\
          metadata:\n  name: {slice_name:?}\n  namespace: {namespace:?}\n\
          \x20 labels:\n    kubernetes.io/service-name: {service_name:?}\n\
-         addressType: IPv4\n"
+         addressType: {address_type}\n"
     );
     if ports.is_empty() {
         y.push_str("ports: []\n");

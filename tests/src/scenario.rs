@@ -2,7 +2,7 @@
 //! running `pod<i>` echo servers, a decoy for untranslated traffic, a child cgroup for
 //! clients, a manifests directory and (once started) the agent.
 
-use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV4};
 use std::path::Path;
 use std::time::{Duration, Instant};
 
@@ -16,6 +16,8 @@ use crate::topology::Topology;
 use crate::{Result, RigError};
 
 pub const CLUSTER_IP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 10);
+/// The IPv6 ClusterIP of dual-stack scenarios.
+pub const CLUSTER_IP6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x96, 0, 0, 0, 0, 0, 0x10);
 pub const SERVICE_PORT: u16 = 80;
 pub const BACKEND_PORT: u16 = 8080;
 pub const PORT_NAME: &str = "http";
@@ -26,6 +28,19 @@ pub const DATAPATH_TIMEOUT: Duration = Duration::from_secs(10);
 /// `CLUSTER_IP:SERVICE_PORT`.
 pub fn cluster_addr() -> SocketAddr {
     SocketAddrV4::new(CLUSTER_IP, SERVICE_PORT).into()
+}
+
+/// `CLUSTER_IP6:SERVICE_PORT`.
+pub fn cluster_addr6() -> SocketAddr {
+    SocketAddr::new(CLUSTER_IP6.into(), SERVICE_PORT)
+}
+
+/// A ready endpoint for pod `i` on this node, of the given family.
+pub fn pod_endpoint_family(i: usize, ipv6: bool) -> Endpoint {
+    Endpoint {
+        node_name: Some(HOSTNAME.into()),
+        ..Endpoint::ready(Topology::pod_addr(i, ipv6))
+    }
 }
 
 /// A ClusterIP Service with one TCP port `http` (80).
@@ -79,9 +94,19 @@ impl Scenario {
     /// Builds `pods` pods with echo servers `pod<i>` on `10.244.<i>.2:8080` and the decoy
     /// `untranslated` on `CLUSTER_IP:80` in the node namespace. The agent is not started yet.
     pub fn new(pods: usize) -> Result<Self> {
+        Self::with_families(pods, false)
+    }
+
+    /// Like [`Scenario::new`]; with `ipv6` the pods also serve on `[fd00:244:<i>::2]:8080`
+    /// and a decoy answers on `[CLUSTER_IP6]:80`.
+    pub fn with_families(pods: usize, ipv6: bool) -> Result<Self> {
         let mut topo = Topology::new(pods)?;
         topo.start_pod_echoes(BACKEND_PORT)?;
         topo.add_decoy(CLUSTER_IP, SERVICE_PORT)?;
+        if ipv6 {
+            topo.start_pod_echoes6(BACKEND_PORT)?;
+            topo.add_decoy(IpAddr::from(CLUSTER_IP6), SERVICE_PORT)?;
+        }
         Ok(Self {
             agent: None,
             manifests: ManifestsDir::new()?,
@@ -129,6 +154,11 @@ impl Scenario {
         Client::new(self.topo.node().path())
     }
 
+    /// A client in pod `i`'s namespace inside the agent's cgroup (a pod process).
+    pub fn pod_client(&self, i: usize) -> Result<Client> {
+        Ok(Client::new(self.topo.pod(i)?.path()).in_cgroup(self.cgroup.path()))
+    }
+
     /// Polls `target` with single attempts from the cgroup until one satisfies `ready`
     /// (bounded by [`DATAPATH_TIMEOUT`]); returns it. The error carries the agent log.
     pub fn wait_for_datapath(
@@ -138,6 +168,17 @@ impl Scenario {
         ready: impl Fn(&Attempt) -> bool,
     ) -> Result<Attempt> {
         let client = self.cgroup_client();
+        self.wait_for_datapath_with(&client, target, what, ready)
+    }
+
+    /// [`Scenario::wait_for_datapath`] with a given client (protocol, mode, namespace).
+    pub fn wait_for_datapath_with(
+        &mut self,
+        client: &Client,
+        target: SocketAddr,
+        what: &str,
+        ready: impl Fn(&Attempt) -> bool,
+    ) -> Result<Attempt> {
         let start = Instant::now();
         let mut last = None;
         while start.elapsed() < DATAPATH_TIMEOUT {

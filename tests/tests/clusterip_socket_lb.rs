@@ -181,7 +181,7 @@ fn process_outside_cgroup_is_not_translated() -> anyhow::Result<()> {
 }
 
 #[test]
-fn agent_shutdown_detaches_programs() -> anyhow::Result<()> {
+fn agent_sigint_leaves_translation_and_cleanup_removes_it() -> anyhow::Result<()> {
     let mut s = setup(2)?;
     write_web(&s, &[pod_endpoint(1), pod_endpoint(2)])?;
     start_and_wait_for_pods(&mut s)?;
@@ -190,10 +190,21 @@ fn agent_shutdown_detaches_programs() -> anyhow::Result<()> {
     eprintln!("agent exit status after SIGINT: {status}");
     s.ensure(status.success(), || format!("agent exited with {status}"))?;
 
-    let (attempts, counts) = connect_many(&s, "after agent shutdown")?;
+    // The pinned links keep the programs attached and the pinned maps keep the state.
+    let (attempts, counts) = connect_many(&s, "after SIGINT (datapath left in place)")?;
+    s.ensure(attempts.iter().all(is_pod), || {
+        format!("after SIGINT translation must go on: {counts:?}")
+    })?;
+
+    let status = s.agent()?.run_cleanup()?;
+    eprintln!("proxy-agent --cleanup exit status: {status}");
+    s.ensure(status.success(), || {
+        format!("--cleanup exited with {status}")
+    })?;
+    let (attempts, counts) = connect_many(&s, "after --cleanup")?;
     s.ensure(
         attempts.iter().all(|a| a.backend() == Some(DECOY_NAME)),
-        || format!("after shutdown nothing may be translated any more: {counts:?}"),
+        || format!("after --cleanup nothing may be translated any more: {counts:?}"),
     )?;
     Ok(())
 }

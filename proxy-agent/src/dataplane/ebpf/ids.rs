@@ -19,6 +19,14 @@ impl IdAllocator {
         Some(self.next)
     }
 
+    /// An allocator that considers exactly `used` taken (state read back from pinned maps).
+    pub fn with_used(used: impl IntoIterator<Item = u32>) -> Self {
+        let used: BTreeSet<u32> = used.into_iter().filter(|&id| id != 0).collect();
+        let next = used.last().copied().unwrap_or(0);
+        let free = (1..next).filter(|id| !used.contains(id)).collect();
+        Self { next, free }
+    }
+
     pub fn release(&mut self, id: u32) {
         if id != 0 && id <= self.next {
             self.free.insert(id);
@@ -38,5 +46,14 @@ mod tests {
         ids.release(1);
         assert_eq!(ids.allocate(), Some(1));
         assert_eq!(ids.allocate(), Some(3));
+    }
+
+    #[test]
+    fn with_used_hands_out_the_gaps_first() {
+        let mut ids = IdAllocator::with_used([2, 5]);
+        assert_eq!(ids.allocate(), Some(1));
+        assert_eq!(ids.allocate(), Some(3));
+        assert_eq!(ids.allocate(), Some(4));
+        assert_eq!(ids.allocate(), Some(6));
     }
 }

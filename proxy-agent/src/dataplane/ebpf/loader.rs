@@ -1,40 +1,52 @@
-//! Loading the eBPF object, pinning its maps, attaching the socket programs to the cgroup, and
-//! taking all of it down again.
+//! Loading the eBPF object, pinning its maps and links, re-adopting what a previous agent
+//! pinned, and removing all of it on `--cleanup`.
+//!
+//! Everything lives under `<bpf-root>/kubeproxy-rs/`: one pin per map (aya reuses a pinned map
+//! of the same name on load, so a restarted agent finds the state it left) and one pin per
+//! cgroup link (`<program>_link`). A pinned link keeps its program attached after the agent
+//! exits or is killed, so the datapath never depends on the agent process being alive. On
+//! start the agent attaches freshly loaded programs next to the pinned ones, then renames the
+//! new link pins over the old ones, which releases (detaches) the old links: for a moment both
+//! programs run, which is harmless because the second sees an address the first already
+//! translated (not a frontend) and lets it pass.
 
 use std::{
     collections::BTreeSet,
     fs::File,
     io,
+    net::{IpAddr, SocketAddr},
     path::{Path, PathBuf},
 };
 
 use aya::{
     Ebpf, EbpfLoader,
-    maps::{HashMap, MapData, PerCpuArray},
-    programs::{CgroupAttachMode, CgroupSockAddr},
+    maps::{HashMap, MapData, MapInfo, PerCpuArray},
+    programs::{
+        CgroupAttachMode, CgroupSockAddr,
+        links::{FdLink, PinnedLink},
+    },
 };
 use aya_log::EbpfLogger;
 use proxy_common::{
-    Backend4, BackendSlotKey, Frontend4Key, FrontendValue, StatIndex, map_names, program_names,
+    AffinityKey, AffinityMatchKey, AffinityValue, Backend4, Backend6, BackendSlotKey, Frontend4Key,
+    Frontend6Key, FrontendValue, RevNat4, RevNat4Key, RevNat6, RevNat6Key, StatIndex, map_names,
+    program_names,
 };
 use tokio::{io::unix::AsyncFd, task::JoinHandle};
 use tracing::{debug, info, warn};
 
 use super::{
-    ApplyError, ApplySummary, MapOps, Programmer, bpffs, cgroup, object, stats::read_stats,
+    ApplyError, ApplySummary, MapOps, Programmer, bpffs, cgroup, object,
+    program::{BackendValue, FrontendMapKey, MapsContent, ip4_to_map, ip6_to_map},
+    sockdiag::{self, DiagSocket},
+    stats::read_stats,
 };
-use crate::desired::{ServicePortName, Snapshot};
+use crate::desired::{Protocol, ServicePortName, Snapshot};
 
 /// Directory under `--bpf-root` that holds our pins.
 pub const PIN_DIR_NAME: &str = "kubeproxy-rs";
-
-const PINNED_MAPS: [&str; 5] = [
-    map_names::FRONTENDS4,
-    map_names::BACKEND_SLOTS,
-    map_names::BACKENDS4,
-    map_names::REVNAT4,
-    map_names::STATS,
-];
+/// Suffix of link pins: `<program>_link`. (bpffs refuses names with a dot: EPERM.)
+const LINK_SUFFIX: &str = "_link";
 
 #[derive(Debug, Clone)]
 pub struct EbpfOptions {
@@ -76,21 +88,43 @@ pub enum LoadError {
         name: &'static str,
         source: aya::programs::ProgramError,
     },
+    #[error("program {name}: link: {source}")]
+    Link {
+        name: &'static str,
+        source: aya::programs::links::LinkError,
+    },
+    #[error("program {name}: pinning its link: {source}")]
+    Pin {
+        name: &'static str,
+        source: aya::pin::PinError,
+    },
 }
 
 /// The service maps as typed handles.
 struct ServiceMaps {
-    frontends: HashMap<MapData, Frontend4Key, FrontendValue>,
+    frontends4: HashMap<MapData, Frontend4Key, FrontendValue>,
+    frontends6: HashMap<MapData, Frontend6Key, FrontendValue>,
     slots: HashMap<MapData, BackendSlotKey, u32>,
-    backends: HashMap<MapData, u32, Backend4>,
+    backends4: HashMap<MapData, u32, Backend4>,
+    backends6: HashMap<MapData, u32, Backend6>,
+    affinity_match: HashMap<MapData, AffinityMatchKey, u8>,
+    revnat4: HashMap<MapData, RevNat4Key, RevNat4>,
+    revnat6: HashMap<MapData, RevNat6Key, RevNat6>,
 }
 
 impl MapOps for ServiceMaps {
-    fn put_frontend(&mut self, key: Frontend4Key, value: FrontendValue) -> Result<(), String> {
-        self.frontends.insert(key, value, 0).map_err(map_error)
+    fn put_frontend(&mut self, key: FrontendMapKey, value: FrontendValue) -> Result<(), String> {
+        match key {
+            FrontendMapKey::V4(key) => self.frontends4.insert(key, value, 0),
+            FrontendMapKey::V6(key) => self.frontends6.insert(key, value, 0),
+        }
+        .map_err(map_error)
     }
-    fn delete_frontend(&mut self, key: Frontend4Key) -> Result<(), String> {
-        ignore_missing(self.frontends.remove(&key))
+    fn delete_frontend(&mut self, key: FrontendMapKey) -> Result<(), String> {
+        ignore_missing(match key {
+            FrontendMapKey::V4(key) => self.frontends4.remove(&key),
+            FrontendMapKey::V6(key) => self.frontends6.remove(&key),
+        })
     }
     fn put_slot(&mut self, key: BackendSlotKey, backend_id: u32) -> Result<(), String> {
         self.slots.insert(key, backend_id, 0).map_err(map_error)
@@ -98,11 +132,91 @@ impl MapOps for ServiceMaps {
     fn delete_slot(&mut self, key: BackendSlotKey) -> Result<(), String> {
         ignore_missing(self.slots.remove(&key))
     }
-    fn put_backend(&mut self, id: u32, backend: Backend4) -> Result<(), String> {
-        self.backends.insert(id, backend, 0).map_err(map_error)
+    fn put_backend(&mut self, id: u32, backend: BackendValue) -> Result<(), String> {
+        match backend {
+            BackendValue::V4(b) => self.backends4.insert(id, b, 0),
+            BackendValue::V6(b) => self.backends6.insert(id, b, 0),
+        }
+        .map_err(map_error)
     }
-    fn delete_backend(&mut self, id: u32) -> Result<(), String> {
-        ignore_missing(self.backends.remove(&id))
+    fn delete_backend(&mut self, id: u32, backend: BackendValue) -> Result<(), String> {
+        ignore_missing(match backend {
+            BackendValue::V4(_) => self.backends4.remove(&id),
+            BackendValue::V6(_) => self.backends6.remove(&id),
+        })
+    }
+    fn put_affinity_match(&mut self, key: AffinityMatchKey) -> Result<(), String> {
+        self.affinity_match.insert(key, 1, 0).map_err(map_error)
+    }
+    fn delete_affinity_match(&mut self, key: AffinityMatchKey) -> Result<(), String> {
+        ignore_missing(self.affinity_match.remove(&key))
+    }
+}
+
+impl ServiceMaps {
+    /// Everything in the service maps, for [`Programmer::adopt`]. Iteration errors (an entry
+    /// deleted under us) skip that entry.
+    fn content(&self) -> MapsContent {
+        let mut content = MapsContent::default();
+        content.frontends.extend(
+            self.frontends4
+                .iter()
+                .flatten()
+                .map(|(k, v)| (FrontendMapKey::V4(k), v)),
+        );
+        content.frontends.extend(
+            self.frontends6
+                .iter()
+                .flatten()
+                .map(|(k, v)| (FrontendMapKey::V6(k), v)),
+        );
+        content.slots.extend(self.slots.iter().flatten());
+        content.backends.extend(
+            self.backends4
+                .iter()
+                .flatten()
+                .map(|(id, b)| (id, BackendValue::V4(b))),
+        );
+        content.backends.extend(
+            self.backends6
+                .iter()
+                .flatten()
+                .map(|(id, b)| (id, BackendValue::V6(b))),
+        );
+        content
+            .affinity_matches
+            .extend(self.affinity_match.keys().flatten());
+        content
+    }
+
+    /// Whether our datapath translated `socket` to its destination through `frontend`.
+    fn translated_via(&self, socket: &DiagSocket, frontend: SocketAddr) -> bool {
+        let destination = socket.destination;
+        match (destination.ip(), frontend.ip()) {
+            (IpAddr::V4(backend), IpAddr::V4(service)) => {
+                let key = RevNat4Key {
+                    cookie: socket.cookie,
+                    addr: ip4_to_map(backend),
+                    port: destination.port().to_be(),
+                    _pad: 0,
+                };
+                self.revnat4.get(&key, 0).is_ok_and(|revnat| {
+                    revnat.addr == ip4_to_map(service) && revnat.port == frontend.port().to_be()
+                })
+            }
+            (IpAddr::V6(backend), IpAddr::V6(service)) => {
+                let key = RevNat6Key {
+                    cookie: socket.cookie,
+                    addr: ip6_to_map(backend),
+                    port: destination.port().to_be(),
+                    _pad: [0; 3],
+                };
+                self.revnat6.get(&key, 0).is_ok_and(|revnat| {
+                    revnat.addr == ip6_to_map(service) && revnat.port == frontend.port().to_be()
+                })
+            }
+            _ => false,
+        }
     }
 }
 
@@ -124,18 +238,19 @@ fn ignore_missing(result: Result<(), aya::maps::MapError>) -> Result<(), String>
     }
 }
 
-/// A loaded and attached eBPF dataplane. Dropping it (or [`EbpfDataplane::shutdown`]) detaches
-/// the programs; `shutdown` also removes the pins.
+/// A loaded and attached eBPF dataplane. Dropping it (or [`EbpfDataplane::shutdown`]) leaves
+/// the datapath in place: links and maps stay pinned. [`cleanup`] removes them.
 pub struct EbpfDataplane {
-    // Field order matters for Drop: programs (and their links) go before the maps' pins are
-    // removed in `shutdown`.
-    ebpf: Ebpf,
     maps: ServiceMaps,
     stats: PerCpuArray<MapData, u64>,
     programmer: Programmer,
     pin_dir: PathBuf,
     cgroup_path: PathBuf,
+    links: Vec<PinnedLink>,
     log_drain: Option<JoinHandle<()>>,
+    // Last: the object (programs, log map) is only needed until the links are pinned, but
+    // keeping it avoids reloading anything.
+    _ebpf: Ebpf,
 }
 
 impl std::fmt::Debug for EbpfDataplane {
@@ -148,8 +263,9 @@ impl std::fmt::Debug for EbpfDataplane {
 }
 
 impl EbpfDataplane {
-    /// Loads the programs, pins the maps and attaches to the cgroup. Must run inside a tokio
-    /// runtime (the eBPF log drain is a task).
+    /// Loads the programs, re-adopts or creates the pinned maps, and attaches to the cgroup
+    /// (replacing the links of a previous run without a gap). Must run inside a tokio runtime
+    /// (the eBPF log drain is a task).
     pub fn start(options: &EbpfOptions) -> Result<Self, LoadError> {
         if object::IS_PLACEHOLDER {
             return Err(LoadError::Placeholder);
@@ -166,78 +282,172 @@ impl EbpfDataplane {
         bpffs::ensure_mounted(&options.bpf_root)?;
         let pin_dir = options.bpf_root.join(PIN_DIR_NAME);
         prepare_pin_dir(&pin_dir)?;
+        let adopting = map_names::PINNED
+            .iter()
+            .any(|name| pin_dir.join(name).exists());
 
         let slots_capacity = options.backends_capacity;
         let mut ebpf = EbpfLoader::new()
             .default_map_pin_directory(&pin_dir)
             .map_max_entries(map_names::FRONTENDS4, options.frontends_capacity)
+            .map_max_entries(map_names::FRONTENDS6, options.frontends_capacity)
             .map_max_entries(map_names::BACKEND_SLOTS, slots_capacity)
+            .map_max_entries(map_names::AFFINITY_MATCH, slots_capacity)
             .map_max_entries(map_names::BACKENDS4, options.backends_capacity)
+            .map_max_entries(map_names::BACKENDS6, options.backends_capacity)
             .load(object::OBJECT)?;
         let log_drain = start_log_drain(&mut ebpf);
 
-        let maps = ServiceMaps {
-            frontends: take_map(&mut ebpf, map_names::FRONTENDS4)?,
+        let mut maps = ServiceMaps {
+            frontends4: take_map(&mut ebpf, map_names::FRONTENDS4)?,
+            frontends6: take_map(&mut ebpf, map_names::FRONTENDS6)?,
             slots: take_map(&mut ebpf, map_names::BACKEND_SLOTS)?,
-            backends: take_map(&mut ebpf, map_names::BACKENDS4)?,
+            backends4: take_map(&mut ebpf, map_names::BACKENDS4)?,
+            backends6: take_map(&mut ebpf, map_names::BACKENDS6)?,
+            affinity_match: take_map(&mut ebpf, map_names::AFFINITY_MATCH)?,
+            revnat4: take_map(&mut ebpf, map_names::REVNAT4)?,
+            revnat6: take_map(&mut ebpf, map_names::REVNAT6)?,
         };
         let stats = take_map(&mut ebpf, map_names::STATS)?;
-
-        for name in [program_names::CONNECT4, program_names::GETPEERNAME4] {
-            attach_sock_addr(&mut ebpf, name, &cgroup_dir)?;
+        // The affinity map is only used by the datapath; it stays in `ebpf` (taking and
+        // dropping it would close its fd before the programs that reference it are loaded).
+        if ebpf.map(map_names::AFFINITY).is_none() {
+            return Err(LoadError::MissingMap(map_names::AFFINITY));
         }
-        info!(cgroup = %cgroup_path.display(), pins = %pin_dir.display(), "eBPF socket programs attached");
+
+        let programmer = if adopting {
+            Programmer::adopt(maps.content(), &mut maps)
+        } else {
+            Programmer::default()
+        };
+
+        let mut links = Vec::with_capacity(program_names::ALL.len());
+        for name in program_names::ALL {
+            links.push(attach_and_pin(&mut ebpf, name, &cgroup_dir, &pin_dir)?);
+        }
+        info!(
+            cgroup = %cgroup_path.display(),
+            pins = %pin_dir.display(),
+            adopted = adopting,
+            "eBPF socket programs attached and pinned"
+        );
         Ok(Self {
-            ebpf,
             maps,
             stats,
-            programmer: Programmer::default(),
+            programmer,
             pin_dir,
             cgroup_path,
+            links,
             log_drain,
+            _ebpf: ebpf,
         })
     }
 
     /// Makes the maps match `snapshot` for the service ports in `changed` (`None`: all of them),
-    /// writing only entries that differ from what is programmed.
+    /// writing only entries that differ from what is programmed; then destroys connected UDP
+    /// sockets still pinned to backends that were removed.
     pub fn apply(
         &mut self,
         snapshot: &Snapshot,
         changed: Option<&BTreeSet<ServicePortName>>,
     ) -> (ApplySummary, Vec<ApplyError>) {
-        self.programmer
-            .apply_snapshot(snapshot, changed, &mut self.maps)
+        let (mut summary, errors) =
+            self.programmer
+                .apply_snapshot(snapshot, changed, &mut self.maps);
+        summary.udp_sockets_destroyed = self.destroy_stale_udp_sockets(&summary);
+        (summary, errors)
     }
 
-    /// Datapath counters summed over all CPUs.
+    fn destroy_stale_udp_sockets(&self, summary: &ApplySummary) -> usize {
+        let removed: Vec<_> = summary
+            .removed_backends
+            .iter()
+            .filter(|r| r.frontend.protocol == Protocol::Udp)
+            .collect();
+        if removed.is_empty() {
+            return 0;
+        }
+        let backends: BTreeSet<SocketAddr> = removed.iter().map(|r| r.backend).collect();
+        let translated = |socket: &DiagSocket| {
+            removed.iter().any(|r| {
+                r.backend == socket.destination
+                    && self
+                        .maps
+                        .translated_via(socket, SocketAddr::new(r.frontend.addr, r.frontend.port))
+            })
+        };
+        match sockdiag::destroy_udp_sockets(&self.cgroup_path, &backends, &translated) {
+            Ok(report) => {
+                info!(
+                    removed_backends = backends.len(),
+                    namespaces = report.namespaces,
+                    candidates = report.candidates,
+                    destroyed = report.destroyed,
+                    "connected UDP sockets to removed backends destroyed"
+                );
+                report.destroyed
+            }
+            Err(error) => {
+                warn!(%error, "cannot destroy connected UDP sockets of removed backends");
+                0
+            }
+        }
+    }
+
+    /// Datapath counters summed over all CPUs (for logs and metrics).
     pub fn stats(&self) -> Vec<(StatIndex, u64)> {
         read_stats(&self.stats)
     }
 
-    /// Detaches the programs and removes every pin this dataplane created.
+    /// Stops managing the datapath and leaves it running: links and maps stay pinned, so
+    /// traffic keeps being translated with the last programmed state until the next agent
+    /// adopts it (or `--cleanup` removes it).
     pub fn shutdown(self) {
-        let Self {
-            ebpf,
-            maps,
-            stats,
-            pin_dir,
-            cgroup_path,
-            log_drain,
-            ..
-        } = self;
-        for (index, value) in read_stats(&stats) {
+        for (index, value) in read_stats(&self.stats) {
             info!(counter = index.name(), value, "datapath counter");
         }
-        if let Some(task) = log_drain {
+        if let Some(task) = &self.log_drain {
             task.abort();
         }
-        // Dropping the Ebpf object closes the link fds, which detaches the programs.
-        drop(ebpf);
-        drop(maps);
-        drop(stats);
-        info!(cgroup = %cgroup_path.display(), "eBPF socket programs detached");
-        remove_pins(&pin_dir);
+        info!(
+            cgroup = %self.cgroup_path.display(),
+            pins = %self.pin_dir.display(),
+            links = self.links.len(),
+            "leaving the eBPF datapath in place"
+        );
+        // Dropping closes our fds only; the pins keep links, programs and maps alive.
     }
+}
+
+/// `--cleanup`: removes every link pin (which detaches the programs) and map pin under
+/// `<bpf_root>/kubeproxy-rs/`, then the directory. Returns how many pins it removed.
+pub fn cleanup(bpf_root: &Path) -> Result<usize, LoadError> {
+    let pin_dir = bpf_root.join(PIN_DIR_NAME);
+    let to_error = |source| LoadError::PinDir {
+        path: pin_dir.clone(),
+        source,
+    };
+    let entries = match std::fs::read_dir(&pin_dir) {
+        Ok(entries) => entries,
+        Err(error) if error.kind() == io::ErrorKind::NotFound => {
+            info!(dir = %pin_dir.display(), "nothing to clean up");
+            return Ok(0);
+        }
+        Err(error) => return Err(to_error(error)),
+    };
+    let mut pins: Vec<PathBuf> = entries
+        .map(|entry| entry.map(|e| e.path()))
+        .collect::<Result<_, _>>()
+        .map_err(to_error)?;
+    // Links first, so no program runs against a map that is going away.
+    pins.sort_by_key(|path| !path.to_string_lossy().ends_with(LINK_SUFFIX));
+    for pin in &pins {
+        std::fs::remove_file(pin).map_err(to_error)?;
+        debug!(pin = %pin.display(), "removed");
+    }
+    std::fs::remove_dir(&pin_dir).map_err(to_error)?;
+    info!(dir = %pin_dir.display(), pins = pins.len(), "removed every pin and link");
+    Ok(pins.len())
 }
 
 fn take_map<T>(ebpf: &mut Ebpf, name: &'static str) -> Result<T, LoadError>
@@ -248,56 +458,117 @@ where
     T::try_from(map).map_err(|source| LoadError::Map { name, source })
 }
 
-fn attach_sock_addr(ebpf: &mut Ebpf, name: &'static str, cgroup: &File) -> Result<(), LoadError> {
+/// Loads and attaches one program, pins its link under a temporary name and renames that over
+/// the previous run's pin, which releases the previous link (and so detaches the old program)
+/// only once the new one is attached.
+fn attach_and_pin(
+    ebpf: &mut Ebpf,
+    name: &'static str,
+    cgroup: &File,
+    pin_dir: &Path,
+) -> Result<PinnedLink, LoadError> {
+    let program_error = |source| LoadError::Program { name, source };
     let program: &mut CgroupSockAddr = ebpf
         .program_mut(name)
         .ok_or(LoadError::MissingProgram(name))?
         .try_into()
-        .map_err(|source| LoadError::Program { name, source })?;
-    program
-        .load()
-        .map_err(|source| LoadError::Program { name, source })?;
-    // Links are always multi-attach; other modes give EINVAL with bpf_link_create.
-    program
+        .map_err(program_error)?;
+    program.load().map_err(program_error)?;
+    // cgroup links are always multi-attach; other modes give EINVAL with bpf_link_create.
+    let link_id = program
         .attach(cgroup, CgroupAttachMode::Single)
-        .map_err(|source| LoadError::Program { name, source })?;
-    debug!(program = name, "attached");
-    Ok(())
+        .map_err(program_error)?;
+    let link = program.take_link(link_id).map_err(program_error)?;
+    let link = FdLink::try_from(link).map_err(|source| LoadError::Link { name, source })?;
+    let final_pin = pin_dir.join(format!("{name}{LINK_SUFFIX}"));
+    let new_pin = pin_dir.join(format!("{name}{LINK_SUFFIX}_new"));
+    // A crash between pin and rename leaves the temporary pin: remove it first.
+    remove_if_present(&new_pin).map_err(|source| LoadError::PinDir {
+        path: new_pin.clone(),
+        source,
+    })?;
+    link.pin(&new_pin)
+        .map_err(|source| LoadError::Pin { name, source })?;
+    // bpffs supports rename over an existing pin; the replaced pin was the old link's last
+    // reference (the old agent is gone), so the kernel detaches it now.
+    std::fs::rename(&new_pin, &final_pin).map_err(|source| LoadError::PinDir {
+        path: final_pin.clone(),
+        source,
+    })?;
+    let link =
+        PinnedLink::from_pin(&final_pin).map_err(|source| LoadError::Link { name, source })?;
+    debug!(program = name, pin = %final_pin.display(), "attached and pinned");
+    Ok(link)
 }
 
-/// Creates the pin directory, removing pins a crashed earlier run left behind: until state
-/// re-adoption lands, a fresh start begins from empty maps.
+fn remove_if_present(path: &Path) -> io::Result<()> {
+    match std::fs::remove_file(path) {
+        Err(error) if error.kind() != io::ErrorKind::NotFound => Err(error),
+        _ => Ok(()),
+    }
+}
+
+/// Creates the pin directory. Pins of maps whose layout differs from this build's (an older
+/// agent's) are removed: adopting them would misread every entry, so that one start begins
+/// from an empty map instead.
 fn prepare_pin_dir(pin_dir: &Path) -> Result<(), LoadError> {
     let to_error = |source| LoadError::PinDir {
         path: pin_dir.to_owned(),
         source,
     };
     std::fs::create_dir_all(pin_dir).map_err(to_error)?;
-    for name in PINNED_MAPS {
+    for (name, key_size, value_size) in expected_layouts() {
         let pin = pin_dir.join(name);
-        match std::fs::remove_file(&pin) {
-            Ok(()) => warn!(pin = %pin.display(), "removed a stale pin from an earlier run"),
-            Err(error) if error.kind() == io::ErrorKind::NotFound => {}
-            Err(error) => return Err(to_error(error)),
+        if !pin.exists() {
+            continue;
+        }
+        let compatible = MapInfo::from_pin(&pin)
+            .is_ok_and(|info| info.key_size() == key_size && info.value_size() == value_size);
+        if !compatible {
+            warn!(pin = %pin.display(), "pinned map has another layout; starting it empty");
+            remove_if_present(&pin).map_err(to_error)?;
         }
     }
     Ok(())
 }
 
-fn remove_pins(pin_dir: &Path) {
-    for name in PINNED_MAPS {
-        let pin = pin_dir.join(name);
-        if let Err(error) = std::fs::remove_file(&pin)
-            && error.kind() != io::ErrorKind::NotFound
-        {
-            warn!(pin = %pin.display(), %error, "cannot remove pin");
-        }
+/// (map, key size, value size) as this build declares them.
+fn expected_layouts() -> [(&'static str, u32, u32); 10] {
+    fn size<T>() -> u32 {
+        std::mem::size_of::<T>() as u32
     }
-    if let Err(error) = std::fs::remove_dir(pin_dir)
-        && error.kind() != io::ErrorKind::NotFound
-    {
-        warn!(dir = %pin_dir.display(), %error, "cannot remove pin directory");
-    }
+    [
+        (
+            map_names::FRONTENDS4,
+            size::<Frontend4Key>(),
+            size::<FrontendValue>(),
+        ),
+        (
+            map_names::FRONTENDS6,
+            size::<Frontend6Key>(),
+            size::<FrontendValue>(),
+        ),
+        (
+            map_names::BACKEND_SLOTS,
+            size::<BackendSlotKey>(),
+            size::<u32>(),
+        ),
+        (map_names::BACKENDS4, size::<u32>(), size::<Backend4>()),
+        (map_names::BACKENDS6, size::<u32>(), size::<Backend6>()),
+        (map_names::REVNAT4, size::<RevNat4Key>(), size::<RevNat4>()),
+        (map_names::REVNAT6, size::<RevNat6Key>(), size::<RevNat6>()),
+        (
+            map_names::AFFINITY,
+            size::<AffinityKey>(),
+            size::<AffinityValue>(),
+        ),
+        (
+            map_names::AFFINITY_MATCH,
+            size::<AffinityMatchKey>(),
+            size::<u8>(),
+        ),
+        (map_names::STATS, size::<u32>(), size::<u64>()),
+    ]
 }
 
 /// Forwards aya-log records from the eBPF programs into `tracing` (through the `log` bridge).

@@ -6,7 +6,11 @@ mod ids;
 mod loader;
 mod object;
 mod program;
+mod sockdiag;
 mod stats;
 
-pub use loader::{EbpfDataplane, EbpfOptions, LoadError};
-pub use program::{ApplyError, ApplySummary, MapOps, Programmer};
+pub use loader::{EbpfDataplane, EbpfOptions, LoadError, cleanup};
+pub use program::{
+    ApplyError, ApplySummary, BackendValue, FrontendMapKey, MapOps, MapsContent, Programmer,
+    RemovedBackend,
+};

@@ -1,33 +1,73 @@
 //! Programs a snapshot into the service maps, touching only what changed since the last one.
 //!
 //! Per changed frontend the order is the update protocol from `proxy_common::maps`: new backends
-//! first, then the slots of the idle generation, then one frontend update that switches
-//! generation and count, then the old generation's slots and unused backends go. If a step before
-//! the switch fails (a full map, say), everything written for that frontend is taken back and the
-//! frontend keeps its previous, complete backend set.
+//! (and affinity match entries) first, then the slots of the idle generation, then one frontend
+//! update that switches generation, count and affinity, then the old generation's slots, match
+//! entries and unused backends go. If a step before the switch fails (a full map, say),
+//! everything written for that frontend is taken back and the frontend keeps its previous,
+//! complete backend set.
+//!
+//! After an agent restart the state is read back from the pinned maps ([`Programmer::adopt`]):
+//! adopted frontends belong to no service port until a full apply claims them (unchanged ones
+//! without a single write) and the ones nobody claims are removed then.
 
 use std::{
     collections::{BTreeMap, BTreeSet},
-    net::IpAddr,
+    net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr},
 };
 
-use proxy_common::{Backend4, BackendSlotKey, Frontend4Key, FrontendValue, scope};
-use tracing::{debug, warn};
+use proxy_common::{
+    AffinityMatchKey, Backend4, Backend6, BackendSlotKey, Frontend4Key, Frontend6Key,
+    FrontendValue, frontend_flags, scope,
+};
+use tracing::{debug, info, warn};
 
 use super::ids::IdAllocator;
 use crate::desired::{
-    Frontend, FrontendKey, IpFamily, ServicePortName, Snapshot, socket_frontends,
+    Frontend, FrontendKey, IpFamily, Protocol, ServicePortName, Snapshot, socket_frontends,
 };
+
+/// A frontend map key of either family.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum FrontendMapKey {
+    V4(Frontend4Key),
+    V6(Frontend6Key),
+}
+
+/// A backend map value of either family. Backend ids come from one id space; the family says
+/// which backend map holds the id.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum BackendValue {
+    V4(Backend4),
+    V6(Backend6),
+}
+
+impl BackendValue {
+    /// The backend as a socket address (host-order port).
+    pub fn socket_addr(&self) -> SocketAddr {
+        match self {
+            BackendValue::V4(b) => {
+                SocketAddr::new(ip4_from_map(b.addr).into(), u16::from_be(b.port))
+            }
+            BackendValue::V6(b) => {
+                SocketAddr::new(ip6_from_map(b.addr).into(), u16::from_be(b.port))
+            }
+        }
+    }
+}
 
 /// Raw writes to the service maps; implemented over the kernel maps, and over plain collections
 /// in unit tests of the diff logic.
 pub trait MapOps {
-    fn put_frontend(&mut self, key: Frontend4Key, value: FrontendValue) -> Result<(), String>;
-    fn delete_frontend(&mut self, key: Frontend4Key) -> Result<(), String>;
+    fn put_frontend(&mut self, key: FrontendMapKey, value: FrontendValue) -> Result<(), String>;
+    fn delete_frontend(&mut self, key: FrontendMapKey) -> Result<(), String>;
     fn put_slot(&mut self, key: BackendSlotKey, backend_id: u32) -> Result<(), String>;
     fn delete_slot(&mut self, key: BackendSlotKey) -> Result<(), String>;
-    fn put_backend(&mut self, id: u32, backend: Backend4) -> Result<(), String>;
-    fn delete_backend(&mut self, id: u32) -> Result<(), String>;
+    fn put_backend(&mut self, id: u32, backend: BackendValue) -> Result<(), String>;
+    /// `backend` says which family's map holds `id`.
+    fn delete_backend(&mut self, id: u32, backend: BackendValue) -> Result<(), String>;
+    fn put_affinity_match(&mut self, key: AffinityMatchKey) -> Result<(), String>;
+    fn delete_affinity_match(&mut self, key: AffinityMatchKey) -> Result<(), String>;
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -45,23 +85,49 @@ pub enum ApplyError {
     },
 }
 
+/// A backend that a frontend stopped using: sockets translated through `frontend` to `backend`
+/// must not keep using it (see `sockdiag`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub struct RemovedBackend {
+    pub frontend: FrontendKey,
+    pub backend: SocketAddr,
+}
+
 /// What one apply did.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub struct ApplySummary {
     pub frontends_written: usize,
     pub frontends_removed: usize,
     pub frontends_unchanged: usize,
-    /// Frontends this dataplane cannot serve yet (IPv6 comes with the socket-LB work).
+    /// Frontends this dataplane cannot serve (none at the moment; kept for the log line).
     pub frontends_unsupported: usize,
+    /// (frontend, backend) pairs that were live before and are not any more.
+    pub removed_backends: Vec<RemovedBackend>,
+    /// Connected UDP sockets destroyed because their backend was removed (set by the loader).
+    pub udp_sockets_destroyed: usize,
 }
 
 #[derive(Debug)]
 struct AppliedFrontend {
-    owner: ServicePortName,
+    /// `None`: adopted from pinned maps and not claimed by a service port yet.
+    owner: Option<ServicePortName>,
+    map_key: FrontendMapKey,
     value: FrontendValue,
     /// Backend ids by slot, in the live generation.
     slots: Vec<u32>,
-    backends: Vec<Backend4>,
+    backends: Vec<BackendValue>,
+    /// Read back from maps with missing slots: rewrite on the next apply even if it looks equal.
+    damaged: bool,
+}
+
+impl AppliedFrontend {
+    fn affinity_timeout(&self) -> Option<u32> {
+        affinity_of(&self.value)
+    }
+}
+
+fn affinity_of(value: &FrontendValue) -> Option<u32> {
+    (value.flags & frontend_flags::AFFINITY != 0).then_some(value.affinity_timeout)
 }
 
 #[derive(Debug, Default)]
@@ -70,20 +136,129 @@ struct BackendEntry {
     users: usize,
 }
 
+/// The content of the pinned service maps, as read back after a restart.
+#[derive(Debug, Default)]
+pub struct MapsContent {
+    pub frontends: Vec<(FrontendMapKey, FrontendValue)>,
+    pub slots: BTreeMap<BackendSlotKey, u32>,
+    pub backends: BTreeMap<u32, BackendValue>,
+    pub affinity_matches: BTreeSet<AffinityMatchKey>,
+}
+
 /// The agent's record of what is in the maps, so each apply writes only the difference.
 #[derive(Debug, Default)]
 pub struct Programmer {
     frontends: BTreeMap<FrontendKey, AppliedFrontend>,
     /// Which frontends each service port owns.
     owned: BTreeMap<ServicePortName, Vec<FrontendKey>>,
-    backends: BTreeMap<Backend4, BackendEntry>,
+    backends: BTreeMap<BackendValue, BackendEntry>,
     service_ids: IdAllocator,
     backend_ids: IdAllocator,
 }
 
 impl Programmer {
+    /// Rebuilds the record from maps a previous agent left behind, and removes what no live
+    /// frontend can reach (slots of an interrupted update, orphan backends and match entries).
+    pub fn adopt(content: MapsContent, maps: &mut impl MapOps) -> Self {
+        let mut programmer = Programmer::default();
+        let mut live_slots = BTreeSet::new();
+        let mut live_matches = BTreeSet::new();
+        let mut dropped = 0usize;
+        for (map_key, value) in content.frontends {
+            let Some(key) = frontend_key_of(&map_key) else {
+                // Not a protocol we program: remove it rather than carry it along.
+                if let Err(reason) = maps.delete_frontend(map_key) {
+                    warn!(?map_key, %reason, "cannot delete unknown frontend");
+                }
+                dropped += 1;
+                continue;
+            };
+            let mut slots = Vec::new();
+            let mut backends = Vec::new();
+            let mut damaged = false;
+            for slot in 0..value.backend_count {
+                let slot_key = BackendSlotKey {
+                    service_id: value.service_id,
+                    slot,
+                    generation: value.generation,
+                    _pad: 0,
+                };
+                match content.slots.get(&slot_key) {
+                    Some(&id) if content.backends.contains_key(&id) => {
+                        live_slots.insert(slot_key);
+                        slots.push(id);
+                        backends.push(content.backends[&id]);
+                    }
+                    _ => damaged = true,
+                }
+            }
+            if damaged {
+                // Keep what is there so the slots are cleaned up by the rewrite.
+                warn!(frontend = %key, "adopted frontend has missing slots; it will be rewritten");
+            }
+            if affinity_of(&value).is_some() {
+                live_matches.extend(slots.iter().map(|&backend_id| AffinityMatchKey {
+                    service_id: value.service_id,
+                    backend_id,
+                }));
+            }
+            for (&id, backend) in slots.iter().zip(&backends) {
+                programmer
+                    .backends
+                    .entry(*backend)
+                    .or_insert(BackendEntry { id, users: 0 })
+                    .users += 1;
+            }
+            programmer.frontends.insert(
+                key,
+                AppliedFrontend {
+                    owner: None,
+                    map_key,
+                    value,
+                    // A damaged frontend's partial slot list would not match its count.
+                    slots: if damaged { Vec::new() } else { slots },
+                    backends,
+                    damaged,
+                },
+            );
+        }
+        // Slots of damaged frontends are deleted below too; their rewrite uses fresh slots.
+        let damaged_services: BTreeSet<u32> = programmer
+            .frontends
+            .values()
+            .filter(|f| f.damaged)
+            .map(|f| f.value.service_id)
+            .collect();
+        let mut cleaned = 0usize;
+        for slot in content.slots.keys() {
+            if !live_slots.contains(slot) || damaged_services.contains(&slot.service_id) {
+                cleaned += usize::from(maps.delete_slot(*slot).is_ok());
+            }
+        }
+        let used_ids: BTreeSet<u32> = programmer.backends.values().map(|e| e.id).collect();
+        for (id, backend) in &content.backends {
+            if !used_ids.contains(id) {
+                cleaned += usize::from(maps.delete_backend(*id, *backend).is_ok());
+            }
+        }
+        for key in content.affinity_matches.difference(&live_matches) {
+            cleaned += usize::from(maps.delete_affinity_match(*key).is_ok());
+        }
+        programmer.service_ids =
+            IdAllocator::with_used(programmer.frontends.values().map(|f| f.value.service_id));
+        programmer.backend_ids = IdAllocator::with_used(used_ids);
+        info!(
+            frontends = programmer.frontends.len(),
+            backends = programmer.backends.len(),
+            cleaned,
+            dropped,
+            "adopted the service maps of a previous run"
+        );
+        programmer
+    }
+
     /// Applies the snapshot for the service ports in `changed` (`None`: every service port,
-    /// known or new — a full resync).
+    /// known or new — a full resync, which also removes adopted frontends nobody claimed).
     pub fn apply_snapshot(
         &mut self,
         snapshot: &Snapshot,
@@ -108,7 +283,11 @@ impl Programmer {
                 .collect();
             (name, frontends)
         });
-        self.apply(updates, maps)
+        let (mut summary, mut errors) = self.apply(updates, maps);
+        if changed.is_none() {
+            self.remove_unclaimed(maps, &mut summary, &mut errors);
+        }
+        (summary, errors)
     }
 
     /// Makes each given service port own exactly the given frontends.
@@ -125,7 +304,7 @@ impl Programmer {
                 if frontends.iter().any(|(k, _)| *k == key) {
                     continue;
                 }
-                match self.remove_frontend(key, maps) {
+                match self.remove_frontend(key, maps, &mut summary) {
                     Ok(()) => summary.frontends_removed += 1,
                     Err(reason) => errors.push(ApplyError::Remove {
                         frontend: key,
@@ -144,21 +323,30 @@ impl Programmer {
                     continue;
                 }
                 let (Some(map_key), Some(backends)) =
-                    (frontend_map_key(&key), backends4(&frontend))
+                    (frontend_map_key(&key), backend_values(&key, &frontend))
                 else {
                     summary.frontends_unsupported += 1;
                     continue;
                 };
                 owned.push(key);
-                if self
-                    .frontends
-                    .get(&key)
-                    .is_some_and(|applied| applied.backends == backends)
+                if let Some(applied) = self.frontends.get_mut(&key)
+                    && !applied.damaged
+                    && applied.backends == backends
+                    && applied.affinity_timeout() == frontend.affinity_timeout
                 {
+                    // Also how an adopted frontend is claimed: without a single map write.
+                    applied.owner = Some(name.clone());
                     summary.frontends_unchanged += 1;
                     continue;
                 }
-                match self.write_frontend(key, map_key, backends, name.clone(), maps) {
+                let target = Target {
+                    key,
+                    map_key,
+                    backends,
+                    affinity_timeout: frontend.affinity_timeout,
+                    owner: name.clone(),
+                };
+                match self.write_frontend(target, maps, &mut summary) {
                     Ok(()) => summary.frontends_written += 1,
                     Err(reason) => errors.push(ApplyError::Frontend {
                         frontend: key,
@@ -174,6 +362,30 @@ impl Programmer {
         (summary, errors)
     }
 
+    /// Removes adopted frontends that no service port claimed in a full apply.
+    fn remove_unclaimed(
+        &mut self,
+        maps: &mut impl MapOps,
+        summary: &mut ApplySummary,
+        errors: &mut Vec<ApplyError>,
+    ) {
+        let unclaimed: Vec<FrontendKey> = self
+            .frontends
+            .iter()
+            .filter(|(_, applied)| applied.owner.is_none())
+            .map(|(key, _)| *key)
+            .collect();
+        for key in unclaimed {
+            match self.remove_frontend(key, maps, summary) {
+                Ok(()) => summary.frontends_removed += 1,
+                Err(reason) => errors.push(ApplyError::Remove {
+                    frontend: key,
+                    reason,
+                }),
+            }
+        }
+    }
+
     fn owner_other_than(
         &self,
         key: &FrontendKey,
@@ -181,27 +393,35 @@ impl Programmer {
     ) -> Option<&ServicePortName> {
         self.frontends
             .get(key)
-            .map(|applied| &applied.owner)
+            .and_then(|applied| applied.owner.as_ref())
             .filter(|owner| *owner != name)
     }
 
     fn write_frontend(
         &mut self,
-        key: FrontendKey,
-        map_key: Frontend4Key,
-        backends: Vec<Backend4>,
-        owner: ServicePortName,
+        target: Target,
         maps: &mut impl MapOps,
+        summary: &mut ApplySummary,
     ) -> Result<(), String> {
+        let Target {
+            key,
+            map_key,
+            backends,
+            affinity_timeout,
+            owner,
+        } = target;
         let slot_count = u16::try_from(backends.len()).map_err(|_| {
             format!(
                 "{} backends exceed the 65535 slots of a frontend",
                 backends.len()
             )
         })?;
-        let previous = self.frontends.get(&key).map(|applied| applied.value);
+        let previous = self
+            .frontends
+            .get(&key)
+            .map(|applied| (applied.value, matches_of(applied)));
         let (service_id, new_generation) = match previous {
-            Some(value) => (value.service_id, value.generation ^ 1),
+            Some((value, _)) => (value.service_id, value.generation ^ 1),
             None => (
                 self.service_ids
                     .allocate()
@@ -209,16 +429,38 @@ impl Programmer {
                 0,
             ),
         };
+        let is_new = previous.is_none();
+        let old_matches = previous.map(|(_, m)| m).unwrap_or_default();
 
         let mut written = Written::default();
         let result =
             self.write_generation(service_id, new_generation, &backends, maps, &mut written);
         let result = result.and_then(|slots| {
+            // Affinity entries may only lead to members of the live set: add the new members
+            // before the switch; the ones leaving go after it.
+            if affinity_timeout.is_some() {
+                for &backend_id in &slots {
+                    let match_key = AffinityMatchKey {
+                        service_id,
+                        backend_id,
+                    };
+                    if !old_matches.contains(&match_key) {
+                        maps.put_affinity_match(match_key)?;
+                        written.matches.push(match_key);
+                    }
+                }
+            }
             let value = FrontendValue {
                 service_id,
                 backend_count: slot_count,
                 generation: new_generation,
-                flags: 0,
+                flags: if affinity_timeout.is_some() {
+                    frontend_flags::AFFINITY
+                } else {
+                    0
+                },
+                affinity_timeout: affinity_timeout.unwrap_or(0),
+                _pad: 0,
             };
             maps.put_frontend(map_key, value)?;
             Ok((value, slots))
@@ -227,7 +469,7 @@ impl Programmer {
             Ok(done) => done,
             Err(reason) => {
                 self.undo(written, maps);
-                if previous.is_none() {
+                if is_new {
                     self.service_ids.release(service_id);
                 }
                 return Err(reason);
@@ -235,19 +477,47 @@ impl Programmer {
         };
 
         // The frontend now points at the new generation: the old one is unreachable.
+        let new_matches: BTreeSet<AffinityMatchKey> = if affinity_timeout.is_some() {
+            slots
+                .iter()
+                .map(|&backend_id| AffinityMatchKey {
+                    service_id,
+                    backend_id,
+                })
+                .collect()
+        } else {
+            BTreeSet::new()
+        };
+        for stale in old_matches.difference(&new_matches) {
+            if let Err(reason) = maps.delete_affinity_match(*stale) {
+                warn!(?stale, %reason, "cannot delete stale affinity match");
+            }
+        }
         let old = self.frontends.insert(
             key,
             AppliedFrontend {
-                owner,
+                owner: Some(owner),
+                map_key,
                 value,
                 slots,
                 backends,
+                damaged: false,
             },
         );
         if let Some(old) = old {
+            let current = &self.frontends[&key].backends;
+            summary.removed_backends.extend(
+                old.backends
+                    .iter()
+                    .filter(|b| !current.contains(b))
+                    .map(|b| RemovedBackend {
+                        frontend: key,
+                        backend: b.socket_addr(),
+                    }),
+            );
             self.delete_generation(&old, maps);
         }
-        debug!(frontend = %key, service_id, generation = new_generation, slots = slot_count, "frontend programmed");
+        debug!(frontend = %key, service_id, generation = new_generation, slots = slot_count, affinity = ?affinity_timeout, "frontend programmed");
         Ok(())
     }
 
@@ -256,7 +526,7 @@ impl Programmer {
         &mut self,
         service_id: u32,
         generation: u8,
-        backends: &[Backend4],
+        backends: &[BackendValue],
         maps: &mut impl MapOps,
         written: &mut Written,
     ) -> Result<Vec<u32>, String> {
@@ -278,7 +548,7 @@ impl Programmer {
 
     fn acquire_backend(
         &mut self,
-        backend: Backend4,
+        backend: BackendValue,
         maps: &mut impl MapOps,
         written: &mut Written,
     ) -> Result<u32, String> {
@@ -300,7 +570,7 @@ impl Programmer {
         Ok(id)
     }
 
-    fn release_backend(&mut self, backend: &Backend4, maps: &mut impl MapOps) {
+    fn release_backend(&mut self, backend: &BackendValue, maps: &mut impl MapOps) {
         let Some(entry) = self.backends.get_mut(backend) else {
             return;
         };
@@ -310,13 +580,18 @@ impl Programmer {
         }
         let id = entry.id;
         self.backends.remove(backend);
-        if let Err(reason) = maps.delete_backend(id) {
+        if let Err(reason) = maps.delete_backend(id, *backend) {
             warn!(backend_id = id, %reason, "cannot delete unused backend");
         }
         self.backend_ids.release(id);
     }
 
     fn undo(&mut self, written: Written, maps: &mut impl MapOps) {
+        for key in written.matches {
+            if let Err(reason) = maps.delete_affinity_match(key) {
+                warn!(?key, %reason, "cannot delete affinity match while rolling back");
+            }
+        }
         for slot in written.slots {
             if let Err(reason) = maps.delete_slot(slot) {
                 warn!(?slot, %reason, "cannot delete slot while rolling back");
@@ -344,16 +619,29 @@ impl Programmer {
         }
     }
 
-    fn remove_frontend(&mut self, key: FrontendKey, maps: &mut impl MapOps) -> Result<(), String> {
-        let Some(map_key) = frontend_map_key(&key) else {
+    fn remove_frontend(
+        &mut self,
+        key: FrontendKey,
+        maps: &mut impl MapOps,
+        summary: &mut ApplySummary,
+    ) -> Result<(), String> {
+        let Some(applied) = self.frontends.get(&key) else {
             return Ok(());
         };
-        if !self.frontends.contains_key(&key) {
-            return Ok(());
-        }
         // Unlink the frontend first: from then on no new connection can reach its slots.
-        maps.delete_frontend(map_key)?;
+        maps.delete_frontend(applied.map_key)?;
         if let Some(applied) = self.frontends.remove(&key) {
+            for stale in matches_of(&applied) {
+                if let Err(reason) = maps.delete_affinity_match(stale) {
+                    warn!(?stale, %reason, "cannot delete affinity match");
+                }
+            }
+            summary
+                .removed_backends
+                .extend(applied.backends.iter().map(|b| RemovedBackend {
+                    frontend: key,
+                    backend: b.socket_addr(),
+                }));
             self.delete_generation(&applied, maps);
             self.service_ids.release(applied.value.service_id);
         }
@@ -366,39 +654,119 @@ impl Programmer {
     }
 }
 
+/// What a frontend must become.
+struct Target {
+    key: FrontendKey,
+    map_key: FrontendMapKey,
+    backends: Vec<BackendValue>,
+    affinity_timeout: Option<u32>,
+    owner: ServicePortName,
+}
+
+fn matches_of(applied: &AppliedFrontend) -> BTreeSet<AffinityMatchKey> {
+    if applied.affinity_timeout().is_none() {
+        return BTreeSet::new();
+    }
+    applied
+        .slots
+        .iter()
+        .map(|&backend_id| AffinityMatchKey {
+            service_id: applied.value.service_id,
+            backend_id,
+        })
+        .collect()
+}
+
 /// Everything written for one frontend before its switch, to take back on failure.
 #[derive(Debug, Default)]
 struct Written {
     slots: Vec<BackendSlotKey>,
-    acquired: Vec<Backend4>,
+    acquired: Vec<BackendValue>,
+    matches: Vec<AffinityMatchKey>,
 }
 
-fn frontend_map_key(key: &FrontendKey) -> Option<Frontend4Key> {
-    let IpAddr::V4(addr) = key.addr else {
-        return None;
-    };
-    Some(Frontend4Key {
-        addr: u32::from_ne_bytes(addr.octets()),
-        port: key.port.to_be(),
-        proto: key.protocol.number(),
-        scope: scope::INTERNAL,
+/// An IPv4 address as the maps hold it (network byte order in a native `u32`).
+pub fn ip4_to_map(addr: Ipv4Addr) -> u32 {
+    u32::from_ne_bytes(addr.octets())
+}
+
+pub fn ip4_from_map(addr: u32) -> Ipv4Addr {
+    Ipv4Addr::from(addr.to_ne_bytes())
+}
+
+/// An IPv6 address as the maps hold it: four network-order words, like `user_ip6`.
+pub fn ip6_to_map(addr: Ipv6Addr) -> [u32; 4] {
+    let o = addr.octets();
+    [0, 4, 8, 12].map(|i| u32::from_ne_bytes([o[i], o[i + 1], o[i + 2], o[i + 3]]))
+}
+
+pub fn ip6_from_map(words: [u32; 4]) -> Ipv6Addr {
+    let mut octets = [0u8; 16];
+    for (chunk, word) in octets.chunks_exact_mut(4).zip(words) {
+        chunk.copy_from_slice(&word.to_ne_bytes());
+    }
+    Ipv6Addr::from(octets)
+}
+
+pub fn frontend_map_key(key: &FrontendKey) -> Option<FrontendMapKey> {
+    let port = key.port.to_be();
+    let proto = key.protocol.number();
+    Some(match key.addr {
+        IpAddr::V4(addr) => FrontendMapKey::V4(Frontend4Key {
+            addr: ip4_to_map(addr),
+            port,
+            proto,
+            scope: scope::INTERNAL,
+        }),
+        IpAddr::V6(addr) => FrontendMapKey::V6(Frontend6Key {
+            addr: ip6_to_map(addr),
+            port,
+            proto,
+            scope: scope::INTERNAL,
+        }),
     })
 }
 
-fn backends4(frontend: &Frontend) -> Option<Vec<Backend4>> {
+fn frontend_key_of(map_key: &FrontendMapKey) -> Option<FrontendKey> {
+    let (addr, port, proto) = match map_key {
+        FrontendMapKey::V4(k) => (IpAddr::from(ip4_from_map(k.addr)), k.port, k.proto),
+        FrontendMapKey::V6(k) => (IpAddr::from(ip6_from_map(k.addr)), k.port, k.proto),
+    };
+    let protocol = [Protocol::Tcp, Protocol::Udp, Protocol::Sctp]
+        .into_iter()
+        .find(|p| p.number() == proto)?;
+    Some(FrontendKey {
+        addr,
+        port: u16::from_be(port),
+        protocol,
+    })
+}
+
+/// The frontend's backends as map values, or `None` if one is of the other family (the desired
+/// state never does that; the datapath could not serve it).
+fn backend_values(key: &FrontendKey, frontend: &Frontend) -> Option<Vec<BackendValue>> {
     let proto = frontend.service_port.protocol.number();
     // Backends are a set for the datapath: the order of slots does not matter, only membership.
-    let set: BTreeSet<Backend4> = frontend
+    let set: BTreeSet<BackendValue> = frontend
         .backends
         .iter()
-        .map(|backend| match backend.addr {
-            IpAddr::V4(addr) => Some(Backend4 {
-                addr: u32::from_ne_bytes(addr.octets()),
-                port: backend.port.to_be(),
-                proto,
-                flags: 0,
-            }),
-            IpAddr::V6(_) => None,
+        .map(|backend| {
+            let port = backend.port.to_be();
+            match (key.addr, backend.addr) {
+                (IpAddr::V4(_), IpAddr::V4(addr)) => Some(BackendValue::V4(Backend4 {
+                    addr: ip4_to_map(addr),
+                    port,
+                    proto,
+                    flags: 0,
+                })),
+                (IpAddr::V6(_), IpAddr::V6(addr)) => Some(BackendValue::V6(Backend6 {
+                    addr: ip6_to_map(addr),
+                    port,
+                    proto,
+                    flags: 0,
+                })),
+                _ => None,
+            }
         })
         .collect::<Option<_>>()?;
     Some(set.into_iter().collect())

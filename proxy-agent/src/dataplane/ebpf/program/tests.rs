@@ -2,7 +2,8 @@
 //! step for the invariants the datapath relies on. Kernel behaviour itself is covered by the
 //! integration tests in `tests/`.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::SocketAddr;
 
 use super::*;
 use crate::{
@@ -12,9 +13,10 @@ use crate::{
 
 #[derive(Debug, Default)]
 struct FakeMaps {
-    frontends: BTreeMap<Frontend4Key, FrontendValue>,
+    frontends: BTreeMap<FrontendMapKey, FrontendValue>,
     slots: BTreeMap<BackendSlotKey, u32>,
-    backends: BTreeMap<u32, Backend4>,
+    backends: BTreeMap<u32, BackendValue>,
+    matches: BTreeSet<AffinityMatchKey>,
     slot_capacity: usize,
     writes: usize,
 }
@@ -31,6 +33,7 @@ impl FakeMaps {
     /// unreachable left behind.
     fn check_invariants(&self) {
         let mut reachable_slots = 0;
+        let mut live_matches = BTreeSet::new();
         for (key, value) in &self.frontends {
             for slot in 0..value.backend_count {
                 let slot_key = BackendSlotKey {
@@ -43,10 +46,21 @@ impl FakeMaps {
                     .slots
                     .get(&slot_key)
                     .unwrap_or_else(|| panic!("{key:?}: slot {slot} missing"));
-                assert!(
-                    self.backends.contains_key(id),
-                    "{key:?}: backend {id} missing"
+                let backend = self
+                    .backends
+                    .get(id)
+                    .unwrap_or_else(|| panic!("{key:?}: backend {id} missing"));
+                assert_eq!(
+                    matches!(key, FrontendMapKey::V4(_)),
+                    matches!(backend, BackendValue::V4(_)),
+                    "{key:?}: backend {id} of the other family"
                 );
+                if value.flags & frontend_flags::AFFINITY != 0 {
+                    live_matches.insert(AffinityMatchKey {
+                        service_id: value.service_id,
+                        backend_id: *id,
+                    });
+                }
                 reachable_slots += 1;
             }
         }
@@ -56,18 +70,19 @@ impl FakeMaps {
             "orphan slots: {:?}",
             self.slots
         );
-        let used: std::collections::BTreeSet<u32> = self.slots.values().copied().collect();
+        let used: BTreeSet<u32> = self.slots.values().copied().collect();
         assert_eq!(
             used.len(),
             self.backends.len(),
             "orphan backends: {:?}",
             self.backends
         );
+        assert_eq!(live_matches, self.matches, "affinity match entries");
     }
 
-    /// Backends of a frontend as (address, host-order port).
-    fn backends_of(&self, key: &FrontendKey) -> Vec<(std::net::Ipv4Addr, u16)> {
-        let map_key = frontend_map_key(key).expect("ipv4");
+    /// Backends of a frontend as socket addresses.
+    fn backends_of(&self, key: &FrontendKey) -> Vec<SocketAddr> {
+        let map_key = frontend_map_key(key).expect("supported");
         let Some(value) = self.frontends.get(&map_key) else {
             return Vec::new();
         };
@@ -79,23 +94,29 @@ impl FakeMaps {
                     generation: value.generation,
                     _pad: 0,
                 }];
-                let backend = self.backends[&id];
-                (
-                    std::net::Ipv4Addr::from(backend.addr.to_ne_bytes()),
-                    u16::from_be(backend.port),
-                )
+                self.backends[&id].socket_addr()
             })
             .collect()
+    }
+
+    /// Everything in the maps, as the loader reads it back after a restart.
+    fn content(&self) -> MapsContent {
+        MapsContent {
+            frontends: self.frontends.iter().map(|(k, v)| (*k, *v)).collect(),
+            slots: self.slots.clone(),
+            backends: self.backends.clone(),
+            affinity_matches: self.matches.clone(),
+        }
     }
 }
 
 impl MapOps for FakeMaps {
-    fn put_frontend(&mut self, key: Frontend4Key, value: FrontendValue) -> Result<(), String> {
+    fn put_frontend(&mut self, key: FrontendMapKey, value: FrontendValue) -> Result<(), String> {
         self.writes += 1;
         self.frontends.insert(key, value);
         Ok(())
     }
-    fn delete_frontend(&mut self, key: Frontend4Key) -> Result<(), String> {
+    fn delete_frontend(&mut self, key: FrontendMapKey) -> Result<(), String> {
         self.writes += 1;
         self.frontends.remove(&key);
         Ok(())
@@ -113,14 +134,24 @@ impl MapOps for FakeMaps {
         self.slots.remove(&key);
         Ok(())
     }
-    fn put_backend(&mut self, id: u32, backend: Backend4) -> Result<(), String> {
+    fn put_backend(&mut self, id: u32, backend: BackendValue) -> Result<(), String> {
         self.writes += 1;
         self.backends.insert(id, backend);
         Ok(())
     }
-    fn delete_backend(&mut self, id: u32) -> Result<(), String> {
+    fn delete_backend(&mut self, id: u32, _backend: BackendValue) -> Result<(), String> {
         self.writes += 1;
         self.backends.remove(&id);
+        Ok(())
+    }
+    fn put_affinity_match(&mut self, key: AffinityMatchKey) -> Result<(), String> {
+        self.writes += 1;
+        self.matches.insert(key);
+        Ok(())
+    }
+    fn delete_affinity_match(&mut self, key: AffinityMatchKey) -> Result<(), String> {
+        self.writes += 1;
+        self.matches.remove(&key);
         Ok(())
     }
 }
@@ -175,7 +206,10 @@ fn gone(key: FrontendKey) -> Update {
 fn pods(maps: &FakeMaps, key: &FrontendKey) -> Vec<u8> {
     maps.backends_of(key)
         .iter()
-        .map(|(addr, _)| addr.octets()[2])
+        .map(|addr| match addr.ip() {
+            IpAddr::V4(ip) => ip.octets()[2],
+            IpAddr::V6(ip) => ip.octets()[15],
+        })
         .collect()
 }
 
@@ -191,11 +225,13 @@ fn first_apply_writes_frontend_slots_and_backends_in_network_order() {
     assert_eq!(
         maps.backends_of(&web),
         [
-            ([10, 244, 1, 2].into(), 8080),
-            ([10, 244, 2, 2].into(), 8080)
+            SocketAddr::from(([10, 244, 1, 2], 8080)),
+            SocketAddr::from(([10, 244, 2, 2], 8080))
         ]
     );
-    let map_key = frontend_map_key(&web).expect("ipv4");
+    let Some(FrontendMapKey::V4(map_key)) = frontend_map_key(&web) else {
+        panic!("ipv4 key expected");
+    };
     assert_eq!(map_key.addr.to_ne_bytes(), [10, 96, 0, 10]);
     assert_eq!(map_key.port.to_ne_bytes(), [0, 80]);
 }
@@ -206,9 +242,9 @@ fn a_backend_change_switches_generation_and_cleans_the_old_one() {
     let mut programmer = Programmer::default();
     let web = key([10, 96, 0, 10], 80);
     programmer.apply(snapshot(&[(web, &[1, 2, 3])]), &mut maps);
-    let before = maps.frontends[&frontend_map_key(&web).expect("ipv4")];
+    let before = maps.frontends[&frontend_map_key(&web).expect("supported")];
     programmer.apply(snapshot(&[(web, &[1, 3])]), &mut maps);
-    let after = maps.frontends[&frontend_map_key(&web).expect("ipv4")];
+    let after = maps.frontends[&frontend_map_key(&web).expect("supported")];
     maps.check_invariants();
     assert_eq!(after.service_id, before.service_id);
     assert_ne!(after.generation, before.generation);
@@ -271,7 +307,7 @@ fn a_frontend_without_backends_is_written_with_count_zero() {
     let mut programmer = Programmer::default();
     let web = key([10, 96, 0, 10], 80);
     programmer.apply(snapshot(&[(web, &[])]), &mut maps);
-    let value = maps.frontends[&frontend_map_key(&web).expect("ipv4")];
+    let value = maps.frontends[&frontend_map_key(&web).expect("supported")];
     assert_eq!(value.backend_count, 0);
     maps.check_invariants();
 }
@@ -314,20 +350,219 @@ fn a_new_frontend_that_does_not_fit_leaves_nothing_behind() {
     assert_eq!(programmer.counts(), (0, 0));
 }
 
+fn key6(last: u16, port: u16) -> FrontendKey {
+    FrontendKey {
+        addr: IpAddr::from([0xfd00, 0x96, 0, 0, 0, 0, 0, last]),
+        port,
+        protocol: Protocol::Tcp,
+    }
+}
+
+/// One IPv6 frontend with backends `fd00:244:<pod>::2`.
+fn snapshot6(key: FrontendKey, pod_ids: &[u16]) -> Vec<Update> {
+    let frontend = Frontend {
+        service_port: name_of(&key),
+        backends: pod_ids
+            .iter()
+            .map(|&pod| Backend {
+                addr: IpAddr::from([0xfd00, 0x244, pod, 0, 0, 0, 0, 2]),
+                port: 8080,
+            })
+            .collect(),
+        affinity_timeout: None,
+    };
+    vec![(name_of(&key), vec![(key, frontend)])]
+}
+
 #[test]
-fn ipv6_frontends_are_counted_as_unsupported_not_dropped_silently() {
+fn ipv6_frontends_are_programmed_in_network_order() {
     let mut maps = FakeMaps::with_slot_capacity(10);
     let mut programmer = Programmer::default();
-    let key = FrontendKey {
-        addr: "fd00::10".parse().expect("ipv6"),
-        port: 80,
-        protocol: Protocol::Tcp,
+    let web6 = key6(0x10, 80);
+    let (summary, errors) = programmer.apply(snapshot6(web6, &[1, 2]), &mut maps);
+    assert!(errors.is_empty(), "{errors:?}");
+    assert_eq!(summary.frontends_written, 1);
+    maps.check_invariants();
+    let Some(FrontendMapKey::V6(map_key)) = frontend_map_key(&web6) else {
+        panic!("ipv6 key expected");
     };
-    let mut update = snapshot(&[(key, &[])]);
-    update[0].1[0].1.backends.clear();
-    let (summary, _) = programmer.apply(update, &mut maps);
-    assert_eq!(summary.frontends_unsupported, 1);
-    assert!(maps.frontends.is_empty());
+    let bytes: Vec<u8> = map_key.addr.iter().flat_map(|w| w.to_ne_bytes()).collect();
+    assert_eq!(bytes[..4], [0xfd, 0x00, 0x00, 0x96]);
+    assert_eq!(bytes[15], 0x10);
+    assert_eq!(
+        maps.backends_of(&web6),
+        [
+            "[fd00:244:1::2]:8080".parse::<SocketAddr>().expect("addr"),
+            "[fd00:244:2::2]:8080".parse::<SocketAddr>().expect("addr"),
+        ]
+    );
+    programmer.apply(snapshot6(web6, &[2]), &mut maps);
+    maps.check_invariants();
+    assert_eq!(maps.backends.len(), 1);
+}
+
+/// `snapshot` with session affinity on every frontend.
+fn with_affinity(mut updates: Vec<Update>, timeout: Option<u32>) -> Vec<Update> {
+    for (_, frontends) in &mut updates {
+        for (_, frontend) in frontends {
+            frontend.affinity_timeout = timeout;
+        }
+    }
+    updates
+}
+
+#[test]
+fn affinity_flag_timeout_and_match_entries_follow_the_service() {
+    let mut maps = FakeMaps::with_slot_capacity(100);
+    let mut programmer = Programmer::default();
+    let web = key([10, 96, 0, 10], 80);
+    let map_key = frontend_map_key(&web).expect("supported");
+    programmer.apply(snapshot(&[(web, &[1, 2, 3])]), &mut maps);
+    assert!(maps.matches.is_empty());
+
+    // On: flag, timeout and one match entry per live backend.
+    let (summary, _) = programmer.apply(
+        with_affinity(snapshot(&[(web, &[1, 2, 3])]), Some(2)),
+        &mut maps,
+    );
+    assert_eq!(summary.frontends_written, 1, "switching affinity rewrites");
+    maps.check_invariants();
+    let value = maps.frontends[&map_key];
+    assert_eq!(
+        value.flags & frontend_flags::AFFINITY,
+        frontend_flags::AFFINITY
+    );
+    assert_eq!(value.affinity_timeout, 2);
+    assert_eq!(maps.matches.len(), 3);
+
+    // A removed backend loses its match entry (affinity can no longer lead to it).
+    programmer.apply(
+        with_affinity(snapshot(&[(web, &[1, 3])]), Some(2)),
+        &mut maps,
+    );
+    maps.check_invariants();
+    assert_eq!(maps.matches.len(), 2);
+
+    // A new timeout alone is a change too.
+    let (summary, _) = programmer.apply(
+        with_affinity(snapshot(&[(web, &[1, 3])]), Some(30)),
+        &mut maps,
+    );
+    assert_eq!(summary.frontends_written, 1);
+    assert_eq!(maps.frontends[&map_key].affinity_timeout, 30);
+
+    // Off: flag cleared, match entries gone.
+    programmer.apply(snapshot(&[(web, &[1, 3])]), &mut maps);
+    maps.check_invariants();
+    assert_eq!(maps.frontends[&map_key].flags, 0);
+    assert!(maps.matches.is_empty());
+}
+
+#[test]
+fn removed_backends_are_reported_per_frontend() {
+    let mut maps = FakeMaps::with_slot_capacity(100);
+    let mut programmer = Programmer::default();
+    let web = key([10, 96, 0, 10], 80);
+    let api = key([10, 96, 0, 11], 80);
+    programmer.apply(snapshot(&[(web, &[1, 2]), (api, &[2])]), &mut maps);
+    let (summary, _) = programmer.apply(snapshot(&[(web, &[1])]), &mut maps);
+    assert_eq!(
+        summary.removed_backends,
+        [RemovedBackend {
+            frontend: web,
+            backend: SocketAddr::from(([10, 244, 2, 2], 8080)),
+        }]
+    );
+    let (summary, _) = programmer.apply(vec![gone(api)], &mut maps);
+    assert_eq!(summary.removed_backends.len(), 1);
+    assert_eq!(summary.removed_backends[0].frontend, api);
+}
+
+#[test]
+fn adopting_pinned_maps_then_a_full_apply_of_the_same_state_writes_nothing() {
+    let mut maps = FakeMaps::with_slot_capacity(100);
+    let mut first = Programmer::default();
+    let web = key([10, 96, 0, 10], 80);
+    let api = key([10, 96, 0, 11], 80);
+    let web6 = key6(0x10, 80);
+    let mut state = with_affinity(snapshot(&[(web, &[1, 2])]), Some(5));
+    state.extend(snapshot(&[(api, &[2, 3])]));
+    state.extend(snapshot6(web6, &[1]));
+    first.apply(state.clone(), &mut maps);
+    let writes = maps.writes;
+
+    let mut adopted = Programmer::adopt(maps.content(), &mut maps);
+    assert_eq!(maps.writes, writes, "consistent maps need no cleanup");
+    assert_eq!(adopted.counts(), first.counts());
+    let (summary, errors) = adopted.apply(state, &mut maps);
+    assert!(errors.is_empty(), "{errors:?}");
+    assert_eq!(summary.frontends_unchanged, 3);
+    assert_eq!(
+        maps.writes, writes,
+        "claiming unchanged frontends writes nothing"
+    );
+    maps.check_invariants();
+
+    // New ids do not collide with adopted ones.
+    let other = key([10, 96, 0, 12], 80);
+    adopted.apply(snapshot(&[(other, &[4])]), &mut maps);
+    maps.check_invariants();
+    assert_eq!(pods(&maps, &other), [4]);
+    assert_eq!(pods(&maps, &api), [2, 3]);
+}
+
+#[test]
+fn a_full_apply_after_adoption_removes_frontends_nobody_claims() {
+    let mut maps = FakeMaps::with_slot_capacity(100);
+    let web = key([10, 96, 0, 10], 80);
+    let api = key([10, 96, 0, 11], 80);
+    Programmer::default().apply(snapshot(&[(web, &[1]), (api, &[2])]), &mut maps);
+
+    let mut adopted = Programmer::adopt(maps.content(), &mut maps);
+    // Only `web` is still a Service; a full resync goes through apply_snapshot(None).
+    adopted.apply(snapshot(&[(web, &[1])]), &mut maps);
+    let (mut summary, mut errors) = (ApplySummary::default(), Vec::new());
+    adopted.remove_unclaimed(&mut maps, &mut summary, &mut errors);
+    assert!(errors.is_empty());
+    assert_eq!(summary.frontends_removed, 1);
+    maps.check_invariants();
+    assert_eq!(pods(&maps, &web), [1]);
+    assert!(pods(&maps, &api).is_empty());
+}
+
+#[test]
+fn adoption_cleans_what_an_interrupted_update_left_behind() {
+    let mut maps = FakeMaps::with_slot_capacity(100);
+    let web = key([10, 96, 0, 10], 80);
+    Programmer::default().apply(snapshot(&[(web, &[1, 2])]), &mut maps);
+    // A crash after writing the idle generation, before the switch.
+    let value = maps.frontends[&frontend_map_key(&web).expect("supported")];
+    maps.backends.insert(
+        99,
+        BackendValue::V4(Backend4 {
+            addr: 1,
+            port: 2,
+            proto: 6,
+            flags: 0,
+        }),
+    );
+    maps.slots.insert(
+        BackendSlotKey {
+            service_id: value.service_id,
+            slot: 0,
+            generation: value.generation ^ 1,
+            _pad: 0,
+        },
+        99,
+    );
+    maps.matches.insert(AffinityMatchKey {
+        service_id: value.service_id,
+        backend_id: 99,
+    });
+    let adopted = Programmer::adopt(maps.content(), &mut maps);
+    maps.check_invariants();
+    assert_eq!(adopted.counts(), (1, 2));
+    assert_eq!(pods(&maps, &web), [1, 2]);
 }
 
 #[test]
