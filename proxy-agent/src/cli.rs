@@ -8,7 +8,7 @@ use clap::{Parser, ValueEnum};
 pub enum ProxyMode {
     /// Socket-level load balancing with eBPF programs on the cgroup2 hierarchy.
     Ebpf,
-    /// kube-proxy's iptables rules (not implemented yet).
+    /// kube-proxy's iptables rules (iptables-restore), for parity and old kernels.
     Iptables,
 }
 

@@ -11,16 +11,16 @@ use tracing::{debug, error, info, warn};
 
 use crate::{
     cli::{Args, ProxyMode},
-    dataplane::ebpf::{EbpfDataplane, EbpfOptions},
+    dataplane::{
+        ebpf::{EbpfDataplane, EbpfOptions},
+        iptables::{IptablesConfig, IptablesDataplane},
+    },
     desired::{NodeContext, Snapshot},
     objects::{Kind, ObjectKey, Objects, Store},
     source,
 };
 
 pub async fn run(args: Args) -> anyhow::Result<()> {
-    if args.proxy_mode == ProxyMode::Iptables {
-        bail!("--proxy-mode iptables is not implemented yet; use --proxy-mode ebpf");
-    }
     let Some(manifests) = args.manifests.clone() else {
         bail!("--manifests DIR is required (the Kubernetes API source is not implemented yet)");
     };
@@ -28,15 +28,25 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         bail!("--manifests {}: not a directory", manifests.display());
     }
     let node = NodeContext::new(&node_name(args.hostname_override.as_deref())?, None);
-    info!(node = %node.name, mode = "ebpf", "starting proxy-agent");
+    info!(node = %node.name, mode = ?args.proxy_mode, "starting proxy-agent");
 
-    let mut dataplane = EbpfDataplane::start(&EbpfOptions {
-        cgroup_path: args.cgroup_path.clone(),
-        bpf_root: args.bpf_root.clone(),
-        frontends_capacity: args.bpf_map_frontends,
-        backends_capacity: args.bpf_map_backends,
-    })
-    .context("cannot start the eBPF dataplane")?;
+    let mut dataplane = match args.proxy_mode {
+        ProxyMode::Ebpf => Dataplane::Ebpf(Box::new(
+            EbpfDataplane::start(&EbpfOptions {
+                cgroup_path: args.cgroup_path.clone(),
+                bpf_root: args.bpf_root.clone(),
+                frontends_capacity: args.bpf_map_frontends,
+                backends_capacity: args.bpf_map_backends,
+            })
+            .context("cannot start the eBPF dataplane")?,
+        )),
+        ProxyMode::Iptables => Dataplane::Iptables(
+            IptablesDataplane::start(IptablesConfig::default())
+                .context("cannot start the iptables dataplane")?,
+        ),
+    };
+    // iptables: canary check and periodic resync every sync period (kube-proxy's max interval).
+    let mut resync = tokio::time::interval(IptablesConfig::default().sync_period);
 
     let (tx, mut rx) = mpsc::channel(64);
     let source_task = tokio::spawn(source::manifests::run(manifests, node.name.clone(), tx));
@@ -69,6 +79,13 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
                     sync(store.objects(), &node, scope, &mut snapshot, &mut dataplane);
                 }
             }
+            _ = resync.tick(), if synced_once => {
+                if let Dataplane::Iptables(iptables) = &mut dataplane {
+                    let flushed = iptables.check_canaries();
+                    let scope = (!flushed).then(BTreeSet::new);
+                    sync_iptables(iptables, &snapshot, scope.as_ref());
+                }
+            }
             _ = sigint.recv() => break Ok("SIGINT"),
             _ = sigterm.recv() => break Ok("SIGTERM"),
         }
@@ -78,7 +95,10 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         Ok(signal) => info!(signal, "shutting down"),
         Err(error) => error!(%error, "shutting down"),
     }
-    dataplane.shutdown();
+    // Like kube-proxy, iptables rules stay in place on exit so traffic keeps flowing.
+    if let Dataplane::Ebpf(ebpf) = dataplane {
+        (*ebpf).shutdown();
+    }
     outcome.map(|_| ())
 }
 
@@ -89,7 +109,7 @@ fn sync(
     node: &NodeContext,
     services: Option<&BTreeSet<ObjectKey>>,
     snapshot: &mut Snapshot,
-    dataplane: &mut EbpfDataplane,
+    dataplane: &mut Dataplane,
 ) {
     let started = Instant::now();
     let update = snapshot.update(objects, &node.name, services);
@@ -97,6 +117,13 @@ fn sync(
         warn!("{error}");
     }
     let scope = services.map(|_| &update.changed);
+    let dataplane = match dataplane {
+        Dataplane::Ebpf(ebpf) => ebpf,
+        Dataplane::Iptables(iptables) => {
+            sync_iptables(iptables, snapshot, scope);
+            return;
+        }
+    };
     let (summary, apply_errors) = dataplane.apply(snapshot, scope);
     for error in &apply_errors {
         warn!("{error}");
@@ -118,6 +145,34 @@ fn sync(
     );
     for (counter, value) in dataplane.stats() {
         debug!(counter = counter.name(), value, "datapath counter");
+    }
+}
+
+/// The dataplane `--proxy-mode` selected.
+#[derive(Debug)]
+enum Dataplane {
+    Ebpf(Box<EbpfDataplane>),
+    Iptables(IptablesDataplane),
+}
+
+fn sync_iptables(
+    dataplane: &mut IptablesDataplane,
+    snapshot: &Snapshot,
+    changed: Option<&BTreeSet<crate::desired::ServicePortName>>,
+) {
+    for result in dataplane.apply(snapshot, changed) {
+        match result {
+            Ok(report) => info!(
+                family = report.family.as_k8s(),
+                full = report.full,
+                filter_rules = report.filter_rules,
+                nat_rules = report.nat_rules,
+                deleted_chains = report.deleted_chains,
+                elapsed_us = report.elapsed.as_micros() as u64,
+                "iptables sync applied"
+            ),
+            Err(error) => error!(%error, "iptables sync failed; the next sync is a full one"),
+        }
     }
 }
 

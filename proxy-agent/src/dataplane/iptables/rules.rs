@@ -192,12 +192,7 @@ pub fn generate(ctx: &FamilyRules, snapshot: &FamilySnapshot, input: SyncInput<'
         ]);
     }
 
-    let total_endpoints: usize = snapshot
-        .service_ports
-        .values()
-        .map(|p| p.endpoints.len())
-        .sum();
-    let large_cluster = total_endpoints > ctx.large_cluster_threshold;
+    let large_cluster = is_large_cluster(ctx, snapshot);
     let mut state = SyncState {
         active_nat_chains: BTreeSet::new(),
         no_local_internal: 0,
@@ -350,6 +345,16 @@ pub fn generate(ctx: &FamilyRules, snapshot: &FamilySnapshot, input: SyncInput<'
         no_local_endpoints_internal: state.no_local_internal,
         no_local_endpoints_external: state.no_local_external,
     }
+}
+
+/// kube-proxy's `largeClusterMode`: more endpoints (of any state) than the threshold.
+pub fn is_large_cluster(ctx: &FamilyRules, snapshot: &FamilySnapshot) -> bool {
+    let total: usize = snapshot
+        .service_ports
+        .values()
+        .map(|p| p.endpoints.len())
+        .sum();
+    total > ctx.large_cluster_threshold
 }
 
 struct SyncState {
