@@ -27,6 +27,8 @@ pub struct AgentConfig {
     /// Network namespace to run the agent in (entered with `nsenter --net=`, which keeps the
     /// host mount namespace so cgroup2 and bpffs stay visible). None = the caller's namespace.
     pub netns: Option<PathBuf>,
+    /// `--proxy-mode`; None = `ebpf`.
+    pub proxy_mode: Option<String>,
     pub extra_args: Vec<String>,
 }
 
@@ -87,19 +89,22 @@ impl Agent {
             }
             None => Command::new(&bin),
         };
-        cmd.args(["--proxy-mode", "ebpf"])
-            .arg("--manifests")
-            .arg(&config.manifests_dir)
-            .args(["--hostname-override", &config.hostname])
-            .arg("--cgroup-path")
-            .arg(&config.cgroup_path)
-            .arg("--bpf-root")
-            .arg(&agent.bpf_root)
-            .arg("-v")
-            .args(&config.extra_args)
-            .stdin(Stdio::null())
-            .stdout(log)
-            .stderr(log2);
+        cmd.args([
+            "--proxy-mode",
+            config.proxy_mode.as_deref().unwrap_or("ebpf"),
+        ])
+        .arg("--manifests")
+        .arg(&config.manifests_dir)
+        .args(["--hostname-override", &config.hostname])
+        .arg("--cgroup-path")
+        .arg(&config.cgroup_path)
+        .arg("--bpf-root")
+        .arg(&agent.bpf_root)
+        .arg("-v")
+        .args(&config.extra_args)
+        .stdin(Stdio::null())
+        .stdout(log)
+        .stderr(log2);
         if std::env::var_os("RUST_LOG").is_none() {
             cmd.env("RUST_LOG", "info");
         }

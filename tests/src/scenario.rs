@@ -91,7 +91,14 @@ impl Scenario {
 
     /// Starts the agent in the node namespace, attached to the scenario's cgroup.
     pub fn start_agent(&mut self) -> Result<&mut Agent> {
+        self.start_agent_in_mode("ebpf")
+    }
+
+    /// Starts the agent in the node namespace with `--proxy-mode <mode>`. In `iptables` mode
+    /// the rules live in the node namespace only (iptables state is per network namespace).
+    pub fn start_agent_in_mode(&mut self, mode: &str) -> Result<&mut Agent> {
         let config = AgentConfig {
+            proxy_mode: Some(mode.to_owned()),
             manifests_dir: self.manifests.path().to_path_buf(),
             cgroup_path: self.cgroup.path().to_path_buf(),
             hostname: HOSTNAME.into(),
