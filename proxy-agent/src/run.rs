@@ -1,4 +1,4 @@
-//! The agent's main loop: source → desired state → dataplane, until a signal stops it.
+//! The agent's main loop: source → store → desired state → dataplane, until a signal stops it.
 
 use std::{collections::BTreeSet, path::PathBuf, time::Duration};
 
@@ -11,24 +11,28 @@ use tokio::{
 use tracing::{debug, error, info, warn};
 
 use crate::{
-    config::{Config, ProxyMode},
-    dataplane::ebpf::{self, EbpfDataplane, EbpfOptions},
-    desired::{NodeContext, Snapshot},
-    objects::{Kind, ObjectKey, Objects, Store},
+    config::{Config, DetectLocal, NodePortAddresses, ProxyMode},
+    dataplane::{
+        ebpf::{self, EbpfDataplane, EbpfOptions},
+        iptables::{self, DetectLocalMode, IptablesConfig, IptablesDataplane},
+    },
+    desired::{NodeContext, ServicePortName, Snapshot},
+    objects::{Kind, Objects, Store},
     source::{self, kubernetes::ClientOptions},
     sync_runner::{RunnerConfig, SyncReason, SyncRunner},
 };
 
-/// Sync pacing in eBPF mode. A sync costs O(changed Services) there, so no minimum interval is
-/// needed beyond coalescing what is already queued (`--iptables-min-sync-period` is, as its name
-/// says, for the iptables mode); the periodic full reconcile every sync period repairs anything a
-/// failed incremental apply left behind.
-fn ebpf_runner(config: &Config) -> RunnerConfig {
-    RunnerConfig {
-        min_interval: Duration::ZERO,
-        max_interval: config.sync_period,
-        burst: 2,
+/// `--cleanup`: removes everything either mode installed (pinned maps and links, which detaches
+/// the programs; our iptables chains and jump rules), then returns.
+pub fn cleanup(config: &Config) -> anyhow::Result<()> {
+    let removed = ebpf::cleanup(&config.ebpf.bpf_root).context("--cleanup failed")?;
+    info!(removed, "eBPF cleanup done");
+    let problems = iptables::cleanup();
+    for problem in &problems {
+        warn!(%problem, "iptables cleanup");
     }
+    info!(problems = problems.len(), "iptables cleanup done");
+    Ok(())
 }
 
 /// Where the objects come from.
@@ -46,18 +50,7 @@ impl Source {
     }
 }
 
-/// `--cleanup`: removes everything the agent installed (pinned maps and links, which detaches
-/// the programs), then returns.
-pub fn cleanup(config: &Config) -> anyhow::Result<()> {
-    let removed = ebpf::cleanup(&config.ebpf.bpf_root).context("--cleanup failed")?;
-    info!(removed, "cleanup done");
-    Ok(())
-}
-
 pub async fn run(config: Config) -> anyhow::Result<()> {
-    if config.mode == ProxyMode::Iptables {
-        bail!("--proxy-mode iptables is not implemented yet; use --proxy-mode ebpf");
-    }
     let node = NodeContext::new(&node_name(config.hostname_override.as_deref())?, None);
     // Resolve the source before touching the kernel, so a bad flag fails fast.
     let source = match config.ebpf.manifests.clone() {
@@ -75,18 +68,10 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
             .await?,
         ),
     };
-    info!(node = %node.name, mode = "ebpf", source = source.name(), "starting proxy-agent");
+    info!(node = %node.name, mode = ?config.mode, source = source.name(), "starting proxy-agent");
 
-    let mut dataplane = EbpfDataplane::start(&EbpfOptions {
-        cgroup_path: config.ebpf.cgroup_path.clone(),
-        bpf_root: config.ebpf.bpf_root.clone(),
-        frontends_capacity: config.ebpf.map_frontends,
-        backends_capacity: config.ebpf.map_backends,
-    })
-    .context("cannot start the eBPF dataplane")?;
-
+    let mut dataplane = Dataplane::start(&config)?;
     let (tx, mut rx) = mpsc::channel(64);
-    let source_name = source.name();
     let mut store = Store::default();
     let source_task = match source {
         Source::Manifests(dir) => {
@@ -107,7 +92,7 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     let mut sigterm = signal(SignalKind::terminate()).context("cannot handle SIGTERM")?;
     let mut snapshot = Snapshot::default();
     let mut synced_once = false;
-    let runner_config = ebpf_runner(&config);
+    let runner_config = dataplane.runner_config(&config);
     let mut runner = SyncRunner::new(runner_config, Instant::now());
 
     let outcome = loop {
@@ -121,7 +106,7 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
         tokio::select! {
             update = rx.recv() => {
                 let Some(update) = update else {
-                    break Err(anyhow::anyhow!("the {source_name} source stopped"));
+                    break Err(anyhow::anyhow!("the {} source stopped", dataplane.name()));
                 };
                 let mut changed = store.apply(update);
                 // Drain what is already queued so a burst becomes one sync.
@@ -139,12 +124,27 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
                 let Some(reason) = runner.due(Instant::now()) else {
                     continue;
                 };
+                if reason == SyncReason::Periodic {
+                    dataplane.periodic_check();
+                }
                 let changes = store.take_changes();
-                // The first sync, a node change and the periodic resync cover every Service.
-                let full = !synced_once || changes.node || reason == SyncReason::Periodic;
+                // The first sync and a node change recompute every Service.
+                let all_services = !synced_once || changes.node;
                 synced_once = true;
-                let scope = (!full).then_some(&changes.services);
-                sync(store.objects(), &node, scope, &mut snapshot, &mut dataplane);
+                let scope = (!all_services).then_some(&changes.services);
+                let update_started = Instant::now();
+                let update = snapshot.update(store.objects(), &node.name, scope);
+                for error in &update.new_errors {
+                    warn!("{error}");
+                }
+                let changed = (!all_services).then_some(&update.changed);
+                let ok = dataplane.apply(&snapshot, changed, reason);
+                debug!(elapsed_us = update_started.elapsed().as_micros() as u64, "sync done");
+                if !ok {
+                    // kube-proxy retries a failed sync after one sync period.
+                    runner.retry_after(config.sync_period, Instant::now());
+                }
+                log_snapshot_size(store.objects(), &snapshot);
             }
             _ = sigint.recv() => break Ok("SIGINT"),
             _ = sigterm.recv() => break Ok("SIGTERM"),
@@ -159,44 +159,177 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     outcome.map(|_| ())
 }
 
-/// One sync: update the snapshot for the changed Services and apply what changed. Problems are
-/// logged once each (when they appear) and never stop the agent.
-fn sync(
-    objects: &Objects,
-    node: &NodeContext,
-    services: Option<&BTreeSet<ObjectKey>>,
-    snapshot: &mut Snapshot,
-    dataplane: &mut EbpfDataplane,
-) {
-    let started = Instant::now();
-    let update = snapshot.update(objects, &node.name, services);
-    for error in &update.new_errors {
-        warn!("{error}");
-    }
-    let scope = services.map(|_| &update.changed);
-    let (summary, apply_errors) = dataplane.apply(snapshot, scope);
-    for error in &apply_errors {
-        warn!("{error}");
-    }
-    if summary.frontends_unsupported > 0 {
-        warn!(
-            count = summary.frontends_unsupported,
-            "frontends the eBPF dataplane cannot program (mixed-family backends)"
-        );
-    }
-    info!(
-        service_ports = snapshot.v4.service_ports.len() + snapshot.v6.service_ports.len(),
-        changed = update.changed.len(),
-        written = summary.frontends_written,
-        removed = summary.frontends_removed,
-        unchanged = summary.frontends_unchanged,
-        removed_backends = summary.removed_backends.len(),
-        udp_sockets_destroyed = summary.udp_sockets_destroyed,
-        elapsed_us = started.elapsed().as_micros() as u64,
-        "sync applied"
+fn log_snapshot_size(objects: &Objects, snapshot: &Snapshot) {
+    debug!(
+        services = objects.services.len(),
+        endpoint_slices = objects.endpoint_slices().len(),
+        service_ports_v4 = snapshot.v4.service_ports.len(),
+        service_ports_v6 = snapshot.v6.service_ports.len(),
+        "snapshot"
     );
-    for (counter, value) in dataplane.stats() {
-        debug!(counter = counter.name(), value, "datapath counter");
+}
+
+/// The dataplane `--proxy-mode` selected.
+#[derive(Debug)]
+enum Dataplane {
+    Ebpf(Box<EbpfDataplane>),
+    Iptables(IptablesDataplane),
+}
+
+impl Dataplane {
+    fn start(config: &Config) -> anyhow::Result<Self> {
+        Ok(match config.mode {
+            ProxyMode::Ebpf => Dataplane::Ebpf(Box::new(
+                EbpfDataplane::start(&EbpfOptions {
+                    cgroup_path: config.ebpf.cgroup_path.clone(),
+                    bpf_root: config.ebpf.bpf_root.clone(),
+                    frontends_capacity: config.ebpf.map_frontends,
+                    backends_capacity: config.ebpf.map_backends,
+                })
+                .context("cannot start the eBPF dataplane")?,
+            )),
+            ProxyMode::Iptables => Dataplane::Iptables(
+                IptablesDataplane::start(iptables_config(config))
+                    .context("cannot start the iptables dataplane")?,
+            ),
+        })
+    }
+
+    fn name(&self) -> &'static str {
+        match self {
+            Dataplane::Ebpf(_) => "ebpf",
+            Dataplane::Iptables(_) => "iptables",
+        }
+    }
+
+    /// eBPF: a sync costs O(changed Services), so there is no minimum interval beyond coalescing
+    /// what is queued (`--iptables-min-sync-period` is, as its name says, for the iptables
+    /// mode). iptables: kube-proxy's min/max periods with a burst of 2.
+    fn runner_config(&self, config: &Config) -> RunnerConfig {
+        RunnerConfig {
+            min_interval: match self {
+                Dataplane::Ebpf(_) => Duration::ZERO,
+                Dataplane::Iptables(_) => config.min_sync_period,
+            },
+            max_interval: config.sync_period,
+            burst: 2,
+        }
+    }
+
+    /// Once per sync period: the canary check (someone flushed our tables → full resync).
+    fn periodic_check(&mut self) {
+        if let Dataplane::Iptables(iptables) = self {
+            iptables.check_canaries();
+        }
+    }
+
+    /// Applies the snapshot; `changed`: the service ports that changed (`None`: all may have).
+    /// Returns whether everything was applied.
+    fn apply(
+        &mut self,
+        snapshot: &Snapshot,
+        changed: Option<&BTreeSet<ServicePortName>>,
+        reason: SyncReason,
+    ) -> bool {
+        let changed_count = changed.map_or(0, BTreeSet::len);
+        match self {
+            Dataplane::Ebpf(ebpf) => {
+                let started = Instant::now();
+                // The periodic sync reconciles every service port.
+                let scope = if reason == SyncReason::Periodic {
+                    None
+                } else {
+                    changed
+                };
+                let (summary, errors) = ebpf.apply(snapshot, scope);
+                for error in &errors {
+                    warn!("{error}");
+                }
+                if summary.frontends_unsupported > 0 {
+                    warn!(
+                        count = summary.frontends_unsupported,
+                        "frontends the eBPF dataplane cannot program (mixed-family backends)"
+                    );
+                }
+                info!(
+                    ?reason,
+                    changed = changed_count,
+                    written = summary.frontends_written,
+                    removed = summary.frontends_removed,
+                    unchanged = summary.frontends_unchanged,
+                    removed_backends = summary.removed_backends.len(),
+                    udp_sockets_destroyed = summary.udp_sockets_destroyed,
+                    elapsed_us = started.elapsed().as_micros() as u64,
+                    "sync applied"
+                );
+                for (counter, value) in ebpf.stats() {
+                    debug!(counter = counter.name(), value, "datapath counter");
+                }
+                // Map writes that failed keep their previous state; the periodic full
+                // reconcile retries them, no faster retry is needed.
+                true
+            }
+            Dataplane::Iptables(iptables) => {
+                // The dataplane itself turns a partial sync into a full one when one is due
+                // (hourly, after a failure or a canary flush).
+                let mut ok = true;
+                for result in iptables.apply(snapshot, changed) {
+                    match result {
+                        Ok(report) => info!(
+                            family = report.family.as_k8s(),
+                            full = report.full,
+                            changed = changed_count,
+                            filter_rules = report.filter_rules,
+                            nat_rules = report.nat_rules,
+                            deleted_chains = report.deleted_chains,
+                            elapsed_us = report.elapsed.as_micros() as u64,
+                            "sync applied"
+                        ),
+                        Err(error) => {
+                            ok = false;
+                            error!(%error, "iptables sync failed; the next sync is a full one");
+                        }
+                    }
+                }
+                ok
+            }
+        }
+    }
+
+    fn shutdown(self) {
+        match self {
+            // Both leave the datapath in place, so a restarted agent takes over without a gap.
+            Dataplane::Ebpf(ebpf) => (*ebpf).shutdown(),
+            Dataplane::Iptables(_) => info!("iptables rules stay in place"),
+        }
+    }
+}
+
+/// The iptables dataplane's settings from the configuration.
+fn iptables_config(config: &Config) -> IptablesConfig {
+    let defaults = IptablesConfig::default();
+    IptablesConfig {
+        masquerade_bit: config.iptables.masquerade_bit,
+        masquerade_all: config.masquerade_all,
+        detect_local: match &config.detect_local {
+            DetectLocal::ClusterCidr => DetectLocalMode::ClusterCidr(config.cluster_cidrs.clone()),
+            // The node's podCIDRs come with the Node object; until it is read, nothing is local.
+            DetectLocal::NodeCidr => DetectLocalMode::NodeCidr(Vec::new()),
+            DetectLocal::BridgeInterface(name) => DetectLocalMode::BridgeInterface(name.clone()),
+            DetectLocal::InterfaceNamePrefix(prefix) => {
+                DetectLocalMode::InterfaceNamePrefix(prefix.clone())
+            }
+        },
+        node_port_addresses: match &config.node_port_addresses {
+            NodePortAddresses::Cidrs(cidrs) => cidrs.clone(),
+            // `primary` is resolved from the Node object, which the iptables mode does not read
+            // yet: serve every local address like the default.
+            NodePortAddresses::All | NodePortAddresses::Primary => Vec::new(),
+        },
+        localhost_node_ports: config.iptables.localhost_node_ports,
+        sync_period: config.sync_period,
+        min_sync_period: config.min_sync_period,
+        ..defaults
     }
 }
 
@@ -213,4 +346,15 @@ fn node_name(hostname_override: Option<&str>) -> anyhow::Result<String> {
     }
     // kube-proxy lower-cases the node name (nodeutil.GetHostname).
     Ok(name.to_lowercase())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn node_names_are_trimmed_and_lower_cased() {
+        assert_eq!(node_name(Some(" Node-A ")).expect("name"), "node-a");
+        assert!(node_name(Some("  ")).is_err());
+    }
 }

@@ -42,6 +42,8 @@ pub struct AgentConfig {
     /// Network namespace to run the agent in (entered with `nsenter --net=`, which keeps the
     /// host mount namespace so cgroup2 and bpffs stay visible). None = the caller's namespace.
     pub netns: Option<PathBuf>,
+    /// `--proxy-mode`; None = `ebpf`.
+    pub proxy_mode: Option<String>,
     pub extra_args: Vec<String>,
 }
 
@@ -119,19 +121,22 @@ impl Agent {
             AgentSource::Manifests(dir) => ("--manifests", dir),
             AgentSource::Kubeconfig(file) => ("--kubeconfig", file),
         };
-        cmd.args(["--proxy-mode", "ebpf"])
-            .arg(source_flag)
-            .arg(source_path)
-            .args(["--hostname-override", &config.hostname])
-            .arg("--cgroup-path")
-            .arg(&config.cgroup_path)
-            .arg("--bpf-root")
-            .arg(&self.bpf_root)
-            .arg("-v")
-            .args(&config.extra_args)
-            .stdin(Stdio::null())
-            .stdout(log)
-            .stderr(log2);
+        cmd.args([
+            "--proxy-mode",
+            config.proxy_mode.as_deref().unwrap_or("ebpf"),
+        ])
+        .arg(source_flag)
+        .arg(source_path)
+        .args(["--hostname-override", &config.hostname])
+        .arg("--cgroup-path")
+        .arg(&config.cgroup_path)
+        .arg("--bpf-root")
+        .arg(&self.bpf_root)
+        .arg("-v")
+        .args(&config.extra_args)
+        .stdin(Stdio::null())
+        .stdout(log)
+        .stderr(log2);
         if std::env::var_os("RUST_LOG").is_none() {
             cmd.env("RUST_LOG", "info");
         }

@@ -118,18 +118,25 @@ impl Scenario {
     /// Starts the agent in the node namespace on the scenario's manifests directory, attached
     /// to the scenario's cgroup.
     pub fn start_agent(&mut self) -> Result<&mut Agent> {
+        self.start_agent_in_mode("ebpf")
+    }
+
+    /// Starts the agent in the node namespace with `--proxy-mode <mode>`. In `iptables` mode
+    /// the rules live in the node namespace only (iptables state is per network namespace).
+    pub fn start_agent_in_mode(&mut self, mode: &str) -> Result<&mut Agent> {
         let source = AgentSource::Manifests(self.manifests.path().to_path_buf());
-        self.start_agent_with(source)
+        self.start_agent_with(source, mode)
     }
 
     /// Like [`Scenario::start_agent`], with the Kubernetes API source (`--kubeconfig FILE`).
     pub fn start_agent_with_kubeconfig(&mut self, kubeconfig: &Path) -> Result<&mut Agent> {
-        self.start_agent_with(AgentSource::Kubeconfig(kubeconfig.to_path_buf()))
+        self.start_agent_with(AgentSource::Kubeconfig(kubeconfig.to_path_buf()), "ebpf")
     }
 
-    fn start_agent_with(&mut self, source: AgentSource) -> Result<&mut Agent> {
+    fn start_agent_with(&mut self, source: AgentSource, mode: &str) -> Result<&mut Agent> {
         let config = AgentConfig {
             source,
+            proxy_mode: Some(mode.to_owned()),
             cgroup_path: self.cgroup.path().to_path_buf(),
             hostname: HOSTNAME.into(),
             netns: Some(self.topo.node().path()),

@@ -92,9 +92,14 @@ pub struct ServicePortName {
 }
 
 impl fmt::Display for ServicePortName {
-    /// `ns/name:port` — the form kube-proxy uses in rule comments and logs.
+    /// `ns/name:port`, or `ns/name` for an unnamed port — kube-proxy's
+    /// `ServicePortName.String()`, used in rule comments and hashed into chain names.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}:{}", self.service, self.port)
+        if self.port.is_empty() {
+            write!(f, "{}", self.service)
+        } else {
+            write!(f, "{}:{}", self.service, self.port)
+        }
     }
 }
 
@@ -227,5 +232,24 @@ impl NodeContext {
             name: name.to_owned(),
             zone,
         }
+    }
+}
+
+#[cfg(test)]
+mod display_tests {
+    use super::*;
+
+    #[test]
+    fn service_port_name_omits_the_colon_for_unnamed_ports() {
+        let name = |port: &str| ServicePortName {
+            service: ObjectKey {
+                namespace: "ns1".into(),
+                name: "svc1".into(),
+            },
+            port: port.into(),
+            protocol: Protocol::Tcp,
+        };
+        assert_eq!(name("p80").to_string(), "ns1/svc1:p80");
+        assert_eq!(name("").to_string(), "ns1/svc1");
     }
 }

@@ -1,0 +1,25 @@
+//! The iptables dataplane: kube-proxy's iptables proxier, rule for rule.
+//!
+//! - `chains.rs`: chain names and hashes; `jumps.rs`: jumps from the built-in chains.
+//! - `config.rs`: [`IptablesConfig`] (kube-proxy defaults) and the per-family generator context.
+//! - `localdetect.rs`: `--detect-local-mode`.
+//! - `rules.rs`: the generator, a pure function snapshot → `iptables-restore` input.
+//! - `detect.rs`: backend (nft/legacy), version, sysctls, addresses; `exec.rs`: running the
+//!   tools; `canary.rs`: flush detection; `sync.rs`: [`IptablesDataplane`] (full/partial syncs);
+//!   `cleanup.rs`: removing what this mode created.
+
+pub mod canary;
+pub mod chains;
+mod cleanup;
+pub mod config;
+pub mod detect;
+pub mod exec;
+pub mod jumps;
+pub mod localdetect;
+pub mod rules;
+mod sync;
+
+pub use config::{FamilyRules, HostFeatures, IptablesConfig, NodePortAddresses};
+pub use localdetect::{DetectLocalMode, LocalDetector};
+pub use rules::{Ruleset, SyncInput, generate};
+pub use sync::{IptablesDataplane, IptablesError, SyncReport, cleanup};

@@ -1,0 +1,305 @@
+//! [`IptablesDataplane`]: makes each family's tables match the snapshot, with kube-proxy's sync
+//! policy — partial syncs for changed Services, a full sync (jump rules re-ensured, every chain
+//! rewritten) at start, after any failure, after a canary flush and at least every
+//! `full_sync_period`, and stale-chain deletion (deferred in large clusters).
+
+use std::{
+    collections::BTreeSet,
+    time::{Duration, Instant},
+};
+
+use tracing::{debug, warn};
+
+use super::{
+    canary,
+    config::{FamilyRules, HostFeatures, IptablesConfig},
+    detect::{self, RANDOM_FULLY_MIN},
+    exec::{ExecError, Iptables},
+    jumps::{JUMP_RULES, KUBELET_JUMP_RULES},
+    rules::{SyncInput, generate, is_large_cluster},
+};
+use crate::{
+    desired::{IpFamily, ServicePortName, Snapshot},
+    objects::ObjectKey,
+};
+
+#[derive(Debug, thiserror::Error)]
+pub enum IptablesError {
+    #[error("{family}: {source}")]
+    Exec {
+        family: &'static str,
+        #[source]
+        source: ExecError,
+    },
+    #[error("IPv4 iptables is not usable: {0}")]
+    Unusable(#[source] ExecError),
+}
+
+impl IptablesError {
+    fn exec(family: IpFamily) -> impl FnOnce(ExecError) -> Self {
+        move |source| IptablesError::Exec {
+            family: family.as_k8s(),
+            source,
+        }
+    }
+}
+
+/// What one family's sync did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SyncReport {
+    pub family: IpFamily,
+    pub full: bool,
+    pub filter_rules: usize,
+    pub nat_rules: usize,
+    pub deleted_chains: usize,
+    pub large_cluster: bool,
+    pub elapsed: Duration,
+}
+
+#[derive(Debug)]
+struct Family {
+    iptables: Iptables,
+    rules: FamilyRules,
+    need_full_sync: bool,
+    last_full_sync: Option<Instant>,
+    last_stale_cleanup: Option<Instant>,
+}
+
+#[derive(Debug)]
+pub struct IptablesDataplane {
+    config: IptablesConfig,
+    families: Vec<Family>,
+}
+
+impl IptablesDataplane {
+    /// Probes the host (backend, versions, sysctls, addresses) and creates the canaries. IPv6 is
+    /// skipped with a warning when ip6tables does not work; IPv4 must.
+    pub fn start(config: IptablesConfig) -> Result<Self, IptablesError> {
+        let backend = detect::detect_backend();
+        let addresses = detect::interface_addresses();
+        let mut families = Vec::new();
+        for family in IpFamily::ALL {
+            let iptables = Iptables {
+                family,
+                backend,
+                version: detect::version(family, backend),
+            };
+            if let Err(error) = iptables.save_chains("nat") {
+                if family == IpFamily::V4 {
+                    return Err(IptablesError::Unusable(error));
+                }
+                warn!(%error, "ip6tables is not usable; IPv6 services are not programmed");
+                continue;
+            }
+            let host = HostFeatures {
+                random_fully: iptables.version.is_some_and(|v| v >= RANDOM_FULLY_MIN),
+                conntrack_tcp_liberal: detect::conntrack_tcp_liberal(),
+                // nfacct counters are not created yet: upstream then omits the `-m nfacct`
+                // matches, exactly as when its own nfacct.Ensure fails.
+                nfacct_invalid: false,
+                nfacct_localhost: false,
+            };
+            let node_ip = detect::primary_address(&addresses, family);
+            let rules = FamilyRules::new(&config, family, node_ip, &addresses, &host);
+            if rules.localhost_node_ports {
+                enable_route_localnet();
+            }
+            canary::ensure(&iptables).map_err(IptablesError::exec(family))?;
+            tracing::info!(
+                family = family.as_k8s(),
+                backend = ?backend,
+                version = ?iptables.version,
+                mark = %rules.mark,
+                node_ip = ?node_ip,
+                "iptables dataplane ready"
+            );
+            families.push(Family {
+                iptables,
+                rules,
+                need_full_sync: true,
+                last_full_sync: None,
+                last_stale_cleanup: None,
+            });
+        }
+        Ok(Self { config, families })
+    }
+
+    pub fn families(&self) -> impl Iterator<Item = IpFamily> + '_ {
+        self.families.iter().map(|f| f.iptables.family)
+    }
+
+    pub fn config(&self) -> &IptablesConfig {
+        &self.config
+    }
+
+    /// Syncs every family. `changed`: the service ports changed since the last call (a partial
+    /// sync when possible); `None` forces a full sync (first sync, node change). A failed
+    /// family makes its next sync a full one.
+    pub fn apply(
+        &mut self,
+        snapshot: &Snapshot,
+        changed: Option<&BTreeSet<ServicePortName>>,
+    ) -> Vec<Result<SyncReport, IptablesError>> {
+        let services: Option<BTreeSet<ObjectKey>> =
+            changed.map(|c| c.iter().map(|name| name.service.clone()).collect());
+        let config = &self.config;
+        self.families
+            .iter_mut()
+            .map(|family| family.sync(config, snapshot, services.as_ref()))
+            .collect()
+    }
+
+    /// Checks the canaries; after a flush, recreates them and makes the next sync a full one.
+    /// Returns whether a resync is needed now.
+    pub fn check_canaries(&mut self) -> bool {
+        let mut flushed = false;
+        for family in &mut self.families {
+            if canary::flushed(&family.iptables) {
+                warn!(
+                    family = family.iptables.family.as_k8s(),
+                    "KUBE-PROXY-CANARY is gone: iptables was flushed; resyncing everything"
+                );
+                if let Err(error) = canary::ensure(&family.iptables) {
+                    warn!(%error, "cannot recreate the canary chains");
+                }
+                family.need_full_sync = true;
+                flushed = true;
+            }
+        }
+        flushed
+    }
+
+    /// Whether a family's periodic full sync is due (`full_sync_period` elapsed).
+    pub fn full_sync_due(&self) -> bool {
+        self.families.iter().any(|f| f.full_sync_due(&self.config))
+    }
+}
+
+impl Family {
+    fn full_sync_due(&self, config: &IptablesConfig) -> bool {
+        self.need_full_sync
+            || self
+                .last_full_sync
+                .is_none_or(|t| t.elapsed() > config.full_sync_period)
+    }
+
+    fn sync(
+        &mut self,
+        config: &IptablesConfig,
+        snapshot: &Snapshot,
+        changed: Option<&BTreeSet<ObjectKey>>,
+    ) -> Result<SyncReport, IptablesError> {
+        let started = Instant::now();
+        let family = self.iptables.family;
+        let full = changed.is_none() || self.full_sync_due(config);
+        let result = self.try_sync(config, snapshot, if full { None } else { changed }, started);
+        if result.is_err() {
+            // The change set is consumed: only a full sync can recover the lost state.
+            self.need_full_sync = true;
+        }
+        result.map_err(IptablesError::exec(family))
+    }
+
+    fn try_sync(
+        &mut self,
+        config: &IptablesConfig,
+        snapshot: &Snapshot,
+        changed: Option<&BTreeSet<ObjectKey>>,
+        started: Instant,
+    ) -> Result<SyncReport, ExecError> {
+        let family = self.iptables.family;
+        let full = changed.is_none();
+        if full {
+            self.ensure_jump_rules()?;
+        }
+        let family_snapshot = snapshot.family(family);
+        let large_cluster = is_large_cluster(&self.rules, family_snapshot);
+        // Listing nat can take seconds on big hosts; large clusters do it once per sync period.
+        let cleanup_due = !large_cluster
+            || self
+                .last_stale_cleanup
+                .is_none_or(|t| t.elapsed() > config.sync_period);
+        let existing = if cleanup_due {
+            match self.iptables.save_chains("nat") {
+                Ok(chains) => Some(chains),
+                Err(error) => {
+                    warn!(%error, "cannot list nat chains; stale chains are not deleted this time");
+                    None
+                }
+            }
+        } else {
+            None
+        };
+        let ruleset = generate(
+            &self.rules,
+            family_snapshot,
+            SyncInput {
+                changed_services: changed,
+                existing_nat_chains: existing.as_ref(),
+            },
+        );
+        self.iptables.restore(&ruleset.restore, None)?;
+        let now = Instant::now();
+        self.need_full_sync = false;
+        if full {
+            self.last_full_sync = Some(now);
+        }
+        if existing.is_some() {
+            self.last_stale_cleanup = Some(now);
+        }
+        debug!(
+            family = family.as_k8s(),
+            full,
+            bytes = ruleset.restore.len(),
+            "iptables-restore applied"
+        );
+        Ok(SyncReport {
+            family,
+            full,
+            filter_rules: ruleset.filter_rules,
+            nat_rules: ruleset.nat_rules_total,
+            deleted_chains: ruleset.deleted_chains.len(),
+            large_cluster: ruleset.large_cluster,
+            elapsed: started.elapsed(),
+        })
+    }
+
+    /// The jumps from the built-in chains, ensured one by one so other rules there stay.
+    fn ensure_jump_rules(&self) -> Result<(), ExecError> {
+        for jump in JUMP_RULES.iter().chain(KUBELET_JUMP_RULES) {
+            self.iptables.ensure_chain(jump.table, jump.target)?;
+            self.iptables
+                .ensure_rule_first(jump.table, jump.source, &jump.args())?;
+        }
+        Ok(())
+    }
+}
+
+/// Localhost NodePorts need the kernel to route 127/8 destinations off `lo`.
+fn enable_route_localnet() {
+    const PATH: &str = "/proc/sys/net/ipv4/conf/all/route_localnet";
+    if let Err(error) = std::fs::write(PATH, "1") {
+        warn!(%error, path = PATH, "cannot enable route_localnet; localhost NodePorts will not work");
+    }
+}
+
+/// Removes everything the iptables mode created, in both families (`kube-proxy --cleanup`):
+/// our jump rules (not kubelet's), our top-level chains, every service chain and the canaries.
+/// Best effort: returns the problems met.
+pub fn cleanup() -> Vec<IptablesError> {
+    let backend = detect::detect_backend();
+    let mut errors = Vec::new();
+    for family in IpFamily::ALL {
+        let iptables = Iptables {
+            family,
+            backend,
+            version: detect::version(family, backend),
+        };
+        errors.extend(
+            super::cleanup::family(&iptables)
+                .into_iter()
+                .map(|e| IptablesError::exec(family)(e)),
+        );
+    }
+    errors
+}
