@@ -92,6 +92,7 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     let mut sigterm = signal(SignalKind::terminate()).context("cannot handle SIGTERM")?;
     let mut snapshot = Snapshot::default();
     let mut synced_once = false;
+    let mut other_mode_removed = false;
     let runner_config = dataplane.runner_config(&config);
     let mut runner = SyncRunner::new(runner_config, Instant::now());
 
@@ -139,6 +140,10 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
                 }
                 let changed = (!all_services).then_some(&update.changed);
                 let ok = dataplane.apply(&snapshot, changed, reason);
+                if ok && !other_mode_removed {
+                    dataplane.remove_other_mode(&config);
+                    other_mode_removed = true;
+                }
                 debug!(elapsed_us = update_started.elapsed().as_micros() as u64, "sync done");
                 if !ok {
                     // kube-proxy retries a failed sync after one sync period.
@@ -178,21 +183,55 @@ enum Dataplane {
 
 impl Dataplane {
     fn start(config: &Config) -> anyhow::Result<Self> {
-        Ok(match config.mode {
-            ProxyMode::Ebpf => Dataplane::Ebpf(Box::new(
-                EbpfDataplane::start(&EbpfOptions {
-                    cgroup_path: config.ebpf.cgroup_path.clone(),
-                    bpf_root: config.ebpf.bpf_root.clone(),
-                    frontends_capacity: config.ebpf.map_frontends,
-                    backends_capacity: config.ebpf.map_backends,
-                })
-                .context("cannot start the eBPF dataplane")?,
-            )),
-            ProxyMode::Iptables => Dataplane::Iptables(
-                IptablesDataplane::start(iptables_config(config))
-                    .context("cannot start the iptables dataplane")?,
-            ),
-        })
+        match config.mode {
+            ProxyMode::Ebpf => match EbpfDataplane::start(&EbpfOptions {
+                cgroup_path: config.ebpf.cgroup_path.clone(),
+                bpf_root: config.ebpf.bpf_root.clone(),
+                frontends_capacity: config.ebpf.map_frontends,
+                backends_capacity: config.ebpf.map_backends,
+            }) {
+                Ok(ebpf) => Ok(Dataplane::Ebpf(Box::new(ebpf))),
+                // The mode was not chosen explicitly: run kube-proxy's iptables mode instead of
+                // leaving the node without a proxy.
+                Err(error) if config.mode_defaulted => {
+                    warn!(
+                        error = %format!("{:#}", anyhow::Error::from(error)),
+                        "the eBPF dataplane cannot be used here; falling back to the iptables mode"
+                    );
+                    Self::start_iptables(config)
+                }
+                Err(error) => Err(error).context("cannot start the eBPF dataplane"),
+            },
+            ProxyMode::Iptables => Self::start_iptables(config),
+        }
+    }
+
+    fn start_iptables(config: &Config) -> anyhow::Result<Self> {
+        Ok(Dataplane::Iptables(
+            IptablesDataplane::start(iptables_config(config))
+                .context("cannot start the iptables dataplane")?,
+        ))
+    }
+
+    /// After the first successful sync the new mode carries the traffic: remove what the other
+    /// mode left behind (a mode switch), so nothing of it keeps intercepting traffic.
+    fn remove_other_mode(&self, config: &Config) {
+        match self {
+            Dataplane::Ebpf(_) => {
+                let problems = iptables::cleanup();
+                if problems.is_empty() {
+                    debug!("no iptables-mode leftovers");
+                }
+                for problem in problems {
+                    warn!(%problem, "removing iptables-mode leftovers");
+                }
+            }
+            Dataplane::Iptables(_) => match ebpf::cleanup(&config.ebpf.bpf_root) {
+                Ok(0) => debug!("no eBPF-mode leftovers"),
+                Ok(removed) => info!(removed, "removed the eBPF mode's pins and links"),
+                Err(error) => warn!(%error, "removing eBPF-mode leftovers"),
+            },
+        }
     }
 
     fn name(&self) -> &'static str {

@@ -34,6 +34,9 @@ use crate::cli::Args;
 pub struct Config {
     /// `mode` / `--proxy-mode`.
     pub mode: ProxyMode,
+    /// The mode was not set anywhere (the platform default): if the eBPF dataplane cannot start,
+    /// the agent falls back to iptables instead of failing.
+    pub mode_defaulted: bool,
     /// `hostnameOverride` / `--hostname-override`, trimmed and lower-cased as kube-proxy does;
     /// None: use the host name.
     pub hostname_override: Option<String>,
@@ -350,8 +353,10 @@ pub fn load(args: &Args) -> Result<Loaded, ConfigError> {
     let mut origins = Origins::new(args.config.clone());
     let mut problems = Vec::new();
     let extras = flags::apply(args, &mut document, &mut origins, &mut problems);
+    let mode_defaulted = document.mode.is_empty();
     defaults::apply_platform(&mut document);
-    let (config, notices) = validate::resolve(&document, &origins, extras, &mut problems);
+    let (mut config, notices) = validate::resolve(&document, &origins, extras, &mut problems);
+    config.mode_defaulted = mode_defaulted;
     if !problems.is_empty() {
         return Err(ConfigError::Invalid(problems));
     }

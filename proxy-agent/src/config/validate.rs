@@ -315,6 +315,7 @@ pub fn resolve(
     };
 
     let config = Config {
+        mode_defaulted: false,
         mode,
         hostname_override,
         bind_address,
