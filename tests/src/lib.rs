@@ -15,6 +15,7 @@ pub mod manifests;
 pub mod netns;
 pub mod process;
 pub mod scenario;
+pub mod service_scenarios;
 pub mod topology;
 pub mod wait;
 

@@ -133,14 +133,30 @@ impl Scenario {
         self.start_agent_with(AgentSource::Kubeconfig(kubeconfig.to_path_buf()), "ebpf")
     }
 
+    /// Like [`Scenario::start_agent_in_mode`] with extra command-line arguments.
+    pub fn start_agent_with_args(&mut self, mode: &str, args: &[&str]) -> Result<&mut Agent> {
+        let source = AgentSource::Manifests(self.manifests.path().to_path_buf());
+        let extra = args.iter().map(|a| (*a).to_owned()).collect();
+        self.start_agent_full(source, mode, extra)
+    }
+
     fn start_agent_with(&mut self, source: AgentSource, mode: &str) -> Result<&mut Agent> {
+        self.start_agent_full(source, mode, Vec::new())
+    }
+
+    fn start_agent_full(
+        &mut self,
+        source: AgentSource,
+        mode: &str,
+        extra_args: Vec<String>,
+    ) -> Result<&mut Agent> {
         let config = AgentConfig {
             source,
             proxy_mode: Some(mode.to_owned()),
             cgroup_path: self.cgroup.path().to_path_buf(),
             hostname: HOSTNAME.into(),
             netns: Some(self.topo.node().path()),
-            extra_args: Vec::new(),
+            extra_args,
         };
         Ok(self.agent.insert(Agent::start(&config)?))
     }
@@ -154,6 +170,11 @@ impl Scenario {
     /// A client in the node namespace inside the agent's cgroup (subject to socket LB).
     pub fn cgroup_client(&self) -> Client {
         Client::new(self.topo.node().path()).in_cgroup(self.cgroup.path())
+    }
+
+    /// A client in the external client's namespace (traffic that enters the node from outside).
+    pub fn external_client(&self) -> Client {
+        Client::new(self.topo.ext().path())
     }
 
     /// A client in the node namespace outside the agent's cgroup.

@@ -1,0 +1,375 @@
+//! The end-to-end scenario table both dataplanes must pass: each scenario builds its topology,
+//! writes Services and EndpointSlices, starts the agent in the given `--proxy-mode` and checks
+//! real traffic (which pod answered, which client address it saw, what was refused or dropped).
+//! `tests/tests/service_scenarios_*.rs` run the table once per mode.
+
+use std::{
+    collections::BTreeMap,
+    net::{Ipv4Addr, SocketAddr, SocketAddrV4},
+    time::Duration,
+};
+
+use crate::{
+    Result, RigError,
+    client::{Attempt, tally},
+    manifests::Endpoint,
+    scenario::{
+        BACKEND_PORT, CLUSTER_IP, HOSTNAME, PORT_NAME, SERVICE_PORT, Scenario, cluster_addr,
+        http_slice, pod_endpoint,
+    },
+    topology::{DECOY_NAME, Topology},
+};
+
+pub const NODE_PORT: u16 = 30080;
+/// An externalIP / load-balancer VIP routed to the node by the external client.
+pub const VIP: Ipv4Addr = Ipv4Addr::new(192, 0, 2, 10);
+const NAMESPACE: &str = "default";
+const CONNECTIONS: u32 = 30;
+/// How long a client waits before calling a connection dropped.
+const DROP_TIMEOUT: Duration = Duration::from_millis(700);
+
+/// Options of the Service under test.
+#[derive(Debug, Clone, Default)]
+pub struct ServiceSpec {
+    pub type_: &'static str,
+    pub external_traffic_policy_local: bool,
+    pub affinity_timeout: Option<u32>,
+    pub external_ips: Vec<Ipv4Addr>,
+    pub load_balancer_ip: Option<Ipv4Addr>,
+    pub source_ranges: Vec<&'static str>,
+}
+
+/// The Service `default/web` with one TCP port 80 → 8080 (`http`) and NodePort 30080.
+pub fn service_yaml(spec: &ServiceSpec) -> String {
+    let mut yaml = format!(
+        "apiVersion: v1\nkind: Service\nmetadata: {{name: web, namespace: {NAMESPACE}}}\nspec:\n  \
+         type: {}\n  clusterIP: {CLUSTER_IP}\n  ports:\n  - {{name: {PORT_NAME}, port: {SERVICE_PORT}, \
+         targetPort: {BACKEND_PORT}, protocol: TCP{}}}\n",
+        if spec.type_.is_empty() {
+            "ClusterIP"
+        } else {
+            spec.type_
+        },
+        if spec.type_ == "NodePort" || spec.type_ == "LoadBalancer" {
+            format!(", nodePort: {NODE_PORT}")
+        } else {
+            String::new()
+        }
+    );
+    if spec.external_traffic_policy_local {
+        yaml.push_str("  externalTrafficPolicy: Local\n");
+    }
+    if let Some(timeout) = spec.affinity_timeout {
+        yaml.push_str(&format!(
+            "  sessionAffinity: ClientIP\n  sessionAffinityConfig: {{clientIP: {{timeoutSeconds: {timeout}}}}}\n"
+        ));
+    }
+    if !spec.external_ips.is_empty() {
+        let ips: Vec<String> = spec.external_ips.iter().map(ToString::to_string).collect();
+        yaml.push_str(&format!("  externalIPs: [{}]\n", ips.join(", ")));
+    }
+    if !spec.source_ranges.is_empty() {
+        yaml.push_str(&format!(
+            "  loadBalancerSourceRanges: [{}]\n",
+            spec.source_ranges.join(", ")
+        ));
+    }
+    if let Some(ip) = spec.load_balancer_ip {
+        yaml.push_str(&format!(
+            "status:\n  loadBalancer:\n    ingress: [{{ip: {ip}}}]\n"
+        ));
+    }
+    yaml
+}
+
+fn setup(pods: usize, spec: &ServiceSpec, endpoints: &[Endpoint]) -> Result<Scenario> {
+    crate::require_root();
+    let s = Scenario::new(pods)?;
+    s.manifests.write("web-svc.yaml", &service_yaml(spec))?;
+    s.manifests.write(
+        "web-slice.yaml",
+        &http_slice(NAMESPACE, "web-1", "web", endpoints),
+    )?;
+    // The external client reaches VIPs through the node.
+    s.topo.ext().ip(&[
+        "route",
+        "add",
+        &format!("{VIP}/32"),
+        "via",
+        &Topology::node_ext_ip().to_string(),
+    ])?;
+    Ok(s)
+}
+
+fn node_port_addr() -> SocketAddr {
+    SocketAddrV4::new(Topology::node_ext_ip(), NODE_PORT).into()
+}
+
+fn is_pod(a: &Attempt) -> bool {
+    a.backend().is_some_and(|b| b.starts_with("pod"))
+}
+
+fn pods_of(counts: &BTreeMap<String, usize>) -> Vec<&str> {
+    counts
+        .keys()
+        .filter(|k| k.starts_with("pod"))
+        .map(String::as_str)
+        .collect()
+}
+
+/// NodePort with `externalTrafficPolicy: Cluster`: every pod is reached from outside, and the
+/// pod sees the node's address (SNAT), not the client's.
+pub fn node_port_cluster_policy(mode: &str) -> Result<()> {
+    let spec = ServiceSpec {
+        type_: "NodePort",
+        ..ServiceSpec::default()
+    };
+    let mut s = setup(
+        3,
+        &spec,
+        &[pod_endpoint(1), pod_endpoint(2), pod_endpoint(3)],
+    )?;
+    s.start_agent_in_mode(mode)?;
+    let client = s.external_client();
+    s.wait_for_datapath_with(
+        &client,
+        node_port_addr(),
+        "NodePort answered by a pod",
+        is_pod,
+    )?;
+    let attempts = client.run(node_port_addr(), CONNECTIONS)?;
+    let counts = tally(&attempts);
+    eprintln!("[{mode}] NodePort eTP=Cluster from outside: {counts:?}");
+    s.ensure(
+        pods_of(&counts).len() == 3 && attempts.iter().all(is_pod),
+        || format!("all three pods must answer every connection: {counts:?}"),
+    )?;
+    for attempt in &attempts {
+        if let Attempt::Ok {
+            client: seen,
+            backend,
+            ..
+        } = attempt
+        {
+            s.ensure(
+                seen.ip() != std::net::IpAddr::from(Topology::ext_ip()),
+                || format!("{backend} saw the client address {seen}: eTP=Cluster must SNAT"),
+            )?;
+        }
+    }
+    Ok(())
+}
+
+/// NodePort with `externalTrafficPolicy: Local`: local endpoints only, and the pod sees the real
+/// client address.
+pub fn node_port_local_policy_preserves_the_client(mode: &str) -> Result<()> {
+    let spec = ServiceSpec {
+        type_: "NodePort",
+        external_traffic_policy_local: true,
+        ..ServiceSpec::default()
+    };
+    let remote = Endpoint {
+        node_name: Some("other-node".into()),
+        ..Endpoint::ready(Topology::pod_ip(3))
+    };
+    let mut s = setup(3, &spec, &[pod_endpoint(1), pod_endpoint(2), remote])?;
+    s.start_agent_in_mode(mode)?;
+    let client = s.external_client();
+    s.wait_for_datapath_with(
+        &client,
+        node_port_addr(),
+        "NodePort answered by a pod",
+        is_pod,
+    )?;
+    let attempts = client.run(node_port_addr(), CONNECTIONS)?;
+    let counts = tally(&attempts);
+    eprintln!("[{mode}] NodePort eTP=Local from outside: {counts:?}");
+    s.ensure(
+        attempts.iter().all(is_pod) && !counts.contains_key("pod3"),
+        || format!("only the local pods may answer: {counts:?}"),
+    )?;
+    for attempt in &attempts {
+        if let Attempt::Ok {
+            client: seen,
+            backend,
+            ..
+        } = attempt
+        {
+            s.ensure(
+                seen.ip() == std::net::IpAddr::from(Topology::ext_ip()),
+                || format!("{backend} saw {seen}: eTP=Local must preserve the client address"),
+            )?;
+        }
+    }
+    Ok(())
+}
+
+/// `externalTrafficPolicy: Local` without a local endpoint: external traffic is dropped (not
+/// refused, not sent to the remote endpoint), while the ClusterIP still works.
+pub fn node_port_local_policy_without_local_endpoints_drops(mode: &str) -> Result<()> {
+    let spec = ServiceSpec {
+        type_: "NodePort",
+        external_traffic_policy_local: true,
+        ..ServiceSpec::default()
+    };
+    let remote = Endpoint {
+        node_name: Some("other-node".into()),
+        ..Endpoint::ready(Topology::pod_ip(1))
+    };
+    let mut s = setup(1, &spec, &[remote])?;
+    s.start_agent_in_mode(mode)?;
+    let internal = s.cgroup_client();
+    s.wait_for_datapath_with(
+        &internal,
+        cluster_addr(),
+        "ClusterIP answered by pod1",
+        is_pod,
+    )?;
+    let attempts = s
+        .external_client()
+        .timeout(DROP_TIMEOUT)
+        .run(node_port_addr(), 3)?;
+    let counts = tally(&attempts);
+    eprintln!("[{mode}] NodePort eTP=Local, no local endpoint: {counts:?}");
+    s.ensure(
+        attempts
+            .iter()
+            .all(|a| *a == Attempt::Err("TIMEOUT".into())),
+        || format!("external traffic must be dropped (time out): {counts:?}"),
+    )
+}
+
+/// A NodePort Service without endpoints refuses external connections (kube-proxy's REJECT).
+pub fn node_port_without_endpoints_is_refused(mode: &str) -> Result<()> {
+    let spec = ServiceSpec {
+        type_: "NodePort",
+        ..ServiceSpec::default()
+    };
+    let mut s = setup(1, &spec, &[])?;
+    s.start_agent_in_mode(mode)?;
+    let client = s.external_client().timeout(DROP_TIMEOUT);
+    let refused = |a: &Attempt| *a == Attempt::Err("ECONNREFUSED".into());
+    s.wait_for_datapath_with(&client, node_port_addr(), "NodePort refused", refused)?;
+    let attempts = client.run(node_port_addr(), 5)?;
+    eprintln!(
+        "[{mode}] NodePort without endpoints: {:?}",
+        tally(&attempts)
+    );
+    s.ensure(attempts.iter().all(refused), || {
+        format!("expected ECONNREFUSED: {attempts:?}")
+    })
+}
+
+/// externalIPs and load-balancer VIPs reach the pods from outside.
+pub fn external_ip_and_load_balancer_ip_reach_pods(mode: &str) -> Result<()> {
+    let lb = Ipv4Addr::new(192, 0, 2, 20);
+    let spec = ServiceSpec {
+        type_: "LoadBalancer",
+        external_ips: vec![VIP],
+        load_balancer_ip: Some(lb),
+        ..ServiceSpec::default()
+    };
+    let mut s = setup(2, &spec, &[pod_endpoint(1), pod_endpoint(2)])?;
+    s.topo.ext().ip(&[
+        "route",
+        "add",
+        &format!("{lb}/32"),
+        "via",
+        &Topology::node_ext_ip().to_string(),
+    ])?;
+    s.start_agent_in_mode(mode)?;
+    let client = s.external_client();
+    for (name, addr) in [("externalIP", VIP), ("LB VIP", lb)] {
+        let target = SocketAddr::from(SocketAddrV4::new(addr, SERVICE_PORT));
+        s.wait_for_datapath_with(&client, target, "answered by a pod", is_pod)?;
+        let attempts = client.run(target, CONNECTIONS)?;
+        let counts = tally(&attempts);
+        eprintln!("[{mode}] {name} {target} from outside: {counts:?}");
+        s.ensure(
+            attempts.iter().all(is_pod) && pods_of(&counts).len() == 2,
+            || format!("{name}: both pods must answer every connection: {counts:?}"),
+        )?;
+    }
+    Ok(())
+}
+
+/// `loadBalancerSourceRanges`: a client inside the ranges reaches the LB VIP; after the ranges
+/// change to exclude it, it gets nothing.
+pub fn source_ranges_admit_only_listed_clients(mode: &str) -> Result<()> {
+    let allowed = ServiceSpec {
+        type_: "LoadBalancer",
+        load_balancer_ip: Some(VIP),
+        source_ranges: vec!["10.10.0.2/32"],
+        ..ServiceSpec::default()
+    };
+    let mut s = setup(1, &allowed, &[pod_endpoint(1)])?;
+    s.start_agent_in_mode(mode)?;
+    let target = SocketAddr::from(SocketAddrV4::new(VIP, SERVICE_PORT));
+    let client = s.external_client().timeout(DROP_TIMEOUT);
+    s.wait_for_datapath_with(&client, target, "allowed client reaches the pod", is_pod)?;
+    let attempts = client.run(target, 5)?;
+    eprintln!(
+        "[{mode}] LB VIP, client inside the ranges: {:?}",
+        tally(&attempts)
+    );
+    s.ensure(attempts.iter().all(is_pod), || {
+        format!("allowed client: {attempts:?}")
+    })?;
+
+    let denied = ServiceSpec {
+        source_ranges: vec!["10.99.0.0/24"],
+        ..allowed
+    };
+    s.manifests.write("web-svc.yaml", &service_yaml(&denied))?;
+    let dropped = |a: &Attempt| *a == Attempt::Err("TIMEOUT".into());
+    s.wait_for_datapath_with(
+        &client,
+        target,
+        "client outside the ranges dropped",
+        dropped,
+    )?;
+    let attempts = client.run(target, 3)?;
+    eprintln!(
+        "[{mode}] LB VIP, client outside the ranges: {:?}",
+        tally(&attempts)
+    );
+    s.ensure(attempts.iter().all(dropped), || {
+        format!("denied client must get nothing: {attempts:?}")
+    })
+}
+
+/// `sessionAffinity: ClientIP`: one client keeps its backend for many connections.
+pub fn client_ip_affinity_keeps_the_backend(mode: &str) -> Result<()> {
+    let spec = ServiceSpec {
+        affinity_timeout: Some(60),
+        ..ServiceSpec::default()
+    };
+    let mut s = setup(
+        3,
+        &spec,
+        &[pod_endpoint(1), pod_endpoint(2), pod_endpoint(3)],
+    )?;
+    s.start_agent_in_mode(mode)?;
+    s.wait_for_datapath(cluster_addr(), "answered by a pod", is_pod)?;
+    let attempts = s.cgroup_client().run(cluster_addr(), CONNECTIONS)?;
+    let counts = tally(&attempts);
+    eprintln!("[{mode}] ClientIP affinity, {CONNECTIONS} connections: {counts:?}");
+    s.ensure(counts.len() == 1 && attempts.iter().all(is_pod), || {
+        format!("one backend must answer every connection: {counts:?}")
+    })
+}
+
+/// Node name used by local endpoints (for callers building their own slices).
+pub fn local_node() -> &'static str {
+    HOSTNAME
+}
+
+/// Untranslated traffic marker, re-exported for the tests.
+pub fn decoy() -> &'static str {
+    DECOY_NAME
+}
+
+/// Wraps a scenario result so a failing scenario reports its name.
+pub fn named(name: &str, result: Result<()>) -> Result<()> {
+    result.map_err(|e| RigError::Other(format!("scenario {name}: {e}")))
+}

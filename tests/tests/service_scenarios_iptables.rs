@@ -1,0 +1,109 @@
+//! The shared service scenario table (tests/src/service_scenarios.rs) with `--proxy-mode
+//! iptables`: kube-proxy's rules in the node namespace, real traffic from an external client
+//! namespace and from the node. Needs root.
+
+use proxy_tests::service_scenarios as scenarios;
+
+const MODE: &str = "iptables";
+
+fn init() {
+    proxy_tests::set_helper_binary(env!("CARGO_BIN_EXE_rig-helper"));
+}
+
+#[test]
+fn node_port_cluster_policy() -> anyhow::Result<()> {
+    init();
+    Ok(scenarios::node_port_cluster_policy(MODE)?)
+}
+
+#[test]
+fn node_port_local_policy_preserves_the_client() -> anyhow::Result<()> {
+    init();
+    Ok(scenarios::node_port_local_policy_preserves_the_client(
+        MODE,
+    )?)
+}
+
+#[test]
+fn node_port_local_policy_without_local_endpoints_drops() -> anyhow::Result<()> {
+    init();
+    Ok(scenarios::node_port_local_policy_without_local_endpoints_drops(MODE)?)
+}
+
+#[test]
+fn node_port_without_endpoints_is_refused() -> anyhow::Result<()> {
+    init();
+    Ok(scenarios::node_port_without_endpoints_is_refused(MODE)?)
+}
+
+#[test]
+fn external_ip_and_load_balancer_ip_reach_pods() -> anyhow::Result<()> {
+    init();
+    Ok(scenarios::external_ip_and_load_balancer_ip_reach_pods(
+        MODE,
+    )?)
+}
+
+#[test]
+fn source_ranges_admit_only_listed_clients() -> anyhow::Result<()> {
+    init();
+    Ok(scenarios::source_ranges_admit_only_listed_clients(MODE)?)
+}
+
+#[test]
+fn client_ip_affinity_keeps_the_backend() -> anyhow::Result<()> {
+    init();
+    Ok(scenarios::client_ip_affinity_keeps_the_backend(MODE)?)
+}
+
+/// Someone flushes and deletes the nat table under a running agent (as firewalld reloads do):
+/// the canary chain is gone, the agent notices within a sync period and restores its rules.
+#[test]
+fn flushed_nat_table_is_restored() -> anyhow::Result<()> {
+    use proxy_tests::{
+        client::{Attempt, tally},
+        scenario::{CLUSTER_IP, Scenario, cluster_addr, http_service, http_slice, pod_endpoint},
+        topology::DECOY_NAME,
+    };
+    init();
+    proxy_tests::require_root();
+    let is_pod = |a: &Attempt| a.backend().is_some_and(|b| b.starts_with("pod"));
+    let mut s = Scenario::new(2)?;
+    s.manifests
+        .write("web-svc.yaml", &http_service("default", "web", CLUSTER_IP))?;
+    s.manifests.write(
+        "web-slice.yaml",
+        &http_slice(
+            "default",
+            "web-1",
+            "web",
+            &[pod_endpoint(1), pod_endpoint(2)],
+        ),
+    )?;
+    s.start_agent_with_args(MODE, &["--iptables-sync-period", "2s"])?;
+    let client = s.outside_client();
+    s.wait_for_datapath_with(&client, cluster_addr(), "answered by a pod", is_pod)?;
+
+    let node = s.topo.node();
+    node.exec("iptables", &["-w", "-t", "nat", "-F"])?;
+    node.exec("iptables", &["-w", "-t", "nat", "-X"])?;
+    let broken = client.run(cluster_addr(), 5)?;
+    eprintln!("right after the flush: {:?}", tally(&broken));
+    s.ensure(
+        broken.iter().all(|a| a.backend() == Some(DECOY_NAME)),
+        || format!("the flush must have removed the DNAT rules: {broken:?}"),
+    )?;
+
+    let started = std::time::Instant::now();
+    s.wait_for_datapath_with(&client, cluster_addr(), "rules restored", is_pod)?;
+    let restored = client.run(cluster_addr(), 20)?;
+    eprintln!(
+        "restored after {:?}: {:?}",
+        started.elapsed(),
+        tally(&restored)
+    );
+    s.ensure(restored.iter().all(is_pod), || {
+        format!("after the resync: {restored:?}")
+    })?;
+    Ok(())
+}
