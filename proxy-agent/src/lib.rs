@@ -4,6 +4,7 @@
 pub mod cli;
 pub mod dataplane;
 pub mod desired;
+pub mod node_services;
 pub mod objects;
 pub mod run;
 pub mod source;
