@@ -1,6 +1,6 @@
 //! Command-line flags. Names follow kube-proxy's where a kube-proxy flag exists.
 
-use std::path::PathBuf;
+use std::{net::SocketAddr, path::PathBuf};
 
 use clap::{Parser, ValueEnum};
 
@@ -10,6 +10,21 @@ pub enum ProxyMode {
     Ebpf,
     /// kube-proxy's iptables rules (not implemented yet).
     Iptables,
+}
+
+/// `--logging-format` (kube-proxy's flag): how log lines are written to stderr.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum LoggingFormat {
+    Text,
+    Json,
+}
+
+/// An `ip:port` to serve on, or empty to serve nothing (kube-proxy's bind address flags).
+fn bind_address(value: &str) -> Result<Option<SocketAddr>, std::net::AddrParseError> {
+    if value.is_empty() {
+        return Ok(None);
+    }
+    value.parse().map(Some)
 }
 
 #[derive(Debug, Parser)]
@@ -49,6 +64,19 @@ pub struct Args {
     /// Capacity of the backend and backend-slot maps.
     #[arg(long, default_value_t = proxy_common::default_sizes::BACKENDS)]
     pub bpf_map_backends: u32,
+
+    /// Where the proxy health server (`/healthz`, `/livez`) listens; empty: disabled.
+    // node-services: added here until the config rework lands (then read from there).
+    #[arg(long, value_name = "IP:PORT", default_value = "0.0.0.0:10256", value_parser = bind_address)]
+    pub healthz_bind_address: Option<SocketAddr>,
+
+    /// Where the metrics server (`/metrics`, `/proxyMode`) listens; empty: disabled.
+    #[arg(long, value_name = "IP:PORT", default_value = "127.0.0.1:10249", value_parser = bind_address)]
+    pub metrics_bind_address: Option<SocketAddr>,
+
+    /// Log line format: `text` or `json`.
+    #[arg(long, value_enum, default_value = "text")]
+    pub logging_format: LoggingFormat,
 
     /// Log more (-v: debug, -vv: trace). RUST_LOG overrides it.
     #[arg(short, long, action = clap::ArgAction::Count)]

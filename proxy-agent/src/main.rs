@@ -16,10 +16,14 @@ async fn main() -> anyhow::Result<()> {
     };
     let filter =
         EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default_level));
-    tracing_subscriber::fmt()
+    // The first reading fixes the origin of the ` m=+…` monotonic times in the health bodies.
+    proxy_agent::node_services::time_format::process_start();
+    let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::stderr().is_terminal())
-        .init();
+        .with_writer(std::io::stderr);
+    match args.logging_format {
+        cli::LoggingFormat::Text => builder.with_ansi(std::io::stderr().is_terminal()).init(),
+        cli::LoggingFormat::Json => builder.json().init(),
+    }
     run::run(args).await
 }

@@ -1,6 +1,9 @@
 //! The agent's main loop: source → desired state → dataplane, until a signal stops it.
 
-use std::{collections::BTreeSet, time::Duration};
+use std::{
+    collections::BTreeSet,
+    time::{Duration, SystemTime},
+};
 
 use anyhow::{Context as _, bail};
 use tokio::{
@@ -13,8 +16,9 @@ use tracing::{debug, error, info, warn};
 use crate::{
     cli::{Args, ProxyMode},
     dataplane::ebpf::{EbpfDataplane, EbpfOptions},
-    desired::{NodeContext, Snapshot},
-    objects::{Kind, ObjectKey, Objects, Store},
+    desired::{IpFamily, NodeContext, Snapshot},
+    node_services::{NodeServices, NodeServicesConfig, trigger_times},
+    objects::{Changes, Kind, ObjectKey, Objects, Store},
     source,
     sync_runner::{RunnerConfig, SyncReason, SyncRunner},
 };
@@ -49,6 +53,17 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     })
     .context("cannot start the eBPF dataplane")?;
 
+    // node-services: /healthz /livez, health check node ports, /metrics /proxyMode.
+    let node_services = NodeServices::start(&NodeServicesConfig {
+        healthz_bind_address: args.healthz_bind_address,
+        metrics_bind_address: args.metrics_bind_address,
+        ..NodeServicesConfig::new(&node.name, args.proxy_mode, EBPF_RUNNER.max_interval)
+    });
+    for family in IpFamily::ALL {
+        node_services.loop_started(family);
+    }
+    let mut last_sync_wall = SystemTime::UNIX_EPOCH;
+
     let (tx, mut rx) = mpsc::channel(64);
     let source_task = tokio::spawn(source::manifests::run(manifests, node.name.clone(), tx));
     let mut store = Store::default();
@@ -80,6 +95,8 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
                 }
                 if changed || (store.is_synced() && !synced_once) {
                     runner.request();
+                    // node-services: a change awaits a sync.
+                    IpFamily::ALL.iter().for_each(|&family| node_services.queued(family));
                 }
             }
             () = tokio::time::sleep_until(wake) => {
@@ -92,9 +109,30 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
                 let changes = store.take_changes();
                 // The first sync, a node change and the periodic resync cover every Service.
                 let full = !synced_once || changes.node || reason == SyncReason::Periodic;
+                // node-services: the node decides /healthz's nodeEligible.
+                if changes.node || !synced_once {
+                    node_services.node_changed(store.objects().node.as_ref());
+                }
                 synced_once = true;
                 let scope = (!full).then_some(&changes.services);
+                let started = Instant::now();
+                let started_wall = SystemTime::now();
                 sync(store.objects(), &node, scope, &mut snapshot, &mut dataplane);
+                report_sync(
+                    &node_services,
+                    store.objects(),
+                    &changes,
+                    &snapshot,
+                    started.elapsed(),
+                    full,
+                    last_sync_wall,
+                );
+                last_sync_wall = started_wall;
+                if let Some(ebpf) = node_services.metrics().ebpf() {
+                    let counters: Vec<(&'static str, u64)> =
+                        dataplane.stats().into_iter().map(|(c, v)| (c.name(), v)).collect();
+                    ebpf.datapath_counters(&counters);
+                }
             }
             _ = sigint.recv() => break Ok("SIGINT"),
             _ = sigterm.recv() => break Ok("SIGTERM"),
@@ -106,7 +144,33 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         Err(error) => error!(%error, "shutting down"),
     }
     dataplane.shutdown();
+    node_services.shutdown();
     outcome.map(|_| ())
+}
+
+/// node-services: health timestamps, sync metrics, health check node ports and network
+/// programming latency after a sync of both families.
+fn report_sync(
+    node_services: &NodeServices,
+    objects: &Objects,
+    changes: &Changes,
+    snapshot: &Snapshot,
+    elapsed: Duration,
+    full: bool,
+    previous_sync: SystemTime,
+) {
+    for family in IpFamily::ALL {
+        node_services.synced(family, snapshot, elapsed, full);
+    }
+    let times = trigger_times(objects, &changes.services, previous_sync);
+    for family in IpFamily::ALL {
+        let of_family: Vec<SystemTime> = times
+            .iter()
+            .filter(|(f, _)| *f == family)
+            .map(|(_, time)| *time)
+            .collect();
+        node_services.network_programmed(family, &of_family);
+    }
 }
 
 /// One sync: update the snapshot for the changed Services and apply what changed. Problems are
