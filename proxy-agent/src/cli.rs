@@ -19,12 +19,20 @@ pub enum LoggingFormat {
     Json,
 }
 
-/// An `ip:port` to serve on, or empty to serve nothing (kube-proxy's bind address flags).
-fn bind_address(value: &str) -> Result<Option<SocketAddr>, std::net::AddrParseError> {
-    if value.is_empty() {
-        return Ok(None);
+/// An `ip:port` to serve on, or nothing when the flag is empty (kube-proxy's bind address
+/// flags).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BindAddress(pub Option<SocketAddr>);
+
+impl std::str::FromStr for BindAddress {
+    type Err = std::net::AddrParseError;
+
+    fn from_str(value: &str) -> Result<Self, Self::Err> {
+        if value.is_empty() {
+            return Ok(Self(None));
+        }
+        value.parse().map(|addr| Self(Some(addr)))
     }
-    value.parse().map(Some)
 }
 
 #[derive(Debug, Parser)]
@@ -67,12 +75,12 @@ pub struct Args {
 
     /// Where the proxy health server (`/healthz`, `/livez`) listens; empty: disabled.
     // node-services: added here until the config rework lands (then read from there).
-    #[arg(long, value_name = "IP:PORT", default_value = "0.0.0.0:10256", value_parser = bind_address)]
-    pub healthz_bind_address: Option<SocketAddr>,
+    #[arg(long, value_name = "IP:PORT", default_value = "0.0.0.0:10256")]
+    pub healthz_bind_address: BindAddress,
 
     /// Where the metrics server (`/metrics`, `/proxyMode`) listens; empty: disabled.
-    #[arg(long, value_name = "IP:PORT", default_value = "127.0.0.1:10249", value_parser = bind_address)]
-    pub metrics_bind_address: Option<SocketAddr>,
+    #[arg(long, value_name = "IP:PORT", default_value = "127.0.0.1:10249")]
+    pub metrics_bind_address: BindAddress,
 
     /// Log line format: `text` or `json`.
     #[arg(long, value_enum, default_value = "text")]
@@ -81,4 +89,47 @@ pub struct Args {
     /// Log more (-v: debug, -vv: trace). RUST_LOG overrides it.
     #[arg(short, long, action = clap::ArgAction::Count)]
     pub verbose: u8,
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::CommandFactory as _;
+
+    use super::*;
+
+    #[test]
+    fn flags_are_consistent() {
+        Args::command().debug_assert();
+    }
+
+    #[test]
+    fn node_service_flags() {
+        let args = Args::try_parse_from(["proxy-agent"]).unwrap();
+        assert_eq!(
+            args.healthz_bind_address.0,
+            Some("0.0.0.0:10256".parse().unwrap())
+        );
+        assert_eq!(
+            args.metrics_bind_address.0,
+            Some("127.0.0.1:10249".parse().unwrap())
+        );
+        assert_eq!(args.logging_format, LoggingFormat::Text);
+        let args = Args::try_parse_from([
+            "proxy-agent",
+            "--healthz-bind-address",
+            "",
+            "--metrics-bind-address",
+            "[::1]:9999",
+            "--logging-format",
+            "json",
+        ])
+        .unwrap();
+        assert_eq!(args.healthz_bind_address.0, None);
+        assert_eq!(
+            args.metrics_bind_address.0,
+            Some("[::1]:9999".parse().unwrap())
+        );
+        assert_eq!(args.logging_format, LoggingFormat::Json);
+        assert!(Args::try_parse_from(["proxy-agent", "--healthz-bind-address", "10256"]).is_err());
+    }
 }

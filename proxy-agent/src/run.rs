@@ -55,8 +55,8 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
 
     // node-services: /healthz /livez, health check node ports, /metrics /proxyMode.
     let node_services = NodeServices::start(&NodeServicesConfig {
-        healthz_bind_address: args.healthz_bind_address,
-        metrics_bind_address: args.metrics_bind_address,
+        healthz_bind_address: args.healthz_bind_address.0,
+        metrics_bind_address: args.metrics_bind_address.0,
         ..NodeServicesConfig::new(&node.name, args.proxy_mode, EBPF_RUNNER.max_interval)
     });
     for family in IpFamily::ALL {
