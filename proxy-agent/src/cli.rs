@@ -234,6 +234,15 @@ pub struct Args {
           default_missing_value = "2", help_heading = "kube-proxy flags")]
     pub verbosity: Option<String>,
 
+    /// Log format: 'text' (default) or 'json'. [logging.format]
+    #[arg(
+        long,
+        value_enum,
+        default_value = "text",
+        help_heading = "kube-proxy flags"
+    )]
+    pub logging_format: LoggingFormat,
+
     // ----- our additions -----
     /// Standalone mode: read Service, EndpointSlice and Node objects from the multi-document
     /// YAML files (*.yaml, *.yml) in DIR, re-read on change.
@@ -276,4 +285,12 @@ pub struct Args {
         help_heading = "kubeproxy-rs additions"
     )]
     pub interfaces: Option<Vec<String>>,
+}
+
+/// `--logging-format`.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum LoggingFormat {
+    #[default]
+    Text,
+    Json,
 }

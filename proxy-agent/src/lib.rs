@@ -6,6 +6,7 @@ pub mod config;
 pub mod conntrack;
 pub mod dataplane;
 pub mod desired;
+pub mod node_services;
 pub mod objects;
 pub mod run;
 pub mod source;

@@ -26,11 +26,18 @@ async fn main() -> ExitCode {
     // RUST_LOG, when set, wins over -v / logging.verbosity.
     let filter = EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| EnvFilter::new(config.log_level().to_string()));
-    tracing_subscriber::fmt()
+    // The first reading fixes the origin of the ` m=+…` monotonic times in the health bodies.
+    proxy_agent::node_services::time_format::process_start();
+    let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::stderr().is_terminal())
-        .init();
+        .with_writer(std::io::stderr);
+    let json =
+        args.logging_format == cli::LoggingFormat::Json || loaded.document.logging.format == "json";
+    if json {
+        builder.json().init();
+    } else {
+        builder.with_ansi(std::io::stderr().is_terminal()).init();
+    }
     for notice in &loaded.notices {
         match notice {
             config::Notice::Info(message) => info!("{message}"),

@@ -1,6 +1,10 @@
 //! The agent's main loop: source → store → desired state → dataplane, until a signal stops it.
 
-use std::{collections::BTreeSet, path::PathBuf, time::Duration};
+use std::{
+    collections::BTreeSet,
+    path::PathBuf,
+    time::{Duration, SystemTime},
+};
 
 use anyhow::{Context as _, bail};
 use tokio::{
@@ -16,8 +20,9 @@ use crate::{
         ebpf::{self, EbpfDataplane, EbpfOptions},
         iptables::{self, DetectLocalMode, IptablesConfig, IptablesDataplane},
     },
-    desired::{NodeContext, ServicePortName, Snapshot},
-    objects::{Kind, Objects, Store},
+    desired::{IpFamily, NodeContext, ServicePortName, Snapshot},
+    node_services::{NodeServices, NodeServicesConfig, trigger_times},
+    objects::{Changes, Kind, Objects, Store},
     source::{self, kubernetes::ClientOptions},
     sync_runner::{RunnerConfig, SyncReason, SyncRunner},
 };
@@ -68,9 +73,21 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
             .await?,
         ),
     };
-    info!(node = %node.name, mode = ?config.mode, source = source.name(), "starting proxy-agent");
+    let source_name = source.name();
+    info!(node = %node.name, mode = ?config.mode, source = source_name, "starting proxy-agent");
 
     let mut dataplane = Dataplane::start(&config)?;
+    // /healthz /livez, health check node ports, /metrics /proxyMode — for the mode actually
+    // running (after a fallback, iptables).
+    let node_services = NodeServices::start(&NodeServicesConfig {
+        healthz_bind_address: config.healthz_bind_address,
+        metrics_bind_address: config.metrics_bind_address,
+        ..NodeServicesConfig::new(&node.name, dataplane.mode(), config.sync_period)
+    });
+    for family in IpFamily::ALL {
+        node_services.loop_started(family);
+    }
+    let mut last_sync_wall = SystemTime::UNIX_EPOCH;
     let (tx, mut rx) = mpsc::channel(64);
     let mut store = Store::default();
     let source_task = match source {
@@ -107,7 +124,7 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
         tokio::select! {
             update = rx.recv() => {
                 let Some(update) = update else {
-                    break Err(anyhow::anyhow!("the {} source stopped", dataplane.name()));
+                    break Err(anyhow::anyhow!("the {source_name} source stopped"));
                 };
                 let mut changed = store.apply(update);
                 // Drain what is already queued so a burst becomes one sync.
@@ -116,6 +133,9 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
                 }
                 if changed || (store.is_synced() && !synced_once) {
                     runner.request();
+                    for family in IpFamily::ALL {
+                        node_services.queued(family);
+                    }
                 }
             }
             () = tokio::time::sleep_until(wake) => {
@@ -131,15 +151,33 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
                 let changes = store.take_changes();
                 // The first sync and a node change recompute every Service.
                 let all_services = !synced_once || changes.node;
+                if all_services {
+                    // The node decides /healthz's nodeEligible.
+                    node_services.node_changed(store.objects().node.as_ref());
+                }
                 synced_once = true;
                 let scope = (!all_services).then_some(&changes.services);
                 let update_started = Instant::now();
+                let started_wall = SystemTime::now();
                 let update = snapshot.update(store.objects(), &node.name, scope);
                 for error in &update.new_errors {
                     warn!("{error}");
                 }
                 let changed = (!all_services).then_some(&update.changed);
                 let ok = dataplane.apply(&snapshot, changed, reason);
+                if ok {
+                    let full = all_services || reason == SyncReason::Periodic;
+                    report_sync(&node_services, store.objects(), &changes, &snapshot,
+                        update_started.elapsed(), full, last_sync_wall);
+                    last_sync_wall = started_wall;
+                }
+                if let (Some(ebpf), Dataplane::Ebpf(dataplane)) =
+                    (node_services.metrics().ebpf(), &dataplane)
+                {
+                    let counters: Vec<(&'static str, u64)> =
+                        dataplane.stats().into_iter().map(|(c, v)| (c.name(), v)).collect();
+                    ebpf.datapath_counters(&counters);
+                }
                 if ok && !other_mode_removed {
                     dataplane.remove_other_mode(&config);
                     other_mode_removed = true;
@@ -161,7 +199,33 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
         Err(error) => error!(%error, "shutting down"),
     }
     dataplane.shutdown();
+    node_services.shutdown();
     outcome.map(|_| ())
+}
+
+/// Health timestamps, sync metrics, health check node ports and network programming latency
+/// after a successful sync of both families.
+fn report_sync(
+    node_services: &NodeServices,
+    objects: &Objects,
+    changes: &Changes,
+    snapshot: &Snapshot,
+    elapsed: Duration,
+    full: bool,
+    previous_sync: SystemTime,
+) {
+    for family in IpFamily::ALL {
+        node_services.synced(family, snapshot, elapsed, full);
+    }
+    let times = trigger_times(objects, &changes.services, previous_sync);
+    for family in IpFamily::ALL {
+        let of_family: Vec<SystemTime> = times
+            .iter()
+            .filter(|(f, _)| *f == family)
+            .map(|(_, time)| *time)
+            .collect();
+        node_services.network_programmed(family, &of_family);
+    }
 }
 
 fn log_snapshot_size(objects: &Objects, snapshot: &Snapshot) {
@@ -234,10 +298,10 @@ impl Dataplane {
         }
     }
 
-    fn name(&self) -> &'static str {
+    fn mode(&self) -> ProxyMode {
         match self {
-            Dataplane::Ebpf(_) => "ebpf",
-            Dataplane::Iptables(_) => "iptables",
+            Dataplane::Ebpf(_) => ProxyMode::Ebpf,
+            Dataplane::Iptables(_) => ProxyMode::Iptables,
         }
     }
 

@@ -1,0 +1,714 @@
+//! kube-proxy's metrics (`pkg/proxy/metrics`, subsystem `kubeproxy`) and ours (`kubeproxy_ebpf_`),
+//! in one prometheus-client registry served on `--metrics-bind-address` with `/metrics`,
+//! `/proxyMode` and `/healthz`, as kube-proxy's metrics server does.
+//!
+//! Names, types, labels, buckets and help strings follow kube-proxy. Help strings carry the
+//! `[ALPHA] ` prefix that Kubernetes' component-base adds to every ALPHA metric. The exposition
+//! is OpenMetrics text (prometheus-client's format): a counter's `# TYPE` line names the family
+//! without `_total`, its samples carry the `_total` name kube-proxy exposes.
+//!
+//! Like kube-proxy's `RegisterMetrics(mode)`, the iptables-only metrics exist only in iptables
+//! mode (fed through [`IptablesMetrics`]), and ours only in eBPF mode (fed through
+//! [`EbpfMetrics`]).
+
+use std::{
+    collections::BTreeMap,
+    sync::{
+        Arc, Mutex, PoisonError,
+        atomic::{AtomicU64, Ordering},
+    },
+    time::{Duration, SystemTime},
+};
+
+use axum::{
+    Router,
+    body::Body,
+    extract::State,
+    http::{Response, StatusCode},
+    routing::any,
+};
+use prometheus_client::{
+    collector::Collector,
+    encoding::{DescriptorEncoder, EncodeLabelSet, text::encode},
+    metrics::{
+        counter::Counter,
+        family::Family,
+        gauge::Gauge,
+        histogram::{Histogram, exponential_buckets},
+    },
+    registry::{Metric, Registry},
+};
+use tracing::warn;
+
+use super::http::{go_not_found, response};
+use crate::{
+    config::ProxyMode,
+    desired::{FamilySnapshot, IpFamily},
+};
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct FamilyLabel {
+    ip_family: &'static str,
+}
+
+impl FamilyLabel {
+    fn of(family: IpFamily) -> Self {
+        Self {
+            ip_family: family.as_k8s(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct CodeLabel {
+    code: &'static str,
+}
+
+// Fields in alphabetical order: Go's client sorts label names, and so the exposition matches.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct PolicyLabel {
+    ip_family: &'static str,
+    traffic_policy: &'static str,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct TableLabel {
+    ip_family: &'static str,
+    table: &'static str,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct MapLabel {
+    map: &'static str,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct ReasonLabel {
+    reason: &'static str,
+}
+
+type FloatGauge = Gauge<f64, AtomicU64>;
+type HistogramFamily<L> = Family<L, Histogram, fn() -> Histogram>;
+
+/// `ExponentialBuckets(0.001, 2, 15)`: 1 ms … 16.384 s, kube-proxy's sync duration buckets.
+fn sync_duration_histogram() -> Histogram {
+    Histogram::new(exponential_buckets(0.001, 2.0, 15))
+}
+
+/// kube-proxy's network programming buckets: component-base's `MergeBuckets` starts with a 0
+/// bucket, then 0.25, 0.5, 1…59 by 1, 60…115 by 5, 120…300 by 30 (seconds).
+pub fn network_programming_buckets() -> Vec<f64> {
+    let mut buckets = vec![0.0, 0.25, 0.5];
+    buckets.extend((1..=59).map(f64::from));
+    buckets.extend((0..12).map(|i| 60.0 + 5.0 * f64::from(i)));
+    buckets.extend((0..7).map(|i| 120.0 + 30.0 * f64::from(i)));
+    buckets
+}
+
+fn network_programming_histogram() -> Histogram {
+    Histogram::new(network_programming_buckets())
+}
+
+fn seconds_since_epoch(time: SystemTime) -> f64 {
+    time.duration_since(SystemTime::UNIX_EPOCH)
+        .map(|d| d.as_secs_f64())
+        .unwrap_or(0.0)
+}
+
+/// Metrics with their help text exactly as given: `Registry::register` appends a period, which
+/// would make every help line differ from kube-proxy's.
+#[derive(Debug, Default)]
+struct Described {
+    metrics: Vec<(&'static str, String, Box<dyn Metric>)>,
+}
+
+impl Described {
+    fn add(&mut self, name: &'static str, help: impl Into<String>, metric: impl Metric) {
+        self.metrics.push((name, help.into(), Box::new(metric)));
+    }
+}
+
+impl Collector for Described {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        for (name, help, metric) in &self.metrics {
+            // Like Go's client: a labelled metric without any series is not shown at all.
+            if metric.is_empty() {
+                continue;
+            }
+            let metric_encoder =
+                encoder.encode_descriptor(name, help, None, metric.metric_type())?;
+            metric.encode(metric_encoder)?;
+        }
+        Ok(())
+    }
+}
+
+/// The agent's metrics. Cheap to share (`Arc`); every method takes `&self`.
+#[derive(Debug)]
+pub struct Metrics {
+    registry: Registry,
+    mode: ProxyMode,
+    sync_duration: HistogramFamily<FamilyLabel>,
+    sync_last_timestamp: Family<FamilyLabel, FloatGauge>,
+    sync_last_queued_timestamp: Family<FamilyLabel, FloatGauge>,
+    network_programming: HistogramFamily<FamilyLabel>,
+    endpoint_changes_pending: Gauge,
+    endpoint_changes_total: Counter,
+    service_changes_pending: Gauge,
+    service_changes_total: Counter,
+    no_local_endpoints: Family<PolicyLabel, Gauge>,
+    healthz_total: Family<CodeLabel, Counter>,
+    livez_total: Family<CodeLabel, Counter>,
+    conntrack_deleted: Family<FamilyLabel, Counter>,
+    conntrack_sync_duration: HistogramFamily<FamilyLabel>,
+    iptables: Option<IptablesMetrics>,
+    ebpf: Option<EbpfMetrics>,
+}
+
+const ALPHA: &str = "[ALPHA] ";
+
+fn alpha(help: &str) -> String {
+    format!("{ALPHA}{help}")
+}
+
+impl Metrics {
+    pub fn new(mode: ProxyMode) -> Self {
+        let mut described = Described::default();
+        let sync_duration =
+            HistogramFamily::new_with_constructor(sync_duration_histogram as fn() -> Histogram);
+        let sync_last_timestamp = Family::default();
+        let sync_last_queued_timestamp = Family::default();
+        let network_programming = HistogramFamily::new_with_constructor(
+            network_programming_histogram as fn() -> Histogram,
+        );
+        let endpoint_changes_pending = Gauge::default();
+        let endpoint_changes_total = Counter::default();
+        let service_changes_pending = Gauge::default();
+        let service_changes_total = Counter::default();
+        let no_local_endpoints = Family::default();
+        let healthz_total = Family::default();
+        let livez_total = Family::default();
+        let conntrack_deleted = Family::default();
+        let conntrack_sync_duration =
+            HistogramFamily::new_with_constructor(sync_duration_histogram as fn() -> Histogram);
+
+        described.add(
+            "kubeproxy_sync_proxy_rules_duration_seconds",
+            alpha("SyncProxyRules latency in seconds"),
+            sync_duration.clone(),
+        );
+        described.add(
+            "kubeproxy_sync_proxy_rules_last_timestamp_seconds",
+            alpha("The last time proxy rules were successfully synced"),
+            sync_last_timestamp.clone(),
+        );
+        described.add(
+            "kubeproxy_sync_proxy_rules_last_queued_timestamp_seconds",
+            alpha("The last time a sync of proxy rules was queued"),
+            sync_last_queued_timestamp.clone(),
+        );
+        described.add(
+            "kubeproxy_network_programming_duration_seconds",
+            alpha("In Cluster Network Programming Latency in seconds"),
+            network_programming.clone(),
+        );
+        described.add(
+            "kubeproxy_sync_proxy_rules_endpoint_changes_pending",
+            alpha("Pending proxy rules Endpoint changes"),
+            endpoint_changes_pending.clone(),
+        );
+        described.add(
+            "kubeproxy_sync_proxy_rules_endpoint_changes",
+            alpha("Cumulative proxy rules Endpoint changes"),
+            endpoint_changes_total.clone(),
+        );
+        described.add(
+            "kubeproxy_sync_proxy_rules_service_changes_pending",
+            alpha("Pending proxy rules Service changes"),
+            service_changes_pending.clone(),
+        );
+        described.add(
+            "kubeproxy_sync_proxy_rules_service_changes",
+            alpha("Cumulative proxy rules Service changes"),
+            service_changes_total.clone(),
+        );
+        described.add(
+            // A gauge despite the name (kube-proxy's choice).
+            "kubeproxy_sync_proxy_rules_no_local_endpoints_total",
+            alpha("Number of services with a Local traffic policy and no endpoints"),
+            no_local_endpoints.clone(),
+        );
+        described.add(
+            "kubeproxy_proxy_healthz",
+            alpha("Cumulative proxy healthz HTTP status"),
+            healthz_total.clone(),
+        );
+        described.add(
+            "kubeproxy_proxy_livez",
+            alpha("Cumulative proxy livez HTTP status"),
+            livez_total.clone(),
+        );
+        described.add(
+            "kubeproxy_conntrack_reconciler_deleted_entries",
+            alpha("Cumulative conntrack flows deleted by conntrack reconciler"),
+            conntrack_deleted.clone(),
+        );
+        described.add(
+            "kubeproxy_conntrack_reconciler_sync_duration_seconds",
+            alpha("ReconcileConntrackFlowsLatency latency in seconds"),
+            conntrack_sync_duration.clone(),
+        );
+        let iptables =
+            (mode == ProxyMode::Iptables).then(|| IptablesMetrics::register(&mut described));
+        let ebpf = (mode == ProxyMode::Ebpf).then(|| EbpfMetrics::register(&mut described));
+        let mut registry = Registry::default();
+        registry.register_collector(Box::new(described));
+        Self {
+            registry,
+            mode,
+            sync_duration,
+            sync_last_timestamp,
+            sync_last_queued_timestamp,
+            network_programming,
+            endpoint_changes_pending,
+            endpoint_changes_total,
+            service_changes_pending,
+            service_changes_total,
+            no_local_endpoints,
+            healthz_total,
+            livez_total,
+            conntrack_deleted,
+            conntrack_sync_duration,
+            iptables,
+            ebpf,
+        }
+    }
+
+    pub fn mode(&self) -> ProxyMode {
+        self.mode
+    }
+
+    /// The iptables dataplane's metrics (`None` in eBPF mode).
+    pub fn iptables(&self) -> Option<&IptablesMetrics> {
+        self.iptables.as_ref()
+    }
+
+    /// The eBPF dataplane's metrics (`None` in iptables mode).
+    pub fn ebpf(&self) -> Option<&EbpfMetrics> {
+        self.ebpf.as_ref()
+    }
+
+    /// The exposition text (OpenMetrics).
+    pub fn encode(&self) -> String {
+        let mut out = String::new();
+        if let Err(error) = encode(&mut out, &self.registry) {
+            // Only a formatter error, which writing to a String never produces.
+            warn!(%error, "cannot encode the metrics");
+        }
+        out
+    }
+
+    /// A sync was requested (kube-proxy's `Sync()` and the start of `SyncLoop`).
+    pub fn sync_queued(&self, family: IpFamily, now: SystemTime) {
+        self.sync_last_queued_timestamp
+            .get_or_create(&FamilyLabel::of(family))
+            .set(seconds_since_epoch(now));
+    }
+
+    /// A sync of one family succeeded after `duration`.
+    pub fn sync_succeeded(&self, family: IpFamily, duration: Duration, now: SystemTime) {
+        self.sync_duration
+            .get_or_create(&FamilyLabel::of(family))
+            .observe(duration.as_secs_f64());
+        self.sync_last_timestamp
+            .get_or_create(&FamilyLabel::of(family))
+            .set(seconds_since_epoch(now));
+    }
+
+    /// Network programming latency: after a successful sync, one observation per changed
+    /// EndpointSlice that had a `last-change-trigger-time` (later than the agent's start, which
+    /// the caller checks as kube-proxy's change tracker does).
+    pub fn network_programmed(
+        &self,
+        family: IpFamily,
+        trigger_times: &[SystemTime],
+        now: SystemTime,
+    ) {
+        let histogram = self
+            .network_programming
+            .get_or_create(&FamilyLabel::of(family));
+        for trigger in trigger_times {
+            let latency = now.duration_since(*trigger).unwrap_or_default();
+            histogram.observe(latency.as_secs_f64());
+        }
+    }
+
+    /// Change tracking: `seen_*` changes arrived since the last call, `pending_*` are not yet
+    /// synced.
+    pub fn changes(
+        &self,
+        seen_services: u64,
+        seen_slices: u64,
+        pending_services: usize,
+        pending_slices: usize,
+    ) {
+        self.service_changes_total.inc_by(seen_services);
+        self.endpoint_changes_total.inc_by(seen_slices);
+        self.service_changes_pending
+            .set(i64::try_from(pending_services).unwrap_or(i64::MAX));
+        self.endpoint_changes_pending
+            .set(i64::try_from(pending_slices).unwrap_or(i64::MAX));
+    }
+
+    /// `kubeproxy_sync_proxy_rules_no_local_endpoints_total` for one family, recounted from the
+    /// synced snapshot.
+    pub fn set_no_local_endpoints(&self, family: IpFamily, snapshot: &FamilySnapshot) {
+        let counts = no_local_endpoints(snapshot);
+        for (policy, count) in [("internal", counts.internal), ("external", counts.external)] {
+            self.no_local_endpoints
+                .get_or_create(&PolicyLabel {
+                    ip_family: family.as_k8s(),
+                    traffic_policy: policy,
+                })
+                .set(i64::try_from(count).unwrap_or(i64::MAX));
+        }
+    }
+
+    pub(crate) fn healthz_answered(&self, status: StatusCode) {
+        self.healthz_total
+            .get_or_create(&CodeLabel {
+                code: code_label(status),
+            })
+            .inc();
+    }
+
+    pub(crate) fn livez_answered(&self, status: StatusCode) {
+        self.livez_total
+            .get_or_create(&CodeLabel {
+                code: code_label(status),
+            })
+            .inc();
+    }
+
+    /// One conntrack reconcile of one family (fed by the conntrack cleanup, later).
+    pub fn conntrack_reconciled(&self, family: IpFamily, duration: Duration, deleted: u64) {
+        self.conntrack_sync_duration
+            .get_or_create(&FamilyLabel::of(family))
+            .observe(duration.as_secs_f64());
+        self.conntrack_deleted
+            .get_or_create(&FamilyLabel::of(family))
+            .inc_by(deleted);
+    }
+}
+
+fn code_label(status: StatusCode) -> &'static str {
+    if status == StatusCode::OK {
+        "200"
+    } else {
+        "503"
+    }
+}
+
+/// Counts of service ports whose Local policy leaves them without endpoints on this node.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct NoLocalEndpoints {
+    pub internal: usize,
+    pub external: usize,
+}
+
+/// kube-proxy's rule: a service port counts when it has usable endpoints somewhere in the
+/// cluster, uses Local policy for that kind of traffic, and has no local endpoint (a service
+/// without any endpoint is not counted: it is rejected, not black-holed by policy).
+pub fn no_local_endpoints(snapshot: &FamilySnapshot) -> NoLocalEndpoints {
+    let mut counts = NoLocalEndpoints::default();
+    for port in snapshot.service_ports.values() {
+        if !port.has_any_endpoints || port.local_endpoints().next().is_some() {
+            continue;
+        }
+        if port.internal_policy_local {
+            counts.internal += 1;
+        }
+        // `external_policy_local` is only set for externally accessible services.
+        if port.external_policy_local {
+            counts.external += 1;
+        }
+    }
+    counts
+}
+
+/// What only the iptables dataplane reports.
+#[derive(Debug)]
+pub struct IptablesMetrics {
+    sync_full_duration: HistogramFamily<FamilyLabel>,
+    sync_partial_duration: HistogramFamily<FamilyLabel>,
+    restore_failures: Family<FamilyLabel, Counter>,
+    partial_restore_failures: Family<FamilyLabel, Counter>,
+    rules_total: Family<TableLabel, Gauge>,
+    rules_last: Family<TableLabel, Gauge>,
+    ct_state_invalid_dropped: NfacctCounter,
+    localhost_nodeports_accepted: NfacctCounter,
+}
+
+/// One of the iptables tables kube-proxy counts rules in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum IptablesTable {
+    Filter,
+    Nat,
+}
+
+impl IptablesTable {
+    fn label(self) -> &'static str {
+        match self {
+            IptablesTable::Filter => "filter",
+            IptablesTable::Nat => "nat",
+        }
+    }
+}
+
+impl IptablesMetrics {
+    fn register(described: &mut Described) -> Self {
+        let this = Self {
+            sync_full_duration: HistogramFamily::new_with_constructor(
+                sync_duration_histogram as fn() -> Histogram,
+            ),
+            sync_partial_duration: HistogramFamily::new_with_constructor(
+                sync_duration_histogram as fn() -> Histogram,
+            ),
+            restore_failures: Family::default(),
+            partial_restore_failures: Family::default(),
+            rules_total: Family::default(),
+            rules_last: Family::default(),
+            ct_state_invalid_dropped: NfacctCounter::default(),
+            localhost_nodeports_accepted: NfacctCounter::default(),
+        };
+        described.add(
+            "kubeproxy_sync_full_proxy_rules_duration_seconds",
+            alpha("SyncProxyRules latency in seconds for full resyncs"),
+            this.sync_full_duration.clone(),
+        );
+        described.add(
+            "kubeproxy_sync_partial_proxy_rules_duration_seconds",
+            alpha("SyncProxyRules latency in seconds for partial resyncs"),
+            this.sync_partial_duration.clone(),
+        );
+        described.add(
+            "kubeproxy_sync_proxy_rules_iptables_restore_failures",
+            alpha("Cumulative proxy iptables restore failures"),
+            this.restore_failures.clone(),
+        );
+        described.add(
+            "kubeproxy_sync_proxy_rules_iptables_partial_restore_failures",
+            alpha("Cumulative proxy iptables partial restore failures"),
+            this.partial_restore_failures.clone(),
+        );
+        described.add(
+            "kubeproxy_sync_proxy_rules_iptables_total",
+            alpha("Total number of iptables rules owned by kube-proxy"),
+            this.rules_total.clone(),
+        );
+        described.add(
+            "kubeproxy_sync_proxy_rules_iptables_last",
+            alpha("Number of iptables rules written by kube-proxy in last sync"),
+            this.rules_last.clone(),
+        );
+        described.add(
+            "kubeproxy_iptables_ct_state_invalid_dropped_packets",
+            alpha("packets dropped by iptables to work around conntrack problems"),
+            this.ct_state_invalid_dropped.counter.clone(),
+        );
+        described.add(
+            "kubeproxy_iptables_localhost_nodeports_accepted_packets",
+            alpha("Number of packets accepted on nodeports of loopback interface"),
+            this.localhost_nodeports_accepted.counter.clone(),
+        );
+        this
+    }
+
+    /// A sync's duration into the full or partial histogram (the common one is fed by
+    /// [`Metrics::sync_succeeded`]).
+    pub fn sync_duration(&self, family: IpFamily, duration: Duration, full: bool) {
+        let histogram = if full {
+            &self.sync_full_duration
+        } else {
+            &self.sync_partial_duration
+        };
+        histogram
+            .get_or_create(&FamilyLabel::of(family))
+            .observe(duration.as_secs_f64());
+    }
+
+    /// An `iptables-restore` failed; `partial` when it was a partial sync (both counters count).
+    pub fn restore_failed(&self, family: IpFamily, partial: bool) {
+        self.restore_failures
+            .get_or_create(&FamilyLabel::of(family))
+            .inc();
+        if partial {
+            self.partial_restore_failures
+                .get_or_create(&FamilyLabel::of(family))
+                .inc();
+        }
+    }
+
+    /// Rule counts after a sync (`total`: owned; `last`: written by the last sync).
+    pub fn rules(&self, family: IpFamily, table: IptablesTable, total: u64, last: u64) {
+        let label = TableLabel {
+            ip_family: family.as_k8s(),
+            table: table.label(),
+        };
+        self.rules_total
+            .get_or_create(&label)
+            .set(i64::try_from(total).unwrap_or(i64::MAX));
+        self.rules_last
+            .get_or_create(&label)
+            .set(i64::try_from(last).unwrap_or(i64::MAX));
+    }
+
+    /// The nfacct counters `ct_state_invalid_dropped_pkts` and `localhost_nps_accepted_pkts`
+    /// as read now (packets).
+    pub fn nfacct(&self, ct_state_invalid_dropped: u64, localhost_nodeports_accepted: u64) {
+        self.ct_state_invalid_dropped
+            .observe(ct_state_invalid_dropped);
+        self.localhost_nodeports_accepted
+            .observe(localhost_nodeports_accepted);
+    }
+}
+
+/// A counter that follows an external cumulative value (an nfacct or per-CPU BPF counter): it
+/// advances by the increase since the last reading; when the source restarted from zero, by the
+/// new value.
+#[derive(Debug, Default)]
+struct NfacctCounter {
+    counter: Counter,
+    last: AtomicU64,
+}
+
+impl NfacctCounter {
+    fn observe(&self, value: u64) {
+        let previous = self.last.swap(value, Ordering::Relaxed);
+        self.counter.inc_by(source_increase(previous, value));
+    }
+}
+
+fn source_increase(previous: u64, value: u64) -> u64 {
+    if value >= previous {
+        value - previous
+    } else {
+        value
+    }
+}
+
+/// Our eBPF dataplane's metrics.
+#[derive(Debug)]
+pub struct EbpfMetrics {
+    map_entries: Family<MapLabel, Gauge>,
+    map_capacity: Family<MapLabel, Gauge>,
+    datapath: Family<ReasonLabel, Counter>,
+    datapath_last: Mutex<BTreeMap<&'static str, u64>>,
+    conntrack_entries: Gauge,
+    conntrack_gc_runs: Counter,
+}
+
+impl EbpfMetrics {
+    fn register(described: &mut Described) -> Self {
+        let this = Self {
+            map_entries: Family::default(),
+            map_capacity: Family::default(),
+            datapath: Family::default(),
+            datapath_last: Mutex::default(),
+            conntrack_entries: Gauge::default(),
+            conntrack_gc_runs: Counter::default(),
+        };
+        described.add(
+            "kubeproxy_ebpf_map_entries",
+            "Entries in a BPF map of the eBPF dataplane",
+            this.map_entries.clone(),
+        );
+        described.add(
+            "kubeproxy_ebpf_map_capacity",
+            "Maximum entries of a BPF map of the eBPF dataplane",
+            this.map_capacity.clone(),
+        );
+        described.add(
+            "kubeproxy_ebpf_datapath_events",
+            "Datapath events counted by the eBPF programs, by reason",
+            this.datapath.clone(),
+        );
+        described.add(
+            "kubeproxy_ebpf_conntrack_entries",
+            "Entries in the eBPF dataplane's connection tracking map",
+            this.conntrack_entries.clone(),
+        );
+        described.add(
+            "kubeproxy_ebpf_conntrack_gc_runs",
+            "Garbage collection runs over the eBPF dataplane's connection tracking map",
+            this.conntrack_gc_runs.clone(),
+        );
+        this
+    }
+
+    /// A map's fill level.
+    pub fn map_usage(&self, map: &'static str, entries: u64, capacity: u64) {
+        let label = MapLabel { map };
+        self.map_entries
+            .get_or_create(&label)
+            .set(i64::try_from(entries).unwrap_or(i64::MAX));
+        self.map_capacity
+            .get_or_create(&label)
+            .set(i64::try_from(capacity).unwrap_or(i64::MAX));
+    }
+
+    /// A reading of the per-CPU datapath counters (summed over CPUs, cumulative).
+    pub fn datapath_counters(&self, counters: &[(&'static str, u64)]) {
+        let mut last = self
+            .datapath_last
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        for &(reason, value) in counters {
+            let previous = last.insert(reason, value).unwrap_or(0);
+            self.datapath
+                .get_or_create(&ReasonLabel { reason })
+                .inc_by(source_increase(previous, value));
+        }
+    }
+
+    pub fn conntrack_entries(&self, entries: u64) {
+        self.conntrack_entries
+            .set(i64::try_from(entries).unwrap_or(i64::MAX));
+    }
+
+    pub fn conntrack_gc_run(&self) {
+        self.conntrack_gc_runs.inc();
+    }
+}
+
+/// `/metrics`, `/proxyMode` and `/healthz` (component-base's ping check, always `ok`); Go's 404
+/// for anything else.
+pub fn router(metrics: Arc<Metrics>) -> Router {
+    Router::new()
+        .route("/metrics", any(metrics_handler))
+        .route("/proxyMode", any(proxy_mode_handler))
+        .route("/healthz", any(ping_handler))
+        .route("/healthz/ping", any(ping_handler))
+        .fallback(go_not_found)
+        .with_state(metrics)
+}
+
+async fn metrics_handler(State(metrics): State<Arc<Metrics>>) -> Response<Body> {
+    response(
+        StatusCode::OK,
+        "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        metrics.encode(),
+    )
+}
+
+async fn proxy_mode_handler(State(metrics): State<Arc<Metrics>>) -> Response<Body> {
+    let mode = match metrics.mode() {
+        ProxyMode::Ebpf => "ebpf",
+        ProxyMode::Iptables => "iptables",
+    };
+    response(StatusCode::OK, "text/plain; charset=utf-8", mode.to_owned())
+}
+
+async fn ping_handler() -> Response<Body> {
+    response(StatusCode::OK, "text/plain; charset=utf-8", "ok".to_owned())
+}

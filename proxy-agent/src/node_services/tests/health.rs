@@ -1,0 +1,223 @@
+//! `/healthz` and `/livez` (reference §12.1).
+
+use std::time::Duration;
+
+use super::*;
+use crate::{
+    desired::IpFamily,
+    node_services::{
+        health::{healthz_body, livez_body, node_eligible},
+        time_format::GO_ZERO_TIME,
+    },
+};
+
+/// Every answer of the health server carries exactly these headers (plus Date and length).
+fn assert_json_headers(reply: &Reply) {
+    assert_eq!(reply.header("Content-Type"), Some("application/json"));
+    assert_eq!(reply.header("X-Content-Type-Options"), Some("nosniff"));
+    assert_eq!(
+        reply.header("Content-Length"),
+        Some(reply.body.len().to_string().as_str())
+    );
+    assert!(reply.header("Date").is_some());
+}
+
+/// Parses a body as JSON (as upstream's tests do) and checks the time fields have Go's format.
+fn parse(body: &str) -> serde_json::Value {
+    let value: serde_json::Value = serde_json::from_str(body).expect("JSON body");
+    for field in ["lastUpdated", "currentTime"] {
+        let text = value[field].as_str().expect(field);
+        assert!(
+            text == GO_ZERO_TIME || is_go_time_with_monotonic(text),
+            "{field}: {text}"
+        );
+    }
+    value
+}
+
+/// `YYYY-MM-DD hh:mm:ss[.fraction] +0000 UTC m=+S.NNNNNNNNN`
+fn is_go_time_with_monotonic(text: &str) -> bool {
+    let Some((wall, monotonic)) = text.split_once(" +0000 UTC m=+") else {
+        return false;
+    };
+    let (date, time) = wall.split_once(' ').unwrap_or_default();
+    let (secs, nanos) = monotonic.split_once('.').unwrap_or_default();
+    let (hms, fraction) = time.split_once('.').unwrap_or((time, "1"));
+    date.len() == 10
+        && date.as_bytes()[4] == b'-'
+        && hms.len() == 8
+        && !fraction.ends_with('0')
+        && secs.parse::<u64>().is_ok()
+        && nanos.len() == 9
+        && nanos.bytes().all(|b| b.is_ascii_digit())
+}
+
+#[tokio::test]
+async fn healthy_while_starting_up_and_bodies_byte_for_byte() {
+    let (services, clock) = start(ProxyMode::Ebpf);
+    let addr = services.healthz_addr().unwrap();
+    let now = clock.now().go_string();
+
+    let reply = get(addr, "/healthz").await;
+    assert_eq!(reply.status_line, "HTTP/1.1 200 OK");
+    assert_json_headers(&reply);
+    // Healthy: lastUpdated is reported as the current time.
+    assert_eq!(
+        reply.body,
+        format!(r#"{{"lastUpdated": "{now}","currentTime": "{now}", "nodeEligible": true}}"#)
+    );
+    assert_eq!(parse(&reply.body)["nodeEligible"], true);
+
+    let reply = get(addr, "/livez").await;
+    assert_eq!(reply.status(), 200);
+    assert_json_headers(&reply);
+    assert_eq!(
+        reply.body,
+        format!(r#"{{"lastUpdated": "{now}","currentTime": "{now}"}}"#)
+    );
+    parse(&reply.body);
+}
+
+#[tokio::test]
+async fn a_queued_update_older_than_the_timeout_is_unhealthy() {
+    let (services, clock) = start(ProxyMode::Ebpf);
+    let addr = services.healthz_addr().unwrap();
+    let snapshot = Snapshot::default();
+    services.loop_started(IpFamily::V4);
+    let updated = clock.now();
+    clock.advance(Duration::from_secs(5));
+    services.queued(IpFamily::V4);
+    clock.advance(TIMEOUT - Duration::from_millis(1));
+    assert_eq!(get(addr, "/healthz").await.status(), 200, "not late yet");
+
+    // A second change does not move the oldest pending one.
+    services.queued(IpFamily::V4);
+    clock.advance(Duration::from_millis(1));
+    let now = clock.now().go_string();
+    let reply = get(addr, "/healthz").await;
+    assert_eq!(reply.status_line, "HTTP/1.1 503 Service Unavailable");
+    assert_json_headers(&reply);
+    // Unhealthy: lastUpdated is the late family's last successful sync.
+    assert_eq!(reply.body, healthz_body(&updated.go_string(), &now, true),);
+    parse(&reply.body);
+    let reply = get(addr, "/livez").await;
+    assert_eq!(reply.status(), 503);
+    assert_eq!(reply.body, livez_body(&updated.go_string(), &now));
+
+    // Health check node ports see the same health.
+    assert!(!services.health().is_healthy());
+
+    services.synced(IpFamily::V4, &snapshot, Duration::from_millis(3), true);
+    assert_eq!(get(addr, "/healthz").await.status(), 200);
+    assert_eq!(get(addr, "/livez").await.status(), 200);
+
+    let text = services.metrics().encode();
+    assert!(
+        text.contains("kubeproxy_proxy_healthz_total{code=\"200\"} 2\n"),
+        "{text}"
+    );
+    assert!(
+        text.contains("kubeproxy_proxy_healthz_total{code=\"503\"} 1\n"),
+        "{text}"
+    );
+    assert!(
+        text.contains("kubeproxy_proxy_livez_total{code=\"200\"} 1\n"),
+        "{text}"
+    );
+    assert!(
+        text.contains("kubeproxy_proxy_livez_total{code=\"503\"} 1\n"),
+        "{text}"
+    );
+}
+
+#[tokio::test]
+async fn families_that_never_synced_do_not_count() {
+    let (services, clock) = start(ProxyMode::Ebpf);
+    services.queued(IpFamily::V6);
+    clock.advance(TIMEOUT * 2);
+    assert!(services.health().is_healthy());
+    // Once it has synced, a late update counts.
+    services.loop_started(IpFamily::V6);
+    services.queued(IpFamily::V6);
+    clock.advance(TIMEOUT);
+    assert!(!services.health().is_healthy());
+}
+
+const DELETING: &str = r#"
+kind: Node
+metadata: {name: test-node, deletionTimestamp: "2025-01-02T03:04:05Z"}
+"#;
+
+const AUTOSCALER_TAINT: &str = r#"
+kind: Node
+metadata: {name: test-node}
+spec:
+  taints:
+  - {key: ToBeDeletedByClusterAutoscaler, value: "1735787045", effect: NoSchedule}
+"#;
+
+const OTHER_TAINT: &str = r#"
+kind: Node
+metadata: {name: test-node}
+spec:
+  taints:
+  - {key: node.kubernetes.io/unschedulable, effect: NoSchedule}
+"#;
+
+fn node(yaml: &str) -> Node {
+    objects(yaml).node.expect("node")
+}
+
+#[tokio::test]
+async fn a_node_being_deleted_fails_healthz_but_not_livez() {
+    let (services, clock) = start(ProxyMode::Ebpf);
+    let addr = services.healthz_addr().unwrap();
+    for yaml in [DELETING, AUTOSCALER_TAINT] {
+        services.node_changed(Some(&node(yaml)));
+        let now = clock.now().go_string();
+        let reply = get(addr, "/healthz").await;
+        assert_eq!(reply.status(), 503);
+        // Not healthy, so lastUpdated is not replaced: no family synced yet, Go's zero time.
+        assert_eq!(reply.body, healthz_body(GO_ZERO_TIME, &now, false));
+        assert_eq!(parse(&reply.body)["nodeEligible"], false);
+        let reply = get(addr, "/livez").await;
+        assert_eq!(reply.status(), 200);
+        assert_eq!(reply.body, livez_body(&now, &now));
+        // Health check node ports ignore node eligibility.
+        assert!(services.health().is_healthy());
+    }
+    services.node_changed(Some(&node(OTHER_TAINT)));
+    assert_eq!(get(addr, "/healthz").await.status(), 200);
+    // An unknown node keeps what is known.
+    services.node_changed(Some(&node(DELETING)));
+    services.node_changed(None);
+    assert_eq!(get(addr, "/healthz").await.status(), 503);
+}
+
+#[test]
+fn eligibility_rules() {
+    assert!(!node_eligible(&node(DELETING)));
+    assert!(!node_eligible(&node(AUTOSCALER_TAINT)));
+    assert!(node_eligible(&node(OTHER_TAINT)));
+    assert!(node_eligible(&Node::default()));
+}
+
+#[tokio::test]
+async fn other_paths_are_go_404s_and_any_method_is_served() {
+    let (services, _clock) = start(ProxyMode::Ebpf);
+    let addr = services.healthz_addr().unwrap();
+    for path in ["/", "/metrics", "/healthz/extra", "/livezz"] {
+        let reply = get(addr, path).await;
+        assert_eq!(reply.status_line, "HTTP/1.1 404 Not Found", "{path}");
+        assert_eq!(reply.body, "404 page not found\n");
+        assert_eq!(
+            reply.header("Content-Type"),
+            Some("text/plain; charset=utf-8")
+        );
+        assert_eq!(reply.header("X-Content-Type-Options"), Some("nosniff"));
+    }
+    for method in ["POST", "HEAD", "DELETE"] {
+        let reply = request(addr, method, "/healthz").await;
+        assert_eq!(reply.status(), 200, "{method}");
+    }
+}

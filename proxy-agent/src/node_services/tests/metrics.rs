@@ -1,0 +1,592 @@
+//! `/metrics` and `/proxyMode` (reference §13, misc-vectors TestNoEndpointsMetric).
+
+use std::{collections::BTreeSet, time::SystemTime};
+
+use super::*;
+use crate::{
+    desired::IpFamily,
+    node_services::{
+        metrics::{IptablesTable, Metrics, network_programming_buckets, no_local_endpoints},
+        trigger_times,
+    },
+};
+
+/// `# TYPE` lines: family name → type.
+fn types(text: &str) -> BTreeMap<String, String> {
+    text.lines()
+        .filter_map(|line| line.strip_prefix("# TYPE "))
+        .filter_map(|rest| rest.split_once(' '))
+        .map(|(name, kind)| (name.to_owned(), kind.to_owned()))
+        .collect()
+}
+
+fn help(text: &str, family: &str) -> String {
+    let prefix = format!("# HELP {family} ");
+    text.lines()
+        .find_map(|line| line.strip_prefix(&prefix))
+        .unwrap_or_else(|| panic!("no HELP for {family}"))
+        .to_owned()
+}
+
+fn has_sample(text: &str, sample: &str) -> bool {
+    text.lines().any(|line| line.starts_with(sample))
+}
+
+/// Feeds every metric once, so every family has a series.
+fn feed(metrics: &Metrics) {
+    let now = SystemTime::now();
+    for family in IpFamily::ALL {
+        metrics.sync_queued(family, now);
+        metrics.sync_succeeded(family, Duration::from_millis(3), now);
+        metrics.network_programmed(family, &[now - Duration::from_secs(2)], now);
+        metrics.set_no_local_endpoints(family, &Default::default());
+        metrics.conntrack_reconciled(family, Duration::from_millis(1), 2);
+        if let Some(iptables) = metrics.iptables() {
+            iptables.sync_duration(family, Duration::from_millis(3), true);
+            iptables.sync_duration(family, Duration::from_millis(3), false);
+            iptables.restore_failed(family, true);
+            iptables.rules(family, IptablesTable::Filter, 4, 4);
+            iptables.rules(family, IptablesTable::Nat, 40, 7);
+        }
+    }
+    metrics.changes(3, 5, 1, 2);
+    metrics.healthz_answered(axum::http::StatusCode::OK);
+    metrics.livez_answered(axum::http::StatusCode::SERVICE_UNAVAILABLE);
+    if let Some(iptables) = metrics.iptables() {
+        iptables.nfacct(10, 20);
+    }
+    if let Some(ebpf) = metrics.ebpf() {
+        ebpf.map_usage("frontends", 3, 65536);
+        ebpf.datapath_counters(&[("translated", 7), ("rejected_no_backends", 1)]);
+        ebpf.conntrack_entries(9);
+        ebpf.conntrack_gc_run();
+    }
+}
+
+/// (sample name as kube-proxy exposes it, type, labels, help without the `[ALPHA] ` prefix)
+const BOTH_MODES: &[(&str, &str, &str, &str)] = &[
+    (
+        "kubeproxy_sync_proxy_rules_duration_seconds",
+        "histogram",
+        "ip_family",
+        "SyncProxyRules latency in seconds",
+    ),
+    (
+        "kubeproxy_sync_proxy_rules_last_timestamp_seconds",
+        "gauge",
+        "ip_family",
+        "The last time proxy rules were successfully synced",
+    ),
+    (
+        "kubeproxy_sync_proxy_rules_last_queued_timestamp_seconds",
+        "gauge",
+        "ip_family",
+        "The last time a sync of proxy rules was queued",
+    ),
+    (
+        "kubeproxy_network_programming_duration_seconds",
+        "histogram",
+        "ip_family",
+        "In Cluster Network Programming Latency in seconds",
+    ),
+    (
+        "kubeproxy_sync_proxy_rules_endpoint_changes_pending",
+        "gauge",
+        "",
+        "Pending proxy rules Endpoint changes",
+    ),
+    (
+        "kubeproxy_sync_proxy_rules_endpoint_changes_total",
+        "counter",
+        "",
+        "Cumulative proxy rules Endpoint changes",
+    ),
+    (
+        "kubeproxy_sync_proxy_rules_service_changes_pending",
+        "gauge",
+        "",
+        "Pending proxy rules Service changes",
+    ),
+    (
+        "kubeproxy_sync_proxy_rules_service_changes_total",
+        "counter",
+        "",
+        "Cumulative proxy rules Service changes",
+    ),
+    (
+        "kubeproxy_sync_proxy_rules_no_local_endpoints_total",
+        "gauge",
+        "ip_family,traffic_policy",
+        "Number of services with a Local traffic policy and no endpoints",
+    ),
+    (
+        "kubeproxy_proxy_healthz_total",
+        "counter",
+        "code",
+        "Cumulative proxy healthz HTTP status",
+    ),
+    (
+        "kubeproxy_proxy_livez_total",
+        "counter",
+        "code",
+        "Cumulative proxy livez HTTP status",
+    ),
+    (
+        "kubeproxy_conntrack_reconciler_deleted_entries_total",
+        "counter",
+        "ip_family",
+        "Cumulative conntrack flows deleted by conntrack reconciler",
+    ),
+    (
+        "kubeproxy_conntrack_reconciler_sync_duration_seconds",
+        "histogram",
+        "ip_family",
+        "ReconcileConntrackFlowsLatency latency in seconds",
+    ),
+];
+
+const IPTABLES_ONLY: &[(&str, &str, &str, &str)] = &[
+    (
+        "kubeproxy_sync_full_proxy_rules_duration_seconds",
+        "histogram",
+        "ip_family",
+        "SyncProxyRules latency in seconds for full resyncs",
+    ),
+    (
+        "kubeproxy_sync_partial_proxy_rules_duration_seconds",
+        "histogram",
+        "ip_family",
+        "SyncProxyRules latency in seconds for partial resyncs",
+    ),
+    (
+        "kubeproxy_sync_proxy_rules_iptables_restore_failures_total",
+        "counter",
+        "ip_family",
+        "Cumulative proxy iptables restore failures",
+    ),
+    (
+        "kubeproxy_sync_proxy_rules_iptables_partial_restore_failures_total",
+        "counter",
+        "ip_family",
+        "Cumulative proxy iptables partial restore failures",
+    ),
+    (
+        "kubeproxy_sync_proxy_rules_iptables_total",
+        "gauge",
+        "ip_family,table",
+        "Total number of iptables rules owned by kube-proxy",
+    ),
+    (
+        "kubeproxy_sync_proxy_rules_iptables_last",
+        "gauge",
+        "ip_family,table",
+        "Number of iptables rules written by kube-proxy in last sync",
+    ),
+    (
+        "kubeproxy_iptables_ct_state_invalid_dropped_packets_total",
+        "counter",
+        "",
+        "packets dropped by iptables to work around conntrack problems",
+    ),
+    (
+        "kubeproxy_iptables_localhost_nodeports_accepted_packets_total",
+        "counter",
+        "",
+        "Number of packets accepted on nodeports of loopback interface",
+    ),
+];
+
+const EBPF_ONLY: &[(&str, &str, &str)] = &[
+    ("kubeproxy_ebpf_map_entries", "gauge", "map"),
+    ("kubeproxy_ebpf_map_capacity", "gauge", "map"),
+    ("kubeproxy_ebpf_datapath_events_total", "counter", "reason"),
+    ("kubeproxy_ebpf_conntrack_entries", "gauge", ""),
+    ("kubeproxy_ebpf_conntrack_gc_runs_total", "counter", ""),
+];
+
+/// The OpenMetrics family name of a sample name (counters drop `_total`).
+fn family_name<'a>(sample: &'a str, kind: &str) -> &'a str {
+    if kind == "counter" {
+        sample.strip_suffix("_total").expect("counter named _total")
+    } else {
+        sample
+    }
+}
+
+/// The label names of the first sample of a family (`le` aside), sorted.
+fn label_names(text: &str, sample: &str, kind: &str) -> String {
+    let sample = if kind == "histogram" {
+        format!("{sample}_count")
+    } else {
+        sample.to_owned()
+    };
+    let line = text
+        .lines()
+        .find(|line| {
+            line.starts_with(&format!("{sample}{{")) || line.starts_with(&format!("{sample} "))
+        })
+        .unwrap_or_else(|| panic!("no sample {sample}"));
+    let labels: BTreeSet<&str> = line
+        .split_once('{')
+        .and_then(|(_, rest)| rest.split_once('}'))
+        .map(|(labels, _)| {
+            labels
+                .split(',')
+                .filter_map(|l| l.split_once('='))
+                .map(|(n, _)| n)
+                .collect()
+        })
+        .unwrap_or_default();
+    labels.into_iter().collect::<Vec<_>>().join(",")
+}
+
+fn check(text: &str, table: &[(&str, &str, &str, &str)]) {
+    let types = types(text);
+    for &(sample, kind, labels, help_text) in table {
+        let family = family_name(sample, kind);
+        assert_eq!(
+            types.get(family).map(String::as_str),
+            Some(kind),
+            "{sample}"
+        );
+        assert_eq!(
+            help(text, family),
+            format!("[ALPHA] {help_text}"),
+            "{sample}"
+        );
+        assert_eq!(label_names(text, sample, kind), labels, "{sample}");
+    }
+}
+
+#[test]
+fn ebpf_mode_exposes_the_common_and_ebpf_metrics() {
+    let metrics = Metrics::new(ProxyMode::Ebpf);
+    feed(&metrics);
+    let text = metrics.encode();
+    check(&text, BOTH_MODES);
+    let types = types(&text);
+    for (sample, kind, labels) in EBPF_ONLY {
+        assert_eq!(
+            types.get(family_name(sample, kind)).map(String::as_str),
+            Some(*kind)
+        );
+        assert_eq!(label_names(&text, sample, kind), *labels, "{sample}");
+    }
+    for (sample, kind, _, _) in IPTABLES_ONLY {
+        assert!(
+            !types.contains_key(family_name(sample, kind)),
+            "{sample} in ebpf mode"
+        );
+    }
+    assert!(has_sample(
+        &text,
+        "kubeproxy_ebpf_datapath_events_total{reason=\"translated\"} 7"
+    ));
+    assert!(has_sample(
+        &text,
+        "kubeproxy_ebpf_map_capacity{map=\"frontends\"} 65536"
+    ));
+    assert!(has_sample(
+        &text,
+        "kubeproxy_sync_proxy_rules_service_changes_total 3"
+    ));
+    assert!(has_sample(
+        &text,
+        "kubeproxy_sync_proxy_rules_endpoint_changes_pending 2"
+    ));
+    assert!(has_sample(
+        &text,
+        "kubeproxy_conntrack_reconciler_deleted_entries_total{ip_family=\"IPv6\"} 2"
+    ));
+    assert!(has_sample(
+        &text,
+        "kubeproxy_sync_proxy_rules_no_local_endpoints_total{ip_family=\"IPv4\",traffic_policy=\"internal\"} 0"
+    ));
+}
+
+#[test]
+fn iptables_mode_also_exposes_the_iptables_metrics() {
+    let metrics = Metrics::new(ProxyMode::Iptables);
+    feed(&metrics);
+    let text = metrics.encode();
+    check(&text, BOTH_MODES);
+    check(&text, IPTABLES_ONLY);
+    assert!(metrics.ebpf().is_none());
+    assert!(has_sample(
+        &text,
+        "kubeproxy_sync_proxy_rules_iptables_total{ip_family=\"IPv6\",table=\"nat\"} 40"
+    ));
+    assert!(has_sample(
+        &text,
+        "kubeproxy_iptables_localhost_nodeports_accepted_packets_total 20"
+    ));
+}
+
+#[test]
+fn buckets_are_kube_proxys() {
+    let metrics = Metrics::new(ProxyMode::Ebpf);
+    feed(&metrics);
+    let text = metrics.encode();
+    let bounds = |name: &str| -> Vec<String> {
+        text.lines()
+            .filter(|line| line.starts_with(&format!("{name}_bucket{{")) && line.contains("IPv4"))
+            .filter_map(|line| {
+                line.split("le=\"")
+                    .nth(1)?
+                    .split('"')
+                    .next()
+                    .map(str::to_owned)
+            })
+            .collect()
+    };
+    let sync: Vec<String> = (0..15)
+        .map(|i| format!("{}", 0.001 * f64::from(1 << i)))
+        .chain(["+Inf".to_owned()])
+        .collect();
+    assert_eq!(bounds("kubeproxy_sync_proxy_rules_duration_seconds"), sync);
+    let programming = network_programming_buckets();
+    assert_eq!(programming.len(), 81);
+    assert_eq!(programming[..5], [0.0, 0.25, 0.5, 1.0, 2.0]);
+    assert_eq!(programming[61..64], [59.0, 60.0, 65.0]);
+    assert_eq!(
+        programming[73..],
+        [115.0, 120.0, 150.0, 180.0, 210.0, 240.0, 270.0, 300.0]
+    );
+    assert_eq!(
+        bounds("kubeproxy_network_programming_duration_seconds").len(),
+        82
+    );
+    // The 2 s observation falls in the (1, 2] bucket.
+    assert!(
+        has_sample(
+            &text,
+            "kubeproxy_network_programming_duration_seconds_bucket{le=\"1.0\",ip_family=\"IPv4\"} 0"
+        ) || has_sample(
+            &text,
+            "kubeproxy_network_programming_duration_seconds_bucket{le=\"1\",ip_family=\"IPv4\"} 0"
+        )
+    );
+}
+
+/// misc-vectors TestNoEndpointsMetric, all seven cases.
+#[test]
+fn no_local_endpoints_vectors() {
+    type Case = (
+        &'static str,
+        Option<&'static str>,
+        Option<&'static str>,
+        &'static [(&'static str, &'static str)],
+        usize,
+        usize,
+    );
+    let local = &[
+        ("10.0.1.1", NODE),
+        ("10.0.1.2", "node1"),
+        ("10.0.1.3", "node2"),
+    ];
+    let remote = &[
+        ("10.0.1.1", "node0"),
+        ("10.0.1.2", "node1"),
+        ("10.0.1.3", "node2"),
+    ];
+    let cases: &[Case] = &[
+        (
+            "internalTrafficPolicy is set and there are local endpoints",
+            Some("Local"),
+            None,
+            local,
+            0,
+            0,
+        ),
+        (
+            "externalTrafficPolicy is set and there are local endpoints",
+            None,
+            Some("Local"),
+            local,
+            0,
+            0,
+        ),
+        (
+            "both policies are set and there are local endpoints",
+            Some("Local"),
+            Some("Local"),
+            local,
+            0,
+            0,
+        ),
+        (
+            "internalTrafficPolicy is set and there are no local endpoints",
+            Some("Local"),
+            None,
+            remote,
+            1,
+            0,
+        ),
+        (
+            "externalTrafficPolicy is set and there are no local endpoints",
+            None,
+            Some("Local"),
+            remote,
+            0,
+            1,
+        ),
+        (
+            "both policies are set and there are no local endpoints",
+            Some("Local"),
+            Some("Local"),
+            remote,
+            1,
+            1,
+        ),
+        (
+            "both policies are set and there are no endpoints at all",
+            Some("Local"),
+            Some("Local"),
+            &[],
+            0,
+            0,
+        ),
+    ];
+    for &(name, itp, etp, endpoints, internal, external) in cases {
+        let mut spec = String::from(
+            "clusterIP: 172.30.1.1\n  ports:\n  - {port: 80, protocol: TCP, nodePort: 123}\n",
+        );
+        if let Some(itp) = itp {
+            spec.push_str(&format!("  internalTrafficPolicy: {itp}\n"));
+        }
+        if let Some(etp) = etp {
+            spec.push_str(&format!(
+                "  type: NodePort\n  externalTrafficPolicy: {etp}\n"
+            ));
+        }
+        let mut yaml = format!(
+            "kind: Service\nmetadata: {{name: svc1, namespace: ns1}}\nspec:\n  {spec}---\nkind: EndpointSlice\nmetadata:\n  name: svc1-1\n  namespace: ns1\n  labels: {{kubernetes.io/service-name: svc1}}\naddressType: IPv4\nports:\n- {{name: \"\", port: 80, protocol: TCP}}\nendpoints:\n"
+        );
+        if endpoints.is_empty() {
+            yaml = yaml.replace("endpoints:\n", "endpoints: []\n");
+        }
+        for (ip, node) in endpoints {
+            yaml.push_str(&format!(
+                "- {{addresses: [{ip}], nodeName: {node}, conditions: {{ready: true}}}}\n"
+            ));
+        }
+        let counts = no_local_endpoints(&snapshot(&yaml).v4);
+        assert_eq!(
+            (counts.internal, counts.external),
+            (internal, external),
+            "{name}"
+        );
+
+        let metrics = Metrics::new(ProxyMode::Ebpf);
+        metrics.set_no_local_endpoints(IpFamily::V4, &snapshot(&yaml).v4);
+        let text = metrics.encode();
+        for (policy, value) in [("internal", internal), ("external", external)] {
+            let sample = format!(
+                "kubeproxy_sync_proxy_rules_no_local_endpoints_total{{ip_family=\"IPv4\",traffic_policy=\"{policy}\"}} {value}"
+            );
+            assert!(has_sample(&text, &sample), "{name}: {sample}\n{text}");
+        }
+    }
+}
+
+#[test]
+fn datapath_counters_follow_the_cumulative_readings() {
+    let metrics = Metrics::new(ProxyMode::Ebpf);
+    let ebpf = metrics.ebpf().unwrap();
+    ebpf.datapath_counters(&[("translated", 5)]);
+    ebpf.datapath_counters(&[("translated", 8)]);
+    assert!(has_sample(
+        &metrics.encode(),
+        "kubeproxy_ebpf_datapath_events_total{reason=\"translated\"} 8"
+    ));
+    // The maps were recreated: counting restarts from the new reading.
+    ebpf.datapath_counters(&[("translated", 2)]);
+    assert!(has_sample(
+        &metrics.encode(),
+        "kubeproxy_ebpf_datapath_events_total{reason=\"translated\"} 10"
+    ));
+}
+
+#[test]
+fn trigger_times_of_changed_slices() {
+    let yaml = r#"
+kind: Service
+metadata: {name: svc1, namespace: ns1}
+spec: {clusterIP: 172.30.1.1, ports: [{port: 80}]}
+---
+kind: EndpointSlice
+metadata:
+  name: svc1-new
+  namespace: ns1
+  labels: {kubernetes.io/service-name: svc1}
+  annotations: {endpoints.kubernetes.io/last-change-trigger-time: "2030-01-01T00:00:10Z"}
+addressType: IPv4
+endpoints: []
+---
+kind: EndpointSlice
+metadata:
+  name: svc1-old
+  namespace: ns1
+  labels: {kubernetes.io/service-name: svc1}
+  annotations: {endpoints.kubernetes.io/last-change-trigger-time: "2030-01-01T00:00:00Z"}
+addressType: IPv6
+endpoints: []
+"#;
+    let objects = objects(yaml);
+    let after = crate::node_services::time_format::parse_rfc3339("2030-01-01T00:00:05Z").unwrap();
+    let times = trigger_times(&objects, &BTreeSet::from([key("ns1", "svc1")]), after);
+    let expected =
+        crate::node_services::time_format::parse_rfc3339("2030-01-01T00:00:10Z").unwrap();
+    assert_eq!(times, vec![(IpFamily::V4, expected)]);
+}
+
+#[tokio::test]
+async fn metrics_server_serves_metrics_proxy_mode_and_healthz() {
+    let (services, _clock) = start(ProxyMode::Ebpf);
+    let addr = services.metrics_addr().unwrap();
+    services.synced(
+        IpFamily::V4,
+        &Snapshot::default(),
+        Duration::from_millis(2),
+        true,
+    );
+
+    let reply = get(addr, "/proxyMode").await;
+    assert_eq!(reply.status_line, "HTTP/1.1 200 OK");
+    assert_eq!(
+        reply.header("Content-Type"),
+        Some("text/plain; charset=utf-8")
+    );
+    assert_eq!(reply.header("X-Content-Type-Options"), Some("nosniff"));
+    assert_eq!(reply.body, "ebpf");
+
+    let reply = get(addr, "/metrics").await;
+    assert_eq!(reply.status(), 200);
+    assert_eq!(
+        reply.header("Content-Type"),
+        Some("application/openmetrics-text; version=1.0.0; charset=utf-8")
+    );
+    assert!(
+        reply
+            .body
+            .contains("# TYPE kubeproxy_sync_proxy_rules_duration_seconds histogram\n")
+    );
+    assert!(
+        reply
+            .body
+            .contains("kubeproxy_sync_proxy_rules_duration_seconds_count{ip_family=\"IPv4\"} 1\n")
+    );
+    assert!(reply.body.ends_with("# EOF\n"));
+
+    let reply = get(addr, "/healthz").await;
+    assert_eq!((reply.status(), reply.body.as_str()), (200, "ok"));
+    assert_eq!(get(addr, "/nope").await.status(), 404);
+
+    let (iptables, _clock) = start(ProxyMode::Iptables);
+    assert_eq!(
+        get(iptables.metrics_addr().unwrap(), "/proxyMode")
+            .await
+            .body,
+        "iptables"
+    );
+}
