@@ -16,12 +16,17 @@ use tracing::{debug, error, info, warn};
 
 use crate::{
     config::{Config, DetectLocal, NodePortAddresses, ProxyMode},
+    conntrack::{self, ConntrackSettings},
     dataplane::{
         ebpf::{self, EbpfDataplane, EbpfOptions},
         iptables::{self, DetectLocalMode, IptablesConfig, IptablesDataplane},
     },
-    desired::{IpFamily, NodeContext, ServicePortName, Snapshot},
-    node_services::{NodeServices, NodeServicesConfig, trigger_times},
+    desired::{IpFamily, NodeContext, Protocol, ServicePortName, Snapshot},
+    node_services::{
+        NodeServices, NodeServicesConfig,
+        metrics::{IptablesTable, Metrics},
+        trigger_times,
+    },
     objects::{Changes, Kind, Objects, Store},
     source::{self, kubernetes::ClientOptions},
     sync_runner::{RunnerConfig, SyncReason, SyncRunner},
@@ -76,6 +81,7 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     let source_name = source.name();
     info!(node = %node.name, mode = ?config.mode, source = source_name, "starting proxy-agent");
 
+    apply_process_settings(&config);
     let mut dataplane = Dataplane::start(&config)?;
     // /healthz /livez, health check node ports, /metrics /proxyMode — for the mode actually
     // running (after a fallback, iptables).
@@ -164,7 +170,7 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
                     warn!("{error}");
                 }
                 let changed = (!all_services).then_some(&update.changed);
-                let ok = dataplane.apply(&snapshot, changed, reason);
+                let ok = dataplane.apply(&snapshot, changed, reason, node_services.metrics());
                 if ok {
                     let full = all_services || reason == SyncReason::Periodic;
                     report_sync(&node_services, store.objects(), &changes, &snapshot,
@@ -333,6 +339,7 @@ impl Dataplane {
         snapshot: &Snapshot,
         changed: Option<&BTreeSet<ServicePortName>>,
         reason: SyncReason,
+        metrics: &Metrics,
     ) -> bool {
         let changed_count = changed.map_or(0, BTreeSet::len);
         match self {
@@ -376,19 +383,38 @@ impl Dataplane {
                 // The dataplane itself turns a partial sync into a full one when one is due
                 // (hourly, after a failure or a canary flush).
                 let mut ok = true;
-                for result in iptables.apply(snapshot, changed) {
+                let families: Vec<IpFamily> = iptables.families().collect();
+                for (family, result) in families.into_iter().zip(iptables.apply(snapshot, changed))
+                {
                     match result {
-                        Ok(report) => info!(
-                            family = report.family.as_k8s(),
-                            full = report.full,
-                            changed = changed_count,
-                            filter_rules = report.filter_rules,
-                            nat_rules = report.nat_rules,
-                            deleted_chains = report.deleted_chains,
-                            elapsed_us = report.elapsed.as_micros() as u64,
-                            "sync applied"
-                        ),
+                        Ok(report) => {
+                            info!(
+                                family = report.family.as_k8s(),
+                                full = report.full,
+                                changed = changed_count,
+                                filter_rules = report.filter_rules,
+                                nat_rules = report.nat_rules,
+                                deleted_chains = report.deleted_chains,
+                                elapsed_us = report.elapsed.as_micros() as u64,
+                                "sync applied"
+                            );
+                            if let Some(ipt) = metrics.iptables() {
+                                ipt.sync_duration(report.family, report.elapsed, report.full);
+                                let (filter, nat) =
+                                    (report.filter_rules as u64, report.nat_rules as u64);
+                                ipt.rules(report.family, IptablesTable::Filter, filter, filter);
+                                ipt.rules(report.family, IptablesTable::Nat, nat, nat);
+                            }
+                            // Flows DNATed to endpoints that went away must not stay pinned
+                            // to them (kube-proxy's conntrack reconciler, after a good sync).
+                            if needs_conntrack_cleanup(snapshot, changed, report.family) {
+                                reconcile_conntrack(report.family, snapshot, metrics);
+                            }
+                        }
                         Err(error) => {
+                            if let Some(ipt) = metrics.iptables() {
+                                ipt.restore_failed(family, changed.is_some());
+                            }
                             ok = false;
                             error!(%error, "iptables sync failed; the next sync is a full one");
                         }
@@ -405,6 +431,67 @@ impl Dataplane {
             Dataplane::Ebpf(ebpf) => (*ebpf).shutdown(),
             Dataplane::Iptables(_) => info!("iptables rules stay in place"),
         }
+    }
+}
+
+/// Whether a sync may have left stale UDP/SCTP conntrack entries: a full sync, or a changed
+/// UDP/SCTP service port of this family.
+fn needs_conntrack_cleanup(
+    snapshot: &Snapshot,
+    changed: Option<&BTreeSet<ServicePortName>>,
+    family: IpFamily,
+) -> bool {
+    let stateful_datagrams =
+        |name: &ServicePortName| matches!(name.protocol, Protocol::Udp | Protocol::Sctp);
+    match changed {
+        None => snapshot
+            .family(family)
+            .service_ports
+            .keys()
+            .any(stateful_datagrams),
+        Some(changed) => changed.iter().any(stateful_datagrams),
+    }
+}
+
+fn reconcile_conntrack(family: IpFamily, snapshot: &Snapshot, metrics: &Metrics) {
+    let started = Instant::now();
+    match conntrack::reconcile(family, snapshot.family(family)) {
+        Ok(report) => {
+            debug!(family = family.as_k8s(), ?report, "conntrack reconciled");
+            if report.deleted > 0 {
+                info!(
+                    family = family.as_k8s(),
+                    deleted = report.deleted,
+                    "deleted stale conntrack entries"
+                );
+            }
+            metrics.conntrack_reconciled(family, started.elapsed(), report.deleted as u64);
+        }
+        Err(error) => warn!(family = family.as_k8s(), %error, "conntrack cleanup failed"),
+    }
+}
+
+/// Process settings from the configuration: the OOM score adjustment and the conntrack sysctls.
+/// Neither is fatal: a container may not be allowed to change them (kube-proxy, too, only logs
+/// a read-only /sys).
+fn apply_process_settings(config: &Config) {
+    if let Err(error) = std::fs::write("/proc/self/oom_score_adj", config.oom_score_adj.to_string())
+    {
+        warn!(value = config.oom_score_adj, %error, "cannot apply --oom-score-adj");
+    }
+    let settings = ConntrackSettings {
+        max_per_core: config.conntrack.max_per_core,
+        min: config.conntrack.min,
+        tcp_established_timeout: Some(config.conntrack.tcp_established_timeout),
+        tcp_close_wait_timeout: Some(config.conntrack.tcp_close_wait_timeout),
+        tcp_be_liberal: config.conntrack.tcp_be_liberal,
+        udp_timeout: Some(config.conntrack.udp_timeout),
+        udp_stream_timeout: Some(config.conntrack.udp_stream_timeout),
+    };
+    let (written, errors) = conntrack::apply_sysctls(&settings, std::path::Path::new("/proc/sys"));
+    debug!(written, "conntrack sysctls applied");
+    for error in errors {
+        warn!(%error, "conntrack sysctl not applied");
     }
 }
 

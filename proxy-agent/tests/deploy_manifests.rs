@@ -71,6 +71,23 @@ mod serde_json_like {
     }
 }
 
+/// The agent's own loader (strict decoding, defaults, validation) accepts the shipped
+/// configuration.
+fn check_agent_accepts(config: &str) {
+    let path = std::env::temp_dir().join(format!("kpr-deploy-config-{}.yaml", std::process::id()));
+    std::fs::write(&path, config).expect("write config");
+    let args = proxy_agent::cli::Args {
+        config: Some(path.clone()),
+        ..proxy_agent::cli::Args::default()
+    };
+    let loaded = proxy_agent::config::load(&args);
+    let _ = std::fs::remove_file(&path);
+    match loaded {
+        Ok(loaded) => assert_eq!(loaded.config.mode, proxy_agent::config::ProxyMode::Ebpf),
+        Err(error) => panic!("the ConfigMap's configuration is rejected: {error}"),
+    }
+}
+
 #[test]
 fn every_deploy_manifest_is_a_valid_typed_object() {
     let mut kinds = Vec::new();
@@ -118,7 +135,11 @@ fn every_deploy_manifest_is_a_valid_typed_object() {
                 }
                 k if k == ConfigMap::KIND => {
                     let cm: ConfigMap = check_typed(&file, &value);
-                    assert!(cm.data.unwrap_or_default().contains_key("config.yaml"));
+                    let data = cm.data.unwrap_or_default();
+                    let config = data
+                        .get("config.yaml")
+                        .expect("config.yaml in the ConfigMap");
+                    check_agent_accepts(config);
                 }
                 other => panic!("{file}: unexpected kind {other}"),
             }

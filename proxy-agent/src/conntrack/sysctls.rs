@@ -22,8 +22,9 @@ pub struct ConntrackSettings {
 #[derive(Debug, thiserror::Error)]
 pub enum SysctlError {
     #[error(
-        "cannot set {name} to {value}: /proc/sys is read-only in this environment (mount it \
-         read-write or set conntrack.maxPerCore to 0 to leave conntrack sysctls alone)"
+        "cannot set {name} to {value}: it is read-only here (a read-only /proc/sys, or a \
+         sysctl only the host's network namespace may change); set conntrack.maxPerCore to 0 \
+         and the timeouts to 0s to leave conntrack sysctls alone"
     )]
     ReadOnly { name: String, value: String },
     #[error("cannot set {name} to {value}: {source}")]
@@ -72,13 +73,15 @@ pub fn planned_writes(settings: &ConntrackSettings, cpus: u32) -> Vec<(&'static 
 }
 
 /// Applies the settings under `proc_sys` (normally `/proc/sys`), skipping values already set.
+/// Every write is tried; returns how many were written and the ones that failed.
 pub fn apply_sysctls(
     settings: &ConntrackSettings,
     proc_sys: &std::path::Path,
-) -> Result<usize, SysctlError> {
+) -> (usize, Vec<SysctlError>) {
     let cpus =
         std::thread::available_parallelism().map_or(1, |n| u32::try_from(n.get()).unwrap_or(1));
     let mut written = 0;
+    let mut errors = Vec::new();
     for (name, value) in planned_writes(settings, cpus) {
         let path: PathBuf = proc_sys.join(name);
         if std::fs::read_to_string(&path).is_ok_and(|current| current.trim() == value) {
@@ -89,14 +92,21 @@ pub fn apply_sysctls(
                 info!(sysctl = name, %value, "set conntrack sysctl");
                 written += 1;
             }
-            Err(source) if source.raw_os_error() == Some(libc::EROFS) => {
-                return Err(SysctlError::ReadOnly {
+            // A read-only /proc/sys (container) or a sysctl that is global-only and so read-only
+            // in this network namespace.
+            Err(source)
+                if matches!(
+                    source.raw_os_error(),
+                    Some(libc::EROFS | libc::EACCES | libc::EPERM)
+                ) =>
+            {
+                errors.push(SysctlError::ReadOnly {
                     name: name.to_owned(),
                     value,
                 });
             }
             Err(source) => {
-                return Err(SysctlError::Write {
+                errors.push(SysctlError::Write {
                     name: name.to_owned(),
                     value,
                     source,
@@ -104,7 +114,7 @@ pub fn apply_sysctls(
             }
         }
     }
-    Ok(written)
+    (written, errors)
 }
 
 #[cfg(test)]
@@ -161,7 +171,8 @@ mod tests {
         }
         std::fs::write(dir.join("nf_conntrack_tcp_timeout_close_wait"), "3600\n").expect("seed");
         let settings = kube_proxy_defaults();
-        let written = apply_sysctls(&settings, &root).expect("apply");
+        let (written, errors) = apply_sysctls(&settings, &root);
+        assert!(errors.is_empty(), "{errors:?}");
         assert_eq!(written, 3, "close_wait already had the value");
         let timeout = std::fs::read_to_string(dir.join("nf_conntrack_tcp_timeout_established"))
             .expect("read");
