@@ -1,0 +1,221 @@
+//! The node endpoints of a running agent, queried over HTTP from inside the node's network
+//! namespace: /healthz, /livez, /metrics, /proxyMode and a Service's health check node port.
+//! Needs root.
+
+use std::{
+    io::{Read as _, Write as _},
+    net::{SocketAddr, TcpStream},
+    path::Path,
+    time::Duration,
+};
+
+use proxy_tests::{
+    manifests::Endpoint,
+    scenario::{CLUSTER_IP, Scenario, http_slice, pod_endpoint},
+    service_scenarios::{ServiceSpec, service_yaml},
+    topology::Topology,
+    wait::try_wait_until,
+};
+
+const HEALTH_CHECK_PORT: u16 = 30999;
+
+#[derive(Debug)]
+struct Response {
+    status: u16,
+    head: String,
+    body: String,
+}
+
+/// One HTTP/1.1 GET from a thread inside the network namespace at `netns`.
+fn get(netns: &Path, addr: SocketAddr, path: &str) -> anyhow::Result<Response> {
+    let file = std::fs::File::open(netns)?;
+    let path = path.to_owned();
+    std::thread::spawn(move || -> anyhow::Result<Response> {
+        nix::sched::setns(&file, nix::sched::CloneFlags::CLONE_NEWNET)?;
+        let mut stream = TcpStream::connect_timeout(&addr, Duration::from_secs(2))?;
+        stream.set_read_timeout(Some(Duration::from_secs(2)))?;
+        write!(
+            stream,
+            "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
+        )?;
+        let mut raw = String::new();
+        stream.read_to_string(&mut raw)?;
+        let (head, body) = raw.split_once("\r\n\r\n").unwrap_or((&raw, ""));
+        let status = head
+            .split_whitespace()
+            .nth(1)
+            .and_then(|s| s.parse().ok())
+            .ok_or_else(|| anyhow::anyhow!("no status line in {head:?}"))?;
+        Ok(Response {
+            status,
+            head: head.to_owned(),
+            body: body.to_owned(),
+        })
+    })
+    .join()
+    .map_err(|_| anyhow::anyhow!("HTTP thread panicked"))?
+}
+
+fn setup(mode: &str, endpoints: &[Endpoint]) -> anyhow::Result<Scenario> {
+    proxy_tests::require_root();
+    proxy_tests::set_helper_binary(env!("CARGO_BIN_EXE_rig-helper"));
+    let mut s = Scenario::new(2)?;
+    let spec = ServiceSpec {
+        type_: "LoadBalancer",
+        external_traffic_policy_local: true,
+        ..ServiceSpec::default()
+    };
+    let yaml = service_yaml(&spec).replace(
+        "  externalTrafficPolicy: Local\n",
+        &format!("  externalTrafficPolicy: Local\n  healthCheckNodePort: {HEALTH_CHECK_PORT}\n"),
+    );
+    s.manifests.write("web-svc.yaml", &yaml)?;
+    s.manifests.write(
+        "web-slice.yaml",
+        &http_slice("default", "web-1", "web", endpoints),
+    )?;
+    s.start_agent_in_mode(mode)?;
+    let _ = CLUSTER_IP;
+    Ok(s)
+}
+
+fn wait_for(netns: &Path, addr: SocketAddr, path: &str, status: u16) -> anyhow::Result<Response> {
+    let mut last = None;
+    try_wait_until(
+        &format!("GET {addr}{path} → {status}"),
+        Duration::from_secs(10),
+        Duration::from_millis(200),
+        || {
+            let response = get(netns, addr, path);
+            let done = matches!(&response, Ok(r) if r.status == status);
+            last = Some(response);
+            Ok(done)
+        },
+    )
+    .map_err(|e| anyhow::anyhow!("{e}; last: {last:?}"))?;
+    last.ok_or_else(|| anyhow::anyhow!("no response"))?
+}
+
+#[test]
+fn health_metrics_and_proxy_mode_of_a_running_ebpf_agent() -> anyhow::Result<()> {
+    let s = setup("ebpf", &[pod_endpoint(1), pod_endpoint(2)])?;
+    let node = s.topo.node().path();
+    let healthz: SocketAddr = "127.0.0.1:10256".parse()?;
+    let metrics: SocketAddr = "127.0.0.1:10249".parse()?;
+
+    let health = wait_for(&node, healthz, "/healthz", 200)?;
+    eprintln!("/healthz: {} {}", health.status, health.body);
+    assert!(
+        health.head.contains("Content-Type: application/json"),
+        "{}",
+        health.head
+    );
+    assert!(
+        health.head.contains("X-Content-Type-Options: nosniff"),
+        "{}",
+        health.head
+    );
+    assert!(
+        health.body.starts_with("{\"lastUpdated\": \""),
+        "{}",
+        health.body
+    );
+    assert!(
+        health.body.ends_with("\"nodeEligible\": true}"),
+        "{}",
+        health.body
+    );
+    let live = get(&node, healthz, "/livez")?;
+    assert_eq!(live.status, 200);
+    assert!(!live.body.contains("nodeEligible"), "{}", live.body);
+    assert_eq!(get(&node, healthz, "/nothing")?.status, 404);
+
+    let mode = get(&node, metrics, "/proxyMode")?;
+    assert_eq!((mode.status, mode.body.trim()), (200, "ebpf"));
+    let exposition = get(&node, metrics, "/metrics")?;
+    for name in [
+        "kubeproxy_sync_proxy_rules_duration_seconds_bucket",
+        "kubeproxy_sync_proxy_rules_last_timestamp_seconds",
+        "kubeproxy_proxy_healthz_total{code=\"200\"}",
+        "kubeproxy_ebpf_datapath_events_total",
+    ] {
+        assert!(
+            exposition.body.contains(name),
+            "{name} missing from /metrics"
+        );
+    }
+    eprintln!("/metrics: {} bytes", exposition.body.len());
+    Ok(())
+}
+
+#[test]
+fn health_check_node_port_follows_local_endpoints() -> anyhow::Result<()> {
+    let mut s = setup("ebpf", &[pod_endpoint(1), pod_endpoint(2)])?;
+    let node = s.topo.node().path();
+    let port: SocketAddr = format!("{}:{HEALTH_CHECK_PORT}", Topology::node_ext_ip()).parse()?;
+    let healthy = wait_for(&node, port, "/", 200)?;
+    eprintln!(
+        "health check node port with 2 local endpoints: {}",
+        healthy.body
+    );
+    assert!(
+        healthy.body.contains("\"localEndpoints\": 2"),
+        "{}",
+        healthy.body
+    );
+    assert!(
+        healthy.head.contains("X-Load-Balancing-Endpoint-Weight: 2"),
+        "{}",
+        healthy.head
+    );
+
+    let remote = |i| Endpoint {
+        node_name: Some("other-node".into()),
+        ..Endpoint::ready(Topology::pod_ip(i))
+    };
+    s.manifests.write(
+        "web-slice.yaml",
+        &http_slice("default", "web-1", "web", &[remote(1), remote(2)]),
+    )?;
+    let unhealthy = wait_for(&node, port, "/anything", 503)?;
+    eprintln!(
+        "health check node port without local endpoints: {}",
+        unhealthy.body
+    );
+    assert!(
+        unhealthy.body.contains("\"localEndpoints\": 0"),
+        "{}",
+        unhealthy.body
+    );
+    s.agent()?;
+    Ok(())
+}
+
+#[test]
+fn proxy_mode_reports_iptables() -> anyhow::Result<()> {
+    let s = setup("iptables", &[pod_endpoint(1)])?;
+    let node = s.topo.node().path();
+    let mode = wait_for(&node, "127.0.0.1:10249".parse()?, "/proxyMode", 200)?;
+    assert_eq!(mode.body.trim(), "iptables");
+    // The rule counts appear with the first sync.
+    let metrics: SocketAddr = "127.0.0.1:10249".parse()?;
+    try_wait_until(
+        "iptables rule counts in /metrics",
+        Duration::from_secs(10),
+        Duration::from_millis(200),
+        || {
+            Ok(get(&node, metrics, "/metrics").is_ok_and(|r| {
+                r.body
+                    .contains("kubeproxy_sync_proxy_rules_iptables_total{")
+            }))
+        },
+    )?;
+    let exposition = get(&node, metrics, "/metrics")?;
+    let nat_rules = exposition
+        .body
+        .lines()
+        .find(|l| l.starts_with("kubeproxy_sync_proxy_rules_iptables_total{") && l.contains("nat"));
+    eprintln!("{nat_rules:?}");
+    assert!(nat_rules.is_some(), "no nat rule count in /metrics");
+    Ok(())
+}
