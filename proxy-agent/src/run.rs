@@ -105,6 +105,11 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
         // The Node is watched like the other kinds: the first sync waits for its list.
         Source::Kubernetes(client) => {
             let name = node.name.clone();
+            let events = client.clone();
+            let event_node = node.name.clone();
+            tokio::spawn(async move {
+                source::kubernetes::post_starting_event(events, &event_node).await;
+            });
             tokio::spawn(async move {
                 source::kubernetes::run(client, name, tx).await;
                 Ok(())

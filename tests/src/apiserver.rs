@@ -94,6 +94,8 @@ struct Shared {
     held: [watch::Sender<bool>; 3],
     counters: [Counters; 3],
     bookmark_interval: Duration,
+    /// Events (events.k8s.io/v1) the agent posted, as JSON.
+    events: Mutex<Vec<serde_json::Value>>,
 }
 
 impl Shared {
@@ -102,6 +104,13 @@ impl Shared {
         self.state
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn record_event(&self, event: serde_json::Value) {
+        self.events
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .push(event);
     }
 
     fn changes_rx(&self) -> watch::Receiver<u64> {
@@ -187,6 +196,7 @@ impl ApiServer {
             held: std::array::from_fn(|_| watch::Sender::new(false)),
             counters: Default::default(),
             bookmark_interval: BOOKMARK_INTERVAL,
+            events: Mutex::default(),
         });
         let dir = std::env::temp_dir().join(unique_name("apiserver"));
         fs::create_dir(&dir).map_err(|e| RigError::io(format!("creating {}", dir.display()), e))?;
@@ -242,6 +252,15 @@ impl ApiServer {
         });
         self.runtime = Some(runtime);
         Ok(())
+    }
+
+    /// The events posted so far (events.k8s.io/v1 Event objects as JSON).
+    pub fn events(&self) -> Vec<serde_json::Value> {
+        self.shared
+            .events
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone()
     }
 
     pub fn port(&self) -> u16 {

@@ -395,3 +395,28 @@ fn api_server_outage_keeps_the_datapath_and_catches_up() -> anyhow::Result<()> {
     })?;
     Ok(())
 }
+
+/// Like kube-proxy, the agent posts a `Starting` event (events.k8s.io/v1) about its Node.
+#[test]
+fn starting_event_is_posted_for_the_node() -> anyhow::Result<()> {
+    let (mut s, api) = setup(1, &[1])?;
+    start_and_wait_for_pods(&mut s, &api)?;
+    let mut events = Vec::new();
+    proxy_tests::wait::try_wait_until(
+        "a Starting event",
+        Duration::from_secs(10),
+        Duration::from_millis(100),
+        || {
+            events = api.events();
+            Ok(!events.is_empty())
+        },
+    )?;
+    eprintln!("events posted: {events:#?}");
+    let event = &events[0];
+    assert_eq!(event["reason"], "Starting");
+    assert_eq!(event["type"], "Normal");
+    assert_eq!(event["reportingController"], "kube-proxy");
+    assert_eq!(event["regarding"]["kind"], "Node");
+    assert_eq!(event["regarding"]["name"], proxy_tests::scenario::HOSTNAME);
+    Ok(())
+}

@@ -8,6 +8,7 @@
 //! the datapath, keeps the last state.
 
 mod client;
+mod events;
 mod mapping;
 
 use std::fmt;
@@ -26,6 +27,7 @@ use tokio::sync::mpsc;
 use tracing::{info, warn};
 
 pub use client::{ClientError, ClientOptions, client};
+pub use events::post_starting_event;
 pub use mapping::{EndpointSliceEvents, EventMapper, NodeEvents, ServiceEvents};
 
 use crate::objects::Update;

@@ -51,6 +51,14 @@ pub fn router(shared: Arc<Shared>) -> Router {
             namespaced(Resource::EndpointSlices),
         )
         .route("/api/v1/nodes", route(Resource::Nodes))
+        .route(
+            "/apis/events.k8s.io/v1/namespaces/{ns}/events",
+            axum::routing::post(
+                |AxumState(s): AxumState<Arc<Shared>>, Path(ns): Path<String>, body: Bytes| async move {
+                    create_event(s, ns, body)
+                },
+            ),
+        )
         .fallback(|| async {
             status_response(
                 StatusCode::NOT_FOUND,
@@ -92,6 +100,38 @@ async fn handle(
         return watch(shared, resource, filter, rv, timeout, bookmarks);
     }
     list(shared, resource, filter).await
+}
+
+/// POST of an Event: stored for the test, echoed back with a name and a resourceVersion like
+/// the real server's create.
+fn create_event(shared: Arc<Shared>, namespace: String, body: Bytes) -> Response {
+    let Ok(mut event) = serde_json::from_slice::<Value>(&body) else {
+        return status_response(StatusCode::BAD_REQUEST, "BadRequest", "invalid Event JSON");
+    };
+    let count = shared
+        .events
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .len();
+    if let Some(metadata) = event.get_mut("metadata").and_then(Value::as_object_mut) {
+        metadata.insert("namespace".into(), json!(namespace));
+        metadata.insert("resourceVersion".into(), json!(format!("{}", count + 1)));
+        if !metadata.contains_key("name") {
+            let prefix = metadata
+                .get("generateName")
+                .and_then(Value::as_str)
+                .unwrap_or("event-")
+                .to_owned();
+            metadata.insert("name".into(), json!(format!("{prefix}{count}")));
+        }
+    }
+    shared.record_event(event.clone());
+    (
+        StatusCode::CREATED,
+        [(header::CONTENT_TYPE, "application/json")],
+        event.to_string(),
+    )
+        .into_response()
 }
 
 fn parse_filter(labels: &str, fields: &str, namespace: Option<String>) -> Result<Filter, String> {
