@@ -133,14 +133,29 @@ impl Scenario {
         self.start_agent_with(AgentSource::Kubeconfig(kubeconfig.to_path_buf()), "ebpf")
     }
 
+    /// Like [`Scenario::start_agent`] with extra command-line arguments (e.g. `--interfaces`).
+    pub fn start_agent_with_args(&mut self, args: &[&str]) -> Result<&mut Agent> {
+        let source = AgentSource::Manifests(self.manifests.path().to_path_buf());
+        self.start_agent_full(source, "ebpf", args)
+    }
+
     fn start_agent_with(&mut self, source: AgentSource, mode: &str) -> Result<&mut Agent> {
+        self.start_agent_full(source, mode, &[])
+    }
+
+    fn start_agent_full(
+        &mut self,
+        source: AgentSource,
+        mode: &str,
+        args: &[&str],
+    ) -> Result<&mut Agent> {
         let config = AgentConfig {
             source,
             proxy_mode: Some(mode.to_owned()),
             cgroup_path: self.cgroup.path().to_path_buf(),
             hostname: HOSTNAME.into(),
             netns: Some(self.topo.node().path()),
-            extra_args: Vec::new(),
+            extra_args: args.iter().map(|a| (*a).to_owned()).collect(),
         };
         Ok(self.agent.insert(Agent::start(&config)?))
     }
