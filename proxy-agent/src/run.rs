@@ -264,6 +264,17 @@ impl Dataplane {
                 bpf_root: config.ebpf.bpf_root.clone(),
                 frontends_capacity: config.ebpf.map_frontends,
                 backends_capacity: config.ebpf.map_backends,
+                tc: ebpf::TcOptions {
+                    interfaces: config.ebpf.interfaces.clone(),
+                    node_port_cidrs: match &config.node_port_addresses {
+                        NodePortAddresses::Cidrs(cidrs) => cidrs.clone(),
+                        // `primary` needs the Node object's addresses, which the eBPF mode
+                        // does not read yet: every node address, like the default.
+                        NodePortAddresses::All | NodePortAddresses::Primary => Vec::new(),
+                    },
+                    cluster_cidrs: config.cluster_cidrs.clone(),
+                    masquerade_all: config.masquerade_all,
+                },
             }) {
                 Ok(ebpf) => Ok(Dataplane::Ebpf(Box::new(ebpf))),
                 // The mode was not chosen explicitly: run kube-proxy's iptables mode instead of

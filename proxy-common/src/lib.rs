@@ -52,4 +52,14 @@ mod pod {
     unsafe impl aya::Pod for AffinityValue {}
     // SAFETY: as above.
     unsafe impl aya::Pod for AffinityMatchKey {}
+    // SAFETY: as above.
+    unsafe impl aya::Pod for CtKey {}
+    // SAFETY: as above.
+    unsafe impl aya::Pod for CtValue {}
+    // SAFETY: as above.
+    unsafe impl aya::Pod for SourceRangeKey {}
+    // SAFETY: as above.
+    unsafe impl aya::Pod for NodeAddrKey {}
+    // SAFETY: as above.
+    unsafe impl aya::Pod for NodeConfig {}
 }

@@ -21,9 +21,13 @@ pub mod map_names {
     pub const AFFINITY: &str = "KPR_AFFINITY";
     pub const AFFINITY_MATCH: &str = "KPR_AFFINITY_MATCH";
     pub const STATS: &str = "KPR_STATS";
+    pub const CT: &str = "KPR_CT";
+    pub const SOURCE_RANGES: &str = "KPR_SOURCE_RANGES";
+    pub const NODE_ADDRS: &str = "KPR_NODE_ADDRS";
+    pub const NODE_CONFIG: &str = "KPR_NODE_CONFIG";
 
     /// Every map the agent pins (and `--cleanup` removes).
-    pub const PINNED: [&str; 10] = [
+    pub const PINNED: [&str; 14] = [
         FRONTENDS4,
         FRONTENDS6,
         BACKEND_SLOTS,
@@ -34,6 +38,10 @@ pub mod map_names {
         AFFINITY,
         AFFINITY_MATCH,
         STATS,
+        CT,
+        SOURCE_RANGES,
+        NODE_ADDRS,
+        NODE_CONFIG,
     ];
 }
 
@@ -47,6 +55,11 @@ pub mod program_names {
     pub const RECVMSG6: &str = "kpr_recvmsg6";
     pub const GETPEERNAME4: &str = "kpr_getpeername4";
     pub const GETPEERNAME6: &str = "kpr_getpeername6";
+    /// tc ingress on the node's external interfaces: service traffic from outside the node and
+    /// replies of remote backends.
+    pub const TC_EXTERNAL: &str = "kpr_tc_external";
+    /// tc ingress on every other interface (pod veths): replies of local backends.
+    pub const TC_REPLY: &str = "kpr_tc_reply";
 
     /// Every socket program, attached to the cgroup in this order.
     pub const ALL: [&str; 8] = [
@@ -71,18 +84,56 @@ pub mod default_sizes {
     /// Slots of the per-CPU counter array: more than [`crate::StatIndex::COUNT`], so a newer
     /// object with more counters still fits a map pinned by an older agent.
     pub const STATS: u32 = 64;
+    /// BPF conntrack entries (two per flow: original and reply direction).
+    pub const CT: u32 = 262_144;
+    pub const SOURCE_RANGES: u32 = 16_384;
+    pub const NODE_ADDRS: u32 = 1_024;
 }
 
 /// Which traffic a frontend applies to.
 pub mod scope {
     /// Traffic from local sockets (the cgroup socket hooks).
     pub const INTERNAL: u8 = 0;
+    /// Packets arriving from outside the node (the tc programs). A NodePort frontend has the
+    /// unspecified address (`0.0.0.0`/`::`) and matches every address in `KPR_NODE_ADDRS`.
+    pub const EXTERNAL: u8 = 1;
 }
 
 /// Bits of [`FrontendValue::flags`].
 pub mod frontend_flags {
     /// `sessionAffinity: ClientIP`: [`super::FrontendValue::affinity_timeout`] is in use.
     pub const AFFINITY: u8 = 1;
+    /// `externalTrafficPolicy: Local`: keep the client address (no SNAT).
+    pub const PRESERVE_CLIENT: u8 = 2;
+    /// With no backends, drop silently (kube-proxy's DROP for "no local endpoints") instead of
+    /// answering ICMP port unreachable (its REJECT for "no endpoints").
+    pub const DROP_NO_BACKENDS: u8 = 4;
+    /// `loadBalancerSourceRanges`: only clients in `KPR_SOURCE_RANGES` for this service id.
+    pub const SOURCE_RANGES: u8 = 8;
+    /// A ClusterIP reached from outside the node: SNAT only like kube-proxy's
+    /// `KUBE-SVC` masquerade rule (masqueradeAll, or a client outside the cluster CIDR).
+    pub const CLUSTER_IP: u8 = 16;
+}
+
+/// Bits of [`CtValue::flags`].
+pub mod ct_flags {
+    /// The entry translates replies (backend → client direction).
+    pub const REPLY: u8 = 1;
+    /// The flow was source-NATed to the node address.
+    pub const SNAT: u8 = 2;
+}
+
+/// Bits of [`NodeConfig::flags`].
+pub mod node_flags {
+    pub const CLUSTER_CIDR4: u32 = 1;
+    pub const CLUSTER_CIDR6: u32 = 2;
+    pub const MASQUERADE_ALL: u32 = 4;
+}
+
+/// Address family byte of [`CtKey`] (the kernel's `AF_*` values).
+pub mod family {
+    pub const V4: u8 = 2;
+    pub const V6: u8 = 10;
 }
 
 /// Key of `KPR_FRONTENDS4`: a service address as a client dials it.
@@ -234,6 +285,72 @@ pub struct AffinityMatchKey {
     pub backend_id: u32,
 }
 
+/// Key of `KPR_CT`: a packet's 5-tuple as it arrives. Both families share the map; an IPv4
+/// address is in word 0 with the other words zero. Addresses and ports in network byte order.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
+pub struct CtKey {
+    pub src: [u32; 4],
+    pub dst: [u32; 4],
+    pub sport: u16,
+    pub dport: u16,
+    pub proto: u8,
+    /// See [`family`].
+    pub family: u8,
+    pub _pad: u16,
+}
+
+/// Value of `KPR_CT`: the tuple a matching packet is rewritten to. One entry per direction, so
+/// both the forward (DNAT, optionally SNAT) and the reply (reverse) translation are one lookup.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct CtValue {
+    pub src: [u32; 4],
+    pub dst: [u32; 4],
+    pub sport: u16,
+    pub dport: u16,
+    /// See [`ct_flags`].
+    pub flags: u8,
+    pub _pad: [u8; 3],
+    /// `bpf_ktime_get_ns()` of the last packet (forward entries), for the idle timeout.
+    pub last_seen_ns: u64,
+}
+
+/// Data of a `KPR_SOURCE_RANGES` LPM key: a frontend's service id, then the client address
+/// (IPv4 in word 0). The prefix length counts the 32 service-id bits plus the range's prefix.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct SourceRangeKey {
+    pub service_id: u32,
+    pub addr: [u32; 4],
+}
+
+/// Key of `KPR_NODE_ADDRS` (value `u8`, unused): an address of this node that accepts
+/// NodePorts (`nodePortAddresses`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct NodeAddrKey {
+    pub addr: [u32; 4],
+    pub family: u8,
+    pub _pad: [u8; 3],
+}
+
+/// The single entry of `KPR_NODE_CONFIG`: node facts the tc programs need.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct NodeConfig {
+    /// The address external flows are source-NATed to (0: none, flows are not SNATed).
+    pub snat4: u32,
+    /// `clusterCIDR` (IPv4) address and mask, with [`node_flags::CLUSTER_CIDR4`].
+    pub cluster4: u32,
+    pub cluster4_mask: u32,
+    /// See [`node_flags`].
+    pub flags: u32,
+    pub snat6: [u32; 4],
+    pub cluster6: [u32; 4],
+    pub cluster6_mask: [u32; 4],
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -254,5 +371,10 @@ mod tests {
         assert_eq!(size_of::<AffinityKey>(), 16);
         assert_eq!(size_of::<AffinityValue>(), 16);
         assert_eq!(size_of::<AffinityMatchKey>(), 8);
+        assert_eq!(size_of::<CtKey>(), 40);
+        assert_eq!(size_of::<CtValue>(), 48);
+        assert_eq!(size_of::<SourceRangeKey>(), 20);
+        assert_eq!(size_of::<NodeAddrKey>(), 20);
+        assert_eq!(size_of::<NodeConfig>(), 64);
     }
 }

@@ -25,10 +25,34 @@ pub enum StatIndex {
     /// The reverse-NAT map refused an entry (full and not evictable): getpeername/recvmsg of
     /// that socket will show the backend address.
     RevNatUpdateFailed = 9,
+    /// A new external flow was DNATed to a backend (tc).
+    TcTranslated = 10,
+    /// A packet of a known external flow was translated (tc conntrack hit).
+    TcEstablished = 11,
+    /// A backend's reply was translated back to the service address (tc).
+    TcReplyTranslated = 12,
+    /// A new external flow was source-NATed to the node address.
+    TcSnat = 13,
+    /// A packet to a frontend without endpoints got ICMP port unreachable (REJECT).
+    TcRejected = 14,
+    /// A packet to a frontend whose endpoints are all elsewhere was dropped (eTP Local, DROP).
+    TcDroppedNoLocal = 15,
+    /// A client outside loadBalancerSourceRanges was dropped.
+    TcDroppedSourceRange = 16,
+    /// No free SNAT port was found; the packet was dropped.
+    TcSnatPortExhausted = 17,
+    /// A conntrack entry could not be written; the packet was dropped.
+    TcCtFailed = 18,
+    /// Rewriting a packet failed (helper error); the packet was dropped.
+    TcRewriteFailed = 19,
+    /// A translated packet had no forwarding route (fib lookup) and went up the stack.
+    TcPassedToStack = 20,
+    /// Building the ICMP reply failed; the packet was dropped instead.
+    TcRejectFailed = 21,
 }
 
 impl StatIndex {
-    pub const COUNT: u32 = 10;
+    pub const COUNT: u32 = 22;
     pub const ALL: [StatIndex; Self::COUNT as usize] = [
         StatIndex::Translated,
         StatIndex::RejectedNoBackends,
@@ -40,6 +64,18 @@ impl StatIndex {
         StatIndex::AffinityHit,
         StatIndex::AffinityStale,
         StatIndex::RevNatUpdateFailed,
+        StatIndex::TcTranslated,
+        StatIndex::TcEstablished,
+        StatIndex::TcReplyTranslated,
+        StatIndex::TcSnat,
+        StatIndex::TcRejected,
+        StatIndex::TcDroppedNoLocal,
+        StatIndex::TcDroppedSourceRange,
+        StatIndex::TcSnatPortExhausted,
+        StatIndex::TcCtFailed,
+        StatIndex::TcRewriteFailed,
+        StatIndex::TcPassedToStack,
+        StatIndex::TcRejectFailed,
     ];
 
     /// Label used in logs and metrics.
@@ -55,6 +91,18 @@ impl StatIndex {
             StatIndex::AffinityHit => "affinity_hit",
             StatIndex::AffinityStale => "affinity_stale",
             StatIndex::RevNatUpdateFailed => "revnat_update_failed",
+            StatIndex::TcTranslated => "tc_translated",
+            StatIndex::TcEstablished => "tc_established",
+            StatIndex::TcReplyTranslated => "tc_reply_translated",
+            StatIndex::TcSnat => "tc_snat",
+            StatIndex::TcRejected => "tc_rejected",
+            StatIndex::TcDroppedNoLocal => "tc_dropped_no_local_endpoints",
+            StatIndex::TcDroppedSourceRange => "tc_dropped_source_range",
+            StatIndex::TcSnatPortExhausted => "tc_snat_port_exhausted",
+            StatIndex::TcCtFailed => "tc_ct_update_failed",
+            StatIndex::TcRewriteFailed => "tc_rewrite_failed",
+            StatIndex::TcPassedToStack => "tc_passed_to_stack",
+            StatIndex::TcRejectFailed => "tc_reject_failed",
         }
     }
 }

@@ -1,22 +1,38 @@
 //! eBPF programs of kubeproxy-rs. Entry points are thin; the logic lives in one module per
-//! concern (maps, service lookup and backend selection, counters, socket hooks).
+//! concern (maps, service lookup and backend selection, counters, socket hooks; for tc: packet
+//! parsing, conntrack, NAT, checksums, ICMP replies).
 #![cfg_attr(target_arch = "bpf", no_std)]
 #![cfg_attr(target_arch = "bpf", no_main)]
 
 // The programs only make sense for the BPF target; on the host this crate is an empty binary so
 // `cargo check/clippy --workspace` keep working.
 #[cfg(target_arch = "bpf")]
+mod conntrack;
+#[cfg(target_arch = "bpf")]
+mod csum;
+#[cfg(target_arch = "bpf")]
+mod icmp;
+#[cfg(target_arch = "bpf")]
 mod lb;
 #[cfg(target_arch = "bpf")]
 mod maps;
 #[cfg(target_arch = "bpf")]
+mod nat;
+#[cfg(target_arch = "bpf")]
+mod parse;
+#[cfg(target_arch = "bpf")]
 mod sock;
 #[cfg(target_arch = "bpf")]
 mod stats;
+#[cfg(target_arch = "bpf")]
+mod tc;
 
 #[cfg(target_arch = "bpf")]
 mod programs {
-    use aya_ebpf::{macros::cgroup_sock_addr, programs::SockAddrContext};
+    use aya_ebpf::{
+        macros::{cgroup_sock_addr, classifier},
+        programs::{SockAddrContext, TcContext},
+    };
     use proxy_common::StatIndex;
 
     use crate::sock::{Hook, reverse4, reverse6, translate4, translate6};
@@ -63,6 +79,19 @@ mod programs {
     #[cgroup_sock_addr(getpeername6)]
     pub fn kpr_getpeername6(ctx: SockAddrContext) -> i32 {
         reverse6(&ctx, StatIndex::PeerNameRewritten)
+    }
+
+    /// tc ingress of the node's external interfaces: NodePort, externalIPs, LoadBalancer IPs
+    /// and ClusterIPs from outside; replies of remote backends.
+    #[classifier]
+    pub fn kpr_tc_external(ctx: TcContext) -> i32 {
+        crate::tc::external(&ctx)
+    }
+
+    /// tc ingress of the other interfaces (pod veths): replies of local backends.
+    #[classifier]
+    pub fn kpr_tc_reply(ctx: TcContext) -> i32 {
+        crate::tc::reply(&ctx)
     }
 }
 

@@ -5,11 +5,12 @@
 
 use aya_ebpf::{
     macros::map,
-    maps::{HashMap, LruHashMap, PerCpuArray},
+    maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray},
 };
 use proxy_common::{
-    AffinityKey, AffinityMatchKey, AffinityValue, Backend4, Backend6, BackendSlotKey, Frontend4Key,
-    Frontend6Key, FrontendValue, RevNat4, RevNat4Key, RevNat6, RevNat6Key, default_sizes,
+    AffinityKey, AffinityMatchKey, AffinityValue, Backend4, Backend6, BackendSlotKey, CtKey,
+    CtValue, Frontend4Key, Frontend6Key, FrontendValue, NodeAddrKey, NodeConfig, RevNat4,
+    RevNat4Key, RevNat6, RevNat6Key, SourceRangeKey, default_sizes,
 };
 
 #[map]
@@ -53,3 +54,35 @@ pub static KPR_AFFINITY_MATCH: HashMap<AffinityMatchKey, u8> =
 
 #[map]
 pub static KPR_STATS: PerCpuArray<u64> = PerCpuArray::pinned(default_sizes::STATS, 0);
+
+/// tc conntrack: packet 5-tuple → the tuple to rewrite it to, one entry per direction. LRU, so
+/// a full table evicts the least recently used flows instead of refusing new ones.
+#[map]
+pub static KPR_CT: LruHashMap<CtKey, CtValue> = LruHashMap::pinned(default_sizes::CT, 0);
+
+/// `loadBalancerSourceRanges`: (service id, client prefix) → present.
+#[map]
+pub static KPR_SOURCE_RANGES: LpmTrie<SourceRangeKey, u8> =
+    LpmTrie::pinned(default_sizes::SOURCE_RANGES, 0);
+
+/// The node addresses that accept NodePorts.
+#[map]
+pub static KPR_NODE_ADDRS: HashMap<NodeAddrKey, u8> = HashMap::pinned(default_sizes::NODE_ADDRS, 0);
+
+/// One [`NodeConfig`] at index 0.
+#[map]
+pub static KPR_NODE_CONFIG: Array<NodeConfig> = Array::pinned(1, 0);
+
+/// Per-CPU scratch space for the tc programs' larger temporaries: the verifier limits the
+/// combined stack of a BPF-to-BPF call chain to 512 bytes, and a new flow needs three
+/// conntrack tuples plus a fib query. Not pinned: it holds nothing between packets.
+#[repr(C)]
+pub struct TcScratch {
+    pub forward: CtValue,
+    pub reply: CtValue,
+    pub reply_key: CtKey,
+    pub fib: aya_ebpf::bindings::bpf_fib_lookup,
+}
+
+#[map]
+pub static KPR_TC_SCRATCH: PerCpuArray<TcScratch> = PerCpuArray::with_max_entries(1, 0);

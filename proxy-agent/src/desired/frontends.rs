@@ -1,9 +1,24 @@
-//! The socket-level view of a service port: which addresses a local process may dial and which
-//! backends each leads to. The eBPF socket hooks serve exactly these.
+//! The eBPF view of a service port: which addresses a client may dial and which backends each
+//! leads to — local processes through the socket hooks ([`socket_frontends`]), packets from
+//! outside the node through the tc programs ([`external_frontends`]).
 
-use std::{fmt, net::IpAddr};
+use std::{
+    fmt,
+    net::{IpAddr, Ipv4Addr, Ipv6Addr},
+};
+
+use ipnet::IpNet;
 
 use super::{Protocol, ServicePort, ServicePortName};
+
+/// Which datapath serves a frontend.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Scope {
+    /// Local sockets (cgroup hooks).
+    Internal,
+    /// Packets arriving from outside the node (tc). A NodePort has the unspecified address.
+    External,
+}
 
 /// An address a client can dial.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -11,6 +26,7 @@ pub struct FrontendKey {
     pub addr: IpAddr,
     pub port: u16,
     pub protocol: Protocol,
+    pub scope: Scope,
 }
 
 impl fmt::Display for FrontendKey {
@@ -20,7 +36,11 @@ impl fmt::Display for FrontendKey {
             "{}/{}",
             std::net::SocketAddr::new(self.addr, self.port),
             self.protocol
-        )
+        )?;
+        if self.scope == Scope::External {
+            f.write_str(" (external)")?;
+        }
+        Ok(())
     }
 }
 
@@ -43,6 +63,10 @@ pub struct Frontend {
     pub backends: Vec<Backend>,
     /// `sessionAffinity: ClientIP` timeout in seconds.
     pub affinity_timeout: Option<u32>,
+    /// `proxy_common::frontend_flags` other than affinity (external frontends only).
+    pub flags: u8,
+    /// `loadBalancerSourceRanges` (with `frontend_flags::SOURCE_RANGES`).
+    pub source_ranges: Vec<IpNet>,
 }
 
 /// The frontends local processes reach a service port through: the ClusterIP with the internal
@@ -54,6 +78,7 @@ pub fn socket_frontends(port: &ServicePort) -> Vec<(FrontendKey, Frontend)> {
         addr,
         port: port.port,
         protocol: port.protocol,
+        scope: Scope::Internal,
     };
     let frontend = |endpoints: &mut dyn Iterator<Item = &super::Endpoint>| Frontend {
         service_port: port.name.clone(),
@@ -64,6 +89,8 @@ pub fn socket_frontends(port: &ServicePort) -> Vec<(FrontendKey, Frontend)> {
             })
             .collect(),
         affinity_timeout: port.affinity_timeout,
+        flags: 0,
+        source_ranges: Vec::new(),
     };
     let mut frontends = vec![(
         key(port.cluster_ip),
@@ -75,6 +102,75 @@ pub fn socket_frontends(port: &ServicePort) -> Vec<(FrontendKey, Frontend)> {
     let external = frontend(&mut port.cluster_endpoints());
     for &addr in port.external_ips.iter().chain(&port.load_balancer_ips) {
         frontends.push((key(addr), external.clone()));
+    }
+    frontends
+}
+
+/// The frontends packets from outside the node reach a service port through (kube-proxy's
+/// KUBE-EXT / KUBE-NODEPORTS / KUBE-EXTERNAL-SERVICES / KUBE-FW rules):
+/// - NodePort (on every NodePort address), externalIPs and LB IPs with the external endpoints:
+///   `externalTrafficPolicy: Local` keeps the client address; with no endpoints anywhere the
+///   client gets port unreachable (REJECT), with endpoints only elsewhere the packet is dropped
+///   (DROP); LB IPs enforce `loadBalancerSourceRanges`.
+/// - the ClusterIP with the internal endpoints (kube-proxy DNATs ClusterIP traffic arriving
+///   from outside too, masquerading it by the local-traffic detector).
+pub fn external_frontends(port: &ServicePort) -> Vec<(FrontendKey, Frontend)> {
+    use proxy_common::frontend_flags as f;
+    let key = |addr, port_number| FrontendKey {
+        addr,
+        port: port_number,
+        protocol: port.protocol,
+        scope: Scope::External,
+    };
+    let frontend = |endpoints: &mut dyn Iterator<Item = &super::Endpoint>, flags: u8| {
+        let backends: Vec<Backend> = endpoints
+            .map(|e| Backend {
+                addr: e.addr,
+                port: e.port,
+            })
+            .collect();
+        let no_backends = if backends.is_empty() && port.has_any_endpoints {
+            f::DROP_NO_BACKENDS
+        } else {
+            0
+        };
+        Frontend {
+            service_port: port.name.clone(),
+            backends,
+            affinity_timeout: port.affinity_timeout,
+            flags: flags | no_backends,
+            source_ranges: Vec::new(),
+        }
+    };
+    let mut frontends = vec![(
+        key(port.cluster_ip, port.port),
+        frontend(&mut port.internal_endpoints(), f::CLUSTER_IP),
+    )];
+    let policy = if port.external_policy_local {
+        f::PRESERVE_CLIENT
+    } else {
+        0
+    };
+    let external = frontend(&mut port.external_endpoints(), policy);
+    if let Some(node_port) = port.node_port {
+        let any = match port.cluster_ip {
+            IpAddr::V4(_) => IpAddr::V4(Ipv4Addr::UNSPECIFIED),
+            IpAddr::V6(_) => IpAddr::V6(Ipv6Addr::UNSPECIFIED),
+        };
+        frontends.push((key(any, node_port), external.clone()));
+    }
+    for &addr in &port.external_ips {
+        frontends.push((key(addr, port.port), external.clone()));
+    }
+    for &addr in &port.load_balancer_ips {
+        let mut lb = external.clone();
+        // kube-proxy applies source ranges only while the service has endpoints (no FW chain
+        // otherwise: the REJECT comes first).
+        if !port.source_ranges.is_empty() && port.has_any_endpoints {
+            lb.flags |= f::SOURCE_RANGES;
+            lb.source_ranges = port.source_ranges.clone();
+        }
+        frontends.push((key(addr, port.port), lb));
     }
     frontends
 }

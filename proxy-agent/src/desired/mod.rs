@@ -14,7 +14,7 @@ mod services;
 mod snapshot;
 mod topology;
 
-pub use frontends::{Backend, Frontend, FrontendKey, socket_frontends};
+pub use frontends::{Backend, Frontend, FrontendKey, Scope, external_frontends, socket_frontends};
 pub use model::{Endpoint, IpFamily, NodeContext, Protocol, ServicePort, ServicePortName};
 pub use services::ServiceError;
 pub use snapshot::{FamilySnapshot, Snapshot, SnapshotUpdate};

@@ -20,33 +20,41 @@ use std::{
 
 use aya::{
     Ebpf, EbpfLoader,
-    maps::{HashMap, MapData, MapInfo, PerCpuArray},
+    maps::{
+        HashMap, MapData, MapInfo, PerCpuArray,
+        lpm_trie::{Key, LpmTrie},
+    },
     programs::{
         CgroupAttachMode, CgroupSockAddr,
         links::{FdLink, PinnedLink},
     },
 };
 use aya_log::EbpfLogger;
+use ipnet::IpNet;
 use proxy_common::{
-    AffinityKey, AffinityMatchKey, AffinityValue, Backend4, Backend6, BackendSlotKey, Frontend4Key,
-    Frontend6Key, FrontendValue, RevNat4, RevNat4Key, RevNat6, RevNat6Key, StatIndex, map_names,
-    program_names,
+    AffinityKey, AffinityMatchKey, AffinityValue, Backend4, Backend6, BackendSlotKey, CtKey,
+    CtValue, Frontend4Key, Frontend6Key, FrontendValue, NodeAddrKey, NodeConfig, RevNat4,
+    RevNat4Key, RevNat6, RevNat6Key, SourceRangeKey, StatIndex, map_names, program_names,
 };
 use tokio::{io::unix::AsyncFd, task::JoinHandle};
 use tracing::{debug, info, warn};
 
 use super::{
     ApplyError, ApplySummary, MapOps, Programmer, bpffs, cgroup, object,
-    program::{BackendValue, FrontendMapKey, MapsContent, ip4_to_map, ip6_to_map},
+    program::{
+        BackendValue, FrontendMapKey, MapsContent, ip4_from_map, ip4_to_map, ip6_from_map,
+        ip6_to_map,
+    },
     sockdiag::{self, DiagSocket},
     stats::read_stats,
+    tc::{TcOptions, TcState},
 };
 use crate::desired::{Protocol, ServicePortName, Snapshot};
 
 /// Directory under `--bpf-root` that holds our pins.
 pub const PIN_DIR_NAME: &str = "kubeproxy-rs";
 /// Suffix of link pins: `<program>_link`. (bpffs refuses names with a dot: EPERM.)
-const LINK_SUFFIX: &str = "_link";
+pub(super) const LINK_SUFFIX: &str = "_link";
 
 #[derive(Debug, Clone)]
 pub struct EbpfOptions {
@@ -55,6 +63,8 @@ pub struct EbpfOptions {
     pub bpf_root: PathBuf,
     pub frontends_capacity: u32,
     pub backends_capacity: u32,
+    /// Interfaces and node facts for the tc programs.
+    pub tc: TcOptions,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -110,6 +120,27 @@ struct ServiceMaps {
     affinity_match: HashMap<MapData, AffinityMatchKey, u8>,
     revnat4: HashMap<MapData, RevNat4Key, RevNat4>,
     revnat6: HashMap<MapData, RevNat6Key, RevNat6>,
+    source_ranges: LpmTrie<MapData, SourceRangeKey, u8>,
+}
+
+/// The LPM key of a frontend's source range: 32 bits of service id, then the prefix.
+fn source_range_key(service_id: u32, range: IpNet) -> Key<SourceRangeKey> {
+    let (addr, bits) = match range.trunc() {
+        IpNet::V4(net) => ([ip4_to_map(net.network()), 0, 0, 0], net.prefix_len()),
+        IpNet::V6(net) => (ip6_to_map(net.network()), net.prefix_len()),
+    };
+    Key::new(32 + u32::from(bits), SourceRangeKey { service_id, addr })
+}
+
+fn source_range_of(key: &Key<SourceRangeKey>, v6: bool) -> Option<(u32, IpNet)> {
+    let data = key.data();
+    let bits = u8::try_from(key.prefix_len().checked_sub(32)?).ok()?;
+    let net = if v6 {
+        IpNet::new(IpAddr::V6(ip6_from_map(data.addr)), bits).ok()?
+    } else {
+        IpNet::new(IpAddr::V4(ip4_from_map(data.addr[0])), bits).ok()?
+    };
+    Some((data.service_id, net))
 }
 
 impl MapOps for ServiceMaps {
@@ -151,6 +182,17 @@ impl MapOps for ServiceMaps {
     fn delete_affinity_match(&mut self, key: AffinityMatchKey) -> Result<(), String> {
         ignore_missing(self.affinity_match.remove(&key))
     }
+    fn put_source_range(&mut self, service_id: u32, range: IpNet) -> Result<(), String> {
+        self.source_ranges
+            .insert(&source_range_key(service_id, range), 1, 0)
+            .map_err(map_error)
+    }
+    fn delete_source_range(&mut self, service_id: u32, range: IpNet) -> Result<(), String> {
+        ignore_missing(
+            self.source_ranges
+                .remove(&source_range_key(service_id, range)),
+        )
+    }
 }
 
 impl ServiceMaps {
@@ -186,6 +228,20 @@ impl ServiceMaps {
         content
             .affinity_matches
             .extend(self.affinity_match.keys().flatten());
+        // The family is not in the key: a range belongs to a frontend of one family, so the
+        // frontend's service id tells which reading is right.
+        let v6_services: BTreeSet<u32> = content
+            .frontends
+            .iter()
+            .filter(|(key, _)| matches!(key, FrontendMapKey::V6(_)))
+            .map(|(_, value)| value.service_id)
+            .collect();
+        for key in self.source_ranges.keys().flatten() {
+            let v6 = v6_services.contains(&key.data().service_id);
+            if let Some(range) = source_range_of(&key, v6) {
+                content.source_ranges.insert(range);
+            }
+        }
         content
     }
 
@@ -247,10 +303,10 @@ pub struct EbpfDataplane {
     pin_dir: PathBuf,
     cgroup_path: PathBuf,
     links: Vec<PinnedLink>,
+    tc: TcState,
     log_drain: Option<JoinHandle<()>>,
-    // Last: the object (programs, log map) is only needed until the links are pinned, but
-    // keeping it avoids reloading anything.
-    _ebpf: Ebpf,
+    // Last: the object (programs, log map); the tc programs attach to new interfaces later.
+    ebpf: Ebpf,
 }
 
 impl std::fmt::Debug for EbpfDataplane {
@@ -295,6 +351,7 @@ impl EbpfDataplane {
             .map_max_entries(map_names::AFFINITY_MATCH, slots_capacity)
             .map_max_entries(map_names::BACKENDS4, options.backends_capacity)
             .map_max_entries(map_names::BACKENDS6, options.backends_capacity)
+            .map_max_entries(map_names::SOURCE_RANGES, options.frontends_capacity)
             .load(object::OBJECT)?;
         let log_drain = start_log_drain(&mut ebpf);
 
@@ -307,13 +364,21 @@ impl EbpfDataplane {
             affinity_match: take_map(&mut ebpf, map_names::AFFINITY_MATCH)?,
             revnat4: take_map(&mut ebpf, map_names::REVNAT4)?,
             revnat6: take_map(&mut ebpf, map_names::REVNAT6)?,
+            source_ranges: take_map(&mut ebpf, map_names::SOURCE_RANGES)?,
         };
         let stats = take_map(&mut ebpf, map_names::STATS)?;
         // The affinity map is only used by the datapath; it stays in `ebpf` (taking and
         // dropping it would close its fd before the programs that reference it are loaded).
-        if ebpf.map(map_names::AFFINITY).is_none() {
-            return Err(LoadError::MissingMap(map_names::AFFINITY));
+        for name in [map_names::AFFINITY, map_names::CT] {
+            if ebpf.map(name).is_none() {
+                return Err(LoadError::MissingMap(name));
+            }
         }
+        let mut tc = TcState::new(
+            options.tc.clone(),
+            take_map(&mut ebpf, map_names::NODE_ADDRS)?,
+            take_map(&mut ebpf, map_names::NODE_CONFIG)?,
+        );
 
         let programmer = if adopting {
             Programmer::adopt(maps.content(), &mut maps)
@@ -325,11 +390,13 @@ impl EbpfDataplane {
         for name in program_names::ALL {
             links.push(attach_and_pin(&mut ebpf, name, &cgroup_dir, &pin_dir)?);
         }
+        tc.refresh(&mut ebpf, &pin_dir, true);
         info!(
             cgroup = %cgroup_path.display(),
             pins = %pin_dir.display(),
             adopted = adopting,
-            "eBPF socket programs attached and pinned"
+            tc_links = tc.link_count(),
+            "eBPF socket and tc programs attached and pinned"
         );
         Ok(Self {
             maps,
@@ -338,8 +405,9 @@ impl EbpfDataplane {
             pin_dir,
             cgroup_path,
             links,
+            tc,
             log_drain,
-            _ebpf: ebpf,
+            ebpf,
         })
     }
 
@@ -351,6 +419,8 @@ impl EbpfDataplane {
         snapshot: &Snapshot,
         changed: Option<&BTreeSet<ServicePortName>>,
     ) -> (ApplySummary, Vec<ApplyError>) {
+        // New interfaces (pods created since the last sync) get their tc program first.
+        self.tc.refresh(&mut self.ebpf, &self.pin_dir, false);
         let (mut summary, errors) =
             self.programmer
                 .apply_snapshot(snapshot, changed, &mut self.maps);
@@ -480,8 +550,26 @@ fn attach_and_pin(
         .map_err(program_error)?;
     let link = program.take_link(link_id).map_err(program_error)?;
     let link = FdLink::try_from(link).map_err(|source| LoadError::Link { name, source })?;
-    let final_pin = pin_dir.join(format!("{name}{LINK_SUFFIX}"));
-    let new_pin = pin_dir.join(format!("{name}{LINK_SUFFIX}_new"));
+    let link = pin_replacing(link, name, &pin_dir.join(format!("{name}{LINK_SUFFIX}")))?;
+    debug!(program = name, "attached and pinned");
+    Ok(link)
+}
+
+/// Pins `link` under a temporary name and renames that over `final_pin`, which releases a
+/// previous run's link there (detaching its program) only once the new one is attached.
+pub(super) fn pin_replacing(
+    link: FdLink,
+    name: &'static str,
+    final_pin: &Path,
+) -> Result<PinnedLink, LoadError> {
+    let final_pin = final_pin.to_path_buf();
+    let new_pin = final_pin.with_file_name(format!(
+        "{}_new",
+        final_pin
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default()
+    ));
     // A crash between pin and rename leaves the temporary pin: remove it first.
     remove_if_present(&new_pin).map_err(|source| LoadError::PinDir {
         path: new_pin.clone(),
@@ -495,13 +583,10 @@ fn attach_and_pin(
         path: final_pin.clone(),
         source,
     })?;
-    let link =
-        PinnedLink::from_pin(&final_pin).map_err(|source| LoadError::Link { name, source })?;
-    debug!(program = name, pin = %final_pin.display(), "attached and pinned");
-    Ok(link)
+    PinnedLink::from_pin(&final_pin).map_err(|source| LoadError::Link { name, source })
 }
 
-fn remove_if_present(path: &Path) -> io::Result<()> {
+pub(super) fn remove_if_present(path: &Path) -> io::Result<()> {
     match std::fs::remove_file(path) {
         Err(error) if error.kind() != io::ErrorKind::NotFound => Err(error),
         _ => Ok(()),
@@ -533,7 +618,7 @@ fn prepare_pin_dir(pin_dir: &Path) -> Result<(), LoadError> {
 }
 
 /// (map, key size, value size) as this build declares them.
-fn expected_layouts() -> [(&'static str, u32, u32); 10] {
+fn expected_layouts() -> [(&'static str, u32, u32); 14] {
     fn size<T>() -> u32 {
         std::mem::size_of::<T>() as u32
     }
@@ -568,6 +653,14 @@ fn expected_layouts() -> [(&'static str, u32, u32); 10] {
             size::<u8>(),
         ),
         (map_names::STATS, size::<u32>(), size::<u64>()),
+        (map_names::CT, size::<CtKey>(), size::<CtValue>()),
+        (
+            map_names::SOURCE_RANGES,
+            size::<u32>() + size::<SourceRangeKey>(),
+            size::<u8>(),
+        ),
+        (map_names::NODE_ADDRS, size::<NodeAddrKey>(), size::<u8>()),
+        (map_names::NODE_CONFIG, size::<u32>(), size::<NodeConfig>()),
     ]
 }
 

@@ -1,4 +1,5 @@
-//! The eBPF dataplane: socket-level load balancing with cgroup sock_addr programs.
+//! The eBPF dataplane: socket-level load balancing with cgroup sock_addr programs, and external
+//! traffic (NodePort, externalIPs, LoadBalancer IPs) with tc programs.
 
 mod bpffs;
 mod cgroup;
@@ -8,9 +9,11 @@ mod object;
 mod program;
 mod sockdiag;
 mod stats;
+mod tc;
 
 pub use loader::{EbpfDataplane, EbpfOptions, LoadError, cleanup};
 pub use program::{
     ApplyError, ApplySummary, BackendValue, FrontendMapKey, MapOps, MapsContent, Programmer,
     RemovedBackend,
 };
+pub use tc::TcOptions;

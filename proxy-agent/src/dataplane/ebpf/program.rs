@@ -16,6 +16,7 @@ use std::{
     net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr},
 };
 
+use ipnet::IpNet;
 use proxy_common::{
     AffinityMatchKey, Backend4, Backend6, BackendSlotKey, Frontend4Key, Frontend6Key,
     FrontendValue, frontend_flags, scope,
@@ -24,7 +25,8 @@ use tracing::{debug, info, warn};
 
 use super::ids::IdAllocator;
 use crate::desired::{
-    Frontend, FrontendKey, IpFamily, Protocol, ServicePortName, Snapshot, socket_frontends,
+    Frontend, FrontendKey, IpFamily, Protocol, Scope, ServicePortName, Snapshot,
+    external_frontends, socket_frontends,
 };
 
 /// A frontend map key of either family.
@@ -68,6 +70,8 @@ pub trait MapOps {
     fn delete_backend(&mut self, id: u32, backend: BackendValue) -> Result<(), String>;
     fn put_affinity_match(&mut self, key: AffinityMatchKey) -> Result<(), String>;
     fn delete_affinity_match(&mut self, key: AffinityMatchKey) -> Result<(), String>;
+    fn put_source_range(&mut self, service_id: u32, range: IpNet) -> Result<(), String>;
+    fn delete_source_range(&mut self, service_id: u32, range: IpNet) -> Result<(), String>;
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -116,6 +120,8 @@ struct AppliedFrontend {
     /// Backend ids by slot, in the live generation.
     slots: Vec<u32>,
     backends: Vec<BackendValue>,
+    /// `loadBalancerSourceRanges` written for this frontend's service id.
+    source_ranges: Vec<IpNet>,
     /// Read back from maps with missing slots: rewrite on the next apply even if it looks equal.
     damaged: bool,
 }
@@ -123,6 +129,11 @@ struct AppliedFrontend {
 impl AppliedFrontend {
     fn affinity_timeout(&self) -> Option<u32> {
         affinity_of(&self.value)
+    }
+
+    /// The flags other than affinity (which [`Frontend::flags`] holds).
+    fn policy_flags(&self) -> u8 {
+        self.value.flags & !frontend_flags::AFFINITY
     }
 }
 
@@ -143,6 +154,8 @@ pub struct MapsContent {
     pub slots: BTreeMap<BackendSlotKey, u32>,
     pub backends: BTreeMap<u32, BackendValue>,
     pub affinity_matches: BTreeSet<AffinityMatchKey>,
+    /// (service id, range) entries of the source-range map.
+    pub source_ranges: BTreeSet<(u32, IpNet)>,
 }
 
 /// The agent's record of what is in the maps, so each apply writes only the difference.
@@ -209,6 +222,12 @@ impl Programmer {
                     .or_insert(BackendEntry { id, users: 0 })
                     .users += 1;
             }
+            let source_ranges = content
+                .source_ranges
+                .iter()
+                .filter(|(id, _)| *id == value.service_id)
+                .map(|(_, range)| *range)
+                .collect();
             programmer.frontends.insert(
                 key,
                 AppliedFrontend {
@@ -218,6 +237,7 @@ impl Programmer {
                     // A damaged frontend's partial slot list would not match its count.
                     slots: if damaged { Vec::new() } else { slots },
                     backends,
+                    source_ranges,
                     damaged,
                 },
             );
@@ -243,6 +263,16 @@ impl Programmer {
         }
         for key in content.affinity_matches.difference(&live_matches) {
             cleaned += usize::from(maps.delete_affinity_match(*key).is_ok());
+        }
+        let live_services: BTreeSet<u32> = programmer
+            .frontends
+            .values()
+            .map(|f| f.value.service_id)
+            .collect();
+        for (service_id, range) in &content.source_ranges {
+            if !live_services.contains(service_id) {
+                cleaned += usize::from(maps.delete_source_range(*service_id, *range).is_ok());
+            }
         }
         programmer.service_ids =
             IdAllocator::with_used(programmer.frontends.values().map(|f| f.value.service_id));
@@ -279,7 +309,11 @@ impl Programmer {
             let frontends = IpFamily::ALL
                 .iter()
                 .filter_map(|&family| snapshot.family(family).service_ports.get(&name))
-                .flat_map(socket_frontends)
+                .flat_map(|port| {
+                    let mut frontends = socket_frontends(port);
+                    frontends.extend(external_frontends(port));
+                    frontends
+                })
                 .collect();
             (name, frontends)
         });
@@ -333,6 +367,8 @@ impl Programmer {
                     && !applied.damaged
                     && applied.backends == backends
                     && applied.affinity_timeout() == frontend.affinity_timeout
+                    && applied.policy_flags() == frontend.flags
+                    && applied.source_ranges == frontend.source_ranges
                 {
                     // Also how an adopted frontend is claimed: without a single map write.
                     applied.owner = Some(name.clone());
@@ -344,6 +380,8 @@ impl Programmer {
                     map_key,
                     backends,
                     affinity_timeout: frontend.affinity_timeout,
+                    flags: frontend.flags,
+                    source_ranges: frontend.source_ranges,
                     owner: name.clone(),
                 };
                 match self.write_frontend(target, maps, &mut summary) {
@@ -408,6 +446,8 @@ impl Programmer {
             map_key,
             backends,
             affinity_timeout,
+            flags,
+            source_ranges,
             owner,
         } = target;
         let slot_count = u16::try_from(backends.len()).map_err(|_| {
@@ -420,6 +460,11 @@ impl Programmer {
             .frontends
             .get(&key)
             .map(|applied| (applied.value, matches_of(applied)));
+        let old_ranges = self
+            .frontends
+            .get(&key)
+            .map(|applied| applied.source_ranges.clone())
+            .unwrap_or_default();
         let (service_id, new_generation) = match previous {
             Some((value, _)) => (value.service_id, value.generation ^ 1),
             None => (
@@ -438,6 +483,14 @@ impl Programmer {
         let result = result.and_then(|slots| {
             // Affinity entries may only lead to members of the live set: add the new members
             // before the switch; the ones leaving go after it.
+            // Source ranges are keyed by service id, which the new generation keeps: add the
+            // new ranges before the switch, remove the dropped ones after it.
+            for range in &source_ranges {
+                if !old_ranges.contains(range) {
+                    maps.put_source_range(service_id, *range)?;
+                    written.ranges.push((service_id, *range));
+                }
+            }
             if affinity_timeout.is_some() {
                 for &backend_id in &slots {
                     let match_key = AffinityMatchKey {
@@ -454,11 +507,12 @@ impl Programmer {
                 service_id,
                 backend_count: slot_count,
                 generation: new_generation,
-                flags: if affinity_timeout.is_some() {
-                    frontend_flags::AFFINITY
-                } else {
-                    0
-                },
+                flags: flags
+                    | if affinity_timeout.is_some() {
+                        frontend_flags::AFFINITY
+                    } else {
+                        0
+                    },
                 affinity_timeout: affinity_timeout.unwrap_or(0),
                 _pad: 0,
             };
@@ -493,6 +547,11 @@ impl Programmer {
                 warn!(?stale, %reason, "cannot delete stale affinity match");
             }
         }
+        for range in old_ranges.iter().filter(|r| !source_ranges.contains(r)) {
+            if let Err(reason) = maps.delete_source_range(service_id, *range) {
+                warn!(%range, %reason, "cannot delete stale source range");
+            }
+        }
         let old = self.frontends.insert(
             key,
             AppliedFrontend {
@@ -501,6 +560,7 @@ impl Programmer {
                 value,
                 slots,
                 backends,
+                source_ranges,
                 damaged: false,
             },
         );
@@ -587,6 +647,11 @@ impl Programmer {
     }
 
     fn undo(&mut self, written: Written, maps: &mut impl MapOps) {
+        for (service_id, range) in written.ranges {
+            if let Err(reason) = maps.delete_source_range(service_id, range) {
+                warn!(%range, %reason, "cannot delete source range while rolling back");
+            }
+        }
         for key in written.matches {
             if let Err(reason) = maps.delete_affinity_match(key) {
                 warn!(?key, %reason, "cannot delete affinity match while rolling back");
@@ -636,6 +701,11 @@ impl Programmer {
                     warn!(?stale, %reason, "cannot delete affinity match");
                 }
             }
+            for range in &applied.source_ranges {
+                if let Err(reason) = maps.delete_source_range(applied.value.service_id, *range) {
+                    warn!(%range, %reason, "cannot delete source range");
+                }
+            }
             summary
                 .removed_backends
                 .extend(applied.backends.iter().map(|b| RemovedBackend {
@@ -660,6 +730,8 @@ struct Target {
     map_key: FrontendMapKey,
     backends: Vec<BackendValue>,
     affinity_timeout: Option<u32>,
+    flags: u8,
+    source_ranges: Vec<IpNet>,
     owner: ServicePortName,
 }
 
@@ -683,6 +755,7 @@ struct Written {
     slots: Vec<BackendSlotKey>,
     acquired: Vec<BackendValue>,
     matches: Vec<AffinityMatchKey>,
+    ranges: Vec<(u32, IpNet)>,
 }
 
 /// An IPv4 address as the maps hold it (network byte order in a native `u32`).
@@ -711,26 +784,35 @@ pub fn ip6_from_map(words: [u32; 4]) -> Ipv6Addr {
 pub fn frontend_map_key(key: &FrontendKey) -> Option<FrontendMapKey> {
     let port = key.port.to_be();
     let proto = key.protocol.number();
+    let scope = match key.scope {
+        Scope::Internal => scope::INTERNAL,
+        Scope::External => scope::EXTERNAL,
+    };
     Some(match key.addr {
         IpAddr::V4(addr) => FrontendMapKey::V4(Frontend4Key {
             addr: ip4_to_map(addr),
             port,
             proto,
-            scope: scope::INTERNAL,
+            scope,
         }),
         IpAddr::V6(addr) => FrontendMapKey::V6(Frontend6Key {
             addr: ip6_to_map(addr),
             port,
             proto,
-            scope: scope::INTERNAL,
+            scope,
         }),
     })
 }
 
 fn frontend_key_of(map_key: &FrontendMapKey) -> Option<FrontendKey> {
-    let (addr, port, proto) = match map_key {
-        FrontendMapKey::V4(k) => (IpAddr::from(ip4_from_map(k.addr)), k.port, k.proto),
-        FrontendMapKey::V6(k) => (IpAddr::from(ip6_from_map(k.addr)), k.port, k.proto),
+    let (addr, port, proto, scope_value) = match map_key {
+        FrontendMapKey::V4(k) => (IpAddr::from(ip4_from_map(k.addr)), k.port, k.proto, k.scope),
+        FrontendMapKey::V6(k) => (IpAddr::from(ip6_from_map(k.addr)), k.port, k.proto, k.scope),
+    };
+    let scope = match scope_value {
+        scope::INTERNAL => Scope::Internal,
+        scope::EXTERNAL => Scope::External,
+        _ => return None,
     };
     let protocol = [Protocol::Tcp, Protocol::Udp, Protocol::Sctp]
         .into_iter()
@@ -739,6 +821,7 @@ fn frontend_key_of(map_key: &FrontendMapKey) -> Option<FrontendKey> {
         addr,
         port: u16::from_be(port),
         protocol,
+        scope,
     })
 }
 

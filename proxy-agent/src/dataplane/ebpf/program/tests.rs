@@ -106,6 +106,7 @@ impl FakeMaps {
             slots: self.slots.clone(),
             backends: self.backends.clone(),
             affinity_matches: self.matches.clone(),
+            source_ranges: BTreeSet::new(),
         }
     }
 }
@@ -154,6 +155,14 @@ impl MapOps for FakeMaps {
         self.matches.remove(&key);
         Ok(())
     }
+    fn put_source_range(&mut self, _service_id: u32, _range: IpNet) -> Result<(), String> {
+        self.writes += 1;
+        Ok(())
+    }
+    fn delete_source_range(&mut self, _service_id: u32, _range: IpNet) -> Result<(), String> {
+        self.writes += 1;
+        Ok(())
+    }
 }
 
 fn key(ip: [u8; 4], port: u16) -> FrontendKey {
@@ -161,6 +170,7 @@ fn key(ip: [u8; 4], port: u16) -> FrontendKey {
         addr: IpAddr::from(ip),
         port,
         protocol: Protocol::Tcp,
+        scope: Scope::Internal,
     }
 }
 
@@ -192,6 +202,8 @@ fn snapshot(frontends: &[(FrontendKey, &[u8])]) -> Vec<Update> {
                     })
                     .collect(),
                 affinity_timeout: None,
+                flags: 0,
+                source_ranges: Vec::new(),
             };
             (name_of(key), vec![(*key, frontend)])
         })
@@ -355,6 +367,7 @@ fn key6(last: u16, port: u16) -> FrontendKey {
         addr: IpAddr::from([0xfd00, 0x96, 0, 0, 0, 0, 0, last]),
         port,
         protocol: Protocol::Tcp,
+        scope: Scope::Internal,
     }
 }
 
@@ -370,6 +383,8 @@ fn snapshot6(key: FrontendKey, pod_ids: &[u16]) -> Vec<Update> {
             })
             .collect(),
         affinity_timeout: None,
+        flags: 0,
+        source_ranges: Vec::new(),
     };
     vec![(name_of(&key), vec![(key, frontend)])]
 }

@@ -1,0 +1,171 @@
+//! kube-proxy's REJECT for packets from outside: the packet is turned into an ICMP (ICMPv6)
+//! "port unreachable" to its sender and sent back out of the interface it came in on, so the
+//! client's connect() fails at once with ECONNREFUSED.
+//!
+//! The reply quotes the original IP header and the first 8 bytes of L4 (what RFC 792 requires
+//! and what the client's stack matches the error to its socket with). Headers are built as
+//! native `u32` words (see `csum::add_words`) and stored over the packet after it is trimmed or
+//! extended to the reply's length.
+//! Known limit: a `CHECKSUM_PARTIAL` skb (from a local stack over veth) keeps that state; veth
+//! never completes checksums, so this only matters for such packets leaving through hardware.
+
+use aya_ebpf::{
+    bindings::{__sk_buff, TC_ACT_SHOT},
+    helpers::{bpf_redirect, bpf_skb_change_tail},
+    programs::TcContext,
+};
+use proxy_common::StatIndex;
+
+use crate::{
+    csum::{add_words, fold},
+    parse::{ETH_HLEN, Packet},
+    stats::bump,
+};
+
+const ICMP_HLEN: usize = 8;
+const IP4_HLEN: usize = 20;
+const IP6_HLEN: usize = 40;
+/// Quoted original: IP header + 8 bytes of L4, in words.
+const QUOTE4_WORDS: usize = (IP4_HLEN + 8) / 4;
+const QUOTE6_WORDS: usize = (IP6_HLEN + 8) / 4;
+const TTL: u8 = 64;
+const IPPROTO_ICMP: u8 = 1;
+const IPPROTO_ICMPV6: u8 = 58;
+
+/// Answers `pkt` with port unreachable; drops it (counted) if that is not possible.
+// Not inlined: its header buffers get their own stack frame (the verifier limits the
+// combined stack of a call chain to 512 bytes).
+#[inline(never)]
+pub fn reject(ctx: &TcContext, pkt: &Packet) -> i32 {
+    let result = if pkt.is_v6() {
+        reject6(ctx)
+    } else if pkt.l4 == ETH_HLEN + IP4_HLEN {
+        reject4(ctx)
+    } else {
+        // IP options: the quote would need the longer header; not worth the code.
+        Err(())
+    };
+    match result {
+        Ok(action) => {
+            bump(StatIndex::TcRejected);
+            action
+        }
+        Err(()) => {
+            bump(StatIndex::TcRejectFailed);
+            TC_ACT_SHOT
+        }
+    }
+}
+
+#[inline(always)]
+fn word(bytes: [u8; 4]) -> u32 {
+    u32::from_ne_bytes(bytes)
+}
+
+/// The checksum as the upper half of a word whose first two bytes are `first`.
+#[inline(always)]
+fn with_csum(first: [u8; 2], csum: u16) -> u32 {
+    let c = csum.to_ne_bytes();
+    word([first[0], first[1], c[0], c[1]])
+}
+
+/// Swaps the Ethernet source and destination (scalar loads and stores: aggregate copies of
+/// 6-byte fields crash LLVM's BPF backend in post-RA pseudo expansion).
+#[inline(always)]
+fn swap_eth(ctx: &TcContext) -> Result<(), ()> {
+    let dst_hi: u32 = ctx.load(0).map_err(drop)?;
+    let dst_lo: u16 = ctx.load(4).map_err(drop)?;
+    let src_hi: u16 = ctx.load(6).map_err(drop)?;
+    let src_lo: u32 = ctx.load(8).map_err(drop)?;
+    ctx.store(0, &src_hi, 0).map_err(drop)?;
+    ctx.store(2, &src_lo, 0).map_err(drop)?;
+    ctx.store(6, &dst_hi, 0).map_err(drop)?;
+    ctx.store(10, &dst_lo, 0).map_err(drop)
+}
+
+#[inline(always)]
+fn reject4(ctx: &TcContext) -> Result<i32, ()> {
+    let quote: [u32; QUOTE4_WORDS] = ctx.load(ETH_HLEN).map_err(drop)?;
+    let total = ((IP4_HLEN + ICMP_HLEN + QUOTE4_WORDS * 4) as u16).to_be_bytes();
+    let mut ip: [u32; 5] = [
+        word([0x45, 0, total[0], total[1]]),
+        word([0, 0, 0x40, 0]), // DF
+        word([TTL, IPPROTO_ICMP, 0, 0]),
+        // Source: the address the client wanted (as REJECT does); destination: the client.
+        quote[4],
+        quote[3],
+    ];
+    ip[2] = with_csum([TTL, IPPROTO_ICMP], fold(add_words(0, &ip)));
+    let mut icmp: [u32; 2] = [word([3, 3, 0, 0]), 0]; // destination/port unreachable
+    icmp[0] = with_csum([3, 3], fold(add_words(add_words(0, &icmp), &quote)));
+    let len = ETH_HLEN + IP4_HLEN + ICMP_HLEN + QUOTE4_WORDS * 4;
+    resize(ctx, len)?;
+    swap_eth(ctx)?;
+    ctx.store(ETH_HLEN, &ip, 0).map_err(drop)?;
+    ctx.store(ETH_HLEN + IP4_HLEN, &icmp, 0).map_err(drop)?;
+    ctx.store(ETH_HLEN + IP4_HLEN + ICMP_HLEN, &quote, 0)
+        .map_err(drop)?;
+    send_back(ctx)
+}
+
+#[inline(always)]
+fn reject6(ctx: &TcContext) -> Result<i32, ()> {
+    let quote: [u32; QUOTE6_WORDS] = ctx.load(ETH_HLEN).map_err(drop)?;
+    let payload = ((ICMP_HLEN + QUOTE6_WORDS * 4) as u16).to_be_bytes();
+    let ip: [u32; 10] = [
+        word([0x60, 0, 0, 0]),
+        word([payload[0], payload[1], IPPROTO_ICMPV6, TTL]),
+        quote[6],
+        quote[7],
+        quote[8],
+        quote[9],
+        quote[2],
+        quote[3],
+        quote[4],
+        quote[5],
+    ];
+    // The ICMPv6 checksum covers a pseudo-header: both addresses, the upper-layer length and
+    // the next header value.
+    let pseudo: [u32; 10] = [
+        ip[2],
+        ip[3],
+        ip[4],
+        ip[5],
+        ip[6],
+        ip[7],
+        ip[8],
+        ip[9],
+        word([0, 0, payload[0], payload[1]]),
+        word([0, 0, 0, IPPROTO_ICMPV6]),
+    ];
+    let mut icmp: [u32; 2] = [word([1, 4, 0, 0]), 0]; // destination/port unreachable
+    let sum = add_words(add_words(add_words(0, &pseudo), &icmp), &quote);
+    icmp[0] = with_csum([1, 4], fold(sum));
+    let len = ETH_HLEN + IP6_HLEN + ICMP_HLEN + QUOTE6_WORDS * 4;
+    resize(ctx, len)?;
+    swap_eth(ctx)?;
+    ctx.store(ETH_HLEN, &ip, 0).map_err(drop)?;
+    ctx.store(ETH_HLEN + IP6_HLEN, &icmp, 0).map_err(drop)?;
+    ctx.store(ETH_HLEN + IP6_HLEN + ICMP_HLEN, &quote, 0)
+        .map_err(drop)?;
+    send_back(ctx)
+}
+
+#[inline(always)]
+fn resize(ctx: &TcContext, len: usize) -> Result<(), ()> {
+    // SAFETY: the program's own skb; the helper checks the length.
+    if unsafe { bpf_skb_change_tail(ctx.skb.skb, len as u32, 0) } != 0 {
+        return Err(());
+    }
+    Ok(())
+}
+
+/// Sends the packet out of the interface it came in on.
+#[inline(always)]
+fn send_back(ctx: &TcContext) -> Result<i32, ()> {
+    let skb: *mut __sk_buff = ctx.skb.skb;
+    // SAFETY: reading a field of the program's own context.
+    let ifindex = unsafe { (*skb).ingress_ifindex };
+    // SAFETY: redirecting to a plain ifindex has no preconditions.
+    Ok(unsafe { bpf_redirect(ifindex, 0) } as i32)
+}

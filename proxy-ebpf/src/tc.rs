@@ -1,0 +1,308 @@
+//! The tc programs' logic: external service traffic (NodePort, externalIPs, LoadBalancer IPs,
+//! ClusterIPs reached from outside) and the reply path.
+//!
+//! `external` (ingress of the node's external interfaces): a packet of a known flow is
+//! translated from its conntrack entry (this also covers replies of remote backends, which
+//! arrive here addressed to the SNAT address). Otherwise its destination is looked up as an
+//! external frontend (exact address, then the NodePort wildcard if the destination is a node
+//! address); source ranges are enforced before any NAT; a backend is chosen; DNAT, SNAT to the
+//! node address unless the client must be preserved; both conntrack entries are written.
+//!
+//! `reply` (ingress of every other interface, i.e. pod veths): replies of local backends are
+//! translated back from their reply entry; everything else passes untouched.
+
+use aya_ebpf::{
+    bindings::{TC_ACT_OK, TC_ACT_SHOT},
+    helpers::bpf_ktime_get_ns,
+    maps::lpm_trie::Key,
+    programs::TcContext,
+};
+use proxy_common::{
+    CtKey, CtValue, Frontend4Key, Frontend6Key, FrontendValue, NodeAddrKey, NodeConfig,
+    SourceRangeKey, StatIndex, ct_flags, frontend_flags, node_flags, scope,
+};
+
+use crate::{
+    conntrack, icmp,
+    lb::{Decision, select_backend},
+    maps::{
+        KPR_BACKENDS4, KPR_BACKENDS6, KPR_FRONTENDS4, KPR_FRONTENDS6, KPR_NODE_ADDRS,
+        KPR_NODE_CONFIG, KPR_SOURCE_RANGES, KPR_TC_SCRATCH,
+    },
+    nat::translate,
+    parse::{Packet, parse},
+    stats::bump,
+};
+
+const PASS: i32 = TC_ACT_OK;
+const DROP: i32 = TC_ACT_SHOT;
+
+pub fn external(ctx: &TcContext) -> i32 {
+    let Some(pkt) = parse(ctx) else {
+        return PASS;
+    };
+    // SAFETY: bpf_ktime_get_ns has no preconditions.
+    let now = unsafe { bpf_ktime_get_ns() };
+    let key = pkt.ct_key();
+    if let Some(entry) = conntrack::lookup(&key) {
+        // SAFETY: the pointer comes from a successful lookup. It is used in place (no copy on
+        // this frame, for the stack); the agent never writes this map, and a racing datapath
+        // update writes a whole, equally valid translation.
+        let value = unsafe { &*entry };
+        if value.flags & ct_flags::REPLY != 0 {
+            return translate(ctx, &pkt, value, StatIndex::TcReplyTranslated);
+        }
+        if conntrack::is_fresh(value, pkt.proto, now) {
+            conntrack::touch(entry, value, now);
+            return translate(ctx, &pkt, value, StatIndex::TcEstablished);
+        }
+    }
+    let Some(frontend) = lookup_frontend(&pkt) else {
+        return PASS;
+    };
+    match new_flow(ctx, &pkt, &key, &frontend) {
+        Verdict::Action(action) => action,
+        // Called from here, not from `new_flow`, so the two frames never stack up.
+        Verdict::Reject => icmp::reject(ctx, &pkt),
+    }
+}
+
+/// What `new_flow` decided.
+enum Verdict {
+    Action(i32),
+    /// kube-proxy REJECT: answer port unreachable.
+    Reject,
+}
+
+pub fn reply(ctx: &TcContext) -> i32 {
+    let Some(pkt) = parse(ctx) else {
+        return PASS;
+    };
+    let Some(entry) = conntrack::lookup(&pkt.ct_key()) else {
+        return PASS;
+    };
+    // SAFETY: as in `external`.
+    let value = unsafe { &*entry };
+    if value.flags & ct_flags::REPLY == 0 {
+        return PASS;
+    }
+    translate(ctx, &pkt, value, StatIndex::TcReplyTranslated)
+}
+
+/// The external frontend for the packet's destination: the exact address (externalIP, LB IP,
+/// ClusterIP), else the NodePort wildcard if the destination is a NodePort address.
+#[inline(always)]
+fn lookup_frontend(pkt: &Packet) -> Option<FrontendValue> {
+    if pkt.is_v6() {
+        let mut key = Frontend6Key {
+            addr: pkt.dst,
+            port: pkt.dport,
+            proto: pkt.proto,
+            scope: scope::EXTERNAL,
+        };
+        // SAFETY: values are copied out at once (whole-value updates by the agent).
+        if let Some(value) = unsafe { KPR_FRONTENDS6.get(key) } {
+            return Some(*value);
+        }
+        if !is_node_address(pkt) {
+            return None;
+        }
+        key.addr = [0; 4];
+        // SAFETY: as above.
+        unsafe { KPR_FRONTENDS6.get(key) }.copied()
+    } else {
+        let mut key = Frontend4Key {
+            addr: pkt.dst[0],
+            port: pkt.dport,
+            proto: pkt.proto,
+            scope: scope::EXTERNAL,
+        };
+        // SAFETY: as above.
+        if let Some(value) = unsafe { KPR_FRONTENDS4.get(key) } {
+            return Some(*value);
+        }
+        if !is_node_address(pkt) {
+            return None;
+        }
+        key.addr = 0;
+        // SAFETY: as above.
+        unsafe { KPR_FRONTENDS4.get(key) }.copied()
+    }
+}
+
+#[inline(always)]
+fn is_node_address(pkt: &Packet) -> bool {
+    let key = NodeAddrKey {
+        addr: pkt.dst,
+        family: pkt.family,
+        _pad: [0; 3],
+    };
+    // SAFETY: presence check only.
+    unsafe { KPR_NODE_ADDRS.get(key) }.is_some()
+}
+
+// Not inlined: as one function with `external`, LLVM 22's BPF backend crashes (SIGSEGV in
+// post-RA pseudo instruction expansion); as a BPF-to-BPF call it also keeps each frame's stack
+// well under the verifier's 512 bytes.
+#[inline(never)]
+fn new_flow(ctx: &TcContext, pkt: &Packet, key: &CtKey, frontend: &FrontendValue) -> Verdict {
+    // Read here rather than passed in: a BPF call takes at most 5 arguments (the verdict's
+    // return slot is one).
+    // SAFETY: bpf_ktime_get_ns has no preconditions.
+    let now = unsafe { bpf_ktime_get_ns() };
+    if frontend.flags & frontend_flags::SOURCE_RANGES != 0 && !source_allowed(pkt, frontend) {
+        bump(StatIndex::TcDroppedSourceRange);
+        return Verdict::Action(DROP);
+    }
+    let (backend_addr, backend_port) = match choose(pkt, frontend) {
+        Decision::Backend(backend) => backend,
+        Decision::NoBackends if frontend.flags & frontend_flags::DROP_NO_BACKENDS != 0 => {
+            bump(StatIndex::TcDroppedNoLocal);
+            return Verdict::Action(DROP);
+        }
+        Decision::NoBackends => return Verdict::Reject,
+        Decision::BackendMissing => {
+            bump(StatIndex::BackendMissing);
+            return Verdict::Action(DROP);
+        }
+    };
+    let Some(scratch) = KPR_TC_SCRATCH.get_ptr_mut(0) else {
+        return Verdict::Action(DROP);
+    };
+    // SAFETY: the per-CPU slot is ours until the program ends (no preemption on a CPU).
+    let scratch = unsafe { &mut *scratch };
+    scratch.forward = CtValue {
+        src: pkt.src,
+        dst: backend_addr,
+        sport: pkt.sport,
+        dport: backend_port,
+        flags: 0,
+        _pad: [0; 3],
+        last_seen_ns: now,
+    };
+    scratch.reply_key = CtKey {
+        src: backend_addr,
+        dst: pkt.src,
+        sport: backend_port,
+        dport: pkt.sport,
+        proto: pkt.proto,
+        family: pkt.family,
+        _pad: 0,
+    };
+    scratch.reply = CtValue {
+        src: pkt.dst,
+        dst: pkt.src,
+        sport: pkt.dport,
+        dport: pkt.sport,
+        flags: ct_flags::REPLY,
+        _pad: [0; 3],
+        last_seen_ns: now,
+    };
+    match snat_address(pkt, frontend) {
+        Some(addr) => {
+            scratch.reply_key.dst = addr;
+            let Some(port) = conntrack::insert_snat_reply(&mut scratch.reply_key, &scratch.reply)
+            else {
+                bump(StatIndex::TcSnatPortExhausted);
+                return Verdict::Action(DROP);
+            };
+            scratch.forward.src = addr;
+            scratch.forward.sport = port;
+            scratch.forward.flags |= ct_flags::SNAT;
+            bump(StatIndex::TcSnat);
+        }
+        None => {
+            if conntrack::insert(&scratch.reply_key, &scratch.reply).is_err() {
+                bump(StatIndex::TcCtFailed);
+                return Verdict::Action(DROP);
+            }
+        }
+    }
+    if conntrack::insert(key, &scratch.forward).is_err() {
+        conntrack::remove(&scratch.reply_key);
+        bump(StatIndex::TcCtFailed);
+        return Verdict::Action(DROP);
+    }
+    let forward = scratch.forward;
+    Verdict::Action(translate(ctx, pkt, &forward, StatIndex::TcTranslated))
+}
+
+/// `loadBalancerSourceRanges`: the longest-prefix match on (service id, client address).
+#[inline(always)]
+fn source_allowed(pkt: &Packet, frontend: &FrontendValue) -> bool {
+    let bits = if pkt.is_v6() { 128 } else { 32 };
+    let key = Key::new(
+        32 + bits,
+        SourceRangeKey {
+            service_id: frontend.service_id,
+            addr: pkt.src,
+        },
+    );
+    KPR_SOURCE_RANGES.get(&key).is_some()
+}
+
+/// Picks a backend; affinity is keyed by the client address (folded to 64 bits for IPv6: a
+/// collision only makes two clients share a live backend).
+#[inline(always)]
+fn choose(pkt: &Packet, frontend: &FrontendValue) -> Decision<([u32; 4], u16)> {
+    let s = pkt.src;
+    if pkt.is_v6() {
+        let client = || (u64::from(s[0] ^ s[2]) << 32) | u64::from(s[1] ^ s[3]);
+        match select_backend(frontend, client, &KPR_BACKENDS6) {
+            Decision::Backend(b) => Decision::Backend((b.addr, b.port)),
+            Decision::NoBackends => Decision::NoBackends,
+            Decision::BackendMissing => Decision::BackendMissing,
+        }
+    } else {
+        let client = || u64::from(s[0]);
+        match select_backend(frontend, client, &KPR_BACKENDS4) {
+            Decision::Backend(b) => Decision::Backend(([b.addr, 0, 0, 0], b.port)),
+            Decision::NoBackends => Decision::NoBackends,
+            Decision::BackendMissing => Decision::BackendMissing,
+        }
+    }
+}
+
+/// The address to source-NAT a new flow to, if any. kube-proxy masquerades all external
+/// traffic with `externalTrafficPolicy: Cluster` (KUBE-EXT → KUBE-MARK-MASQ) and none with
+/// `Local`; a ClusterIP reached from outside is masqueraded by the KUBE-SVC rule only with
+/// masqueradeAll or when the client is outside the cluster CIDR.
+#[inline(always)]
+fn snat_address(pkt: &Packet, frontend: &FrontendValue) -> Option<[u32; 4]> {
+    if frontend.flags & frontend_flags::PRESERVE_CLIENT != 0 {
+        return None;
+    }
+    let config: NodeConfig = *KPR_NODE_CONFIG.get(0)?;
+    if frontend.flags & frontend_flags::CLUSTER_IP != 0
+        && config.flags & node_flags::MASQUERADE_ALL == 0
+        && !outside_cluster_cidr(pkt, &config)
+    {
+        return None;
+    }
+    let addr = if pkt.is_v6() {
+        config.snat6
+    } else {
+        [config.snat4, 0, 0, 0]
+    };
+    // No node address of this family: translate without SNAT rather than not at all.
+    (addr != [0; 4]).then_some(addr)
+}
+
+/// Whether the client is outside a configured cluster CIDR (kube-proxy's local detector; no
+/// CIDR for the family means no detection, so no masquerade).
+#[inline(always)]
+fn outside_cluster_cidr(pkt: &Packet, config: &NodeConfig) -> bool {
+    let s = pkt.src;
+    if pkt.is_v6() {
+        let m = config.cluster6_mask;
+        let c = config.cluster6;
+        config.flags & node_flags::CLUSTER_CIDR6 != 0
+            && (s[0] & m[0] != c[0]
+                || s[1] & m[1] != c[1]
+                || s[2] & m[2] != c[2]
+                || s[3] & m[3] != c[3])
+    } else {
+        config.flags & node_flags::CLUSTER_CIDR4 != 0
+            && s[0] & config.cluster4_mask != config.cluster4
+    }
+}
