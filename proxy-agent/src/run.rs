@@ -13,7 +13,7 @@ use tracing::{debug, error, info, warn};
 use crate::{
     config::{Config, DetectLocal, NodePortAddresses, ProxyMode},
     dataplane::{
-        ebpf::{self, EbpfDataplane, EbpfOptions},
+        ebpf::{self, ApplyError, EbpfDataplane, EbpfOptions},
         iptables::{self, DetectLocalMode, IptablesConfig, IptablesDataplane},
     },
     desired::{NodeContext, ServicePortName, Snapshot},
@@ -283,6 +283,18 @@ impl Dataplane {
                 let (summary, errors) = ebpf.apply(snapshot, scope);
                 for error in &errors {
                     warn!("{error}");
+                }
+                if errors.iter().any(ApplyError::is_capacity) {
+                    let unfit = ebpf.unfit_service_ports();
+                    let names: Vec<String> = unfit.iter().map(ToString::to_string).collect();
+                    warn!(
+                        count = names.len(),
+                        capacity_errors = ebpf.capacity_errors(),
+                        service_ports = %names.join(", "),
+                        "service ports that do not fit in the eBPF maps are not programmed (or \
+                         keep their previous backends); raise --bpf-map-frontends / \
+                         --bpf-map-backends"
+                    );
                 }
                 if summary.frontends_unsupported > 0 {
                     warn!(

@@ -9,8 +9,8 @@ mod program;
 mod sockdiag;
 mod stats;
 
-pub use loader::{EbpfDataplane, EbpfOptions, LoadError, cleanup};
+pub use loader::{EbpfDataplane, EbpfOptions, LoadError, PIN_DIR_MODE, PIN_DIR_NAME, cleanup};
 pub use program::{
-    ApplyError, ApplySummary, BackendValue, FrontendMapKey, MapOps, MapsContent, Programmer,
-    RemovedBackend,
+    ApplyError, ApplySummary, BackendValue, FrontendMapKey, MapOps, MapWriteError, MapsContent,
+    Programmer, RemovedBackend,
 };
