@@ -10,3 +10,4 @@ pub mod objects;
 pub mod run;
 pub mod source;
 pub mod sync_runner;
+pub mod yaml;

@@ -134,13 +134,33 @@ impl Scenario {
     }
 
     fn start_agent_with(&mut self, source: AgentSource, mode: &str) -> Result<&mut Agent> {
+        self.start_agent_with_args(source, mode, &[])
+    }
+
+    /// Starts the agent in the node namespace on the scenario's manifests directory with
+    /// `--proxy-mode <mode>` and extra flags (e.g. map sizes).
+    pub fn start_agent_in_mode_with_args(
+        &mut self,
+        mode: &str,
+        args: &[&str],
+    ) -> Result<&mut Agent> {
+        let source = AgentSource::Manifests(self.manifests.path().to_path_buf());
+        self.start_agent_with_args(source, mode, args)
+    }
+
+    fn start_agent_with_args(
+        &mut self,
+        source: AgentSource,
+        mode: &str,
+        args: &[&str],
+    ) -> Result<&mut Agent> {
         let config = AgentConfig {
             source,
             proxy_mode: Some(mode.to_owned()),
             cgroup_path: self.cgroup.path().to_path_buf(),
             hostname: HOSTNAME.into(),
             netns: Some(self.topo.node().path()),
-            extra_args: Vec::new(),
+            extra_args: args.iter().map(|&a| a.to_owned()).collect(),
         };
         Ok(self.agent.insert(Agent::start(&config)?))
     }

@@ -98,6 +98,15 @@ pub enum ManifestError {
         kind: String,
         name: String,
     },
+    /// Like the API server's `fieldValidation: Warn` (kubectl's default): the object is used,
+    /// the fields it does not have are named.
+    #[error("{at}: {kind} {name}: unknown field `{field}`; ignored")]
+    UnknownField {
+        at: Location,
+        kind: &'static str,
+        name: String,
+        field: String,
+    },
     #[error("{at}: {kind} {name}: {source}")]
     InvalidObject {
         at: Location,
@@ -139,12 +148,11 @@ pub enum ManifestError {
         key: ObjectKey,
         first: Arc<Path>,
     },
-    #[error(
-        "{}: line {line}: flow collections ([...] or {{...}}) nested deeper than \
-         {MAX_FLOW_DEPTH} levels; the file is skipped",
-        path.display()
-    )]
-    TooDeep { path: PathBuf, line: usize },
+    #[error("{}: {too_deep}; the file is skipped", path.display())]
+    TooDeep {
+        path: PathBuf,
+        too_deep: crate::yaml::TooDeep,
+    },
     #[error("{}: reading the file failed unexpectedly ({message}); the file is skipped", path.display())]
     Panic { path: PathBuf, message: String },
 }
@@ -257,10 +265,10 @@ fn load_file(path: &Path, bytes: &[u8], loaded: &mut Loaded, origins: &mut Origi
             return;
         }
     };
-    if let Err(depth) = check_flow_depth(text) {
+    if let Err(too_deep) = crate::yaml::check_flow_depth(text) {
         loaded.errors.push(ManifestError::TooDeep {
             path: path.to_owned(),
-            line: depth.line,
+            too_deep,
         });
         return;
     }
@@ -327,71 +335,6 @@ fn merge<T>(
             errors.push(error);
         }
     }
-}
-
-/// Deepest flow nesting (`[`/`{`) accepted. libyaml checks every pending simple key on each
-/// token, so its time grows with the square of the flow depth (8000 levels: about a second;
-/// a 4 MiB file of `[`: hours). serde_yaml refuses more than 128 levels of any nesting anyway,
-/// so nothing valid is lost by refusing deeper text before parsing it.
-const MAX_FLOW_DEPTH: usize = 128;
-
-struct TooDeep {
-    line: usize,
-}
-
-/// A quick scan for flow nesting deeper than [`MAX_FLOW_DEPTH`], skipping quoted scalars and
-/// comments. Brackets inside plain or block scalars are counted too, which can only make it
-/// refuse text with more than 128 unclosed brackets in scalars.
-fn check_flow_depth(text: &str) -> Result<(), TooDeep> {
-    let mut depth = 0usize;
-    let mut line = 1usize;
-    let mut previous = b'\n';
-    let mut bytes = text.bytes();
-    while let Some(byte) = bytes.next() {
-        let at_token_start = previous.is_ascii_whitespace() || b"[{,:-".contains(&previous);
-        match byte {
-            b'\n' => line += 1,
-            b'[' | b'{' => {
-                depth += 1;
-                if depth > MAX_FLOW_DEPTH {
-                    return Err(TooDeep { line });
-                }
-            }
-            b']' | b'}' => depth = depth.saturating_sub(1),
-            b'#' if previous.is_ascii_whitespace() => {
-                for byte in bytes.by_ref() {
-                    if byte == b'\n' {
-                        line += 1;
-                        break;
-                    }
-                }
-            }
-            b'\'' if at_token_start => {
-                // '' inside is an escaped quote: it closes and reopens, same effect.
-                for byte in bytes.by_ref() {
-                    match byte {
-                        b'\n' => line += 1,
-                        b'\'' => break,
-                        _ => {}
-                    }
-                }
-            }
-            b'"' if at_token_start => {
-                let mut escaped = false;
-                for byte in bytes.by_ref() {
-                    match byte {
-                        b'\n' => line += 1,
-                        b'"' if !escaped => break,
-                        _ => {}
-                    }
-                    escaped = byte == b'\\' && !escaped;
-                }
-            }
-            _ => {}
-        }
-        previous = byte;
-    }
-    Ok(())
 }
 
 /// Errors serde_yaml raises after a document was parsed completely, while building its value:
@@ -500,12 +443,21 @@ fn load_object(
     }
     let is = |api: &str, k: &str| api_version == api && kind == k;
     if is(Service::API_VERSION, Service::KIND) {
-        let service: Service = parse_object(at, &kind, &name, value)?;
+        let service: Service = parse_object(at, &kind, &name, &value)?;
+        report_unknown_fields(at, "Service", &name, &value, &service, &mut loaded.errors);
         check_annotations(at, "Service", &name, &service.metadata)?;
         let key = object_key(at, &service.metadata)?;
         insert_unique(at, key, service, &mut loaded.services, origins, "Service")
     } else if is(EndpointSlice::API_VERSION, EndpointSlice::KIND) {
-        let slice: EndpointSlice = parse_object(at, &kind, &name, value)?;
+        let slice: EndpointSlice = parse_object(at, &kind, &name, &value)?;
+        report_unknown_fields(
+            at,
+            "EndpointSlice",
+            &name,
+            &value,
+            &slice,
+            &mut loaded.errors,
+        );
         check_annotations(at, "EndpointSlice", &name, &slice.metadata)?;
         let key = object_key(at, &slice.metadata)?;
         if crate::objects::slice_service(&key, &slice).is_none() {
@@ -523,7 +475,7 @@ fn load_object(
             "EndpointSlice",
         )
     } else if is(Node::API_VERSION, Node::KIND) {
-        let node: Node = parse_object(at, &kind, &name, value)?;
+        let node: Node = parse_object(at, &kind, &name, &value)?;
         check_annotations(at, "Node", &name, &node.metadata)?;
         let key = ObjectKey {
             namespace: String::new(),
@@ -551,14 +503,81 @@ fn parse_object<T: DeserializeOwned>(
     at: &Location,
     kind: &str,
     name: &str,
-    value: serde_yaml::Value,
+    value: &serde_yaml::Value,
 ) -> Result<T, ManifestError> {
-    serde_yaml::from_value(value).map_err(|source| ManifestError::InvalidObject {
+    // k8s-openapi's types ignore unknown fields; `report_unknown_fields` finds them.
+    T::deserialize(value).map_err(|source| ManifestError::InvalidObject {
         at: at.clone(),
         kind: kind.to_owned(),
         name: name.to_owned(),
         source,
     })
+}
+
+/// Names the fields of `value` that the decoded object does not have: k8s-openapi skips
+/// unknown fields silently, so the object is encoded again and the two trees compared. Only
+/// non-null input fields count (an explicit `null` is dropped on encoding).
+fn report_unknown_fields<T: serde::Serialize>(
+    at: &Location,
+    kind: &'static str,
+    name: &str,
+    value: &serde_yaml::Value,
+    object: &T,
+    errors: &mut Vec<ManifestError>,
+) {
+    let Ok(encoded) = serde_yaml::to_value(object) else {
+        return;
+    };
+    let mut unknown = Vec::new();
+    unknown_fields(value, &encoded, String::new(), &mut unknown);
+    errors.extend(
+        unknown
+            .into_iter()
+            .map(|field| ManifestError::UnknownField {
+                at: at.clone(),
+                kind,
+                name: name.to_owned(),
+                field,
+            }),
+    );
+}
+
+/// Paths (`spec.ports[0].bogus`) in `input` that `known` lacks. Bounded by the input's size,
+/// and its depth is serde_yaml's (at most 128).
+fn unknown_fields(
+    input: &serde_yaml::Value,
+    known: &serde_yaml::Value,
+    path: String,
+    out: &mut Vec<String>,
+) {
+    use serde_yaml::Value;
+    match (input, known) {
+        (Value::Mapping(input), Value::Mapping(known)) => {
+            for (key, value) in input {
+                if value.is_null() {
+                    continue;
+                }
+                let name = key
+                    .as_str()
+                    .map_or_else(|| format!("{key:?}"), str::to_owned);
+                let field = if path.is_empty() {
+                    name
+                } else {
+                    format!("{path}.{name}")
+                };
+                match known.get(key) {
+                    Some(known) => unknown_fields(value, known, field, out),
+                    None => out.push(field),
+                }
+            }
+        }
+        (Value::Sequence(input), Value::Sequence(known)) => {
+            for (index, (input, known)) in input.iter().zip(known).enumerate() {
+                unknown_fields(input, known, format!("{path}[{index}]"), out);
+            }
+        }
+        _ => {}
+    }
 }
 
 fn check_annotations(

@@ -304,3 +304,23 @@ fn a_slice_without_a_service_label_is_named() {
         messages(&loaded)
     );
 }
+
+#[test]
+fn unknown_fields_are_named_and_the_object_is_still_used() {
+    let rich = "apiVersion: v1\nkind: Service\nmetadata: {name: rich, namespace: shop, labels: {a: b}, annotations: {c: d}}\nspec:\n  type: NodePort\n  clusterIP: 10.96.0.12\n  clusterIPs: [10.96.0.12]\n  ipFamilies: [IPv4]\n  ipFamilyPolicy: SingleStack\n  sessionAffinity: ClientIP\n  sessionAffinityConfig: {clientIP: {timeoutSeconds: 60}}\n  externalTrafficPolicy: Local\n  internalTrafficPolicy: Cluster\n  selector: {app: rich}\n  ports:\n  - {name: http, port: 80, targetPort: 8080, protocol: TCP, nodePort: 30080}\n  - {name: dns, port: 53, targetPort: dns, protocol: UDP, bogus: 1}\n  nope: null\nstatus: {loadBalancer: {}}\n";
+    let loaded = load_bytes(Path::new("rich.yaml"), rich.as_bytes());
+    assert_eq!(loaded.services.len(), 1);
+    assert_eq!(
+        messages(&loaded),
+        ["rich.yaml: document 1: Service rich: unknown field `spec.ports[1].bogus`; ignored"]
+    );
+    let slice = format!("{SLICE}endpoints: [{{addresses: [10.244.1.2], conditions: {{ready: true}}, nodeName: n, zone: z, extra: 1}}]\nports: [{{name: http, port: 8080, protocol: TCP, appProtocol: http}}]\n").replacen("endpoints: [{addresses: [10.244.1.2]}]\n", "", 1);
+    let loaded = load_bytes(Path::new("slice.yaml"), slice.as_bytes());
+    assert_eq!(loaded.endpoint_slices.len(), 1);
+    assert_eq!(
+        messages(&loaded),
+        [
+            "slice.yaml: document 1: EndpointSlice web-1: unknown field `endpoints[0].extra`; ignored"
+        ]
+    );
+}
