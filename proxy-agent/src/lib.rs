@@ -6,6 +6,7 @@ pub mod config;
 pub mod conntrack;
 pub mod dataplane;
 pub mod desired;
+pub mod fuzz;
 pub mod objects;
 pub mod run;
 pub mod source;

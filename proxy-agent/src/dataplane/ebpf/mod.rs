@@ -6,7 +6,7 @@ mod ids;
 mod loader;
 mod object;
 mod program;
-mod sockdiag;
+pub(crate) mod sockdiag;
 mod stats;
 
 pub use loader::{EbpfDataplane, EbpfOptions, LoadError, PIN_DIR_MODE, PIN_DIR_NAME, cleanup};
