@@ -18,7 +18,7 @@ use crate::{
     config::{Config, DetectLocal, NodePortAddresses, ProxyMode},
     conntrack::{self, ConntrackSettings},
     dataplane::{
-        ebpf::{self, EbpfDataplane, EbpfOptions},
+        ebpf::{self, ApplyError, EbpfDataplane, EbpfOptions},
         iptables::{self, DetectLocalMode, IptablesConfig, IptablesDataplane},
     },
     desired::{IpFamily, NodeContext, Protocol, ServicePortName, Snapshot},
@@ -370,6 +370,18 @@ impl Dataplane {
                 let (summary, errors) = ebpf.apply(snapshot, scope);
                 for error in &errors {
                     warn!("{error}");
+                }
+                if errors.iter().any(ApplyError::is_capacity) {
+                    let unfit = ebpf.unfit_service_ports();
+                    let names: Vec<String> = unfit.iter().map(ToString::to_string).collect();
+                    warn!(
+                        count = names.len(),
+                        capacity_errors = ebpf.capacity_errors(),
+                        service_ports = %names.join(", "),
+                        "service ports that do not fit in the eBPF maps are not programmed (or \
+                         keep their previous backends); raise --bpf-map-frontends / \
+                         --bpf-map-backends"
+                    );
                 }
                 if summary.frontends_unsupported > 0 {
                     warn!(

@@ -167,9 +167,25 @@ impl Agent {
         self.spawn()
     }
 
+    /// Like [`Agent::restart`], with another `--proxy-mode` (a mode switch on the same pins).
+    pub fn restart_in_mode(&mut self, mode: &str) -> Result<()> {
+        self.config.proxy_mode = Some(mode.to_owned());
+        self.restart()
+    }
+
     /// Runs `proxy-agent --cleanup` on this agent's bpffs root (bounded); returns its status.
     pub fn run_cleanup(&self) -> Result<ExitStatus> {
-        let mut cmd = Command::new(agent_binary()?);
+        // In the agent's namespace: `--cleanup` also removes iptables rules, and those of the
+        // test process's namespace (the host's) must never be touched.
+        let bin = agent_binary()?;
+        let mut cmd = match &self.config.netns {
+            Some(ns) => {
+                let mut c = Command::new("nsenter");
+                c.arg(format!("--net={}", ns.display())).arg("--").arg(&bin);
+                c
+            }
+            None => Command::new(&bin),
+        };
         cmd.arg("--cleanup").arg("--bpf-root").arg(&self.bpf_root);
         let out = crate::process::run_bounded(&mut cmd, STOP_TIMEOUT)?;
         let mut log = fs::OpenOptions::new()

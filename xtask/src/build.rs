@@ -213,6 +213,44 @@ pub fn demo() -> Result<()> {
     )
 }
 
+/// The cargo-fuzz targets in `tests/fuzz/` (a workspace of its own).
+const FUZZ_TARGETS: [&str; 4] = ["manifests", "config", "ctnetlink", "sockdiag"];
+
+/// `cargo +nightly fuzz run` for each target, bounded by `seconds`. Installs cargo-fuzz from
+/// crates.io when missing. The eBPF object is not needed: the parsers never load it.
+pub fn fuzz(seconds: u32, targets: &[String]) -> Result<()> {
+    let has_cargo_fuzz = Command::new("cargo")
+        .args(["fuzz", "--version"])
+        .output()
+        .is_ok_and(|out| out.status.success());
+    if !has_cargo_fuzz {
+        step("setup: cargo install cargo-fuzz");
+        run_cmd(Command::new("cargo").args(["install", "cargo-fuzz", "--locked"]))?;
+    }
+    let targets: Vec<&str> = if targets.is_empty() {
+        FUZZ_TARGETS.to_vec()
+    } else {
+        targets.iter().map(String::as_str).collect()
+    };
+    for target in targets {
+        step(&format!("fuzz: {target} for {seconds} s"));
+        run_cmd(
+            Command::new("cargo")
+                .current_dir(workspace_root().join("tests/fuzz"))
+                .args(["+nightly", "fuzz", "run", target, "--"])
+                .arg(format!("-max_total_time={seconds}"))
+                .arg("-rss_limit_mb=2048")
+                .arg("-timeout=10")
+                .env("PROXY_EBPF_PLACEHOLDER", "1")
+                .env_remove("RUSTUP_TOOLCHAIN")
+                .env_remove("RUSTC")
+                .env_remove("RUSTC_WRAPPER")
+                .env_remove("RUSTC_WORKSPACE_WRAPPER"),
+        )?;
+    }
+    Ok(())
+}
+
 fn is_root() -> bool {
     Command::new("id")
         .arg("-u")

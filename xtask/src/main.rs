@@ -23,6 +23,15 @@ enum Command {
     Test,
     /// Show socket-level load balancing to three pods in a throwaway topology (needs root).
     Demo,
+    /// Coverage-guided fuzzing of the agent's parsers (cargo-fuzz, nightly), each target for
+    /// the given time. Findings land in tests/fuzz/artifacts/.
+    Fuzz {
+        /// Seconds per target.
+        #[arg(long, default_value_t = 60)]
+        seconds: u32,
+        /// Only these targets (default: manifests, config, ctnetlink, sockdiag).
+        targets: Vec<String>,
+    },
 }
 
 fn main() -> Result<()> {
@@ -37,6 +46,7 @@ fn main() -> Result<()> {
             build::ebpf()?;
             build::test()
         }
+        Command::Fuzz { seconds, targets } => build::fuzz(seconds, &targets),
         Command::Demo => {
             setup::run(setup::Mode::IfMissing)?;
             build::ebpf()?;

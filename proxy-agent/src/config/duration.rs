@@ -248,8 +248,20 @@ impl Serialize for GoDuration {
 impl<'de> Deserialize<'de> for GoDuration {
     /// Only strings, like metav1.Duration (`syncPeriod: 30` is an error there too).
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-        let text = String::deserialize(deserializer)?;
-        text.parse().map_err(serde::de::Error::custom)
+        // Parsed inside the visitor, not after `String::deserialize` returned: serde_yaml then
+        // reports the error at the value, with its full path (`iptables.syncPeriod`), instead
+        // of at the enclosing mapping.
+        struct Visitor;
+        impl serde::de::Visitor<'_> for Visitor {
+            type Value = GoDuration;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a Go duration such as 30s or 1m0s")
+            }
+            fn visit_str<E: serde::de::Error>(self, text: &str) -> Result<GoDuration, E> {
+                text.parse().map_err(E::custom)
+            }
+        }
+        deserializer.deserialize_str(Visitor)
     }
 }
 

@@ -368,11 +368,34 @@ pub fn load(args: &Args) -> Result<Loaded, ConfigError> {
     })
 }
 
+/// Largest configuration file read (a real one is a few KiB): bounds the memory a parse takes.
+pub const MAX_FILE_BYTES: u64 = 1 << 20;
+
 /// Reads and decodes a KubeProxyConfiguration file (YAML, or JSON which is YAML too).
 pub fn read_file(path: &Path) -> Result<KubeProxyConfiguration, ConfigError> {
-    let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+    use std::io::Read as _;
+    let read_error = |source| ConfigError::Read {
         path: path.to_owned(),
         source,
+    };
+    let parse_error = |message| ConfigError::Parse {
+        path: path.to_owned(),
+        message,
+    };
+    let mut bytes = Vec::new();
+    std::fs::File::open(path)
+        .and_then(|file| file.take(MAX_FILE_BYTES + 1).read_to_end(&mut bytes))
+        .map_err(read_error)?;
+    if bytes.len() as u64 > MAX_FILE_BYTES {
+        return Err(parse_error(format!(
+            "larger than {MAX_FILE_BYTES} bytes; not a KubeProxyConfiguration"
+        )));
+    }
+    let text = String::from_utf8(bytes).map_err(|error| {
+        parse_error(format!(
+            "not UTF-8 text (invalid byte at offset {})",
+            error.utf8_error().valid_up_to()
+        ))
     })?;
     parse(&text).map_err(|message| ConfigError::Parse {
         path: path.to_owned(),
@@ -382,6 +405,8 @@ pub fn read_file(path: &Path) -> Result<KubeProxyConfiguration, ConfigError> {
 
 /// Decodes a document strictly: unknown fields, a wrong apiVersion or kind are errors.
 pub fn parse(text: &str) -> Result<KubeProxyConfiguration, String> {
+    // libyaml's time is quadratic in the flow depth: refuse what serde_yaml would refuse anyway.
+    crate::yaml::check_flow_depth(text).map_err(|too_deep| too_deep.to_string())?;
     let document: KubeProxyConfiguration =
         serde_yaml::from_str(text).map_err(|error| error.to_string())?;
     if document.api_version != file::API_VERSION || document.kind != file::KIND {

@@ -992,10 +992,10 @@ fn type_errors_in_the_file_name_the_field() {
             "iptables:\n  masqueradeBit: lots\n",
             "iptables.masqueradeBit",
         ),
-        // serde_yaml names the enclosing section and the line; the message names the value.
+        // The duration is parsed inside serde_yaml's visitor, so the full path is named.
         (
             "iptables:\n  syncPeriod: 30\n",
-            "iptables: invalid duration \"30\"",
+            "iptables.syncPeriod: invalid duration \"30\"",
         ),
         ("conntrack:\n  udpTimeout: 5 minutes\n", "invalid duration"),
         ("nodePortAddresses: 10.0.0.0/8\n", "nodePortAddresses"),

@@ -6,7 +6,7 @@
 //! - `sysctls.rs`: nf_conntrack_max and timeouts.
 
 mod cleanup;
-mod netlink;
+pub(crate) mod netlink;
 mod sysctls;
 
 pub use cleanup::{CleanupReport, StaleFilter, reconcile, stale_filters};

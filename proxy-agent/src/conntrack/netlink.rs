@@ -166,32 +166,59 @@ impl Ctnetlink {
         loop {
             let n = recv(self.fd.as_raw_fd(), &mut buf, MsgFlags::empty())
                 .map_err(ConntrackError::Socket)?;
-            let mut rest = buf
+            let datagram = buf
                 .get(..n)
                 .ok_or(ConntrackError::Malformed("short read"))?;
-            while rest.len() >= 16 {
-                let len = u32::from_ne_bytes(read4(rest, 0)?) as usize;
-                let kind = u16::from_ne_bytes(read2(rest, 4)?);
-                if len < 16 || len > rest.len() {
-                    return Err(ConntrackError::Malformed("message length"));
-                }
-                let message = &rest[16..len];
-                match kind {
-                    NLMSG_DONE => return Ok(()),
-                    NLMSG_ERROR => {
-                        let code = i32::from_ne_bytes(read4(message, 0)?);
-                        if code == 0 {
-                            return Ok(()); // the ACK
-                        }
-                        return Err(ConntrackError::Kernel(nix::Error::from_raw(-code)));
-                    }
-                    // Skip the 4-byte nfgenmsg in front of the attributes.
-                    _ => each(message.get(4..).unwrap_or_default())?,
-                }
-                rest = &rest[align4(len).min(rest.len())..];
+            if walk_datagram(datagram, &mut each)? {
+                return Ok(());
             }
         }
     }
+}
+
+/// Walks the netlink messages of one received datagram, calling `each` with the payload of
+/// every data message. Returns whether the reply is complete (DONE or the ACK).
+fn walk_datagram(
+    mut rest: &[u8],
+    each: &mut impl FnMut(&[u8]) -> Result<(), ConntrackError>,
+) -> Result<bool, ConntrackError> {
+    while rest.len() >= 16 {
+        let len = u32::from_ne_bytes(read4(rest, 0)?) as usize;
+        let kind = u16::from_ne_bytes(read2(rest, 4)?);
+        if len < 16 || len > rest.len() {
+            return Err(ConntrackError::Malformed("message length"));
+        }
+        let message = &rest[16..len];
+        match kind {
+            NLMSG_DONE => return Ok(true),
+            NLMSG_ERROR => {
+                let code = i32::from_ne_bytes(read4(message, 0)?);
+                if code == 0 {
+                    return Ok(true); // the ACK
+                }
+                return Err(ConntrackError::Kernel(nix::Error::from_raw(
+                    code.saturating_neg(),
+                )));
+            }
+            // Skip the 4-byte nfgenmsg in front of the attributes.
+            _ => each(message.get(4..).unwrap_or_default())?,
+        }
+        rest = &rest[align4(len).min(rest.len())..];
+    }
+    Ok(false)
+}
+
+/// The conntrack entries in one dump datagram as the kernel would send it (for fuzzing the
+/// parser without a socket).
+pub(crate) fn parse_dump_datagram(datagram: &[u8]) -> Result<Vec<ConntrackEntry>, ConntrackError> {
+    let mut entries = Vec::new();
+    walk_datagram(datagram, &mut |payload| {
+        if let Some(entry) = parse_entry(payload)? {
+            entries.push(entry);
+        }
+        Ok(())
+    })?;
+    Ok(entries)
 }
 
 fn align4(n: usize) -> usize {

@@ -17,6 +17,7 @@ use k8s_openapi::{
         core::v1::{Node, Service},
         discovery::v1::EndpointSlice,
     },
+    apimachinery::pkg::apis::meta::v1::ObjectMeta,
 };
 use notify::{RecursiveMode, Watcher as _};
 use serde::de::DeserializeOwned;
@@ -24,6 +25,35 @@ use tokio::sync::{Notify, mpsc};
 use tracing::{debug, info, warn};
 
 use crate::objects::{ObjectKey, Update};
+
+/// Largest manifest file read. Far above any real folder of Services and EndpointSlices (the
+/// API server stores an object in at most 1.5 MiB), and it bounds the memory a parse can take
+/// (a YAML value tree costs several times its text).
+pub const MAX_FILE_BYTES: u64 = 4 << 20;
+/// The API server's limit on an object's annotations, keys and values together
+/// (`TotalAnnotationSizeLimitB`): the folder stands in for the API server, so what it would
+/// refuse is refused here too.
+pub const MAX_ANNOTATIONS_BYTES: usize = 256 << 10;
+
+/// Where a problem is: the file, the document in it (1-based) and, for `kind: List`, the
+/// item (0-based, as in `items[3]`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Location {
+    /// Shared by every problem in the file (and it keeps the errors small).
+    pub path: Arc<Path>,
+    pub doc: usize,
+    pub item: Option<usize>,
+}
+
+impl std::fmt::Display for Location {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}: document {}", self.path.display(), self.doc)?;
+        if let Some(item) = self.item {
+            write!(f, ": items[{item}]")?;
+        }
+        Ok(())
+    }
+}
 
 #[derive(Debug, thiserror::Error)]
 pub enum ManifestError {
@@ -37,40 +67,99 @@ pub enum ManifestError {
         path: PathBuf,
         source: std::io::Error,
     },
-    #[error("{path}: document {doc}: invalid YAML: {source}")]
+    #[error("{}: file is larger than {MAX_FILE_BYTES} bytes ({size}); not read", path.display())]
+    TooLarge { path: PathBuf, size: u64 },
+    #[error(
+        "{}: not UTF-8 text (invalid byte at offset {offset}); the file is skipped",
+        path.display()
+    )]
+    NotUtf8 { path: PathBuf, offset: usize },
+    #[error("{at}: invalid YAML: {source}; the rest of this file is skipped")]
     Yaml {
-        path: PathBuf,
-        doc: usize,
+        at: Location,
         source: serde_yaml::Error,
     },
-    #[error("{path}: document {doc}: missing or non-string field `{field}`")]
-    MissingField {
-        path: PathBuf,
-        doc: usize,
-        field: &'static str,
+    /// A document that is well-formed YAML but not a valid object tree (duplicate keys, nested
+    /// too deeply, too many alias expansions); the next documents are still read.
+    #[error("{at}: invalid document: {source}")]
+    Document {
+        at: Location,
+        source: serde_yaml::Error,
     },
-    #[error("{path}: document {doc}: {kind} {name}: {source}")]
+    #[error("{at}: missing or non-string field `{field}`")]
+    MissingField { at: Location, field: &'static str },
+    #[error(
+        "{at}: {api_version} {kind} {name}: not a kind the proxy reads (v1 Service, \
+         discovery.k8s.io/v1 EndpointSlice, v1 Node, v1 List); skipped"
+    )]
+    UnsupportedKind {
+        at: Location,
+        api_version: String,
+        kind: String,
+        name: String,
+    },
+    /// Like the API server's `fieldValidation: Warn` (kubectl's default): the object is used,
+    /// the fields it does not have are named.
+    #[error("{at}: {kind} {name}: unknown field `{field}`; ignored")]
+    UnknownField {
+        at: Location,
+        kind: &'static str,
+        name: String,
+        field: String,
+    },
+    #[error("{at}: {kind} {name}: {source}")]
     InvalidObject {
-        path: PathBuf,
-        doc: usize,
+        at: Location,
         kind: String,
         name: String,
         source: serde_yaml::Error,
     },
     #[error(
-        "{path}: document {doc}: {kind} {key} is already defined in {first}; ignoring this copy"
+        "{at}: {kind} {name}: metadata.annotations: {size} bytes, more than the API server's \
+         limit of {MAX_ANNOTATIONS_BYTES}; skipped"
     )]
+    AnnotationsTooLarge {
+        at: Location,
+        kind: &'static str,
+        name: String,
+        size: usize,
+    },
+    #[error(
+        "{at}: EndpointSlice {key}: metadata.labels: no `kubernetes.io/service-name` label, so it \
+         belongs to no Service; skipped"
+    )]
+    SliceWithoutServiceLabel { at: Location, key: ObjectKey },
+    #[error(
+        "{at}: EndpointSlice {key}: its Service {}/{service} (label \
+         `kubernetes.io/service-name`) is not defined in the folder; its endpoints are unused \
+         until it is",
+        key.namespace
+    )]
+    SliceWithoutService {
+        at: Location,
+        key: ObjectKey,
+        /// The Service's name (its namespace is the slice's).
+        service: String,
+    },
+    #[error("{at}: {kind} {key} is already defined in {}; ignoring this copy", first.display())]
     Duplicate {
-        path: PathBuf,
-        doc: usize,
+        at: Location,
         kind: &'static str,
         key: ObjectKey,
-        first: PathBuf,
+        first: Arc<Path>,
     },
+    #[error("{}: {too_deep}; the file is skipped", path.display())]
+    TooDeep {
+        path: PathBuf,
+        too_deep: crate::yaml::TooDeep,
+    },
+    #[error("{}: reading the file failed unexpectedly ({message}); the file is skipped", path.display())]
+    Panic { path: PathBuf, message: String },
 }
 
-/// Which file first defined each object, to name it in duplicate errors.
-type Origins = BTreeMap<(&'static str, ObjectKey), PathBuf>;
+/// Which document first defined each object, to name it in duplicate errors and to find slices
+/// whose Service is missing.
+type Origins = BTreeMap<(&'static str, ObjectKey), Location>;
 
 /// The result of reading the folder once.
 #[derive(Debug, Default)]
@@ -99,14 +188,53 @@ pub fn load_dir(dir: &Path) -> Loaded {
     files.sort();
     let mut origins = Origins::new();
     for path in files {
-        match std::fs::read_to_string(&path) {
-            Ok(text) => load_text(&path, &text, &mut loaded, &mut origins),
+        match read_bounded(&path) {
+            Ok(bytes) => load_file(&path, &bytes, &mut loaded, &mut origins),
             // The file may have been renamed away between listing and reading.
-            Err(source) if source.kind() == std::io::ErrorKind::NotFound => {}
-            Err(source) => loaded.errors.push(ManifestError::ReadFile { path, source }),
+            Err(ManifestError::ReadFile { source, .. })
+                if source.kind() == std::io::ErrorKind::NotFound => {}
+            Err(error) => loaded.errors.push(error),
         }
     }
+    check_slices_have_services(&mut loaded, &origins);
     loaded
+}
+
+/// The objects of one file's content, as [`load_dir`] reads each file (without the checks
+/// across files). The entry point for fuzzing.
+pub fn load_bytes(path: &Path, bytes: &[u8]) -> Loaded {
+    let mut loaded = Loaded::default();
+    load_file(path, bytes, &mut loaded, &mut Origins::new());
+    loaded
+}
+
+/// Reads at most [`MAX_FILE_BYTES`] (+1, to tell a file that grew past the limit after the
+/// size check).
+fn read_bounded(path: &Path) -> Result<Vec<u8>, ManifestError> {
+    use std::io::Read as _;
+    let read_error = |source| ManifestError::ReadFile {
+        path: path.to_owned(),
+        source,
+    };
+    let file = std::fs::File::open(path).map_err(read_error)?;
+    let size = file.metadata().map_err(read_error)?.len();
+    if size > MAX_FILE_BYTES {
+        return Err(ManifestError::TooLarge {
+            path: path.to_owned(),
+            size,
+        });
+    }
+    let mut bytes = Vec::new();
+    file.take(MAX_FILE_BYTES + 1)
+        .read_to_end(&mut bytes)
+        .map_err(read_error)?;
+    if bytes.len() as u64 > MAX_FILE_BYTES {
+        return Err(ManifestError::TooLarge {
+            path: path.to_owned(),
+            size: bytes.len() as u64,
+        });
+    }
+    Ok(bytes)
 }
 
 fn manifest_files(dir: &Path) -> std::io::Result<Vec<PathBuf>> {
@@ -124,31 +252,144 @@ fn manifest_files(dir: &Path) -> std::io::Result<Vec<PathBuf>> {
     Ok(files)
 }
 
-fn load_text(path: &Path, text: &str, loaded: &mut Loaded, origins: &mut Origins) {
-    for (index, document) in serde_yaml::Deserializer::from_str(text).enumerate() {
-        let doc = index + 1;
-        let value = match <serde_yaml::Value as serde::Deserialize>::deserialize(document) {
-            Ok(serde_yaml::Value::Null) => continue, // empty document, e.g. a trailing `---`
-            Ok(value) => value,
-            Err(source) => {
-                loaded.errors.push(ManifestError::Yaml {
-                    path: path.to_owned(),
-                    doc,
-                    source,
-                });
-                // The YAML stream is broken from here on; serde_yaml cannot resync.
-                return;
-            }
+/// Loads one file into `loaded`, all or nothing if the YAML library panics: a bug there must
+/// cost one file, not the agent (the source task ends on a panic, and the agent with it).
+fn load_file(path: &Path, bytes: &[u8], loaded: &mut Loaded, origins: &mut Origins) {
+    let text = match std::str::from_utf8(bytes) {
+        Ok(text) => text,
+        Err(error) => {
+            loaded.errors.push(ManifestError::NotUtf8 {
+                path: path.to_owned(),
+                offset: error.valid_up_to(),
+            });
+            return;
+        }
+    };
+    if let Err(too_deep) = crate::yaml::check_flow_depth(text) {
+        loaded.errors.push(ManifestError::TooDeep {
+            path: path.to_owned(),
+            too_deep,
+        });
+        return;
+    }
+    let mut file = Loaded::default();
+    let mut file_origins = Origins::new();
+    let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        load_text(path, text, &mut file, &mut file_origins);
+    }));
+    if let Err(panic) = outcome {
+        let message = panic
+            .downcast_ref::<&str>()
+            .map(|s| (*s).to_owned())
+            .or_else(|| panic.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "panic".to_owned());
+        loaded.errors.push(ManifestError::Panic {
+            path: path.to_owned(),
+            message,
+        });
+        return;
+    }
+    loaded.errors.extend(file.errors);
+    merge(
+        file.services,
+        &mut loaded.services,
+        "Service",
+        &file_origins,
+        origins,
+        &mut loaded.errors,
+    );
+    merge(
+        file.endpoint_slices,
+        &mut loaded.endpoint_slices,
+        "EndpointSlice",
+        &file_origins,
+        origins,
+        &mut loaded.errors,
+    );
+    merge(
+        file.nodes,
+        &mut loaded.nodes,
+        "Node",
+        &file_origins,
+        origins,
+        &mut loaded.errors,
+    );
+}
+
+/// Adds one file's objects to the folder's; an object an earlier file defined keeps that
+/// definition and this copy is reported.
+fn merge<T>(
+    from_file: BTreeMap<ObjectKey, T>,
+    into: &mut BTreeMap<ObjectKey, T>,
+    kind: &'static str,
+    file_origins: &Origins,
+    origins: &mut Origins,
+    errors: &mut Vec<ManifestError>,
+) {
+    for (key, object) in from_file {
+        let origin_key = (kind, key);
+        let Some(at) = file_origins.get(&origin_key) else {
+            continue;
         };
-        if let Err(error) = load_document(path, doc, value, loaded, origins) {
-            loaded.errors.push(error);
+        if let Err(error) = insert_unique(at, origin_key.1.clone(), object, into, origins, kind) {
+            errors.push(error);
         }
     }
 }
 
+/// Errors serde_yaml raises after a document was parsed completely, while building its value:
+/// the stream is intact and the next documents can be read. After any other error (a syntax
+/// error, an unknown anchor) the stream is not: serde_yaml repeats the error for every later
+/// document, or panics reading on (checked in the tests), so the rest of the file is skipped.
+/// serde_yaml 0.9 is final (deprecated), so these messages do not change under us.
+fn document_is_intact(error: &serde_yaml::Error) -> bool {
+    let message = error.to_string();
+    [
+        "duplicate entry",
+        "recursion limit exceeded",
+        "repetition limit exceeded",
+    ]
+    .iter()
+    .any(|known| message.contains(known))
+}
+
+fn load_text(path: &Path, text: &str, loaded: &mut Loaded, origins: &mut Origins) {
+    let path: Arc<Path> = Arc::from(path);
+    for (index, document) in serde_yaml::Deserializer::from_str(text).enumerate() {
+        let at = Location {
+            path: Arc::clone(&path),
+            doc: index + 1,
+            item: None,
+        };
+        let value = match <serde_yaml::Value as serde::Deserialize>::deserialize(document) {
+            Ok(serde_yaml::Value::Null) => continue, // empty document, e.g. a trailing `---`
+            Ok(value) => value,
+            Err(source) if document_is_intact(&source) => {
+                loaded.errors.push(ManifestError::Document { at, source });
+                continue;
+            }
+            Err(source) => {
+                loaded.errors.push(ManifestError::Yaml { at, source });
+                return;
+            }
+        };
+        load_document(at, value, loaded, origins);
+    }
+}
+
 fn load_document(
-    path: &Path,
-    doc: usize,
+    at: Location,
+    value: serde_yaml::Value,
+    loaded: &mut Loaded,
+    origins: &mut Origins,
+) {
+    if let Err(error) = load_object(&at, value, loaded, origins) {
+        loaded.errors.push(error);
+    }
+}
+
+fn load_object(
+    at: &Location,
     value: serde_yaml::Value,
     loaded: &mut Loaded,
     origins: &mut Origins,
@@ -159,49 +400,74 @@ fn load_document(
             .and_then(serde_yaml::Value::as_str)
             .map(str::to_owned)
             .ok_or(ManifestError::MissingField {
-                path: path.to_owned(),
-                doc,
+                at: at.clone(),
                 field: name,
             })
     };
     let api_version = field("apiVersion")?;
     let kind = field("kind")?;
-    if kind == "List" {
-        let items = value
-            .get("items")
-            .and_then(serde_yaml::Value::as_sequence)
-            .cloned()
-            .unwrap_or_default();
-        for item in items {
-            load_document(path, doc, item, loaded, origins)?;
-        }
-        return Ok(());
-    }
     let name = value
         .get("metadata")
         .and_then(|m| m.get("name"))
         .and_then(serde_yaml::Value::as_str)
         .unwrap_or("<unnamed>")
         .to_owned();
+    if api_version == "v1" && kind == "List" {
+        if at.item.is_some() {
+            // kubectl does not nest Lists either; refusing keeps the recursion at one level.
+            return Err(ManifestError::UnsupportedKind {
+                at: at.clone(),
+                api_version,
+                kind: "List inside a List".to_owned(),
+                name,
+            });
+        }
+        let items = match value.get("items") {
+            None | Some(serde_yaml::Value::Null) => Vec::new(),
+            Some(serde_yaml::Value::Sequence(items)) => items.clone(),
+            Some(_) => {
+                return Err(ManifestError::MissingField {
+                    at: at.clone(),
+                    field: "items (a list)",
+                });
+            }
+        };
+        for (index, item) in items.into_iter().enumerate() {
+            let item_at = Location {
+                item: Some(index),
+                ..at.clone()
+            };
+            load_document(item_at, item, loaded, origins);
+        }
+        return Ok(());
+    }
     let is = |api: &str, k: &str| api_version == api && kind == k;
     if is(Service::API_VERSION, Service::KIND) {
-        let service: Service = parse_object(path, doc, &kind, &name, value)?;
-        let key = object_key(path, doc, &service.metadata)?;
-        insert_unique(
-            path,
-            doc,
-            key,
-            service,
-            &mut loaded.services,
-            origins,
-            "Service",
-        )
+        let service: Service = parse_object(at, &kind, &name, &value)?;
+        report_unknown_fields(at, "Service", &name, &value, &service, &mut loaded.errors);
+        check_annotations(at, "Service", &name, &service.metadata)?;
+        let key = object_key(at, &service.metadata)?;
+        insert_unique(at, key, service, &mut loaded.services, origins, "Service")
     } else if is(EndpointSlice::API_VERSION, EndpointSlice::KIND) {
-        let slice: EndpointSlice = parse_object(path, doc, &kind, &name, value)?;
-        let key = object_key(path, doc, &slice.metadata)?;
+        let slice: EndpointSlice = parse_object(at, &kind, &name, &value)?;
+        report_unknown_fields(
+            at,
+            "EndpointSlice",
+            &name,
+            &value,
+            &slice,
+            &mut loaded.errors,
+        );
+        check_annotations(at, "EndpointSlice", &name, &slice.metadata)?;
+        let key = object_key(at, &slice.metadata)?;
+        if crate::objects::slice_service(&key, &slice).is_none() {
+            return Err(ManifestError::SliceWithoutServiceLabel {
+                at: at.clone(),
+                key,
+            });
+        }
         insert_unique(
-            path,
-            doc,
+            at,
             key,
             slice,
             &mut loaded.endpoint_slices,
@@ -209,7 +475,8 @@ fn load_document(
             "EndpointSlice",
         )
     } else if is(Node::API_VERSION, Node::KIND) {
-        let node: Node = parse_object(path, doc, &kind, &name, value)?;
+        let node: Node = parse_object(at, &kind, &name, &value)?;
+        check_annotations(at, "Node", &name, &node.metadata)?;
         let key = ObjectKey {
             namespace: String::new(),
             name: node
@@ -217,49 +484,134 @@ fn load_document(
                 .name
                 .clone()
                 .ok_or(ManifestError::MissingField {
-                    path: path.to_owned(),
-                    doc,
+                    at: at.clone(),
                     field: "metadata.name",
                 })?,
         };
-        insert_unique(path, doc, key, node, &mut loaded.nodes, origins, "Node")
+        insert_unique(at, key, node, &mut loaded.nodes, origins, "Node")
     } else {
-        debug!(path = %path.display(), doc, %api_version, %kind, %name, "ignoring object of a kind the proxy does not use");
-        Ok(())
+        Err(ManifestError::UnsupportedKind {
+            at: at.clone(),
+            api_version,
+            kind,
+            name,
+        })
     }
 }
 
 fn parse_object<T: DeserializeOwned>(
-    path: &Path,
-    doc: usize,
+    at: &Location,
     kind: &str,
     name: &str,
-    value: serde_yaml::Value,
+    value: &serde_yaml::Value,
 ) -> Result<T, ManifestError> {
-    serde_yaml::from_value(value).map_err(|source| ManifestError::InvalidObject {
-        path: path.to_owned(),
-        doc,
+    // k8s-openapi's types ignore unknown fields; `report_unknown_fields` finds them.
+    T::deserialize(value).map_err(|source| ManifestError::InvalidObject {
+        at: at.clone(),
         kind: kind.to_owned(),
         name: name.to_owned(),
         source,
     })
 }
 
-fn object_key(
-    path: &Path,
-    doc: usize,
-    metadata: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta,
-) -> Result<ObjectKey, ManifestError> {
+/// Names the fields of `value` that the decoded object does not have: k8s-openapi skips
+/// unknown fields silently, so the object is encoded again and the two trees compared. Only
+/// non-null input fields count (an explicit `null` is dropped on encoding).
+fn report_unknown_fields<T: serde::Serialize>(
+    at: &Location,
+    kind: &'static str,
+    name: &str,
+    value: &serde_yaml::Value,
+    object: &T,
+    errors: &mut Vec<ManifestError>,
+) {
+    let Ok(encoded) = serde_yaml::to_value(object) else {
+        return;
+    };
+    let mut unknown = Vec::new();
+    unknown_fields(value, &encoded, String::new(), &mut unknown);
+    errors.extend(
+        unknown
+            .into_iter()
+            .map(|field| ManifestError::UnknownField {
+                at: at.clone(),
+                kind,
+                name: name.to_owned(),
+                field,
+            }),
+    );
+}
+
+/// Paths (`spec.ports[0].bogus`) in `input` that `known` lacks. Bounded by the input's size,
+/// and its depth is serde_yaml's (at most 128).
+fn unknown_fields(
+    input: &serde_yaml::Value,
+    known: &serde_yaml::Value,
+    path: String,
+    out: &mut Vec<String>,
+) {
+    use serde_yaml::Value;
+    match (input, known) {
+        (Value::Mapping(input), Value::Mapping(known)) => {
+            for (key, value) in input {
+                if value.is_null() {
+                    continue;
+                }
+                let name = key
+                    .as_str()
+                    .map_or_else(|| format!("{key:?}"), str::to_owned);
+                let field = if path.is_empty() {
+                    name
+                } else {
+                    format!("{path}.{name}")
+                };
+                match known.get(key) {
+                    Some(known) => unknown_fields(value, known, field, out),
+                    None => out.push(field),
+                }
+            }
+        }
+        (Value::Sequence(input), Value::Sequence(known)) => {
+            for (index, (input, known)) in input.iter().zip(known).enumerate() {
+                unknown_fields(input, known, format!("{path}[{index}]"), out);
+            }
+        }
+        _ => {}
+    }
+}
+
+fn check_annotations(
+    at: &Location,
+    kind: &'static str,
+    name: &str,
+    metadata: &ObjectMeta,
+) -> Result<(), ManifestError> {
+    let size: usize = metadata
+        .annotations
+        .iter()
+        .flatten()
+        .map(|(key, value)| key.len() + value.len())
+        .sum();
+    if size > MAX_ANNOTATIONS_BYTES {
+        return Err(ManifestError::AnnotationsTooLarge {
+            at: at.clone(),
+            kind,
+            name: name.to_owned(),
+            size,
+        });
+    }
+    Ok(())
+}
+
+fn object_key(at: &Location, metadata: &ObjectMeta) -> Result<ObjectKey, ManifestError> {
     ObjectKey::of(metadata).ok_or(ManifestError::MissingField {
-        path: path.to_owned(),
-        doc,
+        at: at.clone(),
         field: "metadata.name",
     })
 }
 
 fn insert_unique<T>(
-    path: &Path,
-    doc: usize,
+    at: &Location,
     key: ObjectKey,
     object: T,
     into: &mut BTreeMap<ObjectKey, T>,
@@ -268,19 +620,38 @@ fn insert_unique<T>(
 ) -> Result<(), ManifestError> {
     match into.entry(key.clone()) {
         Entry::Occupied(_) => Err(ManifestError::Duplicate {
-            path: path.to_owned(),
-            doc,
+            at: at.clone(),
             kind,
             first: origins
                 .get(&(kind, key.clone()))
-                .cloned()
-                .unwrap_or_default(),
+                .map_or_else(|| Arc::clone(&at.path), |first| Arc::clone(&first.path)),
             key,
         }),
         Entry::Vacant(slot) => {
             slot.insert(object);
-            origins.insert((kind, key), path.to_owned());
+            origins.insert((kind, key), at.clone());
             Ok(())
+        }
+    }
+}
+
+/// In a folder, unlike the API, every object is there at once: a slice whose Service is
+/// missing is most likely a mistake (a typo in the label, a forgotten file). Reported, not
+/// dropped: the Service may be added next.
+fn check_slices_have_services(loaded: &mut Loaded, origins: &Origins) {
+    for (key, slice) in &loaded.endpoint_slices {
+        let Some(service) = crate::objects::slice_service(key, slice) else {
+            continue;
+        };
+        if loaded.services.contains_key(&service) {
+            continue;
+        }
+        if let Some(at) = origins.get(&("EndpointSlice", key.clone())) {
+            loaded.errors.push(ManifestError::SliceWithoutService {
+                at: at.clone(),
+                key: key.clone(),
+                service: service.name,
+            });
         }
     }
 }
@@ -311,7 +682,7 @@ pub async fn run(dir: PathBuf, node_name: String, tx: mpsc::Sender<Update>) -> a
         let errors: Vec<String> = loaded.errors.iter().map(ToString::to_string).collect();
         if errors != last_errors {
             for error in &errors {
-                warn!("manifest skipped: {error}");
+                warn!("manifests: {error}");
             }
             last_errors = errors;
         }

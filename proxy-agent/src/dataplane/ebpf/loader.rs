@@ -40,7 +40,7 @@ use tokio::{io::unix::AsyncFd, task::JoinHandle};
 use tracing::{debug, info, warn};
 
 use super::{
-    ApplyError, ApplySummary, MapOps, Programmer, bpffs, cgroup, object,
+    ApplyError, ApplySummary, MapOps, MapWriteError, Programmer, bpffs, cgroup, object,
     program::{
         BackendValue, FrontendMapKey, MapsContent, ip4_from_map, ip4_to_map, ip6_from_map,
         ip6_to_map,
@@ -144,51 +144,74 @@ fn source_range_of(key: &Key<SourceRangeKey>, v6: bool) -> Option<(u32, IpNet)> 
 }
 
 impl MapOps for ServiceMaps {
-    fn put_frontend(&mut self, key: FrontendMapKey, value: FrontendValue) -> Result<(), String> {
+    fn put_frontend(
+        &mut self,
+        key: FrontendMapKey,
+        value: FrontendValue,
+    ) -> Result<(), MapWriteError> {
         match key {
-            FrontendMapKey::V4(key) => self.frontends4.insert(key, value, 0),
-            FrontendMapKey::V6(key) => self.frontends6.insert(key, value, 0),
+            FrontendMapKey::V4(key) => self
+                .frontends4
+                .insert(key, value, 0)
+                .map_err(|e| map_error(map_names::FRONTENDS4, e)),
+            FrontendMapKey::V6(key) => self
+                .frontends6
+                .insert(key, value, 0)
+                .map_err(|e| map_error(map_names::FRONTENDS6, e)),
         }
-        .map_err(map_error)
     }
-    fn delete_frontend(&mut self, key: FrontendMapKey) -> Result<(), String> {
-        ignore_missing(match key {
-            FrontendMapKey::V4(key) => self.frontends4.remove(&key),
-            FrontendMapKey::V6(key) => self.frontends6.remove(&key),
-        })
+    fn delete_frontend(&mut self, key: FrontendMapKey) -> Result<(), MapWriteError> {
+        match key {
+            FrontendMapKey::V4(key) => {
+                ignore_missing(map_names::FRONTENDS4, self.frontends4.remove(&key))
+            }
+            FrontendMapKey::V6(key) => {
+                ignore_missing(map_names::FRONTENDS6, self.frontends6.remove(&key))
+            }
+        }
     }
-    fn put_slot(&mut self, key: BackendSlotKey, backend_id: u32) -> Result<(), String> {
-        self.slots.insert(key, backend_id, 0).map_err(map_error)
+    fn put_slot(&mut self, key: BackendSlotKey, backend_id: u32) -> Result<(), MapWriteError> {
+        self.slots
+            .insert(key, backend_id, 0)
+            .map_err(|e| map_error(map_names::BACKEND_SLOTS, e))
     }
-    fn delete_slot(&mut self, key: BackendSlotKey) -> Result<(), String> {
-        ignore_missing(self.slots.remove(&key))
+    fn delete_slot(&mut self, key: BackendSlotKey) -> Result<(), MapWriteError> {
+        ignore_missing(map_names::BACKEND_SLOTS, self.slots.remove(&key))
     }
-    fn put_backend(&mut self, id: u32, backend: BackendValue) -> Result<(), String> {
+    fn put_backend(&mut self, id: u32, backend: BackendValue) -> Result<(), MapWriteError> {
         match backend {
-            BackendValue::V4(b) => self.backends4.insert(id, b, 0),
-            BackendValue::V6(b) => self.backends6.insert(id, b, 0),
+            BackendValue::V4(b) => self
+                .backends4
+                .insert(id, b, 0)
+                .map_err(|e| map_error(map_names::BACKENDS4, e)),
+            BackendValue::V6(b) => self
+                .backends6
+                .insert(id, b, 0)
+                .map_err(|e| map_error(map_names::BACKENDS6, e)),
         }
-        .map_err(map_error)
     }
-    fn delete_backend(&mut self, id: u32, backend: BackendValue) -> Result<(), String> {
-        ignore_missing(match backend {
-            BackendValue::V4(_) => self.backends4.remove(&id),
-            BackendValue::V6(_) => self.backends6.remove(&id),
-        })
+    fn delete_backend(&mut self, id: u32, backend: BackendValue) -> Result<(), MapWriteError> {
+        match backend {
+            BackendValue::V4(_) => ignore_missing(map_names::BACKENDS4, self.backends4.remove(&id)),
+            BackendValue::V6(_) => ignore_missing(map_names::BACKENDS6, self.backends6.remove(&id)),
+        }
     }
-    fn put_affinity_match(&mut self, key: AffinityMatchKey) -> Result<(), String> {
-        self.affinity_match.insert(key, 1, 0).map_err(map_error)
+    fn put_affinity_match(&mut self, key: AffinityMatchKey) -> Result<(), MapWriteError> {
+        self.affinity_match
+            .insert(key, 1, 0)
+            .map_err(|e| map_error(map_names::AFFINITY_MATCH, e))
     }
-    fn delete_affinity_match(&mut self, key: AffinityMatchKey) -> Result<(), String> {
-        ignore_missing(self.affinity_match.remove(&key))
+    fn delete_affinity_match(&mut self, key: AffinityMatchKey) -> Result<(), MapWriteError> {
+        ignore_missing(map_names::AFFINITY_MATCH, self.affinity_match.remove(&key))
     }
-    fn put_source_range(&mut self, service_id: u32, range: IpNet) -> Result<(), String> {
+    fn put_source_range(&mut self, service_id: u32, range: IpNet) -> Result<(), MapWriteError> {
         self.source_ranges
             .insert(&source_range_key(service_id, range), 1, 0)
-            .map_err(map_error)
+            .map_err(|e| map_error(map_names::SOURCE_RANGES, e))
     }
-    fn delete_source_range(&mut self, service_id: u32, range: IpNet) -> Result<(), String> {
+    fn delete_source_range(&mut self, service_id: u32, range: IpNet) -> Result<(), MapWriteError> {
         ignore_missing(
+            map_names::SOURCE_RANGES,
             self.source_ranges
                 .remove(&source_range_key(service_id, range)),
         )
@@ -276,21 +299,25 @@ impl ServiceMaps {
     }
 }
 
-fn map_error(error: aya::maps::MapError) -> String {
+/// A hash map refuses a new key with E2BIG when it holds `max_entries` already.
+fn map_error(map: &'static str, error: aya::maps::MapError) -> MapWriteError {
     match &error {
         aya::maps::MapError::SyscallError(syscall)
             if syscall.io_error.raw_os_error() == Some(libc::E2BIG) =>
         {
-            "map is full (raise its --bpf-map-* capacity)".to_owned()
+            MapWriteError::Full(map)
         }
-        _ => error.to_string(),
+        _ => MapWriteError::Other(format!("map {map}: {error}")),
     }
 }
 
-fn ignore_missing(result: Result<(), aya::maps::MapError>) -> Result<(), String> {
+fn ignore_missing(
+    map: &'static str,
+    result: Result<(), aya::maps::MapError>,
+) -> Result<(), MapWriteError> {
     match result {
         Err(aya::maps::MapError::KeyNotFound) | Ok(()) => Ok(()),
-        Err(error) => Err(map_error(error)),
+        Err(error) => Err(map_error(map, error)),
     }
 }
 
@@ -300,6 +327,8 @@ pub struct EbpfDataplane {
     maps: ServiceMaps,
     stats: PerCpuArray<MapData, u64>,
     programmer: Programmer,
+    /// Frontend writes refused because a map was full, since start (a counter for metrics).
+    capacity_errors: u64,
     pin_dir: PathBuf,
     cgroup_path: PathBuf,
     links: Vec<PinnedLink>,
@@ -402,6 +431,7 @@ impl EbpfDataplane {
             maps,
             stats,
             programmer,
+            capacity_errors: 0,
             pin_dir,
             cgroup_path,
             links,
@@ -424,8 +454,21 @@ impl EbpfDataplane {
         let (mut summary, errors) =
             self.programmer
                 .apply_snapshot(snapshot, changed, &mut self.maps);
+        self.capacity_errors += errors.iter().filter(|e| e.is_capacity()).count() as u64;
         summary.udp_sockets_destroyed = self.destroy_stale_udp_sockets(&summary);
         (summary, errors)
+    }
+
+    /// Frontend writes refused because a map was full, counted since the agent started (each
+    /// retry that fails again counts again): a counter for the metrics.
+    pub fn capacity_errors(&self) -> u64 {
+        self.capacity_errors
+    }
+
+    /// Service ports with at least one frontend that does not fit in the maps right now (not
+    /// programmed, or still on its previous backend set): a gauge for the metrics and the log.
+    pub fn unfit_service_ports(&self) -> BTreeSet<&ServicePortName> {
+        self.programmer.unfit().values().collect()
     }
 
     fn destroy_stale_udp_sockets(&self, summary: &ApplySummary) -> usize {
@@ -593,15 +636,29 @@ pub(super) fn remove_if_present(path: &Path) -> io::Result<()> {
     }
 }
 
-/// Creates the pin directory. Pins of maps whose layout differs from this build's (an older
-/// agent's) are removed: adopting them would misread every entry, so that one start begins
-/// from an empty map instead.
+/// Mode of the pin directory: whoever can open a pin can read or rewrite the service maps or
+/// detach the programs, so only root may even list it (the pins themselves are 0600, bpffs'
+/// default).
+pub const PIN_DIR_MODE: u32 = 0o700;
+
+/// Creates the pin directory (mode [`PIN_DIR_MODE`], also enforced on an existing one). Pins
+/// of maps whose layout differs from this build's (an older agent's) are removed: adopting
+/// them would misread every entry, so that one start begins from an empty map instead.
 fn prepare_pin_dir(pin_dir: &Path) -> Result<(), LoadError> {
+    use std::os::unix::fs::{DirBuilderExt as _, PermissionsExt as _};
     let to_error = |source| LoadError::PinDir {
         path: pin_dir.to_owned(),
         source,
     };
-    std::fs::create_dir_all(pin_dir).map_err(to_error)?;
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(PIN_DIR_MODE)
+        .create(pin_dir)
+        .map_err(to_error)?;
+    // The umask may have narrowed the mode further (harmless), and a directory made by an
+    // older agent or by hand may be wider: set it exactly.
+    std::fs::set_permissions(pin_dir, std::fs::Permissions::from_mode(PIN_DIR_MODE))
+        .map_err(to_error)?;
     for (name, key_size, value_size) in expected_layouts() {
         let pin = pin_dir.join(name);
         if !pin.exists() {

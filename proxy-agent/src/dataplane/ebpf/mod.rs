@@ -7,13 +7,13 @@ mod ids;
 mod loader;
 mod object;
 mod program;
-mod sockdiag;
+pub(crate) mod sockdiag;
 mod stats;
 mod tc;
 
-pub use loader::{EbpfDataplane, EbpfOptions, LoadError, cleanup};
+pub use loader::{EbpfDataplane, EbpfOptions, LoadError, PIN_DIR_MODE, PIN_DIR_NAME, cleanup};
 pub use program::{
-    ApplyError, ApplySummary, BackendValue, FrontendMapKey, MapOps, MapsContent, Programmer,
-    RemovedBackend,
+    ApplyError, ApplySummary, BackendValue, FrontendMapKey, MapOps, MapWriteError, MapsContent,
+    Programmer, RemovedBackend,
 };
 pub use tc::TcOptions;

@@ -58,20 +58,35 @@ impl BackendValue {
     }
 }
 
+/// Why a write to the service maps (or an id allocation sized like them) failed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum MapWriteError {
+    /// No room for another entry: a capacity problem (`--bpf-map-*`), not a kernel fault. Kept
+    /// apart so the agent can count and report the Services that did not fit.
+    #[error("the {0} map is full (raise its --bpf-map-* capacity)")]
+    Full(&'static str),
+    #[error("{0}")]
+    Other(String),
+}
+
 /// Raw writes to the service maps; implemented over the kernel maps, and over plain collections
 /// in unit tests of the diff logic.
 pub trait MapOps {
-    fn put_frontend(&mut self, key: FrontendMapKey, value: FrontendValue) -> Result<(), String>;
-    fn delete_frontend(&mut self, key: FrontendMapKey) -> Result<(), String>;
-    fn put_slot(&mut self, key: BackendSlotKey, backend_id: u32) -> Result<(), String>;
-    fn delete_slot(&mut self, key: BackendSlotKey) -> Result<(), String>;
-    fn put_backend(&mut self, id: u32, backend: BackendValue) -> Result<(), String>;
+    fn put_frontend(
+        &mut self,
+        key: FrontendMapKey,
+        value: FrontendValue,
+    ) -> Result<(), MapWriteError>;
+    fn delete_frontend(&mut self, key: FrontendMapKey) -> Result<(), MapWriteError>;
+    fn put_slot(&mut self, key: BackendSlotKey, backend_id: u32) -> Result<(), MapWriteError>;
+    fn delete_slot(&mut self, key: BackendSlotKey) -> Result<(), MapWriteError>;
+    fn put_backend(&mut self, id: u32, backend: BackendValue) -> Result<(), MapWriteError>;
     /// `backend` says which family's map holds `id`.
-    fn delete_backend(&mut self, id: u32, backend: BackendValue) -> Result<(), String>;
-    fn put_affinity_match(&mut self, key: AffinityMatchKey) -> Result<(), String>;
-    fn delete_affinity_match(&mut self, key: AffinityMatchKey) -> Result<(), String>;
-    fn put_source_range(&mut self, service_id: u32, range: IpNet) -> Result<(), String>;
-    fn delete_source_range(&mut self, service_id: u32, range: IpNet) -> Result<(), String>;
+    fn delete_backend(&mut self, id: u32, backend: BackendValue) -> Result<(), MapWriteError>;
+    fn put_affinity_match(&mut self, key: AffinityMatchKey) -> Result<(), MapWriteError>;
+    fn delete_affinity_match(&mut self, key: AffinityMatchKey) -> Result<(), MapWriteError>;
+    fn put_source_range(&mut self, service_id: u32, range: IpNet) -> Result<(), MapWriteError>;
+    fn delete_source_range(&mut self, service_id: u32, range: IpNet) -> Result<(), MapWriteError>;
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -80,13 +95,26 @@ pub enum ApplyError {
     Frontend {
         frontend: FrontendKey,
         service: String,
-        reason: String,
+        reason: MapWriteError,
     },
     #[error("frontend {frontend}: removing it failed: {reason}")]
     Remove {
         frontend: FrontendKey,
-        reason: String,
+        reason: MapWriteError,
     },
+}
+
+impl ApplyError {
+    /// The frontend did not fit in the maps (as opposed to a kernel error).
+    pub fn is_capacity(&self) -> bool {
+        matches!(
+            self,
+            ApplyError::Frontend {
+                reason: MapWriteError::Full(_),
+                ..
+            }
+        )
+    }
 }
 
 /// A backend that a frontend stopped using: sockets translated through `frontend` to `backend`
@@ -167,6 +195,9 @@ pub struct Programmer {
     backends: BTreeMap<BackendValue, BackendEntry>,
     service_ids: IdAllocator,
     backend_ids: IdAllocator,
+    /// Frontends whose last write did not fit in the maps, with their service port. They are
+    /// not in the maps at all (new ones) or still on their previous complete set (grown ones).
+    unfit: BTreeMap<FrontendKey, ServicePortName>,
 }
 
 impl Programmer {
@@ -305,23 +336,35 @@ impl Programmer {
                 .cloned()
                 .collect(),
         };
-        let updates = names.into_iter().map(|name| {
-            let frontends = IpFamily::ALL
-                .iter()
-                .filter_map(|&family| snapshot.family(family).service_ports.get(&name))
-                .flat_map(|port| {
-                    let mut frontends = socket_frontends(port);
-                    frontends.extend(external_frontends(port));
-                    frontends
-                })
-                .collect();
-            (name, frontends)
-        });
-        let (mut summary, mut errors) = self.apply(updates, maps);
+        let (mut summary, mut errors) = self.apply(updates_of(snapshot, names), maps);
         if changed.is_none() {
             self.remove_unclaimed(maps, &mut summary, &mut errors);
         }
+        // Space freed by this apply may now hold what did not fit, possibly earlier in this
+        // very apply (service ports go in name order): retry those now rather than at the next
+        // periodic resync.
+        if summary.frontends_removed > 0 && !self.unfit.is_empty() {
+            let retry: BTreeSet<ServicePortName> = self.unfit.values().cloned().collect();
+            let retried_keys: BTreeSet<FrontendKey> = self.unfit.keys().copied().collect();
+            errors.retain(|error| match error {
+                ApplyError::Frontend { frontend, .. } if error.is_capacity() => {
+                    !retried_keys.contains(frontend)
+                }
+                _ => true,
+            });
+            let (again, again_errors) = self.apply(updates_of(snapshot, retry), maps);
+            summary.frontends_written += again.frontends_written;
+            summary.frontends_removed += again.frontends_removed;
+            summary.removed_backends.extend(again.removed_backends);
+            // Retried frontends were counted unchanged or failed in the first pass.
+            errors.extend(again_errors);
+        }
         (summary, errors)
+    }
+
+    /// The frontends whose last write did not fit in the maps, with their service ports.
+    pub fn unfit(&self) -> &BTreeMap<FrontendKey, ServicePortName> {
+        &self.unfit
     }
 
     /// Makes each given service port own exactly the given frontends.
@@ -333,6 +376,8 @@ impl Programmer {
         let mut summary = ApplySummary::default();
         let mut errors = Vec::new();
         for (name, frontends) in updates {
+            // Recomputed below for the frontends this service port still has.
+            self.unfit.retain(|_, owner| *owner != name);
             let previous = self.owned.remove(&name).unwrap_or_default();
             for key in previous {
                 if frontends.iter().any(|(k, _)| *k == key) {
@@ -352,7 +397,9 @@ impl Programmer {
                     errors.push(ApplyError::Frontend {
                         frontend: key,
                         service: name.to_string(),
-                        reason: format!("the address is already used by {owner}"),
+                        reason: MapWriteError::Other(format!(
+                            "the address is already used by {owner}"
+                        )),
                     });
                     continue;
                 }
@@ -386,11 +433,17 @@ impl Programmer {
                 };
                 match self.write_frontend(target, maps, &mut summary) {
                     Ok(()) => summary.frontends_written += 1,
-                    Err(reason) => errors.push(ApplyError::Frontend {
-                        frontend: key,
-                        service: name.to_string(),
-                        reason,
-                    }),
+                    Err(reason) => {
+                        if matches!(reason, MapWriteError::Full(_)) {
+                            // Tracked so that an apply that frees space retries it.
+                            self.unfit.insert(key, name.clone());
+                        }
+                        errors.push(ApplyError::Frontend {
+                            frontend: key,
+                            service: name.to_string(),
+                            reason,
+                        });
+                    }
                 }
             }
             if !owned.is_empty() {
@@ -440,7 +493,7 @@ impl Programmer {
         target: Target,
         maps: &mut impl MapOps,
         summary: &mut ApplySummary,
-    ) -> Result<(), String> {
+    ) -> Result<(), MapWriteError> {
         let Target {
             key,
             map_key,
@@ -451,10 +504,10 @@ impl Programmer {
             owner,
         } = target;
         let slot_count = u16::try_from(backends.len()).map_err(|_| {
-            format!(
+            MapWriteError::Other(format!(
                 "{} backends exceed the 65535 slots of a frontend",
                 backends.len()
-            )
+            ))
         })?;
         let previous = self
             .frontends
@@ -470,7 +523,7 @@ impl Programmer {
             None => (
                 self.service_ids
                     .allocate()
-                    .ok_or_else(|| "no service id left".to_owned())?,
+                    .ok_or(MapWriteError::Full("service id"))?,
                 0,
             ),
         };
@@ -589,13 +642,14 @@ impl Programmer {
         backends: &[BackendValue],
         maps: &mut impl MapOps,
         written: &mut Written,
-    ) -> Result<Vec<u32>, String> {
+    ) -> Result<Vec<u32>, MapWriteError> {
         let mut slots = Vec::with_capacity(backends.len());
         for (slot, backend) in backends.iter().enumerate() {
             let id = self.acquire_backend(*backend, maps, written)?;
             let slot_key = BackendSlotKey {
                 service_id,
-                slot: u16::try_from(slot).map_err(|_| "too many slots".to_owned())?,
+                slot: u16::try_from(slot)
+                    .map_err(|_| MapWriteError::Other("too many slots".to_owned()))?,
                 generation,
                 _pad: 0,
             };
@@ -611,7 +665,7 @@ impl Programmer {
         backend: BackendValue,
         maps: &mut impl MapOps,
         written: &mut Written,
-    ) -> Result<u32, String> {
+    ) -> Result<u32, MapWriteError> {
         if let Some(entry) = self.backends.get_mut(&backend) {
             entry.users += 1;
             written.acquired.push(backend);
@@ -620,7 +674,7 @@ impl Programmer {
         let id = self
             .backend_ids
             .allocate()
-            .ok_or_else(|| "no backend id left".to_owned())?;
+            .ok_or(MapWriteError::Full("backend id"))?;
         if let Err(reason) = maps.put_backend(id, backend) {
             self.backend_ids.release(id);
             return Err(reason);
@@ -689,7 +743,7 @@ impl Programmer {
         key: FrontendKey,
         maps: &mut impl MapOps,
         summary: &mut ApplySummary,
-    ) -> Result<(), String> {
+    ) -> Result<(), MapWriteError> {
         let Some(applied) = self.frontends.get(&key) else {
             return Ok(());
         };
@@ -722,6 +776,26 @@ impl Programmer {
     pub fn counts(&self) -> (usize, usize) {
         (self.frontends.len(), self.backends.len())
     }
+}
+
+/// The per-service-port updates for `names` from `snapshot` (a name absent from the snapshot
+/// gets no frontends: it is removed).
+fn updates_of(
+    snapshot: &Snapshot,
+    names: BTreeSet<ServicePortName>,
+) -> impl Iterator<Item = (ServicePortName, Vec<(FrontendKey, Frontend)>)> + '_ {
+    names.into_iter().map(|name| {
+        let frontends = IpFamily::ALL
+            .iter()
+            .filter_map(|&family| snapshot.family(family).service_ports.get(&name))
+            .flat_map(|port| {
+                let mut frontends = socket_frontends(port);
+                frontends.extend(external_frontends(port));
+                frontends
+            })
+            .collect();
+        (name, frontends)
+    })
 }
 
 /// What a frontend must become.

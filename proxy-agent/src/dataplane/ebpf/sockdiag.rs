@@ -299,6 +299,15 @@ fn dump_udp(fd: &OwnedFd, family: u8) -> Result<Vec<DiagSocket>, SockDiagError> 
     }
 }
 
+/// The sockets in one SOCK_DIAG dump datagram (for fuzzing the parser without a socket).
+pub(crate) fn parse_dump_datagram(datagram: &[u8]) -> Vec<DiagSocket> {
+    messages(datagram)
+        .into_iter()
+        .filter(|(kind, _)| *kind == SOCK_DIAG_BY_FAMILY)
+        .filter_map(|(_, payload)| parse_diag_msg(payload))
+        .collect()
+}
+
 fn parse_diag_msg(payload: &[u8]) -> Option<DiagSocket> {
     if payload.len() < MSG_LEN {
         return None;

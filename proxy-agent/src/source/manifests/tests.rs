@@ -48,13 +48,31 @@ fn reads_multi_document_files_and_ignores_other_kinds_and_files() {
     dir.write(".hidden.yaml", "this is: [not valid");
     dir.write("notes.txt", "not a manifest");
     let loaded = load_dir(&dir.0);
-    assert!(loaded.errors.is_empty(), "{:?}", loaded.errors);
     assert!(loaded.services.contains_key(&key("shop", "web")));
     // No namespace in the manifest: like kubectl, "default".
     assert!(
         loaded
             .endpoint_slices
             .contains_key(&key("default", "web-1"))
+    );
+    // The Deployment is named (a typo in `kind` must not pass silently), and so is the slice,
+    // whose Service would be default/web, not shop/web.
+    let messages: Vec<String> = loaded.errors.iter().map(ToString::to_string).collect();
+    assert_eq!(messages.len(), 2, "{messages:?}");
+    assert!(
+        messages[0].ends_with(
+            "app.yaml: document 3: apps/v1 Deployment x: not a kind the proxy reads (v1 Service, \
+             discovery.k8s.io/v1 EndpointSlice, v1 Node, v1 List); skipped"
+        ),
+        "{messages:?}"
+    );
+    assert!(
+        messages[1].ends_with(
+            "app.yaml: document 2: EndpointSlice default/web-1: its Service default/web (label \
+             `kubernetes.io/service-name`) is not defined in the folder; its endpoints are unused \
+             until it is"
+        ),
+        "{messages:?}"
     );
 }
 
@@ -141,4 +159,168 @@ fn list_objects_are_unpacked() {
     let loaded = load_dir(&dir.0);
     assert!(loaded.errors.is_empty(), "{:?}", loaded.errors);
     assert_eq!(loaded.services.len(), 1);
+}
+
+fn messages(loaded: &Loaded) -> Vec<String> {
+    loaded.errors.iter().map(ToString::to_string).collect()
+}
+
+#[test]
+fn duplicate_keys_are_named_and_the_next_document_still_loads() {
+    let text = format!("{SERVICE}  clusterIP: 10.96.0.11\n---\n{SERVICE}");
+    let loaded = load_bytes(Path::new("dup.yaml"), text.as_bytes());
+    assert_eq!(loaded.services.len(), 1);
+    let messages = messages(&loaded);
+    assert_eq!(messages.len(), 1, "{messages:?}");
+    assert!(
+        messages[0].starts_with(
+            "dup.yaml: document 1: invalid document: spec: duplicate entry with key \"clusterIP\""
+        ),
+        "{messages:?}"
+    );
+}
+
+#[test]
+fn deep_nesting_and_alias_bombs_are_refused_without_blowing_the_stack() {
+    let deep = format!(
+        "apiVersion: v1\nkind: Service\nmetadata: {{name: deep}}\nspec: {}{}\n---\n{SERVICE}",
+        "{a: [".repeat(50_000),
+        "]}".repeat(50_000)
+    );
+    let started = std::time::Instant::now();
+    let loaded = load_bytes(Path::new("deep.yaml"), deep.as_bytes());
+    assert!(started.elapsed() < std::time::Duration::from_secs(1));
+    assert_eq!(
+        messages(&loaded),
+        [
+            "deep.yaml: line 4: flow collections ([...] or {...}) nested deeper than 128 levels; \
+          the file is skipped"
+        ]
+    );
+    // Block nesting (indentation) is serde_yaml's to refuse, and the next document still loads.
+    let block: String = (0..200)
+        .map(|i| format!("{}a{i}:\n", " ".repeat(i)))
+        .collect();
+    let text = format!("{block}---\n{SERVICE}");
+    let loaded = load_bytes(Path::new("block.yaml"), text.as_bytes());
+    assert_eq!(loaded.services.len(), 1, "{:?}", messages(&loaded));
+    assert!(messages(&loaded)[0].contains("recursion limit exceeded"));
+
+    let mut bomb = String::from("a0: &a0 [x, x, x, x, x, x, x, x, x, x]\n");
+    for i in 1..9 {
+        let refs = vec![format!("*a{}", i - 1); 10].join(", ");
+        bomb.push_str(&format!("a{i}: &a{i} [{refs}]\n"));
+    }
+    let loaded = load_bytes(Path::new("bomb.yaml"), bomb.as_bytes());
+    assert!(
+        messages(&loaded)[0].contains("repetition limit exceeded"),
+        "{:?}",
+        messages(&loaded)
+    );
+}
+
+#[test]
+fn a_syntax_error_or_unknown_anchor_skips_the_rest_of_the_file_without_panicking() {
+    // serde_yaml panics when asked for the document after an unknown anchor: we stop there.
+    for bad in ["a: *nowhere\n", "a: [unclosed\n", "a:\n\tb: 1\n"] {
+        let text = format!("{SERVICE}---\n{bad}---\n{SERVICE}");
+        let loaded = load_bytes(Path::new("x.yaml"), text.as_bytes());
+        let messages = messages(&loaded);
+        assert_eq!(loaded.services.len(), 1, "{bad:?}: {messages:?}");
+        assert_eq!(messages.len(), 1, "{bad:?}: {messages:?}");
+        assert!(
+            messages[0].starts_with("x.yaml: document 2: invalid YAML:")
+                && messages[0].ends_with("the rest of this file is skipped"),
+            "{messages:?}"
+        );
+    }
+}
+
+#[test]
+fn oversized_files_non_utf8_and_huge_annotations_are_named() {
+    let dir = TempDir::new();
+    let big = "#".repeat(MAX_FILE_BYTES as usize + 1);
+    dir.write("big.yaml", &big);
+    std::fs::write(dir.0.join("latin1.yaml"), b"kind: Service\nname: caf\xe9\n").expect("write");
+    let annotated = SERVICE.replace(
+        "metadata: {name: web, namespace: shop}",
+        &format!(
+            "metadata: {{name: noisy, annotations: {{a: {}}}}}",
+            "x".repeat(300_000)
+        ),
+    );
+    dir.write("noisy.yaml", &annotated);
+    dir.write("ok.yaml", SERVICE);
+    let loaded = load_dir(&dir.0);
+    assert_eq!(loaded.services.len(), 1);
+    let messages = messages(&loaded);
+    assert_eq!(messages.len(), 3, "{messages:?}");
+    assert!(
+        messages[0].ends_with(&format!(
+            "big.yaml: file is larger than {MAX_FILE_BYTES} bytes ({}); not read",
+            MAX_FILE_BYTES + 1
+        )),
+        "{messages:?}"
+    );
+    assert!(
+        messages[1].ends_with(
+            "latin1.yaml: not UTF-8 text (invalid byte at offset 23); the file is skipped"
+        ),
+        "{messages:?}"
+    );
+    assert!(messages[2].ends_with("noisy.yaml: document 1: Service noisy: metadata.annotations: 300001 bytes, more than the API server's limit of 262144; skipped"), "{messages:?}");
+}
+
+#[test]
+fn a_bad_list_item_is_named_and_the_other_items_load() {
+    let indented = |text: &str| -> String { text.lines().map(|l| format!("  {l}\n")).collect() };
+    let bad = SERVICE
+        .replace("port: 80", "port: eighty")
+        .replace("name: web", "name: bad");
+    let text = format!(
+        "apiVersion: v1\nkind: List\nitems:\n-\n{}-\n{}",
+        indented(&bad),
+        indented(SERVICE)
+    );
+    let loaded = load_bytes(Path::new("list.yaml"), text.as_bytes());
+    assert_eq!(loaded.services.len(), 1);
+    let messages = messages(&loaded);
+    assert!(
+        messages[0].starts_with("list.yaml: document 1: items[0]: Service bad: "),
+        "{messages:?}"
+    );
+}
+
+#[test]
+fn a_slice_without_a_service_label_is_named() {
+    let text = SLICE.replace("labels: {kubernetes.io/service-name: web}", "labels: {}");
+    let loaded = load_bytes(Path::new("s.yaml"), text.as_bytes());
+    assert!(loaded.endpoint_slices.is_empty());
+    assert!(
+        messages(&loaded)[0].contains(
+            "EndpointSlice default/web-1: metadata.labels: no `kubernetes.io/service-name` label"
+        ),
+        "{:?}",
+        messages(&loaded)
+    );
+}
+
+#[test]
+fn unknown_fields_are_named_and_the_object_is_still_used() {
+    let rich = "apiVersion: v1\nkind: Service\nmetadata: {name: rich, namespace: shop, labels: {a: b}, annotations: {c: d}}\nspec:\n  type: NodePort\n  clusterIP: 10.96.0.12\n  clusterIPs: [10.96.0.12]\n  ipFamilies: [IPv4]\n  ipFamilyPolicy: SingleStack\n  sessionAffinity: ClientIP\n  sessionAffinityConfig: {clientIP: {timeoutSeconds: 60}}\n  externalTrafficPolicy: Local\n  internalTrafficPolicy: Cluster\n  selector: {app: rich}\n  ports:\n  - {name: http, port: 80, targetPort: 8080, protocol: TCP, nodePort: 30080}\n  - {name: dns, port: 53, targetPort: dns, protocol: UDP, bogus: 1}\n  nope: null\nstatus: {loadBalancer: {}}\n";
+    let loaded = load_bytes(Path::new("rich.yaml"), rich.as_bytes());
+    assert_eq!(loaded.services.len(), 1);
+    assert_eq!(
+        messages(&loaded),
+        ["rich.yaml: document 1: Service rich: unknown field `spec.ports[1].bogus`; ignored"]
+    );
+    let slice = format!("{SLICE}endpoints: [{{addresses: [10.244.1.2], conditions: {{ready: true}}, nodeName: n, zone: z, extra: 1}}]\nports: [{{name: http, port: 8080, protocol: TCP, appProtocol: http}}]\n").replacen("endpoints: [{addresses: [10.244.1.2]}]\n", "", 1);
+    let loaded = load_bytes(Path::new("slice.yaml"), slice.as_bytes());
+    assert_eq!(loaded.endpoint_slices.len(), 1);
+    assert_eq!(
+        messages(&loaded),
+        [
+            "slice.yaml: document 1: EndpointSlice web-1: unknown field `endpoints[0].extra`; ignored"
+        ]
+    );
 }

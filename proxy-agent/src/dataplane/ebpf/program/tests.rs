@@ -112,54 +112,62 @@ impl FakeMaps {
 }
 
 impl MapOps for FakeMaps {
-    fn put_frontend(&mut self, key: FrontendMapKey, value: FrontendValue) -> Result<(), String> {
+    fn put_frontend(
+        &mut self,
+        key: FrontendMapKey,
+        value: FrontendValue,
+    ) -> Result<(), MapWriteError> {
         self.writes += 1;
         self.frontends.insert(key, value);
         Ok(())
     }
-    fn delete_frontend(&mut self, key: FrontendMapKey) -> Result<(), String> {
+    fn delete_frontend(&mut self, key: FrontendMapKey) -> Result<(), MapWriteError> {
         self.writes += 1;
         self.frontends.remove(&key);
         Ok(())
     }
-    fn put_slot(&mut self, key: BackendSlotKey, backend_id: u32) -> Result<(), String> {
+    fn put_slot(&mut self, key: BackendSlotKey, backend_id: u32) -> Result<(), MapWriteError> {
         if !self.slots.contains_key(&key) && self.slots.len() >= self.slot_capacity {
-            return Err("map is full".into());
+            return Err(MapWriteError::Full("slots"));
         }
         self.writes += 1;
         self.slots.insert(key, backend_id);
         Ok(())
     }
-    fn delete_slot(&mut self, key: BackendSlotKey) -> Result<(), String> {
+    fn delete_slot(&mut self, key: BackendSlotKey) -> Result<(), MapWriteError> {
         self.writes += 1;
         self.slots.remove(&key);
         Ok(())
     }
-    fn put_backend(&mut self, id: u32, backend: BackendValue) -> Result<(), String> {
+    fn put_backend(&mut self, id: u32, backend: BackendValue) -> Result<(), MapWriteError> {
         self.writes += 1;
         self.backends.insert(id, backend);
         Ok(())
     }
-    fn delete_backend(&mut self, id: u32, _backend: BackendValue) -> Result<(), String> {
+    fn delete_backend(&mut self, id: u32, _backend: BackendValue) -> Result<(), MapWriteError> {
         self.writes += 1;
         self.backends.remove(&id);
         Ok(())
     }
-    fn put_affinity_match(&mut self, key: AffinityMatchKey) -> Result<(), String> {
+    fn put_affinity_match(&mut self, key: AffinityMatchKey) -> Result<(), MapWriteError> {
         self.writes += 1;
         self.matches.insert(key);
         Ok(())
     }
-    fn delete_affinity_match(&mut self, key: AffinityMatchKey) -> Result<(), String> {
+    fn delete_affinity_match(&mut self, key: AffinityMatchKey) -> Result<(), MapWriteError> {
         self.writes += 1;
         self.matches.remove(&key);
         Ok(())
     }
-    fn put_source_range(&mut self, _service_id: u32, _range: IpNet) -> Result<(), String> {
+    fn put_source_range(&mut self, _service_id: u32, _range: IpNet) -> Result<(), MapWriteError> {
         self.writes += 1;
         Ok(())
     }
-    fn delete_source_range(&mut self, _service_id: u32, _range: IpNet) -> Result<(), String> {
+    fn delete_source_range(
+        &mut self,
+        _service_id: u32,
+        _range: IpNet,
+    ) -> Result<(), MapWriteError> {
         self.writes += 1;
         Ok(())
     }
@@ -598,4 +606,39 @@ fn a_frontend_claimed_by_two_service_ports_stays_with_the_first() {
         errors[0]
     );
     assert_eq!(pods(&maps, &web), [1]);
+}
+
+#[test]
+fn a_frontend_that_does_not_fit_is_tracked_not_programmed_and_fits_once_space_is_freed() {
+    let mut maps = FakeMaps::with_slot_capacity(3);
+    let mut programmer = Programmer::default();
+    let web = key([10, 96, 0, 10], 80);
+    let api = key([10, 96, 0, 11], 80);
+    let (summary, errors) =
+        programmer.apply(snapshot(&[(web, &[1, 2]), (api, &[3, 4])]), &mut maps);
+    assert_eq!(summary.frontends_written, 1);
+    assert_eq!(errors.len(), 1);
+    assert!(errors[0].is_capacity(), "{}", errors[0]);
+    maps.check_invariants();
+    // Never half-programmed: no frontend entry, no slot, no backend of api.
+    assert!(
+        !maps
+            .frontends
+            .contains_key(&frontend_map_key(&api).expect("key"))
+    );
+    assert_eq!(pods(&maps, &web), [1, 2]);
+    assert_eq!(maps.slots.len(), 2);
+    assert_eq!(
+        programmer.unfit().keys().copied().collect::<Vec<_>>(),
+        [api]
+    );
+    // web goes: api fits now and is no longer reported.
+    let (summary, errors) = programmer.apply([gone(web)], &mut maps);
+    assert!(errors.is_empty());
+    assert_eq!(summary.frontends_removed, 1);
+    let (_, errors) = programmer.apply(snapshot(&[(api, &[3, 4])]), &mut maps);
+    assert!(errors.is_empty(), "{errors:?}");
+    maps.check_invariants();
+    assert_eq!(pods(&maps, &api), [3, 4]);
+    assert!(programmer.unfit().is_empty());
 }

@@ -1,0 +1,423 @@
+//! Reliability and security of the real agent: SIGKILL + restart under load in iptables mode,
+//! map capacity with tiny maps, pin permissions, and what `--cleanup` and a mode switch leave
+//! behind. Real traffic in namespaces; a decoy on every ClusterIP makes untranslated traffic
+//! visible as `untranslated`. Figures go to stderr. Needs root.
+//!
+//! (Bad input — manifests, configuration files, flags — is in `bad_input.rs`.)
+
+use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
+use std::os::unix::fs::PermissionsExt as _;
+use std::path::Path;
+use std::process::Command;
+use std::thread;
+use std::time::{Duration, Instant};
+
+use anyhow::Context as _;
+use proxy_tests::client::{Attempt, tally};
+use proxy_tests::scenario::{
+    CLUSTER_IP, SERVICE_PORT, Scenario, cluster_addr, http_service, http_slice, pod_endpoint,
+};
+
+const NAMESPACE: &str = "default";
+
+fn setup(pods: usize) -> anyhow::Result<Scenario> {
+    proxy_tests::require_root();
+    proxy_tests::set_helper_binary(env!("CARGO_BIN_EXE_rig-helper"));
+    Ok(Scenario::new(pods)?)
+}
+
+fn is_pod(a: &Attempt) -> bool {
+    a.backend().is_some_and(|b| b.starts_with("pod"))
+}
+
+/// Writes Service `name` on `ip` with the given pods as endpoints (slice first).
+fn write_service(s: &Scenario, name: &str, ip: Ipv4Addr, pods: &[usize]) -> anyhow::Result<()> {
+    let endpoints: Vec<_> = pods.iter().map(|&i| pod_endpoint(i)).collect();
+    s.manifests.write(
+        &format!("{name}-slice.yaml"),
+        &http_slice(NAMESPACE, &format!("{name}-1"), name, &endpoints),
+    )?;
+    s.manifests.write(
+        &format!("{name}-svc.yaml"),
+        &http_service(NAMESPACE, name, ip),
+    )?;
+    Ok(())
+}
+
+/// Runs a command in the node namespace and returns its stdout.
+fn in_node(s: &Scenario, program: &str, args: &[&str]) -> anyhow::Result<String> {
+    let output = Command::new("nsenter")
+        .arg(format!("--net={}", s.topo.node().path().display()))
+        .arg("--")
+        .arg(program)
+        .args(args)
+        .output()
+        .with_context(|| format!("running {program} in the node namespace"))?;
+    Ok(String::from_utf8_lossy(&output.stdout).into_owned())
+}
+
+/// Lines of `iptables-save` (both families) in the node namespace that mention `KUBE-`, except
+/// KUBE-FIREWALL: kubelet's chain, which the iptables mode also writes (kube-proxy does) and
+/// leaves on cleanup like kube-proxy's `CleanupLeftovers` — its DROP closes the hole that
+/// `route_localnet=1` opens, and that sysctl stays set.
+fn kube_rules(s: &Scenario) -> anyhow::Result<Vec<String>> {
+    let mut lines = Vec::new();
+    for program in ["iptables-save", "ip6tables-save"] {
+        lines.extend(
+            in_node(s, program, &[])?
+                .lines()
+                .filter(|l| l.contains("KUBE-") && !l.contains("KUBE-FIREWALL"))
+                .map(str::to_owned),
+        );
+    }
+    Ok(lines)
+}
+
+/// Programs attached to the scenario's cgroup (`bpftool cgroup show`), one line each.
+fn cgroup_programs(cgroup: &Path) -> anyhow::Result<Vec<String>> {
+    let output = Command::new("bpftool")
+        .args(["cgroup", "show"])
+        .arg(cgroup)
+        .output()
+        .context("running bpftool cgroup show")?;
+    anyhow::ensure!(
+        output.status.success(),
+        "bpftool cgroup show failed: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    Ok(String::from_utf8_lossy(&output.stdout)
+        .lines()
+        .skip_while(|l| l.starts_with("ID"))
+        .filter(|l| !l.trim().is_empty())
+        .map(str::to_owned)
+        .collect())
+}
+
+/// Entries of the agent's pin directory (`None`: the directory does not exist).
+fn pins(bpf_root: &Path) -> anyhow::Result<Option<Vec<String>>> {
+    let dir = bpf_root.join(proxy_agent::dataplane::ebpf::PIN_DIR_NAME);
+    match std::fs::read_dir(&dir) {
+        Ok(entries) => Ok(Some(
+            entries
+                .map(|e| e.map(|e| e.file_name().to_string_lossy().into_owned()))
+                .collect::<Result<_, _>>()?,
+        )),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(e).with_context(|| format!("listing {}", dir.display())),
+    }
+}
+
+/// Waits until `n` more "sync applied" lines than `before` are in the log (bounded).
+fn wait_for_syncs(s: &mut Scenario, before: usize, n: usize) -> anyhow::Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while s.agent()?.log_contents().matches("sync applied").count() < before + n {
+        anyhow::ensure!(
+            Instant::now() < deadline,
+            s.agent_error("no new sync within 10 s".into())
+        );
+        thread::sleep(Duration::from_millis(50));
+    }
+    Ok(())
+}
+
+#[test]
+fn iptables_agent_sigkilled_and_restarted_twice_under_load_fails_no_connection()
+-> anyhow::Result<()> {
+    let mut s = setup(2)?;
+    write_service(&s, "web", CLUSTER_IP, &[1, 2])?;
+    s.start_agent_in_mode("iptables")?;
+    let client = s.outside_client();
+    s.wait_for_datapath_with(&client, cluster_addr(), "answered by a pod", is_pod)?;
+
+    let load = client.interval(Duration::from_millis(5));
+    let spawned = Instant::now();
+    let load = thread::spawn(move || load.run_timed(cluster_addr(), 900));
+    // (killed, restarted) in ms since the client was spawned.
+    let mut outages = Vec::new();
+    for _ in 0..2 {
+        thread::sleep(Duration::from_millis(800));
+        s.agent()?.kill()?;
+        let killed = spawned.elapsed().as_millis() as u64;
+        thread::sleep(Duration::from_millis(600));
+        s.agent()?.restart()?;
+        outages.push((killed, spawned.elapsed().as_millis() as u64));
+    }
+    let attempts = load
+        .join()
+        .map_err(|_| anyhow::anyhow!("client thread panicked"))??;
+    let while_down = attempts
+        .iter()
+        .filter(|(_, at)| {
+            outages
+                .iter()
+                .any(|(killed, restarted)| (*killed..restarted + 300).contains(at))
+        })
+        .count();
+    let answers: Vec<Attempt> = attempts.iter().map(|(a, _)| a.clone()).collect();
+    let counts = tally(&answers);
+    let failures = answers.iter().filter(|a| !is_pod(a)).count();
+    eprintln!(
+        "iptables mode, 2× SIGKILL + restart under load: {} connections attempted, {failures} \
+         failed or untranslated, {while_down} made while an agent was down or starting; \
+         outages (killed, restarted) ms: {outages:?}; answers: {counts:?}",
+        answers.len()
+    );
+    s.ensure(while_down > 0, || {
+        "the load must overlap the outages".into()
+    })?;
+    s.ensure(failures == 0, || {
+        format!("no connection may fail while the agent restarts: {counts:?}")
+    })?;
+    // The third agent still applies changes.
+    write_service(&s, "web", CLUSTER_IP, &[2])?;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let counts = tally(&s.outside_client().run(cluster_addr(), 20)?);
+        if counts.keys().map(String::as_str).eq(["pod2"]) {
+            break;
+        }
+        s.ensure(Instant::now() < deadline, || {
+            format!("the restarted agent did not apply pod1's removal: {counts:?}")
+        })?;
+        thread::sleep(Duration::from_millis(200));
+    }
+    Ok(())
+}
+
+/// Services `cap-0`.. on 10.96.1.<i>: with maps of 8 entries and 2 backends each, only some fit.
+fn capacity_ip(i: u8) -> Ipv4Addr {
+    Ipv4Addr::new(10, 96, 1, 10 + i)
+}
+
+#[test]
+fn tiny_maps_report_the_services_that_do_not_fit_and_never_half_program_one() -> anyhow::Result<()>
+{
+    const SERVICES: u8 = 8;
+    let mut s = setup(4)?;
+    // Distinct backends per Service (pods × 2 ports would be needed otherwise): Service i uses
+    // pods (i % 4) + 1 and ((i + 1) % 4) + 1, so the 8-entry backends map holds 4 backends and
+    // the 8-entry slots map (2 generations' worth during an update) is what runs out.
+    for i in 0..SERVICES {
+        s.topo.add_decoy(capacity_ip(i), SERVICE_PORT)?;
+        let pods = [usize::from(i % 4) + 1, usize::from((i + 1) % 4) + 1];
+        write_service(&s, &format!("cap-{i}"), capacity_ip(i), &pods)?;
+    }
+    s.start_agent_with_args(
+        "ebpf",
+        &["--bpf-map-frontends", "8", "--bpf-map-backends", "8"],
+    )?;
+    // Wait until the first sync is logged, then classify every Service by real traffic.
+    wait_for_syncs(&mut s, 0, 1)?;
+    thread::sleep(Duration::from_millis(300));
+    let log = s.agent()?.log_contents();
+    let mut fitted = Vec::new();
+    let mut unfit = Vec::new();
+    for i in 0..SERVICES {
+        let target: SocketAddr = SocketAddrV4::new(capacity_ip(i), SERVICE_PORT).into();
+        let counts = tally(&s.cgroup_client().run(target, 12)?);
+        let pods = [i % 4 + 1, (i + 1) % 4 + 1].map(|p| format!("pod{p}"));
+        let all_pods = counts.keys().all(|k| pods.contains(k));
+        let all_decoy = counts.keys().map(String::as_str).eq(["untranslated"]);
+        s.ensure(all_pods || all_decoy, || {
+            format!("cap-{i} is half-programmed or inconsistent: {counts:?} (pods {pods:?})")
+        })?;
+        if all_pods {
+            fitted.push(i);
+        } else {
+            unfit.push(i);
+            s.ensure(log.contains(&format!("default/cap-{i}:http")), || {
+                format!("the log does not name cap-{i}, which did not fit")
+            })?;
+        }
+    }
+    eprintln!(
+        "tiny maps (8 frontends, 8 slots/backends), {SERVICES} Services of 2 endpoints: fitted \
+         {fitted:?}, did not fit {unfit:?}"
+    );
+    s.ensure(!fitted.is_empty() && !unfit.is_empty(), || {
+        format!("expected some Services to fit and some not: fitted {fitted:?}, unfit {unfit:?}")
+    })?;
+    s.ensure(
+        log.contains("service ports that do not fit in the eBPF maps")
+            && log.contains("capacity_errors="),
+        || "no capacity warning in the log".into(),
+    )?;
+    // Removing a Service that fits frees room: a Service that did not fit gets programmed, and
+    // the ones that fitted keep working throughout.
+    let (gone, kept) = (fitted[0], fitted[fitted.len() - 1]);
+    let waiting = unfit[0];
+    s.manifests.remove(&format!("cap-{gone}-svc.yaml"))?;
+    s.manifests.remove(&format!("cap-{gone}-slice.yaml"))?;
+    let target: SocketAddr = SocketAddrV4::new(capacity_ip(waiting), SERVICE_PORT).into();
+    s.wait_for_datapath(
+        target,
+        "a Service that did not fit is programmed once room is freed",
+        is_pod,
+    )?;
+    let kept_target: SocketAddr = SocketAddrV4::new(capacity_ip(kept), SERVICE_PORT).into();
+    let counts = tally(&s.cgroup_client().run(kept_target, 12)?);
+    s.ensure(counts.keys().all(|k| k.starts_with("pod")), || {
+        format!("cap-{kept}, which fitted, must keep working: {counts:?}")
+    })?;
+    eprintln!("after removing cap-{gone}: cap-{waiting} programmed, cap-{kept} still {counts:?}");
+    Ok(())
+}
+
+#[test]
+fn pins_are_root_only_and_cleanup_leaves_nothing_of_either_mode() -> anyhow::Result<()> {
+    let mut s = setup(1)?;
+    write_service(&s, "web", CLUSTER_IP, &[1])?;
+    s.start_agent()?;
+    s.wait_for_datapath(cluster_addr(), "answered by a pod", is_pod)?;
+    let bpf_root = s.agent()?.bpf_root().to_path_buf();
+    let dir = bpf_root.join(proxy_agent::dataplane::ebpf::PIN_DIR_NAME);
+    let dir_mode = std::fs::metadata(&dir)?.permissions().mode() & 0o7777;
+    let names = pins(&bpf_root)?.unwrap_or_default();
+    let mut wider = Vec::new();
+    for name in &names {
+        let mode = std::fs::metadata(dir.join(name))?.permissions().mode() & 0o7777;
+        if mode & 0o077 != 0 {
+            wider.push(format!("{name} {mode:o}"));
+        }
+    }
+    eprintln!(
+        "pin dir mode {dir_mode:o}, {} pins, none wider than 0600: {}",
+        names.len(),
+        wider.is_empty()
+    );
+    s.ensure(dir_mode == 0o700, || {
+        format!("the pin directory must be 0700, is {dir_mode:o}")
+    })?;
+    s.ensure(wider.is_empty(), || {
+        format!("pins readable or writable by others: {wider:?}")
+    })?;
+    s.ensure(!cgroup_programs(s.cgroup.path())?.is_empty(), || {
+        "no program attached to the cgroup while the agent runs".into()
+    })?;
+
+    // eBPF mode: the stopped agent leaves its datapath; --cleanup removes pins and links.
+    s.agent()?.stop()?;
+    let status = s.agent()?.run_cleanup()?;
+    s.ensure(status.success(), || format!("--cleanup exited {status}"))?;
+    let residue_pins = pins(&bpf_root)?;
+    let residue_programs = cgroup_programs(s.cgroup.path())?;
+    let counts = tally(&s.cgroup_client().run(cluster_addr(), 10)?);
+    eprintln!(
+        "eBPF mode, after --cleanup: pin dir {residue_pins:?}, cgroup programs {}, answers \
+         {counts:?}",
+        residue_programs.len()
+    );
+    s.ensure(residue_pins.is_none(), || {
+        format!("pins left: {residue_pins:?}")
+    })?;
+    s.ensure(residue_programs.is_empty(), || {
+        format!("programs still attached: {residue_programs:?}")
+    })?;
+    s.ensure(
+        counts.keys().map(String::as_str).eq(["untranslated"]),
+        || format!("after cleanup the decoy must answer: {counts:?}"),
+    )?;
+
+    // iptables mode: the stopped agent leaves its rules; --cleanup removes every KUBE- chain.
+    s.agent()?.restart_in_mode("iptables")?;
+    let client = s.outside_client();
+    s.wait_for_datapath_with(&client, cluster_addr(), "answered by a pod", is_pod)?;
+    s.agent()?.stop()?;
+    let rules_before = kube_rules(&s)?.len();
+    let status = s.agent()?.run_cleanup()?;
+    s.ensure(status.success(), || format!("--cleanup exited {status}"))?;
+    let residue_rules = kube_rules(&s)?;
+    let counts = tally(&s.outside_client().run(cluster_addr(), 10)?);
+    eprintln!(
+        "iptables mode, after --cleanup: KUBE- rules {rules_before} → {}, pin dir {:?}, \
+         answers {counts:?}",
+        residue_rules.len(),
+        pins(&bpf_root)?
+    );
+    s.ensure(rules_before > 0, || {
+        "the iptables agent left no rules to clean up".into()
+    })?;
+    s.ensure(residue_rules.is_empty(), || {
+        format!("KUBE- rules left:\n{}", residue_rules.join("\n"))
+    })?;
+    s.ensure(
+        counts.keys().map(String::as_str).eq(["untranslated"]),
+        || format!("after cleanup the decoy must answer: {counts:?}"),
+    )?;
+    Ok(())
+}
+
+#[test]
+fn mode_switches_remove_the_other_modes_leftovers_and_traffic_keeps_working() -> anyhow::Result<()>
+{
+    let mut s = setup(2)?;
+    write_service(&s, "web", CLUSTER_IP, &[1, 2])?;
+    s.start_agent()?;
+    s.wait_for_datapath(cluster_addr(), "answered by a pod", is_pod)?;
+    let bpf_root = s.agent()?.bpf_root().to_path_buf();
+    let ebpf_pins = pins(&bpf_root)?.map_or(0, |p| p.len());
+
+    // ebpf → iptables: after its first sync no pin, link or cgroup program remains.
+    s.agent()?.stop()?;
+    let before = s.agent()?.log_contents().matches("sync applied").count();
+    s.agent()?.restart_in_mode("iptables")?;
+    wait_for_syncs(&mut s, before, 1)?;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while pins(&bpf_root)?.is_some() && Instant::now() < deadline {
+        thread::sleep(Duration::from_millis(100));
+    }
+    let left_pins = pins(&bpf_root)?;
+    let left_programs = cgroup_programs(s.cgroup.path())?;
+    // Both the cgroup client (no longer translated by eBPF) and any node process go through
+    // the iptables rules now.
+    let cgroup_counts = tally(&s.cgroup_client().run(cluster_addr(), 20)?);
+    let node_counts = tally(&s.outside_client().run(cluster_addr(), 20)?);
+    eprintln!(
+        "ebpf ({ebpf_pins} pins) → iptables: pins left {left_pins:?}, cgroup programs left {}, \
+         {} KUBE- rules; answers: cgroup {cgroup_counts:?}, node {node_counts:?}",
+        left_programs.len(),
+        kube_rules(&s)?.len()
+    );
+    s.ensure(left_pins.is_none(), || {
+        format!("eBPF pins left: {left_pins:?}")
+    })?;
+    s.ensure(left_programs.is_empty(), || {
+        format!("programs still attached: {left_programs:?}")
+    })?;
+    for counts in [&cgroup_counts, &node_counts] {
+        s.ensure(counts.keys().all(|k| k.starts_with("pod")), || {
+            format!("iptables mode must carry the traffic: {counts:?}")
+        })?;
+    }
+
+    // iptables → ebpf: after its first sync no KUBE- rule remains.
+    s.agent()?.stop()?;
+    let before = s.agent()?.log_contents().matches("sync applied").count();
+    s.agent()?.restart_in_mode("ebpf")?;
+    wait_for_syncs(&mut s, before, 1)?;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !kube_rules(&s)?.is_empty() && Instant::now() < deadline {
+        thread::sleep(Duration::from_millis(100));
+    }
+    let left_rules = kube_rules(&s)?;
+    let cgroup_counts = tally(&s.cgroup_client().run(cluster_addr(), 20)?);
+    let node_counts = tally(&s.outside_client().run(cluster_addr(), 10)?);
+    eprintln!(
+        "iptables → ebpf: KUBE- rules left {}, pins {}; answers: cgroup {cgroup_counts:?}, \
+         outside the cgroup {node_counts:?}",
+        left_rules.len(),
+        pins(&bpf_root)?.map_or(0, |p| p.len())
+    );
+    s.ensure(left_rules.is_empty(), || {
+        format!("KUBE- rules left:\n{}", left_rules.join("\n"))
+    })?;
+    s.ensure(cgroup_counts.keys().all(|k| k.starts_with("pod")), || {
+        format!("eBPF mode must carry the cgroup's traffic: {cgroup_counts:?}")
+    })?;
+    // Outside the cgroup nothing translates any more: proof that the rules are really gone.
+    s.ensure(
+        node_counts.keys().map(String::as_str).eq(["untranslated"]),
+        || format!("outside the cgroup the decoy must answer: {node_counts:?}"),
+    )?;
+    Ok(())
+}
