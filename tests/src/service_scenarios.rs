@@ -101,6 +101,18 @@ fn setup(pods: usize, spec: &ServiceSpec, endpoints: &[Endpoint]) -> Result<Scen
     Ok(s)
 }
 
+/// Starts the agent. In eBPF mode the tc programs go on the node's link to the outside only:
+/// the rig's pod veths carry addresses on the node side, which auto-detection would also take.
+fn start(s: &mut Scenario, mode: &str) -> Result<()> {
+    let args: &[&str] = if mode == "ebpf" {
+        &["--interfaces", "vext"]
+    } else {
+        &[]
+    };
+    s.start_agent_with_args(mode, args)?;
+    Ok(())
+}
+
 fn node_port_addr() -> SocketAddr {
     SocketAddrV4::new(Topology::node_ext_ip(), NODE_PORT).into()
 }
@@ -129,7 +141,7 @@ pub fn node_port_cluster_policy(mode: &str) -> Result<()> {
         &spec,
         &[pod_endpoint(1), pod_endpoint(2), pod_endpoint(3)],
     )?;
-    s.start_agent_in_mode(mode)?;
+    start(&mut s, mode)?;
     let client = s.external_client();
     s.wait_for_datapath_with(
         &client,
@@ -173,7 +185,7 @@ pub fn node_port_local_policy_preserves_the_client(mode: &str) -> Result<()> {
         ..Endpoint::ready(Topology::pod_ip(3))
     };
     let mut s = setup(3, &spec, &[pod_endpoint(1), pod_endpoint(2), remote])?;
-    s.start_agent_in_mode(mode)?;
+    start(&mut s, mode)?;
     let client = s.external_client();
     s.wait_for_datapath_with(
         &client,
@@ -217,7 +229,7 @@ pub fn node_port_local_policy_without_local_endpoints_drops(mode: &str) -> Resul
         ..Endpoint::ready(Topology::pod_ip(1))
     };
     let mut s = setup(1, &spec, &[remote])?;
-    s.start_agent_in_mode(mode)?;
+    start(&mut s, mode)?;
     let internal = s.cgroup_client();
     s.wait_for_datapath_with(
         &internal,
@@ -246,7 +258,7 @@ pub fn node_port_without_endpoints_is_refused(mode: &str) -> Result<()> {
         ..ServiceSpec::default()
     };
     let mut s = setup(1, &spec, &[])?;
-    s.start_agent_in_mode(mode)?;
+    start(&mut s, mode)?;
     let client = s.external_client().timeout(DROP_TIMEOUT);
     let refused = |a: &Attempt| *a == Attempt::Err("ECONNREFUSED".into());
     s.wait_for_datapath_with(&client, node_port_addr(), "NodePort refused", refused)?;
@@ -277,7 +289,7 @@ pub fn external_ip_and_load_balancer_ip_reach_pods(mode: &str) -> Result<()> {
         "via",
         &Topology::node_ext_ip().to_string(),
     ])?;
-    s.start_agent_in_mode(mode)?;
+    start(&mut s, mode)?;
     let client = s.external_client();
     for (name, addr) in [("externalIP", VIP), ("LB VIP", lb)] {
         let target = SocketAddr::from(SocketAddrV4::new(addr, SERVICE_PORT));
@@ -303,7 +315,7 @@ pub fn source_ranges_admit_only_listed_clients(mode: &str) -> Result<()> {
         ..ServiceSpec::default()
     };
     let mut s = setup(1, &allowed, &[pod_endpoint(1)])?;
-    s.start_agent_in_mode(mode)?;
+    start(&mut s, mode)?;
     let target = SocketAddr::from(SocketAddrV4::new(VIP, SERVICE_PORT));
     let client = s.external_client().timeout(DROP_TIMEOUT);
     s.wait_for_datapath_with(&client, target, "allowed client reaches the pod", is_pod)?;
@@ -349,7 +361,7 @@ pub fn client_ip_affinity_keeps_the_backend(mode: &str) -> Result<()> {
         &spec,
         &[pod_endpoint(1), pod_endpoint(2), pod_endpoint(3)],
     )?;
-    s.start_agent_in_mode(mode)?;
+    start(&mut s, mode)?;
     s.wait_for_datapath(cluster_addr(), "answered by a pod", is_pod)?;
     let attempts = s.cgroup_client().run(cluster_addr(), CONNECTIONS)?;
     let counts = tally(&attempts);
