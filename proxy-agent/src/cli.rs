@@ -18,6 +18,10 @@ use clap::Parser;
                   (kube-proxy ignores most flags when --config is given); see README.md."
 )]
 pub struct Args {
+    /// `inspect`: show what the running agent's datapath holds (then exit).
+    #[command(subcommand)]
+    pub command: Option<Command>,
+
     // ----- the configuration file -----
     /// The path to a KubeProxyConfiguration file (kubeproxy.config.k8s.io/v1alpha1, YAML or
     /// JSON). Unknown fields are errors.
@@ -293,4 +297,28 @@ pub enum LoggingFormat {
     #[default]
     Text,
     Json,
+}
+
+#[derive(Debug, Clone, clap::Subcommand)]
+pub enum Command {
+    /// Show the datapath of the agent running on this node: the pinned BPF maps in eBPF mode,
+    /// the nat table in iptables mode. Uses --bpf-root and --metrics-bind-address (for names).
+    Inspect(InspectArgs),
+}
+
+#[derive(Debug, Clone, clap::Args)]
+pub struct InspectArgs {
+    #[arg(value_enum, default_value = "services")]
+    pub what: InspectWhat,
+    /// JSON instead of a table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum InspectWhat {
+    /// Frontends (service address, NodePort, …) with their Service and backends.
+    Services,
+    /// Datapath counters by reason.
+    Counters,
 }

@@ -7,6 +7,7 @@ pub mod conntrack;
 pub mod dataplane;
 pub mod desired;
 pub mod fuzz;
+pub mod inspect;
 pub mod node_services;
 pub mod objects;
 pub mod run;

@@ -48,6 +48,19 @@ async fn main() -> ExitCode {
         info!(flags = ?loaded.overridden, "command-line flags override the configuration file");
     }
 
+    if let Some(cli::Command::Inspect(inspect)) = &args.command {
+        return match proxy_agent::inspect::run(&config, inspect) {
+            Ok(text) => {
+                println!("{text}");
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                error!("{e:#}");
+                ExitCode::FAILURE
+            }
+        };
+    }
+
     if let Some(path) = &args.write_config_to {
         return match config::write_file(&loaded.document, path) {
             Ok(()) => {

@@ -403,6 +403,22 @@ impl Dataplane {
                 for (counter, value) in ebpf.stats() {
                     debug!(counter = counter.name(), value, "datapath counter");
                 }
+                // Names for `proxy-agent inspect`, kept current for what changed.
+                let programmer = ebpf.programmer();
+                match scope {
+                    Some(changed) => {
+                        for name in changed {
+                            metrics
+                                .set_service_ids(name.to_string(), programmer.service_ids_of(name));
+                        }
+                    }
+                    None => metrics.replace_service_ids(
+                        programmer
+                            .owners()
+                            .map(|name| (name.to_string(), programmer.service_ids_of(name)))
+                            .collect(),
+                    ),
+                }
                 // Map writes that failed keep their previous state; the periodic full
                 // reconcile retries them, no faster retry is needed.
                 true

@@ -163,6 +163,9 @@ pub struct Metrics {
     conntrack_sync_duration: HistogramFamily<FamilyLabel>,
     iptables: Option<IptablesMetrics>,
     ebpf: Option<EbpfMetrics>,
+    /// eBPF mode: service port name → the service ids of its frontends, so `proxy-agent
+    /// inspect` can name what it reads from the pinned maps.
+    service_ids: std::sync::RwLock<BTreeMap<String, Vec<u32>>>,
 }
 
 const ALPHA: &str = "[ALPHA] ";
@@ -281,11 +284,46 @@ impl Metrics {
             conntrack_sync_duration,
             iptables,
             ebpf,
+            service_ids: std::sync::RwLock::default(),
         }
     }
 
     pub fn mode(&self) -> ProxyMode {
         self.mode
+    }
+
+    /// Records the service ids a service port's frontends have (empty: it has none any more).
+    pub fn set_service_ids(&self, name: String, ids: Vec<u32>) {
+        let mut map = self
+            .service_ids
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if ids.is_empty() {
+            map.remove(&name);
+        } else {
+            map.insert(name, ids);
+        }
+    }
+
+    /// Replaces every record (after a full sync).
+    pub fn replace_service_ids(&self, all: BTreeMap<String, Vec<u32>>) {
+        *self
+            .service_ids
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = all;
+    }
+
+    /// Service id → service port name, as JSON for `/debug/ebpf/service-ids`.
+    fn service_ids_json(&self) -> String {
+        let map = self
+            .service_ids
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let by_id: BTreeMap<u32, &str> = map
+            .iter()
+            .flat_map(|(name, ids)| ids.iter().map(move |id| (*id, name.as_str())))
+            .collect();
+        serde_json::to_string(&by_id).unwrap_or_else(|_| "{}".to_owned())
     }
 
     /// The iptables dataplane's metrics (`None` in eBPF mode).
@@ -687,6 +725,7 @@ pub fn router(metrics: Arc<Metrics>) -> Router {
     Router::new()
         .route("/metrics", any(metrics_handler))
         .route("/proxyMode", any(proxy_mode_handler))
+        .route("/debug/ebpf/service-ids", any(service_ids_handler))
         .route("/healthz", any(ping_handler))
         .route("/healthz/ping", any(ping_handler))
         .fallback(go_not_found)
@@ -707,6 +746,15 @@ async fn proxy_mode_handler(State(metrics): State<Arc<Metrics>>) -> Response<Bod
         ProxyMode::Iptables => "iptables",
     };
     response(StatusCode::OK, "text/plain; charset=utf-8", mode.to_owned())
+}
+
+/// Ours: which Service each service id in the pinned maps belongs to (`proxy-agent inspect`).
+async fn service_ids_handler(State(metrics): State<Arc<Metrics>>) -> Response<Body> {
+    response(
+        StatusCode::OK,
+        "application/json",
+        metrics.service_ids_json(),
+    )
 }
 
 async fn ping_handler() -> Response<Body> {

@@ -508,6 +508,11 @@ impl EbpfDataplane {
     }
 
     /// Datapath counters summed over all CPUs (for logs and metrics).
+    /// The agent's record of what is programmed.
+    pub fn programmer(&self) -> &Programmer {
+        &self.programmer
+    }
+
     pub fn stats(&self) -> Vec<(StatIndex, u64)> {
         read_stats(&self.stats)
     }

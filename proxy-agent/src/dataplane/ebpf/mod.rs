@@ -14,6 +14,6 @@ mod tc;
 pub use loader::{EbpfDataplane, EbpfOptions, LoadError, PIN_DIR_MODE, PIN_DIR_NAME, cleanup};
 pub use program::{
     ApplyError, ApplySummary, BackendValue, FrontendMapKey, MapOps, MapWriteError, MapsContent,
-    Programmer, RemovedBackend,
+    Programmer, RemovedBackend, ip4_from_map, ip6_from_map,
 };
 pub use tc::TcOptions;

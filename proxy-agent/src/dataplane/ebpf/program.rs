@@ -201,6 +201,22 @@ pub struct Programmer {
 }
 
 impl Programmer {
+    /// The service ids (one per frontend) a service port owns, for `proxy-agent inspect`.
+    pub fn service_ids_of(&self, name: &ServicePortName) -> Vec<u32> {
+        self.owned
+            .get(name)
+            .into_iter()
+            .flatten()
+            .filter_map(|key| self.frontends.get(key))
+            .map(|applied| applied.value.service_id)
+            .collect()
+    }
+
+    /// Every service port that owns frontends.
+    pub fn owners(&self) -> impl Iterator<Item = &ServicePortName> {
+        self.owned.keys()
+    }
+
     /// Rebuilds the record from maps a previous agent left behind, and removes what no live
     /// frontend can reach (slots of an interrupted update, orphan backends and match entries).
     pub fn adopt(content: MapsContent, maps: &mut impl MapOps) -> Self {

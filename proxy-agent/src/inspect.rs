@@ -1,0 +1,407 @@
+//! `proxy-agent inspect`: what the datapath of a running agent holds, in terms a user
+//! recognises — read from the pinned BPF maps in eBPF mode (names from the agent's
+//! `/debug/ebpf/service-ids`), from `iptables-save` in iptables mode.
+
+use std::{
+    collections::BTreeMap,
+    fmt::Write as _,
+    io::{Read as _, Write as _},
+    net::{IpAddr, SocketAddr, TcpStream},
+    path::{Path, PathBuf},
+    process::Command,
+    time::Duration,
+};
+
+use anyhow::{Context as _, bail};
+use aya::maps::{HashMap, Map, MapData, PerCpuArray};
+use proxy_common::{
+    Backend4, Backend6, BackendSlotKey, Frontend4Key, Frontend6Key, FrontendValue, StatIndex,
+    frontend_flags, map_names, scope,
+};
+use serde::Serialize;
+
+use crate::{
+    cli::{InspectArgs, InspectWhat},
+    config::Config,
+    dataplane::ebpf::{PIN_DIR_NAME, ip4_from_map, ip6_from_map},
+};
+
+/// One frontend and where it leads.
+#[derive(Debug, Clone, Serialize, PartialEq, Eq, PartialOrd, Ord)]
+pub struct FrontendRow {
+    /// `ns/name:port`, or `#<service id>` when the agent could not be asked.
+    pub service: String,
+    /// `address:port/PROTOCOL`; NodePorts show `*:port`.
+    pub frontend: String,
+    /// `socket` (cgroup hooks) or `external` (tc), or the iptables chain for iptables mode.
+    pub path: String,
+    pub backends: Vec<String>,
+    pub flags: Vec<&'static str>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct CounterRow {
+    pub counter: &'static str,
+    pub value: u64,
+}
+
+/// Runs `inspect` and returns what to print.
+pub fn run(config: &Config, args: &InspectArgs) -> anyhow::Result<String> {
+    let pin_dir = config.ebpf.bpf_root.join(PIN_DIR_NAME);
+    let ebpf = pin_dir.join(map_names::FRONTENDS4).exists();
+    match (&args.what, ebpf) {
+        (InspectWhat::Services, true) => {
+            let names = service_names(config.metrics_bind_address);
+            render(
+                args.json,
+                &ebpf_frontends(&pin_dir, &names)?,
+                frontend_table,
+            )
+        }
+        (InspectWhat::Services, false) => render(args.json, &iptables_frontends()?, frontend_table),
+        (InspectWhat::Counters, true) => render(args.json, &counters(&pin_dir)?, counter_table),
+        (InspectWhat::Counters, false) => {
+            bail!(
+                "no pinned eBPF maps under {}: counters exist in eBPF mode only",
+                pin_dir.display()
+            )
+        }
+    }
+}
+
+fn render<T: Serialize>(
+    json: bool,
+    rows: &[T],
+    table: fn(&[T]) -> String,
+) -> anyhow::Result<String> {
+    if json {
+        Ok(serde_json::to_string_pretty(rows)?)
+    } else {
+        Ok(table(rows))
+    }
+}
+
+fn frontend_table(rows: &[FrontendRow]) -> String {
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "{:<32} {:<28} {:<9} {:<24} BACKENDS",
+        "SERVICE", "FRONTEND", "PATH", "FLAGS"
+    );
+    for row in rows {
+        let flags = if row.flags.is_empty() {
+            "-".to_owned()
+        } else {
+            row.flags.join(",")
+        };
+        let backends = if row.backends.is_empty() {
+            "(none: rejected)".to_owned()
+        } else {
+            row.backends.join(" ")
+        };
+        let _ = writeln!(
+            out,
+            "{:<32} {:<28} {:<9} {:<24} {}",
+            row.service, row.frontend, row.path, flags, backends
+        );
+    }
+    out
+}
+
+fn counter_table(rows: &[CounterRow]) -> String {
+    let mut out = String::new();
+    for row in rows {
+        let _ = writeln!(out, "{:<40} {}", row.counter, row.value);
+    }
+    out
+}
+
+fn open_map(pin_dir: &Path, name: &str) -> anyhow::Result<Map> {
+    let path: PathBuf = pin_dir.join(name);
+    let data =
+        MapData::from_pin(&path).with_context(|| format!("cannot open {}", path.display()))?;
+    Ok(Map::from_map_data(data)?)
+}
+
+/// Service id → name from the running agent, if it answers.
+fn service_names(metrics: Option<SocketAddr>) -> BTreeMap<u32, String> {
+    let Some(mut addr) = metrics else {
+        return BTreeMap::new();
+    };
+    if addr.ip().is_unspecified() {
+        addr.set_ip(IpAddr::from([127, 0, 0, 1]));
+    }
+    http_get(addr, "/debug/ebpf/service-ids")
+        .ok()
+        .and_then(|body| serde_json::from_str(&body).ok())
+        .unwrap_or_default()
+}
+
+fn http_get(addr: SocketAddr, path: &str) -> anyhow::Result<String> {
+    let mut stream = TcpStream::connect_timeout(&addr, Duration::from_secs(1))?;
+    stream.set_read_timeout(Some(Duration::from_secs(2)))?;
+    write!(
+        stream,
+        "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
+    )?;
+    let mut response = String::new();
+    stream.read_to_string(&mut response)?;
+    let (head, body) = response.split_once("\r\n\r\n").unwrap_or((&response, ""));
+    if !head.starts_with("HTTP/1.1 200") {
+        bail!("{addr}{path}: {}", head.lines().next().unwrap_or_default());
+    }
+    Ok(body.to_owned())
+}
+
+fn flag_names(value: &FrontendValue) -> Vec<&'static str> {
+    [
+        (frontend_flags::AFFINITY, "affinity"),
+        (frontend_flags::PRESERVE_CLIENT, "local"),
+        (frontend_flags::DROP_NO_BACKENDS, "drop-if-empty"),
+        (frontend_flags::SOURCE_RANGES, "source-ranges"),
+        (frontend_flags::CLUSTER_IP, "cluster-ip"),
+    ]
+    .into_iter()
+    .filter(|(bit, _)| value.flags & bit != 0)
+    .map(|(_, name)| name)
+    .collect()
+}
+
+fn protocol_name(number: u8) -> &'static str {
+    match number {
+        proxy_common::proto::TCP => "TCP",
+        proxy_common::proto::UDP => "UDP",
+        proxy_common::proto::SCTP => "SCTP",
+        _ => "?",
+    }
+}
+
+/// Every frontend in the pinned maps with the backends of its live slot generation.
+pub fn ebpf_frontends(
+    pin_dir: &Path,
+    names: &BTreeMap<u32, String>,
+) -> anyhow::Result<Vec<FrontendRow>> {
+    let frontends4: HashMap<MapData, Frontend4Key, FrontendValue> =
+        open_map(pin_dir, map_names::FRONTENDS4)?.try_into()?;
+    let frontends6: HashMap<MapData, Frontend6Key, FrontendValue> =
+        open_map(pin_dir, map_names::FRONTENDS6)?.try_into()?;
+    let slots: HashMap<MapData, BackendSlotKey, u32> =
+        open_map(pin_dir, map_names::BACKEND_SLOTS)?.try_into()?;
+    let backends4: HashMap<MapData, u32, Backend4> =
+        open_map(pin_dir, map_names::BACKENDS4)?.try_into()?;
+    let backends6: HashMap<MapData, u32, Backend6> =
+        open_map(pin_dir, map_names::BACKENDS6)?.try_into()?;
+
+    let backend = |id: u32| -> Option<String> {
+        if let Ok(b) = backends4.get(&id, 0) {
+            return Some(
+                SocketAddr::new(ip4_from_map(b.addr).into(), u16::from_be(b.port)).to_string(),
+            );
+        }
+        backends6
+            .get(&id, 0)
+            .ok()
+            .map(|b| SocketAddr::new(ip6_from_map(b.addr).into(), u16::from_be(b.port)).to_string())
+    };
+    let row = |addr: IpAddr, port: u16, proto: u8, scope_value: u8, value: FrontendValue| {
+        let backends = (0..value.backend_count)
+            .filter_map(|slot| {
+                let key = BackendSlotKey {
+                    service_id: value.service_id,
+                    slot,
+                    generation: value.generation,
+                    _pad: 0,
+                };
+                slots.get(&key, 0).ok().and_then(&backend)
+            })
+            .collect();
+        let host = if addr.is_unspecified() {
+            "*".to_owned()
+        } else {
+            SocketAddr::new(addr, port).ip().to_string()
+        };
+        let frontend = match addr {
+            IpAddr::V6(_) if !addr.is_unspecified() => {
+                format!("[{host}]:{port}/{}", protocol_name(proto))
+            }
+            _ => format!("{host}:{port}/{}", protocol_name(proto)),
+        };
+        FrontendRow {
+            service: names
+                .get(&value.service_id)
+                .cloned()
+                .unwrap_or_else(|| format!("#{}", value.service_id)),
+            frontend,
+            path: if scope_value == scope::EXTERNAL {
+                "external"
+            } else {
+                "socket"
+            }
+            .to_owned(),
+            backends,
+            flags: flag_names(&value),
+        }
+    };
+    let mut rows = Vec::new();
+    for entry in frontends4.iter() {
+        let (key, value) = entry?;
+        rows.push(row(
+            ip4_from_map(key.addr).into(),
+            u16::from_be(key.port),
+            key.proto,
+            key.scope,
+            value,
+        ));
+    }
+    for entry in frontends6.iter() {
+        let (key, value) = entry?;
+        rows.push(row(
+            ip6_from_map(key.addr).into(),
+            u16::from_be(key.port),
+            key.proto,
+            key.scope,
+            value,
+        ));
+    }
+    rows.sort();
+    Ok(rows)
+}
+
+/// The per-CPU datapath counters, summed.
+pub fn counters(pin_dir: &Path) -> anyhow::Result<Vec<CounterRow>> {
+    let stats: PerCpuArray<MapData, u64> = open_map(pin_dir, map_names::STATS)?.try_into()?;
+    StatIndex::ALL
+        .iter()
+        .map(|&index| {
+            let value = stats.get(&(index as u32), 0)?.iter().sum();
+            Ok(CounterRow {
+                counter: index.name(),
+                value,
+            })
+        })
+        .collect()
+}
+
+/// Service frontends from kube-proxy-style rules: `KUBE-SERVICES` / `KUBE-NODEPORTS` jumps with
+/// their comment, each `KUBE-SVC-*`/`KUBE-EXT-*` chain's endpoint chains, each `KUBE-SEP-*`'s
+/// DNAT destination.
+pub fn iptables_frontends() -> anyhow::Result<Vec<FrontendRow>> {
+    let mut rows = Vec::new();
+    for save in ["iptables-save", "ip6tables-save"] {
+        let output = Command::new(save).args(["-t", "nat"]).output();
+        let Ok(output) = output else { continue };
+        if !output.status.success() {
+            continue;
+        }
+        rows.extend(parse_iptables_save(&String::from_utf8_lossy(
+            &output.stdout,
+        )));
+    }
+    rows.sort();
+    Ok(rows)
+}
+
+/// The value following `flag` in a rule (`-d 10.96.0.10/32` → `10.96.0.10/32`).
+fn arg<'a>(words: &[&'a str], flag: &str) -> Option<&'a str> {
+    words
+        .iter()
+        .position(|w| *w == flag)
+        .and_then(|i| words.get(i + 1))
+        .copied()
+}
+
+fn comment(rule: &str) -> Option<&str> {
+    let start = rule.find("--comment \"")? + "--comment \"".len();
+    let end = rule[start..].find('"')?;
+    Some(&rule[start..start + end])
+}
+
+pub fn parse_iptables_save(text: &str) -> Vec<FrontendRow> {
+    let mut chain_jumps: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
+    let mut dnat: BTreeMap<&str, String> = BTreeMap::new();
+    let mut entries = Vec::new();
+    for rule in text.lines().filter(|l| l.starts_with("-A ")) {
+        let words: Vec<&str> = rule.split_whitespace().collect();
+        let (Some(chain), Some(target)) = (words.get(1).copied(), arg(&words, "-j")) else {
+            continue;
+        };
+        if chain.starts_with("KUBE-SEP-") && target == "DNAT" {
+            if let Some(to) = arg(&words, "--to-destination") {
+                dnat.insert(chain, to.to_owned());
+            }
+        } else if chain.starts_with("KUBE-SVC-")
+            || chain.starts_with("KUBE-SVL-")
+            || chain.starts_with("KUBE-EXT-")
+        {
+            chain_jumps.entry(chain).or_default().push(target);
+        } else if (chain == "KUBE-SERVICES" || chain == "KUBE-NODEPORTS")
+            && target.starts_with("KUBE-")
+            && let Some(name) = comment(rule)
+        {
+            let dest = arg(&words, "-d")
+                .map(|d| d.trim_end_matches("/32").trim_end_matches("/128"))
+                .unwrap_or("*");
+            let port = arg(&words, "--dport").unwrap_or("?");
+            let proto = arg(&words, "-p").unwrap_or("tcp").to_uppercase();
+            let service = name.split(' ').next().unwrap_or(name).to_owned();
+            entries.push((service, format!("{dest}:{port}/{proto}"), target));
+        }
+    }
+    // Follow SVC/EXT chains (EXT → SVC → SEP) to the DNAT destinations.
+    fn resolve<'a>(
+        chain: &'a str,
+        jumps: &BTreeMap<&'a str, Vec<&'a str>>,
+        dnat: &BTreeMap<&str, String>,
+        depth: usize,
+        out: &mut Vec<String>,
+    ) {
+        if let Some(to) = dnat.get(chain) {
+            if !out.contains(to) {
+                out.push(to.clone());
+            }
+            return;
+        }
+        if depth > 4 {
+            return;
+        }
+        for next in jumps.get(chain).into_iter().flatten() {
+            resolve(next, jumps, dnat, depth + 1, out);
+        }
+    }
+    entries
+        .into_iter()
+        .map(|(service, frontend, chain)| {
+            let mut backends = Vec::new();
+            resolve(chain, &chain_jumps, &dnat, 0, &mut backends);
+            FrontendRow {
+                service,
+                frontend,
+                path: chain.to_owned(),
+                backends,
+                flags: Vec::new(),
+            }
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn iptables_save_is_followed_to_the_endpoints() {
+        let save = r#"*nat
+-A KUBE-SERVICES -m comment --comment "default/web:http cluster IP" -m tcp -p tcp -d 10.96.0.10/32 --dport 80 -j KUBE-SVC-AAA
+-A KUBE-SVC-AAA -m comment --comment "default/web:http -> 10.244.1.2:8080" -m statistic --mode random --probability 0.5000000000 -j KUBE-SEP-ONE
+-A KUBE-SVC-AAA -m comment --comment "default/web:http -> 10.244.2.2:8080" -j KUBE-SEP-TWO
+-A KUBE-SEP-ONE -m comment --comment default/web:http -m tcp -p tcp -j DNAT --to-destination 10.244.1.2:8080
+-A KUBE-SEP-TWO -m comment --comment default/web:http -m tcp -p tcp -j DNAT --to-destination 10.244.2.2:8080
+COMMIT
+"#;
+        let rows = parse_iptables_save(save);
+        assert_eq!(rows.len(), 1);
+        assert_eq!(rows[0].service, "default/web:http");
+        assert_eq!(rows[0].frontend, "10.96.0.10:80/TCP");
+        assert_eq!(rows[0].backends, ["10.244.1.2:8080", "10.244.2.2:8080"]);
+    }
+}

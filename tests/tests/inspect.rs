@@ -1,0 +1,138 @@
+//! `proxy-agent inspect` against a running agent, from inside the node's network namespace:
+//! the Service a test created shows up with its backends, in both modes. Needs root.
+
+use std::{path::Path, process::Command};
+
+use proxy_tests::{
+    agent::agent_binary,
+    client::Attempt,
+    scenario::{CLUSTER_IP, Scenario, http_service, http_slice, pod_endpoint},
+};
+
+fn setup(mode: &str) -> anyhow::Result<Scenario> {
+    proxy_tests::require_root();
+    proxy_tests::set_helper_binary(env!("CARGO_BIN_EXE_rig-helper"));
+    let mut s = Scenario::new(2)?;
+    s.manifests
+        .write("web-svc.yaml", &http_service("default", "web", CLUSTER_IP))?;
+    s.manifests.write(
+        "web-slice.yaml",
+        &http_slice(
+            "default",
+            "web-1",
+            "web",
+            &[pod_endpoint(1), pod_endpoint(2)],
+        ),
+    )?;
+    let args: &[&str] = if mode == "ebpf" {
+        &["--interfaces", "vext"]
+    } else {
+        &[]
+    };
+    s.start_agent_with_args(mode, args)?;
+    let is_pod = |a: &Attempt| a.backend().is_some_and(|b| b.starts_with("pod"));
+    let client = s.outside_client();
+    if mode == "ebpf" {
+        s.wait_for_datapath(
+            proxy_tests::scenario::cluster_addr(),
+            "answered by a pod",
+            is_pod,
+        )?;
+    } else {
+        s.wait_for_datapath_with(
+            &client,
+            proxy_tests::scenario::cluster_addr(),
+            "answered by a pod",
+            is_pod,
+        )?;
+    }
+    Ok(s)
+}
+
+/// Runs `proxy-agent [--bpf-root R] inspect ARGS` in the network namespace at `netns`.
+fn inspect(netns: &Path, bpf_root: Option<&Path>, args: &[&str]) -> anyhow::Result<String> {
+    let mut command = Command::new("nsenter");
+    command
+        .arg(format!("--net={}", netns.display()))
+        .arg(agent_binary()?);
+    if let Some(root) = bpf_root {
+        command.arg("--bpf-root").arg(root);
+    }
+    let output = command.arg("inspect").args(args).output()?;
+    anyhow::ensure!(
+        output.status.success(),
+        "inspect failed: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    Ok(String::from_utf8(output.stdout)?)
+}
+
+fn web_rows(json: &str) -> anyhow::Result<Vec<serde_json::Value>> {
+    let rows: Vec<serde_json::Value> = serde_json::from_str(json)?;
+    Ok(rows
+        .into_iter()
+        .filter(|row| row["service"] == "default/web:http")
+        .collect())
+}
+
+fn backends(row: &serde_json::Value) -> Vec<String> {
+    let mut list: Vec<String> = row["backends"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|b| b.as_str().map(str::to_owned))
+        .collect();
+    list.sort();
+    list
+}
+
+#[test]
+fn inspect_shows_the_service_in_ebpf_mode() -> anyhow::Result<()> {
+    let mut s = setup("ebpf")?;
+    let netns = s.topo.node().path();
+    let bpf_root = s.agent()?.bpf_root().to_path_buf();
+    let json = inspect(&netns, Some(&bpf_root), &["services", "--json"])?;
+    let rows = web_rows(&json)?;
+    eprintln!("inspect services (ebpf): {rows:#?}");
+    let socket = rows
+        .iter()
+        .find(|r| r["path"] == "socket" && r["frontend"] == "10.96.0.10:80/TCP")
+        .ok_or_else(|| anyhow::anyhow!("no socket-level frontend for default/web in {json}"))?;
+    assert_eq!(backends(socket), ["10.244.1.2:8080", "10.244.2.2:8080"]);
+    let table = inspect(&netns, Some(&bpf_root), &["services"])?;
+    eprintln!("{table}");
+    assert!(
+        table.contains("default/web:http") && table.contains("10.244.2.2:8080"),
+        "{table}"
+    );
+    let counters = inspect(&netns, Some(&bpf_root), &["counters"])?;
+    eprintln!("{counters}");
+    assert!(
+        counters
+            .lines()
+            .any(|l| l.starts_with("translated") && !l.ends_with(" 0")),
+        "{counters}"
+    );
+    Ok(())
+}
+
+#[test]
+fn inspect_shows_the_service_in_iptables_mode() -> anyhow::Result<()> {
+    let s = setup("iptables")?;
+    let netns = s.topo.node().path();
+    // No pins under this bpf root: inspect reads the nat table.
+    let empty = tempdir_path();
+    let json = inspect(&netns, Some(&empty), &["services", "--json"])?;
+    let rows = web_rows(&json)?;
+    eprintln!("inspect services (iptables): {rows:#?}");
+    let cluster_ip = rows
+        .iter()
+        .find(|r| r["frontend"] == "10.96.0.10:80/TCP")
+        .ok_or_else(|| anyhow::anyhow!("no ClusterIP rule for default/web in {json}"))?;
+    assert_eq!(backends(cluster_ip), ["10.244.1.2:8080", "10.244.2.2:8080"]);
+    Ok(())
+}
+
+fn tempdir_path() -> std::path::PathBuf {
+    std::env::temp_dir().join(format!("kpr-inspect-none-{}", std::process::id()))
+}
