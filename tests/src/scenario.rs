@@ -133,16 +133,43 @@ impl Scenario {
         self.start_agent_with(AgentSource::Kubeconfig(kubeconfig.to_path_buf()), "ebpf")
     }
 
+    /// Like [`Scenario::start_agent_in_mode`], with extra agent flags (e.g. map capacities).
+    pub fn start_agent_in_mode_with_args(
+        &mut self,
+        mode: &str,
+        extra_args: &[String],
+    ) -> Result<&mut Agent> {
+        let source = AgentSource::Manifests(self.manifests.path().to_path_buf());
+        self.start_agent_with_args(source, mode, extra_args)
+    }
+
     fn start_agent_with(&mut self, source: AgentSource, mode: &str) -> Result<&mut Agent> {
+        self.start_agent_with_args(source, mode, &[])
+    }
+
+    fn start_agent_with_args(
+        &mut self,
+        source: AgentSource,
+        mode: &str,
+        extra_args: &[String],
+    ) -> Result<&mut Agent> {
         let config = AgentConfig {
             source,
             proxy_mode: Some(mode.to_owned()),
             cgroup_path: self.cgroup.path().to_path_buf(),
             hostname: HOSTNAME.into(),
             netns: Some(self.topo.node().path()),
-            extra_args: Vec::new(),
+            extra_args: extra_args.to_vec(),
         };
         Ok(self.agent.insert(Agent::start(&config)?))
+    }
+
+    /// Stops the agent (if any) and forgets it, so another can be started on the same node.
+    pub fn stop_agent(&mut self) -> Result<()> {
+        match self.agent.take() {
+            Some(mut agent) => agent.stop().map(drop),
+            None => Ok(()),
+        }
     }
 
     pub fn agent(&mut self) -> Result<&mut Agent> {

@@ -23,6 +23,13 @@ enum Command {
     Test,
     /// Show socket-level load balancing to three pods in a throwaway topology (needs root).
     Demo,
+    /// Run the benchmarks (eBPF vs iptables vs direct) and write docs/benchmarks.md and its
+    /// SVG plots (needs root; about 20 minutes, `--quick` for a short smoke run).
+    Bench {
+        /// Small sizes and single runs: checks that everything works, numbers not comparable.
+        #[arg(long)]
+        quick: bool,
+    },
 }
 
 fn main() -> Result<()> {
@@ -41,6 +48,11 @@ fn main() -> Result<()> {
             setup::run(setup::Mode::IfMissing)?;
             build::ebpf()?;
             build::demo()
+        }
+        Command::Bench { quick } => {
+            setup::run(setup::Mode::IfMissing)?;
+            build::ebpf()?;
+            build::bench(quick)
         }
     }
 }
