@@ -70,10 +70,12 @@ impl Config {
             datapath_endpoints: 2,
             programming_sizes: vec![1_000, 10_000, 30_000],
             programming_endpoints: 10,
+            // More, shorter runs interleave the paths more finely: on a shared 2-core machine
+            // the load changes within seconds, and interleaving is what keeps ratios honest.
             loops: Loops {
-                repeats: 3,
-                connections: 2_000,
-                round_trips: 5_000,
+                repeats: 5,
+                connections: 1_500,
+                round_trips: 3_000,
                 max: Duration::from_secs(10),
             },
             cold_starts: 3,
@@ -150,6 +152,11 @@ pub struct AgentModeRun {
 #[derive(Debug, Clone)]
 pub struct ProgrammingSize {
     pub workload: Workload,
+    /// Bytes of YAML in the manifests folder.
+    pub manifests_bytes: u64,
+    /// `source::manifests::load_dir` of the folder, in-process: what the agent's source does on
+    /// start and after every change (read + parse every file).
+    pub manifests_load: Option<Duration>,
     pub ebpf: Outcome<AgentModeRun>,
     pub iptables: Outcome<AgentModeRun>,
 }
@@ -453,6 +460,8 @@ fn datapath_size(runner: &mut Runner, w: Workload) -> DatapathSize {
 fn programming_size(runner: &mut Runner, w: Workload) -> ProgrammingSize {
     let mut result = ProgrammingSize {
         workload: w,
+        manifests_bytes: 0,
+        manifests_load: None,
         ebpf: Outcome::Failed("not run".into()),
         iptables: Outcome::Failed("not run".into()),
     };
@@ -467,6 +476,22 @@ fn programming_size(runner: &mut Runner, w: Workload) -> ProgrammingSize {
             return result;
         }
     };
+    result.manifests_bytes = folder_bytes(s.manifests.path());
+    let t0 = Instant::now();
+    let loaded = proxy_agent::source::manifests::load_dir(s.manifests.path());
+    if loaded.errors.is_empty() && loaded.services.len() == w.services {
+        result.manifests_load = Some(t0.elapsed());
+    } else {
+        runner.failed::<()>(
+            "reading the manifests in-process",
+            format!(
+                "{} Services read, {} errors",
+                loaded.services.len(),
+                loaded.errors.len()
+            ),
+        );
+    }
+    drop(loaded);
     let mut live = LiveSet::A;
     for mode in [ProxyMode::Ebpf, ProxyMode::Iptables] {
         let estimate = runner.estimator.estimate(w);
@@ -521,6 +546,18 @@ fn programming_size(runner: &mut Runner, w: Workload) -> ProgrammingSize {
         }
     }
     result
+}
+
+fn folder_bytes(dir: &std::path::Path) -> u64 {
+    std::fs::read_dir(dir)
+        .map(|entries| {
+            entries
+                .flatten()
+                .filter_map(|e| e.metadata().ok())
+                .map(|m| m.len())
+                .sum()
+        })
+        .unwrap_or_default()
 }
 
 fn inprocess_size(runner: &mut Runner, w: Workload) -> InprocessSize {

@@ -700,17 +700,22 @@ fn attribution(md: &mut String, r: &Results) {
         .median;
         let e2e = Spread::of(run.e2e.iter().map(Duration::as_secs_f64)).median;
         let change = Spread::of(inproc.iter().map(|e| e.change.p50 as f64 / 1e9)).median;
+        let load = p.manifests_load.map_or_else(
+            || "not measured".to_owned(),
+            |d| format!("{} (1 run)", dur(d)),
+        );
         lines.push(format!(
             "- {} Services (eBPF): cold start {} of which the library's full sync (snapshot + map \
              writes, in-process) is {}; the remaining {} is process start, program load/attach \
-             and the manifests source reading and parsing every YAML file. A change reaches the \
-             datapath {} after the file write, of which snapshot + map writes are {}; the rest \
-             is the source (a 50 ms settle delay, then a re-read of the whole folder) and the \
-             sync loop.",
+             and the manifests source, whose read + parse of the {:.1} MB folder takes {load} \
+             in-process (`source::manifests::load_dir`). A change reaches the datapath {} after \
+             the file write, of which snapshot + map writes are {}; the rest is the source (a \
+             50 ms settle delay, then that re-read of the whole folder) and the sync loop.",
             size(p.workload.services),
             dur(Duration::from_secs_f64(cold)),
             dur(Duration::from_secs_f64(library)),
             dur(Duration::from_secs_f64((cold - library).max(0.0))),
+            p.manifests_bytes as f64 / 1e6,
             dur(Duration::from_secs_f64(e2e)),
             dur(Duration::from_secs_f64(change)),
         ));
