@@ -113,6 +113,29 @@ pub fn ensure_untranslated(s: &Scenario) -> Result<()> {
     }
 }
 
+/// Removes the iptables mode's rules from the node namespace (what `proxy-agent --cleanup`
+/// does), so that the next iptables start is a cold one. Runs on a thread that entered the
+/// node namespace: the iptables tools it spawns inherit it, the host's tables are never touched.
+pub fn clear_iptables_rules(s: &Scenario) -> Result<()> {
+    let node = s.topo.node().path();
+    let worker = std::thread::spawn(move || -> Result<Vec<String>> {
+        crate::helper::enter_netns(&node)?;
+        Ok(proxy_agent::dataplane::iptables::cleanup()
+            .iter()
+            .map(ToString::to_string)
+            .collect())
+    });
+    let problems = worker
+        .join()
+        .map_err(|_| RigError::Other("the iptables cleanup thread panicked".into()))??;
+    match problems.first() {
+        None => Ok(()),
+        Some(first) => Err(RigError::Other(format!(
+            "removing the iptables rules from the node namespace: {first}"
+        ))),
+    }
+}
+
 /// Starts the agent in `mode` on the scenario's manifests (already written, live Service set to
 /// `live`) and measures its cold start.
 pub fn start_measured(

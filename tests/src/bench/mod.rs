@@ -84,7 +84,7 @@ impl Config {
             inprocess_ebpf_changes: 1_000,
             inprocess_iptables_changes: 5,
             iptables_cap: Duration::from_secs(240),
-            budget: Duration::from_secs(18 * 60),
+            budget: Duration::from_secs(16 * 60),
             command: "cargo xtask bench".into(),
         }
     }
@@ -514,6 +514,10 @@ fn programming_size(runner: &mut Runner, w: Workload) -> ProgrammingSize {
             for i in 0..starts {
                 if i > 0 {
                     s.stop_agent()?;
+                    // The iptables mode leaves its rules in place on exit, as kube-proxy does.
+                    if mode == ProxyMode::Iptables {
+                        agent_runs::clear_iptables_rules(&s)?;
+                    }
                 }
                 cold_starts.push(agent_runs::start_measured(&mut s, mode, w, live, timeout)?);
             }

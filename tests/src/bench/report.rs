@@ -654,8 +654,8 @@ fn programming_section(md: &mut String, r: &Results) {
          that reaches a pod (a probe connects in a tight loop from the cgroup meanwhile). \
          *Change*: the live Service's EndpointSlice file renamed into place → the first \
          connection reaching the new endpoint set (probe in a tight loop). eBPF cold starts use \
-         fresh maps each time; repeated iptables starts find the previous run's rules in place, \
-         as a restarted kube-proxy does. eBPF runs use `--bpf-map-backends` sized for the \
+         fresh maps each time; before each iptables start after the first, the iptables mode's \
+         rules are removed from the node namespace (its `--cleanup`), so every start is cold. eBPF runs use `--bpf-map-backends` sized for the \
          endpoints (the default 262144 is too small for 300k).\n",
     );
     let _ = writeln!(
