@@ -83,7 +83,7 @@ impl Config {
             inprocess_repeats: 3,
             inprocess_ebpf_changes: 1_000,
             inprocess_iptables_changes: 5,
-            iptables_cap: Duration::from_secs(240),
+            iptables_cap: Duration::from_secs(400),
             budget: Duration::from_secs(16 * 60),
             command: "cargo xtask bench".into(),
         }

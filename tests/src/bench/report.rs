@@ -352,6 +352,8 @@ fn datapath_section(md: &mut String, r: &Results) {
         c.loops.connections, c.loops.repeats, c.datapath_endpoints
     );
     path_table(md, r, |d| &d.connect, true);
+    let _ = writeln!(md);
+    stray_notes(md, r, |d| &d.connect);
     let _ = writeln!(md, "\n**Ratios (same run, p50 and mean latency):**\n");
     let _ = writeln!(
         md,
@@ -411,6 +413,8 @@ fn datapath_section(md: &mut String, r: &Results) {
         c.loops.round_trips
     );
     path_table(md, r, |d| &d.rr, false);
+    let _ = writeln!(md);
+    stray_notes(md, r, |d| &d.rr);
     let _ = writeln!(
         md,
         "\n| Services | eBPF / direct (p50) | eBPF / direct (mean) | iptables / eBPF (p50) | iptables / eBPF (mean) |\n|---|---|---|---|---|"
@@ -478,6 +482,25 @@ fn path_table(
                 size(d.workload.services),
                 path.label()
             );
+        }
+    }
+}
+
+/// Attempts left out of the samples because they failed or were not translated.
+fn stray_notes(md: &mut String, r: &Results, runs: impl Fn(&super::DatapathSize) -> &PathRuns) {
+    for d in &r.datapath {
+        for (path, run) in &runs(d).runs {
+            if run.errors > 0 {
+                let _ = writeln!(
+                    md,
+                    "- {} Services, {}: {} attempt(s) of one run failed or were answered by \
+                     something else than a pod (first: `{}`); left out of the samples.",
+                    size(d.workload.services),
+                    path.label(),
+                    run.errors,
+                    run.first_error
+                );
+            }
         }
     }
 }
