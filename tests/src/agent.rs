@@ -290,7 +290,7 @@ impl Drop for Agent {
 
 /// Lazily unmounts `dir` if something (the agent's bpffs) is mounted there; the pins of a
 /// private bpffs instance disappear with its last mount.
-fn unmount_if_mounted(dir: &Path) {
+pub(crate) fn unmount_if_mounted(dir: &Path) {
     let Ok(mounts) = fs::read_to_string("/proc/self/mounts") else {
         return;
     };

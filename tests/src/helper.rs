@@ -18,7 +18,7 @@ use nix::sched::{CloneFlags, setns};
 use crate::{Result, RigError};
 
 #[derive(Debug, Parser)]
-#[command(about = "kubeproxy-rs test rig helper: echo server and socket client")]
+#[command(about = "kubeproxy-rs test rig helper: echo server, socket client, benchmark loops")]
 pub struct Cli {
     #[command(subcommand)]
     pub command: HelperCommand,
@@ -57,6 +57,13 @@ pub enum HelperCommand {
         #[arg(long, default_value_t = 0)]
         interval_ms: u64,
     },
+    /// Benchmark loop in one process: new connections (connect, read the greeting, close) or
+    /// request/response round trips on one connection; prints one latency sample (ns) a line
+    /// after a `summary` line. See `bench::client`.
+    BenchConnect(crate::bench::client::BenchConnectArgs),
+    /// Connects in a tight loop until an answer comes from one of the expected backends; prints
+    /// when (CLOCK_MONOTONIC) that connection started. See `bench::client`.
+    BenchProbe(crate::bench::client::BenchProbeArgs),
 }
 
 /// How the client uses its sockets.
@@ -138,7 +145,26 @@ pub fn run(cli: Cli) -> Result<()> {
                 Duration::from_millis(interval_ms),
             )
         }
+        HelperCommand::BenchConnect(args) => {
+            enter_places(args.netns.as_deref(), args.cgroup.as_deref())?;
+            crate::bench::client::bench_connect(&args)
+        }
+        HelperCommand::BenchProbe(args) => {
+            enter_places(args.netns.as_deref(), args.cgroup.as_deref())?;
+            crate::bench::client::bench_probe(&args)
+        }
     }
+}
+
+/// Enters the network namespace, then the cgroup (both optional), before any thread exists.
+fn enter_places(netns: Option<&Path>, cgroup: Option<&Path>) -> Result<()> {
+    if let Some(ns) = netns {
+        enter_netns(ns)?;
+    }
+    if let Some(cg) = cgroup {
+        join_cgroup(cg)?;
+    }
+    Ok(())
 }
 
 /// Moves the calling thread (the only one, when called first) into a network namespace.
@@ -179,6 +205,9 @@ fn echo(name: &str, listen: SocketAddr) -> Result<()> {
 }
 
 fn serve_tcp(name: &str, conn: TcpStream) -> io::Result<()> {
+    // Each reply is one small write: without this, Nagle could hold a reply back until the
+    // previous one is acknowledged, which would distort request/response timings.
+    conn.set_nodelay(true)?;
     let peer = conn.peer_addr()?;
     let mut writer = conn.try_clone()?;
     writer.write_all(format!("{name} {peer}\n").as_bytes())?;

@@ -6,6 +6,7 @@
 
 pub mod agent;
 pub mod apiserver;
+pub mod bench;
 pub mod cgroup;
 pub mod client;
 pub mod echo;

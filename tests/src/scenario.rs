@@ -161,6 +161,14 @@ impl Scenario {
         Ok(self.agent.insert(Agent::start(&config)?))
     }
 
+    /// Stops the agent (if any) and forgets it, so another can be started on the same node.
+    pub fn stop_agent(&mut self) -> Result<()> {
+        match self.agent.take() {
+            Some(mut agent) => agent.stop().map(drop),
+            None => Ok(()),
+        }
+    }
+
     pub fn agent(&mut self) -> Result<&mut Agent> {
         self.agent
             .as_mut()

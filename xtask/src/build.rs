@@ -251,6 +251,46 @@ pub fn fuzz(seconds: u32, targets: &[String]) -> Result<()> {
     Ok(())
 }
 
+/// Builds the agent and the benchmark with `--release` (debug builds would measure the
+/// compiler's unoptimised code, not the design) and runs the benchmark, which writes
+/// `docs/benchmarks.md` and the SVG plots next to it.
+pub fn bench(quick: bool) -> Result<()> {
+    let object = ebpf_object();
+    step("build: proxy-agent and the benchmark (release)");
+    run_cmd(
+        cargo()
+            .args([
+                "build",
+                "--release",
+                "--package",
+                "proxy-agent",
+                "--package",
+                "proxy-tests",
+                "--bins",
+            ])
+            .env("PROXY_EBPF_OBJECT", &object),
+    )?;
+    if !is_root() {
+        bail!("the benchmarks need root (network namespaces, cgroups, BPF)");
+    }
+    step(if quick {
+        "bench --quick (smoke run)"
+    } else {
+        "bench (about 20 minutes)"
+    });
+    let release = workspace_root().join("target/release");
+    let mut command = Command::new(release.join("bench"));
+    command
+        .current_dir(workspace_root())
+        .args(["--out-dir", "docs"])
+        .env("PROXY_AGENT_BIN", release.join("proxy-agent"))
+        .env("RIG_HELPER_BIN", release.join("rig-helper"));
+    if quick {
+        command.arg("--quick");
+    }
+    run_cmd(&mut command)
+}
+
 fn is_root() -> bool {
     Command::new("id")
         .arg("-u")

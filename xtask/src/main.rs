@@ -32,6 +32,13 @@ enum Command {
         /// Only these targets (default: manifests, config, ctnetlink, sockdiag).
         targets: Vec<String>,
     },
+    /// Run the benchmarks (eBPF vs iptables vs direct) and write docs/benchmarks.md and its
+    /// SVG plots (needs root; about 20 minutes, `--quick` for a short smoke run).
+    Bench {
+        /// Small sizes and single runs: checks that everything works, numbers not comparable.
+        #[arg(long)]
+        quick: bool,
+    },
 }
 
 fn main() -> Result<()> {
@@ -51,6 +58,11 @@ fn main() -> Result<()> {
             setup::run(setup::Mode::IfMissing)?;
             build::ebpf()?;
             build::demo()
+        }
+        Command::Bench { quick } => {
+            setup::run(setup::Mode::IfMissing)?;
+            build::ebpf()?;
+            build::bench(quick)
         }
     }
 }

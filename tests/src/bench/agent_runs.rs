@@ -1,0 +1,258 @@
+//! Measurements through the real agent process on the rig's node: cold start (agent start →
+//! first "sync applied" log line, and → first translated connection), end-to-end programming
+//! (manifest file written → first connection reaching the new endpoint), and memory.
+
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use nix::sys::signal::{Signal, kill};
+use nix::unistd::Pid;
+
+use super::client::{Place, Probe, monotonic_ns};
+use super::sysinfo::{MapMemory, bpf_maps, rss_kib};
+use super::workload::{LiveSet, Workload, write_live_slice};
+use crate::client::Attempt;
+use crate::scenario::{Scenario, cluster_addr};
+use crate::topology::DECOY_NAME;
+use crate::{Result, RigError};
+
+/// The two proxy modes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum ProxyMode {
+    Ebpf,
+    Iptables,
+}
+
+impl ProxyMode {
+    pub fn as_arg(self) -> &'static str {
+        match self {
+            Self::Ebpf => "ebpf",
+            Self::Iptables => "iptables",
+        }
+    }
+}
+
+/// A rig node for benchmarks: the scenario's node with the three echo pods, the ClusterIP
+/// decoy and a child cgroup. The node namespace gets `tcp_tw_reuse` so that tens of thousands of
+/// short connections to the same backend never run out of ports to TIME_WAIT.
+pub fn bench_node() -> Result<Scenario> {
+    let s = Scenario::new(super::workload::LIVE_PODS)?;
+    s.topo.node().sysctl("net.ipv4.tcp_tw_reuse", "1")?;
+    s.topo
+        .node()
+        .sysctl("net.ipv4.ip_local_port_range", "10000 65000")?;
+    Ok(s)
+}
+
+/// A client in the node namespace inside the agent's cgroup (a pod-like process).
+pub fn in_cgroup(s: &Scenario) -> Place {
+    Place {
+        netns: s.topo.node().path(),
+        cgroup: Some(s.cgroup.path().to_path_buf()),
+    }
+}
+
+/// A client in the node namespace outside the agent's cgroup (no socket hook runs).
+pub fn outside(s: &Scenario) -> Place {
+    Place {
+        netns: s.topo.node().path(),
+        cgroup: None,
+    }
+}
+
+/// Agent start-up at one size.
+#[derive(Debug, Clone, Copy)]
+pub struct ColdStart {
+    /// Agent process started → first "sync applied" line in its log (polled every 2 ms).
+    pub to_sync_log: Duration,
+    /// Agent process started → the first connection to the ClusterIP reaching a pod starts.
+    pub to_first_connection: Duration,
+}
+
+/// Peak and current memory of the agent, and its BPF maps.
+#[derive(Debug, Clone, Default)]
+pub struct AgentMemory {
+    pub vm_hwm_kib: u64,
+    pub vm_rss_kib: u64,
+    pub maps: Vec<MapMemory>,
+}
+
+impl AgentMemory {
+    pub fn map_memlock(&self) -> u64 {
+        self.maps.iter().map(|m| m.memlock).sum()
+    }
+}
+
+/// Agent flags a workload needs: map capacities with room for every endpoint.
+pub fn agent_args(mode: ProxyMode, w: Workload) -> Vec<String> {
+    match mode {
+        ProxyMode::Ebpf => vec![
+            "--bpf-map-backends".into(),
+            super::inprocess::backends_capacity(w).to_string(),
+        ],
+        ProxyMode::Iptables => Vec::new(),
+    }
+}
+
+/// Fails unless the ClusterIP is answered by the decoy, i.e. nothing translates it (a previous
+/// agent's datapath is gone), waiting up to 10 s for that.
+pub fn ensure_untranslated(s: &Scenario) -> Result<()> {
+    let client = s.cgroup_client();
+    let start = Instant::now();
+    loop {
+        let attempt = client.once(cluster_addr())?;
+        if attempt.backend() == Some(DECOY_NAME) {
+            return Ok(());
+        }
+        if start.elapsed() > Duration::from_secs(10) {
+            return Err(RigError::Other(format!(
+                "the ClusterIP is still translated after the agent stopped: {attempt:?}"
+            )));
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// Removes the iptables mode's rules from the node namespace (what `proxy-agent --cleanup`
+/// does), so that the next iptables start is a cold one. Runs on a thread that entered the
+/// node namespace: the iptables tools it spawns inherit it, the host's tables are never touched.
+pub fn clear_iptables_rules(s: &Scenario) -> Result<()> {
+    let node = s.topo.node().path();
+    let worker = std::thread::spawn(move || -> Result<Vec<String>> {
+        crate::helper::enter_netns(&node)?;
+        Ok(proxy_agent::dataplane::iptables::cleanup()
+            .iter()
+            .map(ToString::to_string)
+            .collect())
+    });
+    let problems = worker
+        .join()
+        .map_err(|_| RigError::Other("the iptables cleanup thread panicked".into()))??;
+    match problems.first() {
+        None => Ok(()),
+        Some(first) => Err(RigError::Other(format!(
+            "removing the iptables rules from the node namespace: {first}"
+        ))),
+    }
+}
+
+/// Starts the agent in `mode` on the scenario's manifests (already written, live Service set to
+/// `live`) and measures its cold start.
+pub fn start_measured(
+    s: &mut Scenario,
+    mode: ProxyMode,
+    w: Workload,
+    live: LiveSet,
+    timeout: Duration,
+) -> Result<ColdStart> {
+    ensure_untranslated(s)?;
+    let probe = Probe::start(&in_cgroup(s), cluster_addr(), live.names(), timeout)?;
+    let t0 = monotonic_ns();
+    let started = Instant::now();
+    let args = agent_args(mode, w);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let agent = s.start_agent_with_args(mode.as_arg(), &args)?;
+    let to_sync_log = loop {
+        if agent.log_contents().contains("sync applied") {
+            break started.elapsed();
+        }
+        if !agent.is_running() {
+            return Err(agent.error("the agent exited during start-up"));
+        }
+        if started.elapsed() > timeout {
+            return Err(agent.error(format!("no sync applied within {timeout:?}")));
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    };
+    let hit = probe.wait().map_err(|e| agent.error(e.to_string()))?;
+    Ok(ColdStart {
+        to_sync_log,
+        to_first_connection: Duration::from_nanos(hit.start_ns.saturating_sub(t0)),
+    })
+}
+
+/// `n` end-to-end changes of the live Service's EndpointSlice file, flipping between the two
+/// backend sets; each sample is file renamed → first connection reaching the new set.
+/// `live` is updated to the current set.
+pub fn e2e_changes(
+    s: &mut Scenario,
+    live: &mut LiveSet,
+    n: usize,
+    timeout: Duration,
+) -> Result<Vec<Duration>> {
+    let mut samples = Vec::with_capacity(n);
+    for _ in 0..n {
+        let next = live.other();
+        let probe = Probe::start(&in_cgroup(s), cluster_addr(), next.names(), timeout)?;
+        let t0 = monotonic_ns();
+        write_live_slice(&s.manifests, next)?;
+        let hit = probe.wait().map_err(|e| s.agent_error(e.to_string()))?;
+        *live = next;
+        samples.push(Duration::from_nanos(hit.start_ns.saturating_sub(t0)));
+        // Let the agent finish the sync (log line, stats) before the next change.
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    Ok(samples)
+}
+
+/// The agent's memory now (VmHWM is the peak since it started).
+pub fn memory(s: &mut Scenario) -> Result<AgentMemory> {
+    let pid = s
+        .agent()?
+        .pid()
+        .ok_or_else(|| RigError::Other("agent not running".into()))?;
+    let (vm_hwm_kib, vm_rss_kib) =
+        rss_kib(pid).ok_or_else(|| RigError::Other(format!("cannot read /proc/{pid}/status")))?;
+    Ok(AgentMemory {
+        vm_hwm_kib,
+        vm_rss_kib,
+        maps: bpf_maps(pid),
+    })
+}
+
+/// SIGSTOPs the agent while the datapath is measured (its datapath works without it: the
+/// programs and maps, or the rules, stay in the kernel), so that its periodic manifest rescans
+/// do not compete for the two cores; Drop sends SIGCONT.
+#[derive(Debug)]
+pub struct Paused {
+    pid: Pid,
+}
+
+impl Paused {
+    pub fn new(s: &mut Scenario) -> Result<Self> {
+        let pid = s
+            .agent()?
+            .pid()
+            .and_then(|p| i32::try_from(p).ok())
+            .ok_or_else(|| RigError::Other("agent not running".into()))?;
+        let pid = Pid::from_raw(pid);
+        kill(pid, Signal::SIGSTOP).map_err(|e| RigError::Nix {
+            context: "SIGSTOP to the agent".into(),
+            source: e,
+        })?;
+        Ok(Self { pid })
+    }
+}
+
+impl Drop for Paused {
+    fn drop(&mut self) {
+        if let Err(e) = kill(self.pid, Signal::SIGCONT) {
+            eprintln!("bench: SIGCONT to the agent: {e}");
+        }
+    }
+}
+
+/// Waits until the ClusterIP answers from a pod of `live` (after a start or change).
+pub fn wait_for_live(s: &mut Scenario, live: LiveSet) -> Result<Attempt> {
+    s.wait_for_datapath(cluster_addr(), "answered by the live set", |a| {
+        a.backend().is_some_and(|b| live.names().contains(&b))
+    })
+}
+
+/// The direct target: pod1's echo server.
+pub fn pod1_addr() -> SocketAddr {
+    SocketAddr::new(
+        crate::topology::Topology::pod_ip(1).into(),
+        crate::scenario::BACKEND_PORT,
+    )
+}

@@ -1,0 +1,473 @@
+//! The benchmark clients: tight loops that run inside one process entered into the node
+//! namespace (and the agent's cgroup), so that a sample measures the socket calls and the
+//! datapath, not a fork/exec per connection; and the orchestrator side that runs them.
+//!
+//! Output of `rig-helper bench-connect`: a `summary ok=N errors=E elapsed_ns=T first_error=...`
+//! line, then one latency sample in nanoseconds per line. `rig-helper bench-probe` prints
+//! `probe attempts=N start_ns=S end_ns=E answer=NAME` (CLOCK_MONOTONIC, comparable across
+//! processes) or `probe timeout attempts=N last=...`.
+
+use std::io::{self, Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, ChildStdout, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use clap::{Args, ValueEnum};
+
+use crate::process::{describe, kill_and_reap, run_bounded};
+use crate::{Result, RigError, helper_binary};
+
+/// Per-socket-call timeout: a benchmark connection normally takes well under a millisecond.
+const IO_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// What the benchmark loop measures.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Workload {
+    /// A new connection per sample: connect, read the greeting line, close.
+    Connect,
+    /// One connection; a sample is one request line written and its echo read (TCP_RR).
+    Rr,
+}
+
+impl Workload {
+    fn as_arg(self) -> &'static str {
+        match self {
+            Self::Connect => "connect",
+            Self::Rr => "rr",
+        }
+    }
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct BenchConnectArgs {
+    #[arg(long)]
+    pub target: SocketAddr,
+    #[arg(long, value_enum, default_value_t = Workload::Connect)]
+    pub workload: Workload,
+    /// Samples to take (after the warm-up).
+    #[arg(long)]
+    pub count: u32,
+    /// Samples taken first and discarded (cache and ARP warm-up).
+    #[arg(long, default_value_t = 50)]
+    pub warmup: u32,
+    /// Stop early after this long, whatever `count` says.
+    #[arg(long, default_value_t = 20_000)]
+    pub max_ms: u64,
+    /// Greetings must start with this (e.g. `pod`): an answer from anything else (the decoy
+    /// on the ClusterIP, i.e. an untranslated connection) is counted as an error.
+    #[arg(long, default_value = "pod")]
+    pub expect: String,
+    #[arg(long)]
+    pub netns: Option<PathBuf>,
+    #[arg(long)]
+    pub cgroup: Option<PathBuf>,
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct BenchProbeArgs {
+    #[arg(long)]
+    pub target: SocketAddr,
+    /// Backend names that count as "reached" (comma-separated, e.g. `pod3` or `pod1,pod2`).
+    #[arg(long, value_delimiter = ',')]
+    pub expect: Vec<String>,
+    #[arg(long, default_value_t = 60_000)]
+    pub max_ms: u64,
+    /// Bound on attempts, besides the time bound.
+    #[arg(long, default_value_t = 5_000_000)]
+    pub max_attempts: u64,
+    #[arg(long)]
+    pub netns: Option<PathBuf>,
+    #[arg(long)]
+    pub cgroup: Option<PathBuf>,
+}
+
+/// CLOCK_MONOTONIC in nanoseconds: one clock for every process on the machine, so the
+/// orchestrator and a probe can compare their timestamps.
+pub fn monotonic_ns() -> u64 {
+    match nix::time::clock_gettime(nix::time::ClockId::CLOCK_MONOTONIC) {
+        Ok(ts) => {
+            let secs = u64::try_from(ts.tv_sec()).unwrap_or_default();
+            let nanos = u64::try_from(ts.tv_nsec()).unwrap_or_default();
+            secs * 1_000_000_000 + nanos
+        }
+        // Cannot fail for CLOCK_MONOTONIC on Linux; 0 makes a broken sample obvious.
+        Err(_) => 0,
+    }
+}
+
+/// Reads until a newline; returns the bytes read (the first line plus anything after it).
+fn read_line(conn: &mut TcpStream, buf: &mut [u8]) -> io::Result<usize> {
+    let mut filled = 0;
+    loop {
+        let Some(free) = buf.get_mut(filled..).filter(|b| !b.is_empty()) else {
+            return Err(io::Error::other("line longer than the buffer"));
+        };
+        let n = conn.read(free)?;
+        if n == 0 {
+            return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "EOF"));
+        }
+        filled += n;
+        if buf.get(..filled).is_some_and(|b| b.contains(&b'\n')) {
+            return Ok(filled);
+        }
+    }
+}
+
+/// The backend's name: the greeting's first word.
+fn greeting_name(buf: &[u8]) -> String {
+    let text = String::from_utf8_lossy(buf);
+    text.split_whitespace()
+        .next()
+        .unwrap_or_default()
+        .to_owned()
+}
+
+fn connect(target: SocketAddr) -> io::Result<TcpStream> {
+    let conn = TcpStream::connect_timeout(&target, IO_TIMEOUT)?;
+    conn.set_read_timeout(Some(IO_TIMEOUT))?;
+    conn.set_write_timeout(Some(IO_TIMEOUT))?;
+    Ok(conn)
+}
+
+/// One new-connection sample: connect, read the greeting, close. Returns the backend name.
+fn connect_once(target: SocketAddr, buf: &mut [u8]) -> io::Result<String> {
+    let mut conn = connect(target)?;
+    let n = read_line(&mut conn, buf)?;
+    Ok(greeting_name(buf.get(..n).unwrap_or_default()))
+    // Dropping closes: the close is part of the sample, as for a short-lived client.
+}
+
+/// `rig-helper bench-connect`.
+pub fn bench_connect(args: &BenchConnectArgs) -> Result<()> {
+    let mut buf = [0u8; 256];
+    let mut samples: Vec<u64> = Vec::with_capacity(args.count as usize);
+    let mut errors = 0u64;
+    let mut first_error = String::from("-");
+    let mut note = |e: String, errors: &mut u64| {
+        if *errors == 0 {
+            first_error = e.replace(' ', "_");
+        }
+        *errors += 1;
+    };
+    let max = Duration::from_millis(args.max_ms);
+    let started = Instant::now();
+    match args.workload {
+        Workload::Connect => {
+            for i in 0..args.warmup + args.count {
+                if started.elapsed() > max {
+                    break;
+                }
+                let t0 = Instant::now();
+                let result = connect_once(args.target, &mut buf);
+                let elapsed = t0.elapsed();
+                match result {
+                    Ok(name) if name.starts_with(&args.expect) => {
+                        if i >= args.warmup {
+                            samples.push(duration_ns(elapsed));
+                        }
+                    }
+                    Ok(name) => note(format!("answer from {name}"), &mut errors),
+                    Err(e) => note(e.to_string(), &mut errors),
+                }
+            }
+        }
+        Workload::Rr => {
+            let mut conn = connect(args.target).map_err(|e| RigError::io("bench connect", e))?;
+            conn.set_nodelay(true)
+                .map_err(|e| RigError::io("TCP_NODELAY", e))?;
+            let n = read_line(&mut conn, &mut buf).map_err(|e| RigError::io("greeting", e))?;
+            let name = greeting_name(buf.get(..n).unwrap_or_default());
+            if !name.starts_with(&args.expect) {
+                return Err(RigError::Other(format!(
+                    "the connection was answered by {name}, not {}*",
+                    args.expect
+                )));
+            }
+            for i in 0..args.warmup + args.count {
+                if started.elapsed() > max {
+                    break;
+                }
+                let t0 = Instant::now();
+                let result = conn
+                    .write_all(b"ping\n")
+                    .and_then(|()| read_line(&mut conn, &mut buf));
+                let elapsed = t0.elapsed();
+                match result {
+                    Ok(_) if i >= args.warmup => samples.push(duration_ns(elapsed)),
+                    Ok(_) => {}
+                    // The connection is unusable after an error: stop with what we have.
+                    Err(e) => {
+                        note(e.to_string(), &mut errors);
+                        break;
+                    }
+                }
+            }
+        }
+    }
+    let elapsed = duration_ns(started.elapsed());
+    let mut out = io::BufWriter::new(io::stdout().lock());
+    let mut text = format!(
+        "summary ok={} errors={errors} elapsed_ns={elapsed} first_error={first_error}\n",
+        samples.len()
+    );
+    for s in &samples {
+        text.push_str(&s.to_string());
+        text.push('\n');
+    }
+    out.write_all(text.as_bytes())
+        .and_then(|()| out.flush())
+        .map_err(|e| RigError::io("printing samples", e))
+}
+
+fn duration_ns(d: Duration) -> u64 {
+    u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
+}
+
+/// `rig-helper bench-probe`: prints `ready`, then connects in a tight loop (no pause: the
+/// resolution is one connection's duration) until a connection reaches an expected backend.
+pub fn bench_probe(args: &BenchProbeArgs) -> Result<()> {
+    let mut out = io::stdout();
+    writeln!(out, "ready")
+        .and_then(|()| out.flush())
+        .map_err(|e| RigError::io("printing ready", e))?;
+    let mut buf = [0u8; 256];
+    let max = Duration::from_millis(args.max_ms);
+    let started = Instant::now();
+    let mut last = String::from("-");
+    let mut attempts = 0u64;
+    while attempts < args.max_attempts && started.elapsed() < max {
+        attempts += 1;
+        let start_ns = monotonic_ns();
+        match connect_once(args.target, &mut buf) {
+            Ok(name) if args.expect.contains(&name) => {
+                let end_ns = monotonic_ns();
+                return writeln!(
+                    out,
+                    "probe attempts={attempts} start_ns={start_ns} end_ns={end_ns} answer={name}"
+                )
+                .map_err(|e| RigError::io("printing probe result", e));
+            }
+            Ok(name) => last = name,
+            Err(e) => last = e.to_string().replace(' ', "_"),
+        }
+    }
+    writeln!(out, "probe timeout attempts={attempts} last={last}")
+        .map_err(|e| RigError::io("printing probe result", e))
+}
+
+/// Where a benchmark client runs: the node namespace, inside the agent's cgroup or not.
+#[derive(Debug, Clone)]
+pub struct Place {
+    pub netns: PathBuf,
+    pub cgroup: Option<PathBuf>,
+}
+
+impl Place {
+    fn args(&self, cmd: &mut Command) {
+        cmd.arg("--netns").arg(&self.netns);
+        if let Some(cg) = &self.cgroup {
+            cmd.arg("--cgroup").arg(cg);
+        }
+    }
+}
+
+/// One run of `bench-connect`.
+#[derive(Debug, Clone)]
+pub struct Samples {
+    /// Latencies in ns, in the order taken.
+    pub ns: Vec<u64>,
+    pub errors: u64,
+    pub first_error: String,
+    /// Wall time of the whole loop (warm-up included), for the rate.
+    pub elapsed: Duration,
+    /// Samples per second over the measured part: count / sum of sample times.
+    pub rate: f64,
+}
+
+/// Runs `rig-helper bench-connect` (bounded by its own `max_ms` plus slack) and parses it.
+pub fn run_bench(
+    place: &Place,
+    target: SocketAddr,
+    workload: Workload,
+    count: u32,
+    max: Duration,
+) -> Result<Samples> {
+    let mut cmd = Command::new(helper_binary()?);
+    cmd.arg("bench-connect")
+        .args(["--target", &target.to_string()])
+        .args(["--workload", workload.as_arg()])
+        .args(["--count", &count.to_string()])
+        .args(["--max-ms", &max.as_millis().to_string()]);
+    place.args(&mut cmd);
+    let out = run_bounded(&mut cmd, max + Duration::from_secs(15))?;
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    if !out.status.success() {
+        return Err(RigError::Command {
+            command: describe(&cmd),
+            status: out.status.to_string(),
+            stderr: String::from_utf8_lossy(&out.stderr).trim().to_owned(),
+        });
+    }
+    parse_samples(&stdout)
+}
+
+fn parse_samples(stdout: &str) -> Result<Samples> {
+    let mut lines = stdout.lines();
+    let summary = lines.next().unwrap_or_default();
+    let bad = || RigError::Parse {
+        what: "bench-connect summary",
+        line: summary.to_owned(),
+    };
+    let field = |name: &str| -> Option<&str> {
+        summary
+            .split_whitespace()
+            .find_map(|kv| kv.strip_prefix(name)?.strip_prefix('='))
+    };
+    let errors = field("errors")
+        .and_then(|v| v.parse().ok())
+        .ok_or_else(bad)?;
+    let elapsed_ns: u64 = field("elapsed_ns")
+        .and_then(|v| v.parse().ok())
+        .ok_or_else(bad)?;
+    let first_error = field("first_error").unwrap_or("-").to_owned();
+    let ns = lines
+        .filter(|l| !l.is_empty())
+        .map(|l| {
+            l.trim().parse().map_err(|_| RigError::Parse {
+                what: "bench-connect sample",
+                line: l.to_owned(),
+            })
+        })
+        .collect::<Result<Vec<u64>>>()?;
+    let total: u64 = ns.iter().sum();
+    let rate = if total == 0 {
+        0.0
+    } else {
+        ns.len() as f64 / (total as f64 / 1e9)
+    };
+    Ok(Samples {
+        ns,
+        errors,
+        first_error,
+        elapsed: Duration::from_nanos(elapsed_ns),
+        rate,
+    })
+}
+
+/// A running `bench-probe`. Drop kills it.
+#[derive(Debug)]
+pub struct Probe {
+    child: Child,
+    stdout: Option<io::Lines<io::BufReader<ChildStdout>>>,
+    what: String,
+}
+
+/// What a probe saw.
+#[derive(Debug, Clone, Copy)]
+pub struct ProbeHit {
+    pub attempts: u64,
+    /// CLOCK_MONOTONIC when the first connection reaching an expected backend started.
+    pub start_ns: u64,
+    pub end_ns: u64,
+}
+
+impl Probe {
+    /// Starts a probe and waits until it is in place (namespace and cgroup entered).
+    pub fn start(
+        place: &Place,
+        target: SocketAddr,
+        expect: &[&str],
+        max: Duration,
+    ) -> Result<Self> {
+        use std::io::BufRead as _;
+        let mut cmd = Command::new(helper_binary()?);
+        cmd.arg("bench-probe")
+            .args(["--target", &target.to_string()])
+            .args(["--expect", &expect.join(",")])
+            .args(["--max-ms", &max.as_millis().to_string()])
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit());
+        place.args(&mut cmd);
+        let what = describe(&cmd);
+        let mut child = cmd
+            .spawn()
+            .map_err(|e| RigError::io(format!("spawning `{what}`"), e))?;
+        let mut lines = child
+            .stdout
+            .take()
+            .map(|out| io::BufReader::new(out).lines());
+        let ready = lines
+            .as_mut()
+            .and_then(Iterator::next)
+            .and_then(io::Result::ok);
+        if ready.as_deref() != Some("ready") {
+            kill_and_reap(&mut child);
+            return Err(RigError::Other(format!(
+                "`{what}` did not start: {ready:?}"
+            )));
+        }
+        Ok(Self {
+            child,
+            stdout: lines,
+            what,
+        })
+    }
+
+    /// Waits for the probe's result (the probe bounds itself by `max`).
+    pub fn wait(mut self) -> Result<ProbeHit> {
+        let line = self
+            .stdout
+            .as_mut()
+            .and_then(Iterator::next)
+            .and_then(io::Result::ok)
+            .unwrap_or_default();
+        let _ = self.child.wait();
+        let field = |name: &str| -> Option<u64> {
+            line.split_whitespace()
+                .find_map(|kv| kv.strip_prefix(name)?.strip_prefix('='))
+                .and_then(|v| v.parse().ok())
+        };
+        match (field("attempts"), field("start_ns"), field("end_ns")) {
+            (Some(attempts), Some(start_ns), Some(end_ns)) => Ok(ProbeHit {
+                attempts,
+                start_ns,
+                end_ns,
+            }),
+            _ => Err(RigError::Other(format!("`{}`: {line}", self.what))),
+        }
+    }
+}
+
+impl Drop for Probe {
+    fn drop(&mut self) {
+        kill_and_reap(&mut self.child);
+    }
+}
+
+/// Helper for callers that only have a namespace path.
+pub fn place(netns: &Path, cgroup: Option<&Path>) -> Place {
+    Place {
+        netns: netns.to_path_buf(),
+        cgroup: cgroup.map(Path::to_path_buf),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_bench_output() -> Result<()> {
+        let s = parse_samples(
+            "summary ok=3 errors=1 elapsed_ns=5000 first_error=EOF\n100\n200\n300\n",
+        )?;
+        assert_eq!(s.ns, vec![100, 200, 300]);
+        assert_eq!(s.errors, 1);
+        assert_eq!(s.first_error, "EOF");
+        assert!((s.rate - 5e6).abs() < 1.0, "{}", s.rate);
+        assert!(parse_samples("garbage").is_err());
+        Ok(())
+    }
+}

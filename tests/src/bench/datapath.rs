@@ -1,0 +1,128 @@
+//! Items 1 and 2: new-connection latency/rate and request/response over an established
+//! connection, through each path, with the paths of one mode interleaved run by run so that
+//! drift on the shared machine hits them alike.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use super::agent_runs::{in_cgroup, outside, pod1_addr};
+use super::client::{Place, Workload as ClientWorkload, run_bench};
+use super::stats::Percentiles;
+use crate::scenario::{Scenario, cluster_addr};
+use crate::{Result, RigError};
+
+/// How a client reaches the echo pods.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Path {
+    /// pod1's IP, from outside the agent's cgroup, no rules: the physical floor.
+    Direct,
+    /// pod1's IP from inside the cgroup: the connect hook runs and finds no frontend.
+    DirectInCgroup,
+    /// The ClusterIP from inside the cgroup, translated by the socket hook (eBPF mode).
+    Ebpf,
+    /// pod1's IP while the iptables mode's rules are in place (nat chains walked, no match).
+    DirectUnderIptables,
+    /// The ClusterIP, DNATed by kube-proxy's rules (iptables mode).
+    Iptables,
+}
+
+impl Path {
+    pub fn label(self) -> &'static str {
+        match self {
+            Self::Direct => "direct",
+            Self::DirectInCgroup => "direct, in cgroup (hook miss)",
+            Self::Ebpf => "eBPF socket LB",
+            Self::DirectUnderIptables => "direct, iptables rules loaded",
+            Self::Iptables => "iptables",
+        }
+    }
+
+    fn place_and_target(self, s: &Scenario) -> (Place, SocketAddr) {
+        match self {
+            Self::Direct | Self::DirectUnderIptables => (outside(s), pod1_addr()),
+            Self::DirectInCgroup => (in_cgroup(s), pod1_addr()),
+            Self::Ebpf | Self::Iptables => (in_cgroup(s), cluster_addr()),
+        }
+    }
+}
+
+/// One run of one path: its percentiles and rate.
+#[derive(Debug, Clone)]
+pub struct Run {
+    pub latency: Percentiles,
+    /// Sequential samples per second (1 / mean latency).
+    pub rate: f64,
+    /// Attempts that failed or reached something else than a pod (not in the samples).
+    pub errors: u64,
+    pub first_error: String,
+}
+
+/// Every run of every path, for one workload kind.
+#[derive(Debug, Clone, Default)]
+pub struct PathRuns {
+    pub runs: Vec<(Path, Run)>,
+}
+
+impl PathRuns {
+    pub fn of(&self, path: Path) -> Vec<Run> {
+        self.runs
+            .iter()
+            .filter(|(p, _)| *p == path)
+            .map(|(_, r)| r.clone())
+            .collect()
+    }
+}
+
+/// Sizes of the loops.
+#[derive(Debug, Clone, Copy)]
+pub struct Loops {
+    pub repeats: usize,
+    pub connections: u32,
+    pub round_trips: u32,
+    /// Time bound of one run.
+    pub max: Duration,
+}
+
+/// Runs `paths` interleaved, `loops.repeats` times, for both workloads. Fails on errors
+/// (an untranslated or refused connection would make the numbers meaningless).
+pub fn measure(
+    s: &Scenario,
+    paths: &[Path],
+    loops: Loops,
+    connect: &mut PathRuns,
+    rr: &mut PathRuns,
+) -> Result<()> {
+    for _ in 0..loops.repeats {
+        for &path in paths {
+            let (place, target) = path.place_and_target(s);
+            for (workload, count, into) in [
+                (ClientWorkload::Connect, loops.connections, &mut *connect),
+                (ClientWorkload::Rr, loops.round_trips, &mut *rr),
+            ] {
+                let samples = run_bench(&place, target, workload, count, loops.max)?;
+                // A rare stray (e.g. a connection that reuses a conntrack entry created before
+                // the rules existed) is reported, not fatal; more than 0.1 % means the path is
+                // broken and its numbers would be meaningless.
+                if samples.errors * 1000 > u64::from(count) || samples.ns.is_empty() {
+                    return Err(RigError::Other(format!(
+                        "{} {workload:?} to {target}: {} errors (first: {}), {} samples",
+                        path.label(),
+                        samples.errors,
+                        samples.first_error,
+                        samples.ns.len()
+                    )));
+                }
+                into.runs.push((
+                    path,
+                    Run {
+                        latency: Percentiles::of(&samples.ns),
+                        rate: samples.rate,
+                        errors: samples.errors,
+                        first_error: samples.first_error,
+                    },
+                ));
+            }
+        }
+    }
+    Ok(())
+}

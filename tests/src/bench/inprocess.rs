@@ -1,0 +1,337 @@
+//! Programming latency measured in-process with the agent's library: the store, the snapshot
+//! update and the dataplane apply, exactly the calls `run.rs` makes per sync, without the
+//! source, the sync runner or process start-up.
+//!
+//! - eBPF: a real [`EbpfDataplane`] (programs attached to an empty child cgroup, maps pinned in
+//!   a private bpffs) so every map write is a real syscall.
+//! - iptables: a real [`IptablesDataplane`] on a thread that entered a private network
+//!   namespace, so `iptables-restore` (a child of that thread) writes that namespace's tables.
+
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use proxy_agent::dataplane::ebpf::TcOptions;
+use proxy_agent::dataplane::ebpf::{self, EbpfDataplane, EbpfOptions};
+use proxy_agent::dataplane::iptables::{
+    FamilyRules, HostFeatures, IptablesConfig, IptablesDataplane, SyncInput, generate,
+};
+use proxy_agent::desired::{IpFamily, Snapshot};
+use proxy_agent::objects::{Kind, Store, Update};
+
+use super::stats::Percentiles;
+use super::sysinfo::bpf_maps;
+use super::workload::{LiveSet, Workload};
+use crate::cgroup::ChildCgroup;
+use crate::netns::Netns;
+use crate::scenario::HOSTNAME;
+use crate::{Result, RigError, unique_name};
+
+/// The agent's default `--bpf-map-backends`.
+pub const DEFAULT_BACKENDS_CAPACITY: u32 = 262_144;
+/// The agent's default `--bpf-map-frontends`.
+pub const DEFAULT_FRONTENDS_CAPACITY: u32 = 65_536;
+
+/// Backend/slot map capacity for a workload: the default, or the next power of two with room
+/// for every endpoint (300k endpoints do not fit the default 262144).
+pub fn backends_capacity(w: Workload) -> u32 {
+    let needed = u32::try_from(w.total_endpoints() + 4096).unwrap_or(u32::MAX);
+    needed.next_power_of_two().max(DEFAULT_BACKENDS_CAPACITY)
+}
+
+/// A private bpffs mount for in-process pins; Drop removes the pins (detaching the programs),
+/// unmounts and deletes the directory.
+#[derive(Debug)]
+struct BpfRoot {
+    dir: PathBuf,
+}
+
+impl BpfRoot {
+    fn new() -> Result<Self> {
+        let dir = std::env::temp_dir().join(unique_name("bpf"));
+        fs::create_dir_all(&dir)
+            .map_err(|e| RigError::io(format!("creating {}", dir.display()), e))?;
+        Ok(Self { dir })
+    }
+
+    fn path(&self) -> &Path {
+        &self.dir
+    }
+}
+
+impl Drop for BpfRoot {
+    fn drop(&mut self) {
+        if let Err(e) = ebpf::cleanup(&self.dir) {
+            eprintln!("bench: removing pins under {}: {e}", self.dir.display());
+        }
+        crate::agent::unmount_if_mounted(&self.dir);
+        if let Err(e) = fs::remove_dir_all(&self.dir) {
+            eprintln!("bench: removing {}: {e}", self.dir.display());
+        }
+    }
+}
+
+/// In-process eBPF programming at one size.
+#[derive(Debug, Clone)]
+pub struct EbpfResult {
+    pub workload: Workload,
+    /// `Snapshot::update` of everything (first sync).
+    pub full_snapshot: Duration,
+    /// `EbpfDataplane::apply` of everything into empty maps.
+    pub full_apply: Duration,
+    /// One EndpointSlice change: store + snapshot update + apply.
+    pub change: Percentiles,
+    pub change_snapshot: Percentiles,
+    pub change_apply: Percentiles,
+    /// Sum of the kernel's memlock accounting over the dataplane's maps.
+    pub map_memlock: u64,
+    pub backends_capacity: u32,
+}
+
+fn store_for(w: Workload) -> Store {
+    let (services, slices) = w.objects(LiveSet::A);
+    let mut store = Store::default();
+    // Standalone mode: no Node object, which counts as listed.
+    store.mark_synced(Kind::Node);
+    store.apply(Update::ReplaceServices(services));
+    store.apply(Update::ReplaceEndpointSlices(slices));
+    store.take_changes();
+    store
+}
+
+/// Applies change `k` to the store and updates the snapshot; returns the changed service
+/// ports.
+fn change(
+    w: Workload,
+    k: usize,
+    store: &mut Store,
+    snapshot: &mut Snapshot,
+) -> std::collections::BTreeSet<proxy_agent::desired::ServicePortName> {
+    let (slice_key, slice, _) = w.change(k);
+    store.apply(Update::EndpointSliceApplied(slice_key, slice));
+    let changes = store.take_changes();
+    snapshot
+        .update(store.objects(), HOSTNAME, Some(&changes.services))
+        .changed
+}
+
+/// The eBPF dataplane attaches tc programs to the interfaces of the namespace it runs in, so
+/// the measurement runs on a thread inside a namespace of its own (never the host's).
+pub fn ebpf(w: Workload, changes: usize) -> Result<EbpfResult> {
+    let netns = Netns::new("ebpf")?;
+    let path = netns.path();
+    let worker = std::thread::spawn(move || -> Result<EbpfResult> {
+        crate::helper::enter_netns(&path)?;
+        ebpf_in_current_netns(w, changes)
+    });
+    let result = worker
+        .join()
+        .map_err(|_| RigError::Other("the eBPF benchmark thread panicked".into()))?;
+    drop(netns);
+    result
+}
+
+fn ebpf_in_current_netns(w: Workload, changes: usize) -> Result<EbpfResult> {
+    // Declaration order is drop order reversed: the dataplane goes before its pins, runtime
+    // and cgroup.
+    let cgroup = ChildCgroup::new()?;
+    let root = BpfRoot::new()?;
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| RigError::io("starting a tokio runtime", e))?;
+    // The dataplane's log drain is a tokio task.
+    let _entered = runtime.enter();
+    let capacity = backends_capacity(w);
+    let mut dataplane = EbpfDataplane::start(&EbpfOptions {
+        cgroup_path: Some(cgroup.path().to_path_buf()),
+        bpf_root: root.path().to_path_buf(),
+        frontends_capacity: DEFAULT_FRONTENDS_CAPACITY,
+        backends_capacity: capacity,
+        tc: TcOptions::default(),
+    })
+    .map_err(|e| RigError::Other(format!("starting the eBPF dataplane: {e}")))?;
+
+    let mut store = store_for(w);
+    let mut snapshot = Snapshot::default();
+    let t0 = Instant::now();
+    snapshot.update(store.objects(), HOSTNAME, None);
+    let full_snapshot = t0.elapsed();
+    let t1 = Instant::now();
+    let (summary, errors) = dataplane.apply(&snapshot, None);
+    let full_apply = t1.elapsed();
+    if let Some(error) = errors.first() {
+        return Err(RigError::Other(format!(
+            "full apply of {} Services: {} errors, first: {error}",
+            w.services,
+            errors.len()
+        )));
+    }
+    if summary.frontends_written < w.services {
+        return Err(RigError::Other(format!(
+            "full apply wrote {} frontends for {} Services",
+            summary.frontends_written, w.services
+        )));
+    }
+
+    let mut totals = Vec::with_capacity(changes);
+    let mut snapshots = Vec::with_capacity(changes);
+    let mut applies = Vec::with_capacity(changes);
+    for k in 0..changes {
+        let t0 = Instant::now();
+        let changed = change(w, k, &mut store, &mut snapshot);
+        let t1 = Instant::now();
+        let (summary, errors) = dataplane.apply(&snapshot, Some(&changed));
+        let t2 = Instant::now();
+        if let Some(error) = errors.first() {
+            return Err(RigError::Other(format!("change {k}: {error}")));
+        }
+        if summary.frontends_written != 1 {
+            return Err(RigError::Other(format!(
+                "change {k} wrote {} frontends, expected 1",
+                summary.frontends_written
+            )));
+        }
+        totals.push(t2 - t0);
+        snapshots.push(t1 - t0);
+        applies.push(t2 - t1);
+    }
+    let map_memlock = bpf_maps(std::process::id()).iter().map(|m| m.memlock).sum();
+    Ok(EbpfResult {
+        workload: w,
+        full_snapshot,
+        full_apply,
+        change: Percentiles::of_durations(&totals),
+        change_snapshot: Percentiles::of_durations(&snapshots),
+        change_apply: Percentiles::of_durations(&applies),
+        map_memlock,
+        backends_capacity: capacity,
+    })
+}
+
+/// In-process iptables programming at one size.
+#[derive(Debug, Clone)]
+pub struct IptablesResult {
+    pub workload: Workload,
+    pub backend: String,
+    pub full_snapshot: Duration,
+    /// The generator alone for a full IPv4 sync (no kernel).
+    pub full_generate: Duration,
+    /// `IptablesDataplane::apply` (both families) of everything: generator + iptables-restore.
+    pub full_apply: Duration,
+    pub full_restore_bytes: usize,
+    pub nat_rules: usize,
+    /// One EndpointSlice change: store + snapshot update + partial sync of both families.
+    pub change: Percentiles,
+    /// The generator alone for the same partial sync.
+    pub change_generate: Percentiles,
+    pub change_restore_bytes: usize,
+}
+
+pub fn iptables(w: Workload, changes: usize) -> Result<IptablesResult> {
+    let netns = Netns::new("ipt")?;
+    let path = netns.path();
+    // The namespace is entered by a thread of its own so that the rest of the benchmark stays
+    // in its namespace; the thread's children (iptables-restore) inherit it.
+    let worker = std::thread::spawn(move || -> Result<IptablesResult> {
+        crate::helper::enter_netns(&path)?;
+        iptables_in_current_netns(w, changes)
+    });
+    let result = worker
+        .join()
+        .map_err(|_| RigError::Other("the iptables benchmark thread panicked".into()))?;
+    drop(netns);
+    result
+}
+
+fn iptables_in_current_netns(w: Workload, changes: usize) -> Result<IptablesResult> {
+    let config = IptablesConfig::default();
+    let mut dataplane = IptablesDataplane::start(config.clone())
+        .map_err(|e| RigError::Other(format!("starting the iptables dataplane: {e}")))?;
+    let backend = format!(
+        "{:?}",
+        proxy_agent::dataplane::iptables::detect::detect_backend()
+    );
+    // The same generator context the dataplane built, for timing the generator alone.
+    let rules = FamilyRules::new(
+        &config,
+        IpFamily::V4,
+        None,
+        &[],
+        &HostFeatures {
+            random_fully: true,
+            ..HostFeatures::default()
+        },
+    );
+
+    let mut store = store_for(w);
+    let mut snapshot = Snapshot::default();
+    let t0 = Instant::now();
+    snapshot.update(store.objects(), HOSTNAME, None);
+    let full_snapshot = t0.elapsed();
+
+    let t1 = Instant::now();
+    let full_ruleset = generate(
+        &rules,
+        snapshot.family(IpFamily::V4),
+        SyncInput {
+            changed_services: None,
+            existing_nat_chains: None,
+        },
+    );
+    let full_generate = t1.elapsed();
+
+    let t2 = Instant::now();
+    let reports = dataplane.apply(&snapshot, None);
+    let full_apply = t2.elapsed();
+    let mut nat_rules = 0;
+    for report in reports {
+        let report = report.map_err(|e| RigError::Other(format!("full iptables sync: {e}")))?;
+        if report.family == IpFamily::V4 {
+            nat_rules = report.nat_rules;
+        }
+    }
+
+    let mut totals = Vec::with_capacity(changes);
+    let mut generates = Vec::with_capacity(changes);
+    let mut change_restore_bytes = 0;
+    for k in 0..changes {
+        let t0 = Instant::now();
+        let changed = change(w, k, &mut store, &mut snapshot);
+        let reports = dataplane.apply(&snapshot, Some(&changed));
+        totals.push(t0.elapsed());
+        for report in reports {
+            let report = report.map_err(|e| RigError::Other(format!("change {k}: {e}")))?;
+            if report.full {
+                return Err(RigError::Other(format!(
+                    "change {k} ran a full sync, not a partial one"
+                )));
+            }
+        }
+        let services: std::collections::BTreeSet<_> =
+            changed.iter().map(|name| name.service.clone()).collect();
+        let t1 = Instant::now();
+        let ruleset = generate(
+            &rules,
+            snapshot.family(IpFamily::V4),
+            SyncInput {
+                changed_services: Some(&services),
+                existing_nat_chains: None,
+            },
+        );
+        generates.push(t1.elapsed());
+        change_restore_bytes = ruleset.restore.len();
+    }
+    Ok(IptablesResult {
+        workload: w,
+        backend,
+        full_snapshot,
+        full_generate,
+        full_apply,
+        full_restore_bytes: full_ruleset.restore.len(),
+        nat_rules,
+        change: Percentiles::of_durations(&totals),
+        change_generate: Percentiles::of_durations(&generates),
+        change_restore_bytes,
+    })
+}

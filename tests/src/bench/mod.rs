@@ -1,0 +1,635 @@
+//! `cargo xtask bench`: each benchmark runs with its baselines side by side in one run, and the
+//! results become `docs/benchmarks.md` (tables) and SVG plots.
+//!
+//! - `datapath`: items 1 and 2 (new connections, request/response) for direct, eBPF and
+//!   iptables paths through the real agent on the rig's node.
+//! - `agent_runs`: cold start, end-to-end programming and memory through the real agent.
+//! - `inprocess`: programming latency with the agent's library (item 5, in-process).
+//! - `tc`: placeholders for items 3 and 4 (not wired in).
+//! - `report`, `plot`: the Markdown and the SVGs.
+//!
+//! Everything runs inside namespaces and cgroups the rig creates; every loop is bounded in count
+//! and time; every resource has a Drop guard.
+
+pub mod agent_runs;
+pub mod client;
+pub mod datapath;
+pub mod inprocess;
+pub mod plot;
+pub mod report;
+pub mod stats;
+pub mod sysinfo;
+pub mod tc;
+pub mod workload;
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use agent_runs::{AgentMemory, ColdStart, ProxyMode};
+use datapath::{Loops, Path, PathRuns};
+use workload::{LiveSet, Workload};
+
+use crate::Result;
+
+/// What to run and how long each loop may take.
+#[derive(Debug, Clone)]
+pub struct Config {
+    pub quick: bool,
+    /// Where `benchmarks.md` and the SVGs go.
+    pub out_dir: PathBuf,
+    /// Services for items 1 and 2 (2 endpoints per decoy).
+    pub datapath_sizes: Vec<usize>,
+    pub datapath_endpoints: usize,
+    /// Services for items 5 and 6 (10 endpoints per decoy).
+    pub programming_sizes: Vec<usize>,
+    pub programming_endpoints: usize,
+    pub loops: Loops,
+    /// Agent starts per size and mode for the cold-start figures (eBPF; iptables see below).
+    pub cold_starts: usize,
+    /// End-to-end manifest changes per size and mode.
+    pub e2e_changes: usize,
+    /// In-process runs per size and the changes in each.
+    pub inprocess_repeats: usize,
+    pub inprocess_ebpf_changes: usize,
+    pub inprocess_iptables_changes: usize,
+    /// An iptables run whose full sync is estimated to take longer than this is skipped and
+    /// reported with the estimate.
+    pub iptables_cap: Duration,
+    /// The whole run should end within this; iptables runs that would not fit are skipped.
+    pub budget: Duration,
+    /// The command line, for the report.
+    pub command: String,
+}
+
+impl Config {
+    pub fn full(out_dir: PathBuf) -> Self {
+        Self {
+            quick: false,
+            out_dir,
+            datapath_sizes: vec![1, 1_000, 10_000, 30_000],
+            datapath_endpoints: 2,
+            programming_sizes: vec![1_000, 10_000, 30_000],
+            programming_endpoints: 10,
+            // More, shorter runs interleave the paths more finely: on a shared 2-core machine
+            // the load changes within seconds, and interleaving is what keeps ratios honest.
+            loops: Loops {
+                repeats: 5,
+                connections: 1_500,
+                round_trips: 3_000,
+                max: Duration::from_secs(10),
+            },
+            cold_starts: 3,
+            e2e_changes: 6,
+            inprocess_repeats: 3,
+            inprocess_ebpf_changes: 1_000,
+            inprocess_iptables_changes: 5,
+            iptables_cap: Duration::from_secs(400),
+            budget: Duration::from_secs(16 * 60),
+            command: "cargo xtask bench".into(),
+        }
+    }
+
+    /// A short smoke run of every code path.
+    pub fn quick(out_dir: PathBuf) -> Self {
+        Self {
+            quick: true,
+            datapath_sizes: vec![1, 1_000],
+            programming_sizes: vec![1_000],
+            loops: Loops {
+                repeats: 1,
+                connections: 300,
+                round_trips: 500,
+                max: Duration::from_secs(3),
+            },
+            cold_starts: 1,
+            e2e_changes: 2,
+            inprocess_repeats: 1,
+            inprocess_ebpf_changes: 100,
+            inprocess_iptables_changes: 2,
+            iptables_cap: Duration::from_secs(60),
+            budget: Duration::from_secs(4 * 60),
+            command: "cargo xtask bench --quick".into(),
+            ..Self::full(out_dir)
+        }
+    }
+}
+
+/// A run that happened, was skipped because it would not fit, or failed.
+#[derive(Debug, Clone)]
+pub enum Outcome<T> {
+    Done(T),
+    Skipped { estimate: Duration, reason: String },
+    Failed(String),
+}
+
+impl<T> Outcome<T> {
+    pub fn done(&self) -> Option<&T> {
+        match self {
+            Self::Done(t) => Some(t),
+            _ => None,
+        }
+    }
+}
+
+/// Items 1 and 2 at one size.
+#[derive(Debug, Clone)]
+pub struct DatapathSize {
+    pub workload: Workload,
+    pub connect: PathRuns,
+    pub rr: PathRuns,
+    pub ebpf_start: Outcome<ColdStart>,
+    pub iptables_start: Outcome<ColdStart>,
+}
+
+/// One mode through the agent at one size (items 5 end-to-end, and 6).
+#[derive(Debug, Clone)]
+pub struct AgentModeRun {
+    pub cold_starts: Vec<ColdStart>,
+    pub e2e: Vec<Duration>,
+    pub memory: AgentMemory,
+}
+
+#[derive(Debug, Clone)]
+pub struct ProgrammingSize {
+    pub workload: Workload,
+    /// Bytes of YAML in the manifests folder.
+    pub manifests_bytes: u64,
+    /// `source::manifests::load_dir` of the folder, in-process: what the agent's source does on
+    /// start and after every change (read + parse every file).
+    pub manifests_load: Option<Duration>,
+    pub ebpf: Outcome<AgentModeRun>,
+    pub iptables: Outcome<AgentModeRun>,
+}
+
+#[derive(Debug, Clone)]
+pub struct InprocessSize {
+    pub workload: Workload,
+    pub ebpf: Outcome<Vec<inprocess::EbpfResult>>,
+    pub iptables: Outcome<Vec<inprocess::IptablesResult>>,
+}
+
+/// Everything one run measured.
+#[derive(Debug, Clone)]
+pub struct Results {
+    pub config: Config,
+    pub machine: sysinfo::Machine,
+    pub started_utc: String,
+    pub commit: String,
+    pub elapsed: Duration,
+    pub datapath: Vec<DatapathSize>,
+    pub programming: Vec<ProgrammingSize>,
+    pub inprocess: Vec<InprocessSize>,
+    /// iptables full-sync times seen (objects = Services + endpoints, seconds), for estimates.
+    pub iptables_syncs: Vec<(usize, f64)>,
+    pub failures: usize,
+}
+
+/// Predicts iptables full-sync times from the ones measured so far.
+#[derive(Debug, Default)]
+struct Estimator {
+    points: Vec<(usize, f64)>,
+}
+
+impl Estimator {
+    /// Below this many objects a sync is dominated by fixed costs (process start, probing the
+    /// host), which would make any extrapolation from it meaningless.
+    const MIN_OBJECTS: usize = 1_000;
+
+    fn record(&mut self, w: Workload, seconds: f64) {
+        if objects(w) >= Self::MIN_OBJECTS {
+            self.points.push((objects(w), seconds));
+        }
+    }
+
+    /// A power law through the two largest measured sizes (exponent clamped to 1..2); linear
+    /// from one point; None without points.
+    fn estimate(&self, w: Workload) -> Option<Duration> {
+        let mut points = self.points.clone();
+        points.sort_by_key(|p| p.0);
+        points.dedup_by_key(|p| p.0);
+        let &(x1, t1) = points.last()?;
+        let exponent = match points.len() {
+            0 | 1 => 1.0,
+            n => {
+                let (x0, t0) = points.get(n - 2).copied().unwrap_or((x1, t1));
+                ((t1 / t0).ln() / (x1 as f64 / x0 as f64).ln()).clamp(1.0, 2.0)
+            }
+        };
+        let t = t1 * (objects(w) as f64 / x1 as f64).powf(exponent);
+        Some(Duration::from_secs_f64(t.max(0.0)))
+    }
+}
+
+fn objects(w: Workload) -> usize {
+    w.services + w.total_endpoints()
+}
+
+struct Runner {
+    config: Config,
+    started: Instant,
+    estimator: Estimator,
+    failures: usize,
+}
+
+impl Runner {
+    fn remaining(&self) -> Duration {
+        self.config.budget.saturating_sub(self.started.elapsed())
+    }
+
+    /// Whether an iptables run at `w` fits; `multiplier`: full syncs the run needs.
+    fn iptables_fits(&self, w: Workload, multiplier: f64) -> std::result::Result<(), Outcome<()>> {
+        let Some(estimate) = self.estimator.estimate(w) else {
+            return Ok(());
+        };
+        let cost = estimate.mul_f64(multiplier);
+        if estimate > self.config.iptables_cap {
+            return Err(Outcome::Skipped {
+                estimate,
+                reason: format!(
+                    "estimated full sync {:.0} s exceeds the {} s cap per iptables run",
+                    estimate.as_secs_f64(),
+                    self.config.iptables_cap.as_secs()
+                ),
+            });
+        }
+        if cost > self.remaining() {
+            return Err(Outcome::Skipped {
+                estimate,
+                reason: format!(
+                    "estimated {:.0} s does not fit the {:.0} s left of the {} min budget",
+                    cost.as_secs_f64(),
+                    self.remaining().as_secs_f64(),
+                    self.config.budget.as_secs() / 60
+                ),
+            });
+        }
+        Ok(())
+    }
+
+    fn failed<T>(&mut self, what: &str, error: impl std::fmt::Display) -> Outcome<T> {
+        self.failures += 1;
+        let message = format!("{error}");
+        println!("  FAILED {what}: {message}");
+        Outcome::Failed(message.lines().next().unwrap_or_default().to_owned())
+    }
+
+    fn note_skip<T>(skipped: Outcome<()>, what: &str) -> Outcome<T> {
+        match skipped {
+            Outcome::Skipped { estimate, reason } => {
+                println!("  skipped {what}: {reason}");
+                Outcome::Skipped { estimate, reason }
+            }
+            Outcome::Failed(e) => Outcome::Failed(e),
+            Outcome::Done(()) => Outcome::Failed("internal: not skipped".into()),
+        }
+    }
+}
+
+fn step(what: &str, runner: &Runner) {
+    println!(
+        "[{:>4.0} s, load {}] {what}",
+        runner.started.elapsed().as_secs_f64(),
+        sysinfo::load_now()
+    );
+}
+
+/// Runs every benchmark and returns the results (the report is written by the caller).
+pub fn run(config: Config) -> Results {
+    let machine = sysinfo::Machine::detect();
+    let started_utc = command_output("date", &["-u", "+%Y-%m-%d %H:%M UTC"]);
+    let commit = command_output("git", &["rev-parse", "--short", "HEAD"]);
+    let mut runner = Runner {
+        config,
+        started: Instant::now(),
+        estimator: Estimator::default(),
+        failures: 0,
+    };
+    let mut datapath = Vec::new();
+    for &services in &runner.config.datapath_sizes.clone() {
+        let w = Workload {
+            services,
+            endpoints: runner.config.datapath_endpoints,
+        };
+        step(&format!("datapath: {services} Services"), &runner);
+        datapath.push(datapath_size(&mut runner, w));
+    }
+    let mut programming = Vec::new();
+    for &services in &runner.config.programming_sizes.clone() {
+        let w = Workload {
+            services,
+            endpoints: runner.config.programming_endpoints,
+        };
+        step(
+            &format!("programming through the agent: {services} Services"),
+            &runner,
+        );
+        programming.push(programming_size(&mut runner, w));
+    }
+    let mut inprocess = Vec::new();
+    for &services in &runner.config.programming_sizes.clone() {
+        let w = Workload {
+            services,
+            endpoints: runner.config.programming_endpoints,
+        };
+        step(
+            &format!("programming in-process: {services} Services"),
+            &runner,
+        );
+        inprocess.push(inprocess_size(&mut runner, w));
+    }
+    let elapsed = runner.started.elapsed();
+    println!("benchmarks done in {:.0} s", elapsed.as_secs_f64());
+    Results {
+        machine,
+        started_utc,
+        commit,
+        elapsed,
+        datapath,
+        programming,
+        inprocess,
+        iptables_syncs: runner.estimator.points.clone(),
+        failures: runner.failures,
+        config: runner.config,
+    }
+}
+
+fn command_output(program: &str, args: &[&str]) -> String {
+    std::process::Command::new(program)
+        .args(args)
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned())
+        .unwrap_or_default()
+}
+
+/// Timeout for an agent start or a change to show up, generous for iptables at scale.
+fn agent_timeout(mode: ProxyMode, estimate: Option<Duration>) -> Duration {
+    match mode {
+        ProxyMode::Ebpf => Duration::from_secs(120),
+        ProxyMode::Iptables => estimate
+            .map_or(Duration::from_secs(300), |e| e.mul_f64(3.0))
+            .max(Duration::from_secs(120)),
+    }
+}
+
+fn datapath_size(runner: &mut Runner, w: Workload) -> DatapathSize {
+    let mut result = DatapathSize {
+        workload: w,
+        connect: PathRuns::default(),
+        rr: PathRuns::default(),
+        ebpf_start: Outcome::Failed("not run".into()),
+        iptables_start: Outcome::Failed("not run".into()),
+    };
+    let setup = agent_runs::bench_node().and_then(|s| {
+        w.write_manifests(&s.manifests, LiveSet::A)?;
+        Ok(s)
+    });
+    let mut s = match setup {
+        Ok(s) => s,
+        Err(e) => {
+            result.ebpf_start = runner.failed("building the node", e);
+            return result;
+        }
+    };
+    let loops = runner.config.loops;
+    // eBPF first: its start removes nothing, and the iptables agent that follows removes the
+    // eBPF pins (mode switch) while the eBPF agent's own stop already detached them.
+    step("  eBPF agent", runner);
+    let ebpf = (|| -> Result<ColdStart> {
+        let cold = agent_runs::start_measured(
+            &mut s,
+            ProxyMode::Ebpf,
+            w,
+            LiveSet::A,
+            agent_timeout(ProxyMode::Ebpf, None),
+        )?;
+        let _paused = agent_runs::Paused::new(&mut s)?;
+        datapath::measure(
+            &s,
+            &[Path::Direct, Path::DirectInCgroup, Path::Ebpf],
+            loops,
+            &mut result.connect,
+            &mut result.rr,
+        )?;
+        Ok(cold)
+    })();
+    result.ebpf_start = match ebpf {
+        Ok(cold) => Outcome::Done(cold),
+        Err(e) => runner.failed("eBPF datapath", e),
+    };
+    if let Err(e) = s.stop_agent() {
+        runner.failed::<()>("stopping the eBPF agent", e);
+    }
+
+    if let Err(skip) = runner.iptables_fits(w, 1.2) {
+        result.iptables_start = Runner::note_skip(skip, "iptables datapath");
+        return result;
+    }
+    step("  iptables agent", runner);
+    let estimate = runner.estimator.estimate(w);
+    let iptables = (|| -> Result<ColdStart> {
+        let cold = agent_runs::start_measured(
+            &mut s,
+            ProxyMode::Iptables,
+            w,
+            LiveSet::A,
+            agent_timeout(ProxyMode::Iptables, estimate),
+        )?;
+        let _paused = agent_runs::Paused::new(&mut s)?;
+        datapath::measure(
+            &s,
+            &[Path::DirectUnderIptables, Path::Iptables],
+            loops,
+            &mut result.connect,
+            &mut result.rr,
+        )?;
+        Ok(cold)
+    })();
+    result.iptables_start = match iptables {
+        Ok(cold) => {
+            runner.estimator.record(w, cold.to_sync_log.as_secs_f64());
+            Outcome::Done(cold)
+        }
+        Err(e) => runner.failed("iptables datapath", e),
+    };
+    if let Err(e) = s.stop_agent() {
+        runner.failed::<()>("stopping the iptables agent", e);
+    }
+    result
+}
+
+fn programming_size(runner: &mut Runner, w: Workload) -> ProgrammingSize {
+    let mut result = ProgrammingSize {
+        workload: w,
+        manifests_bytes: 0,
+        manifests_load: None,
+        ebpf: Outcome::Failed("not run".into()),
+        iptables: Outcome::Failed("not run".into()),
+    };
+    let setup = agent_runs::bench_node().and_then(|s| {
+        w.write_manifests(&s.manifests, LiveSet::A)?;
+        Ok(s)
+    });
+    let mut s = match setup {
+        Ok(s) => s,
+        Err(e) => {
+            result.ebpf = runner.failed("building the node", e);
+            return result;
+        }
+    };
+    result.manifests_bytes = folder_bytes(s.manifests.path());
+    let t0 = Instant::now();
+    let loaded = proxy_agent::source::manifests::load_dir(s.manifests.path());
+    if loaded.errors.is_empty() && loaded.services.len() == w.services {
+        result.manifests_load = Some(t0.elapsed());
+    } else {
+        runner.failed::<()>(
+            "reading the manifests in-process",
+            format!(
+                "{} Services read, {} errors",
+                loaded.services.len(),
+                loaded.errors.len()
+            ),
+        );
+    }
+    drop(loaded);
+    let mut live = LiveSet::A;
+    for mode in [ProxyMode::Ebpf, ProxyMode::Iptables] {
+        let estimate = runner.estimator.estimate(w);
+        // iptables: one cold start only when a sync is slow; every change is a sync as well.
+        let starts = match mode {
+            ProxyMode::Ebpf => runner.config.cold_starts,
+            ProxyMode::Iptables if estimate.is_some_and(|e| e > Duration::from_secs(20)) => 1,
+            ProxyMode::Iptables => runner.config.cold_starts,
+        };
+        if mode == ProxyMode::Iptables
+            && let Err(skip) = runner.iptables_fits(w, starts as f64 + 0.5)
+        {
+            result.iptables = Runner::note_skip(skip, "iptables through the agent");
+            break;
+        }
+        step(&format!("  {} agent", mode.as_arg()), runner);
+        let timeout = agent_timeout(mode, estimate);
+        let run = (|| -> Result<AgentModeRun> {
+            let mut cold_starts = Vec::new();
+            for i in 0..starts {
+                if i > 0 {
+                    s.stop_agent()?;
+                    // The iptables mode leaves its rules in place on exit, as kube-proxy does.
+                    if mode == ProxyMode::Iptables {
+                        agent_runs::clear_iptables_rules(&s)?;
+                    }
+                }
+                cold_starts.push(agent_runs::start_measured(&mut s, mode, w, live, timeout)?);
+            }
+            let e2e =
+                agent_runs::e2e_changes(&mut s, &mut live, runner.config.e2e_changes, timeout)?;
+            let memory = agent_runs::memory(&mut s)?;
+            Ok(AgentModeRun {
+                cold_starts,
+                e2e,
+                memory,
+            })
+        })();
+        let outcome = match run {
+            Ok(run) => {
+                if mode == ProxyMode::Iptables
+                    && let Some(first) = run.cold_starts.first()
+                {
+                    runner.estimator.record(w, first.to_sync_log.as_secs_f64());
+                }
+                Outcome::Done(run)
+            }
+            Err(e) => runner.failed(&format!("{} through the agent", mode.as_arg()), e),
+        };
+        if let Err(e) = s.stop_agent() {
+            runner.failed::<()>("stopping the agent", e);
+        }
+        match mode {
+            ProxyMode::Ebpf => result.ebpf = outcome,
+            ProxyMode::Iptables => result.iptables = outcome,
+        }
+    }
+    result
+}
+
+fn folder_bytes(dir: &std::path::Path) -> u64 {
+    std::fs::read_dir(dir)
+        .map(|entries| {
+            entries
+                .flatten()
+                .filter_map(|e| e.metadata().ok())
+                .map(|m| m.len())
+                .sum()
+        })
+        .unwrap_or_default()
+}
+
+fn inprocess_size(runner: &mut Runner, w: Workload) -> InprocessSize {
+    let mut ebpf = Vec::new();
+    let mut ebpf_outcome = None;
+    for _ in 0..runner.config.inprocess_repeats {
+        match inprocess::ebpf(w, runner.config.inprocess_ebpf_changes) {
+            Ok(r) => ebpf.push(r),
+            Err(e) => {
+                ebpf_outcome = Some(runner.failed("eBPF in-process", e));
+                break;
+            }
+        }
+    }
+    let ebpf = ebpf_outcome.unwrap_or(Outcome::Done(ebpf));
+
+    let estimate = runner.estimator.estimate(w);
+    let repeats = if estimate.is_some_and(|e| e > Duration::from_secs(20)) {
+        1
+    } else {
+        runner.config.inprocess_repeats
+    };
+    let iptables = match runner.iptables_fits(w, repeats as f64 * 1.2) {
+        Err(skip) => Runner::note_skip(skip, "iptables in-process"),
+        Ok(()) => {
+            let mut runs = Vec::new();
+            let mut failed = None;
+            for _ in 0..repeats {
+                match inprocess::iptables(w, runner.config.inprocess_iptables_changes) {
+                    Ok(r) => runs.push(r),
+                    Err(e) => {
+                        failed = Some(runner.failed("iptables in-process", e));
+                        break;
+                    }
+                }
+            }
+            failed.unwrap_or(Outcome::Done(runs))
+        }
+    };
+    InprocessSize {
+        workload: w,
+        ebpf,
+        iptables,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn estimates_follow_a_power_law() {
+        let mut e = Estimator::default();
+        let w = |services| Workload {
+            services,
+            endpoints: 2,
+        };
+        assert!(e.estimate(w(10)).is_none());
+        e.record(w(1), 0.2); // fixed costs only: ignored
+        assert!(e.estimate(w(10)).is_none());
+        e.record(w(1_000), 1.0);
+        let linear = e.estimate(w(10_000)).map(|d| d.as_secs_f64());
+        assert!(linear.is_some_and(|t| (t - 10.0).abs() < 0.1), "{linear:?}");
+        e.record(w(10_000), 100.0); // quadratic
+        let quadratic = e.estimate(w(30_000)).map(|d| d.as_secs_f64());
+        assert!(
+            quadratic.is_some_and(|t| (t - 900.0).abs() < 5.0),
+            "{quadratic:?}"
+        );
+    }
+}

@@ -1,0 +1,47 @@
+//! `cargo xtask bench`: runs every benchmark with its baselines side by side and writes
+//! `docs/benchmarks.md` plus SVG plots. Needs root (namespaces, cgroups, BPF, iptables in
+//! private namespaces).
+
+use std::path::PathBuf;
+
+use anyhow::bail;
+use clap::Parser;
+use proxy_tests::bench::{self, Config};
+
+#[derive(Debug, Parser)]
+#[command(about = "kubeproxy-rs benchmarks: eBPF vs iptables vs direct, written to docs/")]
+struct Cli {
+    /// A short smoke run (small sizes, single runs); the report says so.
+    #[arg(long)]
+    quick: bool,
+    /// Where benchmarks.md and the SVGs go.
+    #[arg(long, default_value = "docs")]
+    out_dir: PathBuf,
+}
+
+fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    if !nix::unistd::geteuid().is_root() {
+        bail!(
+            "the benchmarks need root (network namespaces, cgroups, BPF): run `cargo xtask bench` as root"
+        );
+    }
+    let config = if cli.quick {
+        Config::quick(cli.out_dir.clone())
+    } else {
+        Config::full(cli.out_dir.clone())
+    };
+    let results = bench::run(config);
+    bench::report::write(&results, &cli.out_dir)?;
+    println!(
+        "wrote {}/benchmarks.md and its SVG plots",
+        cli.out_dir.display()
+    );
+    if results.failures > 0 {
+        bail!(
+            "{} measurement(s) failed (see the report)",
+            results.failures
+        );
+    }
+    Ok(())
+}
