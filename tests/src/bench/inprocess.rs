@@ -34,6 +34,9 @@ pub const DEFAULT_FRONTENDS_CAPACITY: u32 = 65_536;
 
 /// Backend/slot map capacity for a workload: the default, or the next power of two with room
 /// for every endpoint (300k endpoints do not fit the default 262144).
+/// Frontends a ClusterIP service port has: socket-level and external (tc).
+const FRONTENDS_PER_CLUSTER_IP_PORT: usize = 2;
+
 pub fn backends_capacity(w: Workload) -> u32 {
     let needed = u32::try_from(w.total_endpoints() + 4096).unwrap_or(u32::MAX);
     needed.next_power_of_two().max(DEFAULT_BACKENDS_CAPACITY)
@@ -186,9 +189,11 @@ fn ebpf_in_current_netns(w: Workload, changes: usize) -> Result<EbpfResult> {
         if let Some(error) = errors.first() {
             return Err(RigError::Other(format!("change {k}: {error}")));
         }
-        if summary.frontends_written != 1 {
+        // One EndpointSlice change rewrites the Service's two frontends: the socket-level one
+        // and the ClusterIP as reached from outside the node (tc).
+        if summary.frontends_written != FRONTENDS_PER_CLUSTER_IP_PORT {
             return Err(RigError::Other(format!(
-                "change {k} wrote {} frontends, expected 1",
+                "change {k} wrote {} frontends, expected {FRONTENDS_PER_CLUSTER_IP_PORT}",
                 summary.frontends_written
             )));
         }
