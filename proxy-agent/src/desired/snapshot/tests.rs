@@ -503,3 +503,54 @@ fn compute_is_deterministic() {
         Snapshot::compute(&objects, NODE)
     );
 }
+
+/// misc-vectors TestUpdateEndpointsMap's key facts (its cases list results only): a service port
+/// is keyed by the slice port's name and protocol (a rename makes a new key, a renumber keeps
+/// it), endpoints are ordered by endpoint string, and locality follows the node name.
+#[test]
+fn update_endpoints_map_key_facts() {
+    let yaml = |port_name: &str, port: u16| {
+        format!(
+            r#"
+apiVersion: v1
+kind: Service
+metadata: {{name: ep1, namespace: ns1}}
+spec:
+  clusterIP: 172.30.0.1
+  ports: [{{name: p11, port: 11, protocol: UDP}}, {{name: p11-2, port: 12, protocol: UDP}}]
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {{name: ep1-1, namespace: ns1, labels: {{kubernetes.io/service-name: ep1}}}}
+addressType: IPv4
+ports: [{{name: {port_name}, port: {port}, protocol: UDP}}]
+endpoints:
+- {{addresses: [10.1.1.1]}}
+- {{addresses: [10.1.1.11], nodeName: {NODE}}}
+"#
+        )
+    };
+    let p11 = |snapshot: &Snapshot| -> Vec<String> {
+        strings(
+            port(snapshot, IpFamily::V4, "ns1/ep1", "p11", Protocol::Udp)
+                .endpoints
+                .iter(),
+        )
+    };
+    let snapshot = Snapshot::compute(&objects(&yaml("p11", 11)), NODE);
+    // Case 13's order: "10.1.1.11:11" sorts before "10.1.1.1:11".
+    assert_eq!(p11(&snapshot), ["10.1.1.11:11", "10.1.1.1:11"]);
+    let endpoints = &port(&snapshot, IpFamily::V4, "ns1/ep1", "p11", Protocol::Udp).endpoints;
+    assert!(endpoints[0].is_local && !endpoints[1].is_local);
+    // Case 12, "renumber a port": same key, new port.
+    let snapshot = Snapshot::compute(&objects(&yaml("p11", 22)), NODE);
+    assert_eq!(p11(&snapshot), ["10.1.1.11:22", "10.1.1.1:22"]);
+    // Case 11, "rename a port": the endpoints move to the other key.
+    let snapshot = Snapshot::compute(&objects(&yaml("p11-2", 11)), NODE);
+    assert!(p11(&snapshot).is_empty());
+    let renamed = port(&snapshot, IpFamily::V4, "ns1/ep1", "p11-2", Protocol::Udp);
+    assert_eq!(
+        strings(renamed.endpoints.iter()),
+        ["10.1.1.11:11", "10.1.1.1:11"]
+    );
+}
