@@ -1,0 +1,96 @@
+//! The capabilities README.md documents are enough: the real agent runs with its bounding set
+//! cut down to them (via `setpriv`, so even root has nothing else) and still serves Services.
+//! eBPF mode: CAP_SYS_ADMIN (bpffs mount, cgroup attach, entering pod network namespaces),
+//! CAP_NET_ADMIN (tc, SOCK_DESTROY, netlink, sysctls), CAP_SYS_PTRACE (opening other processes'
+//! network namespaces to destroy their stale UDP sockets). iptables mode: CAP_NET_ADMIN.
+//! (CAP_SYS_RESOURCE only lets a negative --oom-score-adj apply; without it that is a warning.)
+//! Needs root. This binary holds a single test: it points the rig at a wrapper script through
+//! PROXY_AGENT_BIN.
+
+use std::{os::unix::fs::PermissionsExt as _, path::PathBuf};
+
+use proxy_tests::{
+    client::Attempt,
+    scenario::{CLUSTER_IP, Scenario, cluster_addr, http_service, http_slice, pod_endpoint},
+};
+
+/// A script that runs the real agent with only `caps` in its bounding set.
+fn wrapper(
+    dir: &std::path::Path,
+    name: &str,
+    caps: &str,
+    agent: &std::path::Path,
+) -> anyhow::Result<PathBuf> {
+    let path = dir.join(name);
+    std::fs::write(
+        &path,
+        format!(
+            "#!/bin/sh\nexec setpriv --bounding-set -all,{caps} -- {} \"$@\"\n",
+            agent.display()
+        ),
+    )?;
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755))?;
+    Ok(path)
+}
+
+fn serves(mode: &str) -> anyhow::Result<()> {
+    let mut s = Scenario::new(2)?;
+    s.manifests
+        .write("web-svc.yaml", &http_service("default", "web", CLUSTER_IP))?;
+    s.manifests.write(
+        "web-slice.yaml",
+        &http_slice(
+            "default",
+            "web-1",
+            "web",
+            &[pod_endpoint(1), pod_endpoint(2)],
+        ),
+    )?;
+    let args: &[&str] = if mode == "ebpf" {
+        &["--interfaces", "vext"]
+    } else {
+        &[]
+    };
+    s.start_agent_with_args(mode, args)?;
+    let is_pod = |a: &Attempt| a.backend().is_some_and(|b| b.starts_with("pod"));
+    let client = if mode == "ebpf" {
+        s.cgroup_client()
+    } else {
+        s.outside_client()
+    };
+    s.wait_for_datapath_with(&client, cluster_addr(), "answered by a pod", is_pod)?;
+    let attempts = client.run(cluster_addr(), 20)?;
+    eprintln!(
+        "[{mode}] with reduced capabilities: {:?}",
+        proxy_tests::client::tally(&attempts)
+    );
+    anyhow::ensure!(attempts.iter().all(is_pod), "{attempts:?}");
+    Ok(())
+}
+
+#[test]
+fn the_documented_capabilities_are_enough() -> anyhow::Result<()> {
+    proxy_tests::require_root();
+    proxy_tests::set_helper_binary(env!("CARGO_BIN_EXE_rig-helper"));
+    let agent = proxy_tests::agent::agent_binary()?;
+    let dir = std::env::temp_dir().join(format!("kpr-caps-{}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    let ebpf = wrapper(
+        &dir,
+        "agent-ebpf",
+        "+sys_admin,+net_admin,+sys_ptrace",
+        &agent,
+    )?;
+    let iptables = wrapper(&dir, "agent-iptables", "+net_admin", &agent)?;
+    let result = (|| -> anyhow::Result<()> {
+        for (mode, bin) in [("ebpf", &ebpf), ("iptables", &iptables)] {
+            // SAFETY: this test binary runs this single test; no other thread reads the
+            // environment while the variable changes.
+            unsafe { std::env::set_var("PROXY_AGENT_BIN", bin) };
+            serves(mode)?;
+        }
+        Ok(())
+    })();
+    let _ = std::fs::remove_dir_all(&dir);
+    result
+}
