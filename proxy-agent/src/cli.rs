@@ -321,4 +321,10 @@ pub enum InspectWhat {
     Services,
     /// Datapath counters by reason.
     Counters,
+    /// Backend ids and addresses, with the service ids whose live slots use them.
+    Backends,
+    /// Session affinity entries (client, service, backend, idle time).
+    Affinity,
+    /// The tc programs' BPF conntrack (one entry per direction: match → rewrite).
+    Conntrack,
 }

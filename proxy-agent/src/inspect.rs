@@ -60,12 +60,14 @@ pub fn run(config: &Config, args: &InspectArgs) -> anyhow::Result<String> {
         }
         (InspectWhat::Services, false) => render(args.json, &iptables_frontends()?, frontend_table),
         (InspectWhat::Counters, true) => render(args.json, &counters(&pin_dir)?, counter_table),
-        (InspectWhat::Counters, false) => {
-            bail!(
-                "no pinned eBPF maps under {}: counters exist in eBPF mode only",
-                pin_dir.display()
-            )
-        }
+        (InspectWhat::Backends, true) => render(args.json, &backends(&pin_dir)?, generic_table),
+        (InspectWhat::Affinity, true) => render(args.json, &affinity(&pin_dir)?, generic_table),
+        (InspectWhat::Conntrack, true) => render(args.json, &conntrack(&pin_dir)?, generic_table),
+        (what, false) => bail!(
+            "no pinned eBPF maps under {}: `inspect {what:?}` reads the eBPF mode's maps (in \
+             iptables mode only `services` applies)",
+            pin_dir.display()
+        ),
     }
 }
 
@@ -104,6 +106,16 @@ fn frontend_table(rows: &[FrontendRow]) -> String {
             "{:<32} {:<28} {:<9} {:<24} {}",
             row.service, row.frontend, row.path, flags, backends
         );
+    }
+    out
+}
+
+/// Rows of `key: value` pairs, one line each.
+fn generic_table(rows: &[BTreeMap<&'static str, String>]) -> String {
+    let mut out = String::new();
+    for row in rows {
+        let line: Vec<String> = row.iter().map(|(k, v)| format!("{k}={v}")).collect();
+        let _ = writeln!(out, "{}", line.join("  "));
     }
     out
 }
@@ -265,6 +277,148 @@ pub fn ebpf_frontends(
     }
     rows.sort();
     Ok(rows)
+}
+
+fn backend_addr(pin_dir: &Path) -> anyhow::Result<BTreeMap<u32, String>> {
+    let backends4: HashMap<MapData, u32, Backend4> =
+        open_map(pin_dir, map_names::BACKENDS4)?.try_into()?;
+    let backends6: HashMap<MapData, u32, Backend6> =
+        open_map(pin_dir, map_names::BACKENDS6)?.try_into()?;
+    let mut out = BTreeMap::new();
+    for entry in backends4.iter() {
+        let (id, b) = entry?;
+        out.insert(
+            id,
+            SocketAddr::new(ip4_from_map(b.addr).into(), u16::from_be(b.port)).to_string(),
+        );
+    }
+    for entry in backends6.iter() {
+        let (id, b) = entry?;
+        out.insert(
+            id,
+            SocketAddr::new(ip6_from_map(b.addr).into(), u16::from_be(b.port)).to_string(),
+        );
+    }
+    Ok(out)
+}
+
+/// Backend ids with their address and the service ids whose slots point at them.
+pub fn backends(pin_dir: &Path) -> anyhow::Result<Vec<BTreeMap<&'static str, String>>> {
+    let addrs = backend_addr(pin_dir)?;
+    let slots: HashMap<MapData, BackendSlotKey, u32> =
+        open_map(pin_dir, map_names::BACKEND_SLOTS)?.try_into()?;
+    let mut users: BTreeMap<u32, std::collections::BTreeSet<u32>> = BTreeMap::new();
+    for entry in slots.iter() {
+        let (key, id) = entry?;
+        users.entry(id).or_default().insert(key.service_id);
+    }
+    Ok(addrs
+        .into_iter()
+        .map(|(id, addr)| {
+            let services: Vec<String> = users
+                .get(&id)
+                .into_iter()
+                .flatten()
+                .map(|s| format!("#{s}"))
+                .collect();
+            BTreeMap::from([
+                ("backend", format!("#{id}")),
+                ("address", addr),
+                ("used_by", services.join(",")),
+            ])
+        })
+        .collect())
+}
+
+/// Affinity entries: client identity (netns cookie for local clients, the address for external
+/// ones), service id, backend and how long ago it was last used.
+pub fn affinity(pin_dir: &Path) -> anyhow::Result<Vec<BTreeMap<&'static str, String>>> {
+    let addrs = backend_addr(pin_dir)?;
+    let map: HashMap<MapData, proxy_common::AffinityKey, proxy_common::AffinityValue> =
+        open_map(pin_dir, map_names::AFFINITY)?.try_into()?;
+    let now = monotonic_ns();
+    let mut rows = Vec::new();
+    for entry in map.iter() {
+        let (key, value) = entry?;
+        rows.push(BTreeMap::from([
+            ("client", format!("{:#x}", key.client)),
+            ("service", format!("#{}", key.service_id)),
+            (
+                "backend",
+                addrs
+                    .get(&value.backend_id)
+                    .cloned()
+                    .unwrap_or_else(|| format!("#{}", value.backend_id)),
+            ),
+            (
+                "idle_s",
+                format!("{:.1}", now.saturating_sub(value.last_used_ns) as f64 / 1e9),
+            ),
+        ]));
+    }
+    Ok(rows)
+}
+
+/// The tc conntrack: each entry's match tuple and the tuple a packet is rewritten to.
+pub fn conntrack(pin_dir: &Path) -> anyhow::Result<Vec<BTreeMap<&'static str, String>>> {
+    let map: HashMap<MapData, proxy_common::CtKey, proxy_common::CtValue> =
+        open_map(pin_dir, map_names::CT)?.try_into()?;
+    let now = monotonic_ns();
+    let addr = |family: u8, words: [u32; 4], port: u16| -> String {
+        let ip: IpAddr = if family == proxy_common::family::V4 {
+            ip4_from_map(words[0]).into()
+        } else {
+            ip6_from_map(words).into()
+        };
+        SocketAddr::new(ip, u16::from_be(port)).to_string()
+    };
+    let mut rows = Vec::new();
+    for entry in map.iter() {
+        let (key, value) = entry?;
+        let direction = if value.flags & proxy_common::ct_flags::REPLY != 0 {
+            "reply"
+        } else {
+            "forward"
+        };
+        rows.push(BTreeMap::from([
+            ("direction", direction.to_owned()),
+            ("protocol", protocol_name(key.proto).to_owned()),
+            (
+                "match",
+                format!(
+                    "{} -> {}",
+                    addr(key.family, key.src, key.sport),
+                    addr(key.family, key.dst, key.dport)
+                ),
+            ),
+            (
+                "rewrite",
+                format!(
+                    "{} -> {}",
+                    addr(key.family, value.src, value.sport),
+                    addr(key.family, value.dst, value.dport)
+                ),
+            ),
+            (
+                "idle_s",
+                format!("{:.1}", now.saturating_sub(value.last_seen_ns) as f64 / 1e9),
+            ),
+        ]));
+    }
+    Ok(rows)
+}
+
+/// `bpf_ktime_get_ns()`'s clock: CLOCK_MONOTONIC.
+fn monotonic_ns() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime writes one timespec into the valid, exclusively borrowed `ts`.
+    if unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) } != 0 {
+        return 0;
+    }
+    u64::try_from(ts.tv_sec).unwrap_or(0) * 1_000_000_000 + u64::try_from(ts.tv_nsec).unwrap_or(0)
 }
 
 /// The per-CPU datapath counters, summed.

@@ -166,6 +166,10 @@ pub struct Changes {
     pub services: BTreeSet<ObjectKey>,
     /// The node changed (labels, taints, deletion): every Service may be affected.
     pub node: bool,
+    /// How many Service / EndpointSlice objects changed (added, modified or deleted) — what
+    /// kube-proxy's `*_changes_*` metrics count.
+    pub service_events: u64,
+    pub slice_events: u64,
 }
 
 impl Changes {
@@ -176,6 +180,8 @@ impl Changes {
     pub fn merge(&mut self, other: Changes) {
         self.services.extend(other.services);
         self.node |= other.node;
+        self.service_events += other.service_events;
+        self.slice_events += other.slice_events;
     }
 }
 
@@ -202,6 +208,11 @@ impl Store {
         self.synced.insert(kind);
     }
 
+    /// Changes waiting for the next sync (for the `*_changes_pending` metrics).
+    pub fn pending_changes(&self) -> &Changes {
+        &self.changes
+    }
+
     pub fn take_changes(&mut self) -> Changes {
         std::mem::take(&mut self.changes)
     }
@@ -212,6 +223,7 @@ impl Store {
             Update::ReplaceServices(services) => {
                 self.synced.insert(Kind::Service);
                 let changed = diff_keys(&self.objects.services, &services);
+                self.changes.service_events += changed.len() as u64;
                 self.changes.services.extend(changed.iter().cloned());
                 self.objects.services = services;
                 !changed.is_empty()
@@ -219,6 +231,7 @@ impl Store {
             Update::ReplaceEndpointSlices(slices) => {
                 self.synced.insert(Kind::EndpointSlice);
                 let changed = diff_keys(&self.objects.endpoint_slices, &slices);
+                self.changes.slice_events += changed.len() as u64;
                 for key in &changed {
                     let old = self
                         .objects
@@ -243,6 +256,7 @@ impl Store {
                     return false;
                 }
                 self.changes.services.insert(key.clone());
+                self.changes.service_events += 1;
                 self.objects.services.insert(key, service);
                 true
             }
@@ -250,6 +264,7 @@ impl Store {
                 let changed = self.objects.services.remove(&key).is_some();
                 if changed {
                     self.changes.services.insert(key);
+                    self.changes.service_events += 1;
                 }
                 changed
             }
@@ -260,11 +275,13 @@ impl Store {
                 self.mark_slice_service(&key, Some(&slice));
                 let old = self.objects.insert_slice(key.clone(), slice);
                 self.mark_slice_service(&key, old.as_ref());
+                self.changes.slice_events += 1;
                 true
             }
             Update::EndpointSliceDeleted(key) => {
                 let old = self.objects.remove_slice(&key);
                 self.mark_slice_service(&key, old.as_ref());
+                self.changes.slice_events += u64::from(old.is_some());
                 old.is_some()
             }
         }

@@ -142,6 +142,13 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
                 while let Ok(update) = rx.try_recv() {
                     changed |= store.apply(update);
                 }
+                let pending = store.pending_changes();
+                node_services.metrics().changes(
+                    0,
+                    0,
+                    usize::try_from(pending.service_events).unwrap_or(usize::MAX),
+                    usize::try_from(pending.slice_events).unwrap_or(usize::MAX),
+                );
                 if changed || (store.is_synced() && !synced_once) {
                     runner.request();
                     for family in IpFamily::ALL {
@@ -160,6 +167,9 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
                     dataplane.periodic_check();
                 }
                 let changes = store.take_changes();
+                node_services
+                    .metrics()
+                    .changes(changes.service_events, changes.slice_events, 0, 0);
                 // The first sync and a node change recompute every Service.
                 let all_services = !synced_once || changes.node;
                 if all_services {

@@ -105,6 +105,17 @@ fn inspect_shows_the_service_in_ebpf_mode() -> anyhow::Result<()> {
         table.contains("default/web:http") && table.contains("10.244.2.2:8080"),
         "{table}"
     );
+    let backends_json = inspect(&netns, Some(&bpf_root), &["backends", "--json"])?;
+    eprintln!("inspect backends: {backends_json}");
+    let rows: Vec<serde_json::Value> = serde_json::from_str(&backends_json)?;
+    let mut addresses: Vec<&str> = rows.iter().filter_map(|r| r["address"].as_str()).collect();
+    addresses.sort_unstable();
+    assert_eq!(addresses, ["10.244.1.2:8080", "10.244.2.2:8080"]);
+    for what in ["affinity", "conntrack"] {
+        let rows: Vec<serde_json::Value> =
+            serde_json::from_str(&inspect(&netns, Some(&bpf_root), &[what, "--json"])?)?;
+        eprintln!("inspect {what}: {} entries", rows.len());
+    }
     let counters = inspect(&netns, Some(&bpf_root), &["counters"])?;
     eprintln!("{counters}");
     assert!(
