@@ -3,6 +3,7 @@
 
 mod bpffs;
 mod cgroup;
+mod ct;
 mod ids;
 mod loader;
 mod object;
@@ -11,7 +12,9 @@ pub(crate) mod sockdiag;
 mod stats;
 mod tc;
 
-pub use loader::{EbpfDataplane, EbpfOptions, LoadError, PIN_DIR_MODE, PIN_DIR_NAME, cleanup};
+pub use loader::{
+    EbpfDataplane, EbpfOptions, LoadError, PIN_DIR_MODE, PIN_DIR_NAME, TcTestRun, cleanup,
+};
 pub use program::{
     ApplyError, ApplySummary, BackendValue, FrontendMapKey, MapOps, MapWriteError, MapsContent,
     Programmer, RemovedBackend,
