@@ -410,3 +410,38 @@ fn ipv6_node_port_reaches_pods_with_snat_and_preserves_with_local() -> anyhow::R
     eprintln!("IPv6 eTP Local: {local:?}");
     Ok(())
 }
+
+#[test]
+fn node_port_forwards_to_a_pod_on_another_node() -> anyhow::Result<()> {
+    let mut s = setup(1)?;
+    s.topo.add_remote_node(1, BACKEND_PORT)?;
+    s.manifests.write("svc.yaml", &lb_service("Cluster", &[]))?;
+    s.manifests.write(
+        "slice.yaml",
+        &http_slice(
+            NAMESPACE,
+            "web-1",
+            SERVICE,
+            &[remote_endpoint(Topology::remote_pod_ip(1))],
+        ),
+    )?;
+    start(&mut s)?;
+    let client = ext_client()(&s);
+    let is_remote = |a: &Attempt| a.backend() == Some("rpod1");
+    let first =
+        s.wait_for_datapath_with(&client, node_port_addr(), "remote pod answered", is_remote)?;
+    eprintln!("NodePort on node A → pod on node B: {first:?}");
+    let attempts = client.run(node_port_addr(), 10)?;
+    s.ensure(attempts.iter().all(is_remote), || {
+        format!("all through node A to rpod1: {:?}", tally(&attempts))
+    })?;
+    // SNAT to node A's address: the reply goes back through A (and is translated there),
+    // and the client sees the NodePort as its peer.
+    let seen: Vec<_> = attempts.iter().filter_map(client_seen).collect();
+    s.ensure(
+        seen.iter()
+            .all(|ip| *ip == IpAddr::V4(Topology::node_ext_ip())),
+        || format!("client addresses seen by the remote pod: {seen:?}"),
+    )?;
+    Ok(())
+}
