@@ -407,6 +407,7 @@ impl Dataplane {
                     unchanged = summary.frontends_unchanged,
                     removed_backends = summary.removed_backends.len(),
                     udp_sockets_destroyed = summary.udp_sockets_destroyed,
+                    conntrack_purged = summary.conntrack_purged,
                     elapsed_us = started.elapsed().as_micros() as u64,
                     "sync applied"
                 );

@@ -288,6 +288,36 @@ impl Drop for Agent {
     }
 }
 
+/// A private temporary bpffs root for in-process tests of the dataplane: the caller (or the
+/// dataplane) mounts bpffs there; drop unmounts it (releasing every pin under it) and removes
+/// the directory.
+#[derive(Debug)]
+pub struct TempBpfRoot {
+    dir: PathBuf,
+}
+
+impl TempBpfRoot {
+    pub fn new() -> Result<Self> {
+        let dir = std::env::temp_dir().join(unique_name("bpf"));
+        fs::create_dir_all(&dir)
+            .map_err(|e| RigError::io(format!("creating {}", dir.display()), e))?;
+        Ok(Self { dir })
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.dir
+    }
+}
+
+impl Drop for TempBpfRoot {
+    fn drop(&mut self) {
+        unmount_if_mounted(&self.dir);
+        if let Err(e) = fs::remove_dir_all(&self.dir) {
+            eprintln!("rig: removing {} failed: {e}", self.dir.display());
+        }
+    }
+}
+
 /// Lazily unmounts `dir` if something (the agent's bpffs) is mounted there; the pins of a
 /// private bpffs instance disappear with its last mount.
 pub(crate) fn unmount_if_mounted(dir: &Path) {

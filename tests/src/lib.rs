@@ -14,6 +14,7 @@ pub mod error;
 pub mod helper;
 pub mod manifests;
 pub mod netns;
+pub mod packet;
 pub mod process;
 pub mod scenario;
 pub mod service_scenarios;

@@ -6,6 +6,14 @@
 //!           fd00:244:<i>::2/64           fd00:244:<i>::1/64          fd00:10::1/64            fd00:10::2/64
 //! ```
 //!
+//! [`Topology::add_remote_node`] adds a second node `node2` behind the first, with pods of its
+//! own (`rpod<i>`: 10.245.<i>.2/24 behind `vrpod<i>` 10.245.<i>.1/24 on node2):
+//!
+//! ```text
+//!   node: vnode2 10.20.0.1/24 ──veth── eth0 10.20.0.2/24 :node2   (node: 10.245.0.0/16 via node2;
+//!                                                                   node2: default via node)
+//! ```
+//!
 //! IPv6 uses ULA addresses inside the test namespaces only, added with `nodad` so they are
 //! usable at once (duplicate address detection would hold them "tentative" for a second).
 
@@ -25,6 +33,8 @@ pub enum Place {
     /// 1-based pod index.
     Pod(usize),
     Ext,
+    /// 1-based pod index on the remote node ([`Topology::add_remote_node`]).
+    RemotePod(usize),
 }
 
 /// A node with `pods` pod namespaces and one external namespace. Dropping it kills the echo
@@ -34,6 +44,8 @@ pub enum Place {
 pub struct Topology {
     // Field order is drop order: children before namespaces.
     echoes: Vec<EchoServer>,
+    remote_pods: Vec<Netns>,
+    remote: Option<Netns>,
     pods: Vec<Netns>,
     ext: Netns,
     node: Netns,
@@ -51,6 +63,8 @@ impl Topology {
         let ext = Netns::new("ext")?;
         let mut topo = Self {
             echoes: Vec::new(),
+            remote_pods: Vec::new(),
+            remote: None,
             pods: Vec::with_capacity(pods),
             ext,
             node,
@@ -110,7 +124,62 @@ impl Topology {
             Place::Node => Ok(&self.node),
             Place::Ext => Ok(&self.ext),
             Place::Pod(i) => self.pod(i),
+            Place::RemotePod(i) => i
+                .checked_sub(1)
+                .and_then(|k| self.remote_pods.get(k))
+                .ok_or_else(|| RigError::Other(format!("no remote pod {i}"))),
         }
+    }
+
+    /// Adds a second node (`node2`, no agent) linked to the node, with `pods` pods of its own
+    /// running `rpod<i>` echo servers on `10.245.<i>.2:port`. The node routes the remote pod
+    /// network via node2, and node2 routes everything else back via the node — what a flat
+    /// cluster network does between two nodes.
+    pub fn add_remote_node(&mut self, pods: usize, port: u16) -> Result<()> {
+        if self.remote.is_some() || !(1..=254).contains(&pods) {
+            return Err(RigError::Other("one remote node with 1..=254 pods".into()));
+        }
+        let remote = Netns::new("node2")?;
+        remote.sysctl("net.ipv4.ip_forward", "1")?;
+        link(
+            &self.node,
+            "vnode2",
+            "10.20.0.1/24",
+            &remote,
+            "10.20.0.2/24",
+            "10.20.0.1",
+        )?;
+        self.node
+            .ip(&["route", "add", "10.245.0.0/16", "via", "10.20.0.2"])?;
+        self.remote = Some(remote);
+        for i in 1..=pods {
+            let pod = Netns::new(&format!("rpod{i}"))?;
+            let remote = self
+                .remote
+                .as_ref()
+                .ok_or_else(|| RigError::Other("remote node".into()))?;
+            link(
+                remote,
+                &format!("vrpod{i}"),
+                &format!("{}/24", Self::remote_pod_gateway(i)),
+                &pod,
+                &format!("{}/24", Self::remote_pod_ip(i)),
+                &Self::remote_pod_gateway(i).to_string(),
+            )?;
+            self.remote_pods.push(pod);
+            let addr = SocketAddrV4::new(Self::remote_pod_ip(i), port);
+            self.start_echo(Place::RemotePod(i), &format!("rpod{i}"), addr.into())?;
+        }
+        Ok(())
+    }
+
+    /// `10.245.<i>.2`, remote pod `i`'s address.
+    pub fn remote_pod_ip(i: usize) -> Ipv4Addr {
+        Ipv4Addr::new(10, 245, octet(i), 2)
+    }
+
+    fn remote_pod_gateway(i: usize) -> Ipv4Addr {
+        Ipv4Addr::new(10, 245, octet(i), 1)
     }
 
     /// `10.244.<i>.2`, the pod's own address. `i` must be in 1..=254.
@@ -219,6 +288,8 @@ impl Drop for Topology {
     fn drop(&mut self) {
         // Explicit so that reordering the fields can never delete a namespace first.
         self.echoes.clear();
+        self.remote_pods.clear();
+        self.remote = None;
     }
 }
 

@@ -2,12 +2,17 @@
 //! namespace reach NodePorts, externalIPs and LoadBalancer IPs on the node; the echo servers
 //! report which pod answered and which client address it saw. Needs root.
 
-use std::net::{IpAddr, Ipv4Addr, SocketAddr};
-use std::time::Duration;
+use std::net::{IpAddr, Ipv4Addr, SocketAddr, UdpSocket};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, mpsc};
+use std::time::{Duration, Instant};
 
 use proxy_tests::client::{Attempt, Client, tally};
-use proxy_tests::manifests::Endpoint;
-use proxy_tests::scenario::{Scenario, http_slice, pod_endpoint};
+use proxy_tests::manifests::{Endpoint, Protocol, SlicePort, endpoint_slice_yaml};
+use proxy_tests::scenario::{
+    BACKEND_PORT, DATAPATH_TIMEOUT, Scenario, http_slice, pod_endpoint, pod_endpoint_family,
+};
 use proxy_tests::topology::Topology;
 
 const NAMESPACE: &str = "default";
@@ -213,5 +218,230 @@ fn source_ranges_drop_other_clients() -> anyhow::Result<()> {
         is_pod,
     )?;
     eprintln!("inside the ranges: {allowed:?}");
+    Ok(())
+}
+
+const UDP_NODE_PORT: u16 = 30053;
+
+/// A NodePort Service `dns` (UDP 53 → 8080, the echo servers' UDP port) on `UDP_NODE_PORT`.
+fn udp_service() -> String {
+    format!(
+        "apiVersion: v1\nkind: Service\nmetadata:\n  name: dns\n  namespace: {NAMESPACE}\n\
+         spec:\n  type: NodePort\n  clusterIP: \"10.96.0.53\"\n  clusterIPs: [\"10.96.0.53\"]\n\
+         \x20 ports:\n  - name: dns\n    port: 53\n    protocol: UDP\n    targetPort: 8080\n\
+         \x20   nodePort: {UDP_NODE_PORT}\n"
+    )
+}
+
+fn udp_slice(endpoints: &[Endpoint]) -> String {
+    endpoint_slice_yaml(
+        NAMESPACE,
+        "dns-1",
+        "dns",
+        &[SlicePort {
+            name: "dns".into(),
+            port: BACKEND_PORT,
+            protocol: Protocol::Udp,
+        }],
+        endpoints,
+    )
+}
+
+/// One long-lived UDP flow from `ext` (one socket, one source port, never reconnected — what a
+/// resolver or a QUIC client does): sends a datagram every `INTERVAL` and reports who answered.
+struct UdpFlow {
+    stop: Arc<AtomicBool>,
+    replies: mpsc::Receiver<(Instant, Option<String>)>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl UdpFlow {
+    const INTERVAL: Duration = Duration::from_millis(50);
+
+    fn start(netns: PathBuf, target: SocketAddr) -> anyhow::Result<Self> {
+        let stop = Arc::new(AtomicBool::new(false));
+        let (tx, replies) = mpsc::channel();
+        let file = std::fs::File::open(&netns)?;
+        let stopped = Arc::clone(&stop);
+        let thread = std::thread::spawn(move || {
+            let run = || -> anyhow::Result<()> {
+                nix::sched::setns(&file, nix::sched::CloneFlags::CLONE_NEWNET)?;
+                let sock = UdpSocket::bind("0.0.0.0:0")?;
+                sock.connect(target)?;
+                sock.set_read_timeout(Some(Self::INTERVAL * 4))?;
+                // Bounded by the stop flag, which the guard sets on drop.
+                while !stopped.load(Ordering::Relaxed) {
+                    sock.send(b"x")?;
+                    let mut buf = [0u8; 256];
+                    let reply = sock.recv(&mut buf).ok().map(|n| {
+                        let text = String::from_utf8_lossy(buf.get(..n).unwrap_or_default());
+                        text.split_whitespace()
+                            .next()
+                            .unwrap_or_default()
+                            .to_owned()
+                    });
+                    if tx.send((Instant::now(), reply)).is_err() {
+                        break;
+                    }
+                    std::thread::sleep(Self::INTERVAL);
+                }
+                Ok(())
+            };
+            if let Err(e) = run() {
+                eprintln!("udp flow: {e}");
+            }
+        });
+        Ok(Self {
+            stop,
+            replies,
+            thread: Some(thread),
+        })
+    }
+
+    /// Waits (bounded) for a reply from `backend`; returns when it came.
+    fn wait_for(&self, backend: &str, within: Duration) -> Option<Instant> {
+        let deadline = Instant::now() + within;
+        while let Some(left) = deadline.checked_duration_since(Instant::now()) {
+            match self.replies.recv_timeout(left) {
+                Ok((at, Some(name))) if name == backend => return Some(at),
+                Ok(_) => {}
+                Err(_) => return None,
+            }
+        }
+        None
+    }
+}
+
+impl Drop for UdpFlow {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+#[test]
+fn udp_flow_leaves_a_removed_backend_within_a_second() -> anyhow::Result<()> {
+    let mut s = setup(2)?;
+    s.manifests.write("svc.yaml", &udp_service())?;
+    s.manifests
+        .write("slice.yaml", &udp_slice(&[pod_endpoint(2)]))?;
+    start(&mut s)?;
+    let target = SocketAddr::new(IpAddr::V4(Topology::node_ext_ip()), UDP_NODE_PORT);
+    let flow = UdpFlow::start(s.topo.ext().path(), target)?;
+    let on_pod2 = flow.wait_for("pod2", DATAPATH_TIMEOUT);
+    s.ensure(on_pod2.is_some(), || {
+        "the UDP flow never reached pod2".to_owned()
+    })?;
+    // pod2 leaves the Service (its server keeps running: without the purge the flow's
+    // conntrack entry would keep it on pod2 for as long as it sends).
+    s.manifests
+        .write("slice.yaml", &udp_slice(&[pod_endpoint(1)]))?;
+    let removed = Instant::now();
+    let on_pod1 = flow.wait_for("pod1", Duration::from_secs(5));
+    let Some(at) = on_pod1 else {
+        return Err(s
+            .agent_error("the UDP flow stayed off pod1 for 5 s after pod2 was removed".into())
+            .into());
+    };
+    let took = at.saturating_duration_since(removed);
+    eprintln!("UDP flow moved to pod1 {took:?} after pod2 was removed");
+    s.ensure(took <= Duration::from_secs(1), || {
+        format!("the UDP flow took {took:?} to leave the removed backend")
+    })?;
+    drop(flow);
+    let log = s.agent()?.log_contents();
+    s.ensure(
+        log.contains("tc conntrack entries of removed backends purged"),
+        || "no conntrack purge in the agent log".to_owned(),
+    )?;
+    Ok(())
+}
+
+/// A dual-stack NodePort Service `web6` (TCP 80 → 8080) on `NODE_PORT`.
+fn dual_stack_service(policy: &str) -> String {
+    format!(
+        "apiVersion: v1\nkind: Service\nmetadata:\n  name: {SERVICE}\n  namespace: {NAMESPACE}\n\
+         spec:\n  type: NodePort\n  clusterIP: \"{CLUSTER_IP}\"\n\
+         \x20 clusterIPs: [\"{CLUSTER_IP}\", \"fd00:96::20\"]\n  ipFamilies: [IPv4, IPv6]\n\
+         \x20 ipFamilyPolicy: RequireDualStack\n  externalTrafficPolicy: {policy}\n\
+         \x20 ports:\n  - name: http\n    port: 80\n    protocol: TCP\n    targetPort: 8080\n\
+         \x20   nodePort: {NODE_PORT}\n"
+    )
+}
+
+#[test]
+fn ipv6_node_port_reaches_pods_with_snat_and_preserves_with_local() -> anyhow::Result<()> {
+    proxy_tests::require_root();
+    proxy_tests::set_helper_binary(env!("CARGO_BIN_EXE_rig-helper"));
+    let mut s = Scenario::with_families(2, true)?;
+    s.manifests
+        .write("svc.yaml", &dual_stack_service("Cluster"))?;
+    let v6 = [pod_endpoint_family(1, true), pod_endpoint_family(2, true)];
+    s.manifests
+        .write("slice6.yaml", &http_slice(NAMESPACE, "web-6", SERVICE, &v6))?;
+    s.manifests.write(
+        "slice4.yaml",
+        &http_slice(NAMESPACE, "web-4", SERVICE, &[pod_endpoint(1)]),
+    )?;
+    start(&mut s)?;
+    let node6: IpAddr = "fd00:10::1".parse()?;
+    let ext6: IpAddr = "fd00:10::2".parse()?;
+    let target = SocketAddr::new(node6, NODE_PORT);
+    let client = ext_client()(&s);
+    s.wait_for_datapath_with(&client, target, "IPv6 NodePort answered", is_pod)?;
+    let attempts = client.run(target, 20)?;
+    let counts = tally(&attempts);
+    eprintln!("[{node6}]:{NODE_PORT}: {counts:?}");
+    s.ensure(attempts.iter().all(is_pod) && counts.len() == 2, || {
+        format!("IPv6 NodePort: both pods should answer: {counts:?}")
+    })?;
+    let seen: Vec<_> = attempts.iter().filter_map(client_seen).collect();
+    s.ensure(seen.iter().all(|ip| *ip == node6), || {
+        format!("eTP Cluster over IPv6 must SNAT to the node: {seen:?}")
+    })?;
+
+    s.manifests
+        .write("svc.yaml", &dual_stack_service("Local"))?;
+    let local = s.wait_for_datapath_with(&client, target, "IPv6 eTP Local", |a| {
+        client_seen(a) == Some(ext6)
+    })?;
+    eprintln!("IPv6 eTP Local: {local:?}");
+    Ok(())
+}
+
+#[test]
+fn node_port_forwards_to_a_pod_on_another_node() -> anyhow::Result<()> {
+    let mut s = setup(1)?;
+    s.topo.add_remote_node(1, BACKEND_PORT)?;
+    s.manifests.write("svc.yaml", &lb_service("Cluster", &[]))?;
+    s.manifests.write(
+        "slice.yaml",
+        &http_slice(
+            NAMESPACE,
+            "web-1",
+            SERVICE,
+            &[remote_endpoint(Topology::remote_pod_ip(1))],
+        ),
+    )?;
+    start(&mut s)?;
+    let client = ext_client()(&s);
+    let is_remote = |a: &Attempt| a.backend() == Some("rpod1");
+    let first =
+        s.wait_for_datapath_with(&client, node_port_addr(), "remote pod answered", is_remote)?;
+    eprintln!("NodePort on node A → pod on node B: {first:?}");
+    let attempts = client.run(node_port_addr(), 10)?;
+    s.ensure(attempts.iter().all(is_remote), || {
+        format!("all through node A to rpod1: {:?}", tally(&attempts))
+    })?;
+    // SNAT to node A's address: the reply goes back through A (and is translated there),
+    // and the client sees the NodePort as its peer.
+    let seen: Vec<_> = attempts.iter().filter_map(client_seen).collect();
+    s.ensure(
+        seen.iter()
+            .all(|ip| *ip == IpAddr::V4(Topology::node_ext_ip())),
+        || format!("client addresses seen by the remote pod: {seen:?}"),
+    )?;
     Ok(())
 }

@@ -132,12 +132,28 @@ fn health_metrics_and_proxy_mode_of_a_running_ebpf_agent() -> anyhow::Result<()>
 
     let mode = get(&node, metrics, "/proxyMode")?;
     assert_eq!((mode.status, mode.body.trim()), (200, "ebpf"));
-    let exposition = get(&node, metrics, "/metrics")?;
+    // /healthz is 200 from the start (kube-proxy counts a family only once it synced), so the
+    // sync histograms may still be empty here: wait for the first sync's samples.
+    let mut exposition = get(&node, metrics, "/metrics")?;
+    try_wait_until(
+        "the first sync in /metrics",
+        Duration::from_secs(10),
+        Duration::from_millis(100),
+        || {
+            exposition = get(&node, metrics, "/metrics")
+                .map_err(|e| proxy_tests::RigError::Other(e.to_string()))?;
+            Ok(exposition
+                .body
+                .contains("kubeproxy_sync_proxy_rules_duration_seconds_bucket"))
+        },
+    )
+    .map_err(|e| anyhow::anyhow!("{e}"))?;
     for name in [
         "kubeproxy_sync_proxy_rules_duration_seconds_bucket",
         "kubeproxy_sync_proxy_rules_last_timestamp_seconds",
         "kubeproxy_proxy_healthz_total{code=\"200\"}",
         "kubeproxy_ebpf_datapath_events_total",
+        "kubeproxy_sync_proxy_rules_service_changes_total",
     ] {
         assert!(
             exposition.body.contains(name),

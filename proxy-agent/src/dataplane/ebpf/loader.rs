@@ -25,7 +25,7 @@ use aya::{
         lpm_trie::{Key, LpmTrie},
     },
     programs::{
-        CgroupAttachMode, CgroupSockAddr,
+        CgroupAttachMode, CgroupSockAddr, SchedClassifier, TestRun as _, TestRunOptions,
         links::{FdLink, PinnedLink},
     },
 };
@@ -40,7 +40,7 @@ use tokio::{io::unix::AsyncFd, task::JoinHandle};
 use tracing::{debug, info, warn};
 
 use super::{
-    ApplyError, ApplySummary, MapOps, MapWriteError, Programmer, bpffs, cgroup, object,
+    ApplyError, ApplySummary, MapOps, MapWriteError, Programmer, bpffs, cgroup, ct, object,
     program::{
         BackendValue, FrontendMapKey, MapsContent, ip4_from_map, ip4_to_map, ip6_from_map,
         ip6_to_map,
@@ -50,6 +50,15 @@ use super::{
     tc::{TcOptions, TcState},
 };
 use crate::desired::{Protocol, ServicePortName, Snapshot};
+
+/// One run of a tc program with `BPF_PROG_TEST_RUN` ([`EbpfDataplane::test_run_tc`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TcTestRun {
+    /// The program's return value (`TC_ACT_*`).
+    pub action: i32,
+    /// The packet after the program.
+    pub packet: Vec<u8>,
+}
 
 /// Directory under `--bpf-root` that holds our pins.
 pub const PIN_DIR_NAME: &str = "kubeproxy-rs";
@@ -456,7 +465,98 @@ impl EbpfDataplane {
                 .apply_snapshot(snapshot, changed, &mut self.maps);
         self.capacity_errors += errors.iter().filter(|e| e.is_capacity()).count() as u64;
         summary.udp_sockets_destroyed = self.destroy_stale_udp_sockets(&summary);
+        summary.conntrack_purged = self.purge_conntrack(&summary);
         (summary, errors)
+    }
+
+    /// Deletes the tc conntrack entries of backends this apply removed (see `ct`), after the
+    /// frontend switch: no new flow can pick them any more, so none is recreated.
+    fn purge_conntrack(&mut self, summary: &ApplySummary) -> usize {
+        if !ct::any_external(&summary.removed_backends) {
+            return 0;
+        }
+        let started = std::time::Instant::now();
+        let mut map = match self.conntrack_map() {
+            Ok(map) => map,
+            Err(error) => {
+                warn!(%error, "cannot open the tc conntrack map; stale entries age out instead");
+                return 0;
+            }
+        };
+        let report = ct::purge(&mut map, &summary.removed_backends);
+        info!(
+            removed_backends = summary.removed_backends.len(),
+            scanned = report.scanned,
+            deleted = report.deleted,
+            elapsed_ms = started.elapsed().as_millis(),
+            "tc conntrack entries of removed backends purged"
+        );
+        report.deleted
+    }
+
+    /// The tc conntrack map, borrowed from the object (it stays there: see `start`).
+    fn conntrack_map(&mut self) -> Result<HashMap<&mut MapData, CtKey, CtValue>, LoadError> {
+        let map = self
+            .ebpf
+            .map_mut(map_names::CT)
+            .ok_or(LoadError::MissingMap(map_names::CT))?;
+        HashMap::try_from(map).map_err(|source| LoadError::Map {
+            name: map_names::CT,
+            source,
+        })
+    }
+
+    /// Every tc conntrack entry (a snapshot: the datapath keeps changing it). For tests and
+    /// diagnostics.
+    pub fn conntrack_entries(&mut self) -> Result<Vec<(CtKey, CtValue)>, LoadError> {
+        Ok(ct::entries(&self.conntrack_map()?))
+    }
+
+    /// Runs the tc program `program` once on `packet` with `BPF_PROG_TEST_RUN`, as if it had
+    /// arrived on interface `ifindex` (0: the namespace's loopback), against the live maps.
+    /// For tests: the kernel builds an skb from the bytes, runs the program and returns its
+    /// action and the packet as the program left it; a redirect is reported
+    /// (`TC_ACT_REDIRECT`), not performed.
+    pub fn test_run_tc(
+        &mut self,
+        program: &'static str,
+        packet: &[u8],
+        ifindex: u32,
+    ) -> Result<TcTestRun, LoadError> {
+        let program_error = |source| LoadError::Program {
+            name: program,
+            source,
+        };
+        let classifier: &mut SchedClassifier = self
+            .ebpf
+            .program_mut(program)
+            .ok_or(LoadError::MissingProgram(program))?
+            .try_into()
+            .map_err(program_error)?;
+        if classifier.fd().is_err() {
+            classifier.load().map_err(program_error)?;
+        }
+        // A partial `struct __sk_buff`: the kernel copies what is given and requires the rest
+        // zero. `ingress_ifindex` (offset 36) is what the programs read; `ifindex` (offset 40)
+        // makes that interface the skb's device, so fib lookups start from it.
+        let mut ctx = [0u8; 44];
+        ctx[36..40].copy_from_slice(&ifindex.to_ne_bytes());
+        ctx[40..44].copy_from_slice(&ifindex.to_ne_bytes());
+        // Room for growth: a reject may turn a short packet into a longer ICMP error.
+        let mut out = vec![0u8; packet.len().max(128) + 256];
+        let result = classifier
+            .test_run(TestRunOptions {
+                data_in: Some(packet),
+                data_out: Some(&mut out),
+                ctx_in: Some(&ctx),
+                ..TestRunOptions::default()
+            })
+            .map_err(program_error)?;
+        out.truncate(result.data_size_out as usize);
+        Ok(TcTestRun {
+            action: result.return_value as i32,
+            packet: out,
+        })
     }
 
     /// Frontend writes refused because a map was full, counted since the agent started (each

@@ -137,6 +137,8 @@ pub struct ApplySummary {
     pub removed_backends: Vec<RemovedBackend>,
     /// Connected UDP sockets destroyed because their backend was removed (set by the loader).
     pub udp_sockets_destroyed: usize,
+    /// tc conntrack entries of removed backends deleted (set by the loader).
+    pub conntrack_purged: usize,
 }
 
 #[derive(Debug)]

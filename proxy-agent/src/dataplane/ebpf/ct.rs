@@ -1,0 +1,253 @@
+//! The tc programs' conntrack (`KPR_CT`) from user space: reading it (tests, diagnostics) and
+//! purging the entries of backends that left a Service.
+//!
+//! The design's rule: after an endpoint goes away no UDP flow keeps using it. A BPF conntrack
+//! entry pins a flow to its backend for as long as packets keep coming (the idle timeout is
+//! refreshed by each packet), so a client that keeps one source port — a DNS resolver, a game,
+//! a QUIC connection — would keep sending to a deleted pod forever. After each apply, the
+//! entries of every removed (frontend, backend) pair are deleted: the next packet of such a flow
+//! is a new flow and picks a live backend. TCP entries go too: a TCP connection to a removed
+//! backend is dead anyway, and its next packet then gets a reset from the new backend instead
+//! of silence.
+//!
+//! Cost: the LRU hash map has no secondary index, so a purge walks the whole map from user space
+//! (one `get_next_key` + one lookup syscall per entry, ~1–2 µs each: about 0.5 s for a full
+//! 262 144-entry table). It runs only after applies that removed backends of external
+//! frontends, and only entries that match are deleted.
+
+use std::net::IpAddr;
+
+use aya::maps::{HashMap, MapData};
+use proxy_common::{CtKey, CtValue, ct_flags, family};
+
+use super::program::{RemovedBackend, ip4_to_map, ip6_to_map};
+use crate::desired::Scope;
+
+/// Address words and family of an IP address as the maps store them.
+fn words(addr: IpAddr) -> ([u32; 4], u8) {
+    match addr {
+        IpAddr::V4(a) => ([ip4_to_map(a), 0, 0, 0], family::V4),
+        IpAddr::V6(a) => (ip6_to_map(a), family::V6),
+    }
+}
+
+/// A removed (frontend, backend) pair in map representation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Stale {
+    /// `None`: a NodePort (any node address).
+    frontend_addr: Option<[u32; 4]>,
+    /// Network order.
+    frontend_port: u16,
+    proto: u8,
+    family: u8,
+    backend_addr: [u32; 4],
+    /// Network order.
+    backend_port: u16,
+}
+
+impl Stale {
+    fn of(removed: &RemovedBackend) -> Option<Self> {
+        // Socket-level frontends never create tc conntrack entries.
+        if removed.frontend.scope != Scope::External {
+            return None;
+        }
+        let (backend_addr, family) = words(removed.backend.ip());
+        let (frontend_words, frontend_family) = words(removed.frontend.addr);
+        if frontend_family != family {
+            return None;
+        }
+        Some(Self {
+            frontend_addr: (!removed.frontend.addr.is_unspecified()).then_some(frontend_words),
+            frontend_port: removed.frontend.port.to_be(),
+            proto: removed.frontend.protocol.number(),
+            family,
+            backend_addr,
+            backend_port: removed.backend.port().to_be(),
+        })
+    }
+
+    fn frontend_matches(&self, addr: &[u32; 4], port: u16) -> bool {
+        port == self.frontend_port && self.frontend_addr.is_none_or(|a| a == *addr)
+    }
+
+    /// Whether the entry belongs to a flow of this frontend to this backend. A forward entry
+    /// is keyed by what the client sent (the frontend) and rewrites to the backend; a reply
+    /// entry is keyed by what the backend sends and rewrites back to the frontend.
+    fn matches(&self, key: &CtKey, value: &CtValue) -> bool {
+        if key.proto != self.proto || key.family != self.family {
+            return false;
+        }
+        if value.flags & ct_flags::REPLY == 0 {
+            value.dst == self.backend_addr
+                && value.dport == self.backend_port
+                && self.frontend_matches(&key.dst, key.dport)
+        } else {
+            key.src == self.backend_addr
+                && key.sport == self.backend_port
+                && self.frontend_matches(&value.src, value.sport)
+        }
+    }
+}
+
+/// The conntrack keys to delete for `removed`, from a snapshot of the map.
+pub fn stale_keys<'a>(
+    entries: impl IntoIterator<Item = &'a (CtKey, CtValue)>,
+    removed: &[RemovedBackend],
+) -> Vec<CtKey> {
+    let stale: Vec<Stale> = removed.iter().filter_map(Stale::of).collect();
+    if stale.is_empty() {
+        return Vec::new();
+    }
+    entries
+        .into_iter()
+        .filter(|(key, value)| stale.iter().any(|s| s.matches(key, value)))
+        .map(|(key, _)| *key)
+        .collect()
+}
+
+/// Whether any removed pair can have tc conntrack entries (saves the walk otherwise).
+pub fn any_external(removed: &[RemovedBackend]) -> bool {
+    removed.iter().any(|r| Stale::of(r).is_some())
+}
+
+/// Every entry of the map; entries that vanish during the walk (LRU eviction, the datapath)
+/// are skipped.
+pub fn entries<T: std::borrow::Borrow<MapData>>(
+    map: &HashMap<T, CtKey, CtValue>,
+) -> Vec<(CtKey, CtValue)> {
+    map.iter().filter_map(Result::ok).collect()
+}
+
+/// What a purge did.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct PurgeReport {
+    pub scanned: usize,
+    pub deleted: usize,
+}
+
+/// Deletes the entries of removed backends.
+pub fn purge<T: std::borrow::BorrowMut<MapData>>(
+    map: &mut HashMap<T, CtKey, CtValue>,
+    removed: &[RemovedBackend],
+) -> PurgeReport {
+    if !any_external(removed) {
+        return PurgeReport::default();
+    }
+    let all = entries(map);
+    let mut report = PurgeReport {
+        scanned: all.len(),
+        deleted: 0,
+    };
+    for key in stale_keys(&all, removed) {
+        // Already gone (evicted, or the flow's other entry raced us): nothing to do.
+        if map.remove(&key).is_ok() {
+            report.deleted += 1;
+        }
+    }
+    report
+}
+
+#[cfg(test)]
+mod tests {
+    use std::net::Ipv4Addr;
+
+    use proxy_common::proto;
+
+    use super::*;
+    use crate::desired::{FrontendKey, Protocol};
+
+    fn ip(a: [u8; 4]) -> [u32; 4] {
+        [ip4_to_map(Ipv4Addr::from(a)), 0, 0, 0]
+    }
+
+    /// Forward and reply entries of a SNATed flow client → node:30080 → backend.
+    fn flow(backend: [u8; 4], client_port: u16) -> [(CtKey, CtValue); 2] {
+        let client = ip([10, 10, 0, 2]);
+        let node = ip([10, 10, 0, 1]);
+        let backend = ip(backend);
+        let forward = (
+            CtKey {
+                src: client,
+                dst: node,
+                sport: client_port.to_be(),
+                dport: 30080u16.to_be(),
+                proto: proto::UDP,
+                family: family::V4,
+                _pad: 0,
+            },
+            CtValue {
+                src: node,
+                dst: backend,
+                sport: 61_000u16.to_be(),
+                dport: 8080u16.to_be(),
+                flags: ct_flags::SNAT,
+                ..CtValue::default()
+            },
+        );
+        let reply = (
+            CtKey {
+                src: backend,
+                dst: node,
+                sport: 8080u16.to_be(),
+                dport: 61_000u16.to_be(),
+                proto: proto::UDP,
+                family: family::V4,
+                _pad: 0,
+            },
+            CtValue {
+                src: node,
+                dst: client,
+                sport: 30080u16.to_be(),
+                dport: client_port.to_be(),
+                flags: ct_flags::REPLY,
+                ..CtValue::default()
+            },
+        );
+        [forward, reply]
+    }
+
+    fn removed(addr: &str, port: u16, protocol: Protocol, backend: &str) -> RemovedBackend {
+        RemovedBackend {
+            frontend: FrontendKey {
+                addr: addr.parse().expect("addr"),
+                port,
+                protocol,
+                scope: Scope::External,
+            },
+            backend: backend.parse().expect("backend"),
+        }
+    }
+
+    #[test]
+    fn only_entries_of_removed_pairs_are_stale() {
+        let mut entries = Vec::new();
+        entries.extend(flow([10, 244, 2, 2], 40_000));
+        entries.extend(flow([10, 244, 1, 2], 40_001));
+        let gone = [removed("0.0.0.0", 30080, Protocol::Udp, "10.244.2.2:8080")];
+        let keys = stale_keys(&entries, &gone);
+        assert_eq!(keys, vec![entries[0].0, entries[1].0]);
+
+        // Another protocol, port or frontend address: untouched.
+        for other in [
+            removed("0.0.0.0", 30080, Protocol::Tcp, "10.244.2.2:8080"),
+            removed("0.0.0.0", 30081, Protocol::Udp, "10.244.2.2:8080"),
+            removed("192.0.2.1", 30080, Protocol::Udp, "10.244.2.2:8080"),
+            removed("0.0.0.0", 30080, Protocol::Udp, "10.244.2.2:8081"),
+        ] {
+            assert!(stale_keys(&entries, &[other]).is_empty(), "{other:?}");
+        }
+        // The exact node address as frontend (an externalIP equal to it) matches too.
+        let exact = [removed(
+            "10.10.0.1",
+            30080,
+            Protocol::Udp,
+            "10.244.2.2:8080",
+        )];
+        assert_eq!(stale_keys(&entries, &exact).len(), 2);
+        // Socket-level frontends have no tc entries.
+        let mut internal = gone;
+        internal[0].frontend.scope = Scope::Internal;
+        assert!(!any_external(&internal));
+        assert!(stale_keys(&entries, &internal).is_empty());
+    }
+}

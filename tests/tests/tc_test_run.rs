@@ -1,0 +1,415 @@
+//! The tc programs under `BPF_PROG_TEST_RUN`: the real object is loaded (pins in a private
+//! bpffs), Services are programmed through the real `EbpfDataplane` (snapshot → `Programmer` →
+//! maps), crafted frames go through `kpr_tc_external` / `kpr_tc_reply`, and the test checks the
+//! action, every byte that matters and every checksum (recomputed here from scratch) of what
+//! the program returns, plus the conntrack entries it wrote. Needs root.
+//!
+//! What test_run can check: parsing, frontend lookup, source ranges, backend choice, DNAT/SNAT
+//! and the checksum updates (the skb is `CHECKSUM_NONE`, so the L4 checksums must be complete),
+//! conntrack writes and reverse translation, the ICMP reject packet, and the action. What it
+//! cannot: a redirect is only the return value (`TC_ACT_REDIRECT`), the packet is not sent,
+//! so the egress interface and next-hop MAC that `bpf_redirect_neigh` would choose are not
+//! observable; `CHECKSUM_PARTIAL` skbs (local veth traffic) do not occur. The fib lookup does
+//! run, in the test's namespace, so its route (and forwarding) must exist there. The real-packet
+//! tests (`external_tc.rs`) cover the rest.
+#![expect(
+    clippy::expect_used,
+    reason = "test setup: a failed expectation is a failed test"
+)]
+
+use std::{
+    collections::BTreeMap,
+    net::{IpAddr, SocketAddr},
+    path::PathBuf,
+};
+
+use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
+use proxy_agent::{
+    dataplane::ebpf::{EbpfDataplane, EbpfOptions, TcOptions},
+    desired::Snapshot,
+    objects::{ObjectKey, Objects},
+};
+use proxy_common::{CtKey, CtValue, ct_flags, family, program_names};
+use proxy_tests::{
+    agent::TempBpfRoot,
+    cgroup::ChildCgroup,
+    netns::Netns,
+    packet::{
+        L4, PROTO_ICMP, PROTO_ICMPV6, Parsed, TC_ACT_REDIRECT, TC_ACT_SHOT, build, parse_checked,
+    },
+};
+
+const NODE: &str = "node";
+const CLIENT: &str = "10.10.0.2";
+const CLIENT6: &str = "fd00:10::2";
+const NODE_IP: &str = "10.10.0.1";
+const NODE_IP6: &str = "fd00:10::1";
+const BACKEND: &str = "10.244.1.2";
+const BACKEND6: &str = "fd00:244:1::2";
+const LB_IP: &str = "198.51.100.10";
+
+/// The node namespace: `ext0` (external, 10.10.0.1 + fd00:10::1) and `pod0` (10.244.1.1 +
+/// fd00:244:1::1, the pod side), each one end of a veth pair, forwarding on, and the agent's
+/// dataplane loaded with its pins in a private bpffs.
+struct Node {
+    // Drop order: the dataplane's fds, then the bpffs (pins), cgroup and namespace.
+    dataplane: EbpfDataplane,
+    ext0: u32,
+    pod0: u32,
+    _runtime: tokio::runtime::Runtime,
+    _bpf: TempBpfRoot,
+    _cgroup: ChildCgroup,
+}
+
+fn ifindex(name: &str) -> u32 {
+    nix::net::if_::if_nametoindex(name).expect("ifindex")
+}
+
+/// Runs `f` on a thread inside a fresh node namespace (namespaces are per thread; the test_run
+/// and the fib lookup it makes use the caller's namespace).
+fn with_node(f: impl FnOnce(&mut Node) + Send + 'static) {
+    proxy_tests::require_root();
+    let ns = Netns::new("tcrun").expect("netns");
+    for (dev, v4, v6) in [
+        ("ext0", "10.10.0.1/24", "fd00:10::1/64"),
+        ("pod0", "10.244.1.1/24", "fd00:244:1::1/64"),
+    ] {
+        // veth (the kernel here has no dummy driver); the peer stays unaddressed.
+        let peer = format!("{dev}p");
+        ns.ip(&["link", "add", dev, "type", "veth", "peer", "name", &peer])
+            .expect("veth");
+        ns.ip(&["link", "set", &peer, "up"]).expect("peer up");
+        ns.ip(&["addr", "add", v4, "dev", dev]).expect("addr");
+        ns.ip(&["-6", "addr", "add", v6, "dev", dev, "nodad"])
+            .expect("addr6");
+        ns.ip(&["link", "set", dev, "up"]).expect("up");
+    }
+    // Another LB client's network, for the allowed source range.
+    ns.ip(&["route", "add", "203.0.113.0/24", "dev", "ext0"])
+        .expect("route");
+    ns.sysctl("net.ipv4.ip_forward", "1").expect("sysctl");
+    ns.sysctl("net.ipv6.conf.all.forwarding", "1")
+        .expect("sysctl");
+    let path = ns.path();
+    std::thread::spawn(move || {
+        let file = std::fs::File::open(&path).expect("open netns");
+        nix::sched::setns(&file, nix::sched::CloneFlags::CLONE_NEWNET).expect("setns");
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
+        let _entered = runtime.enter();
+        let bpf = TempBpfRoot::new().expect("bpf root");
+        let cgroup = ChildCgroup::new().expect("cgroup");
+        let options = EbpfOptions {
+            cgroup_path: Some(cgroup.path().to_path_buf()),
+            bpf_root: PathBuf::from(bpf.path()),
+            frontends_capacity: 1024,
+            backends_capacity: 1024,
+            tc: TcOptions {
+                interfaces: vec!["ext0".into()],
+                cluster_cidrs: vec!["10.244.0.0/16".parse().expect("cidr")],
+                ..TcOptions::default()
+            },
+        };
+        let dataplane = EbpfDataplane::start(&options).expect("dataplane");
+        let mut node = Node {
+            dataplane,
+            ext0: ifindex("ext0"),
+            pod0: ifindex("pod0"),
+            _runtime: runtime,
+            _bpf: bpf,
+            _cgroup: cgroup,
+        };
+        f(&mut node);
+    })
+    .join()
+    .expect("test thread");
+    drop(ns);
+}
+
+fn key(name: &str) -> ObjectKey {
+    ObjectKey {
+        namespace: "default".into(),
+        name: name.into(),
+    }
+}
+
+/// Services (all on this node's view):
+/// - `web`: dual-stack NodePort, eTP Cluster; TCP 80→8080 on 30080, UDP 53→5353 on 30053.
+/// - `local`: NodePort TCP 30081, eTP Local.
+/// - `lb`: LoadBalancer on `LB_IP`:80 with source range 203.0.113.0/24, NodePort 30082.
+/// - `empty`: dual-stack NodePort TCP 30083 without endpoints.
+fn program_services(node: &mut Node) {
+    let services = [
+        "{name: web, namespace: default}\nspec: {type: NodePort, clusterIP: 10.96.0.20, \
+         clusterIPs: [10.96.0.20, 'fd00:96::20'], ipFamilies: [IPv4, IPv6], \
+         ipFamilyPolicy: RequireDualStack, externalTrafficPolicy: Cluster, ports: [\
+         {name: http, port: 80, protocol: TCP, targetPort: 8080, nodePort: 30080}, \
+         {name: dns, port: 53, protocol: UDP, targetPort: 5353, nodePort: 30053}]}",
+        "{name: local, namespace: default}\nspec: {type: NodePort, clusterIP: 10.96.0.21, \
+         externalTrafficPolicy: Local, ports: [\
+         {name: http, port: 80, protocol: TCP, targetPort: 8080, nodePort: 30081}]}",
+        "{name: lb, namespace: default}\nspec: {type: LoadBalancer, clusterIP: 10.96.0.22, \
+         loadBalancerSourceRanges: [203.0.113.0/24], ports: [\
+         {name: http, port: 80, protocol: TCP, targetPort: 8080, nodePort: 30082}]}\n\
+         status: {loadBalancer: {ingress: [{ip: 198.51.100.10}]}}",
+        "{name: empty, namespace: default}\nspec: {type: NodePort, clusterIP: 10.96.0.23, \
+         clusterIPs: [10.96.0.23, 'fd00:96::23'], ipFamilies: [IPv4, IPv6], \
+         ipFamilyPolicy: RequireDualStack, ports: [\
+         {name: http, port: 80, protocol: TCP, targetPort: 8080, nodePort: 30083}]}",
+    ];
+    let services: BTreeMap<ObjectKey, Service> = services
+        .iter()
+        .map(|meta| {
+            let yaml = format!("apiVersion: v1\nkind: Service\nmetadata: {meta}\n");
+            let service: Service = serde_yaml::from_str(&yaml).expect("service yaml");
+            let name = service.metadata.name.clone().expect("name");
+            (key(&name), service)
+        })
+        .collect();
+    let slice = |name: &str, service: &str, family: &str, addr: &str| {
+        let yaml = format!(
+            "apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\n\
+             metadata: {{name: {name}, namespace: default, labels: {{kubernetes.io/service-name: {service}}}}}\n\
+             addressType: {family}\nports: [{{name: http, port: 8080, protocol: TCP}}, \
+             {{name: dns, port: 5353, protocol: UDP}}]\n\
+             endpoints: [{{addresses: ['{addr}'], nodeName: {NODE}, conditions: {{ready: true}}}}]\n"
+        );
+        let slice: EndpointSlice = serde_yaml::from_str(&yaml).expect("slice yaml");
+        (key(name), slice)
+    };
+    let slices = BTreeMap::from([
+        slice("web-4", "web", "IPv4", BACKEND),
+        slice("web-6", "web", "IPv6", BACKEND6),
+        slice("local-4", "local", "IPv4", BACKEND),
+        slice("lb-4", "lb", "IPv4", BACKEND),
+    ]);
+    let objects = Objects::new(services, slices, None);
+    let snapshot = Snapshot::compute(&objects, NODE);
+    let errors: Vec<String> = snapshot.errors().map(ToString::to_string).collect();
+    assert!(errors.is_empty(), "snapshot errors: {errors:?}");
+    let (summary, errors) = node.dataplane.apply(&snapshot, None);
+    assert!(errors.is_empty(), "apply errors: {errors:?}");
+    assert!(summary.frontends_written > 0, "{summary:?}");
+}
+
+fn sa(ip: &str, port: u16) -> SocketAddr {
+    SocketAddr::new(ip.parse().expect("ip"), port)
+}
+
+/// Address words as the maps hold them (network order, IPv4 in word 0).
+fn words(ip: IpAddr) -> [u32; 4] {
+    match ip {
+        IpAddr::V4(a) => [u32::from_ne_bytes(a.octets()), 0, 0, 0],
+        IpAddr::V6(a) => {
+            let o = a.octets();
+            [0, 4, 8, 12].map(|i| u32::from_ne_bytes([o[i], o[i + 1], o[i + 2], o[i + 3]]))
+        }
+    }
+}
+
+fn ct_key(src: SocketAddr, dst: SocketAddr, proto: u8) -> CtKey {
+    CtKey {
+        src: words(src.ip()),
+        dst: words(dst.ip()),
+        sport: src.port().to_be(),
+        dport: dst.port().to_be(),
+        proto,
+        family: if src.is_ipv4() {
+            family::V4
+        } else {
+            family::V6
+        },
+        _pad: 0,
+    }
+}
+
+fn ct_entry(node: &mut Node, key: &CtKey) -> Option<CtValue> {
+    node.dataplane
+        .conntrack_entries()
+        .expect("conntrack")
+        .into_iter()
+        .find(|(k, _)| k == key)
+        .map(|(_, v)| v)
+}
+
+/// Runs `program` on `frame` arriving on `ifindex`; returns the action and the parsed,
+/// checksum-verified result.
+fn run(node: &mut Node, program: &'static str, frame: &[u8], ifindex: u32) -> (i32, Parsed) {
+    let out = node
+        .dataplane
+        .test_run_tc(program, frame, ifindex)
+        .expect("test_run");
+    let parsed = parse_checked(&out.packet)
+        .unwrap_or_else(|e| panic!("{program}: output {:02x?}: {e}", out.packet));
+    (out.action, parsed)
+}
+
+/// A full round trip through a NodePort: the client's packet is DNATed (and SNATed unless
+/// `preserve`), both conntrack entries exist, and the backend's reply is translated back.
+fn round_trip(
+    node: &mut Node,
+    client: SocketAddr,
+    frontend: SocketAddr,
+    backend: SocketAddr,
+    l4: L4,
+    preserve: bool,
+) {
+    let frame = build(client, frontend, l4, b"ping");
+    let (action, out) = run(node, program_names::TC_EXTERNAL, &frame, node.ext0);
+    let what = format!("{l4:?} {client} → {frontend}");
+    assert_eq!(action, TC_ACT_REDIRECT, "{what}: action");
+    assert_eq!(out.destination(), backend, "{what}: DNAT");
+    let node_ip: IpAddr = if client.is_ipv4() { NODE_IP } else { NODE_IP6 }
+        .parse()
+        .expect("ip");
+    if preserve {
+        assert_eq!(out.source(), client, "{what}: client kept (eTP Local)");
+    } else {
+        assert_eq!(out.src, node_ip, "{what}: SNAT address");
+        assert!(out.sport() >= 61_000, "{what}: SNAT port {}", out.sport());
+    }
+    assert!(out.l4.ends_with(b"ping"), "{what}: payload");
+
+    // Conntrack: the forward entry under what the client sent, the reply entry under what the
+    // backend will send.
+    let proto = l4.proto();
+    let forward = ct_entry(node, &ct_key(client, frontend, proto)).expect("forward entry");
+    assert_eq!(forward.dst, words(backend.ip()), "{what}: forward entry");
+    assert_eq!(forward.dport, backend.port().to_be());
+    assert_eq!(forward.flags & ct_flags::SNAT != 0, !preserve);
+    let reply_key = ct_key(backend, out.source(), proto);
+    let reply = ct_entry(node, &reply_key).expect("reply entry");
+    assert!(reply.flags & ct_flags::REPLY != 0);
+    assert_eq!(reply.src, words(frontend.ip()));
+    assert_eq!(reply.dst, words(client.ip()));
+
+    // A second packet of the flow takes the same translation from conntrack.
+    let (action, again) = run(node, program_names::TC_EXTERNAL, &frame, node.ext0);
+    assert_eq!(action, TC_ACT_REDIRECT);
+    assert_eq!(
+        (again.source(), again.destination()),
+        (out.source(), out.destination())
+    );
+
+    // The backend answers (on the pod side): reverse translation back to the client.
+    let answer = build(backend, out.source(), l4, b"pong");
+    let (action, back) = run(node, program_names::TC_REPLY, &answer, node.pod0);
+    assert_eq!(action, TC_ACT_REDIRECT, "{what}: reply action");
+    assert_eq!(back.source(), frontend, "{what}: reply source");
+    assert_eq!(back.destination(), client, "{what}: reply destination");
+    assert!(back.l4.ends_with(b"pong"));
+}
+
+#[test]
+fn node_port_translation_both_families_and_protocols() {
+    with_node(|node| {
+        program_services(node);
+        round_trip(
+            node,
+            sa(CLIENT, 40_000),
+            sa(NODE_IP, 30080),
+            sa(BACKEND, 8080),
+            L4::TcpSyn,
+            false,
+        );
+        round_trip(
+            node,
+            sa(CLIENT, 40_001),
+            sa(NODE_IP, 30053),
+            sa(BACKEND, 5353),
+            L4::Udp,
+            false,
+        );
+        round_trip(
+            node,
+            sa(CLIENT6, 40_002),
+            sa(NODE_IP6, 30080),
+            sa(BACKEND6, 8080),
+            L4::TcpSyn,
+            false,
+        );
+        round_trip(
+            node,
+            sa(CLIENT6, 40_003),
+            sa(NODE_IP6, 30053),
+            sa(BACKEND6, 5353),
+            L4::Udp,
+            false,
+        );
+    });
+}
+
+#[test]
+fn local_policy_keeps_the_client_address() {
+    with_node(|node| {
+        program_services(node);
+        round_trip(
+            node,
+            sa(CLIENT, 41_000),
+            sa(NODE_IP, 30081),
+            sa(BACKEND, 8080),
+            L4::TcpSyn,
+            true,
+        );
+    });
+}
+
+#[test]
+fn source_ranges_drop_before_nat() {
+    with_node(|node| {
+        program_services(node);
+        let frame = build(sa(CLIENT, 42_000), sa(LB_IP, 80), L4::TcpSyn, b"");
+        let out = node
+            .dataplane
+            .test_run_tc(program_names::TC_EXTERNAL, &frame, node.ext0)
+            .expect("test_run");
+        assert_eq!(out.action, TC_ACT_SHOT, "outside the source range");
+        assert_eq!(out.packet, frame, "a dropped packet is not rewritten");
+        assert!(
+            ct_entry(node, &ct_key(sa(CLIENT, 42_000), sa(LB_IP, 80), 6)).is_none(),
+            "no conntrack entry for a dropped packet"
+        );
+        // Inside the range: translated.
+        round_trip(
+            node,
+            sa("203.0.113.5", 42_001),
+            sa(LB_IP, 80),
+            sa(BACKEND, 8080),
+            L4::TcpSyn,
+            false,
+        );
+    });
+}
+
+#[test]
+fn no_endpoints_answers_port_unreachable() {
+    with_node(|node| {
+        program_services(node);
+        for (client, frontend, icmp_proto, type_code) in [
+            (sa(CLIENT, 43_000), sa(NODE_IP, 30083), PROTO_ICMP, [3u8, 3]),
+            (
+                sa(CLIENT6, 43_001),
+                sa(NODE_IP6, 30083),
+                PROTO_ICMPV6,
+                [1u8, 4],
+            ),
+        ] {
+            let frame = build(client, frontend, L4::TcpSyn, b"");
+            let (action, out) = run(node, program_names::TC_EXTERNAL, &frame, node.ext0);
+            assert_eq!(action, TC_ACT_REDIRECT, "sent back out of ext0");
+            assert_eq!(out.proto, icmp_proto);
+            assert_eq!(out.src, frontend.ip(), "from the address the client wanted");
+            assert_eq!(out.dst, client.ip());
+            assert_eq!(out.l4[..2], type_code, "port unreachable");
+            // Ethernet addresses swapped: back to the sender.
+            assert_eq!(out.eth_dst[..], frame[6..12]);
+            assert_eq!(out.eth_src[..], frame[0..6]);
+            // The quote: the original IP header and the first 8 bytes of TCP.
+            let ip_len = if client.is_ipv4() { 20 } else { 40 };
+            let quote = &frame[14..14 + ip_len + 8];
+            assert_eq!(&out.l4[8..], quote, "quoted original");
+        }
+    });
+}
