@@ -72,6 +72,11 @@ pub fn http_slice(namespace: &str, slice: &str, service: &str, endpoints: &[Endp
     )
 }
 
+/// Whether an answer came from one of the pods (not the decoy, not an error).
+pub fn is_pod(attempt: &Attempt) -> bool {
+    attempt.backend().is_some_and(|b| b.starts_with("pod"))
+}
+
 /// A ready endpoint for pod `i` on this node.
 pub fn pod_endpoint(i: usize) -> Endpoint {
     Endpoint {
@@ -167,6 +172,37 @@ impl Scenario {
             Some(mut agent) => agent.stop().map(drop),
             None => Ok(()),
         }
+    }
+
+    /// Writes `default/web` (ClusterIP [`CLUSTER_IP`]:80 → 8080) with pods `1..=pods` as its
+    /// ready endpoints.
+    pub fn write_web_service(&self, pods: usize) -> Result<()> {
+        self.manifests
+            .write("web-svc.yaml", &http_service("default", "web", CLUSTER_IP))?;
+        let endpoints: Vec<Endpoint> = (1..=pods).map(pod_endpoint).collect();
+        self.manifests.write(
+            "web-slice.yaml",
+            &http_slice("default", "web-1", "web", &endpoints),
+        )
+    }
+
+    /// Starts the agent in `mode` with `args` and waits until the ClusterIP is answered by a
+    /// pod; returns the client that mode translates: in eBPF mode a process in the cgroup (with
+    /// the tc programs on the node's external link only — the rig's pod veths carry addresses
+    /// auto-detection would also take), in iptables mode any process in the node namespace.
+    pub fn start_serving(&mut self, mode: &str, args: &[&str]) -> Result<Client> {
+        let mut all: Vec<&str> = args.to_vec();
+        if mode == "ebpf" {
+            all.extend(["--interfaces", "vext"]);
+        }
+        self.start_agent_with_args(mode, &all)?;
+        let client = if mode == "ebpf" {
+            self.cgroup_client()
+        } else {
+            self.outside_client()
+        };
+        self.wait_for_datapath_with(&client, cluster_addr(), "answered by a pod", is_pod)?;
+        Ok(client)
     }
 
     pub fn agent(&mut self) -> Result<&mut Agent> {

@@ -9,10 +9,7 @@
 
 use std::{os::unix::fs::PermissionsExt as _, path::PathBuf};
 
-use proxy_tests::{
-    client::Attempt,
-    scenario::{CLUSTER_IP, Scenario, cluster_addr, http_service, http_slice, pod_endpoint},
-};
+use proxy_tests::scenario::{Scenario, cluster_addr, is_pod};
 
 /// A script that runs the real agent with only `caps` in its bounding set.
 fn wrapper(
@@ -35,30 +32,8 @@ fn wrapper(
 
 fn serves(mode: &str) -> anyhow::Result<()> {
     let mut s = Scenario::new(2)?;
-    s.manifests
-        .write("web-svc.yaml", &http_service("default", "web", CLUSTER_IP))?;
-    s.manifests.write(
-        "web-slice.yaml",
-        &http_slice(
-            "default",
-            "web-1",
-            "web",
-            &[pod_endpoint(1), pod_endpoint(2)],
-        ),
-    )?;
-    let args: &[&str] = if mode == "ebpf" {
-        &["--interfaces", "vext"]
-    } else {
-        &[]
-    };
-    s.start_agent_with_args(mode, args)?;
-    let is_pod = |a: &Attempt| a.backend().is_some_and(|b| b.starts_with("pod"));
-    let client = if mode == "ebpf" {
-        s.cgroup_client()
-    } else {
-        s.outside_client()
-    };
-    s.wait_for_datapath_with(&client, cluster_addr(), "answered by a pod", is_pod)?;
+    s.write_web_service(2)?;
+    let client = s.start_serving(mode, &[])?;
     let attempts = client.run(cluster_addr(), 20)?;
     eprintln!(
         "[{mode}] with reduced capabilities: {:?}",

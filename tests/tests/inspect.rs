@@ -3,49 +3,14 @@
 
 use std::{path::Path, process::Command};
 
-use proxy_tests::{
-    agent::agent_binary,
-    client::Attempt,
-    scenario::{CLUSTER_IP, Scenario, http_service, http_slice, pod_endpoint},
-};
+use proxy_tests::{agent::agent_binary, scenario::Scenario};
 
 fn setup(mode: &str) -> anyhow::Result<Scenario> {
     proxy_tests::require_root();
     proxy_tests::set_helper_binary(env!("CARGO_BIN_EXE_rig-helper"));
     let mut s = Scenario::new(2)?;
-    s.manifests
-        .write("web-svc.yaml", &http_service("default", "web", CLUSTER_IP))?;
-    s.manifests.write(
-        "web-slice.yaml",
-        &http_slice(
-            "default",
-            "web-1",
-            "web",
-            &[pod_endpoint(1), pod_endpoint(2)],
-        ),
-    )?;
-    let args: &[&str] = if mode == "ebpf" {
-        &["--interfaces", "vext"]
-    } else {
-        &[]
-    };
-    s.start_agent_with_args(mode, args)?;
-    let is_pod = |a: &Attempt| a.backend().is_some_and(|b| b.starts_with("pod"));
-    let client = s.outside_client();
-    if mode == "ebpf" {
-        s.wait_for_datapath(
-            proxy_tests::scenario::cluster_addr(),
-            "answered by a pod",
-            is_pod,
-        )?;
-    } else {
-        s.wait_for_datapath_with(
-            &client,
-            proxy_tests::scenario::cluster_addr(),
-            "answered by a pod",
-            is_pod,
-        )?;
-    }
+    s.write_web_service(2)?;
+    s.start_serving(mode, &[])?;
     Ok(s)
 }
 

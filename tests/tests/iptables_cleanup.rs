@@ -3,11 +3,7 @@
 //! put there (a foreign rule in a built-in chain, a foreign chain, kubelet's KUBE-FIREWALL)
 //! survives. Needs root.
 
-use proxy_tests::{
-    client::Attempt,
-    netns::Netns,
-    scenario::{CLUSTER_IP, Scenario, cluster_addr, http_service, http_slice, pod_endpoint},
-};
+use proxy_tests::{netns::Netns, scenario::Scenario};
 
 /// `iptables-save` of both families without comments and packet counters (traffic changes
 /// them), in the node namespace. A table with nothing but built-in chains at policy ACCEPT is
@@ -106,21 +102,8 @@ fn cleanup_restores_the_tables_as_they_were() -> anyhow::Result<()> {
     foreign_rules(s.topo.node())?;
     let before = saved(s.topo.node())?;
 
-    s.manifests
-        .write("web-svc.yaml", &http_service("default", "web", CLUSTER_IP))?;
-    s.manifests.write(
-        "web-slice.yaml",
-        &http_slice(
-            "default",
-            "web-1",
-            "web",
-            &[pod_endpoint(1), pod_endpoint(2)],
-        ),
-    )?;
-    s.start_agent_in_mode("iptables")?;
-    let client = s.outside_client();
-    let is_pod = |a: &Attempt| a.backend().is_some_and(|b| b.starts_with("pod"));
-    s.wait_for_datapath_with(&client, cluster_addr(), "answered by a pod", is_pod)?;
+    s.write_web_service(2)?;
+    s.start_serving("iptables", &[])?;
     let during = saved(s.topo.node())?;
     let kube_lines = during.lines().filter(|l| l.contains("KUBE-SVC")).count();
     eprintln!(

@@ -61,28 +61,15 @@ fn client_ip_affinity_keeps_the_backend() -> anyhow::Result<()> {
 #[test]
 fn flushed_nat_table_is_restored() -> anyhow::Result<()> {
     use proxy_tests::{
-        client::{Attempt, tally},
-        scenario::{CLUSTER_IP, Scenario, cluster_addr, http_service, http_slice, pod_endpoint},
+        client::tally,
+        scenario::{Scenario, cluster_addr, is_pod},
         topology::DECOY_NAME,
     };
     init();
     proxy_tests::require_root();
-    let is_pod = |a: &Attempt| a.backend().is_some_and(|b| b.starts_with("pod"));
     let mut s = Scenario::new(2)?;
-    s.manifests
-        .write("web-svc.yaml", &http_service("default", "web", CLUSTER_IP))?;
-    s.manifests.write(
-        "web-slice.yaml",
-        &http_slice(
-            "default",
-            "web-1",
-            "web",
-            &[pod_endpoint(1), pod_endpoint(2)],
-        ),
-    )?;
-    s.start_agent_with_args(MODE, &["--iptables-sync-period", "2s"])?;
-    let client = s.outside_client();
-    s.wait_for_datapath_with(&client, cluster_addr(), "answered by a pod", is_pod)?;
+    s.write_web_service(2)?;
+    let client = s.start_serving(MODE, &["--iptables-sync-period", "2s"])?;
 
     let node = s.topo.node();
     node.exec("iptables", &["-w", "-t", "nat", "-F"])?;
