@@ -371,6 +371,45 @@ pub fn client_ip_affinity_keeps_the_backend(mode: &str) -> Result<()> {
     })
 }
 
+/// Two nodes: a NodePort on this node (eTP Cluster) forwards to the only endpoint, a pod on the
+/// second node; that pod sees this node's address (SNAT), so its reply comes back through here.
+pub fn node_port_to_a_pod_on_another_node(mode: &str) -> Result<()> {
+    let spec = ServiceSpec {
+        type_: "NodePort",
+        ..ServiceSpec::default()
+    };
+    let remote = Endpoint {
+        node_name: Some("other-node".into()),
+        ..Endpoint::ready(Topology::remote_pod_ip(1))
+    };
+    let mut s = setup(1, &spec, &[remote])?;
+    s.topo.add_remote_node(1, BACKEND_PORT)?;
+    start(&mut s, mode)?;
+    let client = s.external_client();
+    let is_remote = |a: &Attempt| a.backend() == Some("rpod1");
+    s.wait_for_datapath_with(
+        &client,
+        node_port_addr(),
+        "the remote pod answered",
+        is_remote,
+    )?;
+    let attempts = client.run(node_port_addr(), CONNECTIONS)?;
+    let counts = tally(&attempts);
+    eprintln!("[{mode}] NodePort on node A → pod on node B: {counts:?}");
+    s.ensure(attempts.iter().all(is_remote), || {
+        format!("every connection must reach rpod1 through node A: {counts:?}")
+    })?;
+    for attempt in &attempts {
+        if let Attempt::Ok { client: seen, .. } = attempt {
+            s.ensure(
+                seen.ip() != std::net::IpAddr::from(Topology::ext_ip()),
+                || format!("the remote pod saw the client {seen}: eTP=Cluster must SNAT"),
+            )?;
+        }
+    }
+    Ok(())
+}
+
 /// Node name used by local endpoints (for callers building their own slices).
 pub fn local_node() -> &'static str {
     HOSTNAME

@@ -51,6 +51,12 @@ fn source_ranges_admit_only_listed_clients() -> anyhow::Result<()> {
 }
 
 #[test]
+fn node_port_to_a_pod_on_another_node() -> anyhow::Result<()> {
+    init();
+    Ok(scenarios::node_port_to_a_pod_on_another_node(MODE)?)
+}
+
+#[test]
 fn client_ip_affinity_keeps_the_backend() -> anyhow::Result<()> {
     init();
     Ok(scenarios::client_ip_affinity_keeps_the_backend(MODE)?)
