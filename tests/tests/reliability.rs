@@ -93,6 +93,15 @@ fn cgroup_programs(cgroup: &Path) -> anyhow::Result<Vec<String>> {
         .collect())
 }
 
+/// What the external client gets for the ClusterIP: translated by the tc program on the
+/// node's external link while it is attached, the node's decoy once it is gone.
+fn from_outside(s: &Scenario) -> anyhow::Result<std::collections::BTreeMap<String, usize>> {
+    let client = s
+        .external_client()
+        .timeout(std::time::Duration::from_millis(700));
+    Ok(tally(&client.run(cluster_addr(), 10)?))
+}
+
 /// Entries of the agent's pin directory (`None`: the directory does not exist).
 fn pins(bpf_root: &Path) -> anyhow::Result<Option<Vec<String>>> {
     let dir = bpf_root.join(proxy_agent::dataplane::ebpf::PIN_DIR_NAME);
@@ -294,6 +303,15 @@ fn pins_are_root_only_and_cleanup_leaves_nothing_of_either_mode() -> anyhow::Res
     s.ensure(!cgroup_programs(s.cgroup.path())?.is_empty(), || {
         "no program attached to the cgroup while the agent runs".into()
     })?;
+    let tc_while_running = from_outside(&s)?;
+    s.ensure(
+        tc_while_running.keys().all(|k| k.starts_with("pod")),
+        || {
+            format!(
+                "the tc program must translate the ClusterIP from outside: {tc_while_running:?}"
+            )
+        },
+    )?;
 
     // eBPF mode: the stopped agent leaves its datapath; --cleanup removes pins and links.
     s.agent()?.stop()?;
@@ -301,6 +319,7 @@ fn pins_are_root_only_and_cleanup_leaves_nothing_of_either_mode() -> anyhow::Res
     s.ensure(status.success(), || format!("--cleanup exited {status}"))?;
     let residue_pins = pins(&bpf_root)?;
     let residue_programs = cgroup_programs(s.cgroup.path())?;
+    let residue_tc = from_outside(&s)?;
     let counts = tally(&s.cgroup_client().run(cluster_addr(), 10)?);
     eprintln!(
         "eBPF mode, after --cleanup: pin dir {residue_pins:?}, cgroup programs {}, answers \
@@ -313,6 +332,13 @@ fn pins_are_root_only_and_cleanup_leaves_nothing_of_either_mode() -> anyhow::Res
     s.ensure(residue_programs.is_empty(), || {
         format!("programs still attached: {residue_programs:?}")
     })?;
+    eprintln!(
+        "from outside (tc): {tc_while_running:?} while running, {residue_tc:?} after --cleanup"
+    );
+    s.ensure(
+        residue_tc.keys().map(String::as_str).eq(["untranslated"]),
+        || format!("after --cleanup no tc program may translate any more: {residue_tc:?}"),
+    )?;
     s.ensure(
         counts.keys().map(String::as_str).eq(["untranslated"]),
         || format!("after cleanup the decoy must answer: {counts:?}"),
