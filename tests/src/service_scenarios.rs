@@ -424,3 +424,30 @@ pub fn decoy() -> &'static str {
 pub fn named(name: &str, result: Result<()>) -> Result<()> {
     result.map_err(|e| RigError::Other(format!("scenario {name}: {e}")))
 }
+
+/// Expands to one `#[test]` per scenario of the table, run with `--proxy-mode $mode`, so each
+/// mode's test file is one line and the table cannot drift between modes.
+#[macro_export]
+macro_rules! service_scenario_tests {
+    ($mode:literal: $($scenario:ident),+ $(,)?) => {
+        $(
+            #[test]
+            fn $scenario() -> anyhow::Result<()> {
+                $crate::set_helper_binary(env!("CARGO_BIN_EXE_rig-helper"));
+                Ok($crate::service_scenarios::$scenario($mode)?)
+            }
+        )+
+    };
+    ($mode:literal) => {
+        $crate::service_scenario_tests!($mode:
+            node_port_cluster_policy,
+            node_port_local_policy_preserves_the_client,
+            node_port_local_policy_without_local_endpoints_drops,
+            node_port_without_endpoints_is_refused,
+            external_ip_and_load_balancer_ip_reach_pods,
+            source_ranges_admit_only_listed_clients,
+            node_port_to_a_pod_on_another_node,
+            client_ip_affinity_keeps_the_backend,
+        );
+    };
+}
