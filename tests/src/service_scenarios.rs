@@ -410,6 +410,35 @@ pub fn node_port_to_a_pod_on_another_node(mode: &str) -> Result<()> {
     Ok(())
 }
 
+/// `sessionAffinity: ClientIP` for an external client: every connection through the NodePort
+/// reaches the same backend.
+pub fn node_port_client_ip_affinity(mode: &str) -> Result<()> {
+    let spec = ServiceSpec {
+        type_: "NodePort",
+        affinity_timeout: Some(60),
+        ..ServiceSpec::default()
+    };
+    let mut s = setup(
+        3,
+        &spec,
+        &[pod_endpoint(1), pod_endpoint(2), pod_endpoint(3)],
+    )?;
+    start(&mut s, mode)?;
+    let client = s.external_client();
+    s.wait_for_datapath_with(
+        &client,
+        node_port_addr(),
+        "NodePort answered by a pod",
+        is_pod,
+    )?;
+    let attempts = client.run(node_port_addr(), CONNECTIONS)?;
+    let counts = tally(&attempts);
+    eprintln!("[{mode}] NodePort with ClientIP affinity from outside: {counts:?}");
+    s.ensure(counts.len() == 1 && attempts.iter().all(is_pod), || {
+        format!("one backend must answer every connection of the client: {counts:?}")
+    })
+}
+
 /// Node name used by local endpoints (for callers building their own slices).
 pub fn local_node() -> &'static str {
     HOSTNAME
@@ -448,6 +477,7 @@ macro_rules! service_scenario_tests {
             source_ranges_admit_only_listed_clients,
             node_port_to_a_pod_on_another_node,
             client_ip_affinity_keeps_the_backend,
+            node_port_client_ip_affinity,
         );
     };
 }
