@@ -105,18 +105,7 @@ pub fn test() -> Result<()> {
     step("clippy: eBPF programs");
     run_cmd(nightly_ebpf_cargo("clippy").args(["--", "-D", "warnings"]))?;
     step("build: proxy-agent and test helpers");
-    run_cmd(
-        cargo()
-            .args([
-                "build",
-                "--package",
-                "proxy-agent",
-                "--package",
-                "proxy-tests",
-                "--bins",
-            ])
-            .env("PROXY_EBPF_OBJECT", &object),
-    )?;
+    build_binaries(&object, false)?;
     if !is_root() {
         println!(
             "  warning: not root — the integration tests will fail (they need namespaces, cgroups and BPF)"
@@ -189,18 +178,7 @@ fn count_before(result: &str, label: &str) -> u64 {
 pub fn demo() -> Result<()> {
     let object = ebpf_object();
     step("build: proxy-agent and the demo");
-    run_cmd(
-        cargo()
-            .args([
-                "build",
-                "--package",
-                "proxy-agent",
-                "--package",
-                "proxy-tests",
-                "--bins",
-            ])
-            .env("PROXY_EBPF_OBJECT", &object),
-    )?;
+    build_binaries(&object, false)?;
     if !is_root() {
         bail!("the demo needs root (network namespaces, cgroups, BPF)");
     }
@@ -257,19 +235,7 @@ pub fn fuzz(seconds: u32, targets: &[String]) -> Result<()> {
 pub fn bench(quick: bool) -> Result<()> {
     let object = ebpf_object();
     step("build: proxy-agent and the benchmark (release)");
-    run_cmd(
-        cargo()
-            .args([
-                "build",
-                "--release",
-                "--package",
-                "proxy-agent",
-                "--package",
-                "proxy-tests",
-                "--bins",
-            ])
-            .env("PROXY_EBPF_OBJECT", &object),
-    )?;
+    build_binaries(&object, true)?;
     if !is_root() {
         bail!("the benchmarks need root (network namespaces, cgroups, BPF)");
     }
@@ -289,6 +255,27 @@ pub fn bench(quick: bool) -> Result<()> {
         command.arg("--quick");
     }
     run_cmd(&mut command)
+}
+
+/// Builds the agent and the test rig's binaries (rig-helper, demo, bench) with the embedded
+/// eBPF object.
+fn build_binaries(object: &Path, release: bool) -> Result<()> {
+    let mut command = cargo();
+    command.arg("build");
+    if release {
+        command.arg("--release");
+    }
+    run_cmd(
+        command
+            .args([
+                "--package",
+                "proxy-agent",
+                "--package",
+                "proxy-tests",
+                "--bins",
+            ])
+            .env("PROXY_EBPF_OBJECT", object),
+    )
 }
 
 fn is_root() -> bool {
