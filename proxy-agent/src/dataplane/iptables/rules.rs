@@ -90,6 +90,37 @@ impl Lines {
         self.buf.put_u8(b'\n');
     }
 
+    /// `-A CHAIN -m comment --comment C -m P -p P -d DEST --dport PORT -j TARGET`: the shape of
+    /// every per-address service rule in KUBE-SERVICES / KUBE-EXTERNAL-SERVICES.
+    fn write_service_match(
+        &mut self,
+        chain: &str,
+        comment: &str,
+        proto: &str,
+        dest: &str,
+        port: &str,
+        target: &str,
+    ) {
+        self.write(&[
+            "-A",
+            chain,
+            "-m",
+            "comment",
+            "--comment",
+            comment,
+            "-m",
+            proto,
+            "-p",
+            proto,
+            "-d",
+            dest,
+            "--dport",
+            port,
+            "-j",
+            target,
+        ]);
+    }
+
     fn chain(&mut self, chain: &str) {
         self.write(&[&chain_line(chain)]);
     }
@@ -438,43 +469,23 @@ fn write_service_port(
     // ClusterIP.
     if has_internal {
         let comment = format!("\"{name} cluster IP\"");
-        t.nat_rules.write(&[
-            "-A",
+        t.nat_rules.write_service_match(
             KUBE_SERVICES,
-            "-m",
-            "comment",
-            "--comment",
             &comment,
-            "-m",
             proto,
-            "-p",
-            proto,
-            "-d",
             &cluster_ip,
-            "--dport",
             &svc_port,
-            "-j",
             internal_chain,
-        ]);
+        );
     } else if let Some((target, comment)) = &internal_filter {
-        t.filter_rules.write(&[
-            "-A",
+        t.filter_rules.write_service_match(
             KUBE_SERVICES,
-            "-m",
-            "comment",
-            "--comment",
             comment,
-            "-m",
             proto,
-            "-p",
-            proto,
-            "-d",
             &cluster_ip,
-            "--dport",
             &svc_port,
-            "-j",
             target,
-        ]);
+        );
     }
 
     // External IPs.
@@ -482,44 +493,24 @@ fn write_service_port(
         let ip = ip.to_string();
         if has_endpoints {
             let comment = format!("\"{name} external IP\"");
-            t.nat_rules.write(&[
-                "-A",
+            t.nat_rules.write_service_match(
                 KUBE_SERVICES,
-                "-m",
-                "comment",
-                "--comment",
                 &comment,
-                "-m",
                 proto,
-                "-p",
-                proto,
-                "-d",
                 &ip,
-                "--dport",
                 &svc_port,
-                "-j",
                 external_chain,
-            ]);
+            );
         }
         if let Some((target, comment)) = &external_filter {
-            t.filter_rules.write(&[
-                "-A",
+            t.filter_rules.write_service_match(
                 KUBE_EXTERNAL_SERVICES,
-                "-m",
-                "comment",
-                "--comment",
                 comment,
-                "-m",
                 proto,
-                "-p",
-                proto,
-                "-d",
                 &ip,
-                "--dport",
                 &svc_port,
-                "-j",
                 target,
-            ]);
+            );
         }
     }
 
@@ -528,68 +519,38 @@ fn write_service_port(
         let ip = ip.to_string();
         if has_endpoints {
             let comment = format!("\"{name} loadbalancer IP\"");
-            t.nat_rules.write(&[
-                "-A",
+            t.nat_rules.write_service_match(
                 KUBE_SERVICES,
-                "-m",
-                "comment",
-                "--comment",
                 &comment,
-                "-m",
                 proto,
-                "-p",
-                proto,
-                "-d",
                 &ip,
-                "--dport",
                 &svc_port,
-                "-j",
                 load_balancer_chain,
-            ]);
+            );
         }
         if uses_fw_chain {
             let comment = format!("\"{name} traffic not accepted by {}\"", chains.firewall);
-            t.filter_rules.write(&[
-                "-A",
+            t.filter_rules.write_service_match(
                 KUBE_PROXY_FIREWALL,
-                "-m",
-                "comment",
-                "--comment",
                 &comment,
-                "-m",
                 proto,
-                "-p",
-                proto,
-                "-d",
                 &ip,
-                "--dport",
                 &svc_port,
-                "-j",
                 "DROP",
-            ]);
+            );
         }
     }
     if let Some((target, comment)) = &external_filter {
         for ip in &port.load_balancer_ips {
             let ip = ip.to_string();
-            t.filter_rules.write(&[
-                "-A",
+            t.filter_rules.write_service_match(
                 KUBE_EXTERNAL_SERVICES,
-                "-m",
-                "comment",
-                "--comment",
                 comment,
-                "-m",
                 proto,
-                "-p",
-                proto,
-                "-d",
                 &ip,
-                "--dport",
                 &svc_port,
-                "-j",
                 target,
-            ]);
+            );
         }
     }
 
