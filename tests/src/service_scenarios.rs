@@ -15,7 +15,7 @@ use crate::{
     manifests::Endpoint,
     scenario::{
         BACKEND_PORT, CLUSTER_IP, HOSTNAME, PORT_NAME, SERVICE_PORT, Scenario, cluster_addr,
-        http_slice, pod_endpoint,
+        http_slice, is_pod, pod_endpoint,
     },
     topology::{DECOY_NAME, Topology},
 };
@@ -117,8 +117,38 @@ fn node_port_addr() -> SocketAddr {
     SocketAddrV4::new(Topology::node_ext_ip(), NODE_PORT).into()
 }
 
-fn is_pod(a: &Attempt) -> bool {
-    a.backend().is_some_and(|b| b.starts_with("pod"))
+/// Waits (bounded) until `target` answers from outside as `ready` says, then makes
+/// [`CONNECTIONS`] connections from the external client; prints and returns them with their tally.
+fn from_outside(
+    s: &mut Scenario,
+    target: SocketAddr,
+    label: &str,
+    ready: impl Fn(&Attempt) -> bool,
+) -> Result<(Vec<Attempt>, BTreeMap<String, usize>)> {
+    let client = s.external_client();
+    s.wait_for_datapath_with(&client, target, label, ready)?;
+    let attempts = client.run(target, CONNECTIONS)?;
+    let counts = tally(&attempts);
+    eprintln!("{label}: {counts:?}");
+    Ok((attempts, counts))
+}
+
+/// With `externalTrafficPolicy: Cluster` the backend must see the node, not the client.
+fn ensure_snat(s: &Scenario, attempts: &[Attempt]) -> Result<()> {
+    for attempt in attempts {
+        if let Attempt::Ok {
+            client: seen,
+            backend,
+            ..
+        } = attempt
+        {
+            s.ensure(
+                seen.ip() != std::net::IpAddr::from(Topology::ext_ip()),
+                || format!("{backend} saw the client address {seen}: eTP=Cluster must SNAT"),
+            )?;
+        }
+    }
+    Ok(())
 }
 
 fn pods_of(counts: &BTreeMap<String, usize>) -> Vec<&str> {
@@ -142,34 +172,17 @@ pub fn node_port_cluster_policy(mode: &str) -> Result<()> {
         &[pod_endpoint(1), pod_endpoint(2), pod_endpoint(3)],
     )?;
     start(&mut s, mode)?;
-    let client = s.external_client();
-    s.wait_for_datapath_with(
-        &client,
+    let (attempts, counts) = from_outside(
+        &mut s,
         node_port_addr(),
-        "NodePort answered by a pod",
+        &format!("[{mode}] NodePort eTP=Cluster from outside"),
         is_pod,
     )?;
-    let attempts = client.run(node_port_addr(), CONNECTIONS)?;
-    let counts = tally(&attempts);
-    eprintln!("[{mode}] NodePort eTP=Cluster from outside: {counts:?}");
     s.ensure(
         pods_of(&counts).len() == 3 && attempts.iter().all(is_pod),
         || format!("all three pods must answer every connection: {counts:?}"),
     )?;
-    for attempt in &attempts {
-        if let Attempt::Ok {
-            client: seen,
-            backend,
-            ..
-        } = attempt
-        {
-            s.ensure(
-                seen.ip() != std::net::IpAddr::from(Topology::ext_ip()),
-                || format!("{backend} saw the client address {seen}: eTP=Cluster must SNAT"),
-            )?;
-        }
-    }
-    Ok(())
+    ensure_snat(&s, &attempts)
 }
 
 /// NodePort with `externalTrafficPolicy: Local`: local endpoints only, and the pod sees the real
@@ -186,16 +199,12 @@ pub fn node_port_local_policy_preserves_the_client(mode: &str) -> Result<()> {
     };
     let mut s = setup(3, &spec, &[pod_endpoint(1), pod_endpoint(2), remote])?;
     start(&mut s, mode)?;
-    let client = s.external_client();
-    s.wait_for_datapath_with(
-        &client,
+    let (attempts, counts) = from_outside(
+        &mut s,
         node_port_addr(),
-        "NodePort answered by a pod",
+        &format!("[{mode}] NodePort eTP=Local from outside"),
         is_pod,
     )?;
-    let attempts = client.run(node_port_addr(), CONNECTIONS)?;
-    let counts = tally(&attempts);
-    eprintln!("[{mode}] NodePort eTP=Local from outside: {counts:?}");
     s.ensure(
         attempts.iter().all(is_pod) && !counts.contains_key("pod3"),
         || format!("only the local pods may answer: {counts:?}"),
@@ -290,13 +299,10 @@ pub fn external_ip_and_load_balancer_ip_reach_pods(mode: &str) -> Result<()> {
         &Topology::node_ext_ip().to_string(),
     ])?;
     start(&mut s, mode)?;
-    let client = s.external_client();
     for (name, addr) in [("externalIP", VIP), ("LB VIP", lb)] {
         let target = SocketAddr::from(SocketAddrV4::new(addr, SERVICE_PORT));
-        s.wait_for_datapath_with(&client, target, "answered by a pod", is_pod)?;
-        let attempts = client.run(target, CONNECTIONS)?;
-        let counts = tally(&attempts);
-        eprintln!("[{mode}] {name} {target} from outside: {counts:?}");
+        let label = format!("[{mode}] {name} {target} from outside");
+        let (attempts, counts) = from_outside(&mut s, target, &label, is_pod)?;
         s.ensure(
             attempts.iter().all(is_pod) && pods_of(&counts).len() == 2,
             || format!("{name}: both pods must answer every connection: {counts:?}"),
@@ -385,29 +391,17 @@ pub fn node_port_to_a_pod_on_another_node(mode: &str) -> Result<()> {
     let mut s = setup(1, &spec, &[remote])?;
     s.topo.add_remote_node(1, BACKEND_PORT)?;
     start(&mut s, mode)?;
-    let client = s.external_client();
     let is_remote = |a: &Attempt| a.backend() == Some("rpod1");
-    s.wait_for_datapath_with(
-        &client,
+    let (attempts, counts) = from_outside(
+        &mut s,
         node_port_addr(),
-        "the remote pod answered",
+        &format!("[{mode}] NodePort on node A → pod on node B"),
         is_remote,
     )?;
-    let attempts = client.run(node_port_addr(), CONNECTIONS)?;
-    let counts = tally(&attempts);
-    eprintln!("[{mode}] NodePort on node A → pod on node B: {counts:?}");
     s.ensure(attempts.iter().all(is_remote), || {
         format!("every connection must reach rpod1 through node A: {counts:?}")
     })?;
-    for attempt in &attempts {
-        if let Attempt::Ok { client: seen, .. } = attempt {
-            s.ensure(
-                seen.ip() != std::net::IpAddr::from(Topology::ext_ip()),
-                || format!("the remote pod saw the client {seen}: eTP=Cluster must SNAT"),
-            )?;
-        }
-    }
-    Ok(())
+    ensure_snat(&s, &attempts)
 }
 
 /// `sessionAffinity: ClientIP` for an external client: every connection through the NodePort
@@ -424,16 +418,12 @@ pub fn node_port_client_ip_affinity(mode: &str) -> Result<()> {
         &[pod_endpoint(1), pod_endpoint(2), pod_endpoint(3)],
     )?;
     start(&mut s, mode)?;
-    let client = s.external_client();
-    s.wait_for_datapath_with(
-        &client,
+    let (attempts, counts) = from_outside(
+        &mut s,
         node_port_addr(),
-        "NodePort answered by a pod",
+        &format!("[{mode}] NodePort with ClientIP affinity from outside"),
         is_pod,
     )?;
-    let attempts = client.run(node_port_addr(), CONNECTIONS)?;
-    let counts = tally(&attempts);
-    eprintln!("[{mode}] NodePort with ClientIP affinity from outside: {counts:?}");
     s.ensure(counts.len() == 1 && attempts.iter().all(is_pod), || {
         format!("one backend must answer every connection of the client: {counts:?}")
     })
