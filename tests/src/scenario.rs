@@ -177,12 +177,17 @@ impl Scenario {
     /// Writes `default/web` (ClusterIP [`CLUSTER_IP`]:80 → 8080) with pods `1..=pods` as its
     /// ready endpoints.
     pub fn write_web_service(&self, pods: usize) -> Result<()> {
+        let endpoints: Vec<Endpoint> = (1..=pods).map(pod_endpoint).collect();
+        self.write_web(&endpoints)
+    }
+
+    /// Writes `default/web` (ClusterIP [`CLUSTER_IP`]:80 → 8080) with the given endpoints.
+    pub fn write_web(&self, endpoints: &[Endpoint]) -> Result<()> {
         self.manifests
             .write("web-svc.yaml", &http_service("default", "web", CLUSTER_IP))?;
-        let endpoints: Vec<Endpoint> = (1..=pods).map(pod_endpoint).collect();
         self.manifests.write(
             "web-slice.yaml",
-            &http_slice("default", "web-1", "web", &endpoints),
+            &http_slice("default", "web-1", "web", endpoints),
         )
     }
 

@@ -11,9 +11,9 @@ use std::process::Command;
 use std::thread;
 use std::time::{Duration, Instant};
 
-use proxy_tests::client::{Attempt, tally};
+use proxy_tests::client::tally;
 use proxy_tests::scenario::{
-    CLUSTER_IP, Scenario, cluster_addr, http_service, http_slice, pod_endpoint,
+    CLUSTER_IP, Scenario, cluster_addr, http_service, http_slice, is_pod, pod_endpoint,
 };
 
 /// One malformed input and what the agent must say about it.
@@ -281,10 +281,6 @@ fn write_bytes(dir: &Path, file: &str, content: &[u8]) -> anyhow::Result<()> {
     std::fs::write(&tmp, content)?;
     std::fs::rename(&tmp, dir.join(file))?;
     Ok(())
-}
-
-fn is_pod(a: &Attempt) -> bool {
-    a.backend().is_some_and(|b| b.starts_with("pod"))
 }
 
 #[test]

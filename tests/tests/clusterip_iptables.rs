@@ -10,34 +10,17 @@ use anyhow::Context;
 use proxy_tests::client::{Attempt, tally};
 use proxy_tests::manifests::Endpoint;
 use proxy_tests::scenario::{
-    CLUSTER_IP, SERVICE_PORT, Scenario, cluster_addr, http_service, http_slice, pod_endpoint,
+    CLUSTER_IP, SERVICE_PORT, Scenario, cluster_addr, http_service, is_pod, pod_endpoint,
 };
 use proxy_tests::topology::Topology;
 
 const NAMESPACE: &str = "default";
-const SERVICE: &str = "web";
 const CONNECTIONS: u32 = 60;
 
 fn setup(pods: usize) -> anyhow::Result<Scenario> {
     proxy_tests::require_root();
     proxy_tests::set_helper_binary(env!("CARGO_BIN_EXE_rig-helper"));
     Ok(Scenario::new(pods)?)
-}
-
-fn write_web(s: &Scenario, endpoints: &[Endpoint]) -> anyhow::Result<()> {
-    s.manifests.write(
-        "web-svc.yaml",
-        &http_service(NAMESPACE, SERVICE, CLUSTER_IP),
-    )?;
-    s.manifests.write(
-        "web-slice.yaml",
-        &http_slice(NAMESPACE, "web-1", SERVICE, endpoints),
-    )?;
-    Ok(())
-}
-
-fn is_pod(a: &Attempt) -> bool {
-    a.backend().is_some_and(|b| b.starts_with("pod"))
 }
 
 /// Whether the host's (not the test namespace's) mangle table has our canary chain.
@@ -67,7 +50,7 @@ fn iptables_clusterip_reaches_only_ready_endpoints() -> anyhow::Result<()> {
         node_name: pod_endpoint(3).node_name,
         ..Endpoint::not_ready(Topology::pod_ip(3))
     };
-    write_web(&s, &[pod_endpoint(1), pod_endpoint(2), not_ready])?;
+    s.write_web(&[pod_endpoint(1), pod_endpoint(2), not_ready])?;
     s.start_agent_in_mode("iptables")?;
     let first = s.wait_for_datapath(cluster_addr(), "answered by a pod", is_pod)?;
     eprintln!("datapath ready, first answer: {first:?}");
@@ -99,7 +82,7 @@ fn iptables_clusterip_reaches_only_ready_endpoints() -> anyhow::Result<()> {
     )?;
 
     // Removing pod2 rewrites the service chains (a partial sync) and deletes pod2's SEP chain.
-    write_web(&s, &[pod_endpoint(1)])?;
+    s.write_web(&[pod_endpoint(1)])?;
     let start = std::time::Instant::now();
     loop {
         let attempts = s.outside_client().run(cluster_addr(), 20)?;
@@ -138,7 +121,7 @@ fn iptables_service_without_endpoints_is_rejected() -> anyhow::Result<()> {
     let lonely_ip = Ipv4Addr::new(10, 96, 0, 11);
     let lonely: SocketAddr = SocketAddrV4::new(lonely_ip, SERVICE_PORT).into();
     s.topo.add_decoy(lonely_ip, SERVICE_PORT)?;
-    write_web(&s, &[])?;
+    s.write_web(&[])?;
     s.manifests.write(
         "lonely-svc.yaml",
         &http_service(NAMESPACE, "lonely", lonely_ip),

@@ -16,7 +16,7 @@ use proxy_tests::manifests::{
 };
 use proxy_tests::scenario::{
     BACKEND_PORT, CLUSTER_IP, CLUSTER_IP6, SERVICE_PORT, Scenario, cluster_addr, cluster_addr6,
-    pod_endpoint_family,
+    is_pod, pod_endpoint_family,
 };
 use proxy_tests::topology::Topology;
 
@@ -85,10 +85,6 @@ fn write_service(
         &service_yaml_with(NAMESPACE, SERVICE, &ips, &service_ports, affinity),
     )?;
     Ok(())
-}
-
-fn is_pod(a: &Attempt) -> bool {
-    a.backend().is_some_and(|b| b.starts_with("pod"))
 }
 
 fn pod_index(backend: &str) -> anyhow::Result<usize> {

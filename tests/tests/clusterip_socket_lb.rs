@@ -10,34 +10,17 @@ use anyhow::Context;
 use proxy_tests::client::{Attempt, tally};
 use proxy_tests::manifests::Endpoint;
 use proxy_tests::scenario::{
-    CLUSTER_IP, SERVICE_PORT, Scenario, cluster_addr, http_service, http_slice, pod_endpoint,
+    SERVICE_PORT, Scenario, cluster_addr, http_service, is_pod, pod_endpoint,
 };
 use proxy_tests::topology::{DECOY_NAME, Topology};
 
 const NAMESPACE: &str = "default";
-const SERVICE: &str = "web";
 const CONNECTIONS: u32 = 60;
 
 fn setup(pods: usize) -> anyhow::Result<Scenario> {
     proxy_tests::require_root();
     proxy_tests::set_helper_binary(env!("CARGO_BIN_EXE_rig-helper"));
     Ok(Scenario::new(pods)?)
-}
-
-fn write_web(s: &Scenario, endpoints: &[Endpoint]) -> anyhow::Result<()> {
-    s.manifests.write(
-        "web-svc.yaml",
-        &http_service(NAMESPACE, SERVICE, CLUSTER_IP),
-    )?;
-    s.manifests.write(
-        "web-slice.yaml",
-        &http_slice(NAMESPACE, "web-1", SERVICE, endpoints),
-    )?;
-    Ok(())
-}
-
-fn is_pod(a: &Attempt) -> bool {
-    a.backend().is_some_and(|b| b.starts_with("pod"))
 }
 
 /// Starts the agent and waits until the ClusterIP is answered by a pod.
@@ -66,7 +49,7 @@ fn clusterip_tcp_reaches_only_ready_endpoints() -> anyhow::Result<()> {
         node_name: pod_endpoint(3).node_name,
         ..Endpoint::not_ready(Topology::pod_ip(3))
     };
-    write_web(&s, &[pod_endpoint(1), pod_endpoint(2), not_ready])?;
+    s.write_web(&[pod_endpoint(1), pod_endpoint(2), not_ready])?;
     start_and_wait_for_pods(&mut s)?;
 
     let (attempts, counts) = connect_many(&s, "pod1+pod2 ready, pod3 not ready")?;
@@ -109,7 +92,7 @@ fn clusterip_tcp_reaches_only_ready_endpoints() -> anyhow::Result<()> {
 #[test]
 fn removed_endpoint_gets_no_new_connections() -> anyhow::Result<()> {
     let mut s = setup(3)?;
-    write_web(&s, &[pod_endpoint(1), pod_endpoint(2), pod_endpoint(3)])?;
+    s.write_web(&[pod_endpoint(1), pod_endpoint(2), pod_endpoint(3)])?;
     start_and_wait_for_pods(&mut s)?;
 
     let (_, before) = connect_many(&s, "before removing pod2")?;
@@ -121,7 +104,7 @@ fn removed_endpoint_gets_no_new_connections() -> anyhow::Result<()> {
         || format!("expected exactly pod1..pod3 before the update: {before:?}"),
     )?;
 
-    write_web(&s, &[pod_endpoint(1), pod_endpoint(3)])?;
+    s.write_web(&[pod_endpoint(1), pod_endpoint(3)])?;
     std::thread::sleep(std::time::Duration::from_secs(1));
 
     let (_, after) = connect_many(&s, "after removing pod2")?;
@@ -139,7 +122,7 @@ fn service_without_endpoints_refuses_connections() -> anyhow::Result<()> {
     let lonely_ip = Ipv4Addr::new(10, 96, 0, 11);
     let lonely: SocketAddr = SocketAddrV4::new(lonely_ip, SERVICE_PORT).into();
     s.topo.add_decoy(lonely_ip, SERVICE_PORT)?;
-    write_web(&s, &[])?;
+    s.write_web(&[])?;
     s.manifests.write(
         "lonely-svc.yaml",
         &http_service(NAMESPACE, "lonely", lonely_ip),
@@ -162,7 +145,7 @@ fn service_without_endpoints_refuses_connections() -> anyhow::Result<()> {
 #[test]
 fn process_outside_cgroup_is_not_translated() -> anyhow::Result<()> {
     let mut s = setup(2)?;
-    write_web(&s, &[pod_endpoint(1), pod_endpoint(2)])?;
+    s.write_web(&[pod_endpoint(1), pod_endpoint(2)])?;
     start_and_wait_for_pods(&mut s)?;
 
     let outside = s.outside_client().run(cluster_addr(), 20)?;
@@ -183,7 +166,7 @@ fn process_outside_cgroup_is_not_translated() -> anyhow::Result<()> {
 #[test]
 fn agent_sigint_leaves_translation_and_cleanup_removes_it() -> anyhow::Result<()> {
     let mut s = setup(2)?;
-    write_web(&s, &[pod_endpoint(1), pod_endpoint(2)])?;
+    s.write_web(&[pod_endpoint(1), pod_endpoint(2)])?;
     start_and_wait_for_pods(&mut s)?;
 
     let status = s.agent()?.stop()?;

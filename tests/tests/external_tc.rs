@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use proxy_tests::client::{Attempt, Client, tally};
 use proxy_tests::manifests::{Endpoint, Protocol, SlicePort, endpoint_slice_yaml};
 use proxy_tests::scenario::{
-    BACKEND_PORT, DATAPATH_TIMEOUT, Scenario, http_slice, pod_endpoint, pod_endpoint_family,
+    BACKEND_PORT, DATAPATH_TIMEOUT, Scenario, http_slice, is_pod, pod_endpoint, pod_endpoint_family,
 };
 use proxy_tests::topology::Topology;
 
@@ -74,10 +74,6 @@ fn ext_client() -> impl Fn(&Scenario) -> Client {
 
 fn node_port_addr() -> SocketAddr {
     SocketAddr::new(IpAddr::V4(Topology::node_ext_ip()), NODE_PORT)
-}
-
-fn is_pod(a: &Attempt) -> bool {
-    a.backend().is_some_and(|b| b.starts_with("pod"))
 }
 
 fn start(s: &mut Scenario) -> anyhow::Result<()> {

@@ -16,7 +16,7 @@ use proxy_tests::apiserver::{ApiServer, Break, Resource};
 use proxy_tests::client::{Attempt, Client, tally};
 use proxy_tests::manifests::Endpoint;
 use proxy_tests::scenario::{
-    CLUSTER_IP, HOSTNAME, SERVICE_PORT, Scenario, cluster_addr, http_service, http_slice,
+    CLUSTER_IP, HOSTNAME, SERVICE_PORT, Scenario, cluster_addr, http_service, http_slice, is_pod,
     pod_endpoint,
 };
 use proxy_tests::topology::DECOY_NAME;
@@ -85,10 +85,6 @@ fn print_source_log(s: &mut Scenario) -> anyhow::Result<()> {
         }
     }
     Ok(())
-}
-
-fn is_pod(a: &Attempt) -> bool {
-    a.backend().is_some_and(|b| b.starts_with("pod"))
 }
 
 /// `CONNECTIONS` attempts from the cgroup; prints the tally and returns the set of answers.

@@ -15,7 +15,8 @@ use std::time::{Duration, Instant};
 use anyhow::Context as _;
 use proxy_tests::client::{Attempt, tally};
 use proxy_tests::scenario::{
-    CLUSTER_IP, SERVICE_PORT, Scenario, cluster_addr, http_service, http_slice, pod_endpoint,
+    CLUSTER_IP, SERVICE_PORT, Scenario, cluster_addr, http_service, http_slice, is_pod,
+    pod_endpoint,
 };
 
 const NAMESPACE: &str = "default";
@@ -24,10 +25,6 @@ fn setup(pods: usize) -> anyhow::Result<Scenario> {
     proxy_tests::require_root();
     proxy_tests::set_helper_binary(env!("CARGO_BIN_EXE_rig-helper"));
     Ok(Scenario::new(pods)?)
-}
-
-fn is_pod(a: &Attempt) -> bool {
-    a.backend().is_some_and(|b| b.starts_with("pod"))
 }
 
 /// Writes Service `name` on `ip` with the given pods as endpoints (slice first).
