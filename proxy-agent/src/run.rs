@@ -186,18 +186,20 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
                 }
                 let changed = (!all_services).then_some(&update.changed);
                 let ok = dataplane.apply(&snapshot, changed, reason, node_services.metrics());
-                if ok {
-                    let full = all_services || reason == SyncReason::Periodic;
-                    report_sync(&node_services, store.objects(), &changes, &snapshot,
-                        update_started.elapsed(), full, last_sync_wall);
-                    last_sync_wall = started_wall;
-                }
+                // Read before the sync is reported, so a scrape that sees the first sync's
+                // samples also sees the datapath counters.
                 if let (Some(ebpf), Dataplane::Ebpf(dataplane)) =
                     (node_services.metrics().ebpf(), &dataplane)
                 {
                     let counters: Vec<(&'static str, u64)> =
                         dataplane.stats().into_iter().map(|(c, v)| (c.name(), v)).collect();
                     ebpf.datapath_counters(&counters);
+                }
+                if ok {
+                    let full = all_services || reason == SyncReason::Periodic;
+                    report_sync(&node_services, store.objects(), &changes, &snapshot,
+                        update_started.elapsed(), full, last_sync_wall);
+                    last_sync_wall = started_wall;
                 }
                 if ok && !other_mode_removed {
                     dataplane.remove_other_mode(&config);
