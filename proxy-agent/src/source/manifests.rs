@@ -5,7 +5,7 @@
 //! every valid document in the folder is still used.
 
 use std::{
-    collections::{BTreeMap, btree_map::Entry},
+    collections::{BTreeMap, BTreeSet, btree_map::Entry},
     path::{Path, PathBuf},
     sync::Arc,
     time::Duration,
@@ -660,46 +660,56 @@ fn check_slices_have_services(loaded: &mut Loaded, origins: &Origins) {
 /// filesystems where inotify misses events.
 const RESCAN_INTERVAL: Duration = Duration::from_secs(10);
 
-/// Watches `dir` and sends its objects to the store every time the folder changes: the complete
-/// sets of Services and EndpointSlices, and the Node named `node_name` if a manifest defines it.
-/// Errors are logged (once per distinct message) and never stop the watch.
+/// Watches `dir` and sends its objects to the store: the complete sets of Services and
+/// EndpointSlices (and the Node named `node_name`, if a manifest defines it) on the first read,
+/// then, whenever files change, the objects those files define or defined ([`FolderReader`]).
+/// Errors are logged (the whole list again whenever it changes) and never stop the watch.
 pub async fn run(dir: PathBuf, node_name: String, tx: mpsc::Sender<Update>) -> anyhow::Result<()> {
     let changed = Arc::new(Notify::new());
+    let named: Arc<std::sync::Mutex<BTreeSet<PathBuf>>> = Arc::default();
     let notifier = Arc::clone(&changed);
+    let notified_paths = Arc::clone(&named);
     let mut watcher = notify::recommended_watcher(move |event: notify::Result<notify::Event>| {
         // Reading the files ourselves raises access events: only changes count.
-        if event.is_ok_and(|event| !event.kind.is_access()) {
-            notifier.notify_one();
+        let Ok(event) = event else { return };
+        if event.kind.is_access() {
+            return;
         }
+        notified_paths
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .extend(event.paths);
+        notifier.notify_one();
     })?;
     watcher.watch(&dir, RecursiveMode::NonRecursive)?;
     info!(dir = %dir.display(), "watching manifests folder");
 
+    let mut folder = FolderReader::new(dir, &node_name);
     let mut last_errors: Vec<String> = Vec::new();
     loop {
-        let reader_dir = dir.clone();
-        let mut loaded = tokio::task::spawn_blocking(move || load_dir(&reader_dir)).await?;
-        let errors: Vec<String> = loaded.errors.iter().map(ToString::to_string).collect();
-        if errors != last_errors {
-            for error in &errors {
+        let paths = std::mem::take(
+            &mut *named
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner),
+        );
+        let read;
+        (folder, read) = tokio::task::spawn_blocking(move || {
+            let read = folder.read(&paths);
+            (folder, read)
+        })
+        .await?;
+        if read.errors != last_errors {
+            for error in &read.errors {
                 warn!("manifests: {error}");
             }
-            last_errors = errors;
+            last_errors = read.errors;
         }
         debug!(
-            services = loaded.services.len(),
-            endpoint_slices = loaded.endpoint_slices.len(),
+            files_parsed = read.files_parsed,
+            updates = read.updates.len(),
             "manifests read"
         );
-        let node = loaded.nodes.remove(&ObjectKey {
-            namespace: String::new(),
-            name: node_name.clone(),
-        });
-        for update in [
-            Update::ReplaceNode(node),
-            Update::ReplaceServices(loaded.services),
-            Update::ReplaceEndpointSlices(loaded.endpoint_slices),
-        ] {
+        for update in read.updates {
             if tx.send(update).await.is_err() {
                 return Ok(()); // the agent is shutting down
             }
@@ -713,6 +723,9 @@ pub async fn run(dir: PathBuf, node_name: String, tx: mpsc::Sender<Update>) -> a
         }
     }
 }
+
+mod incremental;
+pub use incremental::{FolderReader, Read};
 
 #[cfg(test)]
 mod tests;

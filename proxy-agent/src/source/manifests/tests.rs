@@ -324,3 +324,182 @@ fn unknown_fields_are_named_and_the_object_is_still_used() {
         ]
     );
 }
+
+/// The store's view built only from what a [`FolderReader`] sends.
+#[derive(Debug, Default)]
+struct StoreModel {
+    services: BTreeMap<ObjectKey, Service>,
+    slices: BTreeMap<ObjectKey, EndpointSlice>,
+    node: Option<Node>,
+}
+
+impl StoreModel {
+    fn apply(&mut self, updates: Vec<Update>) {
+        for update in updates {
+            match update {
+                Update::ReplaceServices(all) => self.services = all,
+                Update::ReplaceEndpointSlices(all) => self.slices = all,
+                Update::ReplaceNode(node) => self.node = node,
+                Update::ServiceApplied(key, service) => {
+                    self.services.insert(key, service);
+                }
+                Update::ServiceDeleted(key) => {
+                    self.services.remove(&key);
+                }
+                Update::EndpointSliceApplied(key, slice) => {
+                    self.slices.insert(key, slice);
+                }
+                Update::EndpointSliceDeleted(key) => {
+                    self.slices.remove(&key);
+                }
+            }
+        }
+    }
+}
+
+/// One incremental read; then the model must equal a full `load_dir` of the folder, errors
+/// included. Returns how many files were parsed and updates sent.
+fn read_and_compare(
+    dir: &TempDir,
+    reader: &mut FolderReader,
+    model: &mut StoreModel,
+    named: &[&str],
+) -> (usize, usize) {
+    let named: BTreeSet<PathBuf> = named.iter().map(|n| dir.0.join(n)).collect();
+    let read = reader.read(&named);
+    let counts = (read.files_parsed, read.updates.len());
+    model.apply(read.updates);
+    let mut full = load_dir(&dir.0);
+    assert_eq!(
+        model.services, full.services,
+        "Services differ from load_dir"
+    );
+    assert_eq!(
+        model.slices, full.endpoint_slices,
+        "slices differ from load_dir"
+    );
+    assert_eq!(
+        model.node,
+        full.nodes.remove(&key("", "node1")),
+        "node differs"
+    );
+    let mut expected: Vec<String> = full.errors.iter().map(ToString::to_string).collect();
+    let mut errors = read.errors;
+    expected.sort();
+    errors.sort();
+    assert_eq!(errors, expected, "errors differ from load_dir");
+    counts
+}
+
+/// Renames a new file over `name` (a new inode), as atomic writers do.
+fn replace(dir: &TempDir, name: &str, text: &str) {
+    let tmp = format!(".{name}.tmp");
+    dir.write(&tmp, text);
+    std::fs::rename(dir.0.join(&tmp), dir.0.join(name)).expect("rename manifest");
+}
+
+fn service_doc(name: &str, ip: &str) -> String {
+    format!(
+        "apiVersion: v1\nkind: Service\nmetadata: {{name: {name}, namespace: shop}}\nspec:\n  clusterIP: {ip}\n  ports: [{{port: 80}}]\n"
+    )
+}
+
+fn slice_doc(name: &str, service: &str, ip: &str) -> String {
+    format!(
+        "apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {{name: {name}, namespace: shop, labels: {{kubernetes.io/service-name: {service}}}}}\naddressType: IPv4\nendpoints: [{{addresses: [{ip}]}}]\n"
+    )
+}
+
+const NODE1: &str = "apiVersion: v1\nkind: Node\nmetadata: {name: node1, labels: {zone: a}}\n";
+
+#[test]
+fn incremental_reads_equal_full_reads_and_parse_only_changed_files() {
+    let dir = TempDir::new();
+    dir.write(
+        "a.yaml",
+        &format!(
+            "{}---\n{}",
+            service_doc("web", "10.96.0.10"),
+            slice_doc("web-1", "web", "10.244.1.2")
+        ),
+    );
+    dir.write("b.yaml", &service_doc("api", "10.96.0.11"));
+    dir.write(
+        "c.yaml",
+        &format!(
+            "{NODE1}---\n{}",
+            slice_doc("ghost-1", "ghost", "10.244.9.9")
+        ),
+    );
+    let mut reader = FolderReader::new(dir.0.clone(), "node1");
+    let mut model = StoreModel::default();
+
+    let first = read_and_compare(&dir, &mut reader, &mut model, &[]);
+    assert_eq!(
+        first,
+        (3, 3),
+        "first read: every file, three Replace updates"
+    );
+    assert_eq!(model.services.len(), 2);
+    assert!(model.node.is_some());
+
+    assert_eq!(
+        read_and_compare(&dir, &mut reader, &mut model, &[]),
+        (0, 0),
+        "a rescan without changes parses nothing and sends nothing"
+    );
+
+    // One file edited: only it is parsed, only its objects are sent.
+    replace(
+        &dir,
+        "a.yaml",
+        &format!(
+            "{}---\n{}",
+            service_doc("web", "10.96.0.10"),
+            slice_doc("web-1", "web", "10.244.1.3")
+        ),
+    );
+    assert_eq!(read_and_compare(&dir, &mut reader, &mut model, &[]), (1, 2));
+
+    // A duplicate in a new file: the first file (b) keeps the object; both are read.
+    dir.write("d.yaml", &service_doc("api", "10.96.0.99"));
+    read_and_compare(&dir, &mut reader, &mut model, &[]);
+    // The first copy goes away: the duplicate takes over.
+    std::fs::remove_file(dir.0.join("b.yaml")).expect("remove b.yaml");
+    read_and_compare(&dir, &mut reader, &mut model, &[]);
+    assert_eq!(
+        model.services[&key("shop", "api")]
+            .spec
+            .as_ref()
+            .and_then(|s| s.cluster_ip.as_deref()),
+        Some("10.96.0.99")
+    );
+
+    // The orphan slice's Service appears: the error goes away.
+    dir.write("e.yaml", &service_doc("ghost", "10.96.0.12"));
+    read_and_compare(&dir, &mut reader, &mut model, &[]);
+
+    // A syntax error half-way: what `load_dir` keeps of the file, and nothing more.
+    replace(
+        &dir,
+        "a.yaml",
+        &format!("{}---\nkind: [unclosed\n", service_doc("web", "10.96.0.10")),
+    );
+    read_and_compare(&dir, &mut reader, &mut model, &[]);
+    assert!(!model.slices.contains_key(&key("shop", "web-1")));
+
+    // An in-place write that keeps the length, named by a notification.
+    let same_length = service_doc("ghost", "10.96.0.13");
+    std::fs::write(dir.0.join("e.yaml"), &same_length).expect("rewrite e.yaml");
+    read_and_compare(&dir, &mut reader, &mut model, &["e.yaml"]);
+
+    // The node's file loses it.
+    replace(&dir, "c.yaml", &slice_doc("ghost-1", "ghost", "10.244.9.9"));
+    read_and_compare(&dir, &mut reader, &mut model, &[]);
+    assert!(model.node.is_none());
+
+    // The folder disappears: nothing is left, and that is reported.
+    std::fs::remove_dir_all(&dir.0).expect("remove folder");
+    read_and_compare(&dir, &mut reader, &mut model, &[]);
+    assert!(model.services.is_empty() && model.slices.is_empty());
+}
