@@ -138,6 +138,19 @@ impl Scenario {
         self.start_agent_with(AgentSource::Kubeconfig(kubeconfig.to_path_buf()), "ebpf")
     }
 
+    /// Like [`Scenario::start_agent_with_kubeconfig`] in `mode` with extra command-line
+    /// arguments.
+    pub fn start_agent_with_kubeconfig_args(
+        &mut self,
+        kubeconfig: &Path,
+        mode: &str,
+        args: &[&str],
+    ) -> Result<&mut Agent> {
+        let source = AgentSource::Kubeconfig(kubeconfig.to_path_buf());
+        let extra = args.iter().map(|a| (*a).to_owned()).collect();
+        self.start_agent_full(source, mode, extra)
+    }
+
     /// Like [`Scenario::start_agent_in_mode`] with extra command-line arguments.
     pub fn start_agent_with_args(&mut self, mode: &str, args: &[&str]) -> Result<&mut Agent> {
         let source = AgentSource::Manifests(self.manifests.path().to_path_buf());

@@ -10,7 +10,8 @@ use nix::unistd::Pid;
 
 use super::client::{Place, Probe, monotonic_ns};
 use super::sysinfo::{MapMemory, bpf_maps, rss_kib};
-use super::workload::{LiveSet, Workload, write_live_slice};
+use super::workload::{LiveSet, Workload, live_slice, write_live_slice};
+use crate::apiserver::ApiServer;
 use crate::client::Attempt;
 use crate::scenario::{Scenario, cluster_addr};
 use crate::topology::DECOY_NAME;
@@ -136,10 +137,38 @@ pub fn clear_iptables_rules(s: &Scenario) -> Result<()> {
     }
 }
 
-/// Starts the agent in `mode` on the scenario's manifests (already written, live Service set to
+/// Where the agent reads the cluster from.
+#[derive(Debug, Clone, Copy)]
+pub enum Source<'a> {
+    /// The scenario's manifests folder (`--manifests`).
+    Manifests,
+    /// The API test server (`--kubeconfig`), already holding the workload's objects.
+    Api(&'a ApiServer),
+}
+
+impl Source<'_> {
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Manifests => "manifests",
+            Self::Api(_) => "API server",
+        }
+    }
+
+    /// Sets the live Service's endpoints to `live`: the slice file renamed into place, or the
+    /// slice object updated in the API server (which sends the watch event at once).
+    fn set_live(self, s: &Scenario, live: LiveSet) -> Result<()> {
+        match self {
+            Self::Manifests => write_live_slice(&s.manifests, live),
+            Self::Api(api) => api.apply(&live_slice(live)).map(|_| ()),
+        }
+    }
+}
+
+/// Starts the agent in `mode` on `source` (already holding the workload, live Service set to
 /// `live`) and measures its cold start.
 pub fn start_measured(
     s: &mut Scenario,
+    source: Source<'_>,
     mode: ProxyMode,
     w: Workload,
     live: LiveSet,
@@ -151,7 +180,12 @@ pub fn start_measured(
     let started = Instant::now();
     let args = agent_args(mode, w);
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    let agent = s.start_agent_with_args(mode.as_arg(), &args)?;
+    let agent = match source {
+        Source::Manifests => s.start_agent_with_args(mode.as_arg(), &args)?,
+        Source::Api(api) => {
+            s.start_agent_with_kubeconfig_args(api.kubeconfig(), mode.as_arg(), &args)?
+        }
+    };
     let to_sync_log = loop {
         if agent.log_contents().contains("sync applied") {
             break started.elapsed();
@@ -171,11 +205,12 @@ pub fn start_measured(
     })
 }
 
-/// `n` end-to-end changes of the live Service's EndpointSlice file, flipping between the two
-/// backend sets; each sample is file renamed → first connection reaching the new set.
-/// `live` is updated to the current set.
+/// `n` end-to-end changes of the live Service's EndpointSlice (file or API object), flipping
+/// between the two backend sets; each sample is change made → first connection reaching the
+/// new set. `live` is updated to the current set.
 pub fn e2e_changes(
     s: &mut Scenario,
+    source: Source<'_>,
     live: &mut LiveSet,
     n: usize,
     timeout: Duration,
@@ -185,7 +220,7 @@ pub fn e2e_changes(
         let next = live.other();
         let probe = Probe::start(&in_cgroup(s), cluster_addr(), next.names(), timeout)?;
         let t0 = monotonic_ns();
-        write_live_slice(&s.manifests, next)?;
+        source.set_live(s, next)?;
         let hit = probe.wait().map_err(|e| s.agent_error(e.to_string()))?;
         *live = next;
         samples.push(Duration::from_nanos(hit.start_ns.saturating_sub(t0)));

@@ -25,11 +25,13 @@ pub mod workload;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use agent_runs::{AgentMemory, ColdStart, ProxyMode};
+use agent_runs::{AgentMemory, ColdStart, ProxyMode, Source};
 use datapath::{Loops, Path, PathRuns};
 use workload::{LiveSet, Workload};
 
 use crate::Result;
+use crate::apiserver::ApiServer;
+use crate::scenario::Scenario;
 
 /// What to run and how long each loop may take.
 #[derive(Debug, Clone)]
@@ -154,11 +156,15 @@ pub struct ProgrammingSize {
     pub workload: Workload,
     /// Bytes of YAML in the manifests folder.
     pub manifests_bytes: u64,
-    /// `source::manifests::load_dir` of the folder, in-process: what the agent's source does on
-    /// start and after every change (read + parse every file).
+    /// The first `source::manifests::FolderReader::read` of the folder, in-process: what the
+    /// agent's source does on start (read + parse every file).
     pub manifests_load: Option<Duration>,
+    /// Through the agent, manifests source.
     pub ebpf: Outcome<AgentModeRun>,
     pub iptables: Outcome<AgentModeRun>,
+    /// Through the agent, Kubernetes API source (the API test server).
+    pub api_ebpf: Outcome<AgentModeRun>,
+    pub api_iptables: Outcome<AgentModeRun>,
 }
 
 #[derive(Debug, Clone)]
@@ -397,6 +403,7 @@ fn datapath_size(runner: &mut Runner, w: Workload) -> DatapathSize {
     let ebpf = (|| -> Result<ColdStart> {
         let cold = agent_runs::start_measured(
             &mut s,
+            Source::Manifests,
             ProxyMode::Ebpf,
             w,
             LiveSet::A,
@@ -429,6 +436,7 @@ fn datapath_size(runner: &mut Runner, w: Workload) -> DatapathSize {
     let iptables = (|| -> Result<ColdStart> {
         let cold = agent_runs::start_measured(
             &mut s,
+            Source::Manifests,
             ProxyMode::Iptables,
             w,
             LiveSet::A,
@@ -464,6 +472,8 @@ fn programming_size(runner: &mut Runner, w: Workload) -> ProgrammingSize {
         manifests_load: None,
         ebpf: Outcome::Failed("not run".into()),
         iptables: Outcome::Failed("not run".into()),
+        api_ebpf: Outcome::Failed("not run".into()),
+        api_iptables: Outcome::Failed("not run".into()),
     };
     let setup = agent_runs::bench_node().and_then(|s| {
         w.write_manifests(&s.manifests, LiveSet::A)?;
@@ -478,21 +488,68 @@ fn programming_size(runner: &mut Runner, w: Workload) -> ProgrammingSize {
     };
     result.manifests_bytes = folder_bytes(s.manifests.path());
     let t0 = Instant::now();
-    let loaded = proxy_agent::source::manifests::load_dir(s.manifests.path());
-    if loaded.errors.is_empty() && loaded.services.len() == w.services {
-        result.manifests_load = Some(t0.elapsed());
+    // What the agent's source does on start: the first read of the folder.
+    let mut reader = proxy_agent::source::manifests::FolderReader::new(
+        s.manifests.path().to_path_buf(),
+        crate::scenario::HOSTNAME,
+    );
+    let read = reader.read(&Default::default());
+    let elapsed = t0.elapsed();
+    let services = read.updates.iter().find_map(|u| match u {
+        proxy_agent::objects::Update::ReplaceServices(all) => Some(all.len()),
+        _ => None,
+    });
+    if read.errors.is_empty() && services == Some(w.services) {
+        result.manifests_load = Some(elapsed);
     } else {
         runner.failed::<()>(
             "reading the manifests in-process",
-            format!(
-                "{} Services read, {} errors",
-                loaded.services.len(),
-                loaded.errors.len()
-            ),
+            format!("{services:?} Services read, {} errors", read.errors.len()),
         );
     }
-    drop(loaded);
+    drop(read);
     let mut live = LiveSet::A;
+    (result.ebpf, result.iptables) =
+        agent_mode_runs(runner, &mut s, Source::Manifests, w, &mut live);
+
+    // The same through the Kubernetes API source: the API test server in the node namespace
+    // holds the same objects; a change is one EndpointSlice update sent as a watch event.
+    step("  API server source", runner);
+    let api = ApiServer::start(Some(&s.topo.node().path())).and_then(|api| {
+        let (services, slices) = w.objects(live);
+        api.batch(|b| -> Result<()> {
+            for service in services.values() {
+                b.apply(service)?;
+            }
+            for slice in slices.values() {
+                b.apply(slice)?;
+            }
+            Ok(())
+        })?;
+        Ok(api)
+    });
+    match api {
+        Ok(api) => {
+            (result.api_ebpf, result.api_iptables) =
+                agent_mode_runs(runner, &mut s, Source::Api(&api), w, &mut live);
+        }
+        Err(e) => {
+            result.api_ebpf = runner.failed("starting the API test server", e);
+        }
+    }
+    result
+}
+
+/// Cold starts, end-to-end changes and memory of the agent in each mode on `source`.
+fn agent_mode_runs(
+    runner: &mut Runner,
+    s: &mut Scenario,
+    source: Source<'_>,
+    w: Workload,
+    live: &mut LiveSet,
+) -> (Outcome<AgentModeRun>, Outcome<AgentModeRun>) {
+    let mut ebpf = Outcome::Failed("not run".into());
+    let mut iptables = Outcome::Failed("not run".into());
     for mode in [ProxyMode::Ebpf, ProxyMode::Iptables] {
         let estimate = runner.estimator.estimate(w);
         // iptables: one cold start only when a sync is slow; every change is a sync as well.
@@ -501,10 +558,11 @@ fn programming_size(runner: &mut Runner, w: Workload) -> ProgrammingSize {
             ProxyMode::Iptables if estimate.is_some_and(|e| e > Duration::from_secs(20)) => 1,
             ProxyMode::Iptables => runner.config.cold_starts,
         };
+        let what = format!("iptables through the agent ({} source)", source.name());
         if mode == ProxyMode::Iptables
             && let Err(skip) = runner.iptables_fits(w, starts as f64 + 0.5)
         {
-            result.iptables = Runner::note_skip(skip, "iptables through the agent");
+            iptables = Runner::note_skip(skip, &what);
             break;
         }
         step(&format!("  {} agent", mode.as_arg()), runner);
@@ -516,14 +574,15 @@ fn programming_size(runner: &mut Runner, w: Workload) -> ProgrammingSize {
                     s.stop_agent()?;
                     // The iptables mode leaves its rules in place on exit, as kube-proxy does.
                     if mode == ProxyMode::Iptables {
-                        agent_runs::clear_iptables_rules(&s)?;
+                        agent_runs::clear_iptables_rules(s)?;
                     }
                 }
-                cold_starts.push(agent_runs::start_measured(&mut s, mode, w, live, timeout)?);
+                cold_starts.push(agent_runs::start_measured(
+                    s, source, mode, w, *live, timeout,
+                )?);
             }
-            let e2e =
-                agent_runs::e2e_changes(&mut s, &mut live, runner.config.e2e_changes, timeout)?;
-            let memory = agent_runs::memory(&mut s)?;
+            let e2e = agent_runs::e2e_changes(s, source, live, runner.config.e2e_changes, timeout)?;
+            let memory = agent_runs::memory(s)?;
             Ok(AgentModeRun {
                 cold_starts,
                 e2e,
@@ -539,17 +598,30 @@ fn programming_size(runner: &mut Runner, w: Workload) -> ProgrammingSize {
                 }
                 Outcome::Done(run)
             }
-            Err(e) => runner.failed(&format!("{} through the agent", mode.as_arg()), e),
+            Err(e) => runner.failed(
+                &format!(
+                    "{} through the agent ({} source)",
+                    mode.as_arg(),
+                    source.name()
+                ),
+                e,
+            ),
         };
         if let Err(e) = s.stop_agent() {
             runner.failed::<()>("stopping the agent", e);
         }
+        // The next start (the other mode, or the other source) must be cold as well.
+        if mode == ProxyMode::Iptables
+            && let Err(e) = agent_runs::clear_iptables_rules(s)
+        {
+            runner.failed::<()>("removing the iptables rules", e);
+        }
         match mode {
-            ProxyMode::Ebpf => result.ebpf = outcome,
-            ProxyMode::Iptables => result.iptables = outcome,
+            ProxyMode::Ebpf => ebpf = outcome,
+            ProxyMode::Iptables => iptables = outcome,
         }
     }
-    result
+    (ebpf, iptables)
 }
 
 fn folder_bytes(dir: &std::path::Path) -> u64 {

@@ -167,15 +167,7 @@ impl Workload {
         let mut services = BTreeMap::new();
         let mut slices = BTreeMap::new();
         services.insert(key(LIVE_SERVICE), service(LIVE_SERVICE, CLUSTER_IP));
-        let live_endpoints: Vec<_> = live
-            .pods()
-            .iter()
-            .map(|&i| endpoint(crate::topology::Topology::pod_ip(i), HOSTNAME))
-            .collect();
-        slices.insert(
-            key(LIVE_SLICE),
-            slice(LIVE_SLICE, LIVE_SERVICE, live_endpoints),
-        );
+        slices.insert(key(LIVE_SLICE), live_slice(live));
         for i in 0..self.decoys() {
             let name = decoy_name(i);
             services.insert(key(&name), service(&name, decoy_cluster_ip(i)));
@@ -228,6 +220,17 @@ impl Workload {
             BTreeSet::from([key(&name)]),
         )
     }
+}
+
+/// The live Service's EndpointSlice with `live` as its endpoints, as a typed object (what
+/// [`write_live_slice`] writes).
+pub fn live_slice(live: LiveSet) -> EndpointSlice {
+    let endpoints = live
+        .pods()
+        .iter()
+        .map(|&i| endpoint(crate::topology::Topology::pod_ip(i), HOSTNAME))
+        .collect();
+    slice(LIVE_SLICE, LIVE_SERVICE, endpoints)
 }
 
 /// Rewrites only the live Service's EndpointSlice file (atomically, via rename).
