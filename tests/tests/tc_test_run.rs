@@ -23,13 +23,14 @@ use std::{
     path::PathBuf,
 };
 
+use aya::maps::{HashMap, Map, MapData};
 use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
 use proxy_agent::{
-    dataplane::ebpf::{EbpfDataplane, EbpfOptions, TcOptions},
+    dataplane::ebpf::{EbpfDataplane, EbpfOptions, PIN_DIR_NAME, TcOptions},
     desired::Snapshot,
     objects::{ObjectKey, Objects},
 };
-use proxy_common::{CtKey, CtValue, ct_flags, family, program_names};
+use proxy_common::{CtKey, CtValue, ct_flags, family, map_names, program_names};
 use proxy_tests::{
     agent::TempBpfRoot,
     cgroup::ChildCgroup,
@@ -58,7 +59,7 @@ struct Node {
     ext0: u32,
     pod0: u32,
     _runtime: tokio::runtime::Runtime,
-    _bpf: TempBpfRoot,
+    bpf: TempBpfRoot,
     _cgroup: ChildCgroup,
 }
 
@@ -119,7 +120,7 @@ fn with_node(f: impl FnOnce(&mut Node) + Send + 'static) {
             ext0: ifindex("ext0"),
             pod0: ifindex("pod0"),
             _runtime: runtime,
-            _bpf: bpf,
+            bpf,
             _cgroup: cgroup,
         };
         f(&mut node);
@@ -575,5 +576,64 @@ fn sctp_short_padded_frame_uses_the_ip_length() {
             "padded SHUTDOWN COMPLETE: 60-byte frame, 16-byte SCTP packet, CRC32c {crc:#010x} → {:#010x} (valid)",
             sctp_crcs(&out.l4).0
         );
+    });
+}
+
+/// `bpf_ktime_get_ns`'s clock.
+fn monotonic_ns() -> u64 {
+    let now = nix::time::clock_gettime(nix::time::ClockId::CLOCK_MONOTONIC).expect("clock");
+    u64::try_from(now.tv_sec()).expect("sec") * 1_000_000_000
+        + u64::try_from(now.tv_nsec()).expect("nsec")
+}
+
+/// Rewrites the forward entry `key` as last seen `age` ago and pointing at `marker_port`, a
+/// port no backend has: a packet translated to it was taken from the (still fresh) entry, one
+/// translated to the real backend port started a new flow (the entry had expired).
+fn age_forward_entry(node: &Node, key: &CtKey, age_s: u64, marker_port: u16) {
+    let path = node.bpf.path().join(PIN_DIR_NAME).join(map_names::CT);
+    let map = Map::from_map_data(MapData::from_pin(&path).expect("pinned KPR_CT")).expect("map");
+    let mut ct: HashMap<MapData, CtKey, CtValue> = HashMap::try_from(map).expect("hash map");
+    let mut value = ct.get(key, 0).expect("forward entry");
+    value.last_seen_ns = monotonic_ns()
+        .checked_sub(age_s * 1_000_000_000)
+        .expect("uptime longer than the age");
+    value.dport = marker_port.to_be();
+    ct.insert(key, value, 0).expect("update entry");
+}
+
+/// SCTP entries idle out after 210 s (the kernel's `nf_conntrack_sctp_timeout_established`),
+/// UDP ones after 120 s: at 150 s idle an SCTP packet is still translated from its entry and a
+/// UDP one starts a new flow; at 220 s the SCTP one does too.
+#[test]
+fn sctp_conntrack_outlives_udp_and_expires_after_210_s() {
+    with_node(|node| {
+        program_services(node);
+        const MARKER: u16 = 9;
+        let cases = [
+            (L4::SctpData, 30868, 3869, 150, MARKER),
+            (L4::Udp, 30053, 5353, 150, 5353),
+            (L4::SctpData, 30868, 3869, 220, 3869),
+        ];
+        for (i, (l4, node_port, backend_port, age_s, expected)) in cases.into_iter().enumerate() {
+            let client = sa(CLIENT, 47_000 + i as u16);
+            let frontend = sa(NODE_IP, node_port);
+            let frame = build(client, frontend, l4, b"ping");
+            let (action, first) = run(node, program_names::TC_EXTERNAL, &frame, node.ext0);
+            assert_eq!(action, TC_ACT_REDIRECT);
+            assert_eq!(first.dport(), backend_port);
+            age_forward_entry(node, &ct_key(client, frontend, l4.proto()), age_s, MARKER);
+            let (action, again) = run(node, program_names::TC_EXTERNAL, &frame, node.ext0);
+            assert_eq!(action, TC_ACT_REDIRECT);
+            eprintln!(
+                "{l4:?} idle {age_s} s: translated to port {} ({})",
+                again.dport(),
+                if again.dport() == MARKER {
+                    "entry kept"
+                } else {
+                    "new flow"
+                }
+            );
+            assert_eq!(again.dport(), expected, "{l4:?} after {age_s} s idle");
+        }
     });
 }
