@@ -579,6 +579,45 @@ fn sctp_short_padded_frame_uses_the_ip_length() {
     });
 }
 
+/// IPv4 options move the SCTP header: the rewrite and the CRC length follow the IHL.
+#[test]
+fn sctp_behind_ipv4_options_is_translated_with_a_valid_crc32c() {
+    with_node(|node| {
+        program_services(node);
+        let (client, frontend) = (sa(CLIENT, 48_000), sa(NODE_IP, 30868));
+        let plain = build(client, frontend, L4::SctpData, b"options ahead");
+        // Four bytes of options (NOP, NOP, NOP, end of list): IHL 6, total length + 4.
+        let mut frame = plain[..34].to_vec();
+        frame.extend_from_slice(&[1, 1, 1, 0]);
+        frame.extend_from_slice(&plain[34..]);
+        frame[14] = 0x46;
+        let total = u16::from_be_bytes([frame[16], frame[17]]) + 4;
+        frame[16..18].copy_from_slice(&total.to_be_bytes());
+        frame[24..26].fill(0);
+        let ip_csum = inet_checksum(&frame[14..38]);
+        frame[24..26].copy_from_slice(&ip_csum.to_be_bytes());
+        let out = node
+            .dataplane
+            .test_run_tc(program_names::TC_EXTERNAL, &frame, node.ext0)
+            .expect("test_run");
+        assert_eq!(out.action, TC_ACT_REDIRECT);
+        let packet = &out.packet;
+        assert_eq!(inet_checksum(&packet[14..38]), 0, "IPv4 header checksum");
+        let backend: std::net::Ipv4Addr = BACKEND.parse().expect("ip");
+        assert_eq!(packet[30..34], backend.octets(), "DNAT address");
+        let seg = &packet[38..];
+        assert_eq!(u16::from_be_bytes([seg[2], seg[3]]), 3869, "DNAT port");
+        assert_eq!(
+            &seg[seg.len() - 16..],
+            &plain[plain.len() - 16..],
+            "chunk kept"
+        );
+        let (stored, recomputed) = sctp_crcs(seg);
+        assert_eq!(stored, recomputed, "CRC32c behind options");
+        eprintln!("IHL 6: SCTP at offset 38, CRC32c {stored:#010x} valid after NAT");
+    });
+}
+
 /// `bpf_ktime_get_ns`'s clock.
 fn monotonic_ns() -> u64 {
     let now = nix::time::clock_gettime(nix::time::ClockId::CLOCK_MONOTONIC).expect("clock");
