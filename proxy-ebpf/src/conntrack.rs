@@ -17,6 +17,12 @@ const NANOS_PER_SECOND: u64 = 1_000_000_000;
 const TCP_TIMEOUT_NS: u64 = 24 * 3600 * NANOS_PER_SECOND;
 /// The kernel's `nf_conntrack_udp_timeout_stream`.
 const UDP_TIMEOUT_NS: u64 = 120 * NANOS_PER_SECOND;
+/// The kernel's `nf_conntrack_sctp_timeout_established` (210 s, several of SCTP's default 30 s
+/// heartbeats, so an idle association keeps its entry). There is no SCTP state machine here:
+/// ABORT and SHUTDOWN COMPLETE do not end an entry early, because without tracking
+/// verification tags (as the kernel's conntrack does) a spoofed chunk could tear down the NAT
+/// of a live association.
+const SCTP_TIMEOUT_NS: u64 = 210 * NANOS_PER_SECOND;
 /// Refresh `last_seen_ns` at most this often: a write per packet would bounce the entry's cache
 /// line between CPUs for no gain in precision.
 const REFRESH_NS: u64 = NANOS_PER_SECOND;
@@ -37,10 +43,10 @@ pub fn lookup(key: &CtKey) -> Option<*mut CtValue> {
 /// Whether a forward entry is still within its idle timeout.
 #[inline(always)]
 pub fn is_fresh(value: &CtValue, protocol: u8, now: u64) -> bool {
-    let timeout = if protocol == proto::TCP {
-        TCP_TIMEOUT_NS
-    } else {
-        UDP_TIMEOUT_NS
+    let timeout = match protocol {
+        proto::TCP => TCP_TIMEOUT_NS,
+        proto::SCTP => SCTP_TIMEOUT_NS,
+        _ => UDP_TIMEOUT_NS,
     };
     now.wrapping_sub(value.last_seen_ns) <= timeout
 }

@@ -1,9 +1,11 @@
 //! Address and port rewrites with incremental checksum updates (RFC 1624), via the kernel's
 //! `bpf_l3_csum_replace`/`bpf_l4_csum_replace`, which also handle `CHECKSUM_PARTIAL` skbs
 //! (packets from a local stack over veth carry only the pseudo-header sum in the L4 field).
+//! SCTP has no pseudo-header (its CRC32c covers only the SCTP packet): address rewrites leave
+//! it alone, port rewrites are in `sctp`.
 
 use aya_ebpf::{
-    bindings::{BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR},
+    bindings::{BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR, BPF_F_RECOMPUTE_CSUM},
     cty::c_long,
     helpers::bpf_csum_diff,
     programs::TcContext,
@@ -26,7 +28,7 @@ fn l4_flags(pkt: &Packet) -> u64 {
 }
 
 /// Replaces the address at `offset` (source or destination) and fixes the IPv4 header
-/// checksum and the L4 checksum, whose pseudo-header covers both addresses.
+/// checksum and the L4 checksum, whose pseudo-header covers both addresses (TCP, UDP).
 #[inline(always)]
 pub fn replace_addr(
     ctx: &TcContext,
@@ -36,7 +38,14 @@ pub fn replace_addr(
     new: &[u32; 4],
 ) -> Result<(), c_long> {
     let pseudo = u64::from(BPF_F_PSEUDO_HDR) | l4_flags(pkt);
+    let sctp = pkt.proto == proto::SCTP;
     if pkt.is_v6() {
+        if sctp {
+            // Nothing else in the packet changes to compensate (no IPv6 header checksum, no
+            // pseudo-header in the CRC), so the packet's one's-complement sum moves: the flag
+            // has the kernel fix `skb->csum` of a CHECKSUM_COMPLETE skb.
+            return ctx.store(offset, new, u64::from(BPF_F_RECOMPUTE_CSUM));
+        }
         // 16-byte addresses: one checksum difference over the whole address.
         // SAFETY: both pointers are to 16-byte stack arrays; the helper only reads them.
         let diff =
@@ -50,6 +59,9 @@ pub fn replace_addr(
     } else {
         ctx.store(offset, &new[0], 0)?;
         ctx.l3_csum_replace(IPV4_CSUM, u64::from(old[0]), u64::from(new[0]), 4)?;
+        if sctp {
+            return Ok(());
+        }
         ctx.l4_csum_replace(
             pkt.l4_csum_offset(),
             u64::from(old[0]),

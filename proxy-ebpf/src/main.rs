@@ -1,6 +1,6 @@
 //! eBPF programs of kubeproxy-rs. Entry points are thin; the logic lives in one module per
 //! concern (maps, service lookup and backend selection, counters, socket hooks; for tc: packet
-//! parsing, conntrack, NAT, checksums, ICMP replies).
+//! parsing, conntrack, NAT, checksums, SCTP's CRC32c, ICMP replies).
 #![cfg_attr(target_arch = "bpf", no_std)]
 #![cfg_attr(target_arch = "bpf", no_main)]
 
@@ -20,6 +20,8 @@ mod maps;
 mod nat;
 #[cfg(target_arch = "bpf")]
 mod parse;
+#[cfg(target_arch = "bpf")]
+mod sctp;
 #[cfg(target_arch = "bpf")]
 mod sock;
 #[cfg(target_arch = "bpf")]

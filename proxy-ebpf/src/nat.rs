@@ -19,12 +19,13 @@ use aya_ebpf::{
     helpers::{bpf_fib_lookup, bpf_redirect_neigh},
     programs::TcContext,
 };
-use proxy_common::{CtValue, StatIndex, family};
+use proxy_common::{CtValue, StatIndex, family, proto};
 
 use crate::{
     csum::{replace_addr, replace_port},
     maps::KPR_TC_SCRATCH,
     parse::Packet,
+    sctp,
     stats::bump,
 };
 
@@ -39,6 +40,9 @@ fn rewrite(ctx: &TcContext, pkt: &Packet, to: &CtValue) -> Result<(), i64> {
     }
     if to.dst != pkt.dst {
         replace_addr(ctx, pkt, pkt.dst_offset(), &pkt.dst, &to.dst)?;
+    }
+    if pkt.proto == proto::SCTP {
+        return sctp::replace_ports(ctx, pkt, to.sport, to.dport);
     }
     if to.sport != pkt.sport {
         replace_port(ctx, pkt, pkt.l4, pkt.sport, to.sport)?;

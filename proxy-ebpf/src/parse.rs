@@ -1,4 +1,4 @@
-//! Packet parsing for the tc programs: Ethernet → IPv4/IPv6 → TCP/UDP ports.
+//! Packet parsing for the tc programs: Ethernet → IPv4/IPv6 → TCP/UDP/SCTP ports.
 //!
 //! Every read goes through `bpf_skb_load_bytes` (`TcContext::load`), which bounds-checks
 //! against the whole skb: no direct packet access, so no `data_end` proofs for the verifier and
@@ -12,7 +12,7 @@ const ETH_P_IP: u16 = 0x0800;
 const ETH_P_IPV6: u16 = 0x86dd;
 const IPV6_HLEN: usize = 40;
 
-/// A parsed TCP or UDP packet. Addresses and ports are in network byte order as they appear in
+/// A parsed TCP, UDP or SCTP packet. Addresses and ports are in network byte order as they appear in
 /// the packet (IPv4 in word 0 of the address arrays).
 #[derive(Clone, Copy)]
 pub struct Packet {
@@ -51,13 +51,13 @@ impl Packet {
         ETH_HLEN + if self.is_v6() { 24 } else { 16 }
     }
 
-    /// Offset of the TCP or UDP checksum.
+    /// Offset of the TCP or UDP checksum (SCTP's CRC32c is handled by `sctp`).
     pub fn l4_csum_offset(&self) -> usize {
         self.l4 + if self.proto == proto::TCP { 16 } else { 6 }
     }
 }
 
-/// Parses a TCP or UDP packet; `None` for anything the tc programs leave to the kernel (other
+/// Parses a TCP, UDP or SCTP packet (all three start with the two ports); `None` for anything the tc programs leave to the kernel (other
 /// protocols, IPv4 fragments, IPv6 extension headers).
 #[inline(always)]
 pub fn parse(ctx: &TcContext) -> Option<Packet> {
@@ -86,7 +86,7 @@ fn parse4(ctx: &TcContext) -> Option<Packet> {
         return None;
     }
     let proto: u8 = ctx.load(ETH_HLEN + 9).ok()?;
-    if proto != proto::TCP && proto != proto::UDP {
+    if !is_translated(proto) {
         return None;
     }
     let src: u32 = ctx.load(ETH_HLEN + 12).ok()?;
@@ -109,10 +109,10 @@ fn parse6(ctx: &TcContext) -> Option<Packet> {
     if version >> 4 != 6 {
         return None;
     }
-    // Only TCP/UDP directly after the fixed header: walking extension headers needs a bounded
+    // Only TCP/UDP/SCTP directly after the fixed header: walking extension headers needs a bounded
     // loop per header type, and Service traffic does not use them.
     let next_header: u8 = ctx.load(ETH_HLEN + 6).ok()?;
-    if next_header != proto::TCP && next_header != proto::UDP {
+    if !is_translated(next_header) {
         return None;
     }
     let l4 = ETH_HLEN + IPV6_HLEN;
@@ -125,4 +125,9 @@ fn parse6(ctx: &TcContext) -> Option<Packet> {
         sport: ctx.load(l4).ok()?,
         dport: ctx.load(l4 + 2).ok()?,
     })
+}
+
+#[inline(always)]
+fn is_translated(protocol: u8) -> bool {
+    protocol == proto::TCP || protocol == proto::UDP || protocol == proto::SCTP
 }

@@ -60,11 +60,25 @@ pub fn external(ctx: &TcContext) -> i32 {
     let Some(frontend) = lookup_frontend(&pkt) else {
         return PASS;
     };
-    match new_flow(ctx, &pkt, &key, &frontend) {
+    match new_flow(&pkt, &key, &frontend) {
         Verdict::Action(action) => action,
         // Called from here, not from `new_flow`, so the two frames never stack up.
         Verdict::Reject => icmp::reject(ctx, &pkt),
+        Verdict::Translate => translate_new(ctx, &pkt),
     }
+}
+
+/// Translates a new flow's first packet to the forward tuple `new_flow` left in the scratch
+/// slot.
+#[inline(always)]
+fn translate_new(ctx: &TcContext, pkt: &Packet) -> i32 {
+    let Some(scratch) = KPR_TC_SCRATCH.get_ptr_mut(0) else {
+        return DROP;
+    };
+    // SAFETY: the per-CPU slot is ours until the program ends; `translate` reads `forward`
+    // while `nat::forward` writes only the disjoint `fib` field.
+    let forward = unsafe { &(*scratch).forward };
+    translate(ctx, pkt, forward, StatIndex::TcTranslated)
 }
 
 /// What `new_flow` decided.
@@ -72,6 +86,11 @@ enum Verdict {
     Action(i32),
     /// kube-proxy REJECT: answer port unreachable.
     Reject,
+    /// A new flow, its conntrack entries written: rewrite to the scratch slot's `forward`
+    /// tuple. Done by the caller, so the new flow's frame and the rewrite's never stack up
+    /// (with SCTP's CRC update the chain `external` → `new_flow` → `translate` exceeded the
+    /// verifier's 512-byte combined stack).
+    Translate,
 }
 
 pub fn reply(ctx: &TcContext) -> i32 {
@@ -145,7 +164,7 @@ fn is_node_address(pkt: &Packet) -> bool {
 // post-RA pseudo instruction expansion); as a BPF-to-BPF call it also keeps each frame's stack
 // well under the verifier's 512 bytes.
 #[inline(never)]
-fn new_flow(ctx: &TcContext, pkt: &Packet, key: &CtKey, frontend: &FrontendValue) -> Verdict {
+fn new_flow(pkt: &Packet, key: &CtKey, frontend: &FrontendValue) -> Verdict {
     // Read here rather than passed in: a BPF call takes at most 5 arguments (the verdict's
     // return slot is one).
     // SAFETY: bpf_ktime_get_ns has no preconditions.
@@ -223,8 +242,7 @@ fn new_flow(ctx: &TcContext, pkt: &Packet, key: &CtKey, frontend: &FrontendValue
         bump(StatIndex::TcCtFailed);
         return Verdict::Action(DROP);
     }
-    let forward = scratch.forward;
-    Verdict::Action(translate(ctx, pkt, &forward, StatIndex::TcTranslated))
+    Verdict::Translate
 }
 
 /// `loadBalancerSourceRanges`: the longest-prefix match on (service id, client address).

@@ -93,14 +93,20 @@ pub enum L4 {
     Udp,
     /// An SCTP common header and one DATA-less INIT chunk.
     Sctp,
+    /// An SCTP common header (verification tag [`SCTP_VTAG`]) and one DATA chunk carrying the
+    /// payload (padded to 4 bytes, as RFC 9260 requires).
+    SctpData,
 }
+
+/// The verification tag of [`L4::SctpData`] packets.
+pub const SCTP_VTAG: u32 = 0x5ca1_ab1e;
 
 impl L4 {
     pub fn proto(self) -> u8 {
         match self {
             L4::TcpSyn => PROTO_TCP,
             L4::Udp => PROTO_UDP,
-            L4::Sctp => PROTO_SCTP,
+            L4::Sctp | L4::SctpData => PROTO_SCTP,
         }
     }
 }
@@ -139,8 +145,23 @@ pub fn build(src: SocketAddr, dst: SocketAddr, l4: L4, payload: &[u8]) -> Vec<u8
             h.extend_from_slice(&1u32.to_be_bytes());
             h
         }
+        L4::SctpData => {
+            let mut h = vec![0u8; 12];
+            h[0..2].copy_from_slice(&src.port().to_be_bytes());
+            h[2..4].copy_from_slice(&dst.port().to_be_bytes());
+            h[4..8].copy_from_slice(&SCTP_VTAG.to_be_bytes());
+            // DATA chunk: type 0, flags B|E (unfragmented), length, TSN, stream 0, SSN 0, PPID 0.
+            h.extend_from_slice(&[0, 0x03]);
+            h.extend_from_slice(&((16 + payload.len()) as u16).to_be_bytes());
+            h.extend_from_slice(&1u32.to_be_bytes());
+            h.extend_from_slice(&[0; 8]);
+            h
+        }
     };
     seg.extend_from_slice(payload);
+    if l4 == L4::SctpData {
+        seg.resize(seg.len().next_multiple_of(4), 0);
+    }
     match l4 {
         L4::TcpSyn => {
             let c = l4_checksum(src.ip(), dst.ip(), PROTO_TCP, &seg);
@@ -151,7 +172,7 @@ pub fn build(src: SocketAddr, dst: SocketAddr, l4: L4, payload: &[u8]) -> Vec<u8
             let c = if c == 0 { 0xffff } else { c };
             seg[6..8].copy_from_slice(&c.to_be_bytes());
         }
-        L4::Sctp => {
+        L4::Sctp | L4::SctpData => {
             // The CRC is stored little-endian (RFC 4960 appendix B, as Linux does).
             let c = crc32c(&seg);
             seg[8..12].copy_from_slice(&c.to_le_bytes());
@@ -314,7 +335,7 @@ mod tests {
         for (s, d) in pairs {
             let s: SocketAddr = s.parse().map_err(|_| bad("addr"))?;
             let d: SocketAddr = d.parse().map_err(|_| bad("addr"))?;
-            for l4 in [L4::TcpSyn, L4::Udp, L4::Sctp] {
+            for l4 in [L4::TcpSyn, L4::Udp, L4::Sctp, L4::SctpData] {
                 let frame = build(s, d, l4, b"hello");
                 let parsed = parse_checked(&frame)?;
                 assert_eq!(parsed.source(), s);
