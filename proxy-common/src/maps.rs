@@ -25,9 +25,10 @@ pub mod map_names {
     pub const SOURCE_RANGES: &str = "KPR_SOURCE_RANGES";
     pub const NODE_ADDRS: &str = "KPR_NODE_ADDRS";
     pub const NODE_CONFIG: &str = "KPR_NODE_CONFIG";
+    pub const MAGLEV: &str = "KPR_MAGLEV";
 
     /// Every map the agent pins (and `--cleanup` removes).
-    pub const PINNED: [&str; 14] = [
+    pub const PINNED: [&str; 15] = [
         FRONTENDS4,
         FRONTENDS6,
         BACKEND_SLOTS,
@@ -42,6 +43,7 @@ pub mod map_names {
         SOURCE_RANGES,
         NODE_ADDRS,
         NODE_CONFIG,
+        MAGLEV,
     ];
 }
 
@@ -88,6 +90,9 @@ pub mod default_sizes {
     pub const CT: u32 = 262_144;
     pub const SOURCE_RANGES: u32 = 16_384;
     pub const NODE_ADDRS: u32 = 1_024;
+    /// Maglev lookup-table entries (`--bpf-map-maglev`): 1024 frontends with the default table
+    /// size of 1021 slots. The map is not preallocated, so it costs nothing with `random`.
+    pub const MAGLEV: u32 = 1_048_576;
 }
 
 /// Which traffic a frontend applies to.
@@ -113,6 +118,10 @@ pub mod frontend_flags {
     /// A ClusterIP reached from outside the node: SNAT only like kube-proxy's
     /// `KUBE-SVC` masquerade rule (masqueradeAll, or a client outside the cluster CIDR).
     pub const CLUSTER_IP: u8 = 16;
+    /// `--lb-algorithm maglev`: the tc programs pick new flows' backends from the frontend's
+    /// Maglev table in `KPR_MAGLEV` ([`super::FrontendValue::maglev_size`] slots) by a hash
+    /// of the 5-tuple. Only on external frontends; session affinity still goes first.
+    pub const MAGLEV: u8 = 32;
 }
 
 /// Bits of [`CtValue::flags`].
@@ -175,7 +184,9 @@ pub struct FrontendValue {
     pub flags: u8,
     /// `sessionAffinity` timeout in seconds (with [`frontend_flags::AFFINITY`]).
     pub affinity_timeout: u32,
-    pub _pad: u32,
+    /// Slots of the Maglev table in `generation` (with [`frontend_flags::MAGLEV`]; 0
+    /// otherwise). Written in the same update as the generation switch, like the count.
+    pub maglev_size: u32,
 }
 
 /// Key of `KPR_BACKEND_SLOTS`.
@@ -187,6 +198,19 @@ pub struct BackendSlotKey {
     pub slot: u16,
     pub generation: u8,
     pub _pad: u8,
+}
+
+/// Key of `KPR_MAGLEV` (value: a backend id): one slot of a frontend's Maglev lookup table.
+/// Generations work as for [`BackendSlotKey`]: the idle generation's table is written in full
+/// before the frontend switches to it, and the old one is deleted after.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct MaglevKey {
+    pub service_id: u32,
+    /// Slot index in `0..maglev_size`.
+    pub slot: u32,
+    pub generation: u8,
+    pub _pad: [u8; 3],
 }
 
 /// Value of `KPR_BACKENDS4` (keyed by a `u32` backend id allocated by the agent).
@@ -362,6 +386,7 @@ mod tests {
         assert_eq!(size_of::<Frontend6Key>(), 20);
         assert_eq!(size_of::<FrontendValue>(), 16);
         assert_eq!(size_of::<BackendSlotKey>(), 8);
+        assert_eq!(size_of::<MaglevKey>(), 12);
         assert_eq!(size_of::<Backend4>(), 8);
         assert_eq!(size_of::<Backend6>(), 20);
         assert_eq!(size_of::<RevNat4Key>(), 16);
