@@ -69,8 +69,10 @@ pub fn select_backend<B: Copy>(
     } else {
         None
     };
-    let backend_id = match maglev_hash {
-        Some(hash) => maglev::backend_id(frontend, hash),
+    // A missing table entry (a table the agent is rebuilding after a restart) falls back to
+    // random choice rather than dropping the flow.
+    let backend_id = match maglev_hash.and_then(|hash| maglev::backend_id(frontend, hash)) {
+        Some(id) => Some(id),
         None => random_backend_id(frontend),
     };
     let Some(backend_id) = backend_id else {

@@ -408,7 +408,14 @@ impl EbpfDataplane {
 
         bpffs::ensure_mounted(&options.bpf_root)?;
         let pin_dir = options.bpf_root.join(PIN_DIR_NAME);
-        prepare_pin_dir(&pin_dir)?;
+        // Random choice never uses the Maglev map; its bucket array (16 bytes per entry of
+        // capacity, allocated up front even without preallocation) would be wasted.
+        let maglev_capacity = if options.lb.maglev {
+            options.lb.maglev_capacity
+        } else {
+            1
+        };
+        prepare_pin_dir(&pin_dir, maglev_capacity)?;
         let adopting = map_names::PINNED
             .iter()
             .any(|name| pin_dir.join(name).exists());
@@ -423,7 +430,7 @@ impl EbpfDataplane {
             .map_max_entries(map_names::BACKENDS4, options.backends_capacity)
             .map_max_entries(map_names::BACKENDS6, options.backends_capacity)
             .map_max_entries(map_names::SOURCE_RANGES, options.frontends_capacity)
-            .map_max_entries(map_names::MAGLEV, options.lb.maglev_capacity)
+            .map_max_entries(map_names::MAGLEV, maglev_capacity)
             .load(object::OBJECT)?;
         let log_drain = start_log_drain(&mut ebpf);
 
@@ -797,7 +804,12 @@ pub const PIN_DIR_MODE: u32 = 0o700;
 /// Creates the pin directory (mode [`PIN_DIR_MODE`], also enforced on an existing one). Pins
 /// of maps whose layout differs from this build's (an older agent's) are removed: adopting
 /// them would misread every entry, so that one start begins from an empty map instead.
-fn prepare_pin_dir(pin_dir: &Path) -> Result<(), LoadError> {
+///
+/// The Maglev map is also replaced when its capacity differs from `maglev_capacity`
+/// (`--lb-algorithm` or `--bpf-map-maglev` changed): aya would reuse the pin as it is. Its
+/// tables are then rebuilt by the first apply; until then the datapath's fallback for a
+/// missing table entry is random choice.
+fn prepare_pin_dir(pin_dir: &Path, maglev_capacity: u32) -> Result<(), LoadError> {
     use std::os::unix::fs::{DirBuilderExt as _, PermissionsExt as _};
     let to_error = |source| LoadError::PinDir {
         path: pin_dir.to_owned(),
@@ -823,6 +835,13 @@ fn prepare_pin_dir(pin_dir: &Path) -> Result<(), LoadError> {
             warn!(pin = %pin.display(), "pinned map has another layout; starting it empty");
             remove_if_present(&pin).map_err(to_error)?;
         }
+    }
+    let pin = pin_dir.join(map_names::MAGLEV);
+    if pin.exists()
+        && !MapInfo::from_pin(&pin).is_ok_and(|info| info.max_entries() == maglev_capacity)
+    {
+        info!(pin = %pin.display(), capacity = maglev_capacity, "Maglev map resized; its tables are rebuilt");
+        remove_if_present(&pin).map_err(to_error)?;
     }
     Ok(())
 }

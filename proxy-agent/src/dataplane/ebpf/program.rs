@@ -159,6 +159,8 @@ struct AppliedFrontend {
     source_ranges: Vec<IpNet>,
     /// Read back from maps with missing slots: rewrite on the next apply even if it looks equal.
     damaged: bool,
+    /// Read back with a Maglev table missing entries: rewrite on the next apply.
+    maglev_incomplete: bool,
 }
 
 impl AppliedFrontend {
@@ -294,13 +296,17 @@ impl Programmer {
                     _ => damaged = true,
                 }
             }
-            for maglev_key in maglev_keys(&value) {
-                match content.maglev.get(&maglev_key) {
-                    Some(id) if slots.contains(id) => {
-                        live_maglev.insert(maglev_key);
-                    }
-                    _ => damaged = true,
-                }
+            let table: Vec<MaglevKey> = maglev_keys(&value).collect();
+            let maglev_incomplete = !table
+                .iter()
+                .all(|k| content.maglev.get(k).is_some_and(|id| slots.contains(id)));
+            if maglev_incomplete {
+                // Its entries are deleted below and the next apply rewrites it; meanwhile the
+                // datapath falls back to random choice where the table misses, and the slots
+                // stay in use (unlike a damaged frontend's).
+                warn!(frontend = %key, "adopted frontend has an incomplete Maglev table; it will be rewritten");
+            } else {
+                live_maglev.extend(table);
             }
             if damaged {
                 // Keep what is there so the slots are cleaned up by the rewrite.
@@ -336,6 +342,7 @@ impl Programmer {
                     backends,
                     source_ranges,
                     damaged,
+                    maglev_incomplete,
                 },
             );
         }
@@ -484,6 +491,7 @@ impl Programmer {
                 let maglev_size = self.maglev_size_for(&key, backends.len());
                 if let Some(applied) = self.frontends.get_mut(&key)
                     && !applied.damaged
+                    && !applied.maglev_incomplete
                     && applied.backends == backends
                     && applied.affinity_timeout() == frontend.affinity_timeout
                     && applied.policy_flags() == frontend.flags
@@ -705,6 +713,7 @@ impl Programmer {
                 backends,
                 source_ranges,
                 damaged: false,
+                maglev_incomplete: false,
             },
         );
         if let Some(old) = old {

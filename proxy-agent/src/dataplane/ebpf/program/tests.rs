@@ -802,9 +802,14 @@ fn adoption_rewrites_a_frontend_whose_maglev_table_is_incomplete() {
     };
     maps.maglev.remove(&lost);
 
+    let slots = maps.slots.clone();
     let mut adopted = Programmer::adopt(maps.content(), &mut maps);
     adopted.set_maglev_table_size(Some(7));
-    assert!(maps.maglev.is_empty(), "a damaged table is deleted");
+    assert!(maps.maglev.is_empty(), "an incomplete table is deleted");
+    assert_eq!(
+        maps.slots, slots,
+        "the slots stay for random choice meanwhile"
+    );
     let (summary, errors) = adopted.apply(snapshot(&[(nodeport, &[1, 2])]), &mut maps);
     assert!(errors.is_empty(), "{errors:?}");
     assert_eq!(summary.frontends_written, 1);
