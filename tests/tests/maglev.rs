@@ -1,8 +1,10 @@
-//! `--lb-algorithm maglev` with the real agent and real packets: UDP flows from the `ext`
-//! namespace to a NodePort (the tc programs) land on the backend their 5-tuple hashes to, and
-//! the same tuples land on the same backends again after the whole datapath state (conntrack,
-//! tables, pins) is removed with `--cleanup` and rebuilt by a new agent. Random choice would
-//! keep all of 60 flows on their backends with probability 3^-60. Needs root.
+//! `--lb-algorithm maglev` with the real agent and real packets: an agent switched from random
+//! to maglev on the same pins (its Maglev map is recreated with the maglev capacity) sends UDP
+//! flows from the `ext` namespace to a NodePort (the tc programs) to the backend their 5-tuple
+//! hashes to, and the same tuples land on the same backends again after the whole datapath
+//! state (conntrack, tables, pins) is removed with `--cleanup` and rebuilt by a new agent.
+//! Random choice would keep all of 60 flows on their backends with probability 3^-60 (measured
+//! with random when this test was written: 18 of 60). Needs root.
 
 use std::collections::BTreeMap;
 use std::net::{IpAddr, SocketAddr, UdpSocket};
@@ -12,6 +14,7 @@ use std::time::{Duration, Instant};
 use proxy_tests::manifests::{Protocol, SlicePort, endpoint_slice_yaml};
 use proxy_tests::scenario::{BACKEND_PORT, DATAPATH_TIMEOUT, Scenario, pod_endpoint};
 use proxy_tests::topology::Topology;
+use proxy_tests::wait::wait_until;
 
 const NODE_PORT: u16 = 30053;
 const PODS: usize = 3;
@@ -113,13 +116,27 @@ fn maglev_node_port_flows_keep_their_backend_across_a_datapath_rebuild() -> anyh
     let mut s = Scenario::new(PODS)?;
     s.manifests.write("svc.yaml", &udp_service())?;
     s.manifests.write("slice.yaml", &udp_slice())?;
-    s.start_agent_with_args(
-        "ebpf",
-        &["--interfaces", "vext", "--lb-algorithm", "maglev"],
-    )?;
+    s.start_agent_with_args("ebpf", &["--interfaces", "vext"])?;
     let target = SocketAddr::new(IpAddr::V4(Topology::node_ext_ip()), NODE_PORT);
     let ports: Vec<u16> = FLOW_PORTS.collect();
+    wait_for_datapath(&s, target, 39_997)?;
 
+    // Random → maglev on the same pins.
+    let agent = s.agent()?;
+    agent.stop()?;
+    agent.restart_with_args(&["--interfaces", "vext", "--lb-algorithm", "maglev"])?;
+    // The old programs stay attached meanwhile: wait for the new agent's first sync.
+    let agent = s.agent()?;
+    wait_until(
+        "the restarted agent's first sync",
+        DATAPATH_TIMEOUT,
+        Duration::from_millis(100),
+        || agent.log_contents().matches("sync applied").count() >= 2,
+    )?;
+    let resized = agent.log_contents().contains("Maglev map resized");
+    s.ensure(resized, || {
+        "the Maglev map should be recreated for maglev".into()
+    })?;
     wait_for_datapath(&s, target, 39_999)?;
     let first = send_flows(s.topo.ext().path(), target, ports.clone())?;
     let counts = tally(&first);
