@@ -281,8 +281,8 @@ pub struct Args {
     )]
     pub bpf_map_backends: Option<String>,
 
-    /// Capacity of the Maglev table map in slots (default 1048576): enough for
-    /// N / --bpf-maglev-table-size external frontends.
+    /// Capacity of the Maglev table map in blocks of 16 slots (default 65536: 1024 external
+    /// frontends with 1021-slot tables). Only allocated with --lb-algorithm maglev.
     #[arg(
         long,
         value_name = "N",

@@ -3,7 +3,7 @@
 //! tuple always hashes to the same slot, so after a change of backends a flow keeps its backend
 //! unless the table moved that slot (few slots move: see the agent's `maglev` module).
 
-use proxy_common::{FrontendValue, MaglevKey};
+use proxy_common::{FrontendValue, MAGLEV_BLOCK_SLOTS, MaglevKey};
 
 use crate::maps::KPR_MAGLEV;
 
@@ -52,10 +52,14 @@ pub fn backend_id(frontend: &FrontendValue, hash: u32) -> Option<u32> {
     let slot = hash.checked_rem(frontend.maglev_size)?;
     let key = MaglevKey {
         service_id: frontend.service_id,
-        slot,
+        block: slot / MAGLEV_BLOCK_SLOTS,
         generation: frontend.generation,
         _pad: [0; 3],
     };
-    // SAFETY: the value is a plain integer, copied out at once; the agent writes whole values.
-    unsafe { KPR_MAGLEV.get(key) }.copied()
+    // SAFETY: the value is plain integers, read at once; the agent writes whole values.
+    let block = unsafe { KPR_MAGLEV.get(key) }?;
+    block
+        .backend_ids
+        .get((slot % MAGLEV_BLOCK_SLOTS) as usize)
+        .copied()
 }

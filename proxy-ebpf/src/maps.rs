@@ -10,8 +10,8 @@ use aya_ebpf::{
 };
 use proxy_common::{
     AffinityKey, AffinityMatchKey, AffinityValue, Backend4, Backend6, BackendSlotKey, CtKey,
-    CtValue, Frontend4Key, Frontend6Key, FrontendValue, MaglevKey, NodeAddrKey, NodeConfig,
-    RevNat4, RevNat4Key, RevNat6, RevNat6Key, SourceRangeKey, default_sizes,
+    CtValue, Frontend4Key, Frontend6Key, FrontendValue, MaglevBlock, MaglevKey, NodeAddrKey,
+    NodeConfig, RevNat4, RevNat4Key, RevNat6, RevNat6Key, SourceRangeKey, default_sizes,
 };
 
 #[map]
@@ -26,11 +26,11 @@ pub static KPR_FRONTENDS6: HashMap<Frontend6Key, FrontendValue> =
 pub static KPR_BACKEND_SLOTS: HashMap<BackendSlotKey, u32> =
     HashMap::pinned(default_sizes::BACKEND_SLOTS, 0);
 
-/// Maglev lookup tables: (service id, slot, generation) → backend id. Not preallocated: the
-/// capacity is a bound (`--bpf-map-maglev`), the memory follows the tables actually written,
-/// and with `--lb-algorithm random` there are none.
+/// Maglev lookup tables: (service id, block, generation) → the backend ids of a block of
+/// slots. Not preallocated: the capacity is a bound (`--bpf-map-maglev`), the memory follows
+/// the tables actually written, and with `--lb-algorithm random` there are none.
 #[map]
-pub static KPR_MAGLEV: HashMap<MaglevKey, u32> =
+pub static KPR_MAGLEV: HashMap<MaglevKey, MaglevBlock> =
     HashMap::pinned(default_sizes::MAGLEV, BPF_F_NO_PREALLOC);
 
 #[map]

@@ -33,8 +33,9 @@ use aya_log::EbpfLogger;
 use ipnet::IpNet;
 use proxy_common::{
     AffinityKey, AffinityMatchKey, AffinityValue, Backend4, Backend6, BackendSlotKey, CtKey,
-    CtValue, Frontend4Key, Frontend6Key, FrontendValue, MaglevKey, NodeAddrKey, NodeConfig,
-    RevNat4, RevNat4Key, RevNat6, RevNat6Key, SourceRangeKey, StatIndex, map_names, program_names,
+    CtValue, Frontend4Key, Frontend6Key, FrontendValue, MaglevBlock, MaglevKey, NodeAddrKey,
+    NodeConfig, RevNat4, RevNat4Key, RevNat6, RevNat6Key, SourceRangeKey, StatIndex, map_names,
+    program_names,
 };
 use tokio::{io::unix::AsyncFd, task::JoinHandle};
 use tracing::{debug, info, warn};
@@ -85,7 +86,7 @@ pub struct LbOptions {
     pub maglev: bool,
     /// Slots of each external frontend's Maglev table: a prime (see `maglev`).
     pub maglev_table_size: u32,
-    /// Capacity of `KPR_MAGLEV` in table slots.
+    /// Capacity of `KPR_MAGLEV` in blocks of `MAGLEV_BLOCK_SLOTS` slots.
     pub maglev_capacity: u32,
 }
 
@@ -153,7 +154,7 @@ struct ServiceMaps {
     revnat4: HashMap<MapData, RevNat4Key, RevNat4>,
     revnat6: HashMap<MapData, RevNat6Key, RevNat6>,
     source_ranges: LpmTrie<MapData, SourceRangeKey, u8>,
-    maglev: HashMap<MapData, MaglevKey, u32>,
+    maglev: HashMap<MapData, MaglevKey, MaglevBlock>,
 }
 
 /// The LPM key of a frontend's source range: 32 bits of service id, then the prefix.
@@ -249,9 +250,9 @@ impl MapOps for ServiceMaps {
                 .remove(&source_range_key(service_id, range)),
         )
     }
-    fn put_maglev(&mut self, key: MaglevKey, backend_id: u32) -> Result<(), MapWriteError> {
+    fn put_maglev(&mut self, key: MaglevKey, block: MaglevBlock) -> Result<(), MapWriteError> {
         self.maglev
-            .insert(key, backend_id, 0)
+            .insert(key, block, 0)
             .map_err(|e| map_error(map_names::MAGLEV, e))
     }
     fn delete_maglev(&mut self, key: MaglevKey) -> Result<(), MapWriteError> {
@@ -890,7 +891,11 @@ fn expected_layouts() -> [(&'static str, u32, u32); 15] {
         ),
         (map_names::NODE_ADDRS, size::<NodeAddrKey>(), size::<u8>()),
         (map_names::NODE_CONFIG, size::<u32>(), size::<NodeConfig>()),
-        (map_names::MAGLEV, size::<MaglevKey>(), size::<u32>()),
+        (
+            map_names::MAGLEV,
+            size::<MaglevKey>(),
+            size::<MaglevBlock>(),
+        ),
     ]
 }
 

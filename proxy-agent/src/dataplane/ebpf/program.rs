@@ -22,7 +22,7 @@ use std::{
 use ipnet::IpNet;
 use proxy_common::{
     AffinityMatchKey, Backend4, Backend6, BackendSlotKey, Frontend4Key, Frontend6Key,
-    FrontendValue, MaglevKey, frontend_flags, scope,
+    FrontendValue, MAGLEV_BLOCK_SLOTS, MaglevBlock, MaglevKey, frontend_flags, scope,
 };
 use tracing::{debug, info, warn};
 
@@ -90,7 +90,7 @@ pub trait MapOps {
     fn delete_affinity_match(&mut self, key: AffinityMatchKey) -> Result<(), MapWriteError>;
     fn put_source_range(&mut self, service_id: u32, range: IpNet) -> Result<(), MapWriteError>;
     fn delete_source_range(&mut self, service_id: u32, range: IpNet) -> Result<(), MapWriteError>;
-    fn put_maglev(&mut self, key: MaglevKey, backend_id: u32) -> Result<(), MapWriteError>;
+    fn put_maglev(&mut self, key: MaglevKey, block: MaglevBlock) -> Result<(), MapWriteError>;
     fn delete_maglev(&mut self, key: MaglevKey) -> Result<(), MapWriteError>;
 }
 
@@ -178,7 +178,7 @@ fn affinity_of(value: &FrontendValue) -> Option<u32> {
     (value.flags & frontend_flags::AFFINITY != 0).then_some(value.affinity_timeout)
 }
 
-/// The Maglev table slots of a frontend value in its live generation (none without a table).
+/// The Maglev table blocks of a frontend value in its live generation (none without a table).
 fn maglev_keys(value: &FrontendValue) -> impl Iterator<Item = MaglevKey> + use<> {
     let size = if value.flags & frontend_flags::MAGLEV != 0 {
         value.maglev_size
@@ -186,11 +186,32 @@ fn maglev_keys(value: &FrontendValue) -> impl Iterator<Item = MaglevKey> + use<>
         0
     };
     let (service_id, generation) = (value.service_id, value.generation);
-    (0..size).map(move |slot| MaglevKey {
+    (0..size.div_ceil(MAGLEV_BLOCK_SLOTS)).map(move |block| MaglevKey {
         service_id,
-        slot,
+        block,
         generation,
         _pad: [0; 3],
+    })
+}
+
+/// Whether every slot of `value`'s live Maglev table is in `maglev` and one of `slots`.
+fn maglev_complete(
+    value: &FrontendValue,
+    maglev: &BTreeMap<MaglevKey, MaglevBlock>,
+    slots: &[u32],
+) -> bool {
+    maglev_keys(value).all(|key| {
+        let used = value
+            .maglev_size
+            .saturating_sub(key.block * MAGLEV_BLOCK_SLOTS)
+            .min(MAGLEV_BLOCK_SLOTS) as usize;
+        maglev.get(&key).is_some_and(|block| {
+            block
+                .backend_ids
+                .iter()
+                .take(used)
+                .all(|id| slots.contains(id))
+        })
     })
 }
 
@@ -209,7 +230,7 @@ pub struct MapsContent {
     pub affinity_matches: BTreeSet<AffinityMatchKey>,
     /// (service id, range) entries of the source-range map.
     pub source_ranges: BTreeSet<(u32, IpNet)>,
-    pub maglev: BTreeMap<MaglevKey, u32>,
+    pub maglev: BTreeMap<MaglevKey, MaglevBlock>,
 }
 
 /// The agent's record of what is in the maps, so each apply writes only the difference.
@@ -296,17 +317,14 @@ impl Programmer {
                     _ => damaged = true,
                 }
             }
-            let table: Vec<MaglevKey> = maglev_keys(&value).collect();
-            let maglev_incomplete = !table
-                .iter()
-                .all(|k| content.maglev.get(k).is_some_and(|id| slots.contains(id)));
+            let maglev_incomplete = !maglev_complete(&value, &content.maglev, &slots);
             if maglev_incomplete {
                 // Its entries are deleted below and the next apply rewrites it; meanwhile the
                 // datapath falls back to random choice where the table misses, and the slots
                 // stay in use (unlike a damaged frontend's).
                 warn!(frontend = %key, "adopted frontend has an incomplete Maglev table; it will be rewritten");
             } else {
-                live_maglev.extend(table);
+                live_maglev.extend(maglev_keys(&value));
             }
             if damaged {
                 // Keep what is there so the slots are cleaned up by the rewrite.
@@ -955,17 +973,29 @@ fn write_maglev(
             backends.len()
         )));
     }
-    for (slot, index) in (0..size).zip(table) {
-        let backend_id = slots.get(index as usize).copied().ok_or_else(|| {
-            MapWriteError::Other(format!("Maglev table entry {index} is not a backend"))
-        })?;
+    let ids = table
+        .iter()
+        .map(|&index| {
+            slots.get(index as usize).copied().ok_or_else(|| {
+                MapWriteError::Other(format!("Maglev table entry {index} is not a backend"))
+            })
+        })
+        .collect::<Result<Vec<u32>, _>>()?;
+    for (block, chunk) in (0u32..).zip(ids.chunks(MAGLEV_BLOCK_SLOTS as usize)) {
+        // The last block's tail is past the table size and never read: repeat a valid id.
+        let mut value = MaglevBlock {
+            backend_ids: [chunk.first().copied().unwrap_or_default(); MAGLEV_BLOCK_SLOTS as usize],
+        };
+        for (entry, id) in value.backend_ids.iter_mut().zip(chunk) {
+            *entry = *id;
+        }
         let key = MaglevKey {
             service_id,
-            slot,
+            block,
             generation,
             _pad: [0; 3],
         };
-        maps.put_maglev(key, backend_id)?;
+        maps.put_maglev(key, value)?;
         written.maglev.push(key);
     }
     Ok(())

@@ -17,7 +17,7 @@ struct FakeMaps {
     slots: BTreeMap<BackendSlotKey, u32>,
     backends: BTreeMap<u32, BackendValue>,
     matches: BTreeSet<AffinityMatchKey>,
-    maglev: BTreeMap<MaglevKey, u32>,
+    maglev: BTreeMap<MaglevKey, MaglevBlock>,
     slot_capacity: usize,
     writes: usize,
 }
@@ -96,17 +96,19 @@ impl FakeMaps {
                     }]
                 })
                 .collect();
-            for slot in 0..value.maglev_size {
-                let id = self
+            for block in 0..value.maglev_size.div_ceil(MAGLEV_BLOCK_SLOTS) {
+                let entry = self
                     .maglev
                     .get(&MaglevKey {
                         service_id: value.service_id,
-                        slot,
+                        block,
                         generation: value.generation,
                         _pad: [0; 3],
                     })
-                    .unwrap_or_else(|| panic!("{key:?}: Maglev slot {slot} missing"));
-                assert!(own.contains(id), "{key:?}: Maglev slot {slot} → {id}");
+                    .unwrap_or_else(|| panic!("{key:?}: Maglev block {block} missing"));
+                for id in &entry.backend_ids {
+                    assert!(own.contains(id), "{key:?}: Maglev block {block} → {id}");
+                }
                 reachable_maglev += 1;
             }
         }
@@ -205,12 +207,12 @@ impl MapOps for FakeMaps {
         self.writes += 1;
         Ok(())
     }
-    fn put_maglev(&mut self, key: MaglevKey, backend_id: u32) -> Result<(), MapWriteError> {
+    fn put_maglev(&mut self, key: MaglevKey, block: MaglevBlock) -> Result<(), MapWriteError> {
         if !self.maglev.contains_key(&key) && self.maglev.len() >= self.slot_capacity {
             return Err(MapWriteError::Full("maglev"));
         }
         self.writes += 1;
-        self.maglev.insert(key, backend_id);
+        self.maglev.insert(key, block);
         Ok(())
     }
     fn delete_maglev(&mut self, key: MaglevKey) -> Result<(), MapWriteError> {
@@ -705,10 +707,11 @@ fn maglev_pods(maps: &FakeMaps, key: &FrontendKey) -> Vec<u8> {
         .map(|slot| {
             let id = maps.maglev[&MaglevKey {
                 service_id: value.service_id,
-                slot,
+                block: slot / MAGLEV_BLOCK_SLOTS,
                 generation: value.generation,
                 _pad: [0; 3],
-            }];
+            }]
+                .backend_ids[(slot % MAGLEV_BLOCK_SLOTS) as usize];
             match maps.backends[&id].socket_addr().ip() {
                 IpAddr::V4(ip) => ip.octets()[2],
                 IpAddr::V6(ip) => ip.octets()[15],
@@ -737,8 +740,8 @@ fn maglev_tables_follow_external_frontends_through_generations() {
     assert_ne!(value(&maps, nodeport).flags & frontend_flags::MAGLEV, 0);
     assert_eq!(
         maps.maglev.len(),
-        M as usize,
-        "one table, for the external frontend"
+        1,
+        "one table (one block of 16 slots), for the external frontend"
     );
     let before = maglev_pods(&maps, &nodeport);
     for pod in [1, 2, 3] {
@@ -814,18 +817,19 @@ fn adoption_rewrites_a_frontend_whose_maglev_table_is_incomplete() {
     assert!(errors.is_empty(), "{errors:?}");
     assert_eq!(summary.frontends_written, 1);
     maps.check_invariants();
-    assert_eq!(maps.maglev.len(), 7);
+    assert_eq!(maps.maglev.len(), 1, "7 slots: one block");
 }
 
 #[test]
 fn a_maglev_table_that_does_not_fit_leaves_the_previous_one() {
     let mut maps = FakeMaps::with_slot_capacity(20);
     let mut programmer = Programmer::default();
-    programmer.set_maglev_table_size(Some(11));
+    // 167 slots: 11 blocks, so two tables do not fit in 20 entries.
+    programmer.set_maglev_table_size(Some(167));
     let nodeport = external(key([0, 0, 0, 0], 30080));
     let (_, errors) = programmer.apply(snapshot(&[(nodeport, &[1, 2])]), &mut maps);
     assert!(errors.is_empty(), "{errors:?}");
-    // A second table of 11 does not fit next to the first during the switch.
+    // A second table does not fit next to the first during the switch.
     let (_, errors) = programmer.apply(snapshot(&[(nodeport, &[1, 3])]), &mut maps);
     assert!(errors.iter().all(ApplyError::is_capacity), "{errors:?}");
     assert_eq!(errors.len(), 1);
