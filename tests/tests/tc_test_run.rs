@@ -426,10 +426,17 @@ fn no_endpoints_answers_port_unreachable() {
 
 /// The `spread` Service: NodePort TCP 30090, eTP Cluster, with one endpoint per address.
 fn program_spread(node: &mut Node, backends: &[&str]) {
-    let yaml = "apiVersion: v1\nkind: Service\nmetadata: {name: spread, namespace: default}\n\
-                spec: {type: NodePort, clusterIP: 10.96.0.30, ports: [\
-                {name: http, port: 80, protocol: TCP, targetPort: 8080, nodePort: 30090}]}\n";
-    let service: Service = serde_yaml::from_str(yaml).expect("service yaml");
+    program_spread_with(node, backends, "None");
+}
+
+/// [`program_spread`] with the given `sessionAffinity`.
+fn program_spread_with(node: &mut Node, backends: &[&str], affinity: &str) {
+    let yaml = format!(
+        "apiVersion: v1\nkind: Service\nmetadata: {{name: spread, namespace: default}}\n\
+         spec: {{type: NodePort, clusterIP: 10.96.0.30, sessionAffinity: {affinity}, ports: [\
+         {{name: http, port: 80, protocol: TCP, targetPort: 8080, nodePort: 30090}}]}}\n"
+    );
+    let service: Service = serde_yaml::from_str(&yaml).expect("service yaml");
     let endpoints: Vec<String> = backends
         .iter()
         .map(|addr| {
@@ -582,4 +589,28 @@ fn maglev_keeps_most_flows_on_their_backend_when_one_leaves() {
             "maglev: {backend} took only {n} of the removed backend's {leaving_flows} flows"
         );
     }
+}
+
+/// Session affinity goes before Maglev: flows of one client with different source ports (which
+/// Maglev alone spreads over the backends) all go to the backend of its first flow.
+#[test]
+fn session_affinity_keeps_priority_over_maglev() {
+    let lb = LbOptions {
+        maglev: true,
+        ..LbOptions::default()
+    };
+    let backends = with_node_lb(lb, |node| {
+        program_spread_with(node, &SPREAD_BACKENDS, "ClientIP");
+        let frontend = sa(NODE_IP, 30090);
+        (0..50u16)
+            .map(|i| {
+                let frame = build(sa(CLIENT, 30_000 + i), frontend, L4::TcpSyn, b"");
+                let (action, out) = run(node, program_names::TC_EXTERNAL, &frame, node.ext0);
+                assert_eq!(action, TC_ACT_REDIRECT);
+                out.dst
+            })
+            .collect::<std::collections::BTreeSet<IpAddr>>()
+    });
+    eprintln!("50 flows of one client with affinity and maglev went to {backends:?}");
+    assert_eq!(backends.len(), 1, "{backends:?}");
 }
