@@ -614,3 +614,58 @@ fn session_affinity_keeps_priority_over_maglev() {
     eprintln!("50 flows of one client with affinity and maglev went to {backends:?}");
     assert_eq!(backends.len(), 1, "{backends:?}");
 }
+
+/// Maglev over IPv6: a dual-stack NodePort's IPv6 flows spread over the backends, and the same
+/// tuples get the same backends again after conntrack is cleared (random would not).
+#[test]
+fn maglev_ipv6_flows_keep_their_backend_for_the_same_tuple() {
+    let lb = LbOptions {
+        maglev: true,
+        ..LbOptions::default()
+    };
+    let (first, second) = with_node_lb(lb, |node| {
+        let yaml = "apiVersion: v1\nkind: Service\nmetadata: {name: spread6, namespace: default}\n\
+                    spec: {type: NodePort, clusterIP: 'fd00:96::30', clusterIPs: ['fd00:96::30'], \
+                    ipFamilies: [IPv6], ipFamilyPolicy: SingleStack, ports: [\
+                    {name: http, port: 80, protocol: TCP, targetPort: 8080, nodePort: 30091}]}\n";
+        let service: Service = serde_yaml::from_str(yaml).expect("service yaml");
+        let yaml = "apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\n\
+                    metadata: {name: spread6-1, namespace: default, labels: {kubernetes.io/service-name: spread6}}\n\
+                    addressType: IPv6\nports: [{name: http, port: 8080, protocol: TCP}]\n\
+                    endpoints: [{addresses: ['fd00:244:1::2']}, {addresses: ['fd00:244:1::3']}, \
+                    {addresses: ['fd00:244:1::4']}]\n";
+        let slice: EndpointSlice = serde_yaml::from_str(yaml).expect("slice yaml");
+        let objects = Objects::new(
+            BTreeMap::from([(key("spread6"), service)]),
+            BTreeMap::from([(key("spread6-1"), slice)]),
+            None,
+        );
+        let (_, errors) = node
+            .dataplane
+            .apply(&Snapshot::compute(&objects, NODE), None);
+        assert!(errors.is_empty(), "apply errors: {errors:?}");
+        let frontend = sa(NODE_IP6, 30091);
+        let round = |node: &mut Node| -> Vec<IpAddr> {
+            node.dataplane.clear_conntrack().expect("clear conntrack");
+            (0..200u16)
+                .map(|i| {
+                    let frame = build(sa(CLIENT6, 30_000 + i), frontend, L4::TcpSyn, b"");
+                    let (action, out) = run(node, program_names::TC_EXTERNAL, &frame, node.ext0);
+                    assert_eq!(action, TC_ACT_REDIRECT);
+                    out.dst
+                })
+                .collect()
+        };
+        let first = round(node);
+        let second = round(node);
+        (first, second)
+    });
+    let mut counts = BTreeMap::new();
+    for backend in &first {
+        *counts.entry(*backend).or_insert(0usize) += 1;
+    }
+    let same = first.iter().zip(&second).filter(|(a, b)| a == b).count();
+    eprintln!("IPv6 maglev: flows per backend {counts:?}; {same} of 200 on the same backend again");
+    assert_eq!(counts.len(), 3, "{counts:?}");
+    assert_eq!(same, first.len());
+}
