@@ -281,6 +281,38 @@ pub struct Args {
     )]
     pub bpf_map_backends: Option<String>,
 
+    /// Capacity of the Maglev table map in blocks of 16 slots (default 65536: 1024 external
+    /// frontends with 1021-slot tables). Only allocated with --lb-algorithm maglev.
+    #[arg(
+        long,
+        value_name = "N",
+        allow_hyphen_values = true,
+        help_heading = "kubeproxy-rs additions"
+    )]
+    pub bpf_map_maglev: Option<String>,
+
+    /// Backend choice for new external flows (tc: NodePort, externalIPs, LoadBalancer IPs,
+    /// ClusterIPs from outside): 'random' (default) or 'maglev' (consistent hashing of the
+    /// 5-tuple, so a change of backends moves few flows). Socket-level load balancing of local
+    /// clients is always random.
+    #[arg(
+        long,
+        value_name = "ALGORITHM",
+        allow_hyphen_values = true,
+        help_heading = "kubeproxy-rs additions"
+    )]
+    pub lb_algorithm: Option<String>,
+
+    /// Slots of each external frontend's Maglev table, a prime (default 1021); more slots
+    /// spread backends more evenly and move fewer flows, at 4 bytes (plus map overhead) each.
+    #[arg(
+        long,
+        value_name = "PRIME",
+        allow_hyphen_values = true,
+        help_heading = "kubeproxy-rs additions"
+    )]
+    pub bpf_maglev_table_size: Option<String>,
+
     /// Network interfaces for the packet-level programs, comma-separated (not used yet).
     #[arg(
         long,

@@ -15,7 +15,7 @@ use tokio::{
 use tracing::{debug, error, info, warn};
 
 use crate::{
-    config::{Config, DetectLocal, NodePortAddresses, ProxyMode},
+    config::{Config, DetectLocal, LbAlgorithm, NodePortAddresses, ProxyMode},
     conntrack::{self, ConntrackSettings},
     dataplane::{
         ebpf::{self, ApplyError, EbpfDataplane, EbpfOptions},
@@ -276,6 +276,11 @@ impl Dataplane {
                 bpf_root: config.ebpf.bpf_root.clone(),
                 frontends_capacity: config.ebpf.map_frontends,
                 backends_capacity: config.ebpf.map_backends,
+                lb: ebpf::LbOptions {
+                    maglev: config.ebpf.lb_algorithm == LbAlgorithm::Maglev,
+                    maglev_table_size: config.ebpf.maglev_table_size,
+                    maglev_capacity: config.ebpf.map_maglev,
+                },
                 tc: ebpf::TcOptions {
                     interfaces: config.ebpf.interfaces.clone(),
                     node_port_cidrs: match &config.node_port_addresses {

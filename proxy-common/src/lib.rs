@@ -36,6 +36,10 @@ mod pod {
     // SAFETY: as above.
     unsafe impl aya::Pod for BackendSlotKey {}
     // SAFETY: as above.
+    unsafe impl aya::Pod for MaglevKey {}
+    // SAFETY: as above.
+    unsafe impl aya::Pod for MaglevBlock {}
+    // SAFETY: as above.
     unsafe impl aya::Pod for Backend4 {}
     // SAFETY: as above.
     unsafe impl aya::Pod for Backend6 {}

@@ -25,9 +25,10 @@ pub mod map_names {
     pub const SOURCE_RANGES: &str = "KPR_SOURCE_RANGES";
     pub const NODE_ADDRS: &str = "KPR_NODE_ADDRS";
     pub const NODE_CONFIG: &str = "KPR_NODE_CONFIG";
+    pub const MAGLEV: &str = "KPR_MAGLEV";
 
     /// Every map the agent pins (and `--cleanup` removes).
-    pub const PINNED: [&str; 14] = [
+    pub const PINNED: [&str; 15] = [
         FRONTENDS4,
         FRONTENDS6,
         BACKEND_SLOTS,
@@ -42,6 +43,7 @@ pub mod map_names {
         SOURCE_RANGES,
         NODE_ADDRS,
         NODE_CONFIG,
+        MAGLEV,
     ];
 }
 
@@ -88,6 +90,9 @@ pub mod default_sizes {
     pub const CT: u32 = 262_144;
     pub const SOURCE_RANGES: u32 = 16_384;
     pub const NODE_ADDRS: u32 = 1_024;
+    /// Maglev table blocks of [`crate::MAGLEV_BLOCK_SLOTS`] slots (`--bpf-map-maglev`): 1024
+    /// frontends × 64 blocks (the default table size of 1021 slots). Not preallocated.
+    pub const MAGLEV: u32 = 65_536;
 }
 
 /// Which traffic a frontend applies to.
@@ -113,6 +118,10 @@ pub mod frontend_flags {
     /// A ClusterIP reached from outside the node: SNAT only like kube-proxy's
     /// `KUBE-SVC` masquerade rule (masqueradeAll, or a client outside the cluster CIDR).
     pub const CLUSTER_IP: u8 = 16;
+    /// `--lb-algorithm maglev`: the tc programs pick new flows' backends from the frontend's
+    /// Maglev table in `KPR_MAGLEV` ([`super::FrontendValue::maglev_size`] slots) by a hash
+    /// of the 5-tuple. Only on external frontends; session affinity still goes first.
+    pub const MAGLEV: u8 = 32;
 }
 
 /// Bits of [`CtValue::flags`].
@@ -175,7 +184,9 @@ pub struct FrontendValue {
     pub flags: u8,
     /// `sessionAffinity` timeout in seconds (with [`frontend_flags::AFFINITY`]).
     pub affinity_timeout: u32,
-    pub _pad: u32,
+    /// Slots of the Maglev table in `generation` (with [`frontend_flags::MAGLEV`]; 0
+    /// otherwise). Written in the same update as the generation switch, like the count.
+    pub maglev_size: u32,
 }
 
 /// Key of `KPR_BACKEND_SLOTS`.
@@ -187,6 +198,34 @@ pub struct BackendSlotKey {
     pub slot: u16,
     pub generation: u8,
     pub _pad: u8,
+}
+
+/// Slots per `KPR_MAGLEV` entry. A hash-map element costs far more than its 4-byte value
+/// (measured with fdinfo `memlock`: 160 bytes per single-slot element, so 163 KiB for a
+/// 1021-slot table); blocks of 16 bring a table to 64 elements, 18 KiB (286 bytes each), and
+/// the agent's writes per table from 1021 to 64.
+pub const MAGLEV_BLOCK_SLOTS: u32 = 16;
+
+/// Key of `KPR_MAGLEV`: one block of a frontend's Maglev lookup table (slots
+/// `block * MAGLEV_BLOCK_SLOTS ..`). Generations work as for [`BackendSlotKey`]: the idle
+/// generation's table is written in full before the frontend switches to it, and the old one
+/// is deleted after.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct MaglevKey {
+    pub service_id: u32,
+    /// Block index in `0..maglev_size.div_ceil(MAGLEV_BLOCK_SLOTS)`.
+    pub block: u32,
+    pub generation: u8,
+    pub _pad: [u8; 3],
+}
+
+/// Value of `KPR_MAGLEV`: the backend ids of one block's slots (in the last block, entries
+/// past the table size repeat a valid id and are never read).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct MaglevBlock {
+    pub backend_ids: [u32; MAGLEV_BLOCK_SLOTS as usize],
 }
 
 /// Value of `KPR_BACKENDS4` (keyed by a `u32` backend id allocated by the agent).
@@ -362,6 +401,8 @@ mod tests {
         assert_eq!(size_of::<Frontend6Key>(), 20);
         assert_eq!(size_of::<FrontendValue>(), 16);
         assert_eq!(size_of::<BackendSlotKey>(), 8);
+        assert_eq!(size_of::<MaglevKey>(), 12);
+        assert_eq!(size_of::<MaglevBlock>(), 64);
         assert_eq!(size_of::<Backend4>(), 8);
         assert_eq!(size_of::<Backend6>(), 20);
         assert_eq!(size_of::<RevNat4Key>(), 16);

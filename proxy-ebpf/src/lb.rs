@@ -1,4 +1,5 @@
-//! Backend selection: frontend value → (session affinity | random slot) → backend id → backend.
+//! Backend selection: frontend value → (session affinity | Maglev slot | random slot) → backend
+//! id → backend.
 //! Shared by IPv4 and IPv6; only the backend map differs.
 
 use aya_ebpf::{
@@ -11,6 +12,7 @@ use proxy_common::{
 };
 
 use crate::{
+    maglev,
     maps::{KPR_AFFINITY, KPR_AFFINITY_MATCH, KPR_BACKEND_SLOTS},
     stats::bump,
 };
@@ -31,11 +33,15 @@ pub enum Decision<B> {
 /// Without affinity the choice is uniform at random, like kube-proxy's iptables `statistic`
 /// rules per connection. With affinity, a client keeps the backend it used last as long as it
 /// comes back within the timeout (measured from its last use, like `-m recent --rcheck
-/// --seconds`) and the backend is still in the service.
+/// --seconds`) and the backend is still in the service. A frontend with a Maglev table
+/// ([`frontend_flags::MAGLEV`], external frontends only) takes the table's entry for
+/// `flow_hash` instead of a random one; callers without a flow tuple (the socket hooks) give
+/// `None` and stay random.
 #[inline(always)]
 pub fn select_backend<B: Copy>(
     frontend: &FrontendValue,
     client: impl FnOnce() -> u64,
+    flow_hash: impl FnOnce() -> Option<u32>,
     backends: &HashMap<u32, B>,
 ) -> Decision<B> {
     if frontend.backend_count == 0 {
@@ -58,17 +64,18 @@ pub fn select_backend<B: Copy>(
         affinity_key = Some(key);
     }
 
-    // SAFETY: bpf_get_prandom_u32 has no preconditions.
-    let random = unsafe { bpf_get_prandom_u32() };
-    let slot_key = BackendSlotKey {
-        service_id: frontend.service_id,
-        slot: (random % u32::from(frontend.backend_count)) as u16,
-        generation: frontend.generation,
-        _pad: 0,
+    let maglev_hash = if frontend.flags & frontend_flags::MAGLEV != 0 {
+        flow_hash()
+    } else {
+        None
     };
-    // SAFETY: map values are plain integers, copied out at once; the agent replaces values
-    // with whole-value updates, so a copy is always one complete value.
-    let Some(backend_id) = (unsafe { KPR_BACKEND_SLOTS.get(slot_key) }).copied() else {
+    // A missing table entry (a table the agent is rebuilding after a restart) falls back to
+    // random choice rather than dropping the flow.
+    let backend_id = match maglev_hash.and_then(|hash| maglev::backend_id(frontend, hash)) {
+        Some(id) => Some(id),
+        None => random_backend_id(frontend),
+    };
+    let Some(backend_id) = backend_id else {
         return Decision::BackendMissing;
     };
     // SAFETY: as above.
@@ -79,6 +86,21 @@ pub fn select_backend<B: Copy>(
         remember(&key, backend_id, now);
     }
     Decision::Backend(backend)
+}
+
+#[inline(always)]
+fn random_backend_id(frontend: &FrontendValue) -> Option<u32> {
+    // SAFETY: bpf_get_prandom_u32 has no preconditions.
+    let random = unsafe { bpf_get_prandom_u32() };
+    let slot_key = BackendSlotKey {
+        service_id: frontend.service_id,
+        slot: (random % u32::from(frontend.backend_count)) as u16,
+        generation: frontend.generation,
+        _pad: 0,
+    };
+    // SAFETY: map values are plain integers, copied out at once; the agent replaces values
+    // with whole-value updates, so a copy is always one complete value.
+    (unsafe { KPR_BACKEND_SLOTS.get(slot_key) }).copied()
 }
 
 #[inline(always)]

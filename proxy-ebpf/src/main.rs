@@ -15,6 +15,8 @@ mod icmp;
 #[cfg(target_arch = "bpf")]
 mod lb;
 #[cfg(target_arch = "bpf")]
+mod maglev;
+#[cfg(target_arch = "bpf")]
 mod maps;
 #[cfg(target_arch = "bpf")]
 mod nat;

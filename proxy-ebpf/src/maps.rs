@@ -4,13 +4,14 @@
 //! its bpffs directory.
 
 use aya_ebpf::{
+    bindings::BPF_F_NO_PREALLOC,
     macros::map,
     maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray},
 };
 use proxy_common::{
     AffinityKey, AffinityMatchKey, AffinityValue, Backend4, Backend6, BackendSlotKey, CtKey,
-    CtValue, Frontend4Key, Frontend6Key, FrontendValue, NodeAddrKey, NodeConfig, RevNat4,
-    RevNat4Key, RevNat6, RevNat6Key, SourceRangeKey, default_sizes,
+    CtValue, Frontend4Key, Frontend6Key, FrontendValue, MaglevBlock, MaglevKey, NodeAddrKey,
+    NodeConfig, RevNat4, RevNat4Key, RevNat6, RevNat6Key, SourceRangeKey, default_sizes,
 };
 
 #[map]
@@ -24,6 +25,13 @@ pub static KPR_FRONTENDS6: HashMap<Frontend6Key, FrontendValue> =
 #[map]
 pub static KPR_BACKEND_SLOTS: HashMap<BackendSlotKey, u32> =
     HashMap::pinned(default_sizes::BACKEND_SLOTS, 0);
+
+/// Maglev lookup tables: (service id, block, generation) → the backend ids of a block of
+/// slots. Not preallocated: the capacity is a bound (`--bpf-map-maglev`), the memory follows
+/// the tables actually written, and with `--lb-algorithm random` there are none.
+#[map]
+pub static KPR_MAGLEV: HashMap<MaglevKey, MaglevBlock> =
+    HashMap::pinned(default_sizes::MAGLEV, BPF_F_NO_PREALLOC);
 
 #[map]
 pub static KPR_BACKENDS4: HashMap<u32, Backend4> = HashMap::pinned(default_sizes::BACKENDS, 0);

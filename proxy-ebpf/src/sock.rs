@@ -129,7 +129,7 @@ pub fn translate4(ctx: &SockAddrContext, hook: Hook) -> i32 {
     let Some(frontend) = (unsafe { KPR_FRONTENDS4.get(key) }).copied() else {
         return ALLOW;
     };
-    match select_backend(&frontend, || netns_cookie(ctx), &KPR_BACKENDS4) {
+    match select_backend(&frontend, || netns_cookie(ctx), || None, &KPR_BACKENDS4) {
         Decision::NoBackends => {
             bump(hook.rejected());
             refuse()
@@ -175,7 +175,7 @@ pub fn translate6(ctx: &SockAddrContext, hook: Hook) -> i32 {
     let Some(frontend) = (unsafe { KPR_FRONTENDS6.get(key) }).copied() else {
         return ALLOW;
     };
-    match select_backend(&frontend, || netns_cookie(ctx), &KPR_BACKENDS6) {
+    match select_backend(&frontend, || netns_cookie(ctx), || None, &KPR_BACKENDS6) {
         Decision::NoBackends => {
             bump(hook.rejected());
             refuse()

@@ -25,6 +25,7 @@ use proxy_common::{
 use crate::{
     conntrack, icmp,
     lb::{Decision, select_backend},
+    maglev,
     maps::{
         KPR_BACKENDS4, KPR_BACKENDS6, KPR_FRONTENDS4, KPR_FRONTENDS6, KPR_NODE_ADDRS,
         KPR_NODE_CONFIG, KPR_SOURCE_RANGES, KPR_TC_SCRATCH,
@@ -264,16 +265,20 @@ fn source_allowed(pkt: &Packet, frontend: &FrontendValue) -> bool {
 #[inline(always)]
 fn choose(pkt: &Packet, frontend: &FrontendValue) -> Decision<([u32; 4], u16)> {
     let s = pkt.src;
+    let hash = || {
+        let ports = (u32::from(pkt.sport) << 16) | u32::from(pkt.dport);
+        Some(maglev::flow_hash(&pkt.src, &pkt.dst, ports, pkt.proto))
+    };
     if pkt.is_v6() {
         let client = || (u64::from(s[0] ^ s[2]) << 32) | u64::from(s[1] ^ s[3]);
-        match select_backend(frontend, client, &KPR_BACKENDS6) {
+        match select_backend(frontend, client, hash, &KPR_BACKENDS6) {
             Decision::Backend(b) => Decision::Backend((b.addr, b.port)),
             Decision::NoBackends => Decision::NoBackends,
             Decision::BackendMissing => Decision::BackendMissing,
         }
     } else {
         let client = || u64::from(s[0]);
-        match select_backend(frontend, client, &KPR_BACKENDS4) {
+        match select_backend(frontend, client, hash, &KPR_BACKENDS4) {
             Decision::Backend(b) => Decision::Backend(([b.addr, 0, 0, 0], b.port)),
             Decision::NoBackends => Decision::NoBackends,
             Decision::BackendMissing => Decision::BackendMissing,

@@ -173,6 +173,13 @@ impl Agent {
         self.restart()
     }
 
+    /// Like [`Agent::restart`], with other extra command-line arguments (a flag change on the
+    /// same pins).
+    pub fn restart_with_args(&mut self, args: &[&str]) -> Result<()> {
+        self.config.extra_args = args.iter().map(|a| (*a).to_owned()).collect();
+        self.restart()
+    }
+
     /// Runs `proxy-agent --cleanup` on this agent's bpffs root (bounded); returns its status.
     pub fn run_cleanup(&self) -> Result<ExitStatus> {
         // In the agent's namespace: `--cleanup` also removes iptables rules, and those of the

@@ -26,7 +26,7 @@ use std::{
 use aya::maps::{HashMap, Map, MapData};
 use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
 use proxy_agent::{
-    dataplane::ebpf::{EbpfDataplane, EbpfOptions, PIN_DIR_NAME, TcOptions},
+    dataplane::ebpf::{EbpfDataplane, EbpfOptions, LbOptions, PIN_DIR_NAME, TcOptions},
     desired::Snapshot,
     objects::{ObjectKey, Objects},
 };
@@ -70,6 +70,14 @@ fn ifindex(name: &str) -> u32 {
 /// Runs `f` on a thread inside a fresh node namespace (namespaces are per thread; the test_run
 /// and the fib lookup it makes use the caller's namespace).
 fn with_node(f: impl FnOnce(&mut Node) + Send + 'static) {
+    with_node_lb(LbOptions::default(), f);
+}
+
+/// [`with_node`] with the given `--lb-algorithm` options; returns what `f` returns.
+fn with_node_lb<R: Send + 'static>(
+    lb: LbOptions,
+    f: impl FnOnce(&mut Node) -> R + Send + 'static,
+) -> R {
     proxy_tests::require_root();
     let ns = Netns::new("tcrun").expect("netns");
     for (dev, v4, v6) in [
@@ -93,7 +101,7 @@ fn with_node(f: impl FnOnce(&mut Node) + Send + 'static) {
     ns.sysctl("net.ipv6.conf.all.forwarding", "1")
         .expect("sysctl");
     let path = ns.path();
-    std::thread::spawn(move || {
+    let result = std::thread::spawn(move || {
         let file = std::fs::File::open(&path).expect("open netns");
         nix::sched::setns(&file, nix::sched::CloneFlags::CLONE_NEWNET).expect("setns");
         let runtime = tokio::runtime::Builder::new_current_thread()
@@ -108,6 +116,7 @@ fn with_node(f: impl FnOnce(&mut Node) + Send + 'static) {
             bpf_root: PathBuf::from(bpf.path()),
             frontends_capacity: 1024,
             backends_capacity: 1024,
+            lb,
             tc: TcOptions {
                 interfaces: vec!["ext0".into()],
                 cluster_cidrs: vec!["10.244.0.0/16".parse().expect("cidr")],
@@ -123,11 +132,12 @@ fn with_node(f: impl FnOnce(&mut Node) + Send + 'static) {
             bpf,
             _cgroup: cgroup,
         };
-        f(&mut node);
+        f(&mut node)
     })
     .join()
     .expect("test thread");
     drop(ns);
+    result
 }
 
 fn key(name: &str) -> ObjectKey {
@@ -675,4 +685,250 @@ fn sctp_conntrack_outlives_udp_and_expires_after_210_s() {
             assert_eq!(again.dport(), expected, "{l4:?} after {age_s} s idle");
         }
     });
+}
+
+/// The `spread` Service: NodePort TCP 30090, eTP Cluster, with one endpoint per address.
+fn program_spread(node: &mut Node, backends: &[&str]) {
+    program_spread_with(node, backends, "None");
+}
+
+/// [`program_spread`] with the given `sessionAffinity`.
+fn program_spread_with(node: &mut Node, backends: &[&str], affinity: &str) {
+    let yaml = format!(
+        "apiVersion: v1\nkind: Service\nmetadata: {{name: spread, namespace: default}}\n\
+         spec: {{type: NodePort, clusterIP: 10.96.0.30, sessionAffinity: {affinity}, ports: [\
+         {{name: http, port: 80, protocol: TCP, targetPort: 8080, nodePort: 30090}}]}}\n"
+    );
+    let service: Service = serde_yaml::from_str(&yaml).expect("service yaml");
+    let endpoints: Vec<String> = backends
+        .iter()
+        .map(|addr| {
+            format!("{{addresses: ['{addr}'], nodeName: {NODE}, conditions: {{ready: true}}}}")
+        })
+        .collect();
+    let yaml = format!(
+        "apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\n\
+         metadata: {{name: spread-4, namespace: default, labels: {{kubernetes.io/service-name: spread}}}}\n\
+         addressType: IPv4\nports: [{{name: http, port: 8080, protocol: TCP}}]\n\
+         endpoints: [{}]\n",
+        endpoints.join(", ")
+    );
+    let slice: EndpointSlice = serde_yaml::from_str(&yaml).expect("slice yaml");
+    let objects = Objects::new(
+        BTreeMap::from([(key("spread"), service)]),
+        BTreeMap::from([(key("spread-4"), slice)]),
+        None,
+    );
+    let snapshot = Snapshot::compute(&objects, NODE);
+    let (summary, errors) = node.dataplane.apply(&snapshot, None);
+    assert!(errors.is_empty(), "apply errors: {errors:?}");
+    assert!(summary.frontends_written > 0, "{summary:?}");
+}
+
+const FLOWS: u16 = 2000;
+const SPREAD_BACKENDS: [&str; 5] = [
+    "10.244.1.2",
+    "10.244.1.3",
+    "10.244.1.4",
+    "10.244.1.5",
+    "10.244.1.6",
+];
+/// The backend that leaves between the two rounds.
+const LEAVING: &str = "10.244.1.4";
+
+/// Sends one SYN per flow (distinct client ports) to the `spread` NodePort after clearing the
+/// tc conntrack, so every flow is new and takes a fresh backend decision; returns each flow's
+/// backend address as the program translated it.
+fn send_flows(node: &mut Node) -> Vec<IpAddr> {
+    let cleared = node.dataplane.clear_conntrack().expect("clear conntrack");
+    eprintln!("cleared {cleared} conntrack entries");
+    let frontend = sa(NODE_IP, 30090);
+    (0..FLOWS)
+        .map(|i| {
+            let client = sa(CLIENT, 20_000 + i);
+            let frame = build(client, frontend, L4::TcpSyn, b"");
+            let (action, out) = run(node, program_names::TC_EXTERNAL, &frame, node.ext0);
+            assert_eq!(action, TC_ACT_REDIRECT, "flow {client}: action");
+            assert_eq!(out.dport(), 8080, "flow {client}: DNAT port");
+            out.dst
+        })
+        .collect()
+}
+
+/// What a change of backends did to the same flows.
+struct Disruption {
+    /// Share of the flows whose backend stayed in the Service that changed backend anyway.
+    survivors_moved: f64,
+    /// How the leaving backend's flows spread over the remaining backends.
+    leaving_spread: BTreeMap<IpAddr, usize>,
+    /// Flows per backend in the first round.
+    first: BTreeMap<IpAddr, usize>,
+}
+
+/// Sends [`FLOWS`] new flows to 5 backends, removes one backend through the real apply, and
+/// sends the same flows (same 5-tuples, conntrack cleared) again.
+fn measure_disruption(lb: LbOptions) -> Disruption {
+    with_node_lb(lb, |node| {
+        program_spread(node, &SPREAD_BACKENDS);
+        let before = send_flows(node);
+        let remaining: Vec<&str> = SPREAD_BACKENDS
+            .into_iter()
+            .filter(|b| *b != LEAVING)
+            .collect();
+        program_spread(node, &remaining);
+        let after = send_flows(node);
+
+        let leaving: IpAddr = LEAVING.parse().expect("ip");
+        let mut first = BTreeMap::new();
+        let mut leaving_spread = BTreeMap::new();
+        let (mut survivors, mut moved) = (0usize, 0usize);
+        for (old, new) in before.iter().zip(&after) {
+            *first.entry(*old).or_insert(0) += 1;
+            assert_ne!(*new, leaving, "a flow went to the removed backend");
+            if *old == leaving {
+                *leaving_spread.entry(*new).or_insert(0) += 1;
+            } else {
+                survivors += 1;
+                moved += usize::from(old != new);
+            }
+        }
+        Disruption {
+            survivors_moved: moved as f64 / survivors.max(1) as f64,
+            leaving_spread,
+            first,
+        }
+    })
+}
+
+/// `--lb-algorithm maglev`: removing one of five backends moves only the flows that were on it
+/// (and a few more, from the table refill), where random choice moves most flows; new flows are
+/// spread evenly over the backends either way.
+#[test]
+fn maglev_keeps_most_flows_on_their_backend_when_one_leaves() {
+    let maglev = measure_disruption(LbOptions {
+        maglev: true,
+        ..LbOptions::default()
+    });
+    let random = measure_disruption(LbOptions::default());
+    for (name, d) in [("maglev", &maglev), ("random", &random)] {
+        eprintln!(
+            "{name}: {:.1}% of the flows of surviving backends moved; first round per backend \
+             {:?}; the removed backend's flows went to {:?}",
+            d.survivors_moved * 100.0,
+            d.first.values().collect::<Vec<_>>(),
+            d.leaving_spread.values().collect::<Vec<_>>(),
+        );
+        assert_eq!(
+            d.first.len(),
+            SPREAD_BACKENDS.len(),
+            "{name}: {:?}",
+            d.first
+        );
+        let even = f64::from(FLOWS) / SPREAD_BACKENDS.len() as f64;
+        for (backend, &n) in &d.first {
+            let ratio = n as f64 / even;
+            assert!(
+                (0.75..=1.25).contains(&ratio),
+                "{name}: backend {backend} got {n} of {FLOWS} flows"
+            );
+        }
+    }
+    assert!(
+        maglev.survivors_moved < 0.10,
+        "maglev moved {:.1}% of surviving flows",
+        maglev.survivors_moved * 100.0
+    );
+    assert!(
+        random.survivors_moved > 0.5,
+        "random moved only {:.1}% of surviving flows",
+        random.survivors_moved * 100.0
+    );
+    // The removed backend's flows (about 400) are shared by all four others, none left out.
+    let leaving_flows: usize = maglev.leaving_spread.values().sum();
+    assert_eq!(maglev.leaving_spread.len(), SPREAD_BACKENDS.len() - 1);
+    for (backend, &n) in &maglev.leaving_spread {
+        assert!(
+            n * 10 >= leaving_flows,
+            "maglev: {backend} took only {n} of the removed backend's {leaving_flows} flows"
+        );
+    }
+}
+
+/// Session affinity goes before Maglev: flows of one client with different source ports (which
+/// Maglev alone spreads over the backends) all go to the backend of its first flow.
+#[test]
+fn session_affinity_keeps_priority_over_maglev() {
+    let lb = LbOptions {
+        maglev: true,
+        ..LbOptions::default()
+    };
+    let backends = with_node_lb(lb, |node| {
+        program_spread_with(node, &SPREAD_BACKENDS, "ClientIP");
+        let frontend = sa(NODE_IP, 30090);
+        (0..50u16)
+            .map(|i| {
+                let frame = build(sa(CLIENT, 30_000 + i), frontend, L4::TcpSyn, b"");
+                let (action, out) = run(node, program_names::TC_EXTERNAL, &frame, node.ext0);
+                assert_eq!(action, TC_ACT_REDIRECT);
+                out.dst
+            })
+            .collect::<std::collections::BTreeSet<IpAddr>>()
+    });
+    eprintln!("50 flows of one client with affinity and maglev went to {backends:?}");
+    assert_eq!(backends.len(), 1, "{backends:?}");
+}
+
+/// Maglev over IPv6: a dual-stack NodePort's IPv6 flows spread over the backends, and the same
+/// tuples get the same backends again after conntrack is cleared (random would not).
+#[test]
+fn maglev_ipv6_flows_keep_their_backend_for_the_same_tuple() {
+    let lb = LbOptions {
+        maglev: true,
+        ..LbOptions::default()
+    };
+    let (first, second) = with_node_lb(lb, |node| {
+        let yaml = "apiVersion: v1\nkind: Service\nmetadata: {name: spread6, namespace: default}\n\
+                    spec: {type: NodePort, clusterIP: 'fd00:96::30', clusterIPs: ['fd00:96::30'], \
+                    ipFamilies: [IPv6], ipFamilyPolicy: SingleStack, ports: [\
+                    {name: http, port: 80, protocol: TCP, targetPort: 8080, nodePort: 30091}]}\n";
+        let service: Service = serde_yaml::from_str(yaml).expect("service yaml");
+        let yaml = "apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\n\
+                    metadata: {name: spread6-1, namespace: default, labels: {kubernetes.io/service-name: spread6}}\n\
+                    addressType: IPv6\nports: [{name: http, port: 8080, protocol: TCP}]\n\
+                    endpoints: [{addresses: ['fd00:244:1::2']}, {addresses: ['fd00:244:1::3']}, \
+                    {addresses: ['fd00:244:1::4']}]\n";
+        let slice: EndpointSlice = serde_yaml::from_str(yaml).expect("slice yaml");
+        let objects = Objects::new(
+            BTreeMap::from([(key("spread6"), service)]),
+            BTreeMap::from([(key("spread6-1"), slice)]),
+            None,
+        );
+        let (_, errors) = node
+            .dataplane
+            .apply(&Snapshot::compute(&objects, NODE), None);
+        assert!(errors.is_empty(), "apply errors: {errors:?}");
+        let frontend = sa(NODE_IP6, 30091);
+        let round = |node: &mut Node| -> Vec<IpAddr> {
+            node.dataplane.clear_conntrack().expect("clear conntrack");
+            (0..200u16)
+                .map(|i| {
+                    let frame = build(sa(CLIENT6, 30_000 + i), frontend, L4::TcpSyn, b"");
+                    let (action, out) = run(node, program_names::TC_EXTERNAL, &frame, node.ext0);
+                    assert_eq!(action, TC_ACT_REDIRECT);
+                    out.dst
+                })
+                .collect()
+        };
+        let first = round(node);
+        let second = round(node);
+        (first, second)
+    });
+    let mut counts = BTreeMap::new();
+    for backend in &first {
+        *counts.entry(*backend).or_insert(0usize) += 1;
+    }
+    let same = first.iter().zip(&second).filter(|(a, b)| a == b).count();
+    eprintln!("IPv6 maglev: flows per backend {counts:?}; {same} of 200 on the same backend again");
+    assert_eq!(counts.len(), 3, "{counts:?}");
+    assert_eq!(same, first.len());
 }

@@ -8,12 +8,15 @@
 use std::str::FromStr;
 
 use super::{
-    EbpfConfig, GoDuration, Origins, Problem, Source,
+    EbpfConfig, GoDuration, LbAlgorithm, Origins, Problem, Source,
     defaults::append_port_if_needed,
     defaults::{HEALTHZ_PORT, METRICS_PORT},
     file::KubeProxyConfiguration,
 };
-use crate::cli::Args;
+use crate::{
+    cli::Args,
+    dataplane::ebpf::{MAX_MAGLEV_TABLE_SIZE, is_valid_table_size},
+};
 
 /// Settings that only exist as flags.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -253,6 +256,35 @@ pub fn apply(
             Ok(0) => overlay.flag_only(flag, text, "must be greater than 0".to_owned()),
             Ok(v) => *slot = v,
             Err(reason) => overlay.flag_only(flag, text, reason),
+        }
+    }
+    if let Some(text) = &args.bpf_map_maglev {
+        match parse_int::<u32>(text) {
+            Ok(0) => overlay.flag_only("bpf-map-maglev", text, "must be greater than 0".to_owned()),
+            Ok(v) => ebpf.map_maglev = v,
+            Err(reason) => overlay.flag_only("bpf-map-maglev", text, reason),
+        }
+    }
+    if let Some(text) = &args.lb_algorithm {
+        match text.as_str() {
+            "random" => ebpf.lb_algorithm = LbAlgorithm::Random,
+            "maglev" => ebpf.lb_algorithm = LbAlgorithm::Maglev,
+            _ => overlay.flag_only("lb-algorithm", text, "must be random or maglev".to_owned()),
+        }
+    }
+    if let Some(text) = &args.bpf_maglev_table_size {
+        match parse_int::<u32>(text) {
+            Ok(m) if m <= MAX_MAGLEV_TABLE_SIZE && is_valid_table_size(m) => {
+                ebpf.maglev_table_size = m;
+            }
+            Ok(_) => overlay.flag_only(
+                "bpf-maglev-table-size",
+                text,
+                format!(
+                    "must be a prime between 3 and {MAX_MAGLEV_TABLE_SIZE} (e.g. 1021, 4093, 16381)"
+                ),
+            ),
+            Err(reason) => overlay.flag_only("bpf-maglev-table-size", text, reason),
         }
     }
     if let Some(names) = &args.interfaces {

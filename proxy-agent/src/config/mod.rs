@@ -172,6 +172,20 @@ pub struct EbpfConfig {
     pub map_backends: u32,
     /// `--interfaces` (for the tc programs; not used yet).
     pub interfaces: Vec<String>,
+    /// `--lb-algorithm`.
+    pub lb_algorithm: LbAlgorithm,
+    /// `--bpf-maglev-table-size` (a prime).
+    pub maglev_table_size: u32,
+    /// `--bpf-map-maglev`.
+    pub map_maglev: u32,
+}
+
+/// `--lb-algorithm`: how the tc programs choose a backend for a new external flow.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub enum LbAlgorithm {
+    #[default]
+    Random,
+    Maglev,
 }
 
 impl Default for EbpfConfig {
@@ -183,6 +197,9 @@ impl Default for EbpfConfig {
             map_frontends: proxy_common::default_sizes::FRONTENDS,
             map_backends: proxy_common::default_sizes::BACKENDS,
             interfaces: Vec::new(),
+            lb_algorithm: LbAlgorithm::Random,
+            maglev_table_size: crate::dataplane::ebpf::DEFAULT_MAGLEV_TABLE_SIZE,
+            map_maglev: proxy_common::default_sizes::MAGLEV,
         }
     }
 }

@@ -92,6 +92,8 @@ fn defaults_are_upstreams() {
     assert!(!c.cleanup);
     assert_eq!(c.ebpf, EbpfConfig::default());
     assert_eq!(c.ebpf.bpf_root, PathBuf::from("/sys/fs/bpf"));
+    assert_eq!(c.ebpf.lb_algorithm, LbAlgorithm::Random);
+    assert_eq!(c.ebpf.maglev_table_size, 1021);
 
     let d = loaded.document;
     assert_eq!(d.ipvs.sync_period.to_string(), "30s");
@@ -344,6 +346,16 @@ fn every_flag_overrides_the_file() {
             &["--interfaces", "eth0,eth1", "--interfaces", "bond0"],
             |c| c.ebpf.interfaces == ["eth0", "eth1", "bond0"],
         ),
+        (&["--lb-algorithm", "maglev"], |c| {
+            c.ebpf.lb_algorithm == LbAlgorithm::Maglev
+        }),
+        (&["--lb-algorithm", "random"], |c| {
+            c.ebpf.lb_algorithm == LbAlgorithm::Random
+        }),
+        (&["--bpf-maglev-table-size", "16381"], |c| {
+            c.ebpf.maglev_table_size == 16381
+        }),
+        (&["--bpf-map-maglev", "5000"], |c| c.ebpf.map_maglev == 5000),
     ];
     for (flags, check) in cases {
         let mut list = vec!["--config", config];
@@ -835,6 +847,38 @@ fn every_invalid_value_is_reported_with_source_field_and_value() {
             "many",
         ),
         (&["--interfaces", "eth0,a/b"], "--interfaces", "", "a/b"),
+        (&["--lb-algorithm", "ring"], "--lb-algorithm", "", "ring"),
+        (
+            &["--lb-algorithm", "Maglev"],
+            "--lb-algorithm",
+            "",
+            "Maglev",
+        ),
+        (
+            &["--bpf-maglev-table-size", "1024"],
+            "--bpf-maglev-table-size",
+            "",
+            "1024",
+        ),
+        (
+            &["--bpf-maglev-table-size", "2"],
+            "--bpf-maglev-table-size",
+            "",
+            "2",
+        ),
+        (
+            &["--bpf-maglev-table-size", "131101"],
+            "--bpf-maglev-table-size",
+            "",
+            "131101",
+        ),
+        (
+            &["--bpf-maglev-table-size", "-7"],
+            "--bpf-maglev-table-size",
+            "",
+            "-7",
+        ),
+        (&["--bpf-map-maglev", "0"], "--bpf-map-maglev", "", "0"),
     ];
     for (flags, source, field, value) in flag_cases {
         let lines = problems(flags);

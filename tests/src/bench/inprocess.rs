@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use proxy_agent::dataplane::ebpf::TcOptions;
-use proxy_agent::dataplane::ebpf::{self, EbpfDataplane, EbpfOptions};
+use proxy_agent::dataplane::ebpf::{self, EbpfDataplane, EbpfOptions, LbOptions};
 use proxy_agent::dataplane::iptables::{
     FamilyRules, HostFeatures, IptablesConfig, IptablesDataplane, SyncInput, generate,
 };
@@ -151,6 +151,7 @@ fn ebpf_in_current_netns(w: Workload, changes: usize) -> Result<EbpfResult> {
         bpf_root: root.path().to_path_buf(),
         frontends_capacity: DEFAULT_FRONTENDS_CAPACITY,
         backends_capacity: capacity,
+        lb: LbOptions::default(),
         tc: TcOptions::default(),
     })
     .map_err(|e| RigError::Other(format!("starting the eBPF dataplane: {e}")))?;

@@ -33,14 +33,15 @@ use aya_log::EbpfLogger;
 use ipnet::IpNet;
 use proxy_common::{
     AffinityKey, AffinityMatchKey, AffinityValue, Backend4, Backend6, BackendSlotKey, CtKey,
-    CtValue, Frontend4Key, Frontend6Key, FrontendValue, NodeAddrKey, NodeConfig, RevNat4,
-    RevNat4Key, RevNat6, RevNat6Key, SourceRangeKey, StatIndex, map_names, program_names,
+    CtValue, Frontend4Key, Frontend6Key, FrontendValue, MaglevBlock, MaglevKey, NodeAddrKey,
+    NodeConfig, RevNat4, RevNat4Key, RevNat6, RevNat6Key, SourceRangeKey, StatIndex, map_names,
+    program_names,
 };
 use tokio::{io::unix::AsyncFd, task::JoinHandle};
 use tracing::{debug, info, warn};
 
 use super::{
-    ApplyError, ApplySummary, MapOps, MapWriteError, Programmer, bpffs, cgroup, ct, object,
+    ApplyError, ApplySummary, MapOps, MapWriteError, Programmer, bpffs, cgroup, ct, maglev, object,
     program::{
         BackendValue, FrontendMapKey, MapsContent, ip4_from_map, ip4_to_map, ip6_from_map,
         ip6_to_map,
@@ -72,8 +73,31 @@ pub struct EbpfOptions {
     pub bpf_root: PathBuf,
     pub frontends_capacity: u32,
     pub backends_capacity: u32,
+    /// `--lb-algorithm` and the Maglev table for external traffic.
+    pub lb: LbOptions,
     /// Interfaces and node facts for the tc programs.
     pub tc: TcOptions,
+}
+
+/// `--lb-algorithm`, `--bpf-maglev-table-size`, `--bpf-map-maglev`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LbOptions {
+    /// Maglev for new external (tc) flows; random otherwise (socket-level LB always is).
+    pub maglev: bool,
+    /// Slots of each external frontend's Maglev table: a prime (see `maglev`).
+    pub maglev_table_size: u32,
+    /// Capacity of `KPR_MAGLEV` in blocks of `MAGLEV_BLOCK_SLOTS` slots.
+    pub maglev_capacity: u32,
+}
+
+impl Default for LbOptions {
+    fn default() -> Self {
+        LbOptions {
+            maglev: false,
+            maglev_table_size: maglev::DEFAULT_TABLE_SIZE,
+            maglev_capacity: proxy_common::default_sizes::MAGLEV,
+        }
+    }
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -130,6 +154,7 @@ struct ServiceMaps {
     revnat4: HashMap<MapData, RevNat4Key, RevNat4>,
     revnat6: HashMap<MapData, RevNat6Key, RevNat6>,
     source_ranges: LpmTrie<MapData, SourceRangeKey, u8>,
+    maglev: HashMap<MapData, MaglevKey, MaglevBlock>,
 }
 
 /// The LPM key of a frontend's source range: 32 bits of service id, then the prefix.
@@ -225,6 +250,14 @@ impl MapOps for ServiceMaps {
                 .remove(&source_range_key(service_id, range)),
         )
     }
+    fn put_maglev(&mut self, key: MaglevKey, block: MaglevBlock) -> Result<(), MapWriteError> {
+        self.maglev
+            .insert(key, block, 0)
+            .map_err(|e| map_error(map_names::MAGLEV, e))
+    }
+    fn delete_maglev(&mut self, key: MaglevKey) -> Result<(), MapWriteError> {
+        ignore_missing(map_names::MAGLEV, self.maglev.remove(&key))
+    }
 }
 
 impl ServiceMaps {
@@ -245,6 +278,7 @@ impl ServiceMaps {
                 .map(|(k, v)| (FrontendMapKey::V6(k), v)),
         );
         content.slots.extend(self.slots.iter().flatten());
+        content.maglev.extend(self.maglev.iter().flatten());
         content.backends.extend(
             self.backends4
                 .iter()
@@ -375,7 +409,14 @@ impl EbpfDataplane {
 
         bpffs::ensure_mounted(&options.bpf_root)?;
         let pin_dir = options.bpf_root.join(PIN_DIR_NAME);
-        prepare_pin_dir(&pin_dir)?;
+        // Random choice never uses the Maglev map; its bucket array (16 bytes per entry of
+        // capacity, allocated up front even without preallocation) would be wasted.
+        let maglev_capacity = if options.lb.maglev {
+            options.lb.maglev_capacity
+        } else {
+            1
+        };
+        prepare_pin_dir(&pin_dir, maglev_capacity)?;
         let adopting = map_names::PINNED
             .iter()
             .any(|name| pin_dir.join(name).exists());
@@ -390,6 +431,7 @@ impl EbpfDataplane {
             .map_max_entries(map_names::BACKENDS4, options.backends_capacity)
             .map_max_entries(map_names::BACKENDS6, options.backends_capacity)
             .map_max_entries(map_names::SOURCE_RANGES, options.frontends_capacity)
+            .map_max_entries(map_names::MAGLEV, maglev_capacity)
             .load(object::OBJECT)?;
         let log_drain = start_log_drain(&mut ebpf);
 
@@ -403,6 +445,7 @@ impl EbpfDataplane {
             revnat4: take_map(&mut ebpf, map_names::REVNAT4)?,
             revnat6: take_map(&mut ebpf, map_names::REVNAT6)?,
             source_ranges: take_map(&mut ebpf, map_names::SOURCE_RANGES)?,
+            maglev: take_map(&mut ebpf, map_names::MAGLEV)?,
         };
         let stats = take_map(&mut ebpf, map_names::STATS)?;
         // The affinity map is only used by the datapath; it stays in `ebpf` (taking and
@@ -418,11 +461,12 @@ impl EbpfDataplane {
             take_map(&mut ebpf, map_names::NODE_CONFIG)?,
         );
 
-        let programmer = if adopting {
+        let mut programmer = if adopting {
             Programmer::adopt(maps.content(), &mut maps)
         } else {
             Programmer::default()
         };
+        programmer.set_maglev_table_size(options.lb.maglev.then_some(options.lb.maglev_table_size));
 
         let mut links = Vec::with_capacity(program_names::ALL.len());
         for name in program_names::ALL {
@@ -504,6 +548,18 @@ impl EbpfDataplane {
             name: map_names::CT,
             source,
         })
+    }
+
+    /// Deletes every tc conntrack entry, so the next packet of any flow is a new flow that
+    /// chooses its backend again. For tests (the agent itself only purges removed backends).
+    pub fn clear_conntrack(&mut self) -> Result<usize, LoadError> {
+        let mut map = self.conntrack_map()?;
+        let keys: Vec<CtKey> = map.keys().flatten().collect();
+        let mut deleted = 0;
+        for key in keys {
+            deleted += usize::from(map.remove(&key).is_ok());
+        }
+        Ok(deleted)
     }
 
     /// Every tc conntrack entry (a snapshot: the datapath keeps changing it). For tests and
@@ -749,7 +805,12 @@ pub const PIN_DIR_MODE: u32 = 0o700;
 /// Creates the pin directory (mode [`PIN_DIR_MODE`], also enforced on an existing one). Pins
 /// of maps whose layout differs from this build's (an older agent's) are removed: adopting
 /// them would misread every entry, so that one start begins from an empty map instead.
-fn prepare_pin_dir(pin_dir: &Path) -> Result<(), LoadError> {
+///
+/// The Maglev map is also replaced when its capacity differs from `maglev_capacity`
+/// (`--lb-algorithm` or `--bpf-map-maglev` changed): aya would reuse the pin as it is. Its
+/// tables are then rebuilt by the first apply; until then the datapath's fallback for a
+/// missing table entry is random choice.
+fn prepare_pin_dir(pin_dir: &Path, maglev_capacity: u32) -> Result<(), LoadError> {
     use std::os::unix::fs::{DirBuilderExt as _, PermissionsExt as _};
     let to_error = |source| LoadError::PinDir {
         path: pin_dir.to_owned(),
@@ -776,11 +837,18 @@ fn prepare_pin_dir(pin_dir: &Path) -> Result<(), LoadError> {
             remove_if_present(&pin).map_err(to_error)?;
         }
     }
+    let pin = pin_dir.join(map_names::MAGLEV);
+    if pin.exists()
+        && !MapInfo::from_pin(&pin).is_ok_and(|info| info.max_entries() == maglev_capacity)
+    {
+        info!(pin = %pin.display(), capacity = maglev_capacity, "Maglev map resized; its tables are rebuilt");
+        remove_if_present(&pin).map_err(to_error)?;
+    }
     Ok(())
 }
 
 /// (map, key size, value size) as this build declares them.
-fn expected_layouts() -> [(&'static str, u32, u32); 14] {
+fn expected_layouts() -> [(&'static str, u32, u32); 15] {
     fn size<T>() -> u32 {
         std::mem::size_of::<T>() as u32
     }
@@ -823,6 +891,11 @@ fn expected_layouts() -> [(&'static str, u32, u32); 14] {
         ),
         (map_names::NODE_ADDRS, size::<NodeAddrKey>(), size::<u8>()),
         (map_names::NODE_CONFIG, size::<u32>(), size::<NodeConfig>()),
+        (
+            map_names::MAGLEV,
+            size::<MaglevKey>(),
+            size::<MaglevBlock>(),
+        ),
     ]
 }
 

@@ -4,15 +4,18 @@
 //! (2) removing one backend moves few flows of the others — a flow hashed to a slot keeps its
 //! backend unless that slot was the removed backend's, or was taken over while refilling.
 //!
-//! Step 1 of `--lb-algorithm maglev`: the table builder and its disruption measurement. The
-//! per-frontend map, the generation switch and the tc lookup (slot = hash of the 5-tuple mod
-//! `M`) are not wired yet.
+//! `--lb-algorithm maglev`: the programmer writes each external frontend's table into
+//! `KPR_MAGLEV` (see `program`), the tc programs look up slot = hash of the 5-tuple mod `M`.
 
 use std::net::SocketAddr;
 
 /// The default table size: a prime well above the backend counts Services have, small enough
 /// that a table (4 bytes per slot) stays a few KiB per frontend. Cilium's default is 16381.
 pub const DEFAULT_TABLE_SIZE: u32 = 1021;
+
+/// The largest table size accepted (Cilium's largest, 2^17 - 1): a table is rebuilt and
+/// rewritten in full on every change of its frontend, one map update per slot.
+pub const MAX_TABLE_SIZE: u32 = 131_071;
 
 /// Whether `m` is usable as a table size (a prime ≥ 3: the permutation's skip must be coprime
 /// with `m` for every backend to visit every slot).

@@ -6,13 +6,6 @@ mod cgroup;
 mod ct;
 mod ids;
 mod loader;
-#[cfg_attr(
-    not(test),
-    expect(
-        dead_code,
-        reason = "step 1 of --lb-algorithm maglev: the table builder, not wired into the maps yet"
-    )
-)]
 mod maglev;
 mod object;
 mod program;
@@ -21,7 +14,12 @@ mod stats;
 mod tc;
 
 pub use loader::{
-    EbpfDataplane, EbpfOptions, LoadError, PIN_DIR_MODE, PIN_DIR_NAME, TcTestRun, cleanup,
+    EbpfDataplane, EbpfOptions, LbOptions, LoadError, PIN_DIR_MODE, PIN_DIR_NAME, TcTestRun,
+    cleanup,
+};
+pub use maglev::{
+    DEFAULT_TABLE_SIZE as DEFAULT_MAGLEV_TABLE_SIZE, MAX_TABLE_SIZE as MAX_MAGLEV_TABLE_SIZE,
+    is_valid_table_size,
 };
 pub use program::{
     ApplyError, ApplySummary, BackendValue, FrontendMapKey, MapOps, MapWriteError, MapsContent,

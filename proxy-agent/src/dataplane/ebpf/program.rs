@@ -7,6 +7,9 @@
 //! everything written for that frontend is taken back and the frontend keeps its previous,
 //! complete backend set.
 //!
+//! With `--lb-algorithm maglev` an external frontend also gets a Maglev lookup table of the idle
+//! generation, written with its slots before the switch and deleted with them after it.
+//!
 //! After an agent restart the state is read back from the pinned maps ([`Programmer::adopt`]):
 //! adopted frontends belong to no service port until a full apply claims them (unchanged ones
 //! without a single write) and the ones nobody claims are removed then.
@@ -19,11 +22,11 @@ use std::{
 use ipnet::IpNet;
 use proxy_common::{
     AffinityMatchKey, Backend4, Backend6, BackendSlotKey, Frontend4Key, Frontend6Key,
-    FrontendValue, frontend_flags, scope,
+    FrontendValue, MAGLEV_BLOCK_SLOTS, MaglevBlock, MaglevKey, frontend_flags, scope,
 };
 use tracing::{debug, info, warn};
 
-use super::ids::IdAllocator;
+use super::{ids::IdAllocator, maglev};
 use crate::desired::{
     Frontend, FrontendKey, IpFamily, Protocol, Scope, ServicePortName, Snapshot,
     external_frontends, socket_frontends,
@@ -87,6 +90,8 @@ pub trait MapOps {
     fn delete_affinity_match(&mut self, key: AffinityMatchKey) -> Result<(), MapWriteError>;
     fn put_source_range(&mut self, service_id: u32, range: IpNet) -> Result<(), MapWriteError>;
     fn delete_source_range(&mut self, service_id: u32, range: IpNet) -> Result<(), MapWriteError>;
+    fn put_maglev(&mut self, key: MaglevKey, block: MaglevBlock) -> Result<(), MapWriteError>;
+    fn delete_maglev(&mut self, key: MaglevKey) -> Result<(), MapWriteError>;
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -154,6 +159,8 @@ struct AppliedFrontend {
     source_ranges: Vec<IpNet>,
     /// Read back from maps with missing slots: rewrite on the next apply even if it looks equal.
     damaged: bool,
+    /// Read back with a Maglev table missing entries: rewrite on the next apply.
+    maglev_incomplete: bool,
 }
 
 impl AppliedFrontend {
@@ -161,14 +168,51 @@ impl AppliedFrontend {
         affinity_of(&self.value)
     }
 
-    /// The flags other than affinity (which [`Frontend::flags`] holds).
+    /// The flags [`Frontend::flags`] holds (affinity and Maglev are set by the programmer).
     fn policy_flags(&self) -> u8 {
-        self.value.flags & !frontend_flags::AFFINITY
+        self.value.flags & !(frontend_flags::AFFINITY | frontend_flags::MAGLEV)
     }
 }
 
 fn affinity_of(value: &FrontendValue) -> Option<u32> {
     (value.flags & frontend_flags::AFFINITY != 0).then_some(value.affinity_timeout)
+}
+
+/// The Maglev table blocks of a frontend value in its live generation (none without a table).
+fn maglev_keys(value: &FrontendValue) -> impl Iterator<Item = MaglevKey> + use<> {
+    let size = if value.flags & frontend_flags::MAGLEV != 0 {
+        value.maglev_size
+    } else {
+        0
+    };
+    let (service_id, generation) = (value.service_id, value.generation);
+    (0..size.div_ceil(MAGLEV_BLOCK_SLOTS)).map(move |block| MaglevKey {
+        service_id,
+        block,
+        generation,
+        _pad: [0; 3],
+    })
+}
+
+/// Whether every slot of `value`'s live Maglev table is in `maglev` and one of `slots`.
+fn maglev_complete(
+    value: &FrontendValue,
+    maglev: &BTreeMap<MaglevKey, MaglevBlock>,
+    slots: &[u32],
+) -> bool {
+    maglev_keys(value).all(|key| {
+        let used = value
+            .maglev_size
+            .saturating_sub(key.block * MAGLEV_BLOCK_SLOTS)
+            .min(MAGLEV_BLOCK_SLOTS) as usize;
+        maglev.get(&key).is_some_and(|block| {
+            block
+                .backend_ids
+                .iter()
+                .take(used)
+                .all(|id| slots.contains(id))
+        })
+    })
 }
 
 #[derive(Debug, Default)]
@@ -186,6 +230,7 @@ pub struct MapsContent {
     pub affinity_matches: BTreeSet<AffinityMatchKey>,
     /// (service id, range) entries of the source-range map.
     pub source_ranges: BTreeSet<(u32, IpNet)>,
+    pub maglev: BTreeMap<MaglevKey, MaglevBlock>,
 }
 
 /// The agent's record of what is in the maps, so each apply writes only the difference.
@@ -200,9 +245,26 @@ pub struct Programmer {
     /// Frontends whose last write did not fit in the maps, with their service port. They are
     /// not in the maps at all (new ones) or still on their previous complete set (grown ones).
     unfit: BTreeMap<FrontendKey, ServicePortName>,
+    /// `--lb-algorithm maglev`: the table size external frontends get; `None`: random.
+    maglev_table_size: Option<u32>,
 }
 
 impl Programmer {
+    /// Selects `--lb-algorithm`: `Some(table size)` for Maglev on external frontends. Frontends
+    /// programmed otherwise (adopted from a run with another setting) are rewritten by the next
+    /// apply that covers them; a full apply covers all.
+    pub fn set_maglev_table_size(&mut self, table_size: Option<u32>) {
+        self.maglev_table_size = table_size.filter(|&m| maglev::is_valid_table_size(m));
+    }
+
+    /// The Maglev table size `key` should have with `backend_count` backends (0: none).
+    fn maglev_size_for(&self, key: &FrontendKey, backend_count: usize) -> u32 {
+        match self.maglev_table_size {
+            Some(m) if key.scope == Scope::External && backend_count > 0 => m,
+            _ => 0,
+        }
+    }
+
     /// The service ids (one per frontend) a service port owns, for `proxy-agent inspect`.
     pub fn service_ids_of(&self, name: &ServicePortName) -> Vec<u32> {
         self.owned
@@ -225,6 +287,7 @@ impl Programmer {
         let mut programmer = Programmer::default();
         let mut live_slots = BTreeSet::new();
         let mut live_matches = BTreeSet::new();
+        let mut live_maglev = BTreeSet::new();
         let mut dropped = 0usize;
         for (map_key, value) in content.frontends {
             let Some(key) = frontend_key_of(&map_key) else {
@@ -253,6 +316,15 @@ impl Programmer {
                     }
                     _ => damaged = true,
                 }
+            }
+            let maglev_incomplete = !maglev_complete(&value, &content.maglev, &slots);
+            if maglev_incomplete {
+                // Its entries are deleted below and the next apply rewrites it; meanwhile the
+                // datapath falls back to random choice where the table misses, and the slots
+                // stay in use (unlike a damaged frontend's).
+                warn!(frontend = %key, "adopted frontend has an incomplete Maglev table; it will be rewritten");
+            } else {
+                live_maglev.extend(maglev_keys(&value));
             }
             if damaged {
                 // Keep what is there so the slots are cleaned up by the rewrite.
@@ -288,6 +360,7 @@ impl Programmer {
                     backends,
                     source_ranges,
                     damaged,
+                    maglev_incomplete,
                 },
             );
         }
@@ -302,6 +375,11 @@ impl Programmer {
         for slot in content.slots.keys() {
             if !live_slots.contains(slot) || damaged_services.contains(&slot.service_id) {
                 cleaned += usize::from(maps.delete_slot(*slot).is_ok());
+            }
+        }
+        for key in content.maglev.keys() {
+            if !live_maglev.contains(key) || damaged_services.contains(&key.service_id) {
+                cleaned += usize::from(maps.delete_maglev(*key).is_ok());
             }
         }
         let used_ids: BTreeSet<u32> = programmer.backends.values().map(|e| e.id).collect();
@@ -428,12 +506,15 @@ impl Programmer {
                     continue;
                 };
                 owned.push(key);
+                let maglev_size = self.maglev_size_for(&key, backends.len());
                 if let Some(applied) = self.frontends.get_mut(&key)
                     && !applied.damaged
+                    && !applied.maglev_incomplete
                     && applied.backends == backends
                     && applied.affinity_timeout() == frontend.affinity_timeout
                     && applied.policy_flags() == frontend.flags
                     && applied.source_ranges == frontend.source_ranges
+                    && applied.value.maglev_size == maglev_size
                 {
                     // Also how an adopted frontend is claimed: without a single map write.
                     applied.owner = Some(name.clone());
@@ -549,9 +630,21 @@ impl Programmer {
         let old_matches = previous.map(|(_, m)| m).unwrap_or_default();
 
         let mut written = Written::default();
+        let maglev_size = self.maglev_size_for(&key, backends.len());
         let result =
             self.write_generation(service_id, new_generation, &backends, maps, &mut written);
         let result = result.and_then(|slots| {
+            if maglev_size > 0 {
+                write_maglev(
+                    service_id,
+                    new_generation,
+                    &backends,
+                    &slots,
+                    maglev_size,
+                    maps,
+                    &mut written,
+                )?;
+            }
             // Affinity entries may only lead to members of the live set: add the new members
             // before the switch; the ones leaving go after it.
             // Source ranges are keyed by service id, which the new generation keeps: add the
@@ -583,9 +676,14 @@ impl Programmer {
                         frontend_flags::AFFINITY
                     } else {
                         0
+                    }
+                    | if maglev_size > 0 {
+                        frontend_flags::MAGLEV
+                    } else {
+                        0
                     },
                 affinity_timeout: affinity_timeout.unwrap_or(0),
-                _pad: 0,
+                maglev_size,
             };
             maps.put_frontend(map_key, value)?;
             Ok((value, slots))
@@ -633,6 +731,7 @@ impl Programmer {
                 backends,
                 source_ranges,
                 damaged: false,
+                maglev_incomplete: false,
             },
         );
         if let Some(old) = old {
@@ -648,7 +747,7 @@ impl Programmer {
             );
             self.delete_generation(&old, maps);
         }
-        debug!(frontend = %key, service_id, generation = new_generation, slots = slot_count, affinity = ?affinity_timeout, "frontend programmed");
+        debug!(frontend = %key, service_id, generation = new_generation, slots = slot_count, maglev_size, affinity = ?affinity_timeout, "frontend programmed");
         Ok(())
     }
 
@@ -734,6 +833,11 @@ impl Programmer {
                 warn!(?slot, %reason, "cannot delete slot while rolling back");
             }
         }
+        for key in written.maglev {
+            if let Err(reason) = maps.delete_maglev(key) {
+                warn!(?key, %reason, "cannot delete Maglev slot while rolling back");
+            }
+        }
         for backend in written.acquired {
             self.release_backend(&backend, maps);
         }
@@ -749,6 +853,13 @@ impl Programmer {
             };
             if let Err(reason) = maps.delete_slot(key) {
                 warn!(?key, %reason, "cannot delete stale slot");
+            }
+        }
+        for key in maglev_keys(&applied.value) {
+            if let Err(reason) = maps.delete_maglev(key) {
+                warn!(?key, %reason, "cannot delete stale Maglev slot");
+                // The rest most likely fail alike (a kernel error, not a missing key).
+                break;
             }
         }
         for backend in &applied.backends {
@@ -841,9 +952,59 @@ fn matches_of(applied: &AppliedFrontend) -> BTreeSet<AffinityMatchKey> {
         .collect()
 }
 
+/// Writes the Maglev table of `backends` (whose ids are `slots`, index for index) for one
+/// generation; records every write in `written`.
+fn write_maglev(
+    service_id: u32,
+    generation: u8,
+    backends: &[BackendValue],
+    slots: &[u32],
+    size: u32,
+    maps: &mut impl MapOps,
+    written: &mut Written,
+) -> Result<(), MapWriteError> {
+    // `backends` is sorted (a set), so the table depends only on the backend set: the same set
+    // gives the same table in every generation and after a restart.
+    let addrs: Vec<SocketAddr> = backends.iter().map(BackendValue::socket_addr).collect();
+    let table = maglev::table(&addrs, size);
+    if table.len() != size as usize {
+        return Err(MapWriteError::Other(format!(
+            "cannot build a Maglev table of {size} slots for {} backends",
+            backends.len()
+        )));
+    }
+    let ids = table
+        .iter()
+        .map(|&index| {
+            slots.get(index as usize).copied().ok_or_else(|| {
+                MapWriteError::Other(format!("Maglev table entry {index} is not a backend"))
+            })
+        })
+        .collect::<Result<Vec<u32>, _>>()?;
+    for (block, chunk) in (0u32..).zip(ids.chunks(MAGLEV_BLOCK_SLOTS as usize)) {
+        // The last block's tail is past the table size and never read: repeat a valid id.
+        let mut value = MaglevBlock {
+            backend_ids: [chunk.first().copied().unwrap_or_default(); MAGLEV_BLOCK_SLOTS as usize],
+        };
+        for (entry, id) in value.backend_ids.iter_mut().zip(chunk) {
+            *entry = *id;
+        }
+        let key = MaglevKey {
+            service_id,
+            block,
+            generation,
+            _pad: [0; 3],
+        };
+        maps.put_maglev(key, value)?;
+        written.maglev.push(key);
+    }
+    Ok(())
+}
+
 /// Everything written for one frontend before its switch, to take back on failure.
 #[derive(Debug, Default)]
 struct Written {
+    maglev: Vec<MaglevKey>,
     slots: Vec<BackendSlotKey>,
     acquired: Vec<BackendValue>,
     matches: Vec<AffinityMatchKey>,

@@ -17,6 +17,7 @@ struct FakeMaps {
     slots: BTreeMap<BackendSlotKey, u32>,
     backends: BTreeMap<u32, BackendValue>,
     matches: BTreeSet<AffinityMatchKey>,
+    maglev: BTreeMap<MaglevKey, MaglevBlock>,
     slot_capacity: usize,
     writes: usize,
 }
@@ -78,6 +79,40 @@ impl FakeMaps {
             self.backends
         );
         assert_eq!(live_matches, self.matches, "affinity match entries");
+        // Maglev: a frontend with a table sees all of it, each entry one of its own backends;
+        // no entry of any other table is left.
+        let mut reachable_maglev = 0;
+        for (key, value) in &self.frontends {
+            if value.flags & frontend_flags::MAGLEV == 0 {
+                continue;
+            }
+            let own: BTreeSet<u32> = (0..value.backend_count)
+                .map(|slot| {
+                    self.slots[&BackendSlotKey {
+                        service_id: value.service_id,
+                        slot,
+                        generation: value.generation,
+                        _pad: 0,
+                    }]
+                })
+                .collect();
+            for block in 0..value.maglev_size.div_ceil(MAGLEV_BLOCK_SLOTS) {
+                let entry = self
+                    .maglev
+                    .get(&MaglevKey {
+                        service_id: value.service_id,
+                        block,
+                        generation: value.generation,
+                        _pad: [0; 3],
+                    })
+                    .unwrap_or_else(|| panic!("{key:?}: Maglev block {block} missing"));
+                for id in &entry.backend_ids {
+                    assert!(own.contains(id), "{key:?}: Maglev block {block} → {id}");
+                }
+                reachable_maglev += 1;
+            }
+        }
+        assert_eq!(reachable_maglev, self.maglev.len(), "orphan Maglev slots");
     }
 
     /// Backends of a frontend as socket addresses.
@@ -107,6 +142,7 @@ impl FakeMaps {
             backends: self.backends.clone(),
             affinity_matches: self.matches.clone(),
             source_ranges: BTreeSet::new(),
+            maglev: self.maglev.clone(),
         }
     }
 }
@@ -169,6 +205,19 @@ impl MapOps for FakeMaps {
         _range: IpNet,
     ) -> Result<(), MapWriteError> {
         self.writes += 1;
+        Ok(())
+    }
+    fn put_maglev(&mut self, key: MaglevKey, block: MaglevBlock) -> Result<(), MapWriteError> {
+        if !self.maglev.contains_key(&key) && self.maglev.len() >= self.slot_capacity {
+            return Err(MapWriteError::Full("maglev"));
+        }
+        self.writes += 1;
+        self.maglev.insert(key, block);
+        Ok(())
+    }
+    fn delete_maglev(&mut self, key: MaglevKey) -> Result<(), MapWriteError> {
+        self.writes += 1;
+        self.maglev.remove(&key);
         Ok(())
     }
 }
@@ -641,4 +690,154 @@ fn a_frontend_that_does_not_fit_is_tracked_not_programmed_and_fits_once_space_is
     maps.check_invariants();
     assert_eq!(pods(&maps, &api), [3, 4]);
     assert!(programmer.unfit().is_empty());
+}
+
+fn external(key: FrontendKey) -> FrontendKey {
+    FrontendKey {
+        scope: Scope::External,
+        ..key
+    }
+}
+
+/// The backend pod of each slot of a frontend's live Maglev table.
+fn maglev_pods(maps: &FakeMaps, key: &FrontendKey) -> Vec<u8> {
+    let map_key = frontend_map_key(key).expect("supported");
+    let value = maps.frontends[&map_key];
+    (0..value.maglev_size)
+        .map(|slot| {
+            let id = maps.maglev[&MaglevKey {
+                service_id: value.service_id,
+                block: slot / MAGLEV_BLOCK_SLOTS,
+                generation: value.generation,
+                _pad: [0; 3],
+            }]
+                .backend_ids[(slot % MAGLEV_BLOCK_SLOTS) as usize];
+            match maps.backends[&id].socket_addr().ip() {
+                IpAddr::V4(ip) => ip.octets()[2],
+                IpAddr::V6(ip) => ip.octets()[15],
+            }
+        })
+        .collect()
+}
+
+#[test]
+fn maglev_tables_follow_external_frontends_through_generations() {
+    const M: u32 = 13;
+    let mut maps = FakeMaps::with_slot_capacity(1000);
+    let mut programmer = Programmer::default();
+    programmer.set_maglev_table_size(Some(M));
+    let internal = key([10, 96, 0, 10], 80);
+    let nodeport = external(key([0, 0, 0, 0], 30080));
+    let (_, errors) = programmer.apply(
+        snapshot(&[(internal, &[1, 2, 3]), (nodeport, &[1, 2, 3])]),
+        &mut maps,
+    );
+    assert!(errors.is_empty(), "{errors:?}");
+    maps.check_invariants();
+    let value = |maps: &FakeMaps, key| maps.frontends[&frontend_map_key(&key).expect("key")];
+    assert_eq!(value(&maps, internal).flags & frontend_flags::MAGLEV, 0);
+    assert_eq!(value(&maps, internal).maglev_size, 0);
+    assert_ne!(value(&maps, nodeport).flags & frontend_flags::MAGLEV, 0);
+    assert_eq!(
+        maps.maglev.len(),
+        1,
+        "one table (one block of 16 slots), for the external frontend"
+    );
+    let before = maglev_pods(&maps, &nodeport);
+    for pod in [1, 2, 3] {
+        let n = before.iter().filter(|&&p| p == pod).count();
+        assert!(
+            (4..=5).contains(&n),
+            "pod {pod}: {n} of {M} slots: {before:?}"
+        );
+    }
+
+    // Pod 2 leaves: new generation, complete; the old table is gone (check_invariants), and
+    // slots that were not pod 2's mostly stay.
+    let (summary, _) = programmer.apply(snapshot(&[(nodeport, &[1, 3])]), &mut maps);
+    assert_eq!(summary.frontends_written, 1);
+    maps.check_invariants();
+    let after = maglev_pods(&maps, &nodeport);
+    assert!(after.iter().all(|p| [1, 3].contains(p)), "{after:?}");
+    let kept = before
+        .iter()
+        .zip(&after)
+        .filter(|(b, a)| **b != 2 && b == a)
+        .count();
+    let others = before.iter().filter(|&&p| p != 2).count();
+    assert!(
+        kept * 10 >= others * 7,
+        "kept {kept} of {others}: {before:?} → {after:?}"
+    );
+
+    // The same set again writes nothing; a restart with the same setting adopts the tables.
+    let writes = maps.writes;
+    programmer.apply(snapshot(&[(nodeport, &[1, 3])]), &mut maps);
+    assert_eq!(maps.writes, writes);
+    let mut adopted = Programmer::adopt(maps.content(), &mut maps);
+    adopted.set_maglev_table_size(Some(M));
+    let state = snapshot(&[(internal, &[1, 2, 3]), (nodeport, &[1, 3])]);
+    let (summary, _) = adopted.apply(state.clone(), &mut maps);
+    assert_eq!(summary.frontends_unchanged, 2);
+    assert_eq!(
+        maps.writes, writes,
+        "adopted tables are claimed without writes"
+    );
+
+    // Back to random: the external frontend is rewritten without a table.
+    adopted.set_maglev_table_size(None);
+    let (summary, _) = adopted.apply(state, &mut maps);
+    assert_eq!(summary.frontends_written, 1);
+    maps.check_invariants();
+    assert!(maps.maglev.is_empty());
+    assert_eq!(value(&maps, nodeport).flags & frontend_flags::MAGLEV, 0);
+}
+
+#[test]
+fn adoption_rewrites_a_frontend_whose_maglev_table_is_incomplete() {
+    let mut maps = FakeMaps::with_slot_capacity(1000);
+    let mut first = Programmer::default();
+    first.set_maglev_table_size(Some(7));
+    let nodeport = external(key([0, 0, 0, 0], 30080));
+    first.apply(snapshot(&[(nodeport, &[1, 2])]), &mut maps);
+    let Some(&lost) = maps.maglev.keys().next() else {
+        panic!("no Maglev table written");
+    };
+    maps.maglev.remove(&lost);
+
+    let slots = maps.slots.clone();
+    let mut adopted = Programmer::adopt(maps.content(), &mut maps);
+    adopted.set_maglev_table_size(Some(7));
+    assert!(maps.maglev.is_empty(), "an incomplete table is deleted");
+    assert_eq!(
+        maps.slots, slots,
+        "the slots stay for random choice meanwhile"
+    );
+    let (summary, errors) = adopted.apply(snapshot(&[(nodeport, &[1, 2])]), &mut maps);
+    assert!(errors.is_empty(), "{errors:?}");
+    assert_eq!(summary.frontends_written, 1);
+    maps.check_invariants();
+    assert_eq!(maps.maglev.len(), 1, "7 slots: one block");
+}
+
+#[test]
+fn a_maglev_table_that_does_not_fit_leaves_the_previous_one() {
+    let mut maps = FakeMaps::with_slot_capacity(20);
+    let mut programmer = Programmer::default();
+    // 167 slots: 11 blocks, so two tables do not fit in 20 entries.
+    programmer.set_maglev_table_size(Some(167));
+    let nodeport = external(key([0, 0, 0, 0], 30080));
+    let (_, errors) = programmer.apply(snapshot(&[(nodeport, &[1, 2])]), &mut maps);
+    assert!(errors.is_empty(), "{errors:?}");
+    // A second table does not fit next to the first during the switch.
+    let (_, errors) = programmer.apply(snapshot(&[(nodeport, &[1, 3])]), &mut maps);
+    assert!(errors.iter().all(ApplyError::is_capacity), "{errors:?}");
+    assert_eq!(errors.len(), 1);
+    maps.check_invariants();
+    assert_eq!(pods(&maps, &nodeport), [1, 2]);
+    assert!(
+        maglev_pods(&maps, &nodeport)
+            .iter()
+            .all(|p| [1, 2].contains(p))
+    );
 }
