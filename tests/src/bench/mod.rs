@@ -15,6 +15,7 @@ pub mod agent_runs;
 pub mod client;
 pub mod datapath;
 pub mod inprocess;
+pub mod memory;
 pub mod plot;
 pub mod report;
 pub mod stats;
@@ -159,6 +160,8 @@ pub struct ProgrammingSize {
     /// The first `source::manifests::FolderReader::read` of the folder, in-process: what the
     /// agent's source does on start (read + parse every file).
     pub manifests_load: Option<Duration>,
+    /// What the library's structures keep alive at this size (in-process, trimmed RSS).
+    pub memory: memory::MemoryBreakdown,
     /// Through the agent, manifests source.
     pub ebpf: Outcome<AgentModeRun>,
     pub iptables: Outcome<AgentModeRun>,
@@ -470,6 +473,7 @@ fn programming_size(runner: &mut Runner, w: Workload) -> ProgrammingSize {
         workload: w,
         manifests_bytes: 0,
         manifests_load: None,
+        memory: memory::MemoryBreakdown::default(),
         ebpf: Outcome::Failed("not run".into()),
         iptables: Outcome::Failed("not run".into()),
         api_ebpf: Outcome::Failed("not run".into()),
@@ -488,6 +492,7 @@ fn programming_size(runner: &mut Runner, w: Workload) -> ProgrammingSize {
     };
     result.manifests_bytes = folder_bytes(s.manifests.path());
     let t0 = Instant::now();
+    result.memory = memory::breakdown(w, crate::scenario::HOSTNAME);
     // What the agent's source does on start: the first read of the folder.
     let mut reader = proxy_agent::source::manifests::FolderReader::new(
         s.manifests.path().to_path_buf(),
