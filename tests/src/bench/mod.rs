@@ -5,7 +5,7 @@
 //!   iptables paths through the real agent on the rig's node.
 //! - `agent_runs`: cold start, end-to-end programming and memory through the real agent.
 //! - `inprocess`: programming latency with the agent's library (item 5, in-process).
-//! - `tc`: placeholders for items 3 and 4 (not wired in).
+//! - `tc`: item 4, per-packet cost of the tc programs (`BPF_PROG_TEST_RUN`).
 //! - `report`, `plot`: the Markdown and the SVGs.
 //!
 //! Everything runs inside namespaces and cgroups the rig creates; every loop is bounded in count
@@ -57,8 +57,33 @@ pub struct Config {
     pub iptables_cap: Duration,
     /// The whole run should end within this; iptables runs that would not fit are skipped.
     pub budget: Duration,
+    /// Item 4 (per-packet tc cost).
+    pub tc_loops: tc::TcLoops,
+    /// Sections to run; empty: all (`--only`, for working on one benchmark).
+    pub only: Vec<Section>,
     /// The command line, for the report.
     pub command: String,
+}
+
+/// A part of the benchmark that `--only` can select.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Section {
+    /// Items 1 and 2 (and the cold starts that go with them).
+    Datapath,
+    /// Item 3: NodePort forwarding through tc vs iptables vs routing.
+    Nodeport,
+    /// Item 4: per-packet cost of the tc programs.
+    TcCost,
+    /// Items 5 and 6 through the agent.
+    Programming,
+    /// Item 5 in-process.
+    Inprocess,
+}
+
+impl Config {
+    pub fn runs(&self, section: Section) -> bool {
+        self.only.is_empty() || self.only.contains(&section)
+    }
 }
 
 impl Config {
@@ -85,6 +110,12 @@ impl Config {
             inprocess_iptables_changes: 5,
             iptables_cap: Duration::from_secs(400),
             budget: Duration::from_secs(16 * 60),
+            tc_loops: tc::TcLoops {
+                runs: 5,
+                samples: 2_000,
+                repeat: 100_000,
+            },
+            only: Vec::new(),
             command: "cargo xtask bench".into(),
         }
     }
@@ -108,6 +139,11 @@ impl Config {
             inprocess_iptables_changes: 2,
             iptables_cap: Duration::from_secs(60),
             budget: Duration::from_secs(4 * 60),
+            tc_loops: tc::TcLoops {
+                runs: 2,
+                samples: 200,
+                repeat: 10_000,
+            },
             command: "cargo xtask bench --quick".into(),
             ..Self::full(out_dir)
         }
@@ -179,6 +215,8 @@ pub struct Results {
     pub datapath: Vec<DatapathSize>,
     pub programming: Vec<ProgrammingSize>,
     pub inprocess: Vec<InprocessSize>,
+    /// Item 4; None when not selected.
+    pub tc_cost: Option<Outcome<tc::PacketCostResult>>,
     /// iptables full-sync times seen (objects = Services + endpoints, seconds), for estimates.
     pub iptables_syncs: Vec<(usize, f64)>,
     pub failures: usize,
@@ -304,8 +342,20 @@ pub fn run(config: Config) -> Results {
         estimator: Estimator::default(),
         failures: 0,
     };
+    let tc_cost = runner.config.runs(Section::TcCost).then(|| {
+        step("per-packet cost of the tc programs", &runner);
+        match tc::per_packet_cost(runner.config.tc_loops) {
+            Ok(r) => Outcome::Done(r),
+            Err(e) => runner.failed("tc per-packet cost", e),
+        }
+    });
     let mut datapath = Vec::new();
-    for &services in &runner.config.datapath_sizes.clone() {
+    let datapath_sizes = if runner.config.runs(Section::Datapath) {
+        runner.config.datapath_sizes.clone()
+    } else {
+        Vec::new()
+    };
+    for &services in &datapath_sizes {
         let w = Workload {
             services,
             endpoints: runner.config.datapath_endpoints,
@@ -314,7 +364,18 @@ pub fn run(config: Config) -> Results {
         datapath.push(datapath_size(&mut runner, w));
     }
     let mut programming = Vec::new();
-    for &services in &runner.config.programming_sizes.clone() {
+    let programming_sizes = |section| {
+        if runner.config.runs(section) {
+            runner.config.programming_sizes.clone()
+        } else {
+            Vec::new()
+        }
+    };
+    let (agent_sizes, inprocess_sizes) = (
+        programming_sizes(Section::Programming),
+        programming_sizes(Section::Inprocess),
+    );
+    for &services in &agent_sizes {
         let w = Workload {
             services,
             endpoints: runner.config.programming_endpoints,
@@ -326,7 +387,7 @@ pub fn run(config: Config) -> Results {
         programming.push(programming_size(&mut runner, w));
     }
     let mut inprocess = Vec::new();
-    for &services in &runner.config.programming_sizes.clone() {
+    for &services in &inprocess_sizes {
         let w = Workload {
             services,
             endpoints: runner.config.programming_endpoints,
@@ -347,6 +408,7 @@ pub fn run(config: Config) -> Results {
         datapath,
         programming,
         inprocess,
+        tc_cost,
         iptables_syncs: runner.estimator.points.clone(),
         failures: runner.failures,
         config: runner.config,

@@ -6,7 +6,7 @@ use std::path::PathBuf;
 
 use anyhow::bail;
 use clap::Parser;
-use proxy_tests::bench::{self, Config};
+use proxy_tests::bench::{self, Config, Section};
 
 #[derive(Debug, Parser)]
 #[command(about = "kubeproxy-rs benchmarks: eBPF vs iptables vs direct, written to docs/")]
@@ -17,6 +17,10 @@ struct Cli {
     /// Where benchmarks.md and the SVGs go.
     #[arg(long, default_value = "docs")]
     out_dir: PathBuf,
+    /// Run only these sections (comma-separated); the report leaves the others out. For
+    /// working on one benchmark; the committed report comes from a run of everything.
+    #[arg(long, value_enum, value_delimiter = ',')]
+    only: Vec<Section>,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -26,11 +30,12 @@ fn main() -> anyhow::Result<()> {
             "the benchmarks need root (network namespaces, cgroups, BPF): run `cargo xtask bench` as root"
         );
     }
-    let config = if cli.quick {
+    let mut config = if cli.quick {
         Config::quick(cli.out_dir.clone())
     } else {
         Config::full(cli.out_dir.clone())
     };
+    config.only = cli.only;
     let results = bench::run(config);
     bench::report::write(&results, &cli.out_dir)?;
     println!(
