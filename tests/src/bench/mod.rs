@@ -59,6 +59,8 @@ pub struct Config {
     pub budget: Duration,
     /// Item 4 (per-packet tc cost).
     pub tc_loops: tc::TcLoops,
+    /// CPU that every benchmark client and echo server is pinned to (None: not pinned).
+    pub pin_cpu: Option<usize>,
     /// Sections to run; empty: all (`--only`, for working on one benchmark).
     pub only: Vec<Section>,
     /// The command line, for the report.
@@ -115,6 +117,12 @@ impl Config {
                 samples: 2_000,
                 repeat: 100_000,
             },
+            // The last CPU: one CPU for client, server and the softirq work between them (veth
+            // delivers in the sender's context), away from CPU 0 where most device interrupts
+            // land.
+            pin_cpu: std::thread::available_parallelism()
+                .ok()
+                .map(|n| n.get() - 1),
             only: Vec::new(),
             command: "cargo xtask bench".into(),
         }
@@ -336,6 +344,7 @@ pub fn run(config: Config) -> Results {
     let machine = sysinfo::Machine::detect();
     let started_utc = command_output("date", &["-u", "+%Y-%m-%d %H:%M UTC"]);
     let commit = command_output("git", &["rev-parse", "--short", "HEAD"]);
+    client::set_client_cpu(config.pin_cpu);
     let mut runner = Runner {
         config,
         started: Instant::now(),
@@ -350,11 +359,12 @@ pub fn run(config: Config) -> Results {
         }
     });
     let mut datapath = Vec::new();
-    let datapath_sizes = if runner.config.runs(Section::Datapath) {
-        runner.config.datapath_sizes.clone()
-    } else {
-        Vec::new()
-    };
+    let datapath_sizes =
+        if runner.config.runs(Section::Datapath) || runner.config.runs(Section::Nodeport) {
+            runner.config.datapath_sizes.clone()
+        } else {
+            Vec::new()
+        };
     for &services in &datapath_sizes {
         let w = Workload {
             services,
@@ -453,6 +463,35 @@ fn datapath_size(runner: &mut Runner, w: Workload) -> DatapathSize {
         }
     };
     let loops = runner.config.loops;
+    let nodeport = runner.config.runs(Section::Nodeport);
+    // Item 3's floor: plain routing through the node before any agent touched it.
+    if nodeport {
+        step("  routed from outside, no agent", runner);
+        if let Err(e) = datapath::measure(
+            &s,
+            &[Path::ExtRouted],
+            loops,
+            &mut result.connect,
+            &mut result.rr,
+        ) {
+            runner.failed::<()>("routed from outside", e);
+        }
+    }
+    let with_nodeport = |paths: &[Path], extra: &[Path]| -> Vec<Path> {
+        let mut all = paths.to_vec();
+        if nodeport {
+            all.extend_from_slice(extra);
+        }
+        all
+    };
+    let ebpf_paths = with_nodeport(
+        &[Path::Direct, Path::DirectInCgroup, Path::Ebpf],
+        &[Path::ExtRoutedUnderTc, Path::NodePortEbpf],
+    );
+    let iptables_paths = with_nodeport(
+        &[Path::DirectUnderIptables, Path::Iptables],
+        &[Path::ExtRoutedUnderIptables, Path::NodePortIptables],
+    );
     // eBPF first: its start removes nothing, and the iptables agent that follows removes the
     // eBPF pins (mode switch) while the eBPF agent's own stop already detached them.
     step("  eBPF agent", runner);
@@ -465,13 +504,7 @@ fn datapath_size(runner: &mut Runner, w: Workload) -> DatapathSize {
             agent_timeout(ProxyMode::Ebpf, None),
         )?;
         let _paused = agent_runs::Paused::new(&mut s)?;
-        datapath::measure(
-            &s,
-            &[Path::Direct, Path::DirectInCgroup, Path::Ebpf],
-            loops,
-            &mut result.connect,
-            &mut result.rr,
-        )?;
+        datapath::measure(&s, &ebpf_paths, loops, &mut result.connect, &mut result.rr)?;
         Ok(cold)
     })();
     result.ebpf_start = match ebpf {
@@ -499,7 +532,7 @@ fn datapath_size(runner: &mut Runner, w: Workload) -> DatapathSize {
         let _paused = agent_runs::Paused::new(&mut s)?;
         datapath::measure(
             &s,
-            &[Path::DirectUnderIptables, Path::Iptables],
+            &iptables_paths,
             loops,
             &mut result.connect,
             &mut result.rr,
