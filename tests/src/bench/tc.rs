@@ -133,6 +133,8 @@ pub struct TcPathResult {
 pub struct PacketCostResult {
     pub loops: TcLoops,
     pub paths: Vec<TcPathResult>,
+    /// Where the time of the costliest paths goes (Markdown), when `perf` could profile them.
+    pub profile: Option<String>,
 }
 
 impl PacketCostResult {
@@ -508,7 +510,11 @@ fn measure(
                 .map_or("-".to_owned(), |r| format!("{:.1} ns", r.median))
         );
     }
-    Ok(PacketCostResult { loops, paths })
+    Ok(PacketCostResult {
+        loops,
+        paths,
+        profile: None,
+    })
 }
 
 /// An empty `BPF_PROG_TYPE_SCHED_CLS` program loaded with the raw `bpf(2)` syscall (aya only
