@@ -510,10 +510,21 @@ fn measure(
                 .map_or("-".to_owned(), |r| format!("{:.1} ns", r.median))
         );
     }
+    let loop_ns: BTreeMap<TcPath, f64> = paths
+        .iter()
+        .map(|p| (p.path, p.repeated.map_or(p.single.median, |r| r.median)))
+        .collect();
+    let profile = match profile(dp, floor, &f, &mut new_flow, loops, &loop_ns) {
+        Ok(p) => Some(p),
+        Err(e) => {
+            eprintln!("tc cost: no profile: {e}");
+            Some(format!("No profile: {e}."))
+        }
+    };
     Ok(PacketCostResult {
         loops,
         paths,
-        profile: None,
+        profile,
     })
 }
 
@@ -597,4 +608,160 @@ impl EmptyProgram {
             |at: usize| u32::from_ne_bytes([attr[at], attr[at + 1], attr[at + 2], attr[at + 3]]);
         Ok((word(4) as i32, u64::from(word(36))))
     }
+}
+
+/// Paths profiled: the cheapest IP path over the goal and the two translating ones.
+const PROFILED: [TcPath; 3] = [
+    TcPath::PassThrough,
+    TcPath::NodePortEstablished,
+    TcPath::ReverseNat,
+];
+
+/// Samples this thread with `perf record` (cpu-clock, call graphs) while it runs each path
+/// in [`PROFILED`] for about a second, and returns where the samples inside `bpf_test_run`
+/// (the program, its BPF functions, the kernel helpers it calls, and the harness's timing)
+/// land, by self time, as Markdown. `loop_ns`: each path's measured ns per run inside
+/// `bpf_test_run` (what the shares are scaled to).
+fn profile(
+    dp: &mut EbpfDataplane,
+    floor: &EmptyProgram,
+    f: &Frames,
+    new_flow: &mut u32,
+    loops: TcLoops,
+    loop_ns: &BTreeMap<TcPath, f64>,
+) -> Result<String> {
+    let tid = nix::unistd::gettid().as_raw();
+    let names = program_names_by_symbol();
+    let result_ns = |path: TcPath| loop_ns.get(&path).copied();
+    let mut md = String::from(
+        "**Where the time goes** (`perf record -e cpu-clock -F 20000 -g` of the benchmark \
+         thread while it runs one path for about a second; of the samples whose call chain is \
+         inside `bpf_test_run` — the program run and the harness's clock reads, not the \
+         syscall and skb set-up around it — the share of each function by self time. \
+         `bpf_prog_<tag>_F` are the program's BPF functions (the entry program and the \
+         object's `#[inline(never)]` pieces, named by tag), the others kernel helpers the \
+         program calls (`read_tsc` is mostly the harness's clock read). \
+         *≈ ns* scales the share to the single-run median of §4 (the repeat figure for \
+         pass-through).):\n",
+    );
+    for path in PROFILED {
+        let data = std::env::temp_dir().join(crate::unique_name("perf.data"));
+        let mut recorder = std::process::Command::new("perf")
+            .args(["record", "-q", "-e", "cpu-clock", "-F", "20000", "-g", "-t"])
+            .arg(tid.to_string())
+            .arg("-o")
+            .arg(&data)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .map_err(|e| RigError::io("starting perf record", e))?;
+        // perf needs a moment to attach before the loop starts.
+        std::thread::sleep(Duration::from_millis(300));
+        let started = Instant::now();
+        let mut runs = 0u64;
+        let mut looped = Ok(());
+        while looped.is_ok() && started.elapsed() < Duration::from_secs(1) && runs < 100_000_000 {
+            let repeat = if path.unmodified() { loops.repeat } else { 1 };
+            looped = run_once(dp, floor, f, path, new_flow, repeat).map(drop);
+            runs += u64::from(repeat);
+        }
+        // SIGINT makes perf write its file and exit.
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(i32::try_from(recorder.id()).unwrap_or(0)),
+            nix::sys::signal::Signal::SIGINT,
+        );
+        if !matches!(
+            crate::process::wait_bounded(&mut recorder, Duration::from_secs(20)),
+            Ok(Some(_))
+        ) {
+            crate::process::kill_and_reap(&mut recorder);
+        }
+        looped?;
+        let script = std::process::Command::new("perf")
+            .args(["script", "-F", "ip,sym", "-i"])
+            .arg(&data)
+            .output();
+        let _ = std::fs::remove_file(&data);
+        let _ = std::fs::remove_file(data.with_extension("data.old"));
+        let script = script.map_err(|e| RigError::io("running perf script", e))?;
+        let (total, shares) = leaf_shares(&String::from_utf8_lossy(&script.stdout));
+        if total == 0 {
+            return Err(RigError::Other(format!(
+                "perf recorded no sample inside bpf_test_run: {}",
+                String::from_utf8_lossy(&script.stderr).trim()
+            )));
+        }
+        let ns = result_ns(path);
+        md.push_str(&format!(
+            "\n*{}* ({runs} program runs, {total} samples inside `bpf_test_run`):\n\n\
+             | function (self time) | share | ≈ ns per packet |\n|---|---|---|\n",
+            path.label(),
+        ));
+        for (symbol, count) in shares.iter().take(10) {
+            let share = *count as f64 / total as f64;
+            let symbol = names
+                .get(symbol.as_str())
+                .map_or(symbol.as_str(), |n| n.as_str());
+            md.push_str(&format!(
+                "| `{symbol}` | {:.0}% | {} |\n",
+                share * 100.0,
+                ns.map_or("–".to_owned(), |ns| format!("{:.0}", share * ns))
+            ));
+        }
+    }
+    Ok(md)
+}
+
+/// From `perf script -F ip,sym` output (one call chain per sample, leaf first, blank line
+/// between samples): the samples whose chain contains `bpf_test_run`, and their leaf symbols
+/// by count, most first.
+fn leaf_shares(script: &str) -> (usize, Vec<(String, usize)>) {
+    let mut counts: BTreeMap<String, usize> = BTreeMap::new();
+    let mut total = 0;
+    for sample in script.split("\n\n") {
+        let symbols: Vec<&str> = sample
+            .lines()
+            .filter_map(|l| l.split_whitespace().nth(1))
+            .map(|s| s.split("+0x").next().unwrap_or(s))
+            .collect();
+        if !symbols.contains(&"bpf_test_run") {
+            continue;
+        }
+        if let Some(leaf) = symbols.first() {
+            total += 1;
+            *counts.entry((*leaf).to_owned()).or_default() += 1;
+        }
+    }
+    let mut shares: Vec<(String, usize)> = counts.into_iter().collect();
+    shares.sort_by(|a, b| b.1.cmp(&a.1));
+    (total, shares)
+}
+
+/// `bpf_prog_<tag>_<name>` symbol → `bpf_prog_<tag>_<program name>` for the loaded programs
+/// (`bpftool prog show`); the kernel's symbol carries a truncated name.
+fn program_names_by_symbol() -> BTreeMap<String, String> {
+    let Ok(out) = std::process::Command::new("bpftool")
+        .args(["prog", "show"])
+        .output()
+    else {
+        return BTreeMap::new();
+    };
+    let text = String::from_utf8_lossy(&out.stdout);
+    let mut names = BTreeMap::new();
+    for line in text.lines() {
+        let words: Vec<&str> = line.split_whitespace().collect();
+        let after = |key: &str| {
+            words
+                .iter()
+                .position(|w| *w == key)
+                .and_then(|i| words.get(i + 1))
+                .copied()
+        };
+        if let (Some(name), Some(tag)) = (after("name"), after("tag"))
+            && name.starts_with("kpr_tc")
+        {
+            names.insert(format!("bpf_prog_{tag}_F"), format!("{name} ({tag})"));
+        }
+    }
+    names
 }
