@@ -16,6 +16,37 @@ use crate::scenario::{Scenario, cluster_addr};
 use crate::topology::DECOY_NAME;
 use crate::{Result, RigError};
 
+/// The xtables backend the iptables mode uses in the benchmark's namespaces.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, clap::ValueEnum)]
+pub enum IptablesBackend {
+    /// What the agent picks in an empty namespace (as kube-proxy's image does).
+    Nft,
+    /// Chosen through the kubelet's hint chain, which the benchmark creates first.
+    Legacy,
+}
+
+impl IptablesBackend {
+    pub fn label(self) -> &'static str {
+        match self {
+            Self::Nft => "nft",
+            Self::Legacy => "legacy",
+        }
+    }
+
+    /// The command that makes the agent's backend detection (kube-proxy's iptables-wrapper
+    /// logic) choose this backend in an empty namespace: kubelet's `KUBE-IPTABLES-HINT` chain
+    /// in the legacy mangle table. Nothing for nft, the default there.
+    pub fn hint_command(self) -> Option<(&'static str, &'static [&'static str])> {
+        match self {
+            Self::Nft => None,
+            Self::Legacy => Some((
+                "iptables-legacy",
+                &["-w", "5", "-t", "mangle", "-N", "KUBE-IPTABLES-HINT"],
+            )),
+        }
+    }
+}
+
 /// The two proxy modes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub enum ProxyMode {
@@ -40,8 +71,11 @@ impl ProxyMode {
 /// CPU: every wakeup of a round trip is then local, instead of sometimes local (about 5 µs per
 /// round trip here) and sometimes an inter-processor wakeup of an idle vCPU (about 60 µs),
 /// which made results bimodal and ratios between paths compare different things.
-pub fn bench_node() -> Result<Scenario> {
+pub fn bench_node(backend: IptablesBackend) -> Result<Scenario> {
     let s = Scenario::new(super::workload::LIVE_PODS)?;
+    if let Some((program, args)) = backend.hint_command() {
+        s.topo.node().exec(program, args)?;
+    }
     if let Some(cpu) = super::client::client_cpu() {
         for pid in s.topo.echo_pids() {
             super::client::pin_process(pid, cpu)?;

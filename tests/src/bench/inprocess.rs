@@ -19,6 +19,7 @@ use proxy_agent::dataplane::iptables::{
 use proxy_agent::desired::{IpFamily, Snapshot};
 use proxy_agent::objects::{Kind, Store, Update};
 
+use super::agent_runs::IptablesBackend;
 use super::stats::Percentiles;
 use super::sysinfo::bpf_maps;
 use super::workload::{LiveSet, Workload};
@@ -233,8 +234,11 @@ pub struct IptablesResult {
     pub change_restore_bytes: usize,
 }
 
-pub fn iptables(w: Workload, changes: usize) -> Result<IptablesResult> {
+pub fn iptables(w: Workload, changes: usize, backend: IptablesBackend) -> Result<IptablesResult> {
     let netns = Netns::new("ipt")?;
+    if let Some((program, args)) = backend.hint_command() {
+        netns.exec(program, args)?;
+    }
     let path = netns.path();
     // The namespace is entered by a thread of its own so that the rest of the benchmark stays
     // in its namespace; the thread's children (iptables-restore) inherit it.

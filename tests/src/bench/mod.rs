@@ -25,6 +25,7 @@ pub mod workload;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
+pub use agent_runs::IptablesBackend;
 use agent_runs::{AgentMemory, ColdStart, ProxyMode};
 use datapath::{Loops, Path, PathRuns};
 use workload::{LiveSet, Workload};
@@ -59,6 +60,9 @@ pub struct Config {
     pub budget: Duration,
     /// Item 4 (per-packet tc cost).
     pub tc_loops: tc::TcLoops,
+    /// Backend of every iptables-mode run; with legacy, the in-process iptables figures are
+    /// also taken with nft at the smallest programming size, for comparison.
+    pub iptables_backend: IptablesBackend,
     /// CPU that every benchmark client and echo server is pinned to (None: not pinned).
     pub pin_cpu: Option<usize>,
     /// Sections to run; empty: all (`--only`, for working on one benchmark).
@@ -120,6 +124,11 @@ impl Config {
             // The last CPU: one CPU for client, server and the softirq work between them (veth
             // delivers in the sender's context), away from CPU 0 where most device interrupts
             // land.
+            // iptables-nft 1.8's `--noflush` restore (kube-proxy's flags) spends its time in
+            // chain-name lookups that grow with chains × rules (92 s for 10k Services × 2
+            // endpoints here); legacy restores the same input in under a second, which lets the
+            // 30k Services run fit. nft is measured in-process at the smallest size.
+            iptables_backend: IptablesBackend::Legacy,
             pin_cpu: std::thread::available_parallelism()
                 .ok()
                 .map(|n| n.get() - 1),
@@ -210,6 +219,8 @@ pub struct InprocessSize {
     pub workload: Workload,
     pub ebpf: Outcome<Vec<inprocess::EbpfResult>>,
     pub iptables: Outcome<Vec<inprocess::IptablesResult>>,
+    /// The nft backend for comparison (smallest size, when the runs above use legacy).
+    pub iptables_nft: Option<Outcome<Vec<inprocess::IptablesResult>>>,
 }
 
 /// Everything one run measured.
@@ -451,7 +462,7 @@ fn datapath_size(runner: &mut Runner, w: Workload) -> DatapathSize {
         ebpf_start: Outcome::Failed("not run".into()),
         iptables_start: Outcome::Failed("not run".into()),
     };
-    let setup = agent_runs::bench_node().and_then(|s| {
+    let setup = agent_runs::bench_node(runner.config.iptables_backend).and_then(|s| {
         w.write_manifests(&s.manifests, LiveSet::A)?;
         Ok(s)
     });
@@ -560,7 +571,7 @@ fn programming_size(runner: &mut Runner, w: Workload) -> ProgrammingSize {
         ebpf: Outcome::Failed("not run".into()),
         iptables: Outcome::Failed("not run".into()),
     };
-    let setup = agent_runs::bench_node().and_then(|s| {
+    let setup = agent_runs::bench_node(runner.config.iptables_backend).and_then(|s| {
         w.write_manifests(&s.manifests, LiveSet::A)?;
         Ok(s)
     });
@@ -685,7 +696,11 @@ fn inprocess_size(runner: &mut Runner, w: Workload) -> InprocessSize {
             let mut runs = Vec::new();
             let mut failed = None;
             for _ in 0..repeats {
-                match inprocess::iptables(w, runner.config.inprocess_iptables_changes) {
+                match inprocess::iptables(
+                    w,
+                    runner.config.inprocess_iptables_changes,
+                    runner.config.iptables_backend,
+                ) {
                     Ok(r) => runs.push(r),
                     Err(e) => {
                         failed = Some(runner.failed("iptables in-process", e));
@@ -696,10 +711,24 @@ fn inprocess_size(runner: &mut Runner, w: Workload) -> InprocessSize {
             failed.unwrap_or(Outcome::Done(runs))
         }
     };
+    let smallest = runner.config.programming_sizes.iter().min() == Some(&w.services);
+    let iptables_nft =
+        (runner.config.iptables_backend != IptablesBackend::Nft && smallest).then(|| {
+            step("  iptables in-process, nft backend for comparison", runner);
+            match inprocess::iptables(
+                w,
+                runner.config.inprocess_iptables_changes,
+                IptablesBackend::Nft,
+            ) {
+                Ok(r) => Outcome::Done(vec![r]),
+                Err(e) => runner.failed("iptables (nft) in-process", e),
+            }
+        });
     InprocessSize {
         workload: w,
         ebpf,
         iptables,
+        iptables_nft,
     }
 }
 

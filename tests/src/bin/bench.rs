@@ -6,7 +6,7 @@ use std::path::PathBuf;
 
 use anyhow::bail;
 use clap::Parser;
-use proxy_tests::bench::{self, Config, Section};
+use proxy_tests::bench::{self, Config, IptablesBackend, Section};
 
 #[derive(Debug, Parser)]
 #[command(about = "kubeproxy-rs benchmarks: eBPF vs iptables vs direct, written to docs/")]
@@ -21,6 +21,9 @@ struct Cli {
     /// working on one benchmark; the committed report comes from a run of everything.
     #[arg(long, value_enum, value_delimiter = ',')]
     only: Vec<Section>,
+    /// Backend of the iptables-mode runs (default legacy: see docs/benchmarks.md).
+    #[arg(long, value_enum)]
+    iptables_backend: Option<IptablesBackend>,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -36,6 +39,9 @@ fn main() -> anyhow::Result<()> {
         Config::full(cli.out_dir.clone())
     };
     config.only = cli.only;
+    if let Some(backend) = cli.iptables_backend {
+        config.iptables_backend = backend;
+    }
     let results = bench::run(config);
     bench::report::write(&results, &cli.out_dir)?;
     println!(
