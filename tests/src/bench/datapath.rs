@@ -55,6 +55,18 @@ impl Path {
         }
     }
 
+    /// Item 3's paths: clients in the external namespace.
+    pub fn external(self) -> bool {
+        matches!(
+            self,
+            Self::ExtRouted
+                | Self::ExtRoutedUnderTc
+                | Self::NodePortEbpf
+                | Self::ExtRoutedUnderIptables
+                | Self::NodePortIptables
+        )
+    }
+
     fn place_and_target(self, s: &Scenario) -> (Place, SocketAddr) {
         match self {
             Self::Direct | Self::DirectUnderIptables => (outside(s), pod1_addr()),
@@ -106,6 +118,11 @@ impl PathRuns {
 pub struct Loops {
     pub repeats: usize,
     pub connections: u32,
+    /// New connections per run for item 3's paths (from the external namespace). Fewer: the
+    /// tc conntrack keeps a closed flow until the agent's garbage collection (paused here) or
+    /// LRU eviction, and source NAT has 4536 ports (61000–65535) per backend, so thousands of
+    /// new flows in a row would run the probe for a free port into collisions.
+    pub external_connections: u32,
     pub round_trips: u32,
     /// Time bound of one run.
     pub max: Duration,
@@ -123,8 +140,13 @@ pub fn measure(
     for _ in 0..loops.repeats {
         for &path in paths {
             let (place, target) = path.place_and_target(s);
+            let connections = if path.external() {
+                loops.external_connections
+            } else {
+                loops.connections
+            };
             for (workload, count, into) in [
-                (ClientWorkload::Connect, loops.connections, &mut *connect),
+                (ClientWorkload::Connect, connections, &mut *connect),
                 (ClientWorkload::Rr, loops.round_trips, &mut *rr),
             ] {
                 let samples = run_bench(&place, target, workload, count, loops.max)?;

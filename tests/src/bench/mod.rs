@@ -106,6 +106,7 @@ impl Config {
             loops: Loops {
                 repeats: 5,
                 connections: 1_500,
+                external_connections: 500,
                 round_trips: 3_000,
                 max: Duration::from_secs(10),
             },
@@ -146,6 +147,7 @@ impl Config {
             loops: Loops {
                 repeats: 1,
                 connections: 300,
+                external_connections: 300,
                 round_trips: 500,
                 max: Duration::from_secs(3),
             },
@@ -607,8 +609,11 @@ fn programming_size(runner: &mut Runner, w: Workload) -> ProgrammingSize {
             ProxyMode::Iptables if estimate.is_some_and(|e| e > Duration::from_secs(20)) => 1,
             ProxyMode::Iptables => runner.config.cold_starts,
         };
+        // Every change is a sync too; on the legacy backend a partial sync still reads and
+        // replaces whole tables, so count it as half a full one.
+        let syncs = starts as f64 + 0.5 * runner.config.e2e_changes as f64;
         if mode == ProxyMode::Iptables
-            && let Err(skip) = runner.iptables_fits(w, starts as f64 + 0.5)
+            && let Err(skip) = runner.iptables_fits(w, syncs)
         {
             result.iptables = Runner::note_skip(skip, "iptables through the agent");
             break;
@@ -690,7 +695,8 @@ fn inprocess_size(runner: &mut Runner, w: Workload) -> InprocessSize {
     } else {
         runner.config.inprocess_repeats
     };
-    let iptables = match runner.iptables_fits(w, repeats as f64 * 1.2) {
+    let syncs = 1.2 + 0.5 * runner.config.inprocess_iptables_changes as f64;
+    let iptables = match runner.iptables_fits(w, repeats as f64 * syncs) {
         Err(skip) => Runner::note_skip(skip, "iptables in-process"),
         Ok(()) => {
             let mut runs = Vec::new();

@@ -420,7 +420,8 @@ fn datapath_section(md: &mut String, r: &Results) {
          tight loop in one process (`rig-helper bench-connect`): connect, read the echo server's \
          greeting line, close; {} connections after 50 warm-up ones, per run, {} run(s) per path, \
          paths interleaved. Each Service has {} endpoints; only `bench/web` (ClusterIP \
-         10.96.0.10:80 → pod1, pod2) has live backends, the other Services are decoys with their \
+         10.96.0.10:80 → pod1, pod2; a NodePort Service, whose NodePort §3 uses) has live \
+         backends, the other Services are decoys with their \
          own ClusterIPs and endpoint IPs that fill the maps and rules. The agent is paused \
          (SIGSTOP) while the datapath is measured; its programs/rules stay in the kernel. Rate = \
          sequential connections per second of one client (1 / mean latency). Latencies in µs.\n",
@@ -631,8 +632,11 @@ fn nodeport_section(md: &mut String, r: &Results) {
     );
     let _ = writeln!(
         md,
-        "**New connections** ({} per run):\n",
-        c.loops.connections
+        "**New connections** ({} per run, fewer than §1: the tc conntrack keeps closed flows \
+         until the agent's garbage collection, paused here, or LRU eviction, and source NAT has \
+         4536 ports (61000–65535) per backend, so a loop of thousands of new flows to one \
+         NodePort would exhaust them and measure failed port probes):\n",
+        c.loops.external_connections
     );
     path_table(md, r, |d| &d.connect, &NODEPORT_PATHS, true);
     let _ = writeln!(md);
