@@ -733,7 +733,7 @@ fn leaf_shares(script: &str) -> (usize, Vec<(String, usize)>) {
         }
     }
     let mut shares: Vec<(String, usize)> = counts.into_iter().collect();
-    shares.sort_by(|a, b| b.1.cmp(&a.1));
+    shares.sort_by_key(|s| std::cmp::Reverse(s.1));
     (total, shares)
 }
 
