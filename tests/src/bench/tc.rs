@@ -279,10 +279,11 @@ fn sa(ip: Ipv4Addr, port: u16) -> SocketAddr {
 }
 
 /// A client tuple that was never used before in this process: port and address walk through
-/// 10.10.0.2.. (all on ext0's subnet, so the fib lookup of the reply side is alike).
+/// 10.10.0.3.. (on ext0's subnet like the fixed client 10.10.0.2, whose established flow must
+/// never be hit by a "new" one).
 fn fresh_client(n: u32) -> SocketAddr {
     let port = 10_000 + (n % 50_000) as u16;
-    let host = 2 + (n / 50_000) % 200;
+    let host = 3 + (n / 50_000) % 200;
     sa(Ipv4Addr::new(10, 10, 0, host as u8), port)
 }
 
