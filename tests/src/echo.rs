@@ -81,6 +81,11 @@ impl EchoServer {
         &self.name
     }
 
+    /// The server's process id.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
     pub fn listen(&self) -> SocketAddr {
         self.listen
     }

@@ -275,6 +275,11 @@ impl Topology {
         Ok(())
     }
 
+    /// Process ids of the echo servers started so far (for CPU pinning in the benchmarks).
+    pub fn echo_pids(&self) -> Vec<u32> {
+        self.echoes.iter().map(EchoServer::pid).collect()
+    }
+
     /// Makes `vip:port` answer as [`DECOY_NAME`] from the node namespace itself, so a
     /// connection the datapath fails to translate is visible instead of merely failing.
     pub fn add_decoy(&mut self, vip: impl Into<IpAddr>, port: u16) -> Result<()> {

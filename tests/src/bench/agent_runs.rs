@@ -17,6 +17,37 @@ use crate::scenario::{Scenario, cluster_addr};
 use crate::topology::DECOY_NAME;
 use crate::{Result, RigError};
 
+/// The xtables backend the iptables mode uses in the benchmark's namespaces.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, clap::ValueEnum)]
+pub enum IptablesBackend {
+    /// What the agent picks in an empty namespace (as kube-proxy's image does).
+    Nft,
+    /// Chosen through the kubelet's hint chain, which the benchmark creates first.
+    Legacy,
+}
+
+impl IptablesBackend {
+    pub fn label(self) -> &'static str {
+        match self {
+            Self::Nft => "nft",
+            Self::Legacy => "legacy",
+        }
+    }
+
+    /// The command that makes the agent's backend detection (kube-proxy's iptables-wrapper
+    /// logic) choose this backend in an empty namespace: kubelet's `KUBE-IPTABLES-HINT` chain
+    /// in the legacy mangle table. Nothing for nft, the default there.
+    pub fn hint_command(self) -> Option<(&'static str, &'static [&'static str])> {
+        match self {
+            Self::Nft => None,
+            Self::Legacy => Some((
+                "iptables-legacy",
+                &["-w", "5", "-t", "mangle", "-N", "KUBE-IPTABLES-HINT"],
+            )),
+        }
+    }
+}
+
 /// The two proxy modes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub enum ProxyMode {
@@ -34,14 +65,28 @@ impl ProxyMode {
 }
 
 /// A rig node for benchmarks: the scenario's node with the three echo pods, the ClusterIP
-/// decoy and a child cgroup. The node namespace gets `tcp_tw_reuse` so that tens of thousands of
+/// decoy and a child cgroup. The node and external namespaces get `tcp_tw_reuse` so that tens of thousands of
 /// short connections to the same backend never run out of ports to TIME_WAIT.
-pub fn bench_node() -> Result<Scenario> {
+///
+/// With pinning on ([`super::client::set_client_cpu`]) the echo servers run on the clients'
+/// CPU: every wakeup of a round trip is then local, instead of sometimes local (about 5 µs per
+/// round trip here) and sometimes an inter-processor wakeup of an idle vCPU (about 60 µs),
+/// which made results bimodal and ratios between paths compare different things.
+pub fn bench_node(backend: IptablesBackend) -> Result<Scenario> {
     let s = Scenario::new(super::workload::LIVE_PODS)?;
-    s.topo.node().sysctl("net.ipv4.tcp_tw_reuse", "1")?;
-    s.topo
-        .node()
-        .sysctl("net.ipv4.ip_local_port_range", "10000 65000")?;
+    if let Some((program, args)) = backend.hint_command() {
+        s.topo.node().exec(program, args)?;
+    }
+    if let Some(cpu) = super::client::client_cpu() {
+        for pid in s.topo.echo_pids() {
+            super::client::pin_process(pid, cpu)?;
+        }
+    }
+    // The external namespace runs item 3's clients.
+    for ns in [s.topo.node(), s.topo.ext()] {
+        ns.sysctl("net.ipv4.tcp_tw_reuse", "1")?;
+        ns.sysctl("net.ipv4.ip_local_port_range", "10000 65000")?;
+    }
     Ok(s)
 }
 
@@ -50,6 +95,15 @@ pub fn in_cgroup(s: &Scenario) -> Place {
     Place {
         netns: s.topo.node().path(),
         cgroup: Some(s.cgroup.path().to_path_buf()),
+    }
+}
+
+/// A client in the external namespace (beyond the node's `vext`, like a client on another
+/// machine).
+pub fn external(s: &Scenario) -> Place {
+    Place {
+        netns: s.topo.ext().path(),
+        cgroup: None,
     }
 }
 
@@ -84,12 +138,16 @@ impl AgentMemory {
     }
 }
 
-/// Agent flags a workload needs: map capacities with room for every endpoint.
+/// Agent flags a workload needs: map capacities with room for every endpoint, and (eBPF) the
+/// tc programs on the node's external link only, as the rig's tests run them (the pod veths
+/// carry addresses that auto-detection would also take).
 pub fn agent_args(mode: ProxyMode, w: Workload) -> Vec<String> {
     match mode {
         ProxyMode::Ebpf => vec![
             "--bpf-map-backends".into(),
             super::inprocess::backends_capacity(w).to_string(),
+            "--interfaces".into(),
+            "vext".into(),
         ],
         ProxyMode::Iptables => Vec::new(),
     }

@@ -62,6 +62,9 @@ pub struct BenchConnectArgs {
     pub netns: Option<PathBuf>,
     #[arg(long)]
     pub cgroup: Option<PathBuf>,
+    /// Run on this CPU only (sched_setaffinity before the first sample).
+    #[arg(long)]
+    pub cpu: Option<usize>,
 }
 
 #[derive(Debug, Clone, Args)]
@@ -140,6 +143,9 @@ fn connect_once(target: SocketAddr, buf: &mut [u8]) -> io::Result<String> {
 
 /// `rig-helper bench-connect`.
 pub fn bench_connect(args: &BenchConnectArgs) -> Result<()> {
+    if let Some(cpu) = args.cpu {
+        pin(0, cpu)?;
+    }
     let mut buf = [0u8; 256];
     let mut samples: Vec<u64> = Vec::with_capacity(args.count as usize);
     let mut errors = 0u64;
@@ -256,6 +262,51 @@ pub fn bench_probe(args: &BenchProbeArgs) -> Result<()> {
         .map_err(|e| RigError::io("printing probe result", e))
 }
 
+/// CPU every benchmark client is pinned to (`usize::MAX`: not pinned), see [`set_client_cpu`].
+static CLIENT_CPU: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(usize::MAX);
+
+/// Pins every `bench-connect` client started from now on to `cpu` (None: no pinning). A
+/// process-wide setting because every path of a run must be pinned alike for the ratios to
+/// compare like with like.
+pub fn set_client_cpu(cpu: Option<usize>) {
+    CLIENT_CPU.store(
+        cpu.unwrap_or(usize::MAX),
+        std::sync::atomic::Ordering::Relaxed,
+    );
+}
+
+/// The CPU set by [`set_client_cpu`]; the benchmark pins the echo servers there too.
+pub fn client_cpu() -> Option<usize> {
+    Some(CLIENT_CPU.load(std::sync::atomic::Ordering::Relaxed)).filter(|&c| c != usize::MAX)
+}
+
+/// Restricts task `tid` (0: the calling thread) to `cpu`.
+pub fn pin(tid: i32, cpu: usize) -> Result<()> {
+    let mut set = nix::sched::CpuSet::new();
+    set.set(cpu).map_err(|e| RigError::Nix {
+        context: format!("CPU {cpu} in a CPU set"),
+        source: e,
+    })?;
+    nix::sched::sched_setaffinity(nix::unistd::Pid::from_raw(tid), &set).map_err(|e| {
+        RigError::Nix {
+            context: format!("pinning task {tid} to CPU {cpu}"),
+            source: e,
+        }
+    })
+}
+
+/// Pins every thread of process `pid` to `cpu`; threads it creates later inherit that.
+pub fn pin_process(pid: u32, cpu: usize) -> Result<()> {
+    let dir = format!("/proc/{pid}/task");
+    let tasks = std::fs::read_dir(&dir).map_err(|e| RigError::io(format!("reading {dir}"), e))?;
+    for task in tasks.flatten() {
+        if let Some(tid) = task.file_name().to_str().and_then(|t| t.parse().ok()) {
+            pin(tid, cpu)?;
+        }
+    }
+    Ok(())
+}
+
 /// Where a benchmark client runs: the node namespace, inside the agent's cgroup or not.
 #[derive(Debug, Clone)]
 pub struct Place {
@@ -299,6 +350,9 @@ pub fn run_bench(
         .args(["--workload", workload.as_arg()])
         .args(["--count", &count.to_string()])
         .args(["--max-ms", &max.as_millis().to_string()]);
+    if let Some(cpu) = client_cpu() {
+        cmd.args(["--cpu", &cpu.to_string()]);
+    }
     place.args(&mut cmd);
     let out = run_bounded(&mut cmd, max + Duration::from_secs(15))?;
     let stdout = String::from_utf8_lossy(&out.stdout);

@@ -1,11 +1,12 @@
-//! Items 1 and 2: new-connection latency/rate and request/response over an established
-//! connection, through each path, with the paths of one mode interleaved run by run so that
+//! Items 1, 2 and 3: new-connection latency/rate and request/response over an established
+//! connection, to a ClusterIP from the node (1, 2) and to a NodePort from the external
+//! namespace (3), through each path, with the paths of one mode interleaved run by run so that
 //! drift on the shared machine hits them alike.
 
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use super::agent_runs::{in_cgroup, outside, pod1_addr};
+use super::agent_runs::{external, in_cgroup, outside, pod1_addr};
 use super::client::{Place, Workload as ClientWorkload, run_bench};
 use super::stats::Percentiles;
 use crate::scenario::{Scenario, cluster_addr};
@@ -24,6 +25,18 @@ pub enum Path {
     DirectUnderIptables,
     /// The ClusterIP, DNATed by kube-proxy's rules (iptables mode).
     Iptables,
+    /// Item 3 floor: from the external namespace to pod1's IP, routed by the node, before any
+    /// agent ran (no tc program, no rules).
+    ExtRouted,
+    /// From outside to pod1's IP while the eBPF agent's tc programs are attached (they look
+    /// the packet up and pass it on to routing).
+    ExtRoutedUnderTc,
+    /// From outside to the node's NodePort, translated by the tc programs (eBPF mode).
+    NodePortEbpf,
+    /// From outside to pod1's IP with the iptables mode's rules loaded.
+    ExtRoutedUnderIptables,
+    /// From outside to the node's NodePort, DNATed and masqueraded by kube-proxy's rules.
+    NodePortIptables,
 }
 
 impl Path {
@@ -34,7 +47,24 @@ impl Path {
             Self::Ebpf => "eBPF socket LB",
             Self::DirectUnderIptables => "direct, iptables rules loaded",
             Self::Iptables => "iptables",
+            Self::ExtRouted => "routed to the pod IP (no agent)",
+            Self::ExtRoutedUnderTc => "routed to the pod IP, tc programs attached",
+            Self::NodePortEbpf => "NodePort, eBPF tc",
+            Self::ExtRoutedUnderIptables => "routed to the pod IP, iptables rules loaded",
+            Self::NodePortIptables => "NodePort, iptables",
         }
+    }
+
+    /// Item 3's paths: clients in the external namespace.
+    pub fn external(self) -> bool {
+        matches!(
+            self,
+            Self::ExtRouted
+                | Self::ExtRoutedUnderTc
+                | Self::NodePortEbpf
+                | Self::ExtRoutedUnderIptables
+                | Self::NodePortIptables
+        )
     }
 
     fn place_and_target(self, s: &Scenario) -> (Place, SocketAddr) {
@@ -42,6 +72,16 @@ impl Path {
             Self::Direct | Self::DirectUnderIptables => (outside(s), pod1_addr()),
             Self::DirectInCgroup => (in_cgroup(s), pod1_addr()),
             Self::Ebpf | Self::Iptables => (in_cgroup(s), cluster_addr()),
+            Self::ExtRouted | Self::ExtRoutedUnderTc | Self::ExtRoutedUnderIptables => {
+                (external(s), pod1_addr())
+            }
+            Self::NodePortEbpf | Self::NodePortIptables => (
+                external(s),
+                SocketAddr::new(
+                    crate::topology::Topology::node_ext_ip().into(),
+                    super::workload::LIVE_NODE_PORT,
+                ),
+            ),
         }
     }
 }
@@ -78,6 +118,11 @@ impl PathRuns {
 pub struct Loops {
     pub repeats: usize,
     pub connections: u32,
+    /// New connections per run for item 3's paths (from the external namespace). Fewer: the
+    /// tc conntrack keeps a closed flow until the agent's garbage collection (paused here) or
+    /// LRU eviction, and source NAT has 4536 ports (61000–65535) per backend, so thousands of
+    /// new flows in a row would run the probe for a free port into collisions.
+    pub external_connections: u32,
     pub round_trips: u32,
     /// Time bound of one run.
     pub max: Duration,
@@ -95,8 +140,13 @@ pub fn measure(
     for _ in 0..loops.repeats {
         for &path in paths {
             let (place, target) = path.place_and_target(s);
+            let connections = if path.external() {
+                loops.external_connections
+            } else {
+                loops.connections
+            };
             for (workload, count, into) in [
-                (ClientWorkload::Connect, loops.connections, &mut *connect),
+                (ClientWorkload::Connect, connections, &mut *connect),
                 (ClientWorkload::Rr, loops.round_trips, &mut *rr),
             ] {
                 let samples = run_bench(&place, target, workload, count, loops.max)?;

@@ -19,6 +19,7 @@ use proxy_agent::dataplane::iptables::{
 use proxy_agent::desired::{IpFamily, Snapshot};
 use proxy_agent::objects::{Kind, Store, Update};
 
+use super::agent_runs::IptablesBackend;
 use super::stats::Percentiles;
 use super::sysinfo::bpf_maps;
 use super::workload::{LiveSet, Workload};
@@ -32,13 +33,15 @@ pub const DEFAULT_BACKENDS_CAPACITY: u32 = 262_144;
 /// The agent's default `--bpf-map-frontends`.
 pub const DEFAULT_FRONTENDS_CAPACITY: u32 = 65_536;
 
-/// Backend/slot map capacity for a workload: the default, or the next power of two with room
-/// for every endpoint (300k endpoints do not fit the default 262144).
 /// Frontends a ClusterIP service port has: socket-level and external (tc).
 const FRONTENDS_PER_CLUSTER_IP_PORT: usize = 2;
 
+/// Backend/slot map capacity for a workload (one flag sizes both maps): the default, or the
+/// next power of two with room for every endpoint's slot in each of its Service's frontends
+/// (300k endpoints need 600k slots: more than the default 262144 and than 2^19).
 pub fn backends_capacity(w: Workload) -> u32 {
-    let needed = u32::try_from(w.total_endpoints() + 4096).unwrap_or(u32::MAX);
+    let slots = w.total_endpoints() * FRONTENDS_PER_CLUSTER_IP_PORT;
+    let needed = u32::try_from(slots + 4096).unwrap_or(u32::MAX);
     needed.next_power_of_two().max(DEFAULT_BACKENDS_CAPACITY)
 }
 
@@ -234,8 +237,11 @@ pub struct IptablesResult {
     pub change_restore_bytes: usize,
 }
 
-pub fn iptables(w: Workload, changes: usize) -> Result<IptablesResult> {
+pub fn iptables(w: Workload, changes: usize, backend: IptablesBackend) -> Result<IptablesResult> {
     let netns = Netns::new("ipt")?;
+    if let Some((program, args)) = backend.hint_command() {
+        netns.exec(program, args)?;
+    }
     let path = netns.path();
     // The namespace is entered by a thread of its own so that the rest of the benchmark stays
     // in its namespace; the thread's children (iptables-restore) inherit it.

@@ -5,7 +5,7 @@
 //!   iptables paths through the real agent on the rig's node.
 //! - `agent_runs`: cold start, end-to-end programming and memory through the real agent.
 //! - `inprocess`: programming latency with the agent's library (item 5, in-process).
-//! - `tc`: placeholders for items 3 and 4 (not wired in).
+//! - `tc`: item 4, per-packet cost of the tc programs (`BPF_PROG_TEST_RUN`).
 //! - `report`, `plot`: the Markdown and the SVGs.
 //!
 //! Everything runs inside namespaces and cgroups the rig creates; every loop is bounded in count
@@ -26,6 +26,7 @@ pub mod workload;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
+pub use agent_runs::IptablesBackend;
 use agent_runs::{AgentMemory, ColdStart, ProxyMode, Source};
 use datapath::{Loops, Path, PathRuns};
 use workload::{LiveSet, Workload};
@@ -60,8 +61,38 @@ pub struct Config {
     pub iptables_cap: Duration,
     /// The whole run should end within this; iptables runs that would not fit are skipped.
     pub budget: Duration,
+    /// Item 4 (per-packet tc cost).
+    pub tc_loops: tc::TcLoops,
+    /// Backend of every iptables-mode run; with legacy, the in-process iptables figures are
+    /// also taken with nft at the smallest programming size, for comparison.
+    pub iptables_backend: IptablesBackend,
+    /// CPU that every benchmark client and echo server is pinned to (None: not pinned).
+    pub pin_cpu: Option<usize>,
+    /// Sections to run; empty: all (`--only`, for working on one benchmark).
+    pub only: Vec<Section>,
     /// The command line, for the report.
     pub command: String,
+}
+
+/// A part of the benchmark that `--only` can select.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Section {
+    /// Items 1 and 2 (and the cold starts that go with them).
+    Datapath,
+    /// Item 3: NodePort forwarding through tc vs iptables vs routing.
+    Nodeport,
+    /// Item 4: per-packet cost of the tc programs.
+    TcCost,
+    /// Items 5 and 6 through the agent.
+    Programming,
+    /// Item 5 in-process.
+    Inprocess,
+}
+
+impl Config {
+    pub fn runs(&self, section: Section) -> bool {
+        self.only.is_empty() || self.only.contains(&section)
+    }
 }
 
 impl Config {
@@ -78,6 +109,7 @@ impl Config {
             loops: Loops {
                 repeats: 5,
                 connections: 1_500,
+                external_connections: 500,
                 round_trips: 3_000,
                 max: Duration::from_secs(10),
             },
@@ -88,6 +120,23 @@ impl Config {
             inprocess_iptables_changes: 5,
             iptables_cap: Duration::from_secs(400),
             budget: Duration::from_secs(16 * 60),
+            tc_loops: tc::TcLoops {
+                runs: 5,
+                samples: 2_000,
+                repeat: 100_000,
+            },
+            // The last CPU: one CPU for client, server and the softirq work between them (veth
+            // delivers in the sender's context), away from CPU 0 where most device interrupts
+            // land.
+            // iptables-nft 1.8's `--noflush` restore (kube-proxy's flags) spends its time in
+            // chain-name lookups that grow with chains × rules (92 s for 10k Services × 2
+            // endpoints here); legacy restores the same input in under a second, which lets the
+            // 30k Services run fit. nft is measured in-process at the smallest size.
+            iptables_backend: IptablesBackend::Legacy,
+            pin_cpu: std::thread::available_parallelism()
+                .ok()
+                .map(|n| n.get() - 1),
+            only: Vec::new(),
             command: "cargo xtask bench".into(),
         }
     }
@@ -101,6 +150,7 @@ impl Config {
             loops: Loops {
                 repeats: 1,
                 connections: 300,
+                external_connections: 300,
                 round_trips: 500,
                 max: Duration::from_secs(3),
             },
@@ -111,6 +161,11 @@ impl Config {
             inprocess_iptables_changes: 2,
             iptables_cap: Duration::from_secs(60),
             budget: Duration::from_secs(4 * 60),
+            tc_loops: tc::TcLoops {
+                runs: 2,
+                samples: 200,
+                repeat: 10_000,
+            },
             command: "cargo xtask bench --quick".into(),
             ..Self::full(out_dir)
         }
@@ -175,6 +230,8 @@ pub struct InprocessSize {
     pub workload: Workload,
     pub ebpf: Outcome<Vec<inprocess::EbpfResult>>,
     pub iptables: Outcome<Vec<inprocess::IptablesResult>>,
+    /// The nft backend for comparison (smallest size, when the runs above use legacy).
+    pub iptables_nft: Option<Outcome<Vec<inprocess::IptablesResult>>>,
 }
 
 /// Everything one run measured.
@@ -188,6 +245,8 @@ pub struct Results {
     pub datapath: Vec<DatapathSize>,
     pub programming: Vec<ProgrammingSize>,
     pub inprocess: Vec<InprocessSize>,
+    /// Item 4; None when not selected.
+    pub tc_cost: Option<Outcome<tc::PacketCostResult>>,
     /// iptables full-sync times seen (objects = Services + endpoints, seconds), for estimates.
     pub iptables_syncs: Vec<(usize, f64)>,
     pub failures: usize,
@@ -307,14 +366,28 @@ pub fn run(config: Config) -> Results {
     let machine = sysinfo::Machine::detect();
     let started_utc = command_output("date", &["-u", "+%Y-%m-%d %H:%M UTC"]);
     let commit = command_output("git", &["rev-parse", "--short", "HEAD"]);
+    client::set_client_cpu(config.pin_cpu);
     let mut runner = Runner {
         config,
         started: Instant::now(),
         estimator: Estimator::default(),
         failures: 0,
     };
+    let tc_cost = runner.config.runs(Section::TcCost).then(|| {
+        step("per-packet cost of the tc programs", &runner);
+        match tc::per_packet_cost(runner.config.tc_loops) {
+            Ok(r) => Outcome::Done(r),
+            Err(e) => runner.failed("tc per-packet cost", e),
+        }
+    });
     let mut datapath = Vec::new();
-    for &services in &runner.config.datapath_sizes.clone() {
+    let datapath_sizes =
+        if runner.config.runs(Section::Datapath) || runner.config.runs(Section::Nodeport) {
+            runner.config.datapath_sizes.clone()
+        } else {
+            Vec::new()
+        };
+    for &services in &datapath_sizes {
         let w = Workload {
             services,
             endpoints: runner.config.datapath_endpoints,
@@ -323,7 +396,18 @@ pub fn run(config: Config) -> Results {
         datapath.push(datapath_size(&mut runner, w));
     }
     let mut programming = Vec::new();
-    for &services in &runner.config.programming_sizes.clone() {
+    let programming_sizes = |section| {
+        if runner.config.runs(section) {
+            runner.config.programming_sizes.clone()
+        } else {
+            Vec::new()
+        }
+    };
+    let (agent_sizes, inprocess_sizes) = (
+        programming_sizes(Section::Programming),
+        programming_sizes(Section::Inprocess),
+    );
+    for &services in &agent_sizes {
         let w = Workload {
             services,
             endpoints: runner.config.programming_endpoints,
@@ -335,7 +419,7 @@ pub fn run(config: Config) -> Results {
         programming.push(programming_size(&mut runner, w));
     }
     let mut inprocess = Vec::new();
-    for &services in &runner.config.programming_sizes.clone() {
+    for &services in &inprocess_sizes {
         let w = Workload {
             services,
             endpoints: runner.config.programming_endpoints,
@@ -356,6 +440,7 @@ pub fn run(config: Config) -> Results {
         datapath,
         programming,
         inprocess,
+        tc_cost,
         iptables_syncs: runner.estimator.points.clone(),
         failures: runner.failures,
         config: runner.config,
@@ -388,7 +473,7 @@ fn datapath_size(runner: &mut Runner, w: Workload) -> DatapathSize {
         ebpf_start: Outcome::Failed("not run".into()),
         iptables_start: Outcome::Failed("not run".into()),
     };
-    let setup = agent_runs::bench_node().and_then(|s| {
+    let setup = agent_runs::bench_node(runner.config.iptables_backend).and_then(|s| {
         w.write_manifests(&s.manifests, LiveSet::A)?;
         Ok(s)
     });
@@ -400,6 +485,35 @@ fn datapath_size(runner: &mut Runner, w: Workload) -> DatapathSize {
         }
     };
     let loops = runner.config.loops;
+    let nodeport = runner.config.runs(Section::Nodeport);
+    // Item 3's floor: plain routing through the node before any agent touched it.
+    if nodeport {
+        step("  routed from outside, no agent", runner);
+        if let Err(e) = datapath::measure(
+            &s,
+            &[Path::ExtRouted],
+            loops,
+            &mut result.connect,
+            &mut result.rr,
+        ) {
+            runner.failed::<()>("routed from outside", e);
+        }
+    }
+    let with_nodeport = |paths: &[Path], extra: &[Path]| -> Vec<Path> {
+        let mut all = paths.to_vec();
+        if nodeport {
+            all.extend_from_slice(extra);
+        }
+        all
+    };
+    let ebpf_paths = with_nodeport(
+        &[Path::Direct, Path::DirectInCgroup, Path::Ebpf],
+        &[Path::ExtRoutedUnderTc, Path::NodePortEbpf],
+    );
+    let iptables_paths = with_nodeport(
+        &[Path::DirectUnderIptables, Path::Iptables],
+        &[Path::ExtRoutedUnderIptables, Path::NodePortIptables],
+    );
     // eBPF first: its start removes nothing, and the iptables agent that follows removes the
     // eBPF pins (mode switch) while the eBPF agent's own stop already detached them.
     step("  eBPF agent", runner);
@@ -413,13 +527,7 @@ fn datapath_size(runner: &mut Runner, w: Workload) -> DatapathSize {
             agent_timeout(ProxyMode::Ebpf, None),
         )?;
         let _paused = agent_runs::Paused::new(&mut s)?;
-        datapath::measure(
-            &s,
-            &[Path::Direct, Path::DirectInCgroup, Path::Ebpf],
-            loops,
-            &mut result.connect,
-            &mut result.rr,
-        )?;
+        datapath::measure(&s, &ebpf_paths, loops, &mut result.connect, &mut result.rr)?;
         Ok(cold)
     })();
     result.ebpf_start = match ebpf {
@@ -448,7 +556,7 @@ fn datapath_size(runner: &mut Runner, w: Workload) -> DatapathSize {
         let _paused = agent_runs::Paused::new(&mut s)?;
         datapath::measure(
             &s,
-            &[Path::DirectUnderIptables, Path::Iptables],
+            &iptables_paths,
             loops,
             &mut result.connect,
             &mut result.rr,
@@ -479,7 +587,7 @@ fn programming_size(runner: &mut Runner, w: Workload) -> ProgrammingSize {
         api_ebpf: Outcome::Failed("not run".into()),
         api_iptables: Outcome::Failed("not run".into()),
     };
-    let setup = agent_runs::bench_node().and_then(|s| {
+    let setup = agent_runs::bench_node(runner.config.iptables_backend).and_then(|s| {
         w.write_manifests(&s.manifests, LiveSet::A)?;
         Ok(s)
     });
@@ -564,8 +672,11 @@ fn agent_mode_runs(
             ProxyMode::Iptables => runner.config.cold_starts,
         };
         let what = format!("iptables through the agent ({} source)", source.name());
+        // Every change is a sync too; on the legacy backend a partial sync still reads and
+        // replaces whole tables, so count it as half a full one.
+        let syncs = starts as f64 + 0.5 * runner.config.e2e_changes as f64;
         if mode == ProxyMode::Iptables
-            && let Err(skip) = runner.iptables_fits(w, starts as f64 + 0.5)
+            && let Err(skip) = runner.iptables_fits(w, syncs)
         {
             iptables = Runner::note_skip(skip, &what);
             break;
@@ -661,13 +772,18 @@ fn inprocess_size(runner: &mut Runner, w: Workload) -> InprocessSize {
     } else {
         runner.config.inprocess_repeats
     };
-    let iptables = match runner.iptables_fits(w, repeats as f64 * 1.2) {
+    let syncs = 1.2 + 0.5 * runner.config.inprocess_iptables_changes as f64;
+    let iptables = match runner.iptables_fits(w, repeats as f64 * syncs) {
         Err(skip) => Runner::note_skip(skip, "iptables in-process"),
         Ok(()) => {
             let mut runs = Vec::new();
             let mut failed = None;
             for _ in 0..repeats {
-                match inprocess::iptables(w, runner.config.inprocess_iptables_changes) {
+                match inprocess::iptables(
+                    w,
+                    runner.config.inprocess_iptables_changes,
+                    runner.config.iptables_backend,
+                ) {
                     Ok(r) => runs.push(r),
                     Err(e) => {
                         failed = Some(runner.failed("iptables in-process", e));
@@ -678,10 +794,24 @@ fn inprocess_size(runner: &mut Runner, w: Workload) -> InprocessSize {
             failed.unwrap_or(Outcome::Done(runs))
         }
     };
+    let smallest = runner.config.programming_sizes.iter().min() == Some(&w.services);
+    let iptables_nft =
+        (runner.config.iptables_backend != IptablesBackend::Nft && smallest).then(|| {
+            step("  iptables in-process, nft backend for comparison", runner);
+            match inprocess::iptables(
+                w,
+                runner.config.inprocess_iptables_changes,
+                IptablesBackend::Nft,
+            ) {
+                Ok(r) => Outcome::Done(vec![r]),
+                Err(e) => runner.failed("iptables (nft) in-process", e),
+            }
+        });
     InprocessSize {
         workload: w,
         ebpf,
         iptables,
+        iptables_nft,
     }
 }
 

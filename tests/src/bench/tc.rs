@@ -1,34 +1,769 @@
-//! PLACEHOLDERS for items 3 and 4 of the benchmark issue, owned by the tc dataplane work:
+//! Item 4: the per-packet cost of the tc programs, measured with `BPF_PROG_TEST_RUN` on the
+//! real object loaded through the agent's library ([`EbpfDataplane`], maps programmed from
+//! Services by the real snapshot and programmer), against an empty tc program as the floor.
 //!
-//! 3. NodePort forwarding through the tc programs (external client → node → remote pod) against
-//!    iptables mode and plain routing.
-//! 4. Per-packet cost of the tc program (e.g. `bpf_prog_test_run` or the run-time stats of
-//!    `kernel.bpf_stats_enabled`) against an empty tc program.
+//! What is measured: the kernel's own timing of the program run (`ktime_get_ns` around the
+//! run, divided by `repeat`). With `repeat` the kernel runs the program again on the *same*
+//! skb, so a program that rewrites the packet (DNAT, reverse NAT) would be measured on its own
+//! output from the second run on. Every path is therefore measured as many single runs
+//! (`repeat = 1`, one syscall each, the median taken), which includes one clock read; the
+//! empty program measured the same way is that floor, and the table shows both the raw figure
+//! and the figure minus the floor. Paths that leave the packet alone (pass-through, drop, the
+//! floor itself) are also measured with a large `repeat`, which amortises the clock read.
 //!
-//! Nothing here is measured yet and nothing calls these functions: the report prints a
-//! "not measured yet" section for both items. Wire them into `bench::run` once the tc programs
-//! exist.
+//! A new flow is a different tuple every run (the client port and address change), so each
+//! sample is a conntrack miss that inserts the forward and reply entries and picks an SNAT
+//! port; the Service has 16 endpoints so that the SNAT port space (per backend) stays mostly
+//! free over every run and a sample rarely pays for a port collision.
 
-use crate::Result;
+use std::collections::BTreeMap;
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
 
-/// Item 3 (not implemented): NodePort forwarding latency/rate per path.
-#[derive(Debug, Clone, Default)]
-pub struct NodePortResult {}
+use k8s_openapi::api::core::v1::Service;
+use k8s_openapi::api::discovery::v1::EndpointSlice;
+use proxy_agent::dataplane::ebpf::{EbpfDataplane, EbpfOptions, TcOptions};
+use proxy_agent::desired::Snapshot;
+use proxy_agent::objects::{ObjectKey, Objects};
 
-/// Item 4 (not implemented): per-packet program cost.
-#[derive(Debug, Clone, Default)]
-pub struct PacketCostResult {}
+use super::stats::Spread;
+use crate::agent::TempBpfRoot;
+use crate::cgroup::ChildCgroup;
+use crate::netns::Netns;
+use crate::packet::{L4, TC_ACT_OK, TC_ACT_REDIRECT, TC_ACT_SHOT, build};
+use crate::{Result, RigError};
 
-/// Not implemented: returns an error saying so. Not wired into the benchmark.
-pub fn nodeport_forwarding() -> Result<NodePortResult> {
-    Err(crate::RigError::Other(
-        "NodePort forwarding benchmark (item 3) is not implemented yet".into(),
+const TC_EXTERNAL: &str = "kpr_tc_external";
+const TC_REPLY: &str = "kpr_tc_reply";
+const NODE: &str = "bench-node";
+const NODE_IP: Ipv4Addr = Ipv4Addr::new(10, 10, 0, 1);
+const CLIENT: Ipv4Addr = Ipv4Addr::new(10, 10, 0, 2);
+const LB_IP: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 10);
+const NODE_PORT: u16 = 30080;
+const BACKEND_PORT: u16 = 8080;
+/// Endpoints of the measured NodePort Service (10.244.1.2 ..).
+const BACKENDS: u8 = 16;
+/// `__sk_buff` prefix the kernel accepts as ctx: up to `ifindex` (offset 40).
+const SKB_CTX_LEN: usize = 44;
+
+/// One path through a tc program.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum TcPath {
+    /// An empty tc program (`r0 = TC_ACT_OK; exit`): test_run and clock overhead.
+    Floor,
+    /// An ARP frame on the external interface: parsed, not IP, passed.
+    NonIp,
+    /// TCP to the node's own address on a port that is no Service: frontend miss, passed.
+    PassThrough,
+    /// A LoadBalancer source-range miss: dropped before any NAT.
+    Drop,
+    /// A SYN of a new flow to a NodePort: conntrack miss, backend choice, DNAT + SNAT, both
+    /// conntrack entries written, fib lookup, redirect.
+    NodePortNewFlow,
+    /// The same flow's next packet: conntrack hit, DNAT + SNAT, fib lookup, redirect.
+    NodePortEstablished,
+    /// The backend's reply on the pod interface: reverse NAT from conntrack, redirect.
+    ReverseNat,
+    /// Pod traffic on the pod interface that is no reply of a translated flow: passed.
+    PodNotReply,
+}
+
+impl TcPath {
+    pub const ALL: [Self; 8] = [
+        Self::Floor,
+        Self::NonIp,
+        Self::PassThrough,
+        Self::Drop,
+        Self::NodePortNewFlow,
+        Self::NodePortEstablished,
+        Self::ReverseNat,
+        Self::PodNotReply,
+    ];
+
+    pub fn label(self) -> &'static str {
+        match self {
+            Self::Floor => "empty tc program (floor)",
+            Self::NonIp => "kpr_tc_external: ARP frame (not IP)",
+            Self::PassThrough => "kpr_tc_external: no frontend (pass-through)",
+            Self::Drop => "kpr_tc_external: source-range miss (drop)",
+            Self::NodePortNewFlow => "kpr_tc_external: NodePort, new flow (DNAT+SNAT, CT insert)",
+            Self::NodePortEstablished => "kpr_tc_external: NodePort, established (CT hit)",
+            Self::ReverseNat => "kpr_tc_reply: backend reply (reverse NAT)",
+            Self::PodNotReply => "kpr_tc_reply: pod traffic, not a reply (pass)",
+        }
+    }
+
+    /// Whether the program leaves the packet as it was, so `repeat` measures it as given.
+    fn unmodified(self) -> bool {
+        matches!(
+            self,
+            Self::Floor | Self::NonIp | Self::PassThrough | Self::Drop | Self::PodNotReply
+        )
+    }
+}
+
+/// How much to measure.
+#[derive(Debug, Clone, Copy)]
+pub struct TcLoops {
+    /// Interleaved runs over all paths.
+    pub runs: usize,
+    /// Single-run syscalls per path and run (the median is the run's figure).
+    pub samples: u32,
+    /// `repeat` of the amortised measurement (unmodified packets only).
+    pub repeat: u32,
+}
+
+/// One path's figures over the runs, in ns per packet.
+#[derive(Debug, Clone)]
+pub struct TcPathResult {
+    pub path: TcPath,
+    /// Per run: median of `samples` single runs (clock read included).
+    pub single: Spread,
+    /// Per run: the single-run median minus the floor's of the same run.
+    pub over_floor: Spread,
+    /// Per run: mean of `repeat` runs in one syscall; None when the packet is rewritten.
+    pub repeated: Option<Spread>,
+    /// The action the program returned (checked against the path's expectation).
+    pub action: i32,
+}
+
+#[derive(Debug, Clone)]
+pub struct PacketCostResult {
+    pub loops: TcLoops,
+    pub paths: Vec<TcPathResult>,
+    /// Where the time of the costliest paths goes (Markdown), when `perf` could profile them.
+    pub profile: Option<String>,
+}
+
+impl PacketCostResult {
+    pub fn of(&self, path: TcPath) -> Option<&TcPathResult> {
+        self.paths.iter().find(|p| p.path == path)
+    }
+}
+
+/// Builds the node namespace, loads and programs the dataplane on a thread inside it, and
+/// measures every path (see the module docs).
+pub fn per_packet_cost(loops: TcLoops) -> Result<PacketCostResult> {
+    let ns = Netns::new("tccost")?;
+    for (dev, v4) in [("ext0", "10.10.0.1/24"), ("pod0", "10.244.1.1/24")] {
+        // veth: the kernel here has no dummy driver; the peer stays unaddressed.
+        let peer = format!("{dev}p");
+        ns.ip(&["link", "add", dev, "type", "veth", "peer", "name", &peer])?;
+        ns.ip(&["link", "set", &peer, "up"])?;
+        ns.ip(&["addr", "add", v4, "dev", dev])?;
+        ns.ip(&["link", "set", dev, "up"])?;
+    }
+    ns.sysctl("net.ipv4.ip_forward", "1")?;
+    let path = ns.path();
+    let measured = std::thread::spawn(move || -> Result<PacketCostResult> {
+        let file = std::fs::File::open(&path)
+            .map_err(|e| RigError::io(format!("opening {}", path.display()), e))?;
+        nix::sched::setns(&file, nix::sched::CloneFlags::CLONE_NEWNET)
+            .map_err(|e| RigError::Other(format!("setns {}: {e}", path.display())))?;
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .map_err(|e| RigError::io("tokio runtime", e))?;
+        let _entered = runtime.enter();
+        let bpf = TempBpfRoot::new()?;
+        let cgroup = ChildCgroup::new()?;
+        let options = EbpfOptions {
+            cgroup_path: Some(cgroup.path().to_path_buf()),
+            bpf_root: PathBuf::from(bpf.path()),
+            frontends_capacity: 1024,
+            backends_capacity: 1024,
+            lb: proxy_agent::dataplane::ebpf::LbOptions::default(),
+            tc: TcOptions {
+                interfaces: vec!["ext0".into()],
+                cluster_cidrs: vec![
+                    "10.244.0.0/16"
+                        .parse()
+                        .map_err(|e| RigError::Other(format!("cluster CIDR: {e}")))?,
+                ],
+                ..TcOptions::default()
+            },
+        };
+        let mut dataplane = EbpfDataplane::start(&options)
+            .map_err(|e| RigError::Other(format!("loading the eBPF dataplane: {e}")))?;
+        program(&mut dataplane)?;
+        let floor = EmptyProgram::load()?;
+        let result = measure(&mut dataplane, &floor, loops);
+        drop(dataplane);
+        drop(cgroup);
+        drop(bpf);
+        result
+    })
+    .join()
+    .map_err(|_| RigError::Other("per-packet cost thread panicked".into()))?;
+    drop(ns);
+    measured
+}
+
+fn key(name: &str) -> ObjectKey {
+    ObjectKey {
+        namespace: "bench".into(),
+        name: name.into(),
+    }
+}
+
+fn from_json<T: serde::de::DeserializeOwned>(what: &str, v: serde_json::Value) -> Result<T> {
+    serde_json::from_value(v).map_err(|e| RigError::Other(format!("{what}: {e}")))
+}
+
+/// `web`: NodePort TCP 30080 → 8080, eTP Cluster, 16 endpoints; `lb`: LoadBalancer on
+/// `LB_IP`:80 with source range 203.0.113.0/24 (the client is outside it).
+fn program(dataplane: &mut EbpfDataplane) -> Result<()> {
+    let web: Service = from_json(
+        "web Service",
+        serde_json::json!({
+            "metadata": {"name": "web", "namespace": "bench"},
+            "spec": {"type": "NodePort", "clusterIP": "10.96.0.20",
+                "externalTrafficPolicy": "Cluster",
+                "ports": [{"name": "http", "port": 80, "protocol": "TCP",
+                    "targetPort": BACKEND_PORT, "nodePort": NODE_PORT}]}
+        }),
+    )?;
+    let lb: Service = from_json(
+        "lb Service",
+        serde_json::json!({
+            "metadata": {"name": "lb", "namespace": "bench"},
+            "spec": {"type": "LoadBalancer", "clusterIP": "10.96.0.22",
+                "loadBalancerSourceRanges": ["203.0.113.0/24"],
+                "ports": [{"name": "http", "port": 80, "protocol": "TCP",
+                    "targetPort": BACKEND_PORT, "nodePort": 30082}]},
+            "status": {"loadBalancer": {"ingress": [{"ip": LB_IP.to_string()}]}}
+        }),
+    )?;
+    let endpoints: Vec<serde_json::Value> = (0..BACKENDS)
+        .map(|i| {
+            serde_json::json!({"addresses": [backend(i).to_string()], "nodeName": NODE,
+                "conditions": {"ready": true}})
+        })
+        .collect();
+    let slice = |name: &str, service: &str, endpoints: &[serde_json::Value]| {
+        from_json::<EndpointSlice>(
+            "EndpointSlice",
+            serde_json::json!({
+                "metadata": {"name": name, "namespace": "bench",
+                    "labels": {"kubernetes.io/service-name": service}},
+                "addressType": "IPv4",
+                "ports": [{"name": "http", "port": BACKEND_PORT, "protocol": "TCP"}],
+                "endpoints": endpoints
+            }),
+        )
+    };
+    let services = BTreeMap::from([(key("web"), web), (key("lb"), lb)]);
+    let slices = BTreeMap::from([
+        (key("web-1"), slice("web-1", "web", &endpoints)?),
+        (key("lb-1"), slice("lb-1", "lb", &endpoints[..1])?),
+    ]);
+    let snapshot = Snapshot::compute(&Objects::new(services, slices, None), NODE);
+    let errors: Vec<String> = snapshot.errors().map(ToString::to_string).collect();
+    if !errors.is_empty() {
+        return Err(RigError::Other(format!("snapshot errors: {errors:?}")));
+    }
+    let (_, errors) = dataplane.apply(&snapshot, None);
+    if !errors.is_empty() {
+        return Err(RigError::Other(format!("apply errors: {errors:?}")));
+    }
+    Ok(())
+}
+
+fn backend(i: u8) -> Ipv4Addr {
+    Ipv4Addr::new(10, 244, 1, 2 + i)
+}
+
+fn sa(ip: Ipv4Addr, port: u16) -> SocketAddr {
+    SocketAddr::new(IpAddr::V4(ip), port)
+}
+
+/// A client tuple that was never used before in this process: port and address walk through
+/// 10.10.0.3.. (on ext0's subnet like the fixed client 10.10.0.2, whose established flow must
+/// never be hit by a "new" one).
+fn fresh_client(n: u32) -> SocketAddr {
+    let port = 10_000 + (n % 50_000) as u16;
+    let host = 3 + (n / 50_000) % 200;
+    sa(Ipv4Addr::new(10, 10, 0, host as u8), port)
+}
+
+/// An ARP request (who-has 10.10.0.1 tell 10.10.0.2).
+fn arp_frame() -> Vec<u8> {
+    let mut f = vec![0xffu8; 6];
+    f.extend_from_slice(&[0x02, 0, 0, 0, 0, 0x02]);
+    f.extend_from_slice(&0x0806u16.to_be_bytes());
+    f.extend_from_slice(&[0, 1, 0x08, 0, 6, 4, 0, 1]);
+    f.extend_from_slice(&[0x02, 0, 0, 0, 0, 0x02]);
+    f.extend_from_slice(&CLIENT.octets());
+    f.extend_from_slice(&[0; 6]);
+    f.extend_from_slice(&NODE_IP.octets());
+    f
+}
+
+/// Source and destination IPv4 addresses and ports of a test_run output frame.
+fn tuple(frame: &[u8]) -> Option<(SocketAddr, SocketAddr)> {
+    let ip = frame.get(14..34)?;
+    let ihl = usize::from(ip.first()? & 0x0f) * 4;
+    let l4 = frame.get(14 + ihl..14 + ihl + 4)?;
+    let addr = |b: &[u8]| Ipv4Addr::new(b[0], b[1], b[2], b[3]);
+    Some((
+        sa(addr(&ip[12..16]), u16::from_be_bytes([l4[0], l4[1]])),
+        sa(addr(&ip[16..20]), u16::from_be_bytes([l4[2], l4[3]])),
     ))
 }
 
-/// Not implemented: returns an error saying so. Not wired into the benchmark.
-pub fn per_packet_cost() -> Result<PacketCostResult> {
-    Err(crate::RigError::Other(
-        "per-packet tc program cost benchmark (item 4) is not implemented yet".into(),
-    ))
+/// The frames of the fixed paths, and the check of what the program did with them.
+struct Frames {
+    non_ip: Vec<u8>,
+    pass: Vec<u8>,
+    drop: Vec<u8>,
+    established: Vec<u8>,
+    reply: Vec<u8>,
+    pod_not_reply: Vec<u8>,
+    ext0: u32,
+    pod0: u32,
+}
+
+fn ifindex(name: &str) -> Result<u32> {
+    nix::net::if_::if_nametoindex(name).map_err(|e| RigError::Other(format!("ifindex {name}: {e}")))
+}
+
+fn wrong(path: TcPath, detail: String) -> RigError {
+    RigError::Other(format!("{}: {detail}", path.label()))
+}
+
+/// Builds the fixed frames; the established flow is created (and its translation checked) by a
+/// first run, and its reply frame is what the chosen backend would send.
+fn frames(dp: &mut EbpfDataplane) -> Result<Frames> {
+    let ext0 = ifindex("ext0")?;
+    let pod0 = ifindex("pod0")?;
+    let client = sa(CLIENT, 40_000);
+    let frontend = sa(NODE_IP, NODE_PORT);
+    let established = build(client, frontend, L4::TcpSyn, b"");
+    let first = dp
+        .test_run_tc(TC_EXTERNAL, &established, ext0)
+        .map_err(|e| RigError::Other(format!("test_run: {e}")))?;
+    let (snat, backend) = tuple(&first.packet).ok_or_else(|| {
+        wrong(
+            TcPath::NodePortEstablished,
+            "output is not IPv4/L4".to_owned(),
+        )
+    })?;
+    if first.action != TC_ACT_REDIRECT || backend.port() != BACKEND_PORT || snat.ip() != NODE_IP {
+        return Err(wrong(
+            TcPath::NodePortEstablished,
+            format!(
+                "first packet: action {}, {snat} → {backend}; expected a redirect to a backend \
+                 with SNAT to {NODE_IP}",
+                first.action
+            ),
+        ));
+    }
+    Ok(Frames {
+        non_ip: arp_frame(),
+        pass: build(client, sa(NODE_IP, 22), L4::TcpSyn, b""),
+        drop: build(client, sa(LB_IP, 80), L4::TcpSyn, b""),
+        established,
+        reply: build(backend, snat, L4::TcpSyn, b""),
+        pod_not_reply: build(
+            SocketAddr::new(backend.ip(), 33_000),
+            sa(Ipv4Addr::new(10, 10, 0, 9), 443),
+            L4::TcpSyn,
+            b"",
+        ),
+        ext0,
+        pod0,
+    })
+}
+
+/// Runs `path` once (`repeat` 1) or `repeat` times; the action and the kernel's ns per run.
+fn run_once(
+    dp: &mut EbpfDataplane,
+    floor: &EmptyProgram,
+    f: &Frames,
+    path: TcPath,
+    new_flow: &mut u32,
+    repeat: u32,
+) -> Result<(i32, u64, Vec<u8>)> {
+    let (program, frame, ifindex) = match path {
+        TcPath::Floor => {
+            let (action, ns) = floor.test_run(&f.pass, f.ext0, repeat)?;
+            return Ok((action, ns, Vec::new()));
+        }
+        TcPath::NonIp => (TC_EXTERNAL, f.non_ip.clone(), f.ext0),
+        TcPath::PassThrough => (TC_EXTERNAL, f.pass.clone(), f.ext0),
+        TcPath::Drop => (TC_EXTERNAL, f.drop.clone(), f.ext0),
+        TcPath::NodePortNewFlow => {
+            *new_flow += 1;
+            let frame = build(
+                fresh_client(*new_flow),
+                sa(NODE_IP, NODE_PORT),
+                L4::TcpSyn,
+                b"",
+            );
+            (TC_EXTERNAL, frame, f.ext0)
+        }
+        TcPath::NodePortEstablished => (TC_EXTERNAL, f.established.clone(), f.ext0),
+        TcPath::ReverseNat => (TC_REPLY, f.reply.clone(), f.pod0),
+        TcPath::PodNotReply => (TC_REPLY, f.pod_not_reply.clone(), f.pod0),
+    };
+    let (out, duration) = dp
+        .test_run_tc_timed(program, &frame, ifindex, repeat)
+        .map_err(|e| wrong(path, format!("test_run: {e}")))?;
+    let ns = u64::try_from(duration.as_nanos()).unwrap_or(u64::MAX);
+    Ok((out.action, ns, out.packet))
+}
+
+/// Checks that `path` took the branch it is named after (once per path, before timing).
+fn check(path: TcPath, action: i32, out: &[u8], input: &Frames) -> Result<()> {
+    let expected = match path {
+        TcPath::Floor | TcPath::NonIp | TcPath::PassThrough | TcPath::PodNotReply => TC_ACT_OK,
+        TcPath::Drop => TC_ACT_SHOT,
+        TcPath::NodePortNewFlow | TcPath::NodePortEstablished | TcPath::ReverseNat => {
+            TC_ACT_REDIRECT
+        }
+    };
+    if action != expected {
+        return Err(wrong(path, format!("action {action}, expected {expected}")));
+    }
+    let translated = tuple(out);
+    let ok = match path {
+        TcPath::NodePortNewFlow | TcPath::NodePortEstablished => {
+            translated.is_some_and(|(s, d)| s.ip() == NODE_IP && d.port() == BACKEND_PORT)
+        }
+        TcPath::ReverseNat => translated.is_some_and(|(s, d)| {
+            s == sa(NODE_IP, NODE_PORT) && tuple(&input.established).is_some_and(|(c, _)| c == d)
+        }),
+        TcPath::Floor => true,
+        TcPath::NonIp => out == input.non_ip,
+        TcPath::PassThrough => out == input.pass,
+        TcPath::Drop => out == input.drop,
+        TcPath::PodNotReply => out == input.pod_not_reply,
+    };
+    if ok {
+        Ok(())
+    } else {
+        Err(wrong(path, format!("unexpected output {translated:?}")))
+    }
+}
+
+fn measure(
+    dp: &mut EbpfDataplane,
+    floor: &EmptyProgram,
+    loops: TcLoops,
+) -> Result<PacketCostResult> {
+    let f = frames(dp)?;
+    let mut new_flow = 0u32;
+    for path in TcPath::ALL {
+        let (action, _, out) = run_once(dp, floor, &f, path, &mut new_flow, 1)?;
+        check(path, action, &out, &f)?;
+    }
+    let started = Instant::now();
+    let bound = Duration::from_secs(120);
+    let mut single: BTreeMap<TcPath, Vec<f64>> = BTreeMap::new();
+    let mut over: BTreeMap<TcPath, Vec<f64>> = BTreeMap::new();
+    let mut repeated: BTreeMap<TcPath, Vec<f64>> = BTreeMap::new();
+    let mut actions: BTreeMap<TcPath, i32> = BTreeMap::new();
+    for _ in 0..loops.runs {
+        if started.elapsed() > bound {
+            break;
+        }
+        let mut medians = BTreeMap::new();
+        for path in TcPath::ALL {
+            let mut ns = Vec::with_capacity(loops.samples as usize);
+            for _ in 0..loops.samples {
+                let (action, t, _) = run_once(dp, floor, &f, path, &mut new_flow, 1)?;
+                actions.insert(path, action);
+                ns.push(t);
+            }
+            ns.sort_unstable();
+            let median = super::stats::quantile(&ns, 0.5) as f64;
+            medians.insert(path, median);
+            single.entry(path).or_default().push(median);
+            if path.unmodified() {
+                let (_, t, _) = run_once(dp, floor, &f, path, &mut new_flow, loops.repeat)?;
+                repeated.entry(path).or_default().push(t as f64);
+            }
+        }
+        let floor_ns = medians.get(&TcPath::Floor).copied().unwrap_or(0.0);
+        for (path, median) in medians {
+            over.entry(path).or_default().push(median - floor_ns);
+        }
+    }
+    let paths = TcPath::ALL
+        .iter()
+        .map(|&path| TcPathResult {
+            path,
+            single: Spread::of(single.get(&path).cloned().unwrap_or_default()),
+            over_floor: Spread::of(over.get(&path).cloned().unwrap_or_default()),
+            repeated: repeated.get(&path).map(|v| Spread::of(v.iter().copied())),
+            action: actions.get(&path).copied().unwrap_or_default(),
+        })
+        .collect::<Vec<_>>();
+    for p in &paths {
+        eprintln!(
+            "tc cost: {:<62} single {:>6.0} ns (min {:.0}), over floor {:>6.0} ns, repeat {}",
+            p.path.label(),
+            p.single.median,
+            p.single.min,
+            p.over_floor.median,
+            p.repeated
+                .map_or("-".to_owned(), |r| format!("{:.1} ns", r.median))
+        );
+    }
+    let loop_ns: BTreeMap<TcPath, f64> = paths
+        .iter()
+        .map(|p| (p.path, p.repeated.map_or(p.single.median, |r| r.median)))
+        .collect();
+    let profile = match profile(dp, floor, &f, &mut new_flow, loops, &loop_ns) {
+        Ok(p) => Some(p),
+        Err(e) => {
+            eprintln!("tc cost: no profile: {e}");
+            Some(format!("No profile: {e}."))
+        }
+    };
+    Ok(PacketCostResult {
+        loops,
+        paths,
+        profile,
+    })
+}
+
+/// An empty `BPF_PROG_TYPE_SCHED_CLS` program loaded with the raw `bpf(2)` syscall (aya only
+/// loads programs from an ELF object): `r0 = 0 (TC_ACT_OK); exit`.
+#[derive(Debug)]
+struct EmptyProgram {
+    fd: OwnedFd,
+}
+
+const BPF_PROG_LOAD: libc::c_long = 5;
+const BPF_PROG_TEST_RUN: libc::c_long = 10;
+const BPF_PROG_TYPE_SCHED_CLS: u32 = 3;
+
+impl EmptyProgram {
+    fn load() -> Result<Self> {
+        // mov64 r0, 0 (BPF_ALU64 | BPF_MOV | BPF_K); exit (BPF_JMP | BPF_EXIT).
+        let insns: [u64; 2] = [u64::from_le_bytes([0xb7, 0, 0, 0, 0, 0, 0, 0]), 0x95];
+        let license = c"GPL";
+        // union bpf_attr, the BPF_PROG_LOAD part: prog_type, insn_cnt, insns, license; the
+        // rest (no log, no flags, no name) stays zero as the kernel requires.
+        let mut attr = [0u8; 128];
+        attr[0..4].copy_from_slice(&BPF_PROG_TYPE_SCHED_CLS.to_ne_bytes());
+        attr[4..8].copy_from_slice(&2u32.to_ne_bytes());
+        attr[8..16].copy_from_slice(&(insns.as_ptr() as u64).to_ne_bytes());
+        attr[16..24].copy_from_slice(&(license.as_ptr() as u64).to_ne_bytes());
+        // SAFETY: attr is a valid bpf_attr prefix of the given size whose pointers (insns,
+        // license) outlive the call; the kernel only reads them.
+        let fd = unsafe { libc::syscall(libc::SYS_bpf, BPF_PROG_LOAD, attr.as_ptr(), attr.len()) };
+        if fd < 0 {
+            return Err(RigError::io(
+                "loading the empty tc program (BPF_PROG_LOAD)",
+                std::io::Error::last_os_error(),
+            ));
+        }
+        let fd = i32::try_from(fd)
+            .map_err(|_| RigError::Other(format!("BPF_PROG_LOAD returned {fd}")))?;
+        // SAFETY: the kernel just returned this fd to us and nothing else owns it.
+        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        Ok(Self { fd })
+    }
+
+    /// `BPF_PROG_TEST_RUN` with the same skb ctx as the agent's helper; (action, ns per run).
+    fn test_run(&self, packet: &[u8], ifindex: u32, repeat: u32) -> Result<(i32, u64)> {
+        let mut ctx = [0u8; SKB_CTX_LEN];
+        ctx[36..40].copy_from_slice(&ifindex.to_ne_bytes());
+        ctx[40..44].copy_from_slice(&ifindex.to_ne_bytes());
+        let mut out = vec![0u8; packet.len() + 256];
+        let fd = u32::try_from(self.fd.as_raw_fd())
+            .map_err(|_| RigError::Other("negative program fd".into()))?;
+        let len = |n: usize| u32::try_from(n).unwrap_or(u32::MAX).to_ne_bytes();
+        // union bpf_attr, the test part: prog_fd, retval, data_size_in, data_size_out,
+        // data_in, data_out, repeat, duration, ctx_size_in, ctx_size_out, ctx_in, ctx_out.
+        let mut attr = [0u8; 80];
+        attr[0..4].copy_from_slice(&fd.to_ne_bytes());
+        attr[8..12].copy_from_slice(&len(packet.len()));
+        attr[12..16].copy_from_slice(&len(out.len()));
+        attr[16..24].copy_from_slice(&(packet.as_ptr() as u64).to_ne_bytes());
+        attr[24..32].copy_from_slice(&(out.as_mut_ptr() as u64).to_ne_bytes());
+        attr[32..36].copy_from_slice(&repeat.max(1).to_ne_bytes());
+        attr[40..44].copy_from_slice(&len(ctx.len()));
+        attr[48..56].copy_from_slice(&(ctx.as_ptr() as u64).to_ne_bytes());
+        // SAFETY: attr is a valid bpf_attr prefix; data_in/ctx_in point to buffers of the
+        // given sizes that the kernel reads, data_out to one of the given size it writes;
+        // all outlive the call.
+        let rc = unsafe {
+            libc::syscall(
+                libc::SYS_bpf,
+                BPF_PROG_TEST_RUN,
+                attr.as_mut_ptr(),
+                attr.len(),
+            )
+        };
+        if rc < 0 {
+            return Err(RigError::io(
+                "running the empty tc program (BPF_PROG_TEST_RUN)",
+                std::io::Error::last_os_error(),
+            ));
+        }
+        let word =
+            |at: usize| u32::from_ne_bytes([attr[at], attr[at + 1], attr[at + 2], attr[at + 3]]);
+        Ok((word(4) as i32, u64::from(word(36))))
+    }
+}
+
+/// Paths profiled: the cheapest IP path over the goal and the two translating ones.
+const PROFILED: [TcPath; 3] = [
+    TcPath::PassThrough,
+    TcPath::NodePortEstablished,
+    TcPath::ReverseNat,
+];
+
+/// Samples this thread with `perf record` (cpu-clock, call graphs) while it runs each path
+/// in [`PROFILED`] for about a second, and returns where the samples inside `bpf_test_run`
+/// (the program, its BPF functions, the kernel helpers it calls, and the harness's timing)
+/// land, by self time, as Markdown. `loop_ns`: each path's measured ns per run inside
+/// `bpf_test_run` (what the shares are scaled to).
+fn profile(
+    dp: &mut EbpfDataplane,
+    floor: &EmptyProgram,
+    f: &Frames,
+    new_flow: &mut u32,
+    loops: TcLoops,
+    loop_ns: &BTreeMap<TcPath, f64>,
+) -> Result<String> {
+    let tid = nix::unistd::gettid().as_raw();
+    let names = program_names_by_symbol();
+    let result_ns = |path: TcPath| loop_ns.get(&path).copied();
+    let mut md = String::from(
+        "**Where the time goes** (`perf record -e cpu-clock -F 20000 -g` of the benchmark \
+         thread while it runs one path for about a second; of the samples whose call chain is \
+         inside `bpf_test_run` — the program run and the harness's clock reads, not the \
+         syscall and skb set-up around it — the share of each function by self time. \
+         `bpf_prog_<tag>_F` are the program's BPF functions (the entry program and the \
+         object's `#[inline(never)]` pieces, named by tag), the others kernel helpers the \
+         program calls (`read_tsc` is mostly the harness's clock read). \
+         *≈ ns* scales the share to the single-run median of §4 (the repeat figure for \
+         pass-through).):\n",
+    );
+    for path in PROFILED {
+        let data = std::env::temp_dir().join(crate::unique_name("perf.data"));
+        let mut recorder = std::process::Command::new("perf")
+            .args(["record", "-q", "-e", "cpu-clock", "-F", "20000", "-g", "-t"])
+            .arg(tid.to_string())
+            .arg("-o")
+            .arg(&data)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .map_err(|e| RigError::io("starting perf record", e))?;
+        // perf needs a moment to attach before the loop starts.
+        std::thread::sleep(Duration::from_millis(300));
+        let started = Instant::now();
+        let mut runs = 0u64;
+        let mut looped = Ok(());
+        while looped.is_ok() && started.elapsed() < Duration::from_secs(1) && runs < 100_000_000 {
+            let repeat = if path.unmodified() { loops.repeat } else { 1 };
+            looped = run_once(dp, floor, f, path, new_flow, repeat).map(drop);
+            runs += u64::from(repeat);
+        }
+        // SIGINT makes perf write its file and exit.
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(i32::try_from(recorder.id()).unwrap_or(0)),
+            nix::sys::signal::Signal::SIGINT,
+        );
+        if !matches!(
+            crate::process::wait_bounded(&mut recorder, Duration::from_secs(20)),
+            Ok(Some(_))
+        ) {
+            crate::process::kill_and_reap(&mut recorder);
+        }
+        looped?;
+        let script = std::process::Command::new("perf")
+            .args(["script", "-F", "ip,sym", "-i"])
+            .arg(&data)
+            .output();
+        let _ = std::fs::remove_file(&data);
+        let _ = std::fs::remove_file(data.with_extension("data.old"));
+        let script = script.map_err(|e| RigError::io("running perf script", e))?;
+        let (total, shares) = leaf_shares(&String::from_utf8_lossy(&script.stdout));
+        if total == 0 {
+            return Err(RigError::Other(format!(
+                "perf recorded no sample inside bpf_test_run: {}",
+                String::from_utf8_lossy(&script.stderr).trim()
+            )));
+        }
+        let ns = result_ns(path);
+        md.push_str(&format!(
+            "\n*{}* ({runs} program runs, {total} samples inside `bpf_test_run`):\n\n\
+             | function (self time) | share | ≈ ns per packet |\n|---|---|---|\n",
+            path.label(),
+        ));
+        for (symbol, count) in shares.iter().take(10) {
+            let share = *count as f64 / total as f64;
+            let symbol = names
+                .get(symbol.as_str())
+                .map_or(symbol.as_str(), |n| n.as_str());
+            md.push_str(&format!(
+                "| `{symbol}` | {:.0}% | {} |\n",
+                share * 100.0,
+                ns.map_or("–".to_owned(), |ns| format!("{:.0}", share * ns))
+            ));
+        }
+    }
+    Ok(md)
+}
+
+/// From `perf script -F ip,sym` output (one call chain per sample, leaf first, blank line
+/// between samples): the samples whose chain contains `bpf_test_run`, and their leaf symbols
+/// by count, most first.
+fn leaf_shares(script: &str) -> (usize, Vec<(String, usize)>) {
+    let mut counts: BTreeMap<String, usize> = BTreeMap::new();
+    let mut total = 0;
+    for sample in script.split("\n\n") {
+        let symbols: Vec<&str> = sample
+            .lines()
+            .filter_map(|l| l.split_whitespace().nth(1))
+            .map(|s| s.split("+0x").next().unwrap_or(s))
+            .collect();
+        if !symbols.contains(&"bpf_test_run") {
+            continue;
+        }
+        if let Some(leaf) = symbols.first() {
+            total += 1;
+            *counts.entry((*leaf).to_owned()).or_default() += 1;
+        }
+    }
+    let mut shares: Vec<(String, usize)> = counts.into_iter().collect();
+    shares.sort_by_key(|s| std::cmp::Reverse(s.1));
+    (total, shares)
+}
+
+/// `bpf_prog_<tag>_<name>` symbol → `bpf_prog_<tag>_<program name>` for the loaded programs
+/// (`bpftool prog show`); the kernel's symbol carries a truncated name.
+fn program_names_by_symbol() -> BTreeMap<String, String> {
+    let Ok(out) = std::process::Command::new("bpftool")
+        .args(["prog", "show"])
+        .output()
+    else {
+        return BTreeMap::new();
+    };
+    let text = String::from_utf8_lossy(&out.stdout);
+    let mut names = BTreeMap::new();
+    for line in text.lines() {
+        let words: Vec<&str> = line.split_whitespace().collect();
+        let after = |key: &str| {
+            words
+                .iter()
+                .position(|w| *w == key)
+                .and_then(|i| words.get(i + 1))
+                .copied()
+        };
+        if let (Some(name), Some(tag)) = (after("name"), after("tag"))
+            && name.starts_with("kpr_tc")
+        {
+            names.insert(format!("bpf_prog_{tag}_F"), format!("{name} ({tag})"));
+        }
+    }
+    names
 }

@@ -98,6 +98,20 @@ fn decoy_node(i: usize) -> String {
     format!("node-{}", i % 50)
 }
 
+/// NodePort of the live Service (item 3: external clients through the node).
+pub const LIVE_NODE_PORT: u16 = 30080;
+
+/// The live Service: the scenario's ClusterIP Service made a NodePort (eTP Cluster) on
+/// [`LIVE_NODE_PORT`], so that one Service serves items 1–3 and the Service counts stay exact.
+pub fn live_service_yaml() -> String {
+    let cluster = crate::scenario::http_service(NAMESPACE, LIVE_SERVICE, CLUSTER_IP);
+    // The generator writes one port, last; its fields are indented by four spaces.
+    format!("{cluster}    nodePort: {LIVE_NODE_PORT}\n").replace(
+        "type: ClusterIP\n",
+        "type: NodePort\n  externalTrafficPolicy: Cluster\n",
+    )
+}
+
 impl Workload {
     pub fn decoys(self) -> usize {
         self.services.saturating_sub(1)
@@ -109,10 +123,7 @@ impl Workload {
 
     /// Writes the live Service (with `live`) and every decoy into `dir`.
     pub fn write_manifests(self, dir: &ManifestsDir, live: LiveSet) -> Result<()> {
-        dir.write(
-            "web-svc.yaml",
-            &crate::scenario::http_service(NAMESPACE, LIVE_SERVICE, CLUSTER_IP),
-        )?;
+        dir.write("web-svc.yaml", &live_service_yaml())?;
         write_live_slice(dir, live)?;
         let port = [ServicePort {
             name: PORT_NAME.into(),

@@ -6,7 +6,7 @@ use std::path::PathBuf;
 
 use anyhow::bail;
 use clap::Parser;
-use proxy_tests::bench::{self, Config};
+use proxy_tests::bench::{self, Config, IptablesBackend, Section};
 
 #[derive(Debug, Parser)]
 #[command(about = "kubeproxy-rs benchmarks: eBPF vs iptables vs direct, written to docs/")]
@@ -17,6 +17,13 @@ struct Cli {
     /// Where benchmarks.md and the SVGs go.
     #[arg(long, default_value = "docs")]
     out_dir: PathBuf,
+    /// Run only these sections (comma-separated); the report leaves the others out. For
+    /// working on one benchmark; the committed report comes from a run of everything.
+    #[arg(long, value_enum, value_delimiter = ',')]
+    only: Vec<Section>,
+    /// Backend of the iptables-mode runs (default legacy: see docs/benchmarks.md).
+    #[arg(long, value_enum)]
+    iptables_backend: Option<IptablesBackend>,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -26,11 +33,15 @@ fn main() -> anyhow::Result<()> {
             "the benchmarks need root (network namespaces, cgroups, BPF): run `cargo xtask bench` as root"
         );
     }
-    let config = if cli.quick {
+    let mut config = if cli.quick {
         Config::quick(cli.out_dir.clone())
     } else {
         Config::full(cli.out_dir.clone())
     };
+    config.only = cli.only;
+    if let Some(backend) = cli.iptables_backend {
+        config.iptables_backend = backend;
+    }
     let results = bench::run(config);
     bench::report::write(&results, &cli.out_dir)?;
     println!(

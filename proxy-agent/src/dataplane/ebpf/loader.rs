@@ -579,6 +579,22 @@ impl EbpfDataplane {
         packet: &[u8],
         ifindex: u32,
     ) -> Result<TcTestRun, LoadError> {
+        self.test_run_tc_timed(program, packet, ifindex, 1)
+            .map(|(run, _)| run)
+    }
+
+    /// [`Self::test_run_tc`] with the kernel's `repeat`, also returning the mean time of one
+    /// run as the kernel measured it (for the benchmarks). The kernel runs the program
+    /// `repeat` times on the same skb, so every run after the first sees the packet as the
+    /// previous run left it: only a packet the program does not rewrite is measured `repeat`
+    /// times as given.
+    pub fn test_run_tc_timed(
+        &mut self,
+        program: &'static str,
+        packet: &[u8],
+        ifindex: u32,
+        repeat: u32,
+    ) -> Result<(TcTestRun, std::time::Duration), LoadError> {
         let program_error = |source| LoadError::Program {
             name: program,
             source,
@@ -605,14 +621,18 @@ impl EbpfDataplane {
                 data_in: Some(packet),
                 data_out: Some(&mut out),
                 ctx_in: Some(&ctx),
+                repeat: repeat.max(1),
                 ..TestRunOptions::default()
             })
             .map_err(program_error)?;
         out.truncate(result.data_size_out as usize);
-        Ok(TcTestRun {
-            action: result.return_value as i32,
-            packet: out,
-        })
+        Ok((
+            TcTestRun {
+                action: result.return_value as i32,
+                packet: out,
+            },
+            result.duration,
+        ))
     }
 
     /// Frontend writes refused because a map was full, counted since the agent started (each
