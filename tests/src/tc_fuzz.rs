@@ -392,7 +392,16 @@ impl Drop for TcNode {
     fn drop(&mut self) {
         // The dataplane goes first, inside its runtime; bpffs, cgroup and namespace follow as
         // fields.
-        if let Some(runtime) = self.runtime.take() {
+        let Some(runtime) = self.runtime.take() else {
+            return;
+        };
+        // As a thread-local of the cargo-fuzz target, this may run at exit after tokio's own
+        // thread-local context is gone, where `enter()` would panic.
+        let context_gone =
+            tokio::runtime::Handle::try_current().is_err_and(|e| e.is_thread_local_destroyed());
+        if context_gone {
+            self.dataplane = None;
+        } else {
             let _entered = runtime.enter();
             self.dataplane = None;
         }
