@@ -20,7 +20,7 @@ use std::{
 
 use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
 use proxy_agent::{
-    dataplane::ebpf::{EbpfDataplane, EbpfOptions, TcOptions},
+    dataplane::ebpf::{EbpfDataplane, EbpfOptions, LbOptions, TcOptions},
     desired::Snapshot,
     objects::{ObjectKey, Objects},
 };
@@ -42,7 +42,7 @@ pub const TC_REPLY: &str = "kpr_tc_reply";
 
 const NODE: &str = "node";
 /// Destination ports of the programmed frontends (service ports and NodePorts).
-const FRONTEND_PORTS: [u16; 7] = [80, 53, 30080, 30053, 30081, 30082, 30083];
+const FRONTEND_PORTS: [u16; 9] = [80, 53, 38412, 30080, 30053, 30412, 30081, 30082, 30083];
 /// ClusterIPs and the LB IP.
 const FRONTEND_ADDRS: [&str; 7] = [
     "10.96.0.20",
@@ -76,8 +76,8 @@ const ADDRS_V6: [&str; 6] = [
     "fd00:96::23",
     "2001:db8::7",
 ];
-const PORTS: [u16; 12] = [
-    80, 53, 8080, 5353, 30080, 30053, 30081, 30082, 30083, 40000, 61000, 65535,
+const PORTS: [u16; 14] = [
+    80, 53, 38412, 8080, 5353, 30080, 30053, 30412, 30081, 30082, 30083, 40000, 61000, 65535,
 ];
 
 /// A throwaway node namespace with `ext0` (external) and `pod0` (pod side) and the agent's
@@ -131,7 +131,8 @@ impl TcNode {
     /// Builds the namespace, moves the calling thread into it for good (the test runs and their
     /// fib lookups use the caller's namespace, so call this on a thread that does nothing else),
     /// loads the dataplane and programs the Services:
-    /// - `web`: dual-stack NodePort, eTP Cluster; TCP 80→8080 on 30080, UDP 53→5353 on 30053;
+    /// - `web`: dual-stack NodePort, eTP Cluster; TCP 80→8080 on 30080, UDP 53→5353 on 30053,
+    ///   SCTP 38412 on 30412;
     /// - `local`: NodePort TCP 30081, eTP Local;
     /// - `lb`: LoadBalancer on 198.51.100.10:80, source range 203.0.113.0/24, NodePort 30082;
     /// - `empty`: dual-stack NodePort TCP 30083 without endpoints (ICMP reject).
@@ -166,6 +167,7 @@ impl TcNode {
             bpf_root: PathBuf::from(bpf.path()),
             frontends_capacity: 1024,
             backends_capacity: 1024,
+            lb: LbOptions::default(),
             tc: TcOptions {
                 interfaces: vec!["ext0".into()],
                 cluster_cidrs: vec![
@@ -208,7 +210,11 @@ impl TcNode {
                 "10.96.0.20",
                 Some("fd00:96::20"),
                 "Cluster",
-                vec![http(30080), port("dns", 53, "UDP", 5353, 30053)],
+                vec![
+                    http(30080),
+                    port("dns", 53, "UDP", 5353, 30053),
+                    port("sctp", 38412, "SCTP", 38412, 30412),
+                ],
             ),
             (
                 "local",
@@ -273,7 +279,8 @@ impl TcNode {
                              "labels": {"kubernetes.io/service-name": service}},
                 "addressType": family,
                 "ports": [{"name": "http", "port": 8080, "protocol": "TCP"},
-                          {"name": "dns", "port": 5353, "protocol": "UDP"}],
+                          {"name": "dns", "port": 5353, "protocol": "UDP"},
+                          {"name": "sctp", "port": 38412, "protocol": "SCTP"}],
                 "endpoints": [{"addresses": [addr], "nodeName": NODE,
                                "conditions": {"ready": true}}],
             });
@@ -299,7 +306,7 @@ impl TcNode {
     }
 
     /// Runs `frame` through both programs and checks the invariants; when `kpr_tc_external`
-    /// translated a well-formed TCP/UDP frame, the backend's answer to what it sent goes through
+    /// translated a well-formed TCP/UDP/SCTP frame, the backend's answer to what it sent goes through
     /// `kpr_tc_reply` too (the reverse translation). An error describes the violated invariant
     /// with the frame in hex.
     pub fn check(&mut self, frame: &[u8]) -> Result<Vec<Outcome>> {
@@ -309,6 +316,7 @@ impl TcNode {
             let l4 = match sent.proto {
                 PROTO_TCP => Some(L4::TcpSyn),
                 PROTO_UDP => Some(L4::Udp),
+                PROTO_SCTP => Some(L4::SctpData),
                 _ => None,
             };
             if let Some(l4) = l4 {
@@ -450,7 +458,7 @@ impl Rng {
 }
 
 /// A well-formed frame (valid lengths and checksums) from the address and port pools: TCP SYN,
-/// UDP or SCTP INIT, IPv4 or IPv6, a payload of 0..64 bytes.
+/// UDP, SCTP INIT or DATA, IPv4 or IPv6, a payload of 0..64 bytes.
 pub fn structured_frame(rng: &mut Rng) -> Vec<u8> {
     let v6 = rng.below(4) == 0;
     let addr = |rng: &mut Rng| -> IpAddr {
@@ -470,7 +478,7 @@ pub fn structured_frame(rng: &mut Rng) -> Vec<u8> {
     };
     let src = SocketAddr::new(addr(rng), port(rng));
     let dst = SocketAddr::new(addr(rng), port(rng));
-    let l4 = rng.pick(&[L4::TcpSyn, L4::TcpSyn, L4::Udp, L4::Sctp]);
+    let l4 = rng.pick(&[L4::TcpSyn, L4::TcpSyn, L4::Udp, L4::Sctp, L4::SctpData]);
     let payload: Vec<u8> = (0..rng.below(65)).map(|_| rng.next_u64() as u8).collect();
     build(src, dst, l4, &payload)
 }
