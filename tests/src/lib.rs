@@ -18,6 +18,7 @@ pub mod packet;
 pub mod process;
 pub mod scenario;
 pub mod service_scenarios;
+pub mod tc_fuzz;
 pub mod topology;
 pub mod wait;
 

@@ -67,6 +67,25 @@ impl Netns {
         )
     }
 
+    /// TCP segments received in this namespace so far (`InSegs` of `/proc/net/snmp`, which is
+    /// per network namespace): a kernel counter that shows whether anything reached a server
+    /// here, whatever the client saw.
+    pub fn tcp_segments_received(&self) -> Result<u64> {
+        let snmp = self.exec("cat", &["/proc/net/snmp"])?;
+        let mut tcp = snmp.lines().filter(|l| l.starts_with("Tcp:"));
+        let bad = || RigError::Parse {
+            what: "/proc/net/snmp Tcp lines",
+            line: snmp.clone(),
+        };
+        let (names, values) = (tcp.next().ok_or_else(bad)?, tcp.next().ok_or_else(bad)?);
+        names
+            .split_whitespace()
+            .zip(values.split_whitespace())
+            .find(|(name, _)| *name == "InSegs")
+            .and_then(|(_, value)| value.parse().ok())
+            .ok_or_else(bad)
+    }
+
     /// Sets a sysctl inside the namespace (e.g. `net.ipv4.ip_forward`).
     pub fn sysctl(&self, key: &str, value: &str) -> Result<()> {
         self.exec("sysctl", &["-qw", &format!("{key}={value}")])

@@ -11,13 +11,13 @@ use std::{
 
 use crate::{
     Result, RigError,
-    client::{Attempt, tally},
+    client::{Attempt, Client, tally},
     manifests::Endpoint,
     scenario::{
         BACKEND_PORT, CLUSTER_IP, HOSTNAME, PORT_NAME, SERVICE_PORT, Scenario, cluster_addr,
         http_slice, is_pod, pod_endpoint,
     },
-    topology::{DECOY_NAME, Topology},
+    topology::{DECOY_NAME, Place, Topology},
 };
 
 pub const NODE_PORT: u16 = 30080;
@@ -429,6 +429,266 @@ pub fn node_port_client_ip_affinity(mode: &str) -> Result<()> {
     })
 }
 
+/// A client in `place` (the remote node or one of its pods) whose packets reach this node on
+/// its second external link (`vnode2`), not on `vext`.
+fn client_at(s: &Scenario, place: Place) -> Result<Client> {
+    Ok(Client::new(s.topo.netns(place)?.path()))
+}
+
+/// TCP segments received so far in `place` (the backend's own kernel counter), once it has
+/// stood still for 300 ms: the last FIN/ACK of a connection that just ended may still be on its
+/// way, and must not be blamed on the next phase. Bounded: 10 reads.
+fn received(s: &Scenario, place: Place) -> Result<u64> {
+    let netns = s.topo.netns(place)?;
+    let mut last = netns.tcp_segments_received()?;
+    for _ in 0..10 {
+        std::thread::sleep(Duration::from_millis(300));
+        let now = netns.tcp_segments_received()?;
+        if now == last {
+            break;
+        }
+        last = now;
+    }
+    Ok(last)
+}
+
+/// Runs `count` attempts from each client to `target` that must all get nothing (no answer from
+/// anyone); prints the tallies, returns the attempts made.
+fn expect_nothing(
+    s: &Scenario,
+    clients: &[(&str, &Client)],
+    target: SocketAddr,
+    count: u32,
+    mode: &str,
+) -> Result<u32> {
+    let mut attempted = 0;
+    for (who, client) in clients {
+        let attempts = client.run(target, count)?;
+        attempted += count;
+        let counts = tally(&attempts);
+        eprintln!("[{mode}] {who} → {target}: {count} attempted, {counts:?}");
+        s.ensure(attempts.iter().all(|a| a.backend().is_none()), || {
+            format!("{who} → {target} must get nothing: {counts:?}")
+        })?;
+    }
+    Ok(attempted)
+}
+
+/// `loadBalancerSourceRanges` never leak, with upstream's scope (kube-proxy's KUBE-FW chain):
+/// the ranges filter traffic to the LB IP only. Two nodes, the agent's node owns the LB IP and
+/// has two external links (`vext` to the external client, `vnode2` to the second node). Clients
+/// outside the ranges (the external client on `vext`, a pod behind the second node on `vnode2`,
+/// a local pod whose connect() the eBPF socket hooks see) get nothing from the LB IP and the backend's kernel never receives a segment while they try;
+/// the client inside the ranges (the second node itself, on `vnode2`) gets through, and so does
+/// the external client on the NodePort and the ClusterIP, which upstream does not filter.
+pub fn source_ranges_never_leak(mode: &str) -> Result<()> {
+    let spec = ServiceSpec {
+        type_: "LoadBalancer",
+        load_balancer_ip: Some(VIP),
+        source_ranges: vec!["10.20.0.2/32"],
+        ..ServiceSpec::default()
+    };
+    let mut s = setup(2, &spec, &[pod_endpoint(1)])?;
+    s.topo.add_remote_node(1, BACKEND_PORT)?;
+    s.topo.ext().ip(&[
+        "route",
+        "add",
+        &format!("{CLUSTER_IP}/32"),
+        "via",
+        &Topology::node_ext_ip().to_string(),
+    ])?;
+    let both_links: &[&str] = if mode == "ebpf" {
+        &["--interfaces", "vext,vnode2"]
+    } else {
+        &[]
+    };
+    s.start_agent_with_args(mode, both_links)?;
+    let lb = SocketAddr::from(SocketAddrV4::new(VIP, SERVICE_PORT));
+    let inside = client_at(&s, Place::RemoteNode)?.timeout(DROP_TIMEOUT);
+    s.wait_for_datapath_with(
+        &inside,
+        lb,
+        "client inside the ranges reaches the pod",
+        is_pod,
+    )?;
+
+    let outside_ext = s.external_client().timeout(DROP_TIMEOUT);
+    let outside_rpod = client_at(&s, Place::RemotePod(1))?.timeout(DROP_TIMEOUT);
+    // A local pod (in eBPF mode in the agent's cgroup: the socket hooks see its connect()).
+    let outside_pod = s.pod_client(2)?.timeout(DROP_TIMEOUT);
+    let before = received(&s, Place::Pod(1))?;
+    let attempted = expect_nothing(
+        &s,
+        &[
+            (
+                "external client 10.10.0.2 (outside, via vext)",
+                &outside_ext,
+            ),
+            (
+                "rpod1 10.245.1.2 (outside, via node2 and vnode2)",
+                &outside_rpod,
+            ),
+            ("local pod2 10.244.2.2 (outside, socket path)", &outside_pod),
+        ],
+        lb,
+        5,
+        mode,
+    )?;
+    let leaked = received(&s, Place::Pod(1))? - before;
+    eprintln!(
+        "[{mode}] LB IP from outside the ranges: {attempted} attempted, {leaked} TCP segments \
+         reached the backend"
+    );
+    s.ensure(leaked == 0, || {
+        format!("{leaked} segments from clients outside the ranges reached the backend")
+    })?;
+
+    let attempts = inside.run(lb, 10)?;
+    let answered = received(&s, Place::Pod(1))? - before;
+    eprintln!(
+        "[{mode}] LB IP from node2 10.20.0.2 (inside, via vnode2): {:?}, backend received {answered} \
+         segments",
+        tally(&attempts)
+    );
+    s.ensure(attempts.iter().all(is_pod) && answered > 0, || {
+        format!("the client inside the ranges must get through: {attempts:?}")
+    })?;
+
+    for (what, target) in [
+        ("NodePort", node_port_addr()),
+        ("ClusterIP", cluster_addr()),
+    ] {
+        let attempts = outside_ext.run(target, 5)?;
+        eprintln!(
+            "[{mode}] {what} {target} from the external client (not filtered, as upstream): {:?}",
+            tally(&attempts)
+        );
+        s.ensure(attempts.iter().all(is_pod), || {
+            format!("{what} is not subject to loadBalancerSourceRanges upstream: {attempts:?}")
+        })?;
+    }
+    Ok(())
+}
+
+/// `externalTrafficPolicy: Local` never sends external traffic to a pod on another node. First
+/// the only endpoint is remote (`rpod1` behind the second node): the NodePort and the LB IP,
+/// reached on either external link, answer nothing and the remote pod's kernel receives not one
+/// segment, while the ClusterIP (internal traffic, not subject to the policy) does reach it.
+/// Then a local endpoint joins: external clients are answered by it alone, it sees their real
+/// addresses, and the remote pod still receives nothing from them.
+pub fn local_policy_never_reaches_a_remote_pod(mode: &str) -> Result<()> {
+    let spec = ServiceSpec {
+        type_: "LoadBalancer",
+        external_traffic_policy_local: true,
+        load_balancer_ip: Some(VIP),
+        ..ServiceSpec::default()
+    };
+    let remote = Endpoint {
+        node_name: Some("other-node".into()),
+        ..Endpoint::ready(Topology::remote_pod_ip(1))
+    };
+    let mut s = setup(1, &spec, std::slice::from_ref(&remote))?;
+    s.topo.add_remote_node(1, BACKEND_PORT)?;
+    let both_links: &[&str] = if mode == "ebpf" {
+        &["--interfaces", "vext,vnode2"]
+    } else {
+        &[]
+    };
+    s.start_agent_with_args(mode, both_links)?;
+    let is_remote = |a: &Attempt| a.backend() == Some("rpod1");
+    // In iptables mode every process of the node is translated; in eBPF mode the cgroup's.
+    let internal = if mode == "ebpf" {
+        s.cgroup_client()
+    } else {
+        s.outside_client()
+    };
+    s.wait_for_datapath_with(
+        &internal,
+        cluster_addr(),
+        "ClusterIP reaches rpod1",
+        is_remote,
+    )?;
+
+    let ext = s.external_client().timeout(DROP_TIMEOUT);
+    let node2 = client_at(&s, Place::RemoteNode)?.timeout(DROP_TIMEOUT);
+    let lb = SocketAddr::from(SocketAddrV4::new(VIP, SERVICE_PORT));
+    let node_port_b = SocketAddr::from(SocketAddrV4::new(Topology::node_link_ip(), NODE_PORT));
+    let before = received(&s, Place::RemotePod(1))?;
+    let mut attempted = 0;
+    for target in [node_port_addr(), lb] {
+        attempted += expect_nothing(&s, &[("external client (via vext)", &ext)], target, 3, mode)?;
+    }
+    for target in [node_port_b, lb] {
+        attempted += expect_nothing(&s, &[("node2 (via vnode2)", &node2)], target, 3, mode)?;
+    }
+    let leaked = received(&s, Place::RemotePod(1))? - before;
+    eprintln!(
+        "[{mode}] eTP=Local, endpoint only on the other node: {attempted} external attempts, \
+         {leaked} TCP segments reached rpod1"
+    );
+    s.ensure(leaked == 0, || {
+        format!("{leaked} segments of external traffic reached the remote pod")
+    })?;
+    let attempts = internal.run(cluster_addr(), 5)?;
+    let reached = received(&s, Place::RemotePod(1))? - before;
+    eprintln!(
+        "[{mode}] ClusterIP from the node: {:?}, rpod1 received {reached} segments",
+        tally(&attempts)
+    );
+    s.ensure(attempts.iter().all(is_remote) && reached > 0, || {
+        format!("the ClusterIP must still reach rpod1 (and its counter move): {attempts:?}")
+    })?;
+
+    s.manifests.write(
+        "web-slice.yaml",
+        &http_slice(NAMESPACE, "web-1", "web", &[pod_endpoint(1), remote]),
+    )?;
+    s.wait_for_datapath_with(&ext, node_port_addr(), "local pod answers", is_pod)?;
+    let before = received(&s, Place::RemotePod(1))?;
+    for (who, client, source, targets) in [
+        (
+            "external client",
+            &ext,
+            Topology::ext_ip(),
+            [node_port_addr(), lb],
+        ),
+        (
+            "node2",
+            &node2,
+            Topology::remote_node_ip(),
+            [node_port_b, lb],
+        ),
+    ] {
+        for target in targets {
+            let attempts = client.run(target, 10)?;
+            eprintln!(
+                "[{mode}] eTP=Local with a local endpoint, {who} → {target}: {:?}",
+                tally(&attempts)
+            );
+            for attempt in &attempts {
+                let seen = match attempt {
+                    Attempt::Ok {
+                        backend, client, ..
+                    } if backend == "pod1" => client.ip(),
+                    other => {
+                        return Err(s.agent_error(format!(
+                            "{who} → {target}: only the local pod may answer: {other:?}"
+                        )));
+                    }
+                };
+                s.ensure(seen == std::net::IpAddr::from(source), || {
+                    format!("{who} → {target}: pod1 saw {seen}, not the client {source}")
+                })?;
+            }
+        }
+    }
+    let leaked = received(&s, Place::RemotePod(1))? - before;
+    eprintln!("[{mode}] eTP=Local with a local endpoint: rpod1 received {leaked} TCP segments");
+    s.ensure(leaked == 0, || {
+        format!("{leaked} segments of external traffic reached the remote pod")
+    })
+}
+
 /// Node name used by local endpoints (for callers building their own slices).
 pub fn local_node() -> &'static str {
     HOSTNAME
@@ -468,6 +728,8 @@ macro_rules! service_scenario_tests {
             node_port_to_a_pod_on_another_node,
             client_ip_affinity_keeps_the_backend,
             node_port_client_ip_affinity,
+            source_ranges_never_leak,
+            local_policy_never_reaches_a_remote_pod,
         );
     };
 }

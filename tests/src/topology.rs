@@ -35,6 +35,8 @@ pub enum Place {
     Ext,
     /// 1-based pod index on the remote node ([`Topology::add_remote_node`]).
     RemotePod(usize),
+    /// The remote node's own namespace (`node2`, 10.20.0.2).
+    RemoteNode,
 }
 
 /// A node with `pods` pod namespaces and one external namespace. Dropping it kills the echo
@@ -124,6 +126,10 @@ impl Topology {
             Place::Node => Ok(&self.node),
             Place::Ext => Ok(&self.ext),
             Place::Pod(i) => self.pod(i),
+            Place::RemoteNode => self
+                .remote
+                .as_ref()
+                .ok_or_else(|| RigError::Other("no remote node".into())),
             Place::RemotePod(i) => i
                 .checked_sub(1)
                 .and_then(|k| self.remote_pods.get(k))
@@ -171,6 +177,16 @@ impl Topology {
             self.start_echo(Place::RemotePod(i), &format!("rpod{i}"), addr.into())?;
         }
         Ok(())
+    }
+
+    /// `10.20.0.2`, the remote node's address on its link to the node.
+    pub fn remote_node_ip() -> Ipv4Addr {
+        Ipv4Addr::new(10, 20, 0, 2)
+    }
+
+    /// `10.20.0.1`, the node's address on its link to the remote node.
+    pub fn node_link_ip() -> Ipv4Addr {
+        Ipv4Addr::new(10, 20, 0, 1)
     }
 
     /// `10.245.<i>.2`, remote pod `i`'s address.

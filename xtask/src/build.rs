@@ -132,7 +132,10 @@ pub fn test() -> Result<()> {
     if totals.passed == 0 {
         bail!("no test ran");
     }
-    Ok(())
+    if !is_root() {
+        bail!("the fuzz targets need root (tc_packets loads the eBPF programs)");
+    }
+    fuzz(CI_FUZZ_SECONDS, &[], &object)
 }
 
 #[derive(Debug, Default)]
@@ -191,42 +194,105 @@ pub fn demo() -> Result<()> {
     )
 }
 
-/// The cargo-fuzz targets in `tests/fuzz/` (a workspace of its own).
-const FUZZ_TARGETS: [&str; 4] = ["manifests", "config", "ctnetlink", "sockdiag"];
+/// The cargo-fuzz targets in `tests/fuzz/` (a workspace of its own). `tc_packets` needs root
+/// and the real eBPF object (it test-runs the tc programs).
+const FUZZ_TARGETS: [&str; 5] = ["manifests", "config", "ctnetlink", "sockdiag", "tc_packets"];
+/// The cargo-fuzz release installed when `cargo fuzz` is missing (the lock file of that release
+/// pins its dependencies).
+const CARGO_FUZZ_VERSION: &str = "0.13.2";
+/// Seconds per target when `cargo xtask test` runs the fuzzers (CI): long enough to get through
+/// the seed corpus and explore around it, short enough to keep CI within its budget.
+pub const CI_FUZZ_SECONDS: u32 = 15;
 
-/// `cargo +nightly fuzz run` for each target, bounded by `seconds`. Installs cargo-fuzz from
-/// crates.io when missing. The eBPF object is not needed: the parsers never load it.
-pub fn fuzz(seconds: u32, targets: &[String]) -> Result<()> {
+/// `cargo +nightly fuzz run` for each target, bounded by `seconds`: the first build compiles
+/// the agent with sanitizers (minutes), the runs then take `seconds` each. Installs cargo-fuzz
+/// from crates.io when missing. New interesting inputs go to `tests/fuzz/corpus/<target>`
+/// (not committed), the committed seeds are read from `tests/fuzz/seeds/<target>`. A crash,
+/// panic, timeout or memory blow-up fails with the path of the input that caused it.
+pub fn fuzz(seconds: u32, targets: &[String], object: &Path) -> Result<()> {
     let has_cargo_fuzz = Command::new("cargo")
         .args(["fuzz", "--version"])
         .output()
         .is_ok_and(|out| out.status.success());
     if !has_cargo_fuzz {
-        step("setup: cargo install cargo-fuzz");
-        run_cmd(Command::new("cargo").args(["install", "cargo-fuzz", "--locked"]))?;
+        step(&format!(
+            "setup: cargo install cargo-fuzz {CARGO_FUZZ_VERSION}"
+        ));
+        run_cmd(Command::new("cargo").args([
+            "install",
+            "cargo-fuzz",
+            "--locked",
+            "--version",
+            CARGO_FUZZ_VERSION,
+        ]))?;
     }
     let targets: Vec<&str> = if targets.is_empty() {
         FUZZ_TARGETS.to_vec()
     } else {
         targets.iter().map(String::as_str).collect()
     };
+    let dir = workspace_root().join("tests/fuzz");
+    let fuzz_cargo = |subcommand: &str| {
+        let mut command = Command::new("cargo");
+        command
+            .current_dir(&dir)
+            .args(["+nightly", "fuzz", subcommand])
+            // One build for every target: the agent embeds the real object.
+            .env("PROXY_EBPF_OBJECT", object)
+            .env_remove("PROXY_EBPF_PLACEHOLDER")
+            .env_remove("RUSTUP_TOOLCHAIN")
+            .env_remove("RUSTC")
+            .env_remove("RUSTC_WRAPPER")
+            .env_remove("RUSTC_WORKSPACE_WRAPPER");
+        command
+    };
+    step("fuzz: build every target (nightly, sanitizers)");
+    let started = std::time::Instant::now();
+    run_cmd(&mut fuzz_cargo("build"))?;
+    println!("  fuzz build took {:.0?}", started.elapsed());
     for target in targets {
         step(&format!("fuzz: {target} for {seconds} s"));
-        run_cmd(
-            Command::new("cargo")
-                .current_dir(workspace_root().join("tests/fuzz"))
-                .args(["+nightly", "fuzz", "run", target, "--"])
-                .arg(format!("-max_total_time={seconds}"))
-                .arg("-rss_limit_mb=2048")
-                .arg("-timeout=10")
-                .env("PROXY_EBPF_PLACEHOLDER", "1")
-                .env_remove("RUSTUP_TOOLCHAIN")
-                .env_remove("RUSTC")
-                .env_remove("RUSTC_WRAPPER")
-                .env_remove("RUSTC_WORKSPACE_WRAPPER"),
-        )?;
+        let corpus = dir.join("corpus").join(target);
+        std::fs::create_dir_all(&corpus)
+            .with_context(|| format!("creating {}", corpus.display()))?;
+        let artifacts = dir.join("artifacts").join(target);
+        let before = files_in(&artifacts);
+        let mut command = fuzz_cargo("run");
+        command.arg(target).arg(&corpus);
+        let seeds = dir.join("seeds").join(target);
+        if seeds.is_dir() {
+            command.arg(&seeds);
+        }
+        command
+            .arg("--")
+            .arg(format!("-max_total_time={seconds}"))
+            .arg("-rss_limit_mb=2048")
+            .arg("-timeout=10")
+            .arg("-print_final_stats=1");
+        if let Err(e) = run_cmd(&mut command) {
+            let found: Vec<String> = files_in(&artifacts)
+                .into_iter()
+                .filter(|f| !before.contains(f))
+                .map(|f| f.display().to_string())
+                .collect();
+            bail!(
+                "fuzz target {target} found a problem: {e}\n  input(s): {}\n  reproduce: cd \
+                 tests/fuzz && cargo +nightly fuzz run {target} <input>",
+                if found.is_empty() {
+                    "none written (see the output above)".to_owned()
+                } else {
+                    found.join(", ")
+                }
+            );
+        }
     }
     Ok(())
+}
+
+fn files_in(dir: &Path) -> Vec<PathBuf> {
+    std::fs::read_dir(dir)
+        .map(|entries| entries.flatten().map(|e| e.path()).collect())
+        .unwrap_or_default()
 }
 
 /// Builds the agent and the benchmark with `--release` (debug builds would measure the

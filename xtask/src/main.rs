@@ -19,17 +19,19 @@ enum Command {
     Setup,
     /// Build the eBPF object (release, nightly + build-std + bpf-linker).
     BuildEbpf,
-    /// Build everything and run every check, unit test and integration test (needs root).
+    /// Build everything and run every check, unit test and integration test, then each fuzz
+    /// target briefly (needs root).
     Test,
     /// Show socket-level load balancing to three pods in a throwaway topology (needs root).
     Demo,
-    /// Coverage-guided fuzzing of the agent's parsers (cargo-fuzz, nightly), each target for
-    /// the given time. Findings land in tests/fuzz/artifacts/.
+    /// Coverage-guided fuzzing of the agent's parsers and of the tc programs (cargo-fuzz,
+    /// nightly; tc_packets needs root), each target for the given time. Findings land in
+    /// tests/fuzz/artifacts/.
     Fuzz {
         /// Seconds per target.
         #[arg(long, default_value_t = 60)]
         seconds: u32,
-        /// Only these targets (default: manifests, config, ctnetlink, sockdiag).
+        /// Only these targets (default: manifests, config, ctnetlink, sockdiag, tc_packets).
         targets: Vec<String>,
     },
     /// Run the benchmarks (eBPF vs iptables vs direct) and write docs/benchmarks.md and its
@@ -53,7 +55,11 @@ fn main() -> Result<()> {
             build::ebpf()?;
             build::test()
         }
-        Command::Fuzz { seconds, targets } => build::fuzz(seconds, &targets),
+        Command::Fuzz { seconds, targets } => {
+            setup::run(setup::Mode::IfMissing)?;
+            build::ebpf()?;
+            build::fuzz(seconds, &targets, &build::ebpf_object())
+        }
         Command::Demo => {
             setup::run(setup::Mode::IfMissing)?;
             build::ebpf()?;

@@ -70,7 +70,8 @@ pub struct Frontend {
 }
 
 /// The frontends local processes reach a service port through: the ClusterIP with the internal
-/// endpoints, and externalIPs / load-balancer IPs with the cluster endpoints — like kube-proxy,
+/// endpoints, and externalIPs / load-balancer IPs (those without `loadBalancerSourceRanges`)
+/// with the cluster endpoints — like kube-proxy,
 /// which sends traffic from the node itself to those addresses through the Service chain even
 /// with `externalTrafficPolicy: Local` ("short-circuiting").
 pub fn socket_frontends(port: &ServicePort) -> Vec<(FrontendKey, Frontend)> {
@@ -100,7 +101,14 @@ pub fn socket_frontends(port: &ServicePort) -> Vec<(FrontendKey, Frontend)> {
         return frontends;
     }
     let external = frontend(&mut port.cluster_endpoints());
-    for &addr in port.external_ips.iter().chain(&port.load_balancer_ips) {
+    // The socket hooks run before a source address is chosen, so they cannot check
+    // `loadBalancerSourceRanges`; kube-proxy's KUBE-FW filters the node's own and its pods'
+    // traffic to the LB IPs too. So an LB IP the ranges guard gets no socket frontend: the
+    // connection goes out untranslated and meets the check where it enters a node from outside
+    // (the tc programs or the cloud load balancer), with its real source address.
+    let guarded = !port.source_ranges.is_empty() && port.has_any_endpoints;
+    let load_balancer_ips = port.load_balancer_ips.iter().filter(|_| !guarded);
+    for &addr in port.external_ips.iter().chain(load_balancer_ips) {
         frontends.push((key(addr), external.clone()));
     }
     frontends

@@ -325,6 +325,44 @@ fn load_balancer_service_fields_per_family() {
     assert!(v6.has_any_endpoints);
 }
 
+/// Local sockets cannot be checked against `loadBalancerSourceRanges` (no source address yet at
+/// connect()), so the LB IPs the ranges guard get no socket frontend, while the tc frontend
+/// carries the ranges; externalIPs and the ClusterIP stay translated for local clients.
+#[test]
+fn source_ranges_keep_lb_ips_out_of_the_socket_hooks() {
+    use crate::desired::{external_frontends, socket_frontends};
+    let snapshot = Snapshot::compute(&objects(LB), NODE);
+    let v4 = port(&snapshot, IpFamily::V4, "edge/lb", "https", Protocol::Tcp);
+    let socket: Vec<String> = socket_frontends(v4)
+        .iter()
+        .map(|(key, _)| key.addr.to_string())
+        .collect();
+    assert_eq!(socket, [v4.cluster_ip.to_string(), "192.0.2.10".into()]);
+    let guarded: Vec<usize> = external_frontends(v4)
+        .iter()
+        .filter(|(key, _)| v4.load_balancer_ips.contains(&key.addr))
+        .map(|(_, frontend)| frontend.source_ranges.len())
+        .collect();
+    assert_eq!(
+        guarded,
+        [2, 2],
+        "each LB IP's tc frontend carries the ranges"
+    );
+
+    let open = LB.replace(
+        "  loadBalancerSourceRanges: [' 203.0.113.0/24', '2001:db8:1::/48', 198.51.100.7/32]\n",
+        "",
+    );
+    let snapshot = Snapshot::compute(&objects(&open), NODE);
+    let v4 = port(&snapshot, IpFamily::V4, "edge/lb", "https", Protocol::Tcp);
+    assert!(v4.source_ranges.is_empty());
+    assert_eq!(
+        socket_frontends(v4).len(),
+        4,
+        "without ranges: ClusterIP, externalIP and both LB IPs"
+    );
+}
+
 #[test]
 fn external_policy_local_needs_external_access_and_health_check_needs_a_load_balancer() {
     let cluster_ip = WEB.replace(
