@@ -423,7 +423,7 @@ pub fn read_file(path: &Path) -> Result<KubeProxyConfiguration, ConfigError> {
 /// Decodes a document strictly: unknown fields, a wrong apiVersion or kind are errors.
 pub fn parse(text: &str) -> Result<KubeProxyConfiguration, String> {
     // libyaml's time is quadratic in the flow depth: refuse what serde_yaml would refuse anyway.
-    crate::yaml::check_flow_depth(text).map_err(|too_deep| too_deep.to_string())?;
+    crate::yaml::check_text(text).map_err(|problem| problem.to_string())?;
     let document: KubeProxyConfiguration =
         serde_yaml::from_str(text).map_err(|error| error.to_string())?;
     if document.api_version != file::API_VERSION || document.kind != file::KIND {

@@ -148,10 +148,15 @@ pub enum ManifestError {
         key: ObjectKey,
         first: Arc<Path>,
     },
-    #[error("{}: {too_deep}; the file is skipped", path.display())]
-    TooDeep {
+    #[error("{}: {problem}; the file is skipped", path.display())]
+    RefusedText {
         path: PathBuf,
-        too_deep: crate::yaml::TooDeep,
+        problem: crate::yaml::TextError,
+    },
+    #[error("{}: {problem}; that document and the rest of the file are skipped", path.display())]
+    RefusedRest {
+        path: PathBuf,
+        problem: crate::yaml::TextError,
     },
     #[error("{}: reading the file failed unexpectedly ({message}); the file is skipped", path.display())]
     Panic { path: PathBuf, message: String },
@@ -265,12 +270,26 @@ fn load_file(path: &Path, bytes: &[u8], loaded: &mut Loaded, origins: &mut Origi
             return;
         }
     };
-    if let Err(too_deep) = crate::yaml::check_flow_depth(text) {
-        loaded.errors.push(ManifestError::TooDeep {
+    // An unknown alias only costs its document and the ones after it (as serde_yaml's own
+    // errors do); the documents before it are read.
+    let (text, refused_rest) = match crate::yaml::check_text(text) {
+        Ok(()) => (text, None),
+        Err(problem @ crate::yaml::TextError::UnknownAlias { line, .. }) => {
+            (&text[..document_start(text, line)], Some(problem))
+        }
+        Err(problem) => {
+            loaded.errors.push(ManifestError::RefusedText {
+                path: path.to_owned(),
+                problem,
+            });
+            return;
+        }
+    };
+    if let Some(problem) = refused_rest {
+        loaded.errors.push(ManifestError::RefusedRest {
             path: path.to_owned(),
-            too_deep,
+            problem,
         });
-        return;
     }
     let mut file = Loaded::default();
     let mut file_origins = Origins::new();
@@ -314,6 +333,23 @@ fn load_file(path: &Path, bytes: &[u8], loaded: &mut Loaded, origins: &mut Origi
         origins,
         &mut loaded.errors,
     );
+}
+
+/// Byte offset where the document holding (1-based) `line` starts: just after the last `---`
+/// line before it, or the start of the text.
+fn document_start(text: &str, line: usize) -> usize {
+    let mut start = 0;
+    let mut offset = 0;
+    for (index, content) in text.split_inclusive('\n').enumerate() {
+        if index + 1 >= line {
+            break;
+        }
+        offset += content.len();
+        if content.starts_with("---") {
+            start = offset - content.len();
+        }
+    }
+    start
 }
 
 /// Adds one file's objects to the folder's; an object an earlier file defined keeps that
