@@ -135,7 +135,7 @@ pub fn test() -> Result<()> {
     if !is_root() {
         bail!("the fuzz targets need root (tc_packets loads the eBPF programs)");
     }
-    fuzz(CI_FUZZ_SECONDS, &[], &object)
+    fuzz(CI_FUZZ, &[], &object)
 }
 
 #[derive(Debug, Default)]
@@ -200,16 +200,35 @@ const FUZZ_TARGETS: [&str; 5] = ["manifests", "config", "ctnetlink", "sockdiag",
 /// The cargo-fuzz release installed when `cargo fuzz` is missing (the lock file of that release
 /// pins its dependencies).
 const CARGO_FUZZ_VERSION: &str = "0.13.2";
-/// Seconds per target when `cargo xtask test` runs the fuzzers (CI): long enough to get through
-/// the seed corpus and explore around it, short enough to keep CI within its budget.
-pub const CI_FUZZ_SECONDS: u32 = 15;
+/// How long each target runs.
+#[derive(Debug, Clone, Copy)]
+pub enum FuzzBudget {
+    /// By hand: this many seconds, random seed, the corpus kept in `tests/fuzz/corpus/`.
+    Seconds(u32),
+    /// `cargo xtask test` (CI): a fixed seed and number of inputs from the committed seeds
+    /// only, so that every run tries the same inputs (a red CI is a reproducible finding, not
+    /// the luck of the draw), bounded in time as well.
+    Replay {
+        runs: u32,
+        seed: u32,
+        max_seconds: u32,
+    },
+}
+
+/// The fuzzers' share of `cargo xtask test`: long enough to get through the seed corpus and
+/// explore around it, short enough to keep CI within its budget.
+pub const CI_FUZZ: FuzzBudget = FuzzBudget::Replay {
+    runs: 20_000,
+    seed: 1,
+    max_seconds: 30,
+};
 
 /// `cargo +nightly fuzz run` for each target, bounded by `seconds`: the first build compiles
 /// the agent with sanitizers (minutes), the runs then take `seconds` each. Installs cargo-fuzz
 /// from crates.io when missing. New interesting inputs go to `tests/fuzz/corpus/<target>`
 /// (not committed), the committed seeds are read from `tests/fuzz/seeds/<target>`. A crash,
 /// panic, timeout or memory blow-up fails with the path of the input that caused it.
-pub fn fuzz(seconds: u32, targets: &[String], object: &Path) -> Result<()> {
+pub fn fuzz(budget: FuzzBudget, targets: &[String], object: &Path) -> Result<()> {
     let has_cargo_fuzz = Command::new("cargo")
         .args(["fuzz", "--version"])
         .output()
@@ -251,8 +270,23 @@ pub fn fuzz(seconds: u32, targets: &[String], object: &Path) -> Result<()> {
     run_cmd(&mut fuzz_cargo("build"))?;
     println!("  fuzz build took {:.0?}", started.elapsed());
     for target in targets {
-        step(&format!("fuzz: {target} for {seconds} s"));
-        let corpus = dir.join("corpus").join(target);
+        let corpus = match budget {
+            FuzzBudget::Seconds(seconds) => {
+                step(&format!("fuzz: {target} for {seconds} s"));
+                dir.join("corpus").join(target)
+            }
+            FuzzBudget::Replay { runs, seed, .. } => {
+                step(&format!("fuzz: {target}, {runs} inputs from seed {seed}"));
+                // Where libFuzzer writes what it finds interesting: empty each time, so the
+                // run depends on the committed seeds only.
+                let scratch = dir.join("target").join("ci-corpus").join(target);
+                if scratch.exists() {
+                    std::fs::remove_dir_all(&scratch)
+                        .with_context(|| format!("emptying {}", scratch.display()))?;
+                }
+                scratch
+            }
+        };
         std::fs::create_dir_all(&corpus)
             .with_context(|| format!("creating {}", corpus.display()))?;
         let artifacts = dir.join("artifacts").join(target);
@@ -263,9 +297,23 @@ pub fn fuzz(seconds: u32, targets: &[String], object: &Path) -> Result<()> {
         if seeds.is_dir() {
             command.arg(&seeds);
         }
+        command.arg("--");
+        match budget {
+            FuzzBudget::Seconds(seconds) => {
+                command.arg(format!("-max_total_time={seconds}"));
+            }
+            FuzzBudget::Replay {
+                runs,
+                seed,
+                max_seconds,
+            } => {
+                command
+                    .arg(format!("-runs={runs}"))
+                    .arg(format!("-seed={seed}"))
+                    .arg(format!("-max_total_time={max_seconds}"));
+            }
+        }
         command
-            .arg("--")
-            .arg(format!("-max_total_time={seconds}"))
             .arg("-rss_limit_mb=2048")
             .arg("-timeout=10")
             .arg("-print_final_stats=1");

@@ -58,7 +58,11 @@ fn main() -> Result<()> {
         Command::Fuzz { seconds, targets } => {
             setup::run(setup::Mode::IfMissing)?;
             build::ebpf()?;
-            build::fuzz(seconds, &targets, &build::ebpf_object())
+            build::fuzz(
+                build::FuzzBudget::Seconds(seconds),
+                &targets,
+                &build::ebpf_object(),
+            )
         }
         Command::Demo => {
             setup::run(setup::Mode::IfMissing)?;
