@@ -120,12 +120,14 @@ impl Client {
         self
     }
 
-    /// How sockets are used (see [`Mode`]); `Sendto` and `Stream` imply UDP.
+    /// How sockets are used (see [`Mode`]); `Sendto` and `Stream` imply UDP, `TcpStream` TCP.
     pub fn mode(mut self, mode: Mode) -> Self {
         self.mode = mode;
-        if mode != Mode::Connect {
-            self.proto = Proto::Udp;
-        }
+        self.proto = match mode {
+            Mode::Connect => self.proto,
+            Mode::Sendto | Mode::Stream => Proto::Udp,
+            Mode::TcpStream => Proto::Tcp,
+        };
         self
     }
 

@@ -77,6 +77,11 @@ pub enum Mode {
     /// One connected UDP socket for all attempts, replaced only after an error — a DNS-style
     /// retry loop.
     Stream,
+    /// One TCP connection for all attempts: each sends a line and reads its echo. The reply
+    /// is the backend's greeting from when the connection was made, its name suffixed with
+    /// `#<n>`, the number of connections made so far (`pod1#1`): a broken-and-replaced stream
+    /// shows as `#2`.
+    TcpStream,
 }
 
 impl Mode {
@@ -85,6 +90,7 @@ impl Mode {
             Self::Connect => "connect",
             Self::Sendto => "sendto",
             Self::Stream => "stream",
+            Self::TcpStream => "tcp-stream",
         }
     }
 }
@@ -237,6 +243,7 @@ fn client(
     let mut out = io::stdout().lock();
     let start = std::time::Instant::now();
     let mut stream: Option<UdpSocket> = None;
+    let mut tcp_stream = TcpStreamState::default();
     for i in 0..count {
         if i > 0 && !interval.is_zero() {
             thread::sleep(interval);
@@ -246,6 +253,7 @@ fn client(
             Mode::Connect => attempt(target, proto, timeout),
             Mode::Sendto => sendto_attempt(target, timeout),
             Mode::Stream => stream_attempt(&mut stream, target, timeout),
+            Mode::TcpStream => tcp_stream.attempt(target, timeout),
         };
         let line = match result {
             Ok((reply, peer)) => format!("ok {reply} peer={peer}"),
@@ -305,6 +313,56 @@ fn stream_attempt(
         *stream = Some(sock);
     }
     result
+}
+
+/// The long-lived connection of [`Mode::TcpStream`].
+#[derive(Default)]
+struct TcpStreamState {
+    /// The connection, its reader and the backend's greeting line.
+    open: Option<(TcpStream, BufReader<TcpStream>, String)>,
+    connections: u32,
+}
+
+impl TcpStreamState {
+    /// One line out and its echo back on the connection (made first if there is none); an
+    /// error drops the connection, so the next attempt makes a new one.
+    fn attempt(
+        &mut self,
+        target: SocketAddr,
+        timeout: Duration,
+    ) -> io::Result<(String, SocketAddr)> {
+        let (conn, mut reader, greeting) = match self.open.take() {
+            Some(open) => open,
+            None => {
+                let conn = TcpStream::connect_timeout(&target, timeout)?;
+                conn.set_read_timeout(Some(timeout))?;
+                conn.set_nodelay(true)?;
+                let mut reader = BufReader::new(conn.try_clone()?);
+                let mut greeting = String::new();
+                if reader.read_line(&mut greeting)? == 0 {
+                    return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "EOF"));
+                }
+                self.connections += 1;
+                (conn, reader, greeting.trim_end().to_owned())
+            }
+        };
+        let request = format!("ping {}", self.connections);
+        (&conn).write_all(format!("{request}\n").as_bytes())?;
+        let mut echo = String::new();
+        if reader.read_line(&mut echo)? == 0 {
+            return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "EOF"));
+        }
+        if echo.trim_end() != request {
+            return Err(io::Error::other(format!("echo {echo:?} for {request:?}")));
+        }
+        let peer = conn.peer_addr()?;
+        let reply = match greeting.split_once(' ') {
+            Some((name, client)) => format!("{name}#{} {client}", self.connections),
+            None => greeting.clone(),
+        };
+        self.open = Some((conn, reader, greeting));
+        Ok((reply, peer))
+    }
 }
 
 /// One attempt on a fresh socket: returns the first reply line and getpeername().

@@ -706,6 +706,128 @@ pub fn named(name: &str, result: Result<()>) -> Result<()> {
 
 /// Expands to one `#[test]` per scenario of the table, run with `--proxy-mode $mode`, so each
 /// mode's test file is one line and the table cannot drift between modes.
+/// The agent is SIGKILLed and restarted twice while clients keep going: new connections to
+/// the ClusterIP (from a pod-like process) and to the NodePort (from outside), and one
+/// established TCP stream to each. No attempt may fail, and each stream must stay the
+/// connection it was (`#1`): the datapath lives in the kernel (pinned maps and programs, or
+/// rules and conntrack), not in the agent.
+pub fn agent_restarts_under_load_fail_nothing(mode: &str) -> Result<()> {
+    let spec = ServiceSpec {
+        type_: "NodePort",
+        ..ServiceSpec::default()
+    };
+    let mut s = setup(2, &spec, &[pod_endpoint(1), pod_endpoint(2)])?;
+    start(&mut s, mode)?;
+    let cluster_client = if mode == "ebpf" {
+        s.cgroup_client()
+    } else {
+        s.outside_client()
+    };
+    s.wait_for_datapath_with(
+        &cluster_client,
+        cluster_addr(),
+        "ClusterIP answered",
+        is_pod,
+    )?;
+    let outside = s.external_client();
+    s.wait_for_datapath_with(&outside, node_port_addr(), "NodePort answered", is_pod)?;
+
+    use crate::client::Mode;
+    let loads = [
+        (
+            "ClusterIP connections",
+            cluster_client.clone(),
+            cluster_addr(),
+            Mode::Connect,
+            5,
+            700,
+        ),
+        (
+            "NodePort connections",
+            outside.clone(),
+            node_port_addr(),
+            Mode::Connect,
+            5,
+            700,
+        ),
+        (
+            "ClusterIP TCP stream",
+            cluster_client,
+            cluster_addr(),
+            Mode::TcpStream,
+            10,
+            400,
+        ),
+        (
+            "NodePort TCP stream",
+            outside,
+            node_port_addr(),
+            Mode::TcpStream,
+            10,
+            400,
+        ),
+    ];
+    let spawned = std::time::Instant::now();
+    let threads: Vec<_> = loads
+        .into_iter()
+        .map(|(what, client, target, client_mode, interval_ms, count)| {
+            let client = client
+                .mode(client_mode)
+                .interval(Duration::from_millis(interval_ms));
+            (
+                what,
+                std::thread::spawn(move || client.run_timed(target, count)),
+            )
+        })
+        .collect();
+    // (killed, restarted) in ms since the clients were spawned.
+    let mut outages = Vec::new();
+    for _ in 0..2 {
+        std::thread::sleep(Duration::from_millis(800));
+        s.agent()?.kill()?;
+        let killed = spawned.elapsed().as_millis() as u64;
+        std::thread::sleep(Duration::from_millis(600));
+        s.agent()?.restart()?;
+        outages.push((killed, spawned.elapsed().as_millis() as u64));
+    }
+    for (what, thread) in threads {
+        let attempts = thread
+            .join()
+            .map_err(|_| RigError::Other(format!("{what}: client thread panicked")))??;
+        let during = attempts
+            .iter()
+            .filter(|(_, at)| {
+                outages
+                    .iter()
+                    .any(|(killed, restarted)| (*killed..restarted + 300).contains(at))
+            })
+            .count();
+        let answers: Vec<Attempt> = attempts.into_iter().map(|(a, _)| a).collect();
+        let counts = tally(&answers);
+        let failed = answers.iter().filter(|a| !is_pod(a)).count();
+        eprintln!(
+            "[{mode}] {what}: {} attempts, {failed} failed, {during} while an agent was down \
+             or starting; outages (killed, restarted) ms {outages:?}; answers {counts:?}",
+            answers.len()
+        );
+        s.ensure(during > 0, || {
+            format!("{what}: the load must overlap the outages")
+        })?;
+        s.ensure(failed == 0, || {
+            format!("{what}: nothing may fail across agent restarts: {counts:?}")
+        })?;
+        if what.ends_with("stream") {
+            s.ensure(
+                answers
+                    .iter()
+                    .all(|a| a.backend().is_some_and(|b| b.ends_with("#1"))),
+                || format!("{what}: the established connection must survive: {counts:?}"),
+            )?;
+        }
+    }
+    Ok(())
+}
+
 #[macro_export]
 macro_rules! service_scenario_tests {
     ($mode:literal: $($scenario:ident),+ $(,)?) => {
@@ -730,6 +852,7 @@ macro_rules! service_scenario_tests {
             node_port_client_ip_affinity,
             source_ranges_never_leak,
             local_policy_never_reaches_a_remote_pod,
+            agent_restarts_under_load_fail_nothing,
         );
     };
 }
