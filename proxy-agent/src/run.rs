@@ -164,7 +164,7 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
                     continue;
                 };
                 if reason == SyncReason::Periodic {
-                    dataplane.periodic_check();
+                    dataplane.periodic_check(node_services.metrics());
                 }
                 let changes = store.take_changes();
                 node_services
@@ -358,10 +358,18 @@ impl Dataplane {
         }
     }
 
-    /// Once per sync period: the canary check (someone flushed our tables → full resync).
-    fn periodic_check(&mut self) {
-        if let Dataplane::Iptables(iptables) = self {
-            iptables.check_canaries();
+    /// Once per sync period: the canary check (someone flushed our tables → full resync), or
+    /// the eBPF dataplane's conntrack garbage collection.
+    fn periodic_check(&mut self, metrics: &Metrics) {
+        match self {
+            Dataplane::Iptables(iptables) => {
+                iptables.check_canaries();
+            }
+            Dataplane::Ebpf(ebpf) => {
+                if let Err(error) = ebpf.conntrack_gc(metrics.ebpf()) {
+                    warn!(%error, "tc conntrack garbage collection failed");
+                }
+            }
         }
     }
 
