@@ -542,7 +542,7 @@ impl EbpfDataplane {
     }
 
     /// Garbage collection of the tc conntrack (see `ct::gc`): deletes dead flows' entries,
-    /// and counts the run and the entries left in `metrics`. Called once per sync period.
+    /// and counts the run and the entries left in `metrics`. Called every 30 s (`run.rs`).
     pub fn conntrack_gc(
         &mut self,
         metrics: Option<&EbpfMetrics>,
