@@ -377,6 +377,9 @@ pub fn conntrack(pin_dir: &Path) -> anyhow::Result<Vec<BTreeMap<&'static str, St
         let (key, value) = entry?;
         let direction = if value.flags & proxy_common::ct_flags::REPLY != 0 {
             "reply"
+        } else if value.flags & proxy_common::ct_flags::CLOSING != 0 {
+            // A FIN or RST was seen: the short close timeout applies.
+            "forward (closing)"
         } else {
             "forward"
         };

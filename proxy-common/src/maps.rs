@@ -130,6 +130,57 @@ pub mod ct_flags {
     pub const REPLY: u8 = 1;
     /// The flow was source-NATed to the node address.
     pub const SNAT: u8 = 2;
+    /// Forward entries of TCP flows: a FIN or RST was seen in either direction, so the entry
+    /// idles out after [`super::ct_timeout::TCP_CLOSE_NS`] instead of the established timeout.
+    pub const CLOSING: u8 = 4;
+}
+
+/// Idle timeouts of `KPR_CT` forward entries, shared by the datapath (which treats an expired
+/// entry as absent) and the agent's garbage collection (which deletes it), so both agree on
+/// what is dead. Clock: `bpf_ktime_get_ns`, i.e. `CLOCK_MONOTONIC`.
+pub mod ct_timeout {
+    use super::ct_flags;
+    use crate::proto;
+
+    pub const NANOS_PER_SECOND: u64 = 1_000_000_000;
+    /// kube-proxy's `tcpEstablishedTimeout` default (the kernel conntrack setting it tunes).
+    pub const TCP_NS: u64 = 24 * 3600 * NANOS_PER_SECOND;
+    /// A TCP flow after a FIN or RST in either direction: Cilium's CT close timeout (10 s), one
+    /// value for FIN and RST. Netfilter keeps a FIN-closed flow 120 s (its TIME_WAIT), but
+    /// that only guards the translation of late retransmissions; here it would also hold the
+    /// flow's SNAT port, limiting a client to 4536 / 120 s ≈ 38 new connections per second to
+    /// one backend through SNAT, against ≈ 450 with 10 s. The timeout restarts with each
+    /// packet, so a half-closed connection that still moves data keeps its entry.
+    pub const TCP_CLOSE_NS: u64 = 10 * NANOS_PER_SECOND;
+    /// The kernel's `nf_conntrack_udp_timeout_stream`.
+    pub const UDP_NS: u64 = 120 * NANOS_PER_SECOND;
+    /// The kernel's `nf_conntrack_sctp_timeout_established` (210 s, several of SCTP's default
+    /// 30 s heartbeats, so an idle association keeps its entry). There is no SCTP state
+    /// machine here: ABORT and SHUTDOWN COMPLETE do not end an entry early, because without
+    /// tracking verification tags (as the kernel's conntrack does) a spoofed chunk could tear
+    /// down the NAT of a live association.
+    pub const SCTP_NS: u64 = 210 * NANOS_PER_SECOND;
+    /// Reply entries carry their creation time and are never refreshed; the agent deletes one
+    /// whose forward entry is gone only when it is older than this, so a reply entry written
+    /// just before its forward entry (the datapath's order) is never mistaken for an orphan.
+    pub const ORPHAN_REPLY_NS: u64 = TCP_CLOSE_NS;
+
+    /// The idle timeout of a forward entry of `protocol` with `flags`.
+    #[inline(always)]
+    pub fn forward_ns(protocol: u8, flags: u8) -> u64 {
+        match protocol {
+            proto::TCP if flags & ct_flags::CLOSING != 0 => TCP_CLOSE_NS,
+            proto::TCP => TCP_NS,
+            proto::SCTP => SCTP_NS,
+            _ => UDP_NS,
+        }
+    }
+
+    /// Whether a forward entry last seen at `last_seen_ns` is past its idle timeout at `now`.
+    #[inline(always)]
+    pub fn expired(protocol: u8, flags: u8, last_seen_ns: u64, now: u64) -> bool {
+        now.wrapping_sub(last_seen_ns) > forward_ns(protocol, flags)
+    }
 }
 
 /// Bits of [`NodeConfig::flags`].

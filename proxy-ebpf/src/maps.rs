@@ -89,6 +89,8 @@ pub struct TcScratch {
     pub forward: CtValue,
     pub reply: CtValue,
     pub reply_key: CtKey,
+    /// The forward key a SNAT port probe checks when it hits a port in use.
+    pub probe_key: CtKey,
     pub fib: aya_ebpf::bindings::bpf_fib_lookup,
 }
 

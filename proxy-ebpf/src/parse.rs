@@ -24,7 +24,14 @@ pub struct Packet {
     pub dst: [u32; 4],
     pub sport: u16,
     pub dport: u16,
+    /// TCP header flags (byte 13: CWR ECE URG ACK PSH RST SYN FIN); 0 for UDP and SCTP.
+    pub tcp_flags: u8,
 }
+
+const TCP_FIN: u8 = 0x01;
+const TCP_SYN: u8 = 0x02;
+const TCP_RST: u8 = 0x04;
+const TCP_ACK: u8 = 0x10;
 
 impl Packet {
     pub fn is_v6(&self) -> bool {
@@ -51,6 +58,16 @@ impl Packet {
         ETH_HLEN + if self.is_v6() { 24 } else { 16 }
     }
 
+    /// A TCP FIN or RST: the flow is ending.
+    pub fn closes(&self) -> bool {
+        self.tcp_flags & (TCP_FIN | TCP_RST) != 0
+    }
+
+    /// A TCP SYN without ACK: a client opening a connection.
+    pub fn opens(&self) -> bool {
+        self.tcp_flags & (TCP_SYN | TCP_ACK) == TCP_SYN
+    }
+
     /// Offset of the TCP or UDP checksum (SCTP's CRC32c is handled by `sctp`).
     pub fn l4_csum_offset(&self) -> usize {
         self.l4 + if self.proto == proto::TCP { 16 } else { 6 }
@@ -62,11 +79,15 @@ impl Packet {
 #[inline(always)]
 pub fn parse(ctx: &TcContext) -> Option<Packet> {
     let ethertype = u16::from_be(ctx.load::<u16>(12).ok()?);
-    match ethertype {
-        ETH_P_IP => parse4(ctx),
-        ETH_P_IPV6 => parse6(ctx),
-        _ => None,
+    let mut pkt = match ethertype {
+        ETH_P_IP => parse4(ctx)?,
+        ETH_P_IPV6 => parse6(ctx)?,
+        _ => return None,
+    };
+    if pkt.proto == proto::TCP {
+        pkt.tcp_flags = ctx.load(pkt.l4 + 13).ok()?;
     }
+    Some(pkt)
 }
 
 #[inline(always)]
@@ -100,6 +121,7 @@ fn parse4(ctx: &TcContext) -> Option<Packet> {
         dst: [dst, 0, 0, 0],
         sport: ctx.load(l4).ok()?,
         dport: ctx.load(l4 + 2).ok()?,
+        tcp_flags: 0,
     })
 }
 
@@ -124,6 +146,7 @@ fn parse6(ctx: &TcContext) -> Option<Packet> {
         dst: ctx.load(ETH_HLEN + 24).ok()?,
         sport: ctx.load(l4).ok()?,
         dport: ctx.load(l4 + 2).ok()?,
+        tcp_flags: 0,
     })
 }
 

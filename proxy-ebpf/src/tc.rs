@@ -51,10 +51,14 @@ pub fn external(ctx: &TcContext) -> i32 {
         // update writes a whole, equally valid translation.
         let value = unsafe { &*entry };
         if value.flags & ct_flags::REPLY != 0 {
+            // A remote backend's reply, addressed to the SNAT address.
+            if pkt.closes() {
+                conntrack::close_from_reply(&pkt, value);
+            }
             return translate(ctx, &pkt, value, StatIndex::TcReplyTranslated);
         }
-        if conntrack::is_fresh(value, pkt.proto, now) {
-            conntrack::touch(entry, value, now);
+        if conntrack::carries(value, &pkt, now) {
+            conntrack::touch(entry, value, &pkt, now);
             return translate(ctx, &pkt, value, StatIndex::TcEstablished);
         }
     }
@@ -105,6 +109,9 @@ pub fn reply(ctx: &TcContext) -> i32 {
     let value = unsafe { &*entry };
     if value.flags & ct_flags::REPLY == 0 {
         return PASS;
+    }
+    if pkt.closes() {
+        conntrack::close_from_reply(&pkt, value);
     }
     translate(ctx, &pkt, value, StatIndex::TcReplyTranslated)
 }

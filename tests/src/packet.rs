@@ -90,6 +90,12 @@ pub fn crc32c(bytes: &[u8]) -> u32 {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum L4 {
     TcpSyn,
+    /// A TCP ACK segment (a connection's data or last ACK).
+    TcpAck,
+    /// A TCP FIN|ACK segment.
+    TcpFin,
+    /// A TCP RST segment.
+    TcpRst,
     Udp,
     /// An SCTP common header and one DATA-less INIT chunk.
     Sctp,
@@ -104,7 +110,7 @@ pub const SCTP_VTAG: u32 = 0x5ca1_ab1e;
 impl L4 {
     pub fn proto(self) -> u8 {
         match self {
-            L4::TcpSyn => PROTO_TCP,
+            L4::TcpSyn | L4::TcpAck | L4::TcpFin | L4::TcpRst => PROTO_TCP,
             L4::Udp => PROTO_UDP,
             L4::Sctp | L4::SctpData => PROTO_SCTP,
         }
@@ -115,13 +121,18 @@ impl L4 {
 /// valid.
 pub fn build(src: SocketAddr, dst: SocketAddr, l4: L4, payload: &[u8]) -> Vec<u8> {
     let mut seg = match l4 {
-        L4::TcpSyn => {
+        L4::TcpSyn | L4::TcpAck | L4::TcpFin | L4::TcpRst => {
             let mut h = vec![0u8; 20];
             h[0..2].copy_from_slice(&src.port().to_be_bytes());
             h[2..4].copy_from_slice(&dst.port().to_be_bytes());
             h[4..8].copy_from_slice(&0x1234_5678u32.to_be_bytes());
             h[12] = 5 << 4;
-            h[13] = 0x02; // SYN
+            h[13] = match l4 {
+                L4::TcpAck => 0x10,
+                L4::TcpFin => 0x11, // FIN|ACK
+                L4::TcpRst => 0x04, // RST
+                _ => 0x02,          // SYN
+            };
             h[14..16].copy_from_slice(&64240u16.to_be_bytes());
             h
         }
@@ -163,7 +174,7 @@ pub fn build(src: SocketAddr, dst: SocketAddr, l4: L4, payload: &[u8]) -> Vec<u8
         seg.resize(seg.len().next_multiple_of(4), 0);
     }
     match l4 {
-        L4::TcpSyn => {
+        L4::TcpSyn | L4::TcpAck | L4::TcpFin | L4::TcpRst => {
             let c = l4_checksum(src.ip(), dst.ip(), PROTO_TCP, &seg);
             seg[16..18].copy_from_slice(&c.to_be_bytes());
         }

@@ -439,5 +439,49 @@ fn node_port_forwards_to_a_pod_on_another_node() -> anyhow::Result<()> {
             .all(|ip| *ip == IpAddr::V4(Topology::node_ext_ip())),
         || format!("client addresses seen by the remote pod: {seen:?}"),
     )?;
+    // Real TCP closes (FIN both ways through node A) mark the flows' forward entries closing,
+    // so their SNAT ports are free again 10 s later. Polled: the last close may still be on
+    // its way.
+    let bpf_root = s.agent()?.bpf_root().to_path_buf();
+    let mut counts = (0, 0);
+    proxy_tests::wait::try_wait_until(
+        "the 10 closed connections' conntrack entries closing",
+        DATAPATH_TIMEOUT,
+        Duration::from_millis(100),
+        || {
+            counts = closing_forward_entries(&bpf_root, Topology::remote_pod_ip(1))
+                .map_err(|e| proxy_tests::RigError::Other(e.to_string()))?;
+            Ok(counts.0 >= attempts.len())
+        },
+    )
+    .map_err(|e| anyhow::anyhow!("{e}; (closing, forward) {counts:?}"))?;
+    eprintln!(
+        "forward entries to rpod1: {} closing of {}",
+        counts.0, counts.1
+    );
     Ok(())
+}
+
+/// (closing, all) forward TCP entries of `KPR_CT` that rewrite to `backend`, through the pin.
+fn closing_forward_entries(
+    bpf_root: &std::path::Path,
+    backend: Ipv4Addr,
+) -> anyhow::Result<(usize, usize)> {
+    use aya::maps::{HashMap, Map, MapData};
+    use proxy_common::{CtKey, CtValue, ct_flags, map_names, proto};
+    let path = bpf_root
+        .join(proxy_agent::dataplane::ebpf::PIN_DIR_NAME)
+        .join(map_names::CT);
+    let ct: HashMap<MapData, CtKey, CtValue> =
+        HashMap::try_from(Map::from_map_data(MapData::from_pin(&path)?)?)?;
+    let backend = u32::from_ne_bytes(backend.octets());
+    let mut counts = (0, 0);
+    for (key, value) in ct.iter().filter_map(Result::ok) {
+        if key.proto == proto::TCP && value.flags & ct_flags::REPLY == 0 && value.dst[0] == backend
+        {
+            counts.1 += 1;
+            counts.0 += usize::from(value.flags & ct_flags::CLOSING != 0);
+        }
+    }
+    Ok(counts)
 }

@@ -26,18 +26,20 @@ use std::{
 use aya::maps::{HashMap, Map, MapData};
 use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
 use proxy_agent::{
+    config::ProxyMode,
     dataplane::ebpf::{EbpfDataplane, EbpfOptions, LbOptions, PIN_DIR_NAME, TcOptions},
     desired::Snapshot,
+    node_services::metrics::Metrics,
     objects::{ObjectKey, Objects},
 };
-use proxy_common::{CtKey, CtValue, ct_flags, family, map_names, program_names};
+use proxy_common::{CtKey, CtValue, StatIndex, ct_flags, family, map_names, program_names};
 use proxy_tests::{
     agent::TempBpfRoot,
     cgroup::ChildCgroup,
     netns::Netns,
     packet::{
-        L4, PROTO_ICMP, PROTO_ICMPV6, Parsed, TC_ACT_REDIRECT, TC_ACT_SHOT, build, crc32c,
-        inet_checksum, parse_checked,
+        L4, PROTO_ICMP, PROTO_ICMPV6, PROTO_TCP, PROTO_UDP, Parsed, TC_ACT_REDIRECT, TC_ACT_SHOT,
+        build, crc32c, inet_checksum, parse_checked,
     },
 };
 
@@ -639,14 +641,31 @@ fn monotonic_ns() -> u64 {
 /// port no backend has: a packet translated to it was taken from the (still fresh) entry, one
 /// translated to the real backend port started a new flow (the entry had expired).
 fn age_forward_entry(node: &Node, key: &CtKey, age_s: u64, marker_port: u16) {
+    let mut ct = pinned_ct(node);
+    let mut value = ct.get(key, 0).expect("forward entry");
+    value.last_seen_ns = ago(age_s);
+    value.dport = marker_port.to_be();
+    ct.insert(key, value, 0).expect("update entry");
+}
+
+/// `KPR_CT` through its pin, as another process (the agent's GC, bpftool) would open it.
+fn pinned_ct(node: &Node) -> HashMap<MapData, CtKey, CtValue> {
     let path = node.bpf.path().join(PIN_DIR_NAME).join(map_names::CT);
     let map = Map::from_map_data(MapData::from_pin(&path).expect("pinned KPR_CT")).expect("map");
-    let mut ct: HashMap<MapData, CtKey, CtValue> = HashMap::try_from(map).expect("hash map");
-    let mut value = ct.get(key, 0).expect("forward entry");
-    value.last_seen_ns = monotonic_ns()
+    HashMap::try_from(map).expect("hash map")
+}
+
+/// `bpf_ktime_get_ns` `age_s` seconds ago.
+fn ago(age_s: u64) -> u64 {
+    monotonic_ns()
         .checked_sub(age_s * 1_000_000_000)
-        .expect("uptime longer than the age");
-    value.dport = marker_port.to_be();
+        .expect("uptime longer than the age")
+}
+
+/// Rewrites entry `key` as last seen (a reply entry: created) `age_s` ago, nothing else.
+fn age_entry(ct: &mut HashMap<MapData, CtKey, CtValue>, key: &CtKey, age_s: u64) {
+    let mut value = ct.get(key, 0).expect("entry to age");
+    value.last_seen_ns = ago(age_s);
     ct.insert(key, value, 0).expect("update entry");
 }
 
@@ -931,4 +950,298 @@ fn maglev_ipv6_flows_keep_their_backend_for_the_same_tuple() {
     eprintln!("IPv6 maglev: flows per backend {counts:?}; {same} of 200 on the same backend again");
     assert_eq!(counts.len(), 3, "{counts:?}");
     assert_eq!(same, first.len());
+}
+
+/// How a test flow ends.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Close {
+    /// Not at all (an established, idle connection).
+    Open,
+    ClientFin,
+    ClientRst,
+    /// The backend's FIN on the external interface (a remote backend's reply to the SNAT
+    /// address goes through `kpr_tc_external`).
+    BackendFinExternal,
+    /// The backend's RST on the pod interface (`kpr_tc_reply`).
+    BackendRstReply,
+}
+
+/// Opens a TCP flow client → `NODE_IP`:30080 (eTP Cluster: SNAT) and closes it as `close`
+/// says; returns the SNAT address and port the backend sees.
+fn open_and_close(node: &mut Node, client: SocketAddr, close: Close) -> SocketAddr {
+    let frontend = sa(NODE_IP, 30080);
+    let backend = sa(BACKEND, 8080);
+    let syn = build(client, frontend, L4::TcpSyn, b"");
+    let (action, out) = run(node, program_names::TC_EXTERNAL, &syn, node.ext0);
+    assert_eq!(action, TC_ACT_REDIRECT, "{client}: SYN");
+    assert_eq!(out.destination(), backend, "{client}: DNAT");
+    let snat = out.source();
+    let (program, frame, ifindex, to) = match close {
+        Close::Open => return snat,
+        Close::ClientFin => (
+            program_names::TC_EXTERNAL,
+            build(client, frontend, L4::TcpFin, b""),
+            node.ext0,
+            backend,
+        ),
+        Close::ClientRst => (
+            program_names::TC_EXTERNAL,
+            build(client, frontend, L4::TcpRst, b""),
+            node.ext0,
+            backend,
+        ),
+        Close::BackendFinExternal => (
+            program_names::TC_EXTERNAL,
+            build(backend, snat, L4::TcpFin, b""),
+            node.ext0,
+            client,
+        ),
+        Close::BackendRstReply => (
+            program_names::TC_REPLY,
+            build(backend, snat, L4::TcpRst, b""),
+            node.pod0,
+            client,
+        ),
+    };
+    let (action, closed) = run(node, program, &frame, ifindex);
+    assert_eq!(action, TC_ACT_REDIRECT, "{client}: {close:?}");
+    assert_eq!(closed.destination(), to, "{client}: {close:?} translated");
+    snat
+}
+
+/// A FIN or RST in either direction marks the forward entry closing: it still carries the
+/// flow's last packets within the 10 s close timeout, and after it a SYN from the same client
+/// tuple picks a backend again, while an established flow idle as long keeps its entry. A SYN
+/// on a closing entry (the client reusing its port) starts a new flow at once.
+#[test]
+fn tcp_fin_or_rst_closes_the_flow_and_a_new_syn_chooses_again() {
+    with_node(|node| {
+        program_services(node);
+        const MARKER: u16 = 9;
+        let frontend = sa(NODE_IP, 30080);
+        let cases = [
+            Close::Open,
+            Close::ClientFin,
+            Close::ClientRst,
+            Close::BackendFinExternal,
+            Close::BackendRstReply,
+        ];
+        for (i, close) in cases.into_iter().enumerate() {
+            let client = sa(CLIENT, 41_000 + i as u16);
+            open_and_close(node, client, close);
+            let key = ct_key(client, frontend, PROTO_TCP);
+            let flags = ct_entry(node, &key).expect("forward entry").flags;
+            assert_eq!(
+                flags & ct_flags::CLOSING != 0,
+                close != Close::Open,
+                "{close:?}: CLOSING flag in {flags:#x}"
+            );
+            // 5 s later the last ACK still takes the entry (marked by a fake backend port).
+            age_forward_entry(node, &key, 5, MARKER);
+            let ack = build(client, frontend, L4::TcpAck, b"");
+            let (action, late) = run(node, program_names::TC_EXTERNAL, &ack, node.ext0);
+            assert_eq!(action, TC_ACT_REDIRECT);
+            assert_eq!(
+                late.dport(),
+                MARKER,
+                "{close:?}: ACK 5 s later uses the entry"
+            );
+            // 11 s idle: past the close timeout, far within the established one.
+            age_forward_entry(node, &key, 11, MARKER);
+            let syn = build(client, frontend, L4::TcpSyn, b"");
+            let (action, again) = run(node, program_names::TC_EXTERNAL, &syn, node.ext0);
+            assert_eq!(action, TC_ACT_REDIRECT);
+            eprintln!(
+                "{close:?}: flags {flags:#x}; SYN after 11 s idle → port {} ({})",
+                again.dport(),
+                if again.dport() == MARKER {
+                    "entry kept"
+                } else {
+                    "new flow"
+                }
+            );
+            let expected = if close == Close::Open { MARKER } else { 8080 };
+            assert_eq!(again.dport(), expected, "{close:?}: SYN after 11 s idle");
+            let after = ct_entry(node, &key).expect("forward entry");
+            assert_eq!(after.flags & ct_flags::CLOSING, 0, "{close:?}: open again");
+        }
+
+        // The client reuses its port 2 s after an RST: its SYN starts a new flow at once.
+        let client = sa(CLIENT, 41_100);
+        let key = ct_key(client, frontend, PROTO_TCP);
+        open_and_close(node, client, Close::ClientRst);
+        age_forward_entry(node, &key, 2, MARKER);
+        let syn = build(client, frontend, L4::TcpSyn, b"");
+        let (action, reused) = run(node, program_names::TC_EXTERNAL, &syn, node.ext0);
+        assert_eq!(action, TC_ACT_REDIRECT);
+        eprintln!("SYN 2 s after RST → port {}", reused.dport());
+        assert_eq!(reused.dport(), 8080, "SYN on a closing entry: new flow");
+    });
+}
+
+/// Runs `count` sequential SNATed TCP flows from distinct client ports; with `close`, each is
+/// reset by the client and aged past the close timeout before the next one. Returns (flows
+/// translated, flows dropped, `tc_snat_port_exhausted` count).
+fn sequential_snat_flows(node: &mut Node, count: u16, close: bool) -> (u32, u32, u64) {
+    let frontend = sa(NODE_IP, 30080);
+    let mut ct = pinned_ct(node);
+    let (mut translated, mut dropped) = (0, 0);
+    for i in 0..count {
+        let client = sa(CLIENT, 10_000 + i);
+        let syn = build(client, frontend, L4::TcpSyn, b"");
+        let (action, out) = run(node, program_names::TC_EXTERNAL, &syn, node.ext0);
+        if action == TC_ACT_SHOT {
+            dropped += 1;
+            continue;
+        }
+        assert_eq!(action, TC_ACT_REDIRECT, "flow {i}");
+        assert!(out.sport() >= 61_000, "flow {i}: SNAT port {}", out.sport());
+        translated += 1;
+        if close {
+            let rst = build(client, frontend, L4::TcpRst, b"");
+            let (action, _) = run(node, program_names::TC_EXTERNAL, &rst, node.ext0);
+            assert_eq!(action, TC_ACT_REDIRECT, "flow {i}: RST");
+            age_entry(&mut ct, &ct_key(client, frontend, PROTO_TCP), 11);
+        }
+    }
+    let exhausted = node
+        .dataplane
+        .stats()
+        .into_iter()
+        .find(|(index, _)| *index == StatIndex::TcSnatPortExhausted)
+        .map_or(0, |(_, value)| value);
+    (translated, dropped, exhausted)
+}
+
+/// 6000 short connections from one client to one backend through SNAT (4536 ports): closed
+/// flows give their ports back, so all are translated; without closes the ports run out.
+#[test]
+fn snat_ports_of_closed_flows_are_reused() {
+    const FLOWS: u16 = 6_000;
+    let (translated, dropped, exhausted) = with_node_lb(LbOptions::default(), |node| {
+        program_services(node);
+        sequential_snat_flows(node, FLOWS, true)
+    });
+    eprintln!(
+        "{FLOWS} flows closed by RST: {translated} translated, {dropped} dropped, \
+         tc_snat_port_exhausted {exhausted}"
+    );
+    assert_eq!((translated, dropped, exhausted), (u32::from(FLOWS), 0, 0));
+
+    let (translated, dropped, exhausted) = with_node_lb(LbOptions::default(), |node| {
+        program_services(node);
+        sequential_snat_flows(node, FLOWS, false)
+    });
+    eprintln!(
+        "{FLOWS} flows left open: {translated} translated, {dropped} dropped, \
+         tc_snat_port_exhausted {exhausted}"
+    );
+    assert!(
+        translated <= 4_536,
+        "more flows than SNAT ports: {translated}"
+    );
+    assert!(dropped >= u32::from(FLOWS) - 4_536, "dropped {dropped}");
+    assert_eq!(u64::from(dropped), exhausted);
+}
+
+/// The agent's conntrack GC through the pinned map: a closed flow past the close timeout, a
+/// UDP flow past 120 s and a reply entry without its forward entry are deleted; a fresh flow
+/// and an established TCP flow idle 11 s stay; the run is counted in the metrics.
+#[test]
+fn conntrack_gc_deletes_dead_flows_and_keeps_live_ones() {
+    with_node(|node| {
+        program_services(node);
+        let frontend = sa(NODE_IP, 30080);
+        let mut ct = pinned_ct(node);
+        let mut flow = |node: &mut Node, port: u16, close: Close, age_s: u64| {
+            let client = sa(CLIENT, port);
+            let snat = open_and_close(node, client, close);
+            let forward = ct_key(client, frontend, PROTO_TCP);
+            let reply = ct_key(sa(BACKEND, 8080), snat, PROTO_TCP);
+            // Both entries as if the flow began `age_s` ago and went quiet.
+            age_entry(&mut ct, &forward, age_s);
+            age_entry(&mut ct, &reply, age_s);
+            (forward, reply)
+        };
+        let live = flow(node, 42_000, Close::Open, 0);
+        let idle = flow(node, 42_001, Close::Open, 11);
+        let closed = flow(node, 42_002, Close::ClientRst, 11);
+        let closing = flow(node, 42_003, Close::ClientFin, 5);
+        let orphan = flow(node, 42_004, Close::BackendRstReply, 11);
+        ct.remove(&orphan.0)
+            .expect("delete the orphan's forward entry");
+
+        // UDP: 120 s idle timeout.
+        let client = sa(CLIENT, 42_005);
+        let dns = sa(NODE_IP, 30053);
+        let (action, out) = run(
+            node,
+            program_names::TC_EXTERNAL,
+            &build(client, dns, L4::Udp, b"q"),
+            node.ext0,
+        );
+        assert_eq!(action, TC_ACT_REDIRECT);
+        let udp = (
+            ct_key(client, dns, PROTO_UDP),
+            ct_key(sa(BACKEND, 5353), out.source(), PROTO_UDP),
+        );
+        age_entry(&mut ct, &udp.0, 130);
+        age_entry(&mut ct, &udp.1, 130);
+
+        let metrics = Metrics::new(ProxyMode::Ebpf);
+        let report = node
+            .dataplane
+            .conntrack_gc(metrics.ebpf())
+            .expect("conntrack gc");
+        eprintln!("GC: {report:?}");
+        let left: Vec<CtKey> = node
+            .dataplane
+            .conntrack_entries()
+            .expect("conntrack")
+            .into_iter()
+            .map(|(key, _)| key)
+            .collect();
+        for (what, keys, kept) in [
+            ("fresh", live, true),
+            ("established, idle 11 s", idle, true),
+            ("closing, idle 5 s", closing, true),
+            ("closed, idle 11 s", closed, false),
+            ("UDP idle 130 s", udp, false),
+        ] {
+            for key in [keys.0, keys.1] {
+                assert_eq!(left.contains(&key), kept, "{what}: {key:?}");
+            }
+        }
+        assert!(!left.contains(&orphan.1), "orphan reply entry");
+        assert_eq!(report.deleted_forward, 2, "{report:?}");
+        assert_eq!(report.deleted_reply, 3, "{report:?}");
+        assert_eq!(report.remaining, left.len(), "{report:?}");
+        assert_eq!(left.len(), 6);
+
+        // A second run finds nothing; both runs are counted.
+        let again = node
+            .dataplane
+            .conntrack_gc(metrics.ebpf())
+            .expect("conntrack gc");
+        assert_eq!((again.deleted_forward, again.deleted_reply), (0, 0));
+        let text = metrics.encode();
+        let sample = |name: &str| {
+            text.lines()
+                .find_map(|line| line.strip_prefix(name)?.strip_prefix(' '))
+                .map(str::to_owned)
+        };
+        eprintln!(
+            "metrics: gc runs {:?}, entries {:?}",
+            sample("kubeproxy_ebpf_conntrack_gc_runs_total"),
+            sample("kubeproxy_ebpf_conntrack_entries")
+        );
+        assert_eq!(
+            sample("kubeproxy_ebpf_conntrack_gc_runs_total").as_deref(),
+            Some("2")
+        );
+        assert_eq!(
+            sample("kubeproxy_ebpf_conntrack_entries").as_deref(),
+            Some("6")
+        );
+    });
 }

@@ -1,5 +1,12 @@
-//! The tc programs' conntrack (`KPR_CT`) from user space: reading it (tests, diagnostics) and
-//! purging the entries of backends that left a Service.
+//! The tc programs' conntrack (`KPR_CT`) from user space: reading it (tests, diagnostics),
+//! purging the entries of backends that left a Service, and garbage collection of dead flows.
+//!
+//! Garbage collection (periodic, see [`gc`]): the datapath treats an expired forward entry as
+//! absent but never deletes it, and a reply entry outlives its flow; the LRU would evict them
+//! only under pressure, at the cost of live flows' entries when the map is full. Each run
+//! deletes forward entries past their idle timeout (`proxy_common::ct_timeout`, the
+//! datapath's own constants) together with their reply entries, and reply entries whose
+//! forward entry is gone or belongs to a newer flow.
 //!
 //! The design's rule: after an endpoint goes away no UDP flow keeps using it. A BPF conntrack
 //! entry pins a flow to its backend for as long as packets keep coming (the idle timeout is
@@ -17,8 +24,10 @@
 
 use std::net::IpAddr;
 
+use std::collections::HashMap as StdHashMap;
+
 use aya::maps::{HashMap, MapData};
-use proxy_common::{CtKey, CtValue, ct_flags, family};
+use proxy_common::{CtKey, CtValue, ct_flags, ct_timeout, family};
 
 use super::program::{RemovedBackend, ip4_to_map, ip6_to_map};
 use crate::desired::Scope;
@@ -147,6 +156,132 @@ pub fn purge<T: std::borrow::BorrowMut<MapData>>(
     report
 }
 
+/// Most entries one garbage collection run deletes: bounds its syscalls (two per deletion),
+/// and so the time it holds the sync loop, to well under a second; the rest go next run.
+pub const GC_MAX_DELETES: usize = 65_536;
+
+/// The key of the entry for the other direction of `value`'s flow (as the datapath builds it):
+/// a forward entry's reply key, or a reply entry's forward key.
+fn reverse_key(key: &CtKey, value: &CtValue) -> CtKey {
+    CtKey {
+        src: value.dst,
+        dst: value.src,
+        sport: value.dport,
+        dport: value.sport,
+        proto: key.proto,
+        family: key.family,
+        _pad: 0,
+    }
+}
+
+fn is_reply(value: &CtValue) -> bool {
+    value.flags & ct_flags::REPLY != 0
+}
+
+/// Whether forward entry `forward` is the flow reply entry `reply_key` belongs to.
+fn answers(forward: &CtValue, reply_key: &CtKey) -> bool {
+    !is_reply(forward)
+        && forward.src == reply_key.dst
+        && forward.sport == reply_key.dport
+        && forward.dst == reply_key.src
+        && forward.dport == reply_key.sport
+}
+
+fn forward_expired(key: &CtKey, value: &CtValue, now: u64) -> bool {
+    ct_timeout::expired(key.proto, value.flags, value.last_seen_ns, now)
+}
+
+/// Whether reply entry (`key`, `value`) is dead given the forward entry `forward` of its
+/// client tuple (if any): that entry is gone, expired or of a newer flow. A reply entry
+/// younger than `ORPHAN_REPLY_NS` is kept whatever: the datapath writes it just before the
+/// forward entry, so a walk can see it alone.
+fn reply_dead(key: &CtKey, value: &CtValue, forward: Option<&CtValue>, now: u64) -> bool {
+    let forward_key = reverse_key(key, value);
+    let alive = forward.is_some_and(|f| answers(f, key) && !forward_expired(&forward_key, f, now));
+    !alive && now.wrapping_sub(value.last_seen_ns) > ct_timeout::ORPHAN_REPLY_NS
+}
+
+/// The keys a garbage collection run deletes from a snapshot of the map taken at monotonic
+/// time `now` (`bpf_ktime_get_ns`'s clock): expired forward entries, the reply entries of
+/// their flows, and dead reply entries. At most `limit` keys.
+pub fn gc_keys(entries: &[(CtKey, CtValue)], now: u64, limit: usize) -> Vec<CtKey> {
+    let by_key: StdHashMap<&CtKey, &CtValue> = entries.iter().map(|(k, v)| (k, v)).collect();
+    let mut keys = Vec::new();
+    for (key, value) in entries {
+        if keys.len() >= limit {
+            break;
+        }
+        if is_reply(value) {
+            let forward = by_key.get(&reverse_key(key, value)).copied();
+            if reply_dead(key, value, forward, now) {
+                keys.push(*key);
+            }
+        } else if forward_expired(key, value, now) {
+            keys.push(*key);
+            // Its reply entry is found dead on its own when the walk reaches it (this forward
+            // entry is expired) unless it is younger than ORPHAN_REPLY_NS, which a reply entry
+            // of an expired flow cannot be: it was written when the flow began.
+        }
+    }
+    keys
+}
+
+/// What a garbage collection run did.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct GcReport {
+    /// Entries walked.
+    pub scanned: usize,
+    pub deleted_forward: usize,
+    pub deleted_reply: usize,
+    /// Entries left (`scanned` less the deletions).
+    pub remaining: usize,
+}
+
+/// One garbage collection run over the live map at monotonic time `now`. Each entry is read
+/// again just before it is deleted and kept if a packet revived it since the walk (a refreshed
+/// forward entry, a reply entry whose flow was recreated), so only a flow that stays idle
+/// through the whole run loses its entries.
+pub fn gc<T: std::borrow::BorrowMut<MapData>>(
+    map: &mut HashMap<T, CtKey, CtValue>,
+    now: u64,
+) -> GcReport {
+    let all = entries(map);
+    let mut report = GcReport {
+        scanned: all.len(),
+        ..GcReport::default()
+    };
+    for key in gc_keys(&all, now, GC_MAX_DELETES) {
+        let Ok(value) = map.get(&key, 0) else {
+            continue;
+        };
+        let dead = if is_reply(&value) {
+            let forward = map.get(&reverse_key(&key, &value), 0).ok();
+            reply_dead(&key, &value, forward.as_ref(), now)
+        } else {
+            forward_expired(&key, &value, now)
+        };
+        if dead && map.remove(&key).is_ok() {
+            if is_reply(&value) {
+                report.deleted_reply += 1;
+            } else {
+                report.deleted_forward += 1;
+            }
+        }
+    }
+    report.remaining = report
+        .scanned
+        .saturating_sub(report.deleted_forward + report.deleted_reply);
+    report
+}
+
+/// `bpf_ktime_get_ns`'s clock (`CLOCK_MONOTONIC`), for [`gc`].
+pub fn monotonic_ns() -> Result<u64, nix::Error> {
+    let now = nix::time::clock_gettime(nix::time::ClockId::CLOCK_MONOTONIC)?;
+    let secs = u64::try_from(now.tv_sec()).unwrap_or(0);
+    let nanos = u64::try_from(now.tv_nsec()).unwrap_or(0);
+    Ok(secs * ct_timeout::NANOS_PER_SECOND + nanos)
+}
+
 #[cfg(test)]
 mod tests {
     use std::net::Ipv4Addr;
@@ -249,5 +384,51 @@ mod tests {
         internal[0].frontend.scope = Scope::Internal;
         assert!(!any_external(&internal));
         assert!(stale_keys(&entries, &internal).is_empty());
+    }
+
+    /// `flow` with both entries last seen (reply: created) `age_s` before `now`.
+    fn aged(backend: [u8; 4], client_port: u16, now: u64, age_s: u64) -> [(CtKey, CtValue); 2] {
+        let mut entries = flow(backend, client_port);
+        // Distinct SNAT ports per flow, as the datapath picks them.
+        let snat = (61_000 + client_port % 1000).to_be();
+        entries[0].1.sport = snat;
+        entries[1].0.dport = snat;
+        for (_, value) in &mut entries {
+            value.last_seen_ns = now - age_s * ct_timeout::NANOS_PER_SECOND;
+        }
+        entries
+    }
+
+    #[test]
+    fn gc_deletes_expired_flows_and_orphans_only() {
+        let now = 1_000 * ct_timeout::NANOS_PER_SECOND;
+        let live = aged([10, 244, 2, 2], 40_000, now, 100);
+        let expired = aged([10, 244, 2, 2], 40_001, now, 130);
+        let orphan = aged([10, 244, 2, 2], 40_002, now, 30);
+        let young_orphan = aged([10, 244, 2, 2], 40_003, now, 1);
+        // A newer flow of `orphan`'s client tuple took another SNAT port: the old reply
+        // entry no longer answers it.
+        let mut newer = aged([10, 244, 2, 2], 40_004, now, 5);
+        newer[0].0 = orphan[0].0;
+        let mut entries = Vec::new();
+        entries.extend(live);
+        entries.extend(expired);
+        entries.push(orphan[1]);
+        entries.push(young_orphan[1]);
+        entries.extend(newer);
+        let keys = gc_keys(&entries, now, usize::MAX);
+        assert_eq!(keys, vec![expired[0].0, expired[1].0, orphan[1].0]);
+
+        // TCP: a closing flow idle 11 s is dead, an established one is not.
+        let mut tcp = aged([10, 244, 2, 2], 40_005, now, 11);
+        for (key, _) in &mut tcp {
+            key.proto = proto::TCP;
+        }
+        assert!(gc_keys(&tcp, now, usize::MAX).is_empty());
+        tcp[0].1.flags |= ct_flags::CLOSING;
+        assert_eq!(gc_keys(&tcp, now, usize::MAX).len(), 2);
+
+        // The limit bounds a run.
+        assert_eq!(gc_keys(&entries, now, 1), vec![expired[0].0]);
     }
 }

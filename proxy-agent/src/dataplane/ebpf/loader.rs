@@ -51,6 +51,7 @@ use super::{
     tc::{TcOptions, TcState},
 };
 use crate::desired::{Protocol, ServicePortName, Snapshot};
+use crate::node_services::metrics::EbpfMetrics;
 
 /// One run of a tc program with `BPF_PROG_TEST_RUN` ([`EbpfDataplane::test_run_tc`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -141,6 +142,8 @@ pub enum LoadError {
         name: &'static str,
         source: aya::pin::PinError,
     },
+    #[error("reading the monotonic clock: {0}")]
+    Clock(nix::Error),
 }
 
 /// The service maps as typed handles.
@@ -536,6 +539,39 @@ impl EbpfDataplane {
             "tc conntrack entries of removed backends purged"
         );
         report.deleted
+    }
+
+    /// Garbage collection of the tc conntrack (see `ct::gc`): deletes dead flows' entries,
+    /// and counts the run and the entries left in `metrics`. Called every 30 s (`run.rs`).
+    pub fn conntrack_gc(
+        &mut self,
+        metrics: Option<&EbpfMetrics>,
+    ) -> Result<ct::GcReport, LoadError> {
+        let started = std::time::Instant::now();
+        let now = ct::monotonic_ns().map_err(LoadError::Clock)?;
+        let mut map = self.conntrack_map()?;
+        let report = ct::gc(&mut map, now);
+        if let Some(metrics) = metrics {
+            metrics.conntrack_gc_run();
+            metrics.conntrack_entries(u64::try_from(report.remaining).unwrap_or(u64::MAX));
+        }
+        if report.deleted_forward + report.deleted_reply > 0 {
+            info!(
+                scanned = report.scanned,
+                deleted_forward = report.deleted_forward,
+                deleted_reply = report.deleted_reply,
+                remaining = report.remaining,
+                elapsed_ms = started.elapsed().as_millis(),
+                "tc conntrack garbage collected"
+            );
+        } else {
+            debug!(
+                scanned = report.scanned,
+                elapsed_ms = started.elapsed().as_millis(),
+                "tc conntrack garbage collection: nothing expired"
+            );
+        }
+        Ok(report)
     }
 
     /// The tc conntrack map, borrowed from the object (it stays there: see `start`).
