@@ -118,10 +118,10 @@ impl PathRuns {
 pub struct Loops {
     pub repeats: usize,
     pub connections: u32,
-    /// New connections per run for item 3's paths (from the external namespace). Fewer: the
-    /// tc conntrack keeps a closed flow until the agent's garbage collection (paused here) or
-    /// LRU eviction, and source NAT has 4536 ports (61000–65535) per backend, so thousands of
-    /// new flows in a row would run the probe for a free port into collisions.
+    /// New connections per run for item 3's paths (from the external namespace). Fewer: a
+    /// closed flow keeps its SNAT port for the tc conntrack's 10 s close timeout, and source
+    /// NAT has 4536 ports (61000–65535) per backend, so thousands of new flows within seconds
+    /// would run the probe for a free port into collisions.
     pub external_connections: u32,
     pub round_trips: u32,
     /// Time bound of one run.

@@ -638,10 +638,10 @@ fn nodeport_section(md: &mut String, r: &Results) {
     );
     let _ = writeln!(
         md,
-        "**New connections** ({} per run, fewer than §1: the tc conntrack keeps closed flows \
-         until the agent's garbage collection, paused here, or LRU eviction, and source NAT has \
-         4536 ports (61000–65535) per backend, so a loop of thousands of new flows to one \
-         NodePort would exhaust them and measure failed port probes):\n",
+        "**New connections** ({} per run, fewer than §1: a closed flow keeps its SNAT port \
+         for the tc conntrack's 10 s close timeout, as netfilter keeps a closed tuple, and \
+         source NAT has 4536 ports (61000–65535) per backend, so thousands of new flows within \
+         seconds to one NodePort would exhaust them and measure failed port probes):\n",
         c.loops.external_connections
     );
     path_table(md, r, |d| &d.connect, &NODEPORT_PATHS, true);
