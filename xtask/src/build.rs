@@ -218,7 +218,7 @@ pub enum FuzzBudget {
 /// The fuzzers' share of `cargo xtask test`: long enough to get through the seed corpus and
 /// explore around it, short enough to keep CI within its budget.
 pub const CI_FUZZ: FuzzBudget = FuzzBudget::Replay {
-    runs: 20_000,
+    runs: 100_000,
     seed: 1,
     max_seconds: 30,
 };
