@@ -340,11 +340,12 @@ impl FolderReader {
     /// slices whose Service no file defines), as `load_dir` reports them.
     fn errors(&self) -> Vec<String> {
         let mut errors: Vec<String> = self.dir_error.iter().cloned().collect();
-        let mut first: BTreeMap<(Kind, ObjectKey), &Location> = BTreeMap::new();
+        // Borrowed keys: this runs on every rescan, over every object of the folder.
+        let mut first: BTreeMap<(Kind, &ObjectKey), &Location> = BTreeMap::new();
         for state in self.files.values() {
             errors.extend(state.errors.iter().cloned());
             for (origin, at) in &state.origins {
-                match first.get(origin) {
+                match first.get(&(origin.0, &origin.1)) {
                     Some(first) => errors.push(
                         ManifestError::Duplicate {
                             at: at.clone(),
@@ -355,13 +356,13 @@ impl FolderReader {
                         .to_string(),
                     ),
                     None => {
-                        first.insert(origin.clone(), at);
+                        first.insert((origin.0, &origin.1), at);
                     }
                 }
             }
         }
-        for ((kind, key), at) in &first {
-            if *kind != SLICE {
+        for (&(kind, key), at) in &first {
+            if kind != SLICE {
                 continue;
             }
             let Some(service) = self
@@ -371,7 +372,7 @@ impl FolderReader {
             else {
                 continue;
             };
-            if !first.contains_key(&(SERVICE, service.clone())) {
+            if !first.contains_key(&(SERVICE, service)) {
                 errors.push(
                     ManifestError::SliceWithoutService {
                         at: (*at).clone(),
