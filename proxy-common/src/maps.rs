@@ -188,6 +188,11 @@ pub mod node_flags {
     pub const CLUSTER_CIDR4: u32 = 1;
     pub const CLUSTER_CIDR6: u32 = 2;
     pub const MASQUERADE_ALL: u32 = 4;
+    /// IPv4 localhost NodePorts are served on every `127.0.0.0/8` address (kube-proxy's
+    /// match-all `--dst-type LOCAL` jump with `localhostNodePorts`): the socket hooks treat any
+    /// loopback destination as a NodePort address. With explicit `nodePortAddresses`, loopback
+    /// addresses are listed in `KPR_NODE_ADDRS` one by one instead.
+    pub const LOCALHOST_NODEPORTS: u32 = 8;
 }
 
 /// Address family byte of [`CtKey`] (the kernel's `AF_*` values).
