@@ -8,6 +8,7 @@ pub mod dataplane;
 pub mod desired;
 pub mod fuzz;
 pub mod inspect;
+pub mod node;
 pub mod node_services;
 pub mod objects;
 pub mod run;

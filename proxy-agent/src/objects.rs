@@ -9,6 +9,7 @@ use std::{
     fmt,
 };
 
+use crate::node::{NodeChange, node_change};
 use k8s_openapi::api::{
     core::v1::{Node, Service},
     discovery::v1::EndpointSlice,
@@ -164,8 +165,9 @@ pub enum Update {
 pub struct Changes {
     /// Services whose own object or whose EndpointSlices changed.
     pub services: BTreeSet<ObjectKey>,
-    /// The node changed (labels, taints, deletion): every Service may be affected.
-    pub node: bool,
+    /// What changed in this node that matters (topology labels, podCIDRs, addresses, taints,
+    /// deletion; see [`crate::node::node_change`]): status heartbeats are not a change.
+    pub node: NodeChange,
     /// How many Service / EndpointSlice objects changed (added, modified or deleted) — what
     /// kube-proxy's `*_changes_*` metrics count.
     pub service_events: u64,
@@ -174,12 +176,12 @@ pub struct Changes {
 
 impl Changes {
     pub fn is_empty(&self) -> bool {
-        self.services.is_empty() && !self.node
+        self.services.is_empty() && !self.node.any()
     }
 
     pub fn merge(&mut self, other: Changes) {
         self.services.extend(other.services);
-        self.node |= other.node;
+        self.node.merge(other.node);
         self.service_events += other.service_events;
         self.slice_events += other.slice_events;
     }
@@ -246,10 +248,11 @@ impl Store {
             }
             Update::ReplaceNode(node) => {
                 self.synced.insert(Kind::Node);
-                let changed = self.objects.node != node;
-                self.changes.node |= changed;
+                let change = node_change(self.objects.node.as_ref(), node.as_ref());
+                self.changes.node.merge(change);
+                // Kept even when nothing relevant changed: readers see the latest object.
                 self.objects.node = node;
-                changed
+                change.any()
             }
             Update::ServiceApplied(key, service) => {
                 if self.objects.services.get(&key) == Some(&service) {

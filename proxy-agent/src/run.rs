@@ -22,6 +22,7 @@ use crate::{
         iptables::{self, DetectLocalMode, IptablesConfig, IptablesDataplane},
     },
     desired::{IpFamily, NodeContext, Protocol, ServicePortName, Snapshot},
+    node::{NodeInputs, NodeManager, NodeSettings},
     node_services::{
         NodeServices, NodeServicesConfig,
         metrics::{IptablesTable, Metrics},
@@ -130,14 +131,21 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     let runner_config = dataplane.runner_config(&config);
     let mut runner = SyncRunner::new(runner_config, Instant::now());
     let mut conntrack_gc_at = Instant::now() + CONNTRACK_GC_INTERVAL;
+    // The Node object and the host's addresses → node settings (see `node/`).
+    let mut node_manager = NodeManager::new(NodeInputs::from_config(&config), &node.name);
 
     let outcome = loop {
         // Nothing is programmed until every kind was listed once (kube-proxy's rule), so a
-        // restart never programs a half-empty view.
-        let wake = if store.is_synced() {
+        // restart never programs a half-empty view; with NodeCIDR, until the Node has
+        // podCIDRs (or the wait fails, as upstream's).
+        let ready = match node_manager.ready(store.is_synced(), store.objects().node.as_ref()) {
+            Ok(ready) => ready,
+            Err(error) => break Err(error.into()),
+        };
+        let wake = if ready {
             runner.next_wakeup(Instant::now())
         } else {
-            Instant::now() + runner_config.max_interval
+            Instant::now() + node_manager.poll_interval(runner_config.max_interval)
         };
         tokio::select! {
             update = rx.recv() => {
@@ -163,8 +171,13 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
                     }
                 }
             }
+            // An address added or removed on the host: NodePort addresses, tc attachment.
+            () = node_manager.addresses_changed() => {
+                debug!("host addresses changed");
+                runner.request();
+            }
             () = tokio::time::sleep_until(wake) => {
-                if !store.is_synced() {
+                if !ready {
                     continue;
                 }
                 let Some(reason) = runner.due(Instant::now()) else {
@@ -177,9 +190,14 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
                 node_services
                     .metrics()
                     .changes(changes.service_events, changes.slice_events, 0, 0);
-                // The first sync and a node change recompute every Service.
-                let all_services = !synced_once || changes.node;
-                if all_services {
+                match node_manager.refresh(store.objects().node.as_ref()) {
+                    Ok(Some(settings)) => apply_node_settings(settings, &mut dataplane, &node_services),
+                    Ok(None) => {}
+                    Err(error) => break Err(error.into()),
+                }
+                // The first sync and a topology change recompute every Service.
+                let all_services = !synced_once || changes.node.topology;
+                if !synced_once || changes.node.any() {
                     // The node decides /healthz's nodeEligible.
                     node_services.node_changed(store.objects().node.as_ref());
                 }
@@ -237,6 +255,16 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     dataplane.shutdown();
     node_services.shutdown();
     outcome.map(|_| ())
+}
+
+/// New node settings: to the dataplane (eBPF: node maps at the next apply; iptables: a full
+/// sync of the families they change) and to the health check node ports.
+fn apply_node_settings(settings: &NodeSettings, dataplane: &mut Dataplane, node_services: &NodeServices) {
+    match dataplane {
+        Dataplane::Ebpf(ebpf) => ebpf.set_node(settings),
+        Dataplane::Iptables(iptables) => iptables.set_node(settings),
+    }
+    node_services.set_health_check_ips(settings.health_check_ips.clone());
 }
 
 /// Health timestamps, sync metrics, health check node ports and network programming latency
@@ -298,8 +326,8 @@ impl Dataplane {
                     interfaces: config.ebpf.interfaces.clone(),
                     node_port_cidrs: match &config.node_port_addresses {
                         NodePortAddresses::Cidrs(cidrs) => cidrs.clone(),
-                        // `primary` needs the Node object's addresses, which the eBPF mode
-                        // does not read yet: every node address, like the default.
+                        // `primary` is resolved from the Node object by the node settings,
+                        // which replace these before the first sync.
                         NodePortAddresses::All | NodePortAddresses::Primary => Vec::new(),
                     },
                     cluster_cidrs: config.cluster_cidrs.clone(),
@@ -593,7 +621,7 @@ fn iptables_config(config: &Config) -> IptablesConfig {
         masquerade_all: config.masquerade_all,
         detect_local: match &config.detect_local {
             DetectLocal::ClusterCidr => DetectLocalMode::ClusterCidr(config.cluster_cidrs.clone()),
-            // The node's podCIDRs come with the Node object; until it is read, nothing is local.
+            // The Node's podCIDRs come with the node settings, before the first sync.
             DetectLocal::NodeCidr => DetectLocalMode::NodeCidr(Vec::new()),
             DetectLocal::BridgeInterface(name) => DetectLocalMode::BridgeInterface(name.clone()),
             DetectLocal::InterfaceNamePrefix(prefix) => {
@@ -602,8 +630,8 @@ fn iptables_config(config: &Config) -> IptablesConfig {
         },
         node_port_addresses: match &config.node_port_addresses {
             NodePortAddresses::Cidrs(cidrs) => cidrs.clone(),
-            // `primary` is resolved from the Node object, which the iptables mode does not read
-            // yet: serve every local address like the default.
+            // `primary` is resolved from the Node object by the node settings, which replace
+            // this before the first sync.
             NodePortAddresses::All | NodePortAddresses::Primary => Vec::new(),
         },
         localhost_node_ports: config.iptables.localhost_node_ports,

@@ -193,6 +193,11 @@ pub mod node_flags {
     /// loopback destination as a NodePort address. With explicit `nodePortAddresses`, loopback
     /// addresses are listed in `KPR_NODE_ADDRS` one by one instead.
     pub const LOCALHOST_NODEPORTS: u32 = 8;
+    /// `--detect-local-mode BridgeInterface` / `InterfaceNamePrefix`: pod traffic is told by
+    /// its interface, and pod interfaces never get the external tc program, so whatever that
+    /// program sees is not local (kube-proxy's `! -i <bridge>` / `! -i <prefix>+` masquerade
+    /// rule matches) and a ClusterIP reached there is masqueraded; the cluster CIDRs are unused.
+    pub const LOCAL_BY_INTERFACE: u32 = 16;
 }
 
 /// Address family byte of [`CtKey`] (the kernel's `AF_*` values).

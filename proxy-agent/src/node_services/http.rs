@@ -38,6 +38,12 @@ pub fn listen(addr: SocketAddr) -> io::Result<std::net::TcpListener> {
     bind_socket(addr, true)
 }
 
+/// Opens a listening socket on exactly `addr`: an unspecified address listens on its own
+/// family only.
+pub fn listen_exact(addr: SocketAddr) -> io::Result<std::net::TcpListener> {
+    bind_socket(addr, true)
+}
+
 fn bind_socket(addr: SocketAddr, v6_only: bool) -> io::Result<std::net::TcpListener> {
     let socket = Socket::new(Domain::for_address(addr), Type::STREAM, Some(Protocol::TCP))?;
     // Reopening a port right after closing it must work (servers come and go with Services).

@@ -228,6 +228,11 @@ impl NodeServices {
         self.service_health.sync(snapshot);
     }
 
+    /// Where health check node ports listen (the node settings' `health_check_ips`).
+    pub fn set_health_check_ips(&self, ips: Vec<IpAddr>) {
+        self.service_health.set_listen_ips(ips);
+    }
+
     /// The node object changed (deletion, taints): decides `nodeEligible` of `/healthz`.
     pub fn node_changed(&self, node: Option<&Node>) {
         self.health.node_changed(node);

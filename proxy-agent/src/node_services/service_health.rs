@@ -19,7 +19,7 @@ use tracing::{debug, error, info, warn};
 
 use super::{
     health::ProxyHealth,
-    http::{ServerHandle, listen, response, serve},
+    http::{ServerHandle, listen, listen_exact, response, serve},
 };
 use crate::{
     desired::{FamilySnapshot, Snapshot},
@@ -55,7 +55,8 @@ type Instances = Arc<RwLock<BTreeMap<ObjectKey, Instance>>>;
 #[derive(Debug)]
 pub struct ServiceHealthServers {
     node_name: String,
-    listen_ips: Vec<IpAddr>,
+    /// Behind a lock: the node settings may change the addresses at run time.
+    listen_ips: RwLock<Vec<IpAddr>>,
     health: Arc<ProxyHealth>,
     instances: Instances,
 }
@@ -71,7 +72,7 @@ impl ServiceHealthServers {
         };
         Self {
             node_name: node_name.to_owned(),
-            listen_ips,
+            listen_ips: RwLock::new(listen_ips),
             health,
             instances: Arc::default(),
         }
@@ -125,12 +126,46 @@ impl ServiceHealthServers {
         errors
     }
 
+    /// The addresses health check node ports listen on from now on (the node settings'
+    /// `health_check_ips`; `[0.0.0.0]`: every address of both families). When they change,
+    /// every open port is closed so that the next sync reopens it on the new addresses.
+    pub fn set_listen_ips(&self, ips: Vec<IpAddr>) {
+        let ips = if ips.is_empty() {
+            vec![IpAddr::V4(Ipv4Addr::UNSPECIFIED)]
+        } else {
+            ips
+        };
+        let mut current = self
+            .listen_ips
+            .write()
+            .unwrap_or_else(PoisonError::into_inner);
+        if *current != ips {
+            info!(addresses = ?ips, "health check node ports move to new addresses");
+            *current = ips;
+            drop(current);
+            self.close_all();
+        }
+    }
+
     /// Listens on every address, or on none: a partial set is closed so that the next sync
     /// retries the whole port.
     fn open(&self, service: &ObjectKey, port: u16) -> io::Result<Vec<ServerHandle>> {
-        let mut servers = Vec::with_capacity(self.listen_ips.len());
-        for ip in &self.listen_ips {
-            let listener = listen(SocketAddr::new(*ip, port))?;
+        let listen_ips = self
+            .listen_ips
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone();
+        // A lone 0.0.0.0 is Go's "every address" (dual-stack); in a per-family list an
+        // unspecified address means only its own family.
+        let dual_stack_wildcard = listen_ips == [IpAddr::V4(Ipv4Addr::UNSPECIFIED)];
+        let mut servers = Vec::with_capacity(listen_ips.len());
+        for ip in &listen_ips {
+            let addr = SocketAddr::new(*ip, port);
+            let listener = if dual_stack_wildcard {
+                listen(addr)?
+            } else {
+                listen_exact(addr)?
+            };
             let router = Router::new().fallback(health_check).with_state(Handler {
                 service: service.clone(),
                 instances: Arc::clone(&self.instances),

@@ -497,6 +497,12 @@ impl EbpfDataplane {
         })
     }
 
+    /// The node settings (NodePort addresses, local-traffic detection, localhost NodePorts) the
+    /// tc programs use from now on; written at the next [`EbpfDataplane::apply`].
+    pub fn set_node(&mut self, settings: &crate::node::NodeSettings) {
+        self.tc.set_node(settings);
+    }
+
     /// Makes the maps match `snapshot` for the service ports in `changed` (`None`: all of them),
     /// writing only entries that differ from what is programmed; then destroys connected UDP
     /// sockets still pinned to backends that were removed.

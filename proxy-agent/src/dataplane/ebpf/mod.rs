@@ -23,6 +23,6 @@ pub use maglev::{
 };
 pub use program::{
     ApplyError, ApplySummary, BackendValue, FrontendMapKey, MapOps, MapWriteError, MapsContent,
-    Programmer, RemovedBackend, ip4_from_map, ip6_from_map,
+    Programmer, RemovedBackend, ip4_from_map, ip4_to_map, ip6_from_map, ip6_to_map,
 };
 pub use tc::TcOptions;

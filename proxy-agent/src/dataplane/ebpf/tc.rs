@@ -1,9 +1,10 @@
-//! The tc side of the eBPF dataplane: which interfaces get which program, the node facts the
-//! programs read (NodePort addresses, SNAT address, cluster CIDRs), and pinned TCX links.
+//! The tc side of the eBPF dataplane: which interfaces get which program, writing the node
+//! facts the programs read (computed by `crate::node::ebpf` from the node settings), and pinned
+//! TCX links.
 //!
-//! - External interfaces (`--interfaces`, else every interface with a global unicast address)
-//!   get `kpr_tc_external` on ingress: service traffic from outside and replies of remote
-//!   backends.
+//! - External interfaces (`--interfaces`, else every interface with a global unicast address
+//!   that is not a pod interface by `--detect-local-mode`) get `kpr_tc_external` on ingress:
+//!   service traffic from outside and replies of remote backends.
 //! - Every other interface except `lo` (pod veths) gets `kpr_tc_reply` on ingress: replies of
 //!   local backends, which are addressed to the SNAT address (or the client) and must be
 //!   translated before the kernel routes them.
@@ -27,16 +28,22 @@ use aya::{
     },
 };
 use ipnet::IpNet;
-use nix::{ifaddrs::getifaddrs, net::if_::InterfaceFlags};
-use proxy_common::{NodeAddrKey, NodeConfig, family, node_flags, program_names};
+use proxy_common::{NodeAddrKey, NodeConfig, family, program_names};
 use tracing::{debug, info, warn};
 
 use super::{
     loader::{LINK_SUFFIX, LoadError, remove_if_present},
     program::{ip4_to_map, ip6_to_map},
 };
+use crate::{
+    config::{DetectLocal, NodePortAddresses},
+    node::{self, NodeInputs, NodeSettings, host_interfaces},
+};
 
-/// What the agent's configuration says about external traffic.
+/// What the agent's configuration says about external traffic. The node facts come from
+/// [`NodeSettings`] once the agent sets them ([`TcState::set_node`]); until then (and for
+/// users of the dataplane without a node manager, like the test rig) from these fields with no
+/// Node object.
 #[derive(Debug, Clone, Default)]
 pub struct TcOptions {
     /// `--interfaces`; empty: every interface with a global unicast address.
@@ -46,118 +53,6 @@ pub struct TcOptions {
     /// `clusterCIDR` (one per family at most).
     pub cluster_cidrs: Vec<IpNet>,
     pub masquerade_all: bool,
-}
-
-/// One interface of the node namespace with its addresses.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct Interface {
-    pub name: String,
-    pub addrs: Vec<IpAddr>,
-    pub loopback: bool,
-}
-
-/// Every interface (up or not) with its addresses.
-pub fn interfaces() -> Result<BTreeMap<String, Interface>, nix::Error> {
-    let mut found: BTreeMap<String, Interface> = BTreeMap::new();
-    for entry in getifaddrs()? {
-        let interface = found
-            .entry(entry.interface_name.clone())
-            .or_insert_with(|| Interface {
-                name: entry.interface_name.clone(),
-                ..Interface::default()
-            });
-        interface.loopback |= entry.flags.contains(InterfaceFlags::IFF_LOOPBACK);
-        let Some(address) = entry.address else {
-            continue;
-        };
-        if let Some(v4) = address.as_sockaddr_in() {
-            interface.addrs.push(IpAddr::V4(v4.ip()));
-        } else if let Some(v6) = address.as_sockaddr_in6() {
-            interface.addrs.push(IpAddr::V6(v6.ip()));
-        }
-    }
-    Ok(found)
-}
-
-fn is_global_unicast(addr: &IpAddr) -> bool {
-    match addr {
-        IpAddr::V4(a) => !(a.is_loopback() || a.is_link_local() || a.is_unspecified()),
-        IpAddr::V6(a) => {
-            !(a.is_loopback()
-                || a.is_unicast_link_local()
-                || a.is_unspecified()
-                || a.is_multicast())
-        }
-    }
-}
-
-/// The interfaces that get the external program: `--interfaces`, else those with a global
-/// unicast address (pod veths normally have none).
-pub fn external_interfaces(
-    options: &TcOptions,
-    all: &BTreeMap<String, Interface>,
-) -> BTreeSet<String> {
-    if !options.interfaces.is_empty() {
-        return options.interfaces.iter().cloned().collect();
-    }
-    all.values()
-        .filter(|i| !i.loopback && i.addrs.iter().any(is_global_unicast))
-        .map(|i| i.name.clone())
-        .collect()
-}
-
-/// The node facts for the tc programs, from the interfaces and the configuration.
-pub fn node_config(
-    options: &TcOptions,
-    all: &BTreeMap<String, Interface>,
-    external: &BTreeSet<String>,
-) -> (NodeConfig, Vec<IpAddr>) {
-    let mut config = NodeConfig::default();
-    // SNAT to the first global address of the (first) external interface, per family: the
-    // address replies from any backend can be routed back to.
-    let external_addrs = external
-        .iter()
-        .filter_map(|name| all.get(name))
-        .flat_map(|i| i.addrs.iter())
-        .filter(|a| is_global_unicast(a));
-    for addr in external_addrs {
-        match addr {
-            IpAddr::V4(a) if config.snat4 == 0 => config.snat4 = ip4_to_map(*a),
-            IpAddr::V6(a) if config.snat6 == [0; 4] => config.snat6 = ip6_to_map(*a),
-            _ => {}
-        }
-    }
-    for cidr in &options.cluster_cidrs {
-        match cidr {
-            IpNet::V4(net) => {
-                config.flags |= node_flags::CLUSTER_CIDR4;
-                config.cluster4 = ip4_to_map(net.network());
-                config.cluster4_mask = ip4_to_map(net.netmask());
-            }
-            IpNet::V6(net) => {
-                config.flags |= node_flags::CLUSTER_CIDR6;
-                config.cluster6 = ip6_to_map(net.network());
-                config.cluster6_mask = ip6_to_map(net.netmask());
-            }
-        }
-    }
-    if options.masquerade_all {
-        config.flags |= node_flags::MASQUERADE_ALL;
-    }
-    // NodePorts answer on every local address in nodePortAddresses (all when unset), except
-    // loopback: packets to 127/8 never arrive on an interface with a tc program.
-    let node_port_addrs = all
-        .values()
-        .flat_map(|i| i.addrs.iter().copied())
-        .filter(is_global_unicast)
-        .filter(|a| {
-            options.node_port_cidrs.is_empty()
-                || options.node_port_cidrs.iter().any(|c| c.contains(a))
-        })
-        .collect::<BTreeSet<_>>()
-        .into_iter()
-        .collect();
-    (config, node_port_addrs)
 }
 
 pub fn node_addr_key(addr: IpAddr) -> NodeAddrKey {
@@ -175,6 +70,25 @@ pub fn node_addr_key(addr: IpAddr) -> NodeAddrKey {
     }
 }
 
+impl TcOptions {
+    /// The node inputs these options stand for: no localhost NodePorts (the socket hooks of a
+    /// bare dataplane get no loopback addresses), ClusterCIDR detection.
+    fn node_inputs(&self) -> NodeInputs {
+        NodeInputs {
+            bind_address: IpAddr::V4(Ipv4Addr::UNSPECIFIED),
+            node_port_addresses: if self.node_port_cidrs.is_empty() {
+                NodePortAddresses::All
+            } else {
+                NodePortAddresses::Cidrs(self.node_port_cidrs.clone())
+            },
+            detect_local: DetectLocal::ClusterCidr,
+            cluster_cidrs: self.cluster_cidrs.clone(),
+            localhost_node_ports: false,
+            masquerade_all: self.masquerade_all,
+        }
+    }
+}
+
 /// The node maps and the tc links, kept in step with the interfaces.
 pub struct TcState {
     options: TcOptions,
@@ -182,6 +96,8 @@ pub struct TcState {
     node_config: Array<MapData, NodeConfig>,
     programmed_addrs: BTreeSet<IpAddr>,
     programmed_config: Option<NodeConfig>,
+    /// The agent's node settings; `None`: derived from `options` at each refresh.
+    node: Option<NodeSettings>,
     /// Pin file name → link, for every interface we attached to.
     links: BTreeMap<String, PinnedLink>,
 }
@@ -217,6 +133,7 @@ impl TcState {
             node_config,
             programmed_addrs,
             programmed_config: None,
+            node: None,
             links: BTreeMap::new(),
         }
     }
@@ -225,15 +142,20 @@ impl TcState {
     /// that do not have them yet. At start (`first`), pins of interfaces that are gone or were
     /// not re-attached are removed.
     pub fn refresh(&mut self, ebpf: &mut Ebpf, pin_dir: &Path, first: bool) {
-        let all = match interfaces() {
+        let all = match host_interfaces() {
             Ok(all) => all,
             Err(error) => {
                 warn!(%error, "cannot list network interfaces; tc programs not updated");
                 return;
             }
         };
-        let external = external_interfaces(&self.options, &all);
-        let (config, addrs) = node_config(&self.options, &all, &external);
+        let settings = match &self.node {
+            Some(settings) => settings.clone(),
+            None => NodeSettings::compute(&self.options.node_inputs(), None, &all),
+        };
+        let external =
+            node::ebpf::external_interfaces(&self.options.interfaces, &settings.detect_local, &all);
+        let (config, addrs) = node::ebpf::node_config(&settings, &all, &external);
         self.program_node(config, &addrs);
         for name in all.keys() {
             if all[name].loopback {
@@ -311,6 +233,11 @@ impl TcState {
         }
     }
 
+    /// The agent's node settings; the next refresh programs them.
+    pub fn set_node(&mut self, settings: &NodeSettings) {
+        self.node = Some(settings.clone());
+    }
+
     pub fn link_count(&self) -> usize {
         self.links.len()
     }
@@ -349,57 +276,3 @@ fn attach(
     super::loader::pin_replacing(link, program, &pin_dir.join(pin_name))
 }
 
-#[cfg(test)]
-mod tests {
-    use std::net::Ipv6Addr;
-
-    use super::*;
-
-    fn iface(name: &str, addrs: &[&str], loopback: bool) -> (String, Interface) {
-        (
-            name.to_owned(),
-            Interface {
-                name: name.to_owned(),
-                addrs: addrs.iter().map(|a| a.parse().expect("addr")).collect(),
-                loopback,
-            },
-        )
-    }
-
-    #[test]
-    fn external_interfaces_and_node_config_follow_the_addresses() {
-        let all: BTreeMap<_, _> = [
-            iface("lo", &["127.0.0.1", "::1"], true),
-            iface("eth0", &["10.10.0.1", "fe80::1", "fd00:10::1"], false),
-            iface("veth1", &["fe80::2"], false),
-        ]
-        .into_iter()
-        .collect();
-        let options = TcOptions {
-            cluster_cidrs: vec!["10.244.0.0/16".parse().expect("cidr")],
-            ..TcOptions::default()
-        };
-        let external = external_interfaces(&options, &all);
-        assert_eq!(external.into_iter().collect::<Vec<_>>(), ["eth0"]);
-        let external = external_interfaces(&options, &all);
-        let (config, addrs) = node_config(&options, &all, &external);
-        assert_eq!(config.snat4, ip4_to_map(Ipv4Addr::new(10, 10, 0, 1)));
-        assert_eq!(
-            config.snat6,
-            ip6_to_map("fd00:10::1".parse::<Ipv6Addr>().expect("v6"))
-        );
-        assert_eq!(config.flags, node_flags::CLUSTER_CIDR4);
-        assert_eq!(
-            config.cluster4_mask,
-            ip4_to_map(Ipv4Addr::new(255, 255, 0, 0))
-        );
-        assert_eq!(addrs.len(), 2);
-
-        let only_v6 = TcOptions {
-            node_port_cidrs: vec!["fd00::/8".parse().expect("cidr")],
-            ..TcOptions::default()
-        };
-        let (_, addrs) = node_config(&only_v6, &all, &external);
-        assert_eq!(addrs, vec!["fd00:10::1".parse::<IpAddr>().expect("v6")]);
-    }
-}

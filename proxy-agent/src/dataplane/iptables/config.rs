@@ -6,7 +6,10 @@ use std::{net::IpAddr, time::Duration};
 use ipnet::IpNet;
 
 use super::localdetect::{DetectLocalMode, LocalDetector};
-use crate::desired::IpFamily;
+use crate::{
+    desired::IpFamily,
+    node::{FamilySettings, NodePortAddressSet},
+};
 
 /// kube-proxy's `largeClusterEndpointsThreshold`.
 pub const LARGE_CLUSTER_ENDPOINTS_THRESHOLD: usize = 1000;
@@ -108,13 +111,34 @@ impl FamilyRules {
             local_detector: LocalDetector::for_family(&config.detect_local, family),
             node_ip,
             node_ports: node_port_addresses(&config.node_port_addresses, family, interface_ips),
-            localhost_node_ports: config.localhost_node_ports && family == IpFamily::V4,
+            // Upstream's NewProxier: localhost NodePorts only for IPv4, and only when the
+            // NodePort CIDRs contain an IPv4 loopback address (so never with `primary`).
+            localhost_node_ports: config.localhost_node_ports
+                && family == IpFamily::V4
+                && NodePortAddressSet::new(family, &config.node_port_addresses)
+                    .contains_ipv4_loopback,
             random_fully: host.random_fully,
             conntrack_tcp_liberal: host.conntrack_tcp_liberal,
             nfacct_invalid: host.nfacct_invalid,
             nfacct_localhost: host.nfacct_localhost,
             large_cluster_threshold: config.large_cluster_threshold,
         }
+    }
+}
+
+impl FamilyRules {
+    /// Takes the node-dependent fields from the node settings (the Node object and the host's
+    /// current addresses): local-traffic detection, node IP, NodePort addresses, localhost
+    /// NodePorts.
+    pub fn set_node(&mut self, settings: &FamilySettings, detect_local: &DetectLocalMode) {
+        self.local_detector = LocalDetector::for_family(detect_local, self.family);
+        self.node_ip = Some(settings.node_ip);
+        self.node_ports = if settings.node_ports.match_all {
+            NodePortAddresses::All
+        } else {
+            NodePortAddresses::Ips(settings.node_port_ips.clone())
+        };
+        self.localhost_node_ports = settings.localhost_node_ports;
     }
 }
 
@@ -135,21 +159,11 @@ pub fn node_port_addresses(
     family: IpFamily,
     interface_ips: &[IpAddr],
 ) -> NodePortAddresses {
-    let cidrs: Vec<&IpNet> = cidrs
-        .iter()
-        .filter(|c| IpFamily::of(&c.addr()) == family)
-        .collect();
-    if cidrs.is_empty() || cidrs.iter().any(|c| c.prefix_len() == 0) {
+    let set = NodePortAddressSet::new(family, cidrs);
+    if set.match_all {
         return NodePortAddresses::All;
     }
-    let mut ips: Vec<IpAddr> = interface_ips
-        .iter()
-        .filter(|ip| cidrs.iter().any(|c| c.contains(*ip)))
-        .copied()
-        .collect();
-    ips.sort();
-    ips.dedup();
-    NodePortAddresses::Ips(ips)
+    NodePortAddresses::Ips(set.matching(interface_ips))
 }
 
 #[cfg(test)]

@@ -20,6 +20,7 @@ use super::{
 };
 use crate::{
     desired::{IpFamily, ServicePortName, Snapshot},
+    node::NodeSettings,
     objects::ObjectKey,
 };
 
@@ -63,6 +64,10 @@ struct Family {
     need_full_sync: bool,
     last_full_sync: Option<Instant>,
     last_stale_cleanup: Option<Instant>,
+    /// `route_localnet` was set by us: only once localhost NodePorts are really served
+    /// (upstream sets it in NewProxier under the same condition). Never unset: other
+    /// components may rely on it.
+    route_localnet: bool,
 }
 
 #[derive(Debug)]
@@ -99,11 +104,9 @@ impl IptablesDataplane {
                 nfacct_invalid: false,
                 nfacct_localhost: false,
             };
+            // Until the agent's node settings arrive (`set_node`, before the first sync).
             let node_ip = detect::primary_address(&addresses, family);
             let rules = FamilyRules::new(&config, family, node_ip, &addresses, &host);
-            if rules.localhost_node_ports {
-                enable_route_localnet();
-            }
             canary::ensure(&iptables).map_err(IptablesError::exec(family))?;
             tracing::info!(
                 family = family.as_k8s(),
@@ -119,6 +122,7 @@ impl IptablesDataplane {
                 need_full_sync: true,
                 last_full_sync: None,
                 last_stale_cleanup: None,
+                route_localnet: false,
             });
         }
         Ok(Self { config, families })
@@ -169,6 +173,24 @@ impl IptablesDataplane {
         flushed
     }
 
+    /// The node settings (Node object, host addresses): a family whose rules context changes
+    /// gets a full sync next (its NodePort jumps, masquerade and source-range rules all depend
+    /// on it).
+    pub fn set_node(&mut self, settings: &NodeSettings) {
+        for family in &mut self.families {
+            let mut rules = family.rules.clone();
+            rules.set_node(settings.family(family.iptables.family), &settings.detect_local);
+            if rules != family.rules {
+                debug!(
+                    family = family.iptables.family.as_k8s(),
+                    "node settings changed; next sync is a full one"
+                );
+                family.rules = rules;
+                family.need_full_sync = true;
+            }
+        }
+    }
+
     /// Whether a family's periodic full sync is due (`full_sync_period` elapsed).
     pub fn full_sync_due(&self) -> bool {
         self.families.iter().any(|f| f.full_sync_due(&self.config))
@@ -211,6 +233,10 @@ impl Family {
         let full = changed.is_none();
         if full {
             self.ensure_jump_rules()?;
+        }
+        if self.rules.localhost_node_ports && !self.route_localnet {
+            enable_route_localnet();
+            self.route_localnet = true;
         }
         let family_snapshot = snapshot.family(family);
         let large_cluster = is_large_cluster(&self.rules, family_snapshot);
@@ -275,7 +301,8 @@ impl Family {
     }
 }
 
-/// Localhost NodePorts need the kernel to route 127/8 destinations off `lo`.
+/// Localhost NodePorts need the kernel to route 127/8 destinations off `lo`
+/// (`net.ipv4.conf.all.route_localnet`, kubernetes#90259).
 fn enable_route_localnet() {
     const PATH: &str = "/proc/sys/net/ipv4/conf/all/route_localnet";
     if let Err(error) = std::fs::write(PATH, "1") {
