@@ -319,9 +319,13 @@ fn snat_address(pkt: &Packet, frontend: &FrontendValue) -> Option<[u32; 4]> {
 }
 
 /// Whether the client is outside a configured cluster CIDR (kube-proxy's local detector; no
-/// CIDR for the family means no detection, so no masquerade).
+/// CIDR for the family means no detection, so no masquerade). With interface-based detection
+/// (`LOCAL_BY_INTERFACE`) nothing this program sees is local: pod interfaces never get it.
 #[inline(always)]
 fn outside_cluster_cidr(pkt: &Packet, config: &NodeConfig) -> bool {
+    if config.flags & node_flags::LOCAL_BY_INTERFACE != 0 {
+        return true;
+    }
     let s = pkt.src;
     if pkt.is_v6() {
         let m = config.cluster6_mask;

@@ -111,6 +111,14 @@ impl NodeManager {
                 None
             }
         };
+        Self::with_watcher(inputs, node_name, watcher)
+    }
+
+    pub(super) fn with_watcher(
+        inputs: NodeInputs,
+        node_name: &str,
+        watcher: Option<AddressWatcher>,
+    ) -> Self {
         Self {
             inputs,
             node_name: node_name.to_owned(),
@@ -166,7 +174,7 @@ impl NodeManager {
         Ok(self.update(node, &interfaces))
     }
 
-    fn update(
+    pub(super) fn update(
         &mut self,
         node: Option<&Node>,
         interfaces: &BTreeMap<String, Interface>,

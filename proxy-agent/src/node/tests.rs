@@ -1,0 +1,518 @@
+use std::{
+    collections::BTreeMap,
+    net::{IpAddr, Ipv4Addr},
+    time::Duration,
+};
+
+use ipnet::IpNet;
+use k8s_openapi::api::core::v1::Node;
+use proxy_common::node_flags;
+use serde_json::json;
+
+use super::{
+    ebpf::{external_interfaces, is_pod_interface, node_config},
+    manager::{pod_cidr_wait, pod_cidrs_changed},
+    *,
+};
+use crate::{
+    config::{DetectLocal, NodePortAddresses},
+    dataplane::{
+        ebpf::{ip4_to_map, ip6_to_map},
+        iptables::DetectLocalMode,
+    },
+    desired::IpFamily,
+    objects::{Store, Update},
+};
+
+fn ip(s: &str) -> IpAddr {
+    s.parse().expect("ip")
+}
+
+fn ips(list: &[&str]) -> Vec<IpAddr> {
+    list.iter().map(|s| ip(s)).collect()
+}
+
+fn cidrs(list: &[&str]) -> Vec<IpNet> {
+    list.iter().map(|s| s.parse().expect("cidr")).collect()
+}
+
+/// A Node with these `(type, address)` pairs and podCIDRs.
+fn node(addresses: &[(&str, &str)], pod_cidrs: &[&str]) -> Node {
+    let addresses: Vec<_> = addresses
+        .iter()
+        .map(|(kind, address)| json!({"type": kind, "address": address}))
+        .collect();
+    serde_json::from_value(json!({
+        "metadata": {"name": "node-a", "labels": {"topology.kubernetes.io/zone": "z1"}},
+        "spec": {"podCIDRs": pod_cidrs},
+        "status": {"addresses": addresses},
+    }))
+    .expect("node")
+}
+
+fn iface(name: &str, addrs: &[&str], loopback: bool) -> (String, Interface) {
+    (
+        name.to_owned(),
+        Interface {
+            name: name.to_owned(),
+            addrs: ips(addrs),
+            loopback,
+        },
+    )
+}
+
+/// lo, eth0 (dual-stack + link-local), eth1 (a second address), a pod bridge and a veth.
+fn host() -> BTreeMap<String, Interface> {
+    [
+        iface("lo", &["127.0.0.1", "::1"], true),
+        iface("eth0", &["10.10.0.1", "fe80::1", "fd00:10::1"], false),
+        iface("eth1", &["192.168.5.1"], false),
+        iface("cbr0", &["10.244.1.1"], false),
+        iface("veth1", &["fe80::2"], false),
+    ]
+    .into_iter()
+    .collect()
+}
+
+fn inputs(node_port_addresses: NodePortAddresses) -> NodeInputs {
+    NodeInputs {
+        bind_address: IpAddr::V4(Ipv4Addr::UNSPECIFIED),
+        node_port_addresses,
+        detect_local: DetectLocal::ClusterCidr,
+        cluster_cidrs: cidrs(&["10.244.0.0/16"]),
+        localhost_node_ports: true,
+        masquerade_all: false,
+    }
+}
+
+#[test]
+fn node_host_ips_prefer_internal_then_external_and_pair_families() {
+    let cases: &[(&[(&str, &str)], &[&str])] = &[
+        (&[], &[]),
+        (&[("Hostname", "node-a")], &[]),
+        (&[("ExternalIP", "203.0.113.1"), ("InternalIP", "10.0.0.1")], &["10.0.0.1"]),
+        (
+            &[("InternalIP", "fd00::1"), ("InternalIP", "10.0.0.1"), ("InternalIP", "10.0.0.2")],
+            &["fd00::1", "10.0.0.1"],
+        ),
+        (
+            &[("InternalIP", "10.0.0.1"), ("ExternalIP", "2001:db8::1")],
+            &["10.0.0.1", "2001:db8::1"],
+        ),
+        (&[("InternalIP", "not-an-ip"), ("ExternalIP", "203.0.113.1")], &["203.0.113.1"]),
+    ];
+    for (addresses, expected) in cases {
+        assert_eq!(
+            node_host_ips(&node(addresses, &[])),
+            ips(expected),
+            "{addresses:?}"
+        );
+    }
+}
+
+#[test]
+fn detect_node_ips_bind_address_then_node_then_loopback() {
+    let any = ip("0.0.0.0");
+    let cases = [
+        (vec![], any, (IpFamily::V4, "127.0.0.1", "::1")),
+        (ips(&["10.0.0.1"]), any, (IpFamily::V4, "10.0.0.1", "::1")),
+        (ips(&["fd00::1", "10.0.0.1"]), any, (IpFamily::V6, "10.0.0.1", "fd00::1")),
+        // --bind-address wins for its family and makes it primary.
+        (ips(&["fd00::1", "10.0.0.1"]), ip("192.168.0.9"), (IpFamily::V4, "192.168.0.9", "fd00::1")),
+        (vec![], ip("::"), (IpFamily::V4, "127.0.0.1", "::1")),
+    ];
+    for (raw, bind, (family, v4, v6)) in cases {
+        assert_eq!(detect_node_ips(&raw, bind), (family, ip(v4), ip(v6)), "{raw:?} {bind}");
+    }
+}
+
+#[test]
+fn node_port_address_sets_follow_upstream() {
+    // (cidrs, family, match_all, contains_ipv4_loopback)
+    let cases: &[(&[&str], IpFamily, bool, bool)] = &[
+        (&[], IpFamily::V4, true, true),
+        (&[], IpFamily::V6, true, false),
+        (&["10.0.0.0/8"], IpFamily::V4, false, false),
+        // Only IPv4 CIDRs: IPv6 matches all.
+        (&["10.0.0.0/8"], IpFamily::V6, true, false),
+        (&["127.0.0.1/32", "10.0.0.0/8"], IpFamily::V4, false, true),
+        (&["127.0.0.0/8"], IpFamily::V4, false, true),
+        (&["10.0.0.0/8", "0.0.0.0/0"], IpFamily::V4, true, true),
+        (&["::1/128"], IpFamily::V6, false, false),
+    ];
+    for (list, family, match_all, loopback) in cases {
+        let set = NodePortAddressSet::new(*family, &cidrs(list));
+        assert_eq!(set.match_all, *match_all, "{list:?} {family:?}");
+        assert_eq!(set.contains_ipv4_loopback, *loopback, "{list:?} {family:?}");
+    }
+}
+
+#[test]
+fn primary_means_the_node_ips_and_no_localhost_node_ports() {
+    let node = node(&[("InternalIP", "10.10.0.1"), ("InternalIP", "fd00:10::1")], &[]);
+    let settings = NodeSettings::compute(&inputs(NodePortAddresses::Primary), Some(&node), &host());
+    assert!(!settings.v4.node_ports.match_all);
+    assert_eq!(settings.v4.node_port_ips, ips(&["10.10.0.1"]));
+    assert_eq!(settings.v6.node_port_ips, ips(&["fd00:10::1"]));
+    assert!(!settings.v4.localhost_node_ports);
+    assert_eq!(settings.v4.node_ip, ip("10.10.0.1"));
+    assert_eq!(settings.health_check_ips, ips(&["10.10.0.1", "fd00:10::1"]));
+    let (config, addrs) = node_config(&settings, &host(), &external(&settings));
+    assert_eq!(addrs, ips(&["10.10.0.1", "fd00:10::1"]));
+    assert_eq!(config.flags & node_flags::LOCALHOST_NODEPORTS, 0);
+
+    // A node IP that is not on the host: nothing of that family is served.
+    let elsewhere = node_with_ips(&["10.99.0.1"]);
+    let settings =
+        NodeSettings::compute(&inputs(NodePortAddresses::Primary), Some(&elsewhere), &host());
+    assert!(settings.v4.node_port_ips.is_empty());
+    assert!(!settings.v4.node_ports.match_all);
+    // No IPv6 node IP: server.go adds no IPv6 CIDR, so IPv6 matches all (upstream).
+    assert!(settings.v6.node_ports.match_all);
+}
+
+fn node_with_ips(list: &[&str]) -> Node {
+    let pairs: Vec<(&str, &str)> = list.iter().map(|a| ("InternalIP", *a)).collect();
+    node(&pairs, &[])
+}
+
+fn external(settings: &NodeSettings) -> std::collections::BTreeSet<String> {
+    external_interfaces(&[], &settings.detect_local, &host())
+}
+
+#[test]
+fn primary_without_a_node_falls_back_like_upstream() {
+    // detectNodeIPs falls back to 127.0.0.1/::1, which `primary` leaves out: both families
+    // match all, and IPv4 then contains loopback.
+    let settings = NodeSettings::compute(&inputs(NodePortAddresses::Primary), None, &host());
+    assert!(settings.v4.node_ports.match_all && settings.v6.node_ports.match_all);
+    assert!(settings.v4.localhost_node_ports);
+    assert_eq!(settings.v4.node_ip, ip("127.0.0.1"));
+}
+
+#[test]
+fn match_all_serves_every_address_and_flags_localhost() {
+    let settings = NodeSettings::compute(&inputs(NodePortAddresses::All), None, &host());
+    assert!(settings.v4.localhost_node_ports);
+    assert!(!settings.v6.localhost_node_ports, "never IPv6");
+    assert_eq!(settings.health_check_ips, ips(&["0.0.0.0"]));
+    let (config, addrs) = node_config(&settings, &host(), &external(&settings));
+    assert_ne!(config.flags & node_flags::LOCALHOST_NODEPORTS, 0);
+    // Every local address but loopback ones (the flag covers 127/8; ::1 is never served).
+    assert_eq!(
+        addrs,
+        ips(&["10.10.0.1", "10.244.1.1", "192.168.5.1", "fd00:10::1", "fe80::1", "fe80::2"])
+    );
+
+    let off = NodeInputs {
+        localhost_node_ports: false,
+        ..inputs(NodePortAddresses::All)
+    };
+    let settings = NodeSettings::compute(&off, None, &host());
+    let (config, _) = node_config(&settings, &host(), &external(&settings));
+    assert_eq!(config.flags & node_flags::LOCALHOST_NODEPORTS, 0);
+}
+
+#[test]
+fn explicit_cidrs_list_loopback_addresses_only_with_localhost_node_ports() {
+    let with_lo = NodePortAddresses::Cidrs(cidrs(&["127.0.0.0/8", "10.10.0.0/16", "::1/128"]));
+    let settings = NodeSettings::compute(&inputs(with_lo.clone()), None, &host());
+    assert!(settings.v4.localhost_node_ports);
+    assert_eq!(settings.v4.node_port_ips, ips(&["10.10.0.1", "127.0.0.1"]));
+    let (config, addrs) = node_config(&settings, &host(), &external(&settings));
+    assert_eq!(config.flags & node_flags::LOCALHOST_NODEPORTS, 0, "listed, not flagged");
+    assert_eq!(addrs, ips(&["10.10.0.1", "127.0.0.1"]), "::1 never");
+    // Per-family health check addresses: the IPv4 list and, as upstream lists it, ::1.
+    assert_eq!(settings.health_check_ips, ips(&["10.10.0.1", "127.0.0.1", "::1"]));
+
+    let off = NodeInputs {
+        localhost_node_ports: false,
+        ..inputs(with_lo)
+    };
+    let settings = NodeSettings::compute(&off, None, &host());
+    assert!(!settings.v4.localhost_node_ports);
+    let (_, addrs) = node_config(&settings, &host(), &external(&settings));
+    assert_eq!(addrs, ips(&["10.10.0.1"]));
+
+    // CIDRs without loopback: no localhost NodePorts even with the option on.
+    let plain = NodeSettings::compute(
+        &inputs(NodePortAddresses::Cidrs(cidrs(&["192.168.0.0/16"]))),
+        None,
+        &host(),
+    );
+    assert!(!plain.v4.localhost_node_ports);
+    assert_eq!(plain.v4.node_port_ips, ips(&["192.168.5.1"]));
+    assert!(plain.v6.node_ports.match_all);
+    assert_eq!(plain.health_check_ips, ips(&["192.168.5.1", "::"]));
+}
+
+#[test]
+fn node_cidr_detection_uses_the_pod_cidrs() {
+    let node = node(&[("InternalIP", "10.10.0.1")], &["10.244.1.0/24", "fd00:244:1::/64"]);
+    let node_cidr = NodeInputs {
+        detect_local: DetectLocal::NodeCidr,
+        ..inputs(NodePortAddresses::All)
+    };
+    let settings = NodeSettings::compute(&node_cidr, Some(&node), &host());
+    assert_eq!(
+        settings.detect_local,
+        DetectLocalMode::NodeCidr(cidrs(&["10.244.1.0/24", "fd00:244:1::/64"]))
+    );
+    let (config, _) = node_config(&settings, &host(), &external(&settings));
+    assert_eq!(
+        config.flags & (node_flags::CLUSTER_CIDR4 | node_flags::CLUSTER_CIDR6),
+        node_flags::CLUSTER_CIDR4 | node_flags::CLUSTER_CIDR6
+    );
+    assert_eq!(config.cluster4, ip4_to_map("10.244.1.0".parse().expect("v4")));
+    assert_eq!(config.cluster4_mask, ip4_to_map("255.255.255.0".parse().expect("v4")));
+    assert_eq!(config.cluster6, ip6_to_map("fd00:244:1::".parse().expect("v6")));
+    // Without a Node: no podCIDRs, so no detection at all (no masquerade), as upstream's
+    // no-op detector.
+    let settings = NodeSettings::compute(&node_cidr, None, &host());
+    let (config, _) = node_config(&settings, &host(), &external(&settings));
+    assert_eq!(config.flags & (node_flags::CLUSTER_CIDR4 | node_flags::CLUSTER_CIDR6), 0);
+}
+
+#[test]
+fn cluster_cidr_detection_takes_the_first_cidr_of_each_family() {
+    let two = NodeInputs {
+        cluster_cidrs: cidrs(&["10.244.0.0/16", "10.96.0.0/12"]),
+        ..inputs(NodePortAddresses::All)
+    };
+    let settings = NodeSettings::compute(&two, None, &host());
+    let (config, _) = node_config(&settings, &host(), &external(&settings));
+    assert_eq!(config.cluster4, ip4_to_map("10.244.0.0".parse().expect("v4")));
+    assert_eq!(config.flags & node_flags::CLUSTER_CIDR6, 0);
+}
+
+#[test]
+fn interface_detection_flags_the_node_and_keeps_pod_interfaces_internal() {
+    for (mode, pod_if) in [
+        (DetectLocal::BridgeInterface("cbr0".into()), "cbr0"),
+        (DetectLocal::InterfaceNamePrefix("cbr".into()), "cbr0"),
+    ] {
+        let by_if = NodeInputs {
+            detect_local: mode.clone(),
+            ..inputs(NodePortAddresses::All)
+        };
+        let settings = NodeSettings::compute(&by_if, None, &host());
+        assert!(is_pod_interface(&settings.detect_local, pod_if));
+        assert!(!is_pod_interface(&settings.detect_local, "eth0"));
+        let external = external(&settings);
+        assert_eq!(external.into_iter().collect::<Vec<_>>(), ["eth0", "eth1"], "{mode:?}");
+        let (config, _) = node_config(&settings, &host(), &self::external(&settings));
+        assert_ne!(config.flags & node_flags::LOCAL_BY_INTERFACE, 0);
+        assert_eq!(config.flags & node_flags::CLUSTER_CIDR4, 0);
+    }
+    // ClusterCIDR: the bridge has a global address, so it is external as before.
+    let settings = NodeSettings::compute(&inputs(NodePortAddresses::All), None, &host());
+    assert!(external(&settings).contains("cbr0"));
+}
+
+#[test]
+fn snat_addresses_and_masquerade_all() {
+    let masq = NodeInputs {
+        masquerade_all: true,
+        ..inputs(NodePortAddresses::All)
+    };
+    let settings = NodeSettings::compute(&masq, None, &host());
+    let only_eth0: std::collections::BTreeSet<String> = ["eth0".to_owned()].into();
+    let (config, _) = node_config(&settings, &host(), &only_eth0);
+    assert_ne!(config.flags & node_flags::MASQUERADE_ALL, 0);
+    assert_eq!(config.snat4, ip4_to_map("10.10.0.1".parse().expect("v4")));
+    assert_eq!(config.snat6, ip6_to_map("fd00:10::1".parse().expect("v6")));
+}
+
+#[test]
+fn an_added_address_changes_the_settings_once() {
+    let mut manager = NodeManager::with_watcher(
+        inputs(NodePortAddresses::Cidrs(cidrs(&["192.168.0.0/16"]))),
+        "node-a",
+        None,
+    );
+    let mut interfaces = host();
+    let first = manager.update(None, &interfaces).cloned().expect("first settings");
+    assert_eq!(first.v4.node_port_ips, ips(&["192.168.5.1"]));
+    assert!(manager.update(None, &interfaces).is_none(), "unchanged");
+    interfaces
+        .get_mut("eth1")
+        .expect("eth1")
+        .addrs
+        .push(ip("192.168.77.7"));
+    let second = manager.update(None, &interfaces).cloned().expect("changed");
+    assert_eq!(second.v4.node_port_ips, ips(&["192.168.5.1", "192.168.77.7"]));
+    assert_eq!(second.health_check_ips[..2], ips(&["192.168.5.1", "192.168.77.7"])[..]);
+    // Removed again.
+    interfaces.get_mut("eth1").expect("eth1").addrs.pop();
+    let third = manager.update(None, &interfaces).cloned().expect("changed back");
+    assert_eq!(third, first);
+}
+
+#[test]
+fn node_ip_follows_the_node_object() {
+    let mut manager = NodeManager::with_watcher(inputs(NodePortAddresses::Primary), "node-a", None);
+    let before = manager.update(None, &host()).cloned().expect("settings");
+    assert_eq!(before.v4.node_ip, ip("127.0.0.1"));
+    let node = node_with_ips(&["192.168.5.1"]);
+    let after = manager.update(Some(&node), &host()).cloned().expect("changed");
+    assert_eq!(after.v4.node_ip, ip("192.168.5.1"));
+    assert_eq!(after.v4.node_port_ips, ips(&["192.168.5.1"]));
+    // --bind-address overrides the Node for its family.
+    let bound = NodeInputs {
+        bind_address: ip("10.10.0.1"),
+        ..inputs(NodePortAddresses::Primary)
+    };
+    let settings = NodeSettings::compute(&bound, Some(&node), &host());
+    assert_eq!(settings.v4.node_ip, ip("10.10.0.1"));
+    assert_eq!(settings.v4.node_port_ips, ips(&["10.10.0.1"]));
+}
+
+#[test]
+fn node_cidr_waits_then_fails_and_exits_on_a_change() {
+    let without = node(&[("InternalIP", "10.0.0.1")], &[]);
+    let with = node(&[("InternalIP", "10.0.0.1")], &["10.244.1.0/24"]);
+    assert!(!pod_cidr_wait("node-a", None, Duration::ZERO).expect("waiting"));
+    assert!(!pod_cidr_wait("node-a", Some(&without), Duration::from_secs(299)).expect("waiting"));
+    assert!(pod_cidr_wait("node-a", Some(&with), Duration::from_secs(1000)).expect("ready"));
+    let error = pod_cidr_wait("node-a", Some(&without), POD_CIDR_POLL_TIMEOUT)
+        .expect_err("times out");
+    let message = error.to_string();
+    assert!(message.contains("node-a") && message.contains("no PodCIDR allocated"), "{message}");
+    assert!(pod_cidr_wait("node-a", None, POD_CIDR_POLL_TIMEOUT).is_err());
+
+    let first = vec!["10.244.1.0/24".to_owned()];
+    assert!(pod_cidrs_changed("node-a", &first, &with).is_ok());
+    let moved = node(&[("InternalIP", "10.0.0.1")], &["10.244.2.0/24"]);
+    assert!(matches!(
+        pod_cidrs_changed("node-a", &first, &moved),
+        Err(NodeError::PodCidrsChanged { .. })
+    ));
+    assert!(pod_cidrs_changed("node-a", &first, &without).is_err());
+}
+
+#[test]
+fn node_manager_gates_on_pod_cidrs_only_in_node_cidr_mode() {
+    let mut plain = NodeManager::with_watcher(inputs(NodePortAddresses::All), "node-a", None);
+    assert!(plain.ready(true, None).expect("ready"));
+    assert!(!plain.ready(false, None).expect("not listed"));
+
+    let node_cidr = NodeInputs {
+        detect_local: DetectLocal::NodeCidr,
+        ..inputs(NodePortAddresses::All)
+    };
+    let mut manager = NodeManager::with_watcher(node_cidr, "node-a", None);
+    assert!(!manager.ready(true, None).expect("waiting"));
+    assert_eq!(manager.poll_interval(Duration::from_secs(30)), Duration::from_secs(1));
+    let with = node(&[("InternalIP", "10.0.0.1")], &["10.244.1.0/24"]);
+    assert!(manager.ready(true, Some(&with)).expect("ready"));
+    // Once started, a later change of the podCIDRs fails the refresh.
+    let moved = node(&[("InternalIP", "10.0.0.1")], &["10.244.2.0/24"]);
+    assert!(manager.refresh(Some(&with)).is_ok());
+    assert!(matches!(
+        manager.refresh(Some(&moved)),
+        Err(NodeError::PodCidrsChanged { .. })
+    ));
+}
+
+fn with_heartbeat(mut node: Node, time: &str) -> Node {
+    let status = node.status.get_or_insert_with(Default::default);
+    status.conditions = Some(vec![
+        serde_json::from_value(json!({
+            "type": "Ready", "status": "True", "lastHeartbeatTime": time
+        }))
+        .expect("condition"),
+    ]);
+    node.metadata.resource_version = Some(time.to_owned());
+    node
+}
+
+#[test]
+fn only_relevant_node_fields_are_changes() {
+    let base = node(&[("InternalIP", "10.0.0.1")], &["10.244.1.0/24"]);
+    let beat1 = with_heartbeat(base.clone(), "2026-01-01T00:00:00Z");
+    let beat2 = with_heartbeat(base.clone(), "2026-01-01T00:00:10Z");
+    assert!(!node_change(Some(&beat1), Some(&beat2)).any(), "heartbeat");
+
+    let mut zone = beat2.clone();
+    zone.metadata
+        .labels
+        .get_or_insert_with(Default::default)
+        .insert("topology.kubernetes.io/zone".into(), "z2".into());
+    let change = node_change(Some(&beat2), Some(&zone));
+    assert!(change.topology && !change.settings && !change.health);
+
+    let mut other_label = beat2.clone();
+    other_label
+        .metadata
+        .labels
+        .get_or_insert_with(Default::default)
+        .insert("example.com/team".into(), "a".into());
+    assert!(!node_change(Some(&beat2), Some(&other_label)).any());
+
+    let addresses = node(&[("InternalIP", "10.0.0.2")], &["10.244.1.0/24"]);
+    let change = node_change(Some(&base), Some(&addresses));
+    assert!(change.settings && !change.topology);
+    let cidrs = node(&[("InternalIP", "10.0.0.1")], &["10.244.9.0/24"]);
+    assert!(node_change(Some(&base), Some(&cidrs)).settings);
+
+    let mut deleting = base.clone();
+    deleting.metadata.deletion_timestamp = Some(
+        serde_json::from_value(json!("2026-01-01T00:00:00Z")).expect("time"),
+    );
+    let change = node_change(Some(&base), Some(&deleting));
+    assert!(change.health && !change.topology && !change.settings);
+
+    let appeared = node_change(None, Some(&base));
+    assert!(appeared.topology && appeared.settings && appeared.health);
+    assert!(!node_change(None, None).any());
+}
+
+#[test]
+fn store_ignores_node_heartbeats() {
+    let base = node(&[("InternalIP", "10.0.0.1")], &["10.244.1.0/24"]);
+    let mut store = Store::default();
+    assert!(store.apply(Update::ReplaceNode(Some(with_heartbeat(
+        base.clone(),
+        "2026-01-01T00:00:00Z"
+    )))));
+    store.take_changes();
+    let beat = with_heartbeat(base.clone(), "2026-01-01T00:00:10Z");
+    assert!(!store.apply(Update::ReplaceNode(Some(beat.clone()))));
+    assert!(store.take_changes().is_empty());
+    // The store still holds the latest object.
+    assert_eq!(store.objects().node.as_ref(), Some(&beat));
+    let mut zone = beat;
+    zone.metadata
+        .labels
+        .get_or_insert_with(Default::default)
+        .insert("topology.kubernetes.io/zone".into(), "z9".into());
+    assert!(store.apply(Update::ReplaceNode(Some(zone))));
+    assert!(store.take_changes().node.topology);
+}
+
+#[test]
+fn tc_node_config_matches_the_previous_behaviour_for_plain_options() {
+    // What the bare dataplane (no node manager) computed before: ClusterCIDR detection, SNAT
+    // to the external interface's first global addresses, no localhost NodePorts.
+    let all: BTreeMap<_, _> = [
+        iface("lo", &["127.0.0.1", "::1"], true),
+        iface("eth0", &["10.10.0.1", "fd00:10::1"], false),
+        iface("veth1", &[], false),
+    ]
+    .into_iter()
+    .collect();
+    let plain = NodeInputs {
+        localhost_node_ports: false,
+        ..inputs(NodePortAddresses::All)
+    };
+    let settings = NodeSettings::compute(&plain, None, &all);
+    let external = external_interfaces(&[], &settings.detect_local, &all);
+    assert_eq!(external.iter().collect::<Vec<_>>(), ["eth0"]);
+    let (config, addrs) = node_config(&settings, &all, &external);
+    assert_eq!(config.flags, node_flags::CLUSTER_CIDR4);
+    assert_eq!(config.snat4, ip4_to_map(Ipv4Addr::new(10, 10, 0, 1)));
+    assert_eq!(addrs, ips(&["10.10.0.1", "fd00:10::1"]));
+    // --interfaces overrides the choice.
+    let chosen = external_interfaces(&["veth1".to_owned()], &settings.detect_local, &all);
+    assert_eq!(chosen.iter().collect::<Vec<_>>(), ["veth1"]);
+}
