@@ -141,3 +141,134 @@ fn ebpf_primary_serves_only_the_node_ip() -> anyhow::Result<()> {
 fn iptables_primary_serves_only_the_node_ip() -> anyhow::Result<()> {
     primary_serves_only_the_node_ip("iptables", &[])
 }
+
+/// This node with `podCIDRs` (and the external link's address as its InternalIP).
+fn node_with_pod_cidrs(pod_cidrs: &[&str]) -> String {
+    let list: Vec<String> = pod_cidrs.iter().map(|c| format!("\"{c}\"")).collect();
+    format!(
+        "{}spec:\n  podCIDRs: [{}]\n",
+        node_manifest(),
+        list.join(", ")
+    )
+}
+
+fn client_seen(a: &Attempt) -> Option<IpAddr> {
+    match a {
+        Attempt::Ok { client, .. } => Some(client.ip()),
+        Attempt::Err(_) => None,
+    }
+}
+
+/// A ClusterIP reached from outside the node is masqueraded exactly when the local-traffic
+/// detector says the client is not local (kube-proxy's KUBE-SVC `<IfNotLocal> -j
+/// KUBE-MARK-MASQ`), in both modes: no clusterCIDR → no detection, the pod sees the client;
+/// BridgeInterface / InterfaceNamePrefix → traffic from the external link is not local;
+/// NodeCIDR → the Node's podCIDRs decide.
+#[test]
+fn cluster_ip_from_outside_masquerades_by_detect_local_mode() -> anyhow::Result<()> {
+    // (arguments, Node manifest, masqueraded): a masqueraded flow reaches the pod from a node
+    // address (eBPF: the SNAT address; iptables: MASQUERADE's, the pod link's).
+    let cases: [(&[&str], Option<String>, bool); 5] = [
+        (&[], None, false),
+        (
+            &["--detect-local-mode", "BridgeInterface", "--pod-bridge-interface", "cbr0"],
+            None,
+            true,
+        ),
+        (
+            &["--detect-local-mode", "InterfaceNamePrefix", "--pod-interface-name-prefix", "vpod"],
+            None,
+            true,
+        ),
+        (
+            &["--detect-local-mode", "NodeCIDR"],
+            Some(node_with_pod_cidrs(&["10.244.1.0/24"])),
+            true,
+        ),
+        // The client inside the podCIDR counts as local: not masqueraded.
+        (
+            &["--detect-local-mode", "NodeCIDR"],
+            Some(node_with_pod_cidrs(&["10.10.0.0/24"])),
+            false,
+        ),
+    ];
+    let client_ip = IpAddr::V4(Topology::ext_ip());
+    for mode in ["ebpf", "iptables"] {
+        for (args, node, masqueraded) in &cases {
+            let mut s = setup()?;
+            s.topo.ext().ip(&[
+                "route",
+                "add",
+                &format!("{CLUSTER_IP}/32"),
+                "via",
+                &Topology::node_ext_ip().to_string(),
+            ])?;
+            if let Some(node) = node {
+                s.manifests.write("node.yaml", node)?;
+            }
+            let mut all = args.to_vec();
+            if mode == "ebpf" {
+                all.extend(["--interfaces", "vext"]);
+            }
+            s.start_agent_with_args(mode, &all)?;
+            let client = ext_client(&s);
+            let answer = s.wait_for_datapath_with(
+                &client,
+                SocketAddr::new(IpAddr::V4(CLUSTER_IP), 80),
+                "ClusterIP from outside",
+                is_pod,
+            )?;
+            eprintln!("{mode} {args:?}: {answer:?}");
+            let seen = client_seen(&answer);
+            let ok = match (masqueraded, mode) {
+                (false, _) => seen == Some(client_ip),
+                (true, "ebpf") => seen == Some(IpAddr::V4(Topology::node_ext_ip())),
+                (true, _) => seen.is_some_and(|ip| ip != client_ip),
+            };
+            s.ensure(ok, || {
+                format!("{mode} {args:?}: masqueraded should be {masqueraded}: {answer:?}")
+            })?;
+        }
+    }
+    Ok(())
+}
+
+/// NodeCIDR: nothing is programmed until the Node has podCIDRs; a later change of them makes
+/// the agent exit (to be restarted with them), as kube-proxy's NodeManager.
+#[test]
+fn node_cidr_waits_for_pod_cidrs_and_exits_when_they_change() -> anyhow::Result<()> {
+    let mut s = setup()?;
+    s.manifests.write("node.yaml", &node_manifest())?;
+    s.start_agent_with_args("iptables", &["--detect-local-mode", "NodeCIDR"])?;
+    let client = ext_client(&s);
+    std::thread::sleep(Duration::from_secs(3));
+    let before = client.once(node_port(Topology::node_ext_ip()))?;
+    s.ensure(refused(&before), || {
+        format!("no sync may happen before the Node has podCIDRs: {before:?}")
+    })?;
+    s.manifests
+        .write("node.yaml", &node_with_pod_cidrs(&["10.244.1.0/24"]))?;
+    s.wait_for_datapath_with(
+        &client,
+        node_port(Topology::node_ext_ip()),
+        "NodePort once the podCIDRs are known",
+        is_pod,
+    )?;
+    s.manifests
+        .write("node.yaml", &node_with_pod_cidrs(&["10.244.9.0/24"]))?;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let status = loop {
+        if let Some(status) = s.agent()?.exit_status() {
+            break status;
+        }
+        s.ensure(Instant::now() < deadline, || {
+            "the agent must exit when the podCIDRs change".to_owned()
+        })?;
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    let log = s.agent()?.log_contents();
+    s.ensure(!status.success() && log.contains("podCIDRs of node"), || {
+        format!("exit {status}; log: {log}")
+    })?;
+    Ok(())
+}
