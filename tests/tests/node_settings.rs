@@ -112,6 +112,7 @@ fn iptables_serves_a_node_port_on_an_address_added_at_run_time() -> anyhow::Resu
 fn primary_serves_only_the_node_ip(mode: &str, args: &[&str]) -> anyhow::Result<()> {
     let mut s = setup()?;
     s.manifests.write("node.yaml", &node_manifest())?;
+    s.topo.node().sysctl("net.ipv4.conf.all.route_localnet", "0")?;
     s.topo
         .node()
         .ip(&["addr", "add", &format!("{NEW_ADDR}/24"), "dev", "vext"])?;
@@ -129,6 +130,38 @@ fn primary_serves_only_the_node_ip(mode: &str, args: &[&str]) -> anyhow::Result<
     s.ensure(refused(&other), || {
         format!("{mode}: NodePort on {NEW_ADDR} (not the node IP) must not be served: {other:?}")
     })?;
+    // No localhost NodePorts with `primary`, so route_localnet is left alone.
+    let localnet = route_localnet(&s)?;
+    s.ensure(localnet == "0", || {
+        format!("{mode}: route_localnet must stay 0 with primary, is {localnet}")
+    })?;
+    Ok(())
+}
+
+fn route_localnet(s: &Scenario) -> anyhow::Result<String> {
+    Ok(s.topo
+        .node()
+        .exec("cat", &["/proc/sys/net/ipv4/conf/all/route_localnet"])?
+        .trim()
+        .to_owned())
+}
+
+/// The default nodePortAddresses with localhostNodePorts: the iptables mode serves 127/8 and
+/// needs route_localnet (the control for the `primary` check above).
+#[test]
+fn iptables_match_all_sets_route_localnet() -> anyhow::Result<()> {
+    let mut s = setup()?;
+    s.topo.node().sysctl("net.ipv4.conf.all.route_localnet", "0")?;
+    s.start_agent_with_args("iptables", &[])?;
+    let client = ext_client(&s);
+    s.wait_for_datapath_with(
+        &client,
+        node_port(Topology::node_ext_ip()),
+        "NodePort on the node's address",
+        is_pod,
+    )?;
+    let localnet = route_localnet(&s)?;
+    s.ensure(localnet == "1", || format!("route_localnet is {localnet}"))?;
     Ok(())
 }
 
