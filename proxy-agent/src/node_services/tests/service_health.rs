@@ -239,3 +239,30 @@ async fn close_all_closes_every_port() {
     servers.close_all();
     assert!(!is_open(loopback(port)).await);
 }
+
+#[tokio::test]
+async fn changed_listen_addresses_move_open_ports() {
+    let (services, _clock) = start(ProxyMode::Ebpf);
+    let port = free_port();
+    let servers = ServiceHealthServers::new(
+        NODE,
+        vec!["127.0.0.1".parse().unwrap()],
+        Arc::clone(services.health()),
+    );
+    let wanted = BTreeMap::from([(key("a", "b"), port)]);
+    assert!(servers.sync_services(&wanted).is_empty());
+    let other = SocketAddr::from(([127, 0, 0, 2], port));
+    assert!(is_open(loopback(port)).await);
+    assert!(!is_open(other).await, "only the listed address");
+    // The same addresses: nothing is closed.
+    servers.set_listen_ips(vec!["127.0.0.1".parse().unwrap()]);
+    assert!(is_open(loopback(port)).await);
+    // New addresses: closed now, reopened there by the next sync.
+    servers.set_listen_ips(vec!["127.0.0.2".parse().unwrap()]);
+    assert!(!is_open(loopback(port)).await);
+    assert!(servers.sync_services(&wanted).is_empty());
+    assert!(is_open(other).await);
+    assert!(!is_open(loopback(port)).await);
+    let (_, bound) = servers.open_ports()[&key("a", "b")].clone();
+    assert_eq!(bound, vec![other]);
+}
