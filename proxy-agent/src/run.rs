@@ -259,7 +259,11 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
 
 /// New node settings: to the dataplane (eBPF: node maps at the next apply; iptables: a full
 /// sync of the families they change) and to the health check node ports.
-fn apply_node_settings(settings: &NodeSettings, dataplane: &mut Dataplane, node_services: &NodeServices) {
+fn apply_node_settings(
+    settings: &NodeSettings,
+    dataplane: &mut Dataplane,
+    node_services: &NodeServices,
+) {
     match dataplane {
         Dataplane::Ebpf(ebpf) => ebpf.set_node(settings),
         Dataplane::Iptables(iptables) => iptables.set_node(settings),

@@ -112,7 +112,9 @@ fn iptables_serves_a_node_port_on_an_address_added_at_run_time() -> anyhow::Resu
 fn primary_serves_only_the_node_ip(mode: &str, args: &[&str]) -> anyhow::Result<()> {
     let mut s = setup()?;
     s.manifests.write("node.yaml", &node_manifest())?;
-    s.topo.node().sysctl("net.ipv4.conf.all.route_localnet", "0")?;
+    s.topo
+        .node()
+        .sysctl("net.ipv4.conf.all.route_localnet", "0")?;
     s.topo
         .node()
         .ip(&["addr", "add", &format!("{NEW_ADDR}/24"), "dev", "vext"])?;
@@ -151,7 +153,9 @@ fn route_localnet(s: &Scenario) -> anyhow::Result<String> {
 #[test]
 fn iptables_match_all_sets_route_localnet() -> anyhow::Result<()> {
     let mut s = setup()?;
-    s.topo.node().sysctl("net.ipv4.conf.all.route_localnet", "0")?;
+    s.topo
+        .node()
+        .sysctl("net.ipv4.conf.all.route_localnet", "0")?;
     s.start_agent_with_args("iptables", &[])?;
     let client = ext_client(&s);
     s.wait_for_datapath_with(
@@ -204,12 +208,22 @@ fn cluster_ip_from_outside_masquerades_by_detect_local_mode() -> anyhow::Result<
     let cases: [(&[&str], Option<String>, bool); 5] = [
         (&[], None, false),
         (
-            &["--detect-local-mode", "BridgeInterface", "--pod-bridge-interface", "cbr0"],
+            &[
+                "--detect-local-mode",
+                "BridgeInterface",
+                "--pod-bridge-interface",
+                "cbr0",
+            ],
             None,
             true,
         ),
         (
-            &["--detect-local-mode", "InterfaceNamePrefix", "--pod-interface-name-prefix", "vpod"],
+            &[
+                "--detect-local-mode",
+                "InterfaceNamePrefix",
+                "--pod-interface-name-prefix",
+                "vpod",
+            ],
             None,
             true,
         ),
@@ -300,8 +314,9 @@ fn node_cidr_waits_for_pod_cidrs_and_exits_when_they_change() -> anyhow::Result<
         std::thread::sleep(Duration::from_millis(200));
     };
     let log = s.agent()?.log_contents();
-    s.ensure(!status.success() && log.contains("podCIDRs of node"), || {
-        format!("exit {status}; log: {log}")
-    })?;
+    s.ensure(
+        !status.success() && log.contains("podCIDRs of node"),
+        || format!("exit {status}; log: {log}"),
+    )?;
     Ok(())
 }

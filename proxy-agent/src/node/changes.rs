@@ -7,7 +7,10 @@
 use k8s_openapi::api::core::v1::Node;
 
 /// Topology labels the endpoint selection reads (zone) or may read (region).
-pub const TOPOLOGY_LABELS: [&str; 2] = ["topology.kubernetes.io/zone", "topology.kubernetes.io/region"];
+pub const TOPOLOGY_LABELS: [&str; 2] = [
+    "topology.kubernetes.io/zone",
+    "topology.kubernetes.io/region",
+];
 
 /// What a Node update changed, by consumer.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]

@@ -66,7 +66,9 @@ impl FamilySettings {
     pub fn datapath_ips(&self) -> Vec<IpAddr> {
         self.node_port_ips
             .iter()
-            .filter(|ip| !ip.is_loopback() || (!self.node_ports.match_all && self.localhost_node_ports))
+            .filter(|ip| {
+                !ip.is_loopback() || (!self.node_ports.match_all && self.localhost_node_ports)
+            })
             .copied()
             .collect()
     }

@@ -87,19 +87,30 @@ fn inputs(node_port_addresses: NodePortAddresses) -> NodeInputs {
 
 #[test]
 fn node_host_ips_prefer_internal_then_external_and_pair_families() {
-    let cases: &[(&[(&str, &str)], &[&str])] = &[
+    type Case<'a> = (&'a [(&'a str, &'a str)], &'a [&'a str]);
+    let cases: &[Case] = &[
         (&[], &[]),
         (&[("Hostname", "node-a")], &[]),
-        (&[("ExternalIP", "203.0.113.1"), ("InternalIP", "10.0.0.1")], &["10.0.0.1"]),
         (
-            &[("InternalIP", "fd00::1"), ("InternalIP", "10.0.0.1"), ("InternalIP", "10.0.0.2")],
+            &[("ExternalIP", "203.0.113.1"), ("InternalIP", "10.0.0.1")],
+            &["10.0.0.1"],
+        ),
+        (
+            &[
+                ("InternalIP", "fd00::1"),
+                ("InternalIP", "10.0.0.1"),
+                ("InternalIP", "10.0.0.2"),
+            ],
             &["fd00::1", "10.0.0.1"],
         ),
         (
             &[("InternalIP", "10.0.0.1"), ("ExternalIP", "2001:db8::1")],
             &["10.0.0.1", "2001:db8::1"],
         ),
-        (&[("InternalIP", "not-an-ip"), ("ExternalIP", "203.0.113.1")], &["203.0.113.1"]),
+        (
+            &[("InternalIP", "not-an-ip"), ("ExternalIP", "203.0.113.1")],
+            &["203.0.113.1"],
+        ),
     ];
     for (addresses, expected) in cases {
         assert_eq!(
@@ -116,13 +127,25 @@ fn detect_node_ips_bind_address_then_node_then_loopback() {
     let cases = [
         (vec![], any, (IpFamily::V4, "127.0.0.1", "::1")),
         (ips(&["10.0.0.1"]), any, (IpFamily::V4, "10.0.0.1", "::1")),
-        (ips(&["fd00::1", "10.0.0.1"]), any, (IpFamily::V6, "10.0.0.1", "fd00::1")),
+        (
+            ips(&["fd00::1", "10.0.0.1"]),
+            any,
+            (IpFamily::V6, "10.0.0.1", "fd00::1"),
+        ),
         // --bind-address wins for its family and makes it primary.
-        (ips(&["fd00::1", "10.0.0.1"]), ip("192.168.0.9"), (IpFamily::V4, "192.168.0.9", "fd00::1")),
+        (
+            ips(&["fd00::1", "10.0.0.1"]),
+            ip("192.168.0.9"),
+            (IpFamily::V4, "192.168.0.9", "fd00::1"),
+        ),
         (vec![], ip("::"), (IpFamily::V4, "127.0.0.1", "::1")),
     ];
     for (raw, bind, (family, v4, v6)) in cases {
-        assert_eq!(detect_node_ips(&raw, bind), (family, ip(v4), ip(v6)), "{raw:?} {bind}");
+        assert_eq!(
+            detect_node_ips(&raw, bind),
+            (family, ip(v4), ip(v6)),
+            "{raw:?} {bind}"
+        );
     }
 }
 
@@ -149,7 +172,10 @@ fn node_port_address_sets_follow_upstream() {
 
 #[test]
 fn primary_means_the_node_ips_and_no_localhost_node_ports() {
-    let node = node(&[("InternalIP", "10.10.0.1"), ("InternalIP", "fd00:10::1")], &[]);
+    let node = node(
+        &[("InternalIP", "10.10.0.1"), ("InternalIP", "fd00:10::1")],
+        &[],
+    );
     let settings = NodeSettings::compute(&inputs(NodePortAddresses::Primary), Some(&node), &host());
     assert!(!settings.v4.node_ports.match_all);
     assert_eq!(settings.v4.node_port_ips, ips(&["10.10.0.1"]));
@@ -163,8 +189,11 @@ fn primary_means_the_node_ips_and_no_localhost_node_ports() {
 
     // A node IP that is not on the host: nothing of that family is served.
     let elsewhere = node_with_ips(&["10.99.0.1"]);
-    let settings =
-        NodeSettings::compute(&inputs(NodePortAddresses::Primary), Some(&elsewhere), &host());
+    let settings = NodeSettings::compute(
+        &inputs(NodePortAddresses::Primary),
+        Some(&elsewhere),
+        &host(),
+    );
     assert!(settings.v4.node_port_ips.is_empty());
     assert!(!settings.v4.node_ports.match_all);
     // No IPv6 node IP: server.go adds no IPv6 CIDR, so IPv6 matches all (upstream).
@@ -201,7 +230,14 @@ fn match_all_serves_every_address_and_flags_localhost() {
     // Every local address but loopback ones (the flag covers 127/8; ::1 is never served).
     assert_eq!(
         addrs,
-        ips(&["10.10.0.1", "10.244.1.1", "192.168.5.1", "fd00:10::1", "fe80::1", "fe80::2"])
+        ips(&[
+            "10.10.0.1",
+            "10.244.1.1",
+            "192.168.5.1",
+            "fd00:10::1",
+            "fe80::1",
+            "fe80::2"
+        ])
     );
 
     let off = NodeInputs {
@@ -220,10 +256,17 @@ fn explicit_cidrs_list_loopback_addresses_only_with_localhost_node_ports() {
     assert!(settings.v4.localhost_node_ports);
     assert_eq!(settings.v4.node_port_ips, ips(&["10.10.0.1", "127.0.0.1"]));
     let (config, addrs) = node_config(&settings, &host(), &external(&settings));
-    assert_eq!(config.flags & node_flags::LOCALHOST_NODEPORTS, 0, "listed, not flagged");
+    assert_eq!(
+        config.flags & node_flags::LOCALHOST_NODEPORTS,
+        0,
+        "listed, not flagged"
+    );
     assert_eq!(addrs, ips(&["10.10.0.1", "127.0.0.1"]), "::1 never");
     // Per-family health check addresses: the IPv4 list and, as upstream lists it, ::1.
-    assert_eq!(settings.health_check_ips, ips(&["10.10.0.1", "127.0.0.1", "::1"]));
+    assert_eq!(
+        settings.health_check_ips,
+        ips(&["10.10.0.1", "127.0.0.1", "::1"])
+    );
 
     let off = NodeInputs {
         localhost_node_ports: false,
@@ -248,7 +291,10 @@ fn explicit_cidrs_list_loopback_addresses_only_with_localhost_node_ports() {
 
 #[test]
 fn node_cidr_detection_uses_the_pod_cidrs() {
-    let node = node(&[("InternalIP", "10.10.0.1")], &["10.244.1.0/24", "fd00:244:1::/64"]);
+    let node = node(
+        &[("InternalIP", "10.10.0.1")],
+        &["10.244.1.0/24", "fd00:244:1::/64"],
+    );
     let node_cidr = NodeInputs {
         detect_local: DetectLocal::NodeCidr,
         ..inputs(NodePortAddresses::All)
@@ -263,14 +309,26 @@ fn node_cidr_detection_uses_the_pod_cidrs() {
         config.flags & (node_flags::CLUSTER_CIDR4 | node_flags::CLUSTER_CIDR6),
         node_flags::CLUSTER_CIDR4 | node_flags::CLUSTER_CIDR6
     );
-    assert_eq!(config.cluster4, ip4_to_map("10.244.1.0".parse().expect("v4")));
-    assert_eq!(config.cluster4_mask, ip4_to_map("255.255.255.0".parse().expect("v4")));
-    assert_eq!(config.cluster6, ip6_to_map("fd00:244:1::".parse().expect("v6")));
+    assert_eq!(
+        config.cluster4,
+        ip4_to_map("10.244.1.0".parse().expect("v4"))
+    );
+    assert_eq!(
+        config.cluster4_mask,
+        ip4_to_map("255.255.255.0".parse().expect("v4"))
+    );
+    assert_eq!(
+        config.cluster6,
+        ip6_to_map("fd00:244:1::".parse().expect("v6"))
+    );
     // Without a Node: no podCIDRs, so no detection at all (no masquerade), as upstream's
     // no-op detector.
     let settings = NodeSettings::compute(&node_cidr, None, &host());
     let (config, _) = node_config(&settings, &host(), &external(&settings));
-    assert_eq!(config.flags & (node_flags::CLUSTER_CIDR4 | node_flags::CLUSTER_CIDR6), 0);
+    assert_eq!(
+        config.flags & (node_flags::CLUSTER_CIDR4 | node_flags::CLUSTER_CIDR6),
+        0
+    );
 }
 
 #[test]
@@ -281,7 +339,10 @@ fn cluster_cidr_detection_takes_the_first_cidr_of_each_family() {
     };
     let settings = NodeSettings::compute(&two, None, &host());
     let (config, _) = node_config(&settings, &host(), &external(&settings));
-    assert_eq!(config.cluster4, ip4_to_map("10.244.0.0".parse().expect("v4")));
+    assert_eq!(
+        config.cluster4,
+        ip4_to_map("10.244.0.0".parse().expect("v4"))
+    );
     assert_eq!(config.flags & node_flags::CLUSTER_CIDR6, 0);
 }
 
@@ -299,7 +360,11 @@ fn interface_detection_flags_the_node_and_keeps_pod_interfaces_internal() {
         assert!(is_pod_interface(&settings.detect_local, pod_if));
         assert!(!is_pod_interface(&settings.detect_local, "eth0"));
         let external = external(&settings);
-        assert_eq!(external.into_iter().collect::<Vec<_>>(), ["eth0", "eth1"], "{mode:?}");
+        assert_eq!(
+            external.into_iter().collect::<Vec<_>>(),
+            ["eth0", "eth1"],
+            "{mode:?}"
+        );
         let (config, _) = node_config(&settings, &host(), &self::external(&settings));
         assert_ne!(config.flags & node_flags::LOCAL_BY_INTERFACE, 0);
         assert_eq!(config.flags & node_flags::CLUSTER_CIDR4, 0);
@@ -331,7 +396,10 @@ fn an_added_address_changes_the_settings_once() {
         None,
     );
     let mut interfaces = host();
-    let first = manager.update(None, &interfaces).cloned().expect("first settings");
+    let first = manager
+        .update(None, &interfaces)
+        .cloned()
+        .expect("first settings");
     assert_eq!(first.v4.node_port_ips, ips(&["192.168.5.1"]));
     assert!(manager.update(None, &interfaces).is_none(), "unchanged");
     interfaces
@@ -340,11 +408,20 @@ fn an_added_address_changes_the_settings_once() {
         .addrs
         .push(ip("192.168.77.7"));
     let second = manager.update(None, &interfaces).cloned().expect("changed");
-    assert_eq!(second.v4.node_port_ips, ips(&["192.168.5.1", "192.168.77.7"]));
-    assert_eq!(second.health_check_ips[..2], ips(&["192.168.5.1", "192.168.77.7"])[..]);
+    assert_eq!(
+        second.v4.node_port_ips,
+        ips(&["192.168.5.1", "192.168.77.7"])
+    );
+    assert_eq!(
+        second.health_check_ips[..2],
+        ips(&["192.168.5.1", "192.168.77.7"])[..]
+    );
     // Removed again.
     interfaces.get_mut("eth1").expect("eth1").addrs.pop();
-    let third = manager.update(None, &interfaces).cloned().expect("changed back");
+    let third = manager
+        .update(None, &interfaces)
+        .cloned()
+        .expect("changed back");
     assert_eq!(third, first);
 }
 
@@ -354,7 +431,10 @@ fn node_ip_follows_the_node_object() {
     let before = manager.update(None, &host()).cloned().expect("settings");
     assert_eq!(before.v4.node_ip, ip("127.0.0.1"));
     let node = node_with_ips(&["192.168.5.1"]);
-    let after = manager.update(Some(&node), &host()).cloned().expect("changed");
+    let after = manager
+        .update(Some(&node), &host())
+        .cloned()
+        .expect("changed");
     assert_eq!(after.v4.node_ip, ip("192.168.5.1"));
     assert_eq!(after.v4.node_port_ips, ips(&["192.168.5.1"]));
     // --bind-address overrides the Node for its family.
@@ -374,10 +454,13 @@ fn node_cidr_waits_then_fails_and_exits_on_a_change() {
     assert!(!pod_cidr_wait("node-a", None, Duration::ZERO).expect("waiting"));
     assert!(!pod_cidr_wait("node-a", Some(&without), Duration::from_secs(299)).expect("waiting"));
     assert!(pod_cidr_wait("node-a", Some(&with), Duration::from_secs(1000)).expect("ready"));
-    let error = pod_cidr_wait("node-a", Some(&without), POD_CIDR_POLL_TIMEOUT)
-        .expect_err("times out");
+    let error =
+        pod_cidr_wait("node-a", Some(&without), POD_CIDR_POLL_TIMEOUT).expect_err("times out");
     let message = error.to_string();
-    assert!(message.contains("node-a") && message.contains("no PodCIDR allocated"), "{message}");
+    assert!(
+        message.contains("node-a") && message.contains("no PodCIDR allocated"),
+        "{message}"
+    );
     assert!(pod_cidr_wait("node-a", None, POD_CIDR_POLL_TIMEOUT).is_err());
 
     let first = vec!["10.244.1.0/24".to_owned()];
@@ -402,7 +485,10 @@ fn node_manager_gates_on_pod_cidrs_only_in_node_cidr_mode() {
     };
     let mut manager = NodeManager::with_watcher(node_cidr, "node-a", None);
     assert!(!manager.ready(true, None).expect("waiting"));
-    assert_eq!(manager.poll_interval(Duration::from_secs(30)), Duration::from_secs(1));
+    assert_eq!(
+        manager.poll_interval(Duration::from_secs(30)),
+        Duration::from_secs(1)
+    );
     let with = node(&[("InternalIP", "10.0.0.1")], &["10.244.1.0/24"]);
     assert!(manager.ready(true, Some(&with)).expect("ready"));
     // Once started, a later change of the podCIDRs fails the refresh.
@@ -456,9 +542,8 @@ fn only_relevant_node_fields_are_changes() {
     assert!(node_change(Some(&base), Some(&cidrs)).settings);
 
     let mut deleting = base.clone();
-    deleting.metadata.deletion_timestamp = Some(
-        serde_json::from_value(json!("2026-01-01T00:00:00Z")).expect("time"),
-    );
+    deleting.metadata.deletion_timestamp =
+        Some(serde_json::from_value(json!("2026-01-01T00:00:00Z")).expect("time"));
     let change = node_change(Some(&base), Some(&deleting));
     assert!(change.health && !change.topology && !change.settings);
 

@@ -275,4 +275,3 @@ fn attach(
     })?;
     super::loader::pin_replacing(link, program, &pin_dir.join(pin_name))
 }
-

@@ -179,7 +179,10 @@ impl IptablesDataplane {
     pub fn set_node(&mut self, settings: &NodeSettings) {
         for family in &mut self.families {
             let mut rules = family.rules.clone();
-            rules.set_node(settings.family(family.iptables.family), &settings.detect_local);
+            rules.set_node(
+                settings.family(family.iptables.family),
+                &settings.detect_local,
+            );
             if rules != family.rules {
                 debug!(
                     family = family.iptables.family.as_k8s(),
