@@ -8,7 +8,7 @@ use std::{collections::BTreeMap, time::Duration};
 
 use k8s_openapi::api::core::v1::Node;
 use tokio::time::Instant;
-use tracing::{info, warn};
+use tracing::{debug, info, warn};
 
 use super::{
     addresses::{Interface, host_interfaces},
@@ -96,6 +96,10 @@ pub struct NodeManager {
     started: Instant,
     /// NodeCIDR mode: the podCIDRs syncing started with.
     first_pod_cidrs: Option<Vec<String>>,
+    /// The Node as last seen: a deleted Node keeps its settings (upstream reads podCIDRs and
+    /// node IPs once and keeps them), so a deletion does not switch local-traffic detection
+    /// off or move NodePorts while the node drains.
+    last_node: Option<Node>,
     current: Option<NodeSettings>,
     watcher: Option<AddressWatcher>,
 }
@@ -124,6 +128,7 @@ impl NodeManager {
             node_name: node_name.to_owned(),
             started: Instant::now(),
             first_pod_cidrs: None,
+            last_node: None,
             current: None,
             watcher,
         }
@@ -179,7 +184,17 @@ impl NodeManager {
         node: Option<&Node>,
         interfaces: &BTreeMap<String, Interface>,
     ) -> Option<&NodeSettings> {
-        let settings = NodeSettings::compute(&self.inputs, node, interfaces);
+        match node {
+            Some(node) if self.last_node.as_ref() != Some(node) => {
+                self.last_node = Some(node.clone());
+            }
+            Some(_) => {}
+            None if self.last_node.is_some() => {
+                debug!(node = %self.node_name, "the Node is gone; keeping its last settings");
+            }
+            None => {}
+        }
+        let settings = NodeSettings::compute(&self.inputs, self.last_node.as_ref(), interfaces);
         if self.current.as_ref() == Some(&settings) {
             return None;
         }

@@ -601,3 +601,16 @@ fn tc_node_config_matches_the_previous_behaviour_for_plain_options() {
     let chosen = external_interfaces(&["veth1".to_owned()], &settings.detect_local, &all);
     assert_eq!(chosen.iter().collect::<Vec<_>>(), ["veth1"]);
 }
+
+#[test]
+fn a_deleted_node_keeps_its_settings() {
+    let node_cidr = NodeInputs {
+        detect_local: DetectLocal::NodeCidr,
+        ..inputs(NodePortAddresses::Primary)
+    };
+    let mut manager = NodeManager::with_watcher(node_cidr, "node-a", None);
+    let node = node(&[("InternalIP", "10.10.0.1")], &["10.244.1.0/24"]);
+    let with_node = manager.update(Some(&node), &host()).cloned().expect("settings");
+    assert_eq!(with_node.pod_cidrs, cidrs(&["10.244.1.0/24"]));
+    assert!(manager.update(None, &host()).is_none(), "deletion changes nothing");
+}
