@@ -320,3 +320,199 @@ fn node_cidr_waits_for_pod_cidrs_and_exits_when_they_change() -> anyhow::Result<
     )?;
     Ok(())
 }
+
+/// The addresses in the pinned `KPR_NODE_ADDRS` and the `KPR_NODE_CONFIG` flags.
+fn node_maps(s: &mut Scenario) -> anyhow::Result<(Vec<IpAddr>, u32)> {
+    use aya::maps::{Array, HashMap, Map, MapData};
+    use proxy_common::{NodeAddrKey, NodeConfig, family, map_names};
+    let dir = s
+        .agent()?
+        .bpf_root()
+        .join(proxy_agent::dataplane::ebpf::PIN_DIR_NAME);
+    let addrs: HashMap<MapData, NodeAddrKey, u8> = HashMap::try_from(Map::from_map_data(
+        MapData::from_pin(dir.join(map_names::NODE_ADDRS))?,
+    )?)?;
+    let mut list: Vec<IpAddr> = addrs
+        .keys()
+        .filter_map(Result::ok)
+        .filter_map(|k| match k.family {
+            family::V4 => Some(IpAddr::V4(Ipv4Addr::from(k.addr[0].to_ne_bytes()))),
+            family::V6 => Some(IpAddr::V6(proxy_agent::dataplane::ebpf::ip6_from_map(
+                k.addr,
+            ))),
+            _ => None,
+        })
+        .collect();
+    list.sort();
+    let config: Array<MapData, NodeConfig> = Array::try_from(Map::from_map_data(
+        MapData::from_pin(dir.join(map_names::NODE_CONFIG))?,
+    )?)?;
+    Ok((list, config.get(&0, 0)?.flags))
+}
+
+fn v4(list: &[IpAddr]) -> Vec<IpAddr> {
+    list.iter().copied().filter(IpAddr::is_ipv4).collect()
+}
+
+/// The contract with the datapath: `KPR_NODE_ADDRS` holds exactly the NodePort addresses,
+/// loopback ones listed when explicit CIDRs include them, the LOCALHOST_NODEPORTS flag for
+/// match-all; and it follows an address added and removed at run time.
+#[test]
+fn ebpf_node_maps_hold_the_node_port_addresses() -> anyhow::Result<()> {
+    use proxy_common::node_flags::LOCALHOST_NODEPORTS;
+    let lo = IpAddr::V4(Ipv4Addr::LOCALHOST);
+    let node_ip = IpAddr::V4(Topology::node_ext_ip());
+    let pod_side = IpAddr::V4(Topology::pod_gateway(1));
+
+    // Default: every address but loopback, plus the flag.
+    let mut s = setup()?;
+    s.start_agent_with_args("ebpf", &["--interfaces", "vext"])?;
+    s.wait_for_datapath_with(
+        &ext_client(&s),
+        node_port(Topology::node_ext_ip()),
+        "NodePort",
+        is_pod,
+    )?;
+    let (addrs, flags) = node_maps(&mut s)?;
+    // (The rig's decoy ClusterIP on lo is a local address too, as for `--dst-type LOCAL`.)
+    s.ensure(
+        addrs.contains(&node_ip)
+            && addrs.contains(&pod_side)
+            && !addrs.iter().any(IpAddr::is_loopback)
+            && flags & LOCALHOST_NODEPORTS != 0,
+        || format!("default: {addrs:?} flags {flags:#x}"),
+    )?;
+    drop(s);
+
+    // Explicit CIDRs with loopback: listed one by one, no flag; then an address comes and goes.
+    let mut s = setup()?;
+    s.start_agent_with_args(
+        "ebpf",
+        &[
+            "--interfaces",
+            "vext",
+            "--nodeport-addresses",
+            "127.0.0.0/8,10.10.0.0/24",
+        ],
+    )?;
+    s.wait_for_datapath_with(
+        &ext_client(&s),
+        node_port(Topology::node_ext_ip()),
+        "NodePort",
+        is_pod,
+    )?;
+    let (addrs, flags) = node_maps(&mut s)?;
+    s.ensure(
+        // IPv4 CIDRs only: IPv6 matches all (upstream's NewNodePortAddresses), never ::1.
+        v4(&addrs) == [node_ip, lo]
+            && !addrs.contains(&IpAddr::V6(std::net::Ipv6Addr::LOCALHOST))
+            && flags & LOCALHOST_NODEPORTS == 0,
+        || format!("CIDRs: {addrs:?} flags {flags:#x}"),
+    )?;
+    let new = IpAddr::V4(NEW_ADDR);
+    s.topo
+        .node()
+        .ip(&["addr", "add", &format!("{NEW_ADDR}/24"), "dev", "vext"])?;
+    wait_for_addrs(&mut s, &[node_ip, new, lo])?;
+    s.topo
+        .node()
+        .ip(&["addr", "del", &format!("{NEW_ADDR}/24"), "dev", "vext"])?;
+    wait_for_addrs(&mut s, &[node_ip, lo])?;
+    drop(s);
+
+    // primary: the Node's IP only.
+    let mut s = setup()?;
+    s.manifests.write("node.yaml", &node_manifest())?;
+    s.start_agent_with_args(
+        "ebpf",
+        &["--interfaces", "vext", "--nodeport-addresses", "primary"],
+    )?;
+    s.wait_for_datapath_with(
+        &ext_client(&s),
+        node_port(Topology::node_ext_ip()),
+        "NodePort",
+        is_pod,
+    )?;
+    let (addrs, flags) = node_maps(&mut s)?;
+    s.ensure(
+        v4(&addrs) == [node_ip] && flags & LOCALHOST_NODEPORTS == 0,
+        || format!("primary: {addrs:?} flags {flags:#x}"),
+    )?;
+    Ok(())
+}
+
+/// Waits until the IPv4 part of `KPR_NODE_ADDRS` is `expected`.
+fn wait_for_addrs(s: &mut Scenario, expected: &[IpAddr]) -> anyhow::Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let (addrs, _) = node_maps(s)?;
+        let addrs = v4(&addrs);
+        if addrs == expected {
+            return Ok(());
+        }
+        s.ensure(Instant::now() < deadline, || {
+            format!("KPR_NODE_ADDRS {addrs:?}, expected {expected:?}")
+        })?;
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// Without `--interfaces`, an interface that gets a global address at run time gets the
+/// external program instead of the reply program, and back when the address goes.
+#[test]
+fn ebpf_tc_attachment_follows_addresses() -> anyhow::Result<()> {
+    use proxy_common::program_names::{TC_EXTERNAL, TC_REPLY};
+    let mut s = setup()?;
+    let node = s.topo.node();
+    // A veth pair inside the node (no dummy driver everywhere); kprdummy0 is the end watched.
+    node.ip(&[
+        "link",
+        "add",
+        "kprdummy0",
+        "type",
+        "veth",
+        "peer",
+        "name",
+        "kprdummy1",
+    ])?;
+    node.ip(&["link", "set", "kprdummy0", "up"])?;
+    node.ip(&["link", "set", "kprdummy1", "up"])?;
+    let index: u32 = node
+        .ip(&["-o", "link", "show", "kprdummy0"])?
+        .split(':')
+        .next()
+        .and_then(|i| i.trim().parse().ok())
+        .ok_or_else(|| anyhow::anyhow!("no ifindex for kprdummy0"))?;
+    s.start_agent_with_args("ebpf", &["--iptables-sync-period", SYNC_PERIOD])?;
+    s.wait_for_datapath_with(
+        &ext_client(&s),
+        node_port(Topology::node_ext_ip()),
+        "NodePort",
+        is_pod,
+    )?;
+    let dir = s
+        .agent()?
+        .bpf_root()
+        .join(proxy_agent::dataplane::ebpf::PIN_DIR_NAME);
+    let pin = |program: &str| dir.join(format!("{program}_if{index}_link"));
+    let wait_for = |s: &mut Scenario, attached: &str, detached: &str| -> anyhow::Result<()> {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !(pin(attached).exists() && !pin(detached).exists()) {
+            s.ensure(Instant::now() < deadline, || {
+                format!("kprdummy0 should have {attached} and not {detached}")
+            })?;
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        Ok(())
+    };
+    wait_for(&mut s, TC_REPLY, TC_EXTERNAL)?;
+    s.topo
+        .node()
+        .ip(&["addr", "add", "192.0.2.77/32", "dev", "kprdummy0"])?;
+    wait_for(&mut s, TC_EXTERNAL, TC_REPLY)?;
+    s.topo
+        .node()
+        .ip(&["addr", "del", "192.0.2.77/32", "dev", "kprdummy0"])?;
+    wait_for(&mut s, TC_REPLY, TC_EXTERNAL)?;
+    Ok(())
+}

@@ -610,7 +610,13 @@ fn a_deleted_node_keeps_its_settings() {
     };
     let mut manager = NodeManager::with_watcher(node_cidr, "node-a", None);
     let node = node(&[("InternalIP", "10.10.0.1")], &["10.244.1.0/24"]);
-    let with_node = manager.update(Some(&node), &host()).cloned().expect("settings");
+    let with_node = manager
+        .update(Some(&node), &host())
+        .cloned()
+        .expect("settings");
     assert_eq!(with_node.pod_cidrs, cidrs(&["10.244.1.0/24"]));
-    assert!(manager.update(None, &host()).is_none(), "deletion changes nothing");
+    assert!(
+        manager.update(None, &host()).is_none(),
+        "deletion changes nothing"
+    );
 }

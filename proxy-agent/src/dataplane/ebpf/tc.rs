@@ -157,6 +157,7 @@ impl TcState {
             node::ebpf::external_interfaces(&self.options.interfaces, &settings.detect_local, &all);
         let (config, addrs) = node::ebpf::node_config(&settings, &all, &external);
         self.program_node(config, &addrs);
+        let mut wanted = BTreeSet::new();
         for name in all.keys() {
             if all[name].loopback {
                 continue;
@@ -174,6 +175,7 @@ impl TcState {
                 }
             };
             let pin_name = format!("{program}_if{index}{LINK_SUFFIX}");
+            wanted.insert(pin_name.clone());
             if self.links.contains_key(&pin_name) {
                 continue;
             }
@@ -185,8 +187,30 @@ impl TcState {
                 Err(error) => warn!(interface = %name, program, %error, "cannot attach tc program"),
             }
         }
+        self.detach_unwanted(&wanted, pin_dir);
         if first {
             self.remove_stale_pins(pin_dir);
+        }
+    }
+
+    /// Detaches the links of interfaces that are gone or changed role (an address added or
+    /// removed at run time makes an interface external or pod side): releasing the pin and the
+    /// link detaches the program. The new role's program was attached first, so the interface
+    /// is never without one.
+    fn detach_unwanted(&mut self, wanted: &BTreeSet<String>, pin_dir: &Path) {
+        let unwanted: Vec<String> = self
+            .links
+            .keys()
+            .filter(|pin| !wanted.contains(*pin))
+            .cloned()
+            .collect();
+        for pin in unwanted {
+            if let Err(error) = remove_if_present(&pin_dir.join(&pin)) {
+                warn!(pin = %pin, %error, "cannot remove tc link pin");
+                continue;
+            }
+            self.links.remove(&pin);
+            info!(pin = %pin, "tc program detached (interface gone or changed role)");
         }
     }
 
