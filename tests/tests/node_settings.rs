@@ -200,13 +200,21 @@ fn client_seen(a: &Attempt) -> Option<IpAddr> {
 /// detector says the client is not local (kube-proxy's KUBE-SVC `<IfNotLocal> -j
 /// KUBE-MARK-MASQ`), in both modes: no clusterCIDR → no detection, the pod sees the client;
 /// BridgeInterface / InterfaceNamePrefix → traffic from the external link is not local;
-/// NodeCIDR → the Node's podCIDRs decide.
+/// NodeCIDR → the Node's podCIDRs decide; masqueradeAll → always.
 #[test]
 fn cluster_ip_from_outside_masquerades_by_detect_local_mode() -> anyhow::Result<()> {
     // (arguments, Node manifest, masqueraded): a masqueraded flow reaches the pod from a node
     // address (eBPF: the SNAT address; iptables: MASQUERADE's, the pod link's).
-    let cases: [(&[&str], Option<String>, bool); 5] = [
+    let cases: [(&[&str], Option<String>, bool); 7] = [
         (&[], None, false),
+        // ClusterCIDR with the client inside it: local, not masqueraded ...
+        (&["--cluster-cidr", "10.10.0.0/24"], None, false),
+        // ... unless masqueradeAll.
+        (
+            &["--cluster-cidr", "10.10.0.0/24", "--masquerade-all"],
+            None,
+            true,
+        ),
         (
             &[
                 "--detect-local-mode",
