@@ -172,9 +172,19 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
                 }
             }
             // An address added or removed on the host: NodePort addresses, tc attachment.
+            // Settings are recomputed now so that only a change the dataplane cares about costs
+            // a sync (pods come with link-local addresses on their veths).
             () = node_manager.addresses_changed() => {
                 debug!("host addresses changed");
-                runner.request();
+                match node_manager.refresh(store.objects().node.as_ref()) {
+                    Ok(Some(settings)) => {
+                        if apply_node_settings(settings, &mut dataplane, &node_services) {
+                            runner.request();
+                        }
+                    }
+                    Ok(None) => {}
+                    Err(error) => break Err(error.into()),
+                }
             }
             () = tokio::time::sleep_until(wake) => {
                 if !ready {
@@ -191,7 +201,9 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
                     .metrics()
                     .changes(changes.service_events, changes.slice_events, 0, 0);
                 match node_manager.refresh(store.objects().node.as_ref()) {
-                    Ok(Some(settings)) => apply_node_settings(settings, &mut dataplane, &node_services),
+                    Ok(Some(settings)) => {
+                        apply_node_settings(settings, &mut dataplane, &node_services);
+                    }
                     Ok(None) => {}
                     Err(error) => break Err(error.into()),
                 }
@@ -259,16 +271,21 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
 
 /// New node settings: to the dataplane (eBPF: node maps at the next apply; iptables: a full
 /// sync of the families they change) and to the health check node ports.
+/// Returns whether the dataplane needs a sync for them (eBPF: always, the node maps and tc
+/// links are written by the apply and cost little; iptables: when a family's rules change).
 fn apply_node_settings(
     settings: &NodeSettings,
     dataplane: &mut Dataplane,
     node_services: &NodeServices,
-) {
+) -> bool {
+    node_services.set_health_check_ips(settings.health_check_ips.clone());
     match dataplane {
-        Dataplane::Ebpf(ebpf) => ebpf.set_node(settings),
+        Dataplane::Ebpf(ebpf) => {
+            ebpf.set_node(settings);
+            true
+        }
         Dataplane::Iptables(iptables) => iptables.set_node(settings),
     }
-    node_services.set_health_check_ips(settings.health_check_ips.clone());
 }
 
 /// Health timestamps, sync metrics, health check node ports and network programming latency

@@ -101,6 +101,8 @@ pub struct NodeManager {
     /// off or move NodePorts while the node drains.
     last_node: Option<Node>,
     current: Option<NodeSettings>,
+    /// The last settings as logged at info.
+    last_summary: String,
     watcher: Option<AddressWatcher>,
 }
 
@@ -130,6 +132,7 @@ impl NodeManager {
             first_pod_cidrs: None,
             last_node: None,
             current: None,
+            last_summary: String::new(),
             watcher,
         }
     }
@@ -198,16 +201,29 @@ impl NodeManager {
         if self.current.as_ref() == Some(&settings) {
             return None;
         }
-        info!(
-            node_ip_v4 = %settings.v4.node_ip,
-            node_ip_v6 = %settings.v6.node_ip,
-            node_ports_v4 = ?NodePortsLog(&settings.v4),
-            node_ports_v6 = ?NodePortsLog(&settings.v6),
-            localhost_node_ports = settings.v4.localhost_node_ports,
-            pod_cidrs = ?settings.pod_cidrs,
-            detect_local = ?settings.detect_local,
-            "node settings"
+        // Pods come and go with link-local addresses on their veths, which change the
+        // match-all address lists: those changes are logged at debug only.
+        let summary = format!(
+            "node IPs {} {}, NodePort addresses {:?} {:?}, localhost NodePorts {}, podCIDRs {:?}, \
+             local detection {:?}",
+            settings.v4.node_ip,
+            settings.v6.node_ip,
+            NodePortsLog(&settings.v4),
+            NodePortsLog(&settings.v6),
+            settings.v4.localhost_node_ports,
+            settings.pod_cidrs,
+            settings.detect_local,
         );
+        if summary != self.last_summary {
+            info!(node = %self.node_name, "node settings: {summary}");
+            self.last_summary = summary;
+        } else {
+            debug!(
+                v4 = ?settings.v4.node_port_ips,
+                v6 = ?settings.v6.node_port_ips,
+                "node addresses changed"
+            );
+        }
         self.current = Some(settings);
         self.current.as_ref()
     }

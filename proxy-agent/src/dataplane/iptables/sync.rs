@@ -175,8 +175,9 @@ impl IptablesDataplane {
 
     /// The node settings (Node object, host addresses): a family whose rules context changes
     /// gets a full sync next (its NodePort jumps, masquerade and source-range rules all depend
-    /// on it).
-    pub fn set_node(&mut self, settings: &NodeSettings) {
+    /// on it). Returns whether any family changed.
+    pub fn set_node(&mut self, settings: &NodeSettings) -> bool {
+        let mut changed = false;
         for family in &mut self.families {
             let mut rules = family.rules.clone();
             rules.set_node(
@@ -190,8 +191,10 @@ impl IptablesDataplane {
                 );
                 family.rules = rules;
                 family.need_full_sync = true;
+                changed = true;
             }
         }
+        changed
     }
 
     /// Whether a family's periodic full sync is due (`full_sync_period` elapsed).
