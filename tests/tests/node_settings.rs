@@ -505,7 +505,7 @@ fn ebpf_tc_attachment_follows_addresses() -> anyhow::Result<()> {
     let pin = |program: &str| dir.join(format!("{program}_if{index}_link"));
     let wait_for = |s: &mut Scenario, attached: &str, detached: &str| -> anyhow::Result<()> {
         let deadline = Instant::now() + Duration::from_secs(10);
-        while !(pin(attached).exists() && !pin(detached).exists()) {
+        while !pin(attached).exists() || pin(detached).exists() {
             s.ensure(Instant::now() < deadline, || {
                 format!("kprdummy0 should have {attached} and not {detached}")
             })?;
