@@ -524,3 +524,52 @@ fn ebpf_tc_attachment_follows_addresses() -> anyhow::Result<()> {
     wait_for(&mut s, TC_REPLY, TC_EXTERNAL)?;
     Ok(())
 }
+
+/// Whether a TCP connection to `addr` from inside the network namespace at `netns` succeeds
+/// within a second.
+fn tcp_connects(netns: &std::path::Path, addr: SocketAddr) -> anyhow::Result<bool> {
+    let file = std::fs::File::open(netns)?;
+    std::thread::spawn(move || -> anyhow::Result<bool> {
+        nix::sched::setns(&file, nix::sched::CloneFlags::CLONE_NEWNET)?;
+        Ok(std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(1)).is_ok())
+    })
+    .join()
+    .map_err(|_| anyhow::anyhow!("connect thread panicked"))?
+}
+
+/// Health check node ports listen where NodePorts are served (upstream's
+/// `newServiceHealthServer`): with `primary`, the Node's IP and not another address.
+#[test]
+fn health_check_node_port_listens_on_the_node_port_addresses() -> anyhow::Result<()> {
+    const HEALTH_CHECK_PORT: u16 = 30998;
+    let mut s = setup()?;
+    let lb = node_port_service()
+        .replace("type: NodePort", "type: LoadBalancer")
+        .replace(
+            "  ports:\n",
+            &format!(
+                "  externalTrafficPolicy: Local\n  healthCheckNodePort: {HEALTH_CHECK_PORT}\n  ports:\n"
+            ),
+        );
+    s.manifests.write("svc.yaml", &lb)?;
+    s.manifests.write("node.yaml", &node_manifest())?;
+    s.topo
+        .node()
+        .ip(&["addr", "add", &format!("{NEW_ADDR}/24"), "dev", "vext"])?;
+    s.start_agent_with_args("iptables", &["--nodeport-addresses", "primary"])?;
+    let ext = s.topo.ext().path();
+    let on_node_ip = SocketAddr::new(IpAddr::V4(Topology::node_ext_ip()), HEALTH_CHECK_PORT);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !tcp_connects(&ext, on_node_ip)? {
+        s.ensure(Instant::now() < deadline, || {
+            format!("health check node port not listening on {on_node_ip}")
+        })?;
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let elsewhere = SocketAddr::new(IpAddr::V4(NEW_ADDR), HEALTH_CHECK_PORT);
+    let connected = tcp_connects(&ext, elsewhere)?;
+    s.ensure(!connected, || {
+        format!("health check node port must not listen on {elsewhere}")
+    })?;
+    Ok(())
+}
