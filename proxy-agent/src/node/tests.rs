@@ -620,3 +620,61 @@ fn a_deleted_node_keeps_its_settings() {
         "deletion changes nothing"
     );
 }
+
+/// The iptables rules context takes the node settings: `primary` gives one NodePort jump for
+/// the node IP and no localnet firewall rule; NodeCIDR gives the podCIDR detector.
+#[test]
+fn iptables_rules_follow_the_node_settings() {
+    use crate::dataplane::iptables::{
+        FamilyRules, HostFeatures, IptablesConfig, SyncInput, generate,
+    };
+    use crate::desired::FamilySnapshot;
+    let config = IptablesConfig::default();
+    let mut rules = FamilyRules::new(
+        &config,
+        IpFamily::V4,
+        None,
+        &all_addresses_of(&host()),
+        &HostFeatures::default(),
+    );
+    assert!(
+        rules.localhost_node_ports,
+        "default: match-all with localhost NodePorts"
+    );
+    let restore = |rules: &FamilyRules| {
+        let ruleset = generate(
+            rules,
+            &FamilySnapshot::default(),
+            SyncInput {
+                changed_services: None,
+                existing_nat_chains: None,
+            },
+        );
+        String::from_utf8_lossy(&ruleset.restore).into_owned()
+    };
+    assert!(restore(&rules).contains("block incoming localnet connections"));
+
+    let node = node(&[("InternalIP", "10.10.0.1")], &["10.244.1.0/24"]);
+    let inputs = NodeInputs {
+        detect_local: DetectLocal::NodeCidr,
+        ..inputs(NodePortAddresses::Primary)
+    };
+    let settings = NodeSettings::compute(&inputs, Some(&node), &host());
+    rules.set_node(&settings.v4, &settings.detect_local);
+    assert_eq!(rules.node_ip, Some(ip("10.10.0.1")));
+    assert_eq!(rules.local_detector.if_local(), ["-s", "10.244.1.0/24"]);
+    let text = restore(&rules);
+    assert!(
+        !text.contains("block incoming localnet connections"),
+        "{text}"
+    );
+    assert!(!text.contains("--dst-type LOCAL"), "{text}");
+    assert!(text.contains("-d 10.10.0.1 -j KUBE-NODEPORTS"), "{text}");
+}
+
+fn all_addresses_of(interfaces: &BTreeMap<String, Interface>) -> Vec<IpAddr> {
+    interfaces
+        .values()
+        .flat_map(|i| i.addrs.iter().copied())
+        .collect()
+}
