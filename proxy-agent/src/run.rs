@@ -304,6 +304,7 @@ impl Dataplane {
                     },
                     cluster_cidrs: config.cluster_cidrs.clone(),
                     masquerade_all: config.masquerade_all,
+                    localhost_node_ports: config.iptables.localhost_node_ports,
                 },
             }) {
                 Ok(ebpf) => Ok(Dataplane::Ebpf(Box::new(ebpf))),

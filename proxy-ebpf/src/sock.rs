@@ -15,16 +15,19 @@ use aya_ebpf::{
     EbpfContext as _,
     bindings::bpf_sock_addr,
     helpers::{bpf_get_netns_cookie, bpf_get_socket_cookie, bpf_set_retval},
+    maps::lpm_trie::Key,
     programs::SockAddrContext,
 };
 use proxy_common::{
-    Frontend4Key, Frontend6Key, RevNat4, RevNat4Key, RevNat6, RevNat6Key, StatIndex, scope,
+    Frontend4Key, Frontend6Key, FrontendValue, NodeAddrKey, NodeConfig, RevNat4, RevNat4Key,
+    RevNat6, RevNat6Key, SourceRangeKey, StatIndex, family, frontend_flags, node_flags, scope,
 };
 
 use crate::{
     lb::{Decision, select_backend},
     maps::{
-        KPR_BACKENDS4, KPR_BACKENDS6, KPR_FRONTENDS4, KPR_FRONTENDS6, KPR_REVNAT4, KPR_REVNAT6,
+        KPR_BACKENDS4, KPR_BACKENDS6, KPR_FRONTENDS4, KPR_FRONTENDS6, KPR_NODE_ADDRS,
+        KPR_NODE_CONFIG, KPR_REVNAT4, KPR_REVNAT6, KPR_SOURCE_RANGES,
     },
     stats::bump,
 };
@@ -35,6 +38,7 @@ const ALLOW: i32 = 1;
 /// Fail the syscall with the error set by `bpf_set_retval` (EPERM if none was set).
 const DENY: i32 = 0;
 const ECONNREFUSED: i32 = 111;
+const EHOSTUNREACH: i32 = 113;
 
 /// Which hook is translating, for the counters.
 #[derive(Clone, Copy)]
@@ -126,14 +130,18 @@ pub fn translate4(ctx: &SockAddrContext, hook: Hook) -> i32 {
         scope: scope::INTERNAL,
     };
     // SAFETY: the value is copied out at once (whole-value updates by the agent).
-    let Some(frontend) = (unsafe { KPR_FRONTENDS4.get(key) }).copied() else {
-        return ALLOW;
+    let frontend = match unsafe { KPR_FRONTENDS4.get(key) } {
+        Some(frontend) => *frontend,
+        None => match node_port4(&key) {
+            Some(frontend) => frontend,
+            None => return ALLOW,
+        },
     };
+    if let Some(verdict) = admit(ctx, &frontend, family::V4) {
+        return verdict;
+    }
     match select_backend(&frontend, || netns_cookie(ctx), || None, &KPR_BACKENDS4) {
-        Decision::NoBackends => {
-            bump(hook.rejected());
-            refuse()
-        }
+        Decision::NoBackends => no_backends(&frontend, hook),
         Decision::BackendMissing => backend_missing(ctx),
         Decision::Backend(backend) => {
             let revnat_key = RevNat4Key {
@@ -172,14 +180,18 @@ pub fn translate6(ctx: &SockAddrContext, hook: Hook) -> i32 {
         scope: scope::INTERNAL,
     };
     // SAFETY: as in translate4.
-    let Some(frontend) = (unsafe { KPR_FRONTENDS6.get(key) }).copied() else {
-        return ALLOW;
+    let frontend = match unsafe { KPR_FRONTENDS6.get(key) } {
+        Some(frontend) => *frontend,
+        None => match node_port6(&key) {
+            Some(frontend) => frontend,
+            None => return ALLOW,
+        },
     };
+    if let Some(verdict) = admit(ctx, &frontend, family::V6) {
+        return verdict;
+    }
     match select_backend(&frontend, || netns_cookie(ctx), || None, &KPR_BACKENDS6) {
-        Decision::NoBackends => {
-            bump(hook.rejected());
-            refuse()
-        }
+        Decision::NoBackends => no_backends(&frontend, hook),
         Decision::BackendMissing => backend_missing(ctx),
         Decision::Backend(backend) => {
             let revnat_key = RevNat6Key {
@@ -202,6 +214,116 @@ pub fn translate6(ctx: &SockAddrContext, hook: Hook) -> i32 {
             ALLOW
         }
     }
+}
+
+/// kube-proxy's `KUBE-SERVICES ... -m addrtype --dst-type LOCAL -j KUBE-NODEPORTS` for local
+/// sockets: a destination that is a NodePort address of this node (`KPR_NODE_ADDRS`, or any
+/// 127/8 address when localhost NodePorts are served on every loopback address) leads to the
+/// NodePort's socket frontend, the unspecified address with the node port.
+#[inline(always)]
+fn node_port4(key: &Frontend4Key) -> Option<FrontendValue> {
+    // `addr` is in network byte order, so its first octet is the low byte on this
+    // little-endian target.
+    let loopback = key.addr & 0xff == 127;
+    let localhost = loopback
+        && KPR_NODE_CONFIG
+            .get(0)
+            .is_some_and(|c| c.flags & node_flags::LOCALHOST_NODEPORTS != 0);
+    if !localhost && !is_node_port_address([key.addr, 0, 0, 0], family::V4) {
+        return None;
+    }
+    let wildcard = Frontend4Key { addr: 0, ..*key };
+    // SAFETY: the value is copied out at once.
+    let frontend = unsafe { KPR_FRONTENDS4.get(wildcard) }.copied()?;
+    bump(StatIndex::SockNodePort);
+    Some(frontend)
+}
+
+/// IPv6 NodePorts: never on `::1` (kube-proxy's `! -d ::1/128`; the agent never lists it).
+#[inline(always)]
+fn node_port6(key: &Frontend6Key) -> Option<FrontendValue> {
+    if !is_node_port_address(key.addr, family::V6) {
+        return None;
+    }
+    let wildcard = Frontend6Key {
+        addr: [0; 4],
+        ..*key
+    };
+    // SAFETY: the value is copied out at once.
+    let frontend = unsafe { KPR_FRONTENDS6.get(wildcard) }.copied()?;
+    bump(StatIndex::SockNodePort);
+    Some(frontend)
+}
+
+#[inline(always)]
+fn is_node_port_address(addr: [u32; 4], family: u8) -> bool {
+    let key = NodeAddrKey {
+        addr,
+        family,
+        _pad: [0; 3],
+    };
+    // SAFETY: presence check only.
+    unsafe { KPR_NODE_ADDRS.get(key) }.is_some()
+}
+
+/// `loadBalancerSourceRanges` for local sockets (frontends with
+/// [`frontend_flags::SOURCE_RANGES`]): `None` lets the translation go on. A pod's socket is
+/// left untranslated (`ALLOW`): its packets reach the tc program on the pod's veth, which checks
+/// the pod's address. A socket of the node's own namespace is judged by the node address
+/// (`NodeConfig::snat4/6`, the source such a connection gets), as kube-proxy's KUBE-FW chain
+/// judges node-originated packets by their source; outside the ranges it fails with
+/// `EHOSTUNREACH` where kube-proxy drops (a socket hook has no packet to drop).
+#[inline(always)]
+fn admit(ctx: &SockAddrContext, frontend: &FrontendValue, family: u8) -> Option<i32> {
+    if frontend.flags & frontend_flags::SOURCE_RANGES == 0 {
+        return None;
+    }
+    let config: NodeConfig = match KPR_NODE_CONFIG.get(0) {
+        Some(config) => *config,
+        None => return Some(ALLOW),
+    };
+    if config.host_netns_cookie == 0 || netns_cookie(ctx) != config.host_netns_cookie {
+        return Some(ALLOW);
+    }
+    let (addr, bits) = if family == family::V6 {
+        (config.snat6, 128)
+    } else {
+        ([config.snat4, 0, 0, 0], 32)
+    };
+    let key = Key::new(
+        32 + bits,
+        SourceRangeKey {
+            service_id: frontend.service_id,
+            addr,
+        },
+    );
+    if addr != [0; 4] && KPR_SOURCE_RANGES.get(&key).is_some() {
+        return None;
+    }
+    bump(StatIndex::SockDroppedSourceRange);
+    Some(unreachable())
+}
+
+/// A frontend without backends: kube-proxy REJECTs when the service has no endpoints at all
+/// (ECONNREFUSED) and DROPs when its endpoints are all on other nodes
+/// ([`frontend_flags::DROP_NO_BACKENDS`], `internalTrafficPolicy: Local`).
+#[inline(always)]
+fn no_backends(frontend: &FrontendValue, hook: Hook) -> i32 {
+    if frontend.flags & frontend_flags::DROP_NO_BACKENDS != 0 {
+        bump(StatIndex::SockDroppedNoLocal);
+        return unreachable();
+    }
+    bump(hook.rejected());
+    refuse()
+}
+
+/// Where kube-proxy drops a packet the socket hook fails the syscall with `EHOSTUNREACH` at
+/// once: there is no packet yet to drop, and a client that would time out learns the same a
+/// few minutes earlier.
+fn unreachable() -> i32 {
+    // SAFETY: bpf_set_retval is available to connect and sendmsg hooks (kernel ≥ 5.18).
+    unsafe { bpf_set_retval(-EHOSTUNREACH) };
+    DENY
 }
 
 fn backend_missing(ctx: &SockAddrContext) -> i32 {

@@ -46,6 +46,8 @@ pub struct TcOptions {
     /// `clusterCIDR` (one per family at most).
     pub cluster_cidrs: Vec<IpNet>,
     pub masquerade_all: bool,
+    /// `iptables.localhostNodePorts`: IPv4 NodePorts on loopback addresses too.
+    pub localhost_node_ports: bool,
 }
 
 /// One interface of the node namespace with its addresses.
@@ -144,20 +146,56 @@ pub fn node_config(
     if options.masquerade_all {
         config.flags |= node_flags::MASQUERADE_ALL;
     }
-    // NodePorts answer on every local address in nodePortAddresses (all when unset), except
-    // loopback: packets to 127/8 never arrive on an interface with a tc program.
+    // NodePorts answer on every local address in nodePortAddresses (all when unset). Loopback
+    // addresses only matter to the socket hooks (packets to 127/8 never arrive on an interface
+    // with a tc program): kube-proxy serves IPv4 ones with localhostNodePorts — every 127/8
+    // address when nodePortAddresses is unset (a flag), the listed ones otherwise — and never
+    // `::1`.
+    let match_all = options.node_port_cidrs.is_empty();
+    if match_all && options.localhost_node_ports {
+        config.flags |= node_flags::LOCALHOST_NODEPORTS;
+    }
     let node_port_addrs = all
         .values()
         .flat_map(|i| i.addrs.iter().copied())
-        .filter(is_global_unicast)
         .filter(|a| {
-            options.node_port_cidrs.is_empty()
-                || options.node_port_cidrs.iter().any(|c| c.contains(a))
+            is_global_unicast(a)
+                || (!match_all && options.localhost_node_ports && a.is_ipv4() && a.is_loopback())
         })
+        .filter(|a| match_all || options.node_port_cidrs.iter().any(|c| c.contains(a)))
         .collect::<BTreeSet<_>>()
         .into_iter()
         .collect();
     (config, node_port_addrs)
+}
+
+/// The cookie of the agent's network namespace — the node's — as the socket hooks'
+/// `bpf_get_netns_cookie` reports it for sockets there (`SO_NETNS_COOKIE`, Linux ≥ 5.14).
+fn own_netns_cookie() -> std::io::Result<u64> {
+    use std::os::fd::{AsRawFd as _, FromRawFd as _, OwnedFd};
+    // SAFETY: plain socket(2); the descriptor is owned (and closed) by `socket` below.
+    let fd = unsafe { libc::socket(libc::AF_UNIX, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: `fd` is a fresh descriptor nothing else owns.
+    let socket = unsafe { OwnedFd::from_raw_fd(fd) };
+    let mut cookie: u64 = 0;
+    let mut len = std::mem::size_of::<u64>() as libc::socklen_t;
+    // SAFETY: a valid socket and an out-buffer of the size passed.
+    let ret = unsafe {
+        libc::getsockopt(
+            socket.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_NETNS_COOKIE,
+            (&raw mut cookie).cast(),
+            &raw mut len,
+        )
+    };
+    if ret != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(cookie)
 }
 
 pub fn node_addr_key(addr: IpAddr) -> NodeAddrKey {
@@ -182,6 +220,9 @@ pub struct TcState {
     node_config: Array<MapData, NodeConfig>,
     programmed_addrs: BTreeSet<IpAddr>,
     programmed_config: Option<NodeConfig>,
+    /// This namespace's cookie (0 when the kernel cannot tell it: the socket hooks then treat
+    /// every socket as a pod's for guarded LB IPs).
+    host_netns_cookie: u64,
     /// Pin file name → link, for every interface we attached to.
     links: BTreeMap<String, PinnedLink>,
 }
@@ -217,6 +258,11 @@ impl TcState {
             node_config,
             programmed_addrs,
             programmed_config: None,
+            host_netns_cookie: own_netns_cookie().unwrap_or_else(|error| {
+                warn!(%error, "cannot read the network namespace cookie; host processes reach \
+                    LB IPs guarded by source ranges through the load balancer");
+                0
+            }),
             links: BTreeMap::new(),
         }
     }
@@ -233,7 +279,8 @@ impl TcState {
             }
         };
         let external = external_interfaces(&self.options, &all);
-        let (config, addrs) = node_config(&self.options, &all, &external);
+        let (mut config, addrs) = node_config(&self.options, &all, &external);
+        config.host_netns_cookie = self.host_netns_cookie;
         self.program_node(config, &addrs);
         for name in all.keys() {
             if all[name].loopback {
@@ -401,5 +448,37 @@ mod tests {
         };
         let (_, addrs) = node_config(&only_v6, &all, &external);
         assert_eq!(addrs, vec!["fd00:10::1".parse::<IpAddr>().expect("v6")]);
+
+        // Localhost NodePorts: every 127/8 address (a flag) with match-all; the listed
+        // loopback addresses with CIDRs; never ::1; none without localhostNodePorts.
+        let localhost = TcOptions {
+            localhost_node_ports: true,
+            ..TcOptions::default()
+        };
+        let (config, addrs) = node_config(&localhost, &all, &external);
+        assert_eq!(config.flags, node_flags::LOCALHOST_NODEPORTS);
+        assert_eq!(addrs.len(), 2, "loopback is covered by the flag: {addrs:?}");
+        let listed = TcOptions {
+            node_port_cidrs: vec![
+                "127.0.0.0/8".parse().expect("cidr"),
+                "::1/128".parse().expect("cidr"),
+                "10.10.0.0/24".parse().expect("cidr"),
+            ],
+            localhost_node_ports: true,
+            ..TcOptions::default()
+        };
+        let (config, addrs) = node_config(&listed, &all, &external);
+        assert_eq!(config.flags, 0);
+        let expected: Vec<IpAddr> = ["10.10.0.1", "127.0.0.1"]
+            .iter()
+            .map(|a| a.parse().expect("addr"))
+            .collect();
+        assert_eq!(addrs, expected);
+        let off = TcOptions {
+            localhost_node_ports: false,
+            ..listed
+        };
+        let (config, addrs) = node_config(&off, &all, &external);
+        assert_eq!((config.flags, addrs.len()), (0, 1));
     }
 }
