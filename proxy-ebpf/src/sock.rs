@@ -6,6 +6,8 @@
 //! - `recvmsg4/6` (unconnected UDP): replies from the backend are shown as coming from the
 //!   service address, so a DNS-style client accepts them.
 //! - `getpeername4/6`: the application sees the service address it dialled.
+//! - IPv4-mapped IPv6 destinations (`::ffff:a.b.c.d`, AF_INET6 sockets of Java/.NET) are
+//!   translated as the IPv4 frontend by the `6` hooks.
 //!
 //! The reverse maps are keyed like Cilium's `lb{4,6}_reverse_sk`: (socket cookie, backend
 //! address, backend port). That is exactly what recvmsg (the datagram's source) and getpeername
@@ -19,8 +21,9 @@ use aya_ebpf::{
     programs::SockAddrContext,
 };
 use proxy_common::{
-    Frontend4Key, Frontend6Key, FrontendValue, NodeAddrKey, NodeConfig, RevNat4, RevNat4Key,
-    RevNat6, RevNat6Key, SourceRangeKey, StatIndex, family, frontend_flags, node_flags, scope,
+    Backend4, Frontend4Key, Frontend6Key, FrontendValue, NodeAddrKey, NodeConfig, RevNat4,
+    RevNat4Key, RevNat6, RevNat6Key, SourceRangeKey, StatIndex, family, frontend_flags, node_flags,
+    scope,
 };
 
 use crate::{
@@ -129,42 +132,99 @@ pub fn translate4(ctx: &SockAddrContext, hook: Hook) -> i32 {
         proto,
         scope: scope::INTERNAL,
     };
+    let backend = match choose4(ctx, &key, hook) {
+        Ok(backend) => backend,
+        Err(verdict) => return verdict,
+    };
+    let revnat_key = RevNat4Key {
+        cookie: socket_cookie(ctx),
+        addr: backend.addr,
+        port: backend.port,
+        _pad: 0,
+    };
+    let revnat = RevNat4 {
+        addr: key.addr,
+        port: key.port,
+        _pad: 0,
+    };
+    // Best effort: without the entry getpeername/recvmsg show the backend address.
+    if KPR_REVNAT4.insert(revnat_key, revnat, 0).is_err() {
+        bump(StatIndex::RevNatUpdateFailed);
+    }
+    sa.user_ip4 = backend.addr;
+    sa.user_port = u32::from(backend.port);
+    bump(hook.translated());
+    ALLOW
+}
+
+/// The IPv4 frontend for `key` (exact, else a NodePort) and the backend for this socket, or the
+/// verdict when there is none to translate to.
+#[inline(always)]
+fn choose4(ctx: &SockAddrContext, key: &Frontend4Key, hook: Hook) -> Result<Backend4, i32> {
     // SAFETY: the value is copied out at once (whole-value updates by the agent).
-    let frontend = match unsafe { KPR_FRONTENDS4.get(key) } {
+    let frontend = match unsafe { KPR_FRONTENDS4.get(*key) } {
         Some(frontend) => *frontend,
-        None => match node_port4(&key) {
-            Some(frontend) => frontend,
-            None => return ALLOW,
-        },
+        None => node_port4(key).ok_or(ALLOW)?,
     };
     if let Some(verdict) = admit(ctx, &frontend, family::V4) {
-        return verdict;
+        return Err(verdict);
     }
     match select_backend(&frontend, || netns_cookie(ctx), || None, &KPR_BACKENDS4) {
-        Decision::NoBackends => no_backends(&frontend, hook),
-        Decision::BackendMissing => backend_missing(ctx),
-        Decision::Backend(backend) => {
-            let revnat_key = RevNat4Key {
-                cookie: socket_cookie(ctx),
-                addr: backend.addr,
-                port: backend.port,
-                _pad: 0,
-            };
-            let revnat = RevNat4 {
-                addr: key.addr,
-                port: key.port,
-                _pad: 0,
-            };
-            // Best effort: without the entry getpeername/recvmsg show the backend address.
-            if KPR_REVNAT4.insert(revnat_key, revnat, 0).is_err() {
-                bump(StatIndex::RevNatUpdateFailed);
-            }
-            sa.user_ip4 = backend.addr;
-            sa.user_port = u32::from(backend.port);
-            bump(hook.translated());
-            ALLOW
-        }
+        Decision::NoBackends => Err(no_backends(&frontend, hook)),
+        Decision::BackendMissing => Err(backend_missing(ctx)),
+        Decision::Backend(backend) => Ok(backend),
     }
+}
+
+/// `::ffff:a.b.c.d` (network order words: 0, 0, 0x0000ffff, addr): the IPv4 address an
+/// AF_INET6 socket dials this way. Java and .NET open dual-stack AF_INET6 sockets by default,
+/// so their connections to IPv4 Services arrive at connect6/sendmsg6 in this form.
+#[inline(always)]
+fn ipv4_mapped(addr: [u32; 4]) -> Option<u32> {
+    (addr[0] == 0 && addr[1] == 0 && addr[2] == u32::from_be(0x0000_ffff)).then_some(addr[3])
+}
+
+/// An IPv4-mapped destination of an AF_INET6 socket: translated as the IPv4 frontend (the
+/// kernel sends IPv4 packets for it, so kube-proxy's IPv4 rules see it the same way), the
+/// backend written back mapped, the reverse entry keyed by the mapped backend (which is what
+/// recvmsg6/getpeername6 of that socket will show).
+#[inline(always)]
+fn translate_mapped(
+    ctx: &SockAddrContext,
+    sa: &mut bpf_sock_addr,
+    addr: u32,
+    proto: u8,
+    hook: Hook,
+) -> i32 {
+    let key = Frontend4Key {
+        addr,
+        port: user_port(sa),
+        proto,
+        scope: scope::INTERNAL,
+    };
+    let backend = match choose4(ctx, &key, hook) {
+        Ok(backend) => backend,
+        Err(verdict) => return verdict,
+    };
+    let mapped = |a: u32| [0, 0, u32::from_be(0x0000_ffff), a];
+    let revnat_key = RevNat6Key {
+        cookie: socket_cookie(ctx),
+        addr: mapped(backend.addr),
+        port: backend.port,
+        _pad: [0; 3],
+    };
+    let revnat = RevNat6 {
+        addr: mapped(key.addr),
+        port: key.port,
+        _pad: 0,
+    };
+    if KPR_REVNAT6.insert(revnat_key, revnat, 0).is_err() {
+        bump(StatIndex::RevNatUpdateFailed);
+    }
+    write_ip6(sa, mapped(backend.addr));
+    sa.user_port = u32::from(backend.port);
+    bump(hook.translated());
+    ALLOW
 }
 
 pub fn translate6(ctx: &SockAddrContext, hook: Hook) -> i32 {
@@ -173,8 +233,12 @@ pub fn translate6(ctx: &SockAddrContext, hook: Hook) -> i32 {
     let Some(proto) = protocol(sa) else {
         return ALLOW;
     };
+    let addr = read_ip6(sa);
+    if let Some(v4) = ipv4_mapped(addr) {
+        return translate_mapped(ctx, sa, v4, proto, hook);
+    }
     let key = Frontend6Key {
-        addr: read_ip6(sa),
+        addr,
         port: user_port(sa),
         proto,
         scope: scope::INTERNAL,

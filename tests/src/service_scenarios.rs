@@ -832,6 +832,46 @@ pub fn agent_restarts_under_load_fail_nothing(mode: &str) -> Result<()> {
     Ok(())
 }
 
+/// Java and .NET open dual-stack AF_INET6 sockets and dial IPv4 Services as IPv4-mapped IPv6
+/// addresses (`::ffff:10.96.0.10`): the kernel sends IPv4 packets, so kube-proxy's IPv4 rules
+/// translate them. Every connection from the node and from a pod reaches a pod, and
+/// getpeername() shows the mapped Service address that was dialled.
+pub fn ipv4_mapped_ipv6_clients_reach_ipv4_services(mode: &str) -> Result<()> {
+    let spec = ServiceSpec {
+        type_: "NodePort",
+        ..ServiceSpec::default()
+    };
+    let mut s = setup(2, &spec, &[pod_endpoint(1), pod_endpoint(2)])?;
+    start(&mut s, mode)?;
+    let mapped =
+        |ip: Ipv4Addr, port: u16| SocketAddr::new(std::net::IpAddr::V6(ip.to_ipv6_mapped()), port);
+    let targets = [
+        mapped(crate::scenario::CLUSTER_IP, SERVICE_PORT),
+        mapped(Topology::node_ext_ip(), NODE_PORT),
+    ];
+    let node_client = local_client(&s, mode, Place::Node)?;
+    s.wait_for_datapath_with(&node_client, targets[0], "mapped ClusterIP", is_pod)?;
+    for (who, place) in [("node", Place::Node), ("pod2", Place::Pod(2))] {
+        let client = local_client(&s, mode, place)?;
+        for target in targets {
+            let attempts = client.run(target, 10)?;
+            let counts = tally(&attempts);
+            eprintln!("[{mode}] {who} → {target} (AF_INET6, IPv4-mapped): {counts:?}");
+            s.ensure(attempts.iter().all(is_pod), || {
+                format!("{who} → {target}: every connection must reach a pod: {counts:?}")
+            })?;
+            for attempt in &attempts {
+                if let Attempt::Ok { peer, .. } = attempt {
+                    s.ensure(*peer == target, || {
+                        format!("{who}: getpeername() shows {peer}, not the dialled {target}")
+                    })?;
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
 /// The node's own clients and its pods, the way each mode translates them: in eBPF mode
 /// processes in the agent's cgroup (the socket hooks), in iptables mode any process.
 fn local_client(s: &Scenario, mode: &str, place: Place) -> Result<Client> {
@@ -1056,6 +1096,7 @@ macro_rules! service_scenario_tests {
             node_port_from_the_node_and_its_pods,
             guarded_load_balancer_ip_from_local_clients,
             internal_policy_local_without_local_endpoints,
+            ipv4_mapped_ipv6_clients_reach_ipv4_services,
         );
     };
 }
