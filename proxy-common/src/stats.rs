@@ -58,10 +58,13 @@ pub enum StatIndex {
     SockDroppedSourceRange = 23,
     /// A local socket dialled a NodePort on a node address (or localhost) and was translated.
     SockNodePort = 24,
+    /// A TCP segment other than a SYN to a frontend, without a conntrack entry: not a new
+    /// connection, handed to the stack unchanged (a backend chosen for it would reset it).
+    TcMidstreamPassed = 25,
 }
 
 impl StatIndex {
-    pub const COUNT: u32 = 25;
+    pub const COUNT: u32 = 26;
     pub const ALL: [StatIndex; Self::COUNT as usize] = [
         StatIndex::Translated,
         StatIndex::RejectedNoBackends,
@@ -88,6 +91,7 @@ impl StatIndex {
         StatIndex::SockDroppedNoLocal,
         StatIndex::SockDroppedSourceRange,
         StatIndex::SockNodePort,
+        StatIndex::TcMidstreamPassed,
     ];
 
     /// Label used in logs and metrics.
@@ -118,6 +122,7 @@ impl StatIndex {
             StatIndex::SockDroppedNoLocal => "sock_dropped_no_local_endpoints",
             StatIndex::SockDroppedSourceRange => "sock_dropped_source_range",
             StatIndex::SockNodePort => "sock_node_port",
+            StatIndex::TcMidstreamPassed => "tc_midstream_passed",
         }
     }
 }

@@ -22,7 +22,7 @@ use aya_ebpf::{
 };
 use proxy_common::{
     CtKey, CtValue, Frontend4Key, Frontend6Key, FrontendValue, NodeAddrKey, NodeConfig,
-    SourceRangeKey, StatIndex, ct_flags, frontend_flags, node_flags, scope,
+    SourceRangeKey, StatIndex, ct_flags, frontend_flags, node_flags, proto, scope,
 };
 
 use crate::{
@@ -90,6 +90,14 @@ fn service(ctx: &TcContext, side: Side) -> i32 {
     let Some(frontend) = lookup_frontend(&pkt, side) else {
         return PASS;
     };
+    // Only a SYN starts a TCP connection. Any other segment without an entry belongs to a flow
+    // this datapath does not know (one the kernel's conntrack NATs, from before a takeover, or
+    // whose entry was evicted): a backend chosen now would answer it with a reset, so it goes
+    // to the stack unchanged.
+    if pkt.proto == proto::TCP && !pkt.opens() {
+        bump(StatIndex::TcMidstreamPassed);
+        return PASS;
+    }
     match new_flow(&pkt, &key, &frontend) {
         Verdict::Action(action) => action,
         // Called from here, not from `new_flow`, so the two frames never stack up.

@@ -832,6 +832,88 @@ pub fn agent_restarts_under_load_fail_nothing(mode: &str) -> Result<()> {
     Ok(())
 }
 
+/// A rolling update: 10 established TCP streams through the NodePort (from outside) and 4 to
+/// the ClusterIP (from the node), then pod2 starts terminating (`ready: false, serving: true,
+/// terminating: true`) while pod1 stays ready. kube-proxy stops sending new connections to pod2
+/// but leaves the established ones alone (it never flushes TCP conntrack), so every stream keeps
+/// its connection (`#1`) and answers throughout, while new connections go to pod1 only.
+pub fn rolling_update_drains_established_connections(mode: &str) -> Result<()> {
+    use crate::client::Mode;
+    let spec = ServiceSpec {
+        type_: "NodePort",
+        ..ServiceSpec::default()
+    };
+    let mut s = setup(2, &spec, &[pod_endpoint(1), pod_endpoint(2)])?;
+    start(&mut s, mode)?;
+    let node_client = local_client(&s, mode, Place::Node)?;
+    s.wait_for_datapath_with(&node_client, cluster_addr(), "ClusterIP answered", is_pod)?;
+    let outside = s.external_client();
+    s.wait_for_datapath_with(&outside, node_port_addr(), "NodePort answered", is_pod)?;
+    let streams: Vec<_> = (0..14)
+        .map(|i| {
+            let (client, target) = if i < 10 {
+                (outside.clone(), node_port_addr())
+            } else {
+                (node_client.clone(), cluster_addr())
+            };
+            let client = client
+                .mode(Mode::TcpStream)
+                .interval(Duration::from_millis(100));
+            std::thread::spawn(move || client.run(target, 30))
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(1000));
+    let terminating = Endpoint {
+        ready: false,
+        serving: true,
+        terminating: true,
+        ..pod_endpoint(2)
+    };
+    s.manifests.write(
+        "web-slice.yaml",
+        &http_slice(NAMESPACE, "web-1", "web", &[pod_endpoint(1), terminating]),
+    )?;
+    let only_pod1 = |a: &Attempt| a.backend() == Some("pod1");
+    // Applied once a batch of new connections all avoid pod2 (bounded).
+    let started = std::time::Instant::now();
+    let fresh = loop {
+        let batch = outside.run(node_port_addr(), 8)?;
+        if batch.iter().all(only_pod1) || started.elapsed() > crate::scenario::DATAPATH_TIMEOUT {
+            break batch;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    let mut on_pod2 = 0;
+    for (i, stream) in streams.into_iter().enumerate() {
+        let attempts = stream
+            .join()
+            .map_err(|_| RigError::Other(format!("stream {i}: client thread panicked")))??;
+        let counts = tally(&attempts);
+        eprintln!("[{mode}] stream {i} across pod2's termination: {counts:?}");
+        on_pod2 += usize::from(counts.keys().any(|k| k.starts_with("pod2")));
+        s.ensure(
+            counts.len() == 1
+                && attempts
+                    .iter()
+                    .all(|a| a.backend().is_some_and(|b| b.ends_with("#1"))),
+            || format!("stream {i} must keep its one connection: {counts:?}"),
+        )?;
+    }
+    eprintln!(
+        "[{mode}] {on_pod2} of 14 streams drained on the terminating pod2; new connections: {:?}",
+        tally(&fresh)
+    );
+    s.ensure(on_pod2 > 0, || {
+        "no stream ran on pod2: the test proves nothing".into()
+    })?;
+    s.ensure(fresh.iter().all(only_pod1), || {
+        format!(
+            "new connections must avoid the terminating pod: {:?}",
+            tally(&fresh)
+        )
+    })
+}
+
 /// Java and .NET open dual-stack AF_INET6 sockets and dial IPv4 Services as IPv4-mapped IPv6
 /// addresses (`::ffff:10.96.0.10`): the kernel sends IPv4 packets, so kube-proxy's IPv4 rules
 /// translate them. Every connection from the node and from a pod reaches a pod, and
@@ -1097,6 +1179,7 @@ macro_rules! service_scenario_tests {
             guarded_load_balancer_ip_from_local_clients,
             internal_policy_local_without_local_endpoints,
             ipv4_mapped_ipv6_clients_reach_ipv4_services,
+            rolling_update_drains_established_connections,
         );
     };
 }
