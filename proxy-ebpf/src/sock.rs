@@ -21,7 +21,7 @@ use aya_ebpf::{
     programs::SockAddrContext,
 };
 use proxy_common::{
-    Backend4, Frontend4Key, Frontend6Key, FrontendValue, NodeAddrKey, NodeConfig, RevNat4,
+    Backend4, Backend6, Frontend4Key, Frontend6Key, FrontendValue, NodeAddrKey, NodeConfig, RevNat4,
     RevNat4Key, RevNat6, RevNat6Key, SourceRangeKey, StatIndex, family, frontend_flags, node_flags,
     scope,
 };
@@ -161,15 +161,65 @@ pub fn translate4(ctx: &SockAddrContext, hook: Hook) -> i32 {
 /// verdict when there is none to translate to.
 #[inline(always)]
 fn choose4(ctx: &SockAddrContext, key: &Frontend4Key, hook: Hook) -> Result<Backend4, i32> {
-    // SAFETY: the value is copied out at once (whole-value updates by the agent).
-    let frontend = match unsafe { KPR_FRONTENDS4.get(*key) } {
-        Some(frontend) => *frontend,
-        None => node_port4(key).ok_or(ALLOW)?,
-    };
+    let mut frontend = frontend4(key).ok_or(ALLOW)?;
     if let Some(verdict) = admit(ctx, &frontend, family::V4) {
         return Err(verdict);
     }
-    match select_backend(&frontend, || netns_cookie(ctx), || None, &KPR_BACKENDS4) {
+    let mut decision = select_backend(&frontend, || netns_cookie(ctx), || None, &KPR_BACKENDS4);
+    // See `choose6`.
+    if matches!(decision, Decision::BackendMissing)
+        && let Some(again) = frontend4(key)
+        && again.generation != frontend.generation
+    {
+        frontend = again;
+        decision = select_backend(&frontend, || netns_cookie(ctx), || None, &KPR_BACKENDS4);
+    }
+    match decision {
+        Decision::NoBackends => Err(no_backends(&frontend, hook)),
+        Decision::BackendMissing => Err(backend_missing(ctx)),
+        Decision::Backend(backend) => Ok(backend),
+    }
+}
+
+/// The exact IPv4 frontend, else the NodePort one.
+#[inline(always)]
+fn frontend4(key: &Frontend4Key) -> Option<FrontendValue> {
+    // SAFETY: the value is copied out at once (whole-value updates by the agent).
+    match unsafe { KPR_FRONTENDS4.get(*key) } {
+        Some(frontend) => Some(*frontend),
+        None => node_port4(key),
+    }
+}
+
+/// The exact IPv6 frontend, else the NodePort one.
+#[inline(always)]
+fn frontend6(key: &Frontend6Key) -> Option<FrontendValue> {
+    // SAFETY: the value is copied out at once (whole-value updates by the agent).
+    match unsafe { KPR_FRONTENDS6.get(*key) } {
+        Some(frontend) => Some(*frontend),
+        None => node_port6(key),
+    }
+}
+
+/// Like `choose4`. A connect that read the frontend just before the agent switched it to a new
+/// generation finds the old generation's slot deleted (the agent deletes it right after the
+/// switch): it reads the frontend once more and chooses from the new generation, whose slots
+/// were all written before the switch, instead of refusing a Service that has backends.
+#[inline(always)]
+fn choose6(ctx: &SockAddrContext, key: &Frontend6Key, hook: Hook) -> Result<Backend6, i32> {
+    let mut frontend = frontend6(key).ok_or(ALLOW)?;
+    if let Some(verdict) = admit(ctx, &frontend, family::V6) {
+        return Err(verdict);
+    }
+    let mut decision = select_backend(&frontend, || netns_cookie(ctx), || None, &KPR_BACKENDS6);
+    if matches!(decision, Decision::BackendMissing)
+        && let Some(again) = frontend6(key)
+        && again.generation != frontend.generation
+    {
+        frontend = again;
+        decision = select_backend(&frontend, || netns_cookie(ctx), || None, &KPR_BACKENDS6);
+    }
+    match decision {
         Decision::NoBackends => Err(no_backends(&frontend, hook)),
         Decision::BackendMissing => Err(backend_missing(ctx)),
         Decision::Backend(backend) => Ok(backend),
@@ -243,41 +293,28 @@ pub fn translate6(ctx: &SockAddrContext, hook: Hook) -> i32 {
         proto,
         scope: scope::INTERNAL,
     };
-    // SAFETY: as in translate4.
-    let frontend = match unsafe { KPR_FRONTENDS6.get(key) } {
-        Some(frontend) => *frontend,
-        None => match node_port6(&key) {
-            Some(frontend) => frontend,
-            None => return ALLOW,
-        },
+    let backend = match choose6(ctx, &key, hook) {
+        Ok(backend) => backend,
+        Err(verdict) => return verdict,
     };
-    if let Some(verdict) = admit(ctx, &frontend, family::V6) {
-        return verdict;
+    let revnat_key = RevNat6Key {
+        cookie: socket_cookie(ctx),
+        addr: backend.addr,
+        port: backend.port,
+        _pad: [0; 3],
+    };
+    let revnat = RevNat6 {
+        addr: key.addr,
+        port: key.port,
+        _pad: 0,
+    };
+    if KPR_REVNAT6.insert(revnat_key, revnat, 0).is_err() {
+        bump(StatIndex::RevNatUpdateFailed);
     }
-    match select_backend(&frontend, || netns_cookie(ctx), || None, &KPR_BACKENDS6) {
-        Decision::NoBackends => no_backends(&frontend, hook),
-        Decision::BackendMissing => backend_missing(ctx),
-        Decision::Backend(backend) => {
-            let revnat_key = RevNat6Key {
-                cookie: socket_cookie(ctx),
-                addr: backend.addr,
-                port: backend.port,
-                _pad: [0; 3],
-            };
-            let revnat = RevNat6 {
-                addr: key.addr,
-                port: key.port,
-                _pad: 0,
-            };
-            if KPR_REVNAT6.insert(revnat_key, revnat, 0).is_err() {
-                bump(StatIndex::RevNatUpdateFailed);
-            }
-            write_ip6(sa, backend.addr);
-            sa.user_port = u32::from(backend.port);
-            bump(hook.translated());
-            ALLOW
-        }
-    }
+    write_ip6(sa, backend.addr);
+    sa.user_port = u32::from(backend.port);
+    bump(hook.translated());
+    ALLOW
 }
 
 /// kube-proxy's `KUBE-SERVICES ... -m addrtype --dst-type LOCAL -j KUBE-NODEPORTS` for local

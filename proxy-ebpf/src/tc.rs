@@ -178,7 +178,6 @@ fn lookup_frontend(pkt: &Packet, side: Side) -> Option<FrontendValue> {
 /// The external frontend of an LB IP guarded by source ranges, for a pod's packet.
 #[inline(always)]
 fn guarded_frontend(pkt: &Packet) -> Option<FrontendValue> {
-    // SAFETY: values are copied out at once (whole-value updates by the agent).
     let frontend = if pkt.is_v6() {
         let key = Frontend6Key {
             addr: pkt.dst,
@@ -186,6 +185,7 @@ fn guarded_frontend(pkt: &Packet) -> Option<FrontendValue> {
             proto: pkt.proto,
             scope: scope::EXTERNAL,
         };
+        // SAFETY: values are copied out at once (whole-value updates by the agent).
         unsafe { KPR_FRONTENDS6.get(key) }.copied()?
     } else {
         let key = Frontend4Key {
@@ -194,6 +194,7 @@ fn guarded_frontend(pkt: &Packet) -> Option<FrontendValue> {
             proto: pkt.proto,
             scope: scope::EXTERNAL,
         };
+        // SAFETY: as above.
         unsafe { KPR_FRONTENDS4.get(key) }.copied()?
     };
     (frontend.flags & frontend_flags::SOURCE_RANGES != 0).then_some(frontend)
