@@ -21,9 +21,9 @@ use aya_ebpf::{
     programs::SockAddrContext,
 };
 use proxy_common::{
-    Backend4, Backend6, Frontend4Key, Frontend6Key, FrontendValue, NodeAddrKey, NodeConfig, RevNat4,
-    RevNat4Key, RevNat6, RevNat6Key, SourceRangeKey, StatIndex, family, frontend_flags, node_flags,
-    scope,
+    Backend4, Backend6, Frontend4Key, Frontend6Key, FrontendValue, NodeAddrKey, NodeConfig,
+    RevNat4, RevNat4Key, RevNat6, RevNat6Key, SourceRangeKey, StatIndex, family, frontend_flags,
+    node_flags, scope,
 };
 
 use crate::{
