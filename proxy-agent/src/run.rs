@@ -353,6 +353,7 @@ impl Dataplane {
                     },
                     cluster_cidrs: config.cluster_cidrs.clone(),
                     masquerade_all: config.masquerade_all,
+                    localhost_node_ports: config.iptables.localhost_node_ports,
                 },
             }) {
                 Ok(ebpf) => Ok(Dataplane::Ebpf(Box::new(ebpf))),

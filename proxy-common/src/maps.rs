@@ -111,9 +111,13 @@ pub mod frontend_flags {
     /// `externalTrafficPolicy: Local`: keep the client address (no SNAT).
     pub const PRESERVE_CLIENT: u8 = 2;
     /// With no backends, drop silently (kube-proxy's DROP for "no local endpoints") instead of
-    /// answering ICMP port unreachable (its REJECT for "no endpoints").
+    /// answering ICMP port unreachable (its REJECT for "no endpoints"). On a socket frontend the
+    /// syscall fails with `EHOSTUNREACH` instead of `ECONNREFUSED`.
     pub const DROP_NO_BACKENDS: u8 = 4;
     /// `loadBalancerSourceRanges`: only clients in `KPR_SOURCE_RANGES` for this service id.
+    /// On a socket frontend (an LB IP the ranges guard): only processes of the node's own
+    /// namespace are translated there, judged by the node address; pods' connections pass
+    /// untranslated to the tc program on their veth, which sees their source address.
     pub const SOURCE_RANGES: u8 = 8;
     /// A ClusterIP reached from outside the node: SNAT only like kube-proxy's
     /// `KUBE-SVC` masquerade rule (masqueradeAll, or a client outside the cluster CIDR).
@@ -449,6 +453,9 @@ pub struct NodeConfig {
     pub snat6: [u32; 4],
     pub cluster6: [u32; 4],
     pub cluster6_mask: [u32; 4],
+    /// The network namespace cookie of the node's own namespace (the agent's): the socket
+    /// hooks tell host processes from pods by it, for LB IPs guarded by source ranges.
+    pub host_netns_cookie: u64,
 }
 
 #[cfg(test)]
@@ -477,6 +484,6 @@ mod tests {
         assert_eq!(size_of::<CtValue>(), 48);
         assert_eq!(size_of::<SourceRangeKey>(), 20);
         assert_eq!(size_of::<NodeAddrKey>(), 20);
-        assert_eq!(size_of::<NodeConfig>(), 64);
+        assert_eq!(size_of::<NodeConfig>(), 72);
     }
 }

@@ -49,10 +49,22 @@ pub enum StatIndex {
     TcPassedToStack = 20,
     /// Building the ICMP reply failed; the packet was dropped instead.
     TcRejectFailed = 21,
+    /// A local socket dialled a frontend whose endpoints are all on other nodes
+    /// (`internalTrafficPolicy: Local`): kube-proxy DROPs it; the hook fails the syscall at once
+    /// with `EHOSTUNREACH` (a socket hook has no packet to drop).
+    SockDroppedNoLocal = 22,
+    /// A process of the node's own network namespace dialled an LB IP whose
+    /// `loadBalancerSourceRanges` do not admit the node address: failed with `EHOSTUNREACH`.
+    SockDroppedSourceRange = 23,
+    /// A local socket dialled a NodePort on a node address (or localhost) and was translated.
+    SockNodePort = 24,
+    /// A TCP segment other than a SYN to a frontend, without a conntrack entry: not a new
+    /// connection, handed to the stack unchanged (a backend chosen for it would reset it).
+    TcMidstreamPassed = 25,
 }
 
 impl StatIndex {
-    pub const COUNT: u32 = 22;
+    pub const COUNT: u32 = 26;
     pub const ALL: [StatIndex; Self::COUNT as usize] = [
         StatIndex::Translated,
         StatIndex::RejectedNoBackends,
@@ -76,6 +88,10 @@ impl StatIndex {
         StatIndex::TcRewriteFailed,
         StatIndex::TcPassedToStack,
         StatIndex::TcRejectFailed,
+        StatIndex::SockDroppedNoLocal,
+        StatIndex::SockDroppedSourceRange,
+        StatIndex::SockNodePort,
+        StatIndex::TcMidstreamPassed,
     ];
 
     /// Label used in logs and metrics.
@@ -103,6 +119,10 @@ impl StatIndex {
             StatIndex::TcRewriteFailed => "tc_rewrite_failed",
             StatIndex::TcPassedToStack => "tc_passed_to_stack",
             StatIndex::TcRejectFailed => "tc_reject_failed",
+            StatIndex::SockDroppedNoLocal => "sock_dropped_no_local_endpoints",
+            StatIndex::SockDroppedSourceRange => "sock_dropped_source_range",
+            StatIndex::SockNodePort => "sock_node_port",
+            StatIndex::TcMidstreamPassed => "tc_midstream_passed",
         }
     }
 }

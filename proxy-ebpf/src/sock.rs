@@ -6,6 +6,8 @@
 //! - `recvmsg4/6` (unconnected UDP): replies from the backend are shown as coming from the
 //!   service address, so a DNS-style client accepts them.
 //! - `getpeername4/6`: the application sees the service address it dialled.
+//! - IPv4-mapped IPv6 destinations (`::ffff:a.b.c.d`, AF_INET6 sockets of Java/.NET) are
+//!   translated as the IPv4 frontend by the `6` hooks.
 //!
 //! The reverse maps are keyed like Cilium's `lb{4,6}_reverse_sk`: (socket cookie, backend
 //! address, backend port). That is exactly what recvmsg (the datagram's source) and getpeername
@@ -15,16 +17,20 @@ use aya_ebpf::{
     EbpfContext as _,
     bindings::bpf_sock_addr,
     helpers::{bpf_get_netns_cookie, bpf_get_socket_cookie, bpf_set_retval},
+    maps::lpm_trie::Key,
     programs::SockAddrContext,
 };
 use proxy_common::{
-    Frontend4Key, Frontend6Key, RevNat4, RevNat4Key, RevNat6, RevNat6Key, StatIndex, scope,
+    Backend4, Backend6, Frontend4Key, Frontend6Key, FrontendValue, NodeAddrKey, NodeConfig,
+    RevNat4, RevNat4Key, RevNat6, RevNat6Key, SourceRangeKey, StatIndex, family, frontend_flags,
+    node_flags, scope,
 };
 
 use crate::{
     lb::{Decision, select_backend},
     maps::{
-        KPR_BACKENDS4, KPR_BACKENDS6, KPR_FRONTENDS4, KPR_FRONTENDS6, KPR_REVNAT4, KPR_REVNAT6,
+        KPR_BACKENDS4, KPR_BACKENDS6, KPR_FRONTENDS4, KPR_FRONTENDS6, KPR_NODE_ADDRS,
+        KPR_NODE_CONFIG, KPR_REVNAT4, KPR_REVNAT6, KPR_SOURCE_RANGES,
     },
     stats::bump,
 };
@@ -35,6 +41,7 @@ const ALLOW: i32 = 1;
 /// Fail the syscall with the error set by `bpf_set_retval` (EPERM if none was set).
 const DENY: i32 = 0;
 const ECONNREFUSED: i32 = 111;
+const EHOSTUNREACH: i32 = 113;
 
 /// Which hook is translating, for the counters.
 #[derive(Clone, Copy)]
@@ -125,38 +132,149 @@ pub fn translate4(ctx: &SockAddrContext, hook: Hook) -> i32 {
         proto,
         scope: scope::INTERNAL,
     };
-    // SAFETY: the value is copied out at once (whole-value updates by the agent).
-    let Some(frontend) = (unsafe { KPR_FRONTENDS4.get(key) }).copied() else {
-        return ALLOW;
+    let backend = match choose4(ctx, &key, hook) {
+        Ok(backend) => backend,
+        Err(verdict) => return verdict,
     };
-    match select_backend(&frontend, || netns_cookie(ctx), || None, &KPR_BACKENDS4) {
-        Decision::NoBackends => {
-            bump(hook.rejected());
-            refuse()
-        }
-        Decision::BackendMissing => backend_missing(ctx),
-        Decision::Backend(backend) => {
-            let revnat_key = RevNat4Key {
-                cookie: socket_cookie(ctx),
-                addr: backend.addr,
-                port: backend.port,
-                _pad: 0,
-            };
-            let revnat = RevNat4 {
-                addr: key.addr,
-                port: key.port,
-                _pad: 0,
-            };
-            // Best effort: without the entry getpeername/recvmsg show the backend address.
-            if KPR_REVNAT4.insert(revnat_key, revnat, 0).is_err() {
-                bump(StatIndex::RevNatUpdateFailed);
-            }
-            sa.user_ip4 = backend.addr;
-            sa.user_port = u32::from(backend.port);
-            bump(hook.translated());
-            ALLOW
-        }
+    let revnat_key = RevNat4Key {
+        cookie: socket_cookie(ctx),
+        addr: backend.addr,
+        port: backend.port,
+        _pad: 0,
+    };
+    let revnat = RevNat4 {
+        addr: key.addr,
+        port: key.port,
+        _pad: 0,
+    };
+    // Best effort: without the entry getpeername/recvmsg show the backend address.
+    if KPR_REVNAT4.insert(revnat_key, revnat, 0).is_err() {
+        bump(StatIndex::RevNatUpdateFailed);
     }
+    sa.user_ip4 = backend.addr;
+    sa.user_port = u32::from(backend.port);
+    bump(hook.translated());
+    ALLOW
+}
+
+/// The IPv4 frontend for `key` (exact, else a NodePort) and the backend for this socket, or the
+/// verdict when there is none to translate to.
+#[inline(always)]
+fn choose4(ctx: &SockAddrContext, key: &Frontend4Key, hook: Hook) -> Result<Backend4, i32> {
+    let mut frontend = frontend4(key).ok_or(ALLOW)?;
+    if let Some(verdict) = admit(ctx, &frontend, family::V4) {
+        return Err(verdict);
+    }
+    let mut decision = select_backend(&frontend, || netns_cookie(ctx), || None, &KPR_BACKENDS4);
+    // See `choose6`.
+    if matches!(decision, Decision::BackendMissing)
+        && let Some(again) = frontend4(key)
+        && again.generation != frontend.generation
+    {
+        frontend = again;
+        decision = select_backend(&frontend, || netns_cookie(ctx), || None, &KPR_BACKENDS4);
+    }
+    match decision {
+        Decision::NoBackends => Err(no_backends(&frontend, hook)),
+        Decision::BackendMissing => Err(backend_missing(ctx)),
+        Decision::Backend(backend) => Ok(backend),
+    }
+}
+
+/// The exact IPv4 frontend, else the NodePort one.
+#[inline(always)]
+fn frontend4(key: &Frontend4Key) -> Option<FrontendValue> {
+    // SAFETY: the value is copied out at once (whole-value updates by the agent).
+    match unsafe { KPR_FRONTENDS4.get(*key) } {
+        Some(frontend) => Some(*frontend),
+        None => node_port4(key),
+    }
+}
+
+/// The exact IPv6 frontend, else the NodePort one.
+#[inline(always)]
+fn frontend6(key: &Frontend6Key) -> Option<FrontendValue> {
+    // SAFETY: the value is copied out at once (whole-value updates by the agent).
+    match unsafe { KPR_FRONTENDS6.get(*key) } {
+        Some(frontend) => Some(*frontend),
+        None => node_port6(key),
+    }
+}
+
+/// Like `choose4`. A connect that read the frontend just before the agent switched it to a new
+/// generation finds the old generation's slot deleted (the agent deletes it right after the
+/// switch): it reads the frontend once more and chooses from the new generation, whose slots
+/// were all written before the switch, instead of refusing a Service that has backends.
+#[inline(always)]
+fn choose6(ctx: &SockAddrContext, key: &Frontend6Key, hook: Hook) -> Result<Backend6, i32> {
+    let mut frontend = frontend6(key).ok_or(ALLOW)?;
+    if let Some(verdict) = admit(ctx, &frontend, family::V6) {
+        return Err(verdict);
+    }
+    let mut decision = select_backend(&frontend, || netns_cookie(ctx), || None, &KPR_BACKENDS6);
+    if matches!(decision, Decision::BackendMissing)
+        && let Some(again) = frontend6(key)
+        && again.generation != frontend.generation
+    {
+        frontend = again;
+        decision = select_backend(&frontend, || netns_cookie(ctx), || None, &KPR_BACKENDS6);
+    }
+    match decision {
+        Decision::NoBackends => Err(no_backends(&frontend, hook)),
+        Decision::BackendMissing => Err(backend_missing(ctx)),
+        Decision::Backend(backend) => Ok(backend),
+    }
+}
+
+/// `::ffff:a.b.c.d` (network order words: 0, 0, 0x0000ffff, addr): the IPv4 address an
+/// AF_INET6 socket dials this way. Java and .NET open dual-stack AF_INET6 sockets by default,
+/// so their connections to IPv4 Services arrive at connect6/sendmsg6 in this form.
+#[inline(always)]
+fn ipv4_mapped(addr: [u32; 4]) -> Option<u32> {
+    (addr[0] == 0 && addr[1] == 0 && addr[2] == u32::from_be(0x0000_ffff)).then_some(addr[3])
+}
+
+/// An IPv4-mapped destination of an AF_INET6 socket: translated as the IPv4 frontend (the
+/// kernel sends IPv4 packets for it, so kube-proxy's IPv4 rules see it the same way), the
+/// backend written back mapped, the reverse entry keyed by the mapped backend (which is what
+/// recvmsg6/getpeername6 of that socket will show).
+#[inline(always)]
+fn translate_mapped(
+    ctx: &SockAddrContext,
+    sa: &mut bpf_sock_addr,
+    addr: u32,
+    proto: u8,
+    hook: Hook,
+) -> i32 {
+    let key = Frontend4Key {
+        addr,
+        port: user_port(sa),
+        proto,
+        scope: scope::INTERNAL,
+    };
+    let backend = match choose4(ctx, &key, hook) {
+        Ok(backend) => backend,
+        Err(verdict) => return verdict,
+    };
+    let mapped = |a: u32| [0, 0, u32::from_be(0x0000_ffff), a];
+    let revnat_key = RevNat6Key {
+        cookie: socket_cookie(ctx),
+        addr: mapped(backend.addr),
+        port: backend.port,
+        _pad: [0; 3],
+    };
+    let revnat = RevNat6 {
+        addr: mapped(key.addr),
+        port: key.port,
+        _pad: 0,
+    };
+    if KPR_REVNAT6.insert(revnat_key, revnat, 0).is_err() {
+        bump(StatIndex::RevNatUpdateFailed);
+    }
+    write_ip6(sa, mapped(backend.addr));
+    sa.user_port = u32::from(backend.port);
+    bump(hook.translated());
+    ALLOW
 }
 
 pub fn translate6(ctx: &SockAddrContext, hook: Hook) -> i32 {
@@ -165,43 +283,148 @@ pub fn translate6(ctx: &SockAddrContext, hook: Hook) -> i32 {
     let Some(proto) = protocol(sa) else {
         return ALLOW;
     };
+    let addr = read_ip6(sa);
+    if let Some(v4) = ipv4_mapped(addr) {
+        return translate_mapped(ctx, sa, v4, proto, hook);
+    }
     let key = Frontend6Key {
-        addr: read_ip6(sa),
+        addr,
         port: user_port(sa),
         proto,
         scope: scope::INTERNAL,
     };
-    // SAFETY: as in translate4.
-    let Some(frontend) = (unsafe { KPR_FRONTENDS6.get(key) }).copied() else {
-        return ALLOW;
+    let backend = match choose6(ctx, &key, hook) {
+        Ok(backend) => backend,
+        Err(verdict) => return verdict,
     };
-    match select_backend(&frontend, || netns_cookie(ctx), || None, &KPR_BACKENDS6) {
-        Decision::NoBackends => {
-            bump(hook.rejected());
-            refuse()
-        }
-        Decision::BackendMissing => backend_missing(ctx),
-        Decision::Backend(backend) => {
-            let revnat_key = RevNat6Key {
-                cookie: socket_cookie(ctx),
-                addr: backend.addr,
-                port: backend.port,
-                _pad: [0; 3],
-            };
-            let revnat = RevNat6 {
-                addr: key.addr,
-                port: key.port,
-                _pad: 0,
-            };
-            if KPR_REVNAT6.insert(revnat_key, revnat, 0).is_err() {
-                bump(StatIndex::RevNatUpdateFailed);
-            }
-            write_ip6(sa, backend.addr);
-            sa.user_port = u32::from(backend.port);
-            bump(hook.translated());
-            ALLOW
-        }
+    let revnat_key = RevNat6Key {
+        cookie: socket_cookie(ctx),
+        addr: backend.addr,
+        port: backend.port,
+        _pad: [0; 3],
+    };
+    let revnat = RevNat6 {
+        addr: key.addr,
+        port: key.port,
+        _pad: 0,
+    };
+    if KPR_REVNAT6.insert(revnat_key, revnat, 0).is_err() {
+        bump(StatIndex::RevNatUpdateFailed);
     }
+    write_ip6(sa, backend.addr);
+    sa.user_port = u32::from(backend.port);
+    bump(hook.translated());
+    ALLOW
+}
+
+/// kube-proxy's `KUBE-SERVICES ... -m addrtype --dst-type LOCAL -j KUBE-NODEPORTS` for local
+/// sockets: a destination that is a NodePort address of this node (`KPR_NODE_ADDRS`, or any
+/// 127/8 address when localhost NodePorts are served on every loopback address) leads to the
+/// NodePort's socket frontend, the unspecified address with the node port.
+#[inline(always)]
+fn node_port4(key: &Frontend4Key) -> Option<FrontendValue> {
+    // `addr` is in network byte order, so its first octet is the low byte on this
+    // little-endian target.
+    let loopback = key.addr & 0xff == 127;
+    let localhost = loopback
+        && KPR_NODE_CONFIG
+            .get(0)
+            .is_some_and(|c| c.flags & node_flags::LOCALHOST_NODEPORTS != 0);
+    if !localhost && !is_node_port_address([key.addr, 0, 0, 0], family::V4) {
+        return None;
+    }
+    let wildcard = Frontend4Key { addr: 0, ..*key };
+    // SAFETY: the value is copied out at once.
+    let frontend = unsafe { KPR_FRONTENDS4.get(wildcard) }.copied()?;
+    bump(StatIndex::SockNodePort);
+    Some(frontend)
+}
+
+/// IPv6 NodePorts: never on `::1` (kube-proxy's `! -d ::1/128`; the agent never lists it).
+#[inline(always)]
+fn node_port6(key: &Frontend6Key) -> Option<FrontendValue> {
+    if !is_node_port_address(key.addr, family::V6) {
+        return None;
+    }
+    let wildcard = Frontend6Key {
+        addr: [0; 4],
+        ..*key
+    };
+    // SAFETY: the value is copied out at once.
+    let frontend = unsafe { KPR_FRONTENDS6.get(wildcard) }.copied()?;
+    bump(StatIndex::SockNodePort);
+    Some(frontend)
+}
+
+#[inline(always)]
+fn is_node_port_address(addr: [u32; 4], family: u8) -> bool {
+    let key = NodeAddrKey {
+        addr,
+        family,
+        _pad: [0; 3],
+    };
+    // SAFETY: presence check only.
+    unsafe { KPR_NODE_ADDRS.get(key) }.is_some()
+}
+
+/// `loadBalancerSourceRanges` for local sockets (frontends with
+/// [`frontend_flags::SOURCE_RANGES`]): `None` lets the translation go on. A pod's socket is
+/// left untranslated (`ALLOW`): its packets reach the tc program on the pod's veth, which checks
+/// the pod's address. A socket of the node's own namespace is judged by the node address
+/// (`NodeConfig::snat4/6`, the source such a connection gets), as kube-proxy's KUBE-FW chain
+/// judges node-originated packets by their source; outside the ranges it fails with
+/// `EHOSTUNREACH` where kube-proxy drops (a socket hook has no packet to drop).
+#[inline(always)]
+fn admit(ctx: &SockAddrContext, frontend: &FrontendValue, family: u8) -> Option<i32> {
+    if frontend.flags & frontend_flags::SOURCE_RANGES == 0 {
+        return None;
+    }
+    let config: NodeConfig = match KPR_NODE_CONFIG.get(0) {
+        Some(config) => *config,
+        None => return Some(ALLOW),
+    };
+    if config.host_netns_cookie == 0 || netns_cookie(ctx) != config.host_netns_cookie {
+        return Some(ALLOW);
+    }
+    let (addr, bits) = if family == family::V6 {
+        (config.snat6, 128)
+    } else {
+        ([config.snat4, 0, 0, 0], 32)
+    };
+    let key = Key::new(
+        32 + bits,
+        SourceRangeKey {
+            service_id: frontend.service_id,
+            addr,
+        },
+    );
+    if addr != [0; 4] && KPR_SOURCE_RANGES.get(&key).is_some() {
+        return None;
+    }
+    bump(StatIndex::SockDroppedSourceRange);
+    Some(unreachable())
+}
+
+/// A frontend without backends: kube-proxy REJECTs when the service has no endpoints at all
+/// (ECONNREFUSED) and DROPs when its endpoints are all on other nodes
+/// ([`frontend_flags::DROP_NO_BACKENDS`], `internalTrafficPolicy: Local`).
+#[inline(always)]
+fn no_backends(frontend: &FrontendValue, hook: Hook) -> i32 {
+    if frontend.flags & frontend_flags::DROP_NO_BACKENDS != 0 {
+        bump(StatIndex::SockDroppedNoLocal);
+        return unreachable();
+    }
+    bump(hook.rejected());
+    refuse()
+}
+
+/// Where kube-proxy drops a packet the socket hook fails the syscall with `EHOSTUNREACH` at
+/// once: there is no packet yet to drop, and a client that would time out learns the same a
+/// few minutes earlier.
+fn unreachable() -> i32 {
+    // SAFETY: bpf_set_retval is available to connect and sendmsg hooks (kernel ≥ 5.18).
+    unsafe { bpf_set_retval(-EHOSTUNREACH) };
+    DENY
 }
 
 fn backend_missing(ctx: &SockAddrContext) -> i32 {

@@ -8,8 +8,11 @@
 //! address); source ranges are enforced before any NAT; a backend is chosen; DNAT, SNAT to the
 //! node address unless the client must be preserved; both conntrack entries are written.
 //!
-//! `reply` (ingress of every other interface, i.e. pod veths): replies of local backends are
-//! translated back from their reply entry; everything else passes untouched.
+//! `reply` (ingress of every other interface, i.e. pod veths): the same logic, except that a
+//! new flow starts only for an LB IP guarded by source ranges (pods reach every other frontend
+//! through the socket hooks). So replies of local backends are translated back from their
+//! reply entry, flows of pods to guarded LB IPs from their forward entry, and everything else
+//! passes untouched.
 
 use aya_ebpf::{
     bindings::{TC_ACT_OK, TC_ACT_SHOT},
@@ -19,7 +22,7 @@ use aya_ebpf::{
 };
 use proxy_common::{
     CtKey, CtValue, Frontend4Key, Frontend6Key, FrontendValue, NodeAddrKey, NodeConfig,
-    SourceRangeKey, StatIndex, ct_flags, frontend_flags, node_flags, scope,
+    SourceRangeKey, StatIndex, ct_flags, frontend_flags, node_flags, proto, scope,
 };
 
 use crate::{
@@ -38,7 +41,29 @@ use crate::{
 const PASS: i32 = TC_ACT_OK;
 const DROP: i32 = TC_ACT_SHOT;
 
+/// Where a tc program runs: which new flows it may start.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum Side {
+    /// The node's external interfaces: every external frontend.
+    External,
+    /// Pod veths: only LB IPs guarded by `loadBalancerSourceRanges`. Pods reach every other
+    /// frontend through the socket hooks, which leave these alone because only a packet carries
+    /// the pod's source address (kube-proxy's KUBE-FW chain checks it for pod traffic too).
+    Pod,
+}
+
 pub fn external(ctx: &TcContext) -> i32 {
+    service(ctx, Side::External)
+}
+
+/// Replies of local backends (and of flows pods started to guarded LB IPs), then new flows of
+/// pods to LB IPs guarded by source ranges.
+pub fn reply(ctx: &TcContext) -> i32 {
+    service(ctx, Side::Pod)
+}
+
+#[inline(always)]
+fn service(ctx: &TcContext, side: Side) -> i32 {
     let Some(pkt) = parse(ctx) else {
         return PASS;
     };
@@ -62,9 +87,17 @@ pub fn external(ctx: &TcContext) -> i32 {
             return translate(ctx, &pkt, value, StatIndex::TcEstablished);
         }
     }
-    let Some(frontend) = lookup_frontend(&pkt) else {
+    let Some(frontend) = lookup_frontend(&pkt, side) else {
         return PASS;
     };
+    // Only a SYN starts a TCP connection. Any other segment without an entry belongs to a flow
+    // this datapath does not know (one the kernel's conntrack NATs, from before a takeover, or
+    // whose entry was evicted): a backend chosen now would answer it with a reset, so it goes
+    // to the stack unchanged.
+    if pkt.proto == proto::TCP && !pkt.opens() {
+        bump(StatIndex::TcMidstreamPassed);
+        return PASS;
+    }
     match new_flow(&pkt, &key, &frontend) {
         Verdict::Action(action) => action,
         // Called from here, not from `new_flow`, so the two frames never stack up.
@@ -98,28 +131,13 @@ enum Verdict {
     Translate,
 }
 
-pub fn reply(ctx: &TcContext) -> i32 {
-    let Some(pkt) = parse(ctx) else {
-        return PASS;
-    };
-    let Some(entry) = conntrack::lookup(&pkt.ct_key()) else {
-        return PASS;
-    };
-    // SAFETY: as in `external`.
-    let value = unsafe { &*entry };
-    if value.flags & ct_flags::REPLY == 0 {
-        return PASS;
-    }
-    if pkt.closes() {
-        conntrack::close_from_reply(&pkt, value);
-    }
-    translate(ctx, &pkt, value, StatIndex::TcReplyTranslated)
-}
-
 /// The external frontend for the packet's destination: the exact address (externalIP, LB IP,
 /// ClusterIP), else the NodePort wildcard if the destination is a NodePort address.
 #[inline(always)]
-fn lookup_frontend(pkt: &Packet) -> Option<FrontendValue> {
+fn lookup_frontend(pkt: &Packet, side: Side) -> Option<FrontendValue> {
+    if side == Side::Pod {
+        return guarded_frontend(pkt);
+    }
     if pkt.is_v6() {
         let mut key = Frontend6Key {
             addr: pkt.dst,
@@ -155,6 +173,31 @@ fn lookup_frontend(pkt: &Packet) -> Option<FrontendValue> {
         // SAFETY: as above.
         unsafe { KPR_FRONTENDS4.get(key) }.copied()
     }
+}
+
+/// The external frontend of an LB IP guarded by source ranges, for a pod's packet.
+#[inline(always)]
+fn guarded_frontend(pkt: &Packet) -> Option<FrontendValue> {
+    let frontend = if pkt.is_v6() {
+        let key = Frontend6Key {
+            addr: pkt.dst,
+            port: pkt.dport,
+            proto: pkt.proto,
+            scope: scope::EXTERNAL,
+        };
+        // SAFETY: values are copied out at once (whole-value updates by the agent).
+        unsafe { KPR_FRONTENDS6.get(key) }.copied()?
+    } else {
+        let key = Frontend4Key {
+            addr: pkt.dst[0],
+            port: pkt.dport,
+            proto: pkt.proto,
+            scope: scope::EXTERNAL,
+        };
+        // SAFETY: as above.
+        unsafe { KPR_FRONTENDS4.get(key) }.copied()?
+    };
+    (frontend.flags & frontend_flags::SOURCE_RANGES != 0).then_some(frontend)
 }
 
 #[inline(always)]

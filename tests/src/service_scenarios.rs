@@ -33,6 +33,7 @@ const DROP_TIMEOUT: Duration = Duration::from_millis(700);
 pub struct ServiceSpec {
     pub type_: &'static str,
     pub external_traffic_policy_local: bool,
+    pub internal_traffic_policy_local: bool,
     pub affinity_timeout: Option<u32>,
     pub external_ips: Vec<Ipv4Addr>,
     pub load_balancer_ip: Option<Ipv4Addr>,
@@ -58,6 +59,9 @@ pub fn service_yaml(spec: &ServiceSpec) -> String {
     );
     if spec.external_traffic_policy_local {
         yaml.push_str("  externalTrafficPolicy: Local\n");
+    }
+    if spec.internal_traffic_policy_local {
+        yaml.push_str("  internalTrafficPolicy: Local\n");
     }
     if let Some(timeout) = spec.affinity_timeout {
         yaml.push_str(&format!(
@@ -828,6 +832,324 @@ pub fn agent_restarts_under_load_fail_nothing(mode: &str) -> Result<()> {
     Ok(())
 }
 
+/// A rolling update: 10 established TCP streams through the NodePort (from outside) and 4 to
+/// the ClusterIP (from the node), then pod2 starts terminating (`ready: false, serving: true,
+/// terminating: true`) while pod1 stays ready. kube-proxy stops sending new connections to pod2
+/// but leaves the established ones alone (it never flushes TCP conntrack), so every stream keeps
+/// its connection (`#1`) and answers throughout, while new connections go to pod1 only.
+pub fn rolling_update_drains_established_connections(mode: &str) -> Result<()> {
+    use crate::client::Mode;
+    let spec = ServiceSpec {
+        type_: "NodePort",
+        ..ServiceSpec::default()
+    };
+    let mut s = setup(2, &spec, &[pod_endpoint(1), pod_endpoint(2)])?;
+    start(&mut s, mode)?;
+    let node_client = local_client(&s, mode, Place::Node)?;
+    s.wait_for_datapath_with(&node_client, cluster_addr(), "ClusterIP answered", is_pod)?;
+    let outside = s.external_client();
+    s.wait_for_datapath_with(&outside, node_port_addr(), "NodePort answered", is_pod)?;
+    let streams: Vec<_> = (0..14)
+        .map(|i| {
+            let (client, target) = if i < 10 {
+                (outside.clone(), node_port_addr())
+            } else {
+                (node_client.clone(), cluster_addr())
+            };
+            let client = client
+                .mode(Mode::TcpStream)
+                .interval(Duration::from_millis(100));
+            std::thread::spawn(move || client.run(target, 30))
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(1000));
+    let terminating = Endpoint {
+        ready: false,
+        serving: true,
+        terminating: true,
+        ..pod_endpoint(2)
+    };
+    s.manifests.write(
+        "web-slice.yaml",
+        &http_slice(NAMESPACE, "web-1", "web", &[pod_endpoint(1), terminating]),
+    )?;
+    let only_pod1 = |a: &Attempt| a.backend() == Some("pod1");
+    // Applied once a batch of new connections all avoid pod2 (bounded).
+    let started = std::time::Instant::now();
+    let fresh = loop {
+        let batch = outside.run(node_port_addr(), 8)?;
+        if batch.iter().all(only_pod1) || started.elapsed() > crate::scenario::DATAPATH_TIMEOUT {
+            break batch;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    let mut on_pod2 = 0;
+    for (i, stream) in streams.into_iter().enumerate() {
+        let attempts = stream
+            .join()
+            .map_err(|_| RigError::Other(format!("stream {i}: client thread panicked")))??;
+        let counts = tally(&attempts);
+        eprintln!("[{mode}] stream {i} across pod2's termination: {counts:?}");
+        on_pod2 += usize::from(counts.keys().any(|k| k.starts_with("pod2")));
+        s.ensure(
+            counts.len() == 1
+                && attempts
+                    .iter()
+                    .all(|a| a.backend().is_some_and(|b| b.ends_with("#1"))),
+            || format!("stream {i} must keep its one connection: {counts:?}"),
+        )?;
+    }
+    eprintln!(
+        "[{mode}] {on_pod2} of 14 streams drained on the terminating pod2; new connections: {:?}",
+        tally(&fresh)
+    );
+    s.ensure(on_pod2 > 0, || {
+        "no stream ran on pod2: the test proves nothing".into()
+    })?;
+    s.ensure(fresh.iter().all(only_pod1), || {
+        format!(
+            "new connections must avoid the terminating pod: {:?}",
+            tally(&fresh)
+        )
+    })
+}
+
+/// Java and .NET open dual-stack AF_INET6 sockets and dial IPv4 Services as IPv4-mapped IPv6
+/// addresses (`::ffff:10.96.0.10`): the kernel sends IPv4 packets, so kube-proxy's IPv4 rules
+/// translate them. Every connection from the node and from a pod reaches a pod, and
+/// getpeername() shows the mapped Service address that was dialled.
+pub fn ipv4_mapped_ipv6_clients_reach_ipv4_services(mode: &str) -> Result<()> {
+    let spec = ServiceSpec {
+        type_: "NodePort",
+        ..ServiceSpec::default()
+    };
+    let mut s = setup(2, &spec, &[pod_endpoint(1), pod_endpoint(2)])?;
+    start(&mut s, mode)?;
+    let mapped =
+        |ip: Ipv4Addr, port: u16| SocketAddr::new(std::net::IpAddr::V6(ip.to_ipv6_mapped()), port);
+    let targets = [
+        mapped(crate::scenario::CLUSTER_IP, SERVICE_PORT),
+        mapped(Topology::node_ext_ip(), NODE_PORT),
+    ];
+    let node_client = local_client(&s, mode, Place::Node)?;
+    s.wait_for_datapath_with(&node_client, targets[0], "mapped ClusterIP", is_pod)?;
+    for (who, place) in [("node", Place::Node), ("pod2", Place::Pod(2))] {
+        let client = local_client(&s, mode, place)?;
+        for target in targets {
+            let attempts = client.run(target, 10)?;
+            let counts = tally(&attempts);
+            eprintln!("[{mode}] {who} → {target} (AF_INET6, IPv4-mapped): {counts:?}");
+            s.ensure(attempts.iter().all(is_pod), || {
+                format!("{who} → {target}: every connection must reach a pod: {counts:?}")
+            })?;
+            for attempt in &attempts {
+                if let Attempt::Ok { peer, .. } = attempt {
+                    s.ensure(*peer == target, || {
+                        format!("{who}: getpeername() shows {peer}, not the dialled {target}")
+                    })?;
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The node's own clients and its pods, the way each mode translates them: in eBPF mode
+/// processes in the agent's cgroup (the socket hooks), in iptables mode any process.
+fn local_client(s: &Scenario, mode: &str, place: Place) -> Result<Client> {
+    let netns = s.topo.netns(place)?.path();
+    Ok(if mode == "ebpf" {
+        Client::new(netns).in_cgroup(s.cgroup.path())
+    } else {
+        Client::new(netns)
+    })
+}
+
+/// Whether `addr` belongs to the node namespace (a masqueraded or node-chosen source).
+fn is_node_address(addr: std::net::IpAddr) -> bool {
+    [
+        std::net::IpAddr::from(Topology::node_ext_ip()),
+        Topology::node_link_ip().into(),
+    ]
+    .contains(&addr)
+        || (1..=3).any(|i| addr == std::net::IpAddr::from(Topology::pod_gateway(i)))
+}
+
+/// A NodePort reached from the node itself (a node address, another node address, 127.0.0.1)
+/// and from one of its pods, with `externalTrafficPolicy: Local` and endpoints on both nodes:
+/// kube-proxy's final `KUBE-SERVICES -m addrtype --dst-type LOCAL -j KUBE-NODEPORTS` rule
+/// (from OUTPUT and PREROUTING) catches them, and KUBE-EXT short-circuits the node's own traffic
+/// ("route LOCAL traffic", masqueraded) and its pods' ("pod traffic", with the local-traffic
+/// detector, not masqueraded) to KUBE-SVC: every endpoint answers, the local one and the one on
+/// the other node, while from outside only the local one would.
+pub fn node_port_from_the_node_and_its_pods(mode: &str) -> Result<()> {
+    let spec = ServiceSpec {
+        type_: "NodePort",
+        external_traffic_policy_local: true,
+        ..ServiceSpec::default()
+    };
+    let remote = Endpoint {
+        node_name: Some("other-node".into()),
+        ..Endpoint::ready(Topology::remote_pod_ip(1))
+    };
+    let mut s = setup(2, &spec, &[pod_endpoint(1), remote])?;
+    s.topo.add_remote_node(1, BACKEND_PORT)?;
+    // The pod-traffic short-circuit needs kube-proxy's local-traffic detector.
+    let mut args = vec!["--cluster-cidr", "10.244.0.0/16"];
+    if mode == "ebpf" {
+        args.extend(["--interfaces", "vext,vnode2"]);
+    }
+    s.start_agent_with_args(mode, &args)?;
+    let node_client = local_client(&s, mode, Place::Node)?;
+    let pod_client = local_client(&s, mode, Place::Pod(2))?;
+    let answered = |a: &Attempt| matches!(a.backend(), Some("pod1" | "rpod1"));
+    s.wait_for_datapath_with(
+        &node_client,
+        node_port_addr(),
+        "NodePort from the node",
+        answered,
+    )?;
+    let link = SocketAddr::from(SocketAddrV4::new(Topology::node_link_ip(), NODE_PORT));
+    let localhost = SocketAddr::from(SocketAddrV4::new(Ipv4Addr::LOCALHOST, NODE_PORT));
+    let cases = [
+        ("node", &node_client, node_port_addr()),
+        ("node", &node_client, link),
+        ("node", &node_client, localhost),
+        ("pod2", &pod_client, node_port_addr()),
+        ("pod2", &pod_client, link),
+    ];
+    for (who, client, target) in cases {
+        let attempts = client.run(target, 20)?;
+        let counts = tally(&attempts);
+        eprintln!("[{mode}] {who} → NodePort {target} (eTP=Local): {counts:?}");
+        s.ensure(attempts.iter().all(answered) && counts.len() == 2, || {
+            format!("{who} → {target}: pod1 and rpod1 must both answer, nothing else: {counts:?}")
+        })?;
+        for attempt in &attempts {
+            if let Attempt::Ok {
+                client: seen,
+                backend,
+                ..
+            } = attempt
+            {
+                let expected = if who == "node" {
+                    is_node_address(seen.ip())
+                } else {
+                    seen.ip() == std::net::IpAddr::from(Topology::pod_ip(2))
+                };
+                s.ensure(expected, || {
+                    format!(
+                        "{who} → {target}: {backend} saw {seen}: the node's traffic comes \
+                             from a node address, a pod's keeps the pod address"
+                    )
+                })?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// An LB IP guarded by `loadBalancerSourceRanges`, dialled from the node and its pods (the
+/// node has a default route towards the outside, as real nodes do). kube-proxy's KUBE-FW chain
+/// judges the packets' source: the node (its address on the way out, 10.10.0.1, is in the
+/// ranges) and pod2 (in the ranges) reach the backend, masqueraded (KUBE-EXT, eTP Cluster);
+/// pod3, outside the ranges, gets nothing (KUBE-PROXY-FIREWALL DROP).
+pub fn guarded_load_balancer_ip_from_local_clients(mode: &str) -> Result<()> {
+    let spec = ServiceSpec {
+        type_: "LoadBalancer",
+        load_balancer_ip: Some(VIP),
+        source_ranges: vec!["10.10.0.1/32", "10.244.2.0/24"],
+        ..ServiceSpec::default()
+    };
+    let mut s = setup(3, &spec, &[pod_endpoint(1)])?;
+    s.topo.node().ip(&[
+        "route",
+        "add",
+        "default",
+        "via",
+        &Topology::ext_ip().to_string(),
+    ])?;
+    start(&mut s, mode)?;
+    let lb = SocketAddr::from(SocketAddrV4::new(VIP, SERVICE_PORT));
+    let node_client = local_client(&s, mode, Place::Node)?.timeout(DROP_TIMEOUT);
+    s.wait_for_datapath_with(&node_client, lb, "the node reaches the LB IP", is_pod)?;
+    for (who, place) in [("node", Place::Node), ("pod2", Place::Pod(2))] {
+        let client = local_client(&s, mode, place)?.timeout(DROP_TIMEOUT);
+        let attempts = client.run(lb, 8)?;
+        let counts = tally(&attempts);
+        eprintln!("[{mode}] {who} (inside the ranges) → guarded LB IP: {counts:?}");
+        s.ensure(attempts.iter().all(is_pod), || {
+            format!("{who} is inside the ranges and must reach pod1: {counts:?}")
+        })?;
+        for attempt in &attempts {
+            if let Attempt::Ok { client: seen, .. } = attempt {
+                s.ensure(is_node_address(seen.ip()), || {
+                    format!("{who} → LB IP (eTP Cluster) must be masqueraded, pod1 saw {seen}")
+                })?;
+            }
+        }
+    }
+    let outside = local_client(&s, mode, Place::Pod(3))?.timeout(DROP_TIMEOUT);
+    let attempts = outside.run(lb, 3)?;
+    let counts = tally(&attempts);
+    eprintln!("[{mode}] pod3 (outside the ranges) → guarded LB IP: {counts:?}");
+    s.ensure(
+        attempts
+            .iter()
+            .all(|a| *a == Attempt::Err("TIMEOUT".into())),
+        || format!("pod3 is outside the ranges and must be dropped: {counts:?}"),
+    )
+}
+
+/// `internalTrafficPolicy: Local` with the only endpoint on another node: kube-proxy DROPs the
+/// node's and its pods' ClusterIP traffic (`"has no local endpoints" -j DROP`, filter
+/// KUBE-SERVICES from OUTPUT and FORWARD): the client times out. The eBPF socket hooks cannot
+/// drop a packet that does not exist yet; they fail the connect at once with EHOSTUNREACH
+/// (a documented difference: the same "unreachable", minutes earlier).
+pub fn internal_policy_local_without_local_endpoints(mode: &str) -> Result<()> {
+    let spec = ServiceSpec {
+        internal_traffic_policy_local: true,
+        ..ServiceSpec::default()
+    };
+    let remote = Endpoint {
+        node_name: Some("other-node".into()),
+        ..Endpoint::ready(Topology::pod_ip(1))
+    };
+    let mut s = setup(2, &spec, &[remote])?;
+    // As on a real node: the ClusterIP is no local address (the rig's decoy would answer a
+    // pod's packet from INPUT, which kube-proxy's DROP in FORWARD never sees), and packets to
+    // it would follow the default route out.
+    s.topo
+        .node()
+        .ip(&["addr", "del", &format!("{CLUSTER_IP}/32"), "dev", "lo"])?;
+    s.topo.node().ip(&[
+        "route",
+        "add",
+        "default",
+        "via",
+        &Topology::ext_ip().to_string(),
+    ])?;
+    start(&mut s, mode)?;
+    let expected = if mode == "ebpf" {
+        "EHOSTUNREACH"
+    } else {
+        "TIMEOUT"
+    };
+    let failed = |a: &Attempt| *a == Attempt::Err(expected.into());
+    let node_client = local_client(&s, mode, Place::Node)?.timeout(DROP_TIMEOUT);
+    s.wait_for_datapath_with(&node_client, cluster_addr(), "ClusterIP dropped", failed)?;
+    for (who, place) in [("node", Place::Node), ("pod2", Place::Pod(2))] {
+        let client = local_client(&s, mode, place)?.timeout(DROP_TIMEOUT);
+        let attempts = client.run(cluster_addr(), 3)?;
+        let counts = tally(&attempts);
+        eprintln!("[{mode}] {who} → ClusterIP, iTP=Local without local endpoints: {counts:?}");
+        s.ensure(attempts.iter().all(failed), || {
+            format!("{who}: expected {expected} on every attempt: {counts:?}")
+        })?;
+    }
+    Ok(())
+}
+
 #[macro_export]
 macro_rules! service_scenario_tests {
     ($mode:literal: $($scenario:ident),+ $(,)?) => {
@@ -853,6 +1175,11 @@ macro_rules! service_scenario_tests {
             source_ranges_never_leak,
             local_policy_never_reaches_a_remote_pod,
             agent_restarts_under_load_fail_nothing,
+            node_port_from_the_node_and_its_pods,
+            guarded_load_balancer_ip_from_local_clients,
+            internal_policy_local_without_local_endpoints,
+            ipv4_mapped_ipv6_clients_reach_ipv4_services,
+            rolling_update_drains_established_connections,
         );
     };
 }

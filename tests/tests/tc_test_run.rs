@@ -153,7 +153,8 @@ fn key(name: &str) -> ObjectKey {
 /// - `web`: dual-stack NodePort, eTP Cluster; TCP 80→8080 on 30080, UDP 53→5353 on 30053,
 ///   SCTP 3868→3869 on 30868.
 /// - `local`: NodePort TCP 30081 and SCTP 30870 (→3869), eTP Local.
-/// - `lb`: LoadBalancer on `LB_IP`:80 with source range 203.0.113.0/24, NodePort 30082.
+/// - `lb`: LoadBalancer on `LB_IP`:80 with source ranges 203.0.113.0/24 and 10.244.1.128/25
+///   (pods .128–.255 behind `pod0`), NodePort 30082.
 /// - `empty`: dual-stack NodePort TCP 30083 and SCTP 30869 without endpoints.
 fn program_services(node: &mut Node) {
     let services = [
@@ -168,7 +169,7 @@ fn program_services(node: &mut Node) {
          {name: http, port: 80, protocol: TCP, targetPort: 8080, nodePort: 30081}, \
          {name: diameter, port: 3868, protocol: SCTP, targetPort: 3869, nodePort: 30870}]}",
         "{name: lb, namespace: default}\nspec: {type: LoadBalancer, clusterIP: 10.96.0.22, \
-         loadBalancerSourceRanges: [203.0.113.0/24], ports: [\
+         loadBalancerSourceRanges: [203.0.113.0/24, 10.244.1.128/25], ports: [\
          {name: http, port: 80, protocol: TCP, targetPort: 8080, nodePort: 30082}]}\n\
          status: {loadBalancer: {ingress: [{ip: 198.51.100.10}]}}",
         "{name: empty, namespace: default}\nspec: {type: NodePort, clusterIP: 10.96.0.23, \
@@ -398,6 +399,56 @@ fn source_ranges_drop_before_nat() {
             L4::TcpSyn,
             false,
         );
+    });
+}
+
+/// A pod's packets to an LB IP guarded by source ranges (the socket hooks leave them alone):
+/// `kpr_tc_reply` on the pod's veth judges the pod's address like kube-proxy's KUBE-FW chain,
+/// then DNATs and masquerades (KUBE-EXT, eTP Cluster); outside the ranges they are dropped.
+/// Other frontends are not its business: a pod's packet to a NodePort passes untouched.
+#[test]
+fn pods_reach_guarded_lb_ips_through_the_reply_program() {
+    with_node(|node| {
+        program_services(node);
+        let lb = sa(LB_IP, 80);
+        let outside = sa("10.244.1.7", 43_000);
+        let frame = build(outside, lb, L4::TcpSyn, b"");
+        let out = node
+            .dataplane
+            .test_run_tc(program_names::TC_REPLY, &frame, node.pod0)
+            .expect("test_run");
+        assert_eq!(out.action, TC_ACT_SHOT, "a pod outside the ranges");
+        assert!(ct_entry(node, &ct_key(outside, lb, 6)).is_none());
+
+        let inside = sa("10.244.1.200", 43_001);
+        let frame = build(inside, lb, L4::TcpSyn, b"ping");
+        let (action, out) = run(node, program_names::TC_REPLY, &frame, node.pod0);
+        assert_eq!(action, TC_ACT_REDIRECT, "a pod inside the ranges");
+        assert_eq!(out.destination(), sa(BACKEND, 8080), "DNAT");
+        assert_eq!(
+            out.src,
+            NODE_IP.parse::<IpAddr>().expect("ip"),
+            "masqueraded"
+        );
+        let (action, again) = run(node, program_names::TC_REPLY, &frame, node.pod0);
+        assert_eq!(action, TC_ACT_REDIRECT);
+        assert_eq!(
+            (again.source(), again.destination()),
+            (out.source(), out.destination()),
+            "the flow's next packet takes its conntrack entry"
+        );
+        let answer = build(sa(BACKEND, 8080), out.source(), L4::TcpSyn, b"pong");
+        let (action, back) = run(node, program_names::TC_REPLY, &answer, node.pod0);
+        assert_eq!(action, TC_ACT_REDIRECT, "the backend's reply");
+        assert_eq!((back.source(), back.destination()), (lb, inside));
+
+        let node_port = build(inside, sa(NODE_IP, 30080), L4::TcpSyn, b"");
+        let out = node
+            .dataplane
+            .test_run_tc(program_names::TC_REPLY, &node_port, node.pod0)
+            .expect("test_run");
+        assert_eq!(out.action, 0, "TC_ACT_OK: the socket hooks' business");
+        assert_eq!(out.packet, node_port, "untouched");
     });
 }
 

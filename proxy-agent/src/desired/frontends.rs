@@ -69,15 +69,27 @@ pub struct Frontend {
     pub source_ranges: Vec<IpNet>,
 }
 
-/// The frontends local processes reach a service port through: the ClusterIP with the internal
-/// endpoints, and externalIPs / load-balancer IPs (those without `loadBalancerSourceRanges`)
-/// with the cluster endpoints — like kube-proxy,
-/// which sends traffic from the node itself to those addresses through the Service chain even
-/// with `externalTrafficPolicy: Local` ("short-circuiting").
+/// The frontends local processes (host-network processes and pods) reach a service port
+/// through — kube-proxy's `KUBE-SERVICES` as traversed from OUTPUT and, for pods, PREROUTING:
+/// - the ClusterIP with the internal endpoints; with `internalTrafficPolicy: Local` and no local
+///   endpoint kube-proxy DROPs (`"has no local endpoints" -j DROP`), so the frontend carries
+///   [`frontend_flags::DROP_NO_BACKENDS`](proxy_common::frontend_flags::DROP_NO_BACKENDS);
+/// - the NodePort (unspecified address: the hooks match any NodePort address of the node,
+///   kube-proxy's final `--dst-type LOCAL -j KUBE-NODEPORTS` rule), externalIPs and LB IPs with
+///   the cluster endpoints: kube-proxy's KUBE-EXT chain sends the node's own traffic
+///   (`--src-type LOCAL`) and its pods' (the local-traffic detector) to KUBE-SVC even with
+///   `externalTrafficPolicy: Local` ("short-circuiting"), and KUBE-EXTERNAL-SERVICES, which
+///   would REJECT/DROP, is not on their path (hooked from INPUT/FORWARD for packets still
+///   addressed to the node);
+/// - an LB IP guarded by `loadBalancerSourceRanges` with the ranges: the hooks translate only
+///   the node's own processes there, judged by the node address (a socket has no source address
+///   yet at connect()); pods' packets go to the tc program on their veth, which judges their
+///   source like kube-proxy's KUBE-FW chain.
 pub fn socket_frontends(port: &ServicePort) -> Vec<(FrontendKey, Frontend)> {
-    let key = |addr| FrontendKey {
+    use proxy_common::frontend_flags as f;
+    let key = |addr, port_number| FrontendKey {
         addr,
-        port: port.port,
+        port: port_number,
         protocol: port.protocol,
         scope: Scope::Internal,
     };
@@ -93,25 +105,44 @@ pub fn socket_frontends(port: &ServicePort) -> Vec<(FrontendKey, Frontend)> {
         flags: 0,
         source_ranges: Vec::new(),
     };
-    let mut frontends = vec![(
-        key(port.cluster_ip),
-        frontend(&mut port.internal_endpoints()),
-    )];
-    if port.external_ips.is_empty() && port.load_balancer_ips.is_empty() {
+    let mut cluster_ip = frontend(&mut port.internal_endpoints());
+    if cluster_ip.backends.is_empty() && port.has_any_endpoints {
+        cluster_ip.flags |= f::DROP_NO_BACKENDS;
+    }
+    let mut frontends = vec![(key(port.cluster_ip, port.port), cluster_ip)];
+    if !port.externally_accessible() {
         return frontends;
     }
     let external = frontend(&mut port.cluster_endpoints());
-    // The socket hooks run before a source address is chosen, so they cannot check
-    // `loadBalancerSourceRanges`; kube-proxy's KUBE-FW filters the node's own and its pods'
-    // traffic to the LB IPs too. So an LB IP the ranges guard gets no socket frontend: the
-    // connection goes out untranslated and meets the check where it enters a node from outside
-    // (the tc programs or the cloud load balancer), with its real source address.
+    if let Some(node_port) = port.node_port {
+        frontends.push((
+            key(unspecified(port.cluster_ip), node_port),
+            external.clone(),
+        ));
+    }
+    for &addr in &port.external_ips {
+        frontends.push((key(addr, port.port), external.clone()));
+    }
+    // kube-proxy applies source ranges only while the service has endpoints (no FW chain
+    // otherwise: the REJECT comes first).
     let guarded = !port.source_ranges.is_empty() && port.has_any_endpoints;
-    let load_balancer_ips = port.load_balancer_ips.iter().filter(|_| !guarded);
-    for &addr in port.external_ips.iter().chain(load_balancer_ips) {
-        frontends.push((key(addr), external.clone()));
+    for &addr in &port.load_balancer_ips {
+        let mut lb = external.clone();
+        if guarded {
+            lb.flags |= f::SOURCE_RANGES;
+            lb.source_ranges = port.source_ranges.clone();
+        }
+        frontends.push((key(addr, port.port), lb));
     }
     frontends
+}
+
+/// The unspecified address of `addr`'s family: a NodePort frontend's address.
+fn unspecified(addr: IpAddr) -> IpAddr {
+    match addr {
+        IpAddr::V4(_) => IpAddr::V4(Ipv4Addr::UNSPECIFIED),
+        IpAddr::V6(_) => IpAddr::V6(Ipv6Addr::UNSPECIFIED),
+    }
 }
 
 /// The frontends packets from outside the node reach a service port through (kube-proxy's
@@ -161,11 +192,10 @@ pub fn external_frontends(port: &ServicePort) -> Vec<(FrontendKey, Frontend)> {
     };
     let external = frontend(&mut port.external_endpoints(), policy);
     if let Some(node_port) = port.node_port {
-        let any = match port.cluster_ip {
-            IpAddr::V4(_) => IpAddr::V4(Ipv4Addr::UNSPECIFIED),
-            IpAddr::V6(_) => IpAddr::V6(Ipv6Addr::UNSPECIFIED),
-        };
-        frontends.push((key(any, node_port), external.clone()));
+        frontends.push((
+            key(unspecified(port.cluster_ip), node_port),
+            external.clone(),
+        ));
     }
     for &addr in &port.external_ips {
         frontends.push((key(addr, port.port), external.clone()));

@@ -13,9 +13,11 @@
 //! refreshed by each packet), so a client that keeps one source port — a DNS resolver, a game,
 //! a QUIC connection — would keep sending to a deleted pod forever. After each apply, the
 //! entries of every removed (frontend, backend) pair are deleted: the next packet of such a flow
-//! is a new flow and picks a live backend. TCP entries go too: a TCP connection to a removed
-//! backend is dead anyway, and its next packet then gets a reset from the new backend instead
-//! of silence.
+//! is a new flow and picks a live backend. TCP entries stay (kube-proxy leaves TCP conntrack
+//! alone too): a backend leaves the live set when it starts terminating, in every rolling
+//! update, and its established connections must drain there; a TCP packet that is not a SYN
+//! never starts a flow in the datapath, so a purged entry could only turn into a reset. Entries
+//! of TCP flows to a deleted pod idle out or are closed by FIN/RST like any other.
 //!
 //! Cost: the LRU hash map has no secondary index, so a purge walks the whole map from user space
 //! (one `get_next_key` + one lookup syscall per entry, ~1–2 µs each: about 0.5 s for a full
@@ -56,8 +58,10 @@ struct Stale {
 
 impl Stale {
     fn of(removed: &RemovedBackend) -> Option<Self> {
-        // Socket-level frontends never create tc conntrack entries.
-        if removed.frontend.scope != Scope::External {
+        // Socket-level frontends never create tc conntrack entries; TCP flows drain.
+        if removed.frontend.scope != Scope::External
+            || removed.frontend.protocol == crate::desired::Protocol::Tcp
+        {
             return None;
         }
         let (backend_addr, family) = words(removed.backend.ip());

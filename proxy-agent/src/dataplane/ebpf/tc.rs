@@ -53,6 +53,37 @@ pub struct TcOptions {
     /// `clusterCIDR` (one per family at most).
     pub cluster_cidrs: Vec<IpNet>,
     pub masquerade_all: bool,
+    /// `iptables.localhostNodePorts`: IPv4 NodePorts on loopback addresses too.
+    pub localhost_node_ports: bool,
+}
+
+/// The cookie of the agent's network namespace — the node's — as the socket hooks'
+/// `bpf_get_netns_cookie` reports it for sockets there (`SO_NETNS_COOKIE`, Linux ≥ 5.14).
+fn own_netns_cookie() -> std::io::Result<u64> {
+    use std::os::fd::{AsRawFd as _, FromRawFd as _, OwnedFd};
+    // SAFETY: plain socket(2); the descriptor is owned (and closed) by `socket` below.
+    let fd = unsafe { libc::socket(libc::AF_UNIX, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: `fd` is a fresh descriptor nothing else owns.
+    let socket = unsafe { OwnedFd::from_raw_fd(fd) };
+    let mut cookie: u64 = 0;
+    let mut len = std::mem::size_of::<u64>() as libc::socklen_t;
+    // SAFETY: a valid socket and an out-buffer of the size passed.
+    let ret = unsafe {
+        libc::getsockopt(
+            socket.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_NETNS_COOKIE,
+            (&raw mut cookie).cast(),
+            &raw mut len,
+        )
+    };
+    if ret != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(cookie)
 }
 
 pub fn node_addr_key(addr: IpAddr) -> NodeAddrKey {
@@ -71,8 +102,7 @@ pub fn node_addr_key(addr: IpAddr) -> NodeAddrKey {
 }
 
 impl TcOptions {
-    /// The node inputs these options stand for: no localhost NodePorts (the socket hooks of a
-    /// bare dataplane get no loopback addresses), ClusterCIDR detection.
+    /// The node inputs these options stand for: no Node object, ClusterCIDR detection.
     fn node_inputs(&self) -> NodeInputs {
         NodeInputs {
             bind_address: IpAddr::V4(Ipv4Addr::UNSPECIFIED),
@@ -83,7 +113,7 @@ impl TcOptions {
             },
             detect_local: DetectLocal::ClusterCidr,
             cluster_cidrs: self.cluster_cidrs.clone(),
-            localhost_node_ports: false,
+            localhost_node_ports: self.localhost_node_ports,
             masquerade_all: self.masquerade_all,
         }
     }
@@ -98,6 +128,9 @@ pub struct TcState {
     programmed_config: Option<NodeConfig>,
     /// The agent's node settings; `None`: derived from `options` at each refresh.
     node: Option<NodeSettings>,
+    /// This namespace's cookie (0 when the kernel cannot tell it: the socket hooks then treat
+    /// every socket as a pod's for guarded LB IPs).
+    host_netns_cookie: u64,
     /// Pin file name → link, for every interface we attached to.
     links: BTreeMap<String, PinnedLink>,
 }
@@ -134,6 +167,11 @@ impl TcState {
             programmed_addrs,
             programmed_config: None,
             node: None,
+            host_netns_cookie: own_netns_cookie().unwrap_or_else(|error| {
+                warn!(%error, "cannot read the network namespace cookie; host processes reach \
+                    LB IPs guarded by source ranges through the load balancer");
+                0
+            }),
             links: BTreeMap::new(),
         }
     }
@@ -155,7 +193,8 @@ impl TcState {
         };
         let external =
             node::ebpf::external_interfaces(&self.options.interfaces, &settings.detect_local, &all);
-        let (config, addrs) = node::ebpf::node_config(&settings, &all, &external);
+        let (mut config, addrs) = node::ebpf::node_config(&settings, &all, &external);
+        config.host_netns_cookie = self.host_netns_cookie;
         self.program_node(config, &addrs);
         let mut wanted = BTreeSet::new();
         for name in all.keys() {

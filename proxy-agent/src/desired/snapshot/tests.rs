@@ -325,19 +325,36 @@ fn load_balancer_service_fields_per_family() {
     assert!(v6.has_any_endpoints);
 }
 
-/// Local sockets cannot be checked against `loadBalancerSourceRanges` (no source address yet at
-/// connect()), so the LB IPs the ranges guard get no socket frontend, while the tc frontend
-/// carries the ranges; externalIPs and the ClusterIP stay translated for local clients.
+/// Local sockets cannot be checked against `loadBalancerSourceRanges` by their own source
+/// (none yet at connect()), so the socket frontends of guarded LB IPs carry the ranges and the
+/// SOURCE_RANGES flag (the hooks judge host processes by the node address and leave pods' sockets
+/// to the tc program on their veth); the NodePort, externalIPs and the ClusterIP stay plain.
 #[test]
-fn source_ranges_keep_lb_ips_out_of_the_socket_hooks() {
+fn source_ranges_mark_the_socket_frontends_of_guarded_lb_ips() {
     use crate::desired::{external_frontends, socket_frontends};
+    use proxy_common::frontend_flags;
     let snapshot = Snapshot::compute(&objects(LB), NODE);
     let v4 = port(&snapshot, IpFamily::V4, "edge/lb", "https", Protocol::Tcp);
-    let socket: Vec<String> = socket_frontends(v4)
+    let socket: Vec<(String, bool, usize)> = socket_frontends(v4)
         .iter()
-        .map(|(key, _)| key.addr.to_string())
+        .map(|(key, frontend)| {
+            (
+                key.addr.to_string(),
+                frontend.flags & frontend_flags::SOURCE_RANGES != 0,
+                frontend.source_ranges.len(),
+            )
+        })
         .collect();
-    assert_eq!(socket, [v4.cluster_ip.to_string(), "192.0.2.10".into()]);
+    assert_eq!(
+        socket,
+        [
+            (v4.cluster_ip.to_string(), false, 0),
+            ("0.0.0.0".into(), false, 0),
+            ("192.0.2.10".into(), false, 0),
+            ("198.51.100.1".into(), true, 2),
+            ("198.51.100.3".into(), true, 2),
+        ]
+    );
     let guarded: Vec<usize> = external_frontends(v4)
         .iter()
         .filter(|(key, _)| v4.load_balancer_ips.contains(&key.addr))
@@ -356,11 +373,79 @@ fn source_ranges_keep_lb_ips_out_of_the_socket_hooks() {
     let snapshot = Snapshot::compute(&objects(&open), NODE);
     let v4 = port(&snapshot, IpFamily::V4, "edge/lb", "https", Protocol::Tcp);
     assert!(v4.source_ranges.is_empty());
-    assert_eq!(
-        socket_frontends(v4).len(),
-        4,
-        "without ranges: ClusterIP, externalIP and both LB IPs"
+    assert!(
+        socket_frontends(v4)
+            .iter()
+            .all(|(_, frontend)| frontend.flags == 0 && frontend.source_ranges.is_empty()),
+        "without ranges: ClusterIP, NodePort, externalIP and both LB IPs, all plain"
     );
+}
+
+/// Local clients dialling the NodePort, externalIPs or LB IPs of an `externalTrafficPolicy:
+/// Local` Service reach every cluster endpoint (kube-proxy's KUBE-EXT "route LOCAL traffic" and
+/// "pod traffic" rules jump to KUBE-SVC), while traffic from outside keeps to local endpoints.
+/// The IPv6 family has only a remote endpoint: outside traffic is dropped, local clients are
+/// still served.
+#[test]
+fn local_clients_short_circuit_external_policy_local_to_every_endpoint() {
+    use crate::desired::{Scope, external_frontends, socket_frontends};
+    let snapshot = Snapshot::compute(&objects(LB), NODE);
+    for (family, all, outside) in [
+        (
+            IpFamily::V4,
+            vec!["10.244.1.5:8443", "10.244.2.5:8443"],
+            vec!["10.244.1.5:8443"],
+        ),
+        (IpFamily::V6, vec!["[fd00:244::5]:8443"], vec![]),
+    ] {
+        let lb = port(&snapshot, family, "edge/lb", "https", Protocol::Tcp);
+        let socket = socket_frontends(lb);
+        let node_port = socket
+            .iter()
+            .find(|(key, _)| key.addr.is_unspecified())
+            .expect("a NodePort socket frontend");
+        assert_eq!(
+            (node_port.0.port, node_port.0.scope),
+            (30443, Scope::Internal)
+        );
+        for (key, frontend) in &socket[1..] {
+            let backends: Vec<String> = frontend.backends.iter().map(ToString::to_string).collect();
+            assert_eq!(backends, all, "{family:?} {key}");
+        }
+        for (key, frontend) in external_frontends(lb)
+            .iter()
+            .filter(|(key, _)| key.addr != lb.cluster_ip)
+        {
+            let backends: Vec<String> = frontend.backends.iter().map(ToString::to_string).collect();
+            assert_eq!(backends, outside, "{family:?} {key}");
+        }
+    }
+}
+
+/// `internalTrafficPolicy: Local` without a local endpoint: kube-proxy DROPs ClusterIP traffic
+/// ("has no local endpoints"), with no endpoints at all it REJECTs ("has no endpoints").
+#[test]
+fn internal_policy_local_without_local_endpoints_drops_and_no_endpoints_rejects() {
+    use crate::desired::socket_frontends;
+    use proxy_common::frontend_flags;
+    let yaml = WEB.replace(
+        "  clusterIP: 10.96.0.10",
+        "  clusterIP: 10.96.0.10\n  internalTrafficPolicy: Local",
+    );
+    let yaml = yaml.replace("nodeName: node-a", "nodeName: node-z");
+    let snapshot = Snapshot::compute(&objects(&yaml), NODE);
+    let http = port(&snapshot, IpFamily::V4, "shop/web", "http", Protocol::Tcp);
+    assert!(http.has_any_endpoints);
+    let (_, cluster_ip) = &socket_frontends(http)[0];
+    assert!(cluster_ip.backends.is_empty());
+    assert_eq!(cluster_ip.flags, frontend_flags::DROP_NO_BACKENDS);
+
+    let without = WEB.split("---").next().expect("the Service").to_owned();
+    let snapshot = Snapshot::compute(&objects(&without), NODE);
+    let http = port(&snapshot, IpFamily::V4, "shop/web", "http", Protocol::Tcp);
+    let (_, cluster_ip) = &socket_frontends(http)[0];
+    assert!(cluster_ip.backends.is_empty());
+    assert_eq!(cluster_ip.flags, 0, "REJECT: refused");
 }
 
 #[test]
