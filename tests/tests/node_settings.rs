@@ -573,3 +573,49 @@ fn health_check_node_port_listens_on_the_node_port_addresses() -> anyhow::Result
     })?;
     Ok(())
 }
+
+/// Kubelet heartbeats (Node status conditions) are not node changes: no sync, no full
+/// iptables restore; a topology label change is one (a full sync).
+#[test]
+fn node_heartbeats_do_not_sync() -> anyhow::Result<()> {
+    let mut s = setup()?;
+    s.manifests.write("node.yaml", &node_manifest())?;
+    s.start_agent_with_args("iptables", &["--iptables-sync-period", SYNC_PERIOD])?;
+    s.wait_for_datapath_with(
+        &ext_client(&s),
+        node_port(Topology::node_ext_ip()),
+        "NodePort",
+        is_pod,
+    )?;
+    let syncs = |s: &mut Scenario| -> anyhow::Result<usize> {
+        Ok(s.agent()?.log_contents().matches("sync applied").count())
+    };
+    // Let the start settle (the first sync and anything queued behind it).
+    std::thread::sleep(Duration::from_secs(2));
+    let before = syncs(&mut s)?;
+    for beat in ["2026-01-01T00:00:10Z", "2026-01-01T00:00:20Z"] {
+        let heartbeat = format!(
+            "{}  conditions:\n  - type: Ready\n    status: \"True\"\n    lastHeartbeatTime: \"{beat}\"\n",
+            node_manifest()
+        );
+        s.manifests.write("node.yaml", &heartbeat)?;
+        std::thread::sleep(Duration::from_millis(1500));
+    }
+    let after = syncs(&mut s)?;
+    s.ensure(after == before, || {
+        format!("heartbeats caused syncs: {before} → {after} 'sync applied' lines")
+    })?;
+    let zone = node_manifest().replace(
+        &format!("  name: {HOSTNAME}\n"),
+        &format!("  name: {HOSTNAME}\n  labels:\n    topology.kubernetes.io/zone: z2\n"),
+    );
+    s.manifests.write("node.yaml", &zone)?;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while syncs(&mut s)? == after {
+        s.ensure(Instant::now() < deadline, || {
+            "a topology label change must cause a sync".to_owned()
+        })?;
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    Ok(())
+}
