@@ -338,3 +338,94 @@ fn attach(
     })?;
     super::loader::pin_replacing(link, program, &pin_dir.join(pin_name))
 }
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+
+    use proxy_common::node_flags;
+
+    use super::*;
+    use crate::node::{Interface, ebpf::node_config};
+
+    fn iface(name: &str, addrs: &[&str], loopback: bool) -> (String, Interface) {
+        (
+            name.to_owned(),
+            Interface {
+                name: name.to_owned(),
+                addrs: addrs.iter().map(|a| a.parse().expect("addr")).collect(),
+                loopback,
+            },
+        )
+    }
+
+    fn ips(list: &[&str]) -> Vec<IpAddr> {
+        list.iter().map(|a| a.parse().expect("addr")).collect()
+    }
+
+    /// What a bare dataplane (no node manager: the test rig) programs from its options.
+    fn facts(options: &TcOptions, all: &BTreeMap<String, Interface>) -> (NodeConfig, Vec<IpAddr>) {
+        let settings = NodeSettings::compute(&options.node_inputs(), None, all);
+        let external =
+            node::ebpf::external_interfaces(&options.interfaces, &settings.detect_local, all);
+        node_config(&settings, all, &external)
+    }
+
+    #[test]
+    fn options_without_a_node_manager_give_upstream_node_port_addresses() {
+        let all: BTreeMap<_, _> = [
+            iface("lo", &["127.0.0.1", "::1"], true),
+            iface("eth0", &["10.10.0.1", "fe80::1", "fd00:10::1"], false),
+            iface("veth1", &["fe80::2"], false),
+        ]
+        .into_iter()
+        .collect();
+        let options = TcOptions {
+            cluster_cidrs: vec!["10.244.0.0/16".parse().expect("cidr")],
+            ..TcOptions::default()
+        };
+        let (config, addrs) = facts(&options, &all);
+        assert_eq!(config.snat4, ip4_to_map(Ipv4Addr::new(10, 10, 0, 1)));
+        assert_eq!(config.flags, node_flags::CLUSTER_CIDR4);
+        // Match-all is every local address (`--dst-type LOCAL`), link-local ones included.
+        assert_eq!(
+            addrs,
+            ips(&["10.10.0.1", "fd00:10::1", "fe80::1", "fe80::2"])
+        );
+
+        // IPv6 CIDRs only: IPv4 matches all (NewNodePortAddresses per family).
+        let only_v6 = TcOptions {
+            node_port_cidrs: vec!["fd00::/8".parse().expect("cidr")],
+            ..TcOptions::default()
+        };
+        assert_eq!(facts(&only_v6, &all).1, ips(&["10.10.0.1", "fd00:10::1"]));
+
+        // Localhost NodePorts: every 127/8 address (a flag) with match-all; the listed
+        // loopback addresses with CIDRs; never ::1; none without localhostNodePorts.
+        let localhost = TcOptions {
+            localhost_node_ports: true,
+            ..TcOptions::default()
+        };
+        let (config, addrs) = facts(&localhost, &all);
+        assert_eq!(config.flags, node_flags::LOCALHOST_NODEPORTS);
+        assert!(!addrs.iter().any(IpAddr::is_loopback), "{addrs:?}");
+        let listed = TcOptions {
+            node_port_cidrs: vec![
+                "127.0.0.0/8".parse().expect("cidr"),
+                "::1/128".parse().expect("cidr"),
+                "10.10.0.0/24".parse().expect("cidr"),
+            ],
+            localhost_node_ports: true,
+            ..TcOptions::default()
+        };
+        let (config, addrs) = facts(&listed, &all);
+        assert_eq!(config.flags, 0);
+        assert_eq!(addrs, ips(&["10.10.0.1", "127.0.0.1"]));
+        let off = TcOptions {
+            localhost_node_ports: false,
+            ..listed
+        };
+        let (config, addrs) = facts(&off, &all);
+        assert_eq!((config.flags, addrs), (0, ips(&["10.10.0.1"])));
+    }
+}
