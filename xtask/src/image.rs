@@ -201,7 +201,10 @@ fn read_daemonset(root: &Path, tag: &str) -> Result<DaemonSet> {
     }
     let mount_bpffs = match mount_bpffs.as_deref() {
         Some([sh, c, script]) if sh == "sh" && c == "-c" => script.clone(),
-        other => bail!("{}: mount-bpffs runs {other:?}, not `sh -c SCRIPT`", path.display()),
+        other => bail!(
+            "{}: mount-bpffs runs {other:?}, not `sh -c SCRIPT`",
+            path.display()
+        ),
     };
     let agent = agent.with_context(|| format!("{}: no proxy-agent container", path.display()))?;
     let cgroup_path = strings(&agent["command"])
@@ -254,8 +257,7 @@ fn base_layer(dir: &Path, rebuild: bool) -> Result<PathBuf> {
 fn agent_layer(dir: &Path, binary: &Path) -> Result<PathBuf> {
     let staging = dir.join("agent-root");
     if staging.exists() {
-        fs::remove_dir_all(&staging)
-            .with_context(|| format!("emptying {}", staging.display()))?;
+        fs::remove_dir_all(&staging).with_context(|| format!("emptying {}", staging.display()))?;
     }
     let bin = staging.join("usr/local/bin");
     fs::create_dir_all(&bin).with_context(|| format!("creating {}", bin.display()))?;
@@ -289,7 +291,12 @@ fn assemble(dir: &Path, base: &Path, agent: &Path, tag: &str, archive: &Path) ->
         fs::remove_dir_all(&layout).with_context(|| format!("emptying {}", layout.display()))?;
     }
     let image = format!("{}:proxy-agent", layout.display());
-    run_cmd(Command::new("umoci").arg("init").arg("--layout").arg(&layout))?;
+    run_cmd(
+        Command::new("umoci")
+            .arg("init")
+            .arg("--layout")
+            .arg(&layout),
+    )?;
     run_cmd(Command::new("umoci").args(["new", "--image", &image]))?;
     for (layer, created_by) in [
         (base, format!("mmdebstrap {SUITE} + {}", PACKAGES.join(" "))),
@@ -454,7 +461,10 @@ mod smoke {
             &format!("{} && stat -f -c %T /sys/fs/bpf", daemonset.mount_bpffs),
         ]))?;
         if mounted.trim() != "bpf_fs" {
-            bail!("the init container's command left {:?} at /sys/fs/bpf", mounted.trim());
+            bail!(
+                "the init container's command left {:?} at /sys/fs/bpf",
+                mounted.trim()
+            );
         }
         println!("  /sys/fs/bpf: {}", mounted.trim());
 
@@ -466,7 +476,16 @@ mod smoke {
         for args in [
             &["link", "set", "lo", "up"][..],
             // A veth pair with both ends inside (this kernel has no dummy devices).
-            &["link", "add", "ext0", "type", "veth", "peer", "name", "ext0-peer"],
+            &[
+                "link",
+                "add",
+                "ext0",
+                "type",
+                "veth",
+                "peer",
+                "name",
+                "ext0-peer",
+            ],
             &["addr", "add", "192.0.2.10/24", "dev", "ext0"],
             &["link", "set", "ext0", "up"],
             &["link", "set", "ext0-peer", "up"],
@@ -540,11 +559,8 @@ mod smoke {
         result?;
         // SIGTERM, as the kubelet stops it; the datapath stays, so remove it like an operator.
         output_of(podman().args(["stop", "--time=10", &container]))?;
-        let exit = output_of(podman().args([
-            "inspect",
-            "--format={{.State.ExitCode}}",
-            &container,
-        ]))?;
+        let exit =
+            output_of(podman().args(["inspect", "--format={{.State.ExitCode}}", &container]))?;
         println!("  stopped with SIGTERM, exit code {}", exit.trim());
         output_of(run_args(&mut podman()).args([
             "--rm",
@@ -583,11 +599,8 @@ mod smoke {
                     break text;
                 }
             }
-            let running = output_of(podman().args([
-                "inspect",
-                "--format={{.State.Running}}",
-                container,
-            ]))?;
+            let running =
+                output_of(podman().args(["inspect", "--format={{.State.Running}}", container]))?;
             if running.trim() != "true" {
                 bail!("the agent ({mode} mode) exited");
             }
