@@ -449,8 +449,8 @@ fn daemonset_bootstraps_without_kube_proxy() {
         "Bidirectional needs privileged"
     );
 
-    // Exactly the documented capabilities, and no AppArmor confinement (its container profile
-    // denies mounts and bpf() whatever the capabilities).
+    // Exactly the documented capabilities, and no AppArmor confinement (the runtimes' default
+    // profile denies mounts whatever the capabilities).
     let security = agent.security_context.as_ref().expect("securityContext");
     let capabilities = security.capabilities.as_ref().expect("capabilities");
     assert_eq!(capabilities.drop.as_deref(), Some(&["ALL".to_owned()][..]));
