@@ -399,8 +399,7 @@ mod smoke {
         }
     }
 
-    /// podman with runc (see `TOOLS`) and no cgroup of its own for the container's processes
-    /// beyond what runc makes.
+    /// podman with runc (see `TOOLS` for why not crun).
     fn podman() -> Command {
         let mut command = Command::new("podman");
         command.args(["--runtime", "runc"]);
@@ -462,6 +461,7 @@ mod smoke {
         fs::create_dir_all(&bpffs).with_context(|| format!("creating {}", bpffs.display()))?;
         let mounted = output_of(run_args(&mut podman()).args([
             "--rm",
+            // Like the init container.
             "--privileged",
             &format!("--volume={}:/sys/fs/bpf", bpffs.display()),
             "--entrypoint=sh",
