@@ -27,7 +27,7 @@ pub fn run_cmd(command: &mut Command) -> Result<()> {
     Ok(())
 }
 
-fn workspace_root() -> PathBuf {
+pub fn workspace_root() -> PathBuf {
     // xtask lives one level below the workspace root.
     Path::new(env!("CARGO_MANIFEST_DIR"))
         .parent()

@@ -1,6 +1,7 @@
 //! Project tasks. `cargo xtask --help` lists them; README.md explains the main two (demo, test).
 
 mod build;
+mod image;
 mod setup;
 
 use anyhow::Result;
@@ -33,6 +34,18 @@ enum Command {
         seconds: u32,
         /// Only these targets (default: manifests, config, ctnetlink, sockdiag, tc_packets).
         targets: Vec<String>,
+    },
+    /// Build the agent's OCI image archive (target/image/proxy-agent-VERSION.oci.tar, tag
+    /// localhost/kubeproxy-rs/proxy-agent:VERSION) from Debian packages and the release binary,
+    /// then load it into podman and smoke-run it (needs root; installs mmdebstrap, umoci,
+    /// skopeo, podman and runc when missing).
+    Image {
+        /// Rebuild the cached Debian layer (e.g. to pick up security updates).
+        #[arg(long)]
+        rebuild_base: bool,
+        /// Only build the archive.
+        #[arg(long)]
+        no_smoke: bool,
     },
     /// Run the benchmarks (eBPF vs iptables vs direct) and write docs/benchmarks.md and its
     /// SVG plots (needs root; about 20 minutes, `--quick` for a short smoke run).
@@ -68,6 +81,17 @@ fn main() -> Result<()> {
             setup::run(setup::Mode::IfMissing)?;
             build::ebpf()?;
             build::demo()
+        }
+        Command::Image {
+            rebuild_base,
+            no_smoke,
+        } => {
+            setup::run(setup::Mode::IfMissing)?;
+            build::ebpf()?;
+            image::run(image::Options {
+                rebuild_base,
+                no_smoke,
+            })
         }
         Command::Bench { quick } => {
             setup::run(setup::Mode::IfMissing)?;

@@ -1,5 +1,6 @@
 //! Parity of the iptables rule generator with kube-proxy's iptables proxier, checked without a
-//! kernel against the upstream vectors in `../shared/parity/` (read at test time, never copied).
+//! kernel against upstream's test vectors in `vectors/` (copied unchanged from kube-proxy's
+//! `pkg/proxy/iptables/proxier_test.go`; `vectors/PROVENANCE.md` gives the commit).
 //!
 //! - `fixtures.rs`: the parity files' compact objects → Services/EndpointSlices → snapshot.
 //! - `normalize.rs`: upstream's `sortIPTablesRules`, the form of the scenario texts.
