@@ -3,7 +3,8 @@
 //! fresh rig. Prints the whole table; with `KPR_WRITE_REACHABILITY=1` (and both modes run) it
 //! rewrites `docs/reachability.md`. A cell that matches neither upstream nor a documented eBPF
 //! difference fails the test, after everything is printed. `KPR_REACHABILITY_MODES=iptables`
-//! (or `ebpf`) runs one mode only, for debugging. Needs root.
+//! (or `ebpf`) runs one mode only and `KPR_REACHABILITY_HOLD_SECS=N` holds the live rig N seconds
+//! before the cells run, for debugging. Needs root.
 
 use std::time::Instant;
 
@@ -20,6 +21,15 @@ fn run_mode(mode: &str, cells: &[Cell]) -> anyhow::Result<Vec<Outcome>> {
     let not_ready = rig.wait_ready()?;
     for line in &not_ready {
         eprintln!("[{mode}] {line}");
+    }
+    if let Some(secs) = std::env::var("KPR_REACHABILITY_HOLD_SECS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+    {
+        // A debugging aid: time to look at the live rig (ip netns, iptables-save) from
+        // another shell.
+        eprintln!("[{mode}] holding the rig for {secs} s");
+        std::thread::sleep(std::time::Duration::from_secs(secs));
     }
     let outcomes = run_cells(&rig, cells);
     eprintln!(

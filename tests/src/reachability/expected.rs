@@ -191,16 +191,6 @@ fn upstream(cell: Cell) -> (Expect, String) {
         family,
     } = cell;
 
-    if frontend == Frontend::NodePortLoopback && family == Family::V6 {
-        return (
-            Fail(Refused),
-            "nat KUBE-SERVICES nodeports jump: a loopback node IP is skipped for IPv6 (only \
-             IPv4 with localhostNodePorts serves 127.0.0.1; reference §4 item 5), so [::1]:np \
-             is not DNATed and nothing listens there: TCP RST"
-                .into(),
-        );
-    }
-
     if shape == Shape::LbProxy {
         // Upstream only captures ingress IPs whose ipMode is VIP (proxier.go LB VIP loop,
         // KEP-1860; reference §4 item 3c and misc-vectors "LB ingress ipMode=Proxy").
@@ -253,21 +243,27 @@ fn upstream(cell: Cell) -> (Expect, String) {
         };
     }
 
-    if frontend == Frontend::NodePortUnlisted {
+    // Node addresses kube-proxy does not serve NodePorts on: one outside nodePortAddresses,
+    // and ::1 (a loopback node IP is skipped for IPv6; only IPv4 with localhostNodePorts
+    // serves 127.0.0.1 — reference §4 item 5).
+    let unserved = frontend == Frontend::NodePortUnlisted
+        || (frontend == Frontend::NodePortLoopback && family == Family::V6);
+    if unserved {
         return if shape.etp_local() && local_backends(shape).is_empty() {
             (
                 Fail(Timeout),
                 "filter KUBE-EXTERNAL-SERVICES `<svc> has no local endpoints` matches the \
                  nodePort with -m addrtype --dst-type LOCAL, not the nodePortAddresses \
-                 (reference §4 item 3d): DROP in INPUT on every local address"
+                 (reference §4 item 3d): DROP in INPUT on every local address, even one \
+                 kube-proxy does not DNAT (a local client's packet passes INPUT too)"
                     .into(),
             )
         } else {
             (
                 Fail(Refused),
                 "nat KUBE-SERVICES jumps to KUBE-NODEPORTS only for `-d <node IP>` within \
-                 nodePortAddresses (reference §4 item 5); 10.30.0.1 is outside, nothing \
-                 listens: TCP RST"
+                 nodePortAddresses, never ::1 (reference §4 item 5); the address is not \
+                 DNATed and nothing listens: TCP RST"
                     .into(),
             )
         };

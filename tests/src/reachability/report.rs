@@ -247,7 +247,9 @@ impl Report {
              `one of` for affinity: one backend answered all) and saw the client's own address; \
              `← node X` — they saw address X of this node (masqueraded; host clients always use \
              a node address); `refused` ECONNREFUSED (RST or REJECT), `unreachable` \
-             EHOSTUNREACH/ENETUNREACH, `timeout` no answer within 600 ms (dropped).\n\
+             EHOSTUNREACH/ENETUNREACH, `timeout` no answer within 1.5 s (dropped; longer than TCP's 1 s SYN retransmission, \
+             because Linux fails an IPv6 connect on a REJECT only when the retransmitted SYN is \
+             rejected again).\n\
              - **expected** is upstream kube-proxy's behaviour, derived from its iptables rules \
              (the last column cites the rule; `shared/reference/kube-proxy.md`); `eBPF: …` marks a \
              deliberate difference of the eBPF mode.\n\n## Deliberate eBPF differences\n\n",

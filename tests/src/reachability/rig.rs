@@ -5,7 +5,7 @@
 //!            ext (outside world; does not forward)           node (agent)                 node2 (no agent)
 //!   10.10.0.2 + 10.11.0.2 (lo)  ──vext── 10.10.0.1  default via ext    vnode2 10.20.0.1 ── 10.20.0.2
 //!   fd00:10::2 + fd00:11::2     ──────── fd00:10::1                            fd00:20::1 ── fd00:20::2
-//!   LB IPs of the ipMode Proxy shape on lo,          vlocal (dummy) 10.30.0.1 fd00:30::1   rpod1..3 10.245.<i>.2
+//!   LB IPs of the ipMode Proxy shape on lo,          vlocal (veth) 10.30.0.1 fd00:30::1    rpod1..3 10.245.<i>.2
 //!   served by the `lb-proxy` echo server             pod1..3 10.244.<i>.2 fd00:244:<i>::2        fd00:245:<i>::2
 //! ```
 //!
@@ -29,8 +29,12 @@ use crate::{Result, RigError};
 
 /// nodeName of node2's endpoints.
 pub const REMOTE_NODE_NAME: &str = "kpr-node2";
-/// Per-attempt connect/read timeout: a dropped connection shows as TIMEOUT after this.
-pub const ATTEMPT_TIMEOUT: Duration = Duration::from_millis(600);
+/// Per-attempt connect/read timeout: a dropped connection shows as TIMEOUT after this. Longer
+/// than TCP's first SYN retransmission (1 s): Linux treats an ICMPv6 port unreachable for
+/// the first SYN as a soft error and only fails the connect (ECONNREFUSED) when the
+/// retransmitted SYN is rejected again (seen on 6.18; IPv4 fails at once), so with a shorter
+/// timeout every IPv6 REJECT would look like a DROP.
+pub const ATTEMPT_TIMEOUT: Duration = Duration::from_millis(1500);
 /// Bound for the agent to program every Service.
 pub const READY_TIMEOUT: Duration = Duration::from_secs(20);
 /// The interfaces that get the tc programs in eBPF mode: the node's links to the outside and
@@ -58,11 +62,20 @@ impl MatrixRig {
         topo.add_remote_node(3, BACKEND_PORT)?;
         topo.start_remote_pod_echoes6(BACKEND_PORT)?;
         topo.route_node_via_ext()?;
+        // The kernel rate-limits the ICMP errors it sends per destination (1 s by default),
+        // and the matrix makes many REJECTed connections from the same clients within a
+        // second: without this, most REJECTs would look like drops. kube-proxy's REJECT
+        // is what the matrix tests, not the kernel's rate limit.
+        topo.node().sysctl("net.ipv4.icmp_ratelimit", "0")?;
+        topo.node().sysctl("net.ipv6.icmp.ratelimit", "0")?;
 
         // A local address outside --nodeport-addresses, on an interface of its own; the
-        // external client reaches it through its default route via the node.
+        // external client reaches it through its default route via the node. A veth pair
+        // with both ends in the node stands in for a dummy interface (the dummy module may
+        // be missing on the host).
         let node = topo.node();
-        node.ip(&["link", "add", "vlocal", "type", "dummy"])?;
+        node.ip(&["link", "add", "vlocal", "type", "veth", "peer", "name", "vlocal-peer"])?;
+        node.ip(&["link", "set", "vlocal-peer", "up"])?;
         node.ip(&["addr", "add", &format!("{NODE_UNLISTED_IP}/24"), "dev", "vlocal"])?;
         node.ip(&[
             "-6",
