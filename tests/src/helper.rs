@@ -148,7 +148,9 @@ pub fn run(cli: Cli) -> Result<()> {
                 join_cgroup(&cg)?;
             }
             if bind.is_some() && mode != Mode::Connect {
-                return Err(RigError::Other("--bind only applies to --mode connect".into()));
+                return Err(RigError::Other(
+                    "--bind only applies to --mode connect".into(),
+                ));
             }
             client(
                 target,

@@ -249,8 +249,13 @@ impl Topology {
     /// route a packet to a ClusterIP, externalIP or LB IP. The external namespace does not
     /// forward, so a packet the node sends out to an address nobody holds is dropped there.
     pub fn route_node_via_ext(&self) -> Result<()> {
-        self.node
-            .ip(&["route", "add", "default", "via", &Self::ext_ip().to_string()])?;
+        self.node.ip(&[
+            "route",
+            "add",
+            "default",
+            "via",
+            &Self::ext_ip().to_string(),
+        ])?;
         self.node
             .ip(&["-6", "route", "add", "default", "via", "fd00:10::2"])?;
         Ok(())

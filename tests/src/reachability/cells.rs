@@ -338,7 +338,11 @@ impl Shape {
 
     /// The `ipMode` of the shape's ingress IPs.
     pub fn ip_mode(self) -> &'static str {
-        if self == Self::LbProxy { "Proxy" } else { "VIP" }
+        if self == Self::LbProxy {
+            "Proxy"
+        } else {
+            "VIP"
+        }
     }
 
     pub fn source_ranges(self) -> &'static [&'static str] {

@@ -11,9 +11,7 @@
 //! prints which); a packet the node routes out to an address nobody holds reaches the
 //! external namespace, which does not forward and drops it (the client times out).
 
-use super::cells::{
-    Backend, Cell, Client, Family, Frontend, LB_PROXY_NAME, Shape, SOURCE_RANGES,
-};
+use super::cells::{Backend, Cell, Client, Family, Frontend, LB_PROXY_NAME, SOURCE_RANGES, Shape};
 
 /// How a connection fails.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -124,6 +122,14 @@ pub const SOCKET_LB_KEEPS_POD_SOURCE: &str = "socket-level translation: a local 
 /// Reason for intended difference (2).
 pub const SOCKET_LB_ITP_LOCAL_UNREACHABLE: &str = "iTP=Local without a local endpoint: upstream DROPs (the client times out); at the \
      socket level the connect fails at once with EHOSTUNREACH";
+
+/// Reason for intended difference (3).
+pub const SOCKET_LB_NO_ENDPOINTS_REFUSED: &str = "a host process dialling an externalIP or LB IP of a Service without endpoints: \
+     upstream's REJECT for these IPs is in KUBE-EXTERNAL-SERVICES, hooked from INPUT and \
+     FORWARD only, so the host's packet leaves the node to wherever the network routes the IP \
+     (in the rig: dropped, a timeout); the socket hook sees every local connect to a Service \
+     address and refuses it at once, as upstream refuses the same connect from a pod \
+     (design.md: no endpoints → ECONNREFUSED)";
 
 /// The expected outcome of `cell` (pure).
 pub fn expected(cell: Cell) -> Expectation {
@@ -393,20 +399,21 @@ fn ebpf_difference(cell: Cell, upstream: &Expect) -> Option<Difference> {
     let external = cell.frontend != Frontend::ClusterIp
         && cell.frontend != Frontend::NodePortUnlisted
         && cell.shape != Shape::LbProxy;
-    if cell.client == Client::Pod && external && !cell.shape.etp_local() {
-        if let Expect::Answer {
+    if cell.client == Client::Pod
+        && external
+        && !cell.shape.etp_local()
+        && let Expect::Answer {
             backends,
             source: Source::Node,
         } = upstream
-        {
-            return Some(Difference {
-                expect: Expect::Answer {
-                    backends: backends.clone(),
-                    source: Source::Client,
-                },
-                reason: SOCKET_LB_KEEPS_POD_SOURCE,
-            });
-        }
+    {
+        return Some(Difference {
+            expect: Expect::Answer {
+                backends: backends.clone(),
+                source: Source::Client,
+            },
+            reason: SOCKET_LB_KEEPS_POD_SOURCE,
+        });
     }
     if cell.shape == Shape::ItpLocalNoLocal
         && cell.frontend == Frontend::ClusterIp
@@ -415,6 +422,15 @@ fn ebpf_difference(cell: Cell, upstream: &Expect) -> Option<Difference> {
         return Some(Difference {
             expect: Expect::Fail(FailKind::Unreachable),
             reason: SOCKET_LB_ITP_LOCAL_UNREACHABLE,
+        });
+    }
+    if cell.shape == Shape::NoEndpoints
+        && matches!(cell.frontend, Frontend::ExternalIp | Frontend::LoadBalancer)
+        && cell.client == Client::Host
+    {
+        return Some(Difference {
+            expect: Expect::Fail(FailKind::Refused),
+            reason: SOCKET_LB_NO_ENDPOINTS_REFUSED,
         });
     }
     None
@@ -445,24 +461,57 @@ mod tests {
     #[test]
     fn key_cells() {
         // eTP=Local from outside keeps the client and uses local endpoints only.
-        let e = expected(cell(Shape::EtpLocal, Frontend::NodePortExternal, Client::External));
+        let e = expected(cell(
+            Shape::EtpLocal,
+            Frontend::NodePortExternal,
+            Client::External,
+        ));
         assert_eq!(e.upstream.render(), "pod2 ← client");
         assert!(e.ebpf.is_none());
         // ...and drops without a local endpoint, but not for the node's own pods.
-        let e = expected(cell(Shape::EtpLocalNoLocal, Frontend::LoadBalancer, Client::External));
+        let e = expected(cell(
+            Shape::EtpLocalNoLocal,
+            Frontend::LoadBalancer,
+            Client::External,
+        ));
         assert_eq!(e.upstream, Expect::Fail(FailKind::Timeout));
-        let e = expected(cell(Shape::EtpLocalNoLocal, Frontend::LoadBalancer, Client::Pod));
+        let e = expected(cell(
+            Shape::EtpLocalNoLocal,
+            Frontend::LoadBalancer,
+            Client::Pod,
+        ));
         assert_eq!(e.upstream.render(), "rpod2 ← client");
         // The two intended eBPF differences.
-        let e = expected(cell(Shape::EtpCluster, Frontend::NodePortExternal, Client::Pod));
+        let e = expected(cell(
+            Shape::EtpCluster,
+            Frontend::NodePortExternal,
+            Client::Pod,
+        ));
         assert_eq!(e.upstream.render(), "pod2,rpod2 ← node");
         assert_eq!(e.for_mode(true).render(), "pod2,rpod2 ← client");
-        let e = expected(cell(Shape::ItpLocalNoLocal, Frontend::ClusterIp, Client::Host));
+        let e = expected(cell(
+            Shape::ItpLocalNoLocal,
+            Frontend::ClusterIp,
+            Client::Host,
+        ));
         assert_eq!(e.for_mode(false), &Expect::Fail(FailKind::Timeout));
         assert_eq!(e.for_mode(true), &Expect::Fail(FailKind::Unreachable));
+        // d3: upstream's REJECT for an externalIP is not hooked from OUTPUT.
+        let e = expected(cell(Shape::NoEndpoints, Frontend::ExternalIp, Client::Host));
+        assert_eq!(e.for_mode(false), &Expect::Fail(FailKind::Timeout));
+        assert_eq!(e.for_mode(true), &Expect::Fail(FailKind::Refused));
+        let e = expected(cell(Shape::NoEndpoints, Frontend::ExternalIp, Client::Pod));
+        assert_eq!(e.upstream, Expect::Fail(FailKind::Refused));
+        assert!(e.ebpf.is_none());
         // Affinity: one backend.
         let e = expected(cell(Shape::Affinity, Frontend::ClusterIp, Client::Pod));
-        assert!(matches!(e.upstream, Expect::Answer { backends: Backends::OneOf(_), .. }));
+        assert!(matches!(
+            e.upstream,
+            Expect::Answer {
+                backends: Backends::OneOf(_),
+                ..
+            }
+        ));
     }
 
     #[test]

@@ -4,7 +4,8 @@ use std::fmt::Write as _;
 
 use super::cells::{CLUSTER_CIDR, Cell, NODEPORT_ADDRESSES, SOURCE_RANGES};
 use super::expected::{
-    Expectation, SOCKET_LB_ITP_LOCAL_UNREACHABLE, SOCKET_LB_KEEPS_POD_SOURCE, expected,
+    Expectation, SOCKET_LB_ITP_LOCAL_UNREACHABLE, SOCKET_LB_KEEPS_POD_SOURCE,
+    SOCKET_LB_NO_ENDPOINTS_REFUSED, expected,
 };
 use super::runner::Outcome;
 
@@ -90,8 +91,12 @@ impl Row {
     }
 }
 
-/// The numbered list of deliberate eBPF differences.
-const DIFFERENCES: [&str; 2] = [SOCKET_LB_KEEPS_POD_SOURCE, SOCKET_LB_ITP_LOCAL_UNREACHABLE];
+/// The numbered list of deliberate eBPF differences (`d1`, `d2`, ... in the table).
+pub const DIFFERENCES: [&str; 3] = [
+    SOCKET_LB_KEEPS_POD_SOURCE,
+    SOCKET_LB_ITP_LOCAL_UNREACHABLE,
+    SOCKET_LB_NO_ENDPOINTS_REFUSED,
+];
 
 fn difference_number(reason: &str) -> String {
     DIFFERENCES
@@ -117,7 +122,9 @@ impl Report {
     pub fn mismatches(&self) -> Vec<String> {
         self.rows
             .iter()
-            .filter(|r| r.verdict(true) == Verdict::Mismatch || r.verdict(false) == Verdict::Mismatch)
+            .filter(|r| {
+                r.verdict(true) == Verdict::Mismatch || r.verdict(false) == Verdict::Mismatch
+            })
             .map(|r| {
                 format!(
                     "{}: expected {} | eBPF {} | iptables {} | rule: {}",

@@ -74,9 +74,24 @@ impl MatrixRig {
         // with both ends in the node stands in for a dummy interface (the dummy module may
         // be missing on the host).
         let node = topo.node();
-        node.ip(&["link", "add", "vlocal", "type", "veth", "peer", "name", "vlocal-peer"])?;
+        node.ip(&[
+            "link",
+            "add",
+            "vlocal",
+            "type",
+            "veth",
+            "peer",
+            "name",
+            "vlocal-peer",
+        ])?;
         node.ip(&["link", "set", "vlocal-peer", "up"])?;
-        node.ip(&["addr", "add", &format!("{NODE_UNLISTED_IP}/24"), "dev", "vlocal"])?;
+        node.ip(&[
+            "addr",
+            "add",
+            &format!("{NODE_UNLISTED_IP}/24"),
+            "dev",
+            "vlocal",
+        ])?;
         node.ip(&[
             "-6",
             "addr",
@@ -114,16 +129,15 @@ impl MatrixRig {
                 args.push("nodad");
             }
             topo.ext().ip(&args)?;
-            topo.start_echo(
-                Place::Ext,
-                LB_PROXY_NAME,
-                SocketAddr::new(ip, SERVICE_PORT),
-            )?;
+            topo.start_echo(Place::Ext, LB_PROXY_NAME, SocketAddr::new(ip, SERVICE_PORT))?;
         }
 
         let manifests = ManifestsDir::new()?;
         for shape in Shape::ALL {
-            manifests.write(&format!("{}.yaml", shape.service_name()), &shape_yaml(shape))?;
+            manifests.write(
+                &format!("{}.yaml", shape.service_name()),
+                &shape_yaml(shape),
+            )?;
         }
         let node_addresses = addresses(&topo.node().ip(&["-o", "addr", "show"])?);
         Ok(Self {
@@ -330,7 +344,13 @@ pub fn shape_yaml(shape: Shape) -> String {
     if shape.is_load_balancer() {
         let ingress: Vec<String> = Family::ALL
             .iter()
-            .map(|f| format!("{{ip: \"{}\", ipMode: {}}}", shape.lb_ip(*f), shape.ip_mode()))
+            .map(|f| {
+                format!(
+                    "{{ip: \"{}\", ipMode: {}}}",
+                    shape.lb_ip(*f),
+                    shape.ip_mode()
+                )
+            })
             .collect();
         y.push_str(&format!(
             "status:\n  loadBalancer:\n    ingress: [{}]\n",

@@ -245,7 +245,10 @@ mod tests {
         let node: Vec<IpAddr> = vec![[10, 244, 2, 1].into()];
         let got = summarise(
             &cell(Client::Pod),
-            &[ok("pod2", "10.244.1.2:1000"), ok("rpod2", "10.244.1.2:1001")],
+            &[
+                ok("pod2", "10.244.1.2:1000"),
+                ok("rpod2", "10.244.1.2:1001"),
+            ],
             &node,
         );
         let want = Expect::Answer {
@@ -258,7 +261,10 @@ mod tests {
         let got = summarise(&cell(Client::Pod), &[ok("pod2", "10.244.2.1:1")], &node);
         assert!(!got.matches(&want));
         assert_eq!(got.render(), "pod2 ← node 10.244.2.1");
-        let timeouts = [Attempt::Err("TIMEOUT".into()), Attempt::Err("TIMEOUT".into())];
+        let timeouts = [
+            Attempt::Err("TIMEOUT".into()),
+            Attempt::Err("TIMEOUT".into()),
+        ];
         let got = summarise(&cell(Client::External), &timeouts, &node);
         assert!(got.matches(&Expect::Fail(FailKind::Timeout)));
         assert!(!got.matches(&Expect::Fail(FailKind::Refused)));
