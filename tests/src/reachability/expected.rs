@@ -4,7 +4,12 @@
 //! summarised with the exact rule strings in `shared/reference/kube-proxy.md` §2–§6), plus
 //! `CategorizeEndpoints` (`pkg/proxy/topology.go`, reference §5a) for which endpoints a chain
 //! holds. Each branch names the rule that decides it. Nothing here is derived from our own
-//! output.
+//! output. The less obvious rules were re-read in proxier.go's `syncProxyRules`: the
+//! "Capture nodeports" block (the no-(local-)endpoints filter rule matches `-m addrtype
+//! --dst-type LOCAL`, not nodePortAddresses), the nodeports tail call (loopback node IPs
+//! skipped for IPv6), the firewall-chain block (`allowFromNode` only when a source range
+//! holds the node IP) and the EXT chain ("pod traffic" / "masquerade LOCAL traffic" /
+//! "route LOCAL traffic" short circuits for eTP=Local).
 //!
 //! What the rig adds to the rules: MASQUERADE picks the address of the interface the packet
 //! leaves by, so "masqueraded" means the backend sees *some* address of this node (the table
