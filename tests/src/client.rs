@@ -1,7 +1,7 @@
 //! Runs `rig-helper client` inside a namespace (and optionally a cgroup) and parses its output.
 
 use std::collections::BTreeMap;
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
@@ -94,6 +94,7 @@ pub struct Client {
     mode: Mode,
     timeout: Duration,
     interval: Duration,
+    bind: Option<IpAddr>,
 }
 
 impl Client {
@@ -106,7 +107,15 @@ impl Client {
             mode: Mode::Connect,
             timeout: Duration::from_millis(1000),
             interval: Duration::ZERO,
+            bind: None,
         }
+    }
+
+    /// Binds each socket to `source` before connecting (`Mode::Connect` only): a client with
+    /// several addresses that must use a given one.
+    pub fn bind(mut self, source: IpAddr) -> Self {
+        self.bind = Some(source);
+        self
     }
 
     /// Runs the client inside this cgroup2 directory.
@@ -166,6 +175,9 @@ impl Client {
             .arg(&self.netns);
         if let Some(cg) = &self.cgroup {
             cmd.arg("--cgroup").arg(cg);
+        }
+        if let Some(source) = self.bind {
+            cmd.args(["--bind", &source.to_string()]);
         }
         // An attempt can wait for connect and then read: bound the whole run accordingly.
         let bound = (self.timeout * 2 + self.interval) * count + Duration::from_secs(5);

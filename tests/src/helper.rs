@@ -56,6 +56,10 @@ pub enum HelperCommand {
         /// Pause between attempts.
         #[arg(long, default_value_t = 0)]
         interval_ms: u64,
+        /// Source address to bind before connecting (`connect` mode only): a client with
+        /// several addresses, e.g. one outside a Service's `loadBalancerSourceRanges`.
+        #[arg(long)]
+        bind: Option<std::net::IpAddr>,
     },
     /// Benchmark loop in one process: new connections (connect, read the greeting, close) or
     /// request/response round trips on one connection; prints one latency sample (ns) a line
@@ -135,12 +139,18 @@ pub fn run(cli: Cli) -> Result<()> {
             timeout_ms,
             mode,
             interval_ms,
+            bind,
         } => {
             if let Some(ns) = netns {
                 enter_netns(&ns)?;
             }
             if let Some(cg) = cgroup {
                 join_cgroup(&cg)?;
+            }
+            if bind.is_some() && mode != Mode::Connect {
+                return Err(RigError::Other(
+                    "--bind only applies to --mode connect".into(),
+                ));
             }
             client(
                 target,
@@ -149,6 +159,7 @@ pub fn run(cli: Cli) -> Result<()> {
                 mode,
                 Duration::from_millis(timeout_ms),
                 Duration::from_millis(interval_ms),
+                bind,
             )
         }
         HelperCommand::BenchConnect(args) => {
@@ -239,6 +250,7 @@ fn client(
     mode: Mode,
     timeout: Duration,
     interval: Duration,
+    bind: Option<std::net::IpAddr>,
 ) -> Result<()> {
     let mut out = io::stdout().lock();
     let start = std::time::Instant::now();
@@ -250,7 +262,7 @@ fn client(
         }
         let started_ms = start.elapsed().as_millis();
         let result = match mode {
-            Mode::Connect => attempt(target, proto, timeout),
+            Mode::Connect => attempt(target, proto, timeout, bind),
             Mode::Sendto => sendto_attempt(target, timeout),
             Mode::Stream => stream_attempt(&mut stream, target, timeout),
             Mode::TcpStream => tcp_stream.attempt(target, timeout),
@@ -365,15 +377,36 @@ impl TcpStreamState {
     }
 }
 
+/// A TCP connection to `target`, from `bind` (port chosen by the kernel) if given.
+fn tcp_connect(
+    target: SocketAddr,
+    timeout: Duration,
+    bind: Option<std::net::IpAddr>,
+) -> io::Result<TcpStream> {
+    let Some(source) = bind else {
+        return TcpStream::connect_timeout(&target, timeout);
+    };
+    // std cannot bind a TcpStream before connecting; socket2 can.
+    let sock = socket2::Socket::new(
+        socket2::Domain::for_address(target),
+        socket2::Type::STREAM,
+        Some(socket2::Protocol::TCP),
+    )?;
+    sock.bind(&SocketAddr::new(source, 0).into())?;
+    sock.connect_timeout(&target.into(), timeout)?;
+    Ok(sock.into())
+}
+
 /// One attempt on a fresh socket: returns the first reply line and getpeername().
 fn attempt(
     target: SocketAddr,
     proto: Proto,
     timeout: Duration,
+    bind: Option<std::net::IpAddr>,
 ) -> io::Result<(String, SocketAddr)> {
     match proto {
         Proto::Tcp => {
-            let conn = TcpStream::connect_timeout(&target, timeout)?;
+            let conn = tcp_connect(target, timeout, bind)?;
             conn.set_read_timeout(Some(timeout))?;
             let peer = conn.peer_addr()?;
             let mut line = String::new();
@@ -383,7 +416,8 @@ fn attempt(
             Ok((line.trim_end().to_owned(), peer))
         }
         Proto::Udp => {
-            let sock = UdpSocket::bind(unspecified(target))?;
+            let local = bind.map_or_else(|| unspecified(target), |ip| SocketAddr::new(ip, 0));
+            let sock = UdpSocket::bind(local)?;
             sock.connect(target)?;
             sock.set_read_timeout(Some(timeout))?;
             let peer = sock.peer_addr()?;

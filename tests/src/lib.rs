@@ -16,6 +16,7 @@ pub mod manifests;
 pub mod netns;
 pub mod packet;
 pub mod process;
+pub mod reachability;
 pub mod scenario;
 pub mod service_scenarios;
 pub mod tc_fuzz;

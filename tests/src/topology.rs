@@ -7,11 +7,13 @@
 //! ```
 //!
 //! [`Topology::add_remote_node`] adds a second node `node2` behind the first, with pods of its
-//! own (`rpod<i>`: 10.245.<i>.2/24 behind `vrpod<i>` 10.245.<i>.1/24 on node2):
+//! own (`rpod<i>`: 10.245.<i>.2/24 + fd00:245:<i>::2/64 behind `vrpod<i>` 10.245.<i>.1/24 +
+//! fd00:245:<i>::1/64 on node2):
 //!
 //! ```text
-//!   node: vnode2 10.20.0.1/24 ──veth── eth0 10.20.0.2/24 :node2   (node: 10.245.0.0/16 via node2;
-//!                                                                   node2: default via node)
+//!   node: vnode2 10.20.0.1/24 ──veth── eth0 10.20.0.2/24 :node2   (node: 10.245.0.0/16 and
+//!                fd00:20::1/64           fd00:20::2/64             fd00:245::/32 via node2;
+//!                                                                  node2: default via node)
 //! ```
 //!
 //! IPv6 uses ULA addresses inside the test namespaces only, added with `nodad` so they are
@@ -147,6 +149,7 @@ impl Topology {
         }
         let remote = Netns::new("node2")?;
         remote.sysctl("net.ipv4.ip_forward", "1")?;
+        remote.sysctl("net.ipv6.conf.all.forwarding", "1")?;
         link(
             &self.node,
             "vnode2",
@@ -155,8 +158,11 @@ impl Topology {
             "10.20.0.2/24",
             "10.20.0.1",
         )?;
+        link6(&self.node, "vnode2", "fd00:20::1", &remote, "fd00:20::2")?;
         self.node
             .ip(&["route", "add", "10.245.0.0/16", "via", "10.20.0.2"])?;
+        self.node
+            .ip(&["-6", "route", "add", "fd00:245::/32", "via", "fd00:20::2"])?;
         self.remote = Some(remote);
         for i in 1..=pods {
             let pod = Netns::new(&format!("rpod{i}"))?;
@@ -171,6 +177,13 @@ impl Topology {
                 &pod,
                 &format!("{}/24", Self::remote_pod_ip(i)),
                 &Self::remote_pod_gateway(i).to_string(),
+            )?;
+            link6(
+                remote,
+                &format!("vrpod{i}"),
+                &Self::remote_pod_gateway6(i).to_string(),
+                &pod,
+                &Self::remote_pod_ip6(i).to_string(),
             )?;
             self.remote_pods.push(pod);
             let addr = SocketAddrV4::new(Self::remote_pod_ip(i), port);
@@ -196,6 +209,56 @@ impl Topology {
 
     fn remote_pod_gateway(i: usize) -> Ipv4Addr {
         Ipv4Addr::new(10, 245, octet(i), 1)
+    }
+
+    /// `fd00:245:<i>::2`, remote pod `i`'s IPv6 address.
+    pub fn remote_pod_ip6(i: usize) -> Ipv6Addr {
+        Ipv6Addr::new(0xfd00, 0x245, u16::from(octet(i)), 0, 0, 0, 0, 2)
+    }
+
+    fn remote_pod_gateway6(i: usize) -> Ipv6Addr {
+        Ipv6Addr::new(0xfd00, 0x245, u16::from(octet(i)), 0, 0, 0, 0, 1)
+    }
+
+    /// Remote pod `i`'s address of the given family.
+    pub fn remote_pod_addr(i: usize, ipv6: bool) -> IpAddr {
+        if ipv6 {
+            Self::remote_pod_ip6(i).into()
+        } else {
+            Self::remote_pod_ip(i).into()
+        }
+    }
+
+    /// `fd00:20::1`, the node's IPv6 address on its link to the remote node.
+    pub fn node_link_ip6() -> Ipv6Addr {
+        Ipv6Addr::new(0xfd00, 0x20, 0, 0, 0, 0, 0, 1)
+    }
+
+    /// Starts `rpod<i>` echo servers on `[fd00:245:<i>::2]:port` in every remote pod (the
+    /// IPv4 ones start with [`Topology::add_remote_node`]).
+    pub fn start_remote_pod_echoes6(&mut self, port: u16) -> Result<()> {
+        for i in 1..=self.remote_pods.len() {
+            let addr = SocketAddrV6::new(Self::remote_pod_ip6(i), port, 0, 0);
+            self.start_echo(Place::RemotePod(i), &format!("rpod{i}"), addr.into())?;
+        }
+        Ok(())
+    }
+
+    /// Gives the node a default route (both families) via the external namespace, as a real
+    /// node has one towards its router: without it the node's own clients could not even
+    /// route a packet to a ClusterIP, externalIP or LB IP. The external namespace does not
+    /// forward, so a packet the node sends out to an address nobody holds is dropped there.
+    pub fn route_node_via_ext(&self) -> Result<()> {
+        self.node.ip(&[
+            "route",
+            "add",
+            "default",
+            "via",
+            &Self::ext_ip().to_string(),
+        ])?;
+        self.node
+            .ip(&["-6", "route", "add", "default", "via", "fd00:10::2"])?;
+        Ok(())
     }
 
     /// `10.244.<i>.2`, the pod's own address. `i` must be in 1..=254.
