@@ -136,6 +136,18 @@ pub const SOCKET_LB_NO_ENDPOINTS_REFUSED: &str = "a host process dialling an ext
      address and refuses it at once, as upstream refuses the same connect from a pod \
      (design.md: no endpoints → ECONNREFUSED)";
 
+/// Reason for intended difference (4).
+pub const SOCKET_LB_SOURCE_RANGE_UNREACHABLE: &str = "a host process dialling an LB IP whose \
+     loadBalancerSourceRanges do not admit the node: upstream DROPs in KUBE-PROXY-FIREWALL \
+     (the client times out); the socket hook judges the node address at connect() and fails it \
+     at once with EHOSTUNREACH (a socket hook has no packet to drop)";
+/// Reason for intended difference (5).
+pub const UNLISTED_ADDRESSES_UNTOUCHED: &str = "an address outside nodePortAddresses (and ::1, \
+     never a NodePort address): upstream's eTP=Local \"has no local endpoints\" DROP matches \
+     the node port with `--dst-type LOCAL`, so it also black-holes the port on addresses it \
+     never serves; the eBPF datapath acts on the configured NodePort addresses only, so there \
+     the kernel answers as for any closed port (refused)";
+
 /// The expected outcome of `cell` (pure).
 pub fn expected(cell: Cell) -> Expectation {
     let (upstream, rule) = upstream(cell);
@@ -427,6 +439,29 @@ fn ebpf_difference(cell: Cell, upstream: &Expect) -> Option<Difference> {
         return Some(Difference {
             expect: Expect::Fail(FailKind::Unreachable),
             reason: SOCKET_LB_ITP_LOCAL_UNREACHABLE,
+        });
+    }
+    if cell.shape == Shape::SourceRanges
+        && cell.frontend == Frontend::LoadBalancer
+        && cell.client == Client::Host
+        && *upstream == Expect::Fail(FailKind::Timeout)
+    {
+        return Some(Difference {
+            expect: Expect::Fail(FailKind::Unreachable),
+            reason: SOCKET_LB_SOURCE_RANGE_UNREACHABLE,
+        });
+    }
+    if cell.shape == Shape::EtpLocalNoLocal
+        && matches!(
+            cell.frontend,
+            Frontend::NodePortUnlisted | Frontend::NodePortLoopback
+        )
+        && *upstream == Expect::Fail(FailKind::Timeout)
+        && (cell.frontend == Frontend::NodePortUnlisted || cell.family == Family::V6)
+    {
+        return Some(Difference {
+            expect: Expect::Fail(FailKind::Refused),
+            reason: UNLISTED_ADDRESSES_UNTOUCHED,
         });
     }
     if cell.shape == Shape::NoEndpoints
