@@ -26,9 +26,10 @@ pub mod map_names {
     pub const NODE_ADDRS: &str = "KPR_NODE_ADDRS";
     pub const NODE_CONFIG: &str = "KPR_NODE_CONFIG";
     pub const MAGLEV: &str = "KPR_MAGLEV";
+    pub const UDP_STICKY: &str = "KPR_UDP_STICKY";
 
     /// Every map the agent pins (and `--cleanup` removes).
-    pub const PINNED: [&str; 15] = [
+    pub const PINNED: [&str; 16] = [
         FRONTENDS4,
         FRONTENDS6,
         BACKEND_SLOTS,
@@ -44,6 +45,7 @@ pub mod map_names {
         NODE_ADDRS,
         NODE_CONFIG,
         MAGLEV,
+        UDP_STICKY,
     ];
 }
 
@@ -83,6 +85,8 @@ pub mod default_sizes {
     pub const BACKENDS: u32 = 262_144;
     pub const REVNAT: u32 = 262_144;
     pub const AFFINITY: u32 = 65_536;
+    /// Unconnected UDP sockets remembered with their backend per frontend (LRU).
+    pub const UDP_STICKY: u32 = 65_536;
     /// Slots of the per-CPU counter array: more than [`crate::StatIndex::COUNT`], so a newer
     /// object with more counters still fits a map pinned by an older agent.
     pub const STATS: u32 = 64;
@@ -126,6 +130,11 @@ pub mod frontend_flags {
     /// Maglev table in `KPR_MAGLEV` ([`super::FrontendValue::maglev_size`] slots) by a hash
     /// of the 5-tuple. Only on external frontends; session affinity still goes first.
     pub const MAGLEV: u8 = 32;
+    /// An unconnected UDP socket keeps the backend its first datagram to this frontend chose
+    /// (`KPR_UDP_STICKY`, keyed by socket cookie) while that backend stays in the service, as
+    /// kube-proxy's conntrack keeps a 5-tuple on one backend. Socket frontends of UDP ports;
+    /// the programmer tracks their members in `KPR_AFFINITY_MATCH`.
+    pub const STICKY_SOCKET: u8 = 64;
 }
 
 /// Bits of [`CtValue::flags`].

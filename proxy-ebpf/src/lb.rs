@@ -13,7 +13,7 @@ use proxy_common::{
 
 use crate::{
     maglev,
-    maps::{KPR_AFFINITY, KPR_AFFINITY_MATCH, KPR_BACKEND_SLOTS},
+    maps::{KPR_AFFINITY, KPR_AFFINITY_MATCH, KPR_BACKEND_SLOTS, KPR_UDP_STICKY},
     stats::bump,
 };
 
@@ -26,6 +26,9 @@ pub enum Decision<B> {
     /// The frontend's slot or backend vanished between lookups.
     BackendMissing,
     Backend(B),
+    /// The backend this socket already uses ([`frontend_flags::STICKY_SOCKET`]): its
+    /// reverse-NAT entry is already there.
+    Kept(B),
 }
 
 /// Picks the backend for a new connection (or datagram) of `client` to `frontend`.
@@ -37,17 +40,34 @@ pub enum Decision<B> {
 /// ([`frontend_flags::MAGLEV`], external frontends only) takes the table's entry for
 /// `flow_hash` instead of a random one; callers without a flow tuple (the socket hooks) give
 /// `None` and stay random.
+///
+/// `socket` (the hooks' socket cookie, `None` elsewhere) keys the per-socket choice of
+/// [`frontend_flags::STICKY_SOCKET`] frontends: an unconnected UDP socket keeps its backend
+/// while it stays in the service (session affinity, keyed wider, goes first).
 #[inline(always)]
 pub fn select_backend<B: Copy>(
     frontend: &FrontendValue,
     client: impl FnOnce() -> u64,
     flow_hash: impl FnOnce() -> Option<u32>,
+    socket: Option<u64>,
     backends: &HashMap<u32, B>,
 ) -> Decision<B> {
     if frontend.backend_count == 0 {
         return Decision::NoBackends;
     }
     let affinity = frontend.flags & frontend_flags::AFFINITY != 0;
+    let sticky_key = socket
+        .filter(|_| !affinity && frontend.flags & frontend_flags::STICKY_SOCKET != 0)
+        .map(|cookie| AffinityKey {
+            client: cookie,
+            service_id: frontend.service_id,
+            _pad: 0,
+        });
+    if let Some(key) = &sticky_key
+        && let Some(backend) = sticky_backend(key, frontend, backends)
+    {
+        return Decision::Kept(backend);
+    }
     let mut affinity_key = None;
     // SAFETY: bpf_ktime_get_ns has no preconditions.
     let now = unsafe { bpf_ktime_get_ns() };
@@ -85,7 +105,35 @@ pub fn select_backend<B: Copy>(
     if let Some(key) = affinity_key {
         remember(&key, backend_id, now);
     }
+    if let Some(key) = sticky_key {
+        let value = AffinityValue {
+            backend_id,
+            _pad: 0,
+            last_used_ns: now,
+        };
+        // Best effort: without the entry the socket's next datagram chooses again.
+        let _ = KPR_UDP_STICKY.insert(&key, value, 0);
+    }
     Decision::Backend(backend)
+}
+
+/// The backend an unconnected UDP socket used last, if it is still a member of the service.
+#[inline(always)]
+fn sticky_backend<B: Copy>(
+    key: &AffinityKey,
+    frontend: &FrontendValue,
+    backends: &HashMap<u32, B>,
+) -> Option<B> {
+    // SAFETY: as in select_backend.
+    let entry = (unsafe { KPR_UDP_STICKY.get(key) }).copied()?;
+    let member = AffinityMatchKey {
+        service_id: frontend.service_id,
+        backend_id: entry.backend_id,
+    };
+    // SAFETY: as in select_backend.
+    unsafe { KPR_AFFINITY_MATCH.get(member) }?;
+    // SAFETY: as in select_backend.
+    (unsafe { backends.get(entry.backend_id) }).copied()
 }
 
 #[inline(always)]

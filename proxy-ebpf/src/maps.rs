@@ -55,6 +55,12 @@ pub static KPR_REVNAT6: LruHashMap<RevNat6Key, RevNat6> =
 pub static KPR_AFFINITY: LruHashMap<AffinityKey, AffinityValue> =
     LruHashMap::pinned(default_sizes::AFFINITY, 0);
 
+/// (socket cookie, service) → backend of an unconnected UDP socket (frontends with
+/// `STICKY_SOCKET`). LRU: closed sockets age out by themselves; `last_used_ns` is unused.
+#[map]
+pub static KPR_UDP_STICKY: LruHashMap<AffinityKey, AffinityValue> =
+    LruHashMap::pinned(default_sizes::UDP_STICKY, 0);
+
 /// (service, backend) pairs that are live; see `proxy_common::AffinityMatchKey`.
 #[map]
 pub static KPR_AFFINITY_MATCH: HashMap<AffinityMatchKey, u8> =

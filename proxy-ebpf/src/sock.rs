@@ -51,6 +51,12 @@ pub enum Hook {
 }
 
 impl Hook {
+    /// Whether the choice is remembered per socket: an unconnected UDP socket's datagrams
+    /// each pass `sendmsg`; a connected socket is translated once anyway.
+    fn per_socket(self) -> bool {
+        matches!(self, Hook::Sendmsg)
+    }
+
     fn translated(self) -> StatIndex {
         match self {
             Hook::Connect => StatIndex::Translated,
@@ -132,8 +138,8 @@ pub fn translate4(ctx: &SockAddrContext, hook: Hook) -> i32 {
         proto,
         scope: scope::INTERNAL,
     };
-    let backend = match choose4(ctx, &key, hook) {
-        Ok(backend) => backend,
+    let (backend, kept) = match choose4(ctx, &key, hook) {
+        Ok(chosen) => chosen,
         Err(verdict) => return verdict,
     };
     let revnat_key = RevNat4Key {
@@ -147,8 +153,9 @@ pub fn translate4(ctx: &SockAddrContext, hook: Hook) -> i32 {
         port: key.port,
         _pad: 0,
     };
-    // Best effort: without the entry getpeername/recvmsg show the backend address.
-    if KPR_REVNAT4.insert(revnat_key, revnat, 0).is_err() {
+    // Best effort: without the entry getpeername/recvmsg show the backend address. A socket
+    // that keeps its backend has its entry already: no map write per datagram.
+    if !kept && KPR_REVNAT4.insert(revnat_key, revnat, 0).is_err() {
         bump(StatIndex::RevNatUpdateFailed);
     }
     sa.user_ip4 = backend.addr;
@@ -160,24 +167,38 @@ pub fn translate4(ctx: &SockAddrContext, hook: Hook) -> i32 {
 /// The IPv4 frontend for `key` (exact, else a NodePort) and the backend for this socket, or the
 /// verdict when there is none to translate to.
 #[inline(always)]
-fn choose4(ctx: &SockAddrContext, key: &Frontend4Key, hook: Hook) -> Result<Backend4, i32> {
+fn choose4(ctx: &SockAddrContext, key: &Frontend4Key, hook: Hook) -> Result<(Backend4, bool), i32> {
     let mut frontend = frontend4(key).ok_or(ALLOW)?;
+    let socket = hook.per_socket().then(|| socket_cookie(ctx));
     if let Some(verdict) = admit(ctx, &frontend, family::V4) {
         return Err(verdict);
     }
-    let mut decision = select_backend(&frontend, || netns_cookie(ctx), || None, &KPR_BACKENDS4);
+    let mut decision = select_backend(
+        &frontend,
+        || netns_cookie(ctx),
+        || None,
+        socket,
+        &KPR_BACKENDS4,
+    );
     // See `choose6`.
     if matches!(decision, Decision::BackendMissing)
         && let Some(again) = frontend4(key)
         && again.generation != frontend.generation
     {
         frontend = again;
-        decision = select_backend(&frontend, || netns_cookie(ctx), || None, &KPR_BACKENDS4);
+        decision = select_backend(
+            &frontend,
+            || netns_cookie(ctx),
+            || None,
+            socket,
+            &KPR_BACKENDS4,
+        );
     }
     match decision {
         Decision::NoBackends => Err(no_backends(&frontend, hook)),
         Decision::BackendMissing => Err(backend_missing(ctx)),
-        Decision::Backend(backend) => Ok(backend),
+        Decision::Backend(backend) => Ok((backend, false)),
+        Decision::Kept(backend) => Ok((backend, true)),
     }
 }
 
@@ -206,23 +227,37 @@ fn frontend6(key: &Frontend6Key) -> Option<FrontendValue> {
 /// switch): it reads the frontend once more and chooses from the new generation, whose slots
 /// were all written before the switch, instead of refusing a Service that has backends.
 #[inline(always)]
-fn choose6(ctx: &SockAddrContext, key: &Frontend6Key, hook: Hook) -> Result<Backend6, i32> {
+fn choose6(ctx: &SockAddrContext, key: &Frontend6Key, hook: Hook) -> Result<(Backend6, bool), i32> {
     let mut frontend = frontend6(key).ok_or(ALLOW)?;
+    let socket = hook.per_socket().then(|| socket_cookie(ctx));
     if let Some(verdict) = admit(ctx, &frontend, family::V6) {
         return Err(verdict);
     }
-    let mut decision = select_backend(&frontend, || netns_cookie(ctx), || None, &KPR_BACKENDS6);
+    let mut decision = select_backend(
+        &frontend,
+        || netns_cookie(ctx),
+        || None,
+        socket,
+        &KPR_BACKENDS6,
+    );
     if matches!(decision, Decision::BackendMissing)
         && let Some(again) = frontend6(key)
         && again.generation != frontend.generation
     {
         frontend = again;
-        decision = select_backend(&frontend, || netns_cookie(ctx), || None, &KPR_BACKENDS6);
+        decision = select_backend(
+            &frontend,
+            || netns_cookie(ctx),
+            || None,
+            socket,
+            &KPR_BACKENDS6,
+        );
     }
     match decision {
         Decision::NoBackends => Err(no_backends(&frontend, hook)),
         Decision::BackendMissing => Err(backend_missing(ctx)),
-        Decision::Backend(backend) => Ok(backend),
+        Decision::Backend(backend) => Ok((backend, false)),
+        Decision::Kept(backend) => Ok((backend, true)),
     }
 }
 
@@ -252,8 +287,8 @@ fn translate_mapped(
         proto,
         scope: scope::INTERNAL,
     };
-    let backend = match choose4(ctx, &key, hook) {
-        Ok(backend) => backend,
+    let (backend, kept) = match choose4(ctx, &key, hook) {
+        Ok(chosen) => chosen,
         Err(verdict) => return verdict,
     };
     let mapped = |a: u32| [0, 0, u32::from_be(0x0000_ffff), a];
@@ -268,7 +303,7 @@ fn translate_mapped(
         port: key.port,
         _pad: 0,
     };
-    if KPR_REVNAT6.insert(revnat_key, revnat, 0).is_err() {
+    if !kept && KPR_REVNAT6.insert(revnat_key, revnat, 0).is_err() {
         bump(StatIndex::RevNatUpdateFailed);
     }
     write_ip6(sa, mapped(backend.addr));
@@ -293,8 +328,8 @@ pub fn translate6(ctx: &SockAddrContext, hook: Hook) -> i32 {
         proto,
         scope: scope::INTERNAL,
     };
-    let backend = match choose6(ctx, &key, hook) {
-        Ok(backend) => backend,
+    let (backend, kept) = match choose6(ctx, &key, hook) {
+        Ok(chosen) => chosen,
         Err(verdict) => return verdict,
     };
     let revnat_key = RevNat6Key {
@@ -308,7 +343,7 @@ pub fn translate6(ctx: &SockAddrContext, hook: Hook) -> i32 {
         port: key.port,
         _pad: 0,
     };
-    if KPR_REVNAT6.insert(revnat_key, revnat, 0).is_err() {
+    if !kept && KPR_REVNAT6.insert(revnat_key, revnat, 0).is_err() {
         bump(StatIndex::RevNatUpdateFailed);
     }
     write_ip6(sa, backend.addr);

@@ -225,7 +225,7 @@ fn new_flow(pkt: &Packet, key: &CtKey, frontend: &FrontendValue) -> Verdict {
         return Verdict::Action(DROP);
     }
     let (backend_addr, backend_port) = match choose(pkt, frontend) {
-        Decision::Backend(backend) => backend,
+        Decision::Backend(backend) | Decision::Kept(backend) => backend,
         Decision::NoBackends if frontend.flags & frontend_flags::DROP_NO_BACKENDS != 0 => {
             bump(StatIndex::TcDroppedNoLocal);
             return Verdict::Action(DROP);
@@ -321,15 +321,17 @@ fn choose(pkt: &Packet, frontend: &FrontendValue) -> Decision<([u32; 4], u16)> {
     };
     if pkt.is_v6() {
         let client = || (u64::from(s[0] ^ s[2]) << 32) | u64::from(s[1] ^ s[3]);
-        match select_backend(frontend, client, hash, &KPR_BACKENDS6) {
-            Decision::Backend(b) => Decision::Backend((b.addr, b.port)),
+        match select_backend(frontend, client, hash, None, &KPR_BACKENDS6) {
+            Decision::Backend(b) | Decision::Kept(b) => Decision::Backend((b.addr, b.port)),
             Decision::NoBackends => Decision::NoBackends,
             Decision::BackendMissing => Decision::BackendMissing,
         }
     } else {
         let client = || u64::from(s[0]);
-        match select_backend(frontend, client, hash, &KPR_BACKENDS4) {
-            Decision::Backend(b) => Decision::Backend(([b.addr, 0, 0, 0], b.port)),
+        match select_backend(frontend, client, hash, None, &KPR_BACKENDS4) {
+            Decision::Backend(b) | Decision::Kept(b) => {
+                Decision::Backend(([b.addr, 0, 0, 0], b.port))
+            }
             Decision::NoBackends => Decision::NoBackends,
             Decision::BackendMissing => Decision::BackendMissing,
         }

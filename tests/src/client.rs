@@ -134,7 +134,7 @@ impl Client {
         self.mode = mode;
         self.proto = match mode {
             Mode::Connect => self.proto,
-            Mode::Sendto | Mode::Stream => Proto::Udp,
+            Mode::Sendto | Mode::Stream | Mode::SendtoSocket => Proto::Udp,
             Mode::TcpStream => Proto::Tcp,
         };
         self

@@ -81,6 +81,9 @@ pub enum Mode {
     /// One connected UDP socket for all attempts, replaced only after an error — a DNS-style
     /// retry loop.
     Stream,
+    /// One unconnected UDP socket for all attempts: `sendto()` + `recvfrom()` — a QUIC or
+    /// RADIUS client. Replaced only after an error.
+    SendtoSocket,
     /// One TCP connection for all attempts: each sends a line and reads its echo. The reply
     /// is the backend's greeting from when the connection was made, its name suffixed with
     /// `#<n>`, the number of connections made so far (`pod1#1`): a broken-and-replaced stream
@@ -94,6 +97,7 @@ impl Mode {
             Self::Connect => "connect",
             Self::Sendto => "sendto",
             Self::Stream => "stream",
+            Self::SendtoSocket => "sendto-socket",
             Self::TcpStream => "tcp-stream",
         }
     }
@@ -255,6 +259,7 @@ fn client(
     let mut out = io::stdout().lock();
     let start = std::time::Instant::now();
     let mut stream: Option<UdpSocket> = None;
+    let mut unconnected: Option<UdpSocket> = None;
     let mut tcp_stream = TcpStreamState::default();
     for i in 0..count {
         if i > 0 && !interval.is_zero() {
@@ -264,6 +269,7 @@ fn client(
         let result = match mode {
             Mode::Connect => attempt(target, proto, timeout, bind),
             Mode::Sendto => sendto_attempt(target, timeout),
+            Mode::SendtoSocket => sendto_socket_attempt(&mut unconnected, target, timeout),
             Mode::Stream => stream_attempt(&mut stream, target, timeout),
             Mode::TcpStream => tcp_stream.attempt(target, timeout),
         };
@@ -296,6 +302,33 @@ fn sendto_attempt(target: SocketAddr, timeout: Duration) -> io::Result<(String, 
     let (n, from) = sock.recv_from(&mut buf)?;
     let reply = String::from_utf8_lossy(buf.get(..n).unwrap_or_default());
     Ok((reply.trim_end().to_owned(), from))
+}
+
+/// One datagram from the long-lived unconnected socket; an error drops it.
+fn sendto_socket_attempt(
+    socket: &mut Option<UdpSocket>,
+    target: SocketAddr,
+    timeout: Duration,
+) -> io::Result<(String, SocketAddr)> {
+    let sock = match socket.take() {
+        Some(sock) => sock,
+        None => {
+            let sock = UdpSocket::bind(unspecified(target))?;
+            sock.set_read_timeout(Some(timeout))?;
+            sock
+        }
+    };
+    let result = (|| {
+        sock.send_to(b"x", target)?;
+        let mut buf = [0u8; 2048];
+        let (n, from) = sock.recv_from(&mut buf)?;
+        let reply = String::from_utf8_lossy(buf.get(..n).unwrap_or_default());
+        Ok((reply.trim_end().to_owned(), from))
+    })();
+    if result.is_ok() {
+        *socket = Some(sock);
+    }
+    result
 }
 
 /// One request on the long-lived connected socket; an error drops it, so the next attempt

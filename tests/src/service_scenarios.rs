@@ -914,6 +914,92 @@ pub fn rolling_update_drains_established_connections(mode: &str) -> Result<()> {
     })
 }
 
+/// QUIC, RADIUS and DTLS clients send from one unconnected UDP socket with `sendto()`.
+/// kube-proxy DNATs a UDP 5-tuple once, when its conntrack entry is created, so every datagram
+/// of such a socket reaches the same backend while sockets spread over the backends; a backend
+/// that joins later does not move it; when its backend leaves, kube-proxy deletes the stale UDP
+/// conntrack entries and the socket's next datagram picks a live backend, which it then keeps.
+pub fn unconnected_udp_sockets_keep_their_backend(mode: &str) -> Result<()> {
+    use crate::{
+        client::Mode,
+        manifests::{Protocol, ServicePort, SlicePort, endpoint_slice_yaml, service_yaml},
+    };
+    crate::require_root();
+    let mut s = Scenario::new(3)?;
+    let slice = |pods: &[usize]| {
+        let endpoints: Vec<Endpoint> = pods.iter().map(|&i| pod_endpoint(i)).collect();
+        let port = SlicePort {
+            name: "dns".into(),
+            port: BACKEND_PORT,
+            protocol: Protocol::Udp,
+        };
+        endpoint_slice_yaml(NAMESPACE, "dns-1", "dns", &[port], &endpoints)
+    };
+    let port = ServicePort {
+        name: "dns".into(),
+        port: 53,
+        protocol: Protocol::Udp,
+    };
+    s.manifests.write(
+        "dns-svc.yaml",
+        &service_yaml(NAMESPACE, "dns", CLUSTER_IP, &[port]),
+    )?;
+    s.manifests.write("dns-slice.yaml", &slice(&[1, 2, 3]))?;
+    start(&mut s, mode)?;
+    let target = SocketAddr::from(SocketAddrV4::new(CLUSTER_IP, 53));
+    let client = local_client(&s, mode, Place::Pod(1))?.mode(Mode::SendtoSocket);
+    s.wait_for_datapath_with(&client, target, "UDP ClusterIP answered", is_pod)?;
+    let mut chosen = std::collections::BTreeSet::new();
+    for socket in 0..8 {
+        let attempts = client.run(target, 6)?;
+        let counts = tally(&attempts);
+        eprintln!("[{mode}] unconnected UDP socket {socket}: {counts:?}");
+        s.ensure(counts.len() == 1 && attempts.iter().all(is_pod), || {
+            format!("socket {socket}: every datagram must reach one backend: {counts:?}")
+        })?;
+        chosen.extend(counts.into_keys());
+    }
+    s.ensure(chosen.len() > 1, || {
+        format!("8 sockets must spread over the backends: {chosen:?}")
+    })?;
+
+    // One socket across a scale-up and the removal of its backend.
+    s.manifests.write("dns-slice.yaml", &slice(&[1]))?;
+    let only_pod1 = |a: &Attempt| a.backend() == Some("pod1");
+    let fresh = local_client(&s, mode, Place::Pod(1))?.mode(Mode::Sendto);
+    s.wait_for_datapath_with(&fresh, target, "pod1 alone", only_pod1)?;
+    let runner = client.clone().interval(Duration::from_millis(100));
+    let long = std::thread::spawn(move || runner.run(target, 80));
+    std::thread::sleep(Duration::from_millis(2000));
+    s.manifests.write("dns-slice.yaml", &slice(&[1, 2, 3]))?;
+    std::thread::sleep(Duration::from_millis(3000));
+    s.manifests.write("dns-slice.yaml", &slice(&[2, 3]))?;
+    let attempts = long
+        .join()
+        .map_err(|_| RigError::Other("UDP client thread panicked".into()))??;
+    let names: Vec<String> = attempts.iter().map(Attempt::label).collect();
+    eprintln!(
+        "[{mode}] one unconnected socket across pod2/pod3 joining and pod1 leaving: {names:?}"
+    );
+    let first_other = names
+        .iter()
+        .position(|n| n != "pod1")
+        .unwrap_or(names.len());
+    let (before, after) = names.split_at(first_other);
+    s.ensure(
+        before.len() >= 20
+            && !after.is_empty()
+            && (after[0] == "pod2" || after[0] == "pod3")
+            && after.iter().all(|n| *n == after[0]),
+        || {
+            format!(
+                "the socket must stay on pod1 until it leaves (also while pod2/pod3 join), then \
+                 keep one live backend: {names:?}"
+            )
+        },
+    )
+}
+
 /// Java and .NET open dual-stack AF_INET6 sockets and dial IPv4 Services as IPv4-mapped IPv6
 /// addresses (`::ffff:10.96.0.10`): the kernel sends IPv4 packets, so kube-proxy's IPv4 rules
 /// translate them. Every connection from the node and from a pod reaches a pod, and
@@ -1180,6 +1266,7 @@ macro_rules! service_scenario_tests {
             internal_policy_local_without_local_endpoints,
             ipv4_mapped_ipv6_clients_reach_ipv4_services,
             rolling_update_drains_established_connections,
+            unconnected_udp_sockets_keep_their_backend,
         );
     };
 }

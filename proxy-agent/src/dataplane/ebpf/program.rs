@@ -170,8 +170,20 @@ impl AppliedFrontend {
 
     /// The flags [`Frontend::flags`] holds (affinity and Maglev are set by the programmer).
     fn policy_flags(&self) -> u8 {
-        self.value.flags & !(frontend_flags::AFFINITY | frontend_flags::MAGLEV)
+        self.value.flags
+            & !(frontend_flags::AFFINITY | frontend_flags::MAGLEV | frontend_flags::STICKY_SOCKET)
     }
+}
+
+/// Whether the frontend's live (service, backend) pairs are kept in `KPR_AFFINITY_MATCH`:
+/// session affinity and per-socket UDP stickiness may only lead to members.
+fn tracks_members(value: &FrontendValue) -> bool {
+    value.flags & (frontend_flags::AFFINITY | frontend_flags::STICKY_SOCKET) != 0
+}
+
+/// Socket frontends of UDP ports keep an unconnected socket on its backend.
+fn sticky_socket(key: &FrontendKey) -> bool {
+    key.scope == Scope::Internal && key.protocol == Protocol::Udp
 }
 
 fn affinity_of(value: &FrontendValue) -> Option<u32> {
@@ -330,7 +342,7 @@ impl Programmer {
                 // Keep what is there so the slots are cleaned up by the rewrite.
                 warn!(frontend = %key, "adopted frontend has missing slots; it will be rewritten");
             }
-            if affinity_of(&value).is_some() {
+            if tracks_members(&value) {
                 live_matches.extend(slots.iter().map(|&backend_id| AffinityMatchKey {
                     service_id: value.service_id,
                     backend_id,
@@ -628,6 +640,8 @@ impl Programmer {
         };
         let is_new = previous.is_none();
         let old_matches = previous.map(|(_, m)| m).unwrap_or_default();
+        let sticky = sticky_socket(&key);
+        let tracks = affinity_timeout.is_some() || sticky;
 
         let mut written = Written::default();
         let maglev_size = self.maglev_size_for(&key, backends.len());
@@ -655,7 +669,7 @@ impl Programmer {
                     written.ranges.push((service_id, *range));
                 }
             }
-            if affinity_timeout.is_some() {
+            if tracks {
                 for &backend_id in &slots {
                     let match_key = AffinityMatchKey {
                         service_id,
@@ -681,6 +695,11 @@ impl Programmer {
                         frontend_flags::MAGLEV
                     } else {
                         0
+                    }
+                    | if sticky {
+                        frontend_flags::STICKY_SOCKET
+                    } else {
+                        0
                     },
                 affinity_timeout: affinity_timeout.unwrap_or(0),
                 maglev_size,
@@ -700,7 +719,7 @@ impl Programmer {
         };
 
         // The frontend now points at the new generation: the old one is unreachable.
-        let new_matches: BTreeSet<AffinityMatchKey> = if affinity_timeout.is_some() {
+        let new_matches: BTreeSet<AffinityMatchKey> = if tracks {
             slots
                 .iter()
                 .map(|&backend_id| AffinityMatchKey {
@@ -939,7 +958,7 @@ struct Target {
 }
 
 fn matches_of(applied: &AppliedFrontend) -> BTreeSet<AffinityMatchKey> {
-    if applied.affinity_timeout().is_none() {
+    if !tracks_members(&applied.value) {
         return BTreeSet::new();
     }
     applied
