@@ -321,6 +321,12 @@ pub struct Args {
         help_heading = "kubeproxy-rs additions"
     )]
     pub interfaces: Option<Vec<String>>,
+
+    /// External Service traffic (NodePort, LB IPs, externalIPs) to pods skips the host's
+    /// netfilter FORWARD and POSTROUTING (translated and redirected in tc): faster, but the
+    /// host's netfilter rules — a CNI's NetworkPolicy among them — no longer apply to it.
+    #[arg(long, help_heading = "kubeproxy-rs additions")]
+    pub tc_fast_path: bool,
 }
 
 /// `--logging-format`.

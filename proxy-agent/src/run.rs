@@ -354,6 +354,7 @@ impl Dataplane {
                     cluster_cidrs: config.cluster_cidrs.clone(),
                     masquerade_all: config.masquerade_all,
                     localhost_node_ports: config.iptables.localhost_node_ports,
+                    fast_path: config.ebpf.tc_fast_path,
                 },
             }) {
                 Ok(ebpf) => Ok(Dataplane::Ebpf(Box::new(ebpf))),

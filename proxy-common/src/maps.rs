@@ -64,6 +64,9 @@ pub mod program_names {
     pub const TC_EXTERNAL: &str = "kpr_tc_external";
     /// tc ingress on every other interface (pod veths): replies of local backends.
     pub const TC_REPLY: &str = "kpr_tc_reply";
+    /// tc egress on every interface that has one of the ingress programs: the source half of
+    /// a translation on the netfilter path (after the host's FORWARD and POSTROUTING).
+    pub const TC_EGRESS: &str = "kpr_tc_egress";
 
     /// Every socket program, attached to the cgroup in this order.
     pub const ALL: [&str; 8] = [
@@ -146,6 +149,13 @@ pub mod ct_flags {
     /// Forward entries of TCP flows: a FIN or RST was seen in either direction, so the entry
     /// idles out after [`super::ct_timeout::TCP_CLOSE_NS`] instead of the established timeout.
     pub const CLOSING: u8 = 4;
+    /// Netfilter path only: an entry the egress program applies (it rewrites the source of a
+    /// packet the host already routed through FORWARD/POSTROUTING), keyed by the tuple after
+    /// the ingress half (destination) of the translation. With `REPLY`: the un-DNAT of a
+    /// SNATed flow's reply (backend → client, rewritten to come from the frontend); without:
+    /// the SNAT of its forward packets (client → backend, rewritten to come from the node).
+    /// The agent's garbage collection keeps it while the flow it mirrors lives.
+    pub const EGRESS: u8 = 8;
 }
 
 /// Idle timeouts of `KPR_CT` forward entries, shared by the datapath (which treats an expired
@@ -211,6 +221,11 @@ pub mod node_flags {
     /// program sees is not local (kube-proxy's `! -i <bridge>` / `! -i <prefix>+` masquerade
     /// rule matches) and a ClusterIP reached there is masqueraded; the cluster CIDRs are unused.
     pub const LOCAL_BY_INTERFACE: u32 = 16;
+    /// `--tc-fast-path`: translated external traffic is sent with `bpf_redirect_neigh` and
+    /// skips the host's netfilter FORWARD and POSTROUTING (so a CNI's netfilter policy does not
+    /// apply to it). Without it (the default), ingress rewrites the destination and returns
+    /// the packet to the stack, and the egress program rewrites the source after POSTROUTING.
+    pub const FAST_PATH: u32 = 32;
 }
 
 /// Address family byte of [`CtKey`] (the kernel's `AF_*` values).

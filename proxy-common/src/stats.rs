@@ -61,10 +61,13 @@ pub enum StatIndex {
     /// A TCP segment other than a SYN to a frontend, without a conntrack entry: not a new
     /// connection, handed to the stack unchanged (a backend chosen for it would reset it).
     TcMidstreamPassed = 25,
+    /// Netfilter path: the egress program rewrote a packet's source after the host routed it
+    /// (SNAT of a forward packet, or the frontend address on a reply).
+    TcEgressTranslated = 26,
 }
 
 impl StatIndex {
-    pub const COUNT: u32 = 26;
+    pub const COUNT: u32 = 27;
     pub const ALL: [StatIndex; Self::COUNT as usize] = [
         StatIndex::Translated,
         StatIndex::RejectedNoBackends,
@@ -92,6 +95,7 @@ impl StatIndex {
         StatIndex::SockDroppedSourceRange,
         StatIndex::SockNodePort,
         StatIndex::TcMidstreamPassed,
+        StatIndex::TcEgressTranslated,
     ];
 
     /// Label used in logs and metrics.
@@ -123,6 +127,7 @@ impl StatIndex {
             StatIndex::SockDroppedSourceRange => "sock_dropped_source_range",
             StatIndex::SockNodePort => "sock_node_port",
             StatIndex::TcMidstreamPassed => "tc_midstream_passed",
+            StatIndex::TcEgressTranslated => "tc_egress_translated",
         }
     }
 }

@@ -97,6 +97,14 @@ mod programs {
     pub fn kpr_tc_reply(ctx: TcContext) -> i32 {
         crate::tc::reply(&ctx)
     }
+
+    /// tc egress of every interface with one of the above (netfilter path): the source half
+    /// of a translation (SNAT, or the frontend address on a reply), after the host's
+    /// FORWARD and POSTROUTING.
+    #[classifier]
+    pub fn kpr_tc_egress(ctx: TcContext) -> i32 {
+        crate::tc::egress(&ctx)
+    }
 }
 
 #[cfg(target_arch = "bpf")]

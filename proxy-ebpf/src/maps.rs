@@ -97,6 +97,8 @@ pub struct TcScratch {
     pub reply_key: CtKey,
     /// The forward key a SNAT port probe checks when it hits a port in use.
     pub probe_key: CtKey,
+    /// The keys of a SNATed flow's egress entries (netfilter path), written by `new_flow`.
+    pub egress_key: CtKey,
     pub fib: aya_ebpf::bindings::bpf_fib_lookup,
 }
 

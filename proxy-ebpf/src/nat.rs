@@ -1,14 +1,23 @@
-//! Applying a conntrack translation to a packet and sending it on.
+//! Applying a conntrack translation to a packet and sending it on. Two paths:
 //!
-//! Forwarding: after the rewrite the packet is redirected with `bpf_redirect_neigh` to the
-//! interface `bpf_fib_lookup` names for its new destination, bypassing the host stack.
-//! `TC_ACT_OK` (let the kernel route) does not work here: a source-NATed packet carries a
-//! node address as its source and arrives on a node interface, which the kernel drops as a
-//! martian; the same happens to replies whose new source is a local NodePort/ClusterIP
-//! address. Bypassing the stack also keeps the kernel's own conntrack from seeing half of a
-//! translated flow (it would mark the other half INVALID). When the fib lookup finds no
-//! forwarding route (the backend is the node itself, or forwarding is off) the packet goes up
-//! the stack with `TC_ACT_OK`.
+//! - The netfilter path (default): ingress rewrites only the destination half of the
+//!   translation (DNAT of a new or forward packet, the un-SNAT of a reply) and returns the
+//!   packet to the stack, which routes it through the host's netfilter PREROUTING, FORWARD and
+//!   POSTROUTING exactly as kube-proxy's iptables mode would (a CNI's FORWARD policy sees the
+//!   real client and the backend). The source half (SNAT of a forward packet, the frontend
+//!   address on a reply) is done by the egress program on the interface the stack chose, after
+//!   POSTROUTING (`translate_source`), like kube-proxy's MASQUERADE. Rewriting the source at
+//!   ingress is what made the stack drop these packets before: a packet arriving with a local
+//!   address as its source is a martian (`fib_validate_source`), whether it is a SNATed
+//!   forward packet or a reply whose source became a NodePort/ClusterIP address. Split this
+//!   way, every packet the stack sees carries a client or a backend address, and the kernel's
+//!   own conntrack sees one consistent flow (client ↔ backend). The host must forward
+//!   (`net.ipv4.ip_forward`/`net.ipv6.conf.all.forwarding`), as kube-proxy requires.
+//! - The fast path (`node_flags::FAST_PATH`, `--tc-fast-path`): both halves at ingress, then
+//!   `bpf_redirect_neigh` to the interface `bpf_fib_lookup` names for the new destination,
+//!   bypassing the host stack — and with it FORWARD/POSTROUTING, so netfilter policy does not
+//!   apply. When the fib lookup finds no forwarding route (the backend is the node itself, or
+//!   forwarding is off) the packet goes up the stack with `TC_ACT_OK`.
 
 use core::{mem, ptr};
 
@@ -19,11 +28,11 @@ use aya_ebpf::{
     helpers::{bpf_fib_lookup, bpf_redirect_neigh},
     programs::TcContext,
 };
-use proxy_common::{CtValue, StatIndex, family, proto};
+use proxy_common::{CtValue, StatIndex, family, node_flags, proto};
 
 use crate::{
     csum::{replace_addr, replace_port},
-    maps::KPR_TC_SCRATCH,
+    maps::{KPR_NODE_CONFIG, KPR_TC_SCRATCH},
     parse::Packet,
     sctp,
     stats::bump,
@@ -32,38 +41,80 @@ use crate::{
 const AF_INET: u8 = 2;
 const AF_INET6: u8 = 10;
 
-/// Rewrites `pkt` to the tuple in `to` (only the fields that differ), checksums included.
+/// Whether translated packets take the redirect fast path (`node_flags::FAST_PATH`).
 #[inline(always)]
-fn rewrite(ctx: &TcContext, pkt: &Packet, to: &CtValue) -> Result<(), i64> {
-    if to.src != pkt.src {
+pub fn fast_path() -> bool {
+    KPR_NODE_CONFIG
+        .get(0)
+        .is_some_and(|config| config.flags & node_flags::FAST_PATH != 0)
+}
+
+/// Which halves of a translation to apply.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Half {
+    Both,
+    Destination,
+    Source,
+}
+
+/// Rewrites `pkt` to the tuple in `to` (only the fields of `half` that differ), checksums
+/// included.
+#[inline(always)]
+fn rewrite(ctx: &TcContext, pkt: &Packet, to: &CtValue, half: Half) -> Result<(), i64> {
+    let source = half != Half::Destination;
+    let destination = half != Half::Source;
+    if source && to.src != pkt.src {
         replace_addr(ctx, pkt, pkt.src_offset(), &pkt.src, &to.src)?;
     }
-    if to.dst != pkt.dst {
+    if destination && to.dst != pkt.dst {
         replace_addr(ctx, pkt, pkt.dst_offset(), &pkt.dst, &to.dst)?;
     }
+    let sport = if source { to.sport } else { pkt.sport };
+    let dport = if destination { to.dport } else { pkt.dport };
     if pkt.proto == proto::SCTP {
-        return sctp::replace_ports(ctx, pkt, to.sport, to.dport);
+        return sctp::replace_ports(ctx, pkt, sport, dport);
     }
-    if to.sport != pkt.sport {
-        replace_port(ctx, pkt, pkt.l4, pkt.sport, to.sport)?;
+    if sport != pkt.sport {
+        replace_port(ctx, pkt, pkt.l4, pkt.sport, sport)?;
     }
-    if to.dport != pkt.dport {
-        replace_port(ctx, pkt, pkt.l4 + 2, pkt.dport, to.dport)?;
+    if dport != pkt.dport {
+        replace_port(ctx, pkt, pkt.l4 + 2, pkt.dport, dport)?;
     }
     Ok(())
 }
 
-/// Rewrites the packet, counts it under `stat` and forwards it; drops it if the rewrite fails
-/// (a half-rewritten packet must not leave).
+/// Ingress: rewrites the packet, counts it under `stat` and sends it on — the destination
+/// half back to the stack (netfilter path), or both halves redirected (fast path); drops it
+/// if the rewrite fails (a half-rewritten packet must not leave).
 // Not inlined, for the stack: see `icmp::reject`.
 #[inline(never)]
 pub fn translate(ctx: &TcContext, pkt: &Packet, to: &CtValue, stat: StatIndex) -> i32 {
-    if rewrite(ctx, pkt, to).is_err() {
+    let fast = fast_path();
+    let half = if fast { Half::Both } else { Half::Destination };
+    if rewrite(ctx, pkt, to, half).is_err() {
         bump(StatIndex::TcRewriteFailed);
         return TC_ACT_SHOT;
     }
     bump(stat);
+    if !fast {
+        // The stack routes it (PREROUTING, FORWARD or INPUT, POSTROUTING); the egress
+        // program finishes the translation. `TC_ACT_OK`: the packet is ours now, and a
+        // program behind ours would see a half-translated packet.
+        return TC_ACT_OK;
+    }
     forward(ctx, pkt, to)
+}
+
+/// Egress (netfilter path): the source half of a translation, on a packet the host has
+/// routed and filtered. Drops the packet if the rewrite fails.
+#[inline(never)]
+pub fn translate_source(ctx: &TcContext, pkt: &Packet, to: &CtValue) -> i32 {
+    if rewrite(ctx, pkt, to, Half::Source).is_err() {
+        bump(StatIndex::TcRewriteFailed);
+        return TC_ACT_SHOT;
+    }
+    bump(StatIndex::TcEgressTranslated);
+    TC_ACT_OK
 }
 
 #[inline(always)]

@@ -15,7 +15,7 @@
 //! passes untouched.
 
 use aya_ebpf::{
-    bindings::{TC_ACT_OK, TC_ACT_SHOT},
+    bindings::{TC_ACT_OK, TC_ACT_SHOT, TC_ACT_UNSPEC},
     helpers::bpf_ktime_get_ns,
     maps::lpm_trie::Key,
     programs::TcContext,
@@ -33,13 +33,15 @@ use crate::{
         KPR_BACKENDS4, KPR_BACKENDS6, KPR_FRONTENDS4, KPR_FRONTENDS6, KPR_NODE_ADDRS,
         KPR_NODE_CONFIG, KPR_SOURCE_RANGES, KPR_TC_SCRATCH,
     },
-    nat::translate,
+    nat::{fast_path, translate, translate_source},
     parse::{Packet, parse},
     stats::bump,
 };
 
 const PASS: i32 = TC_ACT_OK;
 const DROP: i32 = TC_ACT_SHOT;
+/// Not ours: the next program in the chain (TCX_NEXT), or the stack if there is none.
+const NEXT: i32 = TC_ACT_UNSPEC;
 
 /// Where a tc program runs: which new flows it may start.
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -60,6 +62,34 @@ pub fn external(ctx: &TcContext) -> i32 {
 /// pods to LB IPs guarded by source ranges.
 pub fn reply(ctx: &TcContext) -> i32 {
     service(ctx, Side::Pod)
+}
+
+/// Egress of every interface with an ingress program (netfilter path): the source half of
+/// translations whose destination half ingress did, now that the host has routed the packet
+/// through FORWARD and POSTROUTING. An entry applies when the packet already carries the
+/// translation's destination (so ingress did its half): the egress entries of SNATed flows
+/// (`ct_flags::EGRESS`) and the reply entries of flows without SNAT, which are keyed by
+/// the backend's own packet.
+pub fn egress(ctx: &TcContext) -> i32 {
+    if fast_path() {
+        return NEXT;
+    }
+    let Some(pkt) = parse(ctx) else {
+        return NEXT;
+    };
+    let Some(entry) = conntrack::lookup(&pkt.ct_key()) else {
+        return NEXT;
+    };
+    // SAFETY: from a successful lookup, used in place (see `service`).
+    let value = unsafe { &*entry };
+    if value.flags & (ct_flags::EGRESS | ct_flags::REPLY) == 0
+        || value.dst != pkt.dst
+        || value.dport != pkt.dport
+        || (value.src == pkt.src && value.sport == pkt.sport)
+    {
+        return NEXT;
+    }
+    translate_source(ctx, &pkt, value)
 }
 
 #[inline(always)]
@@ -102,7 +132,14 @@ fn service(ctx: &TcContext, side: Side) -> i32 {
         Verdict::Action(action) => action,
         // Called from here, not from `new_flow`, so the two frames never stack up.
         Verdict::Reject => icmp::reject(ctx, &pkt),
-        Verdict::Translate => translate_new(ctx, &pkt),
+        // Here, not in `new_flow`: three frames (`external`, `new_flow`, and this or
+        // `reply_is_stale`) would exceed the verifier's 512-byte combined stack.
+        Verdict::Translate => {
+            if !insert_egress(&pkt) {
+                return DROP;
+            }
+            translate_new(ctx, &pkt)
+        }
     }
 }
 
@@ -294,6 +331,64 @@ fn new_flow(pkt: &Packet, key: &CtKey, frontend: &FrontendValue) -> Verdict {
         return Verdict::Action(DROP);
     }
     Verdict::Translate
+}
+
+/// Netfilter path, SNATed flow: the egress program's two entries, keyed by what the host
+/// routes after ingress rewrote the destination — the forward packet (client → backend,
+/// rewritten to come from the SNAT address and port) and the backend's reply once un-SNATed
+/// (backend → client, rewritten to come from the frontend). A flow without SNAT needs none:
+/// its reply entry is already keyed by the backend's packet. Reads the new flow from the
+/// scratch slot `new_flow` filled; on failure removes the flow's entries and counts it
+/// (false: drop). Not inlined, and keys are built in the scratch slot field by field, for the
+/// stack.
+#[inline(never)]
+fn insert_egress(pkt: &Packet) -> bool {
+    let Some(scratch) = KPR_TC_SCRATCH.get_ptr_mut(0) else {
+        return false;
+    };
+    // SAFETY: the per-CPU slot is ours until the program ends.
+    let scratch = unsafe { &mut *scratch };
+    if scratch.forward.flags & ct_flags::SNAT == 0 || fast_path() {
+        return true;
+    }
+    let key = &mut scratch.egress_key;
+    key.src = pkt.src;
+    key.dst = scratch.forward.dst;
+    key.sport = pkt.sport;
+    key.dport = scratch.forward.dport;
+    key.proto = pkt.proto;
+    key.family = pkt.family;
+    key._pad = 0;
+    scratch.forward.flags |= ct_flags::EGRESS;
+    let inserted = conntrack::insert(&scratch.egress_key, &scratch.forward).is_ok();
+    scratch.forward.flags &= !ct_flags::EGRESS;
+    if inserted {
+        let key = &mut scratch.egress_key;
+        key.src = scratch.forward.dst;
+        key.dst = pkt.src;
+        key.sport = scratch.forward.dport;
+        key.dport = pkt.sport;
+        scratch.reply.flags |= ct_flags::EGRESS;
+        if conntrack::insert(&scratch.egress_key, &scratch.reply).is_ok() {
+            return true;
+        }
+        let key = &mut scratch.egress_key;
+        key.src = pkt.src;
+        key.dst = scratch.forward.dst;
+        key.sport = pkt.sport;
+        key.dport = scratch.forward.dport;
+        conntrack::remove(&scratch.egress_key);
+    }
+    // Undo the flow: without its egress half it would leave SNAT undone.
+    conntrack::remove(&scratch.reply_key);
+    let key = &mut scratch.egress_key;
+    key.src = pkt.src;
+    key.dst = pkt.dst;
+    key.sport = pkt.sport;
+    key.dport = pkt.dport;
+    conntrack::remove(&scratch.egress_key);
+    bump(StatIndex::TcCtFailed);
+    false
 }
 
 /// `loadBalancerSourceRanges`: the longest-prefix match on (service id, client address).

@@ -175,6 +175,8 @@ impl TcNode {
                         .parse()
                         .map_err(|e| other(format!("cidr: {e}")))?,
                 ],
+                // The redirect fast path: what this exercises was written against it.
+                fast_path: true,
                 ..TcOptions::default()
             },
         };

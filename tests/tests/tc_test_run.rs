@@ -71,13 +71,29 @@ fn ifindex(name: &str) -> u32 {
 
 /// Runs `f` on a thread inside a fresh node namespace (namespaces are per thread; the test_run
 /// and the fib lookup it makes use the caller's namespace).
+/// The node takes the redirect fast path (`--tc-fast-path`): these tests check the full
+/// translation and `TC_ACT_REDIRECT` from one program; [`with_netfilter_node`] the default.
 fn with_node(f: impl FnOnce(&mut Node) + Send + 'static) {
     with_node_lb(LbOptions::default(), f);
+}
+
+/// [`with_node`] on the default netfilter path: ingress rewrites destinations and returns
+/// packets to the stack, `kpr_tc_egress` rewrites sources.
+fn with_netfilter_node(f: impl FnOnce(&mut Node) + Send + 'static) {
+    with_node_path(LbOptions::default(), false, f);
 }
 
 /// [`with_node`] with the given `--lb-algorithm` options; returns what `f` returns.
 fn with_node_lb<R: Send + 'static>(
     lb: LbOptions,
+    f: impl FnOnce(&mut Node) -> R + Send + 'static,
+) -> R {
+    with_node_path(lb, true, f)
+}
+
+fn with_node_path<R: Send + 'static>(
+    lb: LbOptions,
+    fast_path: bool,
     f: impl FnOnce(&mut Node) -> R + Send + 'static,
 ) -> R {
     proxy_tests::require_root();
@@ -122,6 +138,7 @@ fn with_node_lb<R: Send + 'static>(
             tc: TcOptions {
                 interfaces: vec!["ext0".into()],
                 cluster_cidrs: vec!["10.244.0.0/16".parse().expect("cidr")],
+                fast_path,
                 ..TcOptions::default()
             },
         };
@@ -265,6 +282,22 @@ fn run(node: &mut Node, program: &'static str, frame: &[u8], ifindex: u32) -> (i
     (out.action, parsed)
 }
 
+/// [`run`], also returning the output frame (to feed the next program).
+fn run_raw(
+    node: &mut Node,
+    program: &'static str,
+    frame: &[u8],
+    ifindex: u32,
+) -> (i32, Vec<u8>, Parsed) {
+    let out = node
+        .dataplane
+        .test_run_tc(program, frame, ifindex)
+        .expect("test_run");
+    let parsed = parse_checked(&out.packet)
+        .unwrap_or_else(|e| panic!("{program}: output {:02x?}: {e}", out.packet));
+    (out.action, out.packet, parsed)
+}
+
 /// A full round trip through a NodePort: the client's packet is DNATed (and SNATed unless
 /// `preserve`), both conntrack entries exist, and the backend's reply is translated back.
 fn round_trip(
@@ -319,6 +352,104 @@ fn round_trip(
     assert_eq!(back.source(), frontend, "{what}: reply source");
     assert_eq!(back.destination(), client, "{what}: reply destination");
     assert!(back.l4.ends_with(b"pong"));
+}
+
+/// `TC_ACT_UNSPEC`: the next program in the chain (TCX_NEXT), else the stack.
+const TC_ACT_UNSPEC: i32 = -1;
+
+/// The netfilter path (default): a NodePort flow's translation is split so that the host's
+/// FORWARD/POSTROUTING see the client and the backend — ingress only rewrites destinations
+/// and returns `TC_ACT_OK` to the stack, `kpr_tc_egress` rewrites sources. With SNAT (eTP
+/// Cluster) and without (eTP Local), TCP and UDP, IPv4 and IPv6.
+#[test]
+fn netfilter_path_splits_translation_between_ingress_and_egress() {
+    with_netfilter_node(|node| {
+        program_services(node);
+        let cases = [
+            (CLIENT, NODE_IP, 30080, BACKEND, 8080, L4::TcpSyn, false),
+            (CLIENT, NODE_IP, 30053, BACKEND, 5353, L4::Udp, false),
+            (CLIENT6, NODE_IP6, 30080, BACKEND6, 8080, L4::TcpSyn, false),
+            (CLIENT, NODE_IP, 30081, BACKEND, 8080, L4::TcpSyn, true),
+        ];
+        for (i, (client, node_ip, node_port, backend, backend_port, l4, preserve)) in
+            cases.into_iter().enumerate()
+        {
+            let client = sa(client, 41_000 + i as u16);
+            let frontend = sa(node_ip, node_port);
+            let backend = sa(backend, backend_port);
+            let what = format!("{l4:?} {client} → {frontend}");
+            // Ingress: DNAT only; the client stays the source for FORWARD.
+            let frame = build(client, frontend, l4, b"ping");
+            let (action, out_frame, out) =
+                run_raw(node, program_names::TC_EXTERNAL, &frame, node.ext0);
+            assert_eq!(action, 0, "{what}: TC_ACT_OK (to the stack)");
+            assert_eq!(out.destination(), backend, "{what}: DNAT");
+            assert_eq!(out.source(), client, "{what}: source untouched at ingress");
+
+            // Egress of the pod side (after FORWARD/POSTROUTING): SNAT, or nothing.
+            let (action, snat) = run(node, program_names::TC_EGRESS, &out_frame, node.pod0);
+            assert_eq!(snat.destination(), backend, "{what}: egress keeps the backend");
+            let to_backend = if preserve {
+                assert_eq!(action, TC_ACT_UNSPEC, "{what}: not ours at egress");
+                assert_eq!(snat.source(), client, "{what}: client kept (eTP Local)");
+                client
+            } else {
+                assert_eq!(action, 0, "{what}: egress SNAT action");
+                assert_eq!(snat.src, frontend.ip(), "{what}: SNAT address");
+                assert!(snat.sport() >= 61_000, "{what}: SNAT port {}", snat.sport());
+                let entry = ct_entry(node, &ct_key(client, backend, l4.proto()))
+                    .expect("egress forward entry");
+                assert_eq!(entry.flags & ct_flags::EGRESS, ct_flags::EGRESS);
+                snat.source()
+            };
+            assert!(snat.l4.ends_with(b"ping"), "{what}: payload");
+
+            // The backend answers on the pod side: ingress un-SNATs (destination only)...
+            let answer = build(backend, to_backend, l4, b"pong");
+            let (action, back_frame, back) =
+                run_raw(node, program_names::TC_REPLY, &answer, node.pod0);
+            assert_eq!(action, 0, "{what}: reply to the stack");
+            assert_eq!(back.destination(), client, "{what}: reply destination");
+            assert_eq!(back.source(), backend, "{what}: reply source still the backend");
+            // ...and egress of the external side puts the frontend back as its source.
+            let (action, out) = run(node, program_names::TC_EGRESS, &back_frame, node.ext0);
+            assert_eq!(action, 0, "{what}: egress reply action");
+            assert_eq!(out.source(), frontend, "{what}: reply source");
+            assert_eq!(out.destination(), client, "{what}: reply destination");
+            assert!(out.l4.ends_with(b"pong"));
+        }
+
+        // Traffic egress has no entry for passes on, unchanged, to the next program.
+        let unrelated = build(sa(CLIENT, 9), sa(BACKEND, 10), L4::Udp, b"x");
+        let (action, out) = run(node, program_names::TC_EGRESS, &unrelated, node.pod0);
+        assert_eq!(action, TC_ACT_UNSPEC);
+        assert_eq!((out.source(), out.destination()), (sa(CLIENT, 9), sa(BACKEND, 10)));
+    });
+}
+
+/// On the fast path the egress program passes everything: ingress did the whole translation.
+#[test]
+fn fast_path_egress_passes_everything() {
+    with_node(|node| {
+        program_services(node);
+        let client = sa(CLIENT, 42_000);
+        let frame = build(client, sa(NODE_IP, 30053), L4::Udp, b"ping");
+        let (action, out_frame, out) =
+            run_raw(node, program_names::TC_EXTERNAL, &frame, node.ext0);
+        assert_eq!(action, TC_ACT_REDIRECT);
+        let (action, again) = run(node, program_names::TC_EGRESS, &out_frame, node.pod0);
+        assert_eq!(action, TC_ACT_UNSPEC);
+        assert_eq!(
+            (again.source(), again.destination()),
+            (out.source(), out.destination())
+        );
+        // No egress entries were written.
+        let entries = node.dataplane.conntrack_entries().expect("conntrack");
+        assert!(
+            entries.iter().all(|(_, v)| v.flags & ct_flags::EGRESS == 0),
+            "{entries:?}"
+        );
+    });
 }
 
 #[test]

@@ -287,6 +287,7 @@ pub fn apply(
             Err(reason) => overlay.flag_only("bpf-maglev-table-size", text, reason),
         }
     }
+    ebpf.tc_fast_path = args.tc_fast_path;
     if let Some(names) = &args.interfaces {
         for name in names.iter().map(|n| n.trim()).filter(|n| !n.is_empty()) {
             match interface_name_problem(name) {

@@ -178,6 +178,8 @@ pub struct EbpfConfig {
     pub maglev_table_size: u32,
     /// `--bpf-map-maglev`.
     pub map_maglev: u32,
+    /// `--tc-fast-path`: translated external traffic skips netfilter FORWARD/POSTROUTING.
+    pub tc_fast_path: bool,
 }
 
 /// `--lb-algorithm`: how the tc programs choose a backend for a new external flow.
@@ -200,6 +202,7 @@ impl Default for EbpfConfig {
             lb_algorithm: LbAlgorithm::Random,
             maglev_table_size: crate::dataplane::ebpf::DEFAULT_MAGLEV_TABLE_SIZE,
             map_maglev: proxy_common::default_sizes::MAGLEV,
+            tc_fast_path: false,
         }
     }
 }

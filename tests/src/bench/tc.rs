@@ -182,6 +182,7 @@ pub fn per_packet_cost(loops: TcLoops) -> Result<PacketCostResult> {
                         .parse()
                         .map_err(|e| RigError::Other(format!("cluster CIDR: {e}")))?,
                 ],
+                fast_path: true,
                 ..TcOptions::default()
             },
         };

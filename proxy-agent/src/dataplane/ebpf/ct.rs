@@ -202,29 +202,81 @@ fn forward_expired(key: &CtKey, value: &CtValue, now: u64) -> bool {
 fn reply_dead(key: &CtKey, value: &CtValue, forward: Option<&CtValue>, now: u64) -> bool {
     let forward_key = reverse_key(key, value);
     let alive = forward.is_some_and(|f| answers(f, key) && !forward_expired(&forward_key, f, now));
-    !alive && now.wrapping_sub(value.last_seen_ns) > ct_timeout::ORPHAN_REPLY_NS
+    !alive && orphan_old(value, now)
+}
+
+fn orphan_old(value: &CtValue, now: u64) -> bool {
+    now.wrapping_sub(value.last_seen_ns) > ct_timeout::ORPHAN_REPLY_NS
+}
+
+fn is_egress(value: &CtValue) -> bool {
+    value.flags & ct_flags::EGRESS != 0
+}
+
+/// Whether entry (`key`, `value`) is dead; `lookup` reads other entries (a snapshot or the
+/// live map). Egress entries (netfilter path, `ct_flags::EGRESS`) are never refreshed by the
+/// datapath: they live exactly as long as the SNATed flow they mirror.
+/// - egress reply entry (backend → client): its flow's forward entry (client → frontend, the
+///   reverse of its value) is alive, SNATed, and goes to this backend;
+/// - egress forward entry (client → backend): its flow's reply entry (backend → SNAT address,
+///   the reverse of its value) exists and that flow's forward entry is alive.
+fn entry_dead(
+    key: &CtKey,
+    value: &CtValue,
+    lookup: impl Fn(&CtKey) -> Option<CtValue>,
+    now: u64,
+) -> bool {
+    if is_egress(value) {
+        let alive = if is_reply(value) {
+            let forward_key = reverse_key(key, value);
+            lookup(&forward_key).is_some_and(|f| {
+                !is_reply(&f)
+                    && f.flags & ct_flags::SNAT != 0
+                    && f.dst == key.src
+                    && f.dport == key.sport
+                    && !forward_expired(&forward_key, &f, now)
+            })
+        } else {
+            let reply_key = reverse_key(key, value);
+            lookup(&reply_key).is_some_and(|reply| {
+                is_reply(&reply)
+                    && !is_egress(&reply)
+                    && reply.dst == key.src
+                    && reply.dport == key.sport
+                    && {
+                        let forward_key = reverse_key(&reply_key, &reply);
+                        lookup(&forward_key).is_some_and(|f| {
+                            answers(&f, &reply_key) && !forward_expired(&forward_key, &f, now)
+                        })
+                    }
+            })
+        };
+        return !alive && orphan_old(value, now);
+    }
+    if is_reply(value) {
+        let forward = lookup(&reverse_key(key, value));
+        reply_dead(key, value, forward.as_ref(), now)
+    } else {
+        forward_expired(key, value, now)
+    }
 }
 
 /// The keys a garbage collection run deletes from a snapshot of the map taken at monotonic
 /// time `now` (`bpf_ktime_get_ns`'s clock): expired forward entries, the reply entries of
-/// their flows, and dead reply entries. At most `limit` keys.
+/// their flows, dead reply entries and the egress entries of dead flows. At most `limit` keys.
 pub fn gc_keys(entries: &[(CtKey, CtValue)], now: u64, limit: usize) -> Vec<CtKey> {
     let by_key: StdHashMap<&CtKey, &CtValue> = entries.iter().map(|(k, v)| (k, v)).collect();
+    let lookup = |k: &CtKey| by_key.get(k).map(|v| **v);
     let mut keys = Vec::new();
     for (key, value) in entries {
         if keys.len() >= limit {
             break;
         }
-        if is_reply(value) {
-            let forward = by_key.get(&reverse_key(key, value)).copied();
-            if reply_dead(key, value, forward, now) {
-                keys.push(*key);
-            }
-        } else if forward_expired(key, value, now) {
+        // An expired forward entry's reply entry is found dead on its own when the walk
+        // reaches it unless it is younger than ORPHAN_REPLY_NS, which a reply entry of an
+        // expired flow cannot be: it was written when the flow began.
+        if entry_dead(key, value, lookup, now) {
             keys.push(*key);
-            // Its reply entry is found dead on its own when the walk reaches it (this forward
-            // entry is expired) unless it is younger than ORPHAN_REPLY_NS, which a reply entry
-            // of an expired flow cannot be: it was written when the flow began.
         }
     }
     keys
@@ -258,12 +310,7 @@ pub fn gc<T: std::borrow::BorrowMut<MapData>>(
         let Ok(value) = map.get(&key, 0) else {
             continue;
         };
-        let dead = if is_reply(&value) {
-            let forward = map.get(&reverse_key(&key, &value), 0).ok();
-            reply_dead(&key, &value, forward.as_ref(), now)
-        } else {
-            forward_expired(&key, &value, now)
-        };
+        let dead = entry_dead(&key, &value, |k| map.get(k, 0).ok(), now);
         if dead && map.remove(&key).is_ok() {
             if is_reply(&value) {
                 report.deleted_reply += 1;
@@ -434,5 +481,75 @@ mod tests {
 
         // The limit bounds a run.
         assert_eq!(gc_keys(&entries, now, 1), vec![expired[0].0]);
+    }
+
+    /// The egress entries (netfilter path) of `aged`'s flow: client → backend (SNAT) and
+    /// backend → client (frontend address), as `new_flow` writes them.
+    fn egress_of(flow: &[(CtKey, CtValue); 2]) -> [(CtKey, CtValue); 2] {
+        let (fk, fv) = flow[0];
+        let (_, rv) = flow[1];
+        let forward = (
+            CtKey {
+                src: fk.src,
+                dst: fv.dst,
+                sport: fk.sport,
+                dport: fv.dport,
+                ..fk
+            },
+            CtValue {
+                flags: fv.flags | ct_flags::EGRESS,
+                ..fv
+            },
+        );
+        let reply = (
+            CtKey {
+                src: fv.dst,
+                dst: fk.src,
+                sport: fv.dport,
+                dport: fk.sport,
+                ..fk
+            },
+            CtValue {
+                flags: rv.flags | ct_flags::EGRESS,
+                ..rv
+            },
+        );
+        [forward, reply]
+    }
+
+    #[test]
+    fn gc_keeps_egress_entries_exactly_as_long_as_their_flow() {
+        let now = 1_000 * ct_timeout::NANOS_PER_SECOND;
+        // Written when the flow began (100 s ago), never refreshed: the live flow's forward
+        // entry is what keeps them.
+        let mut live = aged([10, 244, 2, 2], 40_000, now, 100);
+        live[0].1.last_seen_ns = now - ct_timeout::NANOS_PER_SECOND;
+        let expired = aged([10, 244, 2, 2], 40_001, now, 130);
+        let mut entries = Vec::new();
+        entries.extend(live);
+        entries.extend(egress_of(&live));
+        entries.extend(expired);
+        let expired_egress = egress_of(&expired);
+        entries.extend(expired_egress);
+        let keys = gc_keys(&entries, now, usize::MAX);
+        assert_eq!(
+            keys,
+            vec![
+                expired[0].0,
+                expired[1].0,
+                expired_egress[0].0,
+                expired_egress[1].0
+            ]
+        );
+
+        // Once the flow's entries are gone, its egress entries are orphans; young ones stay
+        // (the datapath writes them right after the flow's own).
+        let orphans = egress_of(&live).to_vec();
+        assert_eq!(gc_keys(&orphans, now, usize::MAX).len(), 2);
+        let mut young = orphans.clone();
+        for (_, value) in &mut young {
+            value.last_seen_ns = now - ct_timeout::NANOS_PER_SECOND;
+        }
+        assert!(gc_keys(&young, now, usize::MAX).is_empty());
     }
 }

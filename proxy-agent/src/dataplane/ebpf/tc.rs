@@ -9,6 +9,13 @@
 //!   local backends, which are addressed to the SNAT address (or the client) and must be
 //!   translated before the kernel routes them.
 //!
+//! - Every interface that gets one of the above also gets `kpr_tc_egress` on egress: on the
+//!   netfilter path (the default) ingress only rewrites destinations and returns packets to
+//!   the stack, so the host's FORWARD/POSTROUTING (and a CNI's netfilter policy) see client and
+//!   backend; this program then rewrites sources (SNAT, frontend address on replies) after
+//!   POSTROUTING. With `fast_path` (`--tc-fast-path`) ingress translates fully and redirects,
+//!   and the egress program passes everything.
+//!
 //! Interfaces are discovered with `getifaddrs` (netlink, in the agent's network namespace), at
 //! start and on every sync, so pods created later get the reply program. Links are TCX links
 //! (kernel ≥ 6.6) pinned as `<program>_if<ifindex>_link`, replaced like the cgroup links.
@@ -28,7 +35,7 @@ use aya::{
     },
 };
 use ipnet::IpNet;
-use proxy_common::{NodeAddrKey, NodeConfig, family, program_names};
+use proxy_common::{NodeAddrKey, NodeConfig, family, node_flags, program_names};
 use tracing::{debug, info, warn};
 
 use super::{
@@ -55,6 +62,10 @@ pub struct TcOptions {
     pub masquerade_all: bool,
     /// `iptables.localhostNodePorts`: IPv4 NodePorts on loopback addresses too.
     pub localhost_node_ports: bool,
+    /// `--tc-fast-path`: redirect translated packets past the host's netfilter FORWARD and
+    /// POSTROUTING (`node_flags::FAST_PATH`); the host's netfilter policy then does not apply
+    /// to external Service traffic.
+    pub fast_path: bool,
 }
 
 /// The cookie of the agent's network namespace — the node's — as the socket hooks'
@@ -195,7 +206,9 @@ impl TcState {
             node::ebpf::external_interfaces(&self.options.interfaces, &settings.detect_local, &all);
         let (mut config, addrs) = node::ebpf::node_config(&settings, &all, &external);
         config.host_netns_cookie = self.host_netns_cookie;
-        self.program_node(config, &addrs);
+        if self.options.fast_path {
+            config.flags |= node_flags::FAST_PATH;
+        }
         let mut wanted = BTreeSet::new();
         for name in all.keys() {
             if all[name].loopback {
@@ -213,19 +226,30 @@ impl TcState {
                     continue;
                 }
             };
-            let pin_name = format!("{program}_if{index}{LINK_SUFFIX}");
-            wanted.insert(pin_name.clone());
-            if self.links.contains_key(&pin_name) {
-                continue;
-            }
-            match attach(ebpf, program, name, pin_dir, &pin_name) {
-                Ok(link) => {
-                    info!(interface = %name, program, "tc program attached");
-                    self.links.insert(pin_name, link);
+            // Egress first: on the netfilter path an ingress translation needs its egress half.
+            for (program, direction) in [
+                (program_names::TC_EGRESS, TcAttachType::Egress),
+                (program, TcAttachType::Ingress),
+            ] {
+                let pin_name = format!("{program}_if{index}{LINK_SUFFIX}");
+                wanted.insert(pin_name.clone());
+                if self.links.contains_key(&pin_name) {
+                    continue;
                 }
-                Err(error) => warn!(interface = %name, program, %error, "cannot attach tc program"),
+                match attach(ebpf, program, name, direction, pin_dir, &pin_name) {
+                    Ok(link) => {
+                        info!(interface = %name, program, "tc program attached");
+                        self.links.insert(pin_name, link);
+                    }
+                    Err(error) => {
+                        warn!(interface = %name, program, %error, "cannot attach tc program");
+                    }
+                }
             }
         }
+        // After the links: the node config chooses the path (fast or netfilter), and the
+        // netfilter path needs the egress programs in place.
+        self.program_node(config, &addrs);
         self.detach_unwanted(&wanted, pin_dir);
         if first {
             self.remove_stale_pins(pin_dir);
@@ -286,7 +310,8 @@ impl TcState {
         for entry in entries.flatten() {
             let name = entry.file_name().to_string_lossy().into_owned();
             let is_tc = name.starts_with(program_names::TC_EXTERNAL)
-                || name.starts_with(program_names::TC_REPLY);
+                || name.starts_with(program_names::TC_REPLY)
+                || name.starts_with(program_names::TC_EGRESS);
             if is_tc && name.ends_with(LINK_SUFFIX) && !self.links.contains_key(&name) {
                 match remove_if_present(&entry.path()) {
                     Ok(()) => debug!(pin = %name, "removed stale tc link pin"),
@@ -306,12 +331,13 @@ impl TcState {
     }
 }
 
-/// Attaches `program` to `interface` ingress as a TCX link and pins it (replacing, and so
-/// detaching, a previous agent's link for the same interface only once the new one runs).
+/// Attaches `program` to `interface` (`direction`) as a TCX link and pins it (replacing, and
+/// so detaching, a previous agent's link for the same interface only once the new one runs).
 fn attach(
     ebpf: &mut Ebpf,
     program: &'static str,
     interface: &str,
+    direction: TcAttachType,
     pin_dir: &Path,
     pin_name: &str,
 ) -> Result<PinnedLink, LoadError> {
@@ -329,7 +355,7 @@ fn attach(
     }
     // TCX on ≥ 6.6 (toolchain.md): a link, so it can be pinned and outlive the agent.
     let link_id = classifier
-        .attach(interface, TcAttachType::Ingress)
+        .attach(interface, direction)
         .map_err(program_error)?;
     let link = classifier.take_link(link_id).map_err(program_error)?;
     let link = FdLink::try_from(link).map_err(|source| LoadError::Link {
@@ -342,8 +368,6 @@ fn attach(
 #[cfg(test)]
 mod tests {
     use std::collections::BTreeMap;
-
-    use proxy_common::node_flags;
 
     use super::*;
     use crate::node::{Interface, ebpf::node_config};
