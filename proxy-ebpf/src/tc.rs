@@ -15,7 +15,7 @@
 //! passes untouched.
 
 use aya_ebpf::{
-    bindings::{TC_ACT_OK, TC_ACT_SHOT, TC_ACT_UNSPEC},
+    bindings::{TC_ACT_SHOT, TC_ACT_UNSPEC},
     helpers::bpf_ktime_get_ns,
     maps::lpm_trie::Key,
     programs::TcContext,
@@ -38,9 +38,12 @@ use crate::{
     stats::bump,
 };
 
-const PASS: i32 = TC_ACT_OK;
 const DROP: i32 = TC_ACT_SHOT;
-/// Not ours: the next program in the chain (TCX_NEXT), or the stack if there is none.
+/// Not ours: the next program in the chain (`TCX_NEXT`; under legacy cls_bpf the next
+/// filter), or the stack if there is none. `TC_ACT_OK` would be `TCX_PASS`, which ends the
+/// chain: a program attached after ours would never see the interface's traffic (cilium
+/// #36775). Packets we translated return `TC_ACT_OK`: they are ours, and a program behind
+/// ours would only see them half-translated on the netfilter path.
 const NEXT: i32 = TC_ACT_UNSPEC;
 
 /// Where a tc program runs: which new flows it may start.
@@ -95,7 +98,7 @@ pub fn egress(ctx: &TcContext) -> i32 {
 #[inline(always)]
 fn service(ctx: &TcContext, side: Side) -> i32 {
     let Some(pkt) = parse(ctx) else {
-        return PASS;
+        return NEXT;
     };
     // SAFETY: bpf_ktime_get_ns has no preconditions.
     let now = unsafe { bpf_ktime_get_ns() };
@@ -118,7 +121,7 @@ fn service(ctx: &TcContext, side: Side) -> i32 {
         }
     }
     let Some(frontend) = lookup_frontend(&pkt, side) else {
-        return PASS;
+        return NEXT;
     };
     // Only a SYN starts a TCP connection. Any other segment without an entry belongs to a flow
     // this datapath does not know (one the kernel's conntrack NATs, from before a takeover, or
@@ -126,7 +129,7 @@ fn service(ctx: &TcContext, side: Side) -> i32 {
     // to the stack unchanged.
     if pkt.proto == proto::TCP && !pkt.opens() {
         bump(StatIndex::TcMidstreamPassed);
-        return PASS;
+        return NEXT;
     }
     match new_flow(&pkt, &key, &frontend) {
         Verdict::Action(action) => action,

@@ -17,6 +17,8 @@ pub const PROTO_SCTP: u8 = 132;
 /// tc actions (`TC_ACT_*`) as the programs return them.
 pub const TC_ACT_OK: i32 = 0;
 pub const TC_ACT_SHOT: i32 = 2;
+/// `TC_ACT_UNSPEC`: not the program's packet — the next program (TCX_NEXT), else the stack.
+pub const TC_ACT_UNSPEC: i32 = -1;
 pub const TC_ACT_REDIRECT: i32 = 7;
 
 const CLIENT_MAC: [u8; 6] = [0x02, 0, 0, 0, 0, 0x02];

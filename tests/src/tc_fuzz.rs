@@ -3,11 +3,13 @@
 //! with a few Services programmed through the real `EbpfDataplane`. Our packet parser is the
 //! eBPF code itself (it runs in the kernel), so this is where malformed input must be proven
 //! harmless. On every frame:
-//! - the action is one the programs may return (`TC_ACT_OK`, `TC_ACT_SHOT`, `TC_ACT_REDIRECT`);
+//! - the action is one the programs may return (`TC_ACT_UNSPEC`, `TC_ACT_OK`, `TC_ACT_SHOT`,
+//!   `TC_ACT_REDIRECT`);
 //! - a well-formed frame (every length and checksum valid, [`parse_checked`]) that comes back
 //!   changed is still well-formed: every checksum the program touched was updated right;
 //! - a well-formed frame unrelated to any Service (no frontend port or address as destination,
-//!   not from a backend address) comes back byte for byte unchanged with `TC_ACT_OK`.
+//!   not from a backend address) comes back byte for byte unchanged with `TC_ACT_UNSPEC` (the next
+//!   program's, never `TC_ACT_OK`, which would end the TCX chain).
 //!
 //! Used by `tests/tests/tc_fuzz.rs` (bounded and deterministic, in `cargo xtask test`) and by the
 //! cargo-fuzz target `tc_packets` (`tests/fuzz/`). Needs root and the real eBPF object.
@@ -31,8 +33,8 @@ use crate::{
     cgroup::ChildCgroup,
     netns::Netns,
     packet::{
-        L4, PROTO_SCTP, PROTO_TCP, PROTO_UDP, TC_ACT_OK, TC_ACT_REDIRECT, TC_ACT_SHOT, build,
-        parse_checked,
+        L4, PROTO_SCTP, PROTO_TCP, PROTO_UDP, TC_ACT_OK, TC_ACT_REDIRECT, TC_ACT_SHOT,
+        TC_ACT_UNSPEC, build, parse_checked,
     },
 };
 
@@ -358,7 +360,7 @@ impl TcNode {
                 out.packet
             )))
         };
-        if ![TC_ACT_OK, TC_ACT_SHOT, TC_ACT_REDIRECT].contains(&out.action) {
+        if ![TC_ACT_UNSPEC, TC_ACT_OK, TC_ACT_SHOT, TC_ACT_REDIRECT].contains(&out.action) {
             return fail(format!("unexpected action {}", out.action));
         }
         let rewritten = out.packet != frame;
@@ -368,7 +370,7 @@ impl TcNode {
                     "rewrote a well-formed frame into a broken one: {e}"
                 ));
             }
-            if unrelated(frame) && (rewritten || out.action != TC_ACT_OK) {
+            if unrelated(frame) && (rewritten || out.action != TC_ACT_UNSPEC) {
                 return fail(format!(
                     "a frame unrelated to any Service came back {} with action {}",
                     if rewritten { "changed" } else { "unchanged" },

@@ -506,9 +506,7 @@ fn answered(s: &Scenario, count: u32) -> anyhow::Result<Vec<(SocketAddr, usize)>
 /// FORWARD: once as an iptables rule, once as an nftables chain in a table of its own (as a
 /// CNI's would be). Returns what each address answered without the rule, with the iptables
 /// rule, with the nft rule. The rules are removed again before returning.
-fn answered_under_forward_policy(
-    s: &Scenario,
-) -> anyhow::Result<[Vec<(SocketAddr, usize)>; 3]> {
+fn answered_under_forward_policy(s: &Scenario) -> anyhow::Result<[Vec<(SocketAddr, usize)>; 3]> {
     let node = s.topo.node();
     let client = Topology::ext_ip().to_string();
     let open = answered(s, 3)?;
@@ -524,7 +522,17 @@ fn answered_under_forward_policy(
     )?;
     node.exec(
         "nft",
-        &["add", "rule", "inet", "foreign_policy", "policy_forward", "ip", "saddr", &client, "drop"],
+        &[
+            "add",
+            "rule",
+            "inet",
+            "foreign_policy",
+            "policy_forward",
+            "ip",
+            "saddr",
+            &client,
+            "drop",
+        ],
     )?;
     let nft = answered(s, 3);
     node.exec("nft", &["delete", "table", "inet", "foreign_policy"])?;
@@ -552,7 +560,9 @@ fn host_forward_policy_applies_to_external_traffic_in_both_modes() -> anyhow::Re
         s.wait_for_datapath_with(&client, node_port_addr(), "NodePort answered", is_pod)?;
         let [open, iptables, nft] = answered_under_forward_policy(&s)?;
         eprintln!("{mode}: open {open:?}, iptables drop {iptables:?}, nft drop {nft:?}");
-        s.ensure(all_answered(&open, 3), || format!("{mode}: without a rule: {open:?}"))?;
+        s.ensure(all_answered(&open, 3), || {
+            format!("{mode}: without a rule: {open:?}")
+        })?;
         s.ensure(all_answered(&iptables, 0), || {
             format!("{mode}: an iptables FORWARD drop must block the client: {iptables:?}")
         })?;
@@ -581,7 +591,9 @@ fn fast_path_skips_the_host_forward_policy() -> anyhow::Result<()> {
     s.wait_for_datapath_with(&client, node_port_addr(), "NodePort answered", is_pod)?;
     let [open, iptables, nft] = answered_under_forward_policy(&s)?;
     eprintln!("fast path: open {open:?}, iptables drop {iptables:?}, nft drop {nft:?}");
-    s.ensure(all_answered(&open, 3), || format!("without a rule: {open:?}"))?;
+    s.ensure(all_answered(&open, 3), || {
+        format!("without a rule: {open:?}")
+    })?;
     s.ensure(all_answered(&iptables, 3), || {
         format!("the fast path bypasses FORWARD: {iptables:?}")
     })?;

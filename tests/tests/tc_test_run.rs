@@ -39,7 +39,7 @@ use proxy_tests::{
     netns::Netns,
     packet::{
         L4, PROTO_ICMP, PROTO_ICMPV6, PROTO_TCP, PROTO_UDP, Parsed, TC_ACT_REDIRECT, TC_ACT_SHOT,
-        build, crc32c, inet_checksum, parse_checked,
+        TC_ACT_UNSPEC, build, crc32c, inet_checksum, parse_checked,
     },
 };
 
@@ -354,9 +354,6 @@ fn round_trip(
     assert!(back.l4.ends_with(b"pong"));
 }
 
-/// `TC_ACT_UNSPEC`: the next program in the chain (TCX_NEXT), else the stack.
-const TC_ACT_UNSPEC: i32 = -1;
-
 /// The netfilter path (default): a NodePort flow's translation is split so that the host's
 /// FORWARD/POSTROUTING see the client and the backend — ingress only rewrites destinations
 /// and returns `TC_ACT_OK` to the stack, `kpr_tc_egress` rewrites sources. With SNAT (eTP
@@ -388,7 +385,11 @@ fn netfilter_path_splits_translation_between_ingress_and_egress() {
 
             // Egress of the pod side (after FORWARD/POSTROUTING): SNAT, or nothing.
             let (action, snat) = run(node, program_names::TC_EGRESS, &out_frame, node.pod0);
-            assert_eq!(snat.destination(), backend, "{what}: egress keeps the backend");
+            assert_eq!(
+                snat.destination(),
+                backend,
+                "{what}: egress keeps the backend"
+            );
             let to_backend = if preserve {
                 assert_eq!(action, TC_ACT_UNSPEC, "{what}: not ours at egress");
                 assert_eq!(snat.source(), client, "{what}: client kept (eTP Local)");
@@ -410,7 +411,11 @@ fn netfilter_path_splits_translation_between_ingress_and_egress() {
                 run_raw(node, program_names::TC_REPLY, &answer, node.pod0);
             assert_eq!(action, 0, "{what}: reply to the stack");
             assert_eq!(back.destination(), client, "{what}: reply destination");
-            assert_eq!(back.source(), backend, "{what}: reply source still the backend");
+            assert_eq!(
+                back.source(),
+                backend,
+                "{what}: reply source still the backend"
+            );
             // ...and egress of the external side puts the frontend back as its source.
             let (action, out) = run(node, program_names::TC_EGRESS, &back_frame, node.ext0);
             assert_eq!(action, 0, "{what}: egress reply action");
@@ -423,7 +428,10 @@ fn netfilter_path_splits_translation_between_ingress_and_egress() {
         let unrelated = build(sa(CLIENT, 9), sa(BACKEND, 10), L4::Udp, b"x");
         let (action, out) = run(node, program_names::TC_EGRESS, &unrelated, node.pod0);
         assert_eq!(action, TC_ACT_UNSPEC);
-        assert_eq!((out.source(), out.destination()), (sa(CLIENT, 9), sa(BACKEND, 10)));
+        assert_eq!(
+            (out.source(), out.destination()),
+            (sa(CLIENT, 9), sa(BACKEND, 10))
+        );
     });
 }
 
@@ -434,8 +442,7 @@ fn fast_path_egress_passes_everything() {
         program_services(node);
         let client = sa(CLIENT, 42_000);
         let frame = build(client, sa(NODE_IP, 30053), L4::Udp, b"ping");
-        let (action, out_frame, out) =
-            run_raw(node, program_names::TC_EXTERNAL, &frame, node.ext0);
+        let (action, out_frame, out) = run_raw(node, program_names::TC_EXTERNAL, &frame, node.ext0);
         assert_eq!(action, TC_ACT_REDIRECT);
         let (action, again) = run(node, program_names::TC_EGRESS, &out_frame, node.pod0);
         assert_eq!(action, TC_ACT_UNSPEC);
@@ -578,7 +585,10 @@ fn pods_reach_guarded_lb_ips_through_the_reply_program() {
             .dataplane
             .test_run_tc(program_names::TC_REPLY, &node_port, node.pod0)
             .expect("test_run");
-        assert_eq!(out.action, 0, "TC_ACT_OK: the socket hooks' business");
+        assert_eq!(
+            out.action, TC_ACT_UNSPEC,
+            "TC_ACT_UNSPEC (TCX_NEXT): the socket hooks' business, and other programs' too"
+        );
         assert_eq!(out.packet, node_port, "untouched");
     });
 }

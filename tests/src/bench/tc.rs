@@ -32,7 +32,7 @@ use super::stats::Spread;
 use crate::agent::TempBpfRoot;
 use crate::cgroup::ChildCgroup;
 use crate::netns::Netns;
-use crate::packet::{L4, TC_ACT_OK, TC_ACT_REDIRECT, TC_ACT_SHOT, build};
+use crate::packet::{L4, TC_ACT_OK, TC_ACT_REDIRECT, TC_ACT_SHOT, TC_ACT_UNSPEC, build};
 use crate::{Result, RigError};
 
 const TC_EXTERNAL: &str = "kpr_tc_external";
@@ -419,7 +419,8 @@ fn run_once(
 /// Checks that `path` took the branch it is named after (once per path, before timing).
 fn check(path: TcPath, action: i32, out: &[u8], input: &Frames) -> Result<()> {
     let expected = match path {
-        TcPath::Floor | TcPath::NonIp | TcPath::PassThrough | TcPath::PodNotReply => TC_ACT_OK,
+        TcPath::Floor => TC_ACT_OK,
+        TcPath::NonIp | TcPath::PassThrough | TcPath::PodNotReply => TC_ACT_UNSPEC,
         TcPath::Drop => TC_ACT_SHOT,
         TcPath::NodePortNewFlow | TcPath::NodePortEstablished | TcPath::ReverseNat => {
             TC_ACT_REDIRECT

@@ -498,6 +498,8 @@ mod tests {
             },
             CtValue {
                 flags: fv.flags | ct_flags::EGRESS,
+                // Written when the flow began, like its reply entry.
+                last_seen_ns: rv.last_seen_ns,
                 ..fv
             },
         );
