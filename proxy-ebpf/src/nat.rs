@@ -24,7 +24,9 @@ use core::{mem, ptr};
 use aya_ebpf::{
     EbpfContext as _,
     bindings::bpf_fib_lookup as FibLookup,
-    bindings::{BPF_FIB_LKUP_RET_NO_NEIGH, BPF_FIB_LKUP_RET_SUCCESS, TC_ACT_OK, TC_ACT_SHOT},
+    bindings::{
+        BPF_FIB_LKUP_RET_NO_NEIGH, BPF_FIB_LKUP_RET_SUCCESS, TC_ACT_OK, TC_ACT_SHOT, TC_ACT_UNSPEC,
+    },
     helpers::{bpf_fib_lookup, bpf_redirect_neigh},
     programs::TcContext,
 };
@@ -98,9 +100,10 @@ pub fn translate(ctx: &TcContext, pkt: &Packet, to: &CtValue, stat: StatIndex) -
     bump(stat);
     if !fast {
         // The stack routes it (PREROUTING, FORWARD or INPUT, POSTROUTING); the egress
-        // program finishes the translation. `TC_ACT_OK`: the packet is ours now, and a
-        // program behind ours would see a half-translated packet.
-        return TC_ACT_OK;
+        // program finishes the translation. `TC_ACT_UNSPEC` (`TCX_NEXT`), not `TC_ACT_OK`
+        // (`TCX_PASS`, which ends the chain): programs and tc filters behind ours keep seeing
+        // the interface's Service traffic, DNATed as a netfilter hook after PREROUTING would.
+        return TC_ACT_UNSPEC;
     }
     forward(ctx, pkt, to)
 }
@@ -114,7 +117,8 @@ pub fn translate_source(ctx: &TcContext, pkt: &Packet, to: &CtValue) -> i32 {
         return TC_ACT_SHOT;
     }
     bump(StatIndex::TcEgressTranslated);
-    TC_ACT_OK
+    // As in `translate`: programs behind ours still see the packet.
+    TC_ACT_UNSPEC
 }
 
 #[inline(always)]

@@ -42,8 +42,8 @@ const DROP: i32 = TC_ACT_SHOT;
 /// Not ours: the next program in the chain (`TCX_NEXT`; under legacy cls_bpf the next
 /// filter), or the stack if there is none. `TC_ACT_OK` would be `TCX_PASS`, which ends the
 /// chain: a program attached after ours would never see the interface's traffic (cilium
-/// #36775). Packets we translated return `TC_ACT_OK`: they are ours, and a program behind
-/// ours would only see them half-translated on the netfilter path.
+/// #36775). Translated packets too, on the netfilter path (see `nat::translate`); only the
+/// fast path's redirect and our drops end the chain.
 const NEXT: i32 = TC_ACT_UNSPEC;
 
 /// Where a tc program runs: which new flows it may start.

@@ -11,6 +11,7 @@ pub mod cgroup;
 pub mod client;
 pub mod echo;
 pub mod error;
+pub mod foreign_tc;
 pub mod helper;
 pub mod manifests;
 pub mod netns;

@@ -602,3 +602,81 @@ fn fast_path_skips_the_host_forward_policy() -> anyhow::Result<()> {
     })?;
     Ok(())
 }
+
+/// Packets the foreign TCX program marked, by the nft counter in the node namespace.
+fn marked_packets(s: &Scenario) -> anyhow::Result<u64> {
+    let out = s
+        .topo
+        .node()
+        .exec("nft", &["list", "chain", "inet", "foreign_count", "pre"])?;
+    let count = out
+        .split("packets ")
+        .nth(1)
+        .and_then(|rest| rest.split_whitespace().next())
+        .and_then(|n| n.parse().ok());
+    count.ok_or_else(|| anyhow::anyhow!("no counter in {out}"))
+}
+
+/// Issue 18, good neighbour: a TCX program attached to the external interface after ours (so
+/// behind it in the chain) keeps seeing the interface's traffic — Service traffic we translate
+/// and traffic that is not ours — across an agent restart and after `--cleanup`, which leave
+/// it attached. It marks what it sees; an nft counter in a foreign table counts the mark.
+/// With our programs ending the chain (`TC_ACT_OK` = `TCX_PASS`) it saw nothing.
+#[test]
+fn a_foreign_tcx_program_behind_ours_keeps_seeing_traffic() -> anyhow::Result<()> {
+    use proxy_tests::foreign_tc::{FOREIGN_MARK, ForeignTcx};
+    let mut s = setup(1)?;
+    s.manifests.write("svc.yaml", &lb_service("Cluster", &[]))?;
+    s.manifests.write(
+        "slice.yaml",
+        &http_slice(NAMESPACE, "web-1", SERVICE, &[pod_endpoint(1)]),
+    )?;
+    start(&mut s)?;
+    let client = ext_client()(&s);
+    s.wait_for_datapath_with(&client, node_port_addr(), "NodePort answered", is_pod)?;
+    let node = s.topo.node();
+    node.exec("nft", &["add", "table", "inet", "foreign_count"])?;
+    node.exec(
+        "nft",
+        &["add chain inet foreign_count pre { type filter hook prerouting priority -300; }"],
+    )?;
+    node.exec(
+        "nft",
+        &[&format!(
+            "add rule inet foreign_count pre meta mark {FOREIGN_MARK:#x} counter"
+        )],
+    )?;
+    let _foreign = ForeignTcx::attach(&node.path(), "vext")?;
+
+    // Each answered TCP exchange is at least SYN, ACK and the request from the client.
+    let check = |s: &Scenario, when: &str| -> anyhow::Result<()> {
+        let before = marked_packets(s)?;
+        let answered = answered(s, 3)?;
+        let seen = marked_packets(s)? - before;
+        eprintln!("{when}: answered {answered:?}, foreign program saw {seen} packets");
+        s.ensure(all_answered(&answered, 3), || {
+            format!("{when}: Service traffic must still be served: {answered:?}")
+        })?;
+        s.ensure(seen >= 27, || {
+            format!("{when}: the program behind ours saw only {seen} packets of 9 connections")
+        })?;
+        Ok(())
+    };
+    check(&s, "behind the running agent")?;
+    s.stop_agent()?;
+    start(&mut s)?;
+    s.wait_for_datapath_with(&client, node_port_addr(), "NodePort answered", is_pod)?;
+    check(&s, "after an agent restart")?;
+
+    let status = s.agent()?.run_cleanup()?;
+    s.ensure(status.success(), || {
+        format!("--cleanup exited with {status}")
+    })?;
+    let before = marked_packets(&s)?;
+    let _ = client.run(node_port_addr(), 2)?;
+    let seen = marked_packets(&s)? - before;
+    s.ensure(seen >= 2, || {
+        format!("after --cleanup the foreign program must still be attached: saw {seen}")
+    })?;
+    Ok(())
+}

@@ -356,7 +356,8 @@ fn round_trip(
 
 /// The netfilter path (default): a NodePort flow's translation is split so that the host's
 /// FORWARD/POSTROUTING see the client and the backend — ingress only rewrites destinations
-/// and returns `TC_ACT_OK` to the stack, `kpr_tc_egress` rewrites sources. With SNAT (eTP
+/// and returns `TC_ACT_UNSPEC` (next program, then the stack), `kpr_tc_egress` rewrites
+/// sources. With SNAT (eTP
 /// Cluster) and without (eTP Local), TCP and UDP, IPv4 and IPv6.
 #[test]
 fn netfilter_path_splits_translation_between_ingress_and_egress() {
@@ -379,7 +380,10 @@ fn netfilter_path_splits_translation_between_ingress_and_egress() {
             let frame = build(client, frontend, l4, b"ping");
             let (action, out_frame, out) =
                 run_raw(node, program_names::TC_EXTERNAL, &frame, node.ext0);
-            assert_eq!(action, 0, "{what}: TC_ACT_OK (to the stack)");
+            assert_eq!(
+                action, TC_ACT_UNSPEC,
+                "{what}: to the next program, then the stack"
+            );
             assert_eq!(out.destination(), backend, "{what}: DNAT");
             assert_eq!(out.source(), client, "{what}: source untouched at ingress");
 
@@ -395,7 +399,7 @@ fn netfilter_path_splits_translation_between_ingress_and_egress() {
                 assert_eq!(snat.source(), client, "{what}: client kept (eTP Local)");
                 client
             } else {
-                assert_eq!(action, 0, "{what}: egress SNAT action");
+                assert_eq!(action, TC_ACT_UNSPEC, "{what}: egress SNAT action");
                 assert_eq!(snat.src, frontend.ip(), "{what}: SNAT address");
                 assert!(snat.sport() >= 61_000, "{what}: SNAT port {}", snat.sport());
                 let entry = ct_entry(node, &ct_key(client, backend, l4.proto()))
@@ -409,7 +413,7 @@ fn netfilter_path_splits_translation_between_ingress_and_egress() {
             let answer = build(backend, to_backend, l4, b"pong");
             let (action, back_frame, back) =
                 run_raw(node, program_names::TC_REPLY, &answer, node.pod0);
-            assert_eq!(action, 0, "{what}: reply to the stack");
+            assert_eq!(action, TC_ACT_UNSPEC, "{what}: reply to the stack");
             assert_eq!(back.destination(), client, "{what}: reply destination");
             assert_eq!(
                 back.source(),
@@ -418,7 +422,7 @@ fn netfilter_path_splits_translation_between_ingress_and_egress() {
             );
             // ...and egress of the external side puts the frontend back as its source.
             let (action, out) = run(node, program_names::TC_EGRESS, &back_frame, node.ext0);
-            assert_eq!(action, 0, "{what}: egress reply action");
+            assert_eq!(action, TC_ACT_UNSPEC, "{what}: egress reply action");
             assert_eq!(out.source(), frontend, "{what}: reply source");
             assert_eq!(out.destination(), client, "{what}: reply destination");
             assert!(out.l4.ends_with(b"pong"));

@@ -1,0 +1,86 @@
+//! A "foreign" TCX program, standing in for another component's (a CNI's, a monitoring
+//! agent's) on the same interface: it marks every packet it sees with [`FOREIGN_MARK`] and
+//! passes it on with `TCX_NEXT`, so an nft counter on that mark counts what it saw. Loaded and
+//! attached with the raw `bpf(2)` syscall (aya only loads programs from an ELF object), as a
+//! link appended to the interface's ingress chain — behind whatever is already attached.
+
+use std::os::fd::{AsRawFd as _, FromRawFd as _, OwnedFd};
+use std::path::Path;
+
+use crate::{Result, RigError};
+
+/// The mark the foreign program sets.
+pub const FOREIGN_MARK: u32 = 0x00c0_ffee;
+
+const BPF_PROG_LOAD: libc::c_long = 5;
+const BPF_LINK_CREATE: libc::c_long = 28;
+const BPF_PROG_TYPE_SCHED_CLS: u32 = 3;
+/// `enum bpf_attach_type`: BPF_TCX_INGRESS.
+const BPF_TCX_INGRESS: u32 = 46;
+
+/// The attached program; dropping it closes the link fd, which detaches it.
+#[derive(Debug)]
+pub struct ForeignTcx {
+    _prog: OwnedFd,
+    _link: OwnedFd,
+}
+
+fn bpf(cmd: libc::c_long, attr: &mut [u8], what: &str) -> Result<OwnedFd> {
+    // SAFETY: attr is a valid bpf_attr prefix of the given size whose pointers outlive the
+    // call.
+    let fd = unsafe { libc::syscall(libc::SYS_bpf, cmd, attr.as_mut_ptr(), attr.len()) };
+    if fd < 0 {
+        return Err(RigError::io(what, std::io::Error::last_os_error()));
+    }
+    let fd = i32::try_from(fd).map_err(|_| RigError::Other(format!("{what}: fd {fd}")))?;
+    // SAFETY: the kernel just returned this fd to us and nothing else owns it.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+impl ForeignTcx {
+    /// Attaches the program to `interface`'s ingress in network namespace `netns` (the link
+    /// is made on a thread that entered it; the fds stay valid in the whole process).
+    pub fn attach(netns: &Path, interface: &str) -> Result<Self> {
+        let netns = netns.to_path_buf();
+        let interface = interface.to_owned();
+        std::thread::spawn(move || -> Result<Self> {
+            let file = std::fs::File::open(&netns).map_err(|e| RigError::io("open netns", e))?;
+            nix::sched::setns(&file, nix::sched::CloneFlags::CLONE_NEWNET)
+                .map_err(|e| RigError::Other(format!("setns: {e}")))?;
+            let ifindex = nix::net::if_::if_nametoindex(interface.as_str())
+                .map_err(|e| RigError::Other(format!("{interface}: {e}")))?;
+            // st [r1 + 8] (__sk_buff.mark), FOREIGN_MARK (BPF_ST | BPF_MEM | BPF_W);
+            // mov64 r0, -1 (TC_ACT_UNSPEC: TCX_NEXT); exit.
+            let mark = FOREIGN_MARK.to_le_bytes();
+            let insns: [u64; 3] = [
+                u64::from_le_bytes([0x62, 0x01, 8, 0, mark[0], mark[1], mark[2], mark[3]]),
+                u64::from_le_bytes([0xb7, 0, 0, 0, 0xff, 0xff, 0xff, 0xff]),
+                0x95,
+            ];
+            let license = c"GPL";
+            let mut attr = [0u8; 128];
+            attr[0..4].copy_from_slice(&BPF_PROG_TYPE_SCHED_CLS.to_ne_bytes());
+            attr[4..8].copy_from_slice(&3u32.to_ne_bytes());
+            attr[8..16].copy_from_slice(&(insns.as_ptr() as u64).to_ne_bytes());
+            attr[16..24].copy_from_slice(&(license.as_ptr() as u64).to_ne_bytes());
+            let prog = bpf(BPF_PROG_LOAD, &mut attr, "loading the foreign tc program")?;
+            // BPF_LINK_CREATE: prog_fd, target_ifindex, attach_type, flags (0: append).
+            let mut attr = [0u8; 64];
+            let prog_fd = u32::try_from(prog.as_raw_fd()).unwrap_or(0);
+            attr[0..4].copy_from_slice(&prog_fd.to_ne_bytes());
+            attr[4..8].copy_from_slice(&ifindex.to_ne_bytes());
+            attr[8..12].copy_from_slice(&BPF_TCX_INGRESS.to_ne_bytes());
+            let link = bpf(
+                BPF_LINK_CREATE,
+                &mut attr,
+                "attaching the foreign tc program",
+            )?;
+            Ok(Self {
+                _prog: prog,
+                _link: link,
+            })
+        })
+        .join()
+        .map_err(|_| RigError::Other("foreign tc thread panicked".into()))?
+    }
+}
