@@ -351,7 +351,7 @@ fn insert_egress(pkt: &Packet) -> bool {
     };
     // SAFETY: the per-CPU slot is ours until the program ends.
     let scratch = unsafe { &mut *scratch };
-    if scratch.forward.flags & ct_flags::SNAT == 0 || fast_path() {
+    if fast_path() {
         return true;
     }
     let key = &mut scratch.egress_key;
@@ -362,6 +362,14 @@ fn insert_egress(pkt: &Packet) -> bool {
     key.proto = pkt.proto;
     key.family = pkt.family;
     key._pad = 0;
+    if scratch.forward.flags & ct_flags::SNAT == 0 {
+        // An earlier SNATed flow of the same client tuple to the same backend (another
+        // frontend, or the policy changed) may have left its egress entry under this key: it
+        // would SNAT this flow. (Its reply-side egress entry was just overwritten by this
+        // flow's reply entry, which has the same key.)
+        conntrack::remove(&scratch.egress_key);
+        return true;
+    }
     scratch.forward.flags |= ct_flags::EGRESS;
     let inserted = conntrack::insert(&scratch.egress_key, &scratch.forward).is_ok();
     scratch.forward.flags &= !ct_flags::EGRESS;

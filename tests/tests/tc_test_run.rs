@@ -428,6 +428,16 @@ fn netfilter_path_splits_translation_between_ingress_and_egress() {
             assert!(out.l4.ends_with(b"pong"));
         }
 
+        // A flow without SNAT (eTP Local, 30081) reusing the first (SNATed) case's client
+        // tuple and backend: that flow's egress entry must not SNAT it.
+        let client = sa(CLIENT, 41_000);
+        let frame = build(client, sa(NODE_IP, 30081), L4::TcpSyn, b"again");
+        let (_, out_frame, out) = run_raw(node, program_names::TC_EXTERNAL, &frame, node.ext0);
+        assert_eq!(out.destination(), sa(BACKEND, 8080));
+        let (action, out) = run(node, program_names::TC_EGRESS, &out_frame, node.pod0);
+        assert_eq!(action, TC_ACT_UNSPEC, "a reused tuple without SNAT is not egress's");
+        assert_eq!(out.source(), client, "client kept");
+
         // Traffic egress has no entry for passes on, unchanged, to the next program.
         let unrelated = build(sa(CLIENT, 9), sa(BACKEND, 10), L4::Udp, b"x");
         let (action, out) = run(node, program_names::TC_EGRESS, &unrelated, node.pod0);
