@@ -435,7 +435,10 @@ fn netfilter_path_splits_translation_between_ingress_and_egress() {
         let (_, out_frame, out) = run_raw(node, program_names::TC_EXTERNAL, &frame, node.ext0);
         assert_eq!(out.destination(), sa(BACKEND, 8080));
         let (action, out) = run(node, program_names::TC_EGRESS, &out_frame, node.pod0);
-        assert_eq!(action, TC_ACT_UNSPEC, "a reused tuple without SNAT is not egress's");
+        assert_eq!(
+            action, TC_ACT_UNSPEC,
+            "a reused tuple without SNAT is not egress's"
+        );
         assert_eq!(out.source(), client, "client kept");
 
         // Traffic egress has no entry for passes on, unchanged, to the next program.
