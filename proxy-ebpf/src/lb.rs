@@ -112,7 +112,7 @@ pub fn select_backend<B: Copy>(
             last_used_ns: now,
         };
         // Best effort: without the entry the socket's next datagram chooses again.
-        let _ = KPR_UDP_STICKY.insert(&key, value, 0);
+        let _ = KPR_UDP_STICKY.insert(key, value, 0);
     }
     Decision::Backend(backend)
 }
