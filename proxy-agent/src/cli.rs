@@ -291,6 +291,18 @@ pub struct Args {
     )]
     pub bpf_map_maglev: Option<String>,
 
+    /// How often the agent compares the kernel's state with what it wrote and repairs what
+    /// differs (eBPF: every entry of the service maps; iptables: the canary chains), as a Go
+    /// duration (default 30s; 0s turns the check off). `proxy-agent inspect drift` runs the
+    /// same check without repairing.
+    #[arg(
+        long,
+        value_name = "DURATION",
+        allow_hyphen_values = true,
+        help_heading = "kubeproxy-rs additions"
+    )]
+    pub drift_check_period: Option<String>,
+
     /// Backend choice for new external flows (tc: NodePort, externalIPs, LoadBalancer IPs,
     /// ClusterIPs from outside): 'random' (default) or 'maglev' (consistent hashing of the
     /// 5-tuple, so a change of backends moves few flows). Socket-level load balancing of local
@@ -359,4 +371,7 @@ pub enum InspectWhat {
     Affinity,
     /// The tc programs' BPF conntrack (one entry per direction: match → rewrite).
     Conntrack,
+    /// What differs between the kernel's state and what the agent wrote (asks the running
+    /// agent over --metrics-bind-address; nothing is repaired).
+    Drift,
 }

@@ -26,6 +26,8 @@ use crate::{
     dataplane::ebpf::{PIN_DIR_NAME, ip4_from_map, ip6_from_map},
 };
 
+mod drift;
+
 /// One frontend and where it leads.
 #[derive(Debug, Clone, Serialize, PartialEq, Eq, PartialOrd, Ord)]
 pub struct FrontendRow {
@@ -50,6 +52,8 @@ pub fn run(config: &Config, args: &InspectArgs) -> anyhow::Result<String> {
     let pin_dir = config.ebpf.bpf_root.join(PIN_DIR_NAME);
     let ebpf = pin_dir.join(map_names::FRONTENDS4).exists();
     match (&args.what, ebpf) {
+        // The agent knows what it wrote; both modes answer.
+        (InspectWhat::Drift, _) => drift::run(config.metrics_bind_address, args.json),
         (InspectWhat::Services, true) => {
             let names = service_names(config.metrics_bind_address);
             render(
