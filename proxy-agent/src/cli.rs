@@ -292,7 +292,7 @@ pub struct Args {
     pub bpf_map_maglev: Option<String>,
 
     /// How often the agent compares the kernel's state with what it wrote and repairs what
-    /// differs (eBPF: every entry of the service maps; iptables: the canary chains), as a Go
+    /// differs (eBPF: every entry of the service maps; iptables: the canary and the chains it writes), as a Go
     /// duration (default 30s; 0s turns the check off). `proxy-agent inspect drift` runs the
     /// same check without repairing.
     #[arg(

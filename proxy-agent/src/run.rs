@@ -231,12 +231,16 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
                 conntrack_gc_at = Instant::now() + CONNTRACK_GC_INTERVAL;
             }
             () = tokio::time::sleep_until(drift_at), if synced_once && !drift_period.is_zero() => {
-                dataplane.drift(true, node_services.metrics());
+                let report = dataplane.drift(true, node_services.metrics(), &snapshot);
+                if report.mode == "iptables" && !report.drift.is_empty() {
+                    // iptables repairs with a full sync (the family is marked): now.
+                    runner.request();
+                }
                 drift_at = Instant::now() + drift_period;
             }
             Some(reply) = drift_rx.recv() => {
                 let report = if synced_once {
-                    dataplane.drift(false, node_services.metrics())
+                    dataplane.drift(false, node_services.metrics(), &snapshot)
                 } else {
                     crate::drift::DriftReport::not_checked(dataplane.mode_name(), "no sync yet")
                 };
@@ -398,13 +402,17 @@ impl Dataplane {
     }
 
     /// The drift check (see `crate::drift`); with `repair`, what differs is fixed.
-    fn drift(&mut self, repair: bool, metrics: &Metrics) -> crate::drift::DriftReport {
+    fn drift(
+        &mut self,
+        repair: bool,
+        metrics: &Metrics,
+        snapshot: &Snapshot,
+    ) -> crate::drift::DriftReport {
         match self {
             Dataplane::Ebpf(ebpf) => crate::drift::check_ebpf(ebpf, repair, metrics),
-            Dataplane::Iptables(_) => crate::drift::DriftReport::not_checked(
-                "iptables",
-                "only the canary chains are checked (every periodic sync)",
-            ),
+            Dataplane::Iptables(iptables) => {
+                crate::drift::check_iptables(iptables, snapshot, repair, metrics)
+            }
         }
     }
 

@@ -266,3 +266,188 @@ fn drifted_ebpf_maps_are_reported_and_repaired_within_one_period() -> anyhow::Re
 fn log_tail(s: &mut Scenario) -> String {
     s.agent().map(|a| a.log_tail(40)).unwrap_or_default()
 }
+
+/// Runs `command args` in the node's namespace; fails on a non-zero exit.
+fn in_node(netns: &Path, command: &str, args: &[&str]) -> anyhow::Result<String> {
+    let output = Command::new("nsenter")
+        .arg(format!("--net={}", netns.display()))
+        .arg("--")
+        .arg(command)
+        .args(args)
+        .output()?;
+    anyhow::ensure!(
+        output.status.success(),
+        "{command} {args:?}: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    Ok(String::from_utf8(output.stdout)?)
+}
+
+/// `kubeproxy_iptables_drift_repairs_total` by table (IPv4), scraped in the node's namespace.
+fn iptables_repair_counters(netns: &Path) -> anyhow::Result<Vec<(String, u64)>> {
+    let text = in_node(
+        netns,
+        "curl",
+        &["-s", "--max-time", "5", "http://127.0.0.1:10249/metrics"],
+    )?;
+    Ok(text
+        .lines()
+        .filter_map(|line| {
+            line.strip_prefix("kubeproxy_iptables_drift_repairs_total{ip_family=\"IPv4\",table=\"")
+        })
+        .filter_map(|rest| {
+            let (table, value) = rest.split_once("\"} ")?;
+            Some((table.to_owned(), value.trim().parse().ok()?))
+        })
+        .collect())
+}
+
+/// (kind, chain) of each reported entry, sorted.
+fn chain_kinds(report: &serde_json::Value) -> Vec<(String, String)> {
+    let mut kinds: Vec<(String, String)> = report["drift"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|d| {
+            (
+                d["kind"].as_str().unwrap_or_default().to_owned(),
+                d["entry"].as_str().unwrap_or_default().to_owned(),
+            )
+        })
+        .collect();
+    kinds.sort();
+    kinds
+}
+
+#[test]
+fn drifted_iptables_rules_are_reported_and_repaired_within_one_period() -> anyhow::Result<()> {
+    proxy_tests::require_root();
+    proxy_tests::set_helper_binary(env!("CARGO_BIN_EXE_rig-helper"));
+    let mut s = Scenario::new(3)?;
+    s.write_web_service(2)?;
+    s.manifests
+        .write("api-svc.yaml", &http_service("default", "api", API_IP))?;
+    let api_endpoints: Vec<Endpoint> = vec![pod_endpoint(3)];
+    s.manifests.write(
+        "api-slice.yaml",
+        &http_slice("default", "api-1", "api", &api_endpoints),
+    )?;
+    // A local address gives the node a route to the ClusterIP (nat OUTPUT comes after the
+    // route lookup); it answers as `untranslated` if the rules ever let a packet through.
+    s.topo.add_decoy(std::net::IpAddr::V4(API_IP), SERVICE_PORT)?;
+    let period = format!("{}s", PERIOD.as_secs());
+    let client = s.start_serving("iptables", &["--drift-check-period", &period])?;
+    let api = SocketAddr::from((API_IP, SERVICE_PORT));
+    let netns = s.topo.node().path();
+    let probe = client.clone();
+    proxy_tests::wait::wait_until(
+        "api answered by pod3",
+        Duration::from_secs(10),
+        Duration::from_millis(200),
+        || probe.once(api).is_ok_and(|a| a.backend() == Some("pod3")),
+    )?;
+
+    // The live ruleset as iptables-save prints it is no drift (no false alarm from its
+    // normalisation), before any tampering.
+    let before = inspect_drift(&netns)?;
+    assert_eq!(before["checked"], true, "{before}");
+    assert_eq!(chain_kinds(&before), [], "{before}");
+
+    let nat = in_node(&netns, "iptables-save", &["-t", "nat"])?;
+    let web_chain = nat
+        .lines()
+        .filter(|l| l.starts_with("-A KUBE-SERVICES") && l.contains("-d 10.96.0.10/32"))
+        .find_map(|l| l.split("-j ").nth(1))
+        .map(|chain| chain.trim().to_owned())
+        .ok_or_else(|| anyhow::anyhow!("no KUBE-SERVICES rule for web in\n{nat}"))?;
+    anyhow::ensure!(web_chain.starts_with("KUBE-SVC-"), "{web_chain}");
+
+    let api_client = client.clone().interval(Duration::from_millis(100));
+    let api_traffic = thread::spawn(move || api_client.run(api, 120));
+
+    // Delete a rule of web's service chain, add one to KUBE-SERVICES, add a chain under our
+    // names, flush the canary.
+    let tamper = |netns: &Path| -> anyhow::Result<Instant> {
+        in_node(netns, "iptables", &["-t", "nat", "-D", &web_chain, "1"])?;
+        in_node(
+            netns,
+            "iptables",
+            &[
+                "-t", "nat", "-I", "KUBE-SERVICES", "1", "-d", "10.96.0.99/32", "-p", "tcp",
+                "--dport", "80", "-j", &web_chain,
+            ],
+        )?;
+        in_node(netns, "iptables", &["-t", "nat", "-N", "KUBE-SEP-DRIFTTEST"])?;
+        in_node(netns, "iptables", &["-t", "mangle", "-X", "KUBE-PROXY-CANARY"])?;
+        Ok(Instant::now())
+    };
+    let expected: Vec<(String, String)> = [
+        ("changed", "KUBE-SERVICES"),
+        ("changed", web_chain.as_str()),
+        ("extra", "KUBE-SEP-DRIFTTEST"),
+        ("missing", "KUBE-PROXY-CANARY"),
+    ]
+    .into_iter()
+    .map(|(kind, chain)| (kind.to_owned(), chain.to_owned()))
+    .collect();
+    let mut sorted_expected = expected.clone();
+    sorted_expected.sort();
+
+    let tampered_at = tamper(&netns)?;
+    let report = inspect_drift(&netns)?;
+    eprintln!("inspect drift after tampering: {report:#}");
+    // The agent's own check may come first (then the report is already empty): only a report
+    // within the period is meaningful, and then it must list exactly the tampering.
+    anyhow::ensure!(
+        chain_kinds(&report) == sorted_expected || tampered_at.elapsed() >= PERIOD,
+        "inspect drift did not report the tampering: {report:#}"
+    );
+    anyhow::ensure!(
+        chain_kinds(&report) == sorted_expected,
+        "the agent repaired before inspect drift could look; rerun"
+    );
+
+    let mut repaired_after = None;
+    while tampered_at.elapsed() < PERIOD + Duration::from_secs(3) {
+        if chain_kinds(&inspect_drift(&netns)?).is_empty() {
+            repaired_after = Some(tampered_at.elapsed());
+            break;
+        }
+        thread::sleep(Duration::from_millis(200));
+    }
+    let repaired_after = repaired_after.ok_or_else(|| {
+        anyhow::anyhow!("not repaired within one period; agent log:\n{}", log_tail(&mut s))
+    })?;
+    eprintln!("repaired {repaired_after:?} after tampering");
+    let counters = iptables_repair_counters(&netns)?;
+    eprintln!("repair counters: {counters:?}");
+    for table in ["mangle", "nat"] {
+        assert!(
+            counters.iter().any(|(t, v)| t == table && *v >= 1),
+            "{table} not counted: {counters:?}"
+        );
+    }
+    let nat = in_node(&netns, "iptables-save", &["-t", "nat"])?;
+    assert!(!nat.contains("10.96.0.99"), "the added rule survived");
+    assert!(!nat.contains("KUBE-SEP-DRIFTTEST"), "the added chain survived");
+
+    let seen = tally(&client.run(cluster_addr(), 40)?);
+    eprintln!("web after repair: {seen:?}");
+    assert_eq!(
+        seen.keys().map(String::as_str).collect::<Vec<_>>(),
+        ["pod1", "pod2"],
+        "{seen:?}"
+    );
+    let api_attempts = api_traffic
+        .join()
+        .map_err(|_| anyhow::anyhow!("traffic thread panicked"))??;
+    let failed: Vec<&Attempt> = api_attempts
+        .iter()
+        .filter(|a| a.backend() != Some("pod3"))
+        .collect();
+    assert!(
+        failed.is_empty(),
+        "the untouched Service was disturbed: {failed:?}"
+    );
+    Ok(())
+}

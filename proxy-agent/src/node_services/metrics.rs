@@ -499,6 +499,7 @@ pub struct IptablesMetrics {
     rules_last: Family<TableLabel, Gauge>,
     ct_state_invalid_dropped: NfacctCounter,
     localhost_nodeports_accepted: NfacctCounter,
+    drift_repairs: Family<TableLabel, Counter>,
 }
 
 /// One of the iptables tables kube-proxy counts rules in.
@@ -532,6 +533,7 @@ impl IptablesMetrics {
             rules_last: Family::default(),
             ct_state_invalid_dropped: NfacctCounter::default(),
             localhost_nodeports_accepted: NfacctCounter::default(),
+            drift_repairs: Family::default(),
         };
         described.add(
             "kubeproxy_sync_full_proxy_rules_duration_seconds",
@@ -573,7 +575,22 @@ impl IptablesMetrics {
             alpha("Number of packets accepted on nodeports of loopback interface"),
             this.localhost_nodeports_accepted.counter.clone(),
         );
+        described.add(
+            "kubeproxy_iptables_drift_repairs",
+            "Chains (or the canary) the drift check found different from what the agent writes, repaired by a full sync",
+            this.drift_repairs.clone(),
+        );
         this
+    }
+
+    /// `chains` chains of `table` drifted and are rewritten by a full sync.
+    pub fn drift_repaired(&self, family: IpFamily, table: &'static str, chains: u64) {
+        self.drift_repairs
+            .get_or_create(&TableLabel {
+                ip_family: FamilyLabel::of(family).ip_family,
+                table,
+            })
+            .inc_by(chains);
     }
 
     /// A sync's duration into the full or partial histogram (the common one is fed by

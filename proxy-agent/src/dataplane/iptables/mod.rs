@@ -13,6 +13,7 @@ pub mod chains;
 mod cleanup;
 pub mod config;
 pub mod detect;
+pub mod drift;
 pub mod exec;
 pub mod jumps;
 pub mod localdetect;
