@@ -27,6 +27,7 @@ use crate::{
 };
 
 mod drift;
+pub mod explain;
 
 /// One frontend and where it leads.
 #[derive(Debug, Clone, Serialize, PartialEq, Eq, PartialOrd, Ord)]
@@ -54,6 +55,10 @@ pub fn run(config: &Config, args: &InspectArgs) -> anyhow::Result<String> {
     match (&args.what, ebpf) {
         // The agent knows what it wrote; both modes answer.
         (InspectWhat::Drift, _) => drift::run(config.metrics_bind_address, args.json),
+        (InspectWhat::Explain, true) => {
+            let names = service_names(config.metrics_bind_address);
+            explain_ebpf(&pin_dir, args, &names)
+        }
         (InspectWhat::Services, true) => {
             let names = service_names(config.metrics_bind_address);
             render(
@@ -73,6 +78,45 @@ pub fn run(config: &Config, args: &InspectArgs) -> anyhow::Result<String> {
             pin_dir.display()
         ),
     }
+}
+
+/// `inspect explain` in eBPF mode, over the pinned maps.
+fn explain_ebpf(
+    pin_dir: &Path,
+    args: &InspectArgs,
+    names: &BTreeMap<u32, String>,
+) -> anyhow::Result<String> {
+    let from = match args.from.as_str() {
+        "node" => explain::From::Node,
+        "pod" => explain::From::Pod,
+        "external" => explain::From::External,
+        other => bail!("--from {other:?}: node, pod or external"),
+    };
+    let Some(to) = &args.to else {
+        bail!("`inspect explain` needs --to IP:PORT/PROTO");
+    };
+    let (dest, protocol) = explain::parse_destination(to)?;
+    let client = match (args.client, from) {
+        (Some(client), _) => client,
+        (None, explain::From::External) => bail!("--from external needs --client IP"),
+        // A local socket's source is chosen by the kernel later; only its family matters here.
+        (None, _) if dest.is_ipv6() => IpAddr::from(std::net::Ipv6Addr::UNSPECIFIED),
+        (None, _) => IpAddr::from([0, 0, 0, 0]),
+    };
+    let query = explain::Query {
+        from,
+        client,
+        dest,
+        protocol,
+        sport: args.sport,
+    };
+    let maps = explain::PinnedMaps::open(pin_dir)?;
+    let explanation = explain::explain(&maps, &query);
+    if args.json {
+        return Ok(serde_json::to_string_pretty(&explanation)?);
+    }
+    let service = explanation.service_id.and_then(|id| names.get(&id));
+    Ok(explain::table(&query, &explanation, service.map(String::as_str)))
 }
 
 fn render<T: Serialize>(

@@ -14,6 +14,7 @@ pub(crate) mod sockdiag;
 mod stats;
 mod tc;
 
+pub use ct::monotonic_ns;
 pub use drift::{Drift, DriftCheck, DriftKind, RepairReport};
 pub use loader::{
     EbpfDataplane, EbpfOptions, LbOptions, LoadError, PIN_DIR_MODE, PIN_DIR_NAME, TcTestRun,
