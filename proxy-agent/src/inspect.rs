@@ -116,7 +116,11 @@ fn explain_ebpf(
         return Ok(serde_json::to_string_pretty(&explanation)?);
     }
     let service = explanation.service_id.and_then(|id| names.get(&id));
-    Ok(explain::table(&query, &explanation, service.map(String::as_str)))
+    Ok(explain::table(
+        &query,
+        &explanation,
+        service.map(String::as_str),
+    ))
 }
 
 fn render<T: Serialize>(

@@ -89,7 +89,13 @@ fn drift_kinds(report: &serde_json::Value) -> Vec<(String, String)> {
 fn repair_counters(netns: &Path) -> anyhow::Result<Vec<(String, u64)>> {
     let output = Command::new("nsenter")
         .arg(format!("--net={}", netns.display()))
-        .args(["curl", "-s", "--max-time", "5", "http://127.0.0.1:10249/metrics"])
+        .args([
+            "curl",
+            "-s",
+            "--max-time",
+            "5",
+            "http://127.0.0.1:10249/metrics",
+        ])
         .output()?;
     let text = String::from_utf8(output.stdout)?;
     Ok(text
@@ -221,7 +227,10 @@ fn drifted_ebpf_maps_are_reported_and_repaired_within_one_period() -> anyhow::Re
         thread::sleep(Duration::from_millis(200));
     }
     let repaired_after = repaired_after.ok_or_else(|| {
-        anyhow::anyhow!("not repaired within one period; agent log:\n{}", log_tail(&mut s))
+        anyhow::anyhow!(
+            "not repaired within one period; agent log:\n{}",
+            log_tail(&mut s)
+        )
     })?;
     eprintln!("repaired {repaired_after:?} after tampering");
 
@@ -334,7 +343,8 @@ fn drifted_iptables_rules_are_reported_and_repaired_within_one_period() -> anyho
     )?;
     // A local address gives the node a route to the ClusterIP (nat OUTPUT comes after the
     // route lookup); it answers as `untranslated` if the rules ever let a packet through.
-    s.topo.add_decoy(std::net::IpAddr::V4(API_IP), SERVICE_PORT)?;
+    s.topo
+        .add_decoy(std::net::IpAddr::V4(API_IP), SERVICE_PORT)?;
     let period = format!("{}s", PERIOD.as_secs());
     let client = s.start_serving("iptables", &["--drift-check-period", &period])?;
     let api = SocketAddr::from((API_IP, SERVICE_PORT));
@@ -373,12 +383,31 @@ fn drifted_iptables_rules_are_reported_and_repaired_within_one_period() -> anyho
             netns,
             "iptables",
             &[
-                "-t", "nat", "-I", "KUBE-SERVICES", "1", "-d", "10.96.0.99/32", "-p", "tcp",
-                "--dport", "80", "-j", &web_chain,
+                "-t",
+                "nat",
+                "-I",
+                "KUBE-SERVICES",
+                "1",
+                "-d",
+                "10.96.0.99/32",
+                "-p",
+                "tcp",
+                "--dport",
+                "80",
+                "-j",
+                &web_chain,
             ],
         )?;
-        in_node(netns, "iptables", &["-t", "nat", "-N", "KUBE-SEP-DRIFTTEST"])?;
-        in_node(netns, "iptables", &["-t", "mangle", "-X", "KUBE-PROXY-CANARY"])?;
+        in_node(
+            netns,
+            "iptables",
+            &["-t", "nat", "-N", "KUBE-SEP-DRIFTTEST"],
+        )?;
+        in_node(
+            netns,
+            "iptables",
+            &["-t", "mangle", "-X", "KUBE-PROXY-CANARY"],
+        )?;
         Ok(Instant::now())
     };
     let expected: Vec<(String, String)> = [
@@ -416,7 +445,10 @@ fn drifted_iptables_rules_are_reported_and_repaired_within_one_period() -> anyho
         thread::sleep(Duration::from_millis(200));
     }
     let repaired_after = repaired_after.ok_or_else(|| {
-        anyhow::anyhow!("not repaired within one period; agent log:\n{}", log_tail(&mut s))
+        anyhow::anyhow!(
+            "not repaired within one period; agent log:\n{}",
+            log_tail(&mut s)
+        )
     })?;
     eprintln!("repaired {repaired_after:?} after tampering");
     let counters = iptables_repair_counters(&netns)?;
@@ -429,7 +461,10 @@ fn drifted_iptables_rules_are_reported_and_repaired_within_one_period() -> anyho
     }
     let nat = in_node(&netns, "iptables-save", &["-t", "nat"])?;
     assert!(!nat.contains("10.96.0.99"), "the added rule survived");
-    assert!(!nat.contains("KUBE-SEP-DRIFTTEST"), "the added chain survived");
+    assert!(
+        !nat.contains("KUBE-SEP-DRIFTTEST"),
+        "the added chain survived"
+    );
 
     let seen = tally(&client.run(cluster_addr(), 40)?);
     eprintln!("web after repair: {seen:?}");

@@ -45,7 +45,11 @@ fn explain_predicts_what_connections_from_the_node_get() -> anyhow::Result<()> {
     let netns = s.topo.node().path();
     let bpf_root = s.agent()?.bpf_root().to_path_buf();
 
-    let e = explain(&netns, &bpf_root, &["--from", "node", "--to", "10.96.0.10:80/tcp"])?;
+    let e = explain(
+        &netns,
+        &bpf_root,
+        &["--from", "node", "--to", "10.96.0.10:80/tcp"],
+    )?;
     eprintln!("explain: {e:#}");
     assert_eq!(e["verdict"], "translate", "{e}");
     let candidates: Vec<String> = e["candidates"]
@@ -65,19 +69,22 @@ fn explain_predicts_what_connections_from_the_node_get() -> anyhow::Result<()> {
     let attempts = client.run(cluster_addr(), 100)?;
     for attempt in &attempts {
         match attempt {
-            Attempt::Ok { backend, client, .. } => {
+            Attempt::Ok {
+                backend, client, ..
+            } => {
                 assert!(candidates.contains(backend), "{backend} not predicted");
-                assert!(
-                    !client.ip().is_unspecified(),
-                    "the backend saw {client}"
-                );
+                assert!(!client.ip().is_unspecified(), "the backend saw {client}");
             }
             Attempt::Err(reason) => panic!("predicted translate, got {reason}"),
         }
     }
 
     // A destination with no frontend: predicted untranslated.
-    let none = explain(&netns, &bpf_root, &["--from", "pod", "--to", "10.96.0.99:80/udp"])?;
+    let none = explain(
+        &netns,
+        &bpf_root,
+        &["--from", "pod", "--to", "10.96.0.99:80/udp"],
+    )?;
     assert_eq!(none["verdict"], "pass", "{none}");
 
     // The readable form names the Service.
@@ -91,6 +98,9 @@ fn explain_predicts_what_connections_from_the_node_get() -> anyhow::Result<()> {
     let table = String::from_utf8(output.stdout)?;
     eprintln!("{table}");
     assert!(table.contains("default/web:http"), "{table}");
-    assert!(table.contains("candidates: 10.244.1.2:8080 10.244.2.2:8080"), "{table}");
+    assert!(
+        table.contains("candidates: 10.244.1.2:8080 10.244.2.2:8080"),
+        "{table}"
+    );
     Ok(())
 }

@@ -26,9 +26,9 @@ use anyhow::{Context as _, bail};
 use aya::maps::{Array, HashMap, LpmTrie, Map, MapData, lpm_trie::Key};
 use proxy_common::{
     AffinityKey, AffinityMatchKey, AffinityValue, Backend4, Backend6, BackendSlotKey, CtKey,
-    CtValue, Frontend4Key, Frontend6Key, FrontendValue, MAGLEV_BLOCK_SLOTS, MaglevBlock,
-    MaglevKey, NodeAddrKey, NodeConfig, SourceRangeKey, ct_flags, family, frontend_flags,
-    map_names, node_flags, proto, scope,
+    CtValue, Frontend4Key, Frontend6Key, FrontendValue, MAGLEV_BLOCK_SLOTS, MaglevBlock, MaglevKey,
+    NodeAddrKey, NodeConfig, SourceRangeKey, ct_flags, family, frontend_flags, map_names,
+    node_flags, proto, scope,
 };
 use serde::Serialize;
 
@@ -217,8 +217,8 @@ fn socket(maps: &impl Maps, q: &Query, e: &mut Explanation) {
     }
     let Some((frontend, addr)) = found else {
         e.verdict = "pass".to_owned();
-        e.reason = "no frontend: not translated, the connection goes to the address as given"
-            .to_owned();
+        e.reason =
+            "no frontend: not translated, the connection goes to the address as given".to_owned();
         e.source = Some(kept(q.client));
         return;
     };
@@ -359,7 +359,8 @@ fn tc(maps: &impl Maps, q: &Query, side: TcSide, e: &mut Explanation) {
             });
             return;
         }
-        e.steps.push("conntrack: no entry for this tuple".to_owned());
+        e.steps
+            .push("conntrack: no entry for this tuple".to_owned());
     }
     let exact = maps.frontend(ip, port, protocol, scope::EXTERNAL);
     let found = match side {
@@ -660,7 +661,11 @@ impl Maps for PinnedMaps {
     fn node_address(&self, addr: IpAddr) -> bool {
         let key = NodeAddrKey {
             addr: words(addr),
-            family: if addr.is_ipv6() { family::V6 } else { family::V4 },
+            family: if addr.is_ipv6() {
+                family::V6
+            } else {
+                family::V4
+            },
             _pad: [0; 3],
         };
         self.node_addrs.get(&key, 0).is_ok()

@@ -281,7 +281,10 @@ pub fn repair(
         }
     }
     if differs(map_names::AFFINITY_MATCH) {
-        for key in expected.affinity_matches.difference(&found.affinity_matches) {
+        for key in expected
+            .affinity_matches
+            .difference(&found.affinity_matches)
+        {
             done(map_names::AFFINITY_MATCH, maps.put_affinity_match(*key));
         }
     }
@@ -322,7 +325,10 @@ pub fn repair(
             done(map_names::MAGLEV, maps.delete_maglev(*key));
         }
     }
-    for key in found.affinity_matches.difference(&expected.affinity_matches) {
+    for key in found
+        .affinity_matches
+        .difference(&expected.affinity_matches)
+    {
         done(map_names::AFFINITY_MATCH, maps.delete_affinity_match(*key));
     }
     for (service_id, range) in found.source_ranges.difference(&expected.source_ranges) {

@@ -949,9 +949,11 @@ impl Programmer {
                 }
             }
         }
-        content
-            .backends
-            .extend(self.backends.iter().map(|(backend, entry)| (entry.id, *backend)));
+        content.backends.extend(
+            self.backends
+                .iter()
+                .map(|(backend, entry)| (entry.id, *backend)),
+        );
         Some(content)
     }
 }

@@ -75,7 +75,15 @@ pub fn parse(text: &str) -> BTreeMap<String, TableRules> {
 
 /// The fate-deciding parts of a rule, normalised (`-d 10.0.0.1/32` and `-d 10.0.0.1` agree).
 fn signature(words: &[&str]) -> String {
-    const KEPT: [&str; 7] = ["-p", "-s", "-d", "--dport", "-j", "--to-destination", "--probability"];
+    const KEPT: [&str; 7] = [
+        "-p",
+        "-s",
+        "-d",
+        "--dport",
+        "-j",
+        "--to-destination",
+        "--probability",
+    ];
     let mut parts: Vec<String> = Vec::new();
     for (i, word) in words.iter().enumerate() {
         if !KEPT.contains(word) {

@@ -204,8 +204,7 @@ impl IptablesDataplane {
                 continue;
             }
             let canary = family.iptables.chain_exists("mangle", KUBE_PROXY_CANARY);
-            let drift =
-                super::drift::diff(&expected, &super::drift::parse(&live_text), canary);
+            let drift = super::drift::diff(&expected, &super::drift::parse(&live_text), canary);
             if repair && !drift.is_empty() {
                 if !canary && let Err(error) = canary::ensure(&family.iptables) {
                     warn!(%error, "cannot recreate the canary chains");

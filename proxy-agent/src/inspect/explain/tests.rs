@@ -68,18 +68,26 @@ fn maps() -> FakeMaps {
         affinity_timeout: 0,
         maglev_size: 0,
     };
-    m.frontends
-        .insert((ip("10.96.0.10"), 80, proto::TCP, scope::INTERNAL), value(1, 0));
-    m.frontends
-        .insert((ip("0.0.0.0"), 30080, proto::TCP, scope::INTERNAL), value(2, 0));
-    m.frontends
-        .insert((ip("0.0.0.0"), 30080, proto::TCP, scope::EXTERNAL), value(3, 0));
+    m.frontends.insert(
+        (ip("10.96.0.10"), 80, proto::TCP, scope::INTERNAL),
+        value(1, 0),
+    );
+    m.frontends.insert(
+        (ip("0.0.0.0"), 30080, proto::TCP, scope::INTERNAL),
+        value(2, 0),
+    );
+    m.frontends.insert(
+        (ip("0.0.0.0"), 30080, proto::TCP, scope::EXTERNAL),
+        value(3, 0),
+    );
     for service in 1..=3 {
         m.slots.insert((service, 0, 1), 10);
         m.slots.insert((service, 1, 1), 11);
     }
-    m.backends.insert(10, "10.244.1.2:8080".parse().expect("addr"));
-    m.backends.insert(11, "10.244.2.2:8080".parse().expect("addr"));
+    m.backends
+        .insert(10, "10.244.1.2:8080".parse().expect("addr"));
+    m.backends
+        .insert(11, "10.244.2.2:8080".parse().expect("addr"));
     m.node_addrs.insert(ip("192.168.0.1"));
     m.config = Some(NodeConfig {
         snat4: u32::from_ne_bytes([192, 168, 0, 1]),
@@ -110,14 +118,23 @@ fn a_cluster_ip_from_the_node_is_translated_keeping_the_client() {
 
 #[test]
 fn a_node_port_on_a_node_address_uses_the_wildcard_frontend_and_snat_from_outside() {
-    let local = explain(&maps(), &query(From::Pod, "10.244.1.2", "192.168.0.1:30080/tcp"));
-    assert_eq!((local.verdict.as_str(), local.service_id), ("translate", Some(2)));
+    let local = explain(
+        &maps(),
+        &query(From::Pod, "10.244.1.2", "192.168.0.1:30080/tcp"),
+    );
+    assert_eq!(
+        (local.verdict.as_str(), local.service_id),
+        ("translate", Some(2))
+    );
     let outside = explain(
         &maps(),
         &query(From::External, "192.168.100.5", "192.168.0.1:30080/tcp"),
     );
     assert_eq!(outside.service_id, Some(3));
-    assert_eq!(outside.source.as_deref(), Some("192.168.0.1 (SNAT to the node address)"));
+    assert_eq!(
+        outside.source.as_deref(),
+        Some("192.168.0.1 (SNAT to the node address)")
+    );
 }
 
 #[test]
@@ -153,15 +170,23 @@ fn source_ranges_judge_external_clients_and_leave_pods_to_tc() {
         maglev_size: 0,
     };
     let lb = ip("192.0.2.10");
-    m.frontends.insert((lb, 80, proto::TCP, scope::EXTERNAL), guarded);
-    m.frontends.insert((lb, 80, proto::TCP, scope::INTERNAL), guarded);
+    m.frontends
+        .insert((lb, 80, proto::TCP, scope::EXTERNAL), guarded);
+    m.frontends
+        .insert((lb, 80, proto::TCP, scope::INTERNAL), guarded);
     m.slots.insert((4, 0, 1), 10);
     m.slots.insert((4, 1, 1), 11);
     m.ranges.insert((4, ip("203.0.113.7")));
-    let inside = explain(&m, &query(From::External, "203.0.113.7", "192.0.2.10:80/tcp"));
+    let inside = explain(
+        &m,
+        &query(From::External, "203.0.113.7", "192.0.2.10:80/tcp"),
+    );
     assert_eq!(inside.verdict, "translate");
     assert_eq!(inside.source.as_deref(), Some("203.0.113.7 (kept)"));
-    let outside = explain(&m, &query(From::External, "203.0.113.8", "192.0.2.10:80/tcp"));
+    let outside = explain(
+        &m,
+        &query(From::External, "203.0.113.8", "192.0.2.10:80/tcp"),
+    );
     assert_eq!(outside.verdict, "drop");
     let pod = explain(&m, &query(From::Pod, "10.244.1.2", "192.0.2.10:80/tcp"));
     assert_eq!(pod.program, "tc (pod veth)");
