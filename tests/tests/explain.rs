@@ -10,7 +10,8 @@ use proxy_tests::{
     scenario::{Scenario, cluster_addr},
 };
 
-/// `proxy-agent --bpf-root R inspect explain ARGS --json` in the node's namespace.
+/// `proxy-agent --bpf-root R inspect explain ARGS --json` in the node's namespace (an empty
+/// bpf root: iptables mode).
 fn explain(netns: &Path, bpf_root: &Path, args: &[&str]) -> anyhow::Result<serde_json::Value> {
     let output = Command::new("nsenter")
         .arg(format!("--net={}", netns.display()))
@@ -102,5 +103,54 @@ fn explain_predicts_what_connections_from_the_node_get() -> anyhow::Result<()> {
         table.contains("candidates: 10.244.1.2:8080 10.244.2.2:8080"),
         "{table}"
     );
+    Ok(())
+}
+
+#[test]
+fn explain_walks_the_live_iptables_rules_as_connections_do() -> anyhow::Result<()> {
+    proxy_tests::require_root();
+    proxy_tests::set_helper_binary(env!("CARGO_BIN_EXE_rig-helper"));
+    let mut s = Scenario::new(2)?;
+    s.write_web_service(2)?;
+    let client = s.start_serving("iptables", &[])?;
+    let netns = s.topo.node().path();
+    // No pins there: inspect reads the rules.
+    let empty = std::env::temp_dir().join(format!("kpr-explain-none-{}", std::process::id()));
+
+    let e = explain(
+        &netns,
+        &empty,
+        &["--from", "node", "--to", "10.96.0.10:80/tcp"],
+    )?;
+    eprintln!("explain (iptables): {e:#}");
+    assert_eq!(e["verdict"], "translate", "{e}");
+    let candidates: Vec<String> = e["candidates"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|c| c.as_str().and_then(pod_name))
+        .collect();
+    assert_eq!(candidates, ["pod1", "pod2"], "{e}");
+    let walked: Vec<&str> = e["steps"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|c| c.as_str())
+        .collect();
+    assert!(walked.contains(&"chain nat/KUBE-SERVICES"), "{walked:?}");
+    for attempt in client.run(cluster_addr(), 60)? {
+        match attempt {
+            Attempt::Ok { backend, .. } => {
+                assert!(candidates.contains(&backend), "{backend} not predicted");
+            }
+            Attempt::Err(reason) => panic!("predicted translate, got {reason}"),
+        }
+    }
+    let none = explain(
+        &netns,
+        &empty,
+        &["--from", "node", "--to", "10.96.0.99:80/tcp"],
+    )?;
+    assert_eq!(none["verdict"], "pass", "{none}");
     Ok(())
 }

@@ -565,6 +565,72 @@ fn flow_hash(src: &[u32; 4], dst: &[u32; 4], ports: u32, protocol: u8) -> u32 {
     h ^ (h >> 16)
 }
 
+/// iptables mode: `tracer` holds the live ruleset (`iptables-save` of nat and filter); the walk
+/// has the parity tests' semantics (upstream's `tracePacket`), entered at nat `OUTPUT` for the
+/// node's own connections and at `PREROUTING` for pods' and external packets. Every DNAT
+/// destination a probabilistic jump may reach is a candidate; `-m recent` affinity is state the
+/// tracer does not have, so affinity never names a chosen backend.
+pub fn explain_iptables(
+    tracer: &crate::dataplane::iptables::tracer::Tracer,
+    q: &Query,
+) -> Explanation {
+    let start = if q.from == From::Node {
+        "OUTPUT"
+    } else {
+        "PREROUTING"
+    };
+    let trace = tracer.trace_from(
+        start,
+        &q.client.to_string(),
+        &protocol_name(q.protocol).to_ascii_lowercase(),
+        &q.dest.ip().to_string(),
+        &q.dest.port().to_string(),
+    );
+    let mut e = Explanation {
+        program: format!("iptables (nat {start}, then the filter service chains)"),
+        steps: trace.chains.iter().map(|c| format!("chain {c}")).collect(),
+        ..Explanation::default()
+    };
+    let outputs: Vec<&str> = trace.output.split(", ").filter(|o| !o.is_empty()).collect();
+    match outputs.as_slice() {
+        [] => {
+            e.verdict = "pass".to_owned();
+            e.reason = "no rule matched: not translated".to_owned();
+        }
+        terminal if terminal.contains(&"REJECT") => {
+            e.verdict = "refuse".to_owned();
+            e.reason = "REJECT: the Service has no endpoints (ECONNREFUSED / ICMP port \
+                        unreachable)"
+                .to_owned();
+        }
+        terminal if terminal.contains(&"DROP") => {
+            e.verdict = "drop".to_owned();
+            e.reason = "DROP (no local endpoints, or outside loadBalancerSourceRanges)".to_owned();
+        }
+        ["ACCEPT"] => {
+            e.verdict = "pass".to_owned();
+            e.reason = "ACCEPT: not translated".to_owned();
+        }
+        destinations => {
+            e.candidates = destinations.iter().map(|d| (*d).to_owned()).collect();
+            e.candidates.sort();
+            if let [only] = destinations {
+                e.chosen = Some((*only).to_owned());
+            }
+            e.verdict = "translate".to_owned();
+            e.reason = "DNAT: a statistic (random) jump picks among the candidates".to_owned();
+        }
+    }
+    if e.verdict == "translate" {
+        e.source = Some(if trace.masq {
+            "the node address (KUBE-MARK-MASQ: masqueraded)".to_owned()
+        } else {
+            kept(q.client)
+        });
+    }
+    e
+}
+
 /// The pinned maps of a running agent.
 pub struct PinnedMaps {
     frontends4: HashMap<MapData, Frontend4Key, FrontendValue>,

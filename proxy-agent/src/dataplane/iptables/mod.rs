@@ -19,6 +19,7 @@ pub mod jumps;
 pub mod localdetect;
 pub mod rules;
 mod sync;
+pub mod tracer;
 
 pub use config::{FamilyRules, HostFeatures, IptablesConfig, NodePortAddresses};
 pub use localdetect::{DetectLocalMode, LocalDetector};
