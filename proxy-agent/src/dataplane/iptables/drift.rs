@@ -92,20 +92,31 @@ fn signature(words: &[&str]) -> String {
         let Some(value) = words.get(i + 1) else {
             continue;
         };
-        let value = value
-            .strip_suffix("/32")
-            .or_else(|| value.strip_suffix("/128"))
-            .unwrap_or(value);
-        // iptables-save prints one more decimal of a probability than kube-proxy writes.
-        let value = match (*word, value.parse::<f64>()) {
-            ("--probability", Ok(p)) => format!("{p:.9}"),
-            _ => value.to_owned(),
+        let value = match *word {
+            // iptables-save prints one more decimal of a probability than kube-proxy writes.
+            "--probability" => value
+                .parse::<f64>()
+                .map_or_else(|_| (*value).to_owned(), |p| format!("{p:.9}")),
+            // It prints networks without host bits, and single addresses with /32 or /128.
+            "-s" | "-d" => normalise_address(value),
+            _ => (*value).to_owned(),
         };
         let negated = i > 0 && words[i - 1] == "!";
         parts.push(format!("{}{word} {value}", if negated { "! " } else { "" }));
     }
     parts.sort();
     parts.join(" ")
+}
+
+fn normalise_address(value: &str) -> String {
+    if let Ok(net) = value.parse::<ipnet::IpNet>() {
+        let net = net.trunc();
+        if net.prefix_len() == net.max_prefix_len() {
+            return net.addr().to_string();
+        }
+        return net.to_string();
+    }
+    value.to_owned()
 }
 
 /// Compares the chains `expected` declares with `live`, table by table; `canary_present` says
@@ -190,6 +201,7 @@ mod tests {
         -A KUBE-SVC-AAA -m comment --comment \"default/web:http -> 10.244.1.2:8080\" -j KUBE-SEP-BBB\n\
         -A KUBE-SEP-BBB -m comment --comment default/web:http -m tcp -p tcp -j DNAT --to-destination 10.244.1.2:8080\n\
         -A KUBE-SEP-BBB -m statistic --mode random --probability 0.5000000000 -j KUBE-SEP-BBB\n\
+        -A KUBE-SEP-BBB -s 203.0.113.7/24 -j RETURN\n\
         COMMIT\n";
 
     /// The same rules as `iptables-save` prints them.
@@ -199,6 +211,7 @@ mod tests {
         -A KUBE-SVC-AAA -m comment --comment \"default/web:http -> 10.244.1.2:8080\" -j KUBE-SEP-BBB\n\
         -A KUBE-SEP-BBB -p tcp -m comment --comment default/web:http -m tcp -j DNAT --to-destination 10.244.1.2:8080\n\
         -A KUBE-SEP-BBB -m statistic --mode random --probability 0.50000000000 -j KUBE-SEP-BBB\n\
+        -A KUBE-SEP-BBB -s 203.0.113.0/24 -j RETURN\n\
         COMMIT\n";
 
     #[test]
