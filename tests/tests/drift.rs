@@ -1,5 +1,6 @@
 //! Drift detection and repair with a real agent: the test changes the pinned service maps from
-//! outside (corrupts, deletes and adds entries), `proxy-agent inspect drift` reports each change
+//! outside (corrupts, deletes and adds entries in the frontend, slot, backend, affinity match
+//! and source range maps; Maglev tables are covered by the unit tests), `proxy-agent inspect drift` reports each change
 //! without repairing it, and the agent's periodic check repairs them within one period —
 //! counted in `kubeproxy_ebpf_drift_repairs_total{map}` and logged — while traffic to a Service
 //! the changes do not touch keeps flowing. Needs root.
@@ -12,11 +13,11 @@ use std::{
     time::{Duration, Instant},
 };
 
-use aya::maps::{HashMap, Map, MapData};
+use aya::maps::{HashMap, LpmTrie, Map, MapData, lpm_trie::Key};
 use proxy_agent::dataplane::ebpf::PIN_DIR_NAME;
 use proxy_common::{
-    AffinityMatchKey, Backend4, BackendSlotKey, Frontend4Key, FrontendValue, map_names, proto,
-    scope,
+    AffinityMatchKey, Backend4, BackendSlotKey, Frontend4Key, FrontendValue, SourceRangeKey,
+    map_names, proto, scope,
 };
 use proxy_tests::{
     agent::agent_binary,
@@ -142,6 +143,14 @@ fn tamper(pin_dir: &Path) -> anyhow::Result<u32> {
         1,
         0,
     )?;
+    // Add: a source range for a Service that has none.
+    let data = MapData::from_pin(pin_dir.join(map_names::SOURCE_RANGES))?;
+    let mut ranges: LpmTrie<_, SourceRangeKey, u8> = LpmTrie::try_from(Map::from_map_data(data)?)?;
+    let range = SourceRangeKey {
+        service_id: web.service_id,
+        addr: [map_addr(Ipv4Addr::new(198, 51, 100, 0)), 0, 0, 0],
+    };
+    ranges.insert(&Key::new(32 + 24, range), 1, 0)?;
     Ok(first)
 }
 
@@ -151,6 +160,7 @@ fn expected_kinds() -> Vec<(String, String)> {
         ("KPR_BACKENDS4", "changed"),
         ("KPR_BACKEND_SLOTS", "missing"),
         ("KPR_FRONTENDS4", "extra"),
+        ("KPR_SOURCE_RANGES", "extra"),
     ]
     .into_iter()
     .map(|(map, kind)| (map.to_owned(), kind.to_owned()))
