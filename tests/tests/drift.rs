@@ -224,8 +224,19 @@ fn drifted_ebpf_maps_are_reported_and_repaired_within_one_period() -> anyhow::Re
         .find(|d| d["map"] == "KPR_BACKENDS4")
         .ok_or_else(|| anyhow::anyhow!("no backend entry in {report}"))?;
     assert_eq!(changed["found"], "192.0.2.1:8080", "{changed}");
-    // Reporting repairs nothing: a second look sees the same.
+    // Reporting repairs nothing: a second look sees the same (in the table for people).
     assert_eq!(drift_kinds(&inspect_drift(&netns)?), expected_kinds());
+    let table = Command::new("nsenter")
+        .arg(format!("--net={}", netns.display()))
+        .arg(agent_binary()?)
+        .args(["inspect", "drift"])
+        .output()?;
+    let table = String::from_utf8(table.stdout)?;
+    eprintln!("{table}");
+    assert!(
+        table.contains("KPR_BACKENDS4") && table.contains("192.0.2.1:8080"),
+        "{table}"
+    );
 
     // Repaired within one period (plus the time the check itself takes).
     let mut repaired_after = None;
