@@ -507,28 +507,3 @@ fn drifted_iptables_rules_are_reported_and_repaired_within_one_period() -> anyho
     );
     Ok(())
 }
-
-/// The cost of a full check at 30k Services (2 endpoints each), in-process with the real maps:
-/// the benchmark's in-process eBPF item reports it too. Goal: ≤ 5 % of one core at the default
-/// period. Minutes of setup, so only on request:
-/// `cargo test -p proxy-tests --test drift -- --ignored --nocapture`.
-#[test]
-#[ignore = "a measurement (minutes); run with --ignored"]
-fn a_full_drift_check_at_30k_services_costs_under_5_percent_of_a_core() -> anyhow::Result<()> {
-    proxy_tests::require_root();
-    let workload = proxy_tests::bench::workload::Workload {
-        services: 30_000,
-        endpoints: 2,
-    };
-    let result = proxy_tests::bench::inprocess::ebpf(workload, 1)?;
-    let share = result.drift_check.as_secs_f64()
-        / proxy_agent::config::DEFAULT_DRIFT_CHECK_PERIOD.as_secs_f64();
-    eprintln!(
-        "full drift check at 30k Services: {:?} = {:.2} % of a core every {:?}",
-        result.drift_check,
-        share * 100.0,
-        proxy_agent::config::DEFAULT_DRIFT_CHECK_PERIOD
-    );
-    assert!(share <= 0.05, "{:.2} %", share * 100.0);
-    Ok(())
-}
