@@ -291,6 +291,18 @@ pub struct Args {
     )]
     pub bpf_map_maglev: Option<String>,
 
+    /// How often the agent compares the kernel's state with what it wrote and repairs what
+    /// differs (eBPF: every entry of the service maps; iptables: the canary and the chains it writes), as a Go
+    /// duration (default 30s; 0s turns the check off). `proxy-agent inspect drift` runs the
+    /// same check without repairing.
+    #[arg(
+        long,
+        value_name = "DURATION",
+        allow_hyphen_values = true,
+        help_heading = "kubeproxy-rs additions"
+    )]
+    pub drift_check_period: Option<String>,
+
     /// Backend choice for new external flows (tc: NodePort, externalIPs, LoadBalancer IPs,
     /// ClusterIPs from outside): 'random' (default) or 'maglev' (consistent hashing of the
     /// 5-tuple, so a change of backends moves few flows). Socket-level load balancing of local
@@ -345,6 +357,18 @@ pub struct InspectArgs {
     /// JSON instead of a table.
     #[arg(long)]
     pub json: bool,
+    /// `explain`: where the client is (node, pod or external).
+    #[arg(long, value_name = "WHERE", default_value = "node")]
+    pub from: String,
+    /// `explain`: the client's address (default: none for node/pod, required for external).
+    #[arg(long, value_name = "IP")]
+    pub client: Option<std::net::IpAddr>,
+    /// `explain`: the destination, `IP:PORT/PROTO` (PROTO tcp, udp or sctp; IPv6 as [IP]:PORT).
+    #[arg(long, value_name = "IP:PORT/PROTO")]
+    pub to: Option<String>,
+    /// `explain`: the client's source port (completes the tuple: conntrack, Maglev).
+    #[arg(long, value_name = "PORT")]
+    pub sport: Option<u16>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -359,4 +383,10 @@ pub enum InspectWhat {
     Affinity,
     /// The tc programs' BPF conntrack (one entry per direction: match → rewrite).
     Conntrack,
+    /// The decision the datapath would take for one client and destination, and why
+    /// (--from, --client, --to, --sport).
+    Explain,
+    /// What differs between the kernel's state and what the agent wrote (asks the running
+    /// agent over --metrics-bind-address; nothing is repaired).
+    Drift,
 }

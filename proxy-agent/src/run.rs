@@ -133,6 +133,11 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     let mut conntrack_gc_at = Instant::now() + CONNTRACK_GC_INTERVAL;
     // The Node object and the host's addresses → node settings (see `node/`).
     let mut node_manager = NodeManager::new(NodeInputs::from_config(&config), &node.name);
+    // The drift check runs in this loop, never concurrently with a sync of the same maps.
+    let (drift_requests, mut drift_rx) = tokio::sync::mpsc::channel(4);
+    node_services.metrics().serve_drift_requests(drift_requests);
+    let drift_period = config.ebpf.drift_check_period;
+    let mut drift_at = Instant::now() + drift_period;
 
     let outcome = loop {
         // Nothing is programmed until every kind was listed once (kube-proxy's rule), so a
@@ -254,6 +259,23 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
             () = tokio::time::sleep_until(conntrack_gc_at), if dataplane.has_conntrack() => {
                 dataplane.conntrack_gc(node_services.metrics());
                 conntrack_gc_at = Instant::now() + CONNTRACK_GC_INTERVAL;
+            }
+            () = tokio::time::sleep_until(drift_at), if synced_once && !drift_period.is_zero() => {
+                let report = dataplane.drift(true, node_services.metrics(), &snapshot);
+                if report.mode == "iptables" && !report.drift.is_empty() {
+                    // iptables repairs with a full sync (the family is marked): now.
+                    runner.request();
+                }
+                drift_at = Instant::now() + drift_period;
+            }
+            Some(reply) = drift_rx.recv() => {
+                let report = if synced_once {
+                    dataplane.drift(false, node_services.metrics(), &snapshot)
+                } else {
+                    crate::drift::DriftReport::not_checked(dataplane.mode_name(), "no sync yet")
+                };
+                // The requester may have gone (timeout): nothing to do then.
+                let _ = reply.send(serde_json::to_string(&report).unwrap_or_default());
             }
             _ = sigint.recv() => break Ok("SIGINT"),
             _ = sigterm.recv() => break Ok("SIGTERM"),
@@ -425,6 +447,28 @@ impl Dataplane {
     fn periodic_check(&mut self) {
         if let Dataplane::Iptables(iptables) = self {
             iptables.check_canaries();
+        }
+    }
+
+    /// The drift check (see `crate::drift`); with `repair`, what differs is fixed.
+    fn drift(
+        &mut self,
+        repair: bool,
+        metrics: &Metrics,
+        snapshot: &Snapshot,
+    ) -> crate::drift::DriftReport {
+        match self {
+            Dataplane::Ebpf(ebpf) => crate::drift::check_ebpf(ebpf, repair, metrics),
+            Dataplane::Iptables(iptables) => {
+                crate::drift::check_iptables(iptables, snapshot, repair, metrics)
+            }
+        }
+    }
+
+    fn mode_name(&self) -> &'static str {
+        match self {
+            Dataplane::Ebpf(_) => "ebpf",
+            Dataplane::Iptables(_) => "iptables",
         }
     }
 

@@ -265,6 +265,17 @@ pub fn apply(
             Err(reason) => overlay.flag_only("bpf-map-maglev", text, reason),
         }
     }
+    if let Some(text) = &args.drift_check_period {
+        match parse_duration(text).map(GoDuration::to_std) {
+            Ok(Some(period)) => ebpf.drift_check_period = period,
+            Ok(None) => overlay.flag_only(
+                "drift-check-period",
+                text,
+                "must not be negative".to_owned(),
+            ),
+            Err(reason) => overlay.flag_only("drift-check-period", text, reason),
+        }
+    }
     if let Some(text) = &args.lb_algorithm {
         match text.as_str() {
             "random" => ebpf.lb_algorithm = LbAlgorithm::Random,

@@ -178,7 +178,12 @@ pub struct EbpfConfig {
     pub maglev_table_size: u32,
     /// `--bpf-map-maglev`.
     pub map_maglev: u32,
+    /// `--drift-check-period` (both modes; zero: no check).
+    pub drift_check_period: std::time::Duration,
 }
+
+/// `--drift-check-period`'s default: a full check of 30k Services' maps reads ~10^5 entries.
+pub const DEFAULT_DRIFT_CHECK_PERIOD: std::time::Duration = std::time::Duration::from_secs(30);
 
 /// `--lb-algorithm`: how the tc programs choose a backend for a new external flow.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
@@ -200,6 +205,7 @@ impl Default for EbpfConfig {
             lb_algorithm: LbAlgorithm::Random,
             maglev_table_size: crate::dataplane::ebpf::DEFAULT_MAGLEV_TABLE_SIZE,
             map_maglev: proxy_common::default_sizes::MAGLEV,
+            drift_check_period: DEFAULT_DRIFT_CHECK_PERIOD,
         }
     }
 }

@@ -13,11 +13,13 @@ pub mod chains;
 mod cleanup;
 pub mod config;
 pub mod detect;
+pub mod drift;
 pub mod exec;
 pub mod jumps;
 pub mod localdetect;
 pub mod rules;
 mod sync;
+pub mod tracer;
 
 pub use config::{FamilyRules, HostFeatures, IptablesConfig, NodePortAddresses};
 pub use localdetect::{DetectLocalMode, LocalDetector};
