@@ -38,6 +38,8 @@ use crate::{
 /// from filling the LRU, so kube-proxy's default sync period is often enough, and a full walk
 /// of the default 262 144 entries (~0.5 s) stays a small share of the agent's time.
 const CONNTRACK_GC_INTERVAL: Duration = Duration::from_secs(30);
+/// pkg/proxy/util `FullSyncPeriod`: the iptables runner's maximum interval.
+const FULL_SYNC_PERIOD: Duration = Duration::from_secs(3600);
 
 /// `--cleanup`: removes everything either mode installed (pinned maps and links, which detaches
 /// the programs; our iptables chains and jump rules), then returns.
@@ -50,6 +52,15 @@ pub fn cleanup(config: &Config) -> anyhow::Result<()> {
     }
     info!(problems = problems.len(), "iptables cleanup done");
     Ok(())
+}
+
+/// `--init-only`: the steps that need full root privileges, then return (upstream:
+/// newProxyServer's platformSetup applies the conntrack sysctls, the proxier logs "System
+/// initialized and --init-only specified" and returns before any rule is written). No API
+/// server and no dataplane are touched.
+pub fn init_only(config: &Config) {
+    apply_process_settings(config);
+    info!("System initialized and --init-only specified");
 }
 
 /// Where the objects come from.
@@ -131,6 +142,9 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     let runner_config = dataplane.runner_config(&config);
     let mut runner = SyncRunner::new(runner_config, Instant::now());
     let mut conntrack_gc_at = Instant::now() + CONNTRACK_GC_INTERVAL;
+    // iptables: ipt.Monitor checks the canaries every syncPeriod on its own timer, whatever
+    // else is syncing (proxier.go NewProxier).
+    let mut canary_at = Instant::now() + config.sync_period;
     // The Node object and the host's addresses → node settings (see `node/`).
     let mut node_manager = NodeManager::new(NodeInputs::from_config(&config), &node.name);
 
@@ -145,7 +159,7 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
         let wake = if ready {
             runner.next_wakeup(Instant::now())
         } else {
-            Instant::now() + node_manager.poll_interval(runner_config.max_interval)
+            Instant::now() + node_manager.poll_interval(config.sync_period)
         };
         tokio::select! {
             update = rx.recv() => {
@@ -193,9 +207,6 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
                 let Some(reason) = runner.due(Instant::now()) else {
                     continue;
                 };
-                if reason == SyncReason::Periodic {
-                    dataplane.periodic_check();
-                }
                 let changes = store.take_changes();
                 node_services
                     .metrics()
@@ -243,14 +254,18 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
                     other_mode_removed = true;
                 }
                 debug!(elapsed_us = update_started.elapsed().as_micros() as u64, "sync done");
-                if !ok {
-                    // kube-proxy retries a failed sync after one sync period.
-                    runner.retry_after(config.sync_period, Instant::now());
-                }
+                // A failed sync is retried after the retry interval (the sync period).
+                runner.finished(Instant::now(), ok);
                 log_snapshot_size(store.objects(), &snapshot);
             }
             // Its own timer, not the periodic sync's: a sync for changes resets that one, so
             // with Services changing more often than syncPeriod it would never come.
+            () = tokio::time::sleep_until(canary_at), if dataplane.has_canary() => {
+                if dataplane.check_canaries() {
+                    runner.request();
+                }
+                canary_at = Instant::now() + config.sync_period;
+            }
             () = tokio::time::sleep_until(conntrack_gc_at), if dataplane.has_conntrack() => {
                 dataplane.conntrack_gc(node_services.metrics());
                 conntrack_gc_at = Instant::now() + CONNTRACK_GC_INTERVAL;
@@ -409,22 +424,35 @@ impl Dataplane {
 
     /// eBPF: a sync costs O(changed Services), so there is no minimum interval beyond coalescing
     /// what is queued (`--iptables-min-sync-period` is, as its name says, for the iptables
-    /// mode). iptables: kube-proxy's min/max periods with a burst of 2.
+    /// mode), and every sync period reconciles every map entry. iptables: kube-proxy's runner
+    /// (proxier.go: min minSyncPeriod, retry syncPeriod, max `proxyutil.FullSyncPeriod`, an
+    /// hour); the canary timer covers the sync period.
     fn runner_config(&self, config: &Config) -> RunnerConfig {
-        RunnerConfig {
-            min_interval: match self {
-                Dataplane::Ebpf(_) => Duration::ZERO,
-                Dataplane::Iptables(_) => config.min_sync_period,
+        match self {
+            Dataplane::Ebpf(_) => RunnerConfig {
+                min_interval: Duration::ZERO,
+                max_interval: config.sync_period,
+                retry_interval: config.sync_period,
             },
-            max_interval: config.sync_period,
-            burst: 2,
+            Dataplane::Iptables(_) => RunnerConfig {
+                min_interval: config.min_sync_period,
+                // validation keeps minSyncPeriod <= syncPeriod, but not <= an hour's runner max.
+                max_interval: FULL_SYNC_PERIOD.max(config.min_sync_period),
+                retry_interval: config.sync_period,
+            },
         }
     }
 
-    /// Once per sync period: the canary check (someone flushed our tables → full resync).
-    fn periodic_check(&mut self) {
-        if let Dataplane::Iptables(iptables) = self {
-            iptables.check_canaries();
+    /// Whether this dataplane has canary chains to watch (iptables).
+    fn has_canary(&self) -> bool {
+        matches!(self, Dataplane::Iptables(_))
+    }
+
+    /// Every sync period: the canary check (someone flushed our tables → full resync now).
+    fn check_canaries(&mut self) -> bool {
+        match self {
+            Dataplane::Iptables(iptables) => iptables.check_canaries(),
+            Dataplane::Ebpf(_) => false,
         }
     }
 
