@@ -106,6 +106,7 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     let node_services = NodeServices::start(&NodeServicesConfig {
         healthz_bind_address: config.healthz_bind_address,
         metrics_bind_address: config.metrics_bind_address,
+        node_required: matches!(source, Source::Kubernetes(_)),
         ..NodeServicesConfig::new(&node.name, dataplane.mode(), config.sync_period)
     });
     for family in IpFamily::ALL {

@@ -116,12 +116,14 @@ fn health_metrics_and_proxy_mode_of_a_running_ebpf_agent() -> anyhow::Result<()>
         health.head
     );
     assert!(
-        health.body.starts_with("{\"lastUpdated\": \""),
+        health.body.starts_with("{\"lastUpdated\":\""),
         "{}",
         health.body
     );
     assert!(
-        health.body.ends_with("\"nodeEligible\": true}"),
+        health
+            .body
+            .contains("\"nodeEligible\":true,\"healthy\":true"),
         "{}",
         health.body
     );

@@ -64,6 +64,9 @@ pub struct NodeServicesConfig {
     pub health_timeout: Duration,
     /// The node addresses health check node ports listen on; empty: all.
     pub node_port_addresses: Vec<IpAddr>,
+    /// A missing Node makes `/healthz` fail (the API source; a manifests folder may hold
+    /// no Node).
+    pub node_required: bool,
 }
 
 impl NodeServicesConfig {
@@ -76,6 +79,7 @@ impl NodeServicesConfig {
             metrics_bind_address: Some(DEFAULT_METRICS_BIND_ADDRESS),
             health_timeout: sync_period * 2,
             node_port_addresses: Vec::new(),
+            node_required: false,
         }
     }
 }
@@ -146,6 +150,9 @@ impl NodeServices {
     pub fn start_with_clock(config: &NodeServicesConfig, clock: Arc<dyn Clock>) -> Self {
         let started = clock.now().wall;
         let health = Arc::new(ProxyHealth::new(config.health_timeout, clock));
+        if config.node_required {
+            health.require_node();
+        }
         let metrics = Arc::new(Metrics::new(config.mode));
         let service_health = ServiceHealthServers::new(
             &config.node_name,
