@@ -544,9 +544,11 @@ impl Dataplane {
                             .collect(),
                     ),
                 }
-                // Map writes that failed keep their previous state; the periodic full
-                // reconcile retries them, no faster retry is needed.
-                true
+                // A failed map write, or a service port still not fitting in the maps, is a
+                // failed sync as upstream counts one: /healthz turns unhealthy after the health
+                // timeout and the runner retries after the sync period (the failed writes kept
+                // their previous state; the periodic full reconcile retries them too).
+                errors.is_empty() && ebpf.unfit_service_ports().is_empty()
             }
             Dataplane::Iptables(iptables) => {
                 // The dataplane itself turns a partial sync into a full one when one is due

@@ -237,3 +237,33 @@ fn proxy_mode_reports_iptables() -> anyhow::Result<()> {
     assert!(nat_rules.is_some(), "no nat rule count in /metrics");
     Ok(())
 }
+
+/// A Service that does not fit in the eBPF maps is a failed sync, as a failed
+/// iptables-restore is upstream: /healthz and /livez turn 503 once the update has been
+/// pending for the health timeout (2 × the sync period).
+#[test]
+fn ebpf_service_ports_that_do_not_fit_make_the_proxy_unhealthy() -> anyhow::Result<()> {
+    proxy_tests::require_root();
+    proxy_tests::set_helper_binary(env!("CARGO_BIN_EXE_rig-helper"));
+    let mut s = Scenario::new(2)?;
+    let spec = ServiceSpec {
+        type_: "LoadBalancer",
+        ..ServiceSpec::default()
+    };
+    s.manifests.write("web-svc.yaml", &service_yaml(&spec))?;
+    s.manifests.write(
+        "web-slice.yaml",
+        &http_slice("default", "web-1", "web", &[pod_endpoint(1)]),
+    )?;
+    // One frontend slot: the ClusterIP, NodePorts and load-balancer IP cannot all fit.
+    s.start_agent_with_args(
+        "ebpf",
+        &["--bpf-map-frontends", "1", "--iptables-sync-period", "1s"],
+    )?;
+    let node = s.topo.node().path();
+    let healthz: SocketAddr = "127.0.0.1:10256".parse()?;
+    let reply = wait_for(&node, healthz, "/healthz", 503)?;
+    assert!(reply.body.contains("\"healthy\":false"), "{}", reply.body);
+    assert_eq!(get(&node, healthz, "/livez")?.status, 503);
+    Ok(())
+}
