@@ -245,9 +245,8 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
                     ebpf.datapath_counters(&counters);
                 }
                 if ok {
-                    let full = all_services || reason == SyncReason::Periodic;
                     report_sync(&node_services, store.objects(), &changes, &snapshot,
-                        update_started.elapsed(), full, last_sync_wall);
+                        update_started.elapsed(), last_sync_wall);
                     last_sync_wall = started_wall;
                 }
                 if ok && !other_mode_removed {
@@ -312,11 +311,10 @@ fn report_sync(
     changes: &Changes,
     snapshot: &Snapshot,
     elapsed: Duration,
-    full: bool,
     previous_sync: SystemTime,
 ) {
     for family in IpFamily::ALL {
-        node_services.synced(family, snapshot, elapsed, full);
+        node_services.synced(family, snapshot, elapsed);
     }
     let times = trigger_times(objects, &changes.services, previous_sync);
     for family in IpFamily::ALL {

@@ -267,3 +267,65 @@ fn ebpf_service_ports_that_do_not_fit_make_the_proxy_unhealthy() -> anyhow::Resu
     assert_eq!(get(&node, healthz, "/livez")?.status, 503);
     Ok(())
 }
+
+/// The value of a sample line `name{labels} value` in an exposition.
+fn sample(body: &str, prefix: &str) -> Option<f64> {
+    body.lines()
+        .find(|l| l.starts_with(prefix))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+}
+
+/// Upstream's syncProxyRules observes each sync once, in the full or the partial histogram
+/// by what the restore was: the first sync is full, an endpoint change is partial.
+#[test]
+fn iptables_syncs_are_observed_once_as_full_or_partial() -> anyhow::Result<()> {
+    let s = setup("iptables", &[pod_endpoint(1)])?;
+    let node = s.topo.node().path();
+    let metrics: SocketAddr = "127.0.0.1:10249".parse()?;
+    const FULL: &str = "kubeproxy_sync_full_proxy_rules_duration_seconds_count{ip_family=\"IPv4\"}";
+    const PARTIAL: &str =
+        "kubeproxy_sync_partial_proxy_rules_duration_seconds_count{ip_family=\"IPv4\"}";
+    let mut body = String::new();
+    try_wait_until(
+        "the first sync in /metrics",
+        Duration::from_secs(10),
+        Duration::from_millis(200),
+        || {
+            let Ok(reply) = get(&node, metrics, "/metrics") else {
+                return Ok(false);
+            };
+            body = reply.body;
+            Ok(sample(&body, FULL).is_some())
+        },
+    )?;
+    assert_eq!(sample(&body, FULL), Some(1.0), "{body}");
+    assert_eq!(sample(&body, PARTIAL).unwrap_or(0.0), 0.0, "{body}");
+
+    s.manifests.write(
+        "web-slice.yaml",
+        &http_slice(
+            "default",
+            "web-1",
+            "web",
+            &[pod_endpoint(1), pod_endpoint(2)],
+        ),
+    )?;
+    try_wait_until(
+        "a partial sync in /metrics",
+        Duration::from_secs(10),
+        Duration::from_millis(200),
+        || {
+            let Ok(reply) = get(&node, metrics, "/metrics") else {
+                return Ok(false);
+            };
+            body = reply.body;
+            Ok(sample(&body, PARTIAL).is_some_and(|n| n >= 1.0))
+        },
+    )?;
+    std::thread::sleep(Duration::from_millis(500));
+    body = get(&node, metrics, "/metrics")?.body;
+    assert_eq!(sample(&body, FULL), Some(1.0), "{body}");
+    assert_eq!(sample(&body, PARTIAL), Some(1.0), "{body}");
+    Ok(())
+}

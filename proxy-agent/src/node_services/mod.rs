@@ -223,13 +223,12 @@ impl NodeServices {
     /// A sync of `family` succeeded in `duration` (`full`: every Service was resynced) and
     /// `snapshot` is what the dataplane now has. Opens/closes health check node ports (their
     /// errors are logged and retried on the next call).
-    pub fn synced(&self, family: IpFamily, snapshot: &Snapshot, duration: Duration, full: bool) {
+    /// (The iptables full/partial histograms are fed by the dataplane, which alone knows
+    /// whether a family's restore was partial.)
+    pub fn synced(&self, family: IpFamily, snapshot: &Snapshot, duration: Duration) {
         self.health.updated(family);
         let now = self.health.now().wall;
         self.metrics.sync_succeeded(family, duration, now);
-        if let Some(iptables) = self.metrics.iptables() {
-            iptables.sync_duration(family, duration, full);
-        }
         self.metrics
             .set_no_local_endpoints(family, snapshot.family(family));
         self.service_health.sync(snapshot);
