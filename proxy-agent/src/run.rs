@@ -51,6 +51,7 @@ pub fn cleanup(config: &Config) -> anyhow::Result<()> {
         warn!(%problem, "iptables cleanup");
     }
     info!(problems = problems.len(), "iptables cleanup done");
+    remove_kube_proxy_modes();
     Ok(())
 }
 
@@ -61,6 +62,15 @@ pub fn cleanup(config: &Config) -> anyhow::Result<()> {
 pub fn init_only(config: &Config) {
     apply_process_settings(config);
     info!("System initialized and --init-only specified");
+}
+
+/// kube-proxy's nftables tables and IPVS device; failures are logged, never fatal (upstream's
+/// cleanup is best effort too).
+fn remove_kube_proxy_modes() {
+    let (_, errors) = iptables::kube_proxy_modes::remove();
+    for error in errors {
+        warn!(%error, "removing kube-proxy leftovers");
+    }
 }
 
 /// Where the objects come from.
@@ -100,6 +110,9 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     info!(node = %node.name, mode = ?config.mode, source = source_name, "starting proxy-agent");
 
     apply_process_settings(&config);
+    // As kube-proxy's platformCleanup at start: its nftables/IPVS modes' state would keep
+    // intercepting Service traffic next to ours.
+    remove_kube_proxy_modes();
     let mut dataplane = Dataplane::start(&config)?;
     // /healthz /livez, health check node ports, /metrics /proxyMode — for the mode actually
     // running (after a fallback, iptables).
