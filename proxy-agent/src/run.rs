@@ -582,10 +582,16 @@ impl Dataplane {
                             );
                             if let Some(ipt) = metrics.iptables() {
                                 ipt.sync_duration(report.family, report.elapsed, report.full);
-                                let (filter, nat) =
-                                    (report.filter_rules as u64, report.nat_rules as u64);
+                                // proxier.go: the filter table is always written whole; nat's
+                                // "last" counts only this sync's restore input.
+                                let filter = report.filter_rules as u64;
                                 ipt.rules(report.family, IptablesTable::Filter, filter, filter);
-                                ipt.rules(report.family, IptablesTable::Nat, nat, nat);
+                                ipt.rules(
+                                    report.family,
+                                    IptablesTable::Nat,
+                                    report.nat_rules as u64,
+                                    report.nat_rules_written as u64,
+                                );
                             }
                             // Flows DNATed to endpoints that went away must not stay pinned
                             // to them (kube-proxy's conntrack reconciler, after a good sync).

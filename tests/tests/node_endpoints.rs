@@ -302,14 +302,18 @@ fn iptables_syncs_are_observed_once_as_full_or_partial() -> anyhow::Result<()> {
     assert_eq!(sample(&body, FULL), Some(1.0), "{body}");
     assert_eq!(sample(&body, PARTIAL).unwrap_or(0.0), 0.0, "{body}");
 
+    // A second Service (its syncs are partial), then a change of the first one only.
     s.manifests.write(
-        "web-slice.yaml",
-        &http_slice(
+        "other-svc.yaml",
+        &proxy_tests::scenario::http_service(
             "default",
-            "web-1",
-            "web",
-            &[pod_endpoint(1), pod_endpoint(2)],
+            "other",
+            std::net::Ipv4Addr::new(10, 96, 0, 77),
         ),
+    )?;
+    s.manifests.write(
+        "other-slice.yaml",
+        &http_slice("default", "other-1", "other", &[pod_endpoint(2)]),
     )?;
     try_wait_until(
         "a partial sync in /metrics",
@@ -323,9 +327,46 @@ fn iptables_syncs_are_observed_once_as_full_or_partial() -> anyhow::Result<()> {
             Ok(sample(&body, PARTIAL).is_some_and(|n| n >= 1.0))
         },
     )?;
+    std::thread::sleep(Duration::from_millis(1500));
+    let before = sample(&get(&node, metrics, "/metrics")?.body, PARTIAL).unwrap_or(0.0);
+    s.manifests.write(
+        "web-slice.yaml",
+        &http_slice(
+            "default",
+            "web-1",
+            "web",
+            &[pod_endpoint(1), pod_endpoint(2)],
+        ),
+    )?;
+    try_wait_until(
+        "another partial sync in /metrics",
+        Duration::from_secs(10),
+        Duration::from_millis(200),
+        || {
+            let Ok(reply) = get(&node, metrics, "/metrics") else {
+                return Ok(false);
+            };
+            body = reply.body;
+            Ok(sample(&body, PARTIAL).is_some_and(|n| n > before))
+        },
+    )?;
     std::thread::sleep(Duration::from_millis(500));
     body = get(&node, metrics, "/metrics")?.body;
     assert_eq!(sample(&body, FULL), Some(1.0), "{body}");
-    assert_eq!(sample(&body, PARTIAL), Some(1.0), "{body}");
+    assert_eq!(sample(&body, PARTIAL), Some(before + 1.0), "{body}");
+    // sync_proxy_rules_iptables_last is this sync's restore input: a partial sync writes
+    // fewer nat rules than the table holds.
+    let total = sample(
+        &body,
+        "kubeproxy_sync_proxy_rules_iptables_total{ip_family=\"IPv4\",table=\"nat\"}",
+    );
+    let last = sample(
+        &body,
+        "kubeproxy_sync_proxy_rules_iptables_last{ip_family=\"IPv4\",table=\"nat\"}",
+    );
+    assert!(
+        matches!((total, last), (Some(t), Some(l)) if l > 0.0 && l < t),
+        "nat total {total:?}, last {last:?}"
+    );
     Ok(())
 }
