@@ -64,6 +64,23 @@ pub fn init_only(config: &Config) {
     info!("System initialized and --init-only specified");
 }
 
+/// `--bind-address-hard-fail`: kube-proxy exits when its health or metrics server cannot bind
+/// (server.go: the serve error goes to errCh instead of a retry loop). Checked before anything
+/// is touched, by binding each address once; the servers bind again right after.
+fn check_server_ports(config: &Config) -> anyhow::Result<()> {
+    for (flag, address) in [
+        ("--healthz-bind-address", config.healthz_bind_address),
+        ("--metrics-bind-address", config.metrics_bind_address),
+    ] {
+        if let Some(address) = address {
+            std::net::TcpListener::bind(address).with_context(|| {
+                format!("{flag} {address}: cannot bind, and --bind-address-hard-fail is set")
+            })?;
+        }
+    }
+    Ok(())
+}
+
 /// kube-proxy's nftables tables and IPVS device; failures are logged, never fatal (upstream's
 /// cleanup is best effort too).
 fn remove_kube_proxy_modes() {
@@ -109,6 +126,9 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     let source_name = source.name();
     info!(node = %node.name, mode = ?config.mode, source = source_name, "starting proxy-agent");
 
+    if config.bind_address_hard_fail {
+        check_server_ports(&config)?;
+    }
     apply_process_settings(&config);
     // As kube-proxy's platformCleanup at start: its nftables/IPVS modes' state would keep
     // intercepting Service traffic next to ours.

@@ -370,3 +370,41 @@ fn iptables_syncs_are_observed_once_as_full_or_partial() -> anyhow::Result<()> {
     );
     Ok(())
 }
+
+/// `--bind-address-hard-fail`: a health server port that is taken is fatal (upstream sends
+/// the serve error to errCh), instead of the usual retry every 5 s.
+#[test]
+fn bind_address_hard_fail_exits_when_the_port_is_taken() -> anyhow::Result<()> {
+    proxy_tests::require_root();
+    proxy_tests::set_helper_binary(env!("CARGO_BIN_EXE_rig-helper"));
+    let mut s = Scenario::new(1)?;
+    s.write_web_service(1)?;
+    // Something in the node namespace already listens on the health port.
+    s.topo
+        .add_decoy(std::net::Ipv4Addr::new(127, 0, 0, 1), 10256)?;
+    s.start_agent_with_args(
+        "iptables",
+        &[
+            "--bind-address-hard-fail",
+            "--healthz-bind-address",
+            "127.0.0.1:10256",
+        ],
+    )?;
+    let mut exited = None;
+    try_wait_until(
+        "the agent exits",
+        Duration::from_secs(10),
+        Duration::from_millis(100),
+        || {
+            exited = s.agent()?.exit_status();
+            Ok(exited.is_some())
+        },
+    )?;
+    let log = s.agent()?.log_contents();
+    assert!(exited.is_some_and(|status| !status.success()), "{exited:?}");
+    assert!(
+        log.contains("--healthz-bind-address 127.0.0.1:10256: cannot bind"),
+        "{log}"
+    );
+    Ok(())
+}
