@@ -238,6 +238,146 @@ pub struct Args {
           default_missing_value = "2", help_heading = "kube-proxy flags")]
     pub verbosity: Option<String>,
 
+    /// Feature gates, `Name=true,Other=false` (kube-proxy's syntax). Gates that change proxy
+    /// behaviour are applied; the others are listed in one warning. [featureGates]
+    #[arg(long, value_name = "GATES", help_heading = "kube-proxy flags")]
+    pub feature_gates: Option<String>,
+
+    /// Serve /debug/pprof (not implemented: accepted with a warning when true). [enableProfiling]
+    #[arg(long, value_name = "BOOL", num_args = 0..=1, require_equals = true,
+          default_missing_value = "true", help_heading = "kube-proxy flags")]
+    pub profiling: Option<String>,
+
+    /// Exit when the health or metrics server cannot bind its port. [bindAddressHardFail]
+    #[arg(long, value_name = "BOOL", num_args = 0..=1, require_equals = true,
+          default_missing_value = "true", help_heading = "kube-proxy flags")]
+    pub bind_address_hard_fail: Option<String>,
+
+    /// Do the initialisation that needs full root privileges (oom_score_adj, conntrack and
+    /// other sysctls), then exit.
+    #[arg(long, value_name = "BOOL", num_args = 0..=1, require_equals = true,
+          default_missing_value = "true", help_heading = "kube-proxy flags")]
+    pub init_only: Option<String>,
+
+    /// Show metrics hidden since this version (<major>.<minor>; kept in the file, no hidden
+    /// metrics exist here). [showHiddenMetricsForVersion]
+    #[arg(long, value_name = "VERSION", help_heading = "kube-proxy flags")]
+    pub show_hidden_metrics_for_version: Option<String>,
+
+    /// Deprecated: the health server's port; 0 disables it (without --config only).
+    #[arg(
+        long,
+        value_name = "PORT",
+        allow_hyphen_values = true,
+        help_heading = "kube-proxy flags"
+    )]
+    pub healthz_port: Option<String>,
+
+    /// Deprecated: the metrics server's port; 0 disables it (without --config only).
+    #[arg(
+        long,
+        value_name = "PORT",
+        allow_hyphen_values = true,
+        help_heading = "kube-proxy flags"
+    )]
+    pub metrics_port: Option<String>,
+
+    /// IPVS mode only (parsed, then ignored as upstream does in the other modes). [ipvs.syncPeriod]
+    #[arg(
+        long,
+        value_name = "DURATION",
+        allow_hyphen_values = true,
+        help_heading = "kube-proxy flags"
+    )]
+    pub ipvs_sync_period: Option<String>,
+
+    /// IPVS mode only (parsed, then ignored). [ipvs.minSyncPeriod]
+    #[arg(
+        long,
+        value_name = "DURATION",
+        allow_hyphen_values = true,
+        help_heading = "kube-proxy flags"
+    )]
+    pub ipvs_min_sync_period: Option<String>,
+
+    /// IPVS mode only (kept in the file). [ipvs.scheduler]
+    #[arg(long, value_name = "NAME", help_heading = "kube-proxy flags")]
+    pub ipvs_scheduler: Option<String>,
+
+    /// IPVS mode only (kept in the file). [ipvs.excludeCIDRs]
+    #[arg(
+        long,
+        value_name = "CIDRS",
+        value_delimiter = ',',
+        help_heading = "kube-proxy flags"
+    )]
+    pub ipvs_exclude_cidrs: Option<Vec<String>>,
+
+    /// IPVS mode only (kept in the file). [ipvs.strictARP]
+    #[arg(long, value_name = "BOOL", num_args = 0..=1, require_equals = true,
+          default_missing_value = "true", help_heading = "kube-proxy flags")]
+    pub ipvs_strict_arp: Option<String>,
+
+    /// IPVS mode only (kept in the file). [ipvs.tcpTimeout]
+    #[arg(
+        long,
+        value_name = "DURATION",
+        allow_hyphen_values = true,
+        help_heading = "kube-proxy flags"
+    )]
+    pub ipvs_tcp_timeout: Option<String>,
+
+    /// IPVS mode only (kept in the file). [ipvs.tcpFinTimeout]
+    #[arg(
+        long,
+        value_name = "DURATION",
+        allow_hyphen_values = true,
+        help_heading = "kube-proxy flags"
+    )]
+    pub ipvs_tcpfin_timeout: Option<String>,
+
+    /// IPVS mode only (kept in the file). [ipvs.udpTimeout]
+    #[arg(
+        long,
+        value_name = "DURATION",
+        allow_hyphen_values = true,
+        help_heading = "kube-proxy flags"
+    )]
+    pub ipvs_udp_timeout: Option<String>,
+
+    /// Maximum time between log flushes (kept in the file; our logs are not buffered).
+    /// [logging.flushFrequency]
+    #[arg(
+        long,
+        value_name = "DURATION",
+        allow_hyphen_values = true,
+        help_heading = "kube-proxy flags"
+    )]
+    pub log_flush_frequency: Option<String>,
+
+    /// klog's per-file verbosity, `pattern=N,...` (validated, kept in the file; not applied:
+    /// the patterns name Go source files). [logging.vmodule]
+    #[arg(long, value_name = "PATTERN=N,...", help_heading = "kube-proxy flags")]
+    pub vmodule: Option<String>,
+
+    /// [logging.options.text.splitStream] (accepted with a warning).
+    #[arg(long, value_name = "BOOL", num_args = 0..=1, require_equals = true,
+          default_missing_value = "true", help_heading = "kube-proxy flags")]
+    pub log_text_split_stream: Option<String>,
+
+    /// [logging.options.text.infoBufferSize] (accepted with a warning).
+    #[arg(long, value_name = "QUANTITY", help_heading = "kube-proxy flags")]
+    pub log_text_info_buffer_size: Option<String>,
+
+    /// [logging.options.json.splitStream] (accepted with a warning).
+    #[arg(long, value_name = "BOOL", num_args = 0..=1, require_equals = true,
+          default_missing_value = "true", help_heading = "kube-proxy flags")]
+    pub log_json_split_stream: Option<String>,
+
+    /// [logging.options.json.infoBufferSize] (accepted with a warning).
+    #[arg(long, value_name = "QUANTITY", help_heading = "kube-proxy flags")]
+    pub log_json_info_buffer_size: Option<String>,
+
     /// Log format: 'text' (default) or 'json'. [logging.format]
     #[arg(
         long,

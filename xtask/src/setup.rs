@@ -7,12 +7,14 @@ use anyhow::{Context as _, Result, bail};
 use crate::build::{run_cmd, step};
 
 /// Debian packages: LLVM 22 for bpf-linker (nightly's LLVM is 22), runtime tools for tests.
-const DEBIAN_PACKAGES: [&str; 5] = [
+const DEBIAN_PACKAGES: [&str; 6] = [
     "llvm-22-dev",
     "libpolly-22-dev",
     "iptables",
     "iproute2",
     "bpftool",
+    // `nft`: the agent removes kube-proxy's nftables tables; the migration test creates them.
+    "nftables",
 ];
 const BPF_LINKER_VERSION: &str = "0.13.0";
 const LLVM_PREFIX: &str = "/usr/lib/llvm-22";

@@ -6,7 +6,8 @@
 //! - `rules.rs`: the generator, a pure function snapshot → `iptables-restore` input.
 //! - `detect.rs`: backend (nft/legacy), version, sysctls, addresses; `exec.rs`: running the
 //!   tools; `canary.rs`: flush detection; `sync.rs`: [`IptablesDataplane`] (full/partial syncs);
-//!   `cleanup.rs`: removing what this mode created.
+//!   `cleanup.rs`: removing what this mode created; `kube_proxy_modes.rs`: what kube-proxy's
+//!   nftables and IPVS modes leave behind.
 
 pub mod canary;
 pub mod chains;
@@ -16,6 +17,7 @@ pub mod detect;
 pub mod drift;
 pub mod exec;
 pub mod jumps;
+pub mod kube_proxy_modes;
 pub mod localdetect;
 pub mod rules;
 mod sync;

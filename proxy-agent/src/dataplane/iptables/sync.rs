@@ -52,7 +52,11 @@ pub struct SyncReport {
     pub family: IpFamily,
     pub full: bool,
     pub filter_rules: usize,
+    /// nat rules after this sync (`sync_proxy_rules_iptables_total`).
     pub nat_rules: usize,
+    /// nat rules in this sync's restore input, less deleted chains
+    /// (`sync_proxy_rules_iptables_last`; smaller than the total in a partial sync).
+    pub nat_rules_written: usize,
     pub deleted_chains: usize,
     pub large_cluster: bool,
     pub elapsed: Duration,
@@ -337,6 +341,7 @@ impl Family {
             full,
             filter_rules: ruleset.filter_rules,
             nat_rules: ruleset.nat_rules_total,
+            nat_rules_written: ruleset.nat_rules_written,
             deleted_chains: ruleset.deleted_chains.len(),
             large_cluster: ruleset.large_cluster,
             elapsed: started.elapsed(),
