@@ -238,6 +238,146 @@ pub struct Args {
           default_missing_value = "2", help_heading = "kube-proxy flags")]
     pub verbosity: Option<String>,
 
+    /// Feature gates, `Name=true,Other=false` (kube-proxy's syntax). Gates that change proxy
+    /// behaviour are applied; the others are listed in one warning. [featureGates]
+    #[arg(long, value_name = "GATES", help_heading = "kube-proxy flags")]
+    pub feature_gates: Option<String>,
+
+    /// Serve /debug/pprof (not implemented: accepted with a warning when true). [enableProfiling]
+    #[arg(long, value_name = "BOOL", num_args = 0..=1, require_equals = true,
+          default_missing_value = "true", help_heading = "kube-proxy flags")]
+    pub profiling: Option<String>,
+
+    /// Exit when the health or metrics server cannot bind its port. [bindAddressHardFail]
+    #[arg(long, value_name = "BOOL", num_args = 0..=1, require_equals = true,
+          default_missing_value = "true", help_heading = "kube-proxy flags")]
+    pub bind_address_hard_fail: Option<String>,
+
+    /// Do the initialisation that needs full root privileges (oom_score_adj, conntrack and
+    /// other sysctls), then exit.
+    #[arg(long, value_name = "BOOL", num_args = 0..=1, require_equals = true,
+          default_missing_value = "true", help_heading = "kube-proxy flags")]
+    pub init_only: Option<String>,
+
+    /// Show metrics hidden since this version (<major>.<minor>; kept in the file, no hidden
+    /// metrics exist here). [showHiddenMetricsForVersion]
+    #[arg(long, value_name = "VERSION", help_heading = "kube-proxy flags")]
+    pub show_hidden_metrics_for_version: Option<String>,
+
+    /// Deprecated: the health server's port; 0 disables it (without --config only).
+    #[arg(
+        long,
+        value_name = "PORT",
+        allow_hyphen_values = true,
+        help_heading = "kube-proxy flags"
+    )]
+    pub healthz_port: Option<String>,
+
+    /// Deprecated: the metrics server's port; 0 disables it (without --config only).
+    #[arg(
+        long,
+        value_name = "PORT",
+        allow_hyphen_values = true,
+        help_heading = "kube-proxy flags"
+    )]
+    pub metrics_port: Option<String>,
+
+    /// IPVS mode only (parsed, then ignored as upstream does in the other modes). [ipvs.syncPeriod]
+    #[arg(
+        long,
+        value_name = "DURATION",
+        allow_hyphen_values = true,
+        help_heading = "kube-proxy flags"
+    )]
+    pub ipvs_sync_period: Option<String>,
+
+    /// IPVS mode only (parsed, then ignored). [ipvs.minSyncPeriod]
+    #[arg(
+        long,
+        value_name = "DURATION",
+        allow_hyphen_values = true,
+        help_heading = "kube-proxy flags"
+    )]
+    pub ipvs_min_sync_period: Option<String>,
+
+    /// IPVS mode only (kept in the file). [ipvs.scheduler]
+    #[arg(long, value_name = "NAME", help_heading = "kube-proxy flags")]
+    pub ipvs_scheduler: Option<String>,
+
+    /// IPVS mode only (kept in the file). [ipvs.excludeCIDRs]
+    #[arg(
+        long,
+        value_name = "CIDRS",
+        value_delimiter = ',',
+        help_heading = "kube-proxy flags"
+    )]
+    pub ipvs_exclude_cidrs: Option<Vec<String>>,
+
+    /// IPVS mode only (kept in the file). [ipvs.strictARP]
+    #[arg(long, value_name = "BOOL", num_args = 0..=1, require_equals = true,
+          default_missing_value = "true", help_heading = "kube-proxy flags")]
+    pub ipvs_strict_arp: Option<String>,
+
+    /// IPVS mode only (kept in the file). [ipvs.tcpTimeout]
+    #[arg(
+        long,
+        value_name = "DURATION",
+        allow_hyphen_values = true,
+        help_heading = "kube-proxy flags"
+    )]
+    pub ipvs_tcp_timeout: Option<String>,
+
+    /// IPVS mode only (kept in the file). [ipvs.tcpFinTimeout]
+    #[arg(
+        long,
+        value_name = "DURATION",
+        allow_hyphen_values = true,
+        help_heading = "kube-proxy flags"
+    )]
+    pub ipvs_tcpfin_timeout: Option<String>,
+
+    /// IPVS mode only (kept in the file). [ipvs.udpTimeout]
+    #[arg(
+        long,
+        value_name = "DURATION",
+        allow_hyphen_values = true,
+        help_heading = "kube-proxy flags"
+    )]
+    pub ipvs_udp_timeout: Option<String>,
+
+    /// Maximum time between log flushes (kept in the file; our logs are not buffered).
+    /// [logging.flushFrequency]
+    #[arg(
+        long,
+        value_name = "DURATION",
+        allow_hyphen_values = true,
+        help_heading = "kube-proxy flags"
+    )]
+    pub log_flush_frequency: Option<String>,
+
+    /// klog's per-file verbosity, `pattern=N,...` (validated, kept in the file; not applied:
+    /// the patterns name Go source files). [logging.vmodule]
+    #[arg(long, value_name = "PATTERN=N,...", help_heading = "kube-proxy flags")]
+    pub vmodule: Option<String>,
+
+    /// [logging.options.text.splitStream] (accepted with a warning).
+    #[arg(long, value_name = "BOOL", num_args = 0..=1, require_equals = true,
+          default_missing_value = "true", help_heading = "kube-proxy flags")]
+    pub log_text_split_stream: Option<String>,
+
+    /// [logging.options.text.infoBufferSize] (accepted with a warning).
+    #[arg(long, value_name = "QUANTITY", help_heading = "kube-proxy flags")]
+    pub log_text_info_buffer_size: Option<String>,
+
+    /// [logging.options.json.splitStream] (accepted with a warning).
+    #[arg(long, value_name = "BOOL", num_args = 0..=1, require_equals = true,
+          default_missing_value = "true", help_heading = "kube-proxy flags")]
+    pub log_json_split_stream: Option<String>,
+
+    /// [logging.options.json.infoBufferSize] (accepted with a warning).
+    #[arg(long, value_name = "QUANTITY", help_heading = "kube-proxy flags")]
+    pub log_json_info_buffer_size: Option<String>,
+
     /// Log format: 'text' (default) or 'json'. [logging.format]
     #[arg(
         long,
@@ -290,6 +430,18 @@ pub struct Args {
         help_heading = "kubeproxy-rs additions"
     )]
     pub bpf_map_maglev: Option<String>,
+
+    /// How often the agent compares the kernel's state with what it wrote and repairs what
+    /// differs (eBPF: every entry of the service maps; iptables: the canary and the chains it writes), as a Go
+    /// duration (default 30s; 0s turns the check off). `proxy-agent inspect drift` runs the
+    /// same check without repairing.
+    #[arg(
+        long,
+        value_name = "DURATION",
+        allow_hyphen_values = true,
+        help_heading = "kubeproxy-rs additions"
+    )]
+    pub drift_check_period: Option<String>,
 
     /// Backend choice for new external flows (tc: NodePort, externalIPs, LoadBalancer IPs,
     /// ClusterIPs from outside): 'random' (default) or 'maglev' (consistent hashing of the
@@ -351,6 +503,18 @@ pub struct InspectArgs {
     /// JSON instead of a table.
     #[arg(long)]
     pub json: bool,
+    /// `explain`: where the client is (node, pod or external).
+    #[arg(long, value_name = "WHERE", default_value = "node")]
+    pub from: String,
+    /// `explain`: the client's address (default: none for node/pod, required for external).
+    #[arg(long, value_name = "IP")]
+    pub client: Option<std::net::IpAddr>,
+    /// `explain`: the destination, `IP:PORT/PROTO` (PROTO tcp, udp or sctp; IPv6 as [IP]:PORT).
+    #[arg(long, value_name = "IP:PORT/PROTO")]
+    pub to: Option<String>,
+    /// `explain`: the client's source port (completes the tuple: conntrack, Maglev).
+    #[arg(long, value_name = "PORT")]
+    pub sport: Option<u16>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -365,4 +529,10 @@ pub enum InspectWhat {
     Affinity,
     /// The tc programs' BPF conntrack (one entry per direction: match → rewrite).
     Conntrack,
+    /// The decision the datapath would take for one client and destination, and why
+    /// (--from, --client, --to, --sport).
+    Explain,
+    /// What differs between the kernel's state and what the agent wrote (asks the running
+    /// agent over --metrics-bind-address; nothing is repaired).
+    Drift,
 }

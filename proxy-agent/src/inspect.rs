@@ -26,6 +26,9 @@ use crate::{
     dataplane::ebpf::{PIN_DIR_NAME, ip4_from_map, ip6_from_map},
 };
 
+mod drift;
+pub mod explain;
+
 /// One frontend and where it leads.
 #[derive(Debug, Clone, Serialize, PartialEq, Eq, PartialOrd, Ord)]
 pub struct FrontendRow {
@@ -50,6 +53,13 @@ pub fn run(config: &Config, args: &InspectArgs) -> anyhow::Result<String> {
     let pin_dir = config.ebpf.bpf_root.join(PIN_DIR_NAME);
     let ebpf = pin_dir.join(map_names::FRONTENDS4).exists();
     match (&args.what, ebpf) {
+        // The agent knows what it wrote; both modes answer.
+        (InspectWhat::Drift, _) => drift::run(config.metrics_bind_address, args.json),
+        (InspectWhat::Explain, true) => {
+            let names = service_names(config.metrics_bind_address);
+            explain_ebpf(&pin_dir, args, &names)
+        }
+        (InspectWhat::Explain, false) => explain_iptables(args),
         (InspectWhat::Services, true) => {
             let names = service_names(config.metrics_bind_address);
             render(
@@ -65,10 +75,99 @@ pub fn run(config: &Config, args: &InspectArgs) -> anyhow::Result<String> {
         (InspectWhat::Conntrack, true) => render(args.json, &conntrack(&pin_dir)?, generic_table),
         (what, false) => bail!(
             "no pinned eBPF maps under {}: `inspect {what:?}` reads the eBPF mode's maps (in \
-             iptables mode only `services` applies)",
+             iptables mode only `services`, `explain` and `drift` apply)",
             pin_dir.display()
         ),
     }
+}
+
+/// `inspect explain` in iptables mode, over the live ruleset.
+fn explain_iptables(args: &InspectArgs) -> anyhow::Result<String> {
+    let local_ips = crate::dataplane::iptables::detect::interface_addresses();
+    let mut query = explain_query(args)?;
+    if query.client.is_unspecified() {
+        // A node socket's source is one of the node's addresses; the rules only ask whether
+        // it is inside the cluster CIDR, which no node address is.
+        if let Some(node) = local_ips
+            .iter()
+            .find(|ip| ip.is_ipv6() == query.dest.is_ipv6() && !ip.is_loopback())
+        {
+            query.client = *node;
+        }
+    }
+    let tool = if query.dest.is_ipv6() {
+        "ip6tables-save"
+    } else {
+        "iptables-save"
+    };
+    let mut dump = String::new();
+    for table in ["nat", "filter"] {
+        let output = Command::new(tool)
+            .args(["-t", table])
+            .output()
+            .with_context(|| format!("running {tool}"))?;
+        if !output.status.success() {
+            bail!(
+                "{tool} -t {table}: {}",
+                String::from_utf8_lossy(&output.stderr)
+            );
+        }
+        dump.push_str(&String::from_utf8_lossy(&output.stdout));
+    }
+    let tracer = crate::dataplane::iptables::tracer::Tracer::new(&dump, &[], &local_ips);
+    let explanation = explain::explain_iptables(&tracer, &query);
+    if args.json {
+        return Ok(serde_json::to_string_pretty(&explanation)?);
+    }
+    Ok(explain::table(&query, &explanation, None))
+}
+
+/// `--from`, `--client`, `--to`, `--sport` as a query.
+fn explain_query(args: &InspectArgs) -> anyhow::Result<explain::Query> {
+    let from = match args.from.as_str() {
+        "node" => explain::From::Node,
+        "pod" => explain::From::Pod,
+        "external" => explain::From::External,
+        other => bail!("--from {other:?}: node, pod or external"),
+    };
+    let Some(to) = &args.to else {
+        bail!("`inspect explain` needs --to IP:PORT/PROTO");
+    };
+    let (dest, protocol) = explain::parse_destination(to)?;
+    let client = match (args.client, from) {
+        (Some(client), _) => client,
+        (None, explain::From::External) => bail!("--from external needs --client IP"),
+        // A local socket's source is chosen by the kernel later; only its family matters here.
+        (None, _) if dest.is_ipv6() => IpAddr::from(std::net::Ipv6Addr::UNSPECIFIED),
+        (None, _) => IpAddr::from([0, 0, 0, 0]),
+    };
+    Ok(explain::Query {
+        from,
+        client,
+        dest,
+        protocol,
+        sport: args.sport,
+    })
+}
+
+/// `inspect explain` in eBPF mode, over the pinned maps.
+fn explain_ebpf(
+    pin_dir: &Path,
+    args: &InspectArgs,
+    names: &BTreeMap<u32, String>,
+) -> anyhow::Result<String> {
+    let query = explain_query(args)?;
+    let maps = explain::PinnedMaps::open(pin_dir)?;
+    let explanation = explain::explain(&maps, &query);
+    if args.json {
+        return Ok(serde_json::to_string_pretty(&explanation)?);
+    }
+    let service = explanation.service_id.and_then(|id| names.get(&id));
+    Ok(explain::table(
+        &query,
+        &explanation,
+        service.map(String::as_str),
+    ))
 }
 
 fn render<T: Serialize>(

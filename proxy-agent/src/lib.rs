@@ -6,6 +6,7 @@ pub mod config;
 pub mod conntrack;
 pub mod dataplane;
 pub mod desired;
+pub mod drift;
 pub mod fuzz;
 pub mod inspect;
 pub mod node;

@@ -22,6 +22,9 @@ async fn main() -> ExitCode {
         }
     };
     let config = loaded.config;
+    // Fixed for the life of the process, before anything reads them (as upstream's
+    // DefaultMutableFeatureGate.SetFromMap in Options.Complete).
+    config::features::set(&config.feature_gates);
 
     // RUST_LOG, when set, wins over -v / logging.verbosity.
     let filter = EnvFilter::try_from_default_env()
@@ -42,6 +45,7 @@ async fn main() -> ExitCode {
         match notice {
             config::Notice::Info(message) => info!("{message}"),
             config::Notice::Warn(message) => warn!("{message}"),
+            config::Notice::Error(message) => error!("{message}"),
         }
     }
     if !loaded.overridden.is_empty() {
@@ -72,6 +76,10 @@ async fn main() -> ExitCode {
                 ExitCode::FAILURE
             }
         };
+    }
+    if config.init_only {
+        run::init_only(&config);
+        return ExitCode::SUCCESS;
     }
     if config.cleanup {
         return match run::cleanup(&config) {

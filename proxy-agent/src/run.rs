@@ -38,6 +38,8 @@ use crate::{
 /// from filling the LRU, so kube-proxy's default sync period is often enough, and a full walk
 /// of the default 262 144 entries (~0.5 s) stays a small share of the agent's time.
 const CONNTRACK_GC_INTERVAL: Duration = Duration::from_secs(30);
+/// pkg/proxy/util `FullSyncPeriod`: the iptables runner's maximum interval.
+const FULL_SYNC_PERIOD: Duration = Duration::from_secs(3600);
 
 /// `--cleanup`: removes everything either mode installed (pinned maps and links, which detaches
 /// the programs; our iptables chains and jump rules), then returns.
@@ -49,7 +51,43 @@ pub fn cleanup(config: &Config) -> anyhow::Result<()> {
         warn!(%problem, "iptables cleanup");
     }
     info!(problems = problems.len(), "iptables cleanup done");
+    remove_kube_proxy_modes();
     Ok(())
+}
+
+/// `--init-only`: the steps that need full root privileges, then return (upstream:
+/// newProxyServer's platformSetup applies the conntrack sysctls, the proxier logs "System
+/// initialized and --init-only specified" and returns before any rule is written). No API
+/// server and no dataplane are touched.
+pub fn init_only(config: &Config) {
+    apply_process_settings(config);
+    info!("System initialized and --init-only specified");
+}
+
+/// `--bind-address-hard-fail`: kube-proxy exits when its health or metrics server cannot bind
+/// (server.go: the serve error goes to errCh instead of a retry loop). Checked before anything
+/// is touched, by binding each address once; the servers bind again right after.
+fn check_server_ports(config: &Config) -> anyhow::Result<()> {
+    for (flag, address) in [
+        ("--healthz-bind-address", config.healthz_bind_address),
+        ("--metrics-bind-address", config.metrics_bind_address),
+    ] {
+        if let Some(address) = address {
+            std::net::TcpListener::bind(address).with_context(|| {
+                format!("{flag} {address}: cannot bind, and --bind-address-hard-fail is set")
+            })?;
+        }
+    }
+    Ok(())
+}
+
+/// kube-proxy's nftables tables and IPVS device; failures are logged, never fatal (upstream's
+/// cleanup is best effort too).
+fn remove_kube_proxy_modes() {
+    let (_, errors) = iptables::kube_proxy_modes::remove();
+    for error in errors {
+        warn!(%error, "removing kube-proxy leftovers");
+    }
 }
 
 /// Where the objects come from.
@@ -88,13 +126,20 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     let source_name = source.name();
     info!(node = %node.name, mode = ?config.mode, source = source_name, "starting proxy-agent");
 
+    if config.bind_address_hard_fail {
+        check_server_ports(&config)?;
+    }
     apply_process_settings(&config);
+    // As kube-proxy's platformCleanup at start: its nftables/IPVS modes' state would keep
+    // intercepting Service traffic next to ours.
+    remove_kube_proxy_modes();
     let mut dataplane = Dataplane::start(&config)?;
     // /healthz /livez, health check node ports, /metrics /proxyMode — for the mode actually
     // running (after a fallback, iptables).
     let node_services = NodeServices::start(&NodeServicesConfig {
         healthz_bind_address: config.healthz_bind_address,
         metrics_bind_address: config.metrics_bind_address,
+        node_required: matches!(source, Source::Kubernetes(_)),
         ..NodeServicesConfig::new(&node.name, dataplane.mode(), config.sync_period)
     });
     for family in IpFamily::ALL {
@@ -131,8 +176,16 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     let runner_config = dataplane.runner_config(&config);
     let mut runner = SyncRunner::new(runner_config, Instant::now());
     let mut conntrack_gc_at = Instant::now() + CONNTRACK_GC_INTERVAL;
+    // iptables: ipt.Monitor checks the canaries every syncPeriod on its own timer, whatever
+    // else is syncing (proxier.go NewProxier).
+    let mut canary_at = Instant::now() + config.sync_period;
     // The Node object and the host's addresses → node settings (see `node/`).
     let mut node_manager = NodeManager::new(NodeInputs::from_config(&config), &node.name);
+    // The drift check runs in this loop, never concurrently with a sync of the same maps.
+    let (drift_requests, mut drift_rx) = tokio::sync::mpsc::channel(4);
+    node_services.metrics().serve_drift_requests(drift_requests);
+    let drift_period = config.ebpf.drift_check_period;
+    let mut drift_at = Instant::now() + drift_period;
 
     let outcome = loop {
         // Nothing is programmed until every kind was listed once (kube-proxy's rule), so a
@@ -145,7 +198,7 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
         let wake = if ready {
             runner.next_wakeup(Instant::now())
         } else {
-            Instant::now() + node_manager.poll_interval(runner_config.max_interval)
+            Instant::now() + node_manager.poll_interval(config.sync_period)
         };
         tokio::select! {
             update = rx.recv() => {
@@ -193,9 +246,6 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
                 let Some(reason) = runner.due(Instant::now()) else {
                     continue;
                 };
-                if reason == SyncReason::Periodic {
-                    dataplane.periodic_check();
-                }
                 let changes = store.take_changes();
                 node_services
                     .metrics()
@@ -233,9 +283,8 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
                     ebpf.datapath_counters(&counters);
                 }
                 if ok {
-                    let full = all_services || reason == SyncReason::Periodic;
                     report_sync(&node_services, store.objects(), &changes, &snapshot,
-                        update_started.elapsed(), full, last_sync_wall);
+                        update_started.elapsed(), last_sync_wall);
                     last_sync_wall = started_wall;
                 }
                 if ok && !other_mode_removed {
@@ -243,17 +292,38 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
                     other_mode_removed = true;
                 }
                 debug!(elapsed_us = update_started.elapsed().as_micros() as u64, "sync done");
-                if !ok {
-                    // kube-proxy retries a failed sync after one sync period.
-                    runner.retry_after(config.sync_period, Instant::now());
-                }
+                // A failed sync is retried after the retry interval (the sync period).
+                runner.finished(Instant::now(), ok);
                 log_snapshot_size(store.objects(), &snapshot);
             }
             // Its own timer, not the periodic sync's: a sync for changes resets that one, so
             // with Services changing more often than syncPeriod it would never come.
+            () = tokio::time::sleep_until(canary_at), if dataplane.has_canary() => {
+                if dataplane.check_canaries() {
+                    runner.request();
+                }
+                canary_at = Instant::now() + config.sync_period;
+            }
             () = tokio::time::sleep_until(conntrack_gc_at), if dataplane.has_conntrack() => {
                 dataplane.conntrack_gc(node_services.metrics());
                 conntrack_gc_at = Instant::now() + CONNTRACK_GC_INTERVAL;
+            }
+            () = tokio::time::sleep_until(drift_at), if synced_once && !drift_period.is_zero() => {
+                let report = dataplane.drift(true, node_services.metrics(), &snapshot);
+                if report.mode == "iptables" && !report.drift.is_empty() {
+                    // iptables repairs with a full sync (the family is marked): now.
+                    runner.request();
+                }
+                drift_at = Instant::now() + drift_period;
+            }
+            Some(reply) = drift_rx.recv() => {
+                let report = if synced_once {
+                    dataplane.drift(false, node_services.metrics(), &snapshot)
+                } else {
+                    crate::drift::DriftReport::not_checked(dataplane.mode_name(), "no sync yet")
+                };
+                // The requester may have gone (timeout): nothing to do then.
+                let _ = reply.send(serde_json::to_string(&report).unwrap_or_default());
             }
             _ = sigint.recv() => break Ok("SIGINT"),
             _ = sigterm.recv() => break Ok("SIGTERM"),
@@ -296,11 +366,10 @@ fn report_sync(
     changes: &Changes,
     snapshot: &Snapshot,
     elapsed: Duration,
-    full: bool,
     previous_sync: SystemTime,
 ) {
     for family in IpFamily::ALL {
-        node_services.synced(family, snapshot, elapsed, full);
+        node_services.synced(family, snapshot, elapsed);
     }
     let times = trigger_times(objects, &changes.services, previous_sync);
     for family in IpFamily::ALL {
@@ -410,22 +479,57 @@ impl Dataplane {
 
     /// eBPF: a sync costs O(changed Services), so there is no minimum interval beyond coalescing
     /// what is queued (`--iptables-min-sync-period` is, as its name says, for the iptables
-    /// mode). iptables: kube-proxy's min/max periods with a burst of 2.
+    /// mode), and every sync period reconciles every map entry. iptables: kube-proxy's runner
+    /// (proxier.go: min minSyncPeriod, retry syncPeriod, max `proxyutil.FullSyncPeriod`, an
+    /// hour); the canary timer covers the sync period.
     fn runner_config(&self, config: &Config) -> RunnerConfig {
-        RunnerConfig {
-            min_interval: match self {
-                Dataplane::Ebpf(_) => Duration::ZERO,
-                Dataplane::Iptables(_) => config.min_sync_period,
+        match self {
+            Dataplane::Ebpf(_) => RunnerConfig {
+                min_interval: Duration::ZERO,
+                max_interval: config.sync_period,
+                retry_interval: config.sync_period,
             },
-            max_interval: config.sync_period,
-            burst: 2,
+            Dataplane::Iptables(_) => RunnerConfig {
+                min_interval: config.min_sync_period,
+                // validation keeps minSyncPeriod <= syncPeriod, but not <= an hour's runner max.
+                max_interval: FULL_SYNC_PERIOD.max(config.min_sync_period),
+                retry_interval: config.sync_period,
+            },
         }
     }
 
-    /// Once per sync period: the canary check (someone flushed our tables → full resync).
-    fn periodic_check(&mut self) {
-        if let Dataplane::Iptables(iptables) = self {
-            iptables.check_canaries();
+    /// Whether this dataplane has canary chains to watch (iptables).
+    fn has_canary(&self) -> bool {
+        matches!(self, Dataplane::Iptables(_))
+    }
+
+    /// Every sync period: the canary check (someone flushed our tables → full resync now).
+    fn check_canaries(&mut self) -> bool {
+        match self {
+            Dataplane::Iptables(iptables) => iptables.check_canaries(),
+            Dataplane::Ebpf(_) => false,
+        }
+    }
+
+    /// The drift check (see `crate::drift`); with `repair`, what differs is fixed.
+    fn drift(
+        &mut self,
+        repair: bool,
+        metrics: &Metrics,
+        snapshot: &Snapshot,
+    ) -> crate::drift::DriftReport {
+        match self {
+            Dataplane::Ebpf(ebpf) => crate::drift::check_ebpf(ebpf, repair, metrics),
+            Dataplane::Iptables(iptables) => {
+                crate::drift::check_iptables(iptables, snapshot, repair, metrics)
+            }
+        }
+    }
+
+    fn mode_name(&self) -> &'static str {
+        match self {
+            Dataplane::Ebpf(_) => "ebpf",
+            Dataplane::Iptables(_) => "iptables",
         }
     }
 
@@ -516,9 +620,11 @@ impl Dataplane {
                             .collect(),
                     ),
                 }
-                // Map writes that failed keep their previous state; the periodic full
-                // reconcile retries them, no faster retry is needed.
-                true
+                // A failed map write, or a service port still not fitting in the maps, is a
+                // failed sync as upstream counts one: /healthz turns unhealthy after the health
+                // timeout and the runner retries after the sync period (the failed writes kept
+                // their previous state; the periodic full reconcile retries them too).
+                errors.is_empty() && ebpf.unfit_service_ports().is_empty()
             }
             Dataplane::Iptables(iptables) => {
                 // The dataplane itself turns a partial sync into a full one when one is due
@@ -541,10 +647,16 @@ impl Dataplane {
                             );
                             if let Some(ipt) = metrics.iptables() {
                                 ipt.sync_duration(report.family, report.elapsed, report.full);
-                                let (filter, nat) =
-                                    (report.filter_rules as u64, report.nat_rules as u64);
+                                // proxier.go: the filter table is always written whole; nat's
+                                // "last" counts only this sync's restore input.
+                                let filter = report.filter_rules as u64;
                                 ipt.rules(report.family, IptablesTable::Filter, filter, filter);
-                                ipt.rules(report.family, IptablesTable::Nat, nat, nat);
+                                ipt.rules(
+                                    report.family,
+                                    IptablesTable::Nat,
+                                    report.nat_rules as u64,
+                                    report.nat_rules_written as u64,
+                                );
                             }
                             // Flows DNATed to endpoints that went away must not stay pinned
                             // to them (kube-proxy's conntrack reconciler, after a good sync).

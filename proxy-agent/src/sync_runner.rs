@@ -1,12 +1,15 @@
-//! When to sync: kube-proxy's BoundedFrequencyRunner (pkg/util/async) as a small state machine.
+//! When to sync: kube-proxy's current BoundedFrequencyRunner (pkg/proxy/runner, which replaced
+//! pkg/util/async's token-bucket runner in 1.33) as a small state machine.
 //!
 //! - Changes are coalesced: however many arrive while a sync is not allowed yet, one sync
 //!   follows.
-//! - Syncs are rate limited by a token bucket: `burst` syncs may run back to back, after that
-//!   at most one per `min_interval` (kube-proxy: `--iptables-min-sync-period`, burst 2).
-//! - A sync runs at least every `max_interval` even without changes (kube-proxy:
-//!   `--iptables-sync-period`), which is when dataplanes do a full resync.
-//! - A failed sync asks for a retry after a delay.
+//! - No burst: at least `min_interval` passes between the *end* of one sync and the *start* of
+//!   the next (kube-proxy: `--iptables-min-sync-period`).
+//! - A sync runs at least every `max_interval` after the end of the previous one even without
+//!   changes (kube-proxy's iptables mode: an hour, `proxyutil.FullSyncPeriod`; the canary
+//!   monitor covers `--iptables-sync-period`).
+//! - A failed sync is retried `retry_interval` after it ended (kube-proxy: the sync period),
+//!   unless something else runs one sooner; a successful sync cancels the retry.
 //!
 //! The agent's loop runs syncs inline, so a sync never overlaps another.
 
@@ -18,15 +21,17 @@ use tokio::time::Instant;
 pub struct RunnerConfig {
     pub min_interval: Duration,
     pub max_interval: Duration,
-    pub burst: u32,
+    pub retry_interval: Duration,
 }
 
 impl RunnerConfig {
-    /// kube-proxy's defaults: min 1 s, max 30 s, burst 2.
+    /// kube-proxy's iptables mode with default settings (proxier.go:
+    /// `NewBoundedFrequencyRunner("sync-runner", …, minSyncPeriod, syncPeriod,
+    /// proxyutil.FullSyncPeriod)`): min 1 s, retry 30 s, max 1 h.
     pub const KUBE_PROXY_DEFAULT: RunnerConfig = RunnerConfig {
         min_interval: Duration::from_secs(1),
-        max_interval: Duration::from_secs(30),
-        burst: 2,
+        max_interval: Duration::from_secs(3600),
+        retry_interval: Duration::from_secs(30),
     };
 }
 
@@ -42,96 +47,70 @@ pub enum SyncReason {
 #[derive(Debug)]
 pub struct SyncRunner {
     config: RunnerConfig,
-    /// Token bucket credit in time units: one token is worth `min_interval`; the bucket holds
-    /// `burst` tokens. Integer nanoseconds keep the arithmetic exact.
-    credit: Duration,
-    refilled_at: Instant,
-    last_run: Instant,
+    /// No sync starts before this (the end of the last sync + `min_interval`).
+    cooldown_until: Instant,
+    /// The periodic sync is due at this instant (the end of the last sync + `max_interval`).
+    periodic_at: Instant,
     pending: bool,
     retry_at: Option<Instant>,
 }
 
 impl SyncRunner {
+    /// As upstream's Loop: the first sync may start at once; the periodic timer starts now.
     pub fn new(config: RunnerConfig, now: Instant) -> Self {
         Self {
             config,
-            credit: config.min_interval * config.burst.max(1),
-            refilled_at: now,
-            last_run: now,
+            cooldown_until: now,
+            periodic_at: now + config.max_interval,
             pending: false,
             retry_at: None,
         }
     }
 
-    /// Something changed: a sync should follow as soon as the rate limit allows.
+    /// Something changed: a sync should follow as soon as the minimum interval allows.
     pub fn request(&mut self) {
         self.pending = true;
-    }
-
-    /// The last sync failed: try again after `delay` (or earlier if a change arrives and the
-    /// rate limit allows).
-    pub fn retry_after(&mut self, delay: Duration, now: Instant) {
-        let at = now + delay;
-        self.retry_at = Some(self.retry_at.map_or(at, |current| current.min(at)));
     }
 
     pub fn is_pending(&self) -> bool {
         self.pending
     }
 
-    fn capacity(&self) -> Duration {
-        self.config.min_interval * self.config.burst.max(1)
-    }
-
-    fn refill(&mut self, now: Instant) {
-        let elapsed = now.saturating_duration_since(self.refilled_at);
-        self.credit = (self.credit + elapsed).min(self.capacity());
-        self.refilled_at = now;
-    }
-
-    fn has_token(&self) -> bool {
-        self.credit >= self.config.min_interval
-    }
-
-    /// When the next token is available (now if one is).
-    fn token_at(&self, now: Instant) -> Instant {
-        now + self.config.min_interval.saturating_sub(self.credit)
-    }
-
     /// The instant the loop should wake up at to check [`SyncRunner::due`] again.
-    pub fn next_wakeup(&mut self, now: Instant) -> Instant {
-        self.refill(now);
-        let periodic = self.last_run + self.config.max_interval;
-        let mut wake = periodic;
+    pub fn next_wakeup(&self, now: Instant) -> Instant {
+        let mut wake = self.periodic_at;
         if self.pending {
-            wake = wake.min(self.token_at(now));
+            wake = wake.min(now);
         }
         if let Some(retry) = self.retry_at {
-            wake = wake.min(retry.max(self.token_at(now)));
+            wake = wake.min(retry);
         }
-        wake.max(now)
+        wake.max(self.cooldown_until).max(now)
     }
 
-    /// Whether a sync should run now, and why; consumes a token when it says yes.
+    /// Whether a sync should start now, and why. The caller reports its end with
+    /// [`SyncRunner::finished`].
     pub fn due(&mut self, now: Instant) -> Option<SyncReason> {
-        self.refill(now);
-        let periodic = now >= self.last_run + self.config.max_interval;
-        let retry = self.retry_at.is_some_and(|at| now >= at);
-        let wanted = self.pending || retry;
-        let reason = if periodic {
+        if now < self.cooldown_until {
+            return None;
+        }
+        let reason = if now >= self.periodic_at {
             SyncReason::Periodic
-        } else if wanted && self.has_token() {
+        } else if self.pending || self.retry_at.is_some_and(|at| now >= at) {
             SyncReason::Changes
         } else {
             return None;
         };
-        // The periodic sync is not rate limited (it is at most one per max_interval anyway),
-        // but it still spends a token if there is one.
-        self.credit = self.credit.saturating_sub(self.config.min_interval);
         self.pending = false;
-        self.retry_at = None;
-        self.last_run = now;
         Some(reason)
+    }
+
+    /// The sync that [`SyncRunner::due`] started ended at `now`: the minimum and maximum
+    /// intervals restart from here; a failure schedules a retry, a success cancels it.
+    pub fn finished(&mut self, now: Instant, ok: bool) {
+        self.cooldown_until = now + self.config.min_interval;
+        self.periodic_at = now + self.config.max_interval;
+        self.retry_at = (!ok).then(|| now + self.config.retry_interval);
     }
 }
 
@@ -142,7 +121,7 @@ mod tests {
     const CONFIG: RunnerConfig = RunnerConfig {
         min_interval: Duration::from_secs(1),
         max_interval: Duration::from_secs(30),
-        burst: 2,
+        retry_interval: Duration::from_secs(5),
     };
 
     fn ms(n: u64) -> Duration {
@@ -156,59 +135,66 @@ mod tests {
         assert_eq!(runner.due(start + ms(29_999)), None);
         assert_eq!(runner.next_wakeup(start), start + CONFIG.max_interval);
         assert_eq!(runner.due(start + ms(30_000)), Some(SyncReason::Periodic));
-        // The periodic timer restarts from the last sync.
-        assert_eq!(runner.due(start + ms(30_001)), None);
-        assert_eq!(runner.next_wakeup(start + ms(30_001)), start + ms(60_000));
+        runner.finished(start + ms(30_500), true);
+        // The periodic timer restarts from the end of the last sync.
+        assert_eq!(runner.due(start + ms(60_000)), None);
+        assert_eq!(runner.next_wakeup(start + ms(30_501)), start + ms(60_500));
     }
 
+    /// Upstream's runner has no burst (the old one ran two syncs back to back): with a change
+    /// every 100 ms and syncs of 200 ms, a sync starts 1 s after the previous one ended.
     #[test]
-    fn a_burst_of_two_runs_at_once_then_one_per_min_interval() {
+    fn no_burst_and_min_interval_from_the_end_of_a_sync() {
         let start = Instant::now();
         let mut runner = SyncRunner::new(CONFIG, start);
         let mut runs = Vec::new();
-        // A change every 100 ms for 3 s; the loop wakes up when told to.
         let mut now = start;
-        let end = start + ms(3_000);
+        let end = start + ms(4_000);
         while now < end {
             runner.request();
             if runner.due(now).is_some() {
                 runs.push(now.duration_since(start).as_millis());
+                now += ms(200);
+                runner.finished(now, true);
+                continue;
             }
             now += ms(100);
         }
-        assert_eq!(runs, [0, 100, 1000, 2000]);
+        assert_eq!(runs, [0, 1_200, 2_400, 3_600]);
     }
 
     #[test]
-    fn changes_while_rate_limited_coalesce_into_one_sync_at_the_next_token() {
+    fn changes_during_the_cooldown_coalesce_into_one_sync() {
         let start = Instant::now();
         let mut runner = SyncRunner::new(CONFIG, start);
         runner.request();
         assert!(runner.due(start).is_some());
-        runner.request();
-        assert!(runner.due(start).is_some());
-        // Bucket empty: three more changes arrive.
+        runner.finished(start + ms(50), true);
         for _ in 0..3 {
             runner.request();
         }
-        assert_eq!(runner.due(start + ms(10)), None);
-        let wake = runner.next_wakeup(start + ms(10));
-        assert_eq!(wake, start + ms(1_000));
+        assert_eq!(runner.due(start + ms(60)), None);
+        let wake = runner.next_wakeup(start + ms(60));
+        assert_eq!(wake, start + ms(1_050));
         assert_eq!(runner.due(wake), Some(SyncReason::Changes));
         assert!(!runner.is_pending(), "one sync covered all three");
-        assert_eq!(runner.due(wake + ms(1)), None);
+        runner.finished(wake, true);
+        assert_eq!(runner.due(wake + ms(2_000)), None);
     }
 
     #[test]
-    fn a_failed_sync_is_retried_after_the_delay() {
+    fn a_failed_sync_is_retried_after_the_retry_interval_from_its_end() {
         let start = Instant::now();
         let mut runner = SyncRunner::new(CONFIG, start);
         runner.request();
         assert!(runner.due(start).is_some());
-        runner.retry_after(ms(5_000), start);
-        assert_eq!(runner.next_wakeup(start), start + ms(5_000));
-        assert_eq!(runner.due(start + ms(4_999)), None);
-        assert_eq!(runner.due(start + ms(5_000)), Some(SyncReason::Changes));
+        runner.finished(start + ms(100), false);
+        assert_eq!(runner.next_wakeup(start + ms(100)), start + ms(5_100));
+        assert_eq!(runner.due(start + ms(5_099)), None);
+        assert_eq!(runner.due(start + ms(5_100)), Some(SyncReason::Changes));
+        // A success cancels the retry.
+        runner.finished(start + ms(5_200), true);
+        assert_eq!(runner.next_wakeup(start + ms(5_200)), start + ms(35_200));
     }
 
     #[test]
@@ -224,6 +210,7 @@ mod tests {
         for _ in 0..10 {
             runner.request();
             assert_eq!(runner.due(start), Some(SyncReason::Changes));
+            runner.finished(start, true);
         }
     }
 }

@@ -173,21 +173,59 @@ fn invalid_file_exits_1_naming_file_field_and_value() {
     );
 }
 
+/// Upstream decodes a file with unknown fields leniently and logs the strict error.
 #[test]
-fn unknown_field_exits_1_naming_it() {
+fn unknown_field_is_logged_and_the_file_used() {
     let dir = temp_dir();
     let path = dir.join("unknown.yaml");
+    let out_path = dir.join("out.yaml");
     std::fs::write(
         &path,
         "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\n\
-         conntrack:\n  maxPerCPU: 4\n",
+         conntrack:\n  maxPerCPU: 4\noomScoreAdj: -500\n",
     )
     .unwrap();
-    let out = run(&["--config", path.to_str().unwrap()]);
-    assert_eq!(out.status.code(), Some(1));
+    let out = run(&[
+        "--config",
+        path.to_str().unwrap(),
+        "--write-config-to",
+        out_path.to_str().unwrap(),
+    ]);
     let err = stderr(&out);
+    assert_eq!(out.status.code(), Some(0), "{err}");
+    assert!(err.contains("ERROR"), "{err}");
     assert!(err.contains(&path.display().to_string()), "{err}");
     assert!(err.contains("unknown field `maxPerCPU`"), "{err}");
+    let written = std::fs::read_to_string(&out_path).unwrap();
+    assert!(written.contains("oomScoreAdj: -500"), "{written}");
+    assert!(!written.contains("maxPerCPU"), "{written}");
+}
+
+/// The flags a kube-proxy DaemonSet passes (the ones that made the agent exit 2) start it:
+/// here with --init-only, which exits 0 after the privileged setup. Every conntrack value is
+/// 0 ("leave the kernel's") so the test changes no sysctl of the host.
+#[test]
+fn kube_proxy_daemonset_flag_line_is_accepted() {
+    let out = run(&[
+        "--feature-gates=PreferSameTrafficDistribution=true,SomeAlphaGate=false",
+        "--profiling=false",
+        "--bind-address-hard-fail",
+        "--log-flush-frequency=5s",
+        "--init-only",
+        "--v=2",
+        "--oom-score-adj=0",
+        "--conntrack-max-per-core=0",
+        "--conntrack-tcp-timeout-established=0s",
+        "--conntrack-tcp-timeout-close-wait=0s",
+        "--hostname-override=node-a",
+    ]);
+    let err = stderr(&out);
+    assert_eq!(out.status.code(), Some(0), "{err}");
+    assert!(
+        err.contains("System initialized and --init-only specified"),
+        "{err}"
+    );
+    assert!(err.contains("SomeAlphaGate=false"), "{err}");
 }
 
 #[test]

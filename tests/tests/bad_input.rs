@@ -406,15 +406,18 @@ fn bad_configuration_files_and_flags_exit_non_zero_naming_source_field_and_value
     }
     // (what, file content or None, flags, expected exit code, substrings of one stderr line)
     let files: Vec<(&str, Vec<u8>, &[&str])> = vec![
+        // Unknown fields alone are decoded leniently (upstream's loadConfig); with a bad value
+        // left after dropping them, the strict error is reported, as upstream's
+        // "failed lenient decoding".
         (
-            "unknown field",
-            format!("{HEADER}bogus: 1\n").into(),
-            &["unknown field `bogus`"],
+            "unknown field and a bad value",
+            format!("{HEADER}bogus: 1\noomScoreAdj: lots\n").into(),
+            &["failed lenient decoding", "unknown field `bogus`"],
         ),
         (
-            "nested unknown field",
-            format!("{HEADER}iptables: {{bogus: 1}}\n").into(),
-            &["iptables: unknown field `bogus`"],
+            "nested unknown field and a bad value",
+            format!("{HEADER}iptables: {{bogus: 1, syncPeriod: abc}}\n").into(),
+            &["failed lenient decoding", "iptables: unknown field `bogus`"],
         ),
         (
             "wrong apiVersion",

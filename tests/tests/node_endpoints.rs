@@ -116,12 +116,14 @@ fn health_metrics_and_proxy_mode_of_a_running_ebpf_agent() -> anyhow::Result<()>
         health.head
     );
     assert!(
-        health.body.starts_with("{\"lastUpdated\": \""),
+        health.body.starts_with("{\"lastUpdated\":\""),
         "{}",
         health.body
     );
     assert!(
-        health.body.ends_with("\"nodeEligible\": true}"),
+        health
+            .body
+            .contains("\"nodeEligible\":true,\"healthy\":true"),
         "{}",
         health.body
     );
@@ -233,5 +235,176 @@ fn proxy_mode_reports_iptables() -> anyhow::Result<()> {
         .find(|l| l.starts_with("kubeproxy_sync_proxy_rules_iptables_total{") && l.contains("nat"));
     eprintln!("{nat_rules:?}");
     assert!(nat_rules.is_some(), "no nat rule count in /metrics");
+    Ok(())
+}
+
+/// A Service that does not fit in the eBPF maps is a failed sync, as a failed
+/// iptables-restore is upstream: /healthz and /livez turn 503 once the update has been
+/// pending for the health timeout (2 × the sync period).
+#[test]
+fn ebpf_service_ports_that_do_not_fit_make_the_proxy_unhealthy() -> anyhow::Result<()> {
+    proxy_tests::require_root();
+    proxy_tests::set_helper_binary(env!("CARGO_BIN_EXE_rig-helper"));
+    let mut s = Scenario::new(2)?;
+    let spec = ServiceSpec {
+        type_: "LoadBalancer",
+        ..ServiceSpec::default()
+    };
+    s.manifests.write("web-svc.yaml", &service_yaml(&spec))?;
+    s.manifests.write(
+        "web-slice.yaml",
+        &http_slice("default", "web-1", "web", &[pod_endpoint(1)]),
+    )?;
+    // One frontend slot: the ClusterIP, NodePorts and load-balancer IP cannot all fit.
+    s.start_agent_with_args(
+        "ebpf",
+        &["--bpf-map-frontends", "1", "--iptables-sync-period", "1s"],
+    )?;
+    let node = s.topo.node().path();
+    let healthz: SocketAddr = "127.0.0.1:10256".parse()?;
+    let reply = wait_for(&node, healthz, "/healthz", 503)?;
+    assert!(reply.body.contains("\"healthy\":false"), "{}", reply.body);
+    assert_eq!(get(&node, healthz, "/livez")?.status, 503);
+    Ok(())
+}
+
+/// The value of a sample line `name{labels} value` in an exposition.
+fn sample(body: &str, prefix: &str) -> Option<f64> {
+    body.lines()
+        .find(|l| l.starts_with(prefix))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+}
+
+/// Upstream's syncProxyRules observes each sync once, in the full or the partial histogram
+/// by what the restore was: the first sync is full, an endpoint change is partial.
+#[test]
+fn iptables_syncs_are_observed_once_as_full_or_partial() -> anyhow::Result<()> {
+    let s = setup("iptables", &[pod_endpoint(1)])?;
+    let node = s.topo.node().path();
+    let metrics: SocketAddr = "127.0.0.1:10249".parse()?;
+    const FULL: &str = "kubeproxy_sync_full_proxy_rules_duration_seconds_count{ip_family=\"IPv4\"}";
+    const PARTIAL: &str =
+        "kubeproxy_sync_partial_proxy_rules_duration_seconds_count{ip_family=\"IPv4\"}";
+    let mut body = String::new();
+    try_wait_until(
+        "the first sync in /metrics",
+        Duration::from_secs(10),
+        Duration::from_millis(200),
+        || {
+            let Ok(reply) = get(&node, metrics, "/metrics") else {
+                return Ok(false);
+            };
+            body = reply.body;
+            Ok(sample(&body, FULL).is_some())
+        },
+    )?;
+    assert_eq!(sample(&body, FULL), Some(1.0), "{body}");
+    assert_eq!(sample(&body, PARTIAL).unwrap_or(0.0), 0.0, "{body}");
+
+    // A second Service (its syncs are partial), then a change of the first one only.
+    s.manifests.write(
+        "other-svc.yaml",
+        &proxy_tests::scenario::http_service(
+            "default",
+            "other",
+            std::net::Ipv4Addr::new(10, 96, 0, 77),
+        ),
+    )?;
+    s.manifests.write(
+        "other-slice.yaml",
+        &http_slice("default", "other-1", "other", &[pod_endpoint(2)]),
+    )?;
+    try_wait_until(
+        "a partial sync in /metrics",
+        Duration::from_secs(10),
+        Duration::from_millis(200),
+        || {
+            let Ok(reply) = get(&node, metrics, "/metrics") else {
+                return Ok(false);
+            };
+            body = reply.body;
+            Ok(sample(&body, PARTIAL).is_some_and(|n| n >= 1.0))
+        },
+    )?;
+    std::thread::sleep(Duration::from_millis(1500));
+    let before = sample(&get(&node, metrics, "/metrics")?.body, PARTIAL).unwrap_or(0.0);
+    s.manifests.write(
+        "web-slice.yaml",
+        &http_slice(
+            "default",
+            "web-1",
+            "web",
+            &[pod_endpoint(1), pod_endpoint(2)],
+        ),
+    )?;
+    try_wait_until(
+        "another partial sync in /metrics",
+        Duration::from_secs(10),
+        Duration::from_millis(200),
+        || {
+            let Ok(reply) = get(&node, metrics, "/metrics") else {
+                return Ok(false);
+            };
+            body = reply.body;
+            Ok(sample(&body, PARTIAL).is_some_and(|n| n > before))
+        },
+    )?;
+    std::thread::sleep(Duration::from_millis(500));
+    body = get(&node, metrics, "/metrics")?.body;
+    assert_eq!(sample(&body, FULL), Some(1.0), "{body}");
+    assert_eq!(sample(&body, PARTIAL), Some(before + 1.0), "{body}");
+    // sync_proxy_rules_iptables_last is this sync's restore input: a partial sync writes
+    // fewer nat rules than the table holds.
+    let total = sample(
+        &body,
+        "kubeproxy_sync_proxy_rules_iptables_total{ip_family=\"IPv4\",table=\"nat\"}",
+    );
+    let last = sample(
+        &body,
+        "kubeproxy_sync_proxy_rules_iptables_last{ip_family=\"IPv4\",table=\"nat\"}",
+    );
+    assert!(
+        matches!((total, last), (Some(t), Some(l)) if l > 0.0 && l < t),
+        "nat total {total:?}, last {last:?}"
+    );
+    Ok(())
+}
+
+/// `--bind-address-hard-fail`: a health server port that is taken is fatal (upstream sends
+/// the serve error to errCh), instead of the usual retry every 5 s.
+#[test]
+fn bind_address_hard_fail_exits_when_the_port_is_taken() -> anyhow::Result<()> {
+    proxy_tests::require_root();
+    proxy_tests::set_helper_binary(env!("CARGO_BIN_EXE_rig-helper"));
+    let mut s = Scenario::new(1)?;
+    s.write_web_service(1)?;
+    // Something in the node namespace already listens on the health port.
+    s.topo
+        .add_decoy(std::net::Ipv4Addr::new(127, 0, 0, 1), 10256)?;
+    s.start_agent_with_args(
+        "iptables",
+        &[
+            "--bind-address-hard-fail",
+            "--healthz-bind-address",
+            "127.0.0.1:10256",
+        ],
+    )?;
+    let mut exited = None;
+    try_wait_until(
+        "the agent exits",
+        Duration::from_secs(10),
+        Duration::from_millis(100),
+        || {
+            exited = s.agent()?.exit_status();
+            Ok(exited.is_some())
+        },
+    )?;
+    let log = s.agent()?.log_contents();
+    assert!(exited.is_some_and(|status| !status.success()), "{exited:?}");
+    assert!(
+        log.contains("--healthz-bind-address 127.0.0.1:10256: cannot bind"),
+        "{log}"
+    );
     Ok(())
 }

@@ -10,8 +10,10 @@ fn init() {
     proxy_tests::set_helper_binary(env!("CARGO_BIN_EXE_rig-helper"));
 }
 
-/// Someone flushes and deletes the nat table under a running agent (as firewalld reloads do):
-/// the canary chain is gone, the agent notices within a sync period and restores its rules.
+/// Someone flushes and deletes the mangle and nat tables under a running agent (as firewalld
+/// reloads do): the canary chain is gone from mangle, the agent notices within a sync period
+/// and restores its rules. (Upstream's ipt.Monitor watches the mangle canary only, and its
+/// iptables runner resyncs by itself only hourly: a flush of nat alone waits for that.)
 #[test]
 fn flushed_nat_table_is_restored() -> anyhow::Result<()> {
     use proxy_tests::{
@@ -26,8 +28,10 @@ fn flushed_nat_table_is_restored() -> anyhow::Result<()> {
     let client = s.start_serving(MODE, &["--iptables-sync-period", "2s"])?;
 
     let node = s.topo.node();
-    node.exec("iptables", &["-w", "-t", "nat", "-F"])?;
-    node.exec("iptables", &["-w", "-t", "nat", "-X"])?;
+    for table in ["mangle", "nat"] {
+        node.exec("iptables", &["-w", "-t", table, "-F"])?;
+        node.exec("iptables", &["-w", "-t", table, "-X"])?;
+    }
     let broken = client.run(cluster_addr(), 5)?;
     eprintln!("right after the flush: {:?}", tally(&broken));
     s.ensure(
@@ -46,5 +50,73 @@ fn flushed_nat_table_is_restored() -> anyhow::Result<()> {
     s.ensure(restored.iter().all(is_pod), || {
         format!("after the resync: {restored:?}")
     })?;
+    Ok(())
+}
+
+/// ipt.Monitor checks the canary on a timer of its own every sync period, whatever else is
+/// syncing: with a Service changing every 300 ms (a sync every min-sync-period, so the runner's
+/// periodic sync never comes) a flushed nat table is still noticed and restored.
+#[test]
+fn canary_is_checked_while_services_churn() -> anyhow::Result<()> {
+    use std::{
+        net::Ipv4Addr,
+        sync::{
+            Arc,
+            atomic::{AtomicBool, Ordering},
+        },
+        time::Duration,
+    };
+
+    use proxy_tests::scenario::{Scenario, cluster_addr, http_service, is_pod};
+    init();
+    proxy_tests::require_root();
+    let mut s = Scenario::new(2)?;
+    s.write_web_service(2)?;
+    let client = s.start_serving(MODE, &["--iptables-sync-period", "3s"])?;
+
+    let stop = Arc::new(AtomicBool::new(false));
+    let churn = {
+        let stop = Arc::clone(&stop);
+        let dir = s.manifests.path().to_owned();
+        std::thread::spawn(move || {
+            let mut i = 0u8;
+            while !stop.load(Ordering::Relaxed) {
+                let ip = Ipv4Addr::new(10, 96, 7, 10 + i % 100);
+                let tmp = dir.join(".churn.yaml.tmp");
+                let _ = std::fs::write(&tmp, http_service("default", "churn", ip));
+                let _ = std::fs::rename(&tmp, dir.join("churn.yaml"));
+                i = i.wrapping_add(1);
+                std::thread::sleep(Duration::from_millis(300));
+            }
+        })
+    };
+    // Let the churn drive syncs for longer than a sync period before the flush.
+    std::thread::sleep(Duration::from_secs(4));
+    let node = s.topo.node();
+    for table in ["mangle", "nat"] {
+        node.exec("iptables", &["-w", "-t", table, "-F"])?;
+        node.exec("iptables", &["-w", "-t", table, "-X"])?;
+    }
+    let started = std::time::Instant::now();
+    // The partial syncs the churn causes do not look at the canary: only its own timer does.
+    let mut noticed = false;
+    while started.elapsed() < Duration::from_secs(10) && !noticed {
+        std::thread::sleep(Duration::from_millis(250));
+        noticed = s
+            .agent()?
+            .log_contents()
+            .contains("KUBE-PROXY-CANARY is gone");
+    }
+    let restored = s.wait_for_datapath_with(&client, cluster_addr(), "rules restored", is_pod);
+    stop.store(true, Ordering::Relaxed);
+    let _ = churn.join();
+    s.ensure(noticed, || {
+        format!(
+            "the flush was not noticed within 10s ({:?})",
+            started.elapsed()
+        )
+    })?;
+    restored?;
+    eprintln!("restored after {:?}", started.elapsed());
     Ok(())
 }

@@ -7,7 +7,8 @@ use anyhow::{Context as _, Result, bail};
 use crate::build::{run_cmd, step};
 
 /// Debian packages: LLVM 22 for bpf-linker (nightly's LLVM is 22), runtime tools for tests
-/// (`nftables`: the host-policy tests add a foreign nft table, as a CNI would).
+/// (`nftables`: the host-policy tests add a foreign nft table, as a CNI would; the agent
+/// removes kube-proxy's nftables tables and the migration test creates them).
 const DEBIAN_PACKAGES: [&str; 6] = [
     "llvm-22-dev",
     "libpolly-22-dev",

@@ -11,7 +11,7 @@ use super::{
     EbpfConfig, GoDuration, LbAlgorithm, Origins, Problem, Source,
     defaults::append_port_if_needed,
     defaults::{HEALTHZ_PORT, METRICS_PORT},
-    file::KubeProxyConfiguration,
+    file::{FlushFrequency, KubeProxyConfiguration, VModuleItem},
 };
 use crate::{
     cli::Args,
@@ -23,6 +23,10 @@ use crate::{
 pub struct Extras {
     pub master: Option<String>,
     pub cleanup: bool,
+    /// `--init-only`.
+    pub init_only: bool,
+    /// Accepted flags worth a warning (deprecated, or accepted without effect).
+    pub warnings: Vec<String>,
     pub ebpf: EbpfConfig,
 }
 
@@ -219,10 +223,193 @@ pub fn apply(
         doc.logging.verbosity = v
     });
 
+    // cliflag.MapStringBool: `k=v,k2=v2`, keys and values trimmed, values Go booleans; the
+    // flag replaces the map (the file's gates are not merged in).
+    if let Some(text) = &args.feature_gates {
+        overlay.set("featureGates", "feature-gates");
+        match parse_feature_gates(text) {
+            Ok(gates) => doc.feature_gates = gates,
+            Err(reason) => overlay.invalid("featureGates", text, &reason),
+        }
+    }
+    overlay.parse(
+        &args.profiling,
+        "enableProfiling",
+        "profiling",
+        parse_bool,
+        |v| doc.enable_profiling = v,
+    );
+    overlay.parse(
+        &args.bind_address_hard_fail,
+        "bindAddressHardFail",
+        "bind-address-hard-fail",
+        parse_bool,
+        |v| doc.bind_address_hard_fail = v,
+    );
+    if let Some(version) = &args.show_hidden_metrics_for_version {
+        overlay.set(
+            "showHiddenMetricsForVersion",
+            "show-hidden-metrics-for-version",
+        );
+        version
+            .trim()
+            .clone_into(&mut doc.show_hidden_metrics_for_version);
+    }
+    let ipvs = &mut doc.ipvs;
+    if let Some(scheduler) = &args.ipvs_scheduler {
+        overlay.set("ipvs.scheduler", "ipvs-scheduler");
+        scheduler.clone_into(&mut ipvs.scheduler);
+    }
+    if let Some(cidrs) = &args.ipvs_exclude_cidrs {
+        overlay.set("ipvs.excludeCIDRs", "ipvs-exclude-cidrs");
+        let list: Vec<String> = cidrs
+            .iter()
+            .map(|c| c.trim().to_owned())
+            .filter(|c| !c.is_empty())
+            .collect();
+        ipvs.exclude_cidrs = (!list.is_empty()).then_some(list);
+    }
+    overlay.parse(
+        &args.ipvs_strict_arp,
+        "ipvs.strictARP",
+        "ipvs-strict-arp",
+        parse_bool,
+        |v| ipvs.strict_arp = v,
+    );
+    overlay.parse(
+        &args.ipvs_tcp_timeout,
+        "ipvs.tcpTimeout",
+        "ipvs-tcp-timeout",
+        parse_duration,
+        |v| ipvs.tcp_timeout = v,
+    );
+    overlay.parse(
+        &args.ipvs_tcpfin_timeout,
+        "ipvs.tcpFinTimeout",
+        "ipvs-tcpfin-timeout",
+        parse_duration,
+        |v| ipvs.tcp_fin_timeout = v,
+    );
+    overlay.parse(
+        &args.ipvs_udp_timeout,
+        "ipvs.udpTimeout",
+        "ipvs-udp-timeout",
+        parse_duration,
+        |v| ipvs.udp_timeout = v,
+    );
+    // processV1Alpha1Flags: --ipvs-(min-)sync-period only take effect in ipvs mode, which we
+    // reject; parsed so a bad value is still an error, as pflag would report it.
+    for (text, flag) in [
+        (&args.ipvs_sync_period, "ipvs-sync-period"),
+        (&args.ipvs_min_sync_period, "ipvs-min-sync-period"),
+    ] {
+        if let Some(text) = text
+            && let Err(reason) = parse_duration(text.trim())
+        {
+            overlay.flag_only(flag, text, reason);
+        }
+    }
+    let logging = &mut doc.logging;
+    overlay.parse(
+        &args.log_flush_frequency,
+        "logging.flushFrequency",
+        "log-flush-frequency",
+        parse_duration,
+        |v| logging.flush_frequency = FlushFrequency::Text(v),
+    );
+    if let Some(text) = &args.vmodule {
+        overlay.set("logging.vmodule", "vmodule");
+        match parse_vmodule(text) {
+            Ok(items) => logging.vmodule = items,
+            Err(reason) => overlay.invalid("logging.vmodule", text, &reason),
+        }
+    }
+    let options = &mut logging.options;
+    overlay.parse(
+        &args.log_text_split_stream,
+        "logging.options.text.splitStream",
+        "log-text-split-stream",
+        parse_bool,
+        |v| options.text.split_stream = v,
+    );
+    overlay.parse(
+        &args.log_json_split_stream,
+        "logging.options.json.splitStream",
+        "log-json-split-stream",
+        parse_bool,
+        |v| options.json.split_stream = v,
+    );
+    if let Some(size) = &args.log_text_info_buffer_size {
+        overlay.set(
+            "logging.options.text.infoBufferSize",
+            "log-text-info-buffer-size",
+        );
+        options.text.info_buffer_size = Some(size.trim().to_owned());
+    }
+    if let Some(size) = &args.log_json_info_buffer_size {
+        overlay.set(
+            "logging.options.json.infoBufferSize",
+            "log-json-info-buffer-size",
+        );
+        options.json.info_buffer_size = Some(size.trim().to_owned());
+    }
+
     let mut extras = Extras {
         master: args.master.clone().filter(|m| !m.is_empty()),
         ..Extras::default()
     };
+    if let Some(text) = &args.init_only {
+        match parse_bool(text) {
+            Ok(v) => extras.init_only = v,
+            Err(reason) => overlay.flag_only("init-only", text, reason),
+        }
+    }
+    // The deprecated --healthz-port / --metrics-port (options.go Complete →
+    // addressFromDeprecatedFlags): only without --config and --write-config-to; port 0
+    // disables the server, another port replaces a bare IP's default port.
+    for (text, flag, address_flag, address, default_port) in [
+        (
+            &args.healthz_port,
+            "healthz-port",
+            &args.healthz_bind_address,
+            &mut doc.healthz_bind_address,
+            HEALTHZ_PORT,
+        ),
+        (
+            &args.metrics_port,
+            "metrics-port",
+            &args.metrics_bind_address,
+            &mut doc.metrics_bind_address,
+            METRICS_PORT,
+        ),
+    ] {
+        let Some(text) = text else { continue };
+        let replacement = match flag {
+            "healthz-port" => "--healthz-bind-address",
+            _ => "--metrics-bind-address",
+        };
+        extras.warnings.push(format!(
+            "Flag --{flag} has been deprecated, This flag is deprecated and will be removed in \
+             a future release. Please use {replacement} instead."
+        ));
+        let port = match parse_int::<u16>(text.trim()) {
+            Ok(port) => port,
+            Err(reason) => {
+                overlay.flag_only(flag, text, reason);
+                continue;
+            }
+        };
+        if args.config.is_some() || args.write_config_to.is_some() {
+            continue;
+        }
+        if port == 0 {
+            address.clear();
+        } else if port != default_port
+            && let Some(given) = address_flag
+        {
+            *address = append_port_if_needed(given.trim(), port);
+        }
+    }
     if let Some(text) = &args.cleanup {
         match parse_bool(text) {
             Ok(v) => extras.cleanup = v,
@@ -263,6 +450,17 @@ pub fn apply(
             Ok(0) => overlay.flag_only("bpf-map-maglev", text, "must be greater than 0".to_owned()),
             Ok(v) => ebpf.map_maglev = v,
             Err(reason) => overlay.flag_only("bpf-map-maglev", text, reason),
+        }
+    }
+    if let Some(text) = &args.drift_check_period {
+        match parse_duration(text).map(GoDuration::to_std) {
+            Ok(Some(period)) => ebpf.drift_check_period = period,
+            Ok(None) => overlay.flag_only(
+                "drift-check-period",
+                text,
+                "must not be negative".to_owned(),
+            ),
+            Err(reason) => overlay.flag_only("drift-check-period", text, reason),
         }
     }
     if let Some(text) = &args.lb_algorithm {
@@ -378,6 +576,42 @@ fn parse_float(text: &str) -> Result<f32, String> {
         Ok(v) if v.is_finite() => Ok(v),
         _ => Err("must be a number".to_owned()),
     }
+}
+
+/// cliflag.MapStringBool's Set: comma-separated `key=value`, both trimmed; an empty text is
+/// the empty map.
+pub fn parse_feature_gates(text: &str) -> Result<std::collections::BTreeMap<String, bool>, String> {
+    let mut gates = std::collections::BTreeMap::new();
+    for item in text.split(',') {
+        if item.trim().is_empty() {
+            continue;
+        }
+        let Some((key, value)) = item.split_once('=') else {
+            return Err(format!("missing bool value for {item}"));
+        };
+        let value = parse_bool(value.trim())
+            .map_err(|_| format!("invalid value of {}: {}", key.trim(), value.trim()))?;
+        gates.insert(key.trim().to_owned(), value);
+    }
+    Ok(gates)
+}
+
+/// klog's `-vmodule`: comma-separated `pattern=N`.
+fn parse_vmodule(text: &str) -> Result<Vec<VModuleItem>, String> {
+    let mut items = Vec::new();
+    for item in text.split(',').filter(|i| !i.is_empty()) {
+        let (pattern, level) = item
+            .split_once('=')
+            .ok_or_else(|| format!("{item:?} does not have the pattern=N format"))?;
+        let verbosity = level
+            .parse::<u32>()
+            .map_err(|_| format!("{item:?} does not have the pattern=N format"))?;
+        items.push(VModuleItem {
+            file_pattern: pattern.to_owned(),
+            verbosity,
+        });
+    }
+    Ok(items)
 }
 
 fn parse_duration(text: &str) -> Result<GoDuration, String> {

@@ -9,6 +9,7 @@
 
 pub mod defaults;
 pub mod duration;
+pub mod features;
 pub mod file;
 pub mod flags;
 pub mod validate;
@@ -70,12 +71,15 @@ pub struct Config {
     pub oom_score_adj: i32,
     /// `configSyncPeriod` / `--config-sync-period`: informer resync interval.
     pub config_sync_period: Duration,
-    /// `featureGates`: accepted, not interpreted (a warning lists them).
+    /// `featureGates`: those in [`features::APPLIED`] change behaviour (see
+    /// [`features::enabled`]); a warning lists the others.
     pub feature_gates: BTreeMap<String, bool>,
     /// `logging.verbosity` / `-v`: klog verbosity; see [`Config::log_level`].
     pub verbosity: u32,
     /// `--cleanup` (flag only).
     pub cleanup: bool,
+    /// `--init-only` (flag only): privileged initialisation, then exit.
+    pub init_only: bool,
     /// Our additions (flags only, never in the file).
     pub ebpf: EbpfConfig,
 }
@@ -180,7 +184,12 @@ pub struct EbpfConfig {
     pub map_maglev: u32,
     /// `--tc-fast-path`: translated external traffic skips netfilter FORWARD/POSTROUTING.
     pub tc_fast_path: bool,
+    /// `--drift-check-period` (both modes; zero: no check).
+    pub drift_check_period: std::time::Duration,
 }
+
+/// `--drift-check-period`'s default: a full check of 30k Services' maps reads ~10^5 entries.
+pub const DEFAULT_DRIFT_CHECK_PERIOD: std::time::Duration = std::time::Duration::from_secs(30);
 
 /// `--lb-algorithm`: how the tc programs choose a backend for a new external flow.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
@@ -203,6 +212,7 @@ impl Default for EbpfConfig {
             maglev_table_size: crate::dataplane::ebpf::DEFAULT_MAGLEV_TABLE_SIZE,
             map_maglev: proxy_common::default_sizes::MAGLEV,
             tc_fast_path: false,
+            drift_check_period: DEFAULT_DRIFT_CHECK_PERIOD,
         }
     }
 }
@@ -349,6 +359,7 @@ impl fmt::Display for Problems<'_> {
 pub enum Notice {
     Info(String),
     Warn(String),
+    Error(String),
 }
 
 /// The outcome of [`load`].
@@ -365,9 +376,9 @@ pub struct Loaded {
 
 /// File (if `--config`) → defaults → flags → validation. Touches nothing but the file read.
 pub fn load(args: &Args) -> Result<Loaded, ConfigError> {
-    let mut document = match &args.config {
+    let (mut document, lenient) = match &args.config {
         Some(path) => read_file(path)?,
-        None => KubeProxyConfiguration::default(),
+        None => (KubeProxyConfiguration::default(), None),
     };
     defaults::apply(&mut document);
     let mut origins = Origins::new(args.config.clone());
@@ -375,7 +386,17 @@ pub fn load(args: &Args) -> Result<Loaded, ConfigError> {
     let extras = flags::apply(args, &mut document, &mut origins, &mut problems);
     let mode_defaulted = document.mode.is_empty();
     defaults::apply_platform(&mut document);
-    let (mut config, notices) = validate::resolve(&document, &origins, extras, &mut problems);
+    let (mut config, mut notices) = validate::resolve(&document, &origins, extras, &mut problems);
+    if let (Some(strict), Some(path)) = (lenient, &args.config) {
+        // Upstream logs this and goes on with the leniently decoded file.
+        notices.insert(
+            0,
+            Notice::Error(format!(
+                "Using lenient decoding as strict decoding failed: {}: {strict}",
+                path.display()
+            )),
+        );
+    }
     config.mode_defaulted = mode_defaulted;
     if !problems.is_empty() {
         return Err(ConfigError::Invalid(problems));
@@ -391,8 +412,9 @@ pub fn load(args: &Args) -> Result<Loaded, ConfigError> {
 /// Largest configuration file read (a real one is a few KiB): bounds the memory a parse takes.
 pub const MAX_FILE_BYTES: u64 = 1 << 20;
 
-/// Reads and decodes a KubeProxyConfiguration file (YAML, or JSON which is YAML too).
-pub fn read_file(path: &Path) -> Result<KubeProxyConfiguration, ConfigError> {
+/// Reads and decodes a KubeProxyConfiguration file (YAML, or JSON which is YAML too). A file
+/// that only decodes leniently comes with the strict error, to be logged.
+pub fn read_file(path: &Path) -> Result<(KubeProxyConfiguration, Option<String>), ConfigError> {
     use std::io::Read as _;
     let read_error = |source| ConfigError::Read {
         path: path.to_owned(),
@@ -417,16 +439,55 @@ pub fn read_file(path: &Path) -> Result<KubeProxyConfiguration, ConfigError> {
             error.utf8_error().valid_up_to()
         ))
     })?;
-    parse(&text).map_err(|message| ConfigError::Parse {
+    parse_lenient(&text).map_err(|message| ConfigError::Parse {
         path: path.to_owned(),
         message,
     })
 }
 
-/// Decodes a document strictly: unknown fields, a wrong apiVersion or kind are errors.
+/// Decodes a document as kube-proxy's loadConfig does: strictly; if that fails only because of
+/// unknown fields, again leniently (the unknown fields dropped), returning the strict error
+/// for the log. A wrong apiVersion or kind is always an error.
 pub fn parse(text: &str) -> Result<KubeProxyConfiguration, String> {
+    parse_lenient(text).map(|(document, _)| document)
+}
+
+/// [`parse`], with the strict decoding error when the document was decoded leniently.
+pub fn parse_lenient(text: &str) -> Result<(KubeProxyConfiguration, Option<String>), String> {
     // libyaml's time is quadratic in the flow depth: refuse what serde_yaml would refuse anyway.
     crate::yaml::check_text(text).map_err(|problem| problem.to_string())?;
+    let strict = match decode_strict(text) {
+        Ok(document) => return Ok((document, None)),
+        Err(error) => error,
+    };
+    // runtime.IsStrictDecodingError: only unknown fields send upstream to the lenient decoder.
+    if unknown_field(&strict).is_none() {
+        return Err(strict);
+    }
+    let lenient_failed = || format!("failed lenient decoding: {strict}");
+    let mut value: serde_yaml::Value = serde_yaml::from_str(text).map_err(|_| lenient_failed())?;
+    // Each round drops the unknown field serde reported (at its path); a document has few.
+    for _ in 0..MAX_LENIENT_ROUNDS {
+        let text = serde_yaml::to_string(&value).map_err(|_| lenient_failed())?;
+        match decode_strict(&text) {
+            Ok(document) => return Ok((document, Some(strict))),
+            Err(error) => {
+                let Some((path, field)) = unknown_field(&error) else {
+                    return Err(lenient_failed());
+                };
+                if !remove_field(&mut value, &path, &field) {
+                    return Err(lenient_failed());
+                }
+            }
+        }
+    }
+    Err(lenient_failed())
+}
+
+/// Unknown fields dropped at most, when decoding leniently (bounds the work on hostile input).
+const MAX_LENIENT_ROUNDS: usize = 256;
+
+fn decode_strict(text: &str) -> Result<KubeProxyConfiguration, String> {
     let document: KubeProxyConfiguration =
         serde_yaml::from_str(text).map_err(|error| error.to_string())?;
     if document.api_version != file::API_VERSION || document.kind != file::KIND {
@@ -439,6 +500,50 @@ pub fn parse(text: &str) -> Result<KubeProxyConfiguration, String> {
         ));
     }
     Ok(document)
+}
+
+/// serde_yaml's "`<path>: `unknown field `name`, expected …": the path (empty at the top) and
+/// the field's name.
+fn unknown_field(error: &str) -> Option<(String, String)> {
+    const MARK: &str = "unknown field `";
+    let at = error.find(MARK)?;
+    let path = error[..at]
+        .strip_suffix(": ")
+        .unwrap_or_default()
+        .to_owned();
+    let rest = &error[at + MARK.len()..];
+    let name = &rest[..rest.find('`')?];
+    Some((path, name.to_owned()))
+}
+
+/// Removes `field` from the mapping at `path` (`a.b[2].c`, serde_yaml's path syntax).
+fn remove_field(value: &mut serde_yaml::Value, path: &str, field: &str) -> bool {
+    let mut node = value;
+    for segment in path.split('.').filter(|s| !s.is_empty()) {
+        let (key, indexes) = match segment.find('[') {
+            Some(i) => (&segment[..i], &segment[i..]),
+            None => (segment, ""),
+        };
+        if !key.is_empty() {
+            let Some(next) = node.get_mut(key) else {
+                return false;
+            };
+            node = next;
+        }
+        for index in indexes
+            .split(['[', ']'])
+            .filter(|s| !s.is_empty())
+            .map(str::parse::<usize>)
+        {
+            let Some(next) = index.ok().and_then(|i| node.get_mut(i)) else {
+                return false;
+            };
+            node = next;
+        }
+    }
+    node.as_mapping_mut()
+        .and_then(|mapping| mapping.remove(field))
+        .is_some()
 }
 
 /// The document as YAML, fields in alphabetical order like kube-proxy's `--write-config-to`.

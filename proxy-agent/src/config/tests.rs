@@ -387,8 +387,10 @@ fn overriding_flags_are_reported() {
     );
 }
 
+/// options.go loadConfig: a strict decoding error (unknown fields) sends kube-proxy to the
+/// lenient decoder, which drops them; the strict error is logged and the file used.
 #[test]
-fn unknown_fields_are_rejected_with_their_name() {
+fn unknown_fields_are_decoded_leniently_and_logged() {
     for (text, name) in [
         ("masqueradeBit: 3\n", "masqueradeBit"),
         ("iptables:\n  masqueradeBits: 3\n", "masqueradeBits"),
@@ -397,14 +399,160 @@ fn unknown_fields_are_rejected_with_their_name() {
             "logging:\n  options:\n    text:\n      colour: true\n",
             "colour",
         ),
+        (
+            "logging:\n  vmodule:\n  - filePattern: x\n    verbosity: 2\n    extra: 1\n",
+            "extra",
+        ),
     ] {
-        let path = temp_file("unknown.yaml", &format!("{HEADER}{text}"));
-        let lines = problems(&["--config", path.to_str().unwrap()]);
-        assert_eq!(lines.len(), 1, "{lines:?}");
-        let line = &lines[0];
-        assert!(line.contains(path.to_str().unwrap()), "{line}");
-        assert!(line.contains(&format!("unknown field `{name}`")), "{line}");
+        let path = temp_file(
+            "unknown.yaml",
+            &format!("{HEADER}{text}oomScoreAdj: -500\nfutureField: {{a: 1}}\n"),
+        );
+        let loaded = load_args(&["--config", path.to_str().unwrap()])
+            .unwrap_or_else(|e| panic!("{text:?}: {:?}", e.lines()));
+        // The known fields are read.
+        assert_eq!(loaded.config.oom_score_adj, -500, "{text:?}");
+        let Some(Notice::Error(message)) = loaded.notices.first() else {
+            panic!("no error logged for {text:?}: {:?}", loaded.notices);
+        };
+        assert!(message.contains("lenient decoding"), "{message}");
+        assert!(message.contains(path.to_str().unwrap()), "{message}");
+        assert!(
+            message.contains(&format!("unknown field `{name}`")),
+            "{message}"
+        );
     }
+}
+
+/// Lenient decoding does not excuse a value of the wrong type, nor a wrong kind.
+#[test]
+fn lenient_decoding_still_rejects_bad_values() {
+    for text in [
+        "futureField: 1\noomScoreAdj: lots\n",
+        "futureField: 1\nkind: KubeletConfiguration\n",
+    ] {
+        let path = temp_file("bad.yaml", &format!("{HEADER}{text}"));
+        assert!(load_args(&["--config", path.to_str().unwrap()]).is_err());
+    }
+}
+
+/// Every flag of `kube-proxy --help` (1.35, Linux) is accepted with pflag's syntax.
+#[test]
+fn every_kube_proxy_1_35_flag_is_accepted() {
+    let loaded = load_args(&[
+        "--bind-address-hard-fail",
+        "--profiling=false",
+        "--feature-gates=PreferSameTrafficDistribution=false,SomeAlphaGate=true",
+        "--init-only",
+        "--log-flush-frequency=7s",
+        "--show-hidden-metrics-for-version=1.34",
+        "--ipvs-sync-period=30s",
+        "--ipvs-min-sync-period=0s",
+        "--ipvs-scheduler=rr",
+        "--ipvs-exclude-cidrs=10.0.0.0/8,192.168.0.0/16",
+        "--ipvs-strict-arp",
+        "--ipvs-tcp-timeout=0s",
+        "--ipvs-tcpfin-timeout=0s",
+        "--ipvs-udp-timeout=0s",
+        "--vmodule=proxier*=4",
+        "--log-text-split-stream=false",
+        "--log-text-info-buffer-size=0",
+        "--log-json-split-stream=false",
+        "--log-json-info-buffer-size=0",
+        "--healthz-port=10256",
+        "--metrics-port=10249",
+        "--logging-format=text",
+        "--v=2",
+    ])
+    .unwrap_or_else(|e| panic!("{:?}", e.lines()));
+    let c = &loaded.config;
+    assert!(c.bind_address_hard_fail);
+    assert!(!c.enable_profiling);
+    assert!(c.init_only);
+    assert_eq!(
+        c.feature_gates,
+        BTreeMap::from([
+            ("PreferSameTrafficDistribution".to_owned(), false),
+            ("SomeAlphaGate".to_owned(), true),
+        ])
+    );
+    let d = &loaded.document;
+    assert_eq!(
+        d.logging.flush_frequency.duration(),
+        "7s".parse::<GoDuration>().unwrap()
+    );
+    assert_eq!(d.show_hidden_metrics_for_version, "1.34");
+    assert_eq!(d.ipvs.scheduler, "rr");
+    assert!(d.ipvs.strict_arp);
+    assert_eq!(d.logging.vmodule.len(), 1);
+    // The applied gate is logged as applied; the rest in one warning.
+    let text: Vec<String> = loaded.notices.iter().map(|n| format!("{n:?}")).collect();
+    assert!(
+        text.iter()
+            .any(|n| n.starts_with("Info") && n.contains("PreferSameTrafficDistribution=false")),
+        "{text:?}"
+    );
+    assert_eq!(
+        text.iter()
+            .filter(|n| n.contains("SomeAlphaGate=true"))
+            .count(),
+        1,
+        "{text:?}"
+    );
+}
+
+#[test]
+fn bad_values_of_the_new_flags_name_the_flag() {
+    let lines = problems(&[
+        "--feature-gates=NoValue",
+        "--profiling=maybe",
+        "--init-only=2",
+        "--log-flush-frequency=soon",
+        "--ipvs-sync-period=x",
+        "--healthz-port=70000",
+        "--vmodule=a",
+    ]);
+    for flag in [
+        "--feature-gates",
+        "--profiling",
+        "--init-only",
+        "--log-flush-frequency",
+        "--ipvs-sync-period",
+        "--healthz-port",
+        "--vmodule",
+    ] {
+        assert!(
+            lines.iter().any(|l| l.starts_with(&format!("{flag}: "))),
+            "{flag}: {lines:?}"
+        );
+    }
+}
+
+/// addressFromDeprecatedFlags: without --config, `--healthz-port=0` disables the server and
+/// another port replaces the default one of a bare `--*-bind-address` IP.
+#[test]
+fn deprecated_port_flags_as_upstream() {
+    let c = load_args(&[
+        "--healthz-port=0",
+        "--metrics-bind-address=127.0.0.2",
+        "--metrics-port=9999",
+    ])
+    .unwrap()
+    .config;
+    assert_eq!(c.healthz_bind_address, None);
+    assert_eq!(
+        c.metrics_bind_address,
+        Some("127.0.0.2:9999".parse().unwrap())
+    );
+    // With --config they are ignored, as upstream.
+    let path = temp_file("c.yaml", HEADER);
+    let c = load_args(&["--config", path.to_str().unwrap(), "--healthz-port=0"])
+        .unwrap()
+        .config;
+    assert_eq!(
+        c.healthz_bind_address,
+        Some("0.0.0.0:10256".parse().unwrap())
+    );
 }
 
 #[test]

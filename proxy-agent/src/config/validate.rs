@@ -97,16 +97,55 @@ pub fn resolve(
     let mut c = Checker { origins, problems };
     let mut warnings = Vec::new();
 
-    if !doc.feature_gates.is_empty() {
-        let gates: Vec<String> = doc
-            .feature_gates
-            .iter()
-            .map(|(name, on)| format!("{name}={on}"))
-            .collect();
-        warnings.push(Notice::Warn(format!(
-            "featureGates are accepted but not interpreted by kubeproxy-rs: {}",
+    // Gates that change nothing here are listed once; the ones we apply are logged at info.
+    let (applied, ignored): (Vec<_>, Vec<_>) = doc
+        .feature_gates
+        .iter()
+        .map(|(name, on)| (name.as_str(), format!("{name}={on}")))
+        .partition(|(name, _)| super::features::APPLIED.contains(name));
+    if !applied.is_empty() {
+        let gates: Vec<String> = applied.into_iter().map(|(_, g)| g).collect();
+        warnings.push(Notice::Info(format!(
+            "feature gates applied: {}",
             gates.join(",")
         )));
+    }
+    if !ignored.is_empty() {
+        let gates: Vec<String> = ignored.into_iter().map(|(_, g)| g).collect();
+        warnings.push(Notice::Warn(format!(
+            "feature gates accepted without effect (kubeproxy-rs has no behaviour they change): {}",
+            gates.join(",")
+        )));
+    }
+    if doc.enable_profiling {
+        warnings.push(Notice::Warn(
+            "enableProfiling (--profiling) is accepted but kubeproxy-rs serves no /debug/pprof"
+                .to_owned(),
+        ));
+    }
+    if !doc.logging.vmodule.is_empty() {
+        warnings.push(Notice::Warn(
+            "logging.vmodule (--vmodule) is accepted but not applied: its patterns name klog's \
+             Go source files"
+                .to_owned(),
+        ));
+    }
+    let options = &doc.logging.options;
+    // The defaults (no split, buffer "0") are what we do anyway.
+    let buffered = |size: &Option<String>| size.as_deref().is_some_and(|s| s != "0");
+    if options.text.split_stream
+        || options.json.split_stream
+        || buffered(&options.text.info_buffer_size)
+        || buffered(&options.json.info_buffer_size)
+    {
+        warnings.push(Notice::Warn(
+            "logging.options (--log-*-split-stream, --log-*-info-buffer-size) are accepted but \
+             not applied: every log line goes unbuffered to stderr"
+                .to_owned(),
+        ));
+    }
+    for warning in &extras.warnings {
+        warnings.push(Notice::Warn(warning.clone()));
     }
 
     // validateKubeProxyIPTablesConfiguration.
@@ -341,6 +380,7 @@ pub fn resolve(
         feature_gates: doc.feature_gates.clone(),
         verbosity: doc.logging.verbosity,
         cleanup: extras.cleanup,
+        init_only: extras.init_only,
         ebpf: extras.ebpf,
     };
     (config, warnings)

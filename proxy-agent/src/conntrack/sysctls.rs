@@ -35,6 +35,40 @@ pub enum SysctlError {
     },
 }
 
+const BUCKETS: &str = "net/netfilter/nf_conntrack_buckets";
+
+/// The machine's CPU count, as kube-proxy's detectNumCPU (server_linux.go): cadvisor's topology
+/// from sysfs, i.e. the CPUs the machine has online — not the container's CPU quota nor its
+/// affinity, which would shrink the node-wide table. Falls back to the online count sysconf
+/// reports.
+pub fn machine_cpus(sys: &std::path::Path) -> u32 {
+    std::fs::read_to_string(sys.join("devices/system/cpu/online"))
+        .ok()
+        .and_then(|list| count_cpu_list(list.trim()))
+        .filter(|&n| n > 0)
+        .unwrap_or_else(|| {
+            // SAFETY: sysconf has no memory-safety preconditions.
+            let n = unsafe { libc::sysconf(libc::_SC_NPROCESSORS_ONLN) };
+            u32::try_from(n).ok().filter(|&n| n > 0).unwrap_or(1)
+        })
+}
+
+/// A kernel CPU list (`0-3,6,8-9`) → how many CPUs it names.
+fn count_cpu_list(list: &str) -> Option<u32> {
+    let mut count = 0u32;
+    for part in list.split(',').filter(|p| !p.is_empty()) {
+        let (first, last) = match part.split_once('-') {
+            Some((a, b)) => (a.parse::<u32>().ok()?, b.parse::<u32>().ok()?),
+            None => {
+                let cpu = part.parse::<u32>().ok()?;
+                (cpu, cpu)
+            }
+        };
+        count = count.checked_add(last.checked_sub(first)?.checked_add(1)?)?;
+    }
+    Some(count)
+}
+
 /// The sysctl writes `settings` asks for on a machine with `cpus` CPUs, in order.
 pub fn planned_writes(settings: &ConntrackSettings, cpus: u32) -> Vec<(&'static str, String)> {
     let mut writes = Vec::new();
@@ -42,7 +76,7 @@ pub fn planned_writes(settings: &ConntrackSettings, cpus: u32) -> Vec<(&'static 
         let max = settings.max_per_core.saturating_mul(cpus).max(settings.min);
         writes.push(("net/netfilter/nf_conntrack_max", max.to_string()));
         // The hash table follows upstream's 1:4 ratio of buckets to entries.
-        writes.push(("net/netfilter/nf_conntrack_buckets", (max / 4).to_string()));
+        writes.push((BUCKETS, (max / 4).to_string()));
     }
     let seconds = |d: Duration| d.as_secs().to_string();
     if let Some(timeout) = settings.tcp_established_timeout.filter(|d| !d.is_zero()) {
@@ -78,13 +112,33 @@ pub fn apply_sysctls(
     settings: &ConntrackSettings,
     proc_sys: &std::path::Path,
 ) -> (usize, Vec<SysctlError>) {
-    let cpus =
-        std::thread::available_parallelism().map_or(1, |n| u32::try_from(n.get()).unwrap_or(1));
+    apply_sysctls_with_cpus(
+        settings,
+        proc_sys,
+        machine_cpus(std::path::Path::new("/sys")),
+    )
+}
+
+/// [`apply_sysctls`] for a given CPU count.
+pub fn apply_sysctls_with_cpus(
+    settings: &ConntrackSettings,
+    proc_sys: &std::path::Path,
+    cpus: u32,
+) -> (usize, Vec<SysctlError>) {
     let mut written = 0;
     let mut errors = Vec::new();
     for (name, value) in planned_writes(settings, cpus) {
         let path: PathBuf = proc_sys.join(name);
-        if std::fs::read_to_string(&path).is_ok_and(|current| current.trim() == value) {
+        let current = std::fs::read_to_string(&path).ok();
+        if current.as_deref().is_some_and(|c| c.trim() == value) {
+            continue;
+        }
+        // realConntracker.SetMax: the hash table is only ever grown ("hashsize >= max/4:
+        // nothing to do"); a larger one set by the admin stays.
+        if name == BUCKETS
+            && let (Some(current), Ok(wanted)) = (current.as_deref(), value.parse::<u64>())
+            && current.trim().parse::<u64>().is_ok_and(|c| c >= wanted)
+        {
             continue;
         }
         match std::fs::write(&path, &value) {
@@ -151,6 +205,49 @@ mod tests {
         );
     }
 
+    /// detectNumCPU counts the machine's CPUs (sysfs), not the cgroup's quota.
+    #[test]
+    fn cpu_count_is_the_machines() {
+        assert_eq!(count_cpu_list("0-3,6,8-9"), Some(7));
+        assert_eq!(count_cpu_list("0"), Some(1));
+        assert_eq!(count_cpu_list("x"), None);
+        let sys = std::env::temp_dir().join(format!("kpr-sys-{}", std::process::id()));
+        std::fs::create_dir_all(sys.join("devices/system/cpu")).expect("mkdir");
+        std::fs::write(sys.join("devices/system/cpu/online"), "0-63\n").expect("write");
+        assert_eq!(machine_cpus(&sys), 64);
+        let _ = std::fs::remove_dir_all(&sys);
+        // The real machine: at least what this process may use.
+        let usable = std::thread::available_parallelism().map_or(1, |n| n.get() as u32);
+        assert!(machine_cpus(std::path::Path::new("/sys")) >= usable);
+    }
+
+    /// realConntracker.SetMax only ever raises the hash size.
+    #[test]
+    fn hash_size_is_only_raised() {
+        let root = std::env::temp_dir().join(format!("kpr-hash-{}", std::process::id()));
+        let dir = root.join("net/netfilter");
+        std::fs::create_dir_all(&dir).expect("mkdir");
+        std::fs::write(dir.join("nf_conntrack_max"), "0\n").expect("seed");
+        std::fs::write(dir.join("nf_conntrack_buckets"), "1048576\n").expect("seed");
+        let settings = ConntrackSettings {
+            max_per_core: 32_768,
+            min: 131_072,
+            ..ConntrackSettings::default()
+        };
+        let (written, errors) = apply_sysctls_with_cpus(&settings, &root, 8);
+        assert!(errors.is_empty(), "{errors:?}");
+        assert_eq!(written, 1, "only nf_conntrack_max");
+        let buckets = std::fs::read_to_string(dir.join("nf_conntrack_buckets")).expect("read");
+        assert_eq!(buckets.trim(), "1048576");
+        // A smaller table is grown.
+        std::fs::write(dir.join("nf_conntrack_buckets"), "16384\n").expect("seed");
+        let (written, _) = apply_sysctls_with_cpus(&settings, &root, 8);
+        assert_eq!(written, 1);
+        let buckets = std::fs::read_to_string(dir.join("nf_conntrack_buckets")).expect("read");
+        assert_eq!(buckets.trim(), "65536");
+        let _ = std::fs::remove_dir_all(&root);
+    }
+
     #[test]
     fn zero_values_leave_settings_alone() {
         assert!(planned_writes(&ConntrackSettings::default(), 4).is_empty());
@@ -171,7 +268,7 @@ mod tests {
         }
         std::fs::write(dir.join("nf_conntrack_tcp_timeout_close_wait"), "3600\n").expect("seed");
         let settings = kube_proxy_defaults();
-        let (written, errors) = apply_sysctls(&settings, &root);
+        let (written, errors) = apply_sysctls_with_cpus(&settings, &root, 2);
         assert!(errors.is_empty(), "{errors:?}");
         assert_eq!(written, 3, "close_wait already had the value");
         let timeout = std::fs::read_to_string(dir.join("nf_conntrack_tcp_timeout_established"))

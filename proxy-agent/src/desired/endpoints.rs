@@ -106,7 +106,8 @@ fn add_endpoints(
         let Some(address) = endpoint.addresses.first() else {
             continue;
         };
-        let Ok(addr) = address.parse::<IpAddr>() else {
+        // endpointslicecache: ParseIPSloppy, then the canonical form.
+        let Some(addr) = super::services::parse_ip_sloppy(address) else {
             // Only worth a warning once per slice, not once per port.
             let warning = SliceWarning::InvalidAddress {
                 slice: key.clone(),

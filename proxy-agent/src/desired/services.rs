@@ -225,6 +225,62 @@ pub fn service_ports(
     ports
 }
 
+/// k8s.io/utils/net `ParseIPSloppy`: Go's `net.ParseIP`, except that the parts of an IPv4
+/// address (also one embedded at the end of an IPv6 one) may have leading zeros, read as
+/// decimal (`010.001.002.003` is 10.1.2.3) — what Go accepted before 1.17, kept by Kubernetes
+/// for stored objects. The address is canonical once parsed, so rules and chain-name hashes
+/// use `10.1.2.3`.
+pub(super) fn parse_ip_sloppy(text: &str) -> Option<IpAddr> {
+    text.parse()
+        .ok()
+        .or_else(|| strip_zeros(text)?.parse().ok())
+}
+
+/// k8s.io/utils/net `ParseCIDRSloppy`: `ParseCIDR` with [`parse_ip_sloppy`]'s leading zeros,
+/// in the prefix length too.
+pub(super) fn parse_cidr_sloppy(text: &str) -> Option<IpNet> {
+    // Go's ParseCIDR requires the prefix length; ipnet's parser does too.
+    text.parse()
+        .ok()
+        .or_else(|| strip_zeros(text)?.parse().ok())
+}
+
+/// utils/net's `matchZeros` regular expression and its `stripZeros` replacement:
+/// `(^|:)0*(0|[1-9][0-9]*)\.` ×4 `((/)0*(0|[1-9][0-9]*))?$`, i.e. a trailing dotted quad of
+/// decimal digits (after the start or a ':'), optionally `/` and digits; each number loses
+/// its leading zeros. None when the text has no such shape (the caller's parse fails then).
+fn strip_zeros(text: &str) -> Option<String> {
+    let (address, prefix) = match text.split_once('/') {
+        Some((address, prefix)) => (address, Some(prefix)),
+        None => (text, None),
+    };
+    let (head, quad) = match address.rfind(':') {
+        Some(i) => address.split_at(i + 1),
+        None => ("", address),
+    };
+    let digits = |part: &str| !part.is_empty() && part.bytes().all(|b| b.is_ascii_digit());
+    let strip = |part: &str| match part.trim_start_matches('0') {
+        "" => "0".to_owned(),
+        rest => rest.to_owned(),
+    };
+    let parts: Vec<&str> = quad.split('.').collect();
+    if parts.len() != 4 || !parts.iter().all(|p| digits(p)) {
+        return None;
+    }
+    let mut out = format!(
+        "{head}{}",
+        parts.iter().map(|p| strip(p)).collect::<Vec<_>>().join(".")
+    );
+    if let Some(prefix) = prefix {
+        if !digits(prefix) {
+            return None;
+        }
+        out.push('/');
+        out.push_str(&strip(prefix));
+    }
+    Some(out)
+}
+
 /// The family of the Service's first valid cluster IP: per-Service problems are reported in
 /// that family's pass only.
 fn first_family(service: &Service) -> Option<IpFamily> {
@@ -233,7 +289,7 @@ fn first_family(service: &Service) -> Option<IpFamily> {
         .iter()
         .flatten()
         .chain(spec.cluster_ip.iter())
-        .find_map(|ip| ip.parse::<IpAddr>().ok())
+        .find_map(|ip| parse_ip_sloppy(ip))
         .map(|ip| IpFamily::of(&ip))
 }
 
@@ -261,16 +317,16 @@ fn cluster_ip(
         if value.is_empty() || value == "None" {
             continue;
         }
-        match value.parse::<IpAddr>() {
-            Ok(ip) if IpFamily::of(&ip) == family => return Some(ip),
-            Ok(_) => {}
+        match parse_ip_sloppy(value) {
+            Some(ip) if IpFamily::of(&ip) == family => return Some(ip),
+            Some(_) => {}
             // Reported once, with the IPv4 pass, not once per family.
-            Err(_) if family == IpFamily::V4 => errors.push(ServiceError::InvalidIp {
+            None if family == IpFamily::V4 => errors.push(ServiceError::InvalidIp {
                 service: key.clone(),
                 field,
                 value: value.to_owned(),
             }),
-            Err(_) => {}
+            None => {}
         }
     }
     None
@@ -288,15 +344,15 @@ fn ips_of_family<'a>(
 ) -> Vec<IpAddr> {
     let mut ips = Vec::new();
     for value in values {
-        match value.trim().parse::<IpAddr>() {
-            Ok(ip) if IpFamily::of(&ip) == family => ips.push(ip),
-            Ok(_) => {}
-            Err(_) if report => errors.push(ServiceError::InvalidIp {
+        match parse_ip_sloppy(value.trim()) {
+            Some(ip) if IpFamily::of(&ip) == family => ips.push(ip),
+            Some(_) => {}
+            None if report => errors.push(ServiceError::InvalidIp {
                 service: key.clone(),
                 field: field.to_owned(),
                 value: value.to_owned(),
             }),
-            Err(_) => {}
+            None => {}
         }
     }
     ips
@@ -312,15 +368,15 @@ fn cidrs_of_family(
     let mut cidrs = Vec::new();
     for (i, value) in values.iter().enumerate() {
         // Validation upstream mistakenly allows whitespace padding; trim like kube-proxy.
-        match value.trim().parse::<IpNet>() {
-            Ok(net) if IpFamily::of(&net.addr()) == family => cidrs.push(net.trunc()),
-            Ok(_) => {}
-            Err(_) if report => errors.push(ServiceError::InvalidCidr {
+        match parse_cidr_sloppy(value.trim()) {
+            Some(net) if IpFamily::of(&net.addr()) == family => cidrs.push(net.trunc()),
+            Some(_) => {}
+            None if report => errors.push(ServiceError::InvalidCidr {
                 service: key.clone(),
                 field: format!("spec.loadBalancerSourceRanges[{i}]"),
                 value: value.clone(),
             }),
-            Err(_) => {}
+            None => {}
         }
     }
     cidrs
@@ -356,4 +412,42 @@ fn affinity_timeout(
             DEFAULT_AFFINITY_TIMEOUT
         }
     })
+}
+
+#[cfg(test)]
+mod sloppy_tests {
+    use super::*;
+
+    /// k8s.io/utils/net's ParseIPSloppy/ParseCIDRSloppy cases (net/parse_test.go and
+    /// matchZeros): leading zeros are decimal, not octal; anything else is Go's parser.
+    #[test]
+    fn sloppy_parsing_as_utils_net() {
+        let ip = |s: &str| parse_ip_sloppy(s).map(|ip| ip.to_string());
+        assert_eq!(ip("1.2.3.4").as_deref(), Some("1.2.3.4"));
+        assert_eq!(ip("010.001.002.003").as_deref(), Some("10.1.2.3"));
+        assert_eq!(ip("000.000.000.000").as_deref(), Some("0.0.0.0"));
+        assert_eq!(ip("0255.0.0.1").as_deref(), Some("255.0.0.1"));
+        assert_eq!(
+            ip("::ffff:010.001.002.003").as_deref(),
+            Some("::ffff:10.1.2.3")
+        );
+        assert_eq!(ip("fd00::0010").as_deref(), Some("fd00::10"));
+        for bad in [
+            "256.0.0.1",
+            "0256.0.0.1",
+            "1.2.3",
+            "1.2.3.4.5",
+            "a.b.c.d",
+            "",
+            " 1.2.3.4",
+        ] {
+            assert_eq!(ip(bad), None, "{bad:?}");
+        }
+        let cidr = |s: &str| parse_cidr_sloppy(s).map(|n| n.to_string());
+        assert_eq!(cidr("010.000.000.000/008").as_deref(), Some("10.0.0.0/8"));
+        assert_eq!(cidr("10.0.0.0/8").as_deref(), Some("10.0.0.0/8"));
+        assert_eq!(cidr("10.0.0.0/33"), None);
+        assert_eq!(cidr("10.0.0.0"), None, "a prefix length is required");
+        assert_eq!(cidr("10.0.0.0/x"), None);
+    }
 }

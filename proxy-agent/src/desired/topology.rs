@@ -30,7 +30,10 @@ pub fn categorize(
     let mut local = vec![false; raw.len()];
 
     if usage.cluster {
-        let mode = topology_mode(&raw, node);
+        let prefer_same_node = crate::config::features::enabled(
+            crate::config::features::PREFER_SAME_TRAFFIC_DISTRIBUTION,
+        );
+        let mode = topology_mode(&raw, node, prefer_same_node);
         for (i, e) in raw.iter().enumerate() {
             cluster[i] = e.ready && available_for_topology(e, mode, node);
         }
@@ -84,15 +87,20 @@ pub fn categorize(
 }
 
 /// kube-proxy's `topologyModeFromHints`: hints are only honoured when every ready endpoint has
-/// them and at least one is for this node (or zone); otherwise topology is ignored.
-fn topology_mode(endpoints: &[RawEndpoint], node: &NodeContext) -> TopologyMode {
+/// them and at least one is for this node (or zone); otherwise topology is ignored. Node hints
+/// count only with the PreferSameTrafficDistribution gate on, as upstream.
+fn topology_mode(
+    endpoints: &[RawEndpoint],
+    node: &NodeContext,
+    prefer_same_node: bool,
+) -> TopologyMode {
     let ready: Vec<&RawEndpoint> = endpoints.iter().filter(|e| e.ready).collect();
     if ready.is_empty() {
         return TopologyMode::None;
     }
     let all_have_node_hints = ready.iter().all(|e| !e.node_hints.is_empty());
     let any_for_node = ready.iter().any(|e| e.node_hints.contains(&node.name));
-    if all_have_node_hints && any_for_node {
+    if prefer_same_node && all_have_node_hints && any_for_node {
         return TopologyMode::SameNode;
     }
     let all_have_zone_hints = ready.iter().all(|e| !e.zone_hints.is_empty());

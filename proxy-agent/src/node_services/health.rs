@@ -21,7 +21,7 @@ use k8s_openapi::api::core::v1::Node;
 use super::{
     http::{go_not_found, response},
     metrics::Metrics,
-    time_format::{GO_ZERO_TIME, Stamp},
+    time_format::Stamp,
 };
 use crate::desired::IpFamily;
 
@@ -72,6 +72,9 @@ struct HealthState {
     last_updated: BTreeMap<IpFamily, Stamp>,
     oldest_pending_queued: BTreeMap<IpFamily, Stamp>,
     node_eligible: bool,
+    /// A missing Node makes the node ineligible (upstream's NodeEligible: `node == nil` →
+    /// false). Off for the standalone source, whose folder may hold no Node.
+    node_required: bool,
 }
 
 /// The proxy's health: kube-proxy's `ProxyHealthServer` state.
@@ -82,12 +85,15 @@ pub struct ProxyHealth {
     state: RwLock<HealthState>,
 }
 
-/// The result of a health evaluation.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// The result of a health evaluation: upstream's `ProxyHealth` (proxy_health.go).
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Health {
+    /// Every family that synced at least once is healthy.
     pub healthy: bool,
-    /// The latest `Updated` of all families, or the unhealthy family's; `None`: Go's zero time.
+    /// The latest `Updated` of all families; `None`: Go's zero time.
     pub last_updated: Option<Stamp>,
+    /// Per family that synced at least once: its last `Updated` and its health.
+    pub status: Vec<(IpFamily, Stamp, bool)>,
 }
 
 impl ProxyHealth {
@@ -102,6 +108,7 @@ impl ProxyHealth {
                 oldest_pending_queued: BTreeMap::new(),
                 // Eligible while starting up, until a node event says otherwise.
                 node_eligible: true,
+                node_required: false,
             }),
         }
     }
@@ -135,10 +142,19 @@ impl ProxyHealth {
             .or_insert(now);
     }
 
-    /// The node object changed (`None`: not known, which keeps the current eligibility).
+    /// A missing Node (deleted, or never there) makes the node ineligible from now on.
+    pub fn require_node(&self) {
+        self.write().node_required = true;
+    }
+
+    /// The node object changed (`None`: there is none; ineligible when a Node is required,
+    /// else the current eligibility stays).
     pub fn node_changed(&self, node: Option<&Node>) {
-        if let Some(node) = node {
-            self.write().node_eligible = node_eligible(node);
+        let mut state = self.write();
+        match node {
+            Some(node) => state.node_eligible = node_eligible(node),
+            None if state.node_required => state.node_eligible = false,
+            None => {}
         }
     }
 
@@ -151,26 +167,26 @@ impl ProxyHealth {
     pub fn health(&self) -> Health {
         let now = self.clock.now();
         let state = self.read();
-        let mut last_updated: Option<Stamp> = None;
-        for (family, updated) in &state.last_updated {
-            if last_updated.is_none_or(|latest| updated.wall > latest.wall) {
-                last_updated = Some(*updated);
-            }
-            let Some(queued) = state.oldest_pending_queued.get(family) else {
-                continue;
-            };
-            if now.since(queued) < self.health_timeout {
-                continue;
-            }
-            return Health {
-                healthy: false,
-                last_updated: Some(*updated),
-            };
-        }
-        Health {
+        let mut health = Health {
             healthy: true,
-            last_updated,
+            last_updated: None,
+            status: Vec::new(),
+        };
+        for (family, updated) in &state.last_updated {
+            if health
+                .last_updated
+                .is_none_or(|latest| updated.wall > latest.wall)
+            {
+                health.last_updated = Some(*updated);
+            }
+            let late = state
+                .oldest_pending_queued
+                .get(family)
+                .is_some_and(|queued| now.since(queued) >= self.health_timeout);
+            health.healthy &= !late;
+            health.status.push((*family, *updated, !late));
         }
+        health
     }
 
     pub fn is_healthy(&self) -> bool {
@@ -190,20 +206,63 @@ pub fn node_eligible(node: &Node) -> bool {
         .is_some_and(|taints| taints.iter().any(|t| t.key == TO_BE_DELETED_TAINT))
 }
 
-fn go_time(stamp: Option<Stamp>) -> String {
-    stamp.map_or_else(|| GO_ZERO_TIME.to_owned(), |s| s.go_string())
+/// A `time.Time` as Go's `MarshalJSON` writes it: RFC 3339 with as many fractional digits as
+/// needed, in UTC (the agent's zone in its container); `None` is Go's zero time.
+pub fn json_time(stamp: Option<Stamp>) -> String {
+    let Some(stamp) = stamp else {
+        return "0001-01-01T00:00:00Z".to_owned();
+    };
+    let Ok(timestamp) = jiff::Timestamp::try_from(stamp.wall) else {
+        return "0001-01-01T00:00:00Z".to_owned();
+    };
+    let mut text = timestamp.strftime("%Y-%m-%dT%H:%M:%S").to_string();
+    let nanos = timestamp.subsec_nanosecond();
+    if nanos > 0 {
+        let fraction = format!("{nanos:09}");
+        text.push('.');
+        text.push_str(fraction.trim_end_matches('0'));
+    }
+    text.push('Z');
+    text
 }
 
-/// `/healthz`: kube-proxy's body, byte for byte — note the missing space after the first comma.
-pub fn healthz_body(last_updated: &str, current_time: &str, node_eligible: bool) -> String {
-    format!(
-        r#"{{"lastUpdated": "{last_updated}","currentTime": "{current_time}", "nodeEligible": {node_eligible}}}"#
-    )
-}
-
-/// `/livez`: like `/healthz` without `nodeEligible`.
-pub fn livez_body(last_updated: &str, current_time: &str) -> String {
-    format!(r#"{{"lastUpdated": "{last_updated}","currentTime": "{current_time}"}}"#)
+/// `/healthz` (with `node_eligible`) and `/livez` (without): `json.Marshal(ProxyHealth)` of
+/// kube-proxy 1.33+, fields in the struct's order, families in Go's sorted map-key order.
+pub fn health_body(
+    health: &Health,
+    last_updated: Option<Stamp>,
+    now: Stamp,
+    node_eligible: Option<bool>,
+) -> String {
+    use std::fmt::Write as _;
+    let mut body = format!(
+        r#"{{"lastUpdated":"{}","currentTime":"{}""#,
+        json_time(last_updated),
+        json_time(Some(now))
+    );
+    if let Some(eligible) = node_eligible {
+        let _ = write!(body, r#","nodeEligible":{eligible}"#);
+    }
+    let _ = write!(body, r#","healthy":{}"#, health.healthy);
+    if !health.status.is_empty() {
+        let mut status = health.status.clone();
+        status.sort_by_key(|(family, _, _)| family.as_k8s());
+        body.push_str(r#","status":{"#);
+        for (i, (family, updated, healthy)) in status.iter().enumerate() {
+            if i > 0 {
+                body.push(',');
+            }
+            let _ = write!(
+                body,
+                r#""{}":{{"lastUpdated":"{}","healthy":{healthy}}}"#,
+                family.as_k8s(),
+                json_time(Some(*updated))
+            );
+        }
+        body.push('}');
+    }
+    body.push('}');
+    body
 }
 
 #[derive(Debug, Clone)]
@@ -233,7 +292,7 @@ async fn healthz(State(shared): State<Shared>) -> Response<Body> {
         (StatusCode::SERVICE_UNAVAILABLE, health.last_updated)
     };
     shared.metrics.healthz_answered(status);
-    let body = healthz_body(&go_time(last_updated), &now.go_string(), node_eligible);
+    let body = health_body(&health, last_updated, now, Some(node_eligible));
     response(status, "application/json", body)
 }
 
@@ -246,6 +305,6 @@ async fn livez(State(shared): State<Shared>) -> Response<Body> {
         (StatusCode::SERVICE_UNAVAILABLE, health.last_updated)
     };
     shared.metrics.livez_answered(status);
-    let body = livez_body(&go_time(last_updated), &now.go_string());
+    let body = health_body(&health, last_updated, now, None);
     response(status, "application/json", body)
 }

@@ -166,7 +166,12 @@ pub struct Metrics {
     /// eBPF mode: service port name → the service ids of its frontends, so `proxy-agent
     /// inspect` can name what it reads from the pinned maps.
     service_ids: std::sync::RwLock<BTreeMap<String, Vec<u32>>>,
+    /// Where `/debug/drift` asks the agent's loop for a drift report (JSON), set by the loop.
+    drift_requests: Mutex<Option<DriftRequests>>,
 }
+
+/// Requests for a drift report: each carries where to send the JSON answer.
+pub type DriftRequests = tokio::sync::mpsc::Sender<tokio::sync::oneshot::Sender<String>>;
 
 const ALPHA: &str = "[ALPHA] ";
 
@@ -285,7 +290,16 @@ impl Metrics {
             iptables,
             ebpf,
             service_ids: std::sync::RwLock::default(),
+            drift_requests: Mutex::default(),
         }
+    }
+
+    /// Lets `/debug/drift` reach the loop that owns the dataplane.
+    pub fn serve_drift_requests(&self, requests: DriftRequests) {
+        *self
+            .drift_requests
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner) = Some(requests);
     }
 
     pub fn mode(&self) -> ProxyMode {
@@ -485,6 +499,7 @@ pub struct IptablesMetrics {
     rules_last: Family<TableLabel, Gauge>,
     ct_state_invalid_dropped: NfacctCounter,
     localhost_nodeports_accepted: NfacctCounter,
+    drift_repairs: Family<TableLabel, Counter>,
 }
 
 /// One of the iptables tables kube-proxy counts rules in.
@@ -518,6 +533,7 @@ impl IptablesMetrics {
             rules_last: Family::default(),
             ct_state_invalid_dropped: NfacctCounter::default(),
             localhost_nodeports_accepted: NfacctCounter::default(),
+            drift_repairs: Family::default(),
         };
         described.add(
             "kubeproxy_sync_full_proxy_rules_duration_seconds",
@@ -559,7 +575,22 @@ impl IptablesMetrics {
             alpha("Number of packets accepted on nodeports of loopback interface"),
             this.localhost_nodeports_accepted.counter.clone(),
         );
+        described.add(
+            "kubeproxy_iptables_drift_repairs",
+            "Chains (or the canary) the drift check found different from what the agent writes, repaired by a full sync",
+            this.drift_repairs.clone(),
+        );
         this
+    }
+
+    /// `chains` chains of `table` drifted and are rewritten by a full sync.
+    pub fn drift_repaired(&self, family: IpFamily, table: &'static str, chains: u64) {
+        self.drift_repairs
+            .get_or_create(&TableLabel {
+                ip_family: FamilyLabel::of(family).ip_family,
+                table,
+            })
+            .inc_by(chains);
     }
 
     /// A sync's duration into the full or partial histogram (the common one is fed by
@@ -644,6 +675,7 @@ pub struct EbpfMetrics {
     datapath_last: Mutex<BTreeMap<&'static str, u64>>,
     conntrack_entries: Gauge,
     conntrack_gc_runs: Counter,
+    drift_repairs: Family<MapLabel, Counter>,
 }
 
 impl EbpfMetrics {
@@ -655,6 +687,7 @@ impl EbpfMetrics {
             datapath_last: Mutex::default(),
             conntrack_entries: Gauge::default(),
             conntrack_gc_runs: Counter::default(),
+            drift_repairs: Family::default(),
         };
         described.add(
             "kubeproxy_ebpf_map_entries",
@@ -680,6 +713,11 @@ impl EbpfMetrics {
             "kubeproxy_ebpf_conntrack_gc_runs",
             "Garbage collection runs over the eBPF dataplane's connection tracking map",
             this.conntrack_gc_runs.clone(),
+        );
+        described.add(
+            "kubeproxy_ebpf_drift_repairs",
+            "Entries of a BPF map the drift check found different from what the agent wrote, and repaired",
+            this.drift_repairs.clone(),
         );
         this
     }
@@ -717,6 +755,13 @@ impl EbpfMetrics {
     pub fn conntrack_gc_run(&self) {
         self.conntrack_gc_runs.inc();
     }
+
+    /// `repaired` entries of `map` were found drifted and written back (or deleted).
+    pub fn drift_repaired(&self, map: &'static str, repaired: u64) {
+        self.drift_repairs
+            .get_or_create(&MapLabel { map })
+            .inc_by(repaired);
+    }
 }
 
 /// `/metrics`, `/proxyMode` and `/healthz` (component-base's ping check, always `ok`); Go's 404
@@ -726,6 +771,7 @@ pub fn router(metrics: Arc<Metrics>) -> Router {
         .route("/metrics", any(metrics_handler))
         .route("/proxyMode", any(proxy_mode_handler))
         .route("/debug/ebpf/service-ids", any(service_ids_handler))
+        .route("/debug/drift", any(drift_handler))
         .route("/healthz", any(ping_handler))
         .route("/healthz/ping", any(ping_handler))
         .fallback(go_not_found)
@@ -755,6 +801,38 @@ async fn service_ids_handler(State(metrics): State<Arc<Metrics>>) -> Response<Bo
         "application/json",
         metrics.service_ids_json(),
     )
+}
+
+/// Ours: the drift check without repair, run by the agent's loop (`proxy-agent inspect drift`).
+async fn drift_handler(State(metrics): State<Arc<Metrics>>) -> Response<Body> {
+    let sender = metrics
+        .drift_requests
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .clone();
+    let Some(sender) = sender else {
+        return response(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "text/plain; charset=utf-8",
+            "the drift check is not running\n".to_owned(),
+        );
+    };
+    let (reply, answer) = tokio::sync::oneshot::channel();
+    if sender.send(reply).await.is_err() {
+        return response(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "text/plain; charset=utf-8",
+            "the agent's loop stopped\n".to_owned(),
+        );
+    }
+    match answer.await {
+        Ok(json) => response(StatusCode::OK, "application/json", json),
+        Err(_) => response(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "text/plain; charset=utf-8",
+            "the agent's loop dropped the request\n".to_owned(),
+        ),
+    }
 }
 
 async fn ping_handler() -> Response<Body> {

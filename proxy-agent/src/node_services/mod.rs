@@ -64,6 +64,9 @@ pub struct NodeServicesConfig {
     pub health_timeout: Duration,
     /// The node addresses health check node ports listen on; empty: all.
     pub node_port_addresses: Vec<IpAddr>,
+    /// A missing Node makes `/healthz` fail (the API source; a manifests folder may hold
+    /// no Node).
+    pub node_required: bool,
 }
 
 impl NodeServicesConfig {
@@ -76,6 +79,7 @@ impl NodeServicesConfig {
             metrics_bind_address: Some(DEFAULT_METRICS_BIND_ADDRESS),
             health_timeout: sync_period * 2,
             node_port_addresses: Vec::new(),
+            node_required: false,
         }
     }
 }
@@ -146,6 +150,9 @@ impl NodeServices {
     pub fn start_with_clock(config: &NodeServicesConfig, clock: Arc<dyn Clock>) -> Self {
         let started = clock.now().wall;
         let health = Arc::new(ProxyHealth::new(config.health_timeout, clock));
+        if config.node_required {
+            health.require_node();
+        }
         let metrics = Arc::new(Metrics::new(config.mode));
         let service_health = ServiceHealthServers::new(
             &config.node_name,
@@ -216,13 +223,12 @@ impl NodeServices {
     /// A sync of `family` succeeded in `duration` (`full`: every Service was resynced) and
     /// `snapshot` is what the dataplane now has. Opens/closes health check node ports (their
     /// errors are logged and retried on the next call).
-    pub fn synced(&self, family: IpFamily, snapshot: &Snapshot, duration: Duration, full: bool) {
+    /// (The iptables full/partial histograms are fed by the dataplane, which alone knows
+    /// whether a family's restore was partial.)
+    pub fn synced(&self, family: IpFamily, snapshot: &Snapshot, duration: Duration) {
         self.health.updated(family);
         let now = self.health.now().wall;
         self.metrics.sync_succeeded(family, duration, now);
-        if let Some(iptables) = self.metrics.iptables() {
-            iptables.sync_duration(family, duration, full);
-        }
         self.metrics
             .set_no_local_endpoints(family, snapshot.family(family));
         self.service_health.sync(snapshot);

@@ -92,6 +92,9 @@ pub struct EbpfResult {
     /// Sum of the kernel's memlock accounting over the dataplane's maps.
     pub map_memlock: u64,
     pub backends_capacity: u32,
+    /// One full drift check (every entry of the service maps read and compared; nothing to
+    /// repair): the median of three.
+    pub drift_check: Duration,
 }
 
 fn store_for(w: Workload) -> Store {
@@ -205,6 +208,23 @@ fn ebpf_in_current_netns(w: Workload, changes: usize) -> Result<EbpfResult> {
         snapshots.push(t1 - t0);
         applies.push(t2 - t1);
     }
+    let mut drift_checks = Vec::with_capacity(3);
+    for _ in 0..3 {
+        let t0 = Instant::now();
+        let check = dataplane
+            .check_drift(true)
+            .ok_or_else(|| RigError::Other("the drift check did not run".into()))?;
+        drift_checks.push(t0.elapsed());
+        if !check.drift.is_empty() {
+            return Err(RigError::Other(format!(
+                "{} entries drifted without anyone touching the maps; first: {:?}",
+                check.drift.len(),
+                check.drift.first()
+            )));
+        }
+    }
+    drift_checks.sort();
+    let drift_check = drift_checks[1];
     let map_memlock = bpf_maps(std::process::id()).iter().map(|m| m.memlock).sum();
     Ok(EbpfResult {
         workload: w,
@@ -215,6 +235,7 @@ fn ebpf_in_current_netns(w: Workload, changes: usize) -> Result<EbpfResult> {
         change_apply: Percentiles::of_durations(&applies),
         map_memlock,
         backends_capacity: capacity,
+        drift_check,
     })
 }
 

@@ -779,7 +779,7 @@ fn inproc_ebpf_rows(md: &mut String, i: &InprocessSize) {
             };
             let _ = writeln!(
                 md,
-                "| {n} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
+                "| {n} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} ({:.2} %) |",
                 i.workload.total_endpoints(),
                 spread(f(&|e| e.full_snapshot.as_nanos() as f64), dur_ns),
                 spread(f(&|e| e.full_apply.as_nanos() as f64), dur_ns),
@@ -792,12 +792,15 @@ fn inproc_ebpf_rows(md: &mut String, i: &InprocessSize) {
                     "{:.0} MiB",
                     b / 1048576.0
                 )),
+                spread(f(&|e| e.drift_check.as_nanos() as f64), dur_ns),
+                f(&|e| e.drift_check.as_secs_f64()).median * 100.0
+                    / proxy_agent::config::DEFAULT_DRIFT_CHECK_PERIOD.as_secs_f64(),
             );
         }
         other => {
             let _ = writeln!(
                 md,
-                "| {n} | {} | {} | | | | | | | |",
+                "| {n} | {} | {} | | | | | | | | |",
                 i.workload.total_endpoints(),
                 outcome_note(other).unwrap_or_default()
             );
@@ -916,7 +919,7 @@ fn programming_section(md: &mut String, r: &Results) {
     );
     let _ = writeln!(
         md,
-        "| Services | endpoints | full sync: snapshot | full sync: map writes | change p50 | change p99 | change max | p99 of which snapshot | p99 of which map writes | BPF map memory |\n|---|---|---|---|---|---|---|---|---|---|"
+        "| Services | endpoints | full sync: snapshot | full sync: map writes | change p50 | change p99 | change max | p99 of which snapshot | p99 of which map writes | BPF map memory | full drift check (share of a core at the default 30 s period) |\n|---|---|---|---|---|---|---|---|---|---|---|"
     );
     for i in &r.inprocess {
         inproc_ebpf_rows(md, i);

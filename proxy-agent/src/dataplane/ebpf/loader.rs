@@ -41,7 +41,8 @@ use tokio::{io::unix::AsyncFd, task::JoinHandle};
 use tracing::{debug, info, warn};
 
 use super::{
-    ApplyError, ApplySummary, MapOps, MapWriteError, Programmer, bpffs, cgroup, ct, maglev, object,
+    ApplyError, ApplySummary, DriftCheck, MapOps, MapWriteError, Programmer, bpffs, cgroup, ct,
+    drift, maglev, object,
     program::{
         BackendValue, FrontendMapKey, MapsContent, ip4_from_map, ip4_to_map, ip6_from_map,
         ip6_to_map,
@@ -520,6 +521,15 @@ impl EbpfDataplane {
         summary.udp_sockets_destroyed = self.destroy_stale_udp_sockets(&summary);
         summary.conntrack_purged = self.purge_conntrack(&summary);
         (summary, errors)
+    }
+
+    /// Compares every entry of the service maps with what the agent wrote (see `drift`) and,
+    /// with `repair`, writes back what differs and deletes what the agent never wrote. `None`
+    /// while an adopted frontend is known to be damaged (the next full sync rewrites it).
+    pub fn check_drift(&mut self, repair: bool) -> Option<DriftCheck> {
+        let expected = self.programmer.expected_content()?;
+        let found = self.maps.content();
+        Some(drift::check(&expected, &found, repair, &mut self.maps))
     }
 
     /// Deletes the tc conntrack entries of backends this apply removed (see `ct`), after the

@@ -4,6 +4,7 @@
 mod bpffs;
 mod cgroup;
 mod ct;
+mod drift;
 mod ids;
 mod loader;
 mod maglev;
@@ -13,6 +14,8 @@ pub(crate) mod sockdiag;
 mod stats;
 mod tc;
 
+pub use ct::monotonic_ns;
+pub use drift::{Drift, DriftCheck, DriftKind, RepairReport};
 pub use loader::{
     EbpfDataplane, EbpfOptions, LbOptions, LoadError, PIN_DIR_MODE, PIN_DIR_NAME, TcTestRun,
     cleanup,

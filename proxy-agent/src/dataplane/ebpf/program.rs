@@ -924,6 +924,57 @@ impl Programmer {
     pub fn counts(&self) -> (usize, usize) {
         (self.frontends.len(), self.backends.len())
     }
+
+    /// What the service maps must hold according to this record, entry by entry (the drift
+    /// check compares it with what they do hold). `None` while an adopted frontend is damaged
+    /// or has an incomplete Maglev table: the record then knows it differs from the maps, and
+    /// the next full apply rewrites that frontend anyway.
+    pub(super) fn expected_content(&self) -> Option<MapsContent> {
+        let mut content = MapsContent::default();
+        for applied in self.frontends.values() {
+            if applied.damaged || applied.maglev_incomplete {
+                return None;
+            }
+            let value = applied.value;
+            content.frontends.push((applied.map_key, value));
+            for (slot, &id) in (0u16..).zip(&applied.slots) {
+                let key = BackendSlotKey {
+                    service_id: value.service_id,
+                    slot,
+                    generation: value.generation,
+                    _pad: 0,
+                };
+                content.slots.insert(key, id);
+            }
+            content.affinity_matches.extend(matches_of(applied));
+            // The LPM trie stores the network: a range given with host bits reads back without.
+            content.source_ranges.extend(
+                applied
+                    .source_ranges
+                    .iter()
+                    .map(|range| (value.service_id, range.trunc())),
+            );
+            if value.flags & frontend_flags::MAGLEV != 0 {
+                match maglev_blocks(
+                    value.service_id,
+                    value.generation,
+                    &applied.backends,
+                    &applied.slots,
+                    value.maglev_size,
+                ) {
+                    Ok(blocks) => content.maglev.extend(blocks),
+                    // Written successfully once, so it builds; if not, nothing to compare with.
+                    Err(_) => return None,
+                }
+            }
+        }
+        content.backends.extend(
+            self.backends
+                .iter()
+                .map(|(backend, entry)| (entry.id, *backend)),
+        );
+        Some(content)
+    }
 }
 
 /// The per-service-port updates for `names` from `snapshot` (a name absent from the snapshot
@@ -984,6 +1035,22 @@ fn write_maglev(
 ) -> Result<(), MapWriteError> {
     // `backends` is sorted (a set), so the table depends only on the backend set: the same set
     // gives the same table in every generation and after a restart.
+    for (key, value) in maglev_blocks(service_id, generation, backends, slots, size)? {
+        maps.put_maglev(key, value)?;
+        written.maglev.push(key);
+    }
+    Ok(())
+}
+
+/// The Maglev table of `backends` (whose ids are `slots`, index for index) for one generation,
+/// as map entries.
+pub(super) fn maglev_blocks(
+    service_id: u32,
+    generation: u8,
+    backends: &[BackendValue],
+    slots: &[u32],
+    size: u32,
+) -> Result<Vec<(MaglevKey, MaglevBlock)>, MapWriteError> {
     let addrs: Vec<SocketAddr> = backends.iter().map(BackendValue::socket_addr).collect();
     let table = maglev::table(&addrs, size);
     if table.len() != size as usize {
@@ -1000,6 +1067,7 @@ fn write_maglev(
             })
         })
         .collect::<Result<Vec<u32>, _>>()?;
+    let mut blocks = Vec::with_capacity(ids.len().div_ceil(MAGLEV_BLOCK_SLOTS as usize));
     for (block, chunk) in (0u32..).zip(ids.chunks(MAGLEV_BLOCK_SLOTS as usize)) {
         // The last block's tail is past the table size and never read: repeat a valid id.
         let mut value = MaglevBlock {
@@ -1014,10 +1082,9 @@ fn write_maglev(
             generation,
             _pad: [0; 3],
         };
-        maps.put_maglev(key, value)?;
-        written.maglev.push(key);
+        blocks.push((key, value));
     }
-    Ok(())
+    Ok(blocks)
 }
 
 /// Everything written for one frontend before its switch, to take back on failure.
@@ -1076,7 +1143,7 @@ pub fn frontend_map_key(key: &FrontendKey) -> Option<FrontendMapKey> {
     })
 }
 
-fn frontend_key_of(map_key: &FrontendMapKey) -> Option<FrontendKey> {
+pub(super) fn frontend_key_of(map_key: &FrontendMapKey) -> Option<FrontendKey> {
     let (addr, port, proto, scope_value) = match map_key {
         FrontendMapKey::V4(k) => (IpAddr::from(ip4_from_map(k.addr)), k.port, k.proto, k.scope),
         FrontendMapKey::V6(k) => (IpAddr::from(ip6_from_map(k.addr)), k.port, k.proto, k.scope),

@@ -119,6 +119,11 @@ impl Iptables {
         Ok(chains_of_save(&output))
     }
 
+    /// `iptables-save -t <table>` as text (the drift check).
+    pub fn save(&self, table: &str) -> Result<String, ExecError> {
+        self.output(&self.tool("-save"), &["-t", table])
+    }
+
     /// `iptables <wait> -N <chain> -t <table>`; an existing chain is fine.
     pub fn ensure_chain(&self, table: &str, chain: &str) -> Result<(), ExecError> {
         match self.run_cli(&["-N", chain, "-t", table]) {

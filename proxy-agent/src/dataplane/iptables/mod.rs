@@ -6,18 +6,22 @@
 //! - `rules.rs`: the generator, a pure function snapshot → `iptables-restore` input.
 //! - `detect.rs`: backend (nft/legacy), version, sysctls, addresses; `exec.rs`: running the
 //!   tools; `canary.rs`: flush detection; `sync.rs`: [`IptablesDataplane`] (full/partial syncs);
-//!   `cleanup.rs`: removing what this mode created.
+//!   `cleanup.rs`: removing what this mode created; `kube_proxy_modes.rs`: what kube-proxy's
+//!   nftables and IPVS modes leave behind.
 
 pub mod canary;
 pub mod chains;
 mod cleanup;
 pub mod config;
 pub mod detect;
+pub mod drift;
 pub mod exec;
 pub mod jumps;
+pub mod kube_proxy_modes;
 pub mod localdetect;
 pub mod rules;
 mod sync;
+pub mod tracer;
 
 pub use config::{FamilyRules, HostFeatures, IptablesConfig, NodePortAddresses};
 pub use localdetect::{DetectLocalMode, LocalDetector};

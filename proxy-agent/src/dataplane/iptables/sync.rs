@@ -12,6 +12,7 @@ use tracing::{debug, warn};
 
 use super::{
     canary,
+    chains::KUBE_PROXY_CANARY,
     config::{FamilyRules, HostFeatures, IptablesConfig},
     detect::{self, RANDOM_FULLY_MIN},
     exec::{ExecError, Iptables},
@@ -51,7 +52,11 @@ pub struct SyncReport {
     pub family: IpFamily,
     pub full: bool,
     pub filter_rules: usize,
+    /// nat rules after this sync (`sync_proxy_rules_iptables_total`).
     pub nat_rules: usize,
+    /// nat rules in this sync's restore input, less deleted chains
+    /// (`sync_proxy_rules_iptables_last`; smaller than the total in a partial sync).
+    pub nat_rules_written: usize,
     pub deleted_chains: usize,
     pub large_cluster: bool,
     pub elapsed: Duration,
@@ -197,6 +202,52 @@ impl IptablesDataplane {
         changed
     }
 
+    /// Compares the live ruleset with what a full sync of `snapshot` writes (see `drift`).
+    /// With `repair`, a family that differs gets its canary back and a full sync next time.
+    /// A family whose rules cannot be listed is skipped with a warning.
+    pub fn check_drift(
+        &mut self,
+        snapshot: &Snapshot,
+        repair: bool,
+    ) -> Vec<(IpFamily, super::drift::ChainDrift)> {
+        let mut out = Vec::new();
+        for family in &mut self.families {
+            let expected = generate(
+                &family.rules,
+                snapshot.family(family.iptables.family),
+                SyncInput {
+                    changed_services: None,
+                    existing_nat_chains: None,
+                },
+            );
+            let expected = super::drift::parse(&String::from_utf8_lossy(&expected.restore));
+            let mut live_text = String::new();
+            let mut listed = true;
+            for table in super::drift::TABLES {
+                match family.iptables.save(table) {
+                    Ok(text) => live_text.push_str(&text),
+                    Err(error) => {
+                        warn!(%error, "cannot list rules for the drift check");
+                        listed = false;
+                    }
+                }
+            }
+            if !listed {
+                continue;
+            }
+            let canary = family.iptables.chain_exists("mangle", KUBE_PROXY_CANARY);
+            let drift = super::drift::diff(&expected, &super::drift::parse(&live_text), canary);
+            if repair && !drift.is_empty() {
+                if !canary && let Err(error) = canary::ensure(&family.iptables) {
+                    warn!(%error, "cannot recreate the canary chains");
+                }
+                family.need_full_sync = true;
+            }
+            out.extend(drift.into_iter().map(|d| (family.iptables.family, d)));
+        }
+        out
+    }
+
     /// Whether a family's periodic full sync is due (`full_sync_period` elapsed).
     pub fn full_sync_due(&self) -> bool {
         self.families.iter().any(|f| f.full_sync_due(&self.config))
@@ -290,6 +341,7 @@ impl Family {
             full,
             filter_rules: ruleset.filter_rules,
             nat_rules: ruleset.nat_rules_total,
+            nat_rules_written: ruleset.nat_rules_written,
             deleted_chains: ruleset.deleted_chains.len(),
             large_cluster: ruleset.large_cluster,
             elapsed: started.elapsed(),

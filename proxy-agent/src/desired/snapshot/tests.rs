@@ -677,3 +677,44 @@ endpoints:
         ["10.1.1.11:11", "10.1.1.1:11"]
     );
 }
+
+/// k8s.io/utils/net ParseIPSloppy / ParseCIDRSloppy, as kube-proxy reads Services and
+/// EndpointSlices: IPv4 parts with leading zeros are decimal, and the addresses are canonical
+/// afterwards. The Service is not dropped.
+const SLOPPY: &str = r#"
+apiVersion: v1
+kind: Service
+metadata: {name: old, namespace: ns}
+spec:
+  type: LoadBalancer
+  clusterIP: 010.096.001.001
+  externalIPs: [192.000.002.010]
+  loadBalancerSourceRanges: [203.000.113.000/024]
+  ports:
+  - {name: http, port: 80, nodePort: 30080}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: old-1, namespace: ns, labels: {kubernetes.io/service-name: old}}
+addressType: IPv4
+ports: [{name: http, port: 8080}]
+endpoints:
+- {addresses: [010.244.001.005], nodeName: node-a}
+"#;
+
+#[test]
+fn leading_zeros_are_read_as_upstreams_sloppy_parsers_do() {
+    let snapshot = Snapshot::compute(&objects(SLOPPY), NODE);
+    assert_eq!(
+        snapshot.errors().count(),
+        0,
+        "{:?}",
+        snapshot.errors().collect::<Vec<_>>()
+    );
+    let v4 = port(&snapshot, IpFamily::V4, "ns/old", "http", Protocol::Tcp);
+    assert_eq!(v4.cluster_ip, IpAddr::from([10, 96, 1, 1]));
+    assert_eq!(v4.external_ips, [IpAddr::from([192, 0, 2, 10])]);
+    let ranges: Vec<String> = v4.source_ranges.iter().map(ToString::to_string).collect();
+    assert_eq!(ranges, ["203.0.113.0/24"]);
+    assert_eq!(strings(v4.internal_endpoints()), ["10.244.1.5:8080"]);
+}

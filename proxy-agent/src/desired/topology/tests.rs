@@ -256,3 +256,22 @@ fn categorize_endpoints_table() {
         run(case);
     }
 }
+
+/// `--feature-gates=PreferSameTrafficDistribution=false`: upstream's topologyModeFromHints
+/// skips node hints entirely and uses the zone hints.
+#[test]
+fn node_hints_need_the_prefer_same_traffic_distribution_gate() {
+    let endpoints = vec![
+        nodes(zones(e(1, "RS", false), &["z1"]), &["node-b"]),
+        nodes(zones(e(2, "RS", true), &["z1"]), &["node-a"]),
+    ];
+    let node = node(Some("z1"));
+    assert_eq!(
+        topology_mode(&endpoints, &node, true),
+        TopologyMode::SameNode
+    );
+    assert_eq!(
+        topology_mode(&endpoints, &node, false),
+        TopologyMode::SameZone
+    );
+}

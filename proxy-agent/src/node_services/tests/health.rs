@@ -5,10 +5,7 @@ use std::time::Duration;
 use super::*;
 use crate::{
     desired::IpFamily,
-    node_services::{
-        health::{healthz_body, livez_body, node_eligible},
-        time_format::GO_ZERO_TIME,
-    },
+    node_services::health::{json_time, node_eligible},
 };
 
 /// Every answer of the health server carries exactly these headers (plus Date and length).
@@ -22,49 +19,53 @@ fn assert_json_headers(reply: &Reply) {
     assert!(reply.header("Date").is_some());
 }
 
-/// Parses a body as JSON (as upstream's tests do) and checks the time fields have Go's format.
+const GO_ZERO_TIME: &str = "0001-01-01T00:00:00Z";
+
+/// Parses a body as JSON (as upstream's tests do) and checks the time fields have Go's
+/// `time.Time` JSON format (RFC 3339, UTC, fractional digits as needed).
 fn parse(body: &str) -> serde_json::Value {
     let value: serde_json::Value = serde_json::from_str(body).expect("JSON body");
     for field in ["lastUpdated", "currentTime"] {
         let text = value[field].as_str().expect(field);
         assert!(
-            text == GO_ZERO_TIME || is_go_time_with_monotonic(text),
+            text == GO_ZERO_TIME || is_go_json_time(text),
             "{field}: {text}"
         );
     }
     value
 }
 
-/// `YYYY-MM-DD hh:mm:ss[.fraction] +0000 UTC m=+S.NNNNNNNNN`
-fn is_go_time_with_monotonic(text: &str) -> bool {
-    let Some((wall, monotonic)) = text.split_once(" +0000 UTC m=+") else {
+/// `YYYY-MM-DDThh:mm:ss[.fraction]Z`, fraction without trailing zeros.
+fn is_go_json_time(text: &str) -> bool {
+    let Some(wall) = text.strip_suffix('Z') else {
         return false;
     };
-    let (date, time) = wall.split_once(' ').unwrap_or_default();
-    let (secs, nanos) = monotonic.split_once('.').unwrap_or_default();
+    let (date, time) = wall.split_once('T').unwrap_or_default();
     let (hms, fraction) = time.split_once('.').unwrap_or((time, "1"));
     date.len() == 10
         && date.as_bytes()[4] == b'-'
         && hms.len() == 8
         && !fraction.ends_with('0')
-        && secs.parse::<u64>().is_ok()
-        && nanos.len() == 9
-        && nanos.bytes().all(|b| b.is_ascii_digit())
+        && fraction.len() <= 9
+        && text.parse::<jiff::Timestamp>().is_ok()
 }
 
 #[tokio::test]
 async fn healthy_while_starting_up_and_bodies_byte_for_byte() {
     let (services, clock) = start(ProxyMode::Ebpf);
     let addr = services.healthz_addr().unwrap();
-    let now = clock.now().go_string();
+    let now = json_time(Some(clock.now()));
 
     let reply = get(addr, "/healthz").await;
     assert_eq!(reply.status_line, "HTTP/1.1 200 OK");
     assert_json_headers(&reply);
-    // Healthy: lastUpdated is reported as the current time.
+    // Healthy: lastUpdated is reported as the current time; no family synced yet, so no
+    // status (omitempty).
     assert_eq!(
         reply.body,
-        format!(r#"{{"lastUpdated": "{now}","currentTime": "{now}", "nodeEligible": true}}"#)
+        format!(
+            r#"{{"lastUpdated":"{now}","currentTime":"{now}","nodeEligible":true,"healthy":true}}"#
+        )
     );
     assert_eq!(parse(&reply.body)["nodeEligible"], true);
 
@@ -73,7 +74,7 @@ async fn healthy_while_starting_up_and_bodies_byte_for_byte() {
     assert_json_headers(&reply);
     assert_eq!(
         reply.body,
-        format!(r#"{{"lastUpdated": "{now}","currentTime": "{now}"}}"#)
+        format!(r#"{{"lastUpdated":"{now}","currentTime":"{now}","healthy":true}}"#)
     );
     parse(&reply.body);
 }
@@ -93,21 +94,33 @@ async fn a_queued_update_older_than_the_timeout_is_unhealthy() {
     // A second change does not move the oldest pending one.
     services.queued(IpFamily::V4);
     clock.advance(Duration::from_millis(1));
-    let now = clock.now().go_string();
+    let now = json_time(Some(clock.now()));
+    let updated = json_time(Some(updated));
     let reply = get(addr, "/healthz").await;
     assert_eq!(reply.status_line, "HTTP/1.1 503 Service Unavailable");
     assert_json_headers(&reply);
-    // Unhealthy: lastUpdated is the late family's last successful sync.
-    assert_eq!(reply.body, healthz_body(&updated.go_string(), &now, true),);
-    parse(&reply.body);
+    // Unhealthy: lastUpdated is the latest sync of any family; the status names the late one.
+    assert_eq!(
+        reply.body,
+        format!(
+            r#"{{"lastUpdated":"{updated}","currentTime":"{now}","nodeEligible":true,"healthy":false,"status":{{"IPv4":{{"lastUpdated":"{updated}","healthy":false}}}}}}"#
+        )
+    );
+    let value = parse(&reply.body);
+    assert_eq!(value["status"]["IPv4"]["healthy"], false);
     let reply = get(addr, "/livez").await;
     assert_eq!(reply.status(), 503);
-    assert_eq!(reply.body, livez_body(&updated.go_string(), &now));
+    assert_eq!(
+        reply.body,
+        format!(
+            r#"{{"lastUpdated":"{updated}","currentTime":"{now}","healthy":false,"status":{{"IPv4":{{"lastUpdated":"{updated}","healthy":false}}}}}}"#
+        )
+    );
 
     // Health check node ports see the same health.
     assert!(!services.health().is_healthy());
 
-    services.synced(IpFamily::V4, &snapshot, Duration::from_millis(3), true);
+    services.synced(IpFamily::V4, &snapshot, Duration::from_millis(3));
     assert_eq!(get(addr, "/healthz").await.status(), 200);
     assert_eq!(get(addr, "/livez").await.status(), 200);
 
@@ -174,15 +187,23 @@ async fn a_node_being_deleted_fails_healthz_but_not_livez() {
     let addr = services.healthz_addr().unwrap();
     for yaml in [DELETING, AUTOSCALER_TAINT] {
         services.node_changed(Some(&node(yaml)));
-        let now = clock.now().go_string();
+        let now = json_time(Some(clock.now()));
         let reply = get(addr, "/healthz").await;
         assert_eq!(reply.status(), 503);
         // Not healthy, so lastUpdated is not replaced: no family synced yet, Go's zero time.
-        assert_eq!(reply.body, healthz_body(GO_ZERO_TIME, &now, false));
+        assert_eq!(
+            reply.body,
+            format!(
+                r#"{{"lastUpdated":"{GO_ZERO_TIME}","currentTime":"{now}","nodeEligible":false,"healthy":true}}"#
+            )
+        );
         assert_eq!(parse(&reply.body)["nodeEligible"], false);
         let reply = get(addr, "/livez").await;
         assert_eq!(reply.status(), 200);
-        assert_eq!(reply.body, livez_body(&now, &now));
+        assert_eq!(
+            reply.body,
+            format!(r#"{{"lastUpdated":"{now}","currentTime":"{now}","healthy":true}}"#)
+        );
         // Health check node ports ignore node eligibility.
         assert!(services.health().is_healthy());
     }
@@ -220,4 +241,36 @@ async fn other_paths_are_go_404s_and_any_method_is_served() {
         let reply = request(addr, method, "/healthz").await;
         assert_eq!(reply.status(), 200, "{method}");
     }
+}
+
+/// proxy_health.go NodeEligible: `node == nil` → not eligible. With the API source a deleted
+/// (or never seen) Node fails /healthz; /livez does not look at the node.
+#[tokio::test]
+async fn a_missing_node_fails_healthz_when_a_node_is_required() {
+    let (services, _clock) = start(ProxyMode::Ebpf);
+    let addr = services.healthz_addr().unwrap();
+    services.health().require_node();
+    services.node_changed(Some(&node(OTHER_TAINT)));
+    assert_eq!(get(addr, "/healthz").await.status(), 200);
+    services.node_changed(None);
+    let reply = get(addr, "/healthz").await;
+    assert_eq!(reply.status(), 503);
+    assert_eq!(parse(&reply.body)["nodeEligible"], false);
+    assert_eq!(get(addr, "/livez").await.status(), 200);
+    // The Node back: eligible again.
+    services.node_changed(Some(&node(OTHER_TAINT)));
+    assert_eq!(get(addr, "/healthz").await.status(), 200);
+}
+
+#[test]
+fn json_time_is_gos() {
+    use crate::node_services::time_format::Stamp;
+    let at = |nanos: u64| Stamp {
+        wall: std::time::UNIX_EPOCH + Duration::from_nanos(1_700_000_000_000_000_000 + nanos),
+        mono: std::time::Instant::now(),
+    };
+    assert_eq!(json_time(Some(at(0))), "2023-11-14T22:13:20Z");
+    assert_eq!(json_time(Some(at(120_000_000))), "2023-11-14T22:13:20.12Z");
+    assert_eq!(json_time(Some(at(1))), "2023-11-14T22:13:20.000000001Z");
+    assert_eq!(json_time(None), GO_ZERO_TIME);
 }

@@ -544,12 +544,7 @@ endpoints: []
 async fn metrics_server_serves_metrics_proxy_mode_and_healthz() {
     let (services, _clock) = start(ProxyMode::Ebpf);
     let addr = services.metrics_addr().unwrap();
-    services.synced(
-        IpFamily::V4,
-        &Snapshot::default(),
-        Duration::from_millis(2),
-        true,
-    );
+    services.synced(IpFamily::V4, &Snapshot::default(), Duration::from_millis(2));
 
     let reply = get(addr, "/proxyMode").await;
     assert_eq!(reply.status_line, "HTTP/1.1 200 OK");

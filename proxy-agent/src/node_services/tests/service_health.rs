@@ -69,7 +69,7 @@ async fn counts_local_ready_endpoints_and_answers_every_path() {
     let (services, _clock) = start(ProxyMode::Ebpf);
     let port = free_port();
     let snapshot = snapshot(&service(port, STEP1));
-    services.synced(IpFamily::V4, &snapshot, Duration::from_millis(1), true);
+    services.synced(IpFamily::V4, &snapshot, Duration::from_millis(1));
     let svc = key("ns1", "svc1");
     assert_eq!(
         services.service_health().open_ports(),
@@ -96,7 +96,7 @@ async fn counts_local_ready_endpoints_and_answers_every_path() {
 
     // The pods start terminating: serving-terminating endpoints do not count.
     let snapshot = super::snapshot(&service(port, STEP2));
-    services.synced(IpFamily::V4, &snapshot, Duration::from_millis(1), false);
+    services.synced(IpFamily::V4, &snapshot, Duration::from_millis(1));
     let reply = get(loopback(port), "/healthz").await;
     assert_eq!(reply.status_line, "HTTP/1.1 503 Service Unavailable");
     assert_eq!(reply.header("X-Load-Balancing-Endpoint-Weight"), Some("0"));
@@ -109,7 +109,7 @@ async fn an_unhealthy_proxy_fails_every_health_check() {
     let (services, clock) = start(ProxyMode::Ebpf);
     let port = free_port();
     let snapshot = snapshot(&service(port, STEP1));
-    services.synced(IpFamily::V4, &snapshot, Duration::from_millis(1), true);
+    services.synced(IpFamily::V4, &snapshot, Duration::from_millis(1));
     services.queued(IpFamily::V4);
     clock.advance(TIMEOUT);
     let reply = get(loopback(port), "/").await;
@@ -130,7 +130,6 @@ async fn servers_follow_the_services() {
         IpFamily::V4,
         &snapshot(&service(first, STEP1)),
         Duration::ZERO,
-        true,
     );
     assert!(is_open(loopback(first)).await);
 
@@ -139,13 +138,12 @@ async fn servers_follow_the_services() {
         IpFamily::V4,
         &snapshot(&service(second, STEP1)),
         Duration::ZERO,
-        true,
     );
     assert!(!is_open(loopback(first)).await);
     assert_eq!(get(loopback(second), "/").await.status(), 200);
 
     // The Service goes away (or stops being eTP=Local): the port closes.
-    services.synced(IpFamily::V4, &Snapshot::default(), Duration::ZERO, true);
+    services.synced(IpFamily::V4, &Snapshot::default(), Duration::ZERO);
     assert!(!is_open(loopback(second)).await);
     assert!(services.service_health().open_ports().is_empty());
 }
@@ -168,7 +166,7 @@ async fn a_port_in_use_is_reported_and_retried_not_fatal() {
     assert!(services.service_health().open_ports().is_empty());
     // The rest of the agent carries on; the next sync retries and succeeds once the port is free.
     drop(squatter);
-    services.synced(IpFamily::V4, &snapshot, Duration::ZERO, true);
+    services.synced(IpFamily::V4, &snapshot, Duration::ZERO);
     assert_eq!(get(loopback(port), "/").await.status(), 200);
 }
 

@@ -841,3 +841,7 @@ fn a_maglev_table_that_does_not_fit_leaves_the_previous_one() {
             .all(|p| [1, 2].contains(p))
     );
 }
+
+// The drift check against the same in-memory maps (it needs `FakeMaps` and the helpers above).
+#[path = "tests/drift.rs"]
+mod drift;

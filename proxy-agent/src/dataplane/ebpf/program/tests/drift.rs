@@ -1,0 +1,153 @@
+//! The drift check (`dataplane::ebpf::drift`) over the in-memory maps: what it reports after
+//! each kind of outside change, and that its repair leaves maps the datapath can use.
+
+use super::*;
+use crate::dataplane::ebpf::drift::{DriftKind, diff, repair};
+
+/// (map, kind) of each reported difference, sorted.
+fn kinds(drift: &[crate::dataplane::ebpf::drift::Drift]) -> Vec<(&'static str, DriftKind)> {
+    let mut kinds: Vec<_> = drift.iter().map(|d| (d.map, d.kind)).collect();
+    kinds.sort();
+    kinds
+}
+
+fn programmed() -> (FakeMaps, Programmer, FrontendKey) {
+    let mut maps = FakeMaps::with_slot_capacity(1000);
+    let mut programmer = Programmer::default();
+    let web = key([10, 96, 0, 10], 80);
+    let api = key([10, 96, 0, 11], 80);
+    let mut state = with_affinity(snapshot(&[(web, &[1, 2])]), Some(5));
+    state.extend(snapshot(&[(api, &[2, 3])]));
+    let (_, errors) = programmer.apply(state, &mut maps);
+    assert!(errors.is_empty(), "{errors:?}");
+    (maps, programmer, web)
+}
+
+#[test]
+fn maps_as_programmed_have_no_drift() {
+    let (maps, programmer, _) = programmed();
+    let expected = programmer.expected_content().expect("nothing damaged");
+    assert_eq!(diff(&expected, &maps.content()), []);
+}
+
+#[test]
+fn corrupted_deleted_and_added_entries_are_reported_and_repaired() {
+    let (mut maps, programmer, web) = programmed();
+    let expected = programmer.expected_content().expect("nothing damaged");
+    let web_value = maps.frontends[&frontend_map_key(&web).expect("key")];
+    let slot0 = BackendSlotKey {
+        service_id: web_value.service_id,
+        slot: 0,
+        generation: web_value.generation,
+        _pad: 0,
+    };
+    let pod1 = maps.slots[&slot0];
+    // Corrupt: a backend's address, a frontend's count.
+    maps.backends.insert(
+        pod1,
+        BackendValue::V4(Backend4 {
+            addr: ip4_to_map([192, 0, 2, 1].into()),
+            port: 8080u16.to_be(),
+            proto: 6,
+            flags: 0,
+        }),
+    );
+    let mut corrupted = web_value;
+    corrupted.backend_count = 7;
+    maps.frontends
+        .insert(frontend_map_key(&web).expect("key"), corrupted);
+    // Delete: a slot and an affinity match entry.
+    let slot1 = BackendSlotKey { slot: 1, ..slot0 };
+    maps.slots.remove(&slot1);
+    let first_match = *maps.matches.iter().next().expect("affinity on");
+    maps.matches.remove(&first_match);
+    // Add: a slot of the idle generation, a frontend nobody programmed, an orphan backend.
+    maps.slots.insert(
+        BackendSlotKey {
+            generation: 1 - web_value.generation,
+            ..slot0
+        },
+        pod1,
+    );
+    let stray = frontend_map_key(&key([10, 96, 0, 99], 80)).expect("key");
+    maps.frontends.insert(stray, web_value);
+    maps.backends.insert(
+        999,
+        BackendValue::V4(Backend4 {
+            addr: ip4_to_map([10, 244, 9, 2].into()),
+            port: 80u16.to_be(),
+            proto: 6,
+            flags: 0,
+        }),
+    );
+
+    let drift = diff(&expected, &maps.content());
+    assert_eq!(
+        kinds(&drift),
+        [
+            ("KPR_AFFINITY_MATCH", DriftKind::Missing),
+            ("KPR_BACKENDS4", DriftKind::Changed),
+            ("KPR_BACKENDS4", DriftKind::Extra),
+            ("KPR_BACKEND_SLOTS", DriftKind::Missing),
+            ("KPR_BACKEND_SLOTS", DriftKind::Extra),
+            ("KPR_FRONTENDS4", DriftKind::Changed),
+            ("KPR_FRONTENDS4", DriftKind::Extra),
+        ],
+        "{drift:#?}"
+    );
+    let changed = drift
+        .iter()
+        .find(|d| d.map == "KPR_BACKENDS4" && d.kind == DriftKind::Changed)
+        .expect("reported");
+    assert_eq!(changed.found.as_deref(), Some("192.0.2.1:8080"));
+    assert_eq!(changed.expected.as_deref(), Some("10.244.1.2:8080"));
+
+    let report = repair(&expected, &drift, &maps.content(), &mut maps);
+    assert!(report.errors.is_empty(), "{:?}", report.errors);
+    assert_eq!(report.repaired.values().sum::<u64>(), 7);
+    assert_eq!(report.repaired["KPR_FRONTENDS4"], 2);
+    assert_eq!(diff(&expected, &maps.content()), []);
+    maps.check_invariants();
+    assert_eq!(pods(&maps, &web), [1, 2]);
+}
+
+#[test]
+fn a_corrupted_maglev_block_is_reported_and_rewritten() {
+    let mut maps = FakeMaps::with_slot_capacity(1000);
+    let mut programmer = Programmer::default();
+    programmer.set_maglev_table_size(Some(13));
+    let nodeport = external(key([0, 0, 0, 0], 30080));
+    let (_, errors) = programmer.apply(snapshot(&[(nodeport, &[1, 2, 3])]), &mut maps);
+    assert!(errors.is_empty(), "{errors:?}");
+    let expected = programmer.expected_content().expect("nothing damaged");
+    assert_eq!(diff(&expected, &maps.content()), []);
+    let before = maglev_pods(&maps, &nodeport);
+
+    let block = maps.maglev.values_mut().next().expect("one block");
+    block.backend_ids.swap(0, 1);
+    block.backend_ids[2] = 4242;
+    let drift = diff(&expected, &maps.content());
+    assert_eq!(kinds(&drift), [("KPR_MAGLEV", DriftKind::Changed)]);
+
+    let report = repair(&expected, &drift, &maps.content(), &mut maps);
+    assert_eq!(report.repaired["KPR_MAGLEV"], 1);
+    assert_eq!(maglev_pods(&maps, &nodeport), before);
+    maps.check_invariants();
+}
+
+#[test]
+fn source_ranges_with_host_bits_are_expected_as_networks() {
+    let mut maps = FakeMaps::with_slot_capacity(1000);
+    let mut programmer = Programmer::default();
+    let lb = external(key([192, 0, 2, 10], 80));
+    let mut state = snapshot(&[(lb, &[1])]);
+    state[0].1[0].1.source_ranges = vec!["203.0.113.7/24".parse().expect("range")];
+    programmer.apply(state, &mut maps);
+    let expected = programmer.expected_content().expect("nothing damaged");
+    let ranges: Vec<String> = expected
+        .source_ranges
+        .iter()
+        .map(|(_, range)| range.to_string())
+        .collect();
+    assert_eq!(ranges, ["203.0.113.0/24"]);
+}

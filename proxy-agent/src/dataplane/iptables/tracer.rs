@@ -1,0 +1,263 @@
+//! A packet tracer with upstream's `tracePacket` semantics (packet-flow-tests.yaml header): it
+//! walks nat PREROUTING (or OUTPUT, for a node's own connections), then the filter service
+//! chains, over generated rules or a live `iptables-save`. Used by the parity tests
+//! (`tests/iptables_parity/`) and by `proxy-agent inspect explain` in iptables mode.
+
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    net::IpAddr,
+};
+
+use ipnet::IpNet;
+
+#[derive(Debug, Clone, Default)]
+struct Match {
+    value: String,
+    negated: bool,
+}
+
+#[derive(Debug, Clone, Default)]
+struct Rule {
+    source: Option<Match>,
+    src_type: Option<Match>,
+    protocol: Option<Match>,
+    destination: Option<Match>,
+    dst_type: Option<Match>,
+    dport: Option<Match>,
+    jump: Option<String>,
+    probability: bool,
+    /// `-m recent --rcheck`, `-m mark --mark`, `--ctstate`: state the tracer never has.
+    checks_state: bool,
+    to_destination: Option<String>,
+}
+
+/// Splits a rule into words; `"…"` is one word.
+fn words(line: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut chars = line.chars().peekable();
+    while let Some(&c) = chars.peek() {
+        if c.is_whitespace() {
+            chars.next();
+        } else if c == '"' {
+            chars.next();
+            let word: String = chars.by_ref().take_while(|&c| c != '"').collect();
+            out.push(word);
+        } else {
+            let mut word = String::new();
+            while let Some(&c) = chars.peek() {
+                if c.is_whitespace() {
+                    break;
+                }
+                word.push(c);
+                chars.next();
+            }
+            out.push(word);
+        }
+    }
+    out
+}
+
+fn parse_rule(words: &[String]) -> Rule {
+    let mut rule = Rule::default();
+    let mut negate = false;
+    let mut i = 0;
+    let next = |i: usize| words.get(i + 1).cloned().unwrap_or_default();
+    while i < words.len() {
+        let word = words[i].as_str();
+        let value = |negated| {
+            Some(Match {
+                value: next(i),
+                negated,
+            })
+        };
+        match word {
+            "!" => {
+                negate = true;
+                i += 1;
+                continue;
+            }
+            "-s" => rule.source = value(negate),
+            "--src-type" => rule.src_type = value(negate),
+            "-p" => rule.protocol = value(negate),
+            "-d" => rule.destination = value(negate),
+            "--dst-type" => rule.dst_type = value(negate),
+            "--dport" => rule.dport = value(negate),
+            "-j" => rule.jump = Some(next(i)),
+            "--probability" => rule.probability = true,
+            "--rcheck" | "--mark" | "--ctstate" => rule.checks_state = true,
+            "--to-destination" => rule.to_destination = Some(next(i)),
+            _ => {
+                negate = false;
+                i += 1;
+                continue;
+            }
+        }
+        negate = false;
+        // Flags without a value (--rcheck) only advance by one.
+        i += if word == "--rcheck" { 1 } else { 2 };
+    }
+    rule
+}
+
+/// Parsed rules by (table, chain).
+#[derive(Debug, Default)]
+pub struct Tracer {
+    chains: BTreeMap<(String, String), Vec<Rule>>,
+    local_ips: BTreeSet<IpAddr>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Trace {
+    /// The DNAT destinations (every endpoint a probabilistic jump may pick) or the terminal
+    /// target (`ACCEPT`, `REJECT`, `DROP`), comma-separated; empty: nothing matched.
+    pub output: String,
+    pub masq: bool,
+    /// `table/chain` of every chain entered, in order.
+    pub chains: Vec<String>,
+}
+
+impl Tracer {
+    /// `dump`: a restore text; `extra`: (table, `-A …` line) pairs such as the jump rules.
+    pub fn new(dump: &str, extra: &[(String, String)], local_ips: &[IpAddr]) -> Self {
+        let mut tracer = Tracer {
+            local_ips: local_ips.iter().copied().collect(),
+            ..Tracer::default()
+        };
+        let mut table = String::new();
+        let mut lines: Vec<(String, String)> = Vec::new();
+        for line in dump.lines() {
+            if let Some(name) = line.strip_prefix('*') {
+                table = name.to_owned();
+            } else if line.starts_with("-A ") {
+                lines.push((table.clone(), line.to_owned()));
+            }
+        }
+        lines.extend(extra.iter().cloned());
+        for (table, line) in lines {
+            let words = words(&line);
+            // `-A CHAIN rule…`; a line without a chain name is not a rule.
+            let (Some(chain), Some(rule)) = (words.get(1), words.get(2..)) else {
+                continue;
+            };
+            tracer
+                .chains
+                .entry((table, chain.clone()))
+                .or_default()
+                .push(parse_rule(rule));
+        }
+        tracer
+    }
+
+    pub fn trace(&self, src: &str, proto: &str, dst: &str, dport: &str) -> Trace {
+        self.trace_from("PREROUTING", src, proto, dst, dport)
+    }
+
+    /// Like [`Tracer::trace`], entering nat at `start` (`PREROUTING` for packets that arrive,
+    /// `OUTPUT` for the node's own).
+    pub fn trace_from(&self, start: &str, src: &str, proto: &str, dst: &str, dport: &str) -> Trace {
+        let mut state = State::default();
+        let packet = Packet {
+            src: src.parse().ok(),
+            proto,
+            dst: dst.parse().ok(),
+            dport,
+        };
+        self.run("nat", start, &packet, &mut state);
+        let mut packet = packet;
+        if let Some(first) = state.outputs.first() {
+            // The DNAT destination is `ip:port` or `[ip6]:port`.
+            packet.dst = first
+                .parse::<std::net::SocketAddr>()
+                .map(|s| s.ip())
+                .ok()
+                .or_else(|| first.split(':').next().and_then(|s| s.parse().ok()));
+        }
+        for chain in [
+            "KUBE-SERVICES",
+            "KUBE-EXTERNAL-SERVICES",
+            "KUBE-NODEPORTS",
+            "KUBE-PROXY-FIREWALL",
+        ] {
+            self.run("filter", chain, &packet, &mut state);
+        }
+        Trace {
+            output: state.outputs.join(", "),
+            masq: state.masq,
+            chains: state.chains,
+        }
+    }
+
+    fn run(&self, table: &str, chain: &str, packet: &Packet<'_>, state: &mut State) -> bool {
+        let Some(rules) = self.chains.get(&(table.to_owned(), chain.to_owned())) else {
+            return false;
+        };
+        state.chains.push(format!("{table}/{chain}"));
+        for rule in rules {
+            let Some(jump) = &rule.jump else { continue };
+            if !self.matches(rule, packet) {
+                continue;
+            }
+            match jump.as_str() {
+                "KUBE-MARK-MASQ" => state.masq = true,
+                "ACCEPT" | "REJECT" | "DROP" => {
+                    state.outputs.push(jump.clone());
+                    return true;
+                }
+                "DNAT" => {
+                    state
+                        .outputs
+                        .push(rule.to_destination.clone().unwrap_or_default());
+                    return true;
+                }
+                other => {
+                    let terminated = self.run(table, other, packet, state);
+                    // A probabilistic jump keeps collecting: every endpoint shows in the output.
+                    if terminated && !rule.probability {
+                        return true;
+                    }
+                }
+            }
+        }
+        false
+    }
+
+    fn matches(&self, rule: &Rule, p: &Packet<'_>) -> bool {
+        let addr = |m: &Option<Match>, ip: Option<IpAddr>| {
+            m.as_ref().is_none_or(|m| {
+                let hit = ip.is_some_and(|ip| {
+                    if m.value == "LOCAL" {
+                        self.local_ips.contains(&ip)
+                    } else if let Ok(net) = m.value.parse::<IpNet>() {
+                        net.contains(&ip)
+                    } else {
+                        m.value.parse::<IpAddr>().is_ok_and(|v| v == ip)
+                    }
+                });
+                hit != m.negated
+            })
+        };
+        let text =
+            |m: &Option<Match>, v: &str| m.as_ref().is_none_or(|m| (m.value == v) != m.negated);
+        addr(&rule.source, p.src)
+            && addr(&rule.src_type, p.src)
+            && text(&rule.protocol, p.proto)
+            && addr(&rule.destination, p.dst)
+            && addr(&rule.dst_type, p.dst)
+            && text(&rule.dport, p.dport)
+            && !rule.checks_state
+    }
+}
+
+struct Packet<'a> {
+    src: Option<IpAddr>,
+    proto: &'a str,
+    dst: Option<IpAddr>,
+    dport: &'a str,
+}
+
+#[derive(Default)]
+struct State {
+    outputs: Vec<String>,
+    masq: bool,
+    chains: Vec<String>,
+}

@@ -1,0 +1,159 @@
+//! The agent's drift check: on a timer (`--drift-check-period`) the loop compares the kernel's
+//! state with what it wrote and repairs the difference, counting each repaired entry in
+//! `kubeproxy_ebpf_drift_repairs_total{map}` with a WARN naming it; `/debug/drift` (for
+//! `proxy-agent inspect drift`) runs the same comparison without repairing.
+//!
+//! eBPF mode compares every entry of the service maps (`dataplane::ebpf::drift`); iptables mode
+//! the canary and every chain a full sync writes, rule by rule (`dataplane::iptables::drift`),
+//! repaired by a full sync (`kubeproxy_iptables_drift_repairs_total{ip_family,table}`).
+
+use serde::{Deserialize, Serialize};
+use tracing::{debug, warn};
+
+use crate::{
+    dataplane::{ebpf::EbpfDataplane, iptables::IptablesDataplane},
+    desired::Snapshot,
+    node_services::metrics::Metrics,
+};
+
+/// One differing entry, as `/debug/drift` reports it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DriftEntry {
+    pub map: String,
+    /// `missing`, `changed` or `extra`.
+    pub kind: String,
+    pub entry: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub expected: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub found: Option<String>,
+}
+
+/// The answer of `/debug/drift`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DriftReport {
+    /// `ebpf` or `iptables`.
+    pub mode: String,
+    /// False when nothing could be compared (before the first sync, or iptables mode).
+    pub checked: bool,
+    /// Why not, when not checked.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub note: Option<String>,
+    pub entries_compared: usize,
+    pub drift: Vec<DriftEntry>,
+}
+
+impl DriftReport {
+    pub fn not_checked(mode: &str, note: &str) -> Self {
+        DriftReport {
+            mode: mode.to_owned(),
+            checked: false,
+            note: Some(note.to_owned()),
+            entries_compared: 0,
+            drift: Vec::new(),
+        }
+    }
+}
+
+/// One check of the eBPF maps; with `repair`, what differs is fixed, logged and counted.
+pub fn check_ebpf(ebpf: &mut EbpfDataplane, repair: bool, metrics: &Metrics) -> DriftReport {
+    let started = std::time::Instant::now();
+    let Some(check) = ebpf.check_drift(repair) else {
+        return DriftReport::not_checked(
+            "ebpf",
+            "an adopted frontend is damaged; the next full sync rewrites it",
+        );
+    };
+    if repair {
+        for drift in &check.drift {
+            warn!(
+                map = drift.map,
+                kind = %drift.kind,
+                entry = %drift.entry,
+                expected = drift.expected.as_deref().unwrap_or("-"),
+                found = drift.found.as_deref().unwrap_or("-"),
+                "BPF map entry drifted from what the agent wrote; repairing it"
+            );
+        }
+        for (map, error) in &check.repair.errors {
+            warn!(map, %error, "repairing a drifted BPF map entry failed; retrying next check");
+        }
+        if let Some(ebpf_metrics) = metrics.ebpf() {
+            for (map, repaired) in &check.repair.repaired {
+                ebpf_metrics.drift_repaired(map, *repaired);
+            }
+        }
+    }
+    debug!(
+        entries = check.entries_compared,
+        drifted = check.drift.len(),
+        elapsed_us = u64::try_from(started.elapsed().as_micros()).unwrap_or(u64::MAX),
+        "drift check done"
+    );
+    DriftReport {
+        mode: "ebpf".to_owned(),
+        checked: true,
+        note: None,
+        entries_compared: check.entries_compared,
+        drift: check
+            .drift
+            .into_iter()
+            .map(|drift| DriftEntry {
+                map: drift.map.to_owned(),
+                kind: drift.kind.to_string(),
+                entry: drift.entry,
+                expected: drift.expected,
+                found: drift.found,
+            })
+            .collect(),
+    }
+}
+
+/// One check of the iptables rules; with `repair`, the families that differ get a full sync
+/// next (the caller requests one when the report has drift).
+pub fn check_iptables(
+    iptables: &mut IptablesDataplane,
+    snapshot: &Snapshot,
+    repair: bool,
+    metrics: &Metrics,
+) -> DriftReport {
+    let started = std::time::Instant::now();
+    let drift = iptables.check_drift(snapshot, repair);
+    if repair {
+        for (family, chain) in &drift {
+            warn!(
+                family = family.as_k8s(),
+                table = chain.table,
+                kind = chain.kind,
+                chain = %chain.chain,
+                expected = chain.expected.as_deref().unwrap_or("-"),
+                found = chain.found.as_deref().unwrap_or("-"),
+                "iptables chain drifted from what the agent writes; repairing it with a full sync"
+            );
+            if let Some(iptables_metrics) = metrics.iptables() {
+                iptables_metrics.drift_repaired(*family, chain.table, 1);
+            }
+        }
+    }
+    debug!(
+        drifted = drift.len(),
+        elapsed_us = u64::try_from(started.elapsed().as_micros()).unwrap_or(u64::MAX),
+        "iptables drift check done"
+    );
+    DriftReport {
+        mode: "iptables".to_owned(),
+        checked: true,
+        note: None,
+        entries_compared: 0,
+        drift: drift
+            .into_iter()
+            .map(|(family, chain)| DriftEntry {
+                map: format!("{} {}", family.as_k8s(), chain.table),
+                kind: chain.kind.to_owned(),
+                entry: chain.chain,
+                expected: chain.expected,
+                found: chain.found,
+            })
+            .collect(),
+    }
+}

@@ -1,0 +1,808 @@
+//! `proxy-agent inspect explain`: the decision the eBPF datapath would take for one packet (or
+//! connect) and why, read from the live pinned maps. It follows the programs' order exactly:
+//!
+//! - a local client (`--from node|pod`) meets the socket hooks (`proxy-ebpf/src/sock.rs`): the
+//!   exact INTERNAL frontend, else the NodePort frontend when the destination is a NodePort
+//!   address (`KPR_NODE_ADDRS`, or 127/8 with localhost NodePorts); a frontend guarded by source
+//!   ranges is judged for host sockets by the node's SNAT address and left to tc for pods (then
+//!   the pod veth's tc program judges the pod's address); no backends → ECONNREFUSED, or
+//!   EHOSTUNREACH where kube-proxy drops. The client address is kept.
+//! - an external client meets tc (`proxy-ebpf/src/tc.rs`): a conntrack entry (with `--sport`)
+//!   carries the flow; else the exact EXTERNAL frontend, else the NodePort wildcard on a node
+//!   address; source ranges before NAT; REJECT (ICMP port unreachable) or DROP without
+//!   backends; SNAT to the node address unless the client is preserved.
+//!
+//! Random choices are not predictable: the candidates are listed, and the chosen backend is
+//! named only where it is determined — a Maglev table with a full tuple (`--sport`), a live tc
+//! affinity entry, an existing conntrack entry.
+
+use std::{
+    fmt::Write as _,
+    net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr},
+    path::Path,
+};
+
+use anyhow::{Context as _, bail};
+use aya::maps::{Array, HashMap, LpmTrie, Map, MapData, lpm_trie::Key};
+use proxy_common::{
+    AffinityKey, AffinityMatchKey, AffinityValue, Backend4, Backend6, BackendSlotKey, CtKey,
+    CtValue, Frontend4Key, Frontend6Key, FrontendValue, MAGLEV_BLOCK_SLOTS, MaglevBlock, MaglevKey,
+    NodeAddrKey, NodeConfig, SourceRangeKey, ct_flags, family, frontend_flags, map_names,
+    node_flags, proto, scope,
+};
+use serde::Serialize;
+
+use crate::dataplane::ebpf::{ip4_from_map, ip6_from_map};
+
+/// Where the client is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum From {
+    /// A process in the node's own network namespace.
+    Node,
+    /// A process in a pod (in the agent's cgroup, behind a veth).
+    Pod,
+    /// A packet arriving on an external interface.
+    External,
+}
+
+/// What to explain.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Query {
+    pub from: From,
+    pub client: IpAddr,
+    pub dest: SocketAddr,
+    pub protocol: u8,
+    pub sport: Option<u16>,
+}
+
+/// The datapath's decision.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+pub struct Explanation {
+    /// The program that decides (`socket connect/sendmsg`, `tc external`, `tc pod veth`).
+    pub program: String,
+    /// What each lookup found, in order.
+    pub steps: Vec<String>,
+    /// The frontend that matched (`addr:port/PROTO scope`), if any.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub frontend: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub service_id: Option<u32>,
+    /// Every backend the decision may pick (empty when not translated or refused).
+    pub candidates: Vec<String>,
+    /// The backend, where it is determined.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub chosen: Option<String>,
+    /// `translate`, `pass` (not translated), `refuse`, `drop`.
+    pub verdict: String,
+    /// Why, in words (`ECONNREFUSED: no endpoints`, …).
+    pub reason: String,
+    /// The source address the backend sees: the client's, or the SNAT address.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub source: Option<String>,
+}
+
+/// The map reads `explain` needs; over the pinned maps, or plain collections in tests.
+pub trait Maps {
+    fn frontend(&self, addr: IpAddr, port: u16, protocol: u8, scope: u8) -> Option<FrontendValue>;
+    fn slot(&self, key: BackendSlotKey) -> Option<u32>;
+    fn backend(&self, id: u32, v6: bool) -> Option<SocketAddr>;
+    fn node_address(&self, addr: IpAddr) -> bool;
+    fn node_config(&self) -> Option<NodeConfig>;
+    /// Whether `addr` is inside one of `service_id`'s source ranges.
+    fn source_allowed(&self, service_id: u32, addr: IpAddr) -> bool;
+    fn maglev(&self, key: MaglevKey) -> Option<MaglevBlock>;
+    fn conntrack(&self, key: CtKey) -> Option<CtValue>;
+    fn affinity(&self, key: AffinityKey) -> Option<AffinityValue>;
+    fn affinity_match(&self, key: AffinityMatchKey) -> bool;
+    /// `bpf_ktime_get_ns()` now (CLOCK_MONOTONIC).
+    fn now_ns(&self) -> u64;
+}
+
+fn words(addr: IpAddr) -> [u32; 4] {
+    match addr {
+        IpAddr::V4(a) => [u32::from_ne_bytes(a.octets()), 0, 0, 0],
+        IpAddr::V6(a) => {
+            let o = a.octets();
+            [0, 4, 8, 12].map(|i| u32::from_ne_bytes([o[i], o[i + 1], o[i + 2], o[i + 3]]))
+        }
+    }
+}
+
+fn unspecified(addr: IpAddr) -> IpAddr {
+    match addr {
+        IpAddr::V4(_) => IpAddr::V4(Ipv4Addr::UNSPECIFIED),
+        IpAddr::V6(_) => IpAddr::V6(Ipv6Addr::UNSPECIFIED),
+    }
+}
+
+fn protocol_name(number: u8) -> &'static str {
+    match number {
+        proto::TCP => "TCP",
+        proto::UDP => "UDP",
+        proto::SCTP => "SCTP",
+        _ => "?",
+    }
+}
+
+/// Parses `IP:PORT/PROTO` (PROTO: tcp, udp, sctp; default tcp).
+pub fn parse_destination(text: &str) -> anyhow::Result<(SocketAddr, u8)> {
+    let (addr, protocol) = text.rsplit_once('/').unwrap_or((text, "tcp"));
+    let protocol = match protocol.to_ascii_lowercase().as_str() {
+        "tcp" => proto::TCP,
+        "udp" => proto::UDP,
+        "sctp" => proto::SCTP,
+        other => bail!("unknown protocol {other:?} (tcp, udp or sctp)"),
+    };
+    let addr: SocketAddr = addr
+        .parse()
+        .with_context(|| format!("{addr:?} is not IP:PORT (IPv6 as [addr]:port)"))?;
+    Ok((addr, protocol))
+}
+
+/// The decision for `query` over `maps`.
+pub fn explain(maps: &impl Maps, query: &Query) -> Explanation {
+    let mut query = *query;
+    let mut e = Explanation::default();
+    // The socket hooks translate IPv4-mapped IPv6 destinations as IPv4 (Java/.NET sockets).
+    if let IpAddr::V6(v6) = query.dest.ip()
+        && let Some(v4) = v6.to_ipv4_mapped()
+        && query.from != From::External
+    {
+        e.steps
+            .push(format!("IPv4-mapped destination: explained as {v4}"));
+        query.dest = SocketAddr::new(IpAddr::V4(v4), query.dest.port());
+        if let IpAddr::V6(c) = query.client
+            && let Some(c4) = c.to_ipv4_mapped()
+        {
+            query.client = IpAddr::V4(c4);
+        }
+    }
+    match query.from {
+        From::Node | From::Pod => socket(maps, &query, &mut e),
+        From::External => tc(maps, &query, TcSide::External, &mut e),
+    }
+    e
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum TcSide {
+    External,
+    Pod,
+}
+
+fn describe_frontend(addr: IpAddr, port: u16, protocol: u8, scope_value: u8) -> String {
+    let addr = if addr.is_unspecified() {
+        format!("*:{port}")
+    } else {
+        SocketAddr::new(addr, port).to_string()
+    };
+    let scope_name = if scope_value == scope::EXTERNAL {
+        "external"
+    } else {
+        "internal"
+    };
+    format!("{addr}/{} ({scope_name})", protocol_name(protocol))
+}
+
+fn socket(maps: &impl Maps, q: &Query, e: &mut Explanation) {
+    e.program = "socket connect/sendmsg (cgroup hook)".to_owned();
+    let (ip, port, protocol) = (q.dest.ip(), q.dest.port(), q.protocol);
+    let mut found = maps
+        .frontend(ip, port, protocol, scope::INTERNAL)
+        .map(|f| (f, ip));
+    if found.is_some() {
+        e.steps.push("exact internal frontend: found".to_owned());
+    } else {
+        e.steps.push("exact internal frontend: none".to_owned());
+        let loopback_nodeports = matches!(ip, IpAddr::V4(v4) if v4.is_loopback())
+            && maps
+                .node_config()
+                .is_some_and(|c| c.flags & node_flags::LOCALHOST_NODEPORTS != 0);
+        if maps.node_address(ip) || loopback_nodeports {
+            let why = if loopback_nodeports && !maps.node_address(ip) {
+                "a loopback address with localhost NodePorts"
+            } else {
+                "a NodePort address"
+            };
+            let wildcard = unspecified(ip);
+            found = maps
+                .frontend(wildcard, port, protocol, scope::INTERNAL)
+                .map(|f| (f, wildcard));
+            e.steps.push(format!(
+                "{ip} is {why}: NodePort frontend {}",
+                if found.is_some() { "found" } else { "none" }
+            ));
+        }
+    }
+    let Some((frontend, addr)) = found else {
+        e.verdict = "pass".to_owned();
+        e.reason =
+            "no frontend: not translated, the connection goes to the address as given".to_owned();
+        e.source = Some(kept(q.client));
+        return;
+    };
+    e.frontend = Some(describe_frontend(addr, port, protocol, scope::INTERNAL));
+    e.service_id = Some(frontend.service_id);
+    if frontend.flags & frontend_flags::SOURCE_RANGES != 0 {
+        if q.from == From::Pod {
+            e.steps.push(
+                "guarded by source ranges: a pod's socket is left untranslated; the pod veth's \
+                 tc program judges the pod's address"
+                    .to_owned(),
+            );
+            tc(maps, q, TcSide::Pod, e);
+            return;
+        }
+        let snat = maps.node_config().map(|c| snat_of(&c, addr));
+        let allowed = snat
+            .flatten()
+            .is_some_and(|node| maps.source_allowed(frontend.service_id, node));
+        e.steps.push(format!(
+            "guarded by source ranges: a host socket is judged by the node address {}: {}",
+            snat.flatten()
+                .map_or_else(|| "(none)".to_owned(), |a| a.to_string()),
+            if allowed { "inside" } else { "outside" }
+        ));
+        if !allowed {
+            e.verdict = "drop".to_owned();
+            e.reason = "EHOSTUNREACH: the node address is outside loadBalancerSourceRanges \
+                        (kube-proxy drops)"
+                .to_owned();
+            return;
+        }
+    }
+    if frontend.backend_count == 0 {
+        no_backends(&frontend, true, e);
+        return;
+    }
+    candidates(maps, &frontend, addr.is_ipv6(), e);
+    if frontend.flags & frontend_flags::AFFINITY != 0 {
+        e.steps.push(format!(
+            "session affinity ({}s) per client network namespace: a socket's netns cookie is not \
+             known here, so any candidate",
+            frontend.affinity_timeout
+        ));
+    }
+    e.verdict = "translate".to_owned();
+    e.reason = "random backend among the candidates (socket-level load balancing)".to_owned();
+    e.source = Some(kept(q.client));
+}
+
+/// The node's SNAT address of `addr`'s family, if any.
+fn snat_of(config: &NodeConfig, addr: IpAddr) -> Option<IpAddr> {
+    match addr {
+        IpAddr::V4(_) => (config.snat4 != 0).then(|| IpAddr::V4(ip4_from_map(config.snat4))),
+        IpAddr::V6(_) => (config.snat6 != [0; 4]).then(|| IpAddr::V6(ip6_from_map(config.snat6))),
+    }
+}
+
+fn no_backends(frontend: &FrontendValue, socket: bool, e: &mut Explanation) {
+    if frontend.flags & frontend_flags::DROP_NO_BACKENDS != 0 {
+        e.verdict = "drop".to_owned();
+        e.reason = if socket {
+            "EHOSTUNREACH: no local endpoints (traffic policy Local; kube-proxy drops)"
+        } else {
+            "DROP: no local endpoints (traffic policy Local)"
+        }
+        .to_owned();
+    } else {
+        e.verdict = "refuse".to_owned();
+        e.reason = if socket {
+            "ECONNREFUSED: the Service has no endpoints (kube-proxy REJECT)"
+        } else {
+            "REJECT: ICMP port unreachable, the Service has no endpoints"
+        }
+        .to_owned();
+    }
+}
+
+/// Lists the live generation's backends.
+fn candidates(maps: &impl Maps, frontend: &FrontendValue, v6: bool, e: &mut Explanation) {
+    for slot in 0..frontend.backend_count {
+        let key = BackendSlotKey {
+            service_id: frontend.service_id,
+            slot,
+            generation: frontend.generation,
+            _pad: 0,
+        };
+        match maps.slot(key).and_then(|id| maps.backend(id, v6)) {
+            Some(backend) => e.candidates.push(backend.to_string()),
+            None => e
+                .steps
+                .push(format!("slot {slot}: missing (the datapath refuses there)")),
+        }
+    }
+    e.candidates.sort();
+}
+
+fn tc(maps: &impl Maps, q: &Query, side: TcSide, e: &mut Explanation) {
+    e.program = match side {
+        TcSide::External => "tc (external interface)",
+        TcSide::Pod => "tc (pod veth)",
+    }
+    .to_owned();
+    let (ip, port, protocol) = (q.dest.ip(), q.dest.port(), q.protocol);
+    let fam = if ip.is_ipv6() { family::V6 } else { family::V4 };
+    if let Some(sport) = q.sport {
+        let key = CtKey {
+            src: words(q.client),
+            dst: words(ip),
+            sport: sport.to_be(),
+            dport: port.to_be(),
+            proto: protocol,
+            family: fam,
+            _pad: 0,
+        };
+        if let Some(entry) = maps.conntrack(key)
+            && entry.flags & ct_flags::REPLY == 0
+        {
+            let backend = addr_of(entry.dst, ip.is_ipv6(), entry.dport);
+            let source = addr_of(entry.src, ip.is_ipv6(), entry.sport);
+            let idle = maps.now_ns().saturating_sub(entry.last_seen_ns) / 1_000_000_000;
+            e.steps.push(format!(
+                "conntrack: an entry for this tuple (idle {idle}s{})",
+                if entry.flags & ct_flags::CLOSING != 0 {
+                    ", closing"
+                } else {
+                    ""
+                }
+            ));
+            e.candidates = vec![backend.to_string()];
+            e.chosen = Some(backend.to_string());
+            e.verdict = "translate".to_owned();
+            e.reason = "existing flow: conntrack carries it to its backend".to_owned();
+            e.source = Some(if entry.flags & ct_flags::SNAT != 0 {
+                format!("{source} (SNAT)")
+            } else {
+                kept(q.client)
+            });
+            return;
+        }
+        e.steps
+            .push("conntrack: no entry for this tuple".to_owned());
+    }
+    let exact = maps.frontend(ip, port, protocol, scope::EXTERNAL);
+    let found = match side {
+        TcSide::Pod => exact
+            .filter(|f| f.flags & frontend_flags::SOURCE_RANGES != 0)
+            .map(|f| (f, ip)),
+        TcSide::External => match exact {
+            Some(f) => Some((f, ip)),
+            None if maps.node_address(ip) => {
+                let wildcard = unspecified(ip);
+                e.steps.push(format!(
+                    "no exact external frontend; {ip} is a NodePort address"
+                ));
+                maps.frontend(wildcard, port, protocol, scope::EXTERNAL)
+                    .map(|f| (f, wildcard))
+            }
+            None => None,
+        },
+    };
+    let Some((frontend, addr)) = found else {
+        e.steps.push("external frontend: none".to_owned());
+        e.verdict = "pass".to_owned();
+        e.reason = "no external frontend: passed to the stack untranslated".to_owned();
+        e.source = Some(kept(q.client));
+        return;
+    };
+    e.frontend = Some(describe_frontend(addr, port, protocol, scope::EXTERNAL));
+    e.service_id = Some(frontend.service_id);
+    if protocol == proto::TCP {
+        e.steps.push(
+            "TCP: only a SYN starts a flow; other segments without an entry pass untranslated"
+                .to_owned(),
+        );
+    }
+    if frontend.flags & frontend_flags::SOURCE_RANGES != 0 {
+        let allowed = maps.source_allowed(frontend.service_id, q.client);
+        e.steps.push(format!(
+            "source ranges: {} is {}",
+            q.client,
+            if allowed { "inside" } else { "outside" }
+        ));
+        if !allowed {
+            e.verdict = "drop".to_owned();
+            e.reason = "DROP: the client is outside loadBalancerSourceRanges".to_owned();
+            return;
+        }
+    }
+    if frontend.backend_count == 0 {
+        no_backends(&frontend, false, e);
+        return;
+    }
+    candidates(maps, &frontend, ip.is_ipv6(), e);
+    e.verdict = "translate".to_owned();
+    e.reason = "random backend among the candidates".to_owned();
+    let v6 = ip.is_ipv6();
+    if frontend.flags & frontend_flags::AFFINITY != 0 {
+        let s = words(q.client);
+        let client = if v6 {
+            (u64::from(s[0] ^ s[2]) << 32) | u64::from(s[1] ^ s[3])
+        } else {
+            u64::from(s[0])
+        };
+        let key = AffinityKey {
+            client,
+            service_id: frontend.service_id,
+            _pad: 0,
+        };
+        let timeout = u64::from(frontend.affinity_timeout) * 1_000_000_000;
+        match maps.affinity(key) {
+            Some(entry)
+                if maps.now_ns().saturating_sub(entry.last_used_ns) <= timeout
+                    && maps.affinity_match(AffinityMatchKey {
+                        service_id: frontend.service_id,
+                        backend_id: entry.backend_id,
+                    }) =>
+            {
+                if let Some(backend) = maps.backend(entry.backend_id, v6) {
+                    e.steps.push("session affinity: a live entry".to_owned());
+                    e.chosen = Some(backend.to_string());
+                    e.reason = "session affinity: the client's live entry".to_owned();
+                }
+            }
+            _ => e
+                .steps
+                .push("session affinity: no live entry (a new one is made)".to_owned()),
+        }
+    }
+    if e.chosen.is_none() && frontend.flags & frontend_flags::MAGLEV != 0 {
+        match q.sport {
+            Some(sport) => {
+                let ports = (u32::from(sport.to_be()) << 16) | u32::from(port.to_be());
+                let hash = flow_hash(&words(q.client), &words(ip), ports, protocol);
+                let id = hash.checked_rem(frontend.maglev_size).and_then(|slot| {
+                    let key = MaglevKey {
+                        service_id: frontend.service_id,
+                        block: slot / MAGLEV_BLOCK_SLOTS,
+                        generation: frontend.generation,
+                        _pad: [0; 3],
+                    };
+                    let block = maps.maglev(key)?;
+                    block
+                        .backend_ids
+                        .get((slot % MAGLEV_BLOCK_SLOTS) as usize)
+                        .copied()
+                });
+                match id.and_then(|id| maps.backend(id, v6)) {
+                    Some(backend) => {
+                        e.steps.push(format!(
+                            "Maglev: slot {} of {}",
+                            hash % frontend.maglev_size.max(1),
+                            frontend.maglev_size
+                        ));
+                        e.chosen = Some(backend.to_string());
+                        e.reason = "Maglev: the tuple's table slot".to_owned();
+                    }
+                    None => e
+                        .steps
+                        .push("Maglev: table entry missing, random fallback".to_owned()),
+                }
+            }
+            None => e
+                .steps
+                .push("Maglev: give --sport for the slot of the full tuple".to_owned()),
+        }
+    }
+    e.source = Some(match snat(maps, q, &frontend) {
+        Some(node) => format!("{node} (SNAT to the node address)"),
+        None => kept(q.client),
+    });
+}
+
+/// The client's address, unchanged by the datapath (unknown for a local socket: the kernel
+/// picks it).
+fn kept(client: IpAddr) -> String {
+    if client.is_unspecified() {
+        "the socket's own address (kept)".to_owned()
+    } else {
+        format!("{client} (kept)")
+    }
+}
+
+fn addr_of(words: [u32; 4], v6: bool, port_be: u16) -> SocketAddr {
+    let ip = if v6 {
+        IpAddr::V6(ip6_from_map(words))
+    } else {
+        IpAddr::V4(ip4_from_map(words[0]))
+    };
+    SocketAddr::new(ip, u16::from_be(port_be))
+}
+
+/// `tc.rs`'s `snat_address`: none with a preserved client; a ClusterIP from outside only with
+/// masqueradeAll or a client outside the cluster CIDR; else the node address.
+fn snat(maps: &impl Maps, q: &Query, frontend: &FrontendValue) -> Option<IpAddr> {
+    if frontend.flags & frontend_flags::PRESERVE_CLIENT != 0 {
+        return None;
+    }
+    let config = maps.node_config()?;
+    if frontend.flags & frontend_flags::CLUSTER_IP != 0
+        && config.flags & node_flags::MASQUERADE_ALL == 0
+        && !outside_cluster_cidr(q.client, &config)
+    {
+        return None;
+    }
+    snat_of(&config, q.dest.ip())
+}
+
+fn outside_cluster_cidr(client: IpAddr, config: &NodeConfig) -> bool {
+    let s = words(client);
+    match client {
+        IpAddr::V6(_) => {
+            let (m, c) = (config.cluster6_mask, config.cluster6);
+            config.flags & node_flags::CLUSTER_CIDR6 != 0 && (0..4).any(|i| s[i] & m[i] != c[i])
+        }
+        IpAddr::V4(_) => {
+            config.flags & node_flags::CLUSTER_CIDR4 != 0
+                && s[0] & config.cluster4_mask != config.cluster4
+        }
+    }
+}
+
+/// `proxy-ebpf/src/maglev.rs`'s flow hash (murmur3 over the tuple as the packet carries it),
+/// repeated here: the eBPF crate does not build for the host.
+fn flow_hash(src: &[u32; 4], dst: &[u32; 4], ports: u32, protocol: u8) -> u32 {
+    fn mix(h: u32, word: u32) -> u32 {
+        let k = word
+            .wrapping_mul(0xcc9e_2d51)
+            .rotate_left(15)
+            .wrapping_mul(0x1b87_3593);
+        (h ^ k)
+            .rotate_left(13)
+            .wrapping_mul(5)
+            .wrapping_add(0xe654_6b64)
+    }
+    let mut h = u32::from(protocol);
+    for word in src.iter().chain(dst).chain(std::iter::once(&ports)) {
+        h = mix(h, *word);
+    }
+    h ^= h >> 16;
+    h = h.wrapping_mul(0x85eb_ca6b);
+    h ^= h >> 13;
+    h = h.wrapping_mul(0xc2b2_ae35);
+    h ^ (h >> 16)
+}
+
+/// iptables mode: `tracer` holds the live ruleset (`iptables-save` of nat and filter); the walk
+/// has the parity tests' semantics (upstream's `tracePacket`), entered at nat `OUTPUT` for the
+/// node's own connections and at `PREROUTING` for pods' and external packets. Every DNAT
+/// destination a probabilistic jump may reach is a candidate; `-m recent` affinity is state the
+/// tracer does not have, so affinity never names a chosen backend.
+pub fn explain_iptables(
+    tracer: &crate::dataplane::iptables::tracer::Tracer,
+    q: &Query,
+) -> Explanation {
+    let start = if q.from == From::Node {
+        "OUTPUT"
+    } else {
+        "PREROUTING"
+    };
+    let trace = tracer.trace_from(
+        start,
+        &q.client.to_string(),
+        &protocol_name(q.protocol).to_ascii_lowercase(),
+        &q.dest.ip().to_string(),
+        &q.dest.port().to_string(),
+    );
+    let mut e = Explanation {
+        program: format!("iptables (nat {start}, then the filter service chains)"),
+        steps: trace.chains.iter().map(|c| format!("chain {c}")).collect(),
+        ..Explanation::default()
+    };
+    let outputs: Vec<&str> = trace.output.split(", ").filter(|o| !o.is_empty()).collect();
+    match outputs.as_slice() {
+        [] => {
+            e.verdict = "pass".to_owned();
+            e.reason = "no rule matched: not translated".to_owned();
+        }
+        terminal if terminal.contains(&"REJECT") => {
+            e.verdict = "refuse".to_owned();
+            e.reason = "REJECT: the Service has no endpoints (ECONNREFUSED / ICMP port \
+                        unreachable)"
+                .to_owned();
+        }
+        terminal if terminal.contains(&"DROP") => {
+            e.verdict = "drop".to_owned();
+            e.reason = "DROP (no local endpoints, or outside loadBalancerSourceRanges)".to_owned();
+        }
+        ["ACCEPT"] => {
+            e.verdict = "pass".to_owned();
+            e.reason = "ACCEPT: not translated".to_owned();
+        }
+        destinations => {
+            e.candidates = destinations.iter().map(|d| (*d).to_owned()).collect();
+            e.candidates.sort();
+            if let [only] = destinations {
+                e.chosen = Some((*only).to_owned());
+            }
+            e.verdict = "translate".to_owned();
+            e.reason = "DNAT: a statistic (random) jump picks among the candidates".to_owned();
+        }
+    }
+    if e.verdict == "translate" {
+        e.source = Some(if trace.masq {
+            "the node address (KUBE-MARK-MASQ: masqueraded)".to_owned()
+        } else {
+            kept(q.client)
+        });
+    }
+    e
+}
+
+/// The pinned maps of a running agent.
+pub struct PinnedMaps {
+    frontends4: HashMap<MapData, Frontend4Key, FrontendValue>,
+    frontends6: HashMap<MapData, Frontend6Key, FrontendValue>,
+    slots: HashMap<MapData, BackendSlotKey, u32>,
+    backends4: HashMap<MapData, u32, Backend4>,
+    backends6: HashMap<MapData, u32, Backend6>,
+    node_addrs: HashMap<MapData, NodeAddrKey, u8>,
+    node_config: Array<MapData, NodeConfig>,
+    source_ranges: LpmTrie<MapData, SourceRangeKey, u8>,
+    maglev: Option<HashMap<MapData, MaglevKey, MaglevBlock>>,
+    conntrack: HashMap<MapData, CtKey, CtValue>,
+    affinity: HashMap<MapData, AffinityKey, AffinityValue>,
+    affinity_match: HashMap<MapData, AffinityMatchKey, u8>,
+}
+
+impl std::fmt::Debug for PinnedMaps {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PinnedMaps").finish_non_exhaustive()
+    }
+}
+
+fn open(pin_dir: &Path, name: &str) -> anyhow::Result<Map> {
+    let path = pin_dir.join(name);
+    let data =
+        MapData::from_pin(&path).with_context(|| format!("cannot open {}", path.display()))?;
+    Ok(Map::from_map_data(data)?)
+}
+
+impl PinnedMaps {
+    pub fn open(pin_dir: &Path) -> anyhow::Result<Self> {
+        Ok(Self {
+            frontends4: HashMap::try_from(open(pin_dir, map_names::FRONTENDS4)?)?,
+            frontends6: HashMap::try_from(open(pin_dir, map_names::FRONTENDS6)?)?,
+            slots: HashMap::try_from(open(pin_dir, map_names::BACKEND_SLOTS)?)?,
+            backends4: HashMap::try_from(open(pin_dir, map_names::BACKENDS4)?)?,
+            backends6: HashMap::try_from(open(pin_dir, map_names::BACKENDS6)?)?,
+            node_addrs: HashMap::try_from(open(pin_dir, map_names::NODE_ADDRS)?)?,
+            node_config: Array::try_from(open(pin_dir, map_names::NODE_CONFIG)?)?,
+            source_ranges: LpmTrie::try_from(open(pin_dir, map_names::SOURCE_RANGES)?)?,
+            // Only allocated with --lb-algorithm maglev.
+            maglev: open(pin_dir, map_names::MAGLEV)
+                .ok()
+                .and_then(|m| HashMap::try_from(m).ok()),
+            conntrack: HashMap::try_from(open(pin_dir, map_names::CT)?)?,
+            affinity: HashMap::try_from(open(pin_dir, map_names::AFFINITY)?)?,
+            affinity_match: HashMap::try_from(open(pin_dir, map_names::AFFINITY_MATCH)?)?,
+        })
+    }
+}
+
+impl Maps for PinnedMaps {
+    fn frontend(&self, addr: IpAddr, port: u16, protocol: u8, scope: u8) -> Option<FrontendValue> {
+        let w = words(addr);
+        match addr {
+            IpAddr::V4(_) => self
+                .frontends4
+                .get(
+                    &Frontend4Key {
+                        addr: w[0],
+                        port: port.to_be(),
+                        proto: protocol,
+                        scope,
+                    },
+                    0,
+                )
+                .ok(),
+            IpAddr::V6(_) => self
+                .frontends6
+                .get(
+                    &Frontend6Key {
+                        addr: w,
+                        port: port.to_be(),
+                        proto: protocol,
+                        scope,
+                    },
+                    0,
+                )
+                .ok(),
+        }
+    }
+    fn slot(&self, key: BackendSlotKey) -> Option<u32> {
+        self.slots.get(&key, 0).ok()
+    }
+    fn backend(&self, id: u32, v6: bool) -> Option<SocketAddr> {
+        if v6 {
+            let b = self.backends6.get(&id, 0).ok()?;
+            Some(addr_of(b.addr, true, b.port))
+        } else {
+            let b = self.backends4.get(&id, 0).ok()?;
+            Some(addr_of([b.addr, 0, 0, 0], false, b.port))
+        }
+    }
+    fn node_address(&self, addr: IpAddr) -> bool {
+        let key = NodeAddrKey {
+            addr: words(addr),
+            family: if addr.is_ipv6() {
+                family::V6
+            } else {
+                family::V4
+            },
+            _pad: [0; 3],
+        };
+        self.node_addrs.get(&key, 0).is_ok()
+    }
+    fn node_config(&self) -> Option<NodeConfig> {
+        self.node_config.get(&0, 0).ok()
+    }
+    fn source_allowed(&self, service_id: u32, addr: IpAddr) -> bool {
+        let bits = if addr.is_ipv6() { 128 } else { 32 };
+        let key = Key::new(
+            32 + bits,
+            SourceRangeKey {
+                service_id,
+                addr: words(addr),
+            },
+        );
+        self.source_ranges.get(&key, 0).is_ok()
+    }
+    fn maglev(&self, key: MaglevKey) -> Option<MaglevBlock> {
+        self.maglev.as_ref()?.get(&key, 0).ok()
+    }
+    fn conntrack(&self, key: CtKey) -> Option<CtValue> {
+        self.conntrack.get(&key, 0).ok()
+    }
+    fn affinity(&self, key: AffinityKey) -> Option<AffinityValue> {
+        self.affinity.get(&key, 0).ok()
+    }
+    fn affinity_match(&self, key: AffinityMatchKey) -> bool {
+        self.affinity_match.get(&key, 0).is_ok()
+    }
+    fn now_ns(&self) -> u64 {
+        crate::dataplane::ebpf::monotonic_ns().unwrap_or(0)
+    }
+}
+
+/// The explanation for people.
+pub fn table(query: &Query, e: &Explanation, service: Option<&str>) -> String {
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "{:?} client {}{} → {}/{}",
+        query.from,
+        query.client,
+        query.sport.map(|p| format!(":{p}")).unwrap_or_default(),
+        query.dest,
+        protocol_name(query.protocol)
+    );
+    let _ = writeln!(out, "program:    {}", e.program);
+    for step in &e.steps {
+        let _ = writeln!(out, "  - {step}");
+    }
+    if let Some(frontend) = &e.frontend {
+        let _ = writeln!(
+            out,
+            "frontend:   {frontend}  service {}{}",
+            e.service_id.unwrap_or_default(),
+            service.map(|s| format!(" ({s})")).unwrap_or_default()
+        );
+    }
+    if !e.candidates.is_empty() {
+        let _ = writeln!(out, "candidates: {}", e.candidates.join(" "));
+    }
+    if let Some(chosen) = &e.chosen {
+        let _ = writeln!(out, "chosen:     {chosen}");
+    }
+    let _ = writeln!(out, "verdict:    {} — {}", e.verdict, e.reason);
+    if let Some(source) = &e.source {
+        let _ = writeln!(out, "source:     {source}");
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests;

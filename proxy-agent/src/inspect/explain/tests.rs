@@ -1,0 +1,198 @@
+//! The decision logic over in-memory maps: each branch of the socket hooks and of tc.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use super::*;
+
+#[derive(Default)]
+struct FakeMaps {
+    frontends: BTreeMap<(IpAddr, u16, u8, u8), FrontendValue>,
+    slots: BTreeMap<(u32, u16, u8), u32>,
+    backends: BTreeMap<u32, SocketAddr>,
+    node_addrs: BTreeSet<IpAddr>,
+    config: Option<NodeConfig>,
+    ranges: BTreeSet<(u32, IpAddr)>,
+}
+
+impl Maps for FakeMaps {
+    fn frontend(&self, addr: IpAddr, port: u16, protocol: u8, scope: u8) -> Option<FrontendValue> {
+        self.frontends.get(&(addr, port, protocol, scope)).copied()
+    }
+    fn slot(&self, key: BackendSlotKey) -> Option<u32> {
+        self.slots
+            .get(&(key.service_id, key.slot, key.generation))
+            .copied()
+    }
+    fn backend(&self, id: u32, _v6: bool) -> Option<SocketAddr> {
+        self.backends.get(&id).copied()
+    }
+    fn node_address(&self, addr: IpAddr) -> bool {
+        self.node_addrs.contains(&addr)
+    }
+    fn node_config(&self) -> Option<NodeConfig> {
+        self.config
+    }
+    fn source_allowed(&self, service_id: u32, addr: IpAddr) -> bool {
+        self.ranges.contains(&(service_id, addr))
+    }
+    fn maglev(&self, _key: MaglevKey) -> Option<MaglevBlock> {
+        None
+    }
+    fn conntrack(&self, _key: CtKey) -> Option<CtValue> {
+        None
+    }
+    fn affinity(&self, _key: AffinityKey) -> Option<AffinityValue> {
+        None
+    }
+    fn affinity_match(&self, _key: AffinityMatchKey) -> bool {
+        false
+    }
+    fn now_ns(&self) -> u64 {
+        0
+    }
+}
+
+fn ip(text: &str) -> IpAddr {
+    text.parse().expect("address")
+}
+
+/// web: ClusterIP 10.96.0.10:80 (internal) and NodePort 30080 (internal wildcard + external
+/// wildcard), backends 10.244.1.2:8080 and 10.244.2.2:8080; node address 192.168.0.1.
+fn maps() -> FakeMaps {
+    let mut m = FakeMaps::default();
+    let value = |service_id, flags| FrontendValue {
+        service_id,
+        backend_count: 2,
+        generation: 1,
+        flags,
+        affinity_timeout: 0,
+        maglev_size: 0,
+    };
+    m.frontends.insert(
+        (ip("10.96.0.10"), 80, proto::TCP, scope::INTERNAL),
+        value(1, 0),
+    );
+    m.frontends.insert(
+        (ip("0.0.0.0"), 30080, proto::TCP, scope::INTERNAL),
+        value(2, 0),
+    );
+    m.frontends.insert(
+        (ip("0.0.0.0"), 30080, proto::TCP, scope::EXTERNAL),
+        value(3, 0),
+    );
+    for service in 1..=3 {
+        m.slots.insert((service, 0, 1), 10);
+        m.slots.insert((service, 1, 1), 11);
+    }
+    m.backends
+        .insert(10, "10.244.1.2:8080".parse().expect("addr"));
+    m.backends
+        .insert(11, "10.244.2.2:8080".parse().expect("addr"));
+    m.node_addrs.insert(ip("192.168.0.1"));
+    m.config = Some(NodeConfig {
+        snat4: u32::from_ne_bytes([192, 168, 0, 1]),
+        ..NodeConfig::default()
+    });
+    m
+}
+
+fn query(from: From, client: &str, to: &str) -> Query {
+    let (dest, protocol) = parse_destination(to).expect("destination");
+    Query {
+        from,
+        client: ip(client),
+        dest,
+        protocol,
+        sport: None,
+    }
+}
+
+#[test]
+fn a_cluster_ip_from_the_node_is_translated_keeping_the_client() {
+    let e = explain(&maps(), &query(From::Node, "0.0.0.0", "10.96.0.10:80/tcp"));
+    assert_eq!(e.verdict, "translate");
+    assert_eq!(e.candidates, ["10.244.1.2:8080", "10.244.2.2:8080"]);
+    assert_eq!(e.chosen, None, "random: not determined");
+    assert_eq!(e.service_id, Some(1));
+}
+
+#[test]
+fn a_node_port_on_a_node_address_uses_the_wildcard_frontend_and_snat_from_outside() {
+    let local = explain(
+        &maps(),
+        &query(From::Pod, "10.244.1.2", "192.168.0.1:30080/tcp"),
+    );
+    assert_eq!(
+        (local.verdict.as_str(), local.service_id),
+        ("translate", Some(2))
+    );
+    let outside = explain(
+        &maps(),
+        &query(From::External, "192.168.100.5", "192.168.0.1:30080/tcp"),
+    );
+    assert_eq!(outside.service_id, Some(3));
+    assert_eq!(
+        outside.source.as_deref(),
+        Some("192.168.0.1 (SNAT to the node address)")
+    );
+}
+
+#[test]
+fn unknown_destinations_pass_and_empty_services_refuse_or_drop() {
+    let e = explain(&maps(), &query(From::Node, "0.0.0.0", "10.96.0.99:80/tcp"));
+    assert_eq!(e.verdict, "pass");
+    let mut m = maps();
+    m.frontends
+        .get_mut(&(ip("10.96.0.10"), 80, proto::TCP, scope::INTERNAL))
+        .expect("web")
+        .backend_count = 0;
+    let e = explain(&m, &query(From::Node, "0.0.0.0", "10.96.0.10:80/tcp"));
+    assert_eq!(e.verdict, "refuse");
+    assert!(e.reason.starts_with("ECONNREFUSED"), "{}", e.reason);
+    m.frontends
+        .get_mut(&(ip("10.96.0.10"), 80, proto::TCP, scope::INTERNAL))
+        .expect("web")
+        .flags = frontend_flags::DROP_NO_BACKENDS;
+    let e = explain(&m, &query(From::Node, "0.0.0.0", "10.96.0.10:80/tcp"));
+    assert_eq!(e.verdict, "drop");
+    assert!(e.reason.starts_with("EHOSTUNREACH"), "{}", e.reason);
+}
+
+#[test]
+fn source_ranges_judge_external_clients_and_leave_pods_to_tc() {
+    let mut m = maps();
+    let guarded = FrontendValue {
+        service_id: 4,
+        backend_count: 2,
+        generation: 1,
+        flags: frontend_flags::SOURCE_RANGES | frontend_flags::PRESERVE_CLIENT,
+        affinity_timeout: 0,
+        maglev_size: 0,
+    };
+    let lb = ip("192.0.2.10");
+    m.frontends
+        .insert((lb, 80, proto::TCP, scope::EXTERNAL), guarded);
+    m.frontends
+        .insert((lb, 80, proto::TCP, scope::INTERNAL), guarded);
+    m.slots.insert((4, 0, 1), 10);
+    m.slots.insert((4, 1, 1), 11);
+    m.ranges.insert((4, ip("203.0.113.7")));
+    let inside = explain(
+        &m,
+        &query(From::External, "203.0.113.7", "192.0.2.10:80/tcp"),
+    );
+    assert_eq!(inside.verdict, "translate");
+    assert_eq!(inside.source.as_deref(), Some("203.0.113.7 (kept)"));
+    let outside = explain(
+        &m,
+        &query(From::External, "203.0.113.8", "192.0.2.10:80/tcp"),
+    );
+    assert_eq!(outside.verdict, "drop");
+    let pod = explain(&m, &query(From::Pod, "10.244.1.2", "192.0.2.10:80/tcp"));
+    assert_eq!(pod.program, "tc (pod veth)");
+    assert_eq!(pod.verdict, "drop", "the pod is outside the ranges");
+    // The node's own sockets are judged by the node address.
+    let node = explain(&m, &query(From::Node, "0.0.0.0", "192.0.2.10:80/tcp"));
+    assert_eq!(node.verdict, "drop");
+    assert!(node.reason.starts_with("EHOSTUNREACH"), "{}", node.reason);
+}

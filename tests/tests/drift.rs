@@ -1,0 +1,509 @@
+//! Drift detection and repair with a real agent: the test changes the pinned service maps from
+//! outside (corrupts, deletes and adds entries in the frontend, slot, backend, affinity match
+//! and source range maps; Maglev tables are covered by the unit tests), `proxy-agent inspect drift` reports each change
+//! without repairing it, and the agent's periodic check repairs them within one period —
+//! counted in `kubeproxy_ebpf_drift_repairs_total{map}` and logged — while traffic to a Service
+//! the changes do not touch keeps flowing. Needs root.
+
+use std::{
+    net::{Ipv4Addr, SocketAddr},
+    path::Path,
+    process::Command,
+    thread,
+    time::{Duration, Instant},
+};
+
+use aya::maps::{HashMap, LpmTrie, Map, MapData, lpm_trie::Key};
+use proxy_agent::dataplane::ebpf::PIN_DIR_NAME;
+use proxy_common::{
+    AffinityMatchKey, Backend4, BackendSlotKey, Frontend4Key, FrontendValue, SourceRangeKey,
+    map_names, proto, scope,
+};
+use proxy_tests::{
+    agent::agent_binary,
+    client::{Attempt, tally},
+    manifests::Endpoint,
+    scenario::{
+        CLUSTER_IP, SERVICE_PORT, Scenario, cluster_addr, http_service, http_slice, pod_endpoint,
+    },
+};
+
+/// The agent's check period in this test: short, so that "within one period" is quick to see.
+const PERIOD: Duration = Duration::from_secs(4);
+/// The Service the test leaves alone.
+const API_IP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 20);
+
+fn map_addr(addr: Ipv4Addr) -> u32 {
+    u32::from_ne_bytes(addr.octets())
+}
+
+fn open<K: aya::Pod, V: aya::Pod>(
+    pin_dir: &Path,
+    name: &str,
+) -> anyhow::Result<HashMap<MapData, K, V>> {
+    let data = MapData::from_pin(pin_dir.join(name))?;
+    Ok(HashMap::try_from(Map::from_map_data(data)?)?)
+}
+
+fn frontend_key(addr: Ipv4Addr) -> Frontend4Key {
+    Frontend4Key {
+        addr: map_addr(addr),
+        port: SERVICE_PORT.to_be(),
+        proto: proto::TCP,
+        scope: scope::INTERNAL,
+    }
+}
+
+/// `proxy-agent inspect drift --json` in the node's namespace.
+fn inspect_drift(netns: &Path) -> anyhow::Result<serde_json::Value> {
+    let output = Command::new("nsenter")
+        .arg(format!("--net={}", netns.display()))
+        .arg(agent_binary()?)
+        .args(["inspect", "drift", "--json"])
+        .output()?;
+    anyhow::ensure!(
+        output.status.success(),
+        "inspect drift failed: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    Ok(serde_json::from_slice(&output.stdout)?)
+}
+
+/// (map, kind) of each reported entry, sorted.
+fn drift_kinds(report: &serde_json::Value) -> Vec<(String, String)> {
+    let mut kinds: Vec<(String, String)> = report["drift"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|d| {
+            (
+                d["map"].as_str().unwrap_or_default().to_owned(),
+                d["kind"].as_str().unwrap_or_default().to_owned(),
+            )
+        })
+        .collect();
+    kinds.sort();
+    kinds
+}
+
+/// `kubeproxy_ebpf_drift_repairs_total` by map, scraped in the node's namespace.
+fn repair_counters(netns: &Path) -> anyhow::Result<Vec<(String, u64)>> {
+    let output = Command::new("nsenter")
+        .arg(format!("--net={}", netns.display()))
+        .args([
+            "curl",
+            "-s",
+            "--max-time",
+            "5",
+            "http://127.0.0.1:10249/metrics",
+        ])
+        .output()?;
+    let text = String::from_utf8(output.stdout)?;
+    Ok(text
+        .lines()
+        .filter_map(|line| line.strip_prefix("kubeproxy_ebpf_drift_repairs_total{map=\""))
+        .filter_map(|rest| {
+            let (map, value) = rest.split_once("\"} ")?;
+            Some((map.to_owned(), value.trim().parse().ok()?))
+        })
+        .collect())
+}
+
+/// Corrupts, deletes and adds entries of `default/web`'s frontend; returns the backend id whose
+/// address it corrupted.
+fn tamper(pin_dir: &Path) -> anyhow::Result<u32> {
+    let mut frontends: HashMap<_, Frontend4Key, FrontendValue> =
+        open(pin_dir, map_names::FRONTENDS4)?;
+    let web = frontends.get(&frontend_key(CLUSTER_IP), 0)?;
+    anyhow::ensure!(web.backend_count == 2, "web: {web:?}");
+    let mut slots: HashMap<_, BackendSlotKey, u32> = open(pin_dir, map_names::BACKEND_SLOTS)?;
+    let slot = |slot| BackendSlotKey {
+        service_id: web.service_id,
+        slot,
+        generation: web.generation,
+        _pad: 0,
+    };
+    let first = slots.get(&slot(0), 0)?;
+    // Corrupt: the first backend now leads to a documentation address.
+    let mut backends: HashMap<_, u32, Backend4> = open(pin_dir, map_names::BACKENDS4)?;
+    let mut backend = backends.get(&first, 0)?;
+    backend.addr = map_addr(Ipv4Addr::new(192, 0, 2, 1));
+    backends.insert(first, backend, 0)?;
+    // Delete: the second slot.
+    slots.remove(&slot(1))?;
+    // Add: a frontend nobody programmed, and an affinity match entry for a Service without
+    // affinity.
+    frontends.insert(frontend_key(Ipv4Addr::new(10, 96, 0, 99)), web, 0)?;
+    let mut matches: HashMap<_, AffinityMatchKey, u8> = open(pin_dir, map_names::AFFINITY_MATCH)?;
+    matches.insert(
+        AffinityMatchKey {
+            service_id: web.service_id,
+            backend_id: first,
+        },
+        1,
+        0,
+    )?;
+    // Add: a source range for a Service that has none.
+    let data = MapData::from_pin(pin_dir.join(map_names::SOURCE_RANGES))?;
+    let mut ranges: LpmTrie<_, SourceRangeKey, u8> = LpmTrie::try_from(Map::from_map_data(data)?)?;
+    let range = SourceRangeKey {
+        service_id: web.service_id,
+        addr: [map_addr(Ipv4Addr::new(198, 51, 100, 0)), 0, 0, 0],
+    };
+    ranges.insert(&Key::new(32 + 24, range), 1, 0)?;
+    Ok(first)
+}
+
+fn expected_kinds() -> Vec<(String, String)> {
+    let mut kinds: Vec<(String, String)> = [
+        ("KPR_AFFINITY_MATCH", "extra"),
+        ("KPR_BACKENDS4", "changed"),
+        ("KPR_BACKEND_SLOTS", "missing"),
+        ("KPR_FRONTENDS4", "extra"),
+        ("KPR_SOURCE_RANGES", "extra"),
+    ]
+    .into_iter()
+    .map(|(map, kind)| (map.to_owned(), kind.to_owned()))
+    .collect();
+    kinds.sort();
+    kinds
+}
+
+#[test]
+fn drifted_ebpf_maps_are_reported_and_repaired_within_one_period() -> anyhow::Result<()> {
+    proxy_tests::require_root();
+    proxy_tests::set_helper_binary(env!("CARGO_BIN_EXE_rig-helper"));
+    let mut s = Scenario::new(3)?;
+    s.write_web_service(2)?;
+    s.manifests
+        .write("api-svc.yaml", &http_service("default", "api", API_IP))?;
+    let api_endpoints: Vec<Endpoint> = vec![pod_endpoint(3)];
+    s.manifests.write(
+        "api-slice.yaml",
+        &http_slice("default", "api-1", "api", &api_endpoints),
+    )?;
+    let period = format!("{}s", PERIOD.as_secs());
+    let client = s.start_serving("ebpf", &["--drift-check-period", &period])?;
+    let api = SocketAddr::from((API_IP, SERVICE_PORT));
+    s.wait_for_datapath(api, "api answered by pod3", |a| a.backend() == Some("pod3"))?;
+    let netns = s.topo.node().path();
+    let pin_dir = s.agent()?.bpf_root().join(PIN_DIR_NAME);
+
+    let before = inspect_drift(&netns)?;
+    assert_eq!(before["checked"], true, "{before}");
+    assert_eq!(drift_kinds(&before), [], "{before}");
+
+    // Traffic to the untouched Service for the whole tamper → report → repair window.
+    let api_client = client.clone().interval(Duration::from_millis(100));
+    let api_traffic = thread::spawn(move || api_client.run(api, 120));
+
+    // The agent's check may run between the tampering and the report (then the report is
+    // empty because it was already repaired): try again, a bounded number of times.
+    let mut reported = None;
+    for _ in 0..3 {
+        tamper(&pin_dir)?;
+        let tampered_at = Instant::now();
+        let report = inspect_drift(&netns)?;
+        eprintln!("inspect drift after tampering: {report:#}");
+        if drift_kinds(&report) == expected_kinds() {
+            reported = Some((report, tampered_at));
+            break;
+        }
+        assert!(
+            tampered_at.elapsed() < PERIOD,
+            "inspect drift did not report the tampering: {report:#}"
+        );
+        thread::sleep(PERIOD);
+    }
+    let (report, tampered_at) =
+        reported.ok_or_else(|| anyhow::anyhow!("every attempt raced with a repair"))?;
+    let changed = report["drift"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find(|d| d["map"] == "KPR_BACKENDS4")
+        .ok_or_else(|| anyhow::anyhow!("no backend entry in {report}"))?;
+    assert_eq!(changed["found"], "192.0.2.1:8080", "{changed}");
+    // Reporting repairs nothing: a second look sees the same (in the table for people).
+    assert_eq!(drift_kinds(&inspect_drift(&netns)?), expected_kinds());
+    let table = Command::new("nsenter")
+        .arg(format!("--net={}", netns.display()))
+        .arg(agent_binary()?)
+        .args(["inspect", "drift"])
+        .output()?;
+    let table = String::from_utf8(table.stdout)?;
+    eprintln!("{table}");
+    assert!(
+        table.contains("KPR_BACKENDS4") && table.contains("192.0.2.1:8080"),
+        "{table}"
+    );
+
+    // Repaired within one period (plus the time the check itself takes).
+    let mut repaired_after = None;
+    while tampered_at.elapsed() < PERIOD + Duration::from_secs(2) {
+        if drift_kinds(&inspect_drift(&netns)?).is_empty() {
+            repaired_after = Some(tampered_at.elapsed());
+            break;
+        }
+        thread::sleep(Duration::from_millis(200));
+    }
+    let repaired_after = repaired_after.ok_or_else(|| {
+        anyhow::anyhow!(
+            "not repaired within one period; agent log:\n{}",
+            log_tail(&mut s)
+        )
+    })?;
+    eprintln!("repaired {repaired_after:?} after tampering");
+
+    let counters = repair_counters(&netns)?;
+    eprintln!("repair counters: {counters:?}");
+    for (map, _) in expected_kinds() {
+        assert!(
+            counters.iter().any(|(m, v)| *m == map && *v >= 1),
+            "{map} not counted: {counters:?}"
+        );
+    }
+    let log = s.agent()?.log_contents();
+    assert!(
+        log.contains("WARN") && log.contains("drifted") && log.contains("KPR_BACKENDS4"),
+        "no WARN naming the drift in the log"
+    );
+
+    // The tampered Service is whole again: both pods, nothing at the corrupted address.
+    let attempts = client.run(cluster_addr(), 40)?;
+    let seen = tally(&attempts);
+    eprintln!("web after repair: {seen:?}");
+    assert_eq!(
+        seen.keys().map(String::as_str).collect::<Vec<_>>(),
+        ["pod1", "pod2"],
+        "{seen:?}"
+    );
+
+    let api_attempts = api_traffic
+        .join()
+        .map_err(|_| anyhow::anyhow!("traffic thread panicked"))??;
+    let failed: Vec<&Attempt> = api_attempts
+        .iter()
+        .filter(|a| a.backend() != Some("pod3"))
+        .collect();
+    assert!(
+        failed.is_empty(),
+        "the untouched Service was disturbed: {failed:?}"
+    );
+    Ok(())
+}
+
+fn log_tail(s: &mut Scenario) -> String {
+    s.agent().map(|a| a.log_tail(40)).unwrap_or_default()
+}
+
+/// Runs `command args` in the node's namespace; fails on a non-zero exit.
+fn in_node(netns: &Path, command: &str, args: &[&str]) -> anyhow::Result<String> {
+    let output = Command::new("nsenter")
+        .arg(format!("--net={}", netns.display()))
+        .arg("--")
+        .arg(command)
+        .args(args)
+        .output()?;
+    anyhow::ensure!(
+        output.status.success(),
+        "{command} {args:?}: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    Ok(String::from_utf8(output.stdout)?)
+}
+
+/// `kubeproxy_iptables_drift_repairs_total` by table (IPv4), scraped in the node's namespace.
+fn iptables_repair_counters(netns: &Path) -> anyhow::Result<Vec<(String, u64)>> {
+    let text = in_node(
+        netns,
+        "curl",
+        &["-s", "--max-time", "5", "http://127.0.0.1:10249/metrics"],
+    )?;
+    Ok(text
+        .lines()
+        .filter_map(|line| {
+            line.strip_prefix("kubeproxy_iptables_drift_repairs_total{ip_family=\"IPv4\",table=\"")
+        })
+        .filter_map(|rest| {
+            let (table, value) = rest.split_once("\"} ")?;
+            Some((table.to_owned(), value.trim().parse().ok()?))
+        })
+        .collect())
+}
+
+/// (kind, chain) of each reported entry, sorted.
+fn chain_kinds(report: &serde_json::Value) -> Vec<(String, String)> {
+    let mut kinds: Vec<(String, String)> = report["drift"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|d| {
+            (
+                d["kind"].as_str().unwrap_or_default().to_owned(),
+                d["entry"].as_str().unwrap_or_default().to_owned(),
+            )
+        })
+        .collect();
+    kinds.sort();
+    kinds
+}
+
+#[test]
+fn drifted_iptables_rules_are_reported_and_repaired_within_one_period() -> anyhow::Result<()> {
+    proxy_tests::require_root();
+    proxy_tests::set_helper_binary(env!("CARGO_BIN_EXE_rig-helper"));
+    let mut s = Scenario::new(3)?;
+    s.write_web_service(2)?;
+    s.manifests
+        .write("api-svc.yaml", &http_service("default", "api", API_IP))?;
+    let api_endpoints: Vec<Endpoint> = vec![pod_endpoint(3)];
+    s.manifests.write(
+        "api-slice.yaml",
+        &http_slice("default", "api-1", "api", &api_endpoints),
+    )?;
+    // A local address gives the node a route to the ClusterIP (nat OUTPUT comes after the
+    // route lookup); it answers as `untranslated` if the rules ever let a packet through.
+    s.topo
+        .add_decoy(std::net::IpAddr::V4(API_IP), SERVICE_PORT)?;
+    let period = format!("{}s", PERIOD.as_secs());
+    let client = s.start_serving("iptables", &["--drift-check-period", &period])?;
+    let api = SocketAddr::from((API_IP, SERVICE_PORT));
+    let netns = s.topo.node().path();
+    let probe = client.clone();
+    proxy_tests::wait::wait_until(
+        "api answered by pod3",
+        Duration::from_secs(10),
+        Duration::from_millis(200),
+        || probe.once(api).is_ok_and(|a| a.backend() == Some("pod3")),
+    )?;
+
+    // The live ruleset as iptables-save prints it is no drift (no false alarm from its
+    // normalisation), before any tampering.
+    let before = inspect_drift(&netns)?;
+    assert_eq!(before["checked"], true, "{before}");
+    assert_eq!(chain_kinds(&before), [], "{before}");
+
+    let nat = in_node(&netns, "iptables-save", &["-t", "nat"])?;
+    let web_chain = nat
+        .lines()
+        .filter(|l| l.starts_with("-A KUBE-SERVICES") && l.contains("-d 10.96.0.10/32"))
+        .find_map(|l| l.split("-j ").nth(1))
+        .map(|chain| chain.trim().to_owned())
+        .ok_or_else(|| anyhow::anyhow!("no KUBE-SERVICES rule for web in\n{nat}"))?;
+    anyhow::ensure!(web_chain.starts_with("KUBE-SVC-"), "{web_chain}");
+
+    let api_client = client.clone().interval(Duration::from_millis(100));
+    let api_traffic = thread::spawn(move || api_client.run(api, 120));
+
+    // Delete a rule of web's service chain, add one to KUBE-SERVICES, add a chain under our
+    // names, flush the canary.
+    let tamper = |netns: &Path| -> anyhow::Result<Instant> {
+        in_node(netns, "iptables", &["-t", "nat", "-D", &web_chain, "1"])?;
+        in_node(
+            netns,
+            "iptables",
+            &[
+                "-t",
+                "nat",
+                "-I",
+                "KUBE-SERVICES",
+                "1",
+                "-d",
+                "10.96.0.99/32",
+                "-p",
+                "tcp",
+                "--dport",
+                "80",
+                "-j",
+                &web_chain,
+            ],
+        )?;
+        in_node(
+            netns,
+            "iptables",
+            &["-t", "nat", "-N", "KUBE-SEP-DRIFTTEST"],
+        )?;
+        in_node(
+            netns,
+            "iptables",
+            &["-t", "mangle", "-X", "KUBE-PROXY-CANARY"],
+        )?;
+        Ok(Instant::now())
+    };
+    let expected: Vec<(String, String)> = [
+        ("changed", "KUBE-SERVICES"),
+        ("changed", web_chain.as_str()),
+        ("extra", "KUBE-SEP-DRIFTTEST"),
+        ("missing", "KUBE-PROXY-CANARY"),
+    ]
+    .into_iter()
+    .map(|(kind, chain)| (kind.to_owned(), chain.to_owned()))
+    .collect();
+    let mut sorted_expected = expected.clone();
+    sorted_expected.sort();
+
+    let tampered_at = tamper(&netns)?;
+    let report = inspect_drift(&netns)?;
+    eprintln!("inspect drift after tampering: {report:#}");
+    // The agent's own check may come first (then the report is already empty): only a report
+    // within the period is meaningful, and then it must list exactly the tampering.
+    anyhow::ensure!(
+        chain_kinds(&report) == sorted_expected || tampered_at.elapsed() >= PERIOD,
+        "inspect drift did not report the tampering: {report:#}"
+    );
+    anyhow::ensure!(
+        chain_kinds(&report) == sorted_expected,
+        "the agent repaired before inspect drift could look; rerun"
+    );
+
+    let mut repaired_after = None;
+    while tampered_at.elapsed() < PERIOD + Duration::from_secs(3) {
+        if chain_kinds(&inspect_drift(&netns)?).is_empty() {
+            repaired_after = Some(tampered_at.elapsed());
+            break;
+        }
+        thread::sleep(Duration::from_millis(200));
+    }
+    let repaired_after = repaired_after.ok_or_else(|| {
+        anyhow::anyhow!(
+            "not repaired within one period; agent log:\n{}",
+            log_tail(&mut s)
+        )
+    })?;
+    eprintln!("repaired {repaired_after:?} after tampering");
+    let counters = iptables_repair_counters(&netns)?;
+    eprintln!("repair counters: {counters:?}");
+    for table in ["mangle", "nat"] {
+        assert!(
+            counters.iter().any(|(t, v)| t == table && *v >= 1),
+            "{table} not counted: {counters:?}"
+        );
+    }
+    let nat = in_node(&netns, "iptables-save", &["-t", "nat"])?;
+    assert!(!nat.contains("10.96.0.99"), "the added rule survived");
+    assert!(
+        !nat.contains("KUBE-SEP-DRIFTTEST"),
+        "the added chain survived"
+    );
+
+    let seen = tally(&client.run(cluster_addr(), 40)?);
+    eprintln!("web after repair: {seen:?}");
+    assert_eq!(
+        seen.keys().map(String::as_str).collect::<Vec<_>>(),
+        ["pod1", "pod2"],
+        "{seen:?}"
+    );
+    let api_attempts = api_traffic
+        .join()
+        .map_err(|_| anyhow::anyhow!("traffic thread panicked"))??;
+    let failed: Vec<&Attempt> = api_attempts
+        .iter()
+        .filter(|a| a.backend() != Some("pod3"))
+        .collect();
+    assert!(
+        failed.is_empty(),
+        "the untouched Service was disturbed: {failed:?}"
+    );
+    Ok(())
+}

@@ -1,0 +1,89 @@
+//! Replacing kube-proxy on a node without residue: kube-proxy's nftables mode left its
+//! `ip kube-proxy` table (DNATing the Service to an address nothing answers) and the IPVS mode
+//! its `kube-ipvs0` device in the node namespace; the agent starts (either mode), removes both
+//! as kube-proxy's own platformCleanup does, and the Service is answered by its pods only.
+//! Needs root and `nft` (`cargo xtask setup` installs it).
+
+use proxy_tests::scenario::{CLUSTER_IP, Scenario, cluster_addr, is_pod};
+
+fn init() {
+    proxy_tests::set_helper_binary(env!("CARGO_BIN_EXE_rig-helper"));
+}
+
+/// kube-proxy nftables-mode shaped state: its table, a service-ips map-like chain hooked at
+/// output and prerouting at dstnat priority, DNATing the ClusterIP elsewhere; and the IPVS
+/// dummy device holding the ClusterIP.
+fn kube_proxy_leftovers(s: &Scenario) -> anyhow::Result<()> {
+    let node = s.topo.node();
+    let ruleset = format!(
+        "table ip kube-proxy {{\n\
+         \tchain nat-output {{ type nat hook output priority -100; policy accept; jump services; }}\n\
+         \tchain nat-prerouting {{ type nat hook prerouting priority -100; policy accept; jump services; }}\n\
+         \tchain services {{ ip daddr {CLUSTER_IP} tcp dport 80 dnat to 192.0.2.99:8080; }}\n\
+         }}\n\
+         table ip6 kube-proxy {{\n\
+         \tchain nat-output {{ type nat hook output priority -100; policy accept; }}\n\
+         }}\n"
+    );
+    let file = std::env::temp_dir().join(format!("kube-proxy-nft-{}.nft", std::process::id()));
+    std::fs::write(&file, ruleset)?;
+    node.exec("nft", &["-f", file.to_str().unwrap_or_default()])?;
+    let _ = std::fs::remove_file(&file);
+    // The dummy driver is not in every kernel (kube-proxy's IPVS mode needs it): without it
+    // there can be no such leftover, and the device half of the test is skipped.
+    if node
+        .exec("ip", &["link", "add", "kube-ipvs0", "type", "dummy"])
+        .is_err()
+    {
+        eprintln!("no dummy link support in this kernel: no kube-ipvs0 leftover to test");
+        return Ok(());
+    }
+    node.exec(
+        "ip",
+        &[
+            "addr",
+            "add",
+            &format!("{CLUSTER_IP}/32"),
+            "dev",
+            "kube-ipvs0",
+        ],
+    )?;
+    Ok(())
+}
+
+fn nothing_of_kube_proxy_remains(s: &Scenario) -> anyhow::Result<()> {
+    let node = s.topo.node();
+    let tables = node.exec("nft", &["list", "tables"])?;
+    s.ensure(!tables.contains("kube-proxy"), || {
+        format!("kube-proxy's nftables tables remain: {tables}")
+    })?;
+    let links = node.exec("ip", &["-o", "link", "show"])?;
+    s.ensure(!links.contains("kube-ipvs0"), || {
+        format!("kube-ipvs0 remains: {links}")
+    })?;
+    Ok(())
+}
+
+fn migrates(mode: &str) -> anyhow::Result<()> {
+    init();
+    proxy_tests::require_root();
+    let mut s = Scenario::new(2)?;
+    s.write_web_service(2)?;
+    kube_proxy_leftovers(&s)?;
+    let client = s.start_serving(mode, &[])?;
+    let answers = client.run(cluster_addr(), 20)?;
+    s.ensure(answers.iter().all(is_pod), || {
+        format!("the ClusterIP must be answered by the pods only: {answers:?}")
+    })?;
+    nothing_of_kube_proxy_remains(&s)
+}
+
+#[test]
+fn iptables_mode_removes_kube_proxys_nftables_and_ipvs_state() -> anyhow::Result<()> {
+    migrates("iptables")
+}
+
+#[test]
+fn ebpf_mode_removes_kube_proxys_nftables_and_ipvs_state() -> anyhow::Result<()> {
+    migrates("ebpf")
+}
