@@ -296,6 +296,33 @@ impl Scenario {
         Err(self.agent_error(message))
     }
 
+    /// Like [`Scenario::wait_for_datapath_with`], for a change one answer cannot prove (the
+    /// old state may give the same answer by chance): polls batches of `batch` attempts until
+    /// every attempt of one satisfies `ready` (bounded by [`DATAPATH_TIMEOUT`]); returns it.
+    pub fn wait_for_batch(
+        &self,
+        client: &Client,
+        target: SocketAddr,
+        batch: u32,
+        what: &str,
+        ready: impl Fn(&Attempt) -> bool,
+    ) -> Result<Vec<Attempt>> {
+        let start = Instant::now();
+        loop {
+            let attempts = client.run(target, batch)?;
+            if attempts.iter().all(&ready) {
+                return Ok(attempts);
+            }
+            if start.elapsed() > DATAPATH_TIMEOUT {
+                let tally = crate::client::tally(&attempts);
+                return Err(self.agent_error(format!(
+                    "{what} not applied within {DATAPATH_TIMEOUT:?}; last batch: {tally:?}"
+                )));
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    }
+
     /// An error carrying the agent log tail (or just the message without an agent).
     pub fn agent_error(&self, message: String) -> RigError {
         match &self.agent {

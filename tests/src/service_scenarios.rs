@@ -874,15 +874,13 @@ pub fn rolling_update_drains_established_connections(mode: &str) -> Result<()> {
         &http_slice(NAMESPACE, "web-1", "web", &[pod_endpoint(1), terminating]),
     )?;
     let only_pod1 = |a: &Attempt| a.backend() == Some("pod1");
-    // Applied once a batch of new connections all avoid pod2 (bounded).
-    let started = std::time::Instant::now();
-    let fresh = loop {
-        let batch = outside.run(node_port_addr(), 8)?;
-        if batch.iter().all(only_pod1) || started.elapsed() > crate::scenario::DATAPATH_TIMEOUT {
-            break batch;
-        }
-        std::thread::sleep(Duration::from_millis(200));
-    };
+    let fresh = s.wait_for_batch(
+        &outside,
+        node_port_addr(),
+        8,
+        "new connections avoid the terminating pod2",
+        only_pod1,
+    )?;
     let mut on_pod2 = 0;
     for (i, stream) in streams.into_iter().enumerate() {
         let attempts = stream
@@ -967,18 +965,7 @@ pub fn unconnected_udp_sockets_keep_their_backend(mode: &str) -> Result<()> {
     s.manifests.write("dns-slice.yaml", &slice(&[1]))?;
     let only_pod1 = |a: &Attempt| a.backend() == Some("pod1");
     let fresh = local_client(&s, mode, Place::Pod(1))?.mode(Mode::Sendto);
-    // Applied once a batch of new sockets all reach pod1 (one answer could be luck), bounded.
-    let started = std::time::Instant::now();
-    loop {
-        let batch = fresh.run(target, 8)?;
-        if batch.iter().all(only_pod1) {
-            break;
-        }
-        if started.elapsed() > crate::scenario::DATAPATH_TIMEOUT {
-            return Err(s.agent_error(format!("pod1 alone not applied: {:?}", tally(&batch))));
-        }
-        std::thread::sleep(Duration::from_millis(200));
-    }
+    s.wait_for_batch(&fresh, target, 8, "pod1 alone", only_pod1)?;
     let runner = client.clone().interval(Duration::from_millis(100));
     let long = std::thread::spawn(move || runner.run(target, 80));
     std::thread::sleep(Duration::from_millis(2000));
