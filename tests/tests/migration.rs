@@ -25,7 +25,9 @@ fn kube_proxy_leftovers(s: &Scenario) -> anyhow::Result<()> {
          \tchain nat-output {{ type nat hook output priority -100; policy accept; }}\n\
          }}\n"
     );
-    let file = std::env::temp_dir().join(format!("kube-proxy-nft-{}.nft", std::process::id()));
+    // Named after the node namespace, unique per test: both tests of this file run at once in
+    // one process, and a shared name let one remove the file while the other read it.
+    let file = std::env::temp_dir().join(format!("kube-proxy-nft-{}.nft", node.name()));
     std::fs::write(&file, ruleset)?;
     node.exec("nft", &["-f", file.to_str().unwrap_or_default()])?;
     let _ = std::fs::remove_file(&file);
