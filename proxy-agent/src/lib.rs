@@ -12,6 +12,7 @@ pub mod inspect;
 pub mod node;
 pub mod node_services;
 pub mod objects;
+pub mod proxy_mode;
 pub mod run;
 pub mod source;
 pub mod sync_runner;

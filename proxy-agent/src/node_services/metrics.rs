@@ -42,8 +42,8 @@ use tracing::warn;
 
 use super::http::{go_not_found, response};
 use crate::{
-    config::ProxyMode,
     desired::{FamilySnapshot, IpFamily},
+    proxy_mode::ProxyMode,
 };
 
 #[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
