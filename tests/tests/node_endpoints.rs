@@ -162,6 +162,26 @@ fn health_metrics_and_proxy_mode_of_a_running_ebpf_agent() -> anyhow::Result<()>
             "{name} missing from /metrics"
         );
     }
+    // The maps' fill levels follow what was programmed: the two pods are the only backends,
+    // and the capacities are the `--bpf-map-*` defaults.
+    for line in [
+        "kubeproxy_ebpf_map_entries{map=\"KPR_BACKENDS4\"} 2",
+        "kubeproxy_ebpf_map_entries{map=\"KPR_BACKENDS6\"} 0",
+        "kubeproxy_ebpf_map_capacity{map=\"KPR_FRONTENDS4\"} 65536",
+        "kubeproxy_ebpf_map_capacity{map=\"KPR_BACKEND_SLOTS\"} 262144",
+    ] {
+        assert!(
+            exposition.body.lines().any(|l| l == line),
+            "{line} missing from /metrics"
+        );
+    }
+    let frontends = exposition
+        .body
+        .lines()
+        .find_map(|l| l.strip_prefix("kubeproxy_ebpf_map_entries{map=\"KPR_FRONTENDS4\"} "))
+        .and_then(|v| v.parse::<u64>().ok())
+        .ok_or_else(|| anyhow::anyhow!("no KPR_FRONTENDS4 entries in /metrics"))?;
+    assert!(frontends >= 1, "KPR_FRONTENDS4 holds {frontends} entries");
     eprintln!("/metrics: {} bytes", exposition.body.len());
     Ok(())
 }

@@ -49,6 +49,8 @@ pub struct EbpfSyncOutcome {
     pub service_ids: Vec<(String, Vec<u32>)>,
     /// Whether `service_ids` replaces every name (a full reconcile) or updates some.
     pub service_ids_complete: bool,
+    /// (map, entries, capacity) of the maps the programmer fills.
+    pub map_usage: Vec<(&'static str, u64, u64)>,
     pub elapsed: Duration,
 }
 
@@ -278,6 +280,7 @@ fn sync_ebpf(
         capacity_errors: ebpf.capacity_errors(),
         service_ids,
         service_ids_complete: scope.is_none(),
+        map_usage: ebpf.map_usage(),
         elapsed: started.elapsed(),
     }
 }

@@ -131,6 +131,11 @@ fn record_ebpf(outcome: &EbpfSyncOutcome, reason: SyncReason, changed: usize, me
         elapsed_us = outcome.elapsed.as_micros() as u64,
         "sync applied"
     );
+    if let Some(ebpf) = metrics.ebpf() {
+        for &(map, entries, capacity) in &outcome.map_usage {
+            ebpf.map_usage(map, entries, capacity);
+        }
+    }
     // Names for `proxy-agent inspect`, kept current for what changed.
     if outcome.service_ids_complete {
         metrics.replace_service_ids(

@@ -11,7 +11,7 @@
 //! translated (not a frontend) and lets it pass.
 
 use std::{
-    collections::BTreeSet,
+    collections::{BTreeMap, BTreeSet},
     fs::File,
     io,
     net::{IpAddr, SocketAddr},
@@ -376,6 +376,8 @@ pub struct EbpfDataplane {
     programmer: Programmer,
     /// Frontend writes refused because a map was full, since start (a counter for metrics).
     capacity_errors: u64,
+    /// `max_entries` of the maps the programmer fills, by pinned name.
+    capacities: BTreeMap<&'static str, u32>,
     pin_dir: PathBuf,
     cgroup_path: PathBuf,
     links: Vec<PinnedLink>,
@@ -484,11 +486,21 @@ impl EbpfDataplane {
             tc_links = tc.link_count(),
             "eBPF socket and tc programs attached and pinned"
         );
+        let capacities = BTreeMap::from([
+            (map_names::FRONTENDS4, options.frontends_capacity),
+            (map_names::FRONTENDS6, options.frontends_capacity),
+            (map_names::BACKENDS4, options.backends_capacity),
+            (map_names::BACKENDS6, options.backends_capacity),
+            (map_names::BACKEND_SLOTS, slots_capacity),
+            (map_names::SOURCE_RANGES, options.frontends_capacity),
+            (map_names::MAGLEV, maglev_capacity),
+        ]);
         Ok(Self {
             maps,
             stats,
             programmer,
             capacity_errors: 0,
+            capacities,
             pin_dir,
             cgroup_path,
             links,
@@ -689,6 +701,18 @@ impl EbpfDataplane {
 
     /// Frontend writes refused because a map was full, counted since the agent started (each
     /// retry that fails again counts again): a counter for the metrics.
+    /// Entries and capacity of each map the programmer fills (`kubeproxy_ebpf_map_*`).
+    pub fn map_usage(&self) -> Vec<(&'static str, u64, u64)> {
+        self.programmer
+            .entries()
+            .into_iter()
+            .map(|(map, entries)| {
+                let capacity = self.capacities.get(map).copied().unwrap_or(0);
+                (map, entries, u64::from(capacity))
+            })
+            .collect()
+    }
+
     pub fn capacity_errors(&self) -> u64 {
         self.capacity_errors
     }
