@@ -399,8 +399,14 @@ fn agent_sigkill_and_restart_in_the_middle_of_traffic_fails_no_connection() -> a
         "the restarted agent did not adopt the pinned maps".into()
     })?;
     write_service(&s, false, None, &[1, 2])?;
-    thread::sleep(Duration::from_millis(1000));
-    let counts = tally(&s.cgroup_client().run(cluster_addr(), 40)?);
+    let batch = s.wait_for_batch(
+        &s.cgroup_client(),
+        cluster_addr(),
+        40,
+        "pod3 removed after the restart",
+        |a| matches!(a.backend(), Some("pod1" | "pod2")),
+    )?;
+    let counts = tally(&batch);
     eprintln!("after the restart, pod3 removed: answers: {counts:?}");
     s.ensure(
         counts.keys().map(String::as_str).eq(["pod1", "pod2"]),

@@ -222,8 +222,15 @@ fn api_objects_reach_pods_and_follow_updates_and_deletes() -> anyhow::Result<()>
     })?;
 
     api.apply(&slice(SLICE, SERVICE, &[1, 3])?)?;
-    std::thread::sleep(Duration::from_secs(1));
-    let after = answers(&s, cluster_addr(), "1 s after removing pod2 from the slice")?;
+    let batch = s.wait_for_batch(
+        &s.cgroup_client(),
+        cluster_addr(),
+        CONNECTIONS,
+        "pod2 removed from the slice",
+        |a| matches!(a.backend(), Some("pod1" | "pod3")),
+    )?;
+    let after: BTreeSet<String> = tally(&batch).into_keys().collect();
+    eprintln!("after removing pod2 from the slice: answers: {after:?}");
     s.ensure(after == pods(&[1, 3]), || {
         format!("expected exactly pod1 and pod3 after removing pod2: {after:?}")
     })?;
