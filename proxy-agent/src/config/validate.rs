@@ -512,30 +512,6 @@ fn is_major_minor(text: &str) -> bool {
     digits(major) && digits(minor)
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn host_port_forms() {
-        assert_eq!(split_host_port("1.2.3.4:80"), Some(("1.2.3.4", "80")));
-        assert_eq!(split_host_port("[::1]:80"), Some(("::1", "80")));
-        assert_eq!(split_host_port("::1:80"), None);
-        assert_eq!(split_host_port("1.2.3.4"), None);
-        assert_eq!(split_host_port("[::1]80"), None);
-    }
-
-    #[test]
-    fn port_ranges() {
-        for ok in ["", "80", "300-2000", "300+10", "0-0"] {
-            assert!(check_port_range(ok).is_ok(), "{ok}");
-        }
-        for bad in ["x", "2000-300", "70000", "1-70000", "65535+2", "-"] {
-            assert!(check_port_range(bad).is_err(), "{bad}");
-        }
-    }
-}
-
 /// Settings kube-proxy uses that have no counterpart here, when they differ from upstream's
 /// defaults: named in one warning instead of silently doing nothing.
 fn unused_settings(doc: &KubeProxyConfiguration) -> Option<Notice> {
@@ -577,4 +553,28 @@ fn unused_settings(doc: &KubeProxyConfiguration) -> Option<Notice> {
             unused.join(", ")
         ))
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn host_port_forms() {
+        assert_eq!(split_host_port("1.2.3.4:80"), Some(("1.2.3.4", "80")));
+        assert_eq!(split_host_port("[::1]:80"), Some(("::1", "80")));
+        assert_eq!(split_host_port("::1:80"), None);
+        assert_eq!(split_host_port("1.2.3.4"), None);
+        assert_eq!(split_host_port("[::1]80"), None);
+    }
+
+    #[test]
+    fn port_ranges() {
+        for ok in ["", "80", "300-2000", "300+10", "0-0"] {
+            assert!(check_port_range(ok).is_ok(), "{ok}");
+        }
+        for bad in ["x", "2000-300", "70000", "1-70000", "65535+2", "-"] {
+            assert!(check_port_range(bad).is_err(), "{bad}");
+        }
+    }
 }
