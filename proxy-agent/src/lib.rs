@@ -3,12 +3,12 @@
 
 pub mod cli;
 pub mod config;
-pub mod conntrack;
 pub mod dataplane;
 pub mod desired;
 pub mod drift;
 pub mod fuzz;
 pub mod inspect;
+pub mod kernel_conntrack;
 pub mod netlink;
 pub mod node;
 pub mod node_services;

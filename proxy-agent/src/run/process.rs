@@ -5,8 +5,8 @@ use tracing::{debug, info, warn};
 
 use crate::{
     config::Config,
-    conntrack::{self, ConntrackSettings},
     dataplane::{ebpf, iptables},
+    kernel_conntrack::{self, ConntrackSettings},
 };
 
 /// `--cleanup`: removes everything either mode installed (pinned maps and links, which detaches
@@ -75,7 +75,8 @@ pub fn apply_process_settings(config: &Config) {
         udp_timeout: Some(config.conntrack.udp_timeout),
         udp_stream_timeout: Some(config.conntrack.udp_stream_timeout),
     };
-    let (written, errors) = conntrack::apply_sysctls(&settings, std::path::Path::new("/proc/sys"));
+    let (written, errors) =
+        kernel_conntrack::apply_sysctls(&settings, std::path::Path::new("/proc/sys"));
     debug!(written, "conntrack sysctls applied");
     for error in errors {
         warn!(%error, "conntrack sysctl not applied");

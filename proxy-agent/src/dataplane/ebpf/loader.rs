@@ -41,8 +41,8 @@ use tokio::{io::unix::AsyncFd, task::JoinHandle};
 use tracing::{debug, info, warn};
 
 use super::{
-    ApplyError, ApplySummary, DriftCheck, MapOps, MapWriteError, Programmer, bpffs, cgroup, ct,
-    drift, maglev, object,
+    ApplyError, ApplySummary, DriftCheck, MapOps, MapWriteError, Programmer, bpffs, cgroup, drift,
+    maglev, object,
     program::{
         BackendValue, FrontendMapKey, MapsContent, ip4_from_map, ip4_to_map, ip6_from_map,
         ip6_to_map,
@@ -50,6 +50,7 @@ use super::{
     sockdiag::{self, DiagSocket},
     stats::read_stats,
     tc::{TcOptions, TcState},
+    tc_conntrack,
 };
 use crate::desired::{Protocol, ServicePortName, Snapshot};
 use crate::node_services::metrics::EbpfMetrics;
@@ -547,7 +548,7 @@ impl EbpfDataplane {
     /// Deletes the tc conntrack entries of backends this apply removed (see `ct`), after the
     /// frontend switch: no new flow can pick them any more, so none is recreated.
     fn purge_conntrack(&mut self, summary: &ApplySummary) -> usize {
-        if !ct::any_external(&summary.removed_backends) {
+        if !tc_conntrack::any_external(&summary.removed_backends) {
             return 0;
         }
         let started = std::time::Instant::now();
@@ -558,7 +559,7 @@ impl EbpfDataplane {
                 return 0;
             }
         };
-        let report = ct::purge(&mut map, &summary.removed_backends);
+        let report = tc_conntrack::purge(&mut map, &summary.removed_backends);
         info!(
             removed_backends = summary.removed_backends.len(),
             scanned = report.scanned,
@@ -569,16 +570,16 @@ impl EbpfDataplane {
         report.deleted
     }
 
-    /// Garbage collection of the tc conntrack (see `ct::gc`): deletes dead flows' entries,
+    /// Garbage collection of the tc conntrack (see `tc_conntrack::gc`): deletes dead flows' entries,
     /// and counts the run and the entries left in `metrics`. Called every 30 s (`run.rs`).
     pub fn conntrack_gc(
         &mut self,
         metrics: Option<&EbpfMetrics>,
-    ) -> Result<ct::GcReport, LoadError> {
+    ) -> Result<tc_conntrack::GcReport, LoadError> {
         let started = std::time::Instant::now();
-        let now = ct::monotonic_ns().map_err(LoadError::Clock)?;
+        let now = tc_conntrack::monotonic_ns().map_err(LoadError::Clock)?;
         let mut map = self.conntrack_map()?;
-        let report = ct::gc(&mut map, now);
+        let report = tc_conntrack::gc(&mut map, now);
         if let Some(metrics) = metrics {
             metrics.conntrack_gc_run();
             metrics.conntrack_entries(u64::try_from(report.remaining).unwrap_or(u64::MAX));
@@ -629,7 +630,7 @@ impl EbpfDataplane {
     /// Every tc conntrack entry (a snapshot: the datapath keeps changing it). For tests and
     /// diagnostics.
     pub fn conntrack_entries(&mut self) -> Result<Vec<(CtKey, CtValue)>, LoadError> {
-        Ok(ct::entries(&self.conntrack_map()?))
+        Ok(tc_conntrack::entries(&self.conntrack_map()?))
     }
 
     /// Runs the tc program `program` once on `packet` with `BPF_PROG_TEST_RUN`, as if it had

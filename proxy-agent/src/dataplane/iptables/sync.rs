@@ -20,8 +20,8 @@ use super::{
     rules::{SyncInput, generate, is_large_cluster},
 };
 use crate::{
-    conntrack::{self, CleanupReport},
     desired::{IpFamily, Protocol, ServicePortName, Snapshot},
+    kernel_conntrack::{self, CleanupReport},
     node::NodeSettings,
     objects::ObjectKey,
 };
@@ -401,7 +401,8 @@ fn needs_conntrack_cleanup(
 
 fn clean_conntrack(family: IpFamily, snapshot: &Snapshot) -> ConntrackCleanup {
     let started = Instant::now();
-    let result = conntrack::reconcile(family, snapshot.family(family)).map_err(|e| e.to_string());
+    let result =
+        kernel_conntrack::reconcile(family, snapshot.family(family)).map_err(|e| e.to_string());
     ConntrackCleanup {
         elapsed: started.elapsed(),
         result,
