@@ -3,29 +3,35 @@
 
 mod bpffs;
 mod cgroup;
+mod dataplane;
 mod drift;
+mod error;
 mod ids;
-mod loader;
 mod maglev;
 mod object;
+mod options;
+mod pins;
 mod program;
+mod service_maps;
 pub(crate) mod sockdiag;
 mod stats;
 mod tc;
 mod tc_conntrack;
+mod test_run;
 
+pub use dataplane::EbpfDataplane;
 pub use drift::{Drift, DriftCheck, DriftKind, RepairReport};
-pub use loader::{
-    EbpfDataplane, EbpfOptions, LbOptions, LoadError, PIN_DIR_MODE, PIN_DIR_NAME, TcTestRun,
-    cleanup,
-};
+pub use error::LoadError;
 pub use maglev::{
     DEFAULT_TABLE_SIZE as DEFAULT_MAGLEV_TABLE_SIZE, MAX_TABLE_SIZE as MAX_MAGLEV_TABLE_SIZE,
     is_valid_table_size,
 };
+pub use options::{EbpfOptions, LbOptions};
+pub use pins::{PIN_DIR_MODE, PIN_DIR_NAME, cleanup};
 pub use program::{
     ApplyError, ApplySummary, BackendValue, FrontendMapKey, MapOps, MapWriteError, MapsContent,
     Programmer, RemovedBackend, ip4_from_map, ip4_to_map, ip6_from_map, ip6_to_map,
 };
 pub use tc::TcOptions;
 pub use tc_conntrack::monotonic_ns;
+pub use test_run::TcTestRun;

@@ -140,9 +140,9 @@ pub struct ApplySummary {
     pub frontends_unsupported: usize,
     /// (frontend, backend) pairs that were live before and are not any more.
     pub removed_backends: Vec<RemovedBackend>,
-    /// Connected UDP sockets destroyed because their backend was removed (set by the loader).
+    /// Connected UDP sockets destroyed because their backend was removed (set by `EbpfDataplane::apply`).
     pub udp_sockets_destroyed: usize,
-    /// tc conntrack entries of removed backends deleted (set by the loader).
+    /// tc conntrack entries of removed backends deleted (set by `EbpfDataplane::apply`).
     pub conntrack_purged: usize,
 }
 

@@ -39,7 +39,8 @@ use proxy_common::{NodeAddrKey, NodeConfig, family, node_flags, program_names};
 use tracing::{debug, info, warn};
 
 use super::{
-    loader::{LINK_SUFFIX, LoadError, remove_if_present},
+    error::LoadError,
+    pins::{LINK_SUFFIX, remove_if_present},
     program::{ip4_to_map, ip6_to_map},
 };
 use crate::{
@@ -362,7 +363,7 @@ fn attach(
         name: program,
         source,
     })?;
-    super::loader::pin_replacing(link, program, &pin_dir.join(pin_name))
+    super::pins::pin_replacing(link, program, &pin_dir.join(pin_name))
 }
 
 #[cfg(test)]

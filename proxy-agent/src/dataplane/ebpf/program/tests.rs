@@ -134,7 +134,7 @@ impl FakeMaps {
             .collect()
     }
 
-    /// Everything in the maps, as the loader reads it back after a restart.
+    /// Everything in the maps, as `EbpfDataplane::start` reads it back after a restart.
     fn content(&self) -> MapsContent {
         MapsContent {
             frontends: self.frontends.iter().map(|(k, v)| (*k, *v)).collect(),
