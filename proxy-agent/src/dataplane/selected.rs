@@ -49,7 +49,7 @@ pub struct EbpfSyncOutcome {
     pub service_ids: Vec<(String, Vec<u32>)>,
     /// Whether `service_ids` replaces every name (a full reconcile) or updates some.
     pub service_ids_complete: bool,
-    /// (map, entries, capacity) of the maps the programmer fills.
+    /// (map, entries, capacity) of the maps the map_writer fills.
     pub map_usage: Vec<(&'static str, u64, u64)>,
     pub elapsed: Duration,
 }
@@ -258,15 +258,15 @@ fn sync_ebpf(
         changed
     };
     let (summary, errors) = ebpf.apply(snapshot, scope);
-    let programmer = ebpf.programmer();
+    let map_writer = ebpf.map_writer();
     let service_ids = match scope {
         Some(changed) => changed
             .iter()
-            .map(|name| (name.to_string(), programmer.service_ids_of(name)))
+            .map(|name| (name.to_string(), map_writer.service_ids_of(name)))
             .collect(),
-        None => programmer
+        None => map_writer
             .owners()
-            .map(|name| (name.to_string(), programmer.service_ids_of(name)))
+            .map(|name| (name.to_string(), map_writer.service_ids_of(name)))
             .collect(),
     };
     EbpfSyncOutcome {

@@ -20,8 +20,8 @@ use tokio::{io::unix::AsyncFd, task::JoinHandle};
 use tracing::{debug, info, warn};
 
 use super::{
-    ApplyError, ApplySummary, DriftCheck, Programmer, bpffs, cgroup, drift,
-    error::LoadError,
+    ApplyError, ApplySummary, DriftCheck, MapWriter, bpffs, cgroup, drift,
+    error::EbpfError,
     object,
     options::EbpfOptions,
     pins::{PIN_DIR_NAME, attach_and_pin, prepare_pin_dir},
@@ -39,10 +39,10 @@ use crate::node_services::metrics::EbpfMetrics;
 pub struct EbpfDataplane {
     pub(super) maps: ServiceMaps,
     pub(super) stats: PerCpuArray<MapData, u64>,
-    pub(super) programmer: Programmer,
+    pub(super) map_writer: MapWriter,
     /// Frontend writes refused because a map was full, since start (a counter for metrics).
     pub(super) capacity_errors: u64,
-    /// `max_entries` of the maps the programmer fills, by pinned name.
+    /// `max_entries` of the maps the map_writer fills, by pinned name.
     pub(super) capacities: BTreeMap<&'static str, u32>,
     pub(super) pin_dir: PathBuf,
     pub(super) cgroup_path: PathBuf,
@@ -66,15 +66,15 @@ impl EbpfDataplane {
     /// Loads the programs, re-adopts or creates the pinned maps, and attaches to the cgroup
     /// (replacing the links of a previous run without a gap). Must run inside a tokio runtime
     /// (the eBPF log drain is a task).
-    pub fn start(options: &EbpfOptions) -> Result<Self, LoadError> {
+    pub fn start(options: &EbpfOptions) -> Result<Self, EbpfError> {
         if object::IS_PLACEHOLDER {
-            return Err(LoadError::Placeholder);
+            return Err(EbpfError::Placeholder);
         }
         let cgroup_path = match &options.cgroup_path {
             Some(path) => path.clone(),
             None => cgroup::cgroup2_mount()?,
         };
-        let cgroup_dir = File::open(&cgroup_path).map_err(|source| LoadError::OpenCgroup {
+        let cgroup_dir = File::open(&cgroup_path).map_err(|source| EbpfError::OpenCgroup {
             path: cgroup_path.clone(),
             source,
         })?;
@@ -124,7 +124,7 @@ impl EbpfDataplane {
         // dropping it would close its fd before the programs that reference it are loaded).
         for name in [map_names::AFFINITY, map_names::CT] {
             if ebpf.map(name).is_none() {
-                return Err(LoadError::MissingMap(name));
+                return Err(EbpfError::MissingMap(name));
             }
         }
         let mut tc = TcState::new(
@@ -133,12 +133,12 @@ impl EbpfDataplane {
             take_map(&mut ebpf, map_names::NODE_CONFIG)?,
         );
 
-        let mut programmer = if adopting {
-            Programmer::adopt(maps.content(), &mut maps)
+        let mut map_writer = if adopting {
+            MapWriter::adopt(maps.content(), &mut maps)
         } else {
-            Programmer::default()
+            MapWriter::default()
         };
-        programmer.set_maglev_table_size(options.lb.maglev.then_some(options.lb.maglev_table_size));
+        map_writer.set_maglev_table_size(options.lb.maglev.then_some(options.lb.maglev_table_size));
 
         let mut links = Vec::with_capacity(program_names::ALL.len());
         for name in program_names::ALL {
@@ -164,7 +164,7 @@ impl EbpfDataplane {
         Ok(Self {
             maps,
             stats,
-            programmer,
+            map_writer,
             capacity_errors: 0,
             capacities,
             pin_dir,
@@ -193,7 +193,7 @@ impl EbpfDataplane {
         // New interfaces (pods created since the last sync) get their tc program first.
         self.tc.refresh(&mut self.ebpf, &self.pin_dir, false);
         let (mut summary, errors) =
-            self.programmer
+            self.map_writer
                 .apply_snapshot(snapshot, changed, &mut self.maps);
         self.capacity_errors += errors.iter().filter(|e| e.is_capacity()).count() as u64;
         summary.udp_sockets_destroyed = self.destroy_stale_udp_sockets(&summary);
@@ -205,7 +205,7 @@ impl EbpfDataplane {
     /// with `repair`, writes back what differs and deletes what the agent never wrote. `None`
     /// while an adopted frontend is known to be damaged (the next full sync rewrites it).
     pub fn check_drift(&mut self, repair: bool) -> Option<DriftCheck> {
-        let expected = self.programmer.expected_content()?;
+        let expected = self.map_writer.expected_content()?;
         let found = self.maps.content();
         Some(drift::check(&expected, &found, repair, &mut self.maps))
     }
@@ -240,9 +240,9 @@ impl EbpfDataplane {
     pub fn conntrack_gc(
         &mut self,
         metrics: Option<&EbpfMetrics>,
-    ) -> Result<tc_conntrack::GcReport, LoadError> {
+    ) -> Result<tc_conntrack::GcReport, EbpfError> {
         let started = std::time::Instant::now();
-        let now = tc_conntrack::monotonic_ns().map_err(LoadError::Clock)?;
+        let now = tc_conntrack::monotonic_ns().map_err(EbpfError::Clock)?;
         let mut map = self.conntrack_map()?;
         let report = tc_conntrack::gc(&mut map, now);
         if let Some(metrics) = metrics {
@@ -269,12 +269,12 @@ impl EbpfDataplane {
     }
 
     /// The tc conntrack map, borrowed from the object (it stays there: see `start`).
-    fn conntrack_map(&mut self) -> Result<HashMap<&mut MapData, CtKey, CtValue>, LoadError> {
+    fn conntrack_map(&mut self) -> Result<HashMap<&mut MapData, CtKey, CtValue>, EbpfError> {
         let map = self
             .ebpf
             .map_mut(map_names::CT)
-            .ok_or(LoadError::MissingMap(map_names::CT))?;
-        HashMap::try_from(map).map_err(|source| LoadError::Map {
+            .ok_or(EbpfError::MissingMap(map_names::CT))?;
+        HashMap::try_from(map).map_err(|source| EbpfError::Map {
             name: map_names::CT,
             source,
         })
@@ -282,7 +282,7 @@ impl EbpfDataplane {
 
     /// Deletes every tc conntrack entry, so the next packet of any flow is a new flow that
     /// chooses its backend again. For tests (the agent itself only purges removed backends).
-    pub fn clear_conntrack(&mut self) -> Result<usize, LoadError> {
+    pub fn clear_conntrack(&mut self) -> Result<usize, EbpfError> {
         let mut map = self.conntrack_map()?;
         let keys: Vec<CtKey> = map.keys().flatten().collect();
         let mut deleted = 0;
@@ -294,13 +294,13 @@ impl EbpfDataplane {
 
     /// Every tc conntrack entry (a snapshot: the datapath keeps changing it). For tests and
     /// diagnostics.
-    pub fn conntrack_entries(&mut self) -> Result<Vec<(CtKey, CtValue)>, LoadError> {
+    pub fn conntrack_entries(&mut self) -> Result<Vec<(CtKey, CtValue)>, EbpfError> {
         Ok(tc_conntrack::entries(&self.conntrack_map()?))
     }
 
-    /// Entries and capacity of each map the programmer fills (`kubeproxy_ebpf_map_*`).
+    /// Entries and capacity of each map the map_writer fills (`kubeproxy_ebpf_map_*`).
     pub fn map_usage(&self) -> Vec<(&'static str, u64, u64)> {
-        self.programmer
+        self.map_writer
             .entries()
             .into_iter()
             .map(|(map, entries)| {
@@ -319,7 +319,7 @@ impl EbpfDataplane {
     /// Service ports with at least one frontend that does not fit in the maps right now (not
     /// programmed, or still on its previous backend set): a gauge for the metrics and the log.
     pub fn unfit_service_ports(&self) -> BTreeSet<&ServicePortName> {
-        self.programmer.unfit().values().collect()
+        self.map_writer.unfit().values().collect()
     }
 
     fn destroy_stale_udp_sockets(&self, summary: &ApplySummary) -> usize {
@@ -360,8 +360,8 @@ impl EbpfDataplane {
 
     /// Datapath counters summed over all CPUs (for logs and metrics).
     /// The agent's record of what is programmed.
-    pub fn programmer(&self) -> &Programmer {
-        &self.programmer
+    pub fn map_writer(&self) -> &MapWriter {
+        &self.map_writer
     }
 
     pub fn stats(&self) -> Vec<(StatIndex, u64)> {
@@ -388,12 +388,12 @@ impl EbpfDataplane {
     }
 }
 
-fn take_map<T>(ebpf: &mut Ebpf, name: &'static str) -> Result<T, LoadError>
+fn take_map<T>(ebpf: &mut Ebpf, name: &'static str) -> Result<T, EbpfError>
 where
     T: TryFrom<aya::maps::Map, Error = aya::maps::MapError>,
 {
-    let map = ebpf.take_map(name).ok_or(LoadError::MissingMap(name))?;
-    T::try_from(map).map_err(|source| LoadError::Map { name, source })
+    let map = ebpf.take_map(name).ok_or(EbpfError::MissingMap(name))?;
+    T::try_from(map).map_err(|source| EbpfError::Map { name, source })
 }
 
 /// Forwards aya-log records from the eBPF programs into `tracing` (through the `log` bridge).

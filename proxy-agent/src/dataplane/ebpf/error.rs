@@ -5,7 +5,7 @@ use std::{io, path::PathBuf};
 use super::{bpffs, cgroup};
 
 #[derive(Debug, thiserror::Error)]
-pub enum LoadError {
+pub enum EbpfError {
     #[error(
         "this proxy-agent was built with PROXY_EBPF_PLACEHOLDER=1 for checking only and has no \
          eBPF object; build it with `cargo xtask build-ebpf` and `cargo build -p proxy-agent`"

@@ -4,7 +4,7 @@
 //! (2) removing one backend moves few flows of the others — a flow hashed to a slot keeps its
 //! backend unless that slot was the removed backend's, or was taken over while refilling.
 //!
-//! `--lb-algorithm maglev`: the programmer writes each external frontend's table into
+//! `--lb-algorithm maglev`: the map_writer writes each external frontend's table into
 //! `KPR_MAGLEV` (see `program`), the tc programs look up slot = hash of the 5-tuple mod `M`.
 
 use std::net::SocketAddr;

@@ -8,10 +8,10 @@ mod drift;
 mod error;
 mod ids;
 mod maglev;
+mod map_writer;
 mod object;
 mod options;
 mod pins;
-mod program;
 mod service_maps;
 pub(crate) mod sockdiag;
 mod stats;
@@ -21,17 +21,17 @@ mod test_run;
 
 pub use dataplane::EbpfDataplane;
 pub use drift::{Drift, DriftCheck, DriftKind, RepairReport};
-pub use error::LoadError;
+pub use error::EbpfError;
 pub use maglev::{
     DEFAULT_TABLE_SIZE as DEFAULT_MAGLEV_TABLE_SIZE, MAX_TABLE_SIZE as MAX_MAGLEV_TABLE_SIZE,
     is_valid_table_size,
 };
+pub use map_writer::{
+    ApplyError, ApplySummary, BackendValue, FrontendMapKey, MapOps, MapWriteError, MapWriter,
+    MapsContent, RemovedBackend, ip4_from_map, ip4_to_map, ip6_from_map, ip6_to_map,
+};
 pub use options::{EbpfOptions, LbOptions};
 pub use pins::{PIN_DIR_MODE, PIN_DIR_NAME, cleanup};
-pub use program::{
-    ApplyError, ApplySummary, BackendValue, FrontendMapKey, MapOps, MapWriteError, MapsContent,
-    Programmer, RemovedBackend, ip4_from_map, ip4_to_map, ip6_from_map, ip6_to_map,
-};
 pub use tc::TcOptions;
 pub use tc_conntrack::monotonic_ns;
 pub use test_run::TcTestRun;

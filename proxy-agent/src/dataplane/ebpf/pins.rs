@@ -22,7 +22,7 @@ use proxy_common::{
 };
 use tracing::{debug, info, warn};
 
-use super::error::LoadError;
+use super::error::EbpfError;
 
 /// Directory under `--bpf-root` that holds our pins.
 pub const PIN_DIR_NAME: &str = "kubeproxy-rs";
@@ -32,9 +32,9 @@ pub(super) const LINK_SUFFIX: &str = "_link";
 
 /// `--cleanup`: removes every link pin (which detaches the programs) and map pin under
 /// `<bpf_root>/kubeproxy-rs/`, then the directory. Returns how many pins it removed.
-pub fn cleanup(bpf_root: &Path) -> Result<usize, LoadError> {
+pub fn cleanup(bpf_root: &Path) -> Result<usize, EbpfError> {
     let pin_dir = bpf_root.join(PIN_DIR_NAME);
-    let to_error = |source| LoadError::PinDir {
+    let to_error = |source| EbpfError::PinDir {
         path: pin_dir.clone(),
         source,
     };
@@ -69,11 +69,11 @@ pub(super) fn attach_and_pin(
     name: &'static str,
     cgroup: &File,
     pin_dir: &Path,
-) -> Result<PinnedLink, LoadError> {
-    let program_error = |source| LoadError::Program { name, source };
+) -> Result<PinnedLink, EbpfError> {
+    let program_error = |source| EbpfError::Program { name, source };
     let program: &mut CgroupSockAddr = ebpf
         .program_mut(name)
-        .ok_or(LoadError::MissingProgram(name))?
+        .ok_or(EbpfError::MissingProgram(name))?
         .try_into()
         .map_err(program_error)?;
     program.load().map_err(program_error)?;
@@ -82,7 +82,7 @@ pub(super) fn attach_and_pin(
         .attach(cgroup, CgroupAttachMode::Single)
         .map_err(program_error)?;
     let link = program.take_link(link_id).map_err(program_error)?;
-    let link = FdLink::try_from(link).map_err(|source| LoadError::Link { name, source })?;
+    let link = FdLink::try_from(link).map_err(|source| EbpfError::Link { name, source })?;
     let link = pin_replacing(link, name, &pin_dir.join(format!("{name}{LINK_SUFFIX}")))?;
     debug!(program = name, "attached and pinned");
     Ok(link)
@@ -94,7 +94,7 @@ pub(super) fn pin_replacing(
     link: FdLink,
     name: &'static str,
     final_pin: &Path,
-) -> Result<PinnedLink, LoadError> {
+) -> Result<PinnedLink, EbpfError> {
     let final_pin = final_pin.to_path_buf();
     let new_pin = final_pin.with_file_name(format!(
         "{}_new",
@@ -104,19 +104,19 @@ pub(super) fn pin_replacing(
             .unwrap_or_default()
     ));
     // A crash between pin and rename leaves the temporary pin: remove it first.
-    remove_if_present(&new_pin).map_err(|source| LoadError::PinDir {
+    remove_if_present(&new_pin).map_err(|source| EbpfError::PinDir {
         path: new_pin.clone(),
         source,
     })?;
     link.pin(&new_pin)
-        .map_err(|source| LoadError::Pin { name, source })?;
+        .map_err(|source| EbpfError::Pin { name, source })?;
     // bpffs supports rename over an existing pin; the replaced pin was the old link's last
     // reference (the old agent is gone), so the kernel detaches it now.
-    std::fs::rename(&new_pin, &final_pin).map_err(|source| LoadError::PinDir {
+    std::fs::rename(&new_pin, &final_pin).map_err(|source| EbpfError::PinDir {
         path: final_pin.clone(),
         source,
     })?;
-    PinnedLink::from_pin(&final_pin).map_err(|source| LoadError::Link { name, source })
+    PinnedLink::from_pin(&final_pin).map_err(|source| EbpfError::Link { name, source })
 }
 
 pub(super) fn remove_if_present(path: &Path) -> io::Result<()> {
@@ -139,9 +139,9 @@ pub const PIN_DIR_MODE: u32 = 0o700;
 /// (`--lb-algorithm` or `--bpf-map-maglev` changed): aya would reuse the pin as it is. Its
 /// tables are then rebuilt by the first apply; until then the datapath's fallback for a
 /// missing table entry is random choice.
-pub(super) fn prepare_pin_dir(pin_dir: &Path, maglev_capacity: u32) -> Result<(), LoadError> {
+pub(super) fn prepare_pin_dir(pin_dir: &Path, maglev_capacity: u32) -> Result<(), EbpfError> {
     use std::os::unix::fs::{DirBuilderExt as _, PermissionsExt as _};
-    let to_error = |source| LoadError::PinDir {
+    let to_error = |source| EbpfError::PinDir {
         path: pin_dir.to_owned(),
         source,
     };

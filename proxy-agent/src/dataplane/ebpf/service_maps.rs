@@ -19,7 +19,7 @@ use proxy_common::{
 
 use super::{
     MapOps, MapWriteError,
-    program::{
+    map_writer::{
         BackendValue, FrontendMapKey, MapsContent, ip4_from_map, ip4_to_map, ip6_from_map,
         ip6_to_map,
     },
@@ -144,7 +144,7 @@ impl MapOps for ServiceMaps {
 }
 
 impl ServiceMaps {
-    /// Everything in the service maps, for [`Programmer::adopt`]. Iteration errors (an entry
+    /// Everything in the service maps, for [`MapWriter::adopt`]. Iteration errors (an entry
     /// deleted under us) skip that entry.
     pub(super) fn content(&self) -> MapsContent {
         let mut content = MapsContent::default();

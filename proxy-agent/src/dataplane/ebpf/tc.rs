@@ -39,9 +39,9 @@ use proxy_common::{NodeAddrKey, NodeConfig, family, node_flags, program_names};
 use tracing::{debug, info, warn};
 
 use super::{
-    error::LoadError,
+    error::EbpfError,
+    map_writer::{ip4_to_map, ip6_to_map},
     pins::{LINK_SUFFIX, remove_if_present},
-    program::{ip4_to_map, ip6_to_map},
 };
 use crate::{
     config::{DetectLocal, NodePortAddresses},
@@ -168,7 +168,7 @@ impl TcState {
             .flatten()
             .filter_map(|k| match k.family {
                 family::V4 => Some(IpAddr::V4(Ipv4Addr::from(k.addr[0].to_ne_bytes()))),
-                family::V6 => Some(IpAddr::V6(super::program::ip6_from_map(k.addr))),
+                family::V6 => Some(IpAddr::V6(super::map_writer::ip6_from_map(k.addr))),
                 _ => None,
             })
             .collect();
@@ -341,14 +341,14 @@ fn attach(
     direction: TcAttachType,
     pin_dir: &Path,
     pin_name: &str,
-) -> Result<PinnedLink, LoadError> {
-    let program_error = |source| LoadError::Program {
+) -> Result<PinnedLink, EbpfError> {
+    let program_error = |source| EbpfError::Program {
         name: program,
         source,
     };
     let classifier: &mut SchedClassifier = ebpf
         .program_mut(program)
-        .ok_or(LoadError::MissingProgram(program))?
+        .ok_or(EbpfError::MissingProgram(program))?
         .try_into()
         .map_err(program_error)?;
     if classifier.fd().is_err() {
@@ -359,7 +359,7 @@ fn attach(
         .attach(interface, direction)
         .map_err(program_error)?;
     let link = classifier.take_link(link_id).map_err(program_error)?;
-    let link = FdLink::try_from(link).map_err(|source| LoadError::Link {
+    let link = FdLink::try_from(link).map_err(|source| EbpfError::Link {
         name: program,
         source,
     })?;

@@ -2,7 +2,7 @@
 
 use aya::programs::{SchedClassifier, TestRun as _, TestRunOptions};
 
-use super::{dataplane::EbpfDataplane, error::LoadError};
+use super::{dataplane::EbpfDataplane, error::EbpfError};
 
 /// One run of a tc program with `BPF_PROG_TEST_RUN` ([`EbpfDataplane::test_run_tc`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -24,7 +24,7 @@ impl EbpfDataplane {
         program: &'static str,
         packet: &[u8],
         ifindex: u32,
-    ) -> Result<TcTestRun, LoadError> {
+    ) -> Result<TcTestRun, EbpfError> {
         self.test_run_tc_timed(program, packet, ifindex, 1)
             .map(|(run, _)| run)
     }
@@ -40,15 +40,15 @@ impl EbpfDataplane {
         packet: &[u8],
         ifindex: u32,
         repeat: u32,
-    ) -> Result<(TcTestRun, std::time::Duration), LoadError> {
-        let program_error = |source| LoadError::Program {
+    ) -> Result<(TcTestRun, std::time::Duration), EbpfError> {
+        let program_error = |source| EbpfError::Program {
             name: program,
             source,
         };
         let classifier: &mut SchedClassifier = self
             .ebpf
             .program_mut(program)
-            .ok_or(LoadError::MissingProgram(program))?
+            .ok_or(EbpfError::MissingProgram(program))?
             .try_into()
             .map_err(program_error)?;
         if classifier.fd().is_err() {
