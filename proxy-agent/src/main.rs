@@ -14,6 +14,20 @@ async fn main() -> ExitCode {
     // is reported (one line per problem) and exits 1 without a backtrace.
     let loaded = match config::load(&args) {
         Ok(loaded) => loaded,
+        Err(error) if matches!(args.command, Some(cli::Command::Inspect(_))) => {
+            for line in error.lines() {
+                eprintln!("proxy-agent: inspect ignores the configuration: {line}");
+            }
+            match config::load(&args.inspect_fallback()) {
+                Ok(loaded) => loaded,
+                Err(error) => {
+                    for line in error.lines() {
+                        eprintln!("proxy-agent: {line}");
+                    }
+                    return ExitCode::FAILURE;
+                }
+            }
+        }
         Err(error) => {
             for line in error.lines() {
                 eprintln!("proxy-agent: {line}");
