@@ -9,6 +9,7 @@ pub mod desired;
 pub mod drift;
 pub mod fuzz;
 pub mod inspect;
+pub mod logging;
 pub mod node;
 pub mod node_services;
 pub mod objects;
