@@ -161,6 +161,9 @@ pub fn go_float(value: f64) -> String {
     format!("{sign}{formatted}")
 }
 
+/// Label pairs (name, escaped value).
+type Labels = Vec<(String, String)>;
+
 /// One sample line: name, labels (name, escaped value) and the value text.
 #[derive(Debug, Clone)]
 struct Sample {
@@ -320,14 +323,14 @@ fn write_sample(
     value: &str,
 ) {
     out.push_str(name);
-    let extra = extra.and_then(|(key, raw)| {
+    let extra = extra.map(|(key, raw)| {
         // The bound is a number: client_golang writes it as Go formats a float.
         let parsed = match raw {
             "+Inf" => Some(f64::INFINITY),
             "-Inf" => Some(f64::NEG_INFINITY),
             other => other.parse::<f64>().ok(),
         };
-        Some((key, parsed.map_or_else(|| raw.to_owned(), go_float)))
+        (key, parsed.map_or_else(|| raw.to_owned(), go_float))
     });
     if !labels.is_empty() || extra.is_some() {
         out.push('{');
@@ -335,7 +338,7 @@ fn write_sample(
         let pairs = labels
             .iter()
             .map(|(k, v)| (k.as_str(), v.clone()))
-            .chain(extra.map(|(k, v)| (k, v)));
+            .chain(extra);
         for (key, value) in pairs {
             if !first {
                 out.push(',');
@@ -376,7 +379,7 @@ pub fn openmetrics_to_text(openmetrics: &str) -> String {
             _ => "untyped",
         };
         // Series in first-seen order, then sorted; each keeps its samples.
-        let mut series: Vec<(Vec<(String, String)>, Vec<Sample>)> = Vec::new();
+        let mut series: Vec<(Labels, Vec<Sample>)> = Vec::new();
         for sample in family.samples {
             if sample.name.ends_with("_created")
                 && matches!(kind, "counter" | "histogram" | "summary")

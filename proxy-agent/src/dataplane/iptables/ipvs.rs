@@ -178,7 +178,10 @@ pub fn flush_virtual_services() -> Result<IpvsOutcome, IpvsError> {
     match genl.answer("family lookup", |attrs| {
         family = family.or(family_id(attrs))
     }) {
-        Err(IpvsError::Kernel { error, .. }) if error == nix::Error::ENOENT => {
+        Err(IpvsError::Kernel {
+            error: nix::Error::ENOENT,
+            ..
+        }) => {
             return Ok(IpvsOutcome::Absent);
         }
         other => other?,

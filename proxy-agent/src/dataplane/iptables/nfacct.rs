@@ -83,8 +83,10 @@ impl Nfacct {
             Ok(_) => Ok(()),
             Err(error) if error.is_not_found() => match self.add(name) {
                 // Another process created it meanwhile.
-                Err(NfacctError::Kernel { error, .. }) if error == nix::Error::EBUSY => Ok(()),
-                Err(NfacctError::Kernel { error, .. }) if error == nix::Error::EEXIST => Ok(()),
+                Err(NfacctError::Kernel {
+                    error: nix::Error::EBUSY | nix::Error::EEXIST,
+                    ..
+                }) => Ok(()),
                 other => other,
             },
             Err(error) => Err(error),
