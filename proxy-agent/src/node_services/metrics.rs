@@ -856,6 +856,9 @@ pub fn router(metrics: Arc<Metrics>) -> Router {
         .route("/healthz/ping", any(ping_handler))
         .route("/configz", any(configz_handler))
         .route("/debug/flags/v", any(verbosity_handler))
+        .route("/debug/flags", any(debug_flags_index))
+        .route("/debug/flags/", any(debug_flags_index))
+        .route("/debug/flags/{*rest}", any(debug_flags_index))
         .fallback(go_not_found)
         .with_state(metrics)
 }
@@ -890,6 +893,23 @@ async fn configz_handler(State(metrics): State<Arc<Metrics>>) -> Response<Body> 
         .unwrap_or_else(|| "{}".to_owned());
     response(StatusCode::OK, "application/json", body)
 }
+
+/// `routes.DebugFlags`' index (`/debug/flags`, and `/debug/flags/…` other than `v`): the HTML
+/// page listing the one flag, only with `--profiling`.
+async fn debug_flags_index(State(metrics): State<Arc<Metrics>>) -> Response<Body> {
+    if !metrics.profiling.load(Ordering::Relaxed) {
+        return go_not_found().await;
+    }
+    response(
+        StatusCode::OK,
+        // What Go's content sniffing answers for the template's `<html>`.
+        "text/html; charset=utf-8",
+        DEBUG_FLAGS_INDEX.to_owned(),
+    )
+}
+
+/// component-base's index template rendered with the flag `v`.
+const DEBUG_FLAGS_INDEX: &str = "<html>\n<head>\n<title>/debug/flags/</title>\n</head>\n<body>\n/debug/flags/<br>\n<br>\nflags:<br>\n<table>\n\n<tr>v<br>\n\n</table>\n<br>\nfull flags configurable<br>\n</body>\n</html>\n";
 
 /// component-base's `StringFlagPutHandler(logs.GlogSetter)` under `routes.DebugFlags`: only
 /// with `--profiling`; PUT sets the verbosity, any other method is 406.

@@ -719,5 +719,9 @@ async fn configz_and_debug_flags_v_as_kube_proxys_metrics_server() {
         (reply.status(), reply.body.as_str()),
         (406, "unsupported http method\n")
     );
+    let index = get(addr, "/debug/flags").await;
+    assert_eq!(index.status(), 200);
+    assert!(index.body.contains("<tr>v<br>"), "{}", index.body);
+    assert_eq!(get(addr, "/debug/flags/other").await.body, index.body);
     crate::logging::set_verbosity("0").unwrap();
 }
