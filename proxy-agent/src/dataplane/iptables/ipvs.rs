@@ -1,7 +1,8 @@
 //! IPVS virtual services left by kube-proxy's ipvs mode. Upstream's ipvs `CleanupLeftovers`
 //! flushes every virtual service of the namespace (`ipvs.Flush()`, `IPVS_CMD_FLUSH`): the ipvs
 //! proxier owns the whole table. Done here over generic netlink (`linux/ip_vs.h`): resolve the
-//! `IPVS` family; when the kernel has none (no ip_vs loaded) no virtual service can exist.
+//! `IPVS` family; when the kernel has none (no ip_vs loaded: no `/proc/net/ip_vs`) no virtual
+//! service can exist.
 //! Services are counted first (a dump) so the log says what was removed.
 
 use std::os::fd::{AsRawFd as _, OwnedFd};
@@ -143,6 +144,33 @@ impl Genl {
     }
 }
 
+impl Genl {
+    /// The id of a generic netlink family; `None` when the kernel has no such family.
+    fn family(&mut self, name: &str) -> Result<Option<u16>, IpvsError> {
+        let name = format!("{name}\0");
+        self.request(
+            GENL_ID_CTRL,
+            NLM_F_REQUEST | NLM_F_ACK,
+            CTRL_CMD_GETFAMILY,
+            1,
+            &[(CTRL_ATTR_FAMILY_NAME, name.as_bytes())],
+        )?;
+        let mut family = None;
+        match self.answer("family lookup", |attrs| {
+            family = family.or(family_id(attrs))
+        }) {
+            Err(IpvsError::Kernel {
+                error: nix::Error::ENOENT,
+                ..
+            }) => Ok(None),
+            Err(error) => Err(error),
+            Ok(()) => family
+                .ok_or(IpvsError::Malformed("family lookup"))
+                .map(Some),
+        }
+    }
+}
+
 fn align4(n: usize) -> usize {
     (n + 3) & !3
 }
@@ -163,30 +191,20 @@ fn family_id(mut attrs: &[u8]) -> Option<u16> {
     None
 }
 
+/// Where a kernel with IPVS loaded lists the calling thread's namespace's virtual services.
+const PROC_IP_VS: &str = "/proc/thread-self/net/ip_vs";
+
 /// Removes every IPVS virtual service of the calling thread's network namespace.
 pub fn flush_virtual_services() -> Result<IpvsOutcome, IpvsError> {
-    let mut genl = Genl::open()?;
-    let name = format!("{IPVS_GENL_NAME}\0");
-    genl.request(
-        GENL_ID_CTRL,
-        NLM_F_REQUEST | NLM_F_ACK,
-        CTRL_CMD_GETFAMILY,
-        1,
-        &[(CTRL_ATTR_FAMILY_NAME, name.as_bytes())],
-    )?;
-    let mut family = None;
-    match genl.answer("family lookup", |attrs| {
-        family = family.or(family_id(attrs))
-    }) {
-        Err(IpvsError::Kernel {
-            error: nix::Error::ENOENT,
-            ..
-        }) => {
-            return Ok(IpvsOutcome::Absent);
-        }
-        other => other?,
+    // Without ip_vs loaded there is nothing to remove, and asking generic netlink for the
+    // family would make the kernel load the module just to answer.
+    if !std::path::Path::new(PROC_IP_VS).exists() {
+        return Ok(IpvsOutcome::Absent);
     }
-    let family = family.ok_or(IpvsError::Malformed("family lookup"))?;
+    let mut genl = Genl::open()?;
+    let Some(family) = genl.family(IPVS_GENL_NAME)? else {
+        return Ok(IpvsOutcome::Absent);
+    };
     genl.request(
         family,
         NLM_F_REQUEST | NLM_F_DUMP,
@@ -230,5 +248,15 @@ mod tests {
         assert_eq!(family_id(&attrs), Some(0x1c));
         assert_eq!(family_id(&attrs[..12]), None);
         assert_eq!(family_id(&[]), None);
+    }
+
+    /// The request and answer encoding against the running kernel: the controller family
+    /// itself always exists (id `GENL_ID_CTRL`); an unknown name is "absent", not an error.
+    /// Read-only queries.
+    #[test]
+    fn family_lookup_speaks_to_the_kernel() {
+        let mut genl = Genl::open().unwrap();
+        assert_eq!(genl.family("nlctrl").unwrap(), Some(GENL_ID_CTRL));
+        assert_eq!(genl.family("kpr-nofamily").unwrap(), None);
     }
 }
