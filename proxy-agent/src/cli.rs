@@ -32,7 +32,7 @@ pub struct Args {
     #[arg(long, value_name = "FILE", help_heading = "Configuration file")]
     pub write_config_to: Option<PathBuf>,
 
-    /// Remove everything the agent installed, then exit (not implemented yet).
+    /// Remove everything either mode installed, and kube-proxy's nftables/IPVS leftovers, then exit.
     #[arg(long, value_name = "BOOL", num_args = 0..=1, require_equals = true,
           default_missing_value = "true", help_heading = "Configuration file")]
     pub cleanup: Option<String>,
@@ -465,7 +465,8 @@ pub struct Args {
     )]
     pub bpf_maglev_table_size: Option<String>,
 
-    /// Network interfaces for the packet-level programs, comma-separated (not used yet).
+    /// Interfaces that get the external tc programs, comma-separated (default: every interface
+    /// with a global unicast address).
     #[arg(
         long,
         value_name = "NAMES",

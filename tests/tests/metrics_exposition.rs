@@ -6,8 +6,8 @@
 
 use std::{
     collections::BTreeSet,
-    io::{Read as _, Write as _},
-    net::{Ipv4Addr, SocketAddr, SocketAddrV4, TcpStream},
+    io::Write as _,
+    net::{Ipv4Addr, SocketAddr, SocketAddrV4},
     os::fd::AsRawFd as _,
     path::Path,
     process::{Command, Stdio},
@@ -17,6 +17,7 @@ use std::{
 use anyhow::{Context as _, bail, ensure};
 use proxy_tests::{
     client::Attempt,
+    http::{Response, get_with_headers},
     packet::{L4, build, l4_checksum},
     scenario::{Scenario, http_slice, pod_endpoint},
     service_scenarios::{NODE_PORT, ServiceSpec, service_yaml},
@@ -27,54 +28,9 @@ use proxy_tests::{
 const METRICS: &str = "127.0.0.1:10249";
 const OPENMETRICS_ACCEPT: &str = "application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;q=0.75,text/plain;version=0.0.4;q=0.5,*/*;q=0.1";
 
-#[derive(Debug)]
-struct Response {
-    status: u16,
-    head: String,
-    body: String,
-}
-
-impl Response {
-    fn header(&self, name: &str) -> Option<&str> {
-        self.head
-            .lines()
-            .find_map(|line| line.strip_prefix(&format!("{name}: ")))
-    }
-}
-
-/// One HTTP/1.1 request from a thread inside the network namespace at `netns`.
+/// One GET of the metrics server from inside the node's namespace.
 fn request(netns: &Path, path: &str, headers: &[(&str, &str)]) -> anyhow::Result<Response> {
-    let file = std::fs::File::open(netns)?;
-    let path = path.to_owned();
-    let extra: String = headers
-        .iter()
-        .map(|(name, value)| format!("{name}: {value}\r\n"))
-        .collect();
-    std::thread::spawn(move || -> anyhow::Result<Response> {
-        nix::sched::setns(&file, nix::sched::CloneFlags::CLONE_NEWNET)?;
-        let addr: SocketAddr = METRICS.parse()?;
-        let mut stream = TcpStream::connect_timeout(&addr, Duration::from_secs(2))?;
-        stream.set_read_timeout(Some(Duration::from_secs(2)))?;
-        write!(
-            stream,
-            "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n{extra}\r\n"
-        )?;
-        let mut raw = String::new();
-        stream.read_to_string(&mut raw)?;
-        let (head, body) = raw.split_once("\r\n\r\n").unwrap_or((&raw, ""));
-        let status = head
-            .split_whitespace()
-            .nth(1)
-            .and_then(|s| s.parse().ok())
-            .with_context(|| format!("no status line in {head:?}"))?;
-        Ok(Response {
-            status,
-            head: head.to_owned(),
-            body: body.to_owned(),
-        })
-    })
-    .join()
-    .map_err(|_| anyhow::anyhow!("HTTP thread panicked"))?
+    Ok(get_with_headers(netns, METRICS.parse()?, path, headers)?)
 }
 
 /// A NodePort Service `default/web` with pods 1 and 2, the agent started in `mode`.

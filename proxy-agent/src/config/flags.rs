@@ -13,10 +13,9 @@ use super::{
     defaults::{HEALTHZ_PORT, METRICS_PORT},
     file::{FlushFrequency, KubeProxyConfiguration, VModuleItem},
 };
-use crate::{
-    cli::Args,
-    dataplane::ebpf::{MAX_MAGLEV_TABLE_SIZE, is_valid_table_size},
-};
+use proxy_common::maglev::{MAX_TABLE_SIZE as MAX_MAGLEV_TABLE_SIZE, is_valid_table_size};
+
+use crate::cli::Args;
 
 /// Settings that only exist as flags.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]

@@ -23,6 +23,8 @@ use std::{
     time::Duration,
 };
 
+pub use crate::proxy_mode::ProxyMode;
+
 pub use ipnet::IpNet;
 use thiserror::Error;
 use tracing::level_filters::LevelFilter;
@@ -85,29 +87,6 @@ pub struct Config {
     pub ebpf: EbpfConfig,
     /// The `/configz` body (the effective configuration in upstream's internal shape).
     pub configz: String,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ProxyMode {
-    /// Socket-level load balancing with eBPF programs on the cgroup2 hierarchy.
-    Ebpf,
-    /// kube-proxy's iptables rules (not implemented yet).
-    Iptables,
-}
-
-impl ProxyMode {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            ProxyMode::Ebpf => "ebpf",
-            ProxyMode::Iptables => "iptables",
-        }
-    }
-}
-
-impl fmt::Display for ProxyMode {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
-    }
 }
 
 /// component-base's ClientConnectionConfiguration.
@@ -212,7 +191,7 @@ impl Default for EbpfConfig {
             map_backends: proxy_common::default_sizes::BACKENDS,
             interfaces: Vec::new(),
             lb_algorithm: LbAlgorithm::Random,
-            maglev_table_size: crate::dataplane::ebpf::DEFAULT_MAGLEV_TABLE_SIZE,
+            maglev_table_size: proxy_common::maglev::DEFAULT_TABLE_SIZE,
             map_maglev: proxy_common::default_sizes::MAGLEV,
             tc_fast_path: false,
             drift_check_period: DEFAULT_DRIFT_CHECK_PERIOD,

@@ -1218,6 +1218,41 @@ fn notices_copy_upstreams_log_lines() {
 }
 
 #[test]
+fn settings_without_effect_are_named_in_one_warning() {
+    let notices = load_args(&[
+        "--cluster-cidr",
+        "10.0.0.0/8",
+        "--config-sync-period",
+        "1m",
+        "--kube-api-qps",
+        "50",
+        "--kube-api-content-type",
+        "application/json",
+    ])
+    .unwrap()
+    .notices;
+    let [Notice::Warn(message)] = &notices[..] else {
+        panic!("expected one warning: {notices:?}");
+    };
+    for setting in [
+        "configSyncPeriod=1m",
+        "clientConnection.qps=50",
+        "clientConnection.contentType=application/json",
+    ] {
+        assert!(message.contains(setting), "{setting} missing in {message}");
+    }
+    assert!(!message.contains("burst"), "{message}");
+}
+
+#[test]
+fn json_logging_is_not_reported_as_ignored() {
+    let notices = load_args(&["--cluster-cidr", "10.0.0.0/8", "--logging-format", "json"])
+        .unwrap()
+        .notices;
+    assert!(notices.is_empty(), "{notices:?}");
+}
+
+#[test]
 fn verbosity_maps_to_tracing_levels() {
     for (v, level) in [
         ("0", LevelFilter::INFO),

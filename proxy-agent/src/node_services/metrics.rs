@@ -52,8 +52,8 @@ use super::{
     http::{go_not_found, response},
 };
 use crate::{
-    config::ProxyMode,
     desired::{FamilySnapshot, IpFamily},
+    proxy_mode::ProxyMode,
 };
 
 #[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]

@@ -37,9 +37,9 @@ use self::{
     service_health::ServiceHealthServers,
 };
 use crate::{
-    config::ProxyMode,
     desired::{IpFamily, Snapshot},
     objects::{ObjectKey, Objects},
+    proxy_mode::ProxyMode,
 };
 
 /// kube-proxy's `--healthz-bind-address` default.

@@ -11,7 +11,7 @@
 //! translated (not a frontend) and lets it pass.
 
 use std::{
-    collections::BTreeSet,
+    collections::{BTreeMap, BTreeSet},
     fs::File,
     io,
     net::{IpAddr, SocketAddr},
@@ -41,8 +41,8 @@ use tokio::{io::unix::AsyncFd, task::JoinHandle};
 use tracing::{debug, info, warn};
 
 use super::{
-    ApplyError, ApplySummary, DriftCheck, MapOps, MapWriteError, Programmer, bpffs, cgroup, ct,
-    drift, maglev, object,
+    ApplyError, ApplySummary, DriftCheck, MapOps, MapWriteError, Programmer, bpffs, cgroup, drift,
+    maglev, object,
     program::{
         BackendValue, FrontendMapKey, MapsContent, ip4_from_map, ip4_to_map, ip6_from_map,
         ip6_to_map,
@@ -50,6 +50,7 @@ use super::{
     sockdiag::{self, DiagSocket},
     stats::read_stats,
     tc::{TcOptions, TcState},
+    tc_conntrack,
 };
 use crate::desired::{Protocol, ServicePortName, Snapshot};
 use crate::node_services::metrics::EbpfMetrics;
@@ -376,6 +377,8 @@ pub struct EbpfDataplane {
     programmer: Programmer,
     /// Frontend writes refused because a map was full, since start (a counter for metrics).
     capacity_errors: u64,
+    /// `max_entries` of the maps the programmer fills, by pinned name.
+    capacities: BTreeMap<&'static str, u32>,
     pin_dir: PathBuf,
     cgroup_path: PathBuf,
     links: Vec<PinnedLink>,
@@ -484,11 +487,21 @@ impl EbpfDataplane {
             tc_links = tc.link_count(),
             "eBPF socket and tc programs attached and pinned"
         );
+        let capacities = BTreeMap::from([
+            (map_names::FRONTENDS4, options.frontends_capacity),
+            (map_names::FRONTENDS6, options.frontends_capacity),
+            (map_names::BACKENDS4, options.backends_capacity),
+            (map_names::BACKENDS6, options.backends_capacity),
+            (map_names::BACKEND_SLOTS, slots_capacity),
+            (map_names::SOURCE_RANGES, options.frontends_capacity),
+            (map_names::MAGLEV, maglev_capacity),
+        ]);
         Ok(Self {
             maps,
             stats,
             programmer,
             capacity_errors: 0,
+            capacities,
             pin_dir,
             cgroup_path,
             links,
@@ -535,7 +548,7 @@ impl EbpfDataplane {
     /// Deletes the tc conntrack entries of backends this apply removed (see `ct`), after the
     /// frontend switch: no new flow can pick them any more, so none is recreated.
     fn purge_conntrack(&mut self, summary: &ApplySummary) -> usize {
-        if !ct::any_external(&summary.removed_backends) {
+        if !tc_conntrack::any_external(&summary.removed_backends) {
             return 0;
         }
         let started = std::time::Instant::now();
@@ -546,7 +559,7 @@ impl EbpfDataplane {
                 return 0;
             }
         };
-        let report = ct::purge(&mut map, &summary.removed_backends);
+        let report = tc_conntrack::purge(&mut map, &summary.removed_backends);
         info!(
             removed_backends = summary.removed_backends.len(),
             scanned = report.scanned,
@@ -557,16 +570,16 @@ impl EbpfDataplane {
         report.deleted
     }
 
-    /// Garbage collection of the tc conntrack (see `ct::gc`): deletes dead flows' entries,
+    /// Garbage collection of the tc conntrack (see `tc_conntrack::gc`): deletes dead flows' entries,
     /// and counts the run and the entries left in `metrics`. Called every 30 s (`run.rs`).
     pub fn conntrack_gc(
         &mut self,
         metrics: Option<&EbpfMetrics>,
-    ) -> Result<ct::GcReport, LoadError> {
+    ) -> Result<tc_conntrack::GcReport, LoadError> {
         let started = std::time::Instant::now();
-        let now = ct::monotonic_ns().map_err(LoadError::Clock)?;
+        let now = tc_conntrack::monotonic_ns().map_err(LoadError::Clock)?;
         let mut map = self.conntrack_map()?;
-        let report = ct::gc(&mut map, now);
+        let report = tc_conntrack::gc(&mut map, now);
         if let Some(metrics) = metrics {
             metrics.conntrack_gc_run();
             metrics.conntrack_entries(u64::try_from(report.remaining).unwrap_or(u64::MAX));
@@ -617,7 +630,7 @@ impl EbpfDataplane {
     /// Every tc conntrack entry (a snapshot: the datapath keeps changing it). For tests and
     /// diagnostics.
     pub fn conntrack_entries(&mut self) -> Result<Vec<(CtKey, CtValue)>, LoadError> {
-        Ok(ct::entries(&self.conntrack_map()?))
+        Ok(tc_conntrack::entries(&self.conntrack_map()?))
     }
 
     /// Runs the tc program `program` once on `packet` with `BPF_PROG_TEST_RUN`, as if it had
@@ -689,6 +702,18 @@ impl EbpfDataplane {
 
     /// Frontend writes refused because a map was full, counted since the agent started (each
     /// retry that fails again counts again): a counter for the metrics.
+    /// Entries and capacity of each map the programmer fills (`kubeproxy_ebpf_map_*`).
+    pub fn map_usage(&self) -> Vec<(&'static str, u64, u64)> {
+        self.programmer
+            .entries()
+            .into_iter()
+            .map(|(map, entries)| {
+                let capacity = self.capacities.get(map).copied().unwrap_or(0);
+                (map, entries, u64::from(capacity))
+            })
+            .collect()
+    }
+
     pub fn capacity_errors(&self) -> u64 {
         self.capacity_errors
     }

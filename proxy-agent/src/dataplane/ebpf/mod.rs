@@ -3,7 +3,6 @@
 
 mod bpffs;
 mod cgroup;
-mod ct;
 mod drift;
 mod ids;
 mod loader;
@@ -13,8 +12,8 @@ mod program;
 pub(crate) mod sockdiag;
 mod stats;
 mod tc;
+mod tc_conntrack;
 
-pub use ct::monotonic_ns;
 pub use drift::{Drift, DriftCheck, DriftKind, RepairReport};
 pub use loader::{
     EbpfDataplane, EbpfOptions, LbOptions, LoadError, PIN_DIR_MODE, PIN_DIR_NAME, TcTestRun,
@@ -29,3 +28,4 @@ pub use program::{
     Programmer, RemovedBackend, ip4_from_map, ip4_to_map, ip6_from_map, ip6_to_map,
 };
 pub use tc::TcOptions;
+pub use tc_conntrack::monotonic_ns;

@@ -277,6 +277,49 @@ impl Programmer {
         }
     }
 
+    /// Entries this programmer has in each map it writes (the live generation; an update in
+    /// progress briefly holds two), by pinned map name: the fill level `--bpf-map-*` sizes.
+    pub fn entries(&self) -> [(&'static str, u64); 7] {
+        let count = |n: usize| n as u64;
+        let applied = || self.frontends.values();
+        let v4 = applied()
+            .filter(|a| matches!(a.map_key, FrontendMapKey::V4(_)))
+            .count();
+        let backends_v4 = self
+            .backends
+            .keys()
+            .filter(|b| matches!(b, BackendValue::V4(_)))
+            .count();
+        [
+            (proxy_common::map_names::FRONTENDS4, count(v4)),
+            (
+                proxy_common::map_names::FRONTENDS6,
+                count(self.frontends.len() - v4),
+            ),
+            (proxy_common::map_names::BACKENDS4, count(backends_v4)),
+            (
+                proxy_common::map_names::BACKENDS6,
+                count(self.backends.len() - backends_v4),
+            ),
+            (
+                proxy_common::map_names::BACKEND_SLOTS,
+                count(applied().map(|a| a.slots.len()).sum()),
+            ),
+            (
+                proxy_common::map_names::SOURCE_RANGES,
+                count(applied().map(|a| a.source_ranges.len()).sum()),
+            ),
+            (
+                proxy_common::map_names::MAGLEV,
+                count(
+                    applied()
+                        .map(|a| a.value.maglev_size.div_ceil(MAGLEV_BLOCK_SLOTS) as usize)
+                        .sum(),
+                ),
+            ),
+        ]
+    }
+
     /// The service ids (one per frontend) a service port owns, for `proxy-agent inspect`.
     pub fn service_ids_of(&self, name: &ServicePortName) -> Vec<u32> {
         self.owned

@@ -21,7 +21,8 @@ use super::{
     rules::{SyncInput, generate, is_large_cluster},
 };
 use crate::{
-    desired::{IpFamily, ServicePortName, Snapshot},
+    desired::{IpFamily, Protocol, ServicePortName, Snapshot},
+    kernel_conntrack::{self, CleanupReport},
     node::NodeSettings,
     objects::ObjectKey,
 };
@@ -61,6 +62,18 @@ pub struct SyncReport {
     pub deleted_chains: usize,
     pub large_cluster: bool,
     pub elapsed: Duration,
+    /// The conntrack cleanup after this sync; `None` when no UDP/SCTP service port of the family
+    /// was in the sync's scope (TCP flows are never cut: they drain as with kube-proxy).
+    pub conntrack: Option<ConntrackCleanup>,
+}
+
+/// kube-proxy's `conntrack.CleanStaleEntries`, run after a successful restore: UDP/SCTP flows
+/// DNATed to endpoints that went away must not stay pinned to them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConntrackCleanup {
+    pub elapsed: Duration,
+    /// The error as text, so that a report stays comparable.
+    pub result: Result<CleanupReport, String>,
 }
 
 #[derive(Debug)]
@@ -156,7 +169,14 @@ impl IptablesDataplane {
         let config = &self.config;
         self.families
             .iter_mut()
-            .map(|family| family.sync(config, snapshot, services.as_ref()))
+            .map(|family| {
+                let mut report = family.sync(config, snapshot, services.as_ref())?;
+                let scope = if report.full { None } else { changed };
+                if needs_conntrack_cleanup(snapshot, scope, report.family) {
+                    report.conntrack = Some(clean_conntrack(report.family, snapshot));
+                }
+                Ok(report)
+            })
             .collect()
     }
 
@@ -347,6 +367,7 @@ impl Family {
             deleted_chains: ruleset.deleted_chains.len(),
             large_cluster: ruleset.large_cluster,
             elapsed: started.elapsed(),
+            conntrack: None,
         })
     }
 
@@ -358,6 +379,35 @@ impl Family {
                 .ensure_rule_first(jump.table, jump.source, &jump.args())?;
         }
         Ok(())
+    }
+}
+
+/// Whether a sync may have left stale UDP/SCTP conntrack entries: a full sync, or a changed
+/// UDP/SCTP service port of this family.
+fn needs_conntrack_cleanup(
+    snapshot: &Snapshot,
+    changed: Option<&BTreeSet<ServicePortName>>,
+    family: IpFamily,
+) -> bool {
+    let stateful_datagrams =
+        |name: &ServicePortName| matches!(name.protocol, Protocol::Udp | Protocol::Sctp);
+    match changed {
+        None => snapshot
+            .family(family)
+            .service_ports
+            .keys()
+            .any(stateful_datagrams),
+        Some(changed) => changed.iter().any(stateful_datagrams),
+    }
+}
+
+fn clean_conntrack(family: IpFamily, snapshot: &Snapshot) -> ConntrackCleanup {
+    let started = Instant::now();
+    let result =
+        kernel_conntrack::reconcile(family, snapshot.family(family)).map_err(|e| e.to_string());
+    ConntrackCleanup {
+        elapsed: started.elapsed(),
+        result,
     }
 }
 

@@ -25,9 +25,9 @@ use super::{
     time_format::Stamp,
 };
 use crate::{
-    config::ProxyMode,
     desired::Snapshot,
     objects::{ObjectKey, Objects},
+    proxy_mode::ProxyMode,
 };
 
 pub const NODE: &str = "test-node";
