@@ -9,6 +9,7 @@ pub mod drift;
 pub mod fuzz;
 pub mod inspect;
 pub mod kernel_conntrack;
+pub mod logging;
 pub mod netlink;
 pub mod node;
 pub mod node_services;

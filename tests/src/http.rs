@@ -18,12 +18,35 @@ pub struct Response {
     pub body: String,
 }
 
+impl Response {
+    /// A header's value, by its name as sent.
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.head
+            .lines()
+            .find_map(|line| line.strip_prefix(name)?.strip_prefix(": "))
+    }
+}
+
 /// One GET from a thread inside the network namespace at `netns` (`setns` only moves that
 /// thread), with 2 s connect and read timeouts.
 pub fn get(netns: &Path, addr: SocketAddr, path: &str) -> Result<Response> {
+    get_with_headers(netns, addr, path, &[])
+}
+
+/// [`get`] with extra request headers (e.g. `Accept`).
+pub fn get_with_headers(
+    netns: &Path,
+    addr: SocketAddr,
+    path: &str,
+    headers: &[(&str, &str)],
+) -> Result<Response> {
     let file =
         File::open(netns).map_err(|e| RigError::io(format!("opening {}", netns.display()), e))?;
     let path = path.to_owned();
+    let extra: String = headers
+        .iter()
+        .map(|(name, value)| format!("{name}: {value}\r\n"))
+        .collect();
     std::thread::spawn(move || -> Result<Response> {
         nix::sched::setns(&file, nix::sched::CloneFlags::CLONE_NEWNET)
             .map_err(|e| RigError::nix("entering the network namespace", e))?;
@@ -34,7 +57,7 @@ pub fn get(netns: &Path, addr: SocketAddr, path: &str) -> Result<Response> {
             .map_err(io)?;
         write!(
             stream,
-            "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
+            "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n{extra}\r\n"
         )
         .map_err(io)?;
         let mut raw = String::new();

@@ -7,6 +7,7 @@
 //! typed [`Config`] (`validate`). Nothing is touched before all of it succeeds; every problem
 //! is reported, each naming its source (file or flag), field and value.
 
+pub mod configz;
 pub mod defaults;
 pub mod duration;
 pub mod features;
@@ -84,6 +85,8 @@ pub struct Config {
     pub init_only: bool,
     /// Our additions (flags only, never in the file).
     pub ebpf: EbpfConfig,
+    /// The `/configz` body (the effective configuration in upstream's internal shape).
+    pub configz: String,
 }
 
 /// component-base's ClientConnectionConfiguration.
@@ -200,11 +203,7 @@ impl Config {
     /// klog verbosity → tracing: 0-1 info (klog's default and "steady state" levels),
     /// 2-3 debug (klog's "extended info" and "debug"), 4 and above trace.
     pub fn log_level(&self) -> LevelFilter {
-        match self.verbosity {
-            0 | 1 => LevelFilter::INFO,
-            2 | 3 => LevelFilter::DEBUG,
-            _ => LevelFilter::TRACE,
-        }
+        crate::logging::level(i64::from(self.verbosity))
     }
 }
 
@@ -377,6 +376,7 @@ pub fn load(args: &Args) -> Result<Loaded, ConfigError> {
         );
     }
     config.mode_defaulted = mode_defaulted;
+    config.configz = configz::body(&document);
     if !problems.is_empty() {
         return Err(ConfigError::Invalid(problems));
     }

@@ -119,7 +119,7 @@ pub fn resolve(
     }
     if doc.enable_profiling {
         warnings.push(Notice::Warn(
-            "enableProfiling (--profiling) is accepted but kubeproxy-rs serves no /debug/pprof"
+            "enableProfiling (--profiling): kubeproxy-rs serves /debug/flags/v but no /debug/pprof"
                 .to_owned(),
         ));
     }
@@ -382,6 +382,7 @@ pub fn resolve(
         cleanup: extras.cleanup,
         init_only: extras.init_only,
         ebpf: extras.ebpf,
+        configz: String::new(),
     };
     (config, warnings)
 }

@@ -92,6 +92,14 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
         node_required: matches!(source, Source::Kubernetes(_)),
         ..NodeServicesConfig::new(&node.name, dataplane.mode(), config.sync_period)
     });
+    node_services
+        .metrics()
+        .set_debug(config.configz.clone(), config.enable_profiling);
+    if let Some(iptables) = node_services.metrics().iptables() {
+        iptables.read_nfacct_with(Box::new(|name| {
+            crate::dataplane::iptables::nfacct::packets(name).map_err(|e| e.to_string())
+        }));
+    }
     for family in IpFamily::ALL {
         node_services.loop_started(family);
     }

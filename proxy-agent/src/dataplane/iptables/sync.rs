@@ -17,6 +17,7 @@ use super::{
     detect::{self, RANDOM_FULLY_MIN},
     exec::{ExecError, Iptables},
     jumps::{JUMP_RULES, KUBELET_JUMP_RULES},
+    nfacct,
     rules::{SyncInput, generate, is_large_cluster},
 };
 use crate::{
@@ -100,6 +101,8 @@ impl IptablesDataplane {
     pub fn start(config: IptablesConfig) -> Result<Self, IptablesError> {
         let backend = detect::detect_backend();
         let addresses = detect::interface_addresses();
+        // Once for both families, as upstream's NewDualStackProxier.
+        let (nfacct_invalid, nfacct_localhost) = nfacct::ensure_kube_proxy_counters();
         let mut families = Vec::new();
         for family in IpFamily::ALL {
             let iptables = Iptables {
@@ -117,10 +120,9 @@ impl IptablesDataplane {
             let host = HostFeatures {
                 random_fully: iptables.version.is_some_and(|v| v >= RANDOM_FULLY_MIN),
                 conntrack_tcp_liberal: detect::conntrack_tcp_liberal(),
-                // nfacct counters are not created yet: upstream then omits the `-m nfacct`
-                // matches, exactly as when its own nfacct.Ensure fails.
-                nfacct_invalid: false,
-                nfacct_localhost: false,
+                // A counter that could not be created loses its `-m nfacct` match, as upstream.
+                nfacct_invalid,
+                nfacct_localhost,
             };
             // Until the agent's node settings arrive (`set_node`, before the first sync).
             let node_ip = detect::primary_address(&addresses, family);
