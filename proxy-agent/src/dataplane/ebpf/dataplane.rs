@@ -211,29 +211,20 @@ impl EbpfDataplane {
     /// `None`, which also deletes the names of service ids no frontend holds). Best effort: a
     /// failed write only costs `inspect` a name (it shows `#<id>`).
     fn write_service_names(&mut self, changed: Option<&BTreeSet<ServicePortName>>) {
-        let names: Vec<(u32, String)> = match changed {
-            Some(changed) => changed
-                .iter()
-                .flat_map(|name| {
-                    let text = name.to_string();
-                    self.map_writer
-                        .service_ids_of(name)
-                        .into_iter()
-                        .map(move |id| (id, text.clone()))
-                })
-                .collect(),
-            None => self
-                .map_writer
-                .owners()
-                .flat_map(|name| {
-                    let text = name.to_string();
-                    self.map_writer
-                        .service_ids_of(name)
-                        .into_iter()
-                        .map(move |id| (id, text.clone()))
-                })
-                .collect(),
+        let ports: Vec<&ServicePortName> = match changed {
+            Some(changed) => changed.iter().collect(),
+            None => self.map_writer.owners().collect(),
         };
+        let names: Vec<(u32, String)> = ports
+            .into_iter()
+            .flat_map(|name| {
+                let text = name.to_string();
+                self.map_writer
+                    .service_ids_of(name)
+                    .into_iter()
+                    .map(move |id| (id, text.clone()))
+            })
+            .collect();
         for (id, name) in &names {
             let Some(value) = ServiceName::new(name) else {
                 continue;
