@@ -479,6 +479,19 @@ pub struct Args {
     /// host's netfilter rules — a CNI's NetworkPolicy among them — no longer apply to it.
     #[arg(long, help_heading = "kubeproxy-rs additions")]
     pub tc_fast_path: bool,
+
+    /// Kernel features not to use even when the kernel has them, comma-separated: tcx (tc
+    /// programs then attach as legacy clsact filters), set-retval (refused connects fail with
+    /// EPERM), socket-destroy (connected UDP sockets of removed backends are not aborted), btf.
+    /// For running the degraded paths of older kernels; `proxy-agent inspect features` shows
+    /// the choice.
+    #[arg(
+        long,
+        value_name = "FEATURES",
+        value_delimiter = ',',
+        help_heading = "kubeproxy-rs additions"
+    )]
+    pub bpf_disable_feature: Option<Vec<String>>,
 }
 
 /// `--logging-format`.
@@ -535,4 +548,7 @@ pub enum InspectWhat {
     /// What differs between the kernel's state and what the agent wrote (asks the running
     /// agent over --metrics-bind-address; nothing is repaired).
     Drift,
+    /// The kernel features the eBPF dataplane can use, which it uses with these flags
+    /// (--bpf-disable-feature), and which the running agent reports using.
+    Features,
 }

@@ -142,6 +142,15 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
         node_required: matches!(source, Source::Kubernetes(_)),
         ..NodeServicesConfig::new(&node.name, dataplane.mode(), config.sync_period)
     });
+    if let (Some(metrics), Dataplane::Ebpf(ebpf)) = (node_services.metrics().ebpf(), &dataplane) {
+        let features: Vec<_> = ebpf
+            .features()
+            .states()
+            .iter()
+            .map(|state| (state.feature.name(), state.used()))
+            .collect();
+        metrics.kernel_features(&features);
+    }
     for family in IpFamily::ALL {
         node_services.loop_started(family);
     }
@@ -424,7 +433,9 @@ impl Dataplane {
                     masquerade_all: config.masquerade_all,
                     localhost_node_ports: config.iptables.localhost_node_ports,
                     fast_path: config.ebpf.tc_fast_path,
+                    tcx: true,
                 },
+                disabled_features: config.ebpf.disabled_features.clone(),
             }) {
                 Ok(ebpf) => Ok(Dataplane::Ebpf(Box::new(ebpf))),
                 // The mode was not chosen explicitly: run kube-proxy's iptables mode instead of

@@ -181,6 +181,7 @@ impl TcNode {
                 fast_path: true,
                 ..TcOptions::default()
             },
+            disabled_features: Default::default(),
         };
         let dataplane = {
             let _entered = runtime.enter();

@@ -141,6 +141,7 @@ fn with_node_path<R: Send + 'static>(
                 fast_path,
                 ..TcOptions::default()
             },
+            disabled_features: Default::default(),
         };
         let dataplane = EbpfDataplane::start(&options).expect("dataplane");
         let mut node = Node {

@@ -486,6 +486,18 @@ pub fn apply(
         }
     }
     ebpf.tc_fast_path = args.tc_fast_path;
+    for name in args.bpf_disable_feature.iter().flatten() {
+        let name = name.trim();
+        if name.is_empty() {
+            continue;
+        }
+        match name.parse::<crate::dataplane::ebpf::Feature>() {
+            Ok(feature) => {
+                ebpf.disabled_features.insert(feature);
+            }
+            Err(reason) => overlay.flag_only("bpf-disable-feature", name, reason),
+        }
+    }
     if let Some(names) = &args.interfaces {
         for name in names.iter().map(|n| n.trim()).filter(|n| !n.is_empty()) {
             match interface_name_problem(name) {

@@ -186,6 +186,8 @@ pub struct EbpfConfig {
     pub tc_fast_path: bool,
     /// `--drift-check-period` (both modes; zero: no check).
     pub drift_check_period: std::time::Duration,
+    /// `--bpf-disable-feature`: kernel features not used even when present.
+    pub disabled_features: std::collections::BTreeSet<crate::dataplane::ebpf::Feature>,
 }
 
 /// `--drift-check-period`'s default: a full check of 30k Services' maps reads ~10^5 entries.
@@ -213,6 +215,7 @@ impl Default for EbpfConfig {
             map_maglev: proxy_common::default_sizes::MAGLEV,
             tc_fast_path: false,
             drift_check_period: DEFAULT_DRIFT_CHECK_PERIOD,
+            disabled_features: std::collections::BTreeSet::new(),
         }
     }
 }

@@ -159,6 +159,7 @@ fn ebpf_in_current_netns(w: Workload, changes: usize) -> Result<EbpfResult> {
         backends_capacity: capacity,
         lb: LbOptions::default(),
         tc: TcOptions::default(),
+        disabled_features: Default::default(),
     })
     .map_err(|e| RigError::Other(format!("starting the eBPF dataplane: {e}")))?;
 

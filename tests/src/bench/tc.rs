@@ -185,6 +185,7 @@ pub fn per_packet_cost(loops: TcLoops) -> Result<PacketCostResult> {
                 fast_path: true,
                 ..TcOptions::default()
             },
+            disabled_features: Default::default(),
         };
         let mut dataplane = EbpfDataplane::start(&options)
             .map_err(|e| RigError::Other(format!("loading the eBPF dataplane: {e}")))?;

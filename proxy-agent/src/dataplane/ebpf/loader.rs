@@ -42,7 +42,9 @@ use tracing::{debug, info, warn};
 
 use super::{
     ApplyError, ApplySummary, DriftCheck, MapOps, MapWriteError, Programmer, bpffs, cgroup, ct,
-    drift, maglev, object,
+    drift,
+    features::{Feature, KernelFeatures},
+    maglev, object,
     program::{
         BackendValue, FrontendMapKey, MapsContent, ip4_from_map, ip4_to_map, ip6_from_map,
         ip6_to_map,
@@ -77,8 +79,10 @@ pub struct EbpfOptions {
     pub backends_capacity: u32,
     /// `--lb-algorithm` and the Maglev table for external traffic.
     pub lb: LbOptions,
-    /// Interfaces and node facts for the tc programs.
+    /// Interfaces and node facts for the tc programs (`tc.tcx` is set from the probe).
     pub tc: TcOptions,
+    /// `--bpf-disable-feature`: kernel features not to use even when the probe finds them.
+    pub disabled_features: BTreeSet<Feature>,
 }
 
 /// `--lb-algorithm`, `--bpf-maglev-table-size`, `--bpf-map-maglev`.
@@ -143,6 +147,8 @@ pub enum LoadError {
         name: &'static str,
         source: aya::pin::PinError,
     },
+    #[error(transparent)]
+    LegacyTc(#[from] super::legacy_tc::LegacyTcError),
     #[error("reading the monotonic clock: {0}")]
     Clock(nix::Error),
 }
@@ -380,6 +386,7 @@ pub struct EbpfDataplane {
     cgroup_path: PathBuf,
     links: Vec<PinnedLink>,
     tc: TcState,
+    features: KernelFeatures,
     log_drain: Option<JoinHandle<()>>,
     // Last: the object (programs, log map); the tc programs attach to new interfaces later.
     ebpf: Ebpf,
@@ -411,6 +418,11 @@ impl EbpfDataplane {
             source,
         })?;
 
+        let features = KernelFeatures::probe(&options.disabled_features);
+        info!(
+            features = %features.summary(),
+            "kernel features probed (`proxy-agent inspect features` explains each)"
+        );
         bpffs::ensure_mounted(&options.bpf_root)?;
         let pin_dir = options.bpf_root.join(PIN_DIR_NAME);
         // Random choice never uses the Maglev map; its bucket array (16 bytes per entry of
@@ -426,7 +438,11 @@ impl EbpfDataplane {
             .any(|name| pin_dir.join(name).exists());
 
         let slots_capacity = options.backends_capacity;
-        let mut ebpf = EbpfLoader::new()
+        let mut loader = EbpfLoader::new();
+        if !features.uses(Feature::Btf) {
+            loader.btf(None);
+        }
+        let mut ebpf = loader
             .default_map_pin_directory(&pin_dir)
             .map_max_entries(map_names::FRONTENDS4, options.frontends_capacity)
             .map_max_entries(map_names::FRONTENDS6, options.frontends_capacity)
@@ -460,7 +476,10 @@ impl EbpfDataplane {
             }
         }
         let mut tc = TcState::new(
-            options.tc.clone(),
+            TcOptions {
+                tcx: features.uses(Feature::Tcx),
+                ..options.tc.clone()
+            },
             take_map(&mut ebpf, map_names::NODE_ADDRS)?,
             take_map(&mut ebpf, map_names::NODE_CONFIG)?,
         );
@@ -493,6 +512,7 @@ impl EbpfDataplane {
             cgroup_path,
             links,
             tc,
+            features,
             log_drain,
             ebpf,
         })
@@ -699,7 +719,15 @@ impl EbpfDataplane {
         self.programmer.unfit().values().collect()
     }
 
+    /// The probed kernel features and the choice made for each.
+    pub fn features(&self) -> &KernelFeatures {
+        &self.features
+    }
+
     fn destroy_stale_udp_sockets(&self, summary: &ApplySummary) -> usize {
+        if !self.features.uses(Feature::SocketDestroy) {
+            return 0;
+        }
         let removed: Vec<_> = summary
             .removed_backends
             .iter()
@@ -768,6 +796,7 @@ impl EbpfDataplane {
 /// `--cleanup`: removes every link pin (which detaches the programs) and map pin under
 /// `<bpf_root>/kubeproxy-rs/`, then the directory. Returns how many pins it removed.
 pub fn cleanup(bpf_root: &Path) -> Result<usize, LoadError> {
+    let filters = remove_legacy_filters();
     let pin_dir = bpf_root.join(PIN_DIR_NAME);
     let to_error = |source| LoadError::PinDir {
         path: pin_dir.clone(),
@@ -776,8 +805,8 @@ pub fn cleanup(bpf_root: &Path) -> Result<usize, LoadError> {
     let entries = match std::fs::read_dir(&pin_dir) {
         Ok(entries) => entries,
         Err(error) if error.kind() == io::ErrorKind::NotFound => {
-            info!(dir = %pin_dir.display(), "nothing to clean up");
-            return Ok(0);
+            info!(dir = %pin_dir.display(), filters, "no pins to clean up");
+            return Ok(filters);
         }
         Err(error) => return Err(to_error(error)),
     };
@@ -792,8 +821,22 @@ pub fn cleanup(bpf_root: &Path) -> Result<usize, LoadError> {
         debug!(pin = %pin.display(), "removed");
     }
     std::fs::remove_dir(&pin_dir).map_err(to_error)?;
-    info!(dir = %pin_dir.display(), pins = pins.len(), "removed every pin and link");
-    Ok(pins.len())
+    info!(dir = %pin_dir.display(), pins = pins.len(), filters, "removed every pin, link and tc filter");
+    Ok(pins.len() + filters)
+}
+
+/// Our legacy tc filters on every interface of this namespace (others' filters stay).
+fn remove_legacy_filters() -> usize {
+    match crate::node::host_interfaces() {
+        Ok(all) => all
+            .keys()
+            .map(|name| super::legacy_tc::remove_ours(name))
+            .sum(),
+        Err(error) => {
+            warn!(%error, "cannot list network interfaces; legacy tc filters not removed");
+            0
+        }
+    }
 }
 
 fn take_map<T>(ebpf: &mut Ebpf, name: &'static str) -> Result<T, LoadError>

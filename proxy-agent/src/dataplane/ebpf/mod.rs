@@ -5,7 +5,9 @@ mod bpffs;
 mod cgroup;
 mod ct;
 mod drift;
+pub mod features;
 mod ids;
+pub mod legacy_tc;
 mod loader;
 mod maglev;
 mod object;
@@ -16,6 +18,7 @@ mod tc;
 
 pub use ct::monotonic_ns;
 pub use drift::{Drift, DriftCheck, DriftKind, RepairReport};
+pub use features::{Feature, FeatureState, KernelFeatures};
 pub use loader::{
     EbpfDataplane, EbpfOptions, LbOptions, LoadError, PIN_DIR_MODE, PIN_DIR_NAME, TcTestRun,
     cleanup,
