@@ -438,10 +438,12 @@ impl EbpfDataplane {
             .any(|name| pin_dir.join(name).exists());
 
         let slots_capacity = options.backends_capacity;
+        let use_set_retval = u8::from(features.uses(Feature::SetRetval));
         let mut loader = EbpfLoader::new();
         if !features.uses(Feature::Btf) {
             loader.btf(None);
         }
+        loader.override_global("KPR_USE_SET_RETVAL", &use_set_retval, true);
         let mut ebpf = loader
             .default_map_pin_directory(&pin_dir)
             .map_max_entries(map_names::FRONTENDS4, options.frontends_capacity)
