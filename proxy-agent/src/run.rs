@@ -436,6 +436,7 @@ impl Dataplane {
                     tcx: true,
                 },
                 disabled_features: config.ebpf.disabled_features.clone(),
+                icmp_ratelimit: None,
             }) {
                 Ok(ebpf) => Ok(Dataplane::Ebpf(Box::new(ebpf))),
                 // The mode was not chosen explicitly: run kube-proxy's iptables mode instead of

@@ -182,6 +182,8 @@ impl TcNode {
                 ..TcOptions::default()
             },
             disabled_features: Default::default(),
+            // Every REJECT answered: the rate limit has its own test.
+            icmp_ratelimit: Some(std::time::Duration::ZERO),
         };
         let dataplane = {
             let _entered = runtime.enter();

@@ -80,7 +80,7 @@ fn with_node(f: impl FnOnce(&mut Node) + Send + 'static) {
 /// [`with_node`] on the default netfilter path: ingress rewrites destinations and returns
 /// packets to the stack, `kpr_tc_egress` rewrites sources.
 fn with_netfilter_node(f: impl FnOnce(&mut Node) + Send + 'static) {
-    with_node_path(LbOptions::default(), false, f);
+    with_node_path(LbOptions::default(), false, None, f);
 }
 
 /// [`with_node`] with the given `--lb-algorithm` options; returns what `f` returns.
@@ -88,12 +88,13 @@ fn with_node_lb<R: Send + 'static>(
     lb: LbOptions,
     f: impl FnOnce(&mut Node) -> R + Send + 'static,
 ) -> R {
-    with_node_path(lb, true, f)
+    with_node_path(lb, true, None, f)
 }
 
 fn with_node_path<R: Send + 'static>(
     lb: LbOptions,
     fast_path: bool,
+    icmp_ratelimit: Option<std::time::Duration>,
     f: impl FnOnce(&mut Node) -> R + Send + 'static,
 ) -> R {
     proxy_tests::require_root();
@@ -142,6 +143,7 @@ fn with_node_path<R: Send + 'static>(
                 ..TcOptions::default()
             },
             disabled_features: Default::default(),
+            icmp_ratelimit,
         };
         let dataplane = EbpfDataplane::start(&options).expect("dataplane");
         let mut node = Node {
@@ -657,6 +659,44 @@ fn no_endpoints_answers_port_unreachable() {
                 );
             }
         }
+    });
+}
+
+/// Issue 18, hygiene: REJECT replies are rate-limited per client like the kernel's
+/// `icmp_ratelimit` (a bucket of 6, then one per interval). With an interval of an hour nothing
+/// refills during the test: of 20 SYNs from one client to a NodePort without endpoints exactly
+/// 6 get a port unreachable, 14 are dropped (and counted); another client has its own bucket.
+#[test]
+fn reject_replies_are_rate_limited_per_client() {
+    let hour = Some(std::time::Duration::from_secs(3600));
+    with_node_path(LbOptions::default(), false, hour, |node| {
+        program_services(node);
+        let frontend = sa(NODE_IP, 30083);
+        let mut replies = 0;
+        for port in 0..20 {
+            let frame = build(sa(CLIENT, 44_000 + port), frontend, L4::TcpSyn, b"");
+            let (action, out) = run(node, program_names::TC_EXTERNAL, &frame, node.ext0);
+            if action == TC_ACT_REDIRECT {
+                assert_eq!(out.proto, PROTO_ICMP, "a reply is the port unreachable");
+                replies += 1;
+            } else {
+                assert_eq!(
+                    action, TC_ACT_SHOT,
+                    "beyond the bucket the packet is dropped"
+                );
+            }
+        }
+        assert_eq!(replies, 6, "the bucket holds 6 replies");
+        let other = build(sa("203.0.113.7", 44_100), frontend, L4::TcpSyn, b"");
+        let (action, _) = run(node, program_names::TC_EXTERNAL, &other, node.ext0);
+        assert_eq!(action, TC_ACT_REDIRECT, "another client has its own bucket");
+        let limited = node
+            .dataplane
+            .stats()
+            .into_iter()
+            .find(|(index, _)| *index == StatIndex::TcRejectRateLimited)
+            .map(|(_, value)| value);
+        assert_eq!(limited, Some(14));
     });
 }
 

@@ -160,6 +160,8 @@ fn ebpf_in_current_netns(w: Workload, changes: usize) -> Result<EbpfResult> {
         lb: LbOptions::default(),
         tc: TcOptions::default(),
         disabled_features: Default::default(),
+        // Every REJECT answered: the rate limit has its own test.
+        icmp_ratelimit: Some(std::time::Duration::ZERO),
     })
     .map_err(|e| RigError::Other(format!("starting the eBPF dataplane: {e}")))?;
 

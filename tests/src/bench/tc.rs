@@ -186,6 +186,8 @@ pub fn per_packet_cost(loops: TcLoops) -> Result<PacketCostResult> {
                 ..TcOptions::default()
             },
             disabled_features: Default::default(),
+            // Every REJECT answered: the rate limit has its own test.
+            icmp_ratelimit: Some(std::time::Duration::ZERO),
         };
         let mut dataplane = EbpfDataplane::start(&options)
             .map_err(|e| RigError::Other(format!("loading the eBPF dataplane: {e}")))?;

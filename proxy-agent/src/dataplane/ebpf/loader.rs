@@ -83,6 +83,22 @@ pub struct EbpfOptions {
     pub tc: TcOptions,
     /// `--bpf-disable-feature`: kernel features not to use even when the probe finds them.
     pub disabled_features: BTreeSet<Feature>,
+    /// Minimum interval between ICMP port unreachables to one client (both families); `None`:
+    /// the node's `net.ipv4.icmp_ratelimit` / `net.ipv6.icmp.ratelimit`, as the kernel's own.
+    pub icmp_ratelimit: Option<std::time::Duration>,
+}
+
+/// The longest ICMP rate-limit interval the datapath takes (a day): its bucket of 6 intervals
+/// must fit in 64 bits of nanoseconds.
+const MAX_ICMP_RATELIMIT_NS: u64 = 86_400 * 1_000_000_000;
+
+/// The kernel's ICMP rate limit sysctl at `path` (ms) in ns; its default (1 s) when unreadable.
+fn icmp_ratelimit_ns(path: &str) -> u64 {
+    let ms = std::fs::read_to_string(path)
+        .ok()
+        .and_then(|text| text.trim().parse::<u64>().ok())
+        .unwrap_or(1000);
+    ms.saturating_mul(1_000_000).min(MAX_ICMP_RATELIMIT_NS)
 }
 
 /// `--lb-algorithm`, `--bpf-maglev-table-size`, `--bpf-map-maglev`.
@@ -439,11 +455,24 @@ impl EbpfDataplane {
 
         let slots_capacity = options.backends_capacity;
         let use_set_retval = u8::from(features.uses(Feature::SetRetval));
+        let (icmp4, icmp6) = match options.icmp_ratelimit {
+            Some(interval) => {
+                let ns = u64::try_from(interval.as_nanos()).unwrap_or(MAX_ICMP_RATELIMIT_NS);
+                (ns.min(MAX_ICMP_RATELIMIT_NS), ns.min(MAX_ICMP_RATELIMIT_NS))
+            }
+            None => (
+                icmp_ratelimit_ns("/proc/sys/net/ipv4/icmp_ratelimit"),
+                icmp_ratelimit_ns("/proc/sys/net/ipv6/icmp/ratelimit"),
+            ),
+        };
         let mut loader = EbpfLoader::new();
         if !features.uses(Feature::Btf) {
             loader.btf(None);
         }
-        loader.override_global("KPR_USE_SET_RETVAL", &use_set_retval, true);
+        loader
+            .override_global("KPR_USE_SET_RETVAL", &use_set_retval, true)
+            .override_global("KPR_ICMP_RATELIMIT_NS4", &icmp4, true)
+            .override_global("KPR_ICMP_RATELIMIT_NS6", &icmp6, true);
         let mut ebpf = loader
             .default_map_pin_directory(&pin_dir)
             .map_max_entries(map_names::FRONTENDS4, options.frontends_capacity)
