@@ -421,6 +421,17 @@ pub struct Args {
     )]
     pub bpf_map_backends: Option<String>,
 
+    /// Capacity of the tc conntrack map in entries (default 262144: two per external flow,
+    /// four with SNAT on the netfilter path). LRU: when full, the least recently used flows
+    /// are evicted. A changed size replaces the pinned map at start (tracked flows are lost).
+    #[arg(
+        long,
+        value_name = "N",
+        allow_hyphen_values = true,
+        help_heading = "kubeproxy-rs additions"
+    )]
+    pub bpf_map_conntrack: Option<String>,
+
     /// Capacity of the Maglev table map in blocks of 16 slots (default 65536: 1024 external
     /// frontends with 1021-slot tables). Only allocated with --lb-algorithm maglev.
     #[arg(

@@ -416,6 +416,7 @@ impl Dataplane {
                 bpf_root: config.ebpf.bpf_root.clone(),
                 frontends_capacity: config.ebpf.map_frontends,
                 backends_capacity: config.ebpf.map_backends,
+                conntrack_capacity: config.ebpf.map_conntrack,
                 lb: ebpf::LbOptions {
                     maglev: config.ebpf.lb_algorithm == LbAlgorithm::Maglev,
                     maglev_table_size: config.ebpf.maglev_table_size,

@@ -169,6 +169,7 @@ impl TcNode {
             bpf_root: PathBuf::from(bpf.path()),
             frontends_capacity: 1024,
             backends_capacity: 1024,
+            conntrack_capacity: proxy_agent::dataplane::ebpf::DEFAULT_CONNTRACK_CAPACITY,
             lb: LbOptions::default(),
             tc: TcOptions {
                 interfaces: vec!["ext0".into()],

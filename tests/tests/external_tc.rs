@@ -863,3 +863,43 @@ fn legacy_tc_attach_never_replaces_a_foreign_filter_in_our_slot() -> anyhow::Res
     )?;
     Ok(())
 }
+
+/// `max_entries` of the pinned tc conntrack map under the agent's bpffs root `root`.
+fn conntrack_capacity(root: &std::path::Path) -> anyhow::Result<u32> {
+    use aya::maps::MapInfo;
+    let pin = root.join("kubeproxy-rs").join("KPR_CT");
+    Ok(MapInfo::from_pin(&pin)?.max_entries())
+}
+
+/// Issue 18, hygiene: `--bpf-map-conntrack` sizes the tc conntrack map like the other
+/// `--bpf-map-*` flags, also across a restart with another size (aya would reuse the pin at
+/// its old size; the agent replaces it), and external traffic is served with it.
+#[test]
+fn conntrack_map_size_follows_its_flag_across_restarts() -> anyhow::Result<()> {
+    let mut s = setup(1)?;
+    s.manifests.write("svc.yaml", &lb_service("Cluster", &[]))?;
+    s.manifests.write(
+        "slice.yaml",
+        &http_slice(NAMESPACE, "web-1", SERVICE, &[pod_endpoint(1)]),
+    )?;
+    s.start_agent_with_args(
+        "ebpf",
+        &["--interfaces", "vext", "--bpf-map-conntrack", "4096"],
+    )?;
+    let client = ext_client()(&s);
+    s.wait_for_datapath_with(&client, node_port_addr(), "NodePort answered", is_pod)?;
+    let root = s.agent()?.bpf_root().to_path_buf();
+    let first = conntrack_capacity(&root)?;
+    s.agent()?.stop()?;
+    s.agent()?
+        .restart_with_args(&["--interfaces", "vext", "--bpf-map-conntrack", "8192"])?;
+    proxy_tests::wait::try_wait_until(
+        "the conntrack map resized",
+        DATAPATH_TIMEOUT,
+        Duration::from_millis(50),
+        || Ok(conntrack_capacity(&root).is_ok_and(|n| n == 8192)),
+    )?;
+    s.wait_for_datapath_with(&client, node_port_addr(), "NodePort answered", is_pod)?;
+    s.ensure(first == 4096, || format!("first size {first}"))?;
+    Ok(())
+}

@@ -135,6 +135,7 @@ fn with_node_path<R: Send + 'static>(
             bpf_root: PathBuf::from(bpf.path()),
             frontends_capacity: 1024,
             backends_capacity: 1024,
+            conntrack_capacity: proxy_common::default_sizes::CT,
             lb,
             tc: TcOptions {
                 interfaces: vec!["ext0".into()],

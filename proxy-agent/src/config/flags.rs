@@ -437,6 +437,11 @@ pub fn apply(
             "bpf-map-backends",
             &mut ebpf.map_backends,
         ),
+        (
+            &args.bpf_map_conntrack,
+            "bpf-map-conntrack",
+            &mut ebpf.map_conntrack,
+        ),
     ] {
         let Some(text) = text else { continue };
         match parse_int::<u32>(text) {

@@ -174,6 +174,8 @@ pub struct EbpfConfig {
     pub map_frontends: u32,
     /// `--bpf-map-backends`.
     pub map_backends: u32,
+    /// `--bpf-map-conntrack`.
+    pub map_conntrack: u32,
     /// `--interfaces` (for the tc programs; not used yet).
     pub interfaces: Vec<String>,
     /// `--lb-algorithm`.
@@ -209,6 +211,7 @@ impl Default for EbpfConfig {
             bpf_root: PathBuf::from("/sys/fs/bpf"),
             map_frontends: proxy_common::default_sizes::FRONTENDS,
             map_backends: proxy_common::default_sizes::BACKENDS,
+            map_conntrack: proxy_common::default_sizes::CT,
             interfaces: Vec::new(),
             lb_algorithm: LbAlgorithm::Random,
             maglev_table_size: crate::dataplane::ebpf::DEFAULT_MAGLEV_TABLE_SIZE,

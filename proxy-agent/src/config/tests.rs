@@ -342,6 +342,9 @@ fn every_flag_overrides_the_file() {
         (&["--bpf-map-backends", "200"], |c| {
             c.ebpf.map_backends == 200
         }),
+        (&["--bpf-map-conntrack", "4096"], |c| {
+            c.ebpf.map_conntrack == 4096
+        }),
         (
             &["--interfaces", "eth0,eth1", "--interfaces", "bond0"],
             |c| c.ebpf.interfaces == ["eth0", "eth1", "bond0"],
@@ -1042,6 +1045,12 @@ fn every_invalid_value_is_reported_with_source_field_and_value() {
             "-7",
         ),
         (&["--bpf-map-maglev", "0"], "--bpf-map-maglev", "", "0"),
+        (
+            &["--bpf-map-conntrack", "0"],
+            "--bpf-map-conntrack",
+            "",
+            "0",
+        ),
         (
             &["--bpf-disable-feature", "tcx,kfuncs"],
             "--bpf-disable-feature",

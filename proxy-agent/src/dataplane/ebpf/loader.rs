@@ -77,6 +77,8 @@ pub struct EbpfOptions {
     pub bpf_root: PathBuf,
     pub frontends_capacity: u32,
     pub backends_capacity: u32,
+    /// `--bpf-map-conntrack`: entries of the tc conntrack map.
+    pub conntrack_capacity: u32,
     /// `--lb-algorithm` and the Maglev table for external traffic.
     pub lb: LbOptions,
     /// Interfaces and node facts for the tc programs (`tc.tcx` is set from the probe).
@@ -448,7 +450,7 @@ impl EbpfDataplane {
         } else {
             1
         };
-        prepare_pin_dir(&pin_dir, maglev_capacity)?;
+        prepare_pin_dir(&pin_dir, maglev_capacity, options.conntrack_capacity)?;
         let adopting = map_names::PINNED
             .iter()
             .any(|name| pin_dir.join(name).exists());
@@ -483,6 +485,7 @@ impl EbpfDataplane {
             .map_max_entries(map_names::BACKENDS6, options.backends_capacity)
             .map_max_entries(map_names::SOURCE_RANGES, options.frontends_capacity)
             .map_max_entries(map_names::MAGLEV, maglev_capacity)
+            .map_max_entries(map_names::CT, options.conntrack_capacity)
             .load(object::OBJECT)?;
         let log_drain = start_log_drain(&mut ebpf);
 
@@ -956,7 +959,11 @@ pub const PIN_DIR_MODE: u32 = 0o700;
 /// (`--lb-algorithm` or `--bpf-map-maglev` changed): aya would reuse the pin as it is. Its
 /// tables are then rebuilt by the first apply; until then the datapath's fallback for a
 /// missing table entry is random choice.
-fn prepare_pin_dir(pin_dir: &Path, maglev_capacity: u32) -> Result<(), LoadError> {
+fn prepare_pin_dir(
+    pin_dir: &Path,
+    maglev_capacity: u32,
+    conntrack_capacity: u32,
+) -> Result<(), LoadError> {
     use std::os::unix::fs::{DirBuilderExt as _, PermissionsExt as _};
     let to_error = |source| LoadError::PinDir {
         path: pin_dir.to_owned(),
@@ -982,6 +989,15 @@ fn prepare_pin_dir(pin_dir: &Path, maglev_capacity: u32) -> Result<(), LoadError
             warn!(pin = %pin.display(), "pinned map has another layout; starting it empty");
             remove_if_present(&pin).map_err(to_error)?;
         }
+    }
+    // aya would reuse the pin at its old size: a changed `--bpf-map-conntrack` takes a new map,
+    // losing the flows it tracked (established external flows through SNAT break once).
+    let pin = pin_dir.join(map_names::CT);
+    if pin.exists()
+        && !MapInfo::from_pin(&pin).is_ok_and(|info| info.max_entries() == conntrack_capacity)
+    {
+        warn!(pin = %pin.display(), capacity = conntrack_capacity, "conntrack map resized; its flows start over");
+        remove_if_present(&pin).map_err(to_error)?;
     }
     let pin = pin_dir.join(map_names::MAGLEV);
     if pin.exists()

@@ -32,3 +32,6 @@ pub use program::{
     Programmer, RemovedBackend, ip4_from_map, ip4_to_map, ip6_from_map, ip6_to_map,
 };
 pub use tc::TcOptions;
+
+/// `--bpf-map-conntrack`'s default.
+pub const DEFAULT_CONNTRACK_CAPACITY: u32 = proxy_common::default_sizes::CT;
