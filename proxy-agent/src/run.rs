@@ -555,7 +555,7 @@ impl Dataplane {
     /// Garbage collection of the eBPF dataplane's conntrack, every `CONNTRACK_GC_INTERVAL`.
     fn conntrack_gc(&mut self, metrics: &Metrics) {
         if let Dataplane::Ebpf(ebpf) = self
-            && let Err(error) = ebpf.conntrack_gc(metrics.ebpf())
+            && let Err(error) = ebpf.request_conntrack_gc(metrics.ebpf())
         {
             warn!(%error, "tc conntrack garbage collection failed");
         }
@@ -611,6 +611,7 @@ impl Dataplane {
                     removed_backends = summary.removed_backends.len(),
                     udp_sockets_destroyed = summary.udp_sockets_destroyed,
                     conntrack_purged = summary.conntrack_purged,
+                    conntrack_purge_queued = summary.conntrack_purge_queued,
                     elapsed_us = started.elapsed().as_micros() as u64,
                     "sync applied"
                 );

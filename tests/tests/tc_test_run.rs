@@ -1496,3 +1496,121 @@ fn conntrack_gc_deletes_dead_flows_and_keeps_live_ones() {
         );
     });
 }
+
+/// Issue 18, hygiene: the conntrack walk resumes where it stopped. 3000 entries are walked in
+/// batches of 64; after the first batch, 500 entries it has not reached yet and 20 it has seen
+/// are deleted (as GC, a purge, the datapath or LRU eviction would). A key-based walk
+/// (`get_next_key` from a deleted key) restarts at the first bucket and visits entries again;
+/// this one visits every entry that stayed exactly once and none of the deleted unseen ones.
+#[test]
+fn conntrack_walk_resumes_after_deletions_and_visits_each_entry_once() {
+    use std::collections::{BTreeMap as Counts, BTreeSet};
+    use std::os::fd::AsFd as _;
+
+    use proxy_agent::dataplane::ebpf::CtWalk;
+    with_node(|node| {
+        let mut ct = pinned_ct(node);
+        let key_of = |i: u32| CtKey {
+            src: [i, 0, 0, 0],
+            dst: [0x0a0a_0001, 0, 0, 0],
+            sport: 1,
+            dport: 2,
+            proto: PROTO_UDP,
+            family: family::V4,
+            _pad: 0,
+        };
+        let all: Vec<CtKey> = (1..=3000).map(key_of).collect();
+        for key in &all {
+            ct.insert(key, CtValue::default(), 0).expect("insert");
+        }
+        let data = MapData::from_pin(node.bpf.path().join(PIN_DIR_NAME).join(map_names::CT))
+            .expect("conntrack pin");
+        let mut walk = CtWalk::new();
+        let mut visits: Counts<CtKey, u32> = Counts::new();
+        let first = walk.next_batch(data.fd().as_fd(), 64).expect("first batch");
+        assert!(!first.is_empty() && !walk.finished());
+        for (key, _) in &first {
+            *visits.entry(*key).or_default() += 1;
+        }
+        let seen: BTreeSet<CtKey> = first.iter().map(|(k, _)| *k).collect();
+        let deleted_unseen: Vec<CtKey> = all
+            .iter()
+            .filter(|k| !seen.contains(k))
+            .step_by(5)
+            .take(500)
+            .copied()
+            .collect();
+        let deleted_seen: Vec<CtKey> = seen.iter().take(20).copied().collect();
+        for key in deleted_unseen.iter().chain(&deleted_seen) {
+            ct.remove(key).expect("delete");
+        }
+        let mut batches = 1;
+        while !walk.finished() {
+            assert!(batches < 10_000, "the walk must end");
+            for (key, _) in walk.next_batch(data.fd().as_fd(), 64).expect("batch") {
+                *visits.entry(key).or_default() += 1;
+            }
+            batches += 1;
+        }
+        let twice: Vec<_> = visits.iter().filter(|(_, n)| **n > 1).collect();
+        assert!(twice.is_empty(), "visited more than once: {}", twice.len());
+        for key in &deleted_unseen {
+            assert!(
+                !visits.contains_key(key),
+                "a deleted entry was visited: {key:?}"
+            );
+        }
+        let stayed = all
+            .iter()
+            .filter(|k| !deleted_unseen.contains(k) && !deleted_seen.contains(k));
+        let mut stayed_count = 0;
+        for key in stayed {
+            assert_eq!(visits.get(key), Some(&1), "{key:?}");
+            stayed_count += 1;
+        }
+        eprintln!(
+            "{batches} batches, {} entries visited, {stayed_count} stayed",
+            visits.len()
+        );
+        assert_eq!(stayed_count, 3000 - 520);
+    });
+}
+
+/// Issue 18, hygiene: purging the conntrack entries of removed backends is handed to the
+/// conntrack worker's thread, not done in the apply (a full-table purge took ~0.5 s of the
+/// sync loop): the apply only queues it, and the worker deletes the flow's entries after.
+#[test]
+fn conntrack_purge_runs_off_the_apply() {
+    with_node(|node| {
+        program_services(node);
+        let client = sa(CLIENT, 42_100);
+        let dns = sa(NODE_IP, 30053);
+        let (action, _) = run(
+            node,
+            program_names::TC_EXTERNAL,
+            &build(client, dns, L4::Udp, b"q"),
+            node.ext0,
+        );
+        assert_eq!(action, TC_ACT_REDIRECT);
+        let forward = ct_key(client, dns, PROTO_UDP);
+        assert!(ct_entry(node, &forward).is_some(), "the flow's entry");
+        // Every Service gone: the UDP NodePort's backend is removed.
+        let empty = Snapshot::compute(&Objects::new(BTreeMap::new(), BTreeMap::new(), None), NODE);
+        let (summary, errors) = node.dataplane.apply(&empty, None);
+        assert!(errors.is_empty(), "{errors:?}");
+        assert!(summary.conntrack_purge_queued, "{summary:?}");
+        assert_eq!(summary.conntrack_purged, 0, "nothing purged in the apply");
+        proxy_tests::wait::wait_until(
+            "the worker purged the flow",
+            std::time::Duration::from_secs(10),
+            std::time::Duration::from_millis(10),
+            || {
+                node.dataplane
+                    .conntrack_worker_reports()
+                    .is_some_and(|r| r.purged >= 2)
+            },
+        )
+        .expect("purge");
+        assert!(ct_entry(node, &forward).is_none(), "purged");
+    });
+}

@@ -42,6 +42,7 @@ use tracing::{debug, info, warn};
 
 use super::{
     ApplyError, ApplySummary, DriftCheck, MapOps, MapWriteError, Programmer, bpffs, cgroup, ct,
+    ct_worker::CtWorker,
     drift,
     features::{Feature, KernelFeatures},
     maglev, object,
@@ -167,6 +168,8 @@ pub enum LoadError {
     },
     #[error(transparent)]
     LegacyTc(#[from] super::legacy_tc::LegacyTcError),
+    #[error("walking the tc conntrack map: {0}")]
+    Conntrack(io::Error),
     #[error("reading the monotonic clock: {0}")]
     Clock(nix::Error),
 }
@@ -405,6 +408,11 @@ pub struct EbpfDataplane {
     links: Vec<PinnedLink>,
     tc: TcState,
     features: KernelFeatures,
+    /// GC and purges of the tc conntrack off the sync loop; `None` if it could not start (both
+    /// then run inline).
+    ct_worker: Option<CtWorker>,
+    /// Worker GC rounds already counted in the metrics.
+    gc_rounds_reported: u64,
     log_drain: Option<JoinHandle<()>>,
     // Last: the object (programs, log map); the tc programs attach to new interfaces later.
     ebpf: Ebpf,
@@ -530,6 +538,13 @@ impl EbpfDataplane {
             links.push(attach_and_pin(&mut ebpf, name, &cgroup_dir, &pin_dir)?);
         }
         tc.refresh(&mut ebpf, &pin_dir, true);
+        let ct_worker = match CtWorker::start(&pin_dir.join(map_names::CT)) {
+            Ok(worker) => Some(worker),
+            Err(error) => {
+                warn!(%error, "cannot start the conntrack worker; GC and purges run in the sync loop");
+                None
+            }
+        };
         info!(
             cgroup = %cgroup_path.display(),
             pins = %pin_dir.display(),
@@ -547,6 +562,8 @@ impl EbpfDataplane {
             links,
             tc,
             features,
+            ct_worker,
+            gc_rounds_reported: 0,
             log_drain,
             ebpf,
         })
@@ -573,7 +590,14 @@ impl EbpfDataplane {
                 .apply_snapshot(snapshot, changed, &mut self.maps);
         self.capacity_errors += errors.iter().filter(|e| e.is_capacity()).count() as u64;
         summary.udp_sockets_destroyed = self.destroy_stale_udp_sockets(&summary);
-        summary.conntrack_purged = self.purge_conntrack(&summary);
+        match &self.ct_worker {
+            Some(worker) if ct::any_external(&summary.removed_backends) => {
+                worker.purge(summary.removed_backends.clone());
+                summary.conntrack_purge_queued = true;
+            }
+            Some(_) => {}
+            None => summary.conntrack_purged = self.purge_conntrack(&summary),
+        }
         (summary, errors)
     }
 
@@ -611,16 +635,47 @@ impl EbpfDataplane {
         report.deleted
     }
 
-    /// Garbage collection of the tc conntrack (see `ct::gc`): deletes dead flows' entries,
-    /// and counts the run and the entries left in `metrics`. Called every 30 s (`run.rs`).
+    /// Hands a garbage collection round to the conntrack worker (inline without one) and
+    /// counts the rounds it finished since the last call in `metrics`. Called every 30 s
+    /// (`run.rs`).
+    pub fn request_conntrack_gc(&mut self, metrics: Option<&EbpfMetrics>) -> Result<(), LoadError> {
+        let Some(worker) = &self.ct_worker else {
+            return self.conntrack_gc(metrics).map(drop);
+        };
+        worker.gc();
+        let reports = worker.reports();
+        if let Some(metrics) = metrics
+            && reports.gc_rounds > self.gc_rounds_reported
+        {
+            for _ in self.gc_rounds_reported..reports.gc_rounds {
+                metrics.conntrack_gc_run();
+            }
+            if let Some(last) = reports.last_gc {
+                metrics.conntrack_entries(u64::try_from(last.remaining).unwrap_or(u64::MAX));
+            }
+        }
+        self.gc_rounds_reported = reports.gc_rounds;
+        Ok(())
+    }
+
+    /// What the conntrack worker did so far (`None` without a worker).
+    pub fn conntrack_worker_reports(&self) -> Option<super::ct_worker::WorkerReports> {
+        self.ct_worker.as_ref().map(CtWorker::reports)
+    }
+
+    /// Garbage collection of the tc conntrack in this thread (see `ct::gc_round`): deletes
+    /// dead flows' entries, and counts the run and the entries left in `metrics`.
     pub fn conntrack_gc(
         &mut self,
         metrics: Option<&EbpfMetrics>,
     ) -> Result<ct::GcReport, LoadError> {
         let started = std::time::Instant::now();
         let now = ct::monotonic_ns().map_err(LoadError::Clock)?;
-        let mut map = self.conntrack_map()?;
-        let report = ct::gc(&mut map, now);
+        let map = self
+            .ebpf
+            .map_mut(map_names::CT)
+            .ok_or(LoadError::MissingMap(map_names::CT))?;
+        let report = ct::gc_round(map, now, 4096).map_err(LoadError::Conntrack)?;
         if let Some(metrics) = metrics {
             metrics.conntrack_gc_run();
             metrics.conntrack_entries(u64::try_from(report.remaining).unwrap_or(u64::MAX));

@@ -4,6 +4,7 @@
 mod bpffs;
 mod cgroup;
 mod ct;
+mod ct_worker;
 mod drift;
 pub mod features;
 mod ids;
@@ -16,7 +17,8 @@ pub(crate) mod sockdiag;
 mod stats;
 mod tc;
 
-pub use ct::monotonic_ns;
+pub use ct::{CtWalk, monotonic_ns};
+pub use ct_worker::WorkerReports;
 pub use drift::{Drift, DriftCheck, DriftKind, RepairReport};
 pub use features::{Feature, FeatureState, KernelFeatures};
 pub use loader::{
