@@ -903,3 +903,143 @@ fn conntrack_map_size_follows_its_flag_across_restarts() -> anyhow::Result<()> {
     s.ensure(first == 4096, || format!("first size {first}"))?;
     Ok(())
 }
+
+/// Issue 18, good neighbour across a mode switch: a foreign TCX program behind ours keeps
+/// seeing the external interface's traffic when the agent switches to the iptables mode (which
+/// removes our links and pins: their directory is gone) and back to eBPF (ours attached again,
+/// appended behind it — it still sees everything, ours pass it on).
+#[test]
+fn a_foreign_tcx_program_keeps_seeing_traffic_across_mode_switches() -> anyhow::Result<()> {
+    use proxy_tests::foreign_tc::{FOREIGN_MARK, ForeignTcx};
+    let mut s = setup(1)?;
+    s.manifests.write("svc.yaml", &lb_service("Cluster", &[]))?;
+    s.manifests.write(
+        "slice.yaml",
+        &http_slice(NAMESPACE, "web-1", SERVICE, &[pod_endpoint(1)]),
+    )?;
+    start(&mut s)?;
+    let client = ext_client()(&s);
+    s.wait_for_datapath_with(&client, node_port_addr(), "NodePort answered", is_pod)?;
+    let node = s.topo.node();
+    node.exec("nft", &["add", "table", "inet", "foreign_count"])?;
+    node.exec(
+        "nft",
+        &["add chain inet foreign_count pre { type filter hook prerouting priority -300; }"],
+    )?;
+    node.exec(
+        "nft",
+        &[&format!(
+            "add rule inet foreign_count pre meta mark {FOREIGN_MARK:#x} counter"
+        )],
+    )?;
+    let _foreign = ForeignTcx::attach(&node.path(), "vext")?;
+    let check = |s: &Scenario, when: &str| -> anyhow::Result<()> {
+        let before = marked_packets(s)?;
+        let answered = answered(s, 3)?;
+        let seen = marked_packets(s)? - before;
+        eprintln!("{when}: answered {answered:?}, foreign program saw {seen} packets");
+        s.ensure(all_answered(&answered, 3), || {
+            format!("{when}: Service traffic must be served: {answered:?}")
+        })?;
+        s.ensure(seen >= 27, || {
+            format!("{when}: the foreign program saw only {seen} packets of 9 connections")
+        })?;
+        Ok(())
+    };
+    check(&s, "eBPF mode")?;
+    let pins = s.agent()?.bpf_root().join("kubeproxy-rs");
+    s.agent()?.stop()?;
+    s.agent()?.restart_in_mode("iptables")?;
+    proxy_tests::wait::wait_until(
+        "the eBPF mode's pins removed by the iptables mode",
+        DATAPATH_TIMEOUT,
+        Duration::from_millis(50),
+        || !pins.exists(),
+    )?;
+    s.wait_for_datapath_with(&client, node_port_addr(), "NodePort answered", is_pod)?;
+    check(&s, "iptables mode, after the switch")?;
+    s.agent()?.stop()?;
+    s.agent()?.restart_in_mode("ebpf")?;
+    proxy_tests::wait::wait_until(
+        "our tc links pinned again",
+        DATAPATH_TIMEOUT,
+        Duration::from_millis(50),
+        || {
+            pins.join(format!("kpr_tc_external_if{}_link", ifindex_in(&s, "vext")))
+                .exists()
+        },
+    )?;
+    s.wait_for_datapath_with(&client, node_port_addr(), "NodePort answered", is_pod)?;
+    check(&s, "eBPF mode again")?;
+    Ok(())
+}
+
+/// The index of `interface` in the node namespace.
+fn ifindex_in(s: &Scenario, interface: &str) -> u32 {
+    s.topo
+        .node()
+        .exec("cat", &[&format!("/sys/class/net/{interface}/ifindex")])
+        .ok()
+        .and_then(|text| text.trim().parse().ok())
+        .unwrap_or(0)
+}
+
+/// Issue 18: links of interfaces that go away are detached and their pins removed. A veth
+/// with an address appears on the node (a pod's): it gets our reply and egress programs,
+/// pinned per ifindex; once it is deleted (its address goes with it, which triggers a sync)
+/// both pins are removed, and the other interfaces keep theirs.
+#[test]
+fn links_of_deleted_interfaces_are_unpinned() -> anyhow::Result<()> {
+    let mut s = setup(1)?;
+    s.manifests.write("svc.yaml", &lb_service("Cluster", &[]))?;
+    s.manifests.write(
+        "slice.yaml",
+        &http_slice(NAMESPACE, "web-1", SERVICE, &[pod_endpoint(1)]),
+    )?;
+    start(&mut s)?;
+    let client = ext_client()(&s);
+    s.wait_for_datapath_with(&client, node_port_addr(), "NodePort answered", is_pod)?;
+    s.topo.node().ip(&[
+        "link", "add", "vgone", "type", "veth", "peer", "name", "vgonep",
+    ])?;
+    s.topo
+        .node()
+        .ip(&["addr", "add", "10.250.0.1/24", "dev", "vgone"])?;
+    s.topo.node().ip(&["link", "set", "vgone", "up"])?;
+    let index = ifindex_in(&s, "vgone");
+    let pins = s.agent()?.bpf_root().join("kubeproxy-rs");
+    let ours = |pins: &std::path::Path| -> Vec<String> {
+        std::fs::read_dir(pins)
+            .map(|entries| {
+                entries
+                    .flatten()
+                    .map(|e| e.file_name().to_string_lossy().into_owned())
+                    .filter(|name| name.ends_with(&format!("_if{index}_link")))
+                    .collect()
+            })
+            .unwrap_or_default()
+    };
+    // A sync happens when an address appears (netlink watch); touching the manifests too.
+    s.manifests.write("svc.yaml", &lb_service("Cluster", &[]))?;
+    proxy_tests::wait::wait_until(
+        "the new interface's links pinned",
+        DATAPATH_TIMEOUT,
+        Duration::from_millis(50),
+        || ours(&pins).len() == 2,
+    )?;
+    eprintln!("pinned for vgone (ifindex {index}): {:?}", ours(&pins));
+    s.topo.node().ip(&["link", "del", "vgone"])?;
+    proxy_tests::wait::wait_until(
+        "the deleted interface's pins removed",
+        DATAPATH_TIMEOUT,
+        Duration::from_millis(50),
+        || ours(&pins).is_empty(),
+    )?;
+    let vext = ifindex_in(&s, "vext");
+    s.ensure(
+        pins.join(format!("kpr_tc_external_if{vext}_link")).exists(),
+        || "the external interface keeps its link".to_owned(),
+    )?;
+    s.wait_for_datapath_with(&client, node_port_addr(), "NodePort answered", is_pod)?;
+    Ok(())
+}
