@@ -99,7 +99,7 @@ fn allowed(pkt: &Packet) -> bool {
     // No overflow: the agent caps the interval at a day (a saturating multiply would need a
     // 128-bit helper the BPF backend lacks).
     let full = interval.wrapping_mul(BURST);
-    let (tokens, entry) = match KPR_ICMP_RATE.get_ptr_mut(&key) {
+    let (tokens, entry) = match KPR_ICMP_RATE.get_ptr_mut(key) {
         // SAFETY: the map's value, valid while this program runs.
         Some(bucket) => unsafe {
             let elapsed = now.saturating_sub((*bucket).last);
@@ -120,7 +120,7 @@ fn allowed(pkt: &Packet) -> bool {
         },
         None => {
             // A full map evicts the least recently used client (LRU).
-            let _ = KPR_ICMP_RATE.insert(&key, &IcmpBucket { tokens, last: now }, 0);
+            let _ = KPR_ICMP_RATE.insert(key, IcmpBucket { tokens, last: now }, 0);
         }
     }
     allow
