@@ -526,10 +526,11 @@ const CLUSTER_PATHS: [Path; 5] = [
 ];
 
 /// Item 3: the NodePort paths, from the external namespace.
-const NODEPORT_PATHS: [Path; 5] = [
+const NODEPORT_PATHS: [Path; 6] = [
     Path::ExtRouted,
     Path::ExtRoutedUnderTc,
     Path::NodePortEbpf,
+    Path::NodePortEbpfFastPath,
     Path::ExtRoutedUnderIptables,
     Path::NodePortIptables,
 ];
@@ -662,7 +663,7 @@ fn nodeport_section(md: &mut String, r: &Results) {
     );
     let _ = writeln!(
         md,
-        "| Services | workload | eBPF / routed, tc attached (same run) | eBPF / routed, no agent | iptables / routed, rules loaded (same run) | iptables / eBPF |\n|---|---|---|---|---|---|"
+        "| Services | workload | eBPF / routed, tc attached (same run) | eBPF / routed, no agent | eBPF fast path / eBPF netfilter path (same run) | iptables / routed, rules loaded (same run) | iptables / eBPF |\n|---|---|---|---|---|---|---|"
     );
     let p50 = |x: &Run| x.latency.p50 as f64;
     for d in &r.datapath {
@@ -674,10 +675,11 @@ fn nodeport_section(md: &mut String, r: &Results) {
             let cell = |num, den| spread(paired(runs, num, den, p50), ratio);
             let _ = writeln!(
                 md,
-                "| {} | {name} | {} | {} | {} | {} |",
+                "| {} | {name} | {} | {} | {} | {} | {} |",
                 size(d.workload.services),
                 cell(Path::NodePortEbpf, Path::ExtRoutedUnderTc),
                 cell(Path::NodePortEbpf, Path::ExtRouted),
+                cell(Path::NodePortEbpfFastPath, Path::NodePortEbpf),
                 cell(Path::NodePortIptables, Path::ExtRoutedUnderIptables),
                 cell(Path::NodePortIptables, Path::NodePortEbpf),
             );
