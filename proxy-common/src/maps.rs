@@ -143,6 +143,14 @@ pub mod frontend_flags {
 }
 
 /// Bits of [`CtValue::flags`].
+/// The skb mark bit the ingress programs set on a packet they translated on the netfilter path,
+/// so that egress finishes only translations ingress started: a packet that merely has the
+/// same tuple as a tracked flow (a client reaching a backend's pod address directly from the
+/// same port, a pod answering from its own socket) is not rewritten. Bit 12: clear of
+/// kube-proxy's masquerade and drop bits (0x4000, 0x8000), Calico's default mask
+/// (0xffff0000) and Istio's 0x539; egress clears it again.
+pub const TRANSLATED_MARK: u32 = 0x1000;
+
 pub mod ct_flags {
     /// The entry translates replies (backend → client direction).
     pub const REPLY: u8 = 1;

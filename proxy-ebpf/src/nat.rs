@@ -30,7 +30,7 @@ use aya_ebpf::{
     helpers::{bpf_fib_lookup, bpf_redirect_neigh},
     programs::TcContext,
 };
-use proxy_common::{CtValue, StatIndex, family, node_flags, proto};
+use proxy_common::{CtValue, StatIndex, TRANSLATED_MARK, family, node_flags, proto};
 
 use crate::{
     csum::{replace_addr, replace_port},
@@ -99,6 +99,9 @@ pub fn translate(ctx: &TcContext, pkt: &Packet, to: &CtValue, stat: StatIndex) -
     }
     bump(stat);
     if !fast {
+        // SAFETY: the context pointer is the program's own __sk_buff.
+        let mark = unsafe { (*ctx.skb.skb).mark };
+        ctx.set_mark(mark | TRANSLATED_MARK);
         // The stack routes it (PREROUTING, FORWARD or INPUT, POSTROUTING); the egress
         // program finishes the translation. `TC_ACT_UNSPEC` (`TCX_NEXT`), not `TC_ACT_OK`
         // (`TCX_PASS`, which ends the chain): programs and tc filters behind ours keep seeing

@@ -22,7 +22,7 @@ use aya_ebpf::{
 };
 use proxy_common::{
     CtKey, CtValue, Frontend4Key, Frontend6Key, FrontendValue, NodeAddrKey, NodeConfig,
-    SourceRangeKey, StatIndex, ct_flags, frontend_flags, node_flags, proto, scope,
+    SourceRangeKey, StatIndex, TRANSLATED_MARK, ct_flags, frontend_flags, node_flags, proto, scope,
 };
 
 use crate::{
@@ -77,6 +77,14 @@ pub fn egress(ctx: &TcContext) -> i32 {
     if fast_path() {
         return NEXT;
     }
+    // Only packets an ingress program translated (`TRANSLATED_MARK`): another packet with the
+    // tuple of a tracked flow is someone else's. The bit is ours; it goes with the translation.
+    // SAFETY: the context pointer is the program's own __sk_buff.
+    let mark = unsafe { (*ctx.skb.skb).mark };
+    if mark & TRANSLATED_MARK == 0 {
+        return NEXT;
+    }
+    ctx.set_mark(mark & !TRANSLATED_MARK);
     let Some(pkt) = parse(ctx) else {
         return NEXT;
     };

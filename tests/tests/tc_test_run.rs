@@ -32,7 +32,9 @@ use proxy_agent::{
     node_services::metrics::Metrics,
     objects::{ObjectKey, Objects},
 };
-use proxy_common::{CtKey, CtValue, StatIndex, ct_flags, family, map_names, program_names};
+use proxy_common::{
+    CtKey, CtValue, StatIndex, TRANSLATED_MARK, ct_flags, family, map_names, program_names, proto,
+};
 use proxy_tests::{
     agent::TempBpfRoot,
     cgroup::ChildCgroup,
@@ -286,6 +288,23 @@ fn run(node: &mut Node, program: &'static str, frame: &[u8], ifindex: u32) -> (i
     (out.action, parsed)
 }
 
+/// [`run`] on an skb that carries `mark`, also returning the frame and the mark it leaves with.
+fn run_marked(
+    node: &mut Node,
+    program: &'static str,
+    frame: &[u8],
+    ifindex: u32,
+    mark: u32,
+) -> (i32, Vec<u8>, Parsed, u32) {
+    let out = node
+        .dataplane
+        .test_run_tc_marked(program, frame, ifindex, mark)
+        .expect("test_run");
+    let parsed = parse_checked(&out.packet)
+        .unwrap_or_else(|e| panic!("{program}: output {:02x?}: {e}", out.packet));
+    (out.action, out.packet, parsed, out.mark)
+}
+
 /// [`run`], also returning the output frame (to feed the next program).
 fn run_raw(
     node: &mut Node,
@@ -382,17 +401,28 @@ fn netfilter_path_splits_translation_between_ingress_and_egress() {
             let what = format!("{l4:?} {client} → {frontend}");
             // Ingress: DNAT only; the client stays the source for FORWARD.
             let frame = build(client, frontend, l4, b"ping");
-            let (action, out_frame, out) =
-                run_raw(node, program_names::TC_EXTERNAL, &frame, node.ext0);
+            let (action, out_frame, out, mark) =
+                run_marked(node, program_names::TC_EXTERNAL, &frame, node.ext0, 0);
             assert_eq!(
                 action, TC_ACT_UNSPEC,
                 "{what}: to the next program, then the stack"
+            );
+            assert_eq!(
+                mark, TRANSLATED_MARK,
+                "{what}: ingress marks what it translated"
             );
             assert_eq!(out.destination(), backend, "{what}: DNAT");
             assert_eq!(out.source(), client, "{what}: source untouched at ingress");
 
             // Egress of the pod side (after FORWARD/POSTROUTING): SNAT, or nothing.
-            let (action, snat) = run(node, program_names::TC_EGRESS, &out_frame, node.pod0);
+            let (action, _, snat, mark) = run_marked(
+                node,
+                program_names::TC_EGRESS,
+                &out_frame,
+                node.pod0,
+                TRANSLATED_MARK,
+            );
+            assert_eq!(mark, 0, "{what}: egress takes its mark bit off");
             assert_eq!(
                 snat.destination(),
                 backend,
@@ -415,9 +445,10 @@ fn netfilter_path_splits_translation_between_ingress_and_egress() {
 
             // The backend answers on the pod side: ingress un-SNATs (destination only)...
             let answer = build(backend, to_backend, l4, b"pong");
-            let (action, back_frame, back) =
-                run_raw(node, program_names::TC_REPLY, &answer, node.pod0);
+            let (action, back_frame, back, mark) =
+                run_marked(node, program_names::TC_REPLY, &answer, node.pod0, 0);
             assert_eq!(action, TC_ACT_UNSPEC, "{what}: reply to the stack");
+            assert_eq!(mark, TRANSLATED_MARK, "{what}: the reply is marked too");
             assert_eq!(back.destination(), client, "{what}: reply destination");
             assert_eq!(
                 back.source(),
@@ -425,7 +456,8 @@ fn netfilter_path_splits_translation_between_ingress_and_egress() {
                 "{what}: reply source still the backend"
             );
             // ...and egress of the external side puts the frontend back as its source.
-            let (action, out) = run(node, program_names::TC_EGRESS, &back_frame, node.ext0);
+            let (action, _, out, _) =
+                run_marked(node, program_names::TC_EGRESS, &back_frame, node.ext0, mark);
             assert_eq!(action, TC_ACT_UNSPEC, "{what}: egress reply action");
             assert_eq!(out.source(), frontend, "{what}: reply source");
             assert_eq!(out.destination(), client, "{what}: reply destination");
@@ -438,12 +470,33 @@ fn netfilter_path_splits_translation_between_ingress_and_egress() {
         let frame = build(client, sa(NODE_IP, 30081), L4::TcpSyn, b"again");
         let (_, out_frame, out) = run_raw(node, program_names::TC_EXTERNAL, &frame, node.ext0);
         assert_eq!(out.destination(), sa(BACKEND, 8080));
-        let (action, out) = run(node, program_names::TC_EGRESS, &out_frame, node.pod0);
+        let (action, _, out, _) = run_marked(
+            node,
+            program_names::TC_EGRESS,
+            &out_frame,
+            node.pod0,
+            TRANSLATED_MARK,
+        );
         assert_eq!(
             action, TC_ACT_UNSPEC,
             "a reused tuple without SNAT is not egress's"
         );
         assert_eq!(out.source(), client, "client kept");
+
+        // The client reaches the backend's pod address directly, from the port of the second
+        // (SNATed, UDP) case's flow, whose egress entries are still there: nothing translated
+        // this packet at ingress, so egress must not SNAT it.
+        let client = sa(CLIENT, 41_001);
+        let direct = build(client, sa(BACKEND, 5353), L4::Udp, b"direct");
+        ct_entry(node, &ct_key(client, sa(BACKEND, 5353), proto::UDP))
+            .expect("the SNATed UDP flow's egress entry is still tracked");
+        let (action, out) = run(node, program_names::TC_EGRESS, &direct, node.pod0);
+        assert_eq!(action, TC_ACT_UNSPEC);
+        assert_eq!(
+            (out.source(), out.destination()),
+            (client, sa(BACKEND, 5353)),
+            "a packet ingress did not translate keeps its addresses"
+        );
 
         // Traffic egress has no entry for passes on, unchanged, to the next program.
         let unrelated = build(sa(CLIENT, 9), sa(BACKEND, 10), L4::Udp, b"x");

@@ -11,6 +11,8 @@ pub struct TcTestRun {
     pub action: i32,
     /// The packet after the program.
     pub packet: Vec<u8>,
+    /// The skb mark after the program (the netfilter path's `TRANSLATED_MARK`).
+    pub mark: u32,
 }
 
 impl EbpfDataplane {
@@ -25,7 +27,19 @@ impl EbpfDataplane {
         packet: &[u8],
         ifindex: u32,
     ) -> Result<TcTestRun, EbpfError> {
-        self.test_run_tc_timed(program, packet, ifindex, 1)
+        self.test_run_tc_marked(program, packet, ifindex, 0)
+    }
+
+    /// [`Self::test_run_tc`] on an skb that arrives with `mark` (as one an ingress program
+    /// marked reaches egress).
+    pub fn test_run_tc_marked(
+        &mut self,
+        program: &'static str,
+        packet: &[u8],
+        ifindex: u32,
+        mark: u32,
+    ) -> Result<TcTestRun, EbpfError> {
+        self.run_tc(program, packet, ifindex, mark, 1)
             .map(|(run, _)| run)
     }
 
@@ -39,6 +53,17 @@ impl EbpfDataplane {
         program: &'static str,
         packet: &[u8],
         ifindex: u32,
+        repeat: u32,
+    ) -> Result<(TcTestRun, std::time::Duration), EbpfError> {
+        self.run_tc(program, packet, ifindex, 0, repeat)
+    }
+
+    fn run_tc(
+        &mut self,
+        program: &'static str,
+        packet: &[u8],
+        ifindex: u32,
+        mark: u32,
         repeat: u32,
     ) -> Result<(TcTestRun, std::time::Duration), EbpfError> {
         let program_error = |source| EbpfError::Program {
@@ -56,17 +81,21 @@ impl EbpfDataplane {
         }
         // A partial `struct __sk_buff`: the kernel copies what is given and requires the rest
         // zero. `ingress_ifindex` (offset 36) is what the programs read; `ifindex` (offset 40)
-        // makes that interface the skb's device, so fib lookups start from it.
+        // makes that interface the skb's device, so fib lookups start from it; `mark` is at 8.
         let mut ctx = [0u8; 44];
+        ctx[8..12].copy_from_slice(&mark.to_ne_bytes());
         ctx[36..40].copy_from_slice(&ifindex.to_ne_bytes());
         ctx[40..44].copy_from_slice(&ifindex.to_ne_bytes());
         // Room for growth: a reject may turn a short packet into a longer ICMP error.
         let mut out = vec![0u8; packet.len().max(128) + 256];
+        // The kernel writes the whole `struct __sk_buff` back (ENOSPC if it does not fit).
+        let mut ctx_out = [0u8; 256];
         let result = classifier
             .test_run(TestRunOptions {
                 data_in: Some(packet),
                 data_out: Some(&mut out),
                 ctx_in: Some(&ctx),
+                ctx_out: Some(&mut ctx_out),
                 repeat: repeat.max(1),
                 ..TestRunOptions::default()
             })
@@ -76,6 +105,7 @@ impl EbpfDataplane {
             TcTestRun {
                 action: result.return_value as i32,
                 packet: out,
+                mark: u32::from_ne_bytes([ctx_out[8], ctx_out[9], ctx_out[10], ctx_out[11]]),
             },
             result.duration,
         ))
