@@ -1,9 +1,13 @@
-//! Drift detection and repair with a real agent: the test changes the pinned service maps from
-//! outside (corrupts, deletes and adds entries in the frontend, slot, backend, affinity match
-//! and source range maps; Maglev tables are covered by the unit tests), `proxy-agent inspect drift` reports each change
-//! without repairing it, and the agent's periodic check repairs them within one period —
+//! Drift detection and repair with a real agent: the test changes the pinned maps from outside
+//! (corrupts, deletes and adds entries in the frontend, slot, backend, affinity match and
+//! source range maps and in the node maps — the node config entry and the NodePort address
+//! set; Maglev tables are covered by the unit tests — and adds orphans: an affinity entry of a
+//! Service that does not exist, a UDP socket's entry and a UDP conntrack entry of a backend that
+//! does not exist), `proxy-agent inspect drift` reports each change without repairing it, and the agent's periodic check repairs them within one period —
 //! counted in `kubeproxy_ebpf_drift_repairs_total{map}` and logged — while traffic to a Service
-//! the changes do not touch keeps flowing. Needs root.
+//! the changes do not touch keeps flowing. A TCP conntrack entry of a backend that does not
+//! exist (a draining flow) and a UDP one of a live backend are not orphans and survive the
+//! repair. Needs root.
 
 use std::{
     net::{Ipv4Addr, SocketAddr},
@@ -13,11 +17,12 @@ use std::{
     time::{Duration, Instant},
 };
 
-use aya::maps::{HashMap, LpmTrie, Map, MapData, lpm_trie::Key};
+use aya::maps::{Array, HashMap, LpmTrie, Map, MapData, lpm_trie::Key};
 use proxy_agent::dataplane::ebpf::PIN_DIR_NAME;
 use proxy_common::{
-    AffinityMatchKey, Backend4, BackendSlotKey, Frontend4Key, FrontendValue, SourceRangeKey,
-    map_names, proto, scope,
+    AffinityKey, AffinityMatchKey, AffinityValue, Backend4, BackendSlotKey, CtKey, CtValue,
+    Frontend4Key, FrontendValue, NodeAddrKey, NodeConfig, SourceRangeKey, family, map_names, proto,
+    scope,
 };
 use proxy_tests::{
     agent::agent_binary,
@@ -151,7 +156,97 @@ fn tamper(pin_dir: &Path) -> anyhow::Result<u32> {
         addr: [map_addr(Ipv4Addr::new(198, 51, 100, 0)), 0, 0, 0],
     };
     ranges.insert(&Key::new(32 + 24, range), 1, 0)?;
+    tamper_node_and_orphans(pin_dir, web.service_id)?;
     Ok(first)
+}
+
+fn node_addr(addr: Ipv4Addr) -> NodeAddrKey {
+    NodeAddrKey {
+        addr: [map_addr(addr), 0, 0, 0],
+        family: family::V4,
+        _pad: [0; 3],
+    }
+}
+
+/// A conntrack entry of a flow from the external client to `backend` through the ClusterIP.
+fn ct_entry(protocol: u8, backend: Ipv4Addr) -> anyhow::Result<(CtKey, CtValue)> {
+    let key = CtKey {
+        src: [map_addr(Ipv4Addr::new(10, 10, 0, 2)), 0, 0, 0],
+        dst: [map_addr(CLUSTER_IP), 0, 0, 0],
+        sport: 40_000u16.to_be(),
+        dport: SERVICE_PORT.to_be(),
+        proto: protocol,
+        family: family::V4,
+        _pad: 0,
+    };
+    let value = CtValue {
+        src: key.src,
+        dst: [map_addr(backend), 0, 0, 0],
+        sport: key.sport,
+        dport: 8080u16.to_be(),
+        // Fresh, so the agent's conntrack garbage collection leaves it alone.
+        last_seen_ns: proxy_agent::dataplane::ebpf::monotonic_ns()?,
+        ..CtValue::default()
+    };
+    Ok((key, value))
+}
+
+const GONE_BACKEND: Ipv4Addr = Ipv4Addr::new(10, 244, 99, 2);
+
+/// The conntrack entries the test adds: (entry, whether it is an orphan).
+fn ct_entries() -> anyhow::Result<Vec<((CtKey, CtValue), bool)>> {
+    let mut udp_live = ct_entry(proto::UDP, proxy_tests::topology::Topology::pod_ip(1))?;
+    let mut tcp_gone = ct_entry(proto::TCP, GONE_BACKEND)?;
+    // Distinct client ports: one key per entry.
+    udp_live.0.sport = 40_001u16.to_be();
+    tcp_gone.0.sport = 40_002u16.to_be();
+    Ok(vec![
+        (ct_entry(proto::UDP, GONE_BACKEND)?, true),
+        (udp_live, false),
+        (tcp_gone, false),
+    ])
+}
+
+/// The node maps (a NodePort address deleted, one added, the config's SNAT address corrupted)
+/// and orphans in the maps the datapath writes.
+fn tamper_node_and_orphans(pin_dir: &Path, web_service: u32) -> anyhow::Result<()> {
+    let mut addrs: HashMap<_, NodeAddrKey, u8> = open(pin_dir, map_names::NODE_ADDRS)?;
+    match addrs.remove(&node_addr(proxy_tests::topology::Topology::node_ext_ip())) {
+        Ok(()) | Err(aya::maps::MapError::KeyNotFound) => {}
+        Err(e) => return Err(e.into()),
+    }
+    addrs.insert(node_addr(Ipv4Addr::new(203, 0, 113, 9)), 1, 0)?;
+    let data = MapData::from_pin(pin_dir.join(map_names::NODE_CONFIG))?;
+    let mut config: Array<_, NodeConfig> = Array::try_from(Map::from_map_data(data)?)?;
+    let mut c = config.get(&0, 0)?;
+    c.snat4 = map_addr(Ipv4Addr::new(192, 0, 2, 99));
+    config.set(0, c, 0)?;
+
+    let now = proxy_agent::dataplane::ebpf::monotonic_ns()?;
+    let mut affinity: HashMap<_, AffinityKey, AffinityValue> = open(pin_dir, map_names::AFFINITY)?;
+    let gone_service = AffinityKey {
+        client: 7,
+        service_id: 0xdead,
+        _pad: 0,
+    };
+    let value = |backend_id| AffinityValue {
+        backend_id,
+        _pad: 0,
+        last_used_ns: now,
+    };
+    affinity.insert(gone_service, value(1), 0)?;
+    let mut sticky: HashMap<_, AffinityKey, AffinityValue> = open(pin_dir, map_names::UDP_STICKY)?;
+    let socket = AffinityKey {
+        client: 8,
+        service_id: web_service,
+        _pad: 0,
+    };
+    sticky.insert(socket, value(0xbeef), 0)?;
+    let mut ct: HashMap<_, CtKey, CtValue> = open(pin_dir, map_names::CT)?;
+    for ((key, value), _) in ct_entries()? {
+        ct.insert(key, value, 0)?;
+    }
+    Ok(())
 }
 
 fn expected_kinds() -> Vec<(String, String)> {
@@ -161,6 +256,12 @@ fn expected_kinds() -> Vec<(String, String)> {
         ("KPR_BACKEND_SLOTS", "missing"),
         ("KPR_FRONTENDS4", "extra"),
         ("KPR_SOURCE_RANGES", "extra"),
+        ("KPR_NODE_ADDRS", "missing"),
+        ("KPR_NODE_ADDRS", "extra"),
+        ("KPR_NODE_CONFIG", "changed"),
+        ("KPR_AFFINITY", "orphan"),
+        ("KPR_UDP_STICKY", "orphan"),
+        ("KPR_CT", "orphan"),
     ]
     .into_iter()
     .map(|(map, kind)| (map.to_owned(), kind.to_owned()))
@@ -278,6 +379,16 @@ fn drifted_ebpf_maps_are_reported_and_repaired_within_one_period() -> anyhow::Re
         ["pod1", "pod2"],
         "{seen:?}"
     );
+
+    // Only the orphan left conntrack: the draining TCP flow and the live UDP flow stayed.
+    let ct: HashMap<_, CtKey, CtValue> = open(&pin_dir, map_names::CT)?;
+    for ((key, _), orphan) in ct_entries()? {
+        assert_eq!(
+            ct.get(&key, 0).is_ok(),
+            !orphan,
+            "conntrack entry {key:?} (orphan: {orphan})"
+        );
+    }
 
     let api_attempts = api_traffic
         .join()

@@ -41,8 +41,8 @@ use tokio::{io::unix::AsyncFd, task::JoinHandle};
 use tracing::{debug, info, warn};
 
 use super::{
-    ApplyError, ApplySummary, DriftCheck, MapOps, MapWriteError, Programmer, bpffs, cgroup, ct,
-    drift, maglev, object,
+    ApplyError, ApplySummary, Drift, DriftCheck, DriftKind, MapOps, MapWriteError, Programmer,
+    bpffs, cgroup, ct, drift, maglev, object, orphans,
     program::{
         BackendValue, FrontendMapKey, MapsContent, ip4_from_map, ip4_to_map, ip6_from_map,
         ip6_to_map,
@@ -145,6 +145,13 @@ pub enum LoadError {
     },
     #[error("reading the monotonic clock: {0}")]
     Clock(nix::Error),
+}
+
+fn count_repair(check: &mut DriftCheck, map: &'static str, result: Result<(), MapWriteError>) {
+    match result {
+        Ok(()) => *check.repair.repaired.entry(map).or_default() += 1,
+        Err(error) => check.repair.errors.push((map, error)),
+    }
 }
 
 /// The service maps as typed handles.
@@ -529,7 +536,76 @@ impl EbpfDataplane {
     pub fn check_drift(&mut self, repair: bool) -> Option<DriftCheck> {
         let expected = self.programmer.expected_content()?;
         let found = self.maps.content();
-        Some(drift::check(&expected, &found, repair, &mut self.maps))
+        let mut check = drift::check(&expected, &found, repair, &mut self.maps);
+        let node = self.tc.check_drift(repair, &mut check.repair);
+        check.drift.extend(node);
+        let orphans = self.check_orphans(&expected, repair, &mut check);
+        check.drift.extend(orphans);
+        Some(check)
+    }
+
+    /// Affinity, UDP-socket and conntrack entries of Services or backends that are gone (see
+    /// `orphans`); with `repair`, deleted (each re-read first: an entry the datapath rewrote
+    /// since the walk is left for the next check).
+    fn check_orphans(
+        &mut self,
+        expected: &MapsContent,
+        repair: bool,
+        check: &mut DriftCheck,
+    ) -> Vec<Drift> {
+        let live = orphans::Live::of(expected);
+        let mut out = Vec::new();
+        for name in [map_names::AFFINITY, map_names::UDP_STICKY] {
+            let Some(map) = self.ebpf.map_mut(name) else {
+                continue;
+            };
+            let Ok(mut map) = HashMap::<_, AffinityKey, AffinityValue>::try_from(map) else {
+                continue;
+            };
+            let entries: Vec<(AffinityKey, AffinityValue)> =
+                map.iter().filter_map(Result::ok).collect();
+            check.entries_compared += entries.len();
+            for (key, value) in entries {
+                let Some(why) = orphans::pinned_orphan(&live, &key, &value) else {
+                    continue;
+                };
+                out.push(Drift {
+                    map: name,
+                    kind: DriftKind::Orphan,
+                    entry: format!("client {} service {}", key.client, key.service_id),
+                    expected: None,
+                    found: Some(why),
+                });
+                if repair && map.get(&key, 0).is_ok_and(|now| now == value) {
+                    count_repair(check, name, ignore_missing(name, map.remove(&key)));
+                }
+            }
+        }
+        let Ok(mut ct) = self.conntrack_map() else {
+            return out;
+        };
+        let entries = ct::entries(&ct);
+        check.entries_compared += entries.len();
+        for (key, value) in entries {
+            let Some(why) = orphans::ct_orphan(&live, &key, &value) else {
+                continue;
+            };
+            out.push(Drift {
+                map: map_names::CT,
+                kind: DriftKind::Orphan,
+                entry: orphans::describe_ct(&key),
+                expected: None,
+                found: Some(why),
+            });
+            if repair {
+                count_repair(
+                    check,
+                    map_names::CT,
+                    ignore_missing(map_names::CT, ct.remove(&key)),
+                );
+            }
+        }
+        out
     }
 
     /// Deletes the tc conntrack entries of backends this apply removed (see `ct`), after the

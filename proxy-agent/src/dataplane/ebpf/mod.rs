@@ -9,6 +9,7 @@ mod ids;
 mod loader;
 mod maglev;
 mod object;
+mod orphans;
 mod program;
 pub(crate) mod sockdiag;
 mod stats;
