@@ -408,6 +408,24 @@ fn log_tail(s: &mut Scenario) -> String {
     s.agent().map(|a| a.log_tail(40)).unwrap_or_default()
 }
 
+/// Splits a saved rule into arguments; `"…"` is one argument without its quotes.
+fn split_quoted(rule: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut rest = rule.trim();
+    while !rest.is_empty() {
+        if let Some(quoted) = rest.strip_prefix('"') {
+            let (word, after) = quoted.split_once('"').unwrap_or((quoted, ""));
+            out.push(word.to_owned());
+            rest = after.trim_start();
+        } else {
+            let (word, after) = rest.split_once(' ').unwrap_or((rest, ""));
+            out.push(word.to_owned());
+            rest = after.trim_start();
+        }
+    }
+    out
+}
+
 /// Runs `command args` in the node's namespace; fails on a non-zero exit.
 fn in_node(netns: &Path, command: &str, args: &[&str]) -> anyhow::Result<String> {
     let output = Command::new("nsenter")
@@ -478,6 +496,18 @@ fn drifted_iptables_rules_are_reported_and_repaired_within_one_period() -> anyho
     s.topo
         .add_decoy(std::net::IpAddr::V4(API_IP), SERVICE_PORT)?;
     let period = format!("{}s", PERIOD.as_secs());
+    // A Service with ClientIP affinity: its chain has `-m recent` rules to tamper with.
+    s.manifests.write(
+        "sticky-svc.yaml",
+        "apiVersion: v1\nkind: Service\nmetadata: {name: sticky, namespace: default}\nspec:\n  \
+         clusterIP: 10.96.0.40\n  ports:\n  - {name: http, port: 80, targetPort: 8080, \
+         protocol: TCP}\n  sessionAffinity: ClientIP\n  sessionAffinityConfig: {clientIP: \
+         {timeoutSeconds: 600}}\n",
+    )?;
+    s.manifests.write(
+        "sticky-slice.yaml",
+        &http_slice("default", "sticky-1", "sticky", &[pod_endpoint(1)]),
+    )?;
     let client = s.start_serving("iptables", &["--drift-check-period", &period])?;
     let api = SocketAddr::from((API_IP, SERVICE_PORT));
     let netns = s.topo.node().path();
@@ -503,12 +533,34 @@ fn drifted_iptables_rules_are_reported_and_repaired_within_one_period() -> anyho
         .map(|chain| chain.trim().to_owned())
         .ok_or_else(|| anyhow::anyhow!("no KUBE-SERVICES rule for web in\n{nat}"))?;
     anyhow::ensure!(web_chain.starts_with("KUBE-SVC-"), "{web_chain}");
+    let sticky_chain = nat
+        .lines()
+        .filter(|l| l.starts_with("-A KUBE-SERVICES") && l.contains("-d 10.96.0.40/32"))
+        .find_map(|l| l.split("-j ").nth(1))
+        .map(|chain| chain.trim().to_owned())
+        .ok_or_else(|| anyhow::anyhow!("no KUBE-SERVICES rule for sticky in\n{nat}"))?;
+    // Its rules as saved: 1 is the `recent --rcheck` jump, 2 the jump with the endpoint's
+    // comment. The tampering below changes only a timeout and a comment.
+    let sticky_rules: Vec<String> = nat
+        .lines()
+        .filter_map(|l| l.strip_prefix(&format!("-A {sticky_chain} ")))
+        .map(str::to_owned)
+        .collect();
+    let [recent_rule, comment_rule] = &sticky_rules[..] else {
+        anyhow::bail!("{sticky_chain}: {sticky_rules:?}");
+    };
+    anyhow::ensure!(
+        recent_rule.contains("--seconds 600") && comment_rule.contains("-> 10.244.1.2:8080"),
+        "{sticky_rules:?}"
+    );
+    let shorter_affinity = split_quoted(&recent_rule.replace("--seconds 600", "--seconds 5"));
+    let other_comment = split_quoted(&comment_rule.replace("-> 10.244.1.2:8080", "-> elsewhere"));
 
     let api_client = client.clone().interval(Duration::from_millis(100));
     let api_traffic = thread::spawn(move || api_client.run(api, 120));
 
     // Delete a rule of web's service chain, add one to KUBE-SERVICES, add a chain under our
-    // names, flush the canary.
+    // names, flush the canary, change a mark, a `recent` timeout and a comment.
     let tamper = |netns: &Path| -> anyhow::Result<Instant> {
         in_node(netns, "iptables", &["-t", "nat", "-D", &web_chain, "1"])?;
         in_node(
@@ -540,11 +592,34 @@ fn drifted_iptables_rules_are_reported_and_repaired_within_one_period() -> anyho
             "iptables",
             &["-t", "mangle", "-X", "KUBE-PROXY-CANARY"],
         )?;
+        // Outside what decides a packet's DNAT: a mark, a `recent` timeout, a comment.
+        in_node(
+            netns,
+            "iptables",
+            &[
+                "-t",
+                "nat",
+                "-R",
+                "KUBE-MARK-MASQ",
+                "1",
+                "-j",
+                "MARK",
+                "--or-mark",
+                "0x8000",
+            ],
+        )?;
+        for (index, rule) in [("1", &shorter_affinity), ("2", &other_comment)] {
+            let mut args = vec!["-t", "nat", "-R", sticky_chain.as_str(), index];
+            args.extend(rule.iter().map(String::as_str));
+            in_node(netns, "iptables", &args)?;
+        }
         Ok(Instant::now())
     };
     let expected: Vec<(String, String)> = [
         ("changed", "KUBE-SERVICES"),
         ("changed", web_chain.as_str()),
+        ("changed", "KUBE-MARK-MASQ"),
+        ("changed", sticky_chain.as_str()),
         ("extra", "KUBE-SEP-DRIFTTEST"),
         ("missing", "KUBE-PROXY-CANARY"),
     ]
@@ -593,6 +668,10 @@ fn drifted_iptables_rules_are_reported_and_repaired_within_one_period() -> anyho
     }
     let nat = in_node(&netns, "iptables-save", &["-t", "nat"])?;
     assert!(!nat.contains("10.96.0.99"), "the added rule survived");
+    assert!(
+        !nat.contains("--seconds 5 ") && !nat.contains("elsewhere") && !nat.contains("0x8000"),
+        "a tampered timeout, comment or mark survived:\n{nat}"
+    );
     assert!(
         !nat.contains("KUBE-SEP-DRIFTTEST"),
         "the added chain survived"
