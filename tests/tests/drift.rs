@@ -642,6 +642,14 @@ fn drifted_iptables_rules_are_reported_and_repaired_within_one_period() -> anyho
         chain_kinds(&report) == sorted_expected,
         "the agent repaired before inspect drift could look; rerun"
     );
+    // The table for people (README's example), naming the tampered timeout.
+    let table = in_node(
+        &netns,
+        &agent_binary()?.to_string_lossy(),
+        &["inspect", "drift"],
+    )?;
+    eprintln!("{table}");
+    assert!(table.contains("--seconds 5"), "{table}");
 
     let mut repaired_after = None;
     while tampered_at.elapsed() < PERIOD + Duration::from_secs(3) {
