@@ -32,7 +32,7 @@ pub struct Args {
     #[arg(long, value_name = "FILE", help_heading = "Configuration file")]
     pub write_config_to: Option<PathBuf>,
 
-    /// Remove everything the agent installed, then exit (not implemented yet).
+    /// Remove everything either mode installed, and kube-proxy's nftables/IPVS leftovers, then exit.
     #[arg(long, value_name = "BOOL", num_args = 0..=1, require_equals = true,
           default_missing_value = "true", help_heading = "Configuration file")]
     pub cleanup: Option<String>,
@@ -465,7 +465,8 @@ pub struct Args {
     )]
     pub bpf_maglev_table_size: Option<String>,
 
-    /// Network interfaces for the packet-level programs, comma-separated (not used yet).
+    /// Interfaces that get the external tc programs, comma-separated (default: every interface
+    /// with a global unicast address).
     #[arg(
         long,
         value_name = "NAMES",
@@ -489,6 +490,20 @@ pub enum LoggingFormat {
     Json,
 }
 
+impl Args {
+    /// For `inspect` when the configuration does not load: only what `inspect` reads (where
+    /// the pins are, where the agent's metrics server listens), everything else at its
+    /// default. A broken configuration is when one needs `inspect` most.
+    pub fn inspect_fallback(&self) -> Self {
+        Self {
+            bpf_root: self.bpf_root.clone(),
+            metrics_bind_address: self.metrics_bind_address.clone(),
+            command: self.command.clone(),
+            ..Self::default()
+        }
+    }
+}
+
 #[derive(Debug, Clone, clap::Subcommand)]
 pub enum Command {
     /// Show the datapath of the agent running on this node: the pinned BPF maps in eBPF mode,
@@ -500,7 +515,10 @@ pub enum Command {
 pub struct InspectArgs {
     #[arg(value_enum, default_value = "services")]
     pub what: InspectWhat,
-    /// JSON instead of a table.
+    /// Output format: `table` for people, `json` (typed values) for machines.
+    #[arg(short = 'o', long = "output", value_enum, default_value = "table")]
+    pub output: InspectOutput,
+    /// Same as `-o json`.
     #[arg(long)]
     pub json: bool,
     /// `explain`: where the client is (node, pod or external).
@@ -515,6 +533,19 @@ pub struct InspectArgs {
     /// `explain`: the client's source port (completes the tuple: conntrack, Maglev).
     #[arg(long, value_name = "PORT")]
     pub sport: Option<u16>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum InspectOutput {
+    Table,
+    Json,
+}
+
+impl InspectArgs {
+    /// Whether JSON was asked for (`-o json` or `--json`).
+    pub fn json(&self) -> bool {
+        self.json || self.output == InspectOutput::Json
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]

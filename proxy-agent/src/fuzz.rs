@@ -45,9 +45,9 @@ pub fn config(bytes: &[u8]) {
     let _ = crate::config::parse(text);
 }
 
-/// One ctnetlink dump datagram (`conntrack::netlink`).
+/// One ctnetlink dump datagram (`kernel_conntrack::netlink`).
 pub fn ctnetlink(bytes: &[u8]) {
-    let _ = crate::conntrack::netlink::parse_dump_datagram(bytes);
+    let _ = crate::kernel_conntrack::netlink::parse_dump_datagram(bytes);
 }
 
 /// One SOCK_DIAG dump datagram (`dataplane::ebpf::sockdiag`).

@@ -8,7 +8,6 @@ use std::{
     io::{Read as _, Write as _},
     net::{IpAddr, SocketAddr, TcpStream},
     path::{Path, PathBuf},
-    process::Command,
     time::Duration,
 };
 
@@ -36,10 +35,51 @@ pub struct FrontendRow {
     pub service: String,
     /// `address:port/PROTOCOL`; NodePorts show `*:port`.
     pub frontend: String,
+    /// The frontend's address; `None` for a NodePort (every NodePort address).
+    pub address: Option<IpAddr>,
+    pub port: u16,
+    pub protocol: &'static str,
+    /// eBPF mode: the frontend's service id in the maps.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub service_id: Option<u32>,
     /// `socket` (cgroup hooks) or `external` (tc), or the iptables chain for iptables mode.
     pub path: String,
     pub backends: Vec<String>,
     pub flags: Vec<&'static str>,
+}
+
+/// A backend id of the eBPF maps.
+#[derive(Debug, Clone, Serialize, PartialEq, Eq)]
+pub struct BackendRow {
+    pub backend: u32,
+    pub address: SocketAddr,
+    /// Service ids whose live slots point at it.
+    pub used_by: Vec<u32>,
+}
+
+/// A session affinity entry.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct AffinityRow {
+    /// Socket-level clients: their network namespace cookie; external ones: the address.
+    pub client: String,
+    pub service_id: u32,
+    pub backend: String,
+    pub idle_seconds: f64,
+}
+
+/// One direction of a flow in the tc programs' conntrack.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct ConntrackRow {
+    /// `forward` (client → frontend) or `reply` (backend → client or SNAT address).
+    pub direction: &'static str,
+    /// A FIN or RST was seen: the short close timeout applies.
+    pub closing: bool,
+    pub protocol: &'static str,
+    pub match_source: SocketAddr,
+    pub match_destination: SocketAddr,
+    pub rewrite_source: SocketAddr,
+    pub rewrite_destination: SocketAddr,
+    pub idle_seconds: f64,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -54,7 +94,7 @@ pub fn run(config: &Config, args: &InspectArgs) -> anyhow::Result<String> {
     let ebpf = pin_dir.join(map_names::FRONTENDS4).exists();
     match (&args.what, ebpf) {
         // The agent knows what it wrote; both modes answer.
-        (InspectWhat::Drift, _) => drift::run(config.metrics_bind_address, args.json),
+        (InspectWhat::Drift, _) => drift::run(config.metrics_bind_address, args.json()),
         (InspectWhat::Explain, true) => {
             let names = service_names(config.metrics_bind_address);
             explain_ebpf(&pin_dir, args, &names)
@@ -63,16 +103,20 @@ pub fn run(config: &Config, args: &InspectArgs) -> anyhow::Result<String> {
         (InspectWhat::Services, true) => {
             let names = service_names(config.metrics_bind_address);
             render(
-                args.json,
+                args.json(),
                 &ebpf_frontends(&pin_dir, &names)?,
                 frontend_table,
             )
         }
-        (InspectWhat::Services, false) => render(args.json, &iptables_frontends()?, frontend_table),
-        (InspectWhat::Counters, true) => render(args.json, &counters(&pin_dir)?, counter_table),
-        (InspectWhat::Backends, true) => render(args.json, &backends(&pin_dir)?, generic_table),
-        (InspectWhat::Affinity, true) => render(args.json, &affinity(&pin_dir)?, generic_table),
-        (InspectWhat::Conntrack, true) => render(args.json, &conntrack(&pin_dir)?, generic_table),
+        (InspectWhat::Services, false) => {
+            render(args.json(), &iptables_frontends()?, frontend_table)
+        }
+        (InspectWhat::Counters, true) => render(args.json(), &counters(&pin_dir)?, counter_table),
+        (InspectWhat::Backends, true) => render(args.json(), &backends(&pin_dir)?, backend_table),
+        (InspectWhat::Affinity, true) => render(args.json(), &affinity(&pin_dir)?, affinity_table),
+        (InspectWhat::Conntrack, true) => {
+            render(args.json(), &conntrack(&pin_dir)?, conntrack_table)
+        }
         (what, false) => bail!(
             "no pinned eBPF maps under {}: `inspect {what:?}` reads the eBPF mode's maps (in \
              iptables mode only `services`, `explain` and `drift` apply)",
@@ -95,31 +139,17 @@ fn explain_iptables(args: &InspectArgs) -> anyhow::Result<String> {
             query.client = *node;
         }
     }
-    let tool = if query.dest.is_ipv6() {
-        "ip6tables-save"
-    } else {
-        "iptables-save"
-    };
+    let family = crate::desired::IpFamily::of(&query.dest.ip());
     let mut dump = String::new();
     for table in ["nat", "filter"] {
-        let output = Command::new(tool)
-            .args(["-t", table])
-            .output()
-            .with_context(|| format!("running {tool}"))?;
-        if !output.status.success() {
-            bail!(
-                "{tool} -t {table}: {}",
-                String::from_utf8_lossy(&output.stderr)
-            );
-        }
-        dump.push_str(&String::from_utf8_lossy(&output.stdout));
+        dump.push_str(&iptables_save(family, table)?);
     }
     let tracer = crate::dataplane::iptables::tracer::Tracer::new(&dump, &[], &local_ips);
     let mut explanation = explain::explain_iptables(&tracer, &query);
     explain::iptables_affinity(&tracer, &query, &mut explanation, |chain| {
         std::fs::read_to_string(Path::new("/proc/net/xt_recent").join(chain)).ok()
     });
-    if args.json {
+    if args.json() {
         return Ok(serde_json::to_string_pretty(&explanation)?);
     }
     Ok(explain::table(&query, &explanation, None))
@@ -162,7 +192,7 @@ fn explain_ebpf(
     let query = explain_query(args)?;
     let maps = explain::PinnedMaps::open(pin_dir)?;
     let explanation = explain::explain(&maps, &query);
-    if args.json {
+    if args.json() {
         return Ok(serde_json::to_string_pretty(&explanation)?);
     }
     let service = explanation.service_id.and_then(|id| names.get(&id));
@@ -212,12 +242,62 @@ fn frontend_table(rows: &[FrontendRow]) -> String {
     out
 }
 
-/// Rows of `key: value` pairs, one line each.
-fn generic_table(rows: &[BTreeMap<&'static str, String>]) -> String {
-    let mut out = String::new();
+fn backend_table(rows: &[BackendRow]) -> String {
+    let mut out = format!(
+        "{:<10} {:<44} USED BY (service ids)\n",
+        "BACKEND", "ADDRESS"
+    );
     for row in rows {
-        let line: Vec<String> = row.iter().map(|(k, v)| format!("{k}={v}")).collect();
-        let _ = writeln!(out, "{}", line.join("  "));
+        let used_by: Vec<String> = row.used_by.iter().map(|id| format!("#{id}")).collect();
+        let _ = writeln!(
+            out,
+            "{:<10} {:<44} {}",
+            format!("#{}", row.backend),
+            row.address,
+            used_by.join(",")
+        );
+    }
+    out
+}
+
+fn affinity_table(rows: &[AffinityRow]) -> String {
+    let mut out = format!(
+        "{:<20} {:<10} {:<44} IDLE\n",
+        "CLIENT", "SERVICE", "BACKEND"
+    );
+    for row in rows {
+        let _ = writeln!(
+            out,
+            "{:<20} {:<10} {:<44} {:.1}s",
+            row.client,
+            format!("#{}", row.service_id),
+            row.backend,
+            row.idle_seconds
+        );
+    }
+    out
+}
+
+fn conntrack_table(rows: &[ConntrackRow]) -> String {
+    let mut out = format!(
+        "{:<17} {:<5} {:<50} {:<50} IDLE\n",
+        "DIRECTION", "PROTO", "MATCH", "REWRITE"
+    );
+    for row in rows {
+        let direction = if row.closing {
+            format!("{} (closing)", row.direction)
+        } else {
+            row.direction.to_owned()
+        };
+        let _ = writeln!(
+            out,
+            "{:<17} {:<5} {:<50} {:<50} {:.1}s",
+            direction,
+            row.protocol,
+            format!("{} -> {}", row.match_source, row.match_destination),
+            format!("{} -> {}", row.rewrite_source, row.rewrite_destination),
+            row.idle_seconds
+        );
     }
     out
 }
@@ -346,6 +426,10 @@ pub fn ebpf_frontends(
                 .cloned()
                 .unwrap_or_else(|| format!("#{}", value.service_id)),
             frontend,
+            address: (!addr.is_unspecified()).then_some(addr),
+            port,
+            protocol: protocol_name(proto),
+            service_id: Some(value.service_id),
             path: if scope_value == scope::EXTERNAL {
                 "external"
             } else {
@@ -381,7 +465,7 @@ pub fn ebpf_frontends(
     Ok(rows)
 }
 
-fn backend_addr(pin_dir: &Path) -> anyhow::Result<BTreeMap<u32, String>> {
+fn backend_addr(pin_dir: &Path) -> anyhow::Result<BTreeMap<u32, SocketAddr>> {
     let backends4: HashMap<MapData, u32, Backend4> =
         open_map(pin_dir, map_names::BACKENDS4)?.try_into()?;
     let backends6: HashMap<MapData, u32, Backend6> =
@@ -391,21 +475,21 @@ fn backend_addr(pin_dir: &Path) -> anyhow::Result<BTreeMap<u32, String>> {
         let (id, b) = entry?;
         out.insert(
             id,
-            SocketAddr::new(ip4_from_map(b.addr).into(), u16::from_be(b.port)).to_string(),
+            SocketAddr::new(ip4_from_map(b.addr).into(), u16::from_be(b.port)),
         );
     }
     for entry in backends6.iter() {
         let (id, b) = entry?;
         out.insert(
             id,
-            SocketAddr::new(ip6_from_map(b.addr).into(), u16::from_be(b.port)).to_string(),
+            SocketAddr::new(ip6_from_map(b.addr).into(), u16::from_be(b.port)),
         );
     }
     Ok(out)
 }
 
 /// Backend ids with their address and the service ids whose slots point at them.
-pub fn backends(pin_dir: &Path) -> anyhow::Result<Vec<BTreeMap<&'static str, String>>> {
+pub fn backends(pin_dir: &Path) -> anyhow::Result<Vec<BackendRow>> {
     let addrs = backend_addr(pin_dir)?;
     let slots: HashMap<MapData, BackendSlotKey, u32> =
         open_map(pin_dir, map_names::BACKEND_SLOTS)?.try_into()?;
@@ -416,25 +500,17 @@ pub fn backends(pin_dir: &Path) -> anyhow::Result<Vec<BTreeMap<&'static str, Str
     }
     Ok(addrs
         .into_iter()
-        .map(|(id, addr)| {
-            let services: Vec<String> = users
-                .get(&id)
-                .into_iter()
-                .flatten()
-                .map(|s| format!("#{s}"))
-                .collect();
-            BTreeMap::from([
-                ("backend", format!("#{id}")),
-                ("address", addr),
-                ("used_by", services.join(",")),
-            ])
+        .map(|(backend, address)| BackendRow {
+            backend,
+            address,
+            used_by: users.get(&backend).into_iter().flatten().copied().collect(),
         })
         .collect())
 }
 
 /// Affinity entries: client identity (netns cookie for local clients, the address for external
 /// ones), service id, backend and how long ago it was last used.
-pub fn affinity(pin_dir: &Path) -> anyhow::Result<Vec<BTreeMap<&'static str, String>>> {
+pub fn affinity(pin_dir: &Path) -> anyhow::Result<Vec<AffinityRow>> {
     let addrs = backend_addr(pin_dir)?;
     let map: HashMap<MapData, proxy_common::AffinityKey, proxy_common::AffinityValue> =
         open_map(pin_dir, map_names::AFFINITY)?.try_into()?;
@@ -442,75 +518,52 @@ pub fn affinity(pin_dir: &Path) -> anyhow::Result<Vec<BTreeMap<&'static str, Str
     let mut rows = Vec::new();
     for entry in map.iter() {
         let (key, value) = entry?;
-        rows.push(BTreeMap::from([
-            ("client", format!("{:#x}", key.client)),
-            ("service", format!("#{}", key.service_id)),
-            (
-                "backend",
-                addrs
-                    .get(&value.backend_id)
-                    .cloned()
-                    .unwrap_or_else(|| format!("#{}", value.backend_id)),
-            ),
-            (
-                "idle_s",
-                format!("{:.1}", now.saturating_sub(value.last_used_ns) as f64 / 1e9),
-            ),
-        ]));
+        rows.push(AffinityRow {
+            client: format!("{:#x}", key.client),
+            service_id: key.service_id,
+            backend: addrs
+                .get(&value.backend_id)
+                .map_or_else(|| format!("#{}", value.backend_id), ToString::to_string),
+            idle_seconds: seconds_since(now, value.last_used_ns),
+        });
     }
     Ok(rows)
 }
 
 /// The tc conntrack: each entry's match tuple and the tuple a packet is rewritten to.
-pub fn conntrack(pin_dir: &Path) -> anyhow::Result<Vec<BTreeMap<&'static str, String>>> {
+pub fn conntrack(pin_dir: &Path) -> anyhow::Result<Vec<ConntrackRow>> {
     let map: HashMap<MapData, proxy_common::CtKey, proxy_common::CtValue> =
         open_map(pin_dir, map_names::CT)?.try_into()?;
     let now = monotonic_ns();
-    let addr = |family: u8, words: [u32; 4], port: u16| -> String {
+    let addr = |family: u8, words: [u32; 4], port: u16| -> SocketAddr {
         let ip: IpAddr = if family == proxy_common::family::V4 {
             ip4_from_map(words[0]).into()
         } else {
             ip6_from_map(words).into()
         };
-        SocketAddr::new(ip, u16::from_be(port)).to_string()
+        SocketAddr::new(ip, u16::from_be(port))
     };
     let mut rows = Vec::new();
     for entry in map.iter() {
         let (key, value) = entry?;
-        let direction = if value.flags & proxy_common::ct_flags::REPLY != 0 {
-            "reply"
-        } else if value.flags & proxy_common::ct_flags::CLOSING != 0 {
-            // A FIN or RST was seen: the short close timeout applies.
-            "forward (closing)"
-        } else {
-            "forward"
-        };
-        rows.push(BTreeMap::from([
-            ("direction", direction.to_owned()),
-            ("protocol", protocol_name(key.proto).to_owned()),
-            (
-                "match",
-                format!(
-                    "{} -> {}",
-                    addr(key.family, key.src, key.sport),
-                    addr(key.family, key.dst, key.dport)
-                ),
-            ),
-            (
-                "rewrite",
-                format!(
-                    "{} -> {}",
-                    addr(key.family, value.src, value.sport),
-                    addr(key.family, value.dst, value.dport)
-                ),
-            ),
-            (
-                "idle_s",
-                format!("{:.1}", now.saturating_sub(value.last_seen_ns) as f64 / 1e9),
-            ),
-        ]));
+        let reply = value.flags & proxy_common::ct_flags::REPLY != 0;
+        rows.push(ConntrackRow {
+            direction: if reply { "reply" } else { "forward" },
+            closing: value.flags & proxy_common::ct_flags::CLOSING != 0,
+            protocol: protocol_name(key.proto),
+            match_source: addr(key.family, key.src, key.sport),
+            match_destination: addr(key.family, key.dst, key.dport),
+            rewrite_source: addr(key.family, value.src, value.sport),
+            rewrite_destination: addr(key.family, value.dst, value.dport),
+            idle_seconds: seconds_since(now, value.last_seen_ns),
+        });
     }
     Ok(rows)
+}
+
+/// Seconds from a `bpf_ktime_get_ns()` reading to `now`, to a tenth.
+fn seconds_since(now: u64, then: u64) -> f64 {
+    (now.saturating_sub(then) / 100_000_000) as f64 / 10.0
 }
 
 /// `bpf_ktime_get_ns()`'s clock: CLOCK_MONOTONIC.
@@ -546,18 +599,25 @@ pub fn counters(pin_dir: &Path) -> anyhow::Result<Vec<CounterRow>> {
 /// DNAT destination.
 pub fn iptables_frontends() -> anyhow::Result<Vec<FrontendRow>> {
     let mut rows = Vec::new();
-    for save in ["iptables-save", "ip6tables-save"] {
-        let output = Command::new(save).args(["-t", "nat"]).output();
-        let Ok(output) = output else { continue };
-        if !output.status.success() {
-            continue;
+    for family in crate::desired::IpFamily::ALL {
+        // A family without a working ip(6)tables has no rules to show.
+        if let Ok(save) = iptables_save(family, "nat") {
+            rows.extend(parse_iptables_save(&save));
         }
-        rows.extend(parse_iptables_save(&String::from_utf8_lossy(
-            &output.stdout,
-        )));
     }
     rows.sort();
     Ok(rows)
+}
+
+/// `iptables-save -t <table>` with the backend (nft or legacy) the agent itself picks, as
+/// iptables-wrapper does: the one holding kube-proxy's rules.
+fn iptables_save(family: crate::desired::IpFamily, table: &str) -> anyhow::Result<String> {
+    let iptables = crate::dataplane::iptables::exec::Iptables {
+        family,
+        backend: crate::dataplane::iptables::detect::detect_backend(),
+        version: None,
+    };
+    Ok(iptables.save(table)?)
 }
 
 /// The value following `flag` in a rule (`-d 10.96.0.10/32` → `10.96.0.10/32`).
@@ -600,10 +660,22 @@ pub fn parse_iptables_save(text: &str) -> Vec<FrontendRow> {
             let dest = arg(&words, "-d")
                 .map(|d| d.trim_end_matches("/32").trim_end_matches("/128"))
                 .unwrap_or("*");
-            let port = arg(&words, "--dport").unwrap_or("?");
+            let port_text = arg(&words, "--dport").unwrap_or("?");
             let proto = arg(&words, "-p").unwrap_or("tcp").to_uppercase();
             let service = name.split(' ').next().unwrap_or(name).to_owned();
-            entries.push((service, format!("{dest}:{port}/{proto}"), target));
+            let protocol = match proto.as_str() {
+                "UDP" => "UDP",
+                "SCTP" => "SCTP",
+                _ => "TCP",
+            };
+            entries.push((
+                service,
+                format!("{dest}:{port_text}/{proto}"),
+                dest.parse::<IpAddr>().ok(),
+                port_text.parse::<u16>().unwrap_or(0),
+                protocol,
+                target,
+            ));
         }
     }
     // Follow SVC/EXT chains (EXT → SVC → SEP) to the DNAT destinations.
@@ -629,12 +701,16 @@ pub fn parse_iptables_save(text: &str) -> Vec<FrontendRow> {
     }
     entries
         .into_iter()
-        .map(|(service, frontend, chain)| {
+        .map(|(service, frontend, address, port, protocol, chain)| {
             let mut backends = Vec::new();
             resolve(chain, &chain_jumps, &dnat, 0, &mut backends);
             FrontendRow {
                 service,
                 frontend,
+                address,
+                port,
+                protocol,
+                service_id: None,
                 path: chain.to_owned(),
                 backends,
                 flags: Vec::new(),

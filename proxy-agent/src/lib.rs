@@ -3,15 +3,18 @@
 
 pub mod cli;
 pub mod config;
-pub mod conntrack;
 pub mod dataplane;
 pub mod desired;
 pub mod drift;
 pub mod fuzz;
 pub mod inspect;
+pub mod kernel_conntrack;
+pub mod logging;
+pub mod netlink;
 pub mod node;
 pub mod node_services;
 pub mod objects;
+pub mod proxy_mode;
 pub mod run;
 pub mod source;
 pub mod sync_runner;

@@ -14,6 +14,20 @@ async fn main() -> ExitCode {
     // is reported (one line per problem) and exits 1 without a backtrace.
     let loaded = match config::load(&args) {
         Ok(loaded) => loaded,
+        Err(error) if matches!(args.command, Some(cli::Command::Inspect(_))) => {
+            for line in error.lines() {
+                eprintln!("proxy-agent: inspect ignores the configuration: {line}");
+            }
+            match config::load(&args.inspect_fallback()) {
+                Ok(loaded) => loaded,
+                Err(error) => {
+                    for line in error.lines() {
+                        eprintln!("proxy-agent: {line}");
+                    }
+                    return ExitCode::FAILURE;
+                }
+            }
+        }
         Err(error) => {
             for line in error.lines() {
                 eprintln!("proxy-agent: {line}");
@@ -36,10 +50,23 @@ async fn main() -> ExitCode {
         .with_writer(std::io::stderr);
     let json =
         args.logging_format == cli::LoggingFormat::Json || loaded.document.logging.format == "json";
+    // The filter stays replaceable: `PUT /debug/flags/v` changes the verbosity.
     if json {
-        builder.json().init();
+        let builder = builder.json().with_filter_reloading();
+        let handle = builder.reload_handle();
+        proxy_agent::logging::install(config.verbosity, move |filter| {
+            handle.reload(filter).map_err(|e| e.to_string())
+        });
+        builder.init();
     } else {
-        builder.with_ansi(std::io::stderr().is_terminal()).init();
+        let builder = builder
+            .with_ansi(std::io::stderr().is_terminal())
+            .with_filter_reloading();
+        let handle = builder.reload_handle();
+        proxy_agent::logging::install(config.verbosity, move |filter| {
+            handle.reload(filter).map_err(|e| e.to_string())
+        });
+        builder.init();
     }
     for notice in &loaded.notices {
         match notice {

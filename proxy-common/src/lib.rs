@@ -9,6 +9,7 @@
 #![no_std]
 
 pub mod crc32c;
+pub mod maglev;
 pub mod maps;
 pub mod stats;
 

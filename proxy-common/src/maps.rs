@@ -136,7 +136,7 @@ pub mod frontend_flags {
     /// An unconnected UDP socket keeps the backend its first datagram to this frontend chose
     /// (`KPR_UDP_STICKY`, keyed by socket cookie) while that backend stays in the service, as
     /// kube-proxy's conntrack keeps a 5-tuple on one backend. Socket frontends of UDP ports;
-    /// the programmer tracks their members in `KPR_AFFINITY_MATCH`.
+    /// the agent's map writer tracks their members in `KPR_AFFINITY_MATCH`.
     pub const STICKY_SOCKET: u8 = 64;
 }
 

@@ -114,6 +114,10 @@ fn panic(_info: &core::panic::PanicInfo) -> ! {
     loop {}
 }
 
+// The kernel reads this string, not Cargo.toml: only a GPL-compatible one ("Dual MIT/GPL" is on
+// its list, Apache-2.0 is not) unlocks GPL-only helpers and kfuncs (e.g. the conntrack and
+// socket-destroy kfuncs), so the eBPF crate is licensed "MIT OR GPL-2.0-only", as aya's
+// templates do, while the user-space crates are Apache-2.0.
 #[cfg(target_arch = "bpf")]
 #[unsafe(link_section = "license")]
 #[unsafe(no_mangle)]

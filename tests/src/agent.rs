@@ -2,6 +2,7 @@
 //! (kubeconfig), a child cgroup and a private bpffs root.
 
 use std::fs;
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::Duration;
@@ -205,6 +206,46 @@ impl Agent {
     }
 
     /// Everything the agent has logged so far.
+    /// Where the agent serves `/metrics`: `--metrics-bind-address` from the extra arguments,
+    /// else kube-proxy's default, 127.0.0.1:10249 (in the agent's network namespace).
+    pub fn metrics_address(&self) -> SocketAddr {
+        let args = &self.config.extra_args;
+        args.iter()
+            .zip(args.iter().skip(1))
+            .find(|(flag, _)| flag.as_str() == "--metrics-bind-address")
+            .and_then(|(_, value)| value.parse().ok())
+            .or_else(|| {
+                args.iter()
+                    .find_map(|a| a.strip_prefix("--metrics-bind-address="))
+                    .and_then(|value| value.parse().ok())
+            })
+            .unwrap_or_else(|| SocketAddr::from(([127, 0, 0, 1], 10249)))
+    }
+
+    /// The agent's `/metrics` exposition, fetched from inside its network namespace.
+    pub fn metrics(&self) -> Result<String> {
+        let netns = self.config.netns.as_deref().ok_or_else(|| {
+            RigError::Other("metrics are fetched from the agent's own network namespace".into())
+        })?;
+        let response = crate::http::get(netns, self.metrics_address(), "/metrics")?;
+        if response.status != 200 {
+            return Err(self.error(format!("/metrics answered {}", response.status)));
+        }
+        Ok(response.body)
+    }
+
+    /// Successful syncs so far: the IPv4 observations of the sync duration histogram (one per
+    /// successful sync, in both modes). 0 while the metrics server is not up yet.
+    pub fn syncs(&self) -> u64 {
+        self.metrics().map_or(0, |exposition| {
+            crate::http::metric_sum(
+                &exposition,
+                "kubeproxy_sync_proxy_rules_duration_seconds_count",
+                &["ip_family=\"IPv4\""],
+            ) as u64
+        })
+    }
+
     pub fn log_contents(&self) -> String {
         fs::read(&self.log_path)
             .map(|b| String::from_utf8_lossy(&b).into_owned())

@@ -13,6 +13,7 @@ pub mod echo;
 pub mod error;
 pub mod foreign_tc;
 pub mod helper;
+pub mod http;
 pub mod manifests;
 pub mod netns;
 pub mod packet;

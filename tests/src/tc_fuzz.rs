@@ -389,7 +389,7 @@ impl TcNode {
     }
 }
 
-fn refused_by_kernel(error: &proxy_agent::dataplane::ebpf::LoadError) -> bool {
+fn refused_by_kernel(error: &proxy_agent::dataplane::ebpf::EbpfError) -> bool {
     let mut source: Option<&dyn std::error::Error> = Some(error);
     while let Some(e) = source {
         if let Some(io) = e.downcast_ref::<std::io::Error>() {

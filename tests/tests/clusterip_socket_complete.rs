@@ -361,6 +361,11 @@ fn agent_sigkill_and_restart_in_the_middle_of_traffic_fails_no_connection() -> a
     let tcp = thread::spawn(move || tcp.run_timed(cluster_addr(), 400));
     let udp = thread::spawn(move || udp.run_timed(cluster_addr(), 400));
     thread::sleep(Duration::from_millis(700));
+    let pin_dir = s
+        .agent()?
+        .bpf_root()
+        .join(proxy_agent::dataplane::ebpf::PIN_DIR_NAME);
+    let frontends_before = frontends(&pin_dir)?;
     s.agent()?.kill()?;
     let killed_ms = spawned.elapsed().as_millis() as u64;
     thread::sleep(Duration::from_millis(500));
@@ -390,17 +395,33 @@ fn agent_sigkill_and_restart_in_the_middle_of_traffic_fails_no_connection() -> a
             format!("{what}: no attempt may fail across a restart: {counts:?}")
         })?;
     }
-    // The restarted agent adopted the maps and still applies updates.
-    let adopted = s
-        .agent()?
-        .log_contents()
-        .contains("adopted the service maps");
-    s.ensure(adopted, || {
-        "the restarted agent did not adopt the pinned maps".into()
-    })?;
+    // The restarted agent adopted the maps: its first (full) sync claimed every frontend
+    // without a write, so each keeps its generation. Then it still applies updates.
+    proxy_tests::wait::wait_until(
+        "the restarted agent's first sync",
+        Duration::from_secs(10),
+        Duration::from_millis(50),
+        || s.agent().is_ok_and(|a| a.syncs() >= 1),
+    )?;
+    let frontends_after = frontends(&pin_dir)?;
+    s.ensure(
+        !frontends_before.is_empty() && frontends_after == frontends_before,
+        || {
+            format!(
+                "the restarted agent rewrote the frontends instead of adopting them: \
+                 {frontends_before:?} → {frontends_after:?}"
+            )
+        },
+    )?;
     write_service(&s, false, None, &[1, 2])?;
-    thread::sleep(Duration::from_millis(1000));
-    let counts = tally(&s.cgroup_client().run(cluster_addr(), 40)?);
+    let batch = s.wait_for_batch(
+        &s.cgroup_client(),
+        cluster_addr(),
+        40,
+        "pod3 removed after the restart",
+        |a| matches!(a.backend(), Some("pod1" | "pod2")),
+    )?;
+    let counts = tally(&batch);
     eprintln!("after the restart, pod3 removed: answers: {counts:?}");
     s.ensure(
         counts.keys().map(String::as_str).eq(["pod1", "pod2"]),
@@ -409,9 +430,23 @@ fn agent_sigkill_and_restart_in_the_middle_of_traffic_fails_no_connection() -> a
     Ok(())
 }
 
-/// Lines of the agent log that report a finished sync.
-fn syncs(s: &mut Scenario) -> anyhow::Result<usize> {
-    Ok(s.agent()?.log_contents().matches("sync applied").count())
+/// The pinned IPv4 frontends map, sorted by key.
+fn frontends(
+    pin_dir: &std::path::Path,
+) -> anyhow::Result<Vec<(proxy_common::Frontend4Key, proxy_common::FrontendValue)>> {
+    use aya::maps::{HashMap, Map, MapData};
+    use proxy_common::{Frontend4Key, FrontendValue, map_names};
+    let data = MapData::from_pin(pin_dir.join(map_names::FRONTENDS4))?;
+    let map: HashMap<MapData, Frontend4Key, FrontendValue> =
+        HashMap::try_from(Map::from_map_data(data)?)?;
+    let mut entries = map.iter().collect::<Result<Vec<_>, _>>()?;
+    entries.sort_by_key(|(key, _)| *key);
+    Ok(entries)
+}
+
+/// Successful syncs of the running agent (its sync duration histogram).
+fn syncs(s: &mut Scenario) -> anyhow::Result<u64> {
+    Ok(s.agent()?.syncs())
 }
 
 #[test]

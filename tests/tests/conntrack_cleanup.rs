@@ -9,8 +9,8 @@
 use std::{collections::BTreeMap, net::SocketAddr, path::Path};
 
 use proxy_agent::{
-    conntrack::{ConntrackEntry, Ctnetlink, reconcile},
     desired::{IpFamily, Snapshot},
+    kernel_conntrack::{ConntrackEntry, Ctnetlink, reconcile},
     objects::{ObjectKey, Objects},
 };
 use proxy_tests::{client::Client, echo::EchoServer, helper::Proto, netns::Netns};

@@ -70,12 +70,65 @@ fn inspect_shows_the_service_in_ebpf_mode() -> anyhow::Result<()> {
         table.contains("default/web:http") && table.contains("10.244.2.2:8080"),
         "{table}"
     );
-    let backends_json = inspect(&netns, Some(&bpf_root), &["backends", "--json"])?;
+    // Typed values for machines: numbers are numbers, addresses and ports apart.
+    assert_eq!(socket["address"], "10.96.0.10", "{socket}");
+    assert_eq!(socket["port"], 80, "{socket}");
+    assert_eq!(socket["protocol"], "TCP", "{socket}");
+    let service_id = socket["service_id"]
+        .as_u64()
+        .ok_or_else(|| anyhow::anyhow!("service_id is not a number: {socket}"))?;
+    let backends_json = inspect(&netns, Some(&bpf_root), &["backends", "-o", "json"])?;
     eprintln!("inspect backends: {backends_json}");
     let rows: Vec<serde_json::Value> = serde_json::from_str(&backends_json)?;
     let mut addresses: Vec<&str> = rows.iter().filter_map(|r| r["address"].as_str()).collect();
     addresses.sort_unstable();
     assert_eq!(addresses, ["10.244.1.2:8080", "10.244.2.2:8080"]);
+    for row in &rows {
+        assert!(row["backend"].is_u64(), "{row}");
+        let used_by: Vec<u64> = row["used_by"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(serde_json::Value::as_u64)
+            .collect();
+        assert!(
+            used_by.contains(&service_id),
+            "{row} not used by #{service_id}"
+        );
+    }
+    // A configuration that does not load does not stop inspect: it reads the pins all the same.
+    let bad_config =
+        std::env::temp_dir().join(format!("kpr-bad-config-{}.yaml", std::process::id()));
+    std::fs::write(
+        &bad_config,
+        "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\n\
+         mode: no-such-mode\n",
+    )?;
+    let output = Command::new("nsenter")
+        .arg(format!("--net={}", netns.display()))
+        .arg(agent_binary()?)
+        .arg("--config")
+        .arg(&bad_config)
+        .arg("--bpf-root")
+        .arg(&bpf_root)
+        .args(["inspect", "services", "-o", "json"])
+        .output();
+    let _ = std::fs::remove_file(&bad_config);
+    let output = output?;
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        output.status.success(),
+        "inspect with a broken --config failed: {stderr}"
+    );
+    assert!(
+        stderr.contains("inspect ignores the configuration") && stderr.contains("mode"),
+        "the broken configuration is not named: {stderr}"
+    );
+    let rows = web_rows(&String::from_utf8(output.stdout)?)?;
+    assert!(
+        !rows.is_empty(),
+        "inspect with a broken --config showed no default/web rows"
+    );
     for what in ["affinity", "conntrack"] {
         let rows: Vec<serde_json::Value> =
             serde_json::from_str(&inspect(&netns, Some(&bpf_root), &[what, "--json"])?)?;

@@ -222,8 +222,15 @@ fn api_objects_reach_pods_and_follow_updates_and_deletes() -> anyhow::Result<()>
     })?;
 
     api.apply(&slice(SLICE, SERVICE, &[1, 3])?)?;
-    std::thread::sleep(Duration::from_secs(1));
-    let after = answers(&s, cluster_addr(), "1 s after removing pod2 from the slice")?;
+    let batch = s.wait_for_batch(
+        &s.cgroup_client(),
+        cluster_addr(),
+        CONNECTIONS,
+        "pod2 removed from the slice",
+        |a| matches!(a.backend(), Some("pod1" | "pod3")),
+    )?;
+    let after: BTreeSet<String> = tally(&batch).into_keys().collect();
+    eprintln!("after removing pod2 from the slice: answers: {after:?}");
     s.ensure(after == pods(&[1, 3]), || {
         format!("expected exactly pod1 and pod3 after removing pod2: {after:?}")
     })?;
@@ -265,9 +272,13 @@ fn nothing_is_programmed_until_every_kind_was_listed() -> anyhow::Result<()> {
     s.ensure(held == BTreeSet::from([DECOY_NAME.to_owned()]), || {
         format!("nothing may be translated before the Node was listed: {held:?}")
     })?;
-    let log = s.agent()?.log_contents();
-    s.ensure(!log.contains("sync applied"), || {
-        "the agent synced before the Node was listed".into()
+    let syncs = proxy_tests::http::metric_sum(
+        &s.agent()?.metrics()?,
+        "kubeproxy_sync_proxy_rules_duration_seconds_count",
+        &[],
+    );
+    s.ensure(syncs == 0.0, || {
+        format!("the agent synced {syncs} times before the Node was listed")
     })?;
 
     let released_at = Instant::now();
@@ -314,8 +325,6 @@ fn expired_watch_relists_and_converges_without_foreign_endpoints() -> anyhow::Re
         || "the agent did not relist EndpointSlices after the 410".into(),
     )?;
     print_source_log(&mut s)?;
-    let relisted = s.agent()?.log_contents().contains("relisting");
-    s.ensure(relisted, || "the agent did not log the relist".into())?;
     let extra_answers = answers(&s, extra, "the Service created during the break")?;
     s.ensure(extra_answers == pods(&[1]), || {
         format!("the Service created during the break must reach pod1: {extra_answers:?}")

@@ -164,6 +164,14 @@ fn maglev_node_port_flows_keep_their_backend_across_a_datapath_rebuild() -> anyh
 
     // Random → maglev on the same pins.
     let agent = s.agent()?;
+    let maglev_pin = agent
+        .bpf_root()
+        .join(proxy_agent::dataplane::ebpf::PIN_DIR_NAME)
+        .join(proxy_common::map_names::MAGLEV);
+    let capacity =
+        |pin: &std::path::Path| aya::maps::MapInfo::from_pin(pin).map(|info| info.max_entries());
+    // Random never uses the Maglev map: it is created with one entry.
+    let random_capacity = capacity(&maglev_pin)?;
     agent.stop()?;
     agent.restart_with_args(&["--interfaces", "vext", "--lb-algorithm", "maglev"])?;
     // The old programs stay attached meanwhile: wait for the new agent's first sync.
@@ -172,12 +180,14 @@ fn maglev_node_port_flows_keep_their_backend_across_a_datapath_rebuild() -> anyh
         "the restarted agent's first sync",
         DATAPATH_TIMEOUT,
         Duration::from_millis(100),
-        || agent.log_contents().matches("sync applied").count() >= 2,
+        || agent.syncs() >= 1,
     )?;
-    let resized = agent.log_contents().contains("Maglev map resized");
-    s.ensure(resized, || {
-        "the Maglev map should be recreated for maglev".into()
-    })?;
+    let maglev_capacity = capacity(&maglev_pin)?;
+    eprintln!("KPR_MAGLEV capacity: {random_capacity} (random) → {maglev_capacity} (maglev)");
+    s.ensure(
+        random_capacity == 1 && maglev_capacity == proxy_common::default_sizes::MAGLEV,
+        || "the Maglev map should be recreated with its capacity for maglev".into(),
+    )?;
     wait_for_datapath(&s, target, 39_999)?;
     // `inspect explain` names each tuple's backend before any packet of it: the Maglev slot
     // of the full 5-tuple (`--sport`).

@@ -89,3 +89,60 @@ fn iptables_mode_removes_kube_proxys_nftables_and_ipvs_state() -> anyhow::Result
 fn ebpf_mode_removes_kube_proxys_nftables_and_ipvs_state() -> anyhow::Result<()> {
     migrates("ebpf")
 }
+
+/// What kube-proxy's IPVS cleanup would not remove stays: a `kube-ipvs0` that is not a dummy
+/// device (upstream's `DeleteDummyDevice` refuses other kinds); and IPVS virtual services are
+/// looked for over generic netlink — on a kernel without IPVS (no `ip_vs`, as here) the agent
+/// says so and goes on, at start and with `--cleanup`.
+#[test]
+fn ipvs_cleanup_leaves_what_kube_proxy_would_leave() -> anyhow::Result<()> {
+    init();
+    proxy_tests::require_root();
+    let mut s = Scenario::new(1)?;
+    s.write_web_service(1)?;
+    let node = s.topo.node();
+    node.exec(
+        "ip",
+        &[
+            "link",
+            "add",
+            "kube-ipvs0",
+            "type",
+            "veth",
+            "peer",
+            "name",
+            "kipvs-peer",
+        ],
+    )?;
+    let client = s.start_serving("iptables", &[])?;
+    let answers = client.run(cluster_addr(), 5)?;
+    s.ensure(answers.iter().all(is_pod), || format!("{answers:?}"))?;
+    let still_there = |s: &Scenario| -> anyhow::Result<bool> {
+        Ok(s.topo
+            .node()
+            .exec("ip", &["-o", "link", "show"])?
+            .contains("kube-ipvs0"))
+    };
+    s.ensure(still_there(&s)?, || {
+        "a veth named kube-ipvs0 is not kube-proxy's dummy device and must stay".to_owned()
+    })?;
+    let ipvs_in_kernel = s.topo.node().exec("cat", &["/proc/net/ip_vs"]).is_ok();
+    let log = s.agent()?.log_contents();
+    if ipvs_in_kernel {
+        eprintln!("this kernel has IPVS: the flush path ran (no services were set up here)");
+        s.ensure(!log.contains("cannot remove kube-proxy's IPVS"), || {
+            log.clone()
+        })?;
+    } else {
+        eprintln!("no IPVS in this kernel: the absent path");
+        s.ensure(log.contains("the kernel has no IPVS"), || log.clone())?;
+    }
+    s.agent()?.stop()?;
+    let status = s.agent()?.run_cleanup()?;
+    let tail = s.agent()?.log_tail(20);
+    s.ensure(status.success(), || format!("--cleanup failed: {tail}"))?;
+    s.ensure(still_there(&s)?, || {
+        "--cleanup removed a non-dummy kube-ipvs0".to_owned()
+    })?;
+    Ok(())
+}

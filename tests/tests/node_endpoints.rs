@@ -2,14 +2,10 @@
 //! namespace: /healthz, /livez, /metrics, /proxyMode and a Service's health check node port.
 //! Needs root.
 
-use std::{
-    io::{Read as _, Write as _},
-    net::{SocketAddr, TcpStream},
-    path::Path,
-    time::Duration,
-};
+use std::{net::SocketAddr, path::Path, time::Duration};
 
 use proxy_tests::{
+    http::Response,
     manifests::Endpoint,
     scenario::{CLUSTER_IP, Scenario, http_slice, pod_endpoint},
     service_scenarios::{ServiceSpec, service_yaml},
@@ -19,41 +15,9 @@ use proxy_tests::{
 
 const HEALTH_CHECK_PORT: u16 = 30999;
 
-#[derive(Debug)]
-struct Response {
-    status: u16,
-    head: String,
-    body: String,
-}
-
-/// One HTTP/1.1 GET from a thread inside the network namespace at `netns`.
+/// One GET from inside the network namespace at `netns`.
 fn get(netns: &Path, addr: SocketAddr, path: &str) -> anyhow::Result<Response> {
-    let file = std::fs::File::open(netns)?;
-    let path = path.to_owned();
-    std::thread::spawn(move || -> anyhow::Result<Response> {
-        nix::sched::setns(&file, nix::sched::CloneFlags::CLONE_NEWNET)?;
-        let mut stream = TcpStream::connect_timeout(&addr, Duration::from_secs(2))?;
-        stream.set_read_timeout(Some(Duration::from_secs(2)))?;
-        write!(
-            stream,
-            "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
-        )?;
-        let mut raw = String::new();
-        stream.read_to_string(&mut raw)?;
-        let (head, body) = raw.split_once("\r\n\r\n").unwrap_or((&raw, ""));
-        let status = head
-            .split_whitespace()
-            .nth(1)
-            .and_then(|s| s.parse().ok())
-            .ok_or_else(|| anyhow::anyhow!("no status line in {head:?}"))?;
-        Ok(Response {
-            status,
-            head: head.to_owned(),
-            body: body.to_owned(),
-        })
-    })
-    .join()
-    .map_err(|_| anyhow::anyhow!("HTTP thread panicked"))?
+    Ok(proxy_tests::http::get(netns, addr, path)?)
 }
 
 fn setup(mode: &str, endpoints: &[Endpoint]) -> anyhow::Result<Scenario> {
@@ -162,6 +126,26 @@ fn health_metrics_and_proxy_mode_of_a_running_ebpf_agent() -> anyhow::Result<()>
             "{name} missing from /metrics"
         );
     }
+    // The maps' fill levels follow what was programmed: the two pods are the only backends,
+    // and the capacities are the `--bpf-map-*` defaults.
+    for line in [
+        "kubeproxy_ebpf_map_entries{map=\"KPR_BACKENDS4\"} 2",
+        "kubeproxy_ebpf_map_entries{map=\"KPR_BACKENDS6\"} 0",
+        "kubeproxy_ebpf_map_capacity{map=\"KPR_FRONTENDS4\"} 65536",
+        "kubeproxy_ebpf_map_capacity{map=\"KPR_BACKEND_SLOTS\"} 262144",
+    ] {
+        assert!(
+            exposition.body.lines().any(|l| l == line),
+            "{line} missing from /metrics"
+        );
+    }
+    let frontends = exposition
+        .body
+        .lines()
+        .find_map(|l| l.strip_prefix("kubeproxy_ebpf_map_entries{map=\"KPR_FRONTENDS4\"} "))
+        .and_then(|v| v.parse::<u64>().ok())
+        .ok_or_else(|| anyhow::anyhow!("no KPR_FRONTENDS4 entries in /metrics"))?;
+    assert!(frontends >= 1, "KPR_FRONTENDS4 holds {frontends} entries");
     eprintln!("/metrics: {} bytes", exposition.body.len());
     Ok(())
 }

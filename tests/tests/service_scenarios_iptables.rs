@@ -98,14 +98,17 @@ fn canary_is_checked_while_services_churn() -> anyhow::Result<()> {
         node.exec("iptables", &["-w", "-t", table, "-X"])?;
     }
     let started = std::time::Instant::now();
-    // The partial syncs the churn causes do not look at the canary: only its own timer does.
+    // The partial syncs the churn causes do not look at the canary: only its own timer does,
+    // and it recreates the canary chains when it finds them gone.
     let mut noticed = false;
     while started.elapsed() < Duration::from_secs(10) && !noticed {
         std::thread::sleep(Duration::from_millis(250));
-        noticed = s
-            .agent()?
-            .log_contents()
-            .contains("KUBE-PROXY-CANARY is gone");
+        noticed = node
+            .exec(
+                "iptables",
+                &["-w", "-t", "mangle", "-S", "KUBE-PROXY-CANARY"],
+            )
+            .is_ok();
     }
     let restored = s.wait_for_datapath_with(&client, cluster_addr(), "rules restored", is_pod);
     stop.store(true, Ordering::Relaxed);

@@ -1,5 +1,5 @@
 //! The tc programs under `BPF_PROG_TEST_RUN`: the real object is loaded (pins in a private
-//! bpffs), Services are programmed through the real `EbpfDataplane` (snapshot → `Programmer` →
+//! bpffs), Services are programmed through the real `EbpfDataplane` (snapshot → `MapWriter` →
 //! maps), crafted frames go through `kpr_tc_external` / `kpr_tc_reply`, and the test checks the
 //! action, every byte that matters and every checksum (recomputed here from scratch) of what
 //! the program returns, plus the conntrack entries it wrote. Needs root.

@@ -8,14 +8,16 @@ use crate::build::{run_cmd, step};
 
 /// Debian packages: LLVM 22 for bpf-linker (nightly's LLVM is 22), runtime tools for tests
 /// (`nftables`: the host-policy tests add a foreign nft table, as a CNI would; the agent
-/// removes kube-proxy's nftables tables and the migration test creates them).
-const DEBIAN_PACKAGES: [&str; 6] = [
+/// removes kube-proxy's nftables tables and the migration test creates them; `prometheus`
+/// for `promtool check metrics` on the agent's expositions, `metrics_exposition.rs`).
+const DEBIAN_PACKAGES: [&str; 7] = [
     "llvm-22-dev",
     "libpolly-22-dev",
     "iptables",
     "iproute2",
     "bpftool",
     "nftables",
+    "prometheus",
 ];
 const BPF_LINKER_VERSION: &str = "0.13.0";
 const LLVM_PREFIX: &str = "/usr/lib/llvm-22";
@@ -63,6 +65,13 @@ pub fn run(mode: Mode) -> Result<()> {
                 .args(&missing_packages)
                 .env("DEBIAN_FRONTEND", "noninteractive"),
         )?;
+        if missing_packages.contains(&"prometheus") {
+            // Only promtool is wanted: on a machine with systemd the package starts a
+            // Prometheus server, which the tests do not need.
+            let _ = Command::new("systemctl")
+                .args(["disable", "--now", "prometheus"])
+                .status();
+        }
     }
 
     if linker {

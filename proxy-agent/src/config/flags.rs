@@ -1,7 +1,7 @@
 //! The command-line overlay: every flag given on the command line replaces the corresponding
 //! field of the (already defaulted) document, and is remembered as that field's source.
 //!
-//! Values are parsed like Go's pflag parses them (ints in decimal, Go durations, Go booleans);
+//! Values are parsed like Go's pflag parses them (ints with Go's base prefixes, Go durations, Go booleans);
 //! a value that does not parse is a [`Problem`] naming the flag and the field, and the field
 //! keeps its previous value so the other checks still run.
 
@@ -13,10 +13,9 @@ use super::{
     defaults::{HEALTHZ_PORT, METRICS_PORT},
     file::{FlushFrequency, KubeProxyConfiguration, VModuleItem},
 };
-use crate::{
-    cli::Args,
-    dataplane::ebpf::{MAX_MAGLEV_TABLE_SIZE, is_valid_table_size},
-};
+use proxy_common::maglev::{MAX_TABLE_SIZE as MAX_MAGLEV_TABLE_SIZE, is_valid_table_size};
+
+use crate::cli::Args;
 
 /// Settings that only exist as flags.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -219,9 +218,13 @@ pub fn apply(
         );
         doc.detect_local.interface_name_prefix.clone_from(prefix);
     }
-    overlay.parse(&args.verbosity, "logging.verbosity", "v", parse_int, |v| {
-        doc.logging.verbosity = v
-    });
+    overlay.parse(
+        &args.verbosity,
+        "logging.verbosity",
+        "v",
+        parse_decimal,
+        |v| doc.logging.verbosity = v,
+    );
 
     // cliflag.MapStringBool: `k=v,k2=v2`, keys and values trimmed, values Go booleans; the
     // flag replaces the map (the file's gates are not merged in).
@@ -566,9 +569,49 @@ pub fn parse_bool(text: &str) -> Result<bool, String> {
     }
 }
 
-fn parse_int<T: FromStr>(text: &str) -> Result<T, String> {
+/// pflag's integer flags: `strconv.ParseInt(text, 0, bits)`, so a sign, then `0x`/`0o`/`0b`
+/// prefixes, a leading `0` for octal, and `_` between digits are all Go syntax.
+fn parse_int<T: TryFrom<i128>>(text: &str) -> Result<T, String> {
+    go_base0_int(text)
+        .and_then(|v| T::try_from(v).ok())
+        .ok_or_else(|| "must be an integer in range".to_owned())
+}
+
+/// klog's `-v`: `strconv.ParseInt(text, 10, 32)`, decimal only.
+fn parse_decimal<T: FromStr>(text: &str) -> Result<T, String> {
     text.parse()
         .map_err(|_| "must be an integer in range".to_owned())
+}
+
+/// Go's `strconv.ParseInt(s, 0, 128)` (the range check is the caller's).
+fn go_base0_int(text: &str) -> Option<i128> {
+    let (negative, rest) = match text.as_bytes().first()? {
+        b'-' => (true, &text[1..]),
+        b'+' => (false, &text[1..]),
+        _ => (false, text),
+    };
+    let lower = rest.to_ascii_lowercase();
+    let (radix, digits, prefixed) = if let Some(d) = lower.strip_prefix("0x") {
+        (16, d, true)
+    } else if let Some(d) = lower.strip_prefix("0o") {
+        (8, d, true)
+    } else if let Some(d) = lower.strip_prefix("0b") {
+        (2, d, true)
+    } else if lower.len() > 1 && lower.starts_with('0') {
+        (8, &lower[1..], true)
+    } else {
+        (10, lower.as_str(), false)
+    };
+    // underscoreOK: `_` only between digits, or right after a base prefix.
+    let bytes = digits.as_bytes();
+    let misplaced = bytes.windows(2).any(|w| w == b"__")
+        || bytes.last() == Some(&b'_')
+        || (!prefixed && bytes.first() == Some(&b'_'));
+    if digits.is_empty() || digits == "_" || misplaced {
+        return None;
+    }
+    let value = i128::from_str_radix(&digits.replace('_', ""), radix).ok()?;
+    Some(if negative { -value } else { value })
 }
 
 fn parse_float(text: &str) -> Result<f32, String> {

@@ -7,6 +7,7 @@
 //! typed [`Config`] (`validate`). Nothing is touched before all of it succeeds; every problem
 //! is reported, each naming its source (file or flag), field and value.
 
+pub mod configz;
 pub mod defaults;
 pub mod duration;
 pub mod features;
@@ -21,6 +22,8 @@ use std::{
     path::{Path, PathBuf},
     time::Duration,
 };
+
+pub use crate::proxy_mode::ProxyMode;
 
 pub use ipnet::IpNet;
 use thiserror::Error;
@@ -82,29 +85,8 @@ pub struct Config {
     pub init_only: bool,
     /// Our additions (flags only, never in the file).
     pub ebpf: EbpfConfig,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ProxyMode {
-    /// Socket-level load balancing with eBPF programs on the cgroup2 hierarchy.
-    Ebpf,
-    /// kube-proxy's iptables rules (not implemented yet).
-    Iptables,
-}
-
-impl ProxyMode {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            ProxyMode::Ebpf => "ebpf",
-            ProxyMode::Iptables => "iptables",
-        }
-    }
-}
-
-impl fmt::Display for ProxyMode {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
-    }
+    /// The `/configz` body (the effective configuration in upstream's internal shape).
+    pub configz: String,
 }
 
 /// component-base's ClientConnectionConfiguration.
@@ -209,7 +191,7 @@ impl Default for EbpfConfig {
             map_backends: proxy_common::default_sizes::BACKENDS,
             interfaces: Vec::new(),
             lb_algorithm: LbAlgorithm::Random,
-            maglev_table_size: crate::dataplane::ebpf::DEFAULT_MAGLEV_TABLE_SIZE,
+            maglev_table_size: proxy_common::maglev::DEFAULT_TABLE_SIZE,
             map_maglev: proxy_common::default_sizes::MAGLEV,
             tc_fast_path: false,
             drift_check_period: DEFAULT_DRIFT_CHECK_PERIOD,
@@ -221,11 +203,7 @@ impl Config {
     /// klog verbosity → tracing: 0-1 info (klog's default and "steady state" levels),
     /// 2-3 debug (klog's "extended info" and "debug"), 4 and above trace.
     pub fn log_level(&self) -> LevelFilter {
-        match self.verbosity {
-            0 | 1 => LevelFilter::INFO,
-            2 | 3 => LevelFilter::DEBUG,
-            _ => LevelFilter::TRACE,
-        }
+        crate::logging::level(i64::from(self.verbosity))
     }
 }
 
@@ -398,6 +376,7 @@ pub fn load(args: &Args) -> Result<Loaded, ConfigError> {
         );
     }
     config.mode_defaulted = mode_defaulted;
+    config.configz = configz::body(&document);
     if !problems.is_empty() {
         return Err(ConfigError::Invalid(problems));
     }

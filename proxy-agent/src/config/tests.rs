@@ -1218,6 +1218,67 @@ fn notices_copy_upstreams_log_lines() {
 }
 
 #[test]
+fn settings_without_effect_are_named_in_one_warning() {
+    let notices = load_args(&[
+        "--cluster-cidr",
+        "10.0.0.0/8",
+        "--config-sync-period",
+        "1m",
+        "--kube-api-qps",
+        "50",
+        "--kube-api-content-type",
+        "application/json",
+    ])
+    .unwrap()
+    .notices;
+    let [Notice::Warn(message)] = &notices[..] else {
+        panic!("expected one warning: {notices:?}");
+    };
+    for setting in [
+        "configSyncPeriod=1m",
+        "clientConnection.qps=50",
+        "clientConnection.contentType=application/json",
+    ] {
+        assert!(message.contains(setting), "{setting} missing in {message}");
+    }
+    assert!(!message.contains("burst"), "{message}");
+}
+
+#[test]
+fn integer_flags_take_gos_base_prefixes_and_underscores() {
+    for (text, expected) in [
+        ("-999", -999),
+        ("-0x3e7", -999),
+        ("-0o1747", -999),
+        ("-01747", -999),
+        ("-0b1111100111", -999),
+        ("-9_99", -999),
+    ] {
+        let loaded = load_args(&["--oom-score-adj", text]).unwrap();
+        assert_eq!(
+            loaded.config.oom_score_adj, expected,
+            "--oom-score-adj {text}"
+        );
+    }
+    for bad in ["0x", "1__0", "_1", "1_", "0x1g", "9a"] {
+        assert!(
+            load_args(&["--oom-score-adj", bad]).is_err(),
+            "--oom-score-adj {bad} must be refused"
+        );
+    }
+    // klog's -v stays decimal.
+    assert!(load_args(&["-v", "0x2"]).is_err());
+}
+
+#[test]
+fn json_logging_is_not_reported_as_ignored() {
+    let notices = load_args(&["--cluster-cidr", "10.0.0.0/8", "--logging-format", "json"])
+        .unwrap()
+        .notices;
+    assert!(notices.is_empty(), "{notices:?}");
+}
+
+#[test]
 fn verbosity_maps_to_tracing_levels() {
     for (v, level) in [
         ("0", LevelFilter::INFO),

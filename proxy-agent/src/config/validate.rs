@@ -119,7 +119,7 @@ pub fn resolve(
     }
     if doc.enable_profiling {
         warnings.push(Notice::Warn(
-            "enableProfiling (--profiling) is accepted but kubeproxy-rs serves no /debug/pprof"
+            "enableProfiling (--profiling): kubeproxy-rs serves /debug/flags/v but no /debug/pprof"
                 .to_owned(),
         ));
     }
@@ -143,6 +143,9 @@ pub fn resolve(
              not applied: every log line goes unbuffered to stderr"
                 .to_owned(),
         ));
+    }
+    if let Some(notice) = unused_settings(doc) {
+        warnings.push(notice);
     }
     for warning in &extras.warnings {
         warnings.push(Notice::Warn(warning.clone()));
@@ -323,11 +326,8 @@ pub fn resolve(
     // logsapi.Validate: the registered formats.
     match doc.logging.format.as_str() {
         "" | "text" => {}
-        "json" => warnings.push(Notice::Warn(
-            "logging.format json is accepted but kubeproxy-rs logs text; only \
-             logging.verbosity is used"
-                .to_owned(),
-        )),
+        // main.rs installs the JSON formatter for it.
+        "json" => {}
         other => c.invalid("logging.format", other, "supported values: text, json"),
     }
     if doc.logging.flush_frequency.duration().is_negative() {
@@ -382,6 +382,7 @@ pub fn resolve(
         cleanup: extras.cleanup,
         init_only: extras.init_only,
         ebpf: extras.ebpf,
+        configz: String::new(),
     };
     (config, warnings)
 }
@@ -510,6 +511,49 @@ fn is_major_minor(text: &str) -> bool {
     };
     let digits = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit());
     digits(major) && digits(minor)
+}
+
+/// Settings kube-proxy uses that have no counterpart here, when they differ from upstream's
+/// defaults: named in one warning instead of silently doing nothing.
+fn unused_settings(doc: &KubeProxyConfiguration) -> Option<Notice> {
+    use super::defaults::{BURST, CONFIG_SYNC_PERIOD, CONTENT_TYPE, QPS};
+    let client = &doc.client_connection;
+    let unused: Vec<String> = [
+        // kube-rs watches have no informer resync: the periodic sync reconciles instead.
+        (doc.config_sync_period != CONFIG_SYNC_PERIOD)
+            .then(|| format!("configSyncPeriod={}", doc.config_sync_period)),
+        // kube-rs has no client-side rate limiter; the agent's requests are a list and a watch
+        // per kind, plus the Starting event.
+        ((client.qps - QPS).abs() > f32::EPSILON)
+            .then(|| format!("clientConnection.qps={}", client.qps)),
+        (client.burst != BURST).then(|| format!("clientConnection.burst={}", client.burst)),
+        // kube-rs speaks JSON only.
+        (client.content_type != CONTENT_TYPE)
+            .then(|| format!("clientConnection.contentType={}", client.content_type)),
+        (!client.accept_content_types.is_empty()).then(|| {
+            format!(
+                "clientConnection.acceptContentTypes={}",
+                client.accept_content_types
+            )
+        }),
+        // Only kube-proxy's removed userspace mode read it.
+        (!doc.port_range.is_empty()).then(|| format!("portRange={}", doc.port_range)),
+        (!doc.show_hidden_metrics_for_version.is_empty()).then(|| {
+            format!(
+                "showHiddenMetricsForVersion={}",
+                doc.show_hidden_metrics_for_version
+            )
+        }),
+    ]
+    .into_iter()
+    .flatten()
+    .collect();
+    (!unused.is_empty()).then(|| {
+        Notice::Warn(format!(
+            "settings accepted without effect in kubeproxy-rs: {}",
+            unused.join(", ")
+        ))
+    })
 }
 
 #[cfg(test)]

@@ -2,3 +2,7 @@
 
 pub mod ebpf;
 pub mod iptables;
+mod options;
+mod selected;
+
+pub use selected::{Dataplane, EbpfSyncOutcome, SyncOutcome};

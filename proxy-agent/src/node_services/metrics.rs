@@ -3,9 +3,14 @@
 //! `/proxyMode` and `/healthz`, as kube-proxy's metrics server does.
 //!
 //! Names, types, labels, buckets and help strings follow kube-proxy. Help strings carry the
-//! `[ALPHA] ` prefix that Kubernetes' component-base adds to every ALPHA metric. The exposition
-//! is OpenMetrics text (prometheus-client's format): a counter's `# TYPE` line names the family
-//! without `_total`, its samples carry the `_total` name kube-proxy exposes.
+//! `[ALPHA] ` prefix that Kubernetes' component-base adds to every ALPHA metric. The registry
+//! writes OpenMetrics text (a counter's `# TYPE` line names the family without `_total`);
+//! `/metrics` answers the classic text format unless OpenMetrics is asked for
+//! (`exposition.rs`). The nfacct counters are read from the kernel at each scrape, as
+//! upstream's collector does.
+//!
+//! The same server answers `/configz` (the effective configuration) and, with `--profiling`,
+//! `/debug/flags/v` (klog's verbosity), as kube-proxy's metrics server does.
 //!
 //! Like kube-proxy's `RegisterMetrics(mode)`, the iptables-only metrics exist only in iptables
 //! mode (fed through [`IptablesMetrics`]), and ours only in eBPF mode (fed through
@@ -14,8 +19,8 @@
 use std::{
     collections::BTreeMap,
     sync::{
-        Arc, Mutex, PoisonError,
-        atomic::{AtomicU64, Ordering},
+        Arc, Mutex, OnceLock, PoisonError, RwLock,
+        atomic::{AtomicBool, AtomicU64, Ordering},
     },
     time::{Duration, SystemTime},
 };
@@ -24,12 +29,14 @@ use axum::{
     Router,
     body::Body,
     extract::State,
-    http::{Response, StatusCode},
+    http::{HeaderMap, HeaderValue, Method, Response, StatusCode, header},
     routing::any,
 };
 use prometheus_client::{
     collector::Collector,
-    encoding::{DescriptorEncoder, EncodeLabelSet, text::encode},
+    encoding::{
+        DescriptorEncoder, EncodeLabelSet, EncodeMetric, MetricEncoder, NoLabelSet, text::encode,
+    },
     metrics::{
         counter::Counter,
         family::Family,
@@ -38,12 +45,15 @@ use prometheus_client::{
     },
     registry::{Metric, Registry},
 };
-use tracing::warn;
+use tracing::{error, warn};
 
-use super::http::{go_not_found, response};
+use super::{
+    exposition::{self, Format},
+    http::{go_not_found, response},
+};
 use crate::{
-    config::ProxyMode,
     desired::{FamilySnapshot, IpFamily},
+    proxy_mode::ProxyMode,
 };
 
 #[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
@@ -168,6 +178,10 @@ pub struct Metrics {
     service_ids: std::sync::RwLock<BTreeMap<String, Vec<u32>>>,
     /// Where `/debug/drift` asks the agent's loop for a drift report (JSON), set by the loop.
     drift_requests: Mutex<Option<DriftRequests>>,
+    /// The `/configz` body, set by the agent once its configuration is known.
+    configz: RwLock<Option<String>>,
+    /// `--profiling`: `/debug/flags/v` exists (upstream installs it with the pprof handlers).
+    profiling: AtomicBool,
 }
 
 /// Requests for a drift report: each carries where to send the JSON answer.
@@ -291,7 +305,15 @@ impl Metrics {
             ebpf,
             service_ids: std::sync::RwLock::default(),
             drift_requests: Mutex::default(),
+            configz: RwLock::default(),
+            profiling: AtomicBool::new(false),
         }
+    }
+
+    /// What `/configz` answers, and whether `/debug/flags/v` is served (`--profiling`).
+    pub fn set_debug(&self, configz: String, profiling: bool) {
+        *self.configz.write().unwrap_or_else(PoisonError::into_inner) = Some(configz);
+        self.profiling.store(profiling, Ordering::Relaxed);
     }
 
     /// Lets `/debug/drift` reach the loop that owns the dataplane.
@@ -348,6 +370,11 @@ impl Metrics {
     /// The eBPF dataplane's metrics (`None` in iptables mode).
     pub fn ebpf(&self) -> Option<&EbpfMetrics> {
         self.ebpf.as_ref()
+    }
+
+    /// The exposition in the classic text format (what `/metrics` answers by default).
+    pub fn encode_text(&self) -> String {
+        exposition::openmetrics_to_text(&self.encode())
     }
 
     /// The exposition text (OpenMetrics).
@@ -497,10 +524,14 @@ pub struct IptablesMetrics {
     partial_restore_failures: Family<FamilyLabel, Counter>,
     rules_total: Family<TableLabel, Gauge>,
     rules_last: Family<TableLabel, Gauge>,
-    ct_state_invalid_dropped: NfacctCounter,
-    localhost_nodeports_accepted: NfacctCounter,
+    ct_state_invalid_dropped: NfacctMetric,
+    localhost_nodeports_accepted: NfacctMetric,
     drift_repairs: Family<TableLabel, Counter>,
 }
+
+/// Reads an nfacct counter's packets by name; an error is logged (once) and the metric is then
+/// absent from that scrape, as upstream's collector leaves it out.
+pub type NfacctReader = Box<dyn Fn(&str) -> Result<u64, String> + Send + Sync>;
 
 /// One of the iptables tables kube-proxy counts rules in.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -520,6 +551,7 @@ impl IptablesTable {
 
 impl IptablesMetrics {
     fn register(described: &mut Described) -> Self {
+        let nfacct_reader = Arc::new(OnceLock::new());
         let this = Self {
             sync_full_duration: HistogramFamily::new_with_constructor(
                 sync_duration_histogram as fn() -> Histogram,
@@ -531,8 +563,14 @@ impl IptablesMetrics {
             partial_restore_failures: Family::default(),
             rules_total: Family::default(),
             rules_last: Family::default(),
-            ct_state_invalid_dropped: NfacctCounter::default(),
-            localhost_nodeports_accepted: NfacctCounter::default(),
+            ct_state_invalid_dropped: NfacctMetric::new(
+                crate::dataplane::iptables::rules::NFACCT_CT_STATE_INVALID,
+                &nfacct_reader,
+            ),
+            localhost_nodeports_accepted: NfacctMetric::new(
+                crate::dataplane::iptables::rules::NFACCT_LOCALHOST_NODEPORTS,
+                &nfacct_reader,
+            ),
             drift_repairs: Family::default(),
         };
         described.add(
@@ -568,12 +606,12 @@ impl IptablesMetrics {
         described.add(
             "kubeproxy_iptables_ct_state_invalid_dropped_packets",
             alpha("packets dropped by iptables to work around conntrack problems"),
-            this.ct_state_invalid_dropped.counter.clone(),
+            this.ct_state_invalid_dropped.clone(),
         );
         described.add(
             "kubeproxy_iptables_localhost_nodeports_accepted_packets",
             alpha("Number of packets accepted on nodeports of loopback interface"),
-            this.localhost_nodeports_accepted.counter.clone(),
+            this.localhost_nodeports_accepted.clone(),
         );
         described.add(
             "kubeproxy_iptables_drift_repairs",
@@ -632,29 +670,71 @@ impl IptablesMetrics {
             .set(i64::try_from(last).unwrap_or(i64::MAX));
     }
 
-    /// The nfacct counters `ct_state_invalid_dropped_pkts` and `localhost_nps_accepted_pkts`
-    /// as read now (packets).
-    pub fn nfacct(&self, ct_state_invalid_dropped: u64, localhost_nodeports_accepted: u64) {
-        self.ct_state_invalid_dropped
-            .observe(ct_state_invalid_dropped);
-        self.localhost_nodeports_accepted
-            .observe(localhost_nodeports_accepted);
+    /// How the nfacct counters `ct_state_invalid_dropped_pkts` and `localhost_nps_accepted_pkts`
+    /// are read at each scrape (set once; before, and without nfacct, they are not exposed).
+    pub fn read_nfacct_with(&self, reader: NfacctReader) {
+        // Both metrics share the slot.
+        let _ = self.ct_state_invalid_dropped.reader.set(reader);
     }
 }
 
-/// A counter that follows an external cumulative value (an nfacct or per-CPU BPF counter): it
-/// advances by the increase since the last reading; when the source restarted from zero, by the
-/// new value.
-#[derive(Debug, Default)]
-struct NfacctCounter {
-    counter: Counter,
-    last: AtomicU64,
+/// A counter whose value is an nfacct object's packet count, read when scraped (upstream's
+/// `ctStateInvalidPacketsCollector` and its localhost NodePort twin: a const metric per scrape).
+#[derive(Clone)]
+struct NfacctMetric {
+    name: &'static str,
+    reader: Arc<OnceLock<NfacctReader>>,
+    /// The reading of the current scrape: `is_empty` reads, `encode` writes it.
+    reading: Arc<Mutex<Option<u64>>>,
+    /// A failing read is logged once, not at every scrape.
+    logged: Arc<AtomicBool>,
 }
 
-impl NfacctCounter {
-    fn observe(&self, value: u64) {
-        let previous = self.last.swap(value, Ordering::Relaxed);
-        self.counter.inc_by(source_increase(previous, value));
+impl NfacctMetric {
+    fn new(name: &'static str, reader: &Arc<OnceLock<NfacctReader>>) -> Self {
+        Self {
+            name,
+            reader: Arc::clone(reader),
+            reading: Arc::default(),
+            logged: Arc::default(),
+        }
+    }
+}
+
+impl std::fmt::Debug for NfacctMetric {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NfacctMetric")
+            .field("name", &self.name)
+            .finish()
+    }
+}
+
+impl EncodeMetric for NfacctMetric {
+    fn encode(&self, mut encoder: MetricEncoder) -> Result<(), std::fmt::Error> {
+        let value = self
+            .reading
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .unwrap_or(0);
+        encoder.encode_counter::<NoLabelSet, u64, u64>(&value, None)
+    }
+
+    fn metric_type(&self) -> prometheus_client::metrics::MetricType {
+        prometheus_client::metrics::MetricType::Counter
+    }
+
+    fn is_empty(&self) -> bool {
+        let reading = self.reader.get().and_then(|read| match read(self.name) {
+            Ok(packets) => Some(packets),
+            Err(message) => {
+                if !self.logged.swap(true, Ordering::Relaxed) {
+                    error!(counter = self.name, error = %message, "failed to collect nfacct counter");
+                }
+                None
+            }
+        });
+        *self.reading.lock().unwrap_or_else(PoisonError::into_inner) = reading;
+        reading.is_none()
     }
 }
 
@@ -774,16 +854,85 @@ pub fn router(metrics: Arc<Metrics>) -> Router {
         .route("/debug/drift", any(drift_handler))
         .route("/healthz", any(ping_handler))
         .route("/healthz/ping", any(ping_handler))
+        .route("/configz", any(configz_handler))
+        .route("/debug/flags/v", any(verbosity_handler))
+        .route("/debug/flags", any(debug_flags_index))
+        .route("/debug/flags/", any(debug_flags_index))
+        .route("/debug/flags/{*rest}", any(debug_flags_index))
         .fallback(go_not_found)
         .with_state(metrics)
 }
 
-async fn metrics_handler(State(metrics): State<Arc<Metrics>>) -> Response<Body> {
+/// promhttp's handler: the format the `Accept` header negotiates (classic text by default).
+async fn metrics_handler(
+    State(metrics): State<Arc<Metrics>>,
+    headers: HeaderMap,
+) -> Response<Body> {
+    let accept = headers
+        .get(header::ACCEPT)
+        .and_then(|value| value.to_str().ok());
+    let negotiated = exposition::negotiate(accept);
+    let body = match negotiated.format {
+        Format::Text => metrics.encode_text(),
+        Format::OpenMetrics(_) => metrics.encode(),
+    };
+    let mut reply = Response::new(Body::from(body));
+    if let Ok(value) = HeaderValue::from_str(&negotiated.content_type) {
+        reply.headers_mut().insert(header::CONTENT_TYPE, value);
+    }
+    reply
+}
+
+/// component-base's configz handler: every method, JSON.
+async fn configz_handler(State(metrics): State<Arc<Metrics>>) -> Response<Body> {
+    let body = metrics
+        .configz
+        .read()
+        .unwrap_or_else(PoisonError::into_inner)
+        .clone()
+        .unwrap_or_else(|| "{}".to_owned());
+    response(StatusCode::OK, "application/json", body)
+}
+
+/// `routes.DebugFlags`' index (`/debug/flags`, and `/debug/flags/…` other than `v`): the HTML
+/// page listing the one flag, only with `--profiling`.
+async fn debug_flags_index(State(metrics): State<Arc<Metrics>>) -> Response<Body> {
+    if !metrics.profiling.load(Ordering::Relaxed) {
+        return go_not_found().await;
+    }
     response(
         StatusCode::OK,
-        "application/openmetrics-text; version=1.0.0; charset=utf-8",
-        metrics.encode(),
+        // What Go's content sniffing answers for the template's `<html>`.
+        "text/html; charset=utf-8",
+        DEBUG_FLAGS_INDEX.to_owned(),
     )
+}
+
+/// component-base's index template rendered with the flag `v`.
+const DEBUG_FLAGS_INDEX: &str = "<html>\n<head>\n<title>/debug/flags/</title>\n</head>\n<body>\n/debug/flags/<br>\n<br>\nflags:<br>\n<table>\n\n<tr>v<br>\n\n</table>\n<br>\nfull flags configurable<br>\n</body>\n</html>\n";
+
+/// component-base's `StringFlagPutHandler(logs.GlogSetter)` under `routes.DebugFlags`: only
+/// with `--profiling`; PUT sets the verbosity, any other method is 406.
+async fn verbosity_handler(
+    State(metrics): State<Arc<Metrics>>,
+    method: Method,
+    body: String,
+) -> Response<Body> {
+    if !metrics.profiling.load(Ordering::Relaxed) {
+        return go_not_found().await;
+    }
+    let (status, text) = if method == Method::PUT {
+        match crate::logging::set_verbosity(&body) {
+            Ok(text) => (StatusCode::OK, text),
+            Err(text) => (StatusCode::BAD_REQUEST, text),
+        }
+    } else {
+        (
+            StatusCode::NOT_ACCEPTABLE,
+            "unsupported http method".to_owned(),
+        )
+    };
+    response(status, "text/plain", format!("{text}\n"))
 }
 
 async fn proxy_mode_handler(State(metrics): State<Arc<Metrics>>) -> Response<Body> {

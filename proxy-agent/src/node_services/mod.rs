@@ -5,11 +5,13 @@
 //! - `health.rs`: health state per IP family + the `/healthz` `/livez` server.
 //! - `service_health.rs`: one server per health check node port.
 //! - `metrics.rs`: the registry, kube-proxy's `kubeproxy_*` metrics and our `kubeproxy_ebpf_*`.
+//! - `exposition.rs`: `/metrics` content negotiation and the classic text format.
 //! - `time_format.rs`: Go's `time.Time.String()` for the health bodies.
 //! - `http.rs`: serving (Go-like listeners and headers).
 //!
 //! [`NodeServices`] is the handle the agent's loop calls.
 
+pub mod exposition;
 pub mod health;
 pub mod http;
 pub mod metrics;
@@ -35,9 +37,9 @@ use self::{
     service_health::ServiceHealthServers,
 };
 use crate::{
-    config::ProxyMode,
     desired::{IpFamily, Snapshot},
     objects::{ObjectKey, Objects},
+    proxy_mode::ProxyMode,
 };
 
 /// kube-proxy's `--healthz-bind-address` default.

@@ -5,7 +5,7 @@
 //! - `fixtures.rs`: the parity files' compact objects → Services/EndpointSlices → snapshot.
 //! - `normalize.rs`: upstream's `sortIPTablesRules`, the form of the scenario texts.
 //! - `tracer.rs`: upstream's packet tracer over generated rules.
-//! - `vectors.rs`: the tests, one per parity file.
+//! - `vectors.rs`: the tests, one per parity file (`sync-repeated.yaml`: partial syncs step by step).
 
 // `cfg(test)` so the helpers count as test code (they may unwrap: a failed unwrap fails a test).
 #[cfg(test)]

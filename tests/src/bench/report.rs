@@ -739,7 +739,7 @@ fn tc_cost_section(md: &mut String, r: &Results) {
     let _ = writeln!(
         md,
         "`BPF_PROG_TEST_RUN` of the real programs, loaded through the agent's library \
-         (`EbpfDataplane`, maps programmed from Services by the real snapshot and programmer: a \
+         (`EbpfDataplane`, maps programmed from Services by the real snapshot and map_writer: a \
          NodePort Service with 16 endpoints, and a LoadBalancer with a source range the client is \
          outside of), in a private node namespace (`ext0`, `pod0`). The kernel times the program \
          run itself (`ktime_get_ns` around it). Because with `repeat` the kernel reruns the \

@@ -1,6 +1,6 @@
 //! Item 4: the per-packet cost of the tc programs, measured with `BPF_PROG_TEST_RUN` on the
 //! real object loaded through the agent's library ([`EbpfDataplane`], maps programmed from
-//! Services by the real snapshot and programmer), against an empty tc program as the floor.
+//! Services by the real snapshot and map_writer), against an empty tc program as the floor.
 //!
 //! What is measured: the kernel's own timing of the program run (`ktime_get_ns` around the
 //! run, divided by `repeat`). With `repeat` the kernel runs the program again on the *same*

@@ -5,7 +5,7 @@
 //! until the frontend it hits changes again. The check compares every entry of every map whose
 //! entries the agent owns — frontends, backend slots (both generations: only the live one may
 //! exist), backends, the affinity match set, source ranges and Maglev tables — with
-//! [`super::program::Programmer::expected_content`], and the repair writes the expected value
+//! [`super::map_writer::MapWriter::expected_content`], and the repair writes the expected value
 //! back or deletes the stray entry. The node maps (`KPR_NODE_CONFIG`, `KPR_NODE_ADDRS`) are
 //! compared with what `tc` last wrote. Maps the datapath writes itself (conntrack, affinity
 //! entries, UDP sockets' backends) have no expected content: only their orphans — entries of
@@ -27,7 +27,7 @@ use proxy_common::{
 };
 use serde::Serialize;
 
-use super::program::{
+use super::map_writer::{
     BackendValue, FrontendMapKey, MapOps, MapWriteError, MapsContent, frontend_key_of,
 };
 
@@ -366,4 +366,4 @@ fn frontend_map(key: &FrontendMapKey) -> &'static str {
     }
 }
 
-// Unit tests: `program/tests/drift.rs` (they share the in-memory maps of the programmer's tests).
+// Unit tests: `map_writer/tests/drift.rs` (they share the in-memory maps of the map_writer's tests).

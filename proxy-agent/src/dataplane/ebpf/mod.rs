@@ -3,30 +3,36 @@
 
 mod bpffs;
 mod cgroup;
-mod ct;
+mod dataplane;
 mod drift;
+mod error;
 mod ids;
-mod loader;
 mod maglev;
+mod map_writer;
 mod object;
+mod options;
 mod orphans;
-mod program;
+mod pins;
+mod service_maps;
 pub(crate) mod sockdiag;
 mod stats;
 mod tc;
+mod tc_conntrack;
+mod test_run;
 
-pub use ct::monotonic_ns;
+pub use dataplane::EbpfDataplane;
 pub use drift::{Drift, DriftCheck, DriftKind, RepairReport};
-pub use loader::{
-    EbpfDataplane, EbpfOptions, LbOptions, LoadError, PIN_DIR_MODE, PIN_DIR_NAME, TcTestRun,
-    cleanup,
-};
+pub use error::EbpfError;
 pub use maglev::{
     DEFAULT_TABLE_SIZE as DEFAULT_MAGLEV_TABLE_SIZE, MAX_TABLE_SIZE as MAX_MAGLEV_TABLE_SIZE,
     is_valid_table_size,
 };
-pub use program::{
-    ApplyError, ApplySummary, BackendValue, FrontendMapKey, MapOps, MapWriteError, MapsContent,
-    Programmer, RemovedBackend, ip4_from_map, ip4_to_map, ip6_from_map, ip6_to_map,
+pub use map_writer::{
+    ApplyError, ApplySummary, BackendValue, FrontendMapKey, MapOps, MapWriteError, MapWriter,
+    MapsContent, RemovedBackend, ip4_from_map, ip4_to_map, ip6_from_map, ip6_to_map,
 };
+pub use options::{EbpfOptions, LbOptions};
+pub use pins::{PIN_DIR_MODE, PIN_DIR_NAME, cleanup};
 pub use tc::TcOptions;
+pub use tc_conntrack::monotonic_ns;
+pub use test_run::TcTestRun;

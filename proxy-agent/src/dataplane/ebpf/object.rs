@@ -5,7 +5,7 @@
 pub static OBJECT: &[u8] = aya::include_bytes_aligned!(env!("PROXY_EBPF_OBJECT"));
 
 /// Built with `PROXY_EBPF_PLACEHOLDER=1` for `cargo check`/`clippy` only: there is no object,
-/// and the loader refuses to run.
+/// and `EbpfDataplane::start` refuses to run.
 #[cfg(ebpf_placeholder)]
 pub static OBJECT: &[u8] = &[];
 

@@ -16,7 +16,7 @@ use std::net::SocketAddr;
 
 use proxy_common::{AffinityKey, AffinityValue, CtKey, CtValue, ct_flags, family, proto};
 
-use super::program::{MapsContent, ip4_from_map, ip6_from_map};
+use super::map_writer::{MapsContent, ip4_from_map, ip6_from_map};
 
 /// What the live configuration still has: Service ids (of any frontend) and backends.
 #[derive(Debug, Default)]
@@ -107,7 +107,7 @@ mod tests {
     use proxy_common::{Backend4, FrontendValue};
 
     use super::*;
-    use crate::dataplane::ebpf::program::{BackendValue, FrontendMapKey, ip4_to_map};
+    use crate::dataplane::ebpf::map_writer::{BackendValue, FrontendMapKey, ip4_to_map};
 
     fn live() -> Live {
         let mut backends = BTreeMap::new();

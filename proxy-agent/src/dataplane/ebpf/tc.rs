@@ -40,9 +40,10 @@ use tracing::{debug, info, warn};
 
 use super::{
     drift::{Drift, DriftKind, RepairReport},
-    loader::{LINK_SUFFIX, LoadError, remove_if_present},
-    program::MapWriteError,
-    program::{ip4_to_map, ip6_to_map},
+    error::EbpfError,
+    map_writer::MapWriteError,
+    map_writer::{ip4_to_map, ip6_to_map},
+    pins::{LINK_SUFFIX, remove_if_present},
 };
 use crate::{
     config::{DetectLocal, NodePortAddresses},
@@ -169,7 +170,7 @@ impl TcState {
             .flatten()
             .filter_map(|k| match k.family {
                 family::V4 => Some(IpAddr::V4(Ipv4Addr::from(k.addr[0].to_ne_bytes()))),
-                family::V6 => Some(IpAddr::V6(super::program::ip6_from_map(k.addr))),
+                family::V6 => Some(IpAddr::V6(super::map_writer::ip6_from_map(k.addr))),
                 _ => None,
             })
             .collect();
@@ -425,7 +426,7 @@ fn count(report: &mut RepairReport, map: &'static str, result: Result<(), aya::m
 fn describe_node_addr(key: &NodeAddrKey) -> String {
     match key.family {
         family::V4 => Ipv4Addr::from(key.addr[0].to_ne_bytes()).to_string(),
-        family::V6 => super::program::ip6_from_map(key.addr).to_string(),
+        family::V6 => super::map_writer::ip6_from_map(key.addr).to_string(),
         other => format!("family {other} {:?}", key.addr),
     }
 }
@@ -434,11 +435,11 @@ fn describe_config(c: &NodeConfig) -> String {
     format!(
         "snat4 {} snat6 {} cluster4 {}/{:#x} cluster6 {}/{} flags {:#x} host netns {}",
         Ipv4Addr::from(c.snat4.to_ne_bytes()),
-        super::program::ip6_from_map(c.snat6),
+        super::map_writer::ip6_from_map(c.snat6),
         Ipv4Addr::from(c.cluster4.to_ne_bytes()),
         u32::from_be(c.cluster4_mask),
-        super::program::ip6_from_map(c.cluster6),
-        super::program::ip6_from_map(c.cluster6_mask),
+        super::map_writer::ip6_from_map(c.cluster6),
+        super::map_writer::ip6_from_map(c.cluster6_mask),
         c.flags,
         c.host_netns_cookie
     )
@@ -453,14 +454,14 @@ fn attach(
     direction: TcAttachType,
     pin_dir: &Path,
     pin_name: &str,
-) -> Result<PinnedLink, LoadError> {
-    let program_error = |source| LoadError::Program {
+) -> Result<PinnedLink, EbpfError> {
+    let program_error = |source| EbpfError::Program {
         name: program,
         source,
     };
     let classifier: &mut SchedClassifier = ebpf
         .program_mut(program)
-        .ok_or(LoadError::MissingProgram(program))?
+        .ok_or(EbpfError::MissingProgram(program))?
         .try_into()
         .map_err(program_error)?;
     if classifier.fd().is_err() {
@@ -471,11 +472,11 @@ fn attach(
         .attach(interface, direction)
         .map_err(program_error)?;
     let link = classifier.take_link(link_id).map_err(program_error)?;
-    let link = FdLink::try_from(link).map_err(|source| LoadError::Link {
+    let link = FdLink::try_from(link).map_err(|source| EbpfError::Link {
         name: program,
         source,
     })?;
-    super::loader::pin_replacing(link, program, &pin_dir.join(pin_name))
+    super::pins::pin_replacing(link, program, &pin_dir.join(pin_name))
 }
 
 #[cfg(test)]

@@ -1,15 +1,18 @@
 //! What kube-proxy's other modes leave on a node, removed when the agent starts (either mode)
 //! and by `--cleanup`, as kube-proxy's own `platformCleanup` does when it switches modes
 //! (cmd/kube-proxy/app/server_linux.go): the nftables mode's tables `ip kube-proxy` and
-//! `ip6 kube-proxy` (pkg/proxy/nftables `CleanupLeftovers`), and the IPVS mode's dummy device
-//! `kube-ipvs0` (pkg/proxy/ipvs `CleanupLeftovers`). The iptables mode's chains are the same as
-//! ours and handled by the other cleanup. IPVS virtual services are not removed (no netlink
-//! IPVS client here); see README.
+//! `ip6 kube-proxy` (pkg/proxy/nftables `CleanupLeftovers`), and the IPVS mode's virtual
+//! services (all of them, `ipvs.rs`) and dummy device `kube-ipvs0` (pkg/proxy/ipvs
+//! `CleanupLeftovers`; a `kube-ipvs0` that is not a dummy device is left alone, as upstream's
+//! `DeleteDummyDevice` does). The iptables mode's chains are the same as ours and handled by the
+//! other cleanup.
 
 use std::process::Command;
 
 use thiserror::Error;
 use tracing::{debug, info};
+
+use super::ipvs::{self, IpvsError, IpvsOutcome};
 
 /// The nftables tables kube-proxy's nftables mode owns.
 pub const NFTABLES_TABLES: [(&str, &str); 2] = [("ip", "kube-proxy"), ("ip6", "kube-proxy")];
@@ -26,6 +29,8 @@ pub enum LeftoverError {
     },
     #[error("cannot remove kube-proxy's IPVS device {IPVS_DEVICE}: {message}")]
     IpvsDevice { message: String },
+    #[error("cannot remove kube-proxy's IPVS virtual services: {0}")]
+    IpvsServices(#[from] IpvsError),
 }
 
 /// Removes every leftover that exists; returns what was removed and what could not be.
@@ -44,10 +49,21 @@ pub fn remove() -> (Vec<String>, Vec<LeftoverError>) {
             }),
         }
     }
-    match run("ip", &["link", "delete", IPVS_DEVICE]) {
-        Outcome::Done => removed.push(format!("device {IPVS_DEVICE}")),
-        Outcome::Absent => {}
-        Outcome::Failed(message) => errors.push(LeftoverError::IpvsDevice { message }),
+    match ipvs::flush_virtual_services() {
+        Ok(IpvsOutcome::Flushed(count)) => removed.push(format!("{count} IPVS virtual services")),
+        Ok(IpvsOutcome::Empty) => {}
+        // Once per start: says why IPVS state is not looked at further.
+        Ok(IpvsOutcome::Absent) => {
+            info!("the kernel has no IPVS (ip_vs not loaded): no virtual services to remove");
+        }
+        Err(error) => errors.push(error.into()),
+    }
+    if is_dummy(IPVS_DEVICE) {
+        match run("ip", &["link", "delete", IPVS_DEVICE]) {
+            Outcome::Done => removed.push(format!("device {IPVS_DEVICE}")),
+            Outcome::Absent => {}
+            Outcome::Failed(message) => errors.push(LeftoverError::IpvsDevice { message }),
+        }
     }
     for what in &removed {
         info!(%what, "removed a leftover of another kube-proxy mode");
@@ -56,6 +72,20 @@ pub fn remove() -> (Vec<String>, Vec<LeftoverError>) {
         debug!("no leftovers of kube-proxy's nftables or IPVS modes");
     }
     (removed, errors)
+}
+
+/// Whether a device of that name exists and is a dummy device (`ip -d link show`: the kind
+/// follows the link's flags on the second line).
+fn is_dummy(name: &str) -> bool {
+    Command::new("ip")
+        .args(["-d", "-o", "link", "show", "dev", name])
+        .output()
+        .is_ok_and(|output| {
+            output.status.success()
+                && String::from_utf8_lossy(&output.stdout)
+                    .split_whitespace()
+                    .any(|word| word == "dummy")
+        })
 }
 
 enum Outcome {

@@ -7,7 +7,7 @@
 //! - `detect.rs`: backend (nft/legacy), version, sysctls, addresses; `exec.rs`: running the
 //!   tools; `canary.rs`: flush detection; `sync.rs`: [`IptablesDataplane`] (full/partial syncs);
 //!   `cleanup.rs`: removing what this mode created; `kube_proxy_modes.rs`: what kube-proxy's
-//!   nftables and IPVS modes leave behind.
+//!   nftables and IPVS modes leave behind (`ipvs.rs`: virtual services over generic netlink); `nfacct.rs`: the nfacct counters (nfnetlink).
 
 pub mod canary;
 pub mod chains;
@@ -16,9 +16,11 @@ pub mod config;
 pub mod detect;
 pub mod drift;
 pub mod exec;
+pub mod ipvs;
 pub mod jumps;
 pub mod kube_proxy_modes;
 pub mod localdetect;
+pub mod nfacct;
 pub mod rules;
 mod sync;
 pub mod tracer;
@@ -26,4 +28,4 @@ pub mod tracer;
 pub use config::{FamilyRules, HostFeatures, IptablesConfig, NodePortAddresses};
 pub use localdetect::{DetectLocalMode, LocalDetector};
 pub use rules::{Ruleset, SyncInput, generate};
-pub use sync::{IptablesDataplane, IptablesError, SyncReport, cleanup};
+pub use sync::{ConntrackCleanup, IptablesDataplane, IptablesError, SyncReport, cleanup};

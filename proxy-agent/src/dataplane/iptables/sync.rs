@@ -17,10 +17,12 @@ use super::{
     detect::{self, RANDOM_FULLY_MIN},
     exec::{ExecError, Iptables},
     jumps::{JUMP_RULES, KUBELET_JUMP_RULES},
+    nfacct,
     rules::{SyncInput, generate, is_large_cluster},
 };
 use crate::{
-    desired::{IpFamily, ServicePortName, Snapshot},
+    desired::{IpFamily, Protocol, ServicePortName, Snapshot},
+    kernel_conntrack::{self, CleanupReport},
     node::NodeSettings,
     objects::ObjectKey,
 };
@@ -60,6 +62,18 @@ pub struct SyncReport {
     pub deleted_chains: usize,
     pub large_cluster: bool,
     pub elapsed: Duration,
+    /// The conntrack cleanup after this sync; `None` when no UDP/SCTP service port of the family
+    /// was in the sync's scope (TCP flows are never cut: they drain as with kube-proxy).
+    pub conntrack: Option<ConntrackCleanup>,
+}
+
+/// kube-proxy's `conntrack.CleanStaleEntries`, run after a successful restore: UDP/SCTP flows
+/// DNATed to endpoints that went away must not stay pinned to them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConntrackCleanup {
+    pub elapsed: Duration,
+    /// The error as text, so that a report stays comparable.
+    pub result: Result<CleanupReport, String>,
 }
 
 #[derive(Debug)]
@@ -87,6 +101,8 @@ impl IptablesDataplane {
     pub fn start(config: IptablesConfig) -> Result<Self, IptablesError> {
         let backend = detect::detect_backend();
         let addresses = detect::interface_addresses();
+        // Once for both families, as upstream's NewDualStackProxier.
+        let (nfacct_invalid, nfacct_localhost) = nfacct::ensure_kube_proxy_counters();
         let mut families = Vec::new();
         for family in IpFamily::ALL {
             let iptables = Iptables {
@@ -104,10 +120,9 @@ impl IptablesDataplane {
             let host = HostFeatures {
                 random_fully: iptables.version.is_some_and(|v| v >= RANDOM_FULLY_MIN),
                 conntrack_tcp_liberal: detect::conntrack_tcp_liberal(),
-                // nfacct counters are not created yet: upstream then omits the `-m nfacct`
-                // matches, exactly as when its own nfacct.Ensure fails.
-                nfacct_invalid: false,
-                nfacct_localhost: false,
+                // A counter that could not be created loses its `-m nfacct` match, as upstream.
+                nfacct_invalid,
+                nfacct_localhost,
             };
             // Until the agent's node settings arrive (`set_node`, before the first sync).
             let node_ip = detect::primary_address(&addresses, family);
@@ -154,7 +169,14 @@ impl IptablesDataplane {
         let config = &self.config;
         self.families
             .iter_mut()
-            .map(|family| family.sync(config, snapshot, services.as_ref()))
+            .map(|family| {
+                let mut report = family.sync(config, snapshot, services.as_ref())?;
+                let scope = if report.full { None } else { changed };
+                if needs_conntrack_cleanup(snapshot, scope, report.family) {
+                    report.conntrack = Some(clean_conntrack(report.family, snapshot));
+                }
+                Ok(report)
+            })
             .collect()
     }
 
@@ -345,6 +367,7 @@ impl Family {
             deleted_chains: ruleset.deleted_chains.len(),
             large_cluster: ruleset.large_cluster,
             elapsed: started.elapsed(),
+            conntrack: None,
         })
     }
 
@@ -356,6 +379,35 @@ impl Family {
                 .ensure_rule_first(jump.table, jump.source, &jump.args())?;
         }
         Ok(())
+    }
+}
+
+/// Whether a sync may have left stale UDP/SCTP conntrack entries: a full sync, or a changed
+/// UDP/SCTP service port of this family.
+fn needs_conntrack_cleanup(
+    snapshot: &Snapshot,
+    changed: Option<&BTreeSet<ServicePortName>>,
+    family: IpFamily,
+) -> bool {
+    let stateful_datagrams =
+        |name: &ServicePortName| matches!(name.protocol, Protocol::Udp | Protocol::Sctp);
+    match changed {
+        None => snapshot
+            .family(family)
+            .service_ports
+            .keys()
+            .any(stateful_datagrams),
+        Some(changed) => changed.iter().any(stateful_datagrams),
+    }
+}
+
+fn clean_conntrack(family: IpFamily, snapshot: &Snapshot) -> ConntrackCleanup {
+    let started = Instant::now();
+    let result =
+        kernel_conntrack::reconcile(family, snapshot.family(family)).map_err(|e| e.to_string());
+    ConntrackCleanup {
+        elapsed: started.elapsed(),
+        result,
     }
 }
 

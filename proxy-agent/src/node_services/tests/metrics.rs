@@ -53,7 +53,11 @@ fn feed(metrics: &Metrics) {
     metrics.healthz_answered(axum::http::StatusCode::OK);
     metrics.livez_answered(axum::http::StatusCode::SERVICE_UNAVAILABLE);
     if let Some(iptables) = metrics.iptables() {
-        iptables.nfacct(10, 20);
+        iptables.read_nfacct_with(Box::new(|name| match name {
+            "ct_state_invalid_dropped_pkts" => Ok(10),
+            "localhost_nps_accepted_pkts" => Ok(20),
+            other => Err(format!("no counter {other}")),
+        }));
     }
     if let Some(ebpf) = metrics.ebpf() {
         ebpf.map_usage("frontends", 3, 65536);
@@ -555,21 +559,49 @@ async fn metrics_server_serves_metrics_proxy_mode_and_healthz() {
     assert_eq!(reply.header("X-Content-Type-Options"), Some("nosniff"));
     assert_eq!(reply.body, "ebpf");
 
-    let reply = get(addr, "/metrics").await;
-    assert_eq!(reply.status(), 200);
+    // promhttp: the classic text format unless OpenMetrics is asked for.
+    for accept in [None, Some("text/plain;version=0.0.4")] {
+        let headers: Vec<(&str, &str)> = accept.map(|a| ("Accept", a)).into_iter().collect();
+        let reply = request_with(addr, "GET", "/metrics", &headers, "").await;
+        assert_eq!(reply.status(), 200);
+        assert_eq!(
+            reply.header("Content-Type"),
+            Some("text/plain; version=0.0.4; charset=utf-8; escaping=underscores"),
+            "{accept:?}"
+        );
+        assert!(
+            reply
+                .body
+                .contains("# TYPE kubeproxy_sync_proxy_rules_service_changes_total counter\nkubeproxy_sync_proxy_rules_service_changes_total 0\n"),
+            "{}",
+            reply.body
+        );
+        assert!(
+            reply.body.contains(
+                "kubeproxy_sync_proxy_rules_duration_seconds_count{ip_family=\"IPv4\"} 1\n"
+            )
+        );
+        assert!(!reply.body.contains("# EOF"));
+    }
+    let reply = request_with(
+        addr,
+        "GET",
+        "/metrics",
+        &[(
+            "Accept",
+            "application/openmetrics-text;version=1.0.0,text/plain;version=0.0.4;q=0.5",
+        )],
+        "",
+    )
+    .await;
     assert_eq!(
         reply.header("Content-Type"),
-        Some("application/openmetrics-text; version=1.0.0; charset=utf-8")
+        Some("application/openmetrics-text; version=1.0.0; charset=utf-8; escaping=underscores")
     );
     assert!(
         reply
             .body
-            .contains("# TYPE kubeproxy_sync_proxy_rules_duration_seconds histogram\n")
-    );
-    assert!(
-        reply
-            .body
-            .contains("kubeproxy_sync_proxy_rules_duration_seconds_count{ip_family=\"IPv4\"} 1\n")
+            .contains("# TYPE kubeproxy_sync_proxy_rules_service_changes counter\nkubeproxy_sync_proxy_rules_service_changes_total 0\n")
     );
     assert!(reply.body.ends_with("# EOF\n"));
 
@@ -584,4 +616,112 @@ async fn metrics_server_serves_metrics_proxy_mode_and_healthz() {
             .body,
         "iptables"
     );
+}
+
+#[test]
+fn nfacct_counters_are_read_at_each_scrape_and_absent_without_nfacct() {
+    let metrics = Metrics::new(ProxyMode::Iptables);
+    // No reader (nfacct not set up): upstream's collector emits nothing.
+    assert!(!metrics.encode_text().contains("nfacct"));
+    assert!(!metrics.encode_text().contains("ct_state_invalid"));
+    let packets = Arc::new(std::sync::atomic::AtomicU64::new(3));
+    let source = Arc::clone(&packets);
+    metrics
+        .iptables()
+        .unwrap()
+        .read_nfacct_with(Box::new(move |name| match name {
+            "ct_state_invalid_dropped_pkts" => {
+                Ok(source.load(std::sync::atomic::Ordering::Relaxed))
+            }
+            _ => Err("no such object".to_owned()),
+        }));
+    let text = metrics.encode_text();
+    assert!(text.contains(
+        "# HELP kubeproxy_iptables_ct_state_invalid_dropped_packets_total [ALPHA] packets dropped by iptables to work around conntrack problems\n\
+         # TYPE kubeproxy_iptables_ct_state_invalid_dropped_packets_total counter\n\
+         kubeproxy_iptables_ct_state_invalid_dropped_packets_total 3\n"
+    ), "{text}");
+    // The counter that cannot be read is left out, not shown as 0.
+    assert!(!text.contains("localhost_nodeports"), "{text}");
+    // The kernel's value as it is now, not an increase since the last scrape.
+    packets.store(5, std::sync::atomic::Ordering::Relaxed);
+    assert!(
+        metrics
+            .encode()
+            .contains("kubeproxy_iptables_ct_state_invalid_dropped_packets_total 5\n")
+    );
+}
+
+#[tokio::test]
+async fn configz_and_debug_flags_v_as_kube_proxys_metrics_server() {
+    let (services, _clock) = start(ProxyMode::Iptables);
+    let addr = services.metrics_addr().unwrap();
+    // Before the agent sets it: component-base's configz with nothing registered.
+    assert_eq!(get(addr, "/configz").await.body, "{}");
+    let loaded = crate::config::load(&<crate::cli::Args as clap::Parser>::parse_from([
+        "proxy-agent",
+        "--proxy-mode",
+        "iptables",
+        "--cluster-cidr",
+        "10.0.0.0/8,fd00::/48",
+        "--iptables-masquerade-bit",
+        "13",
+    ]))
+    .unwrap();
+    services
+        .metrics()
+        .set_debug(loaded.config.configz.clone(), false);
+    let reply = get(addr, "/configz").await;
+    assert_eq!(reply.status(), 200);
+    assert_eq!(reply.header("Content-Type"), Some("application/json"));
+    let json: serde_json::Value = serde_json::from_str(&reply.body).unwrap();
+    let config = &json["kubeproxy.config.k8s.io"];
+    assert_eq!(json.as_object().unwrap().len(), 1);
+    assert_eq!(config["Mode"], "iptables");
+    assert_eq!(config["IPTables"]["MasqueradeBit"], 13);
+    assert_eq!(config["IPTables"]["LocalhostNodePorts"], true);
+    assert_eq!(config["Linux"]["Conntrack"]["MaxPerCore"], 32768);
+    assert_eq!(
+        config["Linux"]["Conntrack"]["TCPEstablishedTimeout"],
+        "24h0m0s"
+    );
+    assert_eq!(config["Linux"]["OOMScoreAdj"], -999);
+    assert_eq!(config["SyncPeriod"], "30s");
+    assert_eq!(config["MinSyncPeriod"], "1s");
+    assert_eq!(config["ConfigSyncPeriod"], "15m0s");
+    assert_eq!(config["HealthzBindAddress"], "0.0.0.0:10256");
+    assert_eq!(config["ClientConnection"]["QPS"], 5);
+    assert_eq!(
+        config["DetectLocal"]["ClusterCIDRs"],
+        serde_json::json!(["10.0.0.0/8", "fd00::/48"])
+    );
+    assert_eq!(config["NodePortAddresses"], serde_json::Value::Null);
+    assert_eq!(config["Logging"]["verbosity"], 0);
+
+    // Without --profiling upstream does not install /debug/flags.
+    let reply = request_with(addr, "PUT", "/debug/flags/v", &[], "3").await;
+    assert_eq!(reply.status(), 404);
+    services.metrics().set_debug(loaded.config.configz, true);
+    let reply = request_with(addr, "PUT", "/debug/flags/v", &[], "3").await;
+    assert_eq!(reply.status(), 200);
+    assert_eq!(reply.header("Content-Type"), Some("text/plain"));
+    assert_eq!(reply.body, "successfully set klog.logging.verbosity to 3\n");
+    assert_eq!(crate::logging::verbosity(), 3);
+    let reply = request_with(addr, "PUT", "/debug/flags/v", &[], "x").await;
+    assert_eq!(reply.status(), 400);
+    assert_eq!(
+        reply.body,
+        "failed set klog.logging.verbosity x: strconv.ParseInt: parsing \"x\": invalid syntax\n"
+    );
+    assert_eq!(crate::logging::verbosity(), 3);
+    let reply = get(addr, "/debug/flags/v").await;
+    assert_eq!(
+        (reply.status(), reply.body.as_str()),
+        (406, "unsupported http method\n")
+    );
+    let index = get(addr, "/debug/flags").await;
+    assert_eq!(index.status(), 200);
+    assert!(index.body.contains("<tr>v<br>"), "{}", index.body);
+    assert_eq!(get(addr, "/debug/flags/other").await.body, index.body);
+    crate::logging::set_verbosity("0").unwrap();
 }

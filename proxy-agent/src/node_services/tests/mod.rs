@@ -1,6 +1,7 @@
 //! Tests against the real servers on 127.0.0.1 ephemeral ports, with a raw HTTP/1.1 client so
 //! status lines, header names and bodies are seen byte for byte.
 
+mod exposition;
 mod health;
 mod metrics;
 mod service_health;
@@ -24,9 +25,9 @@ use super::{
     time_format::Stamp,
 };
 use crate::{
-    config::ProxyMode,
     desired::Snapshot,
     objects::{ObjectKey, Objects},
+    proxy_mode::ProxyMode,
 };
 
 pub const NODE: &str = "test-node";
@@ -60,12 +61,30 @@ impl Reply {
 }
 
 pub async fn request(addr: SocketAddr, method: &str, path: &str) -> Reply {
+    request_with(addr, method, path, &[], "").await
+}
+
+/// A request with extra header lines and a body.
+pub async fn request_with(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: &str,
+) -> Reply {
     let mut stream =
         tokio::time::timeout(Duration::from_secs(5), tokio::net::TcpStream::connect(addr))
             .await
             .expect("connect timeout")
             .expect("connect");
-    let request = format!("{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
+    let extra: String = headers
+        .iter()
+        .map(|(name, value)| format!("{name}: {value}\r\n"))
+        .collect();
+    let request = format!(
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n{extra}Content-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
     stream.write_all(request.as_bytes()).await.expect("write");
     let mut raw = Vec::new();
     tokio::time::timeout(Duration::from_secs(5), stream.read_to_end(&mut raw))

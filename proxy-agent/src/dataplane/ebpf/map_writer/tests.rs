@@ -134,7 +134,7 @@ impl FakeMaps {
             .collect()
     }
 
-    /// Everything in the maps, as the loader reads it back after a restart.
+    /// Everything in the maps, as `EbpfDataplane::start` reads it back after a restart.
     fn content(&self) -> MapsContent {
         MapsContent {
             frontends: self.frontends.iter().map(|(k, v)| (*k, *v)).collect(),
@@ -285,9 +285,9 @@ fn pods(maps: &FakeMaps, key: &FrontendKey) -> Vec<u8> {
 #[test]
 fn first_apply_writes_frontend_slots_and_backends_in_network_order() {
     let mut maps = FakeMaps::with_slot_capacity(100);
-    let mut programmer = Programmer::default();
+    let mut map_writer = MapWriter::default();
     let web = key([10, 96, 0, 10], 80);
-    let (summary, errors) = programmer.apply(snapshot(&[(web, &[1, 2])]), &mut maps);
+    let (summary, errors) = map_writer.apply(snapshot(&[(web, &[1, 2])]), &mut maps);
     assert!(errors.is_empty());
     assert_eq!(summary.frontends_written, 1);
     maps.check_invariants();
@@ -308,11 +308,11 @@ fn first_apply_writes_frontend_slots_and_backends_in_network_order() {
 #[test]
 fn a_backend_change_switches_generation_and_cleans_the_old_one() {
     let mut maps = FakeMaps::with_slot_capacity(100);
-    let mut programmer = Programmer::default();
+    let mut map_writer = MapWriter::default();
     let web = key([10, 96, 0, 10], 80);
-    programmer.apply(snapshot(&[(web, &[1, 2, 3])]), &mut maps);
+    map_writer.apply(snapshot(&[(web, &[1, 2, 3])]), &mut maps);
     let before = maps.frontends[&frontend_map_key(&web).expect("supported")];
-    programmer.apply(snapshot(&[(web, &[1, 3])]), &mut maps);
+    map_writer.apply(snapshot(&[(web, &[1, 3])]), &mut maps);
     let after = maps.frontends[&frontend_map_key(&web).expect("supported")];
     maps.check_invariants();
     assert_eq!(after.service_id, before.service_id);
@@ -324,14 +324,14 @@ fn a_backend_change_switches_generation_and_cleans_the_old_one() {
 #[test]
 fn an_unchanged_snapshot_writes_nothing() {
     let mut maps = FakeMaps::with_slot_capacity(100);
-    let mut programmer = Programmer::default();
+    let mut map_writer = MapWriter::default();
     let state = snapshot(&[
         (key([10, 96, 0, 10], 80), &[1, 2]),
         (key([10, 96, 0, 11], 80), &[3]),
     ]);
-    programmer.apply(state.clone(), &mut maps);
+    map_writer.apply(state.clone(), &mut maps);
     let writes = maps.writes;
-    let (summary, _) = programmer.apply(state.clone(), &mut maps);
+    let (summary, _) = map_writer.apply(state.clone(), &mut maps);
     assert_eq!(maps.writes, writes);
     assert_eq!(summary.frontends_unchanged, 2);
 }
@@ -339,15 +339,15 @@ fn an_unchanged_snapshot_writes_nothing() {
 #[test]
 fn only_the_changed_frontend_is_rewritten() {
     let mut maps = FakeMaps::with_slot_capacity(1000);
-    let mut programmer = Programmer::default();
+    let mut map_writer = MapWriter::default();
     let many: Vec<(FrontendKey, &[u8])> = (0..100u8)
         .map(|i| (key([10, 96, 1, i], 80), &[1u8, 2][..]))
         .collect();
-    programmer.apply(snapshot(&many), &mut maps);
+    map_writer.apply(snapshot(&many), &mut maps);
     let writes = maps.writes;
     let mut changed = many.clone();
     changed[7].1 = &[1, 2, 3];
-    let (summary, _) = programmer.apply(snapshot(&changed), &mut maps);
+    let (summary, _) = map_writer.apply(snapshot(&changed), &mut maps);
     maps.check_invariants();
     assert_eq!(summary.frontends_written, 1);
     // 1 new backend + 3 slots + 1 frontend + 2 old slots deleted.
@@ -357,25 +357,25 @@ fn only_the_changed_frontend_is_rewritten() {
 #[test]
 fn removing_a_frontend_removes_everything_it_used() {
     let mut maps = FakeMaps::with_slot_capacity(100);
-    let mut programmer = Programmer::default();
+    let mut map_writer = MapWriter::default();
     let web = key([10, 96, 0, 10], 80);
     let api = key([10, 96, 0, 11], 443);
-    programmer.apply(snapshot(&[(web, &[1, 2]), (api, &[2, 3])]), &mut maps);
-    let (summary, _) = programmer.apply(vec![gone(web)], &mut maps);
+    map_writer.apply(snapshot(&[(web, &[1, 2]), (api, &[2, 3])]), &mut maps);
+    let (summary, _) = map_writer.apply(vec![gone(web)], &mut maps);
     maps.check_invariants();
     assert_eq!(summary.frontends_removed, 1);
     assert_eq!(maps.frontends.len(), 1);
     assert_eq!(pods(&maps, &api), [2, 3], "the shared backend survives");
-    programmer.apply(vec![gone(api)], &mut maps);
+    map_writer.apply(vec![gone(api)], &mut maps);
     assert!(maps.frontends.is_empty() && maps.slots.is_empty() && maps.backends.is_empty());
 }
 
 #[test]
 fn a_frontend_without_backends_is_written_with_count_zero() {
     let mut maps = FakeMaps::with_slot_capacity(100);
-    let mut programmer = Programmer::default();
+    let mut map_writer = MapWriter::default();
     let web = key([10, 96, 0, 10], 80);
-    programmer.apply(snapshot(&[(web, &[])]), &mut maps);
+    map_writer.apply(snapshot(&[(web, &[])]), &mut maps);
     let value = maps.frontends[&frontend_map_key(&web).expect("supported")];
     assert_eq!(value.backend_count, 0);
     maps.check_invariants();
@@ -384,11 +384,11 @@ fn a_frontend_without_backends_is_written_with_count_zero() {
 #[test]
 fn a_full_map_leaves_the_frontend_on_its_previous_complete_set() {
     let mut maps = FakeMaps::with_slot_capacity(5);
-    let mut programmer = Programmer::default();
+    let mut map_writer = MapWriter::default();
     let web = key([10, 96, 0, 10], 80);
-    programmer.apply(snapshot(&[(web, &[1, 2])]), &mut maps);
+    map_writer.apply(snapshot(&[(web, &[1, 2])]), &mut maps);
     // The new generation needs 4 slots while 2 are still live: only 3 fit.
-    let (summary, errors) = programmer.apply(snapshot(&[(web, &[1, 2, 3, 4])]), &mut maps);
+    let (summary, errors) = map_writer.apply(snapshot(&[(web, &[1, 2, 3, 4])]), &mut maps);
     assert_eq!(summary.frontends_written, 0);
     assert_eq!(errors.len(), 1);
     assert!(
@@ -401,7 +401,7 @@ fn a_full_map_leaves_the_frontend_on_its_previous_complete_set() {
     maps.check_invariants();
     assert_eq!(pods(&maps, &web), [1, 2]);
     // A later snapshot that fits is applied normally.
-    let (summary, errors) = programmer.apply(snapshot(&[(web, &[3])]), &mut maps);
+    let (summary, errors) = map_writer.apply(snapshot(&[(web, &[3])]), &mut maps);
     assert!(errors.is_empty());
     assert_eq!(summary.frontends_written, 1);
     maps.check_invariants();
@@ -411,12 +411,12 @@ fn a_full_map_leaves_the_frontend_on_its_previous_complete_set() {
 #[test]
 fn a_new_frontend_that_does_not_fit_leaves_nothing_behind() {
     let mut maps = FakeMaps::with_slot_capacity(2);
-    let mut programmer = Programmer::default();
+    let mut map_writer = MapWriter::default();
     let web = key([10, 96, 0, 10], 80);
-    let (_, errors) = programmer.apply(snapshot(&[(web, &[1, 2, 3])]), &mut maps);
+    let (_, errors) = map_writer.apply(snapshot(&[(web, &[1, 2, 3])]), &mut maps);
     assert_eq!(errors.len(), 1);
     assert!(maps.frontends.is_empty() && maps.slots.is_empty() && maps.backends.is_empty());
-    assert_eq!(programmer.counts(), (0, 0));
+    assert_eq!(map_writer.counts(), (0, 0));
 }
 
 fn key6(last: u16, port: u16) -> FrontendKey {
@@ -449,9 +449,9 @@ fn snapshot6(key: FrontendKey, pod_ids: &[u16]) -> Vec<Update> {
 #[test]
 fn ipv6_frontends_are_programmed_in_network_order() {
     let mut maps = FakeMaps::with_slot_capacity(10);
-    let mut programmer = Programmer::default();
+    let mut map_writer = MapWriter::default();
     let web6 = key6(0x10, 80);
-    let (summary, errors) = programmer.apply(snapshot6(web6, &[1, 2]), &mut maps);
+    let (summary, errors) = map_writer.apply(snapshot6(web6, &[1, 2]), &mut maps);
     assert!(errors.is_empty(), "{errors:?}");
     assert_eq!(summary.frontends_written, 1);
     maps.check_invariants();
@@ -468,7 +468,7 @@ fn ipv6_frontends_are_programmed_in_network_order() {
             "[fd00:244:2::2]:8080".parse::<SocketAddr>().expect("addr"),
         ]
     );
-    programmer.apply(snapshot6(web6, &[2]), &mut maps);
+    map_writer.apply(snapshot6(web6, &[2]), &mut maps);
     maps.check_invariants();
     assert_eq!(maps.backends.len(), 1);
 }
@@ -486,14 +486,14 @@ fn with_affinity(mut updates: Vec<Update>, timeout: Option<u32>) -> Vec<Update> 
 #[test]
 fn affinity_flag_timeout_and_match_entries_follow_the_service() {
     let mut maps = FakeMaps::with_slot_capacity(100);
-    let mut programmer = Programmer::default();
+    let mut map_writer = MapWriter::default();
     let web = key([10, 96, 0, 10], 80);
     let map_key = frontend_map_key(&web).expect("supported");
-    programmer.apply(snapshot(&[(web, &[1, 2, 3])]), &mut maps);
+    map_writer.apply(snapshot(&[(web, &[1, 2, 3])]), &mut maps);
     assert!(maps.matches.is_empty());
 
     // On: flag, timeout and one match entry per live backend.
-    let (summary, _) = programmer.apply(
+    let (summary, _) = map_writer.apply(
         with_affinity(snapshot(&[(web, &[1, 2, 3])]), Some(2)),
         &mut maps,
     );
@@ -508,7 +508,7 @@ fn affinity_flag_timeout_and_match_entries_follow_the_service() {
     assert_eq!(maps.matches.len(), 3);
 
     // A removed backend loses its match entry (affinity can no longer lead to it).
-    programmer.apply(
+    map_writer.apply(
         with_affinity(snapshot(&[(web, &[1, 3])]), Some(2)),
         &mut maps,
     );
@@ -516,7 +516,7 @@ fn affinity_flag_timeout_and_match_entries_follow_the_service() {
     assert_eq!(maps.matches.len(), 2);
 
     // A new timeout alone is a change too.
-    let (summary, _) = programmer.apply(
+    let (summary, _) = map_writer.apply(
         with_affinity(snapshot(&[(web, &[1, 3])]), Some(30)),
         &mut maps,
     );
@@ -524,7 +524,7 @@ fn affinity_flag_timeout_and_match_entries_follow_the_service() {
     assert_eq!(maps.frontends[&map_key].affinity_timeout, 30);
 
     // Off: flag cleared, match entries gone.
-    programmer.apply(snapshot(&[(web, &[1, 3])]), &mut maps);
+    map_writer.apply(snapshot(&[(web, &[1, 3])]), &mut maps);
     maps.check_invariants();
     assert_eq!(maps.frontends[&map_key].flags, 0);
     assert!(maps.matches.is_empty());
@@ -533,11 +533,11 @@ fn affinity_flag_timeout_and_match_entries_follow_the_service() {
 #[test]
 fn removed_backends_are_reported_per_frontend() {
     let mut maps = FakeMaps::with_slot_capacity(100);
-    let mut programmer = Programmer::default();
+    let mut map_writer = MapWriter::default();
     let web = key([10, 96, 0, 10], 80);
     let api = key([10, 96, 0, 11], 80);
-    programmer.apply(snapshot(&[(web, &[1, 2]), (api, &[2])]), &mut maps);
-    let (summary, _) = programmer.apply(snapshot(&[(web, &[1])]), &mut maps);
+    map_writer.apply(snapshot(&[(web, &[1, 2]), (api, &[2])]), &mut maps);
+    let (summary, _) = map_writer.apply(snapshot(&[(web, &[1])]), &mut maps);
     assert_eq!(
         summary.removed_backends,
         [RemovedBackend {
@@ -545,7 +545,7 @@ fn removed_backends_are_reported_per_frontend() {
             backend: SocketAddr::from(([10, 244, 2, 2], 8080)),
         }]
     );
-    let (summary, _) = programmer.apply(vec![gone(api)], &mut maps);
+    let (summary, _) = map_writer.apply(vec![gone(api)], &mut maps);
     assert_eq!(summary.removed_backends.len(), 1);
     assert_eq!(summary.removed_backends[0].frontend, api);
 }
@@ -553,7 +553,7 @@ fn removed_backends_are_reported_per_frontend() {
 #[test]
 fn adopting_pinned_maps_then_a_full_apply_of_the_same_state_writes_nothing() {
     let mut maps = FakeMaps::with_slot_capacity(100);
-    let mut first = Programmer::default();
+    let mut first = MapWriter::default();
     let web = key([10, 96, 0, 10], 80);
     let api = key([10, 96, 0, 11], 80);
     let web6 = key6(0x10, 80);
@@ -563,7 +563,7 @@ fn adopting_pinned_maps_then_a_full_apply_of_the_same_state_writes_nothing() {
     first.apply(state.clone(), &mut maps);
     let writes = maps.writes;
 
-    let mut adopted = Programmer::adopt(maps.content(), &mut maps);
+    let mut adopted = MapWriter::adopt(maps.content(), &mut maps);
     assert_eq!(maps.writes, writes, "consistent maps need no cleanup");
     assert_eq!(adopted.counts(), first.counts());
     let (summary, errors) = adopted.apply(state, &mut maps);
@@ -588,9 +588,9 @@ fn a_full_apply_after_adoption_removes_frontends_nobody_claims() {
     let mut maps = FakeMaps::with_slot_capacity(100);
     let web = key([10, 96, 0, 10], 80);
     let api = key([10, 96, 0, 11], 80);
-    Programmer::default().apply(snapshot(&[(web, &[1]), (api, &[2])]), &mut maps);
+    MapWriter::default().apply(snapshot(&[(web, &[1]), (api, &[2])]), &mut maps);
 
-    let mut adopted = Programmer::adopt(maps.content(), &mut maps);
+    let mut adopted = MapWriter::adopt(maps.content(), &mut maps);
     // Only `web` is still a Service; a full resync goes through apply_snapshot(None).
     adopted.apply(snapshot(&[(web, &[1])]), &mut maps);
     let (mut summary, mut errors) = (ApplySummary::default(), Vec::new());
@@ -606,7 +606,7 @@ fn a_full_apply_after_adoption_removes_frontends_nobody_claims() {
 fn adoption_cleans_what_an_interrupted_update_left_behind() {
     let mut maps = FakeMaps::with_slot_capacity(100);
     let web = key([10, 96, 0, 10], 80);
-    Programmer::default().apply(snapshot(&[(web, &[1, 2])]), &mut maps);
+    MapWriter::default().apply(snapshot(&[(web, &[1, 2])]), &mut maps);
     // A crash after writing the idle generation, before the switch.
     let value = maps.frontends[&frontend_map_key(&web).expect("supported")];
     maps.backends.insert(
@@ -631,7 +631,7 @@ fn adoption_cleans_what_an_interrupted_update_left_behind() {
         service_id: value.service_id,
         backend_id: 99,
     });
-    let adopted = Programmer::adopt(maps.content(), &mut maps);
+    let adopted = MapWriter::adopt(maps.content(), &mut maps);
     maps.check_invariants();
     assert_eq!(adopted.counts(), (1, 2));
     assert_eq!(pods(&maps, &web), [1, 2]);
@@ -640,12 +640,12 @@ fn adoption_cleans_what_an_interrupted_update_left_behind() {
 #[test]
 fn a_frontend_claimed_by_two_service_ports_stays_with_the_first() {
     let mut maps = FakeMaps::with_slot_capacity(10);
-    let mut programmer = Programmer::default();
+    let mut map_writer = MapWriter::default();
     let web = key([10, 96, 0, 10], 80);
-    programmer.apply(snapshot(&[(web, &[1])]), &mut maps);
+    map_writer.apply(snapshot(&[(web, &[1])]), &mut maps);
     let mut intruder = snapshot(&[(web, &[2])]);
     intruder[0].0.service.name = "intruder".into();
-    let (summary, errors) = programmer.apply(intruder, &mut maps);
+    let (summary, errors) = map_writer.apply(intruder, &mut maps);
     assert_eq!(summary.frontends_written, 0);
     assert!(
         errors[0]
@@ -660,11 +660,11 @@ fn a_frontend_claimed_by_two_service_ports_stays_with_the_first() {
 #[test]
 fn a_frontend_that_does_not_fit_is_tracked_not_programmed_and_fits_once_space_is_freed() {
     let mut maps = FakeMaps::with_slot_capacity(3);
-    let mut programmer = Programmer::default();
+    let mut map_writer = MapWriter::default();
     let web = key([10, 96, 0, 10], 80);
     let api = key([10, 96, 0, 11], 80);
     let (summary, errors) =
-        programmer.apply(snapshot(&[(web, &[1, 2]), (api, &[3, 4])]), &mut maps);
+        map_writer.apply(snapshot(&[(web, &[1, 2]), (api, &[3, 4])]), &mut maps);
     assert_eq!(summary.frontends_written, 1);
     assert_eq!(errors.len(), 1);
     assert!(errors[0].is_capacity(), "{}", errors[0]);
@@ -678,18 +678,18 @@ fn a_frontend_that_does_not_fit_is_tracked_not_programmed_and_fits_once_space_is
     assert_eq!(pods(&maps, &web), [1, 2]);
     assert_eq!(maps.slots.len(), 2);
     assert_eq!(
-        programmer.unfit().keys().copied().collect::<Vec<_>>(),
+        map_writer.unfit().keys().copied().collect::<Vec<_>>(),
         [api]
     );
     // web goes: api fits now and is no longer reported.
-    let (summary, errors) = programmer.apply([gone(web)], &mut maps);
+    let (summary, errors) = map_writer.apply([gone(web)], &mut maps);
     assert!(errors.is_empty());
     assert_eq!(summary.frontends_removed, 1);
-    let (_, errors) = programmer.apply(snapshot(&[(api, &[3, 4])]), &mut maps);
+    let (_, errors) = map_writer.apply(snapshot(&[(api, &[3, 4])]), &mut maps);
     assert!(errors.is_empty(), "{errors:?}");
     maps.check_invariants();
     assert_eq!(pods(&maps, &api), [3, 4]);
-    assert!(programmer.unfit().is_empty());
+    assert!(map_writer.unfit().is_empty());
 }
 
 fn external(key: FrontendKey) -> FrontendKey {
@@ -724,11 +724,11 @@ fn maglev_pods(maps: &FakeMaps, key: &FrontendKey) -> Vec<u8> {
 fn maglev_tables_follow_external_frontends_through_generations() {
     const M: u32 = 13;
     let mut maps = FakeMaps::with_slot_capacity(1000);
-    let mut programmer = Programmer::default();
-    programmer.set_maglev_table_size(Some(M));
+    let mut map_writer = MapWriter::default();
+    map_writer.set_maglev_table_size(Some(M));
     let internal = key([10, 96, 0, 10], 80);
     let nodeport = external(key([0, 0, 0, 0], 30080));
-    let (_, errors) = programmer.apply(
+    let (_, errors) = map_writer.apply(
         snapshot(&[(internal, &[1, 2, 3]), (nodeport, &[1, 2, 3])]),
         &mut maps,
     );
@@ -754,7 +754,7 @@ fn maglev_tables_follow_external_frontends_through_generations() {
 
     // Pod 2 leaves: new generation, complete; the old table is gone (check_invariants), and
     // slots that were not pod 2's mostly stay.
-    let (summary, _) = programmer.apply(snapshot(&[(nodeport, &[1, 3])]), &mut maps);
+    let (summary, _) = map_writer.apply(snapshot(&[(nodeport, &[1, 3])]), &mut maps);
     assert_eq!(summary.frontends_written, 1);
     maps.check_invariants();
     let after = maglev_pods(&maps, &nodeport);
@@ -772,9 +772,9 @@ fn maglev_tables_follow_external_frontends_through_generations() {
 
     // The same set again writes nothing; a restart with the same setting adopts the tables.
     let writes = maps.writes;
-    programmer.apply(snapshot(&[(nodeport, &[1, 3])]), &mut maps);
+    map_writer.apply(snapshot(&[(nodeport, &[1, 3])]), &mut maps);
     assert_eq!(maps.writes, writes);
-    let mut adopted = Programmer::adopt(maps.content(), &mut maps);
+    let mut adopted = MapWriter::adopt(maps.content(), &mut maps);
     adopted.set_maglev_table_size(Some(M));
     let state = snapshot(&[(internal, &[1, 2, 3]), (nodeport, &[1, 3])]);
     let (summary, _) = adopted.apply(state.clone(), &mut maps);
@@ -796,7 +796,7 @@ fn maglev_tables_follow_external_frontends_through_generations() {
 #[test]
 fn adoption_rewrites_a_frontend_whose_maglev_table_is_incomplete() {
     let mut maps = FakeMaps::with_slot_capacity(1000);
-    let mut first = Programmer::default();
+    let mut first = MapWriter::default();
     first.set_maglev_table_size(Some(7));
     let nodeport = external(key([0, 0, 0, 0], 30080));
     first.apply(snapshot(&[(nodeport, &[1, 2])]), &mut maps);
@@ -806,7 +806,7 @@ fn adoption_rewrites_a_frontend_whose_maglev_table_is_incomplete() {
     maps.maglev.remove(&lost);
 
     let slots = maps.slots.clone();
-    let mut adopted = Programmer::adopt(maps.content(), &mut maps);
+    let mut adopted = MapWriter::adopt(maps.content(), &mut maps);
     adopted.set_maglev_table_size(Some(7));
     assert!(maps.maglev.is_empty(), "an incomplete table is deleted");
     assert_eq!(
@@ -823,14 +823,14 @@ fn adoption_rewrites_a_frontend_whose_maglev_table_is_incomplete() {
 #[test]
 fn a_maglev_table_that_does_not_fit_leaves_the_previous_one() {
     let mut maps = FakeMaps::with_slot_capacity(20);
-    let mut programmer = Programmer::default();
+    let mut map_writer = MapWriter::default();
     // 167 slots: 11 blocks, so two tables do not fit in 20 entries.
-    programmer.set_maglev_table_size(Some(167));
+    map_writer.set_maglev_table_size(Some(167));
     let nodeport = external(key([0, 0, 0, 0], 30080));
-    let (_, errors) = programmer.apply(snapshot(&[(nodeport, &[1, 2])]), &mut maps);
+    let (_, errors) = map_writer.apply(snapshot(&[(nodeport, &[1, 2])]), &mut maps);
     assert!(errors.is_empty(), "{errors:?}");
     // A second table does not fit next to the first during the switch.
-    let (_, errors) = programmer.apply(snapshot(&[(nodeport, &[1, 3])]), &mut maps);
+    let (_, errors) = map_writer.apply(snapshot(&[(nodeport, &[1, 3])]), &mut maps);
     assert!(errors.iter().all(ApplyError::is_capacity), "{errors:?}");
     assert_eq!(errors.len(), 1);
     maps.check_invariants();

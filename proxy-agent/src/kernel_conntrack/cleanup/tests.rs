@@ -2,8 +2,8 @@ use std::collections::BTreeMap;
 
 use super::*;
 use crate::{
-    conntrack::Tuple,
     desired::{Endpoint, ServicePort, ServicePortName},
+    kernel_conntrack::Tuple,
     objects::ObjectKey,
 };
 

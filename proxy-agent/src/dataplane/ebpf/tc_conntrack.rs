@@ -31,7 +31,7 @@ use std::collections::HashMap as StdHashMap;
 use aya::maps::{HashMap, MapData};
 use proxy_common::{CtKey, CtValue, ct_flags, ct_timeout, family};
 
-use super::program::{RemovedBackend, ip4_to_map, ip6_to_map};
+use super::map_writer::{RemovedBackend, ip4_to_map, ip6_to_map};
 use crate::desired::Scope;
 
 /// Address words and family of an IP address as the maps store them.

@@ -11,29 +11,29 @@ fn kinds(drift: &[crate::dataplane::ebpf::drift::Drift]) -> Vec<(&'static str, D
     kinds
 }
 
-fn programmed() -> (FakeMaps, Programmer, FrontendKey) {
+fn programmed() -> (FakeMaps, MapWriter, FrontendKey) {
     let mut maps = FakeMaps::with_slot_capacity(1000);
-    let mut programmer = Programmer::default();
+    let mut map_writer = MapWriter::default();
     let web = key([10, 96, 0, 10], 80);
     let api = key([10, 96, 0, 11], 80);
     let mut state = with_affinity(snapshot(&[(web, &[1, 2])]), Some(5));
     state.extend(snapshot(&[(api, &[2, 3])]));
-    let (_, errors) = programmer.apply(state, &mut maps);
+    let (_, errors) = map_writer.apply(state, &mut maps);
     assert!(errors.is_empty(), "{errors:?}");
-    (maps, programmer, web)
+    (maps, map_writer, web)
 }
 
 #[test]
 fn maps_as_programmed_have_no_drift() {
-    let (maps, programmer, _) = programmed();
-    let expected = programmer.expected_content().expect("nothing damaged");
+    let (maps, map_writer, _) = programmed();
+    let expected = map_writer.expected_content().expect("nothing damaged");
     assert_eq!(diff(&expected, &maps.content()), []);
 }
 
 #[test]
 fn corrupted_deleted_and_added_entries_are_reported_and_repaired() {
-    let (mut maps, programmer, web) = programmed();
-    let expected = programmer.expected_content().expect("nothing damaged");
+    let (mut maps, map_writer, web) = programmed();
+    let expected = map_writer.expected_content().expect("nothing damaged");
     let web_value = maps.frontends[&frontend_map_key(&web).expect("key")];
     let slot0 = BackendSlotKey {
         service_id: web_value.service_id,
@@ -114,12 +114,12 @@ fn corrupted_deleted_and_added_entries_are_reported_and_repaired() {
 #[test]
 fn a_corrupted_maglev_block_is_reported_and_rewritten() {
     let mut maps = FakeMaps::with_slot_capacity(1000);
-    let mut programmer = Programmer::default();
-    programmer.set_maglev_table_size(Some(13));
+    let mut map_writer = MapWriter::default();
+    map_writer.set_maglev_table_size(Some(13));
     let nodeport = external(key([0, 0, 0, 0], 30080));
-    let (_, errors) = programmer.apply(snapshot(&[(nodeport, &[1, 2, 3])]), &mut maps);
+    let (_, errors) = map_writer.apply(snapshot(&[(nodeport, &[1, 2, 3])]), &mut maps);
     assert!(errors.is_empty(), "{errors:?}");
-    let expected = programmer.expected_content().expect("nothing damaged");
+    let expected = map_writer.expected_content().expect("nothing damaged");
     assert_eq!(diff(&expected, &maps.content()), []);
     let before = maglev_pods(&maps, &nodeport);
 
@@ -138,12 +138,12 @@ fn a_corrupted_maglev_block_is_reported_and_rewritten() {
 #[test]
 fn source_ranges_with_host_bits_are_expected_as_networks() {
     let mut maps = FakeMaps::with_slot_capacity(1000);
-    let mut programmer = Programmer::default();
+    let mut map_writer = MapWriter::default();
     let lb = external(key([192, 0, 2, 10], 80));
     let mut state = snapshot(&[(lb, &[1])]);
     state[0].1[0].1.source_ranges = vec!["203.0.113.7/24".parse().expect("range")];
-    programmer.apply(state, &mut maps);
-    let expected = programmer.expected_content().expect("nothing damaged");
+    map_writer.apply(state, &mut maps);
+    let expected = map_writer.expected_content().expect("nothing damaged");
     let ranges: Vec<String> = expected
         .source_ranges
         .iter()

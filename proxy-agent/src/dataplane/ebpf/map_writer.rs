@@ -10,7 +10,7 @@
 //! With `--lb-algorithm maglev` an external frontend also gets a Maglev lookup table of the idle
 //! generation, written with its slots before the switch and deleted with them after it.
 //!
-//! After an agent restart the state is read back from the pinned maps ([`Programmer::adopt`]):
+//! After an agent restart the state is read back from the pinned maps ([`MapWriter::adopt`]):
 //! adopted frontends belong to no service port until a full apply claims them (unchanged ones
 //! without a single write) and the ones nobody claims are removed then.
 
@@ -140,9 +140,9 @@ pub struct ApplySummary {
     pub frontends_unsupported: usize,
     /// (frontend, backend) pairs that were live before and are not any more.
     pub removed_backends: Vec<RemovedBackend>,
-    /// Connected UDP sockets destroyed because their backend was removed (set by the loader).
+    /// Connected UDP sockets destroyed because their backend was removed (set by `EbpfDataplane::apply`).
     pub udp_sockets_destroyed: usize,
-    /// tc conntrack entries of removed backends deleted (set by the loader).
+    /// tc conntrack entries of removed backends deleted (set by `EbpfDataplane::apply`).
     pub conntrack_purged: usize,
 }
 
@@ -168,7 +168,7 @@ impl AppliedFrontend {
         affinity_of(&self.value)
     }
 
-    /// The flags [`Frontend::flags`] holds (affinity and Maglev are set by the programmer).
+    /// The flags [`Frontend::flags`] holds (affinity and Maglev are set by the map_writer).
     fn policy_flags(&self) -> u8 {
         self.value.flags
             & !(frontend_flags::AFFINITY | frontend_flags::MAGLEV | frontend_flags::STICKY_SOCKET)
@@ -247,7 +247,7 @@ pub struct MapsContent {
 
 /// The agent's record of what is in the maps, so each apply writes only the difference.
 #[derive(Debug, Default)]
-pub struct Programmer {
+pub struct MapWriter {
     frontends: BTreeMap<FrontendKey, AppliedFrontend>,
     /// Which frontends each service port owns.
     owned: BTreeMap<ServicePortName, Vec<FrontendKey>>,
@@ -261,7 +261,7 @@ pub struct Programmer {
     maglev_table_size: Option<u32>,
 }
 
-impl Programmer {
+impl MapWriter {
     /// Selects `--lb-algorithm`: `Some(table size)` for Maglev on external frontends. Frontends
     /// programmed otherwise (adopted from a run with another setting) are rewritten by the next
     /// apply that covers them; a full apply covers all.
@@ -275,6 +275,49 @@ impl Programmer {
             Some(m) if key.scope == Scope::External && backend_count > 0 => m,
             _ => 0,
         }
+    }
+
+    /// Entries this map_writer has in each map it writes (the live generation; an update in
+    /// progress briefly holds two), by pinned map name: the fill level `--bpf-map-*` sizes.
+    pub fn entries(&self) -> [(&'static str, u64); 7] {
+        let count = |n: usize| n as u64;
+        let applied = || self.frontends.values();
+        let v4 = applied()
+            .filter(|a| matches!(a.map_key, FrontendMapKey::V4(_)))
+            .count();
+        let backends_v4 = self
+            .backends
+            .keys()
+            .filter(|b| matches!(b, BackendValue::V4(_)))
+            .count();
+        [
+            (proxy_common::map_names::FRONTENDS4, count(v4)),
+            (
+                proxy_common::map_names::FRONTENDS6,
+                count(self.frontends.len() - v4),
+            ),
+            (proxy_common::map_names::BACKENDS4, count(backends_v4)),
+            (
+                proxy_common::map_names::BACKENDS6,
+                count(self.backends.len() - backends_v4),
+            ),
+            (
+                proxy_common::map_names::BACKEND_SLOTS,
+                count(applied().map(|a| a.slots.len()).sum()),
+            ),
+            (
+                proxy_common::map_names::SOURCE_RANGES,
+                count(applied().map(|a| a.source_ranges.len()).sum()),
+            ),
+            (
+                proxy_common::map_names::MAGLEV,
+                count(
+                    applied()
+                        .map(|a| a.value.maglev_size.div_ceil(MAGLEV_BLOCK_SLOTS) as usize)
+                        .sum(),
+                ),
+            ),
+        ]
     }
 
     /// The service ids (one per frontend) a service port owns, for `proxy-agent inspect`.
@@ -296,7 +339,7 @@ impl Programmer {
     /// Rebuilds the record from maps a previous agent left behind, and removes what no live
     /// frontend can reach (slots of an interrupted update, orphan backends and match entries).
     pub fn adopt(content: MapsContent, maps: &mut impl MapOps) -> Self {
-        let mut programmer = Programmer::default();
+        let mut map_writer = MapWriter::default();
         let mut live_slots = BTreeSet::new();
         let mut live_matches = BTreeSet::new();
         let mut live_maglev = BTreeSet::new();
@@ -349,7 +392,7 @@ impl Programmer {
                 }));
             }
             for (&id, backend) in slots.iter().zip(&backends) {
-                programmer
+                map_writer
                     .backends
                     .entry(*backend)
                     .or_insert(BackendEntry { id, users: 0 })
@@ -361,7 +404,7 @@ impl Programmer {
                 .filter(|(id, _)| *id == value.service_id)
                 .map(|(_, range)| *range)
                 .collect();
-            programmer.frontends.insert(
+            map_writer.frontends.insert(
                 key,
                 AppliedFrontend {
                     owner: None,
@@ -377,7 +420,7 @@ impl Programmer {
             );
         }
         // Slots of damaged frontends are deleted below too; their rewrite uses fresh slots.
-        let damaged_services: BTreeSet<u32> = programmer
+        let damaged_services: BTreeSet<u32> = map_writer
             .frontends
             .values()
             .filter(|f| f.damaged)
@@ -394,7 +437,7 @@ impl Programmer {
                 cleaned += usize::from(maps.delete_maglev(*key).is_ok());
             }
         }
-        let used_ids: BTreeSet<u32> = programmer.backends.values().map(|e| e.id).collect();
+        let used_ids: BTreeSet<u32> = map_writer.backends.values().map(|e| e.id).collect();
         for (id, backend) in &content.backends {
             if !used_ids.contains(id) {
                 cleaned += usize::from(maps.delete_backend(*id, *backend).is_ok());
@@ -403,7 +446,7 @@ impl Programmer {
         for key in content.affinity_matches.difference(&live_matches) {
             cleaned += usize::from(maps.delete_affinity_match(*key).is_ok());
         }
-        let live_services: BTreeSet<u32> = programmer
+        let live_services: BTreeSet<u32> = map_writer
             .frontends
             .values()
             .map(|f| f.value.service_id)
@@ -413,17 +456,17 @@ impl Programmer {
                 cleaned += usize::from(maps.delete_source_range(*service_id, *range).is_ok());
             }
         }
-        programmer.service_ids =
-            IdAllocator::with_used(programmer.frontends.values().map(|f| f.value.service_id));
-        programmer.backend_ids = IdAllocator::with_used(used_ids);
+        map_writer.service_ids =
+            IdAllocator::with_used(map_writer.frontends.values().map(|f| f.value.service_id));
+        map_writer.backend_ids = IdAllocator::with_used(used_ids);
         info!(
-            frontends = programmer.frontends.len(),
-            backends = programmer.backends.len(),
+            frontends = map_writer.frontends.len(),
+            backends = map_writer.backends.len(),
             cleaned,
             dropped,
             "adopted the service maps of a previous run"
         );
-        programmer
+        map_writer
     }
 
     /// Applies the snapshot for the service ports in `changed` (`None`: every service port,

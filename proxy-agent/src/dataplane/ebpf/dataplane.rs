@@ -1,0 +1,508 @@
+//! [`EbpfDataplane`]: loads and attaches the programs, adopts or creates the pinned maps,
+//! applies snapshots through the map writer, and drives our tc conntrack (purge, GC) and the
+//! socket destroy of stale UDP sockets.
+
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    fs::File,
+    net::SocketAddr,
+    path::PathBuf,
+};
+
+use aya::{
+    Ebpf, EbpfLoader,
+    maps::{HashMap, MapData, PerCpuArray},
+    programs::links::PinnedLink,
+};
+use aya_log::EbpfLogger;
+use proxy_common::{
+    AffinityKey, AffinityValue, CtKey, CtValue, StatIndex, map_names, program_names,
+};
+use tokio::{io::unix::AsyncFd, task::JoinHandle};
+use tracing::{debug, info, warn};
+
+use super::{
+    ApplyError, ApplySummary, Drift, DriftCheck, DriftKind, MapWriteError, MapWriter, MapsContent,
+    bpffs, cgroup, drift,
+    error::EbpfError,
+    object,
+    options::EbpfOptions,
+    orphans,
+    pins::{PIN_DIR_NAME, attach_and_pin, prepare_pin_dir},
+    service_maps::{ServiceMaps, ignore_missing},
+    sockdiag::{self, DiagSocket},
+    stats::read_stats,
+    tc::TcState,
+    tc_conntrack,
+};
+use crate::desired::{Protocol, ServicePortName, Snapshot};
+use crate::node_services::metrics::EbpfMetrics;
+
+fn count_repair(check: &mut DriftCheck, map: &'static str, result: Result<(), MapWriteError>) {
+    match result {
+        Ok(()) => *check.repair.repaired.entry(map).or_default() += 1,
+        Err(error) => check.repair.errors.push((map, error)),
+    }
+}
+
+/// A loaded and attached eBPF dataplane. Dropping it (or [`EbpfDataplane::shutdown`]) leaves
+/// the datapath in place: links and maps stay pinned. [`cleanup`] removes them.
+pub struct EbpfDataplane {
+    pub(super) maps: ServiceMaps,
+    pub(super) stats: PerCpuArray<MapData, u64>,
+    pub(super) map_writer: MapWriter,
+    /// Frontend writes refused because a map was full, since start (a counter for metrics).
+    pub(super) capacity_errors: u64,
+    /// `max_entries` of the maps the map_writer fills, by pinned name.
+    pub(super) capacities: BTreeMap<&'static str, u32>,
+    pub(super) pin_dir: PathBuf,
+    pub(super) cgroup_path: PathBuf,
+    pub(super) links: Vec<PinnedLink>,
+    pub(super) tc: TcState,
+    pub(super) log_drain: Option<JoinHandle<()>>,
+    // Last: the object (programs, log map); the tc programs attach to new interfaces later.
+    pub(super) ebpf: Ebpf,
+}
+
+impl std::fmt::Debug for EbpfDataplane {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EbpfDataplane")
+            .field("pin_dir", &self.pin_dir)
+            .field("cgroup_path", &self.cgroup_path)
+            .finish_non_exhaustive()
+    }
+}
+
+impl EbpfDataplane {
+    /// Loads the programs, re-adopts or creates the pinned maps, and attaches to the cgroup
+    /// (replacing the links of a previous run without a gap). Must run inside a tokio runtime
+    /// (the eBPF log drain is a task).
+    pub fn start(options: &EbpfOptions) -> Result<Self, EbpfError> {
+        if object::IS_PLACEHOLDER {
+            return Err(EbpfError::Placeholder);
+        }
+        let cgroup_path = match &options.cgroup_path {
+            Some(path) => path.clone(),
+            None => cgroup::cgroup2_mount()?,
+        };
+        let cgroup_dir = File::open(&cgroup_path).map_err(|source| EbpfError::OpenCgroup {
+            path: cgroup_path.clone(),
+            source,
+        })?;
+
+        bpffs::ensure_mounted(&options.bpf_root)?;
+        let pin_dir = options.bpf_root.join(PIN_DIR_NAME);
+        // Random choice never uses the Maglev map; its bucket array (16 bytes per entry of
+        // capacity, allocated up front even without preallocation) would be wasted.
+        let maglev_capacity = if options.lb.maglev {
+            options.lb.maglev_capacity
+        } else {
+            1
+        };
+        prepare_pin_dir(&pin_dir, maglev_capacity)?;
+        let adopting = map_names::PINNED
+            .iter()
+            .any(|name| pin_dir.join(name).exists());
+
+        let slots_capacity = options.backends_capacity;
+        let mut ebpf = EbpfLoader::new()
+            .default_map_pin_directory(&pin_dir)
+            .map_max_entries(map_names::FRONTENDS4, options.frontends_capacity)
+            .map_max_entries(map_names::FRONTENDS6, options.frontends_capacity)
+            .map_max_entries(map_names::BACKEND_SLOTS, slots_capacity)
+            .map_max_entries(map_names::AFFINITY_MATCH, slots_capacity)
+            .map_max_entries(map_names::BACKENDS4, options.backends_capacity)
+            .map_max_entries(map_names::BACKENDS6, options.backends_capacity)
+            .map_max_entries(map_names::SOURCE_RANGES, options.frontends_capacity)
+            .map_max_entries(map_names::MAGLEV, maglev_capacity)
+            .load(object::OBJECT)?;
+        let log_drain = start_log_drain(&mut ebpf);
+
+        let mut maps = ServiceMaps {
+            frontends4: take_map(&mut ebpf, map_names::FRONTENDS4)?,
+            frontends6: take_map(&mut ebpf, map_names::FRONTENDS6)?,
+            slots: take_map(&mut ebpf, map_names::BACKEND_SLOTS)?,
+            backends4: take_map(&mut ebpf, map_names::BACKENDS4)?,
+            backends6: take_map(&mut ebpf, map_names::BACKENDS6)?,
+            affinity_match: take_map(&mut ebpf, map_names::AFFINITY_MATCH)?,
+            revnat4: take_map(&mut ebpf, map_names::REVNAT4)?,
+            revnat6: take_map(&mut ebpf, map_names::REVNAT6)?,
+            source_ranges: take_map(&mut ebpf, map_names::SOURCE_RANGES)?,
+            maglev: take_map(&mut ebpf, map_names::MAGLEV)?,
+        };
+        let stats = take_map(&mut ebpf, map_names::STATS)?;
+        // The affinity map is only used by the datapath; it stays in `ebpf` (taking and
+        // dropping it would close its fd before the programs that reference it are loaded).
+        for name in [map_names::AFFINITY, map_names::CT] {
+            if ebpf.map(name).is_none() {
+                return Err(EbpfError::MissingMap(name));
+            }
+        }
+        let mut tc = TcState::new(
+            options.tc.clone(),
+            take_map(&mut ebpf, map_names::NODE_ADDRS)?,
+            take_map(&mut ebpf, map_names::NODE_CONFIG)?,
+        );
+
+        let mut map_writer = if adopting {
+            MapWriter::adopt(maps.content(), &mut maps)
+        } else {
+            MapWriter::default()
+        };
+        map_writer.set_maglev_table_size(options.lb.maglev.then_some(options.lb.maglev_table_size));
+
+        let mut links = Vec::with_capacity(program_names::ALL.len());
+        for name in program_names::ALL {
+            links.push(attach_and_pin(&mut ebpf, name, &cgroup_dir, &pin_dir)?);
+        }
+        tc.refresh(&mut ebpf, &pin_dir, true);
+        info!(
+            cgroup = %cgroup_path.display(),
+            pins = %pin_dir.display(),
+            adopted = adopting,
+            tc_links = tc.link_count(),
+            "eBPF socket and tc programs attached and pinned"
+        );
+        let capacities = BTreeMap::from([
+            (map_names::FRONTENDS4, options.frontends_capacity),
+            (map_names::FRONTENDS6, options.frontends_capacity),
+            (map_names::BACKENDS4, options.backends_capacity),
+            (map_names::BACKENDS6, options.backends_capacity),
+            (map_names::BACKEND_SLOTS, slots_capacity),
+            (map_names::SOURCE_RANGES, options.frontends_capacity),
+            (map_names::MAGLEV, maglev_capacity),
+        ]);
+        Ok(Self {
+            maps,
+            stats,
+            map_writer,
+            capacity_errors: 0,
+            capacities,
+            pin_dir,
+            cgroup_path,
+            links,
+            tc,
+            log_drain,
+            ebpf,
+        })
+    }
+
+    /// The node settings (NodePort addresses, local-traffic detection, localhost NodePorts) the
+    /// tc programs use from now on; written at the next [`EbpfDataplane::apply`].
+    pub fn set_node(&mut self, settings: &crate::node::NodeSettings) {
+        self.tc.set_node(settings);
+    }
+
+    /// Makes the maps match `snapshot` for the service ports in `changed` (`None`: all of them),
+    /// writing only entries that differ from what is programmed; then destroys connected UDP
+    /// sockets still pinned to backends that were removed.
+    pub fn apply(
+        &mut self,
+        snapshot: &Snapshot,
+        changed: Option<&BTreeSet<ServicePortName>>,
+    ) -> (ApplySummary, Vec<ApplyError>) {
+        // New interfaces (pods created since the last sync) get their tc program first.
+        self.tc.refresh(&mut self.ebpf, &self.pin_dir, false);
+        let (mut summary, errors) =
+            self.map_writer
+                .apply_snapshot(snapshot, changed, &mut self.maps);
+        self.capacity_errors += errors.iter().filter(|e| e.is_capacity()).count() as u64;
+        summary.udp_sockets_destroyed = self.destroy_stale_udp_sockets(&summary);
+        summary.conntrack_purged = self.purge_conntrack(&summary);
+        (summary, errors)
+    }
+
+    /// Compares every entry of the service maps with what the agent wrote (see `drift`) and,
+    /// with `repair`, writes back what differs and deletes what the agent never wrote. `None`
+    /// while an adopted frontend is known to be damaged (the next full sync rewrites it).
+    pub fn check_drift(&mut self, repair: bool) -> Option<DriftCheck> {
+        let expected = self.map_writer.expected_content()?;
+        let found = self.maps.content();
+        let mut check = drift::check(&expected, &found, repair, &mut self.maps);
+        let node = self.tc.check_drift(repair, &mut check.repair);
+        check.drift.extend(node);
+        let orphans = self.check_orphans(&expected, repair, &mut check);
+        check.drift.extend(orphans);
+        Some(check)
+    }
+
+    /// Affinity, UDP-socket and conntrack entries of Services or backends that are gone (see
+    /// `orphans`); with `repair`, deleted (an affinity or socket entry is re-read first: one the
+    /// datapath rewrote since the walk is left for the next check).
+    fn check_orphans(
+        &mut self,
+        expected: &MapsContent,
+        repair: bool,
+        check: &mut DriftCheck,
+    ) -> Vec<Drift> {
+        let live = orphans::Live::of(expected);
+        let mut out = Vec::new();
+        for name in [map_names::AFFINITY, map_names::UDP_STICKY] {
+            let Some(map) = self.ebpf.map_mut(name) else {
+                continue;
+            };
+            let Ok(mut map) = HashMap::<_, AffinityKey, AffinityValue>::try_from(map) else {
+                continue;
+            };
+            let entries: Vec<(AffinityKey, AffinityValue)> =
+                map.iter().filter_map(Result::ok).collect();
+            check.entries_compared += entries.len();
+            for (key, value) in entries {
+                let Some(why) = orphans::pinned_orphan(&live, &key, &value) else {
+                    continue;
+                };
+                out.push(Drift {
+                    map: name,
+                    kind: DriftKind::Orphan,
+                    entry: format!("client {} service {}", key.client, key.service_id),
+                    expected: None,
+                    found: Some(why),
+                });
+                if repair && map.get(&key, 0).is_ok_and(|now| now == value) {
+                    count_repair(check, name, ignore_missing(name, map.remove(&key)));
+                }
+            }
+        }
+        let Ok(mut ct) = self.conntrack_map() else {
+            return out;
+        };
+        let entries = tc_conntrack::entries(&ct);
+        check.entries_compared += entries.len();
+        for (key, value) in entries {
+            let Some(why) = orphans::ct_orphan(&live, &key, &value) else {
+                continue;
+            };
+            out.push(Drift {
+                map: map_names::CT,
+                kind: DriftKind::Orphan,
+                entry: orphans::describe_ct(&key),
+                expected: None,
+                found: Some(why),
+            });
+            if repair {
+                count_repair(
+                    check,
+                    map_names::CT,
+                    ignore_missing(map_names::CT, ct.remove(&key)),
+                );
+            }
+        }
+        out
+    }
+
+    /// Deletes the tc conntrack entries of backends this apply removed (see `ct`), after the
+    /// frontend switch: no new flow can pick them any more, so none is recreated.
+    fn purge_conntrack(&mut self, summary: &ApplySummary) -> usize {
+        if !tc_conntrack::any_external(&summary.removed_backends) {
+            return 0;
+        }
+        let started = std::time::Instant::now();
+        let mut map = match self.conntrack_map() {
+            Ok(map) => map,
+            Err(error) => {
+                warn!(%error, "cannot open the tc conntrack map; stale entries age out instead");
+                return 0;
+            }
+        };
+        let report = tc_conntrack::purge(&mut map, &summary.removed_backends);
+        info!(
+            removed_backends = summary.removed_backends.len(),
+            scanned = report.scanned,
+            deleted = report.deleted,
+            elapsed_ms = started.elapsed().as_millis(),
+            "tc conntrack entries of removed backends purged"
+        );
+        report.deleted
+    }
+
+    /// Garbage collection of the tc conntrack (see `tc_conntrack::gc`): deletes dead flows' entries,
+    /// and counts the run and the entries left in `metrics`. Called every 30 s (`run.rs`).
+    pub fn conntrack_gc(
+        &mut self,
+        metrics: Option<&EbpfMetrics>,
+    ) -> Result<tc_conntrack::GcReport, EbpfError> {
+        let started = std::time::Instant::now();
+        let now = tc_conntrack::monotonic_ns().map_err(EbpfError::Clock)?;
+        let mut map = self.conntrack_map()?;
+        let report = tc_conntrack::gc(&mut map, now);
+        if let Some(metrics) = metrics {
+            metrics.conntrack_gc_run();
+            metrics.conntrack_entries(u64::try_from(report.remaining).unwrap_or(u64::MAX));
+        }
+        if report.deleted_forward + report.deleted_reply > 0 {
+            info!(
+                scanned = report.scanned,
+                deleted_forward = report.deleted_forward,
+                deleted_reply = report.deleted_reply,
+                remaining = report.remaining,
+                elapsed_ms = started.elapsed().as_millis(),
+                "tc conntrack garbage collected"
+            );
+        } else {
+            debug!(
+                scanned = report.scanned,
+                elapsed_ms = started.elapsed().as_millis(),
+                "tc conntrack garbage collection: nothing expired"
+            );
+        }
+        Ok(report)
+    }
+
+    /// The tc conntrack map, borrowed from the object (it stays there: see `start`).
+    fn conntrack_map(&mut self) -> Result<HashMap<&mut MapData, CtKey, CtValue>, EbpfError> {
+        let map = self
+            .ebpf
+            .map_mut(map_names::CT)
+            .ok_or(EbpfError::MissingMap(map_names::CT))?;
+        HashMap::try_from(map).map_err(|source| EbpfError::Map {
+            name: map_names::CT,
+            source,
+        })
+    }
+
+    /// Deletes every tc conntrack entry, so the next packet of any flow is a new flow that
+    /// chooses its backend again. For tests (the agent itself only purges removed backends).
+    pub fn clear_conntrack(&mut self) -> Result<usize, EbpfError> {
+        let mut map = self.conntrack_map()?;
+        let keys: Vec<CtKey> = map.keys().flatten().collect();
+        let mut deleted = 0;
+        for key in keys {
+            deleted += usize::from(map.remove(&key).is_ok());
+        }
+        Ok(deleted)
+    }
+
+    /// Every tc conntrack entry (a snapshot: the datapath keeps changing it). For tests and
+    /// diagnostics.
+    pub fn conntrack_entries(&mut self) -> Result<Vec<(CtKey, CtValue)>, EbpfError> {
+        Ok(tc_conntrack::entries(&self.conntrack_map()?))
+    }
+
+    /// Entries and capacity of each map the map_writer fills (`kubeproxy_ebpf_map_*`).
+    pub fn map_usage(&self) -> Vec<(&'static str, u64, u64)> {
+        self.map_writer
+            .entries()
+            .into_iter()
+            .map(|(map, entries)| {
+                let capacity = self.capacities.get(map).copied().unwrap_or(0);
+                (map, entries, u64::from(capacity))
+            })
+            .collect()
+    }
+
+    /// Frontend writes refused because a map was full, counted since the agent started (each
+    /// retry that fails again counts again): a counter for the metrics.
+    pub fn capacity_errors(&self) -> u64 {
+        self.capacity_errors
+    }
+
+    /// Service ports with at least one frontend that does not fit in the maps right now (not
+    /// programmed, or still on its previous backend set): a gauge for the metrics and the log.
+    pub fn unfit_service_ports(&self) -> BTreeSet<&ServicePortName> {
+        self.map_writer.unfit().values().collect()
+    }
+
+    fn destroy_stale_udp_sockets(&self, summary: &ApplySummary) -> usize {
+        let removed: Vec<_> = summary
+            .removed_backends
+            .iter()
+            .filter(|r| r.frontend.protocol == Protocol::Udp)
+            .collect();
+        if removed.is_empty() {
+            return 0;
+        }
+        let backends: BTreeSet<SocketAddr> = removed.iter().map(|r| r.backend).collect();
+        let translated = |socket: &DiagSocket| {
+            removed.iter().any(|r| {
+                r.backend == socket.destination
+                    && self
+                        .maps
+                        .translated_via(socket, SocketAddr::new(r.frontend.addr, r.frontend.port))
+            })
+        };
+        match sockdiag::destroy_udp_sockets(&self.cgroup_path, &backends, &translated) {
+            Ok(report) => {
+                info!(
+                    removed_backends = backends.len(),
+                    namespaces = report.namespaces,
+                    candidates = report.candidates,
+                    destroyed = report.destroyed,
+                    "connected UDP sockets to removed backends destroyed"
+                );
+                report.destroyed
+            }
+            Err(error) => {
+                warn!(%error, "cannot destroy connected UDP sockets of removed backends");
+                0
+            }
+        }
+    }
+
+    /// Datapath counters summed over all CPUs (for logs and metrics).
+    /// The agent's record of what is programmed.
+    pub fn map_writer(&self) -> &MapWriter {
+        &self.map_writer
+    }
+
+    pub fn stats(&self) -> Vec<(StatIndex, u64)> {
+        read_stats(&self.stats)
+    }
+
+    /// Stops managing the datapath and leaves it running: links and maps stay pinned, so
+    /// traffic keeps being translated with the last programmed state until the next agent
+    /// adopts it (or `--cleanup` removes it).
+    pub fn shutdown(self) {
+        for (index, value) in read_stats(&self.stats) {
+            info!(counter = index.name(), value, "datapath counter");
+        }
+        if let Some(task) = &self.log_drain {
+            task.abort();
+        }
+        info!(
+            cgroup = %self.cgroup_path.display(),
+            pins = %self.pin_dir.display(),
+            links = self.links.len(),
+            "leaving the eBPF datapath in place"
+        );
+        // Dropping closes our fds only; the pins keep links, programs and maps alive.
+    }
+}
+
+fn take_map<T>(ebpf: &mut Ebpf, name: &'static str) -> Result<T, EbpfError>
+where
+    T: TryFrom<aya::maps::Map, Error = aya::maps::MapError>,
+{
+    let map = ebpf.take_map(name).ok_or(EbpfError::MissingMap(name))?;
+    T::try_from(map).map_err(|source| EbpfError::Map { name, source })
+}
+
+/// Forwards aya-log records from the eBPF programs into `tracing` (through the `log` bridge).
+fn start_log_drain(ebpf: &mut Ebpf) -> Option<JoinHandle<()>> {
+    let logger = match EbpfLogger::init(ebpf) {
+        Ok(logger) => logger,
+        Err(error) => {
+            warn!(%error, "eBPF log forwarding unavailable");
+            return None;
+        }
+    };
+    // SAFETY: the logger owns its ring buffer fd and keeps returning that same open fd until it
+    // is dropped, which only happens together with the AsyncFd.
+    let registered =
+        unsafe { AsyncFd::register_with_interest(logger, tokio::io::Interest::READABLE) };
+    let mut logger = match registered {
+        Ok(logger) => logger,
+        Err(error) => {
+            warn!(%error, "eBPF log forwarding unavailable");
+            return None;
+        }
+    };
+    Some(tokio::spawn(async move {
+        loop {
+            let Ok(mut guard) = logger.readable_mut().await else {
+                return;
+            };
+            guard.get_inner_mut().flush();
+            guard.clear_ready();
+        }
+    }))
+}

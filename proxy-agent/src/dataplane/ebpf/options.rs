@@ -1,0 +1,39 @@
+//! What the eBPF dataplane is started with.
+
+use std::path::PathBuf;
+
+use super::{maglev, tc::TcOptions};
+
+#[derive(Debug, Clone)]
+pub struct EbpfOptions {
+    /// cgroup2 directory to attach to; `None` means the cgroup2 mount point.
+    pub cgroup_path: Option<PathBuf>,
+    pub bpf_root: PathBuf,
+    pub frontends_capacity: u32,
+    pub backends_capacity: u32,
+    /// `--lb-algorithm` and the Maglev table for external traffic.
+    pub lb: LbOptions,
+    /// Interfaces and node facts for the tc programs.
+    pub tc: TcOptions,
+}
+
+/// `--lb-algorithm`, `--bpf-maglev-table-size`, `--bpf-map-maglev`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LbOptions {
+    /// Maglev for new external (tc) flows; random otherwise (socket-level LB always is).
+    pub maglev: bool,
+    /// Slots of each external frontend's Maglev table: a prime (see `maglev`).
+    pub maglev_table_size: u32,
+    /// Capacity of `KPR_MAGLEV` in blocks of `MAGLEV_BLOCK_SLOTS` slots.
+    pub maglev_capacity: u32,
+}
+
+impl Default for LbOptions {
+    fn default() -> Self {
+        LbOptions {
+            maglev: false,
+            maglev_table_size: maglev::DEFAULT_TABLE_SIZE,
+            maglev_capacity: proxy_common::default_sizes::MAGLEV,
+        }
+    }
+}

@@ -1,0 +1,229 @@
+//! bpffs pins: the pin directory and its layout check, links pinned by rename (a restart
+//! replaces the old program without a gap), and `--cleanup`.
+
+use std::{
+    fs::File,
+    io,
+    path::{Path, PathBuf},
+};
+
+use aya::{
+    Ebpf,
+    maps::MapInfo,
+    programs::{
+        CgroupAttachMode, CgroupSockAddr,
+        links::{FdLink, PinnedLink},
+    },
+};
+use proxy_common::{
+    AffinityKey, AffinityMatchKey, AffinityValue, Backend4, Backend6, BackendSlotKey, CtKey,
+    CtValue, Frontend4Key, Frontend6Key, FrontendValue, MaglevBlock, MaglevKey, NodeAddrKey,
+    NodeConfig, RevNat4, RevNat4Key, RevNat6, RevNat6Key, SourceRangeKey, map_names,
+};
+use tracing::{debug, info, warn};
+
+use super::error::EbpfError;
+
+/// Directory under `--bpf-root` that holds our pins.
+pub const PIN_DIR_NAME: &str = "kubeproxy-rs";
+
+/// Suffix of link pins: `<program>_link`. (bpffs refuses names with a dot: EPERM.)
+pub(super) const LINK_SUFFIX: &str = "_link";
+
+/// `--cleanup`: removes every link pin (which detaches the programs) and map pin under
+/// `<bpf_root>/kubeproxy-rs/`, then the directory. Returns how many pins it removed.
+pub fn cleanup(bpf_root: &Path) -> Result<usize, EbpfError> {
+    let pin_dir = bpf_root.join(PIN_DIR_NAME);
+    let to_error = |source| EbpfError::PinDir {
+        path: pin_dir.clone(),
+        source,
+    };
+    let entries = match std::fs::read_dir(&pin_dir) {
+        Ok(entries) => entries,
+        Err(error) if error.kind() == io::ErrorKind::NotFound => {
+            info!(dir = %pin_dir.display(), "nothing to clean up");
+            return Ok(0);
+        }
+        Err(error) => return Err(to_error(error)),
+    };
+    let mut pins: Vec<PathBuf> = entries
+        .map(|entry| entry.map(|e| e.path()))
+        .collect::<Result<_, _>>()
+        .map_err(to_error)?;
+    // Links first, so no program runs against a map that is going away.
+    pins.sort_by_key(|path| !path.to_string_lossy().ends_with(LINK_SUFFIX));
+    for pin in &pins {
+        std::fs::remove_file(pin).map_err(to_error)?;
+        debug!(pin = %pin.display(), "removed");
+    }
+    std::fs::remove_dir(&pin_dir).map_err(to_error)?;
+    info!(dir = %pin_dir.display(), pins = pins.len(), "removed every pin and link");
+    Ok(pins.len())
+}
+
+/// Loads and attaches one program, pins its link under a temporary name and renames that over
+/// the previous run's pin, which releases the previous link (and so detaches the old program)
+/// only once the new one is attached.
+pub(super) fn attach_and_pin(
+    ebpf: &mut Ebpf,
+    name: &'static str,
+    cgroup: &File,
+    pin_dir: &Path,
+) -> Result<PinnedLink, EbpfError> {
+    let program_error = |source| EbpfError::Program { name, source };
+    let program: &mut CgroupSockAddr = ebpf
+        .program_mut(name)
+        .ok_or(EbpfError::MissingProgram(name))?
+        .try_into()
+        .map_err(program_error)?;
+    program.load().map_err(program_error)?;
+    // cgroup links are always multi-attach; other modes give EINVAL with bpf_link_create.
+    let link_id = program
+        .attach(cgroup, CgroupAttachMode::Single)
+        .map_err(program_error)?;
+    let link = program.take_link(link_id).map_err(program_error)?;
+    let link = FdLink::try_from(link).map_err(|source| EbpfError::Link { name, source })?;
+    let link = pin_replacing(link, name, &pin_dir.join(format!("{name}{LINK_SUFFIX}")))?;
+    debug!(program = name, "attached and pinned");
+    Ok(link)
+}
+
+/// Pins `link` under a temporary name and renames that over `final_pin`, which releases a
+/// previous run's link there (detaching its program) only once the new one is attached.
+pub(super) fn pin_replacing(
+    link: FdLink,
+    name: &'static str,
+    final_pin: &Path,
+) -> Result<PinnedLink, EbpfError> {
+    let final_pin = final_pin.to_path_buf();
+    let new_pin = final_pin.with_file_name(format!(
+        "{}_new",
+        final_pin
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default()
+    ));
+    // A crash between pin and rename leaves the temporary pin: remove it first.
+    remove_if_present(&new_pin).map_err(|source| EbpfError::PinDir {
+        path: new_pin.clone(),
+        source,
+    })?;
+    link.pin(&new_pin)
+        .map_err(|source| EbpfError::Pin { name, source })?;
+    // bpffs supports rename over an existing pin; the replaced pin was the old link's last
+    // reference (the old agent is gone), so the kernel detaches it now.
+    std::fs::rename(&new_pin, &final_pin).map_err(|source| EbpfError::PinDir {
+        path: final_pin.clone(),
+        source,
+    })?;
+    PinnedLink::from_pin(&final_pin).map_err(|source| EbpfError::Link { name, source })
+}
+
+pub(super) fn remove_if_present(path: &Path) -> io::Result<()> {
+    match std::fs::remove_file(path) {
+        Err(error) if error.kind() != io::ErrorKind::NotFound => Err(error),
+        _ => Ok(()),
+    }
+}
+
+/// Mode of the pin directory: whoever can open a pin can read or rewrite the service maps or
+/// detach the programs, so only root may even list it (the pins themselves are 0600, bpffs'
+/// default).
+pub const PIN_DIR_MODE: u32 = 0o700;
+
+/// Creates the pin directory (mode [`PIN_DIR_MODE`], also enforced on an existing one). Pins
+/// of maps whose layout differs from this build's (an older agent's) are removed: adopting
+/// them would misread every entry, so that one start begins from an empty map instead.
+///
+/// The Maglev map is also replaced when its capacity differs from `maglev_capacity`
+/// (`--lb-algorithm` or `--bpf-map-maglev` changed): aya would reuse the pin as it is. Its
+/// tables are then rebuilt by the first apply; until then the datapath's fallback for a
+/// missing table entry is random choice.
+pub(super) fn prepare_pin_dir(pin_dir: &Path, maglev_capacity: u32) -> Result<(), EbpfError> {
+    use std::os::unix::fs::{DirBuilderExt as _, PermissionsExt as _};
+    let to_error = |source| EbpfError::PinDir {
+        path: pin_dir.to_owned(),
+        source,
+    };
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(PIN_DIR_MODE)
+        .create(pin_dir)
+        .map_err(to_error)?;
+    // The umask may have narrowed the mode further (harmless), and a directory made by an
+    // older agent or by hand may be wider: set it exactly.
+    std::fs::set_permissions(pin_dir, std::fs::Permissions::from_mode(PIN_DIR_MODE))
+        .map_err(to_error)?;
+    for (name, key_size, value_size) in expected_layouts() {
+        let pin = pin_dir.join(name);
+        if !pin.exists() {
+            continue;
+        }
+        let compatible = MapInfo::from_pin(&pin)
+            .is_ok_and(|info| info.key_size() == key_size && info.value_size() == value_size);
+        if !compatible {
+            warn!(pin = %pin.display(), "pinned map has another layout; starting it empty");
+            remove_if_present(&pin).map_err(to_error)?;
+        }
+    }
+    let pin = pin_dir.join(map_names::MAGLEV);
+    if pin.exists()
+        && !MapInfo::from_pin(&pin).is_ok_and(|info| info.max_entries() == maglev_capacity)
+    {
+        info!(pin = %pin.display(), capacity = maglev_capacity, "Maglev map resized; its tables are rebuilt");
+        remove_if_present(&pin).map_err(to_error)?;
+    }
+    Ok(())
+}
+
+/// (map, key size, value size) as this build declares them.
+pub(super) fn expected_layouts() -> [(&'static str, u32, u32); 15] {
+    fn size<T>() -> u32 {
+        std::mem::size_of::<T>() as u32
+    }
+    [
+        (
+            map_names::FRONTENDS4,
+            size::<Frontend4Key>(),
+            size::<FrontendValue>(),
+        ),
+        (
+            map_names::FRONTENDS6,
+            size::<Frontend6Key>(),
+            size::<FrontendValue>(),
+        ),
+        (
+            map_names::BACKEND_SLOTS,
+            size::<BackendSlotKey>(),
+            size::<u32>(),
+        ),
+        (map_names::BACKENDS4, size::<u32>(), size::<Backend4>()),
+        (map_names::BACKENDS6, size::<u32>(), size::<Backend6>()),
+        (map_names::REVNAT4, size::<RevNat4Key>(), size::<RevNat4>()),
+        (map_names::REVNAT6, size::<RevNat6Key>(), size::<RevNat6>()),
+        (
+            map_names::AFFINITY,
+            size::<AffinityKey>(),
+            size::<AffinityValue>(),
+        ),
+        (
+            map_names::AFFINITY_MATCH,
+            size::<AffinityMatchKey>(),
+            size::<u8>(),
+        ),
+        (map_names::STATS, size::<u32>(), size::<u64>()),
+        (map_names::CT, size::<CtKey>(), size::<CtValue>()),
+        (
+            map_names::SOURCE_RANGES,
+            size::<u32>() + size::<SourceRangeKey>(),
+            size::<u8>(),
+        ),
+        (map_names::NODE_ADDRS, size::<NodeAddrKey>(), size::<u8>()),
+        (map_names::NODE_CONFIG, size::<u32>(), size::<NodeConfig>()),
+        (
+            map_names::MAGLEV,
+            size::<MaglevKey>(),
+            size::<MaglevBlock>(),
+        ),
+    ]
+}

@@ -1,0 +1,61 @@
+//! The configuration → each dataplane's options, in one place.
+
+use crate::{
+    config::{Config, DetectLocal, LbAlgorithm, NodePortAddresses},
+    dataplane::{
+        ebpf::{EbpfOptions, LbOptions, TcOptions},
+        iptables::{DetectLocalMode, IptablesConfig},
+    },
+};
+
+/// The NodePort addresses known from the configuration alone. `primary` is resolved from the
+/// Node object by the node settings, which replace these before the first sync.
+fn node_port_cidrs(config: &Config) -> Vec<ipnet::IpNet> {
+    match &config.node_port_addresses {
+        NodePortAddresses::Cidrs(cidrs) => cidrs.clone(),
+        NodePortAddresses::All | NodePortAddresses::Primary => Vec::new(),
+    }
+}
+
+pub fn ebpf_options(config: &Config) -> EbpfOptions {
+    EbpfOptions {
+        cgroup_path: config.ebpf.cgroup_path.clone(),
+        bpf_root: config.ebpf.bpf_root.clone(),
+        frontends_capacity: config.ebpf.map_frontends,
+        backends_capacity: config.ebpf.map_backends,
+        lb: LbOptions {
+            maglev: config.ebpf.lb_algorithm == LbAlgorithm::Maglev,
+            maglev_table_size: config.ebpf.maglev_table_size,
+            maglev_capacity: config.ebpf.map_maglev,
+        },
+        tc: TcOptions {
+            interfaces: config.ebpf.interfaces.clone(),
+            node_port_cidrs: node_port_cidrs(config),
+            cluster_cidrs: config.cluster_cidrs.clone(),
+            masquerade_all: config.masquerade_all,
+            localhost_node_ports: config.iptables.localhost_node_ports,
+            fast_path: config.ebpf.tc_fast_path,
+        },
+    }
+}
+
+pub fn iptables_config(config: &Config) -> IptablesConfig {
+    IptablesConfig {
+        masquerade_bit: config.iptables.masquerade_bit,
+        masquerade_all: config.masquerade_all,
+        detect_local: match &config.detect_local {
+            DetectLocal::ClusterCidr => DetectLocalMode::ClusterCidr(config.cluster_cidrs.clone()),
+            // The Node's podCIDRs come with the node settings, before the first sync.
+            DetectLocal::NodeCidr => DetectLocalMode::NodeCidr(Vec::new()),
+            DetectLocal::BridgeInterface(name) => DetectLocalMode::BridgeInterface(name.clone()),
+            DetectLocal::InterfaceNamePrefix(prefix) => {
+                DetectLocalMode::InterfaceNamePrefix(prefix.clone())
+            }
+        },
+        node_port_addresses: node_port_cidrs(config),
+        localhost_node_ports: config.iptables.localhost_node_ports,
+        sync_period: config.sync_period,
+        min_sync_period: config.min_sync_period,
+        ..IptablesConfig::default()
+    }
+}

@@ -1,0 +1,286 @@
+//! [`Dataplane`]: the dataplane `--proxy-mode` selected (or the iptables fallback), behind one
+//! interface for the agent's loop. Each method only forwards to its mode; what a sync did comes
+//! back as a [`SyncOutcome`] that the caller logs and records.
+
+use std::{collections::BTreeSet, time::Duration};
+
+use anyhow::Context as _;
+use tracing::{debug, info, warn};
+
+use super::{
+    ebpf::{self, ApplyError, ApplySummary, EbpfDataplane},
+    iptables::{self, IptablesDataplane, IptablesError, SyncReport},
+    options::{ebpf_options, iptables_config},
+};
+use crate::{
+    config::{Config, ProxyMode},
+    desired::{IpFamily, ServicePortName, Snapshot},
+    drift::DriftReport,
+    node::NodeSettings,
+    node_services::metrics::Metrics,
+    sync_runner::{RunnerConfig, SyncReason},
+};
+
+/// pkg/proxy/util `FullSyncPeriod`: the iptables runner's maximum interval.
+const FULL_SYNC_PERIOD: Duration = Duration::from_secs(3600);
+
+#[derive(Debug)]
+pub enum Dataplane {
+    Ebpf(Box<EbpfDataplane>),
+    Iptables(IptablesDataplane),
+}
+
+/// What one sync did, per mode.
+#[derive(Debug)]
+pub enum SyncOutcome {
+    Ebpf(EbpfSyncOutcome),
+    /// One result per family the dataplane runs.
+    Iptables(Vec<(IpFamily, Result<SyncReport, IptablesError>)>),
+}
+
+#[derive(Debug)]
+pub struct EbpfSyncOutcome {
+    pub summary: ApplySummary,
+    pub errors: Vec<ApplyError>,
+    /// Service ports that do not fit in the maps (not programmed, or with their old backends).
+    pub unfit: Vec<String>,
+    pub capacity_errors: u64,
+    /// Map ids of the service ports this sync covered (`None` scope: every owner), for `inspect`.
+    pub service_ids: Vec<(String, Vec<u32>)>,
+    /// Whether `service_ids` replaces every name (a full reconcile) or updates some.
+    pub service_ids_complete: bool,
+    /// (map, entries, capacity) of the maps the map_writer fills.
+    pub map_usage: Vec<(&'static str, u64, u64)>,
+    pub elapsed: Duration,
+}
+
+impl SyncOutcome {
+    /// Whether everything was applied. For eBPF a failed map write, or a service port still not
+    /// fitting in the maps, is a failed sync as upstream counts one: /healthz turns unhealthy
+    /// after the health timeout and the runner retries after the sync period.
+    pub fn ok(&self) -> bool {
+        match self {
+            SyncOutcome::Ebpf(outcome) => outcome.errors.is_empty() && outcome.unfit.is_empty(),
+            SyncOutcome::Iptables(results) => results.iter().all(|(_, result)| result.is_ok()),
+        }
+    }
+}
+
+impl Dataplane {
+    /// Starts the configured mode; an eBPF dataplane that cannot start falls back to the
+    /// iptables mode when the mode was not chosen explicitly (rather than no proxy at all).
+    pub fn start(config: &Config) -> anyhow::Result<Self> {
+        match config.mode {
+            ProxyMode::Ebpf => match EbpfDataplane::start(&ebpf_options(config)) {
+                Ok(ebpf) => Ok(Dataplane::Ebpf(Box::new(ebpf))),
+                Err(error) if config.mode_defaulted => {
+                    warn!(
+                        error = %format!("{:#}", anyhow::Error::from(error)),
+                        "the eBPF dataplane cannot be used here; falling back to the iptables mode"
+                    );
+                    Self::start_iptables(config)
+                }
+                Err(error) => Err(error).context("cannot start the eBPF dataplane"),
+            },
+            ProxyMode::Iptables => Self::start_iptables(config),
+        }
+    }
+
+    fn start_iptables(config: &Config) -> anyhow::Result<Self> {
+        Ok(Dataplane::Iptables(
+            IptablesDataplane::start(iptables_config(config))
+                .context("cannot start the iptables dataplane")?,
+        ))
+    }
+
+    /// After the first successful sync the new mode carries the traffic: remove what the other
+    /// mode left behind (a mode switch), so nothing of it keeps intercepting traffic.
+    pub fn remove_other_mode(&self, config: &Config) {
+        match self {
+            Dataplane::Ebpf(_) => {
+                let problems = iptables::cleanup();
+                if problems.is_empty() {
+                    debug!("no iptables-mode leftovers");
+                }
+                for problem in problems {
+                    warn!(%problem, "removing iptables-mode leftovers");
+                }
+            }
+            Dataplane::Iptables(_) => match ebpf::cleanup(&config.ebpf.bpf_root) {
+                Ok(0) => debug!("no eBPF-mode leftovers"),
+                Ok(removed) => info!(removed, "removed the eBPF mode's pins and links"),
+                Err(error) => warn!(%error, "removing eBPF-mode leftovers"),
+            },
+        }
+    }
+
+    pub fn mode(&self) -> ProxyMode {
+        match self {
+            Dataplane::Ebpf(_) => ProxyMode::Ebpf,
+            Dataplane::Iptables(_) => ProxyMode::Iptables,
+        }
+    }
+
+    pub fn mode_name(&self) -> &'static str {
+        match self {
+            Dataplane::Ebpf(_) => "ebpf",
+            Dataplane::Iptables(_) => "iptables",
+        }
+    }
+
+    /// eBPF: a sync costs O(changed Services), so there is no minimum interval beyond coalescing
+    /// what is queued (`--iptables-min-sync-period` is, as its name says, for the iptables
+    /// mode), and every sync period reconciles every map entry. iptables: kube-proxy's runner
+    /// (proxier.go: min minSyncPeriod, retry syncPeriod, max `proxyutil.FullSyncPeriod`, an
+    /// hour); the canary timer covers the sync period.
+    pub fn runner_config(&self, config: &Config) -> RunnerConfig {
+        match self {
+            Dataplane::Ebpf(_) => RunnerConfig {
+                min_interval: Duration::ZERO,
+                max_interval: config.sync_period,
+                retry_interval: config.sync_period,
+            },
+            Dataplane::Iptables(_) => RunnerConfig {
+                min_interval: config.min_sync_period,
+                // validation keeps minSyncPeriod <= syncPeriod, but not <= an hour's runner max.
+                max_interval: FULL_SYNC_PERIOD.max(config.min_sync_period),
+                retry_interval: config.sync_period,
+            },
+        }
+    }
+
+    /// New node settings. Returns whether the dataplane needs a sync for them (eBPF: always,
+    /// the node maps and tc links are written by the apply and cost little; iptables: when a
+    /// family's rules change).
+    pub fn set_node(&mut self, settings: &NodeSettings) -> bool {
+        match self {
+            Dataplane::Ebpf(ebpf) => {
+                ebpf.set_node(settings);
+                true
+            }
+            Dataplane::Iptables(iptables) => iptables.set_node(settings),
+        }
+    }
+
+    /// Whether this dataplane has canary chains to watch (iptables).
+    pub fn has_canary(&self) -> bool {
+        matches!(self, Dataplane::Iptables(_))
+    }
+
+    /// The canary check (someone flushed our tables → full resync now).
+    pub fn check_canaries(&mut self) -> bool {
+        match self {
+            Dataplane::Iptables(iptables) => iptables.check_canaries(),
+            Dataplane::Ebpf(_) => false,
+        }
+    }
+
+    /// The drift check (see `crate::drift`); with `repair`, what differs is fixed.
+    pub fn drift(&mut self, repair: bool, metrics: &Metrics, snapshot: &Snapshot) -> DriftReport {
+        match self {
+            Dataplane::Ebpf(ebpf) => crate::drift::check_ebpf(ebpf, repair, metrics),
+            Dataplane::Iptables(iptables) => {
+                crate::drift::check_iptables(iptables, snapshot, repair, metrics)
+            }
+        }
+    }
+
+    /// Whether this dataplane has a conntrack of its own to garbage-collect (the tc programs'
+    /// `KPR_CT`; the kernel's conntrack collects itself).
+    pub fn has_conntrack(&self) -> bool {
+        matches!(self, Dataplane::Ebpf(_))
+    }
+
+    /// Garbage collection of the eBPF dataplane's conntrack.
+    pub fn conntrack_gc(&mut self, metrics: &Metrics) {
+        if let Dataplane::Ebpf(ebpf) = self
+            && let Err(error) = ebpf.conntrack_gc(metrics.ebpf())
+        {
+            warn!(%error, "tc conntrack garbage collection failed");
+        }
+    }
+
+    /// The eBPF datapath's counters (none in iptables mode).
+    pub fn datapath_counters(&self) -> Vec<(&'static str, u64)> {
+        match self {
+            Dataplane::Ebpf(ebpf) => ebpf
+                .stats()
+                .into_iter()
+                .map(|(c, v)| (c.name(), v))
+                .collect(),
+            Dataplane::Iptables(_) => Vec::new(),
+        }
+    }
+
+    /// Applies the snapshot; `changed`: the service ports that changed (`None`: all may have).
+    pub fn sync(
+        &mut self,
+        snapshot: &Snapshot,
+        changed: Option<&BTreeSet<ServicePortName>>,
+        reason: SyncReason,
+    ) -> SyncOutcome {
+        match self {
+            Dataplane::Ebpf(ebpf) => SyncOutcome::Ebpf(sync_ebpf(ebpf, snapshot, changed, reason)),
+            Dataplane::Iptables(iptables) => {
+                // The dataplane itself turns a partial sync into a full one when one is due
+                // (hourly, after a failure or a canary flush).
+                let families: Vec<IpFamily> = iptables.families().collect();
+                SyncOutcome::Iptables(
+                    families
+                        .into_iter()
+                        .zip(iptables.apply(snapshot, changed))
+                        .collect(),
+                )
+            }
+        }
+    }
+
+    pub fn shutdown(self) {
+        match self {
+            // Both leave the datapath in place, so a restarted agent takes over without a gap.
+            Dataplane::Ebpf(ebpf) => (*ebpf).shutdown(),
+            Dataplane::Iptables(_) => info!("iptables rules stay in place"),
+        }
+    }
+}
+
+fn sync_ebpf(
+    ebpf: &mut EbpfDataplane,
+    snapshot: &Snapshot,
+    changed: Option<&BTreeSet<ServicePortName>>,
+    reason: SyncReason,
+) -> EbpfSyncOutcome {
+    let started = std::time::Instant::now();
+    // The periodic sync reconciles every service port.
+    let scope = if reason == SyncReason::Periodic {
+        None
+    } else {
+        changed
+    };
+    let (summary, errors) = ebpf.apply(snapshot, scope);
+    let map_writer = ebpf.map_writer();
+    let service_ids = match scope {
+        Some(changed) => changed
+            .iter()
+            .map(|name| (name.to_string(), map_writer.service_ids_of(name)))
+            .collect(),
+        None => map_writer
+            .owners()
+            .map(|name| (name.to_string(), map_writer.service_ids_of(name)))
+            .collect(),
+    };
+    EbpfSyncOutcome {
+        summary,
+        errors,
+        unfit: ebpf
+            .unfit_service_ports()
+            .iter()
+            .map(ToString::to_string)
+            .collect(),
+        capacity_errors: ebpf.capacity_errors(),
+        service_ids,
+        service_ids_complete: scope.is_none(),
+        map_usage: ebpf.map_usage(),
+        elapsed: started.elapsed(),
+    }
+}

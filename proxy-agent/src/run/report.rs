@@ -1,0 +1,187 @@
+//! What a sync did → logs, metrics and the health and latency reports of the node services.
+
+use std::{
+    collections::BTreeMap,
+    time::{Duration, SystemTime},
+};
+
+use tracing::{debug, error, info, warn};
+
+use crate::{
+    dataplane::{EbpfSyncOutcome, SyncOutcome},
+    desired::{IpFamily, Snapshot},
+    node_services::{
+        NodeServices,
+        metrics::{IptablesTable, Metrics},
+        trigger_times,
+    },
+    objects::{Changes, Objects},
+    sync_runner::SyncReason,
+};
+
+/// Logs one sync's outcome and records its metrics (sync durations, rule counts, conntrack
+/// cleanup, the service ids `inspect` reads).
+/// `changed`: how many service ports the sync was asked to cover (`None`: all, a full sync).
+pub fn record_sync(
+    outcome: &SyncOutcome,
+    reason: SyncReason,
+    changed: Option<usize>,
+    metrics: &Metrics,
+) {
+    let partial = changed.is_some();
+    let changed = changed.unwrap_or(0);
+    match outcome {
+        SyncOutcome::Ebpf(outcome) => record_ebpf(outcome, reason, changed, metrics),
+        SyncOutcome::Iptables(results) => {
+            for (family, result) in results {
+                match result {
+                    Ok(report) => {
+                        info!(
+                            family = report.family.as_k8s(),
+                            full = report.full,
+                            changed,
+                            filter_rules = report.filter_rules,
+                            nat_rules = report.nat_rules,
+                            deleted_chains = report.deleted_chains,
+                            elapsed_us = report.elapsed.as_micros() as u64,
+                            "sync applied"
+                        );
+                        if let Some(ipt) = metrics.iptables() {
+                            ipt.sync_duration(report.family, report.elapsed, report.full);
+                            // proxier.go: the filter table is always written whole; nat's
+                            // "last" counts only this sync's restore input.
+                            let filter = report.filter_rules as u64;
+                            ipt.rules(report.family, IptablesTable::Filter, filter, filter);
+                            ipt.rules(
+                                report.family,
+                                IptablesTable::Nat,
+                                report.nat_rules as u64,
+                                report.nat_rules_written as u64,
+                            );
+                        }
+                        if let Some(cleanup) = &report.conntrack {
+                            let family = report.family;
+                            match &cleanup.result {
+                                Ok(cleaned) => {
+                                    debug!(
+                                        family = family.as_k8s(),
+                                        ?cleaned,
+                                        "conntrack reconciled"
+                                    );
+                                    if cleaned.deleted > 0 {
+                                        info!(
+                                            family = family.as_k8s(),
+                                            deleted = cleaned.deleted,
+                                            "deleted stale conntrack entries"
+                                        );
+                                    }
+                                    metrics.conntrack_reconciled(
+                                        family,
+                                        cleanup.elapsed,
+                                        cleaned.deleted as u64,
+                                    );
+                                }
+                                Err(error) => {
+                                    warn!(family = family.as_k8s(), %error, "conntrack cleanup failed");
+                                }
+                            }
+                        }
+                    }
+                    Err(error) => {
+                        if let Some(ipt) = metrics.iptables() {
+                            ipt.restore_failed(*family, partial);
+                        }
+                        error!(%error, "iptables sync failed; the next sync is a full one");
+                    }
+                }
+            }
+        }
+    }
+}
+
+fn record_ebpf(outcome: &EbpfSyncOutcome, reason: SyncReason, changed: usize, metrics: &Metrics) {
+    for error in &outcome.errors {
+        warn!("{error}");
+    }
+    if outcome.errors.iter().any(|error| error.is_capacity()) {
+        warn!(
+            count = outcome.unfit.len(),
+            capacity_errors = outcome.capacity_errors,
+            service_ports = %outcome.unfit.join(", "),
+            "service ports that do not fit in the eBPF maps are not programmed (or keep their \
+             previous backends); raise --bpf-map-frontends / --bpf-map-backends"
+        );
+    }
+    let summary = &outcome.summary;
+    if summary.frontends_unsupported > 0 {
+        warn!(
+            count = summary.frontends_unsupported,
+            "frontends the eBPF dataplane cannot program (mixed-family backends)"
+        );
+    }
+    info!(
+        ?reason,
+        changed,
+        written = summary.frontends_written,
+        removed = summary.frontends_removed,
+        unchanged = summary.frontends_unchanged,
+        removed_backends = summary.removed_backends.len(),
+        udp_sockets_destroyed = summary.udp_sockets_destroyed,
+        conntrack_purged = summary.conntrack_purged,
+        elapsed_us = outcome.elapsed.as_micros() as u64,
+        "sync applied"
+    );
+    if let Some(ebpf) = metrics.ebpf() {
+        for &(map, entries, capacity) in &outcome.map_usage {
+            ebpf.map_usage(map, entries, capacity);
+        }
+    }
+    // Names for `proxy-agent inspect`, kept current for what changed.
+    if outcome.service_ids_complete {
+        metrics.replace_service_ids(
+            outcome
+                .service_ids
+                .iter()
+                .cloned()
+                .collect::<BTreeMap<_, _>>(),
+        );
+    } else {
+        for (name, ids) in &outcome.service_ids {
+            metrics.set_service_ids(name.clone(), ids.clone());
+        }
+    }
+}
+
+/// Health timestamps, sync metrics, health check node ports and network programming latency
+/// after a successful sync of both families.
+pub fn report_sync(
+    node_services: &NodeServices,
+    objects: &Objects,
+    changes: &Changes,
+    snapshot: &Snapshot,
+    elapsed: Duration,
+    previous_sync: SystemTime,
+) {
+    for family in IpFamily::ALL {
+        node_services.synced(family, snapshot, elapsed);
+    }
+    let times = trigger_times(objects, &changes.services, previous_sync);
+    for family in IpFamily::ALL {
+        let of_family: Vec<SystemTime> = times
+            .iter()
+            .filter(|(f, _)| *f == family)
+            .map(|(_, time)| *time)
+            .collect();
+        node_services.network_programmed(family, &of_family);
+    }
+}
+
+pub fn log_snapshot_size(objects: &Objects, snapshot: &Snapshot) {
+    debug!(
+        services = objects.services.len(),
+        endpoint_slices = objects.endpoint_slices().len(),
+        service_ports_v4 = snapshot.v4.service_ports.len(),
+        service_ports_v6 = snapshot.v6.service_ports.len(),
+        "snapshot"
+    );
+}
