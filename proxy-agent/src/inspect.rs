@@ -1,6 +1,6 @@
 //! `proxy-agent inspect`: what the datapath of a running agent holds, in terms a user
-//! recognises — read from the pinned BPF maps in eBPF mode (names from the agent's
-//! `/debug/ebpf/service-ids`), from `iptables-save` in iptables mode.
+//! recognises — read from the pinned BPF maps in eBPF mode (Service names from the pinned
+//! `KPR_SERVICE_NAMES`), from `iptables-save` in iptables mode.
 
 use std::{
     collections::BTreeMap,
@@ -96,12 +96,12 @@ pub fn run(config: &Config, args: &InspectArgs) -> anyhow::Result<String> {
         // The agent knows what it wrote; both modes answer.
         (InspectWhat::Drift, _) => drift::run(config.metrics_bind_address, args.json()),
         (InspectWhat::Explain, true) => {
-            let names = service_names(config.metrics_bind_address);
+            let names = service_names(&pin_dir, config.metrics_bind_address);
             explain_ebpf(&pin_dir, args, &names)
         }
         (InspectWhat::Explain, false) => explain_iptables(args),
         (InspectWhat::Services, true) => {
-            let names = service_names(config.metrics_bind_address);
+            let names = service_names(&pin_dir, config.metrics_bind_address);
             render(
                 args.json(),
                 &ebpf_frontends(&pin_dir, &names)?,
@@ -317,8 +317,23 @@ fn open_map(pin_dir: &Path, name: &str) -> anyhow::Result<Map> {
     Ok(Map::from_map_data(data)?)
 }
 
-/// Service id → name from the running agent, if it answers.
-fn service_names(metrics: Option<SocketAddr>) -> BTreeMap<u32, String> {
+/// Service id → name: from the pinned `KPR_SERVICE_NAMES` the agent keeps, else (pins of an
+/// older agent) from the running agent, if it answers.
+fn service_names(pin_dir: &Path, metrics: Option<SocketAddr>) -> BTreeMap<u32, String> {
+    let pinned: Option<HashMap<MapData, u32, proxy_common::ServiceName>> =
+        open_map(pin_dir, map_names::SERVICE_NAMES)
+            .ok()
+            .and_then(|map| map.try_into().ok());
+    if let Some(pinned) = pinned {
+        let names: BTreeMap<u32, String> = pinned
+            .iter()
+            .filter_map(Result::ok)
+            .filter_map(|(id, name)| Some((id, name.as_str()?.to_owned())))
+            .collect();
+        if !names.is_empty() {
+            return names;
+        }
+    }
     let Some(mut addr) = metrics else {
         return BTreeMap::new();
     };

@@ -57,6 +57,8 @@ mod pod {
     // SAFETY: as above.
     unsafe impl aya::Pod for AffinityValue {}
     // SAFETY: as above.
+    unsafe impl aya::Pod for ServiceName {}
+    // SAFETY: as above.
     unsafe impl aya::Pod for AffinityMatchKey {}
     // SAFETY: as above.
     unsafe impl aya::Pod for CtKey {}

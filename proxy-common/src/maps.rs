@@ -27,9 +27,10 @@ pub mod map_names {
     pub const NODE_CONFIG: &str = "KPR_NODE_CONFIG";
     pub const MAGLEV: &str = "KPR_MAGLEV";
     pub const UDP_STICKY: &str = "KPR_UDP_STICKY";
+    pub const SERVICE_NAMES: &str = "KPR_SERVICE_NAMES";
 
     /// Every map the agent pins (and `--cleanup` removes).
-    pub const PINNED: [&str; 16] = [
+    pub const PINNED: [&str; 17] = [
         FRONTENDS4,
         FRONTENDS6,
         BACKEND_SLOTS,
@@ -46,6 +47,7 @@ pub mod map_names {
         NODE_CONFIG,
         MAGLEV,
         UDP_STICKY,
+        SERVICE_NAMES,
     ];
 }
 
@@ -401,6 +403,42 @@ pub struct AffinityValue {
     pub _pad: u32,
     /// `bpf_ktime_get_ns()` of the last connection that used this entry.
     pub last_used_ns: u64,
+}
+
+/// Value of `KPR_SERVICE_NAMES` (key: service id): the Service port a frontend's service id
+/// belongs to, `namespace/name:port` in UTF-8 (at most 63 + 1 + 63 + 1 + 15 bytes). Only user
+/// space reads it — `proxy-agent inspect` names what it shows without asking the agent.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ServiceName {
+    pub len: u16,
+    pub _pad: u16,
+    pub bytes: [u8; SERVICE_NAME_MAX],
+}
+
+/// Room for the longest `namespace/name:port`, rounded up to keep the value 4-byte aligned.
+pub const SERVICE_NAME_MAX: usize = 156;
+
+impl ServiceName {
+    /// `None` when `name` does not fit (it cannot for valid Kubernetes names).
+    pub fn new(name: &str) -> Option<Self> {
+        let len = name.len();
+        if len > SERVICE_NAME_MAX {
+            return None;
+        }
+        let mut bytes = [0u8; SERVICE_NAME_MAX];
+        bytes[..len].copy_from_slice(name.as_bytes());
+        Some(Self {
+            len: len as u16,
+            _pad: 0,
+            bytes,
+        })
+    }
+
+    /// The name, if the bytes are what [`ServiceName::new`] wrote.
+    pub fn as_str(&self) -> Option<&str> {
+        core::str::from_utf8(self.bytes.get(..usize::from(self.len))?).ok()
+    }
 }
 
 /// Key of `KPR_AFFINITY_MATCH` (value: `u8`, unused): present exactly while `backend_id` is in

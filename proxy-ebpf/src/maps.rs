@@ -11,7 +11,8 @@ use aya_ebpf::{
 use proxy_common::{
     AffinityKey, AffinityMatchKey, AffinityValue, Backend4, Backend6, BackendSlotKey, CtKey,
     CtValue, Frontend4Key, Frontend6Key, FrontendValue, MaglevBlock, MaglevKey, NodeAddrKey,
-    NodeConfig, RevNat4, RevNat4Key, RevNat6, RevNat6Key, SourceRangeKey, default_sizes,
+    NodeConfig, RevNat4, RevNat4Key, RevNat6, RevNat6Key, ServiceName, SourceRangeKey,
+    default_sizes,
 };
 
 #[map]
@@ -65,6 +66,12 @@ pub static KPR_UDP_STICKY: LruHashMap<AffinityKey, AffinityValue> =
 #[map]
 pub static KPR_AFFINITY_MATCH: HashMap<AffinityMatchKey, u8> =
     HashMap::pinned(default_sizes::BACKEND_SLOTS, 0);
+
+/// Service id → `namespace/name:port`, written by the agent for `proxy-agent inspect`; no
+/// program reads it. Not preallocated: memory follows the Services there are.
+#[map]
+pub static KPR_SERVICE_NAMES: HashMap<u32, ServiceName> =
+    HashMap::pinned(default_sizes::FRONTENDS, BPF_F_NO_PREALLOC);
 
 #[map]
 pub static KPR_STATS: PerCpuArray<u64> = PerCpuArray::pinned(default_sizes::STATS, 0);

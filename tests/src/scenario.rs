@@ -204,6 +204,23 @@ impl Scenario {
         )
     }
 
+    /// Writes `default/web` as `spec` describes it (type, policies, extra YAML) with the given
+    /// endpoints in the slice `web-1`.
+    pub fn write_web_spec(
+        &self,
+        spec: &crate::service_scenarios::ServiceSpec,
+        endpoints: &[Endpoint],
+    ) -> Result<()> {
+        self.manifests.write(
+            "web-svc.yaml",
+            &crate::service_scenarios::service_yaml(spec),
+        )?;
+        self.manifests.write(
+            "web-slice.yaml",
+            &http_slice("default", "web-1", "web", endpoints),
+        )
+    }
+
     /// Starts the agent in `mode` with `args` and waits until the ClusterIP is answered by a
     /// pod; returns the client that mode translates: in eBPF mode a process in the cgroup (with
     /// the tc programs on the node's external link only — the rig's pod veths carry addresses

@@ -289,17 +289,7 @@ fn malformed_manifests_are_named_while_the_running_agent_keeps_serving_the_valid
     proxy_tests::require_root();
     proxy_tests::set_helper_binary(env!("CARGO_BIN_EXE_rig-helper"));
     let mut s = Scenario::new(2)?;
-    s.manifests.write(
-        "web-slice.yaml",
-        &http_slice(
-            "default",
-            "web-1",
-            "web",
-            &[pod_endpoint(1), pod_endpoint(2)],
-        ),
-    )?;
-    s.manifests
-        .write("web-svc.yaml", &http_service("default", "web", CLUSTER_IP))?;
+    s.write_web(&[pod_endpoint(1), pod_endpoint(2)])?;
     s.start_agent()?;
     s.wait_for_datapath(cluster_addr(), "answered by a pod", is_pod)?;
 

@@ -32,6 +32,23 @@ fn inspect(netns: &Path, bpf_root: Option<&Path>, args: &[&str]) -> anyhow::Resu
     Ok(String::from_utf8(output.stdout)?)
 }
 
+/// Runs `proxy-agent PRE... inspect ARGS` in the network namespace at `netns`.
+fn inspect_pre(netns: &Path, pre: &[&str], args: &[&str]) -> anyhow::Result<String> {
+    let output = Command::new("nsenter")
+        .arg(format!("--net={}", netns.display()))
+        .arg(agent_binary()?)
+        .args(pre)
+        .arg("inspect")
+        .args(args)
+        .output()?;
+    anyhow::ensure!(
+        output.status.success(),
+        "inspect failed: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    Ok(String::from_utf8(output.stdout)?)
+}
+
 fn web_rows(json: &str) -> anyhow::Result<Vec<serde_json::Value>> {
     let rows: Vec<serde_json::Value> = serde_json::from_str(json)?;
     Ok(rows
@@ -96,6 +113,22 @@ fn inspect_shows_the_service_in_ebpf_mode() -> anyhow::Result<()> {
             "{row} not used by #{service_id}"
         );
     }
+    // Service names come from the pins, not from the agent: nothing listens at this metrics
+    // address, and the frontends are still named.
+    let named = inspect_pre(
+        &netns,
+        &[
+            "--bpf-root",
+            &bpf_root.to_string_lossy(),
+            "--metrics-bind-address",
+            "127.0.0.1:1",
+        ],
+        &["services", "-o", "json"],
+    )?;
+    assert!(
+        !web_rows(&named)?.is_empty(),
+        "without the agent's metrics server the frontends lost their names: {named}"
+    );
     // A configuration that does not load does not stop inspect: it reads the pins all the same.
     let bad_config =
         std::env::temp_dir().join(format!("kpr-bad-config-{}.yaml", std::process::id()));

@@ -19,8 +19,8 @@ use proxy_tests::{
     client::Attempt,
     http::{Response, get_with_headers},
     packet::{L4, build, l4_checksum},
-    scenario::{Scenario, http_slice, pod_endpoint},
-    service_scenarios::{NODE_PORT, ServiceSpec, service_yaml},
+    scenario::{Scenario, pod_endpoint},
+    service_scenarios::{NODE_PORT, ServiceSpec},
     topology::Topology,
     wait::try_wait_until,
 };
@@ -42,16 +42,7 @@ fn setup(mode: &str) -> anyhow::Result<Scenario> {
         type_: "NodePort",
         ..ServiceSpec::default()
     };
-    s.manifests.write("web-svc.yaml", &service_yaml(&spec))?;
-    s.manifests.write(
-        "web-slice.yaml",
-        &http_slice(
-            "default",
-            "web-1",
-            "web",
-            &[pod_endpoint(1), pod_endpoint(2)],
-        ),
-    )?;
+    s.write_web_spec(&spec, &[pod_endpoint(1), pod_endpoint(2)])?;
     let args: &[&str] = if mode == "ebpf" {
         &["--interfaces", "vext"]
     } else {

@@ -234,11 +234,7 @@ fn ebpf_service_ports_that_do_not_fit_make_the_proxy_unhealthy() -> anyhow::Resu
         type_: "LoadBalancer",
         ..ServiceSpec::default()
     };
-    s.manifests.write("web-svc.yaml", &service_yaml(&spec))?;
-    s.manifests.write(
-        "web-slice.yaml",
-        &http_slice("default", "web-1", "web", &[pod_endpoint(1)]),
-    )?;
+    s.write_web_spec(&spec, &[pod_endpoint(1)])?;
     // One frontend slot: the ClusterIP, NodePorts and load-balancer IP cannot all fit.
     s.start_agent_with_args(
         "ebpf",

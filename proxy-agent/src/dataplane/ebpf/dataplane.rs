@@ -16,7 +16,7 @@ use aya::{
 };
 use aya_log::EbpfLogger;
 use proxy_common::{
-    AffinityKey, AffinityValue, CtKey, CtValue, StatIndex, map_names, program_names,
+    AffinityKey, AffinityValue, CtKey, CtValue, ServiceName, StatIndex, map_names, program_names,
 };
 use tokio::{io::unix::AsyncFd, task::JoinHandle};
 use tracing::{debug, info, warn};
@@ -49,6 +49,8 @@ fn count_repair(check: &mut DriftCheck, map: &'static str, result: Result<(), Ma
 /// the datapath in place: links and maps stay pinned. [`cleanup`] removes them.
 pub struct EbpfDataplane {
     pub(super) maps: ServiceMaps,
+    /// `KPR_SERVICE_NAMES`: service id → `namespace/name:port`, for `inspect`.
+    pub(super) names: HashMap<MapData, u32, ServiceName>,
     pub(super) stats: PerCpuArray<MapData, u64>,
     pub(super) map_writer: MapWriter,
     /// Frontend writes refused because a map was full, since start (a counter for metrics).
@@ -115,6 +117,7 @@ impl EbpfDataplane {
             .map_max_entries(map_names::BACKENDS6, options.backends_capacity)
             .map_max_entries(map_names::SOURCE_RANGES, options.frontends_capacity)
             .map_max_entries(map_names::MAGLEV, maglev_capacity)
+            .map_max_entries(map_names::SERVICE_NAMES, options.frontends_capacity)
             .load(object::OBJECT)?;
         let log_drain = start_log_drain(&mut ebpf);
 
@@ -131,6 +134,7 @@ impl EbpfDataplane {
             maglev: take_map(&mut ebpf, map_names::MAGLEV)?,
         };
         let stats = take_map(&mut ebpf, map_names::STATS)?;
+        let names = take_map(&mut ebpf, map_names::SERVICE_NAMES)?;
         // The affinity map is only used by the datapath; it stays in `ebpf` (taking and
         // dropping it would close its fd before the programs that reference it are loaded).
         for name in [map_names::AFFINITY, map_names::CT] {
@@ -174,6 +178,7 @@ impl EbpfDataplane {
         ]);
         Ok(Self {
             maps,
+            names,
             stats,
             map_writer,
             capacity_errors: 0,
@@ -209,7 +214,50 @@ impl EbpfDataplane {
         self.capacity_errors += errors.iter().filter(|e| e.is_capacity()).count() as u64;
         summary.udp_sockets_destroyed = self.destroy_stale_udp_sockets(&summary);
         summary.conntrack_purged = self.purge_conntrack(&summary);
+        self.write_service_names(changed);
         (summary, errors)
+    }
+
+    /// `KPR_SERVICE_NAMES` for `inspect`: the names of the service ports in `changed` (all with
+    /// `None`, which also deletes the names of service ids no frontend holds). Best effort: a
+    /// failed write only costs `inspect` a name (it shows `#<id>`).
+    fn write_service_names(&mut self, changed: Option<&BTreeSet<ServicePortName>>) {
+        let ports: Vec<&ServicePortName> = match changed {
+            Some(changed) => changed.iter().collect(),
+            None => self.map_writer.owners().collect(),
+        };
+        let names: Vec<(u32, String)> = ports
+            .into_iter()
+            .flat_map(|name| {
+                let text = name.to_string();
+                self.map_writer
+                    .service_ids_of(name)
+                    .into_iter()
+                    .map(move |id| (id, text.clone()))
+            })
+            .collect();
+        for (id, name) in &names {
+            let Some(value) = ServiceName::new(name) else {
+                continue;
+            };
+            if self.names.get(id, 0).ok() != Some(value)
+                && let Err(error) = self.names.insert(id, value, 0)
+            {
+                debug!(%error, id, name, "service name not written");
+            }
+        }
+        if changed.is_none() {
+            let live: BTreeSet<u32> = names.iter().map(|(id, _)| *id).collect();
+            let stale: Vec<u32> = self
+                .names
+                .keys()
+                .filter_map(Result::ok)
+                .filter(|id| !live.contains(id))
+                .collect();
+            for id in stale {
+                let _ = self.names.remove(&id);
+            }
+        }
     }
 
     /// Compares every entry of the service maps with what the agent wrote (see `drift`) and,

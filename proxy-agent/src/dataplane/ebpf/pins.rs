@@ -18,7 +18,7 @@ use aya::{
 use proxy_common::{
     AffinityKey, AffinityMatchKey, AffinityValue, Backend4, Backend6, BackendSlotKey, CtKey,
     CtValue, Frontend4Key, Frontend6Key, FrontendValue, MaglevBlock, MaglevKey, NodeAddrKey,
-    NodeConfig, RevNat4, RevNat4Key, RevNat6, RevNat6Key, SourceRangeKey, map_names,
+    NodeConfig, RevNat4, RevNat4Key, RevNat6, RevNat6Key, ServiceName, SourceRangeKey, map_names,
 };
 use tracing::{debug, info, warn};
 
@@ -177,7 +177,7 @@ pub(super) fn prepare_pin_dir(pin_dir: &Path, maglev_capacity: u32) -> Result<()
 }
 
 /// (map, key size, value size) as this build declares them.
-pub(super) fn expected_layouts() -> [(&'static str, u32, u32); 15] {
+pub(super) fn expected_layouts() -> [(&'static str, u32, u32); 16] {
     fn size<T>() -> u32 {
         std::mem::size_of::<T>() as u32
     }
@@ -224,6 +224,11 @@ pub(super) fn expected_layouts() -> [(&'static str, u32, u32); 15] {
             map_names::MAGLEV,
             size::<MaglevKey>(),
             size::<MaglevBlock>(),
+        ),
+        (
+            map_names::SERVICE_NAMES,
+            size::<u32>(),
+            size::<ServiceName>(),
         ),
     ]
 }
