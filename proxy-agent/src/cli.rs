@@ -421,6 +421,17 @@ pub struct Args {
     )]
     pub bpf_map_backends: Option<String>,
 
+    /// Capacity of the tc conntrack map in entries (default 262144: two per external flow,
+    /// four with SNAT on the netfilter path). LRU: when full, the least recently used flows
+    /// are evicted. A changed size replaces the pinned map at start (tracked flows are lost).
+    #[arg(
+        long,
+        value_name = "N",
+        allow_hyphen_values = true,
+        help_heading = "kubeproxy-rs additions"
+    )]
+    pub bpf_map_conntrack: Option<String>,
+
     /// Capacity of the Maglev table map in blocks of 16 slots (default 65536: 1024 external
     /// frontends with 1021-slot tables). Only allocated with --lb-algorithm maglev.
     #[arg(
@@ -480,6 +491,19 @@ pub struct Args {
     /// host's netfilter rules — a CNI's NetworkPolicy among them — no longer apply to it.
     #[arg(long, help_heading = "kubeproxy-rs additions")]
     pub tc_fast_path: bool,
+
+    /// Kernel features not to use even when the kernel has them, comma-separated: tcx (tc
+    /// programs then attach as legacy clsact filters), set-retval (refused connects fail with
+    /// EPERM), socket-destroy (connected UDP sockets of removed backends are not aborted), btf.
+    /// For running the degraded paths of older kernels; `proxy-agent inspect features` shows
+    /// the choice.
+    #[arg(
+        long,
+        value_name = "FEATURES",
+        value_delimiter = ',',
+        help_heading = "kubeproxy-rs additions"
+    )]
+    pub bpf_disable_feature: Option<Vec<String>>,
 }
 
 /// `--logging-format`.
@@ -566,4 +590,7 @@ pub enum InspectWhat {
     /// What differs between the kernel's state and what the agent wrote (asks the running
     /// agent over --metrics-bind-address; nothing is repaired).
     Drift,
+    /// The kernel features the eBPF dataplane can use, which it uses with these flags
+    /// (--bpf-disable-feature), and which the running agent reports using.
+    Features,
 }

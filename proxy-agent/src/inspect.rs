@@ -22,7 +22,7 @@ use serde::Serialize;
 use crate::{
     cli::{InspectArgs, InspectWhat},
     config::Config,
-    dataplane::ebpf::{PIN_DIR_NAME, ip4_from_map, ip6_from_map},
+    dataplane::ebpf::{KernelFeatures, PIN_DIR_NAME, ip4_from_map, ip6_from_map},
 };
 
 mod drift;
@@ -95,6 +95,12 @@ pub fn run(config: &Config, args: &InspectArgs) -> anyhow::Result<String> {
     match (&args.what, ebpf) {
         // The agent knows what it wrote; both modes answer.
         (InspectWhat::Drift, _) => drift::run(config.metrics_bind_address, args.json()),
+        // The kernel's, whichever mode runs.
+        (InspectWhat::Features, _) => render(
+            args.json(),
+            &features(config, &agent_features(config.metrics_bind_address)),
+            feature_table,
+        ),
         (InspectWhat::Explain, true) => {
             let names = service_names(&pin_dir, config.metrics_bind_address);
             explain_ebpf(&pin_dir, args, &names)
@@ -201,6 +207,84 @@ fn explain_ebpf(
         &explanation,
         service.map(String::as_str),
     ))
+}
+
+/// One kernel feature: what the kernel has, what an agent with these flags uses, and what the
+/// running agent reports using.
+#[derive(Debug, Clone, Serialize)]
+pub struct FeatureRow {
+    pub feature: &'static str,
+    pub kernel: bool,
+    /// Turned off by `--bpf-disable-feature` (given to `inspect`).
+    pub disabled: bool,
+    pub used: bool,
+    /// `kubeproxy_ebpf_kernel_feature` of the running agent; `None` when it does not answer.
+    pub agent: Option<bool>,
+    /// What the dataplane does on the chosen path.
+    pub path: &'static str,
+}
+
+fn features(config: &Config, agent: &BTreeMap<String, bool>) -> Vec<FeatureRow> {
+    let probed = KernelFeatures::probe(&config.ebpf.disabled_features);
+    probed
+        .states()
+        .iter()
+        .map(|state| {
+            let (with, without) = state.feature.paths();
+            FeatureRow {
+                feature: state.feature.name(),
+                kernel: state.kernel,
+                disabled: state.disabled,
+                used: state.used(),
+                agent: agent.get(state.feature.name()).copied(),
+                path: if state.used() { with } else { without },
+            }
+        })
+        .collect()
+}
+
+/// The running agent's `kubeproxy_ebpf_kernel_feature` samples (empty if it does not answer or
+/// runs the iptables mode).
+fn agent_features(metrics: Option<SocketAddr>) -> BTreeMap<String, bool> {
+    let Some(mut addr) = metrics else {
+        return BTreeMap::new();
+    };
+    if addr.ip().is_unspecified() {
+        addr.set_ip(IpAddr::from([127, 0, 0, 1]));
+    }
+    let Ok(body) = http_get(addr, "/metrics") else {
+        return BTreeMap::new();
+    };
+    body.lines()
+        .filter_map(|line| line.strip_prefix("kubeproxy_ebpf_kernel_feature{feature=\""))
+        .filter_map(|rest| {
+            let (name, value) = rest.split_once("\"} ")?;
+            Some((name.to_owned(), value.trim() == "1"))
+        })
+        .collect()
+}
+
+fn feature_table(rows: &[FeatureRow]) -> String {
+    let yes = |b: bool| if b { "yes" } else { "no" };
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "{:<16} {:<7} {:<9} {:<5} {:<6} PATH",
+        "FEATURE", "KERNEL", "DISABLED", "USED", "AGENT"
+    );
+    for row in rows {
+        let _ = writeln!(
+            out,
+            "{:<16} {:<7} {:<9} {:<5} {:<6} {}",
+            row.feature,
+            yes(row.kernel),
+            yes(row.disabled),
+            yes(row.used),
+            row.agent.map_or("-", yes),
+            row.path
+        );
+    }
+    out
 }
 
 fn render<T: Serialize>(

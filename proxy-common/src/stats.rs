@@ -64,10 +64,13 @@ pub enum StatIndex {
     /// Netfilter path: the egress program rewrote a packet's source after the host routed it
     /// (SNAT of a forward packet, or the frontend address on a reply).
     TcEgressTranslated = 26,
+    /// A REJECT's ICMP port unreachable was not sent: the client's token bucket was empty
+    /// (`icmp_ratelimit`); the packet was dropped.
+    TcRejectRateLimited = 27,
 }
 
 impl StatIndex {
-    pub const COUNT: u32 = 27;
+    pub const COUNT: u32 = 28;
     pub const ALL: [StatIndex; Self::COUNT as usize] = [
         StatIndex::Translated,
         StatIndex::RejectedNoBackends,
@@ -96,6 +99,7 @@ impl StatIndex {
         StatIndex::SockNodePort,
         StatIndex::TcMidstreamPassed,
         StatIndex::TcEgressTranslated,
+        StatIndex::TcRejectRateLimited,
     ];
 
     /// Label used in logs and metrics.
@@ -128,6 +132,7 @@ impl StatIndex {
             StatIndex::SockNodePort => "sock_node_port",
             StatIndex::TcMidstreamPassed => "tc_midstream_passed",
             StatIndex::TcEgressTranslated => "tc_egress_translated",
+            StatIndex::TcRejectRateLimited => "tc_reject_rate_limited",
         }
     }
 }

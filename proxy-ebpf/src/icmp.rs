@@ -11,16 +11,28 @@
 
 use aya_ebpf::{
     bindings::{__sk_buff, TC_ACT_SHOT},
-    helpers::{bpf_redirect, bpf_skb_change_tail},
+    helpers::{bpf_ktime_get_ns, bpf_redirect, bpf_skb_change_tail},
     programs::TcContext,
 };
-use proxy_common::StatIndex;
+use proxy_common::{NodeAddrKey, StatIndex};
 
 use crate::{
     csum::{add_words, fold},
+    maps::{IcmpBucket, KPR_ICMP_RATE},
     parse::{ETH_HLEN, Packet},
     stats::bump,
 };
+
+/// Minimum interval between port unreachables to one client, in ns, per family: the node's
+/// `net.ipv4.icmp_ratelimit` / `net.ipv6.icmp.ratelimit` (ms; default 1000), which the agent
+/// reads and sets before loading. 0: no limit. Frozen read-only globals.
+#[unsafe(no_mangle)]
+static KPR_ICMP_RATELIMIT_NS4: u64 = 1_000_000_000;
+#[unsafe(no_mangle)]
+static KPR_ICMP_RATELIMIT_NS6: u64 = 1_000_000_000;
+/// The kernel's `XRLIM_BURST_FACTOR`: a client may get this many errors at once, then one per
+/// interval.
+const BURST: u64 = 6;
 
 const ICMP_HLEN: usize = 8;
 const IP4_HLEN: usize = 20;
@@ -37,6 +49,10 @@ const IPPROTO_ICMPV6: u8 = 58;
 // combined stack of a call chain to 512 bytes).
 #[inline(never)]
 pub fn reject(ctx: &TcContext, pkt: &Packet) -> i32 {
+    if !allowed(pkt) {
+        bump(StatIndex::TcRejectRateLimited);
+        return TC_ACT_SHOT;
+    }
     let result = if pkt.is_v6() {
         reject6(ctx)
     } else if pkt.l4 == ETH_HLEN + IP4_HLEN {
@@ -55,6 +71,59 @@ pub fn reject(ctx: &TcContext, pkt: &Packet) -> i32 {
             TC_ACT_SHOT
         }
     }
+}
+
+/// The kernel's `inet_peer_xrlim_allow` per client address: the bucket gains the time since
+/// its last use, up to `BURST` intervals, and an error costs one interval. A new client starts
+/// full. Concurrent CPUs may both spend the same tokens: the limit is approximate, as the
+/// kernel's is without its peer lock.
+fn allowed(pkt: &Packet) -> bool {
+    // SAFETY: reads of plain globals the loader initialised.
+    let interval = unsafe {
+        if pkt.is_v6() {
+            core::ptr::read_volatile(&raw const KPR_ICMP_RATELIMIT_NS6)
+        } else {
+            core::ptr::read_volatile(&raw const KPR_ICMP_RATELIMIT_NS4)
+        }
+    };
+    if interval == 0 {
+        return true;
+    }
+    let key = NodeAddrKey {
+        addr: pkt.src,
+        family: pkt.family,
+        _pad: [0; 3],
+    };
+    // SAFETY: bpf_ktime_get_ns has no preconditions.
+    let now = unsafe { bpf_ktime_get_ns() };
+    // No overflow: the agent caps the interval at a day (a saturating multiply would need a
+    // 128-bit helper the BPF backend lacks).
+    let full = interval.wrapping_mul(BURST);
+    let (tokens, entry) = match KPR_ICMP_RATE.get_ptr_mut(key) {
+        // SAFETY: the map's value, valid while this program runs.
+        Some(bucket) => unsafe {
+            let elapsed = now.saturating_sub((*bucket).last);
+            (
+                (*bucket).tokens.saturating_add(elapsed).min(full),
+                Some(bucket),
+            )
+        },
+        None => (full, None),
+    };
+    let allow = tokens >= interval;
+    let tokens = if allow { tokens - interval } else { tokens };
+    match entry {
+        // SAFETY: as above.
+        Some(bucket) => unsafe {
+            (*bucket).tokens = tokens;
+            (*bucket).last = now;
+        },
+        None => {
+            // A full map evicts the least recently used client (LRU).
+            let _ = KPR_ICMP_RATE.insert(key, IcmpBucket { tokens, last: now }, 0);
+        }
+    }
+    allow
 }
 
 #[inline(always)]

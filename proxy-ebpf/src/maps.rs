@@ -81,6 +81,21 @@ pub static KPR_STATS: PerCpuArray<u64> = PerCpuArray::pinned(default_sizes::STAT
 #[map]
 pub static KPR_CT: LruHashMap<CtKey, CtValue> = LruHashMap::pinned(default_sizes::CT, 0);
 
+/// ICMP REJECT rate limiting: the client (its address as a [`NodeAddrKey`]) → its token
+/// bucket (`icmp::allowed`). Not pinned: a restart only refills the buckets.
+#[map]
+pub static KPR_ICMP_RATE: LruHashMap<NodeAddrKey, IcmpBucket> =
+    LruHashMap::with_max_entries(16_384, 0);
+
+/// One client's tokens, in nanoseconds of allowance as the kernel's `inet_peer_xrlim_allow`
+/// counts jiffies.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct IcmpBucket {
+    pub tokens: u64,
+    pub last: u64,
+}
+
 /// `loadBalancerSourceRanges`: (service id, client prefix) → present.
 #[map]
 pub static KPR_SOURCE_RANGES: LpmTrie<SourceRangeKey, u8> =

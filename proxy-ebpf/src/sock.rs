@@ -457,9 +457,23 @@ fn no_backends(frontend: &FrontendValue, hook: Hook) -> i32 {
 /// once: there is no packet yet to drop, and a client that would time out learns the same a
 /// few minutes earlier.
 fn unreachable() -> i32 {
-    // SAFETY: bpf_set_retval is available to connect and sendmsg hooks (kernel ≥ 5.18).
-    unsafe { bpf_set_retval(-EHOSTUNREACH) };
+    set_retval(-EHOSTUNREACH);
     DENY
+}
+
+/// 0 when the agent found no `bpf_set_retval` for sock_addr hooks (kernel < 5.18) or was told
+/// not to use it (`--bpf-disable-feature set-retval`): refused syscalls then fail with EPERM.
+/// The loader sets it before loading; as a frozen read-only global the verifier knows its value
+/// and never visits the call on such kernels (it would reject an unknown helper).
+#[unsafe(no_mangle)]
+static KPR_USE_SET_RETVAL: u8 = 1;
+
+fn set_retval(error: i32) {
+    // SAFETY: a read of a plain global the loader initialised.
+    if unsafe { core::ptr::read_volatile(&raw const KPR_USE_SET_RETVAL) } != 0 {
+        // SAFETY: bpf_set_retval is available to connect and sendmsg hooks (kernel ≥ 5.18).
+        unsafe { bpf_set_retval(error) };
+    }
 }
 
 fn backend_missing(ctx: &SockAddrContext) -> i32 {
@@ -473,8 +487,7 @@ fn backend_missing(ctx: &SockAddrContext) -> i32 {
 /// refused" at once instead of a timeout. Returning DENY alone would give EPERM. Both connect
 /// and UDP sendmsg return this error from the syscall (udp_sendmsg passes the hook's error up).
 fn refuse() -> i32 {
-    // SAFETY: bpf_set_retval is available to connect and sendmsg hooks (kernel ≥ 5.18).
-    unsafe { bpf_set_retval(-ECONNREFUSED) };
+    set_retval(-ECONNREFUSED);
     DENY
 }
 

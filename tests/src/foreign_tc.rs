@@ -49,21 +49,7 @@ impl ForeignTcx {
                 .map_err(|e| RigError::Other(format!("setns: {e}")))?;
             let ifindex = nix::net::if_::if_nametoindex(interface.as_str())
                 .map_err(|e| RigError::Other(format!("{interface}: {e}")))?;
-            // st [r1 + 8] (__sk_buff.mark), FOREIGN_MARK (BPF_ST | BPF_MEM | BPF_W);
-            // mov64 r0, -1 (TC_ACT_UNSPEC: TCX_NEXT); exit.
-            let mark = FOREIGN_MARK.to_le_bytes();
-            let insns: [u64; 3] = [
-                u64::from_le_bytes([0x62, 0x01, 8, 0, mark[0], mark[1], mark[2], mark[3]]),
-                u64::from_le_bytes([0xb7, 0, 0, 0, 0xff, 0xff, 0xff, 0xff]),
-                0x95,
-            ];
-            let license = c"GPL";
-            let mut attr = [0u8; 128];
-            attr[0..4].copy_from_slice(&BPF_PROG_TYPE_SCHED_CLS.to_ne_bytes());
-            attr[4..8].copy_from_slice(&3u32.to_ne_bytes());
-            attr[8..16].copy_from_slice(&(insns.as_ptr() as u64).to_ne_bytes());
-            attr[16..24].copy_from_slice(&(license.as_ptr() as u64).to_ne_bytes());
-            let prog = bpf(BPF_PROG_LOAD, &mut attr, "loading the foreign tc program")?;
+            let prog = load_marking_program()?;
             // BPF_LINK_CREATE: prog_fd, target_ifindex, attach_type, flags (0: append).
             let mut attr = [0u8; 64];
             let prog_fd = u32::try_from(prog.as_raw_fd()).unwrap_or(0);
@@ -82,5 +68,90 @@ impl ForeignTcx {
         })
         .join()
         .map_err(|_| RigError::Other("foreign tc thread panicked".into()))?
+    }
+}
+
+/// The program: marks the packet with [`FOREIGN_MARK`] and returns `TC_ACT_UNSPEC` (TCX_NEXT;
+/// for a legacy filter: "no verdict", the next filter runs).
+fn load_marking_program() -> Result<OwnedFd> {
+    // st [r1 + 8] (__sk_buff.mark), FOREIGN_MARK (BPF_ST | BPF_MEM | BPF_W);
+    // mov64 r0, -1 (TC_ACT_UNSPEC); exit.
+    let mark = FOREIGN_MARK.to_le_bytes();
+    let insns: [u64; 3] = [
+        u64::from_le_bytes([0x62, 0x01, 8, 0, mark[0], mark[1], mark[2], mark[3]]),
+        u64::from_le_bytes([0xb7, 0, 0, 0, 0xff, 0xff, 0xff, 0xff]),
+        0x95,
+    ];
+    let license = c"GPL";
+    let mut attr = [0u8; 128];
+    attr[0..4].copy_from_slice(&BPF_PROG_TYPE_SCHED_CLS.to_ne_bytes());
+    attr[4..8].copy_from_slice(&3u32.to_ne_bytes());
+    attr[8..16].copy_from_slice(&(insns.as_ptr() as u64).to_ne_bytes());
+    attr[16..24].copy_from_slice(&(license.as_ptr() as u64).to_ne_bytes());
+    bpf(BPF_PROG_LOAD, &mut attr, "loading the foreign tc program")
+}
+
+const BPF_OBJ_PIN: libc::c_long = 6;
+
+/// The same marking program as a legacy `cls_bpf` filter (direct action) of another
+/// component, added with `tc(8)` at `priority` of `interface`'s ingress in network namespace
+/// `netns`; the netns going away removes it.
+#[derive(Debug)]
+pub struct ForeignLegacyFilter {
+    pub priority: u16,
+}
+
+impl ForeignLegacyFilter {
+    pub fn attach(netns: &crate::netns::Netns, interface: &str, priority: u16) -> Result<Self> {
+        // tc takes a pinned program: pin it in a bpffs of our own, which goes away after.
+        let root = crate::agent::TempBpfRoot::new()?;
+        let mounted = std::process::Command::new("mount")
+            .args(["-t", "bpf", "bpf"])
+            .arg(root.path())
+            .status()
+            .map_err(|e| RigError::io("mounting a bpffs", e))?;
+        if !mounted.success() {
+            return Err(RigError::Other(format!("mount -t bpf: {mounted}")));
+        }
+        let prog = load_marking_program()?;
+        let pin = root.path().join("foreign_prog");
+        let pin_c = std::ffi::CString::new(pin.to_string_lossy().as_bytes())
+            .map_err(|e| RigError::Other(format!("pin path: {e}")))?;
+        let mut attr = [0u8; 16];
+        attr[0..8].copy_from_slice(&(pin_c.as_ptr() as u64).to_ne_bytes());
+        let prog_fd = u32::try_from(prog.as_raw_fd()).unwrap_or(0);
+        attr[8..12].copy_from_slice(&prog_fd.to_ne_bytes());
+        // BPF_OBJ_PIN returns 0, not an fd: call it directly.
+        // SAFETY: attr is a valid bpf_attr prefix whose pointer outlives the call.
+        let ret =
+            unsafe { libc::syscall(libc::SYS_bpf, BPF_OBJ_PIN, attr.as_mut_ptr(), attr.len()) };
+        if ret != 0 {
+            return Err(RigError::io(
+                "pinning the foreign program",
+                std::io::Error::last_os_error(),
+            ));
+        }
+        // Present already when another filter (ours) made it; tc then says so, harmlessly.
+        let _ = netns.exec("tc", &["qdisc", "add", "dev", interface, "clsact"]);
+        let pin_arg = pin.to_string_lossy().into_owned();
+        netns.exec(
+            "tc",
+            &[
+                "filter",
+                "add",
+                "dev",
+                interface,
+                "ingress",
+                "prio",
+                &priority.to_string(),
+                "handle",
+                "1",
+                "bpf",
+                "direct-action",
+                "object-pinned",
+                &pin_arg,
+            ],
+        )?;
+        Ok(Self { priority })
     }
 }

@@ -240,6 +240,11 @@ impl Scenario {
         Ok(client)
     }
 
+    /// The running agent, if any, for reading.
+    pub fn agent_ref(&self) -> Option<&Agent> {
+        self.agent.as_ref()
+    }
+
     pub fn agent(&mut self) -> Result<&mut Agent> {
         self.agent
             .as_mut()

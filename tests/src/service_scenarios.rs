@@ -107,12 +107,18 @@ fn setup(pods: usize, spec: &ServiceSpec, endpoints: &[Endpoint]) -> Result<Scen
 
 /// Starts the agent. In eBPF mode the tc programs go on the node's link to the outside only:
 /// the rig's pod veths carry addresses on the node side, which auto-detection would also take.
+/// `ebpf` with TCX forced off (`--bpf-disable-feature tcx`): the tc programs attach as legacy
+/// clsact filters, the path of kernels older than 6.6. Only the external-traffic scenarios
+/// take it (`service_scenarios_ebpf_legacy_tc.rs`).
+pub const EBPF_LEGACY_TC: &str = "ebpf-legacy-tc";
+
 fn start(s: &mut Scenario, mode: &str) -> Result<()> {
-    let args: &[&str] = if mode == "ebpf" {
-        &["--interfaces", "vext"]
-    } else {
-        &[]
+    let args: &[&str] = match mode {
+        "ebpf" => &["--interfaces", "vext"],
+        EBPF_LEGACY_TC => &["--interfaces", "vext", "--bpf-disable-feature", "tcx"],
+        _ => &[],
     };
+    let mode = if mode == EBPF_LEGACY_TC { "ebpf" } else { mode };
     s.start_agent_with_args(mode, args)?;
     Ok(())
 }

@@ -169,6 +169,7 @@ impl TcNode {
             bpf_root: PathBuf::from(bpf.path()),
             frontends_capacity: 1024,
             backends_capacity: 1024,
+            conntrack_capacity: proxy_agent::dataplane::ebpf::DEFAULT_CONNTRACK_CAPACITY,
             lb: LbOptions::default(),
             tc: TcOptions {
                 interfaces: vec!["ext0".into()],
@@ -181,6 +182,9 @@ impl TcNode {
                 fast_path: true,
                 ..TcOptions::default()
             },
+            disabled_features: Default::default(),
+            // Every REJECT answered: the rate limit has its own test.
+            icmp_ratelimit: Some(std::time::Duration::ZERO),
         };
         let dataplane = {
             let _entered = runtime.enter();

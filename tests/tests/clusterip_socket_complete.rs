@@ -248,6 +248,31 @@ fn no_endpoints_refuses_tcp_connected_udp_and_unconnected_udp() -> anyhow::Resul
     Ok(())
 }
 
+/// Issue 18, kernel floor: without `bpf_set_retval` (kernels < 5.18, here forced off with
+/// `--bpf-disable-feature set-retval`) the hooks still refuse, with the kernel's EPERM instead
+/// of ECONNREFUSED — and the programs load: the helper call is skipped by a load-time constant.
+#[test]
+fn without_set_retval_no_endpoints_fails_with_eperm() -> anyhow::Result<()> {
+    let mut s = setup(1, false)?;
+    write_service(&s, false, None, &[])?;
+    s.start_agent_with_args("ebpf", &["--bpf-disable-feature", "set-retval"])?;
+    let eperm = |a: &Attempt| *a == Attempt::Err("EPERM".into());
+    s.wait_for_datapath(cluster_addr(), "refusing with EPERM", eperm)?;
+    for (proto, mode, what) in WAYS {
+        let attempts = s
+            .cgroup_client()
+            .proto(proto)
+            .mode(mode)
+            .run(cluster_addr(), 5)?;
+        let counts = tally(&attempts);
+        eprintln!("no endpoints, no set_retval, {what}: {counts:?}");
+        s.ensure(attempts.iter().all(eperm), || {
+            format!("{what}: every attempt must be EPERM: {counts:?}")
+        })?;
+    }
+    Ok(())
+}
+
 #[test]
 fn hairpin_a_pod_reaches_itself_through_the_service() -> anyhow::Result<()> {
     let mut s = setup(2, true)?;

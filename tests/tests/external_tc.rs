@@ -713,3 +713,366 @@ fn a_foreign_tcx_program_behind_ours_keeps_seeing_traffic() -> anyhow::Result<()
     })?;
     Ok(())
 }
+
+/// `tc filter show` of `vext`'s ingress hook in the node namespace.
+fn ingress_filters(s: &Scenario) -> anyhow::Result<String> {
+    Ok(s.topo
+        .node()
+        .exec("tc", &["filter", "show", "dev", "vext", "ingress"])?)
+}
+
+/// The program id of our filter on `vext`'s ingress hook (`… name kpr_tc_external … id N`).
+fn our_program_id_in(filters: &str) -> Option<u32> {
+    let line = filters.lines().find(|l| l.contains("kpr_tc_external"))?;
+    let mut words = line.split_whitespace();
+    words.find(|w| *w == "id")?;
+    words.next()?.parse().ok()
+}
+
+fn our_program_id(s: &Scenario) -> anyhow::Result<Option<u32>> {
+    Ok(our_program_id_in(&ingress_filters(s)?))
+}
+
+/// Waits (bounded by [`DATAPATH_TIMEOUT`]) until `vext`'s ingress filters satisfy `ready`.
+fn wait_for_filters(s: &Scenario, what: &str, ready: impl Fn(&str) -> bool) -> anyhow::Result<()> {
+    proxy_tests::wait::try_wait_until(what, DATAPATH_TIMEOUT, Duration::from_millis(50), || {
+        Ok(ready(&s.topo.node().exec(
+            "tc",
+            &["filter", "show", "dev", "vext", "ingress"],
+        )?))
+    })?;
+    Ok(())
+}
+
+/// Issue 18, kernel floor: with TCX forced off (`--bpf-disable-feature tcx`, the path of
+/// kernels older than 6.6) the tc programs attach as legacy clsact filters in our slot
+/// (priority 27504 = 0x6b70), serve external traffic, and a foreign legacy filter behind ours
+/// (priority 40000, another component's `cls_bpf` program that marks what it sees) keeps seeing
+/// the interface's traffic: after our attach, across a restart (our filter replaced in place,
+/// the foreign one untouched), a restart onto TCX (our legacy filters removed, the foreign one
+/// kept) and `--cleanup`.
+#[test]
+fn legacy_tc_attach_serves_external_traffic_next_to_a_foreign_filter() -> anyhow::Result<()> {
+    use proxy_tests::foreign_tc::ForeignLegacyFilter;
+    let mut s = setup(1)?;
+    s.manifests.write("svc.yaml", &lb_service("Cluster", &[]))?;
+    s.manifests.write(
+        "slice.yaml",
+        &http_slice(NAMESPACE, "web-1", SERVICE, &[pod_endpoint(1)]),
+    )?;
+    let node = s.topo.node();
+    node.exec("nft", &["add", "table", "inet", "foreign_count"])?;
+    node.exec(
+        "nft",
+        &["add chain inet foreign_count pre { type filter hook prerouting priority -300; }"],
+    )?;
+    node.exec(
+        "nft",
+        &[&format!(
+            "add rule inet foreign_count pre meta mark {:#x} counter",
+            proxy_tests::foreign_tc::FOREIGN_MARK
+        )],
+    )?;
+    let _foreign = ForeignLegacyFilter::attach(node, "vext", 40000)?;
+    let legacy = ["--interfaces", "vext", "--bpf-disable-feature", "tcx"];
+    s.start_agent_with_args("ebpf", &legacy)?;
+    let client = ext_client()(&s);
+    s.wait_for_datapath_with(&client, node_port_addr(), "NodePort answered", is_pod)?;
+
+    let check = |s: &Scenario, when: &str, ours_legacy: bool| -> anyhow::Result<()> {
+        let filters = ingress_filters(s)?;
+        s.ensure(
+            filters.contains("pref 40000") && filters.contains("pref 27504") == ours_legacy,
+            || format!("{when}: ingress filters:\n{filters}"),
+        )?;
+        s.ensure(filters.contains("kpr_tc_external") == ours_legacy, || {
+            format!("{when}: our filter should be there: {ours_legacy}:\n{filters}")
+        })?;
+        let before = marked_packets(s)?;
+        let answered = answered(s, 3)?;
+        let seen = marked_packets(s)? - before;
+        eprintln!("{when}: answered {answered:?}, foreign filter saw {seen} packets");
+        s.ensure(all_answered(&answered, 3), || {
+            format!("{when}: Service traffic must be served: {answered:?}")
+        })?;
+        s.ensure(seen >= 27, || {
+            format!("{when}: the filter behind ours saw only {seen} packets of 9 connections")
+        })?;
+        Ok(())
+    };
+    check(&s, "legacy attach", true)?;
+    let first_program = our_program_id(&s)?;
+    // Same bpffs: the new agent adopts the pinned maps, so the replaced program serves at once.
+    s.agent()?.stop()?;
+    s.agent()?.restart()?;
+    // The old program keeps serving until the new agent replaced it: wait for the new one.
+    wait_for_filters(&s, "our filter's program replaced", |filters| {
+        our_program_id_in(filters).is_some_and(|id| Some(id) != first_program)
+    })?;
+    check(&s, "after a restart on the legacy path", true)?;
+    let filters = ingress_filters(&s)?;
+    s.ensure(
+        filters.lines().filter(|l| l.contains("kpr_tc")).count() == 1,
+        || format!("a restart replaces our filter in place, it does not add one:\n{filters}"),
+    )?;
+
+    s.agent()?.stop()?;
+    s.agent()?.restart_with_args(&["--interfaces", "vext"])?;
+    wait_for_filters(&s, "our legacy filter removed", |filters| {
+        !filters.contains("kpr_tc")
+    })?;
+    check(&s, "after a restart onto TCX", false)?;
+
+    s.agent()?.stop()?;
+    s.agent()?.restart_with_args(&legacy)?;
+    wait_for_filters(&s, "our legacy filter back", |filters| {
+        filters.contains("kpr_tc")
+    })?;
+    let status = s.agent()?.run_cleanup()?;
+    s.ensure(status.success(), || {
+        format!("--cleanup exited with {status}")
+    })?;
+    let filters = ingress_filters(&s)?;
+    s.ensure(
+        filters.contains("pref 40000") && !filters.contains("kpr_tc"),
+        || format!("--cleanup removes our filters only:\n{filters}"),
+    )?;
+    let before = marked_packets(&s)?;
+    let _ = client.run(node_port_addr(), 2)?;
+    let seen = marked_packets(&s)? - before;
+    s.ensure(seen >= 2, || {
+        format!("after --cleanup the foreign filter must still see traffic: saw {seen}")
+    })?;
+    Ok(())
+}
+
+/// A foreign filter in our slot (priority 27504, handle 0x6b70) is not ours to replace: the
+/// agent leaves it there, says so naming it, and keeps running (ClusterIP still works).
+#[test]
+fn legacy_tc_attach_never_replaces_a_foreign_filter_in_our_slot() -> anyhow::Result<()> {
+    let mut s = setup(1)?;
+    s.manifests.write("svc.yaml", &lb_service("Cluster", &[]))?;
+    s.manifests.write(
+        "slice.yaml",
+        &http_slice(NAMESPACE, "web-1", SERVICE, &[pod_endpoint(1)]),
+    )?;
+    let node = s.topo.node();
+    node.exec("tc", &["qdisc", "add", "dev", "vext", "clsact"])?;
+    node.exec(
+        "tc",
+        &[
+            "filter",
+            "add",
+            "dev",
+            "vext",
+            "ingress",
+            "prio",
+            "27504",
+            "handle",
+            "0x6b70",
+            "protocol",
+            "all",
+            "bpf",
+            "bytecode",
+            "1,6 0 0 4294967295,",
+        ],
+    )?;
+    s.start_agent_with_args(
+        "ebpf",
+        &["--interfaces", "vext", "--bpf-disable-feature", "tcx"],
+    )?;
+    let cluster_ip = SocketAddr::new(CLUSTER_IP.into(), 80);
+    // Still running and serving: the socket programs are not the tc filter's business.
+    s.wait_for_datapath(cluster_ip, "ClusterIP answered", is_pod)?;
+    let log = s.agent()?.log_contents();
+    s.ensure(
+        log.contains("belongs to another component") && log.contains("vext ingress"),
+        || "the agent must say which filter it left alone".to_owned(),
+    )?;
+    let filters = ingress_filters(&s)?;
+    s.ensure(
+        filters.contains("bytecode") && !filters.contains("kpr_tc_external"),
+        || format!("the foreign filter must stay as it was:\n{filters}"),
+    )?;
+    Ok(())
+}
+
+/// `max_entries` of the pinned tc conntrack map under the agent's bpffs root `root`.
+fn conntrack_capacity(root: &std::path::Path) -> anyhow::Result<u32> {
+    use aya::maps::MapInfo;
+    let pin = root.join("kubeproxy-rs").join("KPR_CT");
+    Ok(MapInfo::from_pin(&pin)?.max_entries())
+}
+
+/// Issue 18, hygiene: `--bpf-map-conntrack` sizes the tc conntrack map like the other
+/// `--bpf-map-*` flags, also across a restart with another size (aya would reuse the pin at
+/// its old size; the agent replaces it), and external traffic is served with it.
+#[test]
+fn conntrack_map_size_follows_its_flag_across_restarts() -> anyhow::Result<()> {
+    let mut s = setup(1)?;
+    s.manifests.write("svc.yaml", &lb_service("Cluster", &[]))?;
+    s.manifests.write(
+        "slice.yaml",
+        &http_slice(NAMESPACE, "web-1", SERVICE, &[pod_endpoint(1)]),
+    )?;
+    s.start_agent_with_args(
+        "ebpf",
+        &["--interfaces", "vext", "--bpf-map-conntrack", "4096"],
+    )?;
+    let client = ext_client()(&s);
+    s.wait_for_datapath_with(&client, node_port_addr(), "NodePort answered", is_pod)?;
+    let root = s.agent()?.bpf_root().to_path_buf();
+    let first = conntrack_capacity(&root)?;
+    s.agent()?.stop()?;
+    s.agent()?
+        .restart_with_args(&["--interfaces", "vext", "--bpf-map-conntrack", "8192"])?;
+    proxy_tests::wait::try_wait_until(
+        "the conntrack map resized",
+        DATAPATH_TIMEOUT,
+        Duration::from_millis(50),
+        || Ok(conntrack_capacity(&root).is_ok_and(|n| n == 8192)),
+    )?;
+    s.wait_for_datapath_with(&client, node_port_addr(), "NodePort answered", is_pod)?;
+    s.ensure(first == 4096, || format!("first size {first}"))?;
+    Ok(())
+}
+
+/// Issue 18, good neighbour across a mode switch: a foreign TCX program behind ours keeps
+/// seeing the external interface's traffic when the agent switches to the iptables mode (which
+/// removes our links and pins: their directory is gone) and back to eBPF (ours attached again,
+/// appended behind it — it still sees everything, ours pass it on).
+#[test]
+fn a_foreign_tcx_program_keeps_seeing_traffic_across_mode_switches() -> anyhow::Result<()> {
+    use proxy_tests::foreign_tc::{FOREIGN_MARK, ForeignTcx};
+    let mut s = setup(1)?;
+    s.manifests.write("svc.yaml", &lb_service("Cluster", &[]))?;
+    s.manifests.write(
+        "slice.yaml",
+        &http_slice(NAMESPACE, "web-1", SERVICE, &[pod_endpoint(1)]),
+    )?;
+    start(&mut s)?;
+    let client = ext_client()(&s);
+    s.wait_for_datapath_with(&client, node_port_addr(), "NodePort answered", is_pod)?;
+    let node = s.topo.node();
+    node.exec("nft", &["add", "table", "inet", "foreign_count"])?;
+    node.exec(
+        "nft",
+        &["add chain inet foreign_count pre { type filter hook prerouting priority -300; }"],
+    )?;
+    node.exec(
+        "nft",
+        &[&format!(
+            "add rule inet foreign_count pre meta mark {FOREIGN_MARK:#x} counter"
+        )],
+    )?;
+    let _foreign = ForeignTcx::attach(&node.path(), "vext")?;
+    let check = |s: &Scenario, when: &str| -> anyhow::Result<()> {
+        let before = marked_packets(s)?;
+        let answered = answered(s, 3)?;
+        let seen = marked_packets(s)? - before;
+        eprintln!("{when}: answered {answered:?}, foreign program saw {seen} packets");
+        s.ensure(all_answered(&answered, 3), || {
+            format!("{when}: Service traffic must be served: {answered:?}")
+        })?;
+        s.ensure(seen >= 27, || {
+            format!("{when}: the foreign program saw only {seen} packets of 9 connections")
+        })?;
+        Ok(())
+    };
+    check(&s, "eBPF mode")?;
+    let pins = s.agent()?.bpf_root().join("kubeproxy-rs");
+    s.agent()?.stop()?;
+    s.agent()?.restart_in_mode("iptables")?;
+    proxy_tests::wait::wait_until(
+        "the eBPF mode's pins removed by the iptables mode",
+        DATAPATH_TIMEOUT,
+        Duration::from_millis(50),
+        || !pins.exists(),
+    )?;
+    s.wait_for_datapath_with(&client, node_port_addr(), "NodePort answered", is_pod)?;
+    check(&s, "iptables mode, after the switch")?;
+    s.agent()?.stop()?;
+    s.agent()?.restart_in_mode("ebpf")?;
+    proxy_tests::wait::wait_until(
+        "our tc links pinned again",
+        DATAPATH_TIMEOUT,
+        Duration::from_millis(50),
+        || {
+            pins.join(format!("kpr_tc_external_if{}_link", ifindex_in(&s, "vext")))
+                .exists()
+        },
+    )?;
+    s.wait_for_datapath_with(&client, node_port_addr(), "NodePort answered", is_pod)?;
+    check(&s, "eBPF mode again")?;
+    Ok(())
+}
+
+/// The index of `interface` in the node namespace.
+fn ifindex_in(s: &Scenario, interface: &str) -> u32 {
+    s.topo
+        .node()
+        .exec("cat", &[&format!("/sys/class/net/{interface}/ifindex")])
+        .ok()
+        .and_then(|text| text.trim().parse().ok())
+        .unwrap_or(0)
+}
+
+/// Issue 18: links of interfaces that go away are detached and their pins removed. A veth
+/// with an address appears on the node (a pod's): it gets our reply and egress programs,
+/// pinned per ifindex; once it is deleted (its address goes with it, which triggers a sync)
+/// both pins are removed, and the other interfaces keep theirs.
+#[test]
+fn links_of_deleted_interfaces_are_unpinned() -> anyhow::Result<()> {
+    let mut s = setup(1)?;
+    s.manifests.write("svc.yaml", &lb_service("Cluster", &[]))?;
+    s.manifests.write(
+        "slice.yaml",
+        &http_slice(NAMESPACE, "web-1", SERVICE, &[pod_endpoint(1)]),
+    )?;
+    start(&mut s)?;
+    let client = ext_client()(&s);
+    s.wait_for_datapath_with(&client, node_port_addr(), "NodePort answered", is_pod)?;
+    s.topo.node().ip(&[
+        "link", "add", "vgone", "type", "veth", "peer", "name", "vgonep",
+    ])?;
+    s.topo
+        .node()
+        .ip(&["addr", "add", "10.250.0.1/24", "dev", "vgone"])?;
+    s.topo.node().ip(&["link", "set", "vgone", "up"])?;
+    let index = ifindex_in(&s, "vgone");
+    let pins = s.agent()?.bpf_root().join("kubeproxy-rs");
+    let ours = |pins: &std::path::Path| -> Vec<String> {
+        std::fs::read_dir(pins)
+            .map(|entries| {
+                entries
+                    .flatten()
+                    .map(|e| e.file_name().to_string_lossy().into_owned())
+                    .filter(|name| name.ends_with(&format!("_if{index}_link")))
+                    .collect()
+            })
+            .unwrap_or_default()
+    };
+    // A sync happens when an address appears (netlink watch); touching the manifests too.
+    s.manifests.write("svc.yaml", &lb_service("Cluster", &[]))?;
+    proxy_tests::wait::wait_until(
+        "the new interface's links pinned",
+        DATAPATH_TIMEOUT,
+        Duration::from_millis(50),
+        || ours(&pins).len() == 2,
+    )?;
+    eprintln!("pinned for vgone (ifindex {index}): {:?}", ours(&pins));
+    s.topo.node().ip(&["link", "del", "vgone"])?;
+    proxy_tests::wait::wait_until(
+        "the deleted interface's pins removed",
+        DATAPATH_TIMEOUT,
+        Duration::from_millis(50),
+        || ours(&pins).is_empty(),
+    )?;
+    let vext = ifindex_in(&s, "vext");
+    s.ensure(
+        pins.join(format!("kpr_tc_external_if{vext}_link")).exists(),
+        || "the external interface keeps its link".to_owned(),
+    )?;
+    s.wait_for_datapath_with(&client, node_port_addr(), "NodePort answered", is_pod)?;
+    Ok(())
+}

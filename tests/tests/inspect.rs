@@ -198,3 +198,58 @@ fn inspect_shows_the_service_in_iptables_mode() -> anyhow::Result<()> {
 fn tempdir_path() -> std::path::PathBuf {
     std::env::temp_dir().join(format!("kpr-inspect-none-{}", std::process::id()))
 }
+
+/// Issue 18: `inspect features` shows what the kernel has, what these flags would use, and
+/// what the running agent reports using (`kubeproxy_ebpf_kernel_feature`): an agent with TCX
+/// and socket destroy forced off reports both off, the rest on.
+#[test]
+fn inspect_features_shows_the_kernel_and_the_running_agents_choice() -> anyhow::Result<()> {
+    proxy_tests::require_root();
+    proxy_tests::set_helper_binary(env!("CARGO_BIN_EXE_rig-helper"));
+    let mut s = Scenario::new(1)?;
+    s.write_web_service(1)?;
+    s.start_serving("ebpf", &["--bpf-disable-feature", "tcx,socket-destroy"])?;
+    let netns = s.topo.node().path();
+    let rows: Vec<serde_json::Value> =
+        serde_json::from_str(&inspect(&netns, None, &["features", "--json"])?)?;
+    let row = |name: &str| {
+        rows.iter()
+            .find(|r| r["feature"] == name)
+            .cloned()
+            .unwrap_or_default()
+    };
+    for (feature, agent) in [
+        ("tcx", false),
+        ("set-retval", true),
+        ("socket-destroy", false),
+        ("btf", true),
+    ] {
+        let r = row(feature);
+        // This kernel has every feature; inspect without flags would use each.
+        anyhow::ensure!(
+            r["kernel"] == true && r["used"] == true && r["agent"] == agent,
+            "{feature}: {r}"
+        );
+    }
+    // The agent's flags go before the subcommand, as for `--bpf-root`.
+    let output = Command::new("nsenter")
+        .arg(format!("--net={}", netns.display()))
+        .arg(agent_binary()?)
+        .args(["--bpf-disable-feature", "tcx", "inspect", "features"])
+        .output()?;
+    anyhow::ensure!(
+        output.status.success(),
+        "inspect failed: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let table = String::from_utf8(output.stdout)?;
+    let tcx_line = table
+        .lines()
+        .find(|l| l.starts_with("tcx"))
+        .unwrap_or_default();
+    anyhow::ensure!(
+        tcx_line.contains("legacy clsact tc filters") && table.starts_with("FEATURE"),
+        "{table}"
+    );
+    Ok(())
+}

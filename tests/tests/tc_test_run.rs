@@ -80,7 +80,7 @@ fn with_node(f: impl FnOnce(&mut Node) + Send + 'static) {
 /// [`with_node`] on the default netfilter path: ingress rewrites destinations and returns
 /// packets to the stack, `kpr_tc_egress` rewrites sources.
 fn with_netfilter_node(f: impl FnOnce(&mut Node) + Send + 'static) {
-    with_node_path(LbOptions::default(), false, f);
+    with_node_path(LbOptions::default(), false, None, f);
 }
 
 /// [`with_node`] with the given `--lb-algorithm` options; returns what `f` returns.
@@ -88,12 +88,13 @@ fn with_node_lb<R: Send + 'static>(
     lb: LbOptions,
     f: impl FnOnce(&mut Node) -> R + Send + 'static,
 ) -> R {
-    with_node_path(lb, true, f)
+    with_node_path(lb, true, None, f)
 }
 
 fn with_node_path<R: Send + 'static>(
     lb: LbOptions,
     fast_path: bool,
+    icmp_ratelimit: Option<std::time::Duration>,
     f: impl FnOnce(&mut Node) -> R + Send + 'static,
 ) -> R {
     proxy_tests::require_root();
@@ -134,6 +135,7 @@ fn with_node_path<R: Send + 'static>(
             bpf_root: PathBuf::from(bpf.path()),
             frontends_capacity: 1024,
             backends_capacity: 1024,
+            conntrack_capacity: proxy_common::default_sizes::CT,
             lb,
             tc: TcOptions {
                 interfaces: vec!["ext0".into()],
@@ -141,6 +143,8 @@ fn with_node_path<R: Send + 'static>(
                 fast_path,
                 ..TcOptions::default()
             },
+            disabled_features: Default::default(),
+            icmp_ratelimit,
         };
         let dataplane = EbpfDataplane::start(&options).expect("dataplane");
         let mut node = Node {
@@ -656,6 +660,44 @@ fn no_endpoints_answers_port_unreachable() {
                 );
             }
         }
+    });
+}
+
+/// Issue 18, hygiene: REJECT replies are rate-limited per client like the kernel's
+/// `icmp_ratelimit` (a bucket of 6, then one per interval). With an interval of an hour nothing
+/// refills during the test: of 20 SYNs from one client to a NodePort without endpoints exactly
+/// 6 get a port unreachable, 14 are dropped (and counted); another client has its own bucket.
+#[test]
+fn reject_replies_are_rate_limited_per_client() {
+    let hour = Some(std::time::Duration::from_secs(3600));
+    with_node_path(LbOptions::default(), false, hour, |node| {
+        program_services(node);
+        let frontend = sa(NODE_IP, 30083);
+        let mut replies = 0;
+        for port in 0..20 {
+            let frame = build(sa(CLIENT, 44_000 + port), frontend, L4::TcpSyn, b"");
+            let (action, out) = run(node, program_names::TC_EXTERNAL, &frame, node.ext0);
+            if action == TC_ACT_REDIRECT {
+                assert_eq!(out.proto, PROTO_ICMP, "a reply is the port unreachable");
+                replies += 1;
+            } else {
+                assert_eq!(
+                    action, TC_ACT_SHOT,
+                    "beyond the bucket the packet is dropped"
+                );
+            }
+        }
+        assert_eq!(replies, 6, "the bucket holds 6 replies");
+        let other = build(sa("203.0.113.7", 44_100), frontend, L4::TcpSyn, b"");
+        let (action, _) = run(node, program_names::TC_EXTERNAL, &other, node.ext0);
+        assert_eq!(action, TC_ACT_REDIRECT, "another client has its own bucket");
+        let limited = node
+            .dataplane
+            .stats()
+            .into_iter()
+            .find(|(index, _)| *index == StatIndex::TcRejectRateLimited)
+            .map(|(_, value)| value);
+        assert_eq!(limited, Some(14));
     });
 }
 
@@ -1452,5 +1494,123 @@ fn conntrack_gc_deletes_dead_flows_and_keeps_live_ones() {
             sample("kubeproxy_ebpf_conntrack_entries").as_deref(),
             Some("6")
         );
+    });
+}
+
+/// Issue 18, hygiene: the conntrack walk resumes where it stopped. 3000 entries are walked in
+/// batches of 64; after the first batch, 500 entries it has not reached yet and 20 it has seen
+/// are deleted (as GC, a purge, the datapath or LRU eviction would). A key-based walk
+/// (`get_next_key` from a deleted key) restarts at the first bucket and visits entries again;
+/// this one visits every entry that stayed exactly once and none of the deleted unseen ones.
+#[test]
+fn conntrack_walk_resumes_after_deletions_and_visits_each_entry_once() {
+    use std::collections::{BTreeMap as Counts, BTreeSet};
+    use std::os::fd::AsFd as _;
+
+    use proxy_agent::dataplane::ebpf::CtWalk;
+    with_node(|node| {
+        let mut ct = pinned_ct(node);
+        let key_of = |i: u32| CtKey {
+            src: [i, 0, 0, 0],
+            dst: [0x0a0a_0001, 0, 0, 0],
+            sport: 1,
+            dport: 2,
+            proto: PROTO_UDP,
+            family: family::V4,
+            _pad: 0,
+        };
+        let all: Vec<CtKey> = (1..=3000).map(key_of).collect();
+        for key in &all {
+            ct.insert(key, CtValue::default(), 0).expect("insert");
+        }
+        let data = MapData::from_pin(node.bpf.path().join(PIN_DIR_NAME).join(map_names::CT))
+            .expect("conntrack pin");
+        let mut walk = CtWalk::new();
+        let mut visits: Counts<CtKey, u32> = Counts::new();
+        let first = walk.next_batch(data.fd().as_fd(), 64).expect("first batch");
+        assert!(!first.is_empty() && !walk.finished());
+        for (key, _) in &first {
+            *visits.entry(*key).or_default() += 1;
+        }
+        let seen: BTreeSet<CtKey> = first.iter().map(|(k, _)| *k).collect();
+        let deleted_unseen: Vec<CtKey> = all
+            .iter()
+            .filter(|k| !seen.contains(k))
+            .step_by(5)
+            .take(500)
+            .copied()
+            .collect();
+        let deleted_seen: Vec<CtKey> = seen.iter().take(20).copied().collect();
+        for key in deleted_unseen.iter().chain(&deleted_seen) {
+            ct.remove(key).expect("delete");
+        }
+        let mut batches = 1;
+        while !walk.finished() {
+            assert!(batches < 10_000, "the walk must end");
+            for (key, _) in walk.next_batch(data.fd().as_fd(), 64).expect("batch") {
+                *visits.entry(key).or_default() += 1;
+            }
+            batches += 1;
+        }
+        let twice: Vec<_> = visits.iter().filter(|(_, n)| **n > 1).collect();
+        assert!(twice.is_empty(), "visited more than once: {}", twice.len());
+        for key in &deleted_unseen {
+            assert!(
+                !visits.contains_key(key),
+                "a deleted entry was visited: {key:?}"
+            );
+        }
+        let stayed = all
+            .iter()
+            .filter(|k| !deleted_unseen.contains(k) && !deleted_seen.contains(k));
+        let mut stayed_count = 0;
+        for key in stayed {
+            assert_eq!(visits.get(key), Some(&1), "{key:?}");
+            stayed_count += 1;
+        }
+        eprintln!(
+            "{batches} batches, {} entries visited, {stayed_count} stayed",
+            visits.len()
+        );
+        assert_eq!(stayed_count, 3000 - 520);
+    });
+}
+
+/// Issue 18, hygiene: purging the conntrack entries of removed backends is handed to the
+/// conntrack worker's thread, not done in the apply (a full-table purge took ~0.5 s of the
+/// sync loop): the apply only queues it, and the worker deletes the flow's entries after.
+#[test]
+fn conntrack_purge_runs_off_the_apply() {
+    with_node(|node| {
+        program_services(node);
+        let client = sa(CLIENT, 42_100);
+        let dns = sa(NODE_IP, 30053);
+        let (action, _) = run(
+            node,
+            program_names::TC_EXTERNAL,
+            &build(client, dns, L4::Udp, b"q"),
+            node.ext0,
+        );
+        assert_eq!(action, TC_ACT_REDIRECT);
+        let forward = ct_key(client, dns, PROTO_UDP);
+        assert!(ct_entry(node, &forward).is_some(), "the flow's entry");
+        // Every Service gone: the UDP NodePort's backend is removed.
+        let empty = Snapshot::compute(&Objects::new(BTreeMap::new(), BTreeMap::new(), None), NODE);
+        let (summary, errors) = node.dataplane.apply(&empty, None);
+        assert!(errors.is_empty(), "{errors:?}");
+        assert!(summary.conntrack_purge_queued, "{summary:?}");
+        assert_eq!(summary.conntrack_purged, 0, "nothing purged in the apply");
+        proxy_tests::wait::wait_until(
+            "the worker purged the flow",
+            std::time::Duration::from_secs(10),
+            std::time::Duration::from_millis(10),
+            || {
+                node.dataplane
+                    .conntrack_worker_reports()
+                    .is_some_and(|r| r.purged >= 2)
+            },
+        )
+        .expect("purge");
+        assert!(ct_entry(node, &forward).is_none(), "purged");
     });
 }

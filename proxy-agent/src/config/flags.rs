@@ -440,6 +440,11 @@ pub fn apply(
             "bpf-map-backends",
             &mut ebpf.map_backends,
         ),
+        (
+            &args.bpf_map_conntrack,
+            "bpf-map-conntrack",
+            &mut ebpf.map_conntrack,
+        ),
     ] {
         let Some(text) = text else { continue };
         match parse_int::<u32>(text) {
@@ -489,6 +494,18 @@ pub fn apply(
         }
     }
     ebpf.tc_fast_path = args.tc_fast_path;
+    for name in args.bpf_disable_feature.iter().flatten() {
+        let name = name.trim();
+        if name.is_empty() {
+            continue;
+        }
+        match name.parse::<crate::dataplane::ebpf::Feature>() {
+            Ok(feature) => {
+                ebpf.disabled_features.insert(feature);
+            }
+            Err(reason) => overlay.flag_only("bpf-disable-feature", name, reason),
+        }
+    }
     if let Some(names) = &args.interfaces {
         for name in names.iter().map(|n| n.trim()).filter(|n| !n.is_empty()) {
             match interface_name_problem(name) {

@@ -156,6 +156,8 @@ pub struct EbpfConfig {
     pub map_frontends: u32,
     /// `--bpf-map-backends`.
     pub map_backends: u32,
+    /// `--bpf-map-conntrack`.
+    pub map_conntrack: u32,
     /// `--interfaces` (for the tc programs; not used yet).
     pub interfaces: Vec<String>,
     /// `--lb-algorithm`.
@@ -168,6 +170,8 @@ pub struct EbpfConfig {
     pub tc_fast_path: bool,
     /// `--drift-check-period` (both modes; zero: no check).
     pub drift_check_period: std::time::Duration,
+    /// `--bpf-disable-feature`: kernel features not used even when present.
+    pub disabled_features: std::collections::BTreeSet<crate::dataplane::ebpf::Feature>,
 }
 
 /// `--drift-check-period`'s default: a full check of 30k Services' maps reads ~10^5 entries.
@@ -189,12 +193,14 @@ impl Default for EbpfConfig {
             bpf_root: PathBuf::from("/sys/fs/bpf"),
             map_frontends: proxy_common::default_sizes::FRONTENDS,
             map_backends: proxy_common::default_sizes::BACKENDS,
+            map_conntrack: proxy_common::default_sizes::CT,
             interfaces: Vec::new(),
             lb_algorithm: LbAlgorithm::Random,
             maglev_table_size: proxy_common::maglev::DEFAULT_TABLE_SIZE,
             map_maglev: proxy_common::default_sizes::MAGLEV,
             tc_fast_path: false,
             drift_check_period: DEFAULT_DRIFT_CHECK_PERIOD,
+            disabled_features: std::collections::BTreeSet::new(),
         }
     }
 }

@@ -342,6 +342,9 @@ fn every_flag_overrides_the_file() {
         (&["--bpf-map-backends", "200"], |c| {
             c.ebpf.map_backends == 200
         }),
+        (&["--bpf-map-conntrack", "4096"], |c| {
+            c.ebpf.map_conntrack == 4096
+        }),
         (
             &["--interfaces", "eth0,eth1", "--interfaces", "bond0"],
             |c| c.ebpf.interfaces == ["eth0", "eth1", "bond0"],
@@ -356,6 +359,21 @@ fn every_flag_overrides_the_file() {
             c.ebpf.maglev_table_size == 16381
         }),
         (&["--bpf-map-maglev", "5000"], |c| c.ebpf.map_maglev == 5000),
+        (
+            &[
+                "--bpf-disable-feature",
+                "tcx,socket-destroy",
+                "--bpf-disable-feature",
+                "btf",
+            ],
+            |c| {
+                use crate::dataplane::ebpf::Feature;
+                c.ebpf.disabled_features
+                    == [Feature::Tcx, Feature::SocketDestroy, Feature::Btf]
+                        .into_iter()
+                        .collect()
+            },
+        ),
     ];
     for (flags, check) in cases {
         let mut list = vec!["--config", config];
@@ -1027,6 +1045,18 @@ fn every_invalid_value_is_reported_with_source_field_and_value() {
             "-7",
         ),
         (&["--bpf-map-maglev", "0"], "--bpf-map-maglev", "", "0"),
+        (
+            &["--bpf-map-conntrack", "0"],
+            "--bpf-map-conntrack",
+            "",
+            "0",
+        ),
+        (
+            &["--bpf-disable-feature", "tcx,kfuncs"],
+            "--bpf-disable-feature",
+            "",
+            "kfuncs",
+        ),
     ];
     for (flags, source, field, value) in flag_cases {
         let lines = problems(flags);

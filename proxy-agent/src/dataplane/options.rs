@@ -23,6 +23,7 @@ pub fn ebpf_options(config: &Config) -> EbpfOptions {
         bpf_root: config.ebpf.bpf_root.clone(),
         frontends_capacity: config.ebpf.map_frontends,
         backends_capacity: config.ebpf.map_backends,
+        conntrack_capacity: config.ebpf.map_conntrack,
         lb: LbOptions {
             maglev: config.ebpf.lb_algorithm == LbAlgorithm::Maglev,
             maglev_table_size: config.ebpf.maglev_table_size,
@@ -35,7 +36,11 @@ pub fn ebpf_options(config: &Config) -> EbpfOptions {
             masquerade_all: config.masquerade_all,
             localhost_node_ports: config.iptables.localhost_node_ports,
             fast_path: config.ebpf.tc_fast_path,
+            // The probe decides (`EbpfDataplane::start`).
+            tcx: true,
         },
+        disabled_features: config.ebpf.disabled_features.clone(),
+        icmp_ratelimit: None,
     }
 }
 

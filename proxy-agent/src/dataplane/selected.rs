@@ -194,7 +194,7 @@ impl Dataplane {
     /// Garbage collection of the eBPF dataplane's conntrack.
     pub fn conntrack_gc(&mut self, metrics: &Metrics) {
         if let Dataplane::Ebpf(ebpf) = self
-            && let Err(error) = ebpf.conntrack_gc(metrics.ebpf())
+            && let Err(error) = ebpf.request_conntrack_gc(metrics.ebpf())
         {
             warn!(%error, "tc conntrack garbage collection failed");
         }

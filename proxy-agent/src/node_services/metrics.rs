@@ -93,6 +93,11 @@ struct MapLabel {
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct FeatureLabel {
+    feature: &'static str,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
 struct ReasonLabel {
     reason: &'static str,
 }
@@ -756,6 +761,7 @@ pub struct EbpfMetrics {
     conntrack_entries: Gauge,
     conntrack_gc_runs: Counter,
     drift_repairs: Family<MapLabel, Counter>,
+    kernel_features: Family<FeatureLabel, Gauge>,
 }
 
 impl EbpfMetrics {
@@ -768,6 +774,7 @@ impl EbpfMetrics {
             conntrack_entries: Gauge::default(),
             conntrack_gc_runs: Counter::default(),
             drift_repairs: Family::default(),
+            kernel_features: Family::default(),
         };
         described.add(
             "kubeproxy_ebpf_map_entries",
@@ -799,7 +806,22 @@ impl EbpfMetrics {
             "Entries of a BPF map the drift check found different from what the agent wrote, and repaired",
             this.drift_repairs.clone(),
         );
+        described.add(
+            "kubeproxy_ebpf_kernel_feature",
+            "1 when the eBPF dataplane uses a kernel feature, 0 when it takes the path without it \
+             (missing in the kernel or turned off by --bpf-disable-feature)",
+            this.kernel_features.clone(),
+        );
         this
+    }
+
+    /// The probed kernel features the dataplane uses (1) or not (0).
+    pub fn kernel_features(&self, features: &[(&'static str, bool)]) {
+        for &(feature, used) in features {
+            self.kernel_features
+                .get_or_create(&FeatureLabel { feature })
+                .set(i64::from(used));
+        }
     }
 
     /// A map's fill level.

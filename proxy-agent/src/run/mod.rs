@@ -100,6 +100,15 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
             crate::dataplane::iptables::nfacct::packets(name).map_err(|e| e.to_string())
         }));
     }
+    if let (Some(metrics), Dataplane::Ebpf(ebpf)) = (node_services.metrics().ebpf(), &dataplane) {
+        let features: Vec<_> = ebpf
+            .features()
+            .states()
+            .iter()
+            .map(|state| (state.feature.name(), state.used()))
+            .collect();
+        metrics.kernel_features(&features);
+    }
     for family in IpFamily::ALL {
         node_services.loop_started(family);
     }

@@ -128,6 +128,7 @@ fn record_ebpf(outcome: &EbpfSyncOutcome, reason: SyncReason, changed: usize, me
         removed_backends = summary.removed_backends.len(),
         udp_sockets_destroyed = summary.udp_sockets_destroyed,
         conntrack_purged = summary.conntrack_purged,
+        conntrack_purge_queued = summary.conntrack_purge_queued,
         elapsed_us = outcome.elapsed.as_micros() as u64,
         "sync applied"
     );

@@ -31,8 +31,13 @@ pub enum Path {
     /// From outside to pod1's IP while the eBPF agent's tc programs are attached (they look
     /// the packet up and pass it on to routing).
     ExtRoutedUnderTc,
-    /// From outside to the node's NodePort, translated by the tc programs (eBPF mode).
+    /// From outside to the node's NodePort, translated by the tc programs (eBPF mode) on the
+    /// default netfilter path: ingress DNAT, the host's FORWARD/POSTROUTING, egress SNAT.
     NodePortEbpf,
+    /// The same with `--tc-fast-path`: both halves at ingress, then `bpf_redirect_neigh` past
+    /// the host's netfilter. Same agent run: the pinned node config's `FAST_PATH` flag is
+    /// flipped before each run of this path and cleared before the others.
+    NodePortEbpfFastPath,
     /// From outside to pod1's IP with the iptables mode's rules loaded.
     ExtRoutedUnderIptables,
     /// From outside to the node's NodePort, DNATed and masqueraded by kube-proxy's rules.
@@ -49,7 +54,8 @@ impl Path {
             Self::Iptables => "iptables",
             Self::ExtRouted => "routed to the pod IP (no agent)",
             Self::ExtRoutedUnderTc => "routed to the pod IP, tc programs attached",
-            Self::NodePortEbpf => "NodePort, eBPF tc",
+            Self::NodePortEbpf => "NodePort, eBPF tc (netfilter path)",
+            Self::NodePortEbpfFastPath => "NodePort, eBPF tc --tc-fast-path",
             Self::ExtRoutedUnderIptables => "routed to the pod IP, iptables rules loaded",
             Self::NodePortIptables => "NodePort, iptables",
         }
@@ -62,6 +68,7 @@ impl Path {
             Self::ExtRouted
                 | Self::ExtRoutedUnderTc
                 | Self::NodePortEbpf
+                | Self::NodePortEbpfFastPath
                 | Self::ExtRoutedUnderIptables
                 | Self::NodePortIptables
         )
@@ -75,7 +82,7 @@ impl Path {
             Self::ExtRouted | Self::ExtRoutedUnderTc | Self::ExtRoutedUnderIptables => {
                 (external(s), pod1_addr())
             }
-            Self::NodePortEbpf | Self::NodePortIptables => (
+            Self::NodePortEbpf | Self::NodePortEbpfFastPath | Self::NodePortIptables => (
                 external(s),
                 SocketAddr::new(
                     crate::topology::Topology::node_ext_ip().into(),
@@ -128,6 +135,39 @@ pub struct Loops {
     pub max: Duration,
 }
 
+/// Sets or clears `FAST_PATH` in the running eBPF agent's pinned node config (the agent is
+/// paused while it is measured, so it does not write it back); nothing without an eBPF agent.
+fn set_fast_path(s: &Scenario, on: bool) -> Result<()> {
+    use aya::maps::{Array, Map, MapData};
+    use proxy_common::{NodeConfig, map_names, node_flags};
+    let Some(agent) = s.agent_ref() else {
+        return Ok(());
+    };
+    let pin = agent
+        .bpf_root()
+        .join("kubeproxy-rs")
+        .join(map_names::NODE_CONFIG);
+    if !pin.exists() {
+        return Ok(());
+    }
+    let other = |e: &dyn std::fmt::Display| RigError::Other(format!("{}: {e}", pin.display()));
+    let data = MapData::from_pin(&pin).map_err(|e| other(&e))?;
+    let mut map = Map::from_map_data(data).map_err(|e| other(&e))?;
+    let mut config: Array<&mut MapData, NodeConfig> =
+        Array::try_from(&mut map).map_err(|e| other(&e))?;
+    let mut value = config.get(&0, 0).map_err(|e| other(&e))?;
+    let flags = if on {
+        value.flags | node_flags::FAST_PATH
+    } else {
+        value.flags & !node_flags::FAST_PATH
+    };
+    if flags != value.flags {
+        value.flags = flags;
+        config.set(0, value, 0).map_err(|e| other(&e))?;
+    }
+    Ok(())
+}
+
 /// Runs `paths` interleaved, `loops.repeats` times, for both workloads. Fails on errors
 /// (an untranslated or refused connection would make the numbers meaningless).
 pub fn measure(
@@ -139,6 +179,7 @@ pub fn measure(
 ) -> Result<()> {
     for _ in 0..loops.repeats {
         for &path in paths {
+            set_fast_path(s, path == Path::NodePortEbpfFastPath)?;
             let (place, target) = path.place_and_target(s);
             let connections = if path.external() {
                 loops.external_connections
@@ -174,5 +215,6 @@ pub fn measure(
             }
         }
     }
-    Ok(())
+    // The agent's own choice (the netfilter path) again.
+    set_fast_path(s, false)
 }

@@ -157,8 +157,12 @@ fn ebpf_in_current_netns(w: Workload, changes: usize) -> Result<EbpfResult> {
         bpf_root: root.path().to_path_buf(),
         frontends_capacity: DEFAULT_FRONTENDS_CAPACITY,
         backends_capacity: capacity,
+        conntrack_capacity: proxy_agent::dataplane::ebpf::DEFAULT_CONNTRACK_CAPACITY,
         lb: LbOptions::default(),
         tc: TcOptions::default(),
+        disabled_features: Default::default(),
+        // Every REJECT answered: the rate limit has its own test.
+        icmp_ratelimit: Some(std::time::Duration::ZERO),
     })
     .map_err(|e| RigError::Other(format!("starting the eBPF dataplane: {e}")))?;
 

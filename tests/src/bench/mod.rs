@@ -508,7 +508,11 @@ fn datapath_size(runner: &mut Runner, w: Workload) -> DatapathSize {
     };
     let ebpf_paths = with_nodeport(
         &[Path::Direct, Path::DirectInCgroup, Path::Ebpf],
-        &[Path::ExtRoutedUnderTc, Path::NodePortEbpf],
+        &[
+            Path::ExtRoutedUnderTc,
+            Path::NodePortEbpf,
+            Path::NodePortEbpfFastPath,
+        ],
     );
     let iptables_paths = with_nodeport(
         &[Path::DirectUnderIptables, Path::Iptables],

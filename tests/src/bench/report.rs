@@ -559,10 +559,11 @@ const CLUSTER_PATHS: [Path; 5] = [
 ];
 
 /// Item 3: the NodePort paths, from the external namespace.
-const NODEPORT_PATHS: [Path; 5] = [
+const NODEPORT_PATHS: [Path; 6] = [
     Path::ExtRouted,
     Path::ExtRoutedUnderTc,
     Path::NodePortEbpf,
+    Path::NodePortEbpfFastPath,
     Path::ExtRoutedUnderIptables,
     Path::NodePortIptables,
 ];
@@ -659,8 +660,12 @@ fn nodeport_section(md: &mut String, r: &Results) {
          the same loops as §1 (new connections: connect, read greeting, close) and §2 (round \
          trips over one connection), in the same agent runs as §1/§2 and interleaved with them. \
          eBPF mode: the agent runs with `--interfaces vext`, so `kpr_tc_external` handles the \
-         packets arriving on `vext` and `kpr_tc_reply` the pods' replies on their veths, both \
-         redirecting (`bpf_redirect_neigh`) past the node's routing and netfilter. iptables mode: \
+         packets arriving on `vext` and `kpr_tc_reply` the pods' replies on their veths. Two \
+         eBPF paths, interleaved run by run in the same agent run (the pinned node config's \
+         fast-path flag flipped between them): the default *netfilter path* (ingress rewrites \
+         the destination, the node routes the packet through its FORWARD and POSTROUTING, \
+         `kpr_tc_egress` rewrites the source), and `--tc-fast-path` (both rewrites at ingress, \
+         then `bpf_redirect_neigh` past the node's routing and netfilter). iptables mode: \
          kube-proxy's nat rules (KUBE-SERVICES → KUBE-NODEPORTS → KUBE-EXT → KUBE-SVC, \
          masquerade). Floor: the same client to pod1's IP, routed by the node, measured before \
          any agent started (*no agent*), and again in each agent's run (with the tc programs \
@@ -695,7 +700,7 @@ fn nodeport_section(md: &mut String, r: &Results) {
     );
     let _ = writeln!(
         md,
-        "| Services | workload | eBPF / routed, tc attached (same run) | eBPF / routed, no agent | iptables / routed, rules loaded (same run) | iptables / eBPF |\n|---|---|---|---|---|---|"
+        "| Services | workload | eBPF / routed, tc attached (same run) | eBPF / routed, no agent | eBPF fast path / eBPF netfilter path (same run) | iptables / routed, rules loaded (same run) | iptables / eBPF |\n|---|---|---|---|---|---|---|"
     );
     let p50 = |x: &Run| x.latency.p50 as f64;
     for d in &r.datapath {
@@ -707,10 +712,11 @@ fn nodeport_section(md: &mut String, r: &Results) {
             let cell = |num, den| spread(paired(runs, num, den, p50), ratio);
             let _ = writeln!(
                 md,
-                "| {} | {name} | {} | {} | {} | {} |",
+                "| {} | {name} | {} | {} | {} | {} | {} |",
                 size(d.workload.services),
                 cell(Path::NodePortEbpf, Path::ExtRoutedUnderTc),
                 cell(Path::NodePortEbpf, Path::ExtRouted),
+                cell(Path::NodePortEbpfFastPath, Path::NodePortEbpf),
                 cell(Path::NodePortIptables, Path::ExtRoutedUnderIptables),
                 cell(Path::NodePortIptables, Path::NodePortEbpf),
             );

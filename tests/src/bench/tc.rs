@@ -174,6 +174,7 @@ pub fn per_packet_cost(loops: TcLoops) -> Result<PacketCostResult> {
             bpf_root: PathBuf::from(bpf.path()),
             frontends_capacity: 1024,
             backends_capacity: 1024,
+            conntrack_capacity: proxy_agent::dataplane::ebpf::DEFAULT_CONNTRACK_CAPACITY,
             lb: proxy_agent::dataplane::ebpf::LbOptions::default(),
             tc: TcOptions {
                 interfaces: vec!["ext0".into()],
@@ -185,6 +186,9 @@ pub fn per_packet_cost(loops: TcLoops) -> Result<PacketCostResult> {
                 fast_path: true,
                 ..TcOptions::default()
             },
+            disabled_features: Default::default(),
+            // Every REJECT answered: the rate limit has its own test.
+            icmp_ratelimit: Some(std::time::Duration::ZERO),
         };
         let mut dataplane = EbpfDataplane::start(&options)
             .map_err(|e| RigError::Other(format!("loading the eBPF dataplane: {e}")))?;

@@ -23,8 +23,11 @@ use tracing::{debug, info, warn};
 
 use super::{
     ApplyError, ApplySummary, Drift, DriftCheck, DriftKind, MapWriteError, MapWriter, MapsContent,
-    bpffs, cgroup, drift,
+    bpffs, cgroup,
+    ct_worker::CtWorker,
+    drift,
     error::EbpfError,
+    features::{Feature, KernelFeatures},
     object,
     options::EbpfOptions,
     orphans,
@@ -32,6 +35,7 @@ use super::{
     service_maps::{ServiceMaps, ignore_missing},
     sockdiag::{self, DiagSocket},
     stats::read_stats,
+    tc::TcOptions,
     tc::TcState,
     tc_conntrack,
 };
@@ -43,6 +47,19 @@ fn count_repair(check: &mut DriftCheck, map: &'static str, result: Result<(), Ma
         Ok(()) => *check.repair.repaired.entry(map).or_default() += 1,
         Err(error) => check.repair.errors.push((map, error)),
     }
+}
+
+/// The longest ICMP rate-limit interval the datapath takes (a day): its bucket of 6 intervals
+/// must fit in 64 bits of nanoseconds.
+const MAX_ICMP_RATELIMIT_NS: u64 = 86_400 * 1_000_000_000;
+
+/// The kernel's ICMP rate limit sysctl at `path` (ms) in ns; its default (1 s) when unreadable.
+fn icmp_ratelimit_ns(path: &str) -> u64 {
+    let ms = std::fs::read_to_string(path)
+        .ok()
+        .and_then(|text| text.trim().parse::<u64>().ok())
+        .unwrap_or(1000);
+    ms.saturating_mul(1_000_000).min(MAX_ICMP_RATELIMIT_NS)
 }
 
 /// A loaded and attached eBPF dataplane. Dropping it (or [`EbpfDataplane::shutdown`]) leaves
@@ -61,6 +78,12 @@ pub struct EbpfDataplane {
     pub(super) cgroup_path: PathBuf,
     pub(super) links: Vec<PinnedLink>,
     pub(super) tc: TcState,
+    pub(super) features: KernelFeatures,
+    /// GC and purges of the tc conntrack off the sync loop; `None` if it could not start (both
+    /// then run inline).
+    pub(super) ct_worker: Option<CtWorker>,
+    /// Worker GC rounds already counted in the metrics.
+    pub(super) gc_rounds_reported: u64,
     pub(super) log_drain: Option<JoinHandle<()>>,
     // Last: the object (programs, log map); the tc programs attach to new interfaces later.
     pub(super) ebpf: Ebpf,
@@ -92,6 +115,11 @@ impl EbpfDataplane {
             source,
         })?;
 
+        let features = KernelFeatures::probe(&options.disabled_features);
+        info!(
+            features = %features.summary(),
+            "kernel features probed (`proxy-agent inspect features` explains each)"
+        );
         bpffs::ensure_mounted(&options.bpf_root)?;
         let pin_dir = options.bpf_root.join(PIN_DIR_NAME);
         // Random choice never uses the Maglev map; its bucket array (16 bytes per entry of
@@ -101,13 +129,32 @@ impl EbpfDataplane {
         } else {
             1
         };
-        prepare_pin_dir(&pin_dir, maglev_capacity)?;
+        prepare_pin_dir(&pin_dir, maglev_capacity, options.conntrack_capacity)?;
         let adopting = map_names::PINNED
             .iter()
             .any(|name| pin_dir.join(name).exists());
 
         let slots_capacity = options.backends_capacity;
-        let mut ebpf = EbpfLoader::new()
+        let use_set_retval = u8::from(features.uses(Feature::SetRetval));
+        let (icmp4, icmp6) = match options.icmp_ratelimit {
+            Some(interval) => {
+                let ns = u64::try_from(interval.as_nanos()).unwrap_or(MAX_ICMP_RATELIMIT_NS);
+                (ns.min(MAX_ICMP_RATELIMIT_NS), ns.min(MAX_ICMP_RATELIMIT_NS))
+            }
+            None => (
+                icmp_ratelimit_ns("/proc/sys/net/ipv4/icmp_ratelimit"),
+                icmp_ratelimit_ns("/proc/sys/net/ipv6/icmp/ratelimit"),
+            ),
+        };
+        let mut loader = EbpfLoader::new();
+        if !features.uses(Feature::Btf) {
+            loader.btf(None);
+        }
+        loader
+            .override_global("KPR_USE_SET_RETVAL", &use_set_retval, true)
+            .override_global("KPR_ICMP_RATELIMIT_NS4", &icmp4, true)
+            .override_global("KPR_ICMP_RATELIMIT_NS6", &icmp6, true);
+        let mut ebpf = loader
             .default_map_pin_directory(&pin_dir)
             .map_max_entries(map_names::FRONTENDS4, options.frontends_capacity)
             .map_max_entries(map_names::FRONTENDS6, options.frontends_capacity)
@@ -117,6 +164,7 @@ impl EbpfDataplane {
             .map_max_entries(map_names::BACKENDS6, options.backends_capacity)
             .map_max_entries(map_names::SOURCE_RANGES, options.frontends_capacity)
             .map_max_entries(map_names::MAGLEV, maglev_capacity)
+            .map_max_entries(map_names::CT, options.conntrack_capacity)
             .map_max_entries(map_names::SERVICE_NAMES, options.frontends_capacity)
             .load(object::OBJECT)?;
         let log_drain = start_log_drain(&mut ebpf);
@@ -143,7 +191,10 @@ impl EbpfDataplane {
             }
         }
         let mut tc = TcState::new(
-            options.tc.clone(),
+            TcOptions {
+                tcx: features.uses(Feature::Tcx),
+                ..options.tc.clone()
+            },
             take_map(&mut ebpf, map_names::NODE_ADDRS)?,
             take_map(&mut ebpf, map_names::NODE_CONFIG)?,
         );
@@ -160,6 +211,13 @@ impl EbpfDataplane {
             links.push(attach_and_pin(&mut ebpf, name, &cgroup_dir, &pin_dir)?);
         }
         tc.refresh(&mut ebpf, &pin_dir, true);
+        let ct_worker = match CtWorker::start(&pin_dir.join(map_names::CT)) {
+            Ok(worker) => Some(worker),
+            Err(error) => {
+                warn!(%error, "cannot start the conntrack worker; GC and purges run in the sync loop");
+                None
+            }
+        };
         info!(
             cgroup = %cgroup_path.display(),
             pins = %pin_dir.display(),
@@ -187,6 +245,9 @@ impl EbpfDataplane {
             cgroup_path,
             links,
             tc,
+            features,
+            ct_worker,
+            gc_rounds_reported: 0,
             log_drain,
             ebpf,
         })
@@ -213,7 +274,14 @@ impl EbpfDataplane {
                 .apply_snapshot(snapshot, changed, &mut self.maps);
         self.capacity_errors += errors.iter().filter(|e| e.is_capacity()).count() as u64;
         summary.udp_sockets_destroyed = self.destroy_stale_udp_sockets(&summary);
-        summary.conntrack_purged = self.purge_conntrack(&summary);
+        match &self.ct_worker {
+            Some(worker) if tc_conntrack::any_external(&summary.removed_backends) => {
+                worker.purge(summary.removed_backends.clone());
+                summary.conntrack_purge_queued = true;
+            }
+            Some(_) => {}
+            None => summary.conntrack_purged = self.purge_conntrack(&summary),
+        }
         self.write_service_names(changed);
         (summary, errors)
     }
@@ -363,16 +431,47 @@ impl EbpfDataplane {
         report.deleted
     }
 
-    /// Garbage collection of the tc conntrack (see `tc_conntrack::gc`): deletes dead flows' entries,
-    /// and counts the run and the entries left in `metrics`. Called every 30 s (`run.rs`).
+    /// Hands a garbage collection round to the conntrack worker (inline without one) and
+    /// counts the rounds it finished since the last call in `metrics`. Called every 30 s
+    /// (`run/`).
+    pub fn request_conntrack_gc(&mut self, metrics: Option<&EbpfMetrics>) -> Result<(), EbpfError> {
+        let Some(worker) = &self.ct_worker else {
+            return self.conntrack_gc(metrics).map(drop);
+        };
+        worker.gc();
+        let reports = worker.reports();
+        if let Some(metrics) = metrics
+            && reports.gc_rounds > self.gc_rounds_reported
+        {
+            for _ in self.gc_rounds_reported..reports.gc_rounds {
+                metrics.conntrack_gc_run();
+            }
+            if let Some(last) = reports.last_gc {
+                metrics.conntrack_entries(u64::try_from(last.remaining).unwrap_or(u64::MAX));
+            }
+        }
+        self.gc_rounds_reported = reports.gc_rounds;
+        Ok(())
+    }
+
+    /// What the conntrack worker did so far (`None` without a worker).
+    pub fn conntrack_worker_reports(&self) -> Option<super::ct_worker::WorkerReports> {
+        self.ct_worker.as_ref().map(CtWorker::reports)
+    }
+
+    /// Garbage collection of the tc conntrack in this thread (see `tc_conntrack::gc_round`):
+    /// deletes dead flows' entries, and counts the run and the entries left in `metrics`.
     pub fn conntrack_gc(
         &mut self,
         metrics: Option<&EbpfMetrics>,
     ) -> Result<tc_conntrack::GcReport, EbpfError> {
         let started = std::time::Instant::now();
         let now = tc_conntrack::monotonic_ns().map_err(EbpfError::Clock)?;
-        let mut map = self.conntrack_map()?;
-        let report = tc_conntrack::gc(&mut map, now);
+        let map = self
+            .ebpf
+            .map_mut(map_names::CT)
+            .ok_or(EbpfError::MissingMap(map_names::CT))?;
+        let report = tc_conntrack::gc_round(map, now, 4096).map_err(EbpfError::Conntrack)?;
         if let Some(metrics) = metrics {
             metrics.conntrack_gc_run();
             metrics.conntrack_entries(u64::try_from(report.remaining).unwrap_or(u64::MAX));
@@ -450,7 +549,15 @@ impl EbpfDataplane {
         self.map_writer.unfit().values().collect()
     }
 
+    /// The probed kernel features and the choice made for each.
+    pub fn features(&self) -> &KernelFeatures {
+        &self.features
+    }
+
     fn destroy_stale_udp_sockets(&self, summary: &ApplySummary) -> usize {
+        if !self.features.uses(Feature::SocketDestroy) {
+            return 0;
+        }
         let removed: Vec<_> = summary
             .removed_backends
             .iter()

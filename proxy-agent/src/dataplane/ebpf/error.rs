@@ -45,6 +45,10 @@ pub enum EbpfError {
         name: &'static str,
         source: aya::pin::PinError,
     },
+    #[error(transparent)]
+    LegacyTc(#[from] super::legacy_tc::LegacyTcError),
+    #[error("walking the tc conntrack map: {0}")]
+    Conntrack(io::Error),
     #[error("reading the monotonic clock: {0}")]
     Clock(nix::Error),
 }

@@ -142,8 +142,12 @@ pub struct ApplySummary {
     pub removed_backends: Vec<RemovedBackend>,
     /// Connected UDP sockets destroyed because their backend was removed (set by `EbpfDataplane::apply`).
     pub udp_sockets_destroyed: usize,
-    /// tc conntrack entries of removed backends deleted (set by `EbpfDataplane::apply`).
+    /// tc conntrack entries of removed backends deleted by this apply (set by
+    /// `EbpfDataplane::apply`; 0 when the conntrack worker purges them off the sync loop, see
+    /// `conntrack_purge_queued`).
     pub conntrack_purged: usize,
+    /// A purge of removed backends' tc conntrack entries was handed to the conntrack worker.
+    pub conntrack_purge_queued: bool,
 }
 
 #[derive(Debug)]

@@ -3,10 +3,13 @@
 
 mod bpffs;
 mod cgroup;
+mod ct_worker;
 mod dataplane;
 mod drift;
 mod error;
+pub mod features;
 mod ids;
+pub mod legacy_tc;
 mod maglev;
 mod map_writer;
 mod object;
@@ -20,9 +23,11 @@ mod tc;
 mod tc_conntrack;
 mod test_run;
 
+pub use ct_worker::WorkerReports;
 pub use dataplane::EbpfDataplane;
 pub use drift::{Drift, DriftCheck, DriftKind, RepairReport};
 pub use error::EbpfError;
+pub use features::{Feature, FeatureState, KernelFeatures};
 pub use maglev::{
     DEFAULT_TABLE_SIZE as DEFAULT_MAGLEV_TABLE_SIZE, MAX_TABLE_SIZE as MAX_MAGLEV_TABLE_SIZE,
     is_valid_table_size,
@@ -34,5 +39,8 @@ pub use map_writer::{
 pub use options::{EbpfOptions, LbOptions};
 pub use pins::{PIN_DIR_MODE, PIN_DIR_NAME, cleanup};
 pub use tc::TcOptions;
-pub use tc_conntrack::monotonic_ns;
+pub use tc_conntrack::{CtWalk, monotonic_ns};
 pub use test_run::TcTestRun;
+
+/// `--bpf-map-conntrack`'s default.
+pub const DEFAULT_CONNTRACK_CAPACITY: u32 = proxy_common::default_sizes::CT;

@@ -1,8 +1,8 @@
 //! What the eBPF dataplane is started with.
 
-use std::path::PathBuf;
+use std::{collections::BTreeSet, path::PathBuf};
 
-use super::{maglev, tc::TcOptions};
+use super::{features::Feature, maglev, tc::TcOptions};
 
 #[derive(Debug, Clone)]
 pub struct EbpfOptions {
@@ -11,10 +11,17 @@ pub struct EbpfOptions {
     pub bpf_root: PathBuf,
     pub frontends_capacity: u32,
     pub backends_capacity: u32,
+    /// `--bpf-map-conntrack`: entries of the tc conntrack map.
+    pub conntrack_capacity: u32,
     /// `--lb-algorithm` and the Maglev table for external traffic.
     pub lb: LbOptions,
-    /// Interfaces and node facts for the tc programs.
+    /// Interfaces and node facts for the tc programs (`tc.tcx` is set from the probe).
     pub tc: TcOptions,
+    /// `--bpf-disable-feature`: kernel features not to use even when the probe finds them.
+    pub disabled_features: BTreeSet<Feature>,
+    /// Minimum interval between ICMP port unreachables to one client (both families); `None`:
+    /// the node's `net.ipv4.icmp_ratelimit` / `net.ipv6.icmp.ratelimit`, as the kernel's own.
+    pub icmp_ratelimit: Option<std::time::Duration>,
 }
 
 /// `--lb-algorithm`, `--bpf-maglev-table-size`, `--bpf-map-maglev`.

@@ -33,6 +33,7 @@ pub(super) const LINK_SUFFIX: &str = "_link";
 /// `--cleanup`: removes every link pin (which detaches the programs) and map pin under
 /// `<bpf_root>/kubeproxy-rs/`, then the directory. Returns how many pins it removed.
 pub fn cleanup(bpf_root: &Path) -> Result<usize, EbpfError> {
+    let filters = remove_legacy_filters();
     let pin_dir = bpf_root.join(PIN_DIR_NAME);
     let to_error = |source| EbpfError::PinDir {
         path: pin_dir.clone(),
@@ -41,8 +42,8 @@ pub fn cleanup(bpf_root: &Path) -> Result<usize, EbpfError> {
     let entries = match std::fs::read_dir(&pin_dir) {
         Ok(entries) => entries,
         Err(error) if error.kind() == io::ErrorKind::NotFound => {
-            info!(dir = %pin_dir.display(), "nothing to clean up");
-            return Ok(0);
+            info!(dir = %pin_dir.display(), filters, "no pins to clean up");
+            return Ok(filters);
         }
         Err(error) => return Err(to_error(error)),
     };
@@ -57,8 +58,22 @@ pub fn cleanup(bpf_root: &Path) -> Result<usize, EbpfError> {
         debug!(pin = %pin.display(), "removed");
     }
     std::fs::remove_dir(&pin_dir).map_err(to_error)?;
-    info!(dir = %pin_dir.display(), pins = pins.len(), "removed every pin and link");
-    Ok(pins.len())
+    info!(dir = %pin_dir.display(), pins = pins.len(), filters, "removed every pin, link and tc filter");
+    Ok(pins.len() + filters)
+}
+
+/// Our legacy tc filters on every interface of this namespace (others' filters stay).
+fn remove_legacy_filters() -> usize {
+    match crate::node::host_interfaces() {
+        Ok(all) => all
+            .keys()
+            .map(|name| super::legacy_tc::remove_ours(name))
+            .sum(),
+        Err(error) => {
+            warn!(%error, "cannot list network interfaces; legacy tc filters not removed");
+            0
+        }
+    }
 }
 
 /// Loads and attaches one program, pins its link under a temporary name and renames that over
@@ -139,7 +154,11 @@ pub const PIN_DIR_MODE: u32 = 0o700;
 /// (`--lb-algorithm` or `--bpf-map-maglev` changed): aya would reuse the pin as it is. Its
 /// tables are then rebuilt by the first apply; until then the datapath's fallback for a
 /// missing table entry is random choice.
-pub(super) fn prepare_pin_dir(pin_dir: &Path, maglev_capacity: u32) -> Result<(), EbpfError> {
+pub(super) fn prepare_pin_dir(
+    pin_dir: &Path,
+    maglev_capacity: u32,
+    conntrack_capacity: u32,
+) -> Result<(), EbpfError> {
     use std::os::unix::fs::{DirBuilderExt as _, PermissionsExt as _};
     let to_error = |source| EbpfError::PinDir {
         path: pin_dir.to_owned(),
@@ -165,6 +184,15 @@ pub(super) fn prepare_pin_dir(pin_dir: &Path, maglev_capacity: u32) -> Result<()
             warn!(pin = %pin.display(), "pinned map has another layout; starting it empty");
             remove_if_present(&pin).map_err(to_error)?;
         }
+    }
+    // aya would reuse the pin at its old size: a changed `--bpf-map-conntrack` takes a new map,
+    // losing the flows it tracked (established external flows through SNAT break once).
+    let pin = pin_dir.join(map_names::CT);
+    if pin.exists()
+        && !MapInfo::from_pin(&pin).is_ok_and(|info| info.max_entries() == conntrack_capacity)
+    {
+        warn!(pin = %pin.display(), capacity = conntrack_capacity, "conntrack map resized; its flows start over");
+        remove_if_present(&pin).map_err(to_error)?;
     }
     let pin = pin_dir.join(map_names::MAGLEV);
     if pin.exists()

@@ -334,6 +334,42 @@ fn parse_diag_msg(payload: &[u8]) -> Option<DiagSocket> {
     })
 }
 
+/// Whether the kernel can destroy sockets (`CONFIG_INET_DIAG_DESTROY`): a destroy of a UDP
+/// socket that does not exist fails with ENOENT when it can (the lookup ran) and with
+/// EOPNOTSUPP when it cannot.
+pub fn destroy_supported() -> bool {
+    let probe = || -> Result<bool, SockDiagError> {
+        let fd = open_netlink()?;
+        // No socket has cookie 2^64-1 … with port 0 on 0.0.0.0 → 0.0.0.0.
+        let mut sockid = [0u8; SOCKID_LEN];
+        sockid[40..48].copy_from_slice(&[0xfe; 8]);
+        send_all(
+            &fd,
+            &request(
+                SOCK_DESTROY,
+                NLM_F_REQUEST | NLM_F_ACK,
+                libc::AF_INET as u8,
+                u32::MAX,
+                &sockid,
+            ),
+        )?;
+        let mut buf = [0u8; 1024];
+        let n = recv(fd.as_raw_fd(), &mut buf, MsgFlags::empty()).map_err(|source| {
+            SockDiagError::Nix {
+                context: "receiving the SOCK_DESTROY probe's ack",
+                source,
+            }
+        })?;
+        Ok(messages(&buf[..n]).into_iter().any(|(kind, payload)| {
+            kind == NLMSG_ERROR && -netlink_error(payload) != libc::EOPNOTSUPP
+        }))
+    };
+    probe().unwrap_or_else(|error| {
+        debug!(%error, "socket destroy probe failed");
+        false
+    })
+}
+
 fn destroy(fd: &OwnedFd, socket: &DiagSocket) -> Result<(), SockDiagError> {
     send_all(
         fd,

@@ -18,7 +18,8 @@
 //!
 //! Interfaces are discovered with `getifaddrs` (netlink, in the agent's network namespace), at
 //! start and on every sync, so pods created later get the reply program. Links are TCX links
-//! (kernel ≥ 6.6) pinned as `<program>_if<ifindex>_link`, replaced like the cgroup links.
+//! (kernel ≥ 6.6) pinned as `<program>_if<ifindex>_link`, replaced like the cgroup links;
+//! without TCX (`features::Feature::Tcx`), legacy clsact filters (`legacy_tc`).
 
 use std::{
     collections::{BTreeMap, BTreeSet},
@@ -30,8 +31,9 @@ use aya::{
     Ebpf,
     maps::{Array, HashMap, MapData},
     programs::{
-        SchedClassifier, TcAttachType,
+        LinkOrder, SchedClassifier, TcAttachType,
         links::{FdLink, PinnedLink},
+        tc::TcAttachOptions,
     },
 };
 use ipnet::IpNet;
@@ -41,6 +43,7 @@ use tracing::{debug, info, warn};
 use super::{
     drift::{Drift, DriftKind, RepairReport},
     error::EbpfError,
+    legacy_tc,
     map_writer::MapWriteError,
     map_writer::{ip4_to_map, ip6_to_map},
     pins::{LINK_SUFFIX, remove_if_present},
@@ -69,6 +72,8 @@ pub struct TcOptions {
     /// POSTROUTING (`node_flags::FAST_PATH`); the host's netfilter policy then does not apply
     /// to external Service traffic.
     pub fast_path: bool,
+    /// Attach as TCX links; otherwise as legacy clsact filters (`legacy_tc`).
+    pub tcx: bool,
 }
 
 /// The cookie of the agent's network namespace — the node's — as the socket hooks'
@@ -145,8 +150,18 @@ pub struct TcState {
     /// This namespace's cookie (0 when the kernel cannot tell it: the socket hooks then treat
     /// every socket as a pod's for guarded LB IPs).
     host_netns_cookie: u64,
-    /// Pin file name → link, for every interface we attached to.
-    links: BTreeMap<String, PinnedLink>,
+    /// Pin file name (`<program>_if<ifindex>_link`, also the key of a legacy filter) → link,
+    /// for every interface and direction we attached to.
+    links: BTreeMap<String, Attached>,
+}
+
+/// One attachment of a tc program.
+enum Attached {
+    /// The pinned link (the pin keeps it attached; this keeps its fd while we run).
+    Tcx { _link: PinnedLink },
+    /// A filter in our slot of the hook (`legacy_tc`); it goes away with its interface, and a
+    /// new role's program replaces it in place.
+    Legacy,
 }
 
 impl std::fmt::Debug for TcState {
@@ -239,9 +254,15 @@ impl TcState {
                 if self.links.contains_key(&pin_name) {
                     continue;
                 }
-                match attach(ebpf, program, name, direction, pin_dir, &pin_name) {
+                let attached = if self.options.tcx {
+                    attach(ebpf, program, name, direction, pin_dir, &pin_name)
+                        .map(|link| Attached::Tcx { _link: link })
+                } else {
+                    attach_legacy(ebpf, program, name, index, direction).map(|()| Attached::Legacy)
+                };
+                match attached {
                     Ok(link) => {
-                        info!(interface = %name, program, "tc program attached");
+                        info!(interface = %name, program, tcx = self.options.tcx, "tc program attached");
                         self.links.insert(pin_name, link);
                     }
                     Err(error) => {
@@ -250,12 +271,41 @@ impl TcState {
                 }
             }
         }
+        if first && self.options.tcx {
+            self.remove_legacy_filters(&all, &wanted);
+        }
         // After the links: the node config chooses the path (fast or netfilter), and the
         // netfilter path needs the egress programs in place.
         self.program_node(config, &addrs);
         self.detach_unwanted(&wanted, pin_dir);
         if first {
             self.remove_stale_pins(pin_dir);
+        }
+    }
+
+    /// A previous agent without TCX left legacy filters, which run after our TCX programs and
+    /// would see the packets they translated: removed once every TCX link of the interface is
+    /// in place, so the interface is never without our programs.
+    fn remove_legacy_filters(
+        &self,
+        all: &BTreeMap<String, node::Interface>,
+        wanted: &BTreeSet<String>,
+    ) {
+        for (name, interface) in all {
+            let Ok(index) = nix::net::if_::if_nametoindex(name.as_str()) else {
+                continue;
+            };
+            let suffix = format!("_if{index}{LINK_SUFFIX}");
+            let complete = wanted
+                .iter()
+                .filter(|pin| pin.ends_with(&suffix))
+                .all(|pin| self.links.contains_key(pin));
+            if !interface.loopback && complete {
+                let removed = legacy_tc::remove_ours(name);
+                if removed > 0 {
+                    info!(interface = %name, removed, "legacy tc filters of a previous agent removed");
+                }
+            }
         }
     }
 
@@ -271,6 +321,11 @@ impl TcState {
             .cloned()
             .collect();
         for pin in unwanted {
+            if matches!(self.links.get(&pin), Some(Attached::Legacy)) {
+                self.links.remove(&pin);
+                debug!(pin = %pin, "legacy tc filter forgotten (interface gone or replaced)");
+                continue;
+            }
             if let Err(error) = remove_if_present(&pin_dir.join(&pin)) {
                 warn!(pin = %pin, %error, "cannot remove tc link pin");
                 continue;
@@ -315,7 +370,9 @@ impl TcState {
             let is_tc = name.starts_with(program_names::TC_EXTERNAL)
                 || name.starts_with(program_names::TC_REPLY)
                 || name.starts_with(program_names::TC_EGRESS);
-            if is_tc && name.ends_with(LINK_SUFFIX) && !self.links.contains_key(&name) {
+            // A legacy filter's key is not a pin: a TCX pin of that name is a previous agent's.
+            let ours = matches!(self.links.get(&name), Some(Attached::Tcx { .. }));
+            if is_tc && name.ends_with(LINK_SUFFIX) && !ours {
                 match remove_if_present(&entry.path()) {
                     Ok(()) => debug!(pin = %name, "removed stale tc link pin"),
                     Err(error) => warn!(pin = %name, %error, "cannot remove stale tc link pin"),
@@ -445,6 +502,37 @@ fn describe_config(c: &NodeConfig) -> String {
     )
 }
 
+/// Attaches `program` to `interface` (`direction`) as a legacy clsact filter in our slot.
+fn attach_legacy(
+    ebpf: &mut Ebpf,
+    program: &'static str,
+    interface: &str,
+    ifindex: u32,
+    direction: TcAttachType,
+) -> Result<(), EbpfError> {
+    let classifier = loaded_classifier(ebpf, program)?;
+    legacy_tc::attach(classifier, interface, ifindex, direction).map_err(EbpfError::LegacyTc)
+}
+
+fn loaded_classifier<'a>(
+    ebpf: &'a mut Ebpf,
+    program: &'static str,
+) -> Result<&'a mut SchedClassifier, EbpfError> {
+    let program_error = |source| EbpfError::Program {
+        name: program,
+        source,
+    };
+    let classifier: &mut SchedClassifier = ebpf
+        .program_mut(program)
+        .ok_or(EbpfError::MissingProgram(program))?
+        .try_into()
+        .map_err(program_error)?;
+    if classifier.fd().is_err() {
+        classifier.load().map_err(program_error)?;
+    }
+    Ok(classifier)
+}
+
 /// Attaches `program` to `interface` (`direction`) as a TCX link and pins it (replacing, and
 /// so detaching, a previous agent's link for the same interface only once the new one runs).
 fn attach(
@@ -459,17 +547,15 @@ fn attach(
         name: program,
         source,
     };
-    let classifier: &mut SchedClassifier = ebpf
-        .program_mut(program)
-        .ok_or(EbpfError::MissingProgram(program))?
-        .try_into()
-        .map_err(program_error)?;
-    if classifier.fd().is_err() {
-        classifier.load().map_err(program_error)?;
-    }
-    // TCX on ≥ 6.6 (toolchain.md): a link, so it can be pinned and outlive the agent.
+    let classifier = loaded_classifier(ebpf, program)?;
+    // TCX on ≥ 6.6 (toolchain.md): a link, so it can be pinned and outlive the agent. Appended
+    // last: programs attached before ours run first.
     let link_id = classifier
-        .attach(interface, direction)
+        .attach_with_options(
+            interface,
+            direction,
+            TcAttachOptions::TcxOrder(LinkOrder::default()),
+        )
         .map_err(program_error)?;
     let link = classifier.take_link(link_id).map_err(program_error)?;
     let link = FdLink::try_from(link).map_err(|source| EbpfError::Link {

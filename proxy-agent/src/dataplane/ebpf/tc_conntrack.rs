@@ -1,7 +1,7 @@
 //! The tc programs' conntrack (`KPR_CT`) from user space: reading it (tests, diagnostics),
 //! purging the entries of backends that left a Service, and garbage collection of dead flows.
 //!
-//! Garbage collection (periodic, see [`gc`]): the datapath treats an expired forward entry as
+//! Garbage collection (periodic, see [`gc_round`]): the datapath treats an expired forward entry as
 //! absent but never deletes it, and a reply entry outlives its flow; the LRU would evict them
 //! only under pressure, at the cost of live flows' entries when the map is full. Each run
 //! deletes forward entries past their idle timeout (`proxy_common::ct_timeout`, the
@@ -19,14 +19,13 @@
 //! never starts a flow in the datapath, so a purged entry could only turn into a reset. Entries
 //! of TCP flows to a deleted pod idle out or are closed by FIN/RST like any other.
 //!
-//! Cost: the LRU hash map has no secondary index, so a purge walks the whole map from user space
-//! (one `get_next_key` + one lookup syscall per entry, ~1–2 µs each: about 0.5 s for a full
-//! 262 144-entry table). It runs only after applies that removed backends of external
-//! frontends, and only entries that match are deleted.
+//! Cost: the LRU hash map has no secondary index, so GC and purges walk the whole map from
+//! user space (about 0.5 s for a full 262 144-entry table), in batches with a cursor that
+//! survives deletions ([`CtWalk`]). They run on the conntrack worker's thread
+//! (`ct_worker`), never in the sync loop; a purge only after applies that removed backends of
+//! external frontends, deleting only entries that match.
 
 use std::net::IpAddr;
-
-use std::collections::HashMap as StdHashMap;
 
 use aya::maps::{HashMap, MapData};
 use proxy_common::{CtKey, CtValue, ct_flags, ct_timeout, family};
@@ -160,10 +159,6 @@ pub fn purge<T: std::borrow::BorrowMut<MapData>>(
     report
 }
 
-/// Most entries one garbage collection run deletes: bounds its syscalls (two per deletion),
-/// and so the time it holds the sync loop, to well under a second; the rest go next run.
-pub const GC_MAX_DELETES: usize = 65_536;
-
 /// The key of the entry for the other direction of `value`'s flow (as the datapath builds it):
 /// a forward entry's reply key, or a reply entry's forward key.
 fn reverse_key(key: &CtKey, value: &CtValue) -> CtKey {
@@ -261,11 +256,13 @@ fn entry_dead(
     }
 }
 
-/// The keys a garbage collection run deletes from a snapshot of the map taken at monotonic
-/// time `now` (`bpf_ktime_get_ns`'s clock): expired forward entries, the reply entries of
+/// The keys a garbage collection round deletes from a snapshot of the map taken at monotonic
+/// time `now` (the decision `gc_round` makes on the live map, on a snapshot for tests) (`bpf_ktime_get_ns`'s clock): expired forward entries, the reply entries of
 /// their flows, dead reply entries and the egress entries of dead flows. At most `limit` keys.
+#[cfg(test)]
 pub fn gc_keys(entries: &[(CtKey, CtValue)], now: u64, limit: usize) -> Vec<CtKey> {
-    let by_key: StdHashMap<&CtKey, &CtValue> = entries.iter().map(|(k, v)| (k, v)).collect();
+    let by_key: std::collections::HashMap<&CtKey, &CtValue> =
+        entries.iter().map(|(k, v)| (k, v)).collect();
     let lookup = |k: &CtKey| by_key.get(k).map(|v| **v);
     let mut keys = Vec::new();
     for (key, value) in entries {
@@ -293,39 +290,165 @@ pub struct GcReport {
     pub remaining: usize,
 }
 
-/// One garbage collection run over the live map at monotonic time `now`. Each entry is read
-/// again just before it is deleted and kept if a packet revived it since the walk (a refreshed
-/// forward entry, a reply entry whose flow was recreated), so only a flow that stays idle
-/// through the whole run loses its entries.
-pub fn gc<T: std::borrow::BorrowMut<MapData>>(
-    map: &mut HashMap<T, CtKey, CtValue>,
-    now: u64,
-) -> GcReport {
-    let all = entries(map);
-    let mut report = GcReport {
-        scanned: all.len(),
-        ..GcReport::default()
-    };
-    for key in gc_keys(&all, now, GC_MAX_DELETES) {
-        let Ok(value) = map.get(&key, 0) else {
-            continue;
-        };
-        let dead = entry_dead(&key, &value, |k| map.get(k, 0).ok(), now);
-        if dead && map.remove(&key).is_ok() {
-            if is_reply(&value) {
-                report.deleted_reply += 1;
-            } else {
-                report.deleted_forward += 1;
+/// `BPF_MAP_LOOKUP_BATCH`.
+const BPF_MAP_LOOKUP_BATCH: libc::c_long = 24;
+const MAX_BATCH: usize = 1 << 20;
+
+/// A resumable walk over the conntrack map, in batches (`BPF_MAP_LOOKUP_BATCH`, Linux ≥ 5.6).
+/// Its cursor is the kernel's bucket index, not a key: a key-based walk (`get_next_key`)
+/// restarts from the first bucket when the key it stands on is deleted — by a GC or purge,
+/// by the datapath, by LRU eviction — and so revisits entries or never ends under churn. This
+/// one goes on where it stopped: every entry present for the whole round is visited exactly
+/// once, entries deleted before their bucket is reached are not visited.
+#[derive(Debug, Default)]
+pub struct CtWalk {
+    /// The kernel's opaque batch token (a bucket index for hash maps); `None` at the start.
+    cursor: Option<u64>,
+    finished: bool,
+}
+
+impl CtWalk {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Whether the round is over (the last batch reached the end of the map).
+    pub fn finished(&self) -> bool {
+        self.finished
+    }
+
+    /// The next batch of up to `max` entries (at least one bucket's: more when a bucket holds
+    /// more). Empty once [`CtWalk::finished`].
+    pub fn next_batch(
+        &mut self,
+        map: std::os::fd::BorrowedFd<'_>,
+        max: usize,
+    ) -> std::io::Result<Vec<(CtKey, CtValue)>> {
+        use std::os::fd::AsRawFd as _;
+        if self.finished {
+            return Ok(Vec::new());
+        }
+        let mut capacity = max.clamp(1, MAX_BATCH);
+        loop {
+            let mut keys = vec![CtKey::default(); capacity];
+            let mut values = vec![CtValue::default(); capacity];
+            let mut in_batch = self.cursor.unwrap_or(0);
+            let mut out_batch = 0u64;
+            let mut attr = [0u8; 56];
+            if self.cursor.is_some() {
+                attr[0..8].copy_from_slice(&((&raw mut in_batch) as u64).to_ne_bytes());
+            }
+            attr[8..16].copy_from_slice(&((&raw mut out_batch) as u64).to_ne_bytes());
+            attr[16..24].copy_from_slice(&(keys.as_mut_ptr() as u64).to_ne_bytes());
+            attr[24..32].copy_from_slice(&(values.as_mut_ptr() as u64).to_ne_bytes());
+            let count = u32::try_from(capacity).unwrap_or(u32::MAX);
+            attr[32..36].copy_from_slice(&count.to_ne_bytes());
+            let fd = u32::try_from(map.as_raw_fd()).unwrap_or(u32::MAX);
+            attr[36..40].copy_from_slice(&fd.to_ne_bytes());
+            // SAFETY: attr is a valid `bpf_attr` for BPF_MAP_LOOKUP_BATCH whose pointers
+            // (cursor words, key and value arrays of `capacity` elements of the map's sizes)
+            // outlive the call.
+            let ret = unsafe {
+                libc::syscall(
+                    libc::SYS_bpf,
+                    BPF_MAP_LOOKUP_BATCH,
+                    attr.as_mut_ptr(),
+                    attr.len(),
+                )
+            };
+            let error = (ret < 0).then(std::io::Error::last_os_error);
+            let got = u32::from_ne_bytes([attr[32], attr[33], attr[34], attr[35]]) as usize;
+            match error.as_ref().and_then(std::io::Error::raw_os_error) {
+                // One bucket holds more than asked for: ask for more.
+                Some(libc::ENOSPC) if capacity < MAX_BATCH => {
+                    capacity = (capacity * 2).min(MAX_BATCH);
+                    continue;
+                }
+                // The end of the map: `got` entries came with it.
+                Some(libc::ENOENT) => self.finished = true,
+                Some(_) => return Err(error.unwrap_or_else(std::io::Error::last_os_error)),
+                None => self.cursor = Some(out_batch),
+            }
+            let got = got.min(capacity);
+            keys.truncate(got);
+            values.truncate(got);
+            return Ok(keys.into_iter().zip(values).collect());
+        }
+    }
+}
+
+/// The fd of the conntrack map (an LRU hash map; a plain hash map in older objects).
+fn map_fd(map: &aya::maps::Map) -> Option<std::os::fd::BorrowedFd<'_>> {
+    use std::os::fd::AsFd as _;
+    match map {
+        aya::maps::Map::LruHashMap(data) | aya::maps::Map::HashMap(data) => Some(data.fd().as_fd()),
+        _ => None,
+    }
+}
+
+/// Garbage collection of `map` in one round of batches of `batch` entries: expired forward
+/// entries, the reply entries of their flows, dead reply entries and the egress entries of
+/// dead flows (`entry_dead`). Each entry is read again just before the decision and kept if a
+/// packet revived it since its batch was read, so only a flow that stays idle through the
+/// round loses its entries. For the worker, which runs it off the sync
+/// loop; a round's cost is bounded by the map's size, not by how much is deleted under it.
+pub fn gc_round(map: &mut aya::maps::Map, now: u64, batch: usize) -> std::io::Result<GcReport> {
+    let mut walk = CtWalk::new();
+    let mut report = GcReport::default();
+    while !walk.finished() {
+        let fd = map_fd(map).ok_or_else(|| std::io::Error::other("KPR_CT is not a hash map"))?;
+        let entries = walk.next_batch(fd, batch)?;
+        let mut ct: HashMap<&mut MapData, CtKey, CtValue> =
+            HashMap::try_from(&mut *map).map_err(std::io::Error::other)?;
+        report.scanned += entries.len();
+        for (key, _) in entries {
+            // Read again: a packet since the batch may have revived it (or deleted it).
+            let Ok(value) = ct.get(&key, 0) else {
+                continue;
+            };
+            if entry_dead(&key, &value, |k| ct.get(k, 0).ok(), now) && ct.remove(&key).is_ok() {
+                if is_reply(&value) {
+                    report.deleted_reply += 1;
+                } else {
+                    report.deleted_forward += 1;
+                }
             }
         }
     }
     report.remaining = report
         .scanned
         .saturating_sub(report.deleted_forward + report.deleted_reply);
-    report
+    Ok(report)
 }
 
-/// `bpf_ktime_get_ns`'s clock (`CLOCK_MONOTONIC`), for [`gc`].
+/// Deletes the entries of `removed` backends in one round of batches (see [`purge`]).
+pub fn purge_round(
+    map: &mut aya::maps::Map,
+    removed: &[RemovedBackend],
+    batch: usize,
+) -> std::io::Result<PurgeReport> {
+    let mut report = PurgeReport::default();
+    if !any_external(removed) {
+        return Ok(report);
+    }
+    let mut walk = CtWalk::new();
+    while !walk.finished() {
+        let fd = map_fd(map).ok_or_else(|| std::io::Error::other("KPR_CT is not a hash map"))?;
+        let entries = walk.next_batch(fd, batch)?;
+        report.scanned += entries.len();
+        let stale = stale_keys(&entries, removed);
+        let mut ct: HashMap<&mut MapData, CtKey, CtValue> =
+            HashMap::try_from(&mut *map).map_err(std::io::Error::other)?;
+        for key in stale {
+            if ct.remove(&key).is_ok() {
+                report.deleted += 1;
+            }
+        }
+    }
+    Ok(report)
+}
+
+/// `bpf_ktime_get_ns`'s clock (`CLOCK_MONOTONIC`), for [`gc_round`].
 pub fn monotonic_ns() -> Result<u64, nix::Error> {
     let now = nix::time::clock_gettime(nix::time::ClockId::CLOCK_MONOTONIC)?;
     let secs = u64::try_from(now.tv_sec()).unwrap_or(0);
