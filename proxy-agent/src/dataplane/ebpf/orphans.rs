@@ -6,10 +6,11 @@
 //! idles out. The drift check reports them and, when repairing, deletes them.
 //!
 //! What is never an orphan: an entry whose backend still exists, whatever Service it serves
-//! now, and any TCP conntrack entry — TCP flows drain on their backend (a terminating backend
-//! leaves the live set first and must keep its established connections; README: "TCP connections are
-//! left to drain, as with kube-proxy"), so they end by FIN/RST or idle out like upstream's conntrack, exactly as the purge
-//! after an apply leaves them (`tc_conntrack`).
+//! now, and any TCP conntrack entry. TCP flows drain on their backend (a terminating backend
+//! leaves the live set first and must keep its established connections; README: "TCP
+//! connections are left to drain, as with kube-proxy"), so they end by FIN/RST or idle out
+//! like upstream's conntrack, exactly as the purge after an apply leaves them
+//! (`tc_conntrack`).
 
 use std::collections::BTreeSet;
 use std::net::SocketAddr;
