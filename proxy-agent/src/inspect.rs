@@ -151,7 +151,10 @@ fn explain_iptables(args: &InspectArgs) -> anyhow::Result<String> {
         dump.push_str(&iptables_save(family, table)?);
     }
     let tracer = crate::dataplane::iptables::tracer::Tracer::new(&dump, &[], &local_ips);
-    let explanation = explain::explain_iptables(&tracer, &query);
+    let mut explanation = explain::explain_iptables(&tracer, &query);
+    explain::iptables_affinity(&tracer, &query, &mut explanation, |chain| {
+        std::fs::read_to_string(Path::new("/proc/net/xt_recent").join(chain)).ok()
+    });
     if args.json() {
         return Ok(serde_json::to_string_pretty(&explanation)?);
     }

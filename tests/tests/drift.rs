@@ -1,9 +1,13 @@
-//! Drift detection and repair with a real agent: the test changes the pinned service maps from
-//! outside (corrupts, deletes and adds entries in the frontend, slot, backend, affinity match
-//! and source range maps; Maglev tables are covered by the unit tests), `proxy-agent inspect drift` reports each change
-//! without repairing it, and the agent's periodic check repairs them within one period —
+//! Drift detection and repair with a real agent: the test changes the pinned maps from outside
+//! (corrupts, deletes and adds entries in the frontend, slot, backend, affinity match and
+//! source range maps and in the node maps — the node config entry and the NodePort address
+//! set; Maglev tables are covered by the unit tests — and adds orphans: an affinity entry of a
+//! Service that does not exist, a UDP socket's entry and a UDP conntrack entry of a backend that
+//! does not exist), `proxy-agent inspect drift` reports each change without repairing it, and the agent's periodic check repairs them within one period —
 //! counted in `kubeproxy_ebpf_drift_repairs_total{map}` and logged — while traffic to a Service
-//! the changes do not touch keeps flowing. Needs root.
+//! the changes do not touch keeps flowing. A TCP conntrack entry of a backend that does not
+//! exist (a draining flow) and a UDP one of a live backend are not orphans and survive the
+//! repair. Needs root.
 
 use std::{
     net::{Ipv4Addr, SocketAddr},
@@ -13,11 +17,12 @@ use std::{
     time::{Duration, Instant},
 };
 
-use aya::maps::{HashMap, LpmTrie, Map, MapData, lpm_trie::Key};
+use aya::maps::{Array, HashMap, LpmTrie, Map, MapData, lpm_trie::Key};
 use proxy_agent::dataplane::ebpf::PIN_DIR_NAME;
 use proxy_common::{
-    AffinityMatchKey, Backend4, BackendSlotKey, Frontend4Key, FrontendValue, SourceRangeKey,
-    map_names, proto, scope,
+    AffinityKey, AffinityMatchKey, AffinityValue, Backend4, BackendSlotKey, CtKey, CtValue,
+    Frontend4Key, FrontendValue, NodeAddrKey, NodeConfig, SourceRangeKey, family, map_names, proto,
+    scope,
 };
 use proxy_tests::{
     agent::agent_binary,
@@ -151,7 +156,97 @@ fn tamper(pin_dir: &Path) -> anyhow::Result<u32> {
         addr: [map_addr(Ipv4Addr::new(198, 51, 100, 0)), 0, 0, 0],
     };
     ranges.insert(&Key::new(32 + 24, range), 1, 0)?;
+    tamper_node_and_orphans(pin_dir, web.service_id)?;
     Ok(first)
+}
+
+fn node_addr(addr: Ipv4Addr) -> NodeAddrKey {
+    NodeAddrKey {
+        addr: [map_addr(addr), 0, 0, 0],
+        family: family::V4,
+        _pad: [0; 3],
+    }
+}
+
+/// A conntrack entry of a flow from the external client to `backend` through the ClusterIP.
+fn ct_entry(protocol: u8, backend: Ipv4Addr) -> anyhow::Result<(CtKey, CtValue)> {
+    let key = CtKey {
+        src: [map_addr(Ipv4Addr::new(10, 10, 0, 2)), 0, 0, 0],
+        dst: [map_addr(CLUSTER_IP), 0, 0, 0],
+        sport: 40_000u16.to_be(),
+        dport: SERVICE_PORT.to_be(),
+        proto: protocol,
+        family: family::V4,
+        _pad: 0,
+    };
+    let value = CtValue {
+        src: key.src,
+        dst: [map_addr(backend), 0, 0, 0],
+        sport: key.sport,
+        dport: 8080u16.to_be(),
+        // Fresh, so the agent's conntrack garbage collection leaves it alone.
+        last_seen_ns: proxy_agent::dataplane::ebpf::monotonic_ns()?,
+        ..CtValue::default()
+    };
+    Ok((key, value))
+}
+
+const GONE_BACKEND: Ipv4Addr = Ipv4Addr::new(10, 244, 99, 2);
+
+/// The conntrack entries the test adds: (entry, whether it is an orphan).
+fn ct_entries() -> anyhow::Result<Vec<((CtKey, CtValue), bool)>> {
+    let mut udp_live = ct_entry(proto::UDP, proxy_tests::topology::Topology::pod_ip(1))?;
+    let mut tcp_gone = ct_entry(proto::TCP, GONE_BACKEND)?;
+    // Distinct client ports: one key per entry.
+    udp_live.0.sport = 40_001u16.to_be();
+    tcp_gone.0.sport = 40_002u16.to_be();
+    Ok(vec![
+        (ct_entry(proto::UDP, GONE_BACKEND)?, true),
+        (udp_live, false),
+        (tcp_gone, false),
+    ])
+}
+
+/// The node maps (a NodePort address deleted, one added, the config's SNAT address corrupted)
+/// and orphans in the maps the datapath writes.
+fn tamper_node_and_orphans(pin_dir: &Path, web_service: u32) -> anyhow::Result<()> {
+    let mut addrs: HashMap<_, NodeAddrKey, u8> = open(pin_dir, map_names::NODE_ADDRS)?;
+    match addrs.remove(&node_addr(proxy_tests::topology::Topology::node_ext_ip())) {
+        Ok(()) | Err(aya::maps::MapError::KeyNotFound) => {}
+        Err(e) => return Err(e.into()),
+    }
+    addrs.insert(node_addr(Ipv4Addr::new(203, 0, 113, 9)), 1, 0)?;
+    let data = MapData::from_pin(pin_dir.join(map_names::NODE_CONFIG))?;
+    let mut config: Array<_, NodeConfig> = Array::try_from(Map::from_map_data(data)?)?;
+    let mut c = config.get(&0, 0)?;
+    c.snat4 = map_addr(Ipv4Addr::new(192, 0, 2, 99));
+    config.set(0, c, 0)?;
+
+    let now = proxy_agent::dataplane::ebpf::monotonic_ns()?;
+    let mut affinity: HashMap<_, AffinityKey, AffinityValue> = open(pin_dir, map_names::AFFINITY)?;
+    let gone_service = AffinityKey {
+        client: 7,
+        service_id: 0xdead,
+        _pad: 0,
+    };
+    let value = |backend_id| AffinityValue {
+        backend_id,
+        _pad: 0,
+        last_used_ns: now,
+    };
+    affinity.insert(gone_service, value(1), 0)?;
+    let mut sticky: HashMap<_, AffinityKey, AffinityValue> = open(pin_dir, map_names::UDP_STICKY)?;
+    let socket = AffinityKey {
+        client: 8,
+        service_id: web_service,
+        _pad: 0,
+    };
+    sticky.insert(socket, value(0xbeef), 0)?;
+    let mut ct: HashMap<_, CtKey, CtValue> = open(pin_dir, map_names::CT)?;
+    for ((key, value), _) in ct_entries()? {
+        ct.insert(key, value, 0)?;
+    }
+    Ok(())
 }
 
 fn expected_kinds() -> Vec<(String, String)> {
@@ -161,6 +256,12 @@ fn expected_kinds() -> Vec<(String, String)> {
         ("KPR_BACKEND_SLOTS", "missing"),
         ("KPR_FRONTENDS4", "extra"),
         ("KPR_SOURCE_RANGES", "extra"),
+        ("KPR_NODE_ADDRS", "missing"),
+        ("KPR_NODE_ADDRS", "extra"),
+        ("KPR_NODE_CONFIG", "changed"),
+        ("KPR_AFFINITY", "orphan"),
+        ("KPR_UDP_STICKY", "orphan"),
+        ("KPR_CT", "orphan"),
     ]
     .into_iter()
     .map(|(map, kind)| (map.to_owned(), kind.to_owned()))
@@ -279,6 +380,16 @@ fn drifted_ebpf_maps_are_reported_and_repaired_within_one_period() -> anyhow::Re
         "{seen:?}"
     );
 
+    // Only the orphan left conntrack: the draining TCP flow and the live UDP flow stayed.
+    let ct: HashMap<_, CtKey, CtValue> = open(&pin_dir, map_names::CT)?;
+    for ((key, _), orphan) in ct_entries()? {
+        assert_eq!(
+            ct.get(&key, 0).is_ok(),
+            !orphan,
+            "conntrack entry {key:?} (orphan: {orphan})"
+        );
+    }
+
     let api_attempts = api_traffic
         .join()
         .map_err(|_| anyhow::anyhow!("traffic thread panicked"))??;
@@ -295,6 +406,24 @@ fn drifted_ebpf_maps_are_reported_and_repaired_within_one_period() -> anyhow::Re
 
 fn log_tail(s: &mut Scenario) -> String {
     s.agent().map(|a| a.log_tail(40)).unwrap_or_default()
+}
+
+/// Splits a saved rule into arguments; `"…"` is one argument without its quotes.
+fn split_quoted(rule: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut rest = rule.trim();
+    while !rest.is_empty() {
+        if let Some(quoted) = rest.strip_prefix('"') {
+            let (word, after) = quoted.split_once('"').unwrap_or((quoted, ""));
+            out.push(word.to_owned());
+            rest = after.trim_start();
+        } else {
+            let (word, after) = rest.split_once(' ').unwrap_or((rest, ""));
+            out.push(word.to_owned());
+            rest = after.trim_start();
+        }
+    }
+    out
 }
 
 /// Runs `command args` in the node's namespace; fails on a non-zero exit.
@@ -367,6 +496,18 @@ fn drifted_iptables_rules_are_reported_and_repaired_within_one_period() -> anyho
     s.topo
         .add_decoy(std::net::IpAddr::V4(API_IP), SERVICE_PORT)?;
     let period = format!("{}s", PERIOD.as_secs());
+    // A Service with ClientIP affinity: its chain has `-m recent` rules to tamper with.
+    s.manifests.write(
+        "sticky-svc.yaml",
+        "apiVersion: v1\nkind: Service\nmetadata: {name: sticky, namespace: default}\nspec:\n  \
+         clusterIP: 10.96.0.40\n  ports:\n  - {name: http, port: 80, targetPort: 8080, \
+         protocol: TCP}\n  sessionAffinity: ClientIP\n  sessionAffinityConfig: {clientIP: \
+         {timeoutSeconds: 600}}\n",
+    )?;
+    s.manifests.write(
+        "sticky-slice.yaml",
+        &http_slice("default", "sticky-1", "sticky", &[pod_endpoint(1)]),
+    )?;
     let client = s.start_serving("iptables", &["--drift-check-period", &period])?;
     let api = SocketAddr::from((API_IP, SERVICE_PORT));
     let netns = s.topo.node().path();
@@ -392,12 +533,34 @@ fn drifted_iptables_rules_are_reported_and_repaired_within_one_period() -> anyho
         .map(|chain| chain.trim().to_owned())
         .ok_or_else(|| anyhow::anyhow!("no KUBE-SERVICES rule for web in\n{nat}"))?;
     anyhow::ensure!(web_chain.starts_with("KUBE-SVC-"), "{web_chain}");
+    let sticky_chain = nat
+        .lines()
+        .filter(|l| l.starts_with("-A KUBE-SERVICES") && l.contains("-d 10.96.0.40/32"))
+        .find_map(|l| l.split("-j ").nth(1))
+        .map(|chain| chain.trim().to_owned())
+        .ok_or_else(|| anyhow::anyhow!("no KUBE-SERVICES rule for sticky in\n{nat}"))?;
+    // Its rules as saved: 1 is the `recent --rcheck` jump, 2 the jump with the endpoint's
+    // comment. The tampering below changes only a timeout and a comment.
+    let sticky_rules: Vec<String> = nat
+        .lines()
+        .filter_map(|l| l.strip_prefix(&format!("-A {sticky_chain} ")))
+        .map(str::to_owned)
+        .collect();
+    let [recent_rule, comment_rule] = &sticky_rules[..] else {
+        anyhow::bail!("{sticky_chain}: {sticky_rules:?}");
+    };
+    anyhow::ensure!(
+        recent_rule.contains("--seconds 600") && comment_rule.contains("-> 10.244.1.2:8080"),
+        "{sticky_rules:?}"
+    );
+    let shorter_affinity = split_quoted(&recent_rule.replace("--seconds 600", "--seconds 5"));
+    let other_comment = split_quoted(&comment_rule.replace("-> 10.244.1.2:8080", "-> elsewhere"));
 
     let api_client = client.clone().interval(Duration::from_millis(100));
     let api_traffic = thread::spawn(move || api_client.run(api, 120));
 
     // Delete a rule of web's service chain, add one to KUBE-SERVICES, add a chain under our
-    // names, flush the canary.
+    // names, flush the canary, change a mark, a `recent` timeout and a comment.
     let tamper = |netns: &Path| -> anyhow::Result<Instant> {
         in_node(netns, "iptables", &["-t", "nat", "-D", &web_chain, "1"])?;
         in_node(
@@ -429,11 +592,34 @@ fn drifted_iptables_rules_are_reported_and_repaired_within_one_period() -> anyho
             "iptables",
             &["-t", "mangle", "-X", "KUBE-PROXY-CANARY"],
         )?;
+        // Outside what decides a packet's DNAT: a mark, a `recent` timeout, a comment.
+        in_node(
+            netns,
+            "iptables",
+            &[
+                "-t",
+                "nat",
+                "-R",
+                "KUBE-MARK-MASQ",
+                "1",
+                "-j",
+                "MARK",
+                "--or-mark",
+                "0x8000",
+            ],
+        )?;
+        for (index, rule) in [("1", &shorter_affinity), ("2", &other_comment)] {
+            let mut args = vec!["-t", "nat", "-R", sticky_chain.as_str(), index];
+            args.extend(rule.iter().map(String::as_str));
+            in_node(netns, "iptables", &args)?;
+        }
         Ok(Instant::now())
     };
     let expected: Vec<(String, String)> = [
         ("changed", "KUBE-SERVICES"),
         ("changed", web_chain.as_str()),
+        ("changed", "KUBE-MARK-MASQ"),
+        ("changed", sticky_chain.as_str()),
         ("extra", "KUBE-SEP-DRIFTTEST"),
         ("missing", "KUBE-PROXY-CANARY"),
     ]
@@ -456,6 +642,14 @@ fn drifted_iptables_rules_are_reported_and_repaired_within_one_period() -> anyho
         chain_kinds(&report) == sorted_expected,
         "the agent repaired before inspect drift could look; rerun"
     );
+    // The table for people (README's example), naming the tampered timeout.
+    let table = in_node(
+        &netns,
+        &agent_binary()?.to_string_lossy(),
+        &["inspect", "drift"],
+    )?;
+    eprintln!("{table}");
+    assert!(table.contains("--seconds 5"), "{table}");
 
     let mut repaired_after = None;
     while tampered_at.elapsed() < PERIOD + Duration::from_secs(3) {
@@ -482,6 +676,10 @@ fn drifted_iptables_rules_are_reported_and_repaired_within_one_period() -> anyho
     }
     let nat = in_node(&netns, "iptables-save", &["-t", "nat"])?;
     assert!(!nat.contains("10.96.0.99"), "the added rule survived");
+    assert!(
+        !nat.contains("--seconds 5 ") && !nat.contains("elsewhere") && !nat.contains("0x8000"),
+        "a tampered timeout, comment or mark survived:\n{nat}"
+    );
     assert!(
         !nat.contains("KUBE-SEP-DRIFTTEST"),
         "the added chain survived"

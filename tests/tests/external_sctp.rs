@@ -5,7 +5,9 @@
 //! forwarded, answers, and the client receives the reverse-translated answer. Every packet's
 //! addresses, ports and CRC32c (recomputed from scratch) are checked. IPv4 only: an IPv6 raw
 //! socket does not return the IP header (the destination address), and `tc_test_run.rs`
-//! covers IPv6 byte for byte. Needs root.
+//! covers IPv6 byte for byte. `inspect explain` for the INIT's tuple must name the pod it
+//! reached and the SNAT source the pod saw (SCTP's share of the explain agreement, which the
+//! connection-based `explain_agreement.rs` cannot make without an SCTP stack). Needs root.
 
 use std::net::{IpAddr, Ipv4Addr, SocketAddr, SocketAddrV4};
 use std::os::fd::OwnedFd;
@@ -179,6 +181,35 @@ fn sctp_init_reaches_the_pod_translated_and_the_answer_comes_back() -> anyhow::R
     ensure!(
         stored_crc(&arrived.l4) != stored_crc(segment(&init)),
         "the ports changed, so must the CRC32c"
+    );
+
+    // `inspect explain` for this exact tuple agrees with the packet: the flow's conntrack
+    // entry carries it to the pod, SNATed to exactly the source the pod saw.
+    let explained = std::process::Command::new("nsenter")
+        .arg(format!("--net={}", s.topo.node().path().display()))
+        .arg(proxy_tests::agent::agent_binary()?)
+        .arg("--bpf-root")
+        .arg(s.agent()?.bpf_root())
+        .args(["inspect", "explain", "--json", "--from", "external"])
+        .args(["--client", &client.ip().to_string()])
+        .args(["--to", &format!("{frontend}/sctp")])
+        .args(["--sport", &CLIENT_PORT.to_string()])
+        .output()?;
+    ensure!(
+        explained.status.success(),
+        "inspect explain: {}",
+        String::from_utf8_lossy(&explained.stderr)
+    );
+    let e: serde_json::Value = serde_json::from_slice(&explained.stdout)?;
+    eprintln!("explain: {e}");
+    ensure!(
+        e["verdict"] == "translate" && e["chosen"] == pod.to_string(),
+        "explain must name the pod the INIT reached: {e}"
+    );
+    ensure!(
+        e["source"] == format!("{} (SNAT)", arrived.source()),
+        "explain must name the SNAT source the pod saw ({}): {e}",
+        arrived.source()
     );
 
     // The pod answers with DATA to the address it saw.

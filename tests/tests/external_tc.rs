@@ -539,6 +539,28 @@ fn answered_under_forward_policy(s: &Scenario) -> anyhow::Result<[Vec<(SocketAdd
     Ok([open, iptables?, nft?])
 }
 
+/// What `proxy-agent inspect explain` says about netfilter for the external client's NodePort
+/// connection (eBPF mode): `"netfilter path: …"` or `"--tc-fast-path: …"`.
+fn explained_netfilter(s: &mut Scenario) -> anyhow::Result<String> {
+    let bpf_root = s.agent()?.bpf_root().to_path_buf();
+    let output = std::process::Command::new("nsenter")
+        .arg(format!("--net={}", s.topo.node().path().display()))
+        .arg(proxy_tests::agent::agent_binary()?)
+        .arg("--bpf-root")
+        .arg(bpf_root)
+        .args(["inspect", "explain", "--json", "--from", "external"])
+        .args(["--client", &Topology::ext_ip().to_string()])
+        .args(["--to", &format!("{}/tcp", node_port_addr())])
+        .output()?;
+    anyhow::ensure!(
+        output.status.success(),
+        "inspect explain: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let e: serde_json::Value = serde_json::from_slice(&output.stdout)?;
+    Ok(e["netfilter"].as_str().unwrap_or_default().to_owned())
+}
+
 fn all_answered(results: &[(SocketAddr, usize)], count: usize) -> bool {
     results.iter().all(|(_, n)| *n == count)
 }
@@ -558,6 +580,13 @@ fn host_forward_policy_applies_to_external_traffic_in_both_modes() -> anyhow::Re
         s.start_agent_with_args(mode, &["--interfaces", "vext"])?;
         let client = ext_client()(&s);
         s.wait_for_datapath_with(&client, node_port_addr(), "NodePort answered", is_pod)?;
+        if mode == "ebpf" {
+            // explain predicts what the FORWARD drops below show.
+            let path = explained_netfilter(&mut s)?;
+            s.ensure(path.starts_with("netfilter path"), || {
+                format!("explain must say FORWARD applies: {path:?}")
+            })?;
+        }
         let [open, iptables, nft] = answered_under_forward_policy(&s)?;
         eprintln!("{mode}: open {open:?}, iptables drop {iptables:?}, nft drop {nft:?}");
         s.ensure(all_answered(&open, 3), || {
@@ -589,6 +618,10 @@ fn fast_path_skips_the_host_forward_policy() -> anyhow::Result<()> {
     s.start_agent_with_args("ebpf", &["--interfaces", "vext", "--tc-fast-path"])?;
     let client = ext_client()(&s);
     s.wait_for_datapath_with(&client, node_port_addr(), "NodePort answered", is_pod)?;
+    let path = explained_netfilter(&mut s)?;
+    s.ensure(path.starts_with("--tc-fast-path"), || {
+        format!("explain must say FORWARD does not apply: {path:?}")
+    })?;
     let [open, iptables, nft] = answered_under_forward_policy(&s)?;
     eprintln!("fast path: open {open:?}, iptables drop {iptables:?}, nft drop {nft:?}");
     s.ensure(all_answered(&open, 3), || {

@@ -4,7 +4,9 @@
 //! hashes to, and the same tuples land on the same backends again after the whole datapath
 //! state (conntrack, tables, pins) is removed with `--cleanup` and rebuilt by a new agent.
 //! Random choice would keep all of 60 flows on their backends with probability 3^-60 (measured
-//! with random when this test was written: 18 of 60). Needs root.
+//! with random when this test was written: 18 of 60). Before the first flow of each tuple,
+//! `inspect explain --sport` must name the backend the flow then reaches (the Maglev slot of
+//! its 5-tuple). Needs root.
 
 use std::collections::BTreeMap;
 use std::net::{IpAddr, SocketAddr, UdpSocket};
@@ -100,6 +102,45 @@ fn wait_for_datapath(s: &Scenario, target: SocketAddr, probe_port: u16) -> anyho
     }
 }
 
+/// `inspect explain --sport P` for each source port of the `ext` client: the pod (`pod<i>`)
+/// it names as chosen.
+fn predict(s: &mut Scenario, target: SocketAddr, ports: &[u16]) -> anyhow::Result<Vec<String>> {
+    let bpf_root = s.agent()?.bpf_root().to_path_buf();
+    let netns = s.topo.node().path();
+    let mut chosen = Vec::with_capacity(ports.len());
+    for port in ports {
+        let output = std::process::Command::new("nsenter")
+            .arg(format!("--net={}", netns.display()))
+            .arg(proxy_tests::agent::agent_binary()?)
+            .arg("--bpf-root")
+            .arg(&bpf_root)
+            .args(["inspect", "explain", "--json", "--from", "external"])
+            .args(["--client", &Topology::ext_ip().to_string()])
+            .args([
+                "--to",
+                &format!("{target}/udp"),
+                "--sport",
+                &port.to_string(),
+            ])
+            .output()?;
+        anyhow::ensure!(
+            output.status.success(),
+            "inspect explain: {}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+        let e: serde_json::Value = serde_json::from_slice(&output.stdout)?;
+        let backend: SocketAddr = e["chosen"]
+            .as_str()
+            .and_then(|c| c.parse().ok())
+            .ok_or_else(|| anyhow::anyhow!("explain named no backend for port {port}: {e}"))?;
+        let IpAddr::V4(ip) = backend.ip() else {
+            anyhow::bail!("not a pod address: {backend}");
+        };
+        chosen.push(format!("pod{}", ip.octets()[2]));
+    }
+    Ok(chosen)
+}
+
 fn tally(answers: &[Option<String>]) -> BTreeMap<String, usize> {
     let mut counts = BTreeMap::new();
     for answer in answers {
@@ -148,9 +189,22 @@ fn maglev_node_port_flows_keep_their_backend_across_a_datapath_rebuild() -> anyh
         || "the Maglev map should be recreated with its capacity for maglev".into(),
     )?;
     wait_for_datapath(&s, target, 39_999)?;
+    // `inspect explain` names each tuple's backend before any packet of it: the Maglev slot
+    // of the full 5-tuple (`--sport`).
+    let predicted = predict(&mut s, target, &ports)?;
     let first = send_flows(s.topo.ext().path(), target, ports.clone())?;
     let counts = tally(&first);
     eprintln!("first round, flows per pod: {counts:?}");
+    let wrong: Vec<(u16, &Option<String>, &String)> = ports
+        .iter()
+        .zip(&first)
+        .zip(&predicted)
+        .filter(|((_, answer), chosen)| answer.as_ref() != Some(*chosen))
+        .map(|((port, answer), chosen)| (*port, answer, chosen))
+        .collect();
+    s.ensure(wrong.is_empty(), || {
+        format!("(source port, answered, explain's Maglev choice) that differ: {wrong:?}")
+    })?;
     s.ensure(
         first
             .iter()

@@ -349,7 +349,7 @@ fn files_in(dir: &Path) -> Vec<PathBuf> {
 /// Builds the agent and the benchmark with `--release` (debug builds would measure the
 /// compiler's unoptimised code, not the design) and runs the benchmark, which writes
 /// `docs/benchmarks.md` and the SVG plots next to it.
-pub fn bench(quick: bool) -> Result<()> {
+pub fn bench(quick: bool, only: Option<&str>) -> Result<()> {
     let object = ebpf_object();
     step("build: proxy-agent and the benchmark (release)");
     build_binaries(&object, true)?;
@@ -363,13 +363,24 @@ pub fn bench(quick: bool) -> Result<()> {
     });
     let release = workspace_root().join("target/release");
     let mut command = Command::new(release.join("bench"));
+    // A partial run writes beside the build, so docs/ only ever holds a full report.
+    let out_dir = if only.is_some() {
+        "target/bench-partial"
+    } else {
+        "docs"
+    };
     command
         .current_dir(workspace_root())
-        .args(["--out-dir", "docs"])
+        .args(["--out-dir", out_dir])
         .env("PROXY_AGENT_BIN", release.join("proxy-agent"))
         .env("RIG_HELPER_BIN", release.join("rig-helper"));
     if quick {
         command.arg("--quick");
+    }
+    if let Some(sections) = only {
+        std::fs::create_dir_all(workspace_root().join(out_dir))
+            .with_context(|| format!("creating {out_dir}"))?;
+        command.args(["--only", sections]);
     }
     run_cmd(&mut command)
 }

@@ -53,6 +53,11 @@ enum Command {
         /// Small sizes and single runs: checks that everything works, numbers not comparable.
         #[arg(long)]
         quick: bool,
+        /// Run only these sections (comma-separated: datapath, nodeport, tc-cost, programming,
+        /// inprocess). The partial report goes to `target/bench-partial/`, never over
+        /// docs/benchmarks.md, which comes from a run of everything.
+        #[arg(long)]
+        only: Option<String>,
     },
 }
 
@@ -93,10 +98,10 @@ fn main() -> Result<()> {
                 no_smoke,
             })
         }
-        Command::Bench { quick } => {
+        Command::Bench { quick, only } => {
             setup::run(setup::Mode::IfMissing)?;
             build::ebpf()?;
-            build::bench(quick)
+            build::bench(quick, only.as_deref())
         }
     }
 }

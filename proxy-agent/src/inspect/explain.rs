@@ -80,6 +80,27 @@ pub struct Explanation {
     /// The source address the backend sees: the client's, or the SNAT address.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub source: Option<String>,
+    /// Unconnected UDP sockets that keep a backend of this frontend (`KPR_UDP_STICKY`, live
+    /// entries whose backend is still a member): the socket cookie and its backend.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub sticky_sockets: Vec<Pinned>,
+    /// Live session-affinity entries of this Service: the client (a client network namespace
+    /// cookie for the socket hooks, an address for tc) and its backend.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub affinity_entries: Vec<Pinned>,
+    /// For packets tc translates: whether the host's netfilter FORWARD and POSTROUTING still
+    /// see them (the default) or `--tc-fast-path` redirects them past netfilter.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub netfilter: Option<String>,
+}
+
+/// A client pinned to a backend: an affinity entry or an unconnected UDP socket's backend.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Pinned {
+    pub client: String,
+    pub backend: String,
+    /// Seconds since the entry was last used.
+    pub idle_s: u64,
 }
 
 /// The map reads `explain` needs; over the pinned maps, or plain collections in tests.
@@ -95,6 +116,10 @@ pub trait Maps {
     fn conntrack(&self, key: CtKey) -> Option<CtValue>;
     fn affinity(&self, key: AffinityKey) -> Option<AffinityValue>;
     fn affinity_match(&self, key: AffinityMatchKey) -> bool;
+    /// Every `KPR_AFFINITY` entry (tc: client address words; sockets: netns cookie).
+    fn affinity_entries(&self) -> Vec<(AffinityKey, AffinityValue)>;
+    /// Every `KPR_UDP_STICKY` entry (keyed by socket cookie).
+    fn sticky_entries(&self) -> Vec<(AffinityKey, AffinityValue)>;
     /// `bpf_ktime_get_ns()` now (CLOCK_MONOTONIC).
     fn now_ns(&self) -> u64;
 }
@@ -257,16 +282,77 @@ fn socket(maps: &impl Maps, q: &Query, e: &mut Explanation) {
         return;
     }
     candidates(maps, &frontend, addr.is_ipv6(), e);
-    if frontend.flags & frontend_flags::AFFINITY != 0 {
-        e.steps.push(format!(
-            "session affinity ({}s) per client network namespace: a socket's netns cookie is not \
-             known here, so any candidate",
-            frontend.affinity_timeout
-        ));
-    }
     e.verdict = "translate".to_owned();
     e.reason = "random backend among the candidates (socket-level load balancing)".to_owned();
     e.source = Some(kept(q.client));
+    let v6 = addr.is_ipv6();
+    if frontend.flags & frontend_flags::AFFINITY != 0 {
+        let timeout = u64::from(frontend.affinity_timeout) * 1_000_000_000;
+        e.affinity_entries = live_entries(maps, &frontend, v6, maps.affinity_entries(), timeout)
+            .into_iter()
+            .map(|(client, p)| Pinned {
+                client: format!("netns cookie {client}"),
+                ..p
+            })
+            .collect();
+        e.steps.push(format!(
+            "session affinity ({}s) per client network namespace: a namespace with a live entry \
+             (listed) keeps its backend; a new one picks at random",
+            frontend.affinity_timeout
+        ));
+    }
+    if frontend.flags & frontend_flags::STICKY_SOCKET != 0 {
+        // No timeout: the entry lives as long as the LRU keeps it and its backend stays.
+        e.sticky_sockets = live_entries(maps, &frontend, v6, maps.sticky_entries(), u64::MAX)
+            .into_iter()
+            .map(|(cookie, p)| Pinned {
+                client: format!("socket cookie {cookie}"),
+                ..p
+            })
+            .collect();
+        e.steps.push(format!(
+            "UDP: a connected socket picks once at connect; an unconnected socket picks at its \
+             first sendmsg and keeps that backend while it stays a member ({} socket(s) listed)",
+            e.sticky_sockets.len()
+        ));
+    }
+}
+
+/// The entries of `frontend`'s Service that the datapath would still follow: used within
+/// `timeout_ns`, with a backend that is still a member (`KPR_AFFINITY_MATCH`). Keyed by the
+/// entry's client word.
+fn live_entries(
+    maps: &impl Maps,
+    frontend: &FrontendValue,
+    v6: bool,
+    entries: Vec<(AffinityKey, AffinityValue)>,
+    timeout_ns: u64,
+) -> Vec<(u64, Pinned)> {
+    let now = maps.now_ns();
+    let mut out: Vec<(u64, Pinned)> = entries
+        .into_iter()
+        .filter(|(key, value)| {
+            key.service_id == frontend.service_id
+                && now.saturating_sub(value.last_used_ns) <= timeout_ns
+                && maps.affinity_match(AffinityMatchKey {
+                    service_id: frontend.service_id,
+                    backend_id: value.backend_id,
+                })
+        })
+        .filter_map(|(key, value)| {
+            let backend = maps.backend(value.backend_id, v6)?;
+            Some((
+                key.client,
+                Pinned {
+                    client: String::new(),
+                    backend: backend.to_string(),
+                    idle_s: now.saturating_sub(value.last_used_ns) / 1_000_000_000,
+                },
+            ))
+        })
+        .collect();
+    out.sort_by_key(|(client, _)| *client);
+    out
 }
 
 /// The node's SNAT address of `addr`'s family, if any.
@@ -352,6 +438,7 @@ fn tc(maps: &impl Maps, q: &Query, side: TcSide, e: &mut Explanation) {
             e.chosen = Some(backend.to_string());
             e.verdict = "translate".to_owned();
             e.reason = "existing flow: conntrack carries it to its backend".to_owned();
+            e.netfilter = Some(netfilter_path(maps));
             e.source = Some(if entry.flags & ct_flags::SNAT != 0 {
                 format!("{source} (SNAT)")
             } else {
@@ -490,6 +577,23 @@ fn tc(maps: &impl Maps, q: &Query, side: TcSide, e: &mut Explanation) {
         Some(node) => format!("{node} (SNAT to the node address)"),
         None => kept(q.client),
     });
+    e.netfilter = Some(netfilter_path(maps));
+}
+
+/// Whether netfilter FORWARD/POSTROUTING see what tc translated (`node_flags::FAST_PATH`).
+fn netfilter_path(maps: &impl Maps) -> String {
+    if maps
+        .node_config()
+        .is_some_and(|c| c.flags & node_flags::FAST_PATH != 0)
+    {
+        "--tc-fast-path: ingress translates both halves and redirects to the backend's \
+         interface; netfilter FORWARD and POSTROUTING do not apply"
+            .to_owned()
+    } else {
+        "netfilter path: ingress rewrites the destination and returns the packet to the stack; \
+         FORWARD and POSTROUTING apply, the egress program rewrites the source after them"
+            .to_owned()
+    }
 }
 
 /// The client's address, unchanged by the datapath (unknown for a local socket: the kernel
@@ -566,10 +670,12 @@ fn flow_hash(src: &[u32; 4], dst: &[u32; 4], ports: u32, protocol: u8) -> u32 {
 }
 
 /// iptables mode: `tracer` holds the live ruleset (`iptables-save` of nat and filter); the walk
-/// has the parity tests' semantics (upstream's `tracePacket`), entered at nat `OUTPUT` for the
-/// node's own connections and at `PREROUTING` for pods' and external packets. Every DNAT
+/// has the parity tests' rule semantics (upstream's `tracePacket`), entered at nat `OUTPUT` for
+/// the node's own connections and at `PREROUTING` for pods' and external packets, then the
+/// filter chains of the hook the packet meets
+/// ([`crate::dataplane::iptables::tracer::Tracer::trace_hooked`]). Every DNAT
 /// destination a probabilistic jump may reach is a candidate; `-m recent` affinity is state the
-/// tracer does not have, so affinity never names a chosen backend.
+/// rules do not hold: [`iptables_affinity`] reads it.
 pub fn explain_iptables(
     tracer: &crate::dataplane::iptables::tracer::Tracer,
     q: &Query,
@@ -579,7 +685,7 @@ pub fn explain_iptables(
     } else {
         "PREROUTING"
     };
-    let trace = tracer.trace_from(
+    let trace = tracer.trace_hooked(
         start,
         &q.client.to_string(),
         &protocol_name(q.protocol).to_ascii_lowercase(),
@@ -599,9 +705,16 @@ pub fn explain_iptables(
         }
         terminal if terminal.contains(&"REJECT") => {
             e.verdict = "refuse".to_owned();
-            e.reason = "REJECT: the Service has no endpoints (ECONNREFUSED / ICMP port \
-                        unreachable)"
-                .to_owned();
+            e.reason = if q.from == From::Node && q.protocol != proto::TCP {
+                // The REJECT in filter OUTPUT sends the ICMP error and drops the datagram,
+                // and a dropped locally generated packet fails its send() with EPERM.
+                "REJECT in filter OUTPUT: the Service has no endpoints; a node socket's send() \
+                 fails with EPERM (netfilter dropped the datagram) after the ICMP port \
+                 unreachable"
+            } else {
+                "REJECT: the Service has no endpoints (ECONNREFUSED / ICMP port unreachable)"
+            }
+            .to_owned();
         }
         terminal if terminal.contains(&"DROP") => {
             e.verdict = "drop".to_owned();
@@ -631,6 +744,64 @@ pub fn explain_iptables(
     e
 }
 
+/// iptables mode, session affinity: kube-proxy's `-m recent --rcheck` rules pick the endpoint
+/// whose `recent` list (`/proc/net/xt_recent/KUBE-SEP-…`, read by `recent`) holds the client's
+/// address. When one endpoint chain the walk entered lists it, that endpoint is the chosen
+/// one and the entry is shown. The list's age against the rule's `--seconds` is not checked
+/// (the kernel keeps entries in jiffies).
+pub fn iptables_affinity(
+    tracer: &crate::dataplane::iptables::tracer::Tracer,
+    q: &Query,
+    e: &mut Explanation,
+    recent: impl Fn(&str) -> Option<String>,
+) {
+    if e.verdict != "translate" || q.client.is_unspecified() {
+        return;
+    }
+    let seps: Vec<String> = e
+        .steps
+        .iter()
+        .filter_map(|step| step.strip_prefix("chain nat/"))
+        .filter(|chain| chain.starts_with("KUBE-SEP-"))
+        .map(str::to_owned)
+        .collect();
+    for sep in seps {
+        let Some(list) = recent(&sep) else { continue };
+        let listed = list.lines().any(|line| {
+            line.split_whitespace()
+                .find_map(|word| word.strip_prefix("src="))
+                .and_then(|ip| ip.parse::<IpAddr>().ok())
+                .is_some_and(|ip| ip == q.client)
+        });
+        if !listed {
+            continue;
+        }
+        if let Some(backend) = tracer.dnat_of("nat", &sep) {
+            e.affinity_entries.push(Pinned {
+                client: q.client.to_string(),
+                backend: backend.clone(),
+                idle_s: 0,
+            });
+            e.steps.push(format!(
+                "session affinity: {} is in {sep}'s recent list",
+                q.client
+            ));
+            if e.chosen.is_none() {
+                e.chosen = Some(backend);
+                e.reason = "session affinity: `-m recent --rcheck` sends the client to the \
+                            endpoint whose list holds it"
+                    .to_owned();
+            }
+        }
+    }
+    if e.affinity_entries.len() > 1 {
+        // Several lists hold the client (entries of an earlier endpoint set): the first
+        // `--rcheck` rule in the chain wins, which the walk does not order; name none.
+        e.chosen = None;
+        e.reason = "session affinity: several endpoints' recent lists hold the client".to_owned();
+    }
+}
+
 /// The pinned maps of a running agent.
 pub struct PinnedMaps {
     frontends4: HashMap<MapData, Frontend4Key, FrontendValue>,
@@ -645,6 +816,7 @@ pub struct PinnedMaps {
     conntrack: HashMap<MapData, CtKey, CtValue>,
     affinity: HashMap<MapData, AffinityKey, AffinityValue>,
     affinity_match: HashMap<MapData, AffinityMatchKey, u8>,
+    udp_sticky: Option<HashMap<MapData, AffinityKey, AffinityValue>>,
 }
 
 impl std::fmt::Debug for PinnedMaps {
@@ -678,6 +850,10 @@ impl PinnedMaps {
             conntrack: HashMap::try_from(open(pin_dir, map_names::CT)?)?,
             affinity: HashMap::try_from(open(pin_dir, map_names::AFFINITY)?)?,
             affinity_match: HashMap::try_from(open(pin_dir, map_names::AFFINITY_MATCH)?)?,
+            // Pinned by agents since per-socket UDP stickiness; an older agent's pins lack it.
+            udp_sticky: open(pin_dir, map_names::UDP_STICKY)
+                .ok()
+                .and_then(|m| HashMap::try_from(m).ok()),
         })
     }
 }
@@ -762,6 +938,15 @@ impl Maps for PinnedMaps {
     fn affinity_match(&self, key: AffinityMatchKey) -> bool {
         self.affinity_match.get(&key, 0).is_ok()
     }
+    fn affinity_entries(&self) -> Vec<(AffinityKey, AffinityValue)> {
+        self.affinity.iter().filter_map(Result::ok).collect()
+    }
+    fn sticky_entries(&self) -> Vec<(AffinityKey, AffinityValue)> {
+        self.udp_sticky
+            .iter()
+            .flat_map(|m| m.iter().filter_map(Result::ok))
+            .collect()
+    }
     fn now_ns(&self) -> u64 {
         crate::dataplane::ebpf::monotonic_ns().unwrap_or(0)
     }
@@ -800,6 +985,21 @@ pub fn table(query: &Query, e: &Explanation, service: Option<&str>) -> String {
     let _ = writeln!(out, "verdict:    {} — {}", e.verdict, e.reason);
     if let Some(source) = &e.source {
         let _ = writeln!(out, "source:     {source}");
+    }
+    if let Some(path) = &e.netfilter {
+        let _ = writeln!(out, "netfilter:  {path}");
+    }
+    for (what, entries) in [
+        ("affinity:  ", &e.affinity_entries),
+        ("sticky:    ", &e.sticky_sockets),
+    ] {
+        for p in entries {
+            let _ = writeln!(
+                out,
+                "{what} {} → {} (idle {}s)",
+                p.client, p.backend, p.idle_s
+            );
+        }
     }
     out
 }

@@ -239,6 +239,22 @@ impl MatrixRig {
         }
     }
 
+    /// Writes one more manifest next to the shapes' (before the agent starts, or as a change
+    /// it picks up): tests that add Services of their own to the matrix rig.
+    pub fn write_manifest(&self, file_name: &str, yaml: &str) -> Result<()> {
+        self.manifests.write(file_name, yaml)
+    }
+
+    /// The node's network namespace, where `proxy-agent inspect` runs.
+    pub fn node_netns(&self) -> std::path::PathBuf {
+        self.topo.node().path()
+    }
+
+    /// The running agent's bpffs root (eBPF mode), if an agent runs.
+    pub fn bpf_root(&self) -> Option<&std::path::Path> {
+        self.agent.as_ref().map(Agent::bpf_root)
+    }
+
     /// Every address of the node namespace (read from the kernel once the rig is built).
     pub fn node_addresses(&self) -> &[IpAddr] {
         &self.node_addresses

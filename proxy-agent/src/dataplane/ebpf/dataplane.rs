@@ -15,20 +15,24 @@ use aya::{
     programs::links::PinnedLink,
 };
 use aya_log::EbpfLogger;
-use proxy_common::{CtKey, CtValue, ServiceName, StatIndex, map_names, program_names};
+use proxy_common::{
+    AffinityKey, AffinityValue, CtKey, CtValue, ServiceName, StatIndex, map_names, program_names,
+};
 use tokio::{io::unix::AsyncFd, task::JoinHandle};
 use tracing::{debug, info, warn};
 
 use super::{
-    ApplyError, ApplySummary, DriftCheck, MapWriter, bpffs, cgroup,
+    ApplyError, ApplySummary, Drift, DriftCheck, DriftKind, MapWriteError, MapWriter, MapsContent,
+    bpffs, cgroup,
     ct_worker::CtWorker,
     drift,
     error::EbpfError,
     features::{Feature, KernelFeatures},
     object,
     options::EbpfOptions,
+    orphans,
     pins::{PIN_DIR_NAME, attach_and_pin, prepare_pin_dir},
-    service_maps::ServiceMaps,
+    service_maps::{ServiceMaps, ignore_missing},
     sockdiag::{self, DiagSocket},
     stats::read_stats,
     tc::TcOptions,
@@ -37,6 +41,13 @@ use super::{
 };
 use crate::desired::{Protocol, ServicePortName, Snapshot};
 use crate::node_services::metrics::EbpfMetrics;
+
+fn count_repair(check: &mut DriftCheck, map: &'static str, result: Result<(), MapWriteError>) {
+    match result {
+        Ok(()) => *check.repair.repaired.entry(map).or_default() += 1,
+        Err(error) => check.repair.errors.push((map, error)),
+    }
+}
 
 /// The longest ICMP rate-limit interval the datapath takes (a day): its bucket of 6 intervals
 /// must fit in 64 bits of nanoseconds.
@@ -323,7 +334,76 @@ impl EbpfDataplane {
     pub fn check_drift(&mut self, repair: bool) -> Option<DriftCheck> {
         let expected = self.map_writer.expected_content()?;
         let found = self.maps.content();
-        Some(drift::check(&expected, &found, repair, &mut self.maps))
+        let mut check = drift::check(&expected, &found, repair, &mut self.maps);
+        let node = self.tc.check_drift(repair, &mut check.repair);
+        check.drift.extend(node);
+        let orphans = self.check_orphans(&expected, repair, &mut check);
+        check.drift.extend(orphans);
+        Some(check)
+    }
+
+    /// Affinity, UDP-socket and conntrack entries of Services or backends that are gone (see
+    /// `orphans`); with `repair`, deleted (an affinity or socket entry is re-read first: one the
+    /// datapath rewrote since the walk is left for the next check).
+    fn check_orphans(
+        &mut self,
+        expected: &MapsContent,
+        repair: bool,
+        check: &mut DriftCheck,
+    ) -> Vec<Drift> {
+        let live = orphans::Live::of(expected);
+        let mut out = Vec::new();
+        for name in [map_names::AFFINITY, map_names::UDP_STICKY] {
+            let Some(map) = self.ebpf.map_mut(name) else {
+                continue;
+            };
+            let Ok(mut map) = HashMap::<_, AffinityKey, AffinityValue>::try_from(map) else {
+                continue;
+            };
+            let entries: Vec<(AffinityKey, AffinityValue)> =
+                map.iter().filter_map(Result::ok).collect();
+            check.entries_compared += entries.len();
+            for (key, value) in entries {
+                let Some(why) = orphans::pinned_orphan(&live, &key, &value) else {
+                    continue;
+                };
+                out.push(Drift {
+                    map: name,
+                    kind: DriftKind::Orphan,
+                    entry: format!("client {} service {}", key.client, key.service_id),
+                    expected: None,
+                    found: Some(why),
+                });
+                if repair && map.get(&key, 0).is_ok_and(|now| now == value) {
+                    count_repair(check, name, ignore_missing(name, map.remove(&key)));
+                }
+            }
+        }
+        let Ok(mut ct) = self.conntrack_map() else {
+            return out;
+        };
+        let entries = tc_conntrack::entries(&ct);
+        check.entries_compared += entries.len();
+        for (key, value) in entries {
+            let Some(why) = orphans::ct_orphan(&live, &key, &value) else {
+                continue;
+            };
+            out.push(Drift {
+                map: map_names::CT,
+                kind: DriftKind::Orphan,
+                entry: orphans::describe_ct(&key),
+                expected: None,
+                found: Some(why),
+            });
+            if repair {
+                count_repair(
+                    check,
+                    map_names::CT,
+                    ignore_missing(map_names::CT, ct.remove(&key)),
+                );
+            }
+        }
+        out
     }
 
     /// Deletes the tc conntrack entries of backends this apply removed (see `ct`), after the

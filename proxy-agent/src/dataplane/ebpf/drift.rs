@@ -6,8 +6,11 @@
 //! entries the agent owns — frontends, backend slots (both generations: only the live one may
 //! exist), backends, the affinity match set, source ranges and Maglev tables — with
 //! [`super::map_writer::MapWriter::expected_content`], and the repair writes the expected value
-//! back or deletes the stray entry. Maps the datapath writes itself (conntrack, affinity
-//! entries, reverse NAT, counters) have no expected content and are not checked.
+//! back or deletes the stray entry. The node maps (`KPR_NODE_CONFIG`, `KPR_NODE_ADDRS`) are
+//! compared with what `tc` last wrote. Maps the datapath writes itself (conntrack, affinity
+//! entries, UDP sockets' backends) have no expected content: only their orphans — entries of
+//! Services or backends that are gone — are reported and deleted (`orphans`). Reverse NAT
+//! entries and counters are not checked.
 //!
 //! The repair follows the update protocol: everything a frontend points to is written before
 //! the frontend, and stray entries are deleted only after the frontends are right, so a repair
@@ -38,6 +41,9 @@ pub enum DriftKind {
     Changed,
     /// The map has it; the agent never wrote it (or deleted it).
     Extra,
+    /// An entry the datapath wrote (conntrack, affinity, a UDP socket's backend) that points
+    /// at a Service or backend that no longer exists (see `orphans`).
+    Orphan,
 }
 
 impl std::fmt::Display for DriftKind {
@@ -46,6 +52,7 @@ impl std::fmt::Display for DriftKind {
             DriftKind::Missing => "missing",
             DriftKind::Changed => "changed",
             DriftKind::Extra => "extra",
+            DriftKind::Orphan => "orphan",
         })
     }
 }

@@ -14,6 +14,7 @@ mod maglev;
 mod map_writer;
 mod object;
 mod options;
+mod orphans;
 mod pins;
 mod service_maps;
 pub(crate) mod sockdiag;

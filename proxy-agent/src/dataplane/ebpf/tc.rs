@@ -37,12 +37,14 @@ use aya::{
     },
 };
 use ipnet::IpNet;
-use proxy_common::{NodeAddrKey, NodeConfig, family, node_flags, program_names};
+use proxy_common::{NodeAddrKey, NodeConfig, family, map_names, node_flags, program_names};
 use tracing::{debug, info, warn};
 
 use super::{
+    drift::{Drift, DriftKind, RepairReport},
     error::EbpfError,
     legacy_tc,
+    map_writer::MapWriteError,
     map_writer::{ip4_to_map, ip6_to_map},
     pins::{LINK_SUFFIX, remove_if_present},
 };
@@ -379,6 +381,86 @@ impl TcState {
         }
     }
 
+    /// Compares the node maps with what the agent last wrote (the `KPR_NODE_CONFIG` entry and
+    /// the `KPR_NODE_ADDRS` set) and, with `repair`, writes that back. Before the first
+    /// refresh wrote the config nothing is compared.
+    pub fn check_drift(&mut self, repair: bool, report: &mut RepairReport) -> Vec<Drift> {
+        let mut out = Vec::new();
+        let Some(want) = self.programmed_config else {
+            return out;
+        };
+        let have = self.node_config.get(&0, 0).ok();
+        if have != Some(want) {
+            out.push(Drift {
+                map: map_names::NODE_CONFIG,
+                kind: if have.is_some() {
+                    DriftKind::Changed
+                } else {
+                    DriftKind::Missing
+                },
+                entry: "0".to_owned(),
+                expected: Some(describe_config(&want)),
+                found: have.as_ref().map(describe_config),
+            });
+            if repair {
+                count(
+                    report,
+                    map_names::NODE_CONFIG,
+                    self.node_config.set(0, want, 0),
+                );
+            }
+        }
+        let found: BTreeMap<NodeAddrKey, u8> =
+            self.node_addrs.iter().filter_map(Result::ok).collect();
+        for addr in &self.programmed_addrs {
+            let key = node_addr_key(*addr);
+            match found.get(&key) {
+                Some(1) => {}
+                have => {
+                    out.push(Drift {
+                        map: map_names::NODE_ADDRS,
+                        kind: if have.is_some() {
+                            DriftKind::Changed
+                        } else {
+                            DriftKind::Missing
+                        },
+                        entry: addr.to_string(),
+                        expected: Some("1".to_owned()),
+                        found: have.map(ToString::to_string),
+                    });
+                    if repair {
+                        count(
+                            report,
+                            map_names::NODE_ADDRS,
+                            self.node_addrs.insert(key, 1, 0),
+                        );
+                    }
+                }
+            }
+        }
+        let wanted: BTreeSet<NodeAddrKey> = self
+            .programmed_addrs
+            .iter()
+            .map(|a| node_addr_key(*a))
+            .collect();
+        for (key, value) in &found {
+            if wanted.contains(key) {
+                continue;
+            }
+            out.push(Drift {
+                map: map_names::NODE_ADDRS,
+                kind: DriftKind::Extra,
+                entry: describe_node_addr(key),
+                expected: None,
+                found: Some(value.to_string()),
+            });
+            if repair {
+                count(report, map_names::NODE_ADDRS, self.node_addrs.remove(key));
+            }
+        }
+        out
+    }
+
     /// The agent's node settings; the next refresh programs them.
     pub fn set_node(&mut self, settings: &NodeSettings) {
         self.node = Some(settings.clone());
@@ -387,6 +469,37 @@ impl TcState {
     pub fn link_count(&self) -> usize {
         self.links.len()
     }
+}
+
+fn count(report: &mut RepairReport, map: &'static str, result: Result<(), aya::maps::MapError>) {
+    match result {
+        Ok(()) => *report.repaired.entry(map).or_default() += 1,
+        Err(error) => report
+            .errors
+            .push((map, MapWriteError::Other(error.to_string()))),
+    }
+}
+
+fn describe_node_addr(key: &NodeAddrKey) -> String {
+    match key.family {
+        family::V4 => Ipv4Addr::from(key.addr[0].to_ne_bytes()).to_string(),
+        family::V6 => super::map_writer::ip6_from_map(key.addr).to_string(),
+        other => format!("family {other} {:?}", key.addr),
+    }
+}
+
+fn describe_config(c: &NodeConfig) -> String {
+    format!(
+        "snat4 {} snat6 {} cluster4 {}/{:#x} cluster6 {}/{} flags {:#x} host netns {}",
+        Ipv4Addr::from(c.snat4.to_ne_bytes()),
+        super::map_writer::ip6_from_map(c.snat6),
+        Ipv4Addr::from(c.cluster4.to_ne_bytes()),
+        u32::from_be(c.cluster4_mask),
+        super::map_writer::ip6_from_map(c.cluster6),
+        super::map_writer::ip6_from_map(c.cluster6_mask),
+        c.flags,
+        c.host_netns_cookie
+    )
 }
 
 /// Attaches `program` to `interface` (`direction`) as a legacy clsact filter in our slot.

@@ -4,9 +4,11 @@
 //! should not exist.
 //!
 //! `iptables-save` does not print a rule as it was restored (option order, `/32` suffixes, match
-//! modules added), so rules are compared by a signature of the parts that decide a packet's
-//! fate — protocol, addresses, destination port, target and DNAT destination — in order.
-//! A change to a comment or to a match outside those (a `-m recent` timeout, a mark) is not seen.
+//! modules added, `--or-mark` as `--set-xmark`, the `recent` match's default mask and
+//! `--rsource`, REJECT's default `--reject-with`), so rules are compared by a normalised
+//! signature of everything the agent writes: protocol, addresses, interfaces, ports, address
+//! types, conntrack states, comments, `recent` options, marks, target and its options (DNAT
+//! destination, MASQUERADE `--random-fully`), in order.
 //! Repair is a full sync: `iptables-restore --noflush` rewrites every chain it declares.
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -63,49 +65,134 @@ pub fn parse(text: &str) -> BTreeMap<String, TableRules> {
                 table.entry(chain.to_owned()).or_default();
             }
         } else if let Some(rule) = line.strip_prefix("-A ") {
-            let mut words = rule.split_whitespace();
-            if let Some(chain) = words.next() {
-                let signature = signature(&words.collect::<Vec<_>>());
-                table.entry(chain.to_owned()).or_default().push(signature);
+            let words = split_quoted(rule);
+            if let Some((chain, rest)) = words.split_first() {
+                let rest: Vec<&str> = rest.iter().map(String::as_str).collect();
+                table
+                    .entry(chain.clone())
+                    .or_default()
+                    .push(signature(&rest));
             }
         }
     }
     tables
 }
 
-/// The fate-deciding parts of a rule, normalised (`-d 10.0.0.1/32` and `-d 10.0.0.1` agree).
+/// Splits a rule into words; `"…"` is one word without its quotes (comments with spaces).
+fn split_quoted(line: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut chars = line.chars().peekable();
+    while let Some(&c) = chars.peek() {
+        if c.is_whitespace() {
+            chars.next();
+        } else if c == '"' {
+            chars.next();
+            out.push(chars.by_ref().take_while(|&c| c != '"').collect());
+        } else {
+            let mut word = String::new();
+            while let Some(&c) = chars.peek() {
+                if c.is_whitespace() {
+                    break;
+                }
+                word.push(c);
+                chars.next();
+            }
+            out.push(word);
+        }
+    }
+    out
+}
+
+/// Options with a value that the signature keeps.
+const WITH_VALUE: [&str; 18] = [
+    "--nfacct-name",
+    "-p",
+    "-s",
+    "-d",
+    "-i",
+    "-o",
+    "--dport",
+    "--sport",
+    "-j",
+    "--to-destination",
+    "--probability",
+    "--comment",
+    "--dst-type",
+    "--src-type",
+    "--ctstate",
+    "--name",
+    "--seconds",
+    "--mark",
+];
+
+/// Options without a value that the signature keeps.
+const FLAGS: [&str; 5] = [
+    "--rcheck",
+    "--set",
+    "--reap",
+    "--random-fully",
+    "--limit-iface-in",
+];
+
+/// A rule's signature: its kept options, normalised, sorted (`iptables-save` reorders them).
 fn signature(words: &[&str]) -> String {
-    const KEPT: [&str; 7] = [
-        "-p",
-        "-s",
-        "-d",
-        "--dport",
-        "-j",
-        "--to-destination",
-        "--probability",
-    ];
     let mut parts: Vec<String> = Vec::new();
     for (i, word) in words.iter().enumerate() {
-        if !KEPT.contains(word) {
+        let negated = i > 0 && words[i - 1] == "!";
+        let not = if negated { "! " } else { "" };
+        if FLAGS.contains(word) {
+            parts.push(format!("{not}{word}"));
             continue;
         }
         let Some(value) = words.get(i + 1) else {
             continue;
         };
-        let value = match *word {
+        let (word, value) = match *word {
             // iptables-save prints one more decimal of a probability than kube-proxy writes.
-            "--probability" => value
-                .parse::<f64>()
-                .map_or_else(|_| (*value).to_owned(), |p| format!("{p:.9}")),
+            "--probability" => (
+                *word,
+                value
+                    .parse::<f64>()
+                    .map_or_else(|_| (*value).to_owned(), |p| format!("{p:.9}")),
+            ),
             // It prints networks without host bits, and single addresses with /32 or /128.
-            "-s" | "-d" => normalise_address(value),
-            _ => (*value).to_owned(),
+            "-s" | "-d" => (*word, normalise_address(value)),
+            "--mark" => (*word, normalise_mark(value)),
+            // The MARK target's forms, as iptables-save prints them all.
+            "--or-mark" => ("--set-xmark", format!("{}/{}", hex(value), hex(value))),
+            "--xor-mark" => ("--set-xmark", format!("{}/0x0", hex(value))),
+            "--set-xmark" => ("--set-xmark", normalise_mark(value)),
+            // REJECT's default is printed; kube-proxy never writes another.
+            "--reject-with" if value.ends_with("port-unreachable") => continue,
+            "--ctstate" => {
+                let mut states: Vec<&str> = value.split(',').collect();
+                states.sort_unstable();
+                (*word, states.join(","))
+            }
+            w if WITH_VALUE.contains(&w) || w == "--reject-with" => (w, (*value).to_owned()),
+            _ => continue,
         };
-        let negated = i > 0 && words[i - 1] == "!";
-        parts.push(format!("{}{word} {value}", if negated { "! " } else { "" }));
+        parts.push(format!("{not}{word} {value}"));
     }
     parts.sort();
     parts.join(" ")
+}
+
+/// `0x4000` as iptables prints it (lower-case hex without leading zeros).
+fn hex(value: &str) -> String {
+    let digits = value.trim_start_matches("0x").trim_start_matches("0X");
+    u32::from_str_radix(digits, 16)
+        .or_else(|_| value.parse::<u32>())
+        .map_or_else(|_| value.to_owned(), |v| format!("{v:#x}"))
+}
+
+/// `VALUE[/MASK]` with a full mask dropped, as iptables-save prints a mark.
+fn normalise_mark(value: &str) -> String {
+    match value.split_once('/') {
+        Some((v, m)) if hex(m) == "0xffffffff" => hex(v),
+        Some((v, m)) => format!("{}/{}", hex(v), hex(m)),
+        None => hex(value),
+    }
 }
 
 fn normalise_address(value: &str) -> String {
@@ -258,5 +345,48 @@ mod tests {
                 .is_some_and(|f| f.contains("192.0.2.1:8080")),
             "{drift:?}"
         );
+    }
+
+    #[test]
+    fn the_saved_forms_of_marks_recent_and_reject_are_no_drift() {
+        let restored = "*nat\n:KUBE-POSTROUTING - [0:0]\n:KUBE-MARK-MASQ - [0:0]\n:KUBE-SVC-AAA - [0:0]\n\
+            -A KUBE-POSTROUTING -m mark ! --mark 0x4000/0x4000 -j RETURN\n\
+            -A KUBE-POSTROUTING -j MARK --xor-mark 0x4000\n\
+            -A KUBE-MARK-MASQ -j MARK --or-mark 0x4000\n\
+            -A KUBE-SVC-AAA -m comment --comment \"default/web:http -> 10.244.1.2:8080\" -m recent --name KUBE-SEP-BBB --rcheck --seconds 10800 --reap -j KUBE-SEP-BBB\n\
+            COMMIT\n*filter\n:KUBE-SERVICES - [0:0]\n\
+            -A KUBE-SERVICES -m comment --comment \"default/none:http has no endpoints\" -m tcp -p tcp -d 10.96.0.30 --dport 80 -j REJECT\n\
+            COMMIT\n";
+        let saved = "*nat\n:KUBE-POSTROUTING - [0:0]\n:KUBE-MARK-MASQ - [0:0]\n:KUBE-SVC-AAA - [0:0]\n\
+            -A KUBE-POSTROUTING -m mark ! --mark 0x4000/0x4000 -j RETURN\n\
+            -A KUBE-POSTROUTING -j MARK --set-xmark 0x4000/0x0\n\
+            -A KUBE-MARK-MASQ -j MARK --set-xmark 0x4000/0x4000\n\
+            -A KUBE-SVC-AAA -m comment --comment \"default/web:http -> 10.244.1.2:8080\" -m recent --rcheck --seconds 10800 --reap --name KUBE-SEP-BBB --mask 255.255.255.255 --rsource -j KUBE-SEP-BBB\n\
+            COMMIT\n*filter\n:KUBE-SERVICES - [0:0]\n\
+            -A KUBE-SERVICES -d 10.96.0.30/32 -p tcp -m comment --comment \"default/none:http has no endpoints\" -m tcp --dport 80 -j REJECT --reject-with icmp-port-unreachable\n\
+            COMMIT\n";
+        assert_eq!(diff(&parse(restored), &parse(saved), true), []);
+
+        // A comment, a mark, a recent timeout changed behind the agent's back: each is drift.
+        for (from, to, chain) in [
+            ("has no endpoints", "has endpoints", "KUBE-SERVICES"),
+            (
+                "0x4000/0x4000 -j RETURN",
+                "0x8000/0x8000 -j RETURN",
+                "KUBE-POSTROUTING",
+            ),
+            (
+                "--set-xmark 0x4000/0x4000",
+                "--set-xmark 0x1/0x1",
+                "KUBE-MARK-MASQ",
+            ),
+            ("--seconds 10800", "--seconds 1", "KUBE-SVC-AAA"),
+            ("--name KUBE-SEP-BBB", "--name KUBE-SEP-CCC", "KUBE-SVC-AAA"),
+        ] {
+            let tampered = saved.replace(from, to);
+            let drift = diff(&parse(restored), &parse(&tampered), true);
+            let chains: Vec<&str> = drift.iter().map(|d| d.chain.as_str()).collect();
+            assert_eq!(chains, [chain], "{from} → {to}: {drift:?}");
+        }
     }
 }

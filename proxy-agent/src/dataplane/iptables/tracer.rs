@@ -187,6 +187,72 @@ impl Tracer {
         }
     }
 
+    /// Like [`Tracer::trace_from`], with the filter chains of the hook the packet really
+    /// meets (kube-proxy's jump rules, `jumps.rs`) instead of all of them, and stopping at the
+    /// first chain that decides: a node's own packet (`OUTPUT`) meets filter OUTPUT
+    /// (KUBE-PROXY-FIREWALL, KUBE-SERVICES); an arriving one whose destination after DNAT is a
+    /// node address meets INPUT (KUBE-PROXY-FIREWALL, KUBE-NODEPORTS, KUBE-EXTERNAL-SERVICES),
+    /// any other FORWARD (KUBE-PROXY-FIREWALL, KUBE-FORWARD, KUBE-SERVICES,
+    /// KUBE-EXTERNAL-SERVICES). So a node's connection to an externalIP without endpoints is
+    /// not REJECTed (that rule is in KUBE-EXTERNAL-SERVICES, which OUTPUT never jumps to).
+    pub fn trace_hooked(
+        &self,
+        start: &str,
+        src: &str,
+        proto: &str,
+        dst: &str,
+        dport: &str,
+    ) -> Trace {
+        let mut state = State::default();
+        let mut packet = Packet {
+            src: src.parse().ok(),
+            proto,
+            dst: dst.parse().ok(),
+            dport,
+        };
+        self.run("nat", start, &packet, &mut state);
+        if let Some(first) = state.outputs.first() {
+            packet.dst = first
+                .parse::<std::net::SocketAddr>()
+                .map(|s| s.ip())
+                .ok()
+                .or_else(|| first.split(':').next().and_then(|s| s.parse().ok()));
+        }
+        let local = packet.dst.is_some_and(|ip| self.local_ips.contains(&ip));
+        let chains: &[&str] = match (start, local) {
+            ("OUTPUT", _) => &["KUBE-PROXY-FIREWALL", "KUBE-SERVICES"],
+            (_, true) => &[
+                "KUBE-PROXY-FIREWALL",
+                "KUBE-NODEPORTS",
+                "KUBE-EXTERNAL-SERVICES",
+            ],
+            (_, false) => &[
+                "KUBE-PROXY-FIREWALL",
+                "KUBE-FORWARD",
+                "KUBE-SERVICES",
+                "KUBE-EXTERNAL-SERVICES",
+            ],
+        };
+        for chain in chains {
+            if self.run("filter", chain, &packet, &mut state) {
+                break;
+            }
+        }
+        Trace {
+            output: state.outputs.join(", "),
+            masq: state.masq,
+            chains: state.chains,
+        }
+    }
+
+    /// The `--to-destination` of `chain`'s DNAT rule (a `KUBE-SEP-` chain's endpoint).
+    pub fn dnat_of(&self, table: &str, chain: &str) -> Option<String> {
+        self.chains
+            .get(&(table.to_owned(), chain.to_owned()))?
+            .iter()
+            .find_map(|rule| rule.to_destination.clone())
+    }
+
     fn run(&self, table: &str, chain: &str, packet: &Packet<'_>, state: &mut State) -> bool {
         let Some(rules) = self.chains.get(&(table.to_owned(), chain.to_owned())) else {
             return false;

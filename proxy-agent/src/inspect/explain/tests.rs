@@ -12,6 +12,8 @@ struct FakeMaps {
     node_addrs: BTreeSet<IpAddr>,
     config: Option<NodeConfig>,
     ranges: BTreeSet<(u32, IpAddr)>,
+    members: BTreeSet<(u32, u32)>,
+    sticky: Vec<(AffinityKey, AffinityValue)>,
 }
 
 impl Maps for FakeMaps {
@@ -44,8 +46,14 @@ impl Maps for FakeMaps {
     fn affinity(&self, _key: AffinityKey) -> Option<AffinityValue> {
         None
     }
-    fn affinity_match(&self, _key: AffinityMatchKey) -> bool {
-        false
+    fn affinity_match(&self, key: AffinityMatchKey) -> bool {
+        self.members.contains(&(key.service_id, key.backend_id))
+    }
+    fn affinity_entries(&self) -> Vec<(AffinityKey, AffinityValue)> {
+        Vec::new()
+    }
+    fn sticky_entries(&self) -> Vec<(AffinityKey, AffinityValue)> {
+        self.sticky.clone()
     }
     fn now_ns(&self) -> u64 {
         0
@@ -195,4 +203,109 @@ fn source_ranges_judge_external_clients_and_leave_pods_to_tc() {
     let node = explain(&m, &query(From::Node, "0.0.0.0", "192.0.2.10:80/tcp"));
     assert_eq!(node.verdict, "drop");
     assert!(node.reason.starts_with("EHOSTUNREACH"), "{}", node.reason);
+}
+
+#[test]
+fn unconnected_udp_sockets_list_the_backend_they_keep_while_it_is_a_member() {
+    let mut m = maps();
+    let flags = frontend_flags::STICKY_SOCKET;
+    m.frontends.insert(
+        (ip("10.96.0.53"), 53, proto::UDP, scope::INTERNAL),
+        FrontendValue {
+            service_id: 4,
+            backend_count: 2,
+            generation: 1,
+            flags,
+            affinity_timeout: 0,
+            maglev_size: 0,
+        },
+    );
+    m.slots.insert((4, 0, 1), 10);
+    m.slots.insert((4, 1, 1), 11);
+    m.members.insert((4, 11));
+    let entry = |client, backend_id| {
+        (
+            AffinityKey {
+                client,
+                service_id: 4,
+                _pad: 0,
+            },
+            AffinityValue {
+                backend_id,
+                _pad: 0,
+                last_used_ns: 0,
+            },
+        )
+    };
+    // Socket 7 keeps a member; socket 8's backend left the Service (it picks again).
+    m.sticky = vec![entry(7, 11), entry(8, 10)];
+    let e = explain(&m, &query(From::Pod, "10.244.1.2", "10.96.0.53:53/udp"));
+    assert_eq!(e.verdict, "translate");
+    assert_eq!(
+        e.sticky_sockets,
+        [Pinned {
+            client: "socket cookie 7".into(),
+            backend: "10.244.2.2:8080".into(),
+            idle_s: 0,
+        }]
+    );
+    assert!(e.netfilter.is_none(), "sockets never meet tc");
+}
+
+#[test]
+fn tc_reports_whether_netfilter_sees_translated_packets() {
+    let mut m = maps();
+    let q = query(From::External, "192.168.100.5", "192.168.0.1:30080/tcp");
+    let default = explain(&m, &q);
+    assert!(
+        default
+            .netfilter
+            .as_deref()
+            .is_some_and(|n| n.starts_with("netfilter path")),
+        "{default:?}"
+    );
+    if let Some(c) = m.config.as_mut() {
+        c.flags |= node_flags::FAST_PATH;
+    }
+    let fast = explain(&m, &q);
+    assert!(
+        fast.netfilter
+            .as_deref()
+            .is_some_and(|n| n.starts_with("--tc-fast-path")),
+        "{fast:?}"
+    );
+}
+
+#[test]
+fn iptables_affinity_names_the_endpoint_whose_recent_list_holds_the_client() {
+    use crate::dataplane::iptables::tracer::Tracer;
+    let dump = "*nat\n\
+        -A PREROUTING -j KUBE-SERVICES\n\
+        -A KUBE-SERVICES -d 10.96.0.10/32 -p tcp -m tcp --dport 80 -j KUBE-SVC-A\n\
+        -A KUBE-SVC-A -m recent --name KUBE-SEP-1 --rcheck --seconds 10800 --reap -j KUBE-SEP-1\n\
+        -A KUBE-SVC-A -m recent --name KUBE-SEP-2 --rcheck --seconds 10800 --reap -j KUBE-SEP-2\n\
+        -A KUBE-SVC-A -m statistic --mode random --probability 0.5 -j KUBE-SEP-1\n\
+        -A KUBE-SVC-A -j KUBE-SEP-2\n\
+        -A KUBE-SEP-1 -p tcp -m recent --set --name KUBE-SEP-1 -j DNAT --to-destination 10.244.1.2:8080\n\
+        -A KUBE-SEP-2 -p tcp -m recent --set --name KUBE-SEP-2 -j DNAT --to-destination 10.244.2.2:8080\n\
+        COMMIT\n";
+    let tracer = Tracer::new(dump, &[], &[]);
+    let q = query(From::Pod, "10.244.3.2", "10.96.0.10:80/tcp");
+    let mut e = explain_iptables(&tracer, &q);
+    assert_eq!(e.candidates, ["10.244.1.2:8080", "10.244.2.2:8080"]);
+    assert_eq!(e.chosen, None);
+    let lists = |chain: &str| {
+        (chain == "KUBE-SEP-2").then(|| {
+            "src=10.244.9.9 ttl: 64 last_seen: 1 oldest_pkt: 1 1\n\
+             src=10.244.3.2 ttl: 64 last_seen: 2 oldest_pkt: 1 2\n"
+                .to_owned()
+        })
+    };
+    iptables_affinity(&tracer, &q, &mut e, lists);
+    assert_eq!(e.chosen.as_deref(), Some("10.244.2.2:8080"), "{e:?}");
+    // Another client is in no list: random among the candidates.
+    let other = query(From::Pod, "10.244.4.2", "10.96.0.10:80/tcp");
+    let mut e = explain_iptables(&tracer, &other);
+    iptables_affinity(&tracer, &other, &mut e, lists);
+    assert_eq!(e.chosen, None);
 }
