@@ -11,7 +11,7 @@ use serde::{Deserialize, Serialize};
 use tracing::{debug, warn};
 
 use crate::{
-    dataplane::{ebpf::EbpfDataplane, iptables::IptablesDataplane},
+    dataplane::{Dataplane, ebpf::EbpfDataplane, iptables::IptablesDataplane},
     desired::Snapshot,
     node_services::metrics::Metrics,
 };
@@ -52,6 +52,20 @@ impl DriftReport {
             entries_compared: 0,
             drift: Vec::new(),
         }
+    }
+}
+
+/// One check of whichever dataplane runs; with `repair`, what differs is fixed (iptables: the
+/// caller requests the full sync that repairs it).
+pub fn check(
+    dataplane: &mut Dataplane,
+    repair: bool,
+    metrics: &Metrics,
+    snapshot: &Snapshot,
+) -> DriftReport {
+    match dataplane {
+        Dataplane::Ebpf(ebpf) => check_ebpf(ebpf, repair, metrics),
+        Dataplane::Iptables(iptables) => check_iptables(iptables, snapshot, repair, metrics),
     }
 }
 

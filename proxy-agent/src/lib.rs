@@ -8,6 +8,7 @@ pub mod desired;
 pub mod drift;
 pub mod fuzz;
 pub mod inspect;
+pub mod ip_family;
 pub mod kernel_conntrack;
 pub mod logging;
 pub mod netlink;

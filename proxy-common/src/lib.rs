@@ -8,6 +8,7 @@
 //! `bpf_sock_addr`, so the datapath never swaps bytes.
 #![no_std]
 
+pub mod addr;
 pub mod crc32c;
 pub mod maglev;
 pub mod maps;

@@ -499,7 +499,7 @@ pub fn apply(
         if name.is_empty() {
             continue;
         }
-        match name.parse::<crate::dataplane::ebpf::Feature>() {
+        match name.parse::<crate::config::kernel_features::Feature>() {
             Ok(feature) => {
                 ebpf.disabled_features.insert(feature);
             }

@@ -13,6 +13,7 @@ pub mod duration;
 pub mod features;
 pub mod file;
 pub mod flags;
+pub mod kernel_features;
 pub mod validate;
 
 use std::{
@@ -171,7 +172,7 @@ pub struct EbpfConfig {
     /// `--drift-check-period` (both modes; zero: no check).
     pub drift_check_period: std::time::Duration,
     /// `--bpf-disable-feature`: kernel features not used even when present.
-    pub disabled_features: std::collections::BTreeSet<crate::dataplane::ebpf::Feature>,
+    pub disabled_features: std::collections::BTreeSet<crate::config::kernel_features::Feature>,
 }
 
 /// `--drift-check-period`'s default: a full check of 30k Services' maps reads ~10^5 entries.

@@ -8,16 +8,14 @@ use anyhow::Context as _;
 use tracing::{debug, info, warn};
 
 use super::{
-    ebpf::{self, ApplyError, ApplySummary, EbpfDataplane},
+    ebpf::{self, ApplyError, ApplySummary, EbpfDataplane, GcProgress},
     iptables::{self, IptablesDataplane, IptablesError, SyncReport},
     options::{ebpf_options, iptables_config},
 };
 use crate::{
     config::{Config, ProxyMode},
     desired::{IpFamily, ServicePortName, Snapshot},
-    drift::DriftReport,
     node::NodeSettings,
-    node_services::metrics::Metrics,
     sync_runner::{RunnerConfig, SyncReason},
 };
 
@@ -175,29 +173,21 @@ impl Dataplane {
         }
     }
 
-    /// The drift check (see `crate::drift`); with `repair`, what differs is fixed.
-    pub fn drift(&mut self, repair: bool, metrics: &Metrics, snapshot: &Snapshot) -> DriftReport {
-        match self {
-            Dataplane::Ebpf(ebpf) => crate::drift::check_ebpf(ebpf, repair, metrics),
-            Dataplane::Iptables(iptables) => {
-                crate::drift::check_iptables(iptables, snapshot, repair, metrics)
-            }
-        }
-    }
-
     /// Whether this dataplane has a conntrack of its own to garbage-collect (the tc programs'
     /// `KPR_CT`; the kernel's conntrack collects itself).
     pub fn has_conntrack(&self) -> bool {
         matches!(self, Dataplane::Ebpf(_))
     }
 
-    /// Garbage collection of the eBPF dataplane's conntrack.
-    pub fn conntrack_gc(&mut self, metrics: &Metrics) {
-        if let Dataplane::Ebpf(ebpf) = self
-            && let Err(error) = ebpf.request_conntrack_gc(metrics.ebpf())
-        {
-            warn!(%error, "tc conntrack garbage collection failed");
-        }
+    /// Garbage collection of the eBPF dataplane's conntrack: what it finished since the last
+    /// call (`None` without a conntrack of our own, or when it failed, which is logged).
+    pub fn conntrack_gc(&mut self) -> Option<GcProgress> {
+        let Dataplane::Ebpf(ebpf) = self else {
+            return None;
+        };
+        ebpf.request_conntrack_gc()
+            .inspect_err(|error| warn!(%error, "tc conntrack garbage collection failed"))
+            .ok()
     }
 
     /// The eBPF datapath's counters (none in iptables mode).

@@ -9,7 +9,7 @@ use std::{
 use ipnet::IpNet;
 use nix::{ifaddrs::getifaddrs, net::if_::InterfaceFlags};
 
-use crate::desired::IpFamily;
+use crate::ip_family::IpFamily;
 
 /// One interface of the node's network namespace with its addresses.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]

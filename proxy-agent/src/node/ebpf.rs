@@ -14,13 +14,10 @@ use super::{
     addresses::{Interface, is_global_unicast},
     settings::NodeSettings,
 };
-use crate::{
-    dataplane::{
-        ebpf::{ip4_to_map, ip6_to_map},
-        iptables::DetectLocalMode,
-    },
-    desired::IpFamily,
-};
+use proxy_common::addr::{ip4_to_map, ip6_to_map};
+
+use super::DetectLocalMode;
+use crate::ip_family::IpFamily;
 
 /// Whether `name` is a pod interface by `--detect-local-mode` BridgeInterface /
 /// InterfaceNamePrefix (upstream's `-i <bridge>` / `-i <prefix>+`; an empty name or prefix is

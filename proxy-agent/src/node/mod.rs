@@ -15,6 +15,7 @@
 
 mod addresses;
 mod changes;
+mod detect_local;
 pub mod ebpf;
 mod manager;
 mod settings;
@@ -22,6 +23,7 @@ mod watch;
 
 pub use addresses::{Interface, NodePortAddressSet, host_interfaces, is_global_unicast};
 pub use changes::{NodeChange, node_change};
+pub use detect_local::DetectLocalMode;
 pub use manager::{NodeError, NodeManager, POD_CIDR_POLL_TIMEOUT};
 pub use settings::{FamilySettings, NodeInputs, NodeSettings, detect_node_ips, node_host_ips};
 pub use watch::AddressWatcher;

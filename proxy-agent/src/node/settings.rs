@@ -8,11 +8,13 @@ use std::{
 use ipnet::IpNet;
 use k8s_openapi::api::core::v1::Node;
 
-use super::addresses::{Interface, NodePortAddressSet, all_addresses};
+use super::{
+    DetectLocalMode,
+    addresses::{Interface, NodePortAddressSet, all_addresses},
+};
 use crate::{
     config::{Config, DetectLocal, NodePortAddresses},
-    dataplane::iptables::DetectLocalMode,
-    desired::IpFamily,
+    ip_family::IpFamily,
 };
 
 /// The part of the configuration the node settings depend on.

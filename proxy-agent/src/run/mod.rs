@@ -21,7 +21,7 @@ use tracing::{debug, error, info, warn};
 pub use self::process::{cleanup, init_only};
 use self::{
     process::{apply_process_settings, check_server_ports, node_name, remove_kube_proxy_modes},
-    report::{log_snapshot_size, record_sync, report_sync},
+    report::{log_snapshot_size, record_conntrack_gc, record_sync, report_sync},
 };
 use crate::{
     config::Config,
@@ -274,11 +274,14 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
                 canary_at = Instant::now() + config.sync_period;
             }
             () = tokio::time::sleep_until(conntrack_gc_at), if dataplane.has_conntrack() => {
-                dataplane.conntrack_gc(node_services.metrics());
+                if let Some(progress) = dataplane.conntrack_gc() {
+                    record_conntrack_gc(&progress, node_services.metrics());
+                }
                 conntrack_gc_at = Instant::now() + CONNTRACK_GC_INTERVAL;
             }
             () = tokio::time::sleep_until(drift_at), if synced_once && !drift_period.is_zero() => {
-                let report = dataplane.drift(true, node_services.metrics(), &snapshot);
+                let report =
+                    crate::drift::check(&mut dataplane, true, node_services.metrics(), &snapshot);
                 if report.mode == "iptables" && !report.drift.is_empty() {
                     // iptables repairs with a full sync (the family is marked): now.
                     runner.request();
@@ -287,7 +290,7 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
             }
             Some(reply) = drift_rx.recv() => {
                 let report = if synced_once {
-                    dataplane.drift(false, node_services.metrics(), &snapshot)
+                    crate::drift::check(&mut dataplane, false, node_services.metrics(), &snapshot)
                 } else {
                     crate::drift::DriftReport::not_checked(dataplane.mode_name(), "no sync yet")
                 };

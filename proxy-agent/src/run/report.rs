@@ -8,7 +8,7 @@ use std::{
 use tracing::{debug, error, info, warn};
 
 use crate::{
-    dataplane::{EbpfSyncOutcome, SyncOutcome},
+    dataplane::{EbpfSyncOutcome, SyncOutcome, ebpf::GcProgress},
     desired::{IpFamily, Snapshot},
     node_services::{
         NodeServices,
@@ -153,6 +153,19 @@ fn record_ebpf(outcome: &EbpfSyncOutcome, reason: SyncReason, changed: usize, me
     }
 }
 
+/// The tc conntrack GC's rounds and what the last one left.
+pub fn record_conntrack_gc(progress: &GcProgress, metrics: &Metrics) {
+    let Some(ebpf) = metrics.ebpf() else {
+        return;
+    };
+    for _ in 0..progress.rounds {
+        ebpf.conntrack_gc_run();
+    }
+    if let Some(remaining) = progress.remaining {
+        ebpf.conntrack_entries(u64::try_from(remaining).unwrap_or(u64::MAX));
+    }
+}
+
 /// Health timestamps, sync metrics, health check node ports and network programming latency
 /// after a successful sync of both families.
 pub fn report_sync(
@@ -185,4 +198,43 @@ pub fn log_snapshot_size(objects: &Objects, snapshot: &Snapshot) {
         service_ports_v6 = snapshot.v6.service_ports.len(),
         "snapshot"
     );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::proxy_mode::ProxyMode;
+
+    #[test]
+    fn conntrack_gc_rounds_and_the_entries_left_are_recorded() {
+        let metrics = Metrics::new(ProxyMode::Ebpf);
+        record_conntrack_gc(
+            &GcProgress {
+                rounds: 2,
+                remaining: Some(6),
+            },
+            &metrics,
+        );
+        record_conntrack_gc(
+            &GcProgress {
+                rounds: 0,
+                remaining: None,
+            },
+            &metrics,
+        );
+        let text = metrics.encode();
+        let sample = |name: &str| {
+            text.lines()
+                .find_map(|line| line.strip_prefix(name)?.strip_prefix(' '))
+                .map(str::to_owned)
+        };
+        assert_eq!(
+            sample("kubeproxy_ebpf_conntrack_gc_runs_total").as_deref(),
+            Some("2")
+        );
+        assert_eq!(
+            sample("kubeproxy_ebpf_conntrack_entries").as_deref(),
+            Some("6")
+        );
+    }
 }

@@ -40,7 +40,6 @@ use super::{
     tc_conntrack,
 };
 use crate::desired::{Protocol, ServicePortName, Snapshot};
-use crate::node_services::metrics::EbpfMetrics;
 
 fn count_repair(check: &mut DriftCheck, map: &'static str, result: Result<(), MapWriteError>) {
     match result {
@@ -60,6 +59,14 @@ fn icmp_ratelimit_ns(path: &str) -> u64 {
         .and_then(|text| text.trim().parse::<u64>().ok())
         .unwrap_or(1000);
     ms.saturating_mul(1_000_000).min(MAX_ICMP_RATELIMIT_NS)
+}
+
+/// What the tc conntrack GC finished since the last request: rounds, and the entries the last
+/// one left (`kubeproxy_ebpf_conntrack_gc_runs_total`, `kubeproxy_ebpf_conntrack_entries`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GcProgress {
+    pub rounds: u64,
+    pub remaining: Option<usize>,
 }
 
 /// A loaded and attached eBPF dataplane. Dropping it (or [`EbpfDataplane::shutdown`]) leaves
@@ -431,27 +438,25 @@ impl EbpfDataplane {
         report.deleted
     }
 
-    /// Hands a garbage collection round to the conntrack worker (inline without one) and
-    /// counts the rounds it finished since the last call in `metrics`. Called every 30 s
-    /// (`run/`).
-    pub fn request_conntrack_gc(&mut self, metrics: Option<&EbpfMetrics>) -> Result<(), EbpfError> {
+    /// Hands a garbage collection round to the conntrack worker (runs one inline without a
+    /// worker) and returns what GC finished since the last call, for the caller's metrics.
+    /// Called every 30 s (`run/`).
+    pub fn request_conntrack_gc(&mut self) -> Result<GcProgress, EbpfError> {
         let Some(worker) = &self.ct_worker else {
-            return self.conntrack_gc(metrics).map(drop);
+            let report = self.conntrack_gc()?;
+            return Ok(GcProgress {
+                rounds: 1,
+                remaining: Some(report.remaining),
+            });
         };
         worker.gc();
         let reports = worker.reports();
-        if let Some(metrics) = metrics
-            && reports.gc_rounds > self.gc_rounds_reported
-        {
-            for _ in self.gc_rounds_reported..reports.gc_rounds {
-                metrics.conntrack_gc_run();
-            }
-            if let Some(last) = reports.last_gc {
-                metrics.conntrack_entries(u64::try_from(last.remaining).unwrap_or(u64::MAX));
-            }
-        }
+        let progress = GcProgress {
+            rounds: reports.gc_rounds.saturating_sub(self.gc_rounds_reported),
+            remaining: reports.last_gc.map(|last| last.remaining),
+        };
         self.gc_rounds_reported = reports.gc_rounds;
-        Ok(())
+        Ok(progress)
     }
 
     /// What the conntrack worker did so far (`None` without a worker).
@@ -460,11 +465,8 @@ impl EbpfDataplane {
     }
 
     /// Garbage collection of the tc conntrack in this thread (see `tc_conntrack::gc_round`):
-    /// deletes dead flows' entries, and counts the run and the entries left in `metrics`.
-    pub fn conntrack_gc(
-        &mut self,
-        metrics: Option<&EbpfMetrics>,
-    ) -> Result<tc_conntrack::GcReport, EbpfError> {
+    /// deletes dead flows' entries.
+    pub fn conntrack_gc(&mut self) -> Result<tc_conntrack::GcReport, EbpfError> {
         let started = std::time::Instant::now();
         let now = tc_conntrack::monotonic_ns().map_err(EbpfError::Clock)?;
         let map = self
@@ -472,10 +474,6 @@ impl EbpfDataplane {
             .map_mut(map_names::CT)
             .ok_or(EbpfError::MissingMap(map_names::CT))?;
         let report = tc_conntrack::gc_round(map, now, 4096).map_err(EbpfError::Conntrack)?;
-        if let Some(metrics) = metrics {
-            metrics.conntrack_gc_run();
-            metrics.conntrack_entries(u64::try_from(report.remaining).unwrap_or(u64::MAX));
-        }
         if report.deleted_forward + report.deleted_reply > 0 {
             info!(
                 scanned = report.scanned,

@@ -24,7 +24,7 @@ mod tc_conntrack;
 mod test_run;
 
 pub use ct_worker::WorkerReports;
-pub use dataplane::EbpfDataplane;
+pub use dataplane::{EbpfDataplane, GcProgress};
 pub use drift::{Drift, DriftCheck, DriftKind, RepairReport};
 pub use error::EbpfError;
 pub use features::{Feature, FeatureState, KernelFeatures};

@@ -1,28 +1,9 @@
 //! `--detect-local-mode`: how rules tell pod traffic from other traffic
 //! (kube-proxy's `pkg/proxy/util/localdetector.go`).
 
-use ipnet::IpNet;
-
 use crate::desired::IpFamily;
 
-/// The configured mode, for both families.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum DetectLocalMode {
-    /// `ClusterCIDR` (kube-proxy's default): pods are the `--cluster-cidr` ranges.
-    ClusterCidr(Vec<IpNet>),
-    /// `NodeCIDR`: pods are this node's `spec.podCIDRs`.
-    NodeCidr(Vec<IpNet>),
-    /// `BridgeInterface`: pod traffic arrives on this bridge (`--pod-bridge-interface`).
-    BridgeInterface(String),
-    /// `InterfaceNamePrefix`: pod traffic arrives on interfaces with this prefix.
-    InterfaceNamePrefix(String),
-}
-
-impl Default for DetectLocalMode {
-    fn default() -> Self {
-        DetectLocalMode::ClusterCidr(Vec::new())
-    }
-}
+pub use crate::node::DetectLocalMode;
 
 /// The detector of one family: the rule arguments that match local (pod) traffic and their
 /// negation, or nothing when the mode has no input for this family (kube-proxy's no-op

@@ -1,0 +1,75 @@
+//! [`Feature`]: the kernel features the eBPF dataplane has a fallback for, by the names
+//! `--bpf-disable-feature` takes. The probes that find them are the dataplane's
+//! (`dataplane::ebpf::features`); the names are configuration.
+
+use std::{fmt, str::FromStr};
+
+use serde::Serialize;
+
+/// A kernel feature the dataplane has a fallback for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Feature {
+    Tcx,
+    SetRetval,
+    SocketDestroy,
+    Btf,
+}
+
+impl Feature {
+    pub const ALL: [Feature; 4] = [
+        Feature::Tcx,
+        Feature::SetRetval,
+        Feature::SocketDestroy,
+        Feature::Btf,
+    ];
+
+    /// The name used by `--bpf-disable-feature`, the metric label and `inspect features`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Feature::Tcx => "tcx",
+            Feature::SetRetval => "set-retval",
+            Feature::SocketDestroy => "socket-destroy",
+            Feature::Btf => "btf",
+        }
+    }
+
+    /// What the dataplane does with the feature, and without it.
+    pub fn paths(self) -> (&'static str, &'static str) {
+        match self {
+            Feature::Tcx => ("tc programs as TCX links", "legacy clsact tc filters"),
+            Feature::SetRetval => (
+                "refused connects fail with ECONNREFUSED/EHOSTUNREACH",
+                "refused connects fail with EPERM",
+            ),
+            Feature::SocketDestroy => (
+                "connected UDP sockets of removed backends are aborted",
+                "connected UDP sockets keep their removed backend",
+            ),
+            Feature::Btf => (
+                "kernel BTF given to the loader",
+                "loaded without kernel BTF",
+            ),
+        }
+    }
+}
+
+impl fmt::Display for Feature {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for Feature {
+    type Err = String;
+
+    fn from_str(text: &str) -> Result<Self, Self::Err> {
+        Feature::ALL
+            .into_iter()
+            .find(|feature| feature.name() == text)
+            .ok_or_else(|| {
+                let names: Vec<_> = Feature::ALL.iter().map(|f| f.name()).collect();
+                format!("unknown feature {text:?}; known: {}", names.join(", "))
+            })
+    }
+}
