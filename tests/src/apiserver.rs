@@ -83,6 +83,9 @@ impl ApiObject for Node {
 pub struct Counters {
     pub lists: AtomicU64,
     pub watches: AtomicU64,
+    /// The `resourceVersion` and `resourceVersionMatch` of every LIST, as the query had them
+    /// (`resourceVersion=0` asks for the watch cache; absent, for a quorum read from etcd).
+    pub list_queries: std::sync::Mutex<Vec<String>>,
 }
 
 /// State shared between the test's handle and the HTTP tasks; it outlives server restarts.
@@ -322,6 +325,17 @@ impl ApiServer {
     /// LIST requests answered so far for `resource`.
     pub fn lists_served(&self, resource: Resource) -> u64 {
         self.shared.counters(resource).lists.load(Ordering::Relaxed)
+    }
+
+    /// The resourceVersion parameters of every LIST of `resource` so far, in order, as
+    /// `resourceVersion=…&resourceVersionMatch=…` (a parameter the client left out is absent).
+    pub fn list_queries(&self, resource: Resource) -> Vec<String> {
+        self.shared
+            .counters(resource)
+            .list_queries
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone()
     }
 
     /// WATCH requests received so far for `resource` (including those answered with 410).

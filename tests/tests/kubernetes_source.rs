@@ -324,6 +324,26 @@ fn expired_watch_relists_and_converges_without_foreign_endpoints() -> anyhow::Re
         api.lists_served(Resource::EndpointSlices) > lists_before,
         || "the agent did not relist EndpointSlices after the 410".into(),
     )?;
+    // The first list and the relist after the 410 are served from the watch cache, as
+    // client-go informers ask (resourceVersion=0), not as quorum reads from etcd.
+    for resource in [
+        Resource::Services,
+        Resource::EndpointSlices,
+        Resource::Nodes,
+    ] {
+        let queries = api.list_queries(resource);
+        s.ensure(
+            !queries.is_empty()
+                && queries
+                    .iter()
+                    .all(|q| q == "resourceVersion=0&resourceVersionMatch=NotOlderThan"),
+            || format!("{resource:?} lists must ask for resourceVersion=0: {queries:?}"),
+        )?;
+    }
+    let slice_lists = api.list_queries(Resource::EndpointSlices).len();
+    s.ensure(slice_lists >= 2, || {
+        format!("EndpointSlices: the initial list and the relist, got {slice_lists} list(s)")
+    })?;
     print_source_log(&mut s)?;
     let extra_answers = answers(&s, extra, "the Service created during the break")?;
     s.ensure(extra_answers == pods(&[1]), || {

@@ -516,17 +516,12 @@ fn is_major_minor(text: &str) -> bool {
 /// Settings kube-proxy uses that have no counterpart here, when they differ from upstream's
 /// defaults: named in one warning instead of silently doing nothing.
 fn unused_settings(doc: &KubeProxyConfiguration) -> Option<Notice> {
-    use super::defaults::{BURST, CONFIG_SYNC_PERIOD, CONTENT_TYPE, QPS};
+    use super::defaults::{CONFIG_SYNC_PERIOD, CONTENT_TYPE};
     let client = &doc.client_connection;
     let unused: Vec<String> = [
         // kube-rs watches have no informer resync: the periodic sync reconciles instead.
         (doc.config_sync_period != CONFIG_SYNC_PERIOD)
             .then(|| format!("configSyncPeriod={}", doc.config_sync_period)),
-        // kube-rs has no client-side rate limiter; the agent's requests are a list and a watch
-        // per kind, plus the Starting event.
-        ((client.qps - QPS).abs() > f32::EPSILON)
-            .then(|| format!("clientConnection.qps={}", client.qps)),
-        (client.burst != BURST).then(|| format!("clientConnection.burst={}", client.burst)),
         // kube-rs speaks JSON only.
         (client.content_type != CONTENT_TYPE)
             .then(|| format!("clientConnection.contentType={}", client.content_type)),

@@ -69,6 +69,8 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
             source::kubernetes::client(&ClientOptions {
                 kubeconfig: config.client_connection.kubeconfig.clone(),
                 master: config.master.clone(),
+                qps: config.client_connection.qps,
+                burst: config.client_connection.burst,
             })
             .await?,
         ),

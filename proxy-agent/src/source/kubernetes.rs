@@ -10,6 +10,7 @@
 mod client;
 mod events;
 mod mapping;
+mod rate_limit;
 
 use std::fmt;
 
@@ -45,7 +46,14 @@ pub fn node_field_selector(node_name: &str) -> String {
 
 /// Watches the three kinds until the receiver of `tx` goes away.
 pub async fn run(client: Client, node_name: String, tx: mpsc::Sender<Update>) {
-    let labels = watcher::Config::default().labels(PROXY_LABEL_SELECTOR);
+    // Lists (the first and every relist after a 410) are served from the API server's watch
+    // cache (`resourceVersion=0`), as client-go informers ask: a quorum read goes to etcd,
+    // and with every node's agent relisting at once that is what the control plane feels.
+    let mut cheap = watcher::Config::default().any_semantic();
+    // kube-core drops `resourceVersion=0` from a list that has a `limit` (the watch cache
+    // serves such a list whole anyway, and client-go's reflector does not page it either).
+    cheap.page_size = None;
+    let labels = cheap.clone().labels(PROXY_LABEL_SELECTOR);
     let services = watch(
         Api::<Service>::all(client.clone()),
         labels.clone(),
@@ -60,7 +68,7 @@ pub async fn run(client: Client, node_name: String, tx: mpsc::Sender<Update>) {
     );
     let node = watch(
         Api::<Node>::all(client),
-        watcher::Config::default().fields(&node_field_selector(&node_name)),
+        cheap.fields(&node_field_selector(&node_name)),
         NodeEvents::new(node_name),
         tx,
     );

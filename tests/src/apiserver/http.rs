@@ -99,6 +99,16 @@ async fn handle(
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         return watch(shared, resource, filter, rv, timeout, bookmarks);
     }
+    let versions: Vec<String> = ["resourceVersion", "resourceVersionMatch"]
+        .into_iter()
+        .filter_map(|name| query.get(name).map(|value| format!("{name}={value}")))
+        .collect();
+    shared
+        .counters(resource)
+        .list_queries
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .push(versions.join("&"));
     list(shared, resource, filter).await
 }
 

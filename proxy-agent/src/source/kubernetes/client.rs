@@ -5,6 +5,7 @@ use std::path::{Path, PathBuf};
 
 use kube::{
     Client, Config,
+    client::ClientBuilder,
     config::{InferConfigError, KubeConfigOptions, Kubeconfig, KubeconfigError},
 };
 
@@ -29,18 +30,28 @@ pub enum ClientError {
     Build { source: kube::Error },
 }
 
-/// Where the API server is and how to authenticate.
+/// Where the API server is, how to authenticate, and how fast to ask.
 #[derive(Debug, Clone, Default)]
 pub struct ClientOptions {
     pub kubeconfig: Option<PathBuf>,
     /// Overrides the kubeconfig's server address (as kube-proxy's `--master` does).
     pub master: Option<String>,
+    /// `clientConnection.qps`/`burst`: the client-side token bucket ([`super::rate_limit`]).
+    pub qps: f32,
+    pub burst: i32,
 }
 
 /// Builds the client; no request is made yet.
 pub async fn client(options: &ClientOptions) -> Result<Client, ClientError> {
     let config = config(options).await?;
-    Client::try_from(config).map_err(|source| ClientError::Build { source })
+    let builder =
+        ClientBuilder::try_from(config).map_err(|source| ClientError::Build { source })?;
+    Ok(
+        match super::rate_limit::limit_layer(options.qps, options.burst) {
+            Some(layer) => builder.with_layer(&layer).build(),
+            None => builder.build(),
+        },
+    )
 }
 
 async fn config(options: &ClientOptions) -> Result<Config, ClientError> {
@@ -98,6 +109,7 @@ mod tests {
         let from_file = config(&ClientOptions {
             kubeconfig: Some(path.clone()),
             master: None,
+            ..ClientOptions::default()
         })
         .await
         .unwrap();
@@ -105,6 +117,7 @@ mod tests {
         let overridden = config(&ClientOptions {
             kubeconfig: Some(path),
             master: Some("http://10.0.0.1:8080".into()),
+            ..ClientOptions::default()
         })
         .await
         .unwrap();
@@ -112,6 +125,7 @@ mod tests {
         let master_only = config(&ClientOptions {
             kubeconfig: None,
             master: Some("https://api.example:6443".into()),
+            ..ClientOptions::default()
         })
         .await
         .unwrap();
@@ -127,6 +141,7 @@ mod tests {
         let error = config(&ClientOptions {
             kubeconfig: Some("/nonexistent/kubeconfig".into()),
             master: None,
+            ..ClientOptions::default()
         })
         .await
         .unwrap_err();
@@ -138,6 +153,7 @@ mod tests {
         let bad_master = config(&ClientOptions {
             kubeconfig: None,
             master: Some("http://bad host".into()),
+            ..ClientOptions::default()
         })
         .await
         .unwrap_err();
