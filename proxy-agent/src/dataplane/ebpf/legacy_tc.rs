@@ -12,21 +12,18 @@
 //! theirs to keep with `TC_ACT_UNSPEC`). The `clsact` qdisc is created when missing and never
 //! deleted (deleting it would delete every other filter on it too).
 
-use std::{io, os::fd::AsRawFd as _, time::Duration};
+use std::{io, time::Duration};
 
 use aya::programs::{
     SchedClassifier, TcAttachType,
     tc::{self, NlOptions, SchedClassifierLink, TcAttachOptions, TcHandle},
 };
-use nix::sys::{
-    socket::{
-        AddressFamily, MsgFlags, SockFlag, SockProtocol, SockType, recv, send, setsockopt, socket,
-        sockopt,
-    },
-    time::TimeVal,
-};
+use bytes::BufMut as _;
+use nix::sys::socket::SockProtocol;
 use proxy_common::program_names;
 use tracing::debug;
+
+use crate::netlink::{NLM_F_DUMP, NLM_F_REQUEST, NetlinkError, NetlinkSocket, attributes};
 
 /// Our filters' priority: rare enough not to collide with other components (tc's automatic
 /// priorities start at 49152 and count down; Cilium's legacy mode uses 1).
@@ -35,11 +32,6 @@ pub const PRIORITY: u16 = 0x6b70;
 pub const HANDLE: u32 = 0x6b70;
 
 const RTM_GETTFILTER: u16 = 46;
-const NLMSG_ERROR: u16 = 2;
-const NLMSG_DONE: u16 = 3;
-const NLM_F_REQUEST: u16 = 0x1;
-const NLM_F_DUMP: u16 = 0x300;
-const NLMSG_HDRLEN: usize = 16;
 const TCMSG_LEN: usize = 20;
 const TCA_KIND: u16 = 1;
 const TCA_OPTIONS: u16 = 2;
@@ -47,8 +39,7 @@ const TCA_BPF_NAME: u16 = 7;
 /// `TC_H_MAKE(TC_H_CLSACT, TC_H_MIN_INGRESS / EGRESS)`.
 const PARENT_INGRESS: u32 = 0xffff_fff2;
 const PARENT_EGRESS: u32 = 0xffff_fff3;
-/// Bounds for a dump: datagrams read and time per receive.
-const MAX_DATAGRAMS: usize = 10_000;
+/// Bound for each receive of a dump.
 const RECV_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// The tc programs' names: what marks a `bpf` filter as ours.
@@ -194,65 +185,32 @@ pub fn filters(ifindex: u32, direction: TcAttachType) -> io::Result<Vec<Filter>>
         TcAttachType::Egress => PARENT_EGRESS,
         _ => PARENT_INGRESS,
     };
-    let fd = socket(
-        AddressFamily::Netlink,
-        SockType::Raw,
-        SockFlag::SOCK_CLOEXEC,
-        SockProtocol::NetlinkRoute,
-    )?;
-    setsockopt(
-        &fd,
-        sockopt::ReceiveTimeout,
-        &TimeVal::new(
-            RECV_TIMEOUT.as_secs() as _,
-            RECV_TIMEOUT.subsec_micros() as _,
-        ),
-    )?;
-    let len = (NLMSG_HDRLEN + TCMSG_LEN) as u32;
-    let mut msg = Vec::with_capacity(len as usize);
-    msg.extend_from_slice(&len.to_ne_bytes());
-    msg.extend_from_slice(&RTM_GETTFILTER.to_ne_bytes());
-    msg.extend_from_slice(&(NLM_F_REQUEST | NLM_F_DUMP).to_ne_bytes());
-    msg.extend_from_slice(&1u32.to_ne_bytes());
-    msg.extend_from_slice(&0u32.to_ne_bytes());
-    msg.extend_from_slice(&[0, 0, 0, 0]); // family AF_UNSPEC, padding
-    msg.extend_from_slice(&(ifindex as i32).to_ne_bytes());
-    msg.extend_from_slice(&0u32.to_ne_bytes()); // handle
-    msg.extend_from_slice(&parent.to_ne_bytes());
-    msg.extend_from_slice(&0u32.to_ne_bytes()); // info: every priority and protocol
-    send(fd.as_raw_fd(), &msg, MsgFlags::empty())?;
+    let mut netlink = NetlinkSocket::open(SockProtocol::NetlinkRoute, Some(RECV_TIMEOUT))
+        .map_err(io::Error::other)?;
+    netlink
+        .send(RTM_GETTFILTER, NLM_F_REQUEST | NLM_F_DUMP, |buf| {
+            // struct tcmsg: family AF_UNSPEC and padding, ifindex, handle, parent, info (0:
+            // every priority and protocol).
+            buf.put_slice(&[0, 0, 0, 0]);
+            buf.put_i32_ne(ifindex as i32);
+            buf.put_u32_ne(0);
+            buf.put_u32_ne(parent);
+            buf.put_u32_ne(0);
+        })
+        .map_err(io::Error::other)?;
     let mut out = Vec::new();
-    let mut buf = vec![0u8; 64 * 1024];
-    for _ in 0..MAX_DATAGRAMS {
-        let n = recv(fd.as_raw_fd(), &mut buf, MsgFlags::empty())?;
-        let mut rest = &buf[..n];
-        while rest.len() >= NLMSG_HDRLEN {
-            let len = u32::from_ne_bytes([rest[0], rest[1], rest[2], rest[3]]) as usize;
-            if len < NLMSG_HDRLEN || len > rest.len() {
-                break;
-            }
-            let kind = u16::from_ne_bytes([rest[4], rest[5]]);
-            let payload = &rest[NLMSG_HDRLEN..len];
-            match kind {
-                NLMSG_DONE => return Ok(out),
-                NLMSG_ERROR => {
-                    let errno = payload.get(..4).map_or(-libc::EPROTO, |b| {
-                        i32::from_ne_bytes([b[0], b[1], b[2], b[3]])
-                    });
-                    // No clsact qdisc: no filters.
-                    if -errno == libc::EINVAL || -errno == libc::ENOENT {
-                        return Ok(out);
-                    }
-                    if errno != 0 {
-                        return Err(io::Error::from_raw_os_error(-errno));
-                    }
-                }
-                _ => out.extend(parse_filter(payload)),
-            }
-            rest = rest.get((len + 3) & !3..).unwrap_or_default();
-        }
+    // Bounded: the dump ends with NLMSG_DONE; a stuck kernel ends in the receive timeout.
+    let dumped = netlink.receive(|_, payload| {
+        out.extend(parse_filter(payload));
+        Ok::<(), NetlinkError>(())
+    });
+    match dumped {
+        Ok(()) => Ok(out),
+        // No clsact qdisc: no filters.
+        Err(NetlinkError::Kernel(nix::Error::EINVAL | nix::Error::ENOENT)) => Ok(out),
+        Err(NetlinkError::Kernel(errno)) => Err(io::Error::from_raw_os_error(errno as i32)),
+        Err(error) => Err(io::Error::other(error)),
     }
-    Err(io::Error::other("tc filter dump did not end"))
 }
 
 /// A `tcmsg` with its attributes; the header-only entries tc lists per priority have no
@@ -281,21 +239,6 @@ fn parse_filter(payload: &[u8]) -> Option<Filter> {
         }
     }
     Some(filter)
-}
-
-fn attributes(mut rest: &[u8]) -> Vec<(u16, &[u8])> {
-    let mut out = Vec::new();
-    while rest.len() >= 4 {
-        let len = usize::from(u16::from_ne_bytes([rest[0], rest[1]]));
-        // NLA_F_NESTED and NLA_F_NET_BYTEORDER are flags in the type's top bits.
-        let kind = u16::from_ne_bytes([rest[2], rest[3]]) & 0x3fff;
-        if len < 4 || len > rest.len() {
-            break;
-        }
-        out.push((kind, &rest[4..len]));
-        rest = rest.get((len + 3) & !3..).unwrap_or_default();
-    }
-    out
 }
 
 fn c_string(bytes: &[u8]) -> String {

@@ -25,36 +25,24 @@ use std::{
     fs::File,
     io,
     net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr},
-    os::{
-        fd::{AsRawFd as _, OwnedFd},
-        unix::fs::MetadataExt as _,
-    },
+    os::unix::fs::MetadataExt as _,
     path::{Path, PathBuf},
     time::Duration,
 };
 
+use bytes::{BufMut as _, BytesMut};
 use nix::{
     sched::{CloneFlags, setns},
-    sys::socket::{
-        AddressFamily, MsgFlags, SockFlag, SockProtocol, SockType, recv, send, setsockopt, socket,
-        sockopt,
-    },
-    sys::time::TimeVal,
+    sys::socket::SockProtocol,
 };
 use tracing::debug;
 
+use crate::netlink::{NLM_F_DUMP, NLM_F_REQUEST, NetlinkError, NetlinkSocket, walk_datagram};
+
 const SOCK_DIAG_BY_FAMILY: u16 = 20;
 const SOCK_DESTROY: u16 = 21;
-const NLMSG_ERROR: u16 = 2;
-const NLMSG_DONE: u16 = 3;
-const NLM_F_REQUEST: u16 = 0x1;
-const NLM_F_ACK: u16 = 0x4;
-const NLM_F_DUMP: u16 = 0x300;
-const NLMSG_HDRLEN: usize = 16;
 /// `struct inet_diag_sockid`.
 const SOCKID_LEN: usize = 48;
-/// `struct inet_diag_req_v2`.
-const REQ_LEN: usize = 8 + SOCKID_LEN;
 /// `struct inet_diag_msg` (without attributes).
 const MSG_LEN: usize = 4 + SOCKID_LEN + 20;
 /// Connected UDP sockets are in `TCP_ESTABLISHED` (1).
@@ -76,6 +64,8 @@ pub enum SockDiagError {
     },
     #[error("netlink: {0}")]
     Protocol(String),
+    #[error("SOCK_DIAG: {0}")]
+    Netlink(#[from] NetlinkError),
 }
 
 /// A connected socket as `SOCK_DIAG` reports it.
@@ -120,15 +110,15 @@ pub fn destroy_udp_sockets(
                             source,
                         }
                     })?;
-                    let netlink = open_netlink()?;
+                    let mut netlink = open_netlink()?;
                     for family in [libc::AF_INET as u8, libc::AF_INET6 as u8] {
-                        for socket in dump_udp(&netlink, family)? {
+                        for socket in dump_udp(&mut netlink, family)? {
                             if !backends.contains(&socket.destination) {
                                 continue;
                             }
                             report.candidates += 1;
                             if translated(&socket) {
-                                destroy(&netlink, &socket)?;
+                                destroy(&mut netlink, &socket)?;
                                 debug!(cookie = socket.cookie, destination = %socket.destination, "destroyed connected UDP socket");
                                 report.destroyed += 1;
                             }
@@ -184,128 +174,58 @@ fn cgroup_netns(cgroup: &Path) -> Result<Vec<File>, SockDiagError> {
     Ok(namespaces)
 }
 
-fn open_netlink() -> Result<OwnedFd, SockDiagError> {
-    let fd = socket(
-        AddressFamily::Netlink,
-        SockType::Raw,
-        SockFlag::SOCK_CLOEXEC,
+fn open_netlink() -> Result<NetlinkSocket, SockDiagError> {
+    Ok(NetlinkSocket::open(
         SockProtocol::NetlinkSockDiag,
-    )
-    .map_err(|source| SockDiagError::Nix {
-        context: "opening a NETLINK_SOCK_DIAG socket",
-        source,
-    })?;
-    setsockopt(
-        &fd,
-        sockopt::ReceiveTimeout,
-        &TimeVal::new(RECV_TIMEOUT.as_secs() as i64, 0),
-    )
-    .map_err(|source| SockDiagError::Nix {
-        context: "setting SO_RCVTIMEO on the netlink socket",
-        source,
-    })?;
-    Ok(fd)
+        Some(RECV_TIMEOUT),
+    )?)
 }
 
-fn request(kind: u16, flags: u16, family: u8, states: u32, sockid: &[u8; SOCKID_LEN]) -> Vec<u8> {
-    let len = (NLMSG_HDRLEN + REQ_LEN) as u32;
-    let mut msg = Vec::with_capacity(len as usize);
-    msg.extend_from_slice(&len.to_ne_bytes());
-    msg.extend_from_slice(&kind.to_ne_bytes());
-    msg.extend_from_slice(&flags.to_ne_bytes());
-    msg.extend_from_slice(&1u32.to_ne_bytes()); // seq
-    msg.extend_from_slice(&0u32.to_ne_bytes()); // pid: the kernel
-    msg.extend_from_slice(&[family, IPPROTO_UDP, 0, 0]);
-    msg.extend_from_slice(&states.to_ne_bytes());
-    msg.extend_from_slice(sockid);
-    msg
+/// `struct inet_diag_req_v2` for UDP sockets of `family` in `states`, matching `sockid`.
+fn put_request(buf: &mut BytesMut, family: u8, states: u32, sockid: &[u8; SOCKID_LEN]) {
+    buf.put_slice(&[family, IPPROTO_UDP, 0, 0]);
+    buf.put_u32_ne(states);
+    buf.put_slice(sockid);
 }
 
-fn send_all(fd: &OwnedFd, msg: &[u8]) -> Result<(), SockDiagError> {
-    send(fd.as_raw_fd(), msg, MsgFlags::empty()).map_err(|source| SockDiagError::Nix {
-        context: "sending a SOCK_DIAG request",
-        source,
-    })?;
-    Ok(())
-}
-
-/// Netlink messages in one datagram: (type, payload).
-fn messages(buf: &[u8]) -> Vec<(u16, &[u8])> {
-    let mut out = Vec::new();
-    let mut rest = buf;
-    while rest.len() >= NLMSG_HDRLEN {
-        let len = u32::from_ne_bytes([rest[0], rest[1], rest[2], rest[3]]) as usize;
-        if len < NLMSG_HDRLEN || len > rest.len() {
-            break;
-        }
-        let kind = u16::from_ne_bytes([rest[4], rest[5]]);
-        out.push((kind, &rest[NLMSG_HDRLEN..len]));
-        let aligned = (len + 3) & !3;
-        rest = rest.get(aligned..).unwrap_or_default();
-    }
-    out
-}
-
-fn netlink_error(payload: &[u8]) -> i32 {
-    payload
-        .get(..4)
-        .map(|b| i32::from_ne_bytes([b[0], b[1], b[2], b[3]]))
-        .unwrap_or(-libc::EPROTO)
-}
-
-fn dump_udp(fd: &OwnedFd, family: u8) -> Result<Vec<DiagSocket>, SockDiagError> {
+fn dump_udp(netlink: &mut NetlinkSocket, family: u8) -> Result<Vec<DiagSocket>, SockDiagError> {
     let any = [0u8; SOCKID_LEN];
-    send_all(
-        fd,
-        &request(
-            SOCK_DIAG_BY_FAMILY,
-            NLM_F_REQUEST | NLM_F_DUMP,
-            family,
-            ESTABLISHED_STATES,
-            &any,
-        ),
-    )?;
+    netlink.send(SOCK_DIAG_BY_FAMILY, NLM_F_REQUEST | NLM_F_DUMP, |buf| {
+        put_request(buf, family, ESTABLISHED_STATES, &any);
+    })?;
     let mut sockets = Vec::new();
-    let mut buf = vec![0u8; 64 * 1024];
-    // Bounded: each datagram holds at least one message and the dump ends with NLMSG_DONE;
-    // a stuck kernel ends in the receive timeout.
-    loop {
-        let n = recv(fd.as_raw_fd(), &mut buf, MsgFlags::empty()).map_err(|source| {
-            SockDiagError::Nix {
-                context: "receiving a SOCK_DIAG dump",
-                source,
+    // Bounded: the dump ends with NLMSG_DONE; a stuck kernel ends in the receive timeout.
+    netlink
+        .receive(|kind, payload| {
+            if kind == SOCK_DIAG_BY_FAMILY
+                && let Some(socket) = parse_diag_msg(payload)
+            {
+                sockets.push(socket);
             }
+            Ok::<(), NetlinkError>(())
+        })
+        .map_err(|error| match error {
+            NetlinkError::Kernel(errno) => SockDiagError::Protocol(format!(
+                "dump failed: {}",
+                io::Error::from_raw_os_error(errno as i32)
+            )),
+            other => other.into(),
         })?;
-        if n == 0 {
-            return Err(SockDiagError::Protocol("empty datagram in a dump".into()));
-        }
-        for (kind, payload) in messages(&buf[..n]) {
-            match kind {
-                NLMSG_DONE => return Ok(sockets),
-                NLMSG_ERROR => {
-                    return Err(SockDiagError::Protocol(format!(
-                        "dump failed: {}",
-                        io::Error::from_raw_os_error(-netlink_error(payload))
-                    )));
-                }
-                SOCK_DIAG_BY_FAMILY => {
-                    if let Some(socket) = parse_diag_msg(payload) {
-                        sockets.push(socket);
-                    }
-                }
-                _ => {}
-            }
-        }
-    }
+    Ok(sockets)
 }
 
 /// The sockets in one SOCK_DIAG dump datagram (for fuzzing the parser without a socket).
 pub(crate) fn parse_dump_datagram(datagram: &[u8]) -> Vec<DiagSocket> {
-    messages(datagram)
-        .into_iter()
-        .filter(|(kind, _)| *kind == SOCK_DIAG_BY_FAMILY)
-        .filter_map(|(_, payload)| parse_diag_msg(payload))
-        .collect()
+    let mut sockets = Vec::new();
+    let _ = walk_datagram(datagram, &mut |kind, payload: &[u8]| {
+        if kind == SOCK_DIAG_BY_FAMILY
+            && let Some(socket) = parse_diag_msg(payload)
+        {
+            sockets.push(socket);
+        }
+        Ok::<(), NetlinkError>(())
+    });
+    sockets
 }
 
 fn parse_diag_msg(payload: &[u8]) -> Option<DiagSocket> {
@@ -339,30 +259,18 @@ fn parse_diag_msg(payload: &[u8]) -> Option<DiagSocket> {
 /// EOPNOTSUPP when it cannot.
 pub fn destroy_supported() -> bool {
     let probe = || -> Result<bool, SockDiagError> {
-        let fd = open_netlink()?;
+        let mut netlink = open_netlink()?;
         // No socket has cookie 2^64-1 … with port 0 on 0.0.0.0 → 0.0.0.0.
         let mut sockid = [0u8; SOCKID_LEN];
         sockid[40..48].copy_from_slice(&[0xfe; 8]);
-        send_all(
-            &fd,
-            &request(
-                SOCK_DESTROY,
-                NLM_F_REQUEST | NLM_F_ACK,
-                libc::AF_INET as u8,
-                u32::MAX,
-                &sockid,
-            ),
-        )?;
-        let mut buf = [0u8; 1024];
-        let n = recv(fd.as_raw_fd(), &mut buf, MsgFlags::empty()).map_err(|source| {
-            SockDiagError::Nix {
-                context: "receiving the SOCK_DESTROY probe's ack",
-                source,
-            }
-        })?;
-        Ok(messages(&buf[..n]).into_iter().any(|(kind, payload)| {
-            kind == NLMSG_ERROR && -netlink_error(payload) != libc::EOPNOTSUPP
-        }))
+        let answer = netlink.request_ack(SOCK_DESTROY, 0, |buf| {
+            put_request(buf, libc::AF_INET as u8, u32::MAX, &sockid);
+        });
+        match answer {
+            Err(NetlinkError::Kernel(nix::Error::EOPNOTSUPP)) => Ok(false),
+            Ok(()) | Err(NetlinkError::Kernel(_)) => Ok(true),
+            Err(error) => Err(error.into()),
+        }
     };
     probe().unwrap_or_else(|error| {
         debug!(%error, "socket destroy probe failed");
@@ -370,38 +278,20 @@ pub fn destroy_supported() -> bool {
     })
 }
 
-fn destroy(fd: &OwnedFd, socket: &DiagSocket) -> Result<(), SockDiagError> {
-    send_all(
-        fd,
-        &request(
-            SOCK_DESTROY,
-            NLM_F_REQUEST | NLM_F_ACK,
-            socket.family,
-            u32::MAX,
-            &socket.sockid,
-        ),
-    )?;
-    let mut buf = [0u8; 1024];
-    let n =
-        recv(fd.as_raw_fd(), &mut buf, MsgFlags::empty()).map_err(|source| SockDiagError::Nix {
-            context: "receiving the SOCK_DESTROY ack",
-            source,
-        })?;
-    for (kind, payload) in messages(&buf[..n]) {
-        if kind == NLMSG_ERROR {
-            return match -netlink_error(payload) {
-                0 => Ok(()),
-                // Closed between the dump and the destroy: nothing left to do.
-                libc::ENOENT => Ok(()),
-                errno => Err(SockDiagError::Protocol(format!(
-                    "SOCK_DESTROY of {}: {}",
-                    socket.destination,
-                    io::Error::from_raw_os_error(errno)
-                ))),
-            };
-        }
+fn destroy(netlink: &mut NetlinkSocket, socket: &DiagSocket) -> Result<(), SockDiagError> {
+    let answer = netlink.request_ack(SOCK_DESTROY, 0, |buf| {
+        put_request(buf, socket.family, u32::MAX, &socket.sockid);
+    });
+    match answer {
+        // Closed between the dump and the destroy: nothing left to do.
+        Ok(()) | Err(NetlinkError::Kernel(nix::Error::ENOENT)) => Ok(()),
+        Err(NetlinkError::Kernel(errno)) => Err(SockDiagError::Protocol(format!(
+            "SOCK_DESTROY of {}: {}",
+            socket.destination,
+            io::Error::from_raw_os_error(errno as i32)
+        ))),
+        Err(error) => Err(error.into()),
     }
-    Err(SockDiagError::Protocol("no SOCK_DESTROY ack".into()))
 }
 
 #[cfg(test)]
@@ -422,17 +312,17 @@ mod tests {
             SocketAddr::from(([10, 244, 2, 2], 8080))
         );
         assert_eq!(socket.cookie, (1 << 32) | 7);
-        let req = request(
-            SOCK_DESTROY,
-            NLM_F_REQUEST,
-            socket.family,
-            0,
-            &socket.sockid,
-        );
-        assert_eq!(req.len(), NLMSG_HDRLEN + REQ_LEN);
-        assert_eq!(&req[NLMSG_HDRLEN + 8..], &socket.sockid[..]);
-        let parsed = messages(&req);
-        assert_eq!(parsed.len(), 1);
-        assert_eq!(parsed[0].0, SOCK_DESTROY);
+        let req = crate::netlink::message(SOCK_DESTROY, NLM_F_REQUEST, 1, |buf| {
+            put_request(buf, socket.family, 0, &socket.sockid);
+        });
+        assert_eq!(req.len(), crate::netlink::NLMSG_HDRLEN + 8 + SOCKID_LEN);
+        assert_eq!(&req[crate::netlink::NLMSG_HDRLEN + 8..], &socket.sockid[..]);
+        let mut kinds = Vec::new();
+        walk_datagram(&req, &mut |kind, _: &[u8]| {
+            kinds.push(kind);
+            Ok::<(), NetlinkError>(())
+        })
+        .expect("walk");
+        assert_eq!(kinds, [SOCK_DESTROY]);
     }
 }
