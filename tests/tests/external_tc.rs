@@ -655,17 +655,20 @@ fn marked_packets(s: &Scenario) -> anyhow::Result<u64> {
 /// and traffic that is not ours — across an agent restart and after `--cleanup`, which leave
 /// it attached. It marks what it sees; an nft counter in a foreign table counts the mark.
 /// With our programs ending the chain (`TC_ACT_OK` = `TCX_PASS`) it saw nothing.
-#[test]
-fn a_foreign_tcx_program_behind_ours_keeps_seeing_traffic() -> anyhow::Result<()> {
+/// A NodePort Service on pod 1 served by the agent (answered from outside), and a foreign TCX
+/// program behind ours on `vext` that marks what it sees, counted by an nft rule in a foreign
+/// table. The guard detaches the foreign program.
+fn serve_with_a_foreign_tcx_program(
+    s: &mut Scenario,
+) -> anyhow::Result<proxy_tests::foreign_tc::ForeignTcx> {
     use proxy_tests::foreign_tc::{FOREIGN_MARK, ForeignTcx};
-    let mut s = setup(1)?;
     s.manifests.write("svc.yaml", &lb_service("Cluster", &[]))?;
     s.manifests.write(
         "slice.yaml",
         &http_slice(NAMESPACE, "web-1", SERVICE, &[pod_endpoint(1)]),
     )?;
-    start(&mut s)?;
-    let client = ext_client()(&s);
+    start(s)?;
+    let client = ext_client()(s);
     s.wait_for_datapath_with(&client, node_port_addr(), "NodePort answered", is_pod)?;
     let node = s.topo.node();
     node.exec("nft", &["add", "table", "inet", "foreign_count"])?;
@@ -679,22 +682,31 @@ fn a_foreign_tcx_program_behind_ours_keeps_seeing_traffic() -> anyhow::Result<()
             "add rule inet foreign_count pre meta mark {FOREIGN_MARK:#x} counter"
         )],
     )?;
-    let _foreign = ForeignTcx::attach(&node.path(), "vext")?;
+    Ok(ForeignTcx::attach(&node.path(), "vext")?)
+}
 
-    // Each answered TCP exchange is at least SYN, ACK and the request from the client.
-    let check = |s: &Scenario, when: &str| -> anyhow::Result<()> {
-        let before = marked_packets(s)?;
-        let answered = answered(s, 3)?;
-        let seen = marked_packets(s)? - before;
-        eprintln!("{when}: answered {answered:?}, foreign program saw {seen} packets");
-        s.ensure(all_answered(&answered, 3), || {
-            format!("{when}: Service traffic must still be served: {answered:?}")
-        })?;
-        s.ensure(seen >= 27, || {
-            format!("{when}: the program behind ours saw only {seen} packets of 9 connections")
-        })?;
-        Ok(())
-    };
+/// 3 × 3 exchanges answered, and the foreign program saw them: each answered TCP exchange is
+/// at least SYN, ACK and the request from the client.
+fn foreign_program_sees_served_traffic(s: &Scenario, when: &str) -> anyhow::Result<()> {
+    let before = marked_packets(s)?;
+    let answered = answered(s, 3)?;
+    let seen = marked_packets(s)? - before;
+    eprintln!("{when}: answered {answered:?}, foreign program saw {seen} packets");
+    s.ensure(all_answered(&answered, 3), || {
+        format!("{when}: Service traffic must still be served: {answered:?}")
+    })?;
+    s.ensure(seen >= 27, || {
+        format!("{when}: the foreign program saw only {seen} packets of 9 connections")
+    })?;
+    Ok(())
+}
+
+#[test]
+fn a_foreign_tcx_program_behind_ours_keeps_seeing_traffic() -> anyhow::Result<()> {
+    let mut s = setup(1)?;
+    let _foreign = serve_with_a_foreign_tcx_program(&mut s)?;
+
+    let check = foreign_program_sees_served_traffic;
     check(&s, "behind the running agent")?;
     s.stop_agent()?;
     start(&mut s)?;
@@ -943,42 +955,9 @@ fn conntrack_map_size_follows_its_flag_across_restarts() -> anyhow::Result<()> {
 /// appended behind it — it still sees everything, ours pass it on).
 #[test]
 fn a_foreign_tcx_program_keeps_seeing_traffic_across_mode_switches() -> anyhow::Result<()> {
-    use proxy_tests::foreign_tc::{FOREIGN_MARK, ForeignTcx};
     let mut s = setup(1)?;
-    s.manifests.write("svc.yaml", &lb_service("Cluster", &[]))?;
-    s.manifests.write(
-        "slice.yaml",
-        &http_slice(NAMESPACE, "web-1", SERVICE, &[pod_endpoint(1)]),
-    )?;
-    start(&mut s)?;
-    let client = ext_client()(&s);
-    s.wait_for_datapath_with(&client, node_port_addr(), "NodePort answered", is_pod)?;
-    let node = s.topo.node();
-    node.exec("nft", &["add", "table", "inet", "foreign_count"])?;
-    node.exec(
-        "nft",
-        &["add chain inet foreign_count pre { type filter hook prerouting priority -300; }"],
-    )?;
-    node.exec(
-        "nft",
-        &[&format!(
-            "add rule inet foreign_count pre meta mark {FOREIGN_MARK:#x} counter"
-        )],
-    )?;
-    let _foreign = ForeignTcx::attach(&node.path(), "vext")?;
-    let check = |s: &Scenario, when: &str| -> anyhow::Result<()> {
-        let before = marked_packets(s)?;
-        let answered = answered(s, 3)?;
-        let seen = marked_packets(s)? - before;
-        eprintln!("{when}: answered {answered:?}, foreign program saw {seen} packets");
-        s.ensure(all_answered(&answered, 3), || {
-            format!("{when}: Service traffic must be served: {answered:?}")
-        })?;
-        s.ensure(seen >= 27, || {
-            format!("{when}: the foreign program saw only {seen} packets of 9 connections")
-        })?;
-        Ok(())
-    };
+    let _foreign = serve_with_a_foreign_tcx_program(&mut s)?;
+    let check = foreign_program_sees_served_traffic;
     check(&s, "eBPF mode")?;
     let pins = s.agent()?.bpf_root().join("kubeproxy-rs");
     s.agent()?.stop()?;
