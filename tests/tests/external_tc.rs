@@ -705,6 +705,7 @@ fn foreign_program_sees_served_traffic(s: &Scenario, when: &str) -> anyhow::Resu
 fn a_foreign_tcx_program_behind_ours_keeps_seeing_traffic() -> anyhow::Result<()> {
     let mut s = setup(1)?;
     let _foreign = serve_with_a_foreign_tcx_program(&mut s)?;
+    let client = ext_client()(&s);
 
     let check = foreign_program_sees_served_traffic;
     check(&s, "behind the running agent")?;
@@ -957,6 +958,7 @@ fn conntrack_map_size_follows_its_flag_across_restarts() -> anyhow::Result<()> {
 fn a_foreign_tcx_program_keeps_seeing_traffic_across_mode_switches() -> anyhow::Result<()> {
     let mut s = setup(1)?;
     let _foreign = serve_with_a_foreign_tcx_program(&mut s)?;
+    let client = ext_client()(&s);
     let check = foreign_program_sees_served_traffic;
     check(&s, "eBPF mode")?;
     let pins = s.agent()?.bpf_root().join("kubeproxy-rs");
