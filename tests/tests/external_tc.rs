@@ -572,11 +572,7 @@ fn all_answered(results: &[(SocketAddr, usize)], count: usize) -> bool {
 fn host_forward_policy_applies_to_external_traffic_in_both_modes() -> anyhow::Result<()> {
     for mode in ["ebpf", "iptables"] {
         let mut s = setup(1)?;
-        s.manifests.write("svc.yaml", &lb_service("Cluster", &[]))?;
-        s.manifests.write(
-            "slice.yaml",
-            &http_slice(NAMESPACE, "web-1", SERVICE, &[pod_endpoint(1)]),
-        )?;
+        write_lb_on_pod1(&s)?;
         s.start_agent_with_args(mode, &["--interfaces", "vext"])?;
         let client = ext_client()(&s);
         s.wait_for_datapath_with(&client, node_port_addr(), "NodePort answered", is_pod)?;
@@ -610,11 +606,7 @@ fn host_forward_policy_applies_to_external_traffic_in_both_modes() -> anyhow::Re
 #[test]
 fn fast_path_skips_the_host_forward_policy() -> anyhow::Result<()> {
     let mut s = setup(1)?;
-    s.manifests.write("svc.yaml", &lb_service("Cluster", &[]))?;
-    s.manifests.write(
-        "slice.yaml",
-        &http_slice(NAMESPACE, "web-1", SERVICE, &[pod_endpoint(1)]),
-    )?;
+    write_lb_on_pod1(&s)?;
     s.start_agent_with_args("ebpf", &["--interfaces", "vext", "--tc-fast-path"])?;
     let client = ext_client()(&s);
     s.wait_for_datapath_with(&client, node_port_addr(), "NodePort answered", is_pod)?;
@@ -655,6 +647,16 @@ fn marked_packets(s: &Scenario) -> anyhow::Result<u64> {
 /// and traffic that is not ours — across an agent restart and after `--cleanup`, which leave
 /// it attached. It marks what it sees; an nft counter in a foreign table counts the mark.
 /// With our programs ending the chain (`TC_ACT_OK` = `TCX_PASS`) it saw nothing.
+/// The LoadBalancer Service (eTP Cluster, no source ranges) with pod 1 as its endpoint.
+fn write_lb_on_pod1(s: &Scenario) -> anyhow::Result<()> {
+    s.manifests.write("svc.yaml", &lb_service("Cluster", &[]))?;
+    s.manifests.write(
+        "slice.yaml",
+        &http_slice(NAMESPACE, "web-1", SERVICE, &[pod_endpoint(1)]),
+    )?;
+    Ok(())
+}
+
 /// A NodePort Service on pod 1 served by the agent (answered from outside), and a foreign TCX
 /// program behind ours on `vext` that marks what it sees, counted by an nft rule in a foreign
 /// table. The guard detaches the foreign program.
@@ -662,11 +664,7 @@ fn serve_with_a_foreign_tcx_program(
     s: &mut Scenario,
 ) -> anyhow::Result<proxy_tests::foreign_tc::ForeignTcx> {
     use proxy_tests::foreign_tc::{FOREIGN_MARK, ForeignTcx};
-    s.manifests.write("svc.yaml", &lb_service("Cluster", &[]))?;
-    s.manifests.write(
-        "slice.yaml",
-        &http_slice(NAMESPACE, "web-1", SERVICE, &[pod_endpoint(1)]),
-    )?;
+    write_lb_on_pod1(s)?;
     start(s)?;
     let client = ext_client()(s);
     s.wait_for_datapath_with(&client, node_port_addr(), "NodePort answered", is_pod)?;
@@ -768,11 +766,7 @@ fn wait_for_filters(s: &Scenario, what: &str, ready: impl Fn(&str) -> bool) -> a
 fn legacy_tc_attach_serves_external_traffic_next_to_a_foreign_filter() -> anyhow::Result<()> {
     use proxy_tests::foreign_tc::ForeignLegacyFilter;
     let mut s = setup(1)?;
-    s.manifests.write("svc.yaml", &lb_service("Cluster", &[]))?;
-    s.manifests.write(
-        "slice.yaml",
-        &http_slice(NAMESPACE, "web-1", SERVICE, &[pod_endpoint(1)]),
-    )?;
+    write_lb_on_pod1(&s)?;
     let node = s.topo.node();
     node.exec("nft", &["add", "table", "inet", "foreign_count"])?;
     node.exec(
@@ -864,11 +858,7 @@ fn legacy_tc_attach_serves_external_traffic_next_to_a_foreign_filter() -> anyhow
 #[test]
 fn legacy_tc_attach_never_replaces_a_foreign_filter_in_our_slot() -> anyhow::Result<()> {
     let mut s = setup(1)?;
-    s.manifests.write("svc.yaml", &lb_service("Cluster", &[]))?;
-    s.manifests.write(
-        "slice.yaml",
-        &http_slice(NAMESPACE, "web-1", SERVICE, &[pod_endpoint(1)]),
-    )?;
+    write_lb_on_pod1(&s)?;
     let node = s.topo.node();
     node.exec("tc", &["qdisc", "add", "dev", "vext", "clsact"])?;
     node.exec(
@@ -923,11 +913,7 @@ fn conntrack_capacity(root: &std::path::Path) -> anyhow::Result<u32> {
 #[test]
 fn conntrack_map_size_follows_its_flag_across_restarts() -> anyhow::Result<()> {
     let mut s = setup(1)?;
-    s.manifests.write("svc.yaml", &lb_service("Cluster", &[]))?;
-    s.manifests.write(
-        "slice.yaml",
-        &http_slice(NAMESPACE, "web-1", SERVICE, &[pod_endpoint(1)]),
-    )?;
+    write_lb_on_pod1(&s)?;
     s.start_agent_with_args(
         "ebpf",
         &["--interfaces", "vext", "--bpf-map-conntrack", "4096"],
@@ -1005,11 +991,7 @@ fn ifindex_in(s: &Scenario, interface: &str) -> u32 {
 #[test]
 fn links_of_deleted_interfaces_are_unpinned() -> anyhow::Result<()> {
     let mut s = setup(1)?;
-    s.manifests.write("svc.yaml", &lb_service("Cluster", &[]))?;
-    s.manifests.write(
-        "slice.yaml",
-        &http_slice(NAMESPACE, "web-1", SERVICE, &[pod_endpoint(1)]),
-    )?;
+    write_lb_on_pod1(&s)?;
     start(&mut s)?;
     let client = ext_client()(&s);
     s.wait_for_datapath_with(&client, node_port_addr(), "NodePort answered", is_pod)?;

@@ -65,7 +65,7 @@ pub fn parse(text: &str) -> BTreeMap<String, TableRules> {
                 table.entry(chain.to_owned()).or_default();
             }
         } else if let Some(rule) = line.strip_prefix("-A ") {
-            let words = split_quoted(rule);
+            let words = super::tracer::words(rule);
             if let Some((chain, rest)) = words.split_first() {
                 let rest: Vec<&str> = rest.iter().map(String::as_str).collect();
                 table
@@ -76,31 +76,6 @@ pub fn parse(text: &str) -> BTreeMap<String, TableRules> {
         }
     }
     tables
-}
-
-/// Splits a rule into words; `"…"` is one word without its quotes (comments with spaces).
-fn split_quoted(line: &str) -> Vec<String> {
-    let mut out = Vec::new();
-    let mut chars = line.chars().peekable();
-    while let Some(&c) = chars.peek() {
-        if c.is_whitespace() {
-            chars.next();
-        } else if c == '"' {
-            chars.next();
-            out.push(chars.by_ref().take_while(|&c| c != '"').collect());
-        } else {
-            let mut word = String::new();
-            while let Some(&c) = chars.peek() {
-                if c.is_whitespace() {
-                    break;
-                }
-                word.push(c);
-                chars.next();
-            }
-            out.push(word);
-        }
-    }
-    out
 }
 
 /// Options with a value that the signature keeps.

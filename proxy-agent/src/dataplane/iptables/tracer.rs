@@ -31,8 +31,8 @@ struct Rule {
     to_destination: Option<String>,
 }
 
-/// Splits a rule into words; `"…"` is one word.
-fn words(line: &str) -> Vec<String> {
+/// Splits a rule into words; `"…"` is one word without its quotes (comments with spaces).
+pub(super) fn words(line: &str) -> Vec<String> {
     let mut out = Vec::new();
     let mut chars = line.chars().peekable();
     while let Some(&c) = chars.peek() {
