@@ -7,7 +7,7 @@
 use aya_ebpf::{
     bindings::{BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR, BPF_F_RECOMPUTE_CSUM},
     cty::c_long,
-    helpers::bpf_csum_diff,
+    helpers::{bpf_csum_diff, bpf_csum_update},
     programs::TcContext,
 };
 use proxy_common::proto;
@@ -16,6 +16,19 @@ use crate::parse::{ETH_HLEN, Packet};
 
 /// Offset of the IPv4 header checksum.
 const IPV4_CSUM: usize = ETH_HLEN + 10;
+
+/// `BPF_F_IPV6` of `bpf_l4_csum_replace` (kernel 6.16).
+const BPF_F_IPV6: u64 = 1 << 7;
+
+/// Set by the loader when the kernel knows `BPF_F_IPV6` (the `l4-csum-ipv6` feature probe).
+/// A frozen read-only global: the verifier knows its value and prunes the other path.
+#[unsafe(no_mangle)]
+static KPR_L4_CSUM_IPV6: u8 = 0;
+
+fn l4_csum_ipv6_flag() -> bool {
+    // SAFETY: a read of a plain global the loader initialised.
+    unsafe { core::ptr::read_volatile(&raw const KPR_L4_CSUM_IPV6) != 0 }
+}
 
 /// UDP over IPv4 may carry checksum 0 ("none"): the kernel leaves it so and turns a computed
 /// 0 into 0xffff (`BPF_F_MARK_MANGLED_0`). TCP and UDP over IPv6 always have one.
@@ -54,8 +67,25 @@ pub fn replace_addr(
             return Err(diff);
         }
         ctx.store(offset, new, 0)?;
-        // Size 0: `diff` is a precomputed checksum difference.
-        ctx.l4_csum_replace(pkt.l4_csum_offset(), 0, diff as u64, pseudo)
+        // The address and the L4 checksum change by opposite amounts, so the packet's
+        // one's-complement sum — `skb->csum` of a CHECKSUM_COMPLETE skb — stays as it was
+        // (IPv6 has no header checksum to move it, unlike IPv4). Without `BPF_F_IPV6` the
+        // helper adjusts `skb->csum` by `diff` as for IPv4, and a NIC that sums packets then
+        // logs "hw csum failure"; kernels without the flag get the adjustment taken back with
+        // `bpf_csum_update` (a no-op on other skbs), as Cilium does.
+        if l4_csum_ipv6_flag() {
+            // Size 0: `diff` is a precomputed checksum difference.
+            return ctx.l4_csum_replace(pkt.l4_csum_offset(), 0, diff as u64, pseudo | BPF_F_IPV6);
+        }
+        // A zero UDP checksum (invalid over IPv6, yet possible) is left alone by the helper
+        // (`BPF_F_MARK_MANGLED_0`), so there is nothing to take back then.
+        let untouched = pkt.proto == proto::UDP && ctx.load::<u16>(pkt.l4_csum_offset())? == 0;
+        ctx.l4_csum_replace(pkt.l4_csum_offset(), 0, diff as u64, pseudo)?;
+        if !untouched {
+            // SAFETY: the helper only reads and writes the skb the program was given.
+            unsafe { bpf_csum_update(ctx.skb.skb, diff as u32) };
+        }
+        Ok(())
     } else {
         ctx.store(offset, &new[0], 0)?;
         ctx.l3_csum_replace(IPV4_CSUM, u64::from(old[0]), u64::from(new[0]), 4)?;

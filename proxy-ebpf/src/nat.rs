@@ -27,7 +27,7 @@ use aya_ebpf::{
     bindings::{
         BPF_FIB_LKUP_RET_NO_NEIGH, BPF_FIB_LKUP_RET_SUCCESS, TC_ACT_OK, TC_ACT_SHOT, TC_ACT_UNSPEC,
     },
-    helpers::{bpf_fib_lookup, bpf_redirect_neigh},
+    helpers::{bpf_fib_lookup, bpf_redirect_neigh, bpf_skb_vlan_pop},
     programs::TcContext,
 };
 use proxy_common::{CtValue, StatIndex, TRANSLATED_MARK, family, node_flags, proto};
@@ -154,6 +154,17 @@ fn forward(ctx: &TcContext, pkt: &Packet, to: &CtValue) -> i32 {
     let ret =
         unsafe { bpf_fib_lookup(ctx.as_ptr(), params, mem::size_of::<FibLookup>() as i32, 0) };
     if ret == i64::from(BPF_FIB_LKUP_RET_SUCCESS) || ret == i64::from(BPF_FIB_LKUP_RET_NO_NEIGH) {
+        // A priority tag (VLAN 0, 802.1p) stripped by the NIC rides in `vlan_tci` and would
+        // leave with the packet on the backend's interface: the stack would have dropped it
+        // on receive, so it goes here too (other VLANs never get this far, see `tc::service`).
+        // SAFETY: the context pointer is the program's own __sk_buff; the helper only clears
+        // the skb's out-of-band tag (the program holds no packet pointers it invalidates).
+        unsafe {
+            if (*ctx.skb.skb).vlan_present != 0 && bpf_skb_vlan_pop(ctx.skb.skb) != 0 {
+                bump(StatIndex::TcRewriteFailed);
+                return TC_ACT_SHOT;
+            }
+        }
         // SAFETY: no neighbour parameters: the kernel resolves the next hop itself.
         return unsafe { bpf_redirect_neigh(params.ifindex, ptr::null_mut(), 0, 0) } as i32;
     }

@@ -46,6 +46,9 @@ const DROP: i32 = TC_ACT_SHOT;
 /// fast path's redirect and our drops end the chain.
 const NEXT: i32 = TC_ACT_UNSPEC;
 
+/// The VLAN id bits of a tag (the rest is priority and DEI).
+const VLAN_VID_MASK: u32 = 0x0fff;
+
 /// Where a tc program runs: which new flows it may start.
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub enum Side {
@@ -105,6 +108,18 @@ pub fn egress(ctx: &TcContext) -> i32 {
 
 #[inline(always)]
 fn service(ctx: &TcContext, side: Side) -> i32 {
+    // A VLAN tag the NIC stripped (hardware VLAN offload) is in `vlan_tci`, not in the
+    // frame: the packet belongs to the VLAN device stacked on this interface, whose own
+    // program (an external interface like any other) sees it untagged once the stack has
+    // handed it over. Translated here it would be redirected with the stale tag. Priority
+    // tags (VLAN 0) stay on this interface in the stack too, so they are served here.
+    // SAFETY: the context pointer is the program's own __sk_buff.
+    let (vlan_present, vlan_tci) =
+        unsafe { ((*ctx.skb.skb).vlan_present, (*ctx.skb.skb).vlan_tci) };
+    if vlan_present != 0 && vlan_tci & VLAN_VID_MASK != 0 {
+        bump(StatIndex::TcVlanLeftToStack);
+        return NEXT;
+    }
     let Some(pkt) = parse(ctx) else {
         return NEXT;
     };

@@ -17,6 +17,8 @@ const BPF_LINK_CREATE: libc::c_long = 28;
 const BPF_PROG_TYPE_SCHED_CLS: u32 = 3;
 /// `enum bpf_attach_type`: BPF_TCX_INGRESS.
 const BPF_TCX_INGRESS: u32 = 46;
+/// BPF_TCX_EGRESS.
+const BPF_TCX_EGRESS: u32 = 47;
 
 /// The attached program; dropping it closes the link fd, which detaches it.
 #[derive(Debug)]
@@ -41,6 +43,26 @@ impl ForeignTcx {
     /// Attaches the program to `interface`'s ingress in network namespace `netns` (the link
     /// is made on a thread that entered it; the fds stay valid in the whole process).
     pub fn attach(netns: &Path, interface: &str) -> Result<Self> {
+        Self::attach_program(netns, interface, BPF_TCX_INGRESS, load_marking_program)
+    }
+
+    /// A NIC's hardware VLAN offload, as seen by the receiver: a program on `interface`'s
+    /// egress that gives every packet the out-of-band VLAN tag `vid` (`bpf_skb_vlan_push`
+    /// keeps it in `skb->vlan_tci`; veth carries it across as it is), so the peer's tc
+    /// programs see `vlan_present` with an untagged frame — what a NIC that strips tags hands
+    /// the stack. ARP goes tagged too: the test sets static neighbours.
+    pub fn attach_vlan_tagger(netns: &Path, interface: &str, vid: u16) -> Result<Self> {
+        Self::attach_program(netns, interface, BPF_TCX_EGRESS, move || {
+            load_vlan_tagging_program(vid)
+        })
+    }
+
+    fn attach_program(
+        netns: &Path,
+        interface: &str,
+        attach_type: u32,
+        load: impl FnOnce() -> Result<OwnedFd> + Send + 'static,
+    ) -> Result<Self> {
         let netns = netns.to_path_buf();
         let interface = interface.to_owned();
         std::thread::spawn(move || -> Result<Self> {
@@ -49,13 +71,13 @@ impl ForeignTcx {
                 .map_err(|e| RigError::Other(format!("setns: {e}")))?;
             let ifindex = nix::net::if_::if_nametoindex(interface.as_str())
                 .map_err(|e| RigError::Other(format!("{interface}: {e}")))?;
-            let prog = load_marking_program()?;
+            let prog = load()?;
             // BPF_LINK_CREATE: prog_fd, target_ifindex, attach_type, flags (0: append).
             let mut attr = [0u8; 64];
             let prog_fd = u32::try_from(prog.as_raw_fd()).unwrap_or(0);
             attr[0..4].copy_from_slice(&prog_fd.to_ne_bytes());
             attr[4..8].copy_from_slice(&ifindex.to_ne_bytes());
-            attr[8..12].copy_from_slice(&BPF_TCX_INGRESS.to_ne_bytes());
+            attr[8..12].copy_from_slice(&attach_type.to_ne_bytes());
             let link = bpf(
                 BPF_LINK_CREATE,
                 &mut attr,
@@ -71,6 +93,22 @@ impl ForeignTcx {
     }
 }
 
+/// The VLAN tagger: `bpf_skb_vlan_push(skb, 802.1Q, vid)`, then `TC_ACT_UNSPEC` (TCX_NEXT).
+fn load_vlan_tagging_program(vid: u16) -> Result<OwnedFd> {
+    const BPF_FUNC_SKB_VLAN_PUSH: u64 = 18;
+    // ETH_P_8021Q in network byte order, as the helper takes it.
+    let proto = u64::from(0x8100u16.to_be());
+    let insns: [u64; 5] = [
+        // mov64 r2, proto; mov64 r3, vid (r1 is still the skb); call; mov64 r0, -1; exit.
+        0x02b7 | (proto << 32),
+        0x03b7 | (u64::from(vid) << 32),
+        0x85 | (BPF_FUNC_SKB_VLAN_PUSH << 32),
+        u64::from_le_bytes([0xb7, 0, 0, 0, 0xff, 0xff, 0xff, 0xff]),
+        0x95,
+    ];
+    load_program(&insns, "loading the VLAN tagging program")
+}
+
 /// The program: marks the packet with [`FOREIGN_MARK`] and returns `TC_ACT_UNSPEC` (TCX_NEXT;
 /// for a legacy filter: "no verdict", the next filter runs).
 fn load_marking_program() -> Result<OwnedFd> {
@@ -82,13 +120,18 @@ fn load_marking_program() -> Result<OwnedFd> {
         u64::from_le_bytes([0xb7, 0, 0, 0, 0xff, 0xff, 0xff, 0xff]),
         0x95,
     ];
+    load_program(&insns, "loading the foreign tc program")
+}
+
+fn load_program(insns: &[u64], what: &str) -> Result<OwnedFd> {
+    let count = u32::try_from(insns.len()).unwrap_or(u32::MAX);
     let license = c"GPL";
     let mut attr = [0u8; 128];
     attr[0..4].copy_from_slice(&BPF_PROG_TYPE_SCHED_CLS.to_ne_bytes());
-    attr[4..8].copy_from_slice(&3u32.to_ne_bytes());
+    attr[4..8].copy_from_slice(&count.to_ne_bytes());
     attr[8..16].copy_from_slice(&(insns.as_ptr() as u64).to_ne_bytes());
     attr[16..24].copy_from_slice(&(license.as_ptr() as u64).to_ne_bytes());
-    bpf(BPF_PROG_LOAD, &mut attr, "loading the foreign tc program")
+    bpf(BPF_PROG_LOAD, &mut attr, what)
 }
 
 const BPF_OBJ_PIN: libc::c_long = 6;

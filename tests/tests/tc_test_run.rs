@@ -18,7 +18,7 @@
 )]
 
 use std::{
-    collections::BTreeMap,
+    collections::{BTreeMap, BTreeSet},
     net::{IpAddr, SocketAddr},
     path::PathBuf,
 };
@@ -26,7 +26,9 @@ use std::{
 use aya::maps::{HashMap, Map, MapData};
 use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
 use proxy_agent::{
-    dataplane::ebpf::{EbpfDataplane, EbpfOptions, LbOptions, PIN_DIR_NAME, TcOptions},
+    dataplane::ebpf::{
+        EbpfDataplane, EbpfOptions, Feature, LbOptions, PIN_DIR_NAME, TcOptions, TcTestInput,
+    },
     desired::Snapshot,
     objects::{ObjectKey, Objects},
 };
@@ -97,6 +99,17 @@ fn with_node_path<R: Send + 'static>(
     icmp_ratelimit: Option<std::time::Duration>,
     f: impl FnOnce(&mut Node) -> R + Send + 'static,
 ) -> R {
+    with_node_features(lb, fast_path, icmp_ratelimit, BTreeSet::new(), f)
+}
+
+/// [`with_node_path`] with kernel features turned off (`--bpf-disable-feature`).
+fn with_node_features<R: Send + 'static>(
+    lb: LbOptions,
+    fast_path: bool,
+    icmp_ratelimit: Option<std::time::Duration>,
+    disabled_features: BTreeSet<Feature>,
+    f: impl FnOnce(&mut Node) -> R + Send + 'static,
+) -> R {
     proxy_tests::require_root();
     let ns = Netns::new("tcrun").expect("netns");
     for (dev, v4, v6) in [
@@ -143,7 +156,7 @@ fn with_node_path<R: Send + 'static>(
                 fast_path,
                 ..TcOptions::default()
             },
-            disabled_features: Default::default(),
+            disabled_features,
             icmp_ratelimit,
         };
         let dataplane = EbpfDataplane::start(&options).expect("dataplane");
@@ -505,6 +518,109 @@ fn netfilter_path_splits_translation_between_ingress_and_egress() {
             (sa(CLIENT, 9), sa(BACKEND, 10))
         );
     });
+}
+
+/// Runs `program` on a `CHECKSUM_COMPLETE` skb: the kernel fails the run (`EBADMSG`) when
+/// the program left `skb->csum` out of step with the packet, as a NIC that sums packets would
+/// find ("hw csum failure"). Returns the action, the frame and the mark it leaves with.
+fn run_complete(
+    node: &mut Node,
+    program: &'static str,
+    frame: &[u8],
+    ifindex: u32,
+    mark: u32,
+    what: &str,
+) -> (i32, Vec<u8>, u32) {
+    let input = TcTestInput {
+        ifindex,
+        mark,
+        checksum_complete: true,
+    };
+    let out = node
+        .dataplane
+        .test_run_tc_with(program, frame, input)
+        .unwrap_or_else(|e| panic!("{what}: {program} on a CHECKSUM_COMPLETE skb: {e}"));
+    parse_checked(&out.packet)
+        .unwrap_or_else(|e| panic!("{what}: {program}: output {:02x?}: {e}", out.packet));
+    (out.action, out.packet, out.mark)
+}
+
+/// Every rewrite keeps a `CHECKSUM_COMPLETE` skb's `csum` true to the packet: IPv4 (address
+/// changes move the header checksum too) and IPv6 (address and L4 checksum changes cancel
+/// out, so `csum` must not move: `BPF_F_IPV6`, or on kernels without it the helper's IPv4-style
+/// adjustment taken back), TCP and UDP, both directions, on the netfilter path (each half in
+/// its own program) and the fast path, with the `l4-csum-ipv6` feature used and turned off.
+#[test]
+fn checksum_complete_skbs_keep_a_true_csum_through_every_rewrite() {
+    for (fast_path, disabled) in [
+        (false, BTreeSet::new()),
+        (true, BTreeSet::new()),
+        (false, BTreeSet::from([Feature::L4CsumIpv6])),
+        (true, BTreeSet::from([Feature::L4CsumIpv6])),
+    ] {
+        with_node_features(
+            LbOptions::default(),
+            fast_path,
+            None,
+            disabled.clone(),
+            move |node| {
+                program_services(node);
+                let cases = [
+                    (CLIENT, NODE_IP, 30080, L4::TcpSyn),
+                    (CLIENT, NODE_IP, 30053, L4::Udp),
+                    (CLIENT6, NODE_IP6, 30080, L4::TcpSyn),
+                    (CLIENT6, NODE_IP6, 30053, L4::Udp),
+                ];
+                for (i, (client, node_ip, node_port, l4)) in cases.into_iter().enumerate() {
+                    let client = sa(client, 42_000 + i as u16);
+                    let frontend = sa(node_ip, node_port);
+                    let what = format!(
+                        "{l4:?} {client} → {frontend} (fast path {fast_path}, disabled {disabled:?})"
+                    );
+                    let frame = build(client, frontend, l4, b"ping");
+                    let (_, mut to_backend, mark) = run_complete(
+                        node,
+                        program_names::TC_EXTERNAL,
+                        &frame,
+                        node.ext0,
+                        0,
+                        &what,
+                    );
+                    if !fast_path {
+                        (_, to_backend, _) = run_complete(
+                            node,
+                            program_names::TC_EGRESS,
+                            &to_backend,
+                            node.pod0,
+                            mark,
+                            &what,
+                        );
+                    }
+                    let sent = parse_checked(&to_backend).expect("checked above");
+                    assert_ne!(sent.destination(), frontend, "{what}: DNAT");
+                    let answer = build(sent.destination(), sent.source(), l4, b"pong");
+                    let (_, mut to_client, mark) =
+                        run_complete(node, program_names::TC_REPLY, &answer, node.pod0, 0, &what);
+                    if !fast_path {
+                        (_, to_client, _) = run_complete(
+                            node,
+                            program_names::TC_EGRESS,
+                            &to_client,
+                            node.ext0,
+                            mark,
+                            &what,
+                        );
+                    }
+                    let back = parse_checked(&to_client).expect("checked above");
+                    assert_eq!(
+                        (back.source(), back.destination()),
+                        (frontend, client),
+                        "{what}: reverse translation"
+                    );
+                }
+            },
+        );
+    }
 }
 
 /// On the fast path the egress program passes everything: ingress did the whole translation.

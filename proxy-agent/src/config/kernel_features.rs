@@ -14,14 +14,16 @@ pub enum Feature {
     SetRetval,
     SocketDestroy,
     Btf,
+    L4CsumIpv6,
 }
 
 impl Feature {
-    pub const ALL: [Feature; 4] = [
+    pub const ALL: [Feature; 5] = [
         Feature::Tcx,
         Feature::SetRetval,
         Feature::SocketDestroy,
         Feature::Btf,
+        Feature::L4CsumIpv6,
     ];
 
     /// The name used by `--bpf-disable-feature`, the metric label and `inspect features`.
@@ -31,6 +33,7 @@ impl Feature {
             Feature::SetRetval => "set-retval",
             Feature::SocketDestroy => "socket-destroy",
             Feature::Btf => "btf",
+            Feature::L4CsumIpv6 => "l4-csum-ipv6",
         }
     }
 
@@ -49,6 +52,10 @@ impl Feature {
             Feature::Btf => (
                 "kernel BTF given to the loader",
                 "loaded without kernel BTF",
+            ),
+            Feature::L4CsumIpv6 => (
+                "IPv6 L4 checksum updates keep CHECKSUM_COMPLETE skbs' csum right (BPF_F_IPV6)",
+                "IPv6 NAT on CHECKSUM_COMPLETE NICs may log hw csum failures (packets still valid)",
             ),
         }
     }

@@ -143,6 +143,7 @@ impl EbpfDataplane {
 
         let slots_capacity = options.backends_capacity;
         let use_set_retval = u8::from(features.uses(Feature::SetRetval));
+        let l4_csum_ipv6 = u8::from(features.uses(Feature::L4CsumIpv6));
         let (icmp4, icmp6) = match options.icmp_ratelimit {
             Some(interval) => {
                 let ns = u64::try_from(interval.as_nanos()).unwrap_or(MAX_ICMP_RATELIMIT_NS);
@@ -159,6 +160,7 @@ impl EbpfDataplane {
         }
         loader
             .override_global("KPR_USE_SET_RETVAL", &use_set_retval, true)
+            .override_global("KPR_L4_CSUM_IPV6", &l4_csum_ipv6, true)
             .override_global("KPR_ICMP_RATELIMIT_NS4", &icmp4, true)
             .override_global("KPR_ICMP_RATELIMIT_NS6", &icmp6, true);
         let mut ebpf = loader

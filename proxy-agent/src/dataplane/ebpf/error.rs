@@ -35,6 +35,11 @@ pub enum EbpfError {
         name: &'static str,
         source: aya::programs::ProgramError,
     },
+    #[error("program {name}: BPF_PROG_TEST_RUN: {source}")]
+    TestRun {
+        name: &'static str,
+        source: std::io::Error,
+    },
     #[error("program {name}: link: {source}")]
     Link {
         name: &'static str,

@@ -8,6 +8,7 @@
 //! | `set-retval`     | 5.18   | refused connects: ECONNREFUSED / EHOSTUNREACH | EPERM    |
 //! | `socket-destroy` | 5.4 (`CONFIG_INET_DIAG_DESTROY`) | connected UDP sockets of removed backends aborted | they keep sending to the removed backend until the application reconnects |
 //! | `btf`            | 5.4 (`CONFIG_DEBUG_INFO_BTF`) | aya reads the kernel's BTF | the object loads without it (it has no CO-RE relocations) |
+//! | `l4-csum-ipv6`   | 6.16 (`BPF_F_IPV6`) | IPv6 address rewrites leave a `CHECKSUM_COMPLETE` skb's `csum` right | the kernel adjusts `skb->csum` as for IPv4, so a NIC that sums packets (CHECKSUM_COMPLETE) logs "hw csum failure" for translated IPv6 packets (they are still delivered: the L4 checksum itself is right) |
 //!
 //! No kfuncs are used. Probes only read or load throwaway programs: nothing is attached.
 
@@ -53,6 +54,7 @@ impl KernelFeatures {
             Feature::SetRetval => probe_set_retval(),
             Feature::SocketDestroy => sockdiag::destroy_supported(),
             Feature::Btf => Path::new("/sys/kernel/btf/vmlinux").exists(),
+            Feature::L4CsumIpv6 => probe_l4_csum_ipv6(),
         })
     }
 
@@ -110,6 +112,39 @@ fn probe_set_retval() -> bool {
         .unwrap_or(false)
 }
 
+/// `BPF_F_IPV6` of `bpf_l4_csum_replace`: flag bits are checked when the helper runs, not by
+/// the verifier, so the probe runs a program calling it with the flag (a checksum difference of
+/// 0, on a throwaway packet) and reads the helper's result: 0, or `-EINVAL` on kernels that do
+/// not know the flag.
+fn probe_l4_csum_ipv6() -> bool {
+    use std::os::fd::AsFd as _;
+
+    use super::bpf_syscall::{SkbTestRun, load_sched_cls, test_run_skb};
+
+    const PSEUDO_HDR_AND_IPV6: u64 = 0x10 | 0x80;
+    const BPF_FUNC_L4_CSUM_REPLACE: u64 = 11;
+    // r1 (the skb) stays as given: r2 = offset 0, r3 = from 0, r4 = diff 0, r5 = flags;
+    // call bpf_l4_csum_replace; exit with its result in r0.
+    let insns = [
+        0x02b7,
+        0x03b7,
+        0x04b7,
+        0x05b7 | (PSEUDO_HDR_AND_IPV6 << 32),
+        0x85 | (BPF_FUNC_L4_CSUM_REPLACE << 32),
+        0x95,
+    ];
+    let Ok(program) = load_sched_cls(&insns) else {
+        return false;
+    };
+    let packet = [0u8; 64];
+    let mut out = [0u8; 128];
+    let run = SkbTestRun {
+        data_in: &packet,
+        ..SkbTestRun::default()
+    };
+    test_run_skb(program.as_fd(), &run, &mut out, &mut []).is_ok_and(|result| result.retval == 0)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -123,7 +158,8 @@ mod tests {
         assert!(!features.uses(Feature::SocketDestroy));
         assert_eq!(
             features.summary(),
-            "tcx=off(disabled by flag) set-retval=on socket-destroy=off(kernel) btf=on"
+            "tcx=off(disabled by flag) set-retval=on socket-destroy=off(kernel) btf=on \
+             l4-csum-ipv6=on"
         );
     }
 
@@ -169,5 +205,14 @@ mod tests {
             "{release}: {}",
             features.summary()
         );
+        // BPF_F_IPV6 came with 6.16 and went to some stable kernels before: only a kernel
+        // that has it is certain.
+        if version >= (6, 16) {
+            assert!(
+                kernel(Feature::L4CsumIpv6),
+                "{release}: {}",
+                features.summary()
+            );
+        }
     }
 }

@@ -1,6 +1,7 @@
 //! The eBPF dataplane: socket-level load balancing with cgroup sock_addr programs, and external
 //! traffic (NodePort, externalIPs, LoadBalancer IPs) with tc programs.
 
+mod bpf_syscall;
 mod bpffs;
 mod cgroup;
 mod ct_worker;
@@ -40,7 +41,7 @@ pub use options::{EbpfOptions, LbOptions};
 pub use pins::{PIN_DIR_MODE, PIN_DIR_NAME, cleanup};
 pub use tc::TcOptions;
 pub use tc_conntrack::{CtWalk, monotonic_ns};
-pub use test_run::TcTestRun;
+pub use test_run::{TcTestInput, TcTestRun};
 
 /// `--bpf-map-conntrack`'s default.
 pub const DEFAULT_CONNTRACK_CAPACITY: u32 = proxy_common::default_sizes::CT;

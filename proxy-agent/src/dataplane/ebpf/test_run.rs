@@ -1,8 +1,14 @@
 //! `BPF_PROG_TEST_RUN` of the tc programs against the live maps (tests and benchmarks).
 
-use aya::programs::{SchedClassifier, TestRun as _, TestRunOptions};
+use std::os::fd::AsFd as _;
 
-use super::{dataplane::EbpfDataplane, error::EbpfError};
+use aya::programs::SchedClassifier;
+
+use super::{
+    bpf_syscall::{self, SkbTestRun},
+    dataplane::EbpfDataplane,
+    error::EbpfError,
+};
 
 /// One run of a tc program with `BPF_PROG_TEST_RUN` ([`EbpfDataplane::test_run_tc`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -13,6 +19,19 @@ pub struct TcTestRun {
     pub packet: Vec<u8>,
     /// The skb mark after the program (the netfilter path's `TRANSLATED_MARK`).
     pub mark: u32,
+}
+
+/// How the skb of a [`EbpfDataplane::test_run_tc_with`] arrives.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct TcTestInput {
+    /// The interface it arrives on (0: the namespace's loopback).
+    pub ifindex: u32,
+    /// Its mark (as one an ingress program marked reaches egress).
+    pub mark: u32,
+    /// `CHECKSUM_COMPLETE`, as from a NIC that sums every packet: the kernel checks after the
+    /// run that the program kept `skb->csum` true to the packet, and the run fails with
+    /// `EBADMSG` when it did not (kernel 6.17; `EINVAL` before).
+    pub checksum_complete: bool,
 }
 
 impl EbpfDataplane {
@@ -39,8 +58,25 @@ impl EbpfDataplane {
         ifindex: u32,
         mark: u32,
     ) -> Result<TcTestRun, EbpfError> {
-        self.run_tc(program, packet, ifindex, mark, 1)
-            .map(|(run, _)| run)
+        self.test_run_tc_with(
+            program,
+            packet,
+            TcTestInput {
+                ifindex,
+                mark,
+                ..TcTestInput::default()
+            },
+        )
+    }
+
+    /// [`Self::test_run_tc`] on an skb that arrives as `input` says.
+    pub fn test_run_tc_with(
+        &mut self,
+        program: &'static str,
+        packet: &[u8],
+        input: TcTestInput,
+    ) -> Result<TcTestRun, EbpfError> {
+        self.run_tc(program, packet, input, 1).map(|(run, _)| run)
     }
 
     /// [`Self::test_run_tc`] with the kernel's `repeat`, also returning the mean time of one
@@ -55,15 +91,18 @@ impl EbpfDataplane {
         ifindex: u32,
         repeat: u32,
     ) -> Result<(TcTestRun, std::time::Duration), EbpfError> {
-        self.run_tc(program, packet, ifindex, 0, repeat)
+        let input = TcTestInput {
+            ifindex,
+            ..TcTestInput::default()
+        };
+        self.run_tc(program, packet, input, repeat)
     }
 
     fn run_tc(
         &mut self,
         program: &'static str,
         packet: &[u8],
-        ifindex: u32,
-        mark: u32,
+        input: TcTestInput,
         repeat: u32,
     ) -> Result<(TcTestRun, std::time::Duration), EbpfError> {
         let program_error = |source| EbpfError::Program {
@@ -83,27 +122,34 @@ impl EbpfDataplane {
         // zero. `ingress_ifindex` (offset 36) is what the programs read; `ifindex` (offset 40)
         // makes that interface the skb's device, so fib lookups start from it; `mark` is at 8.
         let mut ctx = [0u8; 44];
-        ctx[8..12].copy_from_slice(&mark.to_ne_bytes());
-        ctx[36..40].copy_from_slice(&ifindex.to_ne_bytes());
-        ctx[40..44].copy_from_slice(&ifindex.to_ne_bytes());
+        ctx[8..12].copy_from_slice(&input.mark.to_ne_bytes());
+        ctx[36..40].copy_from_slice(&input.ifindex.to_ne_bytes());
+        ctx[40..44].copy_from_slice(&input.ifindex.to_ne_bytes());
         // Room for growth: a reject may turn a short packet into a longer ICMP error.
         let mut out = vec![0u8; packet.len().max(128) + 256];
         // The kernel writes the whole `struct __sk_buff` back (ENOSPC if it does not fit).
         let mut ctx_out = [0u8; 256];
-        let result = classifier
-            .test_run(TestRunOptions {
-                data_in: Some(packet),
-                data_out: Some(&mut out),
-                ctx_in: Some(&ctx),
-                ctx_out: Some(&mut ctx_out),
-                repeat: repeat.max(1),
-                ..TestRunOptions::default()
-            })
-            .map_err(program_error)?;
-        out.truncate(result.data_size_out as usize);
+        let fd = classifier.fd().map_err(program_error)?;
+        let run = SkbTestRun {
+            data_in: packet,
+            ctx_in: &ctx,
+            repeat,
+            flags: if input.checksum_complete {
+                bpf_syscall::TEST_SKB_CHECKSUM_COMPLETE
+            } else {
+                0
+            },
+        };
+        let result = bpf_syscall::test_run_skb(fd.as_fd(), &run, &mut out, &mut ctx_out).map_err(
+            |source| EbpfError::TestRun {
+                name: program,
+                source,
+            },
+        )?;
+        out.truncate(result.data_size_out);
         Ok((
             TcTestRun {
-                action: result.return_value as i32,
+                action: result.retval as i32,
                 packet: out,
                 mark: u32::from_ne_bytes([ctx_out[8], ctx_out[9], ctx_out[10], ctx_out[11]]),
             },
