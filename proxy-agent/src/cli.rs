@@ -454,6 +454,19 @@ pub struct Args {
     )]
     pub drift_check_period: Option<String>,
 
+    /// How long an agent in iptables mode that finds the eBPF mode's programs on the node (a
+    /// switch from eBPF to iptables) keeps them for the connections they carry: they translate
+    /// only their established flows (new connections get the iptables rules) and are removed
+    /// as soon as no flow of theirs is live, at the latest after this Go duration (default
+    /// 10m; 0s removes them at the first sync, cutting those connections).
+    #[arg(
+        long,
+        value_name = "DURATION",
+        allow_hyphen_values = true,
+        help_heading = "kubeproxy-rs additions"
+    )]
+    pub mode_switch_drain_period: Option<String>,
+
     /// Backend choice for new external flows (tc: NodePort, externalIPs, LoadBalancer IPs,
     /// ClusterIPs from outside): 'random' (default) or 'maglev' (consistent hashing of the
     /// 5-tuple, so a change of backends moves few flows). Socket-level load balancing of local

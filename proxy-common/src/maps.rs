@@ -236,6 +236,12 @@ pub mod node_flags {
     /// apply to it). Without it (the default), ingress rewrites the destination and returns
     /// the packet to the stack, and the egress program rewrites the source after POSTROUTING.
     pub const FAST_PATH: u32 = 32;
+    /// The node has switched to the iptables mode, which keeps these programs only for the
+    /// flows they already carry (`--mode-switch-drain-period`): the tc programs translate
+    /// established flows and replies but start none, the socket hooks translate nothing new
+    /// (reverse translation of existing sockets goes on), so every new connection meets the
+    /// iptables rules.
+    pub const DRAINING: u32 = 1 << 11;
 }
 
 /// Address family byte of [`CtKey`] (the kernel's `AF_*` values).

@@ -51,6 +51,15 @@ pub fn fast_path() -> bool {
         .is_some_and(|config| config.flags & node_flags::FAST_PATH != 0)
 }
 
+/// Whether the node switched to the iptables mode and these programs only drain their flows
+/// (`node_flags::DRAINING`).
+#[inline(always)]
+pub fn draining() -> bool {
+    KPR_NODE_CONFIG
+        .get(0)
+        .is_some_and(|config| config.flags & node_flags::DRAINING != 0)
+}
+
 /// Which halves of a translation to apply.
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Half {

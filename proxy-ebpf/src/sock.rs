@@ -32,6 +32,7 @@ use crate::{
         KPR_BACKENDS4, KPR_BACKENDS6, KPR_FRONTENDS4, KPR_FRONTENDS6, KPR_NODE_ADDRS,
         KPR_NODE_CONFIG, KPR_REVNAT4, KPR_REVNAT6, KPR_SOURCE_RANGES,
     },
+    nat::draining,
     stats::bump,
 };
 
@@ -127,6 +128,10 @@ fn protocol(sa: &bpf_sock_addr) -> Option<u8> {
 }
 
 pub fn translate4(ctx: &SockAddrContext, hook: Hook) -> i32 {
+    // Draining for the iptables mode: new connections are its rules' (`node_flags::DRAINING`).
+    if draining() {
+        return ALLOW;
+    }
     // SAFETY: the kernel passes a valid bpf_sock_addr; the verifier checks each field access.
     let sa = unsafe { &mut *ctx.sock_addr };
     let Some(proto) = protocol(sa) else {
@@ -313,6 +318,10 @@ fn translate_mapped(
 }
 
 pub fn translate6(ctx: &SockAddrContext, hook: Hook) -> i32 {
+    // Draining for the iptables mode: new connections are its rules' (`node_flags::DRAINING`).
+    if draining() {
+        return ALLOW;
+    }
     // SAFETY: the kernel passes a valid bpf_sock_addr; the verifier checks each field access.
     let sa = unsafe { &mut *ctx.sock_addr };
     let Some(proto) = protocol(sa) else {

@@ -33,7 +33,7 @@ use crate::{
         KPR_BACKENDS4, KPR_BACKENDS6, KPR_FRONTENDS4, KPR_FRONTENDS6, KPR_NODE_ADDRS,
         KPR_NODE_CONFIG, KPR_SOURCE_RANGES, KPR_TC_SCRATCH,
     },
-    nat::{fast_path, translate, translate_source},
+    nat::{draining, fast_path, translate, translate_source},
     parse::{Packet, parse},
     stats::bump,
 };
@@ -142,6 +142,10 @@ fn service(ctx: &TcContext, side: Side) -> i32 {
             conntrack::touch(entry, value, &pkt, now);
             return translate(ctx, &pkt, value, StatIndex::TcEstablished);
         }
+    }
+    // Draining for the iptables mode: new flows are its rules' (see `node_flags::DRAINING`).
+    if draining() {
+        return NEXT;
     }
     let Some(frontend) = lookup_frontend(&pkt, side) else {
         return NEXT;

@@ -174,6 +174,12 @@ impl Agent {
         self.restart()
     }
 
+    /// Like [`Agent::restart_in_mode`], with other extra command-line arguments.
+    pub fn restart_in_mode_with_args(&mut self, mode: &str, args: &[&str]) -> Result<()> {
+        self.config.proxy_mode = Some(mode.to_owned());
+        self.restart_with_args(args)
+    }
+
     /// Like [`Agent::restart`], with other extra command-line arguments (a flag change on the
     /// same pins).
     pub fn restart_with_args(&mut self, args: &[&str]) -> Result<()> {

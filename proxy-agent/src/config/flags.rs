@@ -471,6 +471,17 @@ pub fn apply(
             Err(reason) => overlay.flag_only("drift-check-period", text, reason),
         }
     }
+    if let Some(text) = &args.mode_switch_drain_period {
+        match parse_duration(text).map(GoDuration::to_std) {
+            Ok(Some(period)) => ebpf.mode_switch_drain_period = period,
+            Ok(None) => overlay.flag_only(
+                "mode-switch-drain-period",
+                text,
+                "must not be negative".to_owned(),
+            ),
+            Err(reason) => overlay.flag_only("mode-switch-drain-period", text, reason),
+        }
+    }
     if let Some(text) = &args.lb_algorithm {
         match text.as_str() {
             "random" => ebpf.lb_algorithm = LbAlgorithm::Random,

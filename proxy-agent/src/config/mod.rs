@@ -171,12 +171,20 @@ pub struct EbpfConfig {
     pub tc_fast_path: bool,
     /// `--drift-check-period` (both modes; zero: no check).
     pub drift_check_period: std::time::Duration,
+    /// `--mode-switch-drain-period`: how long the iptables mode keeps the eBPF mode's programs
+    /// for their established flows (zero: removed at the first sync).
+    pub mode_switch_drain_period: std::time::Duration,
     /// `--bpf-disable-feature`: kernel features not used even when present.
     pub disabled_features: std::collections::BTreeSet<crate::config::kernel_features::Feature>,
 }
 
 /// `--drift-check-period`'s default: a full check of 30k Services' maps reads ~10^5 entries.
 pub const DEFAULT_DRIFT_CHECK_PERIOD: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// `--mode-switch-drain-period`'s default: long enough for request/response connections and
+/// most streams to finish, bounded so a switch always completes.
+pub const DEFAULT_MODE_SWITCH_DRAIN_PERIOD: std::time::Duration =
+    std::time::Duration::from_secs(600);
 
 /// `--lb-algorithm`: how the tc programs choose a backend for a new external flow.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
@@ -201,6 +209,7 @@ impl Default for EbpfConfig {
             map_maglev: proxy_common::default_sizes::MAGLEV,
             tc_fast_path: false,
             drift_check_period: DEFAULT_DRIFT_CHECK_PERIOD,
+            mode_switch_drain_period: DEFAULT_MODE_SWITCH_DRAIN_PERIOD,
             disabled_features: std::collections::BTreeSet::new(),
         }
     }

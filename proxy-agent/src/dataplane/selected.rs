@@ -92,7 +92,10 @@ impl Dataplane {
     }
 
     /// After the first successful sync the new mode carries the traffic: remove what the other
-    /// mode left behind (a mode switch), so nothing of it keeps intercepting traffic.
+    /// mode left behind (a mode switch), so nothing of it keeps intercepting traffic. The
+    /// iptables rules go at once (established connections need only the kernel's conntrack
+    /// entries, and the eBPF mode leaves segments of flows it does not know to the stack); the
+    /// eBPF mode's programs drain their own flows first (`ebpf::handback`).
     pub fn remove_other_mode(&self, config: &Config) {
         match self {
             Dataplane::Ebpf(_) => {
@@ -104,11 +107,29 @@ impl Dataplane {
                     warn!(%problem, "removing iptables-mode leftovers");
                 }
             }
-            Dataplane::Iptables(_) => match ebpf::cleanup(&config.ebpf.bpf_root) {
-                Ok(0) => debug!("no eBPF-mode leftovers"),
-                Ok(removed) => info!(removed, "removed the eBPF mode's pins and links"),
-                Err(error) => warn!(%error, "removing eBPF-mode leftovers"),
-            },
+            Dataplane::Iptables(_) => {
+                let bpf_root = &config.ebpf.bpf_root;
+                let period = config.ebpf.mode_switch_drain_period;
+                if !period.is_zero() {
+                    match ebpf::handback::start_drain(bpf_root) {
+                        Ok(true) => {
+                            info!(
+                                ?period,
+                                "the eBPF mode's programs carry their established flows until                                  they end (--mode-switch-drain-period); new connections get the                                  iptables rules"
+                            );
+                            ebpf::handback::finish_in_background(bpf_root, period);
+                            return;
+                        }
+                        Ok(false) => {}
+                        Err(error) => warn!(%error, "cannot drain the eBPF mode's flows"),
+                    }
+                }
+                match ebpf::cleanup(bpf_root) {
+                    Ok(0) => debug!("no eBPF-mode leftovers"),
+                    Ok(removed) => info!(removed, "removed the eBPF mode's pins and links"),
+                    Err(error) => warn!(%error, "removing eBPF-mode leftovers"),
+                }
+            }
         }
     }
 

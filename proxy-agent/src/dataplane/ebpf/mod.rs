@@ -9,6 +9,7 @@ mod dataplane;
 mod drift;
 mod error;
 pub mod features;
+pub mod handback;
 mod ids;
 pub mod legacy_tc;
 mod maglev;
