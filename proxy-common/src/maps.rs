@@ -236,6 +236,13 @@ pub mod node_flags {
     /// apply to it). Without it (the default), ingress rewrites the destination and returns
     /// the packet to the stack, and the egress program rewrites the source after POSTROUTING.
     pub const FAST_PATH: u32 = 32;
+    /// `--bpf-socket-lb-host-namespace-only` (Cilium's `socketLB.hostNamespaceOnly`): the
+    /// socket hooks translate only sockets of the node's namespace
+    /// ([`super::NodeConfig::host_netns_cookie`]); pods' sockets keep the Service address, and
+    /// the tc program on the host side of their interfaces load-balances their packets
+    /// (internal frontends, per packet), so a sidecar in the pod sees what the application
+    /// dialled. Ignored while the cookie is unknown (0): every socket is translated then.
+    pub const HOST_NAMESPACE_ONLY: u32 = 64;
 }
 
 /// Address family byte of [`CtKey`] (the kernel's `AF_*` values).

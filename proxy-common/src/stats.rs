@@ -67,10 +67,13 @@ pub enum StatIndex {
     /// A REJECT's ICMP port unreachable was not sent: the client's token bucket was empty
     /// (`icmp_ratelimit`); the packet was dropped.
     TcRejectRateLimited = 27,
+    /// A pod's `connect()`/`sendmsg()` to a frontend was left untranslated for the tc program
+    /// on its interface (`--bpf-socket-lb-host-namespace-only`).
+    SockLeftToTc = 28,
 }
 
 impl StatIndex {
-    pub const COUNT: u32 = 28;
+    pub const COUNT: u32 = 29;
     pub const ALL: [StatIndex; Self::COUNT as usize] = [
         StatIndex::Translated,
         StatIndex::RejectedNoBackends,
@@ -100,6 +103,7 @@ impl StatIndex {
         StatIndex::TcMidstreamPassed,
         StatIndex::TcEgressTranslated,
         StatIndex::TcRejectRateLimited,
+        StatIndex::SockLeftToTc,
     ];
 
     /// Label used in logs and metrics.
@@ -133,6 +137,7 @@ impl StatIndex {
             StatIndex::TcMidstreamPassed => "tc_midstream_passed",
             StatIndex::TcEgressTranslated => "tc_egress_translated",
             StatIndex::TcRejectRateLimited => "tc_reject_rate_limited",
+            StatIndex::SockLeftToTc => "sock_left_to_tc",
         }
     }
 }

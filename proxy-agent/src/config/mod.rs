@@ -169,6 +169,9 @@ pub struct EbpfConfig {
     pub map_maglev: u32,
     /// `--tc-fast-path`: translated external traffic skips netfilter FORWARD/POSTROUTING.
     pub tc_fast_path: bool,
+    /// `--bpf-socket-lb-host-namespace-only`: pods' Service traffic is load-balanced in tc,
+    /// not at their sockets.
+    pub socket_lb_host_namespace_only: bool,
     /// `--drift-check-period` (both modes; zero: no check).
     pub drift_check_period: std::time::Duration,
     /// `--bpf-disable-feature`: kernel features not used even when present.
@@ -200,6 +203,7 @@ impl Default for EbpfConfig {
             maglev_table_size: proxy_common::maglev::DEFAULT_TABLE_SIZE,
             map_maglev: proxy_common::default_sizes::MAGLEV,
             tc_fast_path: false,
+            socket_lb_host_namespace_only: false,
             drift_check_period: DEFAULT_DRIFT_CHECK_PERIOD,
             disabled_features: std::collections::BTreeSet::new(),
         }
