@@ -7,6 +7,8 @@
 
 use std::collections::BTreeSet;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
+use std::thread;
+use std::time::Duration;
 
 use anyhow::Context as _;
 use proxy_tests::client::{Attempt, Client, Mode, Proto, tally};
@@ -351,4 +353,48 @@ impl LatePod {
         ])?;
         Ok(Self { netns })
     }
+}
+
+/// A pod's long-lived UDP flow (one connected socket, a DNS-style retry loop) to a backend that
+/// leaves the Service moves to a live backend: the agent purges the pod-side tc conntrack
+/// entries of removed backends as it does for external flows (otherwise every datagram would
+/// refresh the entry and the flow would stay on the removed pod for good).
+#[test]
+fn host_namespace_only_udp_flow_leaves_a_removed_backend() -> anyhow::Result<()> {
+    let mut s = setup()?;
+    write_service(&s, &[2])?;
+    start(&mut s, &[OPTION])?;
+    let streams: Vec<_> = [cluster_addr(), cluster_addr6()]
+        .into_iter()
+        .map(|target| {
+            let client = s
+                .pod_client(CLIENT_POD)
+                .map(|c| {
+                    c.mode(Mode::Stream)
+                        .timeout(Duration::from_millis(300))
+                        .interval(Duration::from_millis(50))
+                })
+                .map_err(anyhow::Error::from)?;
+            Ok((target, thread::spawn(move || client.run(target, 60))))
+        })
+        .collect::<anyhow::Result<_>>()?;
+    // pod2 keeps serving: only the purge can move the flows off it.
+    thread::sleep(Duration::from_millis(1000));
+    write_service(&s, &[3])?;
+    for (target, stream) in streams {
+        let attempts = stream
+            .join()
+            .map_err(|_| anyhow::anyhow!("client thread panicked"))??;
+        let labels: Vec<String> = attempts.iter().map(Attempt::label).collect();
+        eprintln!("connected UDP stream from pod{CLIENT_POD} to {target}: {labels:?}");
+        let first_live = labels.iter().position(|l| l == "pod3");
+        s.ensure(labels.first().is_some_and(|l| l == "pod2"), || {
+            format!("{target}: the stream must start on pod2: {labels:?}")
+        })?;
+        s.ensure(
+            first_live.is_some_and(|i| labels[i..].iter().all(|l| l == "pod3")),
+            || format!("{target}: after the update the stream must move to pod3 for good: {labels:?}"),
+        )?;
+    }
+    Ok(())
 }

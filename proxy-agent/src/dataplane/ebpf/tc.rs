@@ -482,6 +482,11 @@ impl TcState {
         self.node = Some(settings.clone());
     }
 
+    /// Whether pods' Service traffic is the tc programs' (`--bpf-socket-lb-host-namespace-only`).
+    pub fn host_namespace_only(&self) -> bool {
+        self.options.host_namespace_only
+    }
+
     pub fn link_count(&self) -> usize {
         self.links.len()
     }
