@@ -393,7 +393,11 @@ fn host_namespace_only_udp_flow_leaves_a_removed_backend() -> anyhow::Result<()>
         })?;
         s.ensure(
             first_live.is_some_and(|i| labels[i..].iter().all(|l| l == "pod3")),
-            || format!("{target}: after the update the stream must move to pod3 for good: {labels:?}"),
+            || {
+                format!(
+                    "{target}: after the update the stream must move to pod3 for good: {labels:?}"
+                )
+            },
         )?;
     }
     Ok(())

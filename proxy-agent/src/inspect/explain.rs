@@ -249,6 +249,22 @@ fn socket(maps: &impl Maps, q: &Query, e: &mut Explanation) {
     };
     e.frontend = Some(describe_frontend(addr, port, protocol, scope::INTERNAL));
     e.service_id = Some(frontend.service_id);
+    // `--bpf-socket-lb-host-namespace-only`: the same frontend, backends and verdicts, applied
+    // per packet by the pod veth's tc program (`tc::internal_frontend` in the datapath).
+    let in_tc = q.from == From::Pod
+        && frontend.flags & frontend_flags::SOURCE_RANGES == 0
+        && maps.node_config().is_some_and(|c| {
+            c.flags & node_flags::HOST_NAMESPACE_ONLY != 0 && c.host_netns_cookie != 0
+        });
+    if in_tc {
+        e.program = "tc (pod veth; socket LB for the host namespace only)".to_owned();
+        e.steps.push(
+            "socket LB for the host namespace only: the pod's socket keeps the Service address \
+             and the pod veth's tc program load-balances its packets with this frontend (no \
+             SNAT, except a pod reaching itself)"
+                .to_owned(),
+        );
+    }
     if frontend.flags & frontend_flags::SOURCE_RANGES != 0 {
         if q.from == From::Pod {
             e.steps.push(
@@ -283,8 +299,16 @@ fn socket(maps: &impl Maps, q: &Query, e: &mut Explanation) {
     }
     candidates(maps, &frontend, addr.is_ipv6(), e);
     e.verdict = "translate".to_owned();
-    e.reason = "random backend among the candidates (socket-level load balancing)".to_owned();
+    e.reason = if in_tc {
+        "random backend among the candidates for the flow's first packet (tc conntrack keeps it)"
+    } else {
+        "random backend among the candidates (socket-level load balancing)"
+    }
+    .to_owned();
     e.source = Some(kept(q.client));
+    if in_tc {
+        e.netfilter = Some(netfilter_path(maps));
+    }
     let v6 = addr.is_ipv6();
     if frontend.flags & frontend_flags::AFFINITY != 0 {
         let timeout = u64::from(frontend.affinity_timeout) * 1_000_000_000;

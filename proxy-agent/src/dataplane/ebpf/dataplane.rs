@@ -23,8 +23,7 @@ use tracing::{debug, info, warn};
 
 use super::{
     ApplyError, ApplySummary, Drift, DriftCheck, DriftKind, MapWriteError, MapWriter, MapsContent,
-    RemovedBackend,
-    bpffs, cgroup,
+    RemovedBackend, bpffs, cgroup,
     ct_worker::CtWorker,
     drift,
     error::EbpfError,
