@@ -5,7 +5,7 @@
 //! from pod namespaces, both families, TCP and connected/unconnected UDP; a decoy answers on
 //! every ClusterIP so untranslated traffic shows as `untranslated`. Needs root.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::thread;
 use std::time::Duration;
@@ -49,6 +49,11 @@ fn setup() -> anyhow::Result<Scenario> {
 /// The dual-stack Service `svc`: `tcp` 80/TCP and `udp` 80/UDP → 8080, with `pods` as its
 /// endpoints in both families. Slices first, so the Service never appears with an old set.
 fn write_service(s: &Scenario, pods: &[usize]) -> anyhow::Result<()> {
+    write_service_with(s, pods, None)
+}
+
+/// [`write_service`] with `sessionAffinity: ClientIP` when `affinity` has its timeout.
+fn write_service_with(s: &Scenario, pods: &[usize], affinity: Option<u32>) -> anyhow::Result<()> {
     let ports = [("tcp", Protocol::Tcp), ("udp", Protocol::Udp)];
     let slice_ports: Vec<SlicePort> = ports
         .iter()
@@ -77,7 +82,7 @@ fn write_service(s: &Scenario, pods: &[usize]) -> anyhow::Result<()> {
     let ips: Vec<IpAddr> = vec![CLUSTER_IP.into(), CLUSTER_IP6.into()];
     s.manifests.write(
         "svc.yaml",
-        &service_yaml_with(NAMESPACE, SERVICE, &ips, &service_ports, None),
+        &service_yaml_with(NAMESPACE, SERVICE, &ips, &service_ports, affinity),
     )?;
     Ok(())
 }
@@ -398,6 +403,49 @@ fn host_namespace_only_udp_flow_leaves_a_removed_backend() -> anyhow::Result<()>
                     "{target}: after the update the stream must move to pod3 for good: {labels:?}"
                 )
             },
+        )?;
+    }
+    Ok(())
+}
+
+/// `sessionAffinity: ClientIP` holds on the pod-side tc path: every flow of the client pod to a
+/// service port (TCP; UDP connected or not), in each family, goes to the one backend its first
+/// flow chose (the datapath's affinity entry, keyed there by the pod's address; affinity is per
+/// service port, as kube-proxy's `recent` lists are per KUBE-SVC chain).
+#[test]
+fn host_namespace_only_keeps_session_affinity_per_pod() -> anyhow::Result<()> {
+    let mut s = setup()?;
+    write_service_with(&s, &[2, 3, 4], Some(10_800))?;
+    start(&mut s, &[OPTION])?;
+    for target in [cluster_addr(), cluster_addr6()] {
+        let mut backends: BTreeMap<&str, BTreeSet<String>> = BTreeMap::new();
+        for (proto, mode, what) in WAYS {
+            let client = s.pod_client(CLIENT_POD)?.proto(proto).mode(mode);
+            let attempts = client.run(target, 20)?;
+            let counts = tally(&attempts);
+            eprintln!("affinity, pod{CLIENT_POD} {what} to {target}: {counts:?}");
+            for a in &attempts {
+                let Attempt::Ok { backend, peer, .. } = a else {
+                    return Err(s.agent_error(format!("{what} {target}: {a:?}")).into());
+                };
+                s.ensure(*peer == target, || {
+                    format!("{what} {target}: the pod's socket shows {peer}")
+                })?;
+                backends
+                    .entry(proto.as_arg())
+                    .or_default()
+                    .insert(backend.clone());
+            }
+        }
+        s.ensure(
+            backends.len() == 2
+                && backends.values().all(|set| {
+                    set.len() == 1
+                        && set
+                            .iter()
+                            .all(|b| ["pod2", "pod3", "pod4"].contains(&b.as_str()))
+                }),
+            || format!("{target}: each service port must keep one endpoint per pod: {backends:?}"),
         )?;
     }
     Ok(())
