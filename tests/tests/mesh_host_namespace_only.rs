@@ -450,3 +450,49 @@ fn host_namespace_only_keeps_session_affinity_per_pod() -> anyhow::Result<()> {
     }
     Ok(())
 }
+
+/// A Service without endpoints refuses a pod's connection on the tc path as the socket hooks
+/// do (kube-proxy's REJECT: an ICMP port unreachable, which `connect()` reports as
+/// ECONNREFUSED). A decoy answers on its ClusterIPs, so an untranslated connection would show.
+#[test]
+fn host_namespace_only_refuses_a_service_without_endpoints() -> anyhow::Result<()> {
+    let mut s = setup()?;
+    let lonely4 = Ipv4Addr::new(10, 96, 0, 11);
+    let lonely6 = Ipv6Addr::new(0xfd00, 0x96, 0, 0, 0, 0, 0, 0x11);
+    for ip in [IpAddr::from(lonely4), IpAddr::from(lonely6)] {
+        s.topo.add_decoy(ip, SERVICE_PORT)?;
+    }
+    let port = ServicePort {
+        name: "tcp".into(),
+        port: SERVICE_PORT,
+        protocol: Protocol::Tcp,
+    };
+    s.manifests.write(
+        "lonely.yaml",
+        &service_yaml_with(
+            NAMESPACE,
+            "lonely",
+            &[lonely4.into(), lonely6.into()],
+            &[port],
+            None,
+        ),
+    )?;
+    write_service(&s, &[2])?;
+    start(&mut s, &[OPTION])?;
+    let refused = |a: &Attempt| *a == Attempt::Err("ECONNREFUSED".into());
+    for target in [
+        SocketAddr::new(lonely4.into(), SERVICE_PORT),
+        SocketAddr::new(lonely6.into(), SERVICE_PORT),
+    ] {
+        // Within the per-client ICMP budget (6 at once, then one a second), and a timeout that
+        // lets a SYN retransmission get its refusal if one was over it.
+        let client = s.pod_client(CLIENT_POD)?.timeout(Duration::from_secs(3));
+        let attempts = client.run(target, 5)?;
+        let counts = tally(&attempts);
+        eprintln!("pod{CLIENT_POD} to {target} (no endpoints): {counts:?}");
+        s.ensure(attempts.iter().all(refused), || {
+            format!("{target}: every attempt must be refused: {counts:?}")
+        })?;
+    }
+    Ok(())
+}
