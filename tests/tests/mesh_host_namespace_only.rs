@@ -496,3 +496,67 @@ fn host_namespace_only_refuses_a_service_without_endpoints() -> anyhow::Result<(
     }
     Ok(())
 }
+
+/// A NodePort dialled by a pod at a node address (its gateway) is load-balanced on the tc path
+/// with the socket hooks' NodePort frontend (the wildcard at a NodePort address): the pod's
+/// socket keeps the node address, the backend sees the pod's own address. Nothing listens on
+/// the node port, so an untranslated connection is refused; the client runs outside the agent's
+/// cgroup, so only the tc program can have translated it.
+#[test]
+fn host_namespace_only_balances_a_node_port_dialled_by_a_pod() -> anyhow::Result<()> {
+    const NODE_PORT: u16 = 30080;
+    let mut s = setup()?;
+    let slice_port = SlicePort {
+        name: "tcp".into(),
+        port: BACKEND_PORT,
+        protocol: Protocol::Tcp,
+    };
+    for ipv6 in [false, true] {
+        let endpoints = [pod_endpoint_family(2, ipv6), pod_endpoint_family(3, ipv6)];
+        let name = if ipv6 { "np-v6" } else { "np-v4" };
+        s.manifests.write(
+            &format!("{name}.yaml"),
+            &endpoint_slice_yaml_family(
+                NAMESPACE,
+                name,
+                "np",
+                std::slice::from_ref(&slice_port),
+                &endpoints,
+                ipv6,
+            ),
+        )?;
+    }
+    s.manifests.write(
+        "np.yaml",
+        &format!(
+            "apiVersion: v1\nkind: Service\nmetadata:\n  name: np\n  namespace: {NAMESPACE}\n\
+             spec:\n  type: NodePort\n  clusterIP: \"10.96.0.12\"\n\
+             \x20 clusterIPs: [\"10.96.0.12\", \"fd00:96::12\"]\n  ipFamilies: [IPv4, IPv6]\n\
+             \x20 ipFamilyPolicy: RequireDualStack\n\
+             \x20 ports:\n  - name: tcp\n    port: 80\n    protocol: TCP\n    targetPort: 8080\n\
+             \x20   nodePort: {NODE_PORT}\n"
+        ),
+    )?;
+    write_service(&s, &[2])?;
+    start(&mut s, &[OPTION])?;
+    for ipv6 in [false, true] {
+        let target = SocketAddr::new(Topology::pod_gateway_addr(CLIENT_POD, ipv6), NODE_PORT);
+        let own = Topology::pod_addr(CLIENT_POD, ipv6);
+        // Outside the agent's cgroup, so no socket hook could be what translates it.
+        let client = Client::new(s.topo.pod(CLIENT_POD)?.path());
+        s.wait_for_datapath_with(&client, target, "answered by a pod", is_pod)?;
+        let attempts = client.run(target, 20)?;
+        let counts = tally(&attempts);
+        eprintln!("pod{CLIENT_POD} to the NodePort {target}: {counts:?}");
+        s.ensure(
+            attempts.iter().all(|a| {
+                matches!(a, Attempt::Ok { backend, client, peer }
+                    if (backend == "pod2" || backend == "pod3")
+                        && *peer == target
+                        && client.ip() == own)
+            }),
+            || format!("{target}: pod2/pod3 must answer the pod, unmasqueraded: {counts:?}"),
+        )?;
+    }
+    Ok(())
+}
