@@ -315,17 +315,28 @@ fn socket(maps: &impl Maps, q: &Query, e: &mut Explanation) {
         e.affinity_entries = live_entries(maps, &frontend, v6, maps.affinity_entries(), timeout)
             .into_iter()
             .map(|(client, p)| Pinned {
-                client: format!("netns cookie {client}"),
+                // The tc programs key it by the client address (folded to one word).
+                client: if in_tc {
+                    format!("client address word {client:#x}")
+                } else {
+                    format!("netns cookie {client}")
+                },
                 ..p
             })
             .collect();
         e.steps.push(format!(
-            "session affinity ({}s) per client network namespace: a namespace with a live entry \
-             (listed) keeps its backend; a new one picks at random",
-            frontend.affinity_timeout
+            "session affinity ({}s) per client {}: a client with a live entry (listed) keeps \
+             its backend; a new one picks at random",
+            frontend.affinity_timeout,
+            if in_tc {
+                "address (pod-side tc)"
+            } else {
+                "network namespace"
+            }
         ));
     }
-    if frontend.flags & frontend_flags::STICKY_SOCKET != 0 {
+    // On the tc path a flow keeps its backend by its conntrack entry, not per socket.
+    if frontend.flags & frontend_flags::STICKY_SOCKET != 0 && !in_tc {
         // No timeout: the entry lives as long as the LRU keeps it and its backend stays.
         e.sticky_sockets = live_entries(maps, &frontend, v6, maps.sticky_entries(), u64::MAX)
             .into_iter()
