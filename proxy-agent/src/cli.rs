@@ -505,6 +505,14 @@ pub struct Args {
     #[arg(long, help_heading = "kubeproxy-rs additions")]
     pub tc_fast_path: bool,
 
+    /// Socket-level load balancing only for processes of the node's own network namespace
+    /// (Cilium's socketLB.hostNamespaceOnly): pods' sockets keep the Service address they
+    /// dialled and their packets are load-balanced per packet by the tc program on the host
+    /// side of their interfaces, so a service-mesh sidecar (Istio, Linkerd) that captures by
+    /// Service address sees it. Costs per-packet work on pod traffic to Services.
+    #[arg(long, help_heading = "kubeproxy-rs additions")]
+    pub bpf_socket_lb_host_namespace_only: bool,
+
     /// Kernel features not to use even when the kernel has them, comma-separated: tcx (tc
     /// programs then attach as legacy clsact filters), set-retval (refused connects fail with
     /// EPERM), socket-destroy (connected UDP sockets of removed backends are not aborted), btf.

@@ -242,6 +242,13 @@ pub mod node_flags {
     /// (reverse translation of existing sockets goes on), so every new connection meets the
     /// iptables rules.
     pub const DRAINING: u32 = 1 << 11;
+    /// `--bpf-socket-lb-host-namespace-only` (Cilium's `socketLB.hostNamespaceOnly`): the
+    /// socket hooks translate only sockets of the node's namespace
+    /// ([`super::NodeConfig::host_netns_cookie`]); pods' sockets keep the Service address, and
+    /// the tc program on the host side of their interfaces load-balances their packets
+    /// (internal frontends, per packet), so a sidecar in the pod sees what the application
+    /// dialled. Ignored while the cookie is unknown (0): every socket is translated then.
+    pub const HOST_NAMESPACE_ONLY: u32 = 64;
 }
 
 /// Address family byte of [`CtKey`] (the kernel's `AF_*` values).

@@ -70,10 +70,13 @@ pub enum StatIndex {
     /// A packet with a hardware-stripped VLAN tag (`vlan_tci`, VLAN id not 0) left to the stack
     /// untranslated: it belongs to the VLAN device stacked on the interface.
     TcVlanLeftToStack = 28,
+    /// A pod's `connect()`/`sendmsg()` to a frontend was left untranslated for the tc program
+    /// on its interface (`--bpf-socket-lb-host-namespace-only`).
+    SockLeftToTc = 29,
 }
 
 impl StatIndex {
-    pub const COUNT: u32 = 29;
+    pub const COUNT: u32 = 30;
     pub const ALL: [StatIndex; Self::COUNT as usize] = [
         StatIndex::Translated,
         StatIndex::RejectedNoBackends,
@@ -104,6 +107,7 @@ impl StatIndex {
         StatIndex::TcEgressTranslated,
         StatIndex::TcRejectRateLimited,
         StatIndex::TcVlanLeftToStack,
+        StatIndex::SockLeftToTc,
     ];
 
     /// Label used in logs and metrics.
@@ -138,6 +142,7 @@ impl StatIndex {
             StatIndex::TcEgressTranslated => "tc_egress_translated",
             StatIndex::TcRejectRateLimited => "tc_reject_rate_limited",
             StatIndex::TcVlanLeftToStack => "tc_vlan_left_to_stack",
+            StatIndex::SockLeftToTc => "sock_left_to_tc",
         }
     }
 }

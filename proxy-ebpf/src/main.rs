@@ -92,7 +92,8 @@ mod programs {
         crate::tc::external(&ctx)
     }
 
-    /// tc ingress of the other interfaces (pod veths): replies of local backends.
+    /// tc ingress of the other interfaces (pod veths): replies of local backends; pods' flows to
+    /// guarded LB IPs, and with host-namespace-only socket LB to every Service.
     #[classifier]
     pub fn kpr_tc_reply(ctx: TcContext) -> i32 {
         crate::tc::reply(&ctx)

@@ -174,6 +174,9 @@ pub fn translate4(ctx: &SockAddrContext, hook: Hook) -> i32 {
 #[inline(always)]
 fn choose4(ctx: &SockAddrContext, key: &Frontend4Key, hook: Hook) -> Result<(Backend4, bool), i32> {
     let mut frontend = frontend4(key).ok_or(ALLOW)?;
+    if left_to_tc(ctx) {
+        return Err(ALLOW);
+    }
     let socket = hook.per_socket().then(|| socket_cookie(ctx));
     if let Some(verdict) = admit(ctx, &frontend, family::V4) {
         return Err(verdict);
@@ -234,6 +237,9 @@ fn frontend6(key: &Frontend6Key) -> Option<FrontendValue> {
 #[inline(always)]
 fn choose6(ctx: &SockAddrContext, key: &Frontend6Key, hook: Hook) -> Result<(Backend6, bool), i32> {
     let mut frontend = frontend6(key).ok_or(ALLOW)?;
+    if left_to_tc(ctx) {
+        return Err(ALLOW);
+    }
     let socket = hook.per_socket().then(|| socket_cookie(ctx));
     if let Some(verdict) = admit(ctx, &frontend, family::V6) {
         return Err(verdict);
@@ -359,6 +365,28 @@ pub fn translate6(ctx: &SockAddrContext, hook: Hook) -> i32 {
     sa.user_port = u32::from(backend.port);
     bump(hook.translated());
     ALLOW
+}
+
+/// `--bpf-socket-lb-host-namespace-only` ([`node_flags::HOST_NAMESPACE_ONLY`]): a socket outside
+/// the node's namespace keeps the address it dialled, so that a sidecar capturing by Service
+/// address (iptables REDIRECT in the pod) still sees it; the tc program on the pod's interface
+/// load-balances its packets instead. A socket left alone gets no reverse-NAT entry, so
+/// recvmsg/getpeername (keyed by socket cookie) leave it alone too, while a pod socket
+/// translated before the option was switched on keeps showing the Service address. Checked
+/// after the frontend lookup, so that the counter says how much the option moved to tc.
+#[inline(always)]
+fn left_to_tc(ctx: &SockAddrContext) -> bool {
+    let Some(config) = KPR_NODE_CONFIG.get(0) else {
+        return false;
+    };
+    if config.flags & node_flags::HOST_NAMESPACE_ONLY == 0
+        || config.host_netns_cookie == 0
+        || netns_cookie(ctx) == config.host_netns_cookie
+    {
+        return false;
+    }
+    bump(StatIndex::SockLeftToTc);
+    true
 }
 
 /// kube-proxy's `KUBE-SERVICES ... -m addrtype --dst-type LOCAL -j KUBE-NODEPORTS` for local

@@ -10,9 +10,11 @@
 //!
 //! `reply` (ingress of every other interface, i.e. pod veths): the same logic, except that a
 //! new flow starts only for an LB IP guarded by source ranges (pods reach every other frontend
-//! through the socket hooks). So replies of local backends are translated back from their
-//! reply entry, flows of pods to guarded LB IPs from their forward entry, and everything else
-//! passes untouched.
+//! through the socket hooks) — and, with `node_flags::HOST_NAMESPACE_ONLY`, for every internal
+//! frontend (the socket hooks' own: ClusterIP, NodePort at a node address, externalIPs, LB
+//! IPs), which the socket hooks then leave to this program for pods. So replies of local
+//! backends are translated back from their reply entry, flows of pods from their forward
+//! entry, and everything else passes untouched.
 
 use aya_ebpf::{
     bindings::{TC_ACT_SHOT, TC_ACT_UNSPEC},
@@ -57,6 +59,8 @@ pub enum Side {
     /// Pod veths: only LB IPs guarded by `loadBalancerSourceRanges`. Pods reach every other
     /// frontend through the socket hooks, which leave these alone because only a packet carries
     /// the pod's source address (kube-proxy's KUBE-FW chain checks it for pod traffic too).
+    /// With `node_flags::HOST_NAMESPACE_ONLY` also the internal frontends, which the socket
+    /// hooks then leave alone for pods.
     Pod,
 }
 
@@ -147,7 +151,7 @@ fn service(ctx: &TcContext, side: Side) -> i32 {
     if draining() {
         return NEXT;
     }
-    let Some(frontend) = lookup_frontend(&pkt, side) else {
+    let Some((frontend, internal)) = lookup_frontend(&pkt, side) else {
         return NEXT;
     };
     // Only a SYN starts a TCP connection. Any other segment without an entry belongs to a flow
@@ -158,7 +162,7 @@ fn service(ctx: &TcContext, side: Side) -> i32 {
         bump(StatIndex::TcMidstreamPassed);
         return NEXT;
     }
-    match new_flow(&pkt, &key, &frontend) {
+    match new_flow(&pkt, &key, &frontend, internal) {
         Verdict::Action(action) => action,
         // Called from here, not from `new_flow`, so the two frames never stack up.
         Verdict::Reject => icmp::reject(ctx, &pkt),
@@ -199,12 +203,71 @@ enum Verdict {
 }
 
 /// The external frontend for the packet's destination: the exact address (externalIP, LB IP,
-/// ClusterIP), else the NodePort wildcard if the destination is a NodePort address.
+/// ClusterIP), else the NodePort wildcard if the destination is a NodePort address. On the pod
+/// side: a guarded LB IP's, else (host-namespace-only socket LB) the internal frontend. The
+/// flag says which: internal frontends are load-balanced as the socket hooks do (no SNAT).
 #[inline(always)]
-fn lookup_frontend(pkt: &Packet, side: Side) -> Option<FrontendValue> {
+fn lookup_frontend(pkt: &Packet, side: Side) -> Option<(FrontendValue, bool)> {
     if side == Side::Pod {
-        return guarded_frontend(pkt);
+        if let Some(frontend) = guarded_frontend(pkt) {
+            return Some((frontend, false));
+        }
+        return internal_frontend(pkt).map(|frontend| (frontend, true));
     }
+    external_frontend(pkt).map(|frontend| (frontend, false))
+}
+
+/// A pod's packet with `node_flags::HOST_NAMESPACE_ONLY`: the frontend the socket hooks would
+/// have used for it (exact, else the NodePort wildcard at a NodePort address), so a pod gets
+/// the same backends, affinity and no-endpoint verdicts per packet as it would per socket.
+/// Frontends guarded by source ranges are `guarded_frontend`'s.
+#[inline(always)]
+fn internal_frontend(pkt: &Packet) -> Option<FrontendValue> {
+    let config = KPR_NODE_CONFIG.get(0)?;
+    if config.flags & node_flags::HOST_NAMESPACE_ONLY == 0 || config.host_netns_cookie == 0 {
+        return None;
+    }
+    let frontend = if pkt.is_v6() {
+        let mut key = Frontend6Key {
+            addr: pkt.dst,
+            port: pkt.dport,
+            proto: pkt.proto,
+            scope: scope::INTERNAL,
+        };
+        // SAFETY: values are copied out at once (whole-value updates by the agent).
+        match unsafe { KPR_FRONTENDS6.get(key) } {
+            Some(value) => *value,
+            None if is_node_address(pkt) => {
+                key.addr = [0; 4];
+                // SAFETY: as above.
+                unsafe { KPR_FRONTENDS6.get(key) }.copied()?
+            }
+            None => return None,
+        }
+    } else {
+        let mut key = Frontend4Key {
+            addr: pkt.dst[0],
+            port: pkt.dport,
+            proto: pkt.proto,
+            scope: scope::INTERNAL,
+        };
+        // SAFETY: as above.
+        match unsafe { KPR_FRONTENDS4.get(key) } {
+            Some(value) => *value,
+            None if is_node_address(pkt) => {
+                key.addr = 0;
+                // SAFETY: as above.
+                unsafe { KPR_FRONTENDS4.get(key) }.copied()?
+            }
+            None => return None,
+        }
+    };
+    (frontend.flags & frontend_flags::SOURCE_RANGES == 0).then_some(frontend)
+}
+
+/// The external frontend for the packet's destination (see `lookup_frontend`).
+#[inline(always)]
+fn external_frontend(pkt: &Packet) -> Option<FrontendValue> {
     if pkt.is_v6() {
         let mut key = Frontend6Key {
             addr: pkt.dst,
@@ -282,7 +345,7 @@ fn is_node_address(pkt: &Packet) -> bool {
 // post-RA pseudo instruction expansion); as a BPF-to-BPF call it also keeps each frame's stack
 // well under the verifier's 512 bytes.
 #[inline(never)]
-fn new_flow(pkt: &Packet, key: &CtKey, frontend: &FrontendValue) -> Verdict {
+fn new_flow(pkt: &Packet, key: &CtKey, frontend: &FrontendValue, internal: bool) -> Verdict {
     // Read here rather than passed in: a BPF call takes at most 5 arguments (the verdict's
     // return slot is one).
     // SAFETY: bpf_ktime_get_ns has no preconditions.
@@ -335,7 +398,12 @@ fn new_flow(pkt: &Packet, key: &CtKey, frontend: &FrontendValue) -> Verdict {
         _pad: [0; 3],
         last_seen_ns: now,
     };
-    match snat_address(pkt, frontend) {
+    let snat = if internal {
+        hairpin_snat(pkt, &backend_addr)
+    } else {
+        snat_address(pkt, frontend)
+    };
+    match snat {
         Some(addr) => {
             scratch.reply_key.dst = addr;
             let Some(port) = conntrack::insert_snat_reply(&mut scratch.reply_key, &scratch.reply)
@@ -493,6 +561,24 @@ fn snat_address(pkt: &Packet, frontend: &FrontendValue) -> Option<[u32; 4]> {
         [config.snat4, 0, 0, 0]
     };
     // No node address of this family: translate without SNAT rather than not at all.
+    (addr != [0; 4]).then_some(addr)
+}
+
+/// An internal frontend (a pod's packet, host-namespace-only socket LB) is not masqueraded, as
+/// kube-proxy's KUBE-SVC chain does not masquerade pod traffic — except a pod sent to itself
+/// (kube-proxy's KUBE-SEP `-s <endpoint> -j KUBE-MARK-MASQ`): its reply would otherwise stay
+/// inside the pod, never reaching this program to be translated back.
+#[inline(always)]
+fn hairpin_snat(pkt: &Packet, backend: &[u32; 4]) -> Option<[u32; 4]> {
+    if *backend != pkt.src {
+        return None;
+    }
+    let config = KPR_NODE_CONFIG.get(0)?;
+    let addr = if pkt.is_v6() {
+        config.snat6
+    } else {
+        [config.snat4, 0, 0, 0]
+    };
     (addr != [0; 4]).then_some(addr)
 }
 

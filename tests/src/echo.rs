@@ -26,10 +26,22 @@ impl EchoServer {
     /// Starts `rig-helper echo` inside the namespace at `netns` and waits (bounded) until
     /// it reports `ready`.
     pub fn start(netns: &Path, name: &str, listen: SocketAddr) -> Result<Self> {
+        Self::start_with(netns, name, listen, &[])
+    }
+
+    /// Like [`EchoServer::start`], answering TCP clients with the connection's original
+    /// destination (`SO_ORIGINAL_DST`) in place of the client address: a stand-in for a
+    /// service-mesh sidecar that an iptables REDIRECT in its pod feeds.
+    pub fn start_sidecar(netns: &Path, name: &str, listen: SocketAddr) -> Result<Self> {
+        Self::start_with(netns, name, listen, &["--original-dst"])
+    }
+
+    fn start_with(netns: &Path, name: &str, listen: SocketAddr, extra: &[&str]) -> Result<Self> {
         let mut cmd = Command::new(helper_binary()?);
         cmd.arg("echo")
             .args(["--name", name])
             .args(["--listen", &listen.to_string()])
+            .args(extra)
             .arg("--netns")
             .arg(netns)
             .stdin(Stdio::null())

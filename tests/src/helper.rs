@@ -32,6 +32,10 @@ pub enum HelperCommand {
         name: String,
         #[arg(long)]
         listen: SocketAddr,
+        /// TCP: answer `NAME ORIGINAL-DESTINATION` (SO_ORIGINAL_DST) instead of the client:
+        /// what a service-mesh sidecar behind an iptables REDIRECT sees.
+        #[arg(long)]
+        original_dst: bool,
         /// Network namespace file to enter first, e.g. /run/netns/NAME.
         #[arg(long)]
         netns: Option<PathBuf>,
@@ -124,6 +128,7 @@ pub fn run(cli: Cli) -> Result<()> {
         HelperCommand::Echo {
             name,
             listen,
+            original_dst,
             netns,
         } => {
             // Die with the rig: an orphaned server would keep its namespace alive.
@@ -132,7 +137,7 @@ pub fn run(cli: Cli) -> Result<()> {
             if let Some(ns) = netns {
                 enter_netns(&ns)?;
             }
-            echo(&name, listen)
+            echo(&name, listen, original_dst)
         }
         HelperCommand::Client {
             target,
@@ -202,7 +207,7 @@ pub fn join_cgroup(dir: &Path) -> Result<()> {
         .map_err(|e| RigError::io(format!("writing {}", procs.display()), e))
 }
 
-fn echo(name: &str, listen: SocketAddr) -> Result<()> {
+fn echo(name: &str, listen: SocketAddr, original_dst: bool) -> Result<()> {
     let tcp =
         TcpListener::bind(listen).map_err(|e| RigError::io(format!("binding TCP {listen}"), e))?;
     let udp =
@@ -219,23 +224,67 @@ fn echo(name: &str, listen: SocketAddr) -> Result<()> {
         let Ok(conn) = conn else { continue };
         let name = name.to_owned();
         thread::spawn(move || {
-            let _ = serve_tcp(&name, conn);
+            let _ = serve_tcp(&name, conn, original_dst);
         });
     }
     Ok(())
 }
 
-fn serve_tcp(name: &str, conn: TcpStream) -> io::Result<()> {
+fn serve_tcp(name: &str, conn: TcpStream, original_dst: bool) -> io::Result<()> {
     // Each reply is one small write: without this, Nagle could hold a reply back until the
     // previous one is acknowledged, which would distort request/response timings.
     conn.set_nodelay(true)?;
-    let peer = conn.peer_addr()?;
+    let peer = if original_dst {
+        original_destination(&conn)?
+    } else {
+        conn.peer_addr()?
+    };
     let mut writer = conn.try_clone()?;
     writer.write_all(format!("{name} {peer}\n").as_bytes())?;
     for line in BufReader::new(conn).lines() {
         writer.write_all(format!("{}\n", line?).as_bytes())?;
     }
     Ok(())
+}
+
+/// Where the client meant to connect before netfilter NAT redirected it here (`SO_ORIGINAL_DST`
+/// / `IP6T_SO_ORIGINAL_DST`, both 80): how Istio's and Linkerd's proxies learn the Service
+/// address of a captured connection.
+fn original_destination(conn: &TcpStream) -> io::Result<SocketAddr> {
+    use std::os::fd::AsRawFd as _;
+    const SO_ORIGINAL_DST: libc::c_int = 80;
+    let local = conn.local_addr()?;
+    // SAFETY: sockaddr_in6 is plain data; all zeroes is a valid value.
+    let mut storage: libc::sockaddr_in6 = unsafe { std::mem::zeroed() };
+    let mut len = std::mem::size_of::<libc::sockaddr_in6>() as libc::socklen_t;
+    let level = if local.is_ipv6() {
+        libc::SOL_IPV6
+    } else {
+        libc::SOL_IP
+    };
+    // SAFETY: a valid socket and an out-buffer of the size passed (large enough for both
+    // families).
+    let ret = unsafe {
+        libc::getsockopt(
+            conn.as_raw_fd(),
+            level,
+            SO_ORIGINAL_DST,
+            (&raw mut storage).cast(),
+            &raw mut len,
+        )
+    };
+    if ret != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    if local.is_ipv6() {
+        let ip = std::net::Ipv6Addr::from(storage.sin6_addr.s6_addr);
+        Ok(SocketAddr::new(ip.into(), u16::from_be(storage.sin6_port)))
+    } else {
+        // SAFETY: for SOL_IP the kernel wrote a sockaddr_in, which fits in the buffer.
+        let v4: libc::sockaddr_in = unsafe { std::ptr::read((&raw const storage).cast()) };
+        let ip = std::net::Ipv4Addr::from(u32::from_be(v4.sin_addr.s_addr));
+        Ok(SocketAddr::new(ip.into(), u16::from_be(v4.sin_port)))
+    }
 }
 
 fn serve_udp(name: &str, sock: &UdpSocket) {

@@ -336,6 +336,15 @@ impl Topology {
         Ok(())
     }
 
+    /// Starts a sidecar stand-in called `name` on `listen` inside `place`: an echo server
+    /// answering with each TCP connection's original destination (`SO_ORIGINAL_DST`) in place
+    /// of the client address ([`EchoServer::start_sidecar`]); it lives as long as the topology.
+    pub fn start_sidecar(&mut self, place: Place, name: &str, listen: SocketAddr) -> Result<()> {
+        let server = EchoServer::start_sidecar(&self.netns(place)?.path(), name, listen)?;
+        self.echoes.push(server);
+        Ok(())
+    }
+
     /// Starts `pod<i>` echo servers on `10.244.<i>.2:port` in every pod.
     pub fn start_pod_echoes(&mut self, port: u16) -> Result<()> {
         for i in 1..=self.pods.len() {

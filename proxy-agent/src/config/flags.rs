@@ -505,6 +505,7 @@ pub fn apply(
         }
     }
     ebpf.tc_fast_path = args.tc_fast_path;
+    ebpf.socket_lb_host_namespace_only = args.bpf_socket_lb_host_namespace_only;
     for name in args.bpf_disable_feature.iter().flatten() {
         let name = name.trim();
         if name.is_empty() {

@@ -169,6 +169,9 @@ pub struct EbpfConfig {
     pub map_maglev: u32,
     /// `--tc-fast-path`: translated external traffic skips netfilter FORWARD/POSTROUTING.
     pub tc_fast_path: bool,
+    /// `--bpf-socket-lb-host-namespace-only`: pods' Service traffic is load-balanced in tc,
+    /// not at their sockets.
+    pub socket_lb_host_namespace_only: bool,
     /// `--drift-check-period` (both modes; zero: no check).
     pub drift_check_period: std::time::Duration,
     /// `--mode-switch-drain-period`: how long the iptables mode keeps the eBPF mode's programs
@@ -208,6 +211,7 @@ impl Default for EbpfConfig {
             maglev_table_size: proxy_common::maglev::DEFAULT_TABLE_SIZE,
             map_maglev: proxy_common::default_sizes::MAGLEV,
             tc_fast_path: false,
+            socket_lb_host_namespace_only: false,
             drift_check_period: DEFAULT_DRIFT_CHECK_PERIOD,
             mode_switch_drain_period: DEFAULT_MODE_SWITCH_DRAIN_PERIOD,
             disabled_features: std::collections::BTreeSet::new(),

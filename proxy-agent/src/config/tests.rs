@@ -359,6 +359,9 @@ fn every_flag_overrides_the_file() {
             c.ebpf.maglev_table_size == 16381
         }),
         (&["--bpf-map-maglev", "5000"], |c| c.ebpf.map_maglev == 5000),
+        (&["--bpf-socket-lb-host-namespace-only"], |c| {
+            c.ebpf.socket_lb_host_namespace_only
+        }),
         (
             &[
                 "--bpf-disable-feature",

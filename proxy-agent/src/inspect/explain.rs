@@ -249,6 +249,22 @@ fn socket(maps: &impl Maps, q: &Query, e: &mut Explanation) {
     };
     e.frontend = Some(describe_frontend(addr, port, protocol, scope::INTERNAL));
     e.service_id = Some(frontend.service_id);
+    // `--bpf-socket-lb-host-namespace-only`: the same frontend, backends and verdicts, applied
+    // per packet by the pod veth's tc program (`tc::internal_frontend` in the datapath).
+    let in_tc = q.from == From::Pod
+        && frontend.flags & frontend_flags::SOURCE_RANGES == 0
+        && maps.node_config().is_some_and(|c| {
+            c.flags & node_flags::HOST_NAMESPACE_ONLY != 0 && c.host_netns_cookie != 0
+        });
+    if in_tc {
+        e.program = "tc (pod veth; socket LB for the host namespace only)".to_owned();
+        e.steps.push(
+            "socket LB for the host namespace only: the pod's socket keeps the Service address \
+             and the pod veth's tc program load-balances its packets with this frontend (no \
+             SNAT, except a pod reaching itself)"
+                .to_owned(),
+        );
+    }
     if frontend.flags & frontend_flags::SOURCE_RANGES != 0 {
         if q.from == From::Pod {
             e.steps.push(
@@ -283,25 +299,44 @@ fn socket(maps: &impl Maps, q: &Query, e: &mut Explanation) {
     }
     candidates(maps, &frontend, addr.is_ipv6(), e);
     e.verdict = "translate".to_owned();
-    e.reason = "random backend among the candidates (socket-level load balancing)".to_owned();
+    e.reason = if in_tc {
+        "random backend among the candidates for the flow's first packet (tc conntrack keeps it)"
+    } else {
+        "random backend among the candidates (socket-level load balancing)"
+    }
+    .to_owned();
     e.source = Some(kept(q.client));
+    if in_tc {
+        e.netfilter = Some(netfilter_path(maps));
+    }
     let v6 = addr.is_ipv6();
     if frontend.flags & frontend_flags::AFFINITY != 0 {
         let timeout = u64::from(frontend.affinity_timeout) * 1_000_000_000;
         e.affinity_entries = live_entries(maps, &frontend, v6, maps.affinity_entries(), timeout)
             .into_iter()
             .map(|(client, p)| Pinned {
-                client: format!("netns cookie {client}"),
+                // The tc programs key it by the client address (folded to one word).
+                client: if in_tc {
+                    format!("client address word {client:#x}")
+                } else {
+                    format!("netns cookie {client}")
+                },
                 ..p
             })
             .collect();
         e.steps.push(format!(
-            "session affinity ({}s) per client network namespace: a namespace with a live entry \
-             (listed) keeps its backend; a new one picks at random",
-            frontend.affinity_timeout
+            "session affinity ({}s) per client {}: a client with a live entry (listed) keeps \
+             its backend; a new one picks at random",
+            frontend.affinity_timeout,
+            if in_tc {
+                "address (pod-side tc)"
+            } else {
+                "network namespace"
+            }
         ));
     }
-    if frontend.flags & frontend_flags::STICKY_SOCKET != 0 {
+    // On the tc path a flow keeps its backend by its conntrack entry, not per socket.
+    if frontend.flags & frontend_flags::STICKY_SOCKET != 0 && !in_tc {
         // No timeout: the entry lives as long as the LRU keeps it and its backend stays.
         e.sticky_sockets = live_entries(maps, &frontend, v6, maps.sticky_entries(), u64::MAX)
             .into_iter()

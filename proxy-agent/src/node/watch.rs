@@ -1,6 +1,8 @@
 //! Host address changes: a `NETLINK_ROUTE` socket subscribed to the IPv4 and IPv6 address
 //! groups, so an address added or removed at run time (RTM_NEWADDR / RTM_DELADDR) triggers a
-//! sync that recomputes the NodePort addresses and the tc attachment. The messages are not
+//! sync that recomputes the NodePort addresses and the tc attachment. Also the link group
+//! (RTM_NEWLINK / RTM_DELLINK): a pod interface without any address still needs the pod-side
+//! tc program at once with `--bpf-socket-lb-host-namespace-only`. The messages are not
 //! parsed: any of them means "re-read the addresses", which `getifaddrs` does at the sync, and
 //! a burst (an interface with many addresses going away) becomes one sync.
 
@@ -32,7 +34,8 @@ impl AddressWatcher {
             SockFlag::SOCK_CLOEXEC | SockFlag::SOCK_NONBLOCK,
             SockProtocol::NetlinkRoute,
         )?;
-        let groups = (libc::RTMGRP_IPV4_IFADDR | libc::RTMGRP_IPV6_IFADDR) as u32;
+        let groups =
+            (libc::RTMGRP_IPV4_IFADDR | libc::RTMGRP_IPV6_IFADDR | libc::RTMGRP_LINK) as u32;
         bind(fd.as_raw_fd(), &NetlinkAddr::new(0, groups))?;
         // SAFETY: the OwnedFd is moved into the AsyncFd, so the registered fd stays open (and
         // the same) until the AsyncFd is dropped.

@@ -30,6 +30,7 @@ use crate::{
     node::{NodeInputs, NodeManager, NodeSettings},
     node_services::{NodeServices, NodeServicesConfig},
     objects::{Kind, Store},
+    proxy_mode::ProxyMode,
     source::{self, kubernetes::ClientOptions},
     sync_runner::SyncRunner,
 };
@@ -154,6 +155,8 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     let (drift_requests, mut drift_rx) = tokio::sync::mpsc::channel(4);
     node_services.metrics().serve_drift_requests(drift_requests);
     let drift_period = config.ebpf.drift_check_period;
+    let host_namespace_only =
+        config.ebpf.socket_lb_host_namespace_only && dataplane.mode() == ProxyMode::Ebpf;
     let mut drift_at = Instant::now() + drift_period;
 
     let outcome = loop {
@@ -197,7 +200,7 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
             // Settings are recomputed now so that only a change the dataplane cares about costs
             // a sync (pods come with link-local addresses on their veths).
             () = node_manager.addresses_changed() => {
-                debug!("host addresses changed");
+                debug!("host addresses or links changed");
                 match node_manager.refresh(store.objects().node.as_ref()) {
                     Ok(Some(settings)) => {
                         if apply_node_settings(settings, &mut dataplane, &node_services) {
@@ -206,6 +209,11 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
                     }
                     Ok(None) => {}
                     Err(error) => break Err(error.into()),
+                }
+                // A new pod's Service traffic is load-balanced only once its interface has the
+                // tc program, which the sync attaches: do not wait for the periodic one.
+                if host_namespace_only {
+                    runner.request();
                 }
             }
             () = tokio::time::sleep_until(wake) => {

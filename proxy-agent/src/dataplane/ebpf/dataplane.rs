@@ -23,7 +23,7 @@ use tracing::{debug, info, warn};
 
 use super::{
     ApplyError, ApplySummary, Drift, DriftCheck, DriftKind, MapWriteError, MapWriter, MapsContent,
-    bpffs, cgroup,
+    RemovedBackend, bpffs, cgroup,
     ct_worker::CtWorker,
     drift,
     error::EbpfError,
@@ -283,13 +283,15 @@ impl EbpfDataplane {
                 .apply_snapshot(snapshot, changed, &mut self.maps);
         self.capacity_errors += errors.iter().filter(|e| e.is_capacity()).count() as u64;
         summary.udp_sockets_destroyed = self.destroy_stale_udp_sockets(&summary);
+        let tracked =
+            tc_conntrack::tracked(&summary.removed_backends, self.tc.host_namespace_only());
         match &self.ct_worker {
-            Some(worker) if tc_conntrack::any_external(&summary.removed_backends) => {
-                worker.purge(summary.removed_backends.clone());
+            Some(worker) if tc_conntrack::any_external(&tracked) => {
+                worker.purge(tracked);
                 summary.conntrack_purge_queued = true;
             }
             Some(_) => {}
-            None => summary.conntrack_purged = self.purge_conntrack(&summary),
+            None => summary.conntrack_purged = self.purge_conntrack(&tracked),
         }
         self.write_service_names(changed);
         (summary, errors)
@@ -417,8 +419,8 @@ impl EbpfDataplane {
 
     /// Deletes the tc conntrack entries of backends this apply removed (see `ct`), after the
     /// frontend switch: no new flow can pick them any more, so none is recreated.
-    fn purge_conntrack(&mut self, summary: &ApplySummary) -> usize {
-        if !tc_conntrack::any_external(&summary.removed_backends) {
+    fn purge_conntrack(&mut self, removed: &[RemovedBackend]) -> usize {
+        if !tc_conntrack::any_external(removed) {
             return 0;
         }
         let started = std::time::Instant::now();
@@ -429,9 +431,9 @@ impl EbpfDataplane {
                 return 0;
             }
         };
-        let report = tc_conntrack::purge(&mut map, &summary.removed_backends);
+        let report = tc_conntrack::purge(&mut map, removed);
         info!(
-            removed_backends = summary.removed_backends.len(),
+            removed_backends = removed.len(),
             scanned = report.scanned,
             deleted = report.deleted,
             elapsed_ms = started.elapsed().as_millis(),

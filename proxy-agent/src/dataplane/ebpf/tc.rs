@@ -7,7 +7,8 @@
 //!   service traffic from outside and replies of remote backends.
 //! - Every other interface except `lo` (pod veths) gets `kpr_tc_reply` on ingress: replies of
 //!   local backends, which are addressed to the SNAT address (or the client) and must be
-//!   translated before the kernel routes them.
+//!   translated before the kernel routes them; with `host_namespace_only` also the pods' own
+//!   Service traffic, load-balanced per packet.
 //!
 //! - Every interface that gets one of the above also gets `kpr_tc_egress` on egress: on the
 //!   netfilter path (the default) ingress only rewrites destinations and returns packets to
@@ -17,7 +18,9 @@
 //!   and the egress program passes everything.
 //!
 //! Interfaces are discovered with `getifaddrs` (netlink, in the agent's network namespace), at
-//! start and on every sync, so pods created later get the reply program. Links are TCX links
+//! start and on every sync, so pods created later get the reply program; with
+//! `host_namespace_only` a new interface (a netlink link or address event) asks for a sync at
+//! once, since until then the pod's Service traffic is not load-balanced at all. Links are TCX links
 //! (kernel ≥ 6.6) pinned as `<program>_if<ifindex>_link`, replaced like the cgroup links;
 //! without TCX (`features::Feature::Tcx`), legacy clsact filters (`legacy_tc`).
 
@@ -72,6 +75,9 @@ pub struct TcOptions {
     /// POSTROUTING (`node_flags::FAST_PATH`); the host's netfilter policy then does not apply
     /// to external Service traffic.
     pub fast_path: bool,
+    /// `--bpf-socket-lb-host-namespace-only` (`node_flags::HOST_NAMESPACE_ONLY`): the socket
+    /// hooks leave pods' sockets alone and the pod-side program load-balances their packets.
+    pub host_namespace_only: bool,
     /// Attach as TCX links; otherwise as legacy clsact filters (`legacy_tc`).
     pub tcx: bool,
 }
@@ -189,6 +195,7 @@ impl TcState {
                 _ => None,
             })
             .collect();
+        let host_namespace_only = options.host_namespace_only;
         Self {
             options,
             node_addrs,
@@ -199,6 +206,12 @@ impl TcState {
             host_netns_cookie: own_netns_cookie().unwrap_or_else(|error| {
                 warn!(%error, "cannot read the network namespace cookie; host processes reach \
                     LB IPs guarded by source ranges through the load balancer");
+                if host_namespace_only {
+                    warn!(
+                        "--bpf-socket-lb-host-namespace-only has no effect without the \
+                        network namespace cookie: pods' sockets are translated as before"
+                    );
+                }
                 0
             }),
             links: BTreeMap::new(),
@@ -226,6 +239,9 @@ impl TcState {
         config.host_netns_cookie = self.host_netns_cookie;
         if self.options.fast_path {
             config.flags |= node_flags::FAST_PATH;
+        }
+        if self.options.host_namespace_only {
+            config.flags |= node_flags::HOST_NAMESPACE_ONLY;
         }
         let mut wanted = BTreeSet::new();
         for name in all.keys() {
@@ -464,6 +480,11 @@ impl TcState {
     /// The agent's node settings; the next refresh programs them.
     pub fn set_node(&mut self, settings: &NodeSettings) {
         self.node = Some(settings.clone());
+    }
+
+    /// Whether pods' Service traffic is the tc programs' (`--bpf-socket-lb-host-namespace-only`).
+    pub fn host_namespace_only(&self) -> bool {
+        self.options.host_namespace_only
     }
 
     pub fn link_count(&self) -> usize {

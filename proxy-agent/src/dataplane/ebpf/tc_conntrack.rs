@@ -117,6 +117,24 @@ pub fn stale_keys<'a>(
         .collect()
 }
 
+/// The removed pairs whose flows the tc programs track. With
+/// `--bpf-socket-lb-host-namespace-only` (`internal_in_tc`) that includes the socket-level
+/// frontends: pods' flows to them are tc flows, keyed by the frontend as external ones are, so
+/// they are purged the same way (as External pairs: duplicates of a ClusterIP's external pair
+/// only match the same entries).
+pub fn tracked(removed: &[RemovedBackend], internal_in_tc: bool) -> Vec<RemovedBackend> {
+    removed
+        .iter()
+        .map(|r| {
+            let mut r = *r;
+            if internal_in_tc {
+                r.frontend.scope = Scope::External;
+            }
+            r
+        })
+        .collect()
+}
+
 /// Whether any removed pair can have tc conntrack entries (saves the walk otherwise).
 pub fn any_external(removed: &[RemovedBackend]) -> bool {
     removed.iter().any(|r| Stale::of(r).is_some())
@@ -558,6 +576,9 @@ mod tests {
         internal[0].frontend.scope = Scope::Internal;
         assert!(!any_external(&internal));
         assert!(stale_keys(&entries, &internal).is_empty());
+        // ... unless pods' flows to them are tc flows (host-namespace-only socket LB).
+        assert_eq!(tracked(&internal, false), internal);
+        assert_eq!(stale_keys(&entries, &tracked(&internal, true)).len(), 2);
     }
 
     /// `flow` with both entries last seen (reply: created) `age_s` before `now`.

@@ -309,3 +309,29 @@ fn iptables_affinity_names_the_endpoint_whose_recent_list_holds_the_client() {
     iptables_affinity(&tracer, &other, &mut e, lists);
     assert_eq!(e.chosen, None);
 }
+
+#[test]
+fn host_namespace_only_leaves_a_pods_cluster_ip_flow_to_the_pod_veth() {
+    let mut m = maps();
+    let q = query(From::Pod, "10.244.3.2", "10.96.0.10:80/tcp");
+    assert_eq!(
+        explain(&m, &q).program,
+        "socket connect/sendmsg (cgroup hook)"
+    );
+    m.config = m.config.map(|c| NodeConfig {
+        flags: c.flags | node_flags::HOST_NAMESPACE_ONLY,
+        host_netns_cookie: 1,
+        ..c
+    });
+    let e = explain(&m, &q);
+    assert_eq!(
+        e.program,
+        "tc (pod veth; socket LB for the host namespace only)"
+    );
+    assert_eq!(e.verdict, "translate");
+    assert_eq!(e.candidates, ["10.244.1.2:8080", "10.244.2.2:8080"]);
+    assert!(e.netfilter.is_some(), "pod packets meet tc");
+    // The node's own processes keep socket-level translation.
+    let node = explain(&m, &query(From::Node, "0.0.0.0", "10.96.0.10:80/tcp"));
+    assert_eq!(node.program, "socket connect/sendmsg (cgroup hook)");
+}
