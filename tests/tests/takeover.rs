@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use proxy_tests::RigError;
 use proxy_tests::client::{Attempt, Mode, tally};
-use proxy_tests::scenario::{Scenario, cluster_addr, is_pod, pod_endpoint};
+use proxy_tests::scenario::{CLUSTER_IP, Scenario, cluster_addr, is_pod, pod_endpoint};
 use proxy_tests::service_scenarios::ServiceSpec;
 use proxy_tests::topology::Topology;
 use proxy_tests::wait::try_wait_until;
@@ -242,6 +242,134 @@ fn established_tcp_connections_survive_the_hand_back_to_iptables_rules() -> anyh
     eprintln!(
         "pins removed {:?} after the streams ended",
         drained.elapsed()
+    );
+    Ok(())
+}
+
+/// kube-proxy nftables-mode shaped rules for `default/web` (NodePort 30080 and ClusterIP:80 →
+/// pods 1 and 2 on 8080, chosen by `numgen` as kube-proxy's vmaps do; NodePort traffic marked
+/// and masqueraded), in its table `ip kube-proxy`.
+fn kube_proxy_nftables_rules(s: &Scenario) -> anyhow::Result<()> {
+    let node = s.topo.node();
+    let (pod1, pod2) = (Topology::pod_ip(1), Topology::pod_ip(2));
+    let node_ip = Topology::node_ext_ip();
+    let ruleset = format!(
+        "table ip kube-proxy {{\n\
+         \tchain endpoints {{ meta l4proto tcp numgen inc mod 2 0 dnat to {pod1}:8080; meta l4proto tcp dnat to {pod2}:8080; }}\n\
+         \tchain services {{\n\
+         \t\tip daddr {CLUSTER_IP} tcp dport 80 jump endpoints\n\
+         \t\tip daddr {node_ip} tcp dport {NODE_PORT} meta mark set mark or 0x4000 jump endpoints\n\
+         \t}}\n\
+         \tchain nat-output {{ type nat hook output priority -100; policy accept; jump services; }}\n\
+         \tchain nat-prerouting {{ type nat hook prerouting priority -100; policy accept; jump services; }}\n\
+         \tchain nat-postrouting {{ type nat hook postrouting priority 100; policy accept; \
+         meta mark & 0x4000 == 0x4000 masquerade; }}\n\
+         }}\n"
+    );
+    let file = std::env::temp_dir().join(format!("kube-proxy-nft-{}.nft", node.name()));
+    std::fs::write(&file, ruleset)?;
+    let loaded = node.exec("nft", &["-f", file.to_str().unwrap_or_default()]);
+    let _ = std::fs::remove_file(&file);
+    loaded?;
+    Ok(())
+}
+
+/// kube-proxy's nftables mode as the previous owner: the same 14 streams, opened on its rules
+/// (no agent), run while an eBPF-mode agent takes the node over. Its tables stay until the
+/// drain period is over (the streams' TIME_WAIT entries keep them): removed at the start, or
+/// only emptied, they took the kernel's conntrack and NAT of these connections with them and
+/// all 14 streams were reset.
+#[test]
+fn established_tcp_connections_survive_the_takeover_from_nftables_rules() -> anyhow::Result<()> {
+    proxy_tests::require_root();
+    proxy_tests::set_helper_binary(env!("CARGO_BIN_EXE_rig-helper"));
+    let mut s = Scenario::new(2)?;
+    let spec = ServiceSpec {
+        type_: "NodePort",
+        ..ServiceSpec::default()
+    };
+    s.write_web_spec(&spec, &[pod_endpoint(1), pod_endpoint(2)])?;
+    kube_proxy_nftables_rules(&s)?;
+    let outside = s.external_client();
+    let node = s.cgroup_client();
+    s.wait_for_datapath_with(&outside, node_port_addr(), "NodePort answered", is_pod)?;
+    s.wait_for_datapath_with(&node, cluster_addr(), "ClusterIP answered", is_pod)?;
+    let streams: Vec<_> = (0..14)
+        .map(|i| {
+            let (client, target) = if i < 10 {
+                (outside.clone(), node_port_addr())
+            } else {
+                (node.clone(), cluster_addr())
+            };
+            let client = client
+                .mode(Mode::TcpStream)
+                .interval(Duration::from_millis(100))
+                .timeout(Duration::from_millis(1000));
+            std::thread::spawn(move || client.run(target, 100))
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(800));
+    s.start_agent_with_args(
+        "ebpf",
+        &["--interfaces", "vext", "--mode-switch-drain-period", "15s"],
+    )?;
+    let started = std::time::Instant::now();
+    let fresh_node = s.wait_for_batch(
+        &node,
+        cluster_addr(),
+        6,
+        "new ClusterIP connections",
+        is_pod,
+    )?;
+    let fresh_outside = s.wait_for_batch(
+        &outside,
+        node_port_addr(),
+        6,
+        "new NodePort connections",
+        is_pod,
+    )?;
+    let mut broken = Vec::new();
+    for (i, stream) in streams.into_iter().enumerate() {
+        let attempts = stream
+            .join()
+            .map_err(|_| RigError::Other(format!("stream {i}: client thread panicked")))??;
+        let counts = tally(&attempts);
+        eprintln!("stream {i} across the nftables takeover: {counts:?}");
+        let kept = counts.len() == 1
+            && attempts.iter().all(|a| {
+                matches!(a, Attempt::Ok { .. }) && a.backend().is_some_and(|b| b.ends_with("#1"))
+            });
+        if !kept {
+            broken.push((i, counts));
+        }
+    }
+    eprintln!(
+        "nftables takeover: {} of 14 streams broken; new connections: node {:?}, outside {:?}",
+        broken.len(),
+        tally(&fresh_node),
+        tally(&fresh_outside)
+    );
+    s.ensure(broken.is_empty(), || {
+        format!("every stream keeps its one connection, answered throughout: broken {broken:?}")
+    })?;
+    // The streams' TIME_WAIT entries in the kernel's conntrack outlive them: the period ends
+    // the drain, 15 s after the start.
+    try_wait_until(
+        "kube-proxy's nftables tables removed after the drain period",
+        Duration::from_secs(22).saturating_sub(started.elapsed()),
+        Duration::from_millis(200),
+        || {
+            Ok(!s
+                .topo
+                .node()
+                .exec("nft", &["list", "tables"])?
+                .contains("kube-proxy"))
+        },
+    )
+    .map_err(|e| s.agent_error(e.to_string()))?;
+    eprintln!(
+        "kube-proxy's tables removed {:?} after the start",
+        started.elapsed()
     );
     Ok(())
 }

@@ -83,10 +83,14 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
         check_server_ports(&config)?;
     }
     apply_process_settings(&config);
-    // As kube-proxy's platformCleanup at start: its nftables/IPVS modes' state would keep
-    // intercepting Service traffic next to ours.
-    remove_kube_proxy_modes();
     let mut dataplane = Dataplane::start(&config)?;
+    // As kube-proxy's platformCleanup at start: its nftables/IPVS modes' state would keep
+    // intercepting Service traffic next to ours. The eBPF mode registers no NAT of its own, so
+    // it keeps kube-proxy's (emptied) nftables tables while its connections last.
+    remove_kube_proxy_modes(
+        (dataplane.mode() == crate::proxy_mode::ProxyMode::Ebpf)
+            .then_some(config.ebpf.mode_switch_drain_period),
+    );
     // /healthz /livez, health check node ports, /metrics /proxyMode — for the mode actually
     // running (after a fallback, iptables).
     let node_services = NodeServices::start(&NodeServicesConfig {

@@ -19,7 +19,7 @@ pub fn cleanup(config: &Config) -> anyhow::Result<()> {
         warn!(%problem, "iptables cleanup");
     }
     info!(problems = problems.len(), "iptables cleanup done");
-    remove_kube_proxy_modes();
+    remove_kube_proxy_modes(None);
     Ok(())
 }
 
@@ -50,9 +50,14 @@ pub fn check_server_ports(config: &Config) -> anyhow::Result<()> {
 }
 
 /// kube-proxy's nftables tables and IPVS device; failures are logged, never fatal (upstream's
-/// cleanup is best effort too).
-pub fn remove_kube_proxy_modes() {
-    let (_, errors) = iptables::kube_proxy_modes::remove();
+/// cleanup is best effort too). `drain`: the eBPF mode's `--mode-switch-drain-period`, during
+/// which the nftables tables stay empty so the kernel keeps the NAT of kube-proxy's
+/// connections (`kube_proxy_modes::remove_draining`); `None` removes them at once.
+pub fn remove_kube_proxy_modes(drain: Option<std::time::Duration>) {
+    let (_, errors) = match drain {
+        Some(period) if !period.is_zero() => iptables::kube_proxy_modes::remove_draining(period),
+        _ => iptables::kube_proxy_modes::remove(),
+    };
     for error in errors {
         warn!(%error, "removing kube-proxy leftovers");
     }

@@ -7,10 +7,15 @@
 //! `DeleteDummyDevice` does). The iptables mode's chains are the same as ours and handled by the
 //! other cleanup.
 
-use std::process::Command;
+use std::{
+    process::Command,
+    time::{Duration, Instant},
+};
 
 use thiserror::Error;
-use tracing::{debug, info};
+use tracing::{debug, info, warn};
+
+use crate::{ip_family::IpFamily, kernel_conntrack::Ctnetlink};
 
 use super::ipvs::{self, IpvsError, IpvsOutcome};
 
@@ -39,16 +44,139 @@ pub fn remove() -> (Vec<String>, Vec<LeftoverError>) {
     let mut removed = Vec::new();
     let mut errors = Vec::new();
     for (family, table) in NFTABLES_TABLES {
-        match run("nft", &["delete", "table", family, table]) {
-            Outcome::Done => removed.push(format!("nftables table {family} {table}")),
-            Outcome::Absent => {}
-            Outcome::Failed(message) => errors.push(LeftoverError::Nftables {
-                family,
-                table,
-                message,
-            }),
+        nft_table(family, table, "delete", &mut removed, &mut errors);
+    }
+    remove_ipvs(&mut removed, &mut errors);
+    log_removed(&removed);
+    (removed, errors)
+}
+
+/// [`remove`] for the eBPF mode: kube-proxy's nftables tables stay as they are until no
+/// connection they translated is left in the kernel's conntrack, at the latest after `period`,
+/// then go. Their rules are what keeps the kernel tracking and NATing those connections: the
+/// eBPF mode registers no netfilter NAT or conntrack user of its own, and with the tables gone
+/// — or only emptied: the rules' NAT expressions hold the conntrack hooks — the next segment of
+/// every established connection went untranslated and was reset (all 14 streams of
+/// `tests/tests/takeover.rs`). Meanwhile the rules see only what the eBPF mode does not
+/// translate first (its socket hooks and tc programs rewrite Service traffic before netfilter
+/// sees it): the drain keeps kube-proxy's view of the Services for traffic that bypasses ours.
+/// (The iptables mode registers NAT rules of its own, and removes the tables at once.)
+pub fn remove_draining(period: Duration) -> (Vec<String>, Vec<LeftoverError>) {
+    let present: Vec<_> = NFTABLES_TABLES
+        .into_iter()
+        .filter(|(family, table)| {
+            matches!(run("nft", &["list", "table", family, table]), Outcome::Done)
+        })
+        .collect();
+    if !present.is_empty() {
+        info!(
+            tables = ?present,
+            ?period,
+            "kube-proxy's nftables tables stay while the connections they translated last \
+             (--mode-switch-drain-period)"
+        );
+        finish_nftables_drain(period);
+    }
+    let mut removed = Vec::new();
+    let mut errors = Vec::new();
+    remove_ipvs(&mut removed, &mut errors);
+    log_removed(&removed);
+    (removed, errors)
+}
+
+/// Deletes kube-proxy's nftables tables once the kernel's conntrack holds no DNATed
+/// connection (or `period` is over), on a thread of its own. In the eBPF mode nothing else of
+/// ours makes the kernel DNAT (its translations happen before netfilter sees the packet), so a
+/// DNATed entry is the old owner's — or another NAT user's (a CNI's hostPort), which only holds
+/// the drain up to `period`.
+fn finish_nftables_drain(period: Duration) {
+    let spawned = std::thread::Builder::new()
+        .name("nft-drain".into())
+        .spawn(move || {
+            let started = Instant::now();
+            loop {
+                let dnat = dnat_connections();
+                let over = started.elapsed() >= period;
+                match dnat {
+                    Ok(0) => {
+                        info!(after = ?started.elapsed(), "kube-proxy's connections have drained")
+                    }
+                    Ok(live) if over => warn!(
+                        live,
+                        ?period,
+                        "--mode-switch-drain-period is over: removing kube-proxy's nftables tables"
+                    ),
+                    Ok(_) => {
+                        std::thread::sleep(Duration::from_secs(1));
+                        continue;
+                    }
+                    Err(error) => warn!(%error, "cannot read the kernel's conntrack"),
+                }
+                let mut removed = Vec::new();
+                let mut errors = Vec::new();
+                for (family, table) in NFTABLES_TABLES {
+                    nft_table(family, table, "delete", &mut removed, &mut errors);
+                }
+                log_removed(&removed);
+                for error in errors {
+                    warn!(%error, "removing kube-proxy leftovers");
+                }
+                return;
+            }
+        });
+    if let Err(error) = spawned {
+        warn!(%error, "cannot wait for kube-proxy's connections: removing its tables now");
+        let (mut removed, mut errors) = (Vec::new(), Vec::new());
+        for (family, table) in NFTABLES_TABLES {
+            nft_table(family, table, "delete", &mut removed, &mut errors);
         }
     }
+}
+
+/// Connections in the kernel's conntrack (both families) whose reply comes from another
+/// address or port than the original destination: DNATed ones.
+fn dnat_connections() -> Result<usize, crate::kernel_conntrack::ConntrackError> {
+    let mut ctnetlink = Ctnetlink::open()?;
+    let mut count = 0;
+    for family in [IpFamily::V4, IpFamily::V6] {
+        count += ctnetlink
+            .dump(family)?
+            .iter()
+            .filter(|entry| {
+                entry.original.dst != entry.reply.src
+                    || entry.original.dst_port != entry.reply.src_port
+            })
+            .count();
+    }
+    Ok(count)
+}
+
+/// `nft <verb> table <family> <table>`, recorded in `done` or `errors`.
+fn nft_table(
+    family: &'static str,
+    table: &'static str,
+    verb: &str,
+    done: &mut Vec<String>,
+    errors: &mut Vec<LeftoverError>,
+) {
+    match run("nft", &[verb, "table", family, table]) {
+        Outcome::Done => done.push(format!("nftables table {family} {table}")),
+        Outcome::Absent => {}
+        Outcome::Failed(message) => errors.push(LeftoverError::Nftables {
+            family,
+            table,
+            message,
+        }),
+    }
+}
+
+fn log_removed(removed: &[String]) {
+    for what in removed {
+        info!(%what, "removed a leftover of another kube-proxy mode");
+    }
+}
+
+fn remove_ipvs(removed: &mut Vec<String>, errors: &mut Vec<LeftoverError>) {
     match ipvs::flush_virtual_services() {
         Ok(IpvsOutcome::Flushed(count)) => removed.push(format!("{count} IPVS virtual services")),
         Ok(IpvsOutcome::Empty) => {}
@@ -65,13 +193,9 @@ pub fn remove() -> (Vec<String>, Vec<LeftoverError>) {
             Outcome::Failed(message) => errors.push(LeftoverError::IpvsDevice { message }),
         }
     }
-    for what in &removed {
-        info!(%what, "removed a leftover of another kube-proxy mode");
-    }
     if removed.is_empty() && errors.is_empty() {
-        debug!("no leftovers of kube-proxy's nftables or IPVS modes");
+        debug!("no leftovers of kube-proxy's IPVS mode");
     }
-    (removed, errors)
 }
 
 /// Whether a device of that name exists and is a dummy device (`ip -d link show`: the kind
