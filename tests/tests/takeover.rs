@@ -13,7 +13,7 @@ use std::net::{SocketAddr, SocketAddrV4};
 use std::time::Duration;
 
 use proxy_tests::RigError;
-use proxy_tests::client::{Attempt, Mode, tally};
+use proxy_tests::client::{Attempt, Client, Mode, tally};
 use proxy_tests::scenario::{CLUSTER_IP, Scenario, cluster_addr, is_pod, pod_endpoint};
 use proxy_tests::service_scenarios::ServiceSpec;
 use proxy_tests::topology::Topology;
@@ -25,32 +25,31 @@ fn node_port_addr() -> SocketAddr {
     SocketAddrV4::new(Topology::node_ext_ip(), NODE_PORT).into()
 }
 
-/// 10 TCP streams from outside through the NodePort and 4 from a node process to the
-/// ClusterIP, opened under the iptables mode, run while that agent stops and an eBPF-mode agent
-/// takes the node over and removes the iptables rules after its first sync, all while the
-/// streams run. Every stream
-/// keeps its one connection and is answered throughout (goal of the issue: 0 resets, 0 stalls),
-/// new connections made after the takeover are answered by the pods, and the iptables rules are
-/// gone.
-#[test]
-fn established_tcp_connections_survive_the_takeover_from_iptables_rules() -> anyhow::Result<()> {
+type Streams = Vec<std::thread::JoinHandle<proxy_tests::Result<Vec<Attempt>>>>;
+
+/// `default/web` as a NodePort Service on pods 1 and 2, in a fresh two-pod scenario.
+fn setup() -> anyhow::Result<Scenario> {
     proxy_tests::require_root();
     proxy_tests::set_helper_binary(env!("CARGO_BIN_EXE_rig-helper"));
-    let mut s = Scenario::new(2)?;
+    let s = Scenario::new(2)?;
     let spec = ServiceSpec {
         type_: "NodePort",
         ..ServiceSpec::default()
     };
     s.write_web_spec(&spec, &[pod_endpoint(1), pod_endpoint(2)])?;
-    s.start_agent_with_args("iptables", &[])?;
+    Ok(s)
+}
+
+/// Waits until the NodePort (from outside) and the ClusterIP (from a node process in the
+/// agent's cgroup) are answered, then opens 10 TCP streams through the first and 4 to the
+/// second, each `exchanges` request/answer exchanges 100 ms apart on one connection; returns
+/// them and the two clients.
+fn open_streams(s: &mut Scenario, exchanges: u32) -> anyhow::Result<(Streams, Client, Client)> {
     let outside = s.external_client();
     let node = s.cgroup_client();
     s.wait_for_datapath_with(&outside, node_port_addr(), "NodePort answered", is_pod)?;
     s.wait_for_datapath_with(&node, cluster_addr(), "ClusterIP answered", is_pod)?;
-
-    // 100 exchanges 100 ms apart: about 10 s per stream, across the whole takeover (an eBPF
-    // agent start takes 2-4 s on a loaded machine).
-    let streams: Vec<_> = (0..14)
+    let streams = (0..14)
         .map(|i| {
             let (client, target) = if i < 10 {
                 (outside.clone(), node_port_addr())
@@ -61,29 +60,85 @@ fn established_tcp_connections_survive_the_takeover_from_iptables_rules() -> any
                 .mode(Mode::TcpStream)
                 .interval(Duration::from_millis(100))
                 .timeout(Duration::from_millis(1000));
-            std::thread::spawn(move || client.run(target, 100))
+            std::thread::spawn(move || client.run(target, exchanges))
         })
         .collect();
+    // Every stream connected before the transition starts.
     std::thread::sleep(Duration::from_millis(800));
-    s.stop_agent()?;
-    s.start_agent_with_args("ebpf", &["--interfaces", "vext"])?;
-    // The eBPF mode translates new connections: its socket hooks for the node's, its tc
-    // program for the outside's (the iptables rules go after its first sync).
-    let fresh_node = s.wait_for_batch(
-        &node,
-        cluster_addr(),
-        6,
-        "new ClusterIP connections",
-        is_pod,
-    )?;
+    Ok((streams, outside, node))
+}
+
+/// New connections after a transition: batches of 6 to the ClusterIP from the node and to the
+/// NodePort from outside, until every one is answered by a pod.
+fn fresh_connections(
+    s: &Scenario,
+    outside: &Client,
+    node: &Client,
+) -> anyhow::Result<[Vec<Attempt>; 2]> {
+    let fresh_node =
+        s.wait_for_batch(node, cluster_addr(), 6, "new ClusterIP connections", is_pod)?;
     let fresh_outside = s.wait_for_batch(
-        &outside,
+        outside,
         node_port_addr(),
         6,
         "new NodePort connections",
         is_pod,
     )?;
+    Ok([fresh_node, fresh_outside])
+}
 
+/// Joins the streams and fails unless every one kept its one connection (`#1`) and was
+/// answered every time (goal of the issue: 0 resets, 0 stalls).
+fn ensure_streams_kept(
+    s: &Scenario,
+    streams: Streams,
+    transition: &str,
+    fresh: &[Vec<Attempt>; 2],
+) -> anyhow::Result<()> {
+    let mut broken = Vec::new();
+    for (i, stream) in streams.into_iter().enumerate() {
+        let attempts = stream
+            .join()
+            .map_err(|_| RigError::Other(format!("stream {i}: client thread panicked")))??;
+        let counts = tally(&attempts);
+        eprintln!("stream {i} across the {transition}: {counts:?}");
+        let kept = counts.len() == 1
+            && attempts.iter().all(|a| {
+                matches!(a, Attempt::Ok { .. }) && a.backend().is_some_and(|b| b.ends_with("#1"))
+            });
+        if !kept {
+            broken.push((i, counts));
+        }
+    }
+    eprintln!(
+        "{transition}: {} of 14 streams broken; new connections: node {:?}, outside {:?}",
+        broken.len(),
+        tally(&fresh[0]),
+        tally(&fresh[1])
+    );
+    s.ensure(broken.is_empty(), || {
+        format!("{transition}: every stream keeps its one connection, answered throughout: broken {broken:?}")
+    })?;
+    Ok(())
+}
+
+/// 10 TCP streams from outside through the NodePort and 4 from a node process to the
+/// ClusterIP, opened under the iptables mode, run while that agent stops and an eBPF-mode agent
+/// takes the node over and removes the iptables rules after its first sync, all while the
+/// streams run. Every stream keeps its one connection and is answered throughout, and new
+/// connections made after the takeover are answered by the pods.
+#[test]
+fn established_tcp_connections_survive_the_takeover_from_iptables_rules() -> anyhow::Result<()> {
+    let mut s = setup()?;
+    s.start_agent_with_args("iptables", &[])?;
+    // 100 exchanges: about 10 s per stream, across the whole takeover (an eBPF agent start
+    // takes 2-4 s on a loaded machine).
+    let (streams, outside, node) = open_streams(&mut s, 100)?;
+    s.stop_agent()?;
+    s.start_agent_with_args("ebpf", &["--interfaces", "vext"])?;
+    // The eBPF mode translates new connections: its socket hooks for the node's, its tc
+    // program for the outside's.
+    let fresh = fresh_connections(&s, &outside, &node)?;
     // The iptables rules go after the eBPF mode's first sync.
     try_wait_until(
         "the iptables mode's rules removed",
@@ -96,7 +151,8 @@ fn established_tcp_connections_survive_the_takeover_from_iptables_rules() -> any
                 .exec("iptables-save", &["-t", "nat"])?
                 .contains("KUBE-SERVICES"))
         },
-    )?;
+    )
+    .map_err(|e| s.agent_error(e.to_string()))?;
     let running = streams.iter().filter(|t| !t.is_finished()).count();
     s.ensure(running == streams.len(), || {
         format!(
@@ -104,72 +160,21 @@ fn established_tcp_connections_survive_the_takeover_from_iptables_rules() -> any
             streams.len()
         )
     })?;
-    let mut broken = Vec::new();
-    for (i, stream) in streams.into_iter().enumerate() {
-        let attempts = stream
-            .join()
-            .map_err(|_| RigError::Other(format!("stream {i}: client thread panicked")))??;
-        let counts = tally(&attempts);
-        eprintln!("stream {i} across the takeover: {counts:?}");
-        let kept = counts.len() == 1
-            && attempts.iter().all(|a| {
-                matches!(a, Attempt::Ok { .. }) && a.backend().is_some_and(|b| b.ends_with("#1"))
-            });
-        if !kept {
-            broken.push((i, counts));
-        }
-    }
-    eprintln!(
-        "takeover: {} of 14 streams broken; new connections: node {:?}, outside {:?}",
-        broken.len(),
-        tally(&fresh_node),
-        tally(&fresh_outside)
-    );
-    s.ensure(broken.is_empty(), || {
-        format!("every stream keeps its one connection, answered throughout: broken {broken:?}")
-    })?;
-    Ok(())
+    ensure_streams_kept(&s, streams, "takeover", &fresh)
 }
 
-/// The other direction: 10 TCP streams from outside through the NodePort and 4 from a node
-/// process to the ClusterIP, opened under the eBPF mode, run while that agent stops and an
-/// iptables-mode agent takes the node over. The eBPF mode's programs carry the streams they
-/// know until they end (`--mode-switch-drain-period`, 60 s here), new connections meet the
+/// The other direction: the 14 streams opened under the eBPF mode run while that agent stops
+/// and an iptables-mode agent takes the node over. The eBPF mode's programs carry the streams
+/// they know until they end (`--mode-switch-drain-period`, 60 s here), new connections meet the
 /// iptables rules at once, and the programs and maps are removed once no flow of theirs is
-/// live (the streams' entries idle out 10 s after their FIN), well before the period.
+/// live (the streams' entries idle out 10 s after their FIN), well before the period. With
+/// `0s` (removed at the first sync) the 10 NodePort streams were reset.
 #[test]
 fn established_tcp_connections_survive_the_hand_back_to_iptables_rules() -> anyhow::Result<()> {
-    proxy_tests::require_root();
-    proxy_tests::set_helper_binary(env!("CARGO_BIN_EXE_rig-helper"));
-    let mut s = Scenario::new(2)?;
-    let spec = ServiceSpec {
-        type_: "NodePort",
-        ..ServiceSpec::default()
-    };
-    s.write_web_spec(&spec, &[pod_endpoint(1), pod_endpoint(2)])?;
+    let mut s = setup()?;
     s.start_agent_with_args("ebpf", &["--interfaces", "vext"])?;
-    let bpf_root = s.agent()?.bpf_root().to_path_buf();
-    let pin_dir = bpf_root.join("kubeproxy-rs");
-    let outside = s.external_client();
-    let node = s.cgroup_client();
-    s.wait_for_datapath_with(&outside, node_port_addr(), "NodePort answered", is_pod)?;
-    s.wait_for_datapath_with(&node, cluster_addr(), "ClusterIP answered", is_pod)?;
-
-    let streams: Vec<_> = (0..14)
-        .map(|i| {
-            let (client, target) = if i < 10 {
-                (outside.clone(), node_port_addr())
-            } else {
-                (node.clone(), cluster_addr())
-            };
-            let client = client
-                .mode(Mode::TcpStream)
-                .interval(Duration::from_millis(100))
-                .timeout(Duration::from_millis(1000));
-            std::thread::spawn(move || client.run(target, 60))
-        })
-        .collect();
-    std::thread::sleep(Duration::from_millis(800));
+    let pin_dir = s.agent()?.bpf_root().join("kubeproxy-rs");
+    let (streams, outside, node) = open_streams(&mut s, 60)?;
     // The same agent (its bpffs root, where the eBPF mode's pins are) restarted in the other
     // mode, as a DaemonSet's new pod would be on the host's /sys/fs/bpf.
     let agent = s.agent()?;
@@ -188,48 +193,11 @@ fn established_tcp_connections_survive_the_hand_back_to_iptables_rules() -> anyh
         },
     )
     .map_err(|e| s.agent_error(e.to_string()))?;
-    let fresh_node = s.wait_for_batch(
-        &node,
-        cluster_addr(),
-        6,
-        "new ClusterIP connections",
-        is_pod,
-    )?;
-    let fresh_outside = s.wait_for_batch(
-        &outside,
-        node_port_addr(),
-        6,
-        "new NodePort connections",
-        is_pod,
-    )?;
+    let fresh = fresh_connections(&s, &outside, &node)?;
     s.ensure(pin_dir.exists(), || {
         "the eBPF mode's pins stay while its streams run".into()
     })?;
-
-    let mut broken = Vec::new();
-    for (i, stream) in streams.into_iter().enumerate() {
-        let attempts = stream
-            .join()
-            .map_err(|_| RigError::Other(format!("stream {i}: client thread panicked")))??;
-        let counts = tally(&attempts);
-        eprintln!("stream {i} across the hand-back: {counts:?}");
-        let kept = counts.len() == 1
-            && attempts.iter().all(|a| {
-                matches!(a, Attempt::Ok { .. }) && a.backend().is_some_and(|b| b.ends_with("#1"))
-            });
-        if !kept {
-            broken.push((i, counts));
-        }
-    }
-    eprintln!(
-        "hand-back: {} of 14 streams broken; new connections: node {:?}, outside {:?}",
-        broken.len(),
-        tally(&fresh_node),
-        tally(&fresh_outside)
-    );
-    s.ensure(broken.is_empty(), || {
-        format!("every stream keeps its one connection, answered throughout: broken {broken:?}")
-    })?;
+    ensure_streams_kept(&s, streams, "hand-back", &fresh)?;
     // Drained: the last streams' entries idle out 10 s after their FIN (polled every second).
     let drained = std::time::Instant::now();
     try_wait_until(
@@ -281,77 +249,16 @@ fn kube_proxy_nftables_rules(s: &Scenario) -> anyhow::Result<()> {
 /// all 14 streams were reset.
 #[test]
 fn established_tcp_connections_survive_the_takeover_from_nftables_rules() -> anyhow::Result<()> {
-    proxy_tests::require_root();
-    proxy_tests::set_helper_binary(env!("CARGO_BIN_EXE_rig-helper"));
-    let mut s = Scenario::new(2)?;
-    let spec = ServiceSpec {
-        type_: "NodePort",
-        ..ServiceSpec::default()
-    };
-    s.write_web_spec(&spec, &[pod_endpoint(1), pod_endpoint(2)])?;
+    let mut s = setup()?;
     kube_proxy_nftables_rules(&s)?;
-    let outside = s.external_client();
-    let node = s.cgroup_client();
-    s.wait_for_datapath_with(&outside, node_port_addr(), "NodePort answered", is_pod)?;
-    s.wait_for_datapath_with(&node, cluster_addr(), "ClusterIP answered", is_pod)?;
-    let streams: Vec<_> = (0..14)
-        .map(|i| {
-            let (client, target) = if i < 10 {
-                (outside.clone(), node_port_addr())
-            } else {
-                (node.clone(), cluster_addr())
-            };
-            let client = client
-                .mode(Mode::TcpStream)
-                .interval(Duration::from_millis(100))
-                .timeout(Duration::from_millis(1000));
-            std::thread::spawn(move || client.run(target, 100))
-        })
-        .collect();
-    std::thread::sleep(Duration::from_millis(800));
+    let (streams, outside, node) = open_streams(&mut s, 100)?;
     s.start_agent_with_args(
         "ebpf",
         &["--interfaces", "vext", "--mode-switch-drain-period", "15s"],
     )?;
     let started = std::time::Instant::now();
-    let fresh_node = s.wait_for_batch(
-        &node,
-        cluster_addr(),
-        6,
-        "new ClusterIP connections",
-        is_pod,
-    )?;
-    let fresh_outside = s.wait_for_batch(
-        &outside,
-        node_port_addr(),
-        6,
-        "new NodePort connections",
-        is_pod,
-    )?;
-    let mut broken = Vec::new();
-    for (i, stream) in streams.into_iter().enumerate() {
-        let attempts = stream
-            .join()
-            .map_err(|_| RigError::Other(format!("stream {i}: client thread panicked")))??;
-        let counts = tally(&attempts);
-        eprintln!("stream {i} across the nftables takeover: {counts:?}");
-        let kept = counts.len() == 1
-            && attempts.iter().all(|a| {
-                matches!(a, Attempt::Ok { .. }) && a.backend().is_some_and(|b| b.ends_with("#1"))
-            });
-        if !kept {
-            broken.push((i, counts));
-        }
-    }
-    eprintln!(
-        "nftables takeover: {} of 14 streams broken; new connections: node {:?}, outside {:?}",
-        broken.len(),
-        tally(&fresh_node),
-        tally(&fresh_outside)
-    );
-    s.ensure(broken.is_empty(), || {
-        format!("every stream keeps its one connection, answered throughout: broken {broken:?}")
-    })?;
+    let fresh = fresh_connections(&s, &outside, &node)?;
+    ensure_streams_kept(&s, streams, "nftables takeover", &fresh)?;
     // The streams' TIME_WAIT entries in the kernel's conntrack outlive them: the period ends
     // the drain, 15 s after the start.
     try_wait_until(
