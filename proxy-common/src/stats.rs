@@ -67,10 +67,17 @@ pub enum StatIndex {
     /// A REJECT's ICMP port unreachable was not sent: the client's token bucket was empty
     /// (`icmp_ratelimit`); the packet was dropped.
     TcRejectRateLimited = 27,
+    /// A new flow without SNAT would have replaced the reply entry of another live flow (the
+    /// same backend and client tuple, reached through another frontend): dropped, so that
+    /// flow's replies keep going back through its own frontend.
+    TcReplyClash = 28,
+    /// A backend's reply found its flow's forward entry gone (LRU eviction) and rebuilt it
+    /// from the reply entry: the flow keeps its backend and SNAT port.
+    TcForwardRebuilt = 29,
 }
 
 impl StatIndex {
-    pub const COUNT: u32 = 28;
+    pub const COUNT: u32 = 30;
     pub const ALL: [StatIndex; Self::COUNT as usize] = [
         StatIndex::Translated,
         StatIndex::RejectedNoBackends,
@@ -100,6 +107,8 @@ impl StatIndex {
         StatIndex::TcMidstreamPassed,
         StatIndex::TcEgressTranslated,
         StatIndex::TcRejectRateLimited,
+        StatIndex::TcReplyClash,
+        StatIndex::TcForwardRebuilt,
     ];
 
     /// Label used in logs and metrics.
@@ -133,6 +142,8 @@ impl StatIndex {
             StatIndex::TcMidstreamPassed => "tc_midstream_passed",
             StatIndex::TcEgressTranslated => "tc_egress_translated",
             StatIndex::TcRejectRateLimited => "tc_reject_rate_limited",
+            StatIndex::TcReplyClash => "tc_ct_reply_clash",
+            StatIndex::TcForwardRebuilt => "tc_ct_forward_rebuilt",
         }
     }
 }

@@ -104,11 +104,14 @@ impl Dataplane {
                     warn!(%problem, "removing iptables-mode leftovers");
                 }
             }
-            Dataplane::Iptables(_) => match ebpf::cleanup(&config.ebpf.bpf_root) {
-                Ok(0) => debug!("no eBPF-mode leftovers"),
-                Ok(removed) => info!(removed, "removed the eBPF mode's pins and links"),
-                Err(error) => warn!(%error, "removing eBPF-mode leftovers"),
-            },
+            Dataplane::Iptables(_) => {
+                match ebpf::cleanup(&config.ebpf.bpf_root) {
+                    Ok(0) => debug!("no eBPF-mode leftovers"),
+                    Ok(removed) => info!(removed, "removed the eBPF mode's pins and links"),
+                    Err(error) => warn!(%error, "removing eBPF-mode leftovers"),
+                }
+                ebpf::reserved_ports::release(&config.ebpf.snat_ports);
+            }
         }
     }
 
