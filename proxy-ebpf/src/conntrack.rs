@@ -183,8 +183,10 @@ pub fn reply_seen(entry: *mut CtValue, pkt: &Packet, now: u64) -> bool {
         last_seen_ns: now,
     };
     // NOEXIST: a new flow of the client tuple written meanwhile wins.
+    // By reference: a copy would put the value on this frame's stack.
+    let forward: &CtValue = forward;
     KPR_CT
-        .insert(forward_key, &*forward, u64::from(BPF_NOEXIST))
+        .insert(forward_key, forward, u64::from(BPF_NOEXIST))
         .is_ok()
 }
 
