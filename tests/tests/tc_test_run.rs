@@ -1936,17 +1936,20 @@ fn reply_entry_of_another_live_flow_is_never_overwritten() {
 #[test]
 fn snat_range_is_reserved_from_local_ports() {
     let host_before = std::fs::read_to_string(reserved_ports::SYSCTL).expect("host sysctl");
-    let (started, released) =
+    let (started, released, none) =
         with_node_path(LbOptions::default(), true, None, 50_000..=50_999, |_node| {
             let started = std::fs::read_to_string(reserved_ports::SYSCTL).expect("sysctl");
             std::fs::write(reserved_ports::SYSCTL, "8080,50000-50999").expect("add a port");
             reserved_ports::release(&(50_000..=50_999));
             let released = std::fs::read_to_string(reserved_ports::SYSCTL).expect("sysctl");
-            (started, released)
+            reserved_ports::release(&(8080..=8080));
+            let none = std::fs::read_to_string(reserved_ports::SYSCTL).expect("sysctl");
+            (started, released, none)
         });
-    eprintln!("after start: {started:?}; after release: {released:?}");
+    eprintln!("after start: {started:?}; after release: {released:?}, then {none:?}");
     assert_eq!(started.trim(), "50000-50999");
     assert_eq!(released.trim(), "8080");
+    assert_eq!(none.trim(), "", "the last reserved port released");
     let host_after = std::fs::read_to_string(reserved_ports::SYSCTL).expect("host sysctl");
     assert_eq!(host_before, host_after, "the host's sysctl is untouched");
 }

@@ -119,7 +119,8 @@ fn update(
     if want == have {
         return Ok(false);
     }
-    std::fs::write(path, format(&want))?;
+    // With a newline: a zero-length write never reaches the sysctl, so "none" would not stick.
+    std::fs::write(path, format!("{}\n", format(&want)))?;
     Ok(true)
 }
 
