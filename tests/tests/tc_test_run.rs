@@ -68,6 +68,8 @@ struct Node {
     _runtime: tokio::runtime::Runtime,
     bpf: TempBpfRoot,
     _cgroup: ChildCgroup,
+    /// The node namespace (for helper processes).
+    netns: PathBuf,
 }
 
 fn ifindex(name: &str) -> u32 {
@@ -161,6 +163,7 @@ fn with_node_path<R: Send + 'static>(
             _runtime: runtime,
             bpf,
             _cgroup: cgroup,
+            netns: path.clone(),
         };
         f(&mut node)
     })
@@ -1952,4 +1955,101 @@ fn snat_range_is_reserved_from_local_ports() {
     assert_eq!(none.trim(), "", "the last reserved port released");
     let host_after = std::fs::read_to_string(reserved_ports::SYSCTL).expect("host sysctl");
     assert_eq!(host_before, host_after, "the host's sysctl is untouched");
+}
+
+/// The `race` ClusterIP Service 10.96.0.40:80 → 8080 with one endpoint per address.
+fn race_snapshot(backends: &[&str]) -> Snapshot {
+    let yaml = "apiVersion: v1\nkind: Service\nmetadata: {name: race, namespace: default}\n\
+                spec: {clusterIP: 10.96.0.40, ports: [{name: http, port: 80, protocol: TCP, \
+                targetPort: 8080}]}\n";
+    let service: Service = serde_yaml::from_str(yaml).expect("service yaml");
+    let endpoints: Vec<String> = backends
+        .iter()
+        .map(|addr| {
+            format!("{{addresses: ['{addr}'], nodeName: {NODE}, conditions: {{ready: true}}}}")
+        })
+        .collect();
+    let yaml = format!(
+        "apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\n\
+         metadata: {{name: race-4, namespace: default, labels: {{kubernetes.io/service-name: race}}}}\n\
+         addressType: IPv4\nports: [{{name: http, port: 8080, protocol: TCP}}]\n\
+         endpoints: [{}]\n",
+        endpoints.join(", ")
+    );
+    let slice: EndpointSlice = serde_yaml::from_str(&yaml).expect("slice yaml");
+    let objects = Objects::new(
+        BTreeMap::from([(key("race"), service)]),
+        BTreeMap::from([(key("race-4"), slice)]),
+        None,
+    );
+    Snapshot::compute(&objects, NODE)
+}
+
+/// Issue 17, no spurious refusals (a stress guard, not a proof of the re-read): a process in
+/// the hooks' cgroup connects to a ClusterIP 3000 times (each a new socket, served by echo
+/// servers on the node's own addresses) while the agent's map writer switches the frontend's
+/// generation back and forth as fast as it can (endpoints {.2, .3} and {.2, .3, .4}; each
+/// switch writes the new generation, switches, then deletes the old generation's slots and,
+/// every other time, a backend). Every connect must reach a backend: the Service always has
+/// some. This catches an update order that exposes a generation before its slots exist.
+/// It does not catch a missing re-read in the hook: that race needs the old slots deleted
+/// between the hook's two map reads (~0.2 µs apart, the deletion is a syscall after the
+/// switch), i.e. an interrupt inside the hook, and with the re-read removed three runs passed.
+/// Bounded: 3000 attempts, switches until the client is done.
+#[test]
+fn connects_racing_generation_switches_are_never_refused() {
+    const ATTEMPTS: u32 = 3_000;
+    proxy_tests::set_helper_binary(env!("CARGO_BIN_EXE_rig-helper"));
+    with_node(|node| {
+        let backends = ["10.244.1.2", "10.244.1.3", "10.244.1.4"];
+        let mut echoes = Vec::new();
+        for (i, addr) in backends.iter().enumerate() {
+            let status = std::process::Command::new("ip")
+                .args(["addr", "add", &format!("{addr}/32"), "dev", "lo"])
+                .status()
+                .expect("ip addr");
+            assert!(status.success(), "ip addr add {addr}");
+            echoes.push(
+                proxy_tests::echo::EchoServer::start(
+                    &node.netns,
+                    &format!("pod{}", i + 1),
+                    sa(addr, 8080),
+                )
+                .expect("echo server"),
+            );
+        }
+        let small = race_snapshot(&backends[..2]);
+        let large = race_snapshot(&backends);
+        let (_, errors) = node.dataplane.apply(&large, None);
+        assert!(errors.is_empty(), "apply errors: {errors:?}");
+        let client = proxy_tests::client::Client::new(node.netns.clone())
+            .in_cgroup(node._cgroup.path())
+            .timeout(std::time::Duration::from_secs(2));
+        let first = client.once(sa("10.96.0.40", 80)).expect("client");
+        assert!(
+            first.backend().is_some(),
+            "translated before the race: {first:?}"
+        );
+        let racer = std::thread::spawn(move || client.run(sa("10.96.0.40", 80), ATTEMPTS));
+        let mut switches = 0u64;
+        while !racer.is_finished() {
+            let snapshot = if switches.is_multiple_of(2) {
+                &small
+            } else {
+                &large
+            };
+            let (_, errors) = node.dataplane.apply(snapshot, None);
+            assert!(errors.is_empty(), "apply errors: {errors:?}");
+            switches += 1;
+        }
+        let attempts = racer.join().expect("client thread").expect("client run");
+        let counts = proxy_tests::client::tally(&attempts);
+        eprintln!("{ATTEMPTS} connects during {switches} generation switches: {counts:?}");
+        assert!(switches >= 100, "too few switches to race: {switches}");
+        assert!(
+            attempts.iter().all(|a| a.backend().is_some()),
+            "every connect reaches a backend: {counts:?}"
+        );
+        drop(echoes);
+    });
 }
