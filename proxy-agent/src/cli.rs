@@ -432,6 +432,19 @@ pub struct Args {
     )]
     pub bpf_map_conntrack: Option<String>,
 
+    /// Source ports of external Service traffic SNATed to the node address (eTP Cluster),
+    /// MIN-MAX (default 49152-65535). The agent reserves them from the node's ephemeral ports
+    /// (net.ipv4.ip_local_reserved_ports) at start, so the node's own connections never take
+    /// one; --cleanup releases them. A client's own source port is kept when it lies in the
+    /// range and is free.
+    #[arg(
+        long,
+        value_name = "MIN-MAX",
+        allow_hyphen_values = true,
+        help_heading = "kubeproxy-rs additions"
+    )]
+    pub bpf_snat_port_range: Option<String>,
+
     /// Capacity of the Maglev table map in blocks of 16 slots (default 65536: 1024 external
     /// frontends with 1021-slot tables). Only allocated with --lb-algorithm maglev.
     #[arg(

@@ -166,6 +166,11 @@ pub mod ct_flags {
     /// the SNAT of its forward packets (client → backend, rewritten to come from the node).
     /// The agent's garbage collection keeps it while the flow it mirrors lives.
     pub const EGRESS: u8 = 8;
+    /// Forward entries of TCP flows: the client sent a segment other than its SYN, so the
+    /// handshake got an answer. Until then the entry idles out after
+    /// [`super::ct_timeout::TCP_SYN_NS`]: a SYN flood must not hold entries and SNAT ports for
+    /// the established timeout.
+    pub const ESTABLISHED: u8 = 16;
 }
 
 /// Idle timeouts of `KPR_CT` forward entries, shared by the datapath (which treats an expired
@@ -185,6 +190,11 @@ pub mod ct_timeout {
     /// one backend through SNAT, against ≈ 450 with 10 s. The timeout restarts with each
     /// packet, so a half-closed connection that still moves data keeps its entry.
     pub const TCP_CLOSE_NS: u64 = 10 * NANOS_PER_SECOND;
+    /// A TCP flow whose client has sent nothing but its SYN (no
+    /// [`ct_flags::ESTABLISHED`]): Cilium's `CT_SYN_TIMEOUT` and the kernel's
+    /// `nf_conntrack_tcp_timeout_syn_recv` (60 s). A retransmitted SYN refreshes it, and a
+    /// client whose handshake completes sends its ACK within one round trip.
+    pub const TCP_SYN_NS: u64 = 60 * NANOS_PER_SECOND;
     /// The kernel's `nf_conntrack_udp_timeout_stream`.
     pub const UDP_NS: u64 = 120 * NANOS_PER_SECOND;
     /// The kernel's `nf_conntrack_sctp_timeout_established` (210 s, several of SCTP's default
@@ -193,9 +203,12 @@ pub mod ct_timeout {
     /// tracking verification tags (as the kernel's conntrack does) a spoofed chunk could tear
     /// down the NAT of a live association.
     pub const SCTP_NS: u64 = 210 * NANOS_PER_SECOND;
-    /// Reply entries carry their creation time and are never refreshed; the agent deletes one
-    /// whose forward entry is gone only when it is older than this, so a reply entry written
-    /// just before its forward entry (the datapath's order) is never mistaken for an orphan.
+    /// Reply entries carry the time of their flow's last reply (refreshed at most once a
+    /// second, as forward entries); a reply entry whose forward entry is gone is an orphan only
+    /// when it has been idle longer than this. Until then its flow may be alive with its
+    /// forward entry evicted (the next reply rebuilds it), so neither the agent's GC nor a SNAT
+    /// port probe takes it; and a reply entry written just before its forward entry (the
+    /// datapath's order) is never mistaken for an orphan.
     pub const ORPHAN_REPLY_NS: u64 = TCP_CLOSE_NS;
 
     /// The idle timeout of a forward entry of `protocol` with `flags`.
@@ -203,6 +216,7 @@ pub mod ct_timeout {
     pub fn forward_ns(protocol: u8, flags: u8) -> u64 {
         match protocol {
             proto::TCP if flags & ct_flags::CLOSING != 0 => TCP_CLOSE_NS,
+            proto::TCP if flags & ct_flags::ESTABLISHED == 0 => TCP_SYN_NS,
             proto::TCP => TCP_NS,
             proto::SCTP => SCTP_NS,
             _ => UDP_NS,

@@ -73,10 +73,17 @@ pub enum StatIndex {
     /// A pod's `connect()`/`sendmsg()` to a frontend was left untranslated for the tc program
     /// on its interface (`--bpf-socket-lb-host-namespace-only`).
     SockLeftToTc = 29,
+    /// A new flow without SNAT would have replaced the reply entry of another live flow (the
+    /// same backend and client tuple, reached through another frontend): dropped, so that
+    /// flow's replies keep going back through its own frontend.
+    TcReplyClash = 30,
+    /// A backend's reply found its flow's forward entry gone (LRU eviction) and rebuilt it
+    /// from the reply entry: the flow keeps its backend and SNAT port.
+    TcForwardRebuilt = 31,
 }
 
 impl StatIndex {
-    pub const COUNT: u32 = 30;
+    pub const COUNT: u32 = 32;
     pub const ALL: [StatIndex; Self::COUNT as usize] = [
         StatIndex::Translated,
         StatIndex::RejectedNoBackends,
@@ -108,6 +115,8 @@ impl StatIndex {
         StatIndex::TcRejectRateLimited,
         StatIndex::TcVlanLeftToStack,
         StatIndex::SockLeftToTc,
+        StatIndex::TcReplyClash,
+        StatIndex::TcForwardRebuilt,
     ];
 
     /// Label used in logs and metrics.
@@ -143,6 +152,8 @@ impl StatIndex {
             StatIndex::TcRejectRateLimited => "tc_reject_rate_limited",
             StatIndex::TcVlanLeftToStack => "tc_vlan_left_to_stack",
             StatIndex::SockLeftToTc => "sock_left_to_tc",
+            StatIndex::TcReplyClash => "tc_ct_reply_clash",
+            StatIndex::TcForwardRebuilt => "tc_ct_forward_rebuilt",
         }
     }
 }

@@ -3,35 +3,49 @@
 //! enough here because the agent never inspects flows, and it halves the lookups).
 //!
 //! Forward entries (client → frontend) carry an idle timeout, refreshed by packets; when it
-//! passes, the next packet is a new flow and picks a backend again. A TCP FIN or RST in either
-//! direction marks the forward entry `CLOSING`, which shortens its timeout to
-//! `ct_timeout::TCP_CLOSE_NS`, and a SYN on a closing entry starts a new flow at once (a client
-//! reusing its port). Reply entries have no timeout of their own: they are only reached
-//! through a live flow's backend. A SNAT reply entry whose flow is dead (forward entry gone,
-//! expired, or now pointing elsewhere) is overwritten when a new flow's port probe hits it;
-//! the agent's garbage collection deletes the rest (see `proxy-agent`'s `dataplane::ebpf::ct`).
+//! passes, the next packet is a new flow and picks a backend again. A TCP flow whose client has
+//! sent only its SYN has a short one (`ct_timeout::TCP_SYN_NS`): a SYN flood holds entries and
+//! SNAT ports for a minute, not a day. A TCP FIN or RST in either direction marks the forward
+//! entry `CLOSING`, which shortens its timeout to `ct_timeout::TCP_CLOSE_NS`, and a SYN on a
+//! closing entry starts a new flow at once (a client reusing its port).
+//!
+//! Reply entries are refreshed by the backend's packets. The LRU map may evict one direction
+//! of a live flow: a reply whose forward entry is gone rebuilds it (same backend, same SNAT
+//! port), and until the reply entry has idled past `ct_timeout::ORPHAN_REPLY_NS` neither a
+//! SNAT port probe nor the agent's GC takes it. A reply entry whose flow is dead (forward entry
+//! expired or now pointing elsewhere, or gone and the reply idle) is overwritten when a new
+//! flow needs its key; the agent's garbage collection deletes the rest (see `proxy-agent`'s
+//! `dataplane::ebpf::tc_conntrack`).
 
 use aya_ebpf::{
     bindings::BPF_NOEXIST,
     helpers::{bpf_get_prandom_u32, bpf_ktime_get_ns},
 };
-use proxy_common::{CtKey, CtValue, ct_flags, ct_timeout};
+use proxy_common::{CtKey, CtValue, StatIndex, ct_flags, ct_timeout, proto};
 
 use crate::{
     maps::{KPR_CT, KPR_TC_SCRATCH},
     parse::Packet,
+    stats::bump,
 };
 
 /// Refresh `last_seen_ns` at most this often: a write per packet would bounce the entry's cache
 /// line between CPUs for no gain in precision.
 const REFRESH_NS: u64 = ct_timeout::NANOS_PER_SECOND;
 
-/// SNAT source ports, above Linux's default ephemeral range (32768–60999), so a translated
-/// flow never takes the 4-tuple of a connection the node itself makes to the backend.
-const SNAT_PORT_MIN: u32 = 61_000;
-const SNAT_PORT_COUNT: u32 = 65_536 - SNAT_PORT_MIN;
-/// Random probes for a free SNAT port before giving up; bounded for the verifier.
-const SNAT_ATTEMPTS: u32 = 8;
+/// SNAT source ports: `--bpf-snat-port-range`, which the agent also reserves from the node's
+/// ephemeral ports (`net.ipv4.ip_local_reserved_ports`), so a translated flow never takes the
+/// 4-tuple of a connection the node itself makes to the backend. Frozen read-only globals the
+/// agent sets before loading.
+#[unsafe(no_mangle)]
+static KPR_SNAT_PORT_MIN: u32 = 49_152;
+#[unsafe(no_mangle)]
+static KPR_SNAT_PORT_COUNT: u32 = 16_384;
+/// Random probes for a free SNAT port (after the client's own port) before giving up; bounded
+/// for the verifier (each probe is verified as unrolled code: 32 made loading take seconds).
+/// At 90 % of the range in use 16 probes all fail with probability 19 %, 8 did with 43 %; at
+/// 75 %, 1 % against 10 %.
+const SNAT_ATTEMPTS: u32 = 16;
 
 /// The entry for `key`, as a pointer into the map (for in-place refresh).
 #[inline(always)]
@@ -50,15 +64,24 @@ pub fn carries(value: &CtValue, pkt: &Packet, now: u64) -> bool {
     !ct_timeout::expired(pkt.proto, value.flags, value.last_seen_ns, now)
 }
 
-/// Refreshes a forward entry for `pkt`; a FIN or RST marks it closing.
+/// Refreshes a forward entry for `pkt`; a FIN or RST marks it closing, and a client's TCP
+/// segment other than a SYN established (its handshake was answered).
 #[inline(always)]
 pub fn touch(entry: *mut CtValue, value: &CtValue, pkt: &Packet, now: u64) {
-    if pkt.closes() && value.flags & ct_flags::CLOSING == 0 {
+    let mut flags = value.flags;
+    if pkt.closes() {
+        flags |= ct_flags::CLOSING;
+    }
+    if pkt.proto == proto::TCP && !pkt.opens() {
+        flags |= ct_flags::ESTABLISHED;
+    }
+    if flags != value.flags {
         // SAFETY: `entry` comes from a successful lookup. A racing writer on another CPU
-        // stores another timestamp (as good as ours) or the same bit; a racing new-flow write
-        // replaces the whole value, and losing our bit then only keeps a new flow open.
+        // stores another timestamp (as good as ours) or the same bits; a racing new-flow write
+        // replaces the whole value, and losing our bits then only keeps a new flow open (or
+        // half-open, for its short timeout).
         unsafe {
-            (*entry).flags = value.flags | ct_flags::CLOSING;
+            (*entry).flags = flags;
             (*entry).last_seen_ns = now;
         }
     } else if now.wrapping_sub(value.last_seen_ns) > REFRESH_NS {
@@ -94,31 +117,89 @@ fn answers(forward: &CtValue, reply_key: &CtKey) -> bool {
         && forward.dport == reply_key.sport
 }
 
-/// A FIN or RST from the backend (`pkt`, matching reply entry `reply`): marks the flow's forward
-/// entry closing. Not inlined: the reverse key's stack stays out of the callers' frames.
-#[inline(never)]
-pub fn close_from_reply(pkt: &Packet, reply: &CtValue) {
-    let forward_key = reverse_key(reply, pkt.proto, pkt.family);
-    let Some(entry) = KPR_CT.get_ptr_mut(forward_key) else {
-        return;
-    };
-    // SAFETY: from a successful lookup; see `touch` for races.
-    let forward = unsafe { &*entry };
-    if !answers(forward, &pkt.ct_key()) {
-        return;
-    }
-    // SAFETY: bpf_ktime_get_ns has no preconditions.
-    let now = unsafe { bpf_ktime_get_ns() };
-    touch(entry, forward, pkt, now);
+/// Whether forward entry `forward` is the flow whose reply is `pkt` (backend → SNAT address or
+/// client).
+#[inline(always)]
+fn answers_packet(forward: &CtValue, pkt: &Packet) -> bool {
+    forward.flags & ct_flags::REPLY == 0
+        && forward.src == pkt.dst
+        && forward.sport == pkt.dport
+        && forward.dst == pkt.src
+        && forward.dport == pkt.sport
 }
 
-/// Whether the entry under `reply_key` (found in use by a SNAT port probe) is the reply entry
-/// of a dead flow: its forward entry is missing, expired, or belongs to a newer flow of the
-/// same client tuple. Not inlined, and entries are read in place with the forward key in the
-/// scratch slot: called from `new_flow`, its frame stacks on `external`'s and `new_flow`'s
-/// within the verifier's 512 bytes.
+/// A backend's packet `pkt` matched reply entry `entry`: refreshes it (at most once a second),
+/// passes a FIN or RST on to the flow's forward entry, and rebuilds that entry if the LRU
+/// evicted it — same backend, same SNAT port: the flow is neither re-balanced nor does its
+/// port go to another flow. Not rebuilt from a SYN-ACK (a SYN flood's backends retransmit
+/// those), and never for egress entries. Not inlined, and the forward key and value are built
+/// in the scratch slot: the caller's frame is `service`'s. Returns whether it rebuilt the
+/// forward entry, for the caller to count: a used return value keeps a stale stack pointer
+/// out of R0 at exit, which the verifier refuses (LLVM drops an unused one).
 #[inline(never)]
-fn reply_is_stale(reply_key: &CtKey) -> bool {
+pub fn reply_seen(entry: *mut CtValue, pkt: &Packet, now: u64) -> bool {
+    // SAFETY: from a successful lookup; see `touch` for races.
+    let reply = unsafe { &*entry };
+    if reply.flags & ct_flags::EGRESS != 0 {
+        return false;
+    }
+    let refresh = now.wrapping_sub(reply.last_seen_ns) > REFRESH_NS;
+    if !refresh && !pkt.closes() {
+        return false;
+    }
+    if refresh {
+        // SAFETY: as above.
+        unsafe { (*entry).last_seen_ns = now };
+    }
+    let Some(scratch) = KPR_TC_SCRATCH.get_ptr_mut(0) else {
+        return false;
+    };
+    // SAFETY: the per-CPU scratch slot is ours until the program ends; this path (a reply)
+    // never reaches `new_flow`, the other user of these fields.
+    let (forward_key, forward) = unsafe { (&mut (*scratch).probe_key, &mut (*scratch).forward) };
+    *forward_key = reverse_key(reply, pkt.proto, pkt.family);
+    let forward_key: &CtKey = forward_key;
+    if let Some(existing) = KPR_CT.get_ptr_mut(forward_key) {
+        // SAFETY: from a successful lookup.
+        let value = unsafe { &*existing };
+        if pkt.closes() && answers_packet(value, pkt) {
+            touch(existing, value, pkt, now);
+        }
+        return false;
+    }
+    if pkt.proto == proto::TCP && pkt.syn() {
+        return false;
+    }
+    let snat = pkt.dst != reply.dst || pkt.dport != reply.dport;
+    *forward = CtValue {
+        src: pkt.dst,
+        dst: pkt.src,
+        sport: pkt.dport,
+        dport: pkt.sport,
+        flags: if snat { ct_flags::SNAT } else { 0 }
+            | ct_flags::ESTABLISHED
+            | if pkt.closes() { ct_flags::CLOSING } else { 0 },
+        _pad: [0; 3],
+        last_seen_ns: now,
+    };
+    // NOEXIST: a new flow of the client tuple written meanwhile wins.
+    // By reference: a copy would put the value on this frame's stack.
+    let forward: &CtValue = forward;
+    KPR_CT
+        .insert(forward_key, forward, u64::from(BPF_NOEXIST))
+        .is_ok()
+}
+
+/// Whether the entry under `reply_key` (found in use when a new flow of client tuple
+/// `own_key` wants that key) is the reply entry of a dead flow: its forward entry is expired or
+/// belongs to a newer flow of the same client tuple, or is missing and the reply has idled
+/// past `ORPHAN_REPLY_NS` (a live flow's forward entry may have been evicted: its next reply
+/// rebuilds it). An earlier flow of `own_key` itself is dead: the new flow replaces it. Not
+/// inlined, and entries are read in place with the forward key in the scratch slot: called
+/// from `new_flow`, its frame stacks on `external`'s and `new_flow`'s within the verifier's
+/// 512 bytes.
+#[inline(never)]
+pub fn reply_is_stale(reply_key: &CtKey, own_key: &CtKey) -> bool {
     let Some(reply) = KPR_CT.get_ptr(reply_key) else {
         // Gone since the probe: free.
         return true;
@@ -136,13 +217,16 @@ fn reply_is_stale(reply_key: &CtKey) -> bool {
     *probe_key = reverse_key(reply, reply_key.proto, reply_key.family);
     // By reference: a copy would put the key back on this frame's stack.
     let probe_key: &CtKey = probe_key;
-    let Some(forward) = KPR_CT.get_ptr(probe_key) else {
+    if probe_key == own_key {
         return true;
+    }
+    // SAFETY: bpf_ktime_get_ns has no preconditions.
+    let now = unsafe { bpf_ktime_get_ns() };
+    let Some(forward) = KPR_CT.get_ptr(probe_key) else {
+        return now.wrapping_sub(reply.last_seen_ns) > ct_timeout::ORPHAN_REPLY_NS;
     };
     // SAFETY: as `reply` above.
     let forward = unsafe { &*forward };
-    // SAFETY: bpf_ktime_get_ns has no preconditions.
-    let now = unsafe { bpf_ktime_get_ns() };
     !answers(forward, reply_key)
         || ct_timeout::expired(reply_key.proto, forward.flags, forward.last_seen_ns, now)
 }
@@ -158,17 +242,55 @@ pub fn remove(key: &CtKey) {
     let _ = KPR_CT.remove(key);
 }
 
-/// Inserts the reply entry of a source-NATed flow under a free SNAT port (written into
-/// `reply_key.dport`, network order); `None` when every probe hit a port in use. A port whose
-/// reply entry belongs to a dead flow is free: that entry is replaced. Without this, closed
-/// flows would hold their ports until LRU eviction and a client making many short connections
-/// to one backend would run out after ~4.5k of them.
+/// Inserts the reply entry of a flow without SNAT. Never over another live flow's entry (the
+/// same backend and client tuple through another frontend): its replies would come back from
+/// the wrong frontend. `false`: not inserted (counted).
 #[inline(always)]
-pub fn insert_snat_reply(reply_key: &mut CtKey, reply: &CtValue) -> Option<u16> {
-    for _ in 0..SNAT_ATTEMPTS {
-        // SAFETY: bpf_get_prandom_u32 has no preconditions.
-        let random = unsafe { bpf_get_prandom_u32() };
-        let port = ((SNAT_PORT_MIN + random % SNAT_PORT_COUNT) as u16).to_be();
+pub fn insert_reply(reply_key: &CtKey, reply: &CtValue, own_key: &CtKey) -> bool {
+    if KPR_CT
+        .insert(reply_key, reply, u64::from(BPF_NOEXIST))
+        .is_ok()
+    {
+        return true;
+    }
+    if !reply_is_stale(reply_key, own_key) {
+        bump(StatIndex::TcReplyClash);
+        return false;
+    }
+    if KPR_CT.insert(reply_key, reply, 0).is_ok() {
+        return true;
+    }
+    bump(StatIndex::TcCtFailed);
+    false
+}
+
+/// Inserts the reply entry of a source-NATed flow under a free SNAT port (written into
+/// `reply_key.dport`, network order); `None` when every probe hit a port in use. The client's
+/// own port (in `reply_key.dport` on entry) is tried first when it lies in the range, as
+/// netfilter keeps it when free; then random ports. A port whose reply entry belongs to a dead
+/// flow is free: that entry is replaced. Without this, closed flows would hold their ports
+/// until LRU eviction and a client making many short connections to one backend would run out.
+#[inline(always)]
+pub fn insert_snat_reply(reply_key: &mut CtKey, reply: &CtValue, own_key: &CtKey) -> Option<u16> {
+    // SAFETY: plain reads of read-only globals (volatile: frozen by the loader, not constants).
+    let (min, count) = unsafe {
+        (
+            core::ptr::read_volatile(&raw const KPR_SNAT_PORT_MIN),
+            core::ptr::read_volatile(&raw const KPR_SNAT_PORT_COUNT).max(1),
+        )
+    };
+    let client = u32::from(u16::from_be(reply_key.dport));
+    for attempt in 0..=SNAT_ATTEMPTS {
+        let port = if attempt == 0 {
+            if client.wrapping_sub(min) >= count {
+                continue;
+            }
+            client
+        } else {
+            // SAFETY: bpf_get_prandom_u32 has no preconditions.
+            min + unsafe { bpf_get_prandom_u32() } % count
+        };
+        let port = (port as u16).to_be();
         reply_key.dport = port;
         if KPR_CT
             .insert(*reply_key, reply, u64::from(BPF_NOEXIST))
@@ -176,7 +298,7 @@ pub fn insert_snat_reply(reply_key: &mut CtKey, reply: &CtValue) -> Option<u16> 
         {
             return Some(port);
         }
-        if reply_is_stale(reply_key) {
+        if reply_is_stale(reply_key, own_key) {
             // Delete, then insert only if still absent: of two CPUs reclaiming the same port
             // at once, one wins and the other probes on.
             remove(reply_key);

@@ -63,6 +63,11 @@ impl Packet {
         self.tcp_flags & (TCP_FIN | TCP_RST) != 0
     }
 
+    /// A TCP segment with SYN (a client's SYN or a server's SYN-ACK).
+    pub fn syn(&self) -> bool {
+        self.tcp_flags & TCP_SYN != 0
+    }
+
     /// A TCP SYN without ACK: a client opening a connection.
     pub fn opens(&self) -> bool {
         self.tcp_flags & (TCP_SYN | TCP_ACK) == TCP_SYN

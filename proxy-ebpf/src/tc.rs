@@ -136,9 +136,9 @@ fn service(ctx: &TcContext, side: Side) -> i32 {
         // update writes a whole, equally valid translation.
         let value = unsafe { &*entry };
         if value.flags & ct_flags::REPLY != 0 {
-            // A remote backend's reply, addressed to the SNAT address.
-            if pkt.closes() {
-                conntrack::close_from_reply(&pkt, value);
+            // A backend's reply (a remote one's is addressed to the SNAT address).
+            if conntrack::reply_seen(entry, &pkt, now) {
+                bump(StatIndex::TcForwardRebuilt);
             }
             return translate(ctx, &pkt, value, StatIndex::TcReplyTranslated);
         }
@@ -406,7 +406,8 @@ fn new_flow(pkt: &Packet, key: &CtKey, frontend: &FrontendValue, internal: bool)
     match snat {
         Some(addr) => {
             scratch.reply_key.dst = addr;
-            let Some(port) = conntrack::insert_snat_reply(&mut scratch.reply_key, &scratch.reply)
+            let Some(port) =
+                conntrack::insert_snat_reply(&mut scratch.reply_key, &scratch.reply, key)
             else {
                 bump(StatIndex::TcSnatPortExhausted);
                 return Verdict::Action(DROP);
@@ -417,8 +418,7 @@ fn new_flow(pkt: &Packet, key: &CtKey, frontend: &FrontendValue, internal: bool)
             bump(StatIndex::TcSnat);
         }
         None => {
-            if conntrack::insert(&scratch.reply_key, &scratch.reply).is_err() {
-                bump(StatIndex::TcCtFailed);
+            if !conntrack::insert_reply(&scratch.reply_key, &scratch.reply, key) {
                 return Verdict::Action(DROP);
             }
         }

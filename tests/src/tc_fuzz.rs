@@ -185,6 +185,7 @@ impl TcNode {
             disabled_features: Default::default(),
             // Every REJECT answered: the rate limit has its own test.
             icmp_ratelimit: Some(std::time::Duration::ZERO),
+            snat_ports: proxy_agent::dataplane::ebpf::reserved_ports::DEFAULT_RANGE,
         };
         let dataplane = {
             let _entered = runtime.enter();

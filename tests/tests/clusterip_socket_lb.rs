@@ -169,9 +169,19 @@ fn agent_sigint_leaves_translation_and_cleanup_removes_it() -> anyhow::Result<()
     s.write_web(&[pod_endpoint(1), pod_endpoint(2)])?;
     start_and_wait_for_pods(&mut s)?;
 
+    // The SNAT port range is reserved from the node namespace's ephemeral ports while the
+    // datapath is in place (issue 17) and released by --cleanup.
+    let reserved = |s: &Scenario| {
+        s.topo
+            .node()
+            .exec("cat", &["/proc/sys/net/ipv4/ip_local_reserved_ports"])
+            .map(|text| text.trim().to_owned())
+    };
+    let running = reserved(&s)?;
     let status = s.agent()?.stop()?;
     eprintln!("agent exit status after SIGINT: {status}");
     s.ensure(status.success(), || format!("agent exited with {status}"))?;
+    let stopped = reserved(&s)?;
 
     // The pinned links keep the programs attached and the pinned maps keep the state.
     let (attempts, counts) = connect_many(&s, "after SIGINT (datapath left in place)")?;
@@ -189,5 +199,16 @@ fn agent_sigint_leaves_translation_and_cleanup_removes_it() -> anyhow::Result<()
         attempts.iter().all(|a| a.backend() == Some(DECOY_NAME)),
         || format!("after --cleanup nothing may be translated any more: {counts:?}"),
     )?;
+    let cleaned = reserved(&s)?;
+    eprintln!(
+        "ip_local_reserved_ports: running {running:?}, after SIGINT {stopped:?}, after \
+         --cleanup {cleaned:?}"
+    );
+    s.ensure(running == "49152-65535" && stopped == running, || {
+        format!("SNAT ports reserved while the datapath is in place: {running:?}, {stopped:?}")
+    })?;
+    s.ensure(cleaned.is_empty(), || {
+        format!("--cleanup releases the SNAT ports: {cleaned:?}")
+    })?;
     Ok(())
 }

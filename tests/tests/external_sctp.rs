@@ -171,7 +171,7 @@ fn sctp_init_reaches_the_pod_translated_and_the_answer_comes_back() -> anyhow::R
     );
     ensure!(arrived.destination() == pod, "DNAT: {arrived:?}");
     ensure!(
-        arrived.src == IpAddr::V4(node_ip) && arrived.sport() >= 61_000,
+        arrived.src == IpAddr::V4(node_ip) && arrived.sport() >= 49_152,
         "SNAT to the node (eTP Cluster): {arrived:?}"
     );
     ensure!(

@@ -20,6 +20,7 @@
 use std::{
     collections::{BTreeMap, BTreeSet},
     net::{IpAddr, SocketAddr},
+    ops::RangeInclusive,
     path::PathBuf,
 };
 
@@ -28,6 +29,7 @@ use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
 use proxy_agent::{
     dataplane::ebpf::{
         EbpfDataplane, EbpfOptions, Feature, LbOptions, PIN_DIR_NAME, TcOptions, TcTestInput,
+        reserved_ports,
     },
     desired::Snapshot,
     objects::{ObjectKey, Objects},
@@ -53,6 +55,8 @@ const NODE_IP6: &str = "fd00:10::1";
 const BACKEND: &str = "10.244.1.2";
 const BACKEND6: &str = "fd00:244:1::2";
 const LB_IP: &str = "198.51.100.10";
+/// `--bpf-snat-port-range`'s default.
+const SNAT_PORTS: RangeInclusive<u16> = reserved_ports::DEFAULT_RANGE;
 
 /// The node namespace: `ext0` (external, 10.10.0.1 + fd00:10::1) and `pod0` (10.244.1.1 +
 /// fd00:244:1::1, the pod side), each one end of a veth pair, forwarding on, and the agent's
@@ -65,6 +69,8 @@ struct Node {
     _runtime: tokio::runtime::Runtime,
     bpf: TempBpfRoot,
     _cgroup: ChildCgroup,
+    /// The node namespace (for helper processes).
+    netns: PathBuf,
 }
 
 fn ifindex(name: &str) -> u32 {
@@ -82,7 +88,7 @@ fn with_node(f: impl FnOnce(&mut Node) + Send + 'static) {
 /// [`with_node`] on the default netfilter path: ingress rewrites destinations and returns
 /// packets to the stack, `kpr_tc_egress` rewrites sources.
 fn with_netfilter_node(f: impl FnOnce(&mut Node) + Send + 'static) {
-    with_node_path(LbOptions::default(), false, None, f);
+    with_node_path(LbOptions::default(), false, None, SNAT_PORTS, f);
 }
 
 /// [`with_node`] with the given `--lb-algorithm` options; returns what `f` returns.
@@ -90,16 +96,24 @@ fn with_node_lb<R: Send + 'static>(
     lb: LbOptions,
     f: impl FnOnce(&mut Node) -> R + Send + 'static,
 ) -> R {
-    with_node_path(lb, true, None, f)
+    with_node_path(lb, true, None, SNAT_PORTS, f)
 }
 
 fn with_node_path<R: Send + 'static>(
     lb: LbOptions,
     fast_path: bool,
     icmp_ratelimit: Option<std::time::Duration>,
+    snat_ports: RangeInclusive<u16>,
     f: impl FnOnce(&mut Node) -> R + Send + 'static,
 ) -> R {
-    with_node_features(lb, fast_path, icmp_ratelimit, BTreeSet::new(), f)
+    with_node_features(
+        lb,
+        fast_path,
+        icmp_ratelimit,
+        snat_ports,
+        BTreeSet::new(),
+        f,
+    )
 }
 
 /// [`with_node_path`] with kernel features turned off (`--bpf-disable-feature`).
@@ -107,6 +121,7 @@ fn with_node_features<R: Send + 'static>(
     lb: LbOptions,
     fast_path: bool,
     icmp_ratelimit: Option<std::time::Duration>,
+    snat_ports: RangeInclusive<u16>,
     disabled_features: BTreeSet<Feature>,
     f: impl FnOnce(&mut Node) -> R + Send + 'static,
 ) -> R {
@@ -158,6 +173,7 @@ fn with_node_features<R: Send + 'static>(
             },
             disabled_features,
             icmp_ratelimit,
+            snat_ports,
         };
         let dataplane = EbpfDataplane::start(&options).expect("dataplane");
         let mut node = Node {
@@ -167,6 +183,7 @@ fn with_node_features<R: Send + 'static>(
             _runtime: runtime,
             bpf,
             _cgroup: cgroup,
+            netns: path.clone(),
         };
         f(&mut node)
     })
@@ -354,7 +371,11 @@ fn round_trip(
         assert_eq!(out.source(), client, "{what}: client kept (eTP Local)");
     } else {
         assert_eq!(out.src, node_ip, "{what}: SNAT address");
-        assert!(out.sport() >= 61_000, "{what}: SNAT port {}", out.sport());
+        assert!(
+            SNAT_PORTS.contains(&out.sport()),
+            "{what}: SNAT port {}",
+            out.sport()
+        );
     }
     assert!(out.l4.ends_with(b"ping"), "{what}: payload");
 
@@ -446,7 +467,11 @@ fn netfilter_path_splits_translation_between_ingress_and_egress() {
             } else {
                 assert_eq!(action, TC_ACT_UNSPEC, "{what}: egress SNAT action");
                 assert_eq!(snat.src, frontend.ip(), "{what}: SNAT address");
-                assert!(snat.sport() >= 61_000, "{what}: SNAT port {}", snat.sport());
+                assert!(
+                    SNAT_PORTS.contains(&snat.sport()),
+                    "{what}: SNAT port {}",
+                    snat.sport()
+                );
                 let entry = ct_entry(node, &ct_key(client, backend, l4.proto()))
                     .expect("egress forward entry");
                 assert_eq!(entry.flags & ct_flags::EGRESS, ct_flags::EGRESS);
@@ -562,6 +587,7 @@ fn checksum_complete_skbs_keep_a_true_csum_through_every_rewrite() {
             LbOptions::default(),
             fast_path,
             None,
+            SNAT_PORTS,
             disabled.clone(),
             move |node| {
                 program_services(node);
@@ -837,7 +863,7 @@ fn no_endpoints_answers_port_unreachable() {
 #[test]
 fn reject_replies_are_rate_limited_per_client() {
     let hour = Some(std::time::Duration::from_secs(3600));
-    with_node_path(LbOptions::default(), false, hour, |node| {
+    with_node_path(LbOptions::default(), false, hour, SNAT_PORTS, |node| {
         program_services(node);
         let frontend = sa(NODE_IP, 30083);
         let mut replies = 0;
@@ -1513,7 +1539,11 @@ fn sequential_snat_flows(node: &mut Node, count: u16, close: bool) -> (u32, u32,
             continue;
         }
         assert_eq!(action, TC_ACT_REDIRECT, "flow {i}");
-        assert!(out.sport() >= 61_000, "flow {i}: SNAT port {}", out.sport());
+        assert!(
+            (61_000..=65_535).contains(&out.sport()),
+            "flow {i}: SNAT port {}",
+            out.sport()
+        );
         translated += 1;
         if close {
             let rst = build(client, frontend, L4::TcpRst, b"");
@@ -1531,25 +1561,29 @@ fn sequential_snat_flows(node: &mut Node, count: u16, close: bool) -> (u32, u32,
     (translated, dropped, exhausted)
 }
 
-/// 6000 short connections from one client to one backend through SNAT (4536 ports): closed
-/// flows give their ports back, so all are translated; without closes the ports run out.
+/// 6000 short connections from one client to one backend through SNAT with 4536 ports
+/// (61000–65535): closed flows give their ports back, so all are translated; without closes
+/// the ports run out.
 #[test]
 fn snat_ports_of_closed_flows_are_reused() {
     const FLOWS: u16 = 6_000;
-    let (translated, dropped, exhausted) = with_node_lb(LbOptions::default(), |node| {
-        program_services(node);
-        sequential_snat_flows(node, FLOWS, true)
-    });
+    let ports = 61_000..=65_535;
+    let (translated, dropped, exhausted) =
+        with_node_path(LbOptions::default(), true, None, ports.clone(), |node| {
+            program_services(node);
+            sequential_snat_flows(node, FLOWS, true)
+        });
     eprintln!(
         "{FLOWS} flows closed by RST: {translated} translated, {dropped} dropped, \
          tc_snat_port_exhausted {exhausted}"
     );
     assert_eq!((translated, dropped, exhausted), (u32::from(FLOWS), 0, 0));
 
-    let (translated, dropped, exhausted) = with_node_lb(LbOptions::default(), |node| {
-        program_services(node);
-        sequential_snat_flows(node, FLOWS, false)
-    });
+    let (translated, dropped, exhausted) =
+        with_node_path(LbOptions::default(), true, None, ports, |node| {
+            program_services(node);
+            sequential_snat_flows(node, FLOWS, false)
+        });
     eprintln!(
         "{FLOWS} flows left open: {translated} translated, {dropped} dropped, \
          tc_snat_port_exhausted {exhausted}"
@@ -1754,5 +1788,392 @@ fn conntrack_purge_runs_off_the_apply() {
         )
         .expect("purge");
         assert!(ct_entry(node, &forward).is_none(), "purged");
+    });
+}
+
+/// A datapath counter's total.
+fn stat(node: &Node, index: StatIndex) -> u64 {
+    node.dataplane
+        .stats()
+        .into_iter()
+        .find(|(i, _)| *i == index)
+        .map_or(0, |(_, value)| value)
+}
+
+/// Issue 17, SNAT under load: the client's own source port is kept when it lies in the SNAT
+/// range and is free (netfilter's choice, and one SNAT port fewer taken at random); another
+/// client with the same port gets another port of the range; a client port outside the range
+/// is replaced. Both families.
+#[test]
+fn snat_keeps_the_client_port_when_free() {
+    with_node(|node| {
+        program_services(node);
+        for (client, other, node_ip, backend) in [
+            (CLIENT, "203.0.113.7", NODE_IP, BACKEND),
+            (CLIENT6, "fd00:10::3", NODE_IP6, BACKEND6),
+        ] {
+            let frontend = sa(node_ip, 30080);
+            let mut snat = |from: SocketAddr| {
+                let syn = build(from, frontend, L4::TcpSyn, b"");
+                let (action, out) = run(node, program_names::TC_EXTERNAL, &syn, node.ext0);
+                assert_eq!(action, TC_ACT_REDIRECT, "{from}: SYN");
+                assert_eq!(out.destination(), sa(backend, 8080), "{from}: DNAT");
+                assert_eq!(out.src, node_ip.parse::<IpAddr>().expect("ip"), "{from}");
+                out.sport()
+            };
+            let kept = snat(sa(client, 50_000));
+            let second = snat(sa(other, 50_000));
+            let outside = snat(sa(client, 40_000));
+            eprintln!(
+                "{node_ip}: client port 50000 → {kept}; another client's 50000 → {second}; \
+                 40000 (outside the range) → {outside}"
+            );
+            assert_eq!(kept, 50_000, "{node_ip}: the client's port is kept");
+            assert_ne!(second, 50_000, "{node_ip}: taken: another port");
+            assert!(SNAT_PORTS.contains(&second), "{node_ip}: {second}");
+            assert!(SNAT_PORTS.contains(&outside), "{node_ip}: {outside}");
+        }
+    });
+}
+
+/// Issue 17: with a 2-port range (`--bpf-snat-port-range 61000-61001`) two SYN-only flows
+/// take both ports and a third new flow is dropped and counted (`tc_snat_port_exhausted`, the
+/// metric's reason). A half-open flow (no segment after the client's SYN) expires after 60 s,
+/// not 24 h: at 61 s idle its port goes to the next new flow, while an established flow as
+/// idle keeps its entry and port. The GC deletes a half-open flow past 60 s too. Both families.
+#[test]
+fn half_open_flows_expire_after_60_s_and_exhaustion_is_counted() {
+    with_node_path(LbOptions::default(), true, None, 61_000..=61_001, |node| {
+        program_services(node);
+        let mut ct = pinned_ct(node);
+        let mut exhausted = 0;
+        for (client, node_ip) in [(CLIENT, NODE_IP), (CLIENT6, NODE_IP6)] {
+            let frontend = sa(node_ip, 30080);
+            let syn = |node: &mut Node, port: u16| {
+                let from = sa(client, port);
+                let frame = build(from, frontend, L4::TcpSyn, b"");
+                let (action, out) = run(node, program_names::TC_EXTERNAL, &frame, node.ext0);
+                (action, out.sport(), ct_key(from, frontend, PROTO_TCP))
+            };
+            let (action, half_open_port, half_open) = syn(node, 20_000);
+            assert_eq!(action, TC_ACT_REDIRECT, "{node_ip}: first flow");
+            let (action, established_port, established) = syn(node, 20_001);
+            assert_eq!(action, TC_ACT_REDIRECT, "{node_ip}: second flow");
+            assert_ne!(half_open_port, established_port);
+            let ack = build(sa(client, 20_001), frontend, L4::TcpAck, b"");
+            let (action, _) = run(node, program_names::TC_EXTERNAL, &ack, node.ext0);
+            assert_eq!(action, TC_ACT_REDIRECT, "{node_ip}: the second flow's ACK");
+            let flags = ct_entry(node, &established).expect("entry").flags;
+            assert_ne!(flags & ct_flags::ESTABLISHED, 0, "{node_ip}: {flags:#x}");
+
+            let (action, _, _) = syn(node, 20_002);
+            assert_eq!(action, TC_ACT_SHOT, "{node_ip}: both ports in use");
+            exhausted += 1;
+            assert_eq!(stat(node, StatIndex::TcSnatPortExhausted), exhausted);
+
+            age_entry(&mut ct, &half_open, 61);
+            age_entry(&mut ct, &established, 61);
+            let (action, port, _) = syn(node, 20_003);
+            eprintln!(
+                "{node_ip}: after 61 s idle a new flow takes port {port} (half-open flow's \
+                 {half_open_port}, established flow's {established_port})"
+            );
+            assert_eq!(
+                action, TC_ACT_REDIRECT,
+                "{node_ip}: half-open port reclaimed"
+            );
+            assert_eq!(port, half_open_port, "{node_ip}");
+            let (action, again) = run(node, program_names::TC_EXTERNAL, &ack, node.ext0);
+            assert_eq!(action, TC_ACT_REDIRECT, "{node_ip}: established flow kept");
+            assert_eq!(again.sport(), established_port, "{node_ip}");
+            let (action, _, _) = syn(node, 20_004);
+            assert_eq!(action, TC_ACT_SHOT, "{node_ip}: full again");
+            exhausted += 1;
+
+            // The GC: the new half-open flow, idle 61 s with its reply entry, goes; the
+            // established flow stays.
+            let newest = ct_key(sa(client, 20_003), frontend, PROTO_TCP);
+            age_entry(&mut ct, &newest, 61);
+            let reply = ct_key(
+                sa(if client == CLIENT { BACKEND } else { BACKEND6 }, 8080),
+                sa(node_ip, port),
+                PROTO_TCP,
+            );
+            age_entry(&mut ct, &reply, 61);
+            let report = node.dataplane.conntrack_gc().expect("gc");
+            eprintln!("{node_ip}: GC {report:?}");
+            let left: Vec<CtKey> = node
+                .dataplane
+                .conntrack_entries()
+                .expect("conntrack")
+                .into_iter()
+                .map(|(key, _)| key)
+                .collect();
+            assert!(
+                !left.contains(&newest),
+                "{node_ip}: half-open entry deleted"
+            );
+            assert!(!left.contains(&reply), "{node_ip}: its reply entry deleted");
+            assert!(left.contains(&established), "{node_ip}: established kept");
+        }
+        assert_eq!(stat(node, StatIndex::TcSnatPortExhausted), exhausted);
+    });
+}
+
+/// Issue 17, conntrack under pressure: the LRU evicts the forward entry of a live SNATed TCP
+/// flow (deleted here, as eviction would). With a 1-port range: the client's next segment is
+/// not re-balanced (passed on untranslated), a new flow does not get the flow's SNAT port
+/// while its reply entry is live (dropped, counted as exhaustion), and the backend's next
+/// segment is translated back to the client and rebuilds the forward entry — same backend,
+/// same SNAT port — so the client's segments are translated again (a reply checks its
+/// forward entry at most once a second, so that is within a second of the eviction, given
+/// traffic from the backend). Both families.
+#[test]
+fn evicted_forward_entry_keeps_its_snat_port_and_is_rebuilt_by_the_reply() {
+    with_node_path(LbOptions::default(), true, None, 61_000..=61_000, |node| {
+        program_services(node);
+        let mut ct = pinned_ct(node);
+        for (i, (client, other, node_ip, backend)) in [
+            (CLIENT, "203.0.113.7", NODE_IP, BACKEND),
+            (CLIENT6, "fd00:10::3", NODE_IP6, BACKEND6),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let client = sa(client, 20_000);
+            let frontend = sa(node_ip, 30080);
+            let backend = sa(backend, 8080);
+            let syn = build(client, frontend, L4::TcpSyn, b"");
+            let (action, out) = run(node, program_names::TC_EXTERNAL, &syn, node.ext0);
+            assert_eq!(action, TC_ACT_REDIRECT);
+            let snat = out.source();
+            assert_eq!(snat.port(), 61_000);
+            let ack = build(client, frontend, L4::TcpAck, b"data");
+            let (action, _) = run(node, program_names::TC_EXTERNAL, &ack, node.ext0);
+            assert_eq!(action, TC_ACT_REDIRECT);
+
+            let forward = ct_key(client, frontend, PROTO_TCP);
+            ct.remove(&forward).expect("evict the forward entry");
+            let (action, passed) = run(node, program_names::TC_EXTERNAL, &ack, node.ext0);
+            assert_eq!(action, TC_ACT_UNSPEC, "{node_ip}: mid-stream without entry");
+            assert_eq!(passed.destination(), frontend, "{node_ip}: not re-balanced");
+
+            let newcomer = build(sa(other, 20_001), frontend, L4::TcpSyn, b"");
+            let (action, _) = run(node, program_names::TC_EXTERNAL, &newcomer, node.ext0);
+            assert_eq!(
+                action, TC_ACT_SHOT,
+                "{node_ip}: the live flow's port is not free"
+            );
+            assert_eq!(
+                stat(node, StatIndex::TcSnatPortExhausted),
+                i as u64 + 1,
+                "{node_ip}"
+            );
+
+            // A reply checks its forward entry at most once a second (with its refresh): the
+            // backend answers 2 s after the flow's last reply.
+            age_entry(&mut ct, &ct_key(backend, snat, PROTO_TCP), 2);
+            let answer = build(backend, snat, L4::TcpAck, b"pong");
+            let (action, back) = run(node, program_names::TC_REPLY, &answer, node.pod0);
+            assert_eq!(action, TC_ACT_REDIRECT, "{node_ip}: reply");
+            assert_eq!((back.source(), back.destination()), (frontend, client));
+            assert_eq!(
+                stat(node, StatIndex::TcForwardRebuilt),
+                i as u64 + 1,
+                "{node_ip}"
+            );
+            let rebuilt = ct_entry(node, &forward).expect("forward entry rebuilt");
+            assert_eq!(rebuilt.dst, words(backend.ip()), "{node_ip}");
+            assert_eq!(rebuilt.sport, 61_000u16.to_be(), "{node_ip}");
+            let (action, again) = run(node, program_names::TC_EXTERNAL, &ack, node.ext0);
+            assert_eq!(action, TC_ACT_REDIRECT, "{node_ip}: translated again");
+            assert_eq!((again.source(), again.destination()), (snat, backend));
+            eprintln!("{node_ip}: forward entry rebuilt: {snat} → {backend} kept");
+        }
+    });
+}
+
+/// Issue 17: a flow without SNAT never overwrites another live flow's reply entry. The same
+/// client tuple reaches the eTP Local NodePort 30081 on two node addresses: both flows go to
+/// the same backend port, so their reply entries would share a key. The second is dropped and
+/// counted (`tc_ct_reply_clash`), and the first flow's replies still come from its own
+/// frontend. Once the first flow is closed and past its close timeout, the second gets in.
+#[test]
+fn reply_entry_of_another_live_flow_is_never_overwritten() {
+    with_node(|node| {
+        program_services(node);
+        let client = sa(CLIENT, 20_000);
+        let first = sa(NODE_IP, 30081);
+        let second = sa("10.244.1.1", 30081);
+        let backend = sa(BACKEND, 8080);
+        let (action, out) = run(
+            node,
+            program_names::TC_EXTERNAL,
+            &build(client, first, L4::TcpSyn, b""),
+            node.ext0,
+        );
+        assert_eq!(action, TC_ACT_REDIRECT);
+        assert_eq!((out.source(), out.destination()), (client, backend));
+        let (action, _) = run(
+            node,
+            program_names::TC_EXTERNAL,
+            &build(client, second, L4::TcpSyn, b""),
+            node.ext0,
+        );
+        assert_eq!(
+            action, TC_ACT_SHOT,
+            "the second flow would take the reply entry"
+        );
+        assert_eq!(stat(node, StatIndex::TcReplyClash), 1);
+        let answer = build(backend, client, L4::TcpAck, b"pong");
+        let (action, back) = run(node, program_names::TC_REPLY, &answer, node.pod0);
+        assert_eq!(action, TC_ACT_REDIRECT);
+        assert_eq!(
+            back.source(),
+            first,
+            "the first flow's replies keep its frontend"
+        );
+
+        // Closed and 11 s later: that reply entry is dead, the second flow takes it.
+        let rst = build(client, first, L4::TcpRst, b"");
+        let (action, _) = run(node, program_names::TC_EXTERNAL, &rst, node.ext0);
+        assert_eq!(action, TC_ACT_REDIRECT);
+        let mut ct = pinned_ct(node);
+        age_entry(&mut ct, &ct_key(client, first, PROTO_TCP), 11);
+        let (action, _) = run(
+            node,
+            program_names::TC_EXTERNAL,
+            &build(client, second, L4::TcpSyn, b""),
+            node.ext0,
+        );
+        assert_eq!(
+            action, TC_ACT_REDIRECT,
+            "a dead flow's reply entry is replaced"
+        );
+        let (action, back) = run(node, program_names::TC_REPLY, &answer, node.pod0);
+        assert_eq!(action, TC_ACT_REDIRECT);
+        assert_eq!(back.source(), second);
+    });
+}
+
+/// Issue 17: the SNAT range is reserved from the ephemeral ports of the agent's network
+/// namespace (`ip_local_reserved_ports` is per namespace: the host's is never touched here)
+/// and released again (`--cleanup`, a switch to iptables mode), keeping ports reserved by
+/// others.
+#[test]
+fn snat_range_is_reserved_from_local_ports() {
+    let host_before = std::fs::read_to_string(reserved_ports::SYSCTL).expect("host sysctl");
+    let (started, released, none) =
+        with_node_path(LbOptions::default(), true, None, 50_000..=50_999, |_node| {
+            let started = std::fs::read_to_string(reserved_ports::SYSCTL).expect("sysctl");
+            std::fs::write(reserved_ports::SYSCTL, "8080,50000-50999").expect("add a port");
+            reserved_ports::release(&(50_000..=50_999));
+            let released = std::fs::read_to_string(reserved_ports::SYSCTL).expect("sysctl");
+            reserved_ports::release(&(8080..=8080));
+            let none = std::fs::read_to_string(reserved_ports::SYSCTL).expect("sysctl");
+            (started, released, none)
+        });
+    eprintln!("after start: {started:?}; after release: {released:?}, then {none:?}");
+    assert_eq!(started.trim(), "50000-50999");
+    assert_eq!(released.trim(), "8080");
+    assert_eq!(none.trim(), "", "the last reserved port released");
+    let host_after = std::fs::read_to_string(reserved_ports::SYSCTL).expect("host sysctl");
+    assert_eq!(host_before, host_after, "the host's sysctl is untouched");
+}
+
+/// The `race` ClusterIP Service 10.96.0.40:80 → 8080 with one endpoint per address.
+fn race_snapshot(backends: &[&str]) -> Snapshot {
+    let yaml = "apiVersion: v1\nkind: Service\nmetadata: {name: race, namespace: default}\n\
+                spec: {clusterIP: 10.96.0.40, ports: [{name: http, port: 80, protocol: TCP, \
+                targetPort: 8080}]}\n";
+    let service: Service = serde_yaml::from_str(yaml).expect("service yaml");
+    let endpoints: Vec<String> = backends
+        .iter()
+        .map(|addr| {
+            format!("{{addresses: ['{addr}'], nodeName: {NODE}, conditions: {{ready: true}}}}")
+        })
+        .collect();
+    let yaml = format!(
+        "apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\n\
+         metadata: {{name: race-4, namespace: default, labels: {{kubernetes.io/service-name: race}}}}\n\
+         addressType: IPv4\nports: [{{name: http, port: 8080, protocol: TCP}}]\n\
+         endpoints: [{}]\n",
+        endpoints.join(", ")
+    );
+    let slice: EndpointSlice = serde_yaml::from_str(&yaml).expect("slice yaml");
+    let objects = Objects::new(
+        BTreeMap::from([(key("race"), service)]),
+        BTreeMap::from([(key("race-4"), slice)]),
+        None,
+    );
+    Snapshot::compute(&objects, NODE)
+}
+
+/// Issue 17, no spurious refusals (a stress guard, not a proof of the re-read): a process in
+/// the hooks' cgroup connects to a ClusterIP 3000 times (each a new socket, served by echo
+/// servers on the node's own addresses) while the agent's map writer switches the frontend's
+/// generation back and forth as fast as it can (endpoints {.2, .3} and {.2, .3, .4}; each
+/// switch writes the new generation, switches, then deletes the old generation's slots and,
+/// every other time, a backend). Every connect must reach a backend: the Service always has
+/// some. This catches an update order that exposes a generation before its slots exist.
+/// It does not catch a missing re-read in the hook: that race needs the old slots deleted
+/// between the hook's two map reads (~0.2 µs apart, the deletion is a syscall after the
+/// switch), i.e. an interrupt inside the hook, and with the re-read removed three runs passed.
+/// Bounded: 3000 attempts, switches until the client is done.
+#[test]
+fn connects_racing_generation_switches_are_never_refused() {
+    const ATTEMPTS: u32 = 3_000;
+    proxy_tests::set_helper_binary(env!("CARGO_BIN_EXE_rig-helper"));
+    with_node(|node| {
+        let backends = ["10.244.1.2", "10.244.1.3", "10.244.1.4"];
+        let mut echoes = Vec::new();
+        for (i, addr) in backends.iter().enumerate() {
+            let status = std::process::Command::new("ip")
+                .args(["addr", "add", &format!("{addr}/32"), "dev", "lo"])
+                .status()
+                .expect("ip addr");
+            assert!(status.success(), "ip addr add {addr}");
+            echoes.push(
+                proxy_tests::echo::EchoServer::start(
+                    &node.netns,
+                    &format!("pod{}", i + 1),
+                    sa(addr, 8080),
+                )
+                .expect("echo server"),
+            );
+        }
+        let small = race_snapshot(&backends[..2]);
+        let large = race_snapshot(&backends);
+        let (_, errors) = node.dataplane.apply(&large, None);
+        assert!(errors.is_empty(), "apply errors: {errors:?}");
+        let client = proxy_tests::client::Client::new(node.netns.clone())
+            .in_cgroup(node._cgroup.path())
+            .timeout(std::time::Duration::from_secs(2));
+        let first = client.once(sa("10.96.0.40", 80)).expect("client");
+        assert!(
+            first.backend().is_some(),
+            "translated before the race: {first:?}"
+        );
+        let racer = std::thread::spawn(move || client.run(sa("10.96.0.40", 80), ATTEMPTS));
+        let mut switches = 0u64;
+        while !racer.is_finished() {
+            let snapshot = if switches.is_multiple_of(2) {
+                &small
+            } else {
+                &large
+            };
+            let (_, errors) = node.dataplane.apply(snapshot, None);
+            assert!(errors.is_empty(), "apply errors: {errors:?}");
+            switches += 1;
+        }
+        let attempts = racer.join().expect("client thread").expect("client run");
+        let counts = proxy_tests::client::tally(&attempts);
+        eprintln!("{ATTEMPTS} connects during {switches} generation switches: {counts:?}");
+        assert!(switches >= 100, "too few switches to race: {switches}");
+        assert!(
+            attempts.iter().all(|a| a.backend().is_some()),
+            "every connect reaches a backend: {counts:?}"
+        );
+        drop(echoes);
     });
 }

@@ -453,6 +453,12 @@ pub fn apply(
             Err(reason) => overlay.flag_only(flag, text, reason),
         }
     }
+    if let Some(text) = &args.bpf_snat_port_range {
+        match parse_port_range(text) {
+            Ok(range) => ebpf.snat_ports = range,
+            Err(reason) => overlay.flag_only("bpf-snat-port-range", text, reason),
+        }
+    }
     if let Some(text) = &args.bpf_map_maglev {
         match parse_int::<u32>(text) {
             Ok(0) => overlay.flag_only("bpf-map-maglev", text, "must be greater than 0".to_owned()),
@@ -688,4 +694,17 @@ fn parse_vmodule(text: &str) -> Result<Vec<VModuleItem>, String> {
 
 fn parse_duration(text: &str) -> Result<GoDuration, String> {
     text.parse::<GoDuration>().map_err(|e| e.to_string())
+}
+
+/// `--bpf-snat-port-range`: `MIN-MAX`, 1024 ≤ MIN ≤ MAX ≤ 65535 (ports below 1024 are the
+/// node's services').
+fn parse_port_range(text: &str) -> Result<std::ops::RangeInclusive<u16>, String> {
+    let shape = || "must be MIN-MAX with 1024 <= MIN <= MAX <= 65535".to_owned();
+    let (min, max) = text.trim().split_once('-').ok_or_else(shape)?;
+    let min: u16 = min.trim().parse().map_err(|_| shape())?;
+    let max: u16 = max.trim().parse().map_err(|_| shape())?;
+    if min < 1024 || min > max {
+        return Err(shape());
+    }
+    Ok(min..=max)
 }

@@ -159,6 +159,8 @@ pub struct EbpfConfig {
     pub map_backends: u32,
     /// `--bpf-map-conntrack`.
     pub map_conntrack: u32,
+    /// `--bpf-snat-port-range`.
+    pub snat_ports: std::ops::RangeInclusive<u16>,
     /// `--interfaces` (for the tc programs; not used yet).
     pub interfaces: Vec<String>,
     /// `--lb-algorithm`.
@@ -206,6 +208,7 @@ impl Default for EbpfConfig {
             map_frontends: proxy_common::default_sizes::FRONTENDS,
             map_backends: proxy_common::default_sizes::BACKENDS,
             map_conntrack: proxy_common::default_sizes::CT,
+            snat_ports: crate::dataplane::ebpf::reserved_ports::DEFAULT_RANGE,
             interfaces: Vec::new(),
             lb_algorithm: LbAlgorithm::Random,
             maglev_table_size: proxy_common::maglev::DEFAULT_TABLE_SIZE,

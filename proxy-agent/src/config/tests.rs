@@ -345,6 +345,9 @@ fn every_flag_overrides_the_file() {
         (&["--bpf-map-conntrack", "4096"], |c| {
             c.ebpf.map_conntrack == 4096
         }),
+        (&["--bpf-snat-port-range", "61000-65535"], |c| {
+            c.ebpf.snat_ports == (61_000..=65_535)
+        }),
         (
             &["--interfaces", "eth0,eth1", "--interfaces", "bond0"],
             |c| c.ebpf.interfaces == ["eth0", "eth1", "bond0"],
@@ -1053,6 +1056,24 @@ fn every_invalid_value_is_reported_with_source_field_and_value() {
             "--bpf-map-conntrack",
             "",
             "0",
+        ),
+        (
+            &["--bpf-snat-port-range", "65535-61000"],
+            "--bpf-snat-port-range",
+            "",
+            "65535-61000",
+        ),
+        (
+            &["--bpf-snat-port-range", "80-90"],
+            "--bpf-snat-port-range",
+            "",
+            "80-90",
+        ),
+        (
+            &["--bpf-snat-port-range", "61000"],
+            "--bpf-snat-port-range",
+            "",
+            "61000",
         ),
         (
             &["--bpf-disable-feature", "tcx,kfuncs"],

@@ -42,6 +42,7 @@ pub fn ebpf_options(config: &Config) -> EbpfOptions {
         },
         disabled_features: config.ebpf.disabled_features.clone(),
         icmp_ratelimit: None,
+        snat_ports: config.ebpf.snat_ports.clone(),
     }
 }
 

@@ -115,9 +115,14 @@ impl Dataplane {
                         Ok(true) => {
                             info!(
                                 ?period,
-                                "the eBPF mode's programs carry their established flows until                                  they end (--mode-switch-drain-period); new connections get the                                  iptables rules"
+                                "the eBPF mode's programs carry their established flows until they end \
+                                 (--mode-switch-drain-period); new connections get the iptables rules"
                             );
-                            ebpf::handback::finish_in_background(bpf_root, period);
+                            // The SNAT ports stay reserved while the eBPF mode still uses them.
+                            let ports = config.ebpf.snat_ports.clone();
+                            ebpf::handback::finish_in_background(bpf_root, period, move || {
+                                ebpf::reserved_ports::release(&ports);
+                            });
                             return;
                         }
                         Ok(false) => {}
@@ -129,6 +134,7 @@ impl Dataplane {
                     Ok(removed) => info!(removed, "removed the eBPF mode's pins and links"),
                     Err(error) => warn!(%error, "removing eBPF-mode leftovers"),
                 }
+                ebpf::reserved_ports::release(&config.ebpf.snat_ports);
             }
         }
     }

@@ -127,8 +127,9 @@ pub struct Loops {
     pub connections: u32,
     /// New connections per run for item 3's paths (from the external namespace). Fewer: a
     /// closed flow keeps its SNAT port for the tc conntrack's 10 s close timeout, and source
-    /// NAT has 4536 ports (61000–65535) per backend, so thousands of new flows within seconds
-    /// would run the probe for a free port into collisions.
+    /// NAT has a bounded range per backend (`--bpf-snat-port-range`, 16384 ports by default),
+    /// so thousands of new flows within seconds would run the probe for a free port into
+    /// collisions.
     pub external_connections: u32,
     pub round_trips: u32,
     /// Time bound of one run.

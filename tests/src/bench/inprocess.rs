@@ -163,6 +163,7 @@ fn ebpf_in_current_netns(w: Workload, changes: usize) -> Result<EbpfResult> {
         disabled_features: Default::default(),
         // Every REJECT answered: the rate limit has its own test.
         icmp_ratelimit: Some(std::time::Duration::ZERO),
+        snat_ports: proxy_agent::dataplane::ebpf::reserved_ports::DEFAULT_RANGE,
     })
     .map_err(|e| RigError::Other(format!("starting the eBPF dataplane: {e}")))?;
 

@@ -678,8 +678,8 @@ fn nodeport_section(md: &mut String, r: &Results) {
         md,
         "**New connections** ({} per run, fewer than §1: a closed flow keeps its SNAT port \
          for the tc conntrack's 10 s close timeout, as netfilter keeps a closed tuple, and \
-         source NAT has 4536 ports (61000–65535) per backend, so thousands of new flows within \
-         seconds to one NodePort would exhaust them and measure failed port probes):\n",
+         source NAT has a bounded port range per backend (`--bpf-snat-port-range`, 16384 ports by \
+         default; 4536 before issue 17), so thousands of new flows within seconds to one NodePort would exhaust them and measure failed port probes):\n",
         c.loops.external_connections
     );
     path_table(md, r, |d| &d.connect, &NODEPORT_PATHS, true);

@@ -189,6 +189,7 @@ pub fn per_packet_cost(loops: TcLoops) -> Result<PacketCostResult> {
             disabled_features: Default::default(),
             // Every REJECT answered: the rate limit has its own test.
             icmp_ratelimit: Some(std::time::Duration::ZERO),
+            snat_ports: proxy_agent::dataplane::ebpf::reserved_ports::DEFAULT_RANGE,
         };
         let mut dataplane = EbpfDataplane::start(&options)
             .map_err(|e| RigError::Other(format!("loading the eBPF dataplane: {e}")))?;

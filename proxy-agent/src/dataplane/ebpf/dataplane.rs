@@ -32,6 +32,7 @@ use super::{
     options::EbpfOptions,
     orphans,
     pins::{PIN_DIR_NAME, attach_and_pin, prepare_pin_dir},
+    reserved_ports,
     service_maps::{ServiceMaps, ignore_missing},
     sockdiag::{self, DiagSocket},
     stats::read_stats,
@@ -154,6 +155,9 @@ impl EbpfDataplane {
                 icmp_ratelimit_ns("/proc/sys/net/ipv6/icmp/ratelimit"),
             ),
         };
+        let snat_min = u32::from(*options.snat_ports.start());
+        let snat_count = u32::from(*options.snat_ports.end()).saturating_sub(snat_min) + 1;
+        reserved_ports::reserve(&options.snat_ports);
         let mut loader = EbpfLoader::new();
         if !features.uses(Feature::Btf) {
             loader.btf(None);
@@ -162,7 +166,9 @@ impl EbpfDataplane {
             .override_global("KPR_USE_SET_RETVAL", &use_set_retval, true)
             .override_global("KPR_L4_CSUM_IPV6", &l4_csum_ipv6, true)
             .override_global("KPR_ICMP_RATELIMIT_NS4", &icmp4, true)
-            .override_global("KPR_ICMP_RATELIMIT_NS6", &icmp6, true);
+            .override_global("KPR_ICMP_RATELIMIT_NS6", &icmp6, true)
+            .override_global("KPR_SNAT_PORT_MIN", &snat_min, true)
+            .override_global("KPR_SNAT_PORT_COUNT", &snat_count, true);
         let mut ebpf = loader
             .default_map_pin_directory(&pin_dir)
             .map_max_entries(map_names::FRONTENDS4, options.frontends_capacity)

@@ -68,8 +68,12 @@ pub fn live_flows(bpf_root: &Path, now: u64) -> Result<usize, EbpfError> {
 }
 
 /// Drains the eBPF datapath under `bpf_root` (already [`start_drain`]ed) and removes it when
-/// no flow is live or `period` is over, on a thread of its own.
-pub fn finish_in_background(bpf_root: &Path, period: Duration) {
+/// no flow is live or `period` is over, on a thread of its own; then runs `after`.
+pub fn finish_in_background(
+    bpf_root: &Path,
+    period: Duration,
+    after: impl FnOnce() + Send + 'static,
+) {
     let root = bpf_root.to_path_buf();
     let spawned = std::thread::Builder::new()
         .name("ebpf-drain".into())
@@ -105,6 +109,7 @@ pub fn finish_in_background(bpf_root: &Path, period: Duration) {
                     Ok(removed) => info!(removed, "removed the eBPF mode's pins and links"),
                     Err(error) => warn!(%error, "removing eBPF-mode leftovers"),
                 }
+                after();
                 return;
             }
         });

@@ -18,6 +18,7 @@ mod object;
 mod options;
 mod orphans;
 mod pins;
+pub mod reserved_ports;
 mod service_maps;
 pub(crate) mod sockdiag;
 mod stats;

@@ -22,6 +22,9 @@ pub struct EbpfOptions {
     /// Minimum interval between ICMP port unreachables to one client (both families); `None`:
     /// the node's `net.ipv4.icmp_ratelimit` / `net.ipv6.icmp.ratelimit`, as the kernel's own.
     pub icmp_ratelimit: Option<std::time::Duration>,
+    /// `--bpf-snat-port-range`: the source ports of SNATed external flows, reserved from the
+    /// node's ephemeral ports at start (`reserved_ports`).
+    pub snat_ports: std::ops::RangeInclusive<u16>,
 }
 
 /// `--lb-algorithm`, `--bpf-maglev-table-size`, `--bpf-map-maglev`.
