@@ -28,6 +28,7 @@ use super::{
     drift,
     error::EbpfError,
     features::{Feature, KernelFeatures},
+    map_batch::{self, BatchReader},
     object,
     options::EbpfOptions,
     orphans,
@@ -93,6 +94,8 @@ pub struct EbpfDataplane {
     /// Worker GC rounds already counted in the metrics.
     pub(super) gc_rounds_reported: u64,
     pub(super) log_drain: Option<JoinHandle<()>>,
+    /// Buffers of the batched map reads, kept for the next drift check.
+    pub(super) batch: BatchReader,
     // Last: the object (programs, log map); the tc programs attach to new interfaces later.
     pub(super) ebpf: Ebpf,
 }
@@ -214,8 +217,9 @@ impl EbpfDataplane {
             take_map(&mut ebpf, map_names::NODE_CONFIG)?,
         );
 
+        let mut batch = BatchReader::default();
         let mut map_writer = if adopting {
-            MapWriter::adopt(maps.content(), &mut maps)
+            MapWriter::adopt(maps.content(&mut batch), &mut maps)
         } else {
             MapWriter::default()
         };
@@ -264,6 +268,7 @@ impl EbpfDataplane {
             ct_worker,
             gc_rounds_reported: 0,
             log_drain,
+            batch,
             ebpf,
         })
     }
@@ -350,13 +355,19 @@ impl EbpfDataplane {
     /// while an adopted frontend is known to be damaged (the next full sync rewrites it).
     pub fn check_drift(&mut self, repair: bool) -> Option<DriftCheck> {
         let expected = self.map_writer.expected_content()?;
-        let found = self.maps.content();
+        let found = self.maps.content(&mut self.batch);
         let mut check = drift::check(&expected, &found, repair, &mut self.maps);
         let node = self.tc.check_drift(repair, &mut check.repair);
         check.drift.extend(node);
         let orphans = self.check_orphans(&expected, repair, &mut check);
         check.drift.extend(orphans);
         Some(check)
+    }
+
+    /// With `false`, every map read of the drift check goes entry by entry (`get_next_key` +
+    /// lookup, as before `BPF_MAP_LOOKUP_BATCH`): the benchmark measures both in one run.
+    pub fn set_batched_reads(&mut self, batched: bool) {
+        self.batch.entry_by_entry = !batched;
     }
 
     /// Affinity, UDP-socket and conntrack entries of Services or backends that are gone (see
@@ -377,8 +388,8 @@ impl EbpfDataplane {
             let Ok(mut map) = HashMap::<_, AffinityKey, AffinityValue>::try_from(map) else {
                 continue;
             };
-            let entries: Vec<(AffinityKey, AffinityValue)> =
-                map.iter().filter_map(Result::ok).collect();
+            let mut entries: Vec<(AffinityKey, AffinityValue)> = Vec::new();
+            map_batch::read_all(&map, &mut self.batch, name, &mut entries);
             check.entries_compared += entries.len();
             for (key, value) in entries {
                 let Some(why) = orphans::pinned_orphan(&live, &key, &value) else {
@@ -396,10 +407,16 @@ impl EbpfDataplane {
                 }
             }
         }
-        let Ok(mut ct) = self.conntrack_map() else {
+        // Not `conntrack_map`: that borrows all of `self`, and the read needs `self.batch`.
+        let Some(Ok(mut ct)) = self
+            .ebpf
+            .map_mut(map_names::CT)
+            .map(HashMap::<_, CtKey, CtValue>::try_from)
+        else {
             return out;
         };
-        let entries = tc_conntrack::entries(&ct);
+        let mut entries = Vec::new();
+        map_batch::read_all(&ct, &mut self.batch, map_names::CT, &mut entries);
         check.entries_compared += entries.len();
         for (key, value) in entries {
             let Some(why) = orphans::ct_orphan(&live, &key, &value) else {

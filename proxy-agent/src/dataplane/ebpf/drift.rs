@@ -139,8 +139,10 @@ fn as_map<K: Ord + Copy>(set: &BTreeSet<K>) -> BTreeMap<K, ()> {
     set.iter().map(|key| (*key, ())).collect()
 }
 
-/// Walks two sorted maps side by side. `map_of` names the map of an entry (the family of a
-/// backend is in its value, so it gets the found or expected value with the key).
+/// Walks two sorted maps side by side: one pass over both, no tree lookup per entry (a million
+/// entries at 30k Services). Reports missing and changed entries in key order, then extra ones.
+/// `map_of` names the map of an entry (the family of a backend is in its value, so it gets the
+/// found or expected value with the key).
 fn compare<K: Ord + Copy, V: PartialEq + Copy>(
     expected: &BTreeMap<K, V>,
     found: &BTreeMap<K, V>,
@@ -149,8 +151,16 @@ fn compare<K: Ord + Copy, V: PartialEq + Copy>(
     describe_value: impl Fn(&V) -> String,
     out: &mut Vec<Drift>,
 ) {
+    let mut found_entries = found.iter().peekable();
+    let mut extra = Vec::new();
     for (key, want) in expected {
-        match found.get(key) {
+        while let Some((stray, have)) = found_entries.next_if(|(k, _)| *k < key) {
+            extra.push((stray, have));
+        }
+        let have = found_entries
+            .next_if(|(k, _)| *k == key)
+            .map(|(_, have)| have);
+        match have {
             Some(have) if have == want => {}
             have => out.push(Drift {
                 map: map_of(&(*key, *want)),
@@ -165,16 +175,14 @@ fn compare<K: Ord + Copy, V: PartialEq + Copy>(
             }),
         }
     }
-    for (key, have) in found {
-        if !expected.contains_key(key) {
-            out.push(Drift {
-                map: map_of(&(*key, *have)),
-                kind: DriftKind::Extra,
-                entry: describe_key(key),
-                expected: None,
-                found: Some(describe_value(have)),
-            });
-        }
+    for (key, have) in extra.into_iter().chain(found_entries) {
+        out.push(Drift {
+            map: map_of(&(*key, *have)),
+            kind: DriftKind::Extra,
+            entry: describe_key(key),
+            expected: None,
+            found: Some(describe_value(have)),
+        });
     }
 }
 

@@ -978,6 +978,9 @@ impl MapWriter {
     /// the next full apply rewrites that frontend anyway.
     pub(super) fn expected_content(&self) -> Option<MapsContent> {
         let mut content = MapsContent::default();
+        // Collected, then built in one go: the standard library sorts once and builds the
+        // tree in bulk instead of a tree insert per slot.
+        let mut slots = Vec::new();
         for applied in self.frontends.values() {
             if applied.damaged || applied.maglev_incomplete {
                 return None;
@@ -991,7 +994,7 @@ impl MapWriter {
                     generation: value.generation,
                     _pad: 0,
                 };
-                content.slots.insert(key, id);
+                slots.push((key, id));
             }
             content.affinity_matches.extend(matches_of(applied));
             // The LPM trie stores the network: a range given with host bits reads back without.
@@ -1015,11 +1018,12 @@ impl MapWriter {
                 }
             }
         }
-        content.backends.extend(
-            self.backends
-                .iter()
-                .map(|(backend, entry)| (entry.id, *backend)),
-        );
+        content.slots = slots.into_iter().collect();
+        content.backends = self
+            .backends
+            .iter()
+            .map(|(backend, entry)| (entry.id, *backend))
+            .collect();
         Some(content)
     }
 }

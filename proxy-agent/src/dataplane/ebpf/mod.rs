@@ -13,6 +13,7 @@ pub mod handback;
 mod ids;
 pub mod legacy_tc;
 mod maglev;
+mod map_batch;
 mod map_writer;
 mod object;
 mod options;

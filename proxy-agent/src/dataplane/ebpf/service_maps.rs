@@ -19,6 +19,7 @@ use proxy_common::{
 
 use super::{
     MapOps, MapWriteError,
+    map_batch::{BatchReader, read_all},
     map_writer::{
         BackendValue, FrontendMapKey, MapsContent, ip4_from_map, ip4_to_map, ip6_from_map,
         ip6_to_map,
@@ -144,39 +145,78 @@ impl MapOps for ServiceMaps {
 }
 
 impl ServiceMaps {
-    /// Everything in the service maps, for [`MapWriter::adopt`]. Iteration errors (an entry
-    /// deleted under us) skip that entry.
-    pub(super) fn content(&self) -> MapsContent {
+    /// Everything in the service maps, for [`MapWriter::adopt`] and the drift check: the hash
+    /// maps in batches (`map_batch`), the LPM trie entry by entry (the kernel has no batch
+    /// lookup for it). Entries deleted under an entry-by-entry walk are skipped.
+    pub(super) fn content(&self, reader: &mut BatchReader) -> MapsContent {
         let mut content = MapsContent::default();
+        let mut frontends4 = Vec::new();
+        read_all(
+            &self.frontends4,
+            reader,
+            map_names::FRONTENDS4,
+            &mut frontends4,
+        );
+        let mut frontends6 = Vec::new();
+        read_all(
+            &self.frontends6,
+            reader,
+            map_names::FRONTENDS6,
+            &mut frontends6,
+        );
+        content
+            .frontends
+            .reserve(frontends4.len() + frontends6.len());
         content.frontends.extend(
-            self.frontends4
-                .iter()
-                .flatten()
+            frontends4
+                .into_iter()
                 .map(|(k, v)| (FrontendMapKey::V4(k), v)),
         );
         content.frontends.extend(
-            self.frontends6
-                .iter()
-                .flatten()
+            frontends6
+                .into_iter()
                 .map(|(k, v)| (FrontendMapKey::V6(k), v)),
         );
-        content.slots.extend(self.slots.iter().flatten());
-        content.maglev.extend(self.maglev.iter().flatten());
-        content.backends.extend(
-            self.backends4
-                .iter()
-                .flatten()
-                .map(|(id, b)| (id, BackendValue::V4(b))),
+        // Collected rather than inserted one by one: the standard library sorts once and
+        // builds the tree in bulk.
+        let mut slots = Vec::new();
+        read_all(&self.slots, reader, map_names::BACKEND_SLOTS, &mut slots);
+        content.slots = slots.into_iter().collect();
+        let mut maglev = Vec::new();
+        read_all(&self.maglev, reader, map_names::MAGLEV, &mut maglev);
+        content.maglev = maglev.into_iter().collect();
+        let mut backends4 = Vec::new();
+        read_all(
+            &self.backends4,
+            reader,
+            map_names::BACKENDS4,
+            &mut backends4,
         );
-        content.backends.extend(
-            self.backends6
-                .iter()
-                .flatten()
-                .map(|(id, b)| (id, BackendValue::V6(b))),
+        let mut backends6 = Vec::new();
+        read_all(
+            &self.backends6,
+            reader,
+            map_names::BACKENDS6,
+            &mut backends6,
         );
-        content
-            .affinity_matches
-            .extend(self.affinity_match.keys().flatten());
+        content.backends = backends4
+            .into_iter()
+            .map(|(id, b)| (id, BackendValue::V4(b)))
+            .chain(
+                backends6
+                    .into_iter()
+                    .map(|(id, b)| (id, BackendValue::V6(b))),
+            )
+            .collect();
+        // The value is always 1 and never compared: a key is the whole entry.
+        let mut matches = Vec::new();
+        read_all(
+            &self.affinity_match,
+            reader,
+            map_names::AFFINITY_MATCH,
+            &mut matches,
+        );
+        content.affinity_matches = matches.into_iter().map(|(key, _)| key).collect();
         // The family is not in the key: a range belongs to a frontend of one family, so the
         // frontend's service id tells which reading is right.
         let v6_services: BTreeSet<u32> = content
