@@ -949,7 +949,12 @@ fn a_foreign_tcx_program_keeps_seeing_traffic_across_mode_switches() -> anyhow::
     check(&s, "eBPF mode")?;
     let pins = s.agent()?.bpf_root().join("kubeproxy-rs");
     s.agent()?.stop()?;
-    s.agent()?.restart_in_mode("iptables")?;
+    // Removed at the first sync, without draining the flows `check` left (closed, they would
+    // hold the eBPF mode for their 10 s close timeout: `takeover.rs` tests the drain).
+    s.agent()?.restart_in_mode_with_args(
+        "iptables",
+        &["--interfaces", "vext", "--mode-switch-drain-period", "0s"],
+    )?;
     proxy_tests::wait::wait_until(
         "the eBPF mode's pins removed by the iptables mode",
         DATAPATH_TIMEOUT,
