@@ -25,10 +25,26 @@ const BPF_PROG_TYPE_SCHED_CLS: u32 = 3;
 /// `CHECKSUM_COMPLETE` would later verify and log as "hw csum failure".
 pub const TEST_SKB_CHECKSUM_COMPLETE: u32 = 1 << 2;
 
-fn sys_bpf(cmd: libc::c_long, attr: &mut [u8]) -> io::Result<libc::c_long> {
-    // SAFETY: `attr` is a zero-filled `union bpf_attr` prefix of `attr.len()` bytes whose
-    // pointer fields point to buffers the caller keeps alive across the call.
-    let ret = unsafe { libc::syscall(libc::SYS_bpf, cmd, attr.as_mut_ptr(), attr.len()) };
+/// `bpf(cmd, attr, size_of_val(attr))`.
+///
+/// # Safety
+/// `attr` is the `union bpf_attr` prefix `cmd` takes, every byte the caller does not set is
+/// zero, and every pointer in it points to memory valid for what the kernel reads or writes
+/// there (sizes as the attribute states them), alive across the call.
+pub(super) unsafe fn sys_bpf<T: ?Sized>(
+    cmd: libc::c_long,
+    attr: &mut T,
+) -> io::Result<libc::c_long> {
+    let size = std::mem::size_of_val(attr);
+    // SAFETY: as the caller guarantees; `size` is exactly the attribute's size.
+    let ret = unsafe {
+        libc::syscall(
+            libc::SYS_bpf,
+            cmd,
+            std::ptr::from_mut(attr).cast::<u8>(),
+            size,
+        )
+    };
     if ret < 0 {
         Err(io::Error::last_os_error())
     } else {
@@ -64,7 +80,9 @@ pub fn load_sched_cls(insns: &[u64]) -> io::Result<OwnedFd> {
     put_u32(&mut attr, 4, count);
     put_ptr(&mut attr, 8, insns.as_ptr().cast());
     put_ptr(&mut attr, 16, license.as_ptr().cast());
-    let fd = sys_bpf(BPF_PROG_LOAD, &mut attr)?;
+    // SAFETY: a zero-filled prefix with `insns` (`count` instructions) and `license`, both
+    // alive until the call returns.
+    let fd = unsafe { sys_bpf(BPF_PROG_LOAD, &mut attr)? };
     let fd = i32::try_from(fd).map_err(|_| io::Error::other(format!("bpf fd {fd}")))?;
     // SAFETY: the kernel just returned this fd and nothing else owns it.
     Ok(unsafe { OwnedFd::from_raw_fd(fd) })
@@ -119,7 +137,9 @@ pub fn test_run_skb(
         put_ptr(&mut attr, 56, ctx_out.as_mut_ptr());
     }
     put_u32(&mut attr, 64, run.flags);
-    sys_bpf(BPF_PROG_TEST_RUN, &mut attr)?;
+    // SAFETY: a zero-filled prefix whose data and context pointers come from the slices
+    // above with their lengths, all borrowed across the call.
+    unsafe { sys_bpf(BPF_PROG_TEST_RUN, &mut attr)? };
     Ok(SkbTestRunOutput {
         retval: get_u32(&attr, 4),
         data_size_out: get_u32(&attr, 12) as usize,

@@ -194,23 +194,11 @@ impl BatchReader {
 }
 
 fn lookup_batch(attr: &mut BatchAttr) -> io::Result<()> {
-    // SAFETY: `attr` is a valid `bpf_attr.batch` of the size passed; `keys` and `values`
-    // point to buffers of `count` entries of the map's key and value sizes (checked against
-    // the map's info by the caller) and `in_batch`/`out_batch` to 64 bytes, more than a
+    // SAFETY: `attr` is a valid `bpf_attr.batch` (the whole struct is passed); `keys` and
+    // `values` point to buffers of `count` entries of the map's key and value sizes (checked
+    // against the map's info by the caller) and `in_batch`/`out_batch` to 64 bytes, more than a
     // bucket index or any key the caller accepts; all outlive the call.
-    let ret = unsafe {
-        libc::syscall(
-            libc::SYS_bpf,
-            BPF_MAP_LOOKUP_BATCH,
-            std::ptr::from_mut(attr),
-            size_of::<BatchAttr>(),
-        )
-    };
-    if ret < 0 {
-        Err(io::Error::last_os_error())
-    } else {
-        Ok(())
-    }
+    unsafe { super::bpf_syscall::sys_bpf(BPF_MAP_LOOKUP_BATCH, attr) }.map(drop)
 }
 
 /// Replaces `out` with every entry of the hash map: batched when the kernel can, else (or
