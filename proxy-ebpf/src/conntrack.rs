@@ -227,7 +227,12 @@ pub fn reply_is_stale(reply_key: &CtKey, own_key: &CtKey) -> bool {
     };
     // SAFETY: as `reply` above.
     let forward = unsafe { &*forward };
+    // A TCP flow that saw its FIN or RST no longer holds the tuple, as netfilter lets a new
+    // connection take the tuple of one in TIME_WAIT/CLOSE (`nf_nat_used_tuple_harder`): a
+    // client reconnecting from the same port through another frontend is not refused for the
+    // closed flow's 10 s.
     !answers(forward, reply_key)
+        || (reply_key.proto == proto::TCP && forward.flags & ct_flags::CLOSING != 0)
         || ct_timeout::expired(reply_key.proto, forward.flags, forward.last_seen_ns, now)
 }
 
