@@ -1162,27 +1162,7 @@ fn program_spread_with(node: &mut Node, backends: &[&str], affinity: &str) {
          spec: {{type: NodePort, clusterIP: 10.96.0.30, sessionAffinity: {affinity}, ports: [\
          {{name: http, port: 80, protocol: TCP, targetPort: 8080, nodePort: 30090}}]}}\n"
     );
-    let service: Service = serde_yaml::from_str(&yaml).expect("service yaml");
-    let endpoints: Vec<String> = backends
-        .iter()
-        .map(|addr| {
-            format!("{{addresses: ['{addr}'], nodeName: {NODE}, conditions: {{ready: true}}}}")
-        })
-        .collect();
-    let yaml = format!(
-        "apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\n\
-         metadata: {{name: spread-4, namespace: default, labels: {{kubernetes.io/service-name: spread}}}}\n\
-         addressType: IPv4\nports: [{{name: http, port: 8080, protocol: TCP}}]\n\
-         endpoints: [{}]\n",
-        endpoints.join(", ")
-    );
-    let slice: EndpointSlice = serde_yaml::from_str(&yaml).expect("slice yaml");
-    let objects = Objects::new(
-        BTreeMap::from([(key("spread"), service)]),
-        BTreeMap::from([(key("spread-4"), slice)]),
-        None,
-    );
-    let snapshot = Snapshot::compute(&objects, NODE);
+    let snapshot = single_slice_snapshot("spread", &yaml, backends);
     let (summary, errors) = node.dataplane.apply(&snapshot, None);
     assert!(errors.is_empty(), "apply errors: {errors:?}");
     assert!(summary.frontends_written > 0, "{summary:?}");
@@ -2085,7 +2065,13 @@ fn race_snapshot(backends: &[&str]) -> Snapshot {
     let yaml = "apiVersion: v1\nkind: Service\nmetadata: {name: race, namespace: default}\n\
                 spec: {clusterIP: 10.96.0.40, ports: [{name: http, port: 80, protocol: TCP, \
                 targetPort: 8080}]}\n";
-    let service: Service = serde_yaml::from_str(yaml).expect("service yaml");
+    single_slice_snapshot("race", yaml, backends)
+}
+
+/// Service `name` (from `service_yaml`) with one ready IPv4 endpoint on this node per address
+/// in `backends`, port `http` 8080, in the slice `<name>-4`.
+fn single_slice_snapshot(name: &str, service_yaml: &str, backends: &[&str]) -> Snapshot {
+    let service: Service = serde_yaml::from_str(service_yaml).expect("service yaml");
     let endpoints: Vec<String> = backends
         .iter()
         .map(|addr| {
@@ -2094,15 +2080,15 @@ fn race_snapshot(backends: &[&str]) -> Snapshot {
         .collect();
     let yaml = format!(
         "apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\n\
-         metadata: {{name: race-4, namespace: default, labels: {{kubernetes.io/service-name: race}}}}\n\
+         metadata: {{name: {name}-4, namespace: default, labels: {{kubernetes.io/service-name: {name}}}}}\n\
          addressType: IPv4\nports: [{{name: http, port: 8080, protocol: TCP}}]\n\
          endpoints: [{}]\n",
         endpoints.join(", ")
     );
     let slice: EndpointSlice = serde_yaml::from_str(&yaml).expect("slice yaml");
     let objects = Objects::new(
-        BTreeMap::from([(key("race"), service)]),
-        BTreeMap::from([(key("race-4"), slice)]),
+        BTreeMap::from([(key(name), service)]),
+        BTreeMap::from([(key(&format!("{name}-4")), slice)]),
         None,
     );
     Snapshot::compute(&objects, NODE)
