@@ -28,6 +28,16 @@ impl Netns {
                 Ok(_) => {
                     let ns = Self { name };
                     ns.ip(&["link", "set", "lo", "up"])?;
+                    // No duplicate address detection on the interfaces made here later: their
+                    // link-local addresses would stay tentative for up to 2 s after link up, and
+                    // the kernel sends no neighbour solicitation for a forwarded packet until
+                    // the outgoing device has a usable link-local source (`ndisc_send_ns`), so
+                    // the first IPv6 packet the node forwards to a fresh pod waits a neighbour
+                    // retransmission (1 s). A real node's pod interfaces are long past DAD.
+                    ns.sysctl_all(&[
+                        ("net.ipv6.conf.default.accept_dad", "0"),
+                        ("net.ipv6.conf.all.accept_dad", "0"),
+                    ])?;
                     return Ok(ns);
                 }
                 // A leftover with the same pid and counter: skip to the next counter value.
@@ -86,10 +96,17 @@ impl Netns {
             .ok_or_else(bad)
     }
 
+    /// Sets several sysctls inside the namespace with one command.
+    pub fn sysctl_all(&self, settings: &[(&str, &str)]) -> Result<()> {
+        let mut args = vec!["-qw".to_owned()];
+        args.extend(settings.iter().map(|(key, value)| format!("{key}={value}")));
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        self.exec("sysctl", &args).map(drop)
+    }
+
     /// Sets a sysctl inside the namespace (e.g. `net.ipv4.ip_forward`).
     pub fn sysctl(&self, key: &str, value: &str) -> Result<()> {
-        self.exec("sysctl", &["-qw", &format!("{key}={value}")])
-            .map(drop)
+        self.sysctl_all(&[(key, value)])
     }
 }
 
