@@ -171,6 +171,14 @@ pub mod ct_flags {
     /// [`super::ct_timeout::TCP_SYN_NS`]: a SYN flood must not hold entries and SNAT ports for
     /// the established timeout.
     pub const ESTABLISHED: u8 = 16;
+    /// Forward entries the agent adopted at start from the kernel's conntrack: a UDP or SCTP
+    /// flow that netfilter (kube-proxy's rules, or the iptables mode's) already DNATs. Its
+    /// packets go to the stack untranslated, where the kernel's conntrack entry keeps applying
+    /// its NAT — after the rules are gone too — so the flow keeps its backend across the
+    /// takeover. The value's `dst`/`dport` is that backend (for the purge of removed
+    /// backends); the entry idles out like any UDP/SCTP flow, and the next packet starts a
+    /// flow of the datapath's own.
+    pub const KERNEL_NAT: u8 = 64;
 }
 
 /// Idle timeouts of `KPR_CT` forward entries, shared by the datapath (which treats an expired

@@ -80,10 +80,13 @@ pub enum StatIndex {
     /// A backend's reply found its flow's forward entry gone (LRU eviction) and rebuilt it
     /// from the reply entry: the flow keeps its backend and SNAT port.
     TcForwardRebuilt = 31,
+    /// A UDP/SCTP packet of a flow the kernel's conntrack NATs (adopted at the agent's start,
+    /// `ct_flags::KERNEL_NAT`) went to the stack untranslated, keeping its backend.
+    TcKernelNatPassed = 32,
 }
 
 impl StatIndex {
-    pub const COUNT: u32 = 32;
+    pub const COUNT: u32 = 33;
     pub const ALL: [StatIndex; Self::COUNT as usize] = [
         StatIndex::Translated,
         StatIndex::RejectedNoBackends,
@@ -117,6 +120,7 @@ impl StatIndex {
         StatIndex::SockLeftToTc,
         StatIndex::TcReplyClash,
         StatIndex::TcForwardRebuilt,
+        StatIndex::TcKernelNatPassed,
     ];
 
     /// Label used in logs and metrics.
@@ -154,6 +158,7 @@ impl StatIndex {
             StatIndex::SockLeftToTc => "sock_left_to_tc",
             StatIndex::TcReplyClash => "tc_ct_reply_clash",
             StatIndex::TcForwardRebuilt => "tc_ct_forward_rebuilt",
+            StatIndex::TcKernelNatPassed => "tc_kernel_nat_passed",
         }
     }
 }

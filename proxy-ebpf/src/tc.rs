@@ -132,8 +132,9 @@ fn service(ctx: &TcContext, side: Side) -> i32 {
     let key = pkt.ct_key();
     if let Some(entry) = conntrack::lookup(&key) {
         // SAFETY: the pointer comes from a successful lookup. It is used in place (no copy on
-        // this frame, for the stack); the agent never writes this map, and a racing datapath
-        // update writes a whole, equally valid translation.
+        // this frame, for the stack); the agent writes only new entries (the kernel's NATed
+        // flows it adopts at start, with `BPF_NOEXIST`), and a racing datapath update writes a
+        // whole, equally valid translation.
         let value = unsafe { &*entry };
         if value.flags & ct_flags::REPLY != 0 {
             // A backend's reply (a remote one's is addressed to the SNAT address).
@@ -144,6 +145,12 @@ fn service(ctx: &TcContext, side: Side) -> i32 {
         }
         if conntrack::carries(value, &pkt, now) {
             conntrack::touch(entry, value, &pkt, now);
+            // A flow the kernel's conntrack already NATs (adopted at the agent's start): its
+            // entry there keeps the NAT without any rule, so the stack keeps its backend.
+            if value.flags & ct_flags::KERNEL_NAT != 0 {
+                bump(StatIndex::TcKernelNatPassed);
+                return NEXT;
+            }
             return translate(ctx, &pkt, value, StatIndex::TcEstablished);
         }
     }

@@ -13,8 +13,11 @@ use std::net::{SocketAddr, SocketAddrV4};
 use std::time::Duration;
 
 use proxy_tests::RigError;
-use proxy_tests::client::{Attempt, Client, Mode, tally};
-use proxy_tests::scenario::{CLUSTER_IP, Scenario, cluster_addr, is_pod, pod_endpoint};
+use proxy_tests::client::{Attempt, Client, Mode, Proto, tally};
+use proxy_tests::manifests::{Protocol, SlicePort, endpoint_slice_yaml_family};
+use proxy_tests::scenario::{
+    BACKEND_PORT, CLUSTER_IP, Scenario, cluster_addr, is_pod, pod_endpoint, pod_endpoint_family,
+};
 use proxy_tests::service_scenarios::ServiceSpec;
 use proxy_tests::topology::Topology;
 use proxy_tests::wait::try_wait_until;
@@ -279,4 +282,220 @@ fn established_tcp_connections_survive_the_takeover_from_nftables_rules() -> any
         started.elapsed()
     );
     Ok(())
+}
+
+/// The UDP Service of the UDP takeover: `default/dns`, ClusterIP `UDP_CLUSTER_IP`:53 and
+/// NodePort `UDP_NODE_PORT` → pods 1 and 2 on 8080/UDP.
+const UDP_CLUSTER_IP: std::net::Ipv4Addr = std::net::Ipv4Addr::new(10, 96, 0, 53);
+const UDP_NODE_PORT: u16 = 30053;
+
+fn write_udp_service(s: &Scenario) -> anyhow::Result<()> {
+    // The node's own clients route a packet to the ClusterIP (no decoy address holds it here)
+    // before the iptables mode's OUTPUT DNAT rewrites it, as on a real node.
+    s.topo.route_node_via_ext()?;
+    let port = SlicePort {
+        name: "dns".into(),
+        port: BACKEND_PORT,
+        protocol: Protocol::Udp,
+    };
+    s.manifests.write(
+        "dns-slice.yaml",
+        &endpoint_slice_yaml_family(
+            "default",
+            "dns-1",
+            "dns",
+            std::slice::from_ref(&port),
+            &[pod_endpoint_family(1, false), pod_endpoint_family(2, false)],
+            false,
+        ),
+    )?;
+    s.manifests.write(
+        "dns-svc.yaml",
+        &format!(
+            "apiVersion: v1\nkind: Service\nmetadata: {{name: dns, namespace: default}}\nspec:\n  \
+             type: NodePort\n  clusterIP: {UDP_CLUSTER_IP}\n  ports:\n  - {{name: dns, port: 53, \
+             targetPort: {BACKEND_PORT}, protocol: UDP, nodePort: {UDP_NODE_PORT}}}\n"
+        ),
+    )?;
+    Ok(())
+}
+
+fn udp_node_port_addr() -> SocketAddr {
+    SocketAddrV4::new(Topology::node_ext_ip(), UDP_NODE_PORT).into()
+}
+
+fn udp_cluster_addr() -> SocketAddr {
+    SocketAddrV4::new(UDP_CLUSTER_IP, 53).into()
+}
+
+/// Waits until the UDP NodePort (from outside) and ClusterIP (from a node process in the
+/// agent's cgroup) are answered, then opens 8 UDP flows through the first and 4 to the second,
+/// each one connected socket (a resolver's, a game's) sending 200 datagrams 100 ms apart;
+/// returns them and the two clients.
+fn open_udp_streams(s: &mut Scenario) -> anyhow::Result<(Streams, Client, Client)> {
+    let outside = s.external_client().proto(Proto::Udp);
+    let node = s.cgroup_client().proto(Proto::Udp);
+    s.wait_for_datapath_with(
+        &outside,
+        udp_node_port_addr(),
+        "UDP NodePort answered",
+        is_pod,
+    )?;
+    s.wait_for_datapath_with(&node, udp_cluster_addr(), "UDP ClusterIP answered", is_pod)?;
+    let streams = (0..12)
+        .map(|i| {
+            let (client, target) = if i < 8 {
+                (outside.clone(), udp_node_port_addr())
+            } else {
+                (node.clone(), udp_cluster_addr())
+            };
+            let client = client
+                .mode(Mode::Stream)
+                .interval(Duration::from_millis(100))
+                .timeout(Duration::from_millis(1000));
+            std::thread::spawn(move || client.run(target, 200))
+        })
+        .collect();
+    // Every flow has its first answer before the transition starts.
+    std::thread::sleep(Duration::from_millis(800));
+    Ok((streams, outside, node))
+}
+
+/// Joins UDP streams (one connected socket each, `Mode::Stream`) and fails unless every one
+/// was answered every time, always by the one backend it had at the start.
+fn ensure_udp_streams_kept(s: &Scenario, streams: Streams, transition: &str) -> anyhow::Result<()> {
+    let mut broken = Vec::new();
+    let total = streams.len();
+    for (i, stream) in streams.into_iter().enumerate() {
+        let attempts = stream
+            .join()
+            .map_err(|_| RigError::Other(format!("UDP flow {i}: client thread panicked")))??;
+        let counts = tally(&attempts);
+        eprintln!("UDP flow {i} across the {transition}: {counts:?}");
+        let kept = counts.len() == 1 && attempts.iter().all(is_pod);
+        if !kept {
+            broken.push((i, counts));
+        }
+    }
+    eprintln!(
+        "{transition}: {} of {total} UDP flows moved or stalled",
+        broken.len()
+    );
+    s.ensure(broken.is_empty(), || {
+        format!("{transition}: every UDP flow keeps its backend, answered throughout: {broken:?}")
+    })?;
+    Ok(())
+}
+
+/// UDP flows across the takeover from iptables rules (`open_udp_streams`), opened under the
+/// iptables mode. A UDP packet carries nothing that
+/// tells a flow's first datagram from its hundredth, so the eBPF mode adopts the flows the
+/// kernel's conntrack NATs at its start (`ct_flags::KERNEL_NAT`) and leaves them to that
+/// NAT: every flow keeps its backend (before, each NodePort flow's next datagram was a new
+/// flow with a random backend: about half moved), and new flows get the eBPF mode's.
+#[test]
+fn udp_flows_keep_their_backends_across_the_takeover_from_iptables_rules() -> anyhow::Result<()> {
+    let mut s = setup()?;
+    write_udp_service(&s)?;
+    s.start_agent_with_args("iptables", &[])?;
+    let (streams, outside, node) = open_udp_streams(&mut s)?;
+    s.stop_agent()?;
+    s.start_agent_with_args("ebpf", &["--interfaces", "vext"])?;
+    // The rules go after the eBPF mode's first sync (its start takes seconds on a loaded
+    // machine: the verifier); from then on new flows are the eBPF mode's.
+    try_wait_until(
+        "the iptables mode's rules removed",
+        Duration::from_secs(15),
+        Duration::from_millis(50),
+        || {
+            Ok(!s
+                .topo
+                .node()
+                .exec("iptables-save", &["-t", "nat"])?
+                .contains("KUBE-SERVICES"))
+        },
+    )
+    .map_err(|e| s.agent_error(e.to_string()))?;
+    s.wait_for_batch(
+        &node,
+        udp_cluster_addr(),
+        6,
+        "new UDP ClusterIP flows",
+        is_pod,
+    )?;
+    s.wait_for_batch(
+        &outside,
+        udp_node_port_addr(),
+        6,
+        "new UDP NodePort flows",
+        is_pod,
+    )?;
+    let running = streams.iter().filter(|t| !t.is_finished()).count();
+    s.ensure(running == streams.len(), || {
+        format!(
+            "the takeover must complete while the UDP flows run: only {running} of {} still ran",
+            streams.len()
+        )
+    })?;
+    ensure_udp_streams_kept(&s, streams, "takeover")?;
+    let adopted = s.agent()?.metrics()?;
+    let passed = adopted
+        .lines()
+        .find(|l| l.contains("reason=\"tc_kernel_nat_passed\""))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse::<f64>().ok())
+        .unwrap_or(0.0);
+    eprintln!("datagrams of adopted flows left to the kernel's NAT: {passed}");
+    s.ensure(passed > 0.0, || {
+        "the NodePort flows' datagrams must have been left to the kernel's NAT (tc_kernel_nat_passed)".into()
+    })?;
+    Ok(())
+}
+
+/// UDP flows across the hand-back: opened under the eBPF mode, they run while an iptables-mode
+/// agent takes over. The draining eBPF programs keep translating the flows they track, so each
+/// keeps its backend, and new flows meet the iptables rules.
+#[test]
+fn udp_flows_keep_their_backends_across_the_hand_back_to_iptables_rules() -> anyhow::Result<()> {
+    let mut s = setup()?;
+    write_udp_service(&s)?;
+    s.start_agent_with_args("ebpf", &["--interfaces", "vext"])?;
+    let (streams, outside, node) = open_udp_streams(&mut s)?;
+    let agent = s.agent()?;
+    agent.stop()?;
+    agent.restart_in_mode_with_args("iptables", &["--mode-switch-drain-period", "60s"])?;
+    try_wait_until(
+        "the iptables mode's rules",
+        Duration::from_secs(10),
+        Duration::from_millis(50),
+        || {
+            Ok(s.topo
+                .node()
+                .exec("iptables-save", &["-t", "nat"])?
+                .contains("KUBE-SERVICES"))
+        },
+    )
+    .map_err(|e| s.agent_error(e.to_string()))?;
+    s.wait_for_batch(
+        &node,
+        udp_cluster_addr(),
+        6,
+        "new UDP ClusterIP flows",
+        is_pod,
+    )?;
+    s.wait_for_batch(
+        &outside,
+        udp_node_port_addr(),
+        6,
+        "new UDP NodePort flows",
+        is_pod,
+    )?;
+    let running = streams.iter().filter(|t| !t.is_finished()).count();
+    s.ensure(running == streams.len(), || {
+        format!(
+            "the hand-back must complete while the UDP flows run: only {running} of {} still ran",
+            streams.len()
+        )
+    })?;
+    ensure_udp_streams_kept(&s, streams, "hand-back")
 }

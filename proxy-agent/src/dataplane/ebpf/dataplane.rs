@@ -28,6 +28,7 @@ use super::{
     drift,
     error::EbpfError,
     features::{Feature, KernelFeatures},
+    kernel_nat,
     map_batch::{self, BatchReader},
     object,
     options::EbpfOptions,
@@ -39,7 +40,7 @@ use super::{
     stats::read_stats,
     tc::TcOptions,
     tc::TcState,
-    tc_conntrack,
+    tc_conntrack::{self, monotonic_ns},
 };
 use crate::desired::{Protocol, ServicePortName, Snapshot};
 
@@ -229,6 +230,9 @@ impl EbpfDataplane {
         for name in program_names::ALL {
             links.push(attach_and_pin(&mut ebpf, name, &cgroup_dir, &pin_dir)?);
         }
+        // Before the tc programs attach (and before the first sync gives them frontends): from
+        // then on a UDP/SCTP packet without an entry would be a new flow of theirs.
+        adopt_kernel_nat_flows(&mut ebpf);
         tc.refresh(&mut ebpf, &pin_dir, true);
         let ct_worker = match CtWorker::start(&pin_dir.join(map_names::CT)) {
             Ok(worker) => Some(worker),
@@ -645,6 +649,28 @@ impl EbpfDataplane {
             "leaving the eBPF datapath in place"
         );
         // Dropping closes our fds only; the pins keep links, programs and maps alive.
+    }
+}
+
+/// See [`kernel_nat`]. Best effort, like the adoption itself.
+fn adopt_kernel_nat_flows(ebpf: &mut Ebpf) {
+    let now = match monotonic_ns() {
+        Ok(now) => now,
+        Err(error) => {
+            warn!(%error, "no monotonic clock: UDP/SCTP flows the kernel's conntrack NATs are not adopted");
+            return;
+        }
+    };
+    let Some(map) = ebpf.map_mut(map_names::CT) else {
+        return;
+    };
+    match HashMap::<_, CtKey, CtValue>::try_from(map) {
+        Ok(mut ct) => {
+            kernel_nat::adopt(&mut ct, now);
+        }
+        Err(error) => {
+            warn!(%error, "KPR_CT: UDP/SCTP flows the kernel's conntrack NATs are not adopted")
+        }
     }
 }
 

@@ -1,0 +1,193 @@
+//! UDP and SCTP flows the kernel's conntrack already NATs, adopted into `KPR_CT` at start so
+//! that a takeover from netfilter (kube-proxy's iptables or nftables rules, or the iptables
+//! mode's) keeps their backends.
+//!
+//! A TCP flow needs nothing: the tc programs start one only on a SYN and hand any other
+//! segment without an entry to the stack, where the kernel's conntrack entry keeps applying
+//! its NAT after the rules are gone. A UDP or SCTP packet carries no such mark, so without an
+//! entry it would be taken as a new flow and sent to a backend of the datapath's choosing — a
+//! different one, most of the time. Each DNATed UDP/SCTP entry of the kernel's conntrack is
+//! therefore written as a forward entry with `ct_flags::KERNEL_NAT`: its packets go to the
+//! stack untranslated while it lives (the usual UDP/SCTP idle timeout), its backend is
+//! recorded for the purge of removed backends, and once it idles out or is purged the next
+//! packet starts a flow of the datapath's own.
+
+use std::net::IpAddr;
+
+use aya::maps::{HashMap, MapData};
+use proxy_common::{CtKey, CtValue, ct_flags, family, proto};
+use tracing::{info, warn};
+
+use super::map_writer::{ip4_to_map, ip6_to_map};
+use crate::{
+    desired::IpFamily,
+    kernel_conntrack::{ConntrackEntry, Ctnetlink},
+};
+
+/// `BPF_NOEXIST` (linux/bpf.h): write only if the key is absent.
+const BPF_NOEXIST: u64 = 1;
+
+/// The `KPR_CT` forward entry for a kernel conntrack entry of a DNATed UDP or SCTP flow, keyed
+/// by what the client sends (the original tuple). `None` for other protocols, flows without
+/// DNAT (the reply comes from the original destination) and mixed families.
+pub fn adoptable(entry: &ConntrackEntry, now_ns: u64) -> Option<(CtKey, CtValue)> {
+    let original = &entry.original;
+    let reply = &entry.reply;
+    if original.protocol != proto::UDP && original.protocol != proto::SCTP {
+        return None;
+    }
+    if original.dst == reply.src && original.dst_port == reply.src_port {
+        return None;
+    }
+    let (src, family) = words(original.src)?;
+    let (dst, dst_family) = words(original.dst)?;
+    let (backend, backend_family) = words(reply.src)?;
+    if dst_family != family || backend_family != family {
+        return None;
+    }
+    let key = CtKey {
+        src,
+        dst,
+        sport: original.src_port.to_be(),
+        dport: original.dst_port.to_be(),
+        proto: original.protocol,
+        family,
+        _pad: 0,
+    };
+    let value = CtValue {
+        src,
+        dst: backend,
+        sport: original.src_port.to_be(),
+        dport: reply.src_port.to_be(),
+        flags: ct_flags::KERNEL_NAT,
+        _pad: [0; 3],
+        last_seen_ns: now_ns,
+    };
+    Some((key, value))
+}
+
+fn words(addr: IpAddr) -> Option<([u32; 4], u8)> {
+    Some(match addr {
+        IpAddr::V4(a) => ([ip4_to_map(a), 0, 0, 0], family::V4),
+        IpAddr::V6(a) => (ip6_to_map(a), family::V6),
+    })
+}
+
+/// Reads the kernel's conntrack (both families) and writes an entry for each adoptable flow
+/// that `KPR_CT` does not hold yet (a flow the datapath already tracks stays its own). Best
+/// effort: a failed read or write only costs those flows their backend, so it is logged and
+/// the start goes on. Returns the number of flows adopted.
+pub fn adopt(ct: &mut HashMap<&mut MapData, CtKey, CtValue>, now_ns: u64) -> usize {
+    let mut ctnetlink = match Ctnetlink::open() {
+        Ok(ctnetlink) => ctnetlink,
+        Err(error) => {
+            warn!(%error, "cannot read the kernel's conntrack: UDP/SCTP flows it NATs are not adopted");
+            return 0;
+        }
+    };
+    let mut adopted = 0;
+    for ip_family in IpFamily::ALL {
+        let entries = match ctnetlink.dump(ip_family) {
+            Ok(entries) => entries,
+            Err(error) => {
+                warn!(%error, family = ?ip_family, "cannot read the kernel's conntrack: UDP/SCTP flows it NATs are not adopted");
+                continue;
+            }
+        };
+        for (key, value) in entries.iter().filter_map(|e| adoptable(e, now_ns)) {
+            match ct.insert(key, value, BPF_NOEXIST) {
+                Ok(()) => adopted += 1,
+                // Already tracked by the datapath (EEXIST), or the map is full: either way the
+                // flow is left as it is.
+                Err(_) => {}
+            }
+        }
+    }
+    if adopted > 0 {
+        info!(
+            flows = adopted,
+            "UDP/SCTP flows the kernel's conntrack NATs keep their backends (adopted into KPR_CT)"
+        );
+    }
+    adopted
+}
+
+#[cfg(test)]
+mod tests {
+    use std::net::{Ipv4Addr, Ipv6Addr};
+
+    use super::*;
+    use crate::kernel_conntrack::Tuple;
+
+    fn entry(protocol: u8, dst: IpAddr, backend: IpAddr, backend_port: u16) -> ConntrackEntry {
+        let client: IpAddr = if dst.is_ipv4() {
+            Ipv4Addr::new(10, 10, 0, 2).into()
+        } else {
+            Ipv6Addr::new(0xfd00, 0x10, 0, 0, 0, 0, 0, 2).into()
+        };
+        ConntrackEntry {
+            original: Tuple {
+                src: client,
+                dst,
+                protocol,
+                src_port: 40_000,
+                dst_port: 30_081,
+            },
+            reply: Tuple {
+                src: backend,
+                // Masqueraded: the reply goes to the node's address and a port of its own.
+                dst,
+                protocol,
+                src_port: backend_port,
+                dst_port: 51_234,
+            },
+        }
+    }
+
+    #[test]
+    fn a_dnated_udp_flow_is_adopted_with_its_backend() {
+        let node: IpAddr = Ipv4Addr::new(10, 10, 0, 1).into();
+        let backend: IpAddr = Ipv4Addr::new(10, 244, 2, 2).into();
+        let (key, value) = adoptable(&entry(proto::UDP, node, backend, 8080), 7).unwrap();
+        assert_eq!(key.src, [ip4_to_map(Ipv4Addr::new(10, 10, 0, 2)), 0, 0, 0]);
+        assert_eq!(key.dst, [ip4_to_map(Ipv4Addr::new(10, 10, 0, 1)), 0, 0, 0]);
+        assert_eq!(
+            (key.sport, key.dport),
+            (40_000u16.to_be(), 30_081u16.to_be())
+        );
+        assert_eq!((key.proto, key.family), (proto::UDP, family::V4));
+        assert_eq!(
+            value.dst,
+            [ip4_to_map(Ipv4Addr::new(10, 244, 2, 2)), 0, 0, 0]
+        );
+        assert_eq!(value.dport, 8080u16.to_be());
+        assert_eq!(value.flags, ct_flags::KERNEL_NAT);
+        assert_eq!(value.last_seen_ns, 7);
+    }
+
+    #[test]
+    fn ipv6_and_sctp_flows_are_adopted() {
+        let node: IpAddr = Ipv6Addr::new(0xfd00, 0x10, 0, 0, 0, 0, 0, 1).into();
+        let backend: IpAddr = Ipv6Addr::new(0xfd00, 0x244, 2, 0, 0, 0, 0, 2).into();
+        let (key, value) = adoptable(&entry(proto::SCTP, node, backend, 9000), 1).unwrap();
+        assert_eq!(key.family, family::V6);
+        assert_eq!(key.proto, proto::SCTP);
+        assert_eq!(
+            value.dst,
+            ip6_to_map(Ipv6Addr::new(0xfd00, 0x244, 2, 0, 0, 0, 0, 2))
+        );
+    }
+
+    #[test]
+    fn tcp_flows_and_flows_without_dnat_are_left_alone() {
+        let node: IpAddr = Ipv4Addr::new(10, 10, 0, 1).into();
+        let backend: IpAddr = Ipv4Addr::new(10, 244, 2, 2).into();
+        // TCP: the tc programs never start a flow on a segment other than a SYN.
+        assert!(adoptable(&entry(proto::TCP, node, backend, 8080), 1).is_none());
+        // The reply comes from the original destination: no DNAT (a plain or masqueraded flow,
+        // or one the datapath translated itself before the kernel saw it).
+        assert!(adoptable(&entry(proto::UDP, node, node, 30_081), 1).is_none());
+        // A port-only DNAT (a REDIRECT) is still a DNAT.
+        assert!(adoptable(&entry(proto::UDP, node, node, 8080), 1).is_some());
+    }
+}
