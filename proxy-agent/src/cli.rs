@@ -503,7 +503,8 @@ pub struct Args {
     pub bpf_maglev_table_size: Option<String>,
 
     /// Interfaces that get the external tc programs, comma-separated (default: every interface
-    /// with a global unicast address).
+    /// that is up with a global unicast address, except container bridges, tunnels, TUN/TAP and
+    /// dummies).
     #[arg(
         long,
         value_name = "NAMES",

@@ -9,6 +9,9 @@ use std::{
 use ipnet::IpNet;
 use nix::{ifaddrs::getifaddrs, net::if_::InterfaceFlags};
 
+use tracing::warn;
+
+use super::links::{Link, host_links};
 use crate::ip_family::IpFamily;
 
 /// One interface of the node's network namespace with its addresses.
@@ -17,11 +20,29 @@ pub struct Interface {
     pub name: String,
     pub addrs: Vec<IpAddr>,
     pub loopback: bool,
+    /// State, kind and hardware type; `None` when the link dump failed (every interface is
+    /// then judged by its addresses alone, as before these facts were read).
+    pub link: Option<Link>,
 }
 
-/// Every interface (up or not) with its addresses, by name (`getifaddrs`, in the caller's
-/// network namespace).
+/// Every interface (up or not) with its addresses and link facts, by name (`getifaddrs` and
+/// an `RTM_GETLINK` dump, in the caller's network namespace).
 pub fn host_interfaces() -> Result<BTreeMap<String, Interface>, nix::Error> {
+    let mut found = interface_addresses()?;
+    match host_links() {
+        Ok(mut links) => {
+            for interface in found.values_mut() {
+                interface.link = links.remove(&interface.name);
+            }
+        }
+        Err(error) => {
+            warn!(%error, "cannot read link states and kinds; interfaces judged by their addresses only")
+        }
+    }
+    Ok(found)
+}
+
+fn interface_addresses() -> Result<BTreeMap<String, Interface>, nix::Error> {
     let mut found: BTreeMap<String, Interface> = BTreeMap::new();
     for entry in getifaddrs()? {
         let interface = found

@@ -32,21 +32,124 @@ pub fn is_pod_interface(mode: &DetectLocalMode, name: &str) -> bool {
     }
 }
 
-/// The interfaces that get the external program: `--interfaces`, else those with a global
-/// unicast address (pod veths normally have none), except pod interfaces by name — a pod
-/// bridge usually holds the pods' gateway address, but traffic arriving there is pod traffic.
+/// Which tc programs an interface gets.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TcRole {
+    /// `kpr_tc_external` on ingress: Service traffic from outside, replies of remote backends.
+    External,
+    /// `kpr_tc_reply` on ingress: replies of local backends (pod veths, container bridges,
+    /// tunnels, interfaces that are down).
+    Pod,
+    /// Nothing: loopback, and links whose packets do not start with an Ethernet header
+    /// (WireGuard, IPIP, GRE, TUN, ...), which the tc programs' parser would misread.
+    Untouched,
+}
+
+/// Link kinds that never get the external program by default: container and pod networks
+/// (a bridge — `docker0`, `cni0`, `cbr0` — unless a physical port makes it the node's uplink,
+/// see `bridge_has_uplink`), overlay tunnels between nodes, TUN/TAP devices of VMs and
+/// userspace tunnels, and dummies holding service addresses (`kube-ipvs0`, `nodelocaldns`),
+/// where no packet arrives. Their addresses must not become the SNAT address either.
+const NOT_EXTERNAL_KINDS: &[&str] = &[
+    "bridge",
+    "vxlan",
+    "geneve",
+    "gretap",
+    "ip6gretap",
+    "erspan",
+    "ip6erspan",
+    "tun",
+    "dummy",
+    "ipip",
+    "sit",
+    "gre",
+    "ip6gre",
+    "ip6tnl",
+    "vti",
+    "vti6",
+    "xfrm",
+    "wireguard",
+    "bareudp",
+];
+
+/// Port kinds that make a bridge a container network rather than the node's uplink.
+const CONTAINER_PORT_KINDS: &[&str] = &["veth", "tun", "dummy", "vxlan", "geneve", "gretap"];
+
+/// The role of `interface` among `all`: `--interfaces` when set (an interface listed there is
+/// external while it is up), else external when it is up, holds a global unicast address, is
+/// not a pod interface by `--detect-local-mode` (a pod bridge usually holds the pods' gateway
+/// address, but traffic arriving there is pod traffic) and is not of a kind in
+/// `NOT_EXTERNAL_KINDS`. A veth stays eligible: a node in a container (kind) has a veth as
+/// its uplink, while pod veths carry no global address (or are named by the detector). Links
+/// without an Ethernet header get nothing, even when listed.
+pub fn tc_role(
+    configured: &[String],
+    detect_local: &DetectLocalMode,
+    interface: &Interface,
+    all: &BTreeMap<String, Interface>,
+) -> TcRole {
+    if interface.loopback {
+        return TcRole::Untouched;
+    }
+    let link = interface.link.as_ref();
+    if link.is_some_and(|l| !l.ethernet()) {
+        return TcRole::Untouched;
+    }
+    // Without link facts (the dump failed) every interface counts as up, as before.
+    let up = link.is_none_or(|l| l.up);
+    let external = if configured.is_empty() {
+        up && interface.addrs.iter().any(is_global_unicast)
+            && !is_pod_interface(detect_local, &interface.name)
+            && link.is_none_or(|l| match l.kind.as_deref() {
+                Some("bridge") => bridge_has_uplink(l.index, all),
+                Some(kind) => !NOT_EXTERNAL_KINDS.contains(&kind),
+                None => true,
+            })
+    } else {
+        up && configured.contains(&interface.name)
+    };
+    if external {
+        TcRole::External
+    } else {
+        TcRole::Pod
+    }
+}
+
+/// Whether the bridge with ifindex `bridge` has a port that is not a container's (a NIC, a
+/// bond, a VLAN): then it is the node's uplink (`br0` holding the node address over `eth0`),
+/// not a container network like `docker0` or `cni0`, whose ports are veths.
+fn bridge_has_uplink(bridge: u32, all: &BTreeMap<String, Interface>) -> bool {
+    all.values()
+        .filter_map(|i| i.link.as_ref())
+        .filter(|l| l.master == Some(bridge))
+        .any(|l| {
+            l.kind
+                .as_deref()
+                .is_none_or(|kind| !CONTAINER_PORT_KINDS.contains(&kind))
+        })
+}
+
+/// Every interface's role (`tc_role`), by name.
+pub fn tc_roles(
+    configured: &[String],
+    detect_local: &DetectLocalMode,
+    all: &BTreeMap<String, Interface>,
+) -> BTreeMap<String, TcRole> {
+    all.iter()
+        .map(|(name, i)| (name.clone(), tc_role(configured, detect_local, i, all)))
+        .collect()
+}
+
+/// The interfaces that get the external program (`tc_role`).
 pub fn external_interfaces(
     configured: &[String],
     detect_local: &DetectLocalMode,
     all: &BTreeMap<String, Interface>,
 ) -> BTreeSet<String> {
-    if !configured.is_empty() {
-        return configured.iter().cloned().collect();
-    }
-    all.values()
-        .filter(|i| !i.loopback && i.addrs.iter().any(is_global_unicast))
-        .filter(|i| !is_pod_interface(detect_local, &i.name))
-        .map(|i| i.name.clone())
+    tc_roles(configured, detect_local, all)
+        .into_iter()
+        .filter(|(_, role)| *role == TcRole::External)
+        .map(|(name, _)| name)
         .collect()
 }
 

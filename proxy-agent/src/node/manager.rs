@@ -12,6 +12,7 @@ use tracing::{debug, info, warn};
 
 use super::{
     addresses::{Interface, host_interfaces},
+    links::Link,
     settings::{NodeInputs, NodeSettings},
     watch::AddressWatcher,
 };
@@ -104,6 +105,10 @@ pub struct NodeManager {
     /// The last settings as logged at info.
     last_summary: String,
     watcher: Option<AddressWatcher>,
+    /// The link facts (state, kind, master) last read: a change there re-assigns tc programs
+    /// without changing any address (an interface going down or up).
+    links: BTreeMap<String, Option<Link>>,
+    links_changed: bool,
 }
 
 impl NodeManager {
@@ -134,6 +139,8 @@ impl NodeManager {
             current: None,
             last_summary: String::new(),
             watcher,
+            links: BTreeMap::new(),
+            links_changed: false,
         }
     }
 
@@ -179,6 +186,14 @@ impl NodeManager {
                 return Ok(None);
             }
         };
+        let links: BTreeMap<String, Option<Link>> = interfaces
+            .iter()
+            .map(|(name, i)| (name.clone(), i.link.clone()))
+            .collect();
+        if links != self.links {
+            self.links = links;
+            self.links_changed = true;
+        }
         Ok(self.update(node, &interfaces))
     }
 
@@ -226,6 +241,12 @@ impl NodeManager {
         }
         self.current = Some(settings);
         self.current.as_ref()
+    }
+
+    /// Whether a link changed state, kind or master since the last call (which tc programs
+    /// the interfaces get may then differ although no address changed).
+    pub fn take_links_changed(&mut self) -> bool {
+        std::mem::take(&mut self.links_changed)
     }
 
     /// Resolves when the host's addresses changed (never without a watcher). Cancel safe.

@@ -7,6 +7,7 @@
 //!   health check node port listen addresses, the resolved `detectLocalMode`.
 //! - `addresses.rs`: the host's interfaces and addresses (`getifaddrs`), and kube-proxy's
 //!   `NodePortAddresses` per family.
+//! - `links.rs`: link state, kind (bridge, veth, vxlan...) and hardware type (`RTM_GETLINK`).
 //! - `ebpf.rs`: the tc programs' node facts (`NodeConfig`, `KPR_NODE_ADDRS`) from the settings.
 //! - `changes.rs`: which Node updates matter (kubelet heartbeats do not).
 //! - `watch.rs`: netlink address events (RTM_NEWADDR/RTM_DELADDR) → a sync.
@@ -17,6 +18,7 @@ mod addresses;
 mod changes;
 mod detect_local;
 pub mod ebpf;
+mod links;
 mod manager;
 mod settings;
 mod watch;
@@ -24,6 +26,7 @@ mod watch;
 pub use addresses::{Interface, NodePortAddressSet, host_interfaces, is_global_unicast};
 pub use changes::{NodeChange, node_change};
 pub use detect_local::DetectLocalMode;
+pub use links::{ARPHRD_ETHER, Link};
 pub use manager::{NodeError, NodeManager, POD_CIDR_POLL_TIMEOUT};
 pub use settings::{FamilySettings, NodeInputs, NodeSettings, detect_node_ips, node_host_ips};
 pub use watch::AddressWatcher;

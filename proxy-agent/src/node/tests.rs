@@ -57,6 +57,7 @@ fn iface(name: &str, addrs: &[&str], loopback: bool) -> (String, Interface) {
             name: name.to_owned(),
             addrs: ips(addrs),
             loopback,
+            link: None,
         },
     )
 }
@@ -677,4 +678,133 @@ fn all_addresses_of(interfaces: &BTreeMap<String, Interface>) -> Vec<IpAddr> {
         .values()
         .flat_map(|i| i.addrs.iter().copied())
         .collect()
+}
+
+/// An interface with link facts: `kind`, up or not, Ethernet or `hardware_type`, port of
+/// `master`.
+fn linked(
+    name: &str,
+    addrs: &[&str],
+    index: u32,
+    kind: Option<&str>,
+    up: bool,
+    hardware_type: u16,
+    master: Option<u32>,
+) -> (String, Interface) {
+    let (name, mut interface) = iface(name, addrs, false);
+    interface.link = Some(Link {
+        index,
+        up,
+        kind: kind.map(str::to_owned),
+        hardware_type,
+        master,
+    });
+    (name, interface)
+}
+
+#[test]
+fn only_up_uplinks_are_external_and_links_without_ethernet_get_nothing() {
+    use super::ebpf::{TcRole, tc_roles};
+    const ETHER: u16 = ARPHRD_ETHER;
+    const NONE: u16 = 0xfffe;
+    let all: BTreeMap<_, _> = [
+        iface("lo", &["127.0.0.1"], true),
+        // docker0 sorts first and holds a global address: a container bridge all the same.
+        linked(
+            "docker0",
+            &["10.0.0.1"],
+            3,
+            Some("bridge"),
+            true,
+            ETHER,
+            None,
+        ),
+        linked("dvc", &[], 4, Some("veth"), true, ETHER, Some(3)),
+        linked("eth0", &["10.10.0.1"], 2, None, true, ETHER, None),
+        // A down NIC with an address.
+        linked("eth1", &["192.168.5.1"], 5, None, false, ETHER, None),
+        // br0 bridges a NIC: the node's uplink.
+        linked("br0", &["10.30.0.1"], 6, Some("bridge"), true, ETHER, None),
+        linked("eth2", &[], 7, None, true, ETHER, Some(6)),
+        linked(
+            "flannel.1",
+            &["10.244.0.0"],
+            8,
+            Some("vxlan"),
+            true,
+            ETHER,
+            None,
+        ),
+        linked(
+            "kube-ipvs0",
+            &["10.96.0.1"],
+            9,
+            Some("dummy"),
+            true,
+            ETHER,
+            None,
+        ),
+        linked("tunl0", &["10.244.0.1"], 10, Some("ipip"), true, 768, None),
+        linked(
+            "wg0",
+            &["10.99.0.1"],
+            11,
+            Some("wireguard"),
+            true,
+            NONE,
+            None,
+        ),
+        // A node in a container: its uplink is a veth.
+        linked(
+            "veth9",
+            &["172.18.0.2"],
+            12,
+            Some("veth"),
+            true,
+            ETHER,
+            None,
+        ),
+    ]
+    .into_iter()
+    .collect();
+    let local = DetectLocalMode::ClusterCidr(vec![]);
+    let roles = tc_roles(&[], &local, &all);
+    let with = |role: TcRole| -> Vec<&str> {
+        roles
+            .iter()
+            .filter(|(_, r)| **r == role)
+            .map(|(n, _)| n.as_str())
+            .collect()
+    };
+    assert_eq!(with(TcRole::External), ["br0", "eth0", "veth9"]);
+    assert_eq!(
+        with(TcRole::Pod),
+        ["docker0", "dvc", "eth1", "eth2", "flannel.1", "kube-ipvs0"]
+    );
+    assert_eq!(with(TcRole::Untouched), ["lo", "tunl0", "wg0"]);
+
+    // The SNAT address is an uplink's, never docker0's although it sorts first.
+    let settings = NodeSettings::compute(&inputs(NodePortAddresses::All), None, &all);
+    let external = external_interfaces(&[], &local, &all);
+    let (config, _) = node_config(&settings, &all, &external);
+    assert_eq!(config.snat4, ip4_to_map(Ipv4Addr::new(10, 30, 0, 1)));
+
+    // --interfaces: external while up; a link without Ethernet header still gets nothing.
+    let named = ["docker0", "eth1", "wg0"].map(str::to_owned);
+    let roles = tc_roles(&named, &local, &all);
+    assert_eq!(roles["docker0"], TcRole::External);
+    assert_eq!(roles["eth1"], TcRole::Pod);
+    assert_eq!(roles["eth0"], TcRole::Pod);
+    assert_eq!(roles["wg0"], TcRole::Untouched);
+
+    // Without link facts (the dump failed) addresses alone decide, as before.
+    let unknown: BTreeMap<_, _> = [iface("docker0", &["10.0.0.1"], false)]
+        .into_iter()
+        .collect();
+    assert_eq!(
+        external_interfaces(&[], &local, &unknown)
+            .into_iter()
+            .collect::<Vec<_>>(),
+        ["docker0"]
+    );
 }

@@ -215,8 +215,10 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
                     Err(error) => break Err(error.into()),
                 }
                 // A new pod's Service traffic is load-balanced only once its interface has the
-                // tc program, which the sync attaches: do not wait for the periodic one.
-                if host_namespace_only {
+                // tc program, which the sync attaches: do not wait for the periodic one. A link
+                // that went down or up changes which interfaces are external (and the SNAT
+                // address) without changing an address.
+                if node_manager.take_links_changed() || host_namespace_only {
                     runner.request();
                 }
             }

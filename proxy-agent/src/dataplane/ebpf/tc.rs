@@ -2,10 +2,12 @@
 //! facts the programs read (computed by `crate::node::ebpf` from the node settings), and pinned
 //! TCX links.
 //!
-//! - External interfaces (`--interfaces`, else every interface with a global unicast address
-//!   that is not a pod interface by `--detect-local-mode`) get `kpr_tc_external` on ingress:
-//!   service traffic from outside and replies of remote backends.
-//! - Every other interface except `lo` (pod veths) gets `kpr_tc_reply` on ingress: replies of
+//! - External interfaces (`node::ebpf::tc_role`: `--interfaces`, else every interface that is
+//!   up with a global unicast address, not a pod interface by `--detect-local-mode` and not a
+//!   container bridge, tunnel, TUN/TAP or dummy) get `kpr_tc_external` on ingress: service
+//!   traffic from outside and replies of remote backends.
+//! - Every other interface except `lo` and links without an Ethernet header (WireGuard, IPIP,
+//!   ...: the programs' parser expects one) gets `kpr_tc_reply` on ingress: replies of
 //!   local backends, which are addressed to the SNAT address (or the client) and must be
 //!   translated before the kernel routes them; with `host_namespace_only` also the pods' own
 //!   Service traffic, load-balanced per packet.
@@ -53,7 +55,7 @@ use super::{
 };
 use crate::{
     config::{DetectLocal, NodePortAddresses},
-    node::{self, NodeInputs, NodeSettings, host_interfaces},
+    node::{self, NodeInputs, NodeSettings, ebpf::TcRole, host_interfaces},
 };
 
 /// What the agent's configuration says about external traffic. The node facts come from
@@ -159,6 +161,8 @@ pub struct TcState {
     /// Pin file name (`<program>_if<ifindex>_link`, also the key of a legacy filter) → link,
     /// for every interface and direction we attached to.
     links: BTreeMap<String, Attached>,
+    /// Interfaces of `--interfaces` last found unusable (warned about once).
+    unusable: BTreeSet<String>,
 }
 
 /// One attachment of a tc program.
@@ -215,6 +219,7 @@ impl TcState {
                 0
             }),
             links: BTreeMap::new(),
+            unusable: BTreeSet::new(),
         }
     }
 
@@ -233,8 +238,13 @@ impl TcState {
             Some(settings) => settings.clone(),
             None => NodeSettings::compute(&self.options.node_inputs(), None, &all),
         };
-        let external =
-            node::ebpf::external_interfaces(&self.options.interfaces, &settings.detect_local, &all);
+        let roles = node::ebpf::tc_roles(&self.options.interfaces, &settings.detect_local, &all);
+        self.warn_unusable(&roles);
+        let external: BTreeSet<String> = roles
+            .iter()
+            .filter(|(_, role)| **role == TcRole::External)
+            .map(|(name, _)| name.clone())
+            .collect();
         let (mut config, addrs) = node::ebpf::node_config(&settings, &all, &external);
         config.host_netns_cookie = self.host_netns_cookie;
         if self.options.fast_path {
@@ -244,14 +254,11 @@ impl TcState {
             config.flags |= node_flags::HOST_NAMESPACE_ONLY;
         }
         let mut wanted = BTreeSet::new();
-        for name in all.keys() {
-            if all[name].loopback {
-                continue;
-            }
-            let program = if external.contains(name) {
-                program_names::TC_EXTERNAL
-            } else {
-                program_names::TC_REPLY
+        for (name, role) in &roles {
+            let program = match role {
+                TcRole::External => program_names::TC_EXTERNAL,
+                TcRole::Pod => program_names::TC_REPLY,
+                TcRole::Untouched => continue,
             };
             let index = match nix::net::if_::if_nametoindex(name.as_str()) {
                 Ok(index) => index,
@@ -297,6 +304,34 @@ impl TcState {
         if first {
             self.remove_stale_pins(pin_dir);
         }
+    }
+
+    /// Warns once per interface listed in `--interfaces` that cannot get the external program
+    /// (no Ethernet header) or is down, and again after it recovered and was lost again.
+    fn warn_unusable(&mut self, roles: &BTreeMap<String, TcRole>) {
+        let mut unusable = BTreeSet::new();
+        for name in &self.options.interfaces {
+            match roles.get(name) {
+                Some(TcRole::External) => {}
+                Some(TcRole::Untouched) => {
+                    if !self.unusable.contains(name) {
+                        warn!(interface = %name, "--interfaces names an interface without an \
+                            Ethernet header (or loopback): the tc programs cannot parse its \
+                            packets, so it gets none");
+                    }
+                    unusable.insert(name.clone());
+                }
+                Some(TcRole::Pod) => {
+                    if !self.unusable.contains(name) {
+                        warn!(interface = %name, "--interfaces names an interface that is down: \
+                            it gets the external program once it is up");
+                    }
+                    unusable.insert(name.clone());
+                }
+                None => {}
+            }
+        }
+        self.unusable = unusable;
     }
 
     /// A previous agent without TCX left legacy filters, which run after our TCX programs and
@@ -600,6 +635,7 @@ mod tests {
                 name: name.to_owned(),
                 addrs: addrs.iter().map(|a| a.parse().expect("addr")).collect(),
                 loopback,
+                link: None,
             },
         )
     }

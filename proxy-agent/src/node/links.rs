@@ -1,0 +1,275 @@
+//! Link facts `getifaddrs` does not give: the link kind (`IFLA_INFO_KIND`: bridge, veth,
+//! vxlan...), the hardware type (`ARPHRD_*`: whether frames carry an Ethernet header) and the
+//! bridge or bond a port belongs to, from one `RTM_GETLINK` dump over `NETLINK_ROUTE` in the
+//! caller's network namespace. Which interfaces get which tc program depends on them
+//! (`node::ebpf::tc_role`).
+
+use std::{collections::BTreeMap, io, os::fd::AsRawFd};
+
+use nix::{
+    errno::Errno,
+    sys::socket::{
+        AddressFamily, MsgFlags, NetlinkAddr, SockFlag, SockProtocol, SockType, bind, recv, send,
+        socket,
+    },
+};
+
+/// `ARPHRD_ETHER`: frames start with an Ethernet header (veths, NICs, bridges, VXLAN, taps).
+pub const ARPHRD_ETHER: u16 = 1;
+
+/// One link as the kernel reports it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Link {
+    pub index: u32,
+    /// Administratively up (`IFF_UP`) and operationally running (`IFF_RUNNING`: carrier, or a
+    /// device without carrier state such as a dummy).
+    pub up: bool,
+    /// `IFLA_INFO_KIND` (`bridge`, `veth`, `vxlan`, `wireguard`, `tun`...); `None` for a
+    /// physical device.
+    pub kind: Option<String>,
+    /// `ifi_type` (`ARPHRD_*`).
+    pub hardware_type: u16,
+    /// The ifindex of the bridge, bond or VRF this link is a port of.
+    pub master: Option<u32>,
+}
+
+impl Link {
+    /// Whether packets here start with an Ethernet header, as the tc programs' parser assumes.
+    pub fn ethernet(&self) -> bool {
+        self.hardware_type == ARPHRD_ETHER
+    }
+}
+
+const NLMSG_HDRLEN: usize = 16;
+const IFINFOMSG_LEN: usize = 16;
+const NLMSG_ERROR: u16 = 2;
+const NLMSG_DONE: u16 = 3;
+const RTM_NEWLINK: u16 = 16;
+const RTM_GETLINK: u16 = 18;
+const NLM_F_REQUEST: u16 = 0x1;
+const NLM_F_DUMP: u16 = 0x300;
+const IFLA_IFNAME: u16 = 3;
+const IFLA_MASTER: u16 = 10;
+const IFLA_LINKINFO: u16 = 18;
+const IFLA_INFO_KIND: u16 = 1;
+/// Attribute type bits without the nested / byte-order flags.
+const NLA_TYPE_MASK: u16 = 0x3fff;
+const IFF_UP: u32 = 0x1;
+const IFF_RUNNING: u32 = 0x40;
+/// A dump message stays well below this (the kernel sizes dump batches to the reader's
+/// buffer, 32 KiB at most unless told otherwise).
+const RECV_BUFFER: usize = 64 * 1024;
+/// Bounds the read loop: far more batches than any node has links.
+const MAX_BATCHES: usize = 100_000;
+
+/// Every link of the caller's network namespace, by name.
+pub fn host_links() -> io::Result<BTreeMap<String, Link>> {
+    let fd = socket(
+        AddressFamily::Netlink,
+        SockType::Raw,
+        SockFlag::SOCK_CLOEXEC,
+        SockProtocol::NetlinkRoute,
+    )?;
+    bind(fd.as_raw_fd(), &NetlinkAddr::new(0, 0))?;
+    let seq: u32 = 1;
+    let mut request = [0u8; NLMSG_HDRLEN + IFINFOMSG_LEN];
+    request[0..4].copy_from_slice(&((NLMSG_HDRLEN + IFINFOMSG_LEN) as u32).to_ne_bytes());
+    request[4..6].copy_from_slice(&RTM_GETLINK.to_ne_bytes());
+    request[6..8].copy_from_slice(&(NLM_F_REQUEST | NLM_F_DUMP).to_ne_bytes());
+    request[8..12].copy_from_slice(&seq.to_ne_bytes());
+    // ifinfomsg: all zero (AF_UNSPEC, every link).
+    send(fd.as_raw_fd(), &request, MsgFlags::empty())?;
+    let mut links = BTreeMap::new();
+    let mut buffer = vec![0u8; RECV_BUFFER];
+    for _ in 0..MAX_BATCHES {
+        let len = match recv(fd.as_raw_fd(), &mut buffer, MsgFlags::empty()) {
+            Ok(len) => len,
+            Err(Errno::EINTR) => continue,
+            Err(errno) => return Err(errno.into()),
+        };
+        let bytes = buffer.get(..len).unwrap_or_default();
+        if parse_batch(bytes, seq, &mut links)? {
+            return Ok(links);
+        }
+    }
+    Err(io::Error::other("link dump did not end"))
+}
+
+/// Parses one `recv` worth of dump messages into `links`; true once the dump is done.
+pub(crate) fn parse_batch(
+    mut bytes: &[u8],
+    seq: u32,
+    links: &mut BTreeMap<String, Link>,
+) -> io::Result<bool> {
+    let malformed = || io::Error::new(io::ErrorKind::InvalidData, "malformed netlink message");
+    while bytes.len() >= NLMSG_HDRLEN {
+        let len = u32_at(bytes, 0).ok_or_else(malformed)? as usize;
+        let kind = u16_at(bytes, 4).ok_or_else(malformed)?;
+        let msg_seq = u32_at(bytes, 8).ok_or_else(malformed)?;
+        if len < NLMSG_HDRLEN || len > bytes.len() {
+            return Err(malformed());
+        }
+        let body = &bytes[NLMSG_HDRLEN..len];
+        bytes = bytes.get(align4(len)..).unwrap_or_default();
+        if msg_seq != seq {
+            continue;
+        }
+        match kind {
+            NLMSG_DONE => return Ok(true),
+            NLMSG_ERROR => {
+                let errno = u32_at(body, 0).map_or(0, |e| e as i32);
+                return Err(io::Error::from_raw_os_error(-errno));
+            }
+            RTM_NEWLINK => {
+                if let Some((name, link)) = parse_link(body) {
+                    links.insert(name, link);
+                }
+            }
+            _ => {}
+        }
+    }
+    Ok(false)
+}
+
+/// One `RTM_NEWLINK` body: `ifinfomsg` then attributes.
+fn parse_link(body: &[u8]) -> Option<(String, Link)> {
+    let hardware_type = u16_at(body, 2)?;
+    let index = u32_at(body, 4)?;
+    let flags = u32_at(body, 8)?;
+    let mut link = Link {
+        index,
+        up: flags & IFF_UP != 0 && flags & IFF_RUNNING != 0,
+        kind: None,
+        hardware_type,
+        master: None,
+    };
+    let mut name = None;
+    for (kind, value) in attributes(body.get(IFINFOMSG_LEN..)?) {
+        match kind {
+            IFLA_IFNAME => name = Some(c_string(value)),
+            IFLA_MASTER => link.master = u32_at(value, 0).filter(|m| *m != 0),
+            IFLA_LINKINFO => {
+                link.kind = attributes(value)
+                    .find(|(kind, _)| *kind == IFLA_INFO_KIND)
+                    .map(|(_, value)| c_string(value));
+            }
+            _ => {}
+        }
+    }
+    Some((name?, link))
+}
+
+/// The `(type, value)` attributes in `bytes`, stopping at the first malformed one.
+fn attributes(mut bytes: &[u8]) -> impl Iterator<Item = (u16, &[u8])> {
+    std::iter::from_fn(move || {
+        let len = usize::from(u16_at(bytes, 0)?);
+        let kind = u16_at(bytes, 2)? & NLA_TYPE_MASK;
+        if len < 4 || len > bytes.len() {
+            return None;
+        }
+        let value = &bytes[4..len];
+        bytes = bytes.get(align4(len)..).unwrap_or_default();
+        Some((kind, value))
+    })
+}
+
+fn c_string(value: &[u8]) -> String {
+    let end = value.iter().position(|b| *b == 0).unwrap_or(value.len());
+    String::from_utf8_lossy(&value[..end]).into_owned()
+}
+
+fn align4(len: usize) -> usize {
+    len.saturating_add(3) & !3
+}
+
+fn u16_at(bytes: &[u8], at: usize) -> Option<u16> {
+    Some(u16::from_ne_bytes(bytes.get(at..at + 2)?.try_into().ok()?))
+}
+
+fn u32_at(bytes: &[u8], at: usize) -> Option<u32> {
+    Some(u32::from_ne_bytes(bytes.get(at..at + 4)?.try_into().ok()?))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn attr(kind: u16, value: &[u8]) -> Vec<u8> {
+        let mut out = Vec::new();
+        out.extend_from_slice(&((4 + value.len()) as u16).to_ne_bytes());
+        out.extend_from_slice(&kind.to_ne_bytes());
+        out.extend_from_slice(value);
+        out.resize(align4(out.len()), 0);
+        out
+    }
+
+    fn message(kind: u16, seq: u32, body: &[u8]) -> Vec<u8> {
+        let mut out = Vec::new();
+        out.extend_from_slice(&((NLMSG_HDRLEN + body.len()) as u32).to_ne_bytes());
+        out.extend_from_slice(&kind.to_ne_bytes());
+        out.extend_from_slice(&NLM_F_REQUEST.to_ne_bytes());
+        out.extend_from_slice(&seq.to_ne_bytes());
+        out.extend_from_slice(&0u32.to_ne_bytes());
+        out.extend_from_slice(body);
+        out.resize(align4(out.len()), 0);
+        out
+    }
+
+    fn new_link(name: &str, hw: u16, index: u32, flags: u32, extra: &[Vec<u8>]) -> Vec<u8> {
+        let mut body = vec![0u8, 0];
+        body.extend_from_slice(&hw.to_ne_bytes());
+        body.extend_from_slice(&index.to_ne_bytes());
+        body.extend_from_slice(&flags.to_ne_bytes());
+        body.extend_from_slice(&0u32.to_ne_bytes());
+        body.extend(attr(IFLA_IFNAME, format!("{name}\0").as_bytes()));
+        for a in extra {
+            body.extend_from_slice(a);
+        }
+        message(RTM_NEWLINK, 1, &body)
+    }
+
+    #[test]
+    fn a_dump_gives_kind_type_state_and_master() {
+        // IFLA_LINKINFO is sent with the nested flag (0x8000), which the mask drops.
+        let info = attr(IFLA_LINKINFO | 0x8000, &attr(IFLA_INFO_KIND, b"bridge\0"));
+        let mut batch = new_link("docker0", ARPHRD_ETHER, 3, IFF_UP, &[info]);
+        batch.extend(new_link(
+            "eth0",
+            ARPHRD_ETHER,
+            2,
+            IFF_UP | IFF_RUNNING,
+            &[attr(IFLA_MASTER, &7u32.to_ne_bytes())],
+        ));
+        batch.extend(new_link("wg0", 65534, 4, IFF_UP | IFF_RUNNING, &[]));
+        let mut links = BTreeMap::new();
+        assert!(!parse_batch(&batch, 1, &mut links).expect("parse"));
+        assert!(parse_batch(&message(NLMSG_DONE, 1, &[0; 4]), 1, &mut links).expect("done"));
+        let docker = &links["docker0"];
+        assert_eq!(docker.kind.as_deref(), Some("bridge"));
+        assert!(!docker.up, "no carrier: not running");
+        assert_eq!((docker.index, docker.master), (3, None));
+        let eth = &links["eth0"];
+        assert!(eth.up && eth.ethernet() && eth.kind.is_none());
+        assert_eq!(eth.master, Some(7));
+        assert!(!links["wg0"].ethernet());
+    }
+
+    #[test]
+    fn an_error_or_a_truncated_message_is_an_error() {
+        let mut links = BTreeMap::new();
+        let error = message(NLMSG_ERROR, 1, &(-libc::EPERM).to_ne_bytes());
+        let err = parse_batch(&error, 1, &mut links).expect_err("error");
+        assert_eq!(err.raw_os_error(), Some(libc::EPERM));
+        let mut truncated = new_link("eth0", ARPHRD_ETHER, 2, IFF_UP, &[]);
+        truncated[0] = 200;
+        assert!(parse_batch(&truncated, 1, &mut links).is_err());
+    }
+
+    #[test]
+    fn the_real_dump_lists_loopback() {
+        let links = host_links().expect("dump");
+        let lo = links.get("lo").expect("lo");
+        assert_eq!(lo.index, 1);
+        assert_eq!(lo.hardware_type, 772, "ARPHRD_LOOPBACK");
+    }
+}
