@@ -11,6 +11,7 @@ mod error;
 pub mod features;
 pub mod handback;
 mod ids;
+pub mod layout;
 pub mod legacy_tc;
 mod maglev;
 mod map_batch;
