@@ -438,7 +438,46 @@ pub fn plan(pin_dir: &Path) -> std::io::Result<Plan> {
             }
         }
     }
+    rebuild_with_the_others(pin_dir, &mut plan)?;
     Ok(plan)
+}
+
+/// The service maps the agent fills together: they refer to each other by service and backend
+/// id, which the agent allocates anew when it fills an empty frontend map.
+const ID_LINKED: [&str; 9] = [
+    map_names::FRONTENDS4,
+    map_names::FRONTENDS6,
+    map_names::BACKEND_SLOTS,
+    map_names::BACKENDS4,
+    map_names::BACKENDS6,
+    map_names::AFFINITY_MATCH,
+    map_names::SOURCE_RANGES,
+    map_names::MAGLEV,
+    map_names::SERVICE_NAMES,
+];
+
+/// One rebuilt id-linked map takes the others with it: the previous agent's programs keep
+/// serving with their own complete set until this agent's first sync has filled the new one,
+/// instead of reading slots or backends this agent rewrites under the ids it allocates.
+fn rebuild_with_the_others(pin_dir: &Path, plan: &mut Plan) -> std::io::Result<()> {
+    let Some(&cause) = plan.rebuilt.iter().find(|name| ID_LINKED.contains(name)) else {
+        return Ok(());
+    };
+    for name in ID_LINKED {
+        let pin = pin_dir.join(name);
+        if plan.rebuilt.contains(&name) || !pin.exists() {
+            continue;
+        }
+        info!(
+            map = name,
+            with = cause,
+            "service map rebuilt with the one of unknown layout (they share service and backend \
+             ids); filled again by the first sync"
+        );
+        super::pins::remove_if_present(&pin)?;
+        plan.rebuilt.push(name);
+    }
+    Ok(())
 }
 
 impl Plan {
