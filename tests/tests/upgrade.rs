@@ -141,7 +141,12 @@ fn ensure_streams_kept(s: &Scenario, streams: Streams, upgrade: &str) -> anyhow:
 
 /// A new hash map of the given type from user space (`BPF_MAP_CREATE`): aya creates only
 /// plain hash maps, and the foundation's reverse NAT map was an LRU one.
-fn create_map(map_type: u32, key_size: u32, value_size: u32, max_entries: u32) -> OwnedFd {
+fn create_map(
+    map_type: u32,
+    key_size: u32,
+    value_size: u32,
+    max_entries: u32,
+) -> anyhow::Result<OwnedFd> {
     const BPF_MAP_CREATE: libc::c_long = 0;
     // map_type, key_size, value_size, max_entries, map_flags; the rest of `union bpf_attr`
     // the kernel reads must be zero.
@@ -156,14 +161,12 @@ fn create_map(map_type: u32, key_size: u32, value_size: u32, max_entries: u32) -
             std::mem::size_of_val(&attr),
         )
     };
-    assert!(
-        fd >= 0,
-        "BPF_MAP_CREATE: {}",
-        std::io::Error::last_os_error()
-    );
-    let fd = i32::try_from(fd).expect("fd");
+    if fd < 0 {
+        anyhow::bail!("BPF_MAP_CREATE: {}", std::io::Error::last_os_error());
+    }
+    let fd = i32::try_from(fd)?;
     // SAFETY: the kernel just returned this fd and nothing else owns it.
-    unsafe { OwnedFd::from_raw_fd(fd) }
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
 }
 
 /// Replaces the pinned `KPR_REVNAT4` by one in the foundation's layout with the same entries,
@@ -181,7 +184,7 @@ fn rewrite_revnat4_as_v1(pin_dir: &Path) -> anyhow::Result<usize> {
         8,
         std::mem::size_of::<RevNat4V1>() as u32,
         capacity,
-    ))?;
+    )?)?;
     let mut old = HashMap::<MapData, u64, RevNat4V1>::try_from(Map::from_map_data(old)?)?;
     for (key, value) in &entries {
         let v1 = RevNat4V1 {
