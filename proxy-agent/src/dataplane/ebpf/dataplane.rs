@@ -29,11 +29,12 @@ use super::{
     error::EbpfError,
     features::{Feature, KernelFeatures},
     kernel_nat,
+    layout::{self, Plan},
     map_batch::{self, BatchReader},
     object,
     options::EbpfOptions,
     orphans,
-    pins::{PIN_DIR_NAME, attach_and_pin, prepare_pin_dir},
+    pins::{PIN_DIR_NAME, attach_and_pin, links_pinned, prepare_pin_dir},
     reserved_ports,
     service_maps::{ServiceMaps, ignore_missing},
     sockdiag::{self, DiagSocket},
@@ -97,6 +98,9 @@ pub struct EbpfDataplane {
     pub(super) log_drain: Option<JoinHandle<()>>,
     /// Buffers of the batched map reads, kept for the next drift check.
     pub(super) batch: BatchReader,
+    /// Programs not attached yet: `start` found a service map it had to rebuild, so the first
+    /// full apply fills it before the programs replace the previous agent's.
+    pub(super) deferred: Option<DeferredAttach>,
     // Last: the object (programs, log map); the tc programs attach to new interfaces later.
     pub(super) ebpf: Ebpf,
 }
@@ -141,7 +145,10 @@ impl EbpfDataplane {
         } else {
             1
         };
-        prepare_pin_dir(&pin_dir, maglev_capacity, options.conntrack_capacity)?;
+        let mut plan = prepare_pin_dir(&pin_dir, maglev_capacity, options.conntrack_capacity)?;
+        // A rebuilt service map is filled by the first sync before this agent's programs
+        // replace the previous agent's, which keep serving with their own maps meanwhile.
+        let defer_attach = plan.rebuilds_service_state() && links_pinned(&pin_dir);
         let adopting = map_names::PINNED
             .iter()
             .any(|name| pin_dir.join(name).exists());
@@ -187,6 +194,8 @@ impl EbpfDataplane {
             .map_max_entries(map_names::SERVICE_NAMES, options.frontends_capacity)
             .load(object::OBJECT)?;
         let log_drain = start_log_drain(&mut ebpf);
+        layout::write_records(&pin_dir);
+        plan.copy(&pin_dir, false);
 
         let mut maps = ServiceMaps {
             frontends4: take_map(&mut ebpf, map_names::FRONTENDS4)?,
@@ -226,14 +235,21 @@ impl EbpfDataplane {
         };
         map_writer.set_maglev_table_size(options.lb.maglev.then_some(options.lb.maglev_table_size));
 
-        let mut links = Vec::with_capacity(program_names::ALL.len());
-        for name in program_names::ALL {
-            links.push(attach_and_pin(&mut ebpf, name, &cgroup_dir, &pin_dir)?);
-        }
         // Before the tc programs attach (and before the first sync gives them frontends): from
         // then on a UDP/SCTP packet without an entry would be a new flow of theirs.
         adopt_kernel_nat_flows(&mut ebpf);
-        tc.refresh(&mut ebpf, &pin_dir, true);
+        let (links, deferred) = if defer_attach {
+            info!(
+                rebuilt = ?plan.rebuilt,
+                "the previous agent's programs keep serving until the first sync has filled \
+                 the rebuilt maps; this agent's are attached then"
+            );
+            (Vec::new(), Some(DeferredAttach { cgroup_dir, plan }))
+        } else {
+            let links = attach_all(&mut ebpf, &mut tc, &cgroup_dir, &pin_dir)?;
+            plan.copy(&pin_dir, true);
+            (links, None)
+        };
         let ct_worker = match CtWorker::start(&pin_dir.join(map_names::CT)) {
             Ok(worker) => Some(worker),
             Err(error) => {
@@ -246,7 +262,8 @@ impl EbpfDataplane {
             pins = %pin_dir.display(),
             adopted = adopting,
             tc_links = tc.link_count(),
-            "eBPF socket and tc programs attached and pinned"
+            attached = deferred.is_none(),
+            "eBPF socket and tc programs loaded, maps pinned"
         );
         let capacities = BTreeMap::from([
             (map_names::FRONTENDS4, options.frontends_capacity),
@@ -273,8 +290,37 @@ impl EbpfDataplane {
             gc_rounds_reported: 0,
             log_drain,
             batch,
+            deferred,
             ebpf,
         })
+    }
+
+    /// Attaches the programs whose attach `start` deferred, then finishes the migration of
+    /// older layouts (the previous programs no longer write the old maps). On failure the
+    /// previous programs keep serving and the next apply tries again.
+    fn attach_deferred(&mut self) {
+        let Some(mut deferred) = self.deferred.take() else {
+            return;
+        };
+        match attach_all(
+            &mut self.ebpf,
+            &mut self.tc,
+            &deferred.cgroup_dir,
+            &self.pin_dir,
+        ) {
+            Ok(links) => {
+                self.links = links;
+                deferred.plan.copy(&self.pin_dir, true);
+                info!(
+                    tc_links = self.tc.link_count(),
+                    "eBPF socket and tc programs attached after the first sync"
+                );
+            }
+            Err(error) => {
+                warn!(%error, "cannot attach the eBPF programs; the previous agent's keep serving, retried at the next sync");
+                self.deferred = Some(deferred);
+            }
+        }
     }
 
     /// The node settings (NodePort addresses, local-traffic detection, localhost NodePorts) the
@@ -292,10 +338,15 @@ impl EbpfDataplane {
         changed: Option<&BTreeSet<ServicePortName>>,
     ) -> (ApplySummary, Vec<ApplyError>) {
         // New interfaces (pods created since the last sync) get their tc program first.
-        self.tc.refresh(&mut self.ebpf, &self.pin_dir, false);
+        if self.deferred.is_none() {
+            self.tc.refresh(&mut self.ebpf, &self.pin_dir, false);
+        }
         let (mut summary, errors) =
             self.map_writer
                 .apply_snapshot(snapshot, changed, &mut self.maps);
+        if changed.is_none() {
+            self.attach_deferred();
+        }
         self.capacity_errors += errors.iter().filter(|e| e.is_capacity()).count() as u64;
         summary.udp_sockets_destroyed = self.destroy_stale_udp_sockets(&summary);
         let tracked =
@@ -672,6 +723,29 @@ fn adopt_kernel_nat_flows(ebpf: &mut Ebpf) {
             warn!(%error, "KPR_CT: UDP/SCTP flows the kernel's conntrack NATs are not adopted")
         }
     }
+}
+
+/// What a deferred attach needs.
+#[derive(Debug)]
+pub(super) struct DeferredAttach {
+    cgroup_dir: File,
+    plan: Plan,
+}
+
+/// Attaches the socket programs to the cgroup and the tc programs to the interfaces, each
+/// replacing a previous agent's program without a gap.
+fn attach_all(
+    ebpf: &mut Ebpf,
+    tc: &mut TcState,
+    cgroup_dir: &File,
+    pin_dir: &std::path::Path,
+) -> Result<Vec<PinnedLink>, EbpfError> {
+    let mut links = Vec::with_capacity(program_names::ALL.len());
+    for name in program_names::ALL {
+        links.push(attach_and_pin(ebpf, name, cgroup_dir, pin_dir)?);
+    }
+    tc.refresh(ebpf, pin_dir, true);
+    Ok(links)
 }
 
 fn take_map<T>(ebpf: &mut Ebpf, name: &'static str) -> Result<T, EbpfError>

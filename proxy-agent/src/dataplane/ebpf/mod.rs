@@ -12,6 +12,7 @@ pub mod features;
 pub mod handback;
 mod ids;
 mod kernel_nat;
+pub mod layout;
 pub mod legacy_tc;
 mod maglev;
 mod map_batch;

@@ -15,14 +15,13 @@ use aya::{
         links::{FdLink, PinnedLink},
     },
 };
-use proxy_common::{
-    AffinityKey, AffinityMatchKey, AffinityValue, Backend4, Backend6, BackendSlotKey, CtKey,
-    CtValue, Frontend4Key, Frontend6Key, FrontendValue, MaglevBlock, MaglevKey, NodeAddrKey,
-    NodeConfig, RevNat4, RevNat4Key, RevNat6, RevNat6Key, ServiceName, SourceRangeKey, map_names,
-};
+use proxy_common::map_names;
 use tracing::{debug, info, warn};
 
-use super::error::EbpfError;
+use super::{
+    error::EbpfError,
+    layout::{self, Plan},
+};
 
 /// Directory under `--bpf-root` that holds our pins.
 pub const PIN_DIR_NAME: &str = "kubeproxy-rs";
@@ -146,9 +145,9 @@ pub(super) fn remove_if_present(path: &Path) -> io::Result<()> {
 /// default).
 pub const PIN_DIR_MODE: u32 = 0o700;
 
-/// Creates the pin directory (mode [`PIN_DIR_MODE`], also enforced on an existing one). Pins
-/// of maps whose layout differs from this build's (an older agent's) are removed: adopting
-/// them would misread every entry, so that one start begins from an empty map instead.
+/// Creates the pin directory (mode [`PIN_DIR_MODE`], also enforced on an existing one) and
+/// decides what becomes of each pinned map (see `layout::plan`): adopted as it is, migrated
+/// from an older layout, or rebuilt empty when this build does not know its layout.
 ///
 /// The Maglev map is also replaced when its capacity differs from `maglev_capacity`
 /// (`--lb-algorithm` or `--bpf-map-maglev` changed): aya would reuse the pin as it is. Its
@@ -158,7 +157,7 @@ pub(super) fn prepare_pin_dir(
     pin_dir: &Path,
     maglev_capacity: u32,
     conntrack_capacity: u32,
-) -> Result<(), EbpfError> {
+) -> Result<Plan, EbpfError> {
     use std::os::unix::fs::{DirBuilderExt as _, PermissionsExt as _};
     let to_error = |source| EbpfError::PinDir {
         path: pin_dir.to_owned(),
@@ -173,18 +172,7 @@ pub(super) fn prepare_pin_dir(
     // older agent or by hand may be wider: set it exactly.
     std::fs::set_permissions(pin_dir, std::fs::Permissions::from_mode(PIN_DIR_MODE))
         .map_err(to_error)?;
-    for (name, key_size, value_size) in expected_layouts() {
-        let pin = pin_dir.join(name);
-        if !pin.exists() {
-            continue;
-        }
-        let compatible = MapInfo::from_pin(&pin)
-            .is_ok_and(|info| info.key_size() == key_size && info.value_size() == value_size);
-        if !compatible {
-            warn!(pin = %pin.display(), "pinned map has another layout; starting it empty");
-            remove_if_present(&pin).map_err(to_error)?;
-        }
-    }
+    let plan = layout::plan(pin_dir).map_err(to_error)?;
     // aya would reuse the pin at its old size: a changed `--bpf-map-conntrack` takes a new map,
     // losing the flows it tracked (established external flows through SNAT break once).
     let pin = pin_dir.join(map_names::CT);
@@ -201,62 +189,14 @@ pub(super) fn prepare_pin_dir(
         info!(pin = %pin.display(), capacity = maglev_capacity, "Maglev map resized; its tables are rebuilt");
         remove_if_present(&pin).map_err(to_error)?;
     }
-    Ok(())
+    Ok(plan)
 }
 
-/// (map, key size, value size) as this build declares them.
-pub(super) fn expected_layouts() -> [(&'static str, u32, u32); 16] {
-    fn size<T>() -> u32 {
-        std::mem::size_of::<T>() as u32
-    }
-    [
-        (
-            map_names::FRONTENDS4,
-            size::<Frontend4Key>(),
-            size::<FrontendValue>(),
-        ),
-        (
-            map_names::FRONTENDS6,
-            size::<Frontend6Key>(),
-            size::<FrontendValue>(),
-        ),
-        (
-            map_names::BACKEND_SLOTS,
-            size::<BackendSlotKey>(),
-            size::<u32>(),
-        ),
-        (map_names::BACKENDS4, size::<u32>(), size::<Backend4>()),
-        (map_names::BACKENDS6, size::<u32>(), size::<Backend6>()),
-        (map_names::REVNAT4, size::<RevNat4Key>(), size::<RevNat4>()),
-        (map_names::REVNAT6, size::<RevNat6Key>(), size::<RevNat6>()),
-        (
-            map_names::AFFINITY,
-            size::<AffinityKey>(),
-            size::<AffinityValue>(),
-        ),
-        (
-            map_names::AFFINITY_MATCH,
-            size::<AffinityMatchKey>(),
-            size::<u8>(),
-        ),
-        (map_names::STATS, size::<u32>(), size::<u64>()),
-        (map_names::CT, size::<CtKey>(), size::<CtValue>()),
-        (
-            map_names::SOURCE_RANGES,
-            size::<u32>() + size::<SourceRangeKey>(),
-            size::<u8>(),
-        ),
-        (map_names::NODE_ADDRS, size::<NodeAddrKey>(), size::<u8>()),
-        (map_names::NODE_CONFIG, size::<u32>(), size::<NodeConfig>()),
-        (
-            map_names::MAGLEV,
-            size::<MaglevKey>(),
-            size::<MaglevBlock>(),
-        ),
-        (
-            map_names::SERVICE_NAMES,
-            size::<u32>(),
-            size::<ServiceName>(),
-        ),
-    ]
+/// Whether a previous agent's programs are attached through links pinned in `pin_dir`.
+pub(super) fn links_pinned(pin_dir: &Path) -> bool {
+    std::fs::read_dir(pin_dir).is_ok_and(|entries| {
+        entries
+            .flatten()
+            .any(|e| e.file_name().to_string_lossy().ends_with(LINK_SUFFIX))
+    })
 }

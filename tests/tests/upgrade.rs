@@ -1,0 +1,378 @@
+//! Issue 16 (agent upgrades that change a pinned map's layout): established connections keep
+//! their state when the new agent finds a map in an older layout, and a map in a layout it does
+//! not know is reported and rebuilt without a failed connection. Needs root.
+//!
+//! The older layout is a real one: the foundation's `KPR_REVNAT4`, keyed by the socket cookie
+//! alone with the service and the backend in the value (git history: the first commit's
+//! `proxy-common/src/maps.rs`), which the agent registers as version 1 of the map. The test
+//! builds it from the live entries of the running datapath, as that agent would have written
+//! them.
+
+use std::net::{SocketAddr, SocketAddrV4};
+use std::os::fd::{FromRawFd as _, OwnedFd};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use aya::maps::{HashMap, IterableMap as _, Map, MapData};
+use proxy_agent::dataplane::ebpf::PIN_DIR_NAME;
+use proxy_agent::dataplane::ebpf::layout::{LAYOUTS, LayoutKey, LayoutRecord};
+use proxy_common::{RevNat4, RevNat4Key, map_names};
+use proxy_tests::RigError;
+use proxy_tests::client::{Attempt, Client, Mode, tally};
+use proxy_tests::scenario::{Scenario, cluster_addr, is_pod, pod_endpoint};
+use proxy_tests::service_scenarios::ServiceSpec;
+use proxy_tests::topology::Topology;
+use proxy_tests::wait::try_wait_until;
+
+const NODE_PORT: u16 = 30080;
+/// Streams from outside through the NodePort (tc conntrack) and from a node process to the
+/// ClusterIP (socket hooks: reverse NAT for getpeername).
+const NODE_PORT_STREAMS: usize = 10;
+const CLUSTER_IP_STREAMS: usize = 4;
+
+fn node_port_addr() -> SocketAddr {
+    SocketAddrV4::new(Topology::node_ext_ip(), NODE_PORT).into()
+}
+
+type Streams = Vec<std::thread::JoinHandle<proxy_tests::Result<Vec<Attempt>>>>;
+
+/// The foundation's `KPR_REVNAT4` value (key: the socket cookie, a `u64`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct RevNat4V1 {
+    frontend_addr: u32,
+    backend_addr: u32,
+    frontend_port: u16,
+    backend_port: u16,
+    _pad: u32,
+}
+
+// SAFETY: `repr(C)` integers without implicit padding, valid for any bytes.
+unsafe impl aya::Pod for RevNat4V1 {}
+
+/// `default/web` as a NodePort Service on pods 1 and 2, served by an eBPF-mode agent.
+fn setup() -> anyhow::Result<Scenario> {
+    proxy_tests::require_root();
+    proxy_tests::set_helper_binary(env!("CARGO_BIN_EXE_rig-helper"));
+    let mut s = Scenario::new(2)?;
+    let spec = ServiceSpec {
+        type_: "NodePort",
+        ..ServiceSpec::default()
+    };
+    s.write_web_spec(&spec, &[pod_endpoint(1), pod_endpoint(2)])?;
+    s.start_agent_with_args("ebpf", &["--interfaces", "vext"])?;
+    Ok(s)
+}
+
+fn pin_dir(s: &mut Scenario) -> anyhow::Result<PathBuf> {
+    Ok(s.agent()?.bpf_root().join(PIN_DIR_NAME))
+}
+
+/// Opens the streams (each `exchanges` exchanges 100 ms apart on one connection) once both
+/// paths answer; returns them and the two clients.
+fn open_streams(s: &mut Scenario, exchanges: u32) -> anyhow::Result<(Streams, Client, Client)> {
+    let outside = s.external_client();
+    let node = s.cgroup_client();
+    s.wait_for_datapath_with(&outside, node_port_addr(), "NodePort answered", is_pod)?;
+    s.wait_for_datapath_with(&node, cluster_addr(), "ClusterIP answered", is_pod)?;
+    let streams = (0..NODE_PORT_STREAMS + CLUSTER_IP_STREAMS)
+        .map(|i| {
+            let (client, target) = if i < NODE_PORT_STREAMS {
+                (outside.clone(), node_port_addr())
+            } else {
+                (node.clone(), cluster_addr())
+            };
+            let client = client
+                .mode(Mode::TcpStream)
+                .interval(Duration::from_millis(100))
+                .timeout(Duration::from_millis(1000));
+            std::thread::spawn(move || client.run(target, exchanges))
+        })
+        .collect();
+    // Every stream connected before the upgrade starts.
+    std::thread::sleep(Duration::from_millis(800));
+    Ok((streams, outside, node))
+}
+
+/// Joins the streams and fails unless every one kept its one connection (`#1`), was answered
+/// every time (0 resets, 0 stalls) and, for the ClusterIP ones, getpeername() showed the
+/// ClusterIP throughout (the reverse NAT entry of the socket survived).
+fn ensure_streams_kept(s: &Scenario, streams: Streams, upgrade: &str) -> anyhow::Result<()> {
+    let mut broken = Vec::new();
+    let mut wrong_peer = Vec::new();
+    for (i, stream) in streams.into_iter().enumerate() {
+        let attempts = stream
+            .join()
+            .map_err(|_| RigError::Other(format!("stream {i}: client thread panicked")))??;
+        let counts = tally(&attempts);
+        let kept = counts.len() == 1
+            && attempts.iter().all(|a| {
+                matches!(a, Attempt::Ok { .. }) && a.backend().is_some_and(|b| b.ends_with("#1"))
+            });
+        if !kept {
+            broken.push((i, counts));
+        }
+        if i >= NODE_PORT_STREAMS {
+            let peers: std::collections::BTreeSet<SocketAddr> = attempts
+                .iter()
+                .filter_map(|a| match a {
+                    Attempt::Ok { peer, .. } => Some(*peer),
+                    Attempt::Err(_) => None,
+                })
+                .collect();
+            if peers.iter().any(|p| *p != cluster_addr()) {
+                wrong_peer.push((i, peers));
+            }
+        }
+    }
+    eprintln!(
+        "{upgrade}: {} of {} streams broken, ClusterIP streams with another peer: {wrong_peer:?}",
+        broken.len(),
+        NODE_PORT_STREAMS + CLUSTER_IP_STREAMS
+    );
+    s.ensure(broken.is_empty(), || {
+        format!("{upgrade}: every stream keeps its one connection, answered throughout: broken {broken:?}")
+    })?;
+    s.ensure(wrong_peer.is_empty(), || {
+        format!("{upgrade}: getpeername() shows the ClusterIP throughout: {wrong_peer:?}")
+    })?;
+    Ok(())
+}
+
+/// A new hash map of the given type from user space (`BPF_MAP_CREATE`): aya creates only
+/// plain hash maps, and the foundation's reverse NAT map was an LRU one.
+fn create_map(
+    map_type: u32,
+    key_size: u32,
+    value_size: u32,
+    max_entries: u32,
+) -> anyhow::Result<OwnedFd> {
+    const BPF_MAP_CREATE: libc::c_long = 0;
+    // map_type, key_size, value_size, max_entries, map_flags; the rest of `union bpf_attr`
+    // the kernel reads must be zero.
+    let mut attr = [0u32; 16];
+    attr[..4].copy_from_slice(&[map_type, key_size, value_size, max_entries]);
+    // SAFETY: a zero-filled `bpf_attr` prefix for BPF_MAP_CREATE, without pointers.
+    let fd = unsafe {
+        libc::syscall(
+            libc::SYS_bpf,
+            BPF_MAP_CREATE,
+            attr.as_mut_ptr(),
+            std::mem::size_of_val(&attr),
+        )
+    };
+    if fd < 0 {
+        anyhow::bail!("BPF_MAP_CREATE: {}", std::io::Error::last_os_error());
+    }
+    let fd = i32::try_from(fd)?;
+    // SAFETY: the kernel just returned this fd and nothing else owns it.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+/// Replaces the pinned `KPR_REVNAT4` by one in the foundation's layout with the same entries,
+/// and removes the layout records (the foundation agent kept none). Returns the entry count.
+fn rewrite_revnat4_as_v1(pin_dir: &Path) -> anyhow::Result<usize> {
+    let pin = pin_dir.join(map_names::REVNAT4);
+    let current = HashMap::<MapData, RevNat4Key, RevNat4>::try_from(Map::from_map_data(
+        MapData::from_pin(&pin)?,
+    )?)?;
+    let entries: Vec<(RevNat4Key, RevNat4)> = current.iter().collect::<Result<_, _>>()?;
+    let capacity = current.map().info()?.max_entries();
+    const BPF_MAP_TYPE_LRU_HASH: u32 = 9;
+    let old = MapData::from_fd(create_map(
+        BPF_MAP_TYPE_LRU_HASH,
+        8,
+        std::mem::size_of::<RevNat4V1>() as u32,
+        capacity,
+    )?)?;
+    let mut old = HashMap::<MapData, u64, RevNat4V1>::try_from(Map::from_map_data(old)?)?;
+    for (key, value) in &entries {
+        let v1 = RevNat4V1 {
+            frontend_addr: value.addr,
+            backend_addr: key.addr,
+            frontend_port: value.port,
+            backend_port: key.port,
+            _pad: 0,
+        };
+        old.insert(key.cookie, v1, 0)?;
+    }
+    // bpffs renames over an existing pin; the running programs keep the map they reference.
+    let staged = pin_dir.join("KPR_REVNAT4_v1");
+    old.map().pin(&staged)?;
+    std::fs::rename(&staged, &pin)?;
+    std::fs::remove_file(pin_dir.join(LAYOUTS))?;
+    Ok(entries.len())
+}
+
+/// The layout record of `name` in the pinned `KPR_LAYOUTS`.
+fn record(pin_dir: &Path, name: &str) -> anyhow::Result<Option<LayoutRecord>> {
+    let map = HashMap::<MapData, LayoutKey, LayoutRecord>::try_from(Map::from_map_data(
+        MapData::from_pin(pin_dir.join(LAYOUTS))?,
+    )?)?;
+    let key = LayoutKey::new(name).ok_or_else(|| anyhow::anyhow!("name {name} too long"))?;
+    Ok(map.get(&key, 0).ok())
+}
+
+/// The agent's log since `from` (a byte length of it before a restart).
+fn log_since(s: &mut Scenario, from: usize) -> anyhow::Result<String> {
+    Ok(s.agent()?
+        .log_contents()
+        .get(from..)
+        .unwrap_or_default()
+        .to_owned())
+}
+
+/// The 14 streams run while the agent stops, its `KPR_REVNAT4` is turned into the
+/// foundation's layout (same entries) and a new agent starts on those pins: it migrates the
+/// entries, so the ClusterIP streams' getpeername() keeps showing the ClusterIP (with the map
+/// started empty it shows the backend), every stream keeps its connection and is answered
+/// throughout, and new connections are answered by the pods.
+#[test]
+fn established_connections_keep_their_state_across_an_upgrade_from_an_older_map_layout()
+-> anyhow::Result<()> {
+    let mut s = setup()?;
+    let pins = pin_dir(&mut s)?;
+    let (streams, outside, node) = open_streams(&mut s, 100)?;
+    s.agent()?.stop()?;
+    let entries = rewrite_revnat4_as_v1(&pins)?;
+    s.ensure(entries >= CLUSTER_IP_STREAMS, || {
+        format!("the ClusterIP streams' reverse NAT entries are in the map: {entries}")
+    })?;
+    let log_start = s.agent()?.log_contents().len();
+    s.agent()?.restart()?;
+    // The previous programs answer until the new agent's replace them: wait for that (the
+    // second copy runs right after).
+    try_wait_until(
+        "the migration finished after the new programs attached",
+        Duration::from_secs(15),
+        Duration::from_millis(50),
+        || {
+            Ok(log_since(&mut s, log_start).is_ok_and(|log| {
+                log.lines().any(|l| {
+                    l.contains("entries migrated from the older layout")
+                        && l.contains("after_attach=true")
+                })
+            }))
+        },
+    )
+    .map_err(|e| s.agent_error(e.to_string()))?;
+    let fresh_node = s.wait_for_batch(
+        &node,
+        cluster_addr(),
+        6,
+        "new ClusterIP connections",
+        is_pod,
+    )?;
+    let fresh_outside = s.wait_for_batch(
+        &outside,
+        node_port_addr(),
+        6,
+        "new NodePort connections",
+        is_pod,
+    )?;
+    eprintln!(
+        "new connections after the upgrade: node {:?}, outside {:?}",
+        tally(&fresh_node),
+        tally(&fresh_outside)
+    );
+    let running = streams.iter().filter(|t| !t.is_finished()).count();
+    s.ensure(running == streams.len(), || {
+        format!("the upgrade must complete while the streams run: only {running} still ran")
+    })?;
+    let log = log_since(&mut s, log_start)?;
+    let first_copy = log.lines().find(|l| {
+        l.contains("entries migrated from the older layout") && l.contains("after_attach=false")
+    });
+    s.ensure(
+        first_copy.is_some_and(|l| {
+            l.contains(map_names::REVNAT4) && l.contains(&format!("copied={entries}"))
+        }),
+        || format!("the agent copies every entry before its programs attach: {first_copy:?}"),
+    )?;
+    ensure_streams_kept(
+        &s,
+        streams,
+        "upgrade from the foundation's reverse NAT layout",
+    )?;
+    let recorded = record(&pins, map_names::REVNAT4)?;
+    s.ensure(
+        recorded.is_some_and(|r| r.version == 2 && r.key_size == 16),
+        || format!("KPR_REVNAT4 is recorded in its current layout: {recorded:?}"),
+    )?;
+    Ok(())
+}
+
+/// A newer agent's `KPR_FRONTENDS4` (its record says version 99) found by this agent: it says so
+/// (map, version, sizes, what that costs), rebuilds the map, and keeps the previous programs
+/// serving until its first sync has filled it, so that no new connection fails across the
+/// restart, established streams keep their connection, and the map is recorded in this
+/// agent's version afterwards.
+#[test]
+fn a_map_in_an_unknown_layout_is_reported_and_rebuilt_without_a_failed_connection()
+-> anyhow::Result<()> {
+    let mut s = setup()?;
+    let pins = pin_dir(&mut s)?;
+    let (streams, _outside, node) = open_streams(&mut s, 80)?;
+    // New connections to the ClusterIP (socket hooks: the frontend map decides) all along.
+    let load = node
+        .clone()
+        .interval(Duration::from_millis(10))
+        .timeout(Duration::from_millis(1000));
+    let load = std::thread::spawn(move || load.run(cluster_addr(), 300));
+    std::thread::sleep(Duration::from_millis(300));
+    s.agent()?.stop()?;
+    let layouts = HashMap::<MapData, LayoutKey, LayoutRecord>::try_from(Map::from_map_data(
+        MapData::from_pin(pins.join(LAYOUTS))?,
+    )?)?;
+    let mut layouts = layouts;
+    let key = LayoutKey::new(map_names::FRONTENDS4).ok_or_else(|| anyhow::anyhow!("name"))?;
+    let mut newer = layouts.get(&key, 0)?;
+    newer.version = 99;
+    layouts.insert(key, newer, 0)?;
+    drop(layouts);
+    let log_start = s.agent()?.log_contents().len();
+    s.agent()?.restart()?;
+    try_wait_until(
+        "the programs attached after the first sync",
+        Duration::from_secs(15),
+        Duration::from_millis(50),
+        || {
+            Ok(log_since(&mut s, log_start)
+                .is_ok_and(|log| log.contains("attached after the first sync")))
+        },
+    )
+    .map_err(|e| s.agent_error(e.to_string()))?;
+    s.ensure(!load.is_finished(), || {
+        "the new connections must run across the whole restart".into()
+    })?;
+    let log = log_since(&mut s, log_start)?;
+    let warning = log
+        .lines()
+        .find(|l| l.contains("does not know") && l.contains(map_names::FRONTENDS4));
+    s.ensure(
+        warning.is_some_and(|w| w.contains("version=99") && w.contains("rebuilt")),
+        || format!("the agent names the map it does not understand and what it does: {warning:?}"),
+    )?;
+    let attempts = load
+        .join()
+        .map_err(|_| RigError::Other("load thread panicked".into()))??;
+    let failed: Vec<&Attempt> = attempts.iter().filter(|a| !is_pod(a)).collect();
+    eprintln!(
+        "unknown layout: {} new connections across the restart, {} failed: {:?}",
+        attempts.len(),
+        failed.len(),
+        tally(&attempts)
+    );
+    s.ensure(failed.is_empty(), || {
+        format!(
+            "no new connection fails across the rebuild: {:?}",
+            tally(&attempts)
+        )
+    })?;
+    ensure_streams_kept(&s, streams, "rebuild of an unknown layout")?;
+    let recorded = record(&pins, map_names::FRONTENDS4)?;
+    s.ensure(recorded.is_some_and(|r| r.version == 1), || {
+        format!("KPR_FRONTENDS4 is recorded in this agent's version: {recorded:?}")
+    })?;
+    Ok(())
+}
