@@ -1248,8 +1248,8 @@ pub fn internal_policy_local_without_local_endpoints(mode: &str) -> Result<()> {
     Ok(())
 }
 
-/// The dual-stack LoadBalancer Service `default/web` of [`host_network_backends`]: port 80 →
-/// 8080, NodePort 30080, an externalIP and an LB IP per family.
+/// The dual-stack LoadBalancer Service `default/web` of [`host_network_backends`]: TCP 80 and
+/// UDP 53 → 8080 (NodePorts 30080 and 30053), an externalIP and an LB IP per family.
 fn host_network_service(policy: &str) -> String {
     format!(
         "apiVersion: v1\nkind: Service\nmetadata: {{name: web, namespace: {NAMESPACE}}}\nspec:\n  \
@@ -1257,8 +1257,9 @@ fn host_network_service(policy: &str) -> String {
          \"{}\"]\n  ipFamilies: [IPv4, IPv6]\n  ipFamilyPolicy: RequireDualStack\n  \
          externalTrafficPolicy: {policy}\n  externalIPs: [\"{VIP}\", \"{VIP6}\"]\n  ports:\n  - \
          {{name: {PORT_NAME}, port: {SERVICE_PORT}, targetPort: {BACKEND_PORT}, protocol: TCP, \
-         nodePort: {NODE_PORT}}}\nstatus:\n  loadBalancer:\n    ingress: [{{ip: \"{HOST_LB}\"}}, \
-         {{ip: \"{HOST_LB6}\"}}]\n",
+         nodePort: {NODE_PORT}}}\n  - {{name: dns, port: 53, targetPort: {BACKEND_PORT}, \
+         protocol: UDP, nodePort: {UDP_NODE_PORT}}}\nstatus:\n  loadBalancer:\n    ingress: \
+         [{{ip: \"{HOST_LB}\"}}, {{ip: \"{HOST_LB6}\"}}]\n",
         crate::scenario::CLUSTER_IP6
     )
 }
@@ -1268,18 +1269,25 @@ const VIP6: std::net::Ipv6Addr = std::net::Ipv6Addr::new(0xfd00, 0x192, 0, 0, 0,
 /// The LB IPs of [`host_network_backends`].
 const HOST_LB: Ipv4Addr = Ipv4Addr::new(192, 0, 2, 20);
 const HOST_LB6: std::net::Ipv6Addr = std::net::Ipv6Addr::new(0xfd00, 0x198, 0, 0, 0, 0, 0, 0x20);
+const UDP_NODE_PORT: u16 = 30053;
 
-/// Host-network backends (ingress controllers with `hostNetwork: true`): the endpoints of a
-/// dual-stack LoadBalancer Service are a server listening in the node namespace on the node's
-/// own address (`hostnet`) and one in the second node's namespace on that node's address
-/// (`node2`). kube-proxy DNATs the external client's packet to the node address and the host
-/// delivers it locally (INPUT: POSTROUTING's MASQUERADE never sees it, so the server sees the
-/// client even with eTP Cluster); netfilter's conntrack translates the reply back on its way
-/// out. With eTP Cluster both servers answer on the NodePort, the externalIP and the LB IP of
-/// both families (the second node's server masqueraded), with eTP Local only this node's; the
-/// client's connection is to the frontend it dialled.
+/// Host-network backends (ingress controllers, DNS caches with `hostNetwork: true`): the
+/// endpoints of a dual-stack LoadBalancer Service are a server listening in the node namespace
+/// on the node's own address (`hostnet`) and one in the second node's namespace on that node's
+/// address (`node2`). kube-proxy DNATs the external client's packet to the node address and
+/// the host delivers it locally (INPUT: POSTROUTING's MASQUERADE never sees it, so the server
+/// sees the client even with eTP Cluster); netfilter's conntrack translates the reply back on
+/// its way out. With eTP Cluster both servers answer on the NodePort, the externalIP and the LB
+/// IP of both families, over TCP and UDP (the second node's server masqueraded), with eTP
+/// Local only this node's; the client's connection is to the frontend it dialled, and its UDP
+/// replies come from there (`recvfrom`).
 pub fn host_network_backends(mode: &str) -> Result<()> {
     use std::net::IpAddr;
+
+    use crate::{
+        client::{Mode, Proto},
+        manifests::{Protocol, SlicePort, endpoint_slice_yaml},
+    };
     crate::require_root();
     let mut s = Scenario::with_families(1, true)?;
     s.topo.add_remote_node(1, BACKEND_PORT)?;
@@ -1312,9 +1320,20 @@ pub fn host_network_backends(mode: &str) -> Result<()> {
             .ext()
             .ip(&["route", "add", &vip.to_string(), "via", &via.to_string()])?;
     }
-    let endpoints = |ipv6: bool| {
-        let family = usize::from(ipv6);
-        [
+    let ports = [
+        SlicePort {
+            name: PORT_NAME.into(),
+            port: BACKEND_PORT,
+            protocol: Protocol::Tcp,
+        },
+        SlicePort {
+            name: "dns".into(),
+            port: BACKEND_PORT,
+            protocol: Protocol::Udp,
+        },
+    ];
+    for (family, slice) in [(0, "web-4"), (1, "web-6")] {
+        let endpoints = [
             Endpoint {
                 node_name: Some(HOSTNAME.into()),
                 ..Endpoint::ready(local[family])
@@ -1323,27 +1342,30 @@ pub fn host_network_backends(mode: &str) -> Result<()> {
                 node_name: Some("other-node".into()),
                 ..Endpoint::ready(remote[family])
             },
-        ]
-    };
+        ];
+        s.manifests.write(
+            &format!("{slice}.yaml"),
+            &endpoint_slice_yaml(NAMESPACE, slice, "web", &ports, &endpoints),
+        )?;
+    }
     s.manifests
         .write("web-svc.yaml", &host_network_service("Cluster"))?;
-    s.manifests.write(
-        "web-slice4.yaml",
-        &http_slice(NAMESPACE, "web-4", "web", &endpoints(false)),
-    )?;
-    s.manifests.write(
-        "web-slice6.yaml",
-        &http_slice(NAMESPACE, "web-6", "web", &endpoints(true)),
-    )?;
     start(&mut s, mode)?;
-    let targets = [
-        SocketAddr::new(local[0], NODE_PORT),
-        SocketAddr::new(VIP.into(), SERVICE_PORT),
-        SocketAddr::new(HOST_LB.into(), SERVICE_PORT),
-        SocketAddr::new(local[1], NODE_PORT),
-        SocketAddr::new(VIP6.into(), SERVICE_PORT),
-        SocketAddr::new(HOST_LB6.into(), SERVICE_PORT),
-    ];
+    let mut targets = Vec::new();
+    for (proto, node_port, port) in [
+        (Proto::Tcp, NODE_PORT, SERVICE_PORT),
+        (Proto::Udp, UDP_NODE_PORT, 53),
+    ] {
+        for family in [0, 1] {
+            let vips: [IpAddr; 2] = if family == 0 {
+                [VIP.into(), HOST_LB.into()]
+            } else {
+                [VIP6.into(), HOST_LB6.into()]
+            };
+            targets.push((proto, SocketAddr::new(local[family], node_port)));
+            targets.extend(vips.map(|vip| (proto, SocketAddr::new(vip, port))));
+        }
+    }
     for policy in ["Cluster", "Local"] {
         s.manifests
             .write("web-svc.yaml", &host_network_service(policy))?;
@@ -1353,19 +1375,25 @@ pub fn host_network_backends(mode: &str) -> Result<()> {
             &["hostnet", "node2"]
         };
         let answered = |a: &Attempt| a.backend().is_some_and(|b| allowed.contains(&b));
-        for target in targets {
+        for &(proto, target) in &targets {
             let client_ip: IpAddr = if target.is_ipv6() {
                 Topology::ext_ip6().into()
             } else {
                 Topology::ext_ip().into()
             };
-            let label = format!("[{mode}] eTP {policy}: {target} → host-network backends");
-            let client = s.external_client();
+            let client = match proto {
+                Proto::Tcp => s.external_client(),
+                Proto::Udp => s.external_client().proto(proto).mode(Mode::Sendto),
+            };
+            let label =
+                format!("[{mode}] eTP {policy}: {proto:?} {target} → host-network backends");
             s.wait_for_batch(&client, target, 4, &label, answered)?;
-            let (attempts, counts) = from_outside(&mut s, target, &label, answered)?;
+            let attempts = client.run(target, CONNECTIONS)?;
+            let counts = tally(&attempts);
+            eprintln!("{label}: {counts:?}");
             s.ensure(
                 attempts.iter().all(answered) && counts.len() == allowed.len(),
-                || format!("{label}: {allowed:?} must answer every connection: {counts:?}"),
+                || format!("{label}: {allowed:?} must answer every attempt: {counts:?}"),
             )?;
             for attempt in &attempts {
                 let Attempt::Ok {
