@@ -650,7 +650,9 @@ fn checksum_complete_skbs_keep_a_true_csum_through_every_rewrite() {
     }
 }
 
-/// On the fast path the egress program passes everything: ingress did the whole translation.
+/// On the fast path the egress program passes everything it did not send itself (see
+/// `host_network_backends_are_delivered_locally_and_answered_at_egress`): ingress did the
+/// whole translation.
 #[test]
 fn fast_path_egress_passes_everything() {
     with_node(|node| {
