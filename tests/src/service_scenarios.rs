@@ -1277,10 +1277,10 @@ const UDP_NODE_PORT: u16 = 30053;
 /// address (`node2`). kube-proxy DNATs the external client's packet to the node address and
 /// the host delivers it locally (INPUT: POSTROUTING's MASQUERADE never sees it, so the server
 /// sees the client even with eTP Cluster); netfilter's conntrack translates the reply back on
-/// its way out. With eTP Cluster both servers answer on the NodePort, the externalIP and the LB
-/// IP of both families, over TCP and UDP (the second node's server masqueraded), with eTP
-/// Local only this node's; the client's connection is to the frontend it dialled, and its UDP
-/// replies come from there (`recvfrom`).
+/// its way out. With eTP Cluster both servers answer (the second node's masqueraded) on the
+/// NodePort, the externalIP and the LB IP of both families over TCP, and on the NodePort over
+/// UDP; with eTP Local only this node's. The client's connection is to the frontend it
+/// dialled, and its UDP replies come from there (`recvfrom`).
 pub fn host_network_backends(mode: &str) -> Result<()> {
     use std::net::IpAddr;
 
@@ -1363,7 +1363,13 @@ pub fn host_network_backends(mode: &str) -> Result<()> {
                 [VIP6.into(), HOST_LB6.into()]
             };
             targets.push((proto, SocketAddr::new(local[family], node_port)));
-            targets.extend(vips.map(|vip| (proto, SocketAddr::new(vip, port))));
+            // UDP to the NodePort only: every attempt is a new socket on a random port, and
+            // one reused for another frontend of the same backend while the first flow lives
+            // is dropped in eBPF mode (no SNAT: the reply entries clash, `tc_ct_reply_clash`;
+            // netfilter remaps the source port). TCP flows end, which frees their tuple.
+            if proto == Proto::Tcp {
+                targets.extend(vips.map(|vip| (proto, SocketAddr::new(vip, port))));
+            }
         }
     }
     for policy in ["Cluster", "Local"] {
