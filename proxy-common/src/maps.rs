@@ -171,6 +171,13 @@ pub mod ct_flags {
     /// [`super::ct_timeout::TCP_SYN_NS`]: a SYN flood must not hold entries and SNAT ports for
     /// the established timeout.
     pub const ESTABLISHED: u8 = 16;
+    /// Reply entries of flows whose backend is an address of this node (a host-network
+    /// endpoint): the host delivered the translated packet to its own socket, so the
+    /// backend's packets leave the node's stack rather than arrive on an interface. The
+    /// egress program translates them (on either path, without the ingress mark); such a flow
+    /// is never source-NATed, as kube-proxy's MASQUERADE in POSTROUTING never sees a packet
+    /// delivered locally.
+    pub const HOST_BACKEND: u8 = 32;
     /// Forward entries the agent adopted at start from the kernel's conntrack: a UDP or SCTP
     /// flow that netfilter (kube-proxy's rules, or the iptables mode's) already DNATs. Its
     /// packets go to the stack untranslated, where the kernel's conntrack entry keeps applying

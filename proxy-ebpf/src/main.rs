@@ -101,7 +101,8 @@ mod programs {
 
     /// tc egress of every interface with one of the above (netfilter path): the source half
     /// of a translation (SNAT, or the frontend address on a reply), after the host's
-    /// FORWARD and POSTROUTING.
+    /// FORWARD and POSTROUTING; on either path, the frontend address on the replies of
+    /// host-network backends on this node.
     #[classifier]
     pub fn kpr_tc_egress(ctx: TcContext) -> i32 {
         crate::tc::egress(&ctx)

@@ -114,6 +114,8 @@ pub static KPR_NODE_CONFIG: Array<NodeConfig> = Array::pinned(1, 0);
 /// conntrack tuples plus a fib query. Not pinned: it holds nothing between packets.
 #[repr(C)]
 pub struct TcScratch {
+    /// A new flow's own (forward) key: `tc::new_flow` builds it here, out of arguments.
+    pub flow_key: CtKey,
     pub forward: CtValue,
     pub reply: CtValue,
     pub reply_key: CtKey,

@@ -16,9 +16,13 @@
 //! backends are translated back from their reply entry, flows of pods from their forward
 //! entry, and everything else passes untouched.
 
+use core::mem;
+
 use aya_ebpf::{
-    bindings::{TC_ACT_SHOT, TC_ACT_UNSPEC},
-    helpers::bpf_ktime_get_ns,
+    EbpfContext as _,
+    bindings::bpf_fib_lookup as FibLookup,
+    bindings::{BPF_FIB_LKUP_RET_NOT_FWDED, TC_ACT_SHOT, TC_ACT_UNSPEC},
+    helpers::{bpf_fib_lookup, bpf_ktime_get_ns},
     maps::lpm_trie::Key,
     programs::TcContext,
 };
@@ -81,15 +85,12 @@ pub fn reply(ctx: &TcContext) -> i32 {
 /// (`ct_flags::EGRESS`) and the reply entries of flows without SNAT, which are keyed by
 /// the backend's own packet.
 pub fn egress(ctx: &TcContext) -> i32 {
-    if fast_path() {
-        return NEXT;
-    }
     // Only packets an ingress program translated (`TRANSLATED_MARK`): another packet with the
     // tuple of a tracked flow is someone else's. The bit is ours; it goes with the translation.
     // SAFETY: the context pointer is the program's own __sk_buff.
     let mark = unsafe { (*ctx.skb.skb).mark };
-    if mark & TRANSLATED_MARK == 0 {
-        return NEXT;
+    if fast_path() || mark & TRANSLATED_MARK == 0 {
+        return host_backend_reply(ctx);
     }
     ctx.set_mark(mark & !TRANSLATED_MARK);
     let Some(pkt) = parse(ctx) else {
@@ -106,6 +107,41 @@ pub fn egress(ctx: &TcContext) -> i32 {
         || (value.src == pkt.src && value.sport == pkt.sport)
     {
         return NEXT;
+    }
+    translate_source(ctx, &pkt, value)
+}
+
+/// Egress, on either path: a reply of a host-network backend on this node (its flow's reply
+/// entry has `ct_flags::HOST_BACKEND`). Ingress translated the client's packet to the node's
+/// own address and the host delivered it to the backend's socket; the answer leaves the
+/// node's own stack, so no ingress program saw it and it carries no mark: it gets the
+/// frontend as its source here, as netfilter's conntrack un-DNATs it on the output path for
+/// kube-proxy. Only packets the node itself sent (`ingress_ifindex` 0: never received on an
+/// interface) are looked up, so forwarded traffic pays nothing.
+#[inline(always)]
+fn host_backend_reply(ctx: &TcContext) -> i32 {
+    // SAFETY: the context pointer is the program's own __sk_buff.
+    if unsafe { (*ctx.skb.skb).ingress_ifindex } != 0 {
+        return NEXT;
+    }
+    let Some(pkt) = parse(ctx) else {
+        return NEXT;
+    };
+    let Some(entry) = conntrack::lookup(&pkt.ct_key()) else {
+        return NEXT;
+    };
+    // SAFETY: from a successful lookup, used in place (see `service`).
+    let value = unsafe { &*entry };
+    if value.flags & ct_flags::HOST_BACKEND == 0 || value.dst != pkt.dst || value.dport != pkt.dport
+    {
+        return NEXT;
+    }
+    // SAFETY: bpf_ktime_get_ns has no preconditions.
+    let now = unsafe { bpf_ktime_get_ns() };
+    // Refreshed (and a FIN or RST passed on, an evicted forward entry rebuilt) as ingress does
+    // for the replies of other backends.
+    if conntrack::reply_seen(entry, &pkt, now) {
+        bump(StatIndex::TcForwardRebuilt);
     }
     translate_source(ctx, &pkt, value)
 }
@@ -169,7 +205,7 @@ fn service(ctx: &TcContext, side: Side) -> i32 {
         bump(StatIndex::TcMidstreamPassed);
         return NEXT;
     }
-    match new_flow(&pkt, &key, &frontend, internal) {
+    match new_flow(ctx, &pkt, &frontend, internal) {
         Verdict::Action(action) => action,
         // Called from here, not from `new_flow`, so the two frames never stack up.
         Verdict::Reject => icmp::reject(ctx, &pkt),
@@ -352,9 +388,9 @@ fn is_node_address(pkt: &Packet) -> bool {
 // post-RA pseudo instruction expansion); as a BPF-to-BPF call it also keeps each frame's stack
 // well under the verifier's 512 bytes.
 #[inline(never)]
-fn new_flow(pkt: &Packet, key: &CtKey, frontend: &FrontendValue, internal: bool) -> Verdict {
-    // Read here rather than passed in: a BPF call takes at most 5 arguments (the verdict's
-    // return slot is one).
+fn new_flow(ctx: &TcContext, pkt: &Packet, frontend: &FrontendValue, internal: bool) -> Verdict {
+    // Read here rather than passed in (the time, and the packet's conntrack key into the
+    // scratch slot): a BPF call takes at most 5 arguments (the verdict's return slot is one).
     // SAFETY: bpf_ktime_get_ns has no preconditions.
     let now = unsafe { bpf_ktime_get_ns() };
     if frontend.flags & frontend_flags::SOURCE_RANGES != 0 && !source_allowed(pkt, frontend) {
@@ -378,6 +414,15 @@ fn new_flow(pkt: &Packet, key: &CtKey, frontend: &FrontendValue, internal: bool)
     };
     // SAFETY: the per-CPU slot is ours until the program ends (no preemption on a CPU).
     let scratch = unsafe { &mut *scratch };
+    // Field by field: a whole `CtKey` would be built on this frame first.
+    let flow_key = &mut scratch.flow_key;
+    flow_key.src = pkt.src;
+    flow_key.dst = pkt.dst;
+    flow_key.sport = pkt.sport;
+    flow_key.dport = pkt.dport;
+    flow_key.proto = pkt.proto;
+    flow_key.family = pkt.family;
+    flow_key._pad = 0;
     scratch.forward = CtValue {
         src: pkt.src,
         dst: backend_addr,
@@ -405,17 +450,25 @@ fn new_flow(pkt: &Packet, key: &CtKey, frontend: &FrontendValue, internal: bool)
         _pad: [0; 3],
         last_seen_ns: now,
     };
-    let snat = if internal {
-        hairpin_snat(pkt, &backend_addr)
+    // A host-network backend on this node is delivered locally, never masqueraded (see
+    // `ct_flags::HOST_BACKEND`): SNATed to the node's own address the packet would arrive with
+    // a local source, a martian the stack drops.
+    let snat = if is_host_backend(ctx, pkt) {
+        scratch.reply.flags |= ct_flags::HOST_BACKEND;
+        None
+    } else if internal {
+        hairpin_snat(pkt, &scratch.forward.dst)
     } else {
         snat_address(pkt, frontend)
     };
     match snat {
         Some(addr) => {
             scratch.reply_key.dst = addr;
-            let Some(port) =
-                conntrack::insert_snat_reply(&mut scratch.reply_key, &scratch.reply, key)
-            else {
+            let Some(port) = conntrack::insert_snat_reply(
+                &mut scratch.reply_key,
+                &scratch.reply,
+                &scratch.flow_key,
+            ) else {
                 bump(StatIndex::TcSnatPortExhausted);
                 return Verdict::Action(DROP);
             };
@@ -425,12 +478,12 @@ fn new_flow(pkt: &Packet, key: &CtKey, frontend: &FrontendValue, internal: bool)
             bump(StatIndex::TcSnat);
         }
         None => {
-            if !conntrack::insert_reply(&scratch.reply_key, &scratch.reply, key) {
+            if !conntrack::insert_reply(&scratch.reply_key, &scratch.reply, &scratch.flow_key) {
                 return Verdict::Action(DROP);
             }
         }
     }
-    if conntrack::insert(key, &scratch.forward).is_err() {
+    if conntrack::insert(&scratch.flow_key, &scratch.forward).is_err() {
         conntrack::remove(&scratch.reply_key);
         bump(StatIndex::TcCtFailed);
         return Verdict::Action(DROP);
@@ -502,6 +555,44 @@ fn insert_egress(pkt: &Packet) -> bool {
     conntrack::remove(&scratch.egress_key);
     bump(StatIndex::TcCtFailed);
     false
+}
+
+/// Whether the backend of the new flow `new_flow` is writing (its forward tuple in the scratch
+/// slot) is an address of this node, a host-network endpoint's: the kernel's route to it from
+/// the packet's interface is local, which `bpf_fib_lookup` reports as not forwarded. The
+/// routing table rather than `KPR_NODE_ADDRS`: that set holds only the NodePort addresses
+/// (`--nodeport-addresses`), an endpoint may use any address of the node. Not inlined, and
+/// everything read from and built in the scratch slot: its frame stacks on `new_flow`'s.
+#[inline(never)]
+fn is_host_backend(ctx: &TcContext, pkt: &Packet) -> bool {
+    // The kernel's AF_INET and AF_INET6.
+    const AF_INET: u8 = 2;
+    const AF_INET6: u8 = 10;
+    let Some(scratch) = KPR_TC_SCRATCH.get_ptr_mut(0) else {
+        return false;
+    };
+    // SAFETY: the per-CPU slot is ours until the program ends; `fib` is used by `new_flow`'s
+    // callers only after it returns (the fast path's redirect), `forward` only read here.
+    let (params, addr): (&mut FibLookup, &[u32; 4]) =
+        unsafe { (&mut (*scratch).fib, &(*scratch).forward.dst) };
+    // SAFETY: an all-zero bpf_fib_lookup is a valid (empty) query.
+    *params = unsafe { mem::zeroed() };
+    params.l4_protocol = pkt.proto;
+    // SAFETY: the context pointer is the program's own __sk_buff.
+    params.ifindex = unsafe { (*ctx.skb.skb).ingress_ifindex };
+    if pkt.is_v6() {
+        params.family = AF_INET6;
+        params.__bindgen_anon_3.ipv6_src = pkt.src;
+        params.__bindgen_anon_4.ipv6_dst = *addr;
+    } else {
+        params.family = AF_INET;
+        params.__bindgen_anon_3.ipv4_src = pkt.src[0];
+        params.__bindgen_anon_4.ipv4_dst = addr[0];
+    }
+    // SAFETY: params points to a bpf_fib_lookup of the size passed.
+    let ret =
+        unsafe { bpf_fib_lookup(ctx.as_ptr(), params, mem::size_of::<FibLookup>() as i32, 0) };
+    ret == i64::from(BPF_FIB_LKUP_RET_NOT_FWDED)
 }
 
 /// `loadBalancerSourceRanges`: the longest-prefix match on (service id, client address).

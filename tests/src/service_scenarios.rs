@@ -111,14 +111,22 @@ fn setup(pods: usize, spec: &ServiceSpec, endpoints: &[Endpoint]) -> Result<Scen
 /// clsact filters, the path of kernels older than 6.6. Only the external-traffic scenarios
 /// take it (`service_scenarios_ebpf_legacy_tc.rs`).
 pub const EBPF_LEGACY_TC: &str = "ebpf-legacy-tc";
+/// `ebpf` with `--tc-fast-path`: translated packets are redirected past the host's netfilter
+/// (`service_scenarios_ebpf.rs` runs the scenarios whose packets take that path).
+pub const EBPF_FAST_PATH: &str = "ebpf-fast-path";
 
 fn start(s: &mut Scenario, mode: &str) -> Result<()> {
     let args: &[&str] = match mode {
         "ebpf" => &["--interfaces", "vext"],
         EBPF_LEGACY_TC => &["--interfaces", "vext", "--bpf-disable-feature", "tcx"],
+        EBPF_FAST_PATH => &["--interfaces", "vext", "--tc-fast-path"],
         _ => &[],
     };
-    let mode = if mode == EBPF_LEGACY_TC { "ebpf" } else { mode };
+    let mode = if mode == EBPF_LEGACY_TC || mode == EBPF_FAST_PATH {
+        "ebpf"
+    } else {
+        mode
+    };
     s.start_agent_with_args(mode, args)?;
     Ok(())
 }
@@ -1240,6 +1248,184 @@ pub fn internal_policy_local_without_local_endpoints(mode: &str) -> Result<()> {
     Ok(())
 }
 
+/// The dual-stack LoadBalancer Service `default/web` of [`host_network_backends`]: TCP 80 and
+/// UDP 53 → 8080 (NodePorts 30080 and 30053), an externalIP and an LB IP per family.
+fn host_network_service(policy: &str) -> String {
+    format!(
+        "apiVersion: v1\nkind: Service\nmetadata: {{name: web, namespace: {NAMESPACE}}}\nspec:\n  \
+         type: LoadBalancer\n  clusterIP: \"{CLUSTER_IP}\"\n  clusterIPs: [\"{CLUSTER_IP}\", \
+         \"{}\"]\n  ipFamilies: [IPv4, IPv6]\n  ipFamilyPolicy: RequireDualStack\n  \
+         externalTrafficPolicy: {policy}\n  externalIPs: [\"{VIP}\", \"{VIP6}\"]\n  ports:\n  - \
+         {{name: {PORT_NAME}, port: {SERVICE_PORT}, targetPort: {BACKEND_PORT}, protocol: TCP, \
+         nodePort: {NODE_PORT}}}\n  - {{name: dns, port: 53, targetPort: {BACKEND_PORT}, \
+         protocol: UDP, nodePort: {UDP_NODE_PORT}}}\nstatus:\n  loadBalancer:\n    ingress: \
+         [{{ip: \"{HOST_LB}\"}}, {{ip: \"{HOST_LB6}\"}}]\n",
+        crate::scenario::CLUSTER_IP6
+    )
+}
+
+/// An IPv6 externalIP routed to the node by the external client.
+const VIP6: std::net::Ipv6Addr = std::net::Ipv6Addr::new(0xfd00, 0x192, 0, 0, 0, 0, 0, 0x10);
+/// The LB IPs of [`host_network_backends`].
+const HOST_LB: Ipv4Addr = Ipv4Addr::new(192, 0, 2, 20);
+const HOST_LB6: std::net::Ipv6Addr = std::net::Ipv6Addr::new(0xfd00, 0x198, 0, 0, 0, 0, 0, 0x20);
+const UDP_NODE_PORT: u16 = 30053;
+
+/// Host-network backends (ingress controllers, DNS caches with `hostNetwork: true`): the
+/// endpoints of a dual-stack LoadBalancer Service are a server listening in the node namespace
+/// on the node's own address (`hostnet`) and one in the second node's namespace on that node's
+/// address (`node2`). kube-proxy DNATs the external client's packet to the node address and
+/// the host delivers it locally (INPUT: POSTROUTING's MASQUERADE never sees it, so the server
+/// sees the client even with eTP Cluster); netfilter's conntrack translates the reply back on
+/// its way out. With eTP Cluster both servers answer (the second node's masqueraded) on the
+/// NodePort, the externalIP and the LB IP of both families over TCP, and on the NodePort over
+/// UDP; with eTP Local only this node's. The client's connection is to the frontend it
+/// dialled, and its UDP replies come from there (`recvfrom`).
+pub fn host_network_backends(mode: &str) -> Result<()> {
+    use std::net::IpAddr;
+
+    use crate::{
+        client::{Mode, Proto},
+        manifests::{Protocol, SlicePort, endpoint_slice_yaml},
+    };
+    crate::require_root();
+    let mut s = Scenario::with_families(1, true)?;
+    s.topo.add_remote_node(1, BACKEND_PORT)?;
+    let local: [IpAddr; 2] = [
+        Topology::node_ext_ip().into(),
+        Topology::node_ext_ip6().into(),
+    ];
+    let remote: [IpAddr; 2] = [
+        Topology::remote_node_ip().into(),
+        Topology::remote_node_ip6().into(),
+    ];
+    for ip in local {
+        s.topo
+            .start_echo(Place::Node, "hostnet", SocketAddr::new(ip, BACKEND_PORT))?;
+    }
+    for ip in remote {
+        s.topo.start_echo(
+            Place::RemoteNode,
+            "node2",
+            SocketAddr::new(ip, BACKEND_PORT),
+        )?;
+    }
+    for (vip, via) in [
+        (IpAddr::from(VIP), IpAddr::from(Topology::node_ext_ip())),
+        (HOST_LB.into(), Topology::node_ext_ip().into()),
+        (VIP6.into(), Topology::node_ext_ip6().into()),
+        (HOST_LB6.into(), Topology::node_ext_ip6().into()),
+    ] {
+        s.topo
+            .ext()
+            .ip(&["route", "add", &vip.to_string(), "via", &via.to_string()])?;
+    }
+    let ports = [
+        SlicePort {
+            name: PORT_NAME.into(),
+            port: BACKEND_PORT,
+            protocol: Protocol::Tcp,
+        },
+        SlicePort {
+            name: "dns".into(),
+            port: BACKEND_PORT,
+            protocol: Protocol::Udp,
+        },
+    ];
+    for (family, slice) in [(0, "web-4"), (1, "web-6")] {
+        let endpoints = [
+            Endpoint {
+                node_name: Some(HOSTNAME.into()),
+                ..Endpoint::ready(local[family])
+            },
+            Endpoint {
+                node_name: Some("other-node".into()),
+                ..Endpoint::ready(remote[family])
+            },
+        ];
+        s.manifests.write(
+            &format!("{slice}.yaml"),
+            &endpoint_slice_yaml(NAMESPACE, slice, "web", &ports, &endpoints),
+        )?;
+    }
+    s.manifests
+        .write("web-svc.yaml", &host_network_service("Cluster"))?;
+    start(&mut s, mode)?;
+    let mut targets = Vec::new();
+    for (proto, node_port, port) in [
+        (Proto::Tcp, NODE_PORT, SERVICE_PORT),
+        (Proto::Udp, UDP_NODE_PORT, 53),
+    ] {
+        for family in [0, 1] {
+            let vips: [IpAddr; 2] = if family == 0 {
+                [VIP.into(), HOST_LB.into()]
+            } else {
+                [VIP6.into(), HOST_LB6.into()]
+            };
+            targets.push((proto, SocketAddr::new(local[family], node_port)));
+            // UDP to the NodePort only: every attempt is a new socket on a random port, and
+            // one reused for another frontend of the same backend while the first flow lives
+            // is dropped in eBPF mode (no SNAT: the reply entries clash, `tc_ct_reply_clash`;
+            // netfilter remaps the source port). TCP flows end, which frees their tuple.
+            if proto == Proto::Tcp {
+                targets.extend(vips.map(|vip| (proto, SocketAddr::new(vip, port))));
+            }
+        }
+    }
+    for policy in ["Cluster", "Local"] {
+        s.manifests
+            .write("web-svc.yaml", &host_network_service(policy))?;
+        let allowed: &[&str] = if policy == "Local" {
+            &["hostnet"]
+        } else {
+            &["hostnet", "node2"]
+        };
+        let answered = |a: &Attempt| a.backend().is_some_and(|b| allowed.contains(&b));
+        for &(proto, target) in &targets {
+            let client_ip: IpAddr = if target.is_ipv6() {
+                Topology::ext_ip6().into()
+            } else {
+                Topology::ext_ip().into()
+            };
+            let client = match proto {
+                Proto::Tcp => s.external_client(),
+                Proto::Udp => s.external_client().proto(proto).mode(Mode::Sendto),
+            };
+            let label =
+                format!("[{mode}] eTP {policy}: {proto:?} {target} → host-network backends");
+            s.wait_for_batch(&client, target, 4, &label, answered)?;
+            let attempts = client.run(target, CONNECTIONS)?;
+            let counts = tally(&attempts);
+            eprintln!("{label}: {counts:?}");
+            s.ensure(
+                attempts.iter().all(answered) && counts.len() == allowed.len(),
+                || format!("{label}: {allowed:?} must answer every attempt: {counts:?}"),
+            )?;
+            for attempt in &attempts {
+                let Attempt::Ok {
+                    backend,
+                    client: seen,
+                    peer,
+                } = attempt
+                else {
+                    continue;
+                };
+                s.ensure(*peer == target, || {
+                    format!("{label}: the client's peer is {peer}, not the dialled {target}")
+                })?;
+                let local_server = backend == "hostnet";
+                s.ensure((seen.ip() == client_ip) == local_server, || {
+                    format!(
+                        "{label}: {backend} saw {seen}: the node's own server sees the client \
+                         (local delivery is never masqueraded), the other node's the node"
+                    )
+                })?;
+            }
+        }
+    }
+    Ok(())
+}
+
 #[macro_export]
 macro_rules! service_scenario_tests {
     ($mode:literal: $($scenario:ident),+ $(,)?) => {
@@ -1271,6 +1457,7 @@ macro_rules! service_scenario_tests {
             ipv4_mapped_ipv6_clients_reach_ipv4_services,
             rolling_update_drains_established_connections,
             unconnected_udp_sockets_keep_their_backend,
+            host_network_backends,
         );
     };
 }

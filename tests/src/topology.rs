@@ -308,6 +308,21 @@ impl Topology {
         Ipv4Addr::new(10, 10, 0, 1)
     }
 
+    /// `fd00:10::2`, the external client's IPv6 address.
+    pub fn ext_ip6() -> Ipv6Addr {
+        Ipv6Addr::new(0xfd00, 0x10, 0, 0, 0, 0, 0, 2)
+    }
+
+    /// `fd00:10::1`, the node's IPv6 address on its link to the external client.
+    pub fn node_ext_ip6() -> Ipv6Addr {
+        Ipv6Addr::new(0xfd00, 0x10, 0, 0, 0, 0, 0, 1)
+    }
+
+    /// `fd00:20::2`, the remote node's IPv6 address on its link to the node.
+    pub fn remote_node_ip6() -> Ipv6Addr {
+        Ipv6Addr::new(0xfd00, 0x20, 0, 0, 0, 0, 0, 2)
+    }
+
     /// Adds `ip/32` (`/128`) to the node's `lo`, making it a local address of the node
     /// namespace.
     pub fn add_node_local_address(&self, ip: impl Into<IpAddr>) -> Result<()> {

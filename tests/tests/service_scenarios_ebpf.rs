@@ -3,3 +3,9 @@
 //! client namespace. Needs root.
 
 proxy_tests::service_scenario_tests!("ebpf");
+
+/// The scenarios whose translated packets the fast path (`--tc-fast-path`) handles differently
+/// from the netfilter path.
+mod fast_path {
+    proxy_tests::service_scenario_tests!("ebpf-fast-path": host_network_backends);
+}

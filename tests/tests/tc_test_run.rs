@@ -42,8 +42,8 @@ use proxy_tests::{
     cgroup::ChildCgroup,
     netns::Netns,
     packet::{
-        L4, PROTO_ICMP, PROTO_ICMPV6, PROTO_TCP, PROTO_UDP, Parsed, TC_ACT_REDIRECT, TC_ACT_SHOT,
-        TC_ACT_UNSPEC, build, crc32c, inet_checksum, parse_checked,
+        L4, PROTO_ICMP, PROTO_ICMPV6, PROTO_TCP, PROTO_UDP, Parsed, TC_ACT_OK, TC_ACT_REDIRECT,
+        TC_ACT_SHOT, TC_ACT_UNSPEC, build, crc32c, inet_checksum, parse_checked,
     },
 };
 
@@ -560,6 +560,7 @@ fn run_complete(
         ifindex,
         mark,
         checksum_complete: true,
+        local: false,
     };
     let out = node
         .dataplane
@@ -649,7 +650,9 @@ fn checksum_complete_skbs_keep_a_true_csum_through_every_rewrite() {
     }
 }
 
-/// On the fast path the egress program passes everything: ingress did the whole translation.
+/// On the fast path the egress program passes everything it did not send itself (see
+/// `host_network_backends_are_delivered_locally_and_answered_at_egress`): ingress did the
+/// whole translation.
 #[test]
 fn fast_path_egress_passes_everything() {
     with_node(|node| {
@@ -671,6 +674,171 @@ fn fast_path_egress_passes_everything() {
             "{entries:?}"
         );
     });
+}
+
+/// Services with host-network backends: `hostnet`, a dual-stack NodePort (eTP Cluster) whose
+/// endpoints are the node's own `ext0` addresses (TCP 80→8080 on 30090, UDP 53→5353 on 30091),
+/// and `podlocal`, a NodePort (eTP Local, TCP 30092) to the pod `BACKEND`.
+fn host_network_snapshot() -> Snapshot {
+    let services = [
+        "{name: hostnet, namespace: default}\nspec: {type: NodePort, clusterIP: 10.96.0.50, \
+         clusterIPs: [10.96.0.50, 'fd00:96::50'], ipFamilies: [IPv4, IPv6], \
+         ipFamilyPolicy: RequireDualStack, externalTrafficPolicy: Cluster, ports: [\
+         {name: http, port: 80, protocol: TCP, targetPort: 8080, nodePort: 30090}, \
+         {name: dns, port: 53, protocol: UDP, targetPort: 5353, nodePort: 30091}]}",
+        "{name: podlocal, namespace: default}\nspec: {type: NodePort, clusterIP: 10.96.0.51, \
+         externalTrafficPolicy: Local, ports: [\
+         {name: http, port: 80, protocol: TCP, targetPort: 8080, nodePort: 30092}]}",
+    ];
+    let services: BTreeMap<ObjectKey, Service> = services
+        .iter()
+        .map(|meta| {
+            let yaml = format!("apiVersion: v1\nkind: Service\nmetadata: {meta}\n");
+            let service: Service = serde_yaml::from_str(&yaml).expect("service yaml");
+            let name = service.metadata.name.clone().expect("name");
+            (key(&name), service)
+        })
+        .collect();
+    let slice = |name: &str, service: &str, family: &str, addr: &str| {
+        let yaml = format!(
+            "apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\n\
+             metadata: {{name: {name}, namespace: default, labels: {{kubernetes.io/service-name: {service}}}}}\n\
+             addressType: {family}\nports: [{{name: http, port: 8080, protocol: TCP}}, \
+             {{name: dns, port: 5353, protocol: UDP}}]\n\
+             endpoints: [{{addresses: ['{addr}'], nodeName: {NODE}, conditions: {{ready: true}}}}]\n"
+        );
+        let slice: EndpointSlice = serde_yaml::from_str(&yaml).expect("slice yaml");
+        (key(name), slice)
+    };
+    let slices = BTreeMap::from([
+        slice("hostnet-4", "hostnet", "IPv4", NODE_IP),
+        slice("hostnet-6", "hostnet", "IPv6", NODE_IP6),
+        slice("podlocal-4", "podlocal", "IPv4", BACKEND),
+    ]);
+    Snapshot::compute(&Objects::new(services, slices, None), NODE)
+}
+
+/// Issue 17, host-network backends, on both paths: a NodePort whose backend is an address of
+/// the node itself is DNATed and handed to the stack for local delivery, never SNATed (the
+/// node's own address as the source would be a martian, and kube-proxy's MASQUERADE never sees
+/// a locally delivered packet), with a `HOST_BACKEND` reply entry; the backend's answer, which
+/// leaves the node's own stack unmarked, gets the frontend as its source at egress. Egress
+/// leaves alone the same packet received on an interface, and a locally sent packet whose
+/// entry is a pod backend's.
+#[test]
+fn host_network_backends_are_delivered_locally_and_answered_at_egress() {
+    for fast_path in [false, true] {
+        with_node_path(
+            LbOptions::default(),
+            fast_path,
+            None,
+            SNAT_PORTS,
+            move |node| {
+                let (summary, errors) = node.dataplane.apply(&host_network_snapshot(), None);
+                assert!(errors.is_empty(), "apply errors: {errors:?}");
+                assert!(summary.frontends_written > 0, "{summary:?}");
+                let path = if fast_path {
+                    "fast path"
+                } else {
+                    "netfilter path"
+                };
+                let cases = [
+                    (CLIENT, NODE_IP, 30090, 8080, L4::TcpSyn),
+                    (CLIENT, NODE_IP, 30091, 5353, L4::Udp),
+                    (CLIENT6, NODE_IP6, 30090, 8080, L4::TcpSyn),
+                    (CLIENT6, NODE_IP6, 30091, 5353, L4::Udp),
+                ];
+                for (i, (client, node_ip, node_port, backend_port, l4)) in
+                    cases.into_iter().enumerate()
+                {
+                    let client = sa(client, 43_000 + i as u16);
+                    let frontend = sa(node_ip, node_port);
+                    let backend = sa(node_ip, backend_port);
+                    let what = format!("{path}: {l4:?} {client} → {frontend}");
+                    let frame = build(client, frontend, l4, b"ping");
+                    let (action, _, out, mark) =
+                        run_marked(node, program_names::TC_EXTERNAL, &frame, node.ext0, 0);
+                    let (expected_action, expected_mark) = if fast_path {
+                        // No forwarding route: up the stack, to the local socket.
+                        (TC_ACT_OK, 0)
+                    } else {
+                        (TC_ACT_UNSPEC, TRANSLATED_MARK)
+                    };
+                    assert_eq!(action, expected_action, "{what}: action");
+                    assert_eq!(mark, expected_mark, "{what}: mark");
+                    assert_eq!(out.destination(), backend, "{what}: DNAT to the node");
+                    assert_eq!(out.source(), client, "{what}: never SNATed");
+                    assert!(out.l4.ends_with(b"ping"), "{what}: payload");
+                    let forward = ct_entry(node, &ct_key(client, frontend, l4.proto()))
+                        .expect("forward entry");
+                    assert_eq!(forward.flags & ct_flags::SNAT, 0, "{what}: forward entry");
+                    let reply = ct_entry(node, &ct_key(backend, client, l4.proto()))
+                        .expect("reply entry under the backend's own packet");
+                    assert_eq!(
+                        reply.flags & (ct_flags::REPLY | ct_flags::HOST_BACKEND | ct_flags::EGRESS),
+                        ct_flags::REPLY | ct_flags::HOST_BACKEND,
+                        "{what}: reply entry flags"
+                    );
+
+                    // The backend's answer leaves the node's own stack: egress of `ext0`.
+                    let answer = build(backend, client, l4, b"pong");
+                    let local = |local| TcTestInput {
+                        ifindex: node.ext0,
+                        local,
+                        ..TcTestInput::default()
+                    };
+                    let sent = local(true);
+                    let run = node
+                        .dataplane
+                        .test_run_tc_with(program_names::TC_EGRESS, &answer, sent)
+                        .expect("test_run");
+                    let back = parse_checked(&run.packet).expect("egress output");
+                    assert_eq!(run.action, TC_ACT_UNSPEC, "{what}: egress action");
+                    assert_eq!(back.source(), frontend, "{what}: reply from the frontend");
+                    assert_eq!(back.destination(), client, "{what}: reply destination");
+                    assert!(back.l4.ends_with(b"pong"), "{what}: reply payload");
+
+                    // The same tuple received on an interface is not the local socket's.
+                    let received = local(false);
+                    let run = node
+                        .dataplane
+                        .test_run_tc_with(program_names::TC_EGRESS, &answer, received)
+                        .expect("test_run");
+                    let untouched = parse_checked(&run.packet).expect("egress output");
+                    assert_eq!(run.action, TC_ACT_UNSPEC);
+                    assert_eq!(
+                        (untouched.source(), untouched.destination()),
+                        (backend, client),
+                        "{what}: a received packet is not a host backend's reply"
+                    );
+                }
+
+                // A pod backend's flow (eTP Local, no SNAT): its reply entry is keyed by the pod's
+                // packet, but only a packet from the pod, translated at ingress, is its reply.
+                let client = sa(CLIENT, 43_100);
+                let frame = build(client, sa(NODE_IP, 30092), L4::TcpSyn, b"ping");
+                let (_, out) = run(node, program_names::TC_EXTERNAL, &frame, node.ext0);
+                assert_eq!(out.destination(), sa(BACKEND, 8080), "{path}: pod flow");
+                let answer = build(sa(BACKEND, 8080), client, L4::TcpSyn, b"pong");
+                let input = TcTestInput {
+                    ifindex: node.ext0,
+                    local: true,
+                    ..TcTestInput::default()
+                };
+                let run = node
+                    .dataplane
+                    .test_run_tc_with(program_names::TC_EGRESS, &answer, input)
+                    .expect("test_run");
+                let untouched = parse_checked(&run.packet).expect("egress output");
+                assert_eq!(run.action, TC_ACT_UNSPEC);
+                assert_eq!(
+                    untouched.source(),
+                    sa(BACKEND, 8080),
+                    "{path}: an unmarked packet of a pod backend's flow is not egress's"
+                );
+            },
+        );
+    }
 }
 
 #[test]

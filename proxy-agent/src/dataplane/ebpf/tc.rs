@@ -17,7 +17,8 @@
 //!   the stack, so the host's FORWARD/POSTROUTING (and a CNI's netfilter policy) see client and
 //!   backend; this program then rewrites sources (SNAT, frontend address on replies) after
 //!   POSTROUTING. With `fast_path` (`--tc-fast-path`) ingress translates fully and redirects,
-//!   and the egress program passes everything.
+//!   and the egress program passes everything but the replies of host-network backends on this
+//!   node, which leave the node's own stack (on either path).
 //!
 //! Interfaces are discovered with `getifaddrs` (netlink, in the agent's network namespace), at
 //! start and on every sync, so pods created later get the reply program; with

@@ -32,6 +32,9 @@ pub struct TcTestInput {
     /// run that the program kept `skb->csum` true to the packet, and the run fails with
     /// `EBADMSG` when it did not (kernel 6.17; `EINVAL` before).
     pub checksum_complete: bool,
+    /// Sent by the node's own stack rather than received (`ingress_ifindex` 0, as egress
+    /// programs see a local socket's packets); `ifindex` stays the skb's device.
+    pub local: bool,
 }
 
 impl EbpfDataplane {
@@ -123,7 +126,8 @@ impl EbpfDataplane {
         // makes that interface the skb's device, so fib lookups start from it; `mark` is at 8.
         let mut ctx = [0u8; 44];
         ctx[8..12].copy_from_slice(&input.mark.to_ne_bytes());
-        ctx[36..40].copy_from_slice(&input.ifindex.to_ne_bytes());
+        let ingress_ifindex = if input.local { 0 } else { input.ifindex };
+        ctx[36..40].copy_from_slice(&ingress_ifindex.to_ne_bytes());
         ctx[40..44].copy_from_slice(&input.ifindex.to_ne_bytes());
         // Room for growth: a reject may turn a short packet into a longer ICMP error.
         let mut out = vec![0u8; packet.len().max(128) + 256];
