@@ -95,11 +95,10 @@ pub fn adopt(ct: &mut HashMap<&mut MapData, CtKey, CtValue>, now_ns: u64) -> usi
             }
         };
         for (key, value) in entries.iter().filter_map(|e| adoptable(e, now_ns)) {
-            match ct.insert(key, value, BPF_NOEXIST) {
-                Ok(()) => adopted += 1,
-                // Already tracked by the datapath (EEXIST), or the map is full: either way the
-                // flow is left as it is.
-                Err(_) => {}
+            // An error leaves the flow as it is: already tracked by the datapath (EEXIST), or
+            // the map is full.
+            if ct.insert(key, value, BPF_NOEXIST).is_ok() {
+                adopted += 1;
             }
         }
     }
