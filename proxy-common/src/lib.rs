@@ -71,4 +71,6 @@ mod pod {
     unsafe impl aya::Pod for NodeAddrKey {}
     // SAFETY: as above.
     unsafe impl aya::Pod for NodeConfig {}
+    // SAFETY: as above.
+    unsafe impl aya::Pod for SnatAddrs {}
 }

@@ -25,12 +25,13 @@ pub mod map_names {
     pub const SOURCE_RANGES: &str = "KPR_SOURCE_RANGES";
     pub const NODE_ADDRS: &str = "KPR_NODE_ADDRS";
     pub const NODE_CONFIG: &str = "KPR_NODE_CONFIG";
+    pub const SNAT_IFACES: &str = "KPR_SNAT_IFACES";
     pub const MAGLEV: &str = "KPR_MAGLEV";
     pub const UDP_STICKY: &str = "KPR_UDP_STICKY";
     pub const SERVICE_NAMES: &str = "KPR_SERVICE_NAMES";
 
     /// Every map the agent pins (and `--cleanup` removes).
-    pub const PINNED: [&str; 17] = [
+    pub const PINNED: [&str; 18] = [
         FRONTENDS4,
         FRONTENDS6,
         BACKEND_SLOTS,
@@ -45,6 +46,7 @@ pub mod map_names {
         SOURCE_RANGES,
         NODE_ADDRS,
         NODE_CONFIG,
+        SNAT_IFACES,
         MAGLEV,
         UDP_STICKY,
         SERVICE_NAMES,
@@ -99,6 +101,8 @@ pub mod default_sizes {
     pub const CT: u32 = 262_144;
     pub const SOURCE_RANGES: u32 = 16_384;
     pub const NODE_ADDRS: u32 = 1_024;
+    /// External interfaces with an address to masquerade to.
+    pub const SNAT_IFACES: u32 = 256;
     /// Maglev table blocks of [`crate::MAGLEV_BLOCK_SLOTS`] slots (`--bpf-map-maglev`): 1024
     /// frontends × 64 blocks (the default table size of 1021 slots). Not preallocated.
     pub const MAGLEV: u32 = 65_536;
@@ -551,6 +555,17 @@ pub struct NodeAddrKey {
     pub _pad: [u8; 3],
 }
 
+/// Value of `KPR_SNAT_IFACES` (key: an external interface's ifindex, `u32`): the addresses a
+/// flow is source-NATed to when the route to its backend leaves by that interface, as
+/// MASQUERADE takes the outgoing interface's address (0: none of that family there, the
+/// `NodeConfig` address applies).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct SnatAddrs {
+    pub snat6: [u32; 4],
+    pub snat4: u32,
+}
+
 /// The single entry of `KPR_NODE_CONFIG`: node facts the tc programs need.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
@@ -597,5 +612,6 @@ mod tests {
         assert_eq!(size_of::<SourceRangeKey>(), 20);
         assert_eq!(size_of::<NodeAddrKey>(), 20);
         assert_eq!(size_of::<NodeConfig>(), 72);
+        assert_eq!(size_of::<SnatAddrs>(), 20);
     }
 }

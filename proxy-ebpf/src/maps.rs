@@ -11,7 +11,7 @@ use aya_ebpf::{
 use proxy_common::{
     AffinityKey, AffinityMatchKey, AffinityValue, Backend4, Backend6, BackendSlotKey, CtKey,
     CtValue, Frontend4Key, Frontend6Key, FrontendValue, MaglevBlock, MaglevKey, NodeAddrKey,
-    NodeConfig, RevNat4, RevNat4Key, RevNat6, RevNat6Key, ServiceName, SourceRangeKey,
+    NodeConfig, RevNat4, RevNat4Key, RevNat6, RevNat6Key, ServiceName, SnatAddrs, SourceRangeKey,
     default_sizes,
 };
 
@@ -109,6 +109,12 @@ pub static KPR_NODE_ADDRS: HashMap<NodeAddrKey, u8> = HashMap::pinned(default_si
 #[map]
 pub static KPR_NODE_CONFIG: Array<NodeConfig> = Array::pinned(1, 0);
 
+/// External interface (ifindex) → the addresses a new flow is masqueraded to when the route to
+/// its backend leaves by that interface (`tc::route_to_backend`); written by the agent.
+#[map]
+pub static KPR_SNAT_IFACES: HashMap<u32, SnatAddrs> =
+    HashMap::pinned(default_sizes::SNAT_IFACES, 0);
+
 /// Per-CPU scratch space for the tc programs' larger temporaries: the verifier limits the
 /// combined stack of a BPF-to-BPF call chain to 512 bytes, and a new flow needs three
 /// conntrack tuples plus a fib query. Not pinned: it holds nothing between packets.
@@ -124,6 +130,9 @@ pub struct TcScratch {
     /// The keys of a SNATed flow's egress entries (netfilter path), written by `new_flow`.
     pub egress_key: CtKey,
     pub fib: aya_ebpf::bindings::bpf_fib_lookup,
+    /// A new flow's SNAT address from the route to its backend (`tc::route_to_backend`): the
+    /// egress interface's address of the packet's family, all-zero for none.
+    pub egress_snat: [u32; 4],
 }
 
 #[map]

@@ -21,7 +21,10 @@ use core::mem;
 use aya_ebpf::{
     EbpfContext as _,
     bindings::bpf_fib_lookup as FibLookup,
-    bindings::{BPF_FIB_LKUP_RET_NOT_FWDED, TC_ACT_SHOT, TC_ACT_UNSPEC},
+    bindings::{
+        BPF_FIB_LKUP_RET_NO_NEIGH, BPF_FIB_LKUP_RET_NOT_FWDED, BPF_FIB_LKUP_RET_SUCCESS,
+        TC_ACT_SHOT, TC_ACT_UNSPEC,
+    },
     helpers::{bpf_fib_lookup, bpf_ktime_get_ns},
     maps::lpm_trie::Key,
     programs::TcContext,
@@ -37,7 +40,7 @@ use crate::{
     maglev,
     maps::{
         KPR_BACKENDS4, KPR_BACKENDS6, KPR_FRONTENDS4, KPR_FRONTENDS6, KPR_NODE_ADDRS,
-        KPR_NODE_CONFIG, KPR_SOURCE_RANGES, KPR_TC_SCRATCH,
+        KPR_NODE_CONFIG, KPR_SNAT_IFACES, KPR_SOURCE_RANGES, KPR_TC_SCRATCH,
     },
     nat::{draining, fast_path, translate, translate_source},
     parse::{Packet, parse},
@@ -453,13 +456,13 @@ fn new_flow(ctx: &TcContext, pkt: &Packet, frontend: &FrontendValue, internal: b
     // A host-network backend on this node is delivered locally, never masqueraded (see
     // `ct_flags::HOST_BACKEND`): SNATed to the node's own address the packet would arrive with
     // a local source, a martian the stack drops.
-    let snat = if is_host_backend(ctx, pkt) {
+    let snat = if route_to_backend(ctx, pkt) {
         scratch.reply.flags |= ct_flags::HOST_BACKEND;
         None
     } else if internal {
         hairpin_snat(pkt, &scratch.forward.dst)
     } else {
-        snat_address(pkt, frontend)
+        snat_address(pkt, frontend, &scratch.egress_snat)
     };
     match snat {
         Some(addr) => {
@@ -557,14 +560,24 @@ fn insert_egress(pkt: &Packet) -> bool {
     false
 }
 
-/// Whether the backend of the new flow `new_flow` is writing (its forward tuple in the scratch
-/// slot) is an address of this node, a host-network endpoint's: the kernel's route to it from
-/// the packet's interface is local, which `bpf_fib_lookup` reports as not forwarded. The
-/// routing table rather than `KPR_NODE_ADDRS`: that set holds only the NodePort addresses
-/// (`--nodeport-addresses`), an endpoint may use any address of the node. Not inlined, and
-/// everything read from and built in the scratch slot: its frame stacks on `new_flow`'s.
+/// The kernel's route from the packet's interface to the backend of the new flow `new_flow`
+/// is writing (its forward tuple in the scratch slot) — the forwarding lookup the stack does
+/// for the DNATed packet, so policy routing picks the same way. Two answers from the one
+/// lookup:
+///
+/// - the return value: whether the backend is an address of this node, a host-network
+///   endpoint's (the route is local, which `bpf_fib_lookup` reports as not forwarded). The
+///   routing table rather than `KPR_NODE_ADDRS`: that set holds only the NodePort addresses
+///   (`--nodeport-addresses`), an endpoint may use any address of the node;
+/// - `scratch.egress_snat`: the address of the packet's family of the interface the route
+///   leaves by, if that is an external interface with one (`KPR_SNAT_IFACES`), else all-zero —
+///   MASQUERADE's choice of the outgoing interface's address, so a backend behind the node's
+///   second uplink sees (and answers) an address of that uplink's network.
+///
+/// Not inlined, and everything read from and built in the scratch slot: its frame stacks on
+/// `new_flow`'s.
 #[inline(never)]
-fn is_host_backend(ctx: &TcContext, pkt: &Packet) -> bool {
+fn route_to_backend(ctx: &TcContext, pkt: &Packet) -> bool {
     // The kernel's AF_INET and AF_INET6.
     const AF_INET: u8 = 2;
     const AF_INET6: u8 = 10;
@@ -573,26 +586,47 @@ fn is_host_backend(ctx: &TcContext, pkt: &Packet) -> bool {
     };
     // SAFETY: the per-CPU slot is ours until the program ends; `fib` is used by `new_flow`'s
     // callers only after it returns (the fast path's redirect), `forward` only read here.
-    let (params, addr): (&mut FibLookup, &[u32; 4]) =
-        unsafe { (&mut (*scratch).fib, &(*scratch).forward.dst) };
+    let scratch = unsafe { &mut *scratch };
+    // Cleared first: the slot holds the previous packet's.
+    scratch.egress_snat = [0; 4];
+    let params: &mut FibLookup = &mut scratch.fib;
     // SAFETY: an all-zero bpf_fib_lookup is a valid (empty) query.
     *params = unsafe { mem::zeroed() };
     params.l4_protocol = pkt.proto;
+    params.sport = pkt.sport;
+    params.dport = scratch.forward.dport;
     // SAFETY: the context pointer is the program's own __sk_buff.
     params.ifindex = unsafe { (*ctx.skb.skb).ingress_ifindex };
     if pkt.is_v6() {
         params.family = AF_INET6;
         params.__bindgen_anon_3.ipv6_src = pkt.src;
-        params.__bindgen_anon_4.ipv6_dst = *addr;
+        params.__bindgen_anon_4.ipv6_dst = scratch.forward.dst;
     } else {
         params.family = AF_INET;
         params.__bindgen_anon_3.ipv4_src = pkt.src[0];
-        params.__bindgen_anon_4.ipv4_dst = addr[0];
+        params.__bindgen_anon_4.ipv4_dst = scratch.forward.dst[0];
     }
     // SAFETY: params points to a bpf_fib_lookup of the size passed.
     let ret =
         unsafe { bpf_fib_lookup(ctx.as_ptr(), params, mem::size_of::<FibLookup>() as i32, 0) };
-    ret == i64::from(BPF_FIB_LKUP_RET_NOT_FWDED)
+    if ret == i64::from(BPF_FIB_LKUP_RET_NOT_FWDED) {
+        return true;
+    }
+    // A route without a neighbour entry yet still names its interface.
+    if ret != i64::from(BPF_FIB_LKUP_RET_SUCCESS) && ret != i64::from(BPF_FIB_LKUP_RET_NO_NEIGH) {
+        return false;
+    }
+    // The lookup leaves the egress interface in `ifindex`.
+    let ifindex = scratch.fib.ifindex;
+    // SAFETY: values are copied out at once (whole-value updates by the agent).
+    if let Some(found) = unsafe { KPR_SNAT_IFACES.get(ifindex) } {
+        scratch.egress_snat = if pkt.is_v6() {
+            found.snat6
+        } else {
+            [found.snat4, 0, 0, 0]
+        };
+    }
+    false
 }
 
 /// `loadBalancerSourceRanges`: the longest-prefix match on (service id, client address).
@@ -640,9 +674,12 @@ fn choose(pkt: &Packet, frontend: &FrontendValue) -> Decision<([u32; 4], u16)> {
 /// The address to source-NAT a new flow to, if any. kube-proxy masquerades all external
 /// traffic with `externalTrafficPolicy: Cluster` (KUBE-EXT → KUBE-MARK-MASQ) and none with
 /// `Local`; a ClusterIP reached from outside is masqueraded by the KUBE-SVC rule only with
-/// masqueradeAll or when the client is outside the cluster CIDR.
+/// masqueradeAll or when the client is outside the cluster CIDR. The address is the egress
+/// interface's (`egress`, from `route_to_backend`) as MASQUERADE picks it, else — a route
+/// through an interface that is not external, or one without an address of the family — the
+/// node's SNAT address.
 #[inline(always)]
-fn snat_address(pkt: &Packet, frontend: &FrontendValue) -> Option<[u32; 4]> {
+fn snat_address(pkt: &Packet, frontend: &FrontendValue, egress: &[u32; 4]) -> Option<[u32; 4]> {
     if frontend.flags & frontend_flags::PRESERVE_CLIENT != 0 {
         return None;
     }
@@ -653,7 +690,9 @@ fn snat_address(pkt: &Packet, frontend: &FrontendValue) -> Option<[u32; 4]> {
     {
         return None;
     }
-    let addr = if pkt.is_v6() {
+    let addr = if *egress != [0; 4] {
+        *egress
+    } else if pkt.is_v6() {
         config.snat6
     } else {
         [config.snat4, 0, 0, 0]

@@ -21,8 +21,8 @@ use aya::maps::{Array, HashMap, LpmTrie, Map, MapData, lpm_trie::Key};
 use proxy_agent::dataplane::ebpf::PIN_DIR_NAME;
 use proxy_common::{
     AffinityKey, AffinityMatchKey, AffinityValue, Backend4, BackendSlotKey, CtKey, CtValue,
-    Frontend4Key, FrontendValue, NodeAddrKey, NodeConfig, SourceRangeKey, family, map_names, proto,
-    scope,
+    Frontend4Key, FrontendValue, NodeAddrKey, NodeConfig, SnatAddrs, SourceRangeKey, family,
+    map_names, proto, scope,
 };
 use proxy_tests::{
     agent::agent_binary,
@@ -207,8 +207,8 @@ fn ct_entries() -> anyhow::Result<Vec<((CtKey, CtValue), bool)>> {
     ])
 }
 
-/// The node maps (a NodePort address deleted, one added, the config's SNAT address corrupted)
-/// and orphans in the maps the datapath writes.
+/// The node maps (a NodePort address deleted, one added, the config's SNAT address corrupted,
+/// an interface's SNAT addresses deleted) and orphans in the maps the datapath writes.
 fn tamper_node_and_orphans(pin_dir: &Path, web_service: u32) -> anyhow::Result<()> {
     let mut addrs: HashMap<_, NodeAddrKey, u8> = open(pin_dir, map_names::NODE_ADDRS)?;
     match addrs.remove(&node_addr(proxy_tests::topology::Topology::node_ext_ip())) {
@@ -221,6 +221,13 @@ fn tamper_node_and_orphans(pin_dir: &Path, web_service: u32) -> anyhow::Result<(
     let mut c = config.get(&0, 0)?;
     c.snat4 = map_addr(Ipv4Addr::new(192, 0, 2, 99));
     config.set(0, c, 0)?;
+    let mut snat: HashMap<_, u32, SnatAddrs> = open(pin_dir, map_names::SNAT_IFACES)?;
+    // One entry: each is a drift of its own.
+    let uplink = snat
+        .keys()
+        .next()
+        .ok_or_else(|| anyhow::anyhow!("no interface's SNAT addresses to delete"))??;
+    snat.remove(&uplink)?;
 
     let now = proxy_agent::dataplane::ebpf::monotonic_ns()?;
     let mut affinity: HashMap<_, AffinityKey, AffinityValue> = open(pin_dir, map_names::AFFINITY)?;
@@ -259,6 +266,7 @@ fn expected_kinds() -> Vec<(String, String)> {
         ("KPR_NODE_ADDRS", "missing"),
         ("KPR_NODE_ADDRS", "extra"),
         ("KPR_NODE_CONFIG", "changed"),
+        ("KPR_SNAT_IFACES", "missing"),
         ("KPR_AFFINITY", "orphan"),
         ("KPR_UDP_STICKY", "orphan"),
         ("KPR_CT", "orphan"),

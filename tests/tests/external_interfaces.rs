@@ -174,3 +174,32 @@ fn container_bridges_and_down_interfaces_are_not_external() -> anyhow::Result<()
     )?;
     Ok(())
 }
+
+/// Two uplinks (`vext` towards the client, `vnode2` towards the second node), both external by
+/// default: a NodePort flow to the pod behind `vnode2` is masqueraded to `vnode2`'s address, as
+/// MASQUERADE takes the outgoing interface's, in both families — not to `vext`'s, the first
+/// external interface's (the node's SNAT address, which still applies when the route leaves
+/// by an interface that is not external: `external_tc.rs`'s remote test with
+/// `--interfaces vext`).
+#[test]
+fn snat_source_is_the_address_of_the_backends_egress_interface() -> anyhow::Result<()> {
+    let mut s = setup()?;
+    s.start_agent_with_args("ebpf", &[])?;
+    for (node_ip, egress) in [
+        (
+            IpAddr::V4(Topology::node_ext_ip()),
+            IpAddr::V4(Topology::node_link_ip()),
+        ),
+        (
+            "fd00:10::1".parse::<IpAddr>()?,
+            IpAddr::V6(Topology::node_link_ip6()),
+        ),
+    ] {
+        let seen = remote_pod_sees(&mut s, SocketAddr::new(node_ip, NODE_PORT))?;
+        eprintln!("through {node_ip}: the remote pod saw {seen:?}");
+        s.ensure(seen.iter().all(|ip| *ip == egress), || {
+            format!("through {node_ip}: the remote pod must see {egress}, saw {seen:?}")
+        })?;
+    }
+    Ok(())
+}

@@ -8,7 +8,7 @@ use std::{
 };
 
 use ipnet::IpNet;
-use proxy_common::{NodeConfig, node_flags};
+use proxy_common::{NodeConfig, SnatAddrs, node_flags};
 
 use super::{
     addresses::{Interface, is_global_unicast},
@@ -151,6 +151,34 @@ pub fn external_interfaces(
         .filter(|(_, role)| *role == TcRole::External)
         .map(|(name, _)| name)
         .collect()
+}
+
+/// The `KPR_SNAT_IFACES` entries: each external interface's first global address per family,
+/// by ifindex — the address a flow is masqueraded to when its backend's route leaves there
+/// (MASQUERADE's choice). Interfaces without link facts (no ifindex) or without a global
+/// address have none; the `NodeConfig` address applies to them.
+pub fn snat_by_interface(
+    all: &BTreeMap<String, Interface>,
+    external: &BTreeSet<String>,
+) -> BTreeMap<u32, SnatAddrs> {
+    let mut out = BTreeMap::new();
+    for interface in external.iter().filter_map(|name| all.get(name)) {
+        let Some(link) = &interface.link else {
+            continue;
+        };
+        let mut addrs = SnatAddrs::default();
+        for addr in interface.addrs.iter().filter(|a| is_global_unicast(a)) {
+            match addr {
+                IpAddr::V4(a) if addrs.snat4 == 0 => addrs.snat4 = ip4_to_map(*a),
+                IpAddr::V6(a) if addrs.snat6 == [0; 4] => addrs.snat6 = ip6_to_map(*a),
+                _ => {}
+            }
+        }
+        if addrs != SnatAddrs::default() {
+            out.insert(link.index, addrs);
+        }
+    }
+    out
 }
 
 /// The `KPR_NODE_CONFIG` entry and the `KPR_NODE_ADDRS` addresses.

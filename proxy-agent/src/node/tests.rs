@@ -808,3 +808,62 @@ fn only_up_uplinks_are_external_and_links_without_ethernet_get_nothing() {
         ["docker0"]
     );
 }
+
+/// Each external interface's own first global address per family, by ifindex (MASQUERADE's
+/// choice for a route leaving there); link-local addresses never, interfaces without link
+/// facts or without a global address not at all, non-external interfaces not at all.
+#[test]
+fn every_external_interface_has_its_own_snat_addresses() {
+    use proxy_common::SnatAddrs;
+
+    use super::ebpf::snat_by_interface;
+    let all: BTreeMap<String, Interface> = [
+        linked(
+            "eth0",
+            &["fe80::1", "10.10.0.1", "10.10.0.9", "fd00:10::1"],
+            2,
+            None,
+            true,
+            ARPHRD_ETHER,
+            None,
+        ),
+        linked("eth1", &["192.168.5.1"], 3, None, true, ARPHRD_ETHER, None),
+        linked("eth2", &["fe80::3"], 4, None, true, ARPHRD_ETHER, None),
+        linked(
+            "cbr0",
+            &["10.244.1.1"],
+            5,
+            Some("bridge"),
+            true,
+            ARPHRD_ETHER,
+            None,
+        ),
+        iface("eth3", &["172.16.0.1"], false),
+    ]
+    .into_iter()
+    .collect();
+    let external = ["eth0", "eth1", "eth2", "eth3"]
+        .into_iter()
+        .map(str::to_owned)
+        .collect();
+    let v4 = |s: &str| ip4_to_map(s.parse().expect("v4"));
+    assert_eq!(
+        snat_by_interface(&all, &external),
+        BTreeMap::from([
+            (
+                2,
+                SnatAddrs {
+                    snat4: v4("10.10.0.1"),
+                    snat6: ip6_to_map("fd00:10::1".parse().expect("v6")),
+                }
+            ),
+            (
+                3,
+                SnatAddrs {
+                    snat4: v4("192.168.5.1"),
+                    snat6: [0; 4],
+                }
+            ),
+        ])
+    );
+}

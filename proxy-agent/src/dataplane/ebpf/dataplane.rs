@@ -225,6 +225,7 @@ impl EbpfDataplane {
             },
             take_map(&mut ebpf, map_names::NODE_ADDRS)?,
             take_map(&mut ebpf, map_names::NODE_CONFIG)?,
+            take_map(&mut ebpf, map_names::SNAT_IFACES)?,
         );
 
         let mut batch = BatchReader::default();

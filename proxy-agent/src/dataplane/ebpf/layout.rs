@@ -25,7 +25,8 @@ use aya::{
 use proxy_common::{
     AffinityKey, AffinityMatchKey, AffinityValue, Backend4, Backend6, BackendSlotKey, CtKey,
     CtValue, Frontend4Key, Frontend6Key, FrontendValue, MaglevBlock, MaglevKey, NodeAddrKey,
-    NodeConfig, RevNat4, RevNat4Key, RevNat6, RevNat6Key, ServiceName, SourceRangeKey, map_names,
+    NodeConfig, RevNat4, RevNat4Key, RevNat6, RevNat6Key, ServiceName, SnatAddrs, SourceRangeKey,
+    map_names,
 };
 use tracing::{info, warn};
 
@@ -95,7 +96,7 @@ fn layout<K, V>(name: &'static str, version: u32) -> Layout {
 }
 
 /// This build's layout of every pinned map (`map_names::PINNED`).
-pub fn current() -> [Layout; 17] {
+pub fn current() -> [Layout; 18] {
     [
         layout::<Frontend4Key, FrontendValue>(map_names::FRONTENDS4, 1),
         layout::<Frontend6Key, FrontendValue>(map_names::FRONTENDS6, 1),
@@ -116,6 +117,7 @@ pub fn current() -> [Layout; 17] {
         },
         layout::<NodeAddrKey, u8>(map_names::NODE_ADDRS, 1),
         layout::<u32, NodeConfig>(map_names::NODE_CONFIG, 1),
+        layout::<u32, SnatAddrs>(map_names::SNAT_IFACES, 1),
         layout::<MaglevKey, MaglevBlock>(map_names::MAGLEV, 1),
         layout::<AffinityKey, AffinityValue>(map_names::UDP_STICKY, 1),
         layout::<u32, ServiceName>(map_names::SERVICE_NAMES, 1),

@@ -43,7 +43,9 @@ use aya::{
     },
 };
 use ipnet::IpNet;
-use proxy_common::{NodeAddrKey, NodeConfig, family, map_names, node_flags, program_names};
+use proxy_common::{
+    NodeAddrKey, NodeConfig, SnatAddrs, family, map_names, node_flags, program_names,
+};
 use tracing::{debug, info, warn};
 
 use super::{
@@ -152,7 +154,10 @@ pub struct TcState {
     options: TcOptions,
     node_addrs: HashMap<MapData, NodeAddrKey, u8>,
     node_config: Array<MapData, NodeConfig>,
+    snat_ifaces: HashMap<MapData, u32, SnatAddrs>,
     programmed_addrs: BTreeSet<IpAddr>,
+    /// `KPR_SNAT_IFACES` as last written (what a previous agent left at start).
+    programmed_snat: BTreeMap<u32, SnatAddrs>,
     programmed_config: Option<NodeConfig>,
     /// The agent's node settings; `None`: derived from `options` at each refresh.
     node: Option<NodeSettings>,
@@ -189,6 +194,7 @@ impl TcState {
         options: TcOptions,
         node_addrs: HashMap<MapData, NodeAddrKey, u8>,
         node_config: Array<MapData, NodeConfig>,
+        snat_ifaces: HashMap<MapData, u32, SnatAddrs>,
     ) -> Self {
         // Whatever a previous agent left in the node map is replaced by the first refresh.
         let programmed_addrs = node_addrs
@@ -200,12 +206,15 @@ impl TcState {
                 _ => None,
             })
             .collect();
+        let programmed_snat = snat_ifaces.iter().filter_map(Result::ok).collect();
         let host_namespace_only = options.host_namespace_only;
         Self {
             options,
             node_addrs,
             node_config,
+            snat_ifaces,
             programmed_addrs,
+            programmed_snat,
             programmed_config: None,
             node: None,
             host_netns_cookie: own_netns_cookie().unwrap_or_else(|error| {
@@ -247,6 +256,7 @@ impl TcState {
             .map(|(name, _)| name.clone())
             .collect();
         let (mut config, addrs) = node::ebpf::node_config(&settings, &all, &external);
+        let snat = node::ebpf::snat_by_interface(&all, &external);
         config.host_netns_cookie = self.host_netns_cookie;
         if self.options.fast_path {
             config.flags |= node_flags::FAST_PATH;
@@ -301,6 +311,7 @@ impl TcState {
         // After the links: the node config chooses the path (fast or netfilter), and the
         // netfilter path needs the egress programs in place.
         self.program_node(config, &addrs);
+        self.program_snat(snat);
         self.detach_unwanted(&wanted, pin_dir);
         if first {
             self.remove_stale_pins(pin_dir);
@@ -411,6 +422,36 @@ impl TcState {
         }
     }
 
+    /// Writes the per-interface SNAT addresses: new and changed entries, then removes those of
+    /// interfaces no longer external.
+    fn program_snat(&mut self, wanted: BTreeMap<u32, SnatAddrs>) {
+        for (index, addrs) in &wanted {
+            if self.programmed_snat.get(index) == Some(addrs) {
+                continue;
+            }
+            match self.snat_ifaces.insert(index, addrs, 0) {
+                Ok(()) => {
+                    self.programmed_snat.insert(*index, *addrs);
+                }
+                Err(error) => {
+                    warn!(ifindex = index, %error, "cannot write an interface's SNAT addresses")
+                }
+            }
+        }
+        let gone: Vec<u32> = self
+            .programmed_snat
+            .keys()
+            .filter(|index| !wanted.contains_key(index))
+            .copied()
+            .collect();
+        for index in gone {
+            if let Err(error) = self.snat_ifaces.remove(&index) {
+                debug!(ifindex = index, %error, "removing an interface's SNAT addresses");
+            }
+            self.programmed_snat.remove(&index);
+        }
+    }
+
     /// Removes tc link pins this run did not (re)create: their interfaces are gone or changed
     /// role, and releasing the pin detaches a link that may still be attached.
     fn remove_stale_pins(&self, pin_dir: &Path) {
@@ -433,8 +474,9 @@ impl TcState {
         }
     }
 
-    /// Compares the node maps with what the agent last wrote (the `KPR_NODE_CONFIG` entry and
-    /// the `KPR_NODE_ADDRS` set) and, with `repair`, writes that back. Before the first
+    /// Compares the node maps with what the agent last wrote (the `KPR_NODE_CONFIG` entry, the
+    /// `KPR_NODE_ADDRS` set and the `KPR_SNAT_IFACES` entries) and, with `repair`, writes that
+    /// back. Before the first
     /// refresh wrote the config nothing is compared.
     pub fn check_drift(&mut self, repair: bool, report: &mut RepairReport) -> Vec<Drift> {
         let mut out = Vec::new();
@@ -510,7 +552,50 @@ impl TcState {
                 count(report, map_names::NODE_ADDRS, self.node_addrs.remove(key));
             }
         }
+        self.check_snat_drift(repair, report, &mut out);
         out
+    }
+
+    /// `check_drift` for `KPR_SNAT_IFACES`.
+    fn check_snat_drift(&mut self, repair: bool, report: &mut RepairReport, out: &mut Vec<Drift>) {
+        let map = map_names::SNAT_IFACES;
+        let found: BTreeMap<u32, SnatAddrs> =
+            self.snat_ifaces.iter().filter_map(Result::ok).collect();
+        for (index, want) in &self.programmed_snat {
+            let have = found.get(index);
+            if have == Some(want) {
+                continue;
+            }
+            out.push(Drift {
+                map,
+                kind: if have.is_some() {
+                    DriftKind::Changed
+                } else {
+                    DriftKind::Missing
+                },
+                entry: format!("ifindex {index}"),
+                expected: Some(describe_snat(want)),
+                found: have.map(describe_snat),
+            });
+            if repair {
+                count(report, map, self.snat_ifaces.insert(index, want, 0));
+            }
+        }
+        for (index, have) in &found {
+            if self.programmed_snat.contains_key(index) {
+                continue;
+            }
+            out.push(Drift {
+                map,
+                kind: DriftKind::Extra,
+                entry: format!("ifindex {index}"),
+                expected: None,
+                found: Some(describe_snat(have)),
+            });
+            if repair {
+                count(report, map, self.snat_ifaces.remove(index));
+            }
+        }
     }
 
     /// The agent's node settings; the next refresh programs them.
@@ -543,6 +628,14 @@ fn describe_node_addr(key: &NodeAddrKey) -> String {
         family::V6 => super::map_writer::ip6_from_map(key.addr).to_string(),
         other => format!("family {other} {:?}", key.addr),
     }
+}
+
+fn describe_snat(a: &SnatAddrs) -> String {
+    format!(
+        "snat4 {} snat6 {}",
+        Ipv4Addr::from(a.snat4.to_ne_bytes()),
+        super::map_writer::ip6_from_map(a.snat6)
+    )
 }
 
 fn describe_config(c: &NodeConfig) -> String {

@@ -9,7 +9,7 @@ use super::*;
 /// (`holds`) also register the previous layout in `OLDER` with a conversion, or its entries are
 /// lost at the upgrade (service state is refilled by the first sync before the new programs
 /// attach).
-const RELEASED: [(&str, u32, u32, u32); 17] = [
+const RELEASED: [(&str, u32, u32, u32); 18] = [
     (map_names::FRONTENDS4, 1, 8, 16),
     (map_names::FRONTENDS6, 1, 20, 16),
     (map_names::BACKEND_SLOTS, 1, 8, 4),
@@ -24,6 +24,7 @@ const RELEASED: [(&str, u32, u32, u32); 17] = [
     (map_names::SOURCE_RANGES, 1, 24, 1),
     (map_names::NODE_ADDRS, 1, 20, 1),
     (map_names::NODE_CONFIG, 1, 4, 72),
+    (map_names::SNAT_IFACES, 1, 4, 20),
     (map_names::MAGLEV, 1, 12, 64),
     (map_names::UDP_STICKY, 1, 16, 16),
     (map_names::SERVICE_NAMES, 1, 4, 160),
