@@ -322,6 +322,7 @@ struct Flow {
     ipv6: bool,
     path: &'static str,
     kind: Kind,
+    target: SocketAddr,
     handle: JoinHandle<Result<Vec<Attempt>>>,
 }
 
@@ -343,6 +344,7 @@ pub fn start_traffic(s: &Scenario) -> Result<Traffic> {
                     ipv6,
                     path: path.what,
                     kind,
+                    target,
                     handle,
                 });
             };
@@ -382,6 +384,9 @@ pub struct Figures {
     pub udp_moved: usize,
     /// UDP flows that waited more than [`STALL`] for an answer at least once.
     pub udp_stalled: usize,
+    /// Streams and flows whose socket showed another peer than the address dialled
+    /// (getpeername(): the socket hooks' reverse NAT lost).
+    pub wrong_peer: usize,
     pub new_connections: usize,
     pub new_failed: usize,
 }
@@ -392,6 +397,7 @@ impl Figures {
             && self.stalled == 0
             && self.udp_moved == 0
             && self.udp_stalled == 0
+            && self.wrong_peer == 0
             && self.new_failed == 0
     }
 }
@@ -417,6 +423,11 @@ impl Traffic {
                 .join()
                 .map_err(|_| RigError::Other(format!("{}: client thread panicked", flow.path)))??;
             let f = &mut figures[usize::from(flow.ipv6)];
+            let wrong_peer = !matches!(flow.kind, Kind::New(_))
+                && attempts
+                    .iter()
+                    .any(|a| matches!(a, Attempt::Ok { peer, .. } if *peer != flow.target));
+            f.wrong_peer += usize::from(wrong_peer);
             let timeouts = attempts
                 .iter()
                 .any(|a| *a == Attempt::Err("TIMEOUT".into()));
@@ -451,7 +462,7 @@ impl Traffic {
                     failed > 0
                 }
             };
-            if bad {
+            if bad || wrong_peer {
                 eprintln!(
                     "{transition} {} {} {:?}: {:?}",
                     family(flow.ipv6),
@@ -469,7 +480,7 @@ impl Traffic {
 /// unless every figure is 0.
 pub fn report(s: &Scenario, transition: &str, figures: &[Figures; 2]) -> Result<()> {
     let mut table = format!(
-        "\nissue 16 figures, {transition}:\n  {:<7} {:>11} {:>6} {:>8} {:>9} {:>6} {:>8} {:>9} {:>7}\n",
+        "\nissue 16 figures, {transition}:\n  {:<7} {:>11} {:>6} {:>8} {:>9} {:>6} {:>8} {:>9} {:>7} {:>10}\n",
         "family",
         "TCP streams",
         "reset",
@@ -478,11 +489,12 @@ pub fn report(s: &Scenario, transition: &str, figures: &[Figures; 2]) -> Result<
         "moved",
         "stalled",
         "new conns",
-        "failed"
+        "failed",
+        "wrong peer"
     );
     for (i, f) in figures.iter().enumerate() {
         table.push_str(&format!(
-            "  {:<7} {:>11} {:>6} {:>8} {:>9} {:>6} {:>8} {:>9} {:>7}\n",
+            "  {:<7} {:>11} {:>6} {:>8} {:>9} {:>6} {:>8} {:>9} {:>7} {:>10}\n",
             family(i == 1),
             f.tcp_streams,
             f.reset,
@@ -491,7 +503,8 @@ pub fn report(s: &Scenario, transition: &str, figures: &[Figures; 2]) -> Result<
             f.udp_moved,
             f.udp_stalled,
             f.new_connections,
-            f.new_failed
+            f.new_failed,
+            f.wrong_peer
         ));
     }
     // Straight to the process's stderr: the harness captures only the print macros, and the

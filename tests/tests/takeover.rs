@@ -4,7 +4,8 @@
 //! NodePort (eTP Cluster and eTP Local) and an LB IP, and from a pod and a node process to a
 //! ClusterIP, in both families, with new TCP and UDP connections made on every path all along.
 //! Each test prints its figures (streams reset, stalled — more than 1 s without an answer —,
-//! UDP flows moved or stalled, new connections failed, per family) and fails unless all are 0.
+//! UDP flows moved or stalled, new connections failed, sockets showing another peer, per family)
+//! and fails unless all are 0.
 //! Scale: 200 TCP streams and 50 UDP flows (20 and 5 per path and family, one exchange every
 //! 200 ms for 15 s) and 20 new-connection loops (one connection every 200 ms) per transition —
 //! the numbers, about 270 client processes on top of the rig. Needs root and `nft`.
