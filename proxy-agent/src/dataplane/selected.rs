@@ -99,6 +99,8 @@ impl Dataplane {
     pub fn remove_other_mode(&self, config: &Config) {
         match self {
             Dataplane::Ebpf(_) => {
+                // Before the rules go: the kernel keeps NATing their connections meanwhile.
+                iptables::nat_hold::hold_while_draining(config.ebpf.mode_switch_drain_period);
                 let problems = iptables::cleanup();
                 if problems.is_empty() {
                     debug!("no iptables-mode leftovers");

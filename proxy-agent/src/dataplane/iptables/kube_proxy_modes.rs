@@ -41,6 +41,9 @@ pub enum LeftoverError {
 /// Removes every leftover that exists; returns what was removed and what could not be.
 /// A missing `nft` or `ip` binary means there is nothing of that kind to remove.
 pub fn remove() -> (Vec<String>, Vec<LeftoverError>) {
+    // The eBPF mode's hold of the kernel's NAT, if it was draining: the iptables mode's own NAT
+    // rules hold it from now on (and `--cleanup` leaves nothing).
+    super::nat_hold::release();
     let mut removed = Vec::new();
     let mut errors = Vec::new();
     for (family, table) in NFTABLES_TABLES {
@@ -135,7 +138,7 @@ fn finish_nftables_drain(period: Duration) {
 
 /// Connections in the kernel's conntrack (both families) whose reply comes from another
 /// address or port than the original destination: DNATed ones.
-fn dnat_connections() -> Result<usize, crate::kernel_conntrack::ConntrackError> {
+pub(super) fn dnat_connections() -> Result<usize, crate::kernel_conntrack::ConntrackError> {
     let mut ctnetlink = Ctnetlink::open()?;
     let mut count = 0;
     for family in [IpFamily::V4, IpFamily::V6] {

@@ -20,6 +20,7 @@ pub mod ipvs;
 pub mod jumps;
 pub mod kube_proxy_modes;
 pub mod localdetect;
+pub mod nat_hold;
 pub mod nfacct;
 pub mod rules;
 mod sync;
