@@ -96,9 +96,13 @@ impl Dataplane {
     /// iptables rules go at once (established connections need only the kernel's conntrack
     /// entries, and the eBPF mode leaves segments of flows it does not know to the stack); the
     /// eBPF mode's programs drain their own flows first (`ebpf::handback`).
-    pub fn remove_other_mode(&self, config: &Config) {
+    pub fn remove_other_mode(&mut self, config: &Config) {
         match self {
-            Dataplane::Ebpf(_) => {
+            Dataplane::Ebpf(dataplane) => {
+                // Again now that the first sync has given the tc programs their frontends: the
+                // flows the rules set up since the start's adoption keep their NAT (and SNAT
+                // ports) too.
+                dataplane.adopt_kernel_nat_flows();
                 // Before the rules go: the kernel keeps NATing their connections meanwhile.
                 iptables::nat_hold::hold_while_draining(config.ebpf.mode_switch_drain_period);
                 let problems = iptables::cleanup();

@@ -324,6 +324,12 @@ impl EbpfDataplane {
         }
     }
 
+    /// The kernel's NATed flows into `KPR_CT` (see [`kernel_nat`]); the start does it once
+    /// before the tc programs attach, the first sync once more.
+    pub fn adopt_kernel_nat_flows(&mut self) {
+        adopt_kernel_nat_flows(&mut self.ebpf);
+    }
+
     /// The node settings (NodePort addresses, local-traffic detection, localhost NodePorts) the
     /// tc programs use from now on; written at the next [`EbpfDataplane::apply`].
     pub fn set_node(&mut self, settings: &crate::node::NodeSettings) {

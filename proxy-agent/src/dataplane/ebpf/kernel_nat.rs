@@ -11,6 +11,14 @@
 //! stack untranslated while it lives (the usual UDP/SCTP idle timeout), its backend is
 //! recorded for the purge of removed backends, and once it idles out or is purged the next
 //! packet starts a flow of the datapath's own.
+//!
+//! A flow the kernel masqueraded (any protocol, TCP too) also holds its SNAT port on the node's
+//! address towards its backend, and the datapath's SNAT knows only its own conntrack: a new
+//! flow given the same port to the same backend would reach it with the tuple of the live one
+//! (the backend drops the SYN). So the reply direction of each such flow is written as well, a
+//! `KERNEL_NAT` entry keyed by what the backend sends: the SNAT port search skips it (it is
+//! not a stale reply), and the backend's packets hit it and go to the stack untranslated, to
+//! the kernel's un-NAT. It idles out with the flow (a FIN or RST seen on it shortens it).
 
 use std::net::IpAddr;
 
@@ -27,43 +35,83 @@ use crate::{
 /// `BPF_NOEXIST` (linux/bpf.h): write only if the key is absent.
 const BPF_NOEXIST: u64 = 1;
 
-/// The `KPR_CT` forward entry for a kernel conntrack entry of a DNATed UDP or SCTP flow, keyed
-/// by what the client sends (the original tuple). `None` for other protocols, flows without
-/// DNAT (the reply comes from the original destination) and mixed families.
-pub fn adoptable(entry: &ConntrackEntry, now_ns: u64) -> Option<(CtKey, CtValue)> {
+/// The `KPR_CT` entries for a kernel conntrack entry of a DNATed flow: the forward entry of a
+/// UDP or SCTP flow, keyed by what the client sends (the original tuple), and, for a flow the
+/// kernel also source-NATed (any protocol), the reservation of its SNAT port, keyed by what the
+/// backend sends (the reply tuple). None for flows without DNAT (the reply comes from the
+/// original destination) and mixed families.
+pub fn adoptable(entry: &ConntrackEntry, now_ns: u64) -> Vec<(CtKey, CtValue)> {
     let original = &entry.original;
     let reply = &entry.reply;
-    if original.protocol != proto::UDP && original.protocol != proto::SCTP {
-        return None;
-    }
+    let mut entries = Vec::new();
     if original.dst == reply.src && original.dst_port == reply.src_port {
-        return None;
+        return entries;
     }
-    let (src, family) = words(original.src)?;
-    let (dst, dst_family) = words(original.dst)?;
-    let (backend, backend_family) = words(reply.src)?;
+    let (Some((src, family)), Some((dst, dst_family)), Some((backend, backend_family))) =
+        (words(original.src), words(original.dst), words(reply.src))
+    else {
+        return entries;
+    };
     if dst_family != family || backend_family != family {
-        return None;
+        return entries;
     }
-    let key = CtKey {
-        src,
-        dst,
-        sport: original.src_port.to_be(),
-        dport: original.dst_port.to_be(),
-        proto: original.protocol,
-        family,
-        _pad: 0,
-    };
-    let value = CtValue {
-        src,
-        dst: backend,
-        sport: original.src_port.to_be(),
-        dport: reply.src_port.to_be(),
-        flags: ct_flags::KERNEL_NAT,
-        _pad: [0; 3],
-        last_seen_ns: now_ns,
-    };
-    Some((key, value))
+    if original.protocol == proto::UDP || original.protocol == proto::SCTP {
+        entries.push((
+            CtKey {
+                src,
+                dst,
+                sport: original.src_port.to_be(),
+                dport: original.dst_port.to_be(),
+                proto: original.protocol,
+                family,
+                _pad: 0,
+            },
+            CtValue {
+                src,
+                dst: backend,
+                sport: original.src_port.to_be(),
+                dport: reply.src_port.to_be(),
+                flags: ct_flags::KERNEL_NAT,
+                _pad: [0; 3],
+                last_seen_ns: now_ns,
+            },
+        ));
+    }
+    let masqueraded = reply.dst != original.src || reply.dst_port != original.src_port;
+    if let (true, Some((snat, snat_family))) = (masqueraded, words(reply.dst))
+        && snat_family == family
+    {
+        entries.push((
+            CtKey {
+                src: backend,
+                dst: snat,
+                sport: reply.src_port.to_be(),
+                dport: reply.dst_port.to_be(),
+                proto: original.protocol,
+                family,
+                _pad: 0,
+            },
+            // Never used to translate (its packets go to the stack); names the backend where a
+            // forward entry does, for the orphan check and `inspect`.
+            CtValue {
+                src: snat,
+                dst: backend,
+                sport: reply.dst_port.to_be(),
+                dport: reply.src_port.to_be(),
+                // A TCP flow that is live (the kernel still tracks it) has its handshake behind
+                // it: the established timeout, not the half-open one.
+                flags: ct_flags::KERNEL_NAT
+                    | if original.protocol == proto::TCP {
+                        ct_flags::ESTABLISHED
+                    } else {
+                        0
+                    },
+                _pad: [0; 3],
+                last_seen_ns: now_ns,
+            },
+        ));
+    }
+    entries
 }
 
 fn words(addr: IpAddr) -> Option<([u32; 4], u8)> {
@@ -73,10 +121,10 @@ fn words(addr: IpAddr) -> Option<([u32; 4], u8)> {
     })
 }
 
-/// Reads the kernel's conntrack (both families) and writes an entry for each adoptable flow
+/// Reads the kernel's conntrack (both families) and writes the entries of each adoptable flow
 /// that `KPR_CT` does not hold yet (a flow the datapath already tracks stays its own). Best
 /// effort: a failed read or write only costs those flows their backend, so it is logged and
-/// the start goes on. Returns the number of flows adopted.
+/// the start goes on. Returns the number of entries written.
 pub fn adopt(ct: &mut HashMap<&mut MapData, CtKey, CtValue>, now_ns: u64) -> usize {
     let mut ctnetlink = match Ctnetlink::open() {
         Ok(ctnetlink) => ctnetlink,
@@ -94,7 +142,7 @@ pub fn adopt(ct: &mut HashMap<&mut MapData, CtKey, CtValue>, now_ns: u64) -> usi
                 continue;
             }
         };
-        for (key, value) in entries.iter().filter_map(|e| adoptable(e, now_ns)) {
+        for (key, value) in entries.iter().flat_map(|e| adoptable(e, now_ns)) {
             // An error leaves the flow as it is: already tracked by the datapath (EEXIST), or
             // the map is full.
             if ct.insert(key, value, BPF_NOEXIST).is_ok() {
@@ -104,8 +152,8 @@ pub fn adopt(ct: &mut HashMap<&mut MapData, CtKey, CtValue>, now_ns: u64) -> usi
     }
     if adopted > 0 {
         info!(
-            flows = adopted,
-            "UDP/SCTP flows the kernel's conntrack NATs keep their backends (adopted into KPR_CT)"
+            entries = adopted,
+            "flows the kernel's conntrack NATs keep their backends and SNAT ports (adopted into KPR_CT)"
         );
     }
     adopted
@@ -144,10 +192,13 @@ mod tests {
     }
 
     #[test]
-    fn a_dnated_udp_flow_is_adopted_with_its_backend() {
+    fn a_dnated_udp_flow_is_adopted_with_its_backend_and_its_snat_port_reserved() {
         let node: IpAddr = Ipv4Addr::new(10, 10, 0, 1).into();
         let backend: IpAddr = Ipv4Addr::new(10, 244, 2, 2).into();
-        let (key, value) = adoptable(&entry(proto::UDP, node, backend, 8080), 7).unwrap();
+        let entries = adoptable(&entry(proto::UDP, node, backend, 8080), 7);
+        let [(key, value), (reply_key, reply_value)] = entries.as_slice() else {
+            panic!("a forward entry and a reservation: {entries:?}");
+        };
         assert_eq!(key.src, [ip4_to_map(Ipv4Addr::new(10, 10, 0, 2)), 0, 0, 0]);
         assert_eq!(key.dst, [ip4_to_map(Ipv4Addr::new(10, 10, 0, 1)), 0, 0, 0]);
         assert_eq!(
@@ -162,13 +213,27 @@ mod tests {
         assert_eq!(value.dport, 8080u16.to_be());
         assert_eq!(value.flags, ct_flags::KERNEL_NAT);
         assert_eq!(value.last_seen_ns, 7);
+        // The backend's packets to the masquerade address and port.
+        assert_eq!(reply_key.src, value.dst);
+        assert_eq!(reply_key.dst, key.dst);
+        assert_eq!(
+            (reply_key.sport, reply_key.dport),
+            (8080u16.to_be(), 51_234u16.to_be())
+        );
+        assert_eq!(reply_value.flags, ct_flags::KERNEL_NAT);
+        // The backend where a forward entry names it (the orphan check reads it there).
+        assert_eq!(
+            (reply_value.dst, reply_value.dport),
+            (value.dst, value.dport)
+        );
     }
 
     #[test]
     fn ipv6_and_sctp_flows_are_adopted() {
         let node: IpAddr = Ipv6Addr::new(0xfd00, 0x10, 0, 0, 0, 0, 0, 1).into();
         let backend: IpAddr = Ipv6Addr::new(0xfd00, 0x244, 2, 0, 0, 0, 0, 2).into();
-        let (key, value) = adoptable(&entry(proto::SCTP, node, backend, 9000), 1).unwrap();
+        let entries = adoptable(&entry(proto::SCTP, node, backend, 9000), 1);
+        let (key, value) = entries[0];
         assert_eq!(key.family, family::V6);
         assert_eq!(key.proto, proto::SCTP);
         assert_eq!(
@@ -178,15 +243,26 @@ mod tests {
     }
 
     #[test]
-    fn tcp_flows_and_flows_without_dnat_are_left_alone() {
+    fn a_masqueraded_tcp_flow_only_reserves_its_snat_port() {
         let node: IpAddr = Ipv4Addr::new(10, 10, 0, 1).into();
         let backend: IpAddr = Ipv4Addr::new(10, 244, 2, 2).into();
-        // TCP: the tc programs never start a flow on a segment other than a SYN.
-        assert!(adoptable(&entry(proto::TCP, node, backend, 8080), 1).is_none());
+        // TCP: the tc programs never start a flow on a segment other than a SYN, so the
+        // forward direction needs nothing; the SNAT port does.
+        let entries = adoptable(&entry(proto::TCP, node, backend, 8080), 1);
+        let [(key, value)] = entries.as_slice() else {
+            panic!("the reservation only: {entries:?}");
+        };
+        assert_eq!(key.dport, 51_234u16.to_be());
+        assert_eq!(value.flags, ct_flags::KERNEL_NAT | ct_flags::ESTABLISHED);
+    }
+
+    #[test]
+    fn flows_without_dnat_are_left_alone() {
+        let node: IpAddr = Ipv4Addr::new(10, 10, 0, 1).into();
         // The reply comes from the original destination: no DNAT (a plain or masqueraded flow,
         // or one the datapath translated itself before the kernel saw it).
-        assert!(adoptable(&entry(proto::UDP, node, node, 30_081), 1).is_none());
+        assert!(adoptable(&entry(proto::UDP, node, node, 30_081), 1).is_empty());
         // A port-only DNAT (a REDIRECT) is still a DNAT.
-        assert!(adoptable(&entry(proto::UDP, node, node, 8080), 1).is_some());
+        assert!(!adoptable(&entry(proto::UDP, node, node, 8080), 1).is_empty());
     }
 }
