@@ -21,7 +21,6 @@ pub mod process;
 pub mod reachability;
 pub mod scenario;
 pub mod service_scenarios;
-pub mod takeover;
 pub mod tc_fuzz;
 pub mod topology;
 pub mod wait;

