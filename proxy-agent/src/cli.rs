@@ -421,9 +421,10 @@ pub struct Args {
     )]
     pub bpf_map_backends: Option<String>,
 
-    /// Capacity of the tc conntrack map in entries (default 262144: two per external flow,
-    /// four with SNAT on the netfilter path). LRU: when full, the least recently used flows
-    /// are evicted. A changed size replaces the pinned map at start (tracked flows are lost).
+    /// Capacity of the tc conntrack map in entries (two per external flow, four with SNAT on
+    /// the netfilter path; default: from --bpf-map-dynamic-size-ratio). LRU: when full, the
+    /// least recently used flows are evicted. A size given here that differs from the pinned
+    /// map's replaces that map at start (tracked flows are lost).
     #[arg(
         long,
         value_name = "N",
@@ -431,6 +432,19 @@ pub struct Args {
         help_heading = "kubeproxy-rs additions"
     )]
     pub bpf_map_conntrack: Option<String>,
+
+    /// Share of the node's memory (MemTotal) given to the preallocated LRU maps: tc conntrack
+    /// (60 %), socket reverse NAT (10 % per family), session affinity and per-socket UDP
+    /// choice (10 % each), each at least 64k (conntrack) or 16k entries (default 0.0025, as
+    /// Cilium's flag of the same name; 0: fixed sizes of 262144 conntrack and reverse-NAT
+    /// entries, 65536 others). Pinned maps keep their size across restarts.
+    #[arg(
+        long,
+        value_name = "RATIO",
+        allow_hyphen_values = true,
+        help_heading = "kubeproxy-rs additions"
+    )]
+    pub bpf_map_dynamic_size_ratio: Option<String>,
 
     /// Source ports of external Service traffic SNATed to the node address (eTP Cluster),
     /// MIN-MAX (default 49152-65535). The agent reserves them from the node's ephemeral ports

@@ -2,6 +2,12 @@
 //! map before loading (`EbpfLoader::set_max_entries`), the sizes here are the defaults.
 //! All maps are pinned by name so the agent can find (and, after a restart, re-adopt) them under
 //! its bpffs directory.
+//!
+//! Memory: the hash maps only the agent writes are not preallocated (`BPF_F_NO_PREALLOC`), so
+//! their kernel memory follows the Services there are; their capacity is a bound, and costs
+//! only the bucket array (16 bytes per slot of capacity, rounded up to a power of two). The
+//! LRU maps the datapath writes cannot be (the kernel preallocates every LRU hash map): the
+//! agent sizes them from the node's memory (`dataplane::ebpf::map_sizes`).
 
 use aya_ebpf::{
     bindings::BPF_F_NO_PREALLOC,
@@ -17,15 +23,15 @@ use proxy_common::{
 
 #[map]
 pub static KPR_FRONTENDS4: HashMap<Frontend4Key, FrontendValue> =
-    HashMap::pinned(default_sizes::FRONTENDS, 0);
+    HashMap::pinned(default_sizes::FRONTENDS, BPF_F_NO_PREALLOC);
 
 #[map]
 pub static KPR_FRONTENDS6: HashMap<Frontend6Key, FrontendValue> =
-    HashMap::pinned(default_sizes::FRONTENDS, 0);
+    HashMap::pinned(default_sizes::FRONTENDS, BPF_F_NO_PREALLOC);
 
 #[map]
 pub static KPR_BACKEND_SLOTS: HashMap<BackendSlotKey, u32> =
-    HashMap::pinned(default_sizes::BACKEND_SLOTS, 0);
+    HashMap::pinned(default_sizes::BACKEND_SLOTS, BPF_F_NO_PREALLOC);
 
 /// Maglev lookup tables: (service id, block, generation) → the backend ids of a block of
 /// slots. Not preallocated: the capacity is a bound (`--bpf-map-maglev`), the memory follows
@@ -35,10 +41,12 @@ pub static KPR_MAGLEV: HashMap<MaglevKey, MaglevBlock> =
     HashMap::pinned(default_sizes::MAGLEV, BPF_F_NO_PREALLOC);
 
 #[map]
-pub static KPR_BACKENDS4: HashMap<u32, Backend4> = HashMap::pinned(default_sizes::BACKENDS, 0);
+pub static KPR_BACKENDS4: HashMap<u32, Backend4> =
+    HashMap::pinned(default_sizes::BACKENDS, BPF_F_NO_PREALLOC);
 
 #[map]
-pub static KPR_BACKENDS6: HashMap<u32, Backend6> = HashMap::pinned(default_sizes::BACKENDS, 0);
+pub static KPR_BACKENDS6: HashMap<u32, Backend6> =
+    HashMap::pinned(default_sizes::BACKENDS, BPF_F_NO_PREALLOC);
 
 /// (socket cookie, backend) → service address. LRU: entries of closed sockets age out without
 /// the agent having to track socket lifetimes.
@@ -65,10 +73,10 @@ pub static KPR_UDP_STICKY: LruHashMap<AffinityKey, AffinityValue> =
 /// (service, backend) pairs that are live; see `proxy_common::AffinityMatchKey`.
 #[map]
 pub static KPR_AFFINITY_MATCH: HashMap<AffinityMatchKey, u8> =
-    HashMap::pinned(default_sizes::BACKEND_SLOTS, 0);
+    HashMap::pinned(default_sizes::BACKEND_SLOTS, BPF_F_NO_PREALLOC);
 
 /// Service id → `namespace/name:port`, written by the agent for `proxy-agent inspect`; no
-/// program reads it. Not preallocated: memory follows the Services there are.
+/// program reads it.
 #[map]
 pub static KPR_SERVICE_NAMES: HashMap<u32, ServiceName> =
     HashMap::pinned(default_sizes::FRONTENDS, BPF_F_NO_PREALLOC);
@@ -103,7 +111,8 @@ pub static KPR_SOURCE_RANGES: LpmTrie<SourceRangeKey, u8> =
 
 /// The node addresses that accept NodePorts.
 #[map]
-pub static KPR_NODE_ADDRS: HashMap<NodeAddrKey, u8> = HashMap::pinned(default_sizes::NODE_ADDRS, 0);
+pub static KPR_NODE_ADDRS: HashMap<NodeAddrKey, u8> =
+    HashMap::pinned(default_sizes::NODE_ADDRS, BPF_F_NO_PREALLOC);
 
 /// One [`NodeConfig`] at index 0.
 #[map]
@@ -113,7 +122,7 @@ pub static KPR_NODE_CONFIG: Array<NodeConfig> = Array::pinned(1, 0);
 /// its backend leaves by that interface (`tc::route_to_backend`); written by the agent.
 #[map]
 pub static KPR_SNAT_IFACES: HashMap<u32, SnatAddrs> =
-    HashMap::pinned(default_sizes::SNAT_IFACES, 0);
+    HashMap::pinned(default_sizes::SNAT_IFACES, BPF_F_NO_PREALLOC);
 
 /// Per-CPU scratch space for the tc programs' larger temporaries: the verifier limits the
 /// combined stack of a BPF-to-BPF call chain to 512 bytes, and a new flow needs three

@@ -163,7 +163,8 @@ fn with_node_features<R: Send + 'static>(
             bpf_root: PathBuf::from(bpf.path()),
             frontends_capacity: 1024,
             backends_capacity: 1024,
-            conntrack_capacity: proxy_common::default_sizes::CT,
+            conntrack_capacity: Some(proxy_common::default_sizes::CT),
+            dynamic_size_ratio: proxy_agent::dataplane::ebpf::map_sizes::DEFAULT_DYNAMIC_SIZE_RATIO,
             lb,
             tc: TcOptions {
                 interfaces: vec!["ext0".into()],

@@ -440,17 +440,35 @@ pub fn apply(
             "bpf-map-backends",
             &mut ebpf.map_backends,
         ),
-        (
-            &args.bpf_map_conntrack,
-            "bpf-map-conntrack",
-            &mut ebpf.map_conntrack,
-        ),
     ] {
         let Some(text) = text else { continue };
         match parse_int::<u32>(text) {
             Ok(0) => overlay.flag_only(flag, text, "must be greater than 0".to_owned()),
             Ok(v) => *slot = v,
             Err(reason) => overlay.flag_only(flag, text, reason),
+        }
+    }
+    if let Some(text) = &args.bpf_map_conntrack {
+        match parse_int::<u32>(text) {
+            Ok(0) => overlay.flag_only(
+                "bpf-map-conntrack",
+                text,
+                "must be greater than 0".to_owned(),
+            ),
+            Ok(v) => ebpf.map_conntrack = Some(v),
+            Err(reason) => overlay.flag_only("bpf-map-conntrack", text, reason),
+        }
+    }
+    if let Some(text) = &args.bpf_map_dynamic_size_ratio {
+        use crate::dataplane::ebpf::map_sizes::SizeRatio;
+        match text.trim().parse::<f64>().map(SizeRatio::new) {
+            Ok(Some(ratio)) => ebpf.map_dynamic_size_ratio = ratio,
+            Ok(None) => overlay.flag_only(
+                "bpf-map-dynamic-size-ratio",
+                text,
+                "must be between 0 and 1".to_owned(),
+            ),
+            Err(error) => overlay.flag_only("bpf-map-dynamic-size-ratio", text, error.to_string()),
         }
     }
     if let Some(text) = &args.bpf_snat_port_range {

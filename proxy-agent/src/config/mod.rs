@@ -157,8 +157,10 @@ pub struct EbpfConfig {
     pub map_frontends: u32,
     /// `--bpf-map-backends`.
     pub map_backends: u32,
-    /// `--bpf-map-conntrack`.
-    pub map_conntrack: u32,
+    /// `--bpf-map-conntrack`; `None`: sized from the node's memory.
+    pub map_conntrack: Option<u32>,
+    /// `--bpf-map-dynamic-size-ratio`.
+    pub map_dynamic_size_ratio: crate::dataplane::ebpf::map_sizes::SizeRatio,
     /// `--bpf-snat-port-range`.
     pub snat_ports: std::ops::RangeInclusive<u16>,
     /// `--interfaces` (for the tc programs; not used yet).
@@ -207,7 +209,8 @@ impl Default for EbpfConfig {
             bpf_root: PathBuf::from("/sys/fs/bpf"),
             map_frontends: proxy_common::default_sizes::FRONTENDS,
             map_backends: proxy_common::default_sizes::BACKENDS,
-            map_conntrack: proxy_common::default_sizes::CT,
+            map_conntrack: None,
+            map_dynamic_size_ratio: crate::dataplane::ebpf::map_sizes::DEFAULT_DYNAMIC_SIZE_RATIO,
             snat_ports: crate::dataplane::ebpf::reserved_ports::DEFAULT_RANGE,
             interfaces: Vec::new(),
             lb_algorithm: LbAlgorithm::Random,

@@ -343,7 +343,10 @@ fn every_flag_overrides_the_file() {
             c.ebpf.map_backends == 200
         }),
         (&["--bpf-map-conntrack", "4096"], |c| {
-            c.ebpf.map_conntrack == 4096
+            c.ebpf.map_conntrack == Some(4096)
+        }),
+        (&["--bpf-map-dynamic-size-ratio", "0.01"], |c| {
+            c.ebpf.map_dynamic_size_ratio.get() == 0.01
         }),
         (&["--bpf-snat-port-range", "61000-65535"], |c| {
             c.ebpf.snat_ports == (61_000..=65_535)
@@ -1056,6 +1059,18 @@ fn every_invalid_value_is_reported_with_source_field_and_value() {
             "--bpf-map-conntrack",
             "",
             "0",
+        ),
+        (
+            &["--bpf-map-dynamic-size-ratio", "1.5"],
+            "--bpf-map-dynamic-size-ratio",
+            "",
+            "1.5",
+        ),
+        (
+            &["--bpf-map-dynamic-size-ratio", "lots"],
+            "--bpf-map-dynamic-size-ratio",
+            "",
+            "lots",
         ),
         (
             &["--bpf-snat-port-range", "65535-61000"],

@@ -24,6 +24,7 @@ pub fn ebpf_options(config: &Config) -> EbpfOptions {
         frontends_capacity: config.ebpf.map_frontends,
         backends_capacity: config.ebpf.map_backends,
         conntrack_capacity: config.ebpf.map_conntrack,
+        dynamic_size_ratio: config.ebpf.map_dynamic_size_ratio,
         lb: LbOptions {
             maglev: config.ebpf.lb_algorithm == LbAlgorithm::Maglev,
             maglev_table_size: config.ebpf.maglev_table_size,

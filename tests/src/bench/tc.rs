@@ -174,7 +174,8 @@ pub fn per_packet_cost(loops: TcLoops) -> Result<PacketCostResult> {
             bpf_root: PathBuf::from(bpf.path()),
             frontends_capacity: 1024,
             backends_capacity: 1024,
-            conntrack_capacity: proxy_agent::dataplane::ebpf::DEFAULT_CONNTRACK_CAPACITY,
+            conntrack_capacity: Some(proxy_agent::dataplane::ebpf::DEFAULT_CONNTRACK_CAPACITY),
+            dynamic_size_ratio: proxy_agent::dataplane::ebpf::map_sizes::DEFAULT_DYNAMIC_SIZE_RATIO,
             lb: proxy_agent::dataplane::ebpf::LbOptions::default(),
             tc: TcOptions {
                 interfaces: vec!["ext0".into()],

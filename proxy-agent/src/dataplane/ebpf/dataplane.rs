@@ -31,6 +31,7 @@ use super::{
     kernel_nat,
     layout::{self, Plan},
     map_batch::{self, BatchReader},
+    map_sizes::LruSizes,
     object,
     options::EbpfOptions,
     orphans,
@@ -146,6 +147,20 @@ impl EbpfDataplane {
             1
         };
         let mut plan = prepare_pin_dir(&pin_dir, maglev_capacity, options.conntrack_capacity)?;
+        let mut lru = LruSizes::for_this_node(options.dynamic_size_ratio);
+        if let Some(conntrack) = options.conntrack_capacity {
+            lru.conntrack = conntrack;
+        }
+        info!(
+            conntrack = lru.conntrack,
+            revnat4 = lru.revnat4,
+            revnat6 = lru.revnat6,
+            affinity = lru.affinity,
+            udp_sticky = lru.udp_sticky,
+            mib = lru.bytes() / (1 << 20),
+            ratio = options.dynamic_size_ratio.get(),
+            "preallocated LRU maps sized (--bpf-map-dynamic-size-ratio of MemTotal; pinned maps keep their size)"
+        );
         // A rebuilt service map is filled by the first sync before this agent's programs
         // replace the previous agent's, which keep serving with their own maps meanwhile.
         let defer_attach = plan.rebuilds_service_state() && links_pinned(&pin_dir);
@@ -190,7 +205,11 @@ impl EbpfDataplane {
             .map_max_entries(map_names::BACKENDS6, options.backends_capacity)
             .map_max_entries(map_names::SOURCE_RANGES, options.frontends_capacity)
             .map_max_entries(map_names::MAGLEV, maglev_capacity)
-            .map_max_entries(map_names::CT, options.conntrack_capacity)
+            .map_max_entries(map_names::CT, lru.conntrack)
+            .map_max_entries(map_names::REVNAT4, lru.revnat4)
+            .map_max_entries(map_names::REVNAT6, lru.revnat6)
+            .map_max_entries(map_names::AFFINITY, lru.affinity)
+            .map_max_entries(map_names::UDP_STICKY, lru.udp_sticky)
             .map_max_entries(map_names::SERVICE_NAMES, options.frontends_capacity)
             .load(object::OBJECT)?;
         let log_drain = start_log_drain(&mut ebpf);

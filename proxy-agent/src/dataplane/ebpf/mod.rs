@@ -16,6 +16,7 @@ pub mod layout;
 pub mod legacy_tc;
 mod maglev;
 mod map_batch;
+pub mod map_sizes;
 mod map_writer;
 mod object;
 mod options;
@@ -48,5 +49,6 @@ pub use tc::TcOptions;
 pub use tc_conntrack::{CtWalk, monotonic_ns};
 pub use test_run::{TcTestInput, TcTestRun};
 
-/// `--bpf-map-conntrack`'s default.
+/// The conntrack map's static size (`--bpf-map-dynamic-size-ratio 0`), for test rigs that want
+/// a fixed one.
 pub const DEFAULT_CONNTRACK_CAPACITY: u32 = proxy_common::default_sizes::CT;

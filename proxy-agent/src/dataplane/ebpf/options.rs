@@ -11,8 +11,12 @@ pub struct EbpfOptions {
     pub bpf_root: PathBuf,
     pub frontends_capacity: u32,
     pub backends_capacity: u32,
-    /// `--bpf-map-conntrack`: entries of the tc conntrack map.
-    pub conntrack_capacity: u32,
+    /// `--bpf-map-conntrack`: entries of the tc conntrack map; `None`: from the node's memory
+    /// (`dynamic_size_ratio`), and a pinned map keeps its size.
+    pub conntrack_capacity: Option<u32>,
+    /// `--bpf-map-dynamic-size-ratio`: the share of the node's memory given to the
+    /// preallocated LRU maps (`map_sizes`); 0: their static sizes.
+    pub dynamic_size_ratio: super::map_sizes::SizeRatio,
     /// `--lb-algorithm` and the Maglev table for external traffic.
     pub lb: LbOptions,
     /// Interfaces and node facts for the tc programs (`tc.tcx` is set from the probe).

@@ -153,10 +153,15 @@ pub const PIN_DIR_MODE: u32 = 0o700;
 /// (`--lb-algorithm` or `--bpf-map-maglev` changed): aya would reuse the pin as it is. Its
 /// tables are then rebuilt by the first apply; until then the datapath's fallback for a
 /// missing table entry is random choice.
+///
+/// The conntrack map is replaced only when `--bpf-map-conntrack` names another size
+/// (`explicit_conntrack`): a size computed from the node's memory never costs the flows a
+/// pinned map tracks (an upgrade from fixed sizes keeps the old map until `--cleanup` or a
+/// reboot).
 pub(super) fn prepare_pin_dir(
     pin_dir: &Path,
     maglev_capacity: u32,
-    conntrack_capacity: u32,
+    explicit_conntrack: Option<u32>,
 ) -> Result<Plan, EbpfError> {
     use std::os::unix::fs::{DirBuilderExt as _, PermissionsExt as _};
     let to_error = |source| EbpfError::PinDir {
@@ -176,7 +181,8 @@ pub(super) fn prepare_pin_dir(
     // aya would reuse the pin at its old size: a changed `--bpf-map-conntrack` takes a new map,
     // losing the flows it tracked (established external flows through SNAT break once).
     let pin = pin_dir.join(map_names::CT);
-    if pin.exists()
+    if let Some(conntrack_capacity) = explicit_conntrack
+        && pin.exists()
         && !MapInfo::from_pin(&pin).is_ok_and(|info| info.max_entries() == conntrack_capacity)
     {
         warn!(pin = %pin.display(), capacity = conntrack_capacity, "conntrack map resized; its flows start over");

@@ -1,0 +1,204 @@
+//! Capacities of the LRU maps the datapath writes (tc conntrack, socket reverse NAT, session
+//! affinity, per-socket UDP choice), from the node's memory.
+//!
+//! The kernel preallocates every LRU hash map: its whole capacity is kernel memory from the
+//! moment it is created, used or not. Fixed sizes made every small node pay for the largest
+//! one; like Cilium's `--bpf-map-dynamic-size-ratio`, a share of the node's memory is given to
+//! these maps and divided among them (`--bpf-map-conntrack` still sets the conntrack map
+//! exactly). The hash maps only the agent writes are not preallocated and follow use (see
+//! `proxy-ebpf`'s `maps.rs`).
+
+use proxy_common::{
+    AffinityKey, AffinityValue, CtKey, CtValue, RevNat4, RevNat4Key, RevNat6, RevNat6Key,
+};
+
+/// `--bpf-map-dynamic-size-ratio`'s default: Cilium's.
+pub const DEFAULT_DYNAMIC_SIZE_RATIO: SizeRatio = SizeRatio(0.0025);
+
+/// A share of the node's memory, between 0 and 1 (never NaN, so equality is total).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SizeRatio(f64);
+
+impl Eq for SizeRatio {}
+
+impl SizeRatio {
+    /// `None` outside 0..=1 (and for NaN).
+    pub fn new(ratio: f64) -> Option<SizeRatio> {
+        (0.0..=1.0).contains(&ratio).then_some(SizeRatio(ratio))
+    }
+
+    pub fn get(self) -> f64 {
+        self.0
+    }
+}
+
+/// Shares of the budget, in percent: the conntrack map holds two to four entries per external
+/// flow; the other three one per socket or client.
+const CONNTRACK_SHARE: u64 = 60;
+const REVNAT_SHARE: u64 = 10;
+const AFFINITY_SHARE: u64 = 10;
+
+/// Floors, whatever the node's memory: 32k external flows, and 16k sockets or clients.
+const CONNTRACK_MIN: u32 = 65_536;
+const SOCKET_MIN: u32 = 16_384;
+/// Ceilings: the kernel allocates a map's preallocated elements in one vmalloc area.
+const CONNTRACK_MAX: u32 = 1 << 24;
+const SOCKET_MAX: u32 = 1 << 22;
+
+/// Capacities of the preallocated LRU maps, in entries.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LruSizes {
+    pub conntrack: u32,
+    pub revnat4: u32,
+    pub revnat6: u32,
+    pub affinity: u32,
+    pub udp_sticky: u32,
+}
+
+impl LruSizes {
+    /// The previous fixed defaults (`--bpf-map-dynamic-size-ratio 0`).
+    pub const STATIC: LruSizes = LruSizes {
+        conntrack: proxy_common::default_sizes::CT,
+        revnat4: proxy_common::default_sizes::REVNAT,
+        revnat6: proxy_common::default_sizes::REVNAT,
+        affinity: proxy_common::default_sizes::AFFINITY,
+        udp_sticky: proxy_common::default_sizes::UDP_STICKY,
+    };
+
+    /// Sizes for a node with `mem_total` bytes of memory giving `ratio` of it to these maps
+    /// (`0`: [`Self::STATIC`]).
+    pub fn for_memory(mem_total: u64, ratio: SizeRatio) -> LruSizes {
+        let ratio = ratio.get();
+        if ratio <= 0.0 {
+            return Self::STATIC;
+        }
+        #[expect(
+            clippy::cast_possible_truncation,
+            clippy::cast_sign_loss,
+            clippy::cast_precision_loss,
+            reason = "a positive share of a memory size; saturating is what we want"
+        )]
+        let budget = (mem_total as f64 * ratio) as u64;
+        let entries = |share: u64, bytes: u64, min: u32, max: u32| -> u32 {
+            let n = budget * share / 100 / bytes.max(1);
+            u32::try_from(n).unwrap_or(u32::MAX).clamp(min, max)
+        };
+        LruSizes {
+            conntrack: entries(
+                CONNTRACK_SHARE,
+                entry_bytes::<CtKey, CtValue>(),
+                CONNTRACK_MIN,
+                CONNTRACK_MAX,
+            ),
+            revnat4: entries(
+                REVNAT_SHARE,
+                entry_bytes::<RevNat4Key, RevNat4>(),
+                SOCKET_MIN,
+                SOCKET_MAX,
+            ),
+            revnat6: entries(
+                REVNAT_SHARE,
+                entry_bytes::<RevNat6Key, RevNat6>(),
+                SOCKET_MIN,
+                SOCKET_MAX,
+            ),
+            affinity: entries(
+                AFFINITY_SHARE,
+                entry_bytes::<AffinityKey, AffinityValue>(),
+                SOCKET_MIN,
+                SOCKET_MAX,
+            ),
+            udp_sticky: entries(
+                AFFINITY_SHARE,
+                entry_bytes::<AffinityKey, AffinityValue>(),
+                SOCKET_MIN,
+                SOCKET_MAX,
+            ),
+        }
+    }
+
+    /// Sizes for this node (`MemTotal` of `/proc/meminfo`); the static ones if it cannot be
+    /// read.
+    pub fn for_this_node(ratio: SizeRatio) -> LruSizes {
+        match mem_total() {
+            Some(bytes) => Self::for_memory(bytes, ratio),
+            None => {
+                tracing::warn!(
+                    "cannot read MemTotal from /proc/meminfo; the LRU maps get their static sizes"
+                );
+                Self::STATIC
+            }
+        }
+    }
+
+    /// The kernel memory these capacities take (an estimate of its `memlock` accounting).
+    pub fn bytes(&self) -> u64 {
+        u64::from(self.conntrack) * entry_bytes::<CtKey, CtValue>()
+            + u64::from(self.revnat4) * entry_bytes::<RevNat4Key, RevNat4>()
+            + u64::from(self.revnat6) * entry_bytes::<RevNat6Key, RevNat6>()
+            + u64::from(self.affinity + self.udp_sticky)
+                * entry_bytes::<AffinityKey, AffinityValue>()
+    }
+}
+
+/// Kernel memory per entry of a preallocated LRU hash map: `struct htab_elem` (56 bytes with
+/// its LRU node) and the key and value rounded up to 8, plus a 16-byte bucket.
+fn entry_bytes<K, V>() -> u64 {
+    let round8 = |n: usize| (n as u64).div_ceil(8) * 8;
+    56 + round8(std::mem::size_of::<K>()) + round8(std::mem::size_of::<V>()) + 16
+}
+
+/// `MemTotal` in bytes.
+fn mem_total() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    parse_mem_total(&text)
+}
+
+fn parse_mem_total(meminfo: &str) -> Option<u64> {
+    let line = meminfo.lines().find(|l| l.starts_with("MemTotal:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    kib.checked_mul(1024)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const GIB: u64 = 1 << 30;
+
+    #[test]
+    fn sizes_follow_the_nodes_memory_between_their_bounds() {
+        let small = LruSizes::for_memory(GIB, DEFAULT_DYNAMIC_SIZE_RATIO);
+        let mid = LruSizes::for_memory(24 * GIB, DEFAULT_DYNAMIC_SIZE_RATIO);
+        let large = LruSizes::for_memory(512 * GIB, DEFAULT_DYNAMIC_SIZE_RATIO);
+        // 1 GiB × 0.25 % is 2.6 MB: every map at its floor.
+        assert_eq!(small.conntrack, CONNTRACK_MIN);
+        assert_eq!(small.revnat4, SOCKET_MIN);
+        assert_eq!(small.udp_sticky, SOCKET_MIN);
+        // 24 GiB: 61 MiB, 60 % of it in 160-byte conntrack entries.
+        assert_eq!(entry_bytes::<CtKey, CtValue>(), 160);
+        assert_eq!(mid.conntrack, 241_591);
+        assert!(
+            mid.bytes() <= (24 * GIB) / 400 + GIB / 1024,
+            "{}",
+            mid.bytes()
+        );
+        assert!(large.conntrack > mid.conntrack && large.revnat6 > mid.revnat6);
+        assert!(large.conntrack <= CONNTRACK_MAX);
+    }
+
+    #[test]
+    fn a_zero_ratio_keeps_the_static_sizes() {
+        let zero = SizeRatio::new(0.0).expect("in range");
+        assert_eq!(LruSizes::for_memory(24 * GIB, zero), LruSizes::STATIC);
+        assert_eq!(SizeRatio::new(f64::NAN), None);
+        assert_eq!(SizeRatio::new(1.5), None);
+    }
+
+    #[test]
+    fn mem_total_is_read_in_kib() {
+        let text = "MemTotal:       24571524 kB\nMemFree:         1000 kB\n";
+        assert_eq!(parse_mem_total(text), Some(24_571_524 * 1024));
+        assert_eq!(parse_mem_total("MemFree: 3 kB\n"), None);
+    }
+}
