@@ -83,10 +83,22 @@ pub enum StatIndex {
     /// A UDP/SCTP packet of a flow the kernel's conntrack NATs (adopted at the agent's start,
     /// `ct_flags::KERNEL_NAT`) went to the stack untranslated, keeping its backend.
     TcKernelNatPassed = 32,
+    /// A TCP segment other than a SYN found its flow's forward entry gone (LRU eviction) and
+    /// its reply entry there: the forward entry was rebuilt from the flow's own choice of
+    /// backend and SNAT port, and the segment translated as before.
+    TcMidstreamRecovered = 33,
+    /// A TCP segment other than a SYN found both entries of its flow gone (LRU eviction):
+    /// they were written again from the flow's own (tuple-hashed) choice of backend and SNAT
+    /// port.
+    TcMidstreamRecreated = 34,
+    /// A TCP segment other than a SYN to a port of the SNAT range without a conntrack entry
+    /// and without a socket of the node (a backend's segment of a flow whose entries the LRU
+    /// evicted): dropped rather than answered with the stack's reset.
+    TcOrphanSegmentDropped = 35,
 }
 
 impl StatIndex {
-    pub const COUNT: u32 = 33;
+    pub const COUNT: u32 = 36;
     pub const ALL: [StatIndex; Self::COUNT as usize] = [
         StatIndex::Translated,
         StatIndex::RejectedNoBackends,
@@ -121,6 +133,9 @@ impl StatIndex {
         StatIndex::TcReplyClash,
         StatIndex::TcForwardRebuilt,
         StatIndex::TcKernelNatPassed,
+        StatIndex::TcMidstreamRecovered,
+        StatIndex::TcMidstreamRecreated,
+        StatIndex::TcOrphanSegmentDropped,
     ];
 
     /// Label used in logs and metrics.
@@ -159,6 +174,9 @@ impl StatIndex {
             StatIndex::TcReplyClash => "tc_ct_reply_clash",
             StatIndex::TcForwardRebuilt => "tc_ct_forward_rebuilt",
             StatIndex::TcKernelNatPassed => "tc_kernel_nat_passed",
+            StatIndex::TcMidstreamRecovered => "tc_ct_midstream_recovered",
+            StatIndex::TcMidstreamRecreated => "tc_ct_midstream_recreated",
+            StatIndex::TcOrphanSegmentDropped => "tc_ct_orphan_segment_dropped",
         }
     }
 }

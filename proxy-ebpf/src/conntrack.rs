@@ -17,13 +17,11 @@
 //! flow needs its key; the agent's garbage collection deletes the rest (see `proxy-agent`'s
 //! `dataplane::ebpf::tc_conntrack`).
 
-use aya_ebpf::{
-    bindings::BPF_NOEXIST,
-    helpers::{bpf_get_prandom_u32, bpf_ktime_get_ns},
-};
+use aya_ebpf::{bindings::BPF_NOEXIST, helpers::bpf_ktime_get_ns};
 use proxy_common::{CtKey, CtValue, StatIndex, ct_flags, ct_timeout, proto};
 
 use crate::{
+    maglev::flow_hash,
     maps::{KPR_CT, KPR_TC_SCRATCH},
     parse::Packet,
     stats::bump,
@@ -41,11 +39,26 @@ const REFRESH_NS: u64 = ct_timeout::NANOS_PER_SECOND;
 static KPR_SNAT_PORT_MIN: u32 = 49_152;
 #[unsafe(no_mangle)]
 static KPR_SNAT_PORT_COUNT: u32 = 16_384;
-/// Random probes for a free SNAT port (after the client's own port) before giving up; bounded
-/// for the verifier (each probe is verified as unrolled code: 32 made loading take seconds).
-/// At 90 % of the range in use 16 probes all fail with probability 19 %, 8 did with 43 %; at
-/// 75 %, 1 % against 10 %.
+/// Probes for a free SNAT port (after the client's own port) before giving up; bounded for the
+/// verifier (each probe is verified as unrolled code: 32 made loading take seconds). The ports
+/// probed are a sequence hashed from the client's tuple (uniform over the range, like random
+/// ones), so a mid-stream packet whose forward entry was evicted can find its flow's port
+/// again (`snat_port` with `find`). At 90 % of the range in use 16 probes all fail with
+/// probability 19 %, 8 did with 43 %; at 75 %, 1 % against 10 %.
 const SNAT_ATTEMPTS: u32 = 16;
+
+/// Whether `port` (network order) lies in the SNAT port range.
+#[inline(always)]
+pub fn in_snat_range(port: u16) -> bool {
+    // SAFETY: plain reads of read-only globals (volatile: frozen by the loader, not constants).
+    let (min, count) = unsafe {
+        (
+            core::ptr::read_volatile(&raw const KPR_SNAT_PORT_MIN),
+            core::ptr::read_volatile(&raw const KPR_SNAT_PORT_COUNT),
+        )
+    };
+    u32::from(u16::from_be(port)).wrapping_sub(min) < count
+}
 
 /// The entry for `key`, as a pointer into the map (for in-place refresh).
 #[inline(always)]
@@ -269,14 +282,73 @@ pub fn insert_reply(reply_key: &CtKey, reply: &CtValue, own_key: &CtKey) -> bool
     false
 }
 
+/// Who holds the key of a reply entry.
+#[derive(Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub enum ReplyKey {
+    Free,
+    /// The reply entry `reply` of a flow of ours (not one the kernel's NAT carries): the flow
+    /// a mid-stream packet without forward entry belongs to.
+    Flow,
+    /// Another flow.
+    Taken,
+}
+
+/// Who holds `reply_key`: nobody, the flow whose reply entry is `reply`, or another flow.
+#[inline(never)]
+pub fn reply_key_holder(reply_key: &CtKey, reply: &CtValue) -> ReplyKey {
+    let Some(entry) = KPR_CT.get_ptr(reply_key) else {
+        return ReplyKey::Free;
+    };
+    // SAFETY: from a successful lookup; a racing update writes a whole, equally valid value.
+    let entry = unsafe { &*entry };
+    if entry.flags & ct_flags::REPLY != 0
+        && entry.flags & ct_flags::KERNEL_NAT == 0
+        && entry.src == reply.src
+        && entry.dst == reply.dst
+        && entry.sport == reply.sport
+        && entry.dport == reply.dport
+    {
+        ReplyKey::Flow
+    } else {
+        ReplyKey::Taken
+    }
+}
+
+/// The SNAT port of a mid-stream packet's flow (`snat_port` with `find`).
+pub enum SnatPort {
+    /// Its reply entry is there: the port the flow has.
+    Found(u16),
+    /// Its reply entry is gone too: the first free port of the flow's sequence, reserved
+    /// again (the port the flow got when it started unless an earlier one has been freed).
+    Reserved(u16),
+}
+
+/// Probe `attempt` (≥ 1) of the SNAT port sequence of a flow whose tuple hashes to `hash`.
+#[inline(always)]
+fn probe(hash: u32, attempt: u32) -> u32 {
+    let h = (hash ^ attempt.wrapping_mul(0x9e37_79b9)).wrapping_mul(0x85eb_ca6b);
+    h ^ (h >> 16)
+}
+
 /// Inserts the reply entry of a source-NATed flow under a free SNAT port (written into
 /// `reply_key.dport`, network order); `None` when every probe hit a port in use. The client's
 /// own port (in `reply_key.dport` on entry) is tried first when it lies in the range, as
-/// netfilter keeps it when free; then random ports. A port whose reply entry belongs to a dead
-/// flow is free: that entry is replaced. Without this, closed flows would hold their ports
-/// until LRU eviction and a client making many short connections to one backend would run out.
+/// netfilter keeps it when free; then the flow's hashed sequence. A port whose reply entry
+/// belongs to a dead flow is free: that entry is replaced. Without this, closed flows would
+/// hold their ports until LRU eviction and a client making many short connections to one
+/// backend would run out.
+///
+/// With `find` (a mid-stream packet without forward entry), the same sequence is searched for
+/// the port whose reply entry is `reply` already, the port the live flow got when it started;
+/// without one, the first port of the sequence that nobody holds is reserved again.
 #[inline(always)]
-pub fn insert_snat_reply(reply_key: &mut CtKey, reply: &CtValue, own_key: &CtKey) -> Option<u16> {
+pub fn snat_port(
+    reply_key: &mut CtKey,
+    reply: &CtValue,
+    own_key: &CtKey,
+    find: bool,
+) -> Option<SnatPort> {
     // SAFETY: plain reads of read-only globals (volatile: frozen by the loader, not constants).
     let (min, count) = unsafe {
         (
@@ -285,6 +357,10 @@ pub fn insert_snat_reply(reply_key: &mut CtKey, reply: &CtValue, own_key: &CtKey
         )
     };
     let client = u32::from(u16::from_be(reply_key.dport));
+    let ports = (u32::from(own_key.sport) << 16) | u32::from(own_key.dport);
+    let hash = flow_hash(&own_key.src, &own_key.dst, ports, own_key.proto);
+    // Network order; 0 (never in the range, which starts at 1024) for none yet.
+    let mut first_free = 0u16;
     for attempt in 0..=SNAT_ATTEMPTS {
         let port = if attempt == 0 {
             if client.wrapping_sub(min) >= count {
@@ -292,16 +368,23 @@ pub fn insert_snat_reply(reply_key: &mut CtKey, reply: &CtValue, own_key: &CtKey
             }
             client
         } else {
-            // SAFETY: bpf_get_prandom_u32 has no preconditions.
-            min + unsafe { bpf_get_prandom_u32() } % count
+            min + probe(hash, attempt) % count
         };
         let port = (port as u16).to_be();
         reply_key.dport = port;
+        if find {
+            match reply_key_holder(reply_key, reply) {
+                ReplyKey::Flow => return Some(SnatPort::Found(port)),
+                ReplyKey::Free if first_free == 0 => first_free = port,
+                _ => {}
+            }
+            continue;
+        }
         if KPR_CT
             .insert(*reply_key, reply, u64::from(BPF_NOEXIST))
             .is_ok()
         {
-            return Some(port);
+            return Some(SnatPort::Reserved(port));
         }
         if reply_is_stale(reply_key, own_key) {
             // Delete, then insert only if still absent: of two CPUs reclaiming the same port
@@ -311,8 +394,17 @@ pub fn insert_snat_reply(reply_key: &mut CtKey, reply: &CtValue, own_key: &CtKey
                 .insert(*reply_key, reply, u64::from(BPF_NOEXIST))
                 .is_ok()
             {
-                return Some(port);
+                return Some(SnatPort::Reserved(port));
             }
+        }
+    }
+    if first_free != 0 {
+        reply_key.dport = first_free;
+        if KPR_CT
+            .insert(*reply_key, reply, u64::from(BPF_NOEXIST))
+            .is_ok()
+        {
+            return Some(SnatPort::Reserved(first_free));
         }
     }
     None

@@ -38,7 +38,10 @@ pub enum Decision<B> {
 /// comes back within the timeout (measured from its last use, like `-m recent --rcheck
 /// --seconds`) and the backend is still in the service. A frontend with a Maglev table
 /// ([`frontend_flags::MAGLEV`], external frontends only) takes the table's entry for
-/// `flow_hash` instead of a random one; callers without a flow tuple (the socket hooks) give
+/// `flow_hash`. Callers with a flow tuple (the tc programs) pick the slot of other frontends
+/// from `flow_hash` too: as uniform over connections as a random pick (every connection has
+/// its own client port), and the same again for the same tuple, so a mid-stream packet whose
+/// conntrack entry was evicted finds its flow's backend (`tc::new_flow`). The socket hooks give
 /// `None` and stay random.
 ///
 /// `socket` (the hooks' socket cookie, `None` elsewhere) keys the per-socket choice of
@@ -84,16 +87,13 @@ pub fn select_backend<B: Copy>(
         affinity_key = Some(key);
     }
 
-    let maglev_hash = if frontend.flags & frontend_flags::MAGLEV != 0 {
-        flow_hash()
-    } else {
-        None
-    };
+    let hash = flow_hash();
+    let maglev_hash = hash.filter(|_| frontend.flags & frontend_flags::MAGLEV != 0);
     // A missing table entry (a table the agent is rebuilding after a restart) falls back to
-    // random choice rather than dropping the flow.
+    // the slot choice rather than dropping the flow.
     let backend_id = match maglev_hash.and_then(|hash| maglev::backend_id(frontend, hash)) {
         Some(id) => Some(id),
-        None => random_backend_id(frontend),
+        None => slot_backend_id(frontend, hash),
     };
     let Some(backend_id) = backend_id else {
         return Decision::BackendMissing;
@@ -136,13 +136,14 @@ fn sticky_backend<B: Copy>(
     (unsafe { backends.get(entry.backend_id) }).copied()
 }
 
+/// The backend id at slot `hash % backend_count`, a random slot without a hash.
 #[inline(always)]
-fn random_backend_id(frontend: &FrontendValue) -> Option<u32> {
+fn slot_backend_id(frontend: &FrontendValue, hash: Option<u32>) -> Option<u32> {
     // SAFETY: bpf_get_prandom_u32 has no preconditions.
-    let random = unsafe { bpf_get_prandom_u32() };
+    let pick = hash.unwrap_or_else(|| unsafe { bpf_get_prandom_u32() });
     let slot_key = BackendSlotKey {
         service_id: frontend.service_id,
-        slot: (random % u32::from(frontend.backend_count)) as u16,
+        slot: (pick % u32::from(frontend.backend_count)) as u16,
         generation: frontend.generation,
         _pad: 0,
     };

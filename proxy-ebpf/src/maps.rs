@@ -142,6 +142,9 @@ pub struct TcScratch {
     /// A new flow's SNAT address from the route to its backend (`tc::route_to_backend`): the
     /// egress interface's address of the packet's family, all-zero for none.
     pub egress_snat: [u32; 4],
+    /// A `struct bpf_sock_tuple` for the socket lookup of `tc::orphan_segment` (IPv4: the
+    /// first 3 words).
+    pub sock_tuple: [u32; 9],
 }
 
 #[map]

@@ -38,6 +38,19 @@ impl Packet {
         self.family == family::V6
     }
 
+    /// Writes the packet's conntrack key into `key` field by field (a whole `CtKey` would be
+    /// built on the caller's stack first).
+    #[inline(always)]
+    pub fn write_ct_key(&self, key: &mut CtKey) {
+        key.src = self.src;
+        key.dst = self.dst;
+        key.sport = self.sport;
+        key.dport = self.dport;
+        key.proto = self.proto;
+        key.family = self.family;
+        key._pad = 0;
+    }
+
     pub fn ct_key(&self) -> CtKey {
         CtKey {
             src: self.src,

@@ -22,10 +22,10 @@ use aya_ebpf::{
     EbpfContext as _,
     bindings::bpf_fib_lookup as FibLookup,
     bindings::{
-        BPF_FIB_LKUP_RET_NO_NEIGH, BPF_FIB_LKUP_RET_NOT_FWDED, BPF_FIB_LKUP_RET_SUCCESS,
-        TC_ACT_SHOT, TC_ACT_UNSPEC,
+        BPF_F_CURRENT_NETNS, BPF_FIB_LKUP_RET_NO_NEIGH, BPF_FIB_LKUP_RET_NOT_FWDED,
+        BPF_FIB_LKUP_RET_SUCCESS, TC_ACT_SHOT, TC_ACT_UNSPEC, bpf_sock_tuple,
     },
-    helpers::{bpf_fib_lookup, bpf_ktime_get_ns},
+    helpers::{bpf_fib_lookup, bpf_ktime_get_ns, bpf_sk_release, bpf_skc_lookup_tcp},
     maps::lpm_trie::Key,
     programs::TcContext,
 };
@@ -35,7 +35,8 @@ use proxy_common::{
 };
 
 use crate::{
-    conntrack, icmp,
+    conntrack::{self, ReplyKey, SnatPort},
+    icmp,
     lb::{Decision, select_backend},
     maglev,
     maps::{
@@ -168,8 +169,15 @@ fn service(ctx: &TcContext, side: Side) -> i32 {
     };
     // SAFETY: bpf_ktime_get_ns has no preconditions.
     let now = unsafe { bpf_ktime_get_ns() };
-    let key = pkt.ct_key();
-    if let Some(entry) = conntrack::lookup(&key) {
+    // The key in the scratch slot, not on this frame: `new_flow` and its callees stack on it
+    // within the verifier's 512 bytes. `new_flow` writes the same key there again.
+    let Some(scratch) = KPR_TC_SCRATCH.get_ptr_mut(0) else {
+        return NEXT;
+    };
+    // SAFETY: the per-CPU slot is ours until the program ends.
+    let key = unsafe { &mut (*scratch).flow_key };
+    pkt.write_ct_key(key);
+    if let Some(entry) = conntrack::lookup(key) {
         // SAFETY: the pointer comes from a successful lookup. It is used in place (no copy on
         // this frame, for the stack); the agent writes only new entries (the kernel's NATed
         // flows it adopts at start, with `BPF_NOEXIST`), and a racing datapath update writes a
@@ -198,16 +206,14 @@ fn service(ctx: &TcContext, side: Side) -> i32 {
         return NEXT;
     }
     let Some((frontend, internal)) = lookup_frontend(&pkt, side) else {
+        if pkt.proto == proto::TCP && !pkt.syn() && orphan_segment(ctx, &pkt) {
+            bump(StatIndex::TcOrphanSegmentDropped);
+            return DROP;
+        }
         return NEXT;
     };
-    // Only a SYN starts a TCP connection. Any other segment without an entry belongs to a flow
-    // this datapath does not know (one the kernel's conntrack NATs, from before a takeover, or
-    // whose entry was evicted): a backend chosen now would answer it with a reset, so it goes
-    // to the stack unchanged.
-    if pkt.proto == proto::TCP && !pkt.opens() {
-        bump(StatIndex::TcMidstreamPassed);
-        return NEXT;
-    }
+    // Only a SYN starts a TCP connection; `new_flow` recovers the flow of any other segment
+    // without an entry (see there) or hands it to the stack.
     match new_flow(ctx, &pkt, &frontend, internal) {
         Verdict::Action(action) => action,
         // Called from here, not from `new_flow`, so the two frames never stack up.
@@ -387,21 +393,131 @@ fn is_node_address(pkt: &Packet) -> bool {
     unsafe { KPR_NODE_ADDRS.get(key) }.is_some()
 }
 
+/// Whether `pkt`, a TCP segment other than a SYN without a conntrack entry and not to a
+/// frontend, is a backend's segment of a masqueraded flow whose entries the LRU evicted: to a
+/// SNAT address and a port of the SNAT range that no socket of the node holds (the range is
+/// reserved from the
+/// node's ephemeral ports; a socket bound there explicitly keeps its segments). The stack
+/// would answer it with a reset, which ends the flow at the backend before the client's next
+/// segment can write its entries again (`new_flow`); dropped, the backend retransmits.
+#[inline(never)]
+fn orphan_segment(ctx: &TcContext, pkt: &Packet) -> bool {
+    if !conntrack::in_snat_range(pkt.dport) || !is_snat_address(ctx, pkt) {
+        return false;
+    }
+    let Some(scratch) = KPR_TC_SCRATCH.get_ptr_mut(0) else {
+        return false;
+    };
+    // SAFETY: the per-CPU slot is ours until the program ends.
+    let tuple = unsafe { &mut (*scratch).sock_tuple };
+    let ports = u32::from(pkt.sport) | (u32::from(pkt.dport) << 16);
+    let size = if pkt.is_v6() {
+        tuple[0] = pkt.src[0];
+        tuple[1] = pkt.src[1];
+        tuple[2] = pkt.src[2];
+        tuple[3] = pkt.src[3];
+        tuple[4] = pkt.dst[0];
+        tuple[5] = pkt.dst[1];
+        tuple[6] = pkt.dst[2];
+        tuple[7] = pkt.dst[3];
+        tuple[8] = ports;
+        36
+    } else {
+        tuple[0] = pkt.src[0];
+        tuple[1] = pkt.dst[0];
+        tuple[2] = ports;
+        12
+    };
+    // SAFETY: the tuple is 36 bytes of map memory (`size` of them are read); the context is
+    // the program's own skb. A socket found is released before returning.
+    unsafe {
+        let sock = bpf_skc_lookup_tcp(
+            ctx.skb.skb.cast(),
+            core::ptr::from_mut(tuple).cast::<bpf_sock_tuple>(),
+            size,
+            BPF_F_CURRENT_NETNS as u64,
+            0,
+        );
+        if sock.is_null() {
+            return true;
+        }
+        bpf_sk_release(sock.cast());
+    }
+    false
+}
+
+/// Whether the packet is addressed to a SNAT address: the node's (`NodeConfig`), or the one a
+/// flow routed out of the interface the packet came in by was given (`KPR_SNAT_IFACES`).
+/// Anything else (a pod's address, forwarded) is not the node's to answer.
+#[inline(always)]
+fn is_snat_address(ctx: &TcContext, pkt: &Packet) -> bool {
+    let Some(config) = KPR_NODE_CONFIG.get(0) else {
+        return false;
+    };
+    let v6 = pkt.is_v6();
+    if pkt.dst
+        == if v6 {
+            config.snat6
+        } else {
+            [config.snat4, 0, 0, 0]
+        }
+    {
+        return true;
+    }
+    // SAFETY: the context pointer is the program's own __sk_buff.
+    let ifindex = unsafe { (*ctx.skb.skb).ifindex };
+    // SAFETY: the value is plain integers, read at once; the agent writes whole values.
+    unsafe { KPR_SNAT_IFACES.get(ifindex) }.is_some_and(|addrs| {
+        pkt.dst
+            == if v6 {
+                addrs.snat6
+            } else {
+                [addrs.snat4, 0, 0, 0]
+            }
+    })
+}
+
+/// A TCP segment other than a SYN without a conntrack entry is not a new connection: a backend
+/// chosen for it would answer with a reset. It goes to the stack unchanged — one the kernel's
+/// conntrack NATs (from before a takeover) keeps that NAT there.
+#[inline(always)]
+fn pass_midstream() -> Verdict {
+    bump(StatIndex::TcMidstreamPassed);
+    Verdict::Action(NEXT)
+}
+
 // Not inlined: as one function with `external`, LLVM 22's BPF backend crashes (SIGSEGV in
 // post-RA pseudo instruction expansion); as a BPF-to-BPF call it also keeps each frame's stack
 // well under the verifier's 512 bytes.
+//
+// A mid-stream TCP segment (not a SYN) without a forward entry belongs to a flow whose entry
+// the LRU evicted (the kernel's NATed flows have `KERNEL_NAT` entries from their adoption at
+// start). Backend and SNAT port are both chosen from the client's tuple
+// (`lb::select_backend`, `conntrack::snat_port`), so the same choice is made again and the
+// flow's reply entry looked up: if it is there and ours, the forward entry is rebuilt and the
+// segment goes to the same backend from the same port (`tc_ct_midstream_recovered`). If the
+// reply entry is gone too, both are written again from that choice
+// (`tc_ct_midstream_recreated`): the same backend while the Service's backends are the ones
+// the flow started with, and the same port unless an earlier port of its sequence was freed
+// meanwhile. A reply key another flow holds sends the segment to the stack
+// (`pass_midstream`).
 #[inline(never)]
 fn new_flow(ctx: &TcContext, pkt: &Packet, frontend: &FrontendValue, internal: bool) -> Verdict {
     // Read here rather than passed in (the time, and the packet's conntrack key into the
     // scratch slot): a BPF call takes at most 5 arguments (the verdict's return slot is one).
     // SAFETY: bpf_ktime_get_ns has no preconditions.
     let now = unsafe { bpf_ktime_get_ns() };
+    let midstream = pkt.proto == proto::TCP && !pkt.opens();
     if frontend.flags & frontend_flags::SOURCE_RANGES != 0 && !source_allowed(pkt, frontend) {
+        if midstream {
+            return pass_midstream();
+        }
         bump(StatIndex::TcDroppedSourceRange);
         return Verdict::Action(DROP);
     }
     let (backend_addr, backend_port) = match choose(pkt, frontend) {
         Decision::Backend(backend) | Decision::Kept(backend) => backend,
+        _ if midstream => return pass_midstream(),
         Decision::NoBackends if frontend.flags & frontend_flags::DROP_NO_BACKENDS != 0 => {
             bump(StatIndex::TcDroppedNoLocal);
             return Verdict::Action(DROP);
@@ -467,18 +583,48 @@ fn new_flow(ctx: &TcContext, pkt: &Packet, frontend: &FrontendValue, internal: b
     match snat {
         Some(addr) => {
             scratch.reply_key.dst = addr;
-            let Some(port) = conntrack::insert_snat_reply(
+            let port = match conntrack::snat_port(
                 &mut scratch.reply_key,
                 &scratch.reply,
                 &scratch.flow_key,
-            ) else {
-                bump(StatIndex::TcSnatPortExhausted);
-                return Verdict::Action(DROP);
+                midstream,
+            ) {
+                Some(SnatPort::Found(port)) => {
+                    bump(StatIndex::TcMidstreamRecovered);
+                    port
+                }
+                Some(SnatPort::Reserved(port)) => {
+                    bump(if midstream {
+                        StatIndex::TcMidstreamRecreated
+                    } else {
+                        StatIndex::TcSnat
+                    });
+                    port
+                }
+                None if midstream => return pass_midstream(),
+                None => {
+                    bump(StatIndex::TcSnatPortExhausted);
+                    return Verdict::Action(DROP);
+                }
             };
             scratch.forward.src = addr;
             scratch.forward.sport = port;
             scratch.forward.flags |= ct_flags::SNAT;
-            bump(StatIndex::TcSnat);
+        }
+        None if midstream => {
+            match conntrack::reply_key_holder(&scratch.reply_key, &scratch.reply) {
+                ReplyKey::Flow => bump(StatIndex::TcMidstreamRecovered),
+                ReplyKey::Free
+                    if conntrack::insert_reply(
+                        &scratch.reply_key,
+                        &scratch.reply,
+                        &scratch.flow_key,
+                    ) =>
+                {
+                    bump(StatIndex::TcMidstreamRecreated);
+                }
+                _ => return pass_midstream(),
+            }
         }
         None => {
             if !conntrack::insert_reply(&scratch.reply_key, &scratch.reply, &scratch.flow_key) {
@@ -486,7 +632,15 @@ fn new_flow(ctx: &TcContext, pkt: &Packet, frontend: &FrontendValue, internal: b
             }
         }
     }
+    if midstream {
+        scratch.forward.flags |= ct_flags::ESTABLISHED;
+    }
     if conntrack::insert(&scratch.flow_key, &scratch.forward).is_err() {
+        if midstream {
+            // The reply entry is the live flow's: keep it.
+            bump(StatIndex::TcCtFailed);
+            return Verdict::Action(DROP);
+        }
         conntrack::remove(&scratch.reply_key);
         bump(StatIndex::TcCtFailed);
         return Verdict::Action(DROP);

@@ -2069,16 +2069,18 @@ fn half_open_flows_expire_after_60_s_and_exhaustion_is_counted() {
     });
 }
 
-/// Issue 17, conntrack under pressure: the LRU evicts the forward entry of a live SNATed TCP
-/// flow (deleted here, as eviction would). With a 1-port range: the client's next segment is
-/// not re-balanced (passed on untranslated), a new flow does not get the flow's SNAT port
-/// while its reply entry is live (dropped, counted as exhaustion), and the backend's next
-/// segment is translated back to the client and rebuilds the forward entry — same backend,
-/// same SNAT port — so the client's segments are translated again (a reply checks its
-/// forward entry at most once a second, so that is within a second of the eviction, given
-/// traffic from the backend). Both families.
+/// Issue 17, conntrack under pressure, and issue 16 item 4: the LRU evicts the forward entry
+/// of a live SNATed TCP flow (deleted here, as eviction would). With a 1-port range: the
+/// client's next segment recovers the flow from its reply entry — same backend, same SNAT
+/// port, counted as `tc_ct_midstream_recovered` — and is translated; a new flow does not get
+/// the flow's SNAT port while its reply entry is live (dropped, counted as exhaustion); evicted
+/// again, the backend's next segment is translated back to the client and rebuilds the forward
+/// entry (a reply checks its forward entry at most once a second, so that is within a second
+/// of the eviction, given traffic from the backend). With both entries gone the flow is
+/// written again from its own choice (same backend, same port); with its port taken by a new
+/// flow meanwhile, the segment goes to the stack untranslated. Both families.
 #[test]
-fn evicted_forward_entry_keeps_its_snat_port_and_is_rebuilt_by_the_reply() {
+fn evicted_forward_entry_keeps_its_snat_port_and_is_rebuilt() {
     with_node_path(LbOptions::default(), true, None, 61_000..=61_000, |node| {
         program_services(node);
         let mut ct = pinned_ct(node);
@@ -2089,6 +2091,7 @@ fn evicted_forward_entry_keeps_its_snat_port_and_is_rebuilt_by_the_reply() {
         .into_iter()
         .enumerate()
         {
+            let n = i as u64 + 1;
             let client = sa(client, 20_000);
             let frontend = sa(node_ip, 30080);
             let backend = sa(backend, 8080);
@@ -2103,9 +2106,19 @@ fn evicted_forward_entry_keeps_its_snat_port_and_is_rebuilt_by_the_reply() {
 
             let forward = ct_key(client, frontend, PROTO_TCP);
             ct.remove(&forward).expect("evict the forward entry");
-            let (action, passed) = run(node, program_names::TC_EXTERNAL, &ack, node.ext0);
-            assert_eq!(action, TC_ACT_UNSPEC, "{node_ip}: mid-stream without entry");
-            assert_eq!(passed.destination(), frontend, "{node_ip}: not re-balanced");
+            let (action, recovered) = run(node, program_names::TC_EXTERNAL, &ack, node.ext0);
+            assert_eq!(
+                action, TC_ACT_REDIRECT,
+                "{node_ip}: mid-stream without entry"
+            );
+            assert_eq!(
+                (recovered.source(), recovered.destination()),
+                (snat, backend),
+                "{node_ip}: recovered to its own backend and port"
+            );
+            assert_eq!(stat(node, StatIndex::TcMidstreamRecovered), n, "{node_ip}");
+            let entry = ct_entry(node, &forward).expect("forward entry recovered");
+            assert_ne!(entry.flags & ct_flags::ESTABLISHED, 0, "{node_ip}");
 
             let newcomer = build(sa(other, 20_001), frontend, L4::TcpSyn, b"");
             let (action, _) = run(node, program_names::TC_EXTERNAL, &newcomer, node.ext0);
@@ -2113,32 +2126,186 @@ fn evicted_forward_entry_keeps_its_snat_port_and_is_rebuilt_by_the_reply() {
                 action, TC_ACT_SHOT,
                 "{node_ip}: the live flow's port is not free"
             );
-            assert_eq!(
-                stat(node, StatIndex::TcSnatPortExhausted),
-                i as u64 + 1,
-                "{node_ip}"
-            );
+            assert_eq!(stat(node, StatIndex::TcSnatPortExhausted), n, "{node_ip}");
 
             // A reply checks its forward entry at most once a second (with its refresh): the
             // backend answers 2 s after the flow's last reply.
+            ct.remove(&forward).expect("evict the forward entry again");
             age_entry(&mut ct, &ct_key(backend, snat, PROTO_TCP), 2);
             let answer = build(backend, snat, L4::TcpAck, b"pong");
             let (action, back) = run(node, program_names::TC_REPLY, &answer, node.pod0);
             assert_eq!(action, TC_ACT_REDIRECT, "{node_ip}: reply");
             assert_eq!((back.source(), back.destination()), (frontend, client));
-            assert_eq!(
-                stat(node, StatIndex::TcForwardRebuilt),
-                i as u64 + 1,
-                "{node_ip}"
-            );
+            assert_eq!(stat(node, StatIndex::TcForwardRebuilt), n, "{node_ip}");
             let rebuilt = ct_entry(node, &forward).expect("forward entry rebuilt");
             assert_eq!(rebuilt.dst, words(backend.ip()), "{node_ip}");
             assert_eq!(rebuilt.sport, 61_000u16.to_be(), "{node_ip}");
             let (action, again) = run(node, program_names::TC_EXTERNAL, &ack, node.ext0);
             assert_eq!(action, TC_ACT_REDIRECT, "{node_ip}: translated again");
             assert_eq!((again.source(), again.destination()), (snat, backend));
-            eprintln!("{node_ip}: forward entry rebuilt: {snat} → {backend} kept");
+
+            // Both directions evicted: written again from the flow's own choice — the same
+            // backend (the Service has not changed) and the only port of the range.
+            ct.remove(&forward).expect("evict the forward entry");
+            let reply = ct_key(backend, snat, PROTO_TCP);
+            ct.remove(&reply).expect("evict the reply entry");
+            let (action, recreated) = run(node, program_names::TC_EXTERNAL, &ack, node.ext0);
+            assert_eq!(action, TC_ACT_REDIRECT, "{node_ip}: both entries gone");
+            assert_eq!(
+                (recreated.source(), recreated.destination()),
+                (snat, backend),
+                "{node_ip}: recreated with its own backend and port"
+            );
+            assert_eq!(stat(node, StatIndex::TcMidstreamRecreated), n, "{node_ip}");
+
+            // Both evicted and the port taken by a new flow meanwhile: the segment is not
+            // sent from a port another flow holds, nor to a backend chosen anew.
+            ct.remove(&forward).expect("evict the forward entry");
+            ct.remove(&reply).expect("evict the reply entry");
+            let (action, _) = run(node, program_names::TC_EXTERNAL, &newcomer, node.ext0);
+            assert_eq!(
+                action, TC_ACT_REDIRECT,
+                "{node_ip}: the newcomer gets the port"
+            );
+            let passed_before = stat(node, StatIndex::TcMidstreamPassed);
+            let (action, passed) = run(node, program_names::TC_EXTERNAL, &ack, node.ext0);
+            assert_eq!(
+                action, TC_ACT_UNSPEC,
+                "{node_ip}: port held by another flow"
+            );
+            assert_eq!(passed.destination(), frontend, "{node_ip}: not re-balanced");
+            assert_eq!(
+                stat(node, StatIndex::TcMidstreamPassed),
+                passed_before + 1,
+                "{node_ip}"
+            );
+            assert!(
+                ct_entry(node, &forward).is_none(),
+                "{node_ip}: no entry made"
+            );
+            eprintln!("{node_ip}: evicted forward entry recovered: {snat} → {backend} kept");
         }
+        // Without SNAT (eTP Local): the reply entry is keyed by the client's own tuple.
+        let client = sa(CLIENT, 40_000);
+        let local = sa(NODE_IP, 30081);
+        let syn = build(client, local, L4::TcpSyn, b"");
+        let (action, out) = run(node, program_names::TC_EXTERNAL, &syn, node.ext0);
+        assert_eq!(action, TC_ACT_REDIRECT, "eTP Local");
+        ct.remove(&ct_key(client, local, PROTO_TCP))
+            .expect("evict the forward entry");
+        let ack = build(client, local, L4::TcpAck, b"data");
+        let (action, recovered) = run(node, program_names::TC_EXTERNAL, &ack, node.ext0);
+        assert_eq!(action, TC_ACT_REDIRECT, "eTP Local: recovered");
+        assert_eq!(
+            (recovered.source(), recovered.destination()),
+            (client, out.destination()),
+            "eTP Local: the client's address kept, the same backend"
+        );
+        assert_eq!(stat(node, StatIndex::TcMidstreamRecovered), 3);
+    });
+}
+
+/// Issue 16 item 4: a backend's segment to a SNAT port whose flow's entries were both evicted
+/// (no SYN, no socket of the node on that port) is dropped and counted — the stack
+/// would answer it with a reset and end the flow at the backend before the client's next
+/// segment writes its entries again. A socket bound to that port keeps its segments, and a
+/// port outside the SNAT range is left to the stack. Both families.
+#[test]
+fn backend_segments_of_evicted_flows_are_dropped_not_reset() {
+    with_node_path(LbOptions::default(), true, None, 61_000..=61_000, |node| {
+        program_services(node);
+        for (n, (node_ip, backend)) in [(NODE_IP, BACKEND), (NODE_IP6, BACKEND6)]
+            .into_iter()
+            .enumerate()
+        {
+            let n = n as u64 + 1;
+            let backend = sa(backend, 8080);
+            let snat = sa(node_ip, 61_000);
+            let segment = build(backend, snat, L4::TcpAck, b"pong");
+            let (action, _) = run(node, program_names::TC_REPLY, &segment, node.pod0);
+            assert_eq!(action, TC_ACT_SHOT, "{node_ip}: orphan segment");
+            assert_eq!(
+                stat(node, StatIndex::TcOrphanSegmentDropped),
+                n,
+                "{node_ip}"
+            );
+
+            let syn = build(backend, snat, L4::TcpSyn, b"");
+            let (action, _) = run(node, program_names::TC_REPLY, &syn, node.pod0);
+            assert_eq!(action, TC_ACT_UNSPEC, "{node_ip}: a SYN is the stack's");
+            let outside = build(backend, sa(node_ip, 40_000), L4::TcpAck, b"pong");
+            let (action, _) = run(node, program_names::TC_REPLY, &outside, node.pod0);
+            assert_eq!(action, TC_ACT_UNSPEC, "{node_ip}: not a SNAT port");
+
+            let listener = std::net::TcpListener::bind(snat).expect("bind the SNAT port");
+            let (action, _) = run(node, program_names::TC_REPLY, &segment, node.pod0);
+            assert_eq!(action, TC_ACT_UNSPEC, "{node_ip}: a socket holds the port");
+            drop(listener);
+            assert_eq!(
+                stat(node, StatIndex::TcOrphanSegmentDropped),
+                n,
+                "{node_ip}"
+            );
+        }
+    });
+}
+
+/// Issue 16 item 4: a mid-stream packet whose forward entry was evicted is never sent to
+/// another backend. 5 backends, 60 SNATed flows (client ports in and outside the SNAT range,
+/// so both the kept client port and the hashed probe sequence are recovered): every forward
+/// entry is deleted, as the LRU would, and each client's next segment reaches the backend and
+/// comes from the SNAT port its flow had. (A flow without SNAT: the test above.)
+#[test]
+fn evicted_flows_are_recovered_to_their_own_backends() {
+    with_node_path(LbOptions::default(), true, None, 49_152..=65_535, |node| {
+        program_services(node);
+        program_spread(node, &SPREAD_BACKENDS);
+        let frontend = sa(NODE_IP, 30090);
+        let clients: Vec<SocketAddr> = (0..30u16)
+            .map(|i| sa(CLIENT, 30_000 + i))
+            .chain((0..30u16).map(|i| sa(CLIENT, 50_000 + i)))
+            .collect();
+        let mut flows = Vec::new();
+        for client in &clients {
+            let syn = build(*client, frontend, L4::TcpSyn, b"");
+            let (action, out) = run(node, program_names::TC_EXTERNAL, &syn, node.ext0);
+            assert_eq!(action, TC_ACT_REDIRECT, "{client}");
+            flows.push((*client, frontend, out.source(), out.destination()));
+        }
+        let backends: std::collections::BTreeSet<IpAddr> = flows.iter().map(|f| f.3.ip()).collect();
+        assert!(backends.len() >= 4, "flows spread over {backends:?}");
+
+        let mut ct = pinned_ct(node);
+        let forward: Vec<CtKey> = ct
+            .iter()
+            .filter_map(Result::ok)
+            .filter(|(_, v)| v.flags & ct_flags::REPLY == 0)
+            .map(|(k, _)| k)
+            .collect();
+        assert_eq!(forward.len(), flows.len(), "one forward entry per flow");
+        for key in &forward {
+            ct.remove(key).expect("evict");
+        }
+        let recovered_before = stat(node, StatIndex::TcMidstreamRecovered);
+        for (client, frontend, source, backend) in &flows {
+            let ack = build(*client, *frontend, L4::TcpAck, b"data");
+            let (action, out) = run(node, program_names::TC_EXTERNAL, &ack, node.ext0);
+            assert_eq!(action, TC_ACT_REDIRECT, "{client}: recovered");
+            assert_eq!(
+                (out.source(), out.destination()),
+                (*source, *backend),
+                "{client}: same backend and source port as before the eviction"
+            );
+        }
+        assert_eq!(
+            stat(node, StatIndex::TcMidstreamRecovered) - recovered_before,
+            flows.len() as u64
+        );
+        eprintln!(
+            "{} evicted flows over {} backends recovered to their own backends and ports",
+            flows.len(),
+            backends.len()
+        );
     });
 }
 

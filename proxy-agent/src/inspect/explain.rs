@@ -300,7 +300,8 @@ fn socket(maps: &impl Maps, q: &Query, e: &mut Explanation) {
     candidates(maps, &frontend, addr.is_ipv6(), e);
     e.verdict = "translate".to_owned();
     e.reason = if in_tc {
-        "random backend among the candidates for the flow's first packet (tc conntrack keeps it)"
+        "backend among the candidates at the slot the flow's 5-tuple hashes to (its first \
+         packet; tc conntrack keeps it)"
     } else {
         "random backend among the candidates (socket-level load balancing)"
     }

@@ -1,16 +1,17 @@
-//! UDP and SCTP flows the kernel's conntrack already NATs, adopted into `KPR_CT` at start so
-//! that a takeover from netfilter (kube-proxy's iptables or nftables rules, or the iptables
-//! mode's) keeps their backends.
+//! The flows the kernel's conntrack already NATs, adopted into `KPR_CT` at start (and again
+//! after the first sync, the last moment the other mode's rules start flows) so that a
+//! takeover from netfilter (kube-proxy's iptables or nftables rules, or the iptables mode's)
+//! keeps their backends.
 //!
-//! A TCP flow needs nothing: the tc programs start one only on a SYN and hand any other
-//! segment without an entry to the stack, where the kernel's conntrack entry keeps applying
-//! its NAT after the rules are gone. A UDP or SCTP packet carries no such mark, so without an
-//! entry it would be taken as a new flow and sent to a backend of the datapath's choosing — a
-//! different one, most of the time. Each DNATed UDP/SCTP entry of the kernel's conntrack is
-//! therefore written as a forward entry with `ct_flags::KERNEL_NAT`: its packets go to the
-//! stack untranslated while it lives (the usual UDP/SCTP idle timeout), its backend is
-//! recorded for the purge of removed backends, and once it idles out or is purged the next
-//! packet starts a flow of the datapath's own.
+//! A packet of such a flow has no entry of the datapath's own: a UDP or SCTP packet would be
+//! taken as a new flow, and a TCP segment other than a SYN as one of the datapath's flows
+//! whose entries the LRU evicted, which it writes again from its own choice of backend — a
+//! different one from the kernel's, most of the time. Each DNATed entry of the kernel's
+//! conntrack is therefore written as a forward entry with `ct_flags::KERNEL_NAT`: its packets
+//! go to the stack untranslated while it lives (the usual idle timeout of its protocol), where
+//! the kernel's conntrack entry keeps applying its NAT after the rules are gone; its backend is
+//! recorded for the purge of removed backends (UDP/SCTP), and once it idles out, closes or is
+//! purged the next packet starts a flow of the datapath's own.
 //!
 //! A flow the kernel masqueraded (any protocol, TCP too) also holds its SNAT port on the node's
 //! address towards its backend, and the datapath's SNAT knows only its own conntrack: a new
@@ -35,11 +36,10 @@ use crate::{
 /// `BPF_NOEXIST` (linux/bpf.h): write only if the key is absent.
 const BPF_NOEXIST: u64 = 1;
 
-/// The `KPR_CT` entries for a kernel conntrack entry of a DNATed flow: the forward entry of a
-/// UDP or SCTP flow, keyed by what the client sends (the original tuple), and, for a flow the
-/// kernel also source-NATed (any protocol), the reservation of its SNAT port, keyed by what the
-/// backend sends (the reply tuple). None for flows without DNAT (the reply comes from the
-/// original destination) and mixed families.
+/// The `KPR_CT` entries for a kernel conntrack entry of a DNATed flow: its forward entry, keyed
+/// by what the client sends (the original tuple), and, for a flow the kernel also source-NATed,
+/// the reservation of its SNAT port, keyed by what the backend sends (the reply tuple). None
+/// for flows without DNAT (the reply comes from the original destination) and mixed families.
 pub fn adoptable(entry: &ConntrackEntry, now_ns: u64) -> Vec<(CtKey, CtValue)> {
     let original = &entry.original;
     let reply = &entry.reply;
@@ -55,7 +55,14 @@ pub fn adoptable(entry: &ConntrackEntry, now_ns: u64) -> Vec<(CtKey, CtValue)> {
     if dst_family != family || backend_family != family {
         return entries;
     }
-    if original.protocol == proto::UDP || original.protocol == proto::SCTP {
+    // A TCP flow that is live (the kernel still tracks it) has its handshake behind it: the
+    // established timeout, not the half-open one.
+    let established = if original.protocol == proto::TCP {
+        ct_flags::ESTABLISHED
+    } else {
+        0
+    };
+    if [proto::TCP, proto::UDP, proto::SCTP].contains(&original.protocol) {
         entries.push((
             CtKey {
                 src,
@@ -71,7 +78,7 @@ pub fn adoptable(entry: &ConntrackEntry, now_ns: u64) -> Vec<(CtKey, CtValue)> {
                 dst: backend,
                 sport: original.src_port.to_be(),
                 dport: reply.src_port.to_be(),
-                flags: ct_flags::KERNEL_NAT,
+                flags: ct_flags::KERNEL_NAT | established,
                 _pad: [0; 3],
                 last_seen_ns: now_ns,
             },
@@ -98,14 +105,7 @@ pub fn adoptable(entry: &ConntrackEntry, now_ns: u64) -> Vec<(CtKey, CtValue)> {
                 dst: backend,
                 sport: reply.dst_port.to_be(),
                 dport: reply.src_port.to_be(),
-                // A TCP flow that is live (the kernel still tracks it) has its handshake behind
-                // it: the established timeout, not the half-open one.
-                flags: ct_flags::KERNEL_NAT
-                    | if original.protocol == proto::TCP {
-                        ct_flags::ESTABLISHED
-                    } else {
-                        0
-                    },
+                flags: ct_flags::KERNEL_NAT | established,
                 _pad: [0; 3],
                 last_seen_ns: now_ns,
             },
@@ -243,15 +243,21 @@ mod tests {
     }
 
     #[test]
-    fn a_masqueraded_tcp_flow_only_reserves_its_snat_port() {
+    fn a_masqueraded_tcp_flow_is_adopted_established() {
         let node: IpAddr = Ipv4Addr::new(10, 10, 0, 1).into();
         let backend: IpAddr = Ipv4Addr::new(10, 244, 2, 2).into();
-        // TCP: the tc programs never start a flow on a segment other than a SYN, so the
-        // forward direction needs nothing; the SNAT port does.
+        // TCP: a segment without an entry would be taken for an evicted flow of the
+        // datapath's own and written again to its own choice of backend.
         let entries = adoptable(&entry(proto::TCP, node, backend, 8080), 1);
-        let [(key, value)] = entries.as_slice() else {
-            panic!("the reservation only: {entries:?}");
+        let [(forward_key, forward), (key, value)] = entries.as_slice() else {
+            panic!("the forward entry and the reservation: {entries:?}");
         };
+        assert_eq!(forward_key.proto, proto::TCP);
+        assert_eq!(
+            forward.dst,
+            [ip4_to_map(Ipv4Addr::new(10, 244, 2, 2)), 0, 0, 0]
+        );
+        assert_eq!(forward.flags, ct_flags::KERNEL_NAT | ct_flags::ESTABLISHED);
         assert_eq!(key.dport, 51_234u16.to_be());
         assert_eq!(value.flags, ct_flags::KERNEL_NAT | ct_flags::ESTABLISHED);
     }
