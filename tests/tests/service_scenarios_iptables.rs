@@ -29,8 +29,17 @@ fn flushed_nat_table_is_restored() -> anyhow::Result<()> {
 
     let node = s.topo.node();
     for table in ["mangle", "nat"] {
-        node.exec("iptables", &["-w", "-t", table, "-F"])?;
-        node.exec("iptables", &["-w", "-t", table, "-X"])?;
+        // A sync may write rules between the flush and the delete (the churn keeps it busy),
+        // and a chain still referenced cannot go ("Device or resource busy"): flush again.
+        let mut deleted = Ok(String::new());
+        for _ in 0..5 {
+            node.exec("iptables", &["-w", "-t", table, "-F"])?;
+            deleted = node.exec("iptables", &["-w", "-t", table, "-X"]);
+            if deleted.is_ok() {
+                break;
+            }
+        }
+        deleted?;
     }
     let broken = client.run(cluster_addr(), 5)?;
     eprintln!("right after the flush: {:?}", tally(&broken));
@@ -94,8 +103,17 @@ fn canary_is_checked_while_services_churn() -> anyhow::Result<()> {
     std::thread::sleep(Duration::from_secs(4));
     let node = s.topo.node();
     for table in ["mangle", "nat"] {
-        node.exec("iptables", &["-w", "-t", table, "-F"])?;
-        node.exec("iptables", &["-w", "-t", table, "-X"])?;
+        // A sync may write rules between the flush and the delete (the churn keeps it busy),
+        // and a chain still referenced cannot go ("Device or resource busy"): flush again.
+        let mut deleted = Ok(String::new());
+        for _ in 0..5 {
+            node.exec("iptables", &["-w", "-t", table, "-F"])?;
+            deleted = node.exec("iptables", &["-w", "-t", table, "-X"]);
+            if deleted.is_ok() {
+                break;
+            }
+        }
+        deleted?;
     }
     let started = std::time::Instant::now();
     // The partial syncs the churn causes do not look at the canary: only its own timer does,
