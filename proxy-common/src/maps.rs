@@ -275,6 +275,11 @@ pub mod node_flags {
     /// (reverse translation of existing sockets goes on), so every new connection meets the
     /// iptables rules.
     pub const DRAINING: u32 = 1 << 11;
+    /// The agent has not yet adopted every flow the kernel's conntrack NATs (from its start
+    /// until the adoption after its first sync, the last moment netfilter rules start flows):
+    /// a TCP segment without any entry may be one of those, so the tc programs do not write a
+    /// flow for it from their own choice (they still recover one whose reply entry is theirs).
+    pub const KERNEL_FLOWS: u32 = 1 << 12;
     /// `--bpf-socket-lb-host-namespace-only` (Cilium's `socketLB.hostNamespaceOnly`): the
     /// socket hooks translate only sockets of the node's namespace
     /// ([`super::NodeConfig::host_netns_cookie`]); pods' sockets keep the Service address, and

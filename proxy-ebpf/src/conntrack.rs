@@ -341,13 +341,15 @@ fn probe(hash: u32, attempt: u32) -> u32 {
 ///
 /// With `find` (a mid-stream packet without forward entry), the same sequence is searched for
 /// the port whose reply entry is `reply` already, the port the live flow got when it started;
-/// without one, the first port of the sequence that nobody holds is reserved again.
+/// without one and with `rewrite`, the first port of the sequence that nobody holds is
+/// reserved again.
 #[inline(always)]
 pub fn snat_port(
     reply_key: &mut CtKey,
     reply: &CtValue,
     own_key: &CtKey,
     find: bool,
+    rewrite: bool,
 ) -> Option<SnatPort> {
     // SAFETY: plain reads of read-only globals (volatile: frozen by the loader, not constants).
     let (min, count) = unsafe {
@@ -398,7 +400,7 @@ pub fn snat_port(
             }
         }
     }
-    if first_free != 0 {
+    if rewrite && first_free != 0 {
         reply_key.dport = first_free;
         if KPR_CT
             .insert(*reply_key, reply, u64::from(BPF_NOEXIST))

@@ -508,6 +508,12 @@ fn new_flow(ctx: &TcContext, pkt: &Packet, frontend: &FrontendValue, internal: b
     // SAFETY: bpf_ktime_get_ns has no preconditions.
     let now = unsafe { bpf_ktime_get_ns() };
     let midstream = pkt.proto == proto::TCP && !pkt.opens();
+    // Until the agent has adopted the kernel's NATed flows, a segment without any entry may be
+    // one of them: only a flow whose reply entry is ours is recovered.
+    let rewrite = midstream
+        && KPR_NODE_CONFIG
+            .get(0)
+            .is_some_and(|config| config.flags & node_flags::KERNEL_FLOWS == 0);
     if frontend.flags & frontend_flags::SOURCE_RANGES != 0 && !source_allowed(pkt, frontend) {
         if midstream {
             return pass_midstream();
@@ -588,6 +594,7 @@ fn new_flow(ctx: &TcContext, pkt: &Packet, frontend: &FrontendValue, internal: b
                 &scratch.reply,
                 &scratch.flow_key,
                 midstream,
+                rewrite,
             ) {
                 Some(SnatPort::Found(port)) => {
                     bump(StatIndex::TcMidstreamRecovered);
@@ -615,11 +622,12 @@ fn new_flow(ctx: &TcContext, pkt: &Packet, frontend: &FrontendValue, internal: b
             match conntrack::reply_key_holder(&scratch.reply_key, &scratch.reply) {
                 ReplyKey::Flow => bump(StatIndex::TcMidstreamRecovered),
                 ReplyKey::Free
-                    if conntrack::insert_reply(
-                        &scratch.reply_key,
-                        &scratch.reply,
-                        &scratch.flow_key,
-                    ) =>
+                    if rewrite
+                        && conntrack::insert_reply(
+                            &scratch.reply_key,
+                            &scratch.reply,
+                            &scratch.flow_key,
+                        ) =>
                 {
                     bump(StatIndex::TcMidstreamRecreated);
                 }

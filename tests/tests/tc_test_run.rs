@@ -2083,6 +2083,9 @@ fn half_open_flows_expire_after_60_s_and_exhaustion_is_counted() {
 fn evicted_forward_entry_keeps_its_snat_port_and_is_rebuilt() {
     with_node_path(LbOptions::default(), true, None, 61_000..=61_000, |node| {
         program_services(node);
+        // What the agent does after its first sync: from then on a segment without any entry
+        // is one of the datapath's own flows.
+        node.dataplane.adopt_kernel_nat_flows();
         let mut ct = pinned_ct(node);
         for (i, (client, other, node_ip, backend)) in [
             (CLIENT, "203.0.113.7", NODE_IP, BACKEND),
@@ -2202,6 +2205,37 @@ fn evicted_forward_entry_keeps_its_snat_port_and_is_rebuilt() {
             "eTP Local: the client's address kept, the same backend"
         );
         assert_eq!(stat(node, StatIndex::TcMidstreamRecovered), 3);
+    });
+}
+
+/// Issue 16 item 4, takeover: until the agent has adopted the flows the kernel's conntrack
+/// NATs (`node_flags::KERNEL_FLOWS`, from its start to the adoption after its first sync), a
+/// TCP segment without any entry may be one of those and goes to the stack, where the
+/// kernel's NAT carries it; afterwards it is taken for an evicted flow of the datapath's own
+/// and written again from the flow's choice.
+#[test]
+fn segments_without_entries_are_left_to_the_kernel_until_its_flows_are_adopted() {
+    with_node_path(LbOptions::default(), true, None, 61_000..=61_000, |node| {
+        program_services(node);
+        let client = sa(CLIENT, 20_000);
+        let frontend = sa(NODE_IP, 30080);
+        let ack = build(client, frontend, L4::TcpAck, b"data");
+        let (action, passed) = run(node, program_names::TC_EXTERNAL, &ack, node.ext0);
+        assert_eq!(
+            action, TC_ACT_UNSPEC,
+            "before the adoption: the kernel's, maybe"
+        );
+        assert_eq!(passed.destination(), frontend);
+        assert_eq!(stat(node, StatIndex::TcMidstreamRecreated), 0);
+        node.dataplane.adopt_kernel_nat_flows();
+        let (action, out) = run(node, program_names::TC_EXTERNAL, &ack, node.ext0);
+        assert_eq!(
+            action, TC_ACT_REDIRECT,
+            "after the adoption: the datapath's own"
+        );
+        assert_eq!(out.destination(), sa(BACKEND, 8080));
+        assert_eq!(out.source(), sa(NODE_IP, 61_000));
+        assert_eq!(stat(node, StatIndex::TcMidstreamRecreated), 1);
     });
 }
 

@@ -347,6 +347,7 @@ impl EbpfDataplane {
     /// before the tc programs attach, the first sync once more.
     pub fn adopt_kernel_nat_flows(&mut self) {
         adopt_kernel_nat_flows(&mut self.ebpf);
+        self.tc.kernel_flows_adopted();
     }
 
     /// The node settings (NodePort addresses, local-traffic detection, localhost NodePorts) the

@@ -169,6 +169,9 @@ pub struct TcState {
     links: BTreeMap<String, Attached>,
     /// Interfaces of `--interfaces` last found unusable (warned about once).
     unusable: BTreeSet<String>,
+    /// `node_flags::KERNEL_FLOWS`: set from the start until the kernel's NATed flows are all
+    /// adopted ([`TcState::kernel_flows_adopted`]).
+    kernel_flows: bool,
 }
 
 /// One attachment of a tc program.
@@ -216,6 +219,7 @@ impl TcState {
             programmed_addrs,
             programmed_snat,
             programmed_config: None,
+            kernel_flows: true,
             node: None,
             host_netns_cookie: own_netns_cookie().unwrap_or_else(|error| {
                 warn!(%error, "cannot read the network namespace cookie; host processes reach \
@@ -263,6 +267,9 @@ impl TcState {
         }
         if self.options.host_namespace_only {
             config.flags |= node_flags::HOST_NAMESPACE_ONLY;
+        }
+        if self.kernel_flows {
+            config.flags |= node_flags::KERNEL_FLOWS;
         }
         let mut wanted = BTreeSet::new();
         for (name, role) in &roles {
@@ -395,6 +402,21 @@ impl TcState {
             }
             self.links.remove(&pin);
             info!(pin = %pin, "tc program detached (interface gone or changed role)");
+        }
+    }
+
+    /// Every flow the kernel's conntrack NATs is in `KPR_CT` now: `node_flags::KERNEL_FLOWS`
+    /// goes, at once (not at the next sync).
+    pub fn kernel_flows_adopted(&mut self) {
+        self.kernel_flows = false;
+        if let Some(mut config) = self.programmed_config
+            && config.flags & node_flags::KERNEL_FLOWS != 0
+        {
+            config.flags &= !node_flags::KERNEL_FLOWS;
+            match self.node_config.set(0, config, 0) {
+                Ok(()) => self.programmed_config = Some(config),
+                Err(error) => warn!(%error, "cannot write the node config map"),
+            }
         }
     }
 
