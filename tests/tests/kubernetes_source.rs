@@ -345,6 +345,21 @@ fn expired_watch_relists_and_converges_without_foreign_endpoints() -> anyhow::Re
         format!("EndpointSlices: the initial list and the relist, got {slice_lists} list(s)")
     })?;
     print_source_log(&mut s)?;
+    // Each kind's watch reconnects after its own backoff (kube-runtime's, jittered): the
+    // Services' may come back a moment after the EndpointSlices'.
+    let client = s.cgroup_client();
+    let converged = proxy_tests::wait::try_wait_until(
+        "the Service created during the break translated",
+        Duration::from_secs(10),
+        Duration::from_millis(100),
+        || {
+            Ok(client
+                .once(extra)?
+                .backend()
+                .is_some_and(|b| b.starts_with("pod")))
+        },
+    );
+    converged.map_err(|e| s.agent_error(e.to_string()))?;
     let extra_answers = answers(&s, extra, "the Service created during the break")?;
     s.ensure(extra_answers == pods(&[1]), || {
         format!("the Service created during the break must reach pod1: {extra_answers:?}")

@@ -10,6 +10,24 @@ fn init() {
     proxy_tests::set_helper_binary(env!("CARGO_BIN_EXE_rig-helper"));
 }
 
+/// What an administrator's `iptables -F; iptables -X` on the mangle and nat tables does. A
+/// sync may write rules between the flush and the delete (a churn keeps the agent busy), and a
+/// chain still referenced cannot go ("Device or resource busy"): flushed again, a few times.
+fn flush_mangle_and_nat(node: &proxy_tests::netns::Netns) -> proxy_tests::Result<()> {
+    for table in ["mangle", "nat"] {
+        let mut deleted = Ok(String::new());
+        for _ in 0..5 {
+            node.exec("iptables", &["-w", "-t", table, "-F"])?;
+            deleted = node.exec("iptables", &["-w", "-t", table, "-X"]);
+            if deleted.is_ok() {
+                break;
+            }
+        }
+        deleted?;
+    }
+    Ok(())
+}
+
 /// Someone flushes and deletes the mangle and nat tables under a running agent (as firewalld
 /// reloads do): the canary chain is gone from mangle, the agent notices within a sync period
 /// and restores its rules. (Upstream's ipt.Monitor watches the mangle canary only, and its
@@ -28,19 +46,7 @@ fn flushed_nat_table_is_restored() -> anyhow::Result<()> {
     let client = s.start_serving(MODE, &["--iptables-sync-period", "2s"])?;
 
     let node = s.topo.node();
-    for table in ["mangle", "nat"] {
-        // A sync may write rules between the flush and the delete (the churn keeps it busy),
-        // and a chain still referenced cannot go ("Device or resource busy"): flush again.
-        let mut deleted = Ok(String::new());
-        for _ in 0..5 {
-            node.exec("iptables", &["-w", "-t", table, "-F"])?;
-            deleted = node.exec("iptables", &["-w", "-t", table, "-X"]);
-            if deleted.is_ok() {
-                break;
-            }
-        }
-        deleted?;
-    }
+    flush_mangle_and_nat(node)?;
     let broken = client.run(cluster_addr(), 5)?;
     eprintln!("right after the flush: {:?}", tally(&broken));
     s.ensure(
@@ -102,19 +108,7 @@ fn canary_is_checked_while_services_churn() -> anyhow::Result<()> {
     // Let the churn drive syncs for longer than a sync period before the flush.
     std::thread::sleep(Duration::from_secs(4));
     let node = s.topo.node();
-    for table in ["mangle", "nat"] {
-        // A sync may write rules between the flush and the delete (the churn keeps it busy),
-        // and a chain still referenced cannot go ("Device or resource busy"): flush again.
-        let mut deleted = Ok(String::new());
-        for _ in 0..5 {
-            node.exec("iptables", &["-w", "-t", table, "-F"])?;
-            deleted = node.exec("iptables", &["-w", "-t", table, "-X"]);
-            if deleted.is_ok() {
-                break;
-            }
-        }
-        deleted?;
-    }
+    flush_mangle_and_nat(node)?;
     let started = std::time::Instant::now();
     // The partial syncs the churn causes do not look at the canary: only its own timer does,
     // and it recreates the canary chains when it finds them gone.
