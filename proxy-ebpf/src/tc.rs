@@ -539,15 +539,7 @@ fn new_flow(ctx: &TcContext, pkt: &Packet, frontend: &FrontendValue, internal: b
     };
     // SAFETY: the per-CPU slot is ours until the program ends (no preemption on a CPU).
     let scratch = unsafe { &mut *scratch };
-    // Field by field: a whole `CtKey` would be built on this frame first.
-    let flow_key = &mut scratch.flow_key;
-    flow_key.src = pkt.src;
-    flow_key.dst = pkt.dst;
-    flow_key.sport = pkt.sport;
-    flow_key.dport = pkt.dport;
-    flow_key.proto = pkt.proto;
-    flow_key.family = pkt.family;
-    flow_key._pad = 0;
+    pkt.write_ct_key(&mut scratch.flow_key);
     scratch.forward = CtValue {
         src: pkt.src,
         dst: backend_addr,

@@ -71,6 +71,27 @@ fn open_streams(s: &mut Scenario, exchanges: u32) -> anyhow::Result<(Streams, Cl
     Ok((streams, outside, node))
 }
 
+/// Waits until the nat table `save` (`iptables-save` or `ip6tables-save`) lists has
+/// (`present`), or no longer has, the Service rules (`KUBE-SERVICES`).
+fn wait_for_service_rules(
+    s: &Scenario,
+    save: &str,
+    present: bool,
+    timeout: Duration,
+) -> anyhow::Result<()> {
+    let what = if present {
+        "the iptables mode's rules"
+    } else {
+        "the iptables mode's rules removed"
+    };
+    try_wait_until(what, timeout, Duration::from_millis(50), || {
+        let rules = s.topo.node().exec(save, &["-t", "nat"])?;
+        Ok(rules.contains("KUBE-SERVICES") == present)
+    })
+    .map_err(|e| s.agent_error(e.to_string()))?;
+    Ok(())
+}
+
 /// New connections after a transition: batches of 6 to the ClusterIP from the node and to the
 /// NodePort from outside, until every one is answered by a pod.
 fn fresh_connections(
@@ -143,19 +164,7 @@ fn established_tcp_connections_survive_the_takeover_from_iptables_rules() -> any
     // program for the outside's.
     let fresh = fresh_connections(&s, &outside, &node)?;
     // The iptables rules go after the eBPF mode's first sync.
-    try_wait_until(
-        "the iptables mode's rules removed",
-        Duration::from_secs(5),
-        Duration::from_millis(50),
-        || {
-            Ok(!s
-                .topo
-                .node()
-                .exec("iptables-save", &["-t", "nat"])?
-                .contains("KUBE-SERVICES"))
-        },
-    )
-    .map_err(|e| s.agent_error(e.to_string()))?;
+    wait_for_service_rules(&s, "iptables-save", false, Duration::from_secs(5))?;
     let running = streams.iter().filter(|t| !t.is_finished()).count();
     s.ensure(running == streams.len(), || {
         format!(
@@ -184,18 +193,7 @@ fn established_tcp_connections_survive_the_hand_back_to_iptables_rules() -> anyh
     agent.stop()?;
     agent.restart_in_mode_with_args("iptables", &["--mode-switch-drain-period", "60s"])?;
     // New connections are the iptables rules' while the eBPF programs drain.
-    try_wait_until(
-        "the iptables mode's rules",
-        Duration::from_secs(10),
-        Duration::from_millis(50),
-        || {
-            Ok(s.topo
-                .node()
-                .exec("iptables-save", &["-t", "nat"])?
-                .contains("KUBE-SERVICES"))
-        },
-    )
-    .map_err(|e| s.agent_error(e.to_string()))?;
+    wait_for_service_rules(&s, "iptables-save", true, Duration::from_secs(10))?;
     let fresh = fresh_connections(&s, &outside, &node)?;
     s.ensure(pin_dir.exists(), || {
         "the eBPF mode's pins stay while its streams run".into()
@@ -387,6 +385,40 @@ fn ensure_udp_streams_kept(s: &Scenario, streams: Streams, transition: &str) -> 
     Ok(())
 }
 
+/// After a transition: new UDP flows to the ClusterIP from the node and to the NodePort from
+/// outside are answered by the pods, every flow of `streams` still ran when the transition
+/// completed, and each kept its backend.
+fn ensure_new_udp_flows_and_streams(
+    s: &Scenario,
+    outside: &Client,
+    node: &Client,
+    streams: Streams,
+    transition: &str,
+) -> anyhow::Result<()> {
+    s.wait_for_batch(
+        node,
+        udp_cluster_addr(),
+        6,
+        "new UDP ClusterIP flows",
+        is_pod,
+    )?;
+    s.wait_for_batch(
+        outside,
+        udp_node_port_addr(),
+        6,
+        "new UDP NodePort flows",
+        is_pod,
+    )?;
+    let running = streams.iter().filter(|t| !t.is_finished()).count();
+    s.ensure(running == streams.len(), || {
+        format!(
+            "the {transition} must complete while the UDP flows run: only {running} of {} still ran",
+            streams.len()
+        )
+    })?;
+    ensure_udp_streams_kept(s, streams, transition)
+}
+
 /// UDP flows across the takeover from iptables rules (`open_udp_streams`), opened under the
 /// iptables mode. A UDP packet carries nothing that
 /// tells a flow's first datagram from its hundredth, so the eBPF mode adopts the flows the
@@ -403,48 +435,13 @@ fn udp_flows_keep_their_backends_across_the_takeover_from_iptables_rules() -> an
     s.start_agent_with_args("ebpf", &["--interfaces", "vext"])?;
     // The rules go after the eBPF mode's first sync (its start takes seconds on a loaded
     // machine: the verifier); from then on new flows are the eBPF mode's.
-    try_wait_until(
-        "the iptables mode's rules removed",
-        Duration::from_secs(15),
-        Duration::from_millis(50),
-        || {
-            Ok(!s
-                .topo
-                .node()
-                .exec("iptables-save", &["-t", "nat"])?
-                .contains("KUBE-SERVICES"))
-        },
-    )
-    .map_err(|e| s.agent_error(e.to_string()))?;
-    s.wait_for_batch(
-        &node,
-        udp_cluster_addr(),
-        6,
-        "new UDP ClusterIP flows",
-        is_pod,
-    )?;
-    s.wait_for_batch(
-        &outside,
-        udp_node_port_addr(),
-        6,
-        "new UDP NodePort flows",
-        is_pod,
-    )?;
-    let running = streams.iter().filter(|t| !t.is_finished()).count();
-    s.ensure(running == streams.len(), || {
-        format!(
-            "the takeover must complete while the UDP flows run: only {running} of {} still ran",
-            streams.len()
-        )
-    })?;
-    ensure_udp_streams_kept(&s, streams, "takeover")?;
-    let adopted = s.agent()?.metrics()?;
-    let passed = adopted
-        .lines()
-        .find(|l| l.contains("reason=\"tc_kernel_nat_passed\""))
-        .and_then(|l| l.rsplit(' ').next())
-        .and_then(|v| v.parse::<f64>().ok())
-        .unwrap_or(0.0);
+    wait_for_service_rules(&s, "iptables-save", false, Duration::from_secs(15))?;
+    ensure_new_udp_flows_and_streams(&s, &outside, &node, streams, "takeover")?;
+    let passed = proxy_tests::http::metric_sum(
+        &s.agent()?.metrics()?,
+        "kubeproxy_ebpf_datapath_events_total",
+        &["reason=\"tc_kernel_nat_passed\""],
+    );
     eprintln!("datagrams of adopted flows left to the kernel's NAT: {passed}");
     s.ensure(passed > 0.0, || {
         "the NodePort flows' datagrams must have been left to the kernel's NAT (tc_kernel_nat_passed)".into()
@@ -464,40 +461,8 @@ fn udp_flows_keep_their_backends_across_the_hand_back_to_iptables_rules() -> any
     let agent = s.agent()?;
     agent.stop()?;
     agent.restart_in_mode_with_args("iptables", &["--mode-switch-drain-period", "60s"])?;
-    try_wait_until(
-        "the iptables mode's rules",
-        Duration::from_secs(10),
-        Duration::from_millis(50),
-        || {
-            Ok(s.topo
-                .node()
-                .exec("iptables-save", &["-t", "nat"])?
-                .contains("KUBE-SERVICES"))
-        },
-    )
-    .map_err(|e| s.agent_error(e.to_string()))?;
-    s.wait_for_batch(
-        &node,
-        udp_cluster_addr(),
-        6,
-        "new UDP ClusterIP flows",
-        is_pod,
-    )?;
-    s.wait_for_batch(
-        &outside,
-        udp_node_port_addr(),
-        6,
-        "new UDP NodePort flows",
-        is_pod,
-    )?;
-    let running = streams.iter().filter(|t| !t.is_finished()).count();
-    s.ensure(running == streams.len(), || {
-        format!(
-            "the hand-back must complete while the UDP flows run: only {running} of {} still ran",
-            streams.len()
-        )
-    })?;
-    ensure_udp_streams_kept(&s, streams, "hand-back")
+    wait_for_service_rules(&s, "iptables-save", true, Duration::from_secs(10))?;
+    ensure_new_udp_flows_and_streams(&s, &outside, &node, streams, "hand-back")
 }
 
 /// IPv6 across the takeover from iptables rules: 8 TCP streams from outside through a dual-stack
@@ -557,19 +522,7 @@ fn established_ipv6_tcp_connections_survive_the_takeover_from_iptables_rules() -
     std::thread::sleep(Duration::from_millis(800));
     s.stop_agent()?;
     s.start_agent_with_args("ebpf", &["--interfaces", "vext"])?;
-    try_wait_until(
-        "the iptables mode's rules removed",
-        Duration::from_secs(15),
-        Duration::from_millis(50),
-        || {
-            Ok(!s
-                .topo
-                .node()
-                .exec("ip6tables-save", &["-t", "nat"])?
-                .contains("KUBE-SERVICES"))
-        },
-    )
-    .map_err(|e| s.agent_error(e.to_string()))?;
+    wait_for_service_rules(&s, "ip6tables-save", false, Duration::from_secs(15))?;
     s.wait_for_batch(&outside, target, 6, "new IPv6 NodePort connections", is_pod)?;
     let running = streams.iter().filter(|t| !t.is_finished()).count();
     s.ensure(running == streams.len(), || {
