@@ -190,6 +190,18 @@ pub mod ct_flags {
     /// backends); the entry idles out like any UDP/SCTP flow, and the next packet starts a
     /// flow of the datapath's own.
     pub const KERNEL_NAT: u8 = 64;
+    /// Both entries of a flow whose tuple between client and backend — what the netfilter
+    /// path shows the kernel's conntrack (destination rewritten at ingress, source at egress),
+    /// and the key of its egress entries — another live flow already holds: a flow of ours
+    /// from the same client address and port to the same backend through another frontend
+    /// (clients reuse a port towards another destination), or a connection of the previous
+    /// rules in the kernel's conntrack (an adopted `KERNEL_NAT` entry under that tuple). On
+    /// the netfilter path the two would share egress entries (one's packets leaving with the
+    /// other's translation), and the kernel would drop the new one's packets as a clash or
+    /// remap its source port behind the egress program's back. Its packets take the fast path
+    /// instead (both halves at ingress, redirected), on a node that otherwise uses the
+    /// netfilter path: netfilter's FORWARD and POSTROUTING do not see them.
+    pub const BYPASS: u8 = 128;
 }
 
 /// Idle timeouts of `KPR_CT` forward entries, shared by the datapath (which treats an expired

@@ -95,10 +95,15 @@ pub enum StatIndex {
     /// and without a socket of the node (a backend's segment of a flow whose entries the LRU
     /// evicted): dropped rather than answered with the stack's reset.
     TcOrphanSegmentDropped = 35,
+    /// A new flow whose tuple between client and backend (what the netfilter path shows the
+    /// kernel, and keys its egress entries by) another live flow holds — the same client port
+    /// to the same backend through another frontend, or a connection of the previous rules in
+    /// the kernel's conntrack: it takes the fast path (`ct_flags::BYPASS`).
+    TcTupleBypassed = 36,
 }
 
 impl StatIndex {
-    pub const COUNT: u32 = 36;
+    pub const COUNT: u32 = 37;
     pub const ALL: [StatIndex; Self::COUNT as usize] = [
         StatIndex::Translated,
         StatIndex::RejectedNoBackends,
@@ -136,6 +141,7 @@ impl StatIndex {
         StatIndex::TcMidstreamRecovered,
         StatIndex::TcMidstreamRecreated,
         StatIndex::TcOrphanSegmentDropped,
+        StatIndex::TcTupleBypassed,
     ];
 
     /// Label used in logs and metrics.
@@ -177,6 +183,7 @@ impl StatIndex {
             StatIndex::TcMidstreamRecovered => "tc_ct_midstream_recovered",
             StatIndex::TcMidstreamRecreated => "tc_ct_midstream_recreated",
             StatIndex::TcOrphanSegmentDropped => "tc_ct_orphan_segment_dropped",
+            StatIndex::TcTupleBypassed => "tc_tuple_bypassed",
         }
     }
 }

@@ -190,6 +190,7 @@ pub fn reply_seen(entry: *mut CtValue, pkt: &Packet, now: u64) -> bool {
         sport: pkt.dport,
         dport: pkt.sport,
         flags: if snat { ct_flags::SNAT } else { 0 }
+            | reply.flags & ct_flags::BYPASS
             | ct_flags::ESTABLISHED
             | if pkt.closes() { ct_flags::CLOSING } else { 0 },
         _pad: [0; 3],
@@ -247,6 +248,106 @@ pub fn reply_is_stale(reply_key: &CtKey, own_key: &CtKey) -> bool {
     !answers(forward, reply_key)
         || (reply_key.proto == proto::TCP && forward.flags & ct_flags::CLOSING != 0)
         || ct_timeout::expired(reply_key.proto, forward.flags, forward.last_seen_ns, now)
+}
+
+/// Who holds the tuple a backend answers a new flow with before any SNAT (its reply key with the
+/// client's address and port): the tuple the netfilter path shows the kernel for the flow, and
+/// the key of its egress entries (see `ct_flags::BYPASS`).
+#[derive(Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub enum Tuple {
+    /// Nobody live: the netfilter path is the flow's.
+    Free,
+    /// A connection of the previous rules in the kernel's conntrack (an adopted `KERNEL_NAT`
+    /// entry that has not idled out).
+    Kernel,
+    /// A live flow of ours without SNAT (its reply entry).
+    Flow,
+    /// A live SNATed flow of ours on the netfilter path (its egress reply entry).
+    Egress,
+}
+
+/// Who holds `reply_key` for the new flow of client tuple `own_key` (an earlier flow of that
+/// tuple holds nothing: the new flow replaces it). A TCP flow that saw its FIN or RST holds
+/// nothing either, as for `reply_is_stale`. Not inlined, and the holder's forward key is built
+/// in the scratch slot's `probe_key`, where `divert_holder` finds it: called from `new_flow`.
+#[inline(never)]
+pub fn tuple_holder(reply_key: &CtKey, own_key: &CtKey, now: u64) -> Tuple {
+    let Some(entry) = KPR_CT.get_ptr(reply_key) else {
+        return Tuple::Free;
+    };
+    // SAFETY: from a successful lookup; a racing update writes a whole, equally valid value.
+    let entry = unsafe { &*entry };
+    if entry.flags & ct_flags::KERNEL_NAT != 0 {
+        return if ct_timeout::expired(reply_key.proto, entry.flags, entry.last_seen_ns, now) {
+            Tuple::Free
+        } else {
+            Tuple::Kernel
+        };
+    }
+    if entry.flags & ct_flags::REPLY == 0 {
+        return Tuple::Free;
+    }
+    let Some(scratch) = KPR_TC_SCRATCH.get_ptr_mut(0) else {
+        return Tuple::Free;
+    };
+    // SAFETY: the per-CPU scratch slot is ours until the program ends; `probe_key` is disjoint
+    // from the keys the caller lent us.
+    let probe_key = unsafe { &mut (*scratch).probe_key };
+    *probe_key = reverse_key(entry, reply_key.proto, reply_key.family);
+    // By reference: a copy would put the key on this frame's stack.
+    let probe_key: &CtKey = probe_key;
+    if probe_key == own_key {
+        return Tuple::Free;
+    }
+    let Some(forward) = KPR_CT.get_ptr(probe_key) else {
+        return Tuple::Free;
+    };
+    // SAFETY: as `entry` above.
+    let forward = unsafe { &*forward };
+    let live = forward.flags & ct_flags::REPLY == 0
+        && forward.dst == reply_key.src
+        && forward.dport == reply_key.sport
+        && !(reply_key.proto == proto::TCP && forward.flags & ct_flags::CLOSING != 0)
+        && !ct_timeout::expired(reply_key.proto, forward.flags, forward.last_seen_ns, now);
+    if !live {
+        Tuple::Free
+    } else if entry.flags & ct_flags::EGRESS != 0 {
+        Tuple::Egress
+    } else {
+        Tuple::Flow
+    }
+}
+
+/// Moves the live SNATed flow `tuple_holder` found (`Tuple::Egress`, its forward key still in
+/// the scratch slot's `probe_key`) to the fast path, so that a new flow without SNAT can take
+/// the tuple its egress entries hold: its packets no longer need them. A packet of it already
+/// between ingress and egress misses its egress half; TCP sends it again.
+#[inline(never)]
+pub fn divert_holder() {
+    let Some(scratch) = KPR_TC_SCRATCH.get_ptr_mut(0) else {
+        return;
+    };
+    // SAFETY: the per-CPU scratch slot is ours until the program ends. Keys by reference: a
+    // copy would put them on this frame's stack.
+    let forward_key: &CtKey = unsafe { &(*scratch).probe_key };
+    let Some(forward) = KPR_CT.get_ptr_mut(forward_key) else {
+        return;
+    };
+    let (proto, family) = (forward_key.proto, forward_key.family);
+    // SAFETY: from a successful lookup; a racing writer stores a whole value (a new flow of
+    // that client tuple, which then needs no diverting) or a timestamp. The reply key goes
+    // where the forward key was, which is read no more.
+    unsafe {
+        (*forward).flags |= ct_flags::BYPASS;
+        (*scratch).probe_key = reverse_key(&*forward, proto, family);
+    }
+    // SAFETY: as above.
+    let reply_key: &CtKey = unsafe { &(*scratch).probe_key };
+    if let Some(reply) = KPR_CT.get_ptr_mut(reply_key) {
+        // SAFETY: as above.
+        unsafe { (*reply).flags |= ct_flags::BYPASS };
+    }
 }
 
 #[inline(always)]

@@ -30,7 +30,7 @@ use aya_ebpf::{
     helpers::{bpf_fib_lookup, bpf_redirect_neigh, bpf_skb_vlan_pop},
     programs::TcContext,
 };
-use proxy_common::{CtValue, StatIndex, TRANSLATED_MARK, family, node_flags, proto};
+use proxy_common::{CtValue, StatIndex, TRANSLATED_MARK, ct_flags, family, node_flags, proto};
 
 use crate::{
     csum::{replace_addr, replace_port},
@@ -100,7 +100,8 @@ fn rewrite(ctx: &TcContext, pkt: &Packet, to: &CtValue, half: Half) -> Result<()
 // Not inlined, for the stack: see `icmp::reject`.
 #[inline(never)]
 pub fn translate(ctx: &TcContext, pkt: &Packet, to: &CtValue, stat: StatIndex) -> i32 {
-    let fast = fast_path();
+    // A flow the kernel's conntrack must not see takes the fast path on either path.
+    let fast = fast_path() || to.flags & ct_flags::BYPASS != 0;
     let half = if fast { Half::Both } else { Half::Destination };
     if rewrite(ctx, pkt, to, half).is_err() {
         bump(StatIndex::TcRewriteFailed);

@@ -35,7 +35,7 @@ use proxy_common::{
 };
 
 use crate::{
-    conntrack::{self, ReplyKey, SnatPort},
+    conntrack::{self, ReplyKey, SnatPort, Tuple},
     icmp,
     lb::{Decision, select_backend},
     maglev,
@@ -567,6 +567,13 @@ fn new_flow(ctx: &TcContext, pkt: &Packet, frontend: &FrontendValue, internal: b
         _pad: [0; 3],
         last_seen_ns: now,
     };
+    // Another live flow holds the tuple this one would show the kernel and key its egress
+    // entries by on the netfilter path (see `ct_flags::BYPASS`).
+    let holder = if fast_path() {
+        Tuple::Free
+    } else {
+        conntrack::tuple_holder(&scratch.reply_key, &scratch.flow_key, now)
+    };
     // A host-network backend on this node is delivered locally, never masqueraded (see
     // `ct_flags::HOST_BACKEND`): SNATed to the node's own address the packet would arrive with
     // a local source, a martian the stack drops.
@@ -578,6 +585,27 @@ fn new_flow(ctx: &TcContext, pkt: &Packet, frontend: &FrontendValue, internal: b
     } else {
         snat_address(pkt, frontend, &scratch.egress_snat)
     };
+    // Without SNAT the held tuple is this flow's own reply key: a flow of the kernel's is over
+    // (its backend could not tell the two apart), a SNATed flow of ours gives it up for the
+    // fast path, and one without SNAT keeps it (`insert_reply` refuses, as for any flow).
+    let bypass = match holder {
+        Tuple::Free => false,
+        Tuple::Flow => snat.is_some(),
+        Tuple::Kernel => true,
+        Tuple::Egress => {
+            if snat.is_none() {
+                conntrack::divert_holder();
+            }
+            true
+        }
+    };
+    if bypass {
+        scratch.forward.flags |= ct_flags::BYPASS;
+        scratch.reply.flags |= ct_flags::BYPASS;
+        if !midstream {
+            bump(StatIndex::TcTupleBypassed);
+        }
+    }
     match snat {
         Some(addr) => {
             scratch.reply_key.dst = addr;
@@ -627,7 +655,13 @@ fn new_flow(ctx: &TcContext, pkt: &Packet, frontend: &FrontendValue, internal: b
             }
         }
         None => {
-            if !conntrack::insert_reply(&scratch.reply_key, &scratch.reply, &scratch.flow_key) {
+            // A bypassing flow's reply key was given up by its holder (see above).
+            let inserted = if scratch.reply.flags & ct_flags::BYPASS != 0 {
+                conntrack::insert(&scratch.reply_key, &scratch.reply).is_ok()
+            } else {
+                conntrack::insert_reply(&scratch.reply_key, &scratch.reply, &scratch.flow_key)
+            };
+            if !inserted {
                 return Verdict::Action(DROP);
             }
         }
@@ -663,7 +697,7 @@ fn insert_egress(pkt: &Packet) -> bool {
     };
     // SAFETY: the per-CPU slot is ours until the program ends.
     let scratch = unsafe { &mut *scratch };
-    if fast_path() {
+    if fast_path() || scratch.forward.flags & ct_flags::BYPASS != 0 {
         return true;
     }
     let key = &mut scratch.egress_key;

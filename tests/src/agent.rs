@@ -279,6 +279,27 @@ impl Agent {
         &self.bpf_root
     }
 
+    /// A datapath counter (eBPF mode), summed over CPUs, read from the pinned counter map:
+    /// the metrics carry the counters as of the last sync only.
+    pub fn datapath_counter(&self, index: proxy_common::StatIndex) -> Result<u64> {
+        let pin = self
+            .bpf_root
+            .join(proxy_agent::dataplane::ebpf::PIN_DIR_NAME)
+            .join(proxy_common::map_names::STATS);
+        let failed = |e: &dyn std::fmt::Display| {
+            RigError::Other(format!("reading the counter map {}: {e}", pin.display()))
+        };
+        let data = aya::maps::MapData::from_pin(&pin).map_err(|e| failed(&e))?;
+        let map = aya::maps::Map::from_map_data(data).map_err(|e| failed(&e))?;
+        let stats: aya::maps::PerCpuArray<aya::maps::MapData, u64> =
+            aya::maps::PerCpuArray::try_from(map).map_err(|e| failed(&e))?;
+        Ok(stats
+            .get(&(index as u32), 0)
+            .map_err(|e| failed(&e))?
+            .iter()
+            .sum())
+    }
+
     pub fn log_path(&self) -> &Path {
         &self.log_path
     }

@@ -21,6 +21,7 @@ pub mod process;
 pub mod reachability;
 pub mod scenario;
 pub mod service_scenarios;
+pub mod takeover;
 pub mod tc_fuzz;
 pub mod topology;
 pub mod wait;

@@ -9,8 +9,7 @@ use std::net::{SocketAddr, SocketAddrV4, UdpSocket};
 use std::path::PathBuf;
 use std::time::Duration;
 
-use aya::maps::{Map, MapData, PerCpuArray};
-use proxy_common::{StatIndex, map_names};
+use proxy_common::StatIndex;
 
 use proxy_tests::RigError;
 use proxy_tests::client::{Attempt, Mode, tally};
@@ -86,19 +85,6 @@ fn flood(netns: PathBuf) -> anyhow::Result<u16> {
         .map_err(|_| anyhow::anyhow!("flood thread panicked"))?
 }
 
-/// A datapath counter, summed over CPUs, from the pinned counter map (the metrics carry it
-/// from the last sync only).
-fn counter(s: &mut Scenario, index: StatIndex) -> anyhow::Result<u64> {
-    let pin = s
-        .agent()?
-        .bpf_root()
-        .join(proxy_agent::dataplane::ebpf::PIN_DIR_NAME)
-        .join(map_names::STATS);
-    let map = Map::from_map_data(MapData::from_pin(&pin)?)?;
-    let stats: PerCpuArray<MapData, u64> = PerCpuArray::try_from(map)?;
-    Ok(stats.get(&(index as u32), 0)?.iter().sum())
-}
-
 #[test]
 fn streams_keep_their_backends_while_the_conntrack_map_overflows() -> anyhow::Result<()> {
     let mut s = setup()?;
@@ -142,10 +128,16 @@ fn streams_keep_their_backends_while_the_conntrack_map_overflows() -> anyhow::Re
         }
     }
     // The flood evicted the streams' entries: their next segments found their flows again.
-    let recovered = counter(&mut s, StatIndex::TcMidstreamRecovered)?;
-    let recreated = counter(&mut s, StatIndex::TcMidstreamRecreated)?;
-    let passed = counter(&mut s, StatIndex::TcMidstreamPassed)?;
-    let orphans = counter(&mut s, StatIndex::TcOrphanSegmentDropped)?;
+    let recovered = s
+        .agent()?
+        .datapath_counter(StatIndex::TcMidstreamRecovered)?;
+    let recreated = s
+        .agent()?
+        .datapath_counter(StatIndex::TcMidstreamRecreated)?;
+    let passed = s.agent()?.datapath_counter(StatIndex::TcMidstreamPassed)?;
+    let orphans = s
+        .agent()?
+        .datapath_counter(StatIndex::TcOrphanSegmentDropped)?;
     eprintln!(
         "{sent} flood flows into {CONNTRACK} entries: {} of {STREAMS} streams broken, \
          backends {backends:?}; mid-stream segments recovered {recovered}, recreated \

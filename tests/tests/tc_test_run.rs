@@ -501,24 +501,25 @@ fn netfilter_path_splits_translation_between_ingress_and_egress() {
             assert!(out.l4.ends_with(b"pong"));
         }
 
-        // A flow without SNAT (eTP Local, 30081) reusing the first (SNATed) case's client
-        // tuple and backend: that flow's egress entry must not SNAT it.
+        // A flow without SNAT (eTP Local, 30081) from the first case's client tuple to its
+        // backend while that SNATed flow lives: on the netfilter path both would show the
+        // kernel the same tuple, and the egress entries keyed by it are the first flow's (they
+        // would SNAT this one). The new flow takes the fast path (`ct_flags::BYPASS`): whole
+        // at ingress and redirected, never marked for egress, the client's address kept; and
+        // the first flow, whose egress reply entry held the tuple, moves to the fast path too.
         let client = sa(CLIENT, 41_000);
         let frame = build(client, sa(NODE_IP, 30081), L4::TcpSyn, b"again");
-        let (_, out_frame, out) = run_raw(node, program_names::TC_EXTERNAL, &frame, node.ext0);
+        let (action, _, out) = run_raw(node, program_names::TC_EXTERNAL, &frame, node.ext0);
+        assert_eq!(action, TC_ACT_REDIRECT, "a held tuple takes the fast path");
         assert_eq!(out.destination(), sa(BACKEND, 8080));
-        let (action, _, out, _) = run_marked(
-            node,
-            program_names::TC_EGRESS,
-            &out_frame,
-            node.pod0,
-            TRANSLATED_MARK,
-        );
-        assert_eq!(
-            action, TC_ACT_UNSPEC,
-            "a reused tuple without SNAT is not egress's"
-        );
         assert_eq!(out.source(), client, "client kept");
+        for key in [
+            ct_key(client, sa(NODE_IP, 30081), proto::TCP),
+            ct_key(client, sa(NODE_IP, 30080), proto::TCP),
+        ] {
+            let entry = ct_entry(node, &key).expect("both flows' forward entries");
+            assert_ne!(entry.flags & ct_flags::BYPASS, 0, "{key:?} bypasses");
+        }
 
         // The client reaches the backend's pod address directly, from the port of the second
         // (SNATed, UDP) case's flow, whose egress entries are still there: nothing translated

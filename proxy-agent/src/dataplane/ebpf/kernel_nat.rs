@@ -13,13 +13,22 @@
 //! recorded for the purge of removed backends (UDP/SCTP), and once it idles out, closes or is
 //! purged the next packet starts a flow of the datapath's own.
 //!
-//! A flow the kernel masqueraded (any protocol, TCP too) also holds its SNAT port on the node's
-//! address towards its backend, and the datapath's SNAT knows only its own conntrack: a new
-//! flow given the same port to the same backend would reach it with the tuple of the live one
-//! (the backend drops the SYN). So the reply direction of each such flow is written as well, a
-//! `KERNEL_NAT` entry keyed by what the backend sends: the SNAT port search skips it (it is
-//! not a stale reply), and the backend's packets hit it and go to the stack untranslated, to
-//! the kernel's un-NAT. It idles out with the flow (a FIN or RST seen on it shortens it).
+//! Each such flow also holds, in the kernel's conntrack, the tuple its backend answers with,
+//! and the datapath knows only its own conntrack. So the reply direction of each is written as
+//! well, a `KERNEL_NAT` entry keyed by what the backend sends; the backend's packets hit it and
+//! go to the stack untranslated, to the kernel's un-NAT, and it idles out with the flow (a FIN
+//! or RST seen on it shortens it). Two kinds of new flows must not take that tuple:
+//! - a flow the kernel masqueraded holds its SNAT port on the node's address towards its
+//!   backend: a new flow given the same port to the same backend would reach it with the tuple
+//!   of the live one (the backend drops the SYN). The SNAT port search skips the entry (it is
+//!   not a stale reply);
+//! - a flow the kernel did not masquerade (eTP Local, a pod's) holds the client's address and
+//!   port towards its backend. A new flow of the same client port to the same backend through
+//!   another frontend (clients reuse a port towards another destination) shows the kernel
+//!   that same tuple on the netfilter path (`nat.rs`: ingress rewrites the destination, the
+//!   source waits for egress): the kernel drops its packets as a clash, or netfilter's NAT
+//!   remaps its source port behind the egress program's back. The datapath finds the entry
+//!   and sends that flow by the fast path instead (`ct_flags::BYPASS`).
 
 use std::net::IpAddr;
 
@@ -37,8 +46,9 @@ use crate::{
 const BPF_NOEXIST: u64 = 1;
 
 /// The `KPR_CT` entries for a kernel conntrack entry of a DNATed flow: its forward entry, keyed
-/// by what the client sends (the original tuple), and, for a flow the kernel also source-NATed,
-/// the reservation of its SNAT port, keyed by what the backend sends (the reply tuple). None
+/// by what the client sends (the original tuple), and the reservation of the tuple its backend
+/// answers with (its SNAT port, or the client's address and port), keyed by what the backend
+/// sends (the reply tuple). None
 /// for flows without DNAT (the reply comes from the original destination) and mixed families.
 pub fn adoptable(entry: &ConntrackEntry, now_ns: u64) -> Vec<(CtKey, CtValue)> {
     let original = &entry.original;
@@ -84,8 +94,8 @@ pub fn adoptable(entry: &ConntrackEntry, now_ns: u64) -> Vec<(CtKey, CtValue)> {
             },
         ));
     }
-    let masqueraded = reply.dst != original.src || reply.dst_port != original.src_port;
-    if let (true, Some((snat, snat_family))) = (masqueraded, words(reply.dst))
+    // The client's address and port when the kernel did not masquerade the flow.
+    if let Some((snat, snat_family)) = words(reply.dst)
         && snat_family == family
     {
         entries.push((
@@ -259,6 +269,26 @@ mod tests {
         );
         assert_eq!(forward.flags, ct_flags::KERNEL_NAT | ct_flags::ESTABLISHED);
         assert_eq!(key.dport, 51_234u16.to_be());
+        assert_eq!(value.flags, ct_flags::KERNEL_NAT | ct_flags::ESTABLISHED);
+    }
+
+    #[test]
+    fn a_flow_without_masquerade_reserves_the_client_tuple_its_backend_answers() {
+        let node: IpAddr = Ipv4Addr::new(10, 10, 0, 1).into();
+        let backend: IpAddr = Ipv4Addr::new(10, 244, 2, 2).into();
+        // eTP Local: the kernel only DNATed, the backend answers the client itself.
+        let mut kept = entry(proto::TCP, node, backend, 8080);
+        kept.reply.dst = kept.original.src;
+        kept.reply.dst_port = kept.original.src_port;
+        let entries = adoptable(&kept, 1);
+        let [(forward_key, _), (key, value)] = entries.as_slice() else {
+            panic!("the forward entry and the reservation: {entries:?}");
+        };
+        // What the backend sends: from its port to the client's address and port, the tuple
+        // a new flow of that client port to that backend would show the kernel.
+        assert_eq!(key.src, [ip4_to_map(Ipv4Addr::new(10, 244, 2, 2)), 0, 0, 0]);
+        assert_eq!((key.dst, key.dport), (forward_key.src, forward_key.sport));
+        assert_eq!(key.sport, 8080u16.to_be());
         assert_eq!(value.flags, ct_flags::KERNEL_NAT | ct_flags::ESTABLISHED);
     }
 
