@@ -84,8 +84,8 @@ fn scenario_takeover_from_iptables_rules_keeps_every_stream_and_answers_every_ne
     let _ = std::io::Write::write_all(
         &mut std::io::stderr().lock(),
         format!(
-            "packets of adopted flows left to the kernel's NAT: {passed}; new flows sent past \
-             the kernel's conntrack (their tuple held there): {bypassed}\n"
+            "packets of adopted flows left to the kernel's NAT: {passed}; new flows whose client \
+             to backend tuple another flow held, sent by the fast path: {bypassed}\n"
         )
         .as_bytes(),
     );

@@ -21,6 +21,7 @@ use proxy_tests::RigError;
 use proxy_tests::client::{Attempt, Client, Mode, tally};
 use proxy_tests::scenario::{Scenario, cluster_addr, is_pod, pod_endpoint};
 use proxy_tests::service_scenarios::ServiceSpec;
+use proxy_tests::takeover;
 use proxy_tests::topology::Topology;
 use proxy_tests::wait::try_wait_until;
 
@@ -222,22 +223,28 @@ fn log_since(s: &mut Scenario, from: usize) -> anyhow::Result<String> {
         .to_owned())
 }
 
-/// The 14 streams run while the agent stops, its `KPR_REVNAT4` is turned into the
-/// foundation's layout (same entries) and a new agent starts on those pins: it migrates the
-/// entries, so the ClusterIP streams' getpeername() keeps showing the ClusterIP (with the map
-/// started empty it shows the backend), every stream keeps its connection and is answered
-/// throughout, and new connections are answered by the pods.
+/// The scenario (`proxy_tests::takeover`: 200 TCP streams and 50 UDP flows over every
+/// kind of frontend in both families, new connections all along) runs while the agent stops,
+/// its `KPR_REVNAT4` is turned into the foundation's layout (same entries) and a new agent
+/// starts on those pins: it migrates the entries, so the IPv4 ClusterIP streams' getpeername()
+/// keeps showing the ClusterIP (with the map started empty it shows the backend: the figures'
+/// "wrong peer"), and every figure is 0.
 #[test]
 fn established_connections_keep_their_state_across_an_upgrade_from_an_older_map_layout()
 -> anyhow::Result<()> {
-    let mut s = setup()?;
+    proxy_tests::set_helper_binary(env!("CARGO_BIN_EXE_rig-helper"));
+    let mut s = takeover::setup()?;
+    s.start_agent_with_args("ebpf", &["--interfaces", "vext"])?;
+    takeover::wait_served(&mut s)?;
     let pins = pin_dir(&mut s)?;
-    let (streams, outside, node) = open_streams(&mut s, 100)?;
+    let traffic = takeover::start_traffic(&s)?;
     s.agent()?.stop()?;
     let entries = rewrite_revnat4_as_v1(&pins)?;
-    s.ensure(entries >= CLUSTER_IP_STREAMS, || {
-        format!("the ClusterIP streams' reverse NAT entries are in the map: {entries}")
-    })?;
+    // The node's and the pod's IPv4 ClusterIP streams and flows: one entry per socket.
+    s.ensure(
+        entries >= 2 * (takeover::TCP_PER_PATH + takeover::UDP_PER_PATH),
+        || format!("the ClusterIP sockets' reverse NAT entries are in the map: {entries}"),
+    )?;
     let log_start = s.agent()?.log_contents().len();
     s.agent()?.restart()?;
     // The previous programs answer until the new agent's replace them: wait for that (the
@@ -256,28 +263,11 @@ fn established_connections_keep_their_state_across_an_upgrade_from_an_older_map_
         },
     )
     .map_err(|e| s.agent_error(e.to_string()))?;
-    let fresh_node = s.wait_for_batch(
-        &node,
-        cluster_addr(),
-        6,
-        "new ClusterIP connections",
-        is_pod,
-    )?;
-    let fresh_outside = s.wait_for_batch(
-        &outside,
-        node_port_addr(),
-        6,
-        "new NodePort connections",
-        is_pod,
-    )?;
-    eprintln!(
-        "new connections after the upgrade: node {:?}, outside {:?}",
-        tally(&fresh_node),
-        tally(&fresh_outside)
-    );
-    let running = streams.iter().filter(|t| !t.is_finished()).count();
-    s.ensure(running == streams.len(), || {
-        format!("the upgrade must complete while the streams run: only {running} still ran")
+    let (running, all) = traffic.running();
+    s.ensure(running == all, || {
+        format!(
+            "the upgrade must complete while the traffic runs: only {running} of {all} still ran"
+        )
     })?;
     let log = log_since(&mut s, log_start)?;
     let first_copy = log.lines().find(|l| {
@@ -289,11 +279,9 @@ fn established_connections_keep_their_state_across_an_upgrade_from_an_older_map_
         }),
         || format!("the agent copies every entry before its programs attach: {first_copy:?}"),
     )?;
-    ensure_streams_kept(
-        &s,
-        streams,
-        "upgrade from the foundation's reverse NAT layout",
-    )?;
+    let transition = "upgrade with a map-layout change";
+    let figures = traffic.finish(transition)?;
+    takeover::report(&s, transition, &figures)?;
     let recorded = record(&pins, map_names::REVNAT4)?;
     s.ensure(
         recorded.is_some_and(|r| r.version == 2 && r.key_size == 16),
@@ -318,7 +306,17 @@ fn a_map_in_an_unknown_layout_is_reported_and_rebuilt_without_a_failed_connectio
         .clone()
         .interval(Duration::from_millis(10))
         .timeout(Duration::from_millis(1000));
-    let load = std::thread::spawn(move || load.run(cluster_addr(), 300));
+    // Batches until told to stop, so that they span the restart however long it takes on a
+    // loaded machine.
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let stopped = std::sync::Arc::clone(&stop);
+    let load = std::thread::spawn(move || -> proxy_tests::Result<Vec<Attempt>> {
+        let mut attempts = Vec::new();
+        while !stopped.load(std::sync::atomic::Ordering::Relaxed) && attempts.len() < 10_000 {
+            attempts.extend(load.run(cluster_addr(), 30)?);
+        }
+        Ok(attempts)
+    });
     std::thread::sleep(Duration::from_millis(300));
     s.agent()?.stop()?;
     let layouts = HashMap::<MapData, LayoutKey, LayoutRecord>::try_from(Map::from_map_data(
@@ -345,6 +343,7 @@ fn a_map_in_an_unknown_layout_is_reported_and_rebuilt_without_a_failed_connectio
     s.ensure(!load.is_finished(), || {
         "the new connections must run across the whole restart".into()
     })?;
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
     let log = log_since(&mut s, log_start)?;
     let warning = log
         .lines()
