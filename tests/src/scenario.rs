@@ -72,6 +72,22 @@ pub fn http_slice(namespace: &str, slice: &str, service: &str, endpoints: &[Endp
     )
 }
 
+/// The slice ports of a Service with TCP `http` and UDP `dns`, both served on 8080.
+pub fn http_and_dns_slice_ports() -> [SlicePort; 2] {
+    [
+        SlicePort {
+            name: PORT_NAME.into(),
+            port: BACKEND_PORT,
+            protocol: Protocol::Tcp,
+        },
+        SlicePort {
+            name: "dns".into(),
+            port: BACKEND_PORT,
+            protocol: Protocol::Udp,
+        },
+    ]
+}
+
 /// Whether an answer came from one of the pods (not the decoy, not an error).
 pub fn is_pod(attempt: &Attempt) -> bool {
     attempt.backend().is_some_and(|b| b.starts_with("pod"))

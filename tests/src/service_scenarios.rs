@@ -1286,7 +1286,8 @@ pub fn host_network_backends(mode: &str) -> Result<()> {
 
     use crate::{
         client::{Mode, Proto},
-        manifests::{Protocol, SlicePort, endpoint_slice_yaml},
+        manifests::endpoint_slice_yaml,
+        scenario::http_and_dns_slice_ports,
     };
     crate::require_root();
     let mut s = Scenario::with_families(1, true)?;
@@ -1320,18 +1321,7 @@ pub fn host_network_backends(mode: &str) -> Result<()> {
             .ext()
             .ip(&["route", "add", &vip.to_string(), "via", &via.to_string()])?;
     }
-    let ports = [
-        SlicePort {
-            name: PORT_NAME.into(),
-            port: BACKEND_PORT,
-            protocol: Protocol::Tcp,
-        },
-        SlicePort {
-            name: "dns".into(),
-            port: BACKEND_PORT,
-            protocol: Protocol::Udp,
-        },
-    ];
+    let ports = http_and_dns_slice_ports();
     for (family, slice) in [(0, "web-4"), (1, "web-6")] {
         let endpoints = [
             Endpoint {

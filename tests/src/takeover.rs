@@ -21,10 +21,10 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use crate::client::{Attempt, Client, Mode, Proto, tally};
-use crate::manifests::{Protocol, SlicePort, endpoint_slice_yaml_family};
+use crate::manifests::endpoint_slice_yaml_family;
 use crate::scenario::{
-    BACKEND_PORT, CLUSTER_IP, CLUSTER_IP6, PORT_NAME, SERVICE_PORT, Scenario, is_pod,
-    pod_endpoint_family,
+    BACKEND_PORT, CLUSTER_IP, CLUSTER_IP6, PORT_NAME, SERVICE_PORT, Scenario,
+    http_and_dns_slice_ports, is_pod, pod_endpoint_family,
 };
 use crate::topology::Topology;
 use crate::{Result, RigError};
@@ -198,18 +198,7 @@ pub fn setup() -> Result<Scenario> {
 pub fn setup_with_endpoints(endpoints: &[usize]) -> Result<Scenario> {
     crate::require_root();
     let s = Scenario::with_families(3, true)?;
-    let ports = [
-        SlicePort {
-            name: PORT_NAME.into(),
-            port: BACKEND_PORT,
-            protocol: Protocol::Tcp,
-        },
-        SlicePort {
-            name: "dns".into(),
-            port: BACKEND_PORT,
-            protocol: Protocol::Udp,
-        },
-    ];
+    let ports = http_and_dns_slice_ports();
     for service in ["web", "local"] {
         for ipv6 in [false, true] {
             let endpoints: Vec<_> = endpoints
@@ -304,12 +293,46 @@ pub fn kube_proxy_nftables_rules(s: &Scenario) -> Result<()> {
              }}\n"
         ));
     }
+    load_nft_ruleset(s, &ruleset)
+}
+
+/// Loads an nft ruleset into the node's namespace (`nft -f`), as kube-proxy's nftables mode
+/// would have left it.
+pub fn load_nft_ruleset(s: &Scenario, ruleset: &str) -> Result<()> {
     let node = s.topo.node();
     let file = std::env::temp_dir().join(format!("kube-proxy-nft-{}.nft", node.name()));
     std::fs::write(&file, ruleset).map_err(|e| RigError::io("writing the nft ruleset", e))?;
     let loaded = node.exec("nft", &["-f", file.to_str().unwrap_or_default()]);
     let _ = std::fs::remove_file(&file);
     loaded?;
+    Ok(())
+}
+
+/// Waits until kube-proxy's nftables tables are gone, at most until `bound` after `started`
+/// (the agent's start): the drain period ends their drain, the connections' TIME_WAIT entries
+/// in the kernel's conntrack outliving them.
+pub fn wait_for_kube_proxy_tables_removed(
+    s: &Scenario,
+    started: std::time::Instant,
+    bound: Duration,
+) -> Result<()> {
+    crate::wait::try_wait_until(
+        "kube-proxy's nftables tables removed after the drain period",
+        bound.saturating_sub(started.elapsed()),
+        Duration::from_millis(200),
+        || {
+            Ok(!s
+                .topo
+                .node()
+                .exec("nft", &["list", "tables"])?
+                .contains("kube-proxy"))
+        },
+    )
+    .map_err(|e| s.agent_error(e.to_string()))?;
+    eprintln!(
+        "kube-proxy's tables removed {:?} after the start",
+        started.elapsed()
+    );
     Ok(())
 }
 

@@ -19,6 +19,7 @@ use proxy_tests::scenario::{
     BACKEND_PORT, CLUSTER_IP, Scenario, cluster_addr, is_pod, pod_endpoint, pod_endpoint_family,
 };
 use proxy_tests::service_scenarios::ServiceSpec;
+use proxy_tests::takeover::{load_nft_ruleset, wait_for_kube_proxy_tables_removed};
 use proxy_tests::topology::Topology;
 use proxy_tests::wait::try_wait_until;
 
@@ -219,7 +220,6 @@ fn established_tcp_connections_survive_the_hand_back_to_iptables_rules() -> anyh
 /// pods 1 and 2 on 8080, chosen by `numgen` as kube-proxy's vmaps do; NodePort traffic marked
 /// and masqueraded), in its table `ip kube-proxy`.
 fn kube_proxy_nftables_rules(s: &Scenario) -> anyhow::Result<()> {
-    let node = s.topo.node();
     let (pod1, pod2) = (Topology::pod_ip(1), Topology::pod_ip(2));
     let node_ip = Topology::node_ext_ip();
     let ruleset = format!(
@@ -235,11 +235,7 @@ fn kube_proxy_nftables_rules(s: &Scenario) -> anyhow::Result<()> {
          meta mark & 0x4000 == 0x4000 masquerade; }}\n\
          }}\n"
     );
-    let file = std::env::temp_dir().join(format!("kube-proxy-nft-{}.nft", node.name()));
-    std::fs::write(&file, ruleset)?;
-    let loaded = node.exec("nft", &["-f", file.to_str().unwrap_or_default()]);
-    let _ = std::fs::remove_file(&file);
-    loaded?;
+    load_nft_ruleset(s, &ruleset)?;
     Ok(())
 }
 
@@ -262,23 +258,7 @@ fn established_tcp_connections_survive_the_takeover_from_nftables_rules() -> any
     ensure_streams_kept(&s, streams, "nftables takeover", &fresh)?;
     // The streams' TIME_WAIT entries in the kernel's conntrack outlive them: the period ends
     // the drain, 15 s after the start.
-    try_wait_until(
-        "kube-proxy's nftables tables removed after the drain period",
-        Duration::from_secs(22).saturating_sub(started.elapsed()),
-        Duration::from_millis(200),
-        || {
-            Ok(!s
-                .topo
-                .node()
-                .exec("nft", &["list", "tables"])?
-                .contains("kube-proxy"))
-        },
-    )
-    .map_err(|e| s.agent_error(e.to_string()))?;
-    eprintln!(
-        "kube-proxy's tables removed {:?} after the start",
-        started.elapsed()
-    );
+    wait_for_kube_proxy_tables_removed(&s, started, Duration::from_secs(22))?;
     Ok(())
 }
 

@@ -238,22 +238,6 @@ fn scenario_takeover_from_nftables_rules_keeps_every_stream_and_answers_every_ne
     report(&s, "nftables → eBPF", &figures)?;
     // The streams' TIME_WAIT entries in the kernel's conntrack outlive them: the period ends
     // the drain, 15 s after the start.
-    try_wait_until(
-        "kube-proxy's nftables tables removed after the drain period",
-        Duration::from_secs(22).saturating_sub(started.elapsed()),
-        Duration::from_millis(200),
-        || {
-            Ok(!s
-                .topo
-                .node()
-                .exec("nft", &["list", "tables"])?
-                .contains("kube-proxy"))
-        },
-    )
-    .map_err(|e| s.agent_error(e.to_string()))?;
-    eprintln!(
-        "kube-proxy's tables removed {:?} after the start",
-        started.elapsed()
-    );
+    wait_for_kube_proxy_tables_removed(&s, started, Duration::from_secs(22))?;
     Ok(())
 }
