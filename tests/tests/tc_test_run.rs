@@ -2473,7 +2473,8 @@ fn single_slice_snapshot(name: &str, service_yaml: &str, backends: &[&str]) -> S
 /// some. This catches an update order that exposes a generation before its slots exist.
 /// It does not catch a missing re-read in the hook: that race needs the old slots deleted
 /// between the hook's two map reads (~0.2 µs apart, the deletion is a syscall after the
-/// switch), i.e. an interrupt inside the hook, and with the re-read removed three runs passed.
+/// switch), i.e. an interrupt inside the hook, and with the re-read removed three runs passed;
+/// `generation_race.rs` races millions of connects against raw switches to catch that.
 /// Bounded: 3000 attempts, switches until the client is done.
 #[test]
 fn connects_racing_generation_switches_are_never_refused() {
