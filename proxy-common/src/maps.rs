@@ -3,8 +3,10 @@
 //!
 //! Update protocol (agent side): a frontend's backends are written into the slots of the
 //! generation the frontend does *not* use yet, then the frontend value is switched to that
-//! generation and count in one map update, and only then are the old generation's slots deleted.
-//! A reader therefore always sees a complete backend set, old or new, never a mix.
+//! generation and count in one map update, and the old generation's slots are deleted a grace
+//! (one second) after that, not at once: a reader that read the frontend just before the switch
+//! looks its slot up afterwards and must still find it. A reader therefore always sees a
+//! complete backend set, old or new, never a mix, unless held up for longer than the grace.
 //!
 //! IPv4 and IPv6 have their own frontend, backend and reverse-NAT maps; slots, affinity and the
 //! affinity match map are shared (service and backend ids come from one id space per kind).
@@ -371,7 +373,7 @@ pub const MAGLEV_BLOCK_SLOTS: u32 = 16;
 /// Key of `KPR_MAGLEV`: one block of a frontend's Maglev lookup table (slots
 /// `block * MAGLEV_BLOCK_SLOTS ..`). Generations work as for [`BackendSlotKey`]: the idle
 /// generation's table is written in full before the frontend switches to it, and the old one
-/// is deleted after.
+/// is deleted a grace after.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct MaglevKey {

@@ -230,10 +230,11 @@ fn frontend6(key: &Frontend6Key) -> Option<FrontendValue> {
     }
 }
 
-/// Like `choose4`. A connect that read the frontend just before the agent switched it to a new
-/// generation finds the old generation's slot deleted (the agent deletes it right after the
-/// switch): it reads the frontend once more and chooses from the new generation, whose slots
-/// were all written before the switch, instead of refusing a Service that has backends.
+/// Like `choose4`. The agent deletes a switched-out generation's slots a grace (1 s) after the
+/// switch, so a connect that read the frontend just before it still finds its slot; should the
+/// slot be gone all the same (the hook held up longer, slots deleted behind the agent's back),
+/// it reads the frontend once more and chooses from the live generation, whose slots were all
+/// written before its switch, instead of refusing a Service that has backends.
 #[inline(always)]
 fn choose6(ctx: &SockAddrContext, key: &Frontend6Key, hook: Hook) -> Result<(Backend6, bool), i32> {
     let mut frontend = frontend6(key).ok_or(ALLOW)?;

@@ -72,6 +72,9 @@ pub enum HelperCommand {
     /// Connects in a tight loop until an answer comes from one of the expected backends; prints
     /// when (CLOCK_MONOTONIC) that connection started. See `bench::client`.
     BenchProbe(crate::bench::client::BenchProbeArgs),
+    /// Connects one UDP socket to a target again and again, counting refusals. See
+    /// `connect_loop`.
+    ConnectLoop(crate::connect_loop::ConnectLoopArgs),
 }
 
 /// How the client uses its sockets.
@@ -178,6 +181,10 @@ pub fn run(cli: Cli) -> Result<()> {
         HelperCommand::BenchProbe(args) => {
             enter_places(args.netns.as_deref(), args.cgroup.as_deref())?;
             crate::bench::client::bench_probe(&args)
+        }
+        HelperCommand::ConnectLoop(args) => {
+            enter_places(args.netns.as_deref(), args.cgroup.as_deref())?;
+            crate::connect_loop::connect_loop(&args)
         }
     }
 }

@@ -9,6 +9,7 @@ pub mod apiserver;
 pub mod bench;
 pub mod cgroup;
 pub mod client;
+pub mod connect_loop;
 pub mod echo;
 pub mod error;
 pub mod foreign_tc;

@@ -10,6 +10,7 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
+use proxy_agent::dataplane::ebpf::GENERATION_GRACE;
 use proxy_tests::client::{Attempt, Mode, Proto, tally};
 use proxy_tests::manifests::{
     Protocol, ServicePort, SlicePort, endpoint_slice_yaml_family, service_yaml_with,
@@ -491,14 +492,19 @@ fn endpoint_churn_under_load_never_reaches_a_removed_endpoint() -> anyhow::Resul
     s.start_agent()?;
     s.wait_for_datapath(cluster_addr(), "answered by a pod", is_pod)?;
 
-    let client = s.cgroup_client().interval(Duration::from_millis(3));
+    // Updates further apart than the map writer's generation grace: a Service's backend set
+    // switches at most once per grace (a change within it is deferred until it ends, see
+    // `tests/generation_race.rs`), and here each update must take effect at its own sync. 800
+    // attempts cover the 7 updates.
+    let spacing = GENERATION_GRACE + Duration::from_millis(250);
+    let client = s.cgroup_client().interval(Duration::from_millis(12));
     let spawned = Instant::now();
     let load = thread::spawn(move || client.run_timed(cluster_addr(), 800));
     // (written at, applied at, set) in ms since the client was spawned.
     let mut updates: Vec<(u64, u64, BTreeSet<usize>)> =
         vec![(0, 0, sets[0].iter().copied().collect())];
     for set in &sets[1..] {
-        thread::sleep(Duration::from_millis(250));
+        thread::sleep(spacing);
         let before = syncs(&mut s)?;
         let written = spawned.elapsed().as_millis() as u64;
         write_service(&s, false, None, set)?;

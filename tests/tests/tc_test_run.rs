@@ -2467,15 +2467,14 @@ fn single_slice_snapshot(name: &str, service_yaml: &str, backends: &[&str]) -> S
 
 /// Issue 17, no spurious refusals (a stress guard, not a proof of the re-read): a process in
 /// the hooks' cgroup connects to a ClusterIP 3000 times (each a new socket, served by echo
-/// servers on the node's own addresses) while the agent's map writer switches the frontend's
-/// generation back and forth as fast as it can (endpoints {.2, .3} and {.2, .3, .4}; each
-/// switch writes the new generation, switches, then deletes the old generation's slots and,
-/// every other time, a backend). Every connect must reach a backend: the Service always has
-/// some. This catches an update order that exposes a generation before its slots exist.
-/// It does not catch a missing re-read in the hook: that race needs the old slots deleted
-/// between the hook's two map reads (~0.2 µs apart, the deletion is a syscall after the
-/// switch), i.e. an interrupt inside the hook, and with the re-read removed three runs passed.
-/// Bounded: 3000 attempts, switches until the client is done.
+/// servers on the node's own addresses) while full applies ask the agent's map writer to flip
+/// the frontend back and forth as fast as they can (endpoints {.2, .3} and {.2, .3, .4}; each
+/// switch writes the new generation, switches, and retires the old one, whose slots and,
+/// every other time, backend go a grace later; a flip asked within the grace is deferred).
+/// Every connect must reach a backend: the Service always has some. This catches an update
+/// order that exposes a generation before its slots exist. `generation_race.rs` races millions
+/// of connects against the map writer to catch a slot deleted under a hook's feet.
+/// Bounded: 3000 attempts, applies until the client is done.
 #[test]
 fn connects_racing_generation_switches_are_never_refused() {
     const ATTEMPTS: u32 = 3_000;
@@ -2524,8 +2523,8 @@ fn connects_racing_generation_switches_are_never_refused() {
         }
         let attempts = racer.join().expect("client thread").expect("client run");
         let counts = proxy_tests::client::tally(&attempts);
-        eprintln!("{ATTEMPTS} connects during {switches} generation switches: {counts:?}");
-        assert!(switches >= 100, "too few switches to race: {switches}");
+        eprintln!("{ATTEMPTS} connects during {switches} applies: {counts:?}");
+        assert!(switches >= 100, "too few applies to race: {switches}");
         assert!(
             attempts.iter().all(|a| a.backend().is_some()),
             "every connect reaches a backend: {counts:?}"

@@ -223,6 +223,23 @@ impl Dataplane {
             .ok()
     }
 
+    /// When the eBPF map writer's oldest retired generation may be deleted (none in iptables
+    /// mode).
+    pub fn next_retirement(&self) -> Option<std::time::Instant> {
+        match self {
+            Dataplane::Ebpf(ebpf) => ebpf.next_retirement(),
+            Dataplane::Iptables(_) => None,
+        }
+    }
+
+    /// Deletes the retired generations whose grace has passed; `true` when a sync should follow.
+    pub fn retire_generations(&mut self) -> bool {
+        match self {
+            Dataplane::Ebpf(ebpf) => ebpf.retire_generations(),
+            Dataplane::Iptables(_) => false,
+        }
+    }
+
     /// The eBPF datapath's counters (none in iptables mode).
     pub fn datapath_counters(&self) -> Vec<(&'static str, u64)> {
         match self {

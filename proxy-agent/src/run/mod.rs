@@ -176,6 +176,9 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
         } else {
             Instant::now() + node_manager.poll_interval(config.sync_period)
         };
+        // Generations the eBPF map writer retired are deleted when their grace ends even if no
+        // sync comes (a removed Service's slots, a switched-out backend set).
+        let retire_at = dataplane.next_retirement().map(Instant::from_std);
         tokio::select! {
             update = rx.recv() => {
                 let Some(update) = update else {
@@ -288,6 +291,11 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
                     runner.request();
                 }
                 canary_at = Instant::now() + config.sync_period;
+            }
+            () = tokio::time::sleep_until(retire_at.unwrap_or(wake)), if retire_at.is_some() => {
+                if dataplane.retire_generations() {
+                    runner.request();
+                }
             }
             () = tokio::time::sleep_until(conntrack_gc_at), if dataplane.has_conntrack() => {
                 if let Some(progress) = dataplane.conntrack_gc() {

@@ -125,6 +125,7 @@ fn record_ebpf(outcome: &EbpfSyncOutcome, reason: SyncReason, changed: usize, me
         written = summary.frontends_written,
         removed = summary.frontends_removed,
         unchanged = summary.frontends_unchanged,
+        deferred = summary.frontends_deferred,
         removed_backends = summary.removed_backends.len(),
         udp_sockets_destroyed = summary.udp_sockets_destroyed,
         conntrack_purged = summary.conntrack_purged,

@@ -368,9 +368,7 @@ impl EbpfDataplane {
         if self.deferred.is_none() {
             self.tc.refresh(&mut self.ebpf, &self.pin_dir, false);
         }
-        let (mut summary, errors) =
-            self.map_writer
-                .apply_snapshot(snapshot, changed, &mut self.maps);
+        let (mut summary, errors) = self.apply_service_maps(snapshot, changed);
         if changed.is_none() {
             self.attach_deferred();
         }
@@ -388,6 +386,38 @@ impl EbpfDataplane {
         }
         self.write_service_names(changed);
         (summary, errors)
+    }
+
+    /// The service maps' part of [`EbpfDataplane::apply`] alone (no tc links, socket destroys,
+    /// conntrack purge or names): what a test racing the map writer against the datapath
+    /// drives, as fast as the writer itself goes.
+    pub fn apply_service_maps(
+        &mut self,
+        snapshot: &Snapshot,
+        changed: Option<&BTreeSet<ServicePortName>>,
+    ) -> (ApplySummary, Vec<ApplyError>) {
+        self.map_writer
+            .apply_snapshot(snapshot, changed, &mut self.maps)
+    }
+
+    /// When a generation taken out of use may be deleted (see
+    /// [`super::map_writer::GENERATION_GRACE`]): the agent's loop calls
+    /// [`EbpfDataplane::retire_generations`] then, sync or no sync.
+    pub fn next_retirement(&self) -> Option<std::time::Instant> {
+        self.map_writer.next_retirement()
+    }
+
+    /// Deletes the generations whose grace has passed. `true`: a sync now has work (a deferred
+    /// frontend, or one that did not fit and may now).
+    pub fn retire_generations(&mut self) -> bool {
+        let retirement = self.map_writer.retire_expired(&mut self.maps);
+        if retirement.deleted > 0 {
+            debug!(
+                deleted = retirement.deleted,
+                "retired generations deleted after their grace"
+            );
+        }
+        retirement.sync_needed
     }
 
     /// `KPR_SERVICE_NAMES` for `inspect`: the names of the service ports in `changed` (all with

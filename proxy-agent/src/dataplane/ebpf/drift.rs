@@ -3,8 +3,8 @@
 //! The maps are pinned, so anything with `CAP_BPF` (bpftool, another agent, a bug) can change
 //! them behind the agent's back; the agent only writes differences, so such a change would stay
 //! until the frontend it hits changes again. The check compares every entry of every map whose
-//! entries the agent owns — frontends, backend slots (both generations: only the live one may
-//! exist), backends, the affinity match set, source ranges and Maglev tables — with
+//! entries the agent owns — frontends, backend slots (both generations: the live one, and
+//! a switched-out one for its grace), backends, the affinity match set, source ranges and Maglev tables — with
 //! [`super::map_writer::MapWriter::expected_content`], and the repair writes the expected value
 //! back or deletes the stray entry. The node maps (`KPR_NODE_CONFIG`, `KPR_NODE_ADDRS`) are
 //! compared with what `tc` last wrote. Maps the datapath writes itself (conntrack, affinity

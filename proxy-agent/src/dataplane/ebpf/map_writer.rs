@@ -10,6 +10,13 @@
 //! With `--lb-algorithm maglev` an external frontend also gets a Maglev lookup table of the idle
 //! generation, written with its slots before the switch and deleted with them after it.
 //!
+//! The old generation's slots, Maglev table and backends are not deleted at the switch but
+//! [`GENERATION_GRACE`] later (a removed frontend's too): a program that read the frontend just
+//! before the switch looks up its slot (the tc programs much later, after parsing and conntrack)
+//! and must still find it. Generations are one bit, so a frontend's next switch would write over
+//! its retired generation: a frontend whose retired generation is younger than the grace is not
+//! switched again but deferred until it is gone (see [`MapWriter::apply_snapshot`]).
+//!
 //! After an agent restart the state is read back from the pinned maps ([`MapWriter::adopt`]):
 //! adopted frontends belong to no service port until a full apply claims them (unchanged ones
 //! without a single write) and the ones nobody claims are removed then.
@@ -17,6 +24,7 @@
 use std::{
     collections::{BTreeMap, BTreeSet},
     net::{IpAddr, SocketAddr},
+    time::{Duration, Instant},
 };
 
 use ipnet::IpNet;
@@ -31,6 +39,17 @@ use crate::desired::{
     Frontend, FrontendKey, IpFamily, Protocol, Scope, ServicePortName, Snapshot,
     external_frontends, socket_frontends,
 };
+
+/// How long a generation taken out of use (by a switch, or with its removed frontend) keeps its
+/// slots, Maglev table and backends. A socket hook or tc program reads the frontend first and
+/// the slot (and backend) afterwards; one held up in between (an interrupt, the hypervisor
+/// taking the vCPU) must find them. The hook re-reads the frontend once when its slot is gone,
+/// the tc programs cannot (the verifier's stack limit): this grace is what makes both safe
+/// against any hold-up shorter than it, which a second is by orders of magnitude, while
+/// bounding how long a removed backend's entries linger. Since generations are one bit, it is
+/// also the shortest interval between two switches of one frontend (kube-proxy's default
+/// `minSyncPeriod` in iptables mode is the same second).
+pub const GENERATION_GRACE: Duration = Duration::from_secs(1);
 
 /// A frontend map key of either family.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -148,6 +167,43 @@ pub struct ApplySummary {
     pub conntrack_purged: usize,
     /// A purge of removed backends' tc conntrack entries was handed to the conntrack worker.
     pub conntrack_purge_queued: bool,
+    /// Changed frontends not switched yet: their previous generation is still in its grace
+    /// ([`GENERATION_GRACE`]); they keep their current set and are written by the first apply
+    /// after it ([`MapWriter::retire_expired`] says when one is due).
+    pub frontends_deferred: usize,
+}
+
+/// A generation taken out of use, deleted once `due` has passed (see [`GENERATION_GRACE`]).
+#[derive(Debug)]
+struct Retired {
+    /// The frontend value that pointed at it: service id, generation, slot count, Maglev size.
+    value: FrontendValue,
+    /// Backend ids by slot; empty for an adopted frontend whose slots were already deleted.
+    slots: Vec<u32>,
+    /// The backends it holds a reference to (released when it is deleted).
+    backends: Vec<BackendValue>,
+    /// Its Maglev table is in the map (not so for an adopted frontend whose table was not).
+    maglev_table: bool,
+    due: Instant,
+    /// Its frontend was removed: the service id is free once its last generation is deleted.
+    frees_service_id: bool,
+}
+
+/// What [`MapWriter::retire_expired`] did.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Retirement {
+    /// Retired generations deleted.
+    pub deleted: usize,
+    /// An apply now has something to do: a deferred frontend can be switched, or frontends that
+    /// did not fit may fit in the room the deletions freed.
+    pub sync_needed: bool,
+}
+
+/// What [`MapWriter::write_frontend`] did.
+enum FrontendWrite {
+    Switched,
+    /// Not written: its idle generation is still retired (in grace).
+    Deferred,
 }
 
 #[derive(Debug)]
@@ -250,7 +306,7 @@ pub struct MapsContent {
 }
 
 /// The agent's record of what is in the maps, so each apply writes only the difference.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct MapWriter {
     frontends: BTreeMap<FrontendKey, AppliedFrontend>,
     /// Which frontends each service port owns.
@@ -263,9 +319,101 @@ pub struct MapWriter {
     unfit: BTreeMap<FrontendKey, ServicePortName>,
     /// `--lb-algorithm maglev`: the table size external frontends get; `None`: random.
     maglev_table_size: Option<u32>,
+    /// Generations out of use, oldest first, until their grace has passed. A live frontend has
+    /// at most one (its next switch waits for it), a removed one at most its two: never more
+    /// than the two generations per frontend an update holds anyway, so the slot and Maglev
+    /// capacities still hold.
+    retired: Vec<Retired>,
+    /// Changed frontends waiting for their retired generation to go, with their service port.
+    deferred: BTreeMap<FrontendKey, ServicePortName>,
+    /// Retired generations were deleted since the last [`MapWriter::apply_snapshot`] (by it or
+    /// by the loop's timer): the next one retries the frontends that did not fit.
+    room_freed: bool,
+    /// [`GENERATION_GRACE`]; zero (delete at the switch) only in unit tests of other behaviour.
+    grace: Duration,
+    /// `Instant::now`, or a test's clock.
+    clock: fn() -> Instant,
+}
+
+impl Default for MapWriter {
+    fn default() -> Self {
+        Self {
+            frontends: BTreeMap::new(),
+            owned: BTreeMap::new(),
+            backends: BTreeMap::new(),
+            service_ids: IdAllocator::default(),
+            backend_ids: IdAllocator::default(),
+            unfit: BTreeMap::new(),
+            maglev_table_size: None,
+            retired: Vec::new(),
+            deferred: BTreeMap::new(),
+            room_freed: false,
+            grace: GENERATION_GRACE,
+            clock: Instant::now,
+        }
+    }
 }
 
 impl MapWriter {
+    /// Unit tests: the grace and the clock.
+    #[cfg(test)]
+    pub(super) fn with_grace(mut self, grace: Duration, clock: fn() -> Instant) -> Self {
+        self.grace = grace;
+        self.clock = clock;
+        self
+    }
+
+    /// When the oldest retired generation may be deleted ([`MapWriter::retire_expired`]); the
+    /// agent's loop wakes up then even if no sync comes.
+    pub fn next_retirement(&self) -> Option<Instant> {
+        self.retired.iter().map(|r| r.due).min()
+    }
+
+    /// Deletes the retired generations whose grace has passed.
+    pub fn retire_expired(&mut self, maps: &mut impl MapOps) -> Retirement {
+        let now = (self.clock)();
+        let (due, pending): (Vec<Retired>, Vec<Retired>) = std::mem::take(&mut self.retired)
+            .into_iter()
+            .partition(|r| r.due <= now);
+        self.retired = pending;
+        let deleted = due.len();
+        self.room_freed |= deleted > 0;
+        for retired in due {
+            self.delete_retired(retired, maps);
+        }
+        Retirement {
+            deleted,
+            sync_needed: deleted > 0 && !(self.deferred.is_empty() && self.unfit.is_empty()),
+        }
+    }
+
+    /// Takes a generation out of use: deleted after the grace (at once without one).
+    fn retire(&mut self, retired: Retired, maps: &mut impl MapOps) {
+        if self.grace.is_zero() {
+            self.delete_retired(retired, maps);
+        } else {
+            self.retired.push(retired);
+        }
+    }
+
+    fn delete_retired(&mut self, retired: Retired, maps: &mut impl MapOps) {
+        self.delete_generation(&retired.value, retired.slots.len(), &retired.backends, maps);
+        if !retired.frees_service_id {
+            return;
+        }
+        let service_id = retired.value.service_id;
+        // An older generation of the removed frontend still pending (it is due first, so this
+        // is only defensive): the id goes free with that one.
+        match self
+            .retired
+            .iter_mut()
+            .find(|r| r.value.service_id == service_id)
+        {
+            Some(other) => other.frees_service_id = true,
+            None => self.service_ids.release(service_id),
+        }
+    }
+
     /// Selects `--lb-algorithm`: `Some(table size)` for Maglev on external frontends. Frontends
     /// programmed otherwise (adopted from a run with another setting) are rewritten by the next
     /// apply that covers them; a full apply covers all.
@@ -281,8 +429,8 @@ impl MapWriter {
         }
     }
 
-    /// Entries this map_writer has in each map it writes (the live generation; an update in
-    /// progress briefly holds two), by pinned map name: the fill level `--bpf-map-*` sizes.
+    /// Entries this map_writer has in each map it writes (the live generation, and retired ones
+    /// for their grace), by pinned map name: the fill level `--bpf-map-*` sizes.
     pub fn entries(&self) -> [(&'static str, u64); 7] {
         let count = |n: usize| n as u64;
         let applied = || self.frontends.values();
@@ -307,7 +455,10 @@ impl MapWriter {
             ),
             (
                 proxy_common::map_names::BACKEND_SLOTS,
-                count(applied().map(|a| a.slots.len()).sum()),
+                count(
+                    applied().map(|a| a.slots.len()).sum::<usize>()
+                        + self.retired.iter().map(|r| r.slots.len()).sum::<usize>(),
+                ),
             ),
             (
                 proxy_common::map_names::SOURCE_RANGES,
@@ -317,7 +468,9 @@ impl MapWriter {
                 proxy_common::map_names::MAGLEV,
                 count(
                     applied()
-                        .map(|a| a.value.maglev_size.div_ceil(MAGLEV_BLOCK_SLOTS) as usize)
+                        .map(|a| &a.value)
+                        .chain(self.retired.iter().map(|r| &r.value))
+                        .map(|v| maglev_keys(v).count())
                         .sum(),
                 ),
             ),
@@ -475,13 +628,16 @@ impl MapWriter {
 
     /// Applies the snapshot for the service ports in `changed` (`None`: every service port,
     /// known or new — a full resync, which also removes adopted frontends nobody claimed).
+    /// Service ports with deferred frontends are applied again whatever `changed` says, and
+    /// after retired generations were deleted the ones that did not fit too.
     pub fn apply_snapshot(
         &mut self,
         snapshot: &Snapshot,
         changed: Option<&BTreeSet<ServicePortName>>,
         maps: &mut impl MapOps,
     ) -> (ApplySummary, Vec<ApplyError>) {
-        let names: BTreeSet<ServicePortName> = match changed {
+        self.retire_expired(maps);
+        let mut names: BTreeSet<ServicePortName> = match changed {
             Some(changed) => changed.clone(),
             None => self
                 .owned
@@ -491,6 +647,10 @@ impl MapWriter {
                 .cloned()
                 .collect(),
         };
+        names.extend(self.deferred.values().cloned());
+        if std::mem::take(&mut self.room_freed) {
+            names.extend(self.unfit.values().cloned());
+        }
         let (mut summary, mut errors) = self.apply(updates_of(snapshot, names), maps);
         if changed.is_none() {
             self.remove_unclaimed(maps, &mut summary, &mut errors);
@@ -510,6 +670,7 @@ impl MapWriter {
             let (again, again_errors) = self.apply(updates_of(snapshot, retry), maps);
             summary.frontends_written += again.frontends_written;
             summary.frontends_removed += again.frontends_removed;
+            summary.frontends_deferred += again.frontends_deferred;
             summary.removed_backends.extend(again.removed_backends);
             // Retried frontends were counted unchanged or failed in the first pass.
             errors.extend(again_errors);
@@ -522,17 +683,20 @@ impl MapWriter {
         &self.unfit
     }
 
-    /// Makes each given service port own exactly the given frontends.
+    /// Makes each given service port own exactly the given frontends (a frontend whose previous
+    /// generation is still in its grace is deferred: `frontends_deferred`).
     pub fn apply(
         &mut self,
         updates: impl IntoIterator<Item = (ServicePortName, Vec<(FrontendKey, Frontend)>)>,
         maps: &mut impl MapOps,
     ) -> (ApplySummary, Vec<ApplyError>) {
+        self.retire_expired(maps);
         let mut summary = ApplySummary::default();
         let mut errors = Vec::new();
         for (name, frontends) in updates {
             // Recomputed below for the frontends this service port still has.
             self.unfit.retain(|_, owner| *owner != name);
+            self.deferred.retain(|_, owner| *owner != name);
             let previous = self.owned.remove(&name).unwrap_or_default();
             for key in previous {
                 if frontends.iter().any(|(k, _)| *k == key) {
@@ -590,7 +754,11 @@ impl MapWriter {
                     owner: name.clone(),
                 };
                 match self.write_frontend(target, maps, &mut summary) {
-                    Ok(()) => summary.frontends_written += 1,
+                    Ok(FrontendWrite::Switched) => summary.frontends_written += 1,
+                    Ok(FrontendWrite::Deferred) => {
+                        summary.frontends_deferred += 1;
+                        self.deferred.insert(key, name.clone());
+                    }
                     Err(reason) => {
                         if matches!(reason, MapWriteError::Full(_)) {
                             // Tracked so that an apply that frees space retries it.
@@ -651,7 +819,7 @@ impl MapWriter {
         target: Target,
         maps: &mut impl MapOps,
         summary: &mut ApplySummary,
-    ) -> Result<(), MapWriteError> {
+    ) -> Result<FrontendWrite, MapWriteError> {
         let Target {
             key,
             map_key,
@@ -686,6 +854,23 @@ impl MapWriter {
             ),
         };
         let is_new = previous.is_none();
+        if !is_new {
+            // The idle generation is the one the last switch retired: overwriting or deleting
+            // it before its grace would pull slots from under a program that read the frontend
+            // before that switch. Waiting here would hold up the sync; the frontend keeps its
+            // current, complete set for at most the grace and is written by a later apply.
+            let now = (self.clock)();
+            let blocking = self.retired.iter().position(|r| {
+                r.value.service_id == service_id && r.value.generation == new_generation
+            });
+            if let Some(index) = blocking {
+                if self.retired[index].due > now {
+                    return Ok(FrontendWrite::Deferred);
+                }
+                let retired = self.retired.remove(index);
+                self.delete_retired(retired, maps);
+            }
+        }
         let old_matches = previous.map(|(_, m)| m).unwrap_or_default();
         let sticky = sticky_socket(&key);
         let tracks = affinity_timeout.is_some() || sticky;
@@ -811,10 +996,21 @@ impl MapWriter {
                         backend: b.socket_addr(),
                     }),
             );
-            self.delete_generation(&old, maps);
+            let due = (self.clock)() + self.grace;
+            self.retire(
+                Retired {
+                    maglev_table: !old.damaged && !old.maglev_incomplete,
+                    value: old.value,
+                    slots: old.slots,
+                    backends: old.backends,
+                    due,
+                    frees_service_id: false,
+                },
+                maps,
+            );
         }
         debug!(frontend = %key, service_id, generation = new_generation, slots = slot_count, maglev_size, affinity = ?affinity_timeout, "frontend programmed");
-        Ok(())
+        Ok(FrontendWrite::Switched)
     }
 
     /// Writes backends and slots of one generation; records every write in `written`.
@@ -909,26 +1105,34 @@ impl MapWriter {
         }
     }
 
-    fn delete_generation(&mut self, applied: &AppliedFrontend, maps: &mut impl MapOps) {
-        for slot in 0..applied.slots.len() {
+    /// Deletes one generation of `value`'s service id: its `slot_count` slots, its Maglev table,
+    /// and its references to `backends`.
+    fn delete_generation(
+        &mut self,
+        value: &FrontendValue,
+        slot_count: usize,
+        backends: &[BackendValue],
+        maps: &mut impl MapOps,
+    ) {
+        for slot in 0..slot_count {
             let key = BackendSlotKey {
-                service_id: applied.value.service_id,
+                service_id: value.service_id,
                 slot: slot as u16,
-                generation: applied.value.generation,
+                generation: value.generation,
                 _pad: 0,
             };
             if let Err(reason) = maps.delete_slot(key) {
                 warn!(?key, %reason, "cannot delete stale slot");
             }
         }
-        for key in maglev_keys(&applied.value) {
+        for key in maglev_keys(value) {
             if let Err(reason) = maps.delete_maglev(key) {
                 warn!(?key, %reason, "cannot delete stale Maglev slot");
                 // The rest most likely fail alike (a kernel error, not a missing key).
                 break;
             }
         }
-        for backend in &applied.backends {
+        for backend in backends {
             self.release_backend(backend, maps);
         }
     }
@@ -961,8 +1165,22 @@ impl MapWriter {
                     frontend: key,
                     backend: b.socket_addr(),
                 }));
-            self.delete_generation(&applied, maps);
-            self.service_ids.release(applied.value.service_id);
+            // Its slots and backends stay for the grace, like a switched-out generation's, for
+            // programs that read the frontend just before it went; so does its service id, which
+            // a new frontend would otherwise take with these very slot keys.
+            self.deferred.remove(&key);
+            let due = (self.clock)() + self.grace;
+            self.retire(
+                Retired {
+                    maglev_table: !applied.damaged && !applied.maglev_incomplete,
+                    value: applied.value,
+                    slots: applied.slots,
+                    backends: applied.backends,
+                    due,
+                    frees_service_id: true,
+                },
+                maps,
+            );
         }
         Ok(())
     }
@@ -1014,6 +1232,32 @@ impl MapWriter {
                 ) {
                     Ok(blocks) => content.maglev.extend(blocks),
                     // Written successfully once, so it builds; if not, nothing to compare with.
+                    Err(_) => return None,
+                }
+            }
+        }
+        // Retired generations are the agent's own until their grace has passed: expected, so
+        // that a drift repair does not delete them early.
+        for retired in &self.retired {
+            let value = retired.value;
+            for (slot, &id) in (0u16..).zip(&retired.slots) {
+                let key = BackendSlotKey {
+                    service_id: value.service_id,
+                    slot,
+                    generation: value.generation,
+                    _pad: 0,
+                };
+                slots.push((key, id));
+            }
+            if value.flags & frontend_flags::MAGLEV != 0 && retired.maglev_table {
+                match maglev_blocks(
+                    value.service_id,
+                    value.generation,
+                    &retired.backends,
+                    &retired.slots,
+                    value.maglev_size,
+                ) {
+                    Ok(blocks) => content.maglev.extend(blocks),
                     Err(_) => return None,
                 }
             }

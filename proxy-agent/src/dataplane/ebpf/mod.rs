@@ -40,8 +40,9 @@ pub use maglev::{
     is_valid_table_size,
 };
 pub use map_writer::{
-    ApplyError, ApplySummary, BackendValue, FrontendMapKey, MapOps, MapWriteError, MapWriter,
-    MapsContent, RemovedBackend, ip4_from_map, ip4_to_map, ip6_from_map, ip6_to_map,
+    ApplyError, ApplySummary, BackendValue, FrontendMapKey, GENERATION_GRACE, MapOps,
+    MapWriteError, MapWriter, MapsContent, RemovedBackend, Retirement, ip4_from_map, ip4_to_map,
+    ip6_from_map, ip6_to_map,
 };
 pub use options::{EbpfOptions, LbOptions};
 pub use pins::{PIN_DIR_MODE, PIN_DIR_NAME, cleanup};

@@ -2,6 +2,7 @@
 //! step for the invariants the datapath relies on. Kernel behaviour itself is covered by the
 //! integration tests in `tests/`.
 
+use std::cell::Cell;
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
 
@@ -222,6 +223,38 @@ impl MapOps for FakeMaps {
     }
 }
 
+/// A map writer that deletes a generation at its switch, as before the grace: for the tests of
+/// everything else, which check after each apply that nothing unreachable is left.
+fn no_grace() -> MapWriter {
+    MapWriter::default().with_grace(Duration::ZERO, Instant::now)
+}
+
+thread_local! {
+    /// The clock of `with_test_clock` writers: each test runs on its own thread.
+    static NOW: Cell<Option<Instant>> = const { Cell::new(None) };
+}
+
+fn test_now() -> Instant {
+    NOW.with(|now| match now.get() {
+        Some(now) => now,
+        None => {
+            let start = Instant::now();
+            now.set(Some(start));
+            start
+        }
+    })
+}
+
+fn advance(by: Duration) {
+    let now = test_now() + by;
+    NOW.with(|cell| cell.set(Some(now)));
+}
+
+/// A map writer with the real grace on a clock the test moves.
+fn with_test_clock() -> MapWriter {
+    MapWriter::default().with_grace(GENERATION_GRACE, test_now)
+}
+
 fn key(ip: [u8; 4], port: u16) -> FrontendKey {
     FrontendKey {
         addr: IpAddr::from(ip),
@@ -285,7 +318,7 @@ fn pods(maps: &FakeMaps, key: &FrontendKey) -> Vec<u8> {
 #[test]
 fn first_apply_writes_frontend_slots_and_backends_in_network_order() {
     let mut maps = FakeMaps::with_slot_capacity(100);
-    let mut map_writer = MapWriter::default();
+    let mut map_writer = no_grace();
     let web = key([10, 96, 0, 10], 80);
     let (summary, errors) = map_writer.apply(snapshot(&[(web, &[1, 2])]), &mut maps);
     assert!(errors.is_empty());
@@ -308,7 +341,7 @@ fn first_apply_writes_frontend_slots_and_backends_in_network_order() {
 #[test]
 fn a_backend_change_switches_generation_and_cleans_the_old_one() {
     let mut maps = FakeMaps::with_slot_capacity(100);
-    let mut map_writer = MapWriter::default();
+    let mut map_writer = no_grace();
     let web = key([10, 96, 0, 10], 80);
     map_writer.apply(snapshot(&[(web, &[1, 2, 3])]), &mut maps);
     let before = maps.frontends[&frontend_map_key(&web).expect("supported")];
@@ -324,7 +357,7 @@ fn a_backend_change_switches_generation_and_cleans_the_old_one() {
 #[test]
 fn an_unchanged_snapshot_writes_nothing() {
     let mut maps = FakeMaps::with_slot_capacity(100);
-    let mut map_writer = MapWriter::default();
+    let mut map_writer = no_grace();
     let state = snapshot(&[
         (key([10, 96, 0, 10], 80), &[1, 2]),
         (key([10, 96, 0, 11], 80), &[3]),
@@ -339,7 +372,7 @@ fn an_unchanged_snapshot_writes_nothing() {
 #[test]
 fn only_the_changed_frontend_is_rewritten() {
     let mut maps = FakeMaps::with_slot_capacity(1000);
-    let mut map_writer = MapWriter::default();
+    let mut map_writer = no_grace();
     let many: Vec<(FrontendKey, &[u8])> = (0..100u8)
         .map(|i| (key([10, 96, 1, i], 80), &[1u8, 2][..]))
         .collect();
@@ -357,7 +390,7 @@ fn only_the_changed_frontend_is_rewritten() {
 #[test]
 fn removing_a_frontend_removes_everything_it_used() {
     let mut maps = FakeMaps::with_slot_capacity(100);
-    let mut map_writer = MapWriter::default();
+    let mut map_writer = no_grace();
     let web = key([10, 96, 0, 10], 80);
     let api = key([10, 96, 0, 11], 443);
     map_writer.apply(snapshot(&[(web, &[1, 2]), (api, &[2, 3])]), &mut maps);
@@ -373,7 +406,7 @@ fn removing_a_frontend_removes_everything_it_used() {
 #[test]
 fn a_frontend_without_backends_is_written_with_count_zero() {
     let mut maps = FakeMaps::with_slot_capacity(100);
-    let mut map_writer = MapWriter::default();
+    let mut map_writer = no_grace();
     let web = key([10, 96, 0, 10], 80);
     map_writer.apply(snapshot(&[(web, &[])]), &mut maps);
     let value = maps.frontends[&frontend_map_key(&web).expect("supported")];
@@ -384,7 +417,7 @@ fn a_frontend_without_backends_is_written_with_count_zero() {
 #[test]
 fn a_full_map_leaves_the_frontend_on_its_previous_complete_set() {
     let mut maps = FakeMaps::with_slot_capacity(5);
-    let mut map_writer = MapWriter::default();
+    let mut map_writer = no_grace();
     let web = key([10, 96, 0, 10], 80);
     map_writer.apply(snapshot(&[(web, &[1, 2])]), &mut maps);
     // The new generation needs 4 slots while 2 are still live: only 3 fit.
@@ -411,7 +444,7 @@ fn a_full_map_leaves_the_frontend_on_its_previous_complete_set() {
 #[test]
 fn a_new_frontend_that_does_not_fit_leaves_nothing_behind() {
     let mut maps = FakeMaps::with_slot_capacity(2);
-    let mut map_writer = MapWriter::default();
+    let mut map_writer = no_grace();
     let web = key([10, 96, 0, 10], 80);
     let (_, errors) = map_writer.apply(snapshot(&[(web, &[1, 2, 3])]), &mut maps);
     assert_eq!(errors.len(), 1);
@@ -449,7 +482,7 @@ fn snapshot6(key: FrontendKey, pod_ids: &[u16]) -> Vec<Update> {
 #[test]
 fn ipv6_frontends_are_programmed_in_network_order() {
     let mut maps = FakeMaps::with_slot_capacity(10);
-    let mut map_writer = MapWriter::default();
+    let mut map_writer = no_grace();
     let web6 = key6(0x10, 80);
     let (summary, errors) = map_writer.apply(snapshot6(web6, &[1, 2]), &mut maps);
     assert!(errors.is_empty(), "{errors:?}");
@@ -486,7 +519,7 @@ fn with_affinity(mut updates: Vec<Update>, timeout: Option<u32>) -> Vec<Update> 
 #[test]
 fn affinity_flag_timeout_and_match_entries_follow_the_service() {
     let mut maps = FakeMaps::with_slot_capacity(100);
-    let mut map_writer = MapWriter::default();
+    let mut map_writer = no_grace();
     let web = key([10, 96, 0, 10], 80);
     let map_key = frontend_map_key(&web).expect("supported");
     map_writer.apply(snapshot(&[(web, &[1, 2, 3])]), &mut maps);
@@ -533,7 +566,7 @@ fn affinity_flag_timeout_and_match_entries_follow_the_service() {
 #[test]
 fn removed_backends_are_reported_per_frontend() {
     let mut maps = FakeMaps::with_slot_capacity(100);
-    let mut map_writer = MapWriter::default();
+    let mut map_writer = no_grace();
     let web = key([10, 96, 0, 10], 80);
     let api = key([10, 96, 0, 11], 80);
     map_writer.apply(snapshot(&[(web, &[1, 2]), (api, &[2])]), &mut maps);
@@ -553,7 +586,7 @@ fn removed_backends_are_reported_per_frontend() {
 #[test]
 fn adopting_pinned_maps_then_a_full_apply_of_the_same_state_writes_nothing() {
     let mut maps = FakeMaps::with_slot_capacity(100);
-    let mut first = MapWriter::default();
+    let mut first = no_grace();
     let web = key([10, 96, 0, 10], 80);
     let api = key([10, 96, 0, 11], 80);
     let web6 = key6(0x10, 80);
@@ -563,7 +596,8 @@ fn adopting_pinned_maps_then_a_full_apply_of_the_same_state_writes_nothing() {
     first.apply(state.clone(), &mut maps);
     let writes = maps.writes;
 
-    let mut adopted = MapWriter::adopt(maps.content(), &mut maps);
+    let mut adopted =
+        MapWriter::adopt(maps.content(), &mut maps).with_grace(Duration::ZERO, Instant::now);
     assert_eq!(maps.writes, writes, "consistent maps need no cleanup");
     assert_eq!(adopted.counts(), first.counts());
     let (summary, errors) = adopted.apply(state, &mut maps);
@@ -588,9 +622,10 @@ fn a_full_apply_after_adoption_removes_frontends_nobody_claims() {
     let mut maps = FakeMaps::with_slot_capacity(100);
     let web = key([10, 96, 0, 10], 80);
     let api = key([10, 96, 0, 11], 80);
-    MapWriter::default().apply(snapshot(&[(web, &[1]), (api, &[2])]), &mut maps);
+    no_grace().apply(snapshot(&[(web, &[1]), (api, &[2])]), &mut maps);
 
-    let mut adopted = MapWriter::adopt(maps.content(), &mut maps);
+    let mut adopted =
+        MapWriter::adopt(maps.content(), &mut maps).with_grace(Duration::ZERO, Instant::now);
     // Only `web` is still a Service; a full resync goes through apply_snapshot(None).
     adopted.apply(snapshot(&[(web, &[1])]), &mut maps);
     let (mut summary, mut errors) = (ApplySummary::default(), Vec::new());
@@ -606,7 +641,7 @@ fn a_full_apply_after_adoption_removes_frontends_nobody_claims() {
 fn adoption_cleans_what_an_interrupted_update_left_behind() {
     let mut maps = FakeMaps::with_slot_capacity(100);
     let web = key([10, 96, 0, 10], 80);
-    MapWriter::default().apply(snapshot(&[(web, &[1, 2])]), &mut maps);
+    no_grace().apply(snapshot(&[(web, &[1, 2])]), &mut maps);
     // A crash after writing the idle generation, before the switch.
     let value = maps.frontends[&frontend_map_key(&web).expect("supported")];
     maps.backends.insert(
@@ -631,7 +666,8 @@ fn adoption_cleans_what_an_interrupted_update_left_behind() {
         service_id: value.service_id,
         backend_id: 99,
     });
-    let adopted = MapWriter::adopt(maps.content(), &mut maps);
+    let adopted =
+        MapWriter::adopt(maps.content(), &mut maps).with_grace(Duration::ZERO, Instant::now);
     maps.check_invariants();
     assert_eq!(adopted.counts(), (1, 2));
     assert_eq!(pods(&maps, &web), [1, 2]);
@@ -640,7 +676,7 @@ fn adoption_cleans_what_an_interrupted_update_left_behind() {
 #[test]
 fn a_frontend_claimed_by_two_service_ports_stays_with_the_first() {
     let mut maps = FakeMaps::with_slot_capacity(10);
-    let mut map_writer = MapWriter::default();
+    let mut map_writer = no_grace();
     let web = key([10, 96, 0, 10], 80);
     map_writer.apply(snapshot(&[(web, &[1])]), &mut maps);
     let mut intruder = snapshot(&[(web, &[2])]);
@@ -660,7 +696,7 @@ fn a_frontend_claimed_by_two_service_ports_stays_with_the_first() {
 #[test]
 fn a_frontend_that_does_not_fit_is_tracked_not_programmed_and_fits_once_space_is_freed() {
     let mut maps = FakeMaps::with_slot_capacity(3);
-    let mut map_writer = MapWriter::default();
+    let mut map_writer = no_grace();
     let web = key([10, 96, 0, 10], 80);
     let api = key([10, 96, 0, 11], 80);
     let (summary, errors) =
@@ -724,7 +760,7 @@ fn maglev_pods(maps: &FakeMaps, key: &FrontendKey) -> Vec<u8> {
 fn maglev_tables_follow_external_frontends_through_generations() {
     const M: u32 = 13;
     let mut maps = FakeMaps::with_slot_capacity(1000);
-    let mut map_writer = MapWriter::default();
+    let mut map_writer = no_grace();
     map_writer.set_maglev_table_size(Some(M));
     let internal = key([10, 96, 0, 10], 80);
     let nodeport = external(key([0, 0, 0, 0], 30080));
@@ -774,7 +810,8 @@ fn maglev_tables_follow_external_frontends_through_generations() {
     let writes = maps.writes;
     map_writer.apply(snapshot(&[(nodeport, &[1, 3])]), &mut maps);
     assert_eq!(maps.writes, writes);
-    let mut adopted = MapWriter::adopt(maps.content(), &mut maps);
+    let mut adopted =
+        MapWriter::adopt(maps.content(), &mut maps).with_grace(Duration::ZERO, Instant::now);
     adopted.set_maglev_table_size(Some(M));
     let state = snapshot(&[(internal, &[1, 2, 3]), (nodeport, &[1, 3])]);
     let (summary, _) = adopted.apply(state.clone(), &mut maps);
@@ -796,7 +833,7 @@ fn maglev_tables_follow_external_frontends_through_generations() {
 #[test]
 fn adoption_rewrites_a_frontend_whose_maglev_table_is_incomplete() {
     let mut maps = FakeMaps::with_slot_capacity(1000);
-    let mut first = MapWriter::default();
+    let mut first = no_grace();
     first.set_maglev_table_size(Some(7));
     let nodeport = external(key([0, 0, 0, 0], 30080));
     first.apply(snapshot(&[(nodeport, &[1, 2])]), &mut maps);
@@ -806,7 +843,8 @@ fn adoption_rewrites_a_frontend_whose_maglev_table_is_incomplete() {
     maps.maglev.remove(&lost);
 
     let slots = maps.slots.clone();
-    let mut adopted = MapWriter::adopt(maps.content(), &mut maps);
+    let mut adopted =
+        MapWriter::adopt(maps.content(), &mut maps).with_grace(Duration::ZERO, Instant::now);
     adopted.set_maglev_table_size(Some(7));
     assert!(maps.maglev.is_empty(), "an incomplete table is deleted");
     assert_eq!(
@@ -823,7 +861,7 @@ fn adoption_rewrites_a_frontend_whose_maglev_table_is_incomplete() {
 #[test]
 fn a_maglev_table_that_does_not_fit_leaves_the_previous_one() {
     let mut maps = FakeMaps::with_slot_capacity(20);
-    let mut map_writer = MapWriter::default();
+    let mut map_writer = no_grace();
     // 167 slots: 11 blocks, so two tables do not fit in 20 entries.
     map_writer.set_maglev_table_size(Some(167));
     let nodeport = external(key([0, 0, 0, 0], 30080));
@@ -845,3 +883,209 @@ fn a_maglev_table_that_does_not_fit_leaves_the_previous_one() {
 // The drift check against the same in-memory maps (it needs `FakeMaps` and the helpers above).
 #[path = "tests/drift.rs"]
 mod drift;
+
+/// What a program that read `value` (a frontend value, possibly no longer the live one) finds:
+/// each slot's backend, or `None` where a slot or its backend is missing.
+fn reader_finds(maps: &FakeMaps, value: &FrontendValue) -> Vec<Option<SocketAddr>> {
+    (0..value.backend_count)
+        .map(|slot| {
+            let key = BackendSlotKey {
+                service_id: value.service_id,
+                slot,
+                generation: value.generation,
+                _pad: 0,
+            };
+            let id = maps.slots.get(&key)?;
+            maps.backends.get(id).map(BackendValue::socket_addr)
+        })
+        .collect()
+}
+
+fn pod_addr(pod: u8) -> Option<SocketAddr> {
+    Some(SocketAddr::from(([10, 244, pod, 2], 8080)))
+}
+
+#[test]
+fn a_switched_out_generation_stays_for_the_grace_then_goes() {
+    let mut maps = FakeMaps::with_slot_capacity(100);
+    let mut map_writer = with_test_clock();
+    let web = key([10, 96, 0, 10], 80);
+    map_writer.apply(snapshot(&[(web, &[1, 2])]), &mut maps);
+    let before = maps.frontends[&frontend_map_key(&web).expect("supported")];
+    let (summary, errors) = map_writer.apply(snapshot(&[(web, &[1, 3])]), &mut maps);
+    assert!(errors.is_empty(), "{errors:?}");
+    assert_eq!(summary.frontends_written, 1);
+    assert_eq!(pods(&maps, &web), [1, 3]);
+    // A program that read the frontend before the switch still finds every slot and backend,
+    // including pod 2, which left the service.
+    assert_eq!(reader_finds(&maps, &before), [pod_addr(1), pod_addr(2)]);
+    let due = map_writer.next_retirement().expect("a retired generation");
+    assert_eq!(due, test_now() + GENERATION_GRACE);
+    advance(GENERATION_GRACE - Duration::from_millis(1));
+    assert_eq!(map_writer.retire_expired(&mut maps).deleted, 0);
+    assert_eq!(reader_finds(&maps, &before), [pod_addr(1), pod_addr(2)]);
+    advance(Duration::from_millis(1));
+    let retirement = map_writer.retire_expired(&mut maps);
+    assert_eq!(
+        retirement,
+        Retirement {
+            deleted: 1,
+            sync_needed: false
+        }
+    );
+    assert_eq!(map_writer.next_retirement(), None);
+    maps.check_invariants();
+    assert_eq!(pods(&maps, &web), [1, 3]);
+}
+
+#[test]
+fn a_second_switch_within_the_grace_is_deferred_until_the_old_generation_is_gone() {
+    let mut maps = FakeMaps::with_slot_capacity(100);
+    let mut map_writer = with_test_clock();
+    let web = key([10, 96, 0, 10], 80);
+    map_writer.apply(snapshot(&[(web, &[1, 2])]), &mut maps);
+    let first = maps.frontends[&frontend_map_key(&web).expect("supported")];
+    map_writer.apply(snapshot(&[(web, &[1, 3])]), &mut maps);
+    advance(GENERATION_GRACE / 2);
+    // The next switch would write over the generation `first` points at: not yet.
+    let (summary, errors) = map_writer.apply(snapshot(&[(web, &[4])]), &mut maps);
+    assert!(errors.is_empty(), "{errors:?}");
+    assert_eq!(
+        (summary.frontends_written, summary.frontends_deferred),
+        (0, 1)
+    );
+    assert_eq!(pods(&maps, &web), [1, 3], "keeps its current set meanwhile");
+    assert_eq!(reader_finds(&maps, &first), [pod_addr(1), pod_addr(2)]);
+    // The grace ends: the deletion asks for a sync, which switches.
+    advance(GENERATION_GRACE / 2);
+    assert!(map_writer.retire_expired(&mut maps).sync_needed);
+    let (summary, _) = map_writer.apply(snapshot(&[(web, &[4])]), &mut maps);
+    assert_eq!(
+        (summary.frontends_written, summary.frontends_deferred),
+        (1, 0)
+    );
+    assert_eq!(pods(&maps, &web), [4]);
+    advance(GENERATION_GRACE);
+    map_writer.retire_expired(&mut maps);
+    maps.check_invariants();
+}
+
+#[test]
+fn a_deferred_frontend_changed_back_is_no_longer_deferred() {
+    let mut maps = FakeMaps::with_slot_capacity(100);
+    let mut map_writer = with_test_clock();
+    let web = key([10, 96, 0, 10], 80);
+    map_writer.apply(snapshot(&[(web, &[1])]), &mut maps);
+    map_writer.apply(snapshot(&[(web, &[2])]), &mut maps);
+    let (summary, _) = map_writer.apply(snapshot(&[(web, &[3])]), &mut maps);
+    assert_eq!(summary.frontends_deferred, 1);
+    let (summary, _) = map_writer.apply(snapshot(&[(web, &[2])]), &mut maps);
+    assert_eq!(
+        (summary.frontends_unchanged, summary.frontends_deferred),
+        (1, 0)
+    );
+    advance(GENERATION_GRACE);
+    assert!(
+        !map_writer.retire_expired(&mut maps).sync_needed,
+        "nothing is waiting"
+    );
+    maps.check_invariants();
+}
+
+#[test]
+fn a_removed_frontend_keeps_its_slots_and_service_id_for_the_grace() {
+    let mut maps = FakeMaps::with_slot_capacity(100);
+    let mut map_writer = with_test_clock();
+    let web = key([10, 96, 0, 10], 80);
+    let api = key([10, 96, 0, 11], 80);
+    map_writer.apply(snapshot(&[(web, &[1, 2])]), &mut maps);
+    let removed = maps.frontends[&frontend_map_key(&web).expect("supported")];
+    let (summary, _) = map_writer.apply([gone(web)], &mut maps);
+    assert_eq!(summary.frontends_removed, 1);
+    assert!(maps.frontends.is_empty(), "unlinked at once");
+    assert_eq!(reader_finds(&maps, &removed), [pod_addr(1), pod_addr(2)]);
+    // A frontend created meanwhile must not take the service id whose slots are still there.
+    map_writer.apply(snapshot(&[(api, &[3])]), &mut maps);
+    let api_value = maps.frontends[&frontend_map_key(&api).expect("supported")];
+    assert_ne!(api_value.service_id, removed.service_id);
+    assert_eq!(reader_finds(&maps, &removed), [pod_addr(1), pod_addr(2)]);
+    advance(GENERATION_GRACE);
+    assert_eq!(map_writer.retire_expired(&mut maps).deleted, 1);
+    maps.check_invariants();
+    assert_eq!(pods(&maps, &api), [3]);
+    // Now the id is free again.
+    map_writer.apply(snapshot(&[(web, &[1])]), &mut maps);
+    let web_value = maps.frontends[&frontend_map_key(&web).expect("supported")];
+    assert_eq!(web_value.service_id, removed.service_id);
+    maps.check_invariants();
+}
+
+#[test]
+fn a_frontend_removed_during_its_grace_keeps_both_generations_until_each_is_due() {
+    let mut maps = FakeMaps::with_slot_capacity(100);
+    let mut map_writer = with_test_clock();
+    let web = key([10, 96, 0, 10], 80);
+    map_writer.apply(snapshot(&[(web, &[1])]), &mut maps);
+    let first = maps.frontends[&frontend_map_key(&web).expect("supported")];
+    map_writer.apply(snapshot(&[(web, &[2])]), &mut maps);
+    let second = maps.frontends[&frontend_map_key(&web).expect("supported")];
+    advance(GENERATION_GRACE / 2);
+    map_writer.apply([gone(web)], &mut maps);
+    assert_eq!(reader_finds(&maps, &first), [pod_addr(1)]);
+    assert_eq!(reader_finds(&maps, &second), [pod_addr(2)]);
+    advance(GENERATION_GRACE / 2);
+    assert_eq!(map_writer.retire_expired(&mut maps).deleted, 1);
+    assert_eq!(reader_finds(&maps, &first), [None]);
+    assert_eq!(reader_finds(&maps, &second), [pod_addr(2)]);
+    advance(GENERATION_GRACE / 2);
+    assert_eq!(map_writer.retire_expired(&mut maps).deleted, 1);
+    assert!(maps.slots.is_empty() && maps.backends.is_empty());
+    // The service id was released with the last generation.
+    map_writer.apply(snapshot(&[(web, &[3])]), &mut maps);
+    assert_eq!(
+        maps.frontends[&frontend_map_key(&web).expect("supported")].service_id,
+        first.service_id
+    );
+}
+
+#[test]
+fn retirement_frees_room_for_a_frontend_that_did_not_fit() {
+    // Two slots: web's two generations during an update, nothing more.
+    let mut maps = FakeMaps::with_slot_capacity(2);
+    let mut map_writer = with_test_clock();
+    let web = key([10, 96, 0, 10], 80);
+    let api = key([10, 96, 0, 11], 80);
+    map_writer.apply(snapshot(&[(web, &[1])]), &mut maps);
+    map_writer.apply(snapshot(&[(web, &[2])]), &mut maps);
+    let (_, errors) = map_writer.apply(snapshot(&[(api, &[3])]), &mut maps);
+    assert!(errors.iter().all(ApplyError::is_capacity) && errors.len() == 1);
+    advance(GENERATION_GRACE);
+    assert!(map_writer.retire_expired(&mut maps).sync_needed);
+    let (_, errors) = map_writer.apply(snapshot(&[(api, &[3])]), &mut maps);
+    assert!(errors.is_empty(), "{errors:?}");
+    maps.check_invariants();
+    assert_eq!(pods(&maps, &api), [3]);
+}
+
+#[test]
+fn adoption_deletes_the_retired_generations_of_the_previous_run() {
+    let mut maps = FakeMaps::with_slot_capacity(100);
+    let mut first = with_test_clock();
+    let web = key([10, 96, 0, 10], 80);
+    let api = key([10, 96, 0, 11], 80);
+    first.apply(snapshot(&[(web, &[1, 2]), (api, &[3])]), &mut maps);
+    first.apply(snapshot(&[(web, &[2, 4])]), &mut maps);
+    first.apply([gone(api)], &mut maps);
+    assert!(first.next_retirement().is_some());
+    // Restarted within the grace: nothing remembers it, so the adoption deletes what no
+    // frontend reaches and the record it builds has nothing to drift from.
+    let adopted = MapWriter::adopt(maps.content(), &mut maps);
+    maps.check_invariants();
+    assert_eq!(adopted.next_retirement(), None);
+    assert_eq!(pods(&maps, &web), [2, 4]);
+    let expected = adopted.expected_content().expect("nothing damaged");
+    assert_eq!(
+        crate::dataplane::ebpf::drift::diff(&expected, &maps.content()),
+        []
+    );
+}

@@ -13,7 +13,7 @@ fn kinds(drift: &[crate::dataplane::ebpf::drift::Drift]) -> Vec<(&'static str, D
 
 fn programmed() -> (FakeMaps, MapWriter, FrontendKey) {
     let mut maps = FakeMaps::with_slot_capacity(1000);
-    let mut map_writer = MapWriter::default();
+    let mut map_writer = no_grace();
     let web = key([10, 96, 0, 10], 80);
     let api = key([10, 96, 0, 11], 80);
     let mut state = with_affinity(snapshot(&[(web, &[1, 2])]), Some(5));
@@ -114,7 +114,7 @@ fn corrupted_deleted_and_added_entries_are_reported_and_repaired() {
 #[test]
 fn a_corrupted_maglev_block_is_reported_and_rewritten() {
     let mut maps = FakeMaps::with_slot_capacity(1000);
-    let mut map_writer = MapWriter::default();
+    let mut map_writer = no_grace();
     map_writer.set_maglev_table_size(Some(13));
     let nodeport = external(key([0, 0, 0, 0], 30080));
     let (_, errors) = map_writer.apply(snapshot(&[(nodeport, &[1, 2, 3])]), &mut maps);
@@ -138,7 +138,7 @@ fn a_corrupted_maglev_block_is_reported_and_rewritten() {
 #[test]
 fn source_ranges_with_host_bits_are_expected_as_networks() {
     let mut maps = FakeMaps::with_slot_capacity(1000);
-    let mut map_writer = MapWriter::default();
+    let mut map_writer = no_grace();
     let lb = external(key([192, 0, 2, 10], 80));
     let mut state = snapshot(&[(lb, &[1])]);
     state[0].1[0].1.source_ranges = vec!["203.0.113.7/24".parse().expect("range")];
@@ -150,4 +150,25 @@ fn source_ranges_with_host_bits_are_expected_as_networks() {
         .map(|(_, range)| range.to_string())
         .collect();
     assert_eq!(ranges, ["203.0.113.0/24"]);
+}
+
+#[test]
+fn retired_generations_are_expected_until_their_grace_ends() {
+    let mut maps = FakeMaps::with_slot_capacity(1000);
+    let mut map_writer = with_test_clock();
+    map_writer.set_maglev_table_size(Some(97));
+    let web = external(key([10, 96, 0, 10], 80));
+    let api = key([10, 96, 0, 11], 80);
+    map_writer.apply(snapshot(&[(web, &[1, 2]), (api, &[3])]), &mut maps);
+    map_writer.apply(snapshot(&[(web, &[2, 3])]), &mut maps);
+    map_writer.apply([gone(api)], &mut maps);
+    // Old slots, a Maglev table and backends 1 are still there: the agent's, not drift; a
+    // repair would otherwise delete them before their grace.
+    let expected = map_writer.expected_content().expect("nothing damaged");
+    assert_eq!(diff(&expected, &maps.content()), []);
+    advance(GENERATION_GRACE);
+    assert_eq!(map_writer.retire_expired(&mut maps).deleted, 2);
+    maps.check_invariants();
+    let expected = map_writer.expected_content().expect("nothing damaged");
+    assert_eq!(diff(&expected, &maps.content()), []);
 }
