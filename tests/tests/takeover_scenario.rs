@@ -27,7 +27,7 @@ use proxy_tests::client::{Attempt, Proto};
 use proxy_tests::scenario::{Scenario, is_pod};
 use proxy_tests::takeover::{
     self, Traffic, kube_proxy_nftables_rules, report, setup as scenario_setup, start_traffic,
-    wait_served,
+    wait_for_kube_proxy_tables_removed, wait_served,
 };
 use proxy_tests::wait::try_wait_until;
 
