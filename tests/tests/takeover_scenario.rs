@@ -162,6 +162,54 @@ fn a_client_port_the_kernel_still_holds_towards_its_backend_is_answered_after_th
     Ok(())
 }
 
+/// A connection closed under the iptables rules, and its client's next connection from the same
+/// address and port to the same NodePort once the kernel's TIME_WAIT entry is gone (10 s here,
+/// 120 s by default). The eBPF mode adopts the closed connection with the rest (its backend's
+/// tuple stays held); before it knew the connection was closed it took the new SYN for one of
+/// that connection's packets and left it to the kernel, which no longer had the entry and no
+/// rule any more: the node's own port answered with a reset. Now the SYN starts a flow of its
+/// own (the adopted entry is `CLOSING`, from the kernel's TCP state).
+#[test]
+fn a_tuple_closed_under_the_iptables_rules_is_a_new_connection_after_the_takeover()
+-> anyhow::Result<()> {
+    proxy_tests::set_helper_binary(env!("CARGO_BIN_EXE_rig-helper"));
+    const TIME_WAIT_S: u64 = 10;
+    let mut s = takeover::setup_with_endpoints(&[1])?;
+    s.topo.node().sysctl(
+        "net.netfilter.nf_conntrack_tcp_timeout_time_wait",
+        &TIME_WAIT_S.to_string(),
+    )?;
+    s.start_agent_with_args("iptables", &[])?;
+    wait_served(&mut s)?;
+    // One client port, reused for the same destination once the client's own TIME_WAIT is
+    // older than a second (`tcp_tw_reuse`).
+    let port = PORT + 10;
+    let ext = s.topo.ext();
+    ext.sysctl("net.ipv4.ip_local_port_range", &format!("{port} {port}"))?;
+    ext.sysctl("net.ipv4.tcp_tw_reuse", "1")?;
+    let client = s.external_client().timeout(Duration::from_secs(2));
+    let target = takeover::web_node_port(Proto::Tcp, false);
+    let first = client.once(target)?;
+    let closed = std::time::Instant::now();
+    s.ensure(
+        matches!(&first, Attempt::Ok { client, .. } if client.port() != 0) && is_pod(&first),
+        || format!("the first connection is answered under the iptables rules: {first:?}"),
+    )?;
+    s.stop_agent()?;
+    s.start_agent_with_args("ebpf", &["--interfaces", "vext"])?;
+    wait_for_iptables_rules_removed(&s)?;
+    s.ensure(closed.elapsed() < Duration::from_secs(TIME_WAIT_S), || {
+        "the takeover must adopt the closed connection while the kernel still tracks it".into()
+    })?;
+    std::thread::sleep(Duration::from_secs(TIME_WAIT_S + 1).saturating_sub(closed.elapsed()));
+    let again = client.once(target)?;
+    s.ensure(
+        is_pod(&again) && matches!(&again, Attempt::Ok { peer, .. } if *peer == target),
+        || format!("the same client port's next connection is answered by pod 1: {again:?}"),
+    )?;
+    Ok(())
+}
+
 /// eBPF mode → iptables mode: the traffic, opened under the eBPF mode, runs while that agent
 /// stops and the same agent (its bpffs root, where the eBPF mode's pins are, as a DaemonSet's
 /// new pod would have on the host's /sys/fs/bpf) restarts in iptables mode. The eBPF programs

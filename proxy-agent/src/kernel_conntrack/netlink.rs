@@ -30,6 +30,12 @@ const CTA_IP_V6_DST: u16 = 4;
 const CTA_PROTO_NUM: u16 = 1;
 const CTA_PROTO_SRC_PORT: u16 = 2;
 const CTA_PROTO_DST_PORT: u16 = 3;
+const CTA_PROTOINFO: u16 = 4;
+const CTA_PROTOINFO_TCP: u16 = 1;
+const CTA_PROTOINFO_TCP_STATE: u16 = 1;
+/// `TCP_CONNTRACK_FIN_WAIT` ..= `TCP_CONNTRACK_CLOSE` (linux/netfilter/nf_conntrack_tcp.h): a
+/// FIN or RST was seen.
+const TCP_CLOSING_STATES: std::ops::RangeInclusive<u8> = 4..=8;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ConntrackError {
@@ -53,6 +59,17 @@ pub struct Tuple {
 pub struct ConntrackEntry {
     pub original: Tuple,
     pub reply: Tuple,
+    /// TCP: the connection's state (`TCP_CONNTRACK_*`), when the kernel said.
+    pub tcp_state: Option<u8>,
+}
+
+impl ConntrackEntry {
+    /// A TCP connection that saw its FIN or RST (FIN_WAIT, CLOSE_WAIT, LAST_ACK, TIME_WAIT,
+    /// CLOSE): a SYN of its tuple starts a new one.
+    pub fn tcp_closing(&self) -> bool {
+        self.tcp_state
+            .is_some_and(|state| TCP_CLOSING_STATES.contains(&state))
+    }
 }
 
 /// A ctnetlink socket in the network namespace of the thread that opened it.
@@ -172,16 +189,29 @@ fn v6_octets(addr: IpAddr) -> [u8; 16] {
 fn parse_entry(payload: &[u8]) -> Option<ConntrackEntry> {
     let mut original = None;
     let mut reply = None;
+    let mut tcp_state = None;
     for (kind, value) in attributes(payload) {
         match kind {
             CTA_TUPLE_ORIG => original = parse_tuple(value),
             CTA_TUPLE_REPLY => reply = parse_tuple(value),
+            CTA_PROTOINFO => tcp_state = parse_tcp_state(value),
             _ => {}
         }
     }
-    original
-        .zip(reply)
-        .map(|(original, reply)| ConntrackEntry { original, reply })
+    original.zip(reply).map(|(original, reply)| ConntrackEntry {
+        original,
+        reply,
+        tcp_state,
+    })
+}
+
+/// `CTA_PROTOINFO` → `CTA_PROTOINFO_TCP` → `CTA_PROTOINFO_TCP_STATE`.
+fn parse_tcp_state(protoinfo: &[u8]) -> Option<u8> {
+    let (_, tcp) = attributes(protoinfo).find(|(kind, _)| *kind == CTA_PROTOINFO_TCP)?;
+    match attributes(tcp).find(|(kind, _)| *kind == CTA_PROTOINFO_TCP_STATE)? {
+        (_, [state]) => Some(*state),
+        _ => None,
+    }
 }
 
 fn parse_tuple(buf: &[u8]) -> Option<Tuple> {
@@ -264,6 +294,32 @@ mod tests {
         put_tuple(&mut buf, CTA_TUPLE_ORIG, &tuple);
         put_tuple(&mut buf, CTA_TUPLE_REPLY, &tuple);
         assert_eq!(parse_entry(&buf).expect("entry").original, tuple);
+    }
+
+    #[test]
+    fn the_tcp_state_is_read_from_the_protocol_info() {
+        let tuple = Tuple {
+            src: IpAddr::from([10, 0, 0, 1]),
+            dst: IpAddr::from([10, 96, 0, 10]),
+            protocol: 6,
+            src_port: 40000,
+            dst_port: 80,
+        };
+        let mut buf = BytesMut::new();
+        put_tuple(&mut buf, CTA_TUPLE_ORIG, &tuple);
+        put_tuple(&mut buf, CTA_TUPLE_REPLY, &tuple);
+        assert_eq!(parse_entry(&buf).expect("entry").tcp_state, None);
+        for (state, closing) in [(3u8, false), (7, true), (8, true), (9, false)] {
+            let mut with_state = buf.clone();
+            put_nested(&mut with_state, CTA_PROTOINFO, |buf| {
+                put_nested(buf, CTA_PROTOINFO_TCP, |buf| {
+                    put_attr(buf, CTA_PROTOINFO_TCP_STATE, &[state]);
+                });
+            });
+            let entry = parse_entry(&with_state).expect("entry");
+            assert_eq!(entry.tcp_state, Some(state));
+            assert_eq!(entry.tcp_closing(), closing, "state {state}");
+        }
     }
 
     #[test]

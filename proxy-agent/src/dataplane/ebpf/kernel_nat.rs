@@ -72,6 +72,16 @@ pub fn adoptable(entry: &ConntrackEntry, now_ns: u64) -> Vec<(CtKey, CtValue)> {
     } else {
         0
     };
+    // A TCP connection that saw its FIN or RST (TIME_WAIT after a close): a SYN of its tuple is
+    // a new connection, the datapath's own (`conntrack::carries`), not one for the kernel's
+    // entry — which may have expired by then (120 s in TIME_WAIT), leaving the SYN
+    // untranslated. Its reservation below keeps the established timeout: the kernel holds that
+    // tuple as long as its entry lives.
+    let closing = if entry.tcp_closing() {
+        ct_flags::CLOSING
+    } else {
+        0
+    };
     if [proto::TCP, proto::UDP, proto::SCTP].contains(&original.protocol) {
         entries.push((
             CtKey {
@@ -88,7 +98,7 @@ pub fn adoptable(entry: &ConntrackEntry, now_ns: u64) -> Vec<(CtKey, CtValue)> {
                 dst: backend,
                 sport: original.src_port.to_be(),
                 dport: reply.src_port.to_be(),
-                flags: ct_flags::KERNEL_NAT | established,
+                flags: ct_flags::KERNEL_NAT | established | closing,
                 _pad: [0; 3],
                 last_seen_ns: now_ns,
             },
@@ -183,6 +193,7 @@ mod tests {
             Ipv6Addr::new(0xfd00, 0x10, 0, 0, 0, 0, 0, 2).into()
         };
         ConntrackEntry {
+            tcp_state: None,
             original: Tuple {
                 src: client,
                 dst,
@@ -290,6 +301,27 @@ mod tests {
         assert_eq!((key.dst, key.dport), (forward_key.src, forward_key.sport));
         assert_eq!(key.sport, 8080u16.to_be());
         assert_eq!(value.flags, ct_flags::KERNEL_NAT | ct_flags::ESTABLISHED);
+    }
+
+    #[test]
+    fn a_closed_tcp_flow_leaves_its_tuple_to_a_new_connection_but_keeps_its_reservation() {
+        let node: IpAddr = Ipv4Addr::new(10, 10, 0, 1).into();
+        let backend: IpAddr = Ipv4Addr::new(10, 244, 2, 2).into();
+        let mut closed = entry(proto::TCP, node, backend, 8080);
+        // TCP_CONNTRACK_TIME_WAIT.
+        closed.tcp_state = Some(7);
+        let entries = adoptable(&closed, 1);
+        let [(_, forward), (_, reservation)] = entries.as_slice() else {
+            panic!("the forward entry and the reservation: {entries:?}");
+        };
+        assert_eq!(
+            forward.flags,
+            ct_flags::KERNEL_NAT | ct_flags::ESTABLISHED | ct_flags::CLOSING
+        );
+        assert_eq!(
+            reservation.flags,
+            ct_flags::KERNEL_NAT | ct_flags::ESTABLISHED
+        );
     }
 
     #[test]

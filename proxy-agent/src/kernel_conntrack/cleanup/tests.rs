@@ -72,6 +72,7 @@ fn entry(dst: IpAddr, dst_port: u16, backend: IpAddr, protocol: u8) -> Conntrack
             src_port: 5353,
             dst_port: 40000,
         },
+        tcp_state: None,
     }
 }
 
