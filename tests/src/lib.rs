@@ -15,6 +15,7 @@ pub mod error;
 pub mod foreign_tc;
 pub mod helper;
 pub mod http;
+pub mod in_process;
 pub mod manifests;
 pub mod netns;
 pub mod packet;

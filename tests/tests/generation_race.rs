@@ -44,9 +44,8 @@ use proxy_agent::{
 };
 use proxy_common::StatIndex;
 use proxy_tests::{
-    agent::TempBpfRoot,
-    cgroup::ChildCgroup,
     connect_loop::{ConnectLoopReport, run_connect_loop},
+    in_process::{InProcess, on_netns_thread},
     netns::Netns,
 };
 
@@ -161,9 +160,7 @@ fn switch_generations(
 struct Node {
     // Drop order: the dataplane's fds, then the bpffs (pins), cgroup and namespace.
     dataplane: EbpfDataplane,
-    _runtime: tokio::runtime::Runtime,
-    _bpf: TempBpfRoot,
-    cgroup: ChildCgroup,
+    parts: InProcess,
     netns: PathBuf,
 }
 
@@ -191,19 +188,10 @@ fn with_node<R: Send + 'static>(
     ])
     .expect("addr6");
     let path = ns.path();
-    let result = std::thread::spawn(move || {
-        let file = std::fs::File::open(&path).expect("open netns");
-        nix::sched::setns(&file, nix::sched::CloneFlags::CLONE_NEWNET).expect("setns");
-        let runtime = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .expect("runtime");
-        let _entered = runtime.enter();
-        let bpf = TempBpfRoot::new().expect("bpf root");
-        let cgroup = ChildCgroup::new().expect("cgroup");
+    let result = on_netns_thread(path.clone(), move |parts| {
         let options = EbpfOptions {
-            cgroup_path: Some(cgroup.path().to_path_buf()),
-            bpf_root: PathBuf::from(bpf.path()),
+            cgroup_path: parts.cgroup_path(),
+            bpf_root: parts.bpf_root(),
             frontends_capacity: 64,
             backends_capacity: 64,
             conntrack_capacity: Some(proxy_common::default_sizes::CT),
@@ -221,15 +209,12 @@ fn with_node<R: Send + 'static>(
         assert_eq!(summary.frontends_written, 2, "{summary:?}");
         let mut node = Node {
             dataplane,
-            _runtime: runtime,
-            _bpf: bpf,
-            cgroup,
+            parts,
             netns: path,
         };
         f(&mut node)
     })
-    .join()
-    .expect("test thread");
+    .expect("node thread");
     drop(ns);
     result
 }
@@ -253,15 +238,22 @@ fn race(node: &mut Node, cluster_ip: &str, sets: &[Snapshot; 2]) -> (ConnectLoop
 
     // Translated before the race: the Service is programmed and the hook is on the cgroup.
     let before = stat(node, StatIndex::Translated);
-    let warmup = run_connect_loop(&node.netns, node.cgroup.path(), target, 10, RACE_TIME, None)
-        .expect("connect loop");
+    let warmup = run_connect_loop(
+        &node.netns,
+        node.parts.cgroup.path(),
+        target,
+        10,
+        RACE_TIME,
+        None,
+    )
+    .expect("connect loop");
     assert_eq!((warmup.connects, warmup.refused, warmup.other), (10, 0, 0));
     assert_eq!(stat(node, StatIndex::Translated) - before, 10);
 
     let stop = Arc::new(AtomicBool::new(false));
     let connects = {
         let stop = Arc::clone(&stop);
-        let (netns, cgroup) = (node.netns.clone(), node.cgroup.path().to_path_buf());
+        let (netns, cgroup) = (node.netns.clone(), node.parts.cgroup.path().to_path_buf());
         std::thread::spawn(move || {
             let report = run_connect_loop(&netns, &cgroup, target, CONNECTS, RACE_TIME, Some(0));
             stop.store(true, Ordering::Relaxed);

@@ -38,8 +38,7 @@ use proxy_common::{
     CtKey, CtValue, StatIndex, TRANSLATED_MARK, ct_flags, family, map_names, program_names, proto,
 };
 use proxy_tests::{
-    agent::TempBpfRoot,
-    cgroup::ChildCgroup,
+    in_process::{InProcess, on_netns_thread},
     netns::Netns,
     packet::{
         L4, PROTO_ICMP, PROTO_ICMPV6, PROTO_TCP, PROTO_UDP, Parsed, TC_ACT_OK, TC_ACT_REDIRECT,
@@ -66,9 +65,7 @@ struct Node {
     dataplane: EbpfDataplane,
     ext0: u32,
     pod0: u32,
-    _runtime: tokio::runtime::Runtime,
-    bpf: TempBpfRoot,
-    _cgroup: ChildCgroup,
+    parts: InProcess,
     /// The node namespace (for helper processes).
     netns: PathBuf,
 }
@@ -148,19 +145,10 @@ fn with_node_features<R: Send + 'static>(
     ns.sysctl("net.ipv6.conf.all.forwarding", "1")
         .expect("sysctl");
     let path = ns.path();
-    let result = std::thread::spawn(move || {
-        let file = std::fs::File::open(&path).expect("open netns");
-        nix::sched::setns(&file, nix::sched::CloneFlags::CLONE_NEWNET).expect("setns");
-        let runtime = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .expect("runtime");
-        let _entered = runtime.enter();
-        let bpf = TempBpfRoot::new().expect("bpf root");
-        let cgroup = ChildCgroup::new().expect("cgroup");
+    let result = on_netns_thread(path.clone(), move |parts| {
         let options = EbpfOptions {
-            cgroup_path: Some(cgroup.path().to_path_buf()),
-            bpf_root: PathBuf::from(bpf.path()),
+            cgroup_path: parts.cgroup_path(),
+            bpf_root: parts.bpf_root(),
             frontends_capacity: 1024,
             backends_capacity: 1024,
             conntrack_capacity: Some(proxy_common::default_sizes::CT),
@@ -181,15 +169,12 @@ fn with_node_features<R: Send + 'static>(
             dataplane,
             ext0: ifindex("ext0"),
             pod0: ifindex("pod0"),
-            _runtime: runtime,
-            bpf,
-            _cgroup: cgroup,
-            netns: path.clone(),
+            parts,
+            netns: path,
         };
         f(&mut node)
     })
-    .join()
-    .expect("test thread");
+    .expect("node thread");
     drop(ns);
     result
 }
@@ -1264,7 +1249,7 @@ fn age_forward_entry(node: &Node, key: &CtKey, age_s: u64, marker_port: u16) {
 
 /// `KPR_CT` through its pin, as another process (the agent's GC, bpftool) would open it.
 fn pinned_ct(node: &Node) -> HashMap<MapData, CtKey, CtValue> {
-    let path = node.bpf.path().join(PIN_DIR_NAME).join(map_names::CT);
+    let path = node.parts.bpf.path().join(PIN_DIR_NAME).join(map_names::CT);
     let map = Map::from_map_data(MapData::from_pin(&path).expect("pinned KPR_CT")).expect("map");
     HashMap::try_from(map).expect("hash map")
 }
@@ -1849,7 +1834,7 @@ fn conntrack_walk_resumes_after_deletions_and_visits_each_entry_once() {
         for key in &all {
             ct.insert(key, CtValue::default(), 0).expect("insert");
         }
-        let data = MapData::from_pin(node.bpf.path().join(PIN_DIR_NAME).join(map_names::CT))
+        let data = MapData::from_pin(node.parts.bpf.path().join(PIN_DIR_NAME).join(map_names::CT))
             .expect("conntrack pin");
         let mut walk = CtWalk::new();
         let mut visits: Counts<CtKey, u32> = Counts::new();
@@ -2502,7 +2487,7 @@ fn connects_racing_generation_switches_are_never_refused() {
         let (_, errors) = node.dataplane.apply(&large, None);
         assert!(errors.is_empty(), "apply errors: {errors:?}");
         let client = proxy_tests::client::Client::new(node.netns.clone())
-            .in_cgroup(node._cgroup.path())
+            .in_cgroup(node.parts.cgroup.path())
             .timeout(std::time::Duration::from_secs(2));
         let first = client.once(sa("10.96.0.40", 80)).expect("client");
         assert!(

@@ -1205,15 +1205,7 @@ impl MapWriter {
             }
             let value = applied.value;
             content.frontends.push((applied.map_key, value));
-            for (slot, &id) in (0u16..).zip(&applied.slots) {
-                let key = BackendSlotKey {
-                    service_id: value.service_id,
-                    slot,
-                    generation: value.generation,
-                    _pad: 0,
-                };
-                slots.push((key, id));
-            }
+            slots.extend(slot_entries(&value, &applied.slots));
             content.affinity_matches.extend(matches_of(applied));
             // The LPM trie stores the network: a range given with host bits reads back without.
             content.source_ranges.extend(
@@ -1240,15 +1232,7 @@ impl MapWriter {
         // that a drift repair does not delete them early.
         for retired in &self.retired {
             let value = retired.value;
-            for (slot, &id) in (0u16..).zip(&retired.slots) {
-                let key = BackendSlotKey {
-                    service_id: value.service_id,
-                    slot,
-                    generation: value.generation,
-                    _pad: 0,
-                };
-                slots.push((key, id));
-            }
+            slots.extend(slot_entries(&value, &retired.slots));
             if value.flags & frontend_flags::MAGLEV != 0 && retired.maglev_table {
                 match maglev_blocks(
                     value.service_id,
@@ -1466,6 +1450,24 @@ fn backend_values(key: &FrontendKey, frontend: &Frontend) -> Option<Vec<BackendV
         })
         .collect::<Option<_>>()?;
     Some(set.into_iter().collect())
+}
+
+/// The slot map entries of one generation of `value`: backend ids by slot.
+fn slot_entries<'a>(
+    value: &'a FrontendValue,
+    slots: &'a [u32],
+) -> impl Iterator<Item = (BackendSlotKey, u32)> + 'a {
+    (0u16..).zip(slots).map(|(slot, &id)| {
+        (
+            BackendSlotKey {
+                service_id: value.service_id,
+                slot,
+                generation: value.generation,
+                _pad: 0,
+            },
+            id,
+        )
+    })
 }
 
 #[cfg(test)]
