@@ -104,14 +104,15 @@ pub fn adoptable(entry: &ConntrackEntry, now_ns: u64) -> Vec<(CtKey, CtValue)> {
             },
         ));
     }
-    // The client's address and port when the kernel did not masquerade the flow.
-    if let Some((snat, snat_family)) = words(reply.dst)
-        && snat_family == family
+    // Where the backend answers: the SNAT address, or the client's when the kernel did not
+    // masquerade the flow.
+    if let Some((answered, answered_family)) = words(reply.dst)
+        && answered_family == family
     {
         entries.push((
             CtKey {
                 src: backend,
-                dst: snat,
+                dst: answered,
                 sport: reply.src_port.to_be(),
                 dport: reply.dst_port.to_be(),
                 proto: original.protocol,
@@ -121,7 +122,7 @@ pub fn adoptable(entry: &ConntrackEntry, now_ns: u64) -> Vec<(CtKey, CtValue)> {
             // Never used to translate (its packets go to the stack); names the backend where a
             // forward entry does, for the orphan check and `inspect`.
             CtValue {
-                src: snat,
+                src: answered,
                 dst: backend,
                 sport: reply.dst_port.to_be(),
                 dport: reply.src_port.to_be(),
