@@ -75,6 +75,9 @@ pub enum HelperCommand {
     /// Connects one UDP socket to a target again and again, counting refusals. See
     /// `connect_loop`.
     ConnectLoop(crate::connect_loop::ConnectLoopArgs),
+    /// Open-loop load of short TCP connections at a fixed rate (the SNAT benchmark); prints one
+    /// summary line. See `bench::snat`.
+    SnatLoad(crate::bench::snat::SnatLoadArgs),
 }
 
 /// How the client uses its sockets.
@@ -185,6 +188,10 @@ pub fn run(cli: Cli) -> Result<()> {
         HelperCommand::ConnectLoop(args) => {
             enter_places(args.netns.as_deref(), args.cgroup.as_deref())?;
             crate::connect_loop::connect_loop(&args)
+        }
+        HelperCommand::SnatLoad(args) => {
+            enter_places(args.netns.as_deref(), None)?;
+            crate::bench::snat::snat_load(&args)
         }
     }
 }

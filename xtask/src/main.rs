@@ -54,7 +54,7 @@ enum Command {
         #[arg(long)]
         quick: bool,
         /// Run only these sections (comma-separated: datapath, nodeport, tc-cost, programming,
-        /// inprocess). The partial report goes to `target/bench-partial/`, never over
+        /// inprocess, snat). The partial report goes to `target/bench-partial/`, never over
         /// docs/benchmarks.md, which comes from a run of everything.
         #[arg(long)]
         only: Option<String>,

@@ -6,6 +6,8 @@
 //! - `agent_runs`: cold start, end-to-end programming and memory through the real agent.
 //! - `inprocess`: programming latency with the agent's library (item 5, in-process).
 //! - `tc`: item 4, per-packet cost of the tc programs (`BPF_PROG_TEST_RUN`).
+//! - `snat`: issue 17's new connections per second per backend through one node before the
+//!   first SNAT failure, eBPF beside iptables.
 //! - `report`, `plot`: the Markdown and the SVGs.
 //!
 //! Everything runs inside namespaces and cgroups the rig creates; every loop is bounded in count
@@ -18,6 +20,7 @@ pub mod inprocess;
 pub mod memory;
 pub mod plot;
 pub mod report;
+pub mod snat;
 pub mod stats;
 pub mod sysinfo;
 pub mod tc;
@@ -63,6 +66,8 @@ pub struct Config {
     pub budget: Duration,
     /// Item 4 (per-packet tc cost).
     pub tc_loops: tc::TcLoops,
+    /// The SNAT section's stepped load.
+    pub snat_loops: snat::SnatLoops,
     /// Backend of every iptables-mode run; with legacy, the in-process iptables figures are
     /// also taken with nft at the smallest programming size, for comparison.
     pub iptables_backend: IptablesBackend,
@@ -87,6 +92,8 @@ pub enum Section {
     Programming,
     /// Item 5 in-process.
     Inprocess,
+    /// Issue 17: new connections per second per backend before the first SNAT failure.
+    Snat,
 }
 
 impl Config {
@@ -124,6 +131,15 @@ impl Config {
                 runs: 5,
                 samples: 2_000,
                 repeat: 100_000,
+            },
+            // Doubling from 250/s: 250, 500, …, 8000. 15 s per step: longer than the tc
+            // conntrack's 10 s close timeout, so each step reaches its steady state of entries.
+            snat_loops: snat::SnatLoops {
+                first_rate: 250,
+                max_steps: 6,
+                step: Duration::from_secs(15),
+                sources: 16,
+                timeout: Duration::from_secs(1),
             },
             // The last CPU: one CPU for client, server and the softirq work between them (veth
             // delivers in the sender's context), away from CPU 0 where most device interrupts
@@ -165,6 +181,13 @@ impl Config {
                 runs: 2,
                 samples: 200,
                 repeat: 10_000,
+            },
+            snat_loops: snat::SnatLoops {
+                first_rate: 1_000,
+                max_steps: 3,
+                step: Duration::from_secs(3),
+                sources: 16,
+                timeout: Duration::from_secs(1),
             },
             command: "cargo xtask bench --quick".into(),
             ..Self::full(out_dir)
@@ -247,6 +270,8 @@ pub struct Results {
     pub inprocess: Vec<InprocessSize>,
     /// Item 4; None when not selected.
     pub tc_cost: Option<Outcome<tc::PacketCostResult>>,
+    /// Issue 17's SNAT benchmark; None when not selected.
+    pub snat: Option<snat::SnatResult>,
     /// iptables full-sync times seen (objects = Services + endpoints, seconds), for estimates.
     pub iptables_syncs: Vec<(usize, f64)>,
     pub failures: usize,
@@ -395,6 +420,10 @@ pub fn run(config: Config) -> Results {
         step(&format!("datapath: {services} Services"), &runner);
         datapath.push(datapath_size(&mut runner, w));
     }
+    let snat = runner
+        .config
+        .runs(Section::Snat)
+        .then(|| snat_section(&mut runner));
     let mut programming = Vec::new();
     let programming_sizes = |section| {
         if runner.config.runs(section) {
@@ -441,6 +470,7 @@ pub fn run(config: Config) -> Results {
         programming,
         inprocess,
         tc_cost,
+        snat,
         iptables_syncs: runner.estimator.points.clone(),
         failures: runner.failures,
         config: runner.config,
@@ -578,6 +608,30 @@ fn datapath_size(runner: &mut Runner, w: Workload) -> DatapathSize {
         runner.failed::<()>("stopping the iptables agent", e);
     }
     result
+}
+
+/// Issue 17's SNAT benchmark: each mode on a fresh node, eBPF first.
+fn snat_section(runner: &mut Runner) -> snat::SnatResult {
+    step("SNAT: new connections per second per backend", runner);
+    let started = Instant::now();
+    let loops = runner.config.snat_loops;
+    let backend = runner.config.iptables_backend;
+    let outcome = |mode: ProxyMode, runner: &mut Runner| {
+        step(&format!("  {} agent", mode.as_arg()), runner);
+        let progress = |what: &str| step(what, runner);
+        match snat::run_mode(mode, backend, loops, progress) {
+            Ok(run) => Outcome::Done(run),
+            Err(e) => runner.failed(&format!("SNAT benchmark, {} mode", mode.as_arg()), e),
+        }
+    };
+    let ebpf = outcome(ProxyMode::Ebpf, runner);
+    let iptables = outcome(ProxyMode::Iptables, runner);
+    snat::SnatResult {
+        loops,
+        ebpf,
+        iptables,
+        elapsed: started.elapsed(),
+    }
 }
 
 fn programming_size(runner: &mut Runner, w: Workload) -> ProgrammingSize {

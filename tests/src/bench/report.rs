@@ -189,6 +189,7 @@ fn markdown(r: &Results) -> String {
     tc_cost_section(&mut md, r);
     programming_section(&mut md, r);
     memory_section(&mut md, r);
+    snat_section(&mut md, r);
     scaling_section(&mut md, r);
     md
 }
@@ -1177,6 +1178,293 @@ fn memory_section(md: &mut String, r: &Results) {
         );
     }
     let _ = writeln!(md);
+}
+
+fn snat_section(md: &mut String, r: &Results) {
+    use super::snat::{self, Failure, SnatModeRun, SnatStep, Stop};
+    let _ = writeln!(
+        md,
+        "## 7. SNAT under load: new connections per backend (issue 17)\n"
+    );
+    let Some(result) = &r.snat else {
+        let _ = writeln!(md, "Not run (`--only` left it out).\n");
+        return;
+    };
+    let l = result.loops;
+    let range = proxy_agent::dataplane::ebpf::reserved_ports::DEFAULT_RANGE;
+    let ports = u32::from(*range.end()) - u32::from(*range.start()) + 1;
+    let close_s = proxy_common::ct_timeout::TCP_CLOSE_NS as f64 / 1e9;
+    let last_rate = u64::from(l.first_rate) << l.max_steps.saturating_sub(1);
+    let _ = writeln!(
+        md,
+        "A client in the external namespace makes short TCP connections (connect, read the \
+         greeting, one request line and its echo, close; the client closes first) to the \
+         NodePort 10.10.0.1:{} of a Service with externalTrafficPolicy Cluster whose only \
+         endpoint is pod3: every flow is source-NATed to the node's address towards one backend \
+         address and port, so what fills is the SNAT port space of one backend. The client \
+         (`rig-helper snat-load`, pinned like the other clients) is open-loop: it starts \
+         connections on a fixed schedule at the offered rate, several in flight at once, so a \
+         stalled connection does not slow the offered load; it spreads them round robin over {} \
+         source addresses (10.10.0.100 on, bound with `IP_BIND_ADDRESS_NO_PORT`), as many \
+         clients would. The offered rate doubles from {}/s (at most {} steps, up to {}/s), \
+         each step held {} s (longer than the tc conntrack's {close_s:.0} s close timeout, so a \
+         step reaches its steady state of conntrack entries); steps follow each other without \
+         a pause, so what one step holds is still held in the next. The mode \
+         stops at the first step with a failure, or when the client started fewer than 90 % of \
+         the offered connections (its own ceiling on this machine). A *failure* is a connection \
+         not answered by pod3: no SYN-ACK within {} ms (connect timeout: the first SYN \
+         retransmission comes after 1 s, so a dropped SYN counts), refused, reset, or no answer \
+         within {} ms; the client's own errors (no local port, no file descriptor) and \
+         connections it could not start are counted apart, as a client limit. Each mode runs \
+         on a fresh node with the agent running (not paused: its conntrack GC every 30 s is part \
+         of the datapath measured). *started/s* is what the client achieved of the offered rate, \
+         *completed/s* the connections answered per second over the step; the counters are \
+         their change over the step: `tc_snat_port_exhausted` and `tc_snat` read from the \
+         agent's pinned per-CPU counter map (`kubeproxy_ebpf_datapath_events_total`, which \
+         the agent's metrics endpoint refreshes at its syncs only), the kernel conntrack's \
+         `insert_failed`, `drop` and `early_drop` from the node namespace's \
+         `/proc/net/stat/nf_conntrack` (summed over CPUs). 1 run per step.\n",
+        super::workload::LIVE_NODE_PORT,
+        l.sources,
+        l.first_rate,
+        l.max_steps,
+        last_rate,
+        l.step.as_secs_f64(),
+        l.timeout.as_millis(),
+        l.timeout.as_millis(),
+    );
+    if r.config.quick {
+        let _ = writeln!(
+            md,
+            "**Quick run:** steps of {} s are shorter than the {close_s:.0} s close timeout, so \
+             the SNAT range never reaches its steady state: these figures exercise the code, \
+             they do not measure the ceiling.\n",
+            l.step.as_secs_f64()
+        );
+    }
+    let (key, value) = snat::ct_entry_sizes();
+    let entry = key + value;
+    let ebpf_run = result.ebpf.done();
+    let capacity = ebpf_run.and_then(|run| run.ct_capacity);
+    let time_wait = [ebpf_run, result.iptables.done()]
+        .into_iter()
+        .flatten()
+        .find_map(|run| run.kernel_time_wait);
+    let _ = writeln!(
+        md,
+        "**Conntrack entry sizes** (computed from the types): `CtKey` {key} B + `CtValue` \
+         {value} B = {entry} B per `KPR_CT` entry (key and value; the kernel's per-element \
+         overhead of the LRU hash map comes on top). Entries per flow: {} without SNAT or with \
+         `--tc-fast-path`, {} for a SNATed flow on the default netfilter path (plus its two \
+         egress entries) = {} B per SNATed flow. {}\n",
+        snat::ENTRIES_PER_FLOW,
+        snat::ENTRIES_PER_SNAT_FLOW_NETFILTER_PATH,
+        snat::ENTRIES_PER_SNAT_FLOW_NETFILTER_PATH * entry,
+        match capacity {
+            Some(c) => format!(
+                "`KPR_CT` capacity in this run (sized from the node's memory): {c} entries = {} \
+                 SNATed flows on the netfilter path.",
+                c / snat::ENTRIES_PER_SNAT_FLOW_NETFILTER_PATH as u64
+            ),
+            None => "`KPR_CT` capacity: not read in this run.".to_owned(),
+        }
+    );
+    let _ = writeln!(
+        md,
+        "**The ranges:** eBPF mode SNATs into `--bpf-snat-port-range` {}–{} (the default, not \
+         narrowed here: {ports} ports per backend address and port). A closed flow's entries \
+         stay {close_s:.0} s for late packets, but its port does not: a new flow's probe that \
+         hits the port of a TCP flow that saw its FIN or RST takes it over at once \
+         (`reply_is_stale` in `proxy-ebpf/src/conntrack.rs`, as netfilter reuses TIME_WAIT \
+         tuples), so with short connections only flows not yet closed hold ports, and {ports} / \
+         {close_s:.0} s = {:.0}/s is not the bound it would be if closed flows held theirs. A \
+         new flow tries its own port (kept when it lies in the range and is free), then 16 \
+         random ports, and is dropped and counted as `tc_snat_port_exhausted` when all are \
+         held by live flows. iptables mode: kube-proxy's `MASQUERADE --random-fully` in the \
+         kernel's conntrack: a random port of 1024–65535 for every new flow, retried on a \
+         collision (up to 128 tries); a closed flow's entry stays in TIME_WAIT {} \
+         (`nf_conntrack_tcp_timeout_time_wait` in the node namespace), and the kernel's last \
+         tries may evict a colliding TIME_WAIT entry (`nf_nat_used_tuple_harder`).\n",
+        range.start(),
+        range.end(),
+        f64::from(ports) / close_s,
+        time_wait.map_or("(not readable here)".to_owned(), |t| format!("{t} s")),
+    );
+    let rate = |x: f64| format!("{x:.0}");
+    let failures = |step: &SnatStep| -> String {
+        let parts: Vec<String> = step
+            .load
+            .failures
+            .iter()
+            .filter(|(f, _)| **f != Failure::Client)
+            .map(|(f, n)| format!("{n} {}", f.label()))
+            .collect();
+        if parts.is_empty() {
+            "0".into()
+        } else {
+            parts.join(", ")
+        }
+    };
+    let opt = |x: Option<u64>| x.map_or("–".to_owned(), |v| v.to_string());
+    let kernel = |step: &SnatStep| -> String {
+        match &step.kernel {
+            Some(_) => format!(
+                "{} / {} / {}",
+                opt(step.kernel_delta("insert_failed")),
+                opt(step.kernel_delta("drop")),
+                opt(step.kernel_delta("early_drop"))
+            ),
+            None => "not readable".into(),
+        }
+    };
+    let verdict = |run: &SnatModeRun| -> String {
+        let Some(last) = run.steps.last() else {
+            return "no step ran".into();
+        };
+        let short = last.load.started_rate() < 0.9 * f64::from(last.rate);
+        match run.stop {
+            Stop::Failure => {
+                let snat_counted = last.snat_exhausted.unwrap_or(0) > 0;
+                let kernel_counted = last.kernel_delta("insert_failed").unwrap_or(0)
+                    + last.kernel_delta("drop").unwrap_or(0)
+                    > 0;
+                let mut what = if snat_counted {
+                    "the SNAT range (`tc_snat_port_exhausted` counted the drops)".to_owned()
+                } else if kernel_counted {
+                    "the kernel's conntrack/NAT (`insert_failed`/`drop` counted)".to_owned()
+                } else {
+                    "failures that no SNAT or conntrack counter explains (not the SNAT range; \
+                     see the first error)"
+                        .to_owned()
+                };
+                if short {
+                    what.push_str(&format!(
+                        "; the client also fell short of the offered rate ({} of {}/s)",
+                        rate(last.load.started_rate()),
+                        last.rate
+                    ));
+                }
+                what
+            }
+            Stop::ClientLimit => format!(
+                "the client, not the SNAT: it started {}/s of the {}/s offered{}, without a \
+                 failure",
+                rate(last.load.started_rate()),
+                last.rate,
+                if last.load.client_failures() + last.load.skipped > 0 {
+                    format!(
+                        " ({} client-side errors, {} not started)",
+                        last.load.client_failures(),
+                        last.load.skipped
+                    )
+                } else {
+                    String::new()
+                }
+            ),
+            Stop::LastStep => format!("nothing up to the last step ({}/s)", last.rate),
+        }
+    };
+    let _ = writeln!(
+        md,
+        "| mode | highest step without failure: offered → started/s, completed/s | first step with a failure: offered → started/s | failures there | `tc_snat_port_exhausted` there | kernel conntrack insert_failed / drop / early_drop there | the limit |\n|---|---|---|---|---|---|---|"
+    );
+    let modes = [
+        ("eBPF (tc, netfilter path)", &result.ebpf),
+        (
+            if r.config.iptables_backend == super::IptablesBackend::Legacy {
+                "iptables (legacy)"
+            } else {
+                "iptables (nft)"
+            },
+            &result.iptables,
+        ),
+    ];
+    for (name, outcome) in modes {
+        let run = match outcome {
+            Outcome::Done(run) => run,
+            other => {
+                let _ = writeln!(
+                    md,
+                    "| {name} | {} | | | | | |",
+                    outcome_note(other).unwrap_or_default()
+                );
+                continue;
+            }
+        };
+        let clean = run.last_clean().map_or("none".to_owned(), |s| {
+            format!(
+                "{} → {}, {}",
+                s.rate,
+                rate(s.load.started_rate()),
+                rate(s.load.completed_rate())
+            )
+        });
+        let (first, fails, exhausted, kern) = match run.first_failing() {
+            Some(s) => (
+                format!("{} → {}", s.rate, rate(s.load.started_rate())),
+                format!("{} (first: `{}`)", failures(s), s.load.first_error),
+                opt(s.snat_exhausted),
+                kernel(s),
+            ),
+            None => ("none".into(), "–".into(), "–".into(), "–".into()),
+        };
+        let _ = writeln!(
+            md,
+            "| {name} | {clean} | {first} | {fails} | {exhausted} | {kern} | {} |",
+            verdict(run)
+        );
+    }
+    let _ = writeln!(
+        md,
+        "\n**Every step** (latency of the answered connections: connect → echo read, ms):\n"
+    );
+    let _ = writeln!(
+        md,
+        "| mode | offered/s | started/s | completed/s | answered | failures | `tc_snat` / `tc_snat_port_exhausted` / `tc_ct_failed` | kernel conntrack insert_failed / drop / early_drop | kernel conntrack entries after | p50 / p99 ms |\n|---|---|---|---|---|---|---|---|---|---|"
+    );
+    for (name, outcome) in modes {
+        let Outcome::Done(run) = outcome else {
+            continue;
+        };
+        for s in &run.steps {
+            let client = if s.load.client_failures() + s.load.skipped > 0 {
+                format!(
+                    "; client: {} errors, {} not started",
+                    s.load.client_failures(),
+                    s.load.skipped
+                )
+            } else {
+                String::new()
+            };
+            let _ = writeln!(
+                md,
+                "| {name} | {} | {} | {} | {} of {} | {}{client} | {} / {} / {} | {} | {} | {:.2} / {:.2} |",
+                s.rate,
+                rate(s.load.started_rate()),
+                rate(s.load.completed_rate()),
+                s.load.ok,
+                s.load.offered,
+                failures(s),
+                opt(s.snat),
+                opt(s.snat_exhausted),
+                opt(s.ct_failed),
+                kernel(s),
+                opt(s.kernel_entries),
+                s.load.p50_ns as f64 / 1e6,
+                s.load.p99_ns as f64 / 1e6,
+            );
+        }
+    }
+    let durations: Vec<String> = modes
+        .iter()
+        .filter_map(|(name, o)| o.done().map(|run| format!("{name} {}", dur(run.elapsed))))
+        .collect();
+    let _ = writeln!(
+        md,
+        "\nSection time: {} ({}; each includes building the node and starting the agent).\n",
+        dur(result.elapsed),
+        durations.join(", ")
+    );
 }
 
 fn scaling_section(md: &mut String, r: &Results) {
