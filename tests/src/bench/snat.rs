@@ -12,7 +12,7 @@
 //! client cannot start connections at the offered rate.
 //!
 //! Both sides live here: the helper's load loop ([`snat_load`]) and the orchestrator
-//! ([`measure`]).
+//! ([`run_mode`]).
 
 use std::collections::BTreeMap;
 use std::io;
