@@ -550,7 +550,14 @@ pub struct CtValue {
     pub dport: u16,
     /// See [`ct_flags`].
     pub flags: u8,
-    pub _pad: [u8; 3],
+    pub _pad: u8,
+    /// Reply entries: the link-layer address the client's packets arrived from (the previous
+    /// hop), for [`CtValue::out_ifindex`].
+    pub out_mac: [u8; 6],
+    /// Reply entries: the interface the client's packets arrived on, which its replies leave
+    /// by where routing would send them elsewhere (a node with several uplinks); 0: routing
+    /// decides (forward entries, and clients on interfaces without a link-layer header).
+    pub out_ifindex: u32,
     /// `bpf_ktime_get_ns()` of the last packet (forward entries), for the idle timeout.
     pub last_seen_ns: u64,
 }
@@ -583,6 +590,10 @@ pub struct NodeAddrKey {
 pub struct SnatAddrs {
     pub snat6: [u32; 4],
     pub snat4: u32,
+    /// The interface's link-layer address (all-zero on interfaces without one): the source
+    /// of replies sent out by it directly (`CtValue::out_ifindex`).
+    pub mac: [u8; 6],
+    pub _pad: [u8; 2],
 }
 
 /// The single entry of `KPR_NODE_CONFIG`: node facts the tc programs need.
@@ -627,10 +638,10 @@ mod tests {
         assert_eq!(size_of::<AffinityValue>(), 16);
         assert_eq!(size_of::<AffinityMatchKey>(), 8);
         assert_eq!(size_of::<CtKey>(), 40);
-        assert_eq!(size_of::<CtValue>(), 48);
+        assert_eq!(size_of::<CtValue>(), 56);
         assert_eq!(size_of::<SourceRangeKey>(), 20);
         assert_eq!(size_of::<NodeAddrKey>(), 20);
         assert_eq!(size_of::<NodeConfig>(), 72);
-        assert_eq!(size_of::<SnatAddrs>(), 20);
+        assert_eq!(size_of::<SnatAddrs>(), 28);
     }
 }

@@ -100,10 +100,13 @@ pub enum StatIndex {
     /// to the same backend through another frontend, or a connection of the previous rules in
     /// the kernel's conntrack: it takes the fast path (`ct_flags::BYPASS`).
     TcTupleBypassed = 36,
+    /// A reply left by the interface its flow's client came in on, where its route would have
+    /// taken another (`CtValue::out_ifindex`: a node with several uplinks).
+    TcReplyViaIngress = 37,
 }
 
 impl StatIndex {
-    pub const COUNT: u32 = 37;
+    pub const COUNT: u32 = 38;
     pub const ALL: [StatIndex; Self::COUNT as usize] = [
         StatIndex::Translated,
         StatIndex::RejectedNoBackends,
@@ -142,6 +145,7 @@ impl StatIndex {
         StatIndex::TcMidstreamRecreated,
         StatIndex::TcOrphanSegmentDropped,
         StatIndex::TcTupleBypassed,
+        StatIndex::TcReplyViaIngress,
     ];
 
     /// Label used in logs and metrics.
@@ -184,6 +188,7 @@ impl StatIndex {
             StatIndex::TcMidstreamRecreated => "tc_ct_midstream_recreated",
             StatIndex::TcOrphanSegmentDropped => "tc_ct_orphan_segment_dropped",
             StatIndex::TcTupleBypassed => "tc_tuple_bypassed",
+            StatIndex::TcReplyViaIngress => "tc_reply_via_ingress_interface",
         }
     }
 }

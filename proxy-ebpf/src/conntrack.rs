@@ -103,20 +103,20 @@ pub fn touch(entry: *mut CtValue, value: &CtValue, pkt: &Packet, now: u64) {
     }
 }
 
-/// The key of the entry for the other direction of `value`'s flow: the packet a rewrite to
-/// `value` will be answered with. A forward entry's reverse is its reply entry's key and a
-/// reply entry's reverse is its forward entry's key.
+/// Writes into `key` the key of the entry for the other direction of `value`'s flow: the
+/// packet a rewrite to `value` will be answered with. A forward entry's reverse is its reply
+/// entry's key and a reply entry's reverse is its forward entry's key. Field by field, into the
+/// caller's (scratch) key: a whole `CtKey` would be built on the stack first, and the frames
+/// of `new_flow`'s callees count towards the verifier's 512-byte combined stack.
 #[inline(always)]
-fn reverse_key(value: &CtValue, proto: u8, family: u8) -> CtKey {
-    CtKey {
-        src: value.dst,
-        dst: value.src,
-        sport: value.dport,
-        dport: value.sport,
-        proto,
-        family,
-        _pad: 0,
-    }
+fn write_reverse_key(key: &mut CtKey, value: &CtValue, proto: u8, family: u8) {
+    key.src = value.dst;
+    key.dst = value.src;
+    key.sport = value.dport;
+    key.dport = value.sport;
+    key.proto = proto;
+    key.family = family;
+    key._pad = 0;
 }
 
 /// Whether forward entry `forward` rewrites to the reverse of reply key `reply_key`, i.e. is
@@ -170,7 +170,7 @@ pub fn reply_seen(entry: *mut CtValue, pkt: &Packet, now: u64) -> bool {
     // SAFETY: the per-CPU scratch slot is ours until the program ends; this path (a reply)
     // never reaches `new_flow`, the other user of these fields.
     let (forward_key, forward) = unsafe { (&mut (*scratch).probe_key, &mut (*scratch).forward) };
-    *forward_key = reverse_key(reply, pkt.proto, pkt.family);
+    write_reverse_key(forward_key, reply, pkt.proto, pkt.family);
     let forward_key: &CtKey = forward_key;
     if let Some(existing) = KPR_CT.get_ptr_mut(forward_key) {
         // SAFETY: from a successful lookup.
@@ -193,7 +193,9 @@ pub fn reply_seen(entry: *mut CtValue, pkt: &Packet, now: u64) -> bool {
             | reply.flags & ct_flags::BYPASS
             | ct_flags::ESTABLISHED
             | if pkt.closes() { ct_flags::CLOSING } else { 0 },
-        _pad: [0; 3],
+        _pad: 0,
+        out_mac: [0; 6],
+        out_ifindex: 0,
         last_seen_ns: now,
     };
     // NOEXIST: a new flow of the client tuple written meanwhile wins.
@@ -228,7 +230,7 @@ pub fn reply_is_stale(reply_key: &CtKey, own_key: &CtKey) -> bool {
     if reply.flags & ct_flags::REPLY == 0 {
         return false;
     }
-    *probe_key = reverse_key(reply, reply_key.proto, reply_key.family);
+    write_reverse_key(probe_key, reply, reply_key.proto, reply_key.family);
     // By reference: a copy would put the key back on this frame's stack.
     let probe_key: &CtKey = probe_key;
     if probe_key == own_key {
@@ -294,7 +296,7 @@ pub fn tuple_holder(reply_key: &CtKey, own_key: &CtKey, now: u64) -> Tuple {
     // SAFETY: the per-CPU scratch slot is ours until the program ends; `probe_key` is disjoint
     // from the keys the caller lent us.
     let probe_key = unsafe { &mut (*scratch).probe_key };
-    *probe_key = reverse_key(entry, reply_key.proto, reply_key.family);
+    write_reverse_key(probe_key, entry, reply_key.proto, reply_key.family);
     // By reference: a copy would put the key on this frame's stack.
     let probe_key: &CtKey = probe_key;
     if probe_key == own_key {
@@ -340,7 +342,7 @@ pub fn divert_holder() {
     // where the forward key was, which is read no more.
     unsafe {
         (*forward).flags |= ct_flags::BYPASS;
-        (*scratch).probe_key = reverse_key(&*forward, proto, family);
+        write_reverse_key(&mut (*scratch).probe_key, &*forward, proto, family);
     }
     // SAFETY: as above.
     let reply_key: &CtKey = unsafe { &(*scratch).probe_key };
@@ -416,6 +418,14 @@ pub fn reply_key_holder(reply_key: &CtKey, reply: &CtValue) -> ReplyKey {
     }
 }
 
+/// Inserts reply entry `reply` under `key` if absent. By reference: a copy of the key would
+/// be on `new_flow`'s frame (`snat_port` is inlined there), within the verifier's 512-byte
+/// combined stack.
+#[inline(always)]
+fn reserve(key: &CtKey, reply: &CtValue) -> bool {
+    KPR_CT.insert(key, reply, u64::from(BPF_NOEXIST)).is_ok()
+}
+
 /// The SNAT port of a mid-stream packet's flow (`snat_port` with `find`).
 pub enum SnatPort {
     /// Its reply entry is there: the port the flow has.
@@ -483,30 +493,21 @@ pub fn snat_port(
             }
             continue;
         }
-        if KPR_CT
-            .insert(*reply_key, reply, u64::from(BPF_NOEXIST))
-            .is_ok()
-        {
+        if reserve(reply_key, reply) {
             return Some(SnatPort::Reserved(port));
         }
         if reply_is_stale(reply_key, own_key) {
             // Delete, then insert only if still absent: of two CPUs reclaiming the same port
             // at once, one wins and the other probes on.
             remove(reply_key);
-            if KPR_CT
-                .insert(*reply_key, reply, u64::from(BPF_NOEXIST))
-                .is_ok()
-            {
+            if reserve(reply_key, reply) {
                 return Some(SnatPort::Reserved(port));
             }
         }
     }
     if rewrite && first_free != 0 {
         reply_key.dport = first_free;
-        if KPR_CT
-            .insert(*reply_key, reply, u64::from(BPF_NOEXIST))
-            .is_ok()
-        {
+        if reserve(reply_key, reply) {
             return Some(SnatPort::Reserved(first_free));
         }
     }

@@ -18,6 +18,13 @@
 //!   bypassing the host stack — and with it FORWARD/POSTROUTING, so netfilter policy does not
 //!   apply. When the fib lookup finds no forwarding route (the backend is the node itself, or
 //!   forwarding is off) the packet goes up the stack with `TC_ACT_OK`.
+//!
+//! On either path a reply whose route leaves by another interface than the one its client's
+//! packets come in on (a node with several uplinks, the client reached through the second)
+//! leaves by the client's interface instead, to the neighbour the client's packets came from
+//! (`leave_by_ingress`): routed by the table, it would reach a network that does not lead back
+//! to the client, or one whose filters drop a source address from the other uplink. kube-proxy
+//! leaves this to the routing table (policy routing by connmark is the operator's).
 
 use core::{mem, ptr};
 
@@ -27,14 +34,14 @@ use aya_ebpf::{
     bindings::{
         BPF_FIB_LKUP_RET_NO_NEIGH, BPF_FIB_LKUP_RET_SUCCESS, TC_ACT_OK, TC_ACT_SHOT, TC_ACT_UNSPEC,
     },
-    helpers::{bpf_fib_lookup, bpf_redirect_neigh, bpf_skb_vlan_pop},
+    helpers::{bpf_fib_lookup, bpf_redirect, bpf_redirect_neigh, bpf_skb_vlan_pop},
     programs::TcContext,
 };
 use proxy_common::{CtValue, StatIndex, TRANSLATED_MARK, ct_flags, family, node_flags, proto};
 
 use crate::{
     csum::{replace_addr, replace_port},
-    maps::{KPR_NODE_CONFIG, KPR_TC_SCRATCH},
+    maps::{KPR_NODE_CONFIG, KPR_SNAT_IFACES, KPR_TC_SCRATCH},
     parse::Packet,
     sctp,
     stats::bump,
@@ -130,8 +137,38 @@ pub fn translate_source(ctx: &TcContext, pkt: &Packet, to: &CtValue) -> i32 {
         return TC_ACT_SHOT;
     }
     bump(StatIndex::TcEgressTranslated);
+    // SAFETY: the context pointer is the program's own __sk_buff.
+    let via = unsafe { (*ctx.skb.skb).ifindex };
+    if let Some(action) = leave_by_ingress(ctx, to, via) {
+        return action;
+    }
     // As in `translate`: programs behind ours still see the packet.
     TC_ACT_UNSPEC
+}
+
+/// A reply (`to` a reply entry with `out_ifindex`) that its route sends out by `via`, another
+/// interface than the one its client's packets arrive on, is redirected there instead, to the
+/// neighbour those packets came from and from that interface's MAC (`KPR_SNAT_IFACES`).
+/// `None`: the route's interface is the client's, or the entry or the interface has no
+/// link-layer facts (routing decides, as before).
+#[inline(always)]
+fn leave_by_ingress(ctx: &TcContext, to: &CtValue, via: u32) -> Option<i32> {
+    if to.out_ifindex == 0 || to.out_ifindex == via {
+        return None;
+    }
+    // SAFETY: the value is plain bytes, read in place; the agent writes whole values.
+    let own = unsafe { KPR_SNAT_IFACES.get(to.out_ifindex) }?;
+    if own.mac == [0; 6] {
+        return None;
+    }
+    // By reference: the MACs go from map memory into the frame without a stack copy.
+    if ctx.store(0, &to.out_mac, 0).is_err() || ctx.store(6, &own.mac, 0).is_err() {
+        bump(StatIndex::TcRewriteFailed);
+        return Some(TC_ACT_SHOT);
+    }
+    bump(StatIndex::TcReplyViaIngress);
+    // SAFETY: plain helper call; the ifindex is the one the client's packet arrived on.
+    Some(unsafe { bpf_redirect(to.out_ifindex, 0) } as i32)
 }
 
 #[inline(always)]
@@ -174,6 +211,9 @@ fn forward(ctx: &TcContext, pkt: &Packet, to: &CtValue) -> i32 {
                 bump(StatIndex::TcRewriteFailed);
                 return TC_ACT_SHOT;
             }
+        }
+        if let Some(action) = leave_by_ingress(ctx, to, params.ifindex) {
+            return action;
         }
         // SAFETY: no neighbour parameters: the kernel resolves the next hop itself.
         return unsafe { bpf_redirect_neigh(params.ifindex, ptr::null_mut(), 0, 0) } as i32;

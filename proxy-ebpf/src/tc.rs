@@ -25,13 +25,15 @@ use aya_ebpf::{
         BPF_F_CURRENT_NETNS, BPF_FIB_LKUP_RET_NO_NEIGH, BPF_FIB_LKUP_RET_NOT_FWDED,
         BPF_FIB_LKUP_RET_SUCCESS, TC_ACT_SHOT, TC_ACT_UNSPEC, bpf_sock_tuple,
     },
-    helpers::{bpf_fib_lookup, bpf_ktime_get_ns, bpf_sk_release, bpf_skc_lookup_tcp},
+    helpers::{
+        bpf_fib_lookup, bpf_ktime_get_ns, bpf_sk_release, bpf_skb_load_bytes, bpf_skc_lookup_tcp,
+    },
     maps::lpm_trie::Key,
     programs::TcContext,
 };
 use proxy_common::{
-    CtKey, CtValue, Frontend4Key, Frontend6Key, FrontendValue, NodeAddrKey, NodeConfig,
-    SourceRangeKey, StatIndex, TRANSLATED_MARK, ct_flags, frontend_flags, node_flags, proto, scope,
+    Frontend4Key, Frontend6Key, FrontendValue, NodeAddrKey, NodeConfig, SourceRangeKey, StatIndex,
+    TRANSLATED_MARK, ct_flags, frontend_flags, node_flags, proto, scope,
 };
 
 use crate::{
@@ -540,33 +542,37 @@ fn new_flow(ctx: &TcContext, pkt: &Packet, frontend: &FrontendValue, internal: b
     // SAFETY: the per-CPU slot is ours until the program ends (no preemption on a CPU).
     let scratch = unsafe { &mut *scratch };
     pkt.write_ct_key(&mut scratch.flow_key);
-    scratch.forward = CtValue {
-        src: pkt.src,
-        dst: backend_addr,
-        sport: pkt.sport,
-        dport: backend_port,
-        flags: 0,
-        _pad: [0; 3],
-        last_seen_ns: now,
-    };
-    scratch.reply_key = CtKey {
-        src: backend_addr,
-        dst: pkt.src,
-        sport: backend_port,
-        dport: pkt.sport,
-        proto: pkt.proto,
-        family: pkt.family,
-        _pad: 0,
-    };
-    scratch.reply = CtValue {
-        src: pkt.dst,
-        dst: pkt.src,
-        sport: pkt.dport,
-        dport: pkt.sport,
-        flags: ct_flags::REPLY,
-        _pad: [0; 3],
-        last_seen_ns: now,
-    };
+    // Field by field: whole values would be built on this frame's stack first (the verifier's
+    // 512 bytes are shared with `service` and the callees).
+    let forward = &mut scratch.forward;
+    forward.src = pkt.src;
+    forward.dst = backend_addr;
+    forward.sport = pkt.sport;
+    forward.dport = backend_port;
+    forward.flags = 0;
+    forward._pad = 0;
+    forward.out_mac = [0; 6];
+    forward.out_ifindex = 0;
+    forward.last_seen_ns = now;
+    let reply_key = &mut scratch.reply_key;
+    reply_key.src = backend_addr;
+    reply_key.dst = pkt.src;
+    reply_key.sport = backend_port;
+    reply_key.dport = pkt.sport;
+    reply_key.proto = pkt.proto;
+    reply_key.family = pkt.family;
+    reply_key._pad = 0;
+    let reply = &mut scratch.reply;
+    reply.src = pkt.dst;
+    reply.dst = pkt.src;
+    reply.sport = pkt.dport;
+    reply.dport = pkt.sport;
+    reply.flags = ct_flags::REPLY;
+    reply._pad = 0;
+    reply.out_mac = [0; 6];
+    reply.out_ifindex = 0;
+    reply.last_seen_ns = now;
+    record_client_interface(ctx);
     // Another live flow holds the tuple this one would show the kernel and key its egress
     // entries by on the netfilter path (see `ct_flags::BYPASS`).
     let holder = if fast_path() {
@@ -680,6 +686,31 @@ fn new_flow(ctx: &TcContext, pkt: &Packet, frontend: &FrontendValue, internal: b
         return Verdict::Action(DROP);
     }
     Verdict::Translate
+}
+
+/// Records in the new flow's reply entry (the scratch slot's `reply`) the interface the
+/// client's packet arrived on and the neighbour it came from, for replies that must leave by
+/// that interface (`nat::leave_by_ingress`); without them they are routed as any packet. Not
+/// inlined: its frame must not add to `new_flow`'s (the verifier's 512-byte combined stack).
+#[inline(never)]
+fn record_client_interface(ctx: &TcContext) {
+    let Some(scratch) = KPR_TC_SCRATCH.get_ptr_mut(0) else {
+        return;
+    };
+    // SAFETY: the per-CPU slot is ours until the program ends; the context pointer is the
+    // program's own __sk_buff. The raw helper, for a constant length straight into the slot
+    // (`load_bytes` clamps the length to the packet, which the verifier then sees as possibly
+    // zero).
+    unsafe {
+        let reply = &mut (*scratch).reply;
+        let loaded =
+            bpf_skb_load_bytes(ctx.skb.skb.cast(), 6, reply.out_mac.as_mut_ptr().cast(), 6);
+        reply.out_ifindex = if loaded == 0 {
+            (*ctx.skb.skb).ifindex
+        } else {
+            0
+        };
+    }
 }
 
 /// Netfilter path, SNATed flow: the egress program's two entries, keyed by what the host

@@ -48,6 +48,8 @@ pub enum Place {
 pub struct Topology {
     // Field order is drop order: children before namespaces.
     echoes: Vec<EchoServer>,
+    /// `router2` and `client2` ([`Topology::add_second_uplink`]).
+    uplink2: Vec<Netns>,
     remote_pods: Vec<Netns>,
     remote: Option<Netns>,
     pods: Vec<Netns>,
@@ -67,6 +69,7 @@ impl Topology {
         let ext = Netns::new("ext")?;
         let mut topo = Self {
             echoes: Vec::new(),
+            uplink2: Vec::new(),
             remote_pods: Vec::new(),
             remote: None,
             pods: Vec::with_capacity(pods),
@@ -242,6 +245,74 @@ impl Topology {
             self.start_echo(Place::RemotePod(i), &format!("rpod{i}"), addr.into())?;
         }
         Ok(())
+    }
+
+    /// Gives the node a second uplink, `vup2` (10.30.0.1/24, fd00:30::1/64), to a router
+    /// (`router2`, forwarding) behind which a client (`client2`, 10.40.0.2, fd00:40::2) lives.
+    /// The node has no route to the client's network but its default route (see
+    /// [`Topology::route_node_via_ext`]), which leaves by `vext`: a node with two uplinks where
+    /// a client reached through the second is routed back through the first. The router
+    /// sends everything else to the node. Loose reverse-path filtering on the node (`2`, as
+    /// systemd sets it), which such a node needs.
+    pub fn add_second_uplink(&mut self) -> Result<()> {
+        if !self.uplink2.is_empty() {
+            return Err(RigError::Other("one second uplink".into()));
+        }
+        let router = Netns::new("router2")?;
+        router.sysctl("net.ipv4.ip_forward", "1")?;
+        router.sysctl("net.ipv6.conf.all.forwarding", "1")?;
+        link(
+            &self.node,
+            "vup2",
+            "10.30.0.1/24",
+            &router,
+            "10.30.0.2/24",
+            "10.30.0.1",
+        )?;
+        link6(&self.node, "vup2", "fd00:30::1", &router, "fd00:30::2")?;
+        let client = Netns::new("client2")?;
+        link(
+            &router,
+            "vcl2",
+            "10.40.0.1/24",
+            &client,
+            "10.40.0.2/24",
+            "10.40.0.1",
+        )?;
+        link6(&router, "vcl2", "fd00:40::1", &client, "fd00:40::2")?;
+        for key in ["all", "vup2", "vext"] {
+            self.node
+                .sysctl(&format!("net.ipv4.conf.{key}.rp_filter"), "2")?;
+        }
+        self.uplink2 = vec![client, router];
+        Ok(())
+    }
+
+    /// The client behind the second uplink ([`Topology::add_second_uplink`]).
+    pub fn uplink2_client(&self) -> Result<&Netns> {
+        self.uplink2
+            .first()
+            .ok_or_else(|| RigError::Other("no second uplink".into()))
+    }
+
+    /// `10.30.0.1`, the node's address on its second uplink.
+    pub fn node_uplink2_ip() -> Ipv4Addr {
+        Ipv4Addr::new(10, 30, 0, 1)
+    }
+
+    /// `fd00:30::1`, the node's IPv6 address on its second uplink.
+    pub fn node_uplink2_ip6() -> Ipv6Addr {
+        Ipv6Addr::new(0xfd00, 0x30, 0, 0, 0, 0, 0, 1)
+    }
+
+    /// `10.40.0.2`, the client behind the second uplink.
+    pub fn uplink2_client_ip() -> Ipv4Addr {
+        Ipv4Addr::new(10, 40, 0, 2)
+    }
+
+    /// `fd00:40::2`, the client behind the second uplink (IPv6).
+    pub fn uplink2_client_ip6() -> Ipv6Addr {
+        Ipv6Addr::new(0xfd00, 0x40, 0, 0, 0, 0, 0, 2)
     }
 
     /// Gives the node a default route (both families) via the external namespace, as a real

@@ -74,7 +74,7 @@ fn documented_conntrack_size(ratio: f64) -> anyhow::Result<u32> {
         reason = "a test-sized memory figure"
     )]
     let budget = ((kib * 1024) as f64 * ratio) as u64;
-    Ok(u32::try_from(budget * 60 / 100 / 160)?.max(65_536))
+    Ok(u32::try_from(budget * 60 / 100 / 168)?.max(65_536))
 }
 
 #[test]

@@ -2,11 +2,12 @@
 //! their state when the new agent finds a map in an older layout, and a map in a layout it does
 //! not know is reported and rebuilt without a failed connection. Needs root.
 //!
-//! The older layout is a real one: the foundation's `KPR_REVNAT4`, keyed by the socket cookie
+//! The older layouts are real ones: the foundation's `KPR_REVNAT4`, keyed by the socket cookie
 //! alone with the service and the backend in the value (git history: the first commit's
-//! `proxy-common/src/maps.rs`), which the agent registers as version 1 of the map. The test
-//! builds it from the live entries of the running datapath, as that agent would have written
-//! them.
+//! `proxy-common/src/maps.rs`), which the agent registers as version 1 of the map, and
+//! `KPR_CT` before its reply entries recorded the client's interface (version 1, a 48-byte
+//! value). The test builds them from the live entries of the running datapath, as those agents
+//! would have written them.
 
 use std::net::{SocketAddr, SocketAddrV4};
 use std::os::fd::{FromRawFd as _, OwnedFd};
@@ -16,7 +17,7 @@ use std::time::Duration;
 use aya::maps::{HashMap, IterableMap as _, Map, MapData};
 use proxy_agent::dataplane::ebpf::PIN_DIR_NAME;
 use proxy_agent::dataplane::ebpf::layout::{LAYOUTS, LayoutKey, LayoutRecord};
-use proxy_common::{RevNat4, RevNat4Key, map_names};
+use proxy_common::{CtKey, CtValue, RevNat4, RevNat4Key, map_names};
 use proxy_tests::RigError;
 use proxy_tests::client::{Attempt, Client, Mode, tally};
 use proxy_tests::scenario::{Scenario, cluster_addr, is_pod, pod_endpoint};
@@ -205,6 +206,59 @@ fn rewrite_revnat4_as_v1(pin_dir: &Path) -> anyhow::Result<usize> {
     Ok(entries.len())
 }
 
+/// `KPR_CT`'s value before the reply interface (`out_mac`, `out_ifindex`): the agent's
+/// `layout::v1::CtValue`, written here from the git history's type.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct CtValueV1 {
+    src: [u32; 4],
+    dst: [u32; 4],
+    sport: u16,
+    dport: u16,
+    flags: u8,
+    _pad: [u8; 3],
+    last_seen_ns: u64,
+}
+
+// SAFETY: `repr(C)` integers without implicit padding, valid for any bytes.
+unsafe impl aya::Pod for CtValueV1 {}
+
+/// Replaces the pinned `KPR_CT` by one in its version-1 layout with the same flows (their
+/// reply interfaces dropped, as an agent of that version never recorded them). Returns the
+/// entry count.
+fn rewrite_ct_as_v1(pin_dir: &Path) -> anyhow::Result<usize> {
+    let pin = pin_dir.join(map_names::CT);
+    let current = HashMap::<MapData, CtKey, CtValue>::try_from(Map::from_map_data(
+        MapData::from_pin(&pin)?,
+    )?)?;
+    let entries: Vec<(CtKey, CtValue)> = current.iter().filter_map(Result::ok).collect();
+    let capacity = current.map().info()?.max_entries();
+    const BPF_MAP_TYPE_LRU_HASH: u32 = 9;
+    let old = MapData::from_fd(create_map(
+        BPF_MAP_TYPE_LRU_HASH,
+        std::mem::size_of::<CtKey>() as u32,
+        std::mem::size_of::<CtValueV1>() as u32,
+        capacity,
+    )?)?;
+    let mut old = HashMap::<MapData, CtKey, CtValueV1>::try_from(Map::from_map_data(old)?)?;
+    for (key, value) in &entries {
+        let v1 = CtValueV1 {
+            src: value.src,
+            dst: value.dst,
+            sport: value.sport,
+            dport: value.dport,
+            flags: value.flags,
+            _pad: [0; 3],
+            last_seen_ns: value.last_seen_ns,
+        };
+        old.insert(key, v1, 0)?;
+    }
+    let staged = pin_dir.join("KPR_CT_v1");
+    old.map().pin(&staged)?;
+    std::fs::rename(&staged, &pin)?;
+    Ok(entries.len())
+}
+
 /// The layout record of `name` in the pinned `KPR_LAYOUTS`.
 fn record(pin_dir: &Path, name: &str) -> anyhow::Result<Option<LayoutRecord>> {
     let map = HashMap::<MapData, LayoutKey, LayoutRecord>::try_from(Map::from_map_data(
@@ -270,15 +324,7 @@ fn established_connections_keep_their_state_across_an_upgrade_from_an_older_map_
         )
     })?;
     let log = log_since(&mut s, log_start)?;
-    let first_copy = log.lines().find(|l| {
-        l.contains("entries migrated from the older layout") && l.contains("after_attach=false")
-    });
-    s.ensure(
-        first_copy.is_some_and(|l| {
-            l.contains(map_names::REVNAT4) && l.contains(&format!("copied={entries}"))
-        }),
-        || format!("the agent copies every entry before its programs attach: {first_copy:?}"),
-    )?;
+    ensure_first_copy(&s, &log, map_names::REVNAT4, entries)?;
     let transition = "upgrade with a map-layout change";
     let figures = traffic.finish(transition)?;
     takeover::report(&s, transition, &figures)?;
@@ -286,6 +332,71 @@ fn established_connections_keep_their_state_across_an_upgrade_from_an_older_map_
     s.ensure(
         recorded.is_some_and(|r| r.version == 2 && r.key_size == 16),
         || format!("KPR_REVNAT4 is recorded in its current layout: {recorded:?}"),
+    )?;
+    Ok(())
+}
+
+/// Fails unless the log says the agent copied all `count` entries of `map` in the older layout
+/// before its programs attached.
+fn ensure_first_copy(s: &Scenario, log: &str, map: &str, count: usize) -> anyhow::Result<()> {
+    let first_copy = log.lines().find(|l| {
+        l.contains("entries migrated from the older layout")
+            && l.contains("after_attach=false")
+            && l.contains(map)
+    });
+    s.ensure(
+        first_copy.is_some_and(|l| l.contains(&format!("copied={count}"))),
+        || {
+            format!(
+                "the agent copies every entry of {map} before its programs attach: {first_copy:?}"
+            )
+        },
+    )?;
+    Ok(())
+}
+
+/// `KPR_CT` in its version-1 layout (before reply entries recorded the client's interface),
+/// left by an agent without layout records: this agent recognises it by its sizes, copies every
+/// entry into its own map before its programs replace the running ones (and again after), and
+/// the external streams through the NodePort keep their connection and backend; the map is
+/// recorded in version 2 afterwards.
+#[test]
+fn external_flows_keep_their_conntrack_across_the_reply_interface_layout_change()
+-> anyhow::Result<()> {
+    let mut s = setup()?;
+    let pins = pin_dir(&mut s)?;
+    let (streams, _, _) = open_streams(&mut s, 40)?;
+    s.agent()?.stop()?;
+    let flows = rewrite_ct_as_v1(&pins)?;
+    std::fs::remove_file(pins.join(LAYOUTS))?;
+    // Each NodePort stream is SNATed: forward, reply and two egress entries.
+    s.ensure(flows >= 2 * NODE_PORT_STREAMS, || {
+        format!("the NodePort streams' conntrack entries are in the map: {flows}")
+    })?;
+    let log_start = s.agent()?.log_contents().len();
+    s.agent()?.restart()?;
+    try_wait_until(
+        "the migration finished after the new programs attached",
+        Duration::from_secs(15),
+        Duration::from_millis(50),
+        || {
+            Ok(log_since(&mut s, log_start).is_ok_and(|log| {
+                log.lines().any(|l| {
+                    l.contains("entries migrated from the older layout")
+                        && l.contains(map_names::CT)
+                        && l.contains("after_attach=true")
+                })
+            }))
+        },
+    )
+    .map_err(|e| s.agent_error(e.to_string()))?;
+    let log = log_since(&mut s, log_start)?;
+    ensure_first_copy(&s, &log, map_names::CT, flows)?;
+    ensure_streams_kept(&s, streams, "conntrack layout change")?;
+    let recorded = record(&pins, map_names::CT)?;
+    s.ensure(
+        recorded.is_some_and(|r| r.version == 2 && r.value_size == 56),
+        || format!("KPR_CT is recorded in its current layout: {recorded:?}"),
     )?;
     Ok(())
 }

@@ -155,8 +155,8 @@ pub fn external_interfaces(
 
 /// The `KPR_SNAT_IFACES` entries: each external interface's first global address per family,
 /// by ifindex — the address a flow is masqueraded to when its backend's route leaves there
-/// (MASQUERADE's choice). Interfaces without link facts (no ifindex) or without a global
-/// address have none; the `NodeConfig` address applies to them.
+/// (MASQUERADE's choice), and its MAC. Interfaces without link facts (no ifindex) or without a
+/// global address have no address there; the `NodeConfig` address applies to them.
 pub fn snat_by_interface(
     all: &BTreeMap<String, Interface>,
     external: &BTreeSet<String>,
@@ -174,6 +174,9 @@ pub fn snat_by_interface(
                 _ => {}
             }
         }
+        // The MAC alone is worth an entry: replies leave by this interface directly when
+        // their route would take another (`CtValue::out_ifindex`).
+        addrs.mac = link.mac.unwrap_or_default();
         if addrs != SnatAddrs::default() {
             out.insert(link.index, addrs);
         }

@@ -31,6 +31,8 @@ pub struct Link {
     pub hardware_type: u16,
     /// The ifindex of the bridge, bond or VRF this link is a port of.
     pub master: Option<u32>,
+    /// `IFLA_ADDRESS` of an Ethernet link (its MAC); `None` for other link types.
+    pub mac: Option<[u8; 6]>,
 }
 
 impl Link {
@@ -48,6 +50,7 @@ const RTM_NEWLINK: u16 = 16;
 const RTM_GETLINK: u16 = 18;
 const NLM_F_REQUEST: u16 = 0x1;
 const NLM_F_DUMP: u16 = 0x300;
+const IFLA_ADDRESS: u16 = 1;
 const IFLA_IFNAME: u16 = 3;
 const IFLA_MASTER: u16 = 10;
 const IFLA_LINKINFO: u16 = 18;
@@ -142,12 +145,14 @@ fn parse_link(body: &[u8]) -> Option<(String, Link)> {
         kind: None,
         hardware_type,
         master: None,
+        mac: None,
     };
     let mut name = None;
     for (kind, value) in attributes(body.get(IFINFOMSG_LEN..)?) {
         match kind {
             IFLA_IFNAME => name = Some(c_string(value)),
             IFLA_MASTER => link.master = u32_at(value, 0).filter(|m| *m != 0),
+            IFLA_ADDRESS if link.ethernet() => link.mac = value.try_into().ok(),
             IFLA_LINKINFO => {
                 link.kind = attributes(value)
                     .find(|(kind, _)| *kind == IFLA_INFO_KIND)
@@ -229,7 +234,7 @@ mod tests {
     }
 
     #[test]
-    fn a_dump_gives_kind_type_state_and_master() {
+    fn a_dump_gives_kind_type_state_master_and_mac() {
         // IFLA_LINKINFO is sent with the nested flag (0x8000), which the mask drops.
         let info = attr(IFLA_LINKINFO | 0x8000, &attr(IFLA_INFO_KIND, b"bridge\0"));
         let mut batch = new_link("docker0", ARPHRD_ETHER, 3, IFF_UP, &[info]);
@@ -238,9 +243,18 @@ mod tests {
             ARPHRD_ETHER,
             2,
             IFF_UP | IFF_RUNNING,
-            &[attr(IFLA_MASTER, &7u32.to_ne_bytes())],
+            &[
+                attr(IFLA_MASTER, &7u32.to_ne_bytes()),
+                attr(IFLA_ADDRESS, &[2, 0, 0, 0, 0, 9]),
+            ],
         ));
-        batch.extend(new_link("wg0", 65534, 4, IFF_UP | IFF_RUNNING, &[]));
+        batch.extend(new_link(
+            "wg0",
+            65534,
+            4,
+            IFF_UP | IFF_RUNNING,
+            &[attr(IFLA_ADDRESS, &[10, 0, 0, 1, 0, 0])],
+        ));
         let mut links = BTreeMap::new();
         assert!(!parse_batch(&batch, 1, &mut links).expect("parse"));
         assert!(parse_batch(&message(NLMSG_DONE, 1, &[0; 4]), 1, &mut links).expect("done"));
@@ -251,7 +265,10 @@ mod tests {
         let eth = &links["eth0"];
         assert!(eth.up && eth.ethernet() && eth.kind.is_none());
         assert_eq!(eth.master, Some(7));
+        assert_eq!(eth.mac, Some([2, 0, 0, 0, 0, 9]));
+        assert_eq!(docker.mac, None);
         assert!(!links["wg0"].ethernet());
+        assert_eq!(links["wg0"].mac, None, "not an Ethernet link");
     }
 
     #[test]

@@ -698,6 +698,7 @@ fn linked(
         kind: kind.map(str::to_owned),
         hardware_type,
         master,
+        mac: None,
     });
     (name, interface)
 }
@@ -810,14 +811,15 @@ fn only_up_uplinks_are_external_and_links_without_ethernet_get_nothing() {
 }
 
 /// Each external interface's own first global address per family, by ifindex (MASQUERADE's
-/// choice for a route leaving there); link-local addresses never, interfaces without link
-/// facts or without a global address not at all, non-external interfaces not at all.
+/// choice for a route leaving there), and its MAC (replies sent out by it directly);
+/// link-local addresses never, interfaces without link facts or with neither a global address
+/// nor a MAC not at all, non-external interfaces not at all.
 #[test]
 fn every_external_interface_has_its_own_snat_addresses() {
     use proxy_common::SnatAddrs;
 
     use super::ebpf::snat_by_interface;
-    let all: BTreeMap<String, Interface> = [
+    let mut all: BTreeMap<String, Interface> = [
         linked(
             "eth0",
             &["fe80::1", "10.10.0.1", "10.10.0.9", "fd00:10::1"],
@@ -842,6 +844,10 @@ fn every_external_interface_has_its_own_snat_addresses() {
     ]
     .into_iter()
     .collect();
+    let mac = [2, 0, 0, 0, 0, 4];
+    if let Some(link) = all.get_mut("eth2").and_then(|i| i.link.as_mut()) {
+        link.mac = Some(mac);
+    }
     let external = ["eth0", "eth1", "eth2", "eth3"]
         .into_iter()
         .map(str::to_owned)
@@ -855,6 +861,7 @@ fn every_external_interface_has_its_own_snat_addresses() {
                 SnatAddrs {
                     snat4: v4("10.10.0.1"),
                     snat6: ip6_to_map("fd00:10::1".parse().expect("v6")),
+                    ..SnatAddrs::default()
                 }
             ),
             (
@@ -862,6 +869,14 @@ fn every_external_interface_has_its_own_snat_addresses() {
                 SnatAddrs {
                     snat4: v4("192.168.5.1"),
                     snat6: [0; 4],
+                    ..SnatAddrs::default()
+                }
+            ),
+            (
+                4,
+                SnatAddrs {
+                    mac,
+                    ..SnatAddrs::default()
                 }
             ),
         ])

@@ -99,7 +99,9 @@ pub fn adoptable(entry: &ConntrackEntry, now_ns: u64) -> Vec<(CtKey, CtValue)> {
                 sport: original.src_port.to_be(),
                 dport: reply.src_port.to_be(),
                 flags: ct_flags::KERNEL_NAT | established | closing,
-                _pad: [0; 3],
+                _pad: 0,
+                out_mac: [0; 6],
+                out_ifindex: 0,
                 last_seen_ns: now_ns,
             },
         ));
@@ -127,7 +129,9 @@ pub fn adoptable(entry: &ConntrackEntry, now_ns: u64) -> Vec<(CtKey, CtValue)> {
                 sport: reply.dst_port.to_be(),
                 dport: reply.src_port.to_be(),
                 flags: ct_flags::KERNEL_NAT | established,
-                _pad: [0; 3],
+                _pad: 0,
+                out_mac: [0; 6],
+                out_ifindex: 0,
                 last_seen_ns: now_ns,
             },
         ));

@@ -109,7 +109,8 @@ pub fn current() -> [Layout; 18] {
         layout::<AffinityKey, AffinityValue>(map_names::AFFINITY, 1),
         layout::<AffinityMatchKey, u8>(map_names::AFFINITY_MATCH, 1),
         layout::<u32, u64>(map_names::STATS, 1),
-        layout::<CtKey, CtValue>(map_names::CT, 1),
+        // Version 1: without the interface and neighbour replies leave by; see `v1::CtValue`.
+        layout::<CtKey, CtValue>(map_names::CT, 2),
         // LPM trie keys carry the prefix length first.
         Layout {
             key_size: size::<u32>() + size::<SourceRangeKey>(),
@@ -117,7 +118,8 @@ pub fn current() -> [Layout; 18] {
         },
         layout::<NodeAddrKey, u8>(map_names::NODE_ADDRS, 1),
         layout::<u32, NodeConfig>(map_names::NODE_CONFIG, 1),
-        layout::<u32, SnatAddrs>(map_names::SNAT_IFACES, 1),
+        // Version 1: without the interface's MAC (service state: rebuilt by the first sync).
+        layout::<u32, SnatAddrs>(map_names::SNAT_IFACES, 2),
         layout::<MaglevKey, MaglevBlock>(map_names::MAGLEV, 1),
         layout::<AffinityKey, AffinityValue>(map_names::UDP_STICKY, 1),
         layout::<u32, ServiceName>(map_names::SERVICE_NAMES, 1),
@@ -180,19 +182,65 @@ impl PartialEq for Migration {
 impl Eq for Migration {}
 
 /// Layouts earlier agents pinned, with their conversions to this build's.
-pub static OLDER: &[Migration] = &[Migration {
-    from: Layout {
-        name: map_names::REVNAT4,
-        version: 1,
-        key_size: 8,
-        value_size: 16,
+pub static OLDER: &[Migration] = &[
+    Migration {
+        from: Layout {
+            name: map_names::REVNAT4,
+            version: 1,
+            key_size: 8,
+            value_size: 16,
+        },
+        copy: |old, new, flags| copy_converted(old, new, flags, v1::revnat4),
     },
-    copy: |old, new, flags| copy_converted(old, new, flags, v1::revnat4),
-}];
+    Migration {
+        from: Layout {
+            name: map_names::CT,
+            version: 1,
+            key_size: 40,
+            value_size: 48,
+        },
+        copy: |old, new, flags| copy_converted(old, new, flags, v1::ct),
+    },
+];
 
 /// Layouts that existed in earlier agents (git history), kept for their conversions.
 pub mod v1 {
-    use proxy_common::RevNat4Key;
+    use proxy_common::{CtKey, RevNat4Key};
+
+    /// `KPR_CT`'s value before the reply interface (`out_ifindex`, `out_mac`).
+    #[repr(C)]
+    #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+    pub struct CtValue {
+        pub src: [u32; 4],
+        pub dst: [u32; 4],
+        pub sport: u16,
+        pub dport: u16,
+        pub flags: u8,
+        pub _pad: [u8; 3],
+        pub last_seen_ns: u64,
+    }
+
+    // SAFETY: `repr(C)` integers without implicit padding, valid for any bytes.
+    unsafe impl aya::Pod for CtValue {}
+
+    /// Lossless but for the reply interface, which the old entries did not record: their
+    /// replies stay routed by the table, as they were.
+    pub fn ct(key: CtKey, old: CtValue) -> Option<(CtKey, super::CtValue)> {
+        Some((
+            key,
+            super::CtValue {
+                src: old.src,
+                dst: old.dst,
+                sport: old.sport,
+                dport: old.dport,
+                flags: old.flags,
+                _pad: 0,
+                out_mac: [0; 6],
+                out_ifindex: 0,
+                last_seen_ns: old.last_seen_ns,
+            },
+        ))
+    }
 
     /// The foundation's `KPR_REVNAT4` value (key: the socket cookie), before the key became
     /// Cilium's `(cookie, backend address, backend port)`: a socket's service and backend.

@@ -175,9 +175,9 @@ mod tests {
         assert_eq!(small.conntrack, CONNTRACK_MIN);
         assert_eq!(small.revnat4, SOCKET_MIN);
         assert_eq!(small.udp_sticky, SOCKET_MIN);
-        // 24 GiB: 61 MiB, 60 % of it in 160-byte conntrack entries.
-        assert_eq!(entry_bytes::<CtKey, CtValue>(), 160);
-        assert_eq!(mid.conntrack, 241_591);
+        // 24 GiB: 61 MiB, 60 % of it in 168-byte conntrack entries.
+        assert_eq!(entry_bytes::<CtKey, CtValue>(), 168);
+        assert_eq!(mid.conntrack, 230_087);
         assert!(
             mid.bytes() <= (24 * GIB) / 400 + GIB / 1024,
             "{}",

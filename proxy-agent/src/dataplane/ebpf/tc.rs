@@ -653,10 +653,17 @@ fn describe_node_addr(key: &NodeAddrKey) -> String {
 }
 
 fn describe_snat(a: &SnatAddrs) -> String {
+    let m = a.mac;
     format!(
-        "snat4 {} snat6 {}",
+        "snat4 {} snat6 {} mac {:02x}:{:02x}:{:02x}:{:02x}:{:02x}:{:02x}",
         Ipv4Addr::from(a.snat4.to_ne_bytes()),
-        super::map_writer::ip6_from_map(a.snat6)
+        super::map_writer::ip6_from_map(a.snat6),
+        m[0],
+        m[1],
+        m[2],
+        m[3],
+        m[4],
+        m[5]
     )
 }
 

@@ -20,11 +20,11 @@ const RELEASED: [(&str, u32, u32, u32); 18] = [
     (map_names::AFFINITY, 1, 16, 16),
     (map_names::AFFINITY_MATCH, 1, 8, 1),
     (map_names::STATS, 1, 4, 8),
-    (map_names::CT, 1, 40, 48),
+    (map_names::CT, 2, 40, 56),
     (map_names::SOURCE_RANGES, 1, 24, 1),
     (map_names::NODE_ADDRS, 1, 20, 1),
     (map_names::NODE_CONFIG, 1, 4, 72),
-    (map_names::SNAT_IFACES, 1, 4, 20),
+    (map_names::SNAT_IFACES, 2, 4, 28),
     (map_names::MAGLEV, 1, 12, 64),
     (map_names::UDP_STICKY, 1, 16, 16),
     (map_names::SERVICE_NAMES, 1, 4, 160),
@@ -70,6 +70,7 @@ fn every_older_layout_is_older_than_the_current_one_and_has_other_sizes() {
     }
     assert_eq!(size::<u64>(), 8);
     assert_eq!(size::<v1::RevNat4>(), 16);
+    assert_eq!(size::<v1::CtValue>(), 48);
 }
 
 #[test]
@@ -129,10 +130,20 @@ fn decisions_by_record_and_sizes() {
     assert_eq!(decide(&now, Found::Recorded(3), 16, 8), Decision::Rebuild);
     assert_eq!(decide(&now, Found::Recorded(1), 16, 8), Decision::Rebuild);
     assert_eq!(decide(&now, Found::Unrecorded, 12, 8), Decision::Rebuild);
-    // A map without older layouts.
-    assert_eq!(decide(&ct(), Found::Recorded(1), 40, 48), Decision::Adopt);
-    assert_eq!(decide(&ct(), Found::Recorded(2), 40, 48), Decision::Rebuild);
+    // The conntrack before the reply interface: migrated, by record or sizes.
+    let ct_v1 = |d: Decision| matches!(d, Decision::Migrate(m) if m.from.name == map_names::CT);
+    assert_eq!(decide(&ct(), Found::Recorded(2), 40, 56), Decision::Adopt);
+    assert!(ct_v1(decide(&ct(), Found::Recorded(1), 40, 48)));
+    assert!(ct_v1(decide(&ct(), Found::Unrecorded, 40, 48)));
+    assert_eq!(decide(&ct(), Found::Recorded(3), 40, 56), Decision::Rebuild);
     assert_eq!(decide(&ct(), Found::Unrecorded, 40, 40), Decision::Rebuild);
+    // A map without older layouts.
+    let rev6 = current()
+        .into_iter()
+        .find(|l| l.name == map_names::REVNAT6)
+        .expect("pinned");
+    assert_eq!(decide(&rev6, Found::Recorded(1), 32, 20), Decision::Adopt);
+    assert_eq!(decide(&rev6, Found::Recorded(2), 32, 20), Decision::Rebuild);
 }
 
 #[test]
@@ -192,4 +203,42 @@ fn copies_convert_every_entry_and_the_last_keeps_newer_ones() {
         v1::revnat4(3, entry(3)).expect("converted"),
         "the entry the old programs made after the first copy"
     );
+}
+
+/// The conntrack's entries before the reply interface keep their translation, with the
+/// interface unset (routed by the table, as they were).
+#[test]
+fn a_conntrack_entry_without_the_reply_interface_converts_unchanged() {
+    let key = CtKey {
+        src: [1, 0, 0, 0],
+        dst: [2, 0, 0, 0],
+        sport: 1,
+        dport: 2,
+        proto: 6,
+        family: proxy_common::family::V4,
+        _pad: 0,
+    };
+    let old = v1::CtValue {
+        src: [3, 0, 0, 0],
+        dst: [4, 0, 0, 0],
+        sport: 3,
+        dport: 4,
+        flags: proxy_common::ct_flags::REPLY | proxy_common::ct_flags::SNAT,
+        _pad: [0; 3],
+        last_seen_ns: 99,
+    };
+    let (k, v) = v1::ct(key, old).expect("converted");
+    assert_eq!(k, key);
+    assert_eq!(
+        (v.src, v.dst, v.sport, v.dport, v.flags, v.last_seen_ns),
+        (
+            old.src,
+            old.dst,
+            old.sport,
+            old.dport,
+            old.flags,
+            old.last_seen_ns
+        )
+    );
+    assert_eq!((v.out_ifindex, v.out_mac), (0, [0; 6]));
 }
