@@ -171,6 +171,52 @@ fn create_map(
     Ok(unsafe { OwnedFd::from_raw_fd(fd) })
 }
 
+/// An empty LRU hash map of `K` → `V` as large as `like` (an older agent's map).
+fn older_lru<K: aya::Pod, V: aya::Pod>(like: &MapData) -> anyhow::Result<HashMap<MapData, K, V>> {
+    const BPF_MAP_TYPE_LRU_HASH: u32 = 9;
+    let fd = create_map(
+        BPF_MAP_TYPE_LRU_HASH,
+        std::mem::size_of::<K>() as u32,
+        std::mem::size_of::<V>() as u32,
+        like.info()?.max_entries(),
+    )?;
+    Ok(HashMap::try_from(Map::from_map_data(MapData::from_fd(
+        fd,
+    )?)?)?)
+}
+
+/// Pins `map` at `pin` in place of the map pinned there: bpffs renames over an existing pin,
+/// and the running programs keep the map they reference.
+fn pin_in_place(map: &MapData, pin: &Path) -> anyhow::Result<()> {
+    // bpffs refuses names with a dot.
+    let name = pin.file_name().and_then(|n| n.to_str()).unwrap_or("map");
+    let staged = pin.with_file_name(format!("{name}_older"));
+    map.pin(&staged)?;
+    std::fs::rename(&staged, pin)?;
+    Ok(())
+}
+
+/// Waits until the restarted agent's log (from `log_start`) says it migrated `map` again after
+/// its programs attached (the previous programs answer until then).
+fn wait_for_migration(s: &mut Scenario, log_start: usize, map: &str) -> anyhow::Result<()> {
+    try_wait_until(
+        "the migration finished after the new programs attached",
+        Duration::from_secs(15),
+        Duration::from_millis(50),
+        || {
+            Ok(log_since(s, log_start).is_ok_and(|log| {
+                log.lines().any(|l| {
+                    l.contains("entries migrated from the older layout")
+                        && l.contains(map)
+                        && l.contains("after_attach=true")
+                })
+            }))
+        },
+    )
+    .map_err(|e| s.agent_error(e.to_string()))?;
+    Ok(())
+}
+
 /// Replaces the pinned `KPR_REVNAT4` by one in the foundation's layout with the same entries,
 /// and removes the layout records (the foundation agent kept none). Returns the entry count.
 fn rewrite_revnat4_as_v1(pin_dir: &Path) -> anyhow::Result<usize> {
@@ -179,15 +225,7 @@ fn rewrite_revnat4_as_v1(pin_dir: &Path) -> anyhow::Result<usize> {
         MapData::from_pin(&pin)?,
     )?)?;
     let entries: Vec<(RevNat4Key, RevNat4)> = current.iter().collect::<Result<_, _>>()?;
-    let capacity = current.map().info()?.max_entries();
-    const BPF_MAP_TYPE_LRU_HASH: u32 = 9;
-    let old = MapData::from_fd(create_map(
-        BPF_MAP_TYPE_LRU_HASH,
-        8,
-        std::mem::size_of::<RevNat4V1>() as u32,
-        capacity,
-    )?)?;
-    let mut old = HashMap::<MapData, u64, RevNat4V1>::try_from(Map::from_map_data(old)?)?;
+    let mut old = older_lru::<u64, RevNat4V1>(current.map())?;
     for (key, value) in &entries {
         let v1 = RevNat4V1 {
             frontend_addr: value.addr,
@@ -198,10 +236,7 @@ fn rewrite_revnat4_as_v1(pin_dir: &Path) -> anyhow::Result<usize> {
         };
         old.insert(key.cookie, v1, 0)?;
     }
-    // bpffs renames over an existing pin; the running programs keep the map they reference.
-    let staged = pin_dir.join("KPR_REVNAT4_v1");
-    old.map().pin(&staged)?;
-    std::fs::rename(&staged, &pin)?;
+    pin_in_place(old.map(), &pin)?;
     std::fs::remove_file(pin_dir.join(LAYOUTS))?;
     Ok(entries.len())
 }
@@ -232,15 +267,7 @@ fn rewrite_ct_as_v1(pin_dir: &Path) -> anyhow::Result<usize> {
         MapData::from_pin(&pin)?,
     )?)?;
     let entries: Vec<(CtKey, CtValue)> = current.iter().filter_map(Result::ok).collect();
-    let capacity = current.map().info()?.max_entries();
-    const BPF_MAP_TYPE_LRU_HASH: u32 = 9;
-    let old = MapData::from_fd(create_map(
-        BPF_MAP_TYPE_LRU_HASH,
-        std::mem::size_of::<CtKey>() as u32,
-        std::mem::size_of::<CtValueV1>() as u32,
-        capacity,
-    )?)?;
-    let mut old = HashMap::<MapData, CtKey, CtValueV1>::try_from(Map::from_map_data(old)?)?;
+    let mut old = older_lru::<CtKey, CtValueV1>(current.map())?;
     for (key, value) in &entries {
         let v1 = CtValueV1 {
             src: value.src,
@@ -253,9 +280,7 @@ fn rewrite_ct_as_v1(pin_dir: &Path) -> anyhow::Result<usize> {
         };
         old.insert(key, v1, 0)?;
     }
-    let staged = pin_dir.join("KPR_CT_v1");
-    old.map().pin(&staged)?;
-    std::fs::rename(&staged, &pin)?;
+    pin_in_place(old.map(), &pin)?;
     Ok(entries.len())
 }
 
@@ -303,20 +328,7 @@ fn established_connections_keep_their_state_across_an_upgrade_from_an_older_map_
     s.agent()?.restart()?;
     // The previous programs answer until the new agent's replace them: wait for that (the
     // second copy runs right after).
-    try_wait_until(
-        "the migration finished after the new programs attached",
-        Duration::from_secs(15),
-        Duration::from_millis(50),
-        || {
-            Ok(log_since(&mut s, log_start).is_ok_and(|log| {
-                log.lines().any(|l| {
-                    l.contains("entries migrated from the older layout")
-                        && l.contains("after_attach=true")
-                })
-            }))
-        },
-    )
-    .map_err(|e| s.agent_error(e.to_string()))?;
+    wait_for_migration(&mut s, log_start, map_names::REVNAT4)?;
     let (running, all) = traffic.running();
     s.ensure(running == all, || {
         format!(
@@ -375,21 +387,7 @@ fn external_flows_keep_their_conntrack_across_the_reply_interface_layout_change(
     })?;
     let log_start = s.agent()?.log_contents().len();
     s.agent()?.restart()?;
-    try_wait_until(
-        "the migration finished after the new programs attached",
-        Duration::from_secs(15),
-        Duration::from_millis(50),
-        || {
-            Ok(log_since(&mut s, log_start).is_ok_and(|log| {
-                log.lines().any(|l| {
-                    l.contains("entries migrated from the older layout")
-                        && l.contains(map_names::CT)
-                        && l.contains("after_attach=true")
-                })
-            }))
-        },
-    )
-    .map_err(|e| s.agent_error(e.to_string()))?;
+    wait_for_migration(&mut s, log_start, map_names::CT)?;
     let log = log_since(&mut s, log_start)?;
     ensure_first_copy(&s, &log, map_names::CT, flows)?;
     ensure_streams_kept(&s, streams, "conntrack layout change")?;
