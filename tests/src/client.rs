@@ -7,7 +7,7 @@ use std::process::Command;
 use std::time::Duration;
 
 pub use crate::helper::{Mode, Proto};
-use crate::process::{describe, run_bounded};
+use crate::process::run_ok_within;
 use crate::{Result, RigError, helper_binary};
 
 /// The outcome of one connection attempt.
@@ -181,15 +181,8 @@ impl Client {
         }
         // An attempt can wait for connect and then read: bound the whole run accordingly.
         let bound = (self.timeout * 2 + self.interval) * count + Duration::from_secs(5);
-        let out = run_bounded(&mut cmd, bound)?;
-        if !out.status.success() {
-            return Err(RigError::Command {
-                command: describe(&cmd),
-                status: out.status.to_string(),
-                stderr: String::from_utf8_lossy(&out.stderr).trim().to_owned(),
-            });
-        }
-        let attempts = String::from_utf8_lossy(&out.stdout)
+        let stdout = run_ok_within(&mut cmd, bound)?;
+        let attempts = stdout
             .lines()
             .filter(|l| !l.trim().is_empty())
             .map(|line| {

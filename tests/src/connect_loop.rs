@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use clap::Args;
 use socket2::{Domain, Protocol, Socket, Type};
 
-use crate::process::{describe, run_bounded};
+use crate::process::run_ok_within;
 use crate::{Result, RigError, helper_binary};
 
 #[derive(Debug, Clone, Args)]
@@ -117,15 +117,7 @@ pub fn run_connect_loop(
     if let Some(cpu) = cpu {
         cmd.args(["--cpu", &cpu.to_string()]);
     }
-    let out = run_bounded(&mut cmd, max + Duration::from_secs(15))?;
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    if !out.status.success() {
-        return Err(RigError::Command {
-            command: describe(&cmd),
-            status: out.status.to_string(),
-            stderr: String::from_utf8_lossy(&out.stderr).trim().to_owned(),
-        });
-    }
+    let stdout = run_ok_within(&mut cmd, max + Duration::from_secs(15))?;
     parse_report(stdout.trim())
 }
 

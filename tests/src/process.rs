@@ -51,7 +51,12 @@ pub fn run_bounded(cmd: &mut Command, timeout: Duration) -> Result<Output> {
 
 /// Runs `cmd` (bounded) and fails unless it exits successfully; returns stdout.
 pub fn run_ok(cmd: &mut Command) -> Result<String> {
-    let out = run_bounded(cmd, COMMAND_TIMEOUT)?;
+    run_ok_within(cmd, COMMAND_TIMEOUT)
+}
+
+/// [`run_ok`] with a bound of the caller's (a client helper's run).
+pub fn run_ok_within(cmd: &mut Command, timeout: Duration) -> Result<String> {
+    let out = run_bounded(cmd, timeout)?;
     if out.status.success() {
         Ok(String::from_utf8_lossy(&out.stdout).into_owned())
     } else {

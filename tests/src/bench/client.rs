@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use clap::{Args, ValueEnum};
 
-use crate::process::{describe, kill_and_reap, run_bounded};
+use crate::process::{describe, kill_and_reap, run_ok_within};
 use crate::{Result, RigError, helper_binary};
 
 /// Per-socket-call timeout: a benchmark connection normally takes well under a millisecond.
@@ -354,15 +354,7 @@ pub fn run_bench(
         cmd.args(["--cpu", &cpu.to_string()]);
     }
     place.args(&mut cmd);
-    let out = run_bounded(&mut cmd, max + Duration::from_secs(15))?;
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    if !out.status.success() {
-        return Err(RigError::Command {
-            command: describe(&cmd),
-            status: out.status.to_string(),
-            stderr: String::from_utf8_lossy(&out.stderr).trim().to_owned(),
-        });
-    }
+    let stdout = run_ok_within(&mut cmd, max + Duration::from_secs(15))?;
     parse_samples(&stdout)
 }
 

@@ -27,7 +27,7 @@ use super::IptablesBackend;
 use super::agent_runs::{ProxyMode, agent_args, bench_node, external};
 use super::client::{Place, client_cpu, pin};
 use super::workload::{LIVE_NODE_PORT, LiveSet, Workload};
-use crate::process::{describe, run_bounded};
+use crate::process::run_ok_within;
 use crate::scenario::Scenario;
 use crate::topology::Topology;
 use crate::{Result, RigError, helper_binary};
@@ -603,18 +603,10 @@ fn run_step(place: &Place, sources: &[Ipv4Addr], rate: u32, loops: SnatLoops) ->
         cmd.args(["--cpu", &cpu.to_string()]);
     }
     // The step, the last connections' two timeouts, and slack for a loaded machine.
-    let out = run_bounded(
+    let stdout = run_ok_within(
         &mut cmd,
         loops.step + 2 * loops.timeout + Duration::from_secs(30),
     )?;
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    if !out.status.success() {
-        return Err(RigError::Command {
-            command: describe(&cmd),
-            status: out.status.to_string(),
-            stderr: String::from_utf8_lossy(&out.stderr).trim().to_owned(),
-        });
-    }
     let line = stdout
         .lines()
         .find(|l| l.starts_with("snat-load "))
