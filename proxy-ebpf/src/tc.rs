@@ -690,9 +690,10 @@ fn new_flow(ctx: &TcContext, pkt: &Packet, frontend: &FrontendValue, internal: b
 
 /// Records in the new flow's reply entry (the scratch slot's `reply`) the interface the
 /// client's packet arrived on and the neighbour it came from, for replies that must leave by
-/// that interface (`nat::leave_by_ingress`); without them they are routed as any packet. Not
-/// inlined: its frame must not add to `new_flow`'s (the verifier's 512-byte combined stack).
-#[inline(never)]
+/// that interface (`nat::leave_by_ingress`); without them they are routed as any packet.
+/// Inlined: as a call of its own it left `new_flow` 8 bytes more stack, not less (the
+/// verifier's 512-byte combined stack is `kpr_tc_reply` → `new_flow` → `tuple_holder`).
+#[inline(always)]
 fn record_client_interface(ctx: &TcContext) {
     let Some(scratch) = KPR_TC_SCRATCH.get_ptr_mut(0) else {
         return;
