@@ -295,24 +295,23 @@ impl Topology {
             .ok_or_else(|| RigError::Other("no second uplink".into()))
     }
 
-    /// `10.30.0.1`, the node's address on its second uplink.
-    pub fn node_uplink2_ip() -> Ipv4Addr {
-        Ipv4Addr::new(10, 30, 0, 1)
+    /// The node's address of the family on its second uplink: `10.30.0.1`, `fd00:30::1`.
+    pub fn node_uplink2_addr(ipv6: bool) -> IpAddr {
+        if ipv6 {
+            Ipv6Addr::new(0xfd00, 0x30, 0, 0, 0, 0, 0, 1).into()
+        } else {
+            Ipv4Addr::new(10, 30, 0, 1).into()
+        }
     }
 
-    /// `fd00:30::1`, the node's IPv6 address on its second uplink.
-    pub fn node_uplink2_ip6() -> Ipv6Addr {
-        Ipv6Addr::new(0xfd00, 0x30, 0, 0, 0, 0, 0, 1)
-    }
-
-    /// `10.40.0.2`, the client behind the second uplink.
-    pub fn uplink2_client_ip() -> Ipv4Addr {
-        Ipv4Addr::new(10, 40, 0, 2)
-    }
-
-    /// `fd00:40::2`, the client behind the second uplink (IPv6).
-    pub fn uplink2_client_ip6() -> Ipv6Addr {
-        Ipv6Addr::new(0xfd00, 0x40, 0, 0, 0, 0, 0, 2)
+    /// The address of the family of the client behind the second uplink: `10.40.0.2`,
+    /// `fd00:40::2`.
+    pub fn uplink2_client_addr(ipv6: bool) -> IpAddr {
+        if ipv6 {
+            Ipv6Addr::new(0xfd00, 0x40, 0, 0, 0, 0, 0, 2).into()
+        } else {
+            Ipv4Addr::new(10, 40, 0, 2).into()
+        }
     }
 
     /// Gives the node a default route (both families) via the external namespace, as a real

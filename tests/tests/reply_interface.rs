@@ -8,7 +8,7 @@
 //! the same rig shows them lost there, which is what makes the rig a case where routing would
 //! differ (a deliberate difference, README "Behaviour worth knowing"). Needs root.
 
-use std::net::{IpAddr, SocketAddr};
+use std::net::SocketAddr;
 use std::time::Duration;
 
 use proxy_common::StatIndex;
@@ -20,12 +20,7 @@ use proxy_tests::topology::Topology;
 /// The frontends a client behind the second uplink dials, with whether the backend keeps the
 /// client's address (eTP Local).
 fn frontends(proto: Proto, ipv6: bool) -> [(SocketAddr, &'static str, bool); 3] {
-    let uplink2: IpAddr = if ipv6 {
-        Topology::node_uplink2_ip6().into()
-    } else {
-        Topology::node_uplink2_ip().into()
-    };
-    let at_uplink2 = |a: SocketAddr| SocketAddr::new(uplink2, a.port());
+    let at_uplink2 = |a: SocketAddr| SocketAddr::new(Topology::node_uplink2_addr(ipv6), a.port());
     [
         (
             at_uplink2(takeover::web_node_port(proto, ipv6)),
@@ -64,11 +59,7 @@ fn served_through_the_second_uplink(args: &[&str]) -> anyhow::Result<()> {
     let mut failures = Vec::new();
     let mut answered = 0u64;
     for ipv6 in [false, true] {
-        let client_ip: IpAddr = if ipv6 {
-            Topology::uplink2_client_ip6().into()
-        } else {
-            Topology::uplink2_client_ip().into()
-        };
+        let client_ip = Topology::uplink2_client_addr(ipv6);
         for proto in [Proto::Tcp, Proto::Udp] {
             let client = client(&s, proto, Duration::from_secs(1))?;
             for (target, what, keeps_client) in frontends(proto, ipv6) {

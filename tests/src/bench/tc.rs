@@ -19,7 +19,6 @@
 use std::collections::BTreeMap;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
-use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::core::v1::Service;
@@ -29,8 +28,7 @@ use proxy_agent::desired::Snapshot;
 use proxy_agent::objects::{ObjectKey, Objects};
 
 use super::stats::Spread;
-use crate::agent::TempBpfRoot;
-use crate::cgroup::ChildCgroup;
+use crate::in_process::on_netns_thread;
 use crate::netns::Netns;
 use crate::packet::{L4, TC_ACT_OK, TC_ACT_REDIRECT, TC_ACT_SHOT, TC_ACT_UNSPEC, build};
 use crate::{Result, RigError};
@@ -157,21 +155,10 @@ pub fn per_packet_cost(loops: TcLoops) -> Result<PacketCostResult> {
     }
     ns.sysctl("net.ipv4.ip_forward", "1")?;
     let path = ns.path();
-    let measured = std::thread::spawn(move || -> Result<PacketCostResult> {
-        let file = std::fs::File::open(&path)
-            .map_err(|e| RigError::io(format!("opening {}", path.display()), e))?;
-        nix::sched::setns(&file, nix::sched::CloneFlags::CLONE_NEWNET)
-            .map_err(|e| RigError::Other(format!("setns {}: {e}", path.display())))?;
-        let runtime = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .map_err(|e| RigError::io("tokio runtime", e))?;
-        let _entered = runtime.enter();
-        let bpf = TempBpfRoot::new()?;
-        let cgroup = ChildCgroup::new()?;
+    let measured = on_netns_thread(path, move |node| -> Result<PacketCostResult> {
         let options = EbpfOptions {
-            cgroup_path: Some(cgroup.path().to_path_buf()),
-            bpf_root: PathBuf::from(bpf.path()),
+            cgroup_path: node.cgroup_path(),
+            bpf_root: node.bpf_root(),
             frontends_capacity: 1024,
             backends_capacity: 1024,
             conntrack_capacity: Some(proxy_agent::dataplane::ebpf::DEFAULT_CONNTRACK_CAPACITY),
@@ -197,13 +184,10 @@ pub fn per_packet_cost(loops: TcLoops) -> Result<PacketCostResult> {
         program(&mut dataplane)?;
         let floor = EmptyProgram::load()?;
         let result = measure(&mut dataplane, &floor, loops);
+        // Before the node's parts (cgroup, bpffs) go.
         drop(dataplane);
-        drop(cgroup);
-        drop(bpf);
         result
-    })
-    .join()
-    .map_err(|_| RigError::Other("per-packet cost thread panicked".into()))?;
+    })?;
     drop(ns);
     measured
 }
