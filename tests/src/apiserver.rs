@@ -383,17 +383,10 @@ fn bind_in_netns(netns: Option<&Path>, port: u16) -> Result<TcpListener> {
     let Some(netns) = netns else {
         return TcpListener::bind(addr).map_err(|e| RigError::io(format!("binding {addr}"), e));
     };
-    let netns = netns.to_path_buf();
-    std::thread::spawn(move || -> Result<TcpListener> {
-        let file = fs::File::open(&netns)
-            .map_err(|e| RigError::io(format!("opening {}", netns.display()), e))?;
-        nix::sched::setns(&file, nix::sched::CloneFlags::CLONE_NEWNET)
-            .map_err(|e| RigError::nix(format!("entering {}", netns.display()), e))?;
-        TcpListener::bind(addr)
-            .map_err(|e| RigError::io(format!("binding {addr} in {}", netns.display()), e))
-    })
-    .join()
-    .map_err(|_| RigError::Other("the netns bind thread panicked".into()))?
+    let shown = netns.display().to_string();
+    crate::netns::on_thread_in(netns, move || {
+        TcpListener::bind(addr).map_err(|e| RigError::io(format!("binding {addr} in {shown}"), e))
+    })?
 }
 
 #[cfg(test)]

@@ -63,12 +63,8 @@ impl ForeignTcx {
         attach_type: u32,
         load: impl FnOnce() -> Result<OwnedFd> + Send + 'static,
     ) -> Result<Self> {
-        let netns = netns.to_path_buf();
         let interface = interface.to_owned();
-        std::thread::spawn(move || -> Result<Self> {
-            let file = std::fs::File::open(&netns).map_err(|e| RigError::io("open netns", e))?;
-            nix::sched::setns(&file, nix::sched::CloneFlags::CLONE_NEWNET)
-                .map_err(|e| RigError::Other(format!("setns: {e}")))?;
+        crate::netns::on_thread_in(netns, move || -> Result<Self> {
             let ifindex = nix::net::if_::if_nametoindex(interface.as_str())
                 .map_err(|e| RigError::Other(format!("{interface}: {e}")))?;
             let prog = load()?;
@@ -87,9 +83,7 @@ impl ForeignTcx {
                 _prog: prog,
                 _link: link,
             })
-        })
-        .join()
-        .map_err(|_| RigError::Other("foreign tc thread panicked".into()))?
+        })?
     }
 }
 

@@ -40,16 +40,12 @@ pub fn get_with_headers(
     path: &str,
     headers: &[(&str, &str)],
 ) -> Result<Response> {
-    let file =
-        File::open(netns).map_err(|e| RigError::io(format!("opening {}", netns.display()), e))?;
     let path = path.to_owned();
     let extra: String = headers
         .iter()
         .map(|(name, value)| format!("{name}: {value}\r\n"))
         .collect();
-    std::thread::spawn(move || -> Result<Response> {
-        nix::sched::setns(&file, nix::sched::CloneFlags::CLONE_NEWNET)
-            .map_err(|e| RigError::nix("entering the network namespace", e))?;
+    crate::netns::on_thread_in(netns, move || -> Result<Response> {
         let io = |e| RigError::io(format!("GET http://{addr}{path}"), e);
         let mut stream = TcpStream::connect_timeout(&addr, Duration::from_secs(2)).map_err(io)?;
         stream
@@ -73,9 +69,7 @@ pub fn get_with_headers(
             head: head.to_owned(),
             body: body.to_owned(),
         })
-    })
-    .join()
-    .map_err(|_| RigError::Other("HTTP thread panicked".into()))?
+    })?
 }
 
 /// The sum of the samples of `name` in a Prometheus exposition whose labels contain every one

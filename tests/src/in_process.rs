@@ -35,11 +35,7 @@ pub fn on_netns_thread<R: Send + 'static>(
     netns: PathBuf,
     f: impl FnOnce(InProcess) -> R + Send + 'static,
 ) -> Result<R> {
-    std::thread::spawn(move || -> Result<R> {
-        let file = std::fs::File::open(&netns)
-            .map_err(|e| RigError::io(format!("opening {}", netns.display()), e))?;
-        nix::sched::setns(&file, nix::sched::CloneFlags::CLONE_NEWNET)
-            .map_err(|e| RigError::Other(format!("entering {}: {e}", netns.display())))?;
+    crate::netns::on_thread_in(&netns, move || -> Result<R> {
         let runtime = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
@@ -54,7 +50,5 @@ pub fn on_netns_thread<R: Send + 'static>(
             bpf,
             cgroup,
         }))
-    })
-    .join()
-    .map_err(|_| RigError::Other("the node thread panicked".into()))?
+    })?
 }

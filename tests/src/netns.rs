@@ -1,6 +1,6 @@
 //! Named network namespaces (`ip netns add`) with a deleting guard.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use crate::process::run_ok;
@@ -116,4 +116,27 @@ impl Drop for Netns {
             eprintln!("rig: cleanup of netns {} failed: {e}", self.name);
         }
     }
+}
+
+/// Runs `f` on a new thread that has entered the network namespace at `path` (network
+/// namespaces are per thread, so the rest of the process stays where it is) and returns what
+/// `f` returned; an error if the namespace cannot be entered or `f` panicked.
+pub fn on_thread_in<T: Send + 'static>(
+    path: &Path,
+    f: impl FnOnce() -> T + Send + 'static,
+) -> Result<T> {
+    let file = std::fs::File::open(path)
+        .map_err(|e| RigError::io(format!("opening {}", path.display()), e))?;
+    let shown = path.display().to_string();
+    let thread = {
+        let shown = shown.clone();
+        std::thread::spawn(move || -> Result<T> {
+            nix::sched::setns(&file, nix::sched::CloneFlags::CLONE_NEWNET)
+                .map_err(|e| RigError::Other(format!("entering {shown}: {e}")))?;
+            Ok(f())
+        })
+    };
+    thread
+        .join()
+        .map_err(|_| RigError::Other(format!("the thread in {shown} panicked")))?
 }

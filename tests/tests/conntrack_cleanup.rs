@@ -13,20 +13,19 @@ use proxy_agent::{
     kernel_conntrack::{ConntrackEntry, Ctnetlink, reconcile},
     objects::{ObjectKey, Objects},
 };
-use proxy_tests::{client::Client, echo::EchoServer, helper::Proto, netns::Netns};
+use proxy_tests::{
+    client::Client,
+    echo::EchoServer,
+    helper::Proto,
+    netns::{Netns, on_thread_in},
+};
 
 const VIP: &str = "10.96.0.10";
 
 /// Runs `f` on a thread that has entered the network namespace at `path` (network namespaces
 /// are per thread, so the rest of the test process is unaffected).
 fn in_netns<T: Send + 'static>(path: &Path, f: impl FnOnce() -> T + Send + 'static) -> T {
-    let file = std::fs::File::open(path).expect("open netns");
-    std::thread::spawn(move || {
-        nix::sched::setns(&file, nix::sched::CloneFlags::CLONE_NEWNET).expect("setns");
-        f()
-    })
-    .join()
-    .expect("netns thread")
+    on_thread_in(path, f).expect("netns thread")
 }
 
 fn dump(path: &Path) -> Vec<ConntrackEntry> {

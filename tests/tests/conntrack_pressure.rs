@@ -12,6 +12,7 @@ use std::time::Duration;
 use proxy_common::StatIndex;
 
 use proxy_tests::RigError;
+use proxy_tests::netns::on_thread_in;
 use proxy_tests::client::{Attempt, Mode, tally};
 use proxy_tests::manifests::{Protocol, SlicePort, endpoint_slice_yaml};
 use proxy_tests::scenario::{BACKEND_PORT, Scenario, is_pod, pod_endpoint};
@@ -68,9 +69,7 @@ fn setup() -> anyhow::Result<Scenario> {
 /// One datagram from each of `FLOOD_FLOWS` source ports in the `ext` namespace to the UDP
 /// NodePort: two conntrack entries per flow.
 fn flood(netns: PathBuf) -> anyhow::Result<u16> {
-    let file = std::fs::File::open(&netns)?;
-    let thread = std::thread::spawn(move || -> anyhow::Result<u16> {
-        nix::sched::setns(&file, nix::sched::CloneFlags::CLONE_NEWNET)?;
+    on_thread_in(&netns, move || -> anyhow::Result<u16> {
         let mut sent = 0;
         for port in 20_000..20_000 + FLOOD_FLOWS {
             let socket = UdpSocket::bind(("0.0.0.0", port))?;
@@ -79,10 +78,7 @@ fn flood(netns: PathBuf) -> anyhow::Result<u16> {
             }
         }
         Ok(sent)
-    });
-    thread
-        .join()
-        .map_err(|_| anyhow::anyhow!("flood thread panicked"))?
+    })?
 }
 
 #[test]

@@ -13,6 +13,7 @@ use std::net::{IpAddr, SocketAddr, UdpSocket};
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
+use proxy_tests::netns::on_thread_in;
 use proxy_tests::manifests::{Protocol, SlicePort, endpoint_slice_yaml};
 use proxy_tests::scenario::{BACKEND_PORT, DATAPATH_TIMEOUT, Scenario, pod_endpoint};
 use proxy_tests::topology::Topology;
@@ -55,9 +56,7 @@ fn send_flows(
     target: SocketAddr,
     ports: Vec<u16>,
 ) -> anyhow::Result<Vec<Option<String>>> {
-    let file = std::fs::File::open(&netns)?;
-    let thread = std::thread::spawn(move || -> anyhow::Result<Vec<Option<String>>> {
-        nix::sched::setns(&file, nix::sched::CloneFlags::CLONE_NEWNET)?;
+    on_thread_in(&netns, move || -> anyhow::Result<Vec<Option<String>>> {
         let mut answers = Vec::with_capacity(ports.len());
         for port in ports {
             let sock = UdpSocket::bind(("0.0.0.0", port))?;
@@ -78,10 +77,7 @@ fn send_flows(
             answers.push(answer);
         }
         Ok(answers)
-    });
-    thread
-        .join()
-        .map_err(|_| anyhow::anyhow!("UDP client thread panicked"))?
+    })?
 }
 
 /// Waits (bounded) until a probe flow (its own source port) gets an answer from a pod.

@@ -10,6 +10,7 @@ use std::{
 
 use proxy_tests::{
     client::{Attempt, Client},
+    netns::on_thread_in,
     scenario::{HOSTNAME, Scenario, http_slice, is_pod, pod_endpoint},
     topology::Topology,
 };
@@ -528,13 +529,9 @@ fn ebpf_tc_attachment_follows_addresses() -> anyhow::Result<()> {
 /// Whether a TCP connection to `addr` from inside the network namespace at `netns` succeeds
 /// within a second.
 fn tcp_connects(netns: &std::path::Path, addr: SocketAddr) -> anyhow::Result<bool> {
-    let file = std::fs::File::open(netns)?;
-    std::thread::spawn(move || -> anyhow::Result<bool> {
-        nix::sched::setns(&file, nix::sched::CloneFlags::CLONE_NEWNET)?;
-        Ok(std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(1)).is_ok())
-    })
-    .join()
-    .map_err(|_| anyhow::anyhow!("connect thread panicked"))?
+    Ok(on_thread_in(netns, move || {
+        std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(1)).is_ok()
+    })?)
 }
 
 /// Health check node ports listen where NodePorts are served (upstream's
