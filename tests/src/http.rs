@@ -2,7 +2,6 @@
 //! (`/healthz`, `/metrics`, health check node ports).
 
 use std::{
-    fs::File,
     io::{Read as _, Write as _},
     net::{SocketAddr, TcpStream},
     path::Path,

@@ -12,9 +12,9 @@ use std::time::Duration;
 use proxy_common::StatIndex;
 
 use proxy_tests::RigError;
-use proxy_tests::netns::on_thread_in;
 use proxy_tests::client::{Attempt, Mode, tally};
 use proxy_tests::manifests::{Protocol, SlicePort, endpoint_slice_yaml};
+use proxy_tests::netns::on_thread_in;
 use proxy_tests::scenario::{BACKEND_PORT, Scenario, is_pod, pod_endpoint};
 use proxy_tests::service_scenarios::ServiceSpec;
 use proxy_tests::topology::Topology;

@@ -13,8 +13,8 @@ use std::net::{IpAddr, SocketAddr, UdpSocket};
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use proxy_tests::netns::on_thread_in;
 use proxy_tests::manifests::{Protocol, SlicePort, endpoint_slice_yaml};
+use proxy_tests::netns::on_thread_in;
 use proxy_tests::scenario::{BACKEND_PORT, DATAPATH_TIMEOUT, Scenario, pod_endpoint};
 use proxy_tests::topology::Topology;
 use proxy_tests::wait::wait_until;
