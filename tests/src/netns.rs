@@ -118,25 +118,30 @@ impl Drop for Netns {
     }
 }
 
-/// Runs `f` on a new thread that has entered the network namespace at `path` (network
-/// namespaces are per thread, so the rest of the process stays where it is) and returns what
-/// `f` returned; an error if the namespace cannot be entered or `f` panicked.
+/// Starts `f` on a new thread that first enters the network namespace at `path` (network
+/// namespaces are per thread, so the rest of the process stays where it is). The thread ends
+/// with an error, without running `f`, if it cannot enter the namespace.
+pub fn spawn_in<T: Send + 'static>(
+    path: &Path,
+    f: impl FnOnce() -> T + Send + 'static,
+) -> Result<std::thread::JoinHandle<Result<T>>> {
+    let file = std::fs::File::open(path)
+        .map_err(|e| RigError::io(format!("opening {}", path.display()), e))?;
+    let entering = format!("entering {}", path.display());
+    Ok(std::thread::spawn(move || -> Result<T> {
+        nix::sched::setns(&file, nix::sched::CloneFlags::CLONE_NEWNET)
+            .map_err(|e| RigError::Other(format!("{entering}: {e}")))?;
+        Ok(f())
+    }))
+}
+
+/// [`spawn_in`], waited for: what `f` returned, or why the namespace could not be entered or
+/// that `f` panicked.
 pub fn on_thread_in<T: Send + 'static>(
     path: &Path,
     f: impl FnOnce() -> T + Send + 'static,
 ) -> Result<T> {
-    let file = std::fs::File::open(path)
-        .map_err(|e| RigError::io(format!("opening {}", path.display()), e))?;
-    let shown = path.display().to_string();
-    let thread = {
-        let shown = shown.clone();
-        std::thread::spawn(move || -> Result<T> {
-            nix::sched::setns(&file, nix::sched::CloneFlags::CLONE_NEWNET)
-                .map_err(|e| RigError::Other(format!("entering {shown}: {e}")))?;
-            Ok(f())
-        })
-    };
-    thread
+    spawn_in(path, f)?
         .join()
-        .map_err(|_| RigError::Other(format!("the thread in {shown} panicked")))?
+        .map_err(|_| RigError::Other(format!("the thread in {} panicked", path.display())))?
 }

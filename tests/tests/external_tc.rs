@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 
 use proxy_tests::client::{Attempt, Client, tally};
 use proxy_tests::manifests::{Endpoint, Protocol, SlicePort, endpoint_slice_yaml};
+use proxy_tests::netns::spawn_in;
 use proxy_tests::scenario::{
     BACKEND_PORT, DATAPATH_TIMEOUT, Scenario, http_slice, is_pod, pod_endpoint, pod_endpoint_family,
 };
@@ -248,7 +249,7 @@ fn udp_slice(endpoints: &[Endpoint]) -> String {
 struct UdpFlow {
     stop: Arc<AtomicBool>,
     replies: mpsc::Receiver<(Instant, Option<String>)>,
-    thread: Option<std::thread::JoinHandle<()>>,
+    thread: Option<std::thread::JoinHandle<proxy_tests::Result<()>>>,
 }
 
 impl UdpFlow {
@@ -257,11 +258,9 @@ impl UdpFlow {
     fn start(netns: PathBuf, target: SocketAddr) -> anyhow::Result<Self> {
         let stop = Arc::new(AtomicBool::new(false));
         let (tx, replies) = mpsc::channel();
-        let file = std::fs::File::open(&netns)?;
         let stopped = Arc::clone(&stop);
-        let thread = std::thread::spawn(move || {
+        let thread = spawn_in(&netns, move || {
             let run = || -> anyhow::Result<()> {
-                nix::sched::setns(&file, nix::sched::CloneFlags::CLONE_NEWNET)?;
                 let sock = UdpSocket::bind("0.0.0.0:0")?;
                 sock.connect(target)?;
                 sock.set_read_timeout(Some(Self::INTERVAL * 4))?;
@@ -286,7 +285,7 @@ impl UdpFlow {
             if let Err(e) = run() {
                 eprintln!("udp flow: {e}");
             }
-        });
+        })?;
         Ok(Self {
             stop,
             replies,
@@ -311,8 +310,10 @@ impl UdpFlow {
 impl Drop for UdpFlow {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::Relaxed);
-        if let Some(thread) = self.thread.take() {
-            let _ = thread.join();
+        if let Some(thread) = self.thread.take()
+            && let Ok(Err(e)) = thread.join()
+        {
+            eprintln!("udp flow: {e}");
         }
     }
 }
