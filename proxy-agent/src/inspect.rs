@@ -631,8 +631,7 @@ pub fn affinity(pin_dir: &Path) -> anyhow::Result<Vec<AffinityRow>> {
 
 /// The tc conntrack: each entry's match tuple and the tuple a packet is rewritten to.
 pub fn conntrack(pin_dir: &Path) -> anyhow::Result<Vec<ConntrackRow>> {
-    let map: HashMap<MapData, proxy_common::CtKey, proxy_common::CtValue> =
-        open_map(pin_dir, map_names::CT)?.try_into()?;
+    let map = crate::dataplane::ebpf::ConntrackMaps::open_pinned(pin_dir)?;
     let now = monotonic_ns();
     let addr = |family: u8, words: [u32; 4], port: u16| -> SocketAddr {
         let ip: IpAddr = if family == proxy_common::family::V4 {
@@ -643,8 +642,7 @@ pub fn conntrack(pin_dir: &Path) -> anyhow::Result<Vec<ConntrackRow>> {
         SocketAddr::new(ip, u16::from_be(port))
     };
     let mut rows = Vec::new();
-    for entry in map.iter() {
-        let (key, value) = entry?;
+    for (key, value) in map.entries() {
         let reply = value.flags & proxy_common::ct_flags::REPLY != 0;
         rows.push(ConntrackRow {
             direction: if reply { "reply" } else { "forward" },

@@ -66,6 +66,10 @@ mod pod {
     // SAFETY: as above.
     unsafe impl aya::Pod for CtValue {}
     // SAFETY: as above.
+    unsafe impl aya::Pod for CtKey4 {}
+    // SAFETY: as above.
+    unsafe impl aya::Pod for CtValue4 {}
+    // SAFETY: as above.
     unsafe impl aya::Pod for SourceRangeKey {}
     // SAFETY: as above.
     unsafe impl aya::Pod for NodeAddrKey {}

@@ -23,7 +23,9 @@ pub mod map_names {
     pub const AFFINITY: &str = "KPR_AFFINITY";
     pub const AFFINITY_MATCH: &str = "KPR_AFFINITY_MATCH";
     pub const STATS: &str = "KPR_STATS";
-    pub const CT: &str = "KPR_CT";
+    /// The tc conntrack, one map per family (IPv4 entries are a third of the size).
+    pub const CT4: &str = "KPR_CT4";
+    pub const CT6: &str = "KPR_CT6";
     pub const SOURCE_RANGES: &str = "KPR_SOURCE_RANGES";
     pub const NODE_ADDRS: &str = "KPR_NODE_ADDRS";
     pub const NODE_CONFIG: &str = "KPR_NODE_CONFIG";
@@ -31,9 +33,12 @@ pub mod map_names {
     pub const MAGLEV: &str = "KPR_MAGLEV";
     pub const UDP_STICKY: &str = "KPR_UDP_STICKY";
     pub const SERVICE_NAMES: &str = "KPR_SERVICE_NAMES";
+    /// The tc programs of each family the entry programs tail-call (a program array, pinned so
+    /// that it outlives the agent; not in [`PINNED`]: it holds programs, not state).
+    pub const TC_FAMILY: &str = "KPR_TC_FAMILY";
 
     /// Every map the agent pins (and `--cleanup` removes).
-    pub const PINNED: [&str; 18] = [
+    pub const PINNED: [&str; 19] = [
         FRONTENDS4,
         FRONTENDS6,
         BACKEND_SLOTS,
@@ -44,7 +49,8 @@ pub mod map_names {
         AFFINITY,
         AFFINITY_MATCH,
         STATS,
-        CT,
+        CT4,
+        CT6,
         SOURCE_RANGES,
         NODE_ADDRS,
         NODE_CONFIG,
@@ -303,6 +309,42 @@ pub mod node_flags {
     pub const HOST_NAMESPACE_ONLY: u32 = 64;
 }
 
+/// The slots of `KPR_TC_FAMILY`: each tc entry program (`kpr_tc_external`, `kpr_tc_reply`,
+/// `kpr_tc_egress`) hands an IPv4 packet to its slot here and an IPv6 one to the next.
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TcFamilyProgram {
+    External4 = 0,
+    External6 = 1,
+    Reply4 = 2,
+    Reply6 = 3,
+    Egress4 = 4,
+    Egress6 = 5,
+}
+
+impl TcFamilyProgram {
+    pub const ALL: [TcFamilyProgram; 6] = [
+        TcFamilyProgram::External4,
+        TcFamilyProgram::External6,
+        TcFamilyProgram::Reply4,
+        TcFamilyProgram::Reply6,
+        TcFamilyProgram::Egress4,
+        TcFamilyProgram::Egress6,
+    ];
+
+    /// The program in the slot, as `proxy-ebpf` names it.
+    pub const fn program(self) -> &'static str {
+        match self {
+            TcFamilyProgram::External4 => "kpr_tc_external4",
+            TcFamilyProgram::External6 => "kpr_tc_external6",
+            TcFamilyProgram::Reply4 => "kpr_tc_reply4",
+            TcFamilyProgram::Reply6 => "kpr_tc_reply6",
+            TcFamilyProgram::Egress4 => "kpr_tc_egress4",
+            TcFamilyProgram::Egress6 => "kpr_tc_egress6",
+        }
+    }
+}
+
 /// Address family byte of [`CtKey`] (the kernel's `AF_*` values).
 pub mod family {
     pub const V4: u8 = 2;
@@ -524,8 +566,10 @@ pub struct AffinityMatchKey {
     pub backend_id: u32,
 }
 
-/// Key of `KPR_CT`: a packet's 5-tuple as it arrives. Both families share the map; an IPv4
-/// address is in word 0 with the other words zero. Addresses and ports in network byte order.
+/// A packet's 5-tuple as the tc programs and the agent work with it, for both families (an
+/// IPv4 address in word 0, the other words zero); the key of `KPR_CT6`. IPv4 flows are stored
+/// in `KPR_CT4` as [`CtKey4`] ([`CtKey4::narrow`], [`CtKey4::widen`]). Addresses and ports in
+/// network byte order.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
 pub struct CtKey {
@@ -539,8 +583,9 @@ pub struct CtKey {
     pub _pad: u16,
 }
 
-/// Value of `KPR_CT`: the tuple a matching packet is rewritten to. One entry per direction, so
-/// both the forward (DNAT, optionally SNAT) and the reply (reverse) translation are one lookup.
+/// The tuple a packet matching a [`CtKey`] is rewritten to. One entry per direction, so both
+/// the forward (DNAT, optionally SNAT) and the reply (reverse) translation are one lookup. The
+/// value of `KPR_CT6`; IPv4 flows' is [`CtValue4`].
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub struct CtValue {
@@ -560,6 +605,92 @@ pub struct CtValue {
     pub out_ifindex: u32,
     /// `bpf_ktime_get_ns()` of the last packet (forward entries), for the idle timeout.
     pub last_seen_ns: u64,
+}
+
+/// Key of `KPR_CT4`: an IPv4 [`CtKey`] without the unused address words.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
+pub struct CtKey4 {
+    pub src: u32,
+    pub dst: u32,
+    pub sport: u16,
+    pub dport: u16,
+    pub proto: u8,
+    pub _pad: [u8; 3],
+}
+
+impl CtKey4 {
+    #[inline(always)]
+    pub fn narrow(key: &CtKey) -> CtKey4 {
+        CtKey4 {
+            src: key.src[0],
+            dst: key.dst[0],
+            sport: key.sport,
+            dport: key.dport,
+            proto: key.proto,
+            _pad: [0; 3],
+        }
+    }
+
+    #[inline(always)]
+    pub fn widen(&self) -> CtKey {
+        CtKey {
+            src: [self.src, 0, 0, 0],
+            dst: [self.dst, 0, 0, 0],
+            sport: self.sport,
+            dport: self.dport,
+            proto: self.proto,
+            family: family::V4,
+            _pad: 0,
+        }
+    }
+}
+
+/// Value of `KPR_CT4`: an IPv4 [`CtValue`] without the unused address words.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct CtValue4 {
+    pub src: u32,
+    pub dst: u32,
+    pub sport: u16,
+    pub dport: u16,
+    pub flags: u8,
+    pub _pad: u8,
+    pub out_mac: [u8; 6],
+    pub out_ifindex: u32,
+    pub last_seen_ns: u64,
+}
+
+impl CtValue4 {
+    #[inline(always)]
+    pub fn narrow(value: &CtValue) -> CtValue4 {
+        CtValue4 {
+            src: value.src[0],
+            dst: value.dst[0],
+            sport: value.sport,
+            dport: value.dport,
+            flags: value.flags,
+            _pad: 0,
+            out_mac: value.out_mac,
+            out_ifindex: value.out_ifindex,
+            last_seen_ns: value.last_seen_ns,
+        }
+    }
+
+    #[inline(always)]
+    pub fn widen(&self) -> CtValue {
+        CtValue {
+            src: [self.src, 0, 0, 0],
+            dst: [self.dst, 0, 0, 0],
+            sport: self.sport,
+            dport: self.dport,
+            flags: self.flags,
+            _pad: 0,
+            out_mac: self.out_mac,
+            out_ifindex: self.out_ifindex,
+            last_seen_ns: self.last_seen_ns,
+        }
+    }
 }
 
 /// Data of a `KPR_SOURCE_RANGES` LPM key: a frontend's service id, then the client address
@@ -639,6 +770,8 @@ mod tests {
         assert_eq!(size_of::<AffinityMatchKey>(), 8);
         assert_eq!(size_of::<CtKey>(), 40);
         assert_eq!(size_of::<CtValue>(), 56);
+        assert_eq!(size_of::<CtKey4>(), 16);
+        assert_eq!(size_of::<CtValue4>(), 32);
         assert_eq!(size_of::<SourceRangeKey>(), 20);
         assert_eq!(size_of::<NodeAddrKey>(), 20);
         assert_eq!(size_of::<NodeConfig>(), 72);

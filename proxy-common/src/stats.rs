@@ -103,10 +103,13 @@ pub enum StatIndex {
     /// A reply left by the interface its flow's client came in on, where its route would have
     /// taken another (`CtValue::out_ifindex`: a node with several uplinks).
     TcReplyViaIngress = 37,
+    /// A tc entry program found no program of the packet's family to hand it to (the agent
+    /// fills `KPR_TC_FAMILY` before attaching): the packet went to the stack untranslated.
+    TcFamilyProgramMissing = 38,
 }
 
 impl StatIndex {
-    pub const COUNT: u32 = 38;
+    pub const COUNT: u32 = 39;
     pub const ALL: [StatIndex; Self::COUNT as usize] = [
         StatIndex::Translated,
         StatIndex::RejectedNoBackends,
@@ -146,6 +149,7 @@ impl StatIndex {
         StatIndex::TcOrphanSegmentDropped,
         StatIndex::TcTupleBypassed,
         StatIndex::TcReplyViaIngress,
+        StatIndex::TcFamilyProgramMissing,
     ];
 
     /// Label used in logs and metrics.
@@ -189,6 +193,7 @@ impl StatIndex {
             StatIndex::TcOrphanSegmentDropped => "tc_ct_orphan_segment_dropped",
             StatIndex::TcTupleBypassed => "tc_tuple_bypassed",
             StatIndex::TcReplyViaIngress => "tc_reply_via_ingress_interface",
+            StatIndex::TcFamilyProgramMissing => "tc_family_program_missing",
         }
     }
 }

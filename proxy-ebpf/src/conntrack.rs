@@ -1,6 +1,15 @@
 //! BPF conntrack for the tc programs: one LRU entry per direction of a flow, each holding the
-//! tuple a matching packet is rewritten to (Cilium keeps NAT state apart from CT; one map is
-//! enough here because the agent never inspects flows, and it halves the lookups).
+//! tuple a matching packet is rewritten to (Cilium keeps NAT state apart from CT; one map per
+//! family is enough here because the agent never inspects flows, and it halves the lookups).
+//!
+//! IPv4 flows live in `KPR_CT4` in entries sized for IPv4 ([`CtKey4`], [`CtValue4`]: 120 bytes
+//! of kernel memory an entry against 168), IPv6 flows in `KPR_CT6`. The rest of the datapath
+//! works on the wide [`CtKey`] and [`CtValue`] of both families: this module converts at the
+//! maps' edge. A lookup copies the entry found into one of the scratch slot's views (widened
+//! for IPv4) and writes go back to the map by key (`mark`): a pointer into either map, kept
+//! past the family branch, would make the verifier follow every later path once per map (the
+//! two pointers' states never prune each other), which took a program past its 1M
+//! instructions; the copy makes both branches end in the same state.
 //!
 //! Forward entries (client → frontend) carry an idle timeout, refreshed by packets; when it
 //! passes, the next packet is a new flow and picks a backend again. A TCP flow whose client has
@@ -17,12 +26,14 @@
 //! flow needs its key; the agent's garbage collection deletes the rest (see `proxy-agent`'s
 //! `dataplane::ebpf::tc_conntrack`).
 
+use core::ptr;
+
 use aya_ebpf::{bindings::BPF_NOEXIST, helpers::bpf_ktime_get_ns};
-use proxy_common::{CtKey, CtValue, StatIndex, ct_flags, ct_timeout, proto};
+use proxy_common::{CtKey, CtKey4, CtValue, CtValue4, StatIndex, ct_flags, ct_timeout, proto};
 
 use crate::{
     maglev::flow_hash,
-    maps::{KPR_CT, KPR_TC_SCRATCH},
+    maps::{KPR_CT4, KPR_CT6, TcScratch, scratch},
     parse::Packet,
     stats::bump,
 };
@@ -60,10 +71,131 @@ pub fn in_snat_range(port: u16) -> bool {
     u32::from(u16::from_be(port)).wrapping_sub(min) < count
 }
 
-/// The entry for `key`, as a pointer into the map (for in-place refresh).
+/// Which of the scratch slot's views a lookup copies its entry into: entries in use at the
+/// same time need different ones.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum View {
+    A,
+    B,
+}
+
+/// The entry for `key`, copied into `view` (an IPv4 one widened). The copy is read only: write
+/// with [`mark`].
+#[inline(never)]
+pub fn lookup<const V6: bool>(key: &CtKey, view: View) -> Option<&'static CtValue> {
+    if V6 {
+        // SAFETY: from a successful lookup; a racing update writes a whole, equally valid
+        // value.
+        return KPR_CT6.get_ptr(key).map(|value| unsafe { &*value });
+    }
+    let (scratch, key4) = narrow_key(key)?;
+    // SAFETY: the per-CPU scratch slot is ours until the program ends, the views used as
+    // `View` says. The map value comes from a successful lookup; a racing update writes a
+    // whole, equally valid value.
+    unsafe {
+        let from = KPR_CT4.get_ptr(key4)?;
+        let to = match view {
+            View::A => &raw mut (*scratch).view_a,
+            View::B => &raw mut (*scratch).view_b,
+        };
+        widen_into(&*from, to);
+        Some(&*to)
+    }
+}
+
+/// `key` narrowed into the scratch slot's `key4` (with the slot), field by field: a whole
+/// `CtKey4` would be built on the stack first, and it is passed on by reference, off the stack.
 #[inline(always)]
-pub fn lookup(key: &CtKey) -> Option<*mut CtValue> {
-    KPR_CT.get_ptr_mut(key)
+fn narrow_key(key: &CtKey) -> Option<(*mut TcScratch, &'static CtKey4)> {
+    let scratch = scratch()?;
+    // SAFETY: the per-CPU scratch slot is ours until the program ends; `key4` is used only
+    // within this module's functions, never across them.
+    let to = unsafe { &mut (*scratch).key4 };
+    to.src = key.src[0];
+    to.dst = key.dst[0];
+    to.sport = key.sport;
+    to.dport = key.dport;
+    to.proto = key.proto;
+    to._pad = [0; 3];
+    Some((scratch, to))
+}
+
+/// Volatile: LLVM would otherwise carry the copied values (and the zero words) in registers
+/// into the callers, spilling them around calls and forking code on the constants, which
+/// cost the verifier a quarter more instructions.
+#[inline(always)]
+unsafe fn widen_into(from: &CtValue4, to: *mut CtValue) {
+    // SAFETY: the caller's `to` is valid for a `CtValue`.
+    unsafe {
+        ptr::write_volatile(&raw mut (*to).src, [from.src, 0, 0, 0]);
+        ptr::write_volatile(&raw mut (*to).dst, [from.dst, 0, 0, 0]);
+        ptr::write_volatile(&raw mut (*to).sport, from.sport);
+        ptr::write_volatile(&raw mut (*to).dport, from.dport);
+        ptr::write_volatile(&raw mut (*to).flags, from.flags);
+        ptr::write_volatile(&raw mut (*to)._pad, 0);
+        ptr::write_volatile(&raw mut (*to).out_mac, from.out_mac);
+        ptr::write_volatile(&raw mut (*to).out_ifindex, from.out_ifindex);
+        ptr::write_volatile(&raw mut (*to).last_seen_ns, from.last_seen_ns);
+    }
+}
+
+#[inline(always)]
+fn narrow_into(from: &CtValue, to: &mut CtValue4) {
+    to.src = from.src[0];
+    to.dst = from.dst[0];
+    to.sport = from.sport;
+    to.dport = from.dport;
+    to.flags = from.flags;
+    to._pad = 0;
+    to.out_mac = from.out_mac;
+    to.out_ifindex = from.out_ifindex;
+    to.last_seen_ns = from.last_seen_ns;
+}
+
+/// Adds `flags` to the entry under `key` in its map and, unless `now` is 0, sets its last
+/// packet's time. A racing writer on another CPU stores another timestamp (as good as ours)
+/// or flags of its own (added to, never taken from, as ours are); a racing new-flow write
+/// replaces the whole value, and losing our bits then only keeps a new flow open (or
+/// half-open, for its short timeout).
+#[inline(never)]
+fn mark<const V6: bool>(key: &CtKey, flags: u8, now: u64) {
+    let (entry_flags, last_seen_ns) = if V6 {
+        let Some(entry) = KPR_CT6.get_ptr_mut(key) else {
+            return;
+        };
+        // SAFETY: from a successful lookup; see above for races.
+        unsafe { (&mut (*entry).flags, &mut (*entry).last_seen_ns) }
+    } else {
+        let Some(entry) = narrow_key(key).and_then(|(_, key4)| KPR_CT4.get_ptr_mut(key4)) else {
+            return;
+        };
+        // SAFETY: from a successful lookup; see above for races.
+        unsafe { (&mut (*entry).flags, &mut (*entry).last_seen_ns) }
+    };
+    *entry_flags |= flags;
+    if now != 0 {
+        *last_seen_ns = now;
+    }
+}
+
+/// Writes `value` under `key` in the map of its family with the map update `flags`
+/// (`BPF_NOEXIST`: only if absent). `true`: written.
+#[inline(never)]
+fn update<const V6: bool>(key: &CtKey, value: &CtValue, flags: u64) -> bool {
+    if V6 {
+        return KPR_CT6.insert(key, value, flags).is_ok();
+    }
+    let Some((scratch, key4)) = narrow_key(key) else {
+        return false;
+    };
+    // SAFETY: as in `lookup`.
+    unsafe {
+        let value4 = &mut (*scratch).value4;
+        narrow_into(value, value4);
+        // By reference: key and value stay in the scratch slot, off the stack.
+        let (key4, value4): (&CtKey4, &CtValue4) = (key4, value4);
+        KPR_CT4.insert(key4, value4, flags).is_ok()
+    }
 }
 
 /// Whether the forward entry still carries packet `pkt` of its flow: within its idle timeout,
@@ -80,7 +212,7 @@ pub fn carries(value: &CtValue, pkt: &Packet, now: u64) -> bool {
 /// Refreshes a forward entry for `pkt`; a FIN or RST marks it closing, and a client's TCP
 /// segment other than a SYN established (its handshake was answered).
 #[inline(always)]
-pub fn touch(entry: *mut CtValue, value: &CtValue, pkt: &Packet, now: u64) {
+pub fn touch<const V6: bool>(key: &CtKey, value: &CtValue, pkt: &Packet, now: u64) {
     let mut flags = value.flags;
     if pkt.closes() {
         flags |= ct_flags::CLOSING;
@@ -88,18 +220,8 @@ pub fn touch(entry: *mut CtValue, value: &CtValue, pkt: &Packet, now: u64) {
     if pkt.proto == proto::TCP && !pkt.opens() {
         flags |= ct_flags::ESTABLISHED;
     }
-    if flags != value.flags {
-        // SAFETY: `entry` comes from a successful lookup. A racing writer on another CPU
-        // stores another timestamp (as good as ours) or the same bits; a racing new-flow write
-        // replaces the whole value, and losing our bits then only keeps a new flow open (or
-        // half-open, for its short timeout).
-        unsafe {
-            (*entry).flags = flags;
-            (*entry).last_seen_ns = now;
-        }
-    } else if now.wrapping_sub(value.last_seen_ns) > REFRESH_NS {
-        // SAFETY: as above.
-        unsafe { (*entry).last_seen_ns = now };
+    if flags != value.flags || now.wrapping_sub(value.last_seen_ns) > REFRESH_NS {
+        mark::<V6>(key, flags & !value.flags, now);
     }
 }
 
@@ -150,9 +272,7 @@ fn answers_packet(forward: &CtValue, pkt: &Packet) -> bool {
 /// forward entry, for the caller to count: a used return value keeps a stale stack pointer
 /// out of R0 at exit, which the verifier refuses (LLVM drops an unused one).
 #[inline(never)]
-pub fn reply_seen(entry: *mut CtValue, pkt: &Packet, now: u64) -> bool {
-    // SAFETY: from a successful lookup; see `touch` for races.
-    let reply = unsafe { &*entry };
+pub fn reply_seen<const V6: bool>(key: &CtKey, reply: &CtValue, pkt: &Packet, now: u64) -> bool {
     if reply.flags & ct_flags::EGRESS != 0 {
         return false;
     }
@@ -161,10 +281,9 @@ pub fn reply_seen(entry: *mut CtValue, pkt: &Packet, now: u64) -> bool {
         return false;
     }
     if refresh {
-        // SAFETY: as above.
-        unsafe { (*entry).last_seen_ns = now };
+        mark::<V6>(key, 0, now);
     }
-    let Some(scratch) = KPR_TC_SCRATCH.get_ptr_mut(0) else {
+    let Some(scratch) = scratch() else {
         return false;
     };
     // SAFETY: the per-CPU scratch slot is ours until the program ends; this path (a reply)
@@ -172,11 +291,9 @@ pub fn reply_seen(entry: *mut CtValue, pkt: &Packet, now: u64) -> bool {
     let (forward_key, forward) = unsafe { (&mut (*scratch).probe_key, &mut (*scratch).forward) };
     write_reverse_key(forward_key, reply, pkt.proto, pkt.family);
     let forward_key: &CtKey = forward_key;
-    if let Some(existing) = KPR_CT.get_ptr_mut(forward_key) {
-        // SAFETY: from a successful lookup.
-        let value = unsafe { &*existing };
-        if pkt.closes() && answers_packet(value, pkt) {
-            touch(existing, value, pkt, now);
+    if let Some(existing) = lookup::<V6>(forward_key, View::B) {
+        if pkt.closes() && answers_packet(existing, pkt) {
+            touch::<V6>(forward_key, existing, pkt, now);
         }
         return false;
     }
@@ -201,9 +318,7 @@ pub fn reply_seen(entry: *mut CtValue, pkt: &Packet, now: u64) -> bool {
     // NOEXIST: a new flow of the client tuple written meanwhile wins.
     // By reference: a copy would put the value on this frame's stack.
     let forward: &CtValue = forward;
-    KPR_CT
-        .insert(forward_key, forward, u64::from(BPF_NOEXIST))
-        .is_ok()
+    update::<V6>(forward_key, forward, u64::from(BPF_NOEXIST))
 }
 
 /// Whether the entry under `reply_key` (found in use when a new flow of client tuple
@@ -215,18 +330,17 @@ pub fn reply_seen(entry: *mut CtValue, pkt: &Packet, now: u64) -> bool {
 /// from `new_flow`, its frame stacks on `external`'s and `new_flow`'s within the verifier's
 /// 512 bytes.
 #[inline(never)]
-pub fn reply_is_stale(reply_key: &CtKey, own_key: &CtKey) -> bool {
-    let Some(reply) = KPR_CT.get_ptr(reply_key) else {
+pub fn reply_is_stale<const V6: bool>(reply_key: &CtKey, own_key: &CtKey) -> bool {
+    let Some(reply) = lookup::<V6>(reply_key, View::A) else {
         // Gone since the probe: free.
         return true;
     };
-    let Some(scratch) = KPR_TC_SCRATCH.get_ptr_mut(0) else {
+    let Some(scratch) = scratch() else {
         return false;
     };
-    // SAFETY: `reply` comes from a successful lookup (a racing update writes a whole, equally
-    // valid value); the per-CPU scratch slot is ours until the program ends, and
-    // `probe_key` is disjoint from the `reply_key` the caller lent us.
-    let (reply, probe_key) = unsafe { (&*reply, &mut (*scratch).probe_key) };
+    // SAFETY: the per-CPU scratch slot is ours until the program ends, and `probe_key` is
+    // disjoint from the `reply_key` the caller lent us.
+    let probe_key = unsafe { &mut (*scratch).probe_key };
     if reply.flags & ct_flags::REPLY == 0 {
         return false;
     }
@@ -238,11 +352,9 @@ pub fn reply_is_stale(reply_key: &CtKey, own_key: &CtKey) -> bool {
     }
     // SAFETY: bpf_ktime_get_ns has no preconditions.
     let now = unsafe { bpf_ktime_get_ns() };
-    let Some(forward) = KPR_CT.get_ptr(probe_key) else {
+    let Some(forward) = lookup::<V6>(probe_key, View::B) else {
         return now.wrapping_sub(reply.last_seen_ns) > ct_timeout::ORPHAN_REPLY_NS;
     };
-    // SAFETY: as `reply` above.
-    let forward = unsafe { &*forward };
     // A TCP flow that saw its FIN or RST no longer holds the tuple, as netfilter lets a new
     // connection take the tuple of one in TIME_WAIT/CLOSE (`nf_nat_used_tuple_harder`): a
     // client reconnecting from the same port through another frontend is not refused for the
@@ -274,12 +386,10 @@ pub enum Tuple {
 /// nothing either, as for `reply_is_stale`. Not inlined, and the holder's forward key is built
 /// in the scratch slot's `probe_key`, where `divert_holder` finds it: called from `new_flow`.
 #[inline(never)]
-pub fn tuple_holder(reply_key: &CtKey, own_key: &CtKey, now: u64) -> Tuple {
-    let Some(entry) = KPR_CT.get_ptr(reply_key) else {
+pub fn tuple_holder<const V6: bool>(reply_key: &CtKey, own_key: &CtKey, now: u64) -> Tuple {
+    let Some(entry) = lookup::<V6>(reply_key, View::A) else {
         return Tuple::Free;
     };
-    // SAFETY: from a successful lookup; a racing update writes a whole, equally valid value.
-    let entry = unsafe { &*entry };
     if entry.flags & ct_flags::KERNEL_NAT != 0 {
         return if ct_timeout::expired(reply_key.proto, entry.flags, entry.last_seen_ns, now) {
             Tuple::Free
@@ -290,7 +400,7 @@ pub fn tuple_holder(reply_key: &CtKey, own_key: &CtKey, now: u64) -> Tuple {
     if entry.flags & ct_flags::REPLY == 0 {
         return Tuple::Free;
     }
-    let Some(scratch) = KPR_TC_SCRATCH.get_ptr_mut(0) else {
+    let Some(scratch) = scratch() else {
         return Tuple::Free;
     };
     // SAFETY: the per-CPU scratch slot is ours until the program ends; `probe_key` is disjoint
@@ -302,11 +412,9 @@ pub fn tuple_holder(reply_key: &CtKey, own_key: &CtKey, now: u64) -> Tuple {
     if probe_key == own_key {
         return Tuple::Free;
     }
-    let Some(forward) = KPR_CT.get_ptr(probe_key) else {
+    let Some(forward) = lookup::<V6>(probe_key, View::B) else {
         return Tuple::Free;
     };
-    // SAFETY: as `entry` above.
-    let forward = unsafe { &*forward };
     let live = forward.flags & ct_flags::REPLY == 0
         && forward.dst == reply_key.src
         && forward.dport == reply_key.sport
@@ -326,59 +434,57 @@ pub fn tuple_holder(reply_key: &CtKey, own_key: &CtKey, now: u64) -> Tuple {
 /// the tuple its egress entries hold: its packets no longer need them. A packet of it already
 /// between ingress and egress misses its egress half; TCP sends it again.
 #[inline(never)]
-pub fn divert_holder() {
-    let Some(scratch) = KPR_TC_SCRATCH.get_ptr_mut(0) else {
+pub fn divert_holder<const V6: bool>() {
+    let Some(scratch) = scratch() else {
         return;
     };
     // SAFETY: the per-CPU scratch slot is ours until the program ends. Keys by reference: a
     // copy would put them on this frame's stack.
     let forward_key: &CtKey = unsafe { &(*scratch).probe_key };
-    let Some(forward) = KPR_CT.get_ptr_mut(forward_key) else {
+    let Some(forward) = lookup::<V6>(forward_key, View::A) else {
         return;
     };
+    // A racing writer stores a whole value (a new flow of that client tuple, which then needs
+    // no diverting) or a timestamp.
+    mark::<V6>(forward_key, ct_flags::BYPASS, 0);
     let (proto, family) = (forward_key.proto, forward_key.family);
-    // SAFETY: from a successful lookup; a racing writer stores a whole value (a new flow of
-    // that client tuple, which then needs no diverting) or a timestamp. The reply key goes
-    // where the forward key was, which is read no more.
-    unsafe {
-        (*forward).flags |= ct_flags::BYPASS;
-        write_reverse_key(&mut (*scratch).probe_key, &*forward, proto, family);
-    }
+    // SAFETY: as above. The reply key goes where the forward key was, which is read no more.
+    unsafe { write_reverse_key(&mut (*scratch).probe_key, forward, proto, family) };
     // SAFETY: as above.
     let reply_key: &CtKey = unsafe { &(*scratch).probe_key };
-    if let Some(reply) = KPR_CT.get_ptr_mut(reply_key) {
-        // SAFETY: as above.
-        unsafe { (*reply).flags |= ct_flags::BYPASS };
-    }
+    mark::<V6>(reply_key, ct_flags::BYPASS, 0);
 }
 
 #[inline(always)]
-pub fn insert(key: &CtKey, value: &CtValue) -> Result<(), i32> {
-    KPR_CT.insert(key, value, 0)
+pub fn insert<const V6: bool>(key: &CtKey, value: &CtValue) -> bool {
+    update::<V6>(key, value, 0)
 }
 
-#[inline(always)]
-pub fn remove(key: &CtKey) {
+#[inline(never)]
+pub fn remove<const V6: bool>(key: &CtKey) {
     // Best effort: a leftover reply entry is harmless and ages out of the LRU.
-    let _ = KPR_CT.remove(key);
+    if V6 {
+        let _ = KPR_CT6.remove(key);
+        return;
+    }
+    if let Some((_, key4)) = narrow_key(key) {
+        let _ = KPR_CT4.remove(key4);
+    }
 }
 
 /// Inserts the reply entry of a flow without SNAT. Never over another live flow's entry (the
 /// same backend and client tuple through another frontend): its replies would come back from
 /// the wrong frontend. `false`: not inserted (counted).
 #[inline(always)]
-pub fn insert_reply(reply_key: &CtKey, reply: &CtValue, own_key: &CtKey) -> bool {
-    if KPR_CT
-        .insert(reply_key, reply, u64::from(BPF_NOEXIST))
-        .is_ok()
-    {
+pub fn insert_reply<const V6: bool>(reply_key: &CtKey, reply: &CtValue, own_key: &CtKey) -> bool {
+    if update::<V6>(reply_key, reply, u64::from(BPF_NOEXIST)) {
         return true;
     }
-    if !reply_is_stale(reply_key, own_key) {
+    if !reply_is_stale::<V6>(reply_key, own_key) {
         bump(StatIndex::TcReplyClash);
         return false;
     }
-    if KPR_CT.insert(reply_key, reply, 0).is_ok() {
+    if update::<V6>(reply_key, reply, 0) {
         return true;
     }
     bump(StatIndex::TcCtFailed);
@@ -399,12 +505,10 @@ pub enum ReplyKey {
 
 /// Who holds `reply_key`: nobody, the flow whose reply entry is `reply`, or another flow.
 #[inline(never)]
-pub fn reply_key_holder(reply_key: &CtKey, reply: &CtValue) -> ReplyKey {
-    let Some(entry) = KPR_CT.get_ptr(reply_key) else {
+pub fn reply_key_holder<const V6: bool>(reply_key: &CtKey, reply: &CtValue) -> ReplyKey {
+    let Some(entry) = lookup::<V6>(reply_key, View::A) else {
         return ReplyKey::Free;
     };
-    // SAFETY: from a successful lookup; a racing update writes a whole, equally valid value.
-    let entry = unsafe { &*entry };
     if entry.flags & ct_flags::REPLY != 0
         && entry.flags & ct_flags::KERNEL_NAT == 0
         && entry.src == reply.src
@@ -422,8 +526,8 @@ pub fn reply_key_holder(reply_key: &CtKey, reply: &CtValue) -> ReplyKey {
 /// be on `new_flow`'s frame (`snat_port` is inlined there), within the verifier's 512-byte
 /// combined stack.
 #[inline(always)]
-fn reserve(key: &CtKey, reply: &CtValue) -> bool {
-    KPR_CT.insert(key, reply, u64::from(BPF_NOEXIST)).is_ok()
+fn reserve<const V6: bool>(key: &CtKey, reply: &CtValue) -> bool {
+    update::<V6>(key, reply, u64::from(BPF_NOEXIST))
 }
 
 /// The SNAT port of a mid-stream packet's flow (`snat_port` with `find`).
@@ -455,7 +559,7 @@ fn probe(hash: u32, attempt: u32) -> u32 {
 /// without one and with `rewrite`, the first port of the sequence that nobody holds is
 /// reserved again.
 #[inline(always)]
-pub fn snat_port(
+pub fn snat_port<const V6: bool>(
     reply_key: &mut CtKey,
     reply: &CtValue,
     own_key: &CtKey,
@@ -486,28 +590,28 @@ pub fn snat_port(
         let port = (port as u16).to_be();
         reply_key.dport = port;
         if find {
-            match reply_key_holder(reply_key, reply) {
+            match reply_key_holder::<V6>(reply_key, reply) {
                 ReplyKey::Flow => return Some(SnatPort::Found(port)),
                 ReplyKey::Free if first_free == 0 => first_free = port,
                 _ => {}
             }
             continue;
         }
-        if reserve(reply_key, reply) {
+        if reserve::<V6>(reply_key, reply) {
             return Some(SnatPort::Reserved(port));
         }
-        if reply_is_stale(reply_key, own_key) {
+        if reply_is_stale::<V6>(reply_key, own_key) {
             // Delete, then insert only if still absent: of two CPUs reclaiming the same port
             // at once, one wins and the other probes on.
-            remove(reply_key);
-            if reserve(reply_key, reply) {
+            remove::<V6>(reply_key);
+            if reserve::<V6>(reply_key, reply) {
                 return Some(SnatPort::Reserved(port));
             }
         }
     }
     if rewrite && first_free != 0 {
         reply_key.dport = first_free;
-        if reserve(reply_key, reply) {
+        if reserve::<V6>(reply_key, reply) {
             return Some(SnatPort::Reserved(first_free));
         }
     }

@@ -37,7 +37,7 @@ mod programs {
         macros::{cgroup_sock_addr, classifier},
         programs::{SockAddrContext, TcContext},
     };
-    use proxy_common::StatIndex;
+    use proxy_common::{StatIndex, TcFamilyProgram};
 
     use crate::sock::{Hook, reverse4, reverse6, translate4, translate6};
 
@@ -86,17 +86,18 @@ mod programs {
     }
 
     /// tc ingress of the node's external interfaces: NodePort, externalIPs, LoadBalancer IPs
-    /// and ClusterIPs from outside; replies of remote backends.
+    /// and ClusterIPs from outside; replies of remote backends. Hands the packet to the
+    /// program of its family (`tc::family`).
     #[classifier]
     pub fn kpr_tc_external(ctx: TcContext) -> i32 {
-        crate::tc::external(&ctx)
+        crate::tc::family(&ctx, TcFamilyProgram::External4)
     }
 
     /// tc ingress of the other interfaces (pod veths): replies of local backends; pods' flows to
     /// guarded LB IPs, and with host-namespace-only socket LB to every Service.
     #[classifier]
     pub fn kpr_tc_reply(ctx: TcContext) -> i32 {
-        crate::tc::reply(&ctx)
+        crate::tc::family(&ctx, TcFamilyProgram::Reply4)
     }
 
     /// tc egress of every interface with one of the above (netfilter path): the source half
@@ -105,7 +106,40 @@ mod programs {
     /// host-network backends on this node.
     #[classifier]
     pub fn kpr_tc_egress(ctx: TcContext) -> i32 {
-        crate::tc::egress(&ctx)
+        crate::tc::family(&ctx, TcFamilyProgram::Egress4)
+    }
+
+    // The programs of one family each, reached by tail call from the three above: each is
+    // verified with its family's conntrack code only (see `tc::family`).
+
+    #[classifier]
+    pub fn kpr_tc_external4(ctx: TcContext) -> i32 {
+        crate::tc::external::<false>(&ctx)
+    }
+
+    #[classifier]
+    pub fn kpr_tc_external6(ctx: TcContext) -> i32 {
+        crate::tc::external::<true>(&ctx)
+    }
+
+    #[classifier]
+    pub fn kpr_tc_reply4(ctx: TcContext) -> i32 {
+        crate::tc::reply::<false>(&ctx)
+    }
+
+    #[classifier]
+    pub fn kpr_tc_reply6(ctx: TcContext) -> i32 {
+        crate::tc::reply::<true>(&ctx)
+    }
+
+    #[classifier]
+    pub fn kpr_tc_egress4(ctx: TcContext) -> i32 {
+        crate::tc::egress::<false>(&ctx)
+    }
+
+    #[classifier]
+    pub fn kpr_tc_egress6(ctx: TcContext) -> i32 {
+        crate::tc::egress::<true>(&ctx)
     }
 }
 

@@ -9,16 +9,19 @@
 //! LRU maps the datapath writes cannot be (the kernel preallocates every LRU hash map): the
 //! agent sizes them from the node's memory (`dataplane::ebpf::map_sizes`).
 
+use core::ptr;
+
 use aya_ebpf::{
     bindings::BPF_F_NO_PREALLOC,
+    helpers::bpf_map_lookup_elem,
     macros::map,
-    maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray},
+    maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray, ProgramArray},
 };
 use proxy_common::{
     AffinityKey, AffinityMatchKey, AffinityValue, Backend4, Backend6, BackendSlotKey, CtKey,
-    CtValue, Frontend4Key, Frontend6Key, FrontendValue, MaglevBlock, MaglevKey, NodeAddrKey,
-    NodeConfig, RevNat4, RevNat4Key, RevNat6, RevNat6Key, ServiceName, SnatAddrs, SourceRangeKey,
-    default_sizes,
+    CtKey4, CtValue, CtValue4, Frontend4Key, Frontend6Key, FrontendValue, MaglevBlock, MaglevKey,
+    NodeAddrKey, NodeConfig, RevNat4, RevNat4Key, RevNat6, RevNat6Key, ServiceName, SnatAddrs,
+    SourceRangeKey, TcFamilyProgram, default_sizes,
 };
 
 #[map]
@@ -84,10 +87,14 @@ pub static KPR_SERVICE_NAMES: HashMap<u32, ServiceName> =
 #[map]
 pub static KPR_STATS: PerCpuArray<u64> = PerCpuArray::pinned(default_sizes::STATS, 0);
 
-/// tc conntrack: packet 5-tuple → the tuple to rewrite it to, one entry per direction. LRU, so
-/// a full table evicts the least recently used flows instead of refusing new ones.
+/// tc conntrack: packet 5-tuple → the tuple to rewrite it to, one entry per direction, one map
+/// per family (`conntrack` converts IPv4 entries at the map's edge). LRU, so a full table
+/// evicts the least recently used flows instead of refusing new ones.
 #[map]
-pub static KPR_CT: LruHashMap<CtKey, CtValue> = LruHashMap::pinned(default_sizes::CT, 0);
+pub static KPR_CT4: LruHashMap<CtKey4, CtValue4> = LruHashMap::pinned(default_sizes::CT, 0);
+
+#[map]
+pub static KPR_CT6: LruHashMap<CtKey, CtValue> = LruHashMap::pinned(default_sizes::CT, 0);
 
 /// ICMP REJECT rate limiting: the client (its address as a [`NodeAddrKey`]) → its token
 /// bucket (`icmp::allowed`). Not pinned: a restart only refills the buckets.
@@ -145,7 +152,39 @@ pub struct TcScratch {
     /// A `struct bpf_sock_tuple` for the socket lookup of `tc::orphan_segment` (IPv4: the
     /// first 3 words).
     pub sock_tuple: [u32; 9],
+    /// An IPv4 key and value on their way into or out of `KPR_CT4` (`conntrack`).
+    pub key4: CtKey4,
+    pub value4: CtValue4,
+    /// Entries looked up, copied (IPv4 ones widened; `conntrack::View`).
+    pub view_a: CtValue,
+    pub view_b: CtValue,
 }
+
+/// The tc programs of each family (`proxy_common::TcFamilyProgram` slots), written by the
+/// agent when it attaches the entry programs that tail-call them. Pinned: the kernel empties a
+/// program array when its last user-space reference goes, and the programs outlive the agent.
+/// Shared with the next agent's programs, so filling it is what switches the datapath to them.
+#[map]
+pub static KPR_TC_FAMILY: ProgramArray = ProgramArray::pinned(TcFamilyProgram::ALL.len() as u32, 0);
 
 #[map]
 pub static KPR_TC_SCRATCH: PerCpuArray<TcScratch> = PerCpuArray::with_max_entries(1, 0);
+
+/// The scratch slot's index as a global (in the frozen `.rodata` map): `get_ptr_mut(0)` puts
+/// the index on the caller's stack, 4 bytes that round up to 16 in every frame of the
+/// verifier's 512-byte chain that looks the slot up.
+static SCRATCH_SLOT: u32 = 0;
+
+/// This CPU's scratch slot.
+#[inline(always)]
+pub fn scratch() -> Option<*mut TcScratch> {
+    // SAFETY: the map definition and a key of the map's key type, both globals; the helper
+    // returns this CPU's slot or null.
+    let slot = unsafe {
+        bpf_map_lookup_elem(
+            ptr::from_ref(&KPR_TC_SCRATCH).cast_mut().cast(),
+            ptr::from_ref(&SCRATCH_SLOT).cast(),
+        )
+    };
+    (!slot.is_null()).then_some(slot.cast())
+}

@@ -41,7 +41,7 @@ use proxy_common::{CtValue, StatIndex, TRANSLATED_MARK, ct_flags, family, node_f
 
 use crate::{
     csum::{replace_addr, replace_port},
-    maps::{KPR_NODE_CONFIG, KPR_SNAT_IFACES, KPR_TC_SCRATCH},
+    maps::{KPR_NODE_CONFIG, KPR_SNAT_IFACES, scratch},
     parse::Packet,
     sctp,
     stats::bump,
@@ -173,7 +173,7 @@ fn leave_by_ingress(ctx: &TcContext, to: &CtValue, via: u32) -> Option<i32> {
 
 #[inline(always)]
 fn forward(ctx: &TcContext, pkt: &Packet, to: &CtValue) -> i32 {
-    let Some(scratch) = KPR_TC_SCRATCH.get_ptr_mut(0) else {
+    let Some(scratch) = scratch() else {
         return TC_ACT_SHOT;
     };
     // SAFETY: the per-CPU slot is ours until the program ends; `fib` is only used here.

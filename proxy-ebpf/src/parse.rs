@@ -8,8 +8,8 @@ use aya_ebpf::programs::TcContext;
 use proxy_common::{CtKey, family, proto};
 
 pub const ETH_HLEN: usize = 14;
-const ETH_P_IP: u16 = 0x0800;
-const ETH_P_IPV6: u16 = 0x86dd;
+pub const ETH_P_IP: u16 = 0x0800;
+pub const ETH_P_IPV6: u16 = 0x86dd;
 const IPV6_HLEN: usize = 40;
 
 /// A parsed TCP, UDP or SCTP packet. Addresses and ports are in network byte order as they appear in
@@ -92,14 +92,15 @@ impl Packet {
     }
 }
 
-/// Parses a TCP, UDP or SCTP packet (all three start with the two ports); `None` for anything the tc programs leave to the kernel (other
-/// protocols, IPv4 fragments, IPv6 extension headers).
+/// Parses a TCP, UDP or SCTP packet of one family (`V6`; all three start with the two ports);
+/// `None` for anything the tc programs leave to the kernel (the other family, other protocols,
+/// IPv4 fragments, IPv6 extension headers).
 #[inline(always)]
-pub fn parse(ctx: &TcContext) -> Option<Packet> {
+pub fn parse<const V6: bool>(ctx: &TcContext) -> Option<Packet> {
     let ethertype = u16::from_be(ctx.load::<u16>(12).ok()?);
     let mut pkt = match ethertype {
-        ETH_P_IP => parse4(ctx)?,
-        ETH_P_IPV6 => parse6(ctx)?,
+        ETH_P_IP if !V6 => parse4(ctx)?,
+        ETH_P_IPV6 if V6 => parse6(ctx)?,
         _ => return None,
     };
     if pkt.proto == proto::TCP {

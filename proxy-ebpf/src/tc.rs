@@ -33,20 +33,20 @@ use aya_ebpf::{
 };
 use proxy_common::{
     Frontend4Key, Frontend6Key, FrontendValue, NodeAddrKey, NodeConfig, SourceRangeKey, StatIndex,
-    TRANSLATED_MARK, ct_flags, frontend_flags, node_flags, proto, scope,
+    TRANSLATED_MARK, TcFamilyProgram, ct_flags, frontend_flags, node_flags, proto, scope,
 };
 
 use crate::{
-    conntrack::{self, ReplyKey, SnatPort, Tuple},
+    conntrack::{self, ReplyKey, SnatPort, Tuple, View},
     icmp,
     lb::{Decision, select_backend},
     maglev,
     maps::{
         KPR_BACKENDS4, KPR_BACKENDS6, KPR_FRONTENDS4, KPR_FRONTENDS6, KPR_NODE_ADDRS,
-        KPR_NODE_CONFIG, KPR_SNAT_IFACES, KPR_SOURCE_RANGES, KPR_TC_SCRATCH,
+        KPR_NODE_CONFIG, KPR_SNAT_IFACES, KPR_SOURCE_RANGES, KPR_TC_FAMILY, scratch,
     },
     nat::{draining, fast_path, translate, translate_source},
-    parse::{Packet, parse},
+    parse::{ETH_P_IP, ETH_P_IPV6, Packet, parse},
     stats::bump,
 };
 
@@ -74,14 +74,35 @@ pub enum Side {
     Pod,
 }
 
-pub fn external(ctx: &TcContext) -> i32 {
-    service(ctx, Side::External)
+/// Hands the packet to the program of its family in `KPR_TC_FAMILY`: `first` (the entry
+/// program's IPv4 slot) or the slot after it. One program per family, because the verifier
+/// checks each program as a whole: with both families' conntrack code in one (a map each, with
+/// entries sized for their addresses) it went past its million instructions; the other family's
+/// code is compiled out of each.
+pub fn family(ctx: &TcContext, first: TcFamilyProgram) -> i32 {
+    let Ok(ethertype) = ctx.load::<u16>(12) else {
+        return NEXT;
+    };
+    let slot = match u16::from_be(ethertype) {
+        ETH_P_IP => first as u32,
+        ETH_P_IPV6 => first as u32 + 1,
+        _ => return NEXT,
+    };
+    // SAFETY: the slots hold tc programs of this object's build; on success this never
+    // returns.
+    unsafe { KPR_TC_FAMILY.tail_call(ctx, slot) };
+    bump(StatIndex::TcFamilyProgramMissing);
+    NEXT
+}
+
+pub fn external<const V6: bool>(ctx: &TcContext) -> i32 {
+    service::<V6>(ctx, Side::External)
 }
 
 /// Replies of local backends (and of flows pods started to guarded LB IPs), then new flows of
 /// pods to LB IPs guarded by source ranges.
-pub fn reply(ctx: &TcContext) -> i32 {
-    service(ctx, Side::Pod)
+pub fn reply<const V6: bool>(ctx: &TcContext) -> i32 {
+    service::<V6>(ctx, Side::Pod)
 }
 
 /// Egress of every interface with an ingress program (netfilter path): the source half of
@@ -90,23 +111,21 @@ pub fn reply(ctx: &TcContext) -> i32 {
 /// translation's destination (so ingress did its half): the egress entries of SNATed flows
 /// (`ct_flags::EGRESS`) and the reply entries of flows without SNAT, which are keyed by
 /// the backend's own packet.
-pub fn egress(ctx: &TcContext) -> i32 {
+pub fn egress<const V6: bool>(ctx: &TcContext) -> i32 {
     // Only packets an ingress program translated (`TRANSLATED_MARK`): another packet with the
     // tuple of a tracked flow is someone else's. The bit is ours; it goes with the translation.
     // SAFETY: the context pointer is the program's own __sk_buff.
     let mark = unsafe { (*ctx.skb.skb).mark };
     if fast_path() || mark & TRANSLATED_MARK == 0 {
-        return host_backend_reply(ctx);
+        return host_backend_reply::<V6>(ctx);
     }
     ctx.set_mark(mark & !TRANSLATED_MARK);
-    let Some(pkt) = parse(ctx) else {
+    let Some(pkt) = parse::<V6>(ctx) else {
         return NEXT;
     };
-    let Some(entry) = conntrack::lookup(&pkt.ct_key()) else {
+    let Some(value) = conntrack::lookup::<V6>(&pkt.ct_key(), View::A) else {
         return NEXT;
     };
-    // SAFETY: from a successful lookup, used in place (see `service`).
-    let value = unsafe { &*entry };
     if value.flags & (ct_flags::EGRESS | ct_flags::REPLY) == 0
         || value.dst != pkt.dst
         || value.dport != pkt.dport
@@ -125,19 +144,18 @@ pub fn egress(ctx: &TcContext) -> i32 {
 /// kube-proxy. Only packets the node itself sent (`ingress_ifindex` 0: never received on an
 /// interface) are looked up, so forwarded traffic pays nothing.
 #[inline(always)]
-fn host_backend_reply(ctx: &TcContext) -> i32 {
+fn host_backend_reply<const V6: bool>(ctx: &TcContext) -> i32 {
     // SAFETY: the context pointer is the program's own __sk_buff.
     if unsafe { (*ctx.skb.skb).ingress_ifindex } != 0 {
         return NEXT;
     }
-    let Some(pkt) = parse(ctx) else {
+    let Some(pkt) = parse::<V6>(ctx) else {
         return NEXT;
     };
-    let Some(entry) = conntrack::lookup(&pkt.ct_key()) else {
+    let key = pkt.ct_key();
+    let Some(value) = conntrack::lookup::<V6>(&key, View::A) else {
         return NEXT;
     };
-    // SAFETY: from a successful lookup, used in place (see `service`).
-    let value = unsafe { &*entry };
     if value.flags & ct_flags::HOST_BACKEND == 0 || value.dst != pkt.dst || value.dport != pkt.dport
     {
         return NEXT;
@@ -146,14 +164,14 @@ fn host_backend_reply(ctx: &TcContext) -> i32 {
     let now = unsafe { bpf_ktime_get_ns() };
     // Refreshed (and a FIN or RST passed on, an evicted forward entry rebuilt) as ingress does
     // for the replies of other backends.
-    if conntrack::reply_seen(entry, &pkt, now) {
+    if conntrack::reply_seen::<V6>(&key, value, &pkt, now) {
         bump(StatIndex::TcForwardRebuilt);
     }
     translate_source(ctx, &pkt, value)
 }
 
 #[inline(always)]
-fn service(ctx: &TcContext, side: Side) -> i32 {
+fn service<const V6: bool>(ctx: &TcContext, side: Side) -> i32 {
     // A VLAN tag the NIC stripped (hardware VLAN offload) is in `vlan_tci`, not in the
     // frame: the packet belongs to the VLAN device stacked on this interface, whose own
     // program (an external interface like any other) sees it untagged once the stack has
@@ -166,34 +184,32 @@ fn service(ctx: &TcContext, side: Side) -> i32 {
         bump(StatIndex::TcVlanLeftToStack);
         return NEXT;
     }
-    let Some(pkt) = parse(ctx) else {
+    let Some(pkt) = parse::<V6>(ctx) else {
         return NEXT;
     };
     // SAFETY: bpf_ktime_get_ns has no preconditions.
     let now = unsafe { bpf_ktime_get_ns() };
     // The key in the scratch slot, not on this frame: `new_flow` and its callees stack on it
     // within the verifier's 512 bytes. `new_flow` writes the same key there again.
-    let Some(scratch) = KPR_TC_SCRATCH.get_ptr_mut(0) else {
+    let Some(scratch) = scratch() else {
         return NEXT;
     };
     // SAFETY: the per-CPU slot is ours until the program ends.
     let key = unsafe { &mut (*scratch).flow_key };
     pkt.write_ct_key(key);
-    if let Some(entry) = conntrack::lookup(key) {
-        // SAFETY: the pointer comes from a successful lookup. It is used in place (no copy on
-        // this frame, for the stack); the agent writes only new entries (the kernel's NATed
-        // flows it adopts at start, with `BPF_NOEXIST`), and a racing datapath update writes a
-        // whole, equally valid translation.
-        let value = unsafe { &*entry };
+    // A copy in the scratch slot (no copy on this frame, for the stack); the agent writes only
+    // new entries (the kernel's NATed flows it adopts at start, with `BPF_NOEXIST`), and a
+    // racing datapath update writes a whole, equally valid translation.
+    if let Some(value) = conntrack::lookup::<V6>(key, View::A) {
         if value.flags & ct_flags::REPLY != 0 {
             // A backend's reply (a remote one's is addressed to the SNAT address).
-            if conntrack::reply_seen(entry, &pkt, now) {
+            if conntrack::reply_seen::<V6>(key, value, &pkt, now) {
                 bump(StatIndex::TcForwardRebuilt);
             }
             return translate(ctx, &pkt, value, StatIndex::TcReplyTranslated);
         }
         if conntrack::carries(value, &pkt, now) {
-            conntrack::touch(entry, value, &pkt, now);
+            conntrack::touch::<V6>(key, value, &pkt, now);
             // A flow the kernel's conntrack already NATs (adopted at the agent's start): its
             // entry there keeps the NAT without any rule, so the stack keeps its backend.
             if value.flags & ct_flags::KERNEL_NAT != 0 {
@@ -216,14 +232,14 @@ fn service(ctx: &TcContext, side: Side) -> i32 {
     };
     // Only a SYN starts a TCP connection; `new_flow` recovers the flow of any other segment
     // without an entry (see there) or hands it to the stack.
-    match new_flow(ctx, &pkt, &frontend, internal) {
+    match new_flow::<V6>(ctx, &pkt, &frontend, internal) {
         Verdict::Action(action) => action,
         // Called from here, not from `new_flow`, so the two frames never stack up.
         Verdict::Reject => icmp::reject(ctx, &pkt),
         // Here, not in `new_flow`: three frames (`external`, `new_flow`, and this or
         // `reply_is_stale`) would exceed the verifier's 512-byte combined stack.
         Verdict::Translate => {
-            if !insert_egress(&pkt) {
+            if !insert_egress::<V6>(&pkt) {
                 return DROP;
             }
             translate_new(ctx, &pkt)
@@ -235,7 +251,7 @@ fn service(ctx: &TcContext, side: Side) -> i32 {
 /// slot.
 #[inline(always)]
 fn translate_new(ctx: &TcContext, pkt: &Packet) -> i32 {
-    let Some(scratch) = KPR_TC_SCRATCH.get_ptr_mut(0) else {
+    let Some(scratch) = scratch() else {
         return DROP;
     };
     // SAFETY: the per-CPU slot is ours until the program ends; `translate` reads `forward`
@@ -407,7 +423,7 @@ fn orphan_segment(ctx: &TcContext, pkt: &Packet) -> bool {
     if !conntrack::in_snat_range(pkt.dport) || !is_snat_address(ctx, pkt) {
         return false;
     }
-    let Some(scratch) = KPR_TC_SCRATCH.get_ptr_mut(0) else {
+    let Some(scratch) = scratch() else {
         return false;
     };
     // SAFETY: the per-CPU slot is ours until the program ends.
@@ -504,7 +520,12 @@ fn pass_midstream() -> Verdict {
 // meanwhile. A reply key another flow holds sends the segment to the stack
 // (`pass_midstream`).
 #[inline(never)]
-fn new_flow(ctx: &TcContext, pkt: &Packet, frontend: &FrontendValue, internal: bool) -> Verdict {
+fn new_flow<const V6: bool>(
+    ctx: &TcContext,
+    pkt: &Packet,
+    frontend: &FrontendValue,
+    internal: bool,
+) -> Verdict {
     // Read here rather than passed in (the time, and the packet's conntrack key into the
     // scratch slot): a BPF call takes at most 5 arguments (the verdict's return slot is one).
     // SAFETY: bpf_ktime_get_ns has no preconditions.
@@ -536,7 +557,7 @@ fn new_flow(ctx: &TcContext, pkt: &Packet, frontend: &FrontendValue, internal: b
             return Verdict::Action(DROP);
         }
     };
-    let Some(scratch) = KPR_TC_SCRATCH.get_ptr_mut(0) else {
+    let Some(scratch) = scratch() else {
         return Verdict::Action(DROP);
     };
     // SAFETY: the per-CPU slot is ours until the program ends (no preemption on a CPU).
@@ -578,7 +599,7 @@ fn new_flow(ctx: &TcContext, pkt: &Packet, frontend: &FrontendValue, internal: b
     let holder = if fast_path() {
         Tuple::Free
     } else {
-        conntrack::tuple_holder(&scratch.reply_key, &scratch.flow_key, now)
+        conntrack::tuple_holder::<V6>(&scratch.reply_key, &scratch.flow_key, now)
     };
     // A host-network backend on this node is delivered locally, never masqueraded (see
     // `ct_flags::HOST_BACKEND`): SNATed to the node's own address the packet would arrive with
@@ -600,7 +621,7 @@ fn new_flow(ctx: &TcContext, pkt: &Packet, frontend: &FrontendValue, internal: b
         Tuple::Kernel => true,
         Tuple::Egress => {
             if snat.is_none() {
-                conntrack::divert_holder();
+                conntrack::divert_holder::<V6>();
             }
             true
         }
@@ -615,7 +636,7 @@ fn new_flow(ctx: &TcContext, pkt: &Packet, frontend: &FrontendValue, internal: b
     match snat {
         Some(addr) => {
             scratch.reply_key.dst = addr;
-            let port = match conntrack::snat_port(
+            let port = match conntrack::snat_port::<V6>(
                 &mut scratch.reply_key,
                 &scratch.reply,
                 &scratch.flow_key,
@@ -645,11 +666,11 @@ fn new_flow(ctx: &TcContext, pkt: &Packet, frontend: &FrontendValue, internal: b
             scratch.forward.flags |= ct_flags::SNAT;
         }
         None if midstream => {
-            match conntrack::reply_key_holder(&scratch.reply_key, &scratch.reply) {
+            match conntrack::reply_key_holder::<V6>(&scratch.reply_key, &scratch.reply) {
                 ReplyKey::Flow => bump(StatIndex::TcMidstreamRecovered),
                 ReplyKey::Free
                     if rewrite
-                        && conntrack::insert_reply(
+                        && conntrack::insert_reply::<V6>(
                             &scratch.reply_key,
                             &scratch.reply,
                             &scratch.flow_key,
@@ -663,9 +684,9 @@ fn new_flow(ctx: &TcContext, pkt: &Packet, frontend: &FrontendValue, internal: b
         None => {
             // A bypassing flow's reply key was given up by its holder (see above).
             let inserted = if scratch.reply.flags & ct_flags::BYPASS != 0 {
-                conntrack::insert(&scratch.reply_key, &scratch.reply).is_ok()
+                conntrack::insert::<V6>(&scratch.reply_key, &scratch.reply)
             } else {
-                conntrack::insert_reply(&scratch.reply_key, &scratch.reply, &scratch.flow_key)
+                conntrack::insert_reply::<V6>(&scratch.reply_key, &scratch.reply, &scratch.flow_key)
             };
             if !inserted {
                 return Verdict::Action(DROP);
@@ -675,13 +696,13 @@ fn new_flow(ctx: &TcContext, pkt: &Packet, frontend: &FrontendValue, internal: b
     if midstream {
         scratch.forward.flags |= ct_flags::ESTABLISHED;
     }
-    if conntrack::insert(&scratch.flow_key, &scratch.forward).is_err() {
+    if !conntrack::insert::<V6>(&scratch.flow_key, &scratch.forward) {
         if midstream {
             // The reply entry is the live flow's: keep it.
             bump(StatIndex::TcCtFailed);
             return Verdict::Action(DROP);
         }
-        conntrack::remove(&scratch.reply_key);
+        conntrack::remove::<V6>(&scratch.reply_key);
         bump(StatIndex::TcCtFailed);
         return Verdict::Action(DROP);
     }
@@ -695,7 +716,7 @@ fn new_flow(ctx: &TcContext, pkt: &Packet, frontend: &FrontendValue, internal: b
 /// verifier's 512-byte combined stack is `kpr_tc_reply` → `new_flow` → `tuple_holder`).
 #[inline(always)]
 fn record_client_interface(ctx: &TcContext) {
-    let Some(scratch) = KPR_TC_SCRATCH.get_ptr_mut(0) else {
+    let Some(scratch) = scratch() else {
         return;
     };
     // SAFETY: the per-CPU slot is ours until the program ends; the context pointer is the
@@ -723,8 +744,8 @@ fn record_client_interface(ctx: &TcContext) {
 /// (false: drop). Not inlined, and keys are built in the scratch slot field by field, for the
 /// stack.
 #[inline(never)]
-fn insert_egress(pkt: &Packet) -> bool {
-    let Some(scratch) = KPR_TC_SCRATCH.get_ptr_mut(0) else {
+fn insert_egress<const V6: bool>(pkt: &Packet) -> bool {
+    let Some(scratch) = scratch() else {
         return false;
     };
     // SAFETY: the per-CPU slot is ours until the program ends.
@@ -745,11 +766,11 @@ fn insert_egress(pkt: &Packet) -> bool {
         // frontend, or the policy changed) may have left its egress entry under this key: it
         // would SNAT this flow. (Its reply-side egress entry was just overwritten by this
         // flow's reply entry, which has the same key.)
-        conntrack::remove(&scratch.egress_key);
+        conntrack::remove::<V6>(&scratch.egress_key);
         return true;
     }
     scratch.forward.flags |= ct_flags::EGRESS;
-    let inserted = conntrack::insert(&scratch.egress_key, &scratch.forward).is_ok();
+    let inserted = conntrack::insert::<V6>(&scratch.egress_key, &scratch.forward);
     scratch.forward.flags &= !ct_flags::EGRESS;
     if inserted {
         let key = &mut scratch.egress_key;
@@ -758,7 +779,7 @@ fn insert_egress(pkt: &Packet) -> bool {
         key.sport = scratch.forward.dport;
         key.dport = pkt.sport;
         scratch.reply.flags |= ct_flags::EGRESS;
-        if conntrack::insert(&scratch.egress_key, &scratch.reply).is_ok() {
+        if conntrack::insert::<V6>(&scratch.egress_key, &scratch.reply) {
             return true;
         }
         let key = &mut scratch.egress_key;
@@ -766,16 +787,16 @@ fn insert_egress(pkt: &Packet) -> bool {
         key.dst = scratch.forward.dst;
         key.sport = pkt.sport;
         key.dport = scratch.forward.dport;
-        conntrack::remove(&scratch.egress_key);
+        conntrack::remove::<V6>(&scratch.egress_key);
     }
     // Undo the flow: without its egress half it would leave SNAT undone.
-    conntrack::remove(&scratch.reply_key);
+    conntrack::remove::<V6>(&scratch.reply_key);
     let key = &mut scratch.egress_key;
     key.src = pkt.src;
     key.dst = pkt.dst;
     key.sport = pkt.sport;
     key.dport = pkt.dport;
-    conntrack::remove(&scratch.egress_key);
+    conntrack::remove::<V6>(&scratch.egress_key);
     bump(StatIndex::TcCtFailed);
     false
 }
@@ -801,7 +822,7 @@ fn route_to_backend(ctx: &TcContext, pkt: &Packet) -> bool {
     // The kernel's AF_INET and AF_INET6.
     const AF_INET: u8 = 2;
     const AF_INET6: u8 = 10;
-    let Some(scratch) = KPR_TC_SCRATCH.get_ptr_mut(0) else {
+    let Some(scratch) = scratch() else {
         return false;
     };
     // SAFETY: the per-CPU slot is ours until the program ends; `fib` is used by `new_flow`'s

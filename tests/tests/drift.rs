@@ -18,7 +18,7 @@ use std::{
 };
 
 use aya::maps::{Array, HashMap, LpmTrie, Map, MapData, lpm_trie::Key};
-use proxy_agent::dataplane::ebpf::PIN_DIR_NAME;
+use proxy_agent::dataplane::ebpf::{ConntrackMaps, PIN_DIR_NAME};
 use proxy_common::{
     AffinityKey, AffinityMatchKey, AffinityValue, Backend4, BackendSlotKey, CtKey, CtValue,
     Frontend4Key, FrontendValue, NodeAddrKey, NodeConfig, SnatAddrs, SourceRangeKey, family,
@@ -249,9 +249,9 @@ fn tamper_node_and_orphans(pin_dir: &Path, web_service: u32) -> anyhow::Result<(
         _pad: 0,
     };
     sticky.insert(socket, value(0xbeef), 0)?;
-    let mut ct: HashMap<_, CtKey, CtValue> = open(pin_dir, map_names::CT)?;
+    let mut ct = ConntrackMaps::open_pinned(pin_dir)?;
     for ((key, value), _) in ct_entries()? {
-        ct.insert(key, value, 0)?;
+        ct.insert(&key, &value, 0)?;
     }
     Ok(())
 }
@@ -269,7 +269,7 @@ fn expected_kinds() -> Vec<(String, String)> {
         ("KPR_SNAT_IFACES", "missing"),
         ("KPR_AFFINITY", "orphan"),
         ("KPR_UDP_STICKY", "orphan"),
-        ("KPR_CT", "orphan"),
+        ("KPR_CT4", "orphan"),
     ]
     .into_iter()
     .map(|(map, kind)| (map.to_owned(), kind.to_owned()))
@@ -389,10 +389,10 @@ fn drifted_ebpf_maps_are_reported_and_repaired_within_one_period() -> anyhow::Re
     );
 
     // Only the orphan left conntrack: the draining TCP flow and the live UDP flow stayed.
-    let ct: HashMap<_, CtKey, CtValue> = open(&pin_dir, map_names::CT)?;
+    let ct = ConntrackMaps::open_pinned(&pin_dir)?;
     for ((key, _), orphan) in ct_entries()? {
         assert_eq!(
-            ct.get(&key, 0).is_ok(),
+            ct.get(&key).is_some(),
             !orphan,
             "conntrack entry {key:?} (orphan: {orphan})"
         );

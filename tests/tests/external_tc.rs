@@ -463,21 +463,19 @@ fn node_port_forwards_to_a_pod_on_another_node() -> anyhow::Result<()> {
     Ok(())
 }
 
-/// (closing, all) forward TCP entries of `KPR_CT` that rewrite to `backend`, through the pin.
+/// (closing, all) forward TCP entries of the tc conntrack that rewrite to `backend`, through
+/// the pins.
 fn closing_forward_entries(
     bpf_root: &std::path::Path,
     backend: Ipv4Addr,
 ) -> anyhow::Result<(usize, usize)> {
-    use aya::maps::{HashMap, Map, MapData};
-    use proxy_common::{CtKey, CtValue, ct_flags, map_names, proto};
-    let path = bpf_root
-        .join(proxy_agent::dataplane::ebpf::PIN_DIR_NAME)
-        .join(map_names::CT);
-    let ct: HashMap<MapData, CtKey, CtValue> =
-        HashMap::try_from(Map::from_map_data(MapData::from_pin(&path)?)?)?;
+    use proxy_common::{ct_flags, proto};
+    let ct = proxy_agent::dataplane::ebpf::ConntrackMaps::open_pinned(
+        &bpf_root.join(proxy_agent::dataplane::ebpf::PIN_DIR_NAME),
+    )?;
     let backend = u32::from_ne_bytes(backend.octets());
     let mut counts = (0, 0);
-    for (key, value) in ct.iter().filter_map(Result::ok) {
+    for (key, value) in ct.entries() {
         if key.proto == proto::TCP && value.flags & ct_flags::REPLY == 0 && value.dst[0] == backend
         {
             counts.1 += 1;
@@ -901,11 +899,12 @@ fn legacy_tc_attach_never_replaces_a_foreign_filter_in_our_slot() -> anyhow::Res
     Ok(())
 }
 
-/// `max_entries` of the pinned tc conntrack map under the agent's bpffs root `root`.
-fn conntrack_capacity(root: &std::path::Path) -> anyhow::Result<u32> {
+/// `max_entries` of the pinned tc conntrack maps (IPv4, IPv6) under the agent's bpffs root
+/// `root`.
+fn conntrack_capacity(root: &std::path::Path) -> anyhow::Result<(u32, u32)> {
     use aya::maps::MapInfo;
-    let pin = root.join("kubeproxy-rs").join("KPR_CT");
-    Ok(MapInfo::from_pin(&pin)?.max_entries())
+    let pin = |name: &str| MapInfo::from_pin(root.join("kubeproxy-rs").join(name));
+    Ok((pin("KPR_CT4")?.max_entries(), pin("KPR_CT6")?.max_entries()))
 }
 
 /// Issue 18, hygiene: `--bpf-map-conntrack` sizes the tc conntrack map like the other
@@ -930,10 +929,10 @@ fn conntrack_map_size_follows_its_flag_across_restarts() -> anyhow::Result<()> {
         "the conntrack map resized",
         DATAPATH_TIMEOUT,
         Duration::from_millis(50),
-        || Ok(conntrack_capacity(&root).is_ok_and(|n| n == 8192)),
+        || Ok(conntrack_capacity(&root).is_ok_and(|n| n == (8192, 8192))),
     )?;
     s.wait_for_datapath_with(&client, node_port_addr(), "NodePort answered", is_pod)?;
-    s.ensure(first == 4096, || format!("first size {first}"))?;
+    s.ensure(first == (4096, 4096), || format!("first sizes {first:?}"))?;
     Ok(())
 }
 

@@ -57,9 +57,9 @@ fn memlock(pid: u32, root: &Path, name: &str) -> anyhow::Result<u64> {
         .ok_or_else(|| anyhow::anyhow!("the agent holds no fd of {name} (id {id})"))
 }
 
-/// 60 % of `ratio` × MemTotal in 160-byte conntrack entries, at least 65 536: the sizing
-/// README documents for `--bpf-map-dynamic-size-ratio`.
-fn documented_conntrack_size(ratio: f64) -> anyhow::Result<u32> {
+/// 40 % of `ratio` × MemTotal in 120-byte IPv4 and 20 % in 168-byte IPv6 conntrack entries, at
+/// least 65 536 each: the sizing README documents for `--bpf-map-dynamic-size-ratio`.
+fn documented_conntrack_sizes(ratio: f64) -> anyhow::Result<(u32, u32)> {
     let meminfo = std::fs::read_to_string("/proc/meminfo")?;
     let kib: u64 = meminfo
         .lines()
@@ -74,7 +74,10 @@ fn documented_conntrack_size(ratio: f64) -> anyhow::Result<u32> {
         reason = "a test-sized memory figure"
     )]
     let budget = ((kib * 1024) as f64 * ratio) as u64;
-    Ok(u32::try_from(budget * 60 / 100 / 168)?.max(65_536))
+    Ok((
+        u32::try_from(budget * 40 / 100 / 120)?.max(65_536),
+        u32::try_from(budget * 20 / 100 / 168)?.max(65_536),
+    ))
 }
 
 #[test]
@@ -150,11 +153,14 @@ fn lru_maps_are_sized_from_the_nodes_memory_and_keep_their_size_across_restarts(
     let target = SocketAddr::from((extra_ip(0), 80));
     s.wait_for_datapath(target, "the Service answered", is_pod)?;
     let root = s.agent()?.bpf_root().to_path_buf();
-    let (_, conntrack) = pinned(&root, map_names::CT)?;
-    let expected = documented_conntrack_size(ratio)?;
+    let conntrack = (
+        pinned(&root, map_names::CT4)?.1,
+        pinned(&root, map_names::CT6)?.1,
+    );
+    let expected = documented_conntrack_sizes(ratio)?;
     anyhow::ensure!(
         conntrack == expected,
-        "conntrack map of {conntrack} entries, {expected} documented for ratio {ratio}"
+        "conntrack maps (IPv4, IPv6) of {conntrack:?} entries, {expected:?} documented for ratio {ratio}"
     );
     let (revnat_id, revnat) = pinned(&root, map_names::REVNAT4)?;
     anyhow::ensure!(revnat >= 16_384, "reverse NAT map of {revnat} entries");
@@ -170,11 +176,14 @@ fn lru_maps_are_sized_from_the_nodes_memory_and_keep_their_size_across_restarts(
         || s.agent_ref().is_some_and(|a| a.syncs() > 0),
     )?;
     s.wait_for_datapath(target, "the Service answered after the restart", is_pod)?;
-    let (_, conntrack_after) = pinned(&root, map_names::CT)?;
+    let conntrack_after = (
+        pinned(&root, map_names::CT4)?.1,
+        pinned(&root, map_names::CT6)?.1,
+    );
     let (revnat_id_after, _) = pinned(&root, map_names::REVNAT4)?;
     anyhow::ensure!(
         conntrack_after == conntrack && revnat_id_after == revnat_id,
-        "pinned maps replaced by a new ratio: conntrack {conntrack} → {conntrack_after}, \
+        "pinned maps replaced by a new ratio: conntrack {conntrack:?} → {conntrack_after:?}, \
          reverse NAT map id {revnat_id} → {revnat_id_after}"
     );
     Ok(())

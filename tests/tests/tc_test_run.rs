@@ -24,18 +24,19 @@ use std::{
     path::PathBuf,
 };
 
-use aya::maps::{HashMap, Map, MapData};
+use aya::maps::{HashMap as AyaHashMap, Map, MapData};
 use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
 use proxy_agent::{
     dataplane::ebpf::{
-        EbpfDataplane, EbpfOptions, Feature, LbOptions, PIN_DIR_NAME, TcOptions, TcTestInput,
-        reserved_ports,
+        ConntrackMaps, EbpfDataplane, EbpfOptions, Feature, LbOptions, PIN_DIR_NAME, TcOptions,
+        TcTestInput, reserved_ports,
     },
     desired::Snapshot,
     objects::{ObjectKey, Objects},
 };
 use proxy_common::{
-    CtKey, CtValue, StatIndex, TRANSLATED_MARK, ct_flags, family, map_names, program_names, proto,
+    CtKey, CtKey4, CtValue, CtValue4, StatIndex, TRANSLATED_MARK, ct_flags, family, map_names,
+    program_names, proto,
 };
 use proxy_tests::{
     in_process::{InProcess, on_netns_thread},
@@ -867,6 +868,53 @@ fn node_port_translation_both_families_and_protocols() {
     });
 }
 
+/// Issue 17 item 8: IPv4 flows are kept in `KPR_CT4`, in entries sized for IPv4 (a 16-byte key
+/// and a 32-byte value, against 40 and 56 bytes in `KPR_CT6`), IPv6 flows in `KPR_CT6`; each
+/// flow's entry is in its family's map and not in the other.
+#[test]
+fn ipv4_flows_are_kept_in_entries_sized_for_ipv4() {
+    with_node(|node| {
+        program_services(node);
+        let four = (sa(CLIENT, 40_100), sa(NODE_IP, 30080));
+        let six = (sa(CLIENT6, 40_101), sa(NODE_IP6, 30080));
+        round_trip(node, four.0, four.1, sa(BACKEND, 8080), L4::TcpSyn, false);
+        round_trip(node, six.0, six.1, sa(BACKEND6, 8080), L4::TcpSyn, false);
+        let pins = node.parts.bpf.path().join(PIN_DIR_NAME);
+        let open = |name: &str| MapData::from_pin(pins.join(name)).expect("conntrack pin");
+        let (v4, v6) = (open(map_names::CT4), open(map_names::CT6));
+        let sizes = |map: &MapData| {
+            let info = map.info().expect("map info");
+            (info.key_size(), info.value_size())
+        };
+        assert_eq!(sizes(&v4), (16, 32));
+        assert_eq!(sizes(&v6), (40, 56));
+        let narrow =
+            AyaHashMap::<MapData, CtKey4, CtValue4>::try_from(Map::from_map_data(v4).expect("map"))
+                .expect("KPR_CT4");
+        let wide =
+            AyaHashMap::<MapData, CtKey, CtValue>::try_from(Map::from_map_data(v6).expect("map"))
+                .expect("KPR_CT6");
+        let key4 = ct_key(four.0, four.1, proto::TCP);
+        let key6 = ct_key(six.0, six.1, proto::TCP);
+        let forward4 = narrow
+            .get(&CtKey4::narrow(&key4), 0)
+            .expect("the IPv4 flow in KPR_CT4");
+        assert_eq!(forward4.widen().dst, words(sa(BACKEND, 8080).ip()));
+        assert!(
+            wide.get(&key4, 0).is_err(),
+            "the IPv4 flow is not in KPR_CT6"
+        );
+        assert_eq!(
+            wide.get(&key6, 0).expect("the IPv6 flow in KPR_CT6").dst,
+            words(sa(BACKEND6, 8080).ip())
+        );
+        assert!(
+            wide.keys().flatten().all(|k| k.family == family::V6),
+            "KPR_CT6 holds IPv6 flows only"
+        );
+    });
+}
+
 #[test]
 fn local_policy_keeps_the_client_address() {
     with_node(|node| {
@@ -1241,17 +1289,16 @@ fn monotonic_ns() -> u64 {
 /// translated to the real backend port started a new flow (the entry had expired).
 fn age_forward_entry(node: &Node, key: &CtKey, age_s: u64, marker_port: u16) {
     let mut ct = pinned_ct(node);
-    let mut value = ct.get(key, 0).expect("forward entry");
+    let mut value = ct.get(key).expect("forward entry");
     value.last_seen_ns = ago(age_s);
     value.dport = marker_port.to_be();
-    ct.insert(key, value, 0).expect("update entry");
+    ct.insert(key, &value, 0).expect("update entry");
 }
 
-/// `KPR_CT` through its pin, as another process (the agent's GC, bpftool) would open it.
-fn pinned_ct(node: &Node) -> HashMap<MapData, CtKey, CtValue> {
-    let path = node.parts.bpf.path().join(PIN_DIR_NAME).join(map_names::CT);
-    let map = Map::from_map_data(MapData::from_pin(&path).expect("pinned KPR_CT")).expect("map");
-    HashMap::try_from(map).expect("hash map")
+/// The tc conntrack through its pins, as another process (the agent's GC, bpftool) would open
+/// it.
+fn pinned_ct(node: &Node) -> ConntrackMaps<MapData> {
+    ConntrackMaps::open_pinned(&node.parts.bpf.path().join(PIN_DIR_NAME)).expect("pinned conntrack")
 }
 
 /// `bpf_ktime_get_ns` `age_s` seconds ago.
@@ -1262,10 +1309,10 @@ fn ago(age_s: u64) -> u64 {
 }
 
 /// Rewrites entry `key` as last seen (a reply entry: created) `age_s` ago, nothing else.
-fn age_entry(ct: &mut HashMap<MapData, CtKey, CtValue>, key: &CtKey, age_s: u64) {
-    let mut value = ct.get(key, 0).expect("entry to age");
+fn age_entry(ct: &mut ConntrackMaps<MapData>, key: &CtKey, age_s: u64) {
+    let mut value = ct.get(key).expect("entry to age");
     value.last_seen_ns = ago(age_s);
-    ct.insert(key, value, 0).expect("update entry");
+    ct.insert(key, &value, 0).expect("update entry");
 }
 
 /// SCTP entries idle out after 210 s (the kernel's `nf_conntrack_sctp_timeout_established`),
@@ -1832,13 +1879,24 @@ fn conntrack_walk_resumes_after_deletions_and_visits_each_entry_once() {
         };
         let all: Vec<CtKey> = (1..=3000).map(key_of).collect();
         for key in &all {
-            ct.insert(key, CtValue::default(), 0).expect("insert");
+            ct.insert(key, &CtValue::default(), 0).expect("insert");
         }
-        let data = MapData::from_pin(node.parts.bpf.path().join(PIN_DIR_NAME).join(map_names::CT))
-            .expect("conntrack pin");
+        let data = MapData::from_pin(
+            node.parts
+                .bpf
+                .path()
+                .join(PIN_DIR_NAME)
+                .join(map_names::CT4),
+        )
+        .expect("conntrack pin");
         let mut walk = CtWalk::new();
         let mut visits: Counts<CtKey, u32> = Counts::new();
-        let first = walk.next_batch(data.fd().as_fd(), 64).expect("first batch");
+        let first: Vec<(CtKey, CtValue)> = walk
+            .next_batch::<CtKey4, CtValue4>(data.fd().as_fd(), 64)
+            .expect("first batch")
+            .into_iter()
+            .map(|(k, v)| (k.widen(), v.widen()))
+            .collect();
         assert!(!first.is_empty() && !walk.finished());
         for (key, _) in &first {
             *visits.entry(*key).or_default() += 1;
@@ -1858,8 +1916,9 @@ fn conntrack_walk_resumes_after_deletions_and_visits_each_entry_once() {
         let mut batches = 1;
         while !walk.finished() {
             assert!(batches < 10_000, "the walk must end");
-            for (key, _) in walk.next_batch(data.fd().as_fd(), 64).expect("batch") {
-                *visits.entry(key).or_default() += 1;
+            let batch = walk.next_batch::<CtKey4, CtValue4>(data.fd().as_fd(), 64);
+            for (key, _) in batch.expect("batch") {
+                *visits.entry(key.widen()).or_default() += 1;
             }
             batches += 1;
         }
@@ -2297,8 +2356,8 @@ fn evicted_flows_are_recovered_to_their_own_backends() {
 
         let mut ct = pinned_ct(node);
         let forward: Vec<CtKey> = ct
-            .iter()
-            .filter_map(Result::ok)
+            .entries()
+            .into_iter()
             .filter(|(_, v)| v.flags & ct_flags::REPLY == 0)
             .map(|(k, _)| k)
             .collect();

@@ -17,7 +17,7 @@ use std::time::Duration;
 use aya::maps::{HashMap, IterableMap as _, Map, MapData};
 use proxy_agent::dataplane::ebpf::PIN_DIR_NAME;
 use proxy_agent::dataplane::ebpf::layout::{LAYOUTS, LayoutKey, LayoutRecord};
-use proxy_common::{CtKey, CtValue, RevNat4, RevNat4Key, map_names};
+use proxy_common::{CtKey, CtKey4, CtValue, CtValue4, RevNat4, RevNat4Key, map_names};
 use proxy_tests::RigError;
 use proxy_tests::client::{Attempt, Client, Mode, tally};
 use proxy_tests::scenario::{Scenario, cluster_addr, is_pod, pod_endpoint};
@@ -241,46 +241,35 @@ fn rewrite_revnat4_as_v1(pin_dir: &Path) -> anyhow::Result<usize> {
     Ok(entries.len())
 }
 
-/// `KPR_CT`'s value before the reply interface (`out_mac`, `out_ifindex`): the agent's
-/// `layout::v1::CtValue`, written here from the git history's type.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-struct CtValueV1 {
-    src: [u32; 4],
-    dst: [u32; 4],
-    sport: u16,
-    dport: u16,
-    flags: u8,
-    _pad: [u8; 3],
-    last_seen_ns: u64,
-}
+/// The tc conntrack of both families in one map, as agents before `KPR_CT4`/`KPR_CT6` pinned
+/// it (the agent's `layout::v1::CT`).
+const ONE_CT_MAP: &str = "KPR_CT";
 
-// SAFETY: `repr(C)` integers without implicit padding, valid for any bytes.
-unsafe impl aya::Pod for CtValueV1 {}
-
-/// Replaces the pinned `KPR_CT` by one in its version-1 layout with the same flows (their
-/// reply interfaces dropped, as an agent of that version never recorded them). Returns the
-/// entry count.
-fn rewrite_ct_as_v1(pin_dir: &Path) -> anyhow::Result<usize> {
-    let pin = pin_dir.join(map_names::CT);
-    let current = HashMap::<MapData, CtKey, CtValue>::try_from(Map::from_map_data(
-        MapData::from_pin(&pin)?,
-    )?)?;
-    let entries: Vec<(CtKey, CtValue)> = current.iter().filter_map(Result::ok).collect();
-    let mut old = older_lru::<CtKey, CtValueV1>(current.map())?;
+/// Puts the flows of the pinned `KPR_CT4` and `KPR_CT6` into one map pinned as `KPR_CT`, in
+/// the layout of the last agent that had one (version 2: wide keys and values of both
+/// families), and unpins the two maps and their layout records, as that agent left its pins.
+/// The running programs keep the maps they reference. Returns the entry count.
+fn rewrite_ct_as_one_map(pin_dir: &Path) -> anyhow::Result<usize> {
+    let open = |name: &str| -> anyhow::Result<Map> {
+        Ok(Map::from_map_data(MapData::from_pin(pin_dir.join(name))?)?)
+    };
+    let v4 = HashMap::<MapData, CtKey4, CtValue4>::try_from(open(map_names::CT4)?)?;
+    let v6 = HashMap::<MapData, CtKey, CtValue>::try_from(open(map_names::CT6)?)?;
+    let mut entries: Vec<(CtKey, CtValue)> = v4
+        .iter()
+        .filter_map(Result::ok)
+        .map(|(k, v)| (k.widen(), v.widen()))
+        .collect();
+    entries.extend(v6.iter().filter_map(Result::ok));
+    let mut old = older_lru::<CtKey, CtValue>(v6.map())?;
     for (key, value) in &entries {
-        let v1 = CtValueV1 {
-            src: value.src,
-            dst: value.dst,
-            sport: value.sport,
-            dport: value.dport,
-            flags: value.flags,
-            _pad: [0; 3],
-            last_seen_ns: value.last_seen_ns,
-        };
-        old.insert(key, v1, 0)?;
+        old.insert(key, value, 0)?;
     }
-    pin_in_place(old.map(), &pin)?;
+    old.map().pin(pin_dir.join(ONE_CT_MAP))?;
+    for name in [map_names::CT4, map_names::CT6] {
+        std::fs::remove_file(pin_dir.join(name))?;
+    }
+    std::fs::remove_file(pin_dir.join(LAYOUTS))?;
     Ok(entries.len())
 }
 
@@ -367,35 +356,48 @@ fn ensure_first_copy(s: &Scenario, log: &str, map: &str, count: usize) -> anyhow
     Ok(())
 }
 
-/// `KPR_CT` in its version-1 layout (before reply entries recorded the client's interface),
-/// left by an agent without layout records: this agent recognises it by its sizes, copies every
-/// entry into its own map before its programs replace the running ones (and again after), and
-/// the external streams through the NodePort keep their connection and backend; the map is
-/// recorded in version 2 afterwards.
+/// The one conntrack map of both families (`KPR_CT`, layout version 2) that agents before the
+/// per-family maps pinned, left without layout records: this agent recognises it by its sizes,
+/// copies every entry into `KPR_CT4` or `KPR_CT6` by family before its programs replace the
+/// running ones (and again after), unpins it, and the external streams through the NodePort
+/// keep their connection and backend; both maps are recorded in their layout afterwards.
 #[test]
-fn external_flows_keep_their_conntrack_across_the_reply_interface_layout_change()
--> anyhow::Result<()> {
+fn external_flows_keep_their_conntrack_when_it_splits_by_family() -> anyhow::Result<()> {
     let mut s = setup()?;
     let pins = pin_dir(&mut s)?;
     let (streams, _, _) = open_streams(&mut s, 40)?;
     s.agent()?.stop()?;
-    let flows = rewrite_ct_as_v1(&pins)?;
-    std::fs::remove_file(pins.join(LAYOUTS))?;
+    let flows = rewrite_ct_as_one_map(&pins)?;
     // Each NodePort stream is SNATed: forward, reply and two egress entries.
     s.ensure(flows >= 2 * NODE_PORT_STREAMS, || {
         format!("the NodePort streams' conntrack entries are in the map: {flows}")
     })?;
     let log_start = s.agent()?.log_contents().len();
     s.agent()?.restart()?;
-    wait_for_migration(&mut s, log_start, map_names::CT)?;
+    wait_for_migration(&mut s, log_start, ONE_CT_MAP)?;
     let log = log_since(&mut s, log_start)?;
-    ensure_first_copy(&s, &log, map_names::CT, flows)?;
-    ensure_streams_kept(&s, streams, "conntrack layout change")?;
-    let recorded = record(&pins, map_names::CT)?;
-    s.ensure(
-        recorded.is_some_and(|r| r.version == 2 && r.value_size == 56),
-        || format!("KPR_CT is recorded in its current layout: {recorded:?}"),
-    )?;
+    ensure_first_copy(&s, &log, ONE_CT_MAP, flows)?;
+    ensure_streams_kept(&s, streams, "conntrack split by family")?;
+    s.ensure(!pins.join(ONE_CT_MAP).exists(), || {
+        "the one conntrack map is unpinned once migrated".to_owned()
+    })?;
+    for (name, key_size, value_size) in [(map_names::CT4, 16, 32), (map_names::CT6, 40, 56)] {
+        let recorded = record(&pins, name)?;
+        s.ensure(
+            recorded.is_some_and(|r| {
+                r.version == 1 && r.key_size == key_size && r.value_size == value_size
+            }),
+            || format!("{name} is recorded in its current layout: {recorded:?}"),
+        )?;
+    }
+    // The streams' IPv4 flows went into the IPv4 map.
+    let narrow = HashMap::<MapData, CtKey4, CtValue4>::try_from(Map::from_map_data(
+        MapData::from_pin(pins.join(map_names::CT4))?,
+    )?)?;
+    let v4_entries = narrow.iter().filter_map(Result::ok).count();
+    s.ensure(v4_entries >= 2 * NODE_PORT_STREAMS, || {
+        format!("the IPv4 streams' entries are in KPR_CT4: {v4_entries}")
+    })?;
     Ok(())
 }
 

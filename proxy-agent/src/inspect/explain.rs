@@ -32,7 +32,7 @@ use proxy_common::{
 };
 use serde::Serialize;
 
-use crate::dataplane::ebpf::{ip4_from_map, ip6_from_map};
+use crate::dataplane::ebpf::{ConntrackMaps, ip4_from_map, ip6_from_map};
 
 /// Where the client is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -849,7 +849,7 @@ pub struct PinnedMaps {
     node_config: Array<MapData, NodeConfig>,
     source_ranges: LpmTrie<MapData, SourceRangeKey, u8>,
     maglev: Option<HashMap<MapData, MaglevKey, MaglevBlock>>,
-    conntrack: HashMap<MapData, CtKey, CtValue>,
+    conntrack: ConntrackMaps<MapData>,
     affinity: HashMap<MapData, AffinityKey, AffinityValue>,
     affinity_match: HashMap<MapData, AffinityMatchKey, u8>,
     udp_sticky: Option<HashMap<MapData, AffinityKey, AffinityValue>>,
@@ -883,7 +883,7 @@ impl PinnedMaps {
             maglev: open(pin_dir, map_names::MAGLEV)
                 .ok()
                 .and_then(|m| HashMap::try_from(m).ok()),
-            conntrack: HashMap::try_from(open(pin_dir, map_names::CT)?)?,
+            conntrack: ConntrackMaps::open_pinned(pin_dir)?,
             affinity: HashMap::try_from(open(pin_dir, map_names::AFFINITY)?)?,
             affinity_match: HashMap::try_from(open(pin_dir, map_names::AFFINITY_MATCH)?)?,
             // Pinned by agents since per-socket UDP stickiness; an older agent's pins lack it.
@@ -966,7 +966,7 @@ impl Maps for PinnedMaps {
         self.maglev.as_ref()?.get(&key, 0).ok()
     }
     fn conntrack(&self, key: CtKey) -> Option<CtValue> {
-        self.conntrack.get(&key, 0).ok()
+        self.conntrack.get(&key)
     }
     fn affinity(&self, key: AffinityKey) -> Option<AffinityValue> {
         self.affinity.get(&key, 0).ok()

@@ -1242,8 +1242,7 @@ fn snat_section(md: &mut String, r: &Results) {
             l.step.as_secs_f64()
         );
     }
-    let (key, value) = snat::ct_entry_sizes();
-    let entry = key + value;
+    let [(key4, value4, kernel4), (key6, value6, kernel6)] = snat::ct_entry_sizes();
     let ebpf_run = result.ebpf.done();
     let capacity = ebpf_run.and_then(|run| run.ct_capacity);
     let time_wait = [ebpf_run, result.iptables.done()]
@@ -1252,21 +1251,22 @@ fn snat_section(md: &mut String, r: &Results) {
         .find_map(|run| run.kernel_time_wait);
     let _ = writeln!(
         md,
-        "**Conntrack entry sizes** (computed from the types): `CtKey` {key} B + `CtValue` \
-         {value} B = {entry} B per `KPR_CT` entry (key and value; the kernel's per-element \
-         overhead of the LRU hash map comes on top). Entries per flow: {} without SNAT or with \
+        "**Conntrack entry sizes** (computed from the types): IPv4 flows in `KPR_CT4`, \
+         `CtKey4` {key4} B + `CtValue4` {value4} B ({kernel4} B of kernel memory per entry with \
+         the LRU map's per-element overhead); IPv6 flows in `KPR_CT6`, `CtKey` {key6} B + \
+         `CtValue` {value6} B ({kernel6} B). Entries per flow: {} without SNAT or with \
          `--tc-fast-path`, {} for a SNATed flow on the default netfilter path (plus its two \
-         egress entries) = {} B per SNATed flow. {}\n",
+         egress entries) = {} B of kernel memory per SNATed IPv4 flow. {}\n",
         snat::ENTRIES_PER_FLOW,
         snat::ENTRIES_PER_SNAT_FLOW_NETFILTER_PATH,
-        snat::ENTRIES_PER_SNAT_FLOW_NETFILTER_PATH * entry,
+        snat::ENTRIES_PER_SNAT_FLOW_NETFILTER_PATH as u64 * kernel4,
         match capacity {
             Some(c) => format!(
-                "`KPR_CT` capacity in this run (sized from the node's memory): {c} entries = {} \
-                 SNATed flows on the netfilter path.",
+                "`KPR_CT4` capacity in this run (sized from the node's memory): {c} entries = {} \
+                 SNATed IPv4 flows on the netfilter path.",
                 c / snat::ENTRIES_PER_SNAT_FLOW_NETFILTER_PATH as u64
             ),
-            None => "`KPR_CT` capacity: not read in this run.".to_owned(),
+            None => "`KPR_CT4` capacity: not read in this run.".to_owned(),
         }
     );
     let _ = writeln!(

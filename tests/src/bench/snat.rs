@@ -638,7 +638,7 @@ fn ct_capacity(s: &Scenario) -> Option<u64> {
         .agent_ref()?
         .bpf_root()
         .join(proxy_agent::dataplane::ebpf::PIN_DIR_NAME)
-        .join(proxy_common::map_names::CT);
+        .join(proxy_common::map_names::CT4);
     aya::maps::MapInfo::from_pin(&pin)
         .ok()
         .map(|info| u64::from(info.max_entries()))
@@ -728,12 +728,24 @@ pub fn run_mode(
     })
 }
 
-/// Conntrack entry sizes, computed from the types the datapath uses.
-pub fn ct_entry_sizes() -> (usize, usize) {
-    (
-        core::mem::size_of::<proxy_common::CtKey>(),
-        core::mem::size_of::<proxy_common::CtValue>(),
-    )
+/// Conntrack entry sizes, computed from the types the datapath uses: (key, value, kernel
+/// bytes per entry with the LRU map's per-element overhead), IPv4 (`KPR_CT4`) then IPv6
+/// (`KPR_CT6`).
+pub fn ct_entry_sizes() -> [(usize, usize, u64); 2] {
+    use proxy_agent::dataplane::ebpf::map_sizes::entry_bytes;
+    use proxy_common::{CtKey, CtKey4, CtValue, CtValue4};
+    [
+        (
+            size_of::<CtKey4>(),
+            size_of::<CtValue4>(),
+            entry_bytes::<CtKey4, CtValue4>(),
+        ),
+        (
+            size_of::<CtKey>(),
+            size_of::<CtValue>(),
+            entry_bytes::<CtKey, CtValue>(),
+        ),
+    ]
 }
 
 /// Conntrack entries one flow takes: without SNAT or on the fast path, and SNATed on the

@@ -14,11 +14,12 @@ use std::{
 };
 
 use aya::maps::{Map, MapData};
+use proxy_common::map_names;
 use tracing::{debug, info, warn};
 
 use super::{
     map_writer::RemovedBackend,
-    tc_conntrack::{self, GcReport},
+    tc_conntrack::{self, ConntrackPair, GcReport},
 };
 
 /// Entries per batch: one batch holds the map's lock of a bucket range only briefly, and the
@@ -50,16 +51,20 @@ pub struct CtWorker {
 }
 
 impl CtWorker {
-    /// Starts the worker on the conntrack map pinned at `pin`.
-    pub fn start(pin: &Path) -> std::io::Result<Self> {
-        let data = MapData::from_pin(pin).map_err(std::io::Error::other)?;
-        let map = Map::from_map_data(data).map_err(std::io::Error::other)?;
+    /// Starts the worker on the conntrack maps pinned in `pin_dir`.
+    pub fn start(pin_dir: &Path) -> std::io::Result<Self> {
+        let open = |name: &str| {
+            MapData::from_pin(pin_dir.join(name))
+                .and_then(Map::from_map_data)
+                .map_err(std::io::Error::other)
+        };
+        let maps = (open(map_names::CT4)?, open(map_names::CT6)?);
         let (jobs, queue) = mpsc::channel();
         let reports = Arc::new(Mutex::new(WorkerReports::default()));
         let shared = Arc::clone(&reports);
         let thread = std::thread::Builder::new()
             .name("kpr-conntrack".into())
-            .spawn(move || run(map, &queue, &shared))?;
+            .spawn(move || run(maps, &queue, &shared))?;
         Ok(Self {
             jobs: Some(jobs),
             reports,
@@ -100,7 +105,12 @@ impl Drop for CtWorker {
     }
 }
 
-fn run(mut map: Map, queue: &Receiver<Job>, reports: &Mutex<WorkerReports>) {
+fn run(maps: (Map, Map), queue: &Receiver<Job>, reports: &Mutex<WorkerReports>) {
+    let (mut v4, mut v6) = maps;
+    let mut map = ConntrackPair {
+        v4: &mut v4,
+        v6: &mut v6,
+    };
     while let Ok(job) = queue.recv() {
         let started = std::time::Instant::now();
         match job {

@@ -24,6 +24,7 @@ use tracing::{debug, info, warn};
 use super::{
     ApplyError, ApplySummary, Drift, DriftCheck, DriftKind, MapWriteError, MapWriter, MapsContent,
     RemovedBackend, bpffs, cgroup,
+    ct_maps::ConntrackMaps,
     ct_worker::CtWorker,
     drift,
     error::EbpfError,
@@ -42,7 +43,7 @@ use super::{
     stats::read_stats,
     tc::TcOptions,
     tc::TcState,
-    tc_conntrack::{self, monotonic_ns},
+    tc_conntrack::{self, ConntrackPair, monotonic_ns},
 };
 use crate::desired::{Protocol, ServicePortName, Snapshot};
 
@@ -148,11 +149,14 @@ impl EbpfDataplane {
         };
         let mut plan = prepare_pin_dir(&pin_dir, maglev_capacity, options.conntrack_capacity)?;
         let mut lru = LruSizes::for_this_node(options.dynamic_size_ratio);
+        // Each family's map, as Cilium's `--bpf-ct-global-*-max` sizes each of its.
         if let Some(conntrack) = options.conntrack_capacity {
-            lru.conntrack = conntrack;
+            lru.conntrack4 = conntrack;
+            lru.conntrack6 = conntrack;
         }
         info!(
-            conntrack = lru.conntrack,
+            conntrack4 = lru.conntrack4,
+            conntrack6 = lru.conntrack6,
             revnat4 = lru.revnat4,
             revnat6 = lru.revnat6,
             affinity = lru.affinity,
@@ -205,7 +209,8 @@ impl EbpfDataplane {
             .map_max_entries(map_names::BACKENDS6, options.backends_capacity)
             .map_max_entries(map_names::SOURCE_RANGES, options.frontends_capacity)
             .map_max_entries(map_names::MAGLEV, maglev_capacity)
-            .map_max_entries(map_names::CT, lru.conntrack)
+            .map_max_entries(map_names::CT4, lru.conntrack4)
+            .map_max_entries(map_names::CT6, lru.conntrack6)
             .map_max_entries(map_names::REVNAT4, lru.revnat4)
             .map_max_entries(map_names::REVNAT6, lru.revnat6)
             .map_max_entries(map_names::AFFINITY, lru.affinity)
@@ -232,7 +237,7 @@ impl EbpfDataplane {
         let names = take_map(&mut ebpf, map_names::SERVICE_NAMES)?;
         // The affinity map is only used by the datapath; it stays in `ebpf` (taking and
         // dropping it would close its fd before the programs that reference it are loaded).
-        for name in [map_names::AFFINITY, map_names::CT] {
+        for name in [map_names::AFFINITY, map_names::CT4, map_names::CT6] {
             if ebpf.map(name).is_none() {
                 return Err(EbpfError::MissingMap(name));
             }
@@ -270,7 +275,7 @@ impl EbpfDataplane {
             plan.copy(&pin_dir, true);
             (links, None)
         };
-        let ct_worker = match CtWorker::start(&pin_dir.join(map_names::CT)) {
+        let ct_worker = match CtWorker::start(&pin_dir) {
             Ok(worker) => Some(worker),
             Err(error) => {
                 warn!(%error, "cannot start the conntrack worker; GC and purges run in the sync loop");
@@ -520,33 +525,35 @@ impl EbpfDataplane {
             }
         }
         // Not `conntrack_map`: that borrows all of `self`, and the read needs `self.batch`.
-        let Some(Ok(mut ct)) = self
-            .ebpf
-            .map_mut(map_names::CT)
-            .map(HashMap::<_, CtKey, CtValue>::try_from)
-        else {
+        let Ok(mut ct) = conntrack_maps(&mut self.ebpf) else {
             return out;
         };
         let mut entries = Vec::new();
-        map_batch::read_all(&ct, &mut self.batch, map_names::CT, &mut entries);
+        let mut narrow = Vec::new();
+        map_batch::read_all(&ct.v4, &mut self.batch, map_names::CT4, &mut narrow);
+        entries.extend(narrow.iter().map(|(k, v)| (k.widen(), v.widen())));
+        let mut wide = Vec::new();
+        map_batch::read_all(&ct.v6, &mut self.batch, map_names::CT6, &mut wide);
+        entries.extend(wide);
         check.entries_compared += entries.len();
         for (key, value) in entries {
             let Some(why) = orphans::ct_orphan(&live, &key, &value) else {
                 continue;
             };
+            let name = if key.family == proxy_common::family::V6 {
+                map_names::CT6
+            } else {
+                map_names::CT4
+            };
             out.push(Drift {
-                map: map_names::CT,
+                map: name,
                 kind: DriftKind::Orphan,
                 entry: orphans::describe_ct(&key),
                 expected: None,
                 found: Some(why),
             });
             if repair {
-                count_repair(
-                    check,
-                    map_names::CT,
-                    ignore_missing(map_names::CT, ct.remove(&key)),
-                );
+                count_repair(check, name, ignore_missing(name, ct.remove(&key)));
             }
         }
         out
@@ -608,11 +615,8 @@ impl EbpfDataplane {
     pub fn conntrack_gc(&mut self) -> Result<tc_conntrack::GcReport, EbpfError> {
         let started = std::time::Instant::now();
         let now = tc_conntrack::monotonic_ns().map_err(EbpfError::Clock)?;
-        let map = self
-            .ebpf
-            .map_mut(map_names::CT)
-            .ok_or(EbpfError::MissingMap(map_names::CT))?;
-        let report = tc_conntrack::gc_round(map, now, 4096).map_err(EbpfError::Conntrack)?;
+        let mut maps = conntrack_pair(&mut self.ebpf)?;
+        let report = tc_conntrack::gc_round(&mut maps, now, 4096).map_err(EbpfError::Conntrack)?;
         if report.deleted_forward + report.deleted_reply > 0 {
             info!(
                 scanned = report.scanned,
@@ -632,23 +636,16 @@ impl EbpfDataplane {
         Ok(report)
     }
 
-    /// The tc conntrack map, borrowed from the object (it stays there: see `start`).
-    fn conntrack_map(&mut self) -> Result<HashMap<&mut MapData, CtKey, CtValue>, EbpfError> {
-        let map = self
-            .ebpf
-            .map_mut(map_names::CT)
-            .ok_or(EbpfError::MissingMap(map_names::CT))?;
-        HashMap::try_from(map).map_err(|source| EbpfError::Map {
-            name: map_names::CT,
-            source,
-        })
+    /// The tc conntrack maps, borrowed from the object (they stay there: see `start`).
+    fn conntrack_map(&mut self) -> Result<ConntrackMaps<&mut MapData>, EbpfError> {
+        conntrack_maps(&mut self.ebpf)
     }
 
     /// Deletes every tc conntrack entry, so the next packet of any flow is a new flow that
     /// chooses its backend again. For tests (the agent itself only purges removed backends).
     pub fn clear_conntrack(&mut self) -> Result<usize, EbpfError> {
         let mut map = self.conntrack_map()?;
-        let keys: Vec<CtKey> = map.keys().flatten().collect();
+        let keys = map.keys();
         let mut deleted = 0;
         for key in keys {
             deleted += usize::from(map.remove(&key).is_ok());
@@ -659,7 +656,7 @@ impl EbpfDataplane {
     /// Every tc conntrack entry (a snapshot: the datapath keeps changing it). For tests and
     /// diagnostics.
     pub fn conntrack_entries(&mut self) -> Result<Vec<(CtKey, CtValue)>, EbpfError> {
-        Ok(tc_conntrack::entries(&self.conntrack_map()?))
+        Ok(self.conntrack_map()?.entries())
     }
 
     /// Entries and capacity of each map the map_writer fills (`kubeproxy_ebpf_map_*`).
@@ -769,17 +766,35 @@ fn adopt_kernel_nat_flows(ebpf: &mut Ebpf) {
             return;
         }
     };
-    let Some(map) = ebpf.map_mut(map_names::CT) else {
-        return;
-    };
-    match HashMap::<_, CtKey, CtValue>::try_from(map) {
+    match conntrack_maps(ebpf) {
         Ok(mut ct) => {
             kernel_nat::adopt(&mut ct, now);
         }
         Err(error) => {
-            warn!(%error, "KPR_CT: UDP/SCTP flows the kernel's conntrack NATs are not adopted")
+            warn!(%error, "tc conntrack: UDP/SCTP flows the kernel's conntrack NATs are not adopted")
         }
     }
+}
+
+/// The object's two conntrack maps at once (`Ebpf::map_mut` lends one at a time).
+fn conntrack_pair(ebpf: &mut Ebpf) -> Result<ConntrackPair<'_>, EbpfError> {
+    let (mut v4, mut v6) = (None, None);
+    for (name, map) in ebpf.maps_mut() {
+        match name {
+            map_names::CT4 => v4 = Some(map),
+            map_names::CT6 => v6 = Some(map),
+            _ => {}
+        }
+    }
+    Ok(ConntrackPair {
+        v4: v4.ok_or(EbpfError::MissingMap(map_names::CT4))?,
+        v6: v6.ok_or(EbpfError::MissingMap(map_names::CT6))?,
+    })
+}
+
+fn conntrack_maps(ebpf: &mut Ebpf) -> Result<ConntrackMaps<&mut MapData>, EbpfError> {
+    let pair = conntrack_pair(ebpf)?;
+    ConntrackMaps::borrow(pair.v4, pair.v6)
 }
 
 /// What a deferred attach needs.

@@ -16,11 +16,13 @@ use std::{
     time::{Duration, Instant},
 };
 
-use aya::maps::{Array, HashMap, Map, MapData};
-use proxy_common::{CtKey, CtValue, NodeConfig, ct_flags, ct_timeout, map_names, node_flags};
+use aya::maps::{Array, Map, MapData};
+use proxy_common::{NodeConfig, ct_flags, ct_timeout, map_names, node_flags};
 use tracing::{info, warn};
 
-use super::{error::EbpfError, pins::PIN_DIR_NAME, tc_conntrack::monotonic_ns};
+use super::{
+    ct_maps::ConntrackMaps, error::EbpfError, pins::PIN_DIR_NAME, tc_conntrack::monotonic_ns,
+};
 
 /// How often a drain looks for live flows.
 const POLL: Duration = Duration::from_secs(1);
@@ -53,13 +55,10 @@ pub fn start_drain(bpf_root: &Path) -> Result<bool, EbpfError> {
 /// Forward entries of flows that are still live at `now` (reply and egress entries follow
 /// their forward entry).
 pub fn live_flows(bpf_root: &Path, now: u64) -> Result<usize, EbpfError> {
-    let name = map_names::CT;
-    let ct: HashMap<MapData, CtKey, CtValue> = open(bpf_root, name)?
-        .try_into()
-        .map_err(|source| EbpfError::Map { name, source })?;
+    let ct = ConntrackMaps::open_pinned(&bpf_root.join(PIN_DIR_NAME))?;
     Ok(ct
+        .entries()
         .iter()
-        .filter_map(Result::ok)
         .filter(|(key, value)| {
             value.flags & (ct_flags::REPLY | ct_flags::EGRESS) == 0
                 && !ct_timeout::expired(key.proto, value.flags, value.last_seen_ns, now)

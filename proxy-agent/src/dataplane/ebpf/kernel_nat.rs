@@ -32,11 +32,14 @@
 
 use std::net::IpAddr;
 
-use aya::maps::{HashMap, MapData};
+use aya::maps::MapData;
 use proxy_common::{CtKey, CtValue, ct_flags, family, proto};
 use tracing::{info, warn};
 
-use super::map_writer::{ip4_to_map, ip6_to_map};
+use super::{
+    ct_maps::ConntrackMaps,
+    map_writer::{ip4_to_map, ip6_to_map},
+};
 use crate::{
     desired::IpFamily,
     kernel_conntrack::{ConntrackEntry, Ctnetlink},
@@ -147,10 +150,10 @@ fn words(addr: IpAddr) -> Option<([u32; 4], u8)> {
 }
 
 /// Reads the kernel's conntrack (both families) and writes the entries of each adoptable flow
-/// that `KPR_CT` does not hold yet (a flow the datapath already tracks stays its own). Best
+/// that the tc conntrack does not hold yet (a flow the datapath already tracks stays its own). Best
 /// effort: a failed read or write only costs those flows their backend, so it is logged and
 /// the start goes on. Returns the number of entries written.
-pub fn adopt(ct: &mut HashMap<&mut MapData, CtKey, CtValue>, now_ns: u64) -> usize {
+pub fn adopt(ct: &mut ConntrackMaps<&mut MapData>, now_ns: u64) -> usize {
     let mut ctnetlink = match Ctnetlink::open() {
         Ok(ctnetlink) => ctnetlink,
         Err(error) => {
@@ -170,7 +173,7 @@ pub fn adopt(ct: &mut HashMap<&mut MapData, CtKey, CtValue>, now_ns: u64) -> usi
         for (key, value) in entries.iter().flat_map(|e| adoptable(e, now_ns)) {
             // An error leaves the flow as it is: already tracked by the datapath (EEXIST), or
             // the map is full.
-            if ct.insert(key, value, BPF_NOEXIST).is_ok() {
+            if ct.insert(&key, &value, BPF_NOEXIST).is_ok() {
                 adopted += 1;
             }
         }
@@ -178,7 +181,7 @@ pub fn adopt(ct: &mut HashMap<&mut MapData, CtKey, CtValue>, now_ns: u64) -> usi
     if adopted > 0 {
         info!(
             entries = adopted,
-            "flows the kernel's conntrack NATs keep their backends and SNAT ports (adopted into KPR_CT)"
+            "flows the kernel's conntrack NATs keep their backends and SNAT ports (adopted into the tc conntrack)"
         );
     }
     adopted

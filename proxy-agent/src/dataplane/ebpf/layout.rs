@@ -6,7 +6,9 @@
 //! their key and value sizes. A build that changes a pinned key or value type bumps that map's
 //! version in [`current`] (`layout_versions_follow_the_types` fails until it does) and, for a
 //! map of datapath state ([`holds`]), registers the previous layout in [`OLDER`] with a
-//! conversion. A map of service state needs none: it is rebuilt, filled by the first sync
+//! conversion; one that a build replaces by others under new names (the tc conntrack, split by
+//! family) is registered there too, under its old name, with the conversion into its
+//! successors. A map of service state needs none: it is rebuilt, filled by the first sync
 //! before the new programs replace the previous agent's (`EbpfDataplane::start`).
 //!
 //! At start ([`plan`]) a map in a known older layout is unpinned but kept open, the object
@@ -24,9 +26,9 @@ use aya::{
 };
 use proxy_common::{
     AffinityKey, AffinityMatchKey, AffinityValue, Backend4, Backend6, BackendSlotKey, CtKey,
-    CtValue, Frontend4Key, Frontend6Key, FrontendValue, MaglevBlock, MaglevKey, NodeAddrKey,
-    NodeConfig, RevNat4, RevNat4Key, RevNat6, RevNat6Key, ServiceName, SnatAddrs, SourceRangeKey,
-    map_names,
+    CtKey4, CtValue, CtValue4, Frontend4Key, Frontend6Key, FrontendValue, MaglevBlock, MaglevKey,
+    NodeAddrKey, NodeConfig, RevNat4, RevNat4Key, RevNat6, RevNat6Key, ServiceName, SnatAddrs,
+    SourceRangeKey, map_names,
 };
 use tracing::{info, warn};
 
@@ -96,7 +98,7 @@ fn layout<K, V>(name: &'static str, version: u32) -> Layout {
 }
 
 /// This build's layout of every pinned map (`map_names::PINNED`).
-pub fn current() -> [Layout; 18] {
+pub fn current() -> [Layout; 19] {
     [
         layout::<Frontend4Key, FrontendValue>(map_names::FRONTENDS4, 1),
         layout::<Frontend6Key, FrontendValue>(map_names::FRONTENDS6, 1),
@@ -109,8 +111,9 @@ pub fn current() -> [Layout; 18] {
         layout::<AffinityKey, AffinityValue>(map_names::AFFINITY, 1),
         layout::<AffinityMatchKey, u8>(map_names::AFFINITY_MATCH, 1),
         layout::<u32, u64>(map_names::STATS, 1),
-        // Version 1: without the interface and neighbour replies leave by; see `v1::CtValue`.
-        layout::<CtKey, CtValue>(map_names::CT, 2),
+        // Both replace the foundation's `KPR_CT` (see `v1::split_ct`).
+        layout::<CtKey4, CtValue4>(map_names::CT4, 1),
+        layout::<CtKey, CtValue>(map_names::CT6, 1),
         // LPM trie keys carry the prefix length first.
         Layout {
             key_size: size::<u32>() + size::<SourceRangeKey>(),
@@ -148,7 +151,7 @@ pub fn holds(name: &str) -> Holds {
         map_names::UDP_STICKY => {
             Holds::DatapathState("unconnected UDP sockets may be sent to another backend once")
         }
-        map_names::CT => Holds::DatapathState(
+        map_names::CT4 | map_names::CT6 | v1::CT => Holds::DatapathState(
             "established external flows (NodePort, externalIPs, LB IPs) lose their \
              translation: their next packets are new flows, TCP ones are reset",
         ),
@@ -160,8 +163,18 @@ pub fn holds(name: &str) -> Holds {
 /// A registered older layout and how to convert its entries.
 pub struct Migration {
     pub from: Layout,
-    /// Copies every entry of `old` into `new`, converted, with the given update flags.
-    copy: fn(old: &Map, new: &mut Map, flags: u64) -> Result<CopyCount, MapError>,
+    /// The maps its entries go to: the map of the same name, or the ones that replaced it.
+    pub into: &'static [&'static str],
+    /// Copies every entry of `old` into the new maps pinned in the directory, converted, with
+    /// the given update flags.
+    copy: fn(old: &Map, pin_dir: &Path, flags: u64) -> Result<CopyCount, MapError>,
+}
+
+impl Migration {
+    /// Whether the map it migrates has no successor of its own name (see [`OLDER`]).
+    fn retired(&self) -> bool {
+        !current().iter().any(|l| l.name == self.from.name)
+    }
 }
 
 impl std::fmt::Debug for Migration {
@@ -190,27 +203,59 @@ pub static OLDER: &[Migration] = &[
             key_size: 8,
             value_size: 16,
         },
-        copy: |old, new, flags| copy_converted(old, new, flags, v1::revnat4),
+        into: &[map_names::REVNAT4],
+        copy: |old, pin_dir, flags| {
+            copy_converted(
+                old,
+                &mut open(pin_dir, map_names::REVNAT4)?,
+                flags,
+                v1::revnat4,
+            )
+        },
     },
     Migration {
         from: Layout {
-            name: map_names::CT,
+            name: v1::CT,
             version: 1,
             key_size: 40,
             value_size: 48,
         },
-        copy: |old, new, flags| copy_converted(old, new, flags, v1::ct),
+        into: &[map_names::CT4, map_names::CT6],
+        copy: v1::split_ct::<v1::CtValueV1>,
+    },
+    Migration {
+        from: Layout {
+            name: v1::CT,
+            version: 2,
+            key_size: 40,
+            value_size: 56,
+        },
+        into: &[map_names::CT4, map_names::CT6],
+        copy: v1::split_ct::<CtValue>,
     },
 ];
 
+fn open(pin_dir: &Path, name: &str) -> Result<Map, MapError> {
+    MapData::from_pin(pin_dir.join(name)).and_then(Map::from_map_data)
+}
+
 /// Layouts that existed in earlier agents (git history), kept for their conversions.
 pub mod v1 {
-    use proxy_common::{CtKey, RevNat4Key};
+    use std::path::Path;
 
-    /// `KPR_CT`'s value before the reply interface (`out_ifindex`, `out_mac`).
+    use aya::maps::{HashMap, Map, MapData, MapError};
+    use proxy_common::{CtKey, CtValue, RevNat4Key, map_names};
+
+    use super::{CopyCount, open};
+    use crate::dataplane::ebpf::ct_maps::ConntrackMaps;
+
+    /// The tc conntrack of both families in one map, before `KPR_CT4` and `KPR_CT6`.
+    pub const CT: &str = "KPR_CT";
+
+    /// Its value: [`CtValue`] without the interface and neighbour a reply leaves by.
     #[repr(C)]
     #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
-    pub struct CtValue {
+    pub struct CtValueV1 {
         pub src: [u32; 4],
         pub dst: [u32; 4],
         pub sport: u16,
@@ -221,14 +266,13 @@ pub mod v1 {
     }
 
     // SAFETY: `repr(C)` integers without implicit padding, valid for any bytes.
-    unsafe impl aya::Pod for CtValue {}
+    unsafe impl aya::Pod for CtValueV1 {}
 
     /// Lossless but for the reply interface, which the old entries did not record: their
     /// replies stay routed by the table, as they were.
-    pub fn ct(key: CtKey, old: CtValue) -> Option<(CtKey, super::CtValue)> {
-        Some((
-            key,
-            super::CtValue {
+    impl From<CtValueV1> for CtValue {
+        fn from(old: CtValueV1) -> CtValue {
+            CtValue {
                 src: old.src,
                 dst: old.dst,
                 sport: old.sport,
@@ -238,8 +282,27 @@ pub mod v1 {
                 out_mac: [0; 6],
                 out_ifindex: 0,
                 last_seen_ns: old.last_seen_ns,
-            },
-        ))
+            }
+        }
+    }
+
+    /// Each entry of `KPR_CT` (its value in layout `V`) into the map of its family (keys stay
+    /// as they were: the wide key is `KPR_CT6`'s, and narrows losslessly for IPv4).
+    pub fn split_ct<V: aya::Pod + Into<CtValue>>(
+        old: &Map,
+        pin_dir: &Path,
+        flags: u64,
+    ) -> Result<CopyCount, MapError> {
+        let old = HashMap::<&MapData, CtKey, V>::try_from(old)?;
+        let mut new = ConntrackMaps {
+            v4: HashMap::try_from(open(pin_dir, map_names::CT4)?)?,
+            v6: HashMap::try_from(open(pin_dir, map_names::CT6)?)?,
+        };
+        let mut count = CopyCount::default();
+        for (key, value) in old.iter().flatten() {
+            count.add(new.insert(&key, &value.into(), flags));
+        }
+        Ok(count)
     }
 
     /// The foundation's `KPR_REVNAT4` value (key: the socket cookie), before the key became
@@ -285,6 +348,19 @@ pub struct CopyCount {
     pub failed: usize,
 }
 
+impl CopyCount {
+    /// Counts one insert's result.
+    fn add(&mut self, inserted: Result<(), MapError>) {
+        match inserted {
+            Ok(()) => self.copied += 1,
+            Err(MapError::SyscallError(e)) if e.io_error.raw_os_error() == Some(libc::EEXIST) => {
+                self.skipped += 1;
+            }
+            Err(_) => self.failed += 1,
+        }
+    }
+}
+
 fn copy_converted<OK: Pod, OV: Pod, NK: Pod, NV: Pod>(
     old: &Map,
     new: &mut Map,
@@ -300,13 +376,7 @@ fn copy_converted<OK: Pod, OV: Pod, NK: Pod, NV: Pod>(
             count.skipped += 1;
             continue;
         };
-        match new.insert(key, value, flags) {
-            Ok(()) => count.copied += 1,
-            Err(MapError::SyscallError(e)) if e.io_error.raw_os_error() == Some(libc::EEXIST) => {
-                count.skipped += 1;
-            }
-            Err(_) => count.failed += 1,
-        }
+        count.add(new.insert(key, value, flags));
     }
     Ok(count)
 }
@@ -315,7 +385,6 @@ fn copy_converted<OK: Pod, OV: Pod, NK: Pod, NV: Pod>(
 #[derive(Debug)]
 struct Pending {
     migration: &'static Migration,
-    to: Layout,
     old: Map,
 }
 
@@ -445,11 +514,7 @@ pub fn plan(pin_dir: &Path) -> std::io::Result<Plan> {
                          version's"
                     );
                     super::pins::remove_if_present(&pin)?;
-                    plan.pending.push(Pending {
-                        migration,
-                        to: current,
-                        old,
-                    });
+                    plan.pending.push(Pending { migration, old });
                 }
                 Err(error) => {
                     warn!(map = current.name, %error, "cannot read the pinned map in its older \
@@ -488,8 +553,65 @@ pub fn plan(pin_dir: &Path) -> std::io::Result<Plan> {
             }
         }
     }
+    plan_retired(pin_dir, &records, &mut plan)?;
     rebuild_with_the_others(pin_dir, &mut plan)?;
     Ok(plan)
+}
+
+/// The pinned maps of [`OLDER`] that this build replaced by maps of other names: migrated into
+/// them when their layout is the registered one, else unpinned (they would only hold memory).
+fn plan_retired(
+    pin_dir: &Path,
+    records: &[(String, LayoutRecord)],
+    plan: &mut Plan,
+) -> std::io::Result<()> {
+    let mut names: Vec<&str> = OLDER
+        .iter()
+        .filter(|m| m.retired())
+        .map(|m| m.from.name)
+        .collect();
+    names.dedup();
+    for name in names {
+        let pin = pin_dir.join(name);
+        if !pin.exists() {
+            continue;
+        }
+        let info = MapInfo::from_pin(&pin).ok();
+        let sizes = info
+            .as_ref()
+            .map_or((0, 0), |i| (i.key_size(), i.value_size()));
+        let recorded = records
+            .iter()
+            .find(|(recorded, _)| recorded == name)
+            .map(|(_, r)| r.version);
+        // A retired map went through layouts of its own before it was retired: the one that
+        // matches the pinned map's sizes (and its record, where it has one) converts it.
+        let migration = OLDER.iter().find(|m| {
+            m.from.name == name
+                && sizes == (m.from.key_size, m.from.value_size)
+                && recorded.is_none_or(|version| version == m.from.version)
+        });
+        let old = MapData::from_pin(&pin).and_then(Map::from_map_data);
+        super::pins::remove_if_present(&pin)?;
+        match (old, migration) {
+            (Ok(old), Some(migration)) => {
+                info!(
+                    map = name,
+                    version = migration.from.version,
+                    into = ?migration.into,
+                    "pinned map replaced by this version's; its entries are migrated"
+                );
+                plan.pending.push(Pending { migration, old });
+            }
+            _ => warn!(
+                map = name,
+                key_size = sizes.0,
+                value_size = sizes.1,
+                "pinned map of an older agent in a layout this agent does not know; unpinned"
+            ),
+        }
+    }
+    Ok(())
 }
 
 /// The service maps the agent fills together: they refer to each other by service and backend
@@ -548,10 +670,8 @@ impl Plan {
     pub fn copy(&mut self, pin_dir: &Path, last: bool) {
         let flags = if last { BPF_NOEXIST } else { 0 };
         for pending in &self.pending {
-            let name = pending.to.name;
-            let result = MapData::from_pin(pin_dir.join(name))
-                .and_then(Map::from_map_data)
-                .and_then(|mut new| (pending.migration.copy)(&pending.old, &mut new, flags));
+            let name = pending.migration.from.name;
+            let result = (pending.migration.copy)(&pending.old, pin_dir, flags);
             match result {
                 Ok(count) if count.failed > 0 => warn!(
                     map = name,
@@ -562,7 +682,7 @@ impl Plan {
                 Ok(count) => info!(
                     map = name,
                     from_version = pending.migration.from.version,
-                    to_version = pending.to.version,
+                    into = ?pending.migration.into,
                     copied = count.copied,
                     skipped = count.skipped,
                     after_attach = last,

@@ -4,12 +4,13 @@
 //! The kernel preallocates every LRU hash map: its whole capacity is kernel memory from the
 //! moment it is created, used or not. Fixed sizes made every small node pay for the largest
 //! one; like Cilium's `--bpf-map-dynamic-size-ratio`, a share of the node's memory is given to
-//! these maps and divided among them (`--bpf-map-conntrack` still sets the conntrack map
+//! these maps and divided among them (`--bpf-map-conntrack` still sets each conntrack map
 //! exactly). The hash maps only the agent writes are not preallocated and follow use (see
 //! `proxy-ebpf`'s `maps.rs`).
 
 use proxy_common::{
-    AffinityKey, AffinityValue, CtKey, CtValue, RevNat4, RevNat4Key, RevNat6, RevNat6Key,
+    AffinityKey, AffinityValue, CtKey, CtKey4, CtValue, CtValue4, RevNat4, RevNat4Key, RevNat6,
+    RevNat6Key,
 };
 
 /// `--bpf-map-dynamic-size-ratio`'s default: Cilium's.
@@ -32,9 +33,12 @@ impl SizeRatio {
     }
 }
 
-/// Shares of the budget, in percent: the conntrack map holds two to four entries per external
-/// flow; the other three one per socket or client.
-const CONNTRACK_SHARE: u64 = 60;
+/// Shares of the budget, in percent: the conntrack maps hold two to four entries per external
+/// flow (IPv4 gets two thirds of their share, and with its smaller entries 93 % as many
+/// entries as the one map of both families had before: most external traffic is IPv4); the
+/// other maps one per socket or client.
+const CONNTRACK4_SHARE: u64 = 40;
+const CONNTRACK6_SHARE: u64 = 20;
 const REVNAT_SHARE: u64 = 10;
 const AFFINITY_SHARE: u64 = 10;
 
@@ -48,7 +52,8 @@ const SOCKET_MAX: u32 = 1 << 22;
 /// Capacities of the preallocated LRU maps, in entries.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct LruSizes {
-    pub conntrack: u32,
+    pub conntrack4: u32,
+    pub conntrack6: u32,
     pub revnat4: u32,
     pub revnat6: u32,
     pub affinity: u32,
@@ -58,7 +63,8 @@ pub struct LruSizes {
 impl LruSizes {
     /// The previous fixed defaults (`--bpf-map-dynamic-size-ratio 0`).
     pub const STATIC: LruSizes = LruSizes {
-        conntrack: proxy_common::default_sizes::CT,
+        conntrack4: proxy_common::default_sizes::CT,
+        conntrack6: proxy_common::default_sizes::CT,
         revnat4: proxy_common::default_sizes::REVNAT,
         revnat6: proxy_common::default_sizes::REVNAT,
         affinity: proxy_common::default_sizes::AFFINITY,
@@ -84,8 +90,14 @@ impl LruSizes {
             u32::try_from(n).unwrap_or(u32::MAX).clamp(min, max)
         };
         LruSizes {
-            conntrack: entries(
-                CONNTRACK_SHARE,
+            conntrack4: entries(
+                CONNTRACK4_SHARE,
+                entry_bytes::<CtKey4, CtValue4>(),
+                CONNTRACK_MIN,
+                CONNTRACK_MAX,
+            ),
+            conntrack6: entries(
+                CONNTRACK6_SHARE,
                 entry_bytes::<CtKey, CtValue>(),
                 CONNTRACK_MIN,
                 CONNTRACK_MAX,
@@ -133,7 +145,8 @@ impl LruSizes {
 
     /// The kernel memory these capacities take (an estimate of its `memlock` accounting).
     pub fn bytes(&self) -> u64 {
-        u64::from(self.conntrack) * entry_bytes::<CtKey, CtValue>()
+        u64::from(self.conntrack4) * entry_bytes::<CtKey4, CtValue4>()
+            + u64::from(self.conntrack6) * entry_bytes::<CtKey, CtValue>()
             + u64::from(self.revnat4) * entry_bytes::<RevNat4Key, RevNat4>()
             + u64::from(self.revnat6) * entry_bytes::<RevNat6Key, RevNat6>()
             + u64::from(self.affinity + self.udp_sticky)
@@ -143,7 +156,7 @@ impl LruSizes {
 
 /// Kernel memory per entry of a preallocated LRU hash map: `struct htab_elem` (56 bytes with
 /// its LRU node) and the key and value rounded up to 8, plus a 16-byte bucket.
-fn entry_bytes<K, V>() -> u64 {
+pub fn entry_bytes<K, V>() -> u64 {
     let round8 = |n: usize| (n as u64).div_ceil(8) * 8;
     56 + round8(std::mem::size_of::<K>()) + round8(std::mem::size_of::<V>()) + 16
 }
@@ -172,19 +185,24 @@ mod tests {
         let mid = LruSizes::for_memory(24 * GIB, DEFAULT_DYNAMIC_SIZE_RATIO);
         let large = LruSizes::for_memory(512 * GIB, DEFAULT_DYNAMIC_SIZE_RATIO);
         // 1 GiB × 0.25 % is 2.6 MB: every map at its floor.
-        assert_eq!(small.conntrack, CONNTRACK_MIN);
+        assert_eq!(small.conntrack4, CONNTRACK_MIN);
+        assert_eq!(small.conntrack6, CONNTRACK_MIN);
         assert_eq!(small.revnat4, SOCKET_MIN);
         assert_eq!(small.udp_sticky, SOCKET_MIN);
-        // 24 GiB: 61 MiB, 60 % of it in 168-byte conntrack entries.
+        // 24 GiB: 61 MiB, 40 % of it in 120-byte IPv4 conntrack entries (93 % as many as the
+        // one map of 168-byte entries for both families had with 60 %), 20 % in 168-byte IPv6
+        // ones.
+        assert_eq!(entry_bytes::<CtKey4, CtValue4>(), 120);
         assert_eq!(entry_bytes::<CtKey, CtValue>(), 168);
-        assert_eq!(mid.conntrack, 230_087);
+        assert_eq!(mid.conntrack4, 214_748);
+        assert_eq!(mid.conntrack6, 76_695);
         assert!(
             mid.bytes() <= (24 * GIB) / 400 + GIB / 1024,
             "{}",
             mid.bytes()
         );
-        assert!(large.conntrack > mid.conntrack && large.revnat6 > mid.revnat6);
-        assert!(large.conntrack <= CONNTRACK_MAX);
+        assert!(large.conntrack4 > mid.conntrack4 && large.revnat6 > mid.revnat6);
+        assert!(large.conntrack4 <= CONNTRACK_MAX);
     }
 
     #[test]

@@ -4,6 +4,7 @@
 mod bpf_syscall;
 mod bpffs;
 mod cgroup;
+mod ct_maps;
 mod ct_worker;
 mod dataplane;
 mod drift;
@@ -28,8 +29,10 @@ pub(crate) mod sockdiag;
 mod stats;
 mod tc;
 mod tc_conntrack;
+mod tc_programs;
 mod test_run;
 
+pub use ct_maps::ConntrackMaps;
 pub use ct_worker::WorkerReports;
 pub use dataplane::{EbpfDataplane, GcProgress};
 pub use drift::{Drift, DriftCheck, DriftKind, RepairReport};

@@ -180,13 +180,15 @@ pub(super) fn prepare_pin_dir(
     let plan = layout::plan(pin_dir).map_err(to_error)?;
     // aya would reuse the pin at its old size: a changed `--bpf-map-conntrack` takes a new map,
     // losing the flows it tracked (established external flows through SNAT break once).
-    let pin = pin_dir.join(map_names::CT);
-    if let Some(conntrack_capacity) = explicit_conntrack
-        && pin.exists()
-        && !MapInfo::from_pin(&pin).is_ok_and(|info| info.max_entries() == conntrack_capacity)
-    {
-        warn!(pin = %pin.display(), capacity = conntrack_capacity, "conntrack map resized; its flows start over");
-        remove_if_present(&pin).map_err(to_error)?;
+    for name in [map_names::CT4, map_names::CT6] {
+        let pin = pin_dir.join(name);
+        if let Some(conntrack_capacity) = explicit_conntrack
+            && pin.exists()
+            && !MapInfo::from_pin(&pin).is_ok_and(|info| info.max_entries() == conntrack_capacity)
+        {
+            warn!(pin = %pin.display(), capacity = conntrack_capacity, "conntrack map resized; its flows start over");
+            remove_if_present(&pin).map_err(to_error)?;
+        }
     }
     let pin = pin_dir.join(map_names::MAGLEV);
     if pin.exists()

@@ -37,7 +37,7 @@ use aya::{
     Ebpf,
     maps::{Array, HashMap, MapData},
     programs::{
-        LinkOrder, SchedClassifier, TcAttachType,
+        LinkOrder, TcAttachType,
         links::{FdLink, PinnedLink},
         tc::TcAttachOptions,
     },
@@ -55,6 +55,7 @@ use super::{
     map_writer::MapWriteError,
     map_writer::{ip4_to_map, ip6_to_map},
     pins::{LINK_SUFFIX, remove_if_present},
+    tc_programs::loaded_classifier,
 };
 use crate::{
     config::{DetectLocal, NodePortAddresses},
@@ -691,25 +692,6 @@ fn attach_legacy(
 ) -> Result<(), EbpfError> {
     let classifier = loaded_classifier(ebpf, program)?;
     legacy_tc::attach(classifier, interface, ifindex, direction).map_err(EbpfError::LegacyTc)
-}
-
-fn loaded_classifier<'a>(
-    ebpf: &'a mut Ebpf,
-    program: &'static str,
-) -> Result<&'a mut SchedClassifier, EbpfError> {
-    let program_error = |source| EbpfError::Program {
-        name: program,
-        source,
-    };
-    let classifier: &mut SchedClassifier = ebpf
-        .program_mut(program)
-        .ok_or(EbpfError::MissingProgram(program))?
-        .try_into()
-        .map_err(program_error)?;
-    if classifier.fd().is_err() {
-        classifier.load().map_err(program_error)?;
-    }
-    Ok(classifier)
 }
 
 /// Attaches `program` to `interface` (`direction`) as a TCX link and pins it (replacing, and

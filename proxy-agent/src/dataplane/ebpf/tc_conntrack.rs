@@ -1,4 +1,4 @@
-//! The tc programs' conntrack (`KPR_CT`) from user space: reading it (tests, diagnostics),
+//! The tc programs' conntrack (`KPR_CT4`, `KPR_CT6`: [`ConntrackMaps`]) from user space: reading it (tests, diagnostics),
 //! purging the entries of backends that left a Service, and garbage collection of dead flows.
 //!
 //! Garbage collection (periodic, see [`gc_round`]): the datapath treats an expired forward entry as
@@ -27,10 +27,16 @@
 
 use std::net::IpAddr;
 
-use aya::maps::{HashMap, MapData};
-use proxy_common::{CtKey, CtValue, ct_flags, ct_timeout, family};
+use aya::{
+    Pod,
+    maps::{Map, MapData},
+};
+use proxy_common::{CtKey, CtKey4, CtValue, CtValue4, ct_flags, ct_timeout, family};
 
-use super::map_writer::{RemovedBackend, ip4_to_map, ip6_to_map};
+use super::{
+    ct_maps::ConntrackMaps,
+    map_writer::{RemovedBackend, ip4_to_map, ip6_to_map},
+};
 use crate::desired::Scope;
 
 /// Address words and family of an IP address as the maps store them.
@@ -140,14 +146,6 @@ pub fn any_external(removed: &[RemovedBackend]) -> bool {
     removed.iter().any(|r| Stale::of(r).is_some())
 }
 
-/// Every entry of the map; entries that vanish during the walk (LRU eviction, the datapath)
-/// are skipped.
-pub fn entries<T: std::borrow::Borrow<MapData>>(
-    map: &HashMap<T, CtKey, CtValue>,
-) -> Vec<(CtKey, CtValue)> {
-    map.iter().filter_map(Result::ok).collect()
-}
-
 /// What a purge did.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub struct PurgeReport {
@@ -157,13 +155,13 @@ pub struct PurgeReport {
 
 /// Deletes the entries of removed backends.
 pub fn purge<T: std::borrow::BorrowMut<MapData>>(
-    map: &mut HashMap<T, CtKey, CtValue>,
+    map: &mut ConntrackMaps<T>,
     removed: &[RemovedBackend],
 ) -> PurgeReport {
     if !any_external(removed) {
         return PurgeReport::default();
     }
-    let all = entries(map);
+    let all = map.entries();
     let mut report = PurgeReport {
         scanned: all.len(),
         deleted: 0,
@@ -336,20 +334,20 @@ impl CtWalk {
     }
 
     /// The next batch of up to `max` entries (at least one bucket's: more when a bucket holds
-    /// more). Empty once [`CtWalk::finished`].
-    pub fn next_batch(
+    /// more) of a map of `K` → `V`. Empty once [`CtWalk::finished`].
+    pub fn next_batch<K: Pod + Default, V: Pod + Default>(
         &mut self,
         map: std::os::fd::BorrowedFd<'_>,
         max: usize,
-    ) -> std::io::Result<Vec<(CtKey, CtValue)>> {
+    ) -> std::io::Result<Vec<(K, V)>> {
         use std::os::fd::AsRawFd as _;
         if self.finished {
             return Ok(Vec::new());
         }
         let mut capacity = max.clamp(1, MAX_BATCH);
         loop {
-            let mut keys = vec![CtKey::default(); capacity];
-            let mut values = vec![CtValue::default(); capacity];
+            let mut keys = vec![K::default(); capacity];
+            let mut values = vec![V::default(); capacity];
             let mut in_batch = self.cursor.unwrap_or(0);
             let mut out_batch = 0u64;
             let mut attr = [0u8; 56];
@@ -395,13 +393,54 @@ impl CtWalk {
     }
 }
 
-/// The fd of the conntrack map (an LRU hash map; a plain hash map in older objects).
-fn map_fd(map: &aya::maps::Map) -> Option<std::os::fd::BorrowedFd<'_>> {
+/// The fd of a conntrack map (an LRU hash map; a plain hash map in older objects).
+fn map_fd(map: &Map) -> std::io::Result<std::os::fd::BorrowedFd<'_>> {
     use std::os::fd::AsFd as _;
     match map {
-        aya::maps::Map::LruHashMap(data) | aya::maps::Map::HashMap(data) => Some(data.fd().as_fd()),
-        _ => None,
+        Map::LruHashMap(data) | Map::HashMap(data) => Ok(data.fd().as_fd()),
+        _ => Err(std::io::Error::other("the conntrack map is not a hash map")),
     }
+}
+
+/// The two conntrack maps as the worker and the dataplane hold them (`KPR_CT4`, `KPR_CT6`).
+#[derive(Debug)]
+pub struct ConntrackPair<'a> {
+    pub v4: &'a mut Map,
+    pub v6: &'a mut Map,
+}
+
+/// A walk over both maps in turn, IPv4 first; entries widened.
+#[derive(Debug, Default)]
+struct PairWalk {
+    v4: CtWalk,
+    v6: CtWalk,
+}
+
+impl PairWalk {
+    fn finished(&self) -> bool {
+        self.v4.finished() && self.v6.finished()
+    }
+
+    fn next_batch(
+        &mut self,
+        maps: &ConntrackPair<'_>,
+        max: usize,
+    ) -> std::io::Result<Vec<(CtKey, CtValue)>> {
+        if !self.v4.finished() {
+            let batch = self
+                .v4
+                .next_batch::<CtKey4, CtValue4>(map_fd(maps.v4)?, max)?;
+            return Ok(batch
+                .into_iter()
+                .map(|(k, v)| (k.widen(), v.widen()))
+                .collect());
+        }
+        self.v6.next_batch(map_fd(maps.v6)?, max)
+    }
+}
+
+fn both<'m>(maps: &'m mut ConntrackPair<'_>) -> std::io::Result<ConntrackMaps<&'m mut MapData>> {
+    ConntrackMaps::borrow(&mut *maps.v4, &mut *maps.v6).map_err(std::io::Error::other)
 }
 
 /// Garbage collection of `map` in one round of batches of `batch` entries: expired forward
@@ -410,21 +449,19 @@ fn map_fd(map: &aya::maps::Map) -> Option<std::os::fd::BorrowedFd<'_>> {
 /// packet revived it since its batch was read, so only a flow that stays idle through the
 /// round loses its entries. For the worker, which runs it off the sync
 /// loop; a round's cost is bounded by the map's size, not by how much is deleted under it.
-pub fn gc_round(map: &mut aya::maps::Map, now: u64, batch: usize) -> std::io::Result<GcReport> {
-    let mut walk = CtWalk::new();
+pub fn gc_round(maps: &mut ConntrackPair<'_>, now: u64, batch: usize) -> std::io::Result<GcReport> {
+    let mut walk = PairWalk::default();
     let mut report = GcReport::default();
     while !walk.finished() {
-        let fd = map_fd(map).ok_or_else(|| std::io::Error::other("KPR_CT is not a hash map"))?;
-        let entries = walk.next_batch(fd, batch)?;
-        let mut ct: HashMap<&mut MapData, CtKey, CtValue> =
-            HashMap::try_from(&mut *map).map_err(std::io::Error::other)?;
+        let entries = walk.next_batch(maps, batch)?;
+        let mut ct = both(maps)?;
         report.scanned += entries.len();
         for (key, _) in entries {
             // Read again: a packet since the batch may have revived it (or deleted it).
-            let Ok(value) = ct.get(&key, 0) else {
+            let Some(value) = ct.get(&key) else {
                 continue;
             };
-            if entry_dead(&key, &value, |k| ct.get(k, 0).ok(), now) && ct.remove(&key).is_ok() {
+            if entry_dead(&key, &value, |k| ct.get(k), now) && ct.remove(&key).is_ok() {
                 if is_reply(&value) {
                     report.deleted_reply += 1;
                 } else {
@@ -441,7 +478,7 @@ pub fn gc_round(map: &mut aya::maps::Map, now: u64, batch: usize) -> std::io::Re
 
 /// Deletes the entries of `removed` backends in one round of batches (see [`purge`]).
 pub fn purge_round(
-    map: &mut aya::maps::Map,
+    maps: &mut ConntrackPair<'_>,
     removed: &[RemovedBackend],
     batch: usize,
 ) -> std::io::Result<PurgeReport> {
@@ -449,14 +486,12 @@ pub fn purge_round(
     if !any_external(removed) {
         return Ok(report);
     }
-    let mut walk = CtWalk::new();
+    let mut walk = PairWalk::default();
     while !walk.finished() {
-        let fd = map_fd(map).ok_or_else(|| std::io::Error::other("KPR_CT is not a hash map"))?;
-        let entries = walk.next_batch(fd, batch)?;
+        let entries = walk.next_batch(maps, batch)?;
         report.scanned += entries.len();
         let stale = stale_keys(&entries, removed);
-        let mut ct: HashMap<&mut MapData, CtKey, CtValue> =
-            HashMap::try_from(&mut *map).map_err(std::io::Error::other)?;
+        let mut ct = both(maps)?;
         for key in stale {
             if ct.remove(&key).is_ok() {
                 report.deleted += 1;

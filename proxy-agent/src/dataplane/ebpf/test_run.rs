@@ -2,12 +2,11 @@
 
 use std::os::fd::AsFd as _;
 
-use aya::programs::SchedClassifier;
-
 use super::{
     bpf_syscall::{self, SkbTestRun},
     dataplane::EbpfDataplane,
     error::EbpfError,
+    tc_programs::loaded_classifier,
 };
 
 /// One run of a tc program with `BPF_PROG_TEST_RUN` ([`EbpfDataplane::test_run_tc`]).
@@ -112,15 +111,7 @@ impl EbpfDataplane {
             name: program,
             source,
         };
-        let classifier: &mut SchedClassifier = self
-            .ebpf
-            .program_mut(program)
-            .ok_or(EbpfError::MissingProgram(program))?
-            .try_into()
-            .map_err(program_error)?;
-        if classifier.fd().is_err() {
-            classifier.load().map_err(program_error)?;
-        }
+        let classifier = loaded_classifier(&mut self.ebpf, program)?;
         // A partial `struct __sk_buff`: the kernel copies what is given and requires the rest
         // zero. `ingress_ifindex` (offset 36) is what the programs read; `ifindex` (offset 40)
         // makes that interface the skb's device, so fib lookups start from it; `mark` is at 8.
