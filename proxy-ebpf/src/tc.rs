@@ -80,10 +80,15 @@ pub enum Side {
 /// entries sized for their addresses) it went past its million instructions; the other family's
 /// code is compiled out of each.
 pub fn family(ctx: &TcContext, first: TcFamilyProgram) -> i32 {
-    let Ok(ethertype) = ctx.load::<u16>(12) else {
-        return NEXT;
-    };
-    let slot = match u16::from_be(ethertype) {
+    // The skb's protocol rather than the frame's ethertype: a field read, no packet access.
+    // They agree on every frame the family programs parse (a tag the NIC stripped is in
+    // neither; an in-band one is in both, and `parse` leaves such frames alone).
+    #[expect(
+        clippy::cast_possible_truncation,
+        reason = "the field holds a __be16 in a u32"
+    )]
+    let protocol = ctx.skb.protocol() as u16;
+    let slot = match u16::from_be(protocol) {
         ETH_P_IP => first as u32,
         ETH_P_IPV6 => first as u32 + 1,
         _ => return NEXT,
