@@ -443,6 +443,7 @@ fn tc_short(path: TcPath) -> &'static str {
         TcPath::Floor => "empty",
         TcPath::NonIp => "non-IP",
         TcPath::PassThrough => "pass-through",
+        TcPath::PassThroughIpv4Program => "pass-through in the IPv4 program",
         TcPath::Drop => "drop",
         TcPath::NodePortNewFlow => "NodePort new flow",
         TcPath::NodePortEstablished => "NodePort established",

@@ -35,6 +35,7 @@ use crate::{Result, RigError};
 
 const TC_EXTERNAL: &str = "kpr_tc_external";
 const TC_REPLY: &str = "kpr_tc_reply";
+const TC_EXTERNAL4: &str = "kpr_tc_external4";
 const NODE: &str = "bench-node";
 const NODE_IP: Ipv4Addr = Ipv4Addr::new(10, 10, 0, 1);
 const CLIENT: Ipv4Addr = Ipv4Addr::new(10, 10, 0, 2);
@@ -55,6 +56,9 @@ pub enum TcPath {
     NonIp,
     /// TCP to the node's own address on a port that is no Service: frontend miss, passed.
     PassThrough,
+    /// The same packet given to the IPv4 program directly: what the attached program's hand-off
+    /// to its family's program (a tail call, `tc::family`) adds is the difference.
+    PassThroughIpv4Program,
     /// A LoadBalancer source-range miss: dropped before any NAT.
     Drop,
     /// A SYN of a new flow to a NodePort: conntrack miss, backend choice, DNAT + SNAT, both
@@ -69,10 +73,11 @@ pub enum TcPath {
 }
 
 impl TcPath {
-    pub const ALL: [Self; 8] = [
+    pub const ALL: [Self; 9] = [
         Self::Floor,
         Self::NonIp,
         Self::PassThrough,
+        Self::PassThroughIpv4Program,
         Self::Drop,
         Self::NodePortNewFlow,
         Self::NodePortEstablished,
@@ -85,6 +90,9 @@ impl TcPath {
             Self::Floor => "empty tc program (floor)",
             Self::NonIp => "kpr_tc_external: ARP frame (not IP)",
             Self::PassThrough => "kpr_tc_external: no frontend (pass-through)",
+            Self::PassThroughIpv4Program => {
+                "kpr_tc_external4 run directly: no frontend (pass-through without the hand-off)"
+            }
             Self::Drop => "kpr_tc_external: source-range miss (drop)",
             Self::NodePortNewFlow => "kpr_tc_external: NodePort, new flow (DNAT+SNAT, CT insert)",
             Self::NodePortEstablished => "kpr_tc_external: NodePort, established (CT hit)",
@@ -97,7 +105,12 @@ impl TcPath {
     fn unmodified(self) -> bool {
         matches!(
             self,
-            Self::Floor | Self::NonIp | Self::PassThrough | Self::Drop | Self::PodNotReply
+            Self::Floor
+                | Self::NonIp
+                | Self::PassThrough
+                | Self::PassThroughIpv4Program
+                | Self::Drop
+                | Self::PodNotReply
         )
     }
 }
@@ -384,6 +397,7 @@ fn run_once(
         }
         TcPath::NonIp => (TC_EXTERNAL, f.non_ip.clone(), f.ext0),
         TcPath::PassThrough => (TC_EXTERNAL, f.pass.clone(), f.ext0),
+        TcPath::PassThroughIpv4Program => (TC_EXTERNAL4, f.pass.clone(), f.ext0),
         TcPath::Drop => (TC_EXTERNAL, f.drop.clone(), f.ext0),
         TcPath::NodePortNewFlow => {
             *new_flow += 1;
@@ -410,7 +424,10 @@ fn run_once(
 fn check(path: TcPath, action: i32, out: &[u8], input: &Frames) -> Result<()> {
     let expected = match path {
         TcPath::Floor => TC_ACT_OK,
-        TcPath::NonIp | TcPath::PassThrough | TcPath::PodNotReply => TC_ACT_UNSPEC,
+        TcPath::NonIp
+        | TcPath::PassThrough
+        | TcPath::PassThroughIpv4Program
+        | TcPath::PodNotReply => TC_ACT_UNSPEC,
         TcPath::Drop => TC_ACT_SHOT,
         TcPath::NodePortNewFlow | TcPath::NodePortEstablished | TcPath::ReverseNat => {
             TC_ACT_REDIRECT
@@ -429,7 +446,7 @@ fn check(path: TcPath, action: i32, out: &[u8], input: &Frames) -> Result<()> {
         }),
         TcPath::Floor => true,
         TcPath::NonIp => out == input.non_ip,
-        TcPath::PassThrough => out == input.pass,
+        TcPath::PassThrough | TcPath::PassThroughIpv4Program => out == input.pass,
         TcPath::Drop => out == input.drop,
         TcPath::PodNotReply => out == input.pod_not_reply,
     };
