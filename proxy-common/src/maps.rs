@@ -154,7 +154,6 @@ pub mod frontend_flags {
     pub const STICKY_SOCKET: u8 = 64;
 }
 
-/// Bits of [`CtValue::flags`].
 /// The skb mark bit the ingress programs set on a packet they translated on the netfilter path,
 /// so that egress finishes only translations ingress started: a packet that merely has the
 /// same tuple as a tracked flow (a client reaching a backend's pod address directly from the
@@ -163,6 +162,7 @@ pub mod frontend_flags {
 /// (0xffff0000) and Istio's 0x539; egress clears it again.
 pub const TRANSLATED_MARK: u32 = 0x1000;
 
+/// Bits of [`CtValue::flags`].
 pub mod ct_flags {
     /// The entry translates replies (backend → client direction).
     pub const REPLY: u8 = 1;

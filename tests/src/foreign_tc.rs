@@ -1,6 +1,7 @@
 //! A "foreign" TCX program, standing in for another component's (a CNI's, a monitoring
-//! agent's) on the same interface: it marks every packet it sees with [`FOREIGN_MARK`] and
-//! passes it on with `TCX_NEXT`, so an nft counter on that mark counts what it saw. Loaded and
+//! agent's) on the same interface: it sets the bits of [`FOREIGN_MARK`] in the mark of every
+//! packet it sees and passes it on with `TCX_NEXT`, so an nft counter on those bits counts what
+//! it saw. Loaded and
 //! attached with the raw `bpf(2)` syscall (aya only loads programs from an ELF object), as a
 //! link appended to the interface's ingress chain — behind whatever is already attached.
 
@@ -9,8 +10,12 @@ use std::path::Path;
 
 use crate::{Result, RigError};
 
-/// The mark the foreign program sets.
-pub const FOREIGN_MARK: u32 = 0x00c0_ffee;
+/// The mark bits the foreign program sets, leaving the others as they are — as a CNI does
+/// within its own mask (these are in Calico's default 0xffff0000). Clear of kube-proxy's
+/// masquerade and drop bits (0x4000, 0x8000) and of the bit our ingress programs hand to egress
+/// (0x1000): a program that set those would have the iptables rules masquerade every packet it
+/// touched, and ours finish translations they never started.
+pub const FOREIGN_MARK: u32 = 0x00c0_0000;
 
 const BPF_PROG_LOAD: libc::c_long = 5;
 const BPF_LINK_CREATE: libc::c_long = 28;
@@ -103,14 +108,18 @@ fn load_vlan_tagging_program(vid: u16) -> Result<OwnedFd> {
     load_program(&insns, "loading the VLAN tagging program")
 }
 
-/// The program: marks the packet with [`FOREIGN_MARK`] and returns `TC_ACT_UNSPEC` (TCX_NEXT;
-/// for a legacy filter: "no verdict", the next filter runs).
+/// The program: sets [`FOREIGN_MARK`]'s bits in the packet's mark and returns `TC_ACT_UNSPEC`
+/// (TCX_NEXT; for a legacy filter: "no verdict", the next filter runs).
 fn load_marking_program() -> Result<OwnedFd> {
-    // st [r1 + 8] (__sk_buff.mark), FOREIGN_MARK (BPF_ST | BPF_MEM | BPF_W);
-    // mov64 r0, -1 (TC_ACT_UNSPEC); exit.
     let mark = FOREIGN_MARK.to_le_bytes();
-    let insns: [u64; 3] = [
-        u64::from_le_bytes([0x62, 0x01, 8, 0, mark[0], mark[1], mark[2], mark[3]]),
+    let insns: [u64; 5] = [
+        // ldxw r2, [r1 + 8] (__sk_buff.mark): BPF_LDX | BPF_MEM | BPF_W, src r1, dst r2.
+        u64::from_le_bytes([0x61, 0x12, 8, 0, 0, 0, 0, 0]),
+        // or32 r2, FOREIGN_MARK: BPF_ALU | BPF_OR | BPF_K.
+        u64::from_le_bytes([0x44, 0x02, 0, 0, mark[0], mark[1], mark[2], mark[3]]),
+        // stxw [r1 + 8], r2: BPF_STX | BPF_MEM | BPF_W, src r2, dst r1.
+        u64::from_le_bytes([0x63, 0x21, 8, 0, 0, 0, 0, 0]),
+        // mov64 r0, -1 (TC_ACT_UNSPEC); exit.
         u64::from_le_bytes([0xb7, 0, 0, 0, 0xff, 0xff, 0xff, 0xff]),
         0x95,
     ];

@@ -676,7 +676,7 @@ fn serve_with_a_foreign_tcx_program(
     node.exec(
         "nft",
         &[&format!(
-            "add rule inet foreign_count pre meta mark {FOREIGN_MARK:#x} counter"
+            "add rule inet foreign_count pre meta mark and {FOREIGN_MARK:#x} == {FOREIGN_MARK:#x} counter"
         )],
     )?;
     Ok(ForeignTcx::attach(&node.path(), "vext")?)
@@ -775,8 +775,8 @@ fn legacy_tc_attach_serves_external_traffic_next_to_a_foreign_filter() -> anyhow
     node.exec(
         "nft",
         &[&format!(
-            "add rule inet foreign_count pre meta mark {:#x} counter",
-            proxy_tests::foreign_tc::FOREIGN_MARK
+            "add rule inet foreign_count pre meta mark and {mark:#x} == {mark:#x} counter",
+            mark = proxy_tests::foreign_tc::FOREIGN_MARK
         )],
     )?;
     let _foreign = ForeignLegacyFilter::attach(node, "vext", 40000)?;
