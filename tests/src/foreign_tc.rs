@@ -1,9 +1,9 @@
 //! A "foreign" TCX program, standing in for another component's (a CNI's, a monitoring
 //! agent's) on the same interface: it sets the bits of [`FOREIGN_MARK`] in the mark of every
 //! packet it sees and passes it on with `TCX_NEXT`, so an nft counter on those bits counts what
-//! it saw. Loaded and
-//! attached with the raw `bpf(2)` syscall (aya only loads programs from an ELF object), as a
-//! link appended to the interface's ingress chain — behind whatever is already attached.
+//! it saw. Loaded and attached with the raw `bpf(2)` syscall (aya only loads programs from an
+//! ELF object), as a link appended to the interface's ingress chain — behind whatever is
+//! already attached.
 
 use std::os::fd::{AsRawFd as _, FromRawFd as _, OwnedFd};
 use std::path::Path;

@@ -662,12 +662,20 @@ fn write_lb_on_pod1(s: &Scenario) -> anyhow::Result<()> {
 fn serve_with_a_foreign_tcx_program(
     s: &mut Scenario,
 ) -> anyhow::Result<proxy_tests::foreign_tc::ForeignTcx> {
-    use proxy_tests::foreign_tc::{FOREIGN_MARK, ForeignTcx};
+    use proxy_tests::foreign_tc::ForeignTcx;
     write_lb_on_pod1(s)?;
     start(s)?;
     let client = ext_client()(s);
     s.wait_for_datapath_with(&client, node_port_addr(), "NodePort answered", is_pod)?;
     let node = s.topo.node();
+    count_foreign_marks(node)?;
+    Ok(ForeignTcx::attach(&node.path(), "vext")?)
+}
+
+/// An nft counter in a table of its own in the node's PREROUTING (read by [`marked_packets`])
+/// of the packets that carry the foreign program's mark bits.
+fn count_foreign_marks(node: &proxy_tests::netns::Netns) -> anyhow::Result<()> {
+    let mark = proxy_tests::foreign_tc::FOREIGN_MARK;
     node.exec("nft", &["add", "table", "inet", "foreign_count"])?;
     node.exec(
         "nft",
@@ -676,10 +684,10 @@ fn serve_with_a_foreign_tcx_program(
     node.exec(
         "nft",
         &[&format!(
-            "add rule inet foreign_count pre meta mark and {FOREIGN_MARK:#x} == {FOREIGN_MARK:#x} counter"
+            "add rule inet foreign_count pre meta mark and {mark:#x} == {mark:#x} counter"
         )],
     )?;
-    Ok(ForeignTcx::attach(&node.path(), "vext")?)
+    Ok(())
 }
 
 /// 3 × 3 exchanges answered, and the foreign program saw them: each answered TCP exchange is
@@ -767,18 +775,7 @@ fn legacy_tc_attach_serves_external_traffic_next_to_a_foreign_filter() -> anyhow
     let mut s = setup(1)?;
     write_lb_on_pod1(&s)?;
     let node = s.topo.node();
-    node.exec("nft", &["add", "table", "inet", "foreign_count"])?;
-    node.exec(
-        "nft",
-        &["add chain inet foreign_count pre { type filter hook prerouting priority -300; }"],
-    )?;
-    node.exec(
-        "nft",
-        &[&format!(
-            "add rule inet foreign_count pre meta mark and {mark:#x} == {mark:#x} counter",
-            mark = proxy_tests::foreign_tc::FOREIGN_MARK
-        )],
-    )?;
+    count_foreign_marks(node)?;
     let _foreign = ForeignLegacyFilter::attach(node, "vext", 40000)?;
     let legacy = ["--interfaces", "vext", "--bpf-disable-feature", "tcx"];
     s.start_agent_with_args("ebpf", &legacy)?;
