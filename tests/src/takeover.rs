@@ -308,17 +308,22 @@ pub fn load_nft_ruleset(s: &Scenario, ruleset: &str) -> Result<()> {
     Ok(())
 }
 
-/// Waits until kube-proxy's nftables tables are gone, at most until `bound` after `started`
-/// (the agent's start): the drain period ends their drain, the connections' TIME_WAIT entries
-/// in the kernel's conntrack outliving them.
-pub fn wait_for_kube_proxy_tables_removed(
-    s: &Scenario,
-    started: std::time::Instant,
-    bound: Duration,
-) -> Result<()> {
+/// Waits until kube-proxy's nftables tables are gone, at most `drain` plus a margin after the
+/// agent decided to keep them for the drain (its "tables stay" log line): the drain period
+/// ends their drain, the connections' TIME_WAIT entries in the kernel's conntrack outliving
+/// them. The period starts when the agent has loaded and attached its programs, seconds after
+/// its start on a loaded machine, so the bound counts from that line and not from the spawn.
+pub fn wait_for_kube_proxy_tables_removed(s: &mut Scenario, drain: Duration) -> Result<()> {
+    let agent = s.agent()?;
+    crate::wait::try_wait_until(
+        "the agent's decision to keep kube-proxy's nftables tables for the drain period",
+        Duration::from_secs(60),
+        Duration::from_millis(100),
+        || Ok(agent.log_contents().contains("nftables tables stay")),
+    )?;
     crate::wait::try_wait_until(
         "kube-proxy's nftables tables removed after the drain period",
-        bound.saturating_sub(started.elapsed()),
+        drain + Duration::from_secs(10),
         Duration::from_millis(200),
         || {
             Ok(!s
@@ -328,12 +333,6 @@ pub fn wait_for_kube_proxy_tables_removed(
                 .contains("kube-proxy"))
         },
     )
-    .map_err(|e| s.agent_error(e.to_string()))?;
-    eprintln!(
-        "kube-proxy's tables removed {:?} after the start",
-        started.elapsed()
-    );
-    Ok(())
 }
 
 /// Waits until every path of both families answers from a pod over TCP and UDP (each bounded
