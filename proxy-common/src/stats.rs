@@ -106,10 +106,15 @@ pub enum StatIndex {
     /// A tc entry program found no program of the packet's family to hand it to (the agent
     /// fills `KPR_TC_FAMILY` before attaching): the packet went to the stack untranslated.
     TcFamilyProgramMissing = 38,
+    /// An ICMP or ICMPv6 error (destination unreachable, fragmentation needed / packet too
+    /// big, time exceeded, parameter problem) about a packet of a translated flow had its
+    /// quoted packet and its addresses translated as the flow's own packets are (one count
+    /// per program that rewrote it), so the client or the backend matches it to its socket.
+    TcIcmpErrorTranslated = 39,
 }
 
 impl StatIndex {
-    pub const COUNT: u32 = 39;
+    pub const COUNT: u32 = 40;
     pub const ALL: [StatIndex; Self::COUNT as usize] = [
         StatIndex::Translated,
         StatIndex::RejectedNoBackends,
@@ -150,6 +155,7 @@ impl StatIndex {
         StatIndex::TcTupleBypassed,
         StatIndex::TcReplyViaIngress,
         StatIndex::TcFamilyProgramMissing,
+        StatIndex::TcIcmpErrorTranslated,
     ];
 
     /// Label used in logs and metrics.
@@ -194,6 +200,7 @@ impl StatIndex {
             StatIndex::TcTupleBypassed => "tc_tuple_bypassed",
             StatIndex::TcReplyViaIngress => "tc_reply_via_ingress_interface",
             StatIndex::TcFamilyProgramMissing => "tc_family_program_missing",
+            StatIndex::TcIcmpErrorTranslated => "tc_icmp_error_translated",
         }
     }
 }

@@ -1,6 +1,7 @@
 //! eBPF programs of kubeproxy-rs. Entry points are thin; the logic lives in one module per
 //! concern (maps, service lookup and backend selection, counters, socket hooks; for tc: packet
-//! parsing, conntrack, NAT, checksums, SCTP's CRC32c, ICMP replies).
+//! parsing, conntrack, NAT, checksums, SCTP's CRC32c, ICMP replies, ICMP errors of translated
+//! flows).
 #![cfg_attr(target_arch = "bpf", no_std)]
 #![cfg_attr(target_arch = "bpf", no_main)]
 
@@ -12,6 +13,8 @@ mod conntrack;
 mod csum;
 #[cfg(target_arch = "bpf")]
 mod icmp;
+#[cfg(target_arch = "bpf")]
+mod icmp_error;
 #[cfg(target_arch = "bpf")]
 mod lb;
 #[cfg(target_arch = "bpf")]

@@ -38,7 +38,7 @@ use proxy_common::{
 
 use crate::{
     conntrack::{self, ReplyKey, SnatPort, Tuple, View},
-    icmp,
+    icmp, icmp_error,
     lb::{Decision, select_backend},
     maglev,
     maps::{
@@ -117,6 +117,10 @@ pub fn reply<const V6: bool>(ctx: &TcContext) -> i32 {
 /// (`ct_flags::EGRESS`) and the reply entries of flows without SNAT, which are keyed by
 /// the backend's own packet.
 pub fn egress<const V6: bool>(ctx: &TcContext) -> i32 {
+    // Errors about the flows' packets, the node's own among them: no mark, on either path.
+    if let Some(action) = icmp_error::egress::<V6>(ctx) {
+        return action;
+    }
     // Only packets an ingress program translated (`TRANSLATED_MARK`): another packet with the
     // tuple of a tracked flow is someone else's. The bit is ours; it goes with the translation.
     // SAFETY: the context pointer is the program's own __sk_buff.
@@ -190,7 +194,8 @@ fn service<const V6: bool>(ctx: &TcContext, side: Side) -> i32 {
         return NEXT;
     }
     let Some(pkt) = parse::<V6>(ctx) else {
-        return NEXT;
+        // Not a packet of a flow; maybe an error about one.
+        return icmp_error::ingress::<V6>(ctx);
     };
     // SAFETY: bpf_ktime_get_ns has no preconditions.
     let now = unsafe { bpf_ktime_get_ns() };

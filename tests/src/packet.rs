@@ -191,10 +191,16 @@ pub fn build(src: SocketAddr, dst: SocketAddr, l4: L4, payload: &[u8]) -> Vec<u8
             seg[8..12].copy_from_slice(&c.to_le_bytes());
         }
     }
+    ip_frame(src.ip(), dst.ip(), l4.proto(), &seg)
+}
+
+/// An Ethernet frame carrying `seg` (an L4 segment of protocol `proto`, its checksum done) from
+/// `src` to `dst`.
+fn ip_frame(src: IpAddr, dst: IpAddr, proto: u8, seg: &[u8]) -> Vec<u8> {
     let mut frame = Vec::with_capacity(ETH_HLEN + 40 + seg.len());
     frame.extend_from_slice(&NODE_MAC);
     frame.extend_from_slice(&CLIENT_MAC);
-    match (src.ip(), dst.ip()) {
+    match (src, dst) {
         (IpAddr::V4(s), IpAddr::V4(d)) => {
             frame.extend_from_slice(&0x0800u16.to_be_bytes());
             let mut ip = vec![0u8; 20];
@@ -203,7 +209,7 @@ pub fn build(src: SocketAddr, dst: SocketAddr, l4: L4, payload: &[u8]) -> Vec<u8
             ip[4..6].copy_from_slice(&0x4242u16.to_be_bytes());
             ip[6] = 0x40; // DF
             ip[8] = 64;
-            ip[9] = l4.proto();
+            ip[9] = proto;
             ip[12..16].copy_from_slice(&s.octets());
             ip[16..20].copy_from_slice(&d.octets());
             let c = inet_checksum(&ip);
@@ -219,15 +225,59 @@ pub fn build(src: SocketAddr, dst: SocketAddr, l4: L4, payload: &[u8]) -> Vec<u8
             let mut ip = vec![0u8; 40];
             ip[0] = 0x60;
             ip[4..6].copy_from_slice(&(seg.len() as u16).to_be_bytes());
-            ip[6] = l4.proto();
+            ip[6] = proto;
             ip[7] = 64;
             ip[8..24].copy_from_slice(&octets(s));
             ip[24..40].copy_from_slice(&octets(d));
             frame.extend_from_slice(&ip);
         }
     }
-    frame.extend_from_slice(&seg);
+    frame.extend_from_slice(seg);
     frame
+}
+
+/// An ICMP error (ICMPv4 between IPv4 addresses, ICMPv6 otherwise) from `src` to `dst` of
+/// `kind`/`code`, `rest` in its header's second word (the next-hop MTU of fragmentation
+/// needed / packet too big), quoting the whole IP packet of `quoted` (a frame from [`build`]),
+/// every checksum valid.
+pub fn icmp_error(
+    src: IpAddr,
+    dst: IpAddr,
+    kind: u8,
+    code: u8,
+    rest: u32,
+    quoted: &[u8],
+) -> Vec<u8> {
+    let mut icmp = vec![kind, code, 0, 0];
+    icmp.extend_from_slice(&rest.to_be_bytes());
+    icmp.extend_from_slice(quoted.get(ETH_HLEN..).unwrap_or_default());
+    let proto = if src.is_ipv4() {
+        PROTO_ICMP
+    } else {
+        PROTO_ICMPV6
+    };
+    let c = if proto == PROTO_ICMP {
+        inet_checksum(&icmp)
+    } else {
+        l4_checksum(src, dst, proto, &icmp)
+    };
+    icmp[2..4].copy_from_slice(&c.to_be_bytes());
+    ip_frame(src, dst, proto, &icmp)
+}
+
+/// The packet an ICMP error (`error`, parsed) quotes, parsed with every checksum checked: the
+/// quote must hold the whole packet.
+pub fn quoted_packet(error: &Parsed) -> Result<Parsed> {
+    let quote = error.l4.get(8..).ok_or_else(|| bad("short ICMP error"))?;
+    let ethertype: u16 = match quote.first().map(|b| b >> 4) {
+        Some(4) => 0x0800,
+        Some(6) => 0x86dd,
+        _ => return Err(bad("quoted packet version")),
+    };
+    let mut frame = vec![0u8; 12];
+    frame.extend_from_slice(&ethertype.to_be_bytes());
+    frame.extend_from_slice(quote);
+    parse_checked(&frame)
 }
 
 /// A parsed frame as the program left it.

@@ -43,7 +43,8 @@ use proxy_tests::{
     netns::Netns,
     packet::{
         L4, PROTO_ICMP, PROTO_ICMPV6, PROTO_TCP, PROTO_UDP, Parsed, TC_ACT_OK, TC_ACT_REDIRECT,
-        TC_ACT_SHOT, TC_ACT_UNSPEC, build, crc32c, inet_checksum, parse_checked,
+        TC_ACT_SHOT, TC_ACT_UNSPEC, build, crc32c, icmp_error, inet_checksum, parse_checked,
+        quoted_packet,
     },
 };
 
@@ -530,6 +531,157 @@ fn netfilter_path_splits_translation_between_ingress_and_egress() {
             (out.source(), out.destination()),
             (sa(CLIENT, 9), sa(BACKEND, 10))
         );
+    });
+}
+
+/// ICMP errors about a translated flow's packets (issue 14 item 5), on the netfilter path,
+/// each program on a `CHECKSUM_COMPLETE` skb (the kernel checks `skb->csum`) and every
+/// checksum of the result checked, the quote's included (IPv4 header, UDP over the whole
+/// quoted datagram): a masqueraded UDP NodePort flow in both families, then
+/// - the backend's port unreachable, sent to the SNAT address about the SNATed packet: the pod
+///   side's ingress gives it the client as destination and the quote the client as source
+///   (what the kernel's conntrack knows), the external side's egress the frontend as the
+///   quote's destination and as the error's source (the backend answered for itself);
+/// - fragmentation needed / packet too big from the node about the DNATed packet it could not
+///   forward: egress gives the quote the frontend as destination, the error keeps its source;
+/// - an error about another tuple, and one not addressed to the quoted packet's sender, pass
+///   untouched.
+#[test]
+fn icmp_errors_about_translated_flows_are_translated_back() {
+    with_netfilter_node(|node| {
+        program_services(node);
+        for (client, node_ip, backend, unreachable, too_big) in [
+            (CLIENT, NODE_IP, BACKEND, (3, 3), (3, 4)),
+            (CLIENT6, NODE_IP6, BACKEND6, (1, 4), (2, 0)),
+        ] {
+            let client = sa(client, 42_053);
+            let frontend = sa(node_ip, 30053);
+            let backend = sa(backend, 5353);
+            let what = format!("UDP {client} → {frontend}");
+            let frame = build(client, frontend, L4::Udp, b"ping");
+            let (_, dnated_frame, dnated, mark) =
+                run_marked(node, program_names::TC_EXTERNAL, &frame, node.ext0, 0);
+            assert_eq!(dnated.destination(), backend, "{what}: DNAT");
+            let (_, snated_frame, snated, _) = run_marked(
+                node,
+                program_names::TC_EGRESS,
+                &dnated_frame,
+                node.pod0,
+                mark,
+            );
+            assert_eq!(snated.src, frontend.ip(), "{what}: SNAT address");
+            let snat = snated.source();
+
+            // The backend's port unreachable, to the SNAT address.
+            let error = icmp_error(
+                backend.ip(),
+                snat.ip(),
+                unreachable.0,
+                unreachable.1,
+                0,
+                &snated_frame,
+            );
+            let (action, frame1, mark) =
+                run_complete(node, program_names::TC_REPLY, &error, node.pod0, 0, &what);
+            assert_eq!(action, TC_ACT_UNSPEC, "{what}: unreachable to the stack");
+            let out = parse_checked(&frame1).expect("checked by run_complete");
+            let quote = quoted_packet(&out).unwrap_or_else(|e| panic!("{what}: quote: {e}"));
+            assert_eq!(
+                (out.src, out.dst),
+                (backend.ip(), client.ip()),
+                "{what}: ingress sends the error to the client"
+            );
+            assert_eq!(
+                (quote.source(), quote.destination()),
+                (client, backend),
+                "{what}: ingress quotes the packet as the kernel's conntrack knows it"
+            );
+            let (action, frame2, _) = run_complete(
+                node,
+                program_names::TC_EGRESS,
+                &frame1,
+                node.ext0,
+                mark,
+                &what,
+            );
+            assert_eq!(action, TC_ACT_UNSPEC, "{what}: unreachable out");
+            let out = parse_checked(&frame2).expect("checked by run_complete");
+            let quote = quoted_packet(&out).unwrap_or_else(|e| panic!("{what}: quote: {e}"));
+            assert_eq!(
+                (out.src, out.dst),
+                (frontend.ip(), client.ip()),
+                "{what}: the error comes from the frontend, as the backend answered for itself"
+            );
+            assert_eq!(
+                (quote.source(), quote.destination()),
+                (client, frontend),
+                "{what}: the client's own datagram is quoted"
+            );
+            assert!(quote.l4.ends_with(b"ping"), "{what}: quoted payload");
+
+            // Too big for the pod's link: the node's error about the DNATed datagram.
+            let error = icmp_error(
+                frontend.ip(),
+                client.ip(),
+                too_big.0,
+                too_big.1,
+                1280,
+                &dnated_frame,
+            );
+            let (action, frame3, _) =
+                run_complete(node, program_names::TC_EGRESS, &error, node.ext0, 0, &what);
+            assert_eq!(action, TC_ACT_UNSPEC, "{what}: too big out");
+            let out = parse_checked(&frame3).expect("checked by run_complete");
+            let quote = quoted_packet(&out).unwrap_or_else(|e| panic!("{what}: quote: {e}"));
+            assert_eq!(
+                (out.src, out.dst),
+                (frontend.ip(), client.ip()),
+                "{what}: the node's error keeps its addresses"
+            );
+            assert_eq!(
+                (quote.source(), quote.destination()),
+                (client, frontend),
+                "{what}: too big quotes the client's own datagram"
+            );
+            assert_eq!(
+                out.l4.get(4..8),
+                Some(&1280u32.to_be_bytes()[..]),
+                "{what}: the MTU stays"
+            );
+
+            // Not about a flow of ours, or not sent to the quoted packet's sender: untouched.
+            let stranger = build(sa(&client.ip().to_string(), 9), backend, L4::Udp, b"x");
+            let error = icmp_error(
+                backend.ip(),
+                client.ip(),
+                unreachable.0,
+                unreachable.1,
+                0,
+                &stranger,
+            );
+            for (program, ifindex) in [
+                (program_names::TC_REPLY, node.pod0),
+                (program_names::TC_EGRESS, node.ext0),
+            ] {
+                let (action, frame, _) = run_complete(node, program, &error, ifindex, 0, &what);
+                assert_eq!(action, TC_ACT_UNSPEC);
+                assert_eq!(
+                    frame, error,
+                    "{what}: {program} leaves another tuple's error alone"
+                );
+            }
+            let error = icmp_error(
+                backend.ip(),
+                client.ip(),
+                unreachable.0,
+                unreachable.1,
+                0,
+                &snated_frame,
+            );
+            let (_, frame, _) =
+                run_complete(node, program_names::TC_REPLY, &error, node.pod0, 0, &what);
+            assert_eq!(frame, error, "{what}: an error to someone else is not ours");
+        }
     });
 }
 

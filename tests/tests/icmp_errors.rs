@@ -1,0 +1,236 @@
+//! ICMP errors about packets of Service flows reach the peer as errors about its own packets
+//! (issue 14 item 5). The client matches an error to its socket by the packet the error
+//! quotes; through a NodePort or an LB IP that packet was translated, so the error has to be
+//! translated back. The oracle is the iptables mode on the same rig: netfilter translates
+//! errors related to a NATed connection (`nf_nat_icmp_reply_translation`). Real packets, both
+//! families, masqueraded (`web`'s NodePort and LB IP) and client-keeping (`local`'s NodePort,
+//! eTP Local) flows, one endpoint (pod 1):
+//! - port unreachable from the backend: the pod rejects UDP to its port (an nft `reject`, the
+//!   error a closed port sends); the client's connected socket gets ECONNREFUSED at once
+//!   instead of waiting for its timeout;
+//! - fragmentation needed / packet too big: the node's link to the pod gets MTU 1280 and the
+//!   client sends 1400-byte datagrams with DF; the node, which forwards the flow's packets,
+//!   sends the error; the client's socket gets EMSGSIZE and learns the path MTU (without the
+//!   translation path-MTU discovery through a NodePort black-holes).
+//!
+//! The client's kernel checks the error's ICMP checksum (over the rewritten quote) before it
+//! looks at it. Needs root.
+
+use std::net::{SocketAddr, UdpSocket};
+use std::os::fd::AsRawFd as _;
+use std::time::Duration;
+
+use anyhow::ensure;
+use proxy_common::StatIndex;
+use proxy_tests::client::Proto;
+use proxy_tests::scenario::Scenario;
+use proxy_tests::takeover;
+
+/// The pod link's MTU, and a datagram that does not fit it but fits the client's 1500.
+const SMALL_MTU: u32 = 1280;
+const BIG_DATAGRAM: usize = 1400;
+
+/// `web`'s NodePort and LB IP (masqueraded) and `local`'s NodePort (client address kept), UDP.
+fn frontends(ipv6: bool) -> [(&'static str, SocketAddr); 3] {
+    [
+        ("NodePort", takeover::web_node_port(Proto::Udp, ipv6)),
+        ("LB IP", takeover::load_balancer(Proto::Udp, ipv6)),
+        (
+            "NodePort eTP Local",
+            takeover::local_node_port(Proto::Udp, ipv6),
+        ),
+    ]
+}
+
+/// One exchange on a connected UDP socket in the external namespace: `payload` bytes (with DF
+/// and path-MTU discovery on, if `dont_fragment`), up to three tries 500 ms apart. Returns
+/// `reply TEXT`, `send ERRNO` (refused locally), `recv ERRNO` (an error came back for the
+/// socket; with DF the path MTU the socket learned follows as ` mtu=N`) or `TIMEOUT`.
+fn probe(
+    s: &Scenario,
+    target: SocketAddr,
+    payload: usize,
+    dont_fragment: bool,
+) -> anyhow::Result<String> {
+    proxy_tests::netns::on_thread_in(&s.topo.ext().path(), move || {
+        probe_here(target, payload, dont_fragment)
+    })?
+}
+
+fn probe_here(target: SocketAddr, payload: usize, dont_fragment: bool) -> anyhow::Result<String> {
+    let local: SocketAddr = if target.is_ipv6() {
+        "[::]:0"
+    } else {
+        "0.0.0.0:0"
+    }
+    .parse()?;
+    let sock = UdpSocket::bind(local)?;
+    sock.connect(target)?;
+    sock.set_read_timeout(Some(Duration::from_millis(500)))?;
+    let (level, discover, mtu) = if target.is_ipv6() {
+        (libc::IPPROTO_IPV6, libc::IPV6_MTU_DISCOVER, libc::IPV6_MTU)
+    } else {
+        (libc::IPPROTO_IP, libc::IP_MTU_DISCOVER, libc::IP_MTU)
+    };
+    if dont_fragment {
+        // IP_PMTUDISC_DO and IPV6_PMTUDISC_DO are both 2.
+        let value: libc::c_int = libc::IP_PMTUDISC_DO;
+        // SAFETY: a valid socket and a c_int option of the size given.
+        let rc = unsafe {
+            libc::setsockopt(
+                sock.as_raw_fd(),
+                level,
+                discover,
+                (&raw const value).cast(),
+                size_of::<libc::c_int>() as libc::socklen_t,
+            )
+        };
+        ensure!(
+            rc == 0,
+            "setsockopt(MTU_DISCOVER): {}",
+            std::io::Error::last_os_error()
+        );
+    }
+    let data = vec![b'x'; payload];
+    let mut buf = [0u8; 2048];
+    for _ in 0..3 {
+        if let Err(e) = sock.send(&data) {
+            return Ok(format!("send {}", errno_name(&e)));
+        }
+        match sock.recv(&mut buf) {
+            Ok(n) => {
+                let text = String::from_utf8_lossy(buf.get(..n).unwrap_or_default());
+                return Ok(format!("reply {}", text.trim_end()));
+            }
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ) => {}
+            Err(e) => {
+                let mut answer = format!("recv {}", errno_name(&e));
+                if dont_fragment {
+                    let mut value: libc::c_int = 0;
+                    let mut len = size_of::<libc::c_int>() as libc::socklen_t;
+                    // SAFETY: a valid socket and a c_int buffer of the size given.
+                    let rc = unsafe {
+                        libc::getsockopt(
+                            sock.as_raw_fd(),
+                            level,
+                            mtu,
+                            (&raw mut value).cast(),
+                            &raw mut len,
+                        )
+                    };
+                    if rc == 0 {
+                        answer.push_str(&format!(" mtu={value}"));
+                    }
+                }
+                return Ok(answer);
+            }
+        }
+    }
+    Ok("TIMEOUT".into())
+}
+
+fn errno_name(e: &std::io::Error) -> String {
+    e.raw_os_error().map_or_else(
+        || format!("{:?}", e.kind()),
+        |code| format!("{:?}", nix::errno::Errno::from_raw(code)),
+    )
+}
+
+fn family(ipv6: bool) -> &'static str {
+    if ipv6 { "IPv6" } else { "IPv4" }
+}
+
+/// Runs both cases in `mode`; returns the scenario (for counters) after asserting what the
+/// client saw.
+fn run(mode: &str, args: &[&str]) -> anyhow::Result<Scenario> {
+    proxy_tests::set_helper_binary(env!("CARGO_BIN_EXE_rig-helper"));
+    let mut s = takeover::setup_with_endpoints(&[1])?;
+    s.start_agent_with_args(mode, args)?;
+    takeover::wait_served(&mut s)?;
+    let mut seen = Vec::new();
+    let mut failures = Vec::new();
+    let mut check = |what: String, answer: String, ok: bool| {
+        eprintln!("{mode}: {what}: {answer}");
+        if !ok {
+            failures.push(format!("{what}: {answer}"));
+        }
+        seen.push((what, answer));
+    };
+
+    // Answered first: what follows is about the errors, not the path.
+    for ipv6 in [false, true] {
+        for (name, target) in frontends(ipv6) {
+            let answer = probe(&s, target, 8, true)?;
+            let ok = answer.starts_with("reply pod1");
+            check(format!("{name} {} answered", family(ipv6)), answer, ok);
+        }
+    }
+
+    // Port unreachable from the backend.
+    let pod = s.topo.pod(1)?;
+    pod.exec(
+        "nft",
+        &["add table inet closed; add chain inet closed input { type filter hook input priority 0; }; add rule inet closed input udp dport 8080 reject"],
+    )?;
+    for ipv6 in [false, true] {
+        for (name, target) in frontends(ipv6) {
+            let answer = probe(&s, target, 8, false)?;
+            let ok = answer == "recv ECONNREFUSED";
+            check(
+                format!("{name} {} to a closed port", family(ipv6)),
+                answer,
+                ok,
+            );
+        }
+    }
+    pod.exec("nft", &["delete table inet closed"])?;
+
+    // Fragmentation needed / packet too big from the node.
+    let node = s.topo.node();
+    node.ip(&["link", "set", "vpod1", "mtu", &SMALL_MTU.to_string()])?;
+    for ipv6 in [false, true] {
+        for (name, target) in frontends(ipv6) {
+            // The MTU a previous probe taught the client for this address would refuse the
+            // datagram locally (`send EMSGSIZE`) without any error coming back.
+            s.topo.ext().ip(&["-4", "route", "flush", "cache"])?;
+            s.topo.ext().ip(&["-6", "route", "flush", "cache"])?;
+            let answer = probe(&s, target, BIG_DATAGRAM, true)?;
+            let ok = answer == format!("recv EMSGSIZE mtu={SMALL_MTU}");
+            check(
+                format!("{name} {} over a {SMALL_MTU}-byte link", family(ipv6)),
+                answer,
+                ok,
+            );
+        }
+    }
+    s.ensure(failures.is_empty(), || {
+        format!(
+            "{mode}: every ICMP error about a Service flow reaches the client as one about its own packet: {failures:#?} (all: {seen:#?})"
+        )
+    })?;
+    Ok(s)
+}
+
+#[test]
+fn icmp_errors_about_service_flows_reach_the_client_in_iptables_mode() -> anyhow::Result<()> {
+    run("iptables", &[])?;
+    Ok(())
+}
+
+#[test]
+fn icmp_errors_about_service_flows_reach_the_client_in_ebpf_mode() -> anyhow::Result<()> {
+    let mut s = run("ebpf", &["--interfaces", "vext"])?;
+    // Port unreachable: ingress (masqueraded flows: the error is addressed to the SNAT
+    // address) and egress; too big: egress. At least one rewrite per error of the 12.
+    let translated = s
+        .agent()?
+        .datapath_counter(StatIndex::TcIcmpErrorTranslated)?;
+    s.ensure(translated >= 12, || {
+        format!("the tc programs translated every error: tc_icmp_error_translated {translated}")
+    })?;
+    Ok(())
+}
