@@ -22,8 +22,9 @@ pub const SERVICE_PORT: u16 = 80;
 pub const BACKEND_PORT: u16 = 8080;
 pub const PORT_NAME: &str = "http";
 pub const HOSTNAME: &str = "kpr-node";
-/// Bound for the agent to program (or reprogram) the datapath.
-pub const DATAPATH_TIMEOUT: Duration = Duration::from_secs(10);
+/// Bound for the agent to program (or reprogram) the datapath: an eBPF agent's start (the
+/// verifier) takes several seconds on a loaded machine.
+pub const DATAPATH_TIMEOUT: Duration = Duration::from_secs(20);
 
 /// `CLUSTER_IP:SERVICE_PORT`.
 pub fn cluster_addr() -> SocketAddr {

@@ -165,7 +165,7 @@ fn established_tcp_connections_survive_the_takeover_from_iptables_rules() -> any
     // program for the outside's.
     let fresh = fresh_connections(&s, &outside, &node)?;
     // The iptables rules go after the eBPF mode's first sync.
-    wait_for_service_rules(&s, "iptables-save", false, Duration::from_secs(5))?;
+    wait_for_service_rules(&s, "iptables-save", false, Duration::from_secs(20))?;
     let running = streams.iter().filter(|t| !t.is_finished()).count();
     s.ensure(running == streams.len(), || {
         format!(

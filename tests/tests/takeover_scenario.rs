@@ -99,7 +99,7 @@ fn scenario_takeover_from_iptables_rules_keeps_every_stream_and_answers_every_ne
 fn wait_for_iptables_rules_removed(s: &Scenario) -> anyhow::Result<()> {
     try_wait_until(
         "the iptables mode's rules removed",
-        Duration::from_secs(10),
+        Duration::from_secs(20),
         Duration::from_millis(100),
         || Ok(!iptables_rules(s)?),
     )
