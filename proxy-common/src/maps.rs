@@ -36,6 +36,9 @@ pub mod map_names {
     /// The tc programs of each family the entry programs tail-call (a program array, pinned so
     /// that it outlives the agent; not in [`PINNED`]: it holds programs, not state).
     pub const TC_FAMILY: &str = "KPR_TC_FAMILY";
+    /// The tc programs of later IP fragments the family programs tail-call (pinned and not in
+    /// [`PINNED`], as [`TC_FAMILY`]).
+    pub const TC_FRAGMENT: &str = "KPR_TC_FRAGMENT";
 
     /// Every map the agent pins (and `--cleanup` removes).
     pub const PINNED: [&str; 19] = [
@@ -341,6 +344,47 @@ impl TcFamilyProgram {
             TcFamilyProgram::Reply6 => "kpr_tc_reply6",
             TcFamilyProgram::Egress4 => "kpr_tc_egress4",
             TcFamilyProgram::Egress6 => "kpr_tc_egress6",
+        }
+    }
+}
+
+/// The slots of `KPR_TC_FRAGMENT`: a family program hands a later IP fragment (no L4 header)
+/// to its direction's and family's slot here. Apart from the family programs so that the
+/// verifier checks the fragment path once, not along every path of theirs.
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TcFragmentProgram {
+    Ingress4 = 0,
+    Ingress6 = 1,
+    Egress4 = 2,
+    Egress6 = 3,
+}
+
+impl TcFragmentProgram {
+    pub const ALL: [TcFragmentProgram; 4] = [
+        TcFragmentProgram::Ingress4,
+        TcFragmentProgram::Ingress6,
+        TcFragmentProgram::Egress4,
+        TcFragmentProgram::Egress6,
+    ];
+
+    /// The program in the slot, as `proxy-ebpf` names it.
+    pub const fn program(self) -> &'static str {
+        match self {
+            TcFragmentProgram::Ingress4 => "kpr_tc_fragment_ingress4",
+            TcFragmentProgram::Ingress6 => "kpr_tc_fragment_ingress6",
+            TcFragmentProgram::Egress4 => "kpr_tc_fragment_egress4",
+            TcFragmentProgram::Egress6 => "kpr_tc_fragment_egress6",
+        }
+    }
+
+    /// The ingress or egress program of a family.
+    pub const fn of(egress: bool, v6: bool) -> Self {
+        match (egress, v6) {
+            (false, false) => TcFragmentProgram::Ingress4,
+            (false, true) => TcFragmentProgram::Ingress6,
+            (true, false) => TcFragmentProgram::Egress4,
+            (true, true) => TcFragmentProgram::Egress6,
         }
     }
 }

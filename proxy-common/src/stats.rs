@@ -111,10 +111,15 @@ pub enum StatIndex {
     /// quoted packet and its addresses translated as the flow's own packets are (one count
     /// per program that rewrote it), so the client or the backend matches it to its socket.
     TcIcmpErrorTranslated = 39,
+    /// A later IP fragment whose datagram's first fragment these programs did not see
+    /// (reordered in front of it, lost, or sent before the programs were attached) went to the
+    /// stack as it is: it cannot be matched to a flow, and a Service flow's datagram is lost
+    /// with it (the stack cannot reassemble it with the translated rest).
+    TcFragmentUntracked = 40,
 }
 
 impl StatIndex {
-    pub const COUNT: u32 = 40;
+    pub const COUNT: u32 = 41;
     pub const ALL: [StatIndex; Self::COUNT as usize] = [
         StatIndex::Translated,
         StatIndex::RejectedNoBackends,
@@ -156,6 +161,7 @@ impl StatIndex {
         StatIndex::TcReplyViaIngress,
         StatIndex::TcFamilyProgramMissing,
         StatIndex::TcIcmpErrorTranslated,
+        StatIndex::TcFragmentUntracked,
     ];
 
     /// Label used in logs and metrics.
@@ -201,6 +207,7 @@ impl StatIndex {
             StatIndex::TcReplyViaIngress => "tc_reply_via_ingress_interface",
             StatIndex::TcFamilyProgramMissing => "tc_family_program_missing",
             StatIndex::TcIcmpErrorTranslated => "tc_icmp_error_translated",
+            StatIndex::TcFragmentUntracked => "tc_fragment_untracked",
         }
     }
 }

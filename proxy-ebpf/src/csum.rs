@@ -101,6 +101,25 @@ pub fn replace_addr(
     }
 }
 
+/// Replaces an address (at `offset`) of a later fragment, which has no L4 header: the
+/// pseudo-header's change is in the L4 checksum of its first fragment, fixed there.
+#[inline(always)]
+pub fn replace_fragment_addr(
+    ctx: &TcContext,
+    pkt: &Packet,
+    offset: usize,
+    old: &[u32; 4],
+    new: &[u32; 4],
+) -> Result<(), c_long> {
+    if pkt.is_v6() {
+        // Nothing in the packet compensates (no IPv6 header checksum): the flag has the kernel
+        // move `skb->csum` of a CHECKSUM_COMPLETE skb with it.
+        return ctx.store(offset, new, u64::from(BPF_F_RECOMPUTE_CSUM));
+    }
+    ctx.store(offset, &new[0], 0)?;
+    ctx.l3_csum_replace(IPV4_CSUM, u64::from(old[0]), u64::from(new[0]), 4)
+}
+
 /// Replaces the port at `offset` and fixes the L4 checksum.
 #[inline(always)]
 pub fn replace_port(

@@ -1,7 +1,7 @@
 //! eBPF programs of kubeproxy-rs. Entry points are thin; the logic lives in one module per
 //! concern (maps, service lookup and backend selection, counters, socket hooks; for tc: packet
 //! parsing, conntrack, NAT, checksums, SCTP's CRC32c, ICMP replies, ICMP errors of translated
-//! flows).
+//! flows, IP fragments).
 #![cfg_attr(target_arch = "bpf", no_std)]
 #![cfg_attr(target_arch = "bpf", no_main)]
 
@@ -11,6 +11,8 @@
 mod conntrack;
 #[cfg(target_arch = "bpf")]
 mod csum;
+#[cfg(target_arch = "bpf")]
+mod fragments;
 #[cfg(target_arch = "bpf")]
 mod icmp;
 #[cfg(target_arch = "bpf")]
@@ -143,6 +145,29 @@ mod programs {
     #[classifier]
     pub fn kpr_tc_egress6(ctx: TcContext) -> i32 {
         crate::tc::egress::<true>(&ctx)
+    }
+
+    // The programs of later IP fragments, reached by tail call from the family programs
+    // (`fragments`): verified once, not along every path of those.
+
+    #[classifier]
+    pub fn kpr_tc_fragment_ingress4(ctx: TcContext) -> i32 {
+        crate::tc::fragment_ingress::<false>(&ctx)
+    }
+
+    #[classifier]
+    pub fn kpr_tc_fragment_ingress6(ctx: TcContext) -> i32 {
+        crate::tc::fragment_ingress::<true>(&ctx)
+    }
+
+    #[classifier]
+    pub fn kpr_tc_fragment_egress4(ctx: TcContext) -> i32 {
+        crate::tc::fragment_egress::<false>(&ctx)
+    }
+
+    #[classifier]
+    pub fn kpr_tc_fragment_egress6(ctx: TcContext) -> i32 {
+        crate::tc::fragment_egress::<true>(&ctx)
     }
 }
 

@@ -21,7 +21,7 @@ use proxy_common::{
     AffinityKey, AffinityMatchKey, AffinityValue, Backend4, Backend6, BackendSlotKey, CtKey,
     CtKey4, CtValue, CtValue4, Frontend4Key, Frontend6Key, FrontendValue, MaglevBlock, MaglevKey,
     NodeAddrKey, NodeConfig, RevNat4, RevNat4Key, RevNat6, RevNat6Key, ServiceName, SnatAddrs,
-    SourceRangeKey, TcFamilyProgram, default_sizes,
+    SourceRangeKey, TcFamilyProgram, TcFragmentProgram, default_sizes,
 };
 
 #[map]
@@ -158,6 +158,8 @@ pub struct TcScratch {
     /// Entries looked up, copied (IPv4 ones widened; `conntrack::View`).
     pub view_a: CtValue,
     pub view_b: CtValue,
+    /// A datagram's key in the fragment map (`fragments`).
+    pub frag_key: crate::fragments::FragKey,
 }
 
 /// The tc programs of each family (`proxy_common::TcFamilyProgram` slots), written by the
@@ -166,6 +168,12 @@ pub struct TcScratch {
 /// Shared with the next agent's programs, so filling it is what switches the datapath to them.
 #[map]
 pub static KPR_TC_FAMILY: ProgramArray = ProgramArray::pinned(TcFamilyProgram::ALL.len() as u32, 0);
+
+/// The tc programs of later IP fragments (`proxy_common::TcFragmentProgram` slots), written
+/// with `KPR_TC_FAMILY` and pinned for the same reasons.
+#[map]
+pub static KPR_TC_FRAGMENT: ProgramArray =
+    ProgramArray::pinned(TcFragmentProgram::ALL.len() as u32, 0);
 
 #[map]
 pub static KPR_TC_SCRATCH: PerCpuArray<TcScratch> = PerCpuArray::with_max_entries(1, 0);

@@ -40,7 +40,7 @@ use aya_ebpf::{
 use proxy_common::{CtValue, StatIndex, TRANSLATED_MARK, ct_flags, family, node_flags, proto};
 
 use crate::{
-    csum::{replace_addr, replace_port},
+    csum::{replace_addr, replace_fragment_addr, replace_port},
     maps::{KPR_NODE_CONFIG, KPR_SNAT_IFACES, scratch},
     parse::Packet,
     sctp,
@@ -81,6 +81,16 @@ enum Half {
 fn rewrite(ctx: &TcContext, pkt: &Packet, to: &CtValue, half: Half) -> Result<(), i64> {
     let source = half != Half::Destination;
     let destination = half != Half::Source;
+    if pkt.later_fragment {
+        // Addresses only: the ports and the L4 checksum are in the first fragment.
+        if source && to.src != pkt.src {
+            replace_fragment_addr(ctx, pkt, pkt.src_offset(), &pkt.src, &to.src)?;
+        }
+        if destination && to.dst != pkt.dst {
+            replace_fragment_addr(ctx, pkt, pkt.dst_offset(), &pkt.dst, &to.dst)?;
+        }
+        return Ok(());
+    }
     if source && to.src != pkt.src {
         replace_addr(ctx, pkt, pkt.src_offset(), &pkt.src, &to.src)?;
     }

@@ -1,4 +1,5 @@
-//! Packet parsing for the tc programs: Ethernet → IPv4/IPv6 → TCP/UDP/SCTP ports.
+//! Packet parsing for the tc programs: Ethernet → IPv4/IPv6 (a fragment header included) →
+//! TCP/UDP/SCTP ports, a later fragment's from its first (`fragments`).
 //!
 //! Every read goes through `bpf_skb_load_bytes` (`TcContext::load`), which bounds-checks
 //! against the whole skb: no direct packet access, so no `data_end` proofs for the verifier and
@@ -7,10 +8,15 @@
 use aya_ebpf::programs::TcContext;
 use proxy_common::{CtKey, family, proto};
 
+use crate::fragments;
+
 pub const ETH_HLEN: usize = 14;
 pub const ETH_P_IP: u16 = 0x0800;
 pub const ETH_P_IPV6: u16 = 0x86dd;
 const IPV6_HLEN: usize = 40;
+/// IPv6's fragment extension header: its next-header value and length.
+const IPPROTO_FRAGMENT: u8 = 44;
+const FRAGMENT_HLEN: usize = 8;
 
 /// A parsed TCP, UDP or SCTP packet. Addresses and ports are in network byte order as they appear in
 /// the packet (IPv4 in word 0 of the address arrays).
@@ -24,8 +30,13 @@ pub struct Packet {
     pub dst: [u32; 4],
     pub sport: u16,
     pub dport: u16,
-    /// TCP header flags (byte 13: CWR ECE URG ACK PSH RST SYN FIN); 0 for UDP and SCTP.
+    /// TCP header flags (byte 13: CWR ECE URG ACK PSH RST SYN FIN); 0 for UDP and SCTP, and
+    /// for a later fragment.
     pub tcp_flags: u8,
+    /// A later fragment of a datagram ([`parse_later_fragment`]): no L4 header, the ports are
+    /// its first fragment's, and a translation rewrites only its addresses. Always false for
+    /// what [`parse`] returns.
+    pub later_fragment: bool,
 }
 
 const TCP_FIN: u8 = 0x01;
@@ -92,25 +103,133 @@ impl Packet {
     }
 }
 
-/// Parses a TCP, UDP or SCTP packet of one family (`V6`; all three start with the two ports);
-/// `None` for anything the tc programs leave to the kernel (the other family, other protocols,
-/// IPv4 fragments, IPv6 extension headers).
+/// Parses a TCP, UDP or SCTP packet of one family (`V6`; all three start with the two ports),
+/// the first fragment of a TCP or UDP datagram included (its ports are remembered for the
+/// rest, `fragments`); `None` for anything the tc programs leave to the kernel (the other
+/// family, other protocols, SCTP fragments, IPv6 extension headers other than a fragment
+/// header) and for later fragments, which [`parse_later_fragment`] parses.
 #[inline(always)]
 pub fn parse<const V6: bool>(ctx: &TcContext) -> Option<Packet> {
-    let ethertype = u16::from_be(ctx.load::<u16>(12).ok()?);
-    let mut pkt = match ethertype {
-        ETH_P_IP if !V6 => parse4(ctx)?,
-        ETH_P_IPV6 if V6 => parse6(ctx)?,
-        _ => return None,
-    };
+    let (mut pkt, fragment, _) = ip_header::<V6>(ctx, true)?;
+    // SCTP fragments stay with the stack: a port rewrite's CRC32c delta needs the whole
+    // packet.
+    if fragment == Fragment::Later || (fragment == Fragment::First && pkt.proto == proto::SCTP) {
+        return None;
+    }
+    pkt.sport = ctx.load(pkt.l4).ok()?;
+    pkt.dport = ctx.load(pkt.l4 + 2).ok()?;
     if pkt.proto == proto::TCP {
         pkt.tcp_flags = ctx.load(pkt.l4 + 13).ok()?;
     }
     Some(pkt)
 }
 
+/// Parses a later fragment of a TCP or UDP datagram (no L4 header) with the ports its first
+/// fragment carried (`fragments`); `None` for any other packet, and for a later fragment whose
+/// first fragment was not seen (counted there).
+// Kept apart from `parse` and called only where a packet is not otherwise parsed: a fragment
+// kind carried through the whole program would double the states the verifier walks.
 #[inline(always)]
-fn parse4(ctx: &TcContext) -> Option<Packet> {
+pub fn parse_later_fragment<const V6: bool>(ctx: &TcContext) -> Option<Packet> {
+    let (mut pkt, fragment, id) = ip_header::<V6>(ctx, false)?;
+    if fragment != Fragment::Later || pkt.proto == proto::SCTP {
+        return None;
+    }
+    (pkt.sport, pkt.dport) = match fragments::later::<V6>(ctx, id, pkt.proto) {
+        0 => return None,
+        ports => split_ports(ports),
+    };
+    pkt.later_fragment = true;
+    Some(pkt)
+}
+
+/// Whether the packet is a later fragment of a datagram (an offset): the cheap test before
+/// handing it to the fragment programs.
+#[inline(always)]
+pub fn is_later_fragment<const V6: bool>(ctx: &TcContext) -> bool {
+    let Ok(ethertype) = ctx.load::<u16>(12) else {
+        return false;
+    };
+    match u16::from_be(ethertype) {
+        ETH_P_IP if !V6 => ctx
+            .load::<u16>(ETH_HLEN + 6)
+            .is_ok_and(|frag| u16::from_be(frag) & 0x1fff != 0),
+        ETH_P_IPV6 if V6 => {
+            ctx.load::<u8>(ETH_HLEN + 6) == Ok(IPPROTO_FRAGMENT)
+                && ctx
+                    .load::<u16>(ETH_HLEN + IPV6_HLEN + 2)
+                    .is_ok_and(|offset_more| u16::from_be(offset_more) >> 3 != 0)
+        }
+        _ => false,
+    }
+}
+
+/// The source and destination port of a word loaded from the L4 header as it is in the packet.
+#[expect(
+    clippy::cast_possible_truncation,
+    reason = "the halves of a word loaded as it is in the packet"
+)]
+fn split_ports(ports: u32) -> (u16, u16) {
+    (ports as u16, (ports >> 16) as u16)
+}
+
+/// Whether a packet is an IP fragment, and which.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Fragment {
+    /// A whole datagram.
+    None,
+    /// The first fragment: it carries the L4 header.
+    First,
+    /// A later fragment: no L4 header.
+    Later,
+}
+
+impl Fragment {
+    /// From the offset and the more-fragments flag.
+    fn of(offset: u16, more: bool) -> Self {
+        match (offset, more) {
+            (0, false) => Self::None,
+            (0, true) => Self::First,
+            _ => Self::Later,
+        }
+    }
+}
+
+/// The IP header of a TCP, UDP or SCTP packet (the packet without its ports and TCP flags:
+/// the L4 header is where it would be), and the datagram's fragment kind and ID. With
+/// `record_first`, the ports of a first fragment of a TCP or UDP datagram are remembered for
+/// the later ones (`fragments`).
+// The record comes before the addresses are loaded: fewer values live across the call, for
+// the stack of the programs' deepest call chain.
+#[inline(always)]
+fn ip_header<const V6: bool>(
+    ctx: &TcContext,
+    record_first: bool,
+) -> Option<(Packet, Fragment, u32)> {
+    let ethertype = u16::from_be(ctx.load::<u16>(12).ok()?);
+    match ethertype {
+        ETH_P_IP if !V6 => ip_header4(ctx, record_first),
+        ETH_P_IPV6 if V6 => ip_header6(ctx, record_first),
+        _ => None,
+    }
+}
+
+/// Remembers the ports of datagram `id`'s first fragment (L4 header at `l4`).
+#[inline(always)]
+fn record_first<const V6: bool>(
+    ctx: &TcContext,
+    fragment: Fragment,
+    id: u32,
+    proto: u8,
+    l4: usize,
+) {
+    if fragment == Fragment::First && proto != proto::SCTP {
+        fragments::first::<V6>(ctx, id, proto, l4);
+    }
+}
+
+#[inline(always)]
+fn ip_header4(ctx: &TcContext, record: bool) -> Option<(Packet, Fragment, u32)> {
     let version_ihl: u8 = ctx.load(ETH_HLEN).ok()?;
     if version_ihl >> 4 != 4 {
         return None;
@@ -119,54 +238,74 @@ fn parse4(ctx: &TcContext) -> Option<Packet> {
     if ihl < 20 {
         return None;
     }
-    let frag = u16::from_be(ctx.load::<u16>(ETH_HLEN + 6).ok()?);
-    // Non-first fragments carry no ports, and translating a first fragment would need
-    // reassembly state for the rest: fragments go to the kernel untouched (MF bit or offset).
-    if frag & 0x3fff != 0 {
-        return None;
-    }
     let proto: u8 = ctx.load(ETH_HLEN + 9).ok()?;
     if !is_translated(proto) {
         return None;
     }
-    let src: u32 = ctx.load(ETH_HLEN + 12).ok()?;
-    let dst: u32 = ctx.load(ETH_HLEN + 16).ok()?;
-    let l4 = ETH_HLEN + ihl;
-    Some(Packet {
+    // Flags (reserved, DF, MF) and the offset in 8-byte units.
+    let frag = u16::from_be(ctx.load::<u16>(ETH_HLEN + 6).ok()?);
+    let fragment = Fragment::of(frag & 0x1fff, frag & 0x2000 != 0);
+    // Whole datagrams, nearly all, do without the ID's load.
+    let id = match fragment {
+        Fragment::None => 0,
+        _ => u32::from(ctx.load::<u16>(ETH_HLEN + 4).ok()?),
+    };
+    if record {
+        record_first::<false>(ctx, fragment, id, proto, ETH_HLEN + ihl);
+    }
+    let pkt = Packet {
         family: family::V4,
         proto,
-        l4,
-        src: [src, 0, 0, 0],
-        dst: [dst, 0, 0, 0],
-        sport: ctx.load(l4).ok()?,
-        dport: ctx.load(l4 + 2).ok()?,
+        l4: ETH_HLEN + ihl,
+        src: [ctx.load(ETH_HLEN + 12).ok()?, 0, 0, 0],
+        dst: [ctx.load(ETH_HLEN + 16).ok()?, 0, 0, 0],
+        sport: 0,
+        dport: 0,
         tcp_flags: 0,
-    })
+        later_fragment: false,
+    };
+    Some((pkt, fragment, id))
 }
 
 #[inline(always)]
-fn parse6(ctx: &TcContext) -> Option<Packet> {
+fn ip_header6(ctx: &TcContext, record: bool) -> Option<(Packet, Fragment, u32)> {
     let version: u8 = ctx.load(ETH_HLEN).ok()?;
     if version >> 4 != 6 {
         return None;
     }
-    // Only TCP/UDP/SCTP directly after the fixed header: walking extension headers needs a bounded
-    // loop per header type, and Service traffic does not use them.
-    let next_header: u8 = ctx.load(ETH_HLEN + 6).ok()?;
+    // Only TCP/UDP/SCTP directly after the fixed header, or after a fragment header: walking
+    // other extension headers needs a bounded loop per header type, and Service traffic does
+    // not use them.
+    let mut next_header: u8 = ctx.load(ETH_HLEN + 6).ok()?;
+    let mut l4 = ETH_HLEN + IPV6_HLEN;
+    let mut fragment = Fragment::None;
+    let mut id = 0;
+    if next_header == IPPROTO_FRAGMENT {
+        // Next header, reserved, offset (13 bits) and M flag, identification.
+        next_header = ctx.load(l4).ok()?;
+        let offset_more = u16::from_be(ctx.load::<u16>(l4 + 2).ok()?);
+        id = ctx.load::<u32>(l4 + 4).ok()?;
+        fragment = Fragment::of(offset_more >> 3, offset_more & 1 != 0);
+        l4 += FRAGMENT_HLEN;
+    }
     if !is_translated(next_header) {
         return None;
     }
-    let l4 = ETH_HLEN + IPV6_HLEN;
-    Some(Packet {
+    if record {
+        record_first::<true>(ctx, fragment, id, next_header, l4);
+    }
+    let pkt = Packet {
         family: family::V6,
         proto: next_header,
         l4,
         src: ctx.load(ETH_HLEN + 8).ok()?,
         dst: ctx.load(ETH_HLEN + 24).ok()?,
-        sport: ctx.load(l4).ok()?,
-        dport: ctx.load(l4 + 2).ok()?,
+        sport: 0,
+        dport: 0,
         tcp_flags: 0,
-    })
+        later_fragment: false,
+    };
+    Some((pkt, fragment, id))
 }
 
 #[inline(always)]

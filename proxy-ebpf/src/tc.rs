@@ -33,12 +33,13 @@ use aya_ebpf::{
 };
 use proxy_common::{
     Frontend4Key, Frontend6Key, FrontendValue, NodeAddrKey, NodeConfig, SourceRangeKey, StatIndex,
-    TRANSLATED_MARK, TcFamilyProgram, ct_flags, frontend_flags, node_flags, proto, scope,
+    TRANSLATED_MARK, TcFamilyProgram, TcFragmentProgram, ct_flags, frontend_flags, node_flags,
+    proto, scope,
 };
 
 use crate::{
     conntrack::{self, ReplyKey, SnatPort, Tuple, View},
-    icmp, icmp_error,
+    fragments, icmp, icmp_error,
     lb::{Decision, select_backend},
     maglev,
     maps::{
@@ -46,7 +47,7 @@ use crate::{
         KPR_NODE_CONFIG, KPR_SNAT_IFACES, KPR_SOURCE_RANGES, KPR_TC_FAMILY, scratch,
     },
     nat::{draining, fast_path, translate, translate_source},
-    parse::{ETH_P_IP, ETH_P_IPV6, Packet, parse},
+    parse::{ETH_P_IP, ETH_P_IPV6, Packet, is_later_fragment, parse, parse_later_fragment},
     stats::bump,
 };
 
@@ -56,7 +57,7 @@ const DROP: i32 = TC_ACT_SHOT;
 /// chain: a program attached after ours would never see the interface's traffic (cilium
 /// #36775). Translated packets too, on the netfilter path (see `nat::translate`); only the
 /// fast path's redirect and our drops end the chain.
-const NEXT: i32 = TC_ACT_UNSPEC;
+pub const NEXT: i32 = TC_ACT_UNSPEC;
 
 /// The VLAN id bits of a tag (the rest is priority and DEI).
 const VLAN_VID_MASK: u32 = 0x0fff;
@@ -130,8 +131,17 @@ pub fn egress<const V6: bool>(ctx: &TcContext) -> i32 {
     }
     ctx.set_mark(mark & !TRANSLATED_MARK);
     let Some(pkt) = parse::<V6>(ctx) else {
+        if is_later_fragment::<V6>(ctx) {
+            return fragments::hand_over(ctx, TcFragmentProgram::of(true, V6));
+        }
         return NEXT;
     };
+    egress_source::<V6>(ctx, &pkt)
+}
+
+/// The source half of `pkt`'s translation, if egress owes it one (see [`egress`]).
+#[inline(always)]
+fn egress_source<const V6: bool>(ctx: &TcContext, pkt: &Packet) -> i32 {
     let Some(value) = conntrack::lookup::<V6>(&pkt.ct_key(), View::A) else {
         return NEXT;
     };
@@ -142,7 +152,38 @@ pub fn egress<const V6: bool>(ctx: &TcContext) -> i32 {
     {
         return NEXT;
     }
-    translate_source(ctx, &pkt, value)
+    translate_source(ctx, pkt, value)
+}
+
+/// Ingress of a later fragment of a datagram (`kpr_tc_fragment_ingress4/6`, tail-called by
+/// the family programs): the translation of the flow its first fragment is in (by the ports
+/// that one carried, `fragments`), addresses only; to the stack untouched if the flow has no
+/// entry or its first fragment was not seen (counted). A later fragment never starts a flow:
+/// it carries no L4 header to choose by.
+pub fn fragment_ingress<const V6: bool>(ctx: &TcContext) -> i32 {
+    let Some(pkt) = parse_later_fragment::<V6>(ctx) else {
+        return NEXT;
+    };
+    let Some(value) = conntrack::lookup::<V6>(&pkt.ct_key(), View::A) else {
+        return NEXT;
+    };
+    if value.flags & ct_flags::REPLY != 0 {
+        return translate(ctx, &pkt, value, StatIndex::TcReplyTranslated);
+    }
+    // The kernel's conntrack NATs an adopted flow's packets: it reassembles them first.
+    if value.flags & ct_flags::KERNEL_NAT != 0 {
+        return NEXT;
+    }
+    translate(ctx, &pkt, value, StatIndex::TcEstablished)
+}
+
+/// Egress of a later fragment (`kpr_tc_fragment_egress4/6`): the source half its first
+/// fragment got (see [`egress`]).
+pub fn fragment_egress<const V6: bool>(ctx: &TcContext) -> i32 {
+    match parse_later_fragment::<V6>(ctx) {
+        Some(pkt) => egress_source::<V6>(ctx, &pkt),
+        None => NEXT,
+    }
 }
 
 /// Egress, on either path: a reply of a host-network backend on this node (its flow's reply
@@ -194,7 +235,11 @@ fn service<const V6: bool>(ctx: &TcContext, side: Side) -> i32 {
         return NEXT;
     }
     let Some(pkt) = parse::<V6>(ctx) else {
-        // Not a packet of a flow; maybe an error about one.
+        // A later fragment of a flow's datagram (to its own program), or an error about a
+        // flow, or none of ours.
+        if is_later_fragment::<V6>(ctx) {
+            return fragments::hand_over(ctx, TcFragmentProgram::of(false, V6));
+        }
         return icmp_error::ingress::<V6>(ctx);
     };
     // SAFETY: bpf_ktime_get_ns has no preconditions.

@@ -26,6 +26,7 @@ pub mod service_scenarios;
 pub mod takeover;
 pub mod tc_fuzz;
 pub mod topology;
+pub mod udp_probe;
 pub mod wait;
 
 use std::path::{Path, PathBuf};

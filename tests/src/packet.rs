@@ -265,6 +265,136 @@ pub fn icmp_error(
     ip_frame(src, dst, proto, &icmp)
 }
 
+/// Splits the datagram of `frame` (from [`build`]) into IP fragments of datagram `id`, each
+/// carrying `chunk` bytes of its IP payload (a multiple of 8; the last one the rest): IPv4
+/// fragments (MF and offset, DF cleared) or IPv6 ones (a fragment header).
+pub fn fragment(frame: &[u8], chunk: usize, id: u32) -> Vec<Vec<u8>> {
+    let v6 = frame.get(12..14) == Some(&[0x86, 0xdd][..]);
+    let hlen = if v6 { 40 } else { 20 };
+    let (eth, rest) = frame.split_at(ETH_HLEN.min(frame.len()));
+    let (header, payload) = rest.split_at(hlen.min(rest.len()));
+    let pieces: Vec<&[u8]> = payload.chunks(chunk.max(8)).collect();
+    let count = pieces.len();
+    let mut out = Vec::with_capacity(count);
+    for (i, piece) in pieces.into_iter().enumerate() {
+        let offset = i * chunk;
+        let more = i + 1 < count;
+        let mut f = eth.to_vec();
+        let mut ip = header.to_vec();
+        if v6 {
+            let next = ip[6];
+            ip[4..6].copy_from_slice(&((8 + piece.len()) as u16).to_be_bytes());
+            ip[6] = 44;
+            f.extend_from_slice(&ip);
+            f.extend_from_slice(&[next, 0]);
+            f.extend_from_slice(&(((offset / 8) as u16) << 3 | u16::from(more)).to_be_bytes());
+            f.extend_from_slice(&id.to_be_bytes());
+        } else {
+            ip[2..4].copy_from_slice(&((20 + piece.len()) as u16).to_be_bytes());
+            ip[4..6].copy_from_slice(&(id as u16).to_be_bytes());
+            let flags = if more { 0x2000 } else { 0 };
+            ip[6..8].copy_from_slice(&(flags | (offset / 8) as u16).to_be_bytes());
+            ip[10..12].fill(0);
+            let c = inet_checksum(&ip);
+            ip[10..12].copy_from_slice(&c.to_be_bytes());
+            f.extend_from_slice(&ip);
+        }
+        f.extend_from_slice(piece);
+        out.push(f);
+    }
+    out
+}
+
+/// A fragment's addresses and its place in the datagram, every header checked (the IPv4
+/// header checksum; the fragment header's next header).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Fragment {
+    pub src: IpAddr,
+    pub dst: IpAddr,
+    pub id: u32,
+    pub offset: usize,
+    pub more: bool,
+    /// The payload after the IP (and fragment) header.
+    pub data: Vec<u8>,
+    /// The datagram's protocol.
+    pub proto: u8,
+}
+
+/// Parses a fragment built by [`fragment`] (as a program left it).
+pub fn parse_fragment(frame: &[u8]) -> Result<Fragment> {
+    let ip = frame.get(ETH_HLEN..).ok_or_else(|| bad("short fragment"))?;
+    match ip.first().map(|b| b >> 4) {
+        Some(4) => {
+            let h = ip.get(..20).ok_or_else(|| bad("short IPv4 fragment"))?;
+            if inet_checksum(h) != 0 {
+                return Err(bad("IPv4 header checksum of a fragment"));
+            }
+            let total = usize::from(u16::from_be_bytes([h[2], h[3]]));
+            let flags = u16::from_be_bytes([h[6], h[7]]);
+            Ok(Fragment {
+                src: IpAddr::from([h[12], h[13], h[14], h[15]]),
+                dst: IpAddr::from([h[16], h[17], h[18], h[19]]),
+                id: u32::from(u16::from_be_bytes([h[4], h[5]])),
+                offset: usize::from(flags & 0x1fff) * 8,
+                more: flags & 0x2000 != 0,
+                data: ip
+                    .get(20..total)
+                    .ok_or_else(|| bad("IPv4 fragment length"))?
+                    .to_vec(),
+                proto: h[9],
+            })
+        }
+        Some(6) => {
+            let h = ip.get(..48).ok_or_else(|| bad("short IPv6 fragment"))?;
+            if h[6] != 44 {
+                return Err(bad("no fragment header"));
+            }
+            let payload = usize::from(u16::from_be_bytes([h[4], h[5]]));
+            let mut s = [0u8; 16];
+            let mut d = [0u8; 16];
+            s.copy_from_slice(&h[8..24]);
+            d.copy_from_slice(&h[24..40]);
+            let offset_more = u16::from_be_bytes([h[42], h[43]]);
+            Ok(Fragment {
+                src: IpAddr::from(s),
+                dst: IpAddr::from(d),
+                id: u32::from_be_bytes([h[44], h[45], h[46], h[47]]),
+                offset: usize::from(offset_more >> 3) * 8,
+                more: offset_more & 1 != 0,
+                data: ip
+                    .get(48..40 + payload)
+                    .ok_or_else(|| bad("IPv6 fragment length"))?
+                    .to_vec(),
+                proto: h[40],
+            })
+        }
+        _ => Err(bad("fragment version")),
+    }
+}
+
+/// The datagram `fragments` (parsed) make up, as one frame, parsed with every checksum checked
+/// (the L4 checksum over the whole datagram, with the addresses the fragments carry). The
+/// fragments must agree on their addresses, ID and protocol and leave no gap.
+pub fn reassemble(fragments: &[Fragment]) -> Result<Parsed> {
+    let first = fragments.first().ok_or_else(|| bad("no fragments"))?;
+    let mut sorted: Vec<&Fragment> = fragments.iter().collect();
+    sorted.sort_by_key(|f| f.offset);
+    let mut data = Vec::new();
+    for f in &sorted {
+        if (f.src, f.dst, f.id, f.proto) != (first.src, first.dst, first.id, first.proto) {
+            return Err(bad("fragments of different datagrams"));
+        }
+        if f.offset != data.len() {
+            return Err(bad("a gap or an overlap between fragments"));
+        }
+        data.extend_from_slice(&f.data);
+    }
+    if sorted.last().is_some_and(|f| f.more) {
+        return Err(bad("the last fragment says more follow"));
+    }
+    parse_checked(&ip_frame(first.src, first.dst, first.proto, &data))
+}
+
 /// The packet an ICMP error (`error`, parsed) quotes, parsed with every checksum checked: the
 /// quote must hold the whole packet.
 pub fn quoted_packet(error: &Parsed) -> Result<Parsed> {

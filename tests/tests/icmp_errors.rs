@@ -16,15 +16,13 @@
 //! The client's kernel checks the error's ICMP checksum (over the rewritten quote) before it
 //! looks at it. Needs root.
 
-use std::net::{SocketAddr, UdpSocket};
-use std::os::fd::AsRawFd as _;
-use std::time::Duration;
+use std::net::SocketAddr;
 
-use anyhow::ensure;
 use proxy_common::StatIndex;
 use proxy_tests::client::Proto;
 use proxy_tests::scenario::Scenario;
 use proxy_tests::takeover;
+use proxy_tests::udp_probe::exchange;
 
 /// The pod link's MTU, and a datagram that does not fit it but fits the client's 1500.
 const SMALL_MTU: u32 = 1280;
@@ -40,104 +38,6 @@ fn frontends(ipv6: bool) -> [(&'static str, SocketAddr); 3] {
             takeover::local_node_port(Proto::Udp, ipv6),
         ),
     ]
-}
-
-/// One exchange on a connected UDP socket in the external namespace: `payload` bytes (with DF
-/// and path-MTU discovery on, if `dont_fragment`), up to three tries 500 ms apart. Returns
-/// `reply TEXT`, `send ERRNO` (refused locally), `recv ERRNO` (an error came back for the
-/// socket; with DF the path MTU the socket learned follows as ` mtu=N`) or `TIMEOUT`.
-fn probe(
-    s: &Scenario,
-    target: SocketAddr,
-    payload: usize,
-    dont_fragment: bool,
-) -> anyhow::Result<String> {
-    proxy_tests::netns::on_thread_in(&s.topo.ext().path(), move || {
-        probe_here(target, payload, dont_fragment)
-    })?
-}
-
-fn probe_here(target: SocketAddr, payload: usize, dont_fragment: bool) -> anyhow::Result<String> {
-    let local: SocketAddr = if target.is_ipv6() {
-        "[::]:0"
-    } else {
-        "0.0.0.0:0"
-    }
-    .parse()?;
-    let sock = UdpSocket::bind(local)?;
-    sock.connect(target)?;
-    sock.set_read_timeout(Some(Duration::from_millis(500)))?;
-    let (level, discover, mtu) = if target.is_ipv6() {
-        (libc::IPPROTO_IPV6, libc::IPV6_MTU_DISCOVER, libc::IPV6_MTU)
-    } else {
-        (libc::IPPROTO_IP, libc::IP_MTU_DISCOVER, libc::IP_MTU)
-    };
-    if dont_fragment {
-        // IP_PMTUDISC_DO and IPV6_PMTUDISC_DO are both 2.
-        let value: libc::c_int = libc::IP_PMTUDISC_DO;
-        // SAFETY: a valid socket and a c_int option of the size given.
-        let rc = unsafe {
-            libc::setsockopt(
-                sock.as_raw_fd(),
-                level,
-                discover,
-                (&raw const value).cast(),
-                size_of::<libc::c_int>() as libc::socklen_t,
-            )
-        };
-        ensure!(
-            rc == 0,
-            "setsockopt(MTU_DISCOVER): {}",
-            std::io::Error::last_os_error()
-        );
-    }
-    let data = vec![b'x'; payload];
-    let mut buf = [0u8; 2048];
-    for _ in 0..3 {
-        if let Err(e) = sock.send(&data) {
-            return Ok(format!("send {}", errno_name(&e)));
-        }
-        match sock.recv(&mut buf) {
-            Ok(n) => {
-                let text = String::from_utf8_lossy(buf.get(..n).unwrap_or_default());
-                return Ok(format!("reply {}", text.trim_end()));
-            }
-            Err(e)
-                if matches!(
-                    e.kind(),
-                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
-                ) => {}
-            Err(e) => {
-                let mut answer = format!("recv {}", errno_name(&e));
-                if dont_fragment {
-                    let mut value: libc::c_int = 0;
-                    let mut len = size_of::<libc::c_int>() as libc::socklen_t;
-                    // SAFETY: a valid socket and a c_int buffer of the size given.
-                    let rc = unsafe {
-                        libc::getsockopt(
-                            sock.as_raw_fd(),
-                            level,
-                            mtu,
-                            (&raw mut value).cast(),
-                            &raw mut len,
-                        )
-                    };
-                    if rc == 0 {
-                        answer.push_str(&format!(" mtu={value}"));
-                    }
-                }
-                return Ok(answer);
-            }
-        }
-    }
-    Ok("TIMEOUT".into())
-}
-
-fn errno_name(e: &std::io::Error) -> String {
-    e.raw_os_error().map_or_else(
-        || format!("{:?}", e.kind()),
-        |code| format!("{:?}", nix::errno::Errno::from_raw(code)),
-    )
 }
 
 fn family(ipv6: bool) -> &'static str {
@@ -164,7 +64,7 @@ fn run(mode: &str, args: &[&str]) -> anyhow::Result<Scenario> {
     // Answered first: what follows is about the errors, not the path.
     for ipv6 in [false, true] {
         for (name, target) in frontends(ipv6) {
-            let answer = probe(&s, target, 8, true)?;
+            let answer = exchange(&s.topo.ext().path(), target, 8, true)?;
             let ok = answer.starts_with("reply pod1");
             check(format!("{name} {} answered", family(ipv6)), answer, ok);
         }
@@ -178,7 +78,7 @@ fn run(mode: &str, args: &[&str]) -> anyhow::Result<Scenario> {
     )?;
     for ipv6 in [false, true] {
         for (name, target) in frontends(ipv6) {
-            let answer = probe(&s, target, 8, false)?;
+            let answer = exchange(&s.topo.ext().path(), target, 8, false)?;
             let ok = answer == "recv ECONNREFUSED";
             check(
                 format!("{name} {} to a closed port", family(ipv6)),
@@ -198,7 +98,7 @@ fn run(mode: &str, args: &[&str]) -> anyhow::Result<Scenario> {
             // datagram locally (`send EMSGSIZE`) without any error coming back.
             s.topo.ext().ip(&["-4", "route", "flush", "cache"])?;
             s.topo.ext().ip(&["-6", "route", "flush", "cache"])?;
-            let answer = probe(&s, target, BIG_DATAGRAM, true)?;
+            let answer = exchange(&s.topo.ext().path(), target, BIG_DATAGRAM, true)?;
             let ok = answer == format!("recv EMSGSIZE mtu={SMALL_MTU}");
             check(
                 format!("{name} {} over a {SMALL_MTU}-byte link", family(ipv6)),

@@ -43,8 +43,8 @@ use proxy_tests::{
     netns::Netns,
     packet::{
         L4, PROTO_ICMP, PROTO_ICMPV6, PROTO_TCP, PROTO_UDP, Parsed, TC_ACT_OK, TC_ACT_REDIRECT,
-        TC_ACT_SHOT, TC_ACT_UNSPEC, build, crc32c, icmp_error, inet_checksum, parse_checked,
-        quoted_packet,
+        TC_ACT_SHOT, TC_ACT_UNSPEC, build, crc32c, fragment, icmp_error, inet_checksum,
+        parse_checked, parse_fragment, quoted_packet, reassemble,
     },
 };
 
@@ -681,6 +681,126 @@ fn icmp_errors_about_translated_flows_are_translated_back() {
             let (_, frame, _) =
                 run_complete(node, program_names::TC_REPLY, &error, node.pod0, 0, &what);
             assert_eq!(frame, error, "{what}: an error to someone else is not ours");
+        }
+    });
+}
+
+/// Runs `program` on a fragment in a `CHECKSUM_COMPLETE` skb (the kernel checks `skb->csum`);
+/// the frame is checked by the caller (a fragment's L4 checksum covers the whole datagram).
+fn run_fragment(
+    node: &mut Node,
+    program: &'static str,
+    frame: &[u8],
+    ifindex: u32,
+    mark: u32,
+    what: &str,
+) -> (i32, Vec<u8>, u32) {
+    let input = TcTestInput {
+        ifindex,
+        mark,
+        checksum_complete: true,
+        local: false,
+    };
+    let out = node
+        .dataplane
+        .test_run_tc_with(program, frame, input)
+        .unwrap_or_else(|e| panic!("{what}: {program} on a CHECKSUM_COMPLETE skb: {e}"));
+    (out.action, out.packet, out.mark)
+}
+
+/// IP fragments of a translated UDP flow (issue 14 item 4), on the netfilter path, both
+/// families: the first, middle and last fragment of a 3000-byte datagram each get the flow's
+/// translation — at ingress the backend as destination, at egress the SNAT address as source,
+/// the later fragments by the ports their first fragment carried — and at each step they make
+/// up the translated datagram with a valid UDP checksum. A later fragment whose first fragment
+/// was lost passes untouched and is counted.
+#[test]
+fn fragments_of_a_flow_get_its_translation() {
+    with_netfilter_node(|node| {
+        program_services(node);
+        for (client, node_ip, backend, id) in [
+            (CLIENT, NODE_IP, BACKEND, 0x1234),
+            (CLIENT6, NODE_IP6, BACKEND6, 0x5678_9abc),
+        ] {
+            let client = sa(client, 43_053);
+            let frontend = sa(node_ip, 30053);
+            let backend = sa(backend, 5353);
+            let what = format!("UDP {client} → {frontend}, fragmented");
+            let payload: Vec<u8> = (0..3000u32).map(|i| (i % 251) as u8).collect();
+            let datagram = build(client, frontend, L4::Udp, &payload);
+            let pieces = fragment(&datagram, 1232, id);
+            assert_eq!(pieces.len(), 3, "{what}: first, middle, last");
+
+            let mut ingress = Vec::new();
+            let mut ingress_frames = Vec::new();
+            for (i, piece) in pieces.iter().enumerate() {
+                let (action, out, mark) =
+                    run_fragment(node, program_names::TC_EXTERNAL, piece, node.ext0, 0, &what);
+                assert_eq!(action, TC_ACT_UNSPEC, "{what}: fragment {i} to the stack");
+                assert_eq!(mark, TRANSLATED_MARK, "{what}: fragment {i} marked");
+                let f = parse_fragment(&out).unwrap_or_else(|e| panic!("{what}: {i}: {e}"));
+                assert_eq!(
+                    (f.src, f.dst),
+                    (client.ip(), backend.ip()),
+                    "{what}: fragment {i} DNATed"
+                );
+                ingress.push(f);
+                ingress_frames.push(out);
+            }
+            let whole = reassemble(&ingress).unwrap_or_else(|e| panic!("{what}: ingress: {e}"));
+            assert_eq!(
+                (whole.source(), whole.destination()),
+                (client, backend),
+                "{what}: the datagram DNATed"
+            );
+            assert!(whole.l4.ends_with(&payload), "{what}: payload");
+
+            let mut egress = Vec::new();
+            for (i, frame) in ingress_frames.iter().enumerate() {
+                let (action, out, _) = run_fragment(
+                    node,
+                    program_names::TC_EGRESS,
+                    frame,
+                    node.pod0,
+                    TRANSLATED_MARK,
+                    &what,
+                );
+                assert_eq!(action, TC_ACT_UNSPEC, "{what}: fragment {i} on");
+                let f = parse_fragment(&out).unwrap_or_else(|e| panic!("{what}: {i}: {e}"));
+                assert_eq!(
+                    (f.src, f.dst),
+                    (frontend.ip(), backend.ip()),
+                    "{what}: fragment {i} SNATed"
+                );
+                egress.push(f);
+            }
+            let whole = reassemble(&egress).unwrap_or_else(|e| panic!("{what}: egress: {e}"));
+            assert_eq!(whole.destination(), backend, "{what}: to the backend");
+            assert!(
+                SNAT_PORTS.contains(&whole.sport()),
+                "{what}: SNAT port {}",
+                whole.sport()
+            );
+
+            // The first fragment of another datagram of the flow is lost: its middle one
+            // cannot be matched to the flow.
+            let before = stat(node, StatIndex::TcFragmentUntracked);
+            let orphan = fragment(&datagram, 1232, id + 1).swap_remove(1);
+            let (action, out, mark) = run_fragment(
+                node,
+                program_names::TC_EXTERNAL,
+                &orphan,
+                node.ext0,
+                0,
+                &what,
+            );
+            assert_eq!(action, TC_ACT_UNSPEC, "{what}: orphan to the stack");
+            assert_eq!((out, mark), (orphan, 0), "{what}: orphan untouched");
+            assert_eq!(
+                stat(node, StatIndex::TcFragmentUntracked),
+                before + 1,
+                "{what}: orphan counted"
+            );
         }
     });
 }

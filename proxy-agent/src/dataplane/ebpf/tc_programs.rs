@@ -1,17 +1,18 @@
 //! Loading the tc programs. Each entry program the agent attaches (`kpr_tc_external`,
 //! `kpr_tc_reply`, `kpr_tc_egress`) only hands a packet to the program of its family through
 //! the pinned program array `KPR_TC_FAMILY` (see `proxy-ebpf`'s `tc::family`): loading an entry
-//! program loads those and writes them into the array first. The array is shared with the
-//! previous agent's entry programs, so writing it is what switches the running datapath to this
-//! agent's programs: it happens when the agent attaches (after the first sync where maps were
-//! rebuilt), never earlier.
+//! program loads those and writes them into the array first, after the programs of later IP
+//! fragments the family programs tail-call through `KPR_TC_FRAGMENT`. The array is shared with
+//! the previous agent's entry programs, so writing it is what switches the running datapath to
+//! this agent's programs: it happens when the agent attaches (after the first sync where maps
+//! were rebuilt), never earlier.
 
 use aya::{
     Ebpf,
     maps::ProgramArray,
     programs::{ProgramFd, SchedClassifier},
 };
-use proxy_common::{TcFamilyProgram, map_names};
+use proxy_common::{TcFamilyProgram, TcFragmentProgram, map_names};
 
 use super::error::EbpfError;
 
@@ -47,11 +48,24 @@ fn classifier<'a>(
         })
 }
 
-/// Loads every family program not loaded yet and writes each into its slot.
+/// Loads every family program and every fragment program not loaded yet and writes each into
+/// its slot: the fragment programs first, which the family programs tail-call.
 fn fill_family_programs(ebpf: &mut Ebpf) -> Result<(), EbpfError> {
-    let mut fds: Vec<(TcFamilyProgram, ProgramFd)> = Vec::with_capacity(TcFamilyProgram::ALL.len());
-    for slot in TcFamilyProgram::ALL {
-        let name = slot.program();
+    let fragment = TcFragmentProgram::ALL.map(|slot| (slot as u32, slot.program()));
+    fill_program_array(ebpf, map_names::TC_FRAGMENT, &fragment)?;
+    let family = TcFamilyProgram::ALL.map(|slot| (slot as u32, slot.program()));
+    fill_program_array(ebpf, map_names::TC_FAMILY, &family)
+}
+
+/// Loads the programs of `slots` (index, program) not loaded yet and writes each into its slot
+/// of the program array `map`.
+fn fill_program_array(
+    ebpf: &mut Ebpf,
+    map: &'static str,
+    slots: &[(u32, &'static str)],
+) -> Result<(), EbpfError> {
+    let mut fds: Vec<(u32, ProgramFd)> = Vec::with_capacity(slots.len());
+    for &(slot, name) in slots {
         let program_error = |source| EbpfError::Program { name, source };
         let classifier = classifier(ebpf, name)?;
         if classifier.fd().is_err() {
@@ -64,17 +78,11 @@ fn fill_family_programs(ebpf: &mut Ebpf) -> Result<(), EbpfError> {
             .map_err(|e| program_error(e.into()))?;
         fds.push((slot, fd));
     }
-    let map_error = |source| EbpfError::Map {
-        name: map_names::TC_FAMILY,
-        source,
-    };
-    let mut array = ProgramArray::try_from(
-        ebpf.map_mut(map_names::TC_FAMILY)
-            .ok_or(EbpfError::MissingMap(map_names::TC_FAMILY))?,
-    )
-    .map_err(map_error)?;
+    let map_error = |source| EbpfError::Map { name: map, source };
+    let mut array = ProgramArray::try_from(ebpf.map_mut(map).ok_or(EbpfError::MissingMap(map))?)
+        .map_err(map_error)?;
     for (slot, fd) in &fds {
-        array.set(*slot as u32, fd, 0).map_err(map_error)?;
+        array.set(*slot, fd, 0).map_err(map_error)?;
     }
     Ok(())
 }
