@@ -213,8 +213,8 @@ fn a_tuple_closed_under_the_iptables_rules_is_a_new_connection_after_the_takeove
 /// eBPF mode → iptables mode: the traffic, opened under the eBPF mode, runs while that agent
 /// stops and the same agent (its bpffs root, where the eBPF mode's pins are, as a DaemonSet's
 /// new pod would have on the host's /sys/fs/bpf) restarts in iptables mode. The eBPF programs
-/// carry the flows they know until they end or `--mode-switch-drain-period` is over (20 s
-/// here), new connections meet the iptables rules at once, and the programs and maps are
+/// carry the flows they know until they end or `--mode-switch-drain-period` is over (40 s
+/// here, past the traffic's 30 s), new connections meet the iptables rules at once, and the programs and maps are
 /// removed then: the UDP flows' entries idle for 120 s after their last datagram, so here the
 /// period ends the drain (with TCP streams only, their entries idle out 10 s after their FIN and
 /// the pins go before the period). With `0s` (removed at the first sync) the NodePort streams
@@ -229,7 +229,7 @@ fn scenario_hand_back_to_iptables_rules_keeps_every_stream_and_answers_every_new
     let traffic = start_traffic(&s)?;
     let agent = s.agent()?;
     agent.stop()?;
-    agent.restart_in_mode_with_args("iptables", &["--mode-switch-drain-period", "20s"])?;
+    agent.restart_in_mode_with_args("iptables", &["--mode-switch-drain-period", "40s"])?;
     let restarted = std::time::Instant::now();
     try_wait_until(
         "the iptables mode's rules",
@@ -246,7 +246,7 @@ fn scenario_hand_back_to_iptables_rules_keeps_every_stream_and_answers_every_new
     report(&s, "eBPF → iptables", &figures)?;
     // Every flow ended within the period (it cut none: the figures would show it); the pins
     // go when it is over (the drain is polled every second).
-    s.ensure(restarted.elapsed() < Duration::from_secs(20), || {
+    s.ensure(restarted.elapsed() < Duration::from_secs(40), || {
         format!(
             "the traffic must end within the drain period: it ended {:?} after the restart",
             restarted.elapsed()
@@ -254,7 +254,7 @@ fn scenario_hand_back_to_iptables_rules_keeps_every_stream_and_answers_every_new
     })?;
     try_wait_until(
         "the eBPF mode's pins removed once the drain period is over",
-        Duration::from_secs(28).saturating_sub(restarted.elapsed()),
+        Duration::from_secs(48).saturating_sub(restarted.elapsed()),
         Duration::from_millis(200),
         || Ok(!pin_dir.exists()),
     )
@@ -276,7 +276,7 @@ fn scenario_takeover_from_nftables_rules_keeps_every_stream_and_answers_every_ne
     let traffic = start_traffic(&s)?;
     s.start_agent_with_args(
         "ebpf",
-        &["--interfaces", "vext", "--mode-switch-drain-period", "15s"],
+        &["--interfaces", "vext", "--mode-switch-drain-period", "40s"],
     )?;
     // The eBPF mode serves (both families, every path) while the tables still stand.
     wait_served(&mut s)?;
@@ -284,7 +284,7 @@ fn scenario_takeover_from_nftables_rules_keeps_every_stream_and_answers_every_ne
     let figures = traffic.finish("nftables → eBPF")?;
     report(&s, "nftables → eBPF", &figures)?;
     // The streams' TIME_WAIT entries in the kernel's conntrack outlive them: the period ends
-    // the drain, 15 s after the agent decided to keep the tables.
-    wait_for_kube_proxy_tables_removed(&mut s, Duration::from_secs(15))?;
+    // the drain, 40 s (past the traffic's 30 s) after the agent decided to keep the tables.
+    wait_for_kube_proxy_tables_removed(&mut s, Duration::from_secs(40))?;
     Ok(())
 }
