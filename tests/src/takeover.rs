@@ -195,6 +195,15 @@ pub fn setup() -> Result<Scenario> {
     setup_with_endpoints(&ENDPOINTS)
 }
 
+/// [`setup`] with pod 1 as the only endpoint, and an agent in `mode` (with `args`) that serves
+/// every path of both families.
+pub fn served_by_pod1(mode: &str, args: &[&str]) -> Result<Scenario> {
+    let mut s = setup_with_endpoints(&[1])?;
+    s.start_agent_with_args(mode, args)?;
+    wait_served(&mut s)?;
+    Ok(s)
+}
+
 /// [`setup`] with `endpoints` (pod numbers) as the endpoints of both Services.
 pub fn setup_with_endpoints(endpoints: &[usize]) -> Result<Scenario> {
     crate::require_root();

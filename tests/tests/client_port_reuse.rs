@@ -55,9 +55,7 @@ const CASES: [(Frontend, Frontend); 3] = [
 
 fn run(mode: &str, args: &[&str]) -> anyhow::Result<Scenario> {
     proxy_tests::set_helper_binary(env!("CARGO_BIN_EXE_rig-helper"));
-    let mut s = takeover::setup_with_endpoints(&[1])?;
-    s.start_agent_with_args(mode, args)?;
-    takeover::wait_served(&mut s)?;
+    let s = takeover::served_by_pod1(mode, args)?;
     let mut failures = Vec::new();
     for (i, (first, second)) in CASES.into_iter().enumerate() {
         // One source port per case (a case's connections would meet the previous case's in

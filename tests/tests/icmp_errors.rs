@@ -48,9 +48,7 @@ fn family(ipv6: bool) -> &'static str {
 /// client saw.
 fn run(mode: &str, args: &[&str]) -> anyhow::Result<Scenario> {
     proxy_tests::set_helper_binary(env!("CARGO_BIN_EXE_rig-helper"));
-    let mut s = takeover::setup_with_endpoints(&[1])?;
-    s.start_agent_with_args(mode, args)?;
-    takeover::wait_served(&mut s)?;
+    let s = takeover::served_by_pod1(mode, args)?;
     let mut seen = Vec::new();
     let mut failures = Vec::new();
     let mut check = |what: String, answer: String, ok: bool| {

@@ -18,9 +18,7 @@ const DATAGRAM: usize = 4000;
 
 fn run(mode: &str, args: &[&str]) -> anyhow::Result<Scenario> {
     proxy_tests::set_helper_binary(env!("CARGO_BIN_EXE_rig-helper"));
-    let mut s = takeover::setup_with_endpoints(&[1])?;
-    s.start_agent_with_args(mode, args)?;
-    takeover::wait_served(&mut s)?;
+    let s = takeover::served_by_pod1(mode, args)?;
     let mut failures = Vec::new();
     for ipv6 in [false, true] {
         let frontends: [(&str, SocketAddr); 3] = [

@@ -685,8 +685,9 @@ fn icmp_errors_about_translated_flows_are_translated_back() {
     });
 }
 
-/// Runs `program` on a fragment in a `CHECKSUM_COMPLETE` skb (the kernel checks `skb->csum`);
-/// the frame is checked by the caller (a fragment's L4 checksum covers the whole datagram).
+/// Runs `program` on a `CHECKSUM_COMPLETE` skb (the kernel checks `skb->csum`), a fragment's
+/// included: the frame is checked by the caller (a fragment's L4 checksum covers the whole
+/// datagram; [`run_complete`] checks a whole packet's).
 fn run_fragment(
     node: &mut Node,
     program: &'static str,
@@ -816,19 +817,10 @@ fn run_complete(
     mark: u32,
     what: &str,
 ) -> (i32, Vec<u8>, u32) {
-    let input = TcTestInput {
-        ifindex,
-        mark,
-        checksum_complete: true,
-        local: false,
-    };
-    let out = node
-        .dataplane
-        .test_run_tc_with(program, frame, input)
-        .unwrap_or_else(|e| panic!("{what}: {program} on a CHECKSUM_COMPLETE skb: {e}"));
-    parse_checked(&out.packet)
-        .unwrap_or_else(|e| panic!("{what}: {program}: output {:02x?}: {e}", out.packet));
-    (out.action, out.packet, out.mark)
+    let (action, packet, mark) = run_fragment(node, program, frame, ifindex, mark, what);
+    parse_checked(&packet)
+        .unwrap_or_else(|e| panic!("{what}: {program}: output {packet:02x?}: {e}"));
+    (action, packet, mark)
 }
 
 /// Every rewrite keeps a `CHECKSUM_COMPLETE` skb's `csum` true to the packet: IPv4 (address
