@@ -581,41 +581,19 @@ fn icmp_errors_about_translated_flows_are_translated_back() {
                 0,
                 &snated_frame,
             );
-            let (action, frame1, mark) =
-                run_complete(node, program_names::TC_REPLY, &error, node.pod0, 0, &what);
-            assert_eq!(action, TC_ACT_UNSPEC, "{what}: unreachable to the stack");
-            let out = parse_checked(&frame1).expect("checked by run_complete");
-            let quote = quoted_packet(&out).unwrap_or_else(|e| panic!("{what}: quote: {e}"));
-            assert_eq!(
-                (out.src, out.dst),
-                (backend.ip(), client.ip()),
-                "{what}: ingress sends the error to the client"
-            );
-            assert_eq!(
-                (quote.source(), quote.destination()),
-                (client, backend),
-                "{what}: ingress quotes the packet as the kernel's conntrack knows it"
-            );
-            let (action, frame2, _) = run_complete(
+            let (frame1, mark, _) = run_error(
                 node,
-                program_names::TC_EGRESS,
+                (program_names::TC_REPLY, node.pod0, 0),
+                &error,
+                ((backend.ip(), client.ip()), (client, backend)),
+                &format!("{what}: ingress, to the client, quoting what conntrack knows"),
+            );
+            let (_, _, quote) = run_error(
+                node,
+                (program_names::TC_EGRESS, node.ext0, mark),
                 &frame1,
-                node.ext0,
-                mark,
-                &what,
-            );
-            assert_eq!(action, TC_ACT_UNSPEC, "{what}: unreachable out");
-            let out = parse_checked(&frame2).expect("checked by run_complete");
-            let quote = quoted_packet(&out).unwrap_or_else(|e| panic!("{what}: quote: {e}"));
-            assert_eq!(
-                (out.src, out.dst),
-                (frontend.ip(), client.ip()),
-                "{what}: the error comes from the frontend, as the backend answered for itself"
-            );
-            assert_eq!(
-                (quote.source(), quote.destination()),
-                (client, frontend),
-                "{what}: the client's own datagram is quoted"
+                ((frontend.ip(), client.ip()), (client, frontend)),
+                &format!("{what}: egress, from the frontend (the backend answered for itself)"),
             );
             assert!(quote.l4.ends_with(b"ping"), "{what}: quoted payload");
 
@@ -628,21 +606,14 @@ fn icmp_errors_about_translated_flows_are_translated_back() {
                 1280,
                 &dnated_frame,
             );
-            let (action, frame3, _) =
-                run_complete(node, program_names::TC_EGRESS, &error, node.ext0, 0, &what);
-            assert_eq!(action, TC_ACT_UNSPEC, "{what}: too big out");
-            let out = parse_checked(&frame3).expect("checked by run_complete");
-            let quote = quoted_packet(&out).unwrap_or_else(|e| panic!("{what}: quote: {e}"));
-            assert_eq!(
-                (out.src, out.dst),
-                (frontend.ip(), client.ip()),
-                "{what}: the node's error keeps its addresses"
+            let (frame3, _, _) = run_error(
+                node,
+                (program_names::TC_EGRESS, node.ext0, 0),
+                &error,
+                ((frontend.ip(), client.ip()), (client, frontend)),
+                &format!("{what}: the node's too big keeps its addresses"),
             );
-            assert_eq!(
-                (quote.source(), quote.destination()),
-                (client, frontend),
-                "{what}: too big quotes the client's own datagram"
-            );
+            let out = parse_checked(&frame3).expect("checked by run_error");
             assert_eq!(
                 out.l4.get(4..8),
                 Some(&1280u32.to_be_bytes()[..]),
@@ -683,6 +654,30 @@ fn icmp_errors_about_translated_flows_are_translated_back() {
             assert_eq!(frame, error, "{what}: an error to someone else is not ours");
         }
     });
+}
+
+/// Runs a program (`program`, ifindex, mark) on the ICMP error `error` in a
+/// `CHECKSUM_COMPLETE` skb and checks what leaves: handed to the stack, with the `addresses`
+/// (source, destination) and quoting a packet with the `quoted` ones, every checksum of both
+/// true. Returns the frame, its mark and the quoted packet.
+fn run_error(
+    node: &mut Node,
+    (program, ifindex, mark): (&'static str, u32, u32),
+    error: &[u8],
+    (addresses, quoted): ((IpAddr, IpAddr), (SocketAddr, SocketAddr)),
+    what: &str,
+) -> (Vec<u8>, u32, Parsed) {
+    let (action, frame, mark) = run_complete(node, program, error, ifindex, mark, what);
+    assert_eq!(action, TC_ACT_UNSPEC, "{what}: to the stack");
+    let out = parse_checked(&frame).expect("checked by run_complete");
+    let quote = quoted_packet(&out).unwrap_or_else(|e| panic!("{what}: quote: {e}"));
+    assert_eq!((out.src, out.dst), addresses, "{what}: addresses");
+    assert_eq!(
+        (quote.source(), quote.destination()),
+        quoted,
+        "{what}: quoted addresses"
+    );
+    (frame, mark, quote)
 }
 
 /// Runs `program` on a `CHECKSUM_COMPLETE` skb (the kernel checks `skb->csum`), a fragment's
