@@ -103,8 +103,9 @@ pub enum StatIndex {
     /// A reply left by the interface its flow's client came in on, where its route would have
     /// taken another (`CtValue::out_ifindex`: a node with several uplinks).
     TcReplyViaIngress = 37,
-    /// A tc entry program found no program of the packet's family to hand it to (the agent
-    /// fills `KPR_TC_FAMILY` before attaching): the packet went to the stack untranslated.
+    /// A tc entry program found no program of the packet's family to hand it to, or a family
+    /// program none for a later IP fragment (the agent fills `KPR_TC_FRAGMENT` and
+    /// `KPR_TC_FAMILY` before attaching): the packet went to the stack untranslated.
     TcFamilyProgramMissing = 38,
     /// An ICMP or ICMPv6 error (destination unreachable, fragmentation needed / packet too
     /// big, time exceeded, parameter problem) about a packet of a translated flow had its

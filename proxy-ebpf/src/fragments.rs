@@ -11,14 +11,9 @@
 //! (`tc_fragment_untracked`); the datagram is lost either way, never delivered elsewhere.
 
 use aya_ebpf::{macros::map, maps::LruHashMap, programs::TcContext};
-use proxy_common::{StatIndex, TcFragmentProgram, family};
+use proxy_common::{StatIndex, family};
 
-use crate::{
-    maps::{KPR_TC_FRAGMENT, scratch},
-    parse::ETH_HLEN,
-    stats::bump,
-    tc::NEXT,
-};
+use crate::{maps::scratch, parse::ETH_HLEN, stats::bump};
 
 /// A datagram: its addresses, IP ID and protocol (IPv4 in word 0 of the addresses; the IPv4 ID
 /// is 16 bits, IPv6's 32).
@@ -96,15 +91,4 @@ pub fn later<const V6: bool>(ctx: &TcContext, id: u32, proto: u8) -> u32 {
             0
         }
     }
-}
-
-/// Hands a later fragment to its program in `KPR_TC_FRAGMENT` (`slot`); to the stack untouched
-/// (counted as a missing program) if the slot is empty.
-#[inline(always)]
-pub fn hand_over(ctx: &TcContext, slot: TcFragmentProgram) -> i32 {
-    // SAFETY: the slots hold tc programs of this object's build; on success this never
-    // returns.
-    unsafe { KPR_TC_FRAGMENT.tail_call(ctx, slot as u32) };
-    bump(StatIndex::TcFamilyProgramMissing);
-    NEXT
 }

@@ -28,7 +28,7 @@ use aya_ebpf::{
     helpers::{
         bpf_fib_lookup, bpf_ktime_get_ns, bpf_sk_release, bpf_skb_load_bytes, bpf_skc_lookup_tcp,
     },
-    maps::lpm_trie::Key,
+    maps::{ProgramArray, lpm_trie::Key},
     programs::TcContext,
 };
 use proxy_common::{
@@ -39,12 +39,13 @@ use proxy_common::{
 
 use crate::{
     conntrack::{self, ReplyKey, SnatPort, Tuple, View},
-    fragments, icmp, icmp_error,
+    icmp, icmp_error,
     lb::{Decision, select_backend},
     maglev,
     maps::{
         KPR_BACKENDS4, KPR_BACKENDS6, KPR_FRONTENDS4, KPR_FRONTENDS6, KPR_NODE_ADDRS,
-        KPR_NODE_CONFIG, KPR_SNAT_IFACES, KPR_SOURCE_RANGES, KPR_TC_FAMILY, scratch,
+        KPR_NODE_CONFIG, KPR_SNAT_IFACES, KPR_SOURCE_RANGES, KPR_TC_FAMILY, KPR_TC_FRAGMENT,
+        scratch,
     },
     nat::{draining, fast_path, translate, translate_source},
     parse::{ETH_P_IP, ETH_P_IPV6, Packet, is_later_fragment, parse, parse_later_fragment},
@@ -57,7 +58,7 @@ const DROP: i32 = TC_ACT_SHOT;
 /// chain: a program attached after ours would never see the interface's traffic (cilium
 /// #36775). Translated packets too, on the netfilter path (see `nat::translate`); only the
 /// fast path's redirect and our drops end the chain.
-pub const NEXT: i32 = TC_ACT_UNSPEC;
+const NEXT: i32 = TC_ACT_UNSPEC;
 
 /// The VLAN id bits of a tag (the rest is priority and DEI).
 const VLAN_VID_MASK: u32 = 0x0fff;
@@ -94,9 +95,16 @@ pub fn family(ctx: &TcContext, first: TcFamilyProgram) -> i32 {
         ETH_P_IPV6 => first as u32 + 1,
         _ => return NEXT,
     };
+    hand_over(ctx, &KPR_TC_FAMILY, slot)
+}
+
+/// Tail-calls the program in `slot` of `programs` (`KPR_TC_FAMILY`, `KPR_TC_FRAGMENT`); to the
+/// stack untouched, counted as a missing program, if the slot is empty.
+#[inline(always)]
+fn hand_over(ctx: &TcContext, programs: &ProgramArray, slot: u32) -> i32 {
     // SAFETY: the slots hold tc programs of this object's build; on success this never
     // returns.
-    unsafe { KPR_TC_FAMILY.tail_call(ctx, slot) };
+    unsafe { programs.tail_call(ctx, slot) };
     bump(StatIndex::TcFamilyProgramMissing);
     NEXT
 }
@@ -132,7 +140,11 @@ pub fn egress<const V6: bool>(ctx: &TcContext) -> i32 {
     ctx.set_mark(mark & !TRANSLATED_MARK);
     let Some(pkt) = parse::<V6>(ctx) else {
         if is_later_fragment::<V6>(ctx) {
-            return fragments::hand_over(ctx, TcFragmentProgram::of(true, V6));
+            return hand_over(
+                ctx,
+                &KPR_TC_FRAGMENT,
+                TcFragmentProgram::of(true, V6) as u32,
+            );
         }
         return NEXT;
     };
@@ -238,7 +250,11 @@ fn service<const V6: bool>(ctx: &TcContext, side: Side) -> i32 {
         // A later fragment of a flow's datagram (to its own program), or an error about a
         // flow, or none of ours.
         if is_later_fragment::<V6>(ctx) {
-            return fragments::hand_over(ctx, TcFragmentProgram::of(false, V6));
+            return hand_over(
+                ctx,
+                &KPR_TC_FRAGMENT,
+                TcFragmentProgram::of(false, V6) as u32,
+            );
         }
         return icmp_error::ingress::<V6>(ctx);
     };
