@@ -10,10 +10,16 @@ use std::{
 };
 
 use crate::node::{NodeChange, node_change};
-use k8s_openapi::api::{
-    core::v1::{Node, Service},
-    discovery::v1::EndpointSlice,
+use k8s_openapi::api::core::v1::{Node, Service};
+
+mod endpoint_slice;
+mod interned;
+
+pub use endpoint_slice::{
+    EndpointAddress, EndpointHints, EndpointSliceInfo, LABEL_SERVICE_NAME,
+    LAST_CHANGE_TRIGGER_TIME, SliceEndpoint, SlicePort,
 };
+pub use interned::{Name, intern};
 
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct ObjectKey {
@@ -47,7 +53,7 @@ impl ObjectKey {
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Objects {
     pub services: BTreeMap<ObjectKey, Service>,
-    endpoint_slices: BTreeMap<ObjectKey, EndpointSlice>,
+    endpoint_slices: BTreeMap<ObjectKey, EndpointSliceInfo>,
     /// Slice keys by the Service they belong to, so one Service's slices are found without a scan.
     slices_by_service: BTreeMap<ObjectKey, BTreeSet<ObjectKey>>,
     /// This node, when known (standalone mode has none unless a manifest defines it).
@@ -57,7 +63,7 @@ pub struct Objects {
 impl Objects {
     pub fn new(
         services: BTreeMap<ObjectKey, Service>,
-        endpoint_slices: BTreeMap<ObjectKey, EndpointSlice>,
+        endpoint_slices: BTreeMap<ObjectKey, EndpointSliceInfo>,
         node: Option<Node>,
     ) -> Self {
         let mut objects = Self {
@@ -69,12 +75,12 @@ impl Objects {
         objects
     }
 
-    pub fn endpoint_slices(&self) -> &BTreeMap<ObjectKey, EndpointSlice> {
+    pub fn endpoint_slices(&self) -> &BTreeMap<ObjectKey, EndpointSliceInfo> {
         &self.endpoint_slices
     }
 
     /// The EndpointSlices of one Service, in slice-name order.
-    pub fn slices_of(&self, service: &ObjectKey) -> Vec<(&ObjectKey, &EndpointSlice)> {
+    pub fn slices_of(&self, service: &ObjectKey) -> Vec<(&ObjectKey, &EndpointSliceInfo)> {
         self.slices_by_service
             .get(service)
             .into_iter()
@@ -83,7 +89,11 @@ impl Objects {
             .collect()
     }
 
-    pub fn insert_slice(&mut self, key: ObjectKey, slice: EndpointSlice) -> Option<EndpointSlice> {
+    pub fn insert_slice(
+        &mut self,
+        key: ObjectKey,
+        slice: EndpointSliceInfo,
+    ) -> Option<EndpointSliceInfo> {
         let old = self.remove_slice(&key);
         if let Some(service) = slice_service(&key, &slice) {
             self.slices_by_service
@@ -95,7 +105,7 @@ impl Objects {
         old
     }
 
-    pub fn remove_slice(&mut self, key: &ObjectKey) -> Option<EndpointSlice> {
+    pub fn remove_slice(&mut self, key: &ObjectKey) -> Option<EndpointSliceInfo> {
         let old = self.endpoint_slices.remove(key)?;
         if let Some(service) = slice_service(key, &old)
             && let Some(keys) = self.slices_by_service.get_mut(&service)
@@ -108,7 +118,7 @@ impl Objects {
         Some(old)
     }
 
-    pub fn replace_slices(&mut self, slices: BTreeMap<ObjectKey, EndpointSlice>) {
+    pub fn replace_slices(&mut self, slices: BTreeMap<ObjectKey, EndpointSliceInfo>) {
         self.slices_by_service.clear();
         for (key, slice) in &slices {
             if let Some(service) = slice_service(key, slice) {
@@ -122,15 +132,11 @@ impl Objects {
     }
 }
 
-/// Label that ties an EndpointSlice to its Service.
-pub const LABEL_SERVICE_NAME: &str = "kubernetes.io/service-name";
-
 /// The Service an EndpointSlice belongs to.
-pub fn slice_service(key: &ObjectKey, slice: &EndpointSlice) -> Option<ObjectKey> {
-    let name = slice.metadata.labels.as_ref()?.get(LABEL_SERVICE_NAME)?;
+pub fn slice_service(key: &ObjectKey, slice: &EndpointSliceInfo) -> Option<ObjectKey> {
     Some(ObjectKey {
         namespace: key.namespace.clone(),
-        name: name.clone(),
+        name: slice.service.as_deref()?.to_owned(),
     })
 }
 
@@ -151,12 +157,12 @@ pub enum Kind {
 pub enum Update {
     /// The complete current set of Services (initial list, relist, or a re-read folder).
     ReplaceServices(BTreeMap<ObjectKey, Service>),
-    ReplaceEndpointSlices(BTreeMap<ObjectKey, EndpointSlice>),
+    ReplaceEndpointSlices(BTreeMap<ObjectKey, EndpointSliceInfo>),
     /// This node as currently listed (`None`: it does not exist).
     ReplaceNode(Option<Node>),
     ServiceApplied(ObjectKey, Service),
     ServiceDeleted(ObjectKey),
-    EndpointSliceApplied(ObjectKey, EndpointSlice),
+    EndpointSliceApplied(ObjectKey, EndpointSliceInfo),
     EndpointSliceDeleted(ObjectKey),
 }
 
@@ -290,7 +296,7 @@ impl Store {
         }
     }
 
-    fn mark_slice_service(&mut self, key: &ObjectKey, slice: Option<&EndpointSlice>) {
+    fn mark_slice_service(&mut self, key: &ObjectKey, slice: Option<&EndpointSliceInfo>) {
         if let Some(service) = slice.and_then(|slice| slice_service(key, slice)) {
             self.changes.services.insert(service);
         }

@@ -296,7 +296,7 @@ impl TcNode {
             });
             let slice: EndpointSlice =
                 serde_json::from_value(json).map_err(|e| other(format!("slice {name}: {e}")))?;
-            slices.insert(key(name), slice);
+            slices.insert(key(name), slice.into());
         }
         let objects = Objects::new(service_map, slices, None);
         let snapshot = Snapshot::compute(&objects, NODE);

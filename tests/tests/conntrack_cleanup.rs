@@ -72,7 +72,7 @@ fn snapshot(endpoints: &[&str]) -> proxy_agent::desired::FamilySnapshot {
     };
     let objects = Objects::new(
         BTreeMap::from([(key("dns"), service)]),
-        BTreeMap::from([(key("dns-1"), slice)]),
+        BTreeMap::from([(key("dns-1"), slice.into())]),
         None,
     );
     Snapshot::compute(&objects, "node").v4

@@ -101,7 +101,7 @@ fn snapshot(cluster_ip: &str, backends: &[&str]) -> Snapshot {
     let slice: EndpointSlice = serde_yaml::from_str(&yaml).expect("slice yaml");
     let objects = Objects::new(
         BTreeMap::from([(key("race"), service)]),
-        BTreeMap::from([(key(&format!("race-{family}")), slice)]),
+        BTreeMap::from([(key(&format!("race-{family}")), slice.into())]),
         None,
     );
     let snapshot = Snapshot::compute(&objects, NODE);

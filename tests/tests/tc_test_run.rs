@@ -235,7 +235,7 @@ fn program_services(node: &mut Node) {
              endpoints: [{{addresses: ['{addr}'], nodeName: {NODE}, conditions: {{ready: true}}}}]\n"
         );
         let slice: EndpointSlice = serde_yaml::from_str(&yaml).expect("slice yaml");
-        (key(name), slice)
+        (key(name), slice.into())
     };
     let slices = BTreeMap::from([
         slice("web-4", "web", "IPv4", BACKEND),
@@ -955,7 +955,7 @@ fn host_network_snapshot() -> Snapshot {
              endpoints: [{{addresses: ['{addr}'], nodeName: {NODE}, conditions: {{ready: true}}}}]\n"
         );
         let slice: EndpointSlice = serde_yaml::from_str(&yaml).expect("slice yaml");
-        (key(name), slice)
+        (key(name), slice.into())
     };
     let slices = BTreeMap::from([
         slice("hostnet-4", "hostnet", "IPv4", NODE_IP),
@@ -1804,7 +1804,7 @@ fn maglev_ipv6_flows_keep_their_backend_for_the_same_tuple() {
         let slice: EndpointSlice = serde_yaml::from_str(yaml).expect("slice yaml");
         let objects = Objects::new(
             BTreeMap::from([(key("spread6"), service)]),
-            BTreeMap::from([(key("spread6-1"), slice)]),
+            BTreeMap::from([(key("spread6-1"), slice.into())]),
             None,
         );
         let (_, errors) = node
@@ -2762,7 +2762,7 @@ fn single_slice_snapshot(name: &str, service_yaml: &str, backends: &[&str]) -> S
     let slice: EndpointSlice = serde_yaml::from_str(&yaml).expect("slice yaml");
     let objects = Objects::new(
         BTreeMap::from([(key(name), service)]),
-        BTreeMap::from([(key(&format!("{name}-4")), slice)]),
+        BTreeMap::from([(key(&format!("{name}-4")), slice.into())]),
         None,
     );
     Snapshot::compute(&objects, NODE)

@@ -5,10 +5,8 @@
 
 use std::{collections::BTreeMap, net::IpAddr};
 
-use k8s_openapi::api::discovery::v1::EndpointSlice;
-
 use super::{IpFamily, Protocol};
-use crate::objects::ObjectKey;
+use crate::objects::{EndpointAddress, EndpointSliceInfo, ObjectKey};
 
 /// An endpoint before selection, with what selection needs.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -48,7 +46,7 @@ pub type EndpointsByPort = BTreeMap<(String, Protocol), Vec<RawEndpoint>>;
 
 /// The endpoints of every (port name, protocol) of one Service in one IP family.
 pub fn endpoints_by_port(
-    slices: &[(&ObjectKey, &EndpointSlice)],
+    slices: &[(&ObjectKey, &EndpointSliceInfo)],
     family: IpFamily,
     node_name: &str,
     warnings: &mut Vec<SliceWarning>,
@@ -56,8 +54,8 @@ pub fn endpoints_by_port(
     // Keyed by endpoint string so duplicates collapse and the order is kube-proxy's.
     let mut by_port: BTreeMap<(String, Protocol), BTreeMap<String, RawEndpoint>> = BTreeMap::new();
     for (key, slice) in slices {
-        for (index, slice_port) in slice.ports.iter().flatten().enumerate() {
-            let Some(name) = slice_port.name.clone() else {
+        for (index, slice_port) in slice.ports.iter().enumerate() {
+            let Some(name) = slice_port.name.as_deref().map(str::to_owned) else {
                 warnings.push(SliceWarning::PortWithoutName {
                     slice: (*key).clone(),
                     index,
@@ -79,7 +77,11 @@ pub fn endpoints_by_port(
                 warnings.push(SliceWarning::InvalidProtocol {
                     slice: (*key).clone(),
                     index,
-                    value: slice_port.protocol.clone().unwrap_or_default(),
+                    value: slice_port
+                        .protocol
+                        .as_deref()
+                        .unwrap_or_default()
+                        .to_owned(),
                 });
                 continue;
             };
@@ -95,7 +97,7 @@ pub fn endpoints_by_port(
 
 fn add_endpoints(
     key: &ObjectKey,
-    slice: &EndpointSlice,
+    slice: &EndpointSliceInfo,
     port: u16,
     family: IpFamily,
     node_name: &str,
@@ -103,43 +105,37 @@ fn add_endpoints(
     warnings: &mut Vec<SliceWarning>,
 ) {
     for (index, endpoint) in slice.endpoints.iter().enumerate() {
-        let Some(address) = endpoint.addresses.first() else {
-            continue;
-        };
-        // endpointslicecache: ParseIPSloppy, then the canonical form.
-        let Some(addr) = super::services::parse_ip_sloppy(address) else {
-            // Only worth a warning once per slice, not once per port.
-            let warning = SliceWarning::InvalidAddress {
-                slice: key.clone(),
-                index,
-                value: address.clone(),
-            };
-            if !warnings.contains(&warning) {
-                warnings.push(warning);
+        let addr = match &endpoint.address {
+            None => continue,
+            Some(EndpointAddress::Ip(addr)) => *addr,
+            Some(EndpointAddress::Invalid(value)) => {
+                // Only worth a warning once per slice, not once per port.
+                let warning = SliceWarning::InvalidAddress {
+                    slice: key.clone(),
+                    index,
+                    value: value.to_string(),
+                };
+                if !warnings.contains(&warning) {
+                    warnings.push(warning);
+                }
+                continue;
             }
-            continue;
         };
         if IpFamily::of(&addr) != family {
             continue;
         }
-        let conditions = endpoint.conditions.as_ref();
         let is_local = !node_name.is_empty() && endpoint.node_name.as_deref() == Some(node_name);
-        let hints = endpoint.hints.as_ref();
+        let hints = endpoint.hints.as_deref();
+        let names = |names: &[crate::objects::Name]| names.iter().map(|n| n.to_string()).collect();
         let raw = RawEndpoint {
             addr,
             port,
             is_local,
-            ready: conditions.and_then(|c| c.ready).unwrap_or(true),
-            serving: conditions.and_then(|c| c.serving).unwrap_or(true),
-            terminating: conditions.and_then(|c| c.terminating).unwrap_or(false),
-            zone_hints: hints
-                .and_then(|h| h.for_zones.as_ref())
-                .map(|zones| zones.iter().map(|z| z.name.clone()).collect())
-                .unwrap_or_default(),
-            node_hints: hints
-                .and_then(|h| h.for_nodes.as_ref())
-                .map(|nodes| nodes.iter().map(|n| n.name.clone()).collect())
-                .unwrap_or_default(),
+            ready: endpoint.ready(),
+            serving: endpoint.serving(),
+            terminating: endpoint.terminating(),
+            zone_hints: hints.map(|h| names(&h.zones)).unwrap_or_default(),
+            node_hints: hints.map(|h| names(&h.nodes)).unwrap_or_default(),
         };
         let endpoint_string = std::net::SocketAddr::new(addr, port).to_string();
         // kube-proxy keeps the first copy unless a later one is local.

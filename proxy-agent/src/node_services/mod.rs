@@ -50,8 +50,6 @@ pub const DEFAULT_METRICS_BIND_ADDRESS: SocketAddr =
     SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 10249);
 /// kube-proxy retries a server whose address cannot be bound this often.
 const BIND_RETRY: Duration = Duration::from_secs(5);
-/// The EndpointSlice annotation the network programming latency is measured from.
-pub const LAST_CHANGE_TRIGGER_TIME: &str = "endpoints.kubernetes.io/last-change-trigger-time";
 
 #[derive(Debug, Clone)]
 pub struct NodeServicesConfig {
@@ -276,18 +274,10 @@ pub fn trigger_times(
     let mut times = Vec::new();
     for service in services {
         for (_, slice) in objects.slices_of(service) {
-            let family = match slice.address_type.as_str() {
-                "IPv4" => IpFamily::V4,
-                "IPv6" => IpFamily::V6,
-                _ => continue,
+            let (Some(family), Some(time)) = (slice.address_type, slice.trigger_time) else {
+                continue;
             };
-            let time = slice
-                .metadata
-                .annotations
-                .as_ref()
-                .and_then(|annotations| annotations.get(LAST_CHANGE_TRIGGER_TIME))
-                .and_then(|value| time_format::parse_rfc3339(value));
-            if let Some(time) = time.filter(|time| *time > after) {
+            if time > after {
                 times.push((family, time));
             }
         }

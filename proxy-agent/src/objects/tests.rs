@@ -14,11 +14,12 @@ fn service(name: &str, ip: &str) -> Service {
     .expect("service")
 }
 
-fn slice(name: &str, service: &str) -> EndpointSlice {
-    serde_yaml::from_str(&format!(
+fn slice(name: &str, service: &str) -> EndpointSliceInfo {
+    serde_yaml::from_str::<k8s_openapi::api::discovery::v1::EndpointSlice>(&format!(
         "metadata: {{name: {name}, namespace: ns, labels: {{kubernetes.io/service-name: {service}}}}}\naddressType: IPv4\nendpoints: []"
     ))
     .expect("slice")
+    .into()
 }
 
 #[test]

@@ -24,7 +24,7 @@ use serde::de::DeserializeOwned;
 use tokio::sync::{Notify, mpsc};
 use tracing::{debug, info, warn};
 
-use crate::objects::{ObjectKey, Update};
+use crate::objects::{EndpointSliceInfo, ObjectKey, Update};
 
 /// Largest manifest file read. Far above any real folder of Services and EndpointSlices (the
 /// API server stores an object in at most 1.5 MiB), and it bounds the memory a parse can take
@@ -170,7 +170,7 @@ type Origins = BTreeMap<(&'static str, ObjectKey), Location>;
 #[derive(Debug, Default)]
 pub struct Loaded {
     pub services: BTreeMap<ObjectKey, Service>,
-    pub endpoint_slices: BTreeMap<ObjectKey, EndpointSlice>,
+    pub endpoint_slices: BTreeMap<ObjectKey, EndpointSliceInfo>,
     /// Nodes by name (cluster-scoped: the key's namespace is empty).
     pub nodes: BTreeMap<ObjectKey, Node>,
     pub errors: Vec<ManifestError>,
@@ -496,6 +496,8 @@ fn load_object(
         );
         check_annotations(at, "EndpointSlice", &name, &slice.metadata)?;
         let key = object_key(at, &slice.metadata)?;
+        // Kept in the agent's own form from here on; the `k8s-openapi` object goes.
+        let slice = EndpointSliceInfo::from(&slice);
         if crate::objects::slice_service(&key, &slice).is_none() {
             return Err(ManifestError::SliceWithoutServiceLabel {
                 at: at.clone(),

@@ -106,7 +106,7 @@ pub fn objects(services: &[Value], slices: &[Value]) -> Objects {
     let mut slice_map = BTreeMap::new();
     for (i, compact) in slices.iter().enumerate() {
         let slice = slice(compact, i);
-        slice_map.insert(ObjectKey::of(&slice.metadata).unwrap(), slice);
+        slice_map.insert(ObjectKey::of(&slice.metadata).unwrap(), slice.into());
     }
     Objects::new(svc_map, slice_map, None)
 }

@@ -152,7 +152,8 @@ fn change(
     snapshot: &mut Snapshot,
 ) -> std::collections::BTreeSet<proxy_agent::desired::ServicePortName> {
     let (slice_key, slice, _) = w.change(k);
-    store.apply(Update::EndpointSliceApplied(slice_key, slice));
+    // The conversion a source makes on each event is part of the change's cost.
+    store.apply(Update::EndpointSliceApplied(slice_key, (&slice).into()));
     let changes = store.take_changes();
     snapshot
         .update(store.objects(), HOSTNAME, Some(&changes.services))

@@ -687,7 +687,7 @@ fn programming_size(runner: &mut Runner, w: Workload) -> ProgrammingSize {
     // holds the same objects; a change is one EndpointSlice update sent as a watch event.
     step("  API server source", runner);
     let api = ApiServer::start(Some(&s.topo.node().path())).and_then(|api| {
-        let (services, slices) = w.objects(live);
+        let (services, slices) = w.api_objects(live);
         api.batch(|b| -> Result<()> {
             for service in services.values() {
                 b.apply(service)?;

@@ -260,8 +260,8 @@ fn program(dataplane: &mut EbpfDataplane) -> Result<()> {
     };
     let services = BTreeMap::from([(key("web"), web), (key("lb"), lb)]);
     let slices = BTreeMap::from([
-        (key("web-1"), slice("web-1", "web", &endpoints)?),
-        (key("lb-1"), slice("lb-1", "lb", &endpoints[..1])?),
+        (key("web-1"), slice("web-1", "web", &endpoints)?.into()),
+        (key("lb-1"), slice("lb-1", "lb", &endpoints[..1])?.into()),
     ]);
     let snapshot = Snapshot::compute(&Objects::new(services, slices, None), NODE);
     let errors: Vec<String> = snapshot.errors().map(ToString::to_string).collect();

@@ -12,7 +12,7 @@ use k8s_openapi::api::discovery::v1::{
 };
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
-use proxy_agent::objects::ObjectKey;
+use proxy_agent::objects::{EndpointSliceInfo, ObjectKey};
 
 use crate::Result;
 use crate::manifests::{Endpoint, ManifestsDir, Protocol, ServicePort, SlicePort};
@@ -167,18 +167,38 @@ impl Workload {
         Ok(())
     }
 
-    /// The same cluster as typed objects: Services and EndpointSlices by key.
+    /// The same cluster as a source delivers it: Services, and EndpointSlices in the agent's
+    /// own form (each converted as it is built, as the sources do).
     pub fn objects(
+        self,
+        live: LiveSet,
+    ) -> (
+        BTreeMap<ObjectKey, Service>,
+        BTreeMap<ObjectKey, EndpointSliceInfo>,
+    ) {
+        self.build(live, |slice| EndpointSliceInfo::from(&slice))
+    }
+
+    /// The same cluster as API objects (what the API test server serves).
+    pub fn api_objects(
         self,
         live: LiveSet,
     ) -> (
         BTreeMap<ObjectKey, Service>,
         BTreeMap<ObjectKey, EndpointSlice>,
     ) {
+        self.build(live, |slice| slice)
+    }
+
+    fn build<S>(
+        self,
+        live: LiveSet,
+        convert: impl Fn(EndpointSlice) -> S,
+    ) -> (BTreeMap<ObjectKey, Service>, BTreeMap<ObjectKey, S>) {
         let mut services = BTreeMap::new();
         let mut slices = BTreeMap::new();
         services.insert(key(LIVE_SERVICE), service(LIVE_SERVICE, CLUSTER_IP));
-        slices.insert(key(LIVE_SLICE), live_slice(live));
+        slices.insert(key(LIVE_SLICE), convert(live_slice(live)));
         for i in 0..self.decoys() {
             let name = decoy_name(i);
             services.insert(key(&name), service(&name, decoy_cluster_ip(i)));
@@ -186,7 +206,10 @@ impl Workload {
                 .map(|j| endpoint(decoy_endpoint_ip(self, i, j), &decoy_node(i)))
                 .collect();
             let slice_name = format!("{name}-1");
-            slices.insert(key(&slice_name), slice(&slice_name, &name, endpoints));
+            slices.insert(
+                key(&slice_name),
+                convert(slice(&slice_name, &name, endpoints)),
+            );
         }
         (services, slices)
     }

@@ -160,7 +160,7 @@ pub fn objects(yaml: &str) -> Objects {
             }
             "EndpointSlice" => {
                 let slice: EndpointSlice = serde_yaml::from_value(value).expect("slice");
-                slices.insert(ObjectKey::of(&slice.metadata).expect("key"), slice);
+                slices.insert(ObjectKey::of(&slice.metadata).expect("key"), slice.into());
             }
             "Node" => node = Some(serde_yaml::from_value::<Node>(value).expect("node")),
             other => panic!("unexpected kind {other}"),

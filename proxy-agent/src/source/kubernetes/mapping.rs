@@ -13,7 +13,7 @@ use k8s_openapi::api::{
 };
 use kube::runtime::watcher::Event;
 
-use crate::objects::{Kind, ObjectKey, Update};
+use crate::objects::{EndpointSliceInfo, Kind, ObjectKey, Update};
 
 /// Turns one kind's watcher events into store updates.
 pub trait EventMapper<K>: Send + 'static {
@@ -92,7 +92,7 @@ impl EventMapper<Service> for ServiceEvents {
 
 #[derive(Debug, Default)]
 pub struct EndpointSliceEvents {
-    list: ListBuffer<EndpointSlice>,
+    list: ListBuffer<EndpointSliceInfo>,
 }
 
 impl EventMapper<EndpointSlice> for EndpointSliceEvents {
@@ -105,14 +105,21 @@ impl EventMapper<EndpointSlice> for EndpointSliceEvents {
                 None
             }
             Event::InitApply(slice) => {
+                // Converted as it arrives: a relist never holds the `k8s-openapi` objects.
                 if let Some(key) = ObjectKey::of(&slice.metadata) {
-                    self.list.objects.insert(key, slice);
+                    self.list
+                        .objects
+                        .insert(key, EndpointSliceInfo::from(&slice));
                 }
                 None
             }
             Event::InitDone => Some(Update::ReplaceEndpointSlices(self.list.take())),
             Event::Apply(slice) => {
-                ObjectKey::of(&slice.metadata).map(|key| Update::EndpointSliceApplied(key, slice))
+                let key = ObjectKey::of(&slice.metadata)?;
+                Some(Update::EndpointSliceApplied(
+                    key,
+                    EndpointSliceInfo::from(&slice),
+                ))
             }
             Event::Delete(slice) => {
                 ObjectKey::of(&slice.metadata).map(Update::EndpointSliceDeleted)

@@ -330,7 +330,7 @@ fn unknown_fields_are_named_and_the_object_is_still_used() {
 #[derive(Debug, Default)]
 struct StoreModel {
     services: BTreeMap<ObjectKey, Service>,
-    slices: BTreeMap<ObjectKey, EndpointSlice>,
+    slices: BTreeMap<ObjectKey, EndpointSliceInfo>,
     node: Option<Node>,
 }
 
