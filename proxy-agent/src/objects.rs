@@ -10,16 +10,18 @@ use std::{
 };
 
 use crate::node::{NodeChange, node_change};
-use k8s_openapi::api::core::v1::{Node, Service};
+use k8s_openapi::api::core::v1::Node;
 
 mod endpoint_slice;
 mod interned;
+mod service;
 
 pub use endpoint_slice::{
     EndpointAddress, EndpointHints, EndpointSliceInfo, LABEL_SERVICE_NAME,
     LAST_CHANGE_TRIGGER_TIME, SliceEndpoint, SlicePort,
 };
 pub use interned::{Name, intern};
+pub use service::{LoadBalancerIngress, ServiceInfo, ServicePortSpec};
 
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct ObjectKey {
@@ -52,17 +54,17 @@ impl ObjectKey {
 /// Everything the desired-state computation reads.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Objects {
-    pub services: BTreeMap<ObjectKey, Service>,
+    pub services: BTreeMap<ObjectKey, ServiceInfo>,
     endpoint_slices: BTreeMap<ObjectKey, EndpointSliceInfo>,
     /// Slice keys by the Service they belong to, so one Service's slices are found without a scan.
-    slices_by_service: BTreeMap<ObjectKey, BTreeSet<ObjectKey>>,
+    slices_by_service: BTreeMap<ObjectKey, SliceKeys>,
     /// This node, when known (standalone mode has none unless a manifest defines it).
     pub node: Option<Node>,
 }
 
 impl Objects {
     pub fn new(
-        services: BTreeMap<ObjectKey, Service>,
+        services: BTreeMap<ObjectKey, ServiceInfo>,
         endpoint_slices: BTreeMap<ObjectKey, EndpointSliceInfo>,
         node: Option<Node>,
     ) -> Self {
@@ -132,6 +134,44 @@ impl Objects {
     }
 }
 
+/// The slices of one Service, sorted. Most Services have one or two slices: a sorted vector
+/// holds them in one small allocation, where a `BTreeSet` allocates a whole node (11 keys).
+#[derive(Debug, Clone, Default, PartialEq)]
+struct SliceKeys(Vec<ObjectKey>);
+
+impl SliceKeys {
+    fn insert(&mut self, key: ObjectKey) {
+        if let Err(at) = self.0.binary_search(&key) {
+            // One more, not the doubling a push does: the usual count is one.
+            self.0.reserve_exact(1);
+            self.0.insert(at, key);
+        }
+    }
+
+    fn remove(&mut self, key: &ObjectKey) {
+        if let Ok(at) = self.0.binary_search(key) {
+            self.0.remove(at);
+        }
+    }
+
+    fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    fn iter(&self) -> std::slice::Iter<'_, ObjectKey> {
+        self.0.iter()
+    }
+}
+
+impl<'a> IntoIterator for &'a SliceKeys {
+    type Item = &'a ObjectKey;
+    type IntoIter = std::slice::Iter<'a, ObjectKey>;
+
+    fn into_iter(self) -> Self::IntoIter {
+        self.iter()
+    }
+}
+
 /// The Service an EndpointSlice belongs to.
 pub fn slice_service(key: &ObjectKey, slice: &EndpointSliceInfo) -> Option<ObjectKey> {
     Some(ObjectKey {
@@ -156,11 +196,11 @@ pub enum Kind {
 )]
 pub enum Update {
     /// The complete current set of Services (initial list, relist, or a re-read folder).
-    ReplaceServices(BTreeMap<ObjectKey, Service>),
+    ReplaceServices(BTreeMap<ObjectKey, ServiceInfo>),
     ReplaceEndpointSlices(BTreeMap<ObjectKey, EndpointSliceInfo>),
     /// This node as currently listed (`None`: it does not exist).
     ReplaceNode(Option<Node>),
-    ServiceApplied(ObjectKey, Service),
+    ServiceApplied(ObjectKey, ServiceInfo),
     ServiceDeleted(ObjectKey),
     EndpointSliceApplied(ObjectKey, EndpointSliceInfo),
     EndpointSliceDeleted(ObjectKey),

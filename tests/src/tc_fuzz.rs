@@ -273,7 +273,7 @@ impl TcNode {
             }
             let service: Service =
                 serde_json::from_value(json).map_err(|e| other(format!("service {name}: {e}")))?;
-            service_map.insert(key(name), service);
+            service_map.insert(key(name), service.into());
         }
         let mut slices = BTreeMap::new();
         for (name, service, family, addr) in [

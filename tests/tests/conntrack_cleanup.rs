@@ -71,7 +71,7 @@ fn snapshot(endpoints: &[&str]) -> proxy_agent::desired::FamilySnapshot {
         name: name.into(),
     };
     let objects = Objects::new(
-        BTreeMap::from([(key("dns"), service)]),
+        BTreeMap::from([(key("dns"), service.into())]),
         BTreeMap::from([(key("dns-1"), slice.into())]),
         None,
     );

@@ -100,7 +100,7 @@ fn snapshot(cluster_ip: &str, backends: &[&str]) -> Snapshot {
     );
     let slice: EndpointSlice = serde_yaml::from_str(&yaml).expect("slice yaml");
     let objects = Objects::new(
-        BTreeMap::from([(key("race"), service)]),
+        BTreeMap::from([(key("race"), service.into())]),
         BTreeMap::from([(key(&format!("race-{family}")), slice.into())]),
         None,
     );

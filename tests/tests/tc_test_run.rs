@@ -32,7 +32,7 @@ use proxy_agent::{
         TcTestInput, reserved_ports,
     },
     desired::Snapshot,
-    objects::{ObjectKey, Objects},
+    objects::{ObjectKey, Objects, ServiceInfo},
 };
 use proxy_common::{
     CtKey, CtKey4, CtValue, CtValue4, StatIndex, TRANSLATED_MARK, ct_flags, family, map_names,
@@ -217,13 +217,13 @@ fn program_services(node: &mut Node) {
          {name: http, port: 80, protocol: TCP, targetPort: 8080, nodePort: 30083}, \
          {name: diameter, port: 3868, protocol: SCTP, targetPort: 3869, nodePort: 30869}]}",
     ];
-    let services: BTreeMap<ObjectKey, Service> = services
+    let services: BTreeMap<ObjectKey, ServiceInfo> = services
         .iter()
         .map(|meta| {
             let yaml = format!("apiVersion: v1\nkind: Service\nmetadata: {meta}\n");
             let service: Service = serde_yaml::from_str(&yaml).expect("service yaml");
             let name = service.metadata.name.clone().expect("name");
-            (key(&name), service)
+            (key(&name), service.into())
         })
         .collect();
     let slice = |name: &str, service: &str, family: &str, addr: &str| {
@@ -937,13 +937,13 @@ fn host_network_snapshot() -> Snapshot {
          externalTrafficPolicy: Local, ports: [\
          {name: http, port: 80, protocol: TCP, targetPort: 8080, nodePort: 30092}]}",
     ];
-    let services: BTreeMap<ObjectKey, Service> = services
+    let services: BTreeMap<ObjectKey, ServiceInfo> = services
         .iter()
         .map(|meta| {
             let yaml = format!("apiVersion: v1\nkind: Service\nmetadata: {meta}\n");
             let service: Service = serde_yaml::from_str(&yaml).expect("service yaml");
             let name = service.metadata.name.clone().expect("name");
-            (key(&name), service)
+            (key(&name), service.into())
         })
         .collect();
     let slice = |name: &str, service: &str, family: &str, addr: &str| {
@@ -1803,7 +1803,7 @@ fn maglev_ipv6_flows_keep_their_backend_for_the_same_tuple() {
                     {addresses: ['fd00:244:1::4']}]\n";
         let slice: EndpointSlice = serde_yaml::from_str(yaml).expect("slice yaml");
         let objects = Objects::new(
-            BTreeMap::from([(key("spread6"), service)]),
+            BTreeMap::from([(key("spread6"), service.into())]),
             BTreeMap::from([(key("spread6-1"), slice.into())]),
             None,
         );
@@ -2761,7 +2761,7 @@ fn single_slice_snapshot(name: &str, service_yaml: &str, backends: &[&str]) -> S
     );
     let slice: EndpointSlice = serde_yaml::from_str(&yaml).expect("slice yaml");
     let objects = Objects::new(
-        BTreeMap::from([(key(name), service)]),
+        BTreeMap::from([(key(name), service.into())]),
         BTreeMap::from([(key(&format!("{name}-4")), slice.into())]),
         None,
     );

@@ -3,14 +3,12 @@
 
 use std::net::IpAddr;
 
-use ipnet::IpNet;
-use k8s_openapi::api::core::v1::Service;
-
 use super::{IpFamily, Protocol, ServicePort, ServicePortName};
 use crate::{
     ip_family::{parse_cidr_sloppy, parse_ip_sloppy},
-    objects::ObjectKey,
+    objects::{ObjectKey, ServiceInfo},
 };
+use ipnet::IpNet;
 
 /// Kubernetes' default `sessionAffinityConfig.clientIP.timeoutSeconds` (3 hours).
 pub const DEFAULT_AFFINITY_TIMEOUT: u32 = 10_800;
@@ -67,10 +65,7 @@ pub enum ServiceError {
 
 /// Whether kube-proxy handles this Service at all (`ShouldSkipService`): not ExternalName, and a
 /// cluster IP is set (headless `None` and unallocated `""` are skipped).
-pub fn is_proxied(service: &Service) -> bool {
-    let Some(spec) = &service.spec else {
-        return false;
-    };
+pub fn is_proxied(spec: &ServiceInfo) -> bool {
     if spec.type_.as_deref() == Some("ExternalName") {
         return false;
     }
@@ -79,19 +74,17 @@ pub fn is_proxied(service: &Service) -> bool {
             .cluster_ips
             .iter()
             .flatten()
-            .any(|ip| !ip.is_empty() && ip != "None")
+            .any(|ip| !ip.is_empty() && &**ip != "None")
 }
 
 /// The service ports of `service` in `family`, without endpoints yet.
 pub fn service_ports(
     key: &ObjectKey,
-    service: &Service,
+    service: &ServiceInfo,
     family: IpFamily,
     errors: &mut Vec<ServiceError>,
 ) -> Vec<ServicePort> {
-    let Some(spec) = &service.spec else {
-        return Vec::new();
-    };
+    let spec = service;
     if !is_proxied(service) {
         return Vec::new();
     }
@@ -99,7 +92,7 @@ pub fn service_ports(
         return Vec::new();
     };
     let type_ = spec.type_.as_deref().unwrap_or("ClusterIP");
-    let external_ip_strings = spec.external_ips.as_deref().unwrap_or_default();
+    let external_ip_strings = &spec.external_ips;
     let externally_accessible = matches!(type_, "LoadBalancer" | "NodePort")
         || (type_ == "ClusterIP" && !external_ip_strings.is_empty());
     let external_policy_local =
@@ -111,23 +104,18 @@ pub fn service_ports(
     let external_ips = ips_of_family(
         key,
         "spec.externalIPs",
-        external_ip_strings.iter().map(String::as_str),
+        external_ip_strings.iter().map(AsRef::as_ref),
         family,
         report,
         errors,
     );
-    let ingress = service
-        .status
-        .as_ref()
-        .and_then(|s| s.load_balancer.as_ref())
-        .and_then(|lb| lb.ingress.as_ref());
     // Only VIP-style load balancers: `ipMode: Proxy` ones deliver to the node themselves.
     let load_balancer_ips = ips_of_family(
         key,
         "status.loadBalancer.ingress[].ip",
-        ingress
-            .into_iter()
-            .flatten()
+        service
+            .load_balancer_ingress
+            .iter()
             .filter(|ing| ing.ip_mode.as_deref().is_none_or(|mode| mode == "VIP"))
             .filter_map(|ing| ing.ip.as_deref())
             .filter(|ip| !ip.is_empty()),
@@ -137,9 +125,7 @@ pub fn service_ports(
     );
     let source_ranges = cidrs_of_family(
         key,
-        spec.load_balancer_source_ranges
-            .as_deref()
-            .unwrap_or_default(),
+        &spec.load_balancer_source_ranges,
         family,
         report,
         errors,
@@ -155,7 +141,7 @@ pub fn service_ports(
 
     let mut ports: Vec<ServicePort> = Vec::new();
     let mut port_errors = Vec::new();
-    for (index, port) in spec.ports.iter().flatten().enumerate() {
+    for (index, port) in spec.ports.iter().enumerate() {
         let field = |name: &str| format!("spec.ports[{index}].{name}");
         let Some(port_number) = u16::try_from(port.port).ok().filter(|&p| p != 0) else {
             port_errors.push(ServiceError::InvalidPort {
@@ -169,13 +155,13 @@ pub fn service_ports(
             port_errors.push(ServiceError::InvalidProtocol {
                 service: key.clone(),
                 field: field("protocol"),
-                value: port.protocol.clone().unwrap_or_default(),
+                value: port.protocol.as_deref().unwrap_or_default().to_owned(),
             });
             continue;
         };
         let name = ServicePortName {
             service: key.clone(),
-            port: port.name.clone().unwrap_or_default(),
+            port: port.name.as_deref().unwrap_or_default().to_owned(),
             protocol,
         };
         if ports
@@ -217,7 +203,7 @@ pub fn service_ports(
             external_policy_local,
             internal_policy_local,
             health_check_node_port,
-            traffic_distribution: spec.traffic_distribution.clone(),
+            traffic_distribution: spec.traffic_distribution.as_deref().map(str::to_owned),
             endpoints: Vec::new(),
             has_any_endpoints: false,
         });
@@ -230,8 +216,7 @@ pub fn service_ports(
 
 /// The family of the Service's first valid cluster IP: per-Service problems are reported in
 /// that family's pass only.
-fn first_family(service: &Service) -> Option<IpFamily> {
-    let spec = service.spec.as_ref()?;
+fn first_family(spec: &ServiceInfo) -> Option<IpFamily> {
     spec.cluster_ips
         .iter()
         .flatten()
@@ -243,21 +228,20 @@ fn first_family(service: &Service) -> Option<IpFamily> {
 /// kube-proxy's `GetClusterIPByFamily`: from `clusterIPs` when set, else `clusterIP`.
 fn cluster_ip(
     key: &ObjectKey,
-    service: &Service,
+    spec: &ServiceInfo,
     family: IpFamily,
     errors: &mut Vec<ServiceError>,
 ) -> Option<IpAddr> {
-    let spec = service.spec.as_ref()?;
     let candidates: Vec<(String, &str)> = match &spec.cluster_ips {
         Some(ips) if !ips.is_empty() => ips
             .iter()
             .enumerate()
-            .map(|(i, ip)| (format!("spec.clusterIPs[{i}]"), ip.as_str()))
+            .map(|(i, ip)| (format!("spec.clusterIPs[{i}]"), ip.as_ref()))
             .collect(),
         _ => spec
             .cluster_ip
             .iter()
-            .map(|ip| ("spec.clusterIP".to_owned(), ip.as_str()))
+            .map(|ip| ("spec.clusterIP".to_owned(), ip.as_ref()))
             .collect(),
     };
     for (field, value) in candidates {
@@ -307,7 +291,7 @@ fn ips_of_family<'a>(
 
 fn cidrs_of_family(
     key: &ObjectKey,
-    values: &[String],
+    values: &[Box<str>],
     family: IpFamily,
     report: bool,
     errors: &mut Vec<ServiceError>,
@@ -321,7 +305,7 @@ fn cidrs_of_family(
             None if report => errors.push(ServiceError::InvalidCidr {
                 service: key.clone(),
                 field: format!("spec.loadBalancerSourceRanges[{i}]"),
-                value: value.clone(),
+                value: value.to_string(),
             }),
             None => {}
         }
@@ -331,20 +315,14 @@ fn cidrs_of_family(
 
 fn affinity_timeout(
     key: &ObjectKey,
-    service: &Service,
+    spec: &ServiceInfo,
     report: bool,
     errors: &mut Vec<ServiceError>,
 ) -> Option<u32> {
-    let spec = service.spec.as_ref()?;
     if spec.session_affinity.as_deref() != Some("ClientIP") {
         return None;
     }
-    let configured = spec
-        .session_affinity_config
-        .as_ref()
-        .and_then(|c| c.client_ip.as_ref())
-        .and_then(|c| c.timeout_seconds);
-    Some(match configured {
+    Some(match spec.affinity_timeout_seconds {
         None => DEFAULT_AFFINITY_TIMEOUT,
         // The API allows 1..=86400.
         Some(value @ 1..=86_400) => value.unsigned_abs(),

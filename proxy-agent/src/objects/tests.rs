@@ -7,11 +7,12 @@ fn key(name: &str) -> ObjectKey {
     }
 }
 
-fn service(name: &str, ip: &str) -> Service {
-    serde_yaml::from_str(&format!(
+fn service(name: &str, ip: &str) -> ServiceInfo {
+    serde_yaml::from_str::<k8s_openapi::api::core::v1::Service>(&format!(
         "metadata: {{name: {name}, namespace: ns}}\nspec: {{clusterIP: {ip}}}"
     ))
     .expect("service")
+    .into()
 }
 
 fn slice(name: &str, service: &str) -> EndpointSliceInfo {

@@ -24,7 +24,7 @@ use serde::de::DeserializeOwned;
 use tokio::sync::{Notify, mpsc};
 use tracing::{debug, info, warn};
 
-use crate::objects::{EndpointSliceInfo, ObjectKey, Update};
+use crate::objects::{EndpointSliceInfo, ObjectKey, ServiceInfo, Update};
 
 /// Largest manifest file read. Far above any real folder of Services and EndpointSlices (the
 /// API server stores an object in at most 1.5 MiB), and it bounds the memory a parse can take
@@ -169,7 +169,7 @@ type Origins = BTreeMap<(&'static str, ObjectKey), Location>;
 /// The result of reading the folder once.
 #[derive(Debug, Default)]
 pub struct Loaded {
-    pub services: BTreeMap<ObjectKey, Service>,
+    pub services: BTreeMap<ObjectKey, ServiceInfo>,
     pub endpoint_slices: BTreeMap<ObjectKey, EndpointSliceInfo>,
     /// Nodes by name (cluster-scoped: the key's namespace is empty).
     pub nodes: BTreeMap<ObjectKey, Node>,
@@ -483,6 +483,8 @@ fn load_object(
         report_unknown_fields(at, "Service", &name, &value, &service, &mut loaded.errors);
         check_annotations(at, "Service", &name, &service.metadata)?;
         let key = object_key(at, &service.metadata)?;
+        // Kept in the agent's own form from here on; the `k8s-openapi` object goes.
+        let service = ServiceInfo::from(&service);
         insert_unique(at, key, service, &mut loaded.services, origins, "Service")
     } else if is(EndpointSlice::API_VERSION, EndpointSlice::KIND) {
         let slice: EndpointSlice = parse_object(at, &kind, &name, &value)?;

@@ -101,7 +101,7 @@ pub fn objects(services: &[Value], slices: &[Value]) -> Objects {
     let mut svc_map = BTreeMap::new();
     for compact in services {
         let service = service(compact);
-        svc_map.insert(ObjectKey::of(&service.metadata).unwrap(), service);
+        svc_map.insert(ObjectKey::of(&service.metadata).unwrap(), service.into());
     }
     let mut slice_map = BTreeMap::new();
     for (i, compact) in slices.iter().enumerate() {

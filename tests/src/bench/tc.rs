@@ -258,7 +258,7 @@ fn program(dataplane: &mut EbpfDataplane) -> Result<()> {
             }),
         )
     };
-    let services = BTreeMap::from([(key("web"), web), (key("lb"), lb)]);
+    let services = BTreeMap::from([(key("web"), web.into()), (key("lb"), lb.into())]);
     let slices = BTreeMap::from([
         (key("web-1"), slice("web-1", "web", &endpoints)?.into()),
         (key("lb-1"), slice("lb-1", "lb", &endpoints[..1])?.into()),

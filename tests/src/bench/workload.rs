@@ -12,7 +12,7 @@ use k8s_openapi::api::discovery::v1::{
 };
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
-use proxy_agent::objects::{EndpointSliceInfo, ObjectKey};
+use proxy_agent::objects::{EndpointSliceInfo, ObjectKey, ServiceInfo};
 
 use crate::Result;
 use crate::manifests::{Endpoint, ManifestsDir, Protocol, ServicePort, SlicePort};
@@ -167,16 +167,20 @@ impl Workload {
         Ok(())
     }
 
-    /// The same cluster as a source delivers it: Services, and EndpointSlices in the agent's
+    /// The same cluster as a source delivers it: Services and EndpointSlices in the agent's
     /// own form (each converted as it is built, as the sources do).
     pub fn objects(
         self,
         live: LiveSet,
     ) -> (
-        BTreeMap<ObjectKey, Service>,
+        BTreeMap<ObjectKey, ServiceInfo>,
         BTreeMap<ObjectKey, EndpointSliceInfo>,
     ) {
-        self.build(live, |slice| EndpointSliceInfo::from(&slice))
+        self.build(
+            live,
+            |service| ServiceInfo::from(&service),
+            |slice| EndpointSliceInfo::from(&slice),
+        )
     }
 
     /// The same cluster as API objects (what the API test server serves).
@@ -187,21 +191,25 @@ impl Workload {
         BTreeMap<ObjectKey, Service>,
         BTreeMap<ObjectKey, EndpointSlice>,
     ) {
-        self.build(live, |slice| slice)
+        self.build(live, |service| service, |slice| slice)
     }
 
-    fn build<S>(
+    fn build<V, S>(
         self,
         live: LiveSet,
+        service_as: impl Fn(Service) -> V,
         convert: impl Fn(EndpointSlice) -> S,
-    ) -> (BTreeMap<ObjectKey, Service>, BTreeMap<ObjectKey, S>) {
+    ) -> (BTreeMap<ObjectKey, V>, BTreeMap<ObjectKey, S>) {
         let mut services = BTreeMap::new();
         let mut slices = BTreeMap::new();
-        services.insert(key(LIVE_SERVICE), service(LIVE_SERVICE, CLUSTER_IP));
+        services.insert(
+            key(LIVE_SERVICE),
+            service_as(service(LIVE_SERVICE, CLUSTER_IP)),
+        );
         slices.insert(key(LIVE_SLICE), convert(live_slice(live)));
         for i in 0..self.decoys() {
             let name = decoy_name(i);
-            services.insert(key(&name), service(&name, decoy_cluster_ip(i)));
+            services.insert(key(&name), service_as(service(&name, decoy_cluster_ip(i))));
             let endpoints = (0..self.endpoints)
                 .map(|j| endpoint(decoy_endpoint_ip(self, i, j), &decoy_node(i)))
                 .collect();

@@ -26,7 +26,7 @@ fn objects(yaml: &str) -> Objects {
         match kind.as_str() {
             "Service" => {
                 let svc: Service = serde_yaml::from_value(value).expect("service");
-                services.insert(ObjectKey::of(&svc.metadata).expect("key"), svc);
+                services.insert(ObjectKey::of(&svc.metadata).expect("key"), svc.into());
             }
             "EndpointSlice" => {
                 let slice: EndpointSlice = serde_yaml::from_value(value).expect("slice");

@@ -156,7 +156,7 @@ pub fn objects(yaml: &str) -> Objects {
         match value.get("kind").and_then(|k| k.as_str()).expect("kind") {
             "Service" => {
                 let svc: Service = serde_yaml::from_value(value).expect("service");
-                services.insert(ObjectKey::of(&svc.metadata).expect("key"), svc);
+                services.insert(ObjectKey::of(&svc.metadata).expect("key"), svc.into());
             }
             "EndpointSlice" => {
                 let slice: EndpointSlice = serde_yaml::from_value(value).expect("slice");

@@ -13,7 +13,7 @@ use k8s_openapi::api::{
 };
 use kube::runtime::watcher::Event;
 
-use crate::objects::{EndpointSliceInfo, Kind, ObjectKey, Update};
+use crate::objects::{EndpointSliceInfo, Kind, ObjectKey, ServiceInfo, Update};
 
 /// Turns one kind's watcher events into store updates.
 pub trait EventMapper<K>: Send + 'static {
@@ -54,7 +54,7 @@ pub fn is_headless(service: &Service) -> bool {
 
 #[derive(Debug, Default)]
 pub struct ServiceEvents {
-    list: ListBuffer<Service>,
+    list: ListBuffer<ServiceInfo>,
 }
 
 impl EventMapper<Service> for ServiceEvents {
@@ -70,7 +70,7 @@ impl EventMapper<Service> for ServiceEvents {
                 if let Some(key) = ObjectKey::of(&service.metadata)
                     && !is_headless(&service)
                 {
-                    self.list.objects.insert(key, service);
+                    self.list.objects.insert(key, ServiceInfo::from(&service));
                 }
                 None
             }
@@ -82,7 +82,7 @@ impl EventMapper<Service> for ServiceEvents {
                 Some(if is_headless(&service) {
                     Update::ServiceDeleted(key)
                 } else {
-                    Update::ServiceApplied(key, service)
+                    Update::ServiceApplied(key, ServiceInfo::from(&service))
                 })
             }
             Event::Delete(service) => ObjectKey::of(&service.metadata).map(Update::ServiceDeleted),

@@ -128,7 +128,7 @@ fn a_duplicate_object_names_both_files_and_the_first_wins() {
     dir.write("2.yaml", &SERVICE.replace("10.96.0.10", "10.96.0.99"));
     let loaded = load_dir(&dir.0);
     let service = &loaded.services[&key("shop", "web")];
-    let cluster_ip = service.spec.as_ref().and_then(|s| s.cluster_ip.as_deref());
+    let cluster_ip = service.cluster_ip.as_deref();
     assert_eq!(cluster_ip, Some("10.96.0.10"));
     let message = loaded.errors[0].to_string();
     assert!(
@@ -329,7 +329,7 @@ fn unknown_fields_are_named_and_the_object_is_still_used() {
 /// The store's view built only from what a [`FolderReader`] sends.
 #[derive(Debug, Default)]
 struct StoreModel {
-    services: BTreeMap<ObjectKey, Service>,
+    services: BTreeMap<ObjectKey, ServiceInfo>,
     slices: BTreeMap<ObjectKey, EndpointSliceInfo>,
     node: Option<Node>,
 }
@@ -469,10 +469,7 @@ fn incremental_reads_equal_full_reads_and_parse_only_changed_files() {
     std::fs::remove_file(dir.0.join("b.yaml")).expect("remove b.yaml");
     read_and_compare(&dir, &mut reader, &mut model, &[]);
     assert_eq!(
-        model.services[&key("shop", "api")]
-            .spec
-            .as_ref()
-            .and_then(|s| s.cluster_ip.as_deref()),
+        model.services[&key("shop", "api")].cluster_ip.as_deref(),
         Some("10.96.0.99")
     );
 

@@ -69,7 +69,7 @@ fn service_watch_events_and_headless_becomes_delete() {
     match m.map(Event::Apply(service("a", "10.96.0.1"))) {
         Some(Update::ServiceApplied(k, s)) => {
             assert_eq!(k, key("a"));
-            assert_eq!(s, service("a", "10.96.0.1"));
+            assert_eq!(s, ServiceInfo::from(service("a", "10.96.0.1")));
         }
         other => panic!("expected ServiceApplied, got {other:?}"),
     }
