@@ -23,10 +23,12 @@ pub use endpoint_slice::{
 pub use interned::{Name, intern};
 pub use service::{LoadBalancerIngress, ServiceInfo, ServicePortSpec};
 
+/// An object's namespace and name. Both are shared strings: the key is cloned into the store's
+/// index, the snapshot and every service port name, and a clone is a reference count.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct ObjectKey {
-    pub namespace: String,
-    pub name: String,
+    pub namespace: Name,
+    pub name: Name,
 }
 
 impl fmt::Display for ObjectKey {
@@ -42,11 +44,8 @@ impl ObjectKey {
         metadata: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta,
     ) -> Option<Self> {
         Some(Self {
-            namespace: metadata
-                .namespace
-                .clone()
-                .unwrap_or_else(|| "default".to_owned()),
-            name: metadata.name.clone()?,
+            namespace: intern(metadata.namespace.as_deref().unwrap_or("default")),
+            name: metadata.name.as_deref()?.into(),
         })
     }
 }
@@ -176,7 +175,7 @@ impl<'a> IntoIterator for &'a SliceKeys {
 pub fn slice_service(key: &ObjectKey, slice: &EndpointSliceInfo) -> Option<ObjectKey> {
     Some(ObjectKey {
         namespace: key.namespace.clone(),
-        name: slice.service.as_deref()?.to_owned(),
+        name: slice.service.clone()?,
     })
 }
 

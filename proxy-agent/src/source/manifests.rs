@@ -139,7 +139,7 @@ pub enum ManifestError {
         at: Location,
         key: ObjectKey,
         /// The Service's name (its namespace is the slice's).
-        service: String,
+        service: crate::objects::Name,
     },
     #[error("{at}: {kind} {key} is already defined in {}; ignoring this copy", first.display())]
     Duplicate {
@@ -518,15 +518,13 @@ fn load_object(
         let node: Node = parse_object(at, &kind, &name, &value)?;
         check_annotations(at, "Node", &name, &node.metadata)?;
         let key = ObjectKey {
-            namespace: String::new(),
-            name: node
-                .metadata
-                .name
-                .clone()
-                .ok_or(ManifestError::MissingField {
+            namespace: "".into(),
+            name: node.metadata.name.as_deref().map(Into::into).ok_or(
+                ManifestError::MissingField {
                     at: at.clone(),
                     field: "metadata.name",
-                })?,
+                },
+            )?,
         };
         insert_unique(at, key, node, &mut loaded.nodes, origins, "Node")
     } else {

@@ -605,7 +605,7 @@ fn incremental_update_touches_only_the_changed_service_and_reports_what_changed(
             .v4
             .service_ports
             .keys()
-            .all(|k| k.service.name != "web")
+            .all(|k| &*k.service.name != "web")
     );
 }
 

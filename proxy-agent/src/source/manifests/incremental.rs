@@ -171,8 +171,8 @@ impl FolderReader {
         Self {
             dir,
             node: ObjectKey {
-                namespace: String::new(),
-                name: node_name.to_owned(),
+                namespace: "".into(),
+                name: node_name.into(),
             },
             files: BTreeMap::new(),
             read_once: false,

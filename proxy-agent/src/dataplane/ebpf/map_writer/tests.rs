@@ -271,7 +271,7 @@ fn name_of(key: &FrontendKey) -> ServicePortName {
     ServicePortName {
         service: ObjectKey {
             namespace: "ns".into(),
-            name: format!("svc-{}-{}", key.addr, key.port),
+            name: format!("svc-{}-{}", key.addr, key.port).into(),
         },
         port: "http".into(),
         protocol: Protocol::Tcp,

@@ -27,7 +27,7 @@ fn key(name: &str) -> ObjectKey {
 }
 
 fn names<T>(map: &BTreeMap<ObjectKey, T>) -> Vec<&str> {
-    map.keys().map(|k| k.name.as_str()).collect()
+    map.keys().map(|k| &*k.name).collect()
 }
 
 #[test]
