@@ -10,7 +10,7 @@ use proxy_agent::objects::{Kind, Store, Update};
 /// Resident memory kept alive by each step, in KiB.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct MemoryBreakdown {
-    /// The Services and EndpointSlices as `k8s-openapi` objects (what a source delivers).
+    /// The Services and EndpointSlices in the agent's compact form (what a source delivers).
     pub objects_kib: u64,
     /// What the store adds on top when it takes them (indexes; the objects move in).
     pub store_index_kib: u64,
