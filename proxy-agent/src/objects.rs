@@ -10,10 +10,10 @@ use std::{
 };
 
 use crate::node::{NodeChange, node_change};
-use k8s_openapi::api::core::v1::Node;
 
 mod endpoint_slice;
 mod interned;
+mod node;
 mod service;
 
 pub use endpoint_slice::{
@@ -21,6 +21,7 @@ pub use endpoint_slice::{
     LAST_CHANGE_TRIGGER_TIME, SliceEndpoint, SlicePort,
 };
 pub use interned::{Name, intern};
+pub use node::{NodeAddress, NodeInfo, REGION_LABEL, Taint, ZONE_LABEL};
 pub use service::{LoadBalancerIngress, ServiceInfo, ServicePortSpec};
 
 /// An object's namespace and name. Both are shared strings: the key is cloned into the store's
@@ -58,14 +59,14 @@ pub struct Objects {
     /// Slice keys by the Service they belong to, so one Service's slices are found without a scan.
     slices_by_service: BTreeMap<ObjectKey, SliceKeys>,
     /// This node, when known (standalone mode has none unless a manifest defines it).
-    pub node: Option<Node>,
+    pub node: Option<NodeInfo>,
 }
 
 impl Objects {
     pub fn new(
         services: BTreeMap<ObjectKey, ServiceInfo>,
         endpoint_slices: BTreeMap<ObjectKey, EndpointSliceInfo>,
-        node: Option<Node>,
+        node: Option<NodeInfo>,
     ) -> Self {
         let mut objects = Self {
             services,
@@ -198,7 +199,7 @@ pub enum Update {
     ReplaceServices(BTreeMap<ObjectKey, ServiceInfo>),
     ReplaceEndpointSlices(BTreeMap<ObjectKey, EndpointSliceInfo>),
     /// This node as currently listed (`None`: it does not exist).
-    ReplaceNode(Option<Node>),
+    ReplaceNode(Option<NodeInfo>),
     ServiceApplied(ObjectKey, ServiceInfo),
     ServiceDeleted(ObjectKey),
     EndpointSliceApplied(ObjectKey, EndpointSliceInfo),

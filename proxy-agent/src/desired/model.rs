@@ -63,8 +63,9 @@ impl fmt::Display for Protocol {
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct ServicePortName {
     pub service: ObjectKey,
-    /// The port's name; empty for a Service's single unnamed port.
-    pub port: String,
+    /// The port's name; empty for a Service's single unnamed port. Shared with the Service's
+    /// compact form (interned), so the snapshot's keys and values hold no copy of it.
+    pub port: crate::objects::Name,
     pub protocol: Protocol,
 }
 
@@ -197,14 +198,13 @@ pub struct NodeContext {
 }
 
 impl NodeContext {
-    pub const ZONE_LABEL: &'static str = "topology.kubernetes.io/zone";
+    pub const ZONE_LABEL: &'static str = crate::objects::ZONE_LABEL;
 
     /// The context for `name`, with the zone from the node object when there is one.
-    pub fn new(name: &str, node: Option<&k8s_openapi::api::core::v1::Node>) -> Self {
+    pub fn new(name: &str, node: Option<&crate::objects::NodeInfo>) -> Self {
         let zone = node
-            .and_then(|node| node.metadata.labels.as_ref())
-            .and_then(|labels| labels.get(Self::ZONE_LABEL))
-            .cloned();
+            .and_then(|node| node.zone.as_deref())
+            .map(str::to_owned);
         Self {
             name: name.to_owned(),
             zone,

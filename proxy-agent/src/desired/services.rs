@@ -6,7 +6,7 @@ use std::net::IpAddr;
 use super::{IpFamily, Protocol, ServicePort, ServicePortName};
 use crate::{
     ip_family::{parse_cidr_sloppy, parse_ip_sloppy},
-    objects::{ObjectKey, ServiceInfo},
+    objects::{ObjectKey, ServiceInfo, intern},
 };
 use ipnet::IpNet;
 
@@ -161,7 +161,7 @@ pub fn service_ports(
         };
         let name = ServicePortName {
             service: key.clone(),
-            port: port.name.as_deref().unwrap_or_default().to_owned(),
+            port: port.name.clone().unwrap_or_else(|| intern("")),
             protocol,
         };
         if ports

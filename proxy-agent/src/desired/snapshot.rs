@@ -22,7 +22,7 @@ impl FamilySnapshot {
     pub fn of_service<'a>(&'a self, service: &ObjectKey) -> impl Iterator<Item = &'a ServicePort> {
         let start = ServicePortName {
             service: service.clone(),
-            port: String::new(),
+            port: "".into(),
             protocol: super::Protocol::Tcp,
         };
         let service = service.clone();
@@ -119,7 +119,7 @@ impl Snapshot {
                 .range(
                     ServicePortName {
                         service: key.clone(),
-                        port: String::new(),
+                        port: "".into(),
                         protocol: super::Protocol::Tcp,
                     }..,
                 )
@@ -178,7 +178,7 @@ fn compute_service(
         .into_iter()
         .map(|mut port| {
             let raw = by_port
-                .remove(&(port.name.port.clone(), port.protocol))
+                .remove(&(port.name.port.to_string(), port.protocol))
                 .unwrap_or_default();
             let usage = Usage {
                 cluster: port.uses_cluster_endpoints(),

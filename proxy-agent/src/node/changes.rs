@@ -4,13 +4,7 @@
 //! topology labels (`OnTopologyChange`), podCIDRs and node IPs (`NodeManager.OnNodeChange`)
 //! and deletion/taints (`NodeEligibleHandler`).
 
-use k8s_openapi::api::core::v1::Node;
-
-/// Topology labels the endpoint selection reads (zone) or may read (region).
-pub const TOPOLOGY_LABELS: [&str; 2] = [
-    "topology.kubernetes.io/zone",
-    "topology.kubernetes.io/region",
-];
+use crate::objects::NodeInfo;
 
 /// What a Node update changed, by consumer.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -37,7 +31,7 @@ impl NodeChange {
 }
 
 /// The relevant difference between two versions of this node (`None`: absent).
-pub fn node_change(old: Option<&Node>, new: Option<&Node>) -> NodeChange {
+pub fn node_change(old: Option<&NodeInfo>, new: Option<&NodeInfo>) -> NodeChange {
     let (old, new) = match (old, new) {
         (None, None) => return NodeChange::default(),
         (Some(old), Some(new)) => (old, new),
@@ -50,22 +44,10 @@ pub fn node_change(old: Option<&Node>, new: Option<&Node>) -> NodeChange {
             };
         }
     };
-    let label = |node: &Node, key: &str| {
-        node.metadata
-            .labels
-            .as_ref()
-            .and_then(|labels| labels.get(key))
-            .cloned()
-    };
-    let topology = TOPOLOGY_LABELS
-        .iter()
-        .any(|key| label(old, key) != label(new, key));
-    let pod_cidrs = |node: &Node| node.spec.as_ref().and_then(|s| s.pod_cidrs.clone());
-    let addresses = |node: &Node| node.status.as_ref().and_then(|s| s.addresses.clone());
-    let settings = pod_cidrs(old) != pod_cidrs(new) || addresses(old) != addresses(new);
-    let taints = |node: &Node| node.spec.as_ref().and_then(|s| s.taints.clone());
-    let health = old.metadata.deletion_timestamp != new.metadata.deletion_timestamp
-        || taints(old) != taints(new);
+    // The topology labels: the zone endpoint selection reads, the region it may read.
+    let topology = old.zone != new.zone || old.region != new.region;
+    let settings = old.pod_cidrs != new.pod_cidrs || old.addresses != new.addresses;
+    let health = old.deleting != new.deleting || old.taints != new.taints;
     NodeChange {
         topology,
         settings,

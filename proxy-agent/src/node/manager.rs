@@ -6,7 +6,6 @@
 
 use std::{collections::BTreeMap, time::Duration};
 
-use k8s_openapi::api::core::v1::Node;
 use tokio::time::Instant;
 use tracing::{debug, info, warn};
 
@@ -16,7 +15,7 @@ use super::{
     settings::{NodeInputs, NodeSettings},
     watch::AddressWatcher,
 };
-use crate::config::DetectLocal;
+use crate::{config::DetectLocal, objects::NodeInfo};
 
 /// `NewNodeManager`: "we wait for at most 5 minutes for allocators to assign a PodCIDR to the
 /// node after it is registered", polling every second.
@@ -50,7 +49,7 @@ pub enum NodeError {
 /// an error once `elapsed` passed the timeout.
 pub fn pod_cidr_wait(
     node_name: &str,
-    node: Option<&Node>,
+    node: Option<&NodeInfo>,
     elapsed: Duration,
 ) -> Result<bool, NodeError> {
     let reason = match node {
@@ -71,7 +70,11 @@ pub fn pod_cidr_wait(
 /// `OnNodeChange` with `watchPodCIDRs`: any difference from the podCIDRs the agent started
 /// with is fatal. A deleted Node is not (the settings keep the last known podCIDRs' effect
 /// until the agent restarts; upstream only logs deletion in most releases).
-pub fn pod_cidrs_changed(node_name: &str, first: &[String], node: &Node) -> Result<(), NodeError> {
+pub fn pod_cidrs_changed(
+    node_name: &str,
+    first: &[String],
+    node: &NodeInfo,
+) -> Result<(), NodeError> {
     let now = raw_pod_cidrs(node);
     if now == first {
         return Ok(());
@@ -83,11 +86,8 @@ pub fn pod_cidrs_changed(node_name: &str, first: &[String], node: &Node) -> Resu
     })
 }
 
-fn raw_pod_cidrs(node: &Node) -> Vec<String> {
-    node.spec
-        .as_ref()
-        .and_then(|spec| spec.pod_cidrs.clone())
-        .unwrap_or_default()
+fn raw_pod_cidrs(node: &NodeInfo) -> Vec<String> {
+    node.pod_cidrs.iter().map(|cidr| cidr.to_string()).collect()
 }
 
 #[derive(Debug)]
@@ -100,7 +100,7 @@ pub struct NodeManager {
     /// The Node as last seen: a deleted Node keeps its settings (upstream reads podCIDRs and
     /// node IPs once and keeps them), so a deletion does not switch local-traffic detection
     /// off or move NodePorts while the node drains.
-    last_node: Option<Node>,
+    last_node: Option<NodeInfo>,
     current: Option<NodeSettings>,
     /// The last settings as logged at info.
     last_summary: String,
@@ -150,7 +150,7 @@ impl NodeManager {
 
     /// Whether syncing may start: every kind listed (`listed`) and, with NodeCIDR, the Node has
     /// podCIDRs. Fails after [`POD_CIDR_POLL_TIMEOUT`] without them.
-    pub fn ready(&mut self, listed: bool, node: Option<&Node>) -> Result<bool, NodeError> {
+    pub fn ready(&mut self, listed: bool, node: Option<&NodeInfo>) -> Result<bool, NodeError> {
         if self.first_pod_cidrs.is_some() || !self.watches_pod_cidrs() {
             return Ok(listed);
         }
@@ -175,7 +175,10 @@ impl NodeManager {
     /// Recomputes the settings from the Node and the host's current addresses; returns them
     /// when they differ from the last ones (always the first time). Fails when the podCIDRs
     /// changed in NodeCIDR mode.
-    pub fn refresh(&mut self, node: Option<&Node>) -> Result<Option<&NodeSettings>, NodeError> {
+    pub fn refresh(
+        &mut self,
+        node: Option<&NodeInfo>,
+    ) -> Result<Option<&NodeSettings>, NodeError> {
         if let (Some(first), Some(node)) = (&self.first_pod_cidrs, node) {
             pod_cidrs_changed(&self.node_name, first, node)?;
         }
@@ -199,7 +202,7 @@ impl NodeManager {
 
     pub(super) fn update(
         &mut self,
-        node: Option<&Node>,
+        node: Option<&NodeInfo>,
         interfaces: &BTreeMap<String, Interface>,
     ) -> Option<&NodeSettings> {
         match node {

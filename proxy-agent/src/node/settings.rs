@@ -6,7 +6,6 @@ use std::{
 };
 
 use ipnet::IpNet;
-use k8s_openapi::api::core::v1::Node;
 
 use super::{
     DetectLocalMode,
@@ -15,6 +14,7 @@ use super::{
 use crate::{
     config::{Config, DetectLocal, NodePortAddresses},
     ip_family::IpFamily,
+    objects::NodeInfo,
 };
 
 /// The part of the configuration the node settings depend on.
@@ -103,7 +103,7 @@ impl NodeSettings {
     /// The settings for `inputs`, this Node (if known) and these host interfaces.
     pub fn compute(
         inputs: &NodeInputs,
-        node: Option<&Node>,
+        node: Option<&NodeInfo>,
         interfaces: &BTreeMap<String, Interface>,
     ) -> Self {
         let raw_ips = node.map(node_host_ips).unwrap_or_default();
@@ -176,29 +176,20 @@ fn health_check_ips(v4: &FamilySettings, v6: &FamilySettings) -> Vec<IpAddr> {
 
 /// The Node's `spec.podCIDRs`, parsed (upstream reads only `podCIDRs`, not the legacy
 /// `podCIDR`; the API server keeps `podCIDRs[0] == podCIDR`).
-pub fn pod_cidrs(node: &Node) -> Vec<IpNet> {
-    node.spec
-        .as_ref()
-        .and_then(|spec| spec.pod_cidrs.as_ref())
-        .into_iter()
-        .flatten()
+pub fn pod_cidrs(node: &NodeInfo) -> Vec<IpNet> {
+    node.pod_cidrs
+        .iter()
         .filter_map(|cidr| cidr.trim().parse::<IpNet>().ok())
         .collect()
 }
 
 /// `utilnode.GetNodeHostIPs` (pkg/util/node): the `InternalIP` addresses then the `ExternalIP`
 /// ones; the first, plus the first of the other family if any. Empty when there is none.
-pub fn node_host_ips(node: &Node) -> Vec<IpAddr> {
-    let addresses = node
-        .status
-        .as_ref()
-        .and_then(|status| status.addresses.as_ref())
-        .map(Vec::as_slice)
-        .unwrap_or_default();
+pub fn node_host_ips(node: &NodeInfo) -> Vec<IpAddr> {
     let of_type = |kind: &'static str| {
-        addresses
+        node.addresses
             .iter()
-            .filter(move |a| a.type_ == kind)
+            .filter(move |a| &*a.type_ == kind)
             .filter_map(|a| a.address.trim().parse::<IpAddr>().ok())
     };
     let all: Vec<IpAddr> = of_type("InternalIP").chain(of_type("ExternalIP")).collect();

@@ -21,7 +21,7 @@ use crate::{
         iptables::DetectLocalMode,
     },
     desired::IpFamily,
-    objects::{Store, Update},
+    objects::{NodeInfo, Store, Update},
 };
 
 fn ip(s: &str) -> IpAddr {
@@ -36,8 +36,13 @@ fn cidrs(list: &[&str]) -> Vec<IpNet> {
     list.iter().map(|s| s.parse().expect("cidr")).collect()
 }
 
-/// A Node with these `(type, address)` pairs and podCIDRs.
-fn node(addresses: &[(&str, &str)], pod_cidrs: &[&str]) -> Node {
+/// A Node with these `(type, address)` pairs and podCIDRs, as the sources deliver it.
+fn node(addresses: &[(&str, &str)], pod_cidrs: &[&str]) -> NodeInfo {
+    NodeInfo::from(&k8s_node(addresses, pod_cidrs))
+}
+
+/// The same as the API object.
+fn k8s_node(addresses: &[(&str, &str)], pod_cidrs: &[&str]) -> Node {
     let addresses: Vec<_> = addresses
         .iter()
         .map(|(kind, address)| json!({"type": kind, "address": address}))
@@ -201,7 +206,7 @@ fn primary_means_the_node_ips_and_no_localhost_node_ports() {
     assert!(settings.v6.node_ports.match_all);
 }
 
-fn node_with_ips(list: &[&str]) -> Node {
+fn node_with_ips(list: &[&str]) -> NodeInfo {
     let pairs: Vec<(&str, &str)> = list.iter().map(|a| ("InternalIP", *a)).collect();
     node(&pairs, &[])
 }
@@ -515,17 +520,21 @@ fn with_heartbeat(mut node: Node, time: &str) -> Node {
 
 #[test]
 fn only_relevant_node_fields_are_changes() {
-    let base = node(&[("InternalIP", "10.0.0.1")], &["10.244.1.0/24"]);
+    let info = NodeInfo::from;
+    let base = k8s_node(&[("InternalIP", "10.0.0.1")], &["10.244.1.0/24"]);
     let beat1 = with_heartbeat(base.clone(), "2026-01-01T00:00:00Z");
     let beat2 = with_heartbeat(base.clone(), "2026-01-01T00:00:10Z");
-    assert!(!node_change(Some(&beat1), Some(&beat2)).any(), "heartbeat");
+    assert!(
+        !node_change(Some(&info(&beat1)), Some(&info(&beat2))).any(),
+        "heartbeat"
+    );
 
     let mut zone = beat2.clone();
     zone.metadata
         .labels
         .get_or_insert_with(Default::default)
         .insert("topology.kubernetes.io/zone".into(), "z2".into());
-    let change = node_change(Some(&beat2), Some(&zone));
+    let change = node_change(Some(&info(&beat2)), Some(&info(&zone)));
     assert!(change.topology && !change.settings && !change.health);
 
     let mut other_label = beat2.clone();
@@ -534,18 +543,19 @@ fn only_relevant_node_fields_are_changes() {
         .labels
         .get_or_insert_with(Default::default)
         .insert("example.com/team".into(), "a".into());
-    assert!(!node_change(Some(&beat2), Some(&other_label)).any());
+    assert!(!node_change(Some(&info(&beat2)), Some(&info(&other_label))).any());
 
+    let base = info(&base);
     let addresses = node(&[("InternalIP", "10.0.0.2")], &["10.244.1.0/24"]);
     let change = node_change(Some(&base), Some(&addresses));
     assert!(change.settings && !change.topology);
     let cidrs = node(&[("InternalIP", "10.0.0.1")], &["10.244.9.0/24"]);
     assert!(node_change(Some(&base), Some(&cidrs)).settings);
 
-    let mut deleting = base.clone();
+    let mut deleting = k8s_node(&[("InternalIP", "10.0.0.1")], &["10.244.1.0/24"]);
     deleting.metadata.deletion_timestamp =
         Some(serde_json::from_value(json!("2026-01-01T00:00:00Z")).expect("time"));
-    let change = node_change(Some(&base), Some(&deleting));
+    let change = node_change(Some(&base), Some(&info(&deleting)));
     assert!(change.health && !change.topology && !change.settings);
 
     let appeared = node_change(None, Some(&base));
@@ -555,25 +565,26 @@ fn only_relevant_node_fields_are_changes() {
 
 #[test]
 fn store_ignores_node_heartbeats() {
-    let base = node(&[("InternalIP", "10.0.0.1")], &["10.244.1.0/24"]);
+    let base = k8s_node(&[("InternalIP", "10.0.0.1")], &["10.244.1.0/24"]);
     let mut store = Store::default();
-    assert!(store.apply(Update::ReplaceNode(Some(with_heartbeat(
-        base.clone(),
-        "2026-01-01T00:00:00Z"
-    )))));
+    assert!(store.apply(Update::ReplaceNode(Some(
+        with_heartbeat(base.clone(), "2026-01-01T00:00:00Z").into()
+    ))));
     store.take_changes();
     let beat = with_heartbeat(base.clone(), "2026-01-01T00:00:10Z");
-    assert!(!store.apply(Update::ReplaceNode(Some(beat.clone()))));
+    assert!(!store.apply(Update::ReplaceNode(Some(NodeInfo::from(&beat)))));
     assert!(store.take_changes().is_empty());
-    // The store still holds the latest object.
-    assert_eq!(store.objects().node.as_ref(), Some(&beat));
     let mut zone = beat;
     zone.metadata
         .labels
         .get_or_insert_with(Default::default)
         .insert("topology.kubernetes.io/zone".into(), "z9".into());
-    assert!(store.apply(Update::ReplaceNode(Some(zone))));
+    assert!(store.apply(Update::ReplaceNode(Some(zone.into()))));
     assert!(store.take_changes().node.topology);
+    assert_eq!(
+        store.objects().node.as_ref().and_then(|n| n.zone.as_deref()),
+        Some("z9")
+    );
 }
 
 #[test]

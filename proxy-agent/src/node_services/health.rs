@@ -16,14 +16,13 @@ use axum::{
     http::{Response, StatusCode},
     routing::any,
 };
-use k8s_openapi::api::core::v1::Node;
 
 use super::{
     http::{go_not_found, response},
     metrics::Metrics,
     time_format::Stamp,
 };
-use crate::desired::IpFamily;
+use crate::{desired::IpFamily, objects::NodeInfo};
 
 /// The taint the Cluster Autoscaler puts on a node it is about to delete.
 pub const TO_BE_DELETED_TAINT: &str = "ToBeDeletedByClusterAutoscaler";
@@ -149,7 +148,7 @@ impl ProxyHealth {
 
     /// The node object changed (`None`: there is none; ineligible when a Node is required,
     /// else the current eligibility stays).
-    pub fn node_changed(&self, node: Option<&Node>) {
+    pub fn node_changed(&self, node: Option<&NodeInfo>) {
         let mut state = self.write();
         match node {
             Some(node) => state.node_eligible = node_eligible(node),
@@ -195,15 +194,8 @@ impl ProxyHealth {
 }
 
 /// Not eligible while being deleted or marked for deletion by the Cluster Autoscaler.
-pub fn node_eligible(node: &Node) -> bool {
-    if node.metadata.deletion_timestamp.is_some() {
-        return false;
-    }
-    !node
-        .spec
-        .as_ref()
-        .and_then(|spec| spec.taints.as_ref())
-        .is_some_and(|taints| taints.iter().any(|t| t.key == TO_BE_DELETED_TAINT))
+pub fn node_eligible(node: &NodeInfo) -> bool {
+    !node.deleting && !node.taints.iter().any(|t| &*t.key == TO_BE_DELETED_TAINT)
 }
 
 /// A `time.Time` as Go's `MarshalJSON` writes it: RFC 3339 with as many fractional digits as

@@ -26,7 +26,6 @@ use std::{
 };
 
 use axum::Router;
-use k8s_openapi::api::core::v1::Node;
 use tokio::task::JoinHandle;
 use tracing::{error, info};
 
@@ -38,7 +37,7 @@ use self::{
 };
 use crate::{
     desired::{IpFamily, Snapshot},
-    objects::{ObjectKey, Objects},
+    objects::{NodeInfo, ObjectKey, Objects},
     proxy_mode::ProxyMode,
 };
 
@@ -240,7 +239,7 @@ impl NodeServices {
     }
 
     /// The node object changed (deletion, taints): decides `nodeEligible` of `/healthz`.
-    pub fn node_changed(&self, node: Option<&Node>) {
+    pub fn node_changed(&self, node: Option<&NodeInfo>) {
         self.health.node_changed(node);
     }
 

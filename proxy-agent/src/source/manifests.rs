@@ -24,7 +24,7 @@ use serde::de::DeserializeOwned;
 use tokio::sync::{Notify, mpsc};
 use tracing::{debug, info, warn};
 
-use crate::objects::{EndpointSliceInfo, ObjectKey, ServiceInfo, Update};
+use crate::objects::{EndpointSliceInfo, NodeInfo, ObjectKey, ServiceInfo, Update};
 
 /// Largest manifest file read. Far above any real folder of Services and EndpointSlices (the
 /// API server stores an object in at most 1.5 MiB), and it bounds the memory a parse can take
@@ -172,7 +172,7 @@ pub struct Loaded {
     pub services: BTreeMap<ObjectKey, ServiceInfo>,
     pub endpoint_slices: BTreeMap<ObjectKey, EndpointSliceInfo>,
     /// Nodes by name (cluster-scoped: the key's namespace is empty).
-    pub nodes: BTreeMap<ObjectKey, Node>,
+    pub nodes: BTreeMap<ObjectKey, NodeInfo>,
     pub errors: Vec<ManifestError>,
 }
 
@@ -526,6 +526,7 @@ fn load_object(
                 },
             )?,
         };
+        let node = NodeInfo::from(&node);
         insert_unique(at, key, node, &mut loaded.nodes, origins, "Node")
     } else {
         Err(ManifestError::UnsupportedKind {

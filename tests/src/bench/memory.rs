@@ -10,8 +10,10 @@ use proxy_agent::objects::{Kind, Store, Update};
 /// Resident memory kept alive by each step, in KiB.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct MemoryBreakdown {
-    /// The Services and EndpointSlices in the agent's compact form (what a source delivers).
-    pub objects_kib: u64,
+    /// The Services in the agent's compact form (what a source delivers).
+    pub services_kib: u64,
+    /// The EndpointSlices in the agent's compact form.
+    pub slices_kib: u64,
     /// What the store adds on top when it takes them (indexes; the objects move in).
     pub store_index_kib: u64,
     /// The desired state computed from the store.
@@ -37,7 +39,9 @@ fn trimmed_rss_kib() -> u64 {
 /// the steps. Runs in the benchmark process, which holds nothing large at that point.
 pub fn breakdown(w: Workload, node: &str) -> MemoryBreakdown {
     let base = trimmed_rss_kib();
-    let (services, slices) = w.objects(LiveSet::A);
+    let services = w.services();
+    let with_services = trimmed_rss_kib();
+    let slices = w.slices(LiveSet::A);
     let with_objects = trimmed_rss_kib();
     let mut store = Store::default();
     store.mark_synced(Kind::Node);
@@ -51,8 +55,16 @@ pub fn breakdown(w: Workload, node: &str) -> MemoryBreakdown {
     drop(snapshot);
     drop(store);
     MemoryBreakdown {
-        objects_kib: with_objects.saturating_sub(base),
+        services_kib: with_services.saturating_sub(base),
+        slices_kib: with_objects.saturating_sub(with_services),
         store_index_kib: with_store.saturating_sub(with_objects),
         snapshot_kib: with_snapshot.saturating_sub(with_store),
+    }
+}
+
+impl MemoryBreakdown {
+    /// Services and EndpointSlices together.
+    pub fn objects_kib(&self) -> u64 {
+        self.services_kib + self.slices_kib
     }
 }

@@ -392,10 +392,13 @@ fn goals(md: &mut String, r: &Results) {
             } else {
                 format!(
                     "**missed** by {:.0} MiB; of it the Services and EndpointSlices in the \
-                     agent's compact form keep {:.0} MiB alive, the store's indexes {:.0} MiB, \
-                     the snapshot {:.0} MiB — see §6",
+                     agent's compact form keep {:.0} MiB alive ({:.0} B per Service, {:.0} B \
+                     per endpoint), the store's indexes {:.0} MiB, the snapshot {:.0} MiB — \
+                     see §6",
                     rss - GOAL_RSS_MIB,
-                    p.memory.objects_kib as f64 / 1024.0,
+                    p.memory.objects_kib() as f64 / 1024.0,
+                    per_service_bytes(p),
+                    per_endpoint_bytes(p),
                     p.memory.store_index_kib as f64 / 1024.0,
                     p.memory.snapshot_kib as f64 / 1024.0
                 )
@@ -1162,28 +1165,41 @@ fn memory_section(md: &mut String, r: &Results) {
          keeps alive; not a same-run ratio). The Services and EndpointSlices are held in the \
          agent's compact form (`objects::ServiceInfo`, `objects::EndpointSliceInfo`), into \
          which the sources convert each object as it arrives; the store moves them in and \
-         adds its indexes; the snapshot is the desired state computed from them. Per endpoint: \
-         the objects column over the endpoint count (Services included).\n"
+         adds its indexes; the snapshot is the desired state computed from them. The Services \
+         are built first and the slices after, so each has its own reading; per Service and \
+         per endpoint divide them by the counts.\n"
     );
     let _ = writeln!(
         md,
-        "| Services | endpoints | objects (compact) | per endpoint | store indexes | snapshot |\n|---|---|---|---|---|---|"
+        "| Services | endpoints | Services (compact) | per Service | EndpointSlices (compact) | per endpoint | store indexes | snapshot |\n|---|---|---|---|---|---|---|---|"
     );
     for p in &r.programming {
         let m = &p.memory;
         let mib = |kib: u64| format!("{:.1} MiB", kib as f64 / 1024.0);
         let _ = writeln!(
             md,
-            "| {} | {} | {} | {:.0} B | {} | {} |",
+            "| {} | {} | {} | {:.0} B | {} | {:.0} B | {} | {} |",
             size(p.workload.services),
             p.workload.total_endpoints(),
-            mib(m.objects_kib),
-            m.objects_kib as f64 * 1024.0 / p.workload.total_endpoints().max(1) as f64,
+            mib(m.services_kib),
+            per_service_bytes(p),
+            mib(m.slices_kib),
+            per_endpoint_bytes(p),
             mib(m.store_index_kib),
             mib(m.snapshot_kib),
         );
     }
     let _ = writeln!(md);
+}
+
+/// The compact Services' memory per Service (§6's breakdown).
+fn per_service_bytes(p: &ProgrammingSize) -> f64 {
+    p.memory.services_kib as f64 * 1024.0 / p.workload.services.max(1) as f64
+}
+
+/// The compact EndpointSlices' memory per endpoint (§6's breakdown).
+fn per_endpoint_bytes(p: &ProgrammingSize) -> f64 {
+    p.memory.slices_kib as f64 * 1024.0 / p.workload.total_endpoints().max(1) as f64
 }
 
 fn snat_section(md: &mut String, r: &Results) {

@@ -200,16 +200,44 @@ impl Workload {
         service_as: impl Fn(Service) -> V,
         convert: impl Fn(EndpointSlice) -> S,
     ) -> (BTreeMap<ObjectKey, V>, BTreeMap<ObjectKey, S>) {
+        (
+            self.build_services(service_as),
+            self.build_slices(live, convert),
+        )
+    }
+
+    /// The Services alone, in the agent's form (the memory breakdown measures them apart).
+    pub fn services(self) -> BTreeMap<ObjectKey, ServiceInfo> {
+        self.build_services(|service| ServiceInfo::from(&service))
+    }
+
+    /// The EndpointSlices alone, in the agent's form.
+    pub fn slices(self, live: LiveSet) -> BTreeMap<ObjectKey, EndpointSliceInfo> {
+        self.build_slices(live, |slice| EndpointSliceInfo::from(&slice))
+    }
+
+    fn build_services<V>(self, service_as: impl Fn(Service) -> V) -> BTreeMap<ObjectKey, V> {
         let mut services = BTreeMap::new();
-        let mut slices = BTreeMap::new();
         services.insert(
             key(LIVE_SERVICE),
             service_as(service(LIVE_SERVICE, CLUSTER_IP)),
         );
-        slices.insert(key(LIVE_SLICE), convert(live_slice(live)));
         for i in 0..self.decoys() {
             let name = decoy_name(i);
             services.insert(key(&name), service_as(service(&name, decoy_cluster_ip(i))));
+        }
+        services
+    }
+
+    fn build_slices<S>(
+        self,
+        live: LiveSet,
+        convert: impl Fn(EndpointSlice) -> S,
+    ) -> BTreeMap<ObjectKey, S> {
+        let mut slices = BTreeMap::new();
+        slices.insert(key(LIVE_SLICE), convert(live_slice(live)));
+        for i in 0..self.decoys() {
+            let name = decoy_name(i);
             let endpoints = (0..self.endpoints)
                 .map(|j| endpoint(decoy_endpoint_ip(self, i, j), &decoy_node(i)))
                 .collect();
@@ -219,7 +247,7 @@ impl Workload {
                 convert(slice(&slice_name, &name, endpoints)),
             );
         }
-        (services, slices)
+        slices
     }
 
     /// In-process change `k`: decoy `k mod decoys` gets its first endpoint replaced (a pod

@@ -32,7 +32,7 @@ fn objects(yaml: &str) -> Objects {
                 let slice: EndpointSlice = serde_yaml::from_value(value).expect("slice");
                 slices.insert(ObjectKey::of(&slice.metadata).expect("key"), slice.into());
             }
-            "Node" => node = Some(serde_yaml::from_value::<Node>(value).expect("node")),
+            "Node" => node = Some(serde_yaml::from_value::<Node>(value).expect("node").into()),
             other => panic!("unexpected kind {other}"),
         }
     }

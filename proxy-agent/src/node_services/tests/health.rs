@@ -6,6 +6,7 @@ use super::*;
 use crate::{
     desired::IpFamily,
     node_services::health::{json_time, node_eligible},
+    objects::NodeInfo,
 };
 
 /// Every answer of the health server carries exactly these headers (plus Date and length).
@@ -177,7 +178,7 @@ spec:
   - {key: node.kubernetes.io/unschedulable, effect: NoSchedule}
 "#;
 
-fn node(yaml: &str) -> Node {
+fn node(yaml: &str) -> NodeInfo {
     objects(yaml).node.expect("node")
 }
 
@@ -220,7 +221,7 @@ fn eligibility_rules() {
     assert!(!node_eligible(&node(DELETING)));
     assert!(!node_eligible(&node(AUTOSCALER_TAINT)));
     assert!(node_eligible(&node(OTHER_TAINT)));
-    assert!(node_eligible(&Node::default()));
+    assert!(node_eligible(&NodeInfo::default()));
 }
 
 #[tokio::test]

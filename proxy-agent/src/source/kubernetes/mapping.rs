@@ -13,7 +13,7 @@ use k8s_openapi::api::{
 };
 use kube::runtime::watcher::Event;
 
-use crate::objects::{EndpointSliceInfo, Kind, ObjectKey, ServiceInfo, Update};
+use crate::objects::{EndpointSliceInfo, Kind, NodeInfo, ObjectKey, ServiceInfo, Update};
 
 /// Turns one kind's watcher events into store updates.
 pub trait EventMapper<K>: Send + 'static {
@@ -133,7 +133,7 @@ impl EventMapper<EndpointSlice> for EndpointSliceEvents {
 #[derive(Debug)]
 pub struct NodeEvents {
     name: String,
-    listed: Option<Node>,
+    listed: Option<NodeInfo>,
 }
 
 impl NodeEvents {
@@ -157,14 +157,14 @@ impl EventMapper<Node> for NodeEvents {
             }
             Event::InitApply(node) => {
                 if self.is_ours(&node) {
-                    self.listed = Some(node);
+                    self.listed = Some(NodeInfo::from(&node));
                 }
                 None
             }
             Event::InitDone => Some(Update::ReplaceNode(self.listed.take())),
             Event::Apply(node) => self
                 .is_ours(&node)
-                .then_some(Update::ReplaceNode(Some(node))),
+                .then(|| Update::ReplaceNode(Some(NodeInfo::from(&node)))),
             Event::Delete(node) => self.is_ours(&node).then_some(Update::ReplaceNode(None)),
         }
     }

@@ -14,10 +14,8 @@ use std::{
     sync::Arc,
 };
 
-use k8s_openapi::api::core::v1::Node;
-
 use super::{Loaded, Location, ManifestError, Origins, load_file, manifest_files, read_bounded};
-use crate::objects::{ObjectKey, Update};
+use crate::objects::{NodeInfo, ObjectKey, Update};
 
 /// What tells a file changed without reading it. The inode catches atomic replacements
 /// (rename over), the change time and length catch in-place writes; a write within the same
@@ -280,7 +278,7 @@ impl FolderReader {
     fn everything(&self, objects: BTreeMap<PathBuf, Loaded>) -> Vec<Update> {
         let mut services = BTreeMap::new();
         let mut slices = BTreeMap::new();
-        let mut node: Option<Node> = None;
+        let mut node: Option<NodeInfo> = None;
         for (_, loaded) in objects {
             for (key, service) in loaded.services {
                 services.entry(key).or_insert(service);

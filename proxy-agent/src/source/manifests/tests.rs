@@ -331,7 +331,7 @@ fn unknown_fields_are_named_and_the_object_is_still_used() {
 struct StoreModel {
     services: BTreeMap<ObjectKey, ServiceInfo>,
     slices: BTreeMap<ObjectKey, EndpointSliceInfo>,
-    node: Option<Node>,
+    node: Option<NodeInfo>,
 }
 
 impl StoreModel {

@@ -15,8 +15,12 @@ fn slice(name: &str, service: &str) -> EndpointSlice {
     .expect("slice")
 }
 
+/// A Node whose zone names it: the converted form has no name, the zone tells them apart.
 fn node(name: &str) -> Node {
-    serde_yaml::from_str(&format!("metadata: {{name: {name}}}")).expect("node")
+    serde_yaml::from_str(&format!(
+        "metadata: {{name: {name}, labels: {{topology.kubernetes.io/zone: zone-of-{name}}}}}"
+    ))
+    .expect("node")
 }
 
 fn key(name: &str) -> ObjectKey {
@@ -117,12 +121,12 @@ fn node_events_track_only_this_node() {
     m.map(Event::InitApply(node("n1")));
     assert!(matches!(
         m.map(Event::InitDone),
-        Some(Update::ReplaceNode(Some(n))) if n.metadata.name.as_deref() == Some("n1")
+        Some(Update::ReplaceNode(Some(n))) if n.zone.as_deref() == Some("zone-of-n1")
     ));
     assert!(m.map(Event::Apply(node("other"))).is_none());
     assert!(matches!(
         m.map(Event::Apply(node("n1"))),
-        Some(Update::ReplaceNode(Some(_)))
+        Some(Update::ReplaceNode(Some(n))) if n.zone.as_deref() == Some("zone-of-n1")
     ));
     assert!(m.map(Event::Delete(node("other"))).is_none());
     assert!(matches!(
