@@ -190,10 +190,6 @@ pub enum Kind {
 
 /// One change from a source.
 #[derive(Debug, Clone)]
-#[expect(
-    clippy::large_enum_variant,
-    reason = "updates move through a channel one at a time; boxing would only add allocations"
-)]
 pub enum Update {
     /// The complete current set of Services (initial list, relist, or a re-read folder).
     ReplaceServices(BTreeMap<ObjectKey, ServiceInfo>),

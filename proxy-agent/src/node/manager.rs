@@ -175,10 +175,7 @@ impl NodeManager {
     /// Recomputes the settings from the Node and the host's current addresses; returns them
     /// when they differ from the last ones (always the first time). Fails when the podCIDRs
     /// changed in NodeCIDR mode.
-    pub fn refresh(
-        &mut self,
-        node: Option<&NodeInfo>,
-    ) -> Result<Option<&NodeSettings>, NodeError> {
+    pub fn refresh(&mut self, node: Option<&NodeInfo>) -> Result<Option<&NodeSettings>, NodeError> {
         if let (Some(first), Some(node)) = (&self.first_pod_cidrs, node) {
             pod_cidrs_changed(&self.node_name, first, node)?;
         }

@@ -582,7 +582,11 @@ fn store_ignores_node_heartbeats() {
     assert!(store.apply(Update::ReplaceNode(Some(zone.into()))));
     assert!(store.take_changes().node.topology);
     assert_eq!(
-        store.objects().node.as_ref().and_then(|n| n.zone.as_deref()),
+        store
+            .objects()
+            .node
+            .as_ref()
+            .and_then(|n| n.zone.as_deref()),
         Some("z9")
     );
 }

@@ -95,7 +95,9 @@ mod tests {
     use super::*;
 
     fn node(yaml: &str) -> NodeInfo {
-        serde_yaml::from_str::<Node>(yaml).expect("node yaml").into()
+        serde_yaml::from_str::<Node>(yaml)
+            .expect("node yaml")
+            .into()
     }
 
     #[test]
