@@ -4,7 +4,7 @@
 
 use std::{
     collections::HashSet,
-    sync::{Arc, Mutex, PoisonError},
+    sync::{Arc, LazyLock, Mutex, PoisonError},
 };
 
 /// A shared, immutable string.
@@ -20,14 +20,13 @@ struct Table {
     pruned_at: usize,
 }
 
-static TABLE: Mutex<Option<Table>> = Mutex::new(None);
+static TABLE: LazyLock<Mutex<Table>> = LazyLock::new(Mutex::default);
 
 /// The shared copy of `text`.
 pub fn intern(text: &str) -> Name {
     // A panic elsewhere while holding the lock leaves the table consistent (every operation
     // on it is one HashSet call), so a poisoned lock is used as is.
-    let mut guard = TABLE.lock().unwrap_or_else(PoisonError::into_inner);
-    let table = guard.get_or_insert_with(Table::default);
+    let mut table = TABLE.lock().unwrap_or_else(PoisonError::into_inner);
     if let Some(name) = table.names.get(text) {
         return Arc::clone(name);
     }
@@ -65,8 +64,7 @@ mod tests {
         for i in 0..3 * PRUNE_FLOOR {
             drop(intern(&format!("interned-prune-dropped-{i}")));
         }
-        let guard = TABLE.lock().unwrap_or_else(PoisonError::into_inner);
-        let table = guard.as_ref().expect("table");
+        let table = TABLE.lock().unwrap_or_else(PoisonError::into_inner);
         assert!(table.names.contains("interned-prune-kept"));
         // Other tests intern concurrently, so only a bound is asserted: without pruning the
         // table would hold all 3 × PRUNE_FLOOR dropped names.
