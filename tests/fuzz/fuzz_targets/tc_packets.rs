@@ -38,22 +38,27 @@ fn frame_of(data: &[u8]) -> Vec<u8> {
     }
 }
 
-libfuzzer_sys::fuzz_target!(|data: &[u8]| {
-    // Thread-local destructors run in reverse order of first use: touching tokio's context
-    // first keeps it alive while the node (and its runtime) is dropped at exit.
-    let _ = tokio::runtime::Handle::try_current();
-    let frame = frame_of(data);
-    NODE.with_borrow_mut(|node| {
-        if node.is_none() {
-            match TcNode::new() {
-                Ok(new) => *node = Some(new),
-                Err(e) => panic!("setting up the tc node (root? eBPF object?): {e}"),
+libfuzzer_sys::fuzz_target!(
+    // The node is set up before the first input, outside libFuzzer's per-input timeout: loading
+    // the tc programs runs the verifier over ~1M instructions, which takes longer than
+    // `-timeout` on a slow or busy machine and was reported as a timeout on the empty input.
+    init: {
+        // Thread-local destructors run in reverse order of first use: touching tokio's context
+        // first keeps it alive while the node (and its runtime) is dropped at exit.
+        let _ = tokio::runtime::Handle::try_current();
+        match TcNode::new() {
+            Ok(new) => NODE.set(Some(new)),
+            Err(e) => panic!("setting up the tc node (root? eBPF object?): {e}"),
+        }
+    },
+    |data: &[u8]| {
+        let frame = frame_of(data);
+        NODE.with_borrow_mut(|node| {
+            if let Some(node) = node.as_mut()
+                && let Err(e) = node.check(&frame)
+            {
+                panic!("tc invariant violated: {e}");
             }
-        }
-        if let Some(node) = node.as_mut()
-            && let Err(e) = node.check(&frame)
-        {
-            panic!("tc invariant violated: {e}");
-        }
-    });
-});
+        });
+    }
+);
