@@ -158,8 +158,8 @@ fn manifest_corpus() -> Vec<Case> {
             "dup-key",
             service("dup-key", 13, &format!("{port}  clusterIP: 10.96.2.99\n")),
             &[
-                "zz-dup-key.yaml: document 1: invalid document",
-                "duplicate entry with key \"clusterIP\"",
+                "zz-dup-key.yaml: document 1: invalid YAML",
+                "duplicate mapping key `clusterIP`",
             ],
         ),
         case(
@@ -173,8 +173,8 @@ fn manifest_corpus() -> Vec<Case> {
             "deep",
             format!("a: {}{}\n", "[".repeat(100_000), "]".repeat(100_000)),
             &[
-                "zz-deep.yaml: line 1: flow collections",
-                "nested deeper than 128 levels",
+                "zz-deep.yaml: document 1: invalid YAML",
+                "recursion limit exceeded at line 1",
             ],
         ),
         case(
@@ -184,18 +184,15 @@ fn manifest_corpus() -> Vec<Case> {
                 .map(|i| format!("{}a{i}:\n", " ".repeat(i)))
                 .collect::<String>(),
             &[
-                "zz-deep-block.yaml: document 1: invalid document",
-                "recursion limit exceeded",
+                "zz-deep-block.yaml: document 1: invalid YAML",
+                "too complex",
             ],
         ),
         case(
             "alias bomb",
             "bomb",
             bomb,
-            &[
-                "zz-bomb.yaml: document 1: invalid document",
-                "repetition limit exceeded",
-            ],
+            &["zz-bomb.yaml: document 1: invalid YAML", "too complex"],
         ),
         case(
             "syntax error",
@@ -203,7 +200,7 @@ fn manifest_corpus() -> Vec<Case> {
             "apiVersion: v1\nkind: Service\nmetadata: [unclosed\n",
             &[
                 "zz-syntax.yaml: document 1: invalid YAML",
-                "the rest of this file is skipped",
+                "unclosed bracket '[' at line 3",
             ],
         ),
         case(
@@ -268,9 +265,7 @@ fn manifest_corpus() -> Vec<Case> {
                 14,
                 "  ports: [{name: http, port: 99999999999999999999999}]\n",
             ),
-            &[
-                "zz-huge-int.yaml: document 1: invalid YAML: spec.ports[0].port: invalid type: integer",
-            ],
+            &["zz-huge-int.yaml: document 1: Service huge-int: spec.ports[0].port: invalid type"],
         ),
     ]
 }

@@ -307,9 +307,6 @@ pub fn fuzz(budget: FuzzBudget, targets: &[String], object: &Path) -> Result<()>
                 seed,
                 max_seconds,
             } => {
-                // Same name as `proxy_agent::fuzz::CONTAINED_PANICS_OK` (xtask does not link
-                // the agent).
-                command.env("KPR_FUZZ_CONTAINED_PANICS_OK", "1");
                 command
                     .arg(format!("-runs={runs}"))
                     .arg(format!("-seed={seed}"))

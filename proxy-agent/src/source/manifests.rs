@@ -74,17 +74,12 @@ pub enum ManifestError {
         path.display()
     )]
     NotUtf8 { path: PathBuf, offset: usize },
-    #[error("{at}: invalid YAML: {source}; the rest of this file is skipped")]
-    Yaml {
-        at: Location,
-        source: serde_yaml::Error,
-    },
-    /// A document that is well-formed YAML but not a valid object tree (duplicate keys, nested
-    /// too deeply, too many alias expansions); the next documents are still read.
-    #[error("{at}: invalid document: {source}")]
+    /// A document that is not YAML, or not a value tree the proxy takes (duplicate keys,
+    /// nested too deeply, too many alias expansions); the next documents are still read.
+    #[error("{at}: {source}")]
     Document {
         at: Location,
-        source: serde_yaml::Error,
+        source: documents::DocumentError,
     },
     #[error("{at}: missing or non-string field `{field}`")]
     MissingField { at: Location, field: &'static str },
@@ -112,7 +107,8 @@ pub enum ManifestError {
         at: Location,
         kind: String,
         name: String,
-        source: serde_yaml::Error,
+        /// The field's path (`spec.ports[0].port`) and what is wrong with its value.
+        source: serde_path_to_error::Error<serde_json::Error>,
     },
     #[error(
         "{at}: {kind} {name}: metadata.annotations: {size} bytes, more than the API server's \
@@ -148,18 +144,6 @@ pub enum ManifestError {
         key: ObjectKey,
         first: Arc<Path>,
     },
-    #[error("{}: {problem}; the file is skipped", path.display())]
-    RefusedText {
-        path: PathBuf,
-        problem: crate::yaml::TextError,
-    },
-    #[error("{}: {problem}; that document and the rest of the file are skipped", path.display())]
-    RefusedRest {
-        path: PathBuf,
-        problem: crate::yaml::TextError,
-    },
-    #[error("{}: reading the file failed unexpectedly ({message}); the file is skipped", path.display())]
-    Panic { path: PathBuf, message: String },
 }
 
 /// Which document first defined each object, to name it in duplicate errors and to find slices
@@ -257,8 +241,7 @@ fn manifest_files(dir: &Path) -> std::io::Result<Vec<PathBuf>> {
     Ok(files)
 }
 
-/// Loads one file into `loaded`, all or nothing if the YAML library panics: a bug there must
-/// cost one file, not the agent (the source task ends on a panic, and the agent with it).
+/// Loads one file into `loaded`: its objects, unless an earlier file defined them.
 fn load_file(path: &Path, bytes: &[u8], loaded: &mut Loaded, origins: &mut Origins) {
     let text = match std::str::from_utf8(bytes) {
         Ok(text) => text,
@@ -270,44 +253,9 @@ fn load_file(path: &Path, bytes: &[u8], loaded: &mut Loaded, origins: &mut Origi
             return;
         }
     };
-    // An unknown alias only costs its document and the ones after it (as serde_yaml's own
-    // errors do); the documents before it are read.
-    let (text, refused_rest) = match crate::yaml::check_text(text) {
-        Ok(()) => (text, None),
-        Err(problem @ crate::yaml::TextError::UnknownAlias { line, .. }) => {
-            (&text[..document_start(text, line)], Some(problem))
-        }
-        Err(problem) => {
-            loaded.errors.push(ManifestError::RefusedText {
-                path: path.to_owned(),
-                problem,
-            });
-            return;
-        }
-    };
-    if let Some(problem) = refused_rest {
-        loaded.errors.push(ManifestError::RefusedRest {
-            path: path.to_owned(),
-            problem,
-        });
-    }
     let mut file = Loaded::default();
     let mut file_origins = Origins::new();
-    let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        load_text(path, text, &mut file, &mut file_origins);
-    }));
-    if let Err(panic) = outcome {
-        let message = panic
-            .downcast_ref::<&str>()
-            .map(|s| (*s).to_owned())
-            .or_else(|| panic.downcast_ref::<String>().cloned())
-            .unwrap_or_else(|| "panic".to_owned());
-        loaded.errors.push(ManifestError::Panic {
-            path: path.to_owned(),
-            message,
-        });
-        return;
-    }
+    load_text(path, text, &mut file, &mut file_origins);
     loaded.errors.extend(file.errors);
     merge(
         file.services,
@@ -335,23 +283,6 @@ fn load_file(path: &Path, bytes: &[u8], loaded: &mut Loaded, origins: &mut Origi
     );
 }
 
-/// Byte offset where the document holding (1-based) `line` starts: just after the last `---`
-/// line before it, or the start of the text.
-fn document_start(text: &str, line: usize) -> usize {
-    let mut start = 0;
-    let mut offset = 0;
-    for (index, content) in text.split_inclusive('\n').enumerate() {
-        if index + 1 >= line {
-            break;
-        }
-        offset += content.len();
-        if content.starts_with("---") {
-            start = offset - content.len();
-        }
-    }
-    start
-}
-
 /// Adds one file's objects to the folder's; an object an earlier file defined keeps that
 /// definition and this copy is reported.
 fn merge<T>(
@@ -373,49 +304,25 @@ fn merge<T>(
     }
 }
 
-/// Errors serde_yaml raises after a document was parsed completely, while building its value:
-/// the stream is intact and the next documents can be read. After any other error (a syntax
-/// error, an unknown anchor) the stream is not: serde_yaml repeats the error for every later
-/// document, or panics reading on (checked in the tests), so the rest of the file is skipped.
-/// serde_yaml 0.9 is final (deprecated), so these messages do not change under us.
-fn document_is_intact(error: &serde_yaml::Error) -> bool {
-    let message = error.to_string();
-    [
-        "duplicate entry",
-        "recursion limit exceeded",
-        "repetition limit exceeded",
-    ]
-    .iter()
-    .any(|known| message.contains(known))
-}
-
 fn load_text(path: &Path, text: &str, loaded: &mut Loaded, origins: &mut Origins) {
     let path: Arc<Path> = Arc::from(path);
-    for (index, document) in serde_yaml::Deserializer::from_str(text).enumerate() {
+    for document in documents::split(text) {
         let at = Location {
             path: Arc::clone(&path),
-            doc: index + 1,
+            doc: document.number,
             item: None,
         };
-        let value = match <serde_yaml::Value as serde::Deserialize>::deserialize(document) {
-            Ok(serde_yaml::Value::Null) => continue, // empty document, e.g. a trailing `---`
-            Ok(value) => value,
-            Err(source) if document_is_intact(&source) => {
-                loaded.errors.push(ManifestError::Document { at, source });
-                continue;
-            }
-            Err(source) => {
-                loaded.errors.push(ManifestError::Yaml { at, source });
-                return;
-            }
-        };
-        load_document(at, value, loaded, origins);
+        match documents::parse(&document) {
+            Ok(None) => {} // empty document, e.g. a trailing `---`
+            Ok(Some(value)) => load_document(at, value, loaded, origins),
+            Err(source) => loaded.errors.push(ManifestError::Document { at, source }),
+        }
     }
 }
 
 fn load_document(
     at: Location,
-    value: serde_yaml::Value,
+    value: serde_json::Value,
     loaded: &mut Loaded,
     origins: &mut Origins,
 ) {
@@ -426,14 +333,14 @@ fn load_document(
 
 fn load_object(
     at: &Location,
-    value: serde_yaml::Value,
+    value: serde_json::Value,
     loaded: &mut Loaded,
     origins: &mut Origins,
 ) -> Result<(), ManifestError> {
     let field = |name: &'static str| {
         value
             .get(name)
-            .and_then(serde_yaml::Value::as_str)
+            .and_then(serde_json::Value::as_str)
             .map(str::to_owned)
             .ok_or(ManifestError::MissingField {
                 at: at.clone(),
@@ -445,7 +352,7 @@ fn load_object(
     let name = value
         .get("metadata")
         .and_then(|m| m.get("name"))
-        .and_then(serde_yaml::Value::as_str)
+        .and_then(serde_json::Value::as_str)
         .unwrap_or("<unnamed>")
         .to_owned();
     if api_version == "v1" && kind == "List" {
@@ -459,8 +366,8 @@ fn load_object(
             });
         }
         let items = match value.get("items") {
-            None | Some(serde_yaml::Value::Null) => Vec::new(),
-            Some(serde_yaml::Value::Sequence(items)) => items.clone(),
+            None | Some(serde_json::Value::Null) => Vec::new(),
+            Some(serde_json::Value::Array(items)) => items.clone(),
             Some(_) => {
                 return Err(ManifestError::MissingField {
                     at: at.clone(),
@@ -542,10 +449,10 @@ fn parse_object<T: DeserializeOwned>(
     at: &Location,
     kind: &str,
     name: &str,
-    value: &serde_yaml::Value,
+    value: &serde_json::Value,
 ) -> Result<T, ManifestError> {
     // k8s-openapi's types ignore unknown fields; `report_unknown_fields` finds them.
-    T::deserialize(value).map_err(|source| ManifestError::InvalidObject {
+    serde_path_to_error::deserialize(value).map_err(|source| ManifestError::InvalidObject {
         at: at.clone(),
         kind: kind.to_owned(),
         name: name.to_owned(),
@@ -560,11 +467,11 @@ fn report_unknown_fields<T: serde::Serialize>(
     at: &Location,
     kind: &'static str,
     name: &str,
-    value: &serde_yaml::Value,
+    value: &serde_json::Value,
     object: &T,
     errors: &mut Vec<ManifestError>,
 ) {
-    let Ok(encoded) = serde_yaml::to_value(object) else {
+    let Ok(encoded) = serde_json::to_value(object) else {
         return;
     };
     let mut unknown = Vec::new();
@@ -582,35 +489,32 @@ fn report_unknown_fields<T: serde::Serialize>(
 }
 
 /// Paths (`spec.ports[0].bogus`) in `input` that `known` lacks. Bounded by the input's size,
-/// and its depth is serde_yaml's (at most 128).
+/// and its depth by [`documents::MAX_DEPTH`].
 fn unknown_fields(
-    input: &serde_yaml::Value,
-    known: &serde_yaml::Value,
+    input: &serde_json::Value,
+    known: &serde_json::Value,
     path: String,
     out: &mut Vec<String>,
 ) {
-    use serde_yaml::Value;
+    use serde_json::Value;
     match (input, known) {
-        (Value::Mapping(input), Value::Mapping(known)) => {
-            for (key, value) in input {
+        (Value::Object(input), Value::Object(known)) => {
+            for (name, value) in input {
                 if value.is_null() {
                     continue;
                 }
-                let name = key
-                    .as_str()
-                    .map_or_else(|| format!("{key:?}"), str::to_owned);
                 let field = if path.is_empty() {
-                    name
+                    name.clone()
                 } else {
                     format!("{path}.{name}")
                 };
-                match known.get(key) {
+                match known.get(name) {
                     Some(known) => unknown_fields(value, known, field, out),
                     None => out.push(field),
                 }
             }
         }
-        (Value::Sequence(input), Value::Sequence(known)) => {
+        (Value::Array(input), Value::Array(known)) => {
             for (index, (input, known)) in input.iter().zip(known).enumerate() {
                 unknown_fields(input, known, format!("{path}[{index}]"), out);
             }
@@ -763,6 +667,7 @@ pub async fn run(dir: PathBuf, node_name: String, tx: mpsc::Sender<Update>) -> a
     }
 }
 
+mod documents;
 mod incremental;
 pub use incremental::{FolderReader, Read};
 
