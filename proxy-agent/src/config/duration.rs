@@ -248,7 +248,7 @@ impl Serialize for GoDuration {
 impl<'de> Deserialize<'de> for GoDuration {
     /// Only strings, like metav1.Duration (`syncPeriod: 30` is an error there too).
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-        // Parsed inside the visitor, not after `String::deserialize` returned: serde_yaml then
+        // Parsed inside the visitor, not after `String::deserialize` returned: the decoder then
         // reports the error at the value, with its full path (`iptables.syncPeriod`), instead
         // of at the enclosing mapping.
         struct Visitor;

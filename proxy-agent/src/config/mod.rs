@@ -331,7 +331,7 @@ pub enum ConfigError {
         source: std::io::Error,
     },
     #[error("cannot encode the configuration: {0}")]
-    Encode(#[from] serde_yaml::Error),
+    Encode(#[from] serde_saphyr::SerializeError),
 }
 
 impl ConfigError {
@@ -459,31 +459,42 @@ pub fn parse(text: &str) -> Result<KubeProxyConfiguration, String> {
 
 /// [`parse`], with the strict decoding error when the document was decoded leniently.
 pub fn parse_lenient(text: &str) -> Result<(KubeProxyConfiguration, Option<String>), String> {
-    // libyaml's time is quadratic in the flow depth: refuse what serde_yaml would refuse anyway.
-    crate::yaml::check_text(text).map_err(|problem| problem.to_string())?;
-    let strict = match decode_strict(text) {
+    let mut value = crate::yaml::parse(text, 1)
+        .map_err(|message| format!("invalid YAML: {message}"))?
+        // An empty file is an empty document (then refused for its missing apiVersion).
+        .unwrap_or_else(|| serde_json::Value::Object(serde_json::Map::new()));
+    let strict = match decode_strict(&value) {
         Ok(document) => return Ok((document, None)),
         Err(error) => error,
     };
     // runtime.IsStrictDecodingError: only unknown fields send upstream to the lenient decoder.
-    if unknown_field(&strict).is_none() {
-        return Err(strict);
-    }
     let lenient_failed = || format!("failed lenient decoding: {strict}");
-    let mut value: serde_yaml::Value = serde_yaml::from_str(text).map_err(|_| lenient_failed())?;
+    let mut error = strict.clone();
+    // Like upstream's strict decoding error, the logged message names every unknown field.
+    let mut dropped = Vec::new();
     // Each round drops the unknown field serde reported (at its path); a document has few.
     for _ in 0..MAX_LENIENT_ROUNDS {
-        let text = serde_yaml::to_string(&value).map_err(|_| lenient_failed())?;
-        match decode_strict(&text) {
-            Ok(document) => return Ok((document, Some(strict))),
-            Err(error) => {
-                let Some((path, field)) = unknown_field(&error) else {
-                    return Err(lenient_failed());
-                };
-                if !remove_field(&mut value, &path, &field) {
-                    return Err(lenient_failed());
-                }
+        let Some((path, field)) = unknown_field(&error) else {
+            return Err(if dropped.is_empty() {
+                strict
+            } else {
+                lenient_failed()
+            });
+        };
+        if !remove_field(&mut value, &path, &field) {
+            return Err(lenient_failed());
+        }
+        dropped.push(if path.is_empty() {
+            format!("unknown field `{field}`")
+        } else {
+            format!("{path}: unknown field `{field}`")
+        });
+        match decode_strict(&value) {
+            Ok(document) => {
+                let message = format!("strict decoding error: {}", dropped.join(", "));
+                return Ok((document, Some(message)));
             }
+            Err(next) => error = next,
         }
     }
     Err(lenient_failed())
@@ -492,9 +503,9 @@ pub fn parse_lenient(text: &str) -> Result<(KubeProxyConfiguration, Option<Strin
 /// Unknown fields dropped at most, when decoding leniently (bounds the work on hostile input).
 const MAX_LENIENT_ROUNDS: usize = 256;
 
-fn decode_strict(text: &str) -> Result<KubeProxyConfiguration, String> {
+fn decode_strict(value: &serde_json::Value) -> Result<KubeProxyConfiguration, String> {
     let document: KubeProxyConfiguration =
-        serde_yaml::from_str(text).map_err(|error| error.to_string())?;
+        crate::yaml::decode(value).map_err(|error| error.to_string())?;
     if document.api_version != file::API_VERSION || document.kind != file::KIND {
         return Err(format!(
             "apiVersion {:?}, kind {:?}: expected apiVersion {:?} and kind {:?}",
@@ -507,22 +518,26 @@ fn decode_strict(text: &str) -> Result<KubeProxyConfiguration, String> {
     Ok(document)
 }
 
-/// serde_yaml's "`<path>: `unknown field `name`, expected …": the path (empty at the top) and
-/// the field's name.
+/// serde's "`<path>: `unknown field `name`, expected …", the path as `serde_path_to_error`
+/// writes it (ending with the field's own name): the mapping's path and the field's name.
 fn unknown_field(error: &str) -> Option<(String, String)> {
     const MARK: &str = "unknown field `";
     let at = error.find(MARK)?;
-    let path = error[..at]
-        .strip_suffix(": ")
-        .unwrap_or_default()
-        .to_owned();
     let rest = &error[at + MARK.len()..];
     let name = &rest[..rest.find('`')?];
-    Some((path, name.to_owned()))
+    let path = error[..at].strip_suffix(": ").unwrap_or_default();
+    let parent = if path == name {
+        ""
+    } else {
+        path.strip_suffix(name)
+            .and_then(|p| p.strip_suffix('.'))
+            .unwrap_or(path)
+    };
+    Some((parent.to_owned(), name.to_owned()))
 }
 
-/// Removes `field` from the mapping at `path` (`a.b[2].c`, serde_yaml's path syntax).
-fn remove_field(value: &mut serde_yaml::Value, path: &str, field: &str) -> bool {
+/// Removes `field` from the mapping at `path` (`a.b[2].c`).
+fn remove_field(value: &mut serde_json::Value, path: &str, field: &str) -> bool {
     let mut node = value;
     for segment in path.split('.').filter(|s| !s.is_empty()) {
         let (key, indexes) = match segment.find('[') {
@@ -546,14 +561,14 @@ fn remove_field(value: &mut serde_yaml::Value, path: &str, field: &str) -> bool 
             node = next;
         }
     }
-    node.as_mapping_mut()
+    node.as_object_mut()
         .and_then(|mapping| mapping.remove(field))
         .is_some()
 }
 
 /// The document as YAML, fields in alphabetical order like kube-proxy's `--write-config-to`.
 pub fn to_yaml(document: &KubeProxyConfiguration) -> Result<String, ConfigError> {
-    Ok(serde_yaml::to_string(document)?)
+    Ok(serde_saphyr::to_string(document)?)
 }
 
 /// `--write-config-to`.

@@ -1253,10 +1253,10 @@ fn type_errors_in_the_file_name_the_field() {
             "iptables:\n  masqueradeBit: lots\n",
             "iptables.masqueradeBit",
         ),
-        // The duration is parsed inside serde_yaml's visitor, so the full path is named.
+        // A number where metav1.Duration wants a string, as upstream's JSON decoder refuses it.
         (
             "iptables:\n  syncPeriod: 30\n",
-            "iptables.syncPeriod: invalid duration \"30\"",
+            "iptables.syncPeriod: invalid type: integer `30`",
         ),
         ("conntrack:\n  udpTimeout: 5 minutes\n", "invalid duration"),
         ("nodePortAddresses: 10.0.0.0/8\n", "nodePortAddresses"),

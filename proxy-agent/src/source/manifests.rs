@@ -452,7 +452,7 @@ fn parse_object<T: DeserializeOwned>(
     value: &serde_json::Value,
 ) -> Result<T, ManifestError> {
     // k8s-openapi's types ignore unknown fields; `report_unknown_fields` finds them.
-    serde_path_to_error::deserialize(value).map_err(|source| ManifestError::InvalidObject {
+    crate::yaml::decode(value).map_err(|source| ManifestError::InvalidObject {
         at: at.clone(),
         kind: kind.to_owned(),
         name: name.to_owned(),
@@ -489,7 +489,7 @@ fn report_unknown_fields<T: serde::Serialize>(
 }
 
 /// Paths (`spec.ports[0].bogus`) in `input` that `known` lacks. Bounded by the input's size,
-/// and its depth by [`documents::MAX_DEPTH`].
+/// and its depth by [`crate::yaml::MAX_DEPTH`].
 fn unknown_fields(
     input: &serde_json::Value,
     known: &serde_json::Value,

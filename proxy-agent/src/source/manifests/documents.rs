@@ -1,20 +1,10 @@
-//! A manifests file as YAML documents, each parsed on its own into a JSON value tree (what the
-//! API server stores and what `k8s-openapi`'s types decode from).
+//! A manifests file as YAML documents, each parsed on its own into a value tree
+//! ([`crate::yaml`]).
 //!
 //! The file is cut at its document markers first: a line starting with `---` or `...` ends any
 //! document, even inside a block or quoted scalar (YAML 1.2 §9.1.4, `c-forbidden`), so the cut
 //! is exact. A document then costs only itself, whatever is wrong with it: the next one is
 //! parsed from a clean parser, and errors are numbered as a stream parser would number them.
-
-use serde_saphyr::{Options, SnippetMode};
-
-/// Nesting depth accepted (as serde_yaml had, and far above any Kubernetes object).
-pub const MAX_DEPTH: usize = 64;
-/// YAML nodes in one document, counting those an alias replays: a 4 MiB file of objects has
-/// a few hundred thousand; an alias bomb is refused before its value tree fills memory.
-pub const MAX_NODES: usize = 1_000_000;
-/// Events replayed from aliases in one document (Kubernetes manifests rarely use any).
-pub const MAX_REPLAYED_EVENTS: usize = 100_000;
 
 /// One document of a file.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -91,36 +81,9 @@ pub fn split(text: &str) -> Vec<Document<'_>> {
     documents
 }
 
-fn options() -> Options {
-    serde_saphyr::options! {
-        // Error messages are one line, for the log; the file's line is added by the caller.
-        with_snippet: false,
-        // YAML 1.2 scalars, as serde_yaml read them: `yes`, `0755` and `1_000` stay strings
-        // where the field is a string.
-        strict_booleans: true,
-        leading_zero_numbers_as_strings: true,
-        underscored_numbers_as_strings: true,
-        alias_limits: serde_saphyr::alias_limits! {
-            max_total_replayed_events: MAX_REPLAYED_EVENTS,
-        },
-        budget: serde_saphyr::budget! {
-            max_depth: MAX_DEPTH,
-            max_nodes: MAX_NODES,
-        },
-    }
-}
-
 /// The document's value; `None` for an empty document (a trailing `---`, only comments).
 pub fn parse(document: &Document<'_>) -> Result<Option<serde_json::Value>, DocumentError> {
-    serde_saphyr::from_str_with_options::<Option<serde_json::Value>>(document.text, options())
-        .map_err(|error| {
-            DocumentError(error.render_with_options(serde_saphyr::render_options! {
-                // Worded for the person who wrote the file, not for the program reading it.
-                formatter: &serde_saphyr::UserMessageFormatter,
-                line_offset: (document.first_line - 1) as u64,
-                snippets: SnippetMode::Off,
-            }))
-        })
+    crate::yaml::parse(document.text, document.first_line).map_err(DocumentError)
 }
 
 #[cfg(test)]
