@@ -463,6 +463,21 @@ pub fn parse_lenient(text: &str) -> Result<(KubeProxyConfiguration, Option<Strin
         .map_err(|message| format!("invalid YAML: {message}"))?
         // An empty file is an empty document (then refused for its missing apiVersion).
         .unwrap_or_else(|| serde_json::Value::Object(serde_json::Map::new()));
+    // serde's derived structs also take a sequence (fields by position); a document is a
+    // mapping.
+    let kind = match &value {
+        serde_json::Value::Object(_) => None,
+        serde_json::Value::Array(_) => Some("sequence"),
+        serde_json::Value::String(_) => Some("string"),
+        serde_json::Value::Number(_) => Some("number"),
+        serde_json::Value::Bool(_) => Some("boolean"),
+        serde_json::Value::Null => Some("null"),
+    };
+    if let Some(kind) = kind {
+        return Err(format!(
+            "invalid type: {kind}, expected a KubeProxyConfiguration mapping"
+        ));
+    }
     let strict = match decode_strict(&value) {
         Ok(document) => return Ok((document, None)),
         Err(error) => error,
@@ -504,8 +519,16 @@ pub fn parse_lenient(text: &str) -> Result<(KubeProxyConfiguration, Option<Strin
 const MAX_LENIENT_ROUNDS: usize = 256;
 
 fn decode_strict(value: &serde_json::Value) -> Result<KubeProxyConfiguration, String> {
-    let document: KubeProxyConfiguration =
-        crate::yaml::decode(value).map_err(|error| error.to_string())?;
+    let document: KubeProxyConfiguration = crate::yaml::decode(value).map_err(|error| {
+        let message = error.to_string();
+        // The path of an unknown field ends with the field; name the mapping that has it, as
+        // upstream does (`iptables: unknown field `bogus``).
+        match unknown_field(&message) {
+            Some((parent, _)) if parent.is_empty() => error.inner().to_string(),
+            Some((parent, _)) => format!("{parent}: {}", error.inner()),
+            None => message,
+        }
+    })?;
     if document.api_version != file::API_VERSION || document.kind != file::KIND {
         return Err(format!(
             "apiVersion {:?}, kind {:?}: expected apiVersion {:?} and kind {:?}",
