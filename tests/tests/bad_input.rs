@@ -92,7 +92,8 @@ fn manifest_corpus() -> Vec<Case> {
             service("port-text", 4, "  ports: [{name: http, port: eighty}]\n"),
             &[
                 "zz-port-text.yaml: document 1: Service port-text:",
-                "invalid type",
+                "spec.ports[0].port: invalid i32 at line 6",
+                "(value \"eighty\")",
             ],
         ),
         case(
@@ -265,7 +266,7 @@ fn manifest_corpus() -> Vec<Case> {
                 14,
                 "  ports: [{name: http, port: 99999999999999999999999}]\n",
             ),
-            &["zz-huge-int.yaml: document 1: Service huge-int: spec.ports[0].port: invalid type"],
+            &["zz-huge-int.yaml: document 1: Service huge-int: spec.ports[0].port: invalid i32"],
         ),
     ]
 }

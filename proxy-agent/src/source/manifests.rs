@@ -24,7 +24,9 @@ use serde::de::DeserializeOwned;
 use tokio::sync::{Notify, mpsc};
 use tracing::{debug, info, warn};
 
+use self::documents::Document;
 use crate::objects::{EndpointSliceInfo, NodeInfo, ObjectKey, ServiceInfo, Update};
+use crate::yaml::Decoded;
 
 /// Largest manifest file read. Far above any real folder of Services and EndpointSlices (the
 /// API server stores an object in at most 1.5 MiB), and it bounds the memory a parse can take
@@ -102,13 +104,13 @@ pub enum ManifestError {
         name: String,
         field: String,
     },
-    #[error("{at}: {kind} {name}: {source}")]
+    #[error("{at}: {kind} {name}: {message}")]
     InvalidObject {
         at: Location,
         kind: String,
         name: String,
         /// The field's path (`spec.ports[0].port`) and what is wrong with its value.
-        source: serde_path_to_error::Error<serde_json::Error>,
+        message: String,
     },
     #[error(
         "{at}: {kind} {name}: metadata.annotations: {size} bytes, more than the API server's \
@@ -312,28 +314,99 @@ fn load_text(path: &Path, text: &str, loaded: &mut Loaded, origins: &mut Origins
             doc: document.number,
             item: None,
         };
-        match documents::parse(&document) {
-            Ok(None) => {} // empty document, e.g. a trailing `---`
-            Ok(Some(value)) => load_document(at, value, loaded, origins),
-            Err(source) => loaded.errors.push(ManifestError::Document { at, source }),
+        if let Err(error) = load_document(&at, &document, loaded, origins) {
+            loaded.errors.push(error);
         }
     }
 }
 
-fn load_document(
-    at: Location,
-    value: serde_json::Value,
-    loaded: &mut Loaded,
-    origins: &mut Origins,
-) {
-    if let Err(error) = load_object(&at, value, loaded, origins) {
-        loaded.errors.push(error);
+/// The kinds the proxy reads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Service,
+    EndpointSlice,
+    Node,
+}
+
+impl Kind {
+    fn of(api_version: &str, kind: &str) -> Option<Self> {
+        let is = |api: &str, k: &str| api_version == api && kind == k;
+        if is(Service::API_VERSION, Service::KIND) {
+            Some(Self::Service)
+        } else if is(EndpointSlice::API_VERSION, EndpointSlice::KIND) {
+            Some(Self::EndpointSlice)
+        } else if is(Node::API_VERSION, Node::KIND) {
+            Some(Self::Node)
+        } else {
+            None
+        }
     }
 }
 
+/// One object in the proxy's kinds, decoded, with the fields of its input it does not have.
+#[expect(
+    clippy::large_enum_variant,
+    reason = "one at a time, on its way to the compact form; boxing would only add an allocation"
+)]
+enum Object {
+    Service(Decoded<Service>),
+    EndpointSlice(Decoded<EndpointSlice>),
+    Node(Decoded<Node>),
+}
+
+/// Decodes an object of `kind` with `decode` (from the document's text or from a value tree).
+fn decode_object(
+    kind: Kind,
+    text: Option<&Document<'_>>,
+    value: Option<&serde_json::Value>,
+) -> Result<Object, String> {
+    fn one<T: DeserializeOwned>(
+        text: Option<&Document<'_>>,
+        value: Option<&serde_json::Value>,
+    ) -> Result<Decoded<T>, String> {
+        match (text, value) {
+            (Some(document), _) => crate::yaml::decode_str(document.text, document.first_line),
+            (None, Some(value)) => crate::yaml::decode_value(value),
+            (None, None) => Err("nothing to decode".to_owned()),
+        }
+    }
+    Ok(match kind {
+        Kind::Service => Object::Service(one(text, value)?),
+        Kind::EndpointSlice => Object::EndpointSlice(one(text, value)?),
+        Kind::Node => Object::Node(one(text, value)?),
+    })
+}
+
+/// A document: straight into its type when its kind shows at the top of its text (the usual
+/// manifest, and the fast path: no value tree); otherwise, or if that fails, through its value
+/// tree, which names what is wrong (kind, name, field) and holds `kind: List` items.
+fn load_document(
+    at: &Location,
+    document: &Document<'_>,
+    loaded: &mut Loaded,
+    origins: &mut Origins,
+) -> Result<(), ManifestError> {
+    if let Some(kind) = documents::sniff_kind(document.text).and_then(|(a, k)| Kind::of(a, k))
+        && let Ok(object) = decode_object(kind, Some(document), None)
+    {
+        return load_decoded(at, object, loaded, origins);
+    }
+    match documents::parse(document) {
+        Ok(None) => Ok(()), // empty document, e.g. a trailing `---`
+        Ok(Some(value)) => load_object(at, &value, Some(document), loaded, origins),
+        Err(source) => Err(ManifestError::Document {
+            at: at.clone(),
+            source,
+        }),
+    }
+}
+
+/// An object from its value tree: the document itself (`document` is its text) or an item
+/// of a `kind: List`.
 fn load_object(
     at: &Location,
-    value: serde_json::Value,
+    value: &serde_json::Value,
+    document: Option<&Document<'_>>,
     loaded: &mut Loaded,
     origins: &mut Origins,
 ) -> Result<(), ManifestError> {
@@ -366,8 +439,8 @@ fn load_object(
             });
         }
         let items = match value.get("items") {
-            None | Some(serde_json::Value::Null) => Vec::new(),
-            Some(serde_json::Value::Array(items)) => items.clone(),
+            None | Some(serde_json::Value::Null) => &[][..],
+            Some(serde_json::Value::Array(items)) => items.as_slice(),
             Some(_) => {
                 return Err(ManifestError::MissingField {
                     at: at.clone(),
@@ -375,151 +448,118 @@ fn load_object(
                 });
             }
         };
-        for (index, item) in items.into_iter().enumerate() {
+        for (index, item) in items.iter().enumerate() {
             let item_at = Location {
                 item: Some(index),
                 ..at.clone()
             };
-            load_document(item_at, item, loaded, origins);
+            if let Err(error) = load_object(&item_at, item, None, loaded, origins) {
+                loaded.errors.push(error);
+            }
         }
         return Ok(());
     }
-    let is = |api: &str, k: &str| api_version == api && kind == k;
-    if is(Service::API_VERSION, Service::KIND) {
-        let service: Service = parse_object(at, &kind, &name, &value)?;
-        report_unknown_fields(at, "Service", &name, &value, &service, &mut loaded.errors);
-        check_annotations(at, "Service", &name, &service.metadata)?;
-        let key = object_key(at, &service.metadata)?;
-        // Kept in the agent's own form from here on; the `k8s-openapi` object goes.
-        let service = ServiceInfo::from(&service);
-        insert_unique(at, key, service, &mut loaded.services, origins, "Service")
-    } else if is(EndpointSlice::API_VERSION, EndpointSlice::KIND) {
-        let slice: EndpointSlice = parse_object(at, &kind, &name, &value)?;
-        report_unknown_fields(
-            at,
-            "EndpointSlice",
-            &name,
-            &value,
-            &slice,
-            &mut loaded.errors,
-        );
-        check_annotations(at, "EndpointSlice", &name, &slice.metadata)?;
-        let key = object_key(at, &slice.metadata)?;
-        // Kept in the agent's own form from here on; the `k8s-openapi` object goes.
-        let slice = EndpointSliceInfo::from(&slice);
-        if crate::objects::slice_service(&key, &slice).is_none() {
-            return Err(ManifestError::SliceWithoutServiceLabel {
-                at: at.clone(),
-                key,
-            });
-        }
-        insert_unique(
-            at,
-            key,
-            slice,
-            &mut loaded.endpoint_slices,
-            origins,
-            "EndpointSlice",
-        )
-    } else if is(Node::API_VERSION, Node::KIND) {
-        let node: Node = parse_object(at, &kind, &name, &value)?;
-        check_annotations(at, "Node", &name, &node.metadata)?;
-        let key = ObjectKey {
-            namespace: "".into(),
-            name: node.metadata.name.as_deref().map(Into::into).ok_or(
-                ManifestError::MissingField {
-                    at: at.clone(),
-                    field: "metadata.name",
-                },
-            )?,
-        };
-        let node = NodeInfo::from(&node);
-        insert_unique(at, key, node, &mut loaded.nodes, origins, "Node")
-    } else {
-        Err(ManifestError::UnsupportedKind {
+    let Some(known) = Kind::of(&api_version, &kind) else {
+        return Err(ManifestError::UnsupportedKind {
             at: at.clone(),
             api_version,
             kind,
             name,
-        })
-    }
-}
-
-fn parse_object<T: DeserializeOwned>(
-    at: &Location,
-    kind: &str,
-    name: &str,
-    value: &serde_json::Value,
-) -> Result<T, ManifestError> {
-    // k8s-openapi's types ignore unknown fields; `report_unknown_fields` finds them.
-    crate::yaml::decode(value).map_err(|source| ManifestError::InvalidObject {
-        at: at.clone(),
-        kind: kind.to_owned(),
-        name: name.to_owned(),
-        source,
-    })
-}
-
-/// Names the fields of `value` that the decoded object does not have: k8s-openapi skips
-/// unknown fields silently, so the object is encoded again and the two trees compared. Only
-/// non-null input fields count (an explicit `null` is dropped on encoding).
-fn report_unknown_fields<T: serde::Serialize>(
-    at: &Location,
-    kind: &'static str,
-    name: &str,
-    value: &serde_json::Value,
-    object: &T,
-    errors: &mut Vec<ManifestError>,
-) {
-    let Ok(encoded) = serde_json::to_value(object) else {
-        return;
+        });
     };
-    let mut unknown = Vec::new();
-    unknown_fields(value, &encoded, String::new(), &mut unknown);
-    errors.extend(
-        unknown
-            .into_iter()
-            .map(|field| ManifestError::UnknownField {
-                at: at.clone(),
-                kind,
-                name: name.to_owned(),
-                field,
-            }),
-    );
+    // A document is decoded from its text, as on the fast path, so that both read scalars
+    // alike; the error (with the file's line) is the same the fast path met.
+    let object = decode_object(known, document, Some(value)).map_err(|message| {
+        ManifestError::InvalidObject {
+            at: at.clone(),
+            kind,
+            name,
+            message,
+        }
+    })?;
+    load_decoded(at, object, loaded, origins)
 }
 
-/// Paths (`spec.ports[0].bogus`) in `input` that `known` lacks. Bounded by the input's size,
-/// and its depth by [`crate::yaml::MAX_DEPTH`].
-fn unknown_fields(
-    input: &serde_json::Value,
-    known: &serde_json::Value,
-    path: String,
-    out: &mut Vec<String>,
-) {
-    use serde_json::Value;
-    match (input, known) {
-        (Value::Object(input), Value::Object(known)) => {
-            for (name, value) in input {
-                if value.is_null() {
-                    continue;
-                }
-                let field = if path.is_empty() {
-                    name.clone()
-                } else {
-                    format!("{path}.{name}")
-                };
-                match known.get(name) {
-                    Some(known) => unknown_fields(value, known, field, out),
-                    None => out.push(field),
-                }
-            }
+/// The checks every object gets, then the object in the agent's own form (the `k8s-openapi`
+/// object goes here).
+fn load_decoded(
+    at: &Location,
+    object: Object,
+    loaded: &mut Loaded,
+    origins: &mut Origins,
+) -> Result<(), ManifestError> {
+    let report = |errors: &mut Vec<ManifestError>, kind, name: &str, unknown: Vec<String>| {
+        errors.extend(
+            unknown
+                .into_iter()
+                .map(|field| ManifestError::UnknownField {
+                    at: at.clone(),
+                    kind,
+                    name: name.to_owned(),
+                    field,
+                }),
+        );
+    };
+    let name_of = |metadata: &ObjectMeta| {
+        metadata
+            .name
+            .clone()
+            .unwrap_or_else(|| "<unnamed>".to_owned())
+    };
+    match object {
+        Object::Service(Decoded {
+            object: service,
+            unknown_fields,
+        }) => {
+            let name = name_of(&service.metadata);
+            report(&mut loaded.errors, "Service", &name, unknown_fields);
+            check_annotations(at, "Service", &name, &service.metadata)?;
+            let key = object_key(at, &service.metadata)?;
+            let service = ServiceInfo::from(&service);
+            insert_unique(at, key, service, &mut loaded.services, origins, "Service")
         }
-        (Value::Array(input), Value::Array(known)) => {
-            for (index, (input, known)) in input.iter().zip(known).enumerate() {
-                unknown_fields(input, known, format!("{path}[{index}]"), out);
+        Object::EndpointSlice(Decoded {
+            object: slice,
+            unknown_fields,
+        }) => {
+            let name = name_of(&slice.metadata);
+            report(&mut loaded.errors, "EndpointSlice", &name, unknown_fields);
+            check_annotations(at, "EndpointSlice", &name, &slice.metadata)?;
+            let key = object_key(at, &slice.metadata)?;
+            let slice = EndpointSliceInfo::from(&slice);
+            if crate::objects::slice_service(&key, &slice).is_none() {
+                return Err(ManifestError::SliceWithoutServiceLabel {
+                    at: at.clone(),
+                    key,
+                });
             }
+            insert_unique(
+                at,
+                key,
+                slice,
+                &mut loaded.endpoint_slices,
+                origins,
+                "EndpointSlice",
+            )
         }
-        _ => {}
+        Object::Node(Decoded {
+            object: node,
+            unknown_fields: _,
+        }) => {
+            let name = name_of(&node.metadata);
+            check_annotations(at, "Node", &name, &node.metadata)?;
+            let key = ObjectKey {
+                namespace: "".into(),
+                name: node.metadata.name.as_deref().map(Into::into).ok_or(
+                    ManifestError::MissingField {
+                        at: at.clone(),
+                        field: "metadata.name",
+                    },
+                )?,
+            };
+            let node = NodeInfo::from(&node);
+            insert_unique(at, key, node, &mut loaded.nodes, origins, "Node")
+        }
     }
 }
 

@@ -81,6 +81,40 @@ pub fn split(text: &str) -> Vec<Document<'_>> {
     documents
 }
 
+/// `apiVersion` and `kind` when the document shows them as plain top-level keys (`kind: X` at
+/// the start of a line, once each): what to decode it into, without building its value tree.
+/// Only a hint: a document it misleads fails to decode and is read through its value tree.
+pub fn sniff_kind(text: &str) -> Option<(&str, &str)> {
+    fn scalar(rest: &str) -> Option<&str> {
+        let rest = rest.split(" #").next().unwrap_or_default().trim();
+        let unquoted = rest
+            .strip_prefix('"')
+            .and_then(|r| r.strip_suffix('"'))
+            .or_else(|| rest.strip_prefix('\'').and_then(|r| r.strip_suffix('\'')))
+            .unwrap_or(rest);
+        let plain = !unquoted.is_empty()
+            && unquoted
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b"./-".contains(&b));
+        plain.then_some(unquoted)
+    }
+    let mut api_version = None;
+    let mut kind = None;
+    for line in text.lines() {
+        let (slot, rest) = if let Some(rest) = line.strip_prefix("apiVersion:") {
+            (&mut api_version, rest)
+        } else if let Some(rest) = line.strip_prefix("kind:") {
+            (&mut kind, rest)
+        } else {
+            continue;
+        };
+        if slot.replace(scalar(rest)?).is_some() {
+            return None;
+        }
+    }
+    Some((api_version?, kind?))
+}
+
 /// The document's value; `None` for an empty document (a trailing `---`, only comments).
 pub fn parse(document: &Document<'_>) -> Result<Option<serde_json::Value>, DocumentError> {
     crate::yaml::parse(document.text, document.first_line).map_err(DocumentError)
@@ -158,6 +192,27 @@ mod tests {
             matches!(&unknown, Err(DocumentError(m)) if m.contains("unknown value")),
             "{unknown:?}"
         );
+    }
+
+    #[test]
+    fn the_kind_is_sniffed_only_from_plain_top_level_keys() {
+        assert_eq!(
+            sniff_kind("---\napiVersion: v1\nkind: Service # c\nmetadata: {}\n"),
+            Some(("v1", "Service"))
+        );
+        assert_eq!(
+            sniff_kind("apiVersion: \"discovery.k8s.io/v1\"\nkind: 'EndpointSlice'\n"),
+            Some(("discovery.k8s.io/v1", "EndpointSlice"))
+        );
+        for text in [
+            "{apiVersion: v1, kind: Service}\n",
+            "apiVersion: v1\nkind: Service\nkind: Node\n",
+            "apiVersion: v1\n  kind: Service\n",
+            "apiVersion: v1\nkind: &k Service\n",
+            "apiVersion: v1\n",
+        ] {
+            assert_eq!(sniff_kind(text), None, "{text:?}");
+        }
     }
 
     #[test]
