@@ -534,3 +534,37 @@ fn an_alias_without_anchor_is_named_instead_of_panicking() {
         "{messages:?}"
     );
 }
+
+/// A document decoded straight into its type skips an unknown field however deep it nests
+/// (up to the depth limit), on a test thread's 2 MiB stack in a debug build.
+#[test]
+fn a_deep_unknown_field_on_the_direct_path_is_named() {
+    let deep_flow = |open: &str, close: &str| {
+        format!(
+            "apiVersion: v1\nkind: Service\nmetadata: {{name: deep, namespace: x}}\nspec:\n  \
+             clusterIP: 10.96.0.1\n  extra: {}1{}\n",
+            open.repeat(62),
+            close.repeat(62)
+        )
+    };
+    let block: String = (0..62)
+        .map(|i| format!("{}extra{i}:\n", " ".repeat(i + 2)))
+        .collect();
+    let deep_block = format!(
+        "apiVersion: v1\nkind: Service\nmetadata: {{name: deep, namespace: x}}\nspec:\n{block}"
+    );
+    for (text, field) in [
+        (deep_flow("[", "]"), "spec.extra"),
+        (deep_flow("{a: ", "}"), "spec.extra"),
+        (deep_block, "spec.extra0"),
+    ] {
+        let loaded = load_bytes(Path::new("d.yaml"), text.as_bytes());
+        assert_eq!(loaded.services.len(), 1, "{:?}", messages(&loaded));
+        assert_eq!(
+            messages(&loaded),
+            [format!(
+                "d.yaml: document 1: Service deep: unknown field `{field}`; ignored"
+            )]
+        );
+    }
+}
