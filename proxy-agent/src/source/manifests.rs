@@ -354,7 +354,8 @@ enum Object {
     Node(Decoded<Node>),
 }
 
-/// Decodes an object of `kind` with `decode` (from the document's text or from a value tree).
+/// Decodes an object of `kind` from the document's text if given (as the direct path does), else
+/// from its value tree (a `kind: List` item).
 fn decode_object(
     kind: Kind,
     text: Option<&Document<'_>>,
