@@ -354,27 +354,26 @@ enum Object {
     Node(Decoded<Node>),
 }
 
-/// Decodes an object of `kind` from the document's text if given (as the direct path does), else
-/// from its value tree (a `kind: List` item).
-fn decode_object(
-    kind: Kind,
-    text: Option<&Document<'_>>,
-    value: Option<&serde_json::Value>,
-) -> Result<Object, String> {
-    fn one<T: DeserializeOwned>(
-        text: Option<&Document<'_>>,
-        value: Option<&serde_json::Value>,
-    ) -> Result<Decoded<T>, String> {
-        match (text, value) {
-            (Some(document), _) => crate::yaml::decode_str(document.text, document.first_line),
-            (None, Some(value)) => crate::yaml::decode_value(value),
-            (None, None) => Err("nothing to decode".to_owned()),
+/// What an object is decoded from.
+#[derive(Clone, Copy)]
+enum Source<'a> {
+    /// A whole document's text, as on the direct path.
+    Text(&'a Document<'a>),
+    /// A value tree: a `kind: List` item.
+    Value(&'a serde_json::Value),
+}
+
+fn decode_object(kind: Kind, source: Source<'_>) -> Result<Object, String> {
+    fn one<T: DeserializeOwned>(source: Source<'_>) -> Result<Decoded<T>, String> {
+        match source {
+            Source::Text(document) => crate::yaml::decode_str(document.text, document.first_line),
+            Source::Value(value) => crate::yaml::decode_value(value),
         }
     }
     Ok(match kind {
-        Kind::Service => Object::Service(one(text, value)?),
-        Kind::EndpointSlice => Object::EndpointSlice(one(text, value)?),
-        Kind::Node => Object::Node(one(text, value)?),
+        Kind::Service => Object::Service(one(source)?),
+        Kind::EndpointSlice => Object::EndpointSlice(one(source)?),
+        Kind::Node => Object::Node(one(source)?),
     })
 }
 
@@ -387,14 +386,18 @@ fn load_document(
     loaded: &mut Loaded,
     origins: &mut Origins,
 ) -> Result<(), ManifestError> {
-    if let Some(kind) = documents::sniff_kind(document.text).and_then(|(a, k)| Kind::of(a, k))
-        && let Ok(object) = decode_object(kind, Some(document), None)
-    {
-        return load_decoded(at, object, loaded, origins);
-    }
+    let sniffed = documents::sniff_kind(document.text).and_then(|(a, k)| Kind::of(a, k));
+    let failed = match sniffed.map(|kind| (kind, decode_object(kind, Source::Text(document)))) {
+        Some((_, Ok(object))) => return load_decoded(at, object, loaded, origins),
+        Some((kind, Err(message))) => Some((kind, message)),
+        None => None,
+    };
     match documents::parse(document) {
         Ok(None) => Ok(()), // empty document, e.g. a trailing `---`
-        Ok(Some(value)) => load_object(at, &value, Some(document), loaded, origins),
+        Ok(Some(value)) => {
+            let text = DocumentText { document, failed };
+            load_object(at, &value, Some(text), loaded, origins)
+        }
         Err(source) => Err(ManifestError::Document {
             at: at.clone(),
             source,
@@ -402,12 +405,19 @@ fn load_document(
     }
 }
 
-/// An object from its value tree: the document itself (`document` is its text) or an item
+/// The text of a document read through its value tree, and what decoding that text into the
+/// sniffed kind said, if it was tried.
+struct DocumentText<'a> {
+    document: &'a Document<'a>,
+    failed: Option<(Kind, String)>,
+}
+
+/// An object from its value tree: the document itself (`document` has its text) or an item
 /// of a `kind: List`.
 fn load_object(
     at: &Location,
     value: &serde_json::Value,
-    document: Option<&Document<'_>>,
+    document: Option<DocumentText<'_>>,
     loaded: &mut Loaded,
     origins: &mut Origins,
 ) -> Result<(), ManifestError> {
@@ -468,15 +478,21 @@ fn load_object(
             name,
         });
     };
-    // A document is decoded from its text, as on the fast path, so that both read scalars
-    // alike; the error (with the file's line) is the same the fast path met.
-    let object = decode_object(known, document, Some(value)).map_err(|message| {
-        ManifestError::InvalidObject {
-            at: at.clone(),
-            kind,
-            name,
-            message,
-        }
+    // A document is decoded from its text, as on the direct path, so that both read scalars
+    // alike; if the direct path already tried this kind, its error is the answer.
+    let decoded = match document {
+        Some(DocumentText {
+            failed: Some((tried, message)),
+            ..
+        }) if tried == known => Err(message),
+        Some(DocumentText { document, .. }) => decode_object(known, Source::Text(document)),
+        None => decode_object(known, Source::Value(value)),
+    };
+    let object = decoded.map_err(|message| ManifestError::InvalidObject {
+        at: at.clone(),
+        kind,
+        name,
+        message,
     })?;
     load_decoded(at, object, loaded, origins)
 }
@@ -489,33 +505,12 @@ fn load_decoded(
     loaded: &mut Loaded,
     origins: &mut Origins,
 ) -> Result<(), ManifestError> {
-    let report = |errors: &mut Vec<ManifestError>, kind, name: &str, unknown: Vec<String>| {
-        errors.extend(
-            unknown
-                .into_iter()
-                .map(|field| ManifestError::UnknownField {
-                    at: at.clone(),
-                    kind,
-                    name: name.to_owned(),
-                    field,
-                }),
-        );
-    };
-    let name_of = |metadata: &ObjectMeta| {
-        metadata
-            .name
-            .clone()
-            .unwrap_or_else(|| "<unnamed>".to_owned())
-    };
     match object {
         Object::Service(Decoded {
             object: service,
             unknown_fields,
         }) => {
-            let name = name_of(&service.metadata);
-            report(&mut loaded.errors, "Service", &name, unknown_fields);
-            check_annotations(at, "Service", &name, &service.metadata)?;
-            let key = object_key(at, &service.metadata)?;
+            let key = checked_key(at, "Service", &service.metadata, unknown_fields, loaded)?;
             let service = ServiceInfo::from(&service);
             insert_unique(at, key, service, &mut loaded.services, origins, "Service")
         }
@@ -523,10 +518,7 @@ fn load_decoded(
             object: slice,
             unknown_fields,
         }) => {
-            let name = name_of(&slice.metadata);
-            report(&mut loaded.errors, "EndpointSlice", &name, unknown_fields);
-            check_annotations(at, "EndpointSlice", &name, &slice.metadata)?;
-            let key = object_key(at, &slice.metadata)?;
+            let key = checked_key(at, "EndpointSlice", &slice.metadata, unknown_fields, loaded)?;
             let slice = EndpointSliceInfo::from(&slice);
             if crate::objects::slice_service(&key, &slice).is_none() {
                 return Err(ManifestError::SliceWithoutServiceLabel {
@@ -547,8 +539,7 @@ fn load_decoded(
             object: node,
             unknown_fields: _,
         }) => {
-            let name = name_of(&node.metadata);
-            check_annotations(at, "Node", &name, &node.metadata)?;
+            check_annotations(at, "Node", &name_of(&node.metadata), &node.metadata)?;
             let key = ObjectKey {
                 namespace: "".into(),
                 name: node.metadata.name.as_deref().map(Into::into).ok_or(
@@ -562,6 +553,37 @@ fn load_decoded(
             insert_unique(at, key, node, &mut loaded.nodes, origins, "Node")
         }
     }
+}
+
+fn name_of(metadata: &ObjectMeta) -> String {
+    metadata
+        .name
+        .clone()
+        .unwrap_or_else(|| "<unnamed>".to_owned())
+}
+
+/// A namespaced object's checks: its unknown fields are reported, its annotations checked, and
+/// its key is the result.
+fn checked_key(
+    at: &Location,
+    kind: &'static str,
+    metadata: &ObjectMeta,
+    unknown_fields: Vec<String>,
+    loaded: &mut Loaded,
+) -> Result<ObjectKey, ManifestError> {
+    let name = name_of(metadata);
+    loaded.errors.extend(
+        unknown_fields
+            .into_iter()
+            .map(|field| ManifestError::UnknownField {
+                at: at.clone(),
+                kind,
+                name: name.clone(),
+                field,
+            }),
+    );
+    check_annotations(at, kind, &name, metadata)?;
+    object_key(at, metadata)
 }
 
 fn check_annotations(
