@@ -66,7 +66,7 @@ pub fn replace_addr(
         if diff < 0 {
             return Err(diff);
         }
-        ctx.store(offset, new, 0)?;
+        write(ctx, offset, new)?;
         // The address and the L4 checksum change by opposite amounts, so the packet's
         // one's-complement sum — `skb->csum` of a CHECKSUM_COMPLETE skb — stays as it was
         // (IPv6 has no header checksum to move it, unlike IPv4). Without `BPF_F_IPV6` the
@@ -87,7 +87,7 @@ pub fn replace_addr(
         }
         Ok(())
     } else {
-        ctx.store(offset, &new[0], 0)?;
+        write(ctx, offset, &new[0])?;
         ctx.l3_csum_replace(IPV4_CSUM, u64::from(old[0]), u64::from(new[0]), 4)?;
         if sctp {
             return Ok(());
@@ -129,13 +129,36 @@ pub fn replace_port(
     old: u16,
     new: u16,
 ) -> Result<(), c_long> {
-    ctx.store(offset, &new, 0)?;
+    write(ctx, offset, &new)?;
     ctx.l4_csum_replace(
         pkt.l4_csum_offset(),
         u64::from(old),
         u64::from(new),
         l4_flags(pkt) | 2,
     )
+}
+
+/// Writes `value` at `offset` in place (direct packet access), where `bpf_skb_store_bytes`
+/// would copy it in: the headers `parse` read are in the linear area (`parse::pull_headers`).
+/// Only for writes the checksum helpers then account for (the helper's flags are not needed).
+/// A program that writes packets directly gets an unclone prologue from the verifier (a cloned
+/// skb is made private before the program runs), as `bpf_skb_store_bytes` unclones on its first
+/// write. `Err`: the bytes are not in the linear area (not seen for a packet `parse` read).
+#[inline(always)]
+fn write<T: Copy>(ctx: &TcContext, offset: usize, value: &T) -> Result<(), c_long> {
+    // Offsets come from the parsed packet in map memory (`parse::into_scratch`), unbounded for
+    // the verifier; every header field `parse` found is within its 128 bytes.
+    if offset > 128 {
+        return Err(-1);
+    }
+    // Taken again for every write: the checksum helpers between writes move the data.
+    let at = ctx.data() + offset;
+    if at + core::mem::size_of::<T>() > ctx.data_end() {
+        return Err(-1);
+    }
+    // SAFETY: in bounds of the linear area, checked above; unaligned, as header fields can be.
+    unsafe { core::ptr::write_unaligned(at as *mut T, *value) };
+    Ok(())
 }
 
 /// Folds and complements a one's-complement sum (RFC 1071).

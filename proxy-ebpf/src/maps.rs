@@ -160,6 +160,8 @@ pub struct TcScratch {
     pub view_b: CtValue,
     /// A datagram's key in the fragment map (`fragments`).
     pub frag_key: crate::fragments::FragKey,
+    /// The packet `parse` read, where the program reads it from (`parse::into_scratch`).
+    pub packet: crate::parse::Packet,
 }
 
 /// The tc programs of each family (`proxy_common::TcFamilyProgram` slots), written by the

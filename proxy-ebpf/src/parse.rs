@@ -1,14 +1,16 @@
 //! Packet parsing for the tc programs: Ethernet → IPv4/IPv6 (a fragment header included) →
 //! TCP/UDP/SCTP ports, a later fragment's from its first (`fragments`).
 //!
-//! Every read goes through `bpf_skb_load_bytes` (`TcContext::load`), which bounds-checks
-//! against the whole skb: no direct packet access, so no `data_end` proofs for the verifier and
-//! no dependence on how much of the packet is in the linear area.
+//! The headers `parse` reads (IP header, ports, TCP flags) are read in place: direct packet
+//! access, one bounds check against `data_end` per header instead of a `bpf_skb_load_bytes`
+//! call (and its copy) per field. A packet whose headers a driver left outside the linear area
+//! has them pulled in first (`bpf_skb_pull_data`, as Cilium does). The rarer paths (later
+//! fragments, the fragment test) still load through the helper.
 
 use aya_ebpf::programs::TcContext;
 use proxy_common::{CtKey, family, proto};
 
-use crate::fragments;
+use crate::{fragments, maps::scratch};
 
 pub const ETH_HLEN: usize = 14;
 pub const ETH_P_IP: u16 = 0x0800;
@@ -109,19 +111,88 @@ impl Packet {
 /// family, other protocols, SCTP fragments, IPv6 extension headers other than a fragment
 /// header) and for later fragments, which [`parse_later_fragment`] parses.
 #[inline(always)]
-pub fn parse<const V6: bool>(ctx: &TcContext) -> Option<Packet> {
+pub fn parse<const V6: bool>(ctx: &TcContext) -> Option<&'static Packet> {
     let (mut pkt, fragment, _) = ip_header::<V6>(ctx, true)?;
     // SCTP fragments stay with the stack: a port rewrite's CRC32c delta needs the whole
     // packet.
     if fragment == Fragment::Later || (fragment == Fragment::First && pkt.proto == proto::SCTP) {
         return None;
     }
-    pkt.sport = ctx.load(pkt.l4).ok()?;
-    pkt.dport = ctx.load(pkt.l4 + 2).ok()?;
-    if pkt.proto == proto::TCP {
-        pkt.tcp_flags = ctx.load(pkt.l4 + 13).ok()?;
+    // The ports, and TCP's flags in byte 13.
+    let tcp = pkt.proto == proto::TCP;
+    let l4 = linear_at(ctx, pkt.l4, if tcp { 14 } else { 4 })?;
+    // SAFETY: `linear_at` checked the bytes read against `data_end`.
+    unsafe {
+        pkt.sport = read(l4, 0);
+        pkt.dport = read(l4, 2);
+        if tcp {
+            pkt.tcp_flags = read(l4, 13);
+        }
     }
-    Some(pkt)
+    into_scratch(pkt)
+}
+
+/// The most header bytes `parse` reads: Ethernet, the largest IP header it parses (IPv4 with
+/// options; IPv6 with a fragment header) and 14 bytes of TCP header (up to its flags).
+const HEADERS_MAX4: u32 = (ETH_HLEN + 60 + 14) as u32;
+const HEADERS_MAX6: u32 = (ETH_HLEN + IPV6_HLEN + FRAGMENT_HLEN + 14) as u32;
+
+/// Makes the headers `parse` reads part of the skb's linear area, where direct packet access
+/// reaches, if a driver left some of them in page fragments (`bpf_skb_pull_data`, as Cilium
+/// does; nothing for the usual skb, whose headers the driver pulled).
+// One pull up front, not one per header: the verifier walks the pulled and the unpulled skb as
+// one state from here on, where a pull per header doubled its states per header.
+#[inline(always)]
+fn pull_headers<const V6: bool>(ctx: &TcContext) {
+    // Only as much as the packet has: a short packet, all in the linear area, needs no pull
+    // (and a pull past its end fails).
+    let want = if V6 { HEADERS_MAX6 } else { HEADERS_MAX4 }.min(ctx.len());
+    // A comparison, not a length: the verifier allows no arithmetic between `data` and
+    // `data_end`.
+    if ctx.data() + want as usize > ctx.data_end() {
+        let _ = ctx.pull_data(want);
+    }
+}
+
+/// The address of the `len` bytes at `offset` in the linear area (see [`pull_headers`]),
+/// checked against `data_end` so that the verifier allows direct reads of them. `None`: the
+/// packet is shorter.
+#[inline(always)]
+fn linear_at(ctx: &TcContext, offset: usize, len: usize) -> Option<usize> {
+    let at = ctx.data() + offset;
+    if at + len > ctx.data_end() {
+        return None;
+    }
+    Some(at)
+}
+
+/// `pkt` moved into the per-CPU scratch slot, where the program reads it from: as the
+/// verifier sees values loaded from memory, fields of their width and nothing more. Kept in
+/// registers and on the stack, fields read from the packet carry bounds and links through the
+/// whole program, which make the verifier tell apart states it could otherwise prune (the
+/// IPv6 programs went from 637k verified instructions to over the limit of 1M); and the main
+/// frame would hold the packet, within the 512 bytes all frames share.
+#[inline(always)]
+fn into_scratch(pkt: Packet) -> Option<&'static Packet> {
+    let scratch = scratch()?;
+    // SAFETY: the per-CPU slot is ours until the program ends, and only `parse` writes
+    // `packet`. Volatile, so that LLVM does not forward the stored fields to the reads.
+    unsafe {
+        core::ptr::write_volatile(&raw mut (*scratch).packet, pkt);
+        Some(&(*scratch).packet)
+    }
+}
+
+/// A value of type `T` at `offset` from `at` (a packet address from [`linear_at`]), as it is in
+/// the packet (network byte order).
+///
+/// # Safety
+/// `at + offset + size_of::<T>()` must be within what `linear_at` checked.
+#[inline(always)]
+unsafe fn read<T: Copy>(at: usize, offset: usize) -> T {
+    // SAFETY: in bounds by the caller's contract; unaligned, as header fields can be (the
+    // kernel allows unaligned packet loads where the CPU does, and the verifier checks them).
+    unsafe { core::ptr::read_unaligned((at + offset) as *const T) }
 }
 
 /// Parses a later fragment of a TCP or UDP datagram (no L4 header) with the ports its first
@@ -130,7 +201,7 @@ pub fn parse<const V6: bool>(ctx: &TcContext) -> Option<Packet> {
 // Kept apart from `parse` and called only where a packet is not otherwise parsed: a fragment
 // kind carried through the whole program would double the states the verifier walks.
 #[inline(always)]
-pub fn parse_later_fragment<const V6: bool>(ctx: &TcContext) -> Option<Packet> {
+pub fn parse_later_fragment<const V6: bool>(ctx: &TcContext) -> Option<&'static Packet> {
     let (mut pkt, fragment, id) = ip_header::<V6>(ctx, false)?;
     if fragment != Fragment::Later || pkt.proto == proto::SCTP {
         return None;
@@ -140,7 +211,7 @@ pub fn parse_later_fragment<const V6: bool>(ctx: &TcContext) -> Option<Packet> {
         ports => split_ports(ports),
     };
     pkt.later_fragment = true;
-    Some(pkt)
+    into_scratch(pkt)
 }
 
 /// Whether the packet is a later fragment of a datagram (an offset): the cheap test before
@@ -206,7 +277,10 @@ fn ip_header<const V6: bool>(
     ctx: &TcContext,
     record_first: bool,
 ) -> Option<(Packet, Fragment, u32)> {
-    let ethertype = u16::from_be(ctx.load::<u16>(12).ok()?);
+    pull_headers::<V6>(ctx);
+    let eth = linear_at(ctx, 0, ETH_HLEN)?;
+    // SAFETY: the Ethernet header is checked (`linear_at`).
+    let ethertype = u16::from_be(unsafe { read::<u16>(eth, 12) });
     match ethertype {
         ETH_P_IP if !V6 => ip_header4(ctx, record_first),
         ETH_P_IPV6 if V6 => ip_header6(ctx, record_first),
@@ -230,35 +304,42 @@ fn record_first<const V6: bool>(
 
 #[inline(always)]
 fn ip_header4(ctx: &TcContext, record: bool) -> Option<(Packet, Fragment, u32)> {
-    let version_ihl: u8 = ctx.load(ETH_HLEN).ok()?;
+    let ip = linear_at(ctx, ETH_HLEN, 20)?;
+    // SAFETY: the 20 bytes of the fixed header are checked (`linear_at`).
+    let (version_ihl, proto, frag, id) = unsafe {
+        (
+            read::<u8>(ip, 0),
+            read::<u8>(ip, 9),
+            u16::from_be(read::<u16>(ip, 6)),
+            read::<u16>(ip, 4),
+        )
+    };
     if version_ihl >> 4 != 4 {
         return None;
     }
     let ihl = usize::from(version_ihl & 0x0f) * 4;
-    if ihl < 20 {
-        return None;
-    }
-    let proto: u8 = ctx.load(ETH_HLEN + 9).ok()?;
-    if !is_translated(proto) {
+    if ihl < 20 || !is_translated(proto) {
         return None;
     }
     // Flags (reserved, DF, MF) and the offset in 8-byte units.
-    let frag = u16::from_be(ctx.load::<u16>(ETH_HLEN + 6).ok()?);
     let fragment = Fragment::of(frag & 0x1fff, frag & 0x2000 != 0);
-    // Whole datagrams, nearly all, do without the ID's load.
     let id = match fragment {
         Fragment::None => 0,
-        _ => u32::from(ctx.load::<u16>(ETH_HLEN + 4).ok()?),
+        _ => u32::from(id),
     };
     if record {
         record_first::<false>(ctx, fragment, id, proto, ETH_HLEN + ihl);
     }
+    // After the record, which may call helpers: the address is taken again.
+    let ip = linear_at(ctx, ETH_HLEN, 20)?;
+    // SAFETY: as above.
+    let (src, dst) = unsafe { (read::<u32>(ip, 12), read::<u32>(ip, 16)) };
     let pkt = Packet {
         family: family::V4,
         proto,
         l4: ETH_HLEN + ihl,
-        src: [ctx.load(ETH_HLEN + 12).ok()?, 0, 0, 0],
-        dst: [ctx.load(ETH_HLEN + 16).ok()?, 0, 0, 0],
+        src: [src, 0, 0, 0],
+        dst: [dst, 0, 0, 0],
         sport: 0,
         dport: 0,
         tcp_flags: 0,
@@ -269,22 +350,27 @@ fn ip_header4(ctx: &TcContext, record: bool) -> Option<(Packet, Fragment, u32)> 
 
 #[inline(always)]
 fn ip_header6(ctx: &TcContext, record: bool) -> Option<(Packet, Fragment, u32)> {
-    let version: u8 = ctx.load(ETH_HLEN).ok()?;
+    let ip = linear_at(ctx, ETH_HLEN, IPV6_HLEN)?;
+    // SAFETY: the fixed header is checked (`linear_at`).
+    let (version, mut next_header) = unsafe { (read::<u8>(ip, 0), read::<u8>(ip, 6)) };
     if version >> 4 != 6 {
         return None;
     }
     // Only TCP/UDP/SCTP directly after the fixed header, or after a fragment header: walking
     // other extension headers needs a bounded loop per header type, and Service traffic does
     // not use them.
-    let mut next_header: u8 = ctx.load(ETH_HLEN + 6).ok()?;
     let mut l4 = ETH_HLEN + IPV6_HLEN;
     let mut fragment = Fragment::None;
     let mut id = 0;
     if next_header == IPPROTO_FRAGMENT {
+        let header = linear_at(ctx, l4, FRAGMENT_HLEN)?;
         // Next header, reserved, offset (13 bits) and M flag, identification.
-        next_header = ctx.load(l4).ok()?;
-        let offset_more = u16::from_be(ctx.load::<u16>(l4 + 2).ok()?);
-        id = ctx.load::<u32>(l4 + 4).ok()?;
+        // SAFETY: the fragment header is checked (`linear_at`).
+        let offset_more = unsafe {
+            next_header = read(header, 0);
+            id = read::<u32>(header, 4);
+            u16::from_be(read::<u16>(header, 2))
+        };
         fragment = Fragment::of(offset_more >> 3, offset_more & 1 != 0);
         l4 += FRAGMENT_HLEN;
     }
@@ -294,12 +380,16 @@ fn ip_header6(ctx: &TcContext, record: bool) -> Option<(Packet, Fragment, u32)> 
     if record {
         record_first::<true>(ctx, fragment, id, next_header, l4);
     }
+    // After the record and a possible pull: the address is taken again.
+    let ip = linear_at(ctx, ETH_HLEN, IPV6_HLEN)?;
+    // SAFETY: as above.
+    let (src, dst) = unsafe { (read::<[u32; 4]>(ip, 8), read::<[u32; 4]>(ip, 24)) };
     let pkt = Packet {
         family: family::V6,
         proto: next_header,
         l4,
-        src: ctx.load(ETH_HLEN + 8).ok()?,
-        dst: ctx.load(ETH_HLEN + 24).ok()?,
+        src,
+        dst,
         sport: 0,
         dport: 0,
         tcp_flags: 0,

@@ -148,7 +148,7 @@ pub fn egress<const V6: bool>(ctx: &TcContext) -> i32 {
         }
         return NEXT;
     };
-    egress_source::<V6>(ctx, &pkt)
+    egress_source::<V6>(ctx, pkt)
 }
 
 /// The source half of `pkt`'s translation, if egress owes it one (see [`egress`]).
@@ -180,20 +180,20 @@ pub fn fragment_ingress<const V6: bool>(ctx: &TcContext) -> i32 {
         return NEXT;
     };
     if value.flags & ct_flags::REPLY != 0 {
-        return translate(ctx, &pkt, value, StatIndex::TcReplyTranslated);
+        return translate(ctx, pkt, value, StatIndex::TcReplyTranslated);
     }
     // The kernel's conntrack NATs an adopted flow's packets: it reassembles them first.
     if value.flags & ct_flags::KERNEL_NAT != 0 {
         return NEXT;
     }
-    translate(ctx, &pkt, value, StatIndex::TcEstablished)
+    translate(ctx, pkt, value, StatIndex::TcEstablished)
 }
 
 /// Egress of a later fragment (`kpr_tc_fragment_egress4/6`): the source half its first
 /// fragment got (see [`egress`]).
 pub fn fragment_egress<const V6: bool>(ctx: &TcContext) -> i32 {
     match parse_later_fragment::<V6>(ctx) {
-        Some(pkt) => egress_source::<V6>(ctx, &pkt),
+        Some(pkt) => egress_source::<V6>(ctx, pkt),
         None => NEXT,
     }
 }
@@ -226,10 +226,10 @@ fn host_backend_reply<const V6: bool>(ctx: &TcContext) -> i32 {
     let now = unsafe { bpf_ktime_get_ns() };
     // Refreshed (and a FIN or RST passed on, an evicted forward entry rebuilt) as ingress does
     // for the replies of other backends.
-    if conntrack::reply_seen::<V6>(&key, value, &pkt, now) {
+    if conntrack::reply_seen::<V6>(&key, value, pkt, now) {
         bump(StatIndex::TcForwardRebuilt);
     }
-    translate_source(ctx, &pkt, value)
+    translate_source(ctx, pkt, value)
 }
 
 #[inline(always)]
@@ -274,28 +274,28 @@ fn service<const V6: bool>(ctx: &TcContext, side: Side) -> i32 {
     if let Some(value) = conntrack::lookup::<V6>(key, View::A) {
         if value.flags & ct_flags::REPLY != 0 {
             // A backend's reply (a remote one's is addressed to the SNAT address).
-            if conntrack::reply_seen::<V6>(key, value, &pkt, now) {
+            if conntrack::reply_seen::<V6>(key, value, pkt, now) {
                 bump(StatIndex::TcForwardRebuilt);
             }
-            return translate(ctx, &pkt, value, StatIndex::TcReplyTranslated);
+            return translate(ctx, pkt, value, StatIndex::TcReplyTranslated);
         }
-        if conntrack::carries(value, &pkt, now) {
-            conntrack::touch::<V6>(key, value, &pkt, now);
+        if conntrack::carries(value, pkt, now) {
+            conntrack::touch::<V6>(key, value, pkt, now);
             // A flow the kernel's conntrack already NATs (adopted at the agent's start): its
             // entry there keeps the NAT without any rule, so the stack keeps its backend.
             if value.flags & ct_flags::KERNEL_NAT != 0 {
                 bump(StatIndex::TcKernelNatPassed);
                 return NEXT;
             }
-            return translate(ctx, &pkt, value, StatIndex::TcEstablished);
+            return translate(ctx, pkt, value, StatIndex::TcEstablished);
         }
     }
     // Draining for the iptables mode: new flows are its rules' (see `node_flags::DRAINING`).
     if draining() {
         return NEXT;
     }
-    let Some((frontend, internal)) = lookup_frontend(&pkt, side) else {
-        if pkt.proto == proto::TCP && !pkt.syn() && orphan_segment(ctx, &pkt) {
+    let Some((frontend, internal)) = lookup_frontend(pkt, side) else {
+        if pkt.proto == proto::TCP && !pkt.syn() && orphan_segment(ctx, pkt) {
             bump(StatIndex::TcOrphanSegmentDropped);
             return DROP;
         }
@@ -303,17 +303,17 @@ fn service<const V6: bool>(ctx: &TcContext, side: Side) -> i32 {
     };
     // Only a SYN starts a TCP connection; `new_flow` recovers the flow of any other segment
     // without an entry (see there) or hands it to the stack.
-    match new_flow::<V6>(ctx, &pkt, &frontend, internal) {
+    match new_flow::<V6>(ctx, pkt, &frontend, internal) {
         Verdict::Action(action) => action,
         // Called from here, not from `new_flow`, so the two frames never stack up.
-        Verdict::Reject => icmp::reject(ctx, &pkt),
+        Verdict::Reject => icmp::reject(ctx, pkt),
         // Here, not in `new_flow`: three frames (`external`, `new_flow`, and this or
         // `reply_is_stale`) would exceed the verifier's 512-byte combined stack.
         Verdict::Translate => {
-            if !insert_egress::<V6>(&pkt) {
+            if !insert_egress::<V6>(pkt) {
                 return DROP;
             }
-            translate_new(ctx, &pkt)
+            translate_new(ctx, pkt)
         }
     }
 }
