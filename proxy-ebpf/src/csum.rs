@@ -12,7 +12,7 @@ use aya_ebpf::{
 };
 use proxy_common::proto;
 
-use crate::parse::{ETH_HLEN, Packet};
+use crate::parse::{ETH_HLEN, Packet, linear_at};
 
 /// Offset of the IPv4 header checksum.
 const IPV4_CSUM: usize = ETH_HLEN + 10;
@@ -152,10 +152,7 @@ fn write<T: Copy>(ctx: &TcContext, offset: usize, value: &T) -> Result<(), c_lon
         return Err(-1);
     }
     // Taken again for every write: the checksum helpers between writes move the data.
-    let at = ctx.data() + offset;
-    if at + core::mem::size_of::<T>() > ctx.data_end() {
-        return Err(-1);
-    }
+    let at = linear_at(ctx, offset, core::mem::size_of::<T>()).ok_or(-1)?;
     // SAFETY: in bounds of the linear area, checked above; unaligned, as header fields can be.
     unsafe { core::ptr::write_unaligned(at as *mut T, *value) };
     Ok(())

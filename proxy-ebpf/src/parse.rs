@@ -155,10 +155,11 @@ fn pull_headers<const V6: bool>(ctx: &TcContext) {
 }
 
 /// The address of the `len` bytes at `offset` in the linear area (see [`pull_headers`]),
-/// checked against `data_end` so that the verifier allows direct reads of them. `None`: the
-/// packet is shorter.
+/// checked against `data_end` so that the verifier allows direct reads and writes of them.
+/// `None`: they are not there (the packet is shorter). Take it again after a helper that moves
+/// the data (`bpf_l3/l4_csum_replace`, `bpf_skb_store_bytes`).
 #[inline(always)]
-fn linear_at(ctx: &TcContext, offset: usize, len: usize) -> Option<usize> {
+pub fn linear_at(ctx: &TcContext, offset: usize, len: usize) -> Option<usize> {
     let at = ctx.data() + offset;
     if at + len > ctx.data_end() {
         return None;
@@ -330,7 +331,8 @@ fn ip_header4(ctx: &TcContext, record: bool) -> Option<(Packet, Fragment, u32)> 
     if record {
         record_first::<false>(ctx, fragment, id, proto, ETH_HLEN + ihl);
     }
-    // After the record, which may call helpers: the address is taken again.
+    // Taken again rather than kept across the record's call, like the addresses (see
+    // `ip_header`).
     let ip = linear_at(ctx, ETH_HLEN, 20)?;
     // SAFETY: as above.
     let (src, dst) = unsafe { (read::<u32>(ip, 12), read::<u32>(ip, 16)) };
@@ -380,7 +382,8 @@ fn ip_header6(ctx: &TcContext, record: bool) -> Option<(Packet, Fragment, u32)> 
     if record {
         record_first::<true>(ctx, fragment, id, next_header, l4);
     }
-    // After the record and a possible pull: the address is taken again.
+    // Taken again rather than kept across the record's call, like the addresses (see
+    // `ip_header`).
     let ip = linear_at(ctx, ETH_HLEN, IPV6_HLEN)?;
     // SAFETY: as above.
     let (src, dst) = unsafe { (read::<[u32; 4]>(ip, 8), read::<[u32; 4]>(ip, 24)) };
