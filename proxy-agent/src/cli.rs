@@ -533,6 +533,19 @@ pub struct Args {
     #[arg(long, help_heading = "kubeproxy-rs additions")]
     pub tc_fast_path: bool,
 
+    /// XDP on the external interfaces: established fast-path flows (--tc-fast-path) are
+    /// translated and redirected in the network driver, before the kernel allocates a packet
+    /// buffer; everything else goes on to the tc programs. auto (default): native XDP where
+    /// the driver has it, with --tc-fast-path; native: also without it (only flows that
+    /// bypass netfilter anyway), warning where a driver refuses; off.
+    #[arg(
+        long,
+        value_name = "MODE",
+        allow_hyphen_values = true,
+        help_heading = "kubeproxy-rs additions"
+    )]
+    pub bpf_xdp: Option<String>,
+
     /// Socket-level load balancing only for processes of the node's own network namespace
     /// (Cilium's socketLB.hostNamespaceOnly): pods' sockets keep the Service address they
     /// dialled and their packets are load-balanced per packet by the tc program on the host

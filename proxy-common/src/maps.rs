@@ -39,6 +39,10 @@ pub mod map_names {
     /// The tc programs of later IP fragments the family programs tail-call (pinned and not in
     /// [`PINNED`], as [`TC_FAMILY`]).
     pub const TC_FRAGMENT: &str = "KPR_TC_FRAGMENT";
+    /// The interfaces the XDP program may redirect to (a device map: ifindex → ifindex),
+    /// filled by the agent with the interfaces it attached XDP to (pinned and not in
+    /// [`PINNED`], as [`TC_FAMILY`]).
+    pub const XDP_TARGETS: &str = "KPR_XDP_TARGETS";
 
     /// Every map the agent pins (and `--cleanup` removes).
     pub const PINNED: [&str; 19] = [
@@ -82,6 +86,9 @@ pub mod program_names {
     /// tc egress on every interface that has one of the ingress programs: the source half of
     /// a translation on the netfilter path (after the host's FORWARD and POSTROUTING).
     pub const TC_EGRESS: &str = "kpr_tc_egress";
+    /// XDP on the node's external interfaces (`--bpf-xdp`): established fast-path flows
+    /// translated and redirected from the driver; everything else passes to `kpr_tc_external`.
+    pub const XDP_EXTERNAL: &str = "kpr_xdp_external";
 
     /// Every socket program, attached to the cgroup in this order.
     pub const ALL: [&str; 8] = [
@@ -114,6 +121,8 @@ pub mod default_sizes {
     pub const NODE_ADDRS: u32 = 1_024;
     /// External interfaces with an address to masquerade to.
     pub const SNAT_IFACES: u32 = 256;
+    /// Interfaces the XDP program redirects to.
+    pub const XDP_TARGETS: u32 = 256;
     /// Maglev table blocks of [`crate::MAGLEV_BLOCK_SLOTS`] slots (`--bpf-map-maglev`): 1024
     /// frontends × 64 blocks (the default table size of 1021 slots). Not preallocated.
     pub const MAGLEV: u32 = 65_536;

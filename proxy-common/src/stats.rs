@@ -117,10 +117,26 @@ pub enum StatIndex {
     /// stack as it is: it cannot be matched to a flow, and a Service flow's datagram is lost
     /// with it (the stack cannot reassemble it with the translated rest).
     TcFragmentUntracked = 40,
+    /// XDP: a packet of a known external flow (forward entry) was translated and redirected
+    /// from the driver, before an skb existed (`--bpf-xdp`, fast path).
+    XdpEstablished = 41,
+    /// XDP: a backend's reply was translated back and redirected from the driver.
+    XdpReplyTranslated = 42,
+    /// XDP: a packet of a known flow was left to the tc program because its L4 checksum field
+    /// holds only the pseudo-header sum (`CHECKSUM_PARTIAL`, from a local stack over veth),
+    /// which an incremental update would corrupt.
+    XdpPassedChecksumPartial = 43,
+    /// XDP: a packet of a known flow was left to the tc program because its next hop is not an
+    /// interface XDP redirects to (a local pod's veth, the node itself, an unresolved
+    /// neighbour, or a flow on the netfilter path).
+    XdpPassedToTc = 44,
+    /// XDP: rewriting or redirecting a packet failed after it was rewritten; it was dropped
+    /// (a half-translated packet must not go on).
+    XdpRewriteFailed = 45,
 }
 
 impl StatIndex {
-    pub const COUNT: u32 = 41;
+    pub const COUNT: u32 = 46;
     pub const ALL: [StatIndex; Self::COUNT as usize] = [
         StatIndex::Translated,
         StatIndex::RejectedNoBackends,
@@ -163,6 +179,11 @@ impl StatIndex {
         StatIndex::TcFamilyProgramMissing,
         StatIndex::TcIcmpErrorTranslated,
         StatIndex::TcFragmentUntracked,
+        StatIndex::XdpEstablished,
+        StatIndex::XdpReplyTranslated,
+        StatIndex::XdpPassedChecksumPartial,
+        StatIndex::XdpPassedToTc,
+        StatIndex::XdpRewriteFailed,
     ];
 
     /// Label used in logs and metrics.
@@ -209,6 +230,11 @@ impl StatIndex {
             StatIndex::TcFamilyProgramMissing => "tc_family_program_missing",
             StatIndex::TcIcmpErrorTranslated => "tc_icmp_error_translated",
             StatIndex::TcFragmentUntracked => "tc_fragment_untracked",
+            StatIndex::XdpEstablished => "xdp_established",
+            StatIndex::XdpReplyTranslated => "xdp_reply_translated",
+            StatIndex::XdpPassedChecksumPartial => "xdp_passed_checksum_partial",
+            StatIndex::XdpPassedToTc => "xdp_passed_to_tc",
+            StatIndex::XdpRewriteFailed => "xdp_rewrite_failed",
         }
     }
 }

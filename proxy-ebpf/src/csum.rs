@@ -12,7 +12,7 @@ use aya_ebpf::{
 };
 use proxy_common::proto;
 
-use crate::parse::{ETH_HLEN, Packet, linear_at};
+use crate::parse::{ETH_HLEN, Frame, Packet, linear_at};
 
 /// Offset of the IPv4 header checksum.
 const IPV4_CSUM: usize = ETH_HLEN + 10;
@@ -146,16 +146,37 @@ pub fn replace_port(
 /// write. `Err`: the bytes are not in the linear area (not seen for a packet `parse` read).
 #[inline(always)]
 fn write<T: Copy>(ctx: &TcContext, offset: usize, value: &T) -> Result<(), c_long> {
+    store(ctx, offset, value).ok_or(-1)
+}
+
+/// Writes `value` at `offset` in place (see [`write`]); `None`: the bytes are not in the
+/// linear area.
+#[inline(always)]
+pub fn store<T: Copy, C: Frame>(ctx: &C, offset: usize, value: &T) -> Option<()> {
     // Offsets come from the parsed packet in map memory (`parse::into_scratch`), unbounded for
     // the verifier; every header field `parse` found is within its 128 bytes.
     if offset > 128 {
-        return Err(-1);
+        return None;
     }
     // Taken again for every write: the checksum helpers between writes move the data.
-    let at = linear_at(ctx, offset, core::mem::size_of::<T>()).ok_or(-1)?;
+    let at = linear_at(ctx, offset, core::mem::size_of::<T>())?;
     // SAFETY: in bounds of the linear area, checked above; unaligned, as header fields can be.
     unsafe { core::ptr::write_unaligned(at as *mut T, *value) };
-    Ok(())
+    Some(())
+}
+
+/// RFC 1624 (eqn. 3) for a 32-bit word of data under a checksum: adds its change from `old`
+/// to `new` to `sum`, a complemented checksum (`!check`) being updated, unfolded. Words as
+/// loaded from the packet (byte-order independent, see [`add_words`]).
+#[inline(always)]
+pub fn sum_word(sum: u32, old: u32, new: u32) -> u32 {
+    sum + (!old & 0xffff) + (!old >> 16) + (new & 0xffff) + (new >> 16)
+}
+
+/// [`sum_word`] for a 16-bit word (a port).
+#[inline(always)]
+pub fn sum_port(sum: u32, old: u16, new: u16) -> u32 {
+    sum + u32::from(!old) + u32::from(new)
 }
 
 /// Folds and complements a one's-complement sum (RFC 1071).

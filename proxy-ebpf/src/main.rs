@@ -35,12 +35,14 @@ mod sock;
 mod stats;
 #[cfg(target_arch = "bpf")]
 mod tc;
+#[cfg(target_arch = "bpf")]
+mod xdp;
 
 #[cfg(target_arch = "bpf")]
 mod programs {
     use aya_ebpf::{
-        macros::{cgroup_sock_addr, classifier},
-        programs::{SockAddrContext, TcContext},
+        macros::{cgroup_sock_addr, classifier, xdp},
+        programs::{SockAddrContext, TcContext, XdpContext},
     };
     use proxy_common::{StatIndex, TcFamilyProgram};
 
@@ -112,6 +114,14 @@ mod programs {
     #[classifier]
     pub fn kpr_tc_egress(ctx: TcContext) -> i32 {
         crate::tc::family(&ctx, TcFamilyProgram::Egress4)
+    }
+
+    /// XDP on the node's external interfaces (`--bpf-xdp`): established fast-path flows
+    /// translated and redirected in the driver; everything else passes on to
+    /// `kpr_tc_external`.
+    #[xdp]
+    pub fn kpr_xdp_external(ctx: XdpContext) -> u32 {
+        crate::xdp::external(&ctx)
     }
 
     // The programs of one family each, reached by tail call from the three above: each is

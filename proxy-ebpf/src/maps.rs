@@ -15,7 +15,7 @@ use aya_ebpf::{
     bindings::BPF_F_NO_PREALLOC,
     helpers::bpf_map_lookup_elem,
     macros::map,
-    maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray, ProgramArray},
+    maps::{Array, DevMapHash, HashMap, LpmTrie, LruHashMap, PerCpuArray, ProgramArray},
 };
 use proxy_common::{
     AffinityKey, AffinityMatchKey, AffinityValue, Backend4, Backend6, BackendSlotKey, CtKey,
@@ -177,6 +177,14 @@ pub static KPR_TC_FAMILY: ProgramArray = ProgramArray::pinned(TcFamilyProgram::A
 pub static KPR_TC_FRAGMENT: ProgramArray =
     ProgramArray::pinned(TcFragmentProgram::ALL.len() as u32, 0);
 
+/// The interfaces the XDP program redirects to (`xdp`): the agent writes those it attached XDP
+/// to. A next hop elsewhere (a local pod's veth, whose peer may not take XDP frames) is left to
+/// tc. Pinned, as the program arrays: the XDP link outlives the agent.
+#[map]
+pub static KPR_XDP_TARGETS: DevMapHash = DevMapHash::pinned(default_sizes::XDP_TARGETS, 0);
+
+/// Shared by tc and XDP: on one CPU they never run at once (XDP runs in the driver's NAPI
+/// poll, before an skb exists; tc later in the same softirq, or with bottom halves disabled).
 #[map]
 pub static KPR_TC_SCRATCH: PerCpuArray<TcScratch> = PerCpuArray::with_max_entries(1, 0);
 

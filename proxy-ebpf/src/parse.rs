@@ -1,13 +1,14 @@
-//! Packet parsing for the tc programs: Ethernet → IPv4/IPv6 (a fragment header included) →
-//! TCP/UDP/SCTP ports, a later fragment's from its first (`fragments`).
+//! Packet parsing for the tc and XDP programs: Ethernet → IPv4/IPv6 (a fragment header
+//! included) → TCP/UDP/SCTP ports, a later fragment's from its first (`fragments`).
 //!
 //! The headers `parse` reads (IP header, ports, TCP flags) are read in place: direct packet
 //! access, one bounds check against `data_end` per header instead of a `bpf_skb_load_bytes`
 //! call (and its copy) per field. A packet whose headers a driver left outside the linear area
 //! has them pulled in first (`bpf_skb_pull_data`, as Cilium does). The rarer paths (later
-//! fragments, the fragment test) still load through the helper.
+//! fragments, the fragment test) still load through the helper. The XDP program parses the same
+//! way ([`parse_whole`]: no pull, no fragments, no SCTP).
 
-use aya_ebpf::programs::TcContext;
+use aya_ebpf::programs::{TcContext, XdpContext};
 use proxy_common::{CtKey, family, proto};
 
 use crate::{fragments, maps::scratch};
@@ -19,6 +20,45 @@ const IPV6_HLEN: usize = 40;
 /// IPv6's fragment extension header: its next-header value and length.
 const IPPROTO_FRAGMENT: u8 = 44;
 const FRAGMENT_HLEN: usize = 8;
+
+/// A packet that direct packet access reads: an skb (tc) or an XDP buffer.
+pub trait Frame {
+    fn data(&self) -> usize;
+    fn data_end(&self) -> usize;
+    /// Remembers the ports of datagram `id`'s first fragment (tc only: the XDP program leaves
+    /// fragments to tc, which must see every fragment of a datagram).
+    #[inline(always)]
+    fn record_first_fragment<const V6: bool>(&self, _id: u32, _proto: u8, _l4: usize) {}
+}
+
+impl Frame for TcContext {
+    #[inline(always)]
+    fn data(&self) -> usize {
+        TcContext::data(self)
+    }
+
+    #[inline(always)]
+    fn data_end(&self) -> usize {
+        TcContext::data_end(self)
+    }
+
+    #[inline(always)]
+    fn record_first_fragment<const V6: bool>(&self, id: u32, proto: u8, l4: usize) {
+        fragments::first::<V6>(self, id, proto, l4);
+    }
+}
+
+impl Frame for XdpContext {
+    #[inline(always)]
+    fn data(&self) -> usize {
+        XdpContext::data(self)
+    }
+
+    #[inline(always)]
+    fn data_end(&self) -> usize {
+        XdpContext::data_end(self)
+    }
+}
 
 /// A parsed TCP, UDP or SCTP packet. Addresses and ports are in network byte order as they appear in
 /// the packet (IPv4 in word 0 of the address arrays).
@@ -112,12 +152,32 @@ impl Packet {
 /// header) and for later fragments, which [`parse_later_fragment`] parses.
 #[inline(always)]
 pub fn parse<const V6: bool>(ctx: &TcContext) -> Option<&'static Packet> {
-    let (mut pkt, fragment, _) = ip_header::<V6>(ctx, true)?;
+    pull_headers::<V6>(ctx);
+    let (pkt, fragment, _) = ip_header::<V6, _>(ctx, true)?;
     // SCTP fragments stay with the stack: a port rewrite's CRC32c delta needs the whole
     // packet.
     if fragment == Fragment::Later || (fragment == Fragment::First && pkt.proto == proto::SCTP) {
         return None;
     }
+    with_ports(ctx, pkt)
+}
+
+/// Parses a whole (unfragmented) TCP or UDP packet of one family for the XDP program; `None`
+/// for everything it leaves to tc: fragments (tc must see every fragment of a datagram), SCTP
+/// (its CRC32c update needs the skb helpers), and whatever [`parse`] leaves alone. XDP buffers
+/// are linear: nothing to pull.
+#[inline(always)]
+pub fn parse_whole<const V6: bool>(ctx: &XdpContext) -> Option<&'static Packet> {
+    let (pkt, fragment, _) = ip_header::<V6, _>(ctx, false)?;
+    if fragment != Fragment::None || pkt.proto == proto::SCTP {
+        return None;
+    }
+    with_ports(ctx, pkt)
+}
+
+/// `pkt` with its ports and TCP flags read, moved into the scratch slot.
+#[inline(always)]
+fn with_ports<C: Frame>(ctx: &C, mut pkt: Packet) -> Option<&'static Packet> {
     // The ports, and TCP's flags in byte 13.
     let tcp = pkt.proto == proto::TCP;
     let l4 = linear_at(ctx, pkt.l4, if tcp { 14 } else { 4 })?;
@@ -159,12 +219,25 @@ fn pull_headers<const V6: bool>(ctx: &TcContext) {
 /// `None`: they are not there (the packet is shorter). Take it again after a helper that moves
 /// the data (`bpf_l3/l4_csum_replace`, `bpf_skb_store_bytes`).
 #[inline(always)]
-pub fn linear_at(ctx: &TcContext, offset: usize, len: usize) -> Option<usize> {
+pub fn linear_at<C: Frame>(ctx: &C, offset: usize, len: usize) -> Option<usize> {
     let at = ctx.data() + offset;
     if at + len > ctx.data_end() {
         return None;
     }
     Some(at)
+}
+
+/// The value of type `T` at `offset` (a header field `parse` found, within its first 128
+/// bytes), read in place; `None` if it is not in the linear area.
+#[inline(always)]
+pub fn load<T: Copy, C: Frame>(ctx: &C, offset: usize) -> Option<T> {
+    // Offsets from the parsed packet in map memory are unbounded for the verifier.
+    if offset > 128 {
+        return None;
+    }
+    let at = linear_at(ctx, offset, core::mem::size_of::<T>())?;
+    // SAFETY: checked against `data_end` by `linear_at`.
+    Some(unsafe { read(at, 0) })
 }
 
 /// `pkt` moved into the per-CPU scratch slot, where the program reads it from: as the
@@ -203,7 +276,8 @@ unsafe fn read<T: Copy>(at: usize, offset: usize) -> T {
 // kind carried through the whole program would double the states the verifier walks.
 #[inline(always)]
 pub fn parse_later_fragment<const V6: bool>(ctx: &TcContext) -> Option<&'static Packet> {
-    let (mut pkt, fragment, id) = ip_header::<V6>(ctx, false)?;
+    pull_headers::<V6>(ctx);
+    let (mut pkt, fragment, id) = ip_header::<V6, _>(ctx, false)?;
     if fragment != Fragment::Later || pkt.proto == proto::SCTP {
         return None;
     }
@@ -274,11 +348,10 @@ impl Fragment {
 // The record comes before the addresses are loaded: fewer values live across the call, for
 // the stack of the programs' deepest call chain.
 #[inline(always)]
-fn ip_header<const V6: bool>(
-    ctx: &TcContext,
+fn ip_header<const V6: bool, C: Frame>(
+    ctx: &C,
     record_first: bool,
 ) -> Option<(Packet, Fragment, u32)> {
-    pull_headers::<V6>(ctx);
     let eth = linear_at(ctx, 0, ETH_HLEN)?;
     // SAFETY: the Ethernet header is checked (`linear_at`).
     let ethertype = u16::from_be(unsafe { read::<u16>(eth, 12) });
@@ -291,20 +364,20 @@ fn ip_header<const V6: bool>(
 
 /// Remembers the ports of datagram `id`'s first fragment (L4 header at `l4`).
 #[inline(always)]
-fn record_first<const V6: bool>(
-    ctx: &TcContext,
+fn record_first<const V6: bool, C: Frame>(
+    ctx: &C,
     fragment: Fragment,
     id: u32,
     proto: u8,
     l4: usize,
 ) {
     if fragment == Fragment::First && proto != proto::SCTP {
-        fragments::first::<V6>(ctx, id, proto, l4);
+        ctx.record_first_fragment::<V6>(id, proto, l4);
     }
 }
 
 #[inline(always)]
-fn ip_header4(ctx: &TcContext, record: bool) -> Option<(Packet, Fragment, u32)> {
+fn ip_header4<C: Frame>(ctx: &C, record: bool) -> Option<(Packet, Fragment, u32)> {
     let ip = linear_at(ctx, ETH_HLEN, 20)?;
     // SAFETY: the 20 bytes of the fixed header are checked (`linear_at`).
     let (version_ihl, proto, frag, id) = unsafe {
@@ -329,7 +402,7 @@ fn ip_header4(ctx: &TcContext, record: bool) -> Option<(Packet, Fragment, u32)> 
         _ => u32::from(id),
     };
     if record {
-        record_first::<false>(ctx, fragment, id, proto, ETH_HLEN + ihl);
+        record_first::<false, _>(ctx, fragment, id, proto, ETH_HLEN + ihl);
     }
     // Taken again rather than kept across the record's call, like the addresses (see
     // `ip_header`).
@@ -351,7 +424,7 @@ fn ip_header4(ctx: &TcContext, record: bool) -> Option<(Packet, Fragment, u32)> 
 }
 
 #[inline(always)]
-fn ip_header6(ctx: &TcContext, record: bool) -> Option<(Packet, Fragment, u32)> {
+fn ip_header6<C: Frame>(ctx: &C, record: bool) -> Option<(Packet, Fragment, u32)> {
     let ip = linear_at(ctx, ETH_HLEN, IPV6_HLEN)?;
     // SAFETY: the fixed header is checked (`linear_at`).
     let (version, mut next_header) = unsafe { (read::<u8>(ip, 0), read::<u8>(ip, 6)) };
@@ -380,7 +453,7 @@ fn ip_header6(ctx: &TcContext, record: bool) -> Option<(Packet, Fragment, u32)> 
         return None;
     }
     if record {
-        record_first::<true>(ctx, fragment, id, next_header, l4);
+        record_first::<true, _>(ctx, fragment, id, next_header, l4);
     }
     // Taken again rather than kept across the record's call, like the addresses (see
     // `ip_header`).

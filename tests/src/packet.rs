@@ -20,6 +20,10 @@ pub const TC_ACT_SHOT: i32 = 2;
 /// `TC_ACT_UNSPEC`: not the program's packet — the next program (TCX_NEXT), else the stack.
 pub const TC_ACT_UNSPEC: i32 = -1;
 pub const TC_ACT_REDIRECT: i32 = 7;
+/// XDP program return values (`enum xdp_action`).
+pub const XDP_DROP: u32 = 1;
+pub const XDP_PASS: u32 = 2;
+pub const XDP_REDIRECT: u32 = 4;
 
 const CLIENT_MAC: [u8; 6] = [0x02, 0, 0, 0, 0, 0x02];
 const NODE_MAC: [u8; 6] = [0x02, 0, 0, 0, 0, 0x01];

@@ -43,8 +43,8 @@ use proxy_tests::{
     netns::Netns,
     packet::{
         L4, PROTO_ICMP, PROTO_ICMPV6, PROTO_TCP, PROTO_UDP, Parsed, TC_ACT_OK, TC_ACT_REDIRECT,
-        TC_ACT_SHOT, TC_ACT_UNSPEC, build, crc32c, fragment, icmp_error, inet_checksum,
-        parse_checked, parse_fragment, quoted_packet, reassemble,
+        TC_ACT_SHOT, TC_ACT_UNSPEC, XDP_PASS, XDP_REDIRECT, build, crc32c, fragment, icmp_error,
+        inet_checksum, l4_checksum, parse_checked, parse_fragment, quoted_packet, reassemble,
     },
 };
 
@@ -2833,5 +2833,316 @@ fn connects_racing_generation_switches_are_never_refused() {
             "every connect reaches a backend: {counts:?}"
         );
         drop(echoes);
+    });
+}
+
+// ---- XDP (`kpr_xdp_external`, `--bpf-xdp`) ----
+//
+// The oracle is the tc fast path on the same node: XDP must leave a packet of an established
+// flow exactly as tc would (addresses, ports, every checksum recomputed here from scratch),
+// with the next hop's MACs, and hand everything it cannot finish to tc untouched.
+
+/// A backend on the external network (another node's pod, reached through `ext0`) and the
+/// neighbour entries XDP needs (it redirects only to resolved neighbours).
+const REMOTE: &str = "10.10.0.9";
+const REMOTE6: &str = "fd00:10::9";
+const REMOTE_MAC: [u8; 6] = [0x02, 0, 0, 0, 0, 0x09];
+/// The client's MAC (`packet::build`'s source MAC), as the node's neighbour table knows it.
+const CLIENT_MAC: [u8; 6] = [0x02, 0, 0, 0, 0, 0x02];
+
+/// `remote`: dual-stack NodePort TCP 30095 → 8080 and UDP 30096 → 5353 on [`REMOTE`] /
+/// [`REMOTE6`]; `podside`: NodePort TCP 30097 → 8080 on the local pod [`BACKEND`] (behind
+/// `pod0`, not an XDP target). Also writes the neighbour entries of the remote backend and the
+/// client on `ext0`.
+fn program_remote(node: &mut Node) {
+    for (addr, mac) in [
+        (REMOTE, REMOTE_MAC),
+        (REMOTE6, REMOTE_MAC),
+        (CLIENT, CLIENT_MAC),
+        (CLIENT6, CLIENT_MAC),
+    ] {
+        let mac = mac.map(|b| format!("{b:02x}")).join(":");
+        // This thread is in the node namespace; the child inherits it.
+        let status = std::process::Command::new("ip")
+            .args(["neigh", "replace", addr, "lladdr", &mac, "dev", "ext0"])
+            .args(["nud", "permanent"])
+            .status()
+            .expect("ip neigh");
+        assert!(status.success(), "ip neigh {addr}");
+    }
+    let services = [
+        "{name: remote, namespace: default}\nspec: {type: NodePort, clusterIP: 10.96.0.60, \
+         clusterIPs: [10.96.0.60, 'fd00:96::60'], ipFamilies: [IPv4, IPv6], \
+         ipFamilyPolicy: RequireDualStack, ports: [\
+         {name: http, port: 80, protocol: TCP, targetPort: 8080, nodePort: 30095}, \
+         {name: dns, port: 53, protocol: UDP, targetPort: 5353, nodePort: 30096}, \
+         {name: diameter, port: 3868, protocol: SCTP, targetPort: 3869, nodePort: 30098}]}",
+        "{name: podside, namespace: default}\nspec: {type: NodePort, clusterIP: 10.96.0.61, \
+         ports: [{name: http, port: 80, protocol: TCP, targetPort: 8080, nodePort: 30097}]}",
+    ];
+    let services: BTreeMap<ObjectKey, ServiceInfo> = services
+        .iter()
+        .map(|meta| {
+            let yaml = format!("apiVersion: v1\nkind: Service\nmetadata: {meta}\n");
+            let service: Service = serde_yaml::from_str(&yaml).expect("service yaml");
+            let name = service.metadata.name.clone().expect("name");
+            (key(&name), service.into())
+        })
+        .collect();
+    let slice = |name: &str, service: &str, family: &str, addr: &str| {
+        let yaml = format!(
+            "apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\n\
+             metadata: {{name: {name}, namespace: default, labels: {{kubernetes.io/service-name: {service}}}}}\n\
+             addressType: {family}\nports: [{{name: http, port: 8080, protocol: TCP}}, \
+             {{name: dns, port: 5353, protocol: UDP}}, {{name: diameter, port: 3869, protocol: SCTP}}]\n\
+             endpoints: [{{addresses: ['{addr}'], nodeName: other, conditions: {{ready: true}}}}]\n"
+        );
+        let slice: EndpointSlice = serde_yaml::from_str(&yaml).expect("slice yaml");
+        (key(name), slice.into())
+    };
+    let slices = BTreeMap::from([
+        slice("remote-4", "remote", "IPv4", REMOTE),
+        slice("remote-6", "remote", "IPv6", REMOTE6),
+        slice("podside-4", "podside", "IPv4", BACKEND),
+    ]);
+    let snapshot = Snapshot::compute(&Objects::new(services, slices, None), NODE);
+    let errors: Vec<String> = snapshot.errors().map(ToString::to_string).collect();
+    assert!(errors.is_empty(), "snapshot errors: {errors:?}");
+    let (_, errors) = node.dataplane.apply(&snapshot, None);
+    assert!(errors.is_empty(), "apply errors: {errors:?}");
+}
+
+/// `ext0`'s MAC, as the fib lookup reports it for packets leaving there.
+fn ext0_mac() -> [u8; 6] {
+    let addrs = nix::ifaddrs::getifaddrs().expect("getifaddrs");
+    for ifaddr in addrs {
+        if ifaddr.interface_name != "ext0" {
+            continue;
+        }
+        if let Some(link) = ifaddr.address.as_ref().and_then(|a| a.as_link_addr())
+            && let Some(mac) = link.addr()
+        {
+            return mac;
+        }
+    }
+    panic!("no MAC on ext0");
+}
+
+/// Runs the XDP program on `frame` arriving on `ext0`: the action and the output frame.
+fn run_xdp(node: &mut Node, frame: &[u8]) -> (u32, Vec<u8>) {
+    let out = node
+        .dataplane
+        .test_run_xdp(frame, node.ext0)
+        .expect("xdp test_run");
+    (out.action, out.packet)
+}
+
+/// `frame` with its L4 checksum replaced by the pseudo-header sum alone, as a local stack
+/// leaves it for the device to finish (`CHECKSUM_PARTIAL` over veth).
+fn partial_checksum(frame: &[u8]) -> Vec<u8> {
+    let parsed = parse_checked(frame).expect("frame");
+    let offset = frame.len() - parsed.l4.len();
+    let field = offset + if parsed.proto == PROTO_TCP { 16 } else { 6 };
+    let pseudo = !l4_checksum(
+        parsed.src,
+        parsed.dst,
+        parsed.proto,
+        &vec![0; parsed.l4.len()],
+    );
+    let mut out = frame.to_vec();
+    out[field..field + 2].copy_from_slice(&pseudo.to_be_bytes());
+    out
+}
+
+/// Issue 14 item 1: a flow's first packet goes through tc (XDP leaves new flows to it); every
+/// later packet of the flow, and the backend's replies, are translated by XDP exactly as tc
+/// translated the first (SNAT to the node address and port tc chose, DNAT to the backend;
+/// replies back to frontend → client), every checksum valid, with the next hop's MACs and
+/// `XDP_REDIRECT` to `ext0` (an XDP target: the agent attached the program there). TCP and
+/// UDP, IPv4 and IPv6.
+#[test]
+fn xdp_translates_later_packets_of_tc_flows_and_their_replies() {
+    with_node(|node| {
+        assert_eq!(
+            node.dataplane.xdp_interfaces(),
+            vec![("ext0".to_owned(), node.ext0)],
+            "XDP on the external interface only"
+        );
+        program_remote(node);
+        let own_mac = ext0_mac();
+        let cases = [
+            (CLIENT, NODE_IP, 30095, REMOTE, 8080, L4::TcpSyn, L4::TcpAck),
+            (CLIENT, NODE_IP, 30096, REMOTE, 5353, L4::Udp, L4::Udp),
+            (
+                CLIENT6,
+                NODE_IP6,
+                30095,
+                REMOTE6,
+                8080,
+                L4::TcpSyn,
+                L4::TcpAck,
+            ),
+            (CLIENT6, NODE_IP6, 30096, REMOTE6, 5353, L4::Udp, L4::Udp),
+        ];
+        for (i, (client, node_ip, port, backend, backend_port, first, later)) in
+            cases.into_iter().enumerate()
+        {
+            let client = sa(client, 45_000 + i as u16);
+            let frontend = sa(node_ip, port);
+            let backend = sa(backend, backend_port);
+            let what = format!("{first:?} {client} → {frontend}");
+            let before = (
+                stat(node, StatIndex::XdpEstablished),
+                stat(node, StatIndex::XdpReplyTranslated),
+            );
+
+            // The first packet: not XDP's (no entry yet), untouched; tc starts the flow.
+            let syn = build(client, frontend, first, b"hello");
+            let (action, out) = run_xdp(node, &syn);
+            assert_eq!(action, XDP_PASS, "{what}: a new flow is tc's");
+            assert_eq!(out, syn, "{what}: passed untouched");
+            let (action, by_tc) = run(node, program_names::TC_EXTERNAL, &syn, node.ext0);
+            assert_eq!(action, TC_ACT_REDIRECT, "{what}: tc");
+            assert_eq!(by_tc.destination(), backend, "{what}: tc DNAT");
+
+            // Later packets: XDP, the same translation as tc's.
+            let data = build(client, frontend, later, b"data");
+            let (action, frame) = run_xdp(node, &data);
+            assert_eq!(
+                action, XDP_REDIRECT,
+                "{what}: XDP takes the established flow"
+            );
+            let out = parse_checked(&frame)
+                .unwrap_or_else(|e| panic!("{what}: XDP output {frame:02x?}: {e}"));
+            assert_eq!(out.destination(), backend, "{what}: DNAT");
+            assert_eq!(
+                out.source(),
+                by_tc.source(),
+                "{what}: tc's SNAT address and port"
+            );
+            assert!(out.l4.ends_with(b"data"), "{what}: payload");
+            assert_eq!(out.eth_dst, REMOTE_MAC, "{what}: next hop's MAC");
+            assert_eq!(out.eth_src, own_mac, "{what}: ext0's MAC");
+
+            // The backend's reply arrives on ext0 too: back to the client from the frontend.
+            let reply = build(backend, out.source(), later, b"pong");
+            let (action, frame) = run_xdp(node, &reply);
+            assert_eq!(action, XDP_REDIRECT, "{what}: XDP takes the reply");
+            let back = parse_checked(&frame)
+                .unwrap_or_else(|e| panic!("{what}: XDP reply {frame:02x?}: {e}"));
+            assert_eq!(back.source(), frontend, "{what}: reply source");
+            assert_eq!(back.destination(), client, "{what}: reply destination");
+            assert!(back.l4.ends_with(b"pong"), "{what}: reply payload");
+            assert_eq!(back.eth_dst, CLIENT_MAC, "{what}: client's MAC");
+            assert_eq!(back.eth_src, own_mac, "{what}: reply leaves ext0");
+
+            assert_eq!(
+                (
+                    stat(node, StatIndex::XdpEstablished),
+                    stat(node, StatIndex::XdpReplyTranslated),
+                ),
+                (before.0 + 1, before.1 + 1),
+                "{what}: counted"
+            );
+        }
+    });
+}
+
+/// Issue 14 item 1: what XDP cannot finish goes on to tc exactly as it came (and tc then
+/// translates it, so nothing is lost): a flow whose next hop is a local pod's veth (not an XDP
+/// target), a packet whose L4 checksum is only the pseudo-header sum (`CHECKSUM_PARTIAL`), a
+/// first IP fragment, SCTP. A UDP datagram without checksum (IPv4 checksum 0) keeps it 0.
+#[test]
+fn xdp_passes_to_tc_what_it_cannot_finish() {
+    with_node(|node| {
+        program_remote(node);
+
+        // A local pod's backend: XDP leaves the packet to tc, which redirects it.
+        let client = sa(CLIENT, 46_000);
+        let frontend = sa(NODE_IP, 30097);
+        let syn = build(client, frontend, L4::TcpSyn, b"");
+        let (action, _) = run(node, program_names::TC_EXTERNAL, &syn, node.ext0);
+        assert_eq!(action, TC_ACT_REDIRECT);
+        let passed = stat(node, StatIndex::XdpPassedToTc);
+        let ack = build(client, frontend, L4::TcpAck, b"data");
+        let (action, out) = run_xdp(node, &ack);
+        assert_eq!(action, XDP_PASS, "next hop pod0 is tc's");
+        assert_eq!(out, ack, "passed untouched");
+        assert_eq!(stat(node, StatIndex::XdpPassedToTc), passed + 1);
+        let (action, by_tc) = run(node, program_names::TC_EXTERNAL, &ack, node.ext0);
+        assert_eq!(action, TC_ACT_REDIRECT, "tc translates what XDP passed");
+        assert_eq!(by_tc.destination(), sa(BACKEND, 8080));
+
+        // A partial checksum on an established flow XDP would otherwise take.
+        let client = sa(CLIENT, 46_001);
+        let frontend = sa(NODE_IP, 30095);
+        let syn = build(client, frontend, L4::TcpSyn, b"");
+        let (action, _) = run(node, program_names::TC_EXTERNAL, &syn, node.ext0);
+        assert_eq!(action, TC_ACT_REDIRECT);
+        let ack = build(client, frontend, L4::TcpAck, b"data");
+        let partial = partial_checksum(&ack);
+        let counted = stat(node, StatIndex::XdpPassedChecksumPartial);
+        let (action, out) = run_xdp(node, &partial);
+        assert_eq!(action, XDP_PASS, "partial checksum is tc's");
+        assert_eq!(out, partial, "passed untouched");
+        assert_eq!(stat(node, StatIndex::XdpPassedChecksumPartial), counted + 1);
+        let (action, _) = run_xdp(node, &ack);
+        assert_eq!(
+            action, XDP_REDIRECT,
+            "the same flow with a complete checksum is XDP's"
+        );
+
+        // UDP over IPv4 without a checksum keeps none.
+        let client = sa(CLIENT, 46_002);
+        let frontend = sa(NODE_IP, 30096);
+        let first = build(client, frontend, L4::Udp, b"q");
+        let (action, _) = run(node, program_names::TC_EXTERNAL, &first, node.ext0);
+        assert_eq!(action, TC_ACT_REDIRECT);
+        let mut bare = build(client, frontend, L4::Udp, b"q2");
+        let field = bare.len() - b"q2".len() - 2;
+        bare[field..field + 2].fill(0);
+        let (action, frame) = run_xdp(node, &bare);
+        assert_eq!(action, XDP_REDIRECT);
+        let out = parse_checked(&frame).expect("valid output");
+        assert_eq!(out.destination(), sa(REMOTE, 5353));
+        assert_eq!(&out.l4[6..8], &[0, 0], "no checksum stays no checksum");
+
+        // Fragments and SCTP stay with tc, whatever their flow.
+        let big = build(client, frontend, L4::Udp, &[7u8; 3000]);
+        for piece in fragment(&big, 1400, 0x77) {
+            let (action, out) = run_xdp(node, &piece);
+            assert_eq!(action, XDP_PASS, "fragments are tc's");
+            assert_eq!(out, piece);
+        }
+        let client = sa(CLIENT, 46_003);
+        let sctp = build(client, sa(NODE_IP, 30098), L4::Sctp, b"");
+        let (action, _) = run(node, program_names::TC_EXTERNAL, &sctp, node.ext0);
+        assert_eq!(action, TC_ACT_REDIRECT);
+        let data = build(client, sa(NODE_IP, 30098), L4::SctpData, b"chunk");
+        let (action, out) = run_xdp(node, &data);
+        assert_eq!(action, XDP_PASS, "SCTP is tc's");
+        assert_eq!(out, data);
+    });
+}
+
+/// On the netfilter path (the default) `--bpf-xdp auto` attaches nothing, and the program
+/// itself takes no flow there: the translation must be split around FORWARD/POSTROUTING.
+#[test]
+fn xdp_takes_nothing_on_the_netfilter_path() {
+    with_netfilter_node(|node| {
+        assert!(node.dataplane.xdp_interfaces().is_empty(), "auto: no XDP");
+        program_remote(node);
+        let client = sa(CLIENT, 47_000);
+        let frontend = sa(NODE_IP, 30095);
+        let syn = build(client, frontend, L4::TcpSyn, b"");
+        let (action, _) = run(node, program_names::TC_EXTERNAL, &syn, node.ext0);
+        assert_eq!(
+            action, TC_ACT_UNSPEC,
+            "netfilter path: DNAT, then the stack"
+        );
+        let ack = build(client, frontend, L4::TcpAck, b"data");
+        let (action, out) = run_xdp(node, &ack);
+        assert_eq!(action, XDP_PASS);
+        assert_eq!(out, ack);
     });
 }

@@ -529,6 +529,12 @@ pub fn apply(
         }
     }
     ebpf.tc_fast_path = args.tc_fast_path;
+    if let Some(text) = &args.bpf_xdp {
+        match text.parse() {
+            Ok(setting) => ebpf.xdp = setting,
+            Err(reason) => overlay.flag_only("bpf-xdp", text, reason),
+        }
+    }
     ebpf.socket_lb_host_namespace_only = args.bpf_socket_lb_host_namespace_only;
     for name in args.bpf_disable_feature.iter().flatten() {
         let name = name.trim();

@@ -173,6 +173,8 @@ pub struct EbpfConfig {
     pub map_maglev: u32,
     /// `--tc-fast-path`: translated external traffic skips netfilter FORWARD/POSTROUTING.
     pub tc_fast_path: bool,
+    /// `--bpf-xdp`: XDP on the external interfaces.
+    pub xdp: crate::dataplane::ebpf::XdpSetting,
     /// `--bpf-socket-lb-host-namespace-only`: pods' Service traffic is load-balanced in tc,
     /// not at their sockets.
     pub socket_lb_host_namespace_only: bool,
@@ -217,6 +219,7 @@ impl Default for EbpfConfig {
             maglev_table_size: proxy_common::maglev::DEFAULT_TABLE_SIZE,
             map_maglev: proxy_common::default_sizes::MAGLEV,
             tc_fast_path: false,
+            xdp: crate::dataplane::ebpf::XdpSetting::Auto,
             socket_lb_host_namespace_only: false,
             drift_check_period: DEFAULT_DRIFT_CHECK_PERIOD,
             mode_switch_drain_period: DEFAULT_MODE_SWITCH_DRAIN_PERIOD,

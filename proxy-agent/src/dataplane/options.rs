@@ -37,6 +37,7 @@ pub fn ebpf_options(config: &Config) -> EbpfOptions {
             masquerade_all: config.masquerade_all,
             localhost_node_ports: config.iptables.localhost_node_ports,
             fast_path: config.ebpf.tc_fast_path,
+            xdp: config.ebpf.xdp,
             host_namespace_only: config.ebpf.socket_lb_host_namespace_only,
             // The probe decides (`EbpfDataplane::start`).
             tcx: true,

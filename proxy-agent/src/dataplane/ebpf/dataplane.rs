@@ -44,6 +44,7 @@ use super::{
     tc::TcOptions,
     tc::TcState,
     tc_conntrack::{self, ConntrackPair, monotonic_ns},
+    xdp::XdpState,
 };
 use crate::desired::{Protocol, ServicePortName, Snapshot};
 
@@ -250,6 +251,7 @@ impl EbpfDataplane {
             take_map(&mut ebpf, map_names::NODE_ADDRS)?,
             take_map(&mut ebpf, map_names::NODE_CONFIG)?,
             take_map(&mut ebpf, map_names::SNAT_IFACES)?,
+            XdpState::new(options.tc.xdp, &mut ebpf),
         );
 
         let mut batch = BatchReader::default();
@@ -727,12 +729,17 @@ impl EbpfDataplane {
         }
     }
 
-    /// Datapath counters summed over all CPUs (for logs and metrics).
     /// The agent's record of what is programmed.
     pub fn map_writer(&self) -> &MapWriter {
         &self.map_writer
     }
 
+    /// The interfaces running the XDP program (`--bpf-xdp`): (name, ifindex).
+    pub fn xdp_interfaces(&self) -> Vec<(String, u32)> {
+        self.tc.xdp_interfaces()
+    }
+
+    /// Datapath counters summed over all CPUs (for logs and metrics).
     pub fn stats(&self) -> Vec<(StatIndex, u64)> {
         read_stats(&self.stats)
     }

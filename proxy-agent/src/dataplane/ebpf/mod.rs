@@ -31,6 +31,7 @@ mod tc;
 mod tc_conntrack;
 mod tc_programs;
 mod test_run;
+pub mod xdp;
 
 pub use ct_maps::ConntrackMaps;
 pub use ct_worker::WorkerReports;
@@ -51,7 +52,8 @@ pub use options::{EbpfOptions, LbOptions};
 pub use pins::{PIN_DIR_MODE, PIN_DIR_NAME, cleanup};
 pub use tc::TcOptions;
 pub use tc_conntrack::{CtWalk, monotonic_ns};
-pub use test_run::{TcTestInput, TcTestRun};
+pub use test_run::{TcTestInput, TcTestRun, XdpTestRun};
+pub use xdp::XdpSetting;
 
 /// The conntrack map's static size (`--bpf-map-dynamic-size-ratio 0`), for test rigs that want
 /// a fixed one.

@@ -56,6 +56,7 @@ use super::{
     map_writer::{ip4_to_map, ip6_to_map},
     pins::{LINK_SUFFIX, remove_if_present},
     tc_programs::loaded_classifier,
+    xdp::{XdpSetting, XdpState},
 };
 use crate::{
     config::{DetectLocal, NodePortAddresses},
@@ -86,6 +87,8 @@ pub struct TcOptions {
     pub host_namespace_only: bool,
     /// Attach as TCX links; otherwise as legacy clsact filters (`legacy_tc`).
     pub tcx: bool,
+    /// `--bpf-xdp`: the XDP program on the external interfaces too (`xdp`).
+    pub xdp: XdpSetting,
 }
 
 /// The cookie of the agent's network namespace — the node's — as the socket hooks'
@@ -173,6 +176,8 @@ pub struct TcState {
     /// `node_flags::KERNEL_FLOWS`: set from the start until the kernel's NATed flows are all
     /// adopted ([`TcState::kernel_flows_adopted`]).
     kernel_flows: bool,
+    /// The XDP links of the external interfaces (`--bpf-xdp`).
+    xdp: XdpState,
 }
 
 /// One attachment of a tc program.
@@ -199,6 +204,7 @@ impl TcState {
         node_addrs: HashMap<MapData, NodeAddrKey, u8>,
         node_config: Array<MapData, NodeConfig>,
         snat_ifaces: HashMap<MapData, u32, SnatAddrs>,
+        xdp: XdpState,
     ) -> Self {
         // Whatever a previous agent left in the node map is replaced by the first refresh.
         let programmed_addrs = node_addrs
@@ -235,6 +241,7 @@ impl TcState {
             }),
             links: BTreeMap::new(),
             unusable: BTreeSet::new(),
+            xdp,
         }
     }
 
@@ -273,6 +280,9 @@ impl TcState {
             config.flags |= node_flags::KERNEL_FLOWS;
         }
         let mut wanted = BTreeSet::new();
+        // External interfaces whose tc ingress program is in place: XDP passes them what it
+        // does not take.
+        let mut xdp_ready = BTreeMap::new();
         for (name, role) in &roles {
             let program = match role {
                 TcRole::External => program_names::TC_EXTERNAL,
@@ -312,6 +322,10 @@ impl TcState {
                     }
                 }
             }
+            let ingress = format!("{program}_if{index}{LINK_SUFFIX}");
+            if *role == TcRole::External && self.links.contains_key(&ingress) {
+                xdp_ready.insert(name.clone(), index);
+            }
         }
         if first && self.options.tcx {
             self.remove_legacy_filters(&all, &wanted);
@@ -320,6 +334,9 @@ impl TcState {
         // netfilter path needs the egress programs in place.
         self.program_node(config, &addrs);
         self.program_snat(snat);
+        // After the node config and SNAT interfaces it reads; before tc detaches anything.
+        self.xdp
+            .refresh(ebpf, pin_dir, &xdp_ready, self.options.fast_path, first);
         self.detach_unwanted(&wanted, pin_dir);
         if first {
             self.remove_stale_pins(pin_dir);
@@ -629,6 +646,14 @@ impl TcState {
     /// Whether pods' Service traffic is the tc programs' (`--bpf-socket-lb-host-namespace-only`).
     pub fn host_namespace_only(&self) -> bool {
         self.options.host_namespace_only
+    }
+
+    /// The interfaces running the XDP program: (name, ifindex).
+    pub fn xdp_interfaces(&self) -> Vec<(String, u32)> {
+        self.xdp
+            .attached()
+            .map(|(name, index)| (name.to_owned(), index))
+            .collect()
     }
 
     pub fn link_count(&self) -> usize {

@@ -1,4 +1,5 @@
-//! `BPF_PROG_TEST_RUN` of the tc programs against the live maps (tests and benchmarks).
+//! `BPF_PROG_TEST_RUN` of the tc and XDP programs against the live maps (tests and
+//! benchmarks).
 
 use std::os::fd::AsFd as _;
 
@@ -7,7 +8,17 @@ use super::{
     dataplane::EbpfDataplane,
     error::EbpfError,
     tc_programs::loaded_classifier,
+    xdp,
 };
+
+/// One run of the XDP program with `BPF_PROG_TEST_RUN` ([`EbpfDataplane::test_run_xdp`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct XdpTestRun {
+    /// The program's return value (`XDP_*`).
+    pub action: u32,
+    /// The packet after the program.
+    pub packet: Vec<u8>,
+}
 
 /// One run of a tc program with `BPF_PROG_TEST_RUN` ([`EbpfDataplane::test_run_tc`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -98,6 +109,61 @@ impl EbpfDataplane {
             ..TcTestInput::default()
         };
         self.run_tc(program, packet, input, repeat)
+    }
+
+    /// Runs `kpr_xdp_external` once on `packet` as if it had arrived on interface `ifindex`
+    /// (it must exist in the caller's namespace), against the live maps. A redirect is
+    /// reported (`XDP_REDIRECT`), not performed.
+    pub fn test_run_xdp(&mut self, packet: &[u8], ifindex: u32) -> Result<XdpTestRun, EbpfError> {
+        self.run_xdp(packet, ifindex, 1).map(|(run, _)| run)
+    }
+
+    /// [`Self::test_run_xdp`] with the kernel's `repeat`, also returning the mean time of one
+    /// run (for the benchmarks; the same caveat as [`Self::test_run_tc_timed`]).
+    pub fn test_run_xdp_timed(
+        &mut self,
+        packet: &[u8],
+        ifindex: u32,
+        repeat: u32,
+    ) -> Result<(XdpTestRun, std::time::Duration), EbpfError> {
+        self.run_xdp(packet, ifindex, repeat)
+    }
+
+    fn run_xdp(
+        &mut self,
+        packet: &[u8],
+        ifindex: u32,
+        repeat: u32,
+    ) -> Result<(XdpTestRun, std::time::Duration), EbpfError> {
+        let name = proxy_common::program_names::XDP_EXTERNAL;
+        let program = xdp::loaded_program(&mut self.ebpf)?;
+        // `struct xdp_md`: data 0, data_end the packet's length, data_meta 0 (the kernel
+        // requires these), then ingress_ifindex (offset 12), which the fib lookup starts from.
+        let mut ctx = [0u8; 24];
+        let len = u32::try_from(packet.len()).unwrap_or(u32::MAX);
+        ctx[4..8].copy_from_slice(&len.to_ne_bytes());
+        ctx[12..16].copy_from_slice(&ifindex.to_ne_bytes());
+        let mut out = vec![0u8; packet.len() + 256];
+        let mut ctx_out = [0u8; 24];
+        let fd = program
+            .fd()
+            .map_err(|source| EbpfError::Program { name, source })?;
+        let run = SkbTestRun {
+            data_in: packet,
+            ctx_in: &ctx,
+            repeat,
+            flags: 0,
+        };
+        let result = bpf_syscall::test_run_skb(fd.as_fd(), &run, &mut out, &mut ctx_out)
+            .map_err(|source| EbpfError::TestRun { name, source })?;
+        out.truncate(result.data_size_out);
+        Ok((
+            XdpTestRun {
+                action: result.retval,
+                packet: out,
+            },
+            result.duration,
+        ))
     }
 
     fn run_tc(

@@ -1,0 +1,255 @@
+//! The XDP program of the external interfaces (`--bpf-xdp`): packets of established fast-path
+//! flows translated in the driver, before the kernel builds an skb, and redirected to their
+//! next hop; everything else goes on to the tc program (`XDP_PASS`), which does what it did
+//! without XDP.
+//!
+//! What XDP takes: a whole TCP or UDP packet of a flow in the tc conntrack (`KPR_CT4/6`, shared
+//! with tc, so a flow moves between the two at any packet) that takes the fast path
+//! (`node_flags::FAST_PATH`, or a `ct_flags::BYPASS` flow): a client's packet to its backend,
+//! or a backend's reply to its client, whose next hop the fib lookup resolves to an interface
+//! in `KPR_XDP_TARGETS` (the interfaces running this program). Left to tc:
+//! - new flows (backend choice, source ranges, REJECT, SNAT ports: tc's `new_flow`), so the
+//!   first packet of every flow goes through tc and writes the entries XDP then follows;
+//! - the netfilter path (the default): its translation is split around the host's FORWARD and
+//!   POSTROUTING, which need the skb; XDP could only DNAT and pass, as tc does;
+//! - next hops XDP cannot redirect to: a local pod's veth (its peer in the pod takes XDP frames
+//!   only with NAPI on, which the agent cannot see), the node itself, a neighbour not resolved
+//!   yet (tc's `bpf_redirect_neigh` resolves it);
+//! - IP fragments, ICMP errors, SCTP (CRC32c update), VLAN-tagged frames, flows the kernel's
+//!   conntrack NATs (adopted), and packets whose L4 checksum is only the pseudo-header sum
+//!   (`CHECKSUM_PARTIAL`, sent by a local stack over veth: the incremental update below
+//!   assumes a complete checksum, as every packet from a wire has).
+//!
+//! Checksums are updated here by RFC 1624 arithmetic (XDP has no `bpf_l3/l4_csum_replace`).
+
+use core::mem;
+
+use aya_ebpf::{
+    EbpfContext as _,
+    bindings::{
+        BPF_FIB_LKUP_RET_SUCCESS, bpf_fib_lookup as FibLookup,
+        xdp_action::{XDP_DROP, XDP_PASS},
+    },
+    helpers::{bpf_fib_lookup, bpf_ktime_get_ns},
+    programs::XdpContext,
+};
+use proxy_common::{CtValue, StatIndex, ct_flags, family, proto};
+
+use crate::{
+    conntrack::{self, View},
+    csum::{add_words, fold, store, sum_port, sum_word},
+    maps::{KPR_SNAT_IFACES, KPR_XDP_TARGETS, scratch},
+    nat::fast_path,
+    parse::{ETH_HLEN, ETH_P_IP, ETH_P_IPV6, Packet, linear_at, load, parse_whole},
+    stats::bump,
+};
+
+const AF_INET: u8 = 2;
+const AF_INET6: u8 = 10;
+/// Offset of the IPv4 header checksum.
+const IPV4_CSUM: usize = ETH_HLEN + 10;
+
+/// `kpr_xdp_external`: one program for both families (the established path is small; the tc
+/// programs are split per family for `new_flow`'s sake).
+pub fn external(ctx: &XdpContext) -> u32 {
+    let Some(eth) = linear_at(ctx, 0, ETH_HLEN) else {
+        return XDP_PASS;
+    };
+    // SAFETY: the Ethernet header is checked (`linear_at`); unaligned, as in `parse`.
+    let ethertype = u16::from_be(unsafe { core::ptr::read_unaligned((eth + 12) as *const u16) });
+    match ethertype {
+        ETH_P_IP => established::<false>(ctx),
+        ETH_P_IPV6 => established::<true>(ctx),
+        _ => XDP_PASS,
+    }
+}
+
+#[inline(always)]
+fn established<const V6: bool>(ctx: &XdpContext) -> u32 {
+    let Some(pkt) = parse_whole::<V6>(ctx) else {
+        return XDP_PASS;
+    };
+    let Some(scratch) = scratch() else {
+        return XDP_PASS;
+    };
+    // SAFETY: the per-CPU slot is ours until the program ends (see `KPR_TC_SCRATCH`).
+    let key = unsafe { &mut (*scratch).flow_key };
+    pkt.write_ct_key(key);
+    let Some(value) = conntrack::lookup::<V6>(key, View::A) else {
+        return XDP_PASS;
+    };
+    if !fast_path() && value.flags & ct_flags::BYPASS == 0 {
+        return XDP_PASS;
+    }
+    // SAFETY: bpf_ktime_get_ns has no preconditions.
+    let now = unsafe { bpf_ktime_get_ns() };
+    let reply = value.flags & ct_flags::REPLY != 0;
+    if !reply && (value.flags & ct_flags::KERNEL_NAT != 0 || !conntrack::carries(value, pkt, now)) {
+        // A flow that starts over (its entry expired, or a SYN on a closing one) chooses its
+        // backend again: tc's `new_flow`.
+        return XDP_PASS;
+    }
+    if checksum_partial::<V6>(ctx, pkt) {
+        bump(StatIndex::XdpPassedChecksumPartial);
+        return XDP_PASS;
+    }
+    // Where it goes, before anything changes: what XDP cannot send on, tc gets as it came.
+    let Some(target) = next_hop(ctx, pkt, value) else {
+        bump(StatIndex::XdpPassedToTc);
+        return XDP_PASS;
+    };
+    // The conntrack state as tc keeps it.
+    if reply {
+        if conntrack::reply_seen::<V6>(key, value, pkt, now) {
+            bump(StatIndex::TcForwardRebuilt);
+        }
+    } else {
+        conntrack::touch::<V6>(key, value, pkt, now);
+    }
+    if rewrite(ctx, pkt, value).is_none() {
+        bump(StatIndex::XdpRewriteFailed);
+        return XDP_DROP;
+    }
+    bump(if reply {
+        StatIndex::XdpReplyTranslated
+    } else {
+        StatIndex::XdpEstablished
+    });
+    // Dropped if the interface left the map since `next_hop` looked (the agent detaching): the
+    // packet is rewritten, and tc must not see it so.
+    KPR_XDP_TARGETS
+        .redirect(target, u64::from(XDP_DROP))
+        .unwrap_or_else(|action| {
+            bump(StatIndex::XdpRewriteFailed);
+            action
+        })
+}
+
+/// Whether the L4 checksum field holds the pseudo-header sum alone (`CHECKSUM_PARTIAL`: the
+/// sender left the rest to a device that would sum the packet, as a local stack does over
+/// veth) rather than a complete checksum. A complete one equals it by chance once in 65536
+/// packets, which then only take the tc path.
+#[inline(always)]
+fn checksum_partial<const V6: bool>(ctx: &XdpContext, pkt: &Packet) -> bool {
+    let Some(field) = load::<u16, _>(ctx, pkt.l4_csum_offset()) else {
+        return false;
+    };
+    // IPv4: total length minus the header; IPv6: payload length minus what precedes the L4
+    // header after the fixed header.
+    let length = if V6 {
+        load::<u16, _>(ctx, ETH_HLEN + 4)
+            .map(|len| u16::from_be(len).wrapping_sub((pkt.l4 - ETH_HLEN - 40) as u16))
+    } else {
+        load::<u16, _>(ctx, ETH_HLEN + 2)
+            .map(|len| u16::from_be(len).wrapping_sub((pkt.l4 - ETH_HLEN) as u16))
+    };
+    let Some(length) = length else {
+        return false;
+    };
+    // The pseudo-header (addresses, protocol, L4 length), summed as `add_words` does: native
+    // loads of network-order words, so the folded sum compares with the field as loaded.
+    let sum = u32::from(u16::from(pkt.proto).to_be()) + u32::from(length.to_be());
+    let sum = add_words(add_words(sum, &pkt.src), &pkt.dst);
+    // `fold` complements; the field of a partial checksum holds the sum itself.
+    field == !fold(sum)
+}
+
+/// The interface the translated packet leaves by, with the MACs for it in the scratch slot's
+/// fib parameters: the fib lookup's (only `SUCCESS`, a resolved neighbour), or for a reply
+/// whose route leaves elsewhere the interface its client's packets come in on (as
+/// `nat::leave_by_ingress`). `None` unless it is in `KPR_XDP_TARGETS`.
+#[inline(always)]
+fn next_hop(ctx: &XdpContext, pkt: &Packet, to: &CtValue) -> Option<u32> {
+    let scratch = scratch()?;
+    // SAFETY: the per-CPU slot is ours until the program ends; `fib` is only used here and by
+    // `rewrite`, after this.
+    let params: &mut FibLookup = unsafe { &mut (*scratch).fib };
+    // SAFETY: an all-zero bpf_fib_lookup is a valid (empty) query.
+    *params = unsafe { mem::zeroed() };
+    params.family = if pkt.family == family::V6 {
+        AF_INET6
+    } else {
+        AF_INET
+    };
+    params.l4_protocol = pkt.proto;
+    params.sport = to.sport;
+    params.dport = to.dport;
+    // SAFETY: the context pointer is the program's own xdp_md.
+    params.ifindex = unsafe { (*ctx.ctx).ingress_ifindex };
+    if pkt.family == family::V6 {
+        params.__bindgen_anon_3.ipv6_src = to.src;
+        params.__bindgen_anon_4.ipv6_dst = to.dst;
+    } else {
+        params.__bindgen_anon_3.ipv4_src = to.src[0];
+        params.__bindgen_anon_4.ipv4_dst = to.dst[0];
+    }
+    // SAFETY: params is a scratch value of the size passed.
+    let ret =
+        unsafe { bpf_fib_lookup(ctx.as_ptr(), params, mem::size_of::<FibLookup>() as i32, 0) };
+    if ret != i64::from(BPF_FIB_LKUP_RET_SUCCESS) {
+        return None;
+    }
+    let mut target = params.ifindex;
+    if to.out_ifindex != 0 && to.out_ifindex != target {
+        // SAFETY: the value is plain bytes, read in place; the agent writes whole values.
+        let own = unsafe { KPR_SNAT_IFACES.get(to.out_ifindex) }?;
+        if own.mac == [0; 6] {
+            return None;
+        }
+        params.smac = own.mac;
+        params.dmac = to.out_mac;
+        target = to.out_ifindex;
+        bump(StatIndex::TcReplyViaIngress);
+    }
+    KPR_XDP_TARGETS.get(target)?;
+    Some(target)
+}
+
+/// Rewrites `pkt` to the tuple in `to` (both halves, as tc's fast path), checksums by RFC 1624,
+/// and the MACs `next_hop` left in the scratch slot. `None`: a header was not where `parse`
+/// found it (not seen).
+#[inline(always)]
+fn rewrite(ctx: &XdpContext, pkt: &Packet, to: &CtValue) -> Option<()> {
+    let l4_csum = pkt.l4_csum_offset();
+    let old_l4 = load::<u16, _>(ctx, l4_csum)?;
+    // UDP over IPv4 may carry checksum 0 ("none"): it stays so.
+    let l4_none = pkt.proto == proto::UDP && !pkt.is_v6() && old_l4 == 0;
+    let mut l4 = u32::from(!old_l4);
+    let words = if pkt.is_v6() { 4 } else { 1 };
+    let mut i = 0;
+    while i < words {
+        l4 = sum_word(l4, pkt.src[i], to.src[i]);
+        l4 = sum_word(l4, pkt.dst[i], to.dst[i]);
+        i += 1;
+    }
+    if !pkt.is_v6() {
+        let old_ip = load::<u16, _>(ctx, IPV4_CSUM)?;
+        let mut ip = u32::from(!old_ip);
+        ip = sum_word(ip, pkt.src[0], to.src[0]);
+        ip = sum_word(ip, pkt.dst[0], to.dst[0]);
+        store(ctx, IPV4_CSUM, &fold(ip))?;
+        store(ctx, pkt.src_offset(), &to.src[0])?;
+        store(ctx, pkt.dst_offset(), &to.dst[0])?;
+    } else {
+        store(ctx, pkt.src_offset(), &to.src)?;
+        store(ctx, pkt.dst_offset(), &to.dst)?;
+    }
+    l4 = sum_port(l4, pkt.sport, to.sport);
+    l4 = sum_port(l4, pkt.dport, to.dport);
+    store(ctx, pkt.l4, &to.sport)?;
+    store(ctx, pkt.l4 + 2, &to.dport)?;
+    if !l4_none {
+        let mut check = fold(l4);
+        // A computed 0 is sent as 0xffff for UDP (0 means "no checksum").
+        if check == 0 && pkt.proto == proto::UDP {
+            check = 0xffff;
+        }
+        store(ctx, l4_csum, &check)?;
+    }
+    let scratch = scratch()?;
+    // SAFETY: the per-CPU slot is ours until the program ends; `next_hop` filled `fib`.
+    let (dmac, smac) = unsafe { ((*scratch).fib.dmac, (*scratch).fib.smac) };
+    store(ctx, 0, &dmac)?;
+    store(ctx, 6, &smac)?;
+    Some(())
+}
