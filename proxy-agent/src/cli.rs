@@ -652,6 +652,9 @@ pub enum InspectWhat {
     /// What differs between the kernel's state and what the agent wrote (asks the running
     /// agent over --metrics-bind-address; nothing is repaired).
     Drift,
+    /// Which interface runs which program: XDP, tc ingress, tc egress (from the agent's
+    /// link pins).
+    Interfaces,
     /// The kernel features the eBPF dataplane can use, which it uses with these flags
     /// (--bpf-disable-feature), and which the running agent reports using.
     Features,

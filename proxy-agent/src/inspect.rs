@@ -27,6 +27,7 @@ use crate::{
 
 mod drift;
 pub mod explain;
+pub mod interfaces;
 
 /// One frontend and where it leads.
 #[derive(Debug, Clone, Serialize, PartialEq, Eq, PartialOrd, Ord)]
@@ -116,6 +117,9 @@ pub fn run(config: &Config, args: &InspectArgs) -> anyhow::Result<String> {
         }
         (InspectWhat::Services, false) => {
             render(args.json(), &iptables_frontends()?, frontend_table)
+        }
+        (InspectWhat::Interfaces, true) => {
+            render(args.json(), &interfaces::rows(&pin_dir)?, interfaces::table)
         }
         (InspectWhat::Counters, true) => render(args.json(), &counters(&pin_dir)?, counter_table),
         (InspectWhat::Backends, true) => render(args.json(), &backends(&pin_dir)?, backend_table),

@@ -11,6 +11,11 @@
 //!   not from a backend address) comes back byte for byte unchanged with `TC_ACT_UNSPEC` (the next
 //!   program's, never `TC_ACT_OK`, which would end the TCX chain).
 //!
+//! The XDP program (`kpr_xdp_external`, first on the external link) gets every frame before tc:
+//! it returns `XDP_PASS` or `XDP_REDIRECT` only, passes a frame byte for byte unchanged (what
+//! it cannot finish is tc's, untouched), and redirects only well-formed frames, rewritten into
+//! well-formed ones.
+//!
 //! Used by `tests/tests/tc_fuzz.rs` (bounded and deterministic, in `cargo xtask test`) and by the
 //! cargo-fuzz target `tc_packets` (`tests/fuzz/`). Needs root and the real eBPF object.
 
@@ -34,13 +39,14 @@ use crate::{
     netns::Netns,
     packet::{
         L4, PROTO_SCTP, PROTO_TCP, PROTO_UDP, TC_ACT_OK, TC_ACT_REDIRECT, TC_ACT_SHOT,
-        TC_ACT_UNSPEC, build, parse_checked,
+        TC_ACT_UNSPEC, XDP_PASS, XDP_REDIRECT, build, parse_checked,
     },
 };
 
 /// The programs' names in the object (`proxy_common::program_names`).
 pub const TC_EXTERNAL: &str = "kpr_tc_external";
 pub const TC_REPLY: &str = "kpr_tc_reply";
+pub const XDP_EXTERNAL: &str = "kpr_xdp_external";
 
 const NODE: &str = "node";
 /// Destination ports of the programmed frontends (service ports and NodePorts).
@@ -320,8 +326,9 @@ impl TcNode {
     /// `kpr_tc_reply` too (the reverse translation). An error describes the violated invariant
     /// with the frame in hex.
     pub fn check(&mut self, frame: &[u8]) -> Result<Vec<Outcome>> {
+        let xdp = self.check_xdp(frame)?;
         let (external, translated) = self.check_one(TC_EXTERNAL, self.ext0, frame)?;
-        let mut outcomes = vec![external, self.check_one(TC_REPLY, self.pod0, frame)?.0];
+        let mut outcomes = vec![xdp, external, self.check_one(TC_REPLY, self.pod0, frame)?.0];
         if let Some(sent) = translated.and_then(|out| parse_checked(&out).ok()) {
             let l4 = match sent.proto {
                 PROTO_TCP => Some(L4::TcpSyn),
@@ -392,6 +399,54 @@ impl TcNode {
         };
         let redirected = checked && rewritten && out.action == TC_ACT_REDIRECT;
         Ok((outcome, redirected.then_some(out.packet)))
+    }
+}
+
+impl TcNode {
+    /// The XDP program on one frame arriving on `ext0` (see the module's invariants).
+    fn check_xdp(&mut self, frame: &[u8]) -> Result<Outcome> {
+        if frame.len() <= crate::packet::ETH_HLEN {
+            return Ok(Outcome::TooShort);
+        }
+        let dataplane = self
+            .dataplane
+            .as_mut()
+            .ok_or_else(|| other("no dataplane".into()))?;
+        let checked = parse_checked(frame).is_ok();
+        let out = match dataplane.test_run_xdp(frame, self.ext0) {
+            Ok(out) => out,
+            Err(e) if !checked && refused_by_kernel(&e) => return Ok(Outcome::Refused),
+            Err(e) => return Err(other(format!("XDP: test_run on {frame:02x?}: {e:?}"))),
+        };
+        let fail = |what: String| {
+            Err(other(format!(
+                "{XDP_EXTERNAL}: {what}\n  in:  {frame:02x?}\n  out: {:02x?}",
+                out.packet
+            )))
+        };
+        let rewritten = out.packet != frame;
+        match out.action {
+            XDP_PASS if rewritten => return fail("passed a frame it changed".to_owned()),
+            XDP_PASS => {}
+            XDP_REDIRECT if !checked => {
+                return fail("redirected a malformed frame".to_owned());
+            }
+            XDP_REDIRECT => {
+                if let Err(e) = parse_checked(&out.packet) {
+                    return fail(format!("redirected a broken rewrite: {e}"));
+                }
+                if unrelated(frame) {
+                    return fail("redirected a frame unrelated to any Service".to_owned());
+                }
+            }
+            action => return fail(format!("unexpected action {action}")),
+        }
+        Ok(Outcome::Ran {
+            program: XDP_EXTERNAL,
+            action: i32::try_from(out.action).unwrap_or(i32::MAX),
+            rewritten,
+            checked,
+        })
     }
 }
 

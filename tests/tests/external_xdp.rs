@@ -13,9 +13,11 @@
 //! take redirected XDP frames. Needs root.
 
 use std::net::{IpAddr, SocketAddr};
+use std::process::Command;
 use std::time::Duration;
 
 use proxy_common::StatIndex;
+use proxy_tests::agent::agent_binary;
 use proxy_tests::client::{Attempt, Client, Proto, tally};
 use proxy_tests::manifests::{Endpoint, endpoint_slice_yaml};
 use proxy_tests::scenario::{BACKEND_PORT, Scenario, http_and_dns_slice_ports};
@@ -125,13 +127,66 @@ fn complete_checksums(s: &Scenario) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// `proxy-agent inspect interfaces --json` in the node's namespace: (interface, hook,
+/// program) rows.
+fn inspect_interfaces(s: &mut Scenario) -> anyhow::Result<Vec<(String, String, String)>> {
+    let bpf_root = s.agent()?.bpf_root().to_path_buf();
+    let output = Command::new("nsenter")
+        .arg(format!("--net={}", s.topo.node().path().display()))
+        .arg(agent_binary()?)
+        .arg("--bpf-root")
+        .arg(&bpf_root)
+        .args(["inspect", "interfaces", "--json"])
+        .output()?;
+    anyhow::ensure!(
+        output.status.success(),
+        "inspect interfaces failed: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let rows: Vec<serde_json::Value> = serde_json::from_slice(&output.stdout)?;
+    Ok(rows
+        .iter()
+        .map(|row| {
+            let field = |name: &str| row[name].as_str().unwrap_or_default().to_owned();
+            (field("interface"), field("hook"), field("program"))
+        })
+        .collect())
+}
+
 #[test]
 fn node_port_flows_to_a_remote_pod_run_through_xdp() -> anyhow::Result<()> {
     let mut s = setup()?;
     s.start_agent_with_args("ebpf", &["--interfaces", "vext,vnode2", "--tc-fast-path"])?;
-
     // Local-stack checksums: XDP leaves those packets to tc, and everything is served.
     serve_all(&mut s)?;
+    // XDP on both external interfaces, each before its tc programs; none on the pod's veth.
+    let rows = inspect_interfaces(&mut s)?;
+    eprintln!("inspect interfaces: {rows:?}");
+    for interface in ["vext", "vnode2"] {
+        let hooks: Vec<(&str, &str)> = rows
+            .iter()
+            .filter(|(name, _, _)| name == interface)
+            .map(|(_, hook, program)| (hook.as_str(), program.as_str()))
+            .collect();
+        s.ensure(
+            hooks
+                == [
+                    ("xdp", "kpr_xdp_external"),
+                    ("tc ingress", "kpr_tc_external"),
+                    ("tc egress", "kpr_tc_egress"),
+                ],
+            || format!("{interface}: {hooks:?}"),
+        )?;
+    }
+    s.ensure(
+        rows.iter()
+            .any(|(name, hook, _)| name == "vpod1" && hook == "tc ingress")
+            && !rows
+                .iter()
+                .any(|(name, hook, _)| name == "vpod1" && hook == "xdp"),
+        || format!("vpod1 has tc, not XDP: {rows:?}"),
+    )?;
+
     let partial = counter(&mut s, StatIndex::XdpPassedChecksumPartial)?;
     s.ensure(partial > 0, || {
         "veth packets with partial checksums were left to tc (xdp_passed_checksum_partial 0)"
@@ -178,5 +233,65 @@ fn node_port_flows_to_a_remote_pod_run_through_xdp() -> anyhow::Result<()> {
             after.2 - before.2
         )
     })?;
+
+    // A restart swaps the new agent's program into the pinned links: XDP stays and serves.
+    s.agent()?.stop()?;
+    let established = counter(&mut s, StatIndex::XdpEstablished)?;
+    s.agent()?.restart()?;
+    wait_synced(&mut s)?;
+    serve_all(&mut s)?;
+    let rows = inspect_interfaces(&mut s)?;
+    s.ensure(has_xdp(&rows, "vext") && has_xdp(&rows, "vnode2"), || {
+        format!("XDP kept across the restart: {rows:?}")
+    })?;
+    let now = counter(&mut s, StatIndex::XdpEstablished)?;
+    s.ensure(now >= established + tcp, || {
+        format!("XDP after the restart: xdp_established {established} → {now}")
+    })?;
+
+    // `--bpf-xdp off`: the links go, tc serves alone.
+    s.agent()?.stop()?;
+    s.agent()?.restart_with_args(&[
+        "--interfaces",
+        "vext,vnode2",
+        "--tc-fast-path",
+        "--bpf-xdp",
+        "off",
+    ])?;
+    wait_synced(&mut s)?;
+    let rows = inspect_interfaces(&mut s)?;
+    s.ensure(!has_xdp(&rows, "vext") && !has_xdp(&rows, "vnode2"), || {
+        format!("no XDP with --bpf-xdp off: {rows:?}")
+    })?;
+    let xdp_before = (
+        counter(&mut s, StatIndex::XdpEstablished)?,
+        counter(&mut s, StatIndex::XdpReplyTranslated)?,
+    );
+    serve_all(&mut s)?;
+    let xdp_after = (
+        counter(&mut s, StatIndex::XdpEstablished)?,
+        counter(&mut s, StatIndex::XdpReplyTranslated)?,
+    );
+    s.ensure(xdp_before == xdp_after, || {
+        format!("nothing through XDP once off: {xdp_before:?} → {xdp_after:?}")
+    })?;
     Ok(())
+}
+
+/// Waits (bounded) until the restarted agent has synced once: its programs are attached by
+/// then (the previous agent's pinned ones serve meanwhile, so traffic alone does not tell).
+fn wait_synced(s: &mut Scenario) -> anyhow::Result<()> {
+    let agent = s.agent()?;
+    proxy_tests::wait::wait_until(
+        "the restarted agent's first sync",
+        Duration::from_secs(30),
+        Duration::from_millis(100),
+        || agent.syncs() >= 1,
+    )?;
+    Ok(())
+}
+
+fn has_xdp(rows: &[(String, String, String)], interface: &str) -> bool {
+    rows.iter()
+        .any(|(name, hook, _)| name == interface && hook == "xdp")
 }

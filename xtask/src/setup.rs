@@ -9,8 +9,9 @@ use crate::build::{run_cmd, step};
 /// Debian packages: LLVM 22 for bpf-linker (nightly's LLVM is 22), runtime tools for tests
 /// (`nftables`: the host-policy tests add a foreign nft table, as a CNI would; the agent
 /// removes kube-proxy's nftables tables and the migration test creates them; `prometheus`
-/// for `promtool check metrics` on the agent's expositions, `metrics_exposition.rs`).
-const DEBIAN_PACKAGES: [&str; 7] = [
+/// for `promtool check metrics` on the agent's expositions, `metrics_exposition.rs`; `ethtool`:
+/// the XDP test gives its veths a wire's complete checksums, `external_xdp.rs`).
+const DEBIAN_PACKAGES: [&str; 8] = [
     "llvm-22-dev",
     "libpolly-22-dev",
     "iptables",
@@ -18,6 +19,7 @@ const DEBIAN_PACKAGES: [&str; 7] = [
     "bpftool",
     "nftables",
     "prometheus",
+    "ethtool",
 ];
 const BPF_LINKER_VERSION: &str = "0.13.0";
 const LLVM_PREFIX: &str = "/usr/lib/llvm-22";
