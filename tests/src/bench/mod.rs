@@ -19,6 +19,7 @@ pub mod datapath;
 pub mod inprocess;
 pub mod memory;
 pub mod plot;
+pub mod pps;
 pub mod report;
 pub mod snat;
 pub mod stats;
@@ -66,6 +67,8 @@ pub struct Config {
     pub budget: Duration,
     /// Item 4 (per-packet tc cost).
     pub tc_loops: tc::TcLoops,
+    /// Issue 14 item 3 (packet rate through XDP, tc, iptables and routing).
+    pub pps_loops: pps::PpsLoops,
     /// The SNAT section's stepped load.
     pub snat_loops: snat::SnatLoops,
     /// Backend of every iptables-mode run; with legacy, the in-process iptables figures are
@@ -94,6 +97,9 @@ pub enum Section {
     Inprocess,
     /// Issue 17: new connections per second per backend before the first SNAT failure.
     Snat,
+    /// Issue 14 item 3: packets per second forwarded to a NodePort's backend on one core
+    /// through XDP, tc, iptables and plain routing.
+    Pps,
 }
 
 impl Config {
@@ -131,6 +137,10 @@ impl Config {
                 runs: 5,
                 samples: 2_000,
                 repeat: 100_000,
+            },
+            pps_loops: pps::PpsLoops {
+                runs: 3,
+                frames: 1_000_000,
             },
             // Doubling from 250/s: 250, 500, …, 8000. 15 s per step: longer than the tc
             // conntrack's 10 s close timeout, so each step reaches its steady state of entries.
@@ -181,6 +191,10 @@ impl Config {
                 runs: 2,
                 samples: 200,
                 repeat: 10_000,
+            },
+            pps_loops: pps::PpsLoops {
+                runs: 1,
+                frames: 100_000,
             },
             snat_loops: snat::SnatLoops {
                 first_rate: 1_000,
@@ -270,6 +284,8 @@ pub struct Results {
     pub inprocess: Vec<InprocessSize>,
     /// Item 4; None when not selected.
     pub tc_cost: Option<Outcome<tc::PacketCostResult>>,
+    /// Issue 14 item 3; None when not selected.
+    pub pps: Option<Outcome<pps::PpsResult>>,
     /// Issue 17's SNAT benchmark; None when not selected.
     pub snat: Option<snat::SnatResult>,
     /// iptables full-sync times seen (objects = Services + endpoints, seconds), for estimates.
@@ -405,6 +421,14 @@ pub fn run(config: Config) -> Results {
             Err(e) => runner.failed("tc per-packet cost", e),
         }
     });
+    let pps = runner.config.runs(Section::Pps).then(|| {
+        step("packet rate through XDP, tc, iptables and routing", &runner);
+        let cpu = runner.config.pin_cpu.unwrap_or(0);
+        match pps::packet_rate(runner.config.pps_loops, cpu) {
+            Ok(r) => Outcome::Done(r),
+            Err(e) => runner.failed("packet rate", e),
+        }
+    });
     let mut datapath = Vec::new();
     let datapath_sizes =
         if runner.config.runs(Section::Datapath) || runner.config.runs(Section::Nodeport) {
@@ -470,6 +494,7 @@ pub fn run(config: Config) -> Results {
         programming,
         inprocess,
         tc_cost,
+        pps,
         snat,
         iptables_syncs: runner.estimator.points.clone(),
         failures: runner.failures,

@@ -11,6 +11,11 @@
 //! and the figure minus the floor. Paths that leave the packet alone (pass-through, drop, the
 //! floor itself) are also measured with a large `repeat`, which amortises the clock read.
 //!
+//! The XDP program (`kpr_xdp_external`) is measured the same way against an empty XDP program:
+//! its pass-through (no flow: everything new is tc's), and the established flow and reverse NAT
+//! of a NodePort flow to a backend on another node (reached through `ext0`, an XDP redirect
+//! target), beside tc's figures for the same flow.
+//!
 //! A new flow is a different tuple every run (the client port and address change), so each
 //! sample is a conntrack miss that inserts the forward and reply entries and picks an SNAT
 //! port; the Service has 16 endpoints so that the SNAT port space (per backend) stays mostly
@@ -30,7 +35,9 @@ use proxy_agent::objects::{ObjectKey, Objects};
 use super::stats::Spread;
 use crate::in_process::on_netns_thread;
 use crate::netns::Netns;
-use crate::packet::{L4, TC_ACT_OK, TC_ACT_REDIRECT, TC_ACT_SHOT, TC_ACT_UNSPEC, build};
+use crate::packet::{
+    L4, TC_ACT_OK, TC_ACT_REDIRECT, TC_ACT_SHOT, TC_ACT_UNSPEC, XDP_PASS, XDP_REDIRECT, build,
+};
 use crate::{Result, RigError};
 
 const TC_EXTERNAL: &str = "kpr_tc_external";
@@ -41,6 +48,9 @@ const NODE_IP: Ipv4Addr = Ipv4Addr::new(10, 10, 0, 1);
 const CLIENT: Ipv4Addr = Ipv4Addr::new(10, 10, 0, 2);
 const LB_IP: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 10);
 const NODE_PORT: u16 = 30080;
+/// NodePort of `remote`, whose one endpoint is on the external network behind `ext0`.
+const REMOTE_NODE_PORT: u16 = 30090;
+const REMOTE: Ipv4Addr = Ipv4Addr::new(10, 10, 0, 9);
 const BACKEND_PORT: u16 = 8080;
 /// Endpoints of the measured NodePort Service (10.244.1.2 ..).
 const BACKENDS: u8 = 16;
@@ -70,10 +80,23 @@ pub enum TcPath {
     ReverseNat,
     /// Pod traffic on the pod interface that is no reply of a translated flow: passed.
     PodNotReply,
+    /// A NodePort flow to a backend on another node (next hop through `ext0`): tc, conntrack
+    /// hit, DNAT + SNAT, fib lookup, redirect.
+    RemoteEstablished,
+    /// That backend's reply arriving on `ext0`: tc, reverse NAT from conntrack, redirect.
+    RemoteReverseNat,
+    /// An empty XDP program (`r0 = XDP_PASS; exit`): the XDP paths' floor.
+    XdpFloor,
+    /// `kpr_xdp_external` on the pass-through packet: no flow, passed to tc.
+    XdpPassThrough,
+    /// `kpr_xdp_external` on [`Self::RemoteEstablished`]'s packet: translated, redirected.
+    XdpEstablished,
+    /// `kpr_xdp_external` on [`Self::RemoteReverseNat`]'s packet: translated, redirected.
+    XdpReverseNat,
 }
 
 impl TcPath {
-    pub const ALL: [Self; 9] = [
+    pub const ALL: [Self; 15] = [
         Self::Floor,
         Self::NonIp,
         Self::PassThrough,
@@ -83,7 +106,31 @@ impl TcPath {
         Self::NodePortEstablished,
         Self::ReverseNat,
         Self::PodNotReply,
+        Self::RemoteEstablished,
+        Self::RemoteReverseNat,
+        Self::XdpFloor,
+        Self::XdpPassThrough,
+        Self::XdpEstablished,
+        Self::XdpReverseNat,
     ];
+
+    /// Whether this is an XDP path (its floor is [`Self::XdpFloor`]).
+    pub fn is_xdp(self) -> bool {
+        matches!(
+            self,
+            Self::XdpFloor | Self::XdpPassThrough | Self::XdpEstablished | Self::XdpReverseNat
+        )
+    }
+
+    /// The tc path an XDP path replaces (for the XDP ÷ tc ratio).
+    pub fn tc_counterpart(self) -> Option<Self> {
+        match self {
+            Self::XdpPassThrough => Some(Self::PassThrough),
+            Self::XdpEstablished => Some(Self::RemoteEstablished),
+            Self::XdpReverseNat => Some(Self::RemoteReverseNat),
+            _ => None,
+        }
+    }
 
     pub fn label(self) -> &'static str {
         match self {
@@ -98,6 +145,20 @@ impl TcPath {
             Self::NodePortEstablished => "kpr_tc_external: NodePort, established (CT hit)",
             Self::ReverseNat => "kpr_tc_reply: backend reply (reverse NAT)",
             Self::PodNotReply => "kpr_tc_reply: pod traffic, not a reply (pass)",
+            Self::RemoteEstablished => {
+                "kpr_tc_external: NodePort, established, backend on another node (CT hit)"
+            }
+            Self::RemoteReverseNat => {
+                "kpr_tc_external: reply of a backend on another node (reverse NAT)"
+            }
+            Self::XdpFloor => "empty XDP program (XDP floor)",
+            Self::XdpPassThrough => "kpr_xdp_external: no flow (passed to tc)",
+            Self::XdpEstablished => {
+                "kpr_xdp_external: NodePort, established, backend on another node (CT hit)"
+            }
+            Self::XdpReverseNat => {
+                "kpr_xdp_external: reply of a backend on another node (reverse NAT)"
+            }
         }
     }
 
@@ -111,6 +172,8 @@ impl TcPath {
                 | Self::PassThroughIpv4Program
                 | Self::Drop
                 | Self::PodNotReply
+                | Self::XdpFloor
+                | Self::XdpPassThrough
         )
     }
 }
@@ -258,10 +321,41 @@ fn program(dataplane: &mut EbpfDataplane) -> Result<()> {
             }),
         )
     };
-    let services = BTreeMap::from([(key("web"), web.into()), (key("lb"), lb.into())]);
+    let remote: Service = from_json(
+        "remote Service",
+        serde_json::json!({
+            "metadata": {"name": "remote", "namespace": "bench"},
+            "spec": {"type": "NodePort", "clusterIP": "10.96.0.24",
+                "ports": [{"name": "http", "port": 80, "protocol": "TCP",
+                    "targetPort": BACKEND_PORT, "nodePort": REMOTE_NODE_PORT}]}
+        }),
+    )?;
+    let remote_endpoint = [serde_json::json!({"addresses": [REMOTE.to_string()],
+        "nodeName": "other-node", "conditions": {"ready": true}})];
+    // XDP redirects only to resolved neighbours: the remote backend's and the client's.
+    for (addr, mac) in [(REMOTE, "02:00:00:00:00:09"), (CLIENT, "02:00:00:00:00:02")] {
+        // This thread is in the node namespace; the child inherits it.
+        let status = std::process::Command::new("ip")
+            .args(["neigh", "replace", &addr.to_string(), "lladdr", mac])
+            .args(["dev", "ext0", "nud", "permanent"])
+            .status()
+            .map_err(|e| RigError::io("ip neigh", e))?;
+        if !status.success() {
+            return Err(RigError::Other(format!("ip neigh {addr}: {status}")));
+        }
+    }
+    let services = BTreeMap::from([
+        (key("web"), web.into()),
+        (key("lb"), lb.into()),
+        (key("remote"), remote.into()),
+    ]);
     let slices = BTreeMap::from([
         (key("web-1"), slice("web-1", "web", &endpoints)?.into()),
         (key("lb-1"), slice("lb-1", "lb", &endpoints[..1])?.into()),
+        (
+            key("remote-1"),
+            slice("remote-1", "remote", &remote_endpoint)?.into(),
+        ),
     ]);
     let snapshot = Snapshot::compute(&Objects::new(services, slices, None), NODE);
     let errors: Vec<String> = snapshot.errors().map(ToString::to_string).collect();
@@ -325,6 +419,8 @@ struct Frames {
     established: Vec<u8>,
     reply: Vec<u8>,
     pod_not_reply: Vec<u8>,
+    remote_established: Vec<u8>,
+    remote_reply: Vec<u8>,
     ext0: u32,
     pod0: u32,
 }
@@ -364,7 +460,37 @@ fn frames(dp: &mut EbpfDataplane) -> Result<Frames> {
             ),
         ));
     }
+    // The remote flow: started by tc (XDP leaves new flows to it), then both programs see the
+    // same established packet and the same reply.
+    let remote_client = sa(CLIENT, 40_001);
+    let remote_established = build(
+        remote_client,
+        sa(NODE_IP, REMOTE_NODE_PORT),
+        L4::TcpAck,
+        b"",
+    );
+    let first = dp
+        .test_run_tc(
+            TC_EXTERNAL,
+            &build(
+                remote_client,
+                sa(NODE_IP, REMOTE_NODE_PORT),
+                L4::TcpSyn,
+                b"",
+            ),
+            ext0,
+        )
+        .map_err(|e| RigError::Other(format!("test_run: {e}")))?;
+    let remote_tuple = tuple(&first.packet).filter(|(_, b)| *b == sa(REMOTE, BACKEND_PORT));
+    let Some((remote_snat, remote_backend)) = remote_tuple else {
+        return Err(wrong(
+            TcPath::RemoteEstablished,
+            format!("first packet: action {}, not to {REMOTE}", first.action),
+        ));
+    };
     Ok(Frames {
+        remote_established,
+        remote_reply: build(remote_backend, remote_snat, L4::TcpAck, b""),
         non_ip: arp_frame(),
         pass: build(client, sa(NODE_IP, 22), L4::TcpSyn, b""),
         drop: build(client, sa(LB_IP, 80), L4::TcpSyn, b""),
@@ -390,11 +516,34 @@ fn run_once(
     new_flow: &mut u32,
     repeat: u32,
 ) -> Result<(i32, u64, Vec<u8>)> {
+    let xdp_frame = match path {
+        TcPath::XdpFloor => {
+            let (action, ns) = floor.test_run_xdp(&f.pass, f.ext0, repeat)?;
+            return Ok((action, ns, Vec::new()));
+        }
+        TcPath::XdpPassThrough => Some(&f.pass),
+        TcPath::XdpEstablished => Some(&f.remote_established),
+        TcPath::XdpReverseNat => Some(&f.remote_reply),
+        _ => None,
+    };
+    if let Some(frame) = xdp_frame {
+        let (out, duration) = dp
+            .test_run_xdp_timed(frame, f.ext0, repeat)
+            .map_err(|e| wrong(path, format!("test_run: {e}")))?;
+        let ns = u64::try_from(duration.as_nanos()).unwrap_or(u64::MAX);
+        return Ok((i32::try_from(out.action).unwrap_or(-1), ns, out.packet));
+    }
     let (program, frame, ifindex) = match path {
         TcPath::Floor => {
             let (action, ns) = floor.test_run(&f.pass, f.ext0, repeat)?;
             return Ok((action, ns, Vec::new()));
         }
+        TcPath::RemoteEstablished => (TC_EXTERNAL, f.remote_established.clone(), f.ext0),
+        TcPath::RemoteReverseNat => (TC_EXTERNAL, f.remote_reply.clone(), f.ext0),
+        TcPath::XdpFloor
+        | TcPath::XdpPassThrough
+        | TcPath::XdpEstablished
+        | TcPath::XdpReverseNat => unreachable!("XDP paths returned above"),
         TcPath::NonIp => (TC_EXTERNAL, f.non_ip.clone(), f.ext0),
         TcPath::PassThrough => (TC_EXTERNAL, f.pass.clone(), f.ext0),
         TcPath::PassThroughIpv4Program => (TC_EXTERNAL4, f.pass.clone(), f.ext0),
@@ -423,6 +572,9 @@ fn run_once(
 /// Checks that `path` took the branch it is named after (once per path, before timing).
 fn check(path: TcPath, action: i32, out: &[u8], input: &Frames) -> Result<()> {
     let expected = match path {
+        TcPath::XdpFloor | TcPath::XdpPassThrough => XDP_PASS as i32,
+        TcPath::XdpEstablished | TcPath::XdpReverseNat => XDP_REDIRECT as i32,
+        TcPath::RemoteEstablished | TcPath::RemoteReverseNat => TC_ACT_REDIRECT,
         TcPath::Floor => TC_ACT_OK,
         TcPath::NonIp
         | TcPath::PassThrough
@@ -444,7 +596,13 @@ fn check(path: TcPath, action: i32, out: &[u8], input: &Frames) -> Result<()> {
         TcPath::ReverseNat => translated.is_some_and(|(s, d)| {
             s == sa(NODE_IP, NODE_PORT) && tuple(&input.established).is_some_and(|(c, _)| c == d)
         }),
-        TcPath::Floor => true,
+        TcPath::RemoteEstablished | TcPath::XdpEstablished => {
+            translated.is_some_and(|(s, d)| s.ip() == NODE_IP && d == sa(REMOTE, BACKEND_PORT))
+        }
+        TcPath::RemoteReverseNat | TcPath::XdpReverseNat => translated
+            .is_some_and(|(s, d)| s == sa(NODE_IP, REMOTE_NODE_PORT) && d == sa(CLIENT, 40_001)),
+        TcPath::XdpPassThrough => out == input.pass,
+        TcPath::Floor | TcPath::XdpFloor => true,
         TcPath::NonIp => out == input.non_ip,
         TcPath::PassThrough | TcPath::PassThroughIpv4Program => out == input.pass,
         TcPath::Drop => out == input.drop,
@@ -496,8 +654,14 @@ fn measure(
             }
         }
         let floor_ns = medians.get(&TcPath::Floor).copied().unwrap_or(0.0);
+        let xdp_floor_ns = medians.get(&TcPath::XdpFloor).copied().unwrap_or(0.0);
         for (path, median) in medians {
-            over.entry(path).or_default().push(median - floor_ns);
+            let floor = if path.is_xdp() {
+                xdp_floor_ns
+            } else {
+                floor_ns
+            };
+            over.entry(path).or_default().push(median - floor);
         }
     }
     let paths = TcPath::ALL
@@ -539,52 +703,50 @@ fn measure(
     })
 }
 
-/// An empty `BPF_PROG_TYPE_SCHED_CLS` program loaded with the raw `bpf(2)` syscall (aya only
-/// loads programs from an ELF object): `r0 = 0 (TC_ACT_OK); exit`.
+/// Empty `BPF_PROG_TYPE_SCHED_CLS` and `BPF_PROG_TYPE_XDP` programs loaded with the raw
+/// `bpf(2)` syscall (aya only loads programs from an ELF object): `r0 = 0 (TC_ACT_OK); exit`
+/// and `r0 = 2 (XDP_PASS); exit`.
 #[derive(Debug)]
 struct EmptyProgram {
     fd: OwnedFd,
+    xdp: OwnedFd,
 }
 
 const BPF_PROG_LOAD: libc::c_long = 5;
 const BPF_PROG_TEST_RUN: libc::c_long = 10;
 const BPF_PROG_TYPE_SCHED_CLS: u32 = 3;
+pub(super) const BPF_PROG_TYPE_XDP: u32 = 6;
 
 impl EmptyProgram {
     fn load() -> Result<Self> {
-        // mov64 r0, 0 (BPF_ALU64 | BPF_MOV | BPF_K); exit (BPF_JMP | BPF_EXIT).
-        let insns: [u64; 2] = [u64::from_le_bytes([0xb7, 0, 0, 0, 0, 0, 0, 0]), 0x95];
-        let license = c"GPL";
-        // union bpf_attr, the BPF_PROG_LOAD part: prog_type, insn_cnt, insns, license; the
-        // rest (no log, no flags, no name) stays zero as the kernel requires.
-        let mut attr = [0u8; 128];
-        attr[0..4].copy_from_slice(&BPF_PROG_TYPE_SCHED_CLS.to_ne_bytes());
-        attr[4..8].copy_from_slice(&2u32.to_ne_bytes());
-        attr[8..16].copy_from_slice(&(insns.as_ptr() as u64).to_ne_bytes());
-        attr[16..24].copy_from_slice(&(license.as_ptr() as u64).to_ne_bytes());
-        // SAFETY: attr is a valid bpf_attr prefix of the given size whose pointers (insns,
-        // license) outlive the call; the kernel only reads them.
-        let fd = unsafe { libc::syscall(libc::SYS_bpf, BPF_PROG_LOAD, attr.as_ptr(), attr.len()) };
-        if fd < 0 {
-            return Err(RigError::io(
-                "loading the empty tc program (BPF_PROG_LOAD)",
-                std::io::Error::last_os_error(),
-            ));
-        }
-        let fd = i32::try_from(fd)
-            .map_err(|_| RigError::Other(format!("BPF_PROG_LOAD returned {fd}")))?;
-        // SAFETY: the kernel just returned this fd to us and nothing else owns it.
-        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
-        Ok(Self { fd })
+        Ok(Self {
+            fd: raw_program(BPF_PROG_TYPE_SCHED_CLS, 0)?,
+            xdp: raw_program(BPF_PROG_TYPE_XDP, XDP_PASS as u8)?,
+        })
     }
 
-    /// `BPF_PROG_TEST_RUN` with the same skb ctx as the agent's helper; (action, ns per run).
+    /// `BPF_PROG_TEST_RUN` of the empty tc program with the same skb ctx as the agent's
+    /// helper; (action, ns per run).
     fn test_run(&self, packet: &[u8], ifindex: u32, repeat: u32) -> Result<(i32, u64)> {
         let mut ctx = [0u8; SKB_CTX_LEN];
         ctx[36..40].copy_from_slice(&ifindex.to_ne_bytes());
         ctx[40..44].copy_from_slice(&ifindex.to_ne_bytes());
+        Self::run(&self.fd, packet, &ctx, repeat)
+    }
+
+    /// The same for the empty XDP program, with the agent's `xdp_md` (data_end, ingress
+    /// interface).
+    fn test_run_xdp(&self, packet: &[u8], ifindex: u32, repeat: u32) -> Result<(i32, u64)> {
+        let mut ctx = [0u8; 24];
+        let len = u32::try_from(packet.len()).unwrap_or(u32::MAX);
+        ctx[4..8].copy_from_slice(&len.to_ne_bytes());
+        ctx[12..16].copy_from_slice(&ifindex.to_ne_bytes());
+        Self::run(&self.xdp, packet, &ctx, repeat)
+    }
+
+    fn run(fd: &OwnedFd, packet: &[u8], ctx: &[u8], repeat: u32) -> Result<(i32, u64)> {
         let mut out = vec![0u8; packet.len() + 256];
-        let fd = u32::try_from(self.fd.as_raw_fd())
+        let fd = u32::try_from(fd.as_raw_fd())
             .map_err(|_| RigError::Other("negative program fd".into()))?;
         let len = |n: usize| u32::try_from(n).unwrap_or(u32::MAX).to_ne_bytes();
         // union bpf_attr, the test part: prog_fd, retval, data_size_in, data_size_out,
@@ -621,11 +783,48 @@ impl EmptyProgram {
     }
 }
 
-/// Paths profiled: the cheapest IP path over the goal and the two translating ones.
-const PROFILED: [TcPath; 3] = [
+/// `r0 = ret; exit` as a program of `prog_type`, loaded with the raw `bpf(2)` syscall.
+pub(super) fn raw_program(prog_type: u32, ret: u8) -> Result<OwnedFd> {
+    // mov64 r0, ret (BPF_ALU64 | BPF_MOV | BPF_K); exit (BPF_JMP | BPF_EXIT).
+    raw_program_of(
+        prog_type,
+        &[u64::from_le_bytes([0xb7, 0, 0, 0, ret, 0, 0, 0]), 0x95],
+    )
+}
+
+/// A program of `prog_type` made of `insns`, loaded with the raw `bpf(2)` syscall.
+pub(super) fn raw_program_of(prog_type: u32, insns: &[u64]) -> Result<OwnedFd> {
+    let count = u32::try_from(insns.len()).map_err(|_| RigError::Other("program size".into()))?;
+    let license = c"GPL";
+    // union bpf_attr, the BPF_PROG_LOAD part: prog_type, insn_cnt, insns, license; the
+    // rest (no log, no flags, no name) stays zero as the kernel requires.
+    let mut attr = [0u8; 128];
+    attr[0..4].copy_from_slice(&prog_type.to_ne_bytes());
+    attr[4..8].copy_from_slice(&count.to_ne_bytes());
+    attr[8..16].copy_from_slice(&(insns.as_ptr() as u64).to_ne_bytes());
+    attr[16..24].copy_from_slice(&(license.as_ptr() as u64).to_ne_bytes());
+    // SAFETY: attr is a valid bpf_attr prefix of the given size whose pointers (insns,
+    // license) outlive the call; the kernel only reads them.
+    let fd = unsafe { libc::syscall(libc::SYS_bpf, BPF_PROG_LOAD, attr.as_ptr(), attr.len()) };
+    if fd < 0 {
+        return Err(RigError::io(
+            "loading a raw two-instruction program (BPF_PROG_LOAD)",
+            std::io::Error::last_os_error(),
+        ));
+    }
+    let fd =
+        i32::try_from(fd).map_err(|_| RigError::Other(format!("BPF_PROG_LOAD returned {fd}")))?;
+    // SAFETY: the kernel just returned this fd to us and nothing else owns it.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+/// Paths profiled: the cheapest IP path over the goal, the two translating ones, and XDP's
+/// established path.
+const PROFILED: [TcPath; 4] = [
     TcPath::PassThrough,
     TcPath::NodePortEstablished,
     TcPath::ReverseNat,
+    TcPath::XdpEstablished,
 ];
 
 /// Samples this thread with `perf record` (cpu-clock, call graphs) while it runs each path
@@ -769,7 +968,7 @@ fn program_names_by_symbol() -> BTreeMap<String, String> {
                 .copied()
         };
         if let (Some(name), Some(tag)) = (after("name"), after("tag"))
-            && name.starts_with("kpr_tc")
+            && (name.starts_with("kpr_tc") || name.starts_with("kpr_xdp"))
         {
             names.insert(format!("bpf_prog_{tag}_F"), format!("{name} ({tag})"));
         }

@@ -1,0 +1,594 @@
+//! Issue 14 item 3: the rate of real packets a node forwards to a NodePort's backend on one
+//! core, through XDP, tc and the iptables mode, with plain routing as the floor, side by side
+//! in one run.
+//!
+//! The rig, three namespaces: `client` (eth0 10.10.0.2) ─veth─ `node` (ext0 10.10.0.1, ext1
+//! 10.20.0.1) ─veth─ `sink` (eth0 10.20.0.2, the backend: a pod on another node). The
+//! generator is `BPF_PROG_TEST_RUN` with live frames (`BPF_F_TEST_XDP_LIVE_FRAMES`) of an XDP
+//! program that returns `XDP_TX` on the client's eth0: each frame really leaves the client's
+//! veth and arrives on the node's ext0 through the veth driver, where the node's datapath of
+//! the mode under test takes it — the XDP program in the driver, the tc program on the skb, or
+//! netfilter's DNAT/SNAT — and forwards it out by ext1 to the sink, whose eth0 counts and
+//! drops it in an XDP program (`rx_queue_0_xdp_drops`), so that the sink's own work, common to
+//! every mode, stays small. Every frame is one small UDP packet
+//! (60 bytes on the wire) of one flow: client 10.10.0.2:40000 → NodePort 10.10.0.1:30090
+//! (routing: straight to the sink's address). The generator thread is pinned to one CPU, and
+//! the veth NAPI polls that carry the frames run on that CPU too (softirqs of the CPU that
+//! queued them): the whole path runs on one core.
+//!
+//! The rate is what arrived at the sink over the time from the generator's start until the
+//! last frame arrived; frames the node dropped (a full veth ring when a stage is slower than
+//! the generator) count as not delivered, so the rate is the bottleneck's.
+
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use k8s_openapi::api::core::v1::Service;
+use k8s_openapi::api::discovery::v1::EndpointSlice;
+use proxy_agent::dataplane::ebpf::{EbpfDataplane, EbpfOptions, TcOptions, XdpSetting};
+use proxy_agent::dataplane::iptables::{IptablesConfig, IptablesDataplane};
+use proxy_agent::desired::Snapshot;
+use proxy_agent::objects::{ObjectKey, Objects};
+
+use super::stats::Spread;
+use crate::in_process::on_netns_thread;
+use crate::netns::Netns;
+use crate::packet::{L4, build};
+use crate::{Result, RigError};
+
+const CLIENT: Ipv4Addr = Ipv4Addr::new(10, 10, 0, 2);
+const NODE_IP: Ipv4Addr = Ipv4Addr::new(10, 10, 0, 1);
+const SINK: Ipv4Addr = Ipv4Addr::new(10, 20, 0, 2);
+const NODE_PORT: u16 = 30090;
+const SINK_PORT: u16 = 9;
+const CLIENT_PORT: u16 = 40_000;
+const NODE: &str = "pps-node";
+
+/// How the node forwards.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum PpsMode {
+    /// No proxy: frames addressed to the sink, routed by the kernel (the floor).
+    Routing,
+    /// kube-proxy's iptables rules (the agent's iptables mode): DNAT + MASQUERADE, conntrack.
+    Iptables,
+    /// The eBPF mode's tc program (`--tc-fast-path --bpf-xdp off`): redirect from tc.
+    Tc,
+    /// The eBPF mode's XDP program (`--tc-fast-path`, `--bpf-xdp auto`): redirect from the
+    /// driver.
+    Xdp,
+}
+
+impl PpsMode {
+    pub const ALL: [Self; 4] = [Self::Routing, Self::Iptables, Self::Tc, Self::Xdp];
+
+    pub fn label(self) -> &'static str {
+        match self {
+            Self::Routing => "plain routing (no proxy; the floor)",
+            Self::Iptables => "iptables mode (DNAT + MASQUERADE)",
+            Self::Tc => "eBPF, tc (--tc-fast-path --bpf-xdp off)",
+            Self::Xdp => "eBPF, XDP (--tc-fast-path)",
+        }
+    }
+}
+
+/// How much to measure.
+#[derive(Debug, Clone, Copy)]
+pub struct PpsLoops {
+    /// Interleaved rounds over all modes (a fresh rig per mode and round).
+    pub runs: usize,
+    /// Frames the generator sends per measurement.
+    pub frames: u32,
+}
+
+/// One mode's figures over the runs.
+#[derive(Debug, Clone)]
+pub struct PpsModeResult {
+    pub mode: PpsMode,
+    /// Packets per second that reached the sink.
+    pub pps: Spread,
+    /// Share of the generated frames that reached the sink.
+    pub delivered: Spread,
+}
+
+#[derive(Debug, Clone)]
+pub struct PpsResult {
+    pub loops: PpsLoops,
+    pub modes: Vec<PpsModeResult>,
+    /// Each round's rate per mode (for same-round ratios).
+    pub runs: Vec<std::collections::BTreeMap<PpsMode, f64>>,
+    /// The CPU the generator (and the forwarding) ran on.
+    pub cpu: usize,
+}
+
+impl PpsResult {
+    pub fn of(&self, mode: PpsMode) -> Option<&PpsModeResult> {
+        self.modes.iter().find(|m| m.mode == mode)
+    }
+}
+
+/// Runs every mode `loops.runs` times, interleaved, on `cpu`.
+pub fn packet_rate(loops: PpsLoops, cpu: usize) -> Result<PpsResult> {
+    let mut pps: Vec<(PpsMode, Vec<f64>, Vec<f64>)> = PpsMode::ALL
+        .iter()
+        .map(|m| (*m, Vec::new(), Vec::new()))
+        .collect();
+    let mut runs = Vec::with_capacity(loops.runs);
+    for _ in 0..loops.runs {
+        let mut round = std::collections::BTreeMap::new();
+        for (mode, rates, shares) in &mut pps {
+            let (rate, share) = one_run(*mode, loops.frames, cpu)?;
+            round.insert(*mode, rate);
+            eprintln!(
+                "pps: {:<46} {:>10.0} packets/s ({:.1} % of {} frames delivered)",
+                mode.label(),
+                rate,
+                share * 100.0,
+                loops.frames
+            );
+            rates.push(rate);
+            shares.push(share);
+        }
+        runs.push(round);
+    }
+    Ok(PpsResult {
+        loops,
+        modes: pps
+            .into_iter()
+            .map(|(mode, rates, shares)| PpsModeResult {
+                mode,
+                pps: Spread::of(rates),
+                delivered: Spread::of(shares),
+            })
+            .collect(),
+        runs,
+        cpu,
+    })
+}
+
+fn other(what: impl Into<String>) -> RigError {
+    RigError::Other(what.into())
+}
+
+/// The three namespaces and their links.
+struct Rig {
+    client: Netns,
+    node: Netns,
+    sink: Netns,
+}
+
+impl Rig {
+    fn new() -> Result<Self> {
+        let rig = Self {
+            client: Netns::new("ppsc")?,
+            node: Netns::new("ppsn")?,
+            sink: Netns::new("ppss")?,
+        };
+        rig.node.sysctl("net.ipv4.ip_forward", "1")?;
+        for (outer, dev, node_addr, peer_addr) in [
+            (&rig.client, "ext0", "10.10.0.1/24", "10.10.0.2/24"),
+            (&rig.sink, "ext1", "10.20.0.1/24", "10.20.0.2/24"),
+        ] {
+            rig.node
+                .ip(&["link", "add", dev, "type", "veth", "peer", "name", "eth0"])?;
+            rig.node
+                .ip(&["link", "set", "eth0", "netns", outer.name()])?;
+            rig.node.ip(&["addr", "add", node_addr, "dev", dev])?;
+            rig.node.ip(&["link", "set", dev, "up"])?;
+            outer.ip(&["addr", "add", peer_addr, "dev", "eth0"])?;
+            outer.ip(&["link", "set", "eth0", "up"])?;
+            // NAPI on both ends of each link: a veth takes XDP frames (the generator's
+            // `XDP_TX`, the XDP program's redirect) only with it.
+            rig.node.exec("ethtool", &["-K", dev, "gro", "on"])?;
+            outer.exec("ethtool", &["-K", "eth0", "gro", "on"])?;
+        }
+        // Static neighbours: no ARP in the measurement.
+        let sink_mac = mac(&rig.sink, "eth0")?;
+        let client_mac = mac(&rig.client, "eth0")?;
+        rig.node.ip(&[
+            "neigh",
+            "replace",
+            "10.20.0.2",
+            "lladdr",
+            &sink_mac,
+            "dev",
+            "ext1",
+            "nud",
+            "permanent",
+        ])?;
+        rig.node.ip(&[
+            "neigh",
+            "replace",
+            "10.10.0.2",
+            "lladdr",
+            &client_mac,
+            "dev",
+            "ext0",
+            "nud",
+            "permanent",
+        ])?;
+        rig.client
+            .ip(&["route", "add", "10.20.0.0/24", "via", "10.10.0.1"])?;
+        rig.sink
+            .ip(&["route", "add", "default", "via", "10.20.0.1"])?;
+        Ok(rig)
+    }
+
+    /// Attaches an `XDP_DROP` program to the sink's eth0 (native mode, a BPF link held by the
+    /// returned fd): the sink counts a packet (`rx_queue_0_xdp_drops`) and drops it before
+    /// building an skb, so its own cost, common to every mode, stays small.
+    fn sink_drop(&self) -> Result<(OwnedFd, OwnedFd)> {
+        let program = super::tc::raw_program(super::tc::BPF_PROG_TYPE_XDP, 1)?;
+        let prog_fd = program.as_raw_fd();
+        let link = crate::netns::on_thread_in(&self.sink.path(), move || -> Result<OwnedFd> {
+            let ifindex = nix::net::if_::if_nametoindex("eth0")
+                .map_err(|e| RigError::nix("ifindex of eth0", e))?;
+            // union bpf_attr, BPF_LINK_CREATE: prog_fd, target_ifindex, attach_type (BPF_XDP
+            // 37), flags (XDP_FLAGS_DRV_MODE 4).
+            let mut attr = [0u8; 64];
+            let fd = u32::try_from(prog_fd).map_err(|_| other("negative program fd"))?;
+            attr[0..4].copy_from_slice(&fd.to_ne_bytes());
+            attr[4..8].copy_from_slice(&ifindex.to_ne_bytes());
+            attr[8..12].copy_from_slice(&37u32.to_ne_bytes());
+            attr[12..16].copy_from_slice(&4u32.to_ne_bytes());
+            // SAFETY: attr is a valid bpf_attr prefix without pointers.
+            let rc = unsafe { libc::syscall(libc::SYS_bpf, 28, attr.as_ptr(), attr.len()) };
+            if rc < 0 {
+                return Err(RigError::io(
+                    "attaching the sink's XDP drop (BPF_LINK_CREATE)",
+                    std::io::Error::last_os_error(),
+                ));
+            }
+            let rc = i32::try_from(rc).map_err(|_| other("link fd"))?;
+            // SAFETY: the kernel just returned this fd and nothing else owns it.
+            Ok(unsafe { std::os::fd::FromRawFd::from_raw_fd(rc) })
+        })??;
+        Ok((program, link))
+    }
+
+    /// Packets the sink's XDP program dropped (all it received).
+    fn sink_rx(&self) -> Result<u64> {
+        let text = self.sink.exec("ethtool", &["-S", "eth0"])?;
+        text.lines()
+            .find_map(|line| {
+                let (name, value) = line.trim().split_once(':')?;
+                (name == "rx_queue_0_xdp_drops").then(|| value.trim().parse().ok())?
+            })
+            .ok_or_else(|| other(format!("no rx_queue_0_xdp_drops in {text}")))
+    }
+}
+
+/// `interface`'s MAC in `netns`, as `ip` prints it.
+fn mac(netns: &Netns, interface: &str) -> Result<String> {
+    let json = netns.ip(&["-j", "link", "show", interface])?;
+    let value: serde_json::Value =
+        serde_json::from_str(&json).map_err(|e| other(format!("ip -j link: {e}")))?;
+    value[0]["address"]
+        .as_str()
+        .map(str::to_owned)
+        .ok_or_else(|| other(format!("no address in {json}")))
+}
+
+fn parse_mac(text: &str) -> Result<[u8; 6]> {
+    let bytes: Vec<u8> = text
+        .split(':')
+        .map(|b| u8::from_str_radix(b, 16))
+        .collect::<std::result::Result<_, _>>()
+        .map_err(|e| other(format!("MAC {text}: {e}")))?;
+    bytes
+        .try_into()
+        .map_err(|_| other(format!("MAC {text}: not 6 bytes")))
+}
+
+/// One measurement of `mode` on a fresh rig: (packets per second, share delivered).
+fn one_run(mode: PpsMode, frames: u32, cpu: usize) -> Result<(f64, f64)> {
+    let rig = Rig::new()?;
+    let _sink = rig.sink_drop()?;
+    let destination = match mode {
+        PpsMode::Routing => SocketAddr::new(IpAddr::V4(SINK), SINK_PORT),
+        _ => SocketAddr::new(IpAddr::V4(NODE_IP), NODE_PORT),
+    };
+    let mut frame = build(
+        SocketAddr::new(IpAddr::V4(CLIENT), CLIENT_PORT),
+        destination,
+        L4::Udp,
+        &[0u8; 18],
+    );
+    frame[0..6].copy_from_slice(&parse_mac(&mac(&rig.node, "ext0")?)?);
+    frame[6..12].copy_from_slice(&parse_mac(&mac(&rig.client, "eth0")?)?);
+    let client_path = rig.client.path();
+    let (ready_tx, ready_rx) = std::sync::mpsc::channel::<()>();
+    let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
+    // The node's dataplane lives on a thread in the node namespace until the measurement is
+    // over.
+    let node_thread = {
+        let path = rig.node.path();
+        std::thread::spawn(move || -> Result<()> {
+            on_netns_thread(path, move |parts| -> Result<()> {
+                let _dataplane = start_dataplane(mode, &parts)?;
+                let _ = ready_tx.send(());
+                let _ = done_rx.recv_timeout(Duration::from_secs(600));
+                Ok(())
+            })?
+        })
+    };
+    let ready = ready_rx.recv_timeout(Duration::from_secs(120));
+    let measured = match ready {
+        Ok(()) => measure(&rig, client_path, frame, frames, cpu),
+        Err(_) => Err(other(format!(
+            "{}: the dataplane did not start",
+            mode.label()
+        ))),
+    };
+    let _ = done_tx.send(());
+    let started = node_thread
+        .join()
+        .map_err(|_| other("the node thread panicked"))?;
+    started?;
+    measured
+}
+
+/// Warms the path up (first frames: ARP-free, but a flow's first packet is tc's), then sends
+/// `frames` and waits for the sink's counter to settle.
+fn measure(
+    rig: &Rig,
+    client: PathBuf,
+    frame: Vec<u8>,
+    frames: u32,
+    cpu: usize,
+) -> Result<(f64, f64)> {
+    let generator = crate::netns::on_thread_in(&client, move || -> Result<Generator> {
+        Generator::load(&frame)
+    })??;
+    generator.send_from(&client, 10_000, cpu)?;
+    settle(rig)?;
+    let before = rig.sink_rx()?;
+    let started = Instant::now();
+    generator.send_from(&client, frames, cpu)?;
+    let last = settle(rig)?;
+    let delivered = rig.sink_rx()?.saturating_sub(before);
+    let elapsed = last
+        .saturating_duration_since(started)
+        .as_secs_f64()
+        .max(1e-6);
+    Ok((
+        delivered as f64 / elapsed,
+        f64::from(u32::try_from(delivered).unwrap_or(u32::MAX)) / f64::from(frames),
+    ))
+}
+
+/// Polls the sink's counter until it has not moved for 50 ms (bounded); returns when it last
+/// moved.
+fn settle(rig: &Rig) -> Result<Instant> {
+    let mut last_value = rig.sink_rx()?;
+    let mut last_change = Instant::now();
+    let bound = Instant::now() + Duration::from_secs(10);
+    while Instant::now() < bound {
+        std::thread::sleep(Duration::from_millis(5));
+        let value = rig.sink_rx()?;
+        if value != last_value {
+            last_value = value;
+            last_change = Instant::now();
+        } else if last_change.elapsed() > Duration::from_millis(50) {
+            break;
+        }
+    }
+    Ok(last_change)
+}
+
+/// Starts the node's dataplane of `mode` and programs `pps`: NodePort UDP 30090 → 9 on the sink
+/// (a pod on another node).
+fn start_dataplane(mode: PpsMode, parts: &crate::in_process::InProcess) -> Result<Option<Node>> {
+    let snapshot = snapshot()?;
+    match mode {
+        PpsMode::Routing => Ok(None),
+        PpsMode::Iptables => {
+            let mut dataplane = IptablesDataplane::start(IptablesConfig::default())
+                .map_err(|e| other(format!("starting the iptables dataplane: {e}")))?;
+            for result in dataplane.apply(&snapshot, None) {
+                result.map_err(|e| other(format!("iptables sync: {e}")))?;
+            }
+            Ok(Some(Node::Iptables(Box::new(dataplane))))
+        }
+        PpsMode::Tc | PpsMode::Xdp => {
+            let options = EbpfOptions {
+                cgroup_path: parts.cgroup_path(),
+                bpf_root: parts.bpf_root(),
+                frontends_capacity: 1024,
+                backends_capacity: 1024,
+                conntrack_capacity: Some(proxy_agent::dataplane::ebpf::DEFAULT_CONNTRACK_CAPACITY),
+                dynamic_size_ratio:
+                    proxy_agent::dataplane::ebpf::map_sizes::DEFAULT_DYNAMIC_SIZE_RATIO,
+                lb: proxy_agent::dataplane::ebpf::LbOptions::default(),
+                tc: TcOptions {
+                    interfaces: vec!["ext0".into(), "ext1".into()],
+                    fast_path: true,
+                    xdp: if mode == PpsMode::Xdp {
+                        XdpSetting::Auto
+                    } else {
+                        XdpSetting::Off
+                    },
+                    ..TcOptions::default()
+                },
+                disabled_features: Default::default(),
+                icmp_ratelimit: None,
+                snat_ports: proxy_agent::dataplane::ebpf::reserved_ports::DEFAULT_RANGE,
+            };
+            let mut dataplane = EbpfDataplane::start(&options)
+                .map_err(|e| other(format!("loading the eBPF dataplane: {e}")))?;
+            let (_, errors) = dataplane.apply(&snapshot, None);
+            if !errors.is_empty() {
+                return Err(other(format!("apply errors: {errors:?}")));
+            }
+            let attached = dataplane.xdp_interfaces().len();
+            if (mode == PpsMode::Xdp) != (attached == 2) {
+                return Err(other(format!(
+                    "{}: XDP on {attached} interfaces",
+                    mode.label()
+                )));
+            }
+            Ok(Some(Node::Ebpf(Box::new(dataplane))))
+        }
+    }
+}
+
+/// A started dataplane, kept alive for the measurement.
+enum Node {
+    Iptables(#[expect(dead_code, reason = "kept for its rules")] Box<IptablesDataplane>),
+    Ebpf(#[expect(dead_code, reason = "kept for its links")] Box<EbpfDataplane>),
+}
+
+fn snapshot() -> Result<Snapshot> {
+    let key = |name: &str| ObjectKey {
+        namespace: "bench".into(),
+        name: name.into(),
+    };
+    let service: Service = serde_json::from_value(serde_json::json!({
+        "metadata": {"name": "pps", "namespace": "bench"},
+        "spec": {"type": "NodePort", "clusterIP": "10.96.0.30",
+            "ports": [{"name": "udp", "port": 53, "protocol": "UDP",
+                "targetPort": SINK_PORT, "nodePort": NODE_PORT}]}
+    }))
+    .map_err(|e| other(format!("Service: {e}")))?;
+    let slice: EndpointSlice = serde_json::from_value(serde_json::json!({
+        "metadata": {"name": "pps-1", "namespace": "bench",
+            "labels": {"kubernetes.io/service-name": "pps"}},
+        "addressType": "IPv4",
+        "ports": [{"name": "udp", "port": SINK_PORT, "protocol": "UDP"}],
+        "endpoints": [{"addresses": [SINK.to_string()], "nodeName": "other-node",
+            "conditions": {"ready": true}}]
+    }))
+    .map_err(|e| other(format!("EndpointSlice: {e}")))?;
+    let snapshot = Snapshot::compute(
+        &Objects::new(
+            [(key("pps"), service.into())].into(),
+            [(key("pps-1"), slice.into())].into(),
+            None,
+        ),
+        NODE,
+    );
+    let errors: Vec<String> = snapshot.errors().map(ToString::to_string).collect();
+    if errors.is_empty() {
+        Ok(snapshot)
+    } else {
+        Err(other(format!("snapshot errors: {errors:?}")))
+    }
+}
+
+/// The packet generator: an XDP program test-run with live frames on the client's eth0 that
+/// writes the frame (all of its 60 bytes, from immediates) and returns `XDP_TX`. Live mode
+/// initialises a page with the frame only when its page pool first hands it out; a recycled
+/// page keeps what the last user left in it (a forwarded packet's rewritten MACs, TTL and NAT),
+/// so the program writes every frame afresh.
+struct Generator {
+    program: OwnedFd,
+    frame: Vec<u8>,
+}
+
+/// One BPF instruction: opcode, registers, offset, immediate.
+fn insn(opcode: u8, dst: u8, src: u8, off: i16, imm: i32) -> u64 {
+    let mut b = [0u8; 8];
+    b[0] = opcode;
+    b[1] = (src << 4) | dst;
+    b[2..4].copy_from_slice(&off.to_le_bytes());
+    b[4..8].copy_from_slice(&imm.to_le_bytes());
+    u64::from_le_bytes(b)
+}
+
+/// The generator's instructions: bounds check, the frame stored 4 bytes at a time (BPF_ST
+/// immediates), `XDP_TX` (`XDP_DROP` for a buffer shorter than the frame).
+fn writer(frame: &[u8]) -> Result<Vec<u64>> {
+    if frame.len() % 4 != 0 || frame.len() > 128 {
+        return Err(other(format!("generator frame of {} bytes", frame.len())));
+    }
+    let words = frame.len() / 4;
+    let len = i32::try_from(frame.len()).map_err(|_| other("frame length"))?;
+    let mut p = vec![
+        insn(0x61, 2, 1, 0, 0),   // r2 = ctx->data
+        insn(0x61, 3, 1, 4, 0),   // r3 = ctx->data_end
+        insn(0xbf, 4, 2, 0, 0),   // r4 = r2
+        insn(0x07, 4, 0, 0, len), // r4 += len
+        // if r4 > r3 goto drop (past the stores and the XDP_TX exit)
+        insn(
+            0x2d,
+            4,
+            3,
+            i16::try_from(words + 2).map_err(|_| other("jump"))?,
+            0,
+        ),
+    ];
+    for (i, word) in frame.chunks(4).enumerate() {
+        let imm = i32::from_le_bytes([word[0], word[1], word[2], word[3]]);
+        let off = i16::try_from(i * 4).map_err(|_| other("offset"))?;
+        p.push(insn(0x62, 2, 0, off, imm)); // *(u32 *)(r2 + off) = imm
+    }
+    p.push(insn(0xb7, 0, 0, 0, i32::from(XDP_TX))); // r0 = XDP_TX
+    p.push(insn(0x95, 0, 0, 0, 0)); // exit
+    p.push(insn(0xb7, 0, 0, 0, 1)); // drop: r0 = XDP_DROP
+    p.push(insn(0x95, 0, 0, 0, 0)); // exit
+    Ok(p)
+}
+
+/// `BPF_F_TEST_XDP_LIVE_FRAMES`.
+const LIVE_FRAMES: u32 = 1 << 1;
+const XDP_TX: u8 = 3;
+const BPF_PROG_TEST_RUN: libc::c_long = 10;
+
+impl Generator {
+    fn load(frame: &[u8]) -> Result<Self> {
+        let program = super::tc::raw_program_of(super::tc::BPF_PROG_TYPE_XDP, &writer(frame)?)?;
+        Ok(Self {
+            program,
+            frame: frame.to_vec(),
+        })
+    }
+
+    /// Sends `count` copies of the frame out of the client's eth0, from a thread in the client
+    /// namespace pinned to `cpu`.
+    fn send_from(&self, client: &std::path::Path, count: u32, cpu: usize) -> Result<()> {
+        let fd = self.program.as_raw_fd();
+        let frame = self.frame.clone();
+        crate::netns::on_thread_in(client, move || -> Result<()> {
+            let mut set = nix::sched::CpuSet::new();
+            set.set(cpu).map_err(|e| RigError::nix("CPU set", e))?;
+            nix::sched::sched_setaffinity(nix::unistd::Pid::from_raw(0), &set)
+                .map_err(|e| RigError::nix("sched_setaffinity", e))?;
+            let ifindex = nix::net::if_::if_nametoindex("eth0")
+                .map_err(|e| RigError::nix("ifindex of eth0", e))?;
+            // `struct xdp_md`: data 0, data_end the frame's length, ingress_ifindex.
+            let mut ctx = [0u8; 24];
+            let len = u32::try_from(frame.len()).unwrap_or(u32::MAX);
+            ctx[4..8].copy_from_slice(&len.to_ne_bytes());
+            ctx[12..16].copy_from_slice(&ifindex.to_ne_bytes());
+            // union bpf_attr, the test part: prog_fd 0, data_size_in 8, data_in 16, repeat
+            // 32, ctx_size_in 40, ctx_in 48, flags 64, batch_size 72 (0: the kernel's 64).
+            let mut attr = [0u8; 80];
+            let fd = u32::try_from(fd).map_err(|_| other("negative program fd"))?;
+            attr[0..4].copy_from_slice(&fd.to_ne_bytes());
+            attr[8..12].copy_from_slice(&len.to_ne_bytes());
+            attr[16..24].copy_from_slice(&(frame.as_ptr() as u64).to_ne_bytes());
+            attr[32..36].copy_from_slice(&count.to_ne_bytes());
+            attr[40..44].copy_from_slice(&(ctx.len() as u32).to_ne_bytes());
+            attr[48..56].copy_from_slice(&(ctx.as_ptr() as u64).to_ne_bytes());
+            attr[64..68].copy_from_slice(&LIVE_FRAMES.to_ne_bytes());
+            // SAFETY: attr is a valid bpf_attr prefix; data_in and ctx_in point to buffers of
+            // the given sizes that outlive the call, which only reads them.
+            let rc = unsafe {
+                libc::syscall(
+                    libc::SYS_bpf,
+                    BPF_PROG_TEST_RUN,
+                    attr.as_mut_ptr(),
+                    attr.len(),
+                )
+            };
+            if rc < 0 {
+                return Err(RigError::io(
+                    "generating live frames (BPF_PROG_TEST_RUN)",
+                    std::io::Error::last_os_error(),
+                ));
+            }
+            Ok(())
+        })?
+    }
+}
