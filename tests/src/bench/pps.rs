@@ -499,7 +499,7 @@ fn insn(opcode: u8, dst: u8, src: u8, off: i16, imm: i32) -> u64 {
 /// The generator's instructions: bounds check, the frame stored 4 bytes at a time (BPF_ST
 /// immediates), `XDP_TX` (`XDP_DROP` for a buffer shorter than the frame).
 fn writer(frame: &[u8]) -> Result<Vec<u64>> {
-    if frame.len() % 4 != 0 || frame.len() > 128 {
+    if !frame.len().is_multiple_of(4) || frame.len() > 128 {
         return Err(other(format!("generator frame of {} bytes", frame.len())));
     }
     let words = frame.len() / 4;
