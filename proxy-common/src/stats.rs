@@ -133,10 +133,16 @@ pub enum StatIndex {
     /// XDP: rewriting or redirecting a packet failed after it was rewritten; it was dropped
     /// (a half-translated packet must not go on).
     XdpRewriteFailed = 45,
+    /// XDP: a new flow's packet from a client outside `loadBalancerSourceRanges` was dropped in
+    /// the driver (as tc would drop it, before any NAT).
+    XdpDroppedSourceRange = 46,
+    /// XDP: a new flow's packet to a frontend whose endpoints are all elsewhere
+    /// (`externalTrafficPolicy: Local`; kube-proxy DROPs) was dropped in the driver.
+    XdpDroppedNoLocal = 47,
 }
 
 impl StatIndex {
-    pub const COUNT: u32 = 46;
+    pub const COUNT: u32 = 48;
     pub const ALL: [StatIndex; Self::COUNT as usize] = [
         StatIndex::Translated,
         StatIndex::RejectedNoBackends,
@@ -184,6 +190,8 @@ impl StatIndex {
         StatIndex::XdpPassedChecksumPartial,
         StatIndex::XdpPassedToTc,
         StatIndex::XdpRewriteFailed,
+        StatIndex::XdpDroppedSourceRange,
+        StatIndex::XdpDroppedNoLocal,
     ];
 
     /// Label used in logs and metrics.
@@ -235,6 +243,8 @@ impl StatIndex {
             StatIndex::XdpPassedChecksumPartial => "xdp_passed_checksum_partial",
             StatIndex::XdpPassedToTc => "xdp_passed_to_tc",
             StatIndex::XdpRewriteFailed => "xdp_rewrite_failed",
+            StatIndex::XdpDroppedSourceRange => "xdp_dropped_source_range",
+            StatIndex::XdpDroppedNoLocal => "xdp_dropped_no_local_endpoints",
         }
     }
 }

@@ -408,7 +408,7 @@ fn internal_frontend(pkt: &Packet) -> Option<FrontendValue> {
 
 /// The external frontend for the packet's destination (see `lookup_frontend`).
 #[inline(always)]
-fn external_frontend(pkt: &Packet) -> Option<FrontendValue> {
+pub fn external_frontend(pkt: &Packet) -> Option<FrontendValue> {
     if pkt.is_v6() {
         let mut key = Frontend6Key {
             addr: pkt.dst,
@@ -943,7 +943,7 @@ fn route_to_backend(ctx: &TcContext, pkt: &Packet) -> bool {
 
 /// `loadBalancerSourceRanges`: the longest-prefix match on (service id, client address).
 #[inline(always)]
-fn source_allowed(pkt: &Packet, frontend: &FrontendValue) -> bool {
+pub fn source_allowed(pkt: &Packet, frontend: &FrontendValue) -> bool {
     let bits = if pkt.is_v6() { 128 } else { 32 };
     let key = Key::new(
         32 + bits,

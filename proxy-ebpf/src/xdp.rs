@@ -8,8 +8,10 @@
 //! (`node_flags::FAST_PATH`, or a `ct_flags::BYPASS` flow): a client's packet to its backend,
 //! or a backend's reply to its client, whose next hop the fib lookup resolves to an interface
 //! in `KPR_XDP_TARGETS` (the interfaces running this program). Left to tc:
-//! - new flows (backend choice, source ranges, REJECT, SNAT ports: tc's `new_flow`), so the
-//!   first packet of every flow goes through tc and writes the entries XDP then follows;
+//! - new flows (backend choice, REJECT, affinity, Maglev, SNAT ports: tc's `new_flow`), so the
+//!   first packet of every flow goes through tc and writes the entries XDP then follows —
+//!   except the drops tc makes before any NAT, which XDP makes itself (`new_flow` here: source
+//!   ranges, `externalTrafficPolicy: Local` without local endpoints);
 //! - the netfilter path (the default): its translation is split around the host's FORWARD and
 //!   POSTROUTING, which need the skb; XDP could only DNAT and pass, as tc does;
 //! - next hops XDP cannot redirect to: a local pod's veth (its peer in the pod takes XDP frames
@@ -33,15 +35,16 @@ use aya_ebpf::{
     helpers::{bpf_fib_lookup, bpf_ktime_get_ns},
     programs::XdpContext,
 };
-use proxy_common::{CtValue, StatIndex, ct_flags, family, proto};
+use proxy_common::{CtValue, StatIndex, ct_flags, family, frontend_flags, proto};
 
 use crate::{
     conntrack::{self, View},
     csum::{add_words, fold, store, sum_port, sum_word},
     maps::{KPR_SNAT_IFACES, KPR_XDP_TARGETS, scratch},
-    nat::fast_path,
+    nat::{draining, fast_path},
     parse::{ETH_HLEN, ETH_P_IP, ETH_P_IPV6, Packet, linear_at, load, parse_whole},
     stats::bump,
+    tc::{external_frontend, source_allowed},
 };
 
 const AF_INET: u8 = 2;
@@ -76,7 +79,7 @@ fn established<const V6: bool>(ctx: &XdpContext) -> u32 {
     let key = unsafe { &mut (*scratch).flow_key };
     pkt.write_ct_key(key);
     let Some(value) = conntrack::lookup::<V6>(key, View::A) else {
-        return XDP_PASS;
+        return new_flow(pkt);
     };
     if !fast_path() && value.flags & ct_flags::BYPASS == 0 {
         return XDP_PASS;
@@ -123,6 +126,31 @@ fn established<const V6: bool>(ctx: &XdpContext) -> u32 {
             bump(StatIndex::XdpRewriteFailed);
             action
         })
+}
+
+/// A packet without a conntrack entry: dropped here where tc would drop it before any NAT — a
+/// client outside the frontend's `loadBalancerSourceRanges`, a frontend whose endpoints are all
+/// on other nodes (`externalTrafficPolicy: Local`, `frontend_flags::DROP_NO_BACKENDS`) — so a
+/// flood of those never costs an skb; everything else is tc's (`new_flow` there). As in tc, a
+/// TCP segment other than a SYN is never dropped for it (the stack answers a stray segment),
+/// and nothing while the node drains to the iptables mode (their rules decide).
+#[inline(always)]
+fn new_flow(pkt: &Packet) -> u32 {
+    if draining() || (pkt.proto == proto::TCP && !pkt.opens()) {
+        return XDP_PASS;
+    }
+    let Some(frontend) = external_frontend(pkt) else {
+        return XDP_PASS;
+    };
+    if frontend.flags & frontend_flags::SOURCE_RANGES != 0 && !source_allowed(pkt, &frontend) {
+        bump(StatIndex::XdpDroppedSourceRange);
+        return XDP_DROP;
+    }
+    if frontend.backend_count == 0 && frontend.flags & frontend_flags::DROP_NO_BACKENDS != 0 {
+        bump(StatIndex::XdpDroppedNoLocal);
+        return XDP_DROP;
+    }
+    XDP_PASS
 }
 
 /// Whether the L4 checksum field holds the pseudo-header sum alone (`CHECKSUM_PARTIAL`: the

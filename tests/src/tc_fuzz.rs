@@ -12,9 +12,9 @@
 //!   program's, never `TC_ACT_OK`, which would end the TCX chain).
 //!
 //! The XDP program (`kpr_xdp_external`, first on the external link) gets every frame before tc:
-//! it returns `XDP_PASS` or `XDP_REDIRECT` only, passes a frame byte for byte unchanged (what
-//! it cannot finish is tc's, untouched), and redirects only well-formed frames, rewritten into
-//! well-formed ones.
+//! it returns `XDP_PASS`, `XDP_DROP` or `XDP_REDIRECT` only, passes a frame byte for byte
+//! unchanged (what it cannot finish is tc's, untouched), drops only frames tc drops too, and
+//! redirects only well-formed frames, rewritten into well-formed ones.
 //!
 //! Used by `tests/tests/tc_fuzz.rs` (bounded and deterministic, in `cargo xtask test`) and by the
 //! cargo-fuzz target `tc_packets` (`tests/fuzz/`). Needs root and the real eBPF object.
@@ -39,7 +39,7 @@ use crate::{
     netns::Netns,
     packet::{
         L4, PROTO_SCTP, PROTO_TCP, PROTO_UDP, TC_ACT_OK, TC_ACT_REDIRECT, TC_ACT_SHOT,
-        TC_ACT_UNSPEC, XDP_PASS, XDP_REDIRECT, build, parse_checked,
+        TC_ACT_UNSPEC, XDP_DROP, XDP_PASS, XDP_REDIRECT, build, parse_checked,
     },
 };
 
@@ -328,6 +328,20 @@ impl TcNode {
     pub fn check(&mut self, frame: &[u8]) -> Result<Vec<Outcome>> {
         let xdp = self.check_xdp(frame)?;
         let (external, translated) = self.check_one(TC_EXTERNAL, self.ext0, frame)?;
+        // XDP drops only what tc drops (the drops before any NAT).
+        if let (
+            Outcome::Ran {
+                action: xdp_action, ..
+            },
+            Outcome::Ran { action, .. },
+        ) = (xdp, external)
+            && xdp_action == XDP_DROP as i32
+            && action != TC_ACT_SHOT
+        {
+            return Err(other(format!(
+                "{XDP_EXTERNAL} dropped a frame tc answers with action {action}: {frame:02x?}"
+            )));
+        }
         let mut outcomes = vec![xdp, external, self.check_one(TC_REPLY, self.pod0, frame)?.0];
         if let Some(sent) = translated.and_then(|out| parse_checked(&out).ok()) {
             let l4 = match sent.proto {
@@ -426,8 +440,10 @@ impl TcNode {
         };
         let rewritten = out.packet != frame;
         match out.action {
-            XDP_PASS if rewritten => return fail("passed a frame it changed".to_owned()),
-            XDP_PASS => {}
+            XDP_PASS | XDP_DROP if rewritten => {
+                return fail("passed or dropped a frame it changed".to_owned());
+            }
+            XDP_PASS | XDP_DROP => {}
             XDP_REDIRECT if !checked => {
                 return fail("redirected a malformed frame".to_owned());
             }

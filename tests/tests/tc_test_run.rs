@@ -43,8 +43,9 @@ use proxy_tests::{
     netns::Netns,
     packet::{
         L4, PROTO_ICMP, PROTO_ICMPV6, PROTO_TCP, PROTO_UDP, Parsed, TC_ACT_OK, TC_ACT_REDIRECT,
-        TC_ACT_SHOT, TC_ACT_UNSPEC, XDP_PASS, XDP_REDIRECT, build, crc32c, fragment, icmp_error,
-        inet_checksum, l4_checksum, parse_checked, parse_fragment, quoted_packet, reassemble,
+        TC_ACT_SHOT, TC_ACT_UNSPEC, XDP_DROP, XDP_PASS, XDP_REDIRECT, build, crc32c, fragment,
+        icmp_error, inet_checksum, l4_checksum, parse_checked, parse_fragment, quoted_packet,
+        reassemble,
     },
 };
 
@@ -2852,7 +2853,8 @@ const CLIENT_MAC: [u8; 6] = [0x02, 0, 0, 0, 0, 0x02];
 
 /// `remote`: dual-stack NodePort TCP 30095 → 8080 and UDP 30096 → 5353 on [`REMOTE`] /
 /// [`REMOTE6`]; `podside`: NodePort TCP 30097 → 8080 on the local pod [`BACKEND`] (behind
-/// `pod0`, not an XDP target). Also writes the neighbour entries of the remote backend and the
+/// `pod0`, not an XDP target); `guarded`: LB IP 198.51.100.20:80 for 203.0.113.0/24 only;
+/// `remotelocal`: NodePort 30099, eTP Local, its one endpoint on another node. Also writes the neighbour entries of the remote backend and the
 /// client on `ext0`.
 fn program_remote(node: &mut Node) {
     for (addr, mac) in [
@@ -2879,6 +2881,13 @@ fn program_remote(node: &mut Node) {
          {name: diameter, port: 3868, protocol: SCTP, targetPort: 3869, nodePort: 30098}]}",
         "{name: podside, namespace: default}\nspec: {type: NodePort, clusterIP: 10.96.0.61, \
          ports: [{name: http, port: 80, protocol: TCP, targetPort: 8080, nodePort: 30097}]}",
+        "{name: guarded, namespace: default}\nspec: {type: LoadBalancer, clusterIP: 10.96.0.62, \
+         loadBalancerSourceRanges: [203.0.113.0/24], ports: [\
+         {name: http, port: 80, protocol: TCP, targetPort: 8080, nodePort: 30093}]}\n\
+         status: {loadBalancer: {ingress: [{ip: 198.51.100.20}]}}",
+        "{name: remotelocal, namespace: default}\nspec: {type: NodePort, clusterIP: 10.96.0.63, \
+         externalTrafficPolicy: Local, ports: [\
+         {name: http, port: 80, protocol: TCP, targetPort: 8080, nodePort: 30099}]}",
     ];
     let services: BTreeMap<ObjectKey, ServiceInfo> = services
         .iter()
@@ -2904,6 +2913,8 @@ fn program_remote(node: &mut Node) {
         slice("remote-4", "remote", "IPv4", REMOTE),
         slice("remote-6", "remote", "IPv6", REMOTE6),
         slice("podside-4", "podside", "IPv4", BACKEND),
+        slice("guarded-4", "guarded", "IPv4", REMOTE),
+        slice("remotelocal-4", "remotelocal", "IPv4", REMOTE),
     ]);
     let snapshot = Snapshot::compute(&Objects::new(services, slices, None), NODE);
     let errors: Vec<String> = snapshot.errors().map(ToString::to_string).collect();
@@ -3144,5 +3155,48 @@ fn xdp_takes_nothing_on_the_netfilter_path() {
         let (action, out) = run_xdp(node, &ack);
         assert_eq!(action, XDP_PASS);
         assert_eq!(out, ack);
+    });
+}
+
+/// Issue 14 item 1: the drops tc makes before any NAT, XDP makes in the driver — a client
+/// outside `loadBalancerSourceRanges`, a NodePort with `externalTrafficPolicy: Local` and no
+/// local endpoint (kube-proxy's KUBE-FW / KUBE-XLB DROP) — and tc, the oracle, drops the same
+/// packets; an allowed client, and a stray mid-stream segment from a refused one, go on to tc.
+#[test]
+fn xdp_drops_what_tc_drops_before_nat() {
+    with_node(|node| {
+        program_remote(node);
+        let lb = sa("198.51.100.20", 80);
+        let refused = sa(CLIENT, 48_000);
+        let dropped = stat(node, StatIndex::XdpDroppedSourceRange);
+        let syn = build(refused, lb, L4::TcpSyn, b"");
+        let (action, _) = run_xdp(node, &syn);
+        assert_eq!(action, XDP_DROP, "outside the source ranges");
+        assert_eq!(stat(node, StatIndex::XdpDroppedSourceRange), dropped + 1);
+        let (action, _) = run(node, program_names::TC_EXTERNAL, &syn, node.ext0);
+        assert_eq!(action, TC_ACT_SHOT, "tc drops it too");
+        let ack = build(refused, lb, L4::TcpAck, b"");
+        let (action, out) = run_xdp(node, &ack);
+        assert_eq!(
+            (action, out == ack),
+            (XDP_PASS, true),
+            "a stray segment is tc's"
+        );
+
+        let allowed = build(sa("203.0.113.7", 48_001), lb, L4::TcpSyn, b"");
+        let (action, out) = run_xdp(node, &allowed);
+        assert_eq!(
+            (action, out == allowed),
+            (XDP_PASS, true),
+            "an allowed client is tc's"
+        );
+
+        let no_local = build(sa(CLIENT, 48_002), sa(NODE_IP, 30099), L4::TcpSyn, b"");
+        let dropped = stat(node, StatIndex::XdpDroppedNoLocal);
+        let (action, _) = run_xdp(node, &no_local);
+        assert_eq!(action, XDP_DROP, "eTP Local without local endpoints");
+        assert_eq!(stat(node, StatIndex::XdpDroppedNoLocal), dropped + 1);
+        let (action, _) = run(node, program_names::TC_EXTERNAL, &no_local, node.ext0);
+        assert_eq!(action, TC_ACT_SHOT, "tc drops it too");
     });
 }
