@@ -115,19 +115,55 @@ pub const EBPF_LEGACY_TC: &str = "ebpf-legacy-tc";
 /// (`service_scenarios_ebpf.rs` runs the scenarios whose packets take that path).
 pub const EBPF_FAST_PATH: &str = "ebpf-fast-path";
 
+/// `ebpf` with `--tc-fast-path` and XDP (`--bpf-xdp auto`) on `vext` and, where the scenario
+/// has a second node, `vnode2`; the external client's and the second node's veths send
+/// complete checksums, as packets from a wire have, and take XDP frames (NAPI on), so that
+/// XDP, not only tc, carries the flows (`service_scenarios_ebpf.rs` runs the whole table so).
+pub const EBPF_XDP: &str = "ebpf-xdp";
+
+/// Whether `mode` runs the eBPF dataplane (any of the variants above).
+fn is_ebpf(mode: &str) -> bool {
+    mode.starts_with("ebpf")
+}
+
 fn start(s: &mut Scenario, mode: &str) -> Result<()> {
-    let args: &[&str] = match mode {
-        "ebpf" => &["--interfaces", "vext"],
-        EBPF_LEGACY_TC => &["--interfaces", "vext", "--bpf-disable-feature", "tcx"],
-        EBPF_FAST_PATH => &["--interfaces", "vext", "--tc-fast-path"],
-        _ => &[],
-    };
-    let mode = if mode == EBPF_LEGACY_TC || mode == EBPF_FAST_PATH {
-        "ebpf"
+    let interfaces = if mode == EBPF_XDP {
+        "vext,vnode2"
     } else {
-        mode
+        "vext"
     };
-    s.start_agent_with_args(mode, args)?;
+    start_on(s, mode, interfaces, &[])
+}
+
+/// Starts the agent of `mode` with `extra` arguments; eBPF modes get the external tc programs
+/// on `interfaces` (an interface the scenario lacks is ignored).
+fn start_on(s: &mut Scenario, mode: &str, interfaces: &str, extra: &[&str]) -> Result<()> {
+    let mut args: Vec<&str> = Vec::new();
+    if is_ebpf(mode) {
+        args.extend(["--interfaces", interfaces]);
+    }
+    match mode {
+        EBPF_LEGACY_TC => args.extend(["--bpf-disable-feature", "tcx"]),
+        EBPF_FAST_PATH => args.push("--tc-fast-path"),
+        EBPF_XDP => {
+            args.push("--tc-fast-path");
+            wire_like_links(s)?;
+        }
+        _ => {}
+    }
+    args.extend(extra);
+    s.start_agent_with_args(if is_ebpf(mode) { "ebpf" } else { mode }, &args)?;
+    Ok(())
+}
+
+/// Complete checksums and NAPI on the external client's eth0 and, if there is one, the
+/// second node's: see [`EBPF_XDP`].
+fn wire_like_links(s: &Scenario) -> Result<()> {
+    for place in [Place::Ext, Place::RemoteNode] {
+        if let Ok(netns) = s.topo.netns(place) {
+            netns.exec("ethtool", &["-K", "eth0", "tx", "off", "gro", "on"])?;
+        }
+    }
     Ok(())
 }
 
@@ -419,7 +455,26 @@ pub fn node_port_to_a_pod_on_another_node(mode: &str) -> Result<()> {
     s.ensure(attempts.iter().all(is_remote), || {
         format!("every connection must reach rpod1 through node A: {counts:?}")
     })?;
+    ensure_through_xdp(&mut s, mode, attempts.len())?;
     ensure_snat(&s, &attempts)
+}
+
+/// In [`EBPF_XDP`] mode, that XDP carried the flows to a pod on the second node: at least one
+/// later client packet and one reply per connection (SYN-ACK, ACK, data, FIN) went through it.
+fn ensure_through_xdp(s: &mut Scenario, mode: &str, connections: usize) -> Result<()> {
+    if mode != EBPF_XDP {
+        return Ok(());
+    }
+    let agent = s.agent()?;
+    let forward = agent.datapath_counter(proxy_common::StatIndex::XdpEstablished)?;
+    let replies = agent.datapath_counter(proxy_common::StatIndex::XdpReplyTranslated)?;
+    let connections = connections as u64;
+    s.ensure(forward >= connections && replies >= connections, || {
+        format!(
+            "XDP carried {forward} client packets and {replies} replies for {connections} \
+             connections"
+        )
+    })
 }
 
 /// `sessionAffinity: ClientIP` for an external client: every connection through the NodePort
@@ -515,12 +570,7 @@ pub fn source_ranges_never_leak(mode: &str) -> Result<()> {
         "via",
         &Topology::node_ext_ip().to_string(),
     ])?;
-    let both_links: &[&str] = if mode == "ebpf" {
-        &["--interfaces", "vext,vnode2"]
-    } else {
-        &[]
-    };
-    s.start_agent_with_args(mode, both_links)?;
+    start_on(&mut s, mode, "vext,vnode2", &[])?;
     let lb = SocketAddr::from(SocketAddrV4::new(VIP, SERVICE_PORT));
     let inside = client_at(&s, Place::RemoteNode)?.timeout(DROP_TIMEOUT);
     s.wait_for_datapath_with(
@@ -607,15 +657,10 @@ pub fn local_policy_never_reaches_a_remote_pod(mode: &str) -> Result<()> {
     };
     let mut s = setup(1, &spec, std::slice::from_ref(&remote))?;
     s.topo.add_remote_node(1, BACKEND_PORT)?;
-    let both_links: &[&str] = if mode == "ebpf" {
-        &["--interfaces", "vext,vnode2"]
-    } else {
-        &[]
-    };
-    s.start_agent_with_args(mode, both_links)?;
+    start_on(&mut s, mode, "vext,vnode2", &[])?;
     let is_remote = |a: &Attempt| a.backend() == Some("rpod1");
     // In iptables mode every process of the node is translated; in eBPF mode the cgroup's.
-    let internal = if mode == "ebpf" {
+    let internal = if is_ebpf(mode) {
         s.cgroup_client()
     } else {
         s.outside_client()
@@ -736,7 +781,7 @@ pub fn agent_restarts_under_load_fail_nothing(mode: &str) -> Result<()> {
     };
     let mut s = setup(2, &spec, &[pod_endpoint(1), pod_endpoint(2)])?;
     start(&mut s, mode)?;
-    let cluster_client = if mode == "ebpf" {
+    let cluster_client = if is_ebpf(mode) {
         s.cgroup_client()
     } else {
         s.outside_client()
@@ -1056,7 +1101,7 @@ pub fn ipv4_mapped_ipv6_clients_reach_ipv4_services(mode: &str) -> Result<()> {
 /// processes in the agent's cgroup (the socket hooks), in iptables mode any process.
 fn local_client(s: &Scenario, mode: &str, place: Place) -> Result<Client> {
     let netns = s.topo.netns(place)?.path();
-    Ok(if mode == "ebpf" {
+    Ok(if is_ebpf(mode) {
         Client::new(netns).in_cgroup(s.cgroup.path())
     } else {
         Client::new(netns)
@@ -1093,11 +1138,12 @@ pub fn node_port_from_the_node_and_its_pods(mode: &str) -> Result<()> {
     let mut s = setup(2, &spec, &[pod_endpoint(1), remote])?;
     s.topo.add_remote_node(1, BACKEND_PORT)?;
     // The pod-traffic short-circuit needs kube-proxy's local-traffic detector.
-    let mut args = vec!["--cluster-cidr", "10.244.0.0/16"];
-    if mode == "ebpf" {
-        args.extend(["--interfaces", "vext,vnode2"]);
-    }
-    s.start_agent_with_args(mode, &args)?;
+    start_on(
+        &mut s,
+        mode,
+        "vext,vnode2",
+        &["--cluster-cidr", "10.244.0.0/16"],
+    )?;
     let node_client = local_client(&s, mode, Place::Node)?;
     let pod_client = local_client(&s, mode, Place::Pod(2))?;
     let answered = |a: &Attempt| matches!(a.backend(), Some("pod1" | "rpod1"));
@@ -1228,7 +1274,7 @@ pub fn internal_policy_local_without_local_endpoints(mode: &str) -> Result<()> {
         &Topology::ext_ip().to_string(),
     ])?;
     start(&mut s, mode)?;
-    let expected = if mode == "ebpf" {
+    let expected = if is_ebpf(mode) {
         "EHOSTUNREACH"
     } else {
         "TIMEOUT"

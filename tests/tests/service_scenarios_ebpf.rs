@@ -9,3 +9,10 @@ proxy_tests::service_scenario_tests!("ebpf");
 mod fast_path {
     proxy_tests::service_scenario_tests!("ebpf-fast-path": host_network_backends);
 }
+
+/// The whole table again with XDP carrying the flows it takes (`--tc-fast-path`, XDP on the
+/// external links, wire-like checksums from the client and the second node; see
+/// `service_scenarios::EBPF_XDP`).
+mod xdp {
+    proxy_tests::service_scenario_tests!("ebpf-xdp");
+}
