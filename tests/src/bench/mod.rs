@@ -141,6 +141,7 @@ impl Config {
             pps_loops: pps::PpsLoops {
                 runs: 3,
                 frames: 1_000_000,
+                round_trips: 3_000,
             },
             // Doubling from 250/s: 250, 500, …, 8000. 15 s per step: longer than the tc
             // conntrack's 10 s close timeout, so each step reaches its steady state of entries.
@@ -195,6 +196,7 @@ impl Config {
             pps_loops: pps::PpsLoops {
                 runs: 1,
                 frames: 100_000,
+                round_trips: 500,
             },
             snat_loops: snat::SnatLoops {
                 first_rate: 1_000,

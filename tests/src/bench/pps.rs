@@ -19,6 +19,10 @@
 //! The rate is what arrived at the sink over the time from the generator's start until the
 //! last frame arrived; frames the node dropped (a full veth ring when a stage is slower than
 //! the generator) count as not delivered, so the rate is the bottleneck's.
+//!
+//! Then, on the same rig, TCP round trips (TCP_RR: one connection, a line and its echo) from
+//! the client to an echo server on the sink through the same path, client and server on the
+//! same CPU.
 
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::os::fd::{AsRawFd, OwnedFd};
@@ -43,6 +47,9 @@ const NODE_IP: Ipv4Addr = Ipv4Addr::new(10, 10, 0, 1);
 const SINK: Ipv4Addr = Ipv4Addr::new(10, 20, 0, 2);
 const NODE_PORT: u16 = 30090;
 const SINK_PORT: u16 = 9;
+/// The TCP port of the same Service (round trips), and its echo server's port on the sink.
+const TCP_NODE_PORT: u16 = 30091;
+const ECHO_PORT: u16 = 8080;
 const CLIENT_PORT: u16 = 40_000;
 const NODE: &str = "pps-node";
 
@@ -80,6 +87,8 @@ pub struct PpsLoops {
     pub runs: usize,
     /// Frames the generator sends per measurement.
     pub frames: u32,
+    /// TCP round trips per measurement (one connection, request and echo: TCP_RR).
+    pub round_trips: u32,
 }
 
 /// One mode's figures over the runs.
@@ -90,14 +99,19 @@ pub struct PpsModeResult {
     pub pps: Spread,
     /// Share of the generated frames that reached the sink.
     pub delivered: Spread,
+    /// TCP round trips through the same path: median latency (ns) and rate per second.
+    pub rr_p50_ns: Spread,
+    pub rr_rate: Spread,
 }
 
 #[derive(Debug, Clone)]
 pub struct PpsResult {
     pub loops: PpsLoops,
     pub modes: Vec<PpsModeResult>,
-    /// Each round's rate per mode (for same-round ratios).
+    /// Each round's packet rate per mode (for same-round ratios).
     pub runs: Vec<std::collections::BTreeMap<PpsMode, f64>>,
+    /// Each round's TCP round-trip rate per mode.
+    pub rr_runs: Vec<std::collections::BTreeMap<PpsMode, f64>>,
     /// The CPU the generator (and the forwarding) ran on.
     pub cpu: usize,
 }
@@ -110,39 +124,47 @@ impl PpsResult {
 
 /// Runs every mode `loops.runs` times, interleaved, on `cpu`.
 pub fn packet_rate(loops: PpsLoops, cpu: usize) -> Result<PpsResult> {
-    let mut pps: Vec<(PpsMode, Vec<f64>, Vec<f64>)> = PpsMode::ALL
-        .iter()
-        .map(|m| (*m, Vec::new(), Vec::new()))
-        .collect();
+    let mut measured: Vec<(PpsMode, Vec<Measured>)> =
+        PpsMode::ALL.iter().map(|m| (*m, Vec::new())).collect();
     let mut runs = Vec::with_capacity(loops.runs);
+    let mut rr_runs = Vec::with_capacity(loops.runs);
     for _ in 0..loops.runs {
         let mut round = std::collections::BTreeMap::new();
-        for (mode, rates, shares) in &mut pps {
-            let (rate, share) = one_run(*mode, loops.frames, cpu)?;
-            round.insert(*mode, rate);
+        let mut rr_round = std::collections::BTreeMap::new();
+        for (mode, list) in &mut measured {
+            let m = one_run(*mode, loops, cpu)?;
             eprintln!(
-                "pps: {:<46} {:>10.0} packets/s ({:.1} % of {} frames delivered)",
+                "pps: {:<46} {:>10.0} packets/s ({:.1} % of {} frames delivered); TCP round \
+                 trip p50 {:.1} µs, {:.0}/s",
                 mode.label(),
-                rate,
-                share * 100.0,
-                loops.frames
+                m.pps,
+                m.delivered * 100.0,
+                loops.frames,
+                m.rr_p50_ns / 1000.0,
+                m.rr_rate
             );
-            rates.push(rate);
-            shares.push(share);
+            round.insert(*mode, m.pps);
+            rr_round.insert(*mode, m.rr_rate);
+            list.push(m);
         }
         runs.push(round);
+        rr_runs.push(rr_round);
     }
+    let spread = |list: &[Measured], f: fn(&Measured) -> f64| Spread::of(list.iter().map(f));
     Ok(PpsResult {
         loops,
-        modes: pps
-            .into_iter()
-            .map(|(mode, rates, shares)| PpsModeResult {
-                mode,
-                pps: Spread::of(rates),
-                delivered: Spread::of(shares),
+        modes: measured
+            .iter()
+            .map(|(mode, list)| PpsModeResult {
+                mode: *mode,
+                pps: spread(list, |m| m.pps),
+                delivered: spread(list, |m| m.delivered),
+                rr_p50_ns: spread(list, |m| m.rr_p50_ns),
+                rr_rate: spread(list, |m| m.rr_rate),
             })
             .collect(),
         runs,
+        rr_runs,
         cpu,
     })
 }
@@ -249,14 +271,19 @@ impl Rig {
 
     /// Packets the sink's XDP program dropped (all it received).
     fn sink_rx(&self) -> Result<u64> {
-        let text = self.sink.exec("ethtool", &["-S", "eth0"])?;
-        text.lines()
-            .find_map(|line| {
-                let (name, value) = line.trim().split_once(':')?;
-                (name == "rx_queue_0_xdp_drops").then(|| value.trim().parse().ok())?
-            })
-            .ok_or_else(|| other(format!("no rx_queue_0_xdp_drops in {text}")))
+        veth_counter(&self.sink, "eth0", "rx_queue_0_xdp_drops")
     }
+}
+
+/// A veth driver counter of `interface` in `netns` (`ethtool -S`).
+fn veth_counter(netns: &Netns, interface: &str, counter: &str) -> Result<u64> {
+    let text = netns.exec("ethtool", &["-S", interface])?;
+    text.lines()
+        .find_map(|line| {
+            let (name, value) = line.trim().split_once(':')?;
+            (name == counter).then(|| value.trim().parse().ok())?
+        })
+        .ok_or_else(|| other(format!("no {counter} in {text}")))
 }
 
 /// `interface`'s MAC in `netns`, as `ip` prints it.
@@ -281,10 +308,19 @@ fn parse_mac(text: &str) -> Result<[u8; 6]> {
         .map_err(|_| other(format!("MAC {text}: not 6 bytes")))
 }
 
-/// One measurement of `mode` on a fresh rig: (packets per second, share delivered).
-fn one_run(mode: PpsMode, frames: u32, cpu: usize) -> Result<(f64, f64)> {
+/// What one measurement of a mode gives.
+struct Measured {
+    pps: f64,
+    delivered: f64,
+    rr_p50_ns: f64,
+    rr_rate: f64,
+}
+
+/// One measurement of `mode` on a fresh rig: the packet rate, then TCP round trips.
+fn one_run(mode: PpsMode, loops: PpsLoops, cpu: usize) -> Result<Measured> {
+    let frames = loops.frames;
     let rig = Rig::new()?;
-    let _sink = rig.sink_drop()?;
+    let sink = rig.sink_drop()?;
     let destination = match mode {
         PpsMode::Routing => SocketAddr::new(IpAddr::V4(SINK), SINK_PORT),
         _ => SocketAddr::new(IpAddr::V4(NODE_IP), NODE_PORT),
@@ -315,7 +351,16 @@ fn one_run(mode: PpsMode, frames: u32, cpu: usize) -> Result<(f64, f64)> {
     };
     let ready = ready_rx.recv_timeout(Duration::from_secs(120));
     let measured = match ready {
-        Ok(()) => measure(&rig, client_path, frame, frames, cpu),
+        Ok(()) => measure(&rig, client_path, frame, frames, cpu).and_then(|(pps, delivered)| {
+            drop(sink);
+            let (rr_p50_ns, rr_rate) = round_trips(&rig, mode, loops.round_trips, cpu)?;
+            Ok(Measured {
+                pps,
+                delivered,
+                rr_p50_ns,
+                rr_rate,
+            })
+        }),
         Err(_) => Err(other(format!(
             "{}: the dataplane did not start",
             mode.label()
@@ -327,6 +372,66 @@ fn one_run(mode: PpsMode, frames: u32, cpu: usize) -> Result<(f64, f64)> {
         .map_err(|_| other("the node thread panicked"))?;
     started?;
     measured
+}
+
+/// TCP round trips (`rig-helper bench-connect --workload rr`: one connection, a line written
+/// and its echo read) from the client to an echo server on the sink, through the NodePort
+/// (routing: the sink's address), with client and server on `cpu`; both ends send complete
+/// checksums, as hosts behind wires do (veth would leave them to an offload XDP cannot see).
+/// (p50 ns, round trips per second).
+fn round_trips(rig: &Rig, mode: PpsMode, count: u32, cpu: usize) -> Result<(f64, f64)> {
+    for netns in [&rig.client, &rig.sink] {
+        netns.exec("ethtool", &["-K", "eth0", "tx", "off"])?;
+    }
+    let echo = crate::echo::EchoServer::start(
+        &rig.sink.path(),
+        "pod-sink",
+        SocketAddr::new(IpAddr::V4(SINK), ECHO_PORT),
+    )?;
+    super::client::pin_process(echo.pid(), cpu)?;
+    let target = match mode {
+        PpsMode::Routing => SocketAddr::new(IpAddr::V4(SINK), ECHO_PORT),
+        _ => SocketAddr::new(IpAddr::V4(NODE_IP), TCP_NODE_PORT),
+    };
+    let place = super::client::Place {
+        netns: rig.client.path(),
+        cgroup: None,
+    };
+    let redirected = |rig: &Rig| -> Result<[u64; 2]> {
+        Ok([
+            veth_counter(&rig.node, "ext0", "rx_queue_0_xdp_redirect")?,
+            veth_counter(&rig.node, "ext1", "rx_queue_0_xdp_redirect")?,
+        ])
+    };
+    let before = redirected(rig)?;
+    let samples = super::client::run_bench(
+        &place,
+        target,
+        super::client::Workload::Rr,
+        count,
+        Duration::from_secs(20),
+    )?;
+    // Through XDP indeed: every request redirected from ext0, every answer from ext1.
+    let after = redirected(rig)?;
+    let through_xdp = [after[0] - before[0], after[1] - before[1]];
+    if mode == PpsMode::Xdp && through_xdp.iter().any(|n| *n < u64::from(count)) {
+        return Err(other(format!(
+            "{}: only {through_xdp:?} packets redirected by XDP (ext0, ext1) for {count} round \
+             trips",
+            mode.label()
+        )));
+    }
+    if samples.errors > 0 || samples.ns.is_empty() {
+        return Err(other(format!(
+            "{}: TCP round trips: {} errors (first: {})",
+            mode.label(),
+            samples.errors,
+            samples.first_error
+        )));
+    }
+    let mut ns = samples.ns.clone();
+    ns.sort_unstable();
+    Ok((super::stats::quantile(&ns, 0.5) as f64, samples.rate))
 }
 
 /// Warms the path up (first frames: ARP-free, but a flow's first packet is tc's), then sends
@@ -448,14 +553,17 @@ fn snapshot() -> Result<Snapshot> {
         "metadata": {"name": "pps", "namespace": "bench"},
         "spec": {"type": "NodePort", "clusterIP": "10.96.0.30",
             "ports": [{"name": "udp", "port": 53, "protocol": "UDP",
-                "targetPort": SINK_PORT, "nodePort": NODE_PORT}]}
+                "targetPort": SINK_PORT, "nodePort": NODE_PORT},
+                {"name": "tcp", "port": 80, "protocol": "TCP",
+                "targetPort": ECHO_PORT, "nodePort": TCP_NODE_PORT}]}
     }))
     .map_err(|e| other(format!("Service: {e}")))?;
     let slice: EndpointSlice = serde_json::from_value(serde_json::json!({
         "metadata": {"name": "pps-1", "namespace": "bench",
             "labels": {"kubernetes.io/service-name": "pps"}},
         "addressType": "IPv4",
-        "ports": [{"name": "udp", "port": SINK_PORT, "protocol": "UDP"}],
+        "ports": [{"name": "udp", "port": SINK_PORT, "protocol": "UDP"},
+            {"name": "tcp", "port": ECHO_PORT, "protocol": "TCP"}],
         "endpoints": [{"addresses": [SINK.to_string()], "nodeName": "other-node",
             "conditions": {"ready": true}}]
     }))
