@@ -181,13 +181,10 @@ fn leave_by_ingress(ctx: &TcContext, to: &CtValue, via: u32) -> Option<i32> {
     Some(unsafe { bpf_redirect(to.out_ifindex, 0) } as i32)
 }
 
+/// Fills `params` with the fib query for `pkt` translated to `to`, arriving on `ifindex` (tc's
+/// fast path and XDP alike).
 #[inline(always)]
-fn forward(ctx: &TcContext, pkt: &Packet, to: &CtValue) -> i32 {
-    let Some(scratch) = scratch() else {
-        return TC_ACT_SHOT;
-    };
-    // SAFETY: the per-CPU slot is ours until the program ends; `fib` is only used here.
-    let params: &mut FibLookup = unsafe { &mut (*scratch).fib };
+pub fn fib_query(params: &mut FibLookup, pkt: &Packet, to: &CtValue, ifindex: u32) {
     // SAFETY: an all-zero bpf_fib_lookup is a valid (empty) query.
     *params = unsafe { mem::zeroed() };
     params.family = if pkt.family == family::V6 {
@@ -198,8 +195,7 @@ fn forward(ctx: &TcContext, pkt: &Packet, to: &CtValue) -> i32 {
     params.l4_protocol = pkt.proto;
     params.sport = to.sport;
     params.dport = to.dport;
-    // SAFETY: the context pointer is the program's own __sk_buff.
-    params.ifindex = unsafe { (*ctx.skb.skb).ingress_ifindex };
+    params.ifindex = ifindex;
     if pkt.family == family::V6 {
         params.__bindgen_anon_3.ipv6_src = to.src;
         params.__bindgen_anon_4.ipv6_dst = to.dst;
@@ -207,6 +203,17 @@ fn forward(ctx: &TcContext, pkt: &Packet, to: &CtValue) -> i32 {
         params.__bindgen_anon_3.ipv4_src = to.src[0];
         params.__bindgen_anon_4.ipv4_dst = to.dst[0];
     }
+}
+
+#[inline(always)]
+fn forward(ctx: &TcContext, pkt: &Packet, to: &CtValue) -> i32 {
+    let Some(scratch) = scratch() else {
+        return TC_ACT_SHOT;
+    };
+    // SAFETY: the per-CPU slot is ours until the program ends; `fib` is only used here.
+    let params: &mut FibLookup = unsafe { &mut (*scratch).fib };
+    // SAFETY: the context pointer is the program's own __sk_buff.
+    fib_query(params, pkt, to, unsafe { (*ctx.skb.skb).ingress_ifindex });
     // SAFETY: params is a stack value of the size passed.
     let ret =
         unsafe { bpf_fib_lookup(ctx.as_ptr(), params, mem::size_of::<FibLookup>() as i32, 0) };

@@ -408,39 +408,54 @@ fn internal_frontend(pkt: &Packet) -> Option<FrontendValue> {
 
 /// The external frontend for the packet's destination (see `lookup_frontend`).
 #[inline(always)]
-pub fn external_frontend(pkt: &Packet) -> Option<FrontendValue> {
+fn external_frontend(pkt: &Packet) -> Option<FrontendValue> {
+    if let Some(frontend) = exact_external_frontend(pkt) {
+        return Some(frontend);
+    }
+    if !is_node_address(pkt) {
+        return None;
+    }
     if pkt.is_v6() {
-        let mut key = Frontend6Key {
+        let key = Frontend6Key {
+            addr: [0; 4],
+            port: pkt.dport,
+            proto: pkt.proto,
+            scope: scope::EXTERNAL,
+        };
+        // SAFETY: values are copied out at once (whole-value updates by the agent).
+        unsafe { KPR_FRONTENDS6.get(key) }.copied()
+    } else {
+        let key = Frontend4Key {
+            addr: 0,
+            port: pkt.dport,
+            proto: pkt.proto,
+            scope: scope::EXTERNAL,
+        };
+        // SAFETY: as above.
+        unsafe { KPR_FRONTENDS4.get(key) }.copied()
+    }
+}
+
+/// The external frontend at exactly the packet's destination address and port (externalIP, LB
+/// IP, ClusterIP): one lookup, no NodePort wildcard.
+#[inline(always)]
+pub fn exact_external_frontend(pkt: &Packet) -> Option<FrontendValue> {
+    if pkt.is_v6() {
+        let key = Frontend6Key {
             addr: pkt.dst,
             port: pkt.dport,
             proto: pkt.proto,
             scope: scope::EXTERNAL,
         };
         // SAFETY: values are copied out at once (whole-value updates by the agent).
-        if let Some(value) = unsafe { KPR_FRONTENDS6.get(key) } {
-            return Some(*value);
-        }
-        if !is_node_address(pkt) {
-            return None;
-        }
-        key.addr = [0; 4];
-        // SAFETY: as above.
         unsafe { KPR_FRONTENDS6.get(key) }.copied()
     } else {
-        let mut key = Frontend4Key {
+        let key = Frontend4Key {
             addr: pkt.dst[0],
             port: pkt.dport,
             proto: pkt.proto,
             scope: scope::EXTERNAL,
         };
-        // SAFETY: as above.
-        if let Some(value) = unsafe { KPR_FRONTENDS4.get(key) } {
-            return Some(*value);
-        }
-        if !is_node_address(pkt) {
-            return None;
-        }
-        key.addr = 0;
         // SAFETY: as above.
         unsafe { KPR_FRONTENDS4.get(key) }.copied()
     }

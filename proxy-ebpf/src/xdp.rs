@@ -10,8 +10,8 @@
 //! in `KPR_XDP_TARGETS` (the interfaces running this program). Left to tc:
 //! - new flows (backend choice, REJECT, affinity, Maglev, SNAT ports: tc's `new_flow`), so the
 //!   first packet of every flow goes through tc and writes the entries XDP then follows —
-//!   except the drops tc makes before any NAT, which XDP makes itself (`new_flow` here: source
-//!   ranges, `externalTrafficPolicy: Local` without local endpoints);
+//!   except the drops tc makes before any NAT at LB IPs and externalIPs, which XDP makes itself
+//!   (`new_flow` here: source ranges, `externalTrafficPolicy: Local` without local endpoints);
 //! - the netfilter path (the default): its translation is split around the host's FORWARD and
 //!   POSTROUTING, which need the skb; XDP could only DNAT and pass, as tc does;
 //! - next hops XDP cannot redirect to: a local pod's veth (its peer in the pod takes XDP frames
@@ -35,20 +35,18 @@ use aya_ebpf::{
     helpers::{bpf_fib_lookup, bpf_ktime_get_ns},
     programs::XdpContext,
 };
-use proxy_common::{CtValue, StatIndex, ct_flags, family, frontend_flags, proto};
+use proxy_common::{CtValue, StatIndex, ct_flags, frontend_flags, proto};
 
 use crate::{
     conntrack::{self, View},
     csum::{add_words, fold, store, sum_port, sum_word},
     maps::{KPR_SNAT_IFACES, KPR_XDP_TARGETS, scratch},
-    nat::{draining, fast_path},
+    nat::{draining, fast_path, fib_query},
     parse::{ETH_HLEN, ETH_P_IP, ETH_P_IPV6, Packet, linear_at, load, parse_whole},
     stats::bump,
-    tc::{external_frontend, source_allowed},
+    tc::{exact_external_frontend, source_allowed},
 };
 
-const AF_INET: u8 = 2;
-const AF_INET6: u8 = 10;
 /// Offset of the IPv4 header checksum.
 const IPV4_CSUM: usize = ETH_HLEN + 10;
 
@@ -133,13 +131,16 @@ fn established<const V6: bool>(ctx: &XdpContext) -> u32 {
 /// on other nodes (`externalTrafficPolicy: Local`, `frontend_flags::DROP_NO_BACKENDS`) — so a
 /// flood of those never costs an skb; everything else is tc's (`new_flow` there). As in tc, a
 /// TCP segment other than a SYN is never dropped for it (the stack answers a stray segment),
-/// and nothing while the node drains to the iptables mode (their rules decide).
+/// and nothing while the node drains to the iptables mode (their rules decide). Only frontends
+/// at an exact address (LB IPs, which source ranges guard, and externalIPs): one lookup, where
+/// the NodePort wildcard would cost every packet to a node address two more (NodePorts'
+/// eTP Local drops stay tc's).
 #[inline(always)]
 fn new_flow(pkt: &Packet) -> u32 {
     if draining() || (pkt.proto == proto::TCP && !pkt.opens()) {
         return XDP_PASS;
     }
-    let Some(frontend) = external_frontend(pkt) else {
+    let Some(frontend) = exact_external_frontend(pkt) else {
         return XDP_PASS;
     };
     if frontend.flags & frontend_flags::SOURCE_RANGES != 0 && !source_allowed(pkt, &frontend) {
@@ -192,25 +193,8 @@ fn next_hop(ctx: &XdpContext, pkt: &Packet, to: &CtValue) -> Option<u32> {
     // SAFETY: the per-CPU slot is ours until the program ends; `fib` is only used here and by
     // `rewrite`, after this.
     let params: &mut FibLookup = unsafe { &mut (*scratch).fib };
-    // SAFETY: an all-zero bpf_fib_lookup is a valid (empty) query.
-    *params = unsafe { mem::zeroed() };
-    params.family = if pkt.family == family::V6 {
-        AF_INET6
-    } else {
-        AF_INET
-    };
-    params.l4_protocol = pkt.proto;
-    params.sport = to.sport;
-    params.dport = to.dport;
     // SAFETY: the context pointer is the program's own xdp_md.
-    params.ifindex = unsafe { (*ctx.ctx).ingress_ifindex };
-    if pkt.family == family::V6 {
-        params.__bindgen_anon_3.ipv6_src = to.src;
-        params.__bindgen_anon_4.ipv6_dst = to.dst;
-    } else {
-        params.__bindgen_anon_3.ipv4_src = to.src[0];
-        params.__bindgen_anon_4.ipv4_dst = to.dst[0];
-    }
+    fib_query(params, pkt, to, unsafe { (*ctx.ctx).ingress_ifindex });
     // SAFETY: params is a scratch value of the size passed.
     let ret =
         unsafe { bpf_fib_lookup(ctx.as_ptr(), params, mem::size_of::<FibLookup>() as i32, 0) };

@@ -182,6 +182,39 @@ fn with_node_features<R: Send + 'static>(
     result
 }
 
+/// Services from the `metadata` and `spec` YAML of each (namespace `default`).
+fn services_of(metas: &[&str]) -> BTreeMap<ObjectKey, ServiceInfo> {
+    metas
+        .iter()
+        .map(|meta| {
+            let yaml = format!("apiVersion: v1\nkind: Service\nmetadata: {meta}\n");
+            let service: Service = serde_yaml::from_str(&yaml).expect("service yaml");
+            let name = service.metadata.name.clone().expect("name");
+            (key(&name), service.into())
+        })
+        .collect()
+}
+
+/// An EndpointSlice `name` of `service` with one ready endpoint `addr` on node `node`, ports
+/// `http` (TCP 8080), `dns` (UDP 5353) and `diameter` (SCTP 3869).
+fn slice_of(
+    name: &str,
+    service: &str,
+    family: &str,
+    addr: &str,
+    node: &str,
+) -> (ObjectKey, proxy_agent::objects::EndpointSliceInfo) {
+    let yaml = format!(
+        "apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\n\
+         metadata: {{name: {name}, namespace: default, labels: {{kubernetes.io/service-name: {service}}}}}\n\
+         addressType: {family}\nports: [{{name: http, port: 8080, protocol: TCP}}, \
+         {{name: dns, port: 5353, protocol: UDP}}, {{name: diameter, port: 3869, protocol: SCTP}}]\n\
+         endpoints: [{{addresses: ['{addr}'], nodeName: {node}, conditions: {{ready: true}}}}]\n"
+    );
+    let slice: EndpointSlice = serde_yaml::from_str(&yaml).expect("slice yaml");
+    (key(name), slice.into())
+}
+
 fn key(name: &str) -> ObjectKey {
     ObjectKey {
         namespace: "default".into(),
@@ -218,25 +251,9 @@ fn program_services(node: &mut Node) {
          {name: http, port: 80, protocol: TCP, targetPort: 8080, nodePort: 30083}, \
          {name: diameter, port: 3868, protocol: SCTP, targetPort: 3869, nodePort: 30869}]}",
     ];
-    let services: BTreeMap<ObjectKey, ServiceInfo> = services
-        .iter()
-        .map(|meta| {
-            let yaml = format!("apiVersion: v1\nkind: Service\nmetadata: {meta}\n");
-            let service: Service = serde_yaml::from_str(&yaml).expect("service yaml");
-            let name = service.metadata.name.clone().expect("name");
-            (key(&name), service.into())
-        })
-        .collect();
+    let services = services_of(&services);
     let slice = |name: &str, service: &str, family: &str, addr: &str| {
-        let yaml = format!(
-            "apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\n\
-             metadata: {{name: {name}, namespace: default, labels: {{kubernetes.io/service-name: {service}}}}}\n\
-             addressType: {family}\nports: [{{name: http, port: 8080, protocol: TCP}}, \
-             {{name: dns, port: 5353, protocol: UDP}}, {{name: diameter, port: 3869, protocol: SCTP}}]\n\
-             endpoints: [{{addresses: ['{addr}'], nodeName: {NODE}, conditions: {{ready: true}}}}]\n"
-        );
-        let slice: EndpointSlice = serde_yaml::from_str(&yaml).expect("slice yaml");
-        (key(name), slice.into())
+        slice_of(name, service, family, addr, NODE)
     };
     let slices = BTreeMap::from([
         slice("web-4", "web", "IPv4", BACKEND),
@@ -938,25 +955,9 @@ fn host_network_snapshot() -> Snapshot {
          externalTrafficPolicy: Local, ports: [\
          {name: http, port: 80, protocol: TCP, targetPort: 8080, nodePort: 30092}]}",
     ];
-    let services: BTreeMap<ObjectKey, ServiceInfo> = services
-        .iter()
-        .map(|meta| {
-            let yaml = format!("apiVersion: v1\nkind: Service\nmetadata: {meta}\n");
-            let service: Service = serde_yaml::from_str(&yaml).expect("service yaml");
-            let name = service.metadata.name.clone().expect("name");
-            (key(&name), service.into())
-        })
-        .collect();
+    let services = services_of(&services);
     let slice = |name: &str, service: &str, family: &str, addr: &str| {
-        let yaml = format!(
-            "apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\n\
-             metadata: {{name: {name}, namespace: default, labels: {{kubernetes.io/service-name: {service}}}}}\n\
-             addressType: {family}\nports: [{{name: http, port: 8080, protocol: TCP}}, \
-             {{name: dns, port: 5353, protocol: UDP}}]\n\
-             endpoints: [{{addresses: ['{addr}'], nodeName: {NODE}, conditions: {{ready: true}}}}]\n"
-        );
-        let slice: EndpointSlice = serde_yaml::from_str(&yaml).expect("slice yaml");
-        (key(name), slice.into())
+        slice_of(name, service, family, addr, NODE)
     };
     let slices = BTreeMap::from([
         slice("hostnet-4", "hostnet", "IPv4", NODE_IP),
@@ -2854,7 +2855,8 @@ const CLIENT_MAC: [u8; 6] = [0x02, 0, 0, 0, 0, 0x02];
 /// `remote`: dual-stack NodePort TCP 30095 → 8080 and UDP 30096 → 5353 on [`REMOTE`] /
 /// [`REMOTE6`]; `podside`: NodePort TCP 30097 → 8080 on the local pod [`BACKEND`] (behind
 /// `pod0`, not an XDP target); `guarded`: LB IP 198.51.100.20:80 for 203.0.113.0/24 only;
-/// `remotelocal`: NodePort 30099, eTP Local, its one endpoint on another node. Also writes the neighbour entries of the remote backend and the
+/// `remotelocal`: LB IP 198.51.100.21:80 and NodePort 30099, eTP Local, its one endpoint on
+/// another node. Also writes the neighbour entries of the remote backend and the
 /// client on `ext0`.
 fn program_remote(node: &mut Node) {
     for (addr, mac) in [
@@ -2885,29 +2887,14 @@ fn program_remote(node: &mut Node) {
          loadBalancerSourceRanges: [203.0.113.0/24], ports: [\
          {name: http, port: 80, protocol: TCP, targetPort: 8080, nodePort: 30093}]}\n\
          status: {loadBalancer: {ingress: [{ip: 198.51.100.20}]}}",
-        "{name: remotelocal, namespace: default}\nspec: {type: NodePort, clusterIP: 10.96.0.63, \
+        "{name: remotelocal, namespace: default}\nspec: {type: LoadBalancer, clusterIP: 10.96.0.63, \
          externalTrafficPolicy: Local, ports: [\
-         {name: http, port: 80, protocol: TCP, targetPort: 8080, nodePort: 30099}]}",
+         {name: http, port: 80, protocol: TCP, targetPort: 8080, nodePort: 30099}]}\n\
+         status: {loadBalancer: {ingress: [{ip: 198.51.100.21}]}}",
     ];
-    let services: BTreeMap<ObjectKey, ServiceInfo> = services
-        .iter()
-        .map(|meta| {
-            let yaml = format!("apiVersion: v1\nkind: Service\nmetadata: {meta}\n");
-            let service: Service = serde_yaml::from_str(&yaml).expect("service yaml");
-            let name = service.metadata.name.clone().expect("name");
-            (key(&name), service.into())
-        })
-        .collect();
+    let services = services_of(&services);
     let slice = |name: &str, service: &str, family: &str, addr: &str| {
-        let yaml = format!(
-            "apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\n\
-             metadata: {{name: {name}, namespace: default, labels: {{kubernetes.io/service-name: {service}}}}}\n\
-             addressType: {family}\nports: [{{name: http, port: 8080, protocol: TCP}}, \
-             {{name: dns, port: 5353, protocol: UDP}}, {{name: diameter, port: 3869, protocol: SCTP}}]\n\
-             endpoints: [{{addresses: ['{addr}'], nodeName: other, conditions: {{ready: true}}}}]\n"
-        );
-        let slice: EndpointSlice = serde_yaml::from_str(&yaml).expect("slice yaml");
-        (key(name), slice.into())
+        slice_of(name, service, family, addr, "other")
     };
     let slices = BTreeMap::from([
         slice("remote-4", "remote", "IPv4", REMOTE),
@@ -3158,10 +3145,11 @@ fn xdp_takes_nothing_on_the_netfilter_path() {
     });
 }
 
-/// Issue 14 item 1: the drops tc makes before any NAT, XDP makes in the driver — a client
-/// outside `loadBalancerSourceRanges`, a NodePort with `externalTrafficPolicy: Local` and no
-/// local endpoint (kube-proxy's KUBE-FW / KUBE-XLB DROP) — and tc, the oracle, drops the same
-/// packets; an allowed client, and a stray mid-stream segment from a refused one, go on to tc.
+/// Issue 14 item 1: the drops tc makes before any NAT at an LB IP, XDP makes in the driver — a
+/// client outside `loadBalancerSourceRanges`, `externalTrafficPolicy: Local` without a local
+/// endpoint (kube-proxy's KUBE-FW / KUBE-XLB DROP) — and tc, the oracle, drops the same
+/// packets; an allowed client, a stray mid-stream segment from a refused one, and the same
+/// Service's NodePort (left to tc: XDP looks up exact addresses only) go on to tc.
 #[test]
 fn xdp_drops_what_tc_drops_before_nat() {
     with_node(|node| {
@@ -3191,12 +3179,21 @@ fn xdp_drops_what_tc_drops_before_nat() {
             "an allowed client is tc's"
         );
 
-        let no_local = build(sa(CLIENT, 48_002), sa(NODE_IP, 30099), L4::TcpSyn, b"");
+        let no_local = build(sa(CLIENT, 48_002), sa("198.51.100.21", 80), L4::TcpSyn, b"");
         let dropped = stat(node, StatIndex::XdpDroppedNoLocal);
         let (action, _) = run_xdp(node, &no_local);
         assert_eq!(action, XDP_DROP, "eTP Local without local endpoints");
         assert_eq!(stat(node, StatIndex::XdpDroppedNoLocal), dropped + 1);
         let (action, _) = run(node, program_names::TC_EXTERNAL, &no_local, node.ext0);
         assert_eq!(action, TC_ACT_SHOT, "tc drops it too");
+        let node_port = build(sa(CLIENT, 48_003), sa(NODE_IP, 30099), L4::TcpSyn, b"");
+        let (action, out) = run_xdp(node, &node_port);
+        assert_eq!(
+            (action, out == node_port),
+            (XDP_PASS, true),
+            "NodePort drops are tc's"
+        );
+        let (action, _) = run(node, program_names::TC_EXTERNAL, &node_port, node.ext0);
+        assert_eq!(action, TC_ACT_SHOT, "tc drops it");
     });
 }

@@ -641,7 +641,6 @@ fn writer(frame: &[u8]) -> Result<Vec<u64>> {
 /// `BPF_F_TEST_XDP_LIVE_FRAMES`.
 const LIVE_FRAMES: u32 = 1 << 1;
 const XDP_TX: u8 = 3;
-const BPF_PROG_TEST_RUN: libc::c_long = 10;
 
 impl Generator {
     fn load(frame: &[u8]) -> Result<Self> {
@@ -680,23 +679,9 @@ impl Generator {
             attr[40..44].copy_from_slice(&(ctx.len() as u32).to_ne_bytes());
             attr[48..56].copy_from_slice(&(ctx.as_ptr() as u64).to_ne_bytes());
             attr[64..68].copy_from_slice(&LIVE_FRAMES.to_ne_bytes());
-            // SAFETY: attr is a valid bpf_attr prefix; data_in and ctx_in point to buffers of
-            // the given sizes that outlive the call, which only reads them.
-            let rc = unsafe {
-                libc::syscall(
-                    libc::SYS_bpf,
-                    BPF_PROG_TEST_RUN,
-                    attr.as_mut_ptr(),
-                    attr.len(),
-                )
-            };
-            if rc < 0 {
-                return Err(RigError::io(
-                    "generating live frames (BPF_PROG_TEST_RUN)",
-                    std::io::Error::last_os_error(),
-                ));
-            }
-            Ok(())
+            // SAFETY: data_in and ctx_in point to buffers of the given sizes that outlive the
+            // call, which only reads them (live frames take no output buffers).
+            unsafe { super::tc::prog_test_run(&mut attr, "generating live frames") }
         })?
     }
 }

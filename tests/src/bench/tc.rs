@@ -760,27 +760,38 @@ impl EmptyProgram {
         attr[32..36].copy_from_slice(&repeat.max(1).to_ne_bytes());
         attr[40..44].copy_from_slice(&len(ctx.len()));
         attr[48..56].copy_from_slice(&(ctx.as_ptr() as u64).to_ne_bytes());
-        // SAFETY: attr is a valid bpf_attr prefix; data_in/ctx_in point to buffers of the
-        // given sizes that the kernel reads, data_out to one of the given size it writes;
-        // all outlive the call.
-        let rc = unsafe {
-            libc::syscall(
-                libc::SYS_bpf,
-                BPF_PROG_TEST_RUN,
-                attr.as_mut_ptr(),
-                attr.len(),
-            )
-        };
-        if rc < 0 {
-            return Err(RigError::io(
-                "running the empty tc program (BPF_PROG_TEST_RUN)",
-                std::io::Error::last_os_error(),
-            ));
-        }
+        // SAFETY: data_in/ctx_in point to buffers of the given sizes that the kernel reads,
+        // data_out to one of the given size it writes; all outlive the call.
+        unsafe { prog_test_run(&mut attr, "running an empty program")? };
         let word =
             |at: usize| u32::from_ne_bytes([attr[at], attr[at + 1], attr[at + 2], attr[at + 3]]);
         Ok((word(4) as i32, u64::from(word(36))))
     }
+}
+
+/// `BPF_PROG_TEST_RUN` with `attr` (the `test` part of `union bpf_attr`); the kernel writes its
+/// results back into `attr`.
+///
+/// # Safety
+/// Every pointer in `attr` must point to a buffer of the size `attr` gives, alive across the
+/// call (written to for the output buffers).
+pub(super) unsafe fn prog_test_run(attr: &mut [u8; 80], what: &str) -> Result<()> {
+    // SAFETY: a valid bpf_attr prefix by the caller's contract.
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_bpf,
+            BPF_PROG_TEST_RUN,
+            attr.as_mut_ptr(),
+            attr.len(),
+        )
+    };
+    if rc < 0 {
+        return Err(RigError::io(
+            format!("{what} (BPF_PROG_TEST_RUN)"),
+            std::io::Error::last_os_error(),
+        ));
+    }
+    Ok(())
 }
 
 /// `r0 = ret; exit` as a program of `prog_type`, loaded with the raw `bpf(2)` syscall.
