@@ -224,8 +224,10 @@ fn next_hop(ctx: &XdpContext, pkt: &Packet, to: &CtValue) -> Option<u32> {
 fn rewrite(ctx: &XdpContext, pkt: &Packet, to: &CtValue) -> Option<()> {
     let l4_csum = pkt.l4_csum_offset();
     let old_l4 = load::<u16, _>(ctx, l4_csum)?;
-    // UDP over IPv4 may carry checksum 0 ("none"): it stays so.
-    let l4_none = pkt.proto == proto::UDP && !pkt.is_v6() && old_l4 == 0;
+    // UDP over IPv4 may carry checksum 0 ("none"): it stays so. Over IPv6 it is invalid, yet
+    // left as it is too, as tc's `BPF_F_MARK_MANGLED_0` leaves it (the receiver drops it
+    // either way).
+    let l4_none = pkt.proto == proto::UDP && old_l4 == 0;
     let mut l4 = u32::from(!old_l4);
     let words = if pkt.is_v6() { 4 } else { 1 };
     let mut i = 0;

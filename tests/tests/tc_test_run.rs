@@ -3048,8 +3048,9 @@ fn xdp_translates_later_packets_of_tc_flows_and_their_replies() {
 
 /// Issue 14 item 1: what XDP cannot finish goes on to tc exactly as it came (and tc then
 /// translates it, so nothing is lost): a flow whose next hop is a local pod's veth (not an XDP
-/// target), a packet whose L4 checksum is only the pseudo-header sum (`CHECKSUM_PARTIAL`), a
-/// first IP fragment, SCTP. A UDP datagram without checksum (IPv4 checksum 0) keeps it 0.
+/// target), a packet whose L4 checksum is only the pseudo-header sum (`CHECKSUM_PARTIAL`), an
+/// ICMP error about a flow, IP fragments, SCTP. A UDP datagram without checksum (IPv4 checksum
+/// 0) keeps it 0.
 #[test]
 fn xdp_passes_to_tc_what_it_cannot_finish() {
     with_node(|node| {
@@ -3104,6 +3105,16 @@ fn xdp_passes_to_tc_what_it_cannot_finish() {
         let out = parse_checked(&frame).expect("valid output");
         assert_eq!(out.destination(), sa(REMOTE, 5353));
         assert_eq!(&out.l4[6..8], &[0, 0], "no checksum stays no checksum");
+
+        // An ICMP error about the flow (the backend's port unreachable, quoting what XDP sent
+        // it) is tc's, which translates outer and quoted headers.
+        let error = icmp_error(sa(REMOTE, 5353).ip(), out.src, 3, 3, 0, &frame);
+        let (action, passed) = run_xdp(node, &error);
+        assert_eq!(
+            (action, passed == error),
+            (XDP_PASS, true),
+            "ICMP errors are tc's"
+        );
 
         // Fragments and SCTP stay with tc, whatever their flow.
         let big = build(client, frontend, L4::Udp, &[7u8; 3000]);
