@@ -139,10 +139,18 @@ pub enum StatIndex {
     /// XDP: a new flow's packet to a frontend whose endpoints are all elsewhere
     /// (`externalTrafficPolicy: Local`; kube-proxy DROPs) was dropped in the driver.
     XdpDroppedNoLocal = 47,
+    /// Fast path: a translated packet too big for the link to its next hop (IPv4 with DF,
+    /// IPv6) was answered with fragmentation needed / packet too big quoting it as its sender
+    /// sent it, as a router would (the redirect bypasses the stack that would send it).
+    TcTooBigSent = 48,
+    /// Fast path: a translated IPv4 packet without DF too big for the link to its next hop
+    /// went to the stack, which fragments it only if its translated source is not one of the
+    /// node's addresses (a masqueraded flow's is, and the stack drops it as a martian).
+    TcTooBigToStack = 49,
 }
 
 impl StatIndex {
-    pub const COUNT: u32 = 48;
+    pub const COUNT: u32 = 50;
     pub const ALL: [StatIndex; Self::COUNT as usize] = [
         StatIndex::Translated,
         StatIndex::RejectedNoBackends,
@@ -192,6 +200,8 @@ impl StatIndex {
         StatIndex::XdpRewriteFailed,
         StatIndex::XdpDroppedSourceRange,
         StatIndex::XdpDroppedNoLocal,
+        StatIndex::TcTooBigSent,
+        StatIndex::TcTooBigToStack,
     ];
 
     /// Label used in logs and metrics.
@@ -245,6 +255,8 @@ impl StatIndex {
             StatIndex::XdpRewriteFailed => "xdp_rewrite_failed",
             StatIndex::XdpDroppedSourceRange => "xdp_dropped_source_range",
             StatIndex::XdpDroppedNoLocal => "xdp_dropped_no_local_endpoints",
+            StatIndex::TcTooBigSent => "tc_too_big_sent",
+            StatIndex::TcTooBigToStack => "tc_too_big_to_stack",
         }
     }
 }

@@ -1,6 +1,10 @@
-//! kube-proxy's REJECT for packets from outside: the packet is turned into an ICMP (ICMPv6)
-//! "port unreachable" to its sender and sent back out of the interface it came in on, so the
-//! client's connect() fails at once with ECONNREFUSED.
+//! ICMP errors the tc programs answer with themselves, built from the packet they are about
+//! and sent back out of the interface it came in on:
+//! - kube-proxy's REJECT for packets from outside: "port unreachable", so the client's
+//!   connect() fails at once with ECONNREFUSED;
+//! - on the fast path, "fragmentation needed" / "packet too big" for a packet too big for the
+//!   link to its next hop, which the redirect bypasses the router (the stack) that would send
+//!   it: without it path-MTU discovery through the node black-holes.
 //!
 //! The reply quotes the original IP header and the first 8 bytes of L4 (what RFC 792 requires
 //! and what the client's stack matches the error to its socket with). Headers are built as
@@ -53,15 +57,7 @@ pub fn reject(ctx: &TcContext, pkt: &Packet) -> i32 {
         bump(StatIndex::TcRejectRateLimited);
         return TC_ACT_SHOT;
     }
-    let result = if pkt.is_v6() {
-        reject6(ctx)
-    } else if pkt.l4 == ETH_HLEN + IP4_HLEN {
-        reject4(ctx)
-    } else {
-        // IP options: the quote would need the longer header; not worth the code.
-        Err(())
-    };
-    match result {
+    match answer(ctx, pkt, Kind::PortUnreachable) {
         Ok(action) => {
             bump(StatIndex::TcRejected);
             action
@@ -70,6 +66,60 @@ pub fn reject(ctx: &TcContext, pkt: &Packet) -> i32 {
             bump(StatIndex::TcRejectFailed);
             TC_ACT_SHOT
         }
+    }
+}
+
+/// Answers `pkt` (untranslated, as its sender sent it) with fragmentation needed (IPv4) or
+/// packet too big (IPv6) naming `mtu`, from the address it was sent to. Not rate-limited: the
+/// kernel exempts both from `icmp_ratelimit` (`icmpv4_mask_allow`, the default
+/// `icmpv6_ratemask`), so path-MTU discovery is never slowed. Drops `pkt` either way.
+#[inline(never)]
+pub fn too_big(ctx: &TcContext, pkt: &Packet, mtu: u16) -> i32 {
+    match answer(ctx, pkt, Kind::TooBig(mtu)) {
+        Ok(action) => {
+            bump(StatIndex::TcTooBigSent);
+            action
+        }
+        Err(()) => {
+            bump(StatIndex::TcRewriteFailed);
+            TC_ACT_SHOT
+        }
+    }
+}
+
+#[derive(Clone, Copy)]
+enum Kind {
+    PortUnreachable,
+    TooBig(u16),
+}
+
+impl Kind {
+    /// Type, code and the second word of the ICMP (ICMPv6) header.
+    #[inline(always)]
+    fn header(self, v6: bool) -> ([u8; 2], u32) {
+        match (self, v6) {
+            (Kind::PortUnreachable, false) => ([3, 3], 0),
+            (Kind::PortUnreachable, true) => ([1, 4], 0),
+            // RFC 1191: the next-hop MTU in the second half of the word.
+            (Kind::TooBig(mtu), false) => {
+                let m = mtu.to_be_bytes();
+                ([3, 4], word([0, 0, m[0], m[1]]))
+            }
+            // RFC 4443: the whole word.
+            (Kind::TooBig(mtu), true) => ([2, 0], u32::from(mtu).to_be()),
+        }
+    }
+}
+
+#[inline(always)]
+fn answer(ctx: &TcContext, pkt: &Packet, kind: Kind) -> Result<i32, ()> {
+    if pkt.is_v6() {
+        answer6(ctx, kind)
+    } else if pkt.l4 == ETH_HLEN + IP4_HLEN {
+        answer4(ctx, kind)
+    } else {
+        // IP options: the quote would need the longer header; not worth the code.
+        Err(())
     }
 }
 
@@ -153,7 +203,7 @@ fn swap_eth(ctx: &TcContext) -> Result<(), ()> {
 }
 
 #[inline(always)]
-fn reject4(ctx: &TcContext) -> Result<i32, ()> {
+fn answer4(ctx: &TcContext, kind: Kind) -> Result<i32, ()> {
     let quote: [u32; QUOTE4_WORDS] = ctx.load(ETH_HLEN).map_err(drop)?;
     let total = ((IP4_HLEN + ICMP_HLEN + QUOTE4_WORDS * 4) as u16).to_be_bytes();
     let mut ip: [u32; 5] = [
@@ -165,8 +215,9 @@ fn reject4(ctx: &TcContext) -> Result<i32, ()> {
         quote[3],
     ];
     ip[2] = with_csum([TTL, IPPROTO_ICMP], fold(add_words(0, &ip)));
-    let mut icmp: [u32; 2] = [word([3, 3, 0, 0]), 0]; // destination/port unreachable
-    icmp[0] = with_csum([3, 3], fold(add_words(add_words(0, &icmp), &quote)));
+    let (kind, rest) = kind.header(false);
+    let mut icmp: [u32; 2] = [word([kind[0], kind[1], 0, 0]), rest];
+    icmp[0] = with_csum(kind, fold(add_words(add_words(0, &icmp), &quote)));
     let len = ETH_HLEN + IP4_HLEN + ICMP_HLEN + QUOTE4_WORDS * 4;
     resize(ctx, len)?;
     swap_eth(ctx)?;
@@ -178,7 +229,7 @@ fn reject4(ctx: &TcContext) -> Result<i32, ()> {
 }
 
 #[inline(always)]
-fn reject6(ctx: &TcContext) -> Result<i32, ()> {
+fn answer6(ctx: &TcContext, kind: Kind) -> Result<i32, ()> {
     let quote: [u32; QUOTE6_WORDS] = ctx.load(ETH_HLEN).map_err(drop)?;
     let payload = ((ICMP_HLEN + QUOTE6_WORDS * 4) as u16).to_be_bytes();
     let ip: [u32; 10] = [
@@ -207,9 +258,10 @@ fn reject6(ctx: &TcContext) -> Result<i32, ()> {
         word([0, 0, payload[0], payload[1]]),
         word([0, 0, 0, IPPROTO_ICMPV6]),
     ];
-    let mut icmp: [u32; 2] = [word([1, 4, 0, 0]), 0]; // destination/port unreachable
+    let (kind, rest) = kind.header(true);
+    let mut icmp: [u32; 2] = [word([kind[0], kind[1], 0, 0]), rest];
     let sum = add_words(add_words(add_words(0, &pseudo), &icmp), &quote);
-    icmp[0] = with_csum([1, 4], fold(sum));
+    icmp[0] = with_csum(kind, fold(sum));
     let len = ETH_HLEN + IP6_HLEN + ICMP_HLEN + QUOTE6_WORDS * 4;
     resize(ctx, len)?;
     swap_eth(ctx)?;

@@ -15,7 +15,8 @@
 //!   address), a client-side router's about a reply (sent to the frontend). The flow's entry
 //!   is the one of the quoted packet reversed; the error's destination and the quote's source
 //!   get the entry's destination (client or backend), the destination half. Both halves on
-//!   the fast path and for `ct_flags::BYPASS` flows, whose packets the kernel never sees.
+//!   the fast path and for `ct_flags::BYPASS` flows, whose packets the kernel never sees;
+//!   such an error is then redirected as the flow's packets are (`nat::forward`).
 //! - `egress`: the source half, for errors the stack routed after ingress, and for those the
 //!   node itself sent (it forwards the flow's packets on the netfilter path, so it is the
 //!   router that finds them too big for the next link). The quote reversed is the key of the
@@ -37,7 +38,7 @@ use proxy_common::{CtKey, CtValue, StatIndex, ct_flags, family, proto};
 use crate::{
     conntrack::{self, View},
     csum::fold,
-    nat::fast_path,
+    nat::{self, Next, fast_path},
     parse::ETH_HLEN,
     stats::bump,
 };
@@ -109,7 +110,25 @@ pub fn ingress<const V6: bool>(ctx: &TcContext) -> i32 {
     if !destination && !both {
         return NEXT;
     }
-    finish(rewrite(ctx, &error, flow, true, both))
+    let result = rewrite(ctx, &error, flow, true, both);
+    if !both || result.is_err() {
+        return finish(result);
+    }
+    bump(StatIndex::TcIcmpErrorTranslated);
+    // Both halves: the error now comes from the frontend, the node's own address for a
+    // NodePort, which the stack drops as a martian source; it leaves as the flow's packets do.
+    let protocol = if error.is_v6() {
+        IPPROTO_ICMPV6
+    } else {
+        IPPROTO_ICMP
+    };
+    let next = match nat::route(ctx, error.family, protocol, flow) {
+        // An error is at most 576 (IPv4) or 1280 (IPv6) bytes: a link that small is the
+        // stack's.
+        Next::TooBig(_) => Next::Stack,
+        next => next,
+    };
+    nat::forward(ctx, flow, next)
 }
 
 /// Egress: the source half. `None` for packets that are not ICMP errors (the egress program

@@ -32,7 +32,8 @@ use aya_ebpf::{
     EbpfContext as _,
     bindings::bpf_fib_lookup as FibLookup,
     bindings::{
-        BPF_FIB_LKUP_RET_NO_NEIGH, BPF_FIB_LKUP_RET_SUCCESS, TC_ACT_OK, TC_ACT_SHOT, TC_ACT_UNSPEC,
+        BPF_FIB_LKUP_RET_FRAG_NEEDED, BPF_FIB_LKUP_RET_NO_NEIGH, BPF_FIB_LKUP_RET_SUCCESS,
+        TC_ACT_OK, TC_ACT_SHOT, TC_ACT_UNSPEC,
     },
     helpers::{bpf_fib_lookup, bpf_redirect, bpf_redirect_neigh, bpf_skb_vlan_pop},
     programs::TcContext,
@@ -41,8 +42,9 @@ use proxy_common::{CtValue, StatIndex, TRANSLATED_MARK, ct_flags, family, node_f
 
 use crate::{
     csum::{replace_addr, replace_fragment_addr, replace_port},
+    icmp,
     maps::{KPR_NODE_CONFIG, KPR_SNAT_IFACES, scratch},
-    parse::Packet,
+    parse::{ETH_HLEN, Packet},
     sctp,
     stats::bump,
 };
@@ -119,6 +121,22 @@ fn rewrite(ctx: &TcContext, pkt: &Packet, to: &CtValue, half: Half) -> Result<()
 pub fn translate(ctx: &TcContext, pkt: &Packet, to: &CtValue, stat: StatIndex) -> i32 {
     // A flow the kernel's conntrack must not see takes the fast path on either path.
     let fast = fast_path() || to.flags & ct_flags::BYPASS != 0;
+    // The route is looked up before the rewrite: a packet too big for the next hop's link is
+    // answered as its sender sent it (the quote must be its own packet to match its socket).
+    let next = if fast {
+        match route(ctx, pkt.family, pkt.proto, to) {
+            Next::TooBig(mtu) if pkt.is_v6() || dont_fragment(ctx) => {
+                return icmp::too_big(ctx, pkt, mtu);
+            }
+            Next::TooBig(_) => {
+                bump(StatIndex::TcTooBigToStack);
+                Next::Stack
+            }
+            next => next,
+        }
+    } else {
+        Next::Stack
+    };
     let half = if fast { Half::Both } else { Half::Destination };
     if rewrite(ctx, pkt, to, half).is_err() {
         bump(StatIndex::TcRewriteFailed);
@@ -135,7 +153,14 @@ pub fn translate(ctx: &TcContext, pkt: &Packet, to: &CtValue, stat: StatIndex) -
         // the interface's Service traffic, DNATed as a netfilter hook after PREROUTING would.
         return TC_ACT_UNSPEC;
     }
-    forward(ctx, pkt, to)
+    forward(ctx, to, next)
+}
+
+/// IPv4's Don't Fragment bit.
+#[inline(always)]
+fn dont_fragment(ctx: &TcContext) -> bool {
+    ctx.load::<u8>(ETH_HLEN + 6)
+        .is_ok_and(|flags| flags & 0x40 != 0)
 }
 
 /// Egress (netfilter path): the source half of a translation, on a packet the host has
@@ -181,22 +206,22 @@ fn leave_by_ingress(ctx: &TcContext, to: &CtValue, via: u32) -> Option<i32> {
     Some(unsafe { bpf_redirect(to.out_ifindex, 0) } as i32)
 }
 
-/// Fills `params` with the fib query for `pkt` translated to `to`, arriving on `ifindex` (tc's
-/// fast path and XDP alike).
+/// Fills `params` with the fib query for a packet of `family` and L4 `protocol` translated to
+/// `to`, arriving on `ifindex` (tc's fast path and XDP alike).
 #[inline(always)]
-pub fn fib_query(params: &mut FibLookup, pkt: &Packet, to: &CtValue, ifindex: u32) {
+pub fn fib_query(params: &mut FibLookup, family: u8, protocol: u8, to: &CtValue, ifindex: u32) {
     // SAFETY: an all-zero bpf_fib_lookup is a valid (empty) query.
     *params = unsafe { mem::zeroed() };
-    params.family = if pkt.family == family::V6 {
+    params.family = if family == family::V6 {
         AF_INET6
     } else {
         AF_INET
     };
-    params.l4_protocol = pkt.proto;
+    params.l4_protocol = protocol;
     params.sport = to.sport;
     params.dport = to.dport;
     params.ifindex = ifindex;
-    if pkt.family == family::V6 {
+    if family == family::V6 {
         params.__bindgen_anon_3.ipv6_src = to.src;
         params.__bindgen_anon_4.ipv6_dst = to.dst;
     } else {
@@ -205,36 +230,67 @@ pub fn fib_query(params: &mut FibLookup, pkt: &Packet, to: &CtValue, ifindex: u3
     }
 }
 
-#[inline(always)]
-fn forward(ctx: &TcContext, pkt: &Packet, to: &CtValue) -> i32 {
+/// Where the fast path sends a translated packet.
+#[derive(Clone, Copy)]
+pub enum Next {
+    /// Out of this interface, to the next hop the kernel resolves.
+    Redirect(u32),
+    /// The link to the next hop takes at most this many bytes, fewer than the packet has
+    /// (checked against the skb's length, so a GRO aggregate the stack would segment passes).
+    TooBig(u16),
+    /// No forwarding route (the node itself is the destination, or forwarding is off): up the
+    /// stack.
+    Stack,
+}
+
+/// The fib lookup of the fast path for a packet of `family` and L4 `protocol` translated to
+/// `to`. Not inlined: one copy for the flow's packets and for errors about them.
+#[inline(never)]
+pub fn route(ctx: &TcContext, family: u8, protocol: u8, to: &CtValue) -> Next {
     let Some(scratch) = scratch() else {
-        return TC_ACT_SHOT;
+        return Next::Stack;
     };
     // SAFETY: the per-CPU slot is ours until the program ends; `fib` is only used here.
     let params: &mut FibLookup = unsafe { &mut (*scratch).fib };
     // SAFETY: the context pointer is the program's own __sk_buff.
-    fib_query(params, pkt, to, unsafe { (*ctx.skb.skb).ingress_ifindex });
+    fib_query(params, family, protocol, to, unsafe {
+        (*ctx.skb.skb).ingress_ifindex
+    });
     // SAFETY: params is a stack value of the size passed.
     let ret =
         unsafe { bpf_fib_lookup(ctx.as_ptr(), params, mem::size_of::<FibLookup>() as i32, 0) };
     if ret == i64::from(BPF_FIB_LKUP_RET_SUCCESS) || ret == i64::from(BPF_FIB_LKUP_RET_NO_NEIGH) {
-        // A priority tag (VLAN 0, 802.1p) stripped by the NIC rides in `vlan_tci` and would
-        // leave with the packet on the backend's interface: the stack would have dropped it
-        // on receive, so it goes here too (other VLANs never get this far, see `tc::service`).
-        // SAFETY: the context pointer is the program's own __sk_buff; the helper only clears
-        // the skb's out-of-band tag (the program holds no packet pointers it invalidates).
-        unsafe {
-            if (*ctx.skb.skb).vlan_present != 0 && bpf_skb_vlan_pop(ctx.skb.skb) != 0 {
-                bump(StatIndex::TcRewriteFailed);
-                return TC_ACT_SHOT;
-            }
-        }
-        if let Some(action) = leave_by_ingress(ctx, to, params.ifindex) {
-            return action;
-        }
-        // SAFETY: no neighbour parameters: the kernel resolves the next hop itself.
-        return unsafe { bpf_redirect_neigh(params.ifindex, ptr::null_mut(), 0, 0) } as i32;
+        return Next::Redirect(params.ifindex);
     }
-    bump(StatIndex::TcPassedToStack);
-    TC_ACT_OK
+    if ret == i64::from(BPF_FIB_LKUP_RET_FRAG_NEEDED) {
+        // SAFETY: on FRAG_NEEDED the kernel wrote the MTU into this union member.
+        let mtu = unsafe { params.__bindgen_anon_1.mtu_result };
+        return Next::TooBig(mtu);
+    }
+    Next::Stack
+}
+
+/// Sends a packet the fast path has translated where [`route`] said.
+#[inline(always)]
+pub fn forward(ctx: &TcContext, to: &CtValue, next: Next) -> i32 {
+    let Next::Redirect(ifindex) = next else {
+        bump(StatIndex::TcPassedToStack);
+        return TC_ACT_OK;
+    };
+    // A priority tag (VLAN 0, 802.1p) stripped by the NIC rides in `vlan_tci` and would
+    // leave with the packet on the backend's interface: the stack would have dropped it on
+    // receive, so it goes here too (other VLANs never get this far, see `tc::service`).
+    // SAFETY: the context pointer is the program's own __sk_buff; the helper only clears the
+    // skb's out-of-band tag (the program holds no packet pointers it invalidates).
+    unsafe {
+        if (*ctx.skb.skb).vlan_present != 0 && bpf_skb_vlan_pop(ctx.skb.skb) != 0 {
+            bump(StatIndex::TcRewriteFailed);
+            return TC_ACT_SHOT;
+        }
+    }
+    if let Some(action) = leave_by_ingress(ctx, to, ifindex) {
+        return action;
+    }
+    // SAFETY: no neighbour parameters: the kernel resolves the next hop itself.
+    unsafe { bpf_redirect_neigh(ifindex, ptr::null_mut(), 0, 0) as i32 }
 }

@@ -194,7 +194,17 @@ fn next_hop(ctx: &XdpContext, pkt: &Packet, to: &CtValue) -> Option<u32> {
     // `rewrite`, after this.
     let params: &mut FibLookup = unsafe { &mut (*scratch).fib };
     // SAFETY: the context pointer is the program's own xdp_md.
-    fib_query(params, pkt, to, unsafe { (*ctx.ctx).ingress_ifindex });
+    fib_query(params, pkt.family, pkt.proto, to, unsafe {
+        (*ctx.ctx).ingress_ifindex
+    });
+    // With the packet's length the lookup checks the next hop's MTU (XDP frames are never
+    // aggregates): one too big is tc's, which answers it as a router would.
+    let length = if pkt.is_v6() {
+        u16::from_be(load::<u16, _>(ctx, ETH_HLEN + 4)?).wrapping_add(40)
+    } else {
+        u16::from_be(load::<u16, _>(ctx, ETH_HLEN + 2)?)
+    };
+    params.__bindgen_anon_1.tot_len = length;
     // SAFETY: params is a scratch value of the size passed.
     let ret =
         unsafe { bpf_fib_lookup(ctx.as_ptr(), params, mem::size_of::<FibLookup>() as i32, 0) };

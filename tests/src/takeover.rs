@@ -204,6 +204,26 @@ pub fn served_by_pod1(mode: &str, args: &[&str]) -> Result<Scenario> {
     Ok(s)
 }
 
+/// Whether an XDP program is attached to `interface` in the node's namespace (`ip link`
+/// prints `xdp` after the MTU when one is, whatever its mode).
+pub fn xdp_attached(s: &Scenario, interface: &str) -> Result<bool> {
+    let shown = s
+        .topo
+        .node()
+        .exec("ip", &["link", "show", "dev", interface])?;
+    Ok(shown.split_whitespace().any(|word| word.starts_with("xdp")))
+}
+
+/// The external client sends complete checksums and takes redirected frames (NAPI), as a NIC
+/// behind a wire does: what XDP could finish then reaches it (veth's default offloads leave
+/// only the pseudo-header sum, which XDP hands to tc).
+pub fn wire_like_client(s: &Scenario) -> Result<()> {
+    s.topo
+        .ext()
+        .exec("ethtool", &["-K", "eth0", "tx", "off", "gro", "on"])?;
+    Ok(())
+}
+
 /// [`setup`] with `endpoints` (pod numbers) as the endpoints of both Services.
 pub fn setup_with_endpoints(endpoints: &[usize]) -> Result<Scenario> {
     crate::require_root();

@@ -49,6 +49,9 @@ fn family(ipv6: bool) -> &'static str {
 fn run(mode: &str, args: &[&str]) -> anyhow::Result<Scenario> {
     proxy_tests::set_helper_binary(env!("CARGO_BIN_EXE_rig-helper"));
     let s = takeover::served_by_pod1(mode, args)?;
+    if args.contains(&"--bpf-xdp") {
+        takeover::wire_like_client(&s)?;
+    }
     let mut seen = Vec::new();
     let mut failures = Vec::new();
     let mut check = |what: String, answer: String, ok: bool| {
@@ -121,14 +124,58 @@ fn icmp_errors_about_service_flows_reach_the_client_in_iptables_mode() -> anyhow
 
 #[test]
 fn icmp_errors_about_service_flows_reach_the_client_in_ebpf_mode() -> anyhow::Result<()> {
-    let mut s = run("ebpf", &["--interfaces", "vext"])?;
-    // Port unreachable: ingress (masqueraded flows: the error is addressed to the SNAT
-    // address) and egress; too big: egress. At least one rewrite per error of the 12.
-    let translated = s
-        .agent()?
-        .datapath_counter(StatIndex::TcIcmpErrorTranslated)?;
-    s.ensure(translated >= 12, || {
-        format!("the tc programs translated every error: tc_icmp_error_translated {translated}")
-    })?;
+    ebpf_mode(&["--interfaces", "vext"])
+}
+
+/// The fast path: an error from the backend leaves by redirect as the flow's replies do (up
+/// the stack, a NodePort's error, whose source is the node's own address, is a martian), and
+/// a datagram too big for the pod's link is answered by the program itself, since the
+/// redirect bypasses the router that would answer it.
+#[test]
+fn icmp_errors_about_service_flows_reach_the_client_on_the_fast_path() -> anyhow::Result<()> {
+    ebpf_mode(&["--interfaces", "vext", "--tc-fast-path"])
+}
+
+/// XDP in front of the fast path (native on `vext`, wire-like checksums from the client): a
+/// packet too big for its next hop's link and the errors about these flows are tc's, so XDP
+/// hands them on.
+#[test]
+fn icmp_errors_about_service_flows_reach_the_client_with_xdp_in_front() -> anyhow::Result<()> {
+    ebpf_mode(&[
+        "--interfaces",
+        "vext",
+        "--tc-fast-path",
+        "--bpf-xdp",
+        "native",
+    ])
+}
+
+fn ebpf_mode(args: &[&str]) -> anyhow::Result<()> {
+    let mut s = run("ebpf", args)?;
+    if args.contains(&"--bpf-xdp") {
+        s.ensure(takeover::xdp_attached(&s, "vext")?, || {
+            "kpr_xdp_external runs on vext".to_owned()
+        })?;
+    }
+    let agent = s.agent()?;
+    let translated = agent.datapath_counter(StatIndex::TcIcmpErrorTranslated)?;
+    let answered = agent.datapath_counter(StatIndex::TcTooBigSent)?;
+    if args.contains(&"--tc-fast-path") {
+        // Port unreachable: both halves at the pod's ingress, 6 errors; too big: the program
+        // answered each of the 6 datagrams itself (the stack never forwarded them).
+        s.ensure(translated >= 6 && answered >= 6, || {
+            format!("tc_icmp_error_translated {translated} (≥ 6), tc_too_big_sent {answered} (≥ 6)")
+        })?;
+    } else {
+        // Port unreachable: ingress (masqueraded flows: the error is addressed to the SNAT
+        // address) and egress; too big: egress. At least one rewrite per error of the 12,
+        // and the stack, not the program, answered the big datagrams.
+        s.ensure(translated >= 12 && answered == 0, || {
+            format!(
+                "the tc programs translated every error: tc_icmp_error_translated \
+                 {translated}, tc_too_big_sent {answered}"
+            )
+        })?;
+    }
     Ok(())
 }

@@ -3208,3 +3208,99 @@ fn xdp_drops_what_tc_drops_before_nat() {
         assert_eq!(action, TC_ACT_SHOT, "tc drops it");
     });
 }
+
+/// Issue 14 item 5 on the fast path: the redirect bypasses the router (the stack) that would
+/// answer a packet too big for the link to its next hop, so the program answers it: a
+/// datagram to the `remote` NodePort, whose backend is reached by `ext0` at MTU 1280 here, gets
+/// fragmentation needed (IPv4, DF) / packet too big (IPv6) naming 1280, from the NodePort's
+/// address to the client, quoting the datagram as the client sent it, every checksum valid,
+/// back out of `ext0`. One that fits is redirected to the backend; an IPv4 one without DF goes
+/// to the stack (which may fragment it), counted. XDP leaves the big ones to tc.
+#[test]
+fn fast_path_answers_packets_too_big_for_the_next_hop() {
+    with_node(|node| {
+        program_remote(node);
+        // This thread is in the node namespace; the child inherits it.
+        let status = std::process::Command::new("ip")
+            .args(["link", "set", "ext0", "mtu", "1280"])
+            .status()
+            .expect("ip link");
+        assert!(status.success(), "ip link set ext0 mtu 1280");
+        for (client, frontend, backend, icmp_proto, type_code) in [
+            (
+                sa(CLIENT, 41_000),
+                sa(NODE_IP, 30096),
+                sa(REMOTE, 5353),
+                PROTO_ICMP,
+                [3u8, 4],
+            ),
+            (
+                sa(CLIENT6, 41_001),
+                sa(NODE_IP6, 30096),
+                sa(REMOTE6, 5353),
+                PROTO_ICMPV6,
+                [2u8, 0],
+            ),
+        ] {
+            let what = format!("{client} → {frontend}");
+            let fits = build(client, frontend, L4::Udp, &[1u8; 100]);
+            let (action, out) = run(node, program_names::TC_EXTERNAL, &fits, node.ext0);
+            assert_eq!(action, TC_ACT_REDIRECT, "{what}: fits");
+            assert_eq!(out.destination(), backend, "{what}: fits");
+
+            // XDP takes a later datagram that fits and leaves a big one, untouched, to tc
+            // (its fib lookup checks the MTU with the frame's length).
+            let (action, _) = run_xdp(node, &fits);
+            assert_eq!(action, XDP_REDIRECT, "{what}: XDP takes one that fits");
+            let big = build(client, frontend, L4::Udp, &[2u8; 1400]);
+            let (action, passed) = run_xdp(node, &big);
+            assert_eq!(
+                (action, passed == big),
+                (XDP_PASS, true),
+                "{what}: XDP leaves one too big to tc"
+            );
+
+            let sent = stat(node, StatIndex::TcTooBigSent);
+            let (action, out) = run(node, program_names::TC_EXTERNAL, &big, node.ext0);
+            assert_eq!(action, TC_ACT_REDIRECT, "{what}: answered out of ext0");
+            assert_eq!(out.proto, icmp_proto, "{what}");
+            assert_eq!(out.l4[..2], type_code, "{what}: too big");
+            let mtu = if client.is_ipv4() {
+                u32::from(u16::from_be_bytes([out.l4[6], out.l4[7]]))
+            } else {
+                u32::from_be_bytes([out.l4[4], out.l4[5], out.l4[6], out.l4[7]])
+            };
+            assert_eq!(mtu, 1280, "{what}: the next hop's MTU");
+            assert_eq!(out.src, frontend.ip(), "{what}: from the address sent to");
+            assert_eq!(out.dst, client.ip(), "{what}");
+            assert_eq!(out.eth_dst[..], big[6..12], "{what}: back to the sender");
+            assert_eq!(out.eth_src[..], big[0..6], "{what}");
+            let ip_len = if client.is_ipv4() { 20 } else { 40 };
+            assert_eq!(
+                &out.l4[8..],
+                &big[14..14 + ip_len + 8],
+                "{what}: the datagram quoted as sent"
+            );
+            assert_eq!(stat(node, StatIndex::TcTooBigSent), sent + 1, "{what}");
+        }
+
+        // IPv4 without DF: the stack's to fragment.
+        let mut big = build(
+            sa(CLIENT, 41_002),
+            sa(NODE_IP, 30096),
+            L4::Udp,
+            &[3u8; 1400],
+        );
+        big[14 + 6] = 0;
+        big[14 + 10..14 + 12].copy_from_slice(&[0, 0]);
+        let csum = inet_checksum(&big[14..34]);
+        big[14 + 10..14 + 12].copy_from_slice(&csum.to_be_bytes());
+        let to_stack = stat(node, StatIndex::TcTooBigToStack);
+        let sent = stat(node, StatIndex::TcTooBigSent);
+        let (action, out) = run(node, program_names::TC_EXTERNAL, &big, node.ext0);
+        assert_eq!(action, TC_ACT_OK, "no DF: up the stack");
+        assert_eq!(out.destination(), sa(REMOTE, 5353), "translated");
+        assert_eq!(stat(node, StatIndex::TcTooBigToStack), to_stack + 1);
+        assert_eq!(stat(node, StatIndex::TcTooBigSent), sent);
+    });
+}
