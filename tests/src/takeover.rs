@@ -204,6 +204,31 @@ pub fn served_by_pod1(mode: &str, args: &[&str]) -> Result<Scenario> {
     Ok(s)
 }
 
+/// The agent's arguments for the eBPF datapath on `vext` of [`served_by_pod1`]'s rig: the
+/// netfilter path, the fast path, and XDP (native) in front of the fast path.
+pub const EBPF_NETFILTER_PATH: &[&str] = &["--interfaces", "vext"];
+pub const EBPF_FAST_PATH: &[&str] = &["--interfaces", "vext", "--tc-fast-path"];
+pub const EBPF_XDP: &[&str] = &[
+    "--interfaces",
+    "vext",
+    "--tc-fast-path",
+    "--bpf-xdp",
+    "native",
+];
+
+/// [`served_by_pod1`]; with `--bpf-xdp` also a wire-like client link ([`wire_like_client`])
+/// and a check that XDP runs on `vext`.
+pub fn served_by_pod1_on(mode: &str, args: &[&str]) -> Result<Scenario> {
+    let s = served_by_pod1(mode, args)?;
+    if args.contains(&"--bpf-xdp") {
+        wire_like_client(&s)?;
+        s.ensure(xdp_attached(&s, "vext")?, || {
+            "kpr_xdp_external runs on vext".to_owned()
+        })?;
+    }
+    Ok(s)
+}
+
 /// Whether an XDP program is attached to `interface` in the node's namespace (`ip link`
 /// prints `xdp` after the MTU when one is, whatever its mode).
 pub fn xdp_attached(s: &Scenario, interface: &str) -> Result<bool> {

@@ -48,10 +48,7 @@ fn family(ipv6: bool) -> &'static str {
 /// client saw.
 fn run(mode: &str, args: &[&str]) -> anyhow::Result<Scenario> {
     proxy_tests::set_helper_binary(env!("CARGO_BIN_EXE_rig-helper"));
-    let s = takeover::served_by_pod1(mode, args)?;
-    if args.contains(&"--bpf-xdp") {
-        takeover::wire_like_client(&s)?;
-    }
+    let s = takeover::served_by_pod1_on(mode, args)?;
     let mut seen = Vec::new();
     let mut failures = Vec::new();
     let mut check = |what: String, answer: String, ok: bool| {
@@ -124,7 +121,7 @@ fn icmp_errors_about_service_flows_reach_the_client_in_iptables_mode() -> anyhow
 
 #[test]
 fn icmp_errors_about_service_flows_reach_the_client_in_ebpf_mode() -> anyhow::Result<()> {
-    ebpf_mode(&["--interfaces", "vext"])
+    ebpf_mode(takeover::EBPF_NETFILTER_PATH)
 }
 
 /// The fast path: an error from the backend leaves by redirect as the flow's replies do (up
@@ -133,7 +130,7 @@ fn icmp_errors_about_service_flows_reach_the_client_in_ebpf_mode() -> anyhow::Re
 /// redirect bypasses the router that would answer it.
 #[test]
 fn icmp_errors_about_service_flows_reach_the_client_on_the_fast_path() -> anyhow::Result<()> {
-    ebpf_mode(&["--interfaces", "vext", "--tc-fast-path"])
+    ebpf_mode(takeover::EBPF_FAST_PATH)
 }
 
 /// XDP in front of the fast path (native on `vext`, wire-like checksums from the client): a
@@ -141,22 +138,11 @@ fn icmp_errors_about_service_flows_reach_the_client_on_the_fast_path() -> anyhow
 /// hands them on.
 #[test]
 fn icmp_errors_about_service_flows_reach_the_client_with_xdp_in_front() -> anyhow::Result<()> {
-    ebpf_mode(&[
-        "--interfaces",
-        "vext",
-        "--tc-fast-path",
-        "--bpf-xdp",
-        "native",
-    ])
+    ebpf_mode(takeover::EBPF_XDP)
 }
 
 fn ebpf_mode(args: &[&str]) -> anyhow::Result<()> {
     let mut s = run("ebpf", args)?;
-    if args.contains(&"--bpf-xdp") {
-        s.ensure(takeover::xdp_attached(&s, "vext")?, || {
-            "kpr_xdp_external runs on vext".to_owned()
-        })?;
-    }
     let agent = s.agent()?;
     let translated = agent.datapath_counter(StatIndex::TcIcmpErrorTranslated)?;
     let answered = agent.datapath_counter(StatIndex::TcTooBigSent)?;

@@ -18,10 +18,7 @@ const DATAGRAM: usize = 4000;
 
 fn run(mode: &str, args: &[&str]) -> anyhow::Result<Scenario> {
     proxy_tests::set_helper_binary(env!("CARGO_BIN_EXE_rig-helper"));
-    let s = takeover::served_by_pod1(mode, args)?;
-    if args.contains(&"--bpf-xdp") {
-        takeover::wire_like_client(&s)?;
-    }
+    let s = takeover::served_by_pod1_on(mode, args)?;
     let mut failures = Vec::new();
     for ipv6 in [false, true] {
         let frontends: [(&str, SocketAddr); 3] = [
@@ -55,35 +52,24 @@ fn fragmented_datagrams_reach_the_pod_in_iptables_mode() -> anyhow::Result<()> {
 
 #[test]
 fn fragmented_datagrams_reach_the_pod_in_ebpf_mode() -> anyhow::Result<()> {
-    ebpf_mode(&["--interfaces", "vext"])
+    ebpf_mode(takeover::EBPF_NETFILTER_PATH)
 }
 
 /// The fast path: both halves at ingress and a redirect, egress never involved.
 #[test]
 fn fragmented_datagrams_reach_the_pod_on_the_fast_path() -> anyhow::Result<()> {
-    ebpf_mode(&["--interfaces", "vext", "--tc-fast-path"])
+    ebpf_mode(takeover::EBPF_FAST_PATH)
 }
 
 /// XDP in front of the fast path (native on `vext`, wire-like checksums from the client):
 /// fragments are tc's, so XDP hands every one of them on untouched and nothing is lost.
 #[test]
 fn fragmented_datagrams_reach_the_pod_with_xdp_in_front() -> anyhow::Result<()> {
-    ebpf_mode(&[
-        "--interfaces",
-        "vext",
-        "--tc-fast-path",
-        "--bpf-xdp",
-        "native",
-    ])
+    ebpf_mode(takeover::EBPF_XDP)
 }
 
 fn ebpf_mode(args: &[&str]) -> anyhow::Result<()> {
     let mut s = run("ebpf", args)?;
-    if args.contains(&"--bpf-xdp") {
-        s.ensure(takeover::xdp_attached(&s, "vext")?, || {
-            "kpr_xdp_external runs on vext".to_owned()
-        })?;
-    }
     // Every later fragment found its first one (they arrive in order here).
     let untracked = s
         .agent()?
