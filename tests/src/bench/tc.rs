@@ -829,13 +829,16 @@ pub(super) fn raw_program_of(prog_type: u32, insns: &[u64]) -> Result<OwnedFd> {
     Ok(unsafe { OwnedFd::from_raw_fd(fd) })
 }
 
-/// Paths profiled: the cheapest IP path over the goal, the two translating ones, and XDP's
-/// established path.
-const PROFILED: [TcPath; 4] = [
+/// Paths profiled: the cheapest IP path over the goal, the translating ones (a new flow
+/// included), XDP's pass-through and both of its translating paths: every path with a goal.
+const PROFILED: [TcPath; 7] = [
     TcPath::PassThrough,
+    TcPath::NodePortNewFlow,
     TcPath::NodePortEstablished,
     TcPath::ReverseNat,
+    TcPath::XdpPassThrough,
     TcPath::XdpEstablished,
+    TcPath::XdpReverseNat,
 ];
 
 /// Samples this thread with `perf record` (cpu-clock, call graphs) while it runs each path
