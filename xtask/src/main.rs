@@ -53,8 +53,8 @@ enum Command {
         /// Small sizes and single runs: checks that everything works, numbers not comparable.
         #[arg(long)]
         quick: bool,
-        /// Run only these sections (comma-separated: datapath, nodeport, tc-cost, programming,
-        /// inprocess, snat). The partial report goes to `target/bench-partial/`, never over
+        /// Run only these sections (comma-separated: datapath, nodeport, tc-cost, pps,
+        /// programming, inprocess, snat, scale). The partial report goes to `target/bench-partial/`, never over
         /// docs/benchmarks.md, which comes from a run of everything.
         #[arg(long)]
         only: Option<String>,

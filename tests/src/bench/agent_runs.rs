@@ -191,7 +191,8 @@ fn map_entries(exposition: &str) -> Vec<(String, u64)> {
         .collect()
 }
 
-/// Agent flags a workload needs: map capacities with room for every endpoint, and (eBPF) the
+/// Agent flags a workload needs: map capacities with room for every frontend and endpoint
+/// (the defaults where they suffice), and (eBPF) the
 /// tc programs on the node's external link only, as the rig's tests run them (the pod veths
 /// carry addresses that auto-detection would also take).
 pub fn agent_args(mode: ProxyMode, w: Workload) -> Vec<String> {
@@ -199,6 +200,8 @@ pub fn agent_args(mode: ProxyMode, w: Workload) -> Vec<String> {
         ProxyMode::Ebpf => vec![
             "--bpf-map-backends".into(),
             super::inprocess::backends_capacity(w).to_string(),
+            "--bpf-map-frontends".into(),
+            super::inprocess::frontends_capacity(w).to_string(),
             "--interfaces".into(),
             "vext".into(),
         ],

@@ -1209,7 +1209,7 @@ fn programming_section(md: &mut String, r: &Results) {
          updated in the API server (a watch event) → the first \
          connection reaching the new endpoint set (probe in a tight loop). eBPF cold starts use \
          fresh maps each time; before each iptables start after the first, the iptables mode's \
-         rules are removed from the node namespace (its `--cleanup`), so every start is cold. eBPF runs use `--bpf-map-backends` sized for the \
+         rules are removed from the node namespace (its `--cleanup`), so every start is cold. eBPF runs use `--bpf-map-backends` (and at 50k Services `--bpf-map-frontends`) sized for the \
          endpoints (the default 262144 is too small for 300k).\n",
     );
     let _ = writeln!(
