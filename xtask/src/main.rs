@@ -48,7 +48,7 @@ enum Command {
         no_smoke: bool,
     },
     /// Run the benchmarks (eBPF vs iptables vs direct) and write docs/benchmarks.md and its
-    /// SVG plots (needs root; about 20 minutes, `--quick` for a short smoke run).
+    /// SVG plots (needs root; about 25 minutes, `--quick` for a short smoke run).
     Bench {
         /// Small sizes and single runs: checks that everything works, numbers not comparable.
         #[arg(long)]

@@ -319,6 +319,10 @@ pub fn start_measured(
     })
 }
 
+/// Time between one change's first answer from the new set and the next change.
+pub const CHANGE_SPACING: Duration =
+    Duration::from_millis(proxy_agent::dataplane::ebpf::GENERATION_GRACE.as_millis() as u64 + 150);
+
 /// `n` end-to-end changes of the live Service's EndpointSlice (file or API object), flipping
 /// between the two backend sets; each sample is change made → first connection reaching the
 /// new set. `live` is updated to the current set.
@@ -338,8 +342,12 @@ pub fn e2e_changes(
         let hit = probe.wait().map_err(|e| s.agent_error(e.to_string()))?;
         *live = next;
         samples.push(Duration::from_nanos(hit.start_ns.saturating_sub(t0)));
-        // Let the agent finish the sync (log line, stats) before the next change.
-        std::thread::sleep(Duration::from_millis(200));
+        // The next change of the same Service must not come within the eBPF map writer's
+        // generation grace (1 s): the agent defers a frontend's second switch until its
+        // previous generation is deleted, so a change 200 ms after the last measured that
+        // deferral (about 800 ms), not one change. kube-proxy's iptables `minSyncPeriod` is
+        // the same second. Plus a little for the agent to finish the sync (log line, stats).
+        std::thread::sleep(CHANGE_SPACING);
     }
     Ok(samples)
 }

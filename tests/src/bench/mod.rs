@@ -59,6 +59,8 @@ pub struct Config {
     /// API-source changes and the gap probes (section `scale`).
     pub scale_workload: Workload,
     pub scale_changes: usize,
+    /// Agent starts per source and mode at the scale size (a 50k start takes tens of seconds).
+    pub scale_cold_starts: usize,
     /// The small node of the map-memory goal (Services, `programming_endpoints` each).
     pub small_node_services: usize,
     /// Agent starts per size and mode for the cold-start figures (eBPF; iptables see below).
@@ -134,6 +136,7 @@ impl Config {
                 endpoints: 2,
             },
             scale_changes: 100,
+            scale_cold_starts: 2,
             small_node_services: 10,
             // More, shorter runs interleave the paths more finely: on a shared 2-core machine
             // the load changes within seconds, and interleaving is what keeps ratios honest.
@@ -539,11 +542,14 @@ pub fn run(config: Config) -> Results {
             &runner,
         );
         runner.require_estimate = true;
+        let cold_starts = runner.config.cold_starts;
+        runner.config.cold_starts = runner.config.scale_cold_starts.min(cold_starts);
         let mut extras = None;
         let size = programming_size(&mut runner, w, |runner, s, api, w, live| {
             extras = Some(scale::api_extras(runner, s, api, w, live));
         });
         runner.require_estimate = false;
+        runner.config.cold_starts = cold_starts;
         let (changes, restart, resync) = extras.unwrap_or_else(|| {
             let why = "not run: the API server did not start";
             (

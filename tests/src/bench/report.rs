@@ -1207,7 +1207,10 @@ fn programming_section(md: &mut String, r: &Results) {
          that reaches a pod (a probe connects in a tight loop from the cgroup meanwhile). \
          *Change*: the live Service's EndpointSlice file renamed into place, or the slice \
          updated in the API server (a watch event) → the first \
-         connection reaching the new endpoint set (probe in a tight loop). eBPF cold starts use \
+         connection reaching the new endpoint set (probe in a tight loop); the next change comes \
+         1.15 s after that answer, past the eBPF map writer's 1 s generation grace (within it \
+         the agent defers a frontend's second switch, and kube-proxy's iptables `minSyncPeriod` \
+         is the same second). eBPF cold starts use \
          fresh maps each time; before each iptables start after the first, the iptables mode's \
          rules are removed from the node namespace (its `--cleanup`), so every start is cold. eBPF runs use `--bpf-map-backends` (and at 50k Services `--bpf-map-frontends`) sized for the \
          endpoints (the default 262144 is too small for 300k).\n",

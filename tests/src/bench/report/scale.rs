@@ -50,6 +50,15 @@ fn maps_cell(m: &AgentMemory) -> String {
     )
 }
 
+/// MiB with two decimals, or KiB below one MiB (a small node's entries need a few KiB).
+fn small_bytes(bytes: u64) -> String {
+    if bytes < 1 << 20 {
+        format!("{:.1} KiB", bytes as f64 / 1024.0)
+    } else {
+        format!("{:.2} MiB", mib(bytes))
+    }
+}
+
 fn over_needed(m: &AgentMemory) -> Option<f64> {
     let needed = m.needed_bytes();
     (needed > 0).then(|| m.programmed_memlock() as f64 / needed as f64)
@@ -314,8 +323,9 @@ pub(super) fn section(md: &mut String, r: &Results) {
          counts from the agent's `kubeproxy_ebpf_map_entries` metric and the sizes from \
          fdinfo. It leaves out the kernel's own per-element header, the hash buckets and the \
          allocator's rounding, which is what the 1.5× allowance covers. *Other maps* are \
-         those the datapath fills itself (conntrack, affinity, UDP) or that are fixed-size \
-         (node config, counters); their size does not follow the Services.\n"
+         every map that metric does not count: those the datapath fills itself (conntrack, \
+         affinity, UDP), fixed-size ones (node config, counters), and the service-name and \
+         reverse-NAT maps, which do follow the Services.\n"
     );
     let _ = writeln!(
         md,
@@ -329,12 +339,12 @@ pub(super) fn section(md: &mut String, r: &Results) {
         let programmed = m.programmed_memlock();
         let _ = writeln!(
             md,
-            "| {} | {endpoints} | {source} | {} maps, {:.1} MiB | {:.2} MiB | {:.2} MiB | {} | {:.1} MiB | {} |",
+            "| {} | {endpoints} | {source} | {} maps, {:.1} MiB | {:.2} MiB | {} | {} | {:.1} MiB | {} |",
             size(services),
             m.maps.len(),
             mib(m.map_memlock()),
             mib(programmed),
-            mib(m.needed_bytes()),
+            small_bytes(m.needed_bytes()),
             over_needed(m).map_or_else(|| "–".to_owned(), |x| format!("{x:.2}×")),
             mib(m.map_memlock().saturating_sub(programmed)),
             largest_map(m)
@@ -407,10 +417,13 @@ fn changes_part(md: &mut String, scale: &ScaleResult) {
          the live Service's EndpointSlice in the API server (sent to the agent as a watch \
          event), flipping between two endpoint sets, timed from just before the write to the \
          start of the first connection of a probe (connecting in a tight loop from the pod \
-         cgroup) answered by the new set; 200 ms between changes. The probe's timing is the \
+         cgroup) answered by the new set; {} between one change's first answer and the next \
+         change, as the agent defers a frontend's second switch within its 1 s generation \
+         grace (a change within it would measure that deferral). The probe's timing is the \
          sharper one here: the agent's `sync applied` line is written after its maps are, but \
          carries no timestamp of the API write.\n",
-        workload_label(&scale.size)
+        workload_label(&scale.size),
+        dur(super::super::agent_runs::CHANGE_SPACING)
     );
     match &scale.changes {
         Outcome::Done(samples) if !samples.is_empty() => {
