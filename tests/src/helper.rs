@@ -72,6 +72,9 @@ pub enum HelperCommand {
     /// Connects in a tight loop until an answer comes from one of the expected backends; prints
     /// when (CLOCK_MONOTONIC) that connection started. See `bench::client`.
     BenchProbe(crate::bench::client::BenchProbeArgs),
+    /// Connects every millisecond until stdin closes; prints the longest time without a
+    /// correct answer and the wrong answers. See `bench::client`.
+    BenchGaps(crate::bench::client::BenchGapsArgs),
     /// Connects one UDP socket to a target again and again, counting refusals. See
     /// `connect_loop`.
     ConnectLoop(crate::connect_loop::ConnectLoopArgs),
@@ -184,6 +187,10 @@ pub fn run(cli: Cli) -> Result<()> {
         HelperCommand::BenchProbe(args) => {
             enter_places(args.netns.as_deref(), args.cgroup.as_deref())?;
             crate::bench::client::bench_probe(&args)
+        }
+        HelperCommand::BenchGaps(args) => {
+            enter_places(args.netns.as_deref(), args.cgroup.as_deref())?;
+            crate::bench::client::bench_gaps(&args)
         }
         HelperCommand::ConnectLoop(args) => {
             enter_places(args.netns.as_deref(), args.cgroup.as_deref())?;

@@ -48,13 +48,13 @@ enum Command {
         no_smoke: bool,
     },
     /// Run the benchmarks (eBPF vs iptables vs direct) and write docs/benchmarks.md and its
-    /// SVG plots (needs root; about 20 minutes, `--quick` for a short smoke run).
+    /// SVG plots (needs root; about 25 minutes, `--quick` for a short smoke run).
     Bench {
         /// Small sizes and single runs: checks that everything works, numbers not comparable.
         #[arg(long)]
         quick: bool,
-        /// Run only these sections (comma-separated: datapath, nodeport, tc-cost, programming,
-        /// inprocess, snat). The partial report goes to `target/bench-partial/`, never over
+        /// Run only these sections (comma-separated: datapath, nodeport, tc-cost, pps,
+        /// programming, inprocess, snat, scale). The partial report goes to `target/bench-partial/`, never over
         /// docs/benchmarks.md, which comes from a run of everything.
         #[arg(long)]
         only: Option<String>,

@@ -130,15 +130,69 @@ pub struct AgentMemory {
     pub vm_hwm_kib: u64,
     pub vm_rss_kib: u64,
     pub maps: Vec<MapMemory>,
+    /// Entries of each map the agent programs (`kubeproxy_ebpf_map_entries`, by map name; eBPF
+    /// mode only), as of its last sync.
+    pub entries: Vec<(String, u64)>,
 }
 
 impl AgentMemory {
     pub fn map_memlock(&self) -> u64 {
         self.maps.iter().map(|m| m.memlock).sum()
     }
+
+    /// The maps holding programmed entries (frontends, backends, slots, source ranges, Maglev
+    /// tables), each with its entry count.
+    pub fn programmed_maps(&self) -> Vec<(&MapMemory, u64)> {
+        self.maps
+            .iter()
+            .filter_map(|m| {
+                let entries = self
+                    .entries
+                    .iter()
+                    .find(|(name, _)| same_map_name(&m.name, name))?
+                    .1;
+                Some((m, entries))
+            })
+            .collect()
+    }
+
+    /// What the programmed entries need: Σ entries × (key size + value size) over the
+    /// programmed maps — the payload alone, without the kernel's per-element header, buckets
+    /// or per-CPU allocator slack, which is what the 1.5× allowance is for.
+    pub fn needed_bytes(&self) -> u64 {
+        self.programmed_maps()
+            .iter()
+            .map(|(m, entries)| entries * (m.key_size + m.value_size))
+            .sum()
+    }
+
+    /// Kernel memory of the programmed maps (`memlock`; for maps that are not preallocated
+    /// it follows the elements in them).
+    pub fn programmed_memlock(&self) -> u64 {
+        self.programmed_maps().iter().map(|(m, _)| m.memlock).sum()
+    }
 }
 
-/// Agent flags a workload needs: map capacities with room for every endpoint, and (eBPF) the
+/// Whether the kernel's map name (cut to 15 bytes, `BPF_OBJ_NAME_LEN` − 1) is `full`.
+fn same_map_name(kernel: &str, full: &str) -> bool {
+    !kernel.is_empty() && (kernel == full || (kernel.len() == 15 && full.starts_with(kernel)))
+}
+
+/// `kubeproxy_ebpf_map_entries{map="NAME"} N` lines of a metrics exposition.
+fn map_entries(exposition: &str) -> Vec<(String, u64)> {
+    exposition
+        .lines()
+        .filter_map(|line| {
+            let rest = line.strip_prefix("kubeproxy_ebpf_map_entries{")?;
+            let name = rest.split_once("map=\"")?.1.split_once('"')?.0;
+            let value = line.rsplit_once(' ')?.1.parse::<f64>().ok()?;
+            Some((name.to_owned(), value as u64))
+        })
+        .collect()
+}
+
+/// Agent flags a workload needs: map capacities with room for every frontend and endpoint
+/// (the defaults where they suffice), and (eBPF) the
 /// tc programs on the node's external link only, as the rig's tests run them (the pod veths
 /// carry addresses that auto-detection would also take).
 pub fn agent_args(mode: ProxyMode, w: Workload) -> Vec<String> {
@@ -146,6 +200,8 @@ pub fn agent_args(mode: ProxyMode, w: Workload) -> Vec<String> {
         ProxyMode::Ebpf => vec![
             "--bpf-map-backends".into(),
             super::inprocess::backends_capacity(w).to_string(),
+            "--bpf-map-frontends".into(),
+            super::inprocess::frontends_capacity(w).to_string(),
             "--interfaces".into(),
             "vext".into(),
         ],
@@ -263,6 +319,10 @@ pub fn start_measured(
     })
 }
 
+/// Time between one change's first answer from the new set and the next change.
+pub const CHANGE_SPACING: Duration =
+    Duration::from_millis(proxy_agent::dataplane::ebpf::GENERATION_GRACE.as_millis() as u64 + 150);
+
 /// `n` end-to-end changes of the live Service's EndpointSlice (file or API object), flipping
 /// between the two backend sets; each sample is change made → first connection reaching the
 /// new set. `live` is updated to the current set.
@@ -282,8 +342,12 @@ pub fn e2e_changes(
         let hit = probe.wait().map_err(|e| s.agent_error(e.to_string()))?;
         *live = next;
         samples.push(Duration::from_nanos(hit.start_ns.saturating_sub(t0)));
-        // Let the agent finish the sync (log line, stats) before the next change.
-        std::thread::sleep(Duration::from_millis(200));
+        // The next change of the same Service must not come within the eBPF map writer's
+        // generation grace (1 s): the agent defers a frontend's second switch until its
+        // previous generation is deleted, so a change 200 ms after the last measured that
+        // deferral (about 800 ms), not one change. kube-proxy's iptables `minSyncPeriod` is
+        // the same second. Plus a little for the agent to finish the sync (log line, stats).
+        std::thread::sleep(CHANGE_SPACING);
     }
     Ok(samples)
 }
@@ -296,10 +360,18 @@ pub fn memory(s: &mut Scenario) -> Result<AgentMemory> {
         .ok_or_else(|| RigError::Other("agent not running".into()))?;
     let (vm_hwm_kib, vm_rss_kib) =
         rss_kib(pid).ok_or_else(|| RigError::Other(format!("cannot read /proc/{pid}/status")))?;
+    let maps = bpf_maps(pid);
+    // Only the eBPF mode has map metrics; the iptables mode holds no maps.
+    let entries = if maps.is_empty() {
+        Vec::new()
+    } else {
+        map_entries(&s.agent()?.metrics()?)
+    };
     Ok(AgentMemory {
         vm_hwm_kib,
         vm_rss_kib,
-        maps: bpf_maps(pid),
+        maps,
+        entries,
     })
 }
 
@@ -348,4 +420,27 @@ pub fn pod1_addr() -> SocketAddr {
         crate::topology::Topology::pod_ip(1).into(),
         crate::scenario::BACKEND_PORT,
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reads_map_entries_and_matches_cut_names() {
+        let exposition = "# HELP kubeproxy_ebpf_map_entries x\n\
+                          kubeproxy_ebpf_map_entries{map=\"KPR_FRONTENDS4\"} 12\n\
+                          kubeproxy_ebpf_map_entries{map=\"KPR_BACKEND_SLOTS\"} 30\n\
+                          kubeproxy_ebpf_map_capacity{map=\"KPR_FRONTENDS4\"} 99\n";
+        assert_eq!(
+            map_entries(exposition),
+            vec![
+                ("KPR_FRONTENDS4".to_owned(), 12),
+                ("KPR_BACKEND_SLOTS".to_owned(), 30)
+            ]
+        );
+        assert!(same_map_name("KPR_BACKEND_SLO", "KPR_BACKEND_SLOTS"));
+        assert!(!same_map_name("KPR_BACKENDS", "KPR_BACKENDS4"));
+        assert!(!same_map_name("", "KPR_BACKENDS4"));
+    }
 }

@@ -5,7 +5,9 @@
 //! Output of `rig-helper bench-connect`: a `summary ok=N errors=E elapsed_ns=T first_error=...`
 //! line, then one latency sample in nanoseconds per line. `rig-helper bench-probe` prints
 //! `probe attempts=N start_ns=S end_ns=E answer=NAME` (CLOCK_MONOTONIC, comparable across
-//! processes) or `probe timeout attempts=N last=...`.
+//! processes) or `probe timeout attempts=N last=...`. `rig-helper bench-gaps` connects every
+//! millisecond until its stdin closes and prints `gaps attempts=N ok=O wrong=W errors=E
+//! max_gap_ns=G first_wrong=NAME`.
 
 use std::io::{self, Read, Write};
 use std::net::{SocketAddr, TcpStream};
@@ -79,6 +81,27 @@ pub struct BenchProbeArgs {
     /// Bound on attempts, besides the time bound.
     #[arg(long, default_value_t = 5_000_000)]
     pub max_attempts: u64,
+    #[arg(long)]
+    pub netns: Option<PathBuf>,
+    #[arg(long)]
+    pub cgroup: Option<PathBuf>,
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct BenchGapsArgs {
+    #[arg(long)]
+    pub target: SocketAddr,
+    /// Backend names that count as a correct answer (comma-separated); any other answer is a
+    /// wrong one.
+    #[arg(long, value_delimiter = ',')]
+    pub expect: Vec<String>,
+    /// One connection attempt starts every this many microseconds (a slower attempt delays
+    /// the next one; attempts are never bunched up to catch up).
+    #[arg(long, default_value_t = 1_000)]
+    pub interval_us: u64,
+    /// Stop after this long even if stdin stays open.
+    #[arg(long, default_value_t = 120_000)]
+    pub max_ms: u64,
     #[arg(long)]
     pub netns: Option<PathBuf>,
     #[arg(long)]
@@ -260,6 +283,70 @@ pub fn bench_probe(args: &BenchProbeArgs) -> Result<()> {
     }
     writeln!(out, "probe timeout attempts={attempts} last={last}")
         .map_err(|e| RigError::io("printing probe result", e))
+}
+
+/// `rig-helper bench-gaps`: prints `ready`, then starts a connection every `interval_us` until
+/// stdin closes (or a line arrives) or `max_ms` passes, and prints `gaps attempts=N ok=O
+/// wrong=W errors=E max_gap_ns=G first_wrong=NAME`. The gap is the longest time between two
+/// consecutive correct answers (counting from the start and to the end as well), so a stretch
+/// of refused, timed-out or wrong connections shows up as one long gap.
+pub fn bench_gaps(args: &BenchGapsArgs) -> Result<()> {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let mut out = io::stdout();
+    writeln!(out, "ready")
+        .and_then(|()| out.flush())
+        .map_err(|e| RigError::io("printing ready", e))?;
+    // The orchestrator ends the run by closing our stdin; a thread waits for that so the loop
+    // never blocks on it.
+    let stop = Arc::new(AtomicBool::new(false));
+    {
+        let stop = Arc::clone(&stop);
+        std::thread::spawn(move || {
+            let mut line = String::new();
+            let _ = io::stdin().read_line(&mut line);
+            stop.store(true, Ordering::Relaxed);
+        });
+    }
+    let mut buf = [0u8; 256];
+    let interval = Duration::from_micros(args.interval_us.max(1));
+    let max = Duration::from_millis(args.max_ms);
+    let started = Instant::now();
+    let (mut attempts, mut ok, mut wrong, mut errors) = (0u64, 0u64, 0u64, 0u64);
+    let mut first_wrong = String::from("-");
+    let mut last_ok = started;
+    let mut max_gap = Duration::ZERO;
+    let mut next = started;
+    while !stop.load(Ordering::Relaxed) && started.elapsed() < max {
+        let now = Instant::now();
+        if now < next {
+            std::thread::sleep(next - now);
+        }
+        next = Instant::now() + interval;
+        attempts += 1;
+        match connect_once(args.target, &mut buf) {
+            Ok(name) if args.expect.contains(&name) => {
+                let now = Instant::now();
+                max_gap = max_gap.max(now - last_ok);
+                last_ok = now;
+                ok += 1;
+            }
+            Ok(name) => {
+                if wrong == 0 {
+                    first_wrong = name;
+                }
+                wrong += 1;
+            }
+            Err(_) => errors += 1,
+        }
+    }
+    max_gap = max_gap.max(last_ok.elapsed());
+    writeln!(
+        out,
+        "gaps attempts={attempts} ok={ok} wrong={wrong} errors={errors} max_gap_ns={} first_wrong={first_wrong}",
+        duration_ns(max_gap)
+    )
+    .map_err(|e| RigError::io("printing the gaps", e))
 }
 
 /// CPU every benchmark client is pinned to (`usize::MAX`: not pinned), see [`set_client_cpu`].
@@ -486,6 +573,107 @@ impl Probe {
     }
 }
 
+/// What a gap probe saw (see [`bench_gaps`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Gaps {
+    pub attempts: u64,
+    pub ok: u64,
+    pub wrong: u64,
+    pub errors: u64,
+    pub max_gap: Duration,
+}
+
+/// A running `bench-gaps`. Drop kills it; [`GapProbe::finish`] ends it and reads its result.
+#[derive(Debug)]
+pub struct GapProbe {
+    child: Child,
+    stdout: Option<io::Lines<io::BufReader<ChildStdout>>>,
+    what: String,
+}
+
+impl GapProbe {
+    /// Starts a gap probe (one connection every `interval`) and waits until it is in place.
+    pub fn start(
+        place: &Place,
+        target: SocketAddr,
+        expect: &[&str],
+        interval: Duration,
+        max: Duration,
+    ) -> Result<Self> {
+        use std::io::BufRead as _;
+        let mut cmd = Command::new(helper_binary()?);
+        cmd.arg("bench-gaps")
+            .args(["--target", &target.to_string()])
+            .args(["--expect", &expect.join(",")])
+            .args(["--interval-us", &interval.as_micros().to_string()])
+            .args(["--max-ms", &max.as_millis().to_string()])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit());
+        // Not pinned to the clients' CPU: the probe must keep its 1 ms pace while the agent
+        // works, and sharing one CPU with the echo servers would add the scheduler's gaps.
+        place.args(&mut cmd);
+        let what = describe(&cmd);
+        let mut child = cmd
+            .spawn()
+            .map_err(|e| RigError::io(format!("spawning `{what}`"), e))?;
+        let mut lines = child
+            .stdout
+            .take()
+            .map(|out| io::BufReader::new(out).lines());
+        let ready = lines
+            .as_mut()
+            .and_then(Iterator::next)
+            .and_then(io::Result::ok);
+        if ready.as_deref() != Some("ready") {
+            kill_and_reap(&mut child);
+            return Err(RigError::Other(format!(
+                "`{what}` did not start: {ready:?}"
+            )));
+        }
+        Ok(Self {
+            child,
+            stdout: lines,
+            what,
+        })
+    }
+
+    /// Ends the probe (closes its stdin) and returns what it saw.
+    pub fn finish(mut self) -> Result<Gaps> {
+        drop(self.child.stdin.take());
+        let line = self
+            .stdout
+            .as_mut()
+            .and_then(Iterator::next)
+            .and_then(io::Result::ok)
+            .unwrap_or_default();
+        let _ = self.child.wait();
+        parse_gaps(&line).ok_or_else(|| RigError::Other(format!("`{}`: {line}", self.what)))
+    }
+}
+
+impl Drop for GapProbe {
+    fn drop(&mut self) {
+        kill_and_reap(&mut self.child);
+    }
+}
+
+fn parse_gaps(line: &str) -> Option<Gaps> {
+    let rest = line.strip_prefix("gaps ")?;
+    let field = |name: &str| -> Option<u64> {
+        rest.split_whitespace()
+            .find_map(|kv| kv.strip_prefix(name)?.strip_prefix('='))
+            .and_then(|v| v.parse().ok())
+    };
+    Some(Gaps {
+        attempts: field("attempts")?,
+        ok: field("ok")?,
+        wrong: field("wrong")?,
+        errors: field("errors")?,
+        max_gap: Duration::from_nanos(field("max_gap_ns")?),
+    })
+}
+
 impl Drop for Probe {
     fn drop(&mut self) {
         kill_and_reap(&mut self.child);
@@ -515,5 +703,22 @@ mod tests {
         assert!((s.rate - 5e6).abs() < 1.0, "{}", s.rate);
         assert!(parse_samples("garbage").is_err());
         Ok(())
+    }
+
+    #[test]
+    fn parses_gaps() {
+        assert_eq!(
+            parse_gaps(
+                "gaps attempts=10 ok=8 wrong=1 errors=1 max_gap_ns=3000000 first_wrong=decoy"
+            ),
+            Some(Gaps {
+                attempts: 10,
+                ok: 8,
+                wrong: 1,
+                errors: 1,
+                max_gap: Duration::from_millis(3)
+            })
+        );
+        assert_eq!(parse_gaps("probe timeout"), None);
     }
 }

@@ -36,6 +36,14 @@ pub const DEFAULT_FRONTENDS_CAPACITY: u32 = 65_536;
 /// Frontends a ClusterIP service port has: socket-level and external (tc).
 const FRONTENDS_PER_CLUSTER_IP_PORT: usize = 2;
 
+/// Frontend map capacity for a workload: the default, or the next power of two with room for
+/// every Service's frontends (50k Services have 100k: more than the default 65536).
+pub fn frontends_capacity(w: Workload) -> u32 {
+    let frontends = w.services * FRONTENDS_PER_CLUSTER_IP_PORT;
+    let needed = u32::try_from(frontends + 4096).unwrap_or(u32::MAX);
+    needed.next_power_of_two().max(DEFAULT_FRONTENDS_CAPACITY)
+}
+
 /// Backend/slot map capacity for a workload (one flag sizes both maps): the default, or the
 /// next power of two with room for every endpoint's slot in each of its Service's frontends
 /// (300k endpoints need 600k slots: more than the default 262144 and than 2^19).

@@ -8,6 +8,8 @@
 //! - `tc`: item 4, per-packet cost of the tc programs (`BPF_PROG_TEST_RUN`).
 //! - `snat`: issue 17's new connections per second per backend through one node before the
 //!   first SNAT failure, eBPF beside iptables.
+//! - `scale`: issue 19's scale goals (map memory on a small node; at 50k Services × 2
+//!   endpoints, API-source changes for a p99 and a 1 ms probe through a restart and resyncs).
 //! - `report`, `plot`: the Markdown and the SVGs.
 //!
 //! Everything runs inside namespaces and cgroups the rig creates; every loop is bounded in count
@@ -21,6 +23,7 @@ pub mod memory;
 pub mod plot;
 pub mod pps;
 pub mod report;
+pub mod scale;
 pub mod snat;
 pub mod stats;
 pub mod sysinfo;
@@ -52,6 +55,14 @@ pub struct Config {
     pub programming_sizes: Vec<usize>,
     pub programming_endpoints: usize,
     pub loops: Loops,
+    /// Issue 19's scale size: agent runs as for `programming_sizes`, plus `scale_changes`
+    /// API-source changes and the gap probes (section `scale`).
+    pub scale_workload: Workload,
+    pub scale_changes: usize,
+    /// Agent starts per source and mode at the scale size (a 50k start takes tens of seconds).
+    pub scale_cold_starts: usize,
+    /// The small node of the map-memory goal (Services, `programming_endpoints` each).
+    pub small_node_services: usize,
     /// Agent starts per size and mode for the cold-start figures (eBPF; iptables see below).
     pub cold_starts: usize,
     /// End-to-end manifest changes per size and mode.
@@ -100,6 +111,9 @@ pub enum Section {
     /// Issue 14 item 3: packets per second forwarded to a NodePort's backend on one core
     /// through XDP, tc, iptables and plain routing.
     Pps,
+    /// Issue 19: map memory on a small node; agent runs at 50k Services × 2 endpoints with
+    /// API-source changes and gap probes through a restart and full resyncs.
+    Scale,
 }
 
 impl Config {
@@ -117,6 +131,13 @@ impl Config {
             datapath_endpoints: 2,
             programming_sizes: vec![1_000, 10_000, 30_000],
             programming_endpoints: 10,
+            scale_workload: Workload {
+                services: 50_000,
+                endpoints: 2,
+            },
+            scale_changes: 100,
+            scale_cold_starts: 2,
+            small_node_services: 10,
             // More, shorter runs interleave the paths more finely: on a shared 2-core machine
             // the load changes within seconds, and interleaving is what keeps ratios honest.
             loops: Loops {
@@ -174,6 +195,11 @@ impl Config {
             quick: true,
             datapath_sizes: vec![1, 1_000],
             programming_sizes: vec![1_000],
+            scale_workload: Workload {
+                services: 2_000,
+                endpoints: 2,
+            },
+            scale_changes: 20,
             loops: Loops {
                 repeats: 1,
                 connections: 300,
@@ -290,6 +316,8 @@ pub struct Results {
     pub pps: Option<Outcome<pps::PpsResult>>,
     /// Issue 17's SNAT benchmark; None when not selected.
     pub snat: Option<snat::SnatResult>,
+    /// Issue 19's scale section; None when not selected.
+    pub scale: Option<scale::ScaleResult>,
     /// iptables full-sync times seen (objects = Services + endpoints, seconds), for estimates.
     pub iptables_syncs: Vec<(usize, f64)>,
     pub failures: usize,
@@ -340,6 +368,9 @@ struct Runner {
     started: Instant,
     estimator: Estimator,
     failures: usize,
+    /// Skip iptables runs that cannot be estimated (the scale size when no smaller iptables
+    /// sync was measured in this run, e.g. `--only scale`): unbounded otherwise.
+    require_estimate: bool,
 }
 
 impl Runner {
@@ -350,6 +381,14 @@ impl Runner {
     /// Whether an iptables run at `w` fits; `multiplier`: full syncs the run needs.
     fn iptables_fits(&self, w: Workload, multiplier: f64) -> std::result::Result<(), Outcome<()>> {
         let Some(estimate) = self.estimator.estimate(w) else {
+            if self.require_estimate {
+                return Err(Outcome::Skipped {
+                    estimate: Duration::ZERO,
+                    reason: "no iptables full sync of 1k objects or more was measured in this \
+                             run to estimate this one from"
+                        .into(),
+                });
+            }
             return Ok(());
         };
         let cost = estimate.mul_f64(multiplier);
@@ -415,6 +454,7 @@ pub fn run(config: Config) -> Results {
         started: Instant::now(),
         estimator: Estimator::default(),
         failures: 0,
+        require_estimate: false,
     };
     let tc_cost = runner.config.runs(Section::TcCost).then(|| {
         step("per-packet cost of the tc programs", &runner);
@@ -471,7 +511,7 @@ pub fn run(config: Config) -> Results {
             &format!("programming through the agent: {services} Services"),
             &runner,
         );
-        programming.push(programming_size(&mut runner, w));
+        programming.push(programming_size(&mut runner, w, |_, _, _, _, _| {}));
     }
     let mut inprocess = Vec::new();
     for &services in &inprocess_sizes {
@@ -485,6 +525,47 @@ pub fn run(config: Config) -> Results {
         );
         inprocess.push(inprocess_size(&mut runner, w));
     }
+    // Last: its iptables runs are skipped once the budget is spent, and coming after
+    // everything else it never takes budget from the runs the report had before it.
+    let scale = runner.config.runs(Section::Scale).then(|| {
+        let small = Workload {
+            services: runner.config.small_node_services,
+            endpoints: runner.config.programming_endpoints,
+        };
+        let small = scale::small_node(&mut runner, small);
+        let w = runner.config.scale_workload;
+        step(
+            &format!(
+                "scale: {} Services × {} endpoints through the agent",
+                w.services, w.endpoints
+            ),
+            &runner,
+        );
+        runner.require_estimate = true;
+        let cold_starts = runner.config.cold_starts;
+        runner.config.cold_starts = runner.config.scale_cold_starts.min(cold_starts);
+        let mut extras = None;
+        let size = programming_size(&mut runner, w, |runner, s, api, w, live| {
+            extras = Some(scale::api_extras(runner, s, api, w, live));
+        });
+        runner.require_estimate = false;
+        runner.config.cold_starts = cold_starts;
+        let (changes, restart, resync) = extras.unwrap_or_else(|| {
+            let why = "not run: the API server did not start";
+            (
+                Outcome::Failed(why.into()),
+                Outcome::Failed(why.into()),
+                Outcome::Failed(why.into()),
+            )
+        });
+        scale::ScaleResult {
+            small,
+            size,
+            changes,
+            restart,
+            resync,
+        }
+    });
     let elapsed = runner.started.elapsed();
     println!("benchmarks done in {:.0} s", elapsed.as_secs_f64());
     Results {
@@ -498,6 +579,7 @@ pub fn run(config: Config) -> Results {
         tc_cost,
         pps,
         snat,
+        scale,
         iptables_syncs: runner.estimator.points.clone(),
         failures: runner.failures,
         config: runner.config,
@@ -661,7 +743,13 @@ fn snat_section(runner: &mut Runner) -> snat::SnatResult {
     }
 }
 
-fn programming_size(runner: &mut Runner, w: Workload) -> ProgrammingSize {
+/// The agent runs at `w` on both sources; `api_extras` runs after the API-source runs, with
+/// the API server still holding the workload (no agent running).
+fn programming_size(
+    runner: &mut Runner,
+    w: Workload,
+    api_extras: impl FnOnce(&mut Runner, &mut Scenario, &ApiServer, Workload, &mut LiveSet),
+) -> ProgrammingSize {
     let mut result = ProgrammingSize {
         workload: w,
         manifests_bytes: 0,
@@ -730,6 +818,7 @@ fn programming_size(runner: &mut Runner, w: Workload) -> ProgrammingSize {
         Ok(api) => {
             (result.api_ebpf, result.api_iptables) =
                 agent_mode_runs(runner, &mut s, Source::Api(&api), w, &mut live);
+            api_extras(runner, &mut s, &api, w, &mut live);
         }
         Err(e) => {
             result.api_ebpf = runner.failed("starting the API test server", e);

@@ -13,6 +13,8 @@ use super::tc::TcPath;
 use super::{AgentModeRun, InprocessSize, Outcome, ProgrammingSize, Results};
 use crate::{Result, RigError};
 
+mod scale;
+
 /// Goal figures from the issue (reported, not asserted).
 const GOAL_EBPF_OVER_DIRECT: f64 = 1.05;
 const GOAL_IPTABLES_OVER_EBPF: f64 = 3.0;
@@ -135,6 +137,10 @@ fn paired(runs: &PathRuns, num: Path, den: Path, metric: impl Fn(&Run) -> f64) -
 fn outcome_note<T>(o: &Outcome<T>) -> Option<String> {
     match o {
         Outcome::Done(_) => None,
+        // A zero estimate: skipped for want of one (see `Runner::require_estimate`).
+        Outcome::Skipped { estimate, reason } if estimate.is_zero() => {
+            Some(format!("not run: {reason}"))
+        }
         Outcome::Skipped { estimate, reason } => Some(format!(
             "not run: {reason} (estimated full sync {})",
             dur(*estimate)
@@ -214,6 +220,7 @@ fn markdown(r: &Results) -> String {
     pps_section(&mut md, r);
     programming_section(&mut md, r);
     memory_section(&mut md, r);
+    scale::section(&mut md, r);
     snat_section(&mut md, r);
     scaling_section(&mut md, r);
     md
@@ -430,6 +437,8 @@ fn goals(md: &mut String, r: &Results) {
             }
         );
     }
+    // Issue 19: map memory, the 50k × 2 size, API-source changes, probe gaps.
+    scale::goal_rows(md, r, r.config.programming_endpoints);
     // 6. Per-packet cost of the tc and XDP programs (issue 14 item 2).
     if let Some(Outcome::Done(t)) = &r.tc_cost {
         let judged: Vec<(TcPath, f64, f64)> = t
@@ -1198,16 +1207,19 @@ fn programming_section(md: &mut String, r: &Results) {
          that reaches a pod (a probe connects in a tight loop from the cgroup meanwhile). \
          *Change*: the live Service's EndpointSlice file renamed into place, or the slice \
          updated in the API server (a watch event) → the first \
-         connection reaching the new endpoint set (probe in a tight loop). eBPF cold starts use \
+         connection reaching the new endpoint set (probe in a tight loop); the next change comes \
+         1.15 s after that answer, past the eBPF map writer's 1 s generation grace (within it \
+         the agent defers a frontend's second switch, and kube-proxy's iptables `minSyncPeriod` \
+         is the same second). eBPF cold starts use \
          fresh maps each time; before each iptables start after the first, the iptables mode's \
-         rules are removed from the node namespace (its `--cleanup`), so every start is cold. eBPF runs use `--bpf-map-backends` sized for the \
+         rules are removed from the node namespace (its `--cleanup`), so every start is cold. eBPF runs use `--bpf-map-backends` (and at 50k Services `--bpf-map-frontends`) sized for the \
          endpoints (the default 262144 is too small for 300k).\n",
     );
     let _ = writeln!(
         md,
         "| Services | endpoints | source | mode | start → `sync applied` | start → first translated connection | change → first connection |\n|---|---|---|---|---|---|---|"
     );
-    for p in &r.programming {
+    for p in scale::agent_sizes(r) {
         agent_rows(md, p);
     }
     attribution(md, r);
@@ -1290,7 +1302,7 @@ fn memory_section(md: &mut String, r: &Results) {
         md,
         "| Services | endpoints | source | mode | VmHWM | VmRSS | BPF maps (count, memlock) |\n|---|---|---|---|---|---|---|"
     );
-    for p in &r.programming {
+    for p in scale::agent_sizes(r) {
         for (source, mode, outcome) in agent_runs(p) {
             let mib = |kib: u64| format!("{:.1} MiB", kib as f64 / 1024.0);
             let row = match outcome {
@@ -1326,7 +1338,7 @@ fn memory_section(md: &mut String, r: &Results) {
         md,
         "| Services | endpoints | Services (compact) | per Service | EndpointSlices (compact) | per endpoint | store indexes | snapshot |\n|---|---|---|---|---|---|---|---|"
     );
-    for p in &r.programming {
+    for p in scale::agent_sizes(r) {
         let m = &p.memory;
         let mib = |kib: u64| format!("{:.1} MiB", kib as f64 / 1024.0);
         let _ = writeln!(

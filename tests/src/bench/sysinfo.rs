@@ -90,8 +90,12 @@ pub fn rss_kib(pid: u32) -> Option<(u64, u64)> {
 pub struct MapMemory {
     pub id: u64,
     pub map_type: u32,
+    pub key_size: u64,
+    pub value_size: u64,
     pub max_entries: u64,
     pub memlock: u64,
+    /// The kernel's name for the map (truncated to 15 bytes); empty if it cannot be read.
+    pub name: String,
 }
 
 /// The BPF maps a process has open (deduplicated by map id), with the kernel's `memlock`
@@ -105,7 +109,13 @@ pub fn bpf_maps(pid: u32) -> Vec<MapMemory> {
         let Ok(info) = fs::read_to_string(entry.path()) else {
             continue;
         };
-        if let Some(map) = parse_fdinfo(&info) {
+        if let Some(mut map) = parse_fdinfo(&info) {
+            // fdinfo has no name; the map's info (by id, from this process) has.
+            map.name = u32::try_from(map.id)
+                .ok()
+                .and_then(|id| aya::maps::MapInfo::from_id(id).ok())
+                .and_then(|info| info.name_as_str().map(str::to_owned))
+                .unwrap_or_default();
             maps.insert(map.id, map);
         }
     }
@@ -121,8 +131,11 @@ fn parse_fdinfo(info: &str) -> Option<MapMemory> {
     Some(MapMemory {
         id: field("map_id")?,
         map_type: u32::try_from(field("map_type")?).ok()?,
+        key_size: field("key_size").unwrap_or_default(),
+        value_size: field("value_size").unwrap_or_default(),
         max_entries: field("max_entries").unwrap_or_default(),
         memlock: field("memlock")?,
+        name: String::new(),
     })
 }
 
@@ -140,8 +153,11 @@ mod tests {
             Some(MapMemory {
                 id: 42,
                 map_type: 1,
+                key_size: 8,
+                value_size: 16,
                 max_entries: 65536,
-                memlock: 5_769_216
+                memlock: 5_769_216,
+                name: String::new(),
             })
         );
         assert_eq!(parse_fdinfo("pos:\t0\nflags:\t0\n"), None);

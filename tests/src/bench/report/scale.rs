@@ -1,0 +1,497 @@
+//! The report's parts for issue 19's scale goals (`bench::scale`): goal rows and the
+//! "Scale" section (map memory per size, API-source changes, probe gaps).
+
+use std::fmt::Write as _;
+use std::time::Duration;
+
+use super::super::agent_runs::AgentMemory;
+use super::super::scale::{GapRun, ScaleResult};
+use super::super::stats::Percentiles;
+use super::super::{AgentModeRun, Outcome, ProgrammingSize, Results};
+use super::{GOAL_RSS_MIB, agent_runs, dur, outcome_note, size};
+
+const GOAL_SMALL_MAPS_MIB: f64 = 32.0;
+const GOAL_MAPS_OVER_NEEDED: f64 = 1.5;
+const GOAL_SCALE_COLD_START: Duration = Duration::from_secs(3);
+const GOAL_SCALE_RSS_MIB: f64 = 120.0;
+const GOAL_API_CHANGE_P99: Duration = Duration::from_millis(5);
+const GOAL_MAX_GAP: Duration = Duration::from_millis(100);
+
+fn mib(bytes: u64) -> f64 {
+    bytes as f64 / 1024.0 / 1024.0
+}
+
+/// Every size the agent ran at: §5's programming sizes, then the scale size.
+pub(super) fn agent_sizes(r: &Results) -> impl Iterator<Item = &ProgrammingSize> {
+    r.programming
+        .iter()
+        .chain(r.scale.as_ref().map(|s| &s.size))
+}
+
+fn workload_label(p: &ProgrammingSize) -> String {
+    format!(
+        "{} Services × {} endpoints",
+        size(p.workload.services),
+        p.workload.endpoints
+    )
+}
+
+/// `X MiB for Y MiB needed (Z×)` for the programmed maps, and all maps.
+fn maps_cell(m: &AgentMemory) -> String {
+    let needed = m.needed_bytes();
+    let programmed = m.programmed_memlock();
+    format!(
+        "programmed maps {:.1} MiB for {:.1} MiB needed ({}); all {} maps {:.1} MiB",
+        mib(programmed),
+        mib(needed),
+        over_needed(m).map_or_else(|| "–".to_owned(), |x| format!("{x:.2}×")),
+        m.maps.len(),
+        mib(m.map_memlock())
+    )
+}
+
+/// MiB with two decimals, or KiB below one MiB (a small node's entries need a few KiB).
+fn small_bytes(bytes: u64) -> String {
+    if bytes < 1 << 20 {
+        format!("{:.1} KiB", bytes as f64 / 1024.0)
+    } else {
+        format!("{:.2} MiB", mib(bytes))
+    }
+}
+
+fn over_needed(m: &AgentMemory) -> Option<f64> {
+    let needed = m.needed_bytes();
+    (needed > 0).then(|| m.programmed_memlock() as f64 / needed as f64)
+}
+
+/// The map with the most kernel memory: `NAME X MiB`.
+fn largest_map(m: &AgentMemory) -> String {
+    m.maps.iter().max_by_key(|map| map.memlock).map_or_else(
+        || "–".to_owned(),
+        |map| format!("{} {:.1} MiB", map.name, mib(map.memlock)),
+    )
+}
+
+/// The eBPF run's memory at `p` (manifests source, else API server source).
+fn ebpf_memory(p: &ProgrammingSize) -> Option<&AgentMemory> {
+    p.ebpf
+        .done()
+        .or_else(|| p.api_ebpf.done())
+        .map(|run| &run.memory)
+}
+
+fn missed_by(over: String) -> String {
+    format!("**missed** by {over} — see §6b")
+}
+
+/// Goal rows for issue 19 (after the existing agent rows).
+pub(super) fn goal_rows(md: &mut String, r: &Results, programming_endpoints: usize) {
+    let scale = r.scale.as_ref();
+    // Map memory on a small node.
+    let (measured, verdict) = match scale.map(|s| &s.small) {
+        Some(Outcome::Done(small)) => {
+            let total = mib(small.memory.map_memlock());
+            (
+                format!(
+                    "{} Services: {total:.1} MiB over {} maps (largest: {})",
+                    small.workload.services,
+                    small.memory.maps.len(),
+                    largest_map(&small.memory)
+                ),
+                if total <= GOAL_SMALL_MAPS_MIB {
+                    "met".to_owned()
+                } else {
+                    missed_by(format!("{:.1} MiB", total - GOAL_SMALL_MAPS_MIB))
+                },
+            )
+        }
+        Some(other) => ("–".into(), outcome_note(other).unwrap_or_default()),
+        None => ("–".into(), "not measured".into()),
+    };
+    let _ = writeln!(
+        md,
+        "| BPF map memory (kernel, memlock) ≤ {GOAL_SMALL_MAPS_MIB:.0} MiB on a node with 10 Services (eBPF) | {measured} | {verdict} |"
+    );
+    // Map memory against what the entries need at 30k × 10 (and 50k × 2, for reference).
+    let at_30k = r
+        .programming
+        .iter()
+        .filter(|p| p.workload.endpoints == programming_endpoints)
+        .filter_map(|p| ebpf_memory(p).map(|m| (p, m)))
+        .max_by_key(|(p, _)| p.workload.services);
+    let (measured, verdict) = match at_30k {
+        Some((p, m)) => {
+            let mut cell = format!("{}: {}", workload_label(p), maps_cell(m));
+            if let Some(sc) = scale
+                && let Some(m) = ebpf_memory(&sc.size)
+            {
+                let _ = write!(cell, "; {}: {}", workload_label(&sc.size), maps_cell(m));
+            }
+            let verdict = match over_needed(m) {
+                Some(x) if x <= GOAL_MAPS_OVER_NEEDED => "met".to_owned(),
+                Some(x) => missed_by(format!("{:.2}×", x - GOAL_MAPS_OVER_NEEDED)),
+                None => "no entries counted".to_owned(),
+            };
+            (cell, verdict)
+        }
+        None => ("–".into(), "not measured".into()),
+    };
+    let _ = writeln!(
+        md,
+        "| BPF map memory of the programmed maps ≤ {GOAL_MAPS_OVER_NEEDED}× what their entries need (Σ entries × (key + value size), §6b) at 30k Services × 10 endpoints (eBPF) | {measured} | {verdict} |"
+    );
+    // Cold start and RSS at the scale size, each source.
+    type Pick = fn(&ProgrammingSize) -> &Outcome<AgentModeRun>;
+    let sources: [(&str, Pick); 2] = [("manifests", |p| &p.ebpf), ("API server", |p| &p.api_ebpf)];
+    for (source, pick) in sources {
+        let Some(p) = scale.map(|s| &s.size) else {
+            let _ = writeln!(
+                md,
+                "| cold start ≤ {} s and agent RSS ≤ {GOAL_SCALE_RSS_MIB:.0} MB (eBPF) at 50k Services × 2 endpoints ({source} source) | – | not measured |",
+                GOAL_SCALE_COLD_START.as_secs()
+            );
+            continue;
+        };
+        let label = workload_label(p);
+        let run = match pick(p) {
+            Outcome::Done(run) => run,
+            other => {
+                let _ = writeln!(
+                    md,
+                    "| cold start ≤ {} s and agent RSS ≤ {GOAL_SCALE_RSS_MIB:.0} MB (eBPF) at {label} ({source} source) | – | {} |",
+                    GOAL_SCALE_COLD_START.as_secs(),
+                    outcome_note(other).unwrap_or_default()
+                );
+                continue;
+            }
+        };
+        let cold = super::Spread::of(
+            run.cold_starts
+                .iter()
+                .map(|c| c.to_first_connection.as_secs_f64()),
+        )
+        .median;
+        let goal = GOAL_SCALE_COLD_START.as_secs_f64();
+        let _ = writeln!(
+            md,
+            "| cold start ≤ {} s (eBPF) at {label} ({source} source) | {} to the first translated connection (median of {}) | {} |",
+            GOAL_SCALE_COLD_START.as_secs(),
+            dur(Duration::from_secs_f64(cold)),
+            run.cold_starts.len(),
+            if cold <= goal {
+                "met".to_owned()
+            } else {
+                format!(
+                    "**missed** by {} — see §5",
+                    dur(Duration::from_secs_f64(cold - goal))
+                )
+            }
+        );
+        let rss = run.memory.vm_hwm_kib as f64 / 1024.0;
+        let _ = writeln!(
+            md,
+            "| agent RSS ≤ {GOAL_SCALE_RSS_MIB:.0} MB (eBPF) at {label} ({source} source) | VmHWM {rss:.0} MiB (+ {:.0} MiB BPF maps, kernel memory) | {} |",
+            mib(run.memory.map_memlock()),
+            if rss <= GOAL_SCALE_RSS_MIB {
+                "met".to_owned()
+            } else {
+                format!("**missed** by {:.0} MiB — see §6", rss - GOAL_SCALE_RSS_MIB)
+            }
+        );
+    }
+    // The iptables mode's RSS at the same sizes, where it ran (no goal: for comparison).
+    let mut cells = Vec::new();
+    let big = r
+        .programming
+        .iter()
+        .filter(|p| p.workload.endpoints == programming_endpoints)
+        .max_by_key(|p| p.workload.services);
+    for p in big.into_iter().chain(scale.map(|s| &s.size)) {
+        for (source, mode, outcome) in agent_runs(p) {
+            if mode != "iptables" {
+                continue;
+            }
+            let value = match outcome {
+                Outcome::Done(run) => {
+                    format!("VmHWM {:.0} MiB", run.memory.vm_hwm_kib as f64 / 1024.0)
+                }
+                other => outcome_note(other).unwrap_or_default(),
+            };
+            cells.push(format!("{} ({source}): {value}", workload_label(p)));
+        }
+    }
+    if !cells.is_empty() {
+        let _ = writeln!(
+            md,
+            "| the iptables mode's agent RSS at the same sizes (for comparison; eBPF goals {GOAL_RSS_MIB:.0} / {GOAL_SCALE_RSS_MIB:.0} MB) | {} | no goal |",
+            cells.join("; ")
+        );
+    }
+    // One EndpointSlice change through the API server source.
+    let (measured, verdict) = match scale.map(|s| (&s.size, &s.changes)) {
+        Some((p, Outcome::Done(samples))) if !samples.is_empty() => {
+            let pct = Percentiles::of_durations(samples);
+            let p99 = Duration::from_nanos(pct.p99);
+            (
+                format!(
+                    "{}: p99 {} (p50 {}, max {}; {} changes)",
+                    workload_label(p),
+                    dur(p99),
+                    dur(Duration::from_nanos(pct.p50)),
+                    dur(Duration::from_nanos(pct.max)),
+                    samples.len()
+                ),
+                if p99 <= GOAL_API_CHANGE_P99 {
+                    "met".to_owned()
+                } else {
+                    missed_by(dur(p99 - GOAL_API_CHANGE_P99))
+                },
+            )
+        }
+        Some((_, other)) => ("–".into(), outcome_note(other).unwrap_or_default()),
+        None => ("–".into(), "not measured".into()),
+    };
+    let _ = writeln!(
+        md,
+        "| one EndpointSlice change through the API server source to the datapath ≤ {} ms p99 at 50k Services (eBPF; write → first connection to the new endpoints) | {measured} | {verdict} |",
+        GOAL_API_CHANGE_P99.as_millis()
+    );
+    // Probe gaps.
+    let (measured, verdict) = match scale {
+        Some(s) => {
+            let runs = [("restart", &s.restart), ("full resync", &s.resync)];
+            let measured: Vec<String> = runs
+                .iter()
+                .map(|(what, o)| match o {
+                    Outcome::Done(g) => format!(
+                        "{what}: max gap {}, {} wrong answers",
+                        dur(g.gaps.max_gap),
+                        g.gaps.wrong
+                    ),
+                    other => format!("{what}: {}", outcome_note(other).unwrap_or_default()),
+                })
+                .collect();
+            let missed: Vec<String> = runs
+                .iter()
+                .filter_map(|(what, o)| {
+                    let g = o.done()?;
+                    let mut m = Vec::new();
+                    if g.gaps.max_gap > GOAL_MAX_GAP {
+                        m.push(format!("gap by {}", dur(g.gaps.max_gap - GOAL_MAX_GAP)));
+                    }
+                    if g.gaps.wrong > 0 {
+                        m.push(format!("{} wrong answers", g.gaps.wrong));
+                    }
+                    (!m.is_empty()).then(|| format!("{what}: {}", m.join(", ")))
+                })
+                .collect();
+            let all_done = runs.iter().all(|(_, o)| o.done().is_some());
+            let verdict = if !missed.is_empty() {
+                format!("**missed**: {} — see §6b", missed.join("; "))
+            } else if all_done {
+                "met".to_owned()
+            } else {
+                "not all measured".to_owned()
+            };
+            (
+                format!("{}: {}", workload_label(&s.size), measured.join("; ")),
+                verdict,
+            )
+        }
+        None => ("–".into(), "not measured".into()),
+    };
+    let _ = writeln!(
+        md,
+        "| a probe connecting every 1 ms (ClusterIP, pod cgroup) sees no gap over {} ms and no wrong answer through an agent restart and a full resync at 50k Services (eBPF, API server source) | {measured} | {verdict} |",
+        GOAL_MAX_GAP.as_millis()
+    );
+}
+
+/// §6b: map memory per size, the API-source changes and the gap probes.
+pub(super) fn section(md: &mut String, r: &Results) {
+    let Some(scale) = r.scale.as_ref() else {
+        return;
+    };
+    let _ = writeln!(md, "## 6b. Scale (issue 19)\n");
+    let _ = writeln!(
+        md,
+        "**BPF map memory per size** (eBPF agent; kernel memory: `memlock` of each map fd the \
+         agent holds, /proc/<pid>/fdinfo, at the end of its §5 runs; the 10-Service node is a \
+         separate start on the manifests source). *Needed* is what the programmed entries \
+         occupy: Σ over the maps the agent programs (frontends, backends, backend slots, \
+         source ranges, Maglev tables) of entries × (key size + value size), with the entry \
+         counts from the agent's `kubeproxy_ebpf_map_entries` metric and the sizes from \
+         fdinfo. It leaves out the kernel's own per-element header, the hash buckets and the \
+         allocator's rounding, which is what the 1.5× allowance covers. *Other maps* are \
+         every map that metric does not count: those the datapath fills itself (conntrack, \
+         affinity, UDP), fixed-size ones (node config, counters), and the service-name and \
+         reverse-NAT maps, which do follow the Services.\n"
+    );
+    let _ = writeln!(
+        md,
+        "| Services | endpoints | source | all maps (count, memlock) | programmed maps | needed | programmed ÷ needed | other maps | largest map |\n|---|---|---|---|---|---|---|---|---|"
+    );
+    let row = |md: &mut String,
+               services: usize,
+               endpoints: usize,
+               source: &str,
+               m: &AgentMemory| {
+        let programmed = m.programmed_memlock();
+        let _ = writeln!(
+            md,
+            "| {} | {endpoints} | {source} | {} maps, {:.1} MiB | {:.2} MiB | {} | {} | {:.1} MiB | {} |",
+            size(services),
+            m.maps.len(),
+            mib(m.map_memlock()),
+            mib(programmed),
+            small_bytes(m.needed_bytes()),
+            over_needed(m).map_or_else(|| "–".to_owned(), |x| format!("{x:.2}×")),
+            mib(m.map_memlock().saturating_sub(programmed)),
+            largest_map(m)
+        );
+    };
+    match &scale.small {
+        Outcome::Done(small) => row(
+            md,
+            small.workload.services,
+            small.workload.total_endpoints(),
+            "manifests",
+            &small.memory,
+        ),
+        other => {
+            let _ = writeln!(
+                md,
+                "| 10 | | manifests | {} | | | | | |",
+                outcome_note(other).unwrap_or_default()
+            );
+        }
+    }
+    for p in agent_sizes(r) {
+        for (source, mode, outcome) in agent_runs(p) {
+            if mode != "eBPF" {
+                continue;
+            }
+            if let Outcome::Done(run) = outcome {
+                row(
+                    md,
+                    p.workload.services,
+                    p.workload.total_endpoints(),
+                    source,
+                    &run.memory,
+                );
+            }
+        }
+    }
+    if let Outcome::Done(small) = &scale.small {
+        let mut maps: Vec<_> = small.memory.maps.iter().collect();
+        maps.sort_by_key(|m| std::cmp::Reverse(m.memlock));
+        let listed: Vec<String> = maps
+            .iter()
+            .take_while(|m| m.memlock >= 1 << 20)
+            .map(|m| {
+                format!(
+                    "{} {:.1} MiB ({} entries max)",
+                    m.name,
+                    mib(m.memlock),
+                    m.max_entries
+                )
+            })
+            .collect();
+        let _ = writeln!(
+            md,
+            "
+With {} Services, the maps of 1 MiB or more: {}.",
+            small.workload.services,
+            listed.join(", ")
+        );
+    }
+    changes_part(md, scale);
+    gaps_part(md, scale);
+}
+
+fn changes_part(md: &mut String, scale: &ScaleResult) {
+    let _ = writeln!(
+        md,
+        "\n**EndpointSlice changes through the API server source** at {} (eBPF agent \
+         started fresh on the API test server after the §5 runs): each change is one update of \
+         the live Service's EndpointSlice in the API server (sent to the agent as a watch \
+         event), flipping between two endpoint sets, timed from just before the write to the \
+         start of the first connection of a probe (connecting in a tight loop from the pod \
+         cgroup) answered by the new set; {} between one change's first answer and the next \
+         change, as the agent defers a frontend's second switch within its 1 s generation \
+         grace (a change within it would measure that deferral). The probe's timing is the \
+         sharper one here: the agent's `sync applied` line is written after its maps are, but \
+         carries no timestamp of the API write.\n",
+        workload_label(&scale.size),
+        dur(super::super::agent_runs::CHANGE_SPACING)
+    );
+    match &scale.changes {
+        Outcome::Done(samples) if !samples.is_empty() => {
+            let pct = Percentiles::of_durations(samples);
+            let _ = writeln!(
+                md,
+                "| changes | p50 | p99 | max | mean |\n|---|---|---|---|---|\n| {} | {} | {} | {} | {} |\n",
+                samples.len(),
+                dur(Duration::from_nanos(pct.p50)),
+                dur(Duration::from_nanos(pct.p99)),
+                dur(Duration::from_nanos(pct.max)),
+                dur(Duration::from_nanos(pct.mean as u64)),
+            );
+        }
+        other => {
+            let _ = writeln!(md, "{}\n", outcome_note(other).unwrap_or_default());
+        }
+    }
+}
+
+fn gaps_part(md: &mut String, scale: &ScaleResult) {
+    let _ = writeln!(
+        md,
+        "**Probe gaps** at {}, API server source: `rig-helper bench-gaps` starts a new \
+         connection to the ClusterIP every millisecond from the pod cgroup (1 s connect \
+         timeout) and records the longest time between two consecutive correct answers \
+         (from the live endpoint set; counted from its start and to its end too) and every \
+         wrong answer (any other backend, or the decoy behind the untranslated ClusterIP). \
+         *Restart*: a second of steady state, then the agent is stopped (SIGINT: programs and \
+         maps stay pinned) and started again on the same pins; the probe ends a second after \
+         the new process's first `sync applied`. *Full resync*: the agent has no external \
+         trigger for one; its eBPF periodic sync (`--iptables-sync-period`, which the eBPF \
+         mode uses as its resync interval) reconciles every map entry, so the restarted agent \
+         runs with a {} period and the probe runs through {} of those resyncs.\n",
+        workload_label(&scale.size),
+        super::super::scale::RESYNC_PERIOD,
+        super::super::scale::RESYNCS,
+    );
+    let _ = writeln!(
+        md,
+        "| through | probe ran | attempts | correct | wrong | errors | max gap | syncs meanwhile |\n|---|---|---|---|---|---|---|---|"
+    );
+    for (what, outcome) in [("restart", &scale.restart), ("full resync", &scale.resync)] {
+        match outcome {
+            Outcome::Done(GapRun {
+                gaps,
+                duration,
+                syncs,
+            }) => {
+                let _ = writeln!(
+                    md,
+                    "| {what} | {} | {} | {} | {} | {} | {} | {syncs} |",
+                    dur(*duration),
+                    gaps.attempts,
+                    gaps.ok,
+                    gaps.wrong,
+                    gaps.errors,
+                    dur(gaps.max_gap),
+                );
+            }
+            other => {
+                let _ = writeln!(
+                    md,
+                    "| {what} | {} | | | | | | |",
+                    outcome_note(other).unwrap_or_default()
+                );
+            }
+        }
+    }
+    let _ = writeln!(md);
+}
