@@ -271,7 +271,13 @@ fn service<const V6: bool>(ctx: &TcContext, side: Side) -> i32 {
     // A copy in the scratch slot (no copy on this frame, for the stack); the agent writes only
     // new entries (the kernel's NATed flows it adopts at start, with `BPF_NOEXIST`), and a
     // racing datapath update writes a whole, equally valid translation.
-    if let Some(value) = conntrack::lookup::<V6>(key, View::A) {
+    if let Some(value) = conntrack::lookup::<V6>(key, View::A)
+        // An egress entry is keyed by a translated flow's packet as it leaves for the backend
+        // (client → backend) or the client (backend → client): the egress program's. A packet
+        // arriving here with that tuple was sent to the pod's own address (the client's port
+        // reused, the flow closed or not): no flow of ours, whatever the entry says.
+        && value.flags & ct_flags::EGRESS == 0
+    {
         if value.flags & ct_flags::REPLY != 0 {
             // A backend's reply (a remote one's is addressed to the SNAT address).
             if conntrack::reply_seen::<V6>(key, value, pkt, now) {

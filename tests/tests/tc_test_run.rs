@@ -3304,3 +3304,59 @@ fn fast_path_answers_packets_too_big_for_the_next_hop() {
         assert_eq!(stat(node, StatIndex::TcTooBigSent), sent);
     });
 }
+
+/// A packet sent to a pod's own address with the tuple a translated flow reached that pod by
+/// (the client reused its port for a direct connection; here the NodePort connection is
+/// closed, and it need not be) is no flow of ours. On the netfilter path the egress entries
+/// are keyed by exactly that tuple: taken at ingress for a forward entry, they marked the
+/// direct connection translated and the pod's answer left as if from the NodePort, so the
+/// client never got its SYN-ACK (the benchmark's routed path timed out). Both programs leave
+/// the packets untouched and unmarked.
+#[test]
+fn direct_connections_reusing_a_translated_flows_tuple_are_left_alone() {
+    with_netfilter_node(|node| {
+        program_services(node);
+        for (client, node_ip, backend) in [
+            (sa(CLIENT, 41_500), NODE_IP, sa(BACKEND, 8080)),
+            (sa(CLIENT6, 41_501), NODE_IP6, sa(BACKEND6, 8080)),
+        ] {
+            let what = format!("{client} → {backend}");
+            let frontend = sa(node_ip, 30080);
+            let syn = build(client, frontend, L4::TcpSyn, b"");
+            let (action, out_frame, _, mark) =
+                run_marked(node, program_names::TC_EXTERNAL, &syn, node.ext0, 0);
+            assert_eq!((action, mark), (TC_ACT_UNSPEC, TRANSLATED_MARK), "{what}");
+            let (_, _, snat, _) = run_marked(
+                node,
+                program_names::TC_EGRESS,
+                &out_frame,
+                node.pod0,
+                TRANSLATED_MARK,
+            );
+            assert_ne!(snat.src, client.ip(), "{what}: the NodePort flow is SNATed");
+            let fin = build(client, frontend, L4::TcpFin, b"");
+            run_marked(node, program_names::TC_EXTERNAL, &fin, node.ext0, 0);
+
+            for l4 in [L4::TcpSyn, L4::TcpAck] {
+                let direct = build(client, backend, l4, b"");
+                let (action, frame, _, mark) =
+                    run_marked(node, program_names::TC_EXTERNAL, &direct, node.ext0, 0);
+                assert_eq!(
+                    (action, mark),
+                    (TC_ACT_UNSPEC, 0),
+                    "{what} {l4:?}: not ours"
+                );
+                assert_eq!(frame, direct, "{what} {l4:?}: untouched");
+            }
+            let answer = build(backend, client, L4::TcpAck, b"");
+            let (action, frame, _, mark) =
+                run_marked(node, program_names::TC_REPLY, &answer, node.pod0, 0);
+            assert_eq!(
+                (action, mark),
+                (TC_ACT_UNSPEC, 0),
+                "{what}: the pod's answer is not ours"
+            );
+            assert_eq!(frame, answer, "{what}: answer untouched");
+        }
+    });
+}
