@@ -513,7 +513,6 @@ impl Probe {
         expect: &[&str],
         max: Duration,
     ) -> Result<Self> {
-        use std::io::BufRead as _;
         let mut cmd = Command::new(helper_binary()?);
         cmd.arg("bench-probe")
             .args(["--target", &target.to_string()])
@@ -523,27 +522,10 @@ impl Probe {
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit());
         place.args(&mut cmd);
-        let what = describe(&cmd);
-        let mut child = cmd
-            .spawn()
-            .map_err(|e| RigError::io(format!("spawning `{what}`"), e))?;
-        let mut lines = child
-            .stdout
-            .take()
-            .map(|out| io::BufReader::new(out).lines());
-        let ready = lines
-            .as_mut()
-            .and_then(Iterator::next)
-            .and_then(io::Result::ok);
-        if ready.as_deref() != Some("ready") {
-            kill_and_reap(&mut child);
-            return Err(RigError::Other(format!(
-                "`{what}` did not start: {ready:?}"
-            )));
-        }
+        let (child, stdout, what) = spawn_ready(cmd)?;
         Ok(Self {
             child,
-            stdout: lines,
+            stdout,
             what,
         })
     }
@@ -573,6 +555,37 @@ impl Probe {
     }
 }
 
+/// Spawns a probe helper and waits for its `ready` line (namespace and cgroup entered);
+/// returns it with its remaining output lines and its command line for messages.
+#[expect(
+    clippy::type_complexity,
+    reason = "the probe types' own fields, returned as they store them"
+)]
+fn spawn_ready(
+    mut cmd: Command,
+) -> Result<(Child, Option<io::Lines<io::BufReader<ChildStdout>>>, String)> {
+    use std::io::BufRead as _;
+    let what = describe(&cmd);
+    let mut child = cmd
+        .spawn()
+        .map_err(|e| RigError::io(format!("spawning `{what}`"), e))?;
+    let mut lines = child
+        .stdout
+        .take()
+        .map(|out| io::BufReader::new(out).lines());
+    let ready = lines
+        .as_mut()
+        .and_then(Iterator::next)
+        .and_then(io::Result::ok);
+    if ready.as_deref() != Some("ready") {
+        kill_and_reap(&mut child);
+        return Err(RigError::Other(format!(
+            "`{what}` did not start: {ready:?}"
+        )));
+    }
+    Ok((child, lines, what))
+}
+
 /// What a gap probe saw (see [`bench_gaps`]).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Gaps {
@@ -600,7 +613,6 @@ impl GapProbe {
         interval: Duration,
         max: Duration,
     ) -> Result<Self> {
-        use std::io::BufRead as _;
         let mut cmd = Command::new(helper_binary()?);
         cmd.arg("bench-gaps")
             .args(["--target", &target.to_string()])
@@ -613,27 +625,10 @@ impl GapProbe {
         // Not pinned to the clients' CPU: the probe must keep its 1 ms pace while the agent
         // works, and sharing one CPU with the echo servers would add the scheduler's gaps.
         place.args(&mut cmd);
-        let what = describe(&cmd);
-        let mut child = cmd
-            .spawn()
-            .map_err(|e| RigError::io(format!("spawning `{what}`"), e))?;
-        let mut lines = child
-            .stdout
-            .take()
-            .map(|out| io::BufReader::new(out).lines());
-        let ready = lines
-            .as_mut()
-            .and_then(Iterator::next)
-            .and_then(io::Result::ok);
-        if ready.as_deref() != Some("ready") {
-            kill_and_reap(&mut child);
-            return Err(RigError::Other(format!(
-                "`{what}` did not start: {ready:?}"
-            )));
-        }
+        let (child, stdout, what) = spawn_ready(cmd)?;
         Ok(Self {
             child,
-            stdout: lines,
+            stdout,
             what,
         })
     }
