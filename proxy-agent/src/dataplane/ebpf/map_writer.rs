@@ -39,6 +39,7 @@ use crate::desired::{
     Frontend, FrontendKey, IpFamily, Protocol, Scope, ServicePortName, Snapshot,
     external_frontends, socket_frontends,
 };
+use usage::{BackendTable, FrontendTable, MapUsage, RetiredList};
 
 /// How long a generation taken out of use (by a switch, or with its removed frontend) keeps its
 /// slots, Maglev table and backends. A socket hook or tc program reads the frontend first and
@@ -294,7 +295,7 @@ struct BackendEntry {
 }
 
 /// The content of the pinned service maps, as read back after a restart.
-#[derive(Debug, Default)]
+#[derive(Debug, Default, Clone)]
 pub struct MapsContent {
     pub frontends: Vec<(FrontendMapKey, FrontendValue)>,
     pub slots: BTreeMap<BackendSlotKey, u32>,
@@ -308,10 +309,10 @@ pub struct MapsContent {
 /// The agent's record of what is in the maps, so each apply writes only the difference.
 #[derive(Debug)]
 pub struct MapWriter {
-    frontends: BTreeMap<FrontendKey, AppliedFrontend>,
+    frontends: FrontendTable,
     /// Which frontends each service port owns.
     owned: BTreeMap<ServicePortName, Vec<FrontendKey>>,
-    backends: BTreeMap<BackendValue, BackendEntry>,
+    backends: BackendTable,
     service_ids: IdAllocator,
     backend_ids: IdAllocator,
     /// Frontends whose last write did not fit in the maps, with their service port. They are
@@ -323,7 +324,7 @@ pub struct MapWriter {
     /// at most one (its next switch waits for it), a removed one at most its two: never more
     /// than the two generations per frontend an update holds anyway, so the slot and Maglev
     /// capacities still hold.
-    retired: Vec<Retired>,
+    retired: RetiredList,
     /// Changed frontends waiting for their retired generation to go, with their service port.
     deferred: BTreeMap<FrontendKey, ServicePortName>,
     /// Retired generations were deleted since the last [`MapWriter::apply_snapshot`] (by it or
@@ -338,14 +339,14 @@ pub struct MapWriter {
 impl Default for MapWriter {
     fn default() -> Self {
         Self {
-            frontends: BTreeMap::new(),
+            frontends: FrontendTable::default(),
             owned: BTreeMap::new(),
-            backends: BTreeMap::new(),
+            backends: BackendTable::default(),
             service_ids: IdAllocator::default(),
             backend_ids: IdAllocator::default(),
             unfit: BTreeMap::new(),
             maglev_table_size: None,
-            retired: Vec::new(),
+            retired: RetiredList::default(),
             deferred: BTreeMap::new(),
             room_freed: false,
             grace: GENERATION_GRACE,
@@ -372,15 +373,14 @@ impl MapWriter {
     /// Deletes the retired generations whose grace has passed.
     pub fn retire_expired(&mut self, maps: &mut impl MapOps) -> Retirement {
         let now = (self.clock)();
-        let (due, pending): (Vec<Retired>, Vec<Retired>) = std::mem::take(&mut self.retired)
-            .into_iter()
-            .partition(|r| r.due <= now);
-        self.retired = pending;
+        let due = self.retired.take_due(|r| r.due <= now);
         let deleted = due.len();
         self.room_freed |= deleted > 0;
         for retired in due {
             self.delete_retired(retired, maps);
         }
+        #[cfg(test)]
+        self.assert_usage_counted();
         Retirement {
             deleted,
             sync_needed: deleted > 0 && !(self.deferred.is_empty() && self.unfit.is_empty()),
@@ -404,13 +404,8 @@ impl MapWriter {
         let service_id = retired.value.service_id;
         // An older generation of the removed frontend still pending (it is due first, so this
         // is only defensive): the id goes free with that one.
-        match self
-            .retired
-            .iter_mut()
-            .find(|r| r.value.service_id == service_id)
-        {
-            Some(other) => other.frees_service_id = true,
-            None => self.service_ids.release(service_id),
+        if !self.retired.hand_over_service_id(service_id) {
+            self.service_ids.release(service_id);
         }
     }
 
@@ -432,49 +427,12 @@ impl MapWriter {
     /// Entries this map_writer has in each map it writes (the live generation, and retired ones
     /// for their grace), by pinned map name: the fill level `--bpf-map-*` sizes.
     pub fn entries(&self) -> [(&'static str, u64); 7] {
-        let count = |n: usize| n as u64;
-        let applied = || self.frontends.values();
-        let v4 = applied()
-            .filter(|a| matches!(a.map_key, FrontendMapKey::V4(_)))
-            .count();
-        let backends_v4 = self
-            .backends
-            .keys()
-            .filter(|b| matches!(b, BackendValue::V4(_)))
-            .count();
-        [
-            (proxy_common::map_names::FRONTENDS4, count(v4)),
-            (
-                proxy_common::map_names::FRONTENDS6,
-                count(self.frontends.len() - v4),
-            ),
-            (proxy_common::map_names::BACKENDS4, count(backends_v4)),
-            (
-                proxy_common::map_names::BACKENDS6,
-                count(self.backends.len() - backends_v4),
-            ),
-            (
-                proxy_common::map_names::BACKEND_SLOTS,
-                count(
-                    applied().map(|a| a.slots.len()).sum::<usize>()
-                        + self.retired.iter().map(|r| r.slots.len()).sum::<usize>(),
-                ),
-            ),
-            (
-                proxy_common::map_names::SOURCE_RANGES,
-                count(applied().map(|a| a.source_ranges.len()).sum()),
-            ),
-            (
-                proxy_common::map_names::MAGLEV,
-                count(
-                    applied()
-                        .map(|a| &a.value)
-                        .chain(self.retired.iter().map(|r| &r.value))
-                        .map(|v| maglev_keys(v).count())
-                        .sum(),
-                ),
-            ),
-        ]
+        MapUsage::sum(&[
+            self.frontends.usage(),
+            self.retired.usage(),
+            self.backends.usage(),
+        ])
+        .by_map()
     }
 
     /// The service ids (one per frontend) a service port owns, for `proxy-agent inspect`.
@@ -549,11 +507,7 @@ impl MapWriter {
                 }));
             }
             for (&id, backend) in slots.iter().zip(&backends) {
-                map_writer
-                    .backends
-                    .entry(*backend)
-                    .or_insert(BackendEntry { id, users: 0 })
-                    .users += 1;
+                map_writer.backends.entry_or_new(*backend, id).users += 1;
             }
             let source_ranges = content
                 .source_ranges
@@ -730,7 +684,7 @@ impl MapWriter {
                 };
                 owned.push(key);
                 let maglev_size = self.maglev_size_for(&key, backends.len());
-                if let Some(applied) = self.frontends.get_mut(&key)
+                if let Some(applied) = self.frontends.get(&key)
                     && !applied.damaged
                     && !applied.maglev_incomplete
                     && applied.backends == backends
@@ -740,7 +694,7 @@ impl MapWriter {
                     && applied.value.maglev_size == maglev_size
                 {
                     // Also how an adopted frontend is claimed: without a single map write.
-                    applied.owner = Some(name.clone());
+                    self.frontends.set_owner(&key, name.clone());
                     summary.frontends_unchanged += 1;
                     continue;
                 }
@@ -776,6 +730,8 @@ impl MapWriter {
                 self.owned.insert(name, owned);
             }
         }
+        #[cfg(test)]
+        self.assert_usage_counted();
         (summary, errors)
     }
 
@@ -1058,7 +1014,7 @@ impl MapWriter {
             self.backend_ids.release(id);
             return Err(reason);
         }
-        self.backends.insert(backend, BackendEntry { id, users: 1 });
+        self.backends.entry_or_new(backend, id).users = 1;
         written.acquired.push(backend);
         Ok(id)
     }
@@ -1230,7 +1186,7 @@ impl MapWriter {
         }
         // Retired generations are the agent's own until their grace has passed: expected, so
         // that a drift repair does not delete them early.
-        for retired in &self.retired {
+        for retired in self.retired.iter() {
             let value = retired.value;
             slots.extend(slot_entries(&value, &retired.slots));
             if value.flags & frontend_flags::MAGLEV != 0 && retired.maglev_table {
@@ -1472,3 +1428,5 @@ fn slot_entries<'a>(
 
 #[cfg(test)]
 mod tests;
+
+mod usage;
