@@ -11,7 +11,11 @@ use serde::{Deserialize, Serialize};
 use tracing::{debug, warn};
 
 use crate::{
-    dataplane::{Dataplane, ebpf::EbpfDataplane, iptables::IptablesDataplane},
+    dataplane::{
+        Dataplane,
+        ebpf::{DriftCheck, DriftReading, EbpfDataplane},
+        iptables::IptablesDataplane,
+    },
     desired::Snapshot,
     node_services::metrics::Metrics,
 };
@@ -72,7 +76,67 @@ pub fn check(
 /// One check of the eBPF maps; with `repair`, what differs is fixed, logged and counted.
 pub fn check_ebpf(ebpf: &mut EbpfDataplane, repair: bool, metrics: &Metrics) -> DriftReport {
     let started = std::time::Instant::now();
-    let Some(check) = ebpf.check_drift(repair) else {
+    let check = ebpf.check_drift(repair);
+    report_ebpf(check, repair, metrics, started)
+}
+
+/// eBPF mode: the drift check's reading, started on a blocking thread so that the loop keeps
+/// syncing meanwhile (see `dataplane::ebpf::drift_reader`); `None` in iptables mode or when
+/// the maps cannot be opened (logged), so the caller checks in place.
+pub fn start_reading(dataplane: &mut Dataplane) -> Option<ReadingTask> {
+    let Dataplane::Ebpf(ebpf) = dataplane else {
+        return None;
+    };
+    match ebpf.start_drift_read() {
+        Ok(reader) => Some(ReadingTask {
+            started: std::time::Instant::now(),
+            handle: tokio::task::spawn_blocking(move || reader.read()),
+        }),
+        Err(error) => {
+            warn!(%error, "cannot start the drift check's reading; checking in the loop");
+            None
+        }
+    }
+}
+
+/// A drift reading on its way.
+#[derive(Debug)]
+pub struct ReadingTask {
+    started: std::time::Instant,
+    handle: tokio::task::JoinHandle<DriftReading>,
+}
+
+/// Waits for the reading in `task` (forever without one: for a `select!` branch).
+pub async fn reading_done(
+    task: &mut Option<ReadingTask>,
+) -> Result<DriftReading, tokio::task::JoinError> {
+    match task {
+        Some(task) => (&mut task.handle).await,
+        None => std::future::pending().await,
+    }
+}
+
+/// Compares a finished reading with the agent's state and repairs what differs.
+pub fn finish_reading(
+    dataplane: &mut Dataplane,
+    task: ReadingTask,
+    reading: DriftReading,
+    metrics: &Metrics,
+) -> DriftReport {
+    let Dataplane::Ebpf(ebpf) = dataplane else {
+        return DriftReport::not_checked("iptables", "an eBPF reading in iptables mode");
+    };
+    let check = ebpf.finish_drift_check(reading, true);
+    report_ebpf(check, true, metrics, task.started)
+}
+
+fn report_ebpf(
+    check: Option<DriftCheck>,
+    repair: bool,
+    metrics: &Metrics,
+    started: std::time::Instant,
+) -> DriftReport {
+    let Some(check) = check else {
         return DriftReport::not_checked(
             "ebpf",
             "an adopted frontend is damaged; the next full sync rewrites it",

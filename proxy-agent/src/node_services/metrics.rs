@@ -17,7 +17,7 @@
 //! [`EbpfMetrics`]).
 
 use std::{
-    collections::BTreeMap,
+    collections::{BTreeMap, BTreeSet},
     sync::{
         Arc, Mutex, OnceLock, PoisonError, RwLock,
         atomic::{AtomicBool, AtomicU64, Ordering},
@@ -52,7 +52,7 @@ use super::{
     http::{go_not_found, response},
 };
 use crate::{
-    desired::{FamilySnapshot, IpFamily},
+    desired::{FamilySnapshot, IpFamily, ServicePort, ServicePortName},
     proxy_mode::ProxyMode,
 };
 
@@ -172,6 +172,8 @@ pub struct Metrics {
     service_changes_pending: Gauge,
     service_changes_total: Counter,
     no_local_endpoints: Family<PolicyLabel, Gauge>,
+    /// The service ports counted there, per family (IPv4, IPv6).
+    no_local_ports: Mutex<[NoLocalPorts; 2]>,
     healthz_total: Family<CodeLabel, Counter>,
     livez_total: Family<CodeLabel, Counter>,
     conntrack_deleted: Family<FamilyLabel, Counter>,
@@ -302,6 +304,7 @@ impl Metrics {
             service_changes_pending,
             service_changes_total,
             no_local_endpoints,
+            no_local_ports: Mutex::default(),
             healthz_total,
             livez_total,
             conntrack_deleted,
@@ -444,10 +447,23 @@ impl Metrics {
             .set(i64::try_from(pending_slices).unwrap_or(i64::MAX));
     }
 
-    /// `kubeproxy_sync_proxy_rules_no_local_endpoints_total` for one family, recounted from the
-    /// synced snapshot.
-    pub fn set_no_local_endpoints(&self, family: IpFamily, snapshot: &FamilySnapshot) {
-        let counts = no_local_endpoints(snapshot);
+    /// `kubeproxy_sync_proxy_rules_no_local_endpoints_total` for one family, after a sync of
+    /// `snapshot`; with `scope`, only those service ports changed since the last call.
+    pub fn set_no_local_endpoints(
+        &self,
+        family: IpFamily,
+        snapshot: &FamilySnapshot,
+        scope: Option<&BTreeSet<ServicePortName>>,
+    ) {
+        let index = match family {
+            IpFamily::V4 => 0,
+            IpFamily::V6 => 1,
+        };
+        let counts = self
+            .no_local_ports
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)[index]
+            .update(snapshot, scope);
         for (policy, count) in [("internal", counts.internal), ("external", counts.external)] {
             self.no_local_endpoints
                 .get_or_create(&PolicyLabel {
@@ -504,20 +520,59 @@ pub struct NoLocalEndpoints {
 /// cluster, uses Local policy for that kind of traffic, and has no local endpoint (a service
 /// without any endpoint is not counted: it is rejected, not black-holed by policy).
 pub fn no_local_endpoints(snapshot: &FamilySnapshot) -> NoLocalEndpoints {
-    let mut counts = NoLocalEndpoints::default();
-    for port in snapshot.service_ports.values() {
+    NoLocalPorts::default().update(snapshot, None)
+}
+
+/// The service ports [`no_local_endpoints`] counts, kept between syncs: a sync of one Service
+/// recounts its ports only (a walk of every port took 3 ms of each sync at 50k Services).
+#[derive(Debug, Default)]
+struct NoLocalPorts {
+    internal: BTreeSet<ServicePortName>,
+    external: BTreeSet<ServicePortName>,
+}
+
+impl NoLocalPorts {
+    /// `scope`: the service ports that changed since the last update (`None`: all may have).
+    fn update(
+        &mut self,
+        snapshot: &FamilySnapshot,
+        scope: Option<&BTreeSet<ServicePortName>>,
+    ) -> NoLocalEndpoints {
+        match scope {
+            None => {
+                *self = Self::default();
+                for (name, port) in &snapshot.service_ports {
+                    self.add(name, port);
+                }
+            }
+            Some(scope) => {
+                for name in scope {
+                    self.internal.remove(name);
+                    self.external.remove(name);
+                    if let Some(port) = snapshot.service_ports.get(name) {
+                        self.add(name, port);
+                    }
+                }
+            }
+        }
+        NoLocalEndpoints {
+            internal: self.internal.len(),
+            external: self.external.len(),
+        }
+    }
+
+    fn add(&mut self, name: &ServicePortName, port: &ServicePort) {
         if !port.has_any_endpoints || port.local_endpoints().next().is_some() {
-            continue;
+            return;
         }
         if port.internal_policy_local {
-            counts.internal += 1;
+            self.internal.insert(name.clone());
         }
         // `external_policy_local` is only set for externally accessible services.
         if port.external_policy_local {
-            counts.external += 1;
+            self.external.insert(name.clone());
         }
     }
-    counts
 }
 
 /// What only the iptables dataplane reports.

@@ -36,7 +36,7 @@ use self::{
     service_health::ServiceHealthServers,
 };
 use crate::{
-    desired::{IpFamily, Snapshot},
+    desired::{IpFamily, ServicePortName, Snapshot},
     objects::{NodeInfo, ObjectKey, Objects},
     proxy_mode::ProxyMode,
 };
@@ -224,13 +224,20 @@ impl NodeServices {
     /// errors are logged and retried on the next call).
     /// (The iptables full/partial histograms are fed by the dataplane, which alone knows
     /// whether a family's restore was partial.)
-    pub fn synced(&self, family: IpFamily, snapshot: &Snapshot, duration: Duration) {
+    /// `scope`: the service ports that changed since the last call (`None`: all may have).
+    pub fn synced(
+        &self,
+        family: IpFamily,
+        snapshot: &Snapshot,
+        scope: Option<&BTreeSet<ServicePortName>>,
+        duration: Duration,
+    ) {
         self.health.updated(family);
         let now = self.health.now().wall;
         self.metrics.sync_succeeded(family, duration, now);
         self.metrics
-            .set_no_local_endpoints(family, snapshot.family(family));
-        self.service_health.sync(snapshot);
+            .set_no_local_endpoints(family, snapshot.family(family), scope);
+        self.service_health.sync(snapshot, scope);
     }
 
     /// Where health check node ports listen (the node settings' `health_check_ips`).

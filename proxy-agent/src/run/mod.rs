@@ -146,6 +146,9 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     let mut sigterm = signal(SignalKind::terminate()).context("cannot handle SIGTERM")?;
     let mut snapshot = Snapshot::default();
     let mut synced_once = false;
+    // The node services follow the snapshot by the changed service ports of each sync; after a
+    // sync they did not see (a failed one), they look at everything again.
+    let mut report_all = true;
     let mut other_mode_removed = false;
     let runner_config = dataplane.runner_config(&config);
     let mut runner = SyncRunner::new(runner_config, Instant::now());
@@ -162,6 +165,7 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     let host_namespace_only =
         config.ebpf.socket_lb_host_namespace_only && dataplane.mode() == ProxyMode::Ebpf;
     let mut drift_at = Instant::now() + drift_period;
+    let mut drift_reading: Option<crate::drift::ReadingTask> = None;
 
     let outcome = loop {
         // Nothing is programmed until every kind was listed once (kube-proxy's rule), so a
@@ -271,10 +275,12 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
                     ebpf.datapath_counters(&counters);
                 }
                 if ok {
-                    report_sync(&node_services, store.objects(), &changes, &snapshot,
+                    let scope = if report_all { None } else { changed };
+                    report_sync(&node_services, store.objects(), &changes, &snapshot, scope,
                         update_started.elapsed(), last_sync_wall);
                     last_sync_wall = started_wall;
                 }
+                report_all = !ok;
                 if ok && !other_mode_removed {
                     dataplane.remove_other_mode(&config);
                     other_mode_removed = true;
@@ -303,14 +309,31 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
                 }
                 conntrack_gc_at = Instant::now() + CONNTRACK_GC_INTERVAL;
             }
-            () = tokio::time::sleep_until(drift_at), if synced_once && !drift_period.is_zero() => {
-                let report =
-                    crate::drift::check(&mut dataplane, true, node_services.metrics(), &snapshot);
-                if report.mode == "iptables" && !report.drift.is_empty() {
-                    // iptables repairs with a full sync (the family is marked): now.
-                    runner.request();
+            () = tokio::time::sleep_until(drift_at),
+                if synced_once && !drift_period.is_zero() && drift_reading.is_none() => {
+                // eBPF: the maps are read on another thread and compared when the reading is
+                // back (the branch below); iptables reads its rules here.
+                drift_reading = crate::drift::start_reading(&mut dataplane);
+                if drift_reading.is_none() {
+                    let report = crate::drift::check(
+                        &mut dataplane, true, node_services.metrics(), &snapshot);
+                    if report.mode == "iptables" && !report.drift.is_empty() {
+                        // iptables repairs with a full sync (the family is marked): now.
+                        runner.request();
+                    }
                 }
                 drift_at = Instant::now() + drift_period;
+            }
+            reading = crate::drift::reading_done(&mut drift_reading) => {
+                if let Some(task) = drift_reading.take() {
+                    match reading {
+                        Ok(reading) => {
+                            crate::drift::finish_reading(
+                                &mut dataplane, task, reading, node_services.metrics());
+                        }
+                        Err(error) => warn!(%error, "the drift check's reading failed"),
+                    }
+                }
             }
             Some(reply) = drift_rx.recv() => {
                 let report = if synced_once {

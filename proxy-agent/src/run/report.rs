@@ -1,7 +1,7 @@
 //! What a sync did → logs, metrics and the health and latency reports of the node services.
 
 use std::{
-    collections::BTreeMap,
+    collections::{BTreeMap, BTreeSet},
     time::{Duration, SystemTime},
 };
 
@@ -9,7 +9,7 @@ use tracing::{debug, error, info, warn};
 
 use crate::{
     dataplane::{EbpfSyncOutcome, SyncOutcome, ebpf::GcProgress},
-    desired::{IpFamily, Snapshot},
+    desired::{IpFamily, ServicePortName, Snapshot},
     node_services::{
         NodeServices,
         metrics::{IptablesTable, Metrics},
@@ -174,11 +174,12 @@ pub fn report_sync(
     objects: &Objects,
     changes: &Changes,
     snapshot: &Snapshot,
+    scope: Option<&BTreeSet<ServicePortName>>,
     elapsed: Duration,
     previous_sync: SystemTime,
 ) {
     for family in IpFamily::ALL {
-        node_services.synced(family, snapshot, elapsed);
+        node_services.synced(family, snapshot, scope, elapsed);
     }
     let times = trigger_times(objects, &changes.services, previous_sync);
     for family in IpFamily::ALL {

@@ -11,7 +11,7 @@ use std::{
 
 use aya::{
     Ebpf, EbpfLoader,
-    maps::{HashMap, MapData, PerCpuArray},
+    maps::{HashMap, Map, MapData, PerCpuArray},
     programs::links::PinnedLink,
 };
 use aya_log::EbpfLogger;
@@ -27,11 +27,12 @@ use super::{
     ct_maps::ConntrackMaps,
     ct_worker::CtWorker,
     drift,
+    drift_reader::{self, DriftReader, DriftReading, Touched},
     error::EbpfError,
     features::{Feature, KernelFeatures},
     kernel_nat,
     layout::{self, Plan},
-    map_batch::{self, BatchReader},
+    map_batch::BatchReader,
     map_sizes::LruSizes,
     object,
     options::EbpfOptions,
@@ -233,6 +234,7 @@ impl EbpfDataplane {
             revnat6: take_map(&mut ebpf, map_names::REVNAT6)?,
             source_ranges: take_map(&mut ebpf, map_names::SOURCE_RANGES)?,
             maglev: take_map(&mut ebpf, map_names::MAGLEV)?,
+            touched: None,
         };
         let stats = take_map(&mut ebpf, map_names::STATS)?;
         let names = take_map(&mut ebpf, map_names::SERVICE_NAMES)?;
@@ -472,13 +474,86 @@ impl EbpfDataplane {
     /// Compares every entry of the service maps with what the agent wrote (see `drift`) and,
     /// with `repair`, writes back what differs and deletes what the agent never wrote. `None`
     /// while an adopted frontend is known to be damaged (the next full sync rewrites it).
+    /// Reads in this thread; the agent's loop reads on another ([`Self::start_drift_read`]).
     pub fn check_drift(&mut self, repair: bool) -> Option<DriftCheck> {
-        let expected = self.map_writer.expected_content()?;
-        let found = self.maps.content(&mut self.batch);
-        let mut check = drift::check(&expected, &found, repair, &mut self.maps);
+        self.map_writer.expected_content()?;
+        let reader = match self.drift_reader() {
+            Ok(reader) => reader,
+            Err(error) => {
+                warn!(%error, "cannot read the maps for the drift check");
+                return None;
+            }
+        };
+        let reading = reader.read();
+        // Nothing was written meanwhile: this thread is the only writer.
+        self.compare_drift(reading, None, repair)
+    }
+
+    /// A reader of every map the drift check compares, for another thread; from now until
+    /// [`Self::finish_drift_check`] the service maps note the keys the agent writes.
+    pub fn start_drift_read(&mut self) -> Result<DriftReader, EbpfError> {
+        let reader = self.drift_reader()?;
+        self.maps.touched = Some(Touched::default());
+        Ok(reader)
+    }
+
+    fn drift_reader(&mut self) -> Result<DriftReader, EbpfError> {
+        let data = |ebpf: &Ebpf, name: &'static str| -> Option<MapData> {
+            let map: &Map = ebpf.map(name)?;
+            let data = match map {
+                Map::HashMap(data) | Map::LruHashMap(data) => data,
+                _ => return None,
+            };
+            drift_reader::reopen_data(data, name).ok()
+        };
+        let affinity = data(&self.ebpf, map_names::AFFINITY);
+        let udp_sticky = data(&self.ebpf, map_names::UDP_STICKY);
+        let conntrack = match (
+            data(&self.ebpf, map_names::CT4),
+            data(&self.ebpf, map_names::CT6),
+        ) {
+            (Some(v4), Some(v6)) => Some((v4, v6)),
+            _ => None,
+        };
+        DriftReader::new(
+            &self.maps,
+            affinity,
+            udp_sticky,
+            conntrack,
+            self.batch.entry_by_entry,
+        )
+    }
+
+    /// Compares a reading with what the agent holds now, leaving out the keys it wrote since
+    /// the reading started (see `drift_reader`); with `repair`, fixes what differs.
+    pub fn finish_drift_check(
+        &mut self,
+        reading: DriftReading,
+        repair: bool,
+    ) -> Option<DriftCheck> {
+        let touched = self.maps.touched.take();
+        self.compare_drift(reading, touched.as_ref(), repair)
+    }
+
+    fn compare_drift(
+        &mut self,
+        mut reading: DriftReading,
+        touched: Option<&Touched>,
+        repair: bool,
+    ) -> Option<DriftCheck> {
+        let mut expected = self.map_writer.expected_content()?;
+        if let Some(touched) = touched {
+            touched.remove_from(&mut expected);
+            touched.remove_from(&mut reading.found);
+            debug!(
+                keys = touched.len(),
+                "keys written during the drift reading left out of this check"
+            );
+        }
+        let mut check = drift::check(&expected, &reading.found, repair, &mut self.maps);
         let node = self.tc.check_drift(repair, &mut check.repair);
         check.drift.extend(node);
-        let orphans = self.check_orphans(&expected, repair, &mut check);
+        let orphans = self.check_orphans(&expected, reading, repair, &mut check);
         check.drift.extend(orphans);
         Some(check)
     }
@@ -495,20 +570,22 @@ impl EbpfDataplane {
     fn check_orphans(
         &mut self,
         expected: &MapsContent,
+        reading: DriftReading,
         repair: bool,
         check: &mut DriftCheck,
     ) -> Vec<Drift> {
         let live = orphans::Live::of(expected);
         let mut out = Vec::new();
-        for name in [map_names::AFFINITY, map_names::UDP_STICKY] {
+        for (name, entries) in [
+            (map_names::AFFINITY, reading.affinity),
+            (map_names::UDP_STICKY, reading.udp_sticky),
+        ] {
             let Some(map) = self.ebpf.map_mut(name) else {
                 continue;
             };
             let Ok(mut map) = HashMap::<_, AffinityKey, AffinityValue>::try_from(map) else {
                 continue;
             };
-            let mut entries: Vec<(AffinityKey, AffinityValue)> = Vec::new();
-            map_batch::read_all(&map, &mut self.batch, name, &mut entries);
             check.entries_compared += entries.len();
             for (key, value) in entries {
                 let Some(why) = orphans::pinned_orphan(&live, &key, &value) else {
@@ -526,17 +603,10 @@ impl EbpfDataplane {
                 }
             }
         }
-        // Not `conntrack_map`: that borrows all of `self`, and the read needs `self.batch`.
         let Ok(mut ct) = conntrack_maps(&mut self.ebpf) else {
             return out;
         };
-        let mut entries = Vec::new();
-        let mut narrow = Vec::new();
-        map_batch::read_all(&ct.v4, &mut self.batch, map_names::CT4, &mut narrow);
-        entries.extend(narrow.iter().map(|(k, v)| (k.widen(), v.widen())));
-        let mut wide = Vec::new();
-        map_batch::read_all(&ct.v6, &mut self.batch, map_names::CT6, &mut wide);
-        entries.extend(wide);
+        let entries = reading.conntrack;
         check.entries_compared += entries.len();
         for (key, value) in entries {
             let Some(why) = orphans::ct_orphan(&live, &key, &value) else {

@@ -23,6 +23,11 @@ pub enum EbpfError {
     Load(#[from] aya::EbpfError),
     #[error("eBPF object has no map {0}")]
     MissingMap(&'static str),
+    #[error("map {name}: cannot open a second descriptor of it: {source}")]
+    DupMap {
+        name: &'static str,
+        source: io::Error,
+    },
     #[error("eBPF object has no program {0}")]
     MissingProgram(&'static str),
     #[error("map {name}: {source}")]

@@ -8,6 +8,7 @@ mod ct_maps;
 mod ct_worker;
 mod dataplane;
 mod drift;
+mod drift_reader;
 mod error;
 pub mod features;
 pub mod handback;
@@ -37,6 +38,7 @@ pub use ct_maps::ConntrackMaps;
 pub use ct_worker::WorkerReports;
 pub use dataplane::{EbpfDataplane, GcProgress};
 pub use drift::{Drift, DriftCheck, DriftKind, RepairReport};
+pub use drift_reader::{DriftReader, DriftReading};
 pub use error::EbpfError;
 pub use features::{Feature, FeatureState, KernelFeatures};
 pub use maglev::{

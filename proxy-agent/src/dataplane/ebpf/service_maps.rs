@@ -19,6 +19,7 @@ use proxy_common::{
 
 use super::{
     MapOps, MapWriteError,
+    drift_reader::Touched,
     map_batch::{BatchReader, read_all},
     map_writer::{
         BackendValue, FrontendMapKey, MapsContent, ip4_from_map, ip4_to_map, ip6_from_map,
@@ -39,6 +40,8 @@ pub(super) struct ServiceMaps {
     pub(super) revnat6: HashMap<MapData, RevNat6Key, RevNat6>,
     pub(super) source_ranges: LpmTrie<MapData, SourceRangeKey, u8>,
     pub(super) maglev: HashMap<MapData, MaglevKey, MaglevBlock>,
+    /// While a drift reading is out: the keys written or deleted since it started.
+    pub(super) touched: Option<Touched>,
 }
 
 /// The LPM key of a frontend's source range: 32 bits of service id, then the prefix.
@@ -67,6 +70,9 @@ impl MapOps for ServiceMaps {
         key: FrontendMapKey,
         value: FrontendValue,
     ) -> Result<(), MapWriteError> {
+        if let Some(touched) = &mut self.touched {
+            touched.frontend(key);
+        }
         match key {
             FrontendMapKey::V4(key) => self
                 .frontends4
@@ -79,6 +85,9 @@ impl MapOps for ServiceMaps {
         }
     }
     fn delete_frontend(&mut self, key: FrontendMapKey) -> Result<(), MapWriteError> {
+        if let Some(touched) = &mut self.touched {
+            touched.frontend(key);
+        }
         match key {
             FrontendMapKey::V4(key) => {
                 ignore_missing(map_names::FRONTENDS4, self.frontends4.remove(&key))
@@ -89,14 +98,23 @@ impl MapOps for ServiceMaps {
         }
     }
     fn put_slot(&mut self, key: BackendSlotKey, backend_id: u32) -> Result<(), MapWriteError> {
+        if let Some(touched) = &mut self.touched {
+            touched.slot(key);
+        }
         self.slots
             .insert(key, backend_id, 0)
             .map_err(|e| map_error(map_names::BACKEND_SLOTS, e))
     }
     fn delete_slot(&mut self, key: BackendSlotKey) -> Result<(), MapWriteError> {
+        if let Some(touched) = &mut self.touched {
+            touched.slot(key);
+        }
         ignore_missing(map_names::BACKEND_SLOTS, self.slots.remove(&key))
     }
     fn put_backend(&mut self, id: u32, backend: BackendValue) -> Result<(), MapWriteError> {
+        if let Some(touched) = &mut self.touched {
+            touched.backend(id);
+        }
         match backend {
             BackendValue::V4(b) => self
                 .backends4
@@ -109,25 +127,40 @@ impl MapOps for ServiceMaps {
         }
     }
     fn delete_backend(&mut self, id: u32, backend: BackendValue) -> Result<(), MapWriteError> {
+        if let Some(touched) = &mut self.touched {
+            touched.backend(id);
+        }
         match backend {
             BackendValue::V4(_) => ignore_missing(map_names::BACKENDS4, self.backends4.remove(&id)),
             BackendValue::V6(_) => ignore_missing(map_names::BACKENDS6, self.backends6.remove(&id)),
         }
     }
     fn put_affinity_match(&mut self, key: AffinityMatchKey) -> Result<(), MapWriteError> {
+        if let Some(touched) = &mut self.touched {
+            touched.affinity_match(key);
+        }
         self.affinity_match
             .insert(key, 1, 0)
             .map_err(|e| map_error(map_names::AFFINITY_MATCH, e))
     }
     fn delete_affinity_match(&mut self, key: AffinityMatchKey) -> Result<(), MapWriteError> {
+        if let Some(touched) = &mut self.touched {
+            touched.affinity_match(key);
+        }
         ignore_missing(map_names::AFFINITY_MATCH, self.affinity_match.remove(&key))
     }
     fn put_source_range(&mut self, service_id: u32, range: IpNet) -> Result<(), MapWriteError> {
+        if let Some(touched) = &mut self.touched {
+            touched.source_ranges_of(service_id);
+        }
         self.source_ranges
             .insert(&source_range_key(service_id, range), 1, 0)
             .map_err(|e| map_error(map_names::SOURCE_RANGES, e))
     }
     fn delete_source_range(&mut self, service_id: u32, range: IpNet) -> Result<(), MapWriteError> {
+        if let Some(touched) = &mut self.touched {
+            touched.source_ranges_of(service_id);
+        }
         ignore_missing(
             map_names::SOURCE_RANGES,
             self.source_ranges
@@ -135,11 +168,17 @@ impl MapOps for ServiceMaps {
         )
     }
     fn put_maglev(&mut self, key: MaglevKey, block: MaglevBlock) -> Result<(), MapWriteError> {
+        if let Some(touched) = &mut self.touched {
+            touched.maglev(key);
+        }
         self.maglev
             .insert(key, block, 0)
             .map_err(|e| map_error(map_names::MAGLEV, e))
     }
     fn delete_maglev(&mut self, key: MaglevKey) -> Result<(), MapWriteError> {
+        if let Some(touched) = &mut self.touched {
+            touched.maglev(key);
+        }
         ignore_missing(map_names::MAGLEV, self.maglev.remove(&key))
     }
 }

@@ -4,7 +4,7 @@ use std::{collections::BTreeSet, time::SystemTime};
 
 use super::*;
 use crate::{
-    desired::IpFamily,
+    desired::{IpFamily, ServicePortName},
     node_services::{
         metrics::{IptablesTable, Metrics, network_programming_buckets, no_local_endpoints},
         trigger_times,
@@ -39,7 +39,7 @@ fn feed(metrics: &Metrics) {
         metrics.sync_queued(family, now);
         metrics.sync_succeeded(family, Duration::from_millis(3), now);
         metrics.network_programmed(family, &[now - Duration::from_secs(2)], now);
-        metrics.set_no_local_endpoints(family, &Default::default());
+        metrics.set_no_local_endpoints(family, &Default::default(), None);
         metrics.conntrack_reconciled(family, Duration::from_millis(1), 2);
         if let Some(iptables) = metrics.iptables() {
             iptables.sync_duration(family, Duration::from_millis(3), true);
@@ -451,6 +451,10 @@ fn no_local_endpoints_vectors() {
             0,
         ),
     ];
+    // Synced vector after vector, each time naming only the ports that changed.
+    let rolling = Metrics::new(ProxyMode::Ebpf);
+    let mut previous = Snapshot::default();
+    rolling.set_no_local_endpoints(IpFamily::V4, &previous.v4, None);
     for &(name, itp, etp, endpoints, internal, external) in cases {
         let mut spec = String::from(
             "clusterIP: 172.30.1.1\n  ports:\n  - {port: 80, protocol: TCP, nodePort: 123}\n",
@@ -482,14 +486,29 @@ fn no_local_endpoints_vectors() {
         );
 
         let metrics = Metrics::new(ProxyMode::Ebpf);
-        metrics.set_no_local_endpoints(IpFamily::V4, &snapshot(&yaml).v4);
-        let text = metrics.encode();
-        for (policy, value) in [("internal", internal), ("external", external)] {
-            let sample = format!(
-                "kubeproxy_sync_proxy_rules_no_local_endpoints_total{{ip_family=\"IPv4\",traffic_policy=\"{policy}\"}} {value}"
-            );
-            assert!(has_sample(&text, &sample), "{name}: {sample}\n{text}");
+        let current = snapshot(&yaml);
+        metrics.set_no_local_endpoints(IpFamily::V4, &current.v4, None);
+        // The same count from a sync that names only the ports changed since the last vector's.
+        let scope: BTreeSet<ServicePortName> = previous
+            .v4
+            .service_ports
+            .keys()
+            .chain(current.v4.service_ports.keys())
+            .cloned()
+            .collect();
+        rolling.set_no_local_endpoints(IpFamily::V4, &current.v4, Some(&scope));
+        for (which, text) in [("full", metrics.encode()), ("scoped", rolling.encode())] {
+            for (policy, value) in [("internal", internal), ("external", external)] {
+                let sample = format!(
+                    "kubeproxy_sync_proxy_rules_no_local_endpoints_total{{ip_family=\"IPv4\",traffic_policy=\"{policy}\"}} {value}"
+                );
+                assert!(
+                    has_sample(&text, &sample),
+                    "{name} ({which}): {sample}\n{text}"
+                );
+            }
         }
+        previous = current;
     }
 }
 
@@ -548,7 +567,12 @@ endpoints: []
 async fn metrics_server_serves_metrics_proxy_mode_and_healthz() {
     let (services, _clock) = start(ProxyMode::Ebpf);
     let addr = services.metrics_addr().unwrap();
-    services.synced(IpFamily::V4, &Snapshot::default(), Duration::from_millis(2));
+    services.synced(
+        IpFamily::V4,
+        &Snapshot::default(),
+        None,
+        Duration::from_millis(2),
+    );
 
     let reply = get(addr, "/proxyMode").await;
     assert_eq!(reply.status_line, "HTTP/1.1 200 OK");

@@ -1,10 +1,10 @@
 //! Health check node ports (reference §12.2, misc-vectors TestHealthCheckNodePortWhenTerminating).
 
-use std::net::SocketAddr;
+use std::{collections::BTreeSet, net::SocketAddr};
 
 use super::*;
 use crate::{
-    desired::IpFamily,
+    desired::{IpFamily, ServicePortName},
     node_services::service_health::{
         ServiceHealthServers, health_check_node_ports, local_ready_endpoints, service_health_body,
     },
@@ -69,7 +69,7 @@ async fn counts_local_ready_endpoints_and_answers_every_path() {
     let (services, _clock) = start(ProxyMode::Ebpf);
     let port = free_port();
     let snapshot = snapshot(&service(port, STEP1));
-    services.synced(IpFamily::V4, &snapshot, Duration::from_millis(1));
+    services.synced(IpFamily::V4, &snapshot, None, Duration::from_millis(1));
     let svc = key("ns1", "svc1");
     assert_eq!(
         services.service_health().open_ports(),
@@ -96,7 +96,7 @@ async fn counts_local_ready_endpoints_and_answers_every_path() {
 
     // The pods start terminating: serving-terminating endpoints do not count.
     let snapshot = super::snapshot(&service(port, STEP2));
-    services.synced(IpFamily::V4, &snapshot, Duration::from_millis(1));
+    services.synced(IpFamily::V4, &snapshot, None, Duration::from_millis(1));
     let reply = get(loopback(port), "/healthz").await;
     assert_eq!(reply.status_line, "HTTP/1.1 503 Service Unavailable");
     assert_eq!(reply.header("X-Load-Balancing-Endpoint-Weight"), Some("0"));
@@ -109,7 +109,7 @@ async fn an_unhealthy_proxy_fails_every_health_check() {
     let (services, clock) = start(ProxyMode::Ebpf);
     let port = free_port();
     let snapshot = snapshot(&service(port, STEP1));
-    services.synced(IpFamily::V4, &snapshot, Duration::from_millis(1));
+    services.synced(IpFamily::V4, &snapshot, None, Duration::from_millis(1));
     services.queued(IpFamily::V4);
     clock.advance(TIMEOUT);
     let reply = get(loopback(port), "/").await;
@@ -129,6 +129,7 @@ async fn servers_follow_the_services() {
     services.synced(
         IpFamily::V4,
         &snapshot(&service(first, STEP1)),
+        None,
         Duration::ZERO,
     );
     assert!(is_open(loopback(first)).await);
@@ -137,13 +138,14 @@ async fn servers_follow_the_services() {
     services.synced(
         IpFamily::V4,
         &snapshot(&service(second, STEP1)),
+        None,
         Duration::ZERO,
     );
     assert!(!is_open(loopback(first)).await);
     assert_eq!(get(loopback(second), "/").await.status(), 200);
 
     // The Service goes away (or stops being eTP=Local): the port closes.
-    services.synced(IpFamily::V4, &Snapshot::default(), Duration::ZERO);
+    services.synced(IpFamily::V4, &Snapshot::default(), None, Duration::ZERO);
     assert!(!is_open(loopback(second)).await);
     assert!(services.service_health().open_ports().is_empty());
 }
@@ -154,7 +156,7 @@ async fn a_port_in_use_is_reported_and_retried_not_fatal() {
     let squatter = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let port = squatter.local_addr().unwrap().port();
     let snapshot = snapshot(&service(port, STEP1));
-    let errors = services.service_health().sync(&snapshot);
+    let errors = services.service_health().sync(&snapshot, None);
     assert_eq!(errors.len(), 1);
     let message = errors[0].to_string();
     assert!(
@@ -166,8 +168,77 @@ async fn a_port_in_use_is_reported_and_retried_not_fatal() {
     assert!(services.service_health().open_ports().is_empty());
     // The rest of the agent carries on; the next sync retries and succeeds once the port is free.
     drop(squatter);
-    services.synced(IpFamily::V4, &snapshot, Duration::ZERO);
+    services.synced(IpFamily::V4, &snapshot, None, Duration::ZERO);
     assert_eq!(get(loopback(port), "/").await.status(), 200);
+}
+
+/// ns1/svc1 of [`service`] and a second Service like it, ns1/svc2.
+fn two_services(hcnp1: u16, eps1: &[(&str, bool, bool, bool)], hcnp2: u16) -> Snapshot {
+    let second = service(hcnp2, STEP1)
+        .replace("svc1", "svc2")
+        .replace("172.30.1.1", "172.30.1.9")
+        .replace("30001", "30002");
+    snapshot(&format!("{}---\n{second}", service(hcnp1, eps1)))
+}
+
+/// The service ports of `service` in the snapshot: a sync's scope when only it changed.
+fn ports_of(snapshot: &Snapshot, service: &ObjectKey) -> BTreeSet<ServicePortName> {
+    snapshot
+        .v4
+        .of_service(service)
+        .map(|port| port.name.clone())
+        .collect()
+}
+
+/// A sync that names the changed service ports looks at their Services only, and ends where a
+/// sync of everything would; a port that failed to open is retried by the next sync whatever
+/// it names.
+#[tokio::test]
+async fn a_sync_of_changed_services_ends_where_a_full_one_would() {
+    let (services, _clock) = start(ProxyMode::Ebpf);
+    let (first, second) = (free_port(), free_port());
+    let (svc1, svc2) = (key("ns1", "svc1"), key("ns1", "svc2"));
+    let both = two_services(first, STEP1, second);
+    services.synced(IpFamily::V4, &both, None, Duration::ZERO);
+    assert_eq!(get(loopback(first), "/").await.status(), 200);
+    assert_eq!(get(loopback(second), "/").await.status(), 200);
+
+    // svc1's pods terminate: only its ports are in scope; svc2 keeps its server as it was.
+    let terminating = two_services(first, STEP2, second);
+    let scope = ports_of(&terminating, &svc1);
+    services.synced(IpFamily::V4, &terminating, Some(&scope), Duration::ZERO);
+    assert_eq!(get(loopback(first), "/").await.status(), 503);
+    assert_eq!(get(loopback(second), "/").await.status(), 200);
+
+    // svc1's health check node port moves to a port someone else holds: reported, and retried
+    // by the next sync although that one changes svc2 only.
+    let squatter = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let taken = squatter.local_addr().unwrap().port();
+    let moved = two_services(taken, STEP1, second);
+    let errors = services
+        .service_health()
+        .sync(&moved, Some(&ports_of(&moved, &svc1)));
+    assert_eq!(errors.len(), 1, "{errors:?}");
+    assert!(!is_open(loopback(first)).await);
+    drop(squatter);
+    let svc2_gone = snapshot(&service(taken, STEP1));
+    let scope = ports_of(&moved, &svc2);
+    assert!(
+        services
+            .service_health()
+            .sync(&svc2_gone, Some(&scope))
+            .is_empty()
+    );
+    assert_eq!(get(loopback(taken), "/").await.status(), 200);
+    assert!(!is_open(loopback(second)).await);
+    assert_eq!(
+        services.service_health().open_ports(),
+        BTreeMap::from([(svc1.clone(), (taken, vec![loopback(taken)]))])
+    );
+    assert_eq!(
+        health_check_node_ports(&svc2_gone),
+        BTreeMap::from([(svc1, taken)])
+    );
 }
 
 /// `LocalReadyEndpoints` counts distinct IPs per Service over all its ports (TestUpdateEndpointsMap

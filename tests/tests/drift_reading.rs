@@ -1,0 +1,175 @@
+//! The drift check reads the maps on another thread while the agent keeps syncing
+//! (`proxy-agent/src/dataplane/ebpf/drift_reader.rs`): an EndpointSlice change through the API
+//! server waited 300–600 ms for the in-loop read at 50k Services. A key the agent writes while a
+//! reading is out may have been read before or after its write, so the comparison leaves the
+//! keys written meanwhile out. Here, with the agent's dataplane on real pinned maps: a reading
+//! taken before a change and compared after it reports nothing, the same stale reading compared
+//! without the record of written keys reports the changed entries (so the record is what keeps
+//! the check quiet), and an entry changed behind the agent's back during a reading is still
+//! reported and repaired.
+//!
+//! Needs root: namespaces, a private bpffs, a child cgroup.
+#![expect(
+    clippy::expect_used,
+    reason = "test setup: a failed expectation is a failed test"
+)]
+
+use std::{collections::BTreeMap, net::Ipv4Addr};
+
+use aya::maps::{HashMap, Map, MapData};
+use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
+use proxy_agent::{
+    dataplane::ebpf::{EbpfDataplane, EbpfOptions, LbOptions, PIN_DIR_NAME, TcOptions},
+    desired::Snapshot,
+    objects::{ObjectKey, Objects},
+};
+use proxy_common::{Backend4, map_names};
+use proxy_tests::{in_process::on_netns_thread, netns::Netns};
+
+const NODE: &str = "node";
+
+fn key(name: &str) -> ObjectKey {
+    ObjectKey {
+        namespace: "default".into(),
+        name: name.into(),
+    }
+}
+
+/// Two ClusterIP Services, `web` (10.96.0.10) and `api` (10.96.0.11), TCP 80 → 8080, with the
+/// given endpoints.
+fn snapshot(web: &[&str], api: &[&str]) -> Snapshot {
+    let mut services = BTreeMap::new();
+    let mut slices = BTreeMap::new();
+    for (name, ip, backends) in [("web", "10.96.0.10", web), ("api", "10.96.0.11", api)] {
+        let service = format!(
+            "apiVersion: v1\nkind: Service\nmetadata: {{name: {name}, namespace: default}}\n\
+             spec: {{clusterIP: '{ip}', clusterIPs: ['{ip}'], ipFamilies: [IPv4], \
+             ipFamilyPolicy: SingleStack, \
+             ports: [{{name: http, port: 80, protocol: TCP, targetPort: 8080}}]}}\n"
+        );
+        let service: Service = serde_yaml::from_str(&service).expect("service yaml");
+        let endpoints: Vec<String> = backends
+            .iter()
+            .map(|a| {
+                format!("{{addresses: ['{a}'], nodeName: {NODE}, conditions: {{ready: true}}}}")
+            })
+            .collect();
+        let slice = format!(
+            "apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\n\
+             metadata: {{name: {name}-1, namespace: default, labels: {{kubernetes.io/service-name: {name}}}}}\n\
+             addressType: IPv4\nports: [{{name: http, port: 8080, protocol: TCP}}]\n\
+             endpoints: [{}]\n",
+            endpoints.join(", ")
+        );
+        let slice: EndpointSlice = serde_yaml::from_str(&slice).expect("slice yaml");
+        services.insert(key(name), service.into());
+        slices.insert(key(&format!("{name}-1")), slice.into());
+    }
+    let snapshot = Snapshot::compute(&Objects::new(services, slices, None), NODE);
+    let errors: Vec<String> = snapshot.errors().map(ToString::to_string).collect();
+    assert!(errors.is_empty(), "snapshot errors: {errors:?}");
+    snapshot
+}
+
+/// `(map, kind)` of each reported drift, sorted.
+fn kinds(check: &proxy_agent::dataplane::ebpf::DriftCheck) -> Vec<(String, String)> {
+    let mut kinds: Vec<(String, String)> = check
+        .drift
+        .iter()
+        .map(|d| (d.map.to_owned(), d.kind.to_string()))
+        .collect();
+    kinds.sort();
+    kinds
+}
+
+#[test]
+fn writes_during_a_drift_reading_are_not_drift_but_tampering_is() {
+    proxy_tests::require_root();
+    proxy_tests::set_helper_binary(env!("CARGO_BIN_EXE_rig-helper"));
+    let ns = Netns::new("driftread").expect("netns");
+    on_netns_thread(ns.path(), |parts| {
+        let options = EbpfOptions {
+            cgroup_path: parts.cgroup_path(),
+            bpf_root: parts.bpf_root(),
+            frontends_capacity: 64,
+            backends_capacity: 64,
+            conntrack_capacity: Some(proxy_common::default_sizes::CT),
+            dynamic_size_ratio: proxy_agent::dataplane::ebpf::map_sizes::DEFAULT_DYNAMIC_SIZE_RATIO,
+            lb: LbOptions::default(),
+            tc: TcOptions::default(),
+            disabled_features: Default::default(),
+            icmp_ratelimit: None,
+            snat_ports: proxy_agent::dataplane::ebpf::reserved_ports::DEFAULT_RANGE,
+        };
+        let mut dataplane = EbpfDataplane::start(&options).expect("dataplane");
+        let before = snapshot(&["10.244.1.2", "10.244.1.3"], &["10.244.2.2"]);
+        let (_, errors) = dataplane.apply(&before, None);
+        assert!(errors.is_empty(), "apply errors: {errors:?}");
+
+        // A reading taken before web's endpoints change, compared after the change.
+        let reader = dataplane.start_drift_read().expect("drift reader");
+        let stale = reader.read();
+        let after = snapshot(&["10.244.1.4"], &["10.244.2.2"]);
+        let (summary, errors) = dataplane.apply(&after, None);
+        assert!(errors.is_empty(), "apply errors: {errors:?}");
+        assert!(summary.frontends_written > 0, "{summary:?}");
+        let check = dataplane
+            .finish_drift_check(stale.clone(), false)
+            .expect("checked");
+        assert_eq!(kinds(&check), [], "{check:#?}");
+
+        // The same stale reading under a fresh record (nothing written since): the change is
+        // what it sees, so the record above is what kept that check quiet.
+        let _fresh = dataplane.start_drift_read().expect("drift reader");
+        let check = dataplane.finish_drift_check(stale, false).expect("checked");
+        let maps: Vec<String> = kinds(&check).into_iter().map(|(map, _)| map).collect();
+        assert!(
+            maps.contains(&map_names::FRONTENDS4.to_owned())
+                && maps.contains(&map_names::BACKEND_SLOTS.to_owned()),
+            "{check:#?}"
+        );
+
+        // api's backend rewritten behind the agent's back while a reading is out, and web
+        // changed by the agent meanwhile: only the tampering is reported, and repaired.
+        let pin_dir = parts.bpf_root().join(PIN_DIR_NAME);
+        let map = MapData::from_pin(pin_dir.join(map_names::BACKENDS4))
+            .and_then(Map::from_map_data)
+            .expect("backends map");
+        let mut backends: HashMap<MapData, u32, Backend4> =
+            HashMap::try_from(map).expect("typed backends map");
+        let api_addr = u32::from(Ipv4Addr::new(10, 244, 2, 2)).to_be();
+        let (api_id, api_backend) = backends
+            .iter()
+            .filter_map(Result::ok)
+            .find(|(_, b)| b.addr == api_addr)
+            .expect("api's backend in the map");
+        let reader = dataplane.start_drift_read().expect("drift reader");
+        let tampered = Backend4 {
+            addr: u32::from(Ipv4Addr::new(192, 0, 2, 66)).to_be(),
+            ..api_backend
+        };
+        backends.insert(api_id, tampered, 0).expect("tamper");
+        let reading = reader.read();
+        let (_, errors) = dataplane.apply(&before, None);
+        assert!(errors.is_empty(), "apply errors: {errors:?}");
+        let check = dataplane
+            .finish_drift_check(reading, true)
+            .expect("checked");
+        assert_eq!(
+            kinds(&check),
+            [(map_names::BACKENDS4.to_owned(), "changed".to_owned())],
+            "{check:#?}"
+        );
+        assert_eq!(
+            backends.get(&api_id, 0).expect("api's backend").addr,
+            api_addr,
+            "repaired"
+        );
+        let check = dataplane.check_drift(false).expect("checked");
+        assert_eq!(kinds(&check), [], "{check:#?}");
+        drop(dataplane);
+        drop(parts);
+    })
+    .expect("node thread");
+    drop(ns);
+}
