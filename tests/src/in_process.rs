@@ -26,6 +26,28 @@ impl InProcess {
     pub fn cgroup_path(&self) -> Option<PathBuf> {
         Some(self.cgroup.path().to_path_buf())
     }
+
+    /// Options of a small dataplane on these parts: `capacity` frontends and backends, the
+    /// default conntrack size and everything else at its default.
+    pub fn small_dataplane_options(
+        &self,
+        capacity: u32,
+    ) -> proxy_agent::dataplane::ebpf::EbpfOptions {
+        use proxy_agent::dataplane::ebpf::{EbpfOptions, LbOptions, TcOptions, map_sizes};
+        EbpfOptions {
+            cgroup_path: self.cgroup_path(),
+            bpf_root: self.bpf_root(),
+            frontends_capacity: capacity,
+            backends_capacity: capacity,
+            conntrack_capacity: Some(proxy_common::default_sizes::CT),
+            dynamic_size_ratio: map_sizes::DEFAULT_DYNAMIC_SIZE_RATIO,
+            lb: LbOptions::default(),
+            tc: TcOptions::default(),
+            disabled_features: Default::default(),
+            icmp_ratelimit: None,
+            snat_ports: proxy_agent::dataplane::ebpf::reserved_ports::DEFAULT_RANGE,
+        }
+    }
 }
 
 /// Runs `f` on a new thread inside the network namespace at `netns` (its `/run/netns` path)

@@ -19,7 +19,7 @@ use std::{collections::BTreeMap, net::Ipv4Addr};
 use aya::maps::{HashMap, Map, MapData};
 use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
 use proxy_agent::{
-    dataplane::ebpf::{EbpfDataplane, EbpfOptions, LbOptions, PIN_DIR_NAME, TcOptions},
+    dataplane::ebpf::{EbpfDataplane, PIN_DIR_NAME},
     desired::Snapshot,
     objects::{ObjectKey, Objects},
 };
@@ -88,19 +88,7 @@ fn writes_during_a_drift_reading_are_not_drift_but_tampering_is() {
     proxy_tests::set_helper_binary(env!("CARGO_BIN_EXE_rig-helper"));
     let ns = Netns::new("driftread").expect("netns");
     on_netns_thread(ns.path(), |parts| {
-        let options = EbpfOptions {
-            cgroup_path: parts.cgroup_path(),
-            bpf_root: parts.bpf_root(),
-            frontends_capacity: 64,
-            backends_capacity: 64,
-            conntrack_capacity: Some(proxy_common::default_sizes::CT),
-            dynamic_size_ratio: proxy_agent::dataplane::ebpf::map_sizes::DEFAULT_DYNAMIC_SIZE_RATIO,
-            lb: LbOptions::default(),
-            tc: TcOptions::default(),
-            disabled_features: Default::default(),
-            icmp_ratelimit: None,
-            snat_ports: proxy_agent::dataplane::ebpf::reserved_ports::DEFAULT_RANGE,
-        };
+        let options = parts.small_dataplane_options(64);
         let mut dataplane = EbpfDataplane::start(&options).expect("dataplane");
         let before = snapshot(&["10.244.1.2", "10.244.1.3"], &["10.244.2.2"]);
         let (_, errors) = dataplane.apply(&before, None);

@@ -38,7 +38,7 @@ use std::{
 
 use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
 use proxy_agent::{
-    dataplane::ebpf::{EbpfDataplane, EbpfOptions, LbOptions, TcOptions},
+    dataplane::ebpf::EbpfDataplane,
     desired::{ServicePortName, Snapshot},
     objects::{ObjectKey, Objects},
 };
@@ -189,19 +189,7 @@ fn with_node<R: Send + 'static>(
     .expect("addr6");
     let path = ns.path();
     let result = on_netns_thread(path.clone(), move |parts| {
-        let options = EbpfOptions {
-            cgroup_path: parts.cgroup_path(),
-            bpf_root: parts.bpf_root(),
-            frontends_capacity: 64,
-            backends_capacity: 64,
-            conntrack_capacity: Some(proxy_common::default_sizes::CT),
-            dynamic_size_ratio: proxy_agent::dataplane::ebpf::map_sizes::DEFAULT_DYNAMIC_SIZE_RATIO,
-            lb: LbOptions::default(),
-            tc: TcOptions::default(),
-            disabled_features: Default::default(),
-            icmp_ratelimit: None,
-            snat_ports: proxy_agent::dataplane::ebpf::reserved_ports::DEFAULT_RANGE,
-        };
+        let options = parts.small_dataplane_options(64);
         let mut dataplane = EbpfDataplane::start(&options).expect("dataplane");
         let (summary, errors) = dataplane.apply(&first, None);
         assert!(errors.is_empty(), "apply errors: {errors:?}");

@@ -100,8 +100,8 @@ pub struct EbpfDataplane {
     /// Worker GC rounds already counted in the metrics.
     pub(super) gc_rounds_reported: u64,
     pub(super) log_drain: Option<JoinHandle<()>>,
-    /// Buffers of the batched map reads, kept for the next drift check.
-    pub(super) batch: BatchReader,
+    /// Every map read of the drift check goes entry by entry (the benchmark's baseline).
+    pub(super) entry_by_entry_reads: bool,
     /// Programs not attached yet: `start` found a service map it had to rebuild, so the first
     /// full apply fills it before the programs replace the previous agent's.
     pub(super) deferred: Option<DeferredAttach>,
@@ -256,9 +256,8 @@ impl EbpfDataplane {
             XdpState::new(options.tc.xdp, &mut ebpf),
         );
 
-        let mut batch = BatchReader::default();
         let mut map_writer = if adopting {
-            MapWriter::adopt(maps.content(&mut batch), &mut maps)
+            MapWriter::adopt(maps.content(&mut BatchReader::default()), &mut maps)
         } else {
             MapWriter::default()
         };
@@ -318,7 +317,7 @@ impl EbpfDataplane {
             ct_worker,
             gc_rounds_reported: 0,
             log_drain,
-            batch,
+            entry_by_entry_reads: false,
             deferred,
             ebpf,
         })
@@ -476,7 +475,6 @@ impl EbpfDataplane {
     /// while an adopted frontend is known to be damaged (the next full sync rewrites it).
     /// Reads in this thread; the agent's loop reads on another ([`Self::start_drift_read`]).
     pub fn check_drift(&mut self, repair: bool) -> Option<DriftCheck> {
-        self.map_writer.expected_content()?;
         let reader = match self.drift_reader() {
             Ok(reader) => reader,
             Err(error) => {
@@ -520,7 +518,7 @@ impl EbpfDataplane {
             affinity,
             udp_sticky,
             conntrack,
-            self.batch.entry_by_entry,
+            self.entry_by_entry_reads,
         )
     }
 
@@ -561,7 +559,7 @@ impl EbpfDataplane {
     /// With `false`, every map read of the drift check goes entry by entry (`get_next_key` +
     /// lookup, as before `BPF_MAP_LOOKUP_BATCH`): the benchmark measures both in one run.
     pub fn set_batched_reads(&mut self, batched: bool) {
-        self.batch.entry_by_entry = !batched;
+        self.entry_by_entry_reads = !batched;
     }
 
     /// Affinity, UDP-socket and conntrack entries of Services or backends that are gone (see
