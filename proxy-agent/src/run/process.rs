@@ -14,8 +14,8 @@ use crate::{
 /// core), and memory freed in one arena serves only that arena's threads: the objects the
 /// sources convert on one thread and the snapshot and map bookkeeping built on another each
 /// kept their own free pages, which the agent's peak resident set paid for (30k Services x 10
-/// endpoints, manifests source: 207 -> 177 MiB). The agent allocates little per packet or per
-/// request, so the shared lock costs it nothing measurable. An operator's `MALLOC_ARENA_MAX` or
+/// endpoints, manifests source: 207 -> 177 MiB). The agent's threads rarely allocate at the
+/// same time (its cold start at that size was no slower). An operator's `MALLOC_ARENA_MAX` or
 /// `GLIBC_TUNABLES` is left to decide. (jemalloc 5.3 and mimalloc 2.0, preloaded in its place
 /// with their defaults, peaked higher than this.)
 pub fn limit_malloc_arenas() {
