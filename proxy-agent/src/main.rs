@@ -7,8 +7,22 @@ use proxy_agent::{cli, config, run};
 use tracing::{error, info, warn};
 use tracing_subscriber::EnvFilter;
 
-#[tokio::main]
-async fn main() -> ExitCode {
+fn main() -> ExitCode {
+    // Before the runtime starts its threads (see `limit_malloc_arenas`).
+    run::limit_malloc_arenas();
+    match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(runtime) => runtime.block_on(agent_main()),
+        Err(error) => {
+            eprintln!("proxy-agent: cannot start the async runtime: {error}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn agent_main() -> ExitCode {
     let args = cli::Args::parse();
     // Everything is resolved and validated before anything is touched; a bad configuration
     // is reported (one line per problem) and exits 1 without a backtrace.

@@ -18,7 +18,7 @@ use tokio::{
 };
 use tracing::{debug, error, info, warn};
 
-pub use self::process::{cleanup, init_only};
+pub use self::process::{cleanup, init_only, limit_malloc_arenas};
 use self::{
     process::{apply_process_settings, check_server_ports, node_name, remove_kube_proxy_modes},
     report::{log_snapshot_size, record_conntrack_gc, record_sync, report_sync},

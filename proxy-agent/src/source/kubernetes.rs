@@ -1,16 +1,19 @@
 //! Kubernetes API source: kube-runtime watchers for Services, EndpointSlices and this Node,
 //! with kube-proxy's selectors, feeding the store through [`Update`]s.
 //!
-//! Each kind has its own watcher. A watcher's (re)list (`Init → InitApply* → InitDone`) becomes
-//! one `Replace*` update, so the store only ever sees complete lists; watch events become
-//! `*Applied`/`*Deleted`. Errors (API server unreachable, 410 Gone, dropped connections) are
-//! retried by the watcher with kube-runtime's default backoff; until then the store, and so
-//! the datapath, keeps the last state.
+//! Each kind has its own watcher (`watcher.rs`: kube-runtime's, with the list streamed by
+//! `list.rs` so that no list is ever held as `k8s-openapi` objects or as one body). A
+//! (re)list (`Init → InitApply* → InitDone`) becomes one `Replace*` update, so the store only
+//! ever sees complete lists; watch events become `*Applied`/`*Deleted`. Errors (API server
+//! unreachable, 410 Gone, dropped connections) are retried with kube-runtime's default
+//! backoff; until then the store, and so the datapath, keeps the last state.
 
 mod client;
 mod events;
+mod list;
 mod mapping;
 mod rate_limit;
+mod watcher;
 
 use std::fmt;
 
@@ -19,10 +22,7 @@ use k8s_openapi::api::{
     core::v1::{Node, Service},
     discovery::v1::EndpointSlice,
 };
-use kube::{
-    Api, Client, Resource,
-    runtime::{WatchStreamExt as _, watcher},
-};
+use kube::{Api, Client, Resource, runtime::WatchStreamExt as _};
 use serde::de::DeserializeOwned;
 use tokio::sync::mpsc;
 use tracing::{info, warn};
@@ -49,11 +49,13 @@ pub async fn run(client: Client, node_name: String, tx: mpsc::Sender<Update>) {
     // Lists (the first and every relist after a 410) are served from the API server's watch
     // cache (`resourceVersion=0`), as client-go informers ask: a quorum read goes to etcd,
     // and with every node's agent relisting at once that is what the control plane feels.
-    let mut cheap = watcher::Config::default().any_semantic();
-    // kube-core drops `resourceVersion=0` from a list that has a `limit` (the watch cache
-    // serves such a list whole anyway, and client-go's reflector does not page it either).
-    cheap.page_size = None;
-    let labels = cheap.clone().labels(PROXY_LABEL_SELECTOR);
+    // Without a `limit` (kube-core would drop `resourceVersion=0` from a list that has one; the
+    // watch cache serves such a list whole anyway, and client-go's reflector does not page it
+    // either): see `watcher::Params`.
+    let labels = watcher::Params {
+        label_selector: Some(PROXY_LABEL_SELECTOR.to_owned()),
+        field_selector: None,
+    };
     let services = watch(
         Api::<Service>::all(client.clone()),
         labels.clone(),
@@ -68,7 +70,10 @@ pub async fn run(client: Client, node_name: String, tx: mpsc::Sender<Update>) {
     );
     let node = watch(
         Api::<Node>::all(client),
-        cheap.fields(&node_field_selector(&node_name)),
+        watcher::Params {
+            label_selector: None,
+            field_selector: Some(node_field_selector(&node_name)),
+        },
         NodeEvents::new(node_name),
         tx,
     );
@@ -76,13 +81,15 @@ pub async fn run(client: Client, node_name: String, tx: mpsc::Sender<Update>) {
 }
 
 /// One kind's watch loop. Returns when the receiver is gone.
-async fn watch<K, M>(api: Api<K>, config: watcher::Config, mut mapper: M, tx: mpsc::Sender<Update>)
+async fn watch<K, M>(api: Api<K>, params: watcher::Params, mapper: M, tx: mpsc::Sender<Update>)
 where
     K: Resource + Clone + DeserializeOwned + fmt::Debug + Send + 'static,
     M: EventMapper<K>,
 {
     let kind = M::KIND;
-    let mut stream = watcher(api, config).default_backoff().boxed();
+    let mut stream = watcher::watch(api, params, mapper)
+        .default_backoff()
+        .boxed();
     let mut lists = 0_u64;
     let mut failing = false;
     while let Some(result) = stream.next().await {
@@ -100,17 +107,18 @@ where
             failing = false;
             info!(kind = ?kind, "watch reconnected");
         }
-        match &event {
-            watcher::Event::Init if lists == 0 => info!(kind = ?kind, "listing"),
-            watcher::Event::Init => {
+        let update = match event {
+            watcher::Step::Listing if lists == 0 => {
+                info!(kind = ?kind, "listing");
+                continue;
+            }
+            watcher::Step::Listing => {
                 // The watch could not resume from its resourceVersion (410 Gone: history
                 // expired) and starts over with a full list.
                 warn!(kind = ?kind, "relisting");
+                continue;
             }
-            _ => {}
-        }
-        let Some(update) = mapper.map(event) else {
-            continue;
+            watcher::Step::Update(update) => update,
         };
         if let Some(count) = replaced_count(&update) {
             lists += 1;
