@@ -3,18 +3,35 @@
 //! before the dataplane starts.
 
 use std::{
-    path::PathBuf,
+    path::{Path, PathBuf},
     process::{Command, Output},
     sync::atomic::{AtomicU32, Ordering},
 };
 
 const BIN: &str = env!("CARGO_BIN_EXE_proxy-agent");
 
+/// A per-test temporary directory, removed when dropped (a failing test too).
+struct TempDir(PathBuf);
+
+impl std::ops::Deref for TempDir {
+    type Target = Path;
+
+    fn deref(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
 #[expect(
     clippy::unwrap_used,
     reason = "test helper: a failure is a failed test"
 )]
-fn temp_dir() -> PathBuf {
+fn temp_dir() -> TempDir {
     static NEXT: AtomicU32 = AtomicU32::new(0);
     let dir = std::env::temp_dir().join(format!(
         "proxy-agent-cli-{}-{}",
@@ -22,7 +39,7 @@ fn temp_dir() -> PathBuf {
         NEXT.fetch_add(1, Ordering::Relaxed)
     ));
     std::fs::create_dir_all(&dir).unwrap();
-    dir
+    TempDir(dir)
 }
 
 #[expect(

@@ -1,6 +1,6 @@
 use std::{
     net::{IpAddr, SocketAddr},
-    path::PathBuf,
+    path::{Path, PathBuf},
     sync::atomic::{AtomicU32, Ordering},
     time::Duration,
 };
@@ -9,8 +9,28 @@ use clap::Parser as _;
 
 use super::*;
 
-/// A file in a per-test temporary directory.
-fn temp_file(name: &str, text: &str) -> PathBuf {
+/// A file in a per-test temporary directory, removed with it when dropped (a failing test
+/// too).
+struct TempFile {
+    dir: PathBuf,
+    path: PathBuf,
+}
+
+impl std::ops::Deref for TempFile {
+    type Target = Path;
+
+    fn deref(&self) -> &Path {
+        &self.path
+    }
+}
+
+impl Drop for TempFile {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+fn temp_file(name: &str, text: &str) -> TempFile {
     static NEXT: AtomicU32 = AtomicU32::new(0);
     let dir = std::env::temp_dir().join(format!(
         "proxy-agent-config-{}-{}",
@@ -19,8 +39,9 @@ fn temp_file(name: &str, text: &str) -> PathBuf {
     ));
     std::fs::create_dir_all(&dir).unwrap();
     let path = dir.join(name);
-    std::fs::write(&path, text).unwrap();
-    path
+    let file = TempFile { dir, path };
+    std::fs::write(&file.path, text).unwrap();
+    file
 }
 
 fn args(list: &[&str]) -> Args {
