@@ -83,7 +83,34 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
         check_server_ports(&config)?;
     }
     apply_process_settings(&config);
-    let mut dataplane = Dataplane::start(&config)?;
+    // The source reads (a manifests folder, the API server's lists) while the programs load:
+    // the kernel's verifier takes seconds for the tc programs, and neither waits for the other
+    // (nothing is programmed before the dataplane has started and every kind was listed).
+    let node_required = matches!(source, Source::Kubernetes(_));
+    let (tx, mut rx) = mpsc::channel(64);
+    let mut store = Store::default();
+    let source_task = match source {
+        Source::Manifests(dir) => {
+            // A manifests folder may hold no Node: that counts as listed.
+            store.mark_synced(Kind::Node);
+            tokio::spawn(source::manifests::run(dir, node.name.clone(), tx))
+        }
+        // The Node is watched like the other kinds: the first sync waits for its list.
+        Source::Kubernetes(client) => {
+            let name = node.name.clone();
+            let events = client.clone();
+            let event_node = node.name.clone();
+            tokio::spawn(async move {
+                source::kubernetes::post_starting_event(events, &event_node).await;
+            });
+            tokio::spawn(async move {
+                source::kubernetes::run(client, name, tx).await;
+                Ok(())
+            })
+        }
+    };
+    // On this worker, while the runtime's others run the source.
+    let mut dataplane = tokio::task::block_in_place(|| Dataplane::start(&config))?;
     // As kube-proxy's platformCleanup at start: its nftables/IPVS modes' state would keep
     // intercepting Service traffic next to ours. The eBPF mode registers no NAT of its own, so
     // it keeps kube-proxy's (emptied) nftables tables while its connections last.
@@ -96,7 +123,7 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     let node_services = NodeServices::start(&NodeServicesConfig {
         healthz_bind_address: config.healthz_bind_address,
         metrics_bind_address: config.metrics_bind_address,
-        node_required: matches!(source, Source::Kubernetes(_)),
+        node_required,
         ..NodeServicesConfig::new(&node.name, dataplane.mode(), config.sync_period)
     });
     node_services
@@ -120,28 +147,6 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
         node_services.loop_started(family);
     }
     let mut last_sync_wall = SystemTime::UNIX_EPOCH;
-    let (tx, mut rx) = mpsc::channel(64);
-    let mut store = Store::default();
-    let source_task = match source {
-        Source::Manifests(dir) => {
-            // A manifests folder may hold no Node: that counts as listed.
-            store.mark_synced(Kind::Node);
-            tokio::spawn(source::manifests::run(dir, node.name.clone(), tx))
-        }
-        // The Node is watched like the other kinds: the first sync waits for its list.
-        Source::Kubernetes(client) => {
-            let name = node.name.clone();
-            let events = client.clone();
-            let event_node = node.name.clone();
-            tokio::spawn(async move {
-                source::kubernetes::post_starting_event(events, &event_node).await;
-            });
-            tokio::spawn(async move {
-                source::kubernetes::run(client, name, tx).await;
-                Ok(())
-            })
-        }
-    };
     let mut sigint = signal(SignalKind::interrupt()).context("cannot handle SIGINT")?;
     let mut sigterm = signal(SignalKind::terminate()).context("cannot handle SIGTERM")?;
     let mut snapshot = Snapshot::default();

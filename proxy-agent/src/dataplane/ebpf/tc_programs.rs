@@ -52,9 +52,55 @@ fn classifier<'a>(
 /// its slot: the fragment programs first, which the family programs tail-call.
 fn fill_family_programs(ebpf: &mut Ebpf) -> Result<(), EbpfError> {
     let fragment = TcFragmentProgram::ALL.map(|slot| (slot as u32, slot.program()));
-    fill_program_array(ebpf, map_names::TC_FRAGMENT, &fragment)?;
     let family = TcFamilyProgram::ALL.map(|slot| (slot as u32, slot.program()));
+    let names: Vec<&'static str> = fragment
+        .iter()
+        .chain(&family)
+        .map(|&(_, name)| name)
+        .collect();
+    load_in_parallel(ebpf, &names)?;
+    fill_program_array(ebpf, map_names::TC_FRAGMENT, &fragment)?;
     fill_program_array(ebpf, map_names::TC_FAMILY, &family)
+}
+
+/// Loads the classifiers `names` not loaded yet, each on a thread of its own. The kernel
+/// verifies the family programs (each thousands of instructions over many paths) in seconds
+/// each, one core each and without a lock between loads: one after the other they were most
+/// of the agent's cold start on a small node.
+fn load_in_parallel(ebpf: &mut Ebpf, names: &[&'static str]) -> Result<(), EbpfError> {
+    let mut pending: Vec<(&'static str, &mut SchedClassifier)> = Vec::with_capacity(names.len());
+    for (name, program) in ebpf.programs_mut() {
+        let Some(&name) = names.iter().find(|&&wanted| wanted == name) else {
+            continue;
+        };
+        let classifier: &mut SchedClassifier = program
+            .try_into()
+            .map_err(|source| EbpfError::Program { name, source })?;
+        if classifier.fd().is_err() {
+            pending.push((name, classifier));
+        }
+    }
+    std::thread::scope(|scope| {
+        let loads: Vec<_> = pending
+            .into_iter()
+            .map(|(name, classifier)| {
+                scope.spawn(move || {
+                    classifier
+                        .load()
+                        .map_err(|source| EbpfError::Program { name, source })
+                })
+            })
+            .collect();
+        // Every load is waited for before the first error is returned.
+        let results: Vec<_> = loads.into_iter().map(|load| load.join()).collect();
+        for result in results {
+            match result {
+                Ok(loaded) => loaded?,
+                Err(panic) => std::panic::resume_unwind(panic),
+            }
+        }
+        Ok(())
+    })
 }
 
 /// Loads the programs of `slots` (index, program) not loaded yet and writes each into its slot
