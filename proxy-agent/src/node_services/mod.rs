@@ -219,24 +219,27 @@ impl NodeServices {
         self.metrics.sync_queued(family, self.health.now().wall);
     }
 
-    /// A sync of `family` succeeded in `duration` (`full`: every Service was resynced) and
+    /// A sync of `families` succeeded in `duration` (`full`: every Service was resynced) and
     /// `snapshot` is what the dataplane now has. Opens/closes health check node ports (their
-    /// errors are logged and retried on the next call).
+    /// errors are logged and retried on the next call), once for all the families: they cover
+    /// both.
     /// (The iptables full/partial histograms are fed by the dataplane, which alone knows
     /// whether a family's restore was partial.)
     /// `scope`: the service ports that changed since the last call (`None`: all may have).
     pub fn synced(
         &self,
-        family: IpFamily,
+        families: &[IpFamily],
         snapshot: &Snapshot,
         scope: Option<&BTreeSet<ServicePortName>>,
         duration: Duration,
     ) {
-        self.health.updated(family);
-        let now = self.health.now().wall;
-        self.metrics.sync_succeeded(family, duration, now);
-        self.metrics
-            .set_no_local_endpoints(family, snapshot.family(family), scope);
+        for &family in families {
+            self.health.updated(family);
+            let now = self.health.now().wall;
+            self.metrics.sync_succeeded(family, duration, now);
+            self.metrics
+                .set_no_local_endpoints(family, snapshot.family(family), scope);
+        }
         self.service_health.sync(snapshot, scope);
     }
 

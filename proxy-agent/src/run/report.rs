@@ -178,9 +178,7 @@ pub fn report_sync(
     elapsed: Duration,
     previous_sync: SystemTime,
 ) {
-    for family in IpFamily::ALL {
-        node_services.synced(family, snapshot, scope, elapsed);
-    }
+    node_services.synced(&IpFamily::ALL, snapshot, scope, elapsed);
     let times = trigger_times(objects, &changes.services, previous_sync);
     for family in IpFamily::ALL {
         let of_family: Vec<SystemTime> = times

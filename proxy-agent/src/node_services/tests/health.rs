@@ -121,7 +121,7 @@ async fn a_queued_update_older_than_the_timeout_is_unhealthy() {
     // Health check node ports see the same health.
     assert!(!services.health().is_healthy());
 
-    services.synced(IpFamily::V4, &snapshot, None, Duration::from_millis(3));
+    services.synced(&[IpFamily::V4], &snapshot, None, Duration::from_millis(3));
     assert_eq!(get(addr, "/healthz").await.status(), 200);
     assert_eq!(get(addr, "/livez").await.status(), 200);
 

@@ -568,7 +568,7 @@ async fn metrics_server_serves_metrics_proxy_mode_and_healthz() {
     let (services, _clock) = start(ProxyMode::Ebpf);
     let addr = services.metrics_addr().unwrap();
     services.synced(
-        IpFamily::V4,
+        &[IpFamily::V4],
         &Snapshot::default(),
         None,
         Duration::from_millis(2),

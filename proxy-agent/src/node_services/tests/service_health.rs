@@ -69,7 +69,7 @@ async fn counts_local_ready_endpoints_and_answers_every_path() {
     let (services, _clock) = start(ProxyMode::Ebpf);
     let port = free_port();
     let snapshot = snapshot(&service(port, STEP1));
-    services.synced(IpFamily::V4, &snapshot, None, Duration::from_millis(1));
+    services.synced(&[IpFamily::V4], &snapshot, None, Duration::from_millis(1));
     let svc = key("ns1", "svc1");
     assert_eq!(
         services.service_health().open_ports(),
@@ -96,7 +96,7 @@ async fn counts_local_ready_endpoints_and_answers_every_path() {
 
     // The pods start terminating: serving-terminating endpoints do not count.
     let snapshot = super::snapshot(&service(port, STEP2));
-    services.synced(IpFamily::V4, &snapshot, None, Duration::from_millis(1));
+    services.synced(&[IpFamily::V4], &snapshot, None, Duration::from_millis(1));
     let reply = get(loopback(port), "/healthz").await;
     assert_eq!(reply.status_line, "HTTP/1.1 503 Service Unavailable");
     assert_eq!(reply.header("X-Load-Balancing-Endpoint-Weight"), Some("0"));
@@ -109,7 +109,7 @@ async fn an_unhealthy_proxy_fails_every_health_check() {
     let (services, clock) = start(ProxyMode::Ebpf);
     let port = free_port();
     let snapshot = snapshot(&service(port, STEP1));
-    services.synced(IpFamily::V4, &snapshot, None, Duration::from_millis(1));
+    services.synced(&[IpFamily::V4], &snapshot, None, Duration::from_millis(1));
     services.queued(IpFamily::V4);
     clock.advance(TIMEOUT);
     let reply = get(loopback(port), "/").await;
@@ -127,7 +127,7 @@ async fn servers_follow_the_services() {
     let (services, _clock) = start(ProxyMode::Ebpf);
     let (first, second) = (free_port(), free_port());
     services.synced(
-        IpFamily::V4,
+        &[IpFamily::V4],
         &snapshot(&service(first, STEP1)),
         None,
         Duration::ZERO,
@@ -136,7 +136,7 @@ async fn servers_follow_the_services() {
 
     // The health check node port changes: the old port closes, the new one opens.
     services.synced(
-        IpFamily::V4,
+        &[IpFamily::V4],
         &snapshot(&service(second, STEP1)),
         None,
         Duration::ZERO,
@@ -145,7 +145,7 @@ async fn servers_follow_the_services() {
     assert_eq!(get(loopback(second), "/").await.status(), 200);
 
     // The Service goes away (or stops being eTP=Local): the port closes.
-    services.synced(IpFamily::V4, &Snapshot::default(), None, Duration::ZERO);
+    services.synced(&[IpFamily::V4], &Snapshot::default(), None, Duration::ZERO);
     assert!(!is_open(loopback(second)).await);
     assert!(services.service_health().open_ports().is_empty());
 }
@@ -168,7 +168,7 @@ async fn a_port_in_use_is_reported_and_retried_not_fatal() {
     assert!(services.service_health().open_ports().is_empty());
     // The rest of the agent carries on; the next sync retries and succeeds once the port is free.
     drop(squatter);
-    services.synced(IpFamily::V4, &snapshot, None, Duration::ZERO);
+    services.synced(&[IpFamily::V4], &snapshot, None, Duration::ZERO);
     assert_eq!(get(loopback(port), "/").await.status(), 200);
 }
 
@@ -199,14 +199,14 @@ async fn a_sync_of_changed_services_ends_where_a_full_one_would() {
     let (first, second) = (free_port(), free_port());
     let (svc1, svc2) = (key("ns1", "svc1"), key("ns1", "svc2"));
     let both = two_services(first, STEP1, second);
-    services.synced(IpFamily::V4, &both, None, Duration::ZERO);
+    services.synced(&[IpFamily::V4], &both, None, Duration::ZERO);
     assert_eq!(get(loopback(first), "/").await.status(), 200);
     assert_eq!(get(loopback(second), "/").await.status(), 200);
 
     // svc1's pods terminate: only its ports are in scope; svc2 keeps its server as it was.
     let terminating = two_services(first, STEP2, second);
     let scope = ports_of(&terminating, &svc1);
-    services.synced(IpFamily::V4, &terminating, Some(&scope), Duration::ZERO);
+    services.synced(&[IpFamily::V4], &terminating, Some(&scope), Duration::ZERO);
     assert_eq!(get(loopback(first), "/").await.status(), 503);
     assert_eq!(get(loopback(second), "/").await.status(), 200);
 
