@@ -1,4 +1,5 @@
-//! Whole-map reads with `BPF_MAP_LOOKUP_BATCH`, for the drift check and adoption.
+//! Whole-map reads with `BPF_MAP_LOOKUP_BATCH`, for the drift check and adoption, and writes
+//! of many entries with `BPF_MAP_UPDATE_BATCH`, for the map writer.
 //!
 //! Reading a map through aya costs two syscalls per entry (`BPF_MAP_GET_NEXT_KEY`, then
 //! `BPF_MAP_LOOKUP_ELEM`), and `get_next_key` on a sparse hash map walks empty buckets from the
@@ -23,6 +24,8 @@ use aya::{
 
 /// `BPF_MAP_LOOKUP_BATCH` in `enum bpf_cmd`, include/uapi/linux/bpf.h.
 const BPF_MAP_LOOKUP_BATCH: libc::c_long = 24;
+/// `BPF_MAP_UPDATE_BATCH` in `enum bpf_cmd`.
+const BPF_MAP_UPDATE_BATCH: libc::c_long = 26;
 /// The kernel-internal "not supported" (include/linux/errno.h) that `bpf(2)` returns for a map
 /// type without batch operations; libc has no name for it.
 const ENOTSUPP: i32 = 524;
@@ -220,6 +223,56 @@ pub fn read_all<T: Borrow<MapData>, K: Pod, V: Pod>(
     }
     out.clear();
     out.extend(map.iter().flatten());
+}
+
+/// Writes `entries` into the hash map (`BPF_ANY`), in one `BPF_MAP_UPDATE_BATCH` call when the
+/// kernel has it (5.6) and else one update each. A frontend's slots are written together: one
+/// call instead of one per backend made up most of a cold start's map writes (a syscall costs
+/// about as much as the update itself). On an error, the entries before the failed one are
+/// written and the ones after it are not; the error is the failed entry's own (`E2BIG` for a
+/// full map, as a single update gives).
+pub fn update_all<T: std::borrow::BorrowMut<MapData>, K: Pod, V: Pod>(
+    map: &mut HashMap<T, K, V>,
+    entries: &[(K, V)],
+) -> Result<(), aya::maps::MapError> {
+    if entries.len() > 1 {
+        let keys: Vec<K> = entries.iter().map(|(key, _)| *key).collect();
+        let values: Vec<V> = entries.iter().map(|(_, value)| *value).collect();
+        let mut attr = BatchAttr {
+            keys: keys.as_ptr() as u64,
+            values: values.as_ptr() as u64,
+            count: u32::try_from(entries.len()).unwrap_or(u32::MAX),
+            map_fd: map.map().fd().as_fd().as_raw_fd() as u32,
+            ..BatchAttr::default()
+        };
+        // SAFETY: `attr` is a valid `bpf_attr.batch`; `keys` and `values` hold `count` entries
+        // of the map's key and value types (aya checked their sizes against the map when the
+        // typed handle was made) and outlive the call; the kernel only reads them.
+        let result = unsafe { super::bpf_syscall::sys_bpf(BPF_MAP_UPDATE_BATCH, &mut attr) };
+        let done = (attr.count as usize).min(entries.len());
+        match result {
+            Ok(_) => return Ok(()),
+            // Unknown command (before 5.6) or a map type without it: nothing was written.
+            Err(e)
+                if done == 0
+                    && matches!(
+                        e.raw_os_error(),
+                        Some(libc::EINVAL | libc::EOPNOTSUPP | ENOTSUPP)
+                    ) => {}
+            // The entry at `done` failed: written one by one from there, it gives its own error
+            // (and the entries after it are not written, as before).
+            Err(_) => {
+                for (key, value) in &entries[done..] {
+                    map.insert(key, value, 0)?;
+                }
+                return Ok(());
+            }
+        }
+    }
+    for (key, value) in entries {
+        map.insert(key, value, 0)?;
+    }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -102,8 +102,22 @@ pub trait MapOps {
     ) -> Result<(), MapWriteError>;
     fn delete_frontend(&mut self, key: FrontendMapKey) -> Result<(), MapWriteError>;
     fn put_slot(&mut self, key: BackendSlotKey, backend_id: u32) -> Result<(), MapWriteError>;
+    /// Several slots at once (one generation's). On an error, any of them may be written.
+    fn put_slots(&mut self, slots: &[(BackendSlotKey, u32)]) -> Result<(), MapWriteError> {
+        for &(key, backend_id) in slots {
+            self.put_slot(key, backend_id)?;
+        }
+        Ok(())
+    }
     fn delete_slot(&mut self, key: BackendSlotKey) -> Result<(), MapWriteError>;
     fn put_backend(&mut self, id: u32, backend: BackendValue) -> Result<(), MapWriteError>;
+    /// Several backends at once. On an error, any of them may be written.
+    fn put_backends(&mut self, backends: &[(u32, BackendValue)]) -> Result<(), MapWriteError> {
+        for &(id, backend) in backends {
+            self.put_backend(id, backend)?;
+        }
+        Ok(())
+    }
     /// `backend` says which family's map holds `id`.
     fn delete_backend(&mut self, id: u32, backend: BackendValue) -> Result<(), MapWriteError>;
     fn put_affinity_match(&mut self, key: AffinityMatchKey) -> Result<(), MapWriteError>;
@@ -979,8 +993,10 @@ impl MapWriter {
         written: &mut Written,
     ) -> Result<Vec<u32>, MapWriteError> {
         let mut slots = Vec::with_capacity(backends.len());
+        let mut entries = Vec::with_capacity(backends.len());
+        let mut new_backends = Vec::new();
         for (slot, backend) in backends.iter().enumerate() {
-            let id = self.acquire_backend(*backend, maps, written)?;
+            let id = self.acquire_backend(*backend, &mut new_backends, written)?;
             let slot_key = BackendSlotKey {
                 service_id,
                 slot: u16::try_from(slot)
@@ -988,17 +1004,23 @@ impl MapWriter {
                 generation,
                 _pad: 0,
             };
-            maps.put_slot(slot_key, id)?;
-            written.slots.push(slot_key);
+            entries.push((slot_key, id));
             slots.push(id);
         }
+        // Acquired (and so released by an undo) before the write: a failed batch may have
+        // written some of them.
+        maps.put_backends(&new_backends)?;
+        written.slots.extend(entries.iter().map(|&(key, _)| key));
+        maps.put_slots(&entries)?;
         Ok(slots)
     }
 
+    /// A reference to `backend`'s id; a backend not in the maps yet gets an id and is added to
+    /// `new` (for the caller to write before anything refers to it).
     fn acquire_backend(
         &mut self,
         backend: BackendValue,
-        maps: &mut impl MapOps,
+        new: &mut Vec<(u32, BackendValue)>,
         written: &mut Written,
     ) -> Result<u32, MapWriteError> {
         if let Some(entry) = self.backends.get_mut(&backend) {
@@ -1010,12 +1032,9 @@ impl MapWriter {
             .backend_ids
             .allocate()
             .ok_or(MapWriteError::Full("backend id"))?;
-        if let Err(reason) = maps.put_backend(id, backend) {
-            self.backend_ids.release(id);
-            return Err(reason);
-        }
         self.backends.entry_or_new(backend, id).users = 1;
         written.acquired.push(backend);
+        new.push((id, backend));
         Ok(id)
     }
 

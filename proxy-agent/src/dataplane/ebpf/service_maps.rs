@@ -20,7 +20,7 @@ use proxy_common::{
 use super::{
     MapOps, MapWriteError,
     drift_reader::Touched,
-    map_batch::{BatchReader, read_all},
+    map_batch::{BatchReader, read_all, update_all},
     map_writer::{
         BackendValue, FrontendMapKey, MapsContent, ip4_from_map, ip4_to_map, ip6_from_map,
         ip6_to_map,
@@ -105,6 +105,14 @@ impl MapOps for ServiceMaps {
             .insert(key, backend_id, 0)
             .map_err(|e| map_error(map_names::BACKEND_SLOTS, e))
     }
+    fn put_slots(&mut self, slots: &[(BackendSlotKey, u32)]) -> Result<(), MapWriteError> {
+        if let Some(touched) = &mut self.touched {
+            for &(key, _) in slots {
+                touched.slot(key);
+            }
+        }
+        update_all(&mut self.slots, slots).map_err(|e| map_error(map_names::BACKEND_SLOTS, e))
+    }
     fn delete_slot(&mut self, key: BackendSlotKey) -> Result<(), MapWriteError> {
         if let Some(touched) = &mut self.touched {
             touched.slot(key);
@@ -125,6 +133,21 @@ impl MapOps for ServiceMaps {
                 .insert(id, b, 0)
                 .map_err(|e| map_error(map_names::BACKENDS6, e)),
         }
+    }
+    fn put_backends(&mut self, backends: &[(u32, BackendValue)]) -> Result<(), MapWriteError> {
+        let mut v4 = Vec::new();
+        let mut v6 = Vec::new();
+        for &(id, backend) in backends {
+            if let Some(touched) = &mut self.touched {
+                touched.backend(id);
+            }
+            match backend {
+                BackendValue::V4(b) => v4.push((id, b)),
+                BackendValue::V6(b) => v6.push((id, b)),
+            }
+        }
+        update_all(&mut self.backends4, &v4).map_err(|e| map_error(map_names::BACKENDS4, e))?;
+        update_all(&mut self.backends6, &v6).map_err(|e| map_error(map_names::BACKENDS6, e))
     }
     fn delete_backend(&mut self, id: u32, backend: BackendValue) -> Result<(), MapWriteError> {
         if let Some(touched) = &mut self.touched {

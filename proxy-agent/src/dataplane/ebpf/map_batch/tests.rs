@@ -6,7 +6,7 @@ use std::os::fd::{FromRawFd as _, OwnedFd};
 use aya::maps::{HashMap, IterableMap, Map, MapData};
 use proxy_common::BackendSlotKey;
 
-use super::{BatchError, BatchReader, read_all};
+use super::{BatchError, BatchReader, read_all, update_all};
 
 const BPF_MAP_CREATE: libc::c_long = 0;
 const BPF_MAP_TYPE_HASH: u32 = 1;
@@ -151,4 +151,48 @@ fn wrong_layout_is_refused() {
         }) => {}
         other => panic!("expected a layout error, got {other:?}"),
     }
+}
+
+/// A batched write puts every entry with its value (overwriting an existing one, as `BPF_ANY`
+/// does), and into a map with room for only part of them it writes the entries up to the
+/// first that does not fit, and reports the full map as a single update would (`E2BIG`).
+#[test]
+fn batched_writes_write_every_entry_and_stop_at_a_full_map() {
+    const NO_PREALLOC: u32 = 1;
+    let data = create(
+        BPF_MAP_TYPE_HASH,
+        size_of::<BackendSlotKey>(),
+        size_of::<u32>(),
+        64,
+        NO_PREALLOC,
+    );
+    let mut map: HashMap<_, BackendSlotKey, u32> =
+        HashMap::try_from(Map::from_map_data(data).expect("a hash map")).expect("typed");
+    map.insert(slot_key(3), 999, 0).expect("insert");
+    let entries: Vec<(BackendSlotKey, u32)> = (0..40).map(|i| (slot_key(i), i + 7)).collect();
+    update_all(&mut map, &entries).expect("batched write");
+    let mut read: Vec<(BackendSlotKey, u32)> = map.iter().map(|e| e.expect("entry")).collect();
+    read.sort_by_key(|(k, v)| (k.service_id, k.slot, k.generation, *v));
+    let mut expected = entries.clone();
+    expected.sort_by_key(|(k, v)| (k.service_id, k.slot, k.generation, *v));
+    assert!(
+        read == expected,
+        "the map holds something else than was written"
+    );
+
+    let more: Vec<(BackendSlotKey, u32)> = (40..80).map(|i| (slot_key(i), i)).collect();
+    let result = update_all(&mut map, &more);
+    let full = matches!(
+        &result,
+        Err(aya::maps::MapError::SyscallError(e)) if e.io_error.raw_os_error() == Some(libc::E2BIG)
+    );
+    assert!(full, "a full map is E2BIG, got {result:?}");
+    let written: Vec<u32> = (40..80)
+        .filter(|&i| map.get(&slot_key(i), 0).is_ok())
+        .collect();
+    assert_eq!(
+        written,
+        (40..64).collect::<Vec<_>>(),
+        "the entries before the full one"
+    );
 }
