@@ -692,7 +692,9 @@ pub async fn run(dir: PathBuf, node_name: String, tx: mpsc::Sender<Update>) -> a
 
     let mut folder = FolderReader::new(dir, &node_name);
     let mut last_errors: Vec<String> = Vec::new();
+    let mut first_read = true;
     loop {
+        let started = std::time::Instant::now();
         let paths = std::mem::take(
             &mut *named
                 .lock()
@@ -710,11 +712,21 @@ pub async fn run(dir: PathBuf, node_name: String, tx: mpsc::Sender<Update>) -> a
             }
             last_errors = read.errors;
         }
-        debug!(
-            files_parsed = read.files_parsed,
-            updates = read.updates.len(),
-            "manifests read"
-        );
+        if first_read {
+            // What a cold start waits for (with the programs' load, which it overlaps).
+            info!(
+                files_parsed = read.files_parsed,
+                elapsed_ms = started.elapsed().as_millis() as u64,
+                "manifests read"
+            );
+            first_read = false;
+        } else {
+            debug!(
+                files_parsed = read.files_parsed,
+                updates = read.updates.len(),
+                "manifests read"
+            );
+        }
         for update in read.updates {
             if tx.send(update).await.is_err() {
                 return Ok(()); // the agent is shutting down

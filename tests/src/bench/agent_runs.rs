@@ -122,6 +122,78 @@ pub struct ColdStart {
     pub to_sync_log: Duration,
     /// Agent process started → the first connection to the ClusterIP reaching a pod starts.
     pub to_first_connection: Duration,
+    /// Where the time went, from the agent's own log.
+    pub phases: StartPhases,
+}
+
+/// A cold start's phases, from the timestamps of the agent's log lines, each counted from its
+/// "starting proxy-agent" line. The source is read while the dataplane loads its programs;
+/// the first sync waits for both. `None`: the line is not in the log.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct StartPhases {
+    /// → the dataplane is ready ("eBPF socket and tc programs loaded", or the iptables mode's
+    /// "iptables dataplane ready" of its second family).
+    pub dataplane_ready: Option<Duration>,
+    /// → the source has everything ("manifests read", or the last kind's first "listed").
+    pub source_read: Option<Duration>,
+    /// The first sync itself (its `elapsed_us`: snapshot and map writes or restore).
+    pub first_sync: Option<Duration>,
+}
+
+impl StartPhases {
+    pub fn of_log(log: &str) -> Self {
+        let mut start = None;
+        let mut phases = Self::default();
+        let mut listed = Vec::new();
+        for line in log.lines() {
+            let Some(at) = line.get(..27).and_then(log_time) else {
+                continue;
+            };
+            let since = |start: Option<Duration>| {
+                start.map(|s: Duration| at.checked_sub(s).unwrap_or_default())
+            };
+            if line.contains("starting proxy-agent") {
+                start = Some(at);
+                phases = Self::default();
+                listed.clear();
+            } else if line.contains("eBPF socket and tc programs loaded")
+                || line.contains("iptables dataplane ready")
+            {
+                phases.dataplane_ready = since(start);
+            } else if line.contains("manifests read") && phases.source_read.is_none() {
+                phases.source_read = since(start);
+            } else if line.contains(" listed ") && line.contains("kind=") {
+                let kind = line.split("kind=").nth(1).and_then(|k| k.split(' ').next());
+                if let Some(kind) = kind
+                    && !listed.contains(&kind)
+                {
+                    listed.push(kind);
+                    phases.source_read = since(start);
+                }
+            } else if line.contains("sync applied") && phases.first_sync.is_none() {
+                phases.first_sync = line
+                    .split("elapsed_us=")
+                    .nth(1)
+                    .and_then(|v| v.split(|c: char| !c.is_ascii_digit()).next())
+                    .and_then(|v| v.parse().ok())
+                    .map(Duration::from_micros);
+            }
+        }
+        phases
+    }
+}
+
+/// The time of day of a log line's RFC 3339 timestamp (`2026-11-29T09:34:53.687876Z`). A start
+/// across midnight gives no phases (the subtraction saturates); nothing else is compared.
+fn log_time(stamp: &str) -> Option<Duration> {
+    let time = stamp.get(11..26)?;
+    let hours: u64 = time.get(0..2)?.parse().ok()?;
+    let minutes: u64 = time.get(3..5)?.parse().ok()?;
+    let seconds: u64 = time.get(6..8)?.parse().ok()?;
+    let micros: u64 = time.get(9..15)?.parse().ok()?;
+    Some(Duration::from_micros(
+        ((hours * 60 + minutes) * 60 + seconds) * 1_000_000 + micros,
+    ))
 }
 
 /// Peak and current memory of the agent, and its BPF maps.
@@ -316,6 +388,7 @@ pub fn start_measured(
     Ok(ColdStart {
         to_sync_log,
         to_first_connection: Duration::from_nanos(hit.start_ns.saturating_sub(t0)),
+        phases: StartPhases::of_log(&agent.log_contents()),
     })
 }
 
@@ -442,5 +515,33 @@ mod tests {
         assert!(same_map_name("KPR_BACKEND_SLO", "KPR_BACKEND_SLOTS"));
         assert!(!same_map_name("KPR_BACKENDS", "KPR_BACKENDS4"));
         assert!(!same_map_name("", "KPR_BACKENDS4"));
+    }
+
+    #[test]
+    fn start_phases_are_read_from_the_log_of_the_last_start() {
+        let log = "\
+2026-11-29T09:00:00.000000Z  INFO proxy_agent::run: starting proxy-agent node=n mode=Ebpf\n\
+2026-11-29T09:00:09.000000Z  INFO proxy_agent::run::report: sync applied elapsed_us=1\n\
+2026-11-29T09:34:53.500000Z  INFO proxy_agent::run: starting proxy-agent node=n mode=Ebpf\n\
+2026-11-29T09:34:54.000000Z  INFO proxy_agent::source::kubernetes: listed kind=Node objects=1\n\
+2026-11-29T09:34:55.250000Z  INFO proxy_agent::dataplane::ebpf::dataplane: eBPF socket and tc programs loaded, maps pinned\n\
+2026-11-29T09:34:56.000000Z  INFO proxy_agent::source::kubernetes: listed kind=Service objects=9\n\
+2026-11-29T09:34:57.500000Z  INFO proxy_agent::source::kubernetes: listed kind=EndpointSlice objects=9\n\
+2026-11-29T09:34:59.000000Z  INFO proxy_agent::source::kubernetes: listed kind=Service objects=9\n\
+2026-11-29T09:34:59.100000Z  INFO proxy_agent::run::report: sync applied reason=Changes written=2 elapsed_us=1234567\n\
+2026-11-29T09:35:00.100000Z  INFO proxy_agent::run::report: sync applied reason=Changes written=2 elapsed_us=7\n";
+        let phases = StartPhases::of_log(log);
+        assert_eq!(phases.dataplane_ready, Some(Duration::from_millis(1750)));
+        // The last kind's first list (a relist later does not count).
+        assert_eq!(phases.source_read, Some(Duration::from_secs(4)));
+        assert_eq!(phases.first_sync, Some(Duration::from_micros(1_234_567)));
+
+        let manifests = "\
+2026-11-29T23:59:59.000000Z  INFO proxy_agent::run: starting proxy-agent node=n\n\
+2026-11-29T23:59:59.400000Z  INFO proxy_agent::source::manifests: manifests read files_parsed=3 elapsed_ms=399\n";
+        let phases = StartPhases::of_log(manifests);
+        assert_eq!(phases.source_read, Some(Duration::from_millis(400)));
+        assert_eq!(phases.dataplane_ready, None);
+        assert_eq!(phases.first_sync, None);
     }
 }

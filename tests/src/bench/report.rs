@@ -1096,12 +1096,28 @@ fn agent_rows(md: &mut String, p: &ProgrammingSize) {
                         .map(|c| c.to_sync_log.as_nanos() as f64),
                 );
                 let e2e = Spread::of(run.e2e.iter().map(|d| d.as_nanos() as f64));
+                let phase = |of: fn(&super::agent_runs::StartPhases) -> Option<Duration>| {
+                    let phase = Spread::of(
+                        run.cold_starts
+                            .iter()
+                            .filter_map(|c| of(&c.phases))
+                            .map(|d| d.as_nanos() as f64),
+                    );
+                    if phase.runs == 0 {
+                        "–".to_owned()
+                    } else {
+                        dur_ns(phase.median)
+                    }
+                };
                 let _ = writeln!(
                     md,
-                    "| {n} | {} | {source} | {mode} | {} | {} | {} ({} changes) |",
+                    "| {n} | {} | {source} | {mode} | {} | {} | {} | {} | {} | {} ({} changes) |",
                     p.workload.total_endpoints(),
                     spread(log, dur_ns),
                     spread(first, dur_ns),
+                    phase(|p| p.dataplane_ready),
+                    phase(|p| p.source_read),
+                    phase(|p| p.first_sync),
                     spread(e2e, dur_ns),
                     run.e2e.len()
                 );
@@ -1109,7 +1125,7 @@ fn agent_rows(md: &mut String, p: &ProgrammingSize) {
             other => {
                 let _ = writeln!(
                     md,
-                    "| {n} | {} | {source} | {mode} | {} | | |",
+                    "| {n} | {} | {source} | {mode} | {} | | | | | |",
                     p.workload.total_endpoints(),
                     outcome_note(other).unwrap_or_default()
                 );
@@ -1213,11 +1229,17 @@ fn programming_section(md: &mut String, r: &Results) {
          is the same second). eBPF cold starts use \
          fresh maps each time; before each iptables start after the first, the iptables mode's \
          rules are removed from the node namespace (its `--cleanup`), so every start is cold. eBPF runs use `--bpf-map-backends` (and at 50k Services `--bpf-map-frontends`) sized for the \
-         endpoints (the default 262144 is too small for 300k).\n",
+         endpoints (the default 262144 is too small for 300k). *Where a cold start goes* \
+         (medians, from the timestamps of the agent's own log lines, counted from its \
+         `starting proxy-agent` line): *dataplane ready* is when its programs are loaded \
+         (mostly the kernel's verifier) or its iptables families are set up; *source read* is \
+         when the folder was parsed or the last kind was listed; the agent does both at once, \
+         and its first sync (snapshot and map writes, or restore; its own duration) starts when \
+         both are done.\n",
     );
     let _ = writeln!(
         md,
-        "| Services | endpoints | source | mode | start → `sync applied` | start → first translated connection | change → first connection |\n|---|---|---|---|---|---|---|"
+        "| Services | endpoints | source | mode | start → `sync applied` | start → first translated connection | start → dataplane ready | start → source read | first sync | change → first connection |\n|---|---|---|---|---|---|---|---|---|---|"
     );
     for p in scale::agent_sizes(r) {
         agent_rows(md, p);
