@@ -1147,8 +1147,9 @@ fn programming_section(md: &mut String, r: &Results) {
         "### In-process, eBPF ({} run(s) per size, {} changes per run)\n\n\
          The agent's library in the benchmark process: `Store::apply` + `Snapshot::update` + \
          `EbpfDataplane::apply` into real pinned maps (programs attached to an empty child \
-         cgroup). A change replaces one endpoint of one decoy Service (a rescheduled pod). The \
-         full sync is the first `Snapshot::update` and `apply` into empty maps. Percentiles are \
+         cgroup). A change replaces one endpoint of one decoy Service (a rescheduled pod), each \
+         change another Service (at most one per decoy: a second change of one Service within \
+         the 1 s generation grace would be deferred). The full sync is the first `Snapshot::update` and `apply` into empty maps. Percentiles are \
          per run; the cells show their median (min–max) over runs. The drift check is one full \
          check after the changes (every entry of every map it owns read and compared, nothing \
          to repair; median of 3 per run): its cost is the checking thread's CPU time (user + \
