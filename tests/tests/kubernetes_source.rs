@@ -267,6 +267,14 @@ fn nothing_is_programmed_until_every_kind_was_listed() -> anyhow::Result<()> {
                 && api.lists_served(Resource::EndpointSlices) > 0
         },
     )?;
+    // The lists are read while the dataplane loads its programs: the agent serves its metrics
+    // once that is done, and would sync right after if it did not wait for the Node.
+    proxy_tests::wait::wait_until(
+        "the agent's metrics served",
+        Duration::from_secs(30),
+        Duration::from_millis(100),
+        || s.agent().and_then(|agent| agent.metrics()).is_ok(),
+    )?;
     std::thread::sleep(Duration::from_secs(1));
     let held = answers(&s, cluster_addr(), "Node list held back")?;
     s.ensure(held == BTreeSet::from([DECOY_NAME.to_owned()]), || {
