@@ -190,27 +190,13 @@ where
                         // The server ended the watch (its timeout): resume from where it was.
                         None => self.state = State::Listed { resource_version },
                         Some(Ok(WatchEvent::Added(object) | WatchEvent::Modified(object))) => {
-                            let Some(version) = version_of(&object) else {
-                                return Err(Error::NoResourceVersion);
-                            };
-                            self.state = State::Watching {
-                                resource_version: version,
-                                stream,
-                            };
-                            if let Some(update) = self.mapper.map(Event::Apply(object)) {
-                                return Ok(Step::Update(update));
+                            if let Some(step) = self.watched(object, stream, Event::Apply)? {
+                                return Ok(step);
                             }
                         }
                         Some(Ok(WatchEvent::Deleted(object))) => {
-                            let Some(version) = version_of(&object) else {
-                                return Err(Error::NoResourceVersion);
-                            };
-                            self.state = State::Watching {
-                                resource_version: version,
-                                stream,
-                            };
-                            if let Some(update) = self.mapper.map(Event::Delete(object)) {
-                                return Ok(Step::Update(update));
+                            if let Some(step) = self.watched(object, stream, Event::Delete)? {
+                                return Ok(step);
                             }
                         }
                         Some(Ok(WatchEvent::Bookmark(bookmark))) => {
@@ -246,6 +232,24 @@ where
                 }
             }
         }
+    }
+
+    /// An object the watch delivered: the watch goes on from its resourceVersion, and the
+    /// mapper makes of it what `event` says happened to it.
+    fn watched(
+        &mut self,
+        object: K,
+        stream: BoxStream<'static, kube::Result<WatchEvent<K>>>,
+        event: fn(K) -> Event<K>,
+    ) -> Result<Option<Step>, Error> {
+        let Some(resource_version) = version_of(&object) else {
+            return Err(Error::NoResourceVersion);
+        };
+        self.state = State::Watching {
+            resource_version,
+            stream,
+        };
+        Ok(self.mapper.map(event(object)).map(Step::Update))
     }
 
     /// One complete list (every page), streamed into the mapper: its `Replace*` and the

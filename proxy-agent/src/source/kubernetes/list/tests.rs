@@ -163,6 +163,18 @@ fn frames_of(text: &str, size: usize) -> Vec<Result<Bytes, String>> {
         .collect()
 }
 
+/// A list of Services through `client` that is expected to fail (nothing to convert).
+async fn services_error(client: &Client) -> Result<(), kube::Error> {
+    list(
+        client,
+        "/api/v1/services",
+        &ListParams::default(),
+        |_: Service| {},
+    )
+    .await
+    .map(drop)
+}
+
 #[tokio::test]
 async fn a_list_response_is_converted_item_by_item_with_the_watchers_query() {
     let (client, uris) = fake(200, frames_of(LIST, 13));
@@ -211,14 +223,7 @@ async fn an_error_status_is_the_servers_status_and_no_item_is_converted() {
 
     // Not a Status (a proxy's page): the text and the HTTP code.
     let (client, _) = fake(502, frames_of("bad gateway\n", 4));
-    let error = list(
-        &client,
-        "/api/v1/services",
-        &ListParams::default(),
-        |_: Service| {},
-    )
-    .await
-    .expect_err("502");
+    let error = services_error(&client).await.expect_err("502");
     assert!(
         matches!(&error, kube::Error::Api(s) if s.code == 502 && s.message == "bad gateway"),
         "{error:?}"
@@ -230,24 +235,10 @@ async fn a_broken_body_is_its_transport_error_and_bad_json_a_serde_error() {
     let mut frames = frames_of(&LIST[..LIST.len() / 2], 16);
     frames.push(Err("connection reset".into()));
     let (client, _) = fake(200, frames);
-    let error = list(
-        &client,
-        "/api/v1/services",
-        &ListParams::default(),
-        |_: Service| {},
-    )
-    .await
-    .expect_err("broken body");
+    let error = services_error(&client).await.expect_err("broken body");
     assert!(error.to_string().contains("connection reset"), "{error}");
 
     let (client, _) = fake(200, frames_of(r#"{"items":[{"metadata":7}]}"#, 5));
-    let error = list(
-        &client,
-        "/api/v1/services",
-        &ListParams::default(),
-        |_: Service| {},
-    )
-    .await
-    .expect_err("bad JSON");
+    let error = services_error(&client).await.expect_err("bad JSON");
     assert!(matches!(error, kube::Error::SerdeError(_)), "{error:?}");
 }
