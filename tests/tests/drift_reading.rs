@@ -24,7 +24,12 @@ use proxy_agent::{
     objects::{ObjectKey, Objects},
 };
 use proxy_common::{Backend4, map_names};
-use proxy_tests::{in_process::on_netns_thread, netns::Netns};
+use proxy_tests::{
+    in_process::on_netns_thread,
+    manifests::Endpoint,
+    netns::Netns,
+    scenario::{http_service, http_slice},
+};
 
 const NODE: &str = "node";
 
@@ -40,30 +45,25 @@ fn key(name: &str) -> ObjectKey {
 fn snapshot(web: &[&str], api: &[&str]) -> Snapshot {
     let mut services = BTreeMap::new();
     let mut slices = BTreeMap::new();
-    for (name, ip, backends) in [("web", "10.96.0.10", web), ("api", "10.96.0.11", api)] {
-        let service = format!(
-            "apiVersion: v1\nkind: Service\nmetadata: {{name: {name}, namespace: default}}\n\
-             spec: {{clusterIP: '{ip}', clusterIPs: ['{ip}'], ipFamilies: [IPv4], \
-             ipFamilyPolicy: SingleStack, \
-             ports: [{{name: http, port: 80, protocol: TCP, targetPort: 8080}}]}}\n"
-        );
-        let service: Service = serde_yaml::from_str(&service).expect("service yaml");
-        let endpoints: Vec<String> = backends
+    for (name, ip, backends) in [
+        ("web", Ipv4Addr::new(10, 96, 0, 10), web),
+        ("api", Ipv4Addr::new(10, 96, 0, 11), api),
+    ] {
+        let service: Service =
+            serde_yaml::from_str(&http_service("default", name, ip)).expect("service yaml");
+        let endpoints: Vec<Endpoint> = backends
             .iter()
-            .map(|a| {
-                format!("{{addresses: ['{a}'], nodeName: {NODE}, conditions: {{ready: true}}}}")
+            .map(|a| Endpoint {
+                node_name: Some(NODE.into()),
+                ..Endpoint::ready(a.parse::<Ipv4Addr>().expect("an IPv4 address"))
             })
             .collect();
-        let slice = format!(
-            "apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\n\
-             metadata: {{name: {name}-1, namespace: default, labels: {{kubernetes.io/service-name: {name}}}}}\n\
-             addressType: IPv4\nports: [{{name: http, port: 8080, protocol: TCP}}]\n\
-             endpoints: [{}]\n",
-            endpoints.join(", ")
-        );
-        let slice: EndpointSlice = serde_yaml::from_str(&slice).expect("slice yaml");
+        let slice_name = format!("{name}-1");
+        let slice: EndpointSlice =
+            serde_yaml::from_str(&http_slice("default", &slice_name, name, &endpoints))
+                .expect("slice yaml");
         services.insert(key(name), service.into());
-        slices.insert(key(&format!("{name}-1")), slice.into());
+        slices.insert(key(&slice_name), slice.into());
     }
     let snapshot = Snapshot::compute(&Objects::new(services, slices, None), NODE);
     let errors: Vec<String> = snapshot.errors().map(ToString::to_string).collect();
