@@ -109,8 +109,16 @@ pub fn start_reading(dataplane: &mut Dataplane) -> Option<ReadingTask> {
         }),
         Err(error) => {
             warn!(%error, "cannot start the drift check's reading; checking in the loop");
+            ebpf.abandon_drift_read();
             None
         }
+    }
+}
+
+/// A reading that failed on its thread: nothing will be compared.
+pub fn abandon_reading(dataplane: &mut Dataplane) {
+    if let Dataplane::Ebpf(ebpf) = dataplane {
+        ebpf.abandon_drift_read();
     }
 }
 

@@ -155,6 +155,26 @@ fn writes_during_a_drift_reading_are_not_drift_but_tampering_is() {
         );
         let check = dataplane.check_drift(false).expect("checked");
         assert_eq!(kinds(&check), [], "{check:#?}");
+
+        // A reading given up (its thread failed) stops the record: a change after it is seen
+        // by a later comparison of that reading, not left out.
+        let reader = dataplane.start_drift_read().expect("drift reader");
+        let given_up = reader.read();
+        dataplane.abandon_drift_read();
+        let (summary, errors) = dataplane.apply(
+            &snapshot(&["10.244.1.2", "10.244.1.3"], &["10.244.2.3"]),
+            None,
+        );
+        assert!(errors.is_empty(), "apply errors: {errors:?}");
+        assert!(summary.frontends_written > 0, "{summary:?}");
+        let check = dataplane
+            .finish_drift_check(given_up, false)
+            .expect("checked");
+        let maps: Vec<String> = kinds(&check).into_iter().map(|(map, _)| map).collect();
+        assert!(
+            maps.contains(&map_names::FRONTENDS4.to_owned()),
+            "{check:#?}"
+        );
         drop(dataplane);
         drop(parts);
     })

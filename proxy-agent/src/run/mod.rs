@@ -336,7 +336,10 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
                             crate::drift::finish_reading(
                                 &mut dataplane, task, reading, node_services.metrics());
                         }
-                        Err(error) => warn!(%error, "the drift check's reading failed"),
+                        Err(error) => {
+                            warn!(%error, "the drift check's reading failed");
+                            crate::drift::abandon_reading(&mut dataplane);
+                        }
                     }
                 }
             }

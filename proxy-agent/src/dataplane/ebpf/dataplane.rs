@@ -495,6 +495,12 @@ impl EbpfDataplane {
         Ok(reader)
     }
 
+    /// The reading [`Self::start_drift_read`] began will not be finished (its thread did not
+    /// start, or failed): the service maps stop noting the keys the agent writes.
+    pub fn abandon_drift_read(&mut self) {
+        self.maps.touched = None;
+    }
+
     fn drift_reader(&mut self) -> Result<DriftReader, EbpfError> {
         let data = |ebpf: &Ebpf, name: &'static str| -> Option<MapData> {
             let map: &Map = ebpf.map(name)?;
