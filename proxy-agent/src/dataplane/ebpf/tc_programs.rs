@@ -103,8 +103,8 @@ fn load_in_parallel(ebpf: &mut Ebpf, names: &[&'static str]) -> Result<(), EbpfE
     })
 }
 
-/// Loads the programs of `slots` (index, program) not loaded yet and writes each into its slot
-/// of the program array `map`.
+/// Writes each loaded program of `slots` (index, program) into its slot of the program array
+/// `map` ([`load_in_parallel`] loads them first).
 fn fill_program_array(
     ebpf: &mut Ebpf,
     map: &'static str,
@@ -113,11 +113,7 @@ fn fill_program_array(
     let mut fds: Vec<(u32, ProgramFd)> = Vec::with_capacity(slots.len());
     for &(slot, name) in slots {
         let program_error = |source| EbpfError::Program { name, source };
-        let classifier = classifier(ebpf, name)?;
-        if classifier.fd().is_err() {
-            classifier.load().map_err(program_error)?;
-        }
-        let fd = classifier
+        let fd = classifier(ebpf, name)?
             .fd()
             .map_err(program_error)?
             .try_clone()
