@@ -1408,7 +1408,16 @@ pub fn host_network_backends(mode: &str) -> Result<()> {
             }
         }
     }
-    for policy in ["Cluster", "Local"] {
+    // Each policy's wait and its measured run use source ports of their own. A tuple that an
+    // earlier flow left in conntrack (UDP keeps it 30 s) goes on to that flow's backend, `node2`
+    // included, as upstream does: its stale-flow cleanup only removes flows to endpoints that
+    // stopped serving, and `node2` still serves cluster traffic. Targets differ by destination,
+    // so they share a range.
+    let port_ranges = [
+        ["20000 26999", "27000 33999"],
+        ["34000 40999", "41000 47999"],
+    ];
+    for (policy, [wait_ports, run_ports]) in ["Cluster", "Local"].into_iter().zip(port_ranges) {
         s.manifests
             .write("web-svc.yaml", &host_network_service(policy))?;
         let allowed: &[&str] = if policy == "Local" {
@@ -1433,7 +1442,13 @@ pub fn host_network_backends(mode: &str) -> Result<()> {
             // policy gives 1 time in 16 before the change is applied: 16 in a row (1 in 65 536)
             // tell the new policy apart.
             let batch = if policy == "Local" { 16 } else { 4 };
+            s.topo
+                .ext()
+                .sysctl("net.ipv4.ip_local_port_range", wait_ports)?;
             s.wait_for_batch(&client, target, batch, &label, answered)?;
+            s.topo
+                .ext()
+                .sysctl("net.ipv4.ip_local_port_range", run_ports)?;
             let attempts = client.run(target, CONNECTIONS)?;
             let counts = tally(&attempts);
             eprintln!("{label}: {counts:?}");
