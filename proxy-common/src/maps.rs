@@ -43,6 +43,9 @@ pub mod map_names {
     /// filled by the agent with the interfaces it attached XDP to (pinned and not in
     /// [`PINNED`], as [`TC_FAMILY`]).
     pub const XDP_TARGETS: &str = "KPR_XDP_TARGETS";
+    /// The XDP programs of a new flow's first packet the XDP entry program tail-calls, one per
+    /// family (`program_names::XDP_NEW_FLOW`; pinned and not in [`PINNED`], as [`TC_FAMILY`]).
+    pub const XDP_NEW_FLOW: &str = "KPR_XDP_NEW_FLOW";
 
     /// Every map the agent pins (and `--cleanup` removes).
     pub const PINNED: [&str; 19] = [
@@ -89,6 +92,9 @@ pub mod program_names {
     /// XDP on the node's external interfaces (`--bpf-xdp`): established fast-path flows
     /// translated and redirected from the driver; everything else passes to `kpr_tc_external`.
     pub const XDP_EXTERNAL: &str = "kpr_xdp_external";
+    /// The first packet of a new external flow in XDP, per family, tail-called by
+    /// [`XDP_EXTERNAL`] through `KPR_XDP_NEW_FLOW`: the slot is the index here (IPv4, IPv6).
+    pub const XDP_NEW_FLOW: [&str; 2] = ["kpr_xdp_new_flow4", "kpr_xdp_new_flow6"];
 
     /// Every socket program, attached to the cgroup in this order.
     pub const ALL: [&str; 8] = [

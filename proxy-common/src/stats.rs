@@ -105,7 +105,9 @@ pub enum StatIndex {
     TcReplyViaIngress = 37,
     /// A tc entry program found no program of the packet's family to hand it to, or a family
     /// program none for a later IP fragment (the agent fills `KPR_TC_FRAGMENT` and
-    /// `KPR_TC_FAMILY` before attaching): the packet went to the stack untranslated.
+    /// `KPR_TC_FAMILY` before attaching): the packet went to the stack untranslated. Also the
+    /// XDP program without the new-flow program of the packet's family (`KPR_XDP_NEW_FLOW`):
+    /// the packet went on to tc.
     TcFamilyProgramMissing = 38,
     /// An ICMP or ICMPv6 error (destination unreachable, fragmentation needed / packet too
     /// big, time exceeded, parameter problem) about a packet of a translated flow had its
@@ -147,10 +149,19 @@ pub enum StatIndex {
     /// went to the stack, which fragments it only if its translated source is not one of the
     /// node's addresses (a masqueraded flow's is, and the stack drops it as a martian).
     TcTooBigToStack = 49,
+    /// XDP: a new flow's first packet (`kpr_xdp_new_flow4/6`) got its backend, its conntrack
+    /// entries (as tc's `new_flow` writes them) and was translated and redirected from the
+    /// driver.
+    XdpTranslated = 50,
+    /// XDP: a new flow's first packet was left to tc because the route back to its client
+    /// leaves by another interface than the one it came in on (several uplinks, or a VLAN
+    /// device on top whose tag the NIC stripped, which XDP cannot see): tc starts the flow on
+    /// the interface the stack delivers it to.
+    XdpPassedReturnRoute = 51,
 }
 
 impl StatIndex {
-    pub const COUNT: u32 = 50;
+    pub const COUNT: u32 = 52;
     pub const ALL: [StatIndex; Self::COUNT as usize] = [
         StatIndex::Translated,
         StatIndex::RejectedNoBackends,
@@ -202,6 +213,8 @@ impl StatIndex {
         StatIndex::XdpDroppedNoLocal,
         StatIndex::TcTooBigSent,
         StatIndex::TcTooBigToStack,
+        StatIndex::XdpTranslated,
+        StatIndex::XdpPassedReturnRoute,
     ];
 
     /// Label used in logs and metrics.
@@ -255,6 +268,8 @@ impl StatIndex {
             StatIndex::XdpRewriteFailed => "xdp_rewrite_failed",
             StatIndex::XdpDroppedSourceRange => "xdp_dropped_source_range",
             StatIndex::XdpDroppedNoLocal => "xdp_dropped_no_local_endpoints",
+            StatIndex::XdpTranslated => "xdp_translated",
+            StatIndex::XdpPassedReturnRoute => "xdp_passed_return_route",
             StatIndex::TcTooBigSent => "tc_too_big_sent",
             StatIndex::TcTooBigToStack => "tc_too_big_to_stack",
         }

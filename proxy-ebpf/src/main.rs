@@ -116,12 +116,24 @@ mod programs {
         crate::tc::family(&ctx, TcFamilyProgram::Egress4)
     }
 
-    /// XDP on the node's external interfaces (`--bpf-xdp`): established fast-path flows
-    /// translated and redirected in the driver; everything else passes on to
-    /// `kpr_tc_external`.
+    /// XDP on the node's external interfaces (`--bpf-xdp`): fast-path flows translated and
+    /// redirected in the driver (a new flow's first packet by `kpr_xdp_new_flow4/6`);
+    /// everything else passes on to `kpr_tc_external`.
     #[xdp]
     pub fn kpr_xdp_external(ctx: XdpContext) -> u32 {
         crate::xdp::external(&ctx)
+    }
+
+    /// XDP: the first packet of a new external flow (`xdp::first_packet`), tail-called by
+    /// `kpr_xdp_external` per family.
+    #[xdp]
+    pub fn kpr_xdp_new_flow4(ctx: XdpContext) -> u32 {
+        crate::xdp::first_packet::<false>(&ctx)
+    }
+
+    #[xdp]
+    pub fn kpr_xdp_new_flow6(ctx: XdpContext) -> u32 {
+        crate::xdp::first_packet::<true>(&ctx)
     }
 
     // The programs of one family each, reached by tail call from the three above: each is

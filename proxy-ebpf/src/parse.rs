@@ -8,7 +8,11 @@
 //! fragments, the fragment test) still load through the helper. The XDP program parses the same
 //! way ([`parse_whole`]: no pull, no fragments, no SCTP).
 
-use aya_ebpf::programs::{TcContext, XdpContext};
+use aya_ebpf::{
+    EbpfContext,
+    helpers::bpf_skb_load_bytes,
+    programs::{TcContext, XdpContext},
+};
 use proxy_common::{CtKey, family, proto};
 
 use crate::{fragments, maps::scratch};
@@ -21,14 +25,22 @@ const IPV6_HLEN: usize = 40;
 const IPPROTO_FRAGMENT: u8 = 44;
 const FRAGMENT_HLEN: usize = 8;
 
-/// A packet that direct packet access reads: an skb (tc) or an XDP buffer.
-pub trait Frame {
+/// A packet that direct packet access reads, and the interface it arrived on: an skb (tc) or
+/// an XDP buffer. What a new flow needs of either (`tc::new_flow`).
+pub trait Frame: EbpfContext {
     fn data(&self) -> usize;
     fn data_end(&self) -> usize;
     /// Remembers the ports of datagram `id`'s first fragment (tc only: the XDP program leaves
     /// fragments to tc, which must see every fragment of a datagram).
     #[inline(always)]
     fn record_first_fragment<const V6: bool>(&self, _id: u32, _proto: u8, _l4: usize) {}
+    /// The interface the packet came in on (the start of a fib lookup).
+    fn ingress_ifindex(&self) -> u32;
+    /// The interface the program runs on (tc's `skb->ifindex`; in XDP the ingress one).
+    fn ifindex(&self) -> u32;
+    /// Copies the frame's source MAC into `mac` (map memory); false if the frame is too
+    /// short.
+    fn source_mac(&self, mac: &mut [u8; 6]) -> bool;
 }
 
 impl Frame for TcContext {
@@ -46,6 +58,27 @@ impl Frame for TcContext {
     fn record_first_fragment<const V6: bool>(&self, id: u32, proto: u8, l4: usize) {
         fragments::first::<V6>(self, id, proto, l4);
     }
+
+    #[inline(always)]
+    fn ingress_ifindex(&self) -> u32 {
+        // SAFETY: the context pointer is the program's own __sk_buff.
+        unsafe { (*self.skb.skb).ingress_ifindex }
+    }
+
+    #[inline(always)]
+    fn ifindex(&self) -> u32 {
+        // SAFETY: as above.
+        unsafe { (*self.skb.skb).ifindex }
+    }
+
+    #[inline(always)]
+    fn source_mac(&self, mac: &mut [u8; 6]) -> bool {
+        // SAFETY: `mac` is 6 writable bytes; the context pointer is the program's own
+        // __sk_buff. The raw helper, for a constant length straight into map memory
+        // (`load_bytes` clamps the length to the packet, which the verifier then sees as
+        // possibly zero).
+        unsafe { bpf_skb_load_bytes(self.skb.skb.cast(), 6, mac.as_mut_ptr().cast(), 6) == 0 }
+    }
 }
 
 impl Frame for XdpContext {
@@ -57,6 +90,27 @@ impl Frame for XdpContext {
     #[inline(always)]
     fn data_end(&self) -> usize {
         XdpContext::data_end(self)
+    }
+
+    #[inline(always)]
+    fn ingress_ifindex(&self) -> u32 {
+        // SAFETY: the context pointer is the program's own xdp_md.
+        unsafe { (*self.ctx).ingress_ifindex }
+    }
+
+    #[inline(always)]
+    fn ifindex(&self) -> u32 {
+        Frame::ingress_ifindex(self)
+    }
+
+    #[inline(always)]
+    fn source_mac(&self, mac: &mut [u8; 6]) -> bool {
+        let Some(at) = linear_at(self, 6, 6) else {
+            return false;
+        };
+        // SAFETY: `linear_at` checked the 6 bytes against `data_end`.
+        *mac = unsafe { read(at, 0) };
+        true
     }
 }
 

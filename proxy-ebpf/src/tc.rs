@@ -19,15 +19,12 @@
 use core::mem;
 
 use aya_ebpf::{
-    EbpfContext as _,
     bindings::bpf_fib_lookup as FibLookup,
     bindings::{
         BPF_F_CURRENT_NETNS, BPF_FIB_LKUP_RET_NO_NEIGH, BPF_FIB_LKUP_RET_NOT_FWDED,
         BPF_FIB_LKUP_RET_SUCCESS, TC_ACT_SHOT, TC_ACT_UNSPEC, bpf_sock_tuple,
     },
-    helpers::{
-        bpf_fib_lookup, bpf_ktime_get_ns, bpf_sk_release, bpf_skb_load_bytes, bpf_skc_lookup_tcp,
-    },
+    helpers::{bpf_fib_lookup, bpf_ktime_get_ns, bpf_sk_release, bpf_skc_lookup_tcp},
     maps::{ProgramArray, lpm_trie::Key},
     programs::TcContext,
 };
@@ -48,11 +45,11 @@ use crate::{
         scratch,
     },
     nat::{draining, fast_path, translate, translate_source},
-    parse::{ETH_P_IP, ETH_P_IPV6, Packet, is_later_fragment, parse, parse_later_fragment},
+    parse::{ETH_P_IP, ETH_P_IPV6, Frame, Packet, is_later_fragment, parse, parse_later_fragment},
     stats::bump,
 };
 
-const DROP: i32 = TC_ACT_SHOT;
+pub const DROP: i32 = TC_ACT_SHOT;
 /// Not ours: the next program in the chain (`TCX_NEXT`; under legacy cls_bpf the next
 /// filter), or the stack if there is none. `TC_ACT_OK` would be `TCX_PASS`, which ends the
 /// chain: a program attached after ours would never see the interface's traffic (cilium
@@ -309,7 +306,7 @@ fn service<const V6: bool>(ctx: &TcContext, side: Side) -> i32 {
     };
     // Only a SYN starts a TCP connection; `new_flow` recovers the flow of any other segment
     // without an entry (see there) or hands it to the stack.
-    match new_flow::<V6>(ctx, pkt, &frontend, internal) {
+    match new_flow::<V6, _>(ctx, pkt, &frontend, internal) {
         Verdict::Action(action) => action,
         // Called from here, not from `new_flow`, so the two frames never stack up.
         Verdict::Reject => icmp::reject(ctx, pkt),
@@ -338,7 +335,7 @@ fn translate_new(ctx: &TcContext, pkt: &Packet) -> i32 {
 }
 
 /// What `new_flow` decided.
-enum Verdict {
+pub enum Verdict {
     Action(i32),
     /// kube-proxy REJECT: answer port unreachable.
     Reject,
@@ -414,7 +411,7 @@ fn internal_frontend(pkt: &Packet) -> Option<FrontendValue> {
 
 /// The external frontend for the packet's destination (see `lookup_frontend`).
 #[inline(always)]
-fn external_frontend(pkt: &Packet) -> Option<FrontendValue> {
+pub fn external_frontend(pkt: &Packet) -> Option<FrontendValue> {
     if let Some(frontend) = exact_external_frontend(pkt) {
         return Some(frontend);
     }
@@ -612,8 +609,8 @@ fn pass_midstream() -> Verdict {
 // meanwhile. A reply key another flow holds sends the segment to the stack
 // (`pass_midstream`).
 #[inline(never)]
-fn new_flow<const V6: bool>(
-    ctx: &TcContext,
+pub fn new_flow<const V6: bool, C: Frame>(
+    ctx: &C,
     pkt: &Packet,
     frontend: &FrontendValue,
     internal: bool,
@@ -807,24 +804,17 @@ fn new_flow<const V6: bool>(
 /// Inlined: as a call of its own it left `new_flow` 8 bytes more stack, not less (the
 /// verifier's 512-byte combined stack is `kpr_tc_reply` → `new_flow` → `tuple_holder`).
 #[inline(always)]
-fn record_client_interface(ctx: &TcContext) {
+fn record_client_interface<C: Frame>(ctx: &C) {
     let Some(scratch) = scratch() else {
         return;
     };
-    // SAFETY: the per-CPU slot is ours until the program ends; the context pointer is the
-    // program's own __sk_buff. The raw helper, for a constant length straight into the slot
-    // (`load_bytes` clamps the length to the packet, which the verifier then sees as possibly
-    // zero).
-    unsafe {
-        let reply = &mut (*scratch).reply;
-        let loaded =
-            bpf_skb_load_bytes(ctx.skb.skb.cast(), 6, reply.out_mac.as_mut_ptr().cast(), 6);
-        reply.out_ifindex = if loaded == 0 {
-            (*ctx.skb.skb).ifindex
-        } else {
-            0
-        };
-    }
+    // SAFETY: the per-CPU slot is ours until the program ends.
+    let reply = unsafe { &mut (*scratch).reply };
+    reply.out_ifindex = if ctx.source_mac(&mut reply.out_mac) {
+        ctx.ifindex()
+    } else {
+        0
+    };
 }
 
 /// Netfilter path, SNATed flow: the egress program's two entries, keyed by what the host
@@ -910,7 +900,7 @@ fn insert_egress<const V6: bool>(pkt: &Packet) -> bool {
 /// Not inlined, and everything read from and built in the scratch slot: its frame stacks on
 /// `new_flow`'s.
 #[inline(never)]
-fn route_to_backend(ctx: &TcContext, pkt: &Packet) -> bool {
+fn route_to_backend<C: Frame>(ctx: &C, pkt: &Packet) -> bool {
     // The kernel's AF_INET and AF_INET6.
     const AF_INET: u8 = 2;
     const AF_INET6: u8 = 10;
@@ -928,8 +918,7 @@ fn route_to_backend(ctx: &TcContext, pkt: &Packet) -> bool {
     params.l4_protocol = pkt.proto;
     params.sport = pkt.sport;
     params.dport = scratch.forward.dport;
-    // SAFETY: the context pointer is the program's own __sk_buff.
-    params.ifindex = unsafe { (*ctx.skb.skb).ingress_ifindex };
+    params.ifindex = ctx.ingress_ifindex();
     if pkt.is_v6() {
         params.family = AF_INET6;
         params.__bindgen_anon_3.ipv6_src = pkt.src;

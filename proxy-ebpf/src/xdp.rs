@@ -1,19 +1,24 @@
-//! The XDP program of the external interfaces (`--bpf-xdp`): packets of established fast-path
-//! flows translated in the driver, before the kernel builds an skb, and redirected to their
-//! next hop; everything else goes on to the tc program (`XDP_PASS`), which does what it did
-//! without XDP.
+//! The XDP programs of the external interfaces (`--bpf-xdp`): packets of fast-path flows
+//! translated in the driver, before the kernel builds an skb, and redirected to their next
+//! hop; everything else goes on to the tc program (`XDP_PASS`), which does what it did without
+//! XDP.
 //!
 //! What XDP takes: a whole TCP or UDP packet of a flow in the tc conntrack (`KPR_CT4/6`, shared
 //! with tc, so a flow moves between the two at any packet) that takes the fast path
 //! (`node_flags::FAST_PATH`, or a `ct_flags::BYPASS` flow): a client's packet to its backend,
 //! or a backend's reply to its client, whose next hop the fib lookup resolves to an interface
-//! in `KPR_XDP_TARGETS` (the interfaces running this program). Left to tc:
-//! - new flows (backend choice, REJECT, affinity, Maglev, SNAT ports: tc's `new_flow`), so the
-//!   first packet of every flow goes through tc and writes the entries XDP then follows —
-//!   except the drops tc makes before any NAT at LB IPs and externalIPs, which XDP makes itself
-//!   (`new_flow` here: source ranges, `externalTrafficPolicy: Local` without local endpoints);
-//! - the netfilter path (the default): its translation is split around the host's FORWARD and
-//!   POSTROUTING, which need the skb; XDP could only DNAT and pass, as tc does;
+//! in `KPR_XDP_TARGETS` (the interfaces running this program). And on the fast path the first
+//! packet of a new flow to an external frontend: `first_packet` (a program per family,
+//! tail-called, as tc's are) runs tc's own `new_flow` on it — source ranges, eTP Local, backend
+//! choice, affinity, Maglev, SNAT port, both conntrack entries — and sends it on as a later
+//! packet. Left to tc:
+//! - what `new_flow` does not translate: REJECT (tc answers it), a TCP segment other than a
+//!   SYN without an entry (tc recovers evicted flows); and the netfilter path (the default),
+//!   whose translation is split around the host's FORWARD and POSTROUTING, which need the
+//!   skb: there XDP only makes the drops tc makes before any NAT (source ranges, eTP Local);
+//! - a new flow whose client is routed back by another interface than the one it came in on
+//!   (several uplinks; a VLAN device whose tag the NIC stripped, which XDP cannot see): tc
+//!   starts it where the stack delivers it;
 //! - next hops XDP cannot redirect to: a local pod's veth (its peer in the pod takes XDP frames
 //!   only with NAPI on, which the agent cannot see), the node itself, a neighbour not resolved
 //!   yet (tc's `bpf_redirect_neigh` resolves it);
@@ -29,7 +34,7 @@ use core::mem;
 use aya_ebpf::{
     EbpfContext as _,
     bindings::{
-        BPF_FIB_LKUP_RET_SUCCESS, bpf_fib_lookup as FibLookup,
+        BPF_FIB_LKUP_RET_NO_NEIGH, BPF_FIB_LKUP_RET_SUCCESS, bpf_fib_lookup as FibLookup,
         xdp_action::{XDP_DROP, XDP_PASS},
     },
     helpers::{bpf_fib_lookup, bpf_ktime_get_ns},
@@ -40,18 +45,22 @@ use proxy_common::{CtValue, StatIndex, ct_flags, frontend_flags, proto};
 use crate::{
     conntrack::{self, View},
     csum::{add_words, fold, store, sum_port, sum_word},
-    maps::{KPR_SNAT_IFACES, KPR_XDP_TARGETS, scratch},
+    maps::{KPR_SNAT_IFACES, KPR_XDP_NEW_FLOW, KPR_XDP_TARGETS, scratch},
     nat::{draining, fast_path, fib_query},
-    parse::{ETH_HLEN, ETH_P_IP, ETH_P_IPV6, Packet, linear_at, load, parse_whole},
+    parse::{ETH_HLEN, ETH_P_IP, ETH_P_IPV6, Frame, Packet, linear_at, load, parse_whole},
     stats::bump,
-    tc::{exact_external_frontend, source_allowed},
+    tc::{DROP, Verdict, external_frontend, new_flow, source_allowed},
 };
+
+/// The kernel's AF_INET and AF_INET6.
+const AF_INET: u8 = 2;
+const AF_INET6: u8 = 10;
 
 /// Offset of the IPv4 header checksum.
 const IPV4_CSUM: usize = ETH_HLEN + 10;
 
-/// `kpr_xdp_external`: one program for both families (the established path is small; the tc
-/// programs are split per family for `new_flow`'s sake).
+/// `kpr_xdp_external`: one program for both families (the established path is small); a new
+/// flow's first packet goes on to its family's `first_packet` program.
 pub fn external(ctx: &XdpContext) -> u32 {
     let Some(eth) = linear_at(ctx, 0, ETH_HLEN) else {
         return XDP_PASS;
@@ -77,17 +86,19 @@ fn established<const V6: bool>(ctx: &XdpContext) -> u32 {
     let key = unsafe { &mut (*scratch).flow_key };
     pkt.write_ct_key(key);
     let Some(value) = conntrack::lookup::<V6>(key, View::A) else {
-        return new_flow(pkt);
+        return hand_to_first_packet::<V6>(ctx);
     };
-    if !fast_path() && value.flags & ct_flags::BYPASS == 0 {
-        return XDP_PASS;
-    }
     // SAFETY: bpf_ktime_get_ns has no preconditions.
     let now = unsafe { bpf_ktime_get_ns() };
     let reply = value.flags & ct_flags::REPLY != 0;
-    if !reply && (value.flags & ct_flags::KERNEL_NAT != 0 || !conntrack::carries(value, pkt, now)) {
+    if !reply && value.flags & ct_flags::KERNEL_NAT == 0 && !conntrack::carries(value, pkt, now) {
         // A flow that starts over (its entry expired, or a SYN on a closing one) chooses its
-        // backend again: tc's `new_flow`.
+        // backend again, as in tc.
+        return hand_to_first_packet::<V6>(ctx);
+    }
+    if (!fast_path() && value.flags & ct_flags::BYPASS == 0)
+        || (!reply && value.flags & ct_flags::KERNEL_NAT != 0)
+    {
         return XDP_PASS;
     }
     if checksum_partial::<V6>(ctx, pkt) {
@@ -126,21 +137,34 @@ fn established<const V6: bool>(ctx: &XdpContext) -> u32 {
         })
 }
 
-/// A packet without a conntrack entry: dropped here where tc would drop it before any NAT — a
-/// client outside the frontend's `loadBalancerSourceRanges`, a frontend whose endpoints are all
-/// on other nodes (`externalTrafficPolicy: Local`, `frontend_flags::DROP_NO_BACKENDS`) — so a
-/// flood of those never costs an skb; everything else is tc's (`new_flow` there). As in tc, a
-/// TCP segment other than a SYN is never dropped for it (the stack answers a stray segment),
-/// and nothing while the node drains to the iptables mode (their rules decide). Only frontends
-/// at an exact address (LB IPs, which source ranges guard, and externalIPs): one lookup, where
-/// the NodePort wildcard would cost every packet to a node address two more (NodePorts'
-/// eTP Local drops stay tc's).
+/// Tail-calls the family's `first_packet` program (`KPR_XDP_NEW_FLOW`); to tc, counted as a
+/// missing program, if its slot is empty.
 #[inline(always)]
-fn new_flow(pkt: &Packet) -> u32 {
+fn hand_to_first_packet<const V6: bool>(ctx: &XdpContext) -> u32 {
+    // SAFETY: the slots hold this object's XDP programs; on success this never returns.
+    unsafe { KPR_XDP_NEW_FLOW.tail_call(ctx, u32::from(V6)) };
+    bump(StatIndex::TcFamilyProgramMissing);
+    XDP_PASS
+}
+
+/// `kpr_xdp_new_flow4/6`: a packet without a (live) conntrack entry. To an external frontend
+/// (exact address, else the NodePort wildcard at a node address), on the fast path, it starts
+/// its flow here with tc's own `new_flow` (the same checks and choices, the same entries) and
+/// is translated and redirected as a later packet would be; one `new_flow` does not translate
+/// (REJECT, a stray TCP segment) goes on to tc unchanged, which decides it again. On the
+/// netfilter path only the drops tc makes before any NAT are made here (a client outside the
+/// frontend's `loadBalancerSourceRanges`, a frontend whose endpoints are all on other nodes
+/// with `externalTrafficPolicy: Local`), so a flood of those never costs an skb. As in tc, a
+/// TCP segment other than a SYN is never dropped for them (the stack answers a stray segment),
+/// and nothing while the node drains to the iptables mode (their rules decide).
+pub fn first_packet<const V6: bool>(ctx: &XdpContext) -> u32 {
+    let Some(pkt) = parse_whole::<V6>(ctx) else {
+        return XDP_PASS;
+    };
     if draining() || (pkt.proto == proto::TCP && !pkt.opens()) {
         return XDP_PASS;
     }
-    let Some(frontend) = exact_external_frontend(pkt) else {
+    let Some(frontend) = external_frontend(pkt) else {
         return XDP_PASS;
     };
     if frontend.flags & frontend_flags::SOURCE_RANGES != 0 && !source_allowed(pkt, &frontend) {
@@ -151,7 +175,99 @@ fn new_flow(pkt: &Packet) -> u32 {
         bump(StatIndex::XdpDroppedNoLocal);
         return XDP_DROP;
     }
-    XDP_PASS
+    if !fast_path() || frontend.backend_count == 0 || !takes_first_packet::<V6>(ctx, pkt) {
+        return XDP_PASS;
+    }
+    match new_flow::<V6, _>(ctx, pkt, &frontend, false) {
+        Verdict::Translate => send_first_packet(ctx, pkt),
+        Verdict::Action(DROP) => XDP_DROP,
+        Verdict::Action(_) | Verdict::Reject => XDP_PASS,
+    }
+}
+
+/// Whether XDP can finish a new flow's first packet (see `checksum_partial` and
+/// `returns_by_ingress`); counted if not. A call of its own, like `send_first_packet`: their
+/// locals would otherwise sit in `first_packet`'s frame under `new_flow`'s, past the
+/// verifier's 512-byte combined stack.
+#[inline(never)]
+fn takes_first_packet<const V6: bool>(ctx: &XdpContext, pkt: &Packet) -> bool {
+    if checksum_partial::<V6>(ctx, pkt) {
+        bump(StatIndex::XdpPassedChecksumPartial);
+        return false;
+    }
+    if !returns_by_ingress(ctx, pkt) {
+        bump(StatIndex::XdpPassedReturnRoute);
+        return false;
+    }
+    true
+}
+
+/// Sends a new flow's first packet on as a later packet of its flow: to the forward tuple
+/// `new_flow` left in the scratch slot, redirected to its next hop; to tc, which follows the
+/// entries now written, where XDP cannot send it.
+#[inline(never)]
+fn send_first_packet(ctx: &XdpContext, pkt: &Packet) -> u32 {
+    let Some(scratch) = scratch() else {
+        return XDP_PASS;
+    };
+    // SAFETY: the per-CPU slot is ours until the program ends; `new_flow` left the flow's
+    // forward tuple in `forward`, which `next_hop` and `rewrite` only read (they write `fib`).
+    let forward = unsafe { &(*scratch).forward };
+    // The flow's entries are written: a packet XDP cannot send on is tc's later packet.
+    let Some(target) = next_hop(ctx, pkt, forward) else {
+        bump(StatIndex::XdpPassedToTc);
+        return XDP_PASS;
+    };
+    if rewrite(ctx, pkt, forward).is_none() {
+        bump(StatIndex::XdpRewriteFailed);
+        return XDP_DROP;
+    }
+    bump(StatIndex::XdpTranslated);
+    KPR_XDP_TARGETS
+        .redirect(target, u64::from(XDP_DROP))
+        .unwrap_or_else(|action| {
+            bump(StatIndex::XdpRewriteFailed);
+            action
+        })
+}
+
+/// Whether the route back to the client (from the frontend, as its replies will leave) goes
+/// out of the interface its packet came in on. A new flow's reply entry records that interface
+/// for its replies (`tc::record_client_interface`): right for a client the node routes there,
+/// wrong for one whose packets came through a VLAN device stacked on this interface with the
+/// tag stripped by the NIC (XDP sees the parent; the stack would deliver it to the VLAN
+/// device, whose tc program records that). Such flows, and those of clients routed by another
+/// uplink, are left to tc. A fib lookup of the kind the stack would do for a packet to the
+/// client arriving here (forwarding on, as NodePorts need).
+#[inline(always)]
+fn returns_by_ingress(ctx: &XdpContext, pkt: &Packet) -> bool {
+    let Some(scratch) = scratch() else {
+        return false;
+    };
+    // SAFETY: the per-CPU slot is ours until the program ends; `fib` is rewritten by every
+    // lookup that uses it.
+    let params: &mut FibLookup = unsafe { &mut (*scratch).fib };
+    // SAFETY: an all-zero bpf_fib_lookup is a valid (empty) query.
+    *params = unsafe { mem::zeroed() };
+    let ingress = Frame::ingress_ifindex(ctx);
+    params.l4_protocol = pkt.proto;
+    params.sport = pkt.dport;
+    params.dport = pkt.sport;
+    params.ifindex = ingress;
+    if pkt.is_v6() {
+        params.family = AF_INET6;
+        params.__bindgen_anon_3.ipv6_src = pkt.dst;
+        params.__bindgen_anon_4.ipv6_dst = pkt.src;
+    } else {
+        params.family = AF_INET;
+        params.__bindgen_anon_3.ipv4_src = pkt.dst[0];
+        params.__bindgen_anon_4.ipv4_dst = pkt.src[0];
+    }
+    // SAFETY: params is a scratch value of the size passed.
+    let ret =
+        unsafe { bpf_fib_lookup(ctx.as_ptr(), params, mem::size_of::<FibLookup>() as i32, 0) };
+    (ret == i64::from(BPF_FIB_LKUP_RET_SUCCESS) || ret == i64::from(BPF_FIB_LKUP_RET_NO_NEIGH))
+        && params.ifindex == ingress
 }
 
 /// Whether the L4 checksum field holds the pseudo-header sum alone (`CHECKSUM_PARTIAL`: the

@@ -1,10 +1,10 @@
 //! Issue 14 item 1, XDP with real packets: the agent runs with `--tc-fast-path` (so
 //! `--bpf-xdp auto` attaches `kpr_xdp_external` in native mode to the external interfaces
 //! `vext` and `vnode2`), an external client reaches a dual-stack NodePort whose only endpoint
-//! is a pod on a second node, over TCP and UDP. A flow's first packet goes through tc, every
-//! later one and every reply through XDP (driver → translated → redirected to the other veth),
-//! which the datapath counters show; the echo server reports which pod answered and the client
-//! sees the NodePort as its peer.
+//! is a pod on a second node, over TCP and UDP. Every packet of a flow, its first included, and
+//! every reply goes through XDP (driver → translated → redirected to the other veth), none
+//! through tc, which the datapath counters show; the echo server reports which pod answered and
+//! the client sees the NodePort as its peer.
 //!
 //! The client's and node2's veth ends first keep their default offloads: their packets arrive
 //! with only the pseudo-header sum in the L4 checksum (`CHECKSUM_PARTIAL`), which XDP must
@@ -194,44 +194,51 @@ fn node_port_flows_to_a_remote_pod_run_through_xdp() -> anyhow::Result<()> {
     })?;
 
     complete_checksums(&s)?;
-    let before = (
-        counter(&mut s, StatIndex::XdpEstablished)?,
-        counter(&mut s, StatIndex::XdpReplyTranslated)?,
-        counter(&mut s, StatIndex::TcTranslated)?,
-    );
+    let counters = |s: &mut Scenario| -> anyhow::Result<[u64; 5]> {
+        Ok([
+            counter(s, StatIndex::XdpEstablished)?,
+            counter(s, StatIndex::XdpReplyTranslated)?,
+            counter(s, StatIndex::XdpTranslated)?,
+            counter(s, StatIndex::TcTranslated)?,
+            counter(s, StatIndex::TcEstablished)? + counter(s, StatIndex::TcReplyTranslated)?,
+        ])
+    };
+    let before = counters(&mut s)?;
     let answered = serve_all(&mut s)?;
-    let after = (
-        counter(&mut s, StatIndex::XdpEstablished)?,
-        counter(&mut s, StatIndex::XdpReplyTranslated)?,
-        counter(&mut s, StatIndex::TcTranslated)?,
-    );
+    let after = counters(&mut s)?;
     eprintln!(
-        "answered {answered}: xdp_established +{}, xdp_reply_translated +{}, tc_translated +{}",
-        after.0 - before.0,
-        after.1 - before.1,
-        after.2 - before.2
+        "answered {answered}: xdp_established +{}, xdp_reply_translated +{}, xdp_translated +{}, \
+         tc_translated +{}, tc_established and tc_reply_translated +{}",
+        after[0] - before[0],
+        after[1] - before[1],
+        after[2] - before[2],
+        after[3] - before[3],
+        after[4] - before[4],
     );
-    // Every exchange's reply (a UDP answer, a TCP SYN-ACK and more) came back through XDP, and
-    // every TCP connection's later segments (ACK, data, FIN) went out through it; only first
-    // packets took tc.
+    // Every exchange's reply (a UDP answer, a TCP SYN-ACK and more) came back through XDP,
+    // every TCP connection's later segments (ACK, data, FIN) went out through it, and every
+    // flow's first packet: tc translated nothing.
     let tcp = u64::from(ATTEMPTS) * 2;
-    s.ensure(after.1 - before.1 >= answered, || {
+    s.ensure(after[1] - before[1] >= answered, || {
         format!(
             "replies through XDP: {} for {answered} answers",
-            after.1 - before.1
+            after[1] - before[1]
         )
     })?;
-    s.ensure(after.0 - before.0 >= tcp, || {
+    s.ensure(after[0] - before[0] >= tcp, || {
         format!(
             "later client packets through XDP: {} for {tcp} TCP connections",
-            after.0 - before.0
+            after[0] - before[0]
         )
     })?;
-    s.ensure(after.2 - before.2 >= answered, || {
+    s.ensure(after[2] - before[2] >= answered, || {
         format!(
-            "first packets through tc: {} for {answered} answers",
-            after.2 - before.2
+            "first packets through XDP: {} for {answered} answers",
+            after[2] - before[2]
         )
+    })?;
+    s.ensure(after[3] == before[3] && after[4] == before[4], || {
+        format!("tc translated nothing: {before:?} → {after:?}")
     })?;
 
     // A restart swaps the new agent's program into the pinned links: XDP stays and serves.
@@ -266,11 +273,13 @@ fn node_port_flows_to_a_remote_pod_run_through_xdp() -> anyhow::Result<()> {
     let xdp_before = (
         counter(&mut s, StatIndex::XdpEstablished)?,
         counter(&mut s, StatIndex::XdpReplyTranslated)?,
+        counter(&mut s, StatIndex::XdpTranslated)?,
     );
     serve_all(&mut s)?;
     let xdp_after = (
         counter(&mut s, StatIndex::XdpEstablished)?,
         counter(&mut s, StatIndex::XdpReplyTranslated)?,
+        counter(&mut s, StatIndex::XdpTranslated)?,
     );
     s.ensure(xdp_before == xdp_after, || {
         format!("nothing through XDP once off: {xdp_before:?} → {xdp_after:?}")

@@ -2856,8 +2856,8 @@ const CLIENT_MAC: [u8; 6] = [0x02, 0, 0, 0, 0, 0x02];
 /// [`REMOTE6`]; `podside`: NodePort TCP 30097 → 8080 on the local pod [`BACKEND`] (behind
 /// `pod0`, not an XDP target); `guarded`: LB IP 198.51.100.20:80 for 203.0.113.0/24 only;
 /// `remotelocal`: LB IP 198.51.100.21:80 and NodePort 30099, eTP Local, its one endpoint on
-/// another node. Also writes the neighbour entries of the remote backend and the
-/// client on `ext0`.
+/// another node; `empty`: NodePort TCP 30094 without endpoints. Also writes the neighbour
+/// entries of the remote backend and the client on `ext0`.
 fn program_remote(node: &mut Node) {
     for (addr, mac) in [
         (REMOTE, REMOTE_MAC),
@@ -2891,6 +2891,8 @@ fn program_remote(node: &mut Node) {
          externalTrafficPolicy: Local, ports: [\
          {name: http, port: 80, protocol: TCP, targetPort: 8080, nodePort: 30099}]}\n\
          status: {loadBalancer: {ingress: [{ip: 198.51.100.21}]}}",
+        "{name: empty, namespace: default}\nspec: {type: NodePort, clusterIP: 10.96.0.64, \
+         ports: [{name: http, port: 80, protocol: TCP, targetPort: 8080, nodePort: 30094}]}",
     ];
     let services = services_of(&services);
     let slice = |name: &str, service: &str, family: &str, addr: &str| {
@@ -2952,12 +2954,12 @@ fn partial_checksum(frame: &[u8]) -> Vec<u8> {
     out
 }
 
-/// Issue 14 item 1: a flow's first packet goes through tc (XDP leaves new flows to it); every
-/// later packet of the flow, and the backend's replies, are translated by XDP exactly as tc
-/// translated the first (SNAT to the node address and port tc chose, DNAT to the backend;
-/// replies back to frontend → client), every checksum valid, with the next hop's MACs and
-/// `XDP_REDIRECT` to `ext0` (an XDP target: the agent attached the program there). TCP and
-/// UDP, IPv4 and IPv6.
+/// Issue 14 item 1: a flow whose first packet went through tc (as on an interface without XDP,
+/// or before XDP was attached): every later packet of the flow, and the backend's replies, are
+/// translated by XDP exactly as tc translated the first (SNAT to the node address and port tc
+/// chose, DNAT to the backend; replies back to frontend → client), every checksum valid, with
+/// the next hop's MACs and `XDP_REDIRECT` to `ext0` (an XDP target: the agent attached the
+/// program there). TCP and UDP, IPv4 and IPv6.
 #[test]
 fn xdp_translates_later_packets_of_tc_flows_and_their_replies() {
     with_node(|node| {
@@ -2994,11 +2996,8 @@ fn xdp_translates_later_packets_of_tc_flows_and_their_replies() {
                 stat(node, StatIndex::XdpReplyTranslated),
             );
 
-            // The first packet: not XDP's (no entry yet), untouched; tc starts the flow.
+            // The first packet: tc starts the flow.
             let syn = build(client, frontend, first, b"hello");
-            let (action, out) = run_xdp(node, &syn);
-            assert_eq!(action, XDP_PASS, "{what}: a new flow is tc's");
-            assert_eq!(out, syn, "{what}: passed untouched");
             let (action, by_tc) = run(node, program_names::TC_EXTERNAL, &syn, node.ext0);
             assert_eq!(action, TC_ACT_REDIRECT, "{what}: tc");
             assert_eq!(by_tc.destination(), backend, "{what}: tc DNAT");
@@ -3046,6 +3045,135 @@ fn xdp_translates_later_packets_of_tc_flows_and_their_replies() {
     });
 }
 
+/// Issue 14 item 1: XDP starts a new flow itself, as tc does. The oracle is tc on a flow of
+/// another client port started the same way: the same backend (DNAT), the same SNAT address
+/// (the node's), a port of the SNAT range. XDP's first packet leaves with every checksum valid,
+/// the next hop's MACs and `XDP_REDIRECT`; its conntrack entries are tc's: tc translates the
+/// flow's next packet (the first again included) to the same tuple, and the backend's reply
+/// comes back to the client from the frontend through XDP and through tc alike. TCP and UDP,
+/// IPv4 and IPv6.
+#[test]
+fn xdp_starts_new_flows_as_tc_does() {
+    with_node(|node| {
+        program_remote(node);
+        let own_mac = ext0_mac();
+        let cases = [
+            (CLIENT, NODE_IP, 30095, REMOTE, 8080, L4::TcpSyn, L4::TcpAck),
+            (CLIENT, NODE_IP, 30096, REMOTE, 5353, L4::Udp, L4::Udp),
+            (
+                CLIENT6,
+                NODE_IP6,
+                30095,
+                REMOTE6,
+                8080,
+                L4::TcpSyn,
+                L4::TcpAck,
+            ),
+            (CLIENT6, NODE_IP6, 30096, REMOTE6, 5353, L4::Udp, L4::Udp),
+        ];
+        for (i, (client_ip, node_ip, port, backend, backend_port, first, later)) in
+            cases.into_iter().enumerate()
+        {
+            let frontend = sa(node_ip, port);
+            let backend = sa(backend, backend_port);
+            let oracle = build(sa(client_ip, 45_100 + i as u16), frontend, first, b"hello");
+            let (action, by_tc) = run(node, program_names::TC_EXTERNAL, &oracle, node.ext0);
+            assert_eq!(action, TC_ACT_REDIRECT, "tc starts {oracle:02x?}");
+
+            let client = sa(client_ip, 45_200 + i as u16);
+            let what = format!("{first:?} {client} → {frontend}");
+            let translated = stat(node, StatIndex::XdpTranslated);
+            let syn = build(client, frontend, first, b"hello");
+            let (action, frame) = run_xdp(node, &syn);
+            assert_eq!(action, XDP_REDIRECT, "{what}: XDP starts the flow");
+            assert_eq!(
+                stat(node, StatIndex::XdpTranslated),
+                translated + 1,
+                "{what}: counted"
+            );
+            let out = parse_checked(&frame)
+                .unwrap_or_else(|e| panic!("{what}: XDP output {frame:02x?}: {e}"));
+            assert_eq!(out.destination(), backend, "{what}: tc's backend");
+            assert_eq!(out.src, by_tc.src, "{what}: tc's SNAT address");
+            let snat_port = out.source().port();
+            assert!(
+                SNAT_PORTS.contains(&snat_port) || snat_port == client.port(),
+                "{what}: SNAT port {snat_port}"
+            );
+            assert!(out.l4.ends_with(b"hello"), "{what}: payload");
+            assert_eq!(out.eth_dst, REMOTE_MAC, "{what}: next hop's MAC");
+            assert_eq!(out.eth_src, own_mac, "{what}: ext0's MAC");
+
+            // tc follows XDP's entries: the same packet again, and the next one.
+            for (frame, payload) in [
+                (&syn, &b"hello"[..]),
+                (&build(client, frontend, later, b"data"), b"data"),
+            ] {
+                let (action, by_tc) = run(node, program_names::TC_EXTERNAL, frame, node.ext0);
+                assert_eq!(action, TC_ACT_REDIRECT, "{what}: tc");
+                assert_eq!(
+                    (by_tc.source(), by_tc.destination()),
+                    (out.source(), backend),
+                    "{what}: tc translates XDP's flow as XDP did"
+                );
+                assert!(by_tc.l4.ends_with(payload), "{what}: payload through tc");
+            }
+
+            // The backend's reply, through XDP and through tc.
+            let reply = build(backend, out.source(), later, b"pong");
+            let (action, frame) = run_xdp(node, &reply);
+            assert_eq!(action, XDP_REDIRECT, "{what}: XDP takes the reply");
+            let back = parse_checked(&frame)
+                .unwrap_or_else(|e| panic!("{what}: XDP reply {frame:02x?}: {e}"));
+            assert_eq!(
+                (back.source(), back.destination()),
+                (frontend, client),
+                "{what}: reply through XDP"
+            );
+            assert_eq!(back.eth_dst, CLIENT_MAC, "{what}: client's MAC");
+            let (action, back) = run(node, program_names::TC_EXTERNAL, &reply, node.ext0);
+            assert_eq!(action, TC_ACT_REDIRECT, "{what}: tc takes the reply");
+            assert_eq!(
+                (back.source(), back.destination()),
+                (frontend, client),
+                "{what}: reply through tc"
+            );
+        }
+
+        // No endpoints: REJECT is tc's, which answers port unreachable.
+        let syn = build(sa(CLIENT, 45_300), sa(NODE_IP, 30094), L4::TcpSyn, b"");
+        let (action, out) = run_xdp(node, &syn);
+        assert_eq!(
+            (action, out == syn),
+            (XDP_PASS, true),
+            "no endpoints: tc's REJECT"
+        );
+        let (action, out) = run(node, program_names::TC_EXTERNAL, &syn, node.ext0);
+        assert_eq!(
+            (action, out.proto),
+            (TC_ACT_REDIRECT, PROTO_ICMP),
+            "tc answers port unreachable"
+        );
+
+        // A client routed back by another interface (here: none, no route) is tc's, which
+        // records the interface the stack delivers its packets to.
+        let passed = stat(node, StatIndex::XdpPassedReturnRoute);
+        let syn = build(
+            sa("192.0.2.77", 45_301),
+            sa(NODE_IP, 30095),
+            L4::TcpSyn,
+            b"",
+        );
+        let (action, out) = run_xdp(node, &syn);
+        assert_eq!(
+            (action, out == syn),
+            (XDP_PASS, true),
+            "no route back by ext0: tc's"
+        );
+        assert_eq!(stat(node, StatIndex::XdpPassedReturnRoute), passed + 1);
+    });
+}
+
 /// Issue 14 item 1: what XDP cannot finish goes on to tc exactly as it came (and tc then
 /// translates it, so nothing is lost): a flow whose next hop is a local pod's veth (not an XDP
 /// target), a packet whose L4 checksum is only the pseudo-header sum (`CHECKSUM_PARTIAL`), an
@@ -3056,12 +3184,26 @@ fn xdp_passes_to_tc_what_it_cannot_finish() {
     with_node(|node| {
         program_remote(node);
 
-        // A local pod's backend: XDP leaves the packet to tc, which redirects it.
+        // A local pod's backend: XDP starts the flow but leaves its packets to tc, which
+        // redirects them.
         let client = sa(CLIENT, 46_000);
         let frontend = sa(NODE_IP, 30097);
         let syn = build(client, frontend, L4::TcpSyn, b"");
-        let (action, _) = run(node, program_names::TC_EXTERNAL, &syn, node.ext0);
+        let passed = stat(node, StatIndex::XdpPassedToTc);
+        let (action, out) = run_xdp(node, &syn);
+        assert_eq!(
+            (action, out == syn),
+            (XDP_PASS, true),
+            "next hop pod0 is tc's, from the first packet"
+        );
+        assert_eq!(stat(node, StatIndex::XdpPassedToTc), passed + 1);
+        let (action, by_tc) = run(node, program_names::TC_EXTERNAL, &syn, node.ext0);
         assert_eq!(action, TC_ACT_REDIRECT);
+        assert_eq!(
+            by_tc.destination(),
+            sa(BACKEND, 8080),
+            "the flow XDP started"
+        );
         let passed = stat(node, StatIndex::XdpPassedToTc);
         let ack = build(client, frontend, L4::TcpAck, b"data");
         let (action, out) = run_xdp(node, &ack);
@@ -3153,14 +3295,21 @@ fn xdp_takes_nothing_on_the_netfilter_path() {
         let (action, out) = run_xdp(node, &ack);
         assert_eq!(action, XDP_PASS);
         assert_eq!(out, ack);
+        let syn = build(sa(CLIENT, 47_001), frontend, L4::TcpSyn, b"");
+        let (action, out) = run_xdp(node, &syn);
+        assert_eq!(
+            (action, out == syn),
+            (XDP_PASS, true),
+            "a new flow is tc's there"
+        );
     });
 }
 
 /// Issue 14 item 1: the drops tc makes before any NAT at an LB IP, XDP makes in the driver — a
 /// client outside `loadBalancerSourceRanges`, `externalTrafficPolicy: Local` without a local
-/// endpoint (kube-proxy's KUBE-FW / KUBE-XLB DROP) — and tc, the oracle, drops the same
-/// packets; an allowed client, a stray mid-stream segment from a refused one, and the same
-/// Service's NodePort (left to tc: XDP looks up exact addresses only) go on to tc.
+/// endpoint (kube-proxy's KUBE-FW / KUBE-XLB DROP), at the LB IP and at the NodePort — and tc,
+/// the oracle, drops the same packets; a stray mid-stream segment from a refused client goes
+/// on to tc, and an allowed client's flow starts.
 #[test]
 fn xdp_drops_what_tc_drops_before_nat() {
     with_node(|node| {
@@ -3184,11 +3333,9 @@ fn xdp_drops_what_tc_drops_before_nat() {
 
         let allowed = build(sa("203.0.113.7", 48_001), lb, L4::TcpSyn, b"");
         let (action, out) = run_xdp(node, &allowed);
-        assert_eq!(
-            (action, out == allowed),
-            (XDP_PASS, true),
-            "an allowed client is tc's"
-        );
+        assert_eq!(action, XDP_REDIRECT, "an allowed client's flow starts");
+        let out = parse_checked(&out).expect("valid output");
+        assert_eq!(out.destination(), sa(REMOTE, 8080));
 
         let no_local = build(sa(CLIENT, 48_002), sa("198.51.100.21", 80), L4::TcpSyn, b"");
         let dropped = stat(node, StatIndex::XdpDroppedNoLocal);
@@ -3198,12 +3345,13 @@ fn xdp_drops_what_tc_drops_before_nat() {
         let (action, _) = run(node, program_names::TC_EXTERNAL, &no_local, node.ext0);
         assert_eq!(action, TC_ACT_SHOT, "tc drops it too");
         let node_port = build(sa(CLIENT, 48_003), sa(NODE_IP, 30099), L4::TcpSyn, b"");
-        let (action, out) = run_xdp(node, &node_port);
+        let dropped = stat(node, StatIndex::XdpDroppedNoLocal);
+        let (action, _) = run_xdp(node, &node_port);
         assert_eq!(
-            (action, out == node_port),
-            (XDP_PASS, true),
-            "NodePort drops are tc's"
+            action, XDP_DROP,
+            "eTP Local NodePort without local endpoints"
         );
+        assert_eq!(stat(node, StatIndex::XdpDroppedNoLocal), dropped + 1);
         let (action, _) = run(node, program_names::TC_EXTERNAL, &node_port, node.ext0);
         assert_eq!(action, TC_ACT_SHOT, "tc drops it");
     });

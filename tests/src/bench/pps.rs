@@ -434,7 +434,7 @@ fn round_trips(rig: &Rig, mode: PpsMode, count: u32, cpu: usize) -> Result<(f64,
     Ok((super::stats::quantile(&ns, 0.5) as f64, samples.rate))
 }
 
-/// Warms the path up (first frames: ARP-free, but a flow's first packet is tc's), then sends
+/// Warms the path up (first frames: the flow is started, the neighbours resolved), then sends
 /// `frames` and waits for the sink's counter to settle.
 fn measure(
     rig: &Rig,

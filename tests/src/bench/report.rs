@@ -43,7 +43,7 @@ fn tc_goal_ns(result: &super::tc::PacketCostResult, path: TcPath) -> Option<f64>
         | TcPath::PassThroughIpv4Program
         | TcPath::PodNotReply => Some(GOAL_TC_PASS_NS),
         TcPath::ReverseNat | TcPath::RemoteReverseNat => Some(GOAL_TC_REPLY_NS),
-        TcPath::NodePortNewFlow => Some(GOAL_TC_NEW_NS),
+        TcPath::NodePortNewFlow | TcPath::RemoteNewFlow => Some(GOAL_TC_NEW_NS),
         _ => Some(GOAL_TC_NS),
     }
 }
@@ -519,6 +519,8 @@ fn tc_short(path: TcPath) -> &'static str {
         TcPath::XdpPassThrough => "XDP pass-through",
         TcPath::XdpEstablished => "XDP established",
         TcPath::XdpReverseNat => "XDP reverse NAT",
+        TcPath::RemoteNewFlow => "new flow (remote backends)",
+        TcPath::XdpNewFlow => "XDP new flow",
     }
 }
 
@@ -832,9 +834,10 @@ fn tc_cost_section(md: &mut String, r: &Results) {
          conntrack entries, SNAT port probe, fib lookup); *established*: the same tuple again \
          (conntrack hit); *reverse NAT*: the chosen backend's answer on `pod0`. The XDP program \
          is measured the same way against an *empty XDP program* (`r0 = XDP_PASS; exit`): its \
-         pass-through (no flow), and a NodePort flow to a backend on another node (reached \
-         through `ext0`, an XDP target; started by tc) established and answered, beside tc's \
-         figures for the same flow; its goal is 70 % of tc's cost on the same path. Each path's \
+         pass-through (no flow), a new NodePort flow to backends on other nodes, and a NodePort \
+         flow to a backend on another node (reached through `ext0`, an XDP target; started by \
+         tc) established and answered, beside tc's figures for the same flows; its goal is 70 % \
+         of tc's cost on the same path. Each path's \
          action and output are checked once before timing. {} run(s), paths interleaved; cells \
          are `median (min–max)` over runs, in ns per packet.\n",
         l.samples, l.repeat, l.runs
@@ -925,10 +928,10 @@ fn pps_section(md: &mut String, r: &Results) {
          frame and returns `XDP_TX`: {} frames of one UDP flow (60 bytes each, client → NodePort; \
          routing: straight to the sink) really leave the client's veth and arrive on the node's \
          `ext0` through the veth driver, where the mode under test forwards them out by `ext1`: \
-         *XDP* `kpr_xdp_external` in the driver (the flow's first packet through tc), *tc* \
-         `kpr_tc_external` on the skb (`--tc-fast-path --bpf-xdp off`), *iptables* the iptables \
-         mode's rules (DNAT, MASQUERADE, conntrack), *routing* the kernel alone. The sink counts \
-         and drops every frame in an XDP program of its own. Generator, node and sink run on \
+         *XDP* `kpr_xdp_external` in the driver (the flow's first packet too, once the next \
+         hop is resolved), *tc* `kpr_tc_external` on the skb (`--tc-fast-path --bpf-xdp \
+         off`), *iptables* the iptables mode's rules (DNAT, MASQUERADE, conntrack), *routing* \
+         the kernel alone. The sink counts and drops every frame in an XDP program of its own. Generator, node and sink run on \
          CPU {} (the generator is pinned there; the veth NAPI polls run where they are queued). \
          *Rate*: frames that reached the sink ÷ time from the generator's start to the last \
          arrival. {} round(s), modes interleaved; `median (min–max)`.\n",

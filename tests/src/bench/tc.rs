@@ -12,9 +12,9 @@
 //! floor itself) are also measured with a large `repeat`, which amortises the clock read.
 //!
 //! The XDP program (`kpr_xdp_external`) is measured the same way against an empty XDP program:
-//! its pass-through (no flow: everything new is tc's), and the established flow and reverse NAT
-//! of a NodePort flow to a backend on another node (reached through `ext0`, an XDP redirect
-//! target), beside tc's figures for the same flow.
+//! its pass-through (no flow, no frontend), a new flow, and the established flow and reverse
+//! NAT of a NodePort flow to a backend on another node (reached through `ext0`, an XDP
+//! redirect target), beside tc's figures for the same flows.
 //!
 //! A new flow is a different tuple every run (the client port and address change), so each
 //! sample is a conntrack miss that inserts the forward and reply entries and picks an SNAT
@@ -51,6 +51,9 @@ const NODE_PORT: u16 = 30080;
 /// NodePort of `remote`, whose one endpoint is on the external network behind `ext0`.
 const REMOTE_NODE_PORT: u16 = 30090;
 const REMOTE: Ipv4Addr = Ipv4Addr::new(10, 10, 0, 9);
+/// NodePort of `spread`, whose endpoints are on the external network behind `ext0`
+/// ([`spread_backend`]): the new flows of both programs to a backend XDP redirects to.
+const SPREAD_NODE_PORT: u16 = 30091;
 const BACKEND_PORT: u16 = 8080;
 /// Endpoints of the measured NodePort Service (10.244.1.2 ..).
 const BACKENDS: u8 = 16;
@@ -93,10 +96,16 @@ pub enum TcPath {
     XdpEstablished,
     /// `kpr_xdp_external` on [`Self::RemoteReverseNat`]'s packet: translated, redirected.
     XdpReverseNat,
+    /// A SYN of a new flow to a NodePort whose backends are on other nodes (next hop through
+    /// `ext0`): tc, as [`Self::NodePortNewFlow`].
+    RemoteNewFlow,
+    /// The same through `kpr_xdp_external`: conntrack miss, tail call to the family's new-flow
+    /// program, tc's `new_flow`, return-route and next-hop fib lookups, rewrite, redirect.
+    XdpNewFlow,
 }
 
 impl TcPath {
-    pub const ALL: [Self; 15] = [
+    pub const ALL: [Self; 17] = [
         Self::Floor,
         Self::NonIp,
         Self::PassThrough,
@@ -112,13 +121,19 @@ impl TcPath {
         Self::XdpPassThrough,
         Self::XdpEstablished,
         Self::XdpReverseNat,
+        Self::RemoteNewFlow,
+        Self::XdpNewFlow,
     ];
 
     /// Whether this is an XDP path (its floor is [`Self::XdpFloor`]).
     pub fn is_xdp(self) -> bool {
         matches!(
             self,
-            Self::XdpFloor | Self::XdpPassThrough | Self::XdpEstablished | Self::XdpReverseNat
+            Self::XdpFloor
+                | Self::XdpPassThrough
+                | Self::XdpEstablished
+                | Self::XdpReverseNat
+                | Self::XdpNewFlow
         )
     }
 
@@ -128,6 +143,7 @@ impl TcPath {
             Self::XdpPassThrough => Some(Self::PassThrough),
             Self::XdpEstablished => Some(Self::RemoteEstablished),
             Self::XdpReverseNat => Some(Self::RemoteReverseNat),
+            Self::XdpNewFlow => Some(Self::RemoteNewFlow),
             _ => None,
         }
     }
@@ -158,6 +174,12 @@ impl TcPath {
             }
             Self::XdpReverseNat => {
                 "kpr_xdp_external: reply of a backend on another node (reverse NAT)"
+            }
+            Self::RemoteNewFlow => {
+                "kpr_tc_external: NodePort, new flow, backends on other nodes (CT insert)"
+            }
+            Self::XdpNewFlow => {
+                "kpr_xdp_external: NodePort, new flow, backends on other nodes (CT insert)"
             }
         }
     }
@@ -332,11 +354,38 @@ fn program(dataplane: &mut EbpfDataplane) -> Result<()> {
     )?;
     let remote_endpoint = [serde_json::json!({"addresses": [REMOTE.to_string()],
         "nodeName": "other-node", "conditions": {"ready": true}})];
-    // XDP redirects only to resolved neighbours: the remote backend's and the client's.
-    for (addr, mac) in [(REMOTE, "02:00:00:00:00:09"), (CLIENT, "02:00:00:00:00:02")] {
+    let spread: Service = from_json(
+        "spread Service",
+        serde_json::json!({
+            "metadata": {"name": "spread", "namespace": "bench"},
+            "spec": {"type": "NodePort", "clusterIP": "10.96.0.26",
+                "ports": [{"name": "http", "port": 80, "protocol": "TCP",
+                    "targetPort": BACKEND_PORT, "nodePort": SPREAD_NODE_PORT}]}
+        }),
+    )?;
+    let spread_endpoints: Vec<serde_json::Value> = (0..BACKENDS)
+        .map(|i| {
+            serde_json::json!({"addresses": [spread_backend(i).to_string()],
+                "nodeName": "other-node", "conditions": {"ready": true}})
+        })
+        .collect();
+    // XDP redirects only to resolved neighbours: the remote backends' and the client's.
+    let mut neighbours = vec![
+        (REMOTE, "02:00:00:00:00:09".to_owned()),
+        (CLIENT, "02:00:00:00:00:02".to_owned()),
+    ];
+    neighbours
+        .extend((0..BACKENDS).map(|i| (spread_backend(i), format!("02:00:00:00:01:{i:02x}"))));
+    for (addr, mac) in &neighbours {
         // This thread is in the node namespace; the child inherits it.
         let status = std::process::Command::new("ip")
-            .args(["neigh", "replace", &addr.to_string(), "lladdr", mac])
+            .args([
+                "neigh",
+                "replace",
+                &addr.to_string(),
+                "lladdr",
+                mac.as_str(),
+            ])
             .args(["dev", "ext0", "nud", "permanent"])
             .status()
             .map_err(|e| RigError::io("ip neigh", e))?;
@@ -348,6 +397,7 @@ fn program(dataplane: &mut EbpfDataplane) -> Result<()> {
         (key("web"), web.into()),
         (key("lb"), lb.into()),
         (key("remote"), remote.into()),
+        (key("spread"), spread.into()),
     ]);
     let slices = BTreeMap::from([
         (key("web-1"), slice("web-1", "web", &endpoints)?.into()),
@@ -355,6 +405,10 @@ fn program(dataplane: &mut EbpfDataplane) -> Result<()> {
         (
             key("remote-1"),
             slice("remote-1", "remote", &remote_endpoint)?.into(),
+        ),
+        (
+            key("spread-1"),
+            slice("spread-1", "spread", &spread_endpoints)?.into(),
         ),
     ]);
     let snapshot = Snapshot::compute(&Objects::new(services, slices, None), NODE);
@@ -371,6 +425,21 @@ fn program(dataplane: &mut EbpfDataplane) -> Result<()> {
 
 fn backend(i: u8) -> Ipv4Addr {
     Ipv4Addr::new(10, 244, 1, 2 + i)
+}
+
+/// The endpoints of `spread`, on other nodes reached through `ext0` (10.10.0.100 ..).
+fn spread_backend(i: u8) -> Ipv4Addr {
+    Ipv4Addr::new(10, 10, 0, 100 + i)
+}
+
+/// The SYN of new flow `n` to `spread`'s NodePort, from a tuple never used before.
+fn spread_new_flow(n: u32) -> Vec<u8> {
+    build(
+        fresh_client(n),
+        sa(NODE_IP, SPREAD_NODE_PORT),
+        L4::TcpSyn,
+        b"",
+    )
 }
 
 fn sa(ip: Ipv4Addr, port: u16) -> SocketAddr {
@@ -460,7 +529,7 @@ fn frames(dp: &mut EbpfDataplane) -> Result<Frames> {
             ),
         ));
     }
-    // The remote flow: started by tc (XDP leaves new flows to it), then both programs see the
+    // The remote flow: started by tc (as on an interface without XDP), then both programs see the
     // same established packet and the same reply.
     let remote_client = sa(CLIENT, 40_001);
     let remote_established = build(
@@ -521,14 +590,18 @@ fn run_once(
             let (action, ns) = floor.test_run_xdp(&f.pass, f.ext0, repeat)?;
             return Ok((action, ns, Vec::new()));
         }
-        TcPath::XdpPassThrough => Some(&f.pass),
-        TcPath::XdpEstablished => Some(&f.remote_established),
-        TcPath::XdpReverseNat => Some(&f.remote_reply),
+        TcPath::XdpPassThrough => Some(f.pass.clone()),
+        TcPath::XdpEstablished => Some(f.remote_established.clone()),
+        TcPath::XdpReverseNat => Some(f.remote_reply.clone()),
+        TcPath::XdpNewFlow => {
+            *new_flow += 1;
+            Some(spread_new_flow(*new_flow))
+        }
         _ => None,
     };
     if let Some(frame) = xdp_frame {
         let (out, duration) = dp
-            .test_run_xdp_timed(frame, f.ext0, repeat)
+            .test_run_xdp_timed(&frame, f.ext0, repeat)
             .map_err(|e| wrong(path, format!("test_run: {e}")))?;
         let ns = u64::try_from(duration.as_nanos()).unwrap_or(u64::MAX);
         return Ok((i32::try_from(out.action).unwrap_or(-1), ns, out.packet));
@@ -543,7 +616,12 @@ fn run_once(
         TcPath::XdpFloor
         | TcPath::XdpPassThrough
         | TcPath::XdpEstablished
-        | TcPath::XdpReverseNat => unreachable!("XDP paths returned above"),
+        | TcPath::XdpReverseNat
+        | TcPath::XdpNewFlow => unreachable!("XDP paths returned above"),
+        TcPath::RemoteNewFlow => {
+            *new_flow += 1;
+            (TC_EXTERNAL, spread_new_flow(*new_flow), f.ext0)
+        }
         TcPath::NonIp => (TC_EXTERNAL, f.non_ip.clone(), f.ext0),
         TcPath::PassThrough => (TC_EXTERNAL, f.pass.clone(), f.ext0),
         TcPath::PassThroughIpv4Program => (TC_EXTERNAL4, f.pass.clone(), f.ext0),
@@ -573,8 +651,10 @@ fn run_once(
 fn check(path: TcPath, action: i32, out: &[u8], input: &Frames) -> Result<()> {
     let expected = match path {
         TcPath::XdpFloor | TcPath::XdpPassThrough => XDP_PASS as i32,
-        TcPath::XdpEstablished | TcPath::XdpReverseNat => XDP_REDIRECT as i32,
-        TcPath::RemoteEstablished | TcPath::RemoteReverseNat => TC_ACT_REDIRECT,
+        TcPath::XdpEstablished | TcPath::XdpReverseNat | TcPath::XdpNewFlow => XDP_REDIRECT as i32,
+        TcPath::RemoteEstablished | TcPath::RemoteReverseNat | TcPath::RemoteNewFlow => {
+            TC_ACT_REDIRECT
+        }
         TcPath::Floor => TC_ACT_OK,
         TcPath::NonIp
         | TcPath::PassThrough
@@ -599,6 +679,11 @@ fn check(path: TcPath, action: i32, out: &[u8], input: &Frames) -> Result<()> {
         TcPath::RemoteEstablished | TcPath::XdpEstablished => {
             translated.is_some_and(|(s, d)| s.ip() == NODE_IP && d == sa(REMOTE, BACKEND_PORT))
         }
+        TcPath::RemoteNewFlow | TcPath::XdpNewFlow => translated.is_some_and(|(s, d)| {
+            s.ip() == NODE_IP
+                && d.port() == BACKEND_PORT
+                && (0..BACKENDS).any(|i| d.ip() == IpAddr::V4(spread_backend(i)))
+        }),
         TcPath::RemoteReverseNat | TcPath::XdpReverseNat => translated
             .is_some_and(|(s, d)| s == sa(NODE_IP, REMOTE_NODE_PORT) && d == sa(CLIENT, 40_001)),
         TcPath::XdpPassThrough => out == input.pass,

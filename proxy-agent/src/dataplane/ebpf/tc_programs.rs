@@ -10,7 +10,7 @@
 use aya::{
     Ebpf,
     maps::ProgramArray,
-    programs::{ProgramFd, SchedClassifier},
+    programs::{Program, ProgramFd, SchedClassifier},
 };
 use proxy_common::{TcFamilyProgram, TcFragmentProgram, map_names};
 
@@ -63,31 +63,31 @@ fn fill_family_programs(ebpf: &mut Ebpf) -> Result<(), EbpfError> {
     fill_program_array(ebpf, map_names::TC_FAMILY, &family)
 }
 
-/// Loads the classifiers `names` not loaded yet, each on a thread of its own. The kernel
-/// verifies the family programs (each thousands of instructions over many paths) in seconds
-/// each, one core each and without a lock between loads: one after the other they were most
-/// of the agent's cold start on a small node.
-fn load_in_parallel(ebpf: &mut Ebpf, names: &[&'static str]) -> Result<(), EbpfError> {
-    let mut pending: Vec<(&'static str, &mut SchedClassifier)> = Vec::with_capacity(names.len());
+/// Loads the programs `names` not loaded yet (classifiers, or XDP programs), each on a thread
+/// of its own. The kernel verifies the family programs (each thousands of instructions over
+/// many paths) in seconds each, one core each and without a lock between loads: one after the
+/// other they were most of the agent's cold start on a small node.
+pub(super) fn load_in_parallel(ebpf: &mut Ebpf, names: &[&'static str]) -> Result<(), EbpfError> {
+    let mut pending: Vec<(&'static str, &mut Program)> = Vec::with_capacity(names.len());
     for (name, program) in ebpf.programs_mut() {
         let Some(&name) = names.iter().find(|&&wanted| wanted == name) else {
             continue;
         };
-        let classifier: &mut SchedClassifier = program
-            .try_into()
-            .map_err(|source| EbpfError::Program { name, source })?;
-        if classifier.fd().is_err() {
-            pending.push((name, classifier));
+        if program.fd().is_err() {
+            pending.push((name, program));
         }
     }
     std::thread::scope(|scope| {
         let loads: Vec<_> = pending
             .into_iter()
-            .map(|(name, classifier)| {
+            .map(|(name, program)| {
                 scope.spawn(move || {
-                    classifier
-                        .load()
-                        .map_err(|source| EbpfError::Program { name, source })
+                    let loaded = match program {
+                        Program::SchedClassifier(classifier) => classifier.load(),
+                        Program::Xdp(xdp) => xdp.load(),
+                        _ => return Err(EbpfError::MissingProgram(name)),
+                    };
+                    loaded.map_err(|source| EbpfError::Program { name, source })
                 })
             })
             .collect();
@@ -105,7 +105,7 @@ fn load_in_parallel(ebpf: &mut Ebpf, names: &[&'static str]) -> Result<(), EbpfE
 
 /// Writes each loaded program of `slots` (index, program) into its slot of the program array
 /// `map` ([`load_in_parallel`] loads them first).
-fn fill_program_array(
+pub(super) fn fill_program_array(
     ebpf: &mut Ebpf,
     map: &'static str,
     slots: &[(u32, &'static str)],
@@ -113,7 +113,9 @@ fn fill_program_array(
     let mut fds: Vec<(u32, ProgramFd)> = Vec::with_capacity(slots.len());
     for &(slot, name) in slots {
         let program_error = |source| EbpfError::Program { name, source };
-        let fd = classifier(ebpf, name)?
+        let fd = ebpf
+            .program(name)
+            .ok_or(EbpfError::MissingProgram(name))?
             .fd()
             .map_err(program_error)?
             .try_clone()

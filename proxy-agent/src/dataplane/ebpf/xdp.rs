@@ -34,6 +34,7 @@ use tracing::{debug, info, warn};
 use super::{
     error::EbpfError,
     pins::{LINK_SUFFIX, pin_replacing, remove_if_present},
+    tc_programs::{fill_program_array, load_in_parallel},
 };
 
 /// `--bpf-xdp`.
@@ -258,19 +259,29 @@ impl XdpState {
     }
 }
 
-/// `kpr_xdp_external`, loaded.
+/// `kpr_xdp_external`, loaded, with the new-flow programs it tail-calls loaded first and
+/// written into `KPR_XDP_NEW_FLOW` (which no earlier agent's program uses: writing it early
+/// changes nothing that runs).
 pub(super) fn loaded_program(ebpf: &mut Ebpf) -> Result<&mut Xdp, EbpfError> {
     let name = program_names::XDP_EXTERNAL;
     let program_error = |source| EbpfError::Program { name, source };
-    let program: &mut Xdp = ebpf
-        .program_mut(name)
+    let loaded = ebpf
+        .program(name)
+        .ok_or(EbpfError::MissingProgram(name))?
+        .fd()
+        .is_ok();
+    if !loaded {
+        let first_packet = program_names::XDP_NEW_FLOW;
+        let mut names = first_packet.to_vec();
+        names.push(name);
+        load_in_parallel(ebpf, &names)?;
+        let slots = [(0, first_packet[0]), (1, first_packet[1])];
+        fill_program_array(ebpf, map_names::XDP_NEW_FLOW, &slots)?;
+    }
+    ebpf.program_mut(name)
         .ok_or(EbpfError::MissingProgram(name))?
         .try_into()
-        .map_err(program_error)?;
-    if program.fd().is_err() {
-        program.load().map_err(program_error)?;
-    }
-    Ok(program)
+        .map_err(program_error)
 }
 
 /// Attaches `kpr_xdp_external` to interface `ifindex` in native mode and pins the link as
