@@ -86,6 +86,11 @@ fn established<const V6: bool>(ctx: &XdpContext) -> u32 {
     let key = unsafe { &mut (*scratch).flow_key };
     pkt.write_ct_key(key);
     let Some(value) = conntrack::lookup::<V6>(key, View::A) else {
+        // Only a SYN starts a TCP flow (`first_packet` passes any other segment): the node's
+        // own established connections pay no more than this lookup.
+        if pkt.proto == proto::TCP && !pkt.opens() {
+            return XDP_PASS;
+        }
         return hand_to_first_packet::<V6>(ctx);
     };
     // SAFETY: bpf_ktime_get_ns has no preconditions.
