@@ -132,8 +132,13 @@ fn established<const V6: bool>(ctx: &XdpContext) -> u32 {
     } else {
         StatIndex::XdpEstablished
     });
-    // Dropped if the interface left the map since `next_hop` looked (the agent detaching): the
-    // packet is rewritten, and tc must not see it so.
+    redirect(target)
+}
+
+/// Redirects the rewritten packet to `target`. Dropped if the interface left the map since
+/// `next_hop` looked (the agent detaching): the packet is rewritten, and tc must not see it so.
+#[inline(always)]
+fn redirect(target: u32) -> u32 {
     KPR_XDP_TARGETS
         .redirect(target, u64::from(XDP_DROP))
         .unwrap_or_else(|action| {
@@ -228,12 +233,7 @@ fn send_first_packet(ctx: &XdpContext, pkt: &Packet) -> u32 {
         return XDP_DROP;
     }
     bump(StatIndex::XdpTranslated);
-    KPR_XDP_TARGETS
-        .redirect(target, u64::from(XDP_DROP))
-        .unwrap_or_else(|action| {
-            bump(StatIndex::XdpRewriteFailed);
-            action
-        })
+    redirect(target)
 }
 
 /// Whether the route back to the client (from the frontend, as its replies will leave) goes

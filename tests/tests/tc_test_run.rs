@@ -2928,6 +2928,23 @@ fn ext0_mac() -> [u8; 6] {
     panic!("no MAC on ext0");
 }
 
+/// The `remote` NodePort flows of the XDP tests: (client, node address, NodePort, backend,
+/// backend port, first packet, later packet), TCP and UDP in both families.
+const REMOTE_CASES: [(&str, &str, u16, &str, u16, L4, L4); 4] = [
+    (CLIENT, NODE_IP, 30095, REMOTE, 8080, L4::TcpSyn, L4::TcpAck),
+    (CLIENT, NODE_IP, 30096, REMOTE, 5353, L4::Udp, L4::Udp),
+    (
+        CLIENT6,
+        NODE_IP6,
+        30095,
+        REMOTE6,
+        8080,
+        L4::TcpSyn,
+        L4::TcpAck,
+    ),
+    (CLIENT6, NODE_IP6, 30096, REMOTE6, 5353, L4::Udp, L4::Udp),
+];
+
 /// Runs the XDP program on `frame` arriving on `ext0`: the action and the output frame.
 fn run_xdp(node: &mut Node, frame: &[u8]) -> (u32, Vec<u8>) {
     let out = node
@@ -2970,22 +2987,8 @@ fn xdp_translates_later_packets_of_tc_flows_and_their_replies() {
         );
         program_remote(node);
         let own_mac = ext0_mac();
-        let cases = [
-            (CLIENT, NODE_IP, 30095, REMOTE, 8080, L4::TcpSyn, L4::TcpAck),
-            (CLIENT, NODE_IP, 30096, REMOTE, 5353, L4::Udp, L4::Udp),
-            (
-                CLIENT6,
-                NODE_IP6,
-                30095,
-                REMOTE6,
-                8080,
-                L4::TcpSyn,
-                L4::TcpAck,
-            ),
-            (CLIENT6, NODE_IP6, 30096, REMOTE6, 5353, L4::Udp, L4::Udp),
-        ];
         for (i, (client, node_ip, port, backend, backend_port, first, later)) in
-            cases.into_iter().enumerate()
+            REMOTE_CASES.into_iter().enumerate()
         {
             let client = sa(client, 45_000 + i as u16);
             let frontend = sa(node_ip, port);
@@ -3057,22 +3060,8 @@ fn xdp_starts_new_flows_as_tc_does() {
     with_node(|node| {
         program_remote(node);
         let own_mac = ext0_mac();
-        let cases = [
-            (CLIENT, NODE_IP, 30095, REMOTE, 8080, L4::TcpSyn, L4::TcpAck),
-            (CLIENT, NODE_IP, 30096, REMOTE, 5353, L4::Udp, L4::Udp),
-            (
-                CLIENT6,
-                NODE_IP6,
-                30095,
-                REMOTE6,
-                8080,
-                L4::TcpSyn,
-                L4::TcpAck,
-            ),
-            (CLIENT6, NODE_IP6, 30096, REMOTE6, 5353, L4::Udp, L4::Udp),
-        ];
         for (i, (client_ip, node_ip, port, backend, backend_port, first, later)) in
-            cases.into_iter().enumerate()
+            REMOTE_CASES.into_iter().enumerate()
         {
             let frontend = sa(node_ip, port);
             let backend = sa(backend, backend_port);

@@ -343,26 +343,10 @@ fn program(dataplane: &mut EbpfDataplane) -> Result<()> {
             }),
         )
     };
-    let remote: Service = from_json(
-        "remote Service",
-        serde_json::json!({
-            "metadata": {"name": "remote", "namespace": "bench"},
-            "spec": {"type": "NodePort", "clusterIP": "10.96.0.24",
-                "ports": [{"name": "http", "port": 80, "protocol": "TCP",
-                    "targetPort": BACKEND_PORT, "nodePort": REMOTE_NODE_PORT}]}
-        }),
-    )?;
+    let remote = node_port_service("remote", "10.96.0.24", REMOTE_NODE_PORT)?;
     let remote_endpoint = [serde_json::json!({"addresses": [REMOTE.to_string()],
         "nodeName": "other-node", "conditions": {"ready": true}})];
-    let spread: Service = from_json(
-        "spread Service",
-        serde_json::json!({
-            "metadata": {"name": "spread", "namespace": "bench"},
-            "spec": {"type": "NodePort", "clusterIP": "10.96.0.26",
-                "ports": [{"name": "http", "port": 80, "protocol": "TCP",
-                    "targetPort": BACKEND_PORT, "nodePort": SPREAD_NODE_PORT}]}
-        }),
-    )?;
+    let spread = node_port_service("spread", "10.96.0.26", SPREAD_NODE_PORT)?;
     let spread_endpoints: Vec<serde_json::Value> = (0..BACKENDS)
         .map(|i| {
             serde_json::json!({"addresses": [spread_backend(i).to_string()],
@@ -421,6 +405,19 @@ fn program(dataplane: &mut EbpfDataplane) -> Result<()> {
         return Err(RigError::Other(format!("apply errors: {errors:?}")));
     }
     Ok(())
+}
+
+/// A NodePort Service `name` (eTP Cluster) with one TCP port 80 → [`BACKEND_PORT`].
+fn node_port_service(name: &str, cluster_ip: &str, node_port: u16) -> Result<Service> {
+    from_json(
+        &format!("{name} Service"),
+        serde_json::json!({
+            "metadata": {"name": name, "namespace": "bench"},
+            "spec": {"type": "NodePort", "clusterIP": cluster_ip,
+                "ports": [{"name": "http", "port": 80, "protocol": "TCP",
+                    "targetPort": BACKEND_PORT, "nodePort": node_port}]}
+        }),
+    )
 }
 
 fn backend(i: u8) -> Ipv4Addr {
