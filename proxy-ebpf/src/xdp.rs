@@ -160,8 +160,8 @@ fn hand_to_first_packet<const V6: bool>(ctx: &XdpContext) -> u32 {
 /// `kpr_xdp_new_flow4/6`: a packet without a (live) conntrack entry. To an external frontend
 /// (exact address, else the NodePort wildcard at a node address), on the fast path, it starts
 /// its flow here with tc's own `new_flow` (the same checks and choices, the same entries) and
-/// is translated and redirected as a later packet would be; one `new_flow` does not translate
-/// (REJECT, a stray TCP segment) goes on to tc unchanged, which decides it again. On the
+/// is translated and redirected as a later packet would be; one that `new_flow` does not
+/// translate (REJECT, a stray TCP segment) goes on to tc unchanged, which decides it again. On the
 /// netfilter path only the drops tc makes before any NAT are made here (a client outside the
 /// frontend's `loadBalancerSourceRanges`, a frontend whose endpoints are all on other nodes
 /// with `externalTrafficPolicy: Local`), so a flood of those never costs an skb. As in tc, a
