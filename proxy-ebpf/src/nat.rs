@@ -210,6 +210,22 @@ fn leave_by_ingress(ctx: &TcContext, to: &CtValue, via: u32) -> Option<i32> {
 /// `to`, arriving on `ifindex` (tc's fast path and XDP alike).
 #[inline(always)]
 pub fn fib_query(params: &mut FibLookup, family: u8, protocol: u8, to: &CtValue, ifindex: u32) {
+    fib_query_addrs(params, family, protocol, &to.src, &to.dst, ifindex);
+    params.sport = to.sport;
+    params.dport = to.dport;
+}
+
+/// Fills `params` with a fib query from `src` to `dst` for a packet of `family` and L4
+/// `protocol` arriving on `ifindex`, without ports (the caller sets them).
+#[inline(always)]
+pub fn fib_query_addrs(
+    params: &mut FibLookup,
+    family: u8,
+    protocol: u8,
+    src: &[u32; 4],
+    dst: &[u32; 4],
+    ifindex: u32,
+) {
     // SAFETY: an all-zero bpf_fib_lookup is a valid (empty) query.
     *params = unsafe { mem::zeroed() };
     params.family = if family == family::V6 {
@@ -218,15 +234,13 @@ pub fn fib_query(params: &mut FibLookup, family: u8, protocol: u8, to: &CtValue,
         AF_INET
     };
     params.l4_protocol = protocol;
-    params.sport = to.sport;
-    params.dport = to.dport;
     params.ifindex = ifindex;
     if family == family::V6 {
-        params.__bindgen_anon_3.ipv6_src = to.src;
-        params.__bindgen_anon_4.ipv6_dst = to.dst;
+        params.__bindgen_anon_3.ipv6_src = *src;
+        params.__bindgen_anon_4.ipv6_dst = *dst;
     } else {
-        params.__bindgen_anon_3.ipv4_src = to.src[0];
-        params.__bindgen_anon_4.ipv4_dst = to.dst[0];
+        params.__bindgen_anon_3.ipv4_src = src[0];
+        params.__bindgen_anon_4.ipv4_dst = dst[0];
     }
 }
 

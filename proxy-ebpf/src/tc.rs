@@ -44,7 +44,7 @@ use crate::{
         KPR_NODE_CONFIG, KPR_SNAT_IFACES, KPR_SOURCE_RANGES, KPR_TC_FAMILY, KPR_TC_FRAGMENT,
         scratch,
     },
-    nat::{draining, fast_path, translate, translate_source},
+    nat::{draining, fast_path, fib_query, translate, translate_source},
     parse::{ETH_P_IP, ETH_P_IPV6, Frame, Packet, is_later_fragment, parse, parse_later_fragment},
     stats::bump,
 };
@@ -902,9 +902,6 @@ fn insert_egress<const V6: bool>(pkt: &Packet) -> bool {
 /// `new_flow`'s.
 #[inline(never)]
 fn route_to_backend<C: Frame>(ctx: &C, pkt: &Packet) -> bool {
-    // The kernel's AF_INET and AF_INET6.
-    const AF_INET: u8 = 2;
-    const AF_INET6: u8 = 10;
     let Some(scratch) = scratch() else {
         return false;
     };
@@ -913,22 +910,15 @@ fn route_to_backend<C: Frame>(ctx: &C, pkt: &Packet) -> bool {
     let scratch = unsafe { &mut *scratch };
     // Cleared first: the slot holds the previous packet's.
     scratch.egress_snat = [0; 4];
+    // `forward` still holds the client's own source here (SNAT comes after this lookup).
+    fib_query(
+        &mut scratch.fib,
+        pkt.family,
+        pkt.proto,
+        &scratch.forward,
+        ctx.ingress_ifindex(),
+    );
     let params: &mut FibLookup = &mut scratch.fib;
-    // SAFETY: an all-zero bpf_fib_lookup is a valid (empty) query.
-    *params = unsafe { mem::zeroed() };
-    params.l4_protocol = pkt.proto;
-    params.sport = pkt.sport;
-    params.dport = scratch.forward.dport;
-    params.ifindex = ctx.ingress_ifindex();
-    if pkt.is_v6() {
-        params.family = AF_INET6;
-        params.__bindgen_anon_3.ipv6_src = pkt.src;
-        params.__bindgen_anon_4.ipv6_dst = scratch.forward.dst;
-    } else {
-        params.family = AF_INET;
-        params.__bindgen_anon_3.ipv4_src = pkt.src[0];
-        params.__bindgen_anon_4.ipv4_dst = scratch.forward.dst[0];
-    }
     // SAFETY: params points to a bpf_fib_lookup of the size passed.
     let ret =
         unsafe { bpf_fib_lookup(ctx.as_ptr(), params, mem::size_of::<FibLookup>() as i32, 0) };

@@ -46,15 +46,11 @@ use crate::{
     conntrack::{self, View},
     csum::{add_words, fold, store, sum_port, sum_word},
     maps::{KPR_SNAT_IFACES, KPR_XDP_NEW_FLOW, KPR_XDP_TARGETS, scratch},
-    nat::{draining, fast_path, fib_query},
+    nat::{draining, fast_path, fib_query, fib_query_addrs},
     parse::{ETH_HLEN, ETH_P_IP, ETH_P_IPV6, Frame, Packet, linear_at, load, parse_whole},
     stats::bump,
     tc::{DROP, Verdict, external_frontend, new_flow, source_allowed},
 };
-
-/// The kernel's AF_INET and AF_INET6.
-const AF_INET: u8 = 2;
-const AF_INET6: u8 = 10;
 
 /// Offset of the IPv4 header checksum.
 const IPV4_CSUM: usize = ETH_HLEN + 10;
@@ -252,22 +248,10 @@ fn returns_by_ingress(ctx: &XdpContext, pkt: &Packet) -> bool {
     // SAFETY: the per-CPU slot is ours until the program ends; `fib` is rewritten by every
     // lookup that uses it.
     let params: &mut FibLookup = unsafe { &mut (*scratch).fib };
-    // SAFETY: an all-zero bpf_fib_lookup is a valid (empty) query.
-    *params = unsafe { mem::zeroed() };
     let ingress = Frame::ingress_ifindex(ctx);
-    params.l4_protocol = pkt.proto;
+    fib_query_addrs(params, pkt.family, pkt.proto, &pkt.dst, &pkt.src, ingress);
     params.sport = pkt.dport;
     params.dport = pkt.sport;
-    params.ifindex = ingress;
-    if pkt.is_v6() {
-        params.family = AF_INET6;
-        params.__bindgen_anon_3.ipv6_src = pkt.dst;
-        params.__bindgen_anon_4.ipv6_dst = pkt.src;
-    } else {
-        params.family = AF_INET;
-        params.__bindgen_anon_3.ipv4_src = pkt.dst[0];
-        params.__bindgen_anon_4.ipv4_dst = pkt.src[0];
-    }
     // SAFETY: params is a scratch value of the size passed.
     let ret =
         unsafe { bpf_fib_lookup(ctx.as_ptr(), params, mem::size_of::<FibLookup>() as i32, 0) };

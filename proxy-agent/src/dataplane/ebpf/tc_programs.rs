@@ -10,7 +10,7 @@
 use aya::{
     Ebpf,
     maps::ProgramArray,
-    programs::{Program, ProgramFd, SchedClassifier},
+    programs::{Program, ProgramError, ProgramFd, SchedClassifier},
 };
 use proxy_common::{TcFamilyProgram, TcFragmentProgram, map_names};
 
@@ -85,7 +85,7 @@ pub(super) fn load_in_parallel(ebpf: &mut Ebpf, names: &[&'static str]) -> Resul
                     let loaded = match program {
                         Program::SchedClassifier(classifier) => classifier.load(),
                         Program::Xdp(xdp) => xdp.load(),
-                        _ => return Err(EbpfError::MissingProgram(name)),
+                        _ => Err(ProgramError::UnexpectedProgramType),
                     };
                     loaded.map_err(|source| EbpfError::Program { name, source })
                 })
