@@ -1,11 +1,16 @@
 //! Where the agent's memory goes (item 6's profile): the agent library's structures built
-//! in-process one after the other at a workload's size, with the resident set read after each
+//! in-process one after the other (objects, store, snapshot, the eBPF map writer's records) at a workload's size, with the resident set read after each
 //! step. `malloc_trim` runs before every reading so that freed memory the allocator still
 //! holds does not count: the differences are what each structure keeps alive.
 
 use super::workload::{LiveSet, Workload};
+use ipnet::IpNet;
+use proxy_agent::dataplane::ebpf::{
+    BackendValue, FrontendMapKey, MapOps, MapWriteError, MapWriter,
+};
 use proxy_agent::desired::Snapshot;
 use proxy_agent::objects::{Kind, Store, Update};
+use proxy_common::{AffinityMatchKey, BackendSlotKey, FrontendValue, MaglevBlock, MaglevKey};
 
 /// Resident memory kept alive by each step, in KiB.
 #[derive(Debug, Clone, Copy, Default)]
@@ -18,6 +23,52 @@ pub struct MemoryBreakdown {
     pub store_index_kib: u64,
     /// The desired state computed from the store.
     pub snapshot_kib: u64,
+    /// The eBPF map writer's record of what it wrote (every frontend's backend ids, the
+    /// backend table), after a full apply of the snapshot.
+    pub map_writer_kib: u64,
+}
+
+/// Maps that take every write and keep nothing: the map writer's own records are what is
+/// measured.
+struct DiscardingMaps;
+
+impl MapOps for DiscardingMaps {
+    fn put_frontend(&mut self, _: FrontendMapKey, _: FrontendValue) -> Result<(), MapWriteError> {
+        Ok(())
+    }
+    fn delete_frontend(&mut self, _: FrontendMapKey) -> Result<(), MapWriteError> {
+        Ok(())
+    }
+    fn put_slot(&mut self, _: BackendSlotKey, _: u32) -> Result<(), MapWriteError> {
+        Ok(())
+    }
+    fn delete_slot(&mut self, _: BackendSlotKey) -> Result<(), MapWriteError> {
+        Ok(())
+    }
+    fn put_backend(&mut self, _: u32, _: BackendValue) -> Result<(), MapWriteError> {
+        Ok(())
+    }
+    fn delete_backend(&mut self, _: u32, _: BackendValue) -> Result<(), MapWriteError> {
+        Ok(())
+    }
+    fn put_affinity_match(&mut self, _: AffinityMatchKey) -> Result<(), MapWriteError> {
+        Ok(())
+    }
+    fn delete_affinity_match(&mut self, _: AffinityMatchKey) -> Result<(), MapWriteError> {
+        Ok(())
+    }
+    fn put_source_range(&mut self, _: u32, _: IpNet) -> Result<(), MapWriteError> {
+        Ok(())
+    }
+    fn delete_source_range(&mut self, _: u32, _: IpNet) -> Result<(), MapWriteError> {
+        Ok(())
+    }
+    fn put_maglev(&mut self, _: MaglevKey, _: MaglevBlock) -> Result<(), MapWriteError> {
+        Ok(())
+    }
+    fn delete_maglev(&mut self, _: MaglevKey) -> Result<(), MapWriteError> {
+        Ok(())
+    }
 }
 
 /// The resident set after giving freed memory back to the kernel.
@@ -52,6 +103,10 @@ pub fn breakdown(w: Workload, node: &str) -> MemoryBreakdown {
     let mut snapshot = Snapshot::default();
     snapshot.update(store.objects(), node, None);
     let with_snapshot = trimmed_rss_kib();
+    let mut map_writer = MapWriter::default();
+    let _ = map_writer.apply_snapshot(&snapshot, None, &mut DiscardingMaps);
+    let with_map_writer = trimmed_rss_kib();
+    drop(map_writer);
     drop(snapshot);
     drop(store);
     MemoryBreakdown {
@@ -59,6 +114,7 @@ pub fn breakdown(w: Workload, node: &str) -> MemoryBreakdown {
         slices_kib: with_objects.saturating_sub(with_services),
         store_index_kib: with_store.saturating_sub(with_objects),
         snapshot_kib: with_snapshot.saturating_sub(with_store),
+        map_writer_kib: with_map_writer.saturating_sub(with_snapshot),
     }
 }
 

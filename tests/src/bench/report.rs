@@ -425,14 +425,15 @@ fn goals(md: &mut String, r: &Results) {
                 format!(
                     "**missed** by {:.0} MiB; of it the Services and EndpointSlices in the \
                      agent's compact form keep {:.0} MiB alive ({:.0} B per Service, {:.0} B \
-                     per endpoint), the store's indexes {:.0} MiB, the snapshot {:.0} MiB — \
-                     see §6",
+                     per endpoint), the store's indexes {:.0} MiB, the snapshot {:.0} MiB, the \
+                     eBPF map writer's records {:.0} MiB — see §6",
                     rss - GOAL_RSS_MIB,
                     p.memory.objects_kib() as f64 / 1024.0,
                     per_service_bytes(p),
                     per_endpoint_bytes(p),
                     p.memory.store_index_kib as f64 / 1024.0,
-                    p.memory.snapshot_kib as f64 / 1024.0
+                    p.memory.snapshot_kib as f64 / 1024.0,
+                    p.memory.map_writer_kib as f64 / 1024.0
                 )
             }
         );
@@ -1356,20 +1357,22 @@ fn memory_section(md: &mut String, r: &Results) {
          keeps alive; not a same-run ratio). The Services and EndpointSlices are held in the \
          agent's compact form (`objects::ServiceInfo`, `objects::EndpointSliceInfo`), into \
          which the sources convert each object as it arrives; the store moves them in and \
-         adds its indexes; the snapshot is the desired state computed from them. The Services \
-         are built first and the slices after, so each has its own reading; per Service and \
-         per endpoint divide them by the counts.\n"
+         adds its indexes; the snapshot is the desired state computed from them; the eBPF map \
+         writer's records are what it keeps of what it wrote after a full apply of that \
+         snapshot (each frontend's backend ids by slot, the backend table), over maps that \
+         discard the writes. The Services are built first and the slices after, so each has its \
+         own reading; per Service and per endpoint divide them by the counts.\n"
     );
     let _ = writeln!(
         md,
-        "| Services | endpoints | Services (compact) | per Service | EndpointSlices (compact) | per endpoint | store indexes | snapshot |\n|---|---|---|---|---|---|---|---|"
+        "| Services | endpoints | Services (compact) | per Service | EndpointSlices (compact) | per endpoint | store indexes | snapshot | eBPF map writer's records |\n|---|---|---|---|---|---|---|---|---|"
     );
     for p in scale::agent_sizes(r) {
         let m = &p.memory;
         let mib = |kib: u64| format!("{:.1} MiB", kib as f64 / 1024.0);
         let _ = writeln!(
             md,
-            "| {} | {} | {} | {:.0} B | {} | {:.0} B | {} | {} |",
+            "| {} | {} | {} | {:.0} B | {} | {:.0} B | {} | {} | {} |",
             size(p.workload.services),
             p.workload.total_endpoints(),
             mib(m.services_kib),
@@ -1378,6 +1381,7 @@ fn memory_section(md: &mut String, r: &Results) {
             per_endpoint_bytes(p),
             mib(m.store_index_kib),
             mib(m.snapshot_kib),
+            mib(m.map_writer_kib),
         );
     }
     let _ = writeln!(md);

@@ -911,16 +911,23 @@ pub(super) fn raw_program_of(prog_type: u32, insns: &[u64]) -> Result<OwnedFd> {
     Ok(unsafe { OwnedFd::from_raw_fd(fd) })
 }
 
-/// Paths profiled: the cheapest IP path over the goal, the translating ones (a new flow
-/// included), XDP's pass-through and both of its translating paths: every path with a goal.
-const PROFILED: [TcPath; 7] = [
+/// Paths profiled: every path with a goal except the non-IP frame (met) and the IPv4 program
+/// run directly (the pass-through without its hand-off): a goal missed is shown with where its
+/// time goes.
+const PROFILED: [TcPath; 13] = [
     TcPath::PassThrough,
+    TcPath::Drop,
     TcPath::NodePortNewFlow,
     TcPath::NodePortEstablished,
     TcPath::ReverseNat,
+    TcPath::PodNotReply,
+    TcPath::RemoteEstablished,
+    TcPath::RemoteReverseNat,
+    TcPath::RemoteNewFlow,
     TcPath::XdpPassThrough,
     TcPath::XdpEstablished,
     TcPath::XdpReverseNat,
+    TcPath::XdpNewFlow,
 ];
 
 /// Samples this thread with `perf record` (cpu-clock, call graphs) while it runs each path

@@ -193,10 +193,11 @@ pub struct ApplySummary {
 struct Retired {
     /// The frontend value that pointed at it: service id, generation, slot count, Maglev size.
     value: FrontendValue,
-    /// Backend ids by slot; empty for an adopted frontend whose slots were already deleted.
+    /// Backend ids by slot, each a reference it holds (released when it is deleted).
     slots: Vec<u32>,
-    /// The backends it holds a reference to (released when it is deleted).
-    backends: Vec<BackendValue>,
+    /// Its slots are in the maps (not so for an adopted frontend's damaged generation, whose
+    /// slots the adoption deleted).
+    slots_in_maps: bool,
     /// Its Maglev table is in the map (not so for an adopted frontend whose table was not).
     maglev_table: bool,
     due: Instant,
@@ -227,12 +228,14 @@ struct AppliedFrontend {
     owner: Option<ServicePortName>,
     map_key: FrontendMapKey,
     value: FrontendValue,
-    /// Backend ids by slot, in the live generation.
+    /// Backend ids by slot, in the live generation: the only record of its backends (their
+    /// values are the backend table's). A damaged frontend's are the ids it holds, some of
+    /// whose slots are missing.
     slots: Vec<u32>,
-    backends: Vec<BackendValue>,
     /// `loadBalancerSourceRanges` written for this frontend's service id.
     source_ranges: Vec<IpNet>,
     /// Read back from maps with missing slots: rewrite on the next apply even if it looks equal.
+    /// Its slots were deleted at the adoption.
     damaged: bool,
     /// Read back with a Maglev table missing entries: rewrite on the next apply.
     maglev_incomplete: bool,
@@ -300,15 +303,6 @@ fn maglev_complete(
                 .all(|id| slots.contains(id))
         })
     })
-}
-
-#[derive(Debug, Default)]
-struct BackendEntry {
-    id: u32,
-    /// Generations (live and retired) that hold a slot on it: at most two per frontend, and
-    /// the frontends are counted in u32 ids. (u32: 300k backends at 30k Services x 10
-    /// endpoints are this table's entries, and the tree packs eight bytes less per entry.)
-    users: u32,
 }
 
 /// The content of the pinned service maps, as read back after a restart.
@@ -414,7 +408,7 @@ impl MapWriter {
     }
 
     fn delete_retired(&mut self, retired: Retired, maps: &mut impl MapOps) {
-        self.delete_generation(&retired.value, retired.slots.len(), &retired.backends, maps);
+        self.delete_generation(&retired.value, &retired.slots, retired.slots_in_maps, maps);
         if !retired.frees_service_id {
             return;
         }
@@ -486,7 +480,6 @@ impl MapWriter {
                 continue;
             };
             let mut slots = Vec::new();
-            let mut backends = Vec::new();
             let mut damaged = false;
             for slot in 0..value.backend_count {
                 let slot_key = BackendSlotKey {
@@ -495,11 +488,25 @@ impl MapWriter {
                     generation: value.generation,
                     _pad: 0,
                 };
-                match content.slots.get(&slot_key) {
-                    Some(&id) if content.backends.contains_key(&id) => {
+                let backend = content
+                    .slots
+                    .get(&slot_key)
+                    .and_then(|id| Some((*id, *content.backends.get(id)?)));
+                match backend {
+                    // A backend value under a second id (maps no writer of ours leaves) is
+                    // known by its first: the slot counts as missing, so the frontend is
+                    // rewritten, and the second id is removed with the orphans.
+                    Some((id, backend))
+                        if map_writer
+                            .backends
+                            .id_of(&backend)
+                            .is_none_or(|known| known == id) =>
+                    {
                         live_slots.insert(slot_key);
                         slots.push(id);
-                        backends.push(content.backends[&id]);
+                        if map_writer.backends.hold(&backend).is_none() {
+                            map_writer.backends.insert(backend, id);
+                        }
                     }
                     _ => damaged = true,
                 }
@@ -523,9 +530,6 @@ impl MapWriter {
                     backend_id,
                 }));
             }
-            for (&id, backend) in slots.iter().zip(&backends) {
-                map_writer.backends.entry_or_new(*backend, id).users += 1;
-            }
             let source_ranges = content
                 .source_ranges
                 .iter()
@@ -538,9 +542,7 @@ impl MapWriter {
                     owner: None,
                     map_key,
                     value,
-                    // A damaged frontend's partial slot list would not match its count.
-                    slots: if damaged { Vec::new() } else { slots },
-                    backends,
+                    slots,
                     source_ranges,
                     damaged,
                     maglev_incomplete,
@@ -565,7 +567,7 @@ impl MapWriter {
                 cleaned += usize::from(maps.delete_maglev(*key).is_ok());
             }
         }
-        let used_ids: BTreeSet<u32> = map_writer.backends.values().map(|e| e.id).collect();
+        let used_ids: BTreeSet<u32> = map_writer.backends.iter().map(|(id, _)| id).collect();
         for (id, backend) in &content.backends {
             if !used_ids.contains(id) {
                 cleaned += usize::from(maps.delete_backend(*id, *backend).is_ok());
@@ -704,7 +706,10 @@ impl MapWriter {
                 if let Some(applied) = self.frontends.get(&key)
                     && !applied.damaged
                     && !applied.maglev_incomplete
-                    && applied.backends == backends
+                    && self
+                        .backends
+                        .values_of(&applied.slots)
+                        .eq(backends.iter().copied().map(Some))
                     && applied.affinity_timeout() == frontend.affinity_timeout
                     && applied.policy_flags() == frontend.flags
                     && applied.source_ranges == frontend.source_ranges
@@ -952,18 +957,20 @@ impl MapWriter {
                 map_key,
                 value,
                 slots,
-                backends,
                 source_ranges,
                 damaged: false,
                 maglev_incomplete: false,
             },
         );
         if let Some(old) = old {
-            let current = &self.frontends[&key].backends;
+            // Ids, as the backend table gives one id per backend; the old generation's
+            // references keep its ids in the table until it is deleted.
+            let current = &self.frontends[&key].slots;
             summary.removed_backends.extend(
-                old.backends
+                old.slots
                     .iter()
-                    .filter(|b| !current.contains(b))
+                    .filter(|id| !current.contains(id))
+                    .filter_map(|&id| self.backends.value_of(id))
                     .map(|b| RemovedBackend {
                         frontend: key,
                         backend: b.socket_addr(),
@@ -975,7 +982,7 @@ impl MapWriter {
                     maglev_table: !old.damaged && !old.maglev_incomplete,
                     value: old.value,
                     slots: old.slots,
-                    backends: old.backends,
+                    slots_in_maps: !old.damaged,
                     due,
                     frees_service_id: false,
                 },
@@ -1026,31 +1033,30 @@ impl MapWriter {
         new: &mut Vec<(u32, BackendValue)>,
         written: &mut Written,
     ) -> Result<u32, MapWriteError> {
-        if let Some(entry) = self.backends.get_mut(&backend) {
-            entry.users += 1;
+        if let Some(id) = self.backends.hold(&backend) {
             written.acquired.push(backend);
-            return Ok(entry.id);
+            return Ok(id);
         }
         let id = self
             .backend_ids
             .allocate()
             .ok_or(MapWriteError::Full("backend id"))?;
-        self.backends.entry_or_new(backend, id).users = 1;
+        self.backends.insert(backend, id);
         written.acquired.push(backend);
         new.push((id, backend));
         Ok(id)
     }
 
+    fn release_backend_id(&mut self, id: u32, maps: &mut impl MapOps) {
+        if let Some(backend) = self.backends.value_of(id) {
+            self.release_backend(&backend, maps);
+        }
+    }
+
     fn release_backend(&mut self, backend: &BackendValue, maps: &mut impl MapOps) {
-        let Some(entry) = self.backends.get_mut(backend) else {
+        let Some(id) = self.backends.release(backend) else {
             return;
         };
-        entry.users = entry.users.saturating_sub(1);
-        if entry.users > 0 {
-            return;
-        }
-        let id = entry.id;
-        self.backends.remove(backend);
         if let Err(reason) = maps.delete_backend(id, *backend) {
             warn!(backend_id = id, %reason, "cannot delete unused backend");
         }
@@ -1083,15 +1089,16 @@ impl MapWriter {
         }
     }
 
-    /// Deletes one generation of `value`'s service id: its `slot_count` slots, its Maglev table,
-    /// and its references to `backends`.
+    /// Deletes one generation of `value`'s service id: its slots (if `slots_in_maps`), its
+    /// Maglev table, and its references to the backends `slots` holds.
     fn delete_generation(
         &mut self,
         value: &FrontendValue,
-        slot_count: usize,
-        backends: &[BackendValue],
+        slots: &[u32],
+        slots_in_maps: bool,
         maps: &mut impl MapOps,
     ) {
+        let slot_count = if slots_in_maps { slots.len() } else { 0 };
         for slot in 0..slot_count {
             let key = BackendSlotKey {
                 service_id: value.service_id,
@@ -1110,8 +1117,8 @@ impl MapWriter {
                 break;
             }
         }
-        for backend in backends {
-            self.release_backend(backend, maps);
+        for &id in slots {
+            self.release_backend_id(id, maps);
         }
     }
 
@@ -1139,9 +1146,11 @@ impl MapWriter {
             }
             summary
                 .removed_backends
-                .extend(applied.backends.iter().map(|b| RemovedBackend {
-                    frontend: key,
-                    backend: b.socket_addr(),
+                .extend(self.backends.values_of(&applied.slots).flatten().map(|b| {
+                    RemovedBackend {
+                        frontend: key,
+                        backend: b.socket_addr(),
+                    }
                 }));
             // Its slots and backends stay for the grace, like a switched-out generation's, for
             // programs that read the frontend just before it went; so does its service id, which
@@ -1153,7 +1162,7 @@ impl MapWriter {
                     maglev_table: !applied.damaged && !applied.maglev_incomplete,
                     value: applied.value,
                     slots: applied.slots,
-                    backends: applied.backends,
+                    slots_in_maps: !applied.damaged,
                     due,
                     frees_service_id: true,
                 },
@@ -1193,10 +1202,12 @@ impl MapWriter {
                     .map(|range| (value.service_id, range.trunc())),
             );
             if value.flags & frontend_flags::MAGLEV != 0 {
+                let backends: Option<Vec<BackendValue>> =
+                    self.backends.values_of(&applied.slots).collect();
                 match maglev_blocks(
                     value.service_id,
                     value.generation,
-                    &applied.backends,
+                    &backends?,
                     &applied.slots,
                     value.maglev_size,
                 ) {
@@ -1210,12 +1221,16 @@ impl MapWriter {
         // that a drift repair does not delete them early.
         for retired in self.retired.iter() {
             let value = retired.value;
-            slots.extend(slot_entries(&value, &retired.slots));
+            if retired.slots_in_maps {
+                slots.extend(slot_entries(&value, &retired.slots));
+            }
             if value.flags & frontend_flags::MAGLEV != 0 && retired.maglev_table {
+                let backends: Option<Vec<BackendValue>> =
+                    self.backends.values_of(&retired.slots).collect();
                 match maglev_blocks(
                     value.service_id,
                     value.generation,
-                    &retired.backends,
+                    &backends?,
                     &retired.slots,
                     value.maglev_size,
                 ) {
@@ -1225,11 +1240,7 @@ impl MapWriter {
             }
         }
         content.slots = slots.into_iter().collect();
-        content.backends = self
-            .backends
-            .iter()
-            .map(|(backend, entry)| (entry.id, *backend))
-            .collect();
+        content.backends = self.backends.iter().collect();
         Some(content)
     }
 }
@@ -1451,4 +1462,5 @@ fn slot_entries<'a>(
 #[cfg(test)]
 mod tests;
 
+mod id_index;
 mod usage;

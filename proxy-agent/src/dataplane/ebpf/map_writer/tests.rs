@@ -673,6 +673,61 @@ fn adoption_cleans_what_an_interrupted_update_left_behind() {
     assert_eq!(pods(&maps, &web), [1, 2]);
 }
 
+/// The slot of `key`'s live generation.
+fn live_slot(maps: &FakeMaps, key: &FrontendKey, slot: u16) -> BackendSlotKey {
+    let value = maps.frontends[&frontend_map_key(key).expect("supported")];
+    BackendSlotKey {
+        service_id: value.service_id,
+        slot,
+        generation: value.generation,
+        _pad: 0,
+    }
+}
+
+#[test]
+fn adoption_rewrites_frontends_with_a_missing_slot_or_a_backend_under_a_second_id() {
+    let mut maps = FakeMaps::with_slot_capacity(100);
+    let web = key([10, 96, 0, 10], 80);
+    let api = key([10, 96, 0, 11], 80);
+    let db = key([10, 96, 0, 12], 80);
+    let state = snapshot(&[(web, &[1, 2]), (api, &[2, 3]), (db, &[4, 5])]);
+    no_grace().apply(state.clone(), &mut maps);
+    // api's first slot names pod 2 under a second id; db's second slot is gone.
+    let api_first = live_slot(&maps, &api, 0);
+    let pod2 = maps.backends[&maps.slots[&api_first]];
+    maps.backends.insert(99, pod2);
+    maps.slots.insert(api_first, 99);
+    maps.slots.remove(&live_slot(&maps, &db, 1));
+
+    let mut adopted =
+        MapWriter::adopt(maps.content(), &mut maps).with_grace(Duration::ZERO, Instant::now);
+    assert!(
+        !maps.backends.contains_key(&99),
+        "the second id is removed with the orphans"
+    );
+    assert_eq!(
+        adopted.counts(),
+        (3, 4),
+        "pods 1 to 4: pod 5's only slot is gone"
+    );
+    assert!(adopted.expected_content().is_none(), "damaged frontends");
+    let (summary, errors) = adopted.apply(state, &mut maps);
+    assert!(errors.is_empty(), "{errors:?}");
+    assert_eq!(
+        (summary.frontends_unchanged, summary.frontends_written),
+        (1, 2)
+    );
+    maps.check_invariants();
+    assert_eq!(pods(&maps, &api), [2, 3]);
+    assert_eq!(pods(&maps, &db), [4, 5]);
+    assert!(adopted.expected_content().is_some());
+    // Every reference the damaged generations held was released: nothing is left.
+    adopted.apply([gone(web), gone(api), gone(db)], &mut maps);
+    maps.check_invariants();
+    assert!(maps.frontends.is_empty() && maps.slots.is_empty() && maps.backends.is_empty());
+    assert_eq!(adopted.counts(), (0, 0));
+}
+
 #[test]
 fn a_frontend_claimed_by_two_service_ports_stays_with_the_first() {
     let mut maps = FakeMaps::with_slot_capacity(10);

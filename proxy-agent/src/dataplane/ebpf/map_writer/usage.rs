@@ -5,14 +5,15 @@
 //! sync itself. So the records live in collections that adjust the counts on every insert and
 //! removal, and only reads and count-neutral changes are open to the rest of the writer.
 
-use std::{
-    collections::{BTreeMap, btree_map::Entry},
-    ops::Deref,
-};
+use std::{collections::BTreeMap, ops::Deref};
 
 use proxy_common::map_names;
 
-use super::{AppliedFrontend, BackendEntry, BackendValue, FrontendMapKey, Retired, maglev_keys};
+mod backend_table;
+
+pub(super) use backend_table::BackendTable;
+
+use super::{AppliedFrontend, BackendValue, FrontendMapKey, Retired, maglev_keys};
 use crate::desired::{FrontendKey, ServicePortName};
 
 /// Entries per written map.
@@ -33,7 +34,12 @@ impl MapUsage {
         Self {
             frontends4: u64::from(v4),
             frontends6: u64::from(!v4),
-            slots: applied.slots.len() as u64,
+            // A damaged frontend's slots were deleted at its adoption.
+            slots: if applied.damaged {
+                0
+            } else {
+                applied.slots.len() as u64
+            },
             source_ranges: applied.source_ranges.len() as u64,
             maglev: maglev_keys(&applied.value).count() as u64,
             ..Self::default()
@@ -42,7 +48,11 @@ impl MapUsage {
 
     fn of_retired(retired: &Retired) -> Self {
         Self {
-            slots: retired.slots.len() as u64,
+            slots: if retired.slots_in_maps {
+                retired.slots.len() as u64
+            } else {
+                0
+            },
             maglev: maglev_keys(&retired.value).count() as u64,
             ..Self::default()
         }
@@ -205,50 +215,6 @@ impl RetiredList {
     }
 }
 
-/// The backends in the maps with their ids and how many generations use each.
-#[derive(Debug, Default)]
-pub(super) struct BackendTable {
-    map: BTreeMap<BackendValue, BackendEntry>,
-    usage: MapUsage,
-}
-
-impl Deref for BackendTable {
-    type Target = BTreeMap<BackendValue, BackendEntry>;
-    fn deref(&self) -> &Self::Target {
-        &self.map
-    }
-}
-
-impl BackendTable {
-    pub(super) fn usage(&self) -> MapUsage {
-        self.usage
-    }
-
-    /// The entry of `backend`, created with `id` and no users when it has none.
-    pub(super) fn entry_or_new(&mut self, backend: BackendValue, id: u32) -> &mut BackendEntry {
-        match self.map.entry(backend) {
-            Entry::Occupied(entry) => entry.into_mut(),
-            Entry::Vacant(entry) => {
-                self.usage.add(MapUsage::of_backend(&backend));
-                entry.insert(BackendEntry { id, users: 0 })
-            }
-        }
-    }
-
-    /// The entry of a backend in the maps (its id and users count in no map).
-    pub(super) fn get_mut(&mut self, backend: &BackendValue) -> Option<&mut BackendEntry> {
-        self.map.get_mut(backend)
-    }
-
-    pub(super) fn remove(&mut self, backend: &BackendValue) -> Option<BackendEntry> {
-        let old = self.map.remove(backend);
-        if old.is_some() {
-            self.usage.sub(MapUsage::of_backend(backend));
-        }
-        old
-    }
-}
-
 #[cfg(test)]
 impl super::MapWriter {
     /// The counts kept as the writer goes equal a count over its records: checked after every
@@ -261,8 +227,8 @@ impl super::MapWriter {
         for retired in self.retired.iter() {
             recounted.add(MapUsage::of_retired(retired));
         }
-        for backend in self.backends.keys() {
-            recounted.add(MapUsage::of_backend(backend));
+        for (_, backend) in self.backends.iter() {
+            recounted.add(MapUsage::of_backend(&backend));
         }
         assert_eq!(
             MapUsage::sum(&[
