@@ -194,7 +194,7 @@ struct Retired {
     /// The frontend value that pointed at it: service id, generation, slot count, Maglev size.
     value: FrontendValue,
     /// Backend ids by slot, each a reference it holds (released when it is deleted).
-    slots: Vec<u32>,
+    slots: Box<[u32]>,
     /// Its slots are in the maps (not so for an adopted frontend's damaged generation, whose
     /// slots the adoption deleted).
     slots_in_maps: bool,
@@ -226,14 +226,14 @@ enum FrontendWrite {
 struct AppliedFrontend {
     /// `None`: adopted from pinned maps and not claimed by a service port yet.
     owner: Option<ServicePortName>,
-    map_key: FrontendMapKey,
     value: FrontendValue,
     /// Backend ids by slot, in the live generation: the only record of its backends (their
     /// values are the backend table's). A damaged frontend's are the ids it holds, some of
-    /// whose slots are missing.
-    slots: Vec<u32>,
+    /// whose slots are missing. (Boxed slices here, not vectors: 60k frontends at 30k
+    /// Services, each record as small as it goes; the frontend's map key is its table key's.)
+    slots: Box<[u32]>,
     /// `loadBalancerSourceRanges` written for this frontend's service id.
-    source_ranges: Vec<IpNet>,
+    source_ranges: Box<[IpNet]>,
     /// Read back from maps with missing slots: rewrite on the next apply even if it looks equal.
     /// Its slots were deleted at the adoption.
     damaged: bool,
@@ -535,14 +535,13 @@ impl MapWriter {
                 .iter()
                 .filter(|(id, _)| *id == value.service_id)
                 .map(|(_, range)| *range)
-                .collect();
+                .collect::<Box<[IpNet]>>();
             map_writer.frontends.insert(
                 key,
                 AppliedFrontend {
                     owner: None,
-                    map_key,
                     value,
-                    slots,
+                    slots: slots.into_boxed_slice(),
                     source_ranges,
                     damaged,
                     maglev_incomplete,
@@ -712,7 +711,7 @@ impl MapWriter {
                         .eq(backends.iter().copied().map(Some))
                     && applied.affinity_timeout() == frontend.affinity_timeout
                     && applied.policy_flags() == frontend.flags
-                    && applied.source_ranges == frontend.source_ranges
+                    && *applied.source_ranges == *frontend.source_ranges
                     && applied.value.maglev_size == maglev_size
                 {
                     // Also how an adopted frontend is claimed: without a single map write.
@@ -820,7 +819,7 @@ impl MapWriter {
         let old_ranges = self
             .frontends
             .get(&key)
-            .map(|applied| applied.source_ranges.clone())
+            .map(|applied| applied.source_ranges.to_vec())
             .unwrap_or_default();
         let (service_id, new_generation) = match previous {
             Some((value, _)) => (value.service_id, value.generation ^ 1),
@@ -954,10 +953,9 @@ impl MapWriter {
             key,
             AppliedFrontend {
                 owner: Some(owner),
-                map_key,
                 value,
-                slots,
-                source_ranges,
+                slots: slots.into_boxed_slice(),
+                source_ranges: source_ranges.into_boxed_slice(),
                 damaged: false,
                 maglev_incomplete: false,
             },
@@ -1128,11 +1126,11 @@ impl MapWriter {
         maps: &mut impl MapOps,
         summary: &mut ApplySummary,
     ) -> Result<(), MapWriteError> {
-        let Some(applied) = self.frontends.get(&key) else {
+        if !self.frontends.contains_key(&key) {
             return Ok(());
-        };
+        }
         // Unlink the frontend first: from then on no new connection can reach its slots.
-        maps.delete_frontend(applied.map_key)?;
+        maps.delete_frontend(map_key_of(&key))?;
         if let Some(applied) = self.frontends.remove(&key) {
             for stale in matches_of(&applied) {
                 if let Err(reason) = maps.delete_affinity_match(stale) {
@@ -1186,12 +1184,12 @@ impl MapWriter {
         // Collected, then built in one go: the standard library sorts once and builds the
         // tree in bulk instead of a tree insert per slot.
         let mut slots = Vec::new();
-        for applied in self.frontends.values() {
+        for (key, applied) in self.frontends.iter() {
             if applied.damaged || applied.maglev_incomplete {
                 return None;
             }
             let value = applied.value;
-            content.frontends.push((applied.map_key, value));
+            content.frontends.push((map_key_of(key), value));
             slots.extend(slot_entries(&value, &applied.slots));
             content.affinity_matches.extend(matches_of(applied));
             // The LPM trie stores the network: a range given with host bits reads back without.
@@ -1368,13 +1366,18 @@ struct Written {
 pub use proxy_common::addr::{ip4_from_map, ip4_to_map, ip6_from_map, ip6_to_map};
 
 pub fn frontend_map_key(key: &FrontendKey) -> Option<FrontendMapKey> {
+    Some(map_key_of(key))
+}
+
+/// The frontend map's key for `key` (every frontend key has one).
+fn map_key_of(key: &FrontendKey) -> FrontendMapKey {
     let port = key.port.to_be();
     let proto = key.protocol.number();
     let scope = match key.scope {
         Scope::Internal => scope::INTERNAL,
         Scope::External => scope::EXTERNAL,
     };
-    Some(match key.addr {
+    match key.addr {
         IpAddr::V4(addr) => FrontendMapKey::V4(Frontend4Key {
             addr: ip4_to_map(addr),
             port,
@@ -1387,7 +1390,7 @@ pub fn frontend_map_key(key: &FrontendKey) -> Option<FrontendMapKey> {
             proto,
             scope,
         }),
-    })
+    }
 }
 
 pub(super) fn frontend_key_of(map_key: &FrontendMapKey) -> Option<FrontendKey> {

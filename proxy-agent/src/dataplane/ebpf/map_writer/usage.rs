@@ -13,7 +13,7 @@ mod backend_table;
 
 pub(super) use backend_table::BackendTable;
 
-use super::{AppliedFrontend, BackendValue, FrontendMapKey, Retired, maglev_keys};
+use super::{AppliedFrontend, BackendValue, Retired, maglev_keys};
 use crate::desired::{FrontendKey, ServicePortName};
 
 /// Entries per written map.
@@ -29,8 +29,8 @@ pub(super) struct MapUsage {
 }
 
 impl MapUsage {
-    fn of_frontend(applied: &AppliedFrontend) -> Self {
-        let v4 = matches!(applied.map_key, FrontendMapKey::V4(_));
+    fn of_frontend(key: &FrontendKey, applied: &AppliedFrontend) -> Self {
+        let v4 = key.addr.is_ipv4();
         Self {
             frontends4: u64::from(v4),
             frontends6: u64::from(!v4),
@@ -133,10 +133,10 @@ impl FrontendTable {
         key: FrontendKey,
         applied: AppliedFrontend,
     ) -> Option<AppliedFrontend> {
-        self.usage.add(MapUsage::of_frontend(&applied));
+        self.usage.add(MapUsage::of_frontend(&key, &applied));
         let old = self.map.insert(key, applied);
         if let Some(old) = &old {
-            self.usage.sub(MapUsage::of_frontend(old));
+            self.usage.sub(MapUsage::of_frontend(&key, old));
         }
         old
     }
@@ -144,7 +144,7 @@ impl FrontendTable {
     pub(super) fn remove(&mut self, key: &FrontendKey) -> Option<AppliedFrontend> {
         let old = self.map.remove(key);
         if let Some(old) = &old {
-            self.usage.sub(MapUsage::of_frontend(old));
+            self.usage.sub(MapUsage::of_frontend(key, old));
         }
         old
     }
@@ -221,8 +221,8 @@ impl super::MapWriter {
     /// apply and retirement of the map writer's unit tests.
     pub(super) fn assert_usage_counted(&self) {
         let mut recounted = MapUsage::default();
-        for applied in self.frontends.values() {
-            recounted.add(MapUsage::of_frontend(applied));
+        for (key, applied) in self.frontends.iter() {
+            recounted.add(MapUsage::of_frontend(key, applied));
         }
         for retired in self.retired.iter() {
             recounted.add(MapUsage::of_retired(retired));
