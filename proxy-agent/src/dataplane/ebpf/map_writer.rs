@@ -321,8 +321,9 @@ pub struct MapsContent {
 #[derive(Debug)]
 pub struct MapWriter {
     frontends: FrontendTable,
-    /// Which frontends each service port owns.
-    owned: BTreeMap<ServicePortName, Vec<FrontendKey>>,
+    /// Which frontends each service port owns (boxed: a `Vec` grown by one push holds room
+    /// for four, and there is one per service port).
+    owned: BTreeMap<ServicePortName, Box<[FrontendKey]>>,
     backends: BackendTable,
     service_ids: IdAllocator,
     backend_ids: IdAllocator,
@@ -748,7 +749,7 @@ impl MapWriter {
                 }
             }
             if !owned.is_empty() {
-                self.owned.insert(name, owned);
+                self.owned.insert(name, owned.into_boxed_slice());
             }
         }
         #[cfg(test)]

@@ -90,7 +90,13 @@ pub(super) fn attach_and_pin(
         .ok_or(EbpfError::MissingProgram(name))?
         .try_into()
         .map_err(program_error)?;
+    let started = std::time::Instant::now();
     program.load().map_err(program_error)?;
+    tracing::debug!(
+        program = name,
+        elapsed_ms = started.elapsed().as_millis(),
+        "program loaded (verified by the kernel)"
+    );
     // cgroup links are always multi-attach; other modes give EINVAL with bpf_link_create.
     let link_id = program
         .attach(cgroup, CgroupAttachMode::Single)

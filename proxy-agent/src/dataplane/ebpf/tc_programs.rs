@@ -82,11 +82,17 @@ pub(super) fn load_in_parallel(ebpf: &mut Ebpf, names: &[&'static str]) -> Resul
             .into_iter()
             .map(|(name, program)| {
                 scope.spawn(move || {
+                    let started = std::time::Instant::now();
                     let loaded = match program {
                         Program::SchedClassifier(classifier) => classifier.load(),
                         Program::Xdp(xdp) => xdp.load(),
                         _ => Err(ProgramError::UnexpectedProgramType),
                     };
+                    tracing::debug!(
+                        program = name,
+                        elapsed_ms = started.elapsed().as_millis(),
+                        "program loaded (verified by the kernel)"
+                    );
                     loaded.map_err(|source| EbpfError::Program { name, source })
                 })
             })
