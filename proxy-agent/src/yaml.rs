@@ -95,6 +95,29 @@ pub fn decode_str<T: serde::de::DeserializeOwned>(
     text: &str,
     first_line: usize,
 ) -> Result<Decoded<T>, String> {
+    // Without the path tracking first: the documents that decode (nearly all) do not pay for
+    // it; one that does not is decoded again with it, for the message.
+    let mut unknown_fields = Vec::new();
+    let decoded =
+        serde_saphyr::with_deserializer_from_str_with_options(text, options(true), |de| {
+            let mut ignored =
+                |path: serde_ignored::Path<'_>| unknown_fields.push(field_path(&path));
+            T::deserialize(serde_ignored::Deserializer::new(de, &mut ignored))
+        });
+    if let Ok(object) = decoded {
+        return Ok(Decoded {
+            object,
+            unknown_fields,
+        });
+    }
+    decode_str_tracking_paths(text, first_line)
+}
+
+/// [`decode_str`] with the path of the field an error is about.
+fn decode_str_tracking_paths<T: serde::de::DeserializeOwned>(
+    text: &str,
+    first_line: usize,
+) -> Result<Decoded<T>, String> {
     let mut unknown_fields = Vec::new();
     let mut path_error = None;
     let decoded =
