@@ -230,6 +230,24 @@ pub fn resolve(
             "must be greater than or equal to 0",
         );
     }
+    // client-go finds no serializer for any other type and cannot build a client.
+    if let Err(error) =
+        crate::source::kubernetes::Encoding::new(&client.content_type, &client.accept_content_types)
+    {
+        let (field, value, reason) = match error {
+            crate::source::kubernetes::EncodingError::ContentType(_) => (
+                "clientConnection.contentType",
+                &client.content_type,
+                "must be application/json or application/vnd.kubernetes.protobuf",
+            ),
+            crate::source::kubernetes::EncodingError::Accept(_) => (
+                "clientConnection.acceptContentTypes",
+                &client.accept_content_types,
+                "not a valid HTTP Accept header",
+            ),
+        };
+        c.invalid(field, value, reason);
+    }
     let client_connection = ClientConnection {
         kubeconfig: (!client.kubeconfig.is_empty()).then(|| PathBuf::from(&client.kubeconfig)),
         accept_content_types: client.accept_content_types.clone(),
@@ -516,21 +534,11 @@ fn is_major_minor(text: &str) -> bool {
 /// Settings kube-proxy uses that have no counterpart here, when they differ from upstream's
 /// defaults: named in one warning instead of silently doing nothing.
 fn unused_settings(doc: &KubeProxyConfiguration) -> Option<Notice> {
-    use super::defaults::{CONFIG_SYNC_PERIOD, CONTENT_TYPE};
-    let client = &doc.client_connection;
+    use super::defaults::CONFIG_SYNC_PERIOD;
     let unused: Vec<String> = [
         // kube-rs watches have no informer resync: the periodic sync reconciles instead.
         (doc.config_sync_period != CONFIG_SYNC_PERIOD)
             .then(|| format!("configSyncPeriod={}", doc.config_sync_period)),
-        // kube-rs speaks JSON only.
-        (client.content_type != CONTENT_TYPE)
-            .then(|| format!("clientConnection.contentType={}", client.content_type)),
-        (!client.accept_content_types.is_empty()).then(|| {
-            format!(
-                "clientConnection.acceptContentTypes={}",
-                client.accept_content_types
-            )
-        }),
         // Only kube-proxy's removed userspace mode read it.
         (!doc.port_range.is_empty()).then(|| format!("portRange={}", doc.port_range)),
         (!doc.show_hidden_metrics_for_version.is_empty()).then(|| {

@@ -44,14 +44,14 @@ const CONNTRACK_GC_INTERVAL: Duration = Duration::from_secs(30);
 /// Where the objects come from.
 enum Source {
     Manifests(PathBuf),
-    Kubernetes(kube::Client),
+    Kubernetes(kube::Client, source::kubernetes::Encoding),
 }
 
 impl Source {
     fn name(&self) -> &'static str {
         match self {
             Self::Manifests(_) => "manifests",
-            Self::Kubernetes(_) => "kubernetes",
+            Self::Kubernetes(..) => "kubernetes",
         }
     }
 }
@@ -74,6 +74,10 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
                 burst: config.client_connection.burst,
             })
             .await?,
+            source::kubernetes::Encoding::new(
+                &config.client_connection.content_type,
+                &config.client_connection.accept_content_types,
+            )?,
         ),
     };
     let source_name = source.name();
@@ -86,7 +90,7 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     // The source reads (a manifests folder, the API server's lists) while the programs load:
     // the kernel's verifier takes seconds for the tc programs, and neither waits for the other
     // (nothing is programmed before the dataplane has started and every kind was listed).
-    let node_required = matches!(source, Source::Kubernetes(_));
+    let node_required = matches!(source, Source::Kubernetes(..));
     let (tx, mut rx) = mpsc::channel(64);
     let mut store = Store::default();
     let source_task = match source {
@@ -96,7 +100,7 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
             tokio::spawn(source::manifests::run(dir, node.name.clone(), tx))
         }
         // The Node is watched like the other kinds: the first sync waits for its list.
-        Source::Kubernetes(client) => {
+        Source::Kubernetes(client, encoding) => {
             let name = node.name.clone();
             let events = client.clone();
             let event_node = node.name.clone();
@@ -104,7 +108,7 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
                 source::kubernetes::post_starting_event(events, &event_node).await;
             });
             tokio::spawn(async move {
-                source::kubernetes::run(client, name, tx).await;
+                source::kubernetes::run(client, encoding, name, tx).await;
                 Ok(())
             })
         }

@@ -9,10 +9,13 @@
 //! backoff; until then the store, and so the datapath, keeps the last state.
 
 mod client;
+mod encoding;
 mod events;
 mod list;
 mod mapping;
+mod protobuf;
 mod rate_limit;
+mod watch_events;
 mod watcher;
 
 use std::fmt;
@@ -28,6 +31,7 @@ use tokio::sync::mpsc;
 use tracing::{info, warn};
 
 pub use client::{ClientError, ClientOptions, client};
+pub use encoding::{Encoding, EncodingError};
 pub use events::post_starting_event;
 pub use mapping::{EndpointSliceEvents, EventMapper, NodeEvents, ServiceEvents};
 
@@ -45,7 +49,7 @@ pub fn node_field_selector(node_name: &str) -> String {
 }
 
 /// Watches the three kinds until the receiver of `tx` goes away.
-pub async fn run(client: Client, node_name: String, tx: mpsc::Sender<Update>) {
+pub async fn run(client: Client, encoding: Encoding, node_name: String, tx: mpsc::Sender<Update>) {
     // Lists (the first and every relist after a 410) are served from the API server's watch
     // cache (`resourceVersion=0`), as client-go informers ask: a quorum read goes to etcd,
     // and with every node's agent relisting at once that is what the control plane feels.
@@ -59,12 +63,14 @@ pub async fn run(client: Client, node_name: String, tx: mpsc::Sender<Update>) {
     let services = watch(
         Api::<Service>::all(client.clone()),
         labels.clone(),
+        encoding.clone(),
         ServiceEvents::default(),
         tx.clone(),
     );
     let slices = watch(
         Api::<EndpointSlice>::all(client.clone()),
         labels,
+        encoding.clone(),
         EndpointSliceEvents::default(),
         tx.clone(),
     );
@@ -74,6 +80,7 @@ pub async fn run(client: Client, node_name: String, tx: mpsc::Sender<Update>) {
             label_selector: None,
             field_selector: Some(node_field_selector(&node_name)),
         },
+        encoding,
         NodeEvents::new(node_name),
         tx,
     );
@@ -81,13 +88,18 @@ pub async fn run(client: Client, node_name: String, tx: mpsc::Sender<Update>) {
 }
 
 /// One kind's watch loop. Returns when the receiver is gone.
-async fn watch<K, M>(api: Api<K>, params: watcher::Params, mapper: M, tx: mpsc::Sender<Update>)
-where
-    K: Resource + Clone + DeserializeOwned + fmt::Debug + Send + 'static,
+async fn watch<K, M>(
+    api: Api<K>,
+    params: watcher::Params,
+    encoding: Encoding,
+    mapper: M,
+    tx: mpsc::Sender<Update>,
+) where
+    K: Resource + Clone + DeserializeOwned + protobuf::FromMessage + fmt::Debug + Send + 'static,
     M: EventMapper<K>,
 {
     let kind = M::KIND;
-    let mut stream = watcher::watch(api, params, mapper)
+    let mut stream = watcher::watch(api, params, encoding, mapper)
         .default_backoff()
         .boxed();
     let mut lists = 0_u64;

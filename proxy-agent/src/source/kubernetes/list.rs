@@ -6,7 +6,8 @@
 //! 10 endpoints the EndpointSlice list is tens of MB of JSON and several times that as
 //! objects, most of the agent's peak memory. Here the body's chunks go to a parser on a
 //! blocking thread (serde_json reads from `io::Read`, which is synchronous), and the items
-//! come back one by one over a small bounded channel.
+//! come back one by one over a small bounded channel. A protobuf body (the default encoding,
+//! see [`super::encoding`]) is read the same way by [`super::protobuf::parse_list`].
 
 use std::{io, pin::Pin};
 
@@ -23,6 +24,11 @@ use kube::{
 use serde::de::{self, DeserializeOwned, DeserializeSeed, IgnoredAny, MapAccess, SeqAccess};
 use tokio::sync::mpsc;
 
+use super::{
+    encoding::{self, Encoding},
+    protobuf::{self, FromMessage},
+};
+
 /// Body chunks queued for the parser. A chunk is what hyper read (up to its read buffer,
 /// some 400 KiB at most), so this bounds the text held at once to a few MiB.
 const CHUNKS_QUEUED: usize = 4;
@@ -34,22 +40,27 @@ const ITEMS_QUEUED: usize = 16;
 ///
 /// Errors are kube's: an error status is `Api` with the server's `Status` (as
 /// `kube::Client::request` reports it), a broken body its transport error, bad JSON
-/// `SerdeError`.
+/// `SerdeError`, bad protobuf `Service` with a [`protobuf::DecodeError`].
 pub async fn list<K>(
     client: &Client,
     url_path: &str,
     params: &ListParams,
+    encoding: &Encoding,
     mut item: impl FnMut(K),
 ) -> kube::Result<ListMeta>
 where
-    K: DeserializeOwned + Send + 'static,
+    K: DeserializeOwned + FromMessage + Send + 'static,
 {
     let mut request = KubeRequest::new(url_path)
         .list(params)
         .map_err(kube::Error::BuildRequest)?;
     // The operation name kube's own `Api::list` gives the request (its tracing reads it).
     request.extensions_mut().insert("list");
+    request
+        .headers_mut()
+        .insert(http::header::ACCEPT, encoding.accept().clone());
     let response = check_status(client.send(request.map(Body::from)).await?).await?;
+    let is_protobuf = encoding::is_protobuf(response.headers());
     let mut body = response.into_body();
 
     let (chunks_tx, chunks_rx) = mpsc::channel::<Bytes>(CHUNKS_QUEUED);
@@ -59,7 +70,12 @@ where
             chunks: chunks_rx,
             current: Bytes::new(),
         };
-        parse(&mut reader, &items_tx)
+        if is_protobuf {
+            protobuf::parse_list(&mut io::BufReader::new(reader), &items_tx)
+                .map_err(|e| kube::Error::Service(Box::new(e)))
+        } else {
+            parse(&mut reader, &items_tx).map_err(kube::Error::SerdeError)
+        }
     });
     // Until the body ends (or the parser stops taking chunks): dropping `chunks_tx` at the end
     // is the parser's end of input.
@@ -88,16 +104,18 @@ where
     // A broken body also makes the parser fail (early end of input): the transport error is
     // the one that says what happened.
     pumped?;
-    parsed.map_err(kube::Error::SerdeError)
+    parsed
 }
 
-/// As kube's client: a 4xx/5xx response becomes `Error::Api` with the server's `Status`, or a
-/// `Status` made from the body's text when it is not one (a proxy's error page).
-async fn check_status(response: Response<Body>) -> kube::Result<Response<Body>> {
+/// As kube's client: a 4xx/5xx response becomes `Error::Api` with the server's `Status` (in
+/// JSON or protobuf, as the response says), or a `Status` made from the body's text when it
+/// is not one (a proxy's error page).
+pub async fn check_status(response: Response<Body>) -> kube::Result<Response<Body>> {
     let code = response.status();
     if !(code.is_client_error() || code.is_server_error()) {
         return Ok(response);
     }
+    let is_protobuf = encoding::is_protobuf(response.headers());
     let mut body = response.into_body();
     let mut text = Vec::new();
     while let Some(frame) = next_frame(&mut body).await {
@@ -105,9 +123,14 @@ async fn check_status(response: Response<Body>) -> kube::Result<Response<Body>> 
             text.extend_from_slice(&data);
         }
     }
-    let status = match serde_json::from_slice::<kube::core::Status>(&text) {
-        Ok(status) => status,
-        Err(_) => {
+    let decoded = if is_protobuf {
+        protobuf::decode_status(&text).ok()
+    } else {
+        serde_json::from_slice::<kube::core::Status>(&text).ok()
+    };
+    let status = match decoded {
+        Some(status) => status,
+        None => {
             let text = String::from_utf8_lossy(&text);
             kube::core::Status::failure(text.trim(), "Failed to parse error data")
                 .with_code(code.as_u16())
@@ -117,7 +140,7 @@ async fn check_status(response: Response<Body>) -> kube::Result<Response<Body>> 
 }
 
 /// The body's next frame (http-body's `frame()`, which lives in http-body-util).
-async fn next_frame(body: &mut Body) -> Option<kube::Result<Frame<Bytes>>> {
+pub async fn next_frame(body: &mut Body) -> Option<kube::Result<Frame<Bytes>>> {
     future::poll_fn(|cx| Pin::new(&mut *body).poll_frame(cx)).await
 }
 

@@ -11,7 +11,7 @@
 
 use std::{fmt, time::Duration};
 
-use futures::{Stream, StreamExt as _, stream::BoxStream};
+use futures::{Stream, StreamExt as _};
 use kube::{
     Api, Client, Resource, ResourceExt as _,
     core::{
@@ -23,7 +23,13 @@ use kube::{
 use serde::de::DeserializeOwned;
 use tracing::{debug, warn};
 
-use super::{list, mapping::EventMapper};
+use super::{
+    encoding::Encoding,
+    list,
+    mapping::EventMapper,
+    protobuf::FromMessage,
+    watch_events::{self, Events},
+};
 use crate::objects::Update;
 
 /// kube-runtime's margin over the server-side watch timeout before an idle watch is dropped.
@@ -83,7 +89,7 @@ enum State<K: 'static> {
     Listed { resource_version: String },
     Watching {
         resource_version: String,
-        stream: BoxStream<'static, kube::Result<WatchEvent<K>>>,
+        stream: Events<K>,
     },
 }
 
@@ -92,10 +98,11 @@ enum State<K: 'static> {
 pub fn watch<K, M>(
     api: Api<K>,
     params: Params,
+    encoding: Encoding,
     mapper: M,
 ) -> impl Stream<Item = Result<Step, Error>>
 where
-    K: Resource + Clone + DeserializeOwned + fmt::Debug + Send + 'static,
+    K: Resource + Clone + DeserializeOwned + FromMessage + fmt::Debug + Send + 'static,
     M: EventMapper<K>,
 {
     let client: Client = api.clone().into_client();
@@ -105,6 +112,7 @@ where
         client,
         url,
         params,
+        encoding,
         mapper,
         state: State::Empty,
         listing: false,
@@ -120,6 +128,8 @@ struct Machine<K: 'static, M> {
     client: Client,
     url: String,
     params: Params,
+    /// What lists and watches ask for; a watch that asks for JSON only is kube-rs's own.
+    encoding: Encoding,
     mapper: M,
     state: State<K>,
     /// `Init` was reported and the list not done yet.
@@ -128,7 +138,7 @@ struct Machine<K: 'static, M> {
 
 impl<K, M> Machine<K, M>
 where
-    K: Resource + Clone + DeserializeOwned + fmt::Debug + Send + 'static,
+    K: Resource + Clone + DeserializeOwned + FromMessage + fmt::Debug + Send + 'static,
     M: EventMapper<K>,
 {
     /// The next item: loops over the transitions that report nothing (a watch started, a
@@ -155,15 +165,11 @@ where
                     }
                 },
                 State::Listed { resource_version } => {
-                    match self
-                        .api
-                        .watch(&self.params.watch_params(), &resource_version)
-                        .await
-                    {
+                    match self.start_watch(&resource_version).await {
                         Ok(stream) => {
                             self.state = State::Watching {
                                 resource_version,
-                                stream: stream.boxed(),
+                                stream,
                             };
                         }
                         Err(error) => {
@@ -234,12 +240,28 @@ where
         }
     }
 
+    async fn start_watch(&mut self, resource_version: &str) -> kube::Result<Events<K>> {
+        let params = self.params.watch_params();
+        if self.encoding.asks_for_protobuf() {
+            watch_events::watch(
+                &self.client,
+                &self.url,
+                &params,
+                resource_version,
+                &self.encoding,
+            )
+            .await
+        } else {
+            Ok(self.api.watch(&params, resource_version).await?.boxed())
+        }
+    }
+
     /// An object the watch delivered: the watch goes on from its resourceVersion, and the
     /// mapper makes of it what `event` says happened to it.
     fn watched(
         &mut self,
         object: K,
-        stream: BoxStream<'static, kube::Result<WatchEvent<K>>>,
+        stream: Events<K>,
         event: fn(K) -> Event<K>,
     ) -> Result<Option<Step>, Error> {
         let Some(resource_version) = version_of(&object) else {
@@ -261,9 +283,15 @@ where
         loop {
             let params = self.params.list_params(continue_token.take());
             let mapper = &mut self.mapper;
-            let listed = list::list(&self.client, &self.url, &params, |object: K| {
-                let _ = mapper.map(Event::InitApply(object));
-            })
+            let listed = list::list(
+                &self.client,
+                &self.url,
+                &params,
+                &self.encoding,
+                |object: K| {
+                    let _ = mapper.map(Event::InitApply(object));
+                },
+            )
             .await;
             let metadata = match listed {
                 Ok(metadata) => metadata,

@@ -169,6 +169,7 @@ async fn services_error(client: &Client) -> Result<(), kube::Error> {
         client,
         "/api/v1/services",
         &ListParams::default(),
+        &Encoding::default(),
         |_: Service| {},
     )
     .await
@@ -185,9 +186,15 @@ async fn a_list_response_is_converted_item_by_item_with_the_watchers_query() {
         ..ListParams::default()
     };
     let mut seen = Vec::new();
-    let metadata = list(&client, "/api/v1/services", &params, |s: Service| {
-        seen.push(s.metadata.name.unwrap_or_default());
-    })
+    let metadata = list(
+        &client,
+        "/api/v1/services",
+        &params,
+        &Encoding::default(),
+        |s: Service| {
+            seen.push(s.metadata.name.unwrap_or_default());
+        },
+    )
     .await
     .expect("listed");
     assert_eq!(seen, ["a", "b"]);
@@ -209,6 +216,7 @@ async fn an_error_status_is_the_servers_status_and_no_item_is_converted() {
         &client,
         "/api/v1/services",
         &ListParams::default(),
+        &Encoding::default(),
         |_: Service| {
             seen += 1;
         },
