@@ -1047,16 +1047,20 @@ impl MapWriter {
     }
 
     fn release_backend_id(&mut self, id: u32, maps: &mut impl MapOps) {
-        if let Some(backend) = self.backends.value_of(id) {
-            self.release_backend(&backend, maps);
+        if let Some(backend) = self.backends.release_id(id) {
+            self.delete_backend(id, backend, maps);
         }
     }
 
     fn release_backend(&mut self, backend: &BackendValue, maps: &mut impl MapOps) {
-        let Some(id) = self.backends.release(backend) else {
-            return;
-        };
-        if let Err(reason) = maps.delete_backend(id, *backend) {
+        if let Some(id) = self.backends.release(backend) {
+            self.delete_backend(id, *backend, maps);
+        }
+    }
+
+    /// A backend no generation uses any more: out of the maps, its id free again.
+    fn delete_backend(&mut self, id: u32, backend: BackendValue, maps: &mut impl MapOps) {
+        if let Err(reason) = maps.delete_backend(id, backend) {
             warn!(backend_id = id, %reason, "cannot delete unused backend");
         }
         self.backend_ids.release(id);

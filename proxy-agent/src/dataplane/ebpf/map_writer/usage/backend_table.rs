@@ -96,18 +96,25 @@ impl BackendTable {
     /// One user less of `backend`; its id if that was the last, when it has left the table.
     pub(in super::super) fn release(&mut self, backend: &BackendValue) -> Option<u32> {
         let id = self.id_of(backend)?;
+        self.release_id(id).map(|_| id)
+    }
+
+    /// One user less of the backend with `id` (what a frontend's record holds: no lookup by
+    /// value); the backend if that was the last, when it has left the table.
+    pub(in super::super) fn release_id(&mut self, id: u32) -> Option<BackendValue> {
         let held = self.by_id.get_mut(id)?;
         held.users = held.users.saturating_sub(1);
         if held.users > 0 {
             return None;
         }
+        let backend = held.value;
         self.by_id.remove(id);
         let hash = self.hasher.hash_one(backend);
         if let Ok(entry) = self.ids.find_entry(hash, |&other| other == id) {
             entry.remove();
         }
-        self.usage.sub(MapUsage::of_backend(backend));
-        Some(id)
+        self.usage.sub(MapUsage::of_backend(&backend));
+        Some(backend)
     }
 
     /// Every backend with its id, in id order.
@@ -149,5 +156,11 @@ mod tests {
         assert_eq!(table.len(), 199);
         assert_eq!(table.iter().count(), 199);
         assert_eq!(table.id_of(&pod(200)), Some(1400));
+        assert_eq!(table.hold(&pod(200)), Some(1400));
+        assert_eq!(table.release_id(1400), None, "one user is left");
+        assert_eq!(table.release_id(1400), Some(pod(200)));
+        assert_eq!((table.id_of(&pod(200)), table.value_of(1400)), (None, None));
+        assert_eq!(table.release_id(1400), None, "gone");
+        assert_eq!(table.len(), 198);
     }
 }
