@@ -424,7 +424,8 @@ fn encode_event(
     match format {
         Format::Json => Ok(event_line(event_type, object)),
         Format::Protobuf => protobuf::encode_object(resource, object)
-            .map(|object| Bytes::from(protobuf::watch_frame(event_type, object)))
+            .and_then(|object| protobuf::watch_frame(event_type, object))
+            .map(Bytes::from)
             .map_err(std::io::Error::other),
     }
 }

@@ -3,8 +3,9 @@
 //! the stored JSON objects (through the k8s-openapi types) into the k8s-pb messages.
 //!
 //! Upstream references: `apimachinery/pkg/runtime/serializer/protobuf/protobuf.go` (envelope:
-//! magic, then `Unknown{typeMeta, raw, contentEncoding, contentType}`), `.../runtime/types_proto.go`
-//! (`Unknown.NestedMarshalTo` writes `contentEncoding`/`contentType` even when empty),
+//! magic, then `Unknown{typeMeta, raw, contentEncoding, contentType}`),
+//! `.../runtime/types_proto.go` (`Unknown.NestedMarshalTo` writes `contentEncoding` and
+//! `contentType` even when empty), `.../apis/meta/v1/time_proto.go` (Time: seconds only),
 //! `.../util/framer/framer.go` (4-byte big-endian length per frame) and
 //! `apiserver/pkg/endpoints/handlers/watch.go` (the event goes through the stream serializer,
 //! which for protobuf is the raw serializer: no magic, no envelope; the object inside the event
@@ -122,17 +123,19 @@ pub fn envelope(api_version: &str, kind: &str, raw: Vec<u8>) -> Vec<u8> {
 
 /// One watch frame: the length, then the bare `WatchEvent` (the raw serializer adds no
 /// envelope); its object is enveloped (`object` is already the output of [`envelope`]).
-pub fn watch_frame(event_type: &str, object: Vec<u8>) -> Vec<u8> {
+pub fn watch_frame(event_type: &str, object: Vec<u8>) -> Result<Vec<u8>, String> {
     let event = pb_meta::WatchEvent {
         r#type: Some(event_type.to_owned()),
         object: Some(RawExtension { raw: Some(object) }),
     };
     let len = event.encoded_len();
-    let mut frame = Vec::with_capacity(4 + len);
-    // Frames are far below 4 GiB: a watch event is one object.
-    frame.extend_from_slice(&u32::try_from(len).unwrap_or(u32::MAX).to_be_bytes());
+    let header = u32::try_from(len)
+        .map_err(|_| format!("a {len}-byte watch event does not fit a frame"))?
+        .to_be_bytes();
+    let mut frame = Vec::with_capacity(header.len() + len);
+    frame.extend_from_slice(&header);
     event.encode_raw(&mut frame);
-    frame
+    Ok(frame)
 }
 
 /// A whole LIST body: `ServiceList`, `EndpointSliceList` or `NodeList`, enveloped.
@@ -217,11 +220,19 @@ fn map<K: Ord, V>(
     items.unwrap_or_default()
 }
 
-/// metav1.Time is `{seconds, nanos}` on the wire (upstream's time_proto.go).
+/// metav1.Time is `{seconds, nanos}` on the wire, but upstream's time_proto.go writes only Go's
+/// `Unix()` seconds (rounded down) and a zero `nanos`: the type has second precision.
 fn time(t: meta::Time) -> pb_meta::Time {
+    let seconds = t.0.as_second();
+    // jiff truncates towards zero; Go's Unix() rounds down before 1970.
+    let seconds = if t.0.subsec_nanosecond() < 0 {
+        seconds - 1
+    } else {
+        seconds
+    };
     pb_meta::Time {
-        seconds: Some(t.0.as_second()),
-        nanos: Some(t.0.subsec_nanosecond()),
+        seconds: Some(seconds),
+        nanos: Some(0),
     }
 }
 

@@ -405,8 +405,8 @@ mod wire {
                 "labels": {"app": "web"},
                 "annotations": {"note": "kept"},
                 "ownerReferences": [{
-                    "apiVersion": "apps/v1", "kind": "Deployment", "name": "web", "uid": "owner-uid",
-                    "controller": true, "blockOwnerDeletion": true,
+                    "apiVersion": "apps/v1", "kind": "Deployment", "name": "web",
+                    "uid": "owner-uid", "controller": true, "blockOwnerDeletion": true,
                 }],
                 "finalizers": ["service.kubernetes.io/load-balancer-cleanup"],
             },
@@ -1039,6 +1039,29 @@ mod wire {
             server.watch_content_types(Resource::Services),
             ["application/json"; 4]
         );
+    }
+
+    /// The bytes upstream's `Unknown.NestedMarshalTo` and length-delimited framer write.
+    #[test]
+    fn envelope_and_frame_bytes_follow_upstreams_layout() {
+        let mut expected = MAGIC.to_vec();
+        // typeMeta (1): apiVersion (1) "v1", kind (2) "Status".
+        expected.extend([0x0a, 12, 0x0a, 2, b'v', b'1', 0x12, 6]);
+        expected.extend(b"Status");
+        // raw (2), then contentEncoding (3) and contentType (4), empty but present.
+        expected.extend([0x12, 2, 0xca, 0xfe, 0x1a, 0, 0x22, 0]);
+        assert_eq!(
+            protobuf::envelope("v1", "Status", vec![0xca, 0xfe]),
+            expected
+        );
+
+        let frame = protobuf::watch_frame("ADDED", vec![0xca, 0xfe]).unwrap();
+        // type (1) "ADDED", object (2) = RawExtension{raw (1)}.
+        let mut event = vec![0x0a, 5];
+        event.extend(b"ADDED");
+        event.extend([0x12, 4, 0x0a, 2, 0xca, 0xfe]);
+        assert_eq!(frame[..4], [0, 0, 0, 13]);
+        assert_eq!(frame[4..], event);
     }
 
     #[test]
