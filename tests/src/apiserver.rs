@@ -2,14 +2,22 @@
 //!
 //! It serves LIST and WATCH for Services, EndpointSlices and Nodes on `127.0.0.1:<port>` (in a
 //! given network namespace, so an agent running there reaches it), with a global, monotonically
-//! increasing resourceVersion, label and field selectors, BOOKMARK events and newline-delimited
-//! JSON watch streams. Tests change objects directly and can break things the way a real
+//! increasing resourceVersion, label and field selectors and BOOKMARK events. Like the real
+//! server it negotiates the encoding from the `Accept` header: JSON (newline-delimited watch
+//! events) by default, protobuf when the client prefers `application/vnd.kubernetes.protobuf`
+//! (kube-proxy's default): bodies are `k8s\0` + `runtime.Unknown`, watch streams
+//! (`;stream=watch`) are 4-byte big-endian length-prefixed `WatchEvent`s whose objects are
+//! enveloped the same way, and error Statuses follow the negotiated type (see `protobuf.rs` for
+//! the upstream sources). [`ApiServer::list_content_types`] and
+//! [`ApiServer::watch_content_types`] tell what each request was answered in. Tests change
+//! objects directly and can break things the way a real
 //! cluster does: expire the watch history (a resuming watch gets a 410 `Expired` ERROR event),
 //! drop every open watch connection, hold back list responses, and stop the server and start it
 //! again on the same port. LIST ignores `limit` (a whole list, no `continue`), as the real server
 //! does for `resourceVersion=0`.
 
 mod http;
+mod protobuf;
 mod selector;
 mod state;
 
@@ -86,6 +94,12 @@ pub struct Counters {
     /// The `resourceVersion` and `resourceVersionMatch` of every LIST, as the query had them
     /// (`resourceVersion=0` asks for the watch cache; absent, for a quorum read from etcd).
     pub list_queries: std::sync::Mutex<Vec<String>>,
+    /// The Content-Type every LIST answered with a list was written in (in order), to assert
+    /// that a client negotiated protobuf.
+    pub list_content_types: std::sync::Mutex<Vec<String>>,
+    /// The Content-Type of every WATCH stream opened (including those that carry only a 410
+    /// ERROR event), e.g. `application/vnd.kubernetes.protobuf;stream=watch`.
+    pub watch_content_types: std::sync::Mutex<Vec<String>>,
 }
 
 /// State shared between the test's handle and the HTTP tasks; it outlives server restarts.
@@ -333,6 +347,28 @@ impl ApiServer {
         self.shared
             .counters(resource)
             .list_queries
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone()
+    }
+
+    /// The Content-Type of every LIST of `resource` answered so far, in order
+    /// (`application/json` or `application/vnd.kubernetes.protobuf`).
+    pub fn list_content_types(&self, resource: Resource) -> Vec<String> {
+        self.shared
+            .counters(resource)
+            .list_content_types
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone()
+    }
+
+    /// The Content-Type of every WATCH stream of `resource` opened so far, in order
+    /// (`application/json` or `application/vnd.kubernetes.protobuf;stream=watch`).
+    pub fn watch_content_types(&self, resource: Resource) -> Vec<String> {
+        self.shared
+            .counters(resource)
+            .watch_content_types
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
             .clone()

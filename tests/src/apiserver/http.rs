@@ -1,5 +1,5 @@
 //! The HTTP side: LIST and WATCH for the three resources, with the real API server's paths,
-//! query parameters, JSON shapes and status codes.
+//! query parameters, JSON and protobuf shapes and status codes.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -8,13 +8,14 @@ use std::time::Duration;
 use axum::Router;
 use axum::body::{Body, Bytes};
 use axum::extract::{Path, Query, State as AxumState};
-use axum::http::{StatusCode, header};
+use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use futures::stream;
 use serde_json::{Value, json};
 use tokio::time::Instant;
 
+use super::protobuf::{self, Format};
 use super::selector::{FieldSelector, Filter, LabelSelector};
 use super::state::{EventType, HistoryEvent};
 use super::{Resource, Shared};
@@ -24,16 +25,19 @@ type Params = Query<HashMap<String, String>>;
 pub fn router(shared: Arc<Shared>) -> Router {
     let route = |resource: Resource| {
         get(
-            move |AxumState(s): AxumState<Arc<Shared>>, Query(q): Params| async move {
-                handle(s, resource, None, q).await
+            move |AxumState(s): AxumState<Arc<Shared>>, headers: HeaderMap, Query(q): Params| async move {
+                handle(s, resource, None, &headers, q).await
             },
         )
     };
     let namespaced = |resource: Resource| {
         get(
             move |AxumState(s): AxumState<Arc<Shared>>,
+                  headers: HeaderMap,
                   Path(ns): Path<String>,
-                  Query(q): Params| async move { handle(s, resource, Some(ns), q).await },
+                  Query(q): Params| async move {
+                handle(s, resource, Some(ns), &headers, q).await
+            },
         )
     };
     Router::new()
@@ -59,8 +63,9 @@ pub fn router(shared: Arc<Shared>) -> Router {
                 },
             ),
         )
-        .fallback(|| async {
+        .fallback(|headers: HeaderMap| async move {
             status_response(
+                negotiate(&headers),
                 StatusCode::NOT_FOUND,
                 "NotFound",
                 "the server could not find the requested resource",
@@ -73,16 +78,21 @@ async fn handle(
     shared: Arc<Shared>,
     resource: Resource,
     namespace: Option<String>,
+    headers: &HeaderMap,
     query: HashMap<String, String>,
 ) -> Response {
+    let format = negotiate(headers);
     let param = |name: &str| query.get(name).map(String::as_str).unwrap_or_default();
     let filter = match parse_filter(param("labelSelector"), param("fieldSelector"), namespace) {
         Ok(filter) => filter,
-        Err(message) => return status_response(StatusCode::BAD_REQUEST, "BadRequest", &message),
+        Err(message) => {
+            return status_response(format, StatusCode::BAD_REQUEST, "BadRequest", &message);
+        }
     };
     if matches!(param("watch"), "true" | "1") {
         let Ok(rv) = parse_rv(param("resourceVersion")) else {
             return status_response(
+                format,
                 StatusCode::BAD_REQUEST,
                 "BadRequest",
                 "invalid resourceVersion",
@@ -97,7 +107,11 @@ async fn handle(
             .counters(resource)
             .watches
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        return watch(shared, resource, filter, rv, timeout, bookmarks);
+        record(
+            &shared.counters(resource).watch_content_types,
+            format.watch_content_type(),
+        );
+        return watch(shared, resource, format, filter, rv, timeout, bookmarks);
     }
     let versions: Vec<String> = ["resourceVersion", "resourceVersionMatch"]
         .into_iter()
@@ -109,14 +123,34 @@ async fn handle(
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner)
         .push(versions.join("&"));
-    list(shared, resource, filter).await
+    list(shared, resource, format, filter).await
+}
+
+/// The encoding the request's `Accept` header asks for.
+fn negotiate(headers: &HeaderMap) -> Format {
+    Format::negotiate(
+        headers
+            .get(header::ACCEPT)
+            .and_then(|value| value.to_str().ok()),
+    )
+}
+
+fn record(log: &std::sync::Mutex<Vec<String>>, content_type: &str) {
+    log.lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .push(content_type.to_owned());
 }
 
 /// POST of an Event: stored for the test, echoed back with a name and a resourceVersion like
 /// the real server's create.
 fn create_event(shared: Arc<Shared>, namespace: String, body: Bytes) -> Response {
     let Ok(mut event) = serde_json::from_slice::<Value>(&body) else {
-        return status_response(StatusCode::BAD_REQUEST, "BadRequest", "invalid Event JSON");
+        return status_response(
+            Format::Json,
+            StatusCode::BAD_REQUEST,
+            "BadRequest",
+            "invalid Event JSON",
+        );
     };
     let count = shared
         .events
@@ -160,7 +194,7 @@ fn parse_rv(text: &str) -> Result<Option<u64>, std::num::ParseIntError> {
     }
 }
 
-async fn list(shared: Arc<Shared>, resource: Resource, filter: Filter) -> Response {
+async fn list(shared: Arc<Shared>, resource: Resource, format: Format, filter: Filter) -> Response {
     // A held list answers only once the test releases it (the hold is re-read on release).
     let mut held = shared.held_rx(resource);
     // An error means the sender is gone, i.e. the server is being torn down: answer anyway.
@@ -183,22 +217,48 @@ async fn list(shared: Arc<Shared>, resource: Resource, filter: Filter) -> Respon
             item
         })
         .collect();
-    let body = json!({
-        "kind": resource.list_kind(),
-        "apiVersion": resource.api_version(),
-        "metadata": {"resourceVersion": state.rv.to_string()},
-        "items": items,
-    });
-    json_response(StatusCode::OK, &body)
+    let rv = state.rv.to_string();
+    drop(state);
+    record(
+        &shared.counters(resource).list_content_types,
+        format.content_type(),
+    );
+    match format {
+        Format::Json => {
+            let body = json!({
+                "kind": resource.list_kind(),
+                "apiVersion": resource.api_version(),
+                "metadata": {"resourceVersion": rv},
+                "items": items,
+            });
+            json_response(StatusCode::OK, &body)
+        }
+        Format::Protobuf => match protobuf::encode_list(resource, &rv, &items) {
+            Ok(body) => (
+                StatusCode::OK,
+                [(header::CONTENT_TYPE, protobuf::MEDIA_TYPE)],
+                body,
+            )
+                .into_response(),
+            Err(message) => status_response(
+                format,
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "InternalError",
+                &message,
+            ),
+        },
+    }
 }
 
 /// What a watch stream still has to do.
 struct Cursor {
     shared: Arc<Shared>,
     resource: Resource,
+    format: Format,
     filter: Filter,
     rv: u64,
-    pending: std::collections::VecDeque<Bytes>,
+    /// Encoded events; an error (an object that would not encode) breaks the stream there.
+    pending: std::collections::VecDeque<Result<Bytes, std::io::Error>>,
     drop_generation: u64,
     changes: tokio::sync::watch::Receiver<u64>,
     deadline: Option<Instant>,
@@ -209,6 +269,7 @@ struct Cursor {
 fn watch(
     shared: Arc<Shared>,
     resource: Resource,
+    format: Format,
     filter: Filter,
     from: Option<u64>,
     timeout: Option<Duration>,
@@ -222,6 +283,7 @@ fn watch(
         let mut cursor = Cursor {
             shared: shared.clone(),
             resource,
+            format,
             filter,
             rv: state.rv,
             pending: Default::default(),
@@ -235,7 +297,8 @@ fn watch(
             // No version: synthetic ADDED events for the current state, then live events.
             None => {
                 for object in state.list(resource).filter(|o| cursor.filter.matches(o)) {
-                    cursor.pending.push_back(event_line("ADDED", object));
+                    let event = encode_event(format, resource, "ADDED", object);
+                    cursor.pending.push_back(event);
                 }
             }
             // Too old: the real server answers 200 with one ERROR event and ends the stream.
@@ -245,7 +308,7 @@ fn watch(
                     "Expired",
                     &format!("too old resource version: {rv} ({})", state.compacted),
                 );
-                cursor.pending.push_back(event_line("ERROR", &status));
+                cursor.push("ERROR", &status);
                 cursor.done = true;
             }
             Some(rv) => {
@@ -262,15 +325,22 @@ fn watch(
     });
     Response::builder()
         .status(StatusCode::OK)
-        .header(header::CONTENT_TYPE, "application/json")
+        .header(header::CONTENT_TYPE, format.watch_content_type())
         .body(Body::from_stream(body))
         .unwrap_or_else(|_| StatusCode::INTERNAL_SERVER_ERROR.into_response())
 }
 
 impl Cursor {
+    /// Queues one event in the stream's encoding.
+    fn push(&mut self, event_type: &str, object: &Value) {
+        let event = encode_event(self.format, self.resource, event_type, object);
+        self.pending.push_back(event);
+    }
+
     /// Queues the events after `self.rv` that this watch sees.
     fn collect(&mut self, history: &[HistoryEvent]) {
-        for event in history.iter().filter(|e| e.rv > self.rv) {
+        let from = self.rv;
+        for event in history.iter().filter(|e| e.rv > from) {
             if event.resource != self.resource {
                 continue;
             }
@@ -286,14 +356,19 @@ impl Cursor {
                 (_, true, false) => "DELETED",
                 (_, false, false) => continue,
             };
-            self.pending.push_back(event_line(kind, &event.new));
+            self.push(kind, &event.new);
         }
     }
 
     async fn next(&mut self) -> Option<Result<Bytes, std::io::Error>> {
         loop {
-            if let Some(line) = self.pending.pop_front() {
-                return Some(Ok(line));
+            if let Some(event) = self.pending.pop_front() {
+                if event.is_err() {
+                    // Like upstream, a failed encode ends the stream: the client sees a cut.
+                    self.pending.clear();
+                    self.done = true;
+                }
+                return Some(event);
             }
             if self.done {
                 return None;
@@ -322,7 +397,7 @@ impl Cursor {
                     });
                     // Only what this stream has already delivered may be bookmarked.
                     if rv == self.rv {
-                        self.pending.push_back(event_line("BOOKMARK", &object));
+                        self.push("BOOKMARK", &object);
                     }
                 }
                 _ = sleep_until_opt(deadline) => {
@@ -337,6 +412,21 @@ async fn sleep_until_opt(deadline: Option<Instant>) {
     match deadline {
         Some(deadline) => tokio::time::sleep_until(deadline).await,
         None => std::future::pending().await,
+    }
+}
+
+fn encode_event(
+    format: Format,
+    resource: Resource,
+    event_type: &str,
+    object: &Value,
+) -> Result<Bytes, std::io::Error> {
+    match format {
+        Format::Json => Ok(event_line(event_type, object)),
+        Format::Protobuf => protobuf::encode_object(resource, object)
+            .and_then(|object| protobuf::watch_frame(event_type, object))
+            .map(Bytes::from)
+            .map_err(std::io::Error::other),
     }
 }
 
@@ -358,8 +448,18 @@ fn status_object(code: u16, reason: &str, message: &str) -> Value {
     })
 }
 
-fn status_response(code: StatusCode, reason: &str, message: &str) -> Response {
-    json_response(code, &status_object(code.as_u16(), reason, message))
+/// An error answer, in the negotiated encoding as upstream writes its Status objects.
+fn status_response(format: Format, code: StatusCode, reason: &str, message: &str) -> Response {
+    let status = status_object(code.as_u16(), reason, message);
+    match format {
+        Format::Json => json_response(code, &status),
+        Format::Protobuf => (
+            code,
+            [(header::CONTENT_TYPE, protobuf::MEDIA_TYPE)],
+            protobuf::encode_status(&status),
+        )
+            .into_response(),
+    }
 }
 
 fn json_response(code: StatusCode, body: &Value) -> Response {
