@@ -3,8 +3,14 @@
 //!
 //! Every field of the kinds' metadata, Service spec and status, and EndpointSlice is carried
 //! over; of a Node, the metadata, spec, addresses and conditions (the kubelet's images,
-//! volumes and system info are nothing a proxy reads). As in JSON, where upstream omits an
-//! empty list or map (`omitempty`), an empty repeated field becomes `None`.
+//! volumes and system info are nothing a proxy reads).
+//!
+//! The API server writes every field that is not a pointer in Go, set or not: a Service
+//! without a NodePort has `nodePort: 0` on the wire, a ClusterIP Service `loadBalancerIP: ""`,
+//! an object a zero `creationTimestamp`. Its JSON leaves them out (`omitempty`), and the
+//! mappers read absence; so such a field's zero value becomes `None` here ([`text`],
+//! [`number`], [`flag`], [`time`]), as does an empty list or map. Pointer fields keep what
+//! they hold (an explicit `ready: false` is not an absent `ready`).
 
 use std::collections::BTreeMap;
 
@@ -67,17 +73,17 @@ impl FromMessage for core::Node {
         Self {
             metadata: object_meta(node.metadata),
             spec: node.spec.map(|spec| core::NodeSpec {
-                external_id: spec.external_id,
-                pod_cidr: spec.pod_cidr,
+                external_id: text(spec.external_id),
+                pod_cidr: text(spec.pod_cidr),
                 pod_cidrs: strings(spec.pod_cid_rs),
-                provider_id: spec.provider_id,
+                provider_id: text(spec.provider_id),
                 taints: list(spec.taints, |taint| core::Taint {
                     effect: taint.effect.unwrap_or_default(),
                     key: taint.key.unwrap_or_default(),
                     time_added: taint.time_added.and_then(time),
-                    value: taint.value,
+                    value: text(taint.value),
                 }),
-                unschedulable: spec.unschedulable,
+                unschedulable: flag(spec.unschedulable),
                 // Dynamic kubelet configuration: removed upstream, never read here.
                 config_source: None,
             }),
@@ -89,12 +95,12 @@ impl FromMessage for core::Node {
                 conditions: list(status.conditions, |condition| core::NodeCondition {
                     last_heartbeat_time: condition.last_heartbeat_time.and_then(time),
                     last_transition_time: condition.last_transition_time.and_then(time),
-                    message: condition.message,
-                    reason: condition.reason,
+                    message: text(condition.message),
+                    reason: text(condition.reason),
                     status: condition.status.unwrap_or_default(),
                     type_: condition.r#type.unwrap_or_default(),
                 }),
-                phase: status.phase,
+                phase: text(status.phase),
                 ..core::NodeStatus::default()
             }),
         }
@@ -103,10 +109,10 @@ impl FromMessage for core::Node {
 
 pub fn list_meta(meta: pb_meta::ListMeta) -> meta::ListMeta {
     meta::ListMeta {
-        continue_: meta.r#continue,
+        continue_: text(meta.r#continue),
         remaining_item_count: meta.remaining_item_count,
-        resource_version: meta.resource_version,
-        self_link: meta.self_link,
+        resource_version: text(meta.resource_version),
+        self_link: text(meta.self_link),
     }
 }
 
@@ -160,13 +166,13 @@ pub fn object_meta(meta: Option<pb_meta::ObjectMeta>) -> meta::ObjectMeta {
         deletion_grace_period_seconds: meta.deletion_grace_period_seconds,
         deletion_timestamp: meta.deletion_timestamp.and_then(time),
         finalizers: strings(meta.finalizers),
-        generate_name: meta.generate_name,
-        generation: meta.generation,
+        generate_name: text(meta.generate_name),
+        generation: meta.generation.filter(|&generation| generation != 0),
         labels: map(meta.labels),
         // Server-side apply's bookkeeping: large, and nothing a proxy reads.
         managed_fields: None,
-        name: meta.name,
-        namespace: meta.namespace,
+        name: text(meta.name),
+        namespace: text(meta.namespace),
         owner_references: list(meta.owner_references, |owner| meta::OwnerReference {
             api_version: owner.api_version.unwrap_or_default(),
             block_owner_deletion: owner.block_owner_deletion,
@@ -175,38 +181,38 @@ pub fn object_meta(meta: Option<pb_meta::ObjectMeta>) -> meta::ObjectMeta {
             name: owner.name.unwrap_or_default(),
             uid: owner.uid.unwrap_or_default(),
         }),
-        resource_version: meta.resource_version,
-        self_link: meta.self_link,
-        uid: meta.uid,
+        resource_version: text(meta.resource_version),
+        self_link: text(meta.self_link),
+        uid: text(meta.uid),
     }
 }
 
 fn service_spec(spec: pb_core::ServiceSpec) -> core::ServiceSpec {
     core::ServiceSpec {
         allocate_load_balancer_node_ports: spec.allocate_load_balancer_node_ports,
-        cluster_ip: spec.cluster_ip,
+        cluster_ip: text(spec.cluster_ip),
         cluster_ips: strings(spec.cluster_ips),
         external_ips: strings(spec.external_ips),
-        external_name: spec.external_name,
-        external_traffic_policy: spec.external_traffic_policy,
-        health_check_node_port: spec.health_check_node_port,
+        external_name: text(spec.external_name),
+        external_traffic_policy: text(spec.external_traffic_policy),
+        health_check_node_port: number(spec.health_check_node_port),
         internal_traffic_policy: spec.internal_traffic_policy,
         ip_families: strings(spec.ip_families),
         ip_family_policy: spec.ip_family_policy,
         load_balancer_class: spec.load_balancer_class,
-        load_balancer_ip: spec.load_balancer_ip,
+        load_balancer_ip: text(spec.load_balancer_ip),
         load_balancer_source_ranges: strings(spec.load_balancer_source_ranges),
         ports: list(spec.ports, |port| core::ServicePort {
             app_protocol: port.app_protocol,
-            name: port.name,
-            node_port: port.node_port,
+            name: text(port.name),
+            node_port: number(port.node_port),
             port: port.port.unwrap_or_default(),
-            protocol: port.protocol,
-            target_port: port.target_port.map(int_or_string),
+            protocol: text(port.protocol),
+            target_port: port.target_port.and_then(int_or_string),
         }),
-        publish_not_ready_addresses: spec.publish_not_ready_addresses,
+        publish_not_ready_addresses: flag(spec.publish_not_ready_addresses),
         selector: map(spec.selector),
-        session_affinity: spec.session_affinity,
+        session_affinity: text(spec.session_affinity),
         session_affinity_config: spec.session_affinity_config.map(|config| {
             core::SessionAffinityConfig {
                 client_ip: config.client_ip.map(|client_ip| core::ClientIPConfig {
@@ -215,14 +221,14 @@ fn service_spec(spec: pb_core::ServiceSpec) -> core::ServiceSpec {
             }
         }),
         traffic_distribution: spec.traffic_distribution,
-        type_: spec.r#type,
+        type_: text(spec.r#type),
     }
 }
 
 fn load_balancer_ingress(ingress: pb_core::LoadBalancerIngress) -> core::LoadBalancerIngress {
     core::LoadBalancerIngress {
-        hostname: ingress.hostname,
-        ip: ingress.ip,
+        hostname: text(ingress.hostname),
+        ip: text(ingress.ip),
         ip_mode: ingress.ip_mode,
         ports: list(ingress.ports, |port| core::PortStatus {
             error: port.error,
@@ -254,13 +260,13 @@ fn endpoint(endpoint: pb_discovery::Endpoint) -> discovery::Endpoint {
         hostname: endpoint.hostname,
         node_name: endpoint.node_name,
         target_ref: endpoint.target_ref.map(|target| core::ObjectReference {
-            api_version: target.api_version,
-            field_path: target.field_path,
-            kind: target.kind,
-            name: target.name,
-            namespace: target.namespace,
-            resource_version: target.resource_version,
-            uid: target.uid,
+            api_version: text(target.api_version),
+            field_path: text(target.field_path),
+            kind: text(target.kind),
+            name: text(target.name),
+            namespace: text(target.namespace),
+            resource_version: text(target.resource_version),
+            uid: text(target.uid),
         }),
         zone: endpoint.zone,
     }
@@ -280,22 +286,41 @@ fn condition(condition: pb_meta::Condition) -> meta::Condition {
     }
 }
 
-/// intstr's `type` says which of the two values is meant (0: int, 1: string).
-fn int_or_string(value: pb_intstr::IntOrString) -> IntOrString {
+/// intstr's `type` says which of the two values is meant (0: int, 1: string); the zero
+/// value (`0`, what an unset `targetPort` is on the wire) is none.
+fn int_or_string(value: pb_intstr::IntOrString) -> Option<IntOrString> {
     match value.r#type {
-        Some(1) => IntOrString::String(value.str_val.unwrap_or_default()),
-        _ => IntOrString::Int(value.int_val.unwrap_or_default()),
+        Some(1) => text(value.str_val).map(IntOrString::String),
+        _ => number(value.int_val).map(IntOrString::Int),
     }
 }
 
-/// A `metav1.Time` ({seconds, nanos} since the epoch); None if out of jiff's range.
+/// A `metav1.Time` ({seconds, nanos} since the epoch); None for the zero time (written as an
+/// empty message) and out of jiff's range.
 fn time(time: pb_meta::Time) -> Option<meta::Time> {
-    Timestamp::new(
+    let (seconds, nanos) = (
         time.seconds.unwrap_or_default(),
         time.nanos.unwrap_or_default(),
-    )
-    .ok()
-    .map(meta::Time)
+    );
+    if (seconds, nanos) == (0, 0) {
+        return None;
+    }
+    Timestamp::new(seconds, nanos).ok().map(meta::Time)
+}
+
+/// A Go `string` field: `""` is unset.
+fn text(value: Option<String>) -> Option<String> {
+    value.filter(|value| !value.is_empty())
+}
+
+/// A Go `int32` field: `0` is unset.
+fn number(value: Option<i32>) -> Option<i32> {
+    value.filter(|&value| value != 0)
+}
+
+/// A Go `bool` field: `false` is unset.
+fn flag(value: Option<bool>) -> Option<bool> {
+    value.filter(|&value| value)
 }
 
 fn list<T, U>(items: Vec<T>, convert: impl FnMut(T) -> U) -> Option<Vec<U>> {

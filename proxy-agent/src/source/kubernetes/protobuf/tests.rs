@@ -316,3 +316,77 @@ fn error_statuses_decode() {
     assert!(status.is_forbidden(), "{status:?}");
     assert_eq!(status.message, "services is forbidden");
 }
+
+#[test]
+fn zero_values_the_server_always_writes_read_as_absent() {
+    // A ClusterIP Service as a Go API server writes it: every non-pointer field present.
+    let service = pb_core::Service {
+        metadata: Some(pb_meta::ObjectMeta {
+            name: Some("plain".into()),
+            namespace: Some("ns".into()),
+            generate_name: Some(String::new()),
+            self_link: Some(String::new()),
+            uid: Some(String::new()),
+            resource_version: Some("3".into()),
+            generation: Some(0),
+            creation_timestamp: Some(pb_meta::Time::default()),
+            ..Default::default()
+        }),
+        spec: Some(pb_core::ServiceSpec {
+            ports: vec![pb_core::ServicePort {
+                name: Some(String::new()),
+                protocol: Some("TCP".into()),
+                port: Some(53),
+                target_port: Some(k8s_pb::apimachinery::pkg::util::intstr::IntOrString {
+                    r#type: Some(0),
+                    int_val: Some(0),
+                    str_val: Some(String::new()),
+                }),
+                node_port: Some(0),
+                app_protocol: None,
+            }],
+            cluster_ip: Some("10.96.0.53".into()),
+            r#type: Some("ClusterIP".into()),
+            session_affinity: Some("None".into()),
+            load_balancer_ip: Some(String::new()),
+            external_name: Some(String::new()),
+            external_traffic_policy: Some(String::new()),
+            health_check_node_port: Some(0),
+            publish_not_ready_addresses: Some(false),
+            ..Default::default()
+        }),
+        status: Some(pb_core::ServiceStatus {
+            load_balancer: Some(pb_core::LoadBalancerStatus::default()),
+            conditions: vec![],
+        }),
+    };
+    let json: Service = serde_json::from_value(serde_json::json!({
+        "metadata": {"name": "plain", "namespace": "ns", "resourceVersion": "3",
+                     "creationTimestamp": null},
+        "spec": {"ports": [{"protocol": "TCP", "port": 53}], "clusterIP": "10.96.0.53",
+                 "type": "ClusterIP", "sessionAffinity": "None"},
+        "status": {"loadBalancer": {}},
+    }))
+    .unwrap();
+    let decoded =
+        Service::from_message(pb_core::Service::decode(&*service.encode_to_vec()).unwrap());
+    assert_eq!(decoded, json);
+    // Pointer fields keep an explicit zero: `ready: false` is not an unknown readiness.
+    let slice = pb_discovery::EndpointSlice {
+        metadata: meta("s", "4"),
+        address_type: Some("IPv4".into()),
+        endpoints: vec![pb_discovery::Endpoint {
+            addresses: vec!["10.0.0.1".into()],
+            conditions: Some(pb_discovery::EndpointConditions {
+                ready: Some(false),
+                serving: None,
+                terminating: None,
+            }),
+            ..Default::default()
+        }],
+        ports: vec![],
+    };
+    let decoded = EndpointSlice::from_message(slice);
+    let conditions = decoded.endpoints[0].conditions.as_ref().unwrap();
+    assert_eq!((conditions.ready, conditions.serving), (Some(false), None));
+}
