@@ -249,6 +249,71 @@ fn api_objects_reach_pods_and_follow_updates_and_deletes() -> anyhow::Result<()>
     s.ensure(gone == BTreeSet::from([DECOY_NAME.to_owned()]), || {
         format!("a deleted Service must not be translated: {gone:?}")
     })?;
+    // kube-proxy's default `clientConnection.contentType`: every list and watch was asked
+    // for, and answered in, protobuf, so the objects and events above came that way.
+    expect_content_types(&s, &api, PROTOBUF, &format!("{PROTOBUF};stream=watch"))?;
+    Ok(())
+}
+
+const PROTOBUF: &str = "application/vnd.kubernetes.protobuf";
+
+/// Every LIST of every kind was answered with `list` and every WATCH with `watch`, and there
+/// was at least one of each.
+fn expect_content_types(
+    s: &Scenario,
+    api: &ApiServer,
+    list: &str,
+    watch: &str,
+) -> anyhow::Result<()> {
+    for resource in Resource::ALL {
+        let lists = api.list_content_types(resource);
+        let watches = api.watch_content_types(resource);
+        eprintln!("{resource:?}: lists answered as {lists:?}, watches as {watches:?}");
+        s.ensure(!lists.is_empty() && lists.iter().all(|t| t == list), || {
+            format!("{resource:?}: every list should be {list}: {lists:?}")
+        })?;
+        s.ensure(
+            !watches.is_empty() && watches.iter().all(|t| t == watch),
+            || format!("{resource:?}: every watch should be {watch}: {watches:?}"),
+        )?;
+    }
+    Ok(())
+}
+
+/// `--kube-api-content-type application/json` (kube-proxy's flag): the agent asks for JSON,
+/// and its lists and watches work as with protobuf.
+#[test]
+fn json_content_type_is_asked_for_and_followed() -> anyhow::Result<()> {
+    let (mut s, api) = setup(3, &[1, 2])?;
+    let started = Instant::now();
+    s.start_agent_with_kubeconfig_args(
+        api.kubeconfig(),
+        "ebpf",
+        &["--kube-api-content-type", "application/json"],
+    )?;
+    s.wait_for_datapath(cluster_addr(), "answered by a pod", is_pod)?;
+    eprintln!(
+        "datapath ready {:?} after the agent started",
+        started.elapsed()
+    );
+    let before = answers(&s, cluster_addr(), "slice pod1, pod2")?;
+    s.ensure(before == pods(&[1, 2]), || {
+        format!("expected exactly pod1 and pod2: {before:?}")
+    })?;
+    // A watch event: pod3 replaces pod1.
+    api.apply(&slice(SLICE, SERVICE, &[2, 3])?)?;
+    let batch = s.wait_for_batch(
+        &s.cgroup_client(),
+        cluster_addr(),
+        CONNECTIONS,
+        "pod3 replaced pod1",
+        |a| matches!(a.backend(), Some("pod2" | "pod3")),
+    )?;
+    let after: BTreeSet<String> = tally(&batch).into_keys().collect();
+    s.ensure(after == pods(&[2, 3]), || {
+        format!("expected exactly pod2 and pod3: {after:?}")
+    })?;
+    expect_content_types(&s, &api, "application/json", "application/json")?;
     Ok(())
 }
 
