@@ -10,6 +10,16 @@
 //! `apiserver/pkg/endpoints/handlers/watch.go` (the event goes through the stream serializer,
 //! which for protobuf is the raw serializer: no magic, no envelope; the object inside the event
 //! goes through the normal serializer: magic and envelope).
+//!
+//! Presence follows Go, not JSON. The upstream marshallers (gogo-generated `generated.pb.go` in
+//! k8s.io/api and k8s.io/apimachinery) write every field that is not a pointer in the Go struct,
+//! even when it is empty: a `string` as `""`, an `int32`/`int64`/`bool` as 0/false, a struct
+//! held by value (`ObjectMeta`, `ListMeta`, `ServiceSpec`, `metav1.Time`, `IntOrString`,
+//! `EndpointConditions`, ...) as a message, possibly empty. Only pointers (`*string`, `*int32`,
+//! `*bool`, `*Time`, pointer structs) are left out when nil, and slices and maps write just
+//! their elements. So a field the JSON omitted (`omitempty`) comes out here as `Some("")`,
+//! `Some(0)`, `Some(false)` or an empty message when Go holds it by value, and the agent must
+//! read those as absent, as JSON's `omitempty` would have them.
 
 use k8s_openapi::api::{core::v1 as core, discovery::v1 as discovery};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1 as meta;
@@ -144,10 +154,7 @@ pub fn encode_list(
     resource_version: &str,
     items: &[Value],
 ) -> Result<Vec<u8>, String> {
-    let metadata = Some(pb_meta::ListMeta {
-        resource_version: Some(resource_version.to_owned()),
-        ..Default::default()
-    });
+    let metadata = Some(list_meta(resource_version));
     let raw = match resource {
         Resource::Services => pb_core::ServiceList {
             metadata,
@@ -192,15 +199,21 @@ pub fn encode_object(resource: Resource, object: &Value) -> Result<Vec<u8>, Stri
 
 /// A `metav1.Status` (as built by `http::status_object`), enveloped as `v1/Status`.
 pub fn encode_status(status: &Value) -> Vec<u8> {
-    let text = |name: &str| status[name].as_str().map(str::to_owned);
+    let text = |name: &str| Some(status[name].as_str().unwrap_or_default().to_owned());
     let status = pb_meta::Status {
         // Upstream's Status embeds ListMeta by value: always written, empty here.
-        metadata: Some(pb_meta::ListMeta::default()),
+        metadata: Some(list_meta("")),
         status: text("status"),
         message: text("message"),
         reason: text("reason"),
+        // A pointer (`*StatusDetails`), nil here.
         details: None,
-        code: status["code"].as_i64().and_then(|c| i32::try_from(c).ok()),
+        code: Some(
+            status["code"]
+                .as_i64()
+                .and_then(|c| i32::try_from(c).ok())
+                .unwrap_or_default(),
+        ),
     };
     envelope("v1", "Status", status.encode_to_vec())
 }
@@ -208,6 +221,23 @@ pub fn encode_status(status: &Value) -> Vec<u8> {
 fn typed<T: serde::de::DeserializeOwned>(object: &Value) -> Result<T, String> {
     // The stored objects came from k8s-openapi values, so this fails only on a server bug.
     serde_json::from_value(object.clone()).map_err(|e| format!("converting a stored object: {e}"))
+}
+
+/// A field Go holds by value (not a pointer): written even when zero, so absent becomes the
+/// zero value (`""`, 0, false, an empty message).
+fn always<T: Default>(value: Option<T>) -> Option<T> {
+    Some(value.unwrap_or_default())
+}
+
+/// `metav1.ListMeta`: `selfLink`, `resourceVersion` and `continue` are plain strings,
+/// `remainingItemCount` a pointer.
+fn list_meta(resource_version: &str) -> pb_meta::ListMeta {
+    pb_meta::ListMeta {
+        self_link: Some(String::new()),
+        resource_version: Some(resource_version.to_owned()),
+        r#continue: Some(String::new()),
+        remaining_item_count: None,
+    }
 }
 
 fn list<T>(items: Option<Vec<T>>) -> Vec<T> {
@@ -220,9 +250,18 @@ fn map<K: Ord, V>(
     items.unwrap_or_default()
 }
 
+/// Go's zero `time.Time` (0001-01-01T00:00:00Z) as Unix seconds.
+const GO_ZERO_TIME_SECONDS: i64 = -62_135_596_800;
+
 /// metav1.Time is `{seconds, nanos}` on the wire, but upstream's time_proto.go writes only Go's
-/// `Unix()` seconds (rounded down) and a zero `nanos`: the type has second precision.
+/// `Unix()` seconds (rounded down) and a zero `nanos`: the type has second precision. A zero
+/// Time marshals to nothing (`Marshal`/`MarshalTo` return no bytes when `IsZero()`), so the
+/// enclosing field, written whenever Go holds the Time by value or by a non-nil pointer, is an
+/// empty message.
 fn time(t: meta::Time) -> pb_meta::Time {
+    if t.0.as_second() == GO_ZERO_TIME_SECONDS && t.0.subsec_nanosecond() == 0 {
+        return pb_meta::Time::default();
+    }
     let seconds = t.0.as_second();
     // jiff truncates towards zero; Go's Unix() rounds down before 1970.
     let seconds = if t.0.subsec_nanosecond() < 0 {
@@ -236,33 +275,39 @@ fn time(t: meta::Time) -> pb_meta::Time {
     }
 }
 
-fn int_or_string(value: IntOrString) -> PbIntOrString {
+/// A `metav1.Time` Go holds by value: absent is the zero Time, an empty message.
+fn value_time(t: Option<meta::Time>) -> Option<pb_meta::Time> {
+    Some(t.map(time).unwrap_or_default())
+}
+
+/// `intstr.IntOrString` writes all three of its plain fields; absent is the zero value, the
+/// integer 0.
+fn int_or_string(value: Option<IntOrString>) -> PbIntOrString {
     // `type` is intstr.Type: 0 Int, 1 String.
-    match value {
-        IntOrString::Int(i) => PbIntOrString {
-            r#type: Some(0),
-            int_val: Some(i),
-            str_val: None,
-        },
-        IntOrString::String(s) => PbIntOrString {
-            r#type: Some(1),
-            int_val: None,
-            str_val: Some(s),
-        },
+    let (r#type, int_val, str_val) = match value {
+        None => (0, 0, String::new()),
+        Some(IntOrString::Int(i)) => (0, i, String::new()),
+        Some(IntOrString::String(s)) => (1, 0, s),
+    };
+    PbIntOrString {
+        r#type: Some(r#type),
+        int_val: Some(int_val),
+        str_val: Some(str_val),
     }
 }
 
 /// managedFields are left out: nothing here writes them and the agent does not read them.
 fn object_meta(m: meta::ObjectMeta) -> pb_meta::ObjectMeta {
     pb_meta::ObjectMeta {
-        name: m.name,
-        generate_name: m.generate_name,
-        namespace: m.namespace,
-        self_link: m.self_link,
-        uid: m.uid,
-        resource_version: m.resource_version,
-        generation: m.generation,
-        creation_timestamp: m.creation_timestamp.map(time),
+        name: always(m.name),
+        generate_name: always(m.generate_name),
+        namespace: always(m.namespace),
+        self_link: always(m.self_link),
+        uid: always(m.uid),
+        resource_version: always(m.resource_version),
+        generation: always(m.generation),
+        creation_timestamp: value_time(m.creation_timestamp),
+        // Pointers.
         deletion_timestamp: m.deletion_timestamp.map(time),
         deletion_grace_period_seconds: m.deletion_grace_period_seconds,
         labels: map(m.labels),
@@ -287,7 +332,7 @@ fn condition(c: meta::Condition) -> pb_meta::Condition {
     pb_meta::Condition {
         r#type: Some(c.type_),
         status: Some(c.status),
-        observed_generation: c.observed_generation,
+        observed_generation: always(c.observed_generation),
         last_transition_time: Some(time(c.last_transition_time)),
         reason: Some(c.reason),
         message: Some(c.message),
@@ -296,41 +341,46 @@ fn condition(c: meta::Condition) -> pb_meta::Condition {
 
 fn object_reference(r: core::ObjectReference) -> pb_core::ObjectReference {
     pb_core::ObjectReference {
-        kind: r.kind,
-        namespace: r.namespace,
-        name: r.name,
-        uid: r.uid,
-        api_version: r.api_version,
-        resource_version: r.resource_version,
-        field_path: r.field_path,
+        kind: always(r.kind),
+        namespace: always(r.namespace),
+        name: always(r.name),
+        uid: always(r.uid),
+        api_version: always(r.api_version),
+        resource_version: always(r.resource_version),
+        field_path: always(r.field_path),
     }
 }
 
 pub(super) fn service(s: core::Service) -> pb_core::Service {
     pb_core::Service {
         metadata: Some(object_meta(s.metadata)),
-        spec: s.spec.map(service_spec),
-        status: s.status.map(|status| pb_core::ServiceStatus {
-            load_balancer: status.load_balancer.map(|lb| pb_core::LoadBalancerStatus {
-                ingress: list(lb.ingress)
-                    .into_iter()
-                    .map(|i| pb_core::LoadBalancerIngress {
-                        ip: i.ip,
-                        hostname: i.hostname,
-                        ip_mode: i.ip_mode,
-                        ports: list(i.ports)
-                            .into_iter()
-                            .map(|p| pb_core::PortStatus {
-                                port: Some(p.port),
-                                protocol: Some(p.protocol),
-                                error: p.error,
-                            })
-                            .collect(),
-                    })
-                    .collect(),
-            }),
-            conditions: list(status.conditions).into_iter().map(condition).collect(),
+        // Spec and status are held by value, as is the status's LoadBalancerStatus.
+        spec: Some(service_spec(s.spec.unwrap_or_default())),
+        status: Some(service_status(s.status.unwrap_or_default())),
+    }
+}
+
+fn service_status(status: core::ServiceStatus) -> pb_core::ServiceStatus {
+    pb_core::ServiceStatus {
+        load_balancer: Some(pb_core::LoadBalancerStatus {
+            ingress: list(status.load_balancer.unwrap_or_default().ingress)
+                .into_iter()
+                .map(|i| pb_core::LoadBalancerIngress {
+                    ip: always(i.ip),
+                    hostname: always(i.hostname),
+                    ip_mode: i.ip_mode,
+                    ports: list(i.ports)
+                        .into_iter()
+                        .map(|p| pb_core::PortStatus {
+                            port: Some(p.port),
+                            protocol: Some(p.protocol),
+                            error: p.error,
+                        })
+                        .collect(),
+                })
+                .collect(),
         }),
+        conditions: list(status.conditions).into_iter().map(condition).collect(),
     }
 }
 
@@ -339,26 +389,27 @@ fn service_spec(spec: core::ServiceSpec) -> pb_core::ServiceSpec {
         ports: list(spec.ports)
             .into_iter()
             .map(|p| pb_core::ServicePort {
-                name: p.name,
-                protocol: p.protocol,
+                name: always(p.name),
+                protocol: always(p.protocol),
                 app_protocol: p.app_protocol,
                 port: Some(p.port),
-                target_port: p.target_port.map(int_or_string),
-                node_port: p.node_port,
+                target_port: Some(int_or_string(p.target_port)),
+                node_port: always(p.node_port),
             })
             .collect(),
         selector: map(spec.selector),
-        cluster_ip: spec.cluster_ip,
+        cluster_ip: always(spec.cluster_ip),
         cluster_ips: list(spec.cluster_ips),
-        r#type: spec.type_,
+        r#type: always(spec.type_),
         external_ips: list(spec.external_ips),
-        session_affinity: spec.session_affinity,
-        load_balancer_ip: spec.load_balancer_ip,
+        session_affinity: always(spec.session_affinity),
+        load_balancer_ip: always(spec.load_balancer_ip),
         load_balancer_source_ranges: list(spec.load_balancer_source_ranges),
-        external_name: spec.external_name,
-        external_traffic_policy: spec.external_traffic_policy,
-        health_check_node_port: spec.health_check_node_port,
-        publish_not_ready_addresses: spec.publish_not_ready_addresses,
+        external_name: always(spec.external_name),
+        external_traffic_policy: always(spec.external_traffic_policy),
+        health_check_node_port: always(spec.health_check_node_port),
+        publish_not_ready_addresses: always(spec.publish_not_ready_addresses),
+        // Pointers from here on (ipFamilies is a slice).
         session_affinity_config: spec.session_affinity_config.map(|c| {
             pb_core::SessionAffinityConfig {
                 client_ip: c.client_ip.map(|ip| pb_core::ClientIpConfig {
@@ -384,11 +435,16 @@ pub(super) fn endpoint_slice(s: discovery::EndpointSlice) -> pb_discovery::Endpo
             .into_iter()
             .map(|e| pb_discovery::Endpoint {
                 addresses: e.addresses,
-                conditions: e.conditions.map(|c| pb_discovery::EndpointConditions {
-                    ready: c.ready,
-                    serving: c.serving,
-                    terminating: c.terminating,
-                }),
+                // Held by value; its three fields are pointers.
+                conditions: Some(
+                    e.conditions
+                        .map(|c| pb_discovery::EndpointConditions {
+                            ready: c.ready,
+                            serving: c.serving,
+                            terminating: c.terminating,
+                        })
+                        .unwrap_or_default(),
+                ),
                 hostname: e.hostname,
                 target_ref: e.target_ref.map(object_reference),
                 deprecated_topology: map(e.deprecated_topology),
@@ -419,8 +475,9 @@ pub(super) fn endpoint_slice(s: discovery::EndpointSlice) -> pb_discovery::Endpo
 }
 
 /// Node status keeps what a proxy or an operator reads (addresses, conditions, capacity,
-/// allocatable, phase, daemon endpoints); nodeInfo, images, volumes, config, runtimeHandlers
-/// and features are left out: the agent never reads them and the tests never set them.
+/// allocatable, phase, daemon endpoints, nodeInfo); images, volumes, config, runtimeHandlers,
+/// features and declaredFeatures are left out: the agent never reads them and the tests never
+/// set them (all slices or pointers, so empty is what upstream writes for them anyway).
 pub(super) fn node(n: core::Node) -> pb_core::Node {
     let quantities = |q: Option<
         std::collections::BTreeMap<String, k8s_openapi::apimachinery::pkg::api::resource::Quantity>,
@@ -430,18 +487,21 @@ pub(super) fn node(n: core::Node) -> pb_core::Node {
             .map(|(k, v)| (k, PbQuantity { string: Some(v.0) }))
             .collect()
     };
+    let spec = n.spec.unwrap_or_default();
+    let status = n.status.unwrap_or_default();
     pb_core::Node {
         metadata: Some(object_meta(n.metadata)),
-        spec: n.spec.map(|spec| pb_core::NodeSpec {
-            pod_cidr: spec.pod_cidr,
+        // Spec and status are held by value.
+        spec: Some(pb_core::NodeSpec {
+            pod_cidr: always(spec.pod_cidr),
             pod_cid_rs: list(spec.pod_cidrs),
-            provider_id: spec.provider_id,
-            unschedulable: spec.unschedulable,
+            provider_id: always(spec.provider_id),
+            unschedulable: always(spec.unschedulable),
             taints: list(spec.taints)
                 .into_iter()
                 .map(|t| pb_core::Taint {
                     key: Some(t.key),
-                    value: t.value,
+                    value: always(t.value),
                     effect: Some(t.effect),
                     time_added: t.time_added.map(time),
                 })
@@ -450,26 +510,27 @@ pub(super) fn node(n: core::Node) -> pb_core::Node {
                 config_map: c.config_map.map(|m| pb_core::ConfigMapNodeConfigSource {
                     namespace: Some(m.namespace),
                     name: Some(m.name),
-                    uid: m.uid,
-                    resource_version: m.resource_version,
+                    uid: always(m.uid),
+                    resource_version: always(m.resource_version),
                     kubelet_config_key: Some(m.kubelet_config_key),
                 }),
             }),
-            external_id: spec.external_id,
+            // DoNotUseExternalID, a plain string.
+            external_id: always(spec.external_id),
         }),
-        status: n.status.map(|status| pb_core::NodeStatus {
+        status: Some(pb_core::NodeStatus {
             capacity: quantities(status.capacity),
             allocatable: quantities(status.allocatable),
-            phase: status.phase,
+            phase: always(status.phase),
             conditions: list(status.conditions)
                 .into_iter()
                 .map(|c| pb_core::NodeCondition {
                     r#type: Some(c.type_),
                     status: Some(c.status),
-                    last_heartbeat_time: c.last_heartbeat_time.map(time),
-                    last_transition_time: c.last_transition_time.map(time),
-                    reason: c.reason,
-                    message: c.message,
+                    last_heartbeat_time: value_time(c.last_heartbeat_time),
+                    last_transition_time: value_time(c.last_transition_time),
+                    reason: always(c.reason),
+                    message: always(c.message),
                 })
                 .collect(),
             addresses: list(status.addresses)
@@ -479,14 +540,38 @@ pub(super) fn node(n: core::Node) -> pb_core::Node {
                     address: Some(a.address),
                 })
                 .collect(),
-            daemon_endpoints: status
-                .daemon_endpoints
-                .map(|d| pb_core::NodeDaemonEndpoints {
-                    kubelet_endpoint: d
-                        .kubelet_endpoint
-                        .map(|k| pb_core::DaemonEndpoint { port: Some(k.port) }),
+            // NodeDaemonEndpoints and its DaemonEndpoint are held by value.
+            daemon_endpoints: Some(pb_core::NodeDaemonEndpoints {
+                kubelet_endpoint: Some(pb_core::DaemonEndpoint {
+                    port: Some(
+                        status
+                            .daemon_endpoints
+                            .and_then(|d| d.kubelet_endpoint)
+                            .map_or(0, |k| k.port),
+                    ),
                 }),
+            }),
+            // NodeSystemInfo is held by value: ten plain strings and a `*NodeSwapStatus`.
+            node_info: Some(node_info(status.node_info.unwrap_or_default())),
             ..Default::default()
+        }),
+    }
+}
+
+fn node_info(i: core::NodeSystemInfo) -> pb_core::NodeSystemInfo {
+    pb_core::NodeSystemInfo {
+        machine_id: Some(i.machine_id),
+        system_uuid: Some(i.system_uuid),
+        boot_id: Some(i.boot_id),
+        kernel_version: Some(i.kernel_version),
+        os_image: Some(i.os_image),
+        container_runtime_version: Some(i.container_runtime_version),
+        kubelet_version: Some(i.kubelet_version),
+        kube_proxy_version: Some(i.kube_proxy_version),
+        operating_system: Some(i.operating_system),
+        architecture: Some(i.architecture),
+        swap: i.swap.map(|s| pb_core::NodeSwapStatus {
+            capacity: s.capacity,
         }),
     }
 }

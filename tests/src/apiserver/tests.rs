@@ -575,6 +575,8 @@ mod wire {
                 name: s("rich"),
                 generate_name: s("rich-"),
                 namespace: s("default"),
+                // Plain strings in Go: written even when empty.
+                self_link: s(""),
                 uid: json_items[1]["metadata"]["uid"].as_str().map(str::to_owned),
                 resource_version: s("1"),
                 generation: Some(3),
@@ -591,7 +593,9 @@ mod wire {
                     block_owner_deletion: Some(true),
                 }],
                 finalizers: strings(&["service.kubernetes.io/load-balancer-cleanup"]),
-                ..Default::default()
+                // Pointers and slices: absent stays absent.
+                deletion_grace_period_seconds: None,
+                managed_fields: vec![],
             }
         );
         assert!(meta.uid.is_some());
@@ -606,7 +610,7 @@ mod wire {
                         port: Some(80),
                         target_port: Some(IntOrString {
                             r#type: Some(1),
-                            int_val: None,
+                            int_val: Some(0),
                             str_val: s("web"),
                         }),
                         node_port: Some(30080),
@@ -619,9 +623,10 @@ mod wire {
                         target_port: Some(IntOrString {
                             r#type: Some(0),
                             int_val: Some(5353),
-                            str_val: None,
+                            str_val: s(""),
                         }),
-                        node_port: None,
+                        // A plain int32: zero, not absent.
+                        node_port: Some(0),
                     },
                 ],
                 selector: [("app".to_owned(), "web".to_owned())].into(),
@@ -656,7 +661,7 @@ mod wire {
                     ingress: vec![
                         pb_core::LoadBalancerIngress {
                             ip: s("198.51.100.1"),
-                            hostname: None,
+                            hostname: s(""),
                             ip_mode: s("VIP"),
                             ports: vec![pb_core::PortStatus {
                                 port: Some(80),
@@ -665,7 +670,7 @@ mod wire {
                             }],
                         },
                         pb_core::LoadBalancerIngress {
-                            ip: None,
+                            ip: s(""),
                             hostname: s("lb.example.com"),
                             ip_mode: s("Proxy"),
                             ports: vec![],
@@ -682,14 +687,78 @@ mod wire {
                 }],
             })
         );
-        // Absent stays absent.
+        // What the JSON left out: fields Go holds by value are written as their zero value
+        // (as upstream's marshallers do), pointers stay absent.
         let plain = &list.items[0];
-        assert_eq!(plain.status, None);
-        let plain_spec = plain.spec.as_ref().unwrap();
-        assert_eq!(plain_spec.r#type, None);
-        assert_eq!(plain_spec.ports[0].target_port, None);
-        assert_eq!(plain_spec.ports[0].protocol, None);
-        assert_eq!(plain.metadata.as_ref().unwrap().creation_timestamp, None);
+        assert_eq!(
+            plain.status,
+            Some(pb_core::ServiceStatus {
+                load_balancer: Some(pb_core::LoadBalancerStatus { ingress: vec![] }),
+                conditions: vec![],
+            })
+        );
+        let plain_meta = plain.metadata.as_ref().unwrap();
+        assert_eq!(
+            *plain_meta,
+            pb_meta::ObjectMeta {
+                name: s("plain"),
+                generate_name: s(""),
+                namespace: s("default"),
+                self_link: s(""),
+                uid: plain_meta.uid.clone(),
+                resource_version: s("2"),
+                generation: Some(0),
+                // A zero metav1.Time marshals to no bytes: an empty message.
+                creation_timestamp: Some(pb_meta::Time {
+                    seconds: None,
+                    nanos: None,
+                }),
+                deletion_timestamp: None,
+                deletion_grace_period_seconds: None,
+                labels: Default::default(),
+                annotations: Default::default(),
+                owner_references: vec![],
+                finalizers: vec![],
+                managed_fields: vec![],
+            }
+        );
+        assert!(plain_meta.uid.as_deref().is_some_and(|u| !u.is_empty()));
+        assert_eq!(
+            plain.spec,
+            Some(pb_core::ServiceSpec {
+                ports: vec![pb_core::ServicePort {
+                    name: s(""),
+                    protocol: s(""),
+                    app_protocol: None,
+                    port: Some(443),
+                    target_port: Some(IntOrString {
+                        r#type: Some(0),
+                        int_val: Some(0),
+                        str_val: s(""),
+                    }),
+                    node_port: Some(0),
+                }],
+                selector: Default::default(),
+                cluster_ip: s("10.96.0.20"),
+                cluster_ips: vec![],
+                r#type: s(""),
+                external_ips: vec![],
+                session_affinity: s(""),
+                load_balancer_ip: s(""),
+                load_balancer_source_ranges: vec![],
+                external_name: s(""),
+                external_traffic_policy: s(""),
+                health_check_node_port: Some(0),
+                publish_not_ready_addresses: Some(false),
+                session_affinity_config: None,
+                ip_families: vec![],
+                ip_family_policy: None,
+                allocate_load_balancer_node_ports: None,
+                load_balancer_class: None,
+                internal_traffic_policy: None,
+                traffic_distribution: None,
+            })
+        );
 
         // EndpointSlices.
         let unknown = protobuf_list(&server, "/apis/discovery.k8s.io/v1/endpointslices");
@@ -791,12 +860,12 @@ mod wire {
                 unschedulable: Some(true),
                 taints: vec![pb_core::Taint {
                     key: s("node.kubernetes.io/unschedulable"),
-                    value: None,
+                    value: s(""),
                     effect: s("NoSchedule"),
                     time_added: time("2024-05-06T07:08:09Z"),
                 }],
                 config_source: None,
-                external_id: None,
+                external_id: s(""),
             })
         );
         let status = node.status.as_ref().unwrap();
@@ -824,6 +893,18 @@ mod wire {
             }]
         );
         assert_eq!(status.capacity["cpu"], Quantity { string: s("4") });
+        assert_eq!(status.phase, s(""));
+        // Held by value down to the port, and nodeInfo's ten strings.
+        assert_eq!(
+            status.daemon_endpoints,
+            Some(pb_core::NodeDaemonEndpoints {
+                kubelet_endpoint: Some(pb_core::DaemonEndpoint { port: Some(0) }),
+            })
+        );
+        let info = status.node_info.as_ref().unwrap();
+        assert_eq!(info.machine_id, s(""));
+        assert_eq!(info.architecture, s(""));
+        assert_eq!(info.swap, None);
 
         // Selectors apply to protobuf lists too.
         let unknown = protobuf_list(&server, "/api/v1/namespaces/other/services");
@@ -917,15 +998,15 @@ mod wire {
         assert_eq!(kind, "BOOKMARK");
         assert_eq!(
             decoded_service(&object),
-            pb_core::Service {
-                metadata: Some(pb_meta::ObjectMeta {
-                    resource_version: s("4"),
-                    ..Default::default()
-                }),
-                spec: None,
-                status: None,
-            }
+            protobuf::service(
+                serde_json::from_value(json!({"metadata": {"resourceVersion": "4"}})).unwrap()
+            )
         );
+        let bookmark = decoded_service(&object);
+        let meta = bookmark.metadata.unwrap();
+        assert_eq!(meta.resource_version, s("4"));
+        assert_eq!(meta.name, s(""));
+        assert!(bookmark.spec.is_some() && bookmark.status.is_some());
         assert_eq!(server.watch_content_types(Resource::Services), [PB_WATCH]);
 
         // A resumed watch replays from its version.
@@ -1062,6 +1143,35 @@ mod wire {
         event.extend([0x12, 4, 0x0a, 2, 0xca, 0xfe]);
         assert_eq!(frame[..4], [0, 0, 0, 13]);
         assert_eq!(frame[4..], event);
+    }
+
+    /// A Service with nothing but its resourceVersion (a bookmark's object), byte for byte as
+    /// upstream's gogo marshallers write it: every plain field of ObjectMeta, ServiceSpec and
+    /// ServiceStatus present with its zero value, pointers and empty slices left out.
+    #[test]
+    fn zero_values_of_non_pointer_fields_are_on_the_wire() {
+        let service: Service =
+            serde_json::from_value(json!({"metadata": {"resourceVersion": "4"}})).unwrap();
+        let mut meta = vec![
+            // name (1), generateName (2), namespace (3), selfLink (4), uid (5): "".
+            0x0a, 0, 0x12, 0, 0x1a, 0, 0x22, 0, 0x2a, 0,
+            // resourceVersion (6) "4", generation (7) 0, creationTimestamp (8) zero: empty.
+            0x32, 1, b'4', 0x38, 0, 0x42, 0,
+        ];
+        let spec = [
+            // clusterIP (3), type (4), sessionAffinity (7), loadBalancerIP (8),
+            // externalName (10), externalTrafficPolicy (11): "".
+            0x1a, 0, 0x22, 0, 0x3a, 0, 0x42, 0, 0x52, 0, 0x5a, 0,
+            // healthCheckNodePort (12) 0, publishNotReadyAddresses (13) false.
+            0x60, 0, 0x68, 0,
+        ];
+        let mut expected = vec![0x0a, 17];
+        expected.append(&mut meta);
+        expected.extend([0x12, 16]);
+        expected.extend(spec);
+        // status (3) = ServiceStatus{loadBalancer (1) = empty LoadBalancerStatus}.
+        expected.extend([0x1a, 2, 0x0a, 0]);
+        assert_eq!(protobuf::service(service).encode_to_vec(), expected);
     }
 
     #[test]
