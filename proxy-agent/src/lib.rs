@@ -1,6 +1,7 @@
 //! kubeproxy-rs node agent as a library: the binary (`src/main.rs`) only parses flags and sets up
 //! logging; benchmarks and tests can drive the same modules.
 
+pub mod btree;
 pub mod cli;
 pub mod config;
 pub mod dataplane;

@@ -86,20 +86,55 @@ impl Snapshot {
         services: Option<&BTreeSet<ObjectKey>>,
     ) -> SnapshotUpdate {
         let node = NodeContext::new(node_name, objects.node.as_ref());
-        let keys: BTreeSet<ObjectKey> = match services {
-            Some(keys) => keys.clone(),
-            None => objects
-                .services
-                .keys()
-                .chain(self.errors.keys())
-                .chain(self.v4.service_ports.keys().map(|n| &n.service))
-                .chain(self.v6.service_ports.keys().map(|n| &n.service))
-                .cloned()
-                .collect(),
+        let Some(keys) = services else {
+            return self.recompute_all(objects, &node);
         };
         let mut update = SnapshotUpdate::default();
-        for key in &keys {
+        for key in keys {
             self.update_service(objects, &node, key, &mut update);
+        }
+        update
+    }
+
+    /// Every Service from scratch: each family's table is built anew from the sorted service
+    /// ports (a B-tree filled one insert at a time in key order keeps its nodes half full, and
+    /// at 30k Services its values are most of the snapshot), then compared with the old one.
+    fn recompute_all(&mut self, objects: &Objects, node: &NodeContext) -> SnapshotUpdate {
+        let mut update = SnapshotUpdate::default();
+        let mut errors: BTreeMap<ObjectKey, Vec<ServiceError>> = BTreeMap::new();
+        for family in IpFamily::ALL {
+            let mut ports = Vec::new();
+            for key in objects.services.keys() {
+                let service_errors = errors.entry(key.clone()).or_default();
+                ports.extend(compute_service(objects, node, key, family, service_errors));
+            }
+            // Sorted already (Services in key order, each one's ports in name order).
+            let new = crate::btree::packed(ports);
+            let old = std::mem::replace(&mut self.family_mut(family).service_ports, new);
+            let new = &self.family(family).service_ports;
+            for (name, port) in new {
+                if old.get(name) != Some(port) {
+                    update.changed.insert(name.clone());
+                }
+            }
+            update
+                .changed
+                .extend(old.into_keys().filter(|name| !new.contains_key(name)));
+        }
+        let previous = std::mem::take(&mut self.errors);
+        for (key, mut service_errors) in errors {
+            service_errors.dedup();
+            if service_errors.is_empty() {
+                continue;
+            }
+            let before = previous.get(&key);
+            update.new_errors.extend(
+                service_errors
+                    .iter()
+                    .filter(|e| before.is_none_or(|before| !before.contains(e)))
+                    .cloned(),
+            );
+            self.errors.insert(key, service_errors);
         }
         update
     }

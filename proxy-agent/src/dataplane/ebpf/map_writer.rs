@@ -627,6 +627,9 @@ impl MapWriter {
         let (mut summary, mut errors) = self.apply(updates_of(snapshot, names), maps);
         if changed.is_none() {
             self.remove_unclaimed(maps, &mut summary, &mut errors);
+            // Every service port was written in name order: half-full B-tree nodes otherwise.
+            self.frontends.repack();
+            crate::btree::repack(&mut self.owned);
         }
         // Space freed by this apply may now hold what did not fit, possibly earlier in this
         // very apply (service ports go in name order): retry those now rather than at the next

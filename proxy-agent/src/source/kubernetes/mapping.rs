@@ -38,8 +38,9 @@ impl<T> Default for ListBuffer<T> {
 }
 
 impl<T> ListBuffer<T> {
+    /// The listed objects, in a map with full nodes (the list came in key order).
     fn take(&mut self) -> BTreeMap<ObjectKey, T> {
-        std::mem::take(&mut self.objects)
+        crate::btree::packed(std::mem::take(&mut self.objects))
     }
 }
 

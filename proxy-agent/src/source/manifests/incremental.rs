@@ -294,8 +294,8 @@ impl FolderReader {
         }
         vec![
             Update::ReplaceNode(node),
-            Update::ReplaceServices(services),
-            Update::ReplaceEndpointSlices(slices),
+            Update::ReplaceServices(crate::btree::packed(services)),
+            Update::ReplaceEndpointSlices(crate::btree::packed(slices)),
         ]
     }
 

@@ -128,6 +128,11 @@ impl FrontendTable {
         self.usage
     }
 
+    /// See [`crate::btree`].
+    pub(super) fn repack(&mut self) {
+        crate::btree::repack(&mut self.map);
+    }
+
     pub(super) fn insert(
         &mut self,
         key: FrontendKey,
