@@ -1222,7 +1222,10 @@ fn programming_section(md: &mut String, r: &Results) {
         "\n### Through the agent (manifests and API server sources)\n\n\
          The real agent on the rig's node, reading the cluster either from a manifests folder \
          (`--manifests`) or from the rig's API test server in the node namespace \
-         (`--kubeconfig`; list + watch as against a real API server, the same objects as JSON). \
+         (`--kubeconfig`; list + watch as against a real API server, the same objects in \
+         protobuf, kube-proxy's default content type, which the agent asks for; the test server \
+         encodes a list on each request, where a real API server serves it from its watch \
+         cache). \
          *Cold start*: agent process \
          started → first `sync applied` log line, and → the first connection to the ClusterIP \
          that reaches a pod (a probe connects in a tight loop from the cgroup meanwhile). \
