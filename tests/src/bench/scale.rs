@@ -46,6 +46,8 @@ pub struct ScaleResult {
 pub struct SmallNode {
     pub workload: Workload,
     pub memory: AgentMemory,
+    /// The node's `MemTotal` (what the agent sized its LRU maps from), in bytes.
+    pub mem_total: Option<u64>,
 }
 
 /// One gap-probe run.
@@ -85,6 +87,7 @@ pub(super) fn small_node(runner: &mut Runner, w: Workload) -> Outcome<SmallNode>
         Ok(SmallNode {
             workload: w,
             memory,
+            mem_total: proxy_agent::dataplane::ebpf::map_sizes::mem_total(),
         })
     })();
     match run {

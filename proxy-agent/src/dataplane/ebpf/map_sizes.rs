@@ -162,7 +162,7 @@ pub fn entry_bytes<K, V>() -> u64 {
 }
 
 /// `MemTotal` in bytes.
-fn mem_total() -> Option<u64> {
+pub fn mem_total() -> Option<u64> {
     let text = std::fs::read_to_string("/proc/meminfo").ok()?;
     parse_mem_total(&text)
 }
