@@ -30,3 +30,9 @@ pub fn ctnetlink(bytes: &[u8]) {
 pub fn sockdiag(bytes: &[u8]) {
     let _ = crate::dataplane::ebpf::sockdiag::parse_dump_datagram(bytes);
 }
+
+/// An API server response in protobuf: a LIST body or a watch stream of each kind, an error
+/// `Status` (`source::kubernetes::protobuf`).
+pub fn api_protobuf(bytes: &[u8]) {
+    crate::source::kubernetes::decode_protobuf(bytes);
+}

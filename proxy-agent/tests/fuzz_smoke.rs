@@ -240,6 +240,18 @@ fn sockdiag_seeds() -> Vec<Vec<u8>> {
     vec![[netlink(20, &msg), netlink(20, &msg6), netlink(3, &[0; 4])].concat()]
 }
 
+/// The cargo-fuzz target's committed seeds: a ServiceList and an EndpointSliceList body, and a
+/// watch stream (ADDED, MODIFIED, BOOKMARK, a 410 ERROR), as the API server encodes them.
+fn api_protobuf_seeds() -> Vec<Vec<u8>> {
+    [
+        &include_bytes!("../../tests/fuzz/seeds/api_protobuf/seed-0")[..],
+        &include_bytes!("../../tests/fuzz/seeds/api_protobuf/seed-1")[..],
+        &include_bytes!("../../tests/fuzz/seeds/api_protobuf/seed-2")[..],
+    ]
+    .map(<[u8]>::to_vec)
+    .into()
+}
+
 #[test]
 fn parsers_of_untrusted_bytes_never_panic_on_mutated_input() {
     let tried = [
@@ -262,9 +274,15 @@ fn parsers_of_untrusted_bytes_never_panic_on_mutated_input() {
             &sockdiag_seeds(),
             proxy_agent::fuzz::sockdiag,
         ),
+        run(
+            "api_protobuf",
+            5,
+            &api_protobuf_seeds(),
+            proxy_agent::fuzz::api_protobuf,
+        ),
     ];
     eprintln!(
-        "fuzz smoke: {} inputs over 4 parsers",
+        "fuzz smoke: {} inputs over 5 parsers",
         tried.iter().sum::<usize>()
     );
 }

@@ -196,7 +196,14 @@ pub fn demo() -> Result<()> {
 
 /// The cargo-fuzz targets in `tests/fuzz/` (a workspace of its own). `tc_packets` needs root
 /// and the real eBPF object (it test-runs the tc programs).
-const FUZZ_TARGETS: [&str; 5] = ["manifests", "config", "ctnetlink", "sockdiag", "tc_packets"];
+const FUZZ_TARGETS: [&str; 6] = [
+    "manifests",
+    "config",
+    "ctnetlink",
+    "sockdiag",
+    "api_protobuf",
+    "tc_packets",
+];
 /// The cargo-fuzz release installed when `cargo fuzz` is missing (the lock file of that release
 /// pins its dependencies).
 const CARGO_FUZZ_VERSION: &str = "0.13.2";

@@ -32,7 +32,8 @@ enum Command {
         /// Seconds per target.
         #[arg(long, default_value_t = 60)]
         seconds: u32,
-        /// Only these targets (default: manifests, config, ctnetlink, sockdiag, tc_packets).
+        /// Only these targets (default: manifests, config, ctnetlink, sockdiag, api_protobuf,
+        /// tc_packets).
         targets: Vec<String>,
     },
     /// Build the agent's OCI image archive (target/image/proxy-agent-VERSION.oci.tar, tag

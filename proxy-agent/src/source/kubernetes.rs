@@ -34,6 +34,7 @@ pub use client::{ClientError, ClientOptions, client};
 pub use encoding::{Encoding, EncodingError};
 pub use events::post_starting_event;
 pub use mapping::{EndpointSliceEvents, EventMapper, NodeEvents, ServiceEvents};
+pub use protobuf::decode_everything as decode_protobuf;
 
 use crate::objects::Update;
 

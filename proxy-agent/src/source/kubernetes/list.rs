@@ -71,8 +71,10 @@ where
             current: Bytes::new(),
         };
         if is_protobuf {
-            protobuf::parse_list(&mut io::BufReader::new(reader), &items_tx)
-                .map_err(|e| kube::Error::Service(Box::new(e)))
+            protobuf::parse_list(&mut io::BufReader::new(reader), |item| {
+                items_tx.blocking_send(item).is_ok()
+            })
+            .map_err(|e| kube::Error::Service(Box::new(e)))
         } else {
             parse(&mut reader, &items_tx).map_err(kube::Error::SerdeError)
         }

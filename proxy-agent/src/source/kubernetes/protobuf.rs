@@ -26,7 +26,6 @@ use kube::core::{
     watch::{Bookmark, BookmarkMeta},
 };
 use prost::Message as _;
-use tokio::sync::mpsc;
 
 pub use convert::FromMessage;
 
@@ -68,11 +67,12 @@ pub enum DecodeError {
     Abandoned,
 }
 
-/// Reads a protobuf list from `reader` (the response body), sending each item converted to
-/// `K` to `items`. Returns the list's metadata.
+/// Reads a protobuf list from `reader` (the response body), handing each item converted to
+/// `K` to `item`, which returns false when it takes no more (the list was given up). Returns
+/// the list's metadata.
 pub fn parse_list<K: FromMessage>(
     reader: &mut impl Read,
-    items: &mpsc::Sender<K>,
+    mut item: impl FnMut(K) -> bool,
 ) -> Result<ListMeta, DecodeError> {
     let mut magic = [0; 4];
     reader.read_exact(&mut magic)?;
@@ -84,7 +84,7 @@ pub fn parse_list<K: FromMessage>(
     while let Some((field, wire_type)) = next_tag(reader)? {
         if field == RAW_FIELD && wire_type == WireType::Len {
             let len = read_varint(reader)?;
-            metadata = Some(parse_list_message(reader.by_ref().take(len), items)?);
+            metadata = Some(parse_list_message(reader.by_ref().take(len), &mut item)?);
         } else {
             skip(reader, wire_type)?;
         }
@@ -95,7 +95,7 @@ pub fn parse_list<K: FromMessage>(
 /// The list message itself: `metadata` kept, each of `items` decoded and handed over.
 fn parse_list_message<K: FromMessage>(
     mut list: impl Read,
-    items: &mpsc::Sender<K>,
+    item: &mut impl FnMut(K) -> bool,
 ) -> Result<ListMeta, DecodeError> {
     let mut metadata = None;
     let mut buffer = Vec::new();
@@ -107,8 +107,7 @@ fn parse_list_message<K: FromMessage>(
             }
             (LIST_ITEMS_FIELD, WireType::Len) => {
                 read_len_delimited(&mut list, &mut buffer)?;
-                let item = K::from_message(K::Message::decode(&*buffer)?);
-                if items.blocking_send(item).is_err() {
+                if !item(K::from_message(K::Message::decode(&*buffer)?)) {
                     return Err(DecodeError::Abandoned);
                 }
             }
@@ -283,6 +282,27 @@ fn skip(input: &mut impl Read, wire_type: WireType) -> Result<(), DecodeError> {
         return Err(io::Error::from(io::ErrorKind::UnexpectedEof).into());
     }
     Ok(())
+}
+
+/// Every decoder here over `bytes`: as a list body of each kind, as a watch stream of each
+/// kind, as an error `Status` (for [`crate::fuzz`]).
+pub fn decode_everything(bytes: &[u8]) {
+    use k8s_openapi::api::{
+        core::v1::{Node, Service},
+        discovery::v1::EndpointSlice,
+    };
+    let _ = parse_list::<Service>(&mut &*bytes, |_| true);
+    let _ = parse_list::<EndpointSlice>(&mut &*bytes, |_| true);
+    let _ = parse_list::<Node>(&mut &*bytes, |_| true);
+    let _ = decode_status(bytes);
+    let mut frames = Frames::default();
+    frames.push(bytes);
+    while let Ok(Some(frame)) = frames.next_frame() {
+        let _ = decode_watch_event::<Service>(&frame);
+        let _ = decode_watch_event::<EndpointSlice>(&frame);
+        let _ = decode_watch_event::<Node>(&frame);
+    }
+    let _ = frames.finish();
 }
 
 #[cfg(test)]

@@ -112,13 +112,11 @@ fn list_bytes(items: &[pb_core::Service], rv: &str) -> Vec<u8> {
 }
 
 fn parse(bytes: &[u8]) -> (Result<ListMeta, DecodeError>, Vec<Service>) {
-    let (tx, mut rx) = mpsc::channel(64);
-    let result = parse_list(&mut io::BufReader::new(bytes), &tx);
-    drop(tx);
     let mut items = Vec::new();
-    while let Ok(item) = rx.try_recv() {
+    let result = parse_list(&mut io::BufReader::new(bytes), |item| {
         items.push(item);
-    }
+        true
+    });
     (result, items)
 }
 
@@ -133,6 +131,18 @@ fn a_list_decodes_to_what_its_json_decodes_to() {
         crate::objects::ServiceInfo::from(&items[0]),
         crate::objects::ServiceInfo::from(&service_json("a"))
     );
+}
+
+#[test]
+fn a_list_nobody_takes_any_more_is_given_up() {
+    let bytes = list_bytes(&[service("a"), service("b"), service("c")], "42");
+    let mut taken = 0;
+    let result = parse_list::<Service>(&mut io::BufReader::new(&*bytes), |_| {
+        taken += 1;
+        false
+    });
+    assert!(matches!(result, Err(DecodeError::Abandoned)), "{result:?}");
+    assert_eq!(taken, 1);
 }
 
 #[test]
