@@ -101,11 +101,12 @@ impl Snapshot {
     /// at 30k Services its values are most of the snapshot), then compared with the old one.
     fn recompute_all(&mut self, objects: &Objects, node: &NodeContext) -> SnapshotUpdate {
         let mut update = SnapshotUpdate::default();
-        let mut errors: BTreeMap<ObjectKey, Vec<ServiceError>> = BTreeMap::new();
+        // Keyed by reference: only a Service with errors needs its own copy of the key.
+        let mut errors: BTreeMap<&ObjectKey, Vec<ServiceError>> = BTreeMap::new();
         for family in IpFamily::ALL {
             let mut ports = Vec::new();
             for key in objects.services.keys() {
-                let service_errors = errors.entry(key.clone()).or_default();
+                let service_errors = errors.entry(key).or_default();
                 ports.extend(compute_service(objects, node, key, family, service_errors));
             }
             // Sorted already (Services in key order, each one's ports in name order).
@@ -127,14 +128,14 @@ impl Snapshot {
             if service_errors.is_empty() {
                 continue;
             }
-            let before = previous.get(&key);
+            let before = previous.get(key);
             update.new_errors.extend(
                 service_errors
                     .iter()
                     .filter(|e| before.is_none_or(|before| !before.contains(e)))
                     .cloned(),
             );
-            self.errors.insert(key, service_errors);
+            self.errors.insert(key.clone(), service_errors);
         }
         update
     }
