@@ -340,7 +340,11 @@ impl Cursor {
     /// Queues the events after `self.rv` that this watch sees.
     fn collect(&mut self, history: &[HistoryEvent]) {
         let from = self.rv;
-        for event in history.iter().filter(|e| e.rv > from) {
+        // The history is in resourceVersion order: a watch of a large cluster looks at the
+        // events after its own only, as the real server's watch cache does (it was a scan of
+        // every event since the start, milliseconds per change at 50k Services).
+        let first = history.partition_point(|e| e.rv <= from);
+        for event in &history[first..] {
             if event.resource != self.resource {
                 continue;
             }

@@ -406,23 +406,105 @@ pub fn e2e_changes(
     n: usize,
     timeout: Duration,
 ) -> Result<Vec<Duration>> {
+    Ok(e2e_changes_split(s, source, live, n, timeout)?
+        .into_iter()
+        .map(|c| c.total)
+        .collect())
+}
+
+/// One end-to-end change, and where its time went when the agent's log shows the sync that
+/// programmed it.
+#[derive(Debug, Clone, Copy)]
+pub struct ChangeSample {
+    /// Change made → first connection reaching the new set.
+    pub total: Duration,
+    pub split: Option<ChangeSplit>,
+}
+
+/// A change's time in three consecutive parts, on the wall clock the agent's log lines carry
+/// (the same system clock as the bench's): the first `sync applied` line that starts after the
+/// write is the sync that programmed it (its start is the line's time minus its `elapsed_us`).
+#[derive(Debug, Clone, Copy)]
+pub struct ChangeSplit {
+    /// Write → that sync starts: the source (API server, watch event, decoding), the agent's
+    /// event loop and sync runner.
+    pub to_sync: Duration,
+    /// The sync itself (snapshot and map writes).
+    pub sync: Duration,
+    /// Sync logged → the probe's first connection to the new set starts.
+    pub to_answer: Duration,
+}
+
+/// [`e2e_changes`] with each change's [`ChangeSplit`].
+pub fn e2e_changes_split(
+    s: &mut Scenario,
+    source: Source<'_>,
+    live: &mut LiveSet,
+    n: usize,
+    timeout: Duration,
+) -> Result<Vec<ChangeSample>> {
     let mut samples = Vec::with_capacity(n);
     for _ in 0..n {
         let next = live.other();
         let probe = Probe::start(&in_cgroup(s), cluster_addr(), next.names(), timeout)?;
+        let log_before = s.agent()?.log_contents().len();
         let t0 = monotonic_ns();
+        let t0_wall = time_of_day();
         source.set_live(s, next)?;
         let hit = probe.wait().map_err(|e| s.agent_error(e.to_string()))?;
         *live = next;
-        samples.push(Duration::from_nanos(hit.start_ns.saturating_sub(t0)));
+        let total = Duration::from_nanos(hit.start_ns.saturating_sub(t0));
         // The next change of the same Service must not come within the eBPF map writer's
         // generation grace (1 s): the agent defers a frontend's second switch until its
         // previous generation is deleted, so a change 200 ms after the last measured that
         // deferral (about 800 ms), not one change. kube-proxy's iptables `minSyncPeriod` is
         // the same second. Plus a little for the agent to finish the sync (log line, stats).
         std::thread::sleep(CHANGE_SPACING);
+        let split = t0_wall.and_then(|written| {
+            let log = s.agent().ok()?.log_contents();
+            let (at, elapsed) = first_sync_after(log.get(log_before..)?, written)?;
+            Some(ChangeSplit {
+                to_sync: at.checked_sub(elapsed)?.checked_sub(written)?,
+                sync: elapsed,
+                to_answer: (written + total).saturating_sub(at),
+            })
+        });
+        samples.push(ChangeSample { total, split });
     }
     Ok(samples)
+}
+
+/// Now as the time of day (UTC), as [`log_time`] reads the agent's lines.
+fn time_of_day() -> Option<Duration> {
+    let since_epoch = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .ok()?;
+    Some(Duration::from_micros(
+        (since_epoch.as_micros() % (86_400 * 1_000_000)) as u64,
+    ))
+}
+
+/// The first `sync applied` line of `log` whose sync started at or after `written` (time of
+/// day): its time and its `elapsed_us`.
+fn first_sync_after(log: &str, written: Duration) -> Option<(Duration, Duration)> {
+    log.lines()
+        .filter(|line| line.contains("sync applied"))
+        .filter_map(|line| {
+            let at = line.get(..27).and_then(log_time)?;
+            let elapsed = Duration::from_micros(
+                line.split("elapsed_us=")
+                    .nth(1)?
+                    .split(|c: char| !c.is_ascii_digit())
+                    .next()?
+                    .parse()
+                    .ok()?,
+            );
+            Some((at, elapsed))
+        })
+        .find(|&(at, elapsed)| {
+            at.checked_sub(elapsed)
+                .is_some_and(|start| start >= written)
+        })
 }
 
 /// The agent's memory now (VmHWM is the peak since it started).
@@ -515,6 +597,31 @@ mod tests {
         assert!(same_map_name("KPR_BACKEND_SLO", "KPR_BACKEND_SLOTS"));
         assert!(!same_map_name("KPR_BACKENDS", "KPR_BACKENDS4"));
         assert!(!same_map_name("", "KPR_BACKENDS4"));
+    }
+
+    #[test]
+    fn a_change_is_matched_to_the_first_sync_that_started_after_it() {
+        let log = "\
+2026-11-29T09:00:00.100000Z  INFO proxy_agent::run::report: sync applied reason=Changes elapsed_us=200000\n\
+2026-11-29T09:00:00.400000Z  INFO proxy_agent::run::report: sync applied reason=Changes elapsed_us=1500\n\
+2026-11-29T09:00:00.900000Z  INFO proxy_agent::run::report: sync applied reason=Changes elapsed_us=10\n";
+        let at = |s: &str| log_time(s).unwrap_or_default();
+        // The first line's sync started before the write (09:00:00.000 - 0.1 s).
+        assert_eq!(
+            first_sync_after(log, at("2026-11-29T09:00:00.000000Z")),
+            Some((
+                at("2026-11-29T09:00:00.400000Z"),
+                Duration::from_micros(1500)
+            ))
+        );
+        assert_eq!(
+            first_sync_after(log, at("2026-11-29T09:00:00.399000Z")),
+            Some((at("2026-11-29T09:00:00.900000Z"), Duration::from_micros(10)))
+        );
+        assert_eq!(
+            first_sync_after(log, at("2026-11-29T09:00:01.000000Z")),
+            None
+        );
     }
 
     #[test]

@@ -6,7 +6,7 @@
 
 use std::time::{Duration, Instant};
 
-use super::agent_runs::{self, AgentMemory, ProxyMode, Source};
+use super::agent_runs::{self, AgentMemory, ChangeSample, ProxyMode, Source};
 use super::client::{GapProbe, Gaps};
 use super::workload::{LiveSet, Workload};
 use super::{Outcome, ProgrammingSize, Runner, step};
@@ -34,7 +34,7 @@ pub struct ScaleResult {
     /// The agent runs at the scale size (both sources, both modes), as §5/§6 report them.
     pub size: ProgrammingSize,
     /// EndpointSlice changes through the API server source at the scale size.
-    pub changes: Outcome<Vec<Duration>>,
+    pub changes: Outcome<Vec<ChangeSample>>,
     /// The probe through an agent restart (SIGINT, start again on the same pins).
     pub restart: Outcome<GapRun>,
     /// The probe through periodic full resyncs.
@@ -105,7 +105,7 @@ pub(super) fn api_extras(
     api: &ApiServer,
     w: Workload,
     live: &mut LiveSet,
-) -> (Outcome<Vec<Duration>>, Outcome<GapRun>, Outcome<GapRun>) {
+) -> (Outcome<Vec<ChangeSample>>, Outcome<GapRun>, Outcome<GapRun>) {
     let not_run = || Outcome::Failed("not run: the eBPF agent did not start".into());
     step("  scale: eBPF agent on the API server source", runner);
     let timeout = super::agent_timeout(ProxyMode::Ebpf, None);
@@ -120,7 +120,7 @@ pub(super) fn api_extras(
         &format!("  scale: {n} EndpointSlice changes through the API server"),
         runner,
     );
-    let changes = match agent_runs::e2e_changes(s, Source::Api(api), live, n, timeout) {
+    let changes = match agent_runs::e2e_changes_split(s, Source::Api(api), live, n, timeout) {
         Ok(samples) => Outcome::Done(samples),
         Err(e) => runner.failed("scale: EndpointSlice changes", e),
     };

@@ -83,6 +83,8 @@ pub struct EbpfDataplane {
     pub(super) maps: ServiceMaps,
     /// `KPR_SERVICE_NAMES`: service id → `namespace/name:port`, for `inspect`.
     pub(super) names: HashMap<MapData, u32, ServiceName>,
+    /// Every name in `names` was checked once (see [`EbpfDataplane::write_service_names`]).
+    names_reconciled: bool,
     pub(super) stats: PerCpuArray<MapData, u64>,
     pub(super) map_writer: MapWriter,
     /// Frontend writes refused because a map was full, since start (a counter for metrics).
@@ -306,6 +308,7 @@ impl EbpfDataplane {
             maps,
             names,
             stats,
+            names_reconciled: false,
             map_writer,
             capacity_errors: 0,
             capacities,
@@ -392,7 +395,13 @@ impl EbpfDataplane {
             Some(_) => {}
             None => summary.conntrack_purged = self.purge_conntrack(&tracked),
         }
-        self.write_service_names(changed);
+        // A full pass that wrote nothing changed no service id: the names were checked by an
+        // earlier one. Checking them is a lookup per id and a walk of the map (200k syscalls
+        // at 50k Services, most of a periodic resync, which holds up the changes behind it).
+        let names_changed = summary.frontends_written > 0 || summary.frontends_removed > 0;
+        if changed.is_some() || names_changed || !self.names_reconciled {
+            self.write_service_names(changed);
+        }
         (summary, errors)
     }
 
@@ -457,6 +466,7 @@ impl EbpfDataplane {
             }
         }
         if changed.is_none() {
+            self.names_reconciled = true;
             let live: BTreeSet<u32> = names.iter().map(|(id, _)| *id).collect();
             let stale: Vec<u32> = self
                 .names

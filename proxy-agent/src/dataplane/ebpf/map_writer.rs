@@ -628,8 +628,11 @@ impl MapWriter {
         if changed.is_none() {
             self.remove_unclaimed(maps, &mut summary, &mut errors);
             // Every service port was written in name order: half-full B-tree nodes otherwise.
-            self.frontends.repack();
-            crate::btree::repack(&mut self.owned);
+            // A full pass that wrote nothing (a periodic resync) left the trees as they were.
+            if summary.frontends_written > 0 || summary.frontends_removed > 0 {
+                self.frontends.repack();
+                crate::btree::repack(&mut self.owned);
+            }
         }
         // Space freed by this apply may now hold what did not fit, possibly earlier in this
         // very apply (service ports go in name order): retry those now rather than at the next
@@ -669,10 +672,16 @@ impl MapWriter {
         self.retire_expired(maps);
         let mut summary = ApplySummary::default();
         let mut errors = Vec::new();
+        let updates: Vec<_> = updates.into_iter().collect();
+        // Recomputed below for the frontends these service ports still have. Once for all of
+        // them: per service port, a node whose maps are too small paid the whole list of the
+        // frontends that did not fit for each one (34k of 50k: minutes for a full apply).
+        if !self.unfit.is_empty() || !self.deferred.is_empty() {
+            let names: BTreeSet<&ServicePortName> = updates.iter().map(|(name, _)| name).collect();
+            self.unfit.retain(|_, owner| !names.contains(owner));
+            self.deferred.retain(|_, owner| !names.contains(owner));
+        }
         for (name, frontends) in updates {
-            // Recomputed below for the frontends this service port still has.
-            self.unfit.retain(|_, owner| *owner != name);
-            self.deferred.retain(|_, owner| *owner != name);
             let previous = self.owned.remove(&name).unwrap_or_default();
             for key in previous {
                 if frontends.iter().any(|(k, _)| *k == key) {

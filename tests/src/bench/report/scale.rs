@@ -4,7 +4,7 @@
 use std::fmt::Write as _;
 use std::time::Duration;
 
-use super::super::agent_runs::AgentMemory;
+use super::super::agent_runs::{AgentMemory, ChangeSample, ChangeSplit};
 use super::super::scale::{GapRun, ScaleResult};
 use super::super::stats::Percentiles;
 use super::super::{AgentModeRun, Outcome, ProgrammingSize, Results};
@@ -16,6 +16,8 @@ const GOAL_SCALE_COLD_START: Duration = Duration::from_secs(3);
 const GOAL_SCALE_RSS_MIB: f64 = 120.0;
 const GOAL_API_CHANGE_P99: Duration = Duration::from_millis(5);
 const GOAL_MAX_GAP: Duration = Duration::from_millis(100);
+/// The slowest API-source changes listed with their parts.
+const SLOWEST_CHANGES: usize = 3;
 
 fn mib(bytes: u64) -> f64 {
     bytes as f64 / 1024.0 / 1024.0
@@ -229,8 +231,9 @@ pub(super) fn goal_rows(md: &mut String, r: &Results, programming_endpoints: usi
     }
     // One EndpointSlice change through the API server source.
     let (measured, verdict) = match scale.map(|s| (&s.size, &s.changes)) {
-        Some((p, Outcome::Done(samples))) if !samples.is_empty() => {
-            let pct = Percentiles::of_durations(samples);
+        Some((p, Outcome::Done(changes))) if !changes.is_empty() => {
+            let samples: Vec<Duration> = changes.iter().map(|c| c.total).collect();
+            let pct = Percentiles::of_durations(&samples);
             let p99 = Duration::from_nanos(pct.p99);
             (
                 format!(
@@ -490,23 +493,65 @@ fn changes_part(md: &mut String, scale: &ScaleResult) {
          start of the first connection of a probe (connecting in a tight loop from the pod \
          cgroup) answered by the new set; {} between one change's first answer and the next \
          change, as the agent defers a frontend's second switch within its 1 s generation \
-         grace (a change within it would measure that deferral). The probe's timing is the \
-         sharper one here: the agent's `sync applied` line is written after its maps are, but \
-         carries no timestamp of the API write.\n",
+         grace (a change within it would measure that deferral). *Where a change's time goes*: \
+         the sync that programmed it is the first `sync applied` line of the agent's log \
+         that started after the write (the line's time minus its `elapsed_us`; the agent \
+         logs on the same system clock), which splits the change into *write → sync starts* \
+         (the API test server's update and watch event, the agent's decoding, event loop \
+         and sync runner), *the sync* (snapshot and map writes) and *sync logged → answer* \
+         (the probe's next connection; negative when the probe got through before the line \
+         was written, which counts as 0).\n",
         workload_label(&scale.size),
         dur(super::super::agent_runs::CHANGE_SPACING)
     );
     match &scale.changes {
-        Outcome::Done(samples) if !samples.is_empty() => {
-            let pct = Percentiles::of_durations(samples);
+        Outcome::Done(changes) if !changes.is_empty() => {
+            let row = |what: &str, samples: &[Duration]| {
+                if samples.is_empty() {
+                    return format!("| {what} | – | – | – | – | – |\n");
+                }
+                let pct = Percentiles::of_durations(samples);
+                format!(
+                    "| {what} | {} | {} | {} | {} | {} |\n",
+                    samples.len(),
+                    dur(Duration::from_nanos(pct.p50)),
+                    dur(Duration::from_nanos(pct.p99)),
+                    dur(Duration::from_nanos(pct.max)),
+                    dur(Duration::from_nanos(pct.mean as u64)),
+                )
+            };
+            let splits: Vec<ChangeSplit> = changes.iter().filter_map(|c| c.split).collect();
+            let part = |f: fn(&ChangeSplit) -> Duration| splits.iter().map(f).collect::<Vec<_>>();
+            let totals: Vec<Duration> = changes.iter().map(|c| c.total).collect();
             let _ = writeln!(
                 md,
-                "| changes | p50 | p99 | max | mean |\n|---|---|---|---|---|\n| {} | {} | {} | {} | {} |\n",
-                samples.len(),
-                dur(Duration::from_nanos(pct.p50)),
-                dur(Duration::from_nanos(pct.p99)),
-                dur(Duration::from_nanos(pct.max)),
-                dur(Duration::from_nanos(pct.mean as u64)),
+                "| part | changes | p50 | p99 | max | mean |\n|---|---|---|---|---|---|\n{}{}{}{}",
+                row("write → first connection to the new set", &totals),
+                row("of it: write → sync starts", &part(|s| s.to_sync)),
+                row("of it: the sync", &part(|s| s.sync)),
+                row("of it: sync logged → answer", &part(|s| s.to_answer)),
+            );
+            let mut slowest: Vec<&ChangeSample> = changes.iter().collect();
+            slowest.sort_by_key(|c| std::cmp::Reverse(c.total));
+            let listed: Vec<String> = slowest
+                .iter()
+                .take(SLOWEST_CHANGES)
+                .map(|c| match c.split {
+                    Some(split) => format!(
+                        "{} ({} to the sync, {} sync, {} to the answer)",
+                        dur(c.total),
+                        dur(split.to_sync),
+                        dur(split.sync),
+                        dur(split.to_answer)
+                    ),
+                    None => format!("{} (no sync line found)", dur(c.total)),
+                })
+                .collect();
+            let _ = writeln!(
+                md,
+                "The {} slowest changes: {}.\n",
+                listed.len(),
+                listed.join("; ")
             );
         }
         other => {

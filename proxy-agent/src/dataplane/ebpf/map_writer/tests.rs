@@ -1144,3 +1144,29 @@ fn adoption_deletes_the_retired_generations_of_the_previous_run() {
         []
     );
 }
+
+#[test]
+fn an_apply_recomputes_what_did_not_fit_for_its_service_ports_only() {
+    // Room for one frontend's slot: web fits, api and db do not.
+    let mut maps = FakeMaps::with_slot_capacity(1);
+    let mut map_writer = with_test_clock();
+    let web = key([10, 96, 0, 10], 80);
+    let api = key([10, 96, 0, 11], 80);
+    let db = key([10, 96, 0, 12], 80);
+    let (_, errors) =
+        map_writer.apply(snapshot(&[(web, &[1]), (api, &[2]), (db, &[3])]), &mut maps);
+    assert_eq!(errors.len(), 2, "{errors:?}");
+    assert_eq!(
+        map_writer.unfit().keys().copied().collect::<Vec<_>>(),
+        [api, db]
+    );
+    // api goes away: its entry goes, db's stays (another service port's apply).
+    let (_, errors) = map_writer.apply([gone(api)], &mut maps);
+    assert!(errors.is_empty(), "{errors:?}");
+    assert_eq!(map_writer.unfit().keys().copied().collect::<Vec<_>>(), [db]);
+    // web and db in one apply: web is unchanged, db still does not fit and is listed once.
+    let (_, errors) = map_writer.apply(snapshot(&[(web, &[1]), (db, &[3])]), &mut maps);
+    assert_eq!(errors.len(), 1, "{errors:?}");
+    assert_eq!(map_writer.unfit().keys().copied().collect::<Vec<_>>(), [db]);
+    maps.check_invariants();
+}
