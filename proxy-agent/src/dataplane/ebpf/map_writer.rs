@@ -672,18 +672,27 @@ impl MapWriter {
         self.retire_expired(maps);
         let mut summary = ApplySummary::default();
         let mut errors = Vec::new();
-        let updates: Vec<_> = updates.into_iter().collect();
-        // Recomputed below for the frontends these service ports still have. Once for all of
-        // them: per service port, a node whose maps are too small paid the whole list of the
-        // frontends that did not fit for each one (34k of 50k: minutes for a full apply).
-        if !self.unfit.is_empty() || !self.deferred.is_empty() {
-            let names: BTreeSet<&ServicePortName> = updates.iter().map(|(name, _)| name).collect();
-            self.unfit.retain(|_, owner| !names.contains(owner));
-            self.deferred.retain(|_, owner| !names.contains(owner));
+        // What did not fit or was deferred, by service port: each one's entries are recomputed
+        // below for the frontends it still has. A scan of both lists per service port made a
+        // node whose maps are too small pay for every frontend that did not fit, for each one
+        // (34k of 50k: minutes for a full apply). The updates stay lazy: a full apply builds
+        // one service port's frontends at a time.
+        let mut pending: BTreeMap<ServicePortName, Vec<FrontendKey>> = BTreeMap::new();
+        for (key, owner) in self.unfit.iter().chain(self.deferred.iter()) {
+            pending.entry(owner.clone()).or_default().push(*key);
         }
         for (name, frontends) in updates {
-            let previous = self.owned.remove(&name).unwrap_or_default();
-            for key in previous {
+            for key in pending.remove(&name).unwrap_or_default() {
+                for list in [&mut self.unfit, &mut self.deferred] {
+                    if list.get(&key) == Some(&name) {
+                        list.remove(&key);
+                    }
+                }
+            }
+            // Left in place (not removed and inserted again) when the list stays the same: a
+            // periodic resync goes through every service port, most of them unchanged.
+            let previous = self.owned.get(&name).cloned().unwrap_or_default();
+            for &key in &previous {
                 if frontends.iter().any(|(k, _)| *k == key) {
                     continue;
                 }
@@ -697,7 +706,12 @@ impl MapWriter {
             }
             let mut owned = Vec::new();
             for (key, frontend) in frontends {
-                if let Some(owner) = self.owner_other_than(&key, &name) {
+                // One lookup for the owner check and the comparison below.
+                let applied = self.frontends.get(&key);
+                if let Some(owner) = applied
+                    .and_then(|applied| applied.owner.as_ref())
+                    .filter(|owner| **owner != name)
+                {
                     errors.push(ApplyError::Frontend {
                         frontend: key,
                         service: name.to_string(),
@@ -715,7 +729,7 @@ impl MapWriter {
                 };
                 owned.push(key);
                 let maglev_size = self.maglev_size_for(&key, backends.len());
-                if let Some(applied) = self.frontends.get(&key)
+                if let Some(applied) = applied
                     && !applied.damaged
                     && !applied.maglev_incomplete
                     && self
@@ -728,7 +742,9 @@ impl MapWriter {
                     && applied.value.maglev_size == maglev_size
                 {
                     // Also how an adopted frontend is claimed: without a single map write.
-                    self.frontends.set_owner(&key, name.clone());
+                    if applied.owner.is_none() {
+                        self.frontends.set_owner(&key, name.clone());
+                    }
                     summary.frontends_unchanged += 1;
                     continue;
                 }
@@ -760,7 +776,11 @@ impl MapWriter {
                     }
                 }
             }
-            if !owned.is_empty() {
+            if owned.is_empty() {
+                if !previous.is_empty() {
+                    self.owned.remove(&name);
+                }
+            } else if *owned != *previous {
                 self.owned.insert(name, owned.into_boxed_slice());
             }
         }
@@ -791,17 +811,6 @@ impl MapWriter {
                 }),
             }
         }
-    }
-
-    fn owner_other_than(
-        &self,
-        key: &FrontendKey,
-        name: &ServicePortName,
-    ) -> Option<&ServicePortName> {
-        self.frontends
-            .get(key)
-            .and_then(|applied| applied.owner.as_ref())
-            .filter(|owner| *owner != name)
     }
 
     fn write_frontend(
@@ -1435,8 +1444,10 @@ pub(super) fn frontend_key_of(map_key: &FrontendMapKey) -> Option<FrontendKey> {
 /// state never does that; the datapath could not serve it).
 fn backend_values(key: &FrontendKey, frontend: &Frontend) -> Option<Vec<BackendValue>> {
     let proto = frontend.service_port.protocol.number();
-    // Backends are a set for the datapath: the order of slots does not matter, only membership.
-    let set: BTreeSet<BackendValue> = frontend
+    // Backends are a set for the datapath: the order of slots does not matter, only membership
+    // (sorted and without duplicates; a vector sorted in place, as this runs for every frontend
+    // of a full pass).
+    let mut set: Vec<BackendValue> = frontend
         .backends
         .iter()
         .map(|backend| {
@@ -1458,7 +1469,9 @@ fn backend_values(key: &FrontendKey, frontend: &Frontend) -> Option<Vec<BackendV
             }
         })
         .collect::<Option<_>>()?;
-    Some(set.into_iter().collect())
+    set.sort_unstable();
+    set.dedup();
+    Some(set)
 }
 
 /// The slot map entries of one generation of `value`: backend ids by slot.

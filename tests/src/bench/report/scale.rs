@@ -385,6 +385,7 @@ pub(super) fn section(md: &mut String, r: &Results) {
             }
         }
     }
+    programmed_profile(md, r);
     if let Outcome::Done(small) = &scale.small {
         let mut maps: Vec<_> = small.memory.maps.iter().collect();
         maps.sort_by_key(|m| std::cmp::Reverse(m.memlock));
@@ -482,6 +483,66 @@ fn small_node_profile(md: &mut String, small: &super::super::scale::SmallNode) {
         nodes.join(", ")
     );
 }
+
+/// Where the programmed maps' memory goes at the eBPF run with the highest programmed ÷ needed
+/// ratio: per map, the bucket array (fixed by the capacity) and the elements (the rest of its
+/// memlock, per entry next to the entry's key + value).
+fn programmed_profile(md: &mut String, r: &Results) {
+    let worst = agent_sizes(r)
+        .flat_map(|p| {
+            agent_runs(p)
+                .into_iter()
+                .filter(|(_, mode, _)| *mode == "eBPF")
+                .filter_map(move |(source, _, outcome)| match outcome {
+                    Outcome::Done(run) => Some((p, source, &run.memory)),
+                    _ => None,
+                })
+        })
+        .filter_map(|(p, source, m)| Some((over_needed(m)?, p, source, m)))
+        .max_by(|a, b| a.0.total_cmp(&b.0));
+    let Some((ratio, p, source, m)) = worst else {
+        return;
+    };
+    let mut maps = m.programmed_maps();
+    maps.sort_by_key(|(m, _)| std::cmp::Reverse(m.memlock));
+    let listed: Vec<String> = maps
+        .iter()
+        .map(|(map, entries)| {
+            let payload = map.key_size + map.value_size;
+            if map.map_type != MAP_TYPE_HASH {
+                return format!(
+                    "{} {:.1} MiB for {entries} entries of {payload} B",
+                    map.name,
+                    mib(map.memlock)
+                );
+            }
+            let buckets = map.max_entries.next_power_of_two() * HASH_BUCKET_BYTES;
+            let elements = map.memlock.saturating_sub(buckets);
+            let per_entry = if *entries > 0 {
+                format!("{} B per entry", elements / entries)
+            } else {
+                "no entries".to_owned()
+            };
+            format!(
+                "{} {:.1} MiB = buckets {:.1} MiB + elements {:.1} MiB ({entries} entries of                  {payload} B: {per_entry})",
+                map.name,
+                mib(map.memlock),
+                mib(buckets),
+                mib(elements)
+            )
+        })
+        .collect();
+    let _ = writeln!(
+        md,
+        "
+**What the programmed maps hold** at {} ({source}, the highest ratio, {ratio:.2}×):          {}. A hash map's memlock is its bucket array ({HASH_BUCKET_BYTES} B per bucket, the          capacity rounded up to a power of two, allocated with the map) plus one kernel          element per entry: the element header (`struct htab_elem`, with its list node and          hash) and the key and value each rounded up to 8 bytes, from the kernel's per-CPU          allocator caches; so an entry of 8–16 bytes of payload costs several times that          whatever the agent does, and sizing the capacity to the entries only trims the          bucket part.",
+        workload_label(p),
+        listed.join("; ")
+    );
+}
+
+/// The kernel's hash bucket (`struct bucket`: a list head and a spinlock).
+const HASH_BUCKET_BYTES: u64 = 16;
 
 fn changes_part(md: &mut String, scale: &ScaleResult) {
     let _ = writeln!(
