@@ -106,6 +106,9 @@ pub struct EbpfResult {
     /// The same check reading every map entry by entry (`get_next_key` + lookup, the read path
     /// before `BPF_MAP_LOOKUP_BATCH`), interleaved with the batched ones: the same-run baseline.
     pub drift_check_unbatched: DriftCost,
+    /// A full `EbpfDataplane::apply` with nothing to write, as the eBPF mode's periodic resync
+    /// runs in the agent's loop (changes wait behind it): the median of three.
+    pub idle_resync: Duration,
 }
 
 /// What one full drift check costs: elapsed time, and CPU time of the checking thread (user
@@ -261,6 +264,22 @@ fn ebpf_in_current_netns(w: Workload, changes: usize) -> Result<EbpfResult> {
         snapshots.push(t1 - t0);
         applies.push(t2 - t1);
     }
+    let mut idle_resyncs = Vec::with_capacity(3);
+    for _ in 0..3 {
+        let started = Instant::now();
+        let (summary, errors) = dataplane.apply(&snapshot, None);
+        idle_resyncs.push(started.elapsed());
+        if summary.frontends_written > 0 || summary.frontends_removed > 0 || !errors.is_empty() {
+            return Err(RigError::Other(format!(
+                "a resync with nothing changed wrote {} and removed {} frontends ({} errors)",
+                summary.frontends_written,
+                summary.frontends_removed,
+                errors.len()
+            )));
+        }
+    }
+    idle_resyncs.sort();
+    let idle_resync = idle_resyncs[idle_resyncs.len() / 2];
     let mut batched = Vec::with_capacity(3);
     let mut unbatched = Vec::with_capacity(3);
     for _ in 0..3 {
@@ -298,6 +317,7 @@ fn ebpf_in_current_netns(w: Workload, changes: usize) -> Result<EbpfResult> {
         backends_capacity: capacity,
         drift_check,
         drift_check_unbatched,
+        idle_resync,
     })
 }
 

@@ -992,7 +992,7 @@ fn inproc_ebpf_rows(md: &mut String, i: &InprocessSize) {
             };
             let _ = writeln!(
                 md,
-                "| {n} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} ({:.2} %) | {} | {} | {} |",
+                "| {n} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} ({:.2} %) | {} | {} | {} | {} |",
                 i.workload.total_endpoints(),
                 spread(f(&|e| e.full_snapshot.as_nanos() as f64), dur_ns),
                 spread(f(&|e| e.full_apply.as_nanos() as f64), dur_ns),
@@ -1018,12 +1018,13 @@ fn inproc_ebpf_rows(md: &mut String, i: &InprocessSize) {
                         / e.drift_check.cpu.as_secs_f64().max(1e-9)),
                     |x| format!("{x:.1}×")
                 ),
+                spread(f(&|e| e.idle_resync.as_nanos() as f64), dur_ns),
             );
         }
         other => {
             let _ = writeln!(
                 md,
-                "| {n} | {} | {} | | | | | | | | | | | |",
+                "| {n} | {} | {} | | | | | | | | | | | | |",
                 i.workload.total_endpoints(),
                 outcome_note(other).unwrap_or_default()
             );
@@ -1160,12 +1161,15 @@ fn programming_section(md: &mut String, r: &Results) {
          system, as the map reads are syscalls), shared over the default \
          `--drift-check-period`; the same check reading every map entry by entry \
          (`get_next_key` + lookup, as before `BPF_MAP_LOOKUP_BATCH`) runs interleaved with it \
-         as the baseline.\n",
+         as the baseline. *Periodic resync, nothing to write*: a full apply of the unchanged \
+         snapshot (median of 3), what the eBPF mode's periodic reconcile (every \
+         `--iptables-sync-period`) costs the agent's loop when nothing drifted; a change that \
+         arrives meanwhile waits for it.\n",
         c.inprocess_repeats, c.inprocess_ebpf_changes
     );
     let _ = writeln!(
         md,
-        "| Services | endpoints | full sync: snapshot | full sync: map writes | change p50 | change p99 | change max | p99 of which snapshot | p99 of which map writes | BPF map memory | full drift check: CPU (share of a core at the default 30 s period) | full drift check: elapsed | entry-by-entry reads (before batching): CPU | entry by entry ÷ batched (CPU, same run) |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+        "| Services | endpoints | full sync: snapshot | full sync: map writes | change p50 | change p99 | change max | p99 of which snapshot | p99 of which map writes | BPF map memory | full drift check: CPU (share of a core at the default 30 s period) | full drift check: elapsed | entry-by-entry reads (before batching): CPU | entry by entry ÷ batched (CPU, same run) | periodic resync, nothing to write |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
     );
     for i in &r.inprocess {
         inproc_ebpf_rows(md, i);
