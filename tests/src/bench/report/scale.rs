@@ -524,7 +524,8 @@ fn programmed_profile(md: &mut String, r: &Results) {
                 "no entries".to_owned()
             };
             format!(
-                "{} {:.1} MiB = buckets {:.1} MiB + elements {:.1} MiB ({entries} entries of                  {payload} B: {per_entry})",
+                "{} {:.1} MiB = buckets {:.1} MiB + elements {:.1} MiB ({entries} entries of \
+                 {payload} B: {per_entry})",
                 map.name,
                 mib(map.memlock),
                 mib(buckets),
@@ -534,8 +535,14 @@ fn programmed_profile(md: &mut String, r: &Results) {
         .collect();
     let _ = writeln!(
         md,
-        "
-**What the programmed maps hold** at {} ({source}, the highest ratio, {ratio:.2}×):          {}. A hash map's memlock is its bucket array ({HASH_BUCKET_BYTES} B per bucket, the          capacity rounded up to a power of two, allocated with the map) plus one kernel          element per entry: the element header (`struct htab_elem`, with its list node and          hash) and the key and value each rounded up to 8 bytes, from the kernel's per-CPU          allocator caches; so an entry of 8–16 bytes of payload costs several times that          whatever the agent does, and sizing the capacity to the entries only trims the          bucket part.",
+        "\n**What the programmed maps hold** at {} ({source}, the highest ratio, {ratio:.2}×): \
+         {}. A hash map's memlock is its bucket array ({HASH_BUCKET_BYTES} B per bucket, the \
+         capacity rounded up to a power of two, allocated with the map) plus one kernel \
+         element per entry: the element header (`struct htab_elem`, with its list node and \
+         hash) and the key and value each rounded up to 8 bytes, from the kernel's per-CPU \
+         allocator caches; so an entry of 8–16 bytes of payload costs several times that \
+         whatever the agent does, and sizing the capacity to the entries only trims the \
+         bucket part.",
         workload_label(p),
         listed.join("; ")
     );
