@@ -171,16 +171,22 @@ impl StartPhases {
                     phases.source_read = since(start);
                 }
             } else if line.contains("sync applied") && phases.first_sync.is_none() {
-                phases.first_sync = line
-                    .split("elapsed_us=")
-                    .nth(1)
-                    .and_then(|v| v.split(|c: char| !c.is_ascii_digit()).next())
-                    .and_then(|v| v.parse().ok())
-                    .map(Duration::from_micros);
+                phases.first_sync = elapsed_us(line);
             }
         }
         phases
     }
+}
+
+/// A `sync applied` line's `elapsed_us` field: the sync's own duration.
+fn elapsed_us(line: &str) -> Option<Duration> {
+    line.split("elapsed_us=")
+        .nth(1)?
+        .split(|c: char| !c.is_ascii_digit())
+        .next()?
+        .parse()
+        .ok()
+        .map(Duration::from_micros)
 }
 
 /// The time of day of a log line's RFC 3339 timestamp (`2026-11-29T09:34:53.687876Z`). A start
@@ -489,18 +495,7 @@ fn time_of_day() -> Option<Duration> {
 fn first_sync_after(log: &str, written: Duration) -> Option<(Duration, Duration)> {
     log.lines()
         .filter(|line| line.contains("sync applied"))
-        .filter_map(|line| {
-            let at = line.get(..27).and_then(log_time)?;
-            let elapsed = Duration::from_micros(
-                line.split("elapsed_us=")
-                    .nth(1)?
-                    .split(|c: char| !c.is_ascii_digit())
-                    .next()?
-                    .parse()
-                    .ok()?,
-            );
-            Some((at, elapsed))
-        })
+        .filter_map(|line| Some((line.get(..27).and_then(log_time)?, elapsed_us(line)?)))
         .find(|&(at, elapsed)| {
             at.checked_sub(elapsed)
                 .is_some_and(|start| start >= written)
