@@ -301,9 +301,7 @@ fn sync_ebpf(
     let map_writer = ebpf.map_writer();
     // A periodic resync that wrote nothing changed no service id: the metrics keep the ids the
     // earlier syncs reported (a list of every service port is tens of milliseconds at 50k).
-    let ids_unchanged = reason == SyncReason::Periodic
-        && summary.frontends_written == 0
-        && summary.frontends_removed == 0;
+    let ids_unchanged = reason == SyncReason::Periodic && !summary.changed_frontends();
     let service_ids = match scope {
         _ if ids_unchanged => Vec::new(),
         Some(changed) => changed

@@ -398,8 +398,7 @@ impl EbpfDataplane {
         // A full pass that wrote nothing changed no service id: the names were checked by an
         // earlier one. Checking them is a lookup per id and a walk of the map (200k syscalls
         // at 50k Services, most of a periodic resync, which holds up the changes behind it).
-        let names_changed = summary.frontends_written > 0 || summary.frontends_removed > 0;
-        if changed.is_some() || names_changed || !self.names_reconciled {
+        if changed.is_some() || summary.changed_frontends() || !self.names_reconciled {
             self.write_service_names(changed);
         }
         (summary, errors)

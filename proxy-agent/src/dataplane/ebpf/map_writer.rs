@@ -188,6 +188,15 @@ pub struct ApplySummary {
     pub frontends_deferred: usize,
 }
 
+impl ApplySummary {
+    /// Whether a frontend was written or removed: what changes service ids, their names and
+    /// the map writer's trees (an apply over unchanged service ports, such as an idle
+    /// periodic resync, changes none of them).
+    pub fn changed_frontends(&self) -> bool {
+        self.frontends_written > 0 || self.frontends_removed > 0
+    }
+}
+
 /// A generation taken out of use, deleted once `due` has passed (see [`GENERATION_GRACE`]).
 #[derive(Debug)]
 struct Retired {
@@ -629,7 +638,7 @@ impl MapWriter {
             self.remove_unclaimed(maps, &mut summary, &mut errors);
             // Every service port was written in name order: half-full B-tree nodes otherwise.
             // A full pass that wrote nothing (a periodic resync) left the trees as they were.
-            if summary.frontends_written > 0 || summary.frontends_removed > 0 {
+            if summary.changed_frontends() {
                 self.frontends.repack();
                 crate::btree::repack(&mut self.owned);
             }
