@@ -30,6 +30,56 @@ impl IpFamily {
     }
 }
 
+/// The reasons [`unusable_address`] gives, each a metric label.
+pub const UNUSABLE_REASONS: [&str; 5] = [
+    "unspecified",
+    "loopback",
+    "link-local",
+    "multicast",
+    "broadcast",
+];
+
+/// Why an address can never be a Service's frontend or endpoint, if it cannot: the kernel
+/// treats these as the node's own (unspecified, loopback), as on-link only (link-local, where
+/// clouds serve instance metadata at 169.254.169.254), or as group traffic (multicast,
+/// broadcast). The API server rejects most of them in `externalIPs` and endpoint addresses
+/// (`ValidateNonSpecialIP`), but not in `status.loadBalancer.ingress`, and a manifests folder
+/// has no API server at all: a `0.0.0.0` frontend would otherwise become the NodePort
+/// wildcard and capture every port of the node. An IPv4-mapped IPv6 address is judged by the
+/// IPv4 address it carries.
+pub fn unusable_address(ip: &IpAddr) -> Option<&'static str> {
+    match ip.to_canonical() {
+        IpAddr::V4(v4) => {
+            if v4.is_unspecified() {
+                Some("unspecified")
+            } else if v4.is_loopback() {
+                Some("loopback")
+            } else if v4.is_link_local() {
+                Some("link-local")
+            } else if v4.is_multicast() {
+                Some("multicast")
+            } else if v4.is_broadcast() {
+                Some("broadcast")
+            } else {
+                None
+            }
+        }
+        IpAddr::V6(v6) => {
+            if v6.is_unspecified() {
+                Some("unspecified")
+            } else if v6.is_loopback() {
+                Some("loopback")
+            } else if v6.is_unicast_link_local() {
+                Some("link-local")
+            } else if v6.is_multicast() {
+                Some("multicast")
+            } else {
+                None
+            }
+        }
+    }
+}
+
 /// k8s.io/utils/net `ParseIPSloppy`: Go's `net.ParseIP`, except that the parts of an IPv4
 /// address (also one embedded at the end of an IPv6 one) may have leading zeros, read as
 /// decimal (`010.001.002.003` is 10.1.2.3) — what Go accepted before 1.17, kept by Kubernetes
@@ -84,4 +134,38 @@ fn strip_zeros(text: &str) -> Option<String> {
         out.push_str(&strip(prefix));
     }
     Some(out)
+}
+
+#[cfg(test)]
+mod unusable_tests {
+    use super::*;
+
+    #[test]
+    fn addresses_that_are_never_a_services() {
+        let kind = |s: &str| unusable_address(&s.parse().expect("test address"));
+        for (address, expected) in [
+            ("0.0.0.0", Some("unspecified")),
+            ("::", Some("unspecified")),
+            ("127.0.0.1", Some("loopback")),
+            ("127.255.0.9", Some("loopback")),
+            ("::1", Some("loopback")),
+            ("::ffff:127.0.0.1", Some("loopback")),
+            ("169.254.169.254", Some("link-local")),
+            ("fe80::1", Some("link-local")),
+            ("febf::1", Some("link-local")),
+            ("224.0.0.1", Some("multicast")),
+            ("239.1.2.3", Some("multicast")),
+            ("ff02::1", Some("multicast")),
+            ("255.255.255.255", Some("broadcast")),
+            ("::ffff:0.0.0.0", Some("unspecified")),
+            ("10.0.0.1", None),
+            ("192.0.2.1", None),
+            ("203.0.113.7", None),
+            ("fd00::1", None),
+            ("2001:db8::1", None),
+            ("fec0::1", None),
+        ] {
+            assert_eq!(kind(address), expected, "{address}");
+        }
+    }
 }

@@ -365,6 +365,66 @@ pub fn external_ip_and_load_balancer_ip_reach_pods(mode: &str) -> Result<()> {
     Ok(())
 }
 
+/// A load balancer's status that lists `0.0.0.0` and `127.0.0.1` next to a real VIP (a buggy
+/// LB controller, or anyone allowed to write `services/status`): the unspecified and loopback
+/// addresses are never programmed, so the node's own listeners on the Service's port keep
+/// their connections, from outside to the node's address and from the node to 127.0.0.1,
+/// while the real VIP still reaches the pods. kube-proxy writes `-d 0.0.0.0/32` and
+/// `-d 127.0.0.1/32` rules, which outside packets never match (DNAT of 127.0.0.1 from the node
+/// is not done either: KUBE-SERVICES is reached from OUTPUT but the rule matches only the VIP).
+pub fn unusable_load_balancer_ips_never_capture_node_ports(mode: &str) -> Result<()> {
+    let lb = Ipv4Addr::new(192, 0, 2, 20);
+    let spec = ServiceSpec {
+        type_: "LoadBalancer",
+        load_balancer_ip: Some(lb),
+        ..ServiceSpec::default()
+    };
+    let mut s = setup(2, &spec, &[pod_endpoint(1), pod_endpoint(2)])?;
+    let hostile = service_yaml(&spec).replace(
+        &format!("ingress: [{{ip: {lb}}}]"),
+        &format!("ingress: [{{ip: 0.0.0.0}}, {{ip: 127.0.0.1}}, {{ip: {lb}}}]"),
+    );
+    s.ensure(hostile.contains("0.0.0.0"), || {
+        format!("the status must list 0.0.0.0: {hostile}")
+    })?;
+    s.manifests.write("web-svc.yaml", &hostile)?;
+    s.topo.ext().ip(&[
+        "route",
+        "add",
+        &format!("{lb}/32"),
+        "via",
+        &Topology::node_ext_ip().to_string(),
+    ])?;
+    // What a node process (sshd, the kubelet, etcd on loopback) looks like on the Service's
+    // port: the answers name it.
+    const NODE_PROCESS: &str = "node-process";
+    let node_address = SocketAddr::from(SocketAddrV4::new(Topology::node_ext_ip(), SERVICE_PORT));
+    let loopback = SocketAddr::from(SocketAddrV4::new(Ipv4Addr::LOCALHOST, SERVICE_PORT));
+    s.topo.start_echo(Place::Node, NODE_PROCESS, node_address)?;
+    s.topo.start_echo(Place::Node, NODE_PROCESS, loopback)?;
+    start(&mut s, mode)?;
+    let vip = SocketAddr::from(SocketAddrV4::new(lb, SERVICE_PORT));
+    let (attempts, _) = from_outside(&mut s, vip, &format!("[{mode}] LB VIP {vip}"), is_pod)?;
+    s.ensure(attempts.iter().all(is_pod), || {
+        format!("the real VIP must still reach the pods: {attempts:?}")
+    })?;
+    let node_client = local_client(&s, mode, Place::Node)?;
+    let node_process = |a: &Attempt| a.backend() == Some(NODE_PROCESS);
+    for (who, client, target) in [
+        ("outside", s.external_client(), node_address),
+        ("node", node_client, loopback),
+    ] {
+        let attempts = client.run(target, 10)?;
+        eprintln!("[{mode}] {who} → {target}: {:?}", tally(&attempts));
+        s.ensure(attempts.iter().all(node_process), || {
+            format!(
+                "{who} → {target}: the node's own listener must answer every time: {attempts:?}"
+            )
+        })?;
+    }
+    Ok(())
+}
+
 /// `loadBalancerSourceRanges`: a client inside the ranges reaches the LB VIP; after the ranges
 /// change to exclude it, it gets nothing.
 pub fn source_ranges_admit_only_listed_clients(mode: &str) -> Result<()> {
@@ -1499,6 +1559,7 @@ macro_rules! service_scenario_tests {
             node_port_local_policy_without_local_endpoints_drops,
             node_port_without_endpoints_is_refused,
             external_ip_and_load_balancer_ip_reach_pods,
+            unusable_load_balancer_ips_never_capture_node_ports,
             source_ranges_admit_only_listed_clients,
             node_port_to_a_pod_on_another_node,
             client_ip_affinity_keeps_the_backend,

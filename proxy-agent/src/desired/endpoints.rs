@@ -34,6 +34,15 @@ pub enum SliceWarning {
         index: usize,
         value: String,
     },
+    #[error(
+        "EndpointSlice {slice}: endpoints[{index}].addresses[0]: {value} is {reason}, never a Service's endpoint; ignored"
+    )]
+    UnusableAddress {
+        slice: ObjectKey,
+        index: usize,
+        value: String,
+        reason: &'static str,
+    },
     #[error("EndpointSlice {slice}: endpoints[{index}]: invalid address {value:?}; ignored")]
     InvalidAddress {
         slice: ObjectKey,
@@ -122,6 +131,18 @@ fn add_endpoints(
             }
         };
         if IpFamily::of(&addr) != family {
+            continue;
+        }
+        if let Some(reason) = crate::ip_family::unusable_address(&addr) {
+            let warning = SliceWarning::UnusableAddress {
+                slice: key.clone(),
+                index,
+                value: addr.to_string(),
+                reason,
+            };
+            if !warnings.contains(&warning) {
+                warnings.push(warning);
+            }
             continue;
         }
         let is_local = !node_name.is_empty() && endpoint.node_name.as_deref() == Some(node_name);

@@ -5,8 +5,10 @@
 //! - `endpoints.rs`: EndpointSlices → the endpoints of each service port (`endpointslicecache`).
 //! - `topology.rs`: which endpoints each traffic policy may use (`CategorizeEndpoints`).
 //! - `snapshot.rs`: the result, kept up to date incrementally from the store's change set.
+//! - `claims.rs`: which Service owns a frontend address, port and protocol that several name.
 //! - `frontends.rs`: the socket-level view (address, port, protocol → backends) for eBPF.
 
+mod claims;
 mod endpoints;
 mod frontends;
 mod model;

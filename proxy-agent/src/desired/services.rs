@@ -5,7 +5,7 @@ use std::net::IpAddr;
 
 use super::{IpFamily, Protocol, ServicePort, ServicePortName};
 use crate::{
-    ip_family::{parse_cidr_sloppy, parse_ip_sloppy},
+    ip_family::{parse_cidr_sloppy, parse_ip_sloppy, unusable_address},
     objects::{ObjectKey, ServiceInfo, intern},
 };
 use ipnet::IpNet;
@@ -21,6 +21,24 @@ pub enum ServiceError {
         service: ObjectKey,
         field: String,
         value: String,
+    },
+    #[error("Service {service}: {field}: {value} is {reason}, never a Service's address; ignored")]
+    UnusableAddress {
+        service: ObjectKey,
+        field: String,
+        value: String,
+        reason: &'static str,
+    },
+    #[error(
+        "Service {service}: {field}: {address} port {port}/{protocol} is also claimed by the older Service {owner}, which keeps it; ignored here"
+    )]
+    Conflict {
+        service: ObjectKey,
+        field: &'static str,
+        address: IpAddr,
+        port: u16,
+        protocol: Protocol,
+        owner: ObjectKey,
     },
     #[error("Service {service}: {field}: invalid CIDR {value:?}; ignored")]
     InvalidCidr {
@@ -61,6 +79,29 @@ pub enum ServiceError {
     },
     #[error("{0}")]
     Slice(#[from] super::endpoints::SliceWarning),
+}
+
+impl ServiceError {
+    /// The reason an address was refused as never a Service's (a metric label), if it was.
+    pub fn unusable_reason(&self) -> Option<&'static str> {
+        match self {
+            Self::UnusableAddress { reason, .. }
+            | Self::Slice(super::endpoints::SliceWarning::UnusableAddress { reason, .. }) => {
+                Some(reason)
+            }
+            _ => None,
+        }
+    }
+
+    /// For what a Service's own fields caused and its owner should see: the Service to post a
+    /// Kubernetes Event on, and the Event's reason.
+    pub fn event(&self) -> Option<(&ObjectKey, &'static str)> {
+        match self {
+            Self::UnusableAddress { service, .. } => Some((service, "IgnoredAddress")),
+            Self::Conflict { service, .. } => Some((service, "FrontendConflict")),
+            _ => None,
+        }
+    }
 }
 
 /// Whether kube-proxy handles this Service at all (`ShouldSkipService`): not ExternalName, and a
@@ -276,7 +317,16 @@ fn ips_of_family<'a>(
     let mut ips = Vec::new();
     for value in values {
         match parse_ip_sloppy(value.trim()) {
-            Some(ip) if IpFamily::of(&ip) == family => ips.push(ip),
+            // Reported in the address's own family pass, so once.
+            Some(ip) if IpFamily::of(&ip) == family => match unusable_address(&ip) {
+                Some(reason) => errors.push(ServiceError::UnusableAddress {
+                    service: key.clone(),
+                    field: field.to_owned(),
+                    value: ip.to_string(),
+                    reason,
+                }),
+                None => ips.push(ip),
+            },
             Some(_) => {}
             None if report => errors.push(ServiceError::InvalidIp {
                 service: key.clone(),

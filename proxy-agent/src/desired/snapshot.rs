@@ -1,10 +1,14 @@
 //! The snapshot: every service port per IP family, kept up to date incrementally. Recomputing a
 //! Service touches only that Service and its slices, so a sync costs O(changed Services).
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    net::IpAddr,
+};
 
 use super::{
     IpFamily, NodeContext, ServicePort, ServicePortName,
+    claims::{Claim, Claims},
     endpoints::endpoints_by_port,
     services::{ServiceError, service_ports},
     topology::{Usage, categorize},
@@ -40,6 +44,8 @@ pub struct Snapshot {
     pub v6: FamilySnapshot,
     /// Current problems per Service (invalid fields, bad slices).
     errors: BTreeMap<ObjectKey, Vec<ServiceError>>,
+    /// Which Service owns each frontend address, port and protocol.
+    claims: Claims,
 }
 
 /// What one [`Snapshot::update`] changed.
@@ -77,6 +83,11 @@ impl Snapshot {
         self.errors.values().flatten()
     }
 
+    /// How many frontends some Service names but an older one owns.
+    pub fn conflicts(&self) -> usize {
+        self.claims.lost()
+    }
+
     /// Recomputes the given Services (`None`: all of them, e.g. after a node change) and returns
     /// what changed.
     pub fn update(
@@ -99,15 +110,42 @@ impl Snapshot {
     /// Every Service from scratch: each family's table is built anew from the sorted service
     /// ports (a B-tree filled one insert at a time in key order keeps its nodes half full, and
     /// at 30k Services its values are most of the snapshot), then compared with the old one.
+    /// Every Service's claims are known before any is settled.
     fn recompute_all(&mut self, objects: &Objects, node: &NodeContext) -> SnapshotUpdate {
         let mut update = SnapshotUpdate::default();
         // Keyed by reference: only a Service with errors needs its own copy of the key.
         let mut errors: BTreeMap<&ObjectKey, Vec<ServiceError>> = BTreeMap::new();
-        for family in IpFamily::ALL {
-            let mut ports = Vec::new();
-            for key in objects.services.keys() {
+        let mut raw: Vec<(&ObjectKey, [Vec<ServicePort>; 2])> = objects
+            .services
+            .keys()
+            .map(|key| {
                 let service_errors = errors.entry(key).or_default();
-                ports.extend(compute_service(objects, node, key, family, service_errors));
+                let ports =
+                    IpFamily::ALL.map(|family| raw_ports(objects, key, family, service_errors));
+                (key, ports)
+            })
+            .collect();
+        self.claims.rebuild(raw.iter().map(|(key, ports)| {
+            (
+                *key,
+                objects.services.get(*key),
+                ports.iter().flatten().collect(),
+            )
+        }));
+        for (index, family) in IpFamily::ALL.into_iter().enumerate() {
+            let mut ports = Vec::new();
+            for (key, family_ports) in &mut raw {
+                let service_errors = errors.entry(key).or_default();
+                let family_ports = std::mem::take(&mut family_ports[index]);
+                ports.extend(finish_service(
+                    objects,
+                    node,
+                    &self.claims,
+                    key,
+                    family,
+                    family_ports,
+                    service_errors,
+                ));
             }
             // Sorted already (Services in key order, each one's ports in name order).
             let new = crate::btree::packed(ports);
@@ -148,8 +186,23 @@ impl Snapshot {
         update: &mut SnapshotUpdate,
     ) {
         let mut errors = Vec::new();
-        for family in IpFamily::ALL {
-            let new = compute_service(objects, node, key, family, &mut errors);
+        let raw = IpFamily::ALL.map(|family| raw_ports(objects, key, family, &mut errors));
+        // Services whose share of a contested frontend moved with this one's change.
+        let affected = self.claims.replace(
+            key,
+            objects.services.get(key),
+            &raw.iter().flatten().collect::<Vec<_>>(),
+        );
+        for (family, family_ports) in IpFamily::ALL.into_iter().zip(raw) {
+            let new = finish_service(
+                objects,
+                node,
+                &self.claims,
+                key,
+                family,
+                family_ports,
+                &mut errors,
+            );
             let table = &mut self.family_mut(family).service_ports;
             let old: Vec<ServicePortName> = table
                 .range(
@@ -184,21 +237,81 @@ impl Snapshot {
         if !errors.is_empty() {
             self.errors.insert(key.clone(), errors);
         }
+        // Their own claims are unchanged, so this recursion ends with them.
+        for other in affected {
+            self.update_service(objects, node, &other, update);
+        }
     }
 }
 
-/// The service ports of one Service in one family, with their endpoints selected.
-fn compute_service(
+/// One Service's service ports in one family as its fields name them, before claims are
+/// settled and endpoints selected.
+fn raw_ports(
     objects: &Objects,
-    node: &NodeContext,
     key: &ObjectKey,
     family: IpFamily,
     errors: &mut Vec<ServiceError>,
+) -> Vec<ServicePort> {
+    match objects.services.get(key) {
+        Some(service) => service_ports(key, service, family, errors),
+        None => Vec::new(),
+    }
+}
+
+/// Takes away the frontends another Service owns: a lost cluster IP drops the service port, a
+/// lost external or load-balancer address only that address.
+fn settle(
+    claims: &Claims,
+    key: &ObjectKey,
+    ports: &mut Vec<ServicePort>,
+    errors: &mut Vec<ServiceError>,
+) {
+    ports.retain_mut(|port| {
+        let (number, protocol) = (port.port, port.protocol);
+        let mut lost = |field: &'static str, address: IpAddr| {
+            let claim = Claim {
+                address,
+                port: number,
+                protocol,
+            };
+            match claims.owner(&claim) {
+                Some(owner) if owner != key => {
+                    errors.push(ServiceError::Conflict {
+                        service: key.clone(),
+                        field,
+                        address,
+                        port: number,
+                        protocol,
+                        owner: owner.clone(),
+                    });
+                    true
+                }
+                _ => false,
+            }
+        };
+        if lost("spec.clusterIP", port.cluster_ip) {
+            return false;
+        }
+        port.external_ips
+            .retain(|&address| !lost("spec.externalIPs", address));
+        port.load_balancer_ips
+            .retain(|&address| !lost("status.loadBalancer.ingress[].ip", address));
+        true
+    });
+}
+
+/// The service ports of one Service in one family, settled against the other Services'
+/// claims and with their endpoints selected.
+fn finish_service(
+    objects: &Objects,
+    node: &NodeContext,
+    claims: &Claims,
+    key: &ObjectKey,
+    family: IpFamily,
+    mut ports: Vec<ServicePort>,
+    errors: &mut Vec<ServiceError>,
 ) -> BTreeMap<ServicePortName, ServicePort> {
-    let Some(service) = objects.services.get(key) else {
-        return BTreeMap::new();
-    };
-    let ports = service_ports(key, service, family, errors);
+    settle(claims, key, &mut ports, errors);
     if ports.is_empty() {
         return BTreeMap::new();
     }

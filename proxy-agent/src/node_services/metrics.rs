@@ -178,6 +178,8 @@ pub struct Metrics {
     livez_total: Family<CodeLabel, Counter>,
     conntrack_deleted: Family<FamilyLabel, Counter>,
     conntrack_sync_duration: HistogramFamily<FamilyLabel>,
+    ignored_addresses: Family<ReasonLabel, Gauge>,
+    frontend_conflicts: Gauge,
     iptables: Option<IptablesMetrics>,
     ebpf: Option<EbpfMetrics>,
     /// eBPF mode: service port name → the service ids of its frontends, so `proxy-agent
@@ -220,6 +222,8 @@ impl Metrics {
         let conntrack_deleted = Family::default();
         let conntrack_sync_duration =
             HistogramFamily::new_with_constructor(sync_duration_histogram as fn() -> Histogram);
+        let ignored_addresses = Family::default();
+        let frontend_conflicts = Gauge::default();
 
         described.add(
             "kubeproxy_sync_proxy_rules_duration_seconds",
@@ -287,6 +291,17 @@ impl Metrics {
             alpha("ReconcileConntrackFlowsLatency latency in seconds"),
             conntrack_sync_duration.clone(),
         );
+        // The project's own, in both modes: what the desired state refused to program.
+        described.add(
+            "kubeproxy_rs_ignored_addresses",
+            "Addresses in Services and EndpointSlices that are never programmed (unspecified, loopback, link-local, multicast or broadcast), by reason",
+            ignored_addresses.clone(),
+        );
+        described.add(
+            "kubeproxy_rs_frontend_conflicts",
+            "Frontends (address, port, protocol) a Service names but an older Service owns",
+            frontend_conflicts.clone(),
+        );
         let iptables =
             (mode == ProxyMode::Iptables).then(|| IptablesMetrics::register(&mut described));
         let ebpf = (mode == ProxyMode::Ebpf).then(|| EbpfMetrics::register(&mut described));
@@ -309,6 +324,8 @@ impl Metrics {
             livez_total,
             conntrack_deleted,
             conntrack_sync_duration,
+            ignored_addresses,
+            frontend_conflicts,
             iptables,
             ebpf,
             service_ids: std::sync::RwLock::default(),
@@ -393,6 +410,18 @@ impl Metrics {
             warn!(%error, "cannot encode the metrics");
         }
         out
+    }
+
+    /// What the desired state currently refuses: addresses by reason (every reason has a
+    /// sample, zero when none), and frontends lost to an older Service.
+    pub fn service_problems(&self, ignored: &BTreeMap<&'static str, i64>, conflicts: usize) {
+        for reason in crate::ip_family::UNUSABLE_REASONS {
+            self.ignored_addresses
+                .get_or_create(&ReasonLabel { reason })
+                .set(ignored.get(reason).copied().unwrap_or(0));
+        }
+        self.frontend_conflicts
+            .set(i64::try_from(conflicts).unwrap_or(i64::MAX));
     }
 
     /// A sync was requested (kube-proxy's `Sync()` and the start of `SyncLoop`).

@@ -28,6 +28,10 @@ pub struct ServiceInfo {
     pub ports: Box<[ServicePortSpec]>,
     /// `status.loadBalancer.ingress[]`.
     pub load_balancer_ingress: Box<[LoadBalancerIngress]>,
+    /// `metadata.creationTimestamp` (seconds since the epoch) and `metadata.uid`: of two
+    /// Services claiming one address, port and protocol, the older keeps it.
+    pub created: Option<i64>,
+    pub uid: Option<Box<str>>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -57,6 +61,7 @@ impl From<&Service> for ServiceInfo {
         let Some(spec) = &service.spec else {
             return Self::default();
         };
+        let metadata = &service.metadata;
         let name = |value: &Option<String>| value.as_deref().map(intern);
         Self {
             type_: name(&spec.type_),
@@ -97,6 +102,11 @@ impl From<&Service> for ServiceInfo {
                     ip_mode: name(&ingress.ip_mode),
                 })
                 .collect(),
+            created: metadata
+                .creation_timestamp
+                .as_ref()
+                .map(|time| time.0.as_second()),
+            uid: metadata.uid.as_deref().map(Into::into),
         }
     }
 }

@@ -93,6 +93,7 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     let node_required = matches!(source, Source::Kubernetes(..));
     let (tx, mut rx) = mpsc::channel(64);
     let mut store = Store::default();
+    let mut service_warnings = None;
     let source_task = match source {
         Source::Manifests(dir) => {
             // A manifests folder may hold no Node: that counts as listed.
@@ -104,6 +105,10 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
             let name = node.name.clone();
             let events = client.clone();
             let event_node = node.name.clone();
+            service_warnings = Some(source::kubernetes::service_warnings(
+                client.clone(),
+                &node.name,
+            ));
             tokio::spawn(async move {
                 source::kubernetes::post_starting_event(events, &event_node).await;
             });
@@ -270,6 +275,8 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
                 for error in &update.new_errors {
                     warn!("{error}");
                 }
+                report_service_problems(
+                    &update, &snapshot, store.objects(), service_warnings.as_ref(), &node_services);
                 let changed = (!all_services).then_some(&update.changed);
                 let outcome = dataplane.sync(&snapshot, changed, reason);
                 record_sync(&outcome, reason, changed.map(|c| c.len()), node_services.metrics());
@@ -379,4 +386,43 @@ fn apply_node_settings(
 ) -> bool {
     node_services.set_health_check_ips(settings.health_check_ips.clone());
     dataplane.set_node(settings)
+}
+
+/// What the desired state refused, as metrics, and each newly refused field of a Service as a
+/// Warning Event on it (API source).
+fn report_service_problems(
+    update: &crate::desired::SnapshotUpdate,
+    snapshot: &Snapshot,
+    objects: &crate::objects::Objects,
+    events: Option<&source::kubernetes::ServiceWarnings>,
+    node_services: &NodeServices,
+) {
+    let mut ignored = std::collections::BTreeMap::new();
+    for reason in snapshot
+        .errors()
+        .filter_map(|error| error.unusable_reason())
+    {
+        *ignored.entry(reason).or_insert(0) += 1;
+    }
+    node_services
+        .metrics()
+        .service_problems(&ignored, snapshot.conflicts());
+    let Some(events) = events else {
+        return;
+    };
+    for error in &update.new_errors {
+        if let Some((service, reason)) = error.event() {
+            events.post(source::kubernetes::ServiceEvent {
+                namespace: service.namespace.to_string(),
+                name: service.name.to_string(),
+                uid: objects
+                    .services
+                    .get(service)
+                    .and_then(|info| info.uid.as_deref())
+                    .map(str::to_owned),
+                reason,
+                note: error.to_string(),
+            });
+        }
+    }
 }

@@ -32,7 +32,7 @@ use tracing::{info, warn};
 
 pub use client::{ClientError, ClientOptions, client};
 pub use encoding::{Encoding, EncodingError};
-pub use events::post_starting_event;
+pub use events::{ServiceEvent, ServiceWarnings, post_starting_event, service_warnings};
 pub use mapping::{EndpointSliceEvents, EventMapper, NodeEvents, ServiceEvents};
 pub use protobuf::decode_everything as decode_protobuf;
 

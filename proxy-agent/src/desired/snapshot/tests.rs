@@ -718,3 +718,234 @@ fn leading_zeros_are_read_as_upstreams_sloppy_parsers_do() {
     assert_eq!(ranges, ["203.0.113.0/24"]);
     assert_eq!(strings(v4.internal_endpoints()), ["10.244.1.5:8080"]);
 }
+
+fn key(service: &str) -> ObjectKey {
+    let (namespace, name) = service.split_once('/').expect("ns/name");
+    ObjectKey {
+        namespace: namespace.into(),
+        name: name.into(),
+    }
+}
+
+/// Addresses that are never a Service's are left out of every frontend and endpoint list, in
+/// both families, each reported once naming the object and field; the object's other
+/// addresses are still programmed.
+#[test]
+fn unusable_addresses_are_never_programmed_and_the_rest_is() {
+    let yaml = r#"
+apiVersion: v1
+kind: Service
+metadata: {name: lb, namespace: tenant}
+spec:
+  type: LoadBalancer
+  clusterIP: 10.96.0.20
+  clusterIPs: [10.96.0.20, "fd00::20"]
+  externalIPs: [192.0.2.7, 127.0.0.1, "169.254.169.254", "::1", "2001:db8::7", "ff02::1"]
+  ports:
+  - {name: http, port: 80, protocol: TCP, nodePort: 30080}
+status:
+  loadBalancer:
+    ingress: [{ip: 0.0.0.0}, {ip: 203.0.113.9}, {ip: "::"}, {ip: 255.255.255.255}, {ip: 224.0.0.5}, {ip: "fe80::1"}]
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: lb-1, namespace: tenant, labels: {kubernetes.io/service-name: lb}}
+addressType: IPv4
+ports: [{name: http, port: 8080, protocol: TCP}]
+endpoints:
+- addresses: [10.244.1.5]
+- addresses: [169.254.169.254]
+- addresses: [127.0.0.1]
+"#;
+    let objects = objects(yaml);
+    let mut snapshot = Snapshot::default();
+    let update = snapshot.update(&objects, NODE, None);
+    let v4 = port(&snapshot, IpFamily::V4, "tenant/lb", "http", Protocol::Tcp);
+    assert_eq!(
+        v4.external_ips,
+        ["192.0.2.7".parse::<IpAddr>().expect("ip")]
+    );
+    assert_eq!(
+        v4.load_balancer_ips,
+        ["203.0.113.9".parse::<IpAddr>().expect("ip")]
+    );
+    assert_eq!(strings(v4.endpoints.iter()), ["10.244.1.5:8080"]);
+    let v6 = port(&snapshot, IpFamily::V6, "tenant/lb", "http", Protocol::Tcp);
+    assert_eq!(
+        v6.external_ips,
+        ["2001:db8::7".parse::<IpAddr>().expect("ip")]
+    );
+    assert!(v6.load_balancer_ips.is_empty());
+    let mut reasons: Vec<&str> = update
+        .new_errors
+        .iter()
+        .filter_map(ServiceError::unusable_reason)
+        .collect();
+    reasons.sort_unstable();
+    assert_eq!(
+        reasons,
+        [
+            "broadcast",
+            "link-local",
+            "link-local",
+            "link-local",
+            "loopback",
+            "loopback",
+            "loopback",
+            "multicast",
+            "multicast",
+            "unspecified",
+            "unspecified",
+        ]
+    );
+    let messages: Vec<String> = update.new_errors.iter().map(ToString::to_string).collect();
+    for expected in [
+        "Service tenant/lb: status.loadBalancer.ingress[].ip: 0.0.0.0 is unspecified, never a Service's address; ignored",
+        "Service tenant/lb: spec.externalIPs: 169.254.169.254 is link-local, never a Service's address; ignored",
+        "EndpointSlice tenant/lb-1: endpoints[1].addresses[0]: 169.254.169.254 is link-local, never a Service's endpoint; ignored",
+    ] {
+        assert!(
+            messages.iter().any(|m| m == expected),
+            "{expected} in {messages:?}"
+        );
+    }
+    assert!(
+        messages
+            .iter()
+            .any(|m| m.starts_with("EndpointSlice tenant/lb-1: endpoints[1]")
+                && m.contains("169.254.169.254")),
+        "{messages:?}"
+    );
+    // Reported once, not at every sync.
+    assert!(snapshot.update(&objects, NODE, None).new_errors.is_empty());
+}
+
+fn claimant(name: &str, created: &str, uid: &str, external_ip: &str) -> String {
+    format!(
+        r#"
+apiVersion: v1
+kind: Service
+metadata: {{name: {name}, namespace: {name}, creationTimestamp: "{created}", uid: {uid}}}
+spec:
+  clusterIP: 10.96.1.{octet}
+  externalIPs: [{external_ip}]
+  ports:
+  - {{name: http, port: 80, protocol: TCP}}
+"#,
+        octet = name.len()
+    )
+}
+
+/// Two Services naming the same external address, port and protocol: the older keeps it
+/// whatever their names, the other is reported; when the owner goes, the other takes over in
+/// an incremental update exactly as a full computation would.
+#[test]
+fn a_contested_external_ip_stays_with_the_older_service() {
+    // `aaa` sorts first by name, but kube-system's Service is older.
+    let yaml = claimant("kube-system", "2024-01-01T00:00:00Z", "b-uid", "192.0.2.50")
+        + "---"
+        + &claimant("aaa", "2025-06-01T00:00:00Z", "a-uid", "192.0.2.50");
+    let objects_now = objects(&yaml);
+    let mut snapshot = Snapshot::default();
+    let update = snapshot.update(&objects_now, NODE, None);
+    let owner = port(
+        &snapshot,
+        IpFamily::V4,
+        "kube-system/kube-system",
+        "http",
+        Protocol::Tcp,
+    );
+    assert_eq!(
+        owner.external_ips,
+        ["192.0.2.50".parse::<IpAddr>().expect("ip")]
+    );
+    let loser = port(&snapshot, IpFamily::V4, "aaa/aaa", "http", Protocol::Tcp);
+    assert!(
+        loser.external_ips.is_empty(),
+        "the younger Service keeps its cluster IP only"
+    );
+    assert_eq!(snapshot.conflicts(), 1);
+    let conflicts: Vec<String> = update
+        .new_errors
+        .iter()
+        .filter(|e| e.event().map(|(_, reason)| reason) == Some("FrontendConflict"))
+        .map(ToString::to_string)
+        .collect();
+    assert_eq!(
+        conflicts,
+        [
+            "Service aaa/aaa: spec.externalIPs: 192.0.2.50 port 80/TCP is also claimed by the older Service kube-system/kube-system, which keeps it; ignored here"
+        ]
+    );
+
+    // The same with the document order swapped: the decision is the objects', not the order's.
+    let swapped = claimant("aaa", "2025-06-01T00:00:00Z", "a-uid", "192.0.2.50")
+        + "---"
+        + &claimant("kube-system", "2024-01-01T00:00:00Z", "b-uid", "192.0.2.50");
+    assert_eq!(Snapshot::compute(&objects(&swapped), NODE), snapshot);
+
+    // Equal times: the smaller UID wins.
+    let tie = claimant("kube-system", "2024-01-01T00:00:00Z", "b-uid", "192.0.2.50")
+        + "---"
+        + &claimant("aaa", "2024-01-01T00:00:00Z", "a-uid", "192.0.2.50");
+    let tied = Snapshot::compute(&objects(&tie), NODE);
+    assert_eq!(
+        port(&tied, IpFamily::V4, "aaa/aaa", "http", Protocol::Tcp)
+            .external_ips
+            .len(),
+        1
+    );
+
+    // The owner deleted: the other Service takes the address in the incremental update.
+    let mut services = objects_now.services.clone();
+    services.remove(&key("kube-system/kube-system"));
+    let without_owner = Objects::new(services, objects_now.endpoint_slices().clone(), None);
+    let update = snapshot.update(
+        &without_owner,
+        NODE,
+        Some(&BTreeSet::from([key("kube-system/kube-system")])),
+    );
+    let changed: Vec<String> = update.changed.iter().map(ToString::to_string).collect();
+    assert_eq!(changed, ["aaa/aaa:http", "kube-system/kube-system:http"]);
+    assert_eq!(
+        port(&snapshot, IpFamily::V4, "aaa/aaa", "http", Protocol::Tcp).external_ips,
+        ["192.0.2.50".parse::<IpAddr>().expect("ip")]
+    );
+    assert_eq!(snapshot.conflicts(), 0);
+    assert_eq!(snapshot, Snapshot::compute(&without_owner, NODE));
+
+    // An older claimant arriving later takes the address back, again incrementally.
+    let update = snapshot.update(
+        &objects_now,
+        NODE,
+        Some(&BTreeSet::from([key("kube-system/kube-system")])),
+    );
+    assert!(update.changed.contains(&ServicePortName {
+        service: key("aaa/aaa"),
+        port: "http".into(),
+        protocol: Protocol::Tcp,
+    }));
+    assert_eq!(snapshot, Snapshot::compute(&objects_now, NODE));
+}
+
+/// An external address that is another Service's cluster IP stays the cluster IP's, however
+/// old the claimant: the API server allocated the cluster IP.
+#[test]
+fn a_cluster_ip_is_never_taken_by_an_external_ip() {
+    let yaml = claimant("old", "2020-01-01T00:00:00Z", "a-uid", "10.96.1.5")
+        + "---"
+        + &claimant("newer", "2025-01-01T00:00:00Z", "b-uid", "192.0.2.9");
+    let snapshot = Snapshot::compute(&objects(&yaml), NODE);
+    // `newer` has cluster IP 10.96.1.5 (five letters), `old` names it as an external IP.
+    let newer = port(
+        &snapshot,
+        IpFamily::V4,
+        "newer/newer",
+        "http",
+        Protocol::Tcp,
+    );
+    assert_eq!(newer.cluster_ip, "10.96.1.5".parse::<IpAddr>().expect("ip"));
+    let old = port(&snapshot, IpFamily::V4, "old/old", "http", Protocol::Tcp);
+    assert!(old.external_ips.is_empty());
+    assert_eq!(snapshot.conflicts(), 1);
+}
