@@ -425,6 +425,116 @@ pub fn unusable_load_balancer_ips_never_capture_node_ports(mode: &str) -> Result
     Ok(())
 }
 
+/// A ClusterIP Service `namespace/name` created at `created` that also names [`VIP`] as an
+/// externalIP, with `pod` as its endpoint.
+fn vip_claimant(
+    namespace: &str,
+    name: &str,
+    created: &str,
+    uid: &str,
+    cluster_ip: Ipv4Addr,
+) -> String {
+    crate::scenario::http_service(namespace, name, cluster_ip)
+        .replace(
+            &format!("  namespace: {namespace:?}\n"),
+            &format!(
+                "  namespace: {namespace:?}\n  creationTimestamp: \"{created}\"\n  uid: {uid}\n"
+            ),
+        )
+        .replace(
+            "  ports:\n",
+            &format!("  externalIPs: [\"{VIP}\"]\n  ports:\n"),
+        )
+}
+
+/// Two Services name the same externalIP and port (CVE-2020-8554: any namespace user may
+/// write `spec.externalIPs`): the older one keeps it whatever the names sort as (`aaa` comes
+/// before `kube-system`), across an agent restart, in both modes; when it goes, the other
+/// takes over. kube-proxy programs both and the first rule in map order wins.
+pub fn contested_external_ip_stays_with_the_older_service(mode: &str) -> Result<()> {
+    crate::require_root();
+    let mut s = Scenario::new(2)?;
+    let older = vip_claimant(
+        "kube-system",
+        "dns",
+        "2024-01-01T00:00:00Z",
+        "0000-older",
+        Ipv4Addr::new(10, 96, 0, 31),
+    );
+    let younger = vip_claimant(
+        "aaa",
+        "web",
+        "2025-06-01T00:00:00Z",
+        "ffff-younger",
+        Ipv4Addr::new(10, 96, 0, 30),
+    );
+    s.ensure(
+        older.contains("creationTimestamp") && younger.contains("externalIPs"),
+        || format!("the manifests must carry the age and the VIP: {older}"),
+    )?;
+    s.manifests.write("older-svc.yaml", &older)?;
+    s.manifests.write(
+        "older-slice.yaml",
+        &http_slice("kube-system", "dns-1", "dns", &[pod_endpoint(2)]),
+    )?;
+    s.manifests.write("younger-svc.yaml", &younger)?;
+    s.manifests.write(
+        "younger-slice.yaml",
+        &http_slice("aaa", "web-1", "web", &[pod_endpoint(1)]),
+    )?;
+    s.topo.ext().ip(&[
+        "route",
+        "add",
+        &format!("{VIP}/32"),
+        "via",
+        &Topology::node_ext_ip().to_string(),
+    ])?;
+    start(&mut s, mode)?;
+    let target = SocketAddr::from(SocketAddrV4::new(VIP, SERVICE_PORT));
+    let older_answers = |a: &Attempt| a.backend() == Some("pod2");
+    for round in ["first start", "after a restart"] {
+        if round != "first start" {
+            let agent = s.agent()?;
+            agent.stop()?;
+            agent.restart()?;
+        }
+        // The running agent's own decision: its metrics say it synced and saw the conflict.
+        let agent = s.agent()?;
+        crate::wait::wait_until(
+            &format!("{round}: the agent counts one frontend conflict"),
+            crate::scenario::DATAPATH_TIMEOUT,
+            Duration::from_millis(100),
+            || {
+                agent.metrics().is_ok_and(|metrics| {
+                    metrics
+                        .lines()
+                        .any(|l| l == "kubeproxy_rs_frontend_conflicts 1")
+                })
+            },
+        )?;
+        let (attempts, counts) = from_outside(
+            &mut s,
+            target,
+            &format!("[{mode}] contested {target}, {round}"),
+            older_answers,
+        )?;
+        s.ensure(attempts.iter().all(older_answers), || {
+            format!("{round}: only the older Service's pod may answer: {counts:?}")
+        })?;
+    }
+    s.manifests.remove("older-svc.yaml")?;
+    let younger_answers = |a: &Attempt| a.backend() == Some("pod1");
+    let (attempts, counts) = from_outside(
+        &mut s,
+        target,
+        &format!("[{mode}] {target} once the older Service is gone"),
+        younger_answers,
+    )?;
+    s.ensure(attempts.iter().all(younger_answers), || {
+        format!("the remaining Service takes the address: {counts:?}")
+    })
+}
+
 /// `loadBalancerSourceRanges`: a client inside the ranges reaches the LB VIP; after the ranges
 /// change to exclude it, it gets nothing.
 pub fn source_ranges_admit_only_listed_clients(mode: &str) -> Result<()> {
@@ -1560,6 +1670,7 @@ macro_rules! service_scenario_tests {
             node_port_without_endpoints_is_refused,
             external_ip_and_load_balancer_ip_reach_pods,
             unusable_load_balancer_ips_never_capture_node_ports,
+            contested_external_ip_stays_with_the_older_service,
             source_ranges_admit_only_listed_clients,
             node_port_to_a_pod_on_another_node,
             client_ip_affinity_keeps_the_backend,

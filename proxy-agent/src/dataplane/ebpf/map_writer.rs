@@ -88,6 +88,10 @@ pub enum MapWriteError {
     /// apart so the agent can count and report the Services that did not fit.
     #[error("the {0} map is full (raise its --bpf-map-* capacity)")]
     Full(&'static str),
+    /// Another service port holds the frontend. The desired state gives each frontend one
+    /// owner, so this lasts only while the owner's own change is later in the same apply.
+    #[error("the address is already used by {0}")]
+    Owned(ServicePortName),
     #[error("{0}")]
     Other(String),
 }
@@ -348,6 +352,8 @@ pub struct MapWriter {
     retired: RetiredList,
     /// Changed frontends waiting for their retired generation to go, with their service port.
     deferred: BTreeMap<FrontendKey, ServicePortName>,
+    /// Service ports of the current apply that met a frontend another one still held.
+    claimed_by_other: BTreeSet<ServicePortName>,
     /// Retired generations were deleted since the last [`MapWriter::apply_snapshot`] (by it or
     /// by the loop's timer): the next one retries the frontends that did not fit.
     room_freed: bool,
@@ -369,6 +375,7 @@ impl Default for MapWriter {
             maglev_table_size: None,
             retired: RetiredList::default(),
             deferred: BTreeMap::new(),
+            claimed_by_other: BTreeSet::new(),
             room_freed: false,
             grace: GENERATION_GRACE,
             clock: Instant::now,
@@ -634,6 +641,27 @@ impl MapWriter {
             names.extend(self.unfit.values().cloned());
         }
         let (mut summary, mut errors) = self.apply(updates_of(snapshot, names), maps);
+        // A frontend handed from one Service to another (its older owner went) is claimed by
+        // the new owner before, in name order, the old one lets go: claimed again now that
+        // every service port of this apply has let go of what it no longer has.
+        let handed_over = std::mem::take(&mut self.claimed_by_other);
+        if !handed_over.is_empty() {
+            errors.retain(|error| {
+                !matches!(
+                    error,
+                    ApplyError::Frontend {
+                        reason: MapWriteError::Owned(_),
+                        ..
+                    }
+                )
+            });
+            let (again, again_errors) = self.apply(updates_of(snapshot, handed_over), maps);
+            summary.frontends_written += again.frontends_written;
+            summary.frontends_removed += again.frontends_removed;
+            summary.frontends_deferred += again.frontends_deferred;
+            summary.removed_backends.extend(again.removed_backends);
+            errors.extend(again_errors);
+        }
         if changed.is_none() {
             self.remove_unclaimed(maps, &mut summary, &mut errors);
             // Every service port was written in name order: half-full B-tree nodes otherwise.
@@ -724,10 +752,9 @@ impl MapWriter {
                     errors.push(ApplyError::Frontend {
                         frontend: key,
                         service: name.to_string(),
-                        reason: MapWriteError::Other(format!(
-                            "the address is already used by {owner}"
-                        )),
+                        reason: MapWriteError::Owned(owner.clone()),
                     });
+                    self.claimed_by_other.insert(name.clone());
                     continue;
                 }
                 let (Some(map_key), Some(backends)) =
