@@ -412,6 +412,16 @@ pub struct Args {
     )]
     pub bpf_map_frontends: Option<String>,
 
+    /// Most frontend map entries one Service may take (default 4096): a tenant's Service with
+    /// thousands of ports or addresses cannot fill the map for everyone.
+    #[arg(
+        long,
+        value_name = "N",
+        allow_hyphen_values = true,
+        help_heading = "kubeproxy-rs additions"
+    )]
+    pub bpf_max_frontends_per_service: Option<String>,
+
     /// Capacity of the backend and backend-slot maps (default 262144).
     #[arg(
         long,

@@ -38,6 +38,8 @@ impl InProcess {
             cgroup_path: self.cgroup_path(),
             bpf_root: self.bpf_root(),
             frontends_capacity: capacity,
+            max_frontends_per_service:
+                proxy_agent::dataplane::ebpf::DEFAULT_MAX_FRONTENDS_PER_SERVICE,
             backends_capacity: capacity,
             conntrack_capacity: Some(proxy_common::default_sizes::CT),
             dynamic_size_ratio: map_sizes::DEFAULT_DYNAMIC_SIZE_RATIO,

@@ -222,11 +222,12 @@ fn proxy_mode_reports_iptables() -> anyhow::Result<()> {
     Ok(())
 }
 
-/// A Service that does not fit in the eBPF maps is a failed sync, as a failed
-/// iptables-restore is upstream: /healthz and /livez turn 503 once the update has been
-/// pending for the health timeout (2 × the sync period).
+/// A Service that does not fit in the eBPF maps is not the node's failure: the syncs succeed
+/// (everything else is programmed) and /healthz and /livez stay 200, while the log names what
+/// did not fit. (kube-proxy has no such limit to meet; a failed iptables-restore, a real node
+/// fault, does turn it unhealthy, as a failed map write does here.)
 #[test]
-fn ebpf_service_ports_that_do_not_fit_make_the_proxy_unhealthy() -> anyhow::Result<()> {
+fn ebpf_service_ports_that_do_not_fit_leave_the_proxy_healthy() -> anyhow::Result<()> {
     proxy_tests::require_root();
     proxy_tests::set_helper_binary(env!("CARGO_BIN_EXE_rig-helper"));
     let mut s = Scenario::new(2)?;
@@ -240,11 +241,25 @@ fn ebpf_service_ports_that_do_not_fit_make_the_proxy_unhealthy() -> anyhow::Resu
         "ebpf",
         &["--bpf-map-frontends", "1", "--iptables-sync-period", "1s"],
     )?;
+    // Beyond the health timeout (2 × the sync period) of successful syncs.
+    proxy_tests::wait::wait_until(
+        "four successful syncs",
+        Duration::from_secs(20),
+        Duration::from_millis(100),
+        || s.agent_ref().is_some_and(|agent| agent.syncs() >= 4),
+    )?;
     let node = s.topo.node().path();
     let healthz: SocketAddr = "127.0.0.1:10256".parse()?;
-    let reply = wait_for(&node, healthz, "/healthz", 503)?;
-    assert!(reply.body.contains("\"healthy\":false"), "{}", reply.body);
-    assert_eq!(get(&node, healthz, "/livez")?.status, 503);
+    let reply = get(&node, healthz, "/healthz")?;
+    assert_eq!(reply.status, 200, "{}", reply.body);
+    assert!(reply.body.contains("\"healthy\":true"), "{}", reply.body);
+    assert_eq!(get(&node, healthz, "/livez")?.status, 200);
+    let log = s.agent()?.log_contents();
+    assert!(
+        log.contains("service ports that do not fit in the eBPF maps")
+            && log.contains("default/web:http"),
+        "the log names what did not fit"
+    );
     Ok(())
 }
 

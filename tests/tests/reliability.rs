@@ -293,6 +293,76 @@ fn tiny_maps_report_the_services_that_do_not_fit_and_never_half_program_one() ->
     Ok(())
 }
 
+/// One namespace floods a 512-entry frontend map with a Service of 600 ports; another
+/// namespace's Service, created afterwards, is still programmed and answers, and the node
+/// stays healthy: what did not fit is the flooding tenant's problem, reported in the log
+/// naming its Service, and the agent's syncs keep succeeding.
+#[test]
+fn one_namespace_flooding_the_frontend_map_leaves_room_for_others() -> anyhow::Result<()> {
+    let mut s = setup(1)?;
+    let mut greedy = http_service("greedy", "flood", Ipv4Addr::new(10, 96, 2, 1));
+    let ports_at = greedy.find("  ports:\n").context("the Service's ports")?;
+    greedy.truncate(ports_at);
+    greedy.push_str("  ports:\n");
+    for port in 1..=600 {
+        greedy.push_str(&format!(
+            "  - {{name: p{port}, port: {port}, protocol: TCP, targetPort: 8080}}\n"
+        ));
+    }
+    s.manifests.write("greedy-svc.yaml", &greedy)?;
+    s.start_agent_with_args(
+        "ebpf",
+        &["--bpf-map-frontends", "512", "--iptables-sync-period", "1s"],
+    )?;
+    wait_for_metrics(&mut s, "the flood's frontends programmed", |m| {
+        metric_sum(m, "kubeproxy_ebpf_map_entries", &["map=\"KPR_FRONTENDS4\""]) >= 448.0
+    })?;
+    let victim_ip = Ipv4Addr::new(10, 96, 3, 1);
+    s.topo.add_decoy(victim_ip, SERVICE_PORT)?;
+    s.manifests.write(
+        "victim-slice.yaml",
+        &http_slice("victim", "web-1", "web", &[pod_endpoint(1)]),
+    )?;
+    let started = Instant::now();
+    s.manifests
+        .write("victim-svc.yaml", &http_service("victim", "web", victim_ip))?;
+    let target: SocketAddr = SocketAddrV4::new(victim_ip, SERVICE_PORT).into();
+    s.wait_for_datapath(target, "the other namespace's Service", is_pod)?;
+    eprintln!(
+        "the victim's Service answered {:?} after it was written, beside a flood of 600 ports",
+        started.elapsed()
+    );
+    let counts = tally(&s.cgroup_client().run(target, 12)?);
+    s.ensure(counts.keys().all(|k| k == "pod1"), || {
+        format!("the victim's Service must be answered by its pod only: {counts:?}")
+    })?;
+    // The node is healthy: the syncs go on succeeding with the flood not fitting.
+    let syncs = s.agent()?.syncs();
+    wait_for_metrics(&mut s, "two more successful syncs", |m| {
+        metric_sum(
+            m,
+            "kubeproxy_sync_proxy_rules_duration_seconds_count",
+            &["ip_family=\"IPv4\""],
+        ) >= (syncs + 2) as f64
+    })?;
+    let healthz = proxy_tests::http::get(
+        &s.topo.node().path(),
+        "127.0.0.1:10256".parse()?,
+        "/healthz",
+    )?;
+    s.ensure(healthz.status == 200, || {
+        format!(
+            "/healthz must stay 200: {} {}",
+            healthz.status, healthz.body
+        )
+    })?;
+    let log = s.agent()?.log_contents();
+    s.ensure(log.contains("greedy/flood:p"), || {
+        "the log must name the flooding Service's ports that did not fit".into()
+    })?;
+    Ok(())
+}
+
 #[test]
 fn pins_are_root_only_and_cleanup_leaves_nothing_of_either_mode() -> anyhow::Result<()> {
     let mut s = setup(1)?;

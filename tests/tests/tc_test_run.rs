@@ -153,6 +153,8 @@ fn with_node_features<R: Send + 'static>(
             cgroup_path: parts.cgroup_path(),
             bpf_root: parts.bpf_root(),
             frontends_capacity: 1024,
+            max_frontends_per_service:
+                proxy_agent::dataplane::ebpf::DEFAULT_MAX_FRONTENDS_PER_SERVICE,
             backends_capacity: 1024,
             conntrack_capacity: Some(proxy_common::default_sizes::CT),
             dynamic_size_ratio: proxy_agent::dataplane::ebpf::map_sizes::DEFAULT_DYNAMIC_SIZE_RATIO,

@@ -440,6 +440,11 @@ pub fn apply(
             "bpf-map-backends",
             &mut ebpf.map_backends,
         ),
+        (
+            &args.bpf_max_frontends_per_service,
+            "bpf-max-frontends-per-service",
+            &mut ebpf.max_frontends_per_service,
+        ),
     ] {
         let Some(text) = text else { continue };
         match parse_int::<u32>(text) {

@@ -22,6 +22,7 @@ pub fn ebpf_options(config: &Config) -> EbpfOptions {
         cgroup_path: config.ebpf.cgroup_path.clone(),
         bpf_root: config.ebpf.bpf_root.clone(),
         frontends_capacity: config.ebpf.map_frontends,
+        max_frontends_per_service: config.ebpf.max_frontends_per_service,
         backends_capacity: config.ebpf.map_backends,
         conntrack_capacity: config.ebpf.map_conntrack,
         dynamic_size_ratio: config.ebpf.map_dynamic_size_ratio,

@@ -203,6 +203,7 @@ fn ebpf_in_current_netns(w: Workload, changes: usize) -> Result<EbpfResult> {
         cgroup_path: Some(cgroup.path().to_path_buf()),
         bpf_root: root.path().to_path_buf(),
         frontends_capacity: DEFAULT_FRONTENDS_CAPACITY,
+        max_frontends_per_service: proxy_agent::dataplane::ebpf::DEFAULT_MAX_FRONTENDS_PER_SERVICE,
         backends_capacity: capacity,
         conntrack_capacity: Some(proxy_agent::dataplane::ebpf::DEFAULT_CONNTRACK_CAPACITY),
         dynamic_size_ratio: proxy_agent::dataplane::ebpf::map_sizes::DEFAULT_DYNAMIC_SIZE_RATIO,

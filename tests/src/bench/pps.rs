@@ -501,6 +501,8 @@ fn start_dataplane(mode: PpsMode, parts: &crate::in_process::InProcess) -> Resul
                 cgroup_path: parts.cgroup_path(),
                 bpf_root: parts.bpf_root(),
                 frontends_capacity: 1024,
+                max_frontends_per_service:
+                    proxy_agent::dataplane::ebpf::DEFAULT_MAX_FRONTENDS_PER_SERVICE,
                 backends_capacity: 1024,
                 conntrack_capacity: Some(proxy_agent::dataplane::ebpf::DEFAULT_CONNTRACK_CAPACITY),
                 dynamic_size_ratio:

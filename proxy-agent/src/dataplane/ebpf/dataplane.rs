@@ -264,6 +264,10 @@ impl EbpfDataplane {
             MapWriter::default()
         };
         map_writer.set_maglev_table_size(options.lb.maglev.then_some(options.lb.maglev_table_size));
+        map_writer.set_frontend_shares(
+            options.frontends_capacity,
+            options.max_frontends_per_service,
+        );
 
         // Before the tc programs attach (and before the first sync gives them frontends): from
         // then on a UDP/SCTP packet without an entry would be a new flow of theirs.

@@ -88,6 +88,9 @@ pub enum MapWriteError {
     /// apart so the agent can count and report the Services that did not fit.
     #[error("the {0} map is full (raise its --bpf-map-* capacity)")]
     Full(&'static str),
+    /// The map has room, but not for this Service or namespace (see [`shares`]).
+    #[error("{}", .0.describe())]
+    Share(shares::ShareLimit),
     /// Another service port holds the frontend. The desired state gives each frontend one
     /// owner, so this lasts only while the owner's own change is later in the same apply.
     #[error("the address is already used by {0}")]
@@ -148,12 +151,13 @@ pub enum ApplyError {
 }
 
 impl ApplyError {
-    /// The frontend did not fit in the maps (as opposed to a kernel error).
+    /// The frontend did not fit in the maps, or in its Service's or namespace's share of them
+    /// (as opposed to a kernel error).
     pub fn is_capacity(&self) -> bool {
         matches!(
             self,
             ApplyError::Frontend {
-                reason: MapWriteError::Full(_),
+                reason: MapWriteError::Full(_) | MapWriteError::Share(_),
                 ..
             }
         )
@@ -354,6 +358,8 @@ pub struct MapWriter {
     deferred: BTreeMap<FrontendKey, ServicePortName>,
     /// Service ports of the current apply that met a frontend another one still held.
     claimed_by_other: BTreeSet<ServicePortName>,
+    /// What each Service and namespace holds of the frontend maps, and the limits.
+    shares: shares::Shares,
     /// Retired generations were deleted since the last [`MapWriter::apply_snapshot`] (by it or
     /// by the loop's timer): the next one retries the frontends that did not fit.
     room_freed: bool,
@@ -376,6 +382,7 @@ impl Default for MapWriter {
             retired: RetiredList::default(),
             deferred: BTreeMap::new(),
             claimed_by_other: BTreeSet::new(),
+            shares: shares::Shares::default(),
             room_freed: false,
             grace: GENERATION_GRACE,
             clock: Instant::now,
@@ -384,6 +391,16 @@ impl Default for MapWriter {
 }
 
 impl MapWriter {
+    /// Limits what one Service and one namespace may take of frontend maps of `capacity`
+    /// entries (see [`shares`]).
+    pub fn set_frontend_shares(&mut self, capacity: u32, per_service: u32) {
+        let mut shares = shares::Shares::new(capacity, per_service);
+        for (name, keys) in &self.owned {
+            shares.update(name, 0, keys.len());
+        }
+        self.shares = shares;
+    }
+
     /// Unit tests: the grace and the clock.
     #[cfg(test)]
     pub(super) fn with_grace(mut self, grace: Duration, clock: fn() -> Instant) -> Self {
@@ -745,6 +762,26 @@ impl MapWriter {
             for (key, frontend) in frontends {
                 // One lookup for the owner check and the comparison below.
                 let applied = self.frontends.get(&key);
+                if !previous.contains(&key)
+                    && applied.is_none_or(|applied| applied.owner.is_none())
+                    && let Err(limit) = self.shares.check(
+                        &name,
+                        previous.len(),
+                        owned.len(),
+                        // An adopted entry takes no new room.
+                        applied
+                            .is_none()
+                            .then(|| self.frontends.usage().frontends_of(&key)),
+                    )
+                {
+                    self.unfit.insert(key, name.clone());
+                    errors.push(ApplyError::Frontend {
+                        frontend: key,
+                        service: name.to_string(),
+                        reason: MapWriteError::Share(limit),
+                    });
+                    continue;
+                }
                 if let Some(owner) = applied
                     .and_then(|applied| applied.owner.as_ref())
                     .filter(|owner| **owner != name)
@@ -812,6 +849,7 @@ impl MapWriter {
                     }
                 }
             }
+            self.shares.update(&name, previous.len(), owned.len());
             if owned.is_empty() {
                 if !previous.is_empty() {
                     self.owned.remove(&name);
@@ -1532,4 +1570,5 @@ fn slot_entries<'a>(
 mod tests;
 
 mod id_index;
+pub mod shares;
 mod usage;

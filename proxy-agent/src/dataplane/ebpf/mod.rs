@@ -45,6 +45,7 @@ pub use maglev::{
     DEFAULT_TABLE_SIZE as DEFAULT_MAGLEV_TABLE_SIZE, MAX_TABLE_SIZE as MAX_MAGLEV_TABLE_SIZE,
     is_valid_table_size,
 };
+pub use map_writer::shares::DEFAULT_PER_SERVICE as DEFAULT_MAX_FRONTENDS_PER_SERVICE;
 pub use map_writer::{
     ApplyError, ApplySummary, BackendValue, FrontendMapKey, GENERATION_GRACE, MapOps,
     MapWriteError, MapWriter, MapsContent, RemovedBackend, Retirement, ip4_from_map, ip4_to_map,

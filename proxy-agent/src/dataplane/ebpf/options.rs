@@ -10,6 +10,8 @@ pub struct EbpfOptions {
     pub cgroup_path: Option<PathBuf>,
     pub bpf_root: PathBuf,
     pub frontends_capacity: u32,
+    /// Most frontend entries one Service may take.
+    pub max_frontends_per_service: u32,
     pub backends_capacity: u32,
     /// `--bpf-map-conntrack`: entries of the tc conntrack map; `None`: from the node's memory
     /// (`dynamic_size_ratio`), and a pinned map keeps its size.

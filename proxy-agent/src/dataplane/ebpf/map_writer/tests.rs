@@ -1170,3 +1170,116 @@ fn an_apply_recomputes_what_did_not_fit_for_its_service_ports_only() {
     assert_eq!(map_writer.unfit().keys().copied().collect::<Vec<_>>(), [db]);
     maps.check_invariants();
 }
+
+/// One service port of `namespace/name` with frontends on `ports` of `ip`, one backend each.
+fn many_ports(namespace: &str, name: &str, ip: [u8; 4], ports: std::ops::Range<u16>) -> Update {
+    let service_port = ServicePortName {
+        service: ObjectKey {
+            namespace: namespace.into(),
+            name: name.into(),
+        },
+        port: "http".into(),
+        protocol: Protocol::Tcp,
+    };
+    let frontends = ports
+        .map(|port| {
+            let frontend = Frontend {
+                service_port: service_port.clone(),
+                backends: vec![Backend {
+                    addr: IpAddr::from([10, 244, 1, 2]),
+                    port: 8080,
+                }],
+                affinity_timeout: None,
+                flags: 0,
+                source_ranges: Vec::new(),
+            };
+            (key(ip, port), frontend)
+        })
+        .collect();
+    (service_port, frontends)
+}
+
+fn share_errors(errors: &[ApplyError]) -> Vec<shares::ShareLimit> {
+    errors
+        .iter()
+        .filter_map(|error| match error {
+            ApplyError::Frontend {
+                reason: MapWriteError::Share(limit),
+                ..
+            } => Some(*limit),
+            _ => None,
+        })
+        .collect()
+}
+
+/// One namespace floods a 512-entry frontend map: it gets at most all but the reserve (an
+/// eighth), and another namespace's new Service still fits afterwards; what did not fit is
+/// reported as the namespace's share, counted as capacity (never a node fault), and retried
+/// when the flood goes away.
+#[test]
+fn a_namespace_cannot_take_the_reserve_that_other_namespaces_need() {
+    let mut maps = FakeMaps::with_slot_capacity(10_000);
+    let mut map_writer = no_grace();
+    map_writer.set_frontend_shares(512, 4096);
+    let (summary, errors) = map_writer.apply(
+        [many_ports("greedy", "big", [10, 96, 0, 1], 1..601)],
+        &mut maps,
+    );
+    assert_eq!(summary.frontends_written, 448, "512 less the reserve of 64");
+    assert_eq!(share_errors(&errors).len(), 600 - 448);
+    assert!(errors.iter().all(ApplyError::is_capacity));
+    assert!(
+        share_errors(&errors)
+            .iter()
+            .all(|l| *l == shares::ShareLimit::Namespace)
+    );
+    // A second greedy Service of the same namespace gets nothing more.
+    let (summary, errors) = map_writer.apply(
+        [many_ports("greedy", "bigger", [10, 96, 0, 2], 1..10)],
+        &mut maps,
+    );
+    assert_eq!((summary.frontends_written, errors.len()), (0, 9));
+    // Another namespace's Service is programmed.
+    let victim = many_ports("victim", "web", [10, 96, 0, 3], 80..81);
+    let victim_key = victim.1[0].0;
+    let (summary, errors) = map_writer.apply([victim], &mut maps);
+    assert!(errors.is_empty(), "{errors:?}");
+    assert_eq!(summary.frontends_written, 1);
+    assert_eq!(pods(&maps, &victim_key), [1]);
+    maps.check_invariants();
+}
+
+/// In the reserve a namespace takes entries only while it holds few; and one Service never
+/// takes more than its cap, whatever room the map has.
+#[test]
+fn the_reserve_goes_to_small_namespaces_and_a_service_has_a_cap() {
+    let mut maps = FakeMaps::with_slot_capacity(10_000);
+    let mut map_writer = no_grace();
+    // Reserve 64, a small namespace holds fewer than 8.
+    map_writer.set_frontend_shares(512, 4096);
+    map_writer.apply([many_ports("a", "big", [10, 96, 0, 1], 1..449)], &mut maps);
+    let (summary, errors) = map_writer.apply(
+        [many_ports("b", "medium", [10, 96, 0, 2], 1..21)],
+        &mut maps,
+    );
+    assert_eq!(summary.frontends_written, 8);
+    assert_eq!(share_errors(&errors).len(), 12);
+
+    let mut maps = FakeMaps::with_slot_capacity(10_000);
+    let mut map_writer = no_grace();
+    map_writer.set_frontend_shares(65_536, 100);
+    let (summary, errors) =
+        map_writer.apply([many_ports("a", "many", [10, 96, 0, 1], 1..151)], &mut maps);
+    assert_eq!(summary.frontends_written, 100);
+    assert_eq!(
+        share_errors(&errors),
+        vec![shares::ShareLimit::Service; 50],
+        "the Service's cap, not the namespace's"
+    );
+    // Fewer ports later: what it keeps stays, and it is under its cap again.
+    let (summary, errors) =
+        map_writer.apply([many_ports("a", "many", [10, 96, 0, 1], 1..91)], &mut maps);
+    assert!(errors.is_empty(), "{errors:?}");
+    assert_eq!(summary.frontends_removed, 10);
+    maps.check_invariants();
+}

@@ -96,6 +96,15 @@ impl MapUsage {
     }
 
     /// By pinned map name: the fill level `--bpf-map-*` sizes.
+    /// Entries of the frontend map of `key`'s family.
+    pub(super) fn frontends_of(&self, key: &FrontendKey) -> u64 {
+        if key.addr.is_ipv4() {
+            self.frontends4
+        } else {
+            self.frontends6
+        }
+    }
+
     pub(super) fn by_map(&self) -> [(&'static str, u64); 7] {
         [
             (map_names::FRONTENDS4, self.frontends4),
