@@ -533,3 +533,57 @@ fn starting_event_is_posted_for_the_node() -> anyhow::Result<()> {
     assert_eq!(event["regarding"]["name"], proxy_tests::scenario::HOSTNAME);
     Ok(())
 }
+
+/// A load balancer's status naming `0.0.0.0` (a buggy controller, or anyone allowed to write
+/// `services/status`): the address is not programmed, the Service's own traffic still flows,
+/// and its owner sees why in a Warning Event on the Service (`kubectl describe service`).
+#[test]
+fn an_unusable_load_balancer_ip_is_reported_on_the_service() -> anyhow::Result<()> {
+    let (mut s, api) = setup(1, &[1])?;
+    let mut web = service(SERVICE, CLUSTER_IP)?;
+    let spec = web.spec.get_or_insert_with(Default::default);
+    spec.type_ = Some("LoadBalancer".to_owned());
+    web.status = Some(serde_json::from_value(serde_json::json!({
+        "loadBalancer": {"ingress": [{"ip": "0.0.0.0"}]}
+    }))?);
+    api.apply(&web)?;
+    start_and_wait_for_pods(&mut s, &api)?;
+    let mut warning = None;
+    proxy_tests::wait::try_wait_until(
+        "a Warning event on the Service",
+        Duration::from_secs(10),
+        Duration::from_millis(100),
+        || {
+            warning = api
+                .events()
+                .into_iter()
+                .find(|event| event["reason"] == "IgnoredAddress");
+            Ok(warning.is_some())
+        },
+    )?;
+    let event = warning.ok_or_else(|| anyhow::anyhow!("no IgnoredAddress event"))?;
+    eprintln!("{event:#}");
+    assert_eq!(event["type"], "Warning");
+    assert_eq!(event["regarding"]["kind"], "Service");
+    assert_eq!(event["regarding"]["namespace"], NAMESPACE);
+    assert_eq!(event["regarding"]["name"], SERVICE);
+    // The UID the API server gave the Service (the Node's is its name).
+    let uid = event["regarding"]["uid"].as_str().unwrap_or_default();
+    assert!(
+        !uid.is_empty() && uid != HOSTNAME,
+        "the Service's UID: {uid:?}"
+    );
+    let note = event["note"].as_str().unwrap_or_default();
+    assert!(
+        note.contains("status.loadBalancer.ingress[].ip") && note.contains("0.0.0.0"),
+        "the note names the field and the address: {note}"
+    );
+    let metrics = s.agent()?.metrics()?;
+    assert!(
+        metrics
+            .lines()
+            .any(|l| l == "kubeproxy_rs_ignored_addresses{reason=\"unspecified\"} 1"),
+        "{metrics}"
+    );
+    Ok(())
+}
