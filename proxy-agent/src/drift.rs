@@ -147,28 +147,197 @@ pub struct ReadingTask {
     result: tokio::sync::oneshot::Receiver<DriftReading>,
 }
 
-/// Waits for the reading in `task` (forever without one: for a `select!` branch).
-pub async fn reading_done(
-    task: &mut Option<ReadingTask>,
-) -> Result<DriftReading, tokio::sync::oneshot::error::RecvError> {
-    match task {
-        Some(task) => (&mut task.result).await,
-        None => std::future::pending().await,
-    }
-}
-
-/// Compares a finished reading with the agent's state and repairs what differs.
+/// Compares a finished reading with the agent's state; with `repair`, repairs what differs.
 pub fn finish_reading(
     dataplane: &mut Dataplane,
     task: ReadingTask,
     reading: DriftReading,
+    repair: bool,
     metrics: &Metrics,
 ) -> DriftReport {
     let Dataplane::Ebpf(ebpf) = dataplane else {
         return DriftReport::not_checked("iptables", "an eBPF reading in iptables mode");
     };
-    let check = ebpf.finish_drift_check(reading, true);
-    report_ebpf(check, true, metrics, task.started)
+    let check = ebpf.finish_drift_check(reading, repair);
+    report_ebpf(check, repair, metrics, task.started)
+}
+
+/// Where one `/debug/drift` request waits for its JSON answer.
+pub type Reply = tokio::sync::oneshot::Sender<String>;
+
+/// The drift checks of the agent's loop: the periodic one (repairs) and those `/debug/drift`
+/// asks for (report only). Neither reads the kernel's state in the loop: eBPF reads the maps on
+/// a thread ([`start_reading`]) and compares in the loop as the periodic check does; iptables
+/// generates, lists and compares its rules on a thread. The requests are rate limited by the
+/// metrics server (`/debug/drift`); those that come while a check runs wait for the next one.
+#[derive(Debug, Default)]
+pub struct DriftChecks {
+    /// eBPF: the reading in flight, with the requests it answers (`None`: the periodic check).
+    reading: Option<(ReadingTask, Option<Vec<Reply>>)>,
+    /// iptables: an on-demand check on its thread, with the requests it answers.
+    iptables: Option<(tokio::sync::oneshot::Receiver<DriftReport>, Vec<Reply>)>,
+    /// Requests for the next on-demand check.
+    waiting: Vec<Reply>,
+}
+
+/// What [`DriftChecks::done`] returns: a finished eBPF reading or iptables check.
+#[derive(Debug)]
+pub enum Done {
+    Reading(Result<DriftReading, tokio::sync::oneshot::error::RecvError>),
+    Iptables(Result<DriftReport, tokio::sync::oneshot::error::RecvError>),
+}
+
+impl DriftChecks {
+    /// No eBPF reading in flight: the periodic check may start one.
+    pub fn reading_idle(&self) -> bool {
+        self.reading.is_none()
+    }
+
+    /// The periodic check: eBPF starts a reading (`true`); `false` when the caller must check
+    /// in place (iptables, or maps that cannot be opened).
+    pub fn start_periodic(&mut self, dataplane: &mut Dataplane) -> bool {
+        match start_reading(dataplane) {
+            Some(task) => {
+                self.reading = Some((task, None));
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// A `/debug/drift` request: answered by the next on-demand check (started now unless one
+    /// of its kind is in flight).
+    pub fn request(&mut self, reply: Reply, dataplane: &mut Dataplane, snapshot: &Snapshot) {
+        self.waiting.push(reply);
+        self.start_waiting(dataplane, snapshot);
+    }
+
+    fn start_waiting(&mut self, dataplane: &mut Dataplane, snapshot: &Snapshot) {
+        if self.waiting.is_empty() {
+            return;
+        }
+        match dataplane {
+            Dataplane::Ebpf(_) => {
+                if self.reading.is_some() {
+                    return;
+                }
+                let replies = std::mem::take(&mut self.waiting);
+                match start_reading(dataplane) {
+                    Some(task) => self.reading = Some((task, Some(replies))),
+                    None => answer(
+                        replies,
+                        &DriftReport::not_checked("ebpf", "the maps cannot be read"),
+                    ),
+                }
+            }
+            Dataplane::Iptables(iptables) => {
+                if self.iptables.is_some() {
+                    return;
+                }
+                let replies = std::mem::take(&mut self.waiting);
+                let inputs = iptables.drift_inputs(snapshot);
+                let (done, result) = tokio::sync::oneshot::channel();
+                let spawned = std::thread::Builder::new()
+                    .name("drift-check".into())
+                    // At the default priority: someone waits for the answer (the rate
+                    // limit bounds what it costs).
+                    .spawn(move || {
+                        let _ = done.send(compare_iptables(&inputs));
+                    });
+                match spawned {
+                    Ok(_) => self.iptables = Some((result, replies)),
+                    Err(error) => answer(
+                        replies,
+                        &DriftReport::not_checked(
+                            "iptables",
+                            &format!("cannot start the check: {error}"),
+                        ),
+                    ),
+                }
+            }
+        }
+    }
+
+    /// Waits for a reading or an on-demand check to finish (forever without one: for a
+    /// `select!` branch).
+    pub async fn done(&mut self) -> Done {
+        let Self {
+            reading, iptables, ..
+        } = self;
+        tokio::select! {
+            reading = async {
+                match reading {
+                    Some((task, _)) => (&mut task.result).await,
+                    None => std::future::pending().await,
+                }
+            } => Done::Reading(reading),
+            report = async {
+                match iptables {
+                    Some((result, _)) => result.await,
+                    None => std::future::pending().await,
+                }
+            } => Done::Iptables(report),
+        }
+    }
+
+    /// What finished: compared (eBPF; repaired when periodic), answered to the requests it
+    /// was for; then the next on-demand check starts if requests wait.
+    pub fn finish(
+        &mut self,
+        done: Done,
+        dataplane: &mut Dataplane,
+        snapshot: &Snapshot,
+        metrics: &Metrics,
+    ) {
+        match done {
+            Done::Reading(reading) => {
+                if let Some((task, replies)) = self.reading.take() {
+                    let report = match reading {
+                        Ok(reading) => {
+                            finish_reading(dataplane, task, reading, replies.is_none(), metrics)
+                        }
+                        Err(error) => {
+                            warn!(%error, "the drift check's reading failed");
+                            abandon_reading(dataplane);
+                            DriftReport::not_checked(dataplane.mode_name(), "the reading failed")
+                        }
+                    };
+                    if let Some(replies) = replies {
+                        answer(replies, &report);
+                    }
+                }
+            }
+            Done::Iptables(report) => {
+                if let Some((_, replies)) = self.iptables.take() {
+                    let report = report.unwrap_or_else(|_| {
+                        DriftReport::not_checked("iptables", "the check failed")
+                    });
+                    answer(replies, &report);
+                }
+            }
+        }
+        self.start_waiting(dataplane, snapshot);
+    }
+}
+
+/// Sends `report` to every request (those that gave up are skipped).
+fn answer(replies: Vec<Reply>, report: &DriftReport) {
+    let json = serde_json::to_string(report).unwrap_or_default();
+    for reply in replies {
+        let _ = reply.send(json.clone());
+    }
+}
+
+/// An on-demand iptables check, on its own thread: nothing is repaired.
+fn compare_iptables(inputs: &[crate::dataplane::iptables::DriftInput]) -> DriftReport {
+    let started = std::time::Instant::now();
+    let mut drift = Vec::new();
+    for input in inputs {
+        if let Some((found, _)) = input.compare() {
+            drift.extend(found.into_iter().map(|chain| (input.family(), chain)));
+        }
+    }
+    iptables_report(drift, started)
 }
 
 fn report_ebpf(
@@ -254,6 +423,16 @@ pub fn check_iptables(
             }
         }
     }
+    iptables_report(drift, started)
+}
+
+fn iptables_report(
+    drift: Vec<(
+        crate::desired::IpFamily,
+        crate::dataplane::iptables::drift::ChainDrift,
+    )>,
+    started: std::time::Instant,
+) -> DriftReport {
     debug!(
         drifted = drift.len(),
         elapsed_us = u64::try_from(started.elapsed().as_micros()).unwrap_or(u64::MAX),

@@ -2,12 +2,13 @@
 //! format by default and OpenMetrics when asked, both checked by Prometheus' own linter
 //! (`promtool check metrics`, Debian's `prometheus` package); the nfacct-backed counters of the
 //! iptables mode counting real packets (an INVALID forwarded packet, localhost NodePort
-//! connections); `/configz`. Needs root.
+//! connections); `/configz`; probes answered while one address holds hundreds of half-sent
+//! requests, and `/debug/drift` rate limited off the sync loop. Needs root.
 
 use std::{
     collections::BTreeSet,
-    io::Write as _,
-    net::{Ipv4Addr, SocketAddr, SocketAddrV4},
+    io::{Read as _, Write as _},
+    net::{Ipv4Addr, SocketAddr, SocketAddrV4, TcpStream},
     os::fd::AsRawFd as _,
     path::Path,
     process::{Command, Stdio},
@@ -304,5 +305,215 @@ fn configz_is_the_effective_configuration() -> anyhow::Result<()> {
     assert_eq!(config["Mode"], "iptables", "{}", reply.body);
     assert_eq!(config["MetricsBindAddress"], METRICS);
     assert_eq!(config["IPTables"]["MasqueradeBit"], 14);
+    Ok(())
+}
+
+/// The health port as pods reach it: the node's address on pod `i`'s veth.
+fn health_from_pod(i: usize) -> SocketAddr {
+    SocketAddr::from((Topology::pod_gateway(i), 10256))
+}
+
+/// The agent's per-peer connection cap (`node_services::http::LIMITS.per_peer`).
+const PER_PEER: usize = 32;
+/// Its header-read timeout, plus what a loaded machine adds.
+const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// `count` connections from pod `i` to the health port, each with a request head that never
+/// ends (no blank line). They stay in the pod's namespace after the thread returns.
+fn half_sent_requests(s: &Scenario, i: usize, count: usize) -> anyhow::Result<Vec<TcpStream>> {
+    let target = health_from_pod(i);
+    let streams = proxy_tests::netns::on_thread_in(&s.topo.pod(i)?.path(), move || {
+        let mut streams = Vec::with_capacity(count);
+        for _ in 0..count {
+            let mut stream = TcpStream::connect_timeout(&target, Duration::from_secs(2))?;
+            // The server may already have closed a connection beyond the cap.
+            let _ = stream.write_all(b"GET /livez HTTP/1.1\r\nHost: node\r\n");
+            stream.set_nonblocking(true)?;
+            streams.push(stream);
+        }
+        anyhow::Ok(streams)
+    })??;
+    Ok(streams)
+}
+
+/// Whether the server closed `stream` (EOF or reset; whatever it sent before is read).
+fn closed(stream: &mut TcpStream) -> bool {
+    let mut buf = [0u8; 1024];
+    loop {
+        match stream.read(&mut buf) {
+            Ok(0) => return true,
+            Ok(_) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return false,
+            Err(_) => return true,
+        }
+    }
+}
+
+/// One GET that must answer 200 within 2 s; returns how long it took.
+fn answered(netns: &Path, addr: SocketAddr, path: &str, what: &str) -> anyhow::Result<Duration> {
+    let started = std::time::Instant::now();
+    let reply = proxy_tests::http::get(netns, addr, path)
+        .with_context(|| format!("{what}: {addr}{path} not answered"))?;
+    let took = started.elapsed();
+    ensure!(reply.status == 200, "{what}: {addr}{path}: {}", reply.head);
+    ensure!(
+        took < Duration::from_secs(2),
+        "{what}: {addr}{path} took {took:?}"
+    );
+    Ok(took)
+}
+
+/// The security issue's attack: one address holds 400 half-sent requests to the health port.
+/// Another pod's `/livez` and `/healthz`, a load balancer's `/healthz` from outside and the
+/// metrics server are answered meanwhile; the attacker's connections beyond its cap are closed
+/// at once and the others after the header-read timeout. Then `/debug/drift` hammered from the
+/// node does not hold up a Service change, and the rate limit turns most requests away.
+#[test]
+fn probes_are_answered_while_one_address_holds_400_half_sent_requests() -> anyhow::Result<()> {
+    // iptables first: the eBPF agent's verifier load then comes later than that of a test
+    // started next to this one (the suite runs a test per core).
+    for mode in ["iptables", "ebpf"] {
+        proxy_tests::require_root();
+        proxy_tests::set_helper_binary(env!("CARGO_BIN_EXE_rig-helper"));
+        let mut s = Scenario::new(2)?;
+        s.write_web_service(2)?;
+        let client = s.start_serving(mode, &[])?;
+        let node = s.topo.node().path();
+        let pod2 = s.topo.pod(2)?.path();
+        let ext = s.topo.ext().path();
+        let lb_target = SocketAddr::from((Topology::node_ext_ip(), 10256));
+        try_wait_until(
+            "/healthz healthy",
+            Duration::from_secs(10),
+            Duration::from_millis(100),
+            || {
+                Ok(
+                    proxy_tests::http::get(&pod2, health_from_pod(2), "/healthz")
+                        .is_ok_and(|r| r.status == 200),
+                )
+            },
+        )?;
+
+        let opened_at = std::time::Instant::now();
+        let mut held = half_sent_requests(&s, 1, 400)?;
+        eprintln!(
+            "[{mode}] 400 half-sent requests opened in {:?}",
+            opened_at.elapsed()
+        );
+        for round in 0..5 {
+            let took = [
+                answered(&pod2, health_from_pod(2), "/livez", "another pod")?,
+                answered(&pod2, health_from_pod(2), "/healthz", "another pod")?,
+                answered(&ext, lb_target, "/healthz", "a load balancer")?,
+                answered(&node, METRICS.parse()?, "/metrics", "a scraper")?,
+                answered(&node, METRICS.parse()?, "/healthz", "the metrics server")?,
+            ];
+            eprintln!("[{mode}] round {round}: {took:?}");
+        }
+        // Beyond the cap the attacker's connections were closed at once (the cap's worth
+        // are waiting for their head's end).
+        let mut open: Vec<TcpStream> = held
+            .drain(..)
+            .filter_map(|mut c| (!closed(&mut c)).then_some(c))
+            .collect();
+        eprintln!(
+            "[{mode}] {} of the attacker's connections open after {:?}",
+            open.len(),
+            opened_at.elapsed()
+        );
+        ensure!(
+            open.len() <= PER_PEER,
+            "[{mode}] {} connections of one address kept open",
+            open.len()
+        );
+        // And those are closed by the header-read timeout.
+        try_wait_until(
+            "the half-sent requests closed",
+            HEADER_READ_TIMEOUT + Duration::from_secs(10),
+            Duration::from_millis(100),
+            || {
+                open.retain_mut(|c| !closed(c));
+                Ok(open.is_empty())
+            },
+        )
+        .with_context(|| format!("[{mode}] {} connections still open", open.len()))?;
+        eprintln!("[{mode}] all closed after {:?}", opened_at.elapsed());
+        // The attacker is served again like anyone (its slots were freed).
+        answered(
+            &s.topo.pod(1)?.path(),
+            health_from_pod(1),
+            "/livez",
+            "the former attacker",
+        )?;
+
+        // `/debug/drift` in a tight loop while a Service is added: the change is programmed
+        // promptly and most requests are turned away with 429.
+        let api = SocketAddrV4::new(Ipv4Addr::new(10, 96, 0, 30), 80);
+        // iptables: a local address gives the node a route to the ClusterIP (nat OUTPUT
+        // comes after the route lookup); it answers as `untranslated`, never as pod2.
+        s.topo
+            .add_decoy(std::net::IpAddr::V4(*api.ip()), api.port())?;
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let stop_hammer = std::sync::Arc::clone(&stop);
+        let hammer_ns = node.clone();
+        let hammer = std::thread::spawn(move || -> anyhow::Result<(usize, usize, Duration)> {
+            let started = std::time::Instant::now();
+            let (mut ok, mut limited) = (0, 0);
+            while ok + limited < 50 || !stop_hammer.load(std::sync::atomic::Ordering::SeqCst) {
+                let reply = proxy_tests::http::get(&hammer_ns, METRICS.parse()?, "/debug/drift")?;
+                match reply.status {
+                    200 => {
+                        let report: serde_json::Value = serde_json::from_str(&reply.body)?;
+                        ensure!(report["checked"] == true, "{}", reply.body);
+                        ok += 1;
+                    }
+                    429 => {
+                        ensure!(reply.header("Retry-After").is_some(), "{}", reply.head);
+                        limited += 1;
+                    }
+                    other => bail!("/debug/drift: {other} {}", reply.body),
+                }
+                // Tight, but leaving the other tests' agents some of the machine.
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            Ok((ok, limited, started.elapsed()))
+        });
+        s.manifests.write(
+            "api-svc.yaml",
+            &proxy_tests::scenario::http_service("default", "api", *api.ip()),
+        )?;
+        s.manifests.write(
+            "api-slice.yaml",
+            &proxy_tests::scenario::http_slice("default", "api-1", "api", &[pod_endpoint(2)]),
+        )?;
+        let written = std::time::Instant::now();
+        let programmed = try_wait_until(
+            "the new Service answered by pod2",
+            Duration::from_secs(10),
+            Duration::from_millis(100),
+            || {
+                Ok(client
+                    .once(api.into())
+                    .is_ok_and(|a| a.backend() == Some("pod2")))
+            },
+        );
+        let after = written.elapsed();
+        stop.store(true, std::sync::atomic::Ordering::SeqCst);
+        let (ok, limited, hammered) = hammer
+            .join()
+            .map_err(|_| anyhow::anyhow!("the /debug/drift thread panicked"))??;
+        eprintln!(
+            "[{mode}] Service programmed after {after:?} under /debug/drift: {ok} answered, \
+             {limited} turned away in {hammered:?}"
+        );
+        programmed.with_context(|| format!("[{mode}] while /debug/drift was hammered"))?;
+        ensure!(ok >= 1, "[{mode}] no /debug/drift answered");
+        // The agent's burst of 5, then one check a second.
+        let allowed = usize::try_from(hammered.as_secs()).unwrap_or(usize::MAX) + 5 + 1;
+        ensure!(
+            ok <= allowed && limited >= 1,
+            "[{mode}] {ok} checks in {hammered:?}, {limited} turned away"
+        );
+    }
     Ok(())
 }

@@ -22,7 +22,7 @@ pub fn run(metrics: Option<SocketAddr>, json: bool) -> anyhow::Result<String> {
     if addr.ip().is_unspecified() {
         addr.set_ip(IpAddr::from([127, 0, 0, 1]));
     }
-    let body = get(addr, "/debug/drift")?;
+    let body = get_when_allowed(addr, "/debug/drift")?;
     let report: DriftReport =
         serde_json::from_str(&body).with_context(|| format!("{addr}/debug/drift: bad answer"))?;
     if json {
@@ -72,7 +72,31 @@ pub fn table(report: &DriftReport) -> String {
     out
 }
 
-fn get(addr: SocketAddr, path: &str) -> anyhow::Result<String> {
+/// How many times a rate-limited request is retried (the agent allows one check a second).
+const RATE_LIMITED_ATTEMPTS: u32 = 30;
+
+/// [`get`], waiting as long as the agent's `Retry-After` says while it turns the request away
+/// (429: another check ran within the last second, or runs).
+fn get_when_allowed(addr: SocketAddr, path: &str) -> anyhow::Result<String> {
+    for _ in 1..RATE_LIMITED_ATTEMPTS {
+        match get(addr, path)? {
+            Answer::Body(body) => return Ok(body),
+            Answer::RetryAfter(wait) => std::thread::sleep(wait),
+        }
+    }
+    match get(addr, path)? {
+        Answer::Body(body) => Ok(body),
+        Answer::RetryAfter(_) => bail!("{addr}{path}: still rate limited, try again later"),
+    }
+}
+
+/// A 200's body, or how long a 429 asks to wait.
+enum Answer {
+    Body(String),
+    RetryAfter(Duration),
+}
+
+fn get(addr: SocketAddr, path: &str) -> anyhow::Result<Answer> {
     let mut stream = TcpStream::connect_timeout(&addr, Duration::from_secs(1))
         .with_context(|| format!("cannot reach the agent at {addr}"))?;
     stream.set_read_timeout(Some(READ_TIMEOUT))?;
@@ -83,6 +107,20 @@ fn get(addr: SocketAddr, path: &str) -> anyhow::Result<String> {
     let mut response = String::new();
     stream.read_to_string(&mut response)?;
     let (head, body) = response.split_once("\r\n\r\n").unwrap_or((&response, ""));
+    if head.starts_with("HTTP/1.1 429") {
+        let seconds = head
+            .lines()
+            .find_map(|line| {
+                let (name, value) = line.split_once(':')?;
+                name.eq_ignore_ascii_case("retry-after")
+                    .then(|| value.trim().parse::<u64>().ok())
+                    .flatten()
+            })
+            .unwrap_or(1);
+        return Ok(Answer::RetryAfter(Duration::from_secs(
+            seconds.clamp(1, 10),
+        )));
+    }
     if !head.starts_with("HTTP/1.1 200") {
         bail!(
             "{addr}{path}: {} {}",
@@ -90,5 +128,5 @@ fn get(addr: SocketAddr, path: &str) -> anyhow::Result<String> {
             body.trim()
         );
     }
-    Ok(body.to_owned())
+    Ok(Answer::Body(body.to_owned()))
 }

@@ -187,10 +187,68 @@ pub struct Metrics {
     service_ids: std::sync::RwLock<BTreeMap<String, Vec<u32>>>,
     /// Where `/debug/drift` asks the agent's loop for a drift report (JSON), set by the loop.
     drift_requests: Mutex<Option<DriftRequests>>,
+    /// `/debug/drift`'s rate limit.
+    drift_gate: Mutex<DriftGate>,
     /// The `/configz` body, set by the agent once its configuration is known.
     configz: RwLock<Option<String>>,
     /// `--profiling`: `/debug/flags/v` exists (upstream installs it with the pprof handlers).
     profiling: AtomicBool,
+}
+
+/// `/debug/drift` runs one check at a time, and at most [`DRIFT_REQUEST_BURST`] in a row, then
+/// one per this: anyone who reaches the metrics port can ask, and each check reads every entry
+/// of the service maps (or lists every rule). Other requests get 429 with `Retry-After`
+/// (`inspect drift` waits and asks again).
+pub const DRIFT_REQUEST_INTERVAL: Duration = Duration::from_secs(1);
+/// Checks `/debug/drift` runs back to back before [`DRIFT_REQUEST_INTERVAL`] applies (a person
+/// looking twice, a test polling).
+pub const DRIFT_REQUEST_BURST: u32 = 5;
+
+/// `/debug/drift`'s token bucket, and whether a check runs.
+#[derive(Debug, Default)]
+struct DriftGate {
+    /// Tokens (checks allowed now) and when they were counted; `None`: a full bucket.
+    tokens: Option<(f64, std::time::Instant)>,
+    running: bool,
+}
+
+impl DriftGate {
+    /// `Ok` when a check may start now (it is then running until [`Self::done`]); else how
+    /// long to wait.
+    fn enter(&mut self, now: std::time::Instant) -> Result<(), Duration> {
+        if self.running {
+            return Err(DRIFT_REQUEST_INTERVAL);
+        }
+        let burst = f64::from(DRIFT_REQUEST_BURST);
+        let tokens = match self.tokens {
+            None => burst,
+            Some((tokens, at)) => (tokens
+                + now.saturating_duration_since(at).as_secs_f64()
+                    / DRIFT_REQUEST_INTERVAL.as_secs_f64())
+            .min(burst),
+        };
+        if tokens < 1.0 {
+            self.tokens = Some((tokens, now));
+            return Err(DRIFT_REQUEST_INTERVAL.mul_f64(1.0 - tokens));
+        }
+        self.tokens = Some((tokens - 1.0, now));
+        self.running = true;
+        Ok(())
+    }
+
+    fn done(&mut self) {
+        self.running = false;
+    }
+}
+
+/// Ends a running `/debug/drift` check however its request ends (a client that goes away
+/// drops the handler).
+struct DriftGateGuard<'a>(&'a Mutex<DriftGate>);
+
+impl Drop for DriftGateGuard<'_> {
+    fn drop(&mut self) {
+        self.0.lock().unwrap_or_else(PoisonError::into_inner).done();
+    }
 }
 
 /// Requests for a drift report: each carries where to send the JSON answer.
@@ -330,6 +388,7 @@ impl Metrics {
             ebpf,
             service_ids: std::sync::RwLock::default(),
             drift_requests: Mutex::default(),
+            drift_gate: Mutex::default(),
             configz: RwLock::default(),
             profiling: AtomicBool::new(false),
         }
@@ -1058,8 +1117,27 @@ async fn service_ids_handler(State(metrics): State<Arc<Metrics>>) -> Response<Bo
     )
 }
 
-/// Ours: the drift check without repair, run by the agent's loop (`proxy-agent inspect drift`).
+/// Ours: the drift check without repair, read off the agent's loop (`proxy-agent inspect
+/// drift`); rate limited ([`DRIFT_REQUEST_INTERVAL`]).
 async fn drift_handler(State(metrics): State<Arc<Metrics>>) -> Response<Body> {
+    let entered = metrics
+        .drift_gate
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .enter(std::time::Instant::now());
+    if let Err(wait) = entered {
+        let mut reply = response(
+            StatusCode::TOO_MANY_REQUESTS,
+            "text/plain; charset=utf-8",
+            "drift checks are rate limited: ask again later\n".to_owned(),
+        );
+        let seconds = wait.as_secs() + u64::from(wait.subsec_nanos() > 0);
+        reply
+            .headers_mut()
+            .insert(header::RETRY_AFTER, HeaderValue::from(seconds.max(1)));
+        return reply;
+    }
+    let _running = DriftGateGuard(&metrics.drift_gate);
     let sender = metrics
         .drift_requests
         .lock()

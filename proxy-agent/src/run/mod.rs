@@ -172,14 +172,15 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     let mut canary_at = Instant::now() + config.sync_period;
     // The Node object and the host's addresses → node settings (see `node/`).
     let mut node_manager = NodeManager::new(NodeInputs::from_config(&config), &node.name);
-    // The drift check runs in this loop, never concurrently with a sync of the same maps.
+    // The drift checks read the kernel's state off this loop; eBPF compares in it, never
+    // concurrently with a sync of the same maps.
     let (drift_requests, mut drift_rx) = tokio::sync::mpsc::channel(4);
     node_services.metrics().serve_drift_requests(drift_requests);
     let drift_period = config.ebpf.drift_check_period;
     let host_namespace_only =
         config.ebpf.socket_lb_host_namespace_only && dataplane.mode() == ProxyMode::Ebpf;
     let mut drift_at = Instant::now() + drift_period;
-    let mut drift_reading: Option<crate::drift::ReadingTask> = None;
+    let mut drift = crate::drift::DriftChecks::default();
 
     let outcome = loop {
         // Nothing is programmed until every kind was listed once (kube-proxy's rule), so a
@@ -326,11 +327,10 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
                 conntrack_gc_at = Instant::now() + CONNTRACK_GC_INTERVAL;
             }
             () = tokio::time::sleep_until(drift_at),
-                if synced_once && !drift_period.is_zero() && drift_reading.is_none() => {
+                if synced_once && !drift_period.is_zero() && drift.reading_idle() => {
                 // eBPF: the maps are read on another thread and compared when the reading is
                 // back (the branch below); iptables reads its rules here.
-                drift_reading = crate::drift::start_reading(&mut dataplane);
-                if drift_reading.is_none() {
+                if !drift.start_periodic(&mut dataplane) {
                     let report = crate::drift::check(
                         &mut dataplane, true, node_services.metrics(), &snapshot);
                     if report.mode == "iptables" && !report.drift.is_empty() {
@@ -340,28 +340,20 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
                 }
                 drift_at = Instant::now() + drift_period;
             }
-            reading = crate::drift::reading_done(&mut drift_reading) => {
-                if let Some(task) = drift_reading.take() {
-                    match reading {
-                        Ok(reading) => {
-                            crate::drift::finish_reading(
-                                &mut dataplane, task, reading, node_services.metrics());
-                        }
-                        Err(error) => {
-                            warn!(%error, "the drift check's reading failed");
-                            crate::drift::abandon_reading(&mut dataplane);
-                        }
-                    }
-                }
+            done = drift.done() => {
+                drift.finish(done, &mut dataplane, &snapshot, node_services.metrics());
             }
+            // `/debug/drift` (rate limited by the metrics server): read off the loop, answered
+            // when the reading is back.
             Some(reply) = drift_rx.recv() => {
-                let report = if synced_once {
-                    crate::drift::check(&mut dataplane, false, node_services.metrics(), &snapshot)
+                if synced_once {
+                    drift.request(reply, &mut dataplane, &snapshot);
                 } else {
-                    crate::drift::DriftReport::not_checked(dataplane.mode_name(), "no sync yet")
-                };
-                // The requester may have gone (timeout): nothing to do then.
-                let _ = reply.send(serde_json::to_string(&report).unwrap_or_default());
+                    let report =
+                        crate::drift::DriftReport::not_checked(dataplane.mode_name(), "no sync yet");
+                    // The requester may have gone (timeout): nothing to do then.
+                    let _ = reply.send(serde_json::to_string(&report).unwrap_or_default());
+                }
             }
             _ = sigint.recv() => break Ok("SIGINT"),
             _ = sigterm.recv() => break Ok("SIGTERM"),

@@ -29,4 +29,6 @@ pub mod tracer;
 pub use config::{FamilyRules, HostFeatures, IptablesConfig, NodePortAddresses};
 pub use localdetect::{DetectLocalMode, LocalDetector};
 pub use rules::{Ruleset, SyncInput, generate};
-pub use sync::{ConntrackCleanup, IptablesDataplane, IptablesError, SyncReport, cleanup};
+pub use sync::{
+    ConntrackCleanup, DriftInput, IptablesDataplane, IptablesError, SyncReport, cleanup,
+};

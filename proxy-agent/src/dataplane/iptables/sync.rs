@@ -21,7 +21,7 @@ use super::{
     rules::{SyncInput, generate, is_large_cluster},
 };
 use crate::{
-    desired::{IpFamily, Protocol, ServicePortName, Snapshot},
+    desired::{FamilySnapshot, IpFamily, Protocol, ServicePortName, Snapshot},
     kernel_conntrack::{self, CleanupReport},
     node::NodeSettings,
     objects::ObjectKey,
@@ -233,46 +233,85 @@ impl IptablesDataplane {
         repair: bool,
     ) -> Vec<(IpFamily, super::drift::ChainDrift)> {
         let mut out = Vec::new();
-        for family in &mut self.families {
-            let expected = generate(
-                &family.rules,
-                snapshot.family(family.iptables.family),
-                SyncInput {
-                    changed_services: None,
-                    existing_nat_chains: None,
-                },
-            );
-            let expected = super::drift::parse(&String::from_utf8_lossy(&expected.restore));
-            let mut live_text = String::new();
-            let mut listed = true;
-            for table in super::drift::TABLES {
-                match family.iptables.save(table) {
-                    Ok(text) => live_text.push_str(&text),
-                    Err(error) => {
-                        warn!(%error, "cannot list rules for the drift check");
-                        listed = false;
-                    }
-                }
-            }
-            if !listed {
+        for input in self.drift_inputs(snapshot) {
+            let Some((drift, canary)) = input.compare() else {
                 continue;
-            }
-            let canary = family.iptables.chain_exists("mangle", KUBE_PROXY_CANARY);
-            let drift = super::drift::diff(&expected, &super::drift::parse(&live_text), canary);
-            if repair && !drift.is_empty() {
+            };
+            if repair
+                && !drift.is_empty()
+                && let Some(family) = self
+                    .families
+                    .iter_mut()
+                    .find(|f| f.iptables.family == input.iptables.family)
+            {
                 if !canary && let Err(error) = canary::ensure(&family.iptables) {
                     warn!(%error, "cannot recreate the canary chains");
                 }
                 family.need_full_sync = true;
             }
-            out.extend(drift.into_iter().map(|d| (family.iptables.family, d)));
+            out.extend(drift.into_iter().map(|d| (input.iptables.family, d)));
         }
         out
+    }
+
+    /// What a drift check compares, per family, for [`DriftInput::compare`] on another thread
+    /// (the rules are generated and listed there, not in the agent's loop).
+    pub fn drift_inputs(&self, snapshot: &Snapshot) -> Vec<DriftInput> {
+        self.families
+            .iter()
+            .map(|family| DriftInput {
+                iptables: family.iptables.clone(),
+                rules: family.rules.clone(),
+                snapshot: snapshot.family(family.iptables.family).clone(),
+            })
+            .collect()
     }
 
     /// Whether a family's periodic full sync is due (`full_sync_period` elapsed).
     pub fn full_sync_due(&self) -> bool {
         self.families.iter().any(|f| f.full_sync_due(&self.config))
+    }
+}
+
+/// One family's drift check, detached from the dataplane: it repairs nothing.
+#[derive(Debug, Clone)]
+pub struct DriftInput {
+    iptables: Iptables,
+    rules: FamilyRules,
+    snapshot: FamilySnapshot,
+}
+
+impl DriftInput {
+    /// Generates what a full sync writes, lists the live rules and compares them: the drift
+    /// and whether the canary is there; `None` (with a warning) when the rules cannot be
+    /// listed.
+    pub fn compare(&self) -> Option<(Vec<super::drift::ChainDrift>, bool)> {
+        let expected = generate(
+            &self.rules,
+            &self.snapshot,
+            SyncInput {
+                changed_services: None,
+                existing_nat_chains: None,
+            },
+        );
+        let expected = super::drift::parse(&String::from_utf8_lossy(&expected.restore));
+        let mut live_text = String::new();
+        for table in super::drift::TABLES {
+            match self.iptables.save(table) {
+                Ok(text) => live_text.push_str(&text),
+                Err(error) => {
+                    warn!(%error, "cannot list rules for the drift check");
+                    return None;
+                }
+            }
+        }
+        let canary = self.iptables.chain_exists("mangle", KUBE_PROXY_CANARY);
+        let drift = super::drift::diff(&expected, &super::drift::parse(&live_text), canary);
+        Some((drift, canary))
+    }
+
+    pub fn family(&self) -> IpFamily {
+        self.iptables.family
     }
 }
 

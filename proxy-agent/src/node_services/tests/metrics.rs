@@ -749,3 +749,76 @@ async fn configz_and_debug_flags_v_as_kube_proxys_metrics_server() {
     assert_eq!(get(addr, "/debug/flags/other").await.body, index.body);
     crate::logging::set_verbosity("0").unwrap();
 }
+
+/// `/debug/drift` runs a burst of checks, then one a second, one at a time; the others are
+/// told when to come back (429, `Retry-After`) and never reach the agent's loop.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn debug_drift_is_rate_limited() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use crate::node_services::metrics::{DRIFT_REQUEST_BURST, DRIFT_REQUEST_INTERVAL};
+
+    let (services, _clock) = start(ProxyMode::Ebpf);
+    let addr = services.metrics_addr().unwrap();
+    let (requests, mut rx) = tokio::sync::mpsc::channel::<tokio::sync::oneshot::Sender<String>>(4);
+    services.metrics().serve_drift_requests(requests);
+    let checks = Arc::new(AtomicUsize::new(0));
+    let counted = Arc::clone(&checks);
+    // A loop whose check takes 200 ms.
+    tokio::spawn(async move {
+        while let Some(reply) = rx.recv().await {
+            counted.fetch_add(1, Ordering::SeqCst);
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            let _ = reply.send("{\"checked\":true}".to_owned());
+        }
+    });
+    // While a check runs, another request is turned away.
+    let first = tokio::spawn(get(addr, "/debug/drift"));
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while checks.load(Ordering::SeqCst) == 0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the first check never started"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let during = get(addr, "/debug/drift").await;
+    assert_eq!(during.status(), 429);
+    let first = first.await.unwrap();
+    assert_eq!(first.status(), 200);
+    assert_eq!(first.body, "{\"checked\":true}");
+    // Back to back: the burst, then about one a second.
+    let started = std::time::Instant::now();
+    let (mut answered, mut turned_away) = (1, 0);
+    for _ in 0..20 {
+        let reply = get(addr, "/debug/drift").await;
+        match reply.status() {
+            200 => answered += 1,
+            429 => {
+                turned_away += 1;
+                let wait: u64 = reply
+                    .header("Retry-After")
+                    .expect("Retry-After")
+                    .parse()
+                    .expect("seconds");
+                assert!(
+                    (1..=DRIFT_REQUEST_INTERVAL.as_secs()).contains(&wait),
+                    "{wait}"
+                );
+            }
+            other => panic!("{other}: {}", reply.body),
+        }
+    }
+    let refilled = started.elapsed().as_secs_f64() / DRIFT_REQUEST_INTERVAL.as_secs_f64();
+    assert!(
+        f64::from(answered) <= f64::from(DRIFT_REQUEST_BURST) + refilled + 1.0,
+        "{answered} checks in {:?}",
+        started.elapsed()
+    );
+    assert!(answered >= DRIFT_REQUEST_BURST, "{answered}");
+    assert!(turned_away >= 1);
+    assert_eq!(checks.load(Ordering::SeqCst), answered as usize);
+    // After the interval a check runs again.
+    tokio::time::sleep(DRIFT_REQUEST_INTERVAL).await;
+    assert_eq!(get(addr, "/debug/drift").await.status(), 200);
+}

@@ -3,6 +3,7 @@
 
 mod exposition;
 mod health;
+mod http;
 mod metrics;
 mod service_health;
 
