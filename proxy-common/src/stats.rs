@@ -158,10 +158,18 @@ pub enum StatIndex {
     /// device on top whose tag the NIC stripped, which XDP cannot see): tc starts the flow on
     /// the interface the stack delivers it to.
     XdpPassedReturnRoute = 51,
+    /// A packet to a loopback address (127.0.0.0/8, `::1`) arrived on an interface with the tc
+    /// programs and was dropped before any lookup: localhost NodePorts
+    /// (`nodePortAddresses` with 127.0.0.0/8) are the node's own processes' (CVE-2020-8558;
+    /// kube-proxy's KUBE-FIREWALL rule drops such packets that are not from a loopback
+    /// source).
+    TcDroppedLoopback = 52,
+    /// XDP: a packet to a loopback address was dropped in the driver (as tc would drop it).
+    XdpDroppedLoopback = 53,
 }
 
 impl StatIndex {
-    pub const COUNT: u32 = 52;
+    pub const COUNT: u32 = 54;
     pub const ALL: [StatIndex; Self::COUNT as usize] = [
         StatIndex::Translated,
         StatIndex::RejectedNoBackends,
@@ -215,6 +223,8 @@ impl StatIndex {
         StatIndex::TcTooBigToStack,
         StatIndex::XdpTranslated,
         StatIndex::XdpPassedReturnRoute,
+        StatIndex::TcDroppedLoopback,
+        StatIndex::XdpDroppedLoopback,
     ];
 
     /// Label used in logs and metrics.
@@ -272,6 +282,8 @@ impl StatIndex {
             StatIndex::XdpPassedReturnRoute => "xdp_passed_return_route",
             StatIndex::TcTooBigSent => "tc_too_big_sent",
             StatIndex::TcTooBigToStack => "tc_too_big_to_stack",
+            StatIndex::TcDroppedLoopback => "tc_dropped_loopback_destination",
+            StatIndex::XdpDroppedLoopback => "xdp_dropped_loopback_destination",
         }
     }
 }

@@ -178,6 +178,16 @@ impl Packet {
         ETH_HLEN + if self.is_v6() { 24 } else { 16 }
     }
 
+    /// Whether the destination is a loopback address: 127.0.0.0/8, or `::1`.
+    #[inline(always)]
+    pub fn loopback_destination(&self) -> bool {
+        if self.is_v6() {
+            self.dst[0] == 0 && self.dst[1] == 0 && self.dst[2] == 0 && self.dst[3] == 1u32.to_be()
+        } else {
+            u32::from_be(self.dst[0]) >> 24 == 127
+        }
+    }
+
     /// A TCP FIN or RST: the flow is ending.
     pub fn closes(&self) -> bool {
         self.tcp_flags & (TCP_FIN | TCP_RST) != 0

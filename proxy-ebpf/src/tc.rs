@@ -255,6 +255,17 @@ fn service<const V6: bool>(ctx: &TcContext, side: Side) -> i32 {
         }
         return icmp_error::ingress::<V6>(ctx);
     };
+    // A loopback destination from an interface: the kernel drops it as a martian unless
+    // `route_localnet` is on, but only after this program, which would translate it if the
+    // loopback address is a NodePort address (`nodePortAddresses` with 127.0.0.0/8). A
+    // node's localhost NodePorts are for the node's own processes (the socket hooks), never
+    // for a neighbour that routes 127.0.0.1 to the node (CVE-2020-8558; kube-proxy's
+    // KUBE-FIREWALL drops such packets to 127.0.0.0/8 that are not from a loopback source).
+    // No interface with these programs is loopback: whatever arrives here is from outside.
+    if pkt.loopback_destination() {
+        bump(StatIndex::TcDroppedLoopback);
+        return DROP;
+    }
     // SAFETY: bpf_ktime_get_ns has no preconditions.
     let now = unsafe { bpf_ktime_get_ns() };
     // The key in the scratch slot, not on this frame: `new_flow` and its callees stack on it

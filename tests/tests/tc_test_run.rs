@@ -35,8 +35,8 @@ use proxy_agent::{
     objects::{ObjectKey, Objects, ServiceInfo},
 };
 use proxy_common::{
-    CtKey, CtKey4, CtValue, CtValue4, StatIndex, TRANSLATED_MARK, ct_flags, family, map_names,
-    program_names, proto,
+    CtKey, CtKey4, CtValue, CtValue4, NodeAddrKey, StatIndex, TRANSLATED_MARK, ct_flags, family,
+    map_names, program_names, proto,
 };
 use proxy_tests::{
     in_process::{InProcess, on_netns_thread},
@@ -125,6 +125,43 @@ fn with_node_features<R: Send + 'static>(
     disabled_features: BTreeSet<Feature>,
     f: impl FnOnce(&mut Node) -> R + Send + 'static,
 ) -> R {
+    with_node_options(
+        lb,
+        fast_path,
+        icmp_ratelimit,
+        snat_ports,
+        disabled_features,
+        |_| {},
+        f,
+    )
+}
+
+/// [`with_node`] (fast path) with the tc options changed by `tc` (e.g. `nodePortAddresses`).
+fn with_node_tc(
+    tc: impl FnOnce(&mut TcOptions) + Send + 'static,
+    f: impl FnOnce(&mut Node) + Send + 'static,
+) {
+    with_node_options(
+        LbOptions::default(),
+        true,
+        None,
+        SNAT_PORTS,
+        BTreeSet::new(),
+        tc,
+        f,
+    );
+}
+
+/// [`with_node_features`] with the tc options changed by `tc`.
+fn with_node_options<R: Send + 'static>(
+    lb: LbOptions,
+    fast_path: bool,
+    icmp_ratelimit: Option<std::time::Duration>,
+    snat_ports: RangeInclusive<u16>,
+    disabled_features: BTreeSet<Feature>,
+    tc: impl FnOnce(&mut TcOptions) + Send + 'static,
+    f: impl FnOnce(&mut Node) -> R + Send + 'static,
+) -> R {
     proxy_tests::require_root();
     let ns = Netns::new("tcrun").expect("netns");
     for (dev, v4, v6) in [
@@ -149,6 +186,13 @@ fn with_node_features<R: Send + 'static>(
         .expect("sysctl");
     let path = ns.path();
     let result = on_netns_thread(path.clone(), move |parts| {
+        let mut tc_options = TcOptions {
+            interfaces: vec!["ext0".into()],
+            cluster_cidrs: vec!["10.244.0.0/16".parse().expect("cidr")],
+            fast_path,
+            ..TcOptions::default()
+        };
+        tc(&mut tc_options);
         let options = EbpfOptions {
             cgroup_path: parts.cgroup_path(),
             bpf_root: parts.bpf_root(),
@@ -157,12 +201,7 @@ fn with_node_features<R: Send + 'static>(
             conntrack_capacity: Some(proxy_common::default_sizes::CT),
             dynamic_size_ratio: proxy_agent::dataplane::ebpf::map_sizes::DEFAULT_DYNAMIC_SIZE_RATIO,
             lb,
-            tc: TcOptions {
-                interfaces: vec!["ext0".into()],
-                cluster_cidrs: vec!["10.244.0.0/16".parse().expect("cidr")],
-                fast_path,
-                ..TcOptions::default()
-            },
+            tc: tc_options,
             disabled_features,
             icmp_ratelimit,
             snat_ports,
@@ -1216,6 +1255,114 @@ fn source_ranges_drop_before_nat() {
             false,
         );
     });
+}
+
+/// The addresses the datapath answers NodePorts on (`KPR_NODE_ADDRS`, through its pin).
+fn node_port_addresses(node: &Node) -> Vec<IpAddr> {
+    let pin = node
+        .parts
+        .bpf
+        .path()
+        .join(PIN_DIR_NAME)
+        .join(map_names::NODE_ADDRS);
+    let map = MapData::from_pin(pin).expect("pinned node addresses");
+    let map =
+        AyaHashMap::<MapData, NodeAddrKey, u8>::try_from(Map::from_map_data(map).expect("map"))
+            .expect("hash map");
+    map.keys()
+        .map(|key| {
+            let key = key.expect("key");
+            match key.family {
+                family::V4 => IpAddr::from(key.addr[0].to_ne_bytes()),
+                _ => IpAddr::V6(proxy_agent::dataplane::ebpf::ip6_from_map(key.addr)),
+            }
+        })
+        .collect()
+}
+
+/// CVE-2020-8558: with loopback in `nodePortAddresses` (and localhost NodePorts on),
+/// 127.0.0.1 is a NodePort address of the datapath for the node's own processes; a neighbour
+/// that routes 127.0.0.1 to the node must not reach the Service through it (kube-proxy's
+/// KUBE-FIREWALL rule drops such packets). A packet to 127.0.0.1:<nodePort> — TCP and UDP,
+/// from a client's address or a spoofed loopback one — and to another 127/8 address and to
+/// `::1`, arriving on the external interface or on a pod's, is dropped before any lookup and
+/// counted, by tc and by XDP, and leaves no conntrack entry; the same packet to the node IP
+/// is translated.
+#[test]
+fn loopback_node_ports_are_not_served_to_the_outside() {
+    with_node_tc(
+        |tc| {
+            tc.node_port_cidrs = ["127.0.0.0/8", "10.10.0.0/24", "::1/128", "fd00:10::/64"]
+                .map(|cidr| cidr.parse().expect("cidr"))
+                .to_vec();
+            tc.localhost_node_ports = true;
+        },
+        |node| {
+            program_services(node);
+            let localhost: IpAddr = "127.0.0.1".parse().expect("ip");
+            let addrs = node_port_addresses(node);
+            assert!(
+                addrs.contains(&localhost),
+                "{addrs:?}: 127.0.0.1 is a NodePort address of the datapath"
+            );
+            let cases = [
+                (sa(CLIENT, 41_000), sa("127.0.0.1", 30080), L4::TcpSyn),
+                (sa(CLIENT, 41_001), sa("127.0.0.1", 30053), L4::Udp),
+                (sa("127.0.0.1", 41_002), sa("127.0.0.1", 30080), L4::TcpSyn),
+                (sa(CLIENT, 41_003), sa("127.0.0.53", 30053), L4::Udp),
+                (sa(CLIENT6, 41_004), sa("::1", 30080), L4::TcpSyn),
+                (sa(CLIENT6, 41_005), sa("::1", 30053), L4::Udp),
+            ];
+            for (client, target, l4) in cases {
+                let frame = build(client, target, l4, b"ping");
+                for (program, ifindex, side) in [
+                    (program_names::TC_EXTERNAL, node.ext0, "external"),
+                    (program_names::TC_REPLY, node.pod0, "pod"),
+                ] {
+                    let what = format!("{l4:?} {client} → {target} on the {side} interface");
+                    let dropped = stat(node, StatIndex::TcDroppedLoopback);
+                    let (action, _) = run(node, program, &frame, ifindex);
+                    assert_eq!(action, TC_ACT_SHOT, "{what}: dropped");
+                    assert_eq!(
+                        stat(node, StatIndex::TcDroppedLoopback),
+                        dropped + 1,
+                        "{what}: counted"
+                    );
+                    assert!(
+                        ct_entry(node, &ct_key(client, target, l4.proto())).is_none(),
+                        "{what}: no flow"
+                    );
+                }
+                let what = format!("{l4:?} {client} → {target} in XDP");
+                let dropped = stat(node, StatIndex::XdpDroppedLoopback);
+                let (action, _) = run_xdp(node, &frame);
+                assert_eq!(action, XDP_DROP, "{what}: dropped");
+                assert_eq!(
+                    stat(node, StatIndex::XdpDroppedLoopback),
+                    dropped + 1,
+                    "{what}: counted"
+                );
+            }
+            // The node's own address is served as before, by tc and by XDP.
+            round_trip(
+                node,
+                sa(CLIENT, 41_010),
+                sa(NODE_IP, 30080),
+                sa(BACKEND, 8080),
+                L4::TcpSyn,
+                false,
+            );
+            let frame = build(sa(CLIENT, 41_011), sa(NODE_IP, 30053), L4::Udp, b"ping");
+            let (action, _) = run_xdp(node, &frame);
+            assert_ne!(
+                action, XDP_DROP,
+                "a datagram to the node IP is not XDP's to drop"
+            );
+            let (action, out) = run(node, program_names::TC_EXTERNAL, &frame, node.ext0);
+            assert_eq!(action, TC_ACT_REDIRECT, "a datagram to the node IP");
+            assert_eq!(out.destination(), sa(BACKEND, 5353));
+        },
+    );
 }
 
 /// A pod's packets to an LB IP guarded by source ranges (the socket hooks leave them alone):
