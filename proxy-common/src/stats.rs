@@ -114,10 +114,11 @@ pub enum StatIndex {
     /// quoted packet and its addresses translated as the flow's own packets are (one count
     /// per program that rewrote it), so the client or the backend matches it to its socket.
     TcIcmpErrorTranslated = 39,
-    /// A later IP fragment whose datagram's first fragment these programs did not see
-    /// (reordered in front of it, lost, or sent before the programs were attached) went to the
-    /// stack as it is: it cannot be matched to a flow, and a Service flow's datagram is lost
-    /// with it (the stack cannot reassemble it with the translated rest).
+    /// A later IP fragment whose datagram's first fragment these programs did not remember
+    /// (reordered in front of it, lost, sent before the programs were attached, or not a
+    /// flow's: only the first fragments of flows are remembered) went to the stack as it is:
+    /// it cannot be matched to a flow, and a Service flow's datagram is lost with it (the
+    /// stack cannot reassemble it with the translated rest).
     TcFragmentUntracked = 40,
     /// XDP: a packet of a known external flow (forward entry) was translated and redirected
     /// from the driver, before an skb existed (`--bpf-xdp`, fast path).

@@ -36,7 +36,7 @@ use proxy_common::{
 
 use crate::{
     conntrack::{self, ReplyKey, SnatPort, Tuple, View},
-    icmp, icmp_error,
+    fragments, icmp, icmp_error,
     lb::{Decision, select_backend},
     maglev,
     maps::{
@@ -145,6 +145,8 @@ pub fn egress<const V6: bool>(ctx: &TcContext) -> i32 {
         }
         return NEXT;
     };
+    // An ingress program translated it: a flow's packet.
+    fragments::remember::<V6>(pkt);
     egress_source::<V6>(ctx, pkt)
 }
 
@@ -291,10 +293,14 @@ fn service<const V6: bool>(ctx: &TcContext, side: Side) -> i32 {
             if conntrack::reply_seen::<V6>(key, value, pkt, now) {
                 bump(StatIndex::TcForwardRebuilt);
             }
+            fragments::remember::<V6>(pkt);
             return translate(ctx, pkt, value, StatIndex::TcReplyTranslated);
         }
         if conntrack::carries(value, pkt, now) {
             conntrack::touch::<V6>(key, value, pkt, now);
+            // Before the adopted flows' exit too: their later fragments are looked up, and
+            // passed on, by the flow's entry as well.
+            fragments::remember::<V6>(pkt);
             // A flow the kernel's conntrack already NATs (adopted at the agent's start): its
             // entry there keeps the NAT without any rule, so the stack keeps its backend.
             if value.flags & ct_flags::KERNEL_NAT != 0 {
@@ -327,6 +333,10 @@ fn service<const V6: bool>(ctx: &TcContext, side: Side) -> i32 {
             if !insert_egress::<V6>(pkt) {
                 return DROP;
             }
+            // Only now, with the flow's entries written: a first fragment to anything else
+            // (no frontend, dropped, rejected) is not remembered, so a flood of them cannot
+            // evict the datagrams of real flows from the LRU map.
+            fragments::remember::<V6>(pkt);
             translate_new(ctx, pkt)
         }
     }
