@@ -64,6 +64,8 @@ mod pod {
     // SAFETY: as above.
     unsafe impl aya::Pod for CtKey {}
     // SAFETY: as above.
+    unsafe impl aya::Pod for FragmentKey {}
+    // SAFETY: as above.
     unsafe impl aya::Pod for CtValue {}
     // SAFETY: as above.
     unsafe impl aya::Pod for CtKey4 {}

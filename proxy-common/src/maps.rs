@@ -46,6 +46,9 @@ pub mod map_names {
     /// The XDP programs of a new flow's first packet the XDP entry program tail-calls, one per
     /// family (`program_names::XDP_NEW_FLOW`; pinned and not in [`PINNED`], as [`TC_FAMILY`]).
     pub const XDP_NEW_FLOW: &str = "KPR_XDP_NEW_FLOW";
+    /// The first fragments' ports by datagram ([`super::FragmentKey`]; not pinned: a
+    /// datagram's fragments arrive within a moment, and a restart loses a few at most).
+    pub const FRAGMENTS: &str = "KPR_FRAGMENTS";
 
     /// Every map the agent pins (and `--cleanup` removes).
     pub const PINNED: [&str; 19] = [
@@ -132,6 +135,9 @@ pub mod default_sizes {
     /// Maglev table blocks of [`crate::MAGLEV_BLOCK_SLOTS`] slots (`--bpf-map-maglev`): 1024
     /// frontends × 64 blocks (the default table size of 1021 slots). Not preallocated.
     pub const MAGLEV: u32 = 65_536;
+    /// IP datagrams whose first fragment's ports the tc programs remember for the later
+    /// fragments (LRU; only datagrams of Service flows, see [`super::FragmentKey`]).
+    pub const FRAGMENTS: u32 = 8_192;
 }
 
 /// Which traffic a frontend applies to.
@@ -636,6 +642,23 @@ pub struct CtKey {
     pub dst: [u32; 4],
     pub sport: u16,
     pub dport: u16,
+    pub proto: u8,
+    /// See [`family`].
+    pub family: u8,
+    pub _pad: u16,
+}
+
+/// An IP datagram in `KPR_FRAGMENTS`: its addresses, IP ID and protocol (IPv4 in word 0 of the
+/// addresses; the IPv4 ID is 16 bits, IPv6's 32), as a fragment of it carries them. The value
+/// is its first fragment's ports as the L4 header holds them (network byte order, source in
+/// the low half of the word as loaded). Only datagrams of Service flows are recorded: a first
+/// fragment to a frontend, or of a flow in the conntrack.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
+pub struct FragmentKey {
+    pub src: [u32; 4],
+    pub dst: [u32; 4],
+    pub id: u32,
     pub proto: u8,
     /// See [`family`].
     pub family: u8,

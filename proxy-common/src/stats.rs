@@ -114,10 +114,11 @@ pub enum StatIndex {
     /// quoted packet and its addresses translated as the flow's own packets are (one count
     /// per program that rewrote it), so the client or the backend matches it to its socket.
     TcIcmpErrorTranslated = 39,
-    /// A later IP fragment whose datagram's first fragment these programs did not see
-    /// (reordered in front of it, lost, or sent before the programs were attached) went to the
-    /// stack as it is: it cannot be matched to a flow, and a Service flow's datagram is lost
-    /// with it (the stack cannot reassemble it with the translated rest).
+    /// A later IP fragment whose datagram's first fragment these programs did not remember
+    /// (reordered in front of it, lost, sent before the programs were attached, or not a
+    /// flow's: only the first fragments of flows are remembered) went to the stack as it is:
+    /// it cannot be matched to a flow, and a Service flow's datagram is lost with it (the
+    /// stack cannot reassemble it with the translated rest).
     TcFragmentUntracked = 40,
     /// XDP: a packet of a known external flow (forward entry) was translated and redirected
     /// from the driver, before an skb existed (`--bpf-xdp`, fast path).
@@ -158,10 +159,18 @@ pub enum StatIndex {
     /// device on top whose tag the NIC stripped, which XDP cannot see): tc starts the flow on
     /// the interface the stack delivers it to.
     XdpPassedReturnRoute = 51,
+    /// A packet to a loopback address (127.0.0.0/8, `::1`) arrived on an interface with the tc
+    /// programs and was dropped before any lookup: localhost NodePorts
+    /// (`nodePortAddresses` with 127.0.0.0/8) are the node's own processes' (CVE-2020-8558;
+    /// kube-proxy's KUBE-FIREWALL rule drops such packets that are not from a loopback
+    /// source).
+    TcDroppedLoopback = 52,
+    /// XDP: a packet to a loopback address was dropped in the driver (as tc would drop it).
+    XdpDroppedLoopback = 53,
 }
 
 impl StatIndex {
-    pub const COUNT: u32 = 52;
+    pub const COUNT: u32 = 54;
     pub const ALL: [StatIndex; Self::COUNT as usize] = [
         StatIndex::Translated,
         StatIndex::RejectedNoBackends,
@@ -215,6 +224,8 @@ impl StatIndex {
         StatIndex::TcTooBigToStack,
         StatIndex::XdpTranslated,
         StatIndex::XdpPassedReturnRoute,
+        StatIndex::TcDroppedLoopback,
+        StatIndex::XdpDroppedLoopback,
     ];
 
     /// Label used in logs and metrics.
@@ -272,6 +283,8 @@ impl StatIndex {
             StatIndex::XdpPassedReturnRoute => "xdp_passed_return_route",
             StatIndex::TcTooBigSent => "tc_too_big_sent",
             StatIndex::TcTooBigToStack => "tc_too_big_to_stack",
+            StatIndex::TcDroppedLoopback => "tc_dropped_loopback_destination",
+            StatIndex::XdpDroppedLoopback => "xdp_dropped_loopback_destination",
         }
     }
 }

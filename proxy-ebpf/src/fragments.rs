@@ -1,36 +1,33 @@
 //! IP fragments of translated flows. Only a datagram's first fragment carries the L4 header,
 //! so the programs remember its ports by the datagram's identity (addresses, protocol, IP ID:
 //! what the receiver reassembles by) and give the later fragments the same translation, as
-//! Cilium's fragment map does; netfilter reassembles before NAT instead. Every program records
-//! the first fragments it parses: ingress under the tuple as it arrives, egress under the tuple
-//! ingress left (the kernel, where its conntrack reassembles, fragments again on the way out,
-//! first fragment first).
+//! Cilium's fragment map does; netfilter reassembles before NAT instead. A first fragment is
+//! remembered only once the program knows it is a flow's: ingress after its conntrack entry
+//! or its frontend (a new flow) was found, under the tuple as it arrives; egress for the
+//! packets ingress translated, under the tuple ingress left (the kernel, where its conntrack
+//! reassembles, fragments again on the way out, first fragment first). The map is an LRU of a
+//! few thousand datagrams: first fragments of anything else (anyone can send them, to any
+//! address and port) would evict those of Service flows, whose later fragments would then be
+//! lost.
 //!
-//! A later fragment whose first fragment was not seen here (reordered in front of it, or the
-//! first one lost) cannot be matched to a flow: it goes to the stack as it is and is counted
-//! (`tc_fragment_untracked`); the datagram is lost either way, never delivered elsewhere.
+//! A later fragment whose first fragment was not remembered here (reordered in front of it,
+//! the first one lost, or a datagram of no flow) cannot be matched to a flow: it goes to the
+//! stack as it is and is counted (`tc_fragment_untracked`); a flow's datagram is lost either
+//! way, never delivered elsewhere.
 
 use aya_ebpf::{macros::map, maps::LruHashMap, programs::TcContext};
-use proxy_common::{StatIndex, family};
+use proxy_common::{FragmentKey as FragKey, StatIndex, default_sizes, family};
 
-use crate::{maps::scratch, parse::ETH_HLEN, stats::bump};
-
-/// A datagram: its addresses, IP ID and protocol (IPv4 in word 0 of the addresses; the IPv4 ID
-/// is 16 bits, IPv6's 32).
-#[repr(C)]
-#[derive(Clone, Copy)]
-pub struct FragKey {
-    pub src: [u32; 4],
-    pub dst: [u32; 4],
-    pub id: u32,
-    pub proto: u8,
-    pub family: u8,
-    pub _pad: u16,
-}
+use crate::{
+    maps::scratch,
+    parse::{ETH_HLEN, Packet},
+    stats::bump,
+};
 
 /// The first fragment's ports, network byte order: source in the low half as loaded.
 #[map]
-static KPR_FRAGMENTS: LruHashMap<FragKey, u32> = LruHashMap::with_max_entries(8_192, 0);
+static KPR_FRAGMENTS: LruHashMap<FragKey, u32> =
+    LruHashMap::with_max_entries(default_sizes::FRAGMENTS, 0);
 
 /// Fills the scratch slot's fragment key from the packet's addresses; `None` if the slot or
 /// the packet is unavailable.
@@ -54,22 +51,33 @@ fn key<const V6: bool>(ctx: &TcContext, id: u32, proto: u8) -> Option<*mut FragK
     Some(key)
 }
 
-/// Remembers the ports of a first fragment whose L4 header is at `l4`.
-// Not inlined: every program parses, and the fragment paths are rare.
+/// Remembers the ports of `pkt`'s datagram if `pkt` is its first fragment (`parse`), under
+/// the tuple `pkt` was parsed with. Call it only for a packet of a flow (see the module).
+#[inline(always)]
+pub fn remember<const V6: bool>(pkt: &Packet) {
+    if pkt.first_fragment {
+        first::<V6>(pkt);
+    }
+}
+
+// Not inlined: the fragment paths are rare, and their code is verified once per call site.
 #[inline(never)]
-#[expect(
-    clippy::needless_borrows_for_generic_args,
-    reason = "the key by reference: by value it would be copied onto this frame's stack"
-)]
-pub fn first<const V6: bool>(ctx: &TcContext, id: u32, proto: u8, l4: usize) {
-    // Source in the low half, as loaded.
-    let Ok(ports) = ctx.load::<u32>(l4) else {
+fn first<const V6: bool>(pkt: &Packet) {
+    let Some(scratch) = scratch() else {
         return;
     };
-    if let Some(key) = key::<V6>(ctx, id, proto) {
-        // SAFETY: the key lives in the scratch slot until the program ends.
-        let _ = KPR_FRAGMENTS.insert(unsafe { &*key }, ports, 0);
-    }
+    // SAFETY: the per-CPU slot is ours until the program ends; `frag_key` is used only here.
+    let key = unsafe { &mut (*scratch).frag_key };
+    key.src = pkt.src;
+    key.dst = pkt.dst;
+    key.family = if V6 { family::V6 } else { family::V4 };
+    key.id = pkt.fragment_id;
+    key.proto = pkt.proto;
+    key._pad = 0;
+    // Source in the low half, as `later`'s callers split it (the L4 header's first word as
+    // loaded).
+    let ports = u32::from(pkt.sport) | (u32::from(pkt.dport) << 16);
+    let _ = KPR_FRAGMENTS.insert(key, ports, 0);
 }
 
 /// The ports of a later fragment's datagram, as its first fragment carried them (source in

@@ -159,7 +159,7 @@ pub struct TcScratch {
     pub view_a: CtValue,
     pub view_b: CtValue,
     /// A datagram's key in the fragment map (`fragments`).
-    pub frag_key: crate::fragments::FragKey,
+    pub frag_key: proxy_common::FragmentKey,
     /// The packet `parse` read, where the program reads it from (`parse::into_scratch`).
     pub packet: crate::parse::Packet,
 }

@@ -30,10 +30,6 @@ const FRAGMENT_HLEN: usize = 8;
 pub trait Frame: EbpfContext {
     fn data(&self) -> usize;
     fn data_end(&self) -> usize;
-    /// Remembers the ports of datagram `id`'s first fragment (tc only: the XDP program leaves
-    /// fragments to tc, which must see every fragment of a datagram).
-    #[inline(always)]
-    fn record_first_fragment<const V6: bool>(&self, _id: u32, _proto: u8, _l4: usize) {}
     /// The interface the packet came in on (the start of a fib lookup).
     fn ingress_ifindex(&self) -> u32;
     /// The interface the program runs on (tc's `skb->ifindex`; in XDP the ingress one).
@@ -52,11 +48,6 @@ impl Frame for TcContext {
     #[inline(always)]
     fn data_end(&self) -> usize {
         TcContext::data_end(self)
-    }
-
-    #[inline(always)]
-    fn record_first_fragment<const V6: bool>(&self, id: u32, proto: u8, l4: usize) {
-        fragments::first::<V6>(self, id, proto, l4);
     }
 
     #[inline(always)]
@@ -133,6 +124,11 @@ pub struct Packet {
     /// its first fragment's, and a translation rewrites only its addresses. Always false for
     /// what [`parse`] returns.
     pub later_fragment: bool,
+    /// The first fragment of a TCP or UDP datagram: the programs remember its ports for the
+    /// later fragments (`fragments::first`) once they know the datagram is a flow's.
+    pub first_fragment: bool,
+    /// The datagram's IP ID (IPv4's 16 bits, IPv6's 32) if it is fragmented, else 0.
+    pub fragment_id: u32,
 }
 
 const TCP_FIN: u8 = 0x01;
@@ -178,6 +174,16 @@ impl Packet {
         ETH_HLEN + if self.is_v6() { 24 } else { 16 }
     }
 
+    /// Whether the destination is a loopback address: 127.0.0.0/8, or `::1`.
+    #[inline(always)]
+    pub fn loopback_destination(&self) -> bool {
+        if self.is_v6() {
+            self.dst[0] == 0 && self.dst[1] == 0 && self.dst[2] == 0 && self.dst[3] == 1u32.to_be()
+        } else {
+            u32::from_be(self.dst[0]) >> 24 == 127
+        }
+    }
+
     /// A TCP FIN or RST: the flow is ending.
     pub fn closes(&self) -> bool {
         self.tcp_flags & (TCP_FIN | TCP_RST) != 0
@@ -200,14 +206,14 @@ impl Packet {
 }
 
 /// Parses a TCP, UDP or SCTP packet of one family (`V6`; all three start with the two ports),
-/// the first fragment of a TCP or UDP datagram included (its ports are remembered for the
-/// rest, `fragments`); `None` for anything the tc programs leave to the kernel (the other
+/// the first fragment of a TCP or UDP datagram included (`Packet::first_fragment`: the caller
+/// remembers its ports for the rest once it knows the flow, `fragments`); `None` for anything the tc programs leave to the kernel (the other
 /// family, other protocols, SCTP fragments, IPv6 extension headers other than a fragment
 /// header) and for later fragments, which [`parse_later_fragment`] parses.
 #[inline(always)]
 pub fn parse<const V6: bool>(ctx: &TcContext) -> Option<&'static Packet> {
     pull_headers::<V6>(ctx);
-    let (pkt, fragment, _) = ip_header::<V6, _>(ctx, true)?;
+    let (pkt, fragment, _) = ip_header::<V6, _>(ctx)?;
     // SCTP fragments stay with the stack: a port rewrite's CRC32c delta needs the whole
     // packet.
     if fragment == Fragment::Later || (fragment == Fragment::First && pkt.proto == proto::SCTP) {
@@ -222,7 +228,7 @@ pub fn parse<const V6: bool>(ctx: &TcContext) -> Option<&'static Packet> {
 /// are linear: nothing to pull.
 #[inline(always)]
 pub fn parse_whole<const V6: bool>(ctx: &XdpContext) -> Option<&'static Packet> {
-    let (pkt, fragment, _) = ip_header::<V6, _>(ctx, false)?;
+    let (pkt, fragment, _) = ip_header::<V6, _>(ctx)?;
     if fragment != Fragment::None || pkt.proto == proto::SCTP {
         return None;
     }
@@ -331,7 +337,7 @@ unsafe fn read<T: Copy>(at: usize, offset: usize) -> T {
 #[inline(always)]
 pub fn parse_later_fragment<const V6: bool>(ctx: &TcContext) -> Option<&'static Packet> {
     pull_headers::<V6>(ctx);
-    let (mut pkt, fragment, id) = ip_header::<V6, _>(ctx, false)?;
+    let (mut pkt, fragment, id) = ip_header::<V6, _>(ctx)?;
     if fragment != Fragment::Later || pkt.proto == proto::SCTP {
         return None;
     }
@@ -396,42 +402,21 @@ impl Fragment {
 }
 
 /// The IP header of a TCP, UDP or SCTP packet (the packet without its ports and TCP flags:
-/// the L4 header is where it would be), and the datagram's fragment kind and ID. With
-/// `record_first`, the ports of a first fragment of a TCP or UDP datagram are remembered for
-/// the later ones (`fragments`).
-// The record comes before the addresses are loaded: fewer values live across the call, for
-// the stack of the programs' deepest call chain.
+/// the L4 header is where it would be), and the datagram's fragment kind and ID.
 #[inline(always)]
-fn ip_header<const V6: bool, C: Frame>(
-    ctx: &C,
-    record_first: bool,
-) -> Option<(Packet, Fragment, u32)> {
+fn ip_header<const V6: bool, C: Frame>(ctx: &C) -> Option<(Packet, Fragment, u32)> {
     let eth = linear_at(ctx, 0, ETH_HLEN)?;
     // SAFETY: the Ethernet header is checked (`linear_at`).
     let ethertype = u16::from_be(unsafe { read::<u16>(eth, 12) });
     match ethertype {
-        ETH_P_IP if !V6 => ip_header4(ctx, record_first),
-        ETH_P_IPV6 if V6 => ip_header6(ctx, record_first),
+        ETH_P_IP if !V6 => ip_header4(ctx),
+        ETH_P_IPV6 if V6 => ip_header6(ctx),
         _ => None,
     }
 }
 
-/// Remembers the ports of datagram `id`'s first fragment (L4 header at `l4`).
 #[inline(always)]
-fn record_first<const V6: bool, C: Frame>(
-    ctx: &C,
-    fragment: Fragment,
-    id: u32,
-    proto: u8,
-    l4: usize,
-) {
-    if fragment == Fragment::First && proto != proto::SCTP {
-        ctx.record_first_fragment::<V6>(id, proto, l4);
-    }
-}
-
-#[inline(always)]
-fn ip_header4<C: Frame>(ctx: &C, record: bool) -> Option<(Packet, Fragment, u32)> {
+fn ip_header4<C: Frame>(ctx: &C) -> Option<(Packet, Fragment, u32)> {
     let ip = linear_at(ctx, ETH_HLEN, 20)?;
     // SAFETY: the 20 bytes of the fixed header are checked (`linear_at`).
     let (version_ihl, proto, frag, id) = unsafe {
@@ -455,12 +440,6 @@ fn ip_header4<C: Frame>(ctx: &C, record: bool) -> Option<(Packet, Fragment, u32)
         Fragment::None => 0,
         _ => u32::from(id),
     };
-    if record {
-        record_first::<false, _>(ctx, fragment, id, proto, ETH_HLEN + ihl);
-    }
-    // Taken again rather than kept across the record's call, like the addresses (see
-    // `ip_header`).
-    let ip = linear_at(ctx, ETH_HLEN, 20)?;
     // SAFETY: as above.
     let (src, dst) = unsafe { (read::<u32>(ip, 12), read::<u32>(ip, 16)) };
     let pkt = Packet {
@@ -473,12 +452,14 @@ fn ip_header4<C: Frame>(ctx: &C, record: bool) -> Option<(Packet, Fragment, u32)
         dport: 0,
         tcp_flags: 0,
         later_fragment: false,
+        first_fragment: fragment == Fragment::First,
+        fragment_id: id,
     };
     Some((pkt, fragment, id))
 }
 
 #[inline(always)]
-fn ip_header6<C: Frame>(ctx: &C, record: bool) -> Option<(Packet, Fragment, u32)> {
+fn ip_header6<C: Frame>(ctx: &C) -> Option<(Packet, Fragment, u32)> {
     let ip = linear_at(ctx, ETH_HLEN, IPV6_HLEN)?;
     // SAFETY: the fixed header is checked (`linear_at`).
     let (version, mut next_header) = unsafe { (read::<u8>(ip, 0), read::<u8>(ip, 6)) };
@@ -506,13 +487,7 @@ fn ip_header6<C: Frame>(ctx: &C, record: bool) -> Option<(Packet, Fragment, u32)
     if !is_translated(next_header) {
         return None;
     }
-    if record {
-        record_first::<true, _>(ctx, fragment, id, next_header, l4);
-    }
-    // Taken again rather than kept across the record's call, like the addresses (see
-    // `ip_header`).
-    let ip = linear_at(ctx, ETH_HLEN, IPV6_HLEN)?;
-    // SAFETY: as above.
+    // SAFETY: as above (the fixed header).
     let (src, dst) = unsafe { (read::<[u32; 4]>(ip, 8), read::<[u32; 4]>(ip, 24)) };
     let pkt = Packet {
         family: family::V6,
@@ -524,6 +499,8 @@ fn ip_header6<C: Frame>(ctx: &C, record: bool) -> Option<(Packet, Fragment, u32)
         dport: 0,
         tcp_flags: 0,
         later_fragment: false,
+        first_fragment: fragment == Fragment::First,
+        fragment_id: id,
     };
     Some((pkt, fragment, id))
 }

@@ -36,7 +36,7 @@ use proxy_common::{
 
 use crate::{
     conntrack::{self, ReplyKey, SnatPort, Tuple, View},
-    icmp, icmp_error,
+    fragments, icmp, icmp_error,
     lb::{Decision, select_backend},
     maglev,
     maps::{
@@ -145,6 +145,8 @@ pub fn egress<const V6: bool>(ctx: &TcContext) -> i32 {
         }
         return NEXT;
     };
+    // An ingress program translated it: a flow's packet.
+    fragments::remember::<V6>(pkt);
     egress_source::<V6>(ctx, pkt)
 }
 
@@ -255,6 +257,17 @@ fn service<const V6: bool>(ctx: &TcContext, side: Side) -> i32 {
         }
         return icmp_error::ingress::<V6>(ctx);
     };
+    // A loopback destination from an interface: the kernel drops it as a martian unless
+    // `route_localnet` is on, but only after this program, which would translate it if the
+    // loopback address is a NodePort address (`nodePortAddresses` with 127.0.0.0/8). A
+    // node's localhost NodePorts are for the node's own processes (the socket hooks), never
+    // for a neighbour that routes 127.0.0.1 to the node (CVE-2020-8558; kube-proxy's
+    // KUBE-FIREWALL drops such packets to 127.0.0.0/8 that are not from a loopback source).
+    // No interface with these programs is loopback: whatever arrives here is from outside.
+    if pkt.loopback_destination() {
+        bump(StatIndex::TcDroppedLoopback);
+        return DROP;
+    }
     // SAFETY: bpf_ktime_get_ns has no preconditions.
     let now = unsafe { bpf_ktime_get_ns() };
     // The key in the scratch slot, not on this frame: `new_flow` and its callees stack on it
@@ -280,10 +293,14 @@ fn service<const V6: bool>(ctx: &TcContext, side: Side) -> i32 {
             if conntrack::reply_seen::<V6>(key, value, pkt, now) {
                 bump(StatIndex::TcForwardRebuilt);
             }
+            fragments::remember::<V6>(pkt);
             return translate(ctx, pkt, value, StatIndex::TcReplyTranslated);
         }
         if conntrack::carries(value, pkt, now) {
             conntrack::touch::<V6>(key, value, pkt, now);
+            // Before the adopted flows' exit too: their later fragments are looked up, and
+            // passed on, by the flow's entry as well.
+            fragments::remember::<V6>(pkt);
             // A flow the kernel's conntrack already NATs (adopted at the agent's start): its
             // entry there keeps the NAT without any rule, so the stack keeps its backend.
             if value.flags & ct_flags::KERNEL_NAT != 0 {
@@ -316,6 +333,10 @@ fn service<const V6: bool>(ctx: &TcContext, side: Side) -> i32 {
             if !insert_egress::<V6>(pkt) {
                 return DROP;
             }
+            // Only now, with the flow's entries written: a first fragment to anything else
+            // (no frontend, dropped, rejected) is not remembered, so a flood of them cannot
+            // evict the datagrams of real flows from the LRU map.
+            fragments::remember::<V6>(pkt);
             translate_new(ctx, pkt)
         }
     }

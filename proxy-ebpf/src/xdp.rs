@@ -75,6 +75,12 @@ fn established<const V6: bool>(ctx: &XdpContext) -> u32 {
     let Some(pkt) = parse_whole::<V6>(ctx) else {
         return XDP_PASS;
     };
+    // What tc drops first (`tc::service`: no flow of a neighbour's to the node's loopback
+    // addresses), before the conntrack lookup as there.
+    if pkt.loopback_destination() {
+        bump(StatIndex::XdpDroppedLoopback);
+        return XDP_DROP;
+    }
     let Some(scratch) = scratch() else {
         return XDP_PASS;
     };

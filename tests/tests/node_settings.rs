@@ -614,3 +614,181 @@ fn node_heartbeats_do_not_sync() -> anyhow::Result<()> {
     }
     Ok(())
 }
+
+/// The MAC address of `dev` in `ns` (`ip -o link show`).
+fn mac_of(ns: &proxy_tests::netns::Netns, dev: &str) -> anyhow::Result<[u8; 6]> {
+    let line = ns.ip(&["-o", "link", "show", dev])?;
+    let text = line
+        .split_whitespace()
+        .skip_while(|word| *word != "link/ether")
+        .nth(1)
+        .ok_or_else(|| anyhow::anyhow!("no MAC in {line:?}"))?;
+    let mut mac = [0u8; 6];
+    let bytes: Vec<&str> = text.split(':').collect();
+    anyhow::ensure!(bytes.len() == 6, "MAC {text:?}");
+    for (byte, hex) in mac.iter_mut().zip(bytes) {
+        *byte = u8::from_str_radix(hex, 16)?;
+    }
+    Ok(mac)
+}
+
+/// Sends `frame` out of `dev` of the namespace at `netns` through a packet socket (no routing:
+/// the frame goes as built) and returns the TCP segments to `port` from `from_port` that
+/// arrive on `dev` within `wait`, as frames.
+fn send_frame_and_listen(
+    netns: &std::path::Path,
+    dev: &'static str,
+    frame: Vec<u8>,
+    port: u16,
+    from_port: u16,
+    wait: Duration,
+) -> anyhow::Result<Vec<Vec<u8>>> {
+    use std::os::fd::{AsRawFd as _, FromRawFd as _, OwnedFd};
+    on_thread_in(netns, move || -> anyhow::Result<Vec<Vec<u8>>> {
+        let ifindex = nix::net::if_::if_nametoindex(dev)?;
+        let protocol = (libc::ETH_P_ALL as u16).to_be();
+        // SAFETY: plain socket(2); the descriptor is owned (and closed) by `socket` below.
+        let fd = unsafe {
+            libc::socket(
+                libc::AF_PACKET,
+                libc::SOCK_RAW | libc::SOCK_CLOEXEC,
+                i32::from(protocol),
+            )
+        };
+        anyhow::ensure!(
+            fd >= 0,
+            "AF_PACKET socket: {}",
+            std::io::Error::last_os_error()
+        );
+        // SAFETY: `fd` is a fresh descriptor nothing else owns.
+        let socket = unsafe { OwnedFd::from_raw_fd(fd) };
+        // SAFETY: an all-zero sockaddr_ll is a valid value (filled in below).
+        let mut addr: libc::sockaddr_ll = unsafe { std::mem::zeroed() };
+        addr.sll_family = libc::AF_PACKET as u16;
+        addr.sll_protocol = protocol;
+        addr.sll_ifindex = i32::try_from(ifindex)?;
+        // SAFETY: `addr` is a sockaddr_ll of the size passed.
+        let bound = unsafe {
+            libc::bind(
+                socket.as_raw_fd(),
+                std::ptr::from_ref(&addr).cast(),
+                std::mem::size_of::<libc::sockaddr_ll>() as libc::socklen_t,
+            )
+        };
+        anyhow::ensure!(bound == 0, "bind: {}", std::io::Error::last_os_error());
+        let timeout = libc::timeval {
+            tv_sec: 0,
+            tv_usec: 100_000,
+        };
+        // SAFETY: a valid socket and a timeval of the size passed.
+        let set = unsafe {
+            libc::setsockopt(
+                socket.as_raw_fd(),
+                libc::SOL_SOCKET,
+                libc::SO_RCVTIMEO,
+                std::ptr::from_ref(&timeout).cast(),
+                std::mem::size_of::<libc::timeval>() as libc::socklen_t,
+            )
+        };
+        anyhow::ensure!(set == 0, "SO_RCVTIMEO: {}", std::io::Error::last_os_error());
+        // SAFETY: the buffer is `frame.len()` readable bytes; the socket is bound to `dev`.
+        let sent = unsafe { libc::send(socket.as_raw_fd(), frame.as_ptr().cast(), frame.len(), 0) };
+        anyhow::ensure!(
+            usize::try_from(sent).ok() == Some(frame.len()),
+            "send: {}",
+            std::io::Error::last_os_error()
+        );
+        let deadline = Instant::now() + wait;
+        let mut answers = Vec::new();
+        let mut buf = vec![0u8; 4096];
+        while Instant::now() < deadline {
+            // SAFETY: the buffer is `buf.len()` writable bytes.
+            let n =
+                unsafe { libc::recv(socket.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len(), 0) };
+            let Ok(n) = usize::try_from(n) else {
+                continue; // the receive timeout
+            };
+            let got = &buf[..n];
+            // IPv4 without options, TCP, from `from_port` to `port`.
+            let tcp = got.len() >= 14 + 20 + 4
+                && got[12..14] == [0x08, 0x00]
+                && got[14] == 0x45
+                && got[23] == 6;
+            if tcp && got[34..36] == from_port.to_be_bytes() && got[36..38] == port.to_be_bytes() {
+                answers.push(got.to_vec());
+            }
+        }
+        Ok(answers)
+    })?
+}
+
+/// CVE-2020-8558 in eBPF mode: with loopback in `nodePortAddresses`, 127.0.0.1 is a NodePort
+/// address (`KPR_NODE_ADDRS`) for the node's own processes only. A neighbour that routes
+/// 127.0.0.1 to the node (a SYN to 127.0.0.1:<nodePort> in a frame to the node's MAC) gets no
+/// answer, and the tc program counts the drop (kube-proxy's KUBE-FIREWALL rule drops it in
+/// the iptables mode); a process of the node connecting to 127.0.0.1:<nodePort> still
+/// reaches the Service.
+#[test]
+fn ebpf_localhost_node_ports_are_not_served_to_neighbours() -> anyhow::Result<()> {
+    use proxy_common::StatIndex;
+    use proxy_tests::packet::{L4, build};
+    const CLIENT_PORT: u16 = 47_123;
+    let mut s = setup()?;
+    s.start_agent_with_args(
+        "ebpf",
+        &[
+            "--interfaces",
+            "vext",
+            "--nodeport-addresses",
+            "127.0.0.0/8,10.10.0.0/24",
+        ],
+    )?;
+    s.wait_for_datapath_with(
+        &ext_client(&s),
+        node_port(Topology::node_ext_ip()),
+        "NodePort",
+        is_pod,
+    )?;
+    let (addrs, _) = node_maps(&mut s)?;
+    s.ensure(addrs.contains(&IpAddr::V4(Ipv4Addr::LOCALHOST)), || {
+        format!("127.0.0.1 is a NodePort address of the datapath: {addrs:?}")
+    })?;
+    let local = s.cgroup_client();
+    let answer = s.wait_for_datapath_with(
+        &local,
+        node_port(Ipv4Addr::LOCALHOST),
+        "localhost NodePort from the node",
+        is_pod,
+    )?;
+    eprintln!("node → 127.0.0.1:{NODE_PORT}: {answer:?}");
+
+    let dropped = s.agent()?.datapath_counter(StatIndex::TcDroppedLoopback)?;
+    let mut frame = build(
+        SocketAddr::new(IpAddr::V4(Topology::ext_ip()), CLIENT_PORT),
+        node_port(Ipv4Addr::LOCALHOST),
+        L4::TcpSyn,
+        b"",
+    );
+    frame[0..6].copy_from_slice(&mac_of(s.topo.node(), "vext")?);
+    frame[6..12].copy_from_slice(&mac_of(s.topo.ext(), "eth0")?);
+    let answers = send_frame_and_listen(
+        &s.topo.ext().path(),
+        "eth0",
+        frame,
+        CLIENT_PORT,
+        NODE_PORT,
+        Duration::from_secs(2),
+    )?;
+    let after = s.agent()?.datapath_counter(StatIndex::TcDroppedLoopback)?;
+    eprintln!(
+        "neighbour → 127.0.0.1:{NODE_PORT}: {} answers, tc_dropped_loopback_destination {dropped} → {after}",
+        answers.len()
+    );
+    s.ensure(answers.is_empty(), || {
+        format!("a neighbour's SYN to 127.0.0.1 must get no answer: {answers:02x?}")
+    })?;
+    s.ensure(after > dropped, || {
+        format!("the drop is counted: tc_dropped_loopback_destination {dropped} → {after}")
+    })?;
+    Ok(())
+}

@@ -35,8 +35,8 @@ use proxy_agent::{
     objects::{ObjectKey, Objects, ServiceInfo},
 };
 use proxy_common::{
-    CtKey, CtKey4, CtValue, CtValue4, StatIndex, TRANSLATED_MARK, ct_flags, family, map_names,
-    program_names, proto,
+    CtKey, CtKey4, CtValue, CtValue4, NodeAddrKey, StatIndex, TRANSLATED_MARK, ct_flags, family,
+    map_names, program_names, proto,
 };
 use proxy_tests::{
     in_process::{InProcess, on_netns_thread},
@@ -125,6 +125,43 @@ fn with_node_features<R: Send + 'static>(
     disabled_features: BTreeSet<Feature>,
     f: impl FnOnce(&mut Node) -> R + Send + 'static,
 ) -> R {
+    with_node_options(
+        lb,
+        fast_path,
+        icmp_ratelimit,
+        snat_ports,
+        disabled_features,
+        |_| {},
+        f,
+    )
+}
+
+/// [`with_node`] (fast path) with the tc options changed by `tc` (e.g. `nodePortAddresses`).
+fn with_node_tc(
+    tc: impl FnOnce(&mut TcOptions) + Send + 'static,
+    f: impl FnOnce(&mut Node) + Send + 'static,
+) {
+    with_node_options(
+        LbOptions::default(),
+        true,
+        None,
+        SNAT_PORTS,
+        BTreeSet::new(),
+        tc,
+        f,
+    );
+}
+
+/// [`with_node_features`] with the tc options changed by `tc`.
+fn with_node_options<R: Send + 'static>(
+    lb: LbOptions,
+    fast_path: bool,
+    icmp_ratelimit: Option<std::time::Duration>,
+    snat_ports: RangeInclusive<u16>,
+    disabled_features: BTreeSet<Feature>,
+    tc: impl FnOnce(&mut TcOptions) + Send + 'static,
+    f: impl FnOnce(&mut Node) -> R + Send + 'static,
+) -> R {
     proxy_tests::require_root();
     let ns = Netns::new("tcrun").expect("netns");
     for (dev, v4, v6) in [
@@ -149,6 +186,13 @@ fn with_node_features<R: Send + 'static>(
         .expect("sysctl");
     let path = ns.path();
     let result = on_netns_thread(path.clone(), move |parts| {
+        let mut tc_options = TcOptions {
+            interfaces: vec!["ext0".into()],
+            cluster_cidrs: vec!["10.244.0.0/16".parse().expect("cidr")],
+            fast_path,
+            ..TcOptions::default()
+        };
+        tc(&mut tc_options);
         let options = EbpfOptions {
             cgroup_path: parts.cgroup_path(),
             bpf_root: parts.bpf_root(),
@@ -159,12 +203,7 @@ fn with_node_features<R: Send + 'static>(
             conntrack_capacity: Some(proxy_common::default_sizes::CT),
             dynamic_size_ratio: proxy_agent::dataplane::ebpf::map_sizes::DEFAULT_DYNAMIC_SIZE_RATIO,
             lb,
-            tc: TcOptions {
-                interfaces: vec!["ext0".into()],
-                cluster_cidrs: vec!["10.244.0.0/16".parse().expect("cidr")],
-                fast_path,
-                ..TcOptions::default()
-            },
+            tc: tc_options,
             disabled_features,
             icmp_ratelimit,
             snat_ports,
@@ -821,6 +860,148 @@ fn fragments_of_a_flow_get_its_translation() {
     });
 }
 
+/// The datagrams `KPR_FRAGMENTS` remembers, as (source, destination, protocol).
+fn remembered_datagrams(node: &Node) -> BTreeSet<(IpAddr, IpAddr, u8)> {
+    let ip = |words: [u32; 4], family: u8| match family {
+        family::V4 => IpAddr::from(words[0].to_ne_bytes()),
+        _ => IpAddr::V6(proxy_agent::dataplane::ebpf::ip6_from_map(words)),
+    };
+    node.dataplane
+        .fragment_datagrams()
+        .expect("fragment map")
+        .into_iter()
+        .map(|key| (ip(key.src, key.family), ip(key.dst, key.family), key.proto))
+        .collect()
+}
+
+/// First fragments are remembered (`KPR_FRAGMENTS`, an LRU of 8192 datagrams) only for the
+/// datagrams of flows, so that junk cannot evict them. Between the first fragment of a UDP
+/// datagram to a NodePort (remembered: a new flow) and its later fragments, 20 000 first
+/// fragments of other datagrams arrive — to a port no Service has on the node's address, to
+/// a NodePort's port at an address that is not the node's, from ever other clients — and
+/// leave no entry; the later fragments still get the flow's translation (the flood evicted
+/// nothing; with every first fragment recorded it would have evicted the flow's). The
+/// backend's fragmented reply is remembered too (a flow in the conntrack) and translated
+/// back. Both families, netfilter path.
+#[test]
+fn only_first_fragments_of_flows_are_remembered() {
+    const JUNK: u32 = 20_000;
+    with_netfilter_node(|node| {
+        program_services(node);
+        let mut expected = BTreeSet::new();
+        for (client, node_ip, backend, elsewhere, id) in [
+            (CLIENT, NODE_IP, BACKEND, "10.10.0.99", 0x4321),
+            (CLIENT6, NODE_IP6, BACKEND6, "fd00:10::99", 0x1357_9bdf),
+        ] {
+            let client = sa(client, 43_100);
+            let frontend = sa(node_ip, 30053);
+            let backend = sa(backend, 5353);
+            let what = format!("UDP {client} → {frontend}, fragmented");
+            let payload: Vec<u8> = (0..3000u32).map(|i| (i % 251) as u8).collect();
+            let datagram = build(client, frontend, L4::Udp, &payload);
+            let pieces = fragment(&datagram, 1232, id);
+            assert_eq!(pieces.len(), 3, "{what}: first, middle, last");
+            let mut ingress = Vec::new();
+            let (action, out, _) = run_fragment(
+                node,
+                program_names::TC_EXTERNAL,
+                &pieces[0],
+                node.ext0,
+                0,
+                &what,
+            );
+            assert_eq!(action, TC_ACT_UNSPEC, "{what}: first fragment");
+            ingress.push(parse_fragment(&out).expect("first fragment"));
+            expected.insert((client.ip(), frontend.ip(), PROTO_UDP));
+            assert_eq!(
+                remembered_datagrams(node),
+                expected,
+                "{what}: the first fragment of a new flow is remembered"
+            );
+
+            // The flood: first fragments of small datagrams to no frontend.
+            let v4 = client.is_ipv4();
+            for i in 0..JUNK {
+                let port = 40_000 + (i % 20_000) as u16;
+                let host = i % 200 + 2;
+                let (src, dst) = if i % 2 == 0 {
+                    let src = if v4 {
+                        format!("203.0.113.{host}")
+                    } else {
+                        format!("fd00:10::{host:x}")
+                    };
+                    (sa(&src, port), sa(node_ip, port))
+                } else {
+                    let src = if v4 {
+                        format!("10.10.0.{host}")
+                    } else {
+                        format!("fd00:10::1:{host:x}")
+                    };
+                    (sa(&src, port), sa(elsewhere, 30053))
+                };
+                let junk = build(src, dst, L4::Udp, &[0x5a; 64]);
+                let first = fragment(&junk, 40, i).swap_remove(0);
+                let out = node
+                    .dataplane
+                    .test_run_tc(program_names::TC_EXTERNAL, &first, node.ext0)
+                    .expect("test_run");
+                assert_eq!(
+                    (out.action, out.packet == first),
+                    (TC_ACT_UNSPEC, true),
+                    "junk {src} → {dst}: to the stack untouched"
+                );
+            }
+            assert_eq!(
+                remembered_datagrams(node),
+                expected,
+                "{what}: no junk first fragment is remembered"
+            );
+
+            // The datagram's later fragments, after the flood.
+            let untracked = stat(node, StatIndex::TcFragmentUntracked);
+            for (i, piece) in pieces.iter().enumerate().skip(1) {
+                let (action, out, mark) =
+                    run_fragment(node, program_names::TC_EXTERNAL, piece, node.ext0, 0, &what);
+                assert_eq!(action, TC_ACT_UNSPEC, "{what}: fragment {i} to the stack");
+                assert_eq!(mark, TRANSLATED_MARK, "{what}: fragment {i} translated");
+                ingress.push(parse_fragment(&out).unwrap_or_else(|e| panic!("{what}: {i}: {e}")));
+            }
+            assert_eq!(stat(node, StatIndex::TcFragmentUntracked), untracked);
+            let whole = reassemble(&ingress).unwrap_or_else(|e| panic!("{what}: ingress: {e}"));
+            assert_eq!(
+                (whole.source(), whole.destination()),
+                (client, backend),
+                "{what}: the datagram DNATed"
+            );
+            assert!(whole.l4.ends_with(&payload), "{what}: payload");
+
+            // The backend's fragmented answer, to the flow's SNAT address and port.
+            let forward = ct_entry(node, &ct_key(client, frontend, PROTO_UDP)).expect("flow");
+            let snat = sa(node_ip, u16::from_be(forward.sport));
+            let answer = build(backend, snat, L4::Udp, &payload);
+            let what = format!("UDP {backend} → {snat}, fragmented");
+            let mut back = Vec::new();
+            for (i, piece) in fragment(&answer, 1232, id + 1).iter().enumerate() {
+                let (action, out, mark) =
+                    run_fragment(node, program_names::TC_REPLY, piece, node.pod0, 0, &what);
+                assert_eq!(action, TC_ACT_UNSPEC, "{what}: fragment {i} to the stack");
+                assert_eq!(mark, TRANSLATED_MARK, "{what}: fragment {i} translated");
+                let f = parse_fragment(&out).unwrap_or_else(|e| panic!("{what}: {i}: {e}"));
+                assert_eq!(f.dst, client.ip(), "{what}: fragment {i} to the client");
+                back.push(f);
+            }
+            expected.insert((backend.ip(), snat.ip(), PROTO_UDP));
+            assert_eq!(
+                remembered_datagrams(node),
+                expected,
+                "{what}: a reply's first fragment is remembered"
+            );
+            let whole = reassemble(&back).unwrap_or_else(|e| panic!("{what}: reply: {e}"));
+            assert_eq!(whole.destination(), client, "{what}: back to the client");
+        }
+    });
+}
+
 /// Runs `program` on a `CHECKSUM_COMPLETE` skb: the kernel fails the run (`EBADMSG`) when
 /// the program left `skb->csum` out of step with the packet, as a NIC that sums packets would
 /// find ("hw csum failure"). Returns the action, the frame and the mark it leaves with.
@@ -1218,6 +1399,114 @@ fn source_ranges_drop_before_nat() {
             false,
         );
     });
+}
+
+/// The addresses the datapath answers NodePorts on (`KPR_NODE_ADDRS`, through its pin).
+fn node_port_addresses(node: &Node) -> Vec<IpAddr> {
+    let pin = node
+        .parts
+        .bpf
+        .path()
+        .join(PIN_DIR_NAME)
+        .join(map_names::NODE_ADDRS);
+    let map = MapData::from_pin(pin).expect("pinned node addresses");
+    let map =
+        AyaHashMap::<MapData, NodeAddrKey, u8>::try_from(Map::from_map_data(map).expect("map"))
+            .expect("hash map");
+    map.keys()
+        .map(|key| {
+            let key = key.expect("key");
+            match key.family {
+                family::V4 => IpAddr::from(key.addr[0].to_ne_bytes()),
+                _ => IpAddr::V6(proxy_agent::dataplane::ebpf::ip6_from_map(key.addr)),
+            }
+        })
+        .collect()
+}
+
+/// CVE-2020-8558: with loopback in `nodePortAddresses` (and localhost NodePorts on),
+/// 127.0.0.1 is a NodePort address of the datapath for the node's own processes; a neighbour
+/// that routes 127.0.0.1 to the node must not reach the Service through it (kube-proxy's
+/// KUBE-FIREWALL rule drops such packets). A packet to 127.0.0.1:<nodePort> — TCP and UDP,
+/// from a client's address or a spoofed loopback one — and to another 127/8 address and to
+/// `::1`, arriving on the external interface or on a pod's, is dropped before any lookup and
+/// counted, by tc and by XDP, and leaves no conntrack entry; the same packet to the node IP
+/// is translated.
+#[test]
+fn loopback_node_ports_are_not_served_to_the_outside() {
+    with_node_tc(
+        |tc| {
+            tc.node_port_cidrs = ["127.0.0.0/8", "10.10.0.0/24", "::1/128", "fd00:10::/64"]
+                .map(|cidr| cidr.parse().expect("cidr"))
+                .to_vec();
+            tc.localhost_node_ports = true;
+        },
+        |node| {
+            program_services(node);
+            let localhost: IpAddr = "127.0.0.1".parse().expect("ip");
+            let addrs = node_port_addresses(node);
+            assert!(
+                addrs.contains(&localhost),
+                "{addrs:?}: 127.0.0.1 is a NodePort address of the datapath"
+            );
+            let cases = [
+                (sa(CLIENT, 41_000), sa("127.0.0.1", 30080), L4::TcpSyn),
+                (sa(CLIENT, 41_001), sa("127.0.0.1", 30053), L4::Udp),
+                (sa("127.0.0.1", 41_002), sa("127.0.0.1", 30080), L4::TcpSyn),
+                (sa(CLIENT, 41_003), sa("127.0.0.53", 30053), L4::Udp),
+                (sa(CLIENT6, 41_004), sa("::1", 30080), L4::TcpSyn),
+                (sa(CLIENT6, 41_005), sa("::1", 30053), L4::Udp),
+            ];
+            for (client, target, l4) in cases {
+                let frame = build(client, target, l4, b"ping");
+                for (program, ifindex, side) in [
+                    (program_names::TC_EXTERNAL, node.ext0, "external"),
+                    (program_names::TC_REPLY, node.pod0, "pod"),
+                ] {
+                    let what = format!("{l4:?} {client} → {target} on the {side} interface");
+                    let dropped = stat(node, StatIndex::TcDroppedLoopback);
+                    let (action, _) = run(node, program, &frame, ifindex);
+                    assert_eq!(action, TC_ACT_SHOT, "{what}: dropped");
+                    assert_eq!(
+                        stat(node, StatIndex::TcDroppedLoopback),
+                        dropped + 1,
+                        "{what}: counted"
+                    );
+                    assert!(
+                        ct_entry(node, &ct_key(client, target, l4.proto())).is_none(),
+                        "{what}: no flow"
+                    );
+                }
+                let what = format!("{l4:?} {client} → {target} in XDP");
+                let dropped = stat(node, StatIndex::XdpDroppedLoopback);
+                let (action, _) = run_xdp(node, &frame);
+                assert_eq!(action, XDP_DROP, "{what}: dropped");
+                assert_eq!(
+                    stat(node, StatIndex::XdpDroppedLoopback),
+                    dropped + 1,
+                    "{what}: counted"
+                );
+            }
+            // The node's own address is served as before, by tc and by XDP.
+            round_trip(
+                node,
+                sa(CLIENT, 41_010),
+                sa(NODE_IP, 30080),
+                sa(BACKEND, 8080),
+                L4::TcpSyn,
+                false,
+            );
+            let frame = build(sa(CLIENT, 41_011), sa(NODE_IP, 30053), L4::Udp, b"ping");
+            let (action, _) = run_xdp(node, &frame);
+            assert_ne!(
+                action, XDP_DROP,
+                "a datagram to the node IP is not XDP's to drop"
+            );
+            let (action, out) = run(node, program_names::TC_EXTERNAL, &frame, node.ext0);
+            assert_eq!(action, TC_ACT_REDIRECT, "a datagram to the node IP");
+            assert_eq!(out.destination(), sa(BACKEND, 5353));
+        },
+    );
 }
 
 /// A pod's packets to an LB IP guarded by source ranges (the socket hooks leave them alone):

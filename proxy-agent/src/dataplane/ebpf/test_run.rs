@@ -3,6 +3,8 @@
 
 use std::os::fd::AsFd as _;
 
+use proxy_common::{FragmentKey, map_names};
+
 use super::{
     bpf_syscall::{self, SkbTestRun},
     dataplane::EbpfDataplane,
@@ -109,6 +111,18 @@ impl EbpfDataplane {
             ..TcTestInput::default()
         };
         self.run_tc(program, packet, input, repeat)
+    }
+
+    /// The datagrams whose first fragment's ports the tc programs remember for their later
+    /// fragments (`KPR_FRAGMENTS`, a snapshot): for tests, which check what is recorded.
+    pub fn fragment_datagrams(&self) -> Result<Vec<FragmentKey>, EbpfError> {
+        let name = map_names::FRAGMENTS;
+        let map = self.ebpf.map(name).ok_or(EbpfError::MissingMap(name))?;
+        let map = aya::maps::HashMap::<_, FragmentKey, u32>::try_from(map)
+            .map_err(|source| EbpfError::Map { name, source })?;
+        map.keys()
+            .collect::<Result<_, _>>()
+            .map_err(|source| EbpfError::Map { name, source })
     }
 
     /// Runs `kpr_xdp_external` once on `packet` as if it had arrived on interface `ifindex`
