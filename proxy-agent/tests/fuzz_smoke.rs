@@ -240,16 +240,43 @@ fn sockdiag_seeds() -> Vec<Vec<u8>> {
     vec![[netlink(20, &msg), netlink(20, &msg6), netlink(3, &[0; 4])].concat()]
 }
 
-/// The cargo-fuzz target's committed seeds: a ServiceList and an EndpointSliceList body, and a
-/// watch stream (ADDED, MODIFIED, BOOKMARK, a 410 ERROR), as the API server encodes them.
+/// The cargo-fuzz target's seeds: its committed seed folder (a ServiceList and an
+/// EndpointSliceList body and a watch stream — ADDED, MODIFIED, BOOKMARK, a 410 ERROR — as the
+/// API server encodes them), and the Kubernetes API's own protobuf fixtures from
+/// `../shared/k8s-api-testdata/<release>/*.pb`, which `cargo xtask fuzz` adds to the seeds too.
 fn api_protobuf_seeds() -> Vec<Vec<u8>> {
-    [
-        &include_bytes!("../../tests/fuzz/seeds/api_protobuf/seed-0")[..],
-        &include_bytes!("../../tests/fuzz/seeds/api_protobuf/seed-1")[..],
-        &include_bytes!("../../tests/fuzz/seeds/api_protobuf/seed-2")[..],
-    ]
-    .map(<[u8]>::to_vec)
-    .into()
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let failed = |what: &std::path::Path, error: std::io::Error| -> ! {
+        panic!("reading {}: {error}", what.display())
+    };
+    let files = |dir: &std::path::Path| -> Vec<std::path::PathBuf> {
+        let mut paths: Vec<_> = std::fs::read_dir(dir)
+            .unwrap_or_else(|error| failed(dir, error))
+            .map(|entry| entry.unwrap_or_else(|error| failed(dir, error)).path())
+            .collect();
+        paths.sort();
+        paths
+    };
+    let mut paths = files(&root.join("tests/fuzz/seeds/api_protobuf"));
+    let fixtures = root.join("../shared/k8s-api-testdata");
+    for release in files(&fixtures).into_iter().filter(|path| path.is_dir()) {
+        paths.extend(
+            files(&release)
+                .into_iter()
+                .filter(|path| path.extension().is_some_and(|ext| ext == "pb")),
+        );
+    }
+    let seeds: Vec<Vec<u8>> = paths
+        .iter()
+        .map(|path| std::fs::read(path).unwrap_or_else(|error| failed(path, error)))
+        .collect();
+    assert!(
+        seeds.len() > 3,
+        "{}: no fixtures among {} seeds",
+        fixtures.display(),
+        seeds.len()
+    );
+    seeds
 }
 
 #[test]

@@ -42,18 +42,15 @@ fn cargo() -> Command {
     command
 }
 
-/// `cargo +nightly SUBCOMMAND` for the eBPF crate: release, bpfel target, build-std=core.
-fn nightly_ebpf_cargo(subcommand: &str) -> Command {
+/// `cargo +NIGHTLY SUBCOMMAND` for the eBPF crate with the pinned nightly
+/// ([`crate::toolchain::EBPF_NIGHTLY`]): release, bpfel target, build-std=core.
+fn nightly_ebpf_cargo(subcommand: &str) -> Result<Command> {
+    let toolchain = crate::toolchain::ebpf_nightly()?;
     let mut command = Command::new("cargo");
     command
         .current_dir(workspace_root())
-        .args([
-            "+nightly",
-            subcommand,
-            "--package",
-            "proxy-ebpf",
-            "--release",
-        ])
+        .arg(format!("+{toolchain}"))
+        .args([subcommand, "--package", "proxy-ebpf", "--release"])
         .args(["--target", EBPF_TARGET, "-Z", "build-std=core"])
         .args(["--target-dir", EBPF_TARGET_DIR])
         // The outer `cargo xtask` pins the stable toolchain through these.
@@ -61,7 +58,7 @@ fn nightly_ebpf_cargo(subcommand: &str) -> Command {
         .env_remove("RUSTC")
         .env_remove("RUSTC_WRAPPER")
         .env_remove("RUSTC_WORKSPACE_WRAPPER");
-    command
+    Ok(command)
 }
 
 pub fn ebpf_object() -> PathBuf {
@@ -73,7 +70,7 @@ pub fn ebpf_object() -> PathBuf {
 
 pub fn ebpf() -> Result<()> {
     step("build-ebpf: proxy-ebpf (nightly, build-std=core, bpf-linker)");
-    run_cmd(&mut nightly_ebpf_cargo("build"))?;
+    run_cmd(&mut nightly_ebpf_cargo("build")?)?;
     let object = ebpf_object();
     if !object.is_file() {
         bail!(
@@ -89,6 +86,7 @@ pub fn test() -> Result<()> {
     let object = ebpf_object();
     step("fmt: cargo fmt --check");
     run_cmd(cargo().args(["fmt", "--all", "--check"]))?;
+    crate::deny::check()?;
     step("clippy: host crates");
     run_cmd(
         cargo()
@@ -103,7 +101,7 @@ pub fn test() -> Result<()> {
             .env("PROXY_EBPF_OBJECT", &object),
     )?;
     step("clippy: eBPF programs");
-    run_cmd(nightly_ebpf_cargo("clippy").args(["--", "-D", "warnings"]))?;
+    run_cmd(nightly_ebpf_cargo("clippy")?.args(["--", "-D", "warnings"]))?;
     step("build: proxy-agent and test helpers");
     build_binaries(&object, false)?;
     if !is_root() {
@@ -258,11 +256,13 @@ pub fn fuzz(budget: FuzzBudget, targets: &[String], object: &Path) -> Result<()>
         targets.iter().map(String::as_str).collect()
     };
     let dir = workspace_root().join("tests/fuzz");
+    let toolchain = crate::toolchain::ebpf_nightly()?;
     let fuzz_cargo = |subcommand: &str| {
         let mut command = Command::new("cargo");
         command
             .current_dir(&dir)
-            .args(["+nightly", "fuzz", subcommand])
+            .arg(format!("+{toolchain}"))
+            .args(["fuzz", subcommand])
             // One build for every target: the agent embeds the real object.
             .env("PROXY_EBPF_OBJECT", object)
             .env_remove("PROXY_EBPF_PLACEHOLDER")
@@ -304,6 +304,9 @@ pub fn fuzz(budget: FuzzBudget, targets: &[String], object: &Path) -> Result<()>
         if seeds.is_dir() {
             command.arg(&seeds);
         }
+        if target == "api_protobuf" {
+            command.arg(api_fixture_seeds(&dir.join("target"))?);
+        }
         command.arg("--");
         match budget {
             FuzzBudget::Seconds(seconds) => {
@@ -332,7 +335,7 @@ pub fn fuzz(budget: FuzzBudget, targets: &[String], object: &Path) -> Result<()>
                 .collect();
             bail!(
                 "fuzz target {target} found a problem: {e}\n  input(s): {}\n  reproduce: cd \
-                 tests/fuzz && cargo +nightly fuzz run {target} <input>",
+                 tests/fuzz && cargo +{toolchain} fuzz run {target} <input>",
                 if found.is_empty() {
                     "none written (see the output above)".to_owned()
                 } else {
@@ -415,4 +418,111 @@ fn is_root() -> bool {
         .arg("-u")
         .output()
         .is_ok_and(|out| out.stdout.trim_ascii() == b"0")
+}
+
+/// The Kubernetes API's own protobuf fixtures (`../shared/k8s-api-testdata/<release>/*.pb`,
+/// upstream's data, read where it lies rather than copied into the repository) as seeds of
+/// `api_protobuf`, written under `scratch`: each `.pb` as it is (what the target reads as a list
+/// body and a status) and as one ADDED watch frame (what it reads as a watch stream).
+fn api_fixture_seeds(scratch: &Path) -> Result<PathBuf> {
+    let fixtures = workspace_root().join("../shared/k8s-api-testdata");
+    let out = scratch.join("fixture-seeds").join("api_protobuf");
+    if out.exists() {
+        std::fs::remove_dir_all(&out).with_context(|| format!("emptying {}", out.display()))?;
+    }
+    std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
+    let mut written = 0;
+    for release in files_in(&fixtures).into_iter().filter(|p| p.is_dir()) {
+        for pb in files_in(&release)
+            .into_iter()
+            .filter(|p| p.extension().is_some_and(|ext| ext == "pb"))
+        {
+            let bytes = std::fs::read(&pb).with_context(|| format!("reading {}", pb.display()))?;
+            let name = format!(
+                "{}-{}",
+                release.file_name().unwrap_or_default().to_string_lossy(),
+                pb.file_stem().unwrap_or_default().to_string_lossy()
+            );
+            std::fs::write(out.join(format!("{name}.pb")), &bytes)?;
+            std::fs::write(out.join(format!("{name}.watch")), watch_frame(&bytes))?;
+            written += 1;
+        }
+    }
+    if written == 0 {
+        bail!(
+            "no protobuf fixtures under {}: the fuzz seeds need the Kubernetes API's fixtures",
+            fixtures.display()
+        );
+    }
+    println!(
+        "  {written} API fixtures from {} as seeds",
+        fixtures.display()
+    );
+    Ok(out)
+}
+
+/// One watch frame as the API server streams it in protobuf: a 4-byte big-endian length, then
+/// `metav1.WatchEvent{type: "ADDED", object: runtime.RawExtension{raw: object}}`.
+fn watch_frame(object: &[u8]) -> Vec<u8> {
+    fn varint(mut n: usize, out: &mut Vec<u8>) {
+        loop {
+            let byte = (n & 0x7f) as u8;
+            n >>= 7;
+            if n == 0 {
+                out.push(byte);
+                return;
+            }
+            out.push(byte | 0x80);
+        }
+    }
+    fn field(number: u8, bytes: &[u8], out: &mut Vec<u8>) {
+        // Wire type 2: length-delimited.
+        out.push(number << 3 | 2);
+        varint(bytes.len(), out);
+        out.extend_from_slice(bytes);
+    }
+    let mut raw_extension = Vec::new();
+    field(1, object, &mut raw_extension);
+    let mut event = Vec::new();
+    field(1, b"ADDED", &mut event);
+    field(2, &raw_extension, &mut event);
+    let mut frame = u32::try_from(event.len())
+        .unwrap_or(u32::MAX)
+        .to_be_bytes()
+        .to_vec();
+    frame.extend(event);
+    frame
+}
+
+#[cfg(test)]
+mod fixture_seed_tests {
+    use super::*;
+
+    /// Every fixture of `../shared/` as it is and as a watch frame, under the scratch folder.
+    #[test]
+    fn the_api_fixtures_become_seeds() {
+        let scratch = workspace_root().join("target/xtask-test-fixture-seeds");
+        let out = api_fixture_seeds(&scratch).expect("the fixtures beside the repository");
+        let seeds = files_in(&out);
+        let pb = seeds
+            .iter()
+            .filter(|p| p.extension().is_some_and(|e| e == "pb"))
+            .count();
+        assert!(pb >= 15, "5 releases × 3 kinds at least: {pb}");
+        assert_eq!(seeds.len(), 2 * pb, "each also as a watch frame");
+        let _ = std::fs::remove_dir_all(&scratch);
+    }
+
+    #[test]
+    fn a_watch_frame_is_length_prefixed_and_names_its_type_and_object() {
+        let frame = watch_frame(b"k8s\0xyz");
+        assert_eq!(&frame[..4], &(frame.len() as u32 - 4).to_be_bytes());
+        assert_eq!(
+            &frame[4..],
+            &[
+                0x0a, 5, b'A', b'D', b'D', b'E', b'D', 0x12, 9, 0x0a, 7, b'k', b'8', b's', 0, b'x',
+                b'y', b'z'
+            ]
+        );
+    }
 }

@@ -29,6 +29,13 @@ const VERSION: &str = env!("CARGO_PKG_VERSION");
 /// The Debian release of the root filesystem: the one CI and the developers run, so the agent's
 /// glibc dependency is met by the same glibc it was linked against.
 const SUITE: &str = "bookworm";
+/// The pin of the Debian layer: the point release of [`SUITE`] (its `Release` file's
+/// `Version`) and every package in the root filesystem at its exact version. A build whose
+/// root filesystem differs fails, listing the differences, until `--repin-base` rewrites this
+/// file (to be reviewed and committed). Debian's archive keeps only the current versions and
+/// Debian's snapshot archive is out of reach, so the pin is checked rather than replayed: it makes
+/// every change of the base a reviewed commit, and names what a given image contains.
+const BASE_LOCK: &str = "deploy/image-base.lock";
 /// What the agent's modes run besides the binary, on top of mmdebstrap's `essential` variant
 /// (which already brings `sh`, coreutils and util-linux's `mountpoint`):
 /// - `iptables`: `iptables`/`ip6tables` with both backends (`iptables-nft*`, `iptables-legacy*`),
@@ -66,6 +73,8 @@ const TOOLS: [(&str, &str); 5] = [
 pub struct Options {
     /// Build the Debian layer again even when a cached one matches (e.g. for security updates).
     pub rebuild_base: bool,
+    /// Build the Debian layer again and write what it holds to [`BASE_LOCK`] (a new pin).
+    pub repin_base: bool,
     /// Build the archive only.
     pub no_smoke: bool,
 }
@@ -96,7 +105,7 @@ pub fn run(options: Options) -> Result<()> {
 
     let dir = root.join("target/image");
     fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
-    let base = base_layer(&dir, options.rebuild_base)?;
+    let base = base_layer(&root, &dir, options.rebuild_base, options.repin_base)?;
     let agent = agent_layer(&dir, &binary)?;
     let archive = dir.join(format!("proxy-agent-{VERSION}.oci.tar"));
     assemble(&dir, &base, &agent, &tag, &archive)?;
@@ -218,17 +227,26 @@ fn read_daemonset(root: &Path, tag: &str) -> Result<DaemonSet> {
     })
 }
 
-/// The Debian root filesystem as a layer tarball, built once per package set.
-fn base_layer(dir: &Path, rebuild: bool) -> Result<PathBuf> {
+/// The Debian root filesystem as a layer tarball, built once per package set and pin, and
+/// checked against the pin ([`BASE_LOCK`]).
+fn base_layer(root: &Path, dir: &Path, rebuild: bool, repin: bool) -> Result<PathBuf> {
+    let lock_path = root.join(BASE_LOCK);
+    let lock_text = match fs::read_to_string(&lock_path) {
+        Ok(text) => Some(text),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound && repin => None,
+        Err(e) => return Err(e).with_context(|| format!("reading {}", lock_path.display())),
+    };
+    let pinned = lock_text.as_deref().map(BaseLock::parse).transpose()?;
     let recipe = format!(
-        "{SUITE} essential {} {}",
+        "{SUITE} essential {} {} {}",
         PACKAGES.join(","),
-        DPKG_OPTIONS.join(" ")
+        DPKG_OPTIONS.join(" "),
+        lock_text.as_deref().unwrap_or_default()
     );
     let base = dir.join(format!("debian-{SUITE}-{:016x}.tar", fnv1a(&recipe)));
-    if base.is_file() && !rebuild {
+    if base.is_file() && !rebuild && !repin {
         println!(
-            "  Debian layer: {} (cached; --rebuild-base to refresh)",
+            "  Debian layer: {} (cached; pinned by {BASE_LOCK}; --rebuild-base to refresh)",
             base.display()
         );
         return Ok(base);
@@ -238,6 +256,8 @@ fn base_layer(dir: &Path, rebuild: bool) -> Result<PathBuf> {
         PACKAGES.join(" ")
     ));
     let partial = base.with_extension("tar.partial.tar");
+    let found_release = base.with_extension("release");
+    let found_packages = base.with_extension("packages");
     let mut command = Command::new("mmdebstrap");
     command
         .args(["--variant=essential", "--quiet"])
@@ -245,10 +265,62 @@ fn base_layer(dir: &Path, rebuild: bool) -> Result<PathBuf> {
     for option in DPKG_OPTIONS {
         command.arg(format!("--dpkgopt={option}"));
     }
+    // What the pin compares, written while apt's lists are still in the root filesystem
+    // (mmdebstrap removes them at the end): the release's point version and every package.
+    command
+        .arg(format!(
+            "--customize-hook=grep -h '^Version:' \"$1\"/var/lib/apt/lists/*_dists_{SUITE}_InRelease > '{}'",
+            found_release.display()
+        ))
+        .arg(format!(
+            "--customize-hook=dpkg-query --admindir=\"$1/var/lib/dpkg\" -W -f='${{Package}} ${{Version}}\\n' > '{}'",
+            found_packages.display()
+        ));
     // No mirror argument: mmdebstrap then uses Debian's default mirror and, for a stable
-    // release, adds its updates and security suites.
+    // release, adds its updates and security suites; the pin checks what they delivered.
     command.arg(SUITE).arg(&partial);
     run_cmd(&mut command)?;
+    let read = |path: &Path| {
+        fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))
+    };
+    let found = BaseLock::from_build(&read(&found_release)?, &read(&found_packages)?)?;
+    let _ = fs::remove_file(&found_release);
+    let _ = fs::remove_file(&found_packages);
+    let changes = pinned
+        .as_ref()
+        .map(|pinned| pinned.changes_to(&found))
+        .unwrap_or_else(|| vec!["(no pin yet)".to_owned()]);
+    if !changes.is_empty() {
+        if !repin {
+            let _ = fs::remove_file(&partial);
+            bail!(
+                "the Debian layer differs from its pin {BASE_LOCK}:\n  {}\nDebian published \
+                 updates since the pin was taken. Review them, then run `cargo xtask image \
+                 --repin-base` and commit {BASE_LOCK}",
+                changes.join("\n  ")
+            );
+        }
+        fs::write(&lock_path, found.render())
+            .with_context(|| format!("writing {}", lock_path.display()))?;
+        println!(
+            "  re-pinned {BASE_LOCK} (review and commit it):\n    {}",
+            changes.join("\n    ")
+        );
+    } else {
+        println!(
+            "  Debian layer matches {BASE_LOCK}: {SUITE} {}, {} packages",
+            found.release,
+            found.packages.len()
+        );
+    }
+    // The pin is part of the cache key: after a re-pin the layer is filed under the new one.
+    let recipe = format!(
+        "{SUITE} essential {} {} {}",
+        PACKAGES.join(","),
+        DPKG_OPTIONS.join(" "),
+        found.render()
+    );
+    let base = dir.join(format!("debian-{SUITE}-{:016x}.tar", fnv1a(&recipe)));
     fs::rename(&partial, &base).with_context(|| format!("renaming to {}", base.display()))?;
     // Layers of other recipes are never used again: 120 MB each.
     for entry in fs::read_dir(dir).into_iter().flatten().flatten() {
@@ -260,6 +332,104 @@ fn base_layer(dir: &Path, rebuild: bool) -> Result<PathBuf> {
         }
     }
     Ok(base)
+}
+
+/// What [`BASE_LOCK`] pins: the point release and each package's version.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct BaseLock {
+    /// The suite's `Release` `Version`, e.g. `12.15`.
+    release: String,
+    packages: std::collections::BTreeMap<String, String>,
+}
+
+impl BaseLock {
+    const HEADER: &str =
+        "# The Debian layer of the agent image (`cargo xtask image`), pinned: the point release of
+# its suite and every package of the root filesystem at its version (amd64). A build that
+# finds anything else fails; `cargo xtask image --repin-base` rewrites this file from a fresh
+# build, for review. Format: `release SUITE VERSION`, then `PACKAGE VERSION` lines.
+";
+
+    fn parse(text: &str) -> Result<Self> {
+        let mut release = None;
+        let mut packages = std::collections::BTreeMap::new();
+        for (number, line) in text.lines().enumerate() {
+            let line = line.trim();
+            if line.is_empty() || line.starts_with('#') {
+                continue;
+            }
+            let fields: Vec<&str> = line.split_whitespace().collect();
+            match fields[..] {
+                ["release", suite, version] if suite == SUITE => release = Some(version.to_owned()),
+                ["release", suite, _] => {
+                    bail!(
+                        "{BASE_LOCK}:{}: pins suite {suite}, the image is {SUITE}",
+                        number + 1
+                    )
+                }
+                [package, version] => {
+                    if packages
+                        .insert(package.to_owned(), version.to_owned())
+                        .is_some()
+                    {
+                        bail!("{BASE_LOCK}:{}: {package} pinned twice", number + 1);
+                    }
+                }
+                _ => bail!("{BASE_LOCK}:{}: cannot read {line:?}", number + 1),
+            }
+        }
+        let release =
+            release.with_context(|| format!("{BASE_LOCK}: no `release {SUITE} VERSION` line"))?;
+        if packages.is_empty() {
+            bail!("{BASE_LOCK}: no packages");
+        }
+        Ok(Self { release, packages })
+    }
+
+    /// From what the build's hooks wrote: `Version: 12.15` and `PACKAGE VERSION` lines.
+    fn from_build(release: &str, packages: &str) -> Result<Self> {
+        let release = release
+            .lines()
+            .find_map(|line| line.strip_prefix("Version:"))
+            .map(|version| version.trim().to_owned())
+            .filter(|version| !version.is_empty())
+            .with_context(|| format!("no `Version:` in {SUITE}'s Release file"))?;
+        Self::parse(&format!("release {SUITE} {release}\n{packages}"))
+    }
+
+    fn render(&self) -> String {
+        let mut text = format!("{}release {SUITE} {}\n", Self::HEADER, self.release);
+        for (package, version) in &self.packages {
+            text.push_str(&format!("{package} {version}\n"));
+        }
+        text
+    }
+
+    /// What differs in `found`, one line each; empty when it is the pin.
+    fn changes_to(&self, found: &Self) -> Vec<String> {
+        let mut changes = Vec::new();
+        if self.release != found.release {
+            changes.push(format!(
+                "{SUITE} point release {} -> {}",
+                self.release, found.release
+            ));
+        }
+        for (package, version) in &self.packages {
+            match found.packages.get(package) {
+                None => changes.push(format!("{package} {version} -> (gone)")),
+                Some(now) if now != version => {
+                    changes.push(format!("{package} {version} -> {now}"));
+                }
+                Some(_) => {}
+            }
+        }
+        for (package, version) in &found.packages {
+            if !self.packages.contains_key(package) {
+                changes.push(format!("{package} (new) -> {version}"));
+            }
+        }
+        changes
+    }
 }
 
 /// `/usr/local/bin/proxy-agent`, owned by root, with fixed timestamps.
@@ -678,5 +848,76 @@ endpoints:
 ports: [{{name: http, port: 8080, protocol: TCP}}]
 "
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const BUILT_RELEASE: &str = "Version: 12.15\n";
+    const BUILT_PACKAGES: &str = "base-files 12.4+deb12u13\nlibc6 2.36-9+deb12u13\n";
+
+    #[test]
+    fn a_build_renders_and_parses_back() {
+        let found = BaseLock::from_build(BUILT_RELEASE, BUILT_PACKAGES).unwrap();
+        assert_eq!(found.release, "12.15");
+        assert_eq!(found.packages["libc6"], "2.36-9+deb12u13");
+        let text = found.render();
+        assert!(text.starts_with('#'));
+        assert!(text.contains("\nrelease bookworm 12.15\n"));
+        assert_eq!(BaseLock::parse(&text).unwrap(), found);
+        assert!(found.changes_to(&found).is_empty());
+    }
+
+    #[test]
+    fn every_difference_is_named() {
+        let pinned = BaseLock::from_build(BUILT_RELEASE, BUILT_PACKAGES).unwrap();
+        let found = BaseLock::from_build(
+            "Version: 12.16\n",
+            "libc6 2.36-9+deb12u14\nzlib1g 1:1.2.13.dfsg-1\n",
+        )
+        .unwrap();
+        assert_eq!(
+            pinned.changes_to(&found),
+            [
+                "bookworm point release 12.15 -> 12.16",
+                "base-files 12.4+deb12u13 -> (gone)",
+                "libc6 2.36-9+deb12u13 -> 2.36-9+deb12u14",
+                "zlib1g (new) -> 1:1.2.13.dfsg-1",
+            ]
+        );
+    }
+
+    #[test]
+    fn a_broken_pin_is_refused() {
+        assert!(BaseLock::parse("libc6 2.36\n").is_err(), "no release line");
+        assert!(
+            BaseLock::parse("release bookworm 12.15\n").is_err(),
+            "no packages"
+        );
+        assert!(BaseLock::parse("release trixie 13.2\nlibc6 2.41\n").is_err());
+        assert!(BaseLock::parse("release bookworm 12.15\nlibc6 2.36\nlibc6 2.37\n").is_err());
+        assert!(BaseLock::parse("release bookworm 12.15\nlibc6\n").is_err());
+        assert!(BaseLock::from_build("Origin: Debian\n", BUILT_PACKAGES).is_err());
+    }
+
+    /// The committed pin reads, and pins this suite.
+    #[test]
+    fn the_committed_pin_reads() {
+        let text = fs::read_to_string(workspace_root().join(BASE_LOCK)).unwrap();
+        let lock = BaseLock::parse(&text).unwrap();
+        assert!(lock.release.starts_with("12."), "{}", lock.release);
+        for package in PACKAGES {
+            assert!(
+                lock.packages.contains_key(package),
+                "{package} is not pinned"
+            );
+        }
+        assert_eq!(
+            lock.render(),
+            text,
+            "{BASE_LOCK} is not in its canonical form"
+        );
     }
 }

@@ -1,8 +1,10 @@
 //! Project tasks. `cargo xtask --help` lists them; README.md explains the main two (demo, test).
 
 mod build;
+mod deny;
 mod image;
 mod setup;
+mod toolchain;
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};
@@ -23,6 +25,9 @@ enum Command {
     /// Build everything and run every check, unit test and integration test, then each fuzz
     /// target briefly (needs root).
     Test,
+    /// The supply-chain check alone (part of `test`): cargo deny over both workspaces with
+    /// deny.toml, against the committed advisory database snapshot.
+    Deny,
     /// Show socket-level load balancing to three pods in a throwaway topology (needs root).
     Demo,
     /// Coverage-guided fuzzing of the agent's parsers and of the tc programs (cargo-fuzz,
@@ -41,9 +46,13 @@ enum Command {
     /// then load it into podman and smoke-run it (needs root; installs mmdebstrap, umoci,
     /// skopeo, podman and runc when missing).
     Image {
-        /// Rebuild the cached Debian layer (e.g. to pick up security updates).
+        /// Rebuild the cached Debian layer (it must still match deploy/image-base.lock).
         #[arg(long)]
         rebuild_base: bool,
+        /// Rebuild the Debian layer and pin what it holds (Debian's updates) in
+        /// deploy/image-base.lock, to review and commit.
+        #[arg(long)]
+        repin_base: bool,
         /// Only build the archive.
         #[arg(long)]
         no_smoke: bool,
@@ -71,8 +80,13 @@ fn main() -> Result<()> {
         }
         Command::Test => {
             setup::run(setup::Mode::IfMissing)?;
+            setup::cargo_deny()?;
             build::ebpf()?;
             build::test()
+        }
+        Command::Deny => {
+            setup::cargo_deny()?;
+            deny::check()
         }
         Command::Fuzz { seconds, targets } => {
             setup::run(setup::Mode::IfMissing)?;
@@ -90,12 +104,14 @@ fn main() -> Result<()> {
         }
         Command::Image {
             rebuild_base,
+            repin_base,
             no_smoke,
         } => {
             setup::run(setup::Mode::IfMissing)?;
             build::ebpf()?;
             image::run(image::Options {
                 rebuild_base,
+                repin_base,
                 no_smoke,
             })
         }

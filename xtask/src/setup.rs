@@ -4,7 +4,11 @@ use std::process::Command;
 
 use anyhow::{Context as _, Result, bail};
 
-use crate::build::{run_cmd, step};
+use crate::{
+    build::{run_cmd, step},
+    deny::{CARGO_DENY_VERSION, has_cargo_deny},
+    toolchain::{EBPF_NIGHTLY, ebpf_nightly},
+};
 
 /// Debian packages: LLVM 22 for bpf-linker (nightly's LLVM is 22), runtime tools for tests
 /// (`nftables`: the host-policy tests add a foreign nft table, as a CNI would; the agent
@@ -33,7 +37,9 @@ pub enum Mode {
 }
 
 pub fn run(mode: Mode) -> Result<()> {
-    let rust_src = has_nightly_rust_src();
+    // The pinned nightly (installed here if no installed toolchain is that build).
+    let nightly = ebpf_nightly()?;
+    let rust_src = has_rust_src(nightly);
     let missing_packages: Vec<&str> = DEBIAN_PACKAGES
         .iter()
         .copied()
@@ -45,12 +51,22 @@ pub fn run(mode: Mode) -> Result<()> {
     }
     step("setup: checking the eBPF build chain");
 
+    println!(
+        "  pinned nightly {} (rustc {} {}): toolchain `{nightly}`",
+        EBPF_NIGHTLY.channel,
+        &EBPF_NIGHTLY.commit_hash[..9],
+        EBPF_NIGHTLY.commit_date
+    );
     if rust_src {
-        println!("  nightly rust-src: present");
+        println!("  {nightly} rust-src: present");
     } else {
-        println!("  nightly rust-src: installing");
-        run_cmd(Command::new("rustup").args(["component", "add", "rust-src", "--toolchain", "nightly"]))
-            .context("cannot add rust-src to the nightly toolchain (is `nightly` installed? see ../shared/toolchain.md)")?;
+        println!("  {nightly} rust-src: installing");
+        run_cmd(
+            Command::new("rustup")
+                .args(["component", "add", "rust-src", "--toolchain", nightly])
+                .env_remove("RUSTUP_TOOLCHAIN"),
+        )
+        .with_context(|| format!("cannot add rust-src to the {nightly} toolchain"))?;
     }
 
     if missing_packages.is_empty() {
@@ -97,13 +113,49 @@ pub fn run(mode: Mode) -> Result<()> {
             bail!("bpf-linker was installed but is not on PATH; add ~/.cargo/bin to PATH");
         }
     }
+    if mode == Mode::Always {
+        if has_cargo_deny() {
+            println!("  cargo-deny {CARGO_DENY_VERSION}: present");
+        } else {
+            cargo_deny()?;
+        }
+    }
     println!("  setup complete");
     Ok(())
 }
 
-fn has_nightly_rust_src() -> bool {
+/// cargo-deny at the pinned release, for `cargo xtask test`'s supply-chain check (several
+/// minutes to build, once).
+pub fn cargo_deny() -> Result<()> {
+    if has_cargo_deny() {
+        return Ok(());
+    }
+    step(&format!(
+        "setup: cargo install cargo-deny {CARGO_DENY_VERSION} (once; 26 min measured on 2 shared cores)"
+    ));
+    run_cmd(
+        Command::new("cargo")
+            .args([
+                "install",
+                "cargo-deny",
+                "--locked",
+                "--version",
+                CARGO_DENY_VERSION,
+            ])
+            .env_remove("RUSTUP_TOOLCHAIN"),
+    )?;
+    if !has_cargo_deny() {
+        bail!(
+            "cargo-deny {CARGO_DENY_VERSION} was installed but `cargo deny --version` does not \
+             say so; is ~/.cargo/bin on PATH?"
+        );
+    }
+    Ok(())
+}
+
+fn has_rust_src(toolchain: &str) -> bool {
     Command::new("rustup")
-        .args(["component", "list", "--toolchain", "nightly", "--installed"])
+        .args(["component", "list", "--toolchain", toolchain, "--installed"])
         .output()
         .is_ok_and(|out| {
             out.status.success()

@@ -11,6 +11,8 @@
 mod client;
 mod encoding;
 mod events;
+#[cfg(test)]
+mod fixtures;
 mod list;
 mod mapping;
 mod protobuf;

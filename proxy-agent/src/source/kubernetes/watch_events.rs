@@ -146,7 +146,7 @@ impl Reader {
 }
 
 /// One JSON line, as kube-rs reads it: an event, or an error `Status`.
-fn json_line<K: DeserializeOwned>(line: &[u8]) -> kube::Result<Option<WatchEvent<K>>> {
+pub(super) fn json_line<K: DeserializeOwned>(line: &[u8]) -> kube::Result<Option<WatchEvent<K>>> {
     if line.iter().all(u8::is_ascii_whitespace) {
         return Ok(None);
     }
