@@ -86,6 +86,18 @@ pub fn service_yaml(spec: &ServiceSpec) -> String {
     yaml
 }
 
+/// The external client reaches `vip` through the node, as a router in front of it would.
+fn route_via_node(s: &Scenario, vip: impl Into<std::net::IpAddr>) -> Result<()> {
+    s.topo.ext().ip(&[
+        "route",
+        "add",
+        &format!("{}/32", vip.into()),
+        "via",
+        &Topology::node_ext_ip().to_string(),
+    ])?;
+    Ok(())
+}
+
 fn setup(pods: usize, spec: &ServiceSpec, endpoints: &[Endpoint]) -> Result<Scenario> {
     crate::require_root();
     let s = Scenario::new(pods)?;
@@ -95,13 +107,7 @@ fn setup(pods: usize, spec: &ServiceSpec, endpoints: &[Endpoint]) -> Result<Scen
         &http_slice(NAMESPACE, "web-1", "web", endpoints),
     )?;
     // The external client reaches VIPs through the node.
-    s.topo.ext().ip(&[
-        "route",
-        "add",
-        &format!("{VIP}/32"),
-        "via",
-        &Topology::node_ext_ip().to_string(),
-    ])?;
+    route_via_node(&s, VIP)?;
     Ok(s)
 }
 
@@ -345,13 +351,7 @@ pub fn external_ip_and_load_balancer_ip_reach_pods(mode: &str) -> Result<()> {
         ..ServiceSpec::default()
     };
     let mut s = setup(2, &spec, &[pod_endpoint(1), pod_endpoint(2)])?;
-    s.topo.ext().ip(&[
-        "route",
-        "add",
-        &format!("{lb}/32"),
-        "via",
-        &Topology::node_ext_ip().to_string(),
-    ])?;
+    route_via_node(&s, lb)?;
     start(&mut s, mode)?;
     for (name, addr) in [("externalIP", VIP), ("LB VIP", lb)] {
         let target = SocketAddr::from(SocketAddrV4::new(addr, SERVICE_PORT));
@@ -388,13 +388,7 @@ pub fn unusable_load_balancer_ips_never_capture_node_ports(mode: &str) -> Result
         format!("the status must list 0.0.0.0: {hostile}")
     })?;
     s.manifests.write("web-svc.yaml", &hostile)?;
-    s.topo.ext().ip(&[
-        "route",
-        "add",
-        &format!("{lb}/32"),
-        "via",
-        &Topology::node_ext_ip().to_string(),
-    ])?;
+    route_via_node(&s, lb)?;
     // What a node process (sshd, the kubelet, etcd on loopback) looks like on the Service's
     // port: the answers name it.
     const NODE_PROCESS: &str = "node-process";
@@ -482,13 +476,7 @@ pub fn contested_external_ip_stays_with_the_older_service(mode: &str) -> Result<
         "younger-slice.yaml",
         &http_slice("aaa", "web-1", "web", &[pod_endpoint(1)]),
     )?;
-    s.topo.ext().ip(&[
-        "route",
-        "add",
-        &format!("{VIP}/32"),
-        "via",
-        &Topology::node_ext_ip().to_string(),
-    ])?;
+    route_via_node(&s, VIP)?;
     start(&mut s, mode)?;
     let target = SocketAddr::from(SocketAddrV4::new(VIP, SERVICE_PORT));
     let older_answers = |a: &Attempt| a.backend() == Some("pod2");
@@ -733,13 +721,7 @@ pub fn source_ranges_never_leak(mode: &str) -> Result<()> {
     };
     let mut s = setup(2, &spec, &[pod_endpoint(1)])?;
     s.topo.add_remote_node(1, BACKEND_PORT)?;
-    s.topo.ext().ip(&[
-        "route",
-        "add",
-        &format!("{CLUSTER_IP}/32"),
-        "via",
-        &Topology::node_ext_ip().to_string(),
-    ])?;
+    route_via_node(&s, CLUSTER_IP)?;
     start_on(&mut s, mode, "vext,vnode2", &[])?;
     let lb = SocketAddr::from(SocketAddrV4::new(VIP, SERVICE_PORT));
     let inside = client_at(&s, Place::RemoteNode)?.timeout(DROP_TIMEOUT);

@@ -197,6 +197,15 @@ pub struct ApplySummary {
 }
 
 impl ApplySummary {
+    /// Adds a second pass over some of the same service ports: what it wrote, removed and
+    /// deferred (its unchanged ones were counted, or failed, in the first pass).
+    fn add_retry(&mut self, again: ApplySummary) {
+        self.frontends_written += again.frontends_written;
+        self.frontends_removed += again.frontends_removed;
+        self.frontends_deferred += again.frontends_deferred;
+        self.removed_backends.extend(again.removed_backends);
+    }
+
     /// Whether a frontend was written or removed: what changes service ids, their names and
     /// the map writer's trees (an apply over unchanged service ports, such as an idle
     /// periodic resync, changes none of them).
@@ -673,10 +682,7 @@ impl MapWriter {
                 )
             });
             let (again, again_errors) = self.apply(updates_of(snapshot, handed_over), maps);
-            summary.frontends_written += again.frontends_written;
-            summary.frontends_removed += again.frontends_removed;
-            summary.frontends_deferred += again.frontends_deferred;
-            summary.removed_backends.extend(again.removed_backends);
+            summary.add_retry(again);
             errors.extend(again_errors);
         }
         if changed.is_none() {
@@ -701,11 +707,7 @@ impl MapWriter {
                 _ => true,
             });
             let (again, again_errors) = self.apply(updates_of(snapshot, retry), maps);
-            summary.frontends_written += again.frontends_written;
-            summary.frontends_removed += again.frontends_removed;
-            summary.frontends_deferred += again.frontends_deferred;
-            summary.removed_backends.extend(again.removed_backends);
-            // Retried frontends were counted unchanged or failed in the first pass.
+            summary.add_retry(again);
             errors.extend(again_errors);
         }
         (summary, errors)
