@@ -363,6 +363,9 @@ fn every_flag_overrides_the_file() {
         (&["--bpf-map-backends", "200"], |c| {
             c.ebpf.map_backends == 200
         }),
+        (&["--bpf-max-frontends-per-service", "64"], |c| {
+            c.ebpf.max_frontends_per_service == 64
+        }),
         (&["--bpf-map-conntrack", "4096"], |c| {
             c.ebpf.map_conntrack == Some(4096)
         }),
@@ -1041,6 +1044,12 @@ fn every_invalid_value_is_reported_with_source_field_and_value() {
             "--bpf-map-backends",
             "",
             "many",
+        ),
+        (
+            &["--bpf-max-frontends-per-service", "0"],
+            "--bpf-max-frontends-per-service",
+            "",
+            "0",
         ),
         (&["--interfaces", "eth0,a/b"], "--interfaces", "", "a/b"),
         (&["--lb-algorithm", "ring"], "--lb-algorithm", "", "ring"),

@@ -109,7 +109,9 @@ fn record_ebpf(outcome: &EbpfSyncOutcome, reason: SyncReason, changed: usize, me
             capacity_errors = outcome.capacity_errors,
             service_ports = %outcome.unfit.join(", "),
             "service ports that do not fit in the eBPF maps are not programmed (or keep their \
-             previous backends); raise --bpf-map-frontends / --bpf-map-backends"
+             previous backends): a full map needs a larger --bpf-map-frontends / \
+             --bpf-map-backends; a Service or namespace over its share is its owner's to shrink \
+             (--bpf-max-frontends-per-service)"
         );
     }
     let summary = &outcome.summary;
