@@ -412,7 +412,7 @@ pub struct Args {
     )]
     pub bpf_map_frontends: Option<String>,
 
-    /// Most frontend map entries one Service may take (default 4096): a tenant's Service with
+    /// Most frontend map entries one Service may take (default 32768): a tenant's Service with
     /// thousands of ports or addresses cannot fill the map for everyone.
     #[arg(
         long,
