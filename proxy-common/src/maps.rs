@@ -26,6 +26,10 @@ pub mod map_names {
     /// The tc conntrack, one map per family (IPv4 entries are a third of the size).
     pub const CT4: &str = "KPR_CT4";
     pub const CT6: &str = "KPR_CT6";
+    /// The tc conntrack's flows not yet answered (a TCP client's SYN, before its ACK), apart
+    /// from the rest so that a SYN flood evicts only its own kind (netfilter's early drop).
+    pub const CT4_NEW: &str = "KPR_CT4_NEW";
+    pub const CT6_NEW: &str = "KPR_CT6_NEW";
     pub const SOURCE_RANGES: &str = "KPR_SOURCE_RANGES";
     pub const NODE_ADDRS: &str = "KPR_NODE_ADDRS";
     pub const NODE_CONFIG: &str = "KPR_NODE_CONFIG";
@@ -51,7 +55,7 @@ pub mod map_names {
     pub const FRAGMENTS: &str = "KPR_FRAGMENTS";
 
     /// Every map the agent pins (and `--cleanup` removes).
-    pub const PINNED: [&str; 19] = [
+    pub const PINNED: [&str; 21] = [
         FRONTENDS4,
         FRONTENDS6,
         BACKEND_SLOTS,
@@ -64,6 +68,8 @@ pub mod map_names {
         STATS,
         CT4,
         CT6,
+        CT4_NEW,
+        CT6_NEW,
         SOURCE_RANGES,
         NODE_ADDRS,
         NODE_CONFIG,
@@ -126,6 +132,9 @@ pub mod default_sizes {
     pub const STATS: u32 = 64;
     /// BPF conntrack entries (two per flow: original and reply direction).
     pub const CT: u32 = 262_144;
+    /// Entries of the unanswered flows' maps ([`super::map_names::CT4_NEW`]): this share of
+    /// [`CT`] (a quarter).
+    pub const CT_NEW_SHARE: u32 = 4;
     pub const SOURCE_RANGES: u32 = 16_384;
     pub const NODE_ADDRS: u32 = 1_024;
     /// External interfaces with an address to masquerade to.

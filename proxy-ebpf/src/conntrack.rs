@@ -18,6 +18,12 @@
 //! entry `CLOSING`, which shortens its timeout to `ct_timeout::TCP_CLOSE_NS`, and a SYN on a
 //! closing entry starts a new flow at once (a client reusing its port).
 //!
+//! A TCP flow's entries are written to `KPR_CT4_NEW`/`KPR_CT6_NEW` until the client's first
+//! segment after its SYN (`promote`): there a spoofed SYN flood evicts only other unanswered
+//! flows (and the SNAT ports they hold go back first), never an established flow, as
+//! netfilter's early drop takes unassured entries first. Lookups try the established map
+//! first; a key is in one of a family's maps at most (`update`).
+//!
 //! Reply entries are refreshed by the backend's packets. The LRU map may evict one direction
 //! of a live flow: a reply whose forward entry is gone rebuilds it (same backend, same SNAT
 //! port), and until the reply entry has idled past `ct_timeout::ORPHAN_REPLY_NS` neither a
@@ -33,7 +39,7 @@ use proxy_common::{CtKey, CtKey4, CtValue, CtValue4, StatIndex, ct_flags, ct_tim
 
 use crate::{
     maglev::flow_hash,
-    maps::{KPR_CT4, KPR_CT6, TcScratch, scratch},
+    maps::{KPR_CT4, KPR_CT4_NEW, KPR_CT6, KPR_CT6_NEW, TcScratch, scratch},
     parse::Packet,
     stats::bump,
 };
@@ -79,28 +85,50 @@ pub enum View {
     B,
 }
 
-/// The entry for `key`, copied into `view` (an IPv4 one widened). The copy is read only: write
-/// with [`mark`].
+/// The entry for `key` in the established map or else in the unanswered flows' map (see
+/// `maps::KPR_CT4_NEW`), copied into `view` (an IPv4 one widened), its `_pad` 1 when it came
+/// from the unanswered flows' map ([`unanswered`]). The copy is read only: write with [`mark`].
+/// IPv6 entries are copied too: pointers into two maps would keep the verifier from pruning
+/// either path against the other after the call.
 #[inline(never)]
 pub fn lookup<const V6: bool>(key: &CtKey, view: View) -> Option<&'static CtValue> {
-    if V6 {
-        // SAFETY: from a successful lookup; a racing update writes a whole, equally valid
-        // value.
-        return KPR_CT6.get_ptr(key).map(|value| unsafe { &*value });
-    }
-    let (scratch, key4) = narrow_key(key)?;
+    let scratch = scratch()?;
     // SAFETY: the per-CPU scratch slot is ours until the program ends, the views used as
-    // `View` says. The map value comes from a successful lookup; a racing update writes a
-    // whole, equally valid value.
-    unsafe {
-        let from = KPR_CT4.get_ptr(key4)?;
-        let to = match view {
+    // `View` says.
+    let to = unsafe {
+        match view {
             View::A => &raw mut (*scratch).view_a,
             View::B => &raw mut (*scratch).view_b,
+        }
+    };
+    if V6 {
+        let (from, new) = match KPR_CT6.get_ptr(key) {
+            Some(from) => (from, 0),
+            None => (KPR_CT6_NEW.get_ptr(key)?, 1),
         };
-        widen_into(&*from, to);
+        // SAFETY: the map value comes from a successful lookup; a racing update writes a
+        // whole, equally valid value.
+        unsafe {
+            copy_into(&*from, to, new);
+            return Some(&*to);
+        }
+    }
+    let (_, key4) = narrow_key(key)?;
+    let (from, new) = match KPR_CT4.get_ptr(key4) {
+        Some(from) => (from, 0),
+        None => (KPR_CT4_NEW.get_ptr(key4)?, 1),
+    };
+    // SAFETY: as above.
+    unsafe {
+        widen_into(&*from, to, new);
         Some(&*to)
     }
+}
+
+/// Whether `value` (from [`lookup`]) is an entry of the unanswered flows' map.
+#[inline(always)]
+pub fn unanswered(value: &CtValue) -> bool {
+    value._pad != 0
 }
 
 /// `key` narrowed into the scratch slot's `key4` (with the slot), field by field: a whole
@@ -124,7 +152,7 @@ fn narrow_key(key: &CtKey) -> Option<(*mut TcScratch, &'static CtKey4)> {
 /// into the callers, spilling them around calls and forking code on the constants, which
 /// cost the verifier a quarter more instructions.
 #[inline(always)]
-unsafe fn widen_into(from: &CtValue4, to: *mut CtValue) {
+unsafe fn widen_into(from: &CtValue4, to: *mut CtValue, new: u8) {
     // SAFETY: the caller's `to` is valid for a `CtValue`.
     unsafe {
         ptr::write_volatile(&raw mut (*to).src, [from.src, 0, 0, 0]);
@@ -132,7 +160,24 @@ unsafe fn widen_into(from: &CtValue4, to: *mut CtValue) {
         ptr::write_volatile(&raw mut (*to).sport, from.sport);
         ptr::write_volatile(&raw mut (*to).dport, from.dport);
         ptr::write_volatile(&raw mut (*to).flags, from.flags);
-        ptr::write_volatile(&raw mut (*to)._pad, 0);
+        ptr::write_volatile(&raw mut (*to)._pad, new);
+        ptr::write_volatile(&raw mut (*to).out_mac, from.out_mac);
+        ptr::write_volatile(&raw mut (*to).out_ifindex, from.out_ifindex);
+        ptr::write_volatile(&raw mut (*to).last_seen_ns, from.last_seen_ns);
+    }
+}
+
+/// [`widen_into`] for IPv6 entries.
+#[inline(always)]
+unsafe fn copy_into(from: &CtValue, to: *mut CtValue, new: u8) {
+    // SAFETY: the caller's `to` is valid for a `CtValue`.
+    unsafe {
+        ptr::write_volatile(&raw mut (*to).src, from.src);
+        ptr::write_volatile(&raw mut (*to).dst, from.dst);
+        ptr::write_volatile(&raw mut (*to).sport, from.sport);
+        ptr::write_volatile(&raw mut (*to).dport, from.dport);
+        ptr::write_volatile(&raw mut (*to).flags, from.flags);
+        ptr::write_volatile(&raw mut (*to)._pad, new);
         ptr::write_volatile(&raw mut (*to).out_mac, from.out_mac);
         ptr::write_volatile(&raw mut (*to).out_ifindex, from.out_ifindex);
         ptr::write_volatile(&raw mut (*to).last_seen_ns, from.last_seen_ns);
@@ -160,13 +205,20 @@ fn narrow_into(from: &CtValue, to: &mut CtValue4) {
 #[inline(never)]
 fn mark<const V6: bool>(key: &CtKey, flags: u8, now: u64) {
     let (entry_flags, last_seen_ns) = if V6 {
-        let Some(entry) = KPR_CT6.get_ptr_mut(key) else {
+        let Some(entry) = KPR_CT6
+            .get_ptr_mut(key)
+            .or_else(|| KPR_CT6_NEW.get_ptr_mut(key))
+        else {
             return;
         };
         // SAFETY: from a successful lookup; see above for races.
         unsafe { (&mut (*entry).flags, &mut (*entry).last_seen_ns) }
     } else {
-        let Some(entry) = narrow_key(key).and_then(|(_, key4)| KPR_CT4.get_ptr_mut(key4)) else {
+        let Some(entry) = narrow_key(key).and_then(|(_, key4)| {
+            KPR_CT4
+                .get_ptr_mut(key4)
+                .or_else(|| KPR_CT4_NEW.get_ptr_mut(key4))
+        }) else {
             return;
         };
         // SAFETY: from a successful lookup; see above for races.
@@ -178,24 +230,122 @@ fn mark<const V6: bool>(key: &CtKey, flags: u8, now: u64) {
     }
 }
 
-/// Writes `value` under `key` in the map of its family with the map update `flags`
-/// (`BPF_NOEXIST`: only if absent). `true`: written.
+/// Writes `value` under `key` in the maps of its family with the map update `flags`
+/// (`BPF_NOEXIST`: only if absent from both maps), into the unanswered flows' map when the
+/// scratch slot's `ct_new` says the flow being written is one (`new_flow` sets it), else
+/// into the established map; a write over an entry removes the key from the other map, so a
+/// key is in one map at most. `true`: written.
 #[inline(never)]
 fn update<const V6: bool>(key: &CtKey, value: &CtValue, flags: u64) -> bool {
+    let Some(scratch) = scratch() else {
+        return false;
+    };
+    // SAFETY: the per-CPU scratch slot is ours until the program ends.
+    let new = unsafe { (*scratch).ct_new } != 0;
+    let noexist = flags == u64::from(BPF_NOEXIST);
     if V6 {
-        return KPR_CT6.insert(key, value, flags).is_ok();
+        let (to, other) = if new {
+            (&KPR_CT6_NEW, &KPR_CT6)
+        } else {
+            (&KPR_CT6, &KPR_CT6_NEW)
+        };
+        if noexist {
+            if other.get_ptr(key).is_some() {
+                return false;
+            }
+        } else {
+            let _ = other.remove(key);
+        }
+        return to.insert(key, value, flags).is_ok();
     }
     let Some((scratch, key4)) = narrow_key(key) else {
         return false;
     };
+    let (to, other) = if new {
+        (&KPR_CT4_NEW, &KPR_CT4)
+    } else {
+        (&KPR_CT4, &KPR_CT4_NEW)
+    };
+    if noexist {
+        if other.get_ptr(key4).is_some() {
+            return false;
+        }
+    } else {
+        let _ = other.remove(key4);
+    }
     // SAFETY: as in `lookup`.
     unsafe {
         let value4 = &mut (*scratch).value4;
         narrow_into(value, value4);
         // By reference: key and value stay in the scratch slot, off the stack.
         let (key4, value4): (&CtKey4, &CtValue4) = (key4, value4);
-        KPR_CT4.insert(key4, value4, flags).is_ok()
+        to.insert(key4, value4, flags).is_ok()
     }
+}
+
+/// Moves the entry under `key` from the unanswered flows' map to the established one, if it
+/// is there (overwriting: a key is in one map at most, so what the established map holds
+/// under it is older).
+#[inline(never)]
+fn promote_entry<const V6: bool>(key: &CtKey) {
+    if V6 {
+        let Some(value) = KPR_CT6_NEW.get_ptr(key) else {
+            return;
+        };
+        // SAFETY: from a successful lookup; the helper copies the value. By reference: the
+        // helper reads it from the map, not from a copy on the stack.
+        let value: &CtValue = unsafe { &*value };
+        if KPR_CT6.insert(key, value, 0).is_ok() {
+            let _ = KPR_CT6_NEW.remove(key);
+        }
+        return;
+    }
+    let Some((_, key4)) = narrow_key(key) else {
+        return;
+    };
+    let key4: &CtKey4 = key4;
+    let Some(value) = KPR_CT4_NEW.get_ptr(key4) else {
+        return;
+    };
+    // SAFETY: as above.
+    let value: &CtValue4 = unsafe { &*value };
+    if KPR_CT4.insert(key4, value, 0).is_ok() {
+        let _ = KPR_CT4_NEW.remove(key4);
+    }
+}
+
+/// Moves the unanswered flow whose forward entry (`key`, `value`) the client's packet `pkt`
+/// just marked established to the established map: its forward and reply entries and, for a
+/// SNATed flow on the netfilter path, its egress entries. Only the client's segment after
+/// its SYN does it, never the backend's SYN-ACK: a backend answers a spoofed SYN too. Not
+/// inlined; keys are built in the scratch slot's `probe_key`, off the stack.
+#[inline(never)]
+fn promote<const V6: bool>(key: &CtKey, value: &CtValue, pkt: &Packet) {
+    promote_entry::<V6>(key);
+    let Some(scratch) = scratch() else {
+        return;
+    };
+    // SAFETY: the per-CPU scratch slot is ours until the program ends; `probe_key` is
+    // disjoint from the key the caller lent us (the packet's, in `flow_key`), and this path
+    // (an established flow's packet) never reaches `new_flow`.
+    let probe_key = unsafe { &mut (*scratch).probe_key };
+    write_reverse_key(probe_key, value, pkt.proto, pkt.family);
+    promote_entry::<V6>(probe_key);
+    if value.flags & (ct_flags::SNAT | ct_flags::BYPASS) != ct_flags::SNAT {
+        return;
+    }
+    // The egress entries (`tc::insert_egress`): the forward packet as the host routes it
+    // after ingress (client → backend) and the backend's reply to it.
+    probe_key.src = pkt.src;
+    probe_key.dst = value.dst;
+    probe_key.sport = pkt.sport;
+    probe_key.dport = value.dport;
+    promote_entry::<V6>(probe_key);
+    probe_key.src = value.dst;
+    probe_key.dst = pkt.src;
+    probe_key.sport = value.dport;
+    probe_key.dport = pkt.sport;
+    promote_entry::<V6>(probe_key);
 }
 
 /// Whether the forward entry still carries packet `pkt` of its flow: within its idle timeout,
@@ -222,6 +372,11 @@ pub fn touch<const V6: bool>(key: &CtKey, value: &CtValue, pkt: &Packet, now: u6
     }
     if flags != value.flags || now.wrapping_sub(value.last_seen_ns) > REFRESH_NS {
         mark::<V6>(key, flags & !value.flags, now);
+    }
+    // A FIN or RST never promotes: `reply_seen` passes the backend's on to the forward entry,
+    // and a backend resets spoofed SYNs to a closed port.
+    if unanswered(value) && flags & ct_flags::ESTABLISHED != 0 && !pkt.closes() {
+        promote::<V6>(key, value, pkt);
     }
 }
 
@@ -315,7 +470,10 @@ pub fn reply_seen<const V6: bool>(key: &CtKey, reply: &CtValue, pkt: &Packet, no
         out_ifindex: 0,
         last_seen_ns: now,
     };
-    // NOEXIST: a new flow of the client tuple written meanwhile wins.
+    // NOEXIST: a new flow of the client tuple written meanwhile wins. An established flow's
+    // entry: into the established map.
+    // SAFETY: as above.
+    unsafe { (*scratch).ct_new = 0 };
     // By reference: a copy would put the value on this frame's stack.
     let forward: &CtValue = forward;
     update::<V6>(forward_key, forward, u64::from(BPF_NOEXIST))
@@ -465,10 +623,12 @@ pub fn remove<const V6: bool>(key: &CtKey) {
     // Best effort: a leftover reply entry is harmless and ages out of the LRU.
     if V6 {
         let _ = KPR_CT6.remove(key);
+        let _ = KPR_CT6_NEW.remove(key);
         return;
     }
     if let Some((_, key4)) = narrow_key(key) {
         let _ = KPR_CT4.remove(key4);
+        let _ = KPR_CT4_NEW.remove(key4);
     }
 }
 

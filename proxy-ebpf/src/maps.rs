@@ -96,6 +96,19 @@ pub static KPR_CT4: LruHashMap<CtKey4, CtValue4> = LruHashMap::pinned(default_si
 #[map]
 pub static KPR_CT6: LruHashMap<CtKey, CtValue> = LruHashMap::pinned(default_sizes::CT, 0);
 
+/// The entries of TCP flows whose client has sent only its SYN: a spoofed SYN flood fills this
+/// map, and its LRU evicts only other unanswered flows, never an established one (netfilter's
+/// early drop of unassured entries). The client's first segment after the SYN moves the flow's
+/// entries to `KPR_CT4`/`KPR_CT6` (`conntrack::promote`); a backend's SYN-ACK does not, as a
+/// backend answers spoofed SYNs too.
+#[map]
+pub static KPR_CT4_NEW: LruHashMap<CtKey4, CtValue4> =
+    LruHashMap::pinned(default_sizes::CT / default_sizes::CT_NEW_SHARE, 0);
+
+#[map]
+pub static KPR_CT6_NEW: LruHashMap<CtKey, CtValue> =
+    LruHashMap::pinned(default_sizes::CT / default_sizes::CT_NEW_SHARE, 0);
+
 /// ICMP REJECT rate limiting: the client (its address as a [`NodeAddrKey`]) → its token
 /// bucket (`icmp::allowed`). Not pinned: a restart only refills the buckets.
 #[map]
@@ -160,6 +173,9 @@ pub struct TcScratch {
     pub view_b: CtValue,
     /// A datagram's key in the fragment map (`fragments`).
     pub frag_key: proxy_common::FragmentKey,
+    /// Non-zero while `new_flow` writes an unanswered flow (a TCP SYN's): `conntrack`'s
+    /// writes then go to the unanswered flows' map.
+    pub ct_new: u32,
     /// The packet `parse` read, where the program reads it from (`parse::into_scratch`).
     pub packet: crate::parse::Packet,
 }

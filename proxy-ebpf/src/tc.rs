@@ -674,6 +674,8 @@ pub fn new_flow<const V6: bool, C: Frame>(
     // SAFETY: the per-CPU slot is ours until the program ends (no preemption on a CPU).
     let scratch = unsafe { &mut *scratch };
     pkt.write_ct_key(&mut scratch.flow_key);
+    // A TCP SYN's flow waits apart until the client's next segment (`conntrack::promote`).
+    scratch.ct_new = u32::from(pkt.proto == proto::TCP && !midstream);
     // Field by field: whole values would be built on this frame's stack first (the verifier's
     // 512 bytes are shared with `service` and the callees).
     let forward = &mut scratch.forward;

@@ -57,8 +57,10 @@ fn memlock(pid: u32, root: &Path, name: &str) -> anyhow::Result<u64> {
         .ok_or_else(|| anyhow::anyhow!("the agent holds no fd of {name} (id {id})"))
 }
 
-/// 40 % of `ratio` × MemTotal in 120-byte IPv4 and 20 % in 168-byte IPv6 conntrack entries, at
-/// least 65 536 each: the sizing README documents for `--bpf-map-dynamic-size-ratio`.
+/// 40 % of `ratio` × MemTotal in 120-byte IPv4 and 20 % in 168-byte IPv6 conntrack entries,
+/// four fifths of each to the established flows' map (at least 65 536 entries) and the rest to
+/// the unanswered flows' (a quarter of the former's entries): the sizing README documents for
+/// `--bpf-map-dynamic-size-ratio`.
 fn documented_conntrack_sizes(ratio: f64) -> anyhow::Result<(u32, u32)> {
     let meminfo = std::fs::read_to_string("/proc/meminfo")?;
     let kib: u64 = meminfo
@@ -75,8 +77,8 @@ fn documented_conntrack_sizes(ratio: f64) -> anyhow::Result<(u32, u32)> {
     )]
     let budget = ((kib * 1024) as f64 * ratio) as u64;
     Ok((
-        u32::try_from(budget * 40 / 100 / 120)?.max(65_536),
-        u32::try_from(budget * 20 / 100 / 168)?.max(65_536),
+        u32::try_from(budget * 32 / 100 / 120)?.max(65_536),
+        u32::try_from(budget * 16 / 100 / 168)?.max(65_536),
     ))
 }
 
@@ -161,6 +163,14 @@ fn lru_maps_are_sized_from_the_nodes_memory_and_keep_their_size_across_restarts(
     anyhow::ensure!(
         conntrack == expected,
         "conntrack maps (IPv4, IPv6) of {conntrack:?} entries, {expected:?} documented for ratio {ratio}"
+    );
+    let unanswered = (
+        pinned(&root, map_names::CT4_NEW)?.1,
+        pinned(&root, map_names::CT6_NEW)?.1,
+    );
+    anyhow::ensure!(
+        unanswered == (expected.0 / 4, expected.1 / 4),
+        "unanswered flows' maps (IPv4, IPv6) of {unanswered:?} entries, a quarter of {expected:?} documented"
     );
     let (revnat_id, revnat) = pinned(&root, map_names::REVNAT4)?;
     anyhow::ensure!(revnat >= 16_384, "reverse NAT map of {revnat} entries");

@@ -162,6 +162,34 @@ fn with_node_options<R: Send + 'static>(
     tc: impl FnOnce(&mut TcOptions) + Send + 'static,
     f: impl FnOnce(&mut Node) -> R + Send + 'static,
 ) -> R {
+    with_node_sized(
+        lb,
+        fast_path,
+        icmp_ratelimit,
+        snat_ports,
+        disabled_features,
+        tc,
+        proxy_common::default_sizes::CT,
+        f,
+    )
+}
+
+/// [`with_node_options`] with a conntrack map of `conntrack_capacity` entries a family
+/// (`--bpf-map-conntrack`).
+#[expect(
+    clippy::too_many_arguments,
+    reason = "every knob of the node, spelled out"
+)]
+fn with_node_sized<R: Send + 'static>(
+    lb: LbOptions,
+    fast_path: bool,
+    icmp_ratelimit: Option<std::time::Duration>,
+    snat_ports: RangeInclusive<u16>,
+    disabled_features: BTreeSet<Feature>,
+    tc: impl FnOnce(&mut TcOptions) + Send + 'static,
+    conntrack_capacity: u32,
+    f: impl FnOnce(&mut Node) -> R + Send + 'static,
+) -> R {
     proxy_tests::require_root();
     let ns = Netns::new("tcrun").expect("netns");
     for (dev, v4, v6) in [
@@ -200,7 +228,7 @@ fn with_node_options<R: Send + 'static>(
             max_frontends_per_service:
                 proxy_agent::dataplane::ebpf::DEFAULT_MAX_FRONTENDS_PER_SERVICE,
             backends_capacity: 1024,
-            conntrack_capacity: Some(proxy_common::default_sizes::CT),
+            conntrack_capacity: Some(conntrack_capacity),
             dynamic_size_ratio: proxy_agent::dataplane::ebpf::map_sizes::DEFAULT_DYNAMIC_SIZE_RATIO,
             lb,
             tc: tc_options,
@@ -1314,7 +1342,8 @@ fn node_port_translation_both_families_and_protocols() {
 
 /// Issue 17 item 8: IPv4 flows are kept in `KPR_CT4`, in entries sized for IPv4 (a 16-byte key
 /// and a 32-byte value, against 40 and 56 bytes in `KPR_CT6`), IPv6 flows in `KPR_CT6`; each
-/// flow's entry is in its family's map and not in the other.
+/// flow's entry is in its family's map and not in the other. Until the client's ACK a TCP
+/// flow is in its family's unanswered flows' map (`KPR_CT4_NEW`, sized as `KPR_CT4`).
 #[test]
 fn ipv4_flows_are_kept_in_entries_sized_for_ipv4() {
     with_node(|node| {
@@ -1325,6 +1354,27 @@ fn ipv4_flows_are_kept_in_entries_sized_for_ipv4() {
         round_trip(node, six.0, six.1, sa(BACKEND6, 8080), L4::TcpSyn, false);
         let pins = node.parts.bpf.path().join(PIN_DIR_NAME);
         let open = |name: &str| MapData::from_pin(pins.join(name)).expect("conntrack pin");
+        let unanswered = open(map_names::CT4_NEW);
+        let info = unanswered.info().expect("map info");
+        assert_eq!((info.key_size(), info.value_size()), (16, 32));
+        let unanswered = AyaHashMap::<MapData, CtKey4, CtValue4>::try_from(
+            Map::from_map_data(unanswered).expect("map"),
+        )
+        .expect("KPR_CT4_NEW");
+        let key4 = CtKey4::narrow(&ct_key(four.0, four.1, proto::TCP));
+        assert!(
+            unanswered.get(&key4, 0).is_ok(),
+            "the IPv4 flow in KPR_CT4_NEW before the client's ACK"
+        );
+        for (client, frontend) in [four, six] {
+            let ack = build(client, frontend, L4::TcpAck, b"");
+            let (action, _) = run(node, program_names::TC_EXTERNAL, &ack, node.ext0);
+            assert_eq!(action, TC_ACT_REDIRECT, "{client}: ACK");
+        }
+        assert!(
+            unanswered.get(&key4, 0).is_err(),
+            "the IPv4 flow moved out of KPR_CT4_NEW by the client's ACK"
+        );
         let (v4, v6) = (open(map_names::CT4), open(map_names::CT6));
         let sizes = |map: &MapData| {
             let info = map.info().expect("map info");
@@ -3787,4 +3837,128 @@ fn direct_connections_reusing_a_translated_flows_tuple_are_left_alone() {
             assert_eq!(frame, answer, "{what}: answer untouched");
         }
     });
+}
+
+/// A spoofed SYN flood against a NodePort never costs an established flow its conntrack
+/// entries (netfilter's early drop: unassured entries go first). With a small conntrack map,
+/// flows of both families complete their handshake (SYN, the backend's answer, the client's
+/// ACK); then SYNs from random sources, many times the map's size, go through the ingress
+/// program. Every established flow's entries are still there, and its next segment takes the
+/// same backend and SNAT port from them (not rebuilt: nothing is counted as recovered or
+/// recreated); a new client's SYN still gets a backend.
+#[test]
+fn syn_flood_never_evicts_established_flows() {
+    const CAPACITY: u32 = 1024;
+    const ESTABLISHED: u16 = 20;
+    with_node_sized(
+        LbOptions::default(),
+        true,
+        None,
+        SNAT_PORTS,
+        BTreeSet::new(),
+        |_| {},
+        CAPACITY,
+        |node| {
+            program_services(node);
+            let cases = [
+                (CLIENT, sa(NODE_IP, 30080), "100.64"),
+                (CLIENT6, sa(NODE_IP6, 30080), "fd00:64::"),
+            ];
+            let mut established = Vec::new();
+            for (client, frontend, _) in cases {
+                for i in 0..ESTABLISHED {
+                    let from = sa(client, 40_000 + i);
+                    let syn = build(from, frontend, L4::TcpSyn, b"");
+                    let (action, out) = run(node, program_names::TC_EXTERNAL, &syn, node.ext0);
+                    assert_eq!(action, TC_ACT_REDIRECT, "{from}: SYN");
+                    let answer = build(out.destination(), out.source(), L4::TcpAck, b"");
+                    let (action, back) = run(node, program_names::TC_REPLY, &answer, node.pod0);
+                    assert_eq!(action, TC_ACT_REDIRECT, "{from}: backend's answer");
+                    assert_eq!(back.destination(), from, "{from}: answer un-NATed");
+                    let ack = build(from, frontend, L4::TcpAck, b"hello");
+                    let (action, again) = run(node, program_names::TC_EXTERNAL, &ack, node.ext0);
+                    assert_eq!(action, TC_ACT_REDIRECT, "{from}: ACK");
+                    assert_eq!(
+                        (again.source(), again.destination()),
+                        (out.source(), out.destination()),
+                        "{from}: ACK translated as the SYN"
+                    );
+                    let reply_key = ct_key(out.destination(), out.source(), PROTO_TCP);
+                    established.push((from, frontend, out, reply_key));
+                }
+            }
+
+            // The flood: SYNs from random spoofed sources and ports, 16 times the map's size a
+            // family.
+            let mut seed = 0x2545_f491_4f6c_dd1d_u64;
+            let mut next = move || {
+                seed ^= seed << 13;
+                seed ^= seed >> 7;
+                seed ^= seed << 17;
+                seed
+            };
+            let mut flooded = 0u32;
+            for (_, frontend, prefix) in cases {
+                for _ in 0..16 * CAPACITY {
+                    let r = next();
+                    let ip = if frontend.is_ipv4() {
+                        format!("{prefix}.{}.{}", (r >> 8) & 0xff, r & 0xff)
+                    } else {
+                        format!("{prefix}{:x}:{:x}", (r >> 16) & 0xffff, r & 0xffff)
+                    };
+                    let from = sa(&ip, 1024 + (r >> 32) as u16 % 60_000);
+                    let syn = build(from, frontend, L4::TcpSyn, b"");
+                    let (action, _) = run(node, program_names::TC_EXTERNAL, &syn, node.ext0);
+                    if action == TC_ACT_REDIRECT {
+                        flooded += 1;
+                    }
+                }
+            }
+            eprintln!("{flooded} flood SYNs translated");
+
+            let entries: BTreeMap<CtKey, CtValue> = node
+                .dataplane
+                .conntrack_entries()
+                .expect("conntrack")
+                .into_iter()
+                .collect();
+            let lost: Vec<String> = established
+                .iter()
+                .filter(|(from, frontend, _, reply_key)| {
+                    !entries.contains_key(&ct_key(*from, *frontend, PROTO_TCP))
+                        || !entries.contains_key(reply_key)
+                })
+                .map(|(from, frontend, _, _)| format!("{from} → {frontend}"))
+                .collect();
+            assert!(
+                lost.is_empty(),
+                "{} of {} established flows lost entries to the flood: {lost:?}",
+                lost.len(),
+                established.len()
+            );
+            for (from, frontend, out, _) in &established {
+                let ack = build(*from, *frontend, L4::TcpAck, b"later");
+                let (action, again) = run(node, program_names::TC_EXTERNAL, &ack, node.ext0);
+                assert_eq!(action, TC_ACT_REDIRECT, "{from}: ACK after the flood");
+                assert_eq!(
+                    (again.source(), again.destination()),
+                    (out.source(), out.destination()),
+                    "{from}: same backend and SNAT port after the flood"
+                );
+            }
+            assert_eq!(stat(node, StatIndex::TcMidstreamRecovered), 0);
+            assert_eq!(stat(node, StatIndex::TcMidstreamRecreated), 0);
+
+            for (client, frontend, _) in cases {
+                let from = sa(client, 50_000);
+                let syn = build(from, frontend, L4::TcpSyn, b"");
+                let (action, out) = run(node, program_names::TC_EXTERNAL, &syn, node.ext0);
+                assert_eq!(
+                    action, TC_ACT_REDIRECT,
+                    "{from}: a new client after the flood"
+                );
+                assert_eq!(out.dport(), 8080, "{from}: DNAT port");
+            }
+        },
+    );
 }

@@ -58,7 +58,12 @@ impl CtWorker {
                 .and_then(Map::from_map_data)
                 .map_err(std::io::Error::other)
         };
-        let maps = (open(map_names::CT4)?, open(map_names::CT6)?);
+        let maps = [
+            open(map_names::CT4)?,
+            open(map_names::CT6)?,
+            open(map_names::CT4_NEW)?,
+            open(map_names::CT6_NEW)?,
+        ];
         let (jobs, queue) = mpsc::channel();
         let reports = Arc::new(Mutex::new(WorkerReports::default()));
         let shared = Arc::clone(&reports);
@@ -105,11 +110,13 @@ impl Drop for CtWorker {
     }
 }
 
-fn run(maps: (Map, Map), queue: &Receiver<Job>, reports: &Mutex<WorkerReports>) {
-    let (mut v4, mut v6) = maps;
+fn run(maps: [Map; 4], queue: &Receiver<Job>, reports: &Mutex<WorkerReports>) {
+    let [mut v4, mut v6, mut new4, mut new6] = maps;
     let mut map = ConntrackPair {
         v4: &mut v4,
         v6: &mut v6,
+        new4: &mut new4,
+        new6: &mut new6,
     };
     while let Ok(job) = queue.recv() {
         let started = std::time::Instant::now();

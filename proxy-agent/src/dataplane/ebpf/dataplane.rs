@@ -215,6 +215,8 @@ impl EbpfDataplane {
             .map_max_entries(map_names::MAGLEV, maglev_capacity)
             .map_max_entries(map_names::CT4, lru.conntrack4)
             .map_max_entries(map_names::CT6, lru.conntrack6)
+            .map_max_entries(map_names::CT4_NEW, lru.conntrack4_new())
+            .map_max_entries(map_names::CT6_NEW, lru.conntrack6_new())
             .map_max_entries(map_names::REVNAT4, lru.revnat4)
             .map_max_entries(map_names::REVNAT6, lru.revnat6)
             .map_max_entries(map_names::AFFINITY, lru.affinity)
@@ -242,7 +244,13 @@ impl EbpfDataplane {
         let names = take_map(&mut ebpf, map_names::SERVICE_NAMES)?;
         // The affinity map is only used by the datapath; it stays in `ebpf` (taking and
         // dropping it would close its fd before the programs that reference it are loaded).
-        for name in [map_names::AFFINITY, map_names::CT4, map_names::CT6] {
+        for name in [
+            map_names::AFFINITY,
+            map_names::CT4,
+            map_names::CT6,
+            map_names::CT4_NEW,
+            map_names::CT6_NEW,
+        ] {
             if ebpf.map(name).is_none() {
                 return Err(EbpfError::MissingMap(name));
             }
@@ -872,23 +880,27 @@ fn adopt_kernel_nat_flows(ebpf: &mut Ebpf) {
 
 /// The object's two conntrack maps at once (`Ebpf::map_mut` lends one at a time).
 fn conntrack_pair(ebpf: &mut Ebpf) -> Result<ConntrackPair<'_>, EbpfError> {
-    let (mut v4, mut v6) = (None, None);
+    let (mut v4, mut v6, mut new4, mut new6) = (None, None, None, None);
     for (name, map) in ebpf.maps_mut() {
         match name {
             map_names::CT4 => v4 = Some(map),
             map_names::CT6 => v6 = Some(map),
+            map_names::CT4_NEW => new4 = Some(map),
+            map_names::CT6_NEW => new6 = Some(map),
             _ => {}
         }
     }
     Ok(ConntrackPair {
         v4: v4.ok_or(EbpfError::MissingMap(map_names::CT4))?,
         v6: v6.ok_or(EbpfError::MissingMap(map_names::CT6))?,
+        new4: new4.ok_or(EbpfError::MissingMap(map_names::CT4_NEW))?,
+        new6: new6.ok_or(EbpfError::MissingMap(map_names::CT6_NEW))?,
     })
 }
 
 fn conntrack_maps(ebpf: &mut Ebpf) -> Result<ConntrackMaps<&mut MapData>, EbpfError> {
     let pair = conntrack_pair(ebpf)?;
-    ConntrackMaps::borrow(pair.v4, pair.v6)
+    ConntrackMaps::borrow(pair.v4, pair.v6, pair.new4, pair.new6)
 }
 
 /// What a deferred attach needs.

@@ -98,7 +98,7 @@ fn layout<K, V>(name: &'static str, version: u32) -> Layout {
 }
 
 /// This build's layout of every pinned map (`map_names::PINNED`).
-pub fn current() -> [Layout; 19] {
+pub fn current() -> [Layout; 21] {
     [
         layout::<Frontend4Key, FrontendValue>(map_names::FRONTENDS4, 1),
         layout::<Frontend6Key, FrontendValue>(map_names::FRONTENDS6, 1),
@@ -114,6 +114,8 @@ pub fn current() -> [Layout; 19] {
         // Both replace the foundation's `KPR_CT` (see `v1::split_ct`).
         layout::<CtKey4, CtValue4>(map_names::CT4, 1),
         layout::<CtKey, CtValue>(map_names::CT6, 1),
+        layout::<CtKey4, CtValue4>(map_names::CT4_NEW, 1),
+        layout::<CtKey, CtValue>(map_names::CT6_NEW, 1),
         // LPM trie keys carry the prefix length first.
         Layout {
             key_size: size::<u32>() + size::<SourceRangeKey>(),
@@ -154,6 +156,9 @@ pub fn holds(name: &str) -> Holds {
         map_names::CT4 | map_names::CT6 | v1::CT => Holds::DatapathState(
             "established external flows (NodePort, externalIPs, LB IPs) lose their \
              translation: their next packets are new flows, TCP ones are reset",
+        ),
+        map_names::CT4_NEW | map_names::CT6_NEW => Holds::DatapathState(
+            "external TCP flows still in their handshake choose their backend again",
         ),
         map_names::STATS => Holds::Counters,
         _ => Holds::ServiceState,
@@ -297,6 +302,9 @@ pub mod v1 {
         let mut new = ConntrackMaps {
             v4: HashMap::try_from(open(pin_dir, map_names::CT4)?)?,
             v6: HashMap::try_from(open(pin_dir, map_names::CT6)?)?,
+            // The foundation's flows are all past their handshake or gone.
+            new4: None,
+            new6: None,
         };
         let mut count = CopyCount::default();
         for (key, value) in old.iter().flatten() {

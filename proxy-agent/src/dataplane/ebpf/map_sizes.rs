@@ -36,9 +36,10 @@ impl SizeRatio {
 /// Shares of the budget, in percent: the conntrack maps hold two to four entries per external
 /// flow (IPv4 gets two thirds of their share, and with its smaller entries 93 % as many
 /// entries as the one map of both families had before: most external traffic is IPv4); the
-/// other maps one per socket or client.
-const CONNTRACK4_SHARE: u64 = 40;
-const CONNTRACK6_SHARE: u64 = 20;
+/// other maps one per socket or client. Each conntrack map's share includes its unanswered
+/// flows' map, a quarter of its entries (`KPR_CT4_NEW`): four fifths of 40 % and 20 %.
+const CONNTRACK4_SHARE: u64 = 32;
+const CONNTRACK6_SHARE: u64 = 16;
 const REVNAT_SHARE: u64 = 10;
 const AFFINITY_SHARE: u64 = 10;
 
@@ -143,10 +144,20 @@ impl LruSizes {
         }
     }
 
+    /// Entries of the IPv4 unanswered flows' map (`KPR_CT4_NEW`): a share of the conntrack's.
+    pub fn conntrack4_new(&self) -> u32 {
+        (self.conntrack4 / proxy_common::default_sizes::CT_NEW_SHARE).max(1)
+    }
+
+    /// Entries of `KPR_CT6_NEW`, as [`Self::conntrack4_new`].
+    pub fn conntrack6_new(&self) -> u32 {
+        (self.conntrack6 / proxy_common::default_sizes::CT_NEW_SHARE).max(1)
+    }
+
     /// The kernel memory these capacities take (an estimate of its `memlock` accounting).
     pub fn bytes(&self) -> u64 {
-        u64::from(self.conntrack4) * entry_bytes::<CtKey4, CtValue4>()
-            + u64::from(self.conntrack6) * entry_bytes::<CtKey, CtValue>()
+        u64::from(self.conntrack4 + self.conntrack4_new()) * entry_bytes::<CtKey4, CtValue4>()
+            + u64::from(self.conntrack6 + self.conntrack6_new()) * entry_bytes::<CtKey, CtValue>()
             + u64::from(self.revnat4) * entry_bytes::<RevNat4Key, RevNat4>()
             + u64::from(self.revnat6) * entry_bytes::<RevNat6Key, RevNat6>()
             + u64::from(self.affinity + self.udp_sticky)
@@ -189,13 +200,15 @@ mod tests {
         assert_eq!(small.conntrack6, CONNTRACK_MIN);
         assert_eq!(small.revnat4, SOCKET_MIN);
         assert_eq!(small.udp_sticky, SOCKET_MIN);
-        // 24 GiB: 61 MiB, 40 % of it in 120-byte IPv4 conntrack entries (93 % as many as the
-        // one map of 168-byte entries for both families had with 60 %), 20 % in 168-byte IPv6
-        // ones.
+        // 24 GiB: 61 MiB, 40 % of it in 120-byte IPv4 conntrack entries, four fifths of them
+        // established flows' and one fifth unanswered ones', 20 % in 168-byte IPv6 ones (at
+        // the floor).
         assert_eq!(entry_bytes::<CtKey4, CtValue4>(), 120);
         assert_eq!(entry_bytes::<CtKey, CtValue>(), 168);
-        assert_eq!(mid.conntrack4, 214_748);
-        assert_eq!(mid.conntrack6, 76_695);
+        assert_eq!(mid.conntrack4, 171_798);
+        assert_eq!(mid.conntrack4_new(), 42_949);
+        assert_eq!(mid.conntrack6, CONNTRACK_MIN);
+        assert_eq!(mid.conntrack6_new(), CONNTRACK_MIN / 4);
         assert!(
             mid.bytes() <= (24 * GIB) / 400 + GIB / 1024,
             "{}",

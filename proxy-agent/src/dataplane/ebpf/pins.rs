@@ -186,9 +186,21 @@ pub(super) fn prepare_pin_dir(
     let plan = layout::plan(pin_dir).map_err(to_error)?;
     // aya would reuse the pin at its old size: a changed `--bpf-map-conntrack` takes a new map,
     // losing the flows it tracked (established external flows through SNAT break once).
-    for name in [map_names::CT4, map_names::CT6] {
+    // The unanswered flows' maps are sized from the conntrack's (`LruSizes::conntrack4_new`).
+    for (name, share) in [
+        (map_names::CT4, 1),
+        (map_names::CT6, 1),
+        (
+            map_names::CT4_NEW,
+            proxy_common::default_sizes::CT_NEW_SHARE,
+        ),
+        (
+            map_names::CT6_NEW,
+            proxy_common::default_sizes::CT_NEW_SHARE,
+        ),
+    ] {
         let pin = pin_dir.join(name);
-        if let Some(conntrack_capacity) = explicit_conntrack
+        if let Some(conntrack_capacity) = explicit_conntrack.map(|c| (c / share).max(1))
             && pin.exists()
             && !MapInfo::from_pin(&pin).is_ok_and(|info| info.max_entries() == conntrack_capacity)
         {

@@ -402,23 +402,29 @@ fn map_fd(map: &Map) -> std::io::Result<std::os::fd::BorrowedFd<'_>> {
     }
 }
 
-/// The two conntrack maps as the worker and the dataplane hold them (`KPR_CT4`, `KPR_CT6`).
+/// The conntrack maps as the worker and the dataplane hold them (`KPR_CT4`, `KPR_CT6`, and
+/// the unanswered flows' `KPR_CT4_NEW`, `KPR_CT6_NEW`: a purge of a removed backend's flows
+/// covers those still in their handshake too).
 #[derive(Debug)]
 pub struct ConntrackPair<'a> {
     pub v4: &'a mut Map,
     pub v6: &'a mut Map,
+    pub new4: &'a mut Map,
+    pub new6: &'a mut Map,
 }
 
-/// A walk over both maps in turn, IPv4 first; entries widened.
+/// A walk over the maps in turn, IPv4 first; entries widened.
 #[derive(Debug, Default)]
 struct PairWalk {
     v4: CtWalk,
     v6: CtWalk,
+    new4: CtWalk,
+    new6: CtWalk,
 }
 
 impl PairWalk {
     fn finished(&self) -> bool {
-        self.v4.finished() && self.v6.finished()
+        self.v4.finished() && self.v6.finished() && self.new4.finished() && self.new6.finished()
     }
 
     fn next_batch(
@@ -435,12 +441,30 @@ impl PairWalk {
                 .map(|(k, v)| (k.widen(), v.widen()))
                 .collect());
         }
-        self.v6.next_batch(map_fd(maps.v6)?, max)
+        if !self.v6.finished() {
+            return self.v6.next_batch(map_fd(maps.v6)?, max);
+        }
+        if !self.new4.finished() {
+            let batch = self
+                .new4
+                .next_batch::<CtKey4, CtValue4>(map_fd(maps.new4)?, max)?;
+            return Ok(batch
+                .into_iter()
+                .map(|(k, v)| (k.widen(), v.widen()))
+                .collect());
+        }
+        self.new6.next_batch(map_fd(maps.new6)?, max)
     }
 }
 
 fn both<'m>(maps: &'m mut ConntrackPair<'_>) -> std::io::Result<ConntrackMaps<&'m mut MapData>> {
-    ConntrackMaps::borrow(&mut *maps.v4, &mut *maps.v6).map_err(std::io::Error::other)
+    ConntrackMaps::borrow(
+        &mut *maps.v4,
+        &mut *maps.v6,
+        &mut *maps.new4,
+        &mut *maps.new6,
+    )
+    .map_err(std::io::Error::other)
 }
 
 /// Garbage collection of `map` in one round of batches of `batch` entries: expired forward

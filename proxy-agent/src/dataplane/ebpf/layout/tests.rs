@@ -9,7 +9,7 @@ use super::*;
 /// (`holds`) also register the previous layout in `OLDER` with a conversion, or its entries are
 /// lost at the upgrade (service state is refilled by the first sync before the new programs
 /// attach).
-const RELEASED: [(&str, u32, u32, u32); 19] = [
+const RELEASED: [(&str, u32, u32, u32); 21] = [
     (map_names::FRONTENDS4, 1, 8, 16),
     (map_names::FRONTENDS6, 1, 20, 16),
     (map_names::BACKEND_SLOTS, 1, 8, 4),
@@ -22,6 +22,8 @@ const RELEASED: [(&str, u32, u32, u32); 19] = [
     (map_names::STATS, 1, 4, 8),
     (map_names::CT4, 1, 16, 32),
     (map_names::CT6, 1, 40, 56),
+    (map_names::CT4_NEW, 1, 16, 32),
+    (map_names::CT6_NEW, 1, 40, 56),
     (map_names::SOURCE_RANGES, 1, 24, 1),
     (map_names::NODE_ADDRS, 1, 20, 1),
     (map_names::NODE_CONFIG, 1, 4, 72),
