@@ -6,21 +6,26 @@
 //! order; here the decision is made once, for both dataplanes, and does not change across
 //! restarts, resyncs or mode switches:
 //!
-//! 1. a cluster IP beats an external or load-balancer address (the API server allocated it);
-//! 2. then the older Service (`metadata.creationTimestamp`; one without it counts as newest);
-//! 3. then the smaller UID, then namespace/name, so the order is total.
+//! 1. a cluster IP is its Service's alone: no other Service's external or load-balancer
+//!    address may name it, on any port (the API server allocated it);
+//! 2. of several Services naming one external or load-balancer address, port and protocol, the
+//!    older keeps it (`metadata.creationTimestamp`; one without it counts as newest);
+//! 3. then the smaller UID (a UUID, compared as the number it spells), then namespace/name, so
+//!    the order is total.
 //!
-//! A Service's own addresses never conflict with each other.
+//! Only Services with external or load-balancer addresses are indexed by their claims; every
+//! Service's cluster IPs are indexed by address alone. At 30k Services that is an entry per
+//! cluster IP, not per service port and claimant.
 
 use std::{
-    collections::{BTreeMap, BTreeSet},
+    collections::{BTreeMap, BTreeSet, HashMap},
     net::IpAddr,
 };
 
 use super::{Protocol, ServicePort};
 use crate::objects::{ObjectKey, ServiceInfo};
 
-/// One frontend that only one Service may own.
+/// One external or load-balancer frontend that only one Service may own.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct Claim {
     pub address: IpAddr,
@@ -28,72 +33,133 @@ pub struct Claim {
     pub protocol: Protocol,
 }
 
-/// How a Service holds a claim: the smallest claimant owns it.
+/// A Service naming a claim, ordered oldest first.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
-pub struct Claimant {
-    /// 0: the claim is the Service's cluster IP; 1: an external or load-balancer address.
-    rank: u8,
+struct Claimant {
     /// Creation time in seconds; `i64::MAX` when unknown (counted as the newest).
     created: i64,
-    uid: Box<str>,
-    pub service: ObjectKey,
+    /// The UID as a number; 0 when it is not a UUID (the name decides then).
+    uid: u128,
+    service: ObjectKey,
+}
+
+impl Claimant {
+    fn of(key: &ObjectKey, info: Option<&ServiceInfo>) -> Self {
+        Self {
+            created: info.and_then(|i| i.created).unwrap_or(i64::MAX),
+            uid: info
+                .and_then(|i| i.uid.as_deref())
+                .and_then(uuid_number)
+                .unwrap_or(0),
+            service: key.clone(),
+        }
+    }
+}
+
+/// A UUID's 32 hex digits as a number: ordered as the (lower-case) UUID strings are.
+fn uuid_number(uid: &str) -> Option<u128> {
+    let digits: String = uid.chars().filter(|c| *c != '-').collect();
+    (digits.len() == 32)
+        .then(|| u128::from_str_radix(&digits, 16).ok())
+        .flatten()
 }
 
 /// Every current claim and its claimants.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Claims {
-    claimants: BTreeMap<Claim, BTreeSet<Claimant>>,
-    /// Each Service's claims, so they can be withdrawn when it changes or goes.
-    by_service: BTreeMap<ObjectKey, Vec<(Claim, Claimant)>>,
+    /// Every Service's cluster IPs (the first Service seen keeps a duplicate, which only a
+    /// manifests folder can hold).
+    cluster_ips: BTreeMap<IpAddr, ObjectKey>,
+    /// External and load-balancer claims, each with its claimants sorted oldest first.
+    external: BTreeMap<Claim, Vec<Claimant>>,
+    /// The external and load-balancer claims of each Service that has any.
+    by_service: HashMap<ObjectKey, Box<[Claim]>>,
 }
 
 impl Claims {
-    /// Replaces `service`'s claims with those of `ports` (its service ports in both families,
-    /// before settling) and returns the other Services whose share changed: they must be
-    /// recomputed.
+    /// Replaces `key`'s claims with those of `ports` (its service ports in both families,
+    /// before settling; `old_cluster_ips` are its cluster IPs until now) and returns the other
+    /// Services whose share changed: they must be recomputed.
     pub fn replace(
         &mut self,
         key: &ObjectKey,
         info: Option<&ServiceInfo>,
+        old_cluster_ips: &[IpAddr],
         ports: &[&ServicePort],
     ) -> BTreeSet<ObjectKey> {
-        let new = claims_of(key, info, ports);
-        let old = self.by_service.remove(key).unwrap_or_default();
-        if old == new {
-            if !new.is_empty() {
-                self.by_service.insert(key.clone(), new);
-            }
+        let new_cluster_ips: BTreeSet<IpAddr> = ports.iter().map(|p| p.cluster_ip).collect();
+        let new_claims = external_claims(ports);
+        let old_claims = self.by_service.get(key).cloned().unwrap_or_default();
+        let cluster_ips_moved: Vec<IpAddr> = old_cluster_ips
+            .iter()
+            .filter(|ip| !new_cluster_ips.contains(ip))
+            .chain(
+                new_cluster_ips
+                    .iter()
+                    .filter(|ip| !old_cluster_ips.contains(ip)),
+            )
+            .copied()
+            .collect();
+        let claimant = Claimant::of(key, info);
+        let unchanged = cluster_ips_moved.is_empty()
+            && *old_claims == *new_claims
+            && new_claims.iter().all(|claim| {
+                self.external
+                    .get(claim)
+                    .is_some_and(|claimants| claimants.contains(&claimant))
+            });
+        if unchanged {
             return BTreeSet::new();
         }
-        let touched: BTreeSet<Claim> = old.iter().chain(&new).map(|(claim, _)| *claim).collect();
+        let touched: BTreeSet<Claim> = old_claims.iter().chain(&new_claims).copied().collect();
         let owners_before: Vec<Option<ObjectKey>> = touched
             .iter()
             .map(|claim| self.owner(claim).cloned())
             .collect();
-        for (claim, claimant) in &old {
-            if let Some(set) = self.claimants.get_mut(claim) {
-                set.remove(claimant);
-                if set.is_empty() {
-                    self.claimants.remove(claim);
+
+        for ip in old_cluster_ips {
+            if self.cluster_ips.get(ip) == Some(key) {
+                self.cluster_ips.remove(ip);
+            }
+        }
+        for ip in &new_cluster_ips {
+            self.cluster_ips.entry(*ip).or_insert_with(|| key.clone());
+        }
+        for claim in old_claims.iter() {
+            if let Some(claimants) = self.external.get_mut(claim) {
+                claimants.retain(|c| c.service != *key);
+                if claimants.is_empty() {
+                    self.external.remove(claim);
                 }
             }
         }
-        for (claim, claimant) in &new {
-            self.claimants
-                .entry(*claim)
-                .or_default()
-                .insert(claimant.clone());
+        for claim in &new_claims {
+            let claimants = self.external.entry(*claim).or_default();
+            if let Err(at) = claimants.binary_search(&claimant) {
+                claimants.insert(at, claimant.clone());
+            }
         }
-        if !new.is_empty() {
-            self.by_service.insert(key.clone(), new);
+        if new_claims.is_empty() {
+            self.by_service.remove(key);
+        } else {
+            self.by_service.insert(key.clone(), new_claims.into());
         }
+
         let mut affected = BTreeSet::new();
         for (claim, before) in touched.iter().zip(owners_before) {
             let after = self.owner(claim).cloned();
             if before != after {
-                affected.extend(before.into_iter().chain(after).filter(|k| k != key));
+                affected.extend(before.into_iter().chain(after));
             }
         }
+        // Whoever names a cluster IP that came or went: its share of it changed.
+        for ip in cluster_ips_moved {
+            affected.extend(
+                self.claims_on(ip)
+                    .flat_map(|(_, claimants)| claimants.iter().map(|c| c.service.clone())),
+            );
+        }
+        affected.remove(key);
         affected
     }
 
@@ -104,68 +170,84 @@ impl Claims {
     ) {
         *self = Self::default();
         for (key, info, ports) in services {
-            let claims = claims_of(key, info, &ports);
-            for (claim, claimant) in &claims {
-                self.claimants
+            for port in &ports {
+                self.cluster_ips
+                    .entry(port.cluster_ip)
+                    .or_insert_with(|| key.clone());
+            }
+            let claims = external_claims(&ports);
+            if claims.is_empty() {
+                continue;
+            }
+            let claimant = Claimant::of(key, info);
+            for claim in &claims {
+                self.external
                     .entry(*claim)
                     .or_default()
-                    .insert(claimant.clone());
+                    .push(claimant.clone());
             }
-            if !claims.is_empty() {
-                self.by_service.insert(key.clone(), claims);
-            }
+            self.by_service.insert(key.clone(), claims.into());
+        }
+        for claimants in self.external.values_mut() {
+            claimants.sort_unstable();
         }
     }
 
-    /// The Service that owns `claim`, if anyone claims it.
+    /// The Service that owns `claim`: the Service whose cluster IP it names, else its oldest
+    /// claimant.
     pub fn owner(&self, claim: &Claim) -> Option<&ObjectKey> {
-        self.claimants
-            .get(claim)
-            .and_then(|set| set.first())
-            .map(|claimant| &claimant.service)
+        self.cluster_ips.get(&claim.address).or_else(|| {
+            self.external
+                .get(claim)
+                .and_then(|claimants| claimants.first())
+                .map(|claimant| &claimant.service)
+        })
     }
 
     /// How many claims some Service holds without owning them.
     pub fn lost(&self) -> usize {
-        self.claimants
-            .values()
-            .map(|set| {
-                let owner = set.first().map(|c| &c.service);
-                set.iter()
-                    .map(|c| &c.service)
-                    .filter(|s| Some(*s) != owner)
-                    .collect::<BTreeSet<_>>()
-                    .len()
+        self.external
+            .iter()
+            .map(|(claim, claimants)| {
+                let owner = self.owner(claim);
+                claimants
+                    .iter()
+                    .filter(|c| Some(&c.service) != owner)
+                    .count()
             })
             .sum()
     }
+
+    fn claims_on(&self, address: IpAddr) -> impl Iterator<Item = (&Claim, &Vec<Claimant>)> {
+        self.external
+            .range(
+                Claim {
+                    address,
+                    port: 0,
+                    protocol: Protocol::Tcp,
+                }..,
+            )
+            .take_while(move |(claim, _)| claim.address == address)
+    }
 }
 
-fn claims_of(
-    key: &ObjectKey,
-    info: Option<&ServiceInfo>,
-    ports: &[&ServicePort],
-) -> Vec<(Claim, Claimant)> {
-    let claimant = |rank| Claimant {
-        rank,
-        created: info.and_then(|i| i.created).unwrap_or(i64::MAX),
-        uid: info.and_then(|i| i.uid.clone()).unwrap_or_default(),
-        service: key.clone(),
-    };
-    // Per claim the Service's best rank: its cluster IP may also be listed as external.
-    let mut best: BTreeMap<Claim, u8> = BTreeMap::new();
-    for port in ports {
-        let claim = |address| Claim {
-            address,
-            port: port.port,
-            protocol: port.protocol,
-        };
-        best.insert(claim(port.cluster_ip), 0);
-        for &address in port.external_ips.iter().chain(&port.load_balancer_ips) {
-            best.entry(claim(address)).or_insert(1);
-        }
-    }
-    best.into_iter()
-        .map(|(claim, rank)| (claim, claimant(rank)))
-        .collect()
+/// The external and load-balancer claims of a Service's ports, sorted, each once (a Service
+/// may list one address as both).
+fn external_claims(ports: &[&ServicePort]) -> Vec<Claim> {
+    let mut claims: Vec<Claim> = ports
+        .iter()
+        .flat_map(|port| {
+            port.external_ips
+                .iter()
+                .chain(&port.load_balancer_ips)
+                .map(|&address| Claim {
+                    address,
+                    port: port.port,
+                    protocol: port.protocol,
+                })
+        })
+        .collect();
+    claims.sort_unstable();
+    claims.dedup();
+    claims
 }

@@ -30,7 +30,7 @@ pub enum ServiceError {
         reason: &'static str,
     },
     #[error(
-        "Service {service}: {field}: {address} port {port}/{protocol} is also claimed by the older Service {owner}, which keeps it; ignored here"
+        "Service {service}: {field}: {address} port {port}/{protocol} belongs to Service {owner} (its cluster IP, or its older claim); ignored here"
     )]
     Conflict {
         service: ObjectKey,

@@ -188,9 +188,16 @@ impl Snapshot {
         let mut errors = Vec::new();
         let raw = IpFamily::ALL.map(|family| raw_ports(objects, key, family, &mut errors));
         // Services whose share of a contested frontend moved with this one's change.
+        // Every service port of a family carries the Service's cluster IP of that family.
+        let old_cluster_ips: Vec<IpAddr> = IpFamily::ALL
+            .iter()
+            .filter_map(|&family| self.family(family).of_service(key).next())
+            .map(|port| port.cluster_ip)
+            .collect();
         let affected = self.claims.replace(
             key,
             objects.services.get(key),
+            &old_cluster_ips,
             &raw.iter().flatten().collect::<Vec<_>>(),
         );
         for (family, family_ports) in IpFamily::ALL.into_iter().zip(raw) {
@@ -258,15 +265,15 @@ fn raw_ports(
     }
 }
 
-/// Takes away the frontends another Service owns: a lost cluster IP drops the service port, a
-/// lost external or load-balancer address only that address.
+/// Takes away the external and load-balancer addresses another Service owns (see
+/// [`super::claims`]); the service port keeps its cluster IP and its other addresses.
 fn settle(
     claims: &Claims,
     key: &ObjectKey,
-    ports: &mut Vec<ServicePort>,
+    ports: &mut [ServicePort],
     errors: &mut Vec<ServiceError>,
 ) {
-    ports.retain_mut(|port| {
+    for port in ports {
         let (number, protocol) = (port.port, port.protocol);
         let mut lost = |field: &'static str, address: IpAddr| {
             let claim = Claim {
@@ -289,15 +296,11 @@ fn settle(
                 _ => false,
             }
         };
-        if lost("spec.clusterIP", port.cluster_ip) {
-            return false;
-        }
         port.external_ips
             .retain(|&address| !lost("spec.externalIPs", address));
         port.load_balancer_ips
             .retain(|&address| !lost("status.loadBalancer.ingress[].ip", address));
-        true
-    });
+    }
 }
 
 /// The service ports of one Service in one family, settled against the other Services'

@@ -874,7 +874,7 @@ fn a_contested_external_ip_stays_with_the_older_service() {
     assert_eq!(
         conflicts,
         [
-            "Service aaa/aaa: spec.externalIPs: 192.0.2.50 port 80/TCP is also claimed by the older Service kube-system/kube-system, which keeps it; ignored here"
+            "Service aaa/aaa: spec.externalIPs: 192.0.2.50 port 80/TCP belongs to Service kube-system/kube-system (its cluster IP, or its older claim); ignored here"
         ]
     );
 
@@ -948,4 +948,41 @@ fn a_cluster_ip_is_never_taken_by_an_external_ip() {
     let old = port(&snapshot, IpFamily::V4, "old/old", "http", Protocol::Tcp);
     assert!(old.external_ips.is_empty());
     assert_eq!(snapshot.conflicts(), 1);
+}
+
+/// A cluster IP allocated after another Service named it as an external IP takes it over in
+/// the incremental update of the new Service alone, and gives it back when it goes.
+#[test]
+fn a_cluster_ip_that_comes_and_goes_moves_the_external_ip_incrementally() {
+    let only_old = objects(&claimant(
+        "old",
+        "2020-01-01T00:00:00Z",
+        "a-uid",
+        "10.96.1.5",
+    ));
+    let both = objects(
+        &(claimant("old", "2020-01-01T00:00:00Z", "a-uid", "10.96.1.5")
+            + "---"
+            + &claimant("newer", "2025-01-01T00:00:00Z", "b-uid", "192.0.2.9")),
+    );
+    let mut snapshot = Snapshot::compute(&only_old, NODE);
+    let external = |snapshot: &Snapshot| {
+        port(snapshot, IpFamily::V4, "old/old", "http", Protocol::Tcp)
+            .external_ips
+            .clone()
+    };
+    assert_eq!(external(&snapshot).len(), 1);
+    let newer = BTreeSet::from([key("newer/newer")]);
+    let update = snapshot.update(&both, NODE, Some(&newer));
+    assert!(
+        update
+            .changed
+            .iter()
+            .any(|name| &*name.service.name == "old")
+    );
+    assert!(external(&snapshot).is_empty());
+    assert_eq!(snapshot, Snapshot::compute(&both, NODE));
+    snapshot.update(&only_old, NODE, Some(&newer));
+    assert_eq!(external(&snapshot).len(), 1);
+    assert_eq!(snapshot, Snapshot::compute(&only_old, NODE));
 }
