@@ -663,6 +663,8 @@ impl MapWriter {
                 .collect(),
         };
         names.extend(self.deferred.values().cloned());
+        // Only this apply's hand-overs: a direct `apply` leaves its own behind.
+        self.claimed_by_other.clear();
         if std::mem::take(&mut self.room_freed) {
             names.extend(self.unfit.values().cloned());
         }

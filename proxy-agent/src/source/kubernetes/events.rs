@@ -11,6 +11,17 @@ use kube::{
 use tokio::sync::mpsc;
 use tracing::{debug, warn};
 
+/// Events reported as kube-proxy's on this node, as upstream reports them.
+fn recorder(client: Client, node_name: &str) -> Recorder {
+    Recorder::new(
+        client,
+        Reporter {
+            controller: "kube-proxy".to_owned(),
+            instance: Some(node_name.to_owned()),
+        },
+    )
+}
+
 /// A Warning Event to post on a Service.
 #[derive(Debug, Clone)]
 pub struct ServiceEvent {
@@ -38,13 +49,7 @@ impl ServiceWarnings {
 /// Starts the task that posts Service Events for the agent on `node_name`.
 pub fn service_warnings(client: Client, node_name: &str) -> ServiceWarnings {
     let (tx, mut rx) = mpsc::channel::<ServiceEvent>(256);
-    let recorder = Recorder::new(
-        client,
-        Reporter {
-            controller: "kube-proxy".to_owned(),
-            instance: Some(node_name.to_owned()),
-        },
-    );
+    let recorder = recorder(client, node_name);
     tokio::spawn(async move {
         while let Some(event) = rx.recv().await {
             let reference = ObjectReference {
@@ -85,13 +90,7 @@ fn node_reference(node_name: &str) -> ObjectReference {
 
 /// Posts the `Starting` event; a failure is logged, never fatal (events are informational).
 pub async fn post_starting_event(client: Client, node_name: &str) {
-    let recorder = Recorder::new(
-        client,
-        Reporter {
-            controller: "kube-proxy".to_owned(),
-            instance: Some(node_name.to_owned()),
-        },
-    );
+    let recorder = recorder(client, node_name);
     let event = Event {
         type_: EventType::Normal,
         reason: "Starting".to_owned(),
