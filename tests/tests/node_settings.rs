@@ -395,21 +395,7 @@ fn ebpf_node_maps_hold_the_node_port_addresses() -> anyhow::Result<()> {
 
     // Explicit CIDRs with loopback: listed one by one, no flag; then an address comes and goes.
     let mut s = setup()?;
-    s.start_agent_with_args(
-        "ebpf",
-        &[
-            "--interfaces",
-            "vext",
-            "--nodeport-addresses",
-            "127.0.0.0/8,10.10.0.0/24",
-        ],
-    )?;
-    s.wait_for_datapath_with(
-        &ext_client(&s),
-        node_port(Topology::node_ext_ip()),
-        "NodePort",
-        is_pod,
-    )?;
+    start_with_loopback_node_ports(&mut s)?;
     let (addrs, flags) = node_maps(&mut s)?;
     s.ensure(
         // IPv4 CIDRs only: IPv6 matches all (upstream's NewNodePortAddresses), never ::1.
@@ -722,6 +708,27 @@ fn send_frame_and_listen(
     })?
 }
 
+/// The eBPF agent with NodePorts on loopback and the node's external network, once a NodePort
+/// answers from outside.
+fn start_with_loopback_node_ports(s: &mut Scenario) -> anyhow::Result<()> {
+    s.start_agent_with_args(
+        "ebpf",
+        &[
+            "--interfaces",
+            "vext",
+            "--nodeport-addresses",
+            "127.0.0.0/8,10.10.0.0/24",
+        ],
+    )?;
+    s.wait_for_datapath_with(
+        &ext_client(s),
+        node_port(Topology::node_ext_ip()),
+        "NodePort",
+        is_pod,
+    )?;
+    Ok(())
+}
+
 /// CVE-2020-8558 in eBPF mode: with loopback in `nodePortAddresses`, 127.0.0.1 is a NodePort
 /// address (`KPR_NODE_ADDRS`) for the node's own processes only. A neighbour that routes
 /// 127.0.0.1 to the node (a SYN to 127.0.0.1:<nodePort> in a frame to the node's MAC) gets no
@@ -734,21 +741,7 @@ fn ebpf_localhost_node_ports_are_not_served_to_neighbours() -> anyhow::Result<()
     use proxy_tests::packet::{L4, build};
     const CLIENT_PORT: u16 = 47_123;
     let mut s = setup()?;
-    s.start_agent_with_args(
-        "ebpf",
-        &[
-            "--interfaces",
-            "vext",
-            "--nodeport-addresses",
-            "127.0.0.0/8,10.10.0.0/24",
-        ],
-    )?;
-    s.wait_for_datapath_with(
-        &ext_client(&s),
-        node_port(Topology::node_ext_ip()),
-        "NodePort",
-        is_pod,
-    )?;
+    start_with_loopback_node_ports(&mut s)?;
     let (addrs, _) = node_maps(&mut s)?;
     s.ensure(addrs.contains(&IpAddr::V4(Ipv4Addr::LOCALHOST)), || {
         format!("127.0.0.1 is a NodePort address of the datapath: {addrs:?}")

@@ -791,6 +791,29 @@ fn run_fragment(
     (out.action, out.packet, out.mark)
 }
 
+/// A 3000-byte UDP datagram from `client` to `frontend`, its first, middle and last fragments
+/// (IP ID `id`), and the label the assertions use.
+struct Fragmented {
+    what: String,
+    payload: Vec<u8>,
+    datagram: Vec<u8>,
+    pieces: Vec<Vec<u8>>,
+}
+
+fn three_fragments(client: SocketAddr, frontend: SocketAddr, id: u32) -> Fragmented {
+    let what = format!("UDP {client} → {frontend}, fragmented");
+    let payload: Vec<u8> = (0..3000u32).map(|i| (i % 251) as u8).collect();
+    let datagram = build(client, frontend, L4::Udp, &payload);
+    let pieces = fragment(&datagram, 1232, id);
+    assert_eq!(pieces.len(), 3, "{what}: first, middle, last");
+    Fragmented {
+        what,
+        payload,
+        datagram,
+        pieces,
+    }
+}
+
 /// IP fragments of a translated UDP flow (issue 14 item 4), on the netfilter path, both
 /// families: the first, middle and last fragment of a 3000-byte datagram each get the flow's
 /// translation — at ingress the backend as destination, at egress the SNAT address as source,
@@ -808,11 +831,12 @@ fn fragments_of_a_flow_get_its_translation() {
             let client = sa(client, 43_053);
             let frontend = sa(node_ip, 30053);
             let backend = sa(backend, 5353);
-            let what = format!("UDP {client} → {frontend}, fragmented");
-            let payload: Vec<u8> = (0..3000u32).map(|i| (i % 251) as u8).collect();
-            let datagram = build(client, frontend, L4::Udp, &payload);
-            let pieces = fragment(&datagram, 1232, id);
-            assert_eq!(pieces.len(), 3, "{what}: first, middle, last");
+            let Fragmented {
+                what,
+                payload,
+                datagram,
+                pieces,
+            } = three_fragments(client, frontend, id);
 
             let mut ingress = Vec::new();
             let mut ingress_frames = Vec::new();
@@ -924,11 +948,12 @@ fn only_first_fragments_of_flows_are_remembered() {
             let client = sa(client, 43_100);
             let frontend = sa(node_ip, 30053);
             let backend = sa(backend, 5353);
-            let what = format!("UDP {client} → {frontend}, fragmented");
-            let payload: Vec<u8> = (0..3000u32).map(|i| (i % 251) as u8).collect();
-            let datagram = build(client, frontend, L4::Udp, &payload);
-            let pieces = fragment(&datagram, 1232, id);
-            assert_eq!(pieces.len(), 3, "{what}: first, middle, last");
+            let Fragmented {
+                what,
+                payload,
+                datagram: _,
+                pieces,
+            } = three_fragments(client, frontend, id);
             let mut ingress = Vec::new();
             let (action, out, _) = run_fragment(
                 node,
