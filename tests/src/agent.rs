@@ -46,6 +46,8 @@ pub struct AgentConfig {
     /// `--proxy-mode`; None = `ebpf`.
     pub proxy_mode: Option<String>,
     pub extra_args: Vec<String>,
+    /// The executable to run instead of [`agent_binary`] (a wrapper, say).
+    pub binary: Option<PathBuf>,
 }
 
 /// Path of the agent binary: `PROXY_AGENT_BIN`, else `target/<profile>/proxy-agent`.
@@ -79,6 +81,10 @@ pub struct Agent {
 }
 
 impl Agent {
+    fn binary(&self) -> Result<PathBuf> {
+        self.config.binary.clone().map_or_else(agent_binary, Ok)
+    }
+
     pub fn start(config: &AgentConfig) -> Result<Self> {
         let work_dir = std::env::temp_dir().join(unique_name("agent"));
         let bpf_root = work_dir.join("bpf");
@@ -100,7 +106,7 @@ impl Agent {
     /// Starts the agent process (again) with the same configuration, bpffs root and log file
     /// (appended to).
     fn spawn(&mut self) -> Result<()> {
-        let bin = agent_binary()?;
+        let bin = self.binary()?;
         let log = fs::OpenOptions::new()
             .create(true)
             .append(true)
@@ -191,7 +197,7 @@ impl Agent {
     pub fn run_cleanup(&self) -> Result<ExitStatus> {
         // In the agent's namespace: `--cleanup` also removes iptables rules, and those of the
         // test process's namespace (the host's) must never be touched.
-        let bin = agent_binary()?;
+        let bin = self.binary()?;
         let mut cmd = match &self.config.netns {
             Some(ns) => {
                 let mut c = Command::new("nsenter");

@@ -3,7 +3,7 @@
 //! clients, a manifests directory and (once started) the agent.
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV4};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use crate::agent::{Agent, AgentConfig, AgentSource};
@@ -107,6 +107,8 @@ pub fn pod_endpoint(i: usize) -> Endpoint {
 #[derive(Debug)]
 pub struct Scenario {
     agent: Option<Agent>,
+    /// Runs this instead of the agent binary (a wrapper with fewer capabilities, say).
+    agent_binary: Option<PathBuf>,
     pub manifests: ManifestsDir,
     pub cgroup: ChildCgroup,
     pub topo: Topology,
@@ -131,6 +133,7 @@ impl Scenario {
         }
         Ok(Self {
             agent: None,
+            agent_binary: None,
             manifests: ManifestsDir::new()?,
             cgroup: ChildCgroup::new()?,
             topo,
@@ -192,6 +195,7 @@ impl Scenario {
             hostname: HOSTNAME.into(),
             netns: Some(self.topo.node().path()),
             extra_args,
+            binary: self.agent_binary.clone(),
         };
         Ok(self.agent.insert(Agent::start(&config)?))
     }
@@ -255,6 +259,12 @@ impl Scenario {
         };
         self.wait_for_datapath_with(&client, cluster_addr(), "answered by a pod", is_pod)?;
         Ok(client)
+    }
+
+    /// Agents this scenario starts from now on run `binary` (per scenario, not through the
+    /// process environment, which every test thread of the binary shares).
+    pub fn use_agent_binary(&mut self, binary: impl Into<PathBuf>) {
+        self.agent_binary = Some(binary.into());
     }
 
     /// The running agent, if any, for reading.

@@ -1,7 +1,7 @@
 //! The end-to-end scenario table both dataplanes must pass: each scenario builds its topology,
 //! writes Services and EndpointSlices, starts the agent in the given `--proxy-mode` and checks
 //! real traffic (which pod answered, which client address it saw, what was refused or dropped).
-//! `tests/tests/service_scenarios_*.rs` run the table once per mode.
+//! `tests/tests/integration/service_scenarios_*.rs` run the table once per mode.
 
 use std::{
     collections::BTreeMap,

@@ -16,7 +16,7 @@
 //! unchanged (what it cannot finish is tc's, untouched), drops only frames tc drops too, and
 //! redirects only well-formed frames, rewritten into well-formed ones.
 //!
-//! Used by `tests/tests/tc_fuzz.rs` (bounded and deterministic, in `cargo xtask test`) and by the
+//! Used by `tests/tests/integration/tc_fuzz.rs` (bounded and deterministic, in `cargo xtask test`) and by the
 //! cargo-fuzz target `tc_packets` (`tests/fuzz/`). Needs root and the real eBPF object.
 
 use std::{

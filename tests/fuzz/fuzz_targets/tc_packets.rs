@@ -6,7 +6,7 @@
 //!
 //! libFuzzer sees only user-space coverage, so inputs are steered towards frames the programs
 //! care about: with the first byte odd, the next 8 bytes seed a well-formed frame from the
-//! address and port pools (the generator of `tests/tests/tc_fuzz.rs`) and the rest is XORed
+//! address and port pools (the generator of `tests/tests/integration/tc_fuzz.rs`) and the rest is XORed
 //! over it (all zero: the frame stays well-formed); with it even, the rest is the raw frame.
 #![no_main]
 

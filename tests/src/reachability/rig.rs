@@ -168,6 +168,7 @@ impl MatrixRig {
             hostname: HOSTNAME.into(),
             netns: Some(self.topo.node().path()),
             extra_args,
+            binary: None,
         };
         self.agent = Some(Agent::start(&config)?);
         Ok(())

@@ -60,7 +60,7 @@ pub fn remove() -> (Vec<String>, Vec<LeftoverError>) {
 /// eBPF mode registers no netfilter NAT or conntrack user of its own, and with the tables gone
 /// — or only emptied: the rules' NAT expressions hold the conntrack hooks — the next segment of
 /// every established connection went untranslated and was reset (all 14 streams of
-/// `tests/tests/takeover.rs`). Meanwhile the rules see only what the eBPF mode does not
+/// `tests/tests/integration/takeover.rs`). Meanwhile the rules see only what the eBPF mode does not
 /// translate first (its socket hooks and tc programs rewrite Service traffic before netfilter
 /// sees it): the drain keeps kube-proxy's view of the Services for traffic that bypasses ours.
 /// (The iptables mode registers NAT rules of its own, and removes the tables at once.)

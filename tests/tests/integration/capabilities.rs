@@ -4,8 +4,7 @@
 //! CAP_NET_ADMIN (tc, SOCK_DESTROY, netlink, sysctls), CAP_SYS_PTRACE (opening other processes'
 //! network namespaces to destroy their stale UDP sockets). iptables mode: CAP_NET_ADMIN.
 //! (CAP_SYS_RESOURCE only lets a negative --oom-score-adj apply; without it that is a warning.)
-//! Needs root. This binary holds a single test: it points the rig at a wrapper script through
-//! PROXY_AGENT_BIN.
+//! Needs root. The rig runs a wrapper script in place of the agent binary.
 
 use std::{os::unix::fs::PermissionsExt as _, path::PathBuf};
 
@@ -30,8 +29,9 @@ fn wrapper(
     Ok(path)
 }
 
-fn serves(mode: &str) -> anyhow::Result<()> {
+fn serves(mode: &str, agent: &std::path::Path) -> anyhow::Result<()> {
     let mut s = Scenario::new(2)?;
+    s.use_agent_binary(agent);
     s.write_web_service(2)?;
     let client = s.start_serving(mode, &[])?;
     let attempts = client.run(cluster_addr(), 20)?;
@@ -59,10 +59,7 @@ fn the_documented_capabilities_are_enough() -> anyhow::Result<()> {
     let iptables = wrapper(&dir, "agent-iptables", "+net_admin", &agent)?;
     let result = (|| -> anyhow::Result<()> {
         for (mode, bin) in [("ebpf", &ebpf), ("iptables", &iptables)] {
-            // SAFETY: this test binary runs this single test; no other thread reads the
-            // environment while the variable changes.
-            unsafe { std::env::set_var("PROXY_AGENT_BIN", bin) };
-            serves(mode)?;
+            serves(mode, bin)?;
         }
         Ok(())
     })();
