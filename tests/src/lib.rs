@@ -46,6 +46,30 @@ pub fn require_root() {
     }
 }
 
+/// Where [`report_skipped`] writes, one line per skipped check; `cargo xtask test` sets it and
+/// lists the lines in its closing summary.
+pub const SKIPPED_FILE_ENV: &str = "KPR_SKIPPED_FILE";
+
+/// Records that part of a test could not run on this machine (`what`) and why: on stderr, and
+/// in the run's summary when `cargo xtask test` runs it. For a capability the kernel lacks that
+/// no other means can provide; the test's other checks still run.
+pub fn report_skipped(what: &str, why: &str) {
+    use std::io::Write as _;
+    eprintln!("SKIPPED: {what}: {why}");
+    let Some(path) = std::env::var_os(SKIPPED_FILE_ENV) else {
+        return;
+    };
+    // A summary line lost to a failing write is not worth failing the test for: the line on
+    // stderr above stays.
+    if let Ok(mut file) = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)
+    {
+        let _ = writeln!(file, "{what}: {why}");
+    }
+}
+
 /// A name unique within this machine for the lifetime of this process:
 /// `kpr-<pid>-<counter>-<role>`.
 pub fn unique_name(role: &str) -> String {
