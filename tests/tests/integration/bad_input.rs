@@ -13,7 +13,8 @@ use std::time::{Duration, Instant};
 
 use proxy_tests::client::tally;
 use proxy_tests::scenario::{
-    CLUSTER_IP, Scenario, cluster_addr, http_service, http_slice, is_pod, pod_endpoint,
+    CLUSTER_IP, DATAPATH_TIMEOUT, Scenario, cluster_addr, http_service, http_slice, is_pod,
+    pod_endpoint,
 };
 
 /// One malformed input and what the agent must say about it.
@@ -297,7 +298,7 @@ fn malformed_manifests_are_named_while_the_running_agent_keeps_serving_the_valid
     for case in &corpus {
         let before = s.agent()?.log_contents().len();
         write_bytes(s.manifests.path(), &case.file, &case.content)?;
-        let deadline = Instant::now() + Duration::from_secs(10);
+        let deadline = Instant::now() + DATAPATH_TIMEOUT;
         let line = loop {
             let log = s.agent()?.log_contents();
             let found = log
@@ -312,7 +313,7 @@ fn malformed_manifests_are_named_while_the_running_agent_keeps_serving_the_valid
             let running = s.agent()?.is_running();
             s.ensure(running && Instant::now() < deadline, || {
                 format!(
-                    "{}: no log line with {:?} within 10 s (agent running: {running})",
+                    "{}: no log line with {:?} within {DATAPATH_TIMEOUT:?} (agent running: {running})",
                     case.what, case.expect
                 )
             })?;

@@ -105,7 +105,11 @@ fn removed_endpoint_gets_no_new_connections() -> anyhow::Result<()> {
     )?;
 
     s.write_web(&[pod_endpoint(1), pod_endpoint(3)])?;
-    std::thread::sleep(std::time::Duration::from_secs(1));
+    // Applied once a whole batch misses pod2; the batch after it must miss pod2 as well.
+    let client = s.cgroup_client();
+    s.wait_for_batch(&client, cluster_addr(), CONNECTIONS, "removing pod2", |a| {
+        a.backend() != Some("pod2")
+    })?;
 
     let (_, after) = connect_many(&s, "after removing pod2")?;
     s.ensure(
