@@ -20,4 +20,5 @@ pub mod proxy_mode;
 pub mod run;
 pub mod source;
 pub mod sync_runner;
+pub mod time_format;
 pub mod yaml;

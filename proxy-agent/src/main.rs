@@ -58,7 +58,7 @@ async fn agent_main() -> ExitCode {
     let filter = EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| EnvFilter::new(config.log_level().to_string()));
     // The first reading fixes the origin of the ` m=+…` monotonic times in the health bodies.
-    proxy_agent::node_services::time_format::process_start();
+    proxy_agent::time_format::process_start();
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr);

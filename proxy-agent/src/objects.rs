@@ -9,7 +9,9 @@ use std::{
     fmt,
 };
 
-use crate::node::{NodeChange, node_change};
+mod node_change;
+
+pub use node_change::{NodeChange, node_change};
 
 mod endpoint_slice;
 mod interned;

@@ -3,6 +3,7 @@
 mod build;
 mod deny;
 mod image;
+mod layers;
 mod setup;
 mod toolchain;
 

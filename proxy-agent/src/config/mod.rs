@@ -10,6 +10,8 @@
 pub mod configz;
 pub mod defaults;
 pub mod duration;
+pub mod ebpf_settings;
+pub mod encoding;
 pub mod features;
 pub mod file;
 pub mod flags;
@@ -162,7 +164,7 @@ pub struct EbpfConfig {
     /// `--bpf-map-conntrack`; `None`: sized from the node's memory.
     pub map_conntrack: Option<u32>,
     /// `--bpf-map-dynamic-size-ratio`.
-    pub map_dynamic_size_ratio: crate::dataplane::ebpf::map_sizes::SizeRatio,
+    pub map_dynamic_size_ratio: crate::config::ebpf_settings::SizeRatio,
     /// `--bpf-snat-port-range`.
     pub snat_ports: std::ops::RangeInclusive<u16>,
     /// `--interfaces` (for the tc programs; not used yet).
@@ -176,7 +178,7 @@ pub struct EbpfConfig {
     /// `--tc-fast-path`: translated external traffic skips netfilter FORWARD/POSTROUTING.
     pub tc_fast_path: bool,
     /// `--bpf-xdp`: XDP on the external interfaces.
-    pub xdp: crate::dataplane::ebpf::XdpSetting,
+    pub xdp: ebpf_settings::XdpSetting,
     /// `--bpf-socket-lb-host-namespace-only`: pods' Service traffic is load-balanced in tc,
     /// not at their sockets.
     pub socket_lb_host_namespace_only: bool,
@@ -213,16 +215,16 @@ impl Default for EbpfConfig {
             bpf_root: PathBuf::from("/sys/fs/bpf"),
             map_frontends: proxy_common::default_sizes::FRONTENDS,
             map_backends: proxy_common::default_sizes::BACKENDS,
-            max_frontends_per_service: crate::dataplane::ebpf::DEFAULT_MAX_FRONTENDS_PER_SERVICE,
+            max_frontends_per_service: ebpf_settings::DEFAULT_MAX_FRONTENDS_PER_SERVICE,
             map_conntrack: None,
-            map_dynamic_size_ratio: crate::dataplane::ebpf::map_sizes::DEFAULT_DYNAMIC_SIZE_RATIO,
-            snat_ports: crate::dataplane::ebpf::reserved_ports::DEFAULT_RANGE,
+            map_dynamic_size_ratio: ebpf_settings::DEFAULT_DYNAMIC_SIZE_RATIO,
+            snat_ports: ebpf_settings::DEFAULT_SNAT_RANGE,
             interfaces: Vec::new(),
             lb_algorithm: LbAlgorithm::Random,
             maglev_table_size: proxy_common::maglev::DEFAULT_TABLE_SIZE,
             map_maglev: proxy_common::default_sizes::MAGLEV,
             tc_fast_path: false,
-            xdp: crate::dataplane::ebpf::XdpSetting::Auto,
+            xdp: ebpf_settings::XdpSetting::Auto,
             socket_lb_host_namespace_only: false,
             drift_check_period: DEFAULT_DRIFT_CHECK_PERIOD,
             mode_switch_drain_period: DEFAULT_MODE_SWITCH_DRAIN_PERIOD,

@@ -232,15 +232,15 @@ pub fn resolve(
     }
     // client-go finds no serializer for any other type and cannot build a client.
     if let Err(error) =
-        crate::source::kubernetes::Encoding::new(&client.content_type, &client.accept_content_types)
+        super::encoding::Encoding::new(&client.content_type, &client.accept_content_types)
     {
         let (field, value, reason) = match error {
-            crate::source::kubernetes::EncodingError::ContentType(_) => (
+            super::encoding::EncodingError::ContentType(_) => (
                 "clientConnection.contentType",
                 &client.content_type,
                 "must be application/json or application/vnd.kubernetes.protobuf",
             ),
-            crate::source::kubernetes::EncodingError::Accept(_) => (
+            super::encoding::EncodingError::Accept(_) => (
                 "clientConnection.acceptContentTypes",
                 &client.accept_content_types,
                 "not a valid HTTP Accept header",

@@ -12,3 +12,24 @@ mod sysctls;
 pub use cleanup::{CleanupReport, StaleFilter, reconcile, stale_filters};
 pub use netlink::{ConntrackEntry, ConntrackError, Ctnetlink, Tuple};
 pub use sysctls::{ConntrackSettings, SysctlError, apply_sysctls, planned_writes};
+
+/// Connections in the kernel's conntrack (both families) whose reply comes from another
+/// address or port than the original destination: DNATed ones.
+pub fn dnat_connections() -> Result<usize, ConntrackError> {
+    let mut ctnetlink = Ctnetlink::open()?;
+    let mut count = 0;
+    for family in [
+        crate::ip_family::IpFamily::V4,
+        crate::ip_family::IpFamily::V6,
+    ] {
+        count += ctnetlink
+            .dump(family)?
+            .iter()
+            .filter(|entry| {
+                entry.original.dst != entry.reply.src
+                    || entry.original.dst_port != entry.reply.src_port
+            })
+            .count();
+    }
+    Ok(count)
+}

@@ -15,7 +15,6 @@
 //!   a podCIDR change, recomputing the settings on every sync.
 
 mod addresses;
-mod changes;
 mod detect_local;
 pub mod ebpf;
 mod links;
@@ -23,8 +22,8 @@ mod manager;
 mod settings;
 mod watch;
 
+pub use crate::objects::{NodeChange, node_change};
 pub use addresses::{Interface, NodePortAddressSet, host_interfaces, is_global_unicast};
-pub use changes::{NodeChange, node_change};
 pub use detect_local::DetectLocalMode;
 pub use links::{ARPHRD_ETHER, Link};
 pub use manager::{NodeError, NodeManager, POD_CIDR_POLL_TIMEOUT};

@@ -20,9 +20,8 @@ use axum::{
 use super::{
     http::{go_not_found, response},
     metrics::Metrics,
-    time_format::Stamp,
 };
-use crate::{desired::IpFamily, objects::NodeInfo};
+use crate::{desired::IpFamily, objects::NodeInfo, time_format::Stamp};
 
 /// The taint the Cluster Autoscaler puts on a node it is about to delete.
 pub const TO_BE_DELETED_TAINT: &str = "ToBeDeletedByClusterAutoscaler";

@@ -6,7 +6,6 @@
 //! - `service_health.rs`: one server per health check node port.
 //! - `metrics.rs`: the registry, kube-proxy's `kubeproxy_*` metrics and our `kubeproxy_ebpf_*`.
 //! - `exposition.rs`: `/metrics` content negotiation and the classic text format.
-//! - `time_format.rs`: Go's `time.Time.String()` for the health bodies.
 //! - `http.rs`: serving (Go-like listeners and headers).
 //!
 //! [`NodeServices`] is the handle the agent's loop calls.
@@ -16,7 +15,6 @@ pub mod health;
 pub mod http;
 pub mod metrics;
 pub mod service_health;
-pub mod time_format;
 
 use std::{
     collections::BTreeSet,

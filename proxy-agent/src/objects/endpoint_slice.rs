@@ -12,7 +12,7 @@ use std::{net::IpAddr, time::SystemTime};
 use k8s_openapi::api::discovery::v1::{self as k8s, EndpointSlice};
 
 use super::interned::{Name, intern, intern_all};
-use crate::{ip_family::IpFamily, node_services::time_format};
+use crate::{ip_family::IpFamily, time_format};
 
 /// The label that ties an EndpointSlice to its Service.
 pub const LABEL_SERVICE_NAME: &str = "kubernetes.io/service-name";

@@ -9,7 +9,7 @@
 //! backoff; until then the store, and so the datapath, keeps the last state.
 
 mod client;
-mod encoding;
+use crate::config::encoding;
 mod events;
 #[cfg(test)]
 mod fixtures;

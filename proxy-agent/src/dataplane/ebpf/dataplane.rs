@@ -27,7 +27,7 @@ use super::{
     ct_maps::ConntrackMaps,
     ct_worker::CtWorker,
     drift,
-    drift_reader::{self, DriftReader, DriftReading, Touched},
+    drift_reader::{self, DriftReader, DriftReading},
     error::EbpfError,
     features::{Feature, KernelFeatures},
     kernel_nat,
@@ -45,6 +45,7 @@ use super::{
     tc::TcOptions,
     tc::TcState,
     tc_conntrack::{self, ConntrackPair, monotonic_ns},
+    touched_keys::Touched,
     xdp::XdpState,
 };
 use crate::desired::{Protocol, ServicePortName, Snapshot};

@@ -9,95 +9,21 @@
 //!
 //! The loop may write the service maps while the thread reads them, so a key written meanwhile
 //! may have been read before or after its write. The service maps record every key they touch
-//! while a read is out ([`Touched`]), and those keys are left out of the comparison: whatever
+//! while a read is out (`touched_keys::Touched`), and those keys are left out of the comparison: whatever
 //! they held was overwritten by the agent itself, and the next check compares them.
 
-use std::{collections::BTreeSet, os::fd::AsFd as _};
+use std::os::fd::AsFd as _;
 
 use aya::maps::{HashMap, IterableMap, Map, MapData, lpm_trie::LpmTrie};
-use ipnet::IpNet;
-use proxy_common::{
-    AffinityKey, AffinityMatchKey, AffinityValue, BackendSlotKey, CtKey, CtValue, MaglevKey,
-    map_names,
-};
+use proxy_common::{AffinityKey, AffinityValue, CtKey, CtValue, map_names};
 
 use super::{
     MapsContent,
     ct_maps::ConntrackMaps,
     error::EbpfError,
     map_batch::{BatchReader, read_all},
-    map_writer::FrontendMapKey,
     service_maps::ServiceMaps,
 };
-
-/// Keys of the service maps the agent wrote or deleted while a drift reading was out.
-#[derive(Debug, Default)]
-pub(super) struct Touched {
-    frontends: BTreeSet<FrontendMapKey>,
-    slots: BTreeSet<BackendSlotKey>,
-    backends: BTreeSet<u32>,
-    affinity_matches: BTreeSet<AffinityMatchKey>,
-    source_ranges: BTreeSet<u32>,
-    maglev: BTreeSet<MaglevKey>,
-}
-
-impl Touched {
-    pub(super) fn frontend(&mut self, key: FrontendMapKey) {
-        self.frontends.insert(key);
-    }
-    pub(super) fn slot(&mut self, key: BackendSlotKey) {
-        self.slots.insert(key);
-    }
-    pub(super) fn backend(&mut self, id: u32) {
-        self.backends.insert(id);
-    }
-    pub(super) fn affinity_match(&mut self, key: AffinityMatchKey) {
-        self.affinity_matches.insert(key);
-    }
-    /// Source ranges by service id: the LPM key's family is not in the key (see
-    /// `ServiceMaps::content`), so a whole service's ranges are left out.
-    pub(super) fn source_ranges_of(&mut self, service_id: u32) {
-        self.source_ranges.insert(service_id);
-    }
-    pub(super) fn maglev(&mut self, key: MaglevKey) {
-        self.maglev.insert(key);
-    }
-
-    /// Removes every touched key from `content`.
-    pub(super) fn remove_from(&self, content: &mut MapsContent) {
-        if !self.frontends.is_empty() {
-            content
-                .frontends
-                .retain(|(key, _)| !self.frontends.contains(key));
-        }
-        for key in &self.slots {
-            content.slots.remove(key);
-        }
-        for id in &self.backends {
-            content.backends.remove(id);
-        }
-        for key in &self.affinity_matches {
-            content.affinity_matches.remove(key);
-        }
-        if !self.source_ranges.is_empty() {
-            content
-                .source_ranges
-                .retain(|(id, _): &(u32, IpNet)| !self.source_ranges.contains(id));
-        }
-        for key in &self.maglev {
-            content.maglev.remove(key);
-        }
-    }
-
-    pub(super) fn len(&self) -> usize {
-        self.frontends.len()
-            + self.slots.len()
-            + self.backends.len()
-            + self.affinity_matches.len()
-            + self.source_ranges.len()
-            + self.maglev.len()
-    }
-}
 
 /// What the drift check reads: the service maps, and the datapath's affinity, UDP-socket and
 /// conntrack entries for the orphan check.

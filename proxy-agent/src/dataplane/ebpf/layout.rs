@@ -487,7 +487,7 @@ pub fn plan(pin_dir: &Path) -> std::io::Result<Plan> {
             Ok(data) => data,
             Err(error) => {
                 warn!(map = current.name, %error, "cannot open the pinned map; it starts empty");
-                super::pins::remove_if_present(&pin)?;
+                super::pin_files::remove_if_present(&pin)?;
                 plan.rebuilt.push(current.name);
                 continue;
             }
@@ -521,13 +521,13 @@ pub fn plan(pin_dir: &Path) -> std::io::Result<Plan> {
                         "pinned map has an older layout; its entries are migrated to this \
                          version's"
                     );
-                    super::pins::remove_if_present(&pin)?;
+                    super::pin_files::remove_if_present(&pin)?;
                     plan.pending.push(Pending { migration, old });
                 }
                 Err(error) => {
                     warn!(map = current.name, %error, "cannot read the pinned map in its older \
                         layout; it starts empty");
-                    super::pins::remove_if_present(&pin)?;
+                    super::pin_files::remove_if_present(&pin)?;
                     plan.rebuilt.push(current.name);
                 }
             },
@@ -556,7 +556,7 @@ pub fn plan(pin_dir: &Path) -> std::io::Result<Plan> {
                     "pinned map has a layout this agent does not know (a newer or foreign \
                      agent's); it is rebuilt empty"
                 );
-                super::pins::remove_if_present(&pin)?;
+                super::pin_files::remove_if_present(&pin)?;
                 plan.rebuilt.push(current.name);
             }
         }
@@ -600,7 +600,7 @@ fn plan_retired(
                 && recorded.is_none_or(|version| version == m.from.version)
         });
         let old = MapData::from_pin(&pin).and_then(Map::from_map_data);
-        super::pins::remove_if_present(&pin)?;
+        super::pin_files::remove_if_present(&pin)?;
         match (old, migration) {
             (Ok(old), Some(migration)) => {
                 info!(
@@ -654,7 +654,7 @@ fn rebuild_with_the_others(pin_dir: &Path, plan: &mut Plan) -> std::io::Result<(
             "service map rebuilt with the one of unknown layout (they share service and backend \
              ids); filled again by the first sync"
         );
-        super::pins::remove_if_present(&pin)?;
+        super::pin_files::remove_if_present(&pin)?;
         plan.rebuilt.push(name);
     }
     Ok(())

@@ -13,25 +13,7 @@ use proxy_common::{
     RevNat6Key,
 };
 
-/// `--bpf-map-dynamic-size-ratio`'s default: Cilium's.
-pub const DEFAULT_DYNAMIC_SIZE_RATIO: SizeRatio = SizeRatio(0.0025);
-
-/// A share of the node's memory, between 0 and 1 (never NaN, so equality is total).
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct SizeRatio(f64);
-
-impl Eq for SizeRatio {}
-
-impl SizeRatio {
-    /// `None` outside 0..=1 (and for NaN).
-    pub fn new(ratio: f64) -> Option<SizeRatio> {
-        (0.0..=1.0).contains(&ratio).then_some(SizeRatio(ratio))
-    }
-
-    pub fn get(self) -> f64 {
-        self.0
-    }
-}
+pub use crate::config::ebpf_settings::{DEFAULT_DYNAMIC_SIZE_RATIO, SizeRatio};
 
 /// Shares of the budget, in percent: the conntrack maps hold two to four entries per external
 /// flow (IPv4 gets two thirds of their share, and with its smaller entries 93 % as many

@@ -23,6 +23,7 @@ mod map_writer;
 mod object;
 mod options;
 mod orphans;
+mod pin_files;
 mod pins;
 pub mod reserved_ports;
 mod service_maps;
@@ -32,6 +33,7 @@ mod tc;
 mod tc_conntrack;
 mod tc_programs;
 mod test_run;
+mod touched_keys;
 pub mod xdp;
 
 pub use ct_maps::ConntrackMaps;

@@ -21,6 +21,7 @@ use tracing::{debug, info, warn};
 use super::{
     error::EbpfError,
     layout::{self, Plan},
+    pin_files::remove_if_present,
 };
 
 /// Directory under `--bpf-root` that holds our pins.
@@ -137,13 +138,6 @@ pub(super) fn pin_replacing(
         source,
     })?;
     PinnedLink::from_pin(&final_pin).map_err(|source| EbpfError::Link { name, source })
-}
-
-pub(super) fn remove_if_present(path: &Path) -> io::Result<()> {
-    match std::fs::remove_file(path) {
-        Err(error) if error.kind() != io::ErrorKind::NotFound => Err(error),
-        _ => Ok(()),
-    }
 }
 
 /// Mode of the pin directory: whoever can open a pin can read or rewrite the service maps or

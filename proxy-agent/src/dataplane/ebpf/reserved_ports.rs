@@ -16,9 +16,7 @@ use tracing::{debug, info, warn};
 
 pub const SYSCTL: &str = "/proc/sys/net/ipv4/ip_local_reserved_ports";
 
-/// `--bpf-snat-port-range`'s default: the IANA dynamic ports, 16384 of them (a Linux node's
-/// ephemeral range 32768–60999 keeps 32768–49151).
-pub const DEFAULT_RANGE: RangeInclusive<u16> = 49_152..=65_535;
+pub use crate::config::ebpf_settings::DEFAULT_SNAT_RANGE as DEFAULT_RANGE;
 
 /// The sysctl's text (`"8080,9000-9010"`, empty: none) as sorted, merged ranges. `None` if
 /// the text is not such a list.

@@ -19,13 +19,13 @@ use proxy_common::{
 
 use super::{
     MapOps, MapWriteError,
-    drift_reader::Touched,
     map_batch::{BatchReader, read_all, update_all},
     map_writer::{
         BackendValue, FrontendMapKey, MapsContent, ip4_from_map, ip4_to_map, ip6_from_map,
         ip6_to_map,
     },
     sockdiag::DiagSocket,
+    touched_keys::Touched,
 };
 
 /// The service maps as typed handles.

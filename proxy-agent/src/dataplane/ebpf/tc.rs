@@ -54,7 +54,8 @@ use super::{
     legacy_tc,
     map_writer::MapWriteError,
     map_writer::{ip4_to_map, ip6_to_map},
-    pins::{LINK_SUFFIX, remove_if_present},
+    pin_files::remove_if_present,
+    pins::LINK_SUFFIX,
     tc_programs::loaded_classifier,
     xdp::{XdpSetting, XdpState},
 };

@@ -33,57 +33,12 @@ use tracing::{debug, info, warn};
 
 use super::{
     error::EbpfError,
-    pins::{LINK_SUFFIX, pin_replacing, remove_if_present},
+    pin_files::remove_if_present,
+    pins::{LINK_SUFFIX, pin_replacing},
     tc_programs::{fill_program_array, load_in_parallel},
 };
 
-/// `--bpf-xdp`.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub enum XdpSetting {
-    /// Native XDP on the external interfaces whose driver has it, with `--tc-fast-path` (the
-    /// only path XDP can take flows on: the netfilter path needs the skb).
-    #[default]
-    Auto,
-    /// Native XDP on every external interface, also without `--tc-fast-path` (there it only
-    /// takes flows that bypass netfilter anyway, `ct_flags::BYPASS`); an interface whose
-    /// driver refuses it is logged as a warning.
-    Native,
-    /// No XDP.
-    Off,
-}
-
-impl XdpSetting {
-    /// The flag's value, as `--bpf-xdp` takes it.
-    pub fn name(self) -> &'static str {
-        match self {
-            XdpSetting::Auto => "auto",
-            XdpSetting::Native => "native",
-            XdpSetting::Off => "off",
-        }
-    }
-
-    /// Whether external interfaces get the XDP program, with or without the fast path.
-    pub fn attaches(self, fast_path: bool) -> bool {
-        match self {
-            XdpSetting::Auto => fast_path,
-            XdpSetting::Native => true,
-            XdpSetting::Off => false,
-        }
-    }
-}
-
-impl std::str::FromStr for XdpSetting {
-    type Err = String;
-
-    fn from_str(text: &str) -> Result<Self, Self::Err> {
-        match text {
-            "auto" => Ok(XdpSetting::Auto),
-            "native" => Ok(XdpSetting::Native),
-            "off" => Ok(XdpSetting::Off),
-            _ => Err("must be auto, native or off".to_owned()),
-        }
-    }
-}
+pub use crate::config::ebpf_settings::XdpSetting;
 
 /// The pin of the XDP link of interface `ifindex`.
 pub fn link_pin_name(ifindex: u32) -> String {

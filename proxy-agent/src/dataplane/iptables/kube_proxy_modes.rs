@@ -15,7 +15,7 @@ use std::{
 use thiserror::Error;
 use tracing::{debug, info, warn};
 
-use crate::{ip_family::IpFamily, kernel_conntrack::Ctnetlink};
+use crate::kernel_conntrack::dnat_connections;
 
 use super::ipvs::{self, IpvsError, IpvsOutcome};
 
@@ -134,24 +134,6 @@ fn finish_nftables_drain(period: Duration) {
             nft_table(family, table, "delete", &mut removed, &mut errors);
         }
     }
-}
-
-/// Connections in the kernel's conntrack (both families) whose reply comes from another
-/// address or port than the original destination: DNATed ones.
-pub(super) fn dnat_connections() -> Result<usize, crate::kernel_conntrack::ConntrackError> {
-    let mut ctnetlink = Ctnetlink::open()?;
-    let mut count = 0;
-    for family in [IpFamily::V4, IpFamily::V6] {
-        count += ctnetlink
-            .dump(family)?
-            .iter()
-            .filter(|entry| {
-                entry.original.dst != entry.reply.src
-                    || entry.original.dst_port != entry.reply.src_port
-            })
-            .count();
-    }
-    Ok(count)
 }
 
 /// `nft <verb> table <family> <table>`, recorded in `done` or `errors`.

@@ -23,7 +23,7 @@ use std::{
 use thiserror::Error;
 use tracing::{info, warn};
 
-use super::kube_proxy_modes::dnat_connections;
+use crate::kernel_conntrack::dnat_connections;
 
 /// The table, in the `ip` and the `ip6` family.
 pub const TABLE: &str = "kubeproxy-rs-nat-hold";

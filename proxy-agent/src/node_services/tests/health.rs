@@ -265,7 +265,7 @@ async fn a_missing_node_fails_healthz_when_a_node_is_required() {
 
 #[test]
 fn json_time_is_gos() {
-    use crate::node_services::time_format::Stamp;
+    use crate::time_format::Stamp;
     let at = |nanos: u64| Stamp {
         wall: std::time::UNIX_EPOCH + Duration::from_nanos(1_700_000_000_000_000_000 + nanos),
         mono: std::time::Instant::now(),

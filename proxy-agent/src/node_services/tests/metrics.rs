@@ -556,10 +556,9 @@ addressType: IPv6
 endpoints: []
 "#;
     let objects = objects(yaml);
-    let after = crate::node_services::time_format::parse_rfc3339("2030-01-01T00:00:05Z").unwrap();
+    let after = crate::time_format::parse_rfc3339("2030-01-01T00:00:05Z").unwrap();
     let times = trigger_times(&objects, &BTreeSet::from([key("ns1", "svc1")]), after);
-    let expected =
-        crate::node_services::time_format::parse_rfc3339("2030-01-01T00:00:10Z").unwrap();
+    let expected = crate::time_format::parse_rfc3339("2030-01-01T00:00:10Z").unwrap();
     assert_eq!(times, vec![(IpFamily::V4, expected)]);
 }
 

@@ -23,8 +23,8 @@ use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use super::{
     NodeServices, NodeServicesConfig,
     health::{Clock as _, ManualClock},
-    time_format::Stamp,
 };
+use crate::time_format::Stamp;
 use crate::{
     desired::Snapshot,
     objects::{ObjectKey, Objects},

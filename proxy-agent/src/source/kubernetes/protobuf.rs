@@ -29,8 +29,6 @@ use prost::Message as _;
 
 pub use convert::FromMessage;
 
-/// The media type, without parameters.
-pub const MEDIA_TYPE: &str = "application/vnd.kubernetes.protobuf";
 /// What precedes every protobuf-encoded object (apimachinery's `protoEncodingPrefix`).
 const MAGIC: [u8; 4] = *b"k8s\0";
 /// `runtime.Unknown`'s `raw` and a list's `items`.

@@ -22,11 +22,7 @@ use crate::{
     objects::{Name, ObjectKey},
 };
 
-/// `--bpf-max-frontends-per-service`'s default: half the default frontend map. Generous on
-/// purpose: Kubernetes has no port ranges, so media servers list thousands of ports in one
-/// Service (10 000 ports are 20 000 entries as a ClusterIP), and the reserve below, not this
-/// cap, is what keeps room for other namespaces.
-pub const DEFAULT_PER_SERVICE: u32 = 32_768;
+pub use crate::config::ebpf_settings::DEFAULT_MAX_FRONTENDS_PER_SERVICE as DEFAULT_PER_SERVICE;
 
 /// The reserve is an eighth of the map up to this many entries: enough for many namespaces'
 /// new Services, and a namespace that holds most of a large cluster's Services (all in

@@ -4,7 +4,7 @@
 //! topology labels (`OnTopologyChange`), podCIDRs and node IPs (`NodeManager.OnNodeChange`)
 //! and deletion/taints (`NodeEligibleHandler`).
 
-use crate::objects::NodeInfo;
+use super::NodeInfo;
 
 /// What a Node update changed, by consumer.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]

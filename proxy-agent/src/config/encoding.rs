@@ -7,15 +7,15 @@
 
 use http::{HeaderMap, HeaderValue, header};
 
-use super::protobuf;
-
 pub const JSON: &str = "application/json";
+/// The API server's protobuf media type (`source::kubernetes::protobuf` decodes it).
+pub const PROTOBUF: &str = "application/vnd.kubernetes.protobuf";
 
 #[derive(Debug, thiserror::Error)]
 pub enum EncodingError {
     #[error(
         "clientConnection.contentType {0:?}: not {JSON} or {media}",
-        media = protobuf::MEDIA_TYPE
+        media = PROTOBUF
     )]
     ContentType(String),
     #[error("clientConnection.acceptContentTypes {0:?}: not a valid Accept header")]
@@ -32,7 +32,7 @@ pub struct Encoding {
 impl Encoding {
     pub fn new(content_type: &str, accept_content_types: &str) -> Result<Self, EncodingError> {
         let media = media_type(content_type);
-        if media != JSON && media != protobuf::MEDIA_TYPE {
+        if media != JSON && media != PROTOBUF {
             return Err(EncodingError::ContentType(content_type.to_owned()));
         }
         let accept = if accept_content_types.is_empty() {
@@ -40,7 +40,7 @@ impl Encoding {
         } else {
             accept_content_types.to_owned()
         };
-        let protobuf = accept.contains(protobuf::MEDIA_TYPE);
+        let protobuf = accept.contains(PROTOBUF);
         let accept = HeaderValue::from_str(&accept)
             .map_err(|_| EncodingError::Accept(accept_content_types.to_owned()))?;
         Ok(Self { accept, protobuf })
@@ -72,7 +72,7 @@ pub fn is_protobuf(headers: &HeaderMap) -> bool {
     headers
         .get(header::CONTENT_TYPE)
         .and_then(|value| value.to_str().ok())
-        .is_some_and(|value| media_type(value).eq_ignore_ascii_case(protobuf::MEDIA_TYPE))
+        .is_some_and(|value| media_type(value).eq_ignore_ascii_case(PROTOBUF))
 }
 
 /// A media type without its parameters.
@@ -107,7 +107,7 @@ mod tests {
         assert!(both.asks_for_protobuf());
         assert_eq!(
             Encoding::default().accept(),
-            Encoding::new(protobuf::MEDIA_TYPE, "").unwrap().accept()
+            Encoding::new(PROTOBUF, "").unwrap().accept()
         );
     }
 
