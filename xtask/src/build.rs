@@ -86,6 +86,7 @@ pub fn test() -> Result<()> {
     let object = ebpf_object();
     step("fmt: cargo fmt --check");
     run_cmd(cargo().args(["fmt", "--all", "--check"]))?;
+    crate::docs::check_links()?;
     crate::deny::check()?;
     step("clippy: host crates");
     run_cmd(

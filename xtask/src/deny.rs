@@ -65,7 +65,7 @@ pub fn check() -> Result<()> {
     } else {
         println!(
             "  advisories: NOT CHECKED — no RustSec database at {ADVISORY_DB_ARCHIVE} (CI reaches \
-             package registries only, and none carries it; README.md, \"Supply chain\")"
+             package registries only, and none carries it; docs/testing.md, \"Supply chain\")"
         );
         &["bans", "licenses", "sources"]
     };
@@ -169,7 +169,7 @@ fn unpack_advisory_db(root: &Path) -> Result<bool> {
     if age_days > ADVISORY_DB_WARN_DAYS {
         println!(
             "  warning: the advisory database is over {ADVISORY_DB_WARN_DAYS} days old; refresh \
-             the archive (README.md, \"Supply chain\")"
+             the archive (docs/testing.md, \"Supply chain\")"
         );
     }
     Ok(true)

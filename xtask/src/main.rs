@@ -1,7 +1,9 @@
-//! Project tasks. `cargo xtask --help` lists them; README.md explains the main two (demo, test).
+//! Project tasks. `cargo xtask --help` lists them; README.md explains the main two (demo, test)
+//! and the book (docs/, `cargo xtask docs`) the rest.
 
 mod build;
 mod deny;
+mod docs;
 mod image;
 mod layers;
 mod setup;
@@ -19,7 +21,7 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
-    /// Install what building and testing need (idempotent: skips what is present).
+    /// Install what building, testing and the book need (idempotent: skips what is present).
     Setup,
     /// Build the eBPF object (release, nightly + build-std + bpf-linker).
     BuildEbpf,
@@ -29,6 +31,14 @@ enum Command {
     /// The supply-chain check alone (part of `test`): cargo deny over both workspaces with
     /// deny.toml, against the committed advisory database snapshot.
     Deny,
+    /// Build the book under docs/ with mdBook (pinned; installed when missing) into
+    /// target/book/, then check every link and anchor of README.md, ARCHITECTURE.md and
+    /// docs/*.md (also part of `test`; external links are listed, not fetched).
+    Docs {
+        /// Only check the links (what `test` runs), without mdBook.
+        #[arg(long)]
+        links_only: bool,
+    },
     /// Show socket-level load balancing to three pods in a throwaway topology (needs root).
     Demo,
     /// Coverage-guided fuzzing of the agent's parsers and of the tc programs (cargo-fuzz,
@@ -98,6 +108,8 @@ fn main() -> Result<()> {
                 &build::ebpf_object(),
             )
         }
+        Command::Docs { links_only: true } => docs::check_links(),
+        Command::Docs { links_only: false } => docs::run(),
         Command::Demo => {
             setup::run(setup::Mode::IfMissing)?;
             build::ebpf()?;

@@ -119,6 +119,11 @@ pub fn run(mode: Mode) -> Result<()> {
         } else {
             cargo_deny()?;
         }
+        if crate::docs::has_mdbook() {
+            println!("  mdbook {}: present", crate::docs::MDBOOK_VERSION);
+        } else {
+            crate::docs::install_mdbook()?;
+        }
     }
     println!("  setup complete");
     Ok(())
