@@ -20,7 +20,7 @@ use proxy_common::{FragmentKey as FragKey, StatIndex, default_sizes, family};
 
 use crate::{
     maps::scratch,
-    parse::{ETH_HLEN, Packet},
+    packet::{ETH_HLEN, Packet},
     stats::bump,
 };
 

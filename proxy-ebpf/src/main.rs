@@ -26,6 +26,8 @@ mod maps;
 #[cfg(target_arch = "bpf")]
 mod nat;
 #[cfg(target_arch = "bpf")]
+mod packet;
+#[cfg(target_arch = "bpf")]
 mod parse;
 #[cfg(target_arch = "bpf")]
 mod sctp;

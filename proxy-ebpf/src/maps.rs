@@ -177,7 +177,7 @@ pub struct TcScratch {
     /// writes then go to the unanswered flows' map.
     pub ct_new: u32,
     /// The packet `parse` read, where the program reads it from (`parse::into_scratch`).
-    pub packet: crate::parse::Packet,
+    pub packet: crate::packet::Packet,
 }
 
 /// The tc programs of each family (`proxy_common::TcFamilyProgram` slots), written by the

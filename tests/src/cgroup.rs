@@ -84,3 +84,10 @@ impl Drop for ChildCgroup {
         }
     }
 }
+
+/// Moves this process into a cgroup2 directory.
+pub fn join_cgroup(dir: &Path) -> Result<()> {
+    let procs = dir.join("cgroup.procs");
+    fs::write(&procs, std::process::id().to_string())
+        .map_err(|e| RigError::io(format!("writing {}", procs.display()), e))
+}

@@ -6,9 +6,9 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
-pub use crate::helper::{Mode, Proto};
 use crate::process::run_ok_within;
 use crate::{Result, RigError, helper_binary};
+use clap::ValueEnum;
 
 /// The outcome of one connection attempt.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -238,5 +238,53 @@ mod tests {
         assert_eq!(counts.get("pod1"), Some(&2));
         assert_eq!(counts.get("err TIMEOUT"), Some(&1));
         Ok(())
+    }
+}
+
+/// How the client uses its sockets.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Mode {
+    /// A new socket per attempt, `connect()`ed (TCP, or connected UDP).
+    Connect,
+    /// A new unconnected UDP socket per attempt: `sendto()` + `recvfrom()`; `peer=` is the
+    /// address the reply came from.
+    Sendto,
+    /// One connected UDP socket for all attempts, replaced only after an error — a DNS-style
+    /// retry loop.
+    Stream,
+    /// One unconnected UDP socket for all attempts: `sendto()` + `recvfrom()` — a QUIC or
+    /// RADIUS client. Replaced only after an error.
+    SendtoSocket,
+    /// One TCP connection for all attempts: each sends a line and reads its echo. The reply
+    /// is the backend's greeting from when the connection was made, its name suffixed with
+    /// `#<n>`, the number of connections made so far (`pod1#1`): a broken-and-replaced stream
+    /// shows as `#2`.
+    TcpStream,
+}
+
+impl Mode {
+    pub fn as_arg(self) -> &'static str {
+        match self {
+            Self::Connect => "connect",
+            Self::Sendto => "sendto",
+            Self::Stream => "stream",
+            Self::SendtoSocket => "sendto-socket",
+            Self::TcpStream => "tcp-stream",
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Proto {
+    Tcp,
+    Udp,
+}
+
+impl Proto {
+    pub fn as_arg(self) -> &'static str {
+        match self {
+            Self::Tcp => "tcp",
+            Self::Udp => "udp",
+        }
     }
 }

@@ -50,7 +50,7 @@ pub struct ConnectLoopReport {
 /// `rig-helper connect-loop` (after entering the namespace and cgroup).
 pub fn connect_loop(args: &ConnectLoopArgs) -> Result<()> {
     if let Some(cpu) = args.cpu {
-        crate::bench::client::pin(0, cpu)?;
+        crate::cpu::pin(0, cpu)?;
     }
     let domain = if args.target.is_ipv4() {
         Domain::IPV4

@@ -5,17 +5,20 @@
 //! so that every thread and socket belongs to it. Only the network namespace is entered: the
 //! host mount namespace (cgroup2, bpffs) stays visible.
 
-use std::fs::{self, File};
 use std::io::{self, BufRead, BufReader, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream, UdpSocket};
 use std::path::{Path, PathBuf};
 use std::thread;
 use std::time::Duration;
 
-use clap::{Parser, Subcommand, ValueEnum};
-use nix::sched::{CloneFlags, setns};
+use clap::{Parser, Subcommand};
 
-use crate::{Result, RigError};
+use crate::{
+    Result, RigError,
+    cgroup::join_cgroup,
+    client::{Mode, Proto},
+    netns::enter_netns,
+};
 
 #[derive(Debug, Parser)]
 #[command(about = "kubeproxy-rs test rig helper: echo server, socket client, benchmark loops")]
@@ -81,54 +84,6 @@ pub enum HelperCommand {
     /// Open-loop load of short TCP connections at a fixed rate (the SNAT benchmark); prints one
     /// summary line. See `bench::snat`.
     SnatLoad(crate::bench::snat::SnatLoadArgs),
-}
-
-/// How the client uses its sockets.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum Mode {
-    /// A new socket per attempt, `connect()`ed (TCP, or connected UDP).
-    Connect,
-    /// A new unconnected UDP socket per attempt: `sendto()` + `recvfrom()`; `peer=` is the
-    /// address the reply came from.
-    Sendto,
-    /// One connected UDP socket for all attempts, replaced only after an error — a DNS-style
-    /// retry loop.
-    Stream,
-    /// One unconnected UDP socket for all attempts: `sendto()` + `recvfrom()` — a QUIC or
-    /// RADIUS client. Replaced only after an error.
-    SendtoSocket,
-    /// One TCP connection for all attempts: each sends a line and reads its echo. The reply
-    /// is the backend's greeting from when the connection was made, its name suffixed with
-    /// `#<n>`, the number of connections made so far (`pod1#1`): a broken-and-replaced stream
-    /// shows as `#2`.
-    TcpStream,
-}
-
-impl Mode {
-    pub fn as_arg(self) -> &'static str {
-        match self {
-            Self::Connect => "connect",
-            Self::Sendto => "sendto",
-            Self::Stream => "stream",
-            Self::SendtoSocket => "sendto-socket",
-            Self::TcpStream => "tcp-stream",
-        }
-    }
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum Proto {
-    Tcp,
-    Udp,
-}
-
-impl Proto {
-    pub fn as_arg(self) -> &'static str {
-        match self {
-            Self::Tcp => "tcp",
-            Self::Udp => "udp",
-        }
-    }
 }
 
 /// Runs a parsed helper command (never returns for `echo` unless binding fails).
@@ -212,20 +167,6 @@ fn enter_places(netns: Option<&Path>, cgroup: Option<&Path>) -> Result<()> {
         join_cgroup(cg)?;
     }
     Ok(())
-}
-
-/// Moves the calling thread (the only one, when called first) into a network namespace.
-pub fn enter_netns(path: &Path) -> Result<()> {
-    let f = File::open(path).map_err(|e| RigError::io(format!("opening {}", path.display()), e))?;
-    setns(&f, CloneFlags::CLONE_NEWNET)
-        .map_err(|e| RigError::nix(format!("setns({})", path.display()), e))
-}
-
-/// Moves this process into a cgroup2 directory.
-pub fn join_cgroup(dir: &Path) -> Result<()> {
-    let procs = dir.join("cgroup.procs");
-    fs::write(&procs, std::process::id().to_string())
-        .map_err(|e| RigError::io(format!("writing {}", procs.display()), e))
 }
 
 fn echo(name: &str, listen: SocketAddr, original_dst: bool) -> Result<()> {

@@ -10,6 +10,7 @@ pub mod bench;
 pub mod cgroup;
 pub mod client;
 pub mod connect_loop;
+pub mod cpu;
 pub mod echo;
 pub mod error;
 pub mod foreign_tc;

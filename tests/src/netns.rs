@@ -1,7 +1,10 @@
 //! Named network namespaces (`ip netns add`) with a deleting guard.
 
+use std::fs::File;
 use std::path::{Path, PathBuf};
 use std::process::Command;
+
+use nix::sched::{CloneFlags, setns};
 
 use crate::process::run_ok;
 use crate::{Result, RigError, unique_name};
@@ -144,4 +147,11 @@ pub fn on_thread_in<T: Send + 'static>(
     spawn_in(path, f)?
         .join()
         .map_err(|_| RigError::Other(format!("the thread in {} panicked", path.display())))?
+}
+
+/// Moves the calling thread (the only one, when called first) into a network namespace.
+pub fn enter_netns(path: &Path) -> Result<()> {
+    let f = File::open(path).map_err(|e| RigError::io(format!("opening {}", path.display()), e))?;
+    setns(&f, CloneFlags::CLONE_NEWNET)
+        .map_err(|e| RigError::nix(format!("setns({})", path.display()), e))
 }

@@ -227,15 +227,9 @@ impl Scenario {
 
     /// Writes `default/web` as `spec` describes it (type, policies, extra YAML) with the given
     /// endpoints in the slice `web-1`.
-    pub fn write_web_spec(
-        &self,
-        spec: &crate::service_scenarios::ServiceSpec,
-        endpoints: &[Endpoint],
-    ) -> Result<()> {
-        self.manifests.write(
-            "web-svc.yaml",
-            &crate::service_scenarios::service_yaml(spec),
-        )?;
+    pub fn write_web_spec(&self, spec: &ServiceSpec, endpoints: &[Endpoint]) -> Result<()> {
+        self.manifests
+            .write("web-svc.yaml", &web_service_yaml(spec))?;
         self.manifests.write(
             "web-slice.yaml",
             &http_slice("default", "web-1", "web", endpoints),
@@ -388,4 +382,65 @@ impl Scenario {
             Err(self.agent_error(message()))
         }
     }
+}
+
+/// The NodePort of `default/web` when [`ServiceSpec::type_`] asks for one.
+pub const NODE_PORT: u16 = 30080;
+
+/// Options of the Service under test.
+#[derive(Debug, Clone, Default)]
+pub struct ServiceSpec {
+    pub type_: &'static str,
+    pub external_traffic_policy_local: bool,
+    pub internal_traffic_policy_local: bool,
+    pub affinity_timeout: Option<u32>,
+    pub external_ips: Vec<Ipv4Addr>,
+    pub load_balancer_ip: Option<Ipv4Addr>,
+    pub source_ranges: Vec<&'static str>,
+}
+
+/// The Service `default/web` with one TCP port 80 → 8080 (`http`) and NodePort 30080.
+pub fn web_service_yaml(spec: &ServiceSpec) -> String {
+    let mut yaml = format!(
+        "apiVersion: v1\nkind: Service\nmetadata: {{name: web, namespace: default}}\nspec:\n  \
+         type: {}\n  clusterIP: {CLUSTER_IP}\n  ports:\n  - {{name: {PORT_NAME}, port: {SERVICE_PORT}, \
+         targetPort: {BACKEND_PORT}, protocol: TCP{}}}\n",
+        if spec.type_.is_empty() {
+            "ClusterIP"
+        } else {
+            spec.type_
+        },
+        if spec.type_ == "NodePort" || spec.type_ == "LoadBalancer" {
+            format!(", nodePort: {NODE_PORT}")
+        } else {
+            String::new()
+        }
+    );
+    if spec.external_traffic_policy_local {
+        yaml.push_str("  externalTrafficPolicy: Local\n");
+    }
+    if spec.internal_traffic_policy_local {
+        yaml.push_str("  internalTrafficPolicy: Local\n");
+    }
+    if let Some(timeout) = spec.affinity_timeout {
+        yaml.push_str(&format!(
+            "  sessionAffinity: ClientIP\n  sessionAffinityConfig: {{clientIP: {{timeoutSeconds: {timeout}}}}}\n"
+        ));
+    }
+    if !spec.external_ips.is_empty() {
+        let ips: Vec<String> = spec.external_ips.iter().map(ToString::to_string).collect();
+        yaml.push_str(&format!("  externalIPs: [{}]\n", ips.join(", ")));
+    }
+    if !spec.source_ranges.is_empty() {
+        yaml.push_str(&format!(
+            "  loadBalancerSourceRanges: [{}]\n",
+            spec.source_ranges.join(", ")
+        ));
+    }
+    if let Some(ip) = spec.load_balancer_ip {
+        yaml.push_str(&format!(
+            "status:\n  loadBalancer:\n    ingress: [{{ip: {ip}}}]\n"
+        ));
+    }
+    yaml
 }

@@ -9,6 +9,7 @@ use std::{
     time::Duration,
 };
 
+pub use crate::scenario::{NODE_PORT, ServiceSpec, web_service_yaml};
 use crate::{
     Result, RigError,
     client::{Attempt, Client, tally},
@@ -20,71 +21,12 @@ use crate::{
     topology::{DECOY_NAME, Place, Topology},
 };
 
-pub const NODE_PORT: u16 = 30080;
 /// An externalIP / load-balancer VIP routed to the node by the external client.
 pub const VIP: Ipv4Addr = Ipv4Addr::new(192, 0, 2, 10);
 const NAMESPACE: &str = "default";
 const CONNECTIONS: u32 = 30;
 /// How long a client waits before calling a connection dropped.
 const DROP_TIMEOUT: Duration = Duration::from_millis(700);
-
-/// Options of the Service under test.
-#[derive(Debug, Clone, Default)]
-pub struct ServiceSpec {
-    pub type_: &'static str,
-    pub external_traffic_policy_local: bool,
-    pub internal_traffic_policy_local: bool,
-    pub affinity_timeout: Option<u32>,
-    pub external_ips: Vec<Ipv4Addr>,
-    pub load_balancer_ip: Option<Ipv4Addr>,
-    pub source_ranges: Vec<&'static str>,
-}
-
-/// The Service `default/web` with one TCP port 80 → 8080 (`http`) and NodePort 30080.
-pub fn service_yaml(spec: &ServiceSpec) -> String {
-    let mut yaml = format!(
-        "apiVersion: v1\nkind: Service\nmetadata: {{name: web, namespace: {NAMESPACE}}}\nspec:\n  \
-         type: {}\n  clusterIP: {CLUSTER_IP}\n  ports:\n  - {{name: {PORT_NAME}, port: {SERVICE_PORT}, \
-         targetPort: {BACKEND_PORT}, protocol: TCP{}}}\n",
-        if spec.type_.is_empty() {
-            "ClusterIP"
-        } else {
-            spec.type_
-        },
-        if spec.type_ == "NodePort" || spec.type_ == "LoadBalancer" {
-            format!(", nodePort: {NODE_PORT}")
-        } else {
-            String::new()
-        }
-    );
-    if spec.external_traffic_policy_local {
-        yaml.push_str("  externalTrafficPolicy: Local\n");
-    }
-    if spec.internal_traffic_policy_local {
-        yaml.push_str("  internalTrafficPolicy: Local\n");
-    }
-    if let Some(timeout) = spec.affinity_timeout {
-        yaml.push_str(&format!(
-            "  sessionAffinity: ClientIP\n  sessionAffinityConfig: {{clientIP: {{timeoutSeconds: {timeout}}}}}\n"
-        ));
-    }
-    if !spec.external_ips.is_empty() {
-        let ips: Vec<String> = spec.external_ips.iter().map(ToString::to_string).collect();
-        yaml.push_str(&format!("  externalIPs: [{}]\n", ips.join(", ")));
-    }
-    if !spec.source_ranges.is_empty() {
-        yaml.push_str(&format!(
-            "  loadBalancerSourceRanges: [{}]\n",
-            spec.source_ranges.join(", ")
-        ));
-    }
-    if let Some(ip) = spec.load_balancer_ip {
-        yaml.push_str(&format!(
-            "status:\n  loadBalancer:\n    ingress: [{{ip: {ip}}}]\n"
-        ));
-    }
-    yaml
-}
 
 /// The external client reaches `vip` through the node, as a router in front of it would.
 fn route_via_node(s: &Scenario, vip: impl Into<std::net::IpAddr>) -> Result<()> {
@@ -101,7 +43,7 @@ fn route_via_node(s: &Scenario, vip: impl Into<std::net::IpAddr>) -> Result<()> 
 fn setup(pods: usize, spec: &ServiceSpec, endpoints: &[Endpoint]) -> Result<Scenario> {
     crate::require_root();
     let s = Scenario::new(pods)?;
-    s.manifests.write("web-svc.yaml", &service_yaml(spec))?;
+    s.manifests.write("web-svc.yaml", &web_service_yaml(spec))?;
     s.manifests.write(
         "web-slice.yaml",
         &http_slice(NAMESPACE, "web-1", "web", endpoints),
@@ -380,7 +322,7 @@ pub fn unusable_load_balancer_ips_never_capture_node_ports(mode: &str) -> Result
         ..ServiceSpec::default()
     };
     let mut s = setup(2, &spec, &[pod_endpoint(1), pod_endpoint(2)])?;
-    let hostile = service_yaml(&spec).replace(
+    let hostile = web_service_yaml(&spec).replace(
         &format!("ingress: [{{ip: {lb}}}]"),
         &format!("ingress: [{{ip: 0.0.0.0}}, {{ip: 127.0.0.1}}, {{ip: {lb}}}]"),
     );
@@ -550,7 +492,8 @@ pub fn source_ranges_admit_only_listed_clients(mode: &str) -> Result<()> {
         source_ranges: vec!["10.99.0.0/24"],
         ..allowed
     };
-    s.manifests.write("web-svc.yaml", &service_yaml(&denied))?;
+    s.manifests
+        .write("web-svc.yaml", &web_service_yaml(&denied))?;
     let dropped = |a: &Attempt| *a == Attempt::Err("TIMEOUT".into());
     s.wait_for_datapath_with(
         &client,

@@ -7,33 +7,12 @@ use std::{
 
 use anyhow::{Context as _, Result, bail};
 
+pub use crate::commands::{run_cmd, step, workspace_root};
+
 /// Where the eBPF build puts its artifacts: a target dir of its own, so the nightly build and the
 /// stable host builds do not invalidate each other's caches.
 const EBPF_TARGET_DIR: &str = "target/ebpf";
 const EBPF_TARGET: &str = "bpfel-unknown-none";
-
-pub fn step(what: &str) {
-    println!("\n==> {what}");
-}
-
-pub fn run_cmd(command: &mut Command) -> Result<()> {
-    let shown = format!("{command:?}");
-    let status = command
-        .status()
-        .with_context(|| format!("cannot start {shown}"))?;
-    if !status.success() {
-        bail!("command failed ({status}): {shown}");
-    }
-    Ok(())
-}
-
-pub fn workspace_root() -> PathBuf {
-    // xtask lives one level below the workspace root.
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .map(Path::to_path_buf)
-        .unwrap_or_else(|| PathBuf::from("."))
-}
 
 /// A cargo command for the host toolchain, run in the workspace root.
 fn cargo() -> Command {
@@ -87,6 +66,7 @@ pub fn test() -> Result<()> {
     step("fmt: cargo fmt --check");
     run_cmd(cargo().args(["fmt", "--all", "--check"]))?;
     crate::docs::check_links()?;
+    crate::layers::check()?;
     crate::deny::check()?;
     step("clippy: host crates");
     run_cmd(

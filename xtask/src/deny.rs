@@ -21,7 +21,7 @@ use std::{
 
 use anyhow::{Context as _, Result, bail};
 
-use crate::build::{run_cmd, step, workspace_root};
+use crate::commands::{run_cmd, step, workspace_root};
 
 /// The cargo-deny release `cargo xtask setup` installs (`--locked`; builds with Rust 1.95, its
 /// MSRV is 1.88).

@@ -23,7 +23,7 @@ use std::{
 
 use anyhow::{Context as _, Result, bail};
 
-use crate::build::{run_cmd, step, workspace_root};
+use crate::commands::{run_cmd, step, workspace_root};
 
 /// The mdBook release the book is built with (`cargo install mdbook --locked`).
 pub const MDBOOK_VERSION: &str = "0.5.4";

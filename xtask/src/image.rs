@@ -16,7 +16,10 @@ use std::{
 
 use anyhow::{Context as _, Result, bail};
 
-use crate::build::{ebpf_object, run_cmd, step, workspace_root};
+use crate::{
+    build::ebpf_object,
+    commands::{run_cmd, step, workspace_root},
+};
 
 /// The image name without its tag. `localhost/` because nothing publishes it: a node gets it by
 /// importing the archive (or the operator pushes it to a registry of theirs and renames it), and

@@ -2,6 +2,7 @@
 //! and the book (docs/, `cargo xtask docs`) the rest.
 
 mod build;
+mod commands;
 mod deny;
 mod docs;
 mod image;

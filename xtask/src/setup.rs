@@ -5,7 +5,7 @@ use std::process::Command;
 use anyhow::{Context as _, Result, bail};
 
 use crate::{
-    build::{run_cmd, step},
+    commands::{run_cmd, step},
     deny::{CARGO_DENY_VERSION, has_cargo_deny},
     toolchain::{EBPF_NIGHTLY, ebpf_nightly},
 };

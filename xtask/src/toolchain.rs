@@ -16,7 +16,7 @@ use std::{process::Command, sync::OnceLock};
 
 use anyhow::{Result, bail};
 
-use crate::build::step;
+use crate::commands::step;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Nightly {

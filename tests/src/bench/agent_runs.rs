@@ -312,7 +312,7 @@ pub fn ensure_untranslated(s: &Scenario) -> Result<()> {
 pub fn clear_iptables_rules(s: &Scenario) -> Result<()> {
     let node = s.topo.node().path();
     let worker = std::thread::spawn(move || -> Result<Vec<String>> {
-        crate::helper::enter_netns(&node)?;
+        crate::netns::enter_netns(&node)?;
         Ok(proxy_agent::dataplane::iptables::cleanup()
             .iter()
             .map(ToString::to_string)

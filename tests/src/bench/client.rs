@@ -17,6 +17,7 @@ use std::time::{Duration, Instant};
 
 use clap::{Args, ValueEnum};
 
+pub use crate::cpu::{pin, pin_process};
 use crate::process::{describe, kill_and_reap, run_ok_within};
 use crate::{Result, RigError, helper_binary};
 
@@ -365,33 +366,6 @@ pub fn set_client_cpu(cpu: Option<usize>) {
 /// The CPU set by [`set_client_cpu`]; the benchmark pins the echo servers there too.
 pub fn client_cpu() -> Option<usize> {
     Some(CLIENT_CPU.load(std::sync::atomic::Ordering::Relaxed)).filter(|&c| c != usize::MAX)
-}
-
-/// Restricts task `tid` (0: the calling thread) to `cpu`.
-pub fn pin(tid: i32, cpu: usize) -> Result<()> {
-    let mut set = nix::sched::CpuSet::new();
-    set.set(cpu).map_err(|e| RigError::Nix {
-        context: format!("CPU {cpu} in a CPU set"),
-        source: e,
-    })?;
-    nix::sched::sched_setaffinity(nix::unistd::Pid::from_raw(tid), &set).map_err(|e| {
-        RigError::Nix {
-            context: format!("pinning task {tid} to CPU {cpu}"),
-            source: e,
-        }
-    })
-}
-
-/// Pins every thread of process `pid` to `cpu`; threads it creates later inherit that.
-pub fn pin_process(pid: u32, cpu: usize) -> Result<()> {
-    let dir = format!("/proc/{pid}/task");
-    let tasks = std::fs::read_dir(&dir).map_err(|e| RigError::io(format!("reading {dir}"), e))?;
-    for task in tasks.flatten() {
-        if let Some(tid) = task.file_name().to_str().and_then(|t| t.parse().ok()) {
-            pin(tid, cpu)?;
-        }
-    }
-    Ok(())
 }
 
 /// Where a benchmark client runs: the node namespace, inside the agent's cgroup or not.

@@ -177,7 +177,7 @@ pub fn ebpf(w: Workload, changes: usize) -> Result<EbpfResult> {
     let netns = Netns::new("ebpf")?;
     let path = netns.path();
     let worker = std::thread::spawn(move || -> Result<EbpfResult> {
-        crate::helper::enter_netns(&path)?;
+        crate::netns::enter_netns(&path)?;
         ebpf_in_current_netns(w, changes)
     });
     let result = worker
@@ -350,7 +350,7 @@ pub fn iptables(w: Workload, changes: usize, backend: IptablesBackend) -> Result
     // The namespace is entered by a thread of its own so that the rest of the benchmark stays
     // in its namespace; the thread's children (iptables-restore) inherit it.
     let worker = std::thread::spawn(move || -> Result<IptablesResult> {
-        crate::helper::enter_netns(&path)?;
+        crate::netns::enter_netns(&path)?;
         iptables_in_current_netns(w, changes)
     });
     let result = worker

@@ -15,8 +15,8 @@ use proxy_agent::{
 };
 use proxy_tests::{
     client::Client,
+    client::Proto,
     echo::EchoServer,
-    helper::Proto,
     netns::{Netns, on_thread_in},
 };
 

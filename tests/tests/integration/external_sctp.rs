@@ -48,7 +48,7 @@ fn diameter_service() -> String {
 fn raw_sctp_socket(ns: &Netns) -> anyhow::Result<OwnedFd> {
     let path = ns.path();
     std::thread::spawn(move || -> anyhow::Result<OwnedFd> {
-        proxy_tests::helper::enter_netns(&path)?;
+        proxy_tests::netns::enter_netns(&path)?;
         let fd = socket(
             AddressFamily::Inet,
             SockType::Raw,

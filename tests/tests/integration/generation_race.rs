@@ -253,7 +253,7 @@ fn race(node: &mut Node, cluster_ip: &str, sets: &[Snapshot; 2]) -> (ConnectLoop
     // The writer (this thread, which holds the dataplane) and the connects on different CPUs:
     // on one CPU the connect hook (which the kernel does not preempt) would never see a switch
     // mid-choice.
-    proxy_tests::bench::client::pin(0, 1).expect("pin the writer");
+    proxy_tests::cpu::pin(0, 1).expect("pin the writer");
     let writes = switch_generations(&mut node.dataplane, sets, &stop);
     let report = connects
         .join()

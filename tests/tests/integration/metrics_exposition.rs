@@ -206,7 +206,7 @@ fn send_invalid_segments(s: &Scenario, count: u16) -> anyhow::Result<()> {
     let checksum = l4_checksum(src.ip(), dst.ip(), 6, &segment);
     segment[16..18].copy_from_slice(&checksum.to_be_bytes());
     std::thread::spawn(move || -> anyhow::Result<()> {
-        proxy_tests::helper::enter_netns(&path)?;
+        proxy_tests::netns::enter_netns(&path)?;
         let fd = nix::sys::socket::socket(
             nix::sys::socket::AddressFamily::Inet,
             nix::sys::socket::SockType::Raw,

@@ -8,7 +8,7 @@ use proxy_tests::{
     http::Response,
     manifests::Endpoint,
     scenario::{CLUSTER_IP, Scenario, http_slice, pod_endpoint},
-    service_scenarios::{ServiceSpec, service_yaml},
+    service_scenarios::{ServiceSpec, web_service_yaml},
     topology::Topology,
     wait::try_wait_until,
 };
@@ -29,7 +29,7 @@ fn setup(mode: &str, endpoints: &[Endpoint]) -> anyhow::Result<Scenario> {
         external_traffic_policy_local: true,
         ..ServiceSpec::default()
     };
-    let yaml = service_yaml(&spec).replace(
+    let yaml = web_service_yaml(&spec).replace(
         "  externalTrafficPolicy: Local\n",
         &format!("  externalTrafficPolicy: Local\n  healthCheckNodePort: {HEALTH_CHECK_PORT}\n"),
     );
