@@ -802,8 +802,8 @@ impl MapWriter {
                 }
             }
             let mut owned = Vec::new();
-            // Over `--bpf-max-endpoints-per-service`: the most endpoints one of its frontends
-            // has, and how many it is programmed with.
+            // Over `--bpf-max-endpoints-per-service`: the most endpoints one of its programmed
+            // frontends has, and how many it is programmed with.
             let mut truncated: Option<(usize, usize)> = None;
             for (key, frontend) in frontends {
                 // One lookup for the owner check, the comparison and the share below.
@@ -826,12 +826,18 @@ impl MapWriter {
                     summary.frontends_unsupported += 1;
                     continue;
                 };
-                if backends.len() > self.max_endpoints {
-                    let endpoints = backends.len();
-                    truncate_backends(&mut backends, self.max_endpoints);
-                    let most = truncated.map_or(endpoints, |(most, _)| most.max(endpoints));
-                    truncated = Some((most, self.max_endpoints));
+                let (endpoints, max) = (backends.len(), self.max_endpoints);
+                if endpoints > max {
+                    truncate_backends(&mut backends, max);
                 }
+                // Reported for a frontend that is programmed with the truncated set (one that
+                // does not fit is reported as such).
+                let mut programmed_truncated = || {
+                    if endpoints > max {
+                        let most = truncated.map_or(endpoints, |(most, _)| most.max(endpoints));
+                        truncated = Some((most, max));
+                    }
+                };
                 let maglev_size = self.maglev_size_for(&key, backends.len());
                 // Another owner was ruled out above: an owner is this service port.
                 let ours = applied.is_some_and(|applied| applied.owner.is_some());
@@ -899,6 +905,7 @@ impl MapWriter {
                         self.frontends.set_owner(&key, name.clone());
                     }
                     summary.frontends_unchanged += 1;
+                    programmed_truncated();
                     continue;
                 }
                 let target = Target {
@@ -911,7 +918,10 @@ impl MapWriter {
                     owner: name.clone(),
                 };
                 match self.write_frontend(target, maps, &mut summary) {
-                    Ok(FrontendWrite::Switched) => summary.frontends_written += 1,
+                    Ok(FrontendWrite::Switched) => {
+                        summary.frontends_written += 1;
+                        programmed_truncated();
+                    }
                     Ok(FrontendWrite::Deferred) => {
                         summary.frontends_deferred += 1;
                         self.deferred.insert(key, name.clone());

@@ -1524,9 +1524,19 @@ fn a_service_over_the_endpoint_cap_is_programmed_with_its_first_endpoints_by_add
     assert!(map_writer.unfit().is_empty());
     // A higher cap: the next apply programs them all.
     map_writer.set_max_endpoints_per_service(10);
-    let (summary, errors) = map_writer.apply(update, &mut maps);
+    let (summary, errors) = map_writer.apply(update.clone(), &mut maps);
     assert!(errors.is_empty(), "{errors:?}");
     assert_eq!(summary.frontends_written, 1);
     assert_eq!(maps.backends_of(&web).len(), 4);
     maps.check_invariants();
+
+    // One that is not programmed at all is reported as not fitting, not as truncated.
+    let mut maps = FakeMaps::with_slot_capacity(1000);
+    let mut map_writer = no_grace();
+    map_writer.set_max_endpoints_per_service(2);
+    set_shares(&mut map_writer, 65_536, 0);
+    let (summary, errors) = map_writer.apply(update, &mut maps);
+    assert_eq!(summary.frontends_written, 0);
+    assert_eq!(share_errors(&errors).len(), 1);
+    assert!(truncation(&errors).is_empty(), "{errors:?}");
 }
