@@ -17,6 +17,12 @@
 //! its retired generation: a frontend whose retired generation is younger than the grace is not
 //! switched again but deferred until it is gone (see [`MapWriter::apply_snapshot`]).
 //!
+//! Before anything is written for a frontend, its backends are cut to the first
+//! `--bpf-max-endpoints-per-service` by address and port (the same ones on every node; reported
+//! per service port as [`ApplyError::Truncated`]), and what the write would add to each map is
+//! checked against its Service's and namespace's share ([`shares`]); a frontend refused there
+//! is not written, or keeps its previous set, like one that met a full map.
+//!
 //! After an agent restart the state is read back from the pinned maps ([`MapWriter::adopt`]):
 //! adopted frontends belong to no service port until a full apply claims them (unchanged ones
 //! without a single write) and the ones nobody claims are removed then.
@@ -858,7 +864,9 @@ impl MapWriter {
                 // within the share); a written one its new generation, which comes before the
                 // old one goes.
                 if !(ours && unchanged) {
-                    let held = self.frontends.entries_of(&key);
+                    let held = applied.map_or_else(shares::Entries::default, |applied| {
+                        usage::shared_entries(&key, applied)
+                    });
                     let (after, adds) = if unchanged {
                         (held, shares::Entries::default())
                     } else {

@@ -127,6 +127,11 @@ impl MapUsage {
     }
 }
 
+/// The entries of the shared maps the frontend `key` holds as `applied`.
+pub(super) fn shared_entries(key: &FrontendKey, applied: &AppliedFrontend) -> Entries {
+    MapUsage::of_frontend(key, applied).shared(key)
+}
+
 /// The applied frontends by key, with their entry counts, in all and by owner.
 #[derive(Debug, Default)]
 pub(super) struct FrontendTable {
@@ -151,13 +156,6 @@ impl FrontendTable {
 
     pub(super) fn shares(&self) -> &Shares {
         &self.shares
-    }
-
-    /// The entries of the shared maps `key` holds (none if it is not in the table).
-    pub(super) fn entries_of(&self, key: &FrontendKey) -> Entries {
-        self.map.get(key).map_or_else(Entries::default, |applied| {
-            MapUsage::of_frontend(key, applied).shared(key)
-        })
     }
 
     /// Sets the limits of the shared maps; what each one holds stays counted.
