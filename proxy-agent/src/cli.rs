@@ -422,6 +422,17 @@ pub struct Args {
     )]
     pub bpf_max_frontends_per_service: Option<String>,
 
+    /// Most endpoints one Service port is programmed with, per family (default and most
+    /// 65535): a Service with more is programmed with the first N by address and port, the same
+    /// on every node, and a WARN names it.
+    #[arg(
+        long,
+        value_name = "N",
+        allow_hyphen_values = true,
+        help_heading = "kubeproxy-rs additions"
+    )]
+    pub bpf_max_endpoints_per_service: Option<String>,
+
     /// Capacity of the backend and backend-slot maps (default 262144).
     #[arg(
         long,

@@ -40,6 +40,8 @@ impl InProcess {
             frontends_capacity: capacity,
             max_frontends_per_service:
                 proxy_agent::dataplane::ebpf::DEFAULT_MAX_FRONTENDS_PER_SERVICE,
+            max_endpoints_per_service:
+                proxy_agent::dataplane::ebpf::DEFAULT_MAX_ENDPOINTS_PER_SERVICE,
             backends_capacity: capacity,
             conntrack_capacity: Some(proxy_common::default_sizes::CT),
             dynamic_size_ratio: map_sizes::DEFAULT_DYNAMIC_SIZE_RATIO,

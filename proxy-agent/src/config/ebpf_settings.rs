@@ -13,6 +13,11 @@ pub const DEFAULT_SNAT_RANGE: RangeInclusive<u16> = 49_152..=65_535;
 /// this cap, is what keeps room for other namespaces.
 pub const DEFAULT_MAX_FRONTENDS_PER_SERVICE: u32 = 32_768;
 
+/// `--bpf-max-endpoints-per-service`'s default: the most slots one frontend can address (a
+/// slot's index is 16 bits), so that by default no Service is truncated below what the
+/// datapath could serve, and one with more endpoints is truncated rather than not programmed.
+pub const DEFAULT_MAX_ENDPOINTS_PER_SERVICE: u32 = u16::MAX as u32;
+
 /// `--bpf-map-dynamic-size-ratio`'s default (Cilium's): the share of the node's memory the LRU
 /// maps get (`dataplane::ebpf::map_sizes` divides it among them).
 pub const DEFAULT_DYNAMIC_SIZE_RATIO: SizeRatio = SizeRatio(0.0025);

@@ -482,6 +482,18 @@ pub fn apply(
             Err(reason) => overlay.flag_only("bpf-snat-port-range", text, reason),
         }
     }
+    if let Some(text) = &args.bpf_max_endpoints_per_service {
+        let most = super::ebpf_settings::DEFAULT_MAX_ENDPOINTS_PER_SERVICE;
+        match parse_int::<u32>(text) {
+            Ok(v) if (1..=most).contains(&v) => ebpf.max_endpoints_per_service = v,
+            Ok(_) => overlay.flag_only(
+                "bpf-max-endpoints-per-service",
+                text,
+                format!("must be between 1 and {most}"),
+            ),
+            Err(reason) => overlay.flag_only("bpf-max-endpoints-per-service", text, reason),
+        }
+    }
     if let Some(text) = &args.bpf_map_maglev {
         match parse_int::<u32>(text) {
             Ok(0) => overlay.flag_only("bpf-map-maglev", text, "must be greater than 0".to_owned()),

@@ -161,6 +161,8 @@ pub struct EbpfConfig {
     pub map_backends: u32,
     /// `--bpf-max-frontends-per-service`.
     pub max_frontends_per_service: u32,
+    /// `--bpf-max-endpoints-per-service`.
+    pub max_endpoints_per_service: u32,
     /// `--bpf-map-conntrack`; `None`: sized from the node's memory.
     pub map_conntrack: Option<u32>,
     /// `--bpf-map-dynamic-size-ratio`.
@@ -216,6 +218,7 @@ impl Default for EbpfConfig {
             map_frontends: proxy_common::default_sizes::FRONTENDS,
             map_backends: proxy_common::default_sizes::BACKENDS,
             max_frontends_per_service: ebpf_settings::DEFAULT_MAX_FRONTENDS_PER_SERVICE,
+            max_endpoints_per_service: ebpf_settings::DEFAULT_MAX_ENDPOINTS_PER_SERVICE,
             map_conntrack: None,
             map_dynamic_size_ratio: ebpf_settings::DEFAULT_DYNAMIC_SIZE_RATIO,
             snat_ports: ebpf_settings::DEFAULT_SNAT_RANGE,

@@ -366,6 +366,9 @@ fn every_flag_overrides_the_file() {
         (&["--bpf-max-frontends-per-service", "64"], |c| {
             c.ebpf.max_frontends_per_service == 64
         }),
+        (&["--bpf-max-endpoints-per-service", "500"], |c| {
+            c.ebpf.max_endpoints_per_service == 500
+        }),
         (&["--bpf-map-conntrack", "4096"], |c| {
             c.ebpf.map_conntrack == Some(4096)
         }),
@@ -1050,6 +1053,18 @@ fn every_invalid_value_is_reported_with_source_field_and_value() {
             "--bpf-max-frontends-per-service",
             "",
             "0",
+        ),
+        (
+            &["--bpf-max-endpoints-per-service", "0"],
+            "--bpf-max-endpoints-per-service",
+            "",
+            "0",
+        ),
+        (
+            &["--bpf-max-endpoints-per-service", "65536"],
+            "--bpf-max-endpoints-per-service",
+            "",
+            "65536",
         ),
         (&["--interfaces", "eth0,a/b"], "--interfaces", "", "a/b"),
         (&["--lb-algorithm", "ring"], "--lb-algorithm", "", "ring"),

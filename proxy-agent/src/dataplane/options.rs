@@ -23,6 +23,7 @@ pub fn ebpf_options(config: &Config) -> EbpfOptions {
         bpf_root: config.ebpf.bpf_root.clone(),
         frontends_capacity: config.ebpf.map_frontends,
         max_frontends_per_service: config.ebpf.max_frontends_per_service,
+        max_endpoints_per_service: config.ebpf.max_endpoints_per_service,
         backends_capacity: config.ebpf.map_backends,
         conntrack_capacity: config.ebpf.map_conntrack,
         dynamic_size_ratio: config.ebpf.map_dynamic_size_ratio,

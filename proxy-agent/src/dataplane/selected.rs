@@ -56,11 +56,12 @@ impl SyncOutcome {
     /// Whether everything was applied. For eBPF a failed map write is a failed sync as upstream
     /// counts one: /healthz turns unhealthy after the health timeout and the runner retries
     /// after the sync period. A service port that does not fit in the maps (or in its Service's
-    /// or namespace's share of them) is not: it is the tenant's, not the node's, and the node
-    /// keeps serving everything else; it is reported and retried whenever room is freed.
+    /// or namespace's share of them), or has more endpoints than it is programmed with, is not:
+    /// it is the tenant's, not the node's, and the node keeps serving everything else; it is
+    /// reported and retried whenever room is freed.
     pub fn ok(&self) -> bool {
         match self {
-            SyncOutcome::Ebpf(outcome) => outcome.errors.iter().all(ApplyError::is_capacity),
+            SyncOutcome::Ebpf(outcome) => outcome.errors.iter().all(ApplyError::is_tenant_limit),
             SyncOutcome::Iptables(results) => results.iter().all(|(_, result)| result.is_ok()),
         }
     }

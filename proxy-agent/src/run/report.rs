@@ -110,8 +110,8 @@ fn record_ebpf(outcome: &EbpfSyncOutcome, reason: SyncReason, changed: usize, me
             service_ports = %outcome.unfit.join(", "),
             "service ports that do not fit in the eBPF maps are not programmed (or keep their \
              previous backends): a full map needs a larger --bpf-map-frontends / \
-             --bpf-map-backends; a Service or namespace over its share is its owner's to shrink \
-             (--bpf-max-frontends-per-service)"
+             --bpf-map-backends / --bpf-map-maglev; a Service or namespace over its share of a \
+             map is its owner's to shrink (--bpf-max-frontends-per-service)"
         );
     }
     let summary = &outcome.summary;

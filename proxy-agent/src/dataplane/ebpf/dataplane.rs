@@ -273,10 +273,18 @@ impl EbpfDataplane {
             MapWriter::default()
         };
         map_writer.set_maglev_table_size(options.lb.maglev.then_some(options.lb.maglev_table_size));
-        map_writer.set_frontend_shares(
-            options.frontends_capacity,
-            options.max_frontends_per_service,
-        );
+        {
+            use super::map_writer::shares::{Entries, SharedMap};
+            map_writer.set_shares(
+                Entries::default()
+                    .with(SharedMap::Frontends, options.frontends_capacity.into())
+                    .with(SharedMap::Slots, slots_capacity.into())
+                    .with(SharedMap::Maglev, maglev_capacity.into())
+                    .with(SharedMap::SourceRanges, options.frontends_capacity.into()),
+                options.max_frontends_per_service,
+            );
+        }
+        map_writer.set_max_endpoints_per_service(options.max_endpoints_per_service);
 
         // Before the tc programs attach (and before the first sync gives them frontends): from
         // then on a UDP/SCTP packet without an entry would be a new flow of theirs.

@@ -17,6 +17,12 @@
 //! its retired generation: a frontend whose retired generation is younger than the grace is not
 //! switched again but deferred until it is gone (see [`MapWriter::apply_snapshot`]).
 //!
+//! Before anything is written for a frontend, its backends are cut to the first
+//! `--bpf-max-endpoints-per-service` by address and port (the same ones on every node; reported
+//! per service port as [`ApplyError::Truncated`]), and what the write would add to each map is
+//! checked against its Service's and namespace's share ([`shares`]); a frontend refused there
+//! is not written, or keeps its previous set, like one that met a full map.
+//!
 //! After an agent restart the state is read back from the pinned maps ([`MapWriter::adopt`]):
 //! adopted frontends belong to no service port until a full apply claims them (unchanged ones
 //! without a single write) and the ones nobody claims are removed then.
@@ -89,7 +95,7 @@ pub enum MapWriteError {
     #[error("the {0} map is full (raise its --bpf-map-* capacity)")]
     Full(&'static str),
     /// The map has room, but not for this Service or namespace (see [`shares`]).
-    #[error("{}", .0.describe())]
+    #[error("{0}")]
     Share(shares::ShareLimit),
     /// Another service port holds the frontend. The desired state gives each frontend one
     /// owner, so this lasts only while the owner's own change is later in the same apply.
@@ -148,6 +154,17 @@ pub enum ApplyError {
         frontend: FrontendKey,
         reason: MapWriteError,
     },
+    /// The service port has more endpoints than `--bpf-max-endpoints-per-service`: it is
+    /// programmed with the first `programmed` of them.
+    #[error(
+        "{service}: {endpoints} endpoints, programmed with the first {programmed} by address \
+         and port (--bpf-max-endpoints-per-service)"
+    )]
+    Truncated {
+        service: String,
+        endpoints: usize,
+        programmed: usize,
+    },
 }
 
 impl ApplyError {
@@ -162,7 +179,15 @@ impl ApplyError {
             }
         )
     }
+
+    /// The error is a limit on what the tenant's Service gets (it did not fit, or was
+    /// truncated), not a fault of the node: the node stays healthy.
+    pub fn is_tenant_limit(&self) -> bool {
+        self.is_capacity() || matches!(self, ApplyError::Truncated { .. })
+    }
 }
+
+pub use crate::config::ebpf_settings::DEFAULT_MAX_ENDPOINTS_PER_SERVICE;
 
 /// A backend that a frontend stopped using: sockets translated through `frontend` to `backend`
 /// must not keep using it (see `sockdiag`).
@@ -367,8 +392,8 @@ pub struct MapWriter {
     deferred: BTreeMap<FrontendKey, ServicePortName>,
     /// Service ports of the current apply that met a frontend another one still held.
     claimed_by_other: BTreeSet<ServicePortName>,
-    /// What each Service and namespace holds of the frontend maps, and the limits.
-    shares: shares::Shares,
+    /// `--bpf-max-endpoints-per-service`: the most backends one frontend is programmed with.
+    max_endpoints: usize,
     /// Retired generations were deleted since the last [`MapWriter::apply_snapshot`] (by it or
     /// by the loop's timer): the next one retries the frontends that did not fit.
     room_freed: bool,
@@ -391,7 +416,7 @@ impl Default for MapWriter {
             retired: RetiredList::default(),
             deferred: BTreeMap::new(),
             claimed_by_other: BTreeSet::new(),
-            shares: shares::Shares::default(),
+            max_endpoints: DEFAULT_MAX_ENDPOINTS_PER_SERVICE as usize,
             room_freed: false,
             grace: GENERATION_GRACE,
             clock: Instant::now,
@@ -400,14 +425,29 @@ impl Default for MapWriter {
 }
 
 impl MapWriter {
-    /// Limits what one Service and one namespace may take of frontend maps of `capacity`
-    /// entries (see [`shares`]).
-    pub fn set_frontend_shares(&mut self, capacity: u32, per_service: u32) {
-        let mut shares = shares::Shares::new(capacity, per_service);
-        for (name, keys) in &self.owned {
-            shares.update(name, 0, keys.len());
-        }
-        self.shares = shares;
+    /// Limits what one Service and one namespace may take of the shared maps, of `capacity`
+    /// entries each (see [`shares`]); one Service takes at most `max_frontends_per_service`
+    /// frontends. After [`MapWriter::set_maglev_table_size`]: a table's blocks are what the
+    /// Maglev map's reserve must hold at least.
+    pub fn set_shares(&mut self, capacity: shares::Entries, max_frontends_per_service: u32) {
+        use shares::{Entries, SharedMap};
+        let table_blocks = self
+            .maglev_table_size
+            .map_or(1, |size| size.div_ceil(MAGLEV_BLOCK_SLOTS));
+        self.frontends.set_share_limits(
+            capacity,
+            Entries::splat(u64::MAX)
+                .with(SharedMap::Frontends, u64::from(max_frontends_per_service)),
+            Entries::splat(1).with(SharedMap::Maglev, table_blocks.into()),
+        );
+    }
+
+    /// `--bpf-max-endpoints-per-service`: each frontend is programmed with at most this many
+    /// backends, the first by address and port (at most [`DEFAULT_MAX_ENDPOINTS_PER_SERVICE`],
+    /// what a frontend's slots address). Frontends programmed with more are rewritten by the
+    /// next apply that covers them.
+    pub fn set_max_endpoints_per_service(&mut self, max: u32) {
+        self.max_endpoints = max.clamp(1, DEFAULT_MAX_ENDPOINTS_PER_SERVICE) as usize;
     }
 
     /// Unit tests: the grace and the clock.
@@ -683,6 +723,7 @@ impl MapWriter {
                     }
                 )
             });
+            drop_truncations(&mut errors, &handed_over);
             let (again, again_errors) = self.apply(updates_of(snapshot, handed_over), maps);
             summary.add_retry(again);
             errors.extend(again_errors);
@@ -708,6 +749,7 @@ impl MapWriter {
                 }
                 _ => true,
             });
+            drop_truncations(&mut errors, &retry);
             let (again, again_errors) = self.apply(updates_of(snapshot, retry), maps);
             summary.add_retry(again);
             errors.extend(again_errors);
@@ -763,29 +805,12 @@ impl MapWriter {
                 }
             }
             let mut owned = Vec::new();
+            // Over `--bpf-max-endpoints-per-service`: the most endpoints one of its programmed
+            // frontends has, and how many it is programmed with.
+            let mut truncated: Option<(usize, usize)> = None;
             for (key, frontend) in frontends {
-                // One lookup for the owner check and the comparison below.
+                // One lookup for the owner check, the comparison and the share below.
                 let applied = self.frontends.get(&key);
-                if !previous.contains(&key)
-                    && applied.is_none_or(|applied| applied.owner.is_none())
-                    && let Err(limit) = self.shares.check(
-                        &name,
-                        previous.len(),
-                        owned.len(),
-                        // An adopted entry takes no new room.
-                        applied
-                            .is_none()
-                            .then(|| self.frontends.usage().frontends_of(&key)),
-                    )
-                {
-                    self.unfit.insert(key, name.clone());
-                    errors.push(ApplyError::Frontend {
-                        frontend: key,
-                        service: name.to_string(),
-                        reason: MapWriteError::Share(limit),
-                    });
-                    continue;
-                }
                 if let Some(owner) = applied
                     .and_then(|applied| applied.owner.as_ref())
                     .filter(|owner| **owner != name)
@@ -798,31 +823,94 @@ impl MapWriter {
                     self.claimed_by_other.insert(name.clone());
                     continue;
                 }
-                let (Some(map_key), Some(backends)) =
+                let (Some(map_key), Some(mut backends)) =
                     (frontend_map_key(&key), backend_values(&key, &frontend))
                 else {
                     summary.frontends_unsupported += 1;
                     continue;
                 };
-                owned.push(key);
+                let (endpoints, max) = (backends.len(), self.max_endpoints);
+                if endpoints > max {
+                    truncate_backends(&mut backends, max);
+                }
+                // Reported for a frontend that is programmed with the truncated set (one that
+                // does not fit is reported as such).
+                let mut programmed_truncated = || {
+                    if endpoints > max {
+                        let most = truncated.map_or(endpoints, |(most, _)| most.max(endpoints));
+                        truncated = Some((most, max));
+                    }
+                };
                 let maglev_size = self.maglev_size_for(&key, backends.len());
-                if let Some(applied) = applied
-                    && !applied.damaged
-                    && !applied.maglev_incomplete
-                    && self
-                        .backends
-                        .values_of(&applied.slots)
-                        .eq(backends.iter().copied().map(Some))
-                    && applied.affinity_timeout() == frontend.affinity_timeout
-                    && applied.policy_flags() == frontend.flags
-                    && *applied.source_ranges == *frontend.source_ranges
-                    && applied.value.maglev_size == maglev_size
-                {
-                    // Also how an adopted frontend is claimed: without a single map write.
-                    if applied.owner.is_none() {
+                // Another owner was ruled out above: an owner is this service port.
+                let ours = applied.is_some_and(|applied| applied.owner.is_some());
+                let unchanged = applied.is_some_and(|applied| {
+                    !applied.damaged
+                        && !applied.maglev_incomplete
+                        && self
+                            .backends
+                            .values_of(&applied.slots)
+                            .eq(backends.iter().copied().map(Some))
+                        && applied.affinity_timeout() == frontend.affinity_timeout
+                        && applied.policy_flags() == frontend.flags
+                        && *applied.source_ranges == *frontend.source_ranges
+                        && applied.value.maglev_size == maglev_size
+                });
+                // What it takes of the shared maps: an unchanged one nothing new (also how an
+                // adopted frontend is claimed: without a single map write, if its entries are
+                // within the share); a written one its new generation, which comes before the
+                // old one goes.
+                if !(ours && unchanged) {
+                    let held = applied.map_or_else(shares::Entries::default, |applied| {
+                        usage::shared_entries(&key, applied)
+                    });
+                    let (after, adds) = if unchanged {
+                        (held, shares::Entries::default())
+                    } else {
+                        let old_ranges = applied.map_or(&[][..], |a| &*a.source_ranges);
+                        let new_ranges = frontend
+                            .source_ranges
+                            .iter()
+                            .filter(|range| !old_ranges.contains(range))
+                            .count();
+                        (
+                            entries_of(backends.len(), maglev_size, frontend.source_ranges.len()),
+                            entries_of(backends.len(), maglev_size, new_ranges)
+                                .with(shares::SharedMap::Frontends, u64::from(applied.is_none())),
+                        )
+                    };
+                    let before = if ours {
+                        held
+                    } else {
+                        shares::Entries::default()
+                    };
+                    let in_map =
+                        MapUsage::sum(&[self.frontends.usage(), self.retired.usage()]).shared(&key);
+                    if let Err(limit) =
+                        self.frontends
+                            .shares()
+                            .check(&name.service, before, after, adds, in_map)
+                    {
+                        if ours {
+                            // Still in the maps on its previous, complete set.
+                            owned.push(key);
+                        }
+                        self.unfit.insert(key, name.clone());
+                        errors.push(ApplyError::Frontend {
+                            frontend: key,
+                            service: name.to_string(),
+                            reason: MapWriteError::Share(limit),
+                        });
+                        continue;
+                    }
+                }
+                owned.push(key);
+                if unchanged {
+                    if !ours {
                         self.frontends.set_owner(&key, name.clone());
                     }
                     summary.frontends_unchanged += 1;
+                    programmed_truncated();
                     continue;
                 }
                 let target = Target {
@@ -835,7 +923,10 @@ impl MapWriter {
                     owner: name.clone(),
                 };
                 match self.write_frontend(target, maps, &mut summary) {
-                    Ok(FrontendWrite::Switched) => summary.frontends_written += 1,
+                    Ok(FrontendWrite::Switched) => {
+                        summary.frontends_written += 1;
+                        programmed_truncated();
+                    }
                     Ok(FrontendWrite::Deferred) => {
                         summary.frontends_deferred += 1;
                         self.deferred.insert(key, name.clone());
@@ -853,7 +944,13 @@ impl MapWriter {
                     }
                 }
             }
-            self.shares.update(&name, previous.len(), owned.len());
+            if let Some((endpoints, programmed)) = truncated {
+                errors.push(ApplyError::Truncated {
+                    service: name.to_string(),
+                    endpoints,
+                    programmed,
+                });
+            }
             if owned.is_empty() {
                 if !previous.is_empty() {
                     self.owned.remove(&name);
@@ -1347,6 +1444,21 @@ impl MapWriter {
     }
 }
 
+/// Drops the truncation reports of `names`: they are applied again, which reports them again.
+fn drop_truncations(errors: &mut Vec<ApplyError>, names: &BTreeSet<ServicePortName>) {
+    if !errors
+        .iter()
+        .any(|error| matches!(error, ApplyError::Truncated { .. }))
+    {
+        return;
+    }
+    let names: BTreeSet<String> = names.iter().map(ToString::to_string).collect();
+    errors.retain(|error| match error {
+        ApplyError::Truncated { service, .. } => !names.contains(service),
+        _ => true,
+    });
+}
+
 /// The per-service-port updates for `names` from `snapshot` (a name absent from the snapshot
 /// gets no frontends: it is removed).
 fn updates_of(
@@ -1550,6 +1662,28 @@ fn backend_values(key: &FrontendKey, frontend: &Frontend) -> Option<Vec<BackendV
     set.sort_unstable();
     set.dedup();
     Some(set)
+}
+
+/// Keeps the first `max` of `backends` by address and port (the same ones on every node), a
+/// sorted set again.
+fn truncate_backends(backends: &mut Vec<BackendValue>, max: usize) {
+    backends.sort_unstable_by_key(BackendValue::socket_addr);
+    backends.truncate(max);
+    backends.sort_unstable();
+}
+
+/// The entries of the shared maps one frontend holds with `slots` backends, a Maglev table of
+/// `maglev_size` slots and `source_ranges` ranges (as `usage` counts them).
+fn entries_of(slots: usize, maglev_size: u32, source_ranges: usize) -> shares::Entries {
+    use shares::SharedMap;
+    shares::Entries::default()
+        .with(SharedMap::Frontends, 1)
+        .with(SharedMap::Slots, slots as u64)
+        .with(
+            SharedMap::Maglev,
+            u64::from(maglev_size.div_ceil(MAGLEV_BLOCK_SLOTS)),
+        )
+        .with(SharedMap::SourceRanges, source_ranges as u64)
 }
 
 /// The slot map entries of one generation of `value`: backend ids by slot.

@@ -49,9 +49,9 @@ pub use maglev::{
 };
 pub use map_writer::shares::DEFAULT_PER_SERVICE as DEFAULT_MAX_FRONTENDS_PER_SERVICE;
 pub use map_writer::{
-    ApplyError, ApplySummary, BackendValue, FrontendMapKey, GENERATION_GRACE, MapOps,
-    MapWriteError, MapWriter, MapsContent, RemovedBackend, Retirement, ip4_from_map, ip4_to_map,
-    ip6_from_map, ip6_to_map,
+    ApplyError, ApplySummary, BackendValue, DEFAULT_MAX_ENDPOINTS_PER_SERVICE, FrontendMapKey,
+    GENERATION_GRACE, MapOps, MapWriteError, MapWriter, MapsContent, RemovedBackend, Retirement,
+    ip4_from_map, ip4_to_map, ip6_from_map, ip6_to_map,
 };
 pub use options::{EbpfOptions, LbOptions};
 pub use pins::{PIN_DIR_MODE, PIN_DIR_NAME, cleanup};

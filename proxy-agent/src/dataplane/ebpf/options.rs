@@ -12,6 +12,8 @@ pub struct EbpfOptions {
     pub frontends_capacity: u32,
     /// Most frontend entries one Service may take.
     pub max_frontends_per_service: u32,
+    /// Most backends one frontend is programmed with (the first by address and port).
+    pub max_endpoints_per_service: u32,
     pub backends_capacity: u32,
     /// `--bpf-map-conntrack`: entries of the tc conntrack map; `None`: from the node's memory
     /// (`dynamic_size_ratio`), and a pinned map keeps its size.

@@ -1199,6 +1199,11 @@ fn many_ports(namespace: &str, name: &str, ip: [u8; 4], ports: std::ops::Range<u
     (service_port, frontends)
 }
 
+/// Every shared map of `capacity` entries, at most `per_service` frontends per Service.
+fn set_shares(map_writer: &mut MapWriter, capacity: u64, per_service: u32) {
+    map_writer.set_shares(shares::Entries::splat(capacity), per_service);
+}
+
 fn share_errors(errors: &[ApplyError]) -> Vec<shares::ShareLimit> {
     errors
         .iter()
@@ -1220,7 +1225,7 @@ fn share_errors(errors: &[ApplyError]) -> Vec<shares::ShareLimit> {
 fn a_namespace_cannot_take_the_reserve_that_other_namespaces_need() {
     let mut maps = FakeMaps::with_slot_capacity(10_000);
     let mut map_writer = no_grace();
-    map_writer.set_frontend_shares(512, 4096);
+    set_shares(&mut map_writer, 512, 4096);
     let (summary, errors) = map_writer.apply(
         [many_ports("greedy", "big", [10, 96, 0, 1], 1..601)],
         &mut maps,
@@ -1231,7 +1236,7 @@ fn a_namespace_cannot_take_the_reserve_that_other_namespaces_need() {
     assert!(
         share_errors(&errors)
             .iter()
-            .all(|l| *l == shares::ShareLimit::Namespace)
+            .all(|l| l.holder == shares::Holder::Namespace)
     );
     // A second greedy Service of the same namespace gets nothing more.
     let (summary, errors) = map_writer.apply(
@@ -1256,7 +1261,7 @@ fn the_reserve_goes_to_small_namespaces_and_a_service_has_a_cap() {
     let mut maps = FakeMaps::with_slot_capacity(10_000);
     let mut map_writer = no_grace();
     // Reserve 64, a small namespace holds fewer than 8.
-    map_writer.set_frontend_shares(512, 4096);
+    set_shares(&mut map_writer, 512, 4096);
     map_writer.apply([many_ports("a", "big", [10, 96, 0, 1], 1..449)], &mut maps);
     let (summary, errors) = map_writer.apply(
         [many_ports("b", "medium", [10, 96, 0, 2], 1..21)],
@@ -1267,13 +1272,19 @@ fn the_reserve_goes_to_small_namespaces_and_a_service_has_a_cap() {
 
     let mut maps = FakeMaps::with_slot_capacity(10_000);
     let mut map_writer = no_grace();
-    map_writer.set_frontend_shares(65_536, 100);
+    set_shares(&mut map_writer, 65_536, 100);
     let (summary, errors) =
         map_writer.apply([many_ports("a", "many", [10, 96, 0, 1], 1..151)], &mut maps);
     assert_eq!(summary.frontends_written, 100);
     assert_eq!(
         share_errors(&errors),
-        vec![shares::ShareLimit::Service; 50],
+        vec![
+            shares::ShareLimit {
+                map: shares::SharedMap::Frontends,
+                holder: shares::Holder::Service
+            };
+            50
+        ],
         "the Service's cap, not the namespace's"
     );
     // Fewer ports later: what it keeps stays, and it is under its cap again.
@@ -1282,4 +1293,250 @@ fn the_reserve_goes_to_small_namespaces_and_a_service_has_a_cap() {
     assert!(errors.is_empty(), "{errors:?}");
     assert_eq!(summary.frontends_removed, 10);
     maps.check_invariants();
+}
+
+/// One service port of `namespace/name` with frontends on `ports` of `ip` in `scope`, each with
+/// the backends `10.250.<ip's last byte>.1..=endpoints`.
+fn flood(
+    namespace: &str,
+    name: &str,
+    ip: [u8; 4],
+    ports: std::ops::Range<u16>,
+    scope: Scope,
+    endpoints: u8,
+) -> Update {
+    let (service_port, mut frontends) = many_ports(namespace, name, ip, ports);
+    for (key, frontend) in &mut frontends {
+        key.scope = scope;
+        frontend.backends = (1..=endpoints)
+            .map(|i| Backend {
+                addr: IpAddr::from([10, 250, ip[3], i]),
+                port: 8080,
+            })
+            .collect();
+    }
+    (service_port, frontends)
+}
+
+/// The shared maps at `capacity` entries but `map`, which has `small` (a reserve of an eighth).
+fn shares_with_small(map: shares::SharedMap, small: u64) -> shares::Entries {
+    shares::Entries::splat(65_536).with(map, small)
+}
+
+/// An EndpointSlice flood: one namespace's Services of 16 endpoints each take the slot map
+/// but its reserve; another namespace's new Service still gets its slots, a small share of
+/// the reserve; a Service of the flooding namespace that changes cannot take the reserve for
+/// its new generation either and keeps its previous, complete set.
+#[test]
+fn an_endpoint_flood_cannot_take_the_slots_that_other_namespaces_need() {
+    use shares::{Holder, ShareLimit, SharedMap};
+    let mut maps = FakeMaps::with_slot_capacity(10_000);
+    let mut map_writer = no_grace();
+    // 512 slots: a reserve of 64, a small namespace holds at most 8.
+    map_writer.set_shares(shares_with_small(SharedMap::Slots, 512), 4096);
+    let greedy: Vec<Update> = (0..40)
+        .map(|i| {
+            flood(
+                "greedy",
+                &format!("flood-{i:02}"),
+                [10, 96, 1, i],
+                80..81,
+                Scope::Internal,
+                16,
+            )
+        })
+        .collect();
+    let greedy_keys: Vec<FrontendKey> = greedy.iter().map(|(_, f)| f[0].0).collect();
+    let (summary, errors) = map_writer.apply(greedy.clone(), &mut maps);
+    assert_eq!(
+        summary.frontends_written, 28,
+        "448 slots: 512 less the reserve"
+    );
+    assert_eq!(
+        share_errors(&errors),
+        vec![
+            ShareLimit {
+                map: SharedMap::Slots,
+                holder: Holder::Namespace
+            };
+            12
+        ]
+    );
+    assert!(errors.iter().all(ApplyError::is_capacity));
+    assert_eq!(map_writer.unfit().len(), 12);
+    maps.check_invariants();
+
+    // The victim's Service gets 3 slots of the reserve, a second one of 6 more does not.
+    let victim = flood("victim", "web", [10, 96, 2, 1], 80..81, Scope::Internal, 3);
+    let victim_key = victim.1[0].0;
+    let (summary, errors) = map_writer.apply([victim], &mut maps);
+    assert!(errors.is_empty(), "{errors:?}");
+    assert_eq!(summary.frontends_written, 1);
+    assert_eq!(maps.backends_of(&victim_key).len(), 3);
+    let (summary, errors) = map_writer.apply(
+        [flood(
+            "victim",
+            "db",
+            [10, 96, 2, 2],
+            80..81,
+            Scope::Internal,
+            6,
+        )],
+        &mut maps,
+    );
+    assert_eq!(summary.frontends_written, 0);
+    assert_eq!(share_errors(&errors).len(), 1);
+
+    // A programmed greedy Service whose endpoints change would need 16 slots more while the
+    // old generation lasts: into the reserve, refused; it keeps serving its previous set.
+    let (name, mut frontends) = greedy[0].clone();
+    for backend in &mut frontends[0].1.backends {
+        backend.port = 9090;
+    }
+    let before = maps.backends_of(&greedy_keys[0]);
+    let (summary, errors) = map_writer.apply([(name.clone(), frontends)], &mut maps);
+    assert_eq!(summary.frontends_written, 0);
+    assert_eq!(share_errors(&errors).len(), 1);
+    assert_eq!(maps.backends_of(&greedy_keys[0]), before);
+    assert_eq!(map_writer.service_ids_of(&name).len(), 1, "still owned");
+    assert!(map_writer.unfit().contains_key(&greedy_keys[0]));
+    maps.check_invariants();
+
+    // The flood goes: what did not fit fits now, and the victim kept its own all along.
+    let (summary, errors) = map_writer.apply(
+        greedy[..28]
+            .iter()
+            .map(|(name, _)| (name.clone(), Vec::new())),
+        &mut maps,
+    );
+    assert!(errors.is_empty(), "{errors:?}");
+    assert_eq!(summary.frontends_removed, 28);
+    let (summary, errors) = map_writer.apply(greedy[28..].to_vec(), &mut maps);
+    assert!(errors.is_empty(), "{errors:?}");
+    assert_eq!(summary.frontends_written, 12);
+    assert_eq!(maps.backends_of(&victim_key).len(), 3);
+    maps.check_invariants();
+}
+
+/// With Maglev, a namespace whose Services fill the Maglev map with their tables leaves the
+/// reserve, and a reserve of at least one table, to the others.
+#[test]
+fn maglev_tables_of_one_namespace_leave_room_for_the_others() {
+    use shares::{Holder, ShareLimit, SharedMap};
+    let mut maps = FakeMaps::with_slot_capacity(10_000);
+    let mut map_writer = no_grace();
+    // 1021 slots: tables of 64 blocks; 1024 blocks: a reserve of 128, 896 for one namespace.
+    map_writer.set_maglev_table_size(Some(1021));
+    map_writer.set_shares(shares_with_small(SharedMap::Maglev, 1024), 4096);
+    let (summary, errors) = map_writer.apply(
+        [flood(
+            "greedy",
+            "lb",
+            [10, 96, 1, 1],
+            1..21,
+            Scope::External,
+            2,
+        )],
+        &mut maps,
+    );
+    assert_eq!(summary.frontends_written, 14, "896 blocks of tables");
+    assert_eq!(
+        share_errors(&errors),
+        vec![
+            ShareLimit {
+                map: SharedMap::Maglev,
+                holder: Holder::Namespace
+            };
+            6
+        ]
+    );
+    assert_eq!(maps.maglev.len(), 14 * 64);
+    // Another namespace's external frontend gets its table from the reserve; its second one
+    // would take more than a small namespace's part of it.
+    let (summary, errors) = map_writer.apply(
+        [flood(
+            "victim",
+            "web",
+            [10, 96, 2, 1],
+            80..82,
+            Scope::External,
+            1,
+        )],
+        &mut maps,
+    );
+    assert_eq!(summary.frontends_written, 1);
+    assert_eq!(share_errors(&errors).len(), 1);
+    assert_eq!(maps.maglev.len(), 15 * 64);
+    maps.check_invariants();
+}
+
+/// A service port over `--bpf-max-endpoints-per-service` is programmed with its first
+/// endpoints by address and port (the same on every node, whatever the EndpointSlices' order),
+/// reported each time it is applied, and never a node fault.
+#[test]
+fn a_service_over_the_endpoint_cap_is_programmed_with_its_first_endpoints_by_address() {
+    let mut maps = FakeMaps::with_slot_capacity(1000);
+    let mut map_writer = no_grace();
+    map_writer.set_max_endpoints_per_service(2);
+    let web = key([10, 96, 0, 1], 80);
+    let mut update = snapshot(&[(web, &[])]);
+    // Address order is not the order of the map's values (network-order words compared as
+    // host integers): 10.244.1.9 comes before 10.244.2.1.
+    update[0].1[0].1.backends = [[4, 2], [2, 1], [3, 5], [1, 9]]
+        .into_iter()
+        .map(|[c, d]| Backend {
+            addr: IpAddr::from([10, 244, c, d]),
+            port: 8080,
+        })
+        .collect();
+    let truncation = |errors: &[ApplyError]| -> Vec<(usize, usize)> {
+        errors
+            .iter()
+            .filter_map(|error| match error {
+                ApplyError::Truncated {
+                    endpoints,
+                    programmed,
+                    ..
+                } => Some((*endpoints, *programmed)),
+                _ => None,
+            })
+            .collect()
+    };
+    let (summary, errors) = map_writer.apply(update.clone(), &mut maps);
+    assert_eq!(summary.frontends_written, 1);
+    assert_eq!(truncation(&errors), [(4, 2)]);
+    assert!(errors.iter().all(ApplyError::is_tenant_limit));
+    assert!(!errors.iter().any(ApplyError::is_capacity));
+    assert!(errors[0].to_string().contains("ns/svc-10.96.0.1-80:http"));
+    let mut programmed = maps.backends_of(&web);
+    programmed.sort();
+    assert_eq!(
+        programmed,
+        ["10.244.1.9:8080", "10.244.2.1:8080"].map(|a| a.parse::<SocketAddr>().expect("addr"))
+    );
+    // Unchanged: nothing written, still reported; not something that did not fit.
+    let (summary, errors) = map_writer.apply(update.clone(), &mut maps);
+    assert_eq!(
+        (summary.frontends_written, summary.frontends_unchanged),
+        (0, 1)
+    );
+    assert_eq!(truncation(&errors), [(4, 2)]);
+    assert!(map_writer.unfit().is_empty());
+    // A higher cap: the next apply programs them all.
+    map_writer.set_max_endpoints_per_service(10);
+    let (summary, errors) = map_writer.apply(update.clone(), &mut maps);
+    assert!(errors.is_empty(), "{errors:?}");
+    assert_eq!(summary.frontends_written, 1);
+    assert_eq!(maps.backends_of(&web).len(), 4);
+    maps.check_invariants();
+
+    // One that is not programmed at all is reported as not fitting, not as truncated.
+    let mut maps = FakeMaps::with_slot_capacity(1000);
+    let mut map_writer = no_grace();
+    map_writer.set_max_endpoints_per_service(2);
+    set_shares(&mut map_writer, 65_536, 0);
+    let (summary, errors) = map_writer.apply(update, &mut maps);
+    assert_eq!(summary.frontends_written, 0);
+    assert_eq!(share_errors(&errors).len(), 1);
+    assert!(truncation(&errors).is_empty(), "{errors:?}");
 }

@@ -3,7 +3,8 @@
 //! The fill levels go to the metrics after every sync. Counting them off the writer's records
 //! walked every frontend four times: 12 ms of a one-Service sync at 50k Services, more than the
 //! sync itself. So the records live in collections that adjust the counts on every insert and
-//! removal, and only reads and count-neutral changes are open to the rest of the writer.
+//! removal, and only reads and count-neutral changes are open to the rest of the writer. The
+//! same goes for what each Service and namespace holds of the shared maps (`shares`).
 
 use std::{collections::BTreeMap, ops::Deref};
 
@@ -13,7 +14,10 @@ mod backend_table;
 
 pub(super) use backend_table::BackendTable;
 
-use super::{AppliedFrontend, BackendValue, Retired, maglev_keys};
+use super::{
+    AppliedFrontend, BackendValue, Retired, maglev_keys,
+    shares::{Entries, SharedMap, Shares},
+};
 use crate::desired::{FrontendKey, ServicePortName};
 
 /// Entries per written map.
@@ -95,16 +99,21 @@ impl MapUsage {
         total
     }
 
-    /// By pinned map name: the fill level `--bpf-map-*` sizes.
-    /// Entries of the frontend map of `key`'s family.
-    pub(super) fn frontends_of(&self, key: &FrontendKey) -> u64 {
-        if key.addr.is_ipv4() {
+    /// Entries of the shared maps (`shares`), the frontend map being `key`'s family's.
+    pub(super) fn shared(&self, key: &FrontendKey) -> Entries {
+        let frontends = if key.addr.is_ipv4() {
             self.frontends4
         } else {
             self.frontends6
-        }
+        };
+        Entries::default()
+            .with(SharedMap::Frontends, frontends)
+            .with(SharedMap::Slots, self.slots)
+            .with(SharedMap::Maglev, self.maglev)
+            .with(SharedMap::SourceRanges, self.source_ranges)
     }
 
+    /// By pinned map name: the fill level `--bpf-map-*` sizes.
     pub(super) fn by_map(&self) -> [(&'static str, u64); 7] {
         [
             (map_names::FRONTENDS4, self.frontends4),
@@ -118,11 +127,19 @@ impl MapUsage {
     }
 }
 
-/// The applied frontends by key, with their entry counts.
+/// The entries of the shared maps the frontend `key` holds as `applied`.
+pub(super) fn shared_entries(key: &FrontendKey, applied: &AppliedFrontend) -> Entries {
+    MapUsage::of_frontend(key, applied).shared(key)
+}
+
+/// The applied frontends by key, with their entry counts, in all and by owner.
 #[derive(Debug, Default)]
 pub(super) struct FrontendTable {
     map: BTreeMap<FrontendKey, AppliedFrontend>,
     usage: MapUsage,
+    /// What each owner's Service and namespace holds (adopted frontends, owned by no one yet,
+    /// count in no share).
+    shares: Shares,
 }
 
 impl Deref for FrontendTable {
@@ -137,6 +154,20 @@ impl FrontendTable {
         self.usage
     }
 
+    pub(super) fn shares(&self) -> &Shares {
+        &self.shares
+    }
+
+    /// Sets the limits of the shared maps; what each one holds stays counted.
+    pub(super) fn set_share_limits(
+        &mut self,
+        capacity: Entries,
+        per_service: Entries,
+        unit: Entries,
+    ) {
+        self.shares.set_limits(capacity, per_service, unit);
+    }
+
     /// See [`crate::btree`].
     pub(super) fn repack(&mut self) {
         crate::btree::repack(&mut self.map);
@@ -147,10 +178,14 @@ impl FrontendTable {
         key: FrontendKey,
         applied: AppliedFrontend,
     ) -> Option<AppliedFrontend> {
-        self.usage.add(MapUsage::of_frontend(&key, &applied));
+        let usage = MapUsage::of_frontend(&key, &applied);
+        self.usage.add(usage);
+        if let Some(owner) = &applied.owner {
+            self.shares.add(&owner.service, usage.shared(&key));
+        }
         let old = self.map.insert(key, applied);
         if let Some(old) = &old {
-            self.usage.sub(MapUsage::of_frontend(&key, old));
+            self.forget(&key, old);
         }
         old
     }
@@ -158,14 +193,28 @@ impl FrontendTable {
     pub(super) fn remove(&mut self, key: &FrontendKey) -> Option<AppliedFrontend> {
         let old = self.map.remove(key);
         if let Some(old) = &old {
-            self.usage.sub(MapUsage::of_frontend(key, old));
+            self.forget(key, old);
         }
         old
     }
 
-    /// Claims a frontend for a service port (the owner counts in no map).
+    /// Takes a frontend that left the table out of the counts.
+    fn forget(&mut self, key: &FrontendKey, old: &AppliedFrontend) {
+        let usage = MapUsage::of_frontend(key, old);
+        self.usage.sub(usage);
+        if let Some(owner) = &old.owner {
+            self.shares.sub(&owner.service, usage.shared(key));
+        }
+    }
+
+    /// Claims a frontend for a service port: its entries count in the owner's share from now.
     pub(super) fn set_owner(&mut self, key: &FrontendKey, owner: ServicePortName) {
         if let Some(applied) = self.map.get_mut(key) {
+            let entries = MapUsage::of_frontend(key, applied).shared(key);
+            if let Some(previous) = &applied.owner {
+                self.shares.sub(&previous.service, entries);
+            }
+            self.shares.add(&owner.service, entries);
             applied.owner = Some(owner);
         }
     }
@@ -235,9 +284,18 @@ impl super::MapWriter {
     /// apply and retirement of the map writer's unit tests.
     pub(super) fn assert_usage_counted(&self) {
         let mut recounted = MapUsage::default();
+        let mut shares = Shares::default();
         for (key, applied) in self.frontends.iter() {
-            recounted.add(MapUsage::of_frontend(key, applied));
+            let usage = MapUsage::of_frontend(key, applied);
+            recounted.add(usage);
+            if let Some(owner) = &applied.owner {
+                shares.add(&owner.service, usage.shared(key));
+            }
         }
+        assert!(
+            self.frontends.shares().same_counts(&shares),
+            "the shares kept as the writer goes differ from a recount"
+        );
         for retired in self.retired.iter() {
             recounted.add(MapUsage::of_retired(retired));
         }
