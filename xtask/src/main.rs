@@ -28,7 +28,12 @@ enum Command {
     BuildEbpf,
     /// Build everything and run every check, unit test and integration test, then each fuzz
     /// target briefly (needs root).
-    Test,
+    Test {
+        /// For development: fmt, links, layers, clippy and every unit and integration test,
+        /// without the supply-chain check, the eBPF clippy and the fuzz targets.
+        #[arg(long)]
+        quick: bool,
+    },
     /// The supply-chain check alone (part of `test`): cargo deny over both workspaces with
     /// deny.toml, against the committed advisory database snapshot.
     Deny,
@@ -90,11 +95,13 @@ fn main() -> Result<()> {
             setup::run(setup::Mode::IfMissing)?;
             build::ebpf()
         }
-        Command::Test => {
+        Command::Test { quick } => {
             setup::run(setup::Mode::IfMissing)?;
-            setup::cargo_deny()?;
+            if !quick {
+                setup::cargo_deny()?;
+            }
             build::ebpf()?;
-            build::test()
+            build::test(quick)
         }
         Command::Deny => {
             setup::cargo_deny()?;
