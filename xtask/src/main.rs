@@ -35,7 +35,7 @@ enum Command {
         quick: bool,
     },
     /// The supply-chain check alone (part of `test`): cargo deny over both workspaces with
-    /// deny.toml, against the committed advisory database snapshot.
+    /// deny.toml; advisories only when RustSec's database is beside the repository.
     Deny,
     /// Build the book under docs/ with mdBook (pinned; installed when missing) into
     /// target/book/, then check every link and anchor of README.md, ARCHITECTURE.md and
