@@ -575,7 +575,7 @@ fn tc(maps: &impl Maps, q: &Query, side: TcSide, e: &mut Explanation) {
         match q.sport {
             Some(sport) => {
                 let ports = (u32::from(sport.to_be()) << 16) | u32::from(port.to_be());
-                let hash = flow_hash(&words(q.client), &words(ip), ports, protocol);
+                let hash = proxy_common::maglev::flow_hash(&words(q.client), &words(ip), ports, protocol);
                 let id = hash.checked_rem(frontend.maglev_size).and_then(|slot| {
                     let key = MaglevKey {
                         service_id: frontend.service_id,
@@ -679,30 +679,6 @@ fn outside_cluster_cidr(client: IpAddr, config: &NodeConfig) -> bool {
                 && s[0] & config.cluster4_mask != config.cluster4
         }
     }
-}
-
-/// `proxy-ebpf/src/maglev.rs`'s flow hash (murmur3 over the tuple as the packet carries it),
-/// repeated here: the eBPF crate does not build for the host.
-fn flow_hash(src: &[u32; 4], dst: &[u32; 4], ports: u32, protocol: u8) -> u32 {
-    fn mix(h: u32, word: u32) -> u32 {
-        let k = word
-            .wrapping_mul(0xcc9e_2d51)
-            .rotate_left(15)
-            .wrapping_mul(0x1b87_3593);
-        (h ^ k)
-            .rotate_left(13)
-            .wrapping_mul(5)
-            .wrapping_add(0xe654_6b64)
-    }
-    let mut h = u32::from(protocol);
-    for word in src.iter().chain(dst).chain(std::iter::once(&ports)) {
-        h = mix(h, *word);
-    }
-    h ^= h >> 16;
-    h = h.wrapping_mul(0x85eb_ca6b);
-    h ^= h >> 13;
-    h = h.wrapping_mul(0xc2b2_ae35);
-    h ^ (h >> 16)
 }
 
 /// iptables mode: `tracer` holds the live ruleset (`iptables-save` of nat and filter); the walk
