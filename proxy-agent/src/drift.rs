@@ -82,7 +82,7 @@ pub fn check_ebpf(ebpf: &mut EbpfDataplane, repair: bool, metrics: &Metrics) -> 
 }
 
 /// Runs `work` on a thread of its own and hands its result to the returned receiver; `None`
-/// when the thread cannot start. `background`: at a lower priority (nobody waits for it).
+/// when the thread cannot start. `background`: at a lower priority.
 fn spawn<T: Send + 'static>(
     name: &str,
     background: bool,
@@ -110,7 +110,7 @@ fn spawn<T: Send + 'static>(
 /// eBPF mode: a drift check (reading and comparison) started on a thread of its own so that the
 /// loop keeps syncing meanwhile (see `dataplane::ebpf::drift_reader`); `None` in iptables mode
 /// or when the maps cannot be opened (logged), so the caller checks in place.
-fn start_ebpf(dataplane: &mut Dataplane, background: bool) -> Option<EbpfTask> {
+fn start_ebpf(dataplane: &mut Dataplane) -> Option<EbpfTask> {
     let Dataplane::Ebpf(ebpf) = dataplane else {
         return None;
     };
@@ -121,7 +121,7 @@ fn start_ebpf(dataplane: &mut Dataplane, background: bool) -> Option<EbpfTask> {
             return None;
         }
     };
-    match spawn("drift-check", background, move || job.run()) {
+    match spawn("drift-check", true, move || job.run()) {
         Some(result) => Some(EbpfTask {
             started: std::time::Instant::now(),
             result,
@@ -182,7 +182,8 @@ fn start_iptables(
     let inputs = iptables.drift_inputs(snapshot);
     let work = move || inputs.into_iter().map(DriftInput::run).collect();
     // The periodic check in the background; a request at the default priority: someone waits
-    // for the answer (the rate limit bounds what it costs).
+    // for the answer, and listing the rules is mostly `iptables-save`'s time, not the loop's
+    // (the rate limit bounds how often it runs).
     match spawn("drift-check", replies.is_none(), work) {
         Some(result) => Ok(IptablesTask {
             started: std::time::Instant::now(),
@@ -252,7 +253,7 @@ impl DriftChecks {
         retry: bool,
     ) -> bool {
         match dataplane {
-            Dataplane::Ebpf(_) => match start_ebpf(dataplane, true) {
+            Dataplane::Ebpf(_) => match start_ebpf(dataplane) {
                 Some(task) => {
                     self.ebpf = Some((task, None));
                     true
@@ -288,9 +289,7 @@ impl DriftChecks {
                     return;
                 }
                 let replies = std::mem::take(&mut self.waiting);
-                // At the default priority: someone waits for the answer (the rate limit
-                // bounds what it costs).
-                match start_ebpf(dataplane, false) {
+                match start_ebpf(dataplane) {
                     Some(task) => self.ebpf = Some((task, Some(replies))),
                     None => answer(
                         replies,
