@@ -13,8 +13,8 @@ use tracing::{debug, warn};
 use crate::{
     dataplane::{
         Dataplane,
-        ebpf::{DriftCheck, DriftReading, EbpfDataplane},
-        iptables::IptablesDataplane,
+        ebpf::{DriftCheck, DriftFound, DriftNotChecked, EbpfDataplane},
+        iptables::{DriftInput, FamilyDrift, IptablesDataplane},
     },
     desired::Snapshot,
     node_services::metrics::Metrics,
@@ -59,8 +59,9 @@ impl DriftReport {
     }
 }
 
-/// One check of whichever dataplane runs; with `repair`, what differs is fixed (iptables: the
-/// caller requests the full sync that repairs it).
+/// One check of whichever dataplane runs, in the calling thread; with `repair`, what differs
+/// is fixed (iptables: the caller requests the full sync that repairs it). The loop uses it
+/// only when a check cannot start on a thread of its own ([`DriftChecks::start_periodic`]).
 pub fn check(
     dataplane: &mut Dataplane,
     repair: bool,
@@ -80,51 +81,62 @@ pub fn check_ebpf(ebpf: &mut EbpfDataplane, repair: bool, metrics: &Metrics) -> 
     report_ebpf(check, repair, metrics, started)
 }
 
-/// eBPF mode: the drift check's reading, started on a blocking thread so that the loop keeps
-/// syncing meanwhile (see `dataplane::ebpf::drift_reader`); `None` in iptables mode or when
-/// the maps cannot be opened (logged), so the caller checks in place.
-pub fn start_reading(dataplane: &mut Dataplane) -> Option<ReadingTask> {
-    let Dataplane::Ebpf(ebpf) = dataplane else {
-        return None;
-    };
-    let reader = match ebpf.start_drift_read() {
-        Ok(reader) => reader,
-        Err(error) => {
-            warn!(%error, "cannot start the drift check's reading; checking in the loop");
-            return None;
-        }
-    };
+/// Runs `work` on a thread of its own and hands its result to the returned receiver; `None`
+/// when the thread cannot start. `background`: at a lower priority.
+fn spawn<T: Send + 'static>(
+    name: &str,
+    background: bool,
+    work: impl FnOnce() -> T + Send + 'static,
+) -> Option<tokio::sync::oneshot::Receiver<T>> {
     let (done, result) = tokio::sync::oneshot::channel();
     let spawned = std::thread::Builder::new()
-        .name("drift-read".into())
+        .name(name.into())
         .spawn(move || {
-            lower_priority();
+            if background {
+                lower_priority();
+            }
             // The receiver is gone only when the agent is shutting down.
-            let _ = done.send(reader.read());
+            let _ = done.send(work());
         });
     match spawned {
-        Ok(_) => Some(ReadingTask {
-            started: std::time::Instant::now(),
-            result,
-        }),
+        Ok(_) => Some(result),
         Err(error) => {
-            warn!(%error, "cannot start the drift check's reading; checking in the loop");
-            ebpf.abandon_drift_read();
+            warn!(%error, thread = name, "cannot start the drift check's thread");
             None
         }
     }
 }
 
-/// A reading that failed on its thread: nothing will be compared.
-pub fn abandon_reading(dataplane: &mut Dataplane) {
-    if let Dataplane::Ebpf(ebpf) = dataplane {
-        ebpf.abandon_drift_read();
+/// eBPF mode: a drift check (reading and comparison) started on a thread of its own so that the
+/// loop keeps syncing meanwhile (see `dataplane::ebpf::drift_reader`); `None` in iptables mode
+/// or when the maps cannot be opened (logged), so the caller checks in place.
+fn start_ebpf(dataplane: &mut Dataplane) -> Option<EbpfTask> {
+    let Dataplane::Ebpf(ebpf) = dataplane else {
+        return None;
+    };
+    let job = match ebpf.start_drift_check() {
+        Ok(job) => job,
+        Err(error) => {
+            warn!(%error, "cannot start the drift check's reading");
+            return None;
+        }
+    };
+    match spawn("drift-check", true, move || job.run()) {
+        Some(result) => Some(EbpfTask {
+            started: std::time::Instant::now(),
+            result,
+        }),
+        None => {
+            ebpf.abandon_drift_check();
+            None
+        }
     }
 }
 
-/// Nice 10 for the calling thread (Linux: per thread). The reading is background work that
-/// reads every entry of every map (hundreds of milliseconds of CPU at 50k Services, mostly in
-/// the kernel); at the default priority it took half of a two-core node from the loop's syncs.
+/// Nice 10 for the calling thread (Linux: per thread; the `iptables-save` it runs inherits it).
+/// The check is background work that reads every entry of every map (hundreds of milliseconds
+/// of CPU at 50k Services, mostly in the kernel) and compares them; at the default priority it
+/// took half of a two-core node from the loop's syncs.
 fn lower_priority() {
     const BACKGROUND_NICE: libc::c_int = 10;
     // SAFETY: a plain syscall without arguments.
@@ -136,72 +148,127 @@ fn lower_priority() {
     // priority as it was.
     let set = unsafe { libc::setpriority(libc::PRIO_PROCESS, tid, BACKGROUND_NICE) };
     if set != 0 {
-        debug!(error = %std::io::Error::last_os_error(), "drift reading keeps its priority");
+        debug!(error = %std::io::Error::last_os_error(), "drift check keeps its priority");
     }
 }
 
-/// A drift reading on its way (on a thread of its own, ended with the reading).
+/// An eBPF drift check on its way (on a thread of its own, ended with the check).
 #[derive(Debug)]
-pub struct ReadingTask {
+struct EbpfTask {
     started: std::time::Instant,
-    result: tokio::sync::oneshot::Receiver<DriftReading>,
+    result: tokio::sync::oneshot::Receiver<DriftFound>,
 }
 
-/// Compares a finished reading with the agent's state; with `repair`, repairs what differs.
-pub fn finish_reading(
-    dataplane: &mut Dataplane,
-    task: ReadingTask,
-    reading: DriftReading,
-    repair: bool,
-    metrics: &Metrics,
-) -> DriftReport {
-    let Dataplane::Ebpf(ebpf) = dataplane else {
-        return DriftReport::not_checked("iptables", "an eBPF reading in iptables mode");
-    };
-    let check = ebpf.finish_drift_check(reading, repair);
-    report_ebpf(check, repair, metrics, task.started)
+/// An iptables check on its way: what it found per family, from inputs taken at the families'
+/// generations (see `IptablesDataplane::finish_drift`).
+#[derive(Debug)]
+struct IptablesTask {
+    started: std::time::Instant,
+    result: tokio::sync::oneshot::Receiver<Vec<FamilyDrift>>,
+    /// A retry of a check that came back stale: if this one does too, the periodic check waits
+    /// for the next period and requests are told to ask again.
+    retry: bool,
+    /// The requests it answers (`None`: the periodic check, which repairs).
+    replies: Option<Vec<Reply>>,
+}
+
+/// Starts an iptables check (generate, `iptables-save`, compare) on a thread of its own.
+fn start_iptables(
+    iptables: &IptablesDataplane,
+    snapshot: &Snapshot,
+    retry: bool,
+    replies: Option<Vec<Reply>>,
+) -> Result<IptablesTask, Option<Vec<Reply>>> {
+    let inputs = iptables.drift_inputs(snapshot);
+    let work = move || inputs.into_iter().map(DriftInput::run).collect();
+    // The periodic check in the background; a request at the default priority: someone waits
+    // for the answer, and listing the rules is mostly `iptables-save`'s time, not the loop's
+    // (the rate limit bounds how often it runs).
+    match spawn("drift-check", replies.is_none(), work) {
+        Some(result) => Ok(IptablesTask {
+            started: std::time::Instant::now(),
+            result,
+            retry,
+            replies,
+        }),
+        None => Err(replies),
+    }
 }
 
 /// Where one `/debug/drift` request waits for its JSON answer.
 pub type Reply = tokio::sync::oneshot::Sender<String>;
 
 /// The drift checks of the agent's loop: the periodic one (repairs) and those `/debug/drift`
-/// asks for (report only). Neither reads the kernel's state in the loop: eBPF reads the maps on
-/// a thread ([`start_reading`]) and compares in the loop as the periodic check does; iptables
-/// generates, lists and compares its rules on a thread. The requests are rate limited by the
-/// metrics server (`/debug/drift`); those that come while a check runs wait for the next one.
+/// asks for (report only). Neither reads nor compares the kernel's state in the loop: both
+/// modes read and compare on a thread, and the loop only takes the result — eBPF leaves out the
+/// entries it wrote meanwhile and repairs the rest, iptables discards a family whose rules it
+/// wrote meanwhile (by generation) and marks the others for a full sync. The requests are rate
+/// limited by the metrics server (`/debug/drift`); those that come while a check runs wait for
+/// the next one.
 #[derive(Debug, Default)]
 pub struct DriftChecks {
-    /// eBPF: the reading in flight, with the requests it answers (`None`: the periodic check).
-    reading: Option<(ReadingTask, Option<Vec<Reply>>)>,
-    /// iptables: an on-demand check on its thread, with the requests it answers.
-    iptables: Option<(tokio::sync::oneshot::Receiver<DriftReport>, Vec<Reply>)>,
+    /// eBPF: the check in flight, with the requests it answers (`None`: the periodic check).
+    ebpf: Option<(EbpfTask, Option<Vec<Reply>>)>,
+    /// iptables: the periodic check in flight.
+    iptables_periodic: Option<IptablesTask>,
+    /// iptables: an on-demand check in flight.
+    iptables: Option<IptablesTask>,
     /// Requests for the next on-demand check.
     waiting: Vec<Reply>,
 }
 
-/// What [`DriftChecks::done`] returns: a finished eBPF reading or iptables check.
+/// What [`DriftChecks::done`] returns: a finished check.
 #[derive(Debug)]
 pub enum Done {
-    Reading(Result<DriftReading, tokio::sync::oneshot::error::RecvError>),
-    Iptables(Result<DriftReport, tokio::sync::oneshot::error::RecvError>),
+    Ebpf(Result<DriftFound, tokio::sync::oneshot::error::RecvError>),
+    IptablesPeriodic(Result<Vec<FamilyDrift>, tokio::sync::oneshot::error::RecvError>),
+    Iptables(Result<Vec<FamilyDrift>, tokio::sync::oneshot::error::RecvError>),
+}
+
+/// What the loop does after [`DriftChecks::finish`].
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Finished {
+    /// iptables drift was found: the families are marked, the full sync that repairs them is
+    /// due now.
+    pub sync_needed: bool,
 }
 
 impl DriftChecks {
-    /// No eBPF reading in flight: the periodic check may start one.
-    pub fn reading_idle(&self) -> bool {
-        self.reading.is_none()
+    /// No periodic check in flight (nor an eBPF one on demand: both modes' periodic check
+    /// waits for it).
+    pub fn periodic_idle(&self) -> bool {
+        self.ebpf.is_none() && self.iptables_periodic.is_none()
     }
 
-    /// The periodic check: eBPF starts a reading (`true`); `false` when the caller must check
-    /// in place (iptables, or maps that cannot be opened).
-    pub fn start_periodic(&mut self, dataplane: &mut Dataplane) -> bool {
-        match start_reading(dataplane) {
-            Some(task) => {
-                self.reading = Some((task, None));
-                true
+    /// The periodic check, started on a thread (`true`); `false` when the caller must check in
+    /// place (maps that cannot be opened, a thread that cannot start).
+    pub fn start_periodic(&mut self, dataplane: &mut Dataplane, snapshot: &Snapshot) -> bool {
+        self.start_periodic_with(dataplane, snapshot, false)
+    }
+
+    fn start_periodic_with(
+        &mut self,
+        dataplane: &mut Dataplane,
+        snapshot: &Snapshot,
+        retry: bool,
+    ) -> bool {
+        match dataplane {
+            Dataplane::Ebpf(_) => match start_ebpf(dataplane) {
+                Some(task) => {
+                    self.ebpf = Some((task, None));
+                    true
+                }
+                None => false,
+            },
+            Dataplane::Iptables(iptables) => {
+                match start_iptables(iptables, snapshot, retry, None) {
+                    Ok(task) => {
+                        self.iptables_periodic = Some(task);
+                        true
+                    }
+                    Err(_) => false,
+                }
             }
-            None => false,
         }
     }
 
@@ -218,12 +285,12 @@ impl DriftChecks {
         }
         match dataplane {
             Dataplane::Ebpf(_) => {
-                if self.reading.is_some() {
+                if self.ebpf.is_some() {
                     return;
                 }
                 let replies = std::mem::take(&mut self.waiting);
-                match start_reading(dataplane) {
-                    Some(task) => self.reading = Some((task, Some(replies))),
+                match start_ebpf(dataplane) {
+                    Some(task) => self.ebpf = Some((task, Some(replies))),
                     None => answer(
                         replies,
                         &DriftReport::not_checked("ebpf", "the maps cannot be read"),
@@ -235,71 +302,89 @@ impl DriftChecks {
                     return;
                 }
                 let replies = std::mem::take(&mut self.waiting);
-                let inputs = iptables.drift_inputs(snapshot);
-                let (done, result) = tokio::sync::oneshot::channel();
-                let spawned = std::thread::Builder::new()
-                    .name("drift-check".into())
-                    // At the default priority: someone waits for the answer (the rate
-                    // limit bounds what it costs).
-                    .spawn(move || {
-                        let _ = done.send(compare_iptables(&inputs));
-                    });
-                match spawned {
-                    Ok(_) => self.iptables = Some((result, replies)),
-                    Err(error) => answer(
-                        replies,
-                        &DriftReport::not_checked(
-                            "iptables",
-                            &format!("cannot start the check: {error}"),
-                        ),
-                    ),
-                }
+                self.start_iptables_request(iptables, snapshot, false, replies);
             }
         }
     }
 
-    /// Waits for a reading or an on-demand check to finish (forever without one: for a
-    /// `select!` branch).
-    pub async fn done(&mut self) -> Done {
-        let Self {
-            reading, iptables, ..
-        } = self;
-        tokio::select! {
-            reading = async {
-                match reading {
-                    Some((task, _)) => (&mut task.result).await,
-                    None => std::future::pending().await,
-                }
-            } => Done::Reading(reading),
-            report = async {
-                match iptables {
-                    Some((result, _)) => result.await,
-                    None => std::future::pending().await,
-                }
-            } => Done::Iptables(report),
+    fn start_iptables_request(
+        &mut self,
+        iptables: &IptablesDataplane,
+        snapshot: &Snapshot,
+        retry: bool,
+        replies: Vec<Reply>,
+    ) {
+        match start_iptables(iptables, snapshot, retry, Some(replies)) {
+            Ok(task) => self.iptables = Some(task),
+            Err(replies) => answer(
+                replies.unwrap_or_default(),
+                &DriftReport::not_checked("iptables", "cannot start the check"),
+            ),
         }
     }
 
-    /// What finished: compared (eBPF; repaired when periodic), answered to the requests it
-    /// was for; then the next on-demand check starts if requests wait.
+    /// Waits for a check to finish (forever without one: for a `select!` branch).
+    pub async fn done(&mut self) -> Done {
+        let Self {
+            ebpf,
+            iptables_periodic,
+            iptables,
+            ..
+        } = self;
+        tokio::select! {
+            found = async {
+                match ebpf {
+                    Some((task, _)) => (&mut task.result).await,
+                    None => std::future::pending().await,
+                }
+            } => Done::Ebpf(found),
+            found = async {
+                match iptables_periodic {
+                    Some(task) => (&mut task.result).await,
+                    None => std::future::pending().await,
+                }
+            } => Done::IptablesPeriodic(found),
+            found = async {
+                match iptables {
+                    Some(task) => (&mut task.result).await,
+                    None => std::future::pending().await,
+                }
+            } => Done::Iptables(found),
+        }
+    }
+
+    /// What finished: settled against what the loop wrote meanwhile (eBPF: entries left out;
+    /// iptables: stale families discarded, a stale periodic check retried once), repaired when
+    /// periodic, answered to the requests it was for; then the next on-demand check starts if
+    /// requests wait — unless the periodic check is due (`periodic_due`): in eBPF mode both
+    /// take turns on the same record, and a stream of requests must not keep it from running.
     pub fn finish(
         &mut self,
         done: Done,
         dataplane: &mut Dataplane,
         snapshot: &Snapshot,
         metrics: &Metrics,
-    ) {
+        periodic_due: bool,
+    ) -> Finished {
+        let mut finished = Finished::default();
         match done {
-            Done::Reading(reading) => {
-                if let Some((task, replies)) = self.reading.take() {
-                    let report = match reading {
-                        Ok(reading) => {
-                            finish_reading(dataplane, task, reading, replies.is_none(), metrics)
+            Done::Ebpf(found) => {
+                if let Some((task, replies)) = self.ebpf.take() {
+                    let report = match (found, &mut *dataplane) {
+                        (Ok(found), Dataplane::Ebpf(ebpf)) => {
+                            let repair = replies.is_none();
+                            let check = ebpf.finish_drift_check(found, repair);
+                            report_ebpf(check, repair, metrics, task.started)
                         }
-                        Err(error) => {
-                            warn!(%error, "the drift check's reading failed");
-                            abandon_reading(dataplane);
-                            DriftReport::not_checked(dataplane.mode_name(), "the reading failed")
+                        (Ok(_), Dataplane::Iptables(_)) => {
+                            DriftReport::not_checked("iptables", "an eBPF check in iptables mode")
+                        }
+                        (Err(error), dataplane) => {
+                            warn!(%error, "the drift check failed");
+                            if let Dataplane::Ebpf(ebpf) = dataplane {
+                                ebpf.abandon_drift_check();
+                            }
+                            DriftReport::not_checked(dataplane.mode_name(), "the check failed")
                         }
                     };
                     if let Some(replies) = replies {
@@ -307,16 +392,66 @@ impl DriftChecks {
                     }
                 }
             }
-            Done::Iptables(report) => {
-                if let Some((_, replies)) = self.iptables.take() {
-                    let report = report.unwrap_or_else(|_| {
-                        DriftReport::not_checked("iptables", "the check failed")
-                    });
-                    answer(replies, &report);
+            Done::IptablesPeriodic(found) => {
+                if let Some(task) = self.iptables_periodic.take() {
+                    match (found, &mut *dataplane) {
+                        (Ok(found), Dataplane::Iptables(iptables)) => {
+                            let settled = iptables.finish_drift(found, true);
+                            finished.sync_needed = !settled.drift.is_empty();
+                            report_iptables_repair(&settled.drift, metrics);
+                            let stale = !settled.stale.is_empty();
+                            log_stale(&settled.stale, task.retry);
+                            iptables_report(settled.drift, task.started);
+                            if stale && !task.retry {
+                                self.start_periodic_with(dataplane, snapshot, true);
+                            }
+                        }
+                        (Ok(_), Dataplane::Ebpf(_)) => {}
+                        (Err(error), _) => warn!(%error, "the iptables drift check failed"),
+                    }
+                }
+            }
+            Done::Iptables(found) => {
+                if let Some(task) = self.iptables.take() {
+                    let replies = task.replies.unwrap_or_default();
+                    match (found, &mut *dataplane) {
+                        (Ok(found), Dataplane::Iptables(iptables)) => {
+                            let settled = iptables.finish_drift(found, false);
+                            log_stale(&settled.stale, task.retry);
+                            if settled.stale.is_empty() {
+                                answer(replies, &iptables_report(settled.drift, task.started));
+                            } else if !task.retry {
+                                self.start_iptables_request(iptables, snapshot, true, replies);
+                            } else {
+                                answer(
+                                    replies,
+                                    &DriftReport::not_checked(
+                                        "iptables",
+                                        "the rules were written during the check; ask again",
+                                    ),
+                                );
+                            }
+                        }
+                        (found, dataplane) => {
+                            if let Err(error) = found {
+                                warn!(%error, "the iptables drift check failed");
+                            }
+                            answer(
+                                replies,
+                                &DriftReport::not_checked(
+                                    dataplane.mode_name(),
+                                    "the check failed",
+                                ),
+                            );
+                        }
+                    }
                 }
             }
         }
-        self.start_waiting(dataplane, snapshot);
+        if !(periodic_due && self.periodic_idle()) {
+            self.start_waiting(dataplane, snapshot);
+        }
+        finished
     }
 }
 
@@ -328,29 +463,29 @@ fn answer(replies: Vec<Reply>, report: &DriftReport) {
     }
 }
 
-/// An on-demand iptables check, on its own thread: nothing is repaired.
-fn compare_iptables(inputs: &[crate::dataplane::iptables::DriftInput]) -> DriftReport {
-    let started = std::time::Instant::now();
-    let mut drift = Vec::new();
-    for input in inputs {
-        if let Some((found, _)) = input.compare() {
-            drift.extend(found.into_iter().map(|chain| (input.family(), chain)));
-        }
+/// Families whose rules the loop wrote while their check listed them: their result is stale.
+fn log_stale(stale: &[crate::desired::IpFamily], retried: bool) {
+    if !stale.is_empty() {
+        debug!(
+            families = ?stale,
+            retried,
+            "iptables rules were written during the drift check; its result for them is stale"
+        );
     }
-    iptables_report(drift, started)
 }
 
 fn report_ebpf(
-    check: Option<DriftCheck>,
+    check: Result<DriftCheck, DriftNotChecked>,
     repair: bool,
     metrics: &Metrics,
     started: std::time::Instant,
 ) -> DriftReport {
-    let Some(check) = check else {
-        return DriftReport::not_checked(
-            "ebpf",
-            "an adopted frontend is damaged; the next full sync rewrites it",
-        );
+    let check = match check {
+        Ok(check) => check,
+        Err(why) => {
+            debug!(%why, "eBPF drift check not compared");
+            return DriftReport::not_checked("ebpf", &why.to_string());
+        }
     };
     if repair {
         for drift in &check.drift {
@@ -397,8 +532,8 @@ fn report_ebpf(
     }
 }
 
-/// One check of the iptables rules; with `repair`, the families that differ get a full sync
-/// next (the caller requests one when the report has drift).
+/// One check of the iptables rules, in the calling thread; with `repair`, the families that
+/// differ get a full sync next (the caller requests one when the report has drift).
 pub fn check_iptables(
     iptables: &mut IptablesDataplane,
     snapshot: &Snapshot,
@@ -408,22 +543,33 @@ pub fn check_iptables(
     let started = std::time::Instant::now();
     let drift = iptables.check_drift(snapshot, repair);
     if repair {
-        for (family, chain) in &drift {
-            warn!(
-                family = family.as_k8s(),
-                table = chain.table,
-                kind = chain.kind,
-                chain = %chain.chain,
-                expected = chain.expected.as_deref().unwrap_or("-"),
-                found = chain.found.as_deref().unwrap_or("-"),
-                "iptables chain drifted from what the agent writes; repairing it with a full sync"
-            );
-            if let Some(iptables_metrics) = metrics.iptables() {
-                iptables_metrics.drift_repaired(*family, chain.table, 1);
-            }
-        }
+        report_iptables_repair(&drift, metrics);
     }
     iptables_report(drift, started)
+}
+
+/// The iptables drift a periodic check repairs (with a full sync): logged and counted.
+fn report_iptables_repair(
+    drift: &[(
+        crate::desired::IpFamily,
+        crate::dataplane::iptables::drift::ChainDrift,
+    )],
+    metrics: &Metrics,
+) {
+    for (family, chain) in drift {
+        warn!(
+            family = family.as_k8s(),
+            table = chain.table,
+            kind = chain.kind,
+            chain = %chain.chain,
+            expected = chain.expected.as_deref().unwrap_or("-"),
+            found = chain.found.as_deref().unwrap_or("-"),
+            "iptables chain drifted from what the agent writes; repairing it with a full sync"
+        );
+        if let Some(iptables_metrics) = metrics.iptables() {
+            iptables_metrics.drift_repaired(*family, chain.table, 1);
+        }
+    }
 }
 
 fn iptables_report(

@@ -465,6 +465,135 @@ pub fn contested_external_ip_stays_with_the_older_service(mode: &str) -> Result<
     })
 }
 
+/// Waits until the running agent has synced and counts `conflicts` frontend conflicts (its own
+/// decision, whatever answers on the wire).
+fn wait_for_conflicts(s: &mut Scenario, label: &str, conflicts: u32) -> Result<()> {
+    let agent = s.agent()?;
+    let line = format!("kubeproxy_rs_frontend_conflicts {conflicts}");
+    crate::wait::wait_until(
+        &format!("{label}: the agent counts {conflicts} frontend conflict(s)"),
+        crate::scenario::DATAPATH_TIMEOUT,
+        Duration::from_millis(100),
+        || {
+            agent
+                .metrics()
+                .is_ok_and(|metrics| metrics.lines().any(|l| l == line))
+        },
+    )
+}
+
+/// Whether the node's nat table still names `vip` (the iptables mode's rules for it).
+fn iptables_names(s: &Scenario, vip: Ipv4Addr) -> Result<bool> {
+    let nat = s.topo.node().exec("iptables-save", &["-t", "nat"])?;
+    Ok(nat.contains(&format!("{vip}/32")))
+}
+
+/// [`contested_external_ip_stays_with_the_older_service`] across mode switches on one node:
+/// the agent starts in iptables mode, is restarted in eBPF mode (twice: the second start adopts
+/// the first's pinned maps) and then in iptables mode again. Everything that could sort the
+/// claimants another way sorts the younger first — its namespace (`aaa` before
+/// `kube-system`), its UID and its manifest file — so only the age keeps the address with the
+/// older Service; its pod answers the contested address from outside after every switch, once
+/// the mode switched to is the one that answers (the other mode's rules or programs gone).
+/// When the older Service goes, the younger takes the address over.
+pub fn contested_external_ip_stays_with_the_older_service_across_mode_switches() -> Result<()> {
+    crate::require_root();
+    let mut s = Scenario::new(2)?;
+    let older = vip_claimant(
+        "kube-system",
+        "dns",
+        "2024-01-01T00:00:00Z",
+        "ffffffff-ffff-4fff-bfff-ffffffffffff",
+        Ipv4Addr::new(10, 96, 0, 31),
+    );
+    let younger = vip_claimant(
+        "aaa",
+        "web",
+        "2025-06-01T00:00:00Z",
+        "00000000-0000-4000-8000-000000000000",
+        Ipv4Addr::new(10, 96, 0, 30),
+    );
+    s.ensure(
+        older.contains("creationTimestamp") && younger.contains("externalIPs"),
+        || format!("the manifests must carry the age and the VIP: {older}"),
+    )?;
+    s.manifests.write("a-younger-svc.yaml", &younger)?;
+    s.manifests.write(
+        "a-younger-slice.yaml",
+        &http_slice("aaa", "web-1", "web", &[pod_endpoint(1)]),
+    )?;
+    s.manifests.write("z-older-svc.yaml", &older)?;
+    s.manifests.write(
+        "z-older-slice.yaml",
+        &http_slice("kube-system", "dns-1", "dns", &[pod_endpoint(2)]),
+    )?;
+    route_via_node(&s, VIP)?;
+    let target = SocketAddr::from(SocketAddrV4::new(VIP, SERVICE_PORT));
+    let older_answers = |a: &Attempt| a.backend() == Some("pod2");
+    let ebpf_args = ["--interfaces", "vext"];
+    // Short, so that the eBPF mode's programs hand over to the iptables rules soon after the
+    // switch back (they keep translating only flows they already carry).
+    let iptables_args = ["--mode-switch-drain-period", "2s"];
+    start_on(&mut s, "iptables", "vext", &iptables_args)?;
+    // Restarts keep the agent's bpffs.
+    let pin_dir = s
+        .agent()?
+        .bpf_root()
+        .join(proxy_agent::dataplane::ebpf::PIN_DIR_NAME);
+    for phase in [
+        "iptables, first start",
+        "eBPF, after the switch from iptables",
+        "eBPF, after a restart",
+        "iptables, after the switch back",
+    ] {
+        if phase != "iptables, first start" {
+            let agent = s.agent()?;
+            agent.stop()?;
+            if phase.starts_with("eBPF") {
+                agent.restart_in_mode_with_args("ebpf", &ebpf_args)?;
+            } else {
+                agent.restart_in_mode_with_args("iptables", &iptables_args)?;
+            }
+        }
+        wait_for_conflicts(&mut s, phase, 1)?;
+        // The mode switched to answers alone: the other one's rules, or programs, are gone.
+        let ebpf = phase.starts_with("eBPF");
+        crate::wait::wait_until(
+            &format!("{phase}: only this mode's datapath left"),
+            crate::scenario::DATAPATH_TIMEOUT,
+            Duration::from_millis(200),
+            || {
+                if ebpf {
+                    iptables_names(&s, VIP).is_ok_and(|named| !named)
+                } else {
+                    !pin_dir.exists() && iptables_names(&s, VIP).is_ok_and(|named| named)
+                }
+            },
+        )?;
+        let (attempts, counts) = from_outside(
+            &mut s,
+            target,
+            &format!("contested {target}, {phase}"),
+            older_answers,
+        )?;
+        s.ensure(attempts.iter().all(older_answers), || {
+            format!("{phase}: only the older Service's pod may answer: {counts:?}")
+        })?;
+    }
+    s.manifests.remove("z-older-svc.yaml")?;
+    wait_for_conflicts(&mut s, "the older Service gone", 0)?;
+    let younger_answers = |a: &Attempt| a.backend() == Some("pod1");
+    let (attempts, counts) = from_outside(
+        &mut s,
+        target,
+        &format!("{target} once the older Service is gone"),
+        younger_answers,
+    )?;
+    s.ensure(attempts.iter().all(younger_answers), || {
+        format!("the remaining Service takes the address: {counts:?}")
+    })
+}
+
 /// `loadBalancerSourceRanges`: a client inside the ranges reaches the LB VIP; after the ranges
 /// change to exclude it, it gets nothing.
 pub fn source_ranges_admit_only_listed_clients(mode: &str) -> Result<()> {

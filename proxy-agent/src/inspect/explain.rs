@@ -575,7 +575,8 @@ fn tc(maps: &impl Maps, q: &Query, side: TcSide, e: &mut Explanation) {
         match q.sport {
             Some(sport) => {
                 let ports = (u32::from(sport.to_be()) << 16) | u32::from(port.to_be());
-                let hash = proxy_common::maglev::flow_hash(&words(q.client), &words(ip), ports, protocol);
+                let hash =
+                    proxy_common::maglev::flow_hash(&words(q.client), &words(ip), ports, protocol);
                 let id = hash.checked_rem(frontend.maglev_size).and_then(|slot| {
                     let key = MaglevKey {
                         service_id: frontend.service_id,

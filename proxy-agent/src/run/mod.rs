@@ -172,8 +172,9 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     let mut canary_at = Instant::now() + config.sync_period;
     // The Node object and the host's addresses → node settings (see `node/`).
     let mut node_manager = NodeManager::new(NodeInputs::from_config(&config), &node.name);
-    // The drift checks read the kernel's state off this loop; eBPF compares in it, never
-    // concurrently with a sync of the same maps.
+    // The drift checks read the kernel's state and compare it off this loop; the loop takes
+    // their results, leaving out what it wrote meanwhile, and repairs (never concurrently with
+    // a sync).
     let (drift_requests, mut drift_rx) = tokio::sync::mpsc::channel(4);
     node_services.metrics().serve_drift_requests(drift_requests);
     let drift_period = config.ebpf.drift_check_period;
@@ -327,10 +328,10 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
                 conntrack_gc_at = Instant::now() + CONNTRACK_GC_INTERVAL;
             }
             () = tokio::time::sleep_until(drift_at),
-                if synced_once && !drift_period.is_zero() && drift.reading_idle() => {
-                // eBPF: the maps are read on another thread and compared when the reading is
-                // back (the branch below); iptables reads its rules here.
-                if !drift.start_periodic(&mut dataplane) {
+                if synced_once && !drift_period.is_zero() && drift.periodic_idle() => {
+                // Read and compared on another thread; the result is taken (and repaired) by
+                // the branch below. In place only when no thread can start.
+                if !drift.start_periodic(&mut dataplane, &snapshot) {
                     let report = crate::drift::check(
                         &mut dataplane, true, node_services.metrics(), &snapshot);
                     if report.mode == "iptables" && !report.drift.is_empty() {
@@ -341,7 +342,13 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
                 drift_at = Instant::now() + drift_period;
             }
             done = drift.done() => {
-                drift.finish(done, &mut dataplane, &snapshot, node_services.metrics());
+                let periodic_due = !drift_period.is_zero() && Instant::now() >= drift_at;
+                let finished = drift.finish(
+                    done, &mut dataplane, &snapshot, node_services.metrics(), periodic_due);
+                if finished.sync_needed {
+                    // iptables repairs with a full sync (the family is marked): now.
+                    runner.request();
+                }
             }
             // `/debug/drift` (rate limited by the metrics server): read off the loop, answered
             // when the reading is back.

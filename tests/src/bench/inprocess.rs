@@ -290,7 +290,7 @@ fn ebpf_in_current_netns(w: Workload, changes: usize) -> Result<EbpfResult> {
             let (wall0, cpu0) = (Instant::now(), thread_cpu_time());
             let check = dataplane
                 .check_drift(true)
-                .ok_or_else(|| RigError::Other("the drift check did not run".into()))?;
+                .map_err(|why| RigError::Other(format!("the drift check did not run: {why}")))?;
             costs.push(DriftCost {
                 wall: wall0.elapsed(),
                 cpu: thread_cpu_time().saturating_sub(cpu0),

@@ -713,3 +713,199 @@ fn drifted_iptables_rules_are_reported_and_repaired_within_one_period() -> anyho
     );
     Ok(())
 }
+
+/// What the `/debug/drift` flood got: answers with their reports, requests turned away, and
+/// requests not answered within the client's timeout (a request waits for the check in flight
+/// and then its own, which on a loaded machine may take longer).
+#[derive(Debug, Default)]
+struct Flood {
+    answered: Vec<serde_json::Value>,
+    limited: usize,
+    slow: usize,
+}
+
+/// Requests `/debug/drift` in a tight loop from the node until `stop` (and at least 50 times).
+fn flood_debug_drift(
+    netns: std::path::PathBuf,
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+) -> thread::JoinHandle<anyhow::Result<Flood>> {
+    thread::spawn(move || {
+        let metrics: SocketAddr = "127.0.0.1:10249".parse()?;
+        let mut flood = Flood::default();
+        while flood.answered.len() + flood.limited + flood.slow < 50
+            || !stop.load(std::sync::atomic::Ordering::SeqCst)
+        {
+            let reply = match proxy_tests::http::get(&netns, metrics, "/debug/drift") {
+                Ok(reply) => reply,
+                Err(proxy_tests::RigError::Io { source, .. })
+                    if matches!(
+                        source.kind(),
+                        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                    ) =>
+                {
+                    flood.slow += 1;
+                    continue;
+                }
+                Err(error) => return Err(error.into()),
+            };
+            match reply.status {
+                200 => flood.answered.push(serde_json::from_str(&reply.body)?),
+                429 => {
+                    anyhow::ensure!(reply.header("Retry-After").is_some(), "{}", reply.head);
+                    flood.limited += 1;
+                }
+                other => anyhow::bail!("/debug/drift: {other} {}", reply.body),
+            }
+            // Tight, but leaving the other tests' agents some of the machine.
+            thread::sleep(Duration::from_millis(5));
+        }
+        Ok(flood)
+    })
+}
+
+/// Services `bulk1` … `bulk150` besides `api`: a check (every map entry read, or every rule
+/// listed) then takes long enough to overlap syncs, and flipping one after the other makes
+/// each sync write another frontend (one frontend switches at most once per generation grace).
+const BULK: u8 = 150;
+
+fn bulk_services() -> String {
+    (1..=BULK)
+        .map(|i| http_service("default", &format!("bulk{i}"), Ipv4Addr::new(10, 96, 2, i)))
+        .collect::<Vec<_>>()
+        .join("\n---\n")
+}
+
+/// `bulk{i}`'s EndpointSlice, with pod `pod` as its endpoint.
+fn write_bulk_slice(s: &Scenario, i: u8, pod: usize) -> anyhow::Result<()> {
+    let name = format!("bulk{i}");
+    s.manifests.write(
+        &format!("{name}-slice.yaml"),
+        &http_slice("default", &format!("{name}-1"), &name, &[pod_endpoint(pod)]),
+    )?;
+    Ok(())
+}
+
+/// The drift checks run off the sync loop and never take the loop's own writes for drift:
+/// `/debug/drift` requested in a tight loop and the periodic check every second, while `api`'s
+/// endpoint flips between pod2 and pod3 — first every 20 ms, each time with another bulk
+/// Service's endpoint, so that syncs land in the middle of checks, then flip by flip. Every flip is programmed (connections answered by the new
+/// backend); no answered check reports drift and nothing is repaired (eBPF leaves out the
+/// entries it wrote during a check, iptables discards a check of rules it restored meanwhile);
+/// the requests beyond the rate limit get 429. Both modes.
+#[test]
+fn drift_checks_under_a_request_flood_neither_hold_up_nor_misjudge_endpoint_changes()
+-> anyhow::Result<()> {
+    for mode in ["iptables", "ebpf"] {
+        proxy_tests::require_root();
+        proxy_tests::set_helper_binary(env!("CARGO_BIN_EXE_rig-helper"));
+        let mut s = Scenario::new(3)?;
+        s.write_web_service(1)?;
+        s.manifests.write("bulk.yaml", &bulk_services())?;
+        for i in 1..=BULK {
+            write_bulk_slice(&s, i, 1)?;
+        }
+        s.manifests
+            .write("api-svc.yaml", &http_service("default", "api", API_IP))?;
+        s.manifests.write(
+            "api-slice.yaml",
+            &http_slice("default", "api-1", "api", &[pod_endpoint(3)]),
+        )?;
+        // iptables: a local address gives the node a route to the ClusterIP (nat OUTPUT comes
+        // after the route lookup); it answers as `untranslated`, never as a pod.
+        s.topo
+            .add_decoy(std::net::IpAddr::V4(API_IP), SERVICE_PORT)?;
+        // iptables: a sync for every change, as the eBPF mode does.
+        s.start_serving(
+            mode,
+            &[
+                "--drift-check-period",
+                "1s",
+                "--iptables-min-sync-period",
+                "0s",
+            ],
+        )?;
+        let api = SocketAddr::from((API_IP, SERVICE_PORT));
+        s.wait_for_datapath(api, "api answered by pod3", |a| a.backend() == Some("pod3"))?;
+        let netns = s.topo.node().path();
+
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let flood = flood_debug_drift(netns.clone(), std::sync::Arc::clone(&stop));
+        for flip in 0..2 * usize::from(BULK) {
+            let pod = 2 + flip % 2;
+            s.manifests.write(
+                "api-slice.yaml",
+                &http_slice("default", "api-1", "api", &[pod_endpoint(pod)]),
+            )?;
+            let bulk = u8::try_from(flip % usize::from(BULK) + 1)?;
+            write_bulk_slice(&s, bulk, 1 + flip / usize::from(BULK))?;
+            thread::sleep(Duration::from_millis(20));
+        }
+        let mut flipped = Ok(());
+        for flip in 0..6 {
+            let pod = if flip % 2 == 0 { 2 } else { 3 };
+            let name = format!("pod{pod}");
+            s.manifests.write(
+                "api-slice.yaml",
+                &http_slice("default", "api-1", "api", &[pod_endpoint(pod)]),
+            )?;
+            let what = format!("[{mode}] flip {flip}: api answered by {name}");
+            if let Err(error) = s.wait_for_datapath(api, &what, |a| a.backend() == Some(&name)) {
+                flipped = Err(error);
+                break;
+            }
+        }
+        stop.store(true, std::sync::atomic::Ordering::SeqCst);
+        let flood = flood
+            .join()
+            .map_err(|_| anyhow::anyhow!("the /debug/drift thread panicked"))??;
+        eprintln!(
+            "[{mode}] {} checks answered, {} turned away, {} not answered in time",
+            flood.answered.len(),
+            flood.limited,
+            flood.slow
+        );
+        flipped?;
+        anyhow::ensure!(
+            !flood.answered.is_empty() && flood.limited >= 1,
+            "[{mode}] {} answered, {} turned away",
+            flood.answered.len(),
+            flood.limited
+        );
+        let mut checked = 0;
+        for report in &flood.answered {
+            anyhow::ensure!(
+                report["drift"].as_array().is_some_and(Vec::is_empty),
+                "[{mode}] a check reported the agent's own writes as drift: {report:#}"
+            );
+            if report["checked"] == true {
+                checked += 1;
+            } else {
+                // iptables only, when the rules were restored during the check and its retry.
+                anyhow::ensure!(
+                    mode == "iptables"
+                        && report["note"]
+                            .as_str()
+                            .is_some_and(|note| note.contains("written during the check")),
+                    "[{mode}] {report:#}"
+                );
+            }
+        }
+        anyhow::ensure!(checked >= 1, "[{mode}] no check compared anything");
+        let repaired = if mode == "ebpf" {
+            repair_counters(&netns)?
+        } else {
+            iptables_repair_counters(&netns)?
+        };
+        anyhow::ensure!(
+            repaired.iter().all(|(_, count)| *count == 0),
+            "[{mode}] the periodic check repaired the agent's own writes: {repaired:?}"
+        );
+        // Nothing was held back: the last state is what the datapath does.
+        let seen = tally(&s.cgroup_client().run(api, 10)?);
+        anyhow::ensure!(
+            seen.keys().map(String::as_str).collect::<Vec<_>>() == ["pod3"],
+            "[{mode}] {seen:?}"
+        );
+    }
+    Ok(())
+}

@@ -1,12 +1,13 @@
-//! The drift check reads the maps on another thread while the agent keeps syncing
-//! (`proxy-agent/src/dataplane/ebpf/drift_reader.rs`): an EndpointSlice change through the API
-//! server waited 300–600 ms for the in-loop read at 50k Services. A key the agent writes while a
-//! reading is out may have been read before or after its write, so the comparison leaves the
-//! keys written meanwhile out. Here, with the agent's dataplane on real pinned maps: a reading
-//! taken before a change and compared after it reports nothing, the same stale reading compared
-//! without the record of written keys reports the changed entries (so the record is what keeps
-//! the check quiet), and an entry changed behind the agent's back during a reading is still
-//! reported and repaired.
+//! The drift check reads the maps and compares them on another thread while the agent keeps
+//! syncing (`proxy-agent/src/dataplane/ebpf/drift_reader.rs`): an EndpointSlice change through
+//! the API server waited 300–600 ms for the in-loop check at 50k Services. The thread compares
+//! with a copy of the map writer's record taken when the check started; a key the agent writes
+//! while the check is out may have been read before or after its write, so the agent leaves the
+//! keys written meanwhile out. Here, with the agent's dataplane on real pinned maps: a check
+//! started before a change and run after it sees the change on its thread and reports nothing
+//! once finished (so the record of written keys is what keeps it quiet), an entry changed
+//! behind the agent's back during a check is still reported and repaired, and a check whose
+//! record was replaced by a newer check's, or given up, is not finished at all.
 //!
 //! Needs root: namespaces, a private bpffs, a child cgroup.
 #![expect(
@@ -19,7 +20,7 @@ use std::{collections::BTreeMap, net::Ipv4Addr};
 use aya::maps::{HashMap, Map, MapData};
 use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
 use proxy_agent::{
-    dataplane::ebpf::{EbpfDataplane, PIN_DIR_NAME},
+    dataplane::ebpf::{DriftNotChecked, EbpfDataplane, PIN_DIR_NAME},
     desired::Snapshot,
     objects::{ObjectKey, Objects},
 };
@@ -94,30 +95,36 @@ fn writes_during_a_drift_reading_are_not_drift_but_tampering_is() {
         let (_, errors) = dataplane.apply(&before, None);
         assert!(errors.is_empty(), "apply errors: {errors:?}");
 
-        // A reading taken before web's endpoints change, compared after the change.
-        let reader = dataplane.start_drift_read().expect("drift reader");
-        let stale = reader.read();
+        // A check started before web's endpoints change, run on its thread after the change.
+        let job = dataplane.start_drift_check().expect("drift check");
         let after = snapshot(&["10.244.1.4"], &["10.244.2.2"]);
         let (summary, errors) = dataplane.apply(&after, None);
         assert!(errors.is_empty(), "apply errors: {errors:?}");
         assert!(summary.frontends_written > 0, "{summary:?}");
+        let found = job.run();
+        // The thread compared the maps after the change with the record from before it: it
+        // sees web's entries differ. The record of written keys is what keeps the check quiet.
+        let seen: Vec<&str> = found.unfiltered().map(|d| d.map).collect();
+        assert!(
+            seen.contains(&map_names::FRONTENDS4) && seen.contains(&map_names::BACKEND_SLOTS),
+            "{seen:?}"
+        );
+        let check = dataplane.finish_drift_check(found, false).expect("checked");
+        assert_eq!(kinds(&check), [], "{check:#?}");
+
+        // A newer check replaces the record: the older one's result is stale.
+        let older = dataplane.start_drift_check().expect("drift check").run();
+        let newer = dataplane.start_drift_check().expect("drift check");
+        assert_eq!(
+            dataplane.finish_drift_check(older, false).err(),
+            Some(DriftNotChecked::Superseded)
+        );
         let check = dataplane
-            .finish_drift_check(stale.clone(), false)
+            .finish_drift_check(newer.run(), false)
             .expect("checked");
         assert_eq!(kinds(&check), [], "{check:#?}");
 
-        // The same stale reading under a fresh record (nothing written since): the change is
-        // what it sees, so the record above is what kept that check quiet.
-        let _fresh = dataplane.start_drift_read().expect("drift reader");
-        let check = dataplane.finish_drift_check(stale, false).expect("checked");
-        let maps: Vec<String> = kinds(&check).into_iter().map(|(map, _)| map).collect();
-        assert!(
-            maps.contains(&map_names::FRONTENDS4.to_owned())
-                && maps.contains(&map_names::BACKEND_SLOTS.to_owned()),
-            "{check:#?}"
-        );
-
-        // api's backend rewritten behind the agent's back while a reading is out, and web
+        // api's backend rewritten behind the agent's back while a check is out, and web
         // changed by the agent meanwhile: only the tampering is reported, and repaired.
         let pin_dir = parts.bpf_root().join(PIN_DIR_NAME);
         let map = MapData::from_pin(pin_dir.join(map_names::BACKENDS4))
@@ -131,18 +138,16 @@ fn writes_during_a_drift_reading_are_not_drift_but_tampering_is() {
             .filter_map(Result::ok)
             .find(|(_, b)| b.addr == api_addr)
             .expect("api's backend in the map");
-        let reader = dataplane.start_drift_read().expect("drift reader");
+        let job = dataplane.start_drift_check().expect("drift check");
         let tampered = Backend4 {
             addr: u32::from(Ipv4Addr::new(192, 0, 2, 66)).to_be(),
             ..api_backend
         };
         backends.insert(api_id, tampered, 0).expect("tamper");
-        let reading = reader.read();
         let (_, errors) = dataplane.apply(&before, None);
         assert!(errors.is_empty(), "apply errors: {errors:?}");
-        let check = dataplane
-            .finish_drift_check(reading, true)
-            .expect("checked");
+        let found = job.run();
+        let check = dataplane.finish_drift_check(found, true).expect("checked");
         assert_eq!(
             kinds(&check),
             [(map_names::BACKENDS4.to_owned(), "changed".to_owned())],
@@ -156,25 +161,22 @@ fn writes_during_a_drift_reading_are_not_drift_but_tampering_is() {
         let check = dataplane.check_drift(false).expect("checked");
         assert_eq!(kinds(&check), [], "{check:#?}");
 
-        // A reading given up (its thread failed) stops the record: a change after it is seen
-        // by a later comparison of that reading, not left out.
-        let reader = dataplane.start_drift_read().expect("drift reader");
-        let given_up = reader.read();
-        dataplane.abandon_drift_read();
+        // A check given up (its thread failed) stops the record: its result, which could no
+        // longer be told apart from the writes after it, is not finished.
+        let job = dataplane.start_drift_check().expect("drift check");
+        dataplane.abandon_drift_check();
         let (summary, errors) = dataplane.apply(
             &snapshot(&["10.244.1.2", "10.244.1.3"], &["10.244.2.3"]),
             None,
         );
         assert!(errors.is_empty(), "apply errors: {errors:?}");
         assert!(summary.frontends_written > 0, "{summary:?}");
-        let check = dataplane
-            .finish_drift_check(given_up, false)
-            .expect("checked");
-        let maps: Vec<String> = kinds(&check).into_iter().map(|(map, _)| map).collect();
-        assert!(
-            maps.contains(&map_names::FRONTENDS4.to_owned()),
-            "{check:#?}"
+        assert_eq!(
+            dataplane.finish_drift_check(job.run(), false).err(),
+            Some(DriftNotChecked::Superseded)
         );
+        let check = dataplane.check_drift(false).expect("checked");
+        assert_eq!(kinds(&check), [], "{check:#?}");
         drop(dataplane);
         drop(parts);
     })

@@ -16,3 +16,13 @@ mod fast_path {
 mod xdp {
     proxy_tests::service_scenario_tests!("ebpf-xdp");
 }
+
+/// The contested externalIP keeps its owner, the older Service, across switches between the
+/// iptables and eBPF modes on one node and back (see the scenario).
+#[test]
+fn contested_external_ip_stays_with_the_older_service_across_mode_switches() -> anyhow::Result<()> {
+    proxy_tests::set_helper_binary(env!("CARGO_BIN_EXE_rig-helper"));
+    Ok(
+        proxy_tests::service_scenarios::contested_external_ip_stays_with_the_older_service_across_mode_switches()?,
+    )
+}

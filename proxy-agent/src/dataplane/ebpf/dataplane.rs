@@ -22,12 +22,12 @@ use tokio::{io::unix::AsyncFd, task::JoinHandle};
 use tracing::{debug, info, warn};
 
 use super::{
-    ApplyError, ApplySummary, Drift, DriftCheck, DriftKind, MapWriteError, MapWriter, MapsContent,
-    RemovedBackend, bpffs, cgroup,
+    ApplyError, ApplySummary, DriftCheck, DriftNotChecked, MapWriteError, MapWriter,
+    RemovedBackend, RepairReport, bpffs, cgroup,
     ct_maps::ConntrackMaps,
     ct_worker::CtWorker,
     drift,
-    drift_reader::{self, DriftReader, DriftReading},
+    drift_reader::{self, DriftFound, DriftJob, DriftReader, OrphanEntry},
     error::EbpfError,
     features::{Feature, KernelFeatures},
     kernel_nat,
@@ -36,7 +36,6 @@ use super::{
     map_sizes::LruSizes,
     object,
     options::EbpfOptions,
-    orphans,
     pins::{PIN_DIR_NAME, attach_and_pin, links_pinned, prepare_pin_dir},
     reserved_ports,
     service_maps::{ServiceMaps, ignore_missing},
@@ -105,6 +104,9 @@ pub struct EbpfDataplane {
     pub(super) log_drain: Option<JoinHandle<()>>,
     /// Every map read of the drift check goes entry by entry (the benchmark's baseline).
     pub(super) entry_by_entry_reads: bool,
+    /// Drift checks started since start: each check's number, which its record of written keys
+    /// carries (see `drift_reader`).
+    pub(super) drift_jobs: u64,
     /// Programs not attached yet: `start` found a service map it had to rebuild, so the first
     /// full apply fills it before the programs replace the previous agent's.
     pub(super) deferred: Option<DeferredAttach>,
@@ -342,6 +344,7 @@ impl EbpfDataplane {
             gc_rounds_reported: 0,
             log_drain,
             entry_by_entry_reads: false,
+            drift_jobs: 0,
             deferred,
             ebpf,
         })
@@ -501,33 +504,39 @@ impl EbpfDataplane {
     }
 
     /// Compares every entry of the service maps with what the agent wrote (see `drift`) and,
-    /// with `repair`, writes back what differs and deletes what the agent never wrote. `None`
-    /// while an adopted frontend is known to be damaged (the next full sync rewrites it).
-    /// Reads in this thread; the agent's loop reads on another ([`Self::start_drift_read`]).
-    pub fn check_drift(&mut self, repair: bool) -> Option<DriftCheck> {
-        let reader = match self.drift_reader() {
-            Ok(reader) => reader,
-            Err(error) => {
-                warn!(%error, "cannot read the maps for the drift check");
-                return None;
-            }
-        };
-        let reading = reader.read();
-        // Nothing was written meanwhile: this thread is the only writer.
-        self.compare_drift(reading, None, repair)
+    /// with `repair`, writes back what differs and deletes what the agent never wrote.
+    /// Reads and compares in this thread; the agent's loop does both on another
+    /// ([`Self::start_drift_check`]).
+    pub fn check_drift(&mut self, repair: bool) -> Result<DriftCheck, DriftNotChecked> {
+        let job = self.start_drift_check().map_err(|error| {
+            warn!(%error, "cannot read the maps for the drift check");
+            DriftNotChecked::Unreadable
+        })?;
+        // Nothing is written meanwhile: this thread is the only writer.
+        let found = job.run();
+        self.finish_drift_check(found, repair)
     }
 
-    /// A reader of every map the drift check compares, for another thread; from now until
-    /// [`Self::finish_drift_check`] the service maps note the keys the agent writes.
-    pub fn start_drift_read(&mut self) -> Result<DriftReader, EbpfError> {
+    /// A drift check for another thread ([`DriftJob::run`]): descriptors of every map it
+    /// compares and a copy of the map writer's record. From now until
+    /// [`Self::finish_drift_check`] the service maps note the keys the agent writes (a check
+    /// started before this one can no longer be finished).
+    pub fn start_drift_check(&mut self) -> Result<DriftJob, EbpfError> {
         let reader = self.drift_reader()?;
-        self.maps.touched = Some(Touched::default());
-        Ok(reader)
+        self.drift_jobs += 1;
+        let job = self.drift_jobs;
+        let record = self.map_writer.record_copy();
+        self.maps.touched = Some(Touched::new(job));
+        Ok(DriftJob {
+            job,
+            reader,
+            record,
+        })
     }
 
-    /// The reading [`Self::start_drift_read`] began will not be finished (its thread did not
+    /// The check [`Self::start_drift_check`] began will not be finished (its thread did not
     /// start, or failed): the service maps stop noting the keys the agent writes.
-    pub fn abandon_drift_read(&mut self) {
+    pub fn abandon_drift_check(&mut self) {
         self.maps.touched = None;
     }
 
@@ -558,38 +567,52 @@ impl EbpfDataplane {
         )
     }
 
-    /// Compares a reading with what the agent holds now, leaving out the keys it wrote since
-    /// the reading started (see `drift_reader`); with `repair`, fixes what differs.
+    /// Finishes a check with what its thread found: the entries the agent wrote since it
+    /// started are left out (see `drift_reader`), the node maps are compared with what `tc`
+    /// last wrote, and with `repair` what differs is fixed. Cheap: the work was the thread's.
+    /// A result is finished only under the record its check started (else `Superseded`).
     pub fn finish_drift_check(
         &mut self,
-        reading: DriftReading,
+        found: DriftFound,
         repair: bool,
-    ) -> Option<DriftCheck> {
-        let touched = self.maps.touched.take();
-        self.compare_drift(reading, touched.as_ref(), repair)
-    }
-
-    fn compare_drift(
-        &mut self,
-        mut reading: DriftReading,
-        touched: Option<&Touched>,
-        repair: bool,
-    ) -> Option<DriftCheck> {
-        let mut expected = self.map_writer.expected_content()?;
-        if let Some(touched) = touched {
-            touched.remove_from(&mut expected);
-            touched.remove_from(&mut reading.found);
+    ) -> Result<DriftCheck, DriftNotChecked> {
+        let touched = self
+            .maps
+            .touched
+            .take_if(|touched| touched.job() == found.job)
+            .ok_or(DriftNotChecked::Superseded)?;
+        let compared = found.compared.ok_or(DriftNotChecked::Damaged)?;
+        let (compared, left_out) = compared.without(&touched);
+        if left_out > 0 {
             debug!(
+                left_out,
                 keys = touched.len(),
-                "keys written during the drift reading left out of this check"
+                "entries written during the drift check left out of it"
             );
         }
-        let mut check = drift::check(&expected, &reading.found, repair, &mut self.maps);
+        let mut check = DriftCheck {
+            drift: Vec::with_capacity(compared.drift.len() + compared.orphans.len()),
+            repair: RepairReport::default(),
+            entries_compared: compared.entries_compared,
+        };
+        if repair {
+            check.repair = drift::repair(
+                compared.drift.iter().map(|keyed| &keyed.fix),
+                &mut self.maps,
+            );
+        }
+        check
+            .drift
+            .extend(compared.drift.into_iter().map(|keyed| keyed.drift));
         let node = self.tc.check_drift(repair, &mut check.repair);
         check.drift.extend(node);
-        let orphans = self.check_orphans(&expected, reading, repair, &mut check);
-        check.drift.extend(orphans);
-        Some(check)
+        for orphan in compared.orphans {
+            if repair {
+                self.delete_orphan(&orphan.entry, &mut check);
+            }
+            check.drift.push(orphan.drift);
+        }
+        Ok(check)
     }
 
     /// With `false`, every map read of the drift check goes entry by entry (`get_next_key` +
@@ -598,71 +621,38 @@ impl EbpfDataplane {
         self.entry_by_entry_reads = !batched;
     }
 
-    /// Affinity, UDP-socket and conntrack entries of Services or backends that are gone (see
-    /// `orphans`); with `repair`, deleted (an affinity or socket entry is re-read first: one the
-    /// datapath rewrote since the walk is left for the next check).
-    fn check_orphans(
-        &mut self,
-        expected: &MapsContent,
-        reading: DriftReading,
-        repair: bool,
-        check: &mut DriftCheck,
-    ) -> Vec<Drift> {
-        let live = orphans::Live::of(expected);
-        let mut out = Vec::new();
-        for (name, entries) in [
-            (map_names::AFFINITY, reading.affinity),
-            (map_names::UDP_STICKY, reading.udp_sticky),
-        ] {
-            let Some(map) = self.ebpf.map_mut(name) else {
-                continue;
-            };
-            let Ok(mut map) = HashMap::<_, AffinityKey, AffinityValue>::try_from(map) else {
-                continue;
-            };
-            check.entries_compared += entries.len();
-            for (key, value) in entries {
-                let Some(why) = orphans::pinned_orphan(&live, &key, &value) else {
-                    continue;
+    /// Deletes an orphan the drift check found (see `orphans`): an affinity or socket entry only
+    /// if it still holds what was read (one the datapath rewrote since is left for the next
+    /// check).
+    fn delete_orphan(&mut self, orphan: &OrphanEntry, check: &mut DriftCheck) {
+        match *orphan {
+            OrphanEntry::Pinned {
+                map: name,
+                key,
+                value,
+            } => {
+                let Some(map) = self.ebpf.map_mut(name) else {
+                    return;
                 };
-                out.push(Drift {
-                    map: name,
-                    kind: DriftKind::Orphan,
-                    entry: format!("client {} service {}", key.client, key.service_id),
-                    expected: None,
-                    found: Some(why),
-                });
-                if repair && map.get(&key, 0).is_ok_and(|now| now == value) {
+                let Ok(mut map) = HashMap::<_, AffinityKey, AffinityValue>::try_from(map) else {
+                    return;
+                };
+                if map.get(&key, 0).is_ok_and(|now| now == value) {
                     count_repair(check, name, ignore_missing(name, map.remove(&key)));
                 }
             }
-        }
-        let Ok(mut ct) = conntrack_maps(&mut self.ebpf) else {
-            return out;
-        };
-        let entries = reading.conntrack;
-        check.entries_compared += entries.len();
-        for (key, value) in entries {
-            let Some(why) = orphans::ct_orphan(&live, &key, &value) else {
-                continue;
-            };
-            let name = if key.family == proxy_common::family::V6 {
-                map_names::CT6
-            } else {
-                map_names::CT4
-            };
-            out.push(Drift {
-                map: name,
-                kind: DriftKind::Orphan,
-                entry: orphans::describe_ct(&key),
-                expected: None,
-                found: Some(why),
-            });
-            if repair {
+            OrphanEntry::Conntrack { key, .. } => {
+                let Ok(mut ct) = conntrack_maps(&mut self.ebpf) else {
+                    return;
+                };
+                let name = if key.family == proxy_common::family::V6 {
+                    map_names::CT6
+                } else {
+                    map_names::CT4
+                };
                 count_repair(check, name, ignore_missing(name, ct.remove(&key)));
             }
         }
-        out
     }
 
     /// Deletes the tc conntrack entries of backends this apply removed (see `ct`), after the

@@ -73,7 +73,16 @@ pub struct Drift {
 }
 
 /// The differences between `expected` and `found`, map by map in a fixed order.
+#[cfg(test)]
 pub fn diff(expected: &MapsContent, found: &MapsContent) -> Vec<Drift> {
+    diff_keyed(expected, found)
+        .into_iter()
+        .map(|keyed| keyed.drift)
+        .collect()
+}
+
+/// [`diff`], each difference with the write that repairs it (which also names its entry).
+pub fn diff_keyed(expected: &MapsContent, found: &MapsContent) -> Vec<Keyed> {
     let mut out = Vec::new();
     let frontends = |content: &MapsContent| -> BTreeMap<FrontendMapKey, FrontendValue> {
         content.frontends.iter().copied().collect()
@@ -82,57 +91,191 @@ pub fn diff(expected: &MapsContent, found: &MapsContent) -> Vec<Drift> {
     compare(
         &expected_frontends,
         &found_frontends,
-        |(key, _)| frontend_map(key),
-        describe_frontend_key,
-        describe_frontend,
+        Describe {
+            map_of: |(key, _): &(FrontendMapKey, FrontendValue)| frontend_map(key),
+            key: describe_frontend_key,
+            value: describe_frontend,
+            put: Fix::PutFrontend,
+            delete: |key: FrontendMapKey, _: FrontendValue| Fix::DeleteFrontend(key),
+        },
         &mut out,
     );
     compare(
         &expected.slots,
         &found.slots,
-        |_| map_names::BACKEND_SLOTS,
-        describe_slot,
-        |id| format!("backend {id}"),
+        Describe {
+            map_of: |_: &(BackendSlotKey, u32)| map_names::BACKEND_SLOTS,
+            key: describe_slot,
+            value: |id: &u32| format!("backend {id}"),
+            put: Fix::PutSlot,
+            delete: |key: BackendSlotKey, _: u32| Fix::DeleteSlot(key),
+        },
         &mut out,
     );
     compare(
         &expected.backends,
         &found.backends,
-        |(_, backend)| backend_map(backend),
-        |id| format!("backend {id}"),
-        |backend| backend.socket_addr().to_string(),
+        Describe {
+            map_of: |(_, backend): &(u32, BackendValue)| backend_map(backend),
+            key: |id: &u32| format!("backend {id}"),
+            value: |backend: &BackendValue| backend.socket_addr().to_string(),
+            put: Fix::PutBackend,
+            delete: Fix::DeleteBackend,
+        },
         &mut out,
     );
     compare(
         &as_map(&expected.affinity_matches),
         &as_map(&found.affinity_matches),
-        |_| map_names::AFFINITY_MATCH,
-        |key: &AffinityMatchKey| format!("service {} backend {}", key.service_id, key.backend_id),
-        |()| "present".to_string(),
+        Describe {
+            map_of: |_: &(AffinityMatchKey, ())| map_names::AFFINITY_MATCH,
+            key: |key: &AffinityMatchKey| {
+                format!("service {} backend {}", key.service_id, key.backend_id)
+            },
+            value: |&(): &()| "present".to_string(),
+            put: |key: AffinityMatchKey, ()| Fix::PutAffinityMatch(key),
+            delete: |key: AffinityMatchKey, ()| Fix::DeleteAffinityMatch(key),
+        },
         &mut out,
     );
     compare(
         &as_map(&expected.source_ranges),
         &as_map(&found.source_ranges),
-        |_| map_names::SOURCE_RANGES,
-        |(service_id, range): &(u32, IpNet)| format!("service {service_id} range {range}"),
-        |()| "present".to_string(),
+        Describe {
+            map_of: |_: &((u32, IpNet), ())| map_names::SOURCE_RANGES,
+            key: |(service_id, range): &(u32, IpNet)| format!("service {service_id} range {range}"),
+            value: |&(): &()| "present".to_string(),
+            put: |(service_id, range): (u32, IpNet), ()| Fix::PutSourceRange(service_id, range),
+            delete: |(service_id, range): (u32, IpNet), ()| {
+                Fix::DeleteSourceRange(service_id, range)
+            },
+        },
         &mut out,
     );
     compare(
         &expected.maglev,
         &found.maglev,
-        |_| map_names::MAGLEV,
-        |key: &MaglevKey| {
-            format!(
-                "service {} block {} generation {}",
-                key.service_id, key.block, key.generation
-            )
+        Describe {
+            map_of: |_: &(MaglevKey, MaglevBlock)| map_names::MAGLEV,
+            key: |key: &MaglevKey| {
+                format!(
+                    "service {} block {} generation {}",
+                    key.service_id, key.block, key.generation
+                )
+            },
+            value: |block: &MaglevBlock| format!("{:?}", block.backend_ids),
+            put: Fix::PutMaglev,
+            delete: |key: MaglevKey, _: MaglevBlock| Fix::DeleteMaglev(key),
         },
-        |block: &MaglevBlock| format!("{:?}", block.backend_ids),
         &mut out,
     );
     out
+}
+
+/// One difference, and the write that repairs it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Keyed {
+    pub drift: Drift,
+    pub fix: Fix,
+}
+
+/// An entry of the service maps, by map and key (source ranges by service id: the LPM key's
+/// family is not in the key, so the writes of a service's ranges are recorded per service).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Entry {
+    Frontend(FrontendMapKey),
+    Slot(BackendSlotKey),
+    Backend(u32),
+    AffinityMatch(AffinityMatchKey),
+    SourceRangesOf(u32),
+    Maglev(MaglevKey),
+}
+
+/// The write that makes one entry what the agent wrote: the expected value back, or the stray
+/// entry deleted (a backend with its value, whose family says which map holds it).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Fix {
+    PutFrontend(FrontendMapKey, FrontendValue),
+    DeleteFrontend(FrontendMapKey),
+    PutSlot(BackendSlotKey, u32),
+    DeleteSlot(BackendSlotKey),
+    PutBackend(u32, BackendValue),
+    DeleteBackend(u32, BackendValue),
+    PutAffinityMatch(AffinityMatchKey),
+    DeleteAffinityMatch(AffinityMatchKey),
+    PutSourceRange(u32, IpNet),
+    DeleteSourceRange(u32, IpNet),
+    PutMaglev(MaglevKey, MaglevBlock),
+    DeleteMaglev(MaglevKey),
+}
+
+impl Fix {
+    /// The entry it writes.
+    pub fn entry(&self) -> Entry {
+        match *self {
+            Fix::PutFrontend(key, _) | Fix::DeleteFrontend(key) => Entry::Frontend(key),
+            Fix::PutSlot(key, _) | Fix::DeleteSlot(key) => Entry::Slot(key),
+            Fix::PutBackend(id, _) | Fix::DeleteBackend(id, _) => Entry::Backend(id),
+            Fix::PutAffinityMatch(key) | Fix::DeleteAffinityMatch(key) => Entry::AffinityMatch(key),
+            Fix::PutSourceRange(id, _) | Fix::DeleteSourceRange(id, _) => Entry::SourceRangesOf(id),
+            Fix::PutMaglev(key, _) | Fix::DeleteMaglev(key) => Entry::Maglev(key),
+        }
+    }
+
+    /// Its place in a repair, by the update protocol: what frontends point to is written
+    /// first, then the frontends; stray frontends are deleted before what they point to.
+    fn order(&self) -> u8 {
+        match self {
+            Fix::PutBackend(..) => 0,
+            Fix::PutSlot(..) => 1,
+            Fix::PutAffinityMatch(_) => 2,
+            Fix::PutSourceRange(..) => 3,
+            Fix::PutMaglev(..) => 4,
+            Fix::PutFrontend(..) => 5,
+            Fix::DeleteFrontend(_) => 6,
+            Fix::DeleteSlot(_) => 7,
+            Fix::DeleteMaglev(_) => 8,
+            Fix::DeleteAffinityMatch(_) => 9,
+            Fix::DeleteSourceRange(..) => 10,
+            Fix::DeleteBackend(..) => 11,
+        }
+    }
+
+    /// Writes it: the map's name and the result.
+    fn apply(&self, maps: &mut impl MapOps) -> (&'static str, Result<(), MapWriteError>) {
+        match *self {
+            Fix::PutFrontend(key, value) => (frontend_map(&key), maps.put_frontend(key, value)),
+            Fix::DeleteFrontend(key) => (frontend_map(&key), maps.delete_frontend(key)),
+            Fix::PutSlot(key, id) => (map_names::BACKEND_SLOTS, maps.put_slot(key, id)),
+            Fix::DeleteSlot(key) => (map_names::BACKEND_SLOTS, maps.delete_slot(key)),
+            Fix::PutBackend(id, backend) => (backend_map(&backend), maps.put_backend(id, backend)),
+            Fix::DeleteBackend(id, backend) => {
+                (backend_map(&backend), maps.delete_backend(id, backend))
+            }
+            Fix::PutAffinityMatch(key) => (map_names::AFFINITY_MATCH, maps.put_affinity_match(key)),
+            Fix::DeleteAffinityMatch(key) => {
+                (map_names::AFFINITY_MATCH, maps.delete_affinity_match(key))
+            }
+            Fix::PutSourceRange(id, range) => {
+                (map_names::SOURCE_RANGES, maps.put_source_range(id, range))
+            }
+            Fix::DeleteSourceRange(id, range) => (
+                map_names::SOURCE_RANGES,
+                maps.delete_source_range(id, range),
+            ),
+            Fix::PutMaglev(key, block) => (map_names::MAGLEV, maps.put_maglev(key, block)),
+            Fix::DeleteMaglev(key) => (map_names::MAGLEV, maps.delete_maglev(key)),
+        }
+    }
+}
+
+/// How [`compare`] names and repairs the entries of one map.
+struct Describe<M, DK, DV, P, D> {
+    map_of: M,
+    key: DK,
+    value: DV,
+    put: P,
+    delete: D,
 }
 
 fn as_map<K: Ord + Copy>(set: &BTreeSet<K>) -> BTreeMap<K, ()> {
@@ -146,10 +289,14 @@ fn as_map<K: Ord + Copy>(set: &BTreeSet<K>) -> BTreeMap<K, ()> {
 fn compare<K: Ord + Copy, V: PartialEq + Copy>(
     expected: &BTreeMap<K, V>,
     found: &BTreeMap<K, V>,
-    map_of: impl Fn(&(K, V)) -> &'static str,
-    describe_key: impl Fn(&K) -> String,
-    describe_value: impl Fn(&V) -> String,
-    out: &mut Vec<Drift>,
+    describe: Describe<
+        impl Fn(&(K, V)) -> &'static str,
+        impl Fn(&K) -> String,
+        impl Fn(&V) -> String,
+        impl Fn(K, V) -> Fix,
+        impl Fn(K, V) -> Fix,
+    >,
+    out: &mut Vec<Keyed>,
 ) {
     let mut found_entries = found.iter().peekable();
     let mut extra = Vec::new();
@@ -162,26 +309,32 @@ fn compare<K: Ord + Copy, V: PartialEq + Copy>(
             .map(|(_, have)| have);
         match have {
             Some(have) if have == want => {}
-            have => out.push(Drift {
-                map: map_of(&(*key, *want)),
-                kind: if have.is_some() {
-                    DriftKind::Changed
-                } else {
-                    DriftKind::Missing
+            have => out.push(Keyed {
+                drift: Drift {
+                    map: (describe.map_of)(&(*key, *want)),
+                    kind: if have.is_some() {
+                        DriftKind::Changed
+                    } else {
+                        DriftKind::Missing
+                    },
+                    entry: (describe.key)(key),
+                    expected: Some((describe.value)(want)),
+                    found: have.map(&describe.value),
                 },
-                entry: describe_key(key),
-                expected: Some(describe_value(want)),
-                found: have.map(&describe_value),
+                fix: (describe.put)(*key, *want),
             }),
         }
     }
     for (key, have) in extra.into_iter().chain(found_entries) {
-        out.push(Drift {
-            map: map_of(&(*key, *have)),
-            kind: DriftKind::Extra,
-            entry: describe_key(key),
-            expected: None,
-            found: Some(describe_value(have)),
+        out.push(Keyed {
+            drift: Drift {
+                map: (describe.map_of)(&(*key, *have)),
+                kind: DriftKind::Extra,
+                entry: (describe.key)(key),
+                expected: None,
+                found: Some((describe.value)(have)),
+            },
+            fix: (describe.delete)(*key, *have),
         });
     }
 }
@@ -213,6 +366,22 @@ fn describe_slot(key: &BackendSlotKey) -> String {
     )
 }
 
+/// Why a drift check compared nothing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum DriftNotChecked {
+    /// The record knows it differs from the maps (an adopted frontend is damaged, or its
+    /// Maglev table incomplete).
+    #[error("an adopted frontend is damaged; the next full sync rewrites it")]
+    Damaged,
+    /// The maps could not be opened for reading.
+    #[error("the maps cannot be read")]
+    Unreadable,
+    /// Another check started after this one (or its record was given up): what it found can
+    /// no longer be told apart from the agent's own writes since.
+    #[error("superseded by a later check")]
+    Superseded,
+}
+
 /// One check: what differed, and what the repair (if asked for) did.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub struct DriftCheck {
@@ -222,24 +391,9 @@ pub struct DriftCheck {
     pub entries_compared: usize,
 }
 
-/// Compares the maps (`found`) with `expected` and, with `fix`, repairs them.
-pub fn check(
-    expected: &MapsContent,
-    found: &MapsContent,
-    fix: bool,
-    maps: &mut impl MapOps,
-) -> DriftCheck {
-    let drift = diff(expected, found);
-    let repair = if fix && !drift.is_empty() {
-        repair(expected, &drift, found, maps)
-    } else {
-        RepairReport::default()
-    };
-    DriftCheck {
-        drift,
-        repair,
-        entries_compared: size(expected) + size(found),
-    }
+/// Entries compared (expected and found, all maps).
+pub fn entries(expected: &MapsContent, found: &MapsContent) -> usize {
+    size(expected) + size(found)
 }
 
 fn size(content: &MapsContent) -> usize {
@@ -258,103 +412,20 @@ pub struct RepairReport {
     pub errors: Vec<(&'static str, MapWriteError)>,
 }
 
-/// Makes the maps hold `expected` again where `drift` says they do not: writes first (what
-/// frontends point to, then the frontends), deletes last.
-pub fn repair(
-    expected: &MapsContent,
-    drift: &[Drift],
-    found: &MapsContent,
+/// Makes the maps hold what the agent wrote again: the writes `fixes` name, in update-protocol
+/// order (everything a frontend points to, then the frontends; stray frontends deleted before
+/// what they point to), so a repair never makes a frontend point at a missing slot or backend.
+pub fn repair<'a>(
+    fixes: impl IntoIterator<Item = &'a Fix>,
     maps: &mut impl MapOps,
 ) -> RepairReport {
+    let mut fixes: Vec<&Fix> = fixes.into_iter().collect();
+    fixes.sort_by_key(|fix| fix.order());
     let mut report = RepairReport::default();
-    let mut done = |map: &'static str, result: Result<(), MapWriteError>| match result {
-        Ok(()) => *report.repaired.entry(map).or_default() += 1,
-        Err(error) => report.errors.push((map, error)),
-    };
-    let expected_frontends: BTreeMap<FrontendMapKey, FrontendValue> =
-        expected.frontends.iter().copied().collect();
-    let found_frontends: BTreeMap<FrontendMapKey, FrontendValue> =
-        found.frontends.iter().copied().collect();
-    // The drift list says which maps differ; the entries themselves come from the contents, so
-    // a repair writes exactly the values the check compared with.
-    let differs = |map: &str| drift.iter().any(|d| d.map == map);
-
-    // 1. Everything a frontend may point to.
-    if differs(map_names::BACKENDS4) || differs(map_names::BACKENDS6) {
-        for (id, backend) in &expected.backends {
-            if found.backends.get(id) != Some(backend) {
-                let map = backend_map(backend);
-                done(map, maps.put_backend(*id, *backend));
-            }
-        }
-    }
-    if differs(map_names::BACKEND_SLOTS) {
-        for (key, id) in &expected.slots {
-            if found.slots.get(key) != Some(id) {
-                done(map_names::BACKEND_SLOTS, maps.put_slot(*key, *id));
-            }
-        }
-    }
-    if differs(map_names::AFFINITY_MATCH) {
-        for key in expected
-            .affinity_matches
-            .difference(&found.affinity_matches)
-        {
-            done(map_names::AFFINITY_MATCH, maps.put_affinity_match(*key));
-        }
-    }
-    if differs(map_names::SOURCE_RANGES) {
-        for (service_id, range) in expected.source_ranges.difference(&found.source_ranges) {
-            done(
-                map_names::SOURCE_RANGES,
-                maps.put_source_range(*service_id, *range),
-            );
-        }
-    }
-    if differs(map_names::MAGLEV) {
-        for (key, block) in &expected.maglev {
-            if found.maglev.get(key) != Some(block) {
-                done(map_names::MAGLEV, maps.put_maglev(*key, *block));
-            }
-        }
-    }
-    // 2. The frontends, now that what they point to is there.
-    for (key, value) in &expected_frontends {
-        if found_frontends.get(key) != Some(value) {
-            done(frontend_map(key), maps.put_frontend(*key, *value));
-        }
-    }
-    // 3. Stray entries, frontends first so none is left pointing at a deleted slot.
-    for key in found_frontends.keys() {
-        if !expected_frontends.contains_key(key) {
-            done(frontend_map(key), maps.delete_frontend(*key));
-        }
-    }
-    for key in found.slots.keys() {
-        if !expected.slots.contains_key(key) {
-            done(map_names::BACKEND_SLOTS, maps.delete_slot(*key));
-        }
-    }
-    for key in found.maglev.keys() {
-        if !expected.maglev.contains_key(key) {
-            done(map_names::MAGLEV, maps.delete_maglev(*key));
-        }
-    }
-    for key in found
-        .affinity_matches
-        .difference(&expected.affinity_matches)
-    {
-        done(map_names::AFFINITY_MATCH, maps.delete_affinity_match(*key));
-    }
-    for (service_id, range) in found.source_ranges.difference(&expected.source_ranges) {
-        done(
-            map_names::SOURCE_RANGES,
-            maps.delete_source_range(*service_id, *range),
-        );
-    }
-    for (id, backend) in &found.backends {
-        if !expected.backends.contains_key(id) {
-            done(backend_map(backend), maps.delete_backend(*id, *backend));
+    for fix in fixes {
+        match fix.apply(maps) {
+            (map, Ok(())) => *report.repaired.entry(map).or_default() += 1,
+            (map, Err(error)) => report.errors.push((map, error)),
         }
     }
     report

@@ -1379,68 +1379,11 @@ impl MapWriter {
     /// What the service maps must hold according to this record, entry by entry (the drift
     /// check compares it with what they do hold). `None` while an adopted frontend is damaged
     /// or has an incomplete Maglev table: the record then knows it differs from the maps, and
-    /// the next full apply rewrites that frontend anyway.
+    /// the next full apply rewrites that frontend anyway. The agent's loop only copies the
+    /// record ([`MapWriter::record_copy`]); the drift thread builds this from the copy.
+    #[cfg(test)]
     pub(super) fn expected_content(&self) -> Option<MapsContent> {
-        let mut content = MapsContent::default();
-        // Collected, then built in one go: the standard library sorts once and builds the
-        // tree in bulk instead of a tree insert per slot.
-        let mut slots = Vec::new();
-        for (key, applied) in self.frontends.iter() {
-            if applied.damaged || applied.maglev_incomplete {
-                return None;
-            }
-            let value = applied.value;
-            content.frontends.push((map_key_of(key), value));
-            slots.extend(slot_entries(&value, &applied.slots));
-            content.affinity_matches.extend(matches_of(applied));
-            // The LPM trie stores the network: a range given with host bits reads back without.
-            content.source_ranges.extend(
-                applied
-                    .source_ranges
-                    .iter()
-                    .map(|range| (value.service_id, range.trunc())),
-            );
-            if value.flags & frontend_flags::MAGLEV != 0 {
-                let backends: Option<Vec<BackendValue>> =
-                    self.backends.values_of(&applied.slots).collect();
-                match maglev_blocks(
-                    value.service_id,
-                    value.generation,
-                    &backends?,
-                    &applied.slots,
-                    value.maglev_size,
-                ) {
-                    Ok(blocks) => content.maglev.extend(blocks),
-                    // Written successfully once, so it builds; if not, nothing to compare with.
-                    Err(_) => return None,
-                }
-            }
-        }
-        // Retired generations are the agent's own until their grace has passed: expected, so
-        // that a drift repair does not delete them early.
-        for retired in self.retired.iter() {
-            let value = retired.value;
-            if retired.slots_in_maps {
-                slots.extend(slot_entries(&value, &retired.slots));
-            }
-            if value.flags & frontend_flags::MAGLEV != 0 && retired.maglev_table {
-                let backends: Option<Vec<BackendValue>> =
-                    self.backends.values_of(&retired.slots).collect();
-                match maglev_blocks(
-                    value.service_id,
-                    value.generation,
-                    &backends?,
-                    &retired.slots,
-                    value.maglev_size,
-                ) {
-                    Ok(blocks) => content.maglev.extend(blocks),
-                    Err(_) => return None,
-                }
-            }
-        }
-        content.slots = slots.into_iter().collect();
-        content.backends = self.backends.iter().collect();
-        Some(content)
+        self.record_copy()?.expected_content()
     }
 }
 
@@ -1708,5 +1651,8 @@ fn slot_entries<'a>(
 mod tests;
 
 mod id_index;
+mod record_copy;
 pub mod shares;
 mod usage;
+
+pub use record_copy::RecordCopy;

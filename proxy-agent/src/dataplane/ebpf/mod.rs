@@ -39,8 +39,8 @@ pub mod xdp;
 pub use ct_maps::ConntrackMaps;
 pub use ct_worker::WorkerReports;
 pub use dataplane::{EbpfDataplane, GcProgress};
-pub use drift::{Drift, DriftCheck, DriftKind, RepairReport};
-pub use drift_reader::{DriftReader, DriftReading};
+pub use drift::{Drift, DriftCheck, DriftKind, DriftNotChecked, RepairReport};
+pub use drift_reader::{DriftFound, DriftJob, DriftReader, DriftReading};
 pub use error::EbpfError;
 pub use features::{Feature, FeatureState, KernelFeatures};
 pub use maglev::{
@@ -50,8 +50,8 @@ pub use maglev::{
 pub use map_writer::shares::DEFAULT_PER_SERVICE as DEFAULT_MAX_FRONTENDS_PER_SERVICE;
 pub use map_writer::{
     ApplyError, ApplySummary, BackendValue, DEFAULT_MAX_ENDPOINTS_PER_SERVICE, FrontendMapKey,
-    GENERATION_GRACE, MapOps, MapWriteError, MapWriter, MapsContent, RemovedBackend, Retirement,
-    ip4_from_map, ip4_to_map, ip6_from_map, ip6_to_map,
+    GENERATION_GRACE, MapOps, MapWriteError, MapWriter, MapsContent, RecordCopy, RemovedBackend,
+    Retirement, ip4_from_map, ip4_to_map, ip6_from_map, ip6_to_map,
 };
 pub use options::{EbpfOptions, LbOptions};
 pub use pins::{PIN_DIR_MODE, PIN_DIR_NAME, cleanup};

@@ -72,13 +72,15 @@ fn ct_backend(key: &CtKey, value: &CtValue) -> Option<SocketAddr> {
     Some(SocketAddr::new(ip, u16::from_be(port)))
 }
 
-/// Why a conntrack entry is an orphan, if it is one (never for TCP: see the module docs).
-pub fn ct_orphan(live: &Live, key: &CtKey, value: &CtValue) -> Option<String> {
+/// Why a conntrack entry is an orphan, with its backend, if it is one (never for TCP: see the
+/// module docs).
+pub fn ct_orphan(live: &Live, key: &CtKey, value: &CtValue) -> Option<(SocketAddr, String)> {
     if key.proto == proto::TCP {
         return None;
     }
     let backend = ct_backend(key, value)?;
-    (!live.backend_addrs.contains(&backend)).then(|| format!("backend {backend} no longer exists"))
+    (!live.backend_addrs.contains(&backend))
+        .then(|| (backend, format!("backend {backend} no longer exists")))
 }
 
 /// A conntrack key for people: `proto src:port → dst:port`.

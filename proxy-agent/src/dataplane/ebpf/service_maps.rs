@@ -40,7 +40,7 @@ pub(super) struct ServiceMaps {
     pub(super) revnat6: HashMap<MapData, RevNat6Key, RevNat6>,
     pub(super) source_ranges: LpmTrie<MapData, SourceRangeKey, u8>,
     pub(super) maglev: HashMap<MapData, MaglevKey, MaglevBlock>,
-    /// While a drift reading is out: the keys written or deleted since it started.
+    /// While a drift check is out: the keys written or deleted since it started.
     pub(super) touched: Option<Touched>,
 }
 
@@ -72,6 +72,7 @@ impl MapOps for ServiceMaps {
     ) -> Result<(), MapWriteError> {
         if let Some(touched) = &mut self.touched {
             touched.frontend(key);
+            touched.service(value.service_id);
         }
         match key {
             FrontendMapKey::V4(key) => self
@@ -121,7 +122,7 @@ impl MapOps for ServiceMaps {
     }
     fn put_backend(&mut self, id: u32, backend: BackendValue) -> Result<(), MapWriteError> {
         if let Some(touched) = &mut self.touched {
-            touched.backend(id);
+            touched.backend_value(id, &backend);
         }
         match backend {
             BackendValue::V4(b) => self
@@ -139,7 +140,7 @@ impl MapOps for ServiceMaps {
         let mut v6 = Vec::new();
         for &(id, backend) in backends {
             if let Some(touched) = &mut self.touched {
-                touched.backend(id);
+                touched.backend_value(id, &backend);
             }
             match backend {
                 BackendValue::V4(b) => v4.push((id, b)),

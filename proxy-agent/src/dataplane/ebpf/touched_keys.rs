@@ -1,34 +1,60 @@
-//! Keys of the service maps the agent writes while a drift reading is out: the map writer
-//! records them (`service_maps.rs`) and the drift reading leaves them out of its comparison
+//! Keys of the service maps the agent writes while a drift check is out: the map writer records
+//! them (`service_maps.rs`) and the check's finish leaves them out of what it found
 //! (`drift_reader.rs`), since either value may be the one it read.
 
-use std::collections::BTreeSet;
+use std::{collections::BTreeSet, net::SocketAddr};
 
-use ipnet::IpNet;
 use proxy_common::{AffinityMatchKey, BackendSlotKey, MaglevKey};
 
-use super::map_writer::{FrontendMapKey, MapsContent};
+use super::{
+    drift::Entry,
+    map_writer::{BackendValue, FrontendMapKey},
+};
 
-/// Keys of the service maps the agent wrote or deleted while a drift reading was out.
+/// Keys of the service maps the agent wrote or deleted while a drift check was out (from
+/// [`super::EbpfDataplane::start_drift_check`] to its finish), under the check's number: a
+/// finish compares only the result of the check the record was started for.
 #[derive(Debug, Default)]
 pub struct Touched {
+    job: u64,
     frontends: BTreeSet<FrontendMapKey>,
     slots: BTreeSet<BackendSlotKey>,
     backends: BTreeSet<u32>,
     affinity_matches: BTreeSet<AffinityMatchKey>,
     source_ranges: BTreeSet<u32>,
     maglev: BTreeSet<MaglevKey>,
+    /// Service ids of frontends written: such a Service may have become live after the check
+    /// copied the record, so its datapath entries are no orphans.
+    services: BTreeSet<u32>,
+    /// Addresses of backends written, for the same reason.
+    backend_addrs: BTreeSet<SocketAddr>,
 }
 
 impl Touched {
+    pub(super) fn new(job: u64) -> Self {
+        Self {
+            job,
+            ..Self::default()
+        }
+    }
+    pub(super) fn job(&self) -> u64 {
+        self.job
+    }
     pub(super) fn frontend(&mut self, key: FrontendMapKey) {
         self.frontends.insert(key);
+    }
+    pub(super) fn service(&mut self, service_id: u32) {
+        self.services.insert(service_id);
     }
     pub(super) fn slot(&mut self, key: BackendSlotKey) {
         self.slots.insert(key);
     }
     pub(super) fn backend(&mut self, id: u32) {
         self.backends.insert(id);
+    }
+    pub(super) fn backend_value(&mut self, id: u32, backend: &BackendValue) {
+        self.backends.insert(id);
+        self.backend_addrs.insert(backend.socket_addr());
     }
     pub(super) fn affinity_match(&mut self, key: AffinityMatchKey) {
         self.affinity_matches.insert(key);
@@ -42,30 +68,30 @@ impl Touched {
         self.maglev.insert(key);
     }
 
-    /// Removes every touched key from `content`.
-    pub(super) fn remove_from(&self, content: &mut MapsContent) {
-        if !self.frontends.is_empty() {
-            content
-                .frontends
-                .retain(|(key, _)| !self.frontends.contains(key));
+    /// Whether the agent wrote or deleted `entry` since the check started: what the check read
+    /// of it may be from before or after that write, and what it expected is from before.
+    pub(super) fn contains(&self, entry: &Entry) -> bool {
+        match entry {
+            Entry::Frontend(key) => self.frontends.contains(key),
+            Entry::Slot(key) => self.slots.contains(key),
+            Entry::Backend(id) => self.backends.contains(id),
+            Entry::AffinityMatch(key) => self.affinity_matches.contains(key),
+            Entry::SourceRangesOf(id) => self.source_ranges.contains(id),
+            Entry::Maglev(key) => self.maglev.contains(key),
         }
-        for key in &self.slots {
-            content.slots.remove(key);
-        }
-        for id in &self.backends {
-            content.backends.remove(id);
-        }
-        for key in &self.affinity_matches {
-            content.affinity_matches.remove(key);
-        }
-        if !self.source_ranges.is_empty() {
-            content
-                .source_ranges
-                .retain(|(id, _): &(u32, IpNet)| !self.source_ranges.contains(id));
-        }
-        for key in &self.maglev {
-            content.maglev.remove(key);
-        }
+    }
+
+    /// Whether the agent wrote a frontend of Service `service_id` since the check started.
+    pub(super) fn wrote_service(&self, service_id: u32) -> bool {
+        self.services.contains(&service_id)
+    }
+    /// Whether the agent wrote backend `id` since the check started.
+    pub(super) fn wrote_backend(&self, id: u32) -> bool {
+        self.backends.contains(&id)
+    }
+    /// Whether the agent wrote a backend at `addr` since the check started.
+    pub(super) fn wrote_backend_at(&self, addr: &SocketAddr) -> bool {
+        self.backend_addrs.contains(addr)
     }
 
     pub(super) fn len(&self) -> usize {

@@ -30,5 +30,6 @@ pub use config::{FamilyRules, HostFeatures, IptablesConfig, NodePortAddresses};
 pub use localdetect::{DetectLocalMode, LocalDetector};
 pub use rules::{Ruleset, SyncInput, generate};
 pub use sync::{
-    ConntrackCleanup, DriftInput, IptablesDataplane, IptablesError, SyncReport, cleanup,
+    ConntrackCleanup, DriftInput, FamilyDrift, IptablesDataplane, IptablesError, SettledDrift,
+    SyncReport, cleanup, settle,
 };

@@ -87,6 +87,11 @@ struct Family {
     /// (upstream sets it in NewProxier under the same condition). Never unset: other
     /// components may rely on it.
     route_localnet: bool,
+    /// Counts what changes the family's rules or what they are compared with: each restore
+    /// (even a failed one), a change of its node settings, a recreated canary. A drift check
+    /// compares the rules generated at one count with the rules listed later; if the count
+    /// moved meanwhile, the two may straddle a write and the result is stale.
+    generation: u64,
 }
 
 #[derive(Debug)]
@@ -143,6 +148,7 @@ impl IptablesDataplane {
                 last_full_sync: None,
                 last_stale_cleanup: None,
                 route_localnet: false,
+                generation: 0,
             });
         }
         Ok(Self { config, families })
@@ -193,6 +199,7 @@ impl IptablesDataplane {
                 if let Err(error) = canary::ensure(&family.iptables) {
                     warn!(%error, "cannot recreate the canary chains");
                 }
+                family.generation += 1;
                 family.need_full_sync = true;
                 flushed = true;
             }
@@ -217,6 +224,7 @@ impl IptablesDataplane {
                     "node settings changed; next sync is a full one"
                 );
                 family.rules = rules;
+                family.generation += 1;
                 family.need_full_sync = true;
                 changed = true;
             }
@@ -226,35 +234,22 @@ impl IptablesDataplane {
 
     /// Compares the live ruleset with what a full sync of `snapshot` writes (see `drift`).
     /// With `repair`, a family that differs gets its canary back and a full sync next time.
-    /// A family whose rules cannot be listed is skipped with a warning.
+    /// A family whose rules cannot be listed is skipped with a warning. Lists the rules in this
+    /// thread; the agent's loop lists them on another ([`Self::drift_inputs`]).
     pub fn check_drift(
         &mut self,
         snapshot: &Snapshot,
         repair: bool,
     ) -> Vec<(IpFamily, super::drift::ChainDrift)> {
-        let mut out = Vec::new();
-        for input in self.drift_inputs(snapshot) {
-            let Some((drift, canary)) = input.compare() else {
-                continue;
-            };
-            if repair
-                && !drift.is_empty()
-                && let Some(family) = self
-                    .families
-                    .iter_mut()
-                    .find(|f| f.iptables.family == input.iptables.family)
-            {
-                if !canary && let Err(error) = canary::ensure(&family.iptables) {
-                    warn!(%error, "cannot recreate the canary chains");
-                }
-                family.need_full_sync = true;
-            }
-            out.extend(drift.into_iter().map(|d| (input.iptables.family, d)));
-        }
-        out
+        let results = self
+            .drift_inputs(snapshot)
+            .into_iter()
+            .map(DriftInput::run)
+            .collect();
+        self.finish_drift(results, repair).drift
     }
 
-    /// What a drift check compares, per family, for [`DriftInput::compare`] on another thread
+    /// What a drift check compares, per family, for [`DriftInput::run`] on another thread
     /// (the rules are generated and listed there, not in the agent's loop).
     pub fn drift_inputs(&self, snapshot: &Snapshot) -> Vec<DriftInput> {
         self.families
@@ -263,8 +258,38 @@ impl IptablesDataplane {
                 iptables: family.iptables.clone(),
                 rules: family.rules.clone(),
                 snapshot: snapshot.family(family.iptables.family).clone(),
+                generation: family.generation,
             })
             .collect()
+    }
+
+    /// Takes the results of [`DriftInput::run`]: a family whose rules were written since its
+    /// input was taken is stale (left out: its result may straddle the write); with `repair`,
+    /// a family that differs gets its canary back and a full sync next time.
+    pub fn finish_drift(&mut self, results: Vec<FamilyDrift>, repair: bool) -> SettledDrift {
+        let settled = settle(results, |family| {
+            self.families
+                .iter()
+                .find(|f| f.iptables.family == family)
+                .map(|f| f.generation)
+        });
+        if repair {
+            for (family, canary) in &settled.to_repair {
+                let Some(family) = self
+                    .families
+                    .iter_mut()
+                    .find(|f| f.iptables.family == *family)
+                else {
+                    continue;
+                };
+                if !canary && let Err(error) = canary::ensure(&family.iptables) {
+                    warn!(%error, "cannot recreate the canary chains");
+                }
+                family.generation += 1;
+                family.need_full_sync = true;
+            }
+        }
+        settled
     }
 
     /// Whether a family's periodic full sync is due (`full_sync_period` elapsed).
@@ -279,9 +304,66 @@ pub struct DriftInput {
     iptables: Iptables,
     rules: FamilyRules,
     snapshot: FamilySnapshot,
+    /// The family's generation when the input was taken.
+    generation: u64,
+}
+
+/// What [`DriftInput::run`] found for one family.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FamilyDrift {
+    pub family: IpFamily,
+    /// The family's generation its expected rules were generated at.
+    pub generation: u64,
+    /// The drift and whether the canary is there; `None` when the rules could not be listed.
+    pub found: Option<(Vec<super::drift::ChainDrift>, bool)>,
+}
+
+/// The drift check's results once stale ones are left out.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SettledDrift {
+    pub drift: Vec<(IpFamily, super::drift::ChainDrift)>,
+    /// Families that differ, with whether their canary is there.
+    pub to_repair: Vec<(IpFamily, bool)>,
+    /// Families whose rules were written while their check ran: nothing is known of them.
+    pub stale: Vec<IpFamily>,
+}
+
+/// Sorts results into current and stale by the family's generation now (`current`; `None`
+/// for a family the dataplane no longer has, which is stale too).
+pub fn settle(
+    results: Vec<FamilyDrift>,
+    current: impl Fn(IpFamily) -> Option<u64>,
+) -> SettledDrift {
+    let mut settled = SettledDrift::default();
+    for result in results {
+        if current(result.family) != Some(result.generation) {
+            settled.stale.push(result.family);
+            continue;
+        }
+        let Some((drift, canary)) = result.found else {
+            continue;
+        };
+        if !drift.is_empty() {
+            settled.to_repair.push((result.family, canary));
+        }
+        settled
+            .drift
+            .extend(drift.into_iter().map(|chain| (result.family, chain)));
+    }
+    settled
 }
 
 impl DriftInput {
+    /// Generates what a full sync writes, lists the live rules and compares them (see
+    /// [`FamilyDrift`]); a failure to list is logged.
+    pub fn run(self) -> FamilyDrift {
+        FamilyDrift {
+            family: self.iptables.family,
+            generation: self.generation,
+            found: self.compare(),
+        }
+    }
+
     /// Generates what a full sync writes, lists the live rules and compares them: the drift
     /// and whether the canary is there; `None` (with a warning) when the rules cannot be
     /// listed.
@@ -332,6 +414,8 @@ impl Family {
         let started = Instant::now();
         let family = self.iptables.family;
         let full = changed.is_none() || self.full_sync_due(config);
+        // Before the restore: a drift check that lists the rules from now on may see it.
+        self.generation += 1;
         let result = self.try_sync(config, snapshot, if full { None } else { changed }, started);
         if result.is_err() {
             // The change set is consumed: only a full sync can recover the lost state.
@@ -478,4 +562,68 @@ pub fn cleanup() -> Vec<IptablesError> {
         );
     }
     errors
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::dataplane::iptables::drift::ChainDrift;
+
+    fn chain(name: &str) -> ChainDrift {
+        ChainDrift {
+            table: "nat",
+            kind: "changed",
+            chain: name.to_owned(),
+            expected: None,
+            found: None,
+        }
+    }
+
+    fn result(family: IpFamily, generation: u64, drift: &[&str], canary: bool) -> FamilyDrift {
+        FamilyDrift {
+            family,
+            generation,
+            found: Some((drift.iter().map(|name| chain(name)).collect(), canary)),
+        }
+    }
+
+    #[test]
+    fn a_family_written_during_its_check_is_stale_and_not_repaired() {
+        // IPv4 was restored (generation 4 → 5) while its rules were listed: the drift it
+        // shows may be that very sync, half seen. IPv6 was not: its drift stands.
+        let results = vec![
+            result(IpFamily::V4, 4, &["KUBE-SERVICES"], true),
+            result(IpFamily::V6, 2, &["KUBE-SVC-X"], false),
+        ];
+        let settled = settle(results, |family| match family {
+            IpFamily::V4 => Some(5),
+            IpFamily::V6 => Some(2),
+        });
+        assert_eq!(settled.stale, [IpFamily::V4]);
+        assert_eq!(settled.to_repair, [(IpFamily::V6, false)]);
+        assert_eq!(settled.drift, [(IpFamily::V6, chain("KUBE-SVC-X"))]);
+    }
+
+    #[test]
+    fn current_results_without_drift_or_unlisted_repair_nothing() {
+        let results = vec![
+            result(IpFamily::V4, 1, &[], true),
+            FamilyDrift {
+                family: IpFamily::V6,
+                generation: 1,
+                found: None,
+            },
+        ];
+        let settled = settle(results, |_| Some(1));
+        assert_eq!(settled, SettledDrift::default());
+    }
+
+    #[test]
+    fn a_family_the_dataplane_no_longer_has_is_stale() {
+        let settled = settle(vec![result(IpFamily::V6, 0, &["KUBE-SVC-X"], true)], |_| {
+            None
+        });
+        assert_eq!(settled.stale, [IpFamily::V6]);
+        assert!(settled.drift.is_empty() && settled.to_repair.is_empty());
+    }
 }

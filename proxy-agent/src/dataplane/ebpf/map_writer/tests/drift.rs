@@ -2,7 +2,13 @@
 //! each kind of outside change, and that its repair leaves maps the datapath can use.
 
 use super::*;
-use crate::dataplane::ebpf::drift::{DriftKind, diff, repair};
+use crate::dataplane::ebpf::drift::{DriftKind, RepairReport, diff, diff_keyed, repair};
+
+/// The repair of everything `diff` reports.
+fn repair_all(expected: &MapsContent, maps: &mut FakeMaps) -> RepairReport {
+    let keyed = diff_keyed(expected, &maps.content());
+    repair(keyed.iter().map(|keyed| &keyed.fix), maps)
+}
 
 /// (map, kind) of each reported difference, sorted.
 fn kinds(drift: &[crate::dataplane::ebpf::drift::Drift]) -> Vec<(&'static str, DriftKind)> {
@@ -102,7 +108,7 @@ fn corrupted_deleted_and_added_entries_are_reported_and_repaired() {
     assert_eq!(changed.found.as_deref(), Some("192.0.2.1:8080"));
     assert_eq!(changed.expected.as_deref(), Some("10.244.1.2:8080"));
 
-    let report = repair(&expected, &drift, &maps.content(), &mut maps);
+    let report = repair_all(&expected, &mut maps);
     assert!(report.errors.is_empty(), "{:?}", report.errors);
     assert_eq!(report.repaired.values().sum::<u64>(), 7);
     assert_eq!(report.repaired["KPR_FRONTENDS4"], 2);
@@ -129,7 +135,7 @@ fn a_corrupted_maglev_block_is_reported_and_rewritten() {
     let drift = diff(&expected, &maps.content());
     assert_eq!(kinds(&drift), [("KPR_MAGLEV", DriftKind::Changed)]);
 
-    let report = repair(&expected, &drift, &maps.content(), &mut maps);
+    let report = repair_all(&expected, &mut maps);
     assert_eq!(report.repaired["KPR_MAGLEV"], 1);
     assert_eq!(maglev_pods(&maps, &nodeport), before);
     maps.check_invariants();
