@@ -12,6 +12,7 @@ pub mod client;
 pub mod connect_loop;
 pub mod echo;
 pub mod error;
+pub mod flood;
 pub mod foreign_tc;
 pub mod helper;
 pub mod http;

@@ -3987,3 +3987,130 @@ fn syn_flood_never_evicts_established_flows() {
         },
     );
 }
+
+/// A spoofed SYN flood cannot hold the SNAT port range: with 32 ports per backend, 8 flows
+/// established and an unanswered flows' map with room for 128 flows, SYNs from random sources
+/// (three times the range, per family) fill the free ports and then take the ports of the
+/// oldest unanswered flows among their probes (`tc_snat_port_reclaimed`), never an
+/// established flow's: every SYN is translated, none dropped for want of a port, and no two
+/// forward entries share a port. A client that sends its SYN amid the flood keeps its port
+/// through ten more flood SYNs (younger flows are taken last), and its ACK goes out as its SYN
+/// did; the established flows keep their ports. Both families.
+#[test]
+fn unanswered_flows_give_up_their_snat_ports_first() {
+    const CAPACITY: u32 = 1024;
+    const PORTS: RangeInclusive<u16> = 61_000..=61_031;
+    const ESTABLISHED: u16 = 8;
+    const FLOOD: u16 = 96;
+    with_node_sized(
+        LbOptions::default(),
+        true,
+        None,
+        PORTS,
+        BTreeSet::new(),
+        |_| {},
+        CAPACITY,
+        |node| {
+            program_services(node);
+            let cases = [
+                (CLIENT, sa(NODE_IP, 30080), "198.18"),
+                (CLIENT6, sa(NODE_IP6, 30080), "fd00:64::"),
+            ];
+            // Opens a flow (SYN, the backend's answer, the client's ACK); the SYN's output.
+            let handshake = |node: &mut Node, from: SocketAddr, frontend: SocketAddr| {
+                let syn = build(from, frontend, L4::TcpSyn, b"");
+                let (action, out) = run(node, program_names::TC_EXTERNAL, &syn, node.ext0);
+                assert_eq!(action, TC_ACT_REDIRECT, "{from}: SYN");
+                let answer = build(out.destination(), out.source(), L4::TcpAck, b"");
+                let (action, _) = run(node, program_names::TC_REPLY, &answer, node.pod0);
+                assert_eq!(action, TC_ACT_REDIRECT, "{from}: backend's answer");
+                out
+            };
+            let ack_again =
+                |node: &mut Node, from: SocketAddr, frontend: SocketAddr, out: &Parsed| {
+                    let ack = build(from, frontend, L4::TcpAck, b"data");
+                    let (action, again) = run(node, program_names::TC_EXTERNAL, &ack, node.ext0);
+                    assert_eq!(action, TC_ACT_REDIRECT, "{from}: ACK");
+                    assert_eq!(
+                        (again.source(), again.destination()),
+                        (out.source(), out.destination()),
+                        "{from}: the ACK translated as the SYN (same backend and SNAT port)"
+                    );
+                };
+            let mut established = Vec::new();
+            for (client, frontend, _) in cases {
+                for i in 0..ESTABLISHED {
+                    let from = sa(client, 40_000 + i);
+                    let out = handshake(node, from, frontend);
+                    ack_again(node, from, frontend, &out);
+                    established.push((from, frontend, out));
+                }
+            }
+            let mut seed = 0x2545_f491_4f6c_dd1d_u64;
+            let mut spoofed = |prefix: &str, v4: bool| {
+                seed = proxy_tests::flood::xorshift(seed);
+                let ip = if v4 {
+                    format!("{prefix}.{}.{}", (seed >> 8) & 0xff, seed & 0xff)
+                } else {
+                    format!("{prefix}{:x}:{:x}", (seed >> 16) & 0xffff, seed & 0xffff)
+                };
+                // Client ports outside the SNAT range: every flow probes the range.
+                sa(&ip, 1024 + (seed >> 32) as u16 % 50_000)
+            };
+            let mut flood = |node: &mut Node, count: u16| {
+                for (_, frontend, prefix) in cases {
+                    for _ in 0..count {
+                        let from = spoofed(prefix, frontend.is_ipv4());
+                        let syn = build(from, frontend, L4::TcpSyn, b"");
+                        let (action, out) = run(node, program_names::TC_EXTERNAL, &syn, node.ext0);
+                        assert_eq!(action, TC_ACT_REDIRECT, "{from}: a flood SYN translated");
+                        assert!(PORTS.contains(&out.sport()), "{from}: SNAT port {out:?}");
+                    }
+                }
+            };
+            flood(node, FLOOD);
+            let free = (PORTS.len() as u64 - u64::from(ESTABLISHED)) * cases.len() as u64;
+            let flooded = u64::from(FLOOD) * cases.len() as u64;
+            let reclaimed = stat(node, StatIndex::TcSnatPortReclaimed);
+            eprintln!("{flooded} flood SYNs, {free} free ports: {reclaimed} ports reclaimed");
+            assert_eq!(stat(node, StatIndex::TcSnatPortExhausted), 0);
+            assert!(
+                reclaimed >= flooded - free,
+                "every SYN past the free ports took an unanswered flow's: {reclaimed}"
+            );
+
+            // A client amid the flood, then ten more flood SYNs a family.
+            let amid: Vec<_> = cases
+                .iter()
+                .map(|(client, frontend, _)| {
+                    let from = sa(client, 45_000);
+                    (from, *frontend, handshake(node, from, *frontend))
+                })
+                .collect();
+            flood(node, 10);
+            for (from, frontend, out) in amid.iter().chain(&established) {
+                ack_again(node, *from, *frontend, out);
+            }
+            assert_eq!(stat(node, StatIndex::TcMidstreamRecovered), 0);
+            assert_eq!(stat(node, StatIndex::TcMidstreamRecreated), 0);
+
+            // One forward entry per SNAT port: a flow whose port was taken left no entry behind
+            // that would still send its packets from that port.
+            let mut ports = BTreeMap::new();
+            for (_, value) in node.dataplane.conntrack_entries().expect("conntrack") {
+                if value.flags & (ct_flags::REPLY | ct_flags::EGRESS) == 0
+                    && value.flags & ct_flags::SNAT != 0
+                {
+                    *ports
+                        .entry((value.src, value.sport, value.dst, value.dport))
+                        .or_insert(0u32) += 1;
+                }
+            }
+            let shared: Vec<_> = ports.iter().filter(|(_, n)| **n > 1).collect();
+            assert!(
+                shared.is_empty(),
+                "forward entries sharing a SNAT port: {shared:?}"
+            );
+        },
+    );
+}
