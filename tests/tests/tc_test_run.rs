@@ -2359,6 +2359,12 @@ fn sequential_snat_flows(node: &mut Node, count: u16, close: bool) -> (u32, u32,
             let (action, _) = run(node, program_names::TC_EXTERNAL, &rst, node.ext0);
             assert_eq!(action, TC_ACT_REDIRECT, "flow {i}: RST");
             age_entry(&mut ct, &ct_key(client, frontend, PROTO_TCP), 11);
+        } else {
+            // The client answers: an open connection, whose port is never taken (an
+            // unanswered flow's is, by a new flow that finds no free one).
+            let ack = build(client, frontend, L4::TcpAck, b"");
+            let (action, _) = run(node, program_names::TC_EXTERNAL, &ack, node.ext0);
+            assert_eq!(action, TC_ACT_REDIRECT, "flow {i}: ACK");
         }
     }
     let exhausted = node
@@ -2371,8 +2377,8 @@ fn sequential_snat_flows(node: &mut Node, count: u16, close: bool) -> (u32, u32,
 }
 
 /// 6000 short connections from one client to one backend through SNAT with 4536 ports
-/// (61000–65535): closed flows give their ports back, so all are translated; without closes
-/// the ports run out.
+/// (61000–65535): closed flows give their ports back, so all are translated; connections left
+/// open (handshake done) hold theirs, and the ports run out.
 #[test]
 fn snat_ports_of_closed_flows_are_reused() {
     const FLOWS: u16 = 6_000;
@@ -2657,18 +2663,23 @@ fn snat_keeps_the_client_port_when_free() {
     });
 }
 
-/// Issue 17: with a 2-port range (`--bpf-snat-port-range 61000-61001`) two SYN-only flows
-/// take both ports and a third new flow is dropped and counted (`tc_snat_port_exhausted`, the
-/// metric's reason). A half-open flow (no segment after the client's SYN) expires after 60 s,
-/// not 24 h: at 61 s idle its port goes to the next new flow, while an established flow as
-/// idle keeps its entry and port. The GC deletes a half-open flow past 60 s too. Both families.
+/// Issue 17 and issue 43: with a 2-port range (`--bpf-snat-port-range 61000-61001`), a
+/// half-open flow (no segment after the client's SYN) and an established one: a third new flow
+/// finds no free port and takes the half-open flow's (`tc_snat_port_reclaimed`), never the
+/// established one's; with both ports held by established flows the next new flow is dropped
+/// and counted (`tc_snat_port_exhausted`, the metric's reason), also after 61 s idle (an
+/// established flow keeps its port for 24 h). A half-open flow expires after 60 s, not 24 h:
+/// at 61 s idle its port goes to the next new flow as a dead flow's (not counted as
+/// reclaimed), and the GC deletes it. Both families.
 #[test]
 fn half_open_flows_expire_after_60_s_and_exhaustion_is_counted() {
     with_node_path(LbOptions::default(), true, None, 61_000..=61_001, |node| {
         program_services(node);
         let mut ct = pinned_ct(node);
-        let mut exhausted = 0;
-        for (client, node_ip) in [(CLIENT, NODE_IP), (CLIENT6, NODE_IP6)] {
+        let (mut exhausted, mut reclaimed) = (0, 0);
+        for (client, node_ip, backend) in
+            [(CLIENT, NODE_IP, BACKEND), (CLIENT6, NODE_IP6, BACKEND6)]
+        {
             let frontend = sa(node_ip, 30080);
             let syn = |node: &mut Node, port: u16| {
                 let from = sa(client, port);
@@ -2676,50 +2687,76 @@ fn half_open_flows_expire_after_60_s_and_exhaustion_is_counted() {
                 let (action, out) = run(node, program_names::TC_EXTERNAL, &frame, node.ext0);
                 (action, out.sport(), ct_key(from, frontend, PROTO_TCP))
             };
+            let segment = |node: &mut Node, port: u16, l4: L4| {
+                let frame = build(sa(client, port), frontend, l4, b"");
+                run(node, program_names::TC_EXTERNAL, &frame, node.ext0)
+            };
+            let reply_key = |port: u16| ct_key(sa(backend, 8080), sa(node_ip, port), PROTO_TCP);
             let (action, half_open_port, half_open) = syn(node, 20_000);
             assert_eq!(action, TC_ACT_REDIRECT, "{node_ip}: first flow");
             let (action, established_port, established) = syn(node, 20_001);
             assert_eq!(action, TC_ACT_REDIRECT, "{node_ip}: second flow");
             assert_ne!(half_open_port, established_port);
-            let ack = build(sa(client, 20_001), frontend, L4::TcpAck, b"");
-            let (action, _) = run(node, program_names::TC_EXTERNAL, &ack, node.ext0);
+            let (action, _) = segment(node, 20_001, L4::TcpAck);
             assert_eq!(action, TC_ACT_REDIRECT, "{node_ip}: the second flow's ACK");
             let flags = ct_entry(node, &established).expect("entry").flags;
             assert_ne!(flags & ct_flags::ESTABLISHED, 0, "{node_ip}: {flags:#x}");
 
-            let (action, _, _) = syn(node, 20_002);
+            // No free port: the half-open flow's is taken, its entry goes with it.
+            let (action, port, _) = syn(node, 20_002);
+            assert_eq!(
+                action, TC_ACT_REDIRECT,
+                "{node_ip}: the half-open flow's port"
+            );
+            assert_eq!(port, half_open_port, "{node_ip}");
+            reclaimed += 1;
+            assert_eq!(stat(node, StatIndex::TcSnatPortReclaimed), reclaimed);
+            assert!(
+                ct_entry(node, &half_open).is_none(),
+                "{node_ip}: taken over"
+            );
+            let (action, _) = segment(node, 20_002, L4::TcpAck);
+            assert_eq!(action, TC_ACT_REDIRECT, "{node_ip}: the third flow's ACK");
+
+            // Both ports held by established flows, also idle 61 s.
+            let (action, _, _) = syn(node, 20_003);
             assert_eq!(action, TC_ACT_SHOT, "{node_ip}: both ports in use");
             exhausted += 1;
             assert_eq!(stat(node, StatIndex::TcSnatPortExhausted), exhausted);
-
-            age_entry(&mut ct, &half_open, 61);
             age_entry(&mut ct, &established, 61);
-            let (action, port, _) = syn(node, 20_003);
+            let (action, _, _) = syn(node, 20_004);
+            assert_eq!(action, TC_ACT_SHOT, "{node_ip}: still in use after 61 s");
+            exhausted += 1;
+            let (action, again) = segment(node, 20_001, L4::TcpAck);
+            assert_eq!(action, TC_ACT_REDIRECT, "{node_ip}: established flow kept");
+            assert_eq!(again.sport(), established_port, "{node_ip}");
+
+            // The third flow closes: its port is free for a new half-open flow, which at 61 s
+            // idle is dead, its port taken as such.
+            let (action, _) = segment(node, 20_002, L4::TcpRst);
+            assert_eq!(action, TC_ACT_REDIRECT, "{node_ip}: the third flow's RST");
+            let (action, port, expiring) = syn(node, 20_005);
+            assert_eq!(action, TC_ACT_REDIRECT, "{node_ip}: a closed flow's port");
+            assert_eq!(port, half_open_port, "{node_ip}");
+            age_entry(&mut ct, &expiring, 61);
+            let (action, port, _) = syn(node, 20_006);
             eprintln!(
                 "{node_ip}: after 61 s idle a new flow takes port {port} (half-open flow's \
                  {half_open_port}, established flow's {established_port})"
             );
-            assert_eq!(
-                action, TC_ACT_REDIRECT,
-                "{node_ip}: half-open port reclaimed"
-            );
+            assert_eq!(action, TC_ACT_REDIRECT, "{node_ip}: expired port reused");
             assert_eq!(port, half_open_port, "{node_ip}");
-            let (action, again) = run(node, program_names::TC_EXTERNAL, &ack, node.ext0);
-            assert_eq!(action, TC_ACT_REDIRECT, "{node_ip}: established flow kept");
-            assert_eq!(again.sport(), established_port, "{node_ip}");
-            let (action, _, _) = syn(node, 20_004);
-            assert_eq!(action, TC_ACT_SHOT, "{node_ip}: full again");
-            exhausted += 1;
+            assert_eq!(
+                stat(node, StatIndex::TcSnatPortReclaimed),
+                reclaimed,
+                "{node_ip}: an expired flow's port is not a live one's taken"
+            );
 
             // The GC: the new half-open flow, idle 61 s with its reply entry, goes; the
             // established flow stays.
-            let newest = ct_key(sa(client, 20_003), frontend, PROTO_TCP);
+            let newest = ct_key(sa(client, 20_006), frontend, PROTO_TCP);
             age_entry(&mut ct, &newest, 61);
-            let reply = ct_key(
-                sa(if client == CLIENT { BACKEND } else { BACKEND6 }, 8080),
-                sa(node_ip, port),
-                PROTO_TCP,
-            );
+            let reply = reply_key(port);
             age_entry(&mut ct, &reply, 61);
             let report = node.dataplane.conntrack_gc().expect("gc");
             eprintln!("{node_ip}: GC {report:?}");
