@@ -167,10 +167,15 @@ pub enum StatIndex {
     TcDroppedLoopback = 52,
     /// XDP: a packet to a loopback address was dropped in the driver (as tc would drop it).
     XdpDroppedLoopback = 53,
+    /// A new flow found no free SNAT port among its probes and took the port of a TCP flow
+    /// whose client never answered its SYN-ACK (an entry of `KPR_CT4_NEW`/`KPR_CT6_NEW`, e.g.
+    /// a spoofed SYN): that flow's entries were removed. Established flows' ports are never
+    /// taken.
+    TcSnatPortReclaimed = 54,
 }
 
 impl StatIndex {
-    pub const COUNT: u32 = 54;
+    pub const COUNT: u32 = 55;
     pub const ALL: [StatIndex; Self::COUNT as usize] = [
         StatIndex::Translated,
         StatIndex::RejectedNoBackends,
@@ -226,6 +231,7 @@ impl StatIndex {
         StatIndex::XdpPassedReturnRoute,
         StatIndex::TcDroppedLoopback,
         StatIndex::XdpDroppedLoopback,
+        StatIndex::TcSnatPortReclaimed,
     ];
 
     /// Label used in logs and metrics.
@@ -285,6 +291,7 @@ impl StatIndex {
             StatIndex::TcTooBigToStack => "tc_too_big_to_stack",
             StatIndex::TcDroppedLoopback => "tc_dropped_loopback_destination",
             StatIndex::XdpDroppedLoopback => "xdp_dropped_loopback_destination",
+            StatIndex::TcSnatPortReclaimed => "tc_snat_port_reclaimed",
         }
     }
 }

@@ -20,7 +20,8 @@
 //!
 //! A TCP flow's entries are written to `KPR_CT4_NEW`/`KPR_CT6_NEW` until the client's first
 //! segment after its SYN (`promote`): there a spoofed SYN flood evicts only other unanswered
-//! flows (and the SNAT ports they hold go back first), never an established flow, as
+//! flows (and the SNAT ports they hold go back with them; a new flow that finds no free port
+//! takes one an unanswered flow holds, `snat_port`), never an established flow, as
 //! netfilter's early drop takes unassured entries first. Lookups try the established map
 //! first; a key is in one of a family's maps at most (`update`).
 //!
@@ -479,47 +480,102 @@ pub fn reply_seen<const V6: bool>(key: &CtKey, reply: &CtValue, pkt: &Packet, no
     update::<V6>(forward_key, forward, u64::from(BPF_NOEXIST))
 }
 
-/// Whether the entry under `reply_key` (found in use when a new flow of client tuple
-/// `own_key` wants that key) is the reply entry of a dead flow: its forward entry is expired or
-/// belongs to a newer flow of the same client tuple, or is missing and the reply has idled
-/// past `ORPHAN_REPLY_NS` (a live flow's forward entry may have been evicted: its next reply
-/// rebuilds it). An earlier flow of `own_key` itself is dead: the new flow replaces it. Not
-/// inlined, and entries are read in place with the forward key in the scratch slot: called
-/// from `new_flow`, its frame stacks on `external`'s and `new_flow`'s within the verifier's
-/// 512 bytes.
+/// What a reply entry found in use under a key a new flow wants belongs to (`reply_holder`).
+#[derive(Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub enum Holder {
+    /// Nobody live: the key is free to take.
+    Dead,
+    /// A live flow.
+    Live,
+    /// A live TCP flow whose client has sent nothing after its SYN (its entries wait in
+    /// `KPR_CT4_NEW`/`KPR_CT6_NEW`): what a spoofed SYN flood leaves, and the oldest such a
+    /// SNAT port search has met so far. Its port is taken when no free one is found
+    /// (`snat_port`).
+    Unanswered,
+}
+
+/// Who holds the entry under `reply_key` (found in use when a new flow of client tuple
+/// `own_key` wants that key). It is the reply entry of a dead flow when its forward entry is
+/// expired or belongs to a newer flow of the same client tuple, or is missing and the reply
+/// has idled past `ORPHAN_REPLY_NS` (a live flow's forward entry may have been evicted: its
+/// next reply rebuilds it). An earlier flow of `own_key` itself is dead: the new flow replaces
+/// it. A live unanswered flow is `Unanswered` with its forward entry there, or without it once
+/// past `WRITING_NS`.
+/// Not inlined, and entries are read in place with the forward key in the scratch slot:
+/// called from `new_flow`, its frame stacks on `external`'s and `new_flow`'s within the
+/// verifier's 512 bytes.
 #[inline(never)]
-pub fn reply_is_stale<const V6: bool>(reply_key: &CtKey, own_key: &CtKey) -> bool {
+pub fn reply_holder<const V6: bool>(reply_key: &CtKey, own_key: &CtKey) -> Holder {
     let Some(reply) = lookup::<V6>(reply_key, View::A) else {
         // Gone since the probe: free.
-        return true;
+        return Holder::Dead;
     };
     let Some(scratch) = scratch() else {
-        return false;
+        return Holder::Live;
     };
     // SAFETY: the per-CPU scratch slot is ours until the program ends, and `probe_key` is
     // disjoint from the `reply_key` the caller lent us.
     let probe_key = unsafe { &mut (*scratch).probe_key };
     if reply.flags & ct_flags::REPLY == 0 {
-        return false;
+        return Holder::Live;
     }
     write_reverse_key(probe_key, reply, reply_key.proto, reply_key.family);
     // By reference: a copy would put the key back on this frame's stack.
     let probe_key: &CtKey = probe_key;
     if probe_key == own_key {
-        return true;
+        return Holder::Dead;
     }
     // SAFETY: bpf_ktime_get_ns has no preconditions.
     let now = unsafe { bpf_ktime_get_ns() };
     let Some(forward) = lookup::<V6>(probe_key, View::B) else {
-        return now.wrapping_sub(reply.last_seen_ns) > ct_timeout::ORPHAN_REPLY_NS;
+        let idle = now.wrapping_sub(reply.last_seen_ns);
+        return if idle > ct_timeout::ORPHAN_REPLY_NS {
+            Holder::Dead
+        } else if unanswered(reply) && idle > WRITING_NS {
+            oldest_unanswered(reply.last_seen_ns)
+        } else {
+            Holder::Live
+        };
     };
     // A TCP flow that saw its FIN or RST no longer holds the tuple, as netfilter lets a new
     // connection take the tuple of one in TIME_WAIT/CLOSE (`nf_nat_used_tuple_harder`): a
     // client reconnecting from the same port through another frontend is not refused for the
     // closed flow's 10 s.
-    !answers(forward, reply_key)
+    if !answers(forward, reply_key)
         || (reply_key.proto == proto::TCP && forward.flags & ct_flags::CLOSING != 0)
         || ct_timeout::expired(reply_key.proto, forward.flags, forward.last_seen_ns, now)
+    {
+        Holder::Dead
+    } else if unanswered(forward) && unanswered(reply) {
+        // The client's packets only: a backend retransmits its SYN-ACK to a spoofed client.
+        oldest_unanswered(forward.last_seen_ns)
+    } else {
+        Holder::Live
+    }
+}
+
+/// A reply entry of an unanswered flow without its forward entry, younger than this, may be a
+/// new flow's that another CPU is writing (the reply entry first): it is not taken.
+const WRITING_NS: u64 = ct_timeout::NANOS_PER_SECOND / 1000;
+
+/// `Holder::Unanswered` when the unanswered flow last heard from at `seen_ns` is the oldest
+/// one the SNAT port search has met so far (recorded in the scratch slot), else `Holder::Live`:
+/// of the ports unanswered flows hold, the search takes the one of the flow silent longest,
+/// never a handshake a round trip old that a flood's younger entries outnumber.
+#[inline(always)]
+fn oldest_unanswered(seen_ns: u64) -> Holder {
+    let Some(scratch) = scratch() else {
+        return Holder::Live;
+    };
+    // SAFETY: the per-CPU scratch slot is ours until the program ends.
+    unsafe {
+        if seen_ns >= (*scratch).oldest_unanswered_ns {
+            return Holder::Live;
+        }
+        (*scratch).oldest_unanswered_ns = seen_ns;
+    }
+    Holder::Unanswered
 }
 
 /// Who holds the tuple a backend answers a new flow with before any SNAT (its reply key with the
@@ -541,7 +597,7 @@ pub enum Tuple {
 
 /// Who holds `reply_key` for the new flow of client tuple `own_key` (an earlier flow of that
 /// tuple holds nothing: the new flow replaces it). A TCP flow that saw its FIN or RST holds
-/// nothing either, as for `reply_is_stale`. Not inlined, and the holder's forward key is built
+/// nothing either, as for `reply_holder`. Not inlined, and the holder's forward key is built
 /// in the scratch slot's `probe_key`, where `divert_holder` finds it: called from `new_flow`.
 #[inline(never)]
 pub fn tuple_holder<const V6: bool>(reply_key: &CtKey, own_key: &CtKey, now: u64) -> Tuple {
@@ -640,7 +696,7 @@ pub fn insert_reply<const V6: bool>(reply_key: &CtKey, reply: &CtValue, own_key:
     if update::<V6>(reply_key, reply, u64::from(BPF_NOEXIST)) {
         return true;
     }
-    if !reply_is_stale::<V6>(reply_key, own_key) {
+    if reply_holder::<V6>(reply_key, own_key) != Holder::Dead {
         bump(StatIndex::TcReplyClash);
         return false;
     }
@@ -712,7 +768,9 @@ fn probe(hash: u32, attempt: u32) -> u32 {
 /// netfilter keeps it when free; then the flow's hashed sequence. A port whose reply entry
 /// belongs to a dead flow is free: that entry is replaced. Without this, closed flows would
 /// hold their ports until LRU eviction and a client making many short connections to one
-/// backend would run out.
+/// backend would run out. When every probe hits a port in use, the port of the oldest
+/// unanswered flow among them is taken over (`take_over`): a spoofed SYN flood cannot hold the
+/// range.
 ///
 /// With `find` (a mid-stream packet without forward entry), the same sequence is searched for
 /// the port whose reply entry is `reply` already, the port the live flow got when it started;
@@ -736,8 +794,13 @@ pub fn snat_port<const V6: bool>(
     let client = u32::from(u16::from_be(reply_key.dport));
     let ports = (u32::from(own_key.sport) << 16) | u32::from(own_key.dport);
     let hash = flow_hash(&own_key.src, &own_key.dst, ports, own_key.proto);
-    // Network order; 0 (never in the range, which starts at 1024) for none yet.
-    let mut first_free = 0u16;
+    // Network order; 0 (never in the range, which starts at 1024) for none yet. With `find`
+    // the first port nobody holds, else the port of the oldest unanswered flow met.
+    let mut spare = 0u16;
+    if let Some(scratch) = scratch() {
+        // SAFETY: the per-CPU scratch slot is ours until the program ends.
+        unsafe { (*scratch).oldest_unanswered_ns = u64::MAX };
+    }
     for attempt in 0..=SNAT_ATTEMPTS {
         let port = if attempt == 0 {
             if client.wrapping_sub(min) >= count {
@@ -752,7 +815,7 @@ pub fn snat_port<const V6: bool>(
         if find {
             match reply_key_holder::<V6>(reply_key, reply) {
                 ReplyKey::Flow => return Some(SnatPort::Found(port)),
-                ReplyKey::Free if first_free == 0 => first_free = port,
+                ReplyKey::Free if spare == 0 => spare = port,
                 _ => {}
             }
             continue;
@@ -760,20 +823,67 @@ pub fn snat_port<const V6: bool>(
         if reserve::<V6>(reply_key, reply) {
             return Some(SnatPort::Reserved(port));
         }
-        if reply_is_stale::<V6>(reply_key, own_key) {
-            // Delete, then insert only if still absent: of two CPUs reclaiming the same port
-            // at once, one wins and the other probes on.
-            remove::<V6>(reply_key);
-            if reserve::<V6>(reply_key, reply) {
-                return Some(SnatPort::Reserved(port));
+        match reply_holder::<V6>(reply_key, own_key) {
+            Holder::Dead => {
+                // Delete, then insert only if still absent: of two CPUs reclaiming the same
+                // port at once, one wins and the other probes on.
+                remove::<V6>(reply_key);
+                if reserve::<V6>(reply_key, reply) {
+                    return Some(SnatPort::Reserved(port));
+                }
             }
+            Holder::Unanswered => spare = port,
+            Holder::Live => {}
         }
     }
-    if rewrite && first_free != 0 {
-        reply_key.dport = first_free;
-        if reserve::<V6>(reply_key, reply) {
-            return Some(SnatPort::Reserved(first_free));
+    if spare == 0 {
+        return None;
+    }
+    reply_key.dport = spare;
+    if find {
+        if rewrite && reserve::<V6>(reply_key, reply) {
+            return Some(SnatPort::Reserved(spare));
         }
+        return None;
+    }
+    if take_over::<V6>(reply_key, reply) {
+        bump(StatIndex::TcSnatPortReclaimed);
+        return Some(SnatPort::Reserved(spare));
     }
     None
+}
+
+/// Gives the new flow (`reply`) the SNAT port under `reply_key` that an unanswered flow holds
+/// (`Holder::Unanswered`): that flow's forward entry is removed and `reply` written in place
+/// of its reply entry. Only when every probe found its port in use: a SYN flood then recycles
+/// its own flows' ports, as netfilter's early drop frees unassured entries first, instead of
+/// holding the range for the SYN timeout; established flows keep theirs. The flow taken over,
+/// if a real client's, finds no entry for its ACK and gets a reset. Its egress entries, if
+/// any, stay until the LRU or the agent's GC takes them: they match no packet of another flow
+/// (their key is its client's tuple) and one of its client's new flows rewrites them. Not
+/// inlined; keys are built in the scratch slot.
+#[inline(never)]
+fn take_over<const V6: bool>(reply_key: &CtKey, reply: &CtValue) -> bool {
+    let Some(holder) = lookup::<V6>(reply_key, View::A) else {
+        return reserve::<V6>(reply_key, reply);
+    };
+    // Promoted (its client answered) or replaced since the probe: not ours to take.
+    if !unanswered(holder) || holder.flags & ct_flags::REPLY == 0 {
+        return false;
+    }
+    let Some(scratch) = scratch() else {
+        return false;
+    };
+    // SAFETY: the per-CPU scratch slot is ours until the program ends; `probe_key` is
+    // disjoint from the keys the caller lent us.
+    let probe_key = unsafe { &mut (*scratch).probe_key };
+    write_reverse_key(probe_key, holder, reply_key.proto, reply_key.family);
+    // By reference: a copy would put the key on this frame's stack.
+    let probe_key: &CtKey = probe_key;
+    // Its forward entry, unless a newer flow of that client tuple has it now.
+    if lookup::<V6>(probe_key, View::B).is_some_and(|forward| answers(forward, reply_key)) {
+        remove::<V6>(probe_key);
+    }
+    remove::<V6>(reply_key);
+    reserve::<V6>(reply_key, reply)
 }

@@ -171,6 +171,9 @@ pub struct TcScratch {
     /// Entries looked up, copied (IPv4 ones widened; `conntrack::View`).
     pub view_a: CtValue,
     pub view_b: CtValue,
+    /// The last packet's time of the oldest unanswered flow a SNAT port search has met
+    /// (`conntrack::snat_port`): the one whose port it takes if none is free.
+    pub oldest_unanswered_ns: u64,
     /// A datagram's key in the fragment map (`fragments`).
     pub frag_key: proxy_common::FragmentKey,
     /// Non-zero while `new_flow` writes an unanswered flow (a TCP SYN's): `conntrack`'s

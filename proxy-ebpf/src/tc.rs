@@ -328,7 +328,7 @@ fn service<const V6: bool>(ctx: &TcContext, side: Side) -> i32 {
         // Called from here, not from `new_flow`, so the two frames never stack up.
         Verdict::Reject => icmp::reject(ctx, pkt),
         // Here, not in `new_flow`: three frames (`external`, `new_flow`, and this or
-        // `reply_is_stale`) would exceed the verifier's 512-byte combined stack.
+        // `reply_holder`) would exceed the verifier's 512-byte combined stack.
         Verdict::Translate => {
             if !insert_egress::<V6>(pkt) {
                 return DROP;

@@ -13,6 +13,7 @@ pub mod connect_loop;
 pub mod cpu;
 pub mod echo;
 pub mod error;
+pub mod flood;
 pub mod foreign_tc;
 pub mod helper;
 pub mod http;

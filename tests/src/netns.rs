@@ -60,6 +60,17 @@ impl Netns {
         &self.name
     }
 
+    /// `interface`'s MAC, as `ip` prints it.
+    pub fn mac(&self, interface: &str) -> Result<String> {
+        let json = self.ip(&["-j", "link", "show", interface])?;
+        let value: serde_json::Value =
+            serde_json::from_str(&json).map_err(|e| RigError::Other(format!("ip -j link: {e}")))?;
+        value[0]["address"]
+            .as_str()
+            .map(str::to_owned)
+            .ok_or_else(|| RigError::Other(format!("no address in {json}")))
+    }
+
     /// `/run/netns/NAME`, the bind mount `setns`/`nsenter --net=` use.
     pub fn path(&self) -> PathBuf {
         PathBuf::from("/run/netns").join(&self.name)
@@ -154,4 +165,16 @@ pub fn enter_netns(path: &Path) -> Result<()> {
     let f = File::open(path).map_err(|e| RigError::io(format!("opening {}", path.display()), e))?;
     setns(&f, CloneFlags::CLONE_NEWNET)
         .map_err(|e| RigError::nix(format!("setns({})", path.display()), e))
+}
+
+/// A MAC as `ip` prints it (`02:00:00:00:00:01`), as bytes.
+pub fn parse_mac(text: &str) -> Result<[u8; 6]> {
+    let bytes: Vec<u8> = text
+        .split(':')
+        .map(|b| u8::from_str_radix(b, 16))
+        .collect::<std::result::Result<_, _>>()
+        .map_err(|e| RigError::Other(format!("MAC {text}: {e}")))?;
+    bytes
+        .try_into()
+        .map_err(|_| RigError::Other(format!("MAC {text}: not 6 bytes")))
 }

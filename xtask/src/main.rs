@@ -81,7 +81,7 @@ enum Command {
         #[arg(long)]
         quick: bool,
         /// Run only these sections (comma-separated: datapath, nodeport, tc-cost, pps,
-        /// programming, inprocess, snat, scale). The partial report goes to `target/bench-partial/`, never over
+        /// programming, inprocess, snat, syn-flood, scale). The partial report goes to `target/bench-partial/`, never over
         /// docs/benchmarks.md, which comes from a run of everything.
         #[arg(long)]
         only: Option<String>,

@@ -8,6 +8,7 @@
 //! - `tc`: item 4, per-packet cost of the tc programs (`BPF_PROG_TEST_RUN`).
 //! - `snat`: issue 17's new connections per second per backend through one node before the
 //!   first SNAT failure, eBPF beside iptables.
+//! - `syn_flood`: issue 43's spoofed SYN flood against a NodePort, eBPF beside iptables.
 //! - `scale`: issue 19's scale goals (map memory on a small node; at 50k Services × 2
 //!   endpoints, API-source changes for a p99 and a 1 ms probe through a restart and resyncs).
 //! - `report`, `plot`: the Markdown and the SVGs.
@@ -26,6 +27,7 @@ pub mod report;
 pub mod scale;
 pub mod snat;
 pub mod stats;
+pub mod syn_flood;
 pub mod sysinfo;
 pub mod tc;
 pub mod workload;
@@ -82,6 +84,8 @@ pub struct Config {
     pub pps_loops: pps::PpsLoops,
     /// The SNAT section's stepped load.
     pub snat_loops: snat::SnatLoops,
+    /// The SYN flood section's run.
+    pub syn_flood_plan: crate::flood::SynFloodPlan,
     /// Backend of every iptables-mode run; with legacy, the in-process iptables figures are
     /// also taken with nft at the smallest programming size, for comparison.
     pub iptables_backend: IptablesBackend,
@@ -114,6 +118,9 @@ pub enum Section {
     /// Issue 19: map memory on a small node; agent runs at 50k Services × 2 endpoints with
     /// API-source changes and gap probes through a restart and full resyncs.
     Scale,
+    /// Issue 43: a spoofed SYN flood against a NodePort: the rate the node took, new
+    /// connections served and idle connections kept, eBPF beside iptables.
+    SynFlood,
 }
 
 impl Config {
@@ -173,6 +180,14 @@ impl Config {
                 sources: 16,
                 timeout: Duration::from_secs(1),
             },
+            syn_flood_plan: crate::flood::SynFloodPlan {
+                idle: 20,
+                duration: Duration::from_secs(10),
+                max_frames: 20_000_000,
+                after: 200,
+                client_interval: Duration::from_millis(10),
+                client_timeout: Duration::from_millis(2500),
+            },
             // The last CPU: one CPU for client, server and the softirq work between them (veth
             // delivers in the sender's context), away from CPU 0 where most device interrupts
             // land.
@@ -230,6 +245,11 @@ impl Config {
                 step: Duration::from_secs(3),
                 sources: 16,
                 timeout: Duration::from_secs(1),
+            },
+            syn_flood_plan: crate::flood::SynFloodPlan {
+                duration: Duration::from_secs(3),
+                after: 50,
+                ..Self::full(out_dir.clone()).syn_flood_plan
             },
             command: "cargo xtask bench --quick".into(),
             ..Self::full(out_dir)
@@ -316,6 +336,8 @@ pub struct Results {
     pub pps: Option<Outcome<pps::PpsResult>>,
     /// Issue 17's SNAT benchmark; None when not selected.
     pub snat: Option<snat::SnatResult>,
+    /// Issue 43's SYN flood; None when not selected.
+    pub syn_flood: Option<syn_flood::SynFloodResult>,
     /// Issue 19's scale section; None when not selected.
     pub scale: Option<scale::ScaleResult>,
     /// iptables full-sync times seen (objects = Services + endpoints, seconds), for estimates.
@@ -490,6 +512,11 @@ pub fn run(config: Config) -> Results {
         .config
         .runs(Section::Snat)
         .then(|| snat_section(&mut runner));
+    let syn_flood = runner.config.runs(Section::SynFlood).then(|| {
+        step("spoofed SYN flood against a NodePort", &runner);
+        let (plan, backend) = (runner.config.syn_flood_plan, runner.config.iptables_backend);
+        syn_flood::section(plan, backend, |what, e| runner.failed(what, e))
+    });
     let mut programming = Vec::new();
     let programming_sizes = |section| {
         if runner.config.runs(section) {
@@ -579,6 +606,7 @@ pub fn run(config: Config) -> Results {
         tc_cost,
         pps,
         snat,
+        syn_flood,
         scale,
         iptables_syncs: runner.estimator.points.clone(),
         failures: runner.failures,

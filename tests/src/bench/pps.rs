@@ -38,7 +38,7 @@ use proxy_agent::objects::{ObjectKey, Objects};
 
 use super::stats::Spread;
 use crate::in_process::on_netns_thread;
-use crate::netns::Netns;
+use crate::netns::{Netns, parse_mac};
 use crate::packet::{L4, build};
 use crate::{Result, RigError};
 
@@ -206,8 +206,8 @@ impl Rig {
             outer.exec("ethtool", &["-K", "eth0", "gro", "on"])?;
         }
         // Static neighbours: no ARP in the measurement.
-        let sink_mac = mac(&rig.sink, "eth0")?;
-        let client_mac = mac(&rig.client, "eth0")?;
+        let sink_mac = rig.sink.mac("eth0")?;
+        let client_mac = rig.client.mac("eth0")?;
         rig.node.ip(&[
             "neigh",
             "replace",
@@ -286,28 +286,6 @@ fn veth_counter(netns: &Netns, interface: &str, counter: &str) -> Result<u64> {
         .ok_or_else(|| other(format!("no {counter} in {text}")))
 }
 
-/// `interface`'s MAC in `netns`, as `ip` prints it.
-fn mac(netns: &Netns, interface: &str) -> Result<String> {
-    let json = netns.ip(&["-j", "link", "show", interface])?;
-    let value: serde_json::Value =
-        serde_json::from_str(&json).map_err(|e| other(format!("ip -j link: {e}")))?;
-    value[0]["address"]
-        .as_str()
-        .map(str::to_owned)
-        .ok_or_else(|| other(format!("no address in {json}")))
-}
-
-fn parse_mac(text: &str) -> Result<[u8; 6]> {
-    let bytes: Vec<u8> = text
-        .split(':')
-        .map(|b| u8::from_str_radix(b, 16))
-        .collect::<std::result::Result<_, _>>()
-        .map_err(|e| other(format!("MAC {text}: {e}")))?;
-    bytes
-        .try_into()
-        .map_err(|_| other(format!("MAC {text}: not 6 bytes")))
-}
-
 /// What one measurement of a mode gives.
 struct Measured {
     pps: f64,
@@ -331,8 +309,8 @@ fn one_run(mode: PpsMode, loops: PpsLoops, cpu: usize) -> Result<Measured> {
         L4::Udp,
         &[0u8; 18],
     );
-    frame[0..6].copy_from_slice(&parse_mac(&mac(&rig.node, "ext0")?)?);
-    frame[6..12].copy_from_slice(&parse_mac(&mac(&rig.client, "eth0")?)?);
+    frame[0..6].copy_from_slice(&parse_mac(&rig.node.mac("ext0")?)?);
+    frame[6..12].copy_from_slice(&parse_mac(&rig.client.mac("eth0")?)?);
     let client_path = rig.client.path();
     let (ready_tx, ready_rx) = std::sync::mpsc::channel::<()>();
     let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();

@@ -222,6 +222,7 @@ fn markdown(r: &Results) -> String {
     memory_section(&mut md, r);
     scale::section(&mut md, r);
     snat_section(&mut md, r);
+    syn_flood_section(&mut md, r);
     scaling_section(&mut md, r);
     md
 }
@@ -1689,6 +1690,96 @@ fn snat_section(md: &mut String, r: &Results) {
         dur(result.elapsed),
         durations.join(", ")
     );
+}
+
+fn syn_flood_section(md: &mut String, r: &Results) {
+    use crate::flood::served_share;
+    let _ = writeln!(
+        md,
+        "## 7b. Spoofed SYN flood against a NodePort (issue 43)\n"
+    );
+    let Some(result) = &r.syn_flood else {
+        let _ = writeln!(md, "Not run (`--only` left it out).\n");
+        return;
+    };
+    let p = result.plan;
+    let _ = writeln!(
+        md,
+        "Three pods behind the NodePort 10.10.0.1:{} (externalTrafficPolicy Cluster: every flow \
+         is source-NATed). Before the flood, {} idle connections are opened from the external \
+         namespace. Then one thread in the external namespace writes TCP SYNs from random \
+         sources of {} (routed back towards the external namespace, which drops the answers) \
+         and random ports into an `AF_PACKET` socket on its link to the node, in batches of \
+         `sendmmsg`, for {} s (at most {} frames): on a veth the node receives them in the \
+         writer's softirq, so the rate the writer reaches is the rate the node takes them at \
+         (*taken/s*: written less the link's `tx_dropped`, the frames the receiving backlog had \
+         no room for). Beside it, a legitimate client in the same namespace makes new \
+         connections one after the other ({} ms apart; each waits up to {} ms, past the first \
+         SYN retransmission) and counts those a pod greets; {} more after the flood; then each \
+         idle connection sends a line and must get its echo (only the pod that greeted it \
+         could answer). eBPF mode with `--bpf-map-conntrack {}` (its unanswered TCP flows' map \
+         a quarter of that, overflowed many times), iptables mode with the kernel's conntrack \
+         as the node namespace has it; each mode on a fresh node, 1 run. The counters are the \
+         eBPF datapath's over the run (`kubeproxy_ebpf_datapath_events_total`). The flood \
+         rate is the machine's (writer, node and pods share its CPUs), not the datapath's \
+         ceiling; compare the modes within the run.\n",
+        crate::service_scenarios::NODE_PORT,
+        p.idle,
+        crate::flood::SPOOFED_NET,
+        p.duration.as_secs_f64(),
+        p.max_frames,
+        p.client_interval.as_millis(),
+        p.client_timeout.as_millis(),
+        p.after,
+        super::syn_flood::EBPF_CONNTRACK,
+    );
+    let _ = writeln!(
+        md,
+        "| mode | SYNs written/s | SYNs taken/s | new connections served during the flood | \
+         after it | idle connections answering after it | eBPF counters |\n\
+         |---|---|---|---|---|---|---|"
+    );
+    for (label, outcome) in [("eBPF (tc)", &result.ebpf), ("iptables", &result.iptables)] {
+        let Some(o) = outcome.done() else {
+            let _ = writeln!(
+                md,
+                "| {label} | {} | | | | | |",
+                outcome_note(outcome).unwrap_or_default()
+            );
+            continue;
+        };
+        let served =
+            |s: &[crate::flood::Served]| format!("{:.1} % of {}", served_share(s) * 100.0, s.len());
+        let counters = if o.counters.is_empty() {
+            "–".to_owned()
+        } else {
+            o.counters
+                .iter()
+                .filter(|(_, n)| *n > 0)
+                .map(|(i, n)| format!("`{}` {n}", i.name()))
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
+        let _ = writeln!(
+            md,
+            "| {label} | {:.0} | {:.0} | {} | {} | {} of {} | {counters} |",
+            o.flood.written_rate(),
+            o.flood.accepted_rate(),
+            served(&o.during),
+            served(&o.after),
+            o.idle.iter().filter(|(_, r)| r.is_ok()).count(),
+            o.idle.len(),
+        );
+    }
+    if let (Some(e), Some(i)) = (result.ebpf.done(), result.iptables.done()) {
+        let _ = writeln!(
+            md,
+            "\nSYNs taken per second, eBPF over iptables in this run: {}.\n",
+            ratio(e.flood.accepted_rate() / i.flood.accepted_rate().max(1e-9))
+        );
+    } else {
+        let _ = writeln!(md);
+    }
 }
 
 fn scaling_section(md: &mut String, r: &Results) {

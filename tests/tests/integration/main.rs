@@ -18,6 +18,7 @@ mod external_interfaces;
 mod external_sctp;
 mod external_tc;
 mod external_xdp;
+mod floods;
 mod generation_race;
 mod icmp_errors;
 mod inspect;
