@@ -72,6 +72,20 @@ fn kube_rules(s: &Scenario) -> anyhow::Result<Vec<String>> {
     Ok(lines)
 }
 
+/// The programs attached to the scenario's cgroup once the kernel has detached what it will:
+/// it detaches a cgroup program when its link's last reference goes, in deferred work after
+/// the unpin. Waits (bounded) for none to be left; returns what is left.
+fn programs_once_detached(s: &Scenario) -> anyhow::Result<Vec<String>> {
+    let deadline = Instant::now() + DATAPATH_TIMEOUT;
+    loop {
+        let left = cgroup_programs(s.cgroup.path())?;
+        if left.is_empty() || Instant::now() >= deadline {
+            return Ok(left);
+        }
+        thread::sleep(Duration::from_millis(100));
+    }
+}
+
 /// Programs attached to the scenario's cgroup (`bpftool cgroup show`), one line each.
 fn cgroup_programs(cgroup: &Path) -> anyhow::Result<Vec<String>> {
     let output = Command::new("bpftool")
@@ -531,7 +545,7 @@ fn pins_are_root_only_and_cleanup_leaves_nothing_of_either_mode() -> anyhow::Res
     let status = s.agent()?.run_cleanup()?;
     s.ensure(status.success(), || format!("--cleanup exited {status}"))?;
     let residue_pins = pins(&bpf_root)?;
-    let residue_programs = cgroup_programs(s.cgroup.path())?;
+    let residue_programs = programs_once_detached(&s)?;
     let residue_tc = from_outside(&s)?;
     let counts = tally(&s.cgroup_client().run(cluster_addr(), 10)?);
     eprintln!(
@@ -605,7 +619,7 @@ fn mode_switches_remove_the_other_modes_leftovers_and_traffic_keeps_working() ->
         thread::sleep(Duration::from_millis(100));
     }
     let left_pins = pins(&bpf_root)?;
-    let left_programs = cgroup_programs(s.cgroup.path())?;
+    let left_programs = programs_once_detached(&s)?;
     // Both the cgroup client (no longer translated by eBPF) and any node process go through
     // the iptables rules now.
     let cgroup_counts = tally(&s.cgroup_client().run(cluster_addr(), 20)?);
