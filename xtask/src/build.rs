@@ -94,6 +94,12 @@ pub fn test(quick: bool) -> Result<()> {
             "  warning: not root — the integration tests will fail (they need namespaces, cgroups and BPF)"
         );
     }
+    let fuzz_build = if quick || !is_root() {
+        None
+    } else {
+        step("fuzz: build every target in the background, at the lowest priority");
+        Some(start_fuzz_build(&object)?)
+    };
     step("test: unit and integration tests (workspace)");
     let skipped_file = workspace_root().join("target/tests-skipped.txt");
     if skipped_file.exists() {
@@ -102,7 +108,10 @@ pub fn test(quick: bool) -> Result<()> {
     }
     let totals = run_tests(
         cargo()
-            .args(["test", "--workspace", "--no-fail-fast"])
+            .args(["test", "--workspace", "--no-fail-fast", "--"])
+            // Most integration tests wait on namespaces, the agent and the network rather than
+            // on a core: more of them at once than the machine has cores.
+            .arg(format!("--test-threads={TEST_THREADS}"))
             .env("PROXY_EBPF_OBJECT", &object)
             .env(
                 "PROXY_AGENT_BIN",
@@ -125,11 +134,28 @@ pub fn test(quick: bool) -> Result<()> {
     if totals.passed == 0 {
         bail!("no test ran");
     }
-    if quick {
-        return Ok(());
-    }
-    if !is_root() {
+    let Some((mut fuzz_build, log)) = fuzz_build else {
+        if quick {
+            return Ok(());
+        }
         bail!("the fuzz targets need root (tc_packets loads the eBPF programs)");
+    };
+    let started = std::time::Instant::now();
+    let status = fuzz_build.wait().context("waiting for the fuzz build")?;
+    println!(
+        "  the background fuzz build ended {:.0?} after the tests",
+        started.elapsed()
+    );
+    if !status.success() {
+        let text = std::fs::read_to_string(&log).unwrap_or_default();
+        let tail: Vec<&str> = text.lines().rev().take(40).collect();
+        for line in tail.into_iter().rev() {
+            println!("{line}");
+        }
+        bail!(
+            "the fuzz build failed ({status}); its output: {}",
+            log.display()
+        );
     }
     fuzz(CI_FUZZ, &[], &object)
 }
@@ -204,6 +230,8 @@ const FUZZ_TARGETS: [&str; 6] = [
 /// pins its dependencies).
 const CARGO_FUZZ_VERSION: &str = "0.13.2";
 const FUZZ_CODEGEN_UNITS: &str = "16";
+/// Test threads per test binary (libtest's default is one per core).
+const TEST_THREADS: u32 = 4;
 /// How long each target runs.
 #[derive(Debug, Clone, Copy)]
 pub enum FuzzBudget {
@@ -232,7 +260,8 @@ pub const CI_FUZZ: FuzzBudget = FuzzBudget::Replay {
 /// from crates.io when missing. New interesting inputs go to `tests/fuzz/corpus/<target>`
 /// (not committed), the committed seeds are read from `tests/fuzz/seeds/<target>`. A crash,
 /// panic, timeout or memory blow-up fails with the path of the input that caused it.
-pub fn fuzz(budget: FuzzBudget, targets: &[String], object: &Path) -> Result<()> {
+/// Installs cargo-fuzz at the pinned version when it is missing.
+fn ensure_cargo_fuzz() -> Result<()> {
     let has_cargo_fuzz = Command::new("cargo")
         .args(["fuzz", "--version"])
         .output()
@@ -249,6 +278,61 @@ pub fn fuzz(budget: FuzzBudget, targets: &[String], object: &Path) -> Result<()>
             CARGO_FUZZ_VERSION,
         ]))?;
     }
+    Ok(())
+}
+
+/// `cargo +NIGHTLY fuzz SUBCOMMAND` in `tests/fuzz`, run through `prefix` (e.g. `nice`).
+fn fuzz_cargo(prefix: &[&str], subcommand: &str, object: &Path) -> Result<Command> {
+    let toolchain = crate::toolchain::ebpf_nightly()?;
+    let mut command = match prefix.split_first() {
+        Some((program, args)) => {
+            let mut command = Command::new(program);
+            command.args(args).arg("cargo");
+            command
+        }
+        None => Command::new("cargo"),
+    };
+    command
+        .current_dir(workspace_root().join("tests/fuzz"))
+        .arg(format!("+{toolchain}"))
+        .args(["fuzz", subcommand])
+        // cargo-fuzz's default of one codegen unit makes LLVM optimise each of the ~220 crates
+        // (k8s-openapi among them) in one piece: the build took 11 minutes of the test command
+        // on two cores. Sixteen units give up a little speed per input, which runs of 100 000
+        // inputs do not notice. `run` builds first: with other settings than `build` it would
+        // build all again.
+        .args(["--codegen-units", FUZZ_CODEGEN_UNITS])
+        // One build for every target: the agent embeds the real object.
+        .env("PROXY_EBPF_OBJECT", object)
+        .env_remove("PROXY_EBPF_PLACEHOLDER")
+        .env_remove("RUSTUP_TOOLCHAIN")
+        .env_remove("RUSTC")
+        .env_remove("RUSTC_WRAPPER")
+        .env_remove("RUSTC_WORKSPACE_WRAPPER");
+    Ok(command)
+}
+
+/// The fuzz targets' build, started before the integration tests at the lowest CPU priority:
+/// the tests spend most of their time waiting on the network and the agent, and the build
+/// (sanitizers, the whole dependency tree) takes what they leave. Its output goes to a file.
+fn start_fuzz_build(object: &Path) -> Result<(std::process::Child, PathBuf)> {
+    ensure_cargo_fuzz()?;
+    let log = workspace_root().join("target/fuzz-build.log");
+    let file =
+        std::fs::File::create(&log).with_context(|| format!("creating {}", log.display()))?;
+    let err = file
+        .try_clone()
+        .with_context(|| format!("opening {}", log.display()))?;
+    let child = fuzz_cargo(&["nice", "-n", "19"], "build", object)?
+        .stdout(file)
+        .stderr(err)
+        .spawn()
+        .context("cannot start the fuzz build")?;
+    Ok((child, log))
+}
+
+pub fn fuzz(budget: FuzzBudget, targets: &[String], object: &Path) -> Result<()> {
+    ensure_cargo_fuzz()?;
     let targets: Vec<&str> = if targets.is_empty() {
         FUZZ_TARGETS.to_vec()
     } else {
@@ -256,30 +340,9 @@ pub fn fuzz(budget: FuzzBudget, targets: &[String], object: &Path) -> Result<()>
     };
     let dir = workspace_root().join("tests/fuzz");
     let toolchain = crate::toolchain::ebpf_nightly()?;
-    let fuzz_cargo = |subcommand: &str| {
-        let mut command = Command::new("cargo");
-        command
-            .current_dir(&dir)
-            .arg(format!("+{toolchain}"))
-            .args(["fuzz", subcommand])
-            // `run` builds first: with other settings than `build` it would build all again.
-            .args(["--codegen-units", FUZZ_CODEGEN_UNITS])
-            // One build for every target: the agent embeds the real object.
-            .env("PROXY_EBPF_OBJECT", object)
-            .env_remove("PROXY_EBPF_PLACEHOLDER")
-            .env_remove("RUSTUP_TOOLCHAIN")
-            .env_remove("RUSTC")
-            .env_remove("RUSTC_WRAPPER")
-            .env_remove("RUSTC_WORKSPACE_WRAPPER");
-        command
-    };
     step("fuzz: build every target (nightly, sanitizers)");
     let started = std::time::Instant::now();
-    // cargo-fuzz's default of one codegen unit makes LLVM optimise each of the ~220 crates
-    // (k8s-openapi among them) in one piece: the build took 11 minutes of the test command on
-    // two cores. Sixteen units give up a little speed per input, which runs of 100 000 inputs
-    // do not notice.
-    run_cmd(&mut fuzz_cargo("build"))?;
+    run_cmd(&mut fuzz_cargo(&[], "build", object)?)?;
     println!("  fuzz build took {:.0?}", started.elapsed());
     for target in targets {
         let corpus = match budget {
@@ -303,7 +366,7 @@ pub fn fuzz(budget: FuzzBudget, targets: &[String], object: &Path) -> Result<()>
             .with_context(|| format!("creating {}", corpus.display()))?;
         let artifacts = dir.join("artifacts").join(target);
         let before = files_in(&artifacts);
-        let mut command = fuzz_cargo("run");
+        let mut command = fuzz_cargo(&[], "run", object)?;
         command.arg(target).arg(&corpus);
         let seeds = dir.join("seeds").join(target);
         if seeds.is_dir() {
