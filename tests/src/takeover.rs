@@ -1,4 +1,4 @@
-//! The mode-switch scenario of issue 16: on a dual-stack node, TCP streams and UDP flows through
+//! The mode-switch scenario: on a dual-stack node, TCP streams and UDP flows through
 //! every kind of Service frontend, in both families, run while the node changes hands (one
 //! proxy mode to another), and new connections keep arriving throughout. [`Traffic::finish`]
 //! computes the issue's figures per family — streams reset, streams stalled (more than 1 s,

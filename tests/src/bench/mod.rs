@@ -6,10 +6,10 @@
 //! - `agent_runs`: cold start, end-to-end programming and memory through the real agent.
 //! - `inprocess`: programming latency with the agent's library (item 5, in-process).
 //! - `tc`: item 4, per-packet cost of the tc programs (`BPF_PROG_TEST_RUN`).
-//! - `snat`: issue 17's new connections per second per backend through one node before the
+//! - `snat`: the new connections per second per backend through one node before the
 //!   first SNAT failure, eBPF beside iptables.
-//! - `syn_flood`: issue 43's spoofed SYN flood against a NodePort, eBPF beside iptables.
-//! - `scale`: issue 19's scale goals (map memory on a small node; at 50k Services × 2
+//! - `syn_flood`: the spoofed SYN flood against a NodePort, eBPF beside iptables.
+//! - `scale`: the scale goals (map memory on a small node; at 50k Services × 2
 //!   endpoints, API-source changes for a p99 and a 1 ms probe through a restart and resyncs).
 //! - `report`, `plot`: the Markdown and the SVGs.
 //!
@@ -57,7 +57,7 @@ pub struct Config {
     pub programming_sizes: Vec<usize>,
     pub programming_endpoints: usize,
     pub loops: Loops,
-    /// Issue 19's scale size: agent runs as for `programming_sizes`, plus `scale_changes`
+    /// The scale size: agent runs as for `programming_sizes`, plus `scale_changes`
     /// API-source changes and the gap probes (section `scale`).
     pub scale_workload: Workload,
     pub scale_changes: usize,
@@ -80,7 +80,7 @@ pub struct Config {
     pub budget: Duration,
     /// Item 4 (per-packet tc cost).
     pub tc_loops: tc::TcLoops,
-    /// Issue 14 item 3 (packet rate through XDP, tc, iptables and routing).
+    /// Packet rate through XDP, tc, iptables and routing.
     pub pps_loops: pps::PpsLoops,
     /// The SNAT section's stepped load.
     pub snat_loops: snat::SnatLoops,
@@ -110,15 +110,15 @@ pub enum Section {
     Programming,
     /// Item 5 in-process.
     Inprocess,
-    /// Issue 17: new connections per second per backend before the first SNAT failure.
+    /// New connections per second per backend before the first SNAT failure.
     Snat,
-    /// Issue 14 item 3: packets per second forwarded to a NodePort's backend on one core
+    /// Packets per second forwarded to a NodePort's backend on one core
     /// through XDP, tc, iptables and plain routing.
     Pps,
-    /// Issue 19: map memory on a small node; agent runs at 50k Services × 2 endpoints with
+    /// Map memory on a small node; agent runs at 50k Services × 2 endpoints with
     /// API-source changes and gap probes through a restart and full resyncs.
     Scale,
-    /// Issue 43: a spoofed SYN flood against a NodePort: the rate the node took, new
+    /// A spoofed SYN flood against a NodePort: the rate the node took, new
     /// connections served and idle connections kept, eBPF beside iptables.
     SynFlood,
 }
@@ -332,13 +332,13 @@ pub struct Results {
     pub inprocess: Vec<InprocessSize>,
     /// Item 4; None when not selected.
     pub tc_cost: Option<Outcome<tc::PacketCostResult>>,
-    /// Issue 14 item 3; None when not selected.
+    /// The packet rate section; None when not selected.
     pub pps: Option<Outcome<pps::PpsResult>>,
-    /// Issue 17's SNAT benchmark; None when not selected.
+    /// The SNAT benchmark; None when not selected.
     pub snat: Option<snat::SnatResult>,
-    /// Issue 43's SYN flood; None when not selected.
+    /// The SYN flood; None when not selected.
     pub syn_flood: Option<syn_flood::SynFloodResult>,
-    /// Issue 19's scale section; None when not selected.
+    /// The scale section; None when not selected.
     pub scale: Option<scale::ScaleResult>,
     /// iptables full-sync times seen (objects = Services + endpoints, seconds), for estimates.
     pub iptables_syncs: Vec<(usize, f64)>,
@@ -747,7 +747,7 @@ fn datapath_size(runner: &mut Runner, w: Workload) -> DatapathSize {
     result
 }
 
-/// Issue 17's SNAT benchmark: each mode on a fresh node, eBPF first.
+/// The SNAT benchmark: each mode on a fresh node, eBPF first.
 fn snat_section(runner: &mut Runner) -> snat::SnatResult {
     step("SNAT: new connections per second per backend", runner);
     let started = Instant::now();

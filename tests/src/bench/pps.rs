@@ -1,4 +1,4 @@
-//! Issue 14 item 3: the rate of real packets a node forwards to a NodePort's backend on one
+//! The rate of real packets a node forwards to a NodePort's backend on one
 //! core, through XDP, tc and the iptables mode, with plain routing as the floor, side by side
 //! in one run.
 //!

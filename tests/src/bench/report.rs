@@ -19,18 +19,18 @@ mod scale;
 const GOAL_EBPF_OVER_DIRECT: f64 = 1.05;
 const GOAL_IPTABLES_OVER_EBPF: f64 = 3.0;
 const GOAL_CHANGE_P99: Duration = Duration::from_millis(1);
-/// Issue 15: a full drift check costs at most this share of one core at the default period.
+/// A full drift check costs at most this share of one core at the default period.
 const GOAL_DRIFT_SHARE_PERCENT: f64 = 5.0;
 const GOAL_COLD_START: Duration = Duration::from_secs(2);
 const GOAL_RSS_MIB: f64 = 100.0;
 const GOAL_TC_NS: f64 = 100.0;
-/// Issue 14 item 2's goals for the other tc paths, and XDP's share of tc's cost.
+/// The goals for the other tc paths, and XDP's share of tc's cost.
 const GOAL_TC_PASS_NS: f64 = 60.0;
 const GOAL_TC_REPLY_NS: f64 = 150.0;
 const GOAL_TC_NEW_NS: f64 = 400.0;
 const GOAL_XDP_SHARE: f64 = 0.7;
 
-/// The goal of `path`'s program cost in ns (issue 14 item 2); XDP's is a share of its tc
+/// The goal of `path`'s program cost in ns; XDP's is a share of its tc
 /// counterpart's measured cost. `None` for the floors.
 fn tc_goal_ns(result: &super::tc::PacketCostResult, path: TcPath) -> Option<f64> {
     if let Some(tc) = path.tc_counterpart() {
@@ -345,7 +345,7 @@ fn goals(md: &mut String, r: &Results) {
         md,
         "| a single EndpointSlice change programmed in ≤ 1 ms p99 (eBPF) at 30k Services | {measured} | {verdict} |"
     );
-    // The drift check (issue 15): one full check per default period, ≤ 5 % of one core.
+    // The drift check: one full check per default period, ≤ 5 % of one core.
     let (measured, verdict) = match change {
         Some((n, runs)) => {
             let check = Spread::of(runs.iter().map(|e| e.drift_check.cpu.as_secs_f64()));
@@ -439,9 +439,9 @@ fn goals(md: &mut String, r: &Results) {
             }
         );
     }
-    // Issue 19: map memory, the 50k × 2 size, API-source changes, probe gaps.
+    // Map memory, the 50k × 2 size, API-source changes, probe gaps.
     scale::goal_rows(md, r, r.config.programming_endpoints);
-    // 6. Per-packet cost of the tc and XDP programs (issue 14 item 2).
+    // 6. Per-packet cost of the tc and XDP programs.
     if let Some(Outcome::Done(t)) = &r.tc_cost {
         let judged: Vec<(TcPath, f64, f64)> = t
             .paths
@@ -474,7 +474,7 @@ fn goals(md: &mut String, r: &Results) {
             "| per-packet cost of the tc and XDP programs | – | not measured |"
         );
     }
-    // Issue 14 item 3: packet rate.
+    // Packet rate.
     if let Some(Outcome::Done(p)) = &r.pps {
         let judge = |s: Option<Spread>, goal: f64| match s {
             Some(s) if s.median >= goal => format!("{:.2}× (met)", s.median),
@@ -890,7 +890,7 @@ fn tc_cost_section(md: &mut String, r: &Results) {
     let _ = writeln!(md);
 }
 
-/// Issue 14 item 3's goals: XDP's packet rate against tc's and the iptables mode's.
+/// The goals: XDP's packet rate against tc's and the iptables mode's.
 const GOAL_XDP_OVER_TC: f64 = 2.0;
 const GOAL_XDP_OVER_IPTABLES: f64 = 3.0;
 

@@ -1,4 +1,4 @@
-//! Issue 19's scale goals through the real agent in eBPF mode: BPF map memory on a small node;
+//! The scale goals through the real agent in eBPF mode: BPF map memory on a small node;
 //! and at the largest size (50k Services × 2 endpoints), besides the agent runs of §5/§6 that
 //! `programming_size` makes there, EndpointSlice changes through the API server source (enough
 //! for a p99) and the longest gap a probe connecting every millisecond sees through an agent

@@ -1,4 +1,4 @@
-//! Issue 17 item 6: new connections per second per backend through one node before the first
+//! New connections per second per backend through one node before the first
 //! SNAT failure, eBPF mode beside iptables mode.
 //!
 //! A NodePort Service (externalTrafficPolicy Cluster) has ONE endpoint (pod3), so every flow

@@ -1,4 +1,4 @@
-//! Issue 43 item 5: the spoofed SYN rate a node takes while it keeps serving, eBPF mode beside
+//! The spoofed SYN rate a node takes while it keeps serving, eBPF mode beside
 //! the iptables mode, each on a fresh node: [`crate::flood::syn_flood`]'s run (idle
 //! connections opened before, a spoofed SYN flood from the external namespace to an
 //! externalTrafficPolicy Cluster NodePort with a legitimate client making new connections

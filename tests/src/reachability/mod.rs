@@ -1,4 +1,4 @@
-//! The reachability matrix (issue 12 item 1): one table of cells — client × Service shape ×
+//! The reachability matrix: one table of cells — client × Service shape ×
 //! frontend × IP family — that both `--proxy-mode`s run with real packets on a two-node rig.
 //!
 //! - [`cells`]: the shapes (one dual-stack Service each), frontends, clients and the explicit

@@ -7,7 +7,7 @@
 //! kernel, and keys its egress entries by, the tuple between client and backend — the same for
 //! both connections: the second one's egress entries replaced the first one's, whose packets
 //! then left with the second one's translation (the first connection stalled after its second
-//! exchange, as the issue 16 scenario showed about once in three runs). The second connection
+//! exchange, as the mode-switch scenario showed about once in three runs). The second connection
 //! now takes the fast path (`ct_flags::BYPASS`); when it keeps the client's address (eTP Local)
 //! and the first was masqueraded, the first moves to the fast path and hands it the tuple.
 //! Both families, both modes. Needs root.

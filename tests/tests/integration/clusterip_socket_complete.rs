@@ -249,7 +249,7 @@ fn no_endpoints_refuses_tcp_connected_udp_and_unconnected_udp() -> anyhow::Resul
     Ok(())
 }
 
-/// Issue 18, kernel floor: without `bpf_set_retval` (kernels < 5.18, here forced off with
+/// Kernel floor: without `bpf_set_retval` (kernels < 5.18, here forced off with
 /// `--bpf-disable-feature set-retval`) the hooks still refuse, with the kernel's EPERM instead
 /// of ECONNREFUSED — and the programs load: the helper call is skipped by a load-time constant.
 #[test]

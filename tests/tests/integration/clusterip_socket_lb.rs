@@ -174,7 +174,7 @@ fn agent_sigint_leaves_translation_and_cleanup_removes_it() -> anyhow::Result<()
     start_and_wait_for_pods(&mut s)?;
 
     // The SNAT port range is reserved from the node namespace's ephemeral ports while the
-    // datapath is in place (issue 17) and released by --cleanup.
+    // datapath is in place and released by --cleanup.
     let reserved = |s: &Scenario| {
         s.topo
             .node()

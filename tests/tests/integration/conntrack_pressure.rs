@@ -1,4 +1,4 @@
-//! Issue 16 item 4 (and issue 17 item 8): live TCP streams through a NodePort while the tc
+//! Conntrack under pressure: live TCP streams through a NodePort while the tc
 //! conntrack map is filled far past its capacity with other flows. The LRU evicts the streams'
 //! entries (both directions, idle between exchanges); the next segment of each stream finds
 //! its flow again from the client's tuple — the same backend, the same SNAT port — instead of

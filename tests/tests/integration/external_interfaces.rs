@@ -1,5 +1,5 @@
 //! Which interfaces get the external tc program by default, and which address external
-//! traffic to a remote backend is masqueraded to (issue 17 item 7), with the real agent and
+//! traffic to a remote backend is masqueraded to, with the real agent and
 //! real traffic: an external client reaches a NodePort on the node whose only endpoint is a pod
 //! on a second node. Needs root.
 

@@ -566,7 +566,7 @@ fn all_answered(results: &[(SocketAddr, usize)], count: usize) -> bool {
     results.iter().all(|(_, n)| *n == count)
 }
 
-/// Issue 18: the host's FORWARD policy applies to NodePort, externalIP and LB IP traffic to
+/// The host's FORWARD policy applies to NodePort, externalIP and LB IP traffic to
 /// local pods in both modes, as with kube-proxy — an iptables FORWARD drop or a foreign nft
 /// table's forward chain blocks the client; removing the rule lets it through again.
 #[test]
@@ -643,7 +643,7 @@ fn marked_packets(s: &Scenario) -> anyhow::Result<u64> {
     count.ok_or_else(|| anyhow::anyhow!("no counter in {out}"))
 }
 
-/// Issue 18, good neighbour: a TCX program attached to the external interface after ours (so
+/// Good neighbour: a TCX program attached to the external interface after ours (so
 /// behind it in the chain) keeps seeing the interface's traffic — Service traffic we translate
 /// and traffic that is not ours — across an agent restart and after `--cleanup`, which leave
 /// it attached. It marks what it sees; an nft counter in a foreign table counts the mark.
@@ -764,7 +764,7 @@ fn wait_for_filters(s: &Scenario, what: &str, ready: impl Fn(&str) -> bool) -> a
     Ok(())
 }
 
-/// Issue 18, kernel floor: with TCX forced off (`--bpf-disable-feature tcx`, the path of
+/// Kernel floor: with TCX forced off (`--bpf-disable-feature tcx`, the path of
 /// kernels older than 6.6) the tc programs attach as legacy clsact filters in our slot
 /// (priority 27504 = 0x6b70), serve external traffic, and a foreign legacy filter behind ours
 /// (priority 40000, another component's `cls_bpf` program that marks what it sees) keeps seeing
@@ -906,7 +906,7 @@ fn conntrack_capacity(root: &std::path::Path) -> anyhow::Result<(u32, u32)> {
     Ok((pin("KPR_CT4")?.max_entries(), pin("KPR_CT6")?.max_entries()))
 }
 
-/// Issue 18, hygiene: `--bpf-map-conntrack` sizes the tc conntrack map like the other
+/// Hygiene: `--bpf-map-conntrack` sizes the tc conntrack map like the other
 /// `--bpf-map-*` flags, also across a restart with another size (aya would reuse the pin at
 /// its old size; the agent replaces it), and external traffic is served with it.
 #[test]
@@ -935,7 +935,7 @@ fn conntrack_map_size_follows_its_flag_across_restarts() -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Issue 18, good neighbour across a mode switch: a foreign TCX program behind ours keeps
+/// Good neighbour across a mode switch: a foreign TCX program behind ours keeps
 /// seeing the external interface's traffic when the agent switches to the iptables mode (which
 /// removes our links and pins: their directory is gone) and back to eBPF (ours attached again,
 /// appended behind it — it still sees everything, ours pass it on).
@@ -988,7 +988,7 @@ fn ifindex_in(s: &Scenario, interface: &str) -> u32 {
         .unwrap_or(0)
 }
 
-/// Issue 18: links of interfaces that go away are detached and their pins removed. A veth
+/// Links of interfaces that go away are detached and their pins removed. A veth
 /// with an address appears on the node (a pod's): it gets our reply and egress programs,
 /// pinned per ifindex; once it is deleted (its address goes with it, which triggers a sync)
 /// both pins are removed, and the other interfaces keep theirs.
@@ -1078,7 +1078,7 @@ fn datapath_events(s: &mut Scenario, reason: &str) -> anyhow::Result<u64> {
         .unwrap_or(0))
 }
 
-/// Issue 17 item 9: a hardware-stripped VLAN tag (`skb->vlan_tci`, as a NIC with VLAN offload
+/// A hardware-stripped VLAN tag (`skb->vlan_tci`, as a NIC with VLAN offload
 /// delivers it; made here by a tagging program on the client's egress, which veth carries
 /// across) is never redirected with the packet. A priority tag (VLAN 0, which the stack
 /// serves on the interface itself) is served and popped before the redirect; a packet of

@@ -1,4 +1,4 @@
-//! Issue 14 item 1, XDP with real packets: the agent runs with `--tc-fast-path` (so
+//! XDP with real packets: the agent runs with `--tc-fast-path` (so
 //! `--bpf-xdp auto` attaches `kpr_xdp_external` in native mode to the external interfaces
 //! `vext` and `vnode2`), an external client reaches a dual-stack NodePort whose only endpoint
 //! is a pod on a second node, over TCP and UDP. Every packet of a flow, its first included, and

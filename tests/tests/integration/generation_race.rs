@@ -1,4 +1,4 @@
-//! Issue 17, no spurious refusals: a `connect()` racing a frontend's generation switch is
+//! No spurious refusals: a `connect()` racing a frontend's generation switch is
 //! never refused while the Service has backends.
 //!
 //! The race: the connect hook reads the frontend (generation g), the agent switches the

@@ -1,5 +1,5 @@
-//! ICMP errors about packets of Service flows reach the peer as errors about its own packets
-//! (issue 14 item 5). The client matches an error to its socket by the packet the error
+//! ICMP errors about packets of Service flows reach the peer as errors about its own packets.
+//! The client matches an error to its socket by the packet the error
 //! quotes; through a NodePort or an LB IP that packet was translated, so the error has to be
 //! translated back. The oracle is the iptables mode on the same rig: netfilter translates
 //! errors related to a NATed connection (`nf_nat_icmp_reply_translation`). Real packets, both

@@ -199,7 +199,7 @@ fn tempdir_path() -> std::path::PathBuf {
     std::env::temp_dir().join(format!("kpr-inspect-none-{}", std::process::id()))
 }
 
-/// Issue 18: `inspect features` shows what the kernel has, what these flags would use, and
+/// `inspect features` shows what the kernel has, what these flags would use, and
 /// what the running agent reports using (`kubeproxy_ebpf_kernel_feature`): an agent with TCX
 /// and socket destroy forced off reports both off, the rest on.
 #[test]

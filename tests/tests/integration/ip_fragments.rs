@@ -1,4 +1,4 @@
-//! IP fragments of Service flows (issue 14 item 4): 4 KB UDP datagrams, which the client's
+//! IP fragments of Service flows: 4 KB UDP datagrams, which the client's
 //! stack sends as three fragments (MTU 1500; IPv6 with a fragment header), to a NodePort and
 //! an LB IP (masqueraded) and to an eTP Local NodePort (client address kept), in both
 //! families, are answered by the pod. Only the first fragment carries the ports; the tc

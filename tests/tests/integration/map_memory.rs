@@ -1,4 +1,4 @@
-//! Issue 19, item 3: BPF map memory that follows use. The agent's service maps are not
+//! BPF map memory that follows use. The agent's service maps are not
 //! preallocated, so their kernel memory (`memlock` in the map fd's fdinfo, what `bpftool map
 //! show` reports) grows with the Services written and not with the capacity; the preallocated
 //! LRU maps are sized from the node's memory by `--bpf-map-dynamic-size-ratio` (a pinned map

@@ -1,4 +1,4 @@
-//! Issue 17 item 7, replies of a node with two uplinks: a client reached through the second
+//! Replies of a node with two uplinks: a client reached through the second
 //! uplink (`vup2`, behind a router) whose network the node's routing table sends out by the
 //! first (`vext`, its default route, where nothing leads back to the client). The eBPF mode
 //! sends the replies of its translated flows out by the interface the client's packets came in

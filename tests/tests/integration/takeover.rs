@@ -1,4 +1,4 @@
-//! Issue 16 (first transition): established TCP connections survive the node moving from
+//! The first transition: established TCP connections survive the node moving from
 //! kube-proxy-shaped iptables rules (our iptables mode stands in for kube-proxy: its rules are
 //! kube-proxy's, checked by the parity vectors) to the eBPF mode. Needs root.
 //!

@@ -1,4 +1,4 @@
-//! Issue 16: established connections survive the node changing hands between proxy modes, and
+//! Established connections survive the node changing hands between proxy modes, and
 //! new ones keep being answered throughout. One scenario ([`proxy_tests::takeover`]) per
 //! transition, on a dual-stack node: TCP streams and connected UDP flows from outside to a
 //! NodePort (eTP Cluster and eTP Local) and an LB IP, and from a pod and a node process to a

@@ -623,7 +623,7 @@ fn netfilter_path_splits_translation_between_ingress_and_egress() {
     });
 }
 
-/// ICMP errors about a translated flow's packets (issue 14 item 5), on the netfilter path,
+/// ICMP errors about a translated flow's packets, on the netfilter path,
 /// each program on a `CHECKSUM_COMPLETE` skb (the kernel checks `skb->csum`) and every
 /// checksum of the result checked, the quote's included (IPv4 header, UDP over the whole
 /// quoted datagram): a masqueraded UDP NodePort flow in both families, then
@@ -816,7 +816,7 @@ fn three_fragments(client: SocketAddr, frontend: SocketAddr, id: u32) -> Fragmen
     }
 }
 
-/// IP fragments of a translated UDP flow (issue 14 item 4), on the netfilter path, both
+/// IP fragments of a translated UDP flow, on the netfilter path, both
 /// families: the first, middle and last fragment of a 3000-byte datagram each get the flow's
 /// translation — at ingress the backend as destination, at egress the SNAT address as source,
 /// the later fragments by the ports their first fragment carried — and at each step they make
@@ -1205,7 +1205,7 @@ fn host_network_snapshot() -> Snapshot {
     Snapshot::compute(&Objects::new(services, slices, None), NODE)
 }
 
-/// Issue 17, host-network backends, on both paths: a NodePort whose backend is an address of
+/// Host-network backends, on both paths: a NodePort whose backend is an address of
 /// the node itself is DNATed and handed to the stack for local delivery, never SNATed (the
 /// node's own address as the source would be a martian, and kube-proxy's MASQUERADE never sees
 /// a locally delivered packet), with a `HOST_BACKEND` reply entry; the backend's answer, which
@@ -1367,7 +1367,7 @@ fn node_port_translation_both_families_and_protocols() {
     });
 }
 
-/// Issue 17 item 8: IPv4 flows are kept in `KPR_CT4`, in entries sized for IPv4 (a 16-byte key
+/// IPv4 flows are kept in `KPR_CT4`, in entries sized for IPv4 (a 16-byte key
 /// and a 32-byte value, against 40 and 56 bytes in `KPR_CT6`), IPv6 flows in `KPR_CT6`; each
 /// flow's entry is in its family's map and not in the other. Until the client's ACK a TCP
 /// flow is in its family's unanswered flows' map (`KPR_CT4_NEW`, sized as `KPR_CT4`).
@@ -1688,7 +1688,7 @@ fn no_endpoints_answers_port_unreachable() {
     });
 }
 
-/// Issue 18, hygiene: REJECT replies are rate-limited per client like the kernel's
+/// Hygiene: REJECT replies are rate-limited per client like the kernel's
 /// `icmp_ratelimit` (a bucket of 6, then one per interval). With an interval of an hour nothing
 /// refills during the test: of 20 SYNs from one client to a NodePort without endpoints exactly
 /// 6 get a port unreachable, 14 are dropped (and counted); another client has its own bucket.
@@ -2490,7 +2490,7 @@ fn conntrack_gc_deletes_dead_flows_and_keeps_live_ones() {
     });
 }
 
-/// Issue 18, hygiene: the conntrack walk resumes where it stopped. 3000 entries are walked in
+/// Hygiene: the conntrack walk resumes where it stopped. 3000 entries are walked in
 /// batches of 64; after the first batch, 500 entries it has not reached yet and 20 it has seen
 /// are deleted (as GC, a purge, the datapath or LRU eviction would). A key-based walk
 /// (`get_next_key` from a deleted key) restarts at the first bucket and visits entries again;
@@ -2581,7 +2581,7 @@ fn conntrack_walk_resumes_after_deletions_and_visits_each_entry_once() {
     });
 }
 
-/// Issue 18, hygiene: purging the conntrack entries of removed backends is handed to the
+/// Hygiene: purging the conntrack entries of removed backends is handed to the
 /// conntrack worker's thread, not done in the apply (a full-table purge took ~0.5 s of the
 /// sync loop): the apply only queues it, and the worker deletes the flow's entries after.
 #[test]
@@ -2629,7 +2629,7 @@ fn stat(node: &Node, index: StatIndex) -> u64 {
         .map_or(0, |(_, value)| value)
 }
 
-/// Issue 17, SNAT under load: the client's own source port is kept when it lies in the SNAT
+/// SNAT under load: the client's own source port is kept when it lies in the SNAT
 /// range and is free (netfilter's choice, and one SNAT port fewer taken at random); another
 /// client with the same port gets another port of the range; a client port outside the range
 /// is replaced. Both families.
@@ -2665,7 +2665,7 @@ fn snat_keeps_the_client_port_when_free() {
     });
 }
 
-/// Issue 17 and issue 43: with a 2-port range (`--bpf-snat-port-range 61000-61001`), a
+/// With a 2-port range (`--bpf-snat-port-range 61000-61001`), a
 /// half-open flow (no segment after the client's SYN) and an established one: a third new flow
 /// finds no free port and takes the half-open flow's (`tc_snat_port_reclaimed`), never the
 /// established one's; with both ports held by established flows the next new flow is dropped
@@ -2780,7 +2780,7 @@ fn half_open_flows_expire_after_60_s_and_exhaustion_is_counted() {
     });
 }
 
-/// Issue 17, conntrack under pressure, and issue 16 item 4: the LRU evicts the forward entry
+/// Conntrack under pressure: the LRU evicts the forward entry
 /// of a live SNATed TCP flow (deleted here, as eviction would). With a 1-port range: the
 /// client's next segment recovers the flow from its reply entry — same backend, same SNAT
 /// port, counted as `tc_ct_midstream_recovered` — and is translated; a new flow does not get
@@ -2919,7 +2919,7 @@ fn evicted_forward_entry_keeps_its_snat_port_and_is_rebuilt() {
     });
 }
 
-/// Issue 16 item 4, takeover: until the agent has adopted the flows the kernel's conntrack
+/// Takeover: until the agent has adopted the flows the kernel's conntrack
 /// NATs (`node_flags::KERNEL_FLOWS`, from its start to the adoption after its first sync), a
 /// TCP segment without any entry may be one of those and goes to the stack, where the
 /// kernel's NAT carries it; afterwards it is taken for an evicted flow of the datapath's own
@@ -2950,7 +2950,7 @@ fn segments_without_entries_are_left_to_the_kernel_until_its_flows_are_adopted()
     });
 }
 
-/// Issue 16 item 4: a backend's segment to a SNAT port whose flow's entries were both evicted
+/// A backend's segment to a SNAT port whose flow's entries were both evicted
 /// (no SYN, no socket of the node on that port) is dropped and counted — the stack
 /// would answer it with a reset and end the flow at the backend before the client's next
 /// segment writes its entries again. A socket bound to that port keeps its segments, and a
@@ -2995,7 +2995,7 @@ fn backend_segments_of_evicted_flows_are_dropped_not_reset() {
     });
 }
 
-/// Issue 16 item 4: a mid-stream packet whose forward entry was evicted is never sent to
+/// A mid-stream packet whose forward entry was evicted is never sent to
 /// another backend. 5 backends, 60 SNATed flows (client ports in and outside the SNAT range,
 /// so both the kept client port and the hashed probe sequence are recovered): every forward
 /// entry is deleted, as the LRU would, and each client's next segment reaches the backend and
@@ -3054,7 +3054,7 @@ fn evicted_flows_are_recovered_to_their_own_backends() {
     });
 }
 
-/// Issue 17: a flow without SNAT never overwrites another live flow's reply entry. The same
+/// A flow without SNAT never overwrites another live flow's reply entry. The same
 /// client tuple reaches the eTP Local NodePort 30081 on two node addresses: both flows go to
 /// the same backend port, so their reply entries would share a key. The second is dropped and
 /// counted (`tc_ct_reply_clash`), and the first flow's replies still come from its own
@@ -3116,7 +3116,7 @@ fn reply_entry_of_another_live_flow_is_never_overwritten() {
     });
 }
 
-/// Issue 17: the SNAT range is reserved from the ephemeral ports of the agent's network
+/// The SNAT range is reserved from the ephemeral ports of the agent's network
 /// namespace (`ip_local_reserved_ports` is per namespace: the host's is never touched here)
 /// and released again (`--cleanup`, a switch to iptables mode), keeping ports reserved by
 /// others.
@@ -3175,7 +3175,7 @@ fn single_slice_snapshot(name: &str, service_yaml: &str, backends: &[&str]) -> S
     Snapshot::compute(&objects, NODE)
 }
 
-/// Issue 17, no spurious refusals (a stress guard, not a proof of the re-read): a process in
+/// No spurious refusals (a stress guard, not a proof of the re-read): a process in
 /// the hooks' cgroup connects to a ClusterIP 3000 times (each a new socket, served by echo
 /// servers on the node's own addresses) while full applies ask the agent's map writer to flip
 /// the frontend back and forth as fast as they can (endpoints {.2, .3} and {.2, .3, .4}; each
@@ -3376,7 +3376,7 @@ fn partial_checksum(frame: &[u8]) -> Vec<u8> {
     out
 }
 
-/// Issue 14 item 1: a flow whose first packet went through tc (as on an interface without XDP,
+/// A flow whose first packet went through tc (as on an interface without XDP,
 /// or before XDP was attached): every later packet of the flow, and the backend's replies, are
 /// translated by XDP exactly as tc translated the first (SNAT to the node address and port tc
 /// chose, DNAT to the backend; replies back to frontend → client), every checksum valid, with
@@ -3453,7 +3453,7 @@ fn xdp_translates_later_packets_of_tc_flows_and_their_replies() {
     });
 }
 
-/// Issue 14 item 1: XDP starts a new flow itself, as tc does. The oracle is tc on a flow of
+/// XDP starts a new flow itself, as tc does. The oracle is tc on a flow of
 /// another client port started the same way: the same backend (DNAT), the same SNAT address
 /// (the node's), a port of the SNAT range. XDP's first packet leaves with every checksum valid,
 /// the next hop's MACs and `XDP_REDIRECT`; its conntrack entries are tc's: tc translates the
@@ -3568,7 +3568,7 @@ fn xdp_starts_new_flows_as_tc_does() {
     });
 }
 
-/// Issue 14 item 1: what XDP cannot finish goes on to tc exactly as it came (and tc then
+/// What XDP cannot finish goes on to tc exactly as it came (and tc then
 /// translates it, so nothing is lost): a flow whose next hop is a local pod's veth (not an XDP
 /// target), a packet whose L4 checksum is only the pseudo-header sum (`CHECKSUM_PARTIAL`), an
 /// ICMP error about a flow, IP fragments, SCTP. A UDP datagram without checksum (IPv4 checksum
@@ -3699,7 +3699,7 @@ fn xdp_takes_nothing_on_the_netfilter_path() {
     });
 }
 
-/// Issue 14 item 1: the drops tc makes before any NAT at an LB IP, XDP makes in the driver — a
+/// The drops tc makes before any NAT at an LB IP, XDP makes in the driver — a
 /// client outside `loadBalancerSourceRanges`, `externalTrafficPolicy: Local` without a local
 /// endpoint (kube-proxy's KUBE-FW / KUBE-XLB DROP), at the LB IP and at the NodePort — and tc,
 /// the oracle, drops the same packets; a stray mid-stream segment from a refused client goes
@@ -3751,7 +3751,7 @@ fn xdp_drops_what_tc_drops_before_nat() {
     });
 }
 
-/// Issue 14 item 5 on the fast path: the redirect bypasses the router (the stack) that would
+/// ICMP errors on the fast path: the redirect bypasses the router (the stack) that would
 /// answer a packet too big for the link to its next hop, so the program answers it: a
 /// datagram to the `remote` NodePort, whose backend is reached by `ext0` at MTU 1280 here, gets
 /// fragmentation needed (IPv4, DF) / packet too big (IPv6) naming 1280, from the NodePort's

@@ -1,4 +1,4 @@
-//! Issue 16 (agent upgrades that change a pinned map's layout): established connections keep
+//! (agent upgrades that change a pinned map's layout): established connections keep
 //! their state when the new agent finds a map in an older layout, and a map in a layout it does
 //! not know is reported and rebuilt without a failed connection. Needs root.
 //!

@@ -1,4 +1,4 @@
-//! The report's parts for issue 19's scale goals (`bench::scale`): goal rows and the
+//! The report's parts for the scale goals (`bench::scale`): goal rows and the
 //! "Scale" section (map memory per size, API-source changes, probe gaps).
 
 use std::fmt::Write as _;
@@ -86,7 +86,7 @@ fn missed_by(over: String) -> String {
     format!("**missed** by {over} — see §6b")
 }
 
-/// Goal rows for issue 19 (after the existing agent rows).
+/// Goal rows (after the existing agent rows).
 pub(super) fn goal_rows(md: &mut String, r: &Results, programming_endpoints: usize) {
     let scale = r.scale.as_ref();
     // Map memory on a small node.
