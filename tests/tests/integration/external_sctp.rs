@@ -4,7 +4,7 @@
 //! client sends a crafted INIT to the NodePort, the pod's raw socket receives what the node
 //! forwarded, answers, and the client receives the reverse-translated answer. Every packet's
 //! addresses, ports and CRC32c (recomputed from scratch) are checked. IPv4 only: an IPv6 raw
-//! socket does not return the IP header (the destination address), and `tc_test_run.rs`
+//! socket does not return the IP header (the destination address), and `tc_test_run/sctp.rs`
 //! covers IPv6 byte for byte. `inspect explain` for the INIT's tuple must name the pod it
 //! reached and the SNAT source the pod saw (SCTP's share of the explain agreement, which the
 //! connection-based `explain_agreement.rs` cannot make without an SCTP stack). Needs root.

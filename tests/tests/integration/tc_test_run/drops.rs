@@ -1,0 +1,203 @@
+//! What the tc programs refuse before any NAT: source ranges, loopback destinations, Services
+//! without endpoints (and the rate of their REJECTs).
+
+use super::*;
+
+#[test]
+fn source_ranges_drop_before_nat() {
+    with_node(|node| {
+        program_services(node);
+        let frame = build(sa(CLIENT, 42_000), sa(LB_IP, 80), L4::TcpSyn, b"");
+        let out = node
+            .dataplane
+            .test_run_tc(program_names::TC_EXTERNAL, &frame, node.ext0)
+            .expect("test_run");
+        assert_eq!(out.action, TC_ACT_SHOT, "outside the source range");
+        assert_eq!(out.packet, frame, "a dropped packet is not rewritten");
+        assert!(
+            ct_entry(node, &ct_key(sa(CLIENT, 42_000), sa(LB_IP, 80), 6)).is_none(),
+            "no conntrack entry for a dropped packet"
+        );
+        // Inside the range: translated.
+        round_trip(
+            node,
+            sa("203.0.113.5", 42_001),
+            sa(LB_IP, 80),
+            sa(BACKEND, 8080),
+            L4::TcpSyn,
+            false,
+        );
+    });
+}
+
+/// CVE-2020-8558: with loopback in `nodePortAddresses` (and localhost NodePorts on),
+/// 127.0.0.1 is a NodePort address of the datapath for the node's own processes; a neighbour
+/// that routes 127.0.0.1 to the node must not reach the Service through it (kube-proxy's
+/// KUBE-FIREWALL rule drops such packets). A packet to 127.0.0.1:<nodePort> — TCP and UDP,
+/// from a client's address or a spoofed loopback one — and to another 127/8 address and to
+/// `::1`, arriving on the external interface or on a pod's, is dropped before any lookup and
+/// counted, by tc and by XDP, and leaves no conntrack entry; the same packet to the node IP
+/// is translated.
+#[test]
+fn loopback_node_ports_are_not_served_to_the_outside() {
+    with_node_tc(
+        |tc| {
+            tc.node_port_cidrs = ["127.0.0.0/8", "10.10.0.0/24", "::1/128", "fd00:10::/64"]
+                .map(|cidr| cidr.parse().expect("cidr"))
+                .to_vec();
+            tc.localhost_node_ports = true;
+        },
+        |node| {
+            program_services(node);
+            let localhost: IpAddr = "127.0.0.1".parse().expect("ip");
+            let addrs = node_port_addresses(node);
+            assert!(
+                addrs.contains(&localhost),
+                "{addrs:?}: 127.0.0.1 is a NodePort address of the datapath"
+            );
+            let cases = [
+                (sa(CLIENT, 41_000), sa("127.0.0.1", 30080), L4::TcpSyn),
+                (sa(CLIENT, 41_001), sa("127.0.0.1", 30053), L4::Udp),
+                (sa("127.0.0.1", 41_002), sa("127.0.0.1", 30080), L4::TcpSyn),
+                (sa(CLIENT, 41_003), sa("127.0.0.53", 30053), L4::Udp),
+                (sa(CLIENT6, 41_004), sa("::1", 30080), L4::TcpSyn),
+                (sa(CLIENT6, 41_005), sa("::1", 30053), L4::Udp),
+            ];
+            for (client, target, l4) in cases {
+                let frame = build(client, target, l4, b"ping");
+                for (program, ifindex, side) in [
+                    (program_names::TC_EXTERNAL, node.ext0, "external"),
+                    (program_names::TC_REPLY, node.pod0, "pod"),
+                ] {
+                    let what = format!("{l4:?} {client} → {target} on the {side} interface");
+                    let dropped = stat(node, StatIndex::TcDroppedLoopback);
+                    let (action, _) = run(node, program, &frame, ifindex);
+                    assert_eq!(action, TC_ACT_SHOT, "{what}: dropped");
+                    assert_eq!(
+                        stat(node, StatIndex::TcDroppedLoopback),
+                        dropped + 1,
+                        "{what}: counted"
+                    );
+                    assert!(
+                        ct_entry(node, &ct_key(client, target, l4.proto())).is_none(),
+                        "{what}: no flow"
+                    );
+                }
+                let what = format!("{l4:?} {client} → {target} in XDP");
+                let dropped = stat(node, StatIndex::XdpDroppedLoopback);
+                let (action, _) = run_xdp(node, &frame);
+                assert_eq!(action, XDP_DROP, "{what}: dropped");
+                assert_eq!(
+                    stat(node, StatIndex::XdpDroppedLoopback),
+                    dropped + 1,
+                    "{what}: counted"
+                );
+            }
+            // The node's own address is served as before, by tc and by XDP.
+            round_trip(
+                node,
+                sa(CLIENT, 41_010),
+                sa(NODE_IP, 30080),
+                sa(BACKEND, 8080),
+                L4::TcpSyn,
+                false,
+            );
+            let frame = build(sa(CLIENT, 41_011), sa(NODE_IP, 30053), L4::Udp, b"ping");
+            let (action, _) = run_xdp(node, &frame);
+            assert_ne!(
+                action, XDP_DROP,
+                "a datagram to the node IP is not XDP's to drop"
+            );
+            let (action, out) = run(node, program_names::TC_EXTERNAL, &frame, node.ext0);
+            assert_eq!(action, TC_ACT_REDIRECT, "a datagram to the node IP");
+            assert_eq!(out.destination(), sa(BACKEND, 5353));
+        },
+    );
+}
+
+#[test]
+fn no_endpoints_answers_port_unreachable() {
+    with_node(|node| {
+        program_services(node);
+        let cases = [
+            (L4::TcpSyn, 30083, 43_000),
+            (L4::Sctp, 30869, 43_100),
+            (L4::SctpData, 30869, 43_200),
+        ];
+        for (l4, node_port, client_port) in cases {
+            for (client, frontend, icmp_proto, type_code) in [
+                (
+                    sa(CLIENT, client_port),
+                    sa(NODE_IP, node_port),
+                    PROTO_ICMP,
+                    [3u8, 3],
+                ),
+                (
+                    sa(CLIENT6, client_port + 1),
+                    sa(NODE_IP6, node_port),
+                    PROTO_ICMPV6,
+                    [1u8, 4],
+                ),
+            ] {
+                let what = format!("{l4:?} {client} → {frontend}");
+                let frame = build(client, frontend, l4, b"");
+                let (action, out) = run(node, program_names::TC_EXTERNAL, &frame, node.ext0);
+                assert_eq!(action, TC_ACT_REDIRECT, "{what}: sent back out of ext0");
+                assert_eq!(out.proto, icmp_proto, "{what}");
+                assert_eq!(out.src, frontend.ip(), "{what}: from the address wanted");
+                assert_eq!(out.dst, client.ip(), "{what}");
+                assert_eq!(out.l4[..2], type_code, "{what}: port unreachable");
+                // Ethernet addresses swapped: back to the sender.
+                assert_eq!(out.eth_dst[..], frame[6..12]);
+                assert_eq!(out.eth_src[..], frame[0..6]);
+                // The quote: the original IP header and the first 8 bytes of L4 (for SCTP the
+                // ports and the verification tag, what the sender matches the error by).
+                let ip_len = if client.is_ipv4() { 20 } else { 40 };
+                let quote = &frame[14..14 + ip_len + 8];
+                assert_eq!(&out.l4[8..], quote, "{what}: quoted original");
+                eprintln!(
+                    "{what}: ICMP type/code {type_code:?}, {} bytes",
+                    out.l4.len()
+                );
+            }
+        }
+    });
+}
+
+/// Hygiene: REJECT replies are rate-limited per client like the kernel's
+/// `icmp_ratelimit` (a bucket of 6, then one per interval). With an interval of an hour nothing
+/// refills during the test: of 20 SYNs from one client to a NodePort without endpoints exactly
+/// 6 get a port unreachable, 14 are dropped (and counted); another client has its own bucket.
+#[test]
+fn reject_replies_are_rate_limited_per_client() {
+    let hour = Some(std::time::Duration::from_secs(3600));
+    with_node_path(LbOptions::default(), false, hour, SNAT_PORTS, |node| {
+        program_services(node);
+        let frontend = sa(NODE_IP, 30083);
+        let mut replies = 0;
+        for port in 0..20 {
+            let frame = build(sa(CLIENT, 44_000 + port), frontend, L4::TcpSyn, b"");
+            let (action, out) = run(node, program_names::TC_EXTERNAL, &frame, node.ext0);
+            if action == TC_ACT_REDIRECT {
+                assert_eq!(out.proto, PROTO_ICMP, "a reply is the port unreachable");
+                replies += 1;
+            } else {
+                assert_eq!(
+                    action, TC_ACT_SHOT,
+                    "beyond the bucket the packet is dropped"
+                );
+            }
+        }
+        assert_eq!(replies, 6, "the bucket holds 6 replies");
+        let other = build(sa("203.0.113.7", 44_100), frontend, L4::TcpSyn, b"");
+        let (action, _) = run(node, program_names::TC_EXTERNAL, &other, node.ext0);
+        assert_eq!(action, TC_ACT_REDIRECT, "another client has its own bucket");
+        let limited = node
+            .dataplane
+            .stats()
+            .into_iter()
+            .find(|(index, _)| *index == StatIndex::TcRejectRateLimited)
+            .map(|(_, value)| value);
+        assert_eq!(limited, Some(14));
+    });
+}
