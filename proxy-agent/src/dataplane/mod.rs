@@ -2,6 +2,7 @@
 
 pub mod ebpf;
 pub mod iptables;
+pub mod nat_hold;
 mod options;
 mod selected;
 

@@ -107,7 +107,7 @@ impl Dataplane {
                 // ports) too.
                 dataplane.adopt_kernel_nat_flows();
                 // Before the rules go: the kernel keeps NATing their connections meanwhile.
-                iptables::nat_hold::hold_while_draining(config.ebpf.mode_switch_drain_period);
+                super::nat_hold::hold_while_draining(config.ebpf.mode_switch_drain_period);
                 let problems = iptables::cleanup();
                 if problems.is_empty() {
                     debug!("no iptables-mode leftovers");

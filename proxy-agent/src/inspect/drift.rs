@@ -10,7 +10,7 @@ use std::{
 
 use anyhow::{Context as _, bail};
 
-use crate::drift::DriftReport;
+use crate::drift_checks::DriftReport;
 
 /// A full check reads every entry of the service maps: seconds at the largest sizes.
 const READ_TIMEOUT: Duration = Duration::from_secs(60);

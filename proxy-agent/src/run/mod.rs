@@ -27,8 +27,8 @@ use crate::{
     config::Config,
     dataplane::Dataplane,
     desired::{IpFamily, NodeContext, Snapshot},
+    http_servers::{HttpServers, HttpServersConfig},
     node::{NodeInputs, NodeManager, NodeSettings},
-    node_services::{NodeServices, NodeServicesConfig},
     objects::{Kind, Store},
     proxy_mode::ProxyMode,
     source::{self, kubernetes::ClientOptions},
@@ -129,21 +129,21 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     );
     // /healthz /livez, health check node ports, /metrics /proxyMode — for the mode actually
     // running (after a fallback, iptables).
-    let node_services = NodeServices::start(&NodeServicesConfig {
+    let http_servers = HttpServers::start(&HttpServersConfig {
         healthz_bind_address: config.healthz_bind_address,
         metrics_bind_address: config.metrics_bind_address,
         node_required,
-        ..NodeServicesConfig::new(&node.name, dataplane.mode(), config.sync_period)
+        ..HttpServersConfig::new(&node.name, dataplane.mode(), config.sync_period)
     });
-    node_services
+    http_servers
         .metrics()
         .set_debug(config.configz.clone(), config.enable_profiling);
-    if let Some(iptables) = node_services.metrics().iptables() {
+    if let Some(iptables) = http_servers.metrics().iptables() {
         iptables.read_nfacct_with(Box::new(|name| {
             crate::dataplane::iptables::nfacct::packets(name).map_err(|e| e.to_string())
         }));
     }
-    if let (Some(metrics), Dataplane::Ebpf(ebpf)) = (node_services.metrics().ebpf(), &dataplane) {
+    if let (Some(metrics), Dataplane::Ebpf(ebpf)) = (http_servers.metrics().ebpf(), &dataplane) {
         let features: Vec<_> = ebpf
             .features()
             .states()
@@ -153,7 +153,7 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
         metrics.kernel_features(&features);
     }
     for family in IpFamily::ALL {
-        node_services.loop_started(family);
+        http_servers.loop_started(family);
     }
     let mut last_sync_wall = SystemTime::UNIX_EPOCH;
     let mut sigint = signal(SignalKind::interrupt()).context("cannot handle SIGINT")?;
@@ -176,12 +176,12 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     // their results, leaving out what it wrote meanwhile, and repairs (never concurrently with
     // a sync).
     let (drift_requests, mut drift_rx) = tokio::sync::mpsc::channel(4);
-    node_services.metrics().serve_drift_requests(drift_requests);
+    http_servers.metrics().serve_drift_requests(drift_requests);
     let drift_period = config.ebpf.drift_check_period;
     let host_namespace_only =
         config.ebpf.socket_lb_host_namespace_only && dataplane.mode() == ProxyMode::Ebpf;
     let mut drift_at = Instant::now() + drift_period;
-    let mut drift = crate::drift::DriftChecks::default();
+    let mut drift = crate::drift_checks::DriftChecks::default();
 
     let outcome = loop {
         // Nothing is programmed until every kind was listed once (kube-proxy's rule), so a
@@ -210,7 +210,7 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
                     changed |= store.apply(update);
                 }
                 let pending = store.pending_changes();
-                node_services.metrics().changes(
+                http_servers.metrics().changes(
                     0,
                     0,
                     usize::try_from(pending.service_events).unwrap_or(usize::MAX),
@@ -219,7 +219,7 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
                 if changed || (store.is_synced() && !synced_once) {
                     runner.request();
                     for family in IpFamily::ALL {
-                        node_services.queued(family);
+                        http_servers.queued(family);
                     }
                 }
             }
@@ -230,7 +230,7 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
                 debug!("host addresses or links changed");
                 match node_manager.refresh(store.objects().node.as_ref()) {
                     Ok(Some(settings)) => {
-                        if apply_node_settings(settings, &mut dataplane, &node_services) {
+                        if apply_node_settings(settings, &mut dataplane, &http_servers) {
                             runner.request();
                         }
                     }
@@ -253,12 +253,12 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
                     continue;
                 };
                 let changes = store.take_changes();
-                node_services
+                http_servers
                     .metrics()
                     .changes(changes.service_events, changes.slice_events, 0, 0);
                 match node_manager.refresh(store.objects().node.as_ref()) {
                     Ok(Some(settings)) => {
-                        apply_node_settings(settings, &mut dataplane, &node_services);
+                        apply_node_settings(settings, &mut dataplane, &http_servers);
                     }
                     Ok(None) => {}
                     Err(error) => break Err(error.into()),
@@ -267,7 +267,7 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
                 let all_services = !synced_once || changes.node.topology;
                 if !synced_once || changes.node.any() {
                     // The node decides /healthz's nodeEligible.
-                    node_services.node_changed(store.objects().node.as_ref());
+                    http_servers.node_changed(store.objects().node.as_ref());
                 }
                 synced_once = true;
                 let scope = (!all_services).then_some(&changes.services);
@@ -278,14 +278,14 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
                     warn!("{error}");
                 }
                 report_service_problems(
-                    &update, &snapshot, store.objects(), service_warnings.as_ref(), &node_services);
+                    &update, &snapshot, store.objects(), service_warnings.as_ref(), &http_servers);
                 let changed = (!all_services).then_some(&update.changed);
                 let outcome = dataplane.sync(&snapshot, changed, reason);
-                record_sync(&outcome, reason, changed.map(|c| c.len()), node_services.metrics());
+                record_sync(&outcome, reason, changed.map(|c| c.len()), http_servers.metrics());
                 let ok = outcome.ok();
                 // Read before the sync is reported, so a scrape that sees the first sync's
                 // samples also sees the datapath counters.
-                if let Some(ebpf) = node_services.metrics().ebpf() {
+                if let Some(ebpf) = http_servers.metrics().ebpf() {
                     let counters = dataplane.datapath_counters();
                     for (counter, value) in &counters {
                         debug!(counter, value, "datapath counter");
@@ -294,7 +294,7 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
                 }
                 if ok {
                     let scope = if report_all { None } else { changed };
-                    report_sync(&node_services, store.objects(), &changes, &snapshot, scope,
+                    report_sync(&http_servers, store.objects(), &changes, &snapshot, scope,
                         update_started.elapsed(), last_sync_wall);
                     last_sync_wall = started_wall;
                 }
@@ -323,7 +323,7 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
             }
             () = tokio::time::sleep_until(conntrack_gc_at), if dataplane.has_conntrack() => {
                 if let Some(progress) = dataplane.conntrack_gc() {
-                    record_conntrack_gc(&progress, node_services.metrics());
+                    record_conntrack_gc(&progress, http_servers.metrics());
                 }
                 conntrack_gc_at = Instant::now() + CONNTRACK_GC_INTERVAL;
             }
@@ -332,8 +332,8 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
                 // Read and compared on another thread; the result is taken (and repaired) by
                 // the branch below. In place only when no thread can start.
                 if !drift.start_periodic(&mut dataplane, &snapshot) {
-                    let report = crate::drift::check(
-                        &mut dataplane, true, node_services.metrics(), &snapshot);
+                    let report = crate::drift_checks::check(
+                        &mut dataplane, true, http_servers.metrics(), &snapshot);
                     if report.mode == "iptables" && !report.drift.is_empty() {
                         // iptables repairs with a full sync (the family is marked): now.
                         runner.request();
@@ -344,7 +344,7 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
             done = drift.done() => {
                 let periodic_due = !drift_period.is_zero() && Instant::now() >= drift_at;
                 let finished = drift.finish(
-                    done, &mut dataplane, &snapshot, node_services.metrics(), periodic_due);
+                    done, &mut dataplane, &snapshot, http_servers.metrics(), periodic_due);
                 if finished.sync_needed {
                     // iptables repairs with a full sync (the family is marked): now.
                     runner.request();
@@ -357,7 +357,7 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
                     drift.request(reply, &mut dataplane, &snapshot);
                 } else {
                     let report =
-                        crate::drift::DriftReport::not_checked(dataplane.mode_name(), "no sync yet");
+                        crate::drift_checks::DriftReport::not_checked(dataplane.mode_name(), "no sync yet");
                     // The requester may have gone (timeout): nothing to do then.
                     let _ = reply.send(serde_json::to_string(&report).unwrap_or_default());
                 }
@@ -372,7 +372,7 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
         Err(error) => error!(%error, "shutting down"),
     }
     dataplane.shutdown();
-    node_services.shutdown();
+    http_servers.shutdown();
     outcome.map(|_| ())
 }
 
@@ -381,9 +381,9 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
 fn apply_node_settings(
     settings: &NodeSettings,
     dataplane: &mut Dataplane,
-    node_services: &NodeServices,
+    http_servers: &HttpServers,
 ) -> bool {
-    node_services.set_health_check_ips(settings.health_check_ips.clone());
+    http_servers.set_health_check_ips(settings.health_check_ips.clone());
     dataplane.set_node(settings)
 }
 
@@ -394,7 +394,7 @@ fn report_service_problems(
     snapshot: &Snapshot,
     objects: &crate::objects::Objects,
     events: Option<&source::kubernetes::ServiceWarnings>,
-    node_services: &NodeServices,
+    http_servers: &HttpServers,
 ) {
     let mut ignored = std::collections::BTreeMap::new();
     for reason in snapshot
@@ -403,7 +403,7 @@ fn report_service_problems(
     {
         *ignored.entry(reason).or_insert(0) += 1;
     }
-    node_services
+    http_servers
         .metrics()
         .service_problems(&ignored, snapshot.conflicts());
     let Some(events) = events else {

@@ -10,8 +10,8 @@ use tracing::{debug, error, info, warn};
 use crate::{
     dataplane::{EbpfSyncOutcome, SyncOutcome, ebpf::GcProgress},
     desired::{IpFamily, ServicePortName, Snapshot},
-    node_services::{
-        NodeServices,
+    http_servers::{
+        HttpServers,
         metrics::{IptablesTable, Metrics},
         trigger_times,
     },
@@ -172,7 +172,7 @@ pub fn record_conntrack_gc(progress: &GcProgress, metrics: &Metrics) {
 /// Health timestamps, sync metrics, health check node ports and network programming latency
 /// after a successful sync of both families.
 pub fn report_sync(
-    node_services: &NodeServices,
+    http_servers: &HttpServers,
     objects: &Objects,
     changes: &Changes,
     snapshot: &Snapshot,
@@ -180,7 +180,7 @@ pub fn report_sync(
     elapsed: Duration,
     previous_sync: SystemTime,
 ) {
-    node_services.synced(&IpFamily::ALL, snapshot, scope, elapsed);
+    http_servers.synced(&IpFamily::ALL, snapshot, scope, elapsed);
     let times = trigger_times(objects, &changes.services, previous_sync);
     for family in IpFamily::ALL {
         let of_family: Vec<SystemTime> = times
@@ -188,7 +188,7 @@ pub fn report_sync(
             .filter(|(f, _)| *f == family)
             .map(|(_, time)| *time)
             .collect();
-        node_services.network_programmed(family, &of_family);
+        http_servers.network_programmed(family, &of_family);
     }
 }
 

@@ -478,7 +478,7 @@ fn misc_vectors() {
             }
             "TestSyncProxyRulesLargeClusterMode" => checked += large_cluster_mode(),
             // Not about the generator: TestHealthCheckNodePortWhenTerminating runs in
-            // node_services/tests/service_health.rs (both steps, 200 then 503), and
+            // http_servers/tests/service_health.rs (both steps, 200 then 503), and
             // TestUpdateEndpointsMap's key facts (its cases list results without inputs) in
             // desired/snapshot/tests.rs `update_endpoints_map_key_facts` and the local ready
             // endpoint counts in service_health.rs.

@@ -313,7 +313,7 @@ fn health_from_pod(i: usize) -> SocketAddr {
     SocketAddr::from((Topology::pod_gateway(i), 10256))
 }
 
-/// The agent's per-peer connection cap (`node_services::http::LIMITS.per_peer`).
+/// The agent's per-peer connection cap (`http_servers::http::LIMITS.per_peer`).
 const PER_PEER: usize = 32;
 /// Its header-read timeout, plus what a loaded machine adds.
 const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(5);

@@ -43,7 +43,7 @@ pub enum LeftoverError {
 pub fn remove() -> (Vec<String>, Vec<LeftoverError>) {
     // The eBPF mode's hold of the kernel's NAT, if it was draining: the iptables mode's own NAT
     // rules hold it from now on (and `--cleanup` leaves nothing).
-    super::nat_hold::release();
+    crate::dataplane::nat_hold::release();
     let mut removed = Vec::new();
     let mut errors = Vec::new();
     for (family, table) in NFTABLES_TABLES {

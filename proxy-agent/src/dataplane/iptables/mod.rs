@@ -14,15 +14,14 @@ pub mod chains;
 mod cleanup;
 pub mod config;
 pub mod detect;
-pub mod drift;
 pub mod exec;
 pub mod ipvs;
 pub mod jumps;
 pub mod kube_proxy_modes;
 pub mod localdetect;
-pub mod nat_hold;
 pub mod nfacct;
 pub mod rules;
+pub mod rules_drift;
 mod sync;
 pub mod tracer;
 

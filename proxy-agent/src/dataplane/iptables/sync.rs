@@ -240,7 +240,7 @@ impl IptablesDataplane {
         &mut self,
         snapshot: &Snapshot,
         repair: bool,
-    ) -> Vec<(IpFamily, super::drift::ChainDrift)> {
+    ) -> Vec<(IpFamily, super::rules_drift::ChainDrift)> {
         let results = self
             .drift_inputs(snapshot)
             .into_iter()
@@ -315,13 +315,13 @@ pub struct FamilyDrift {
     /// The family's generation its expected rules were generated at.
     pub generation: u64,
     /// The drift and whether the canary is there; `None` when the rules could not be listed.
-    pub found: Option<(Vec<super::drift::ChainDrift>, bool)>,
+    pub found: Option<(Vec<super::rules_drift::ChainDrift>, bool)>,
 }
 
 /// The drift check's results once stale ones are left out.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct SettledDrift {
-    pub drift: Vec<(IpFamily, super::drift::ChainDrift)>,
+    pub drift: Vec<(IpFamily, super::rules_drift::ChainDrift)>,
     /// Families that differ, with whether their canary is there.
     pub to_repair: Vec<(IpFamily, bool)>,
     /// Families whose rules were written while their check ran: nothing is known of them.
@@ -367,7 +367,7 @@ impl DriftInput {
     /// Generates what a full sync writes, lists the live rules and compares them: the drift
     /// and whether the canary is there; `None` (with a warning) when the rules cannot be
     /// listed.
-    pub fn compare(&self) -> Option<(Vec<super::drift::ChainDrift>, bool)> {
+    pub fn compare(&self) -> Option<(Vec<super::rules_drift::ChainDrift>, bool)> {
         let expected = generate(
             &self.rules,
             &self.snapshot,
@@ -376,9 +376,9 @@ impl DriftInput {
                 existing_nat_chains: None,
             },
         );
-        let expected = super::drift::parse(&String::from_utf8_lossy(&expected.restore));
+        let expected = super::rules_drift::parse(&String::from_utf8_lossy(&expected.restore));
         let mut live_text = String::new();
-        for table in super::drift::TABLES {
+        for table in super::rules_drift::TABLES {
             match self.iptables.save(table) {
                 Ok(text) => live_text.push_str(&text),
                 Err(error) => {
@@ -388,7 +388,8 @@ impl DriftInput {
             }
         }
         let canary = self.iptables.chain_exists("mangle", KUBE_PROXY_CANARY);
-        let drift = super::drift::diff(&expected, &super::drift::parse(&live_text), canary);
+        let drift =
+            super::rules_drift::diff(&expected, &super::rules_drift::parse(&live_text), canary);
         Some((drift, canary))
     }
 
@@ -567,7 +568,7 @@ pub fn cleanup() -> Vec<IptablesError> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::dataplane::iptables::drift::ChainDrift;
+    use crate::dataplane::iptables::rules_drift::ChainDrift;
 
     fn chain(name: &str) -> ChainDrift {
         ChainDrift {

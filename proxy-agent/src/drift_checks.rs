@@ -4,7 +4,7 @@
 //! `proxy-agent inspect drift`) runs the same comparison without repairing.
 //!
 //! eBPF mode compares every entry of the service maps (`dataplane::ebpf::drift`); iptables mode
-//! the canary and every chain a full sync writes, rule by rule (`dataplane::iptables::drift`),
+//! the canary and every chain a full sync writes, rule by rule (`dataplane::iptables::rules_drift`),
 //! repaired by a full sync (`kubeproxy_iptables_drift_repairs_total{ip_family,table}`).
 
 use serde::{Deserialize, Serialize};
@@ -17,7 +17,7 @@ use crate::{
         iptables::{DriftInput, FamilyDrift, IptablesDataplane},
     },
     desired::Snapshot,
-    node_services::metrics::Metrics,
+    http_servers::metrics::Metrics,
 };
 
 /// One differing entry, as `/debug/drift` reports it.
@@ -552,7 +552,7 @@ pub fn check_iptables(
 fn report_iptables_repair(
     drift: &[(
         crate::desired::IpFamily,
-        crate::dataplane::iptables::drift::ChainDrift,
+        crate::dataplane::iptables::rules_drift::ChainDrift,
     )],
     metrics: &Metrics,
 ) {
@@ -575,7 +575,7 @@ fn report_iptables_repair(
 fn iptables_report(
     drift: Vec<(
         crate::desired::IpFamily,
-        crate::dataplane::iptables::drift::ChainDrift,
+        crate::dataplane::iptables::rules_drift::ChainDrift,
     )>,
     started: std::time::Instant,
 ) -> DriftReport {

@@ -5,7 +5,7 @@ use std::time::Duration;
 use super::*;
 use crate::{
     desired::IpFamily,
-    node_services::health::{json_time, node_eligible},
+    http_servers::health::{json_time, node_eligible},
     objects::NodeInfo,
 };
 

@@ -1,7 +1,7 @@
 //! Content negotiation and the classic text format, against what client_golang's `promhttp`
 //! and `expfmt` answer (prometheus/common v0.66: the escaping scheme is in the header).
 
-use crate::node_services::exposition::{Format, go_float, negotiate, openmetrics_to_text};
+use crate::http_servers::exposition::{Format, go_float, negotiate, openmetrics_to_text};
 
 const PROMETHEUS_SCRAPER: &str = "application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;q=0.75,text/plain;version=0.0.4;q=0.5,*/*;q=0.1";
 

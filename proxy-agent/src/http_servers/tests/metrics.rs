@@ -5,7 +5,7 @@ use std::{collections::BTreeSet, time::SystemTime};
 use super::*;
 use crate::{
     desired::{IpFamily, ServicePortName},
-    node_services::{
+    http_servers::{
         metrics::{IptablesTable, Metrics, network_programming_buckets, no_local_endpoints},
         trigger_times,
     },
@@ -755,7 +755,7 @@ async fn configz_and_debug_flags_v_as_kube_proxys_metrics_server() {
 async fn debug_drift_is_rate_limited() {
     use std::sync::atomic::{AtomicUsize, Ordering};
 
-    use crate::node_services::metrics::{DRIFT_REQUEST_BURST, DRIFT_REQUEST_INTERVAL};
+    use crate::http_servers::metrics::{DRIFT_REQUEST_BURST, DRIFT_REQUEST_INTERVAL};
 
     let (services, _clock) = start(ProxyMode::Ebpf);
     let addr = services.metrics_addr().unwrap();

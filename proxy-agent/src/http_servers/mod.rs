@@ -8,7 +8,7 @@
 //! - `exposition.rs`: `/metrics` content negotiation and the classic text format.
 //! - `http.rs`: serving (Go-like listeners and headers).
 //!
-//! [`NodeServices`] is the handle the agent's loop calls.
+//! [`HttpServers`] is the handle the agent's loop calls.
 
 pub mod exposition;
 pub mod health;
@@ -49,7 +49,7 @@ pub const DEFAULT_METRICS_BIND_ADDRESS: SocketAddr =
 const BIND_RETRY: Duration = Duration::from_secs(5);
 
 #[derive(Debug, Clone)]
-pub struct NodeServicesConfig {
+pub struct HttpServersConfig {
     pub node_name: String,
     pub mode: ProxyMode,
     /// `None`: no health server (kube-proxy: empty `--healthz-bind-address`).
@@ -66,7 +66,7 @@ pub struct NodeServicesConfig {
     pub node_required: bool,
 }
 
-impl NodeServicesConfig {
+impl HttpServersConfig {
     /// kube-proxy's defaults for a node and a mode, given the sync period.
     pub fn new(node_name: &str, mode: ProxyMode, sync_period: Duration) -> Self {
         Self {
@@ -129,7 +129,7 @@ fn start_server(addr: SocketAddr, router: Router, name: &'static str) -> Server 
 /// The node services of a running agent. Create inside the tokio runtime; dropping it closes
 /// every server.
 #[derive(Debug)]
-pub struct NodeServices {
+pub struct HttpServers {
     health: Arc<ProxyHealth>,
     metrics: Arc<Metrics>,
     service_health: ServiceHealthServers,
@@ -139,12 +139,12 @@ pub struct NodeServices {
     started: SystemTime,
 }
 
-impl NodeServices {
-    pub fn start(config: &NodeServicesConfig) -> Self {
+impl HttpServers {
+    pub fn start(config: &HttpServersConfig) -> Self {
         Self::start_with_clock(config, Arc::new(SystemClock))
     }
 
-    pub fn start_with_clock(config: &NodeServicesConfig, clock: Arc<dyn Clock>) -> Self {
+    pub fn start_with_clock(config: &HttpServersConfig, clock: Arc<dyn Clock>) -> Self {
         let started = clock.now().wall;
         let health = Arc::new(ProxyHealth::new(config.health_timeout, clock));
         if config.node_required {

@@ -5,7 +5,7 @@ use std::{collections::BTreeSet, net::SocketAddr};
 use super::*;
 use crate::{
     desired::{IpFamily, ServicePortName},
-    node_services::service_health::{
+    http_servers::service_health::{
         ServiceHealthServers, health_check_node_ports, local_ready_endpoints, service_health_body,
     },
 };

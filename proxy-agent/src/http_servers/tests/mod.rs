@@ -21,7 +21,7 @@ use k8s_openapi::api::{
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 
 use super::{
-    NodeServices, NodeServicesConfig,
+    HttpServers, HttpServersConfig,
     health::{Clock as _, ManualClock},
 };
 use crate::time_format::Stamp;
@@ -135,15 +135,15 @@ pub fn key(namespace: &str, name: &str) -> ObjectKey {
 }
 
 /// Node services on ephemeral loopback ports with a clock the test moves.
-pub fn start(mode: ProxyMode) -> (NodeServices, Arc<ManualClock>) {
+pub fn start(mode: ProxyMode) -> (HttpServers, Arc<ManualClock>) {
     let clock = Arc::new(ManualClock::new(Stamp::now()));
-    let config = NodeServicesConfig {
+    let config = HttpServersConfig {
         healthz_bind_address: Some("127.0.0.1:0".parse().expect("addr")),
         metrics_bind_address: Some("127.0.0.1:0".parse().expect("addr")),
         node_port_addresses: vec!["127.0.0.1".parse().expect("ip")],
-        ..NodeServicesConfig::new(NODE, mode, TIMEOUT / 2)
+        ..HttpServersConfig::new(NODE, mode, TIMEOUT / 2)
     };
-    let services = NodeServices::start_with_clock(&config, Arc::clone(&clock) as _);
+    let services = HttpServers::start_with_clock(&config, Arc::clone(&clock) as _);
     (services, clock)
 }
 

@@ -14,7 +14,7 @@ use tokio::{
 };
 
 use super::get;
-use crate::node_services::http::{Limits, ServerHandle, listen_exact, serve_with};
+use crate::http_servers::http::{Limits, ServerHandle, listen_exact, serve_with};
 
 const LIMITS: Limits = Limits {
     per_peer: 4,
