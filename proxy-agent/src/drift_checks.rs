@@ -108,7 +108,7 @@ fn spawn<T: Send + 'static>(
 }
 
 /// eBPF mode: a drift check (reading and comparison) started on a thread of its own so that the
-/// loop keeps syncing meanwhile (see `dataplane::ebpf::drift_reader`); `None` in iptables mode
+/// loop keeps syncing meanwhile (see `dataplane::ebpf::drift::reader`); `None` in iptables mode
 /// or when the maps cannot be opened (logged), so the caller checks in place.
 fn start_ebpf(dataplane: &mut Dataplane) -> Option<EbpfTask> {
     let Dataplane::Ebpf(ebpf) = dataplane else {

@@ -26,9 +26,9 @@ pub fn ctnetlink(bytes: &[u8]) {
     let _ = crate::kernel_conntrack::netlink::parse_dump_datagram(bytes);
 }
 
-/// One SOCK_DIAG dump datagram (`dataplane::ebpf::sockdiag`).
+/// One SOCK_DIAG dump datagram (`dataplane::ebpf::kernel::sockdiag`).
 pub fn sockdiag(bytes: &[u8]) {
-    let _ = crate::dataplane::ebpf::sockdiag::parse_dump_datagram(bytes);
+    let _ = crate::dataplane::ebpf::kernel::sockdiag::parse_dump_datagram(bytes);
 }
 
 /// An API server response in protobuf: a LIST body or a watch stream of each kind, an error

@@ -33,7 +33,7 @@ impl InProcess {
         &self,
         capacity: u32,
     ) -> proxy_agent::dataplane::ebpf::EbpfOptions {
-        use proxy_agent::dataplane::ebpf::{EbpfOptions, LbOptions, TcOptions, map_sizes};
+        use proxy_agent::dataplane::ebpf::{EbpfOptions, LbOptions, TcOptions, maps::map_sizes};
         EbpfOptions {
             cgroup_path: self.cgroup_path(),
             bpf_root: self.bpf_root(),
@@ -49,7 +49,7 @@ impl InProcess {
             tc: TcOptions::default(),
             disabled_features: Default::default(),
             icmp_ratelimit: None,
-            snat_ports: proxy_agent::dataplane::ebpf::reserved_ports::DEFAULT_RANGE,
+            snat_ports: proxy_agent::dataplane::ebpf::conntrack::reserved_ports::DEFAULT_RANGE,
         }
     }
 }

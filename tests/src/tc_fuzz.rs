@@ -180,7 +180,8 @@ impl TcNode {
                 proxy_agent::dataplane::ebpf::DEFAULT_MAX_ENDPOINTS_PER_SERVICE,
             backends_capacity: 1024,
             conntrack_capacity: Some(proxy_agent::dataplane::ebpf::DEFAULT_CONNTRACK_CAPACITY),
-            dynamic_size_ratio: proxy_agent::dataplane::ebpf::map_sizes::DEFAULT_DYNAMIC_SIZE_RATIO,
+            dynamic_size_ratio:
+                proxy_agent::dataplane::ebpf::maps::map_sizes::DEFAULT_DYNAMIC_SIZE_RATIO,
             lb: LbOptions::default(),
             tc: TcOptions {
                 interfaces: vec!["ext0".into()],
@@ -196,7 +197,7 @@ impl TcNode {
             disabled_features: Default::default(),
             // Every REJECT answered: the rate limit has its own test.
             icmp_ratelimit: Some(std::time::Duration::ZERO),
-            snat_ports: proxy_agent::dataplane::ebpf::reserved_ports::DEFAULT_RANGE,
+            snat_ports: proxy_agent::dataplane::ebpf::conntrack::reserved_ports::DEFAULT_RANGE,
         };
         let dataplane = {
             let _entered = runtime.enter();

@@ -19,7 +19,7 @@ pub const DEFAULT_MAX_FRONTENDS_PER_SERVICE: u32 = 32_768;
 pub const DEFAULT_MAX_ENDPOINTS_PER_SERVICE: u32 = u16::MAX as u32;
 
 /// `--bpf-map-dynamic-size-ratio`'s default (Cilium's): the share of the node's memory the LRU
-/// maps get (`dataplane::ebpf::map_sizes` divides it among them).
+/// maps get (`dataplane::ebpf::maps::map_sizes` divides it among them).
 pub const DEFAULT_DYNAMIC_SIZE_RATIO: SizeRatio = SizeRatio(0.0025);
 
 /// A share of the node's memory, between 0 and 1 (never NaN, so equality is total).

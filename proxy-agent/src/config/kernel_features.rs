@@ -1,6 +1,6 @@
 //! [`Feature`]: the kernel features the eBPF dataplane has a fallback for, by the names
 //! `--bpf-disable-feature` takes. The probes that find them are the dataplane's
-//! (`dataplane::ebpf::features`); the names are configuration.
+//! (`dataplane::ebpf::kernel::features`); the names are configuration.
 
 use std::{fmt, str::FromStr};
 

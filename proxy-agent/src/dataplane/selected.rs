@@ -98,7 +98,7 @@ impl Dataplane {
     /// mode left behind (a mode switch), so nothing of it keeps intercepting traffic. The
     /// iptables rules go at once (established connections need only the kernel's conntrack
     /// entries, and the eBPF mode leaves segments of flows it does not know to the stack); the
-    /// eBPF mode's programs drain their own flows first (`ebpf::handback`).
+    /// eBPF mode's programs drain their own flows first (`ebpf::attach::handback`).
     pub fn remove_other_mode(&mut self, config: &Config) {
         match self {
             Dataplane::Ebpf(dataplane) => {
@@ -120,7 +120,7 @@ impl Dataplane {
                 let bpf_root = &config.ebpf.bpf_root;
                 let period = config.ebpf.mode_switch_drain_period;
                 if !period.is_zero() {
-                    match ebpf::handback::start_drain(bpf_root) {
+                    match ebpf::attach::handback::start_drain(bpf_root) {
                         Ok(true) => {
                             info!(
                                 ?period,
@@ -129,9 +129,13 @@ impl Dataplane {
                             );
                             // The SNAT ports stay reserved while the eBPF mode still uses them.
                             let ports = config.ebpf.snat_ports.clone();
-                            ebpf::handback::finish_in_background(bpf_root, period, move || {
-                                ebpf::reserved_ports::release(&ports);
-                            });
+                            ebpf::attach::handback::finish_in_background(
+                                bpf_root,
+                                period,
+                                move || {
+                                    ebpf::conntrack::reserved_ports::release(&ports);
+                                },
+                            );
                             return;
                         }
                         Ok(false) => {}
@@ -143,7 +147,7 @@ impl Dataplane {
                     Ok(removed) => info!(removed, "removed the eBPF mode's pins and links"),
                     Err(error) => warn!(%error, "removing eBPF-mode leftovers"),
                 }
-                ebpf::reserved_ports::release(&config.ebpf.snat_ports);
+                ebpf::conntrack::reserved_ports::release(&config.ebpf.snat_ports);
             }
         }
     }

@@ -39,7 +39,7 @@ pub fn limit_malloc_arenas() {
 pub fn cleanup(config: &Config) -> anyhow::Result<()> {
     let removed = ebpf::cleanup(&config.ebpf.bpf_root).context("--cleanup failed")?;
     info!(removed, "eBPF cleanup done");
-    ebpf::reserved_ports::release(&config.ebpf.snat_ports);
+    ebpf::conntrack::reserved_ports::release(&config.ebpf.snat_ports);
     let problems = iptables::cleanup();
     for problem in &problems {
         warn!(%problem, "iptables cleanup");

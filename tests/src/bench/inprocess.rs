@@ -207,13 +207,14 @@ fn ebpf_in_current_netns(w: Workload, changes: usize) -> Result<EbpfResult> {
         max_endpoints_per_service: proxy_agent::dataplane::ebpf::DEFAULT_MAX_ENDPOINTS_PER_SERVICE,
         backends_capacity: capacity,
         conntrack_capacity: Some(proxy_agent::dataplane::ebpf::DEFAULT_CONNTRACK_CAPACITY),
-        dynamic_size_ratio: proxy_agent::dataplane::ebpf::map_sizes::DEFAULT_DYNAMIC_SIZE_RATIO,
+        dynamic_size_ratio:
+            proxy_agent::dataplane::ebpf::maps::map_sizes::DEFAULT_DYNAMIC_SIZE_RATIO,
         lb: LbOptions::default(),
         tc: TcOptions::default(),
         disabled_features: Default::default(),
         // Every REJECT answered: the rate limit has its own test.
         icmp_ratelimit: Some(std::time::Duration::ZERO),
-        snat_ports: proxy_agent::dataplane::ebpf::reserved_ports::DEFAULT_RANGE,
+        snat_ports: proxy_agent::dataplane::ebpf::conntrack::reserved_ports::DEFAULT_RANGE,
     })
     .map_err(|e| RigError::Other(format!("starting the eBPF dataplane: {e}")))?;
 

@@ -486,7 +486,7 @@ fn start_dataplane(mode: PpsMode, parts: &crate::in_process::InProcess) -> Resul
                 backends_capacity: 1024,
                 conntrack_capacity: Some(proxy_agent::dataplane::ebpf::DEFAULT_CONNTRACK_CAPACITY),
                 dynamic_size_ratio:
-                    proxy_agent::dataplane::ebpf::map_sizes::DEFAULT_DYNAMIC_SIZE_RATIO,
+                    proxy_agent::dataplane::ebpf::maps::map_sizes::DEFAULT_DYNAMIC_SIZE_RATIO,
                 lb: proxy_agent::dataplane::ebpf::LbOptions::default(),
                 tc: TcOptions {
                     interfaces: vec!["ext0".into(), "ext1".into()],
@@ -500,7 +500,7 @@ fn start_dataplane(mode: PpsMode, parts: &crate::in_process::InProcess) -> Resul
                 },
                 disabled_features: Default::default(),
                 icmp_ratelimit: None,
-                snat_ports: proxy_agent::dataplane::ebpf::reserved_ports::DEFAULT_RANGE,
+                snat_ports: proxy_agent::dataplane::ebpf::conntrack::reserved_ports::DEFAULT_RANGE,
             };
             let mut dataplane = EbpfDataplane::start(&options)
                 .map_err(|e| other(format!("loading the eBPF dataplane: {e}")))?;

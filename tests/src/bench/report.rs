@@ -1416,7 +1416,7 @@ fn snat_section(md: &mut String, r: &Results) {
         return;
     };
     let l = result.loops;
-    let range = proxy_agent::dataplane::ebpf::reserved_ports::DEFAULT_RANGE;
+    let range = proxy_agent::dataplane::ebpf::conntrack::reserved_ports::DEFAULT_RANGE;
     let ports = u32::from(*range.end()) - u32::from(*range.start()) + 1;
     let close_s = proxy_common::ct_timeout::TCP_CLOSE_NS as f64 / 1e9;
     let last_rate = u64::from(l.first_rate) << l.max_steps.saturating_sub(1);

@@ -732,7 +732,7 @@ pub fn run_mode(
 /// bytes per entry with the LRU map's per-element overhead), IPv4 (`KPR_CT4`) then IPv6
 /// (`KPR_CT6`).
 pub fn ct_entry_sizes() -> [(usize, usize, u64); 2] {
-    use proxy_agent::dataplane::ebpf::map_sizes::entry_bytes;
+    use proxy_agent::dataplane::ebpf::maps::map_sizes::entry_bytes;
     use proxy_common::{CtKey, CtKey4, CtValue, CtValue4};
     [
         (

@@ -1,5 +1,5 @@
 //! The drift check reads the maps and compares them on another thread while the agent keeps
-//! syncing (`proxy-agent/src/dataplane/ebpf/drift_reader.rs`): an EndpointSlice change through
+//! syncing (`proxy-agent/src/dataplane/ebpf/drift/reader.rs`): an EndpointSlice change through
 //! the API server waited 300–600 ms for the in-loop check at 50k Services. The thread compares
 //! with a copy of the map writer's record taken when the check started; a key the agent writes
 //! while the check is out may have been read before or after its write, so the agent leaves the

@@ -21,31 +21,33 @@ use proxy_common::{
 use tokio::{io::unix::AsyncFd, task::JoinHandle};
 use tracing::{debug, info, warn};
 
-use super::{
+use crate::dataplane::ebpf::{
     ApplyError, ApplySummary, DriftCheck, DriftNotChecked, MapWriteError, MapWriter,
-    RemovedBackend, RepairReport, bpffs, cgroup,
-    ct_maps::ConntrackMaps,
-    ct_worker::CtWorker,
+    RemovedBackend, RepairReport,
+    attach::layout::{self, Plan},
+    attach::object,
+    attach::pins::{PIN_DIR_NAME, attach_and_pin, links_pinned, prepare_pin_dir},
+    attach::tc::TcOptions,
+    attach::tc::TcState,
+    attach::xdp::XdpState,
+    conntrack::ct_maps::ConntrackMaps,
+    conntrack::ct_worker::CtWorker,
+    conntrack::kernel_nat,
+    conntrack::reserved_ports,
+    conntrack::tc_conntrack::{self, ConntrackPair, monotonic_ns},
     drift,
-    drift_reader::{self, DriftFound, DriftJob, DriftReader, OrphanEntry},
+    drift::reader::{self, DriftFound, DriftJob, DriftReader, OrphanEntry},
     error::EbpfError,
-    features::{Feature, KernelFeatures},
-    kernel_nat,
-    layout::{self, Plan},
-    map_batch::BatchReader,
-    map_sizes::LruSizes,
-    object,
+    kernel::bpffs,
+    kernel::cgroup,
+    kernel::features::{Feature, KernelFeatures},
+    kernel::map_batch::BatchReader,
+    kernel::sockdiag::{self, DiagSocket},
+    maps::map_sizes::LruSizes,
+    maps::service_maps::{ServiceMaps, ignore_missing},
+    maps::touched_keys::Touched,
     options::EbpfOptions,
-    pins::{PIN_DIR_NAME, attach_and_pin, links_pinned, prepare_pin_dir},
-    reserved_ports,
-    service_maps::{ServiceMaps, ignore_missing},
-    sockdiag::{self, DiagSocket},
     stats::read_stats,
-    tc::TcOptions,
-    tc::TcState,
-    tc_conntrack::{self, ConntrackPair, monotonic_ns},
-    touched_keys::Touched,
-    xdp::XdpState,
 };
 use crate::desired::{Protocol, ServicePortName, Snapshot};
 
@@ -276,7 +278,7 @@ impl EbpfDataplane {
         };
         map_writer.set_maglev_table_size(options.lb.maglev.then_some(options.lb.maglev_table_size));
         {
-            use super::map_writer::shares::{Entries, SharedMap};
+            use crate::dataplane::ebpf::maps::map_writer::shares::{Entries, SharedMap};
             map_writer.set_shares(
                 Entries::default()
                     .with(SharedMap::Frontends, options.frontends_capacity.into())
@@ -547,7 +549,7 @@ impl EbpfDataplane {
                 Map::HashMap(data) | Map::LruHashMap(data) => data,
                 _ => return None,
             };
-            drift_reader::reopen_data(data, name).ok()
+            reader::reopen_data(data, name).ok()
         };
         let affinity = data(&self.ebpf, map_names::AFFINITY);
         let udp_sticky = data(&self.ebpf, map_names::UDP_STICKY);
@@ -702,7 +704,9 @@ impl EbpfDataplane {
     }
 
     /// What the conntrack worker did so far (`None` without a worker).
-    pub fn conntrack_worker_reports(&self) -> Option<super::ct_worker::WorkerReports> {
+    pub fn conntrack_worker_reports(
+        &self,
+    ) -> Option<crate::dataplane::ebpf::conntrack::ct_worker::WorkerReports> {
         self.ct_worker.as_ref().map(CtWorker::reports)
     }
 

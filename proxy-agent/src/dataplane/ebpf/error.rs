@@ -2,7 +2,7 @@
 
 use std::{io, path::PathBuf};
 
-use super::{bpffs, cgroup};
+use crate::dataplane::ebpf::{kernel::bpffs, kernel::cgroup};
 
 #[derive(Debug, thiserror::Error)]
 pub enum EbpfError {
@@ -55,8 +55,11 @@ pub enum EbpfError {
         name: &'static str,
         source: aya::pin::PinError,
     },
+    /// A legacy tc filter (`attach::legacy_tc::LegacyTcError`, which names the interface and
+    /// why): boxed so that this type, which every room of the dataplane returns, names none of
+    /// them.
     #[error(transparent)]
-    LegacyTc(#[from] super::legacy_tc::LegacyTcError),
+    LegacyTc(Box<dyn std::error::Error + Send + Sync + 'static>),
     #[error("walking the tc conntrack map: {0}")]
     Conntrack(io::Error),
     #[error("reading the monotonic clock: {0}")]

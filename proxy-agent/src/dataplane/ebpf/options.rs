@@ -2,7 +2,7 @@
 
 use std::{collections::BTreeSet, path::PathBuf};
 
-use super::{features::Feature, maglev, tc::TcOptions};
+use crate::dataplane::ebpf::{attach::tc::TcOptions, kernel::features::Feature, maps::maglev};
 
 #[derive(Debug, Clone)]
 pub struct EbpfOptions {
@@ -20,7 +20,7 @@ pub struct EbpfOptions {
     pub conntrack_capacity: Option<u32>,
     /// `--bpf-map-dynamic-size-ratio`: the share of the node's memory given to the
     /// preallocated LRU maps (`map_sizes`); 0: their static sizes.
-    pub dynamic_size_ratio: super::map_sizes::SizeRatio,
+    pub dynamic_size_ratio: crate::dataplane::ebpf::maps::map_sizes::SizeRatio,
     /// `--lb-algorithm` and the Maglev table for external traffic.
     pub lb: LbOptions,
     /// Interfaces and node facts for the tc programs (`tc.tcx` is set from the probe).

@@ -5,12 +5,12 @@ use std::os::fd::AsFd as _;
 
 use proxy_common::{FragmentKey, map_names};
 
-use super::{
-    bpf_syscall::{self, SkbTestRun},
+use crate::dataplane::ebpf::{
+    attach::tc_programs::loaded_classifier,
+    attach::xdp,
     dataplane::EbpfDataplane,
     error::EbpfError,
-    tc_programs::loaded_classifier,
-    xdp,
+    kernel::bpf_syscall::{self, SkbTestRun},
 };
 
 /// One run of the XDP program with `BPF_PROG_TEST_RUN` ([`EbpfDataplane::test_run_xdp`]).

@@ -29,7 +29,7 @@ use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
 use proxy_agent::{
     dataplane::ebpf::{
         ConntrackMaps, EbpfDataplane, EbpfOptions, Feature, LbOptions, PIN_DIR_NAME, TcOptions,
-        TcTestInput, reserved_ports,
+        TcTestInput, conntrack::reserved_ports,
     },
     desired::Snapshot,
     objects::{ObjectKey, Objects, ServiceInfo},
@@ -241,7 +241,8 @@ fn with_node_sized<R: Send + 'static>(
                 proxy_agent::dataplane::ebpf::DEFAULT_MAX_ENDPOINTS_PER_SERVICE,
             backends_capacity: 1024,
             conntrack_capacity: Some(conntrack_capacity),
-            dynamic_size_ratio: proxy_agent::dataplane::ebpf::map_sizes::DEFAULT_DYNAMIC_SIZE_RATIO,
+            dynamic_size_ratio:
+                proxy_agent::dataplane::ebpf::maps::map_sizes::DEFAULT_DYNAMIC_SIZE_RATIO,
             lb,
             tc: tc_options,
             disabled_features,

@@ -1,0 +1,9 @@
+//! Writing the service maps: the map writer and its record, the maps it holds and the keys it
+//! touched, their sizes, ids and Maglev tables.
+
+pub(super) mod ids;
+pub(super) mod maglev;
+pub mod map_sizes;
+pub(super) mod map_writer;
+pub(super) mod service_maps;
+pub(super) mod touched_keys;
