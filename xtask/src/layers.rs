@@ -312,6 +312,21 @@ fn find_cycles(krate: &str, c: &Crate) -> Vec<Cycle> {
                 .insert(to[common].clone());
         }
     }
+    // `XTASK_LAYERS_SHOW=dataplane::ebpf` prints that module's children and whom each names,
+    // to read a room's layering (the check itself needs no such list).
+    if let Ok(show) = std::env::var("XTASK_LAYERS_SHOW") {
+        let wanted: ModulePath = show
+            .split("::")
+            .filter(|s| !s.is_empty())
+            .map(str::to_owned)
+            .collect();
+        if let Some(graph) = edges.get(&wanted) {
+            for (from, to) in graph {
+                let names: Vec<&str> = to.iter().map(String::as_str).collect();
+                println!("{krate} {show}: {from} → {}", names.join(", "));
+            }
+        }
+    }
     let mut found = Vec::new();
     for (parent, graph) in &edges {
         for component in strongly_connected(graph) {
