@@ -304,7 +304,7 @@ fn fuzz_cargo(prefix: &[&str], subcommand: &str, object: &Path) -> Result<Comman
         .args(["--codegen-units", FUZZ_CODEGEN_UNITS])
         // LLVM's full optimisation of the whole tree (kube, k8s-openapi, tokio, hyper, aya) for
         // targets that read a few kilobytes per input: opt-level 1 keeps the inputs per second
-        // the runs need and roughly halves the build.
+        // the runs need and spends far less of the build in LLVM.
         .env("CARGO_PROFILE_RELEASE_OPT_LEVEL", "1")
         // One build for every target: the agent embeds the real object.
         .env("PROXY_EBPF_OBJECT", object)
