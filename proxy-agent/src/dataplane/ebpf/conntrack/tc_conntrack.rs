@@ -35,6 +35,7 @@ use proxy_common::{CtKey, CtKey4, CtValue, CtValue4, ct_flags, ct_timeout, famil
 
 use crate::dataplane::ebpf::{
     conntrack::ct_maps::ConntrackMaps,
+    kernel::map_batch::{BatchAttr, lookup_batch},
     maps::map_writer::{RemovedBackend, ip4_to_map, ip6_to_map},
 };
 use crate::desired::Scope;
@@ -306,8 +307,6 @@ pub struct GcReport {
     pub remaining: usize,
 }
 
-/// `BPF_MAP_LOOKUP_BATCH`.
-const BPF_MAP_LOOKUP_BATCH: libc::c_long = 24;
 const MAX_BATCH: usize = 1 << 20;
 
 /// A resumable walk over the conntrack map, in batches (`BPF_MAP_LOOKUP_BATCH`, Linux ≥ 5.6).
@@ -350,30 +349,24 @@ impl CtWalk {
             let mut values = vec![V::default(); capacity];
             let mut in_batch = self.cursor.unwrap_or(0);
             let mut out_batch = 0u64;
-            let mut attr = [0u8; 56];
-            if self.cursor.is_some() {
-                attr[0..8].copy_from_slice(&((&raw mut in_batch) as u64).to_ne_bytes());
-            }
-            attr[8..16].copy_from_slice(&((&raw mut out_batch) as u64).to_ne_bytes());
-            attr[16..24].copy_from_slice(&(keys.as_mut_ptr() as u64).to_ne_bytes());
-            attr[24..32].copy_from_slice(&(values.as_mut_ptr() as u64).to_ne_bytes());
-            let count = u32::try_from(capacity).unwrap_or(u32::MAX);
-            attr[32..36].copy_from_slice(&count.to_ne_bytes());
-            let fd = u32::try_from(map.as_raw_fd()).unwrap_or(u32::MAX);
-            attr[36..40].copy_from_slice(&fd.to_ne_bytes());
-            // SAFETY: attr is a valid `bpf_attr` for BPF_MAP_LOOKUP_BATCH whose pointers
-            // (cursor words, key and value arrays of `capacity` elements of the map's sizes)
-            // outlive the call.
-            let ret = unsafe {
-                libc::syscall(
-                    libc::SYS_bpf,
-                    BPF_MAP_LOOKUP_BATCH,
-                    attr.as_mut_ptr(),
-                    attr.len(),
-                )
+            let mut attr = BatchAttr {
+                in_batch: if self.cursor.is_some() {
+                    (&raw mut in_batch) as u64
+                } else {
+                    0
+                },
+                out_batch: (&raw mut out_batch) as u64,
+                keys: keys.as_mut_ptr() as u64,
+                values: values.as_mut_ptr() as u64,
+                count: u32::try_from(capacity).unwrap_or(u32::MAX),
+                map_fd: u32::try_from(map.as_raw_fd()).unwrap_or(u32::MAX),
+                ..BatchAttr::default()
             };
-            let error = (ret < 0).then(std::io::Error::last_os_error);
-            let got = u32::from_ne_bytes([attr[32], attr[33], attr[34], attr[35]]) as usize;
+            // SAFETY: the key and value arrays hold `capacity` elements of `K` and `V` (the
+            // map's sizes, as the caller's map says) and the cursor words a hash map's bucket
+            // index; all outlive the call.
+            let error = unsafe { lookup_batch(&mut attr) }.err();
+            let got = attr.count as usize;
             match error.as_ref().and_then(std::io::Error::raw_os_error) {
                 // One bucket holds more than asked for: ask for more.
                 Some(libc::ENOSPC) if capacity < MAX_BATCH => {

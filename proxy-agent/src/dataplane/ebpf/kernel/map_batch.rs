@@ -56,15 +56,15 @@ const MAX_ENTRIES_PER_CALL: usize = 1 << 20;
 /// The kernel copies `size_of::<BatchAttr>()` bytes and treats the rest of the union as zero.
 #[repr(C)]
 #[derive(Debug, Default)]
-struct BatchAttr {
-    in_batch: u64,
-    out_batch: u64,
-    keys: u64,
-    values: u64,
-    count: u32,
-    map_fd: u32,
-    elem_flags: u64,
-    flags: u64,
+pub(in crate::dataplane::ebpf) struct BatchAttr {
+    pub in_batch: u64,
+    pub out_batch: u64,
+    pub keys: u64,
+    pub values: u64,
+    pub count: u32,
+    pub map_fd: u32,
+    pub elem_flags: u64,
+    pub flags: u64,
 }
 
 /// Why a batch read failed.
@@ -143,7 +143,11 @@ impl BatchReader {
                 elem_flags: 0,
                 flags: 0,
             };
-            let result = lookup_batch(&mut attr);
+            // SAFETY: `attr` is a valid `bpf_attr.batch`; `keys` and `values` point to buffers of
+            // `count` entries of the map's key and value sizes (checked against the map's info
+            // above) and `in_batch`/`out_batch` to 64 bytes, more than a bucket index or any key
+            // the caller accepts; all outlive the call.
+            let result = unsafe { lookup_batch(&mut attr) };
             // The kernel sets `count` to the entries it copied, also with ENOENT (the last
             // batch); never more than it was given, which the buffers hold.
             let filled = (attr.count as usize).min(capacity);
@@ -196,11 +200,16 @@ impl BatchReader {
     }
 }
 
-fn lookup_batch(attr: &mut BatchAttr) -> io::Result<()> {
-    // SAFETY: `attr` is a valid `bpf_attr.batch` (the whole struct is passed); `keys` and
-    // `values` point to buffers of `count` entries of the map's key and value sizes (checked
-    // against the map's info by the caller) and `in_batch`/`out_batch` to 64 bytes, more than a
-    // bucket index or any key the caller accepts; all outlive the call.
+/// `BPF_MAP_LOOKUP_BATCH`: the kernel sets `attr.count` to the entries it copied (also with
+/// `ENOENT`, the last batch) and `out_batch` to where the next call starts.
+///
+/// # Safety
+/// `keys` and `values` point to buffers of `count` entries of the map's key and value sizes,
+/// `out_batch` (and `in_batch`, unless 0) to memory that holds the map's batch token (a bucket
+/// index for hash maps), all alive across the call.
+pub(in crate::dataplane::ebpf) unsafe fn lookup_batch(attr: &mut BatchAttr) -> io::Result<()> {
+    // SAFETY: `attr` is a whole `bpf_attr.batch`; its pointers are valid as the caller
+    // guarantees.
     unsafe { crate::dataplane::ebpf::kernel::bpf_syscall::sys_bpf(BPF_MAP_LOOKUP_BATCH, attr) }
         .map(drop)
 }
