@@ -5,8 +5,7 @@
 use std::{
     collections::BTreeMap,
     fmt::Write as _,
-    io::{Read as _, Write as _},
-    net::{IpAddr, SocketAddr, TcpStream},
+    net::{IpAddr, SocketAddr},
     path::{Path, PathBuf},
     time::Duration,
 };
@@ -27,6 +26,7 @@ use crate::{
 
 mod drift;
 pub mod explain;
+mod http_client;
 pub mod interfaces;
 
 /// One frontend and where it leads.
@@ -434,20 +434,12 @@ fn service_names(pin_dir: &Path, metrics: Option<SocketAddr>) -> BTreeMap<u32, S
         .unwrap_or_default()
 }
 
+/// A 200's body; anything else (a 429 included: these paths are not rate limited) is an error.
 fn http_get(addr: SocketAddr, path: &str) -> anyhow::Result<String> {
-    let mut stream = TcpStream::connect_timeout(&addr, Duration::from_secs(1))?;
-    stream.set_read_timeout(Some(Duration::from_secs(2)))?;
-    write!(
-        stream,
-        "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
-    )?;
-    let mut response = String::new();
-    stream.read_to_string(&mut response)?;
-    let (head, body) = response.split_once("\r\n\r\n").unwrap_or((&response, ""));
-    if !head.starts_with("HTTP/1.1 200") {
-        bail!("{addr}{path}: {}", head.lines().next().unwrap_or_default());
+    match http_client::get(addr, path, Duration::from_secs(2))? {
+        http_client::Answer::Body(body) => Ok(body),
+        http_client::Answer::RetryAfter(_) => bail!("{addr}{path}: rate limited"),
     }
-    Ok(body.to_owned())
 }
 
 fn flag_names(value: &FrontendValue) -> Vec<&'static str> {

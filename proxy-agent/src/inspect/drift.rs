@@ -3,13 +3,13 @@
 
 use std::{
     fmt::Write as _,
-    io::{Read as _, Write as _},
-    net::{IpAddr, SocketAddr, TcpStream},
+    net::{IpAddr, SocketAddr},
     time::Duration,
 };
 
 use anyhow::{Context as _, bail};
 
+use super::http_client::{Answer, get};
 use crate::drift_checks::DriftReport;
 
 /// A full check reads every entry of the service maps: seconds at the largest sizes.
@@ -79,54 +79,13 @@ const RATE_LIMITED_ATTEMPTS: u32 = 30;
 /// (429: another check ran within the last second, or runs).
 fn get_when_allowed(addr: SocketAddr, path: &str) -> anyhow::Result<String> {
     for _ in 1..RATE_LIMITED_ATTEMPTS {
-        match get(addr, path)? {
+        match get(addr, path, READ_TIMEOUT)? {
             Answer::Body(body) => return Ok(body),
             Answer::RetryAfter(wait) => std::thread::sleep(wait),
         }
     }
-    match get(addr, path)? {
+    match get(addr, path, READ_TIMEOUT)? {
         Answer::Body(body) => Ok(body),
         Answer::RetryAfter(_) => bail!("{addr}{path}: still rate limited, try again later"),
     }
-}
-
-/// A 200's body, or how long a 429 asks to wait.
-enum Answer {
-    Body(String),
-    RetryAfter(Duration),
-}
-
-fn get(addr: SocketAddr, path: &str) -> anyhow::Result<Answer> {
-    let mut stream = TcpStream::connect_timeout(&addr, Duration::from_secs(1))
-        .with_context(|| format!("cannot reach the agent at {addr}"))?;
-    stream.set_read_timeout(Some(READ_TIMEOUT))?;
-    write!(
-        stream,
-        "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
-    )?;
-    let mut response = String::new();
-    stream.read_to_string(&mut response)?;
-    let (head, body) = response.split_once("\r\n\r\n").unwrap_or((&response, ""));
-    if head.starts_with("HTTP/1.1 429") {
-        let seconds = head
-            .lines()
-            .find_map(|line| {
-                let (name, value) = line.split_once(':')?;
-                name.eq_ignore_ascii_case("retry-after")
-                    .then(|| value.trim().parse::<u64>().ok())
-                    .flatten()
-            })
-            .unwrap_or(1);
-        return Ok(Answer::RetryAfter(Duration::from_secs(
-            seconds.clamp(1, 10),
-        )));
-    }
-    if !head.starts_with("HTTP/1.1 200") {
-        bail!(
-            "{addr}{path}: {} {}",
-            head.lines().next().unwrap_or_default(),
-            body.trim()
-        );
-    }
-    Ok(Answer::Body(body.to_owned()))
 }
