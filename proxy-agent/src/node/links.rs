@@ -4,14 +4,13 @@
 //! caller's network namespace. Which interfaces get which tc program depends on them
 //! (`node::ebpf::tc_role`).
 
-use std::{collections::BTreeMap, io, os::fd::AsRawFd};
+use std::{collections::BTreeMap, time::Duration};
 
-use nix::{
-    errno::Errno,
-    sys::socket::{
-        AddressFamily, MsgFlags, NetlinkAddr, SockFlag, SockProtocol, SockType, bind, recv, send,
-        socket,
-    },
+use bytes::BufMut as _;
+use nix::sys::socket::SockProtocol;
+
+use crate::netlink::{
+    NLM_F_DUMP, NLM_F_REQUEST, NetlinkError, NetlinkSocket, attributes, read2, read4,
 };
 
 /// `ARPHRD_ETHER`: frames start with an Ethernet header (veths, NICs, bridges, VXLAN, taps).
@@ -42,96 +41,41 @@ impl Link {
     }
 }
 
-const NLMSG_HDRLEN: usize = 16;
 const IFINFOMSG_LEN: usize = 16;
-const NLMSG_ERROR: u16 = 2;
-const NLMSG_DONE: u16 = 3;
 const RTM_NEWLINK: u16 = 16;
 const RTM_GETLINK: u16 = 18;
-const NLM_F_REQUEST: u16 = 0x1;
-const NLM_F_DUMP: u16 = 0x300;
 const IFLA_ADDRESS: u16 = 1;
 const IFLA_IFNAME: u16 = 3;
 const IFLA_MASTER: u16 = 10;
 const IFLA_LINKINFO: u16 = 18;
 const IFLA_INFO_KIND: u16 = 1;
-/// Attribute type bits without the nested / byte-order flags.
-const NLA_TYPE_MASK: u16 = 0x3fff;
 const IFF_UP: u32 = 0x1;
 const IFF_RUNNING: u32 = 0x40;
-/// A dump message stays well below this (the kernel sizes dump batches to the reader's
-/// buffer, 32 KiB at most unless told otherwise).
-const RECV_BUFFER: usize = 64 * 1024;
-/// Bounds the read loop: far more batches than any node has links.
-const MAX_BATCHES: usize = 100_000;
+/// Bounds each receive of the dump: the kernel answers at once, or something is wrong.
+const RECV_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Every link of the caller's network namespace, by name.
-pub fn host_links() -> io::Result<BTreeMap<String, Link>> {
-    let fd = socket(
-        AddressFamily::Netlink,
-        SockType::Raw,
-        SockFlag::SOCK_CLOEXEC,
-        SockProtocol::NetlinkRoute,
-    )?;
-    bind(fd.as_raw_fd(), &NetlinkAddr::new(0, 0))?;
-    let seq: u32 = 1;
-    let mut request = [0u8; NLMSG_HDRLEN + IFINFOMSG_LEN];
-    request[0..4].copy_from_slice(&((NLMSG_HDRLEN + IFINFOMSG_LEN) as u32).to_ne_bytes());
-    request[4..6].copy_from_slice(&RTM_GETLINK.to_ne_bytes());
-    request[6..8].copy_from_slice(&(NLM_F_REQUEST | NLM_F_DUMP).to_ne_bytes());
-    request[8..12].copy_from_slice(&seq.to_ne_bytes());
+pub fn host_links() -> Result<BTreeMap<String, Link>, NetlinkError> {
+    let mut socket = NetlinkSocket::open(SockProtocol::NetlinkRoute, Some(RECV_TIMEOUT))?;
     // ifinfomsg: all zero (AF_UNSPEC, every link).
-    send(fd.as_raw_fd(), &request, MsgFlags::empty())?;
+    socket.send(RTM_GETLINK, NLM_F_REQUEST | NLM_F_DUMP, |body| {
+        body.put_bytes(0, IFINFOMSG_LEN);
+    })?;
     let mut links = BTreeMap::new();
-    let mut buffer = vec![0u8; RECV_BUFFER];
-    for _ in 0..MAX_BATCHES {
-        let len = match recv(fd.as_raw_fd(), &mut buffer, MsgFlags::empty()) {
-            Ok(len) => len,
-            Err(Errno::EINTR) => continue,
-            Err(errno) => return Err(errno.into()),
-        };
-        let bytes = buffer.get(..len).unwrap_or_default();
-        if parse_batch(bytes, seq, &mut links)? {
-            return Ok(links);
-        }
-    }
-    Err(io::Error::other("link dump did not end"))
+    socket.receive(|kind, payload| {
+        add_link(kind, payload, &mut links);
+        Ok::<(), NetlinkError>(())
+    })?;
+    Ok(links)
 }
 
-/// Parses one `recv` worth of dump messages into `links`; true once the dump is done.
-pub(crate) fn parse_batch(
-    mut bytes: &[u8],
-    seq: u32,
-    links: &mut BTreeMap<String, Link>,
-) -> io::Result<bool> {
-    let malformed = || io::Error::new(io::ErrorKind::InvalidData, "malformed netlink message");
-    while bytes.len() >= NLMSG_HDRLEN {
-        let len = u32_at(bytes, 0).ok_or_else(malformed)? as usize;
-        let kind = u16_at(bytes, 4).ok_or_else(malformed)?;
-        let msg_seq = u32_at(bytes, 8).ok_or_else(malformed)?;
-        if len < NLMSG_HDRLEN || len > bytes.len() {
-            return Err(malformed());
-        }
-        let body = &bytes[NLMSG_HDRLEN..len];
-        bytes = bytes.get(align4(len)..).unwrap_or_default();
-        if msg_seq != seq {
-            continue;
-        }
-        match kind {
-            NLMSG_DONE => return Ok(true),
-            NLMSG_ERROR => {
-                let errno = u32_at(body, 0).map_or(0, |e| e as i32);
-                return Err(io::Error::from_raw_os_error(-errno));
-            }
-            RTM_NEWLINK => {
-                if let Some((name, link)) = parse_link(body) {
-                    links.insert(name, link);
-                }
-            }
-            _ => {}
-        }
+/// Records one dump message's link, if it is one.
+fn add_link(kind: u16, payload: &[u8], links: &mut BTreeMap<String, Link>) {
+    if kind == RTM_NEWLINK
+        && let Some((name, link)) = parse_link(payload)
+    {
+        links.insert(name, link);
     }
-    Ok(false)
 }
 
 /// One `RTM_NEWLINK` body: `ifinfomsg` then attributes.
@@ -164,40 +108,31 @@ fn parse_link(body: &[u8]) -> Option<(String, Link)> {
     Some((name?, link))
 }
 
-/// The `(type, value)` attributes in `bytes`, stopping at the first malformed one.
-fn attributes(mut bytes: &[u8]) -> impl Iterator<Item = (u16, &[u8])> {
-    std::iter::from_fn(move || {
-        let len = usize::from(u16_at(bytes, 0)?);
-        let kind = u16_at(bytes, 2)? & NLA_TYPE_MASK;
-        if len < 4 || len > bytes.len() {
-            return None;
-        }
-        let value = &bytes[4..len];
-        bytes = bytes.get(align4(len)..).unwrap_or_default();
-        Some((kind, value))
-    })
-}
-
 fn c_string(value: &[u8]) -> String {
     let end = value.iter().position(|b| *b == 0).unwrap_or(value.len());
     String::from_utf8_lossy(&value[..end]).into_owned()
 }
 
-fn align4(len: usize) -> usize {
-    len.saturating_add(3) & !3
-}
-
 fn u16_at(bytes: &[u8], at: usize) -> Option<u16> {
-    Some(u16::from_ne_bytes(bytes.get(at..at + 2)?.try_into().ok()?))
+    read2(bytes, at).ok().map(u16::from_ne_bytes)
 }
 
 fn u32_at(bytes: &[u8], at: usize) -> Option<u32> {
-    Some(u32::from_ne_bytes(bytes.get(at..at + 4)?.try_into().ok()?))
+    read4(bytes, at).ok().map(u32::from_ne_bytes)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::netlink::{NLMSG_DONE, NLMSG_ERROR, NLMSG_HDRLEN, align4, walk_datagram};
+
+    /// One received datagram through the shared framing, as `host_links` reads it.
+    fn parse_batch(bytes: &[u8], links: &mut BTreeMap<String, Link>) -> Result<bool, NetlinkError> {
+        walk_datagram(bytes, &mut |kind, payload| {
+            add_link(kind, payload, links);
+            Ok::<(), NetlinkError>(())
+        })
+    }
 
     fn attr(kind: u16, value: &[u8]) -> Vec<u8> {
         let mut out = Vec::new();
@@ -256,8 +191,8 @@ mod tests {
             &[attr(IFLA_ADDRESS, &[10, 0, 0, 1, 0, 0])],
         ));
         let mut links = BTreeMap::new();
-        assert!(!parse_batch(&batch, 1, &mut links).expect("parse"));
-        assert!(parse_batch(&message(NLMSG_DONE, 1, &[0; 4]), 1, &mut links).expect("done"));
+        assert!(!parse_batch(&batch, &mut links).expect("parse"));
+        assert!(parse_batch(&message(NLMSG_DONE, 1, &[0; 4]), &mut links).expect("done"));
         let docker = &links["docker0"];
         assert_eq!(docker.kind.as_deref(), Some("bridge"));
         assert!(!docker.up, "no carrier: not running");
@@ -275,11 +210,14 @@ mod tests {
     fn an_error_or_a_truncated_message_is_an_error() {
         let mut links = BTreeMap::new();
         let error = message(NLMSG_ERROR, 1, &(-libc::EPERM).to_ne_bytes());
-        let err = parse_batch(&error, 1, &mut links).expect_err("error");
-        assert_eq!(err.raw_os_error(), Some(libc::EPERM));
+        let err = parse_batch(&error, &mut links).expect_err("error");
+        assert!(
+            matches!(err, NetlinkError::Kernel(nix::Error::EPERM)),
+            "{err:?}"
+        );
         let mut truncated = new_link("eth0", ARPHRD_ETHER, 2, IFF_UP, &[]);
         truncated[0] = 200;
-        assert!(parse_batch(&truncated, 1, &mut links).is_err());
+        assert!(parse_batch(&truncated, &mut links).is_err());
     }
 
     #[test]
