@@ -714,31 +714,18 @@ fn iptables_save(family: crate::desired::IpFamily, table: &str) -> anyhow::Resul
 }
 
 /// The value following `flag` in a rule (`-d 10.96.0.10/32` → `10.96.0.10/32`).
-fn arg<'a>(words: &[&'a str], flag: &str) -> Option<&'a str> {
-    words
-        .iter()
-        .position(|w| *w == flag)
-        .and_then(|i| words.get(i + 1))
-        .copied()
-}
-
-fn comment(rule: &str) -> Option<&str> {
-    let start = rule.find("--comment \"")? + "--comment \"".len();
-    let end = rule[start..].find('"')?;
-    Some(&rule[start..start + end])
-}
-
 pub fn parse_iptables_save(text: &str) -> Vec<FrontendRow> {
+    let tables = crate::dataplane::iptables::save::parse(text);
     let mut chain_jumps: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
     let mut dnat: BTreeMap<&str, String> = BTreeMap::new();
     let mut entries = Vec::new();
-    for rule in text.lines().filter(|l| l.starts_with("-A ")) {
-        let words: Vec<&str> = rule.split_whitespace().collect();
-        let (Some(chain), Some(target)) = (words.get(1).copied(), arg(&words, "-j")) else {
+    for rule in tables.iter().flat_map(|table| &table.rules) {
+        let chain = rule.chain.as_str();
+        let Some(target) = rule.arg("-j") else {
             continue;
         };
         if chain.starts_with("KUBE-SEP-") && target == "DNAT" {
-            if let Some(to) = arg(&words, "--to-destination") {
+            if let Some(to) = rule.arg("--to-destination") {
                 dnat.insert(chain, to.to_owned());
             }
         } else if chain.starts_with("KUBE-SVC-")
@@ -748,13 +735,14 @@ pub fn parse_iptables_save(text: &str) -> Vec<FrontendRow> {
             chain_jumps.entry(chain).or_default().push(target);
         } else if (chain == "KUBE-SERVICES" || chain == "KUBE-NODEPORTS")
             && target.starts_with("KUBE-")
-            && let Some(name) = comment(rule)
+            && let Some(name) = rule.arg("--comment")
         {
-            let dest = arg(&words, "-d")
+            let dest = rule
+                .arg("-d")
                 .map(|d| d.trim_end_matches("/32").trim_end_matches("/128"))
                 .unwrap_or("*");
-            let port_text = arg(&words, "--dport").unwrap_or("?");
-            let proto = arg(&words, "-p").unwrap_or("tcp").to_uppercase();
+            let port_text = rule.arg("--dport").unwrap_or("?");
+            let proto = rule.arg("-p").unwrap_or("tcp").to_uppercase();
             let service = name.split(' ').next().unwrap_or(name).to_owned();
             let protocol = match proto.as_str() {
                 "UDP" => "UDP",

@@ -240,10 +240,9 @@ impl ExecStatus {
 
 /// Chain names declared in `iptables-save` output (`:NAME POLICY [p:b]`).
 pub fn chains_of_save(save: &str) -> BTreeSet<String> {
-    save.lines()
-        .filter_map(|line| line.strip_prefix(':'))
-        .filter_map(|decl| decl.split_whitespace().next())
-        .map(str::to_owned)
+    super::save::parse(save)
+        .into_iter()
+        .flat_map(|table| table.chains)
         .collect()
 }
 

@@ -22,6 +22,7 @@ pub mod localdetect;
 pub mod nfacct;
 pub mod rules;
 pub mod rules_drift;
+pub mod save;
 mod sync;
 pub mod tracer;
 

@@ -50,29 +50,14 @@ pub type TableRules = BTreeMap<String, Vec<String>>;
 /// with the signatures of its `-A` rules.
 pub fn parse(text: &str) -> BTreeMap<String, TableRules> {
     let mut tables: BTreeMap<String, TableRules> = BTreeMap::new();
-    let mut current: Option<String> = None;
-    for line in text.lines() {
-        if let Some(table) = line.strip_prefix('*') {
-            current = Some(table.trim().to_owned());
-            tables.entry(table.trim().to_owned()).or_default();
-            continue;
+    for saved in super::save::parse(text) {
+        let table = tables.entry(saved.name).or_default();
+        for chain in saved.chains {
+            table.entry(chain).or_default();
         }
-        let Some(table) = current.as_ref().and_then(|t| tables.get_mut(t)) else {
-            continue;
-        };
-        if let Some(decl) = line.strip_prefix(':') {
-            if let Some(chain) = decl.split_whitespace().next() {
-                table.entry(chain.to_owned()).or_default();
-            }
-        } else if let Some(rule) = line.strip_prefix("-A ") {
-            let words = super::tracer::words(rule);
-            if let Some((chain, rest)) = words.split_first() {
-                let rest: Vec<&str> = rest.iter().map(String::as_str).collect();
-                table
-                    .entry(chain.clone())
-                    .or_default()
-                    .push(signature(&rest));
-            }
+        for rule in saved.rules {
+            let words: Vec<&str> = rule.words.iter().map(String::as_str).collect();
+            table.entry(rule.chain).or_default().push(signature(&words));
         }
     }
     tables

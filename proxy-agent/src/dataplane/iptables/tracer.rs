@@ -31,32 +31,6 @@ struct Rule {
     to_destination: Option<String>,
 }
 
-/// Splits a rule into words; `"…"` is one word without its quotes (comments with spaces).
-pub(super) fn words(line: &str) -> Vec<String> {
-    let mut out = Vec::new();
-    let mut chars = line.chars().peekable();
-    while let Some(&c) = chars.peek() {
-        if c.is_whitespace() {
-            chars.next();
-        } else if c == '"' {
-            chars.next();
-            let word: String = chars.by_ref().take_while(|&c| c != '"').collect();
-            out.push(word);
-        } else {
-            let mut word = String::new();
-            while let Some(&c) = chars.peek() {
-                if c.is_whitespace() {
-                    break;
-                }
-                word.push(c);
-                chars.next();
-            }
-            out.push(word);
-        }
-    }
-    out
-}
-
 fn parse_rule(words: &[String]) -> Rule {
     let mut rule = Rule::default();
     let mut negate = false;
@@ -123,27 +97,23 @@ impl Tracer {
             local_ips: local_ips.iter().copied().collect(),
             ..Tracer::default()
         };
-        let mut table = String::new();
-        let mut lines: Vec<(String, String)> = Vec::new();
-        for line in dump.lines() {
-            if let Some(name) = line.strip_prefix('*') {
-                table = name.to_owned();
-            } else if line.starts_with("-A ") {
-                lines.push((table.clone(), line.to_owned()));
-            }
-        }
-        lines.extend(extra.iter().cloned());
-        for (table, line) in lines {
-            let words = words(&line);
-            // `-A CHAIN rule…`; a line without a chain name is not a rule.
-            let (Some(chain), Some(rule)) = (words.get(1), words.get(2..)) else {
-                continue;
-            };
+        let saved = super::save::parse(dump).into_iter().flat_map(|table| {
+            let name = table.name;
+            table
+                .rules
+                .into_iter()
+                .map(move |rule| (name.clone(), rule))
+        });
+        // `-A CHAIN rule…`; an extra line without a chain name is not a rule.
+        let extra = extra
+            .iter()
+            .filter_map(|(table, line)| Some((table.clone(), super::save::rule_of(line)?)));
+        for (table, rule) in saved.chain(extra) {
             tracer
                 .chains
-                .entry((table, chain.clone()))
+                .entry((table, rule.chain))
                 .or_default()
-                .push(parse_rule(rule));
+                .push(parse_rule(&rule.words));
         }
         tracer
     }
