@@ -349,12 +349,6 @@ fn udp_flow_leaves_a_removed_backend() -> anyhow::Result<()> {
     };
     let took = at.saturating_duration_since(removed);
     eprintln!("UDP flow moved to pod1 {took:?} after pod2 was removed");
-    drop(flow);
-    let log = s.agent()?.log_contents();
-    s.ensure(
-        log.contains("tc conntrack entries of removed backends purged"),
-        || "no conntrack purge in the agent log".to_owned(),
-    )?;
     Ok(())
 }
 
