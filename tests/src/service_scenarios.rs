@@ -383,6 +383,47 @@ fn vip_claimant(
         )
 }
 
+/// How one side of a contest is written: its UID and the prefix of its manifest files.
+struct Claimant {
+    uid: &'static str,
+    file: &'static str,
+}
+
+/// The older `kube-system/dns` (pod2) and the younger `aaa/web` (pod1), both claiming `VIP`:
+/// their Services and slices, each under its own file prefix.
+fn write_contest(s: &Scenario, older: Claimant, younger: Claimant) -> Result<()> {
+    let older_svc = vip_claimant(
+        "kube-system",
+        "dns",
+        "2024-01-01T00:00:00Z",
+        older.uid,
+        Ipv4Addr::new(10, 96, 0, 31),
+    );
+    let younger_svc = vip_claimant(
+        "aaa",
+        "web",
+        "2025-06-01T00:00:00Z",
+        younger.uid,
+        Ipv4Addr::new(10, 96, 0, 30),
+    );
+    s.ensure(
+        older_svc.contains("creationTimestamp") && younger_svc.contains("externalIPs"),
+        || format!("the manifests must carry the age and the VIP: {older_svc}"),
+    )?;
+    s.manifests
+        .write(&format!("{}-svc.yaml", older.file), &older_svc)?;
+    s.manifests.write(
+        &format!("{}-slice.yaml", older.file),
+        &http_slice("kube-system", "dns-1", "dns", &[pod_endpoint(2)]),
+    )?;
+    s.manifests
+        .write(&format!("{}-svc.yaml", younger.file), &younger_svc)?;
+    s.manifests.write(
+        &format!("{}-slice.yaml", younger.file),
+        &http_slice("aaa", "web-1", "web", &[pod_endpoint(1)]),
+    )
+}
+
 /// Two Services name the same externalIP and port (CVE-2020-8554: any namespace user may
 /// write `spec.externalIPs`): the older one keeps it whatever the names sort as (`aaa` comes
 /// before `kube-system`), across an agent restart, in both modes; when it goes, the other
@@ -390,33 +431,16 @@ fn vip_claimant(
 pub fn contested_external_ip_stays_with_the_older_service(mode: &str) -> Result<()> {
     crate::require_root();
     let mut s = Scenario::new(2)?;
-    let older = vip_claimant(
-        "kube-system",
-        "dns",
-        "2024-01-01T00:00:00Z",
-        "0000-older",
-        Ipv4Addr::new(10, 96, 0, 31),
-    );
-    let younger = vip_claimant(
-        "aaa",
-        "web",
-        "2025-06-01T00:00:00Z",
-        "ffff-younger",
-        Ipv4Addr::new(10, 96, 0, 30),
-    );
-    s.ensure(
-        older.contains("creationTimestamp") && younger.contains("externalIPs"),
-        || format!("the manifests must carry the age and the VIP: {older}"),
-    )?;
-    s.manifests.write("older-svc.yaml", &older)?;
-    s.manifests.write(
-        "older-slice.yaml",
-        &http_slice("kube-system", "dns-1", "dns", &[pod_endpoint(2)]),
-    )?;
-    s.manifests.write("younger-svc.yaml", &younger)?;
-    s.manifests.write(
-        "younger-slice.yaml",
-        &http_slice("aaa", "web-1", "web", &[pod_endpoint(1)]),
+    write_contest(
+        &s,
+        Claimant {
+            uid: "0000-older",
+            file: "older",
+        },
+        Claimant {
+            uid: "ffff-younger",
+            file: "younger",
+        },
     )?;
     route_via_node(&s, VIP)?;
     start(&mut s, mode)?;
@@ -499,33 +523,16 @@ fn iptables_names(s: &Scenario, vip: Ipv4Addr) -> Result<bool> {
 pub fn contested_external_ip_stays_with_the_older_service_across_mode_switches() -> Result<()> {
     crate::require_root();
     let mut s = Scenario::new(2)?;
-    let older = vip_claimant(
-        "kube-system",
-        "dns",
-        "2024-01-01T00:00:00Z",
-        "ffffffff-ffff-4fff-bfff-ffffffffffff",
-        Ipv4Addr::new(10, 96, 0, 31),
-    );
-    let younger = vip_claimant(
-        "aaa",
-        "web",
-        "2025-06-01T00:00:00Z",
-        "00000000-0000-4000-8000-000000000000",
-        Ipv4Addr::new(10, 96, 0, 30),
-    );
-    s.ensure(
-        older.contains("creationTimestamp") && younger.contains("externalIPs"),
-        || format!("the manifests must carry the age and the VIP: {older}"),
-    )?;
-    s.manifests.write("a-younger-svc.yaml", &younger)?;
-    s.manifests.write(
-        "a-younger-slice.yaml",
-        &http_slice("aaa", "web-1", "web", &[pod_endpoint(1)]),
-    )?;
-    s.manifests.write("z-older-svc.yaml", &older)?;
-    s.manifests.write(
-        "z-older-slice.yaml",
-        &http_slice("kube-system", "dns-1", "dns", &[pod_endpoint(2)]),
+    write_contest(
+        &s,
+        Claimant {
+            uid: "ffffffff-ffff-4fff-bfff-ffffffffffff",
+            file: "z-older",
+        },
+        Claimant {
+            uid: "00000000-0000-4000-8000-000000000000",
+            file: "a-younger",
+        },
     )?;
     route_via_node(&s, VIP)?;
     let target = SocketAddr::from(SocketAddrV4::new(VIP, SERVICE_PORT));
