@@ -5,6 +5,8 @@ use std::{
     process::Command,
 };
 
+use std::os::unix::process::CommandExt as _;
+
 use anyhow::{Context as _, Result, bail};
 
 pub use crate::commands::{run_cmd, step, workspace_root};
@@ -141,7 +143,7 @@ pub fn test(quick: bool) -> Result<()> {
         bail!("the fuzz targets need root (tc_packets loads the eBPF programs)");
     };
     let started = std::time::Instant::now();
-    let status = fuzz_build.wait().context("waiting for the fuzz build")?;
+    let status = fuzz_build.wait()?;
     println!(
         "  the background fuzz build ended {:.0?} after the tests",
         started.elapsed()
@@ -319,7 +321,7 @@ fn fuzz_cargo(prefix: &[&str], subcommand: &str, object: &Path) -> Result<Comman
 /// The fuzz targets' build, started before the integration tests at the lowest CPU priority:
 /// the tests spend most of their time waiting on the network and the agent, and the build
 /// (sanitizers, the whole dependency tree) takes what they leave. Its output goes to a file.
-fn start_fuzz_build(object: &Path) -> Result<(std::process::Child, PathBuf)> {
+fn start_fuzz_build(object: &Path) -> Result<(Background, PathBuf)> {
     ensure_cargo_fuzz()?;
     let log = workspace_root().join("target/fuzz-build.log");
     let file =
@@ -330,9 +332,39 @@ fn start_fuzz_build(object: &Path) -> Result<(std::process::Child, PathBuf)> {
     let child = fuzz_cargo(&["nice", "-n", "19"], "build", object)?
         .stdout(file)
         .stderr(err)
+        // Its own process group, so that a failed test run can stop cargo and its rustcs.
+        .process_group(0)
         .spawn()
         .context("cannot start the fuzz build")?;
-    Ok((child, log))
+    Ok((Background(Some(child)), log))
+}
+
+/// A command running beside the tests: waited for, or stopped with its whole process group
+/// when the run ends early (a failed test), so nothing of it outlives the run.
+struct Background(Option<std::process::Child>);
+
+impl Background {
+    fn wait(&mut self) -> Result<std::process::ExitStatus> {
+        let mut child = self
+            .0
+            .take()
+            .context("the background command was waited for")?;
+        child.wait().context("waiting for the background command")
+    }
+}
+
+impl Drop for Background {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.0.take() {
+            if let Ok(pid) = i32::try_from(child.id()) {
+                let _ = nix::sys::signal::killpg(
+                    nix::unistd::Pid::from_raw(pid),
+                    nix::sys::signal::Signal::SIGTERM,
+                );
+            }
+            let _ = child.wait();
+        }
+    }
 }
 
 pub fn fuzz(budget: FuzzBudget, targets: &[String], object: &Path) -> Result<()> {

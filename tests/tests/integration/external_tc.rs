@@ -497,6 +497,21 @@ fn answered(s: &Scenario, count: u32) -> anyhow::Result<Vec<(SocketAddr, usize)>
     Ok(out)
 }
 
+/// Deletes every entry of the node namespace's kernel conntrack (both families).
+fn forget_kernel_flows(s: &Scenario) -> anyhow::Result<()> {
+    use proxy_agent::{ip_family::IpFamily, kernel_conntrack::Ctnetlink};
+    proxy_tests::netns::on_thread_in(&s.topo.node().path(), || -> anyhow::Result<()> {
+        let mut ctnetlink = Ctnetlink::open()?;
+        for family in [IpFamily::V4, IpFamily::V6] {
+            for entry in ctnetlink.dump(family)? {
+                // An entry that expired since the dump is already what we want.
+                let _ = ctnetlink.delete(&entry.original);
+            }
+        }
+        Ok(())
+    })?
+}
+
 /// A netfilter rule of the host drops one external client (the `ext` namespace's address) in
 /// FORWARD: once as an iptables rule, once as an nftables chain in a table of its own (as a
 /// CNI's would be). Returns what each address answered without the rule, with the iptables
@@ -505,9 +520,15 @@ fn answered_under_forward_policy(s: &Scenario) -> anyhow::Result<[Vec<(SocketAdd
     let node = s.topo.node();
     let client = Topology::ext_ip().to_string();
     let open = answered(s, 3)?;
+    // The open connections stay in the kernel's conntrack (TIME_WAIT): a later connection that
+    // happens to reuse one's client port to the same backend shares its tuple and takes the
+    // fast path, which skips FORWARD by design (`client_port_reuse.rs` tests that case). The
+    // policy phases are about new tuples.
+    forget_kernel_flows(s)?;
     node.exec("iptables", &["-I", "FORWARD", "-s", &client, "-j", "DROP"])?;
     let iptables = answered(s, 3);
     node.exec("iptables", &["-D", "FORWARD", "-s", &client, "-j", "DROP"])?;
+    forget_kernel_flows(s)?;
     node.exec("nft", &["add", "table", "inet", "foreign_policy"])?;
     node.exec(
         "nft",
