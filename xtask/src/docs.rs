@@ -410,31 +410,7 @@ fn inline_target(rest: &str) -> Option<String> {
 /// The text with fenced code blocks and code spans replaced by spaces (newlines kept, so byte
 /// offsets and line numbers stay those of the original).
 fn mask_code(text: &str) -> String {
-    let mut out = String::with_capacity(text.len());
-    let mut fence: Option<(char, usize)> = None;
-    for line in text.split_inclusive('\n') {
-        let trimmed = line.trim_start_matches(' ');
-        let indent = line.len() - trimmed.len();
-        let run = |c: char| trimmed.chars().take_while(|&x| x == c).count();
-        match fence {
-            Some((c, length)) => {
-                if indent <= 3 && run(c) >= length && trimmed[run(c)..].trim().is_empty() {
-                    fence = None;
-                }
-                out.push_str(&blank(line));
-            }
-            None => {
-                let opening = ['`', '~'].into_iter().find(|&c| indent <= 3 && run(c) >= 3);
-                if let Some(c) = opening {
-                    fence = Some((c, run(c)));
-                    out.push_str(&blank(line));
-                } else {
-                    out.push_str(line);
-                }
-            }
-        }
-    }
-    mask_code_spans(&out)
+    mask_code_spans(&mask_fences(text))
 }
 
 /// Code spans: a run of N backticks up to the next run of exactly N; unmatched runs are text.
@@ -524,7 +500,8 @@ fn anchors(text: &str) -> BTreeSet<String> {
     anchors
 }
 
-/// Fenced code blocks blanked, code spans kept (a heading's code span is part of its text).
+/// Fenced code blocks replaced by spaces (newlines kept), code spans kept: a heading's code
+/// span is part of its text.
 fn mask_fences(text: &str) -> String {
     let mut out = String::with_capacity(text.len());
     let mut fence: Option<(char, usize)> = None;
@@ -537,12 +514,12 @@ fn mask_fences(text: &str) -> String {
                 if indent <= 3 && run(c) >= length && trimmed[run(c)..].trim().is_empty() {
                     fence = None;
                 }
-                out.push('\n');
+                out.push_str(&blank(line));
             }
             None => match ['`', '~'].into_iter().find(|&c| indent <= 3 && run(c) >= 3) {
                 Some(c) => {
                     fence = Some((c, run(c)));
-                    out.push('\n');
+                    out.push_str(&blank(line));
                 }
                 None => out.push_str(line),
             },
