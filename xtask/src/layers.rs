@@ -17,6 +17,9 @@ use syn::visit::Visit;
 /// A module's path inside its crate: `[]` is the crate root.
 type ModulePath = Vec<String>;
 
+/// The children of one module: each child → the siblings it names → the first place naming it.
+type Graph = BTreeMap<String, BTreeMap<String, String>>;
+
 /// One crate's modules and the modules each refers to.
 #[derive(Debug, Default)]
 struct Crate {
@@ -286,31 +289,26 @@ fn resolve(c: &Crate, here: &ModulePath, segments: &[String]) -> Option<ModulePa
 }
 
 fn find_cycles(krate: &str, c: &Crate) -> Vec<Cycle> {
-    // parent -> child -> children of the same parent it names
-    let mut edges: BTreeMap<ModulePath, BTreeMap<String, BTreeSet<String>>> = BTreeMap::new();
-    let mut witness: BTreeMap<(ModulePath, String, String), String> = BTreeMap::new();
+    // parent -> child -> children of the same parent it names, each with the first place that
+    // names it
+    let mut edges: BTreeMap<ModulePath, Graph> = BTreeMap::new();
     for (here, segments) in &c.refs {
-        {
-            let Some(to) = resolve(c, here, segments) else {
-                continue;
-            };
-            let from = deepest_module(c, here);
-            let common = from.iter().zip(&to).take_while(|(a, b)| a == b).count();
-            // Into its own ancestor or descendant: a parent and its children are one room.
-            if common == from.len() || common == to.len() {
-                continue;
-            }
-            let parent = from[..common].to_vec();
-            witness
-                .entry((parent.clone(), from[common].clone(), to[common].clone()))
-                .or_insert_with(|| format!("{} names {}", from.join("::"), segments.join("::")));
-            edges
-                .entry(parent)
-                .or_default()
-                .entry(from[common].clone())
-                .or_default()
-                .insert(to[common].clone());
+        let Some(to) = resolve(c, here, segments) else {
+            continue;
+        };
+        let from = deepest_module(c, here);
+        let common = from.iter().zip(&to).take_while(|(a, b)| a == b).count();
+        // Into its own ancestor or descendant: a parent and its children are one room.
+        if common == from.len() || common == to.len() {
+            continue;
         }
+        edges
+            .entry(from[..common].to_vec())
+            .or_default()
+            .entry(from[common].clone())
+            .or_default()
+            .entry(to[common].clone())
+            .or_insert_with(|| format!("{} names {}", from.join("::"), segments.join("::")));
     }
     // `XTASK_LAYERS_SHOW=dataplane::ebpf` prints that module's children and whom each names,
     // to read a room's layering (the check itself needs no such list).
@@ -322,7 +320,7 @@ fn find_cycles(krate: &str, c: &Crate) -> Vec<Cycle> {
             .collect();
         if let Some(graph) = edges.get(&wanted) {
             for (from, to) in graph {
-                let names: Vec<&str> = to.iter().map(String::as_str).collect();
+                let names: Vec<&str> = to.keys().map(String::as_str).collect();
                 println!("{krate} {show}: {from} → {}", names.join(", "));
             }
         }
@@ -333,10 +331,8 @@ fn find_cycles(krate: &str, c: &Crate) -> Vec<Cycle> {
             if component.len() > 1 {
                 let mut shown = Vec::new();
                 for from in &component {
-                    for to in graph.get(from).into_iter().flatten() {
+                    for (to, why) in graph.get(from).into_iter().flatten() {
                         if component.contains(to) {
-                            let key = (parent.clone(), from.clone(), to.clone());
-                            let why = witness.get(&key).cloned().unwrap_or_default();
                             shown.push(format!("{from} → {to}: {why}"));
                         }
                     }
@@ -363,9 +359,9 @@ fn deepest_module(c: &Crate, here: &ModulePath) -> ModulePath {
 }
 
 /// Tarjan's strongly connected components, each sorted, in a stable order.
-fn strongly_connected(graph: &BTreeMap<String, BTreeSet<String>>) -> Vec<Vec<String>> {
+fn strongly_connected(graph: &Graph) -> Vec<Vec<String>> {
     struct State<'g> {
-        graph: &'g BTreeMap<String, BTreeSet<String>>,
+        graph: &'g Graph,
         index: BTreeMap<&'g str, usize>,
         low: BTreeMap<&'g str, usize>,
         stack: Vec<&'g str>,
@@ -380,7 +376,7 @@ fn strongly_connected(graph: &BTreeMap<String, BTreeSet<String>>) -> Vec<Vec<Str
         s.stack.push(v);
         s.on_stack.insert(v);
         if let Some(targets) = s.graph.get(v) {
-            for w in targets {
+            for w in targets.keys() {
                 let w = w.as_str();
                 if !s.index.contains_key(w) {
                     visit(s, w);
