@@ -9,7 +9,7 @@ use std::os::unix::process::CommandExt as _;
 
 use anyhow::{Context as _, Result, bail};
 
-pub use crate::commands::{run_cmd, step, workspace_root};
+use crate::commands::{run_cmd, step, workspace_root};
 
 /// Where the eBPF build puts its artifacts: a target dir of its own, so the nightly build and the
 /// stable host builds do not invalidate each other's caches.
