@@ -12,6 +12,7 @@ mod options;
 mod stats;
 mod test_run;
 
+pub use crate::config::ebpf_settings::DEFAULT_MAX_FRONTENDS_PER_SERVICE;
 pub use attach::pins::{PIN_DIR_MODE, PIN_DIR_NAME, cleanup};
 pub use attach::tc::TcOptions;
 pub use attach::xdp::XdpSetting;
@@ -27,7 +28,6 @@ pub use maps::maglev::{
     DEFAULT_TABLE_SIZE as DEFAULT_MAGLEV_TABLE_SIZE, MAX_TABLE_SIZE as MAX_MAGLEV_TABLE_SIZE,
     is_valid_table_size,
 };
-pub use maps::map_writer::shares::DEFAULT_PER_SERVICE as DEFAULT_MAX_FRONTENDS_PER_SERVICE;
 pub use maps::map_writer::{
     ApplyError, ApplySummary, BackendValue, DEFAULT_MAX_ENDPOINTS_PER_SERVICE, FrontendMapKey,
     GENERATION_GRACE, MapOps, MapWriteError, MapWriter, MapsContent, RecordCopy, RemovedBackend,

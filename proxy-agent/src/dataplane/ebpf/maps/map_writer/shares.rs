@@ -35,8 +35,6 @@ use std::{collections::BTreeMap, fmt, ops::Index};
 
 use crate::objects::{Name, ObjectKey};
 
-pub use crate::config::ebpf_settings::DEFAULT_MAX_FRONTENDS_PER_SERVICE as DEFAULT_PER_SERVICE;
-
 /// The reserve is an eighth of the map up to this many entries: enough for many namespaces'
 /// new Services, and a namespace that holds most of a large cluster's Services (all in
 /// `default`, say) still gets all but these.
