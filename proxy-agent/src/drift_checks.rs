@@ -10,15 +10,10 @@
 use serde::{Deserialize, Serialize};
 use tracing::{debug, warn};
 
-use crate::{
-    dataplane::{
-        Dataplane,
-        ebpf::{DriftCheck, DriftFound, DriftNotChecked, EbpfDataplane},
-        iptables::{DriftInput, FamilyDrift, IptablesDataplane},
-    },
-    desired::Snapshot,
-    http_servers::metrics::Metrics,
-};
+use crate::{dataplane::Dataplane, http_servers::metrics::Metrics};
+use proxy_dataplane_ebpf::{DriftCheck, DriftFound, DriftNotChecked, EbpfDataplane};
+use proxy_dataplane_iptables::{DriftInput, FamilyDrift, IptablesDataplane};
+use proxy_model::desired::Snapshot;
 
 /// One differing entry, as `/debug/drift` reports it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -464,7 +459,7 @@ fn answer(replies: Vec<Reply>, report: &DriftReport) {
 }
 
 /// Families whose rules the loop wrote while their check listed them: their result is stale.
-fn log_stale(stale: &[crate::desired::IpFamily], retried: bool) {
+fn log_stale(stale: &[proxy_model::desired::IpFamily], retried: bool) {
     if !stale.is_empty() {
         debug!(
             families = ?stale,
@@ -551,8 +546,8 @@ pub fn check_iptables(
 /// The iptables drift a periodic check repairs (with a full sync): logged and counted.
 fn report_iptables_repair(
     drift: &[(
-        crate::desired::IpFamily,
-        crate::dataplane::iptables::rules_drift::ChainDrift,
+        proxy_model::desired::IpFamily,
+        proxy_dataplane_iptables::rules_drift::ChainDrift,
     )],
     metrics: &Metrics,
 ) {
@@ -574,8 +569,8 @@ fn report_iptables_repair(
 
 fn iptables_report(
     drift: Vec<(
-        crate::desired::IpFamily,
-        crate::dataplane::iptables::rules_drift::ChainDrift,
+        proxy_model::desired::IpFamily,
+        proxy_dataplane_iptables::rules_drift::ChainDrift,
     )>,
     started: std::time::Instant,
 ) -> DriftReport {

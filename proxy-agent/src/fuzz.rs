@@ -18,17 +18,17 @@ pub fn config(bytes: &[u8]) {
     let Ok(text) = std::str::from_utf8(bytes) else {
         return;
     };
-    let _ = crate::config::parse(text);
+    let _ = proxy_model::config::parse(text);
 }
 
 /// One ctnetlink dump datagram (`kernel_conntrack::netlink`).
 pub fn ctnetlink(bytes: &[u8]) {
-    let _ = crate::kernel_conntrack::netlink::parse_dump_datagram(bytes);
+    let _ = proxy_kernel::conntrack::netlink::parse_dump_datagram(bytes);
 }
 
 /// One SOCK_DIAG dump datagram (`dataplane::ebpf::kernel::sockdiag`).
 pub fn sockdiag(bytes: &[u8]) {
-    let _ = crate::dataplane::ebpf::kernel::sockdiag::parse_dump_datagram(bytes);
+    let _ = proxy_kernel::bpf::sockdiag::parse_dump_datagram(bytes);
 }
 
 /// An API server response in protobuf: a LIST body or a watch stream of each kind, an error

@@ -18,10 +18,10 @@ use proxy_common::{
 };
 use serde::Serialize;
 
-use crate::{
+use proxy_dataplane_ebpf::{KernelFeatures, PIN_DIR_NAME, ip4_from_map, ip6_from_map};
+use proxy_model::{
     cli::{InspectArgs, InspectWhat},
     config::Config,
-    dataplane::ebpf::{KernelFeatures, PIN_DIR_NAME, ip4_from_map, ip6_from_map},
 };
 
 mod drift;
@@ -137,7 +137,7 @@ pub fn run(config: &Config, args: &InspectArgs) -> anyhow::Result<String> {
 
 /// `inspect explain` in iptables mode, over the live ruleset.
 fn explain_iptables(args: &InspectArgs) -> anyhow::Result<String> {
-    let local_ips = crate::dataplane::iptables::detect::interface_addresses();
+    let local_ips = proxy_kernel::iptables::detect::interface_addresses();
     let mut query = explain_query(args)?;
     if query.client.is_unspecified() {
         // A node socket's source is one of the node's addresses; the rules only ask whether
@@ -149,12 +149,12 @@ fn explain_iptables(args: &InspectArgs) -> anyhow::Result<String> {
             query.client = *node;
         }
     }
-    let family = crate::desired::IpFamily::of(&query.dest.ip());
+    let family = proxy_model::desired::IpFamily::of(&query.dest.ip());
     let mut dump = String::new();
     for table in ["nat", "filter"] {
         dump.push_str(&iptables_save(family, table)?);
     }
-    let tracer = crate::dataplane::iptables::tracer::Tracer::new(&dump, &[], &local_ips);
+    let tracer = proxy_dataplane_iptables::tracer::Tracer::new(&dump, &[], &local_ips);
     let mut explanation = explain::explain_iptables(&tracer, &query);
     explain::iptables_affinity(&tracer, &query, &mut explanation, |chain| {
         std::fs::read_to_string(Path::new("/proc/net/xt_recent").join(chain)).ok()
@@ -627,7 +627,7 @@ pub fn affinity(pin_dir: &Path) -> anyhow::Result<Vec<AffinityRow>> {
 
 /// The tc conntrack: each entry's match tuple and the tuple a packet is rewritten to.
 pub fn conntrack(pin_dir: &Path) -> anyhow::Result<Vec<ConntrackRow>> {
-    let map = crate::dataplane::ebpf::ConntrackMaps::open_pinned(pin_dir)?;
+    let map = proxy_dataplane_ebpf::ConntrackMaps::open_pinned(pin_dir)?;
     let now = monotonic_ns();
     let addr = |family: u8, words: [u32; 4], port: u16| -> SocketAddr {
         let ip: IpAddr = if family == proxy_common::family::V4 {
@@ -692,7 +692,7 @@ pub fn counters(pin_dir: &Path) -> anyhow::Result<Vec<CounterRow>> {
 /// DNAT destination.
 pub fn iptables_frontends() -> anyhow::Result<Vec<FrontendRow>> {
     let mut rows = Vec::new();
-    for family in crate::desired::IpFamily::ALL {
+    for family in proxy_model::desired::IpFamily::ALL {
         // A family without a working ip(6)tables has no rules to show.
         if let Ok(save) = iptables_save(family, "nat") {
             rows.extend(parse_iptables_save(&save));
@@ -704,10 +704,10 @@ pub fn iptables_frontends() -> anyhow::Result<Vec<FrontendRow>> {
 
 /// `iptables-save -t <table>` with the backend (nft or legacy) the agent itself picks, as
 /// iptables-wrapper does: the one holding kube-proxy's rules.
-fn iptables_save(family: crate::desired::IpFamily, table: &str) -> anyhow::Result<String> {
-    let iptables = crate::dataplane::iptables::exec::Iptables {
+fn iptables_save(family: proxy_model::desired::IpFamily, table: &str) -> anyhow::Result<String> {
+    let iptables = proxy_kernel::iptables::exec::Iptables {
         family,
-        backend: crate::dataplane::iptables::detect::detect_backend(),
+        backend: proxy_kernel::iptables::detect::detect_backend(),
         version: None,
     };
     Ok(iptables.save(table)?)
@@ -715,7 +715,7 @@ fn iptables_save(family: crate::desired::IpFamily, table: &str) -> anyhow::Resul
 
 /// The value following `flag` in a rule (`-d 10.96.0.10/32` → `10.96.0.10/32`).
 pub fn parse_iptables_save(text: &str) -> Vec<FrontendRow> {
-    let tables = crate::dataplane::iptables::save::parse(text);
+    let tables = proxy_kernel::iptables::save::parse(text);
     let mut chain_jumps: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
     let mut dnat: BTreeMap<&str, String> = BTreeMap::new();
     let mut entries = Vec::new();

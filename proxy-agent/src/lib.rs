@@ -1,24 +1,13 @@
 //! kubeproxy-rs node agent as a library: the binary (`src/main.rs`) only parses flags and sets up
-//! logging; benchmarks and tests can drive the same modules.
+//! logging; benchmarks and tests can drive the same modules. The layers below are crates of
+//! their own: `proxy_model` (configuration, objects, desired state), `proxy_kernel` (kernel
+//! clients), `proxy_dataplane_ebpf` and `proxy_dataplane_iptables`.
 
-pub mod btree;
-pub mod cli;
-pub mod config;
 pub mod dataplane;
-pub mod desired;
 pub mod drift_checks;
 pub mod fuzz;
 pub mod http_servers;
 pub mod inspect;
-pub mod ip_family;
-pub mod kernel_conntrack;
-pub mod logging;
-pub mod netlink;
-pub mod node;
-pub mod objects;
-pub mod proxy_mode;
 pub mod run;
 pub mod source;
 pub mod sync_runner;
-pub mod time_format;
-pub mod yaml;

@@ -3,7 +3,8 @@
 use std::{io::IsTerminal as _, process::ExitCode};
 
 use clap::Parser as _;
-use proxy_agent::{cli, config, run};
+use proxy_agent::run;
+use proxy_model::{cli, config};
 use tracing::{error, info, warn};
 use tracing_subscriber::EnvFilter;
 
@@ -58,7 +59,7 @@ async fn agent_main() -> ExitCode {
     let filter = EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| EnvFilter::new(config.log_level().to_string()));
     // The first reading fixes the origin of the ` m=+…` monotonic times in the health bodies.
-    proxy_agent::time_format::process_start();
+    proxy_model::time_format::process_start();
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr);
@@ -68,7 +69,7 @@ async fn agent_main() -> ExitCode {
     if json {
         let builder = builder.json().with_filter_reloading();
         let handle = builder.reload_handle();
-        proxy_agent::logging::install(config.verbosity, move |filter| {
+        proxy_model::logging::install(config.verbosity, move |filter| {
             handle.reload(filter).map_err(|e| e.to_string())
         });
         builder.init();
@@ -77,7 +78,7 @@ async fn agent_main() -> ExitCode {
             .with_ansi(std::io::stderr().is_terminal())
             .with_filter_reloading();
         let handle = builder.reload_handle();
-        proxy_agent::logging::install(config.verbosity, move |filter| {
+        proxy_model::logging::install(config.verbosity, move |filter| {
             handle.reload(filter).map_err(|e| e.to_string())
         });
         builder.init();

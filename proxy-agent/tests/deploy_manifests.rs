@@ -84,14 +84,14 @@ mod serde_json_like {
 fn check_agent_accepts(config: &str) {
     let path = std::env::temp_dir().join(format!("kpr-deploy-config-{}.yaml", std::process::id()));
     std::fs::write(&path, config).expect("write config");
-    let args = proxy_agent::cli::Args {
+    let args = proxy_model::cli::Args {
         config: Some(path.clone()),
-        ..proxy_agent::cli::Args::default()
+        ..proxy_model::cli::Args::default()
     };
-    let loaded = proxy_agent::config::load(&args);
+    let loaded = proxy_model::config::load(&args);
     let _ = std::fs::remove_file(&path);
     match loaded {
-        Ok(loaded) => assert_eq!(loaded.config.mode, proxy_agent::config::ProxyMode::Ebpf),
+        Ok(loaded) => assert_eq!(loaded.config.mode, proxy_model::config::ProxyMode::Ebpf),
         Err(error) => panic!("the ConfigMap's configuration is rejected: {error}"),
     }
 }
@@ -331,14 +331,14 @@ fn daemonset_bootstraps_without_kube_proxy() {
         .iter()
         .map(|arg| arg.replace(&config_mount.mount_path, &scratch.display().to_string()))
         .collect();
-    let parsed = proxy_agent::cli::Args::try_parse_from(&local_args)
+    let parsed = proxy_model::cli::Args::try_parse_from(&local_args)
         .unwrap_or_else(|e| panic!("the agent rejects {args:?}: {e}"));
-    let loaded = proxy_agent::config::load(&parsed);
+    let loaded = proxy_model::config::load(&parsed);
     let _ = std::fs::remove_dir_all(&scratch);
     let config = loaded
         .unwrap_or_else(|e| panic!("the agent rejects its DaemonSet configuration: {e}"))
         .config;
-    assert_eq!(config.mode, proxy_agent::config::ProxyMode::Ebpf);
+    assert_eq!(config.mode, proxy_model::config::ProxyMode::Ebpf);
     assert_eq!(config.hostname_override.as_deref(), Some("node-a"));
 
     // The API server by its real address: a kubeconfig from the ConfigMap, as kubeadm gives

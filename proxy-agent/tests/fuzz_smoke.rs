@@ -154,11 +154,11 @@ fn manifest_seeds() -> Vec<Vec<u8>> {
 }
 
 fn config_seeds() -> Vec<Vec<u8>> {
-    let mut document = proxy_agent::config::KubeProxyConfiguration::default();
-    proxy_agent::config::defaults::apply(&mut document);
-    document.api_version = proxy_agent::config::file::API_VERSION.into();
-    document.kind = proxy_agent::config::file::KIND.into();
-    let full = proxy_agent::config::to_yaml(&document).unwrap_or_default();
+    let mut document = proxy_model::config::KubeProxyConfiguration::default();
+    proxy_model::config::defaults::apply(&mut document);
+    document.api_version = proxy_model::config::file::API_VERSION.into();
+    document.kind = proxy_model::config::file::KIND.into();
+    let full = proxy_model::config::to_yaml(&document).unwrap_or_default();
     vec![
         full.into_bytes(),
         b"apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\nmode: iptables\niptables: {syncPeriod: 1m0s, masqueradeBit: 14}\nclusterCIDR: 10.244.0.0/16,fd00::/48\nnodePortAddresses: [primary]\nfeatureGates: {A: true}\nipvs: null\n".to_vec(),

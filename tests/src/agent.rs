@@ -290,7 +290,7 @@ impl Agent {
     pub fn datapath_counter(&self, index: proxy_common::StatIndex) -> Result<u64> {
         let pin = self
             .bpf_root
-            .join(proxy_agent::dataplane::ebpf::PIN_DIR_NAME)
+            .join(proxy_dataplane_ebpf::PIN_DIR_NAME)
             .join(proxy_common::map_names::STATS);
         let failed = |e: &dyn std::fmt::Display| {
             RigError::Other(format!("reading the counter map {}: {e}", pin.display()))

@@ -29,19 +29,14 @@ impl InProcess {
 
     /// Options of a small dataplane on these parts: `capacity` frontends and backends, the
     /// default conntrack size and everything else at its default.
-    pub fn small_dataplane_options(
-        &self,
-        capacity: u32,
-    ) -> proxy_agent::dataplane::ebpf::EbpfOptions {
-        use proxy_agent::dataplane::ebpf::{EbpfOptions, LbOptions, TcOptions, maps::map_sizes};
+    pub fn small_dataplane_options(&self, capacity: u32) -> proxy_dataplane_ebpf::EbpfOptions {
+        use proxy_dataplane_ebpf::{EbpfOptions, LbOptions, TcOptions, maps::map_sizes};
         EbpfOptions {
             cgroup_path: self.cgroup_path(),
             bpf_root: self.bpf_root(),
             frontends_capacity: capacity,
-            max_frontends_per_service:
-                proxy_agent::dataplane::ebpf::DEFAULT_MAX_FRONTENDS_PER_SERVICE,
-            max_endpoints_per_service:
-                proxy_agent::dataplane::ebpf::DEFAULT_MAX_ENDPOINTS_PER_SERVICE,
+            max_frontends_per_service: proxy_dataplane_ebpf::DEFAULT_MAX_FRONTENDS_PER_SERVICE,
+            max_endpoints_per_service: proxy_dataplane_ebpf::DEFAULT_MAX_ENDPOINTS_PER_SERVICE,
             backends_capacity: capacity,
             conntrack_capacity: Some(proxy_common::default_sizes::CT),
             dynamic_size_ratio: map_sizes::DEFAULT_DYNAMIC_SIZE_RATIO,
@@ -49,7 +44,7 @@ impl InProcess {
             tc: TcOptions::default(),
             disabled_features: Default::default(),
             icmp_ratelimit: None,
-            snat_ports: proxy_agent::dataplane::ebpf::conntrack::reserved_ports::DEFAULT_RANGE,
+            snat_ports: proxy_dataplane_ebpf::conntrack::reserved_ports::DEFAULT_RANGE,
         }
     }
 }

@@ -546,7 +546,7 @@ pub fn contested_external_ip_stays_with_the_older_service_across_mode_switches()
     let pin_dir = s
         .agent()?
         .bpf_root()
-        .join(proxy_agent::dataplane::ebpf::PIN_DIR_NAME);
+        .join(proxy_dataplane_ebpf::PIN_DIR_NAME);
     for phase in [
         "iptables, first start",
         "eBPF, after the switch from iptables",

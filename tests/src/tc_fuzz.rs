@@ -26,8 +26,8 @@ use std::{
 };
 
 use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
-use proxy_agent::{
-    dataplane::ebpf::{EbpfDataplane, EbpfOptions, LbOptions, TcOptions},
+use proxy_dataplane_ebpf::{EbpfDataplane, EbpfOptions, LbOptions, TcOptions};
+use proxy_model::{
     desired::Snapshot,
     objects::{ObjectKey, Objects},
 };
@@ -174,14 +174,11 @@ impl TcNode {
             cgroup_path: Some(cgroup.path().to_path_buf()),
             bpf_root: PathBuf::from(bpf.path()),
             frontends_capacity: 1024,
-            max_frontends_per_service:
-                proxy_agent::dataplane::ebpf::DEFAULT_MAX_FRONTENDS_PER_SERVICE,
-            max_endpoints_per_service:
-                proxy_agent::dataplane::ebpf::DEFAULT_MAX_ENDPOINTS_PER_SERVICE,
+            max_frontends_per_service: proxy_dataplane_ebpf::DEFAULT_MAX_FRONTENDS_PER_SERVICE,
+            max_endpoints_per_service: proxy_dataplane_ebpf::DEFAULT_MAX_ENDPOINTS_PER_SERVICE,
             backends_capacity: 1024,
-            conntrack_capacity: Some(proxy_agent::dataplane::ebpf::DEFAULT_CONNTRACK_CAPACITY),
-            dynamic_size_ratio:
-                proxy_agent::dataplane::ebpf::maps::map_sizes::DEFAULT_DYNAMIC_SIZE_RATIO,
+            conntrack_capacity: Some(proxy_dataplane_ebpf::DEFAULT_CONNTRACK_CAPACITY),
+            dynamic_size_ratio: proxy_dataplane_ebpf::maps::map_sizes::DEFAULT_DYNAMIC_SIZE_RATIO,
             lb: LbOptions::default(),
             tc: TcOptions {
                 interfaces: vec!["ext0".into()],
@@ -197,7 +194,7 @@ impl TcNode {
             disabled_features: Default::default(),
             // Every REJECT answered: the rate limit has its own test.
             icmp_ratelimit: Some(std::time::Duration::ZERO),
-            snat_ports: proxy_agent::dataplane::ebpf::conntrack::reserved_ports::DEFAULT_RANGE,
+            snat_ports: proxy_dataplane_ebpf::conntrack::reserved_ports::DEFAULT_RANGE,
         };
         let dataplane = {
             let _entered = runtime.enter();
@@ -471,7 +468,7 @@ impl TcNode {
     }
 }
 
-fn refused_by_kernel(error: &proxy_agent::dataplane::ebpf::EbpfError) -> bool {
+fn refused_by_kernel(error: &proxy_dataplane_ebpf::EbpfError) -> bool {
     let mut source: Option<&dyn std::error::Error> = Some(error);
     while let Some(e) = source {
         if let Some(io) = e.downcast_ref::<std::io::Error>() {

@@ -418,37 +418,163 @@ fn strongly_connected(graph: &Graph) -> Vec<Vec<String>> {
     s.out
 }
 
-/// `cargo xtask test`'s step: fails naming every cycle and the edges that make it.
+/// The workspace's crates, bottom layer first. A crate's dependencies on workspace crates lie in
+/// lower layers only: the model below the kernel clients, the kernel clients below the
+/// dataplanes, the dataplanes below the agent. Cargo refuses a cycle between crates; this keeps
+/// the order, so that no crate slides down a layer by naming one beside or above it.
+pub const CRATE_LAYERS: &[&[&str]] = &[
+    &["proxy-common"],
+    &["proxy-model", "proxy-ebpf"],
+    &["proxy-kernel"],
+    &["proxy-dataplane-ebpf", "proxy-dataplane-iptables"],
+    &["proxy-agent"],
+    &["proxy-tests", "xtask"],
+];
+
+/// What the model may not depend on, even through a dev-dependency: a kernel client, an async
+/// runtime, a network server or client. The model is the part every layer reads and every test
+/// can run without root; these would make it neither.
+pub const NOT_IN_MODEL: &[&str] = &[
+    "aya",
+    "aya-log",
+    "tokio",
+    "nix",
+    "libc",
+    "socket2",
+    "kube",
+    "hyper",
+    "hyper-util",
+    "axum",
+    "notify",
+    "futures",
+];
+
+/// One workspace crate as `cargo metadata` describes it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Package {
+    pub name: String,
+    /// The crate roots (`src/lib.rs`, `src/main.rs`); other binaries are not separate layers.
+    pub roots: Vec<(String, PathBuf)>,
+    /// Every dependency: name and whether it is a dev-dependency.
+    pub dependencies: Vec<(String, bool)>,
+}
+
+/// `cargo xtask test`'s step: fails naming every crate out of its layer and every module cycle
+/// with the edges that make it.
 pub fn check() -> Result<()> {
-    crate::commands::step("layers: no module cycle in any crate");
-    let mut shown = Vec::new();
-    for (name, file) in workspace_crates(&crate::commands::workspace_root()) {
-        shown.extend(cycles(&name, &file)?.iter().map(ToString::to_string));
+    crate::commands::step("layers: crates in their layers, no module cycle in any crate");
+    let packages = workspace_packages(&crate::commands::workspace_root())?;
+    let mut shown = crate_layer_violations(&packages);
+    for package in &packages {
+        for (root, file) in &package.roots {
+            let name = format!("{} ({root})", package.name);
+            shown.extend(cycles(&name, file)?.iter().map(ToString::to_string));
+        }
     }
     if !shown.is_empty() {
-        anyhow::bail!("module cycles:\n{}", shown.join("\n"));
+        anyhow::bail!("layers:\n{}", shown.join("\n"));
     }
     Ok(())
 }
 
-/// The workspace's crates: name and root source file.
-pub fn workspace_crates(root: &Path) -> Vec<(String, PathBuf)> {
-    let mut crates = Vec::new();
-    for (name, dir) in [
-        ("proxy-common", "proxy-common"),
-        ("proxy-ebpf", "proxy-ebpf"),
-        ("proxy-agent", "proxy-agent"),
-        ("xtask", "xtask"),
-        ("proxy-tests", "tests"),
-    ] {
-        for file in ["src/lib.rs", "src/main.rs"] {
-            let path = root.join(dir).join(file);
-            if path.is_file() {
-                crates.push((format!("{name} ({file})"), path));
+/// Each crate that names a workspace crate of its own or a higher layer, that is in no layer,
+/// or (the model) that depends on a kernel client or runtime.
+pub fn crate_layer_violations(packages: &[Package]) -> Vec<String> {
+    let layer_of = |name: &str| CRATE_LAYERS.iter().position(|layer| layer.contains(&name));
+    let workspace: BTreeSet<&str> = packages.iter().map(|p| p.name.as_str()).collect();
+    let mut found = Vec::new();
+    for package in packages {
+        let Some(layer) = layer_of(&package.name) else {
+            found.push(format!(
+                "{}: in no layer of xtask/src/layers.rs CRATE_LAYERS",
+                package.name
+            ));
+            continue;
+        };
+        for (dependency, dev) in &package.dependencies {
+            if package.name == "proxy-model" && NOT_IN_MODEL.contains(&dependency.as_str()) {
+                found.push(format!(
+                    "proxy-model depends on {dependency}: the model has no kernel client or runtime"
+                ));
+            }
+            // A dev-dependency may reach sideways or up (a test of a lower crate driving a
+            // higher one's API would be one), but not on the model, checked above.
+            if *dev || !workspace.contains(dependency.as_str()) {
+                continue;
+            }
+            match layer_of(dependency) {
+                Some(below) if below < layer => {}
+                _ => found.push(format!(
+                    "{} depends on {dependency}, which is not in a lower layer",
+                    package.name
+                )),
             }
         }
     }
-    crates
+    found
+}
+
+/// The workspace's crates from `cargo metadata` (no network, no dependency resolution needed).
+pub fn workspace_packages(root: &Path) -> Result<Vec<Package>> {
+    let output =
+        std::process::Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
+            .args([
+                "metadata",
+                "--format-version",
+                "1",
+                "--no-deps",
+                "--offline",
+            ])
+            .current_dir(root)
+            .output()
+            .context("running cargo metadata")?;
+    if !output.status.success() {
+        anyhow::bail!(
+            "cargo metadata failed: {}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+    }
+    let metadata: serde_json::Value =
+        serde_json::from_slice(&output.stdout).context("reading cargo metadata")?;
+    let mut packages = Vec::new();
+    for package in metadata["packages"].as_array().into_iter().flatten() {
+        let name = package["name"].as_str().unwrap_or_default().to_owned();
+        let mut roots = Vec::new();
+        for target in package["targets"].as_array().into_iter().flatten() {
+            let path = PathBuf::from(target["src_path"].as_str().unwrap_or_default());
+            let file = path
+                .file_name()
+                .and_then(|f| f.to_str())
+                .unwrap_or_default();
+            let in_src = path
+                .parent()
+                .and_then(Path::file_name)
+                .is_some_and(|d| d == "src");
+            if in_src && (file == "lib.rs" || file == "main.rs") {
+                roots.push((format!("src/{file}"), path));
+            }
+        }
+        roots.sort();
+        roots.dedup();
+        let dependencies = package["dependencies"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .map(|d| {
+                (
+                    d["name"].as_str().unwrap_or_default().to_owned(),
+                    d["kind"].as_str() == Some("dev"),
+                )
+            })
+            .collect();
+        packages.push(Package {
+            name,
+            roots,
+            dependencies,
+        });
+    }
+    packages.sort_by(|a, b| a.name.cmp(&b.name));
+    Ok(packages)
 }
 
 #[cfg(test)]
@@ -514,6 +640,63 @@ mod tests {
         let found = cycles("demo", &dir.join("lib.rs")).expect("reads");
         let _ = std::fs::remove_dir_all(&dir);
         assert_eq!(found, Vec::new());
+    }
+
+    fn package(name: &str, dependencies: &[(&str, bool)]) -> Package {
+        Package {
+            name: name.into(),
+            roots: Vec::new(),
+            dependencies: dependencies
+                .iter()
+                .map(|(d, dev)| ((*d).into(), *dev))
+                .collect(),
+        }
+    }
+
+    #[test]
+    fn a_crate_naming_its_own_or_a_higher_layer_or_the_model_a_runtime_is_refused() {
+        let packages = [
+            package("proxy-common", &[]),
+            package("proxy-model", &[("proxy-common", false), ("tokio", true)]),
+            package(
+                "proxy-kernel",
+                &[("proxy-model", false), ("proxy-dataplane-ebpf", false)],
+            ),
+            package("proxy-dataplane-ebpf", &[("proxy-kernel", false)]),
+            package(
+                "proxy-dataplane-iptables",
+                &[("proxy-dataplane-ebpf", false), ("proxy-agent", true)],
+            ),
+            package(
+                "proxy-agent",
+                &[("proxy-dataplane-ebpf", false), ("tokio", false)],
+            ),
+            package("stray", &[]),
+        ];
+        assert_eq!(
+            crate_layer_violations(&packages),
+            vec![
+                "proxy-model depends on tokio: the model has no kernel client or runtime".to_owned(),
+                "proxy-kernel depends on proxy-dataplane-ebpf, which is not in a lower layer".into(),
+                "proxy-dataplane-iptables depends on proxy-dataplane-ebpf, which is not in a lower layer".into(),
+                "stray: in no layer of xtask/src/layers.rs CRATE_LAYERS".into(),
+            ]
+        );
+    }
+
+    #[test]
+    fn the_workspace_crates_are_the_layers_and_the_model_is_pure() {
+        let packages = workspace_packages(&crate::commands::workspace_root()).expect("metadata");
+        let names: Vec<&str> = packages.iter().map(|p| p.name.as_str()).collect();
+        for layer in CRATE_LAYERS {
+            for name in *layer {
+                assert!(
+                    names.contains(name),
+                    "{name} is not a workspace crate: {names:?}"
+                );
+            }
+        }
+        assert_eq!(crate_layer_violations(&packages), Vec::<String>::new());
     }
 
     #[test]

@@ -1,8 +1,7 @@
-//! Dataplanes make the kernel match a [`crate::desired::Snapshot`]; they never decide policy.
+//! The running dataplane: one of the two modes (`proxy_dataplane_ebpf`,
+//! `proxy_dataplane_iptables`), chosen and started from the configuration. Dataplanes make the
+//! kernel match a [`proxy_model::desired::Snapshot`]; they never decide policy.
 
-pub mod ebpf;
-pub mod iptables;
-pub mod nat_hold;
 mod options;
 mod selected;
 

@@ -1,12 +1,8 @@
 //! The configuration → each dataplane's options, in one place.
 
-use crate::{
-    config::{Config, DetectLocal, LbAlgorithm, NodePortAddresses},
-    dataplane::{
-        ebpf::{EbpfOptions, LbOptions, TcOptions},
-        iptables::{DetectLocalMode, IptablesConfig},
-    },
-};
+use proxy_dataplane_ebpf::{EbpfOptions, LbOptions, TcOptions};
+use proxy_dataplane_iptables::{DetectLocalMode, IptablesConfig};
+use proxy_model::config::{Config, DetectLocal, LbAlgorithm, NodePortAddresses};
 
 /// The NodePort addresses known from the configuration alone. `primary` is resolved from the
 /// Node object by the node settings, which replace these before the first sync.

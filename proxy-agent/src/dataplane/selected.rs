@@ -7,16 +7,14 @@ use std::{collections::BTreeSet, time::Duration};
 use anyhow::Context as _;
 use tracing::{debug, info, warn};
 
-use super::{
-    ebpf::{self, ApplyError, ApplySummary, EbpfDataplane, GcProgress},
-    iptables::{self, IptablesDataplane, IptablesError, SyncReport},
-    options::{ebpf_options, iptables_config},
-};
-use crate::{
+use super::options::{ebpf_options, iptables_config};
+use crate::sync_runner::{RunnerConfig, SyncReason};
+use proxy_dataplane_ebpf::{self as ebpf, ApplyError, ApplySummary, EbpfDataplane, GcProgress};
+use proxy_dataplane_iptables::{self as iptables, IptablesDataplane, IptablesError, SyncReport};
+use proxy_kernel::node::NodeSettings;
+use proxy_model::{
     config::{Config, ProxyMode},
     desired::{IpFamily, ServicePortName, Snapshot},
-    node::NodeSettings,
-    sync_runner::{RunnerConfig, SyncReason},
 };
 
 /// pkg/proxy/util `FullSyncPeriod`: the iptables runner's maximum interval.
@@ -107,7 +105,9 @@ impl Dataplane {
                 // ports) too.
                 dataplane.adopt_kernel_nat_flows();
                 // Before the rules go: the kernel keeps NATing their connections meanwhile.
-                super::nat_hold::hold_while_draining(config.ebpf.mode_switch_drain_period);
+                proxy_kernel::iptables::nat_hold::hold_while_draining(
+                    config.ebpf.mode_switch_drain_period,
+                );
                 let problems = iptables::cleanup();
                 if problems.is_empty() {
                     debug!("no iptables-mode leftovers");

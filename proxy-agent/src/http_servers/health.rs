@@ -21,7 +21,7 @@ use super::{
     http::{go_not_found, response},
     metrics::Metrics,
 };
-use crate::{desired::IpFamily, objects::NodeInfo, time_format::Stamp};
+use proxy_model::{desired::IpFamily, objects::NodeInfo, time_format::Stamp};
 
 /// The taint the Cluster Autoscaler puts on a node it is about to delete.
 pub const TO_BE_DELETED_TAINT: &str = "ToBeDeletedByClusterAutoscaler";

@@ -51,7 +51,7 @@ use super::{
     exposition::{self, Format},
     http::{go_not_found, response},
 };
-use crate::{
+use proxy_model::{
     desired::{FamilySnapshot, IpFamily, ServicePort, ServicePortName},
     proxy_mode::ProxyMode,
 };
@@ -474,7 +474,7 @@ impl Metrics {
     /// What the desired state currently refuses: addresses by reason (every reason has a
     /// sample, zero when none), and frontends lost to an older Service.
     pub fn service_problems(&self, ignored: &BTreeMap<&'static str, i64>, conflicts: usize) {
-        for reason in crate::ip_family::UNUSABLE_REASONS {
+        for reason in proxy_model::ip_family::UNUSABLE_REASONS {
             self.ignored_addresses
                 .get_or_create(&ReasonLabel { reason })
                 .set(ignored.get(reason).copied().unwrap_or(0));
@@ -712,11 +712,11 @@ impl IptablesMetrics {
             rules_total: Family::default(),
             rules_last: Family::default(),
             ct_state_invalid_dropped: NfacctMetric::new(
-                crate::dataplane::iptables::rules::NFACCT_CT_STATE_INVALID,
+                proxy_dataplane_iptables::rules::NFACCT_CT_STATE_INVALID,
                 &nfacct_reader,
             ),
             localhost_nodeports_accepted: NfacctMetric::new(
-                crate::dataplane::iptables::rules::NFACCT_LOCALHOST_NODEPORTS,
+                proxy_dataplane_iptables::rules::NFACCT_LOCALHOST_NODEPORTS,
                 &nfacct_reader,
             ),
             drift_repairs: Family::default(),
@@ -1087,7 +1087,7 @@ async fn verbosity_handler(
         return go_not_found().await;
     }
     let (status, text) = if method == Method::PUT {
-        match crate::logging::set_verbosity(&body) {
+        match proxy_model::logging::set_verbosity(&body) {
             Ok(text) => (StatusCode::OK, text),
             Err(text) => (StatusCode::BAD_REQUEST, text),
         }

@@ -33,7 +33,7 @@ use self::{
     metrics::Metrics,
     service_health::ServiceHealthServers,
 };
-use crate::{
+use proxy_model::{
     desired::{IpFamily, ServicePortName, Snapshot},
     objects::{NodeInfo, ObjectKey, Objects},
     proxy_mode::ProxyMode,

@@ -24,7 +24,7 @@ use super::{
     health::ProxyHealth,
     http::{ServerHandle, listen, listen_exact, response, serve},
 };
-use crate::{
+use proxy_model::{
     desired::{FamilySnapshot, ServicePortName, Snapshot},
     objects::ObjectKey,
 };

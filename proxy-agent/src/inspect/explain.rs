@@ -32,7 +32,7 @@ use proxy_common::{
 };
 use serde::Serialize;
 
-use crate::dataplane::ebpf::{ConntrackMaps, ip4_from_map, ip6_from_map};
+use proxy_dataplane_ebpf::{ConntrackMaps, ip4_from_map, ip6_from_map};
 
 /// Where the client is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -686,11 +686,11 @@ fn outside_cluster_cidr(client: IpAddr, config: &NodeConfig) -> bool {
 /// has the parity tests' rule semantics (upstream's `tracePacket`), entered at nat `OUTPUT` for
 /// the node's own connections and at `PREROUTING` for pods' and external packets, then the
 /// filter chains of the hook the packet meets
-/// ([`crate::dataplane::iptables::tracer::Tracer::trace_hooked`]). Every DNAT
+/// ([`proxy_dataplane_iptables::tracer::Tracer::trace_hooked`]). Every DNAT
 /// destination a probabilistic jump may reach is a candidate; `-m recent` affinity is state the
 /// rules do not hold: [`iptables_affinity`] reads it.
 pub fn explain_iptables(
-    tracer: &crate::dataplane::iptables::tracer::Tracer,
+    tracer: &proxy_dataplane_iptables::tracer::Tracer,
     q: &Query,
 ) -> Explanation {
     let start = if q.from == From::Node {
@@ -763,7 +763,7 @@ pub fn explain_iptables(
 /// one and the entry is shown. The list's age against the rule's `--seconds` is not checked
 /// (the kernel keeps entries in jiffies).
 pub fn iptables_affinity(
-    tracer: &crate::dataplane::iptables::tracer::Tracer,
+    tracer: &proxy_dataplane_iptables::tracer::Tracer,
     q: &Query,
     e: &mut Explanation,
     recent: impl Fn(&str) -> Option<String>,
@@ -961,7 +961,7 @@ impl Maps for PinnedMaps {
             .collect()
     }
     fn now_ns(&self) -> u64 {
-        crate::dataplane::ebpf::monotonic_ns().unwrap_or(0)
+        proxy_dataplane_ebpf::monotonic_ns().unwrap_or(0)
     }
 }
 

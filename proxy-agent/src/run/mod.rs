@@ -24,15 +24,17 @@ use self::{
     report::{log_snapshot_size, record_conntrack_gc, record_sync, report_sync},
 };
 use crate::{
-    config::Config,
     dataplane::Dataplane,
-    desired::{IpFamily, NodeContext, Snapshot},
     http_servers::{HttpServers, HttpServersConfig},
-    node::{NodeInputs, NodeManager, NodeSettings},
-    objects::{Kind, Store},
-    proxy_mode::ProxyMode,
     source::{self, kubernetes::ClientOptions},
     sync_runner::SyncRunner,
+};
+use proxy_kernel::node::{NodeInputs, NodeManager, NodeSettings};
+use proxy_model::{
+    config::Config,
+    desired::{IpFamily, NodeContext, Snapshot},
+    objects::{Kind, Store},
+    proxy_mode::ProxyMode,
 };
 
 /// How often the eBPF dataplane's conntrack is garbage-collected. SNAT port reuse does not wait
@@ -124,7 +126,7 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     // intercepting Service traffic next to ours. The eBPF mode registers no NAT of its own, so
     // it keeps kube-proxy's (emptied) nftables tables while its connections last.
     remove_kube_proxy_modes(
-        (dataplane.mode() == crate::proxy_mode::ProxyMode::Ebpf)
+        (dataplane.mode() == proxy_model::proxy_mode::ProxyMode::Ebpf)
             .then_some(config.ebpf.mode_switch_drain_period),
     );
     // /healthz /livez, health check node ports, /metrics /proxyMode — for the mode actually
@@ -140,7 +142,7 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
         .set_debug(config.configz.clone(), config.enable_profiling);
     if let Some(iptables) = http_servers.metrics().iptables() {
         iptables.read_nfacct_with(Box::new(|name| {
-            crate::dataplane::iptables::nfacct::packets(name).map_err(|e| e.to_string())
+            proxy_dataplane_iptables::nfacct::packets(name).map_err(|e| e.to_string())
         }));
     }
     if let (Some(metrics), Dataplane::Ebpf(ebpf)) = (http_servers.metrics().ebpf(), &dataplane) {
@@ -390,9 +392,9 @@ fn apply_node_settings(
 /// What the desired state refused, as metrics, and each newly refused field of a Service as a
 /// Warning Event on it (API source).
 fn report_service_problems(
-    update: &crate::desired::SnapshotUpdate,
+    update: &proxy_model::desired::SnapshotUpdate,
     snapshot: &Snapshot,
-    objects: &crate::objects::Objects,
+    objects: &proxy_model::objects::Objects,
     events: Option<&source::kubernetes::ServiceWarnings>,
     http_servers: &HttpServers,
 ) {

@@ -3,11 +3,10 @@
 use anyhow::{Context as _, bail};
 use tracing::{debug, info, warn};
 
-use crate::{
-    config::Config,
-    dataplane::{ebpf, iptables},
-    kernel_conntrack::{self, ConntrackSettings},
-};
+use proxy_dataplane_ebpf as ebpf;
+use proxy_dataplane_iptables as iptables;
+use proxy_kernel::conntrack::{self, ConntrackSettings};
+use proxy_model::config::Config;
 
 /// One glibc malloc arena for the whole process, set before any thread exists. glibc gives
 /// each thread that allocates while another holds the lock an arena of its own (up to 8 per
@@ -106,8 +105,7 @@ pub fn apply_process_settings(config: &Config) {
         udp_timeout: Some(config.conntrack.udp_timeout),
         udp_stream_timeout: Some(config.conntrack.udp_stream_timeout),
     };
-    let (written, errors) =
-        kernel_conntrack::apply_sysctls(&settings, std::path::Path::new("/proc/sys"));
+    let (written, errors) = conntrack::apply_sysctls(&settings, std::path::Path::new("/proc/sys"));
     debug!(written, "conntrack sysctls applied");
     for error in errors {
         warn!(%error, "conntrack sysctl not applied");

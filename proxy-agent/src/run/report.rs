@@ -8,15 +8,18 @@ use std::{
 use tracing::{debug, error, info, warn};
 
 use crate::{
-    dataplane::{EbpfSyncOutcome, SyncOutcome, ebpf::GcProgress},
-    desired::{IpFamily, ServicePortName, Snapshot},
+    dataplane::{EbpfSyncOutcome, SyncOutcome},
     http_servers::{
         HttpServers,
         metrics::{IptablesTable, Metrics},
         trigger_times,
     },
-    objects::{Changes, Objects},
     sync_runner::SyncReason,
+};
+use proxy_dataplane_ebpf::GcProgress;
+use proxy_model::{
+    desired::{IpFamily, ServicePortName, Snapshot},
+    objects::{Changes, Objects},
 };
 
 /// Logs one sync's outcome and records its metrics (sync durations, rule counts, conntrack
@@ -205,7 +208,7 @@ pub fn log_snapshot_size(objects: &Objects, snapshot: &Snapshot) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::proxy_mode::ProxyMode;
+    use proxy_model::proxy_mode::ProxyMode;
 
     #[test]
     fn conntrack_gc_rounds_and_the_entries_left_are_recorded() {

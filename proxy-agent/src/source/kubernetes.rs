@@ -9,7 +9,7 @@
 //! backoff; until then the store, and so the datapath, keeps the last state.
 
 mod client;
-use crate::config::encoding;
+use proxy_model::config::encoding;
 mod events;
 #[cfg(test)]
 mod fixtures;
@@ -38,7 +38,7 @@ pub use events::{ServiceEvent, ServiceWarnings, post_starting_event, service_war
 pub use mapping::{EndpointSliceEvents, EventMapper, NodeEvents, ServiceEvents};
 pub use protobuf::decode_everything as decode_protobuf;
 
-use crate::objects::Update;
+use proxy_model::objects::Update;
 
 /// kube-proxy's label selector for Services and EndpointSlices (one informer factory for both
 /// in cmd/kube-proxy): objects meant for another service proxy, and headless Services and

@@ -25,8 +25,8 @@ use tokio::sync::{Notify, mpsc};
 use tracing::{debug, info, warn};
 
 use self::documents::Document;
-use crate::objects::{EndpointSliceInfo, NodeInfo, ObjectKey, ServiceInfo, Update};
-use crate::yaml::Decoded;
+use proxy_model::objects::{EndpointSliceInfo, NodeInfo, ObjectKey, ServiceInfo, Update};
+use proxy_model::yaml::Decoded;
 
 /// Largest manifest file read. Far above any real folder of Services and EndpointSlices (the
 /// API server stores an object in at most 1.5 MiB), and it bounds the memory a parse can take
@@ -137,7 +137,7 @@ pub enum ManifestError {
         at: Location,
         key: ObjectKey,
         /// The Service's name (its namespace is the slice's).
-        service: crate::objects::Name,
+        service: proxy_model::objects::Name,
     },
     #[error("{at}: {kind} {key} is already defined in {}; ignoring this copy", first.display())]
     Duplicate {
@@ -366,8 +366,10 @@ enum Source<'a> {
 fn decode_object(kind: Kind, source: Source<'_>) -> Result<Object, String> {
     fn one<T: DeserializeOwned>(source: Source<'_>) -> Result<Decoded<T>, String> {
         match source {
-            Source::Text(document) => crate::yaml::decode_str(document.text, document.first_line),
-            Source::Value(value) => crate::yaml::decode_value(value),
+            Source::Text(document) => {
+                proxy_model::yaml::decode_str(document.text, document.first_line)
+            }
+            Source::Value(value) => proxy_model::yaml::decode_value(value),
         }
     }
     Ok(match kind {
@@ -520,7 +522,7 @@ fn load_decoded(
         }) => {
             let key = checked_key(at, "EndpointSlice", &slice.metadata, unknown_fields, loaded)?;
             let slice = EndpointSliceInfo::from(&slice);
-            if crate::objects::slice_service(&key, &slice).is_none() {
+            if proxy_model::objects::slice_service(&key, &slice).is_none() {
                 return Err(ManifestError::SliceWithoutServiceLabel {
                     at: at.clone(),
                     key,
@@ -646,7 +648,7 @@ fn insert_unique<T>(
 /// dropped: the Service may be added next.
 fn check_slices_have_services(loaded: &mut Loaded, origins: &Origins) {
     for (key, slice) in &loaded.endpoint_slices {
-        let Some(service) = crate::objects::slice_service(key, slice) else {
+        let Some(service) = proxy_model::objects::slice_service(key, slice) else {
             continue;
         };
         if loaded.services.contains_key(&service) {

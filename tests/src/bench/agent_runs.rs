@@ -313,7 +313,7 @@ pub fn clear_iptables_rules(s: &Scenario) -> Result<()> {
     let node = s.topo.node().path();
     let worker = std::thread::spawn(move || -> Result<Vec<String>> {
         crate::netns::enter_netns(&node)?;
-        Ok(proxy_agent::dataplane::iptables::cleanup()
+        Ok(proxy_dataplane_iptables::cleanup()
             .iter()
             .map(ToString::to_string)
             .collect())
@@ -400,7 +400,7 @@ pub fn start_measured(
 
 /// Time between one change's first answer from the new set and the next change.
 pub const CHANGE_SPACING: Duration =
-    Duration::from_millis(proxy_agent::dataplane::ebpf::GENERATION_GRACE.as_millis() as u64 + 150);
+    Duration::from_millis(proxy_dataplane_ebpf::GENERATION_GRACE.as_millis() as u64 + 150);
 
 /// `n` end-to-end changes of the live Service's EndpointSlice (file or API object), flipping
 /// between the two backend sets; each sample is change made → first connection reaching the
@@ -626,7 +626,7 @@ mod tests {
 2026-11-29T09:00:09.000000Z  INFO proxy_agent::run::report: sync applied elapsed_us=1\n\
 2026-11-29T09:34:53.500000Z  INFO proxy_agent::run: starting proxy-agent node=n mode=Ebpf\n\
 2026-11-29T09:34:54.000000Z  INFO proxy_agent::source::kubernetes: listed kind=Node objects=1\n\
-2026-11-29T09:34:55.250000Z  INFO proxy_agent::dataplane::ebpf::dataplane: eBPF socket and tc programs loaded, maps pinned\n\
+2026-11-29T09:34:55.250000Z  INFO proxy_dataplane_ebpf::dataplane: eBPF socket and tc programs loaded, maps pinned\n\
 2026-11-29T09:34:56.000000Z  INFO proxy_agent::source::kubernetes: listed kind=Service objects=9\n\
 2026-11-29T09:34:57.500000Z  INFO proxy_agent::source::kubernetes: listed kind=EndpointSlice objects=9\n\
 2026-11-29T09:34:59.000000Z  INFO proxy_agent::source::kubernetes: listed kind=Service objects=9\n\

@@ -11,13 +11,13 @@ use std::fs;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use proxy_agent::dataplane::ebpf::TcOptions;
-use proxy_agent::dataplane::ebpf::{self, EbpfDataplane, EbpfOptions, LbOptions};
-use proxy_agent::dataplane::iptables::{
+use proxy_dataplane_ebpf::TcOptions;
+use proxy_dataplane_ebpf::{self as ebpf, EbpfDataplane, EbpfOptions, LbOptions};
+use proxy_dataplane_iptables::{
     FamilyRules, HostFeatures, IptablesConfig, IptablesDataplane, SyncInput, generate,
 };
-use proxy_agent::desired::{IpFamily, Snapshot};
-use proxy_agent::objects::{Kind, Store, Update};
+use proxy_model::desired::{IpFamily, Snapshot};
+use proxy_model::objects::{Kind, Store, Update};
 
 use super::agent_runs::IptablesBackend;
 use super::stats::Percentiles;
@@ -161,7 +161,7 @@ fn change(
     k: usize,
     store: &mut Store,
     snapshot: &mut Snapshot,
-) -> std::collections::BTreeSet<proxy_agent::desired::ServicePortName> {
+) -> std::collections::BTreeSet<proxy_model::desired::ServicePortName> {
     let (slice_key, slice, _) = w.change(k);
     // The conversion a source makes on each event is part of the change's cost.
     store.apply(Update::EndpointSliceApplied(slice_key, (&slice).into()));
@@ -203,18 +203,17 @@ fn ebpf_in_current_netns(w: Workload, changes: usize) -> Result<EbpfResult> {
         cgroup_path: Some(cgroup.path().to_path_buf()),
         bpf_root: root.path().to_path_buf(),
         frontends_capacity: DEFAULT_FRONTENDS_CAPACITY,
-        max_frontends_per_service: proxy_agent::dataplane::ebpf::DEFAULT_MAX_FRONTENDS_PER_SERVICE,
-        max_endpoints_per_service: proxy_agent::dataplane::ebpf::DEFAULT_MAX_ENDPOINTS_PER_SERVICE,
+        max_frontends_per_service: proxy_dataplane_ebpf::DEFAULT_MAX_FRONTENDS_PER_SERVICE,
+        max_endpoints_per_service: proxy_dataplane_ebpf::DEFAULT_MAX_ENDPOINTS_PER_SERVICE,
         backends_capacity: capacity,
-        conntrack_capacity: Some(proxy_agent::dataplane::ebpf::DEFAULT_CONNTRACK_CAPACITY),
-        dynamic_size_ratio:
-            proxy_agent::dataplane::ebpf::maps::map_sizes::DEFAULT_DYNAMIC_SIZE_RATIO,
+        conntrack_capacity: Some(proxy_dataplane_ebpf::DEFAULT_CONNTRACK_CAPACITY),
+        dynamic_size_ratio: proxy_dataplane_ebpf::maps::map_sizes::DEFAULT_DYNAMIC_SIZE_RATIO,
         lb: LbOptions::default(),
         tc: TcOptions::default(),
         disabled_features: Default::default(),
         // Every REJECT answered: the rate limit has its own test.
         icmp_ratelimit: Some(std::time::Duration::ZERO),
-        snat_ports: proxy_agent::dataplane::ebpf::conntrack::reserved_ports::DEFAULT_RANGE,
+        snat_ports: proxy_dataplane_ebpf::conntrack::reserved_ports::DEFAULT_RANGE,
     })
     .map_err(|e| RigError::Other(format!("starting the eBPF dataplane: {e}")))?;
 
@@ -366,10 +365,7 @@ fn iptables_in_current_netns(w: Workload, changes: usize) -> Result<IptablesResu
     let config = IptablesConfig::default();
     let mut dataplane = IptablesDataplane::start(config.clone())
         .map_err(|e| RigError::Other(format!("starting the iptables dataplane: {e}")))?;
-    let backend = format!(
-        "{:?}",
-        proxy_agent::dataplane::iptables::detect::detect_backend()
-    );
+    let backend = format!("{:?}", proxy_kernel::iptables::detect::detect_backend());
     // The same generator context the dataplane built, for timing the generator alone.
     let rules = FamilyRules::new(
         &config,

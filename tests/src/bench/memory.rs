@@ -5,12 +5,10 @@
 
 use super::workload::{LiveSet, Workload};
 use ipnet::IpNet;
-use proxy_agent::dataplane::ebpf::{
-    BackendValue, FrontendMapKey, MapOps, MapWriteError, MapWriter,
-};
-use proxy_agent::desired::Snapshot;
-use proxy_agent::objects::{Kind, Store, Update};
 use proxy_common::{AffinityMatchKey, BackendSlotKey, FrontendValue, MaglevBlock, MaglevKey};
+use proxy_dataplane_ebpf::{BackendValue, FrontendMapKey, MapOps, MapWriteError, MapWriter};
+use proxy_model::desired::Snapshot;
+use proxy_model::objects::{Kind, Store, Update};
 
 /// Resident memory kept alive by each step, in KiB.
 #[derive(Debug, Clone, Copy, Default)]

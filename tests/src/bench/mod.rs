@@ -810,7 +810,7 @@ fn programming_size(
     let read = reader.read(&Default::default());
     let elapsed = t0.elapsed();
     let services = read.updates.iter().find_map(|u| match u {
-        proxy_agent::objects::Update::ReplaceServices(all) => Some(all.len()),
+        proxy_model::objects::Update::ReplaceServices(all) => Some(all.len()),
         _ => None,
     });
     if read.errors.is_empty() && services == Some(w.services) {

@@ -350,7 +350,7 @@ fn goals(md: &mut String, r: &Results) {
         Some((n, runs)) => {
             let check = Spread::of(runs.iter().map(|e| e.drift_check.cpu.as_secs_f64()));
             let share = check.median
-                / proxy_agent::config::DEFAULT_DRIFT_CHECK_PERIOD.as_secs_f64()
+                / proxy_model::config::DEFAULT_DRIFT_CHECK_PERIOD.as_secs_f64()
                 * 100.0;
             (
                 format!(
@@ -358,7 +358,7 @@ fn goals(md: &mut String, r: &Results) {
                      default period (in-process)",
                     size(n),
                     dur(Duration::from_secs_f64(check.median)),
-                    proxy_agent::config::DEFAULT_DRIFT_CHECK_PERIOD.as_secs()
+                    proxy_model::config::DEFAULT_DRIFT_CHECK_PERIOD.as_secs()
                 ),
                 if share <= GOAL_DRIFT_SHARE_PERCENT {
                     "met".to_owned()
@@ -1008,7 +1008,7 @@ fn inproc_ebpf_rows(md: &mut String, i: &InprocessSize) {
                 )),
                 spread(f(&|e| e.drift_check.cpu.as_nanos() as f64), dur_ns),
                 f(&|e| e.drift_check.cpu.as_secs_f64()).median * 100.0
-                    / proxy_agent::config::DEFAULT_DRIFT_CHECK_PERIOD.as_secs_f64(),
+                    / proxy_model::config::DEFAULT_DRIFT_CHECK_PERIOD.as_secs_f64(),
                 spread(f(&|e| e.drift_check.wall.as_nanos() as f64), dur_ns),
                 spread(
                     f(&|e| e.drift_check_unbatched.cpu.as_nanos() as f64),
@@ -1416,7 +1416,7 @@ fn snat_section(md: &mut String, r: &Results) {
         return;
     };
     let l = result.loops;
-    let range = proxy_agent::dataplane::ebpf::conntrack::reserved_ports::DEFAULT_RANGE;
+    let range = proxy_dataplane_ebpf::conntrack::reserved_ports::DEFAULT_RANGE;
     let ports = u32::from(*range.end()) - u32::from(*range.start()) + 1;
     let close_s = proxy_common::ct_timeout::TCP_CLOSE_NS as f64 / 1e9;
     let last_rate = u64::from(l.first_rate) << l.max_steps.saturating_sub(1);

@@ -87,7 +87,7 @@ pub(super) fn small_node(runner: &mut Runner, w: Workload) -> Outcome<SmallNode>
         Ok(SmallNode {
             workload: w,
             memory,
-            mem_total: proxy_agent::dataplane::ebpf::maps::map_sizes::mem_total(),
+            mem_total: proxy_dataplane_ebpf::maps::map_sizes::mem_total(),
         })
     })();
     match run {

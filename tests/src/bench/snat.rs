@@ -637,7 +637,7 @@ fn ct_capacity(s: &Scenario) -> Option<u64> {
     let pin = s
         .agent_ref()?
         .bpf_root()
-        .join(proxy_agent::dataplane::ebpf::PIN_DIR_NAME)
+        .join(proxy_dataplane_ebpf::PIN_DIR_NAME)
         .join(proxy_common::map_names::CT4);
     aya::maps::MapInfo::from_pin(&pin)
         .ok()
@@ -732,8 +732,8 @@ pub fn run_mode(
 /// bytes per entry with the LRU map's per-element overhead), IPv4 (`KPR_CT4`) then IPv6
 /// (`KPR_CT6`).
 pub fn ct_entry_sizes() -> [(usize, usize, u64); 2] {
-    use proxy_agent::dataplane::ebpf::maps::map_sizes::entry_bytes;
     use proxy_common::{CtKey, CtKey4, CtValue, CtValue4};
+    use proxy_dataplane_ebpf::maps::map_sizes::entry_bytes;
     [
         (
             size_of::<CtKey4>(),

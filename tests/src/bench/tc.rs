@@ -28,9 +28,9 @@ use std::time::{Duration, Instant};
 
 use k8s_openapi::api::core::v1::Service;
 use k8s_openapi::api::discovery::v1::EndpointSlice;
-use proxy_agent::dataplane::ebpf::{EbpfDataplane, EbpfOptions, TcOptions};
-use proxy_agent::desired::Snapshot;
-use proxy_agent::objects::{ObjectKey, Objects};
+use proxy_dataplane_ebpf::{EbpfDataplane, EbpfOptions, TcOptions};
+use proxy_model::desired::Snapshot;
+use proxy_model::objects::{ObjectKey, Objects};
 
 use super::stats::Spread;
 use crate::in_process::on_netns_thread;
@@ -258,15 +258,12 @@ pub fn per_packet_cost(loops: TcLoops) -> Result<PacketCostResult> {
             cgroup_path: node.cgroup_path(),
             bpf_root: node.bpf_root(),
             frontends_capacity: 1024,
-            max_frontends_per_service:
-                proxy_agent::dataplane::ebpf::DEFAULT_MAX_FRONTENDS_PER_SERVICE,
-            max_endpoints_per_service:
-                proxy_agent::dataplane::ebpf::DEFAULT_MAX_ENDPOINTS_PER_SERVICE,
+            max_frontends_per_service: proxy_dataplane_ebpf::DEFAULT_MAX_FRONTENDS_PER_SERVICE,
+            max_endpoints_per_service: proxy_dataplane_ebpf::DEFAULT_MAX_ENDPOINTS_PER_SERVICE,
             backends_capacity: 1024,
-            conntrack_capacity: Some(proxy_agent::dataplane::ebpf::DEFAULT_CONNTRACK_CAPACITY),
-            dynamic_size_ratio:
-                proxy_agent::dataplane::ebpf::maps::map_sizes::DEFAULT_DYNAMIC_SIZE_RATIO,
-            lb: proxy_agent::dataplane::ebpf::LbOptions::default(),
+            conntrack_capacity: Some(proxy_dataplane_ebpf::DEFAULT_CONNTRACK_CAPACITY),
+            dynamic_size_ratio: proxy_dataplane_ebpf::maps::map_sizes::DEFAULT_DYNAMIC_SIZE_RATIO,
+            lb: proxy_dataplane_ebpf::LbOptions::default(),
             tc: TcOptions {
                 interfaces: vec!["ext0".into()],
                 cluster_cidrs: vec![
@@ -280,7 +277,7 @@ pub fn per_packet_cost(loops: TcLoops) -> Result<PacketCostResult> {
             disabled_features: Default::default(),
             // Every REJECT answered: the rate limit has its own test.
             icmp_ratelimit: Some(std::time::Duration::ZERO),
-            snat_ports: proxy_agent::dataplane::ebpf::conntrack::reserved_ports::DEFAULT_RANGE,
+            snat_ports: proxy_dataplane_ebpf::conntrack::reserved_ports::DEFAULT_RANGE,
         };
         let mut dataplane = EbpfDataplane::start(&options)
             .map_err(|e| RigError::Other(format!("loading the eBPF dataplane: {e}")))?;

@@ -12,7 +12,7 @@ use k8s_openapi::api::discovery::v1::{
 };
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
-use proxy_agent::objects::{EndpointSliceInfo, ObjectKey, ServiceInfo};
+use proxy_model::objects::{EndpointSliceInfo, ObjectKey, ServiceInfo};
 
 use crate::Result;
 use crate::manifests::{Endpoint, ManifestsDir, Protocol, ServicePort, SlicePort};

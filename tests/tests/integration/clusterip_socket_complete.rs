@@ -10,7 +10,7 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
-use proxy_agent::dataplane::ebpf::GENERATION_GRACE;
+use proxy_dataplane_ebpf::GENERATION_GRACE;
 use proxy_tests::client::{Attempt, Mode, Proto, tally};
 use proxy_tests::manifests::{
     Protocol, ServicePort, SlicePort, endpoint_slice_yaml_family, service_yaml_with,
@@ -390,7 +390,7 @@ fn agent_sigkill_and_restart_in_the_middle_of_traffic_fails_no_connection() -> a
     let pin_dir = s
         .agent()?
         .bpf_root()
-        .join(proxy_agent::dataplane::ebpf::PIN_DIR_NAME);
+        .join(proxy_dataplane_ebpf::PIN_DIR_NAME);
     let frontends_before = frontends(&pin_dir)?;
     s.agent()?.kill()?;
     let killed_ms = spawned.elapsed().as_millis() as u64;

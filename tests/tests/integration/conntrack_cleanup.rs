@@ -8,9 +8,9 @@
 
 use std::{collections::BTreeMap, net::SocketAddr, path::Path};
 
-use proxy_agent::{
+use proxy_kernel::conntrack::{ConntrackEntry, Ctnetlink, reconcile};
+use proxy_model::{
     desired::{IpFamily, Snapshot},
-    kernel_conntrack::{ConntrackEntry, Ctnetlink, reconcile},
     objects::{ObjectKey, Objects},
 };
 use proxy_tests::{
@@ -46,7 +46,7 @@ fn to_vip(entries: &[ConntrackEntry]) -> Vec<String> {
 }
 
 /// The snapshot of a UDP Service on the VIP with the given serving endpoints.
-fn snapshot(endpoints: &[&str]) -> proxy_agent::desired::FamilySnapshot {
+fn snapshot(endpoints: &[&str]) -> proxy_model::desired::FamilySnapshot {
     let mut yaml = format!(
         "apiVersion: v1\nkind: Service\nmetadata: {{name: dns, namespace: kube-system}}\n\
          spec: {{clusterIP: {VIP}, ports: [{{name: dns, port: 53, protocol: UDP}}]}}\n"

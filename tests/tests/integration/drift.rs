@@ -18,12 +18,12 @@ use std::{
 };
 
 use aya::maps::{Array, HashMap, LpmTrie, Map, MapData, lpm_trie::Key};
-use proxy_agent::dataplane::ebpf::{ConntrackMaps, PIN_DIR_NAME};
 use proxy_common::{
     AffinityKey, AffinityMatchKey, AffinityValue, Backend4, BackendSlotKey, CtKey, CtValue,
     Frontend4Key, FrontendValue, NodeAddrKey, NodeConfig, SnatAddrs, SourceRangeKey, family,
     map_names, proto, scope,
 };
+use proxy_dataplane_ebpf::{ConntrackMaps, PIN_DIR_NAME};
 use proxy_tests::{
     agent::agent_binary,
     client::{Attempt, tally},
@@ -185,7 +185,7 @@ fn ct_entry(protocol: u8, backend: Ipv4Addr) -> anyhow::Result<(CtKey, CtValue)>
         sport: key.sport,
         dport: 8080u16.to_be(),
         // Fresh, so the agent's conntrack garbage collection leaves it alone.
-        last_seen_ns: proxy_agent::dataplane::ebpf::monotonic_ns()?,
+        last_seen_ns: proxy_dataplane_ebpf::monotonic_ns()?,
         ..CtValue::default()
     };
     Ok((key, value))
@@ -229,7 +229,7 @@ fn tamper_node_and_orphans(pin_dir: &Path, web_service: u32) -> anyhow::Result<(
         .ok_or_else(|| anyhow::anyhow!("no interface's SNAT addresses to delete"))??;
     snat.remove(&uplink)?;
 
-    let now = proxy_agent::dataplane::ebpf::monotonic_ns()?;
+    let now = proxy_dataplane_ebpf::monotonic_ns()?;
     let mut affinity: HashMap<_, AffinityKey, AffinityValue> = open(pin_dir, map_names::AFFINITY)?;
     let gone_service = AffinityKey {
         client: 7,

@@ -19,12 +19,12 @@ use std::{collections::BTreeMap, net::Ipv4Addr};
 
 use aya::maps::{HashMap, Map, MapData};
 use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
-use proxy_agent::{
-    dataplane::ebpf::{DriftNotChecked, EbpfDataplane, PIN_DIR_NAME},
+use proxy_common::{Backend4, map_names};
+use proxy_dataplane_ebpf::{DriftNotChecked, EbpfDataplane, PIN_DIR_NAME};
+use proxy_model::{
     desired::Snapshot,
     objects::{ObjectKey, Objects},
 };
-use proxy_common::{Backend4, map_names};
 use proxy_tests::{
     in_process::on_netns_thread,
     manifests::Endpoint,
@@ -73,7 +73,7 @@ fn snapshot(web: &[&str], api: &[&str]) -> Snapshot {
 }
 
 /// `(map, kind)` of each reported drift, sorted.
-fn kinds(check: &proxy_agent::dataplane::ebpf::DriftCheck) -> Vec<(String, String)> {
+fn kinds(check: &proxy_dataplane_ebpf::DriftCheck) -> Vec<(String, String)> {
     let mut kinds: Vec<(String, String)> = check
         .drift
         .iter()

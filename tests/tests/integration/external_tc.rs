@@ -466,8 +466,8 @@ fn closing_forward_entries(
     backend: Ipv4Addr,
 ) -> anyhow::Result<(usize, usize)> {
     use proxy_common::{ct_flags, proto};
-    let ct = proxy_agent::dataplane::ebpf::ConntrackMaps::open_pinned(
-        &bpf_root.join(proxy_agent::dataplane::ebpf::PIN_DIR_NAME),
+    let ct = proxy_dataplane_ebpf::ConntrackMaps::open_pinned(
+        &bpf_root.join(proxy_dataplane_ebpf::PIN_DIR_NAME),
     )?;
     let backend = u32::from_ne_bytes(backend.octets());
     let mut counts = (0, 0);
@@ -499,7 +499,8 @@ fn answered(s: &Scenario, count: u32) -> anyhow::Result<Vec<(SocketAddr, usize)>
 
 /// Deletes every entry of the node namespace's kernel conntrack (both families).
 fn forget_kernel_flows(s: &Scenario) -> anyhow::Result<()> {
-    use proxy_agent::{ip_family::IpFamily, kernel_conntrack::Ctnetlink};
+    use proxy_kernel::conntrack::Ctnetlink;
+    use proxy_model::ip_family::IpFamily;
     proxy_tests::netns::on_thread_in(&s.topo.node().path(), || -> anyhow::Result<()> {
         let mut ctnetlink = Ctnetlink::open()?;
         for family in [IpFamily::V4, IpFamily::V6] {

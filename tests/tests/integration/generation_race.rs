@@ -37,12 +37,12 @@ use std::{
 };
 
 use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
-use proxy_agent::{
-    dataplane::ebpf::EbpfDataplane,
+use proxy_common::StatIndex;
+use proxy_dataplane_ebpf::EbpfDataplane;
+use proxy_model::{
     desired::{ServicePortName, Snapshot},
     objects::{ObjectKey, Objects},
 };
-use proxy_common::StatIndex;
 use proxy_tests::{
     connect_loop::{ConnectLoopReport, run_connect_loop},
     in_process::{InProcess, on_netns_thread},
@@ -114,7 +114,7 @@ fn service_port() -> ServicePortName {
     ServicePortName {
         service: key("race"),
         port: "dns".into(),
-        protocol: proxy_agent::desired::Protocol::Udp,
+        protocol: proxy_model::desired::Protocol::Udp,
     }
 }
 

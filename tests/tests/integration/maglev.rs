@@ -162,7 +162,7 @@ fn maglev_node_port_flows_keep_their_backend_across_a_datapath_rebuild() -> anyh
     let agent = s.agent()?;
     let maglev_pin = agent
         .bpf_root()
-        .join(proxy_agent::dataplane::ebpf::PIN_DIR_NAME)
+        .join(proxy_dataplane_ebpf::PIN_DIR_NAME)
         .join(proxy_common::map_names::MAGLEV);
     let capacity =
         |pin: &std::path::Path| aya::maps::MapInfo::from_pin(pin).map(|info| info.max_entries());

@@ -40,9 +40,7 @@ fn write_services(s: &Scenario, count: usize) -> anyhow::Result<()> {
 
 /// The pinned map `name` of the agent under `root`: its id and `max_entries`.
 fn pinned(root: &Path, name: &str) -> anyhow::Result<(u32, u32)> {
-    let pin = root
-        .join(proxy_agent::dataplane::ebpf::PIN_DIR_NAME)
-        .join(name);
+    let pin = root.join(proxy_dataplane_ebpf::PIN_DIR_NAME).join(name);
     let info = aya::maps::MapInfo::from_pin(&pin)?;
     Ok((info.id(), info.max_entries()))
 }

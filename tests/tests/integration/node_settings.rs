@@ -337,7 +337,7 @@ fn node_maps(s: &mut Scenario) -> anyhow::Result<(Vec<IpAddr>, u32)> {
     let dir = s
         .agent()?
         .bpf_root()
-        .join(proxy_agent::dataplane::ebpf::PIN_DIR_NAME);
+        .join(proxy_dataplane_ebpf::PIN_DIR_NAME);
     let addrs: HashMap<MapData, NodeAddrKey, u8> = HashMap::try_from(Map::from_map_data(
         MapData::from_pin(dir.join(map_names::NODE_ADDRS))?,
     )?)?;
@@ -346,9 +346,7 @@ fn node_maps(s: &mut Scenario) -> anyhow::Result<(Vec<IpAddr>, u32)> {
         .filter_map(Result::ok)
         .filter_map(|k| match k.family {
             family::V4 => Some(IpAddr::V4(Ipv4Addr::from(k.addr[0].to_ne_bytes()))),
-            family::V6 => Some(IpAddr::V6(proxy_agent::dataplane::ebpf::ip6_from_map(
-                k.addr,
-            ))),
+            family::V6 => Some(IpAddr::V6(proxy_dataplane_ebpf::ip6_from_map(k.addr))),
             _ => None,
         })
         .collect();
@@ -488,7 +486,7 @@ fn ebpf_tc_attachment_follows_addresses() -> anyhow::Result<()> {
     let dir = s
         .agent()?
         .bpf_root()
-        .join(proxy_agent::dataplane::ebpf::PIN_DIR_NAME);
+        .join(proxy_dataplane_ebpf::PIN_DIR_NAME);
     let pin = |program: &str| dir.join(format!("{program}_if{index}_link"));
     let wait_for = |s: &mut Scenario, attached: &str, detached: &str| -> anyhow::Result<()> {
         let deadline = Instant::now() + Duration::from_secs(10);

@@ -117,7 +117,7 @@ fn from_outside(s: &Scenario) -> anyhow::Result<std::collections::BTreeMap<Strin
 
 /// Entries of the agent's pin directory (`None`: the directory does not exist).
 fn pins(bpf_root: &Path) -> anyhow::Result<Option<Vec<String>>> {
-    let dir = bpf_root.join(proxy_agent::dataplane::ebpf::PIN_DIR_NAME);
+    let dir = bpf_root.join(proxy_dataplane_ebpf::PIN_DIR_NAME);
     match std::fs::read_dir(&dir) {
         Ok(entries) => Ok(Some(
             entries
@@ -506,7 +506,7 @@ fn pins_are_root_only_and_cleanup_leaves_nothing_of_either_mode() -> anyhow::Res
     s.start_agent()?;
     s.wait_for_datapath(cluster_addr(), "answered by a pod", is_pod)?;
     let bpf_root = s.agent()?.bpf_root().to_path_buf();
-    let dir = bpf_root.join(proxy_agent::dataplane::ebpf::PIN_DIR_NAME);
+    let dir = bpf_root.join(proxy_dataplane_ebpf::PIN_DIR_NAME);
     let dir_mode = std::fs::metadata(&dir)?.permissions().mode() & 0o7777;
     let names = pins(&bpf_root)?.unwrap_or_default();
     let mut wider = Vec::new();

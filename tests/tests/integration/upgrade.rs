@@ -15,9 +15,9 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use aya::maps::{HashMap, IterableMap as _, Map, MapData};
-use proxy_agent::dataplane::ebpf::PIN_DIR_NAME;
-use proxy_agent::dataplane::ebpf::attach::layout::{LAYOUTS, LayoutKey, LayoutRecord};
 use proxy_common::{CtKey, CtKey4, CtValue, CtValue4, RevNat4, RevNat4Key, map_names};
+use proxy_dataplane_ebpf::PIN_DIR_NAME;
+use proxy_dataplane_ebpf::attach::layout::{LAYOUTS, LayoutKey, LayoutRecord};
 use proxy_tests::RigError;
 use proxy_tests::client::{Attempt, Client, Mode, tally};
 use proxy_tests::scenario::{Scenario, cluster_addr, is_pod, pod_endpoint};

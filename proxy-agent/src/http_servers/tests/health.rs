@@ -3,11 +3,8 @@
 use std::time::Duration;
 
 use super::*;
-use crate::{
-    desired::IpFamily,
-    http_servers::health::{json_time, node_eligible},
-    objects::NodeInfo,
-};
+use crate::http_servers::health::{json_time, node_eligible};
+use proxy_model::{desired::IpFamily, objects::NodeInfo};
 
 /// Every answer of the health server carries exactly these headers (plus Date and length).
 fn assert_json_headers(reply: &Reply) {
@@ -265,7 +262,7 @@ async fn a_missing_node_fails_healthz_when_a_node_is_required() {
 
 #[test]
 fn json_time_is_gos() {
-    use crate::time_format::Stamp;
+    use proxy_model::time_format::Stamp;
     let at = |nanos: u64| Stamp {
         wall: std::time::UNIX_EPOCH + Duration::from_nanos(1_700_000_000_000_000_000 + nanos),
         mono: std::time::Instant::now(),

@@ -3,13 +3,11 @@
 use std::{collections::BTreeSet, time::SystemTime};
 
 use super::*;
-use crate::{
-    desired::{IpFamily, ServicePortName},
-    http_servers::{
-        metrics::{IptablesTable, Metrics, network_programming_buckets, no_local_endpoints},
-        trigger_times,
-    },
+use crate::http_servers::{
+    metrics::{IptablesTable, Metrics, network_programming_buckets, no_local_endpoints},
+    trigger_times,
 };
+use proxy_model::desired::{IpFamily, ServicePortName};
 
 /// `# TYPE` lines: family name → type.
 fn types(text: &str) -> BTreeMap<String, String> {
@@ -556,9 +554,9 @@ addressType: IPv6
 endpoints: []
 "#;
     let objects = objects(yaml);
-    let after = crate::time_format::parse_rfc3339("2030-01-01T00:00:05Z").unwrap();
+    let after = proxy_model::time_format::parse_rfc3339("2030-01-01T00:00:05Z").unwrap();
     let times = trigger_times(&objects, &BTreeSet::from([key("ns1", "svc1")]), after);
-    let expected = crate::time_format::parse_rfc3339("2030-01-01T00:00:10Z").unwrap();
+    let expected = proxy_model::time_format::parse_rfc3339("2030-01-01T00:00:10Z").unwrap();
     assert_eq!(times, vec![(IpFamily::V4, expected)]);
 }
 
@@ -681,16 +679,17 @@ async fn configz_and_debug_flags_v_as_kube_proxys_metrics_server() {
     let addr = services.metrics_addr().unwrap();
     // Before the agent sets it: component-base's configz with nothing registered.
     assert_eq!(get(addr, "/configz").await.body, "{}");
-    let loaded = crate::config::load(&<crate::cli::Args as clap::Parser>::parse_from([
-        "proxy-agent",
-        "--proxy-mode",
-        "iptables",
-        "--cluster-cidr",
-        "10.0.0.0/8,fd00::/48",
-        "--iptables-masquerade-bit",
-        "13",
-    ]))
-    .unwrap();
+    let loaded =
+        proxy_model::config::load(&<proxy_model::cli::Args as clap::Parser>::parse_from([
+            "proxy-agent",
+            "--proxy-mode",
+            "iptables",
+            "--cluster-cidr",
+            "10.0.0.0/8,fd00::/48",
+            "--iptables-masquerade-bit",
+            "13",
+        ]))
+        .unwrap();
     services
         .metrics()
         .set_debug(loaded.config.configz.clone(), false);
@@ -729,14 +728,14 @@ async fn configz_and_debug_flags_v_as_kube_proxys_metrics_server() {
     assert_eq!(reply.status(), 200);
     assert_eq!(reply.header("Content-Type"), Some("text/plain"));
     assert_eq!(reply.body, "successfully set klog.logging.verbosity to 3\n");
-    assert_eq!(crate::logging::verbosity(), 3);
+    assert_eq!(proxy_model::logging::verbosity(), 3);
     let reply = request_with(addr, "PUT", "/debug/flags/v", &[], "x").await;
     assert_eq!(reply.status(), 400);
     assert_eq!(
         reply.body,
         "failed set klog.logging.verbosity x: strconv.ParseInt: parsing \"x\": invalid syntax\n"
     );
-    assert_eq!(crate::logging::verbosity(), 3);
+    assert_eq!(proxy_model::logging::verbosity(), 3);
     let reply = get(addr, "/debug/flags/v").await;
     assert_eq!(
         (reply.status(), reply.body.as_str()),
@@ -746,7 +745,7 @@ async fn configz_and_debug_flags_v_as_kube_proxys_metrics_server() {
     assert_eq!(index.status(), 200);
     assert!(index.body.contains("<tr>v<br>"), "{}", index.body);
     assert_eq!(get(addr, "/debug/flags/other").await.body, index.body);
-    crate::logging::set_verbosity("0").unwrap();
+    proxy_model::logging::set_verbosity("0").unwrap();
 }
 
 /// `/debug/drift` runs a burst of checks, then one a second, one at a time; the others are

@@ -24,8 +24,8 @@ use super::{
     HttpServers, HttpServersConfig,
     health::{Clock as _, ManualClock},
 };
-use crate::time_format::Stamp;
-use crate::{
+use proxy_model::time_format::Stamp;
+use proxy_model::{
     desired::Snapshot,
     objects::{ObjectKey, Objects},
     proxy_mode::ProxyMode,

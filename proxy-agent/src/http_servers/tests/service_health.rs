@@ -3,12 +3,10 @@
 use std::{collections::BTreeSet, net::SocketAddr};
 
 use super::*;
-use crate::{
-    desired::{IpFamily, ServicePortName},
-    http_servers::service_health::{
-        ServiceHealthServers, health_check_node_ports, local_ready_endpoints, service_health_body,
-    },
+use crate::http_servers::service_health::{
+    ServiceHealthServers, health_check_node_ports, local_ready_endpoints, service_health_body,
 };
+use proxy_model::desired::{IpFamily, ServicePortName};
 
 /// ns1/svc1, LoadBalancer with eTP=Local, health check node port `hcnp`, and one slice with the
 /// given endpoints (`ip, ready, serving, terminating`), all on this node.

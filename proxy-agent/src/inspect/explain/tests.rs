@@ -278,7 +278,7 @@ fn tc_reports_whether_netfilter_sees_translated_packets() {
 
 #[test]
 fn iptables_affinity_names_the_endpoint_whose_recent_list_holds_the_client() {
-    use crate::dataplane::iptables::tracer::Tracer;
+    use proxy_dataplane_iptables::tracer::Tracer;
     let dump = "*nat\n\
         -A PREROUTING -j KUBE-SERVICES\n\
         -A KUBE-SERVICES -d 10.96.0.10/32 -p tcp -m tcp --dport 80 -j KUBE-SVC-A\n\

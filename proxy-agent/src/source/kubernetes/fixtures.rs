@@ -33,7 +33,7 @@ use prost::Message as _;
 use serde::de::DeserializeOwned;
 
 use super::protobuf::{self, FromMessage};
-use crate::objects::{EndpointSliceInfo, NodeInfo, ObjectKey, ServiceInfo};
+use proxy_model::objects::{EndpointSliceInfo, NodeInfo, ObjectKey, ServiceInfo};
 
 /// Releases with fixtures when this test was written (v1.33.0 … v1.36.0 and HEAD): fewer
 /// found means the fixtures went missing, not that there is less to check.
@@ -179,7 +179,7 @@ where
     };
     let json = serde_json::from_slice::<K>(&json)
         .unwrap_or_else(|error| panic!("{}: {error}", at("json").display()));
-    let yaml = crate::yaml::decode_str::<K>(&yaml, 1)
+    let yaml = proxy_model::yaml::decode_str::<K>(&yaml, 1)
         .unwrap_or_else(|error| panic!("{}: {error}", at("yaml").display()))
         .object;
     Decoded {

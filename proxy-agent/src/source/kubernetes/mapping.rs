@@ -13,7 +13,7 @@ use k8s_openapi::api::{
 };
 use kube::runtime::watcher::Event;
 
-use crate::objects::{EndpointSliceInfo, Kind, NodeInfo, ObjectKey, ServiceInfo, Update};
+use proxy_model::objects::{EndpointSliceInfo, Kind, NodeInfo, ObjectKey, ServiceInfo, Update};
 
 /// Turns one kind's watcher events into store updates.
 pub trait EventMapper<K>: Send + 'static {
@@ -40,7 +40,7 @@ impl<T> Default for ListBuffer<T> {
 impl<T> ListBuffer<T> {
     /// The listed objects, in a map with full nodes (the list came in key order).
     fn take(&mut self) -> BTreeMap<ObjectKey, T> {
-        crate::btree::packed(std::mem::take(&mut self.objects))
+        proxy_model::btree::packed(std::mem::take(&mut self.objects))
     }
 }
 

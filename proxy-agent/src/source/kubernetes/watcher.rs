@@ -30,7 +30,7 @@ use super::{
     protobuf::FromMessage,
     watch_events::{self, Events},
 };
-use crate::objects::Update;
+use proxy_model::objects::Update;
 
 /// kube-runtime's margin over the server-side watch timeout before an idle watch is dropped.
 const WATCH_IDLE_TIMEOUT_MARGIN: Duration = Duration::from_secs(5);

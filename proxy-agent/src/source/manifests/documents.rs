@@ -1,5 +1,5 @@
 //! A manifests file as YAML documents, each parsed on its own into a value tree
-//! ([`crate::yaml`]).
+//! ([`proxy_model::yaml`]).
 //!
 //! The file is cut at its document markers first: a line starting with `---` or `...` ends any
 //! document, even inside a block or quoted scalar (YAML 1.2 §9.1.4, `c-forbidden`), so the cut
@@ -117,7 +117,7 @@ pub fn sniff_kind(text: &str) -> Option<(&str, &str)> {
 
 /// The document's value; `None` for an empty document (a trailing `---`, only comments).
 pub fn parse(document: &Document<'_>) -> Result<Option<serde_json::Value>, DocumentError> {
-    crate::yaml::parse(document.text, document.first_line).map_err(DocumentError)
+    proxy_model::yaml::parse(document.text, document.first_line).map_err(DocumentError)
 }
 
 #[cfg(test)]

@@ -15,7 +15,7 @@ use std::{
 };
 
 use super::{Loaded, Location, ManifestError, Origins, load_file, manifest_files, read_bounded};
-use crate::objects::{NodeInfo, ObjectKey, Update};
+use proxy_model::objects::{NodeInfo, ObjectKey, Update};
 
 /// What tells a file changed without reading it. The inode catches atomic replacements
 /// (rename over), the change time and length catch in-place writes; a write within the same
@@ -77,7 +77,7 @@ fn parse(path: &Path) -> Option<Parsed> {
         .endpoint_slices
         .iter()
         .filter_map(|(key, slice)| {
-            crate::objects::slice_service(key, slice).map(|service| (key.clone(), service))
+            proxy_model::objects::slice_service(key, slice).map(|service| (key.clone(), service))
         })
         .collect();
     let errors = loaded.errors.drain(..).map(|e| e.to_string()).collect();
@@ -294,8 +294,8 @@ impl FolderReader {
         }
         vec![
             Update::ReplaceNode(node),
-            Update::ReplaceServices(crate::btree::packed(services)),
-            Update::ReplaceEndpointSlices(crate::btree::packed(slices)),
+            Update::ReplaceServices(proxy_model::btree::packed(services)),
+            Update::ReplaceEndpointSlices(proxy_model::btree::packed(slices)),
         ]
     }
 

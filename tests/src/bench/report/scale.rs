@@ -422,7 +422,7 @@ const MAP_TYPE_LRU_PERCPU_HASH: u32 = 10;
 /// The LRU maps' capacity for a node with `mem_total` bytes, by the kernel's (truncated) map
 /// name; None for a map the agent does not size from memory.
 fn lru_capacity(name: &str, mem_total: u64) -> Option<u64> {
-    use proxy_agent::dataplane::ebpf::maps::map_sizes::{DEFAULT_DYNAMIC_SIZE_RATIO, LruSizes};
+    use proxy_dataplane_ebpf::maps::map_sizes::{DEFAULT_DYNAMIC_SIZE_RATIO, LruSizes};
     let sizes = LruSizes::for_memory(mem_total, DEFAULT_DYNAMIC_SIZE_RATIO);
     let entries = match name {
         "KPR_CT4" => sizes.conntrack4,
@@ -449,7 +449,7 @@ fn small_node_profile(md: &mut String, small: &super::super::scale::SmallNode) {
     let Some(mem_total) = small.mem_total else {
         return;
     };
-    let ratio = proxy_agent::dataplane::ebpf::maps::map_sizes::DEFAULT_DYNAMIC_SIZE_RATIO.get();
+    let ratio = proxy_dataplane_ebpf::maps::map_sizes::DEFAULT_DYNAMIC_SIZE_RATIO.get();
     let gib = |bytes: u64| bytes as f64 / f64::from(1u32 << 30);
     let projected = |node: u64| -> u64 {
         maps.iter()

@@ -229,7 +229,7 @@ fn conntrack_walk_resumes_after_deletions_and_visits_each_entry_once() {
     use std::collections::{BTreeMap as Counts, BTreeSet};
     use std::os::fd::AsFd as _;
 
-    use proxy_agent::dataplane::ebpf::CtWalk;
+    use proxy_dataplane_ebpf::CtWalk;
     with_node(|node| {
         let mut ct = pinned_ct(node);
         let key_of = |i: u32| CtKey {

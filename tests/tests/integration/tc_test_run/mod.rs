@@ -26,17 +26,17 @@ use std::{
 
 use aya::maps::{HashMap as AyaHashMap, Map, MapData};
 use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
-use proxy_agent::{
-    dataplane::ebpf::{
-        ConntrackMaps, EbpfDataplane, EbpfOptions, Feature, LbOptions, PIN_DIR_NAME, TcOptions,
-        TcTestInput, conntrack::reserved_ports,
-    },
-    desired::Snapshot,
-    objects::{ObjectKey, Objects, ServiceInfo},
-};
 use proxy_common::{
     CtKey, CtKey4, CtValue, CtValue4, NodeAddrKey, StatIndex, TRANSLATED_MARK, ct_flags, family,
     map_names, program_names, proto,
+};
+use proxy_dataplane_ebpf::{
+    ConntrackMaps, EbpfDataplane, EbpfOptions, Feature, LbOptions, PIN_DIR_NAME, TcOptions,
+    TcTestInput, conntrack::reserved_ports,
+};
+use proxy_model::{
+    desired::Snapshot,
+    objects::{ObjectKey, Objects, ServiceInfo},
 };
 use proxy_tests::{
     in_process::{InProcess, on_netns_thread},
@@ -235,14 +235,11 @@ fn with_node_sized<R: Send + 'static>(
             cgroup_path: parts.cgroup_path(),
             bpf_root: parts.bpf_root(),
             frontends_capacity: 1024,
-            max_frontends_per_service:
-                proxy_agent::dataplane::ebpf::DEFAULT_MAX_FRONTENDS_PER_SERVICE,
-            max_endpoints_per_service:
-                proxy_agent::dataplane::ebpf::DEFAULT_MAX_ENDPOINTS_PER_SERVICE,
+            max_frontends_per_service: proxy_dataplane_ebpf::DEFAULT_MAX_FRONTENDS_PER_SERVICE,
+            max_endpoints_per_service: proxy_dataplane_ebpf::DEFAULT_MAX_ENDPOINTS_PER_SERVICE,
             backends_capacity: 1024,
             conntrack_capacity: Some(conntrack_capacity),
-            dynamic_size_ratio:
-                proxy_agent::dataplane::ebpf::maps::map_sizes::DEFAULT_DYNAMIC_SIZE_RATIO,
+            dynamic_size_ratio: proxy_dataplane_ebpf::maps::map_sizes::DEFAULT_DYNAMIC_SIZE_RATIO,
             lb,
             tc: tc_options,
             disabled_features,
@@ -285,7 +282,7 @@ fn slice_of(
     family: &str,
     addr: &str,
     node: &str,
-) -> (ObjectKey, proxy_agent::objects::EndpointSliceInfo) {
+) -> (ObjectKey, proxy_model::objects::EndpointSliceInfo) {
     let yaml = format!(
         "apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\n\
          metadata: {{name: {name}, namespace: default, labels: {{kubernetes.io/service-name: {service}}}}}\n\
@@ -572,7 +569,7 @@ fn three_fragments(client: SocketAddr, frontend: SocketAddr, id: u32) -> Fragmen
 fn remembered_datagrams(node: &Node) -> BTreeSet<(IpAddr, IpAddr, u8)> {
     let ip = |words: [u32; 4], family: u8| match family {
         family::V4 => IpAddr::from(words[0].to_ne_bytes()),
-        _ => IpAddr::V6(proxy_agent::dataplane::ebpf::ip6_from_map(words)),
+        _ => IpAddr::V6(proxy_dataplane_ebpf::ip6_from_map(words)),
     };
     node.dataplane
         .fragment_datagrams()
@@ -642,7 +639,7 @@ fn node_port_addresses(node: &Node) -> Vec<IpAddr> {
             let key = key.expect("key");
             match key.family {
                 family::V4 => IpAddr::from(key.addr[0].to_ne_bytes()),
-                _ => IpAddr::V6(proxy_agent::dataplane::ebpf::ip6_from_map(key.addr)),
+                _ => IpAddr::V6(proxy_dataplane_ebpf::ip6_from_map(key.addr)),
             }
         })
         .collect()

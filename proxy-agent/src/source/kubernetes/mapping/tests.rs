@@ -1,5 +1,5 @@
 use super::*;
-use crate::objects::Store;
+use proxy_model::objects::Store;
 
 fn service(name: &str, cluster_ip: &str) -> Service {
     serde_yaml::from_str(&format!(

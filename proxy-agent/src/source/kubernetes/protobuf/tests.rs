@@ -128,8 +128,8 @@ fn a_list_decodes_to_what_its_json_decodes_to() {
     assert_eq!(items, [service_json("a"), service_json("b")]);
     // The agent's own form, too (what reaches the store).
     assert_eq!(
-        crate::objects::ServiceInfo::from(&items[0]),
-        crate::objects::ServiceInfo::from(&service_json("a"))
+        proxy_model::objects::ServiceInfo::from(&items[0]),
+        proxy_model::objects::ServiceInfo::from(&service_json("a"))
     );
 }
 

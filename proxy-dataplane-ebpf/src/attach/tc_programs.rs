@@ -1,0 +1,138 @@
+//! Loading the tc programs. Each entry program the agent attaches (`kpr_tc_external`,
+//! `kpr_tc_reply`, `kpr_tc_egress`) only hands a packet to the program of its family through
+//! the pinned program array `KPR_TC_FAMILY` (see `proxy-ebpf`'s `tc::family`): loading an entry
+//! program loads those and writes them into the array first, after the programs of later IP
+//! fragments the family programs tail-call through `KPR_TC_FRAGMENT`. The array is shared with
+//! the previous agent's entry programs, so writing it is what switches the running datapath to
+//! this agent's programs: it happens when the agent attaches (after the first sync where maps
+//! were rebuilt), never earlier.
+
+use aya::{
+    Ebpf,
+    maps::ProgramArray,
+    programs::{Program, ProgramError, ProgramFd, SchedClassifier},
+};
+use proxy_common::{TcFamilyProgram, TcFragmentProgram, map_names};
+
+use crate::error::EbpfError;
+
+/// `program`, loaded (with the programs of each family it hands packets to, and those written
+/// into `KPR_TC_FAMILY`).
+pub fn loaded_classifier<'a>(
+    ebpf: &'a mut Ebpf,
+    program: &'static str,
+) -> Result<&'a mut SchedClassifier, EbpfError> {
+    if classifier(ebpf, program)?.fd().is_err() {
+        fill_family_programs(ebpf)?;
+    }
+    let classifier = classifier(ebpf, program)?;
+    if classifier.fd().is_err() {
+        classifier.load().map_err(|source| EbpfError::Program {
+            name: program,
+            source,
+        })?;
+    }
+    Ok(classifier)
+}
+
+fn classifier<'a>(
+    ebpf: &'a mut Ebpf,
+    program: &'static str,
+) -> Result<&'a mut SchedClassifier, EbpfError> {
+    ebpf.program_mut(program)
+        .ok_or(EbpfError::MissingProgram(program))?
+        .try_into()
+        .map_err(|source| EbpfError::Program {
+            name: program,
+            source,
+        })
+}
+
+/// Loads every family program and every fragment program not loaded yet and writes each into
+/// its slot: the fragment programs first, which the family programs tail-call.
+fn fill_family_programs(ebpf: &mut Ebpf) -> Result<(), EbpfError> {
+    let fragment = TcFragmentProgram::ALL.map(|slot| (slot as u32, slot.program()));
+    let family = TcFamilyProgram::ALL.map(|slot| (slot as u32, slot.program()));
+    let names: Vec<&'static str> = fragment
+        .iter()
+        .chain(&family)
+        .map(|&(_, name)| name)
+        .collect();
+    load_in_parallel(ebpf, &names)?;
+    fill_program_array(ebpf, map_names::TC_FRAGMENT, &fragment)?;
+    fill_program_array(ebpf, map_names::TC_FAMILY, &family)
+}
+
+/// Loads the programs `names` not loaded yet (classifiers, or XDP programs), each on a thread
+/// of its own. The kernel verifies the family programs (each thousands of instructions over
+/// many paths) in seconds each, one core each and without a lock between loads: one after the
+/// other they were most of the agent's cold start on a small node.
+pub(crate) fn load_in_parallel(ebpf: &mut Ebpf, names: &[&'static str]) -> Result<(), EbpfError> {
+    let mut pending: Vec<(&'static str, &mut Program)> = Vec::with_capacity(names.len());
+    for (name, program) in ebpf.programs_mut() {
+        let Some(&name) = names.iter().find(|&&wanted| wanted == name) else {
+            continue;
+        };
+        if program.fd().is_err() {
+            pending.push((name, program));
+        }
+    }
+    std::thread::scope(|scope| {
+        let loads: Vec<_> = pending
+            .into_iter()
+            .map(|(name, program)| {
+                scope.spawn(move || {
+                    let started = std::time::Instant::now();
+                    let loaded = match program {
+                        Program::SchedClassifier(classifier) => classifier.load(),
+                        Program::Xdp(xdp) => xdp.load(),
+                        _ => Err(ProgramError::UnexpectedProgramType),
+                    };
+                    tracing::debug!(
+                        program = name,
+                        elapsed_ms = started.elapsed().as_millis(),
+                        "program loaded (verified by the kernel)"
+                    );
+                    loaded.map_err(|source| EbpfError::Program { name, source })
+                })
+            })
+            .collect();
+        // Every load is waited for before the first error is returned.
+        let results: Vec<_> = loads.into_iter().map(|load| load.join()).collect();
+        for result in results {
+            match result {
+                Ok(loaded) => loaded?,
+                Err(panic) => std::panic::resume_unwind(panic),
+            }
+        }
+        Ok(())
+    })
+}
+
+/// Writes each loaded program of `slots` (index, program) into its slot of the program array
+/// `map` ([`load_in_parallel`] loads them first).
+pub(crate) fn fill_program_array(
+    ebpf: &mut Ebpf,
+    map: &'static str,
+    slots: &[(u32, &'static str)],
+) -> Result<(), EbpfError> {
+    let mut fds: Vec<(u32, ProgramFd)> = Vec::with_capacity(slots.len());
+    for &(slot, name) in slots {
+        let program_error = |source| EbpfError::Program { name, source };
+        let fd = ebpf
+            .program(name)
+            .ok_or(EbpfError::MissingProgram(name))?
+            .fd()
+            .map_err(program_error)?
+            .try_clone()
+            .map_err(|e| program_error(e.into()))?;
+        fds.push((slot, fd));
+    }
+    let map_error = |source| EbpfError::Map { name: map, source };
+    let mut array = ProgramArray::try_from(ebpf.map_mut(map).ok_or(EbpfError::MissingMap(map))?)
+        .map_err(map_error)?;
+    for (slot, fd) in &fds {
+        array.set(*slot, fd, 0).map_err(map_error)?;
+    }
+    Ok(())
+}

@@ -1,0 +1,968 @@
+//! [`EbpfDataplane`]: loads and attaches the programs, adopts or creates the pinned maps,
+//! applies snapshots through the map writer, and drives our tc conntrack (purge, GC) and the
+//! socket destroy of stale UDP sockets.
+
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    fs::File,
+    net::SocketAddr,
+    path::PathBuf,
+};
+
+use aya::{
+    Ebpf, EbpfLoader,
+    maps::{HashMap, Map, MapData, PerCpuArray},
+    programs::links::PinnedLink,
+};
+use aya_log::EbpfLogger;
+use proxy_common::{
+    AffinityKey, AffinityValue, CtKey, CtValue, ServiceName, StatIndex, map_names, program_names,
+};
+use tokio::{io::unix::AsyncFd, task::JoinHandle};
+use tracing::{debug, info, warn};
+
+use crate::{
+    ApplyError, ApplySummary, DriftCheck, DriftNotChecked, MapWriteError, MapWriter,
+    RemovedBackend, RepairReport,
+    attach::layout::{self, Plan},
+    attach::object,
+    attach::pins::{PIN_DIR_NAME, attach_and_pin, links_pinned, prepare_pin_dir},
+    attach::tc::TcOptions,
+    attach::tc::TcState,
+    attach::xdp::XdpState,
+    conntrack::ct_maps::ConntrackMaps,
+    conntrack::ct_worker::CtWorker,
+    conntrack::kernel_nat,
+    conntrack::reserved_ports,
+    conntrack::tc_conntrack::{self, ConntrackPair, monotonic_ns},
+    drift,
+    drift::reader::{self, DriftFound, DriftJob, DriftReader, OrphanEntry},
+    error::EbpfError,
+    maps::map_sizes::LruSizes,
+    maps::service_maps::{ServiceMaps, ignore_missing},
+    maps::touched_keys::Touched,
+    options::EbpfOptions,
+    stats::read_stats,
+};
+use proxy_kernel::bpf::{
+    bpffs, cgroup,
+    features::{Feature, KernelFeatures},
+    map_batch::BatchReader,
+    sockdiag::{self, DiagSocket},
+};
+use proxy_model::desired::{Protocol, ServicePortName, Snapshot};
+
+fn count_repair(check: &mut DriftCheck, map: &'static str, result: Result<(), MapWriteError>) {
+    match result {
+        Ok(()) => *check.repair.repaired.entry(map).or_default() += 1,
+        Err(error) => check.repair.errors.push((map, error)),
+    }
+}
+
+/// The longest ICMP rate-limit interval the datapath takes (a day): its bucket of 6 intervals
+/// must fit in 64 bits of nanoseconds.
+const MAX_ICMP_RATELIMIT_NS: u64 = 86_400 * 1_000_000_000;
+
+/// The kernel's ICMP rate limit sysctl at `path` (ms) in ns; its default (1 s) when unreadable.
+fn icmp_ratelimit_ns(path: &str) -> u64 {
+    let ms = std::fs::read_to_string(path)
+        .ok()
+        .and_then(|text| text.trim().parse::<u64>().ok())
+        .unwrap_or(1000);
+    ms.saturating_mul(1_000_000).min(MAX_ICMP_RATELIMIT_NS)
+}
+
+/// What the tc conntrack GC finished since the last request: rounds, and the entries the last
+/// one left (`kubeproxy_ebpf_conntrack_gc_runs_total`, `kubeproxy_ebpf_conntrack_entries`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GcProgress {
+    pub rounds: u64,
+    pub remaining: Option<usize>,
+}
+
+/// A loaded and attached eBPF dataplane. Dropping it (or [`EbpfDataplane::shutdown`]) leaves
+/// the datapath in place: links and maps stay pinned. [`cleanup`] removes them.
+pub struct EbpfDataplane {
+    pub(super) maps: ServiceMaps,
+    /// `KPR_SERVICE_NAMES`: service id → `namespace/name:port`, for `inspect`.
+    pub(super) names: HashMap<MapData, u32, ServiceName>,
+    /// Every name in `names` was checked once (see [`EbpfDataplane::write_service_names`]).
+    names_reconciled: bool,
+    pub(super) stats: PerCpuArray<MapData, u64>,
+    pub(super) map_writer: MapWriter,
+    /// Frontend writes refused because a map was full, since start (a counter for metrics).
+    pub(super) capacity_errors: u64,
+    /// `max_entries` of the maps the map_writer fills, by pinned name.
+    pub(super) capacities: BTreeMap<&'static str, u32>,
+    pub(super) pin_dir: PathBuf,
+    pub(super) cgroup_path: PathBuf,
+    pub(super) links: Vec<PinnedLink>,
+    pub(super) tc: TcState,
+    pub(super) features: KernelFeatures,
+    /// GC and purges of the tc conntrack off the sync loop; `None` if it could not start (both
+    /// then run inline).
+    pub(super) ct_worker: Option<CtWorker>,
+    /// Worker GC rounds already counted in the metrics.
+    pub(super) gc_rounds_reported: u64,
+    pub(super) log_drain: Option<JoinHandle<()>>,
+    /// Every map read of the drift check goes entry by entry (the benchmark's baseline).
+    pub(super) entry_by_entry_reads: bool,
+    /// Drift checks started since start: each check's number, which its record of written keys
+    /// carries (see `drift_reader`).
+    pub(super) drift_jobs: u64,
+    /// Programs not attached yet: `start` found a service map it had to rebuild, so the first
+    /// full apply fills it before the programs replace the previous agent's.
+    pub(super) deferred: Option<DeferredAttach>,
+    // Last: the object (programs, log map); the tc programs attach to new interfaces later.
+    pub(super) ebpf: Ebpf,
+}
+
+impl std::fmt::Debug for EbpfDataplane {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EbpfDataplane")
+            .field("pin_dir", &self.pin_dir)
+            .field("cgroup_path", &self.cgroup_path)
+            .finish_non_exhaustive()
+    }
+}
+
+impl EbpfDataplane {
+    /// Loads the programs, re-adopts or creates the pinned maps, and attaches to the cgroup
+    /// (replacing the links of a previous run without a gap). Must run inside a tokio runtime
+    /// (the eBPF log drain is a task).
+    pub fn start(options: &EbpfOptions) -> Result<Self, EbpfError> {
+        if object::IS_PLACEHOLDER {
+            return Err(EbpfError::Placeholder);
+        }
+        let cgroup_path = match &options.cgroup_path {
+            Some(path) => path.clone(),
+            None => cgroup::cgroup2_mount()?,
+        };
+        let cgroup_dir = File::open(&cgroup_path).map_err(|source| EbpfError::OpenCgroup {
+            path: cgroup_path.clone(),
+            source,
+        })?;
+
+        let features = KernelFeatures::probe(&options.disabled_features);
+        info!(
+            features = %features.summary(),
+            "kernel features probed (`proxy-agent inspect features` explains each)"
+        );
+        bpffs::ensure_mounted(&options.bpf_root)?;
+        let pin_dir = options.bpf_root.join(PIN_DIR_NAME);
+        // Random choice never uses the Maglev map; its bucket array (16 bytes per entry of
+        // capacity, allocated up front even without preallocation) would be wasted.
+        let maglev_capacity = if options.lb.maglev {
+            options.lb.maglev_capacity
+        } else {
+            1
+        };
+        let mut plan = prepare_pin_dir(&pin_dir, maglev_capacity, options.conntrack_capacity)?;
+        let mut lru = LruSizes::for_this_node(options.dynamic_size_ratio);
+        // Each family's map, as Cilium's `--bpf-ct-global-*-max` sizes each of its.
+        if let Some(conntrack) = options.conntrack_capacity {
+            lru.conntrack4 = conntrack;
+            lru.conntrack6 = conntrack;
+        }
+        info!(
+            conntrack4 = lru.conntrack4,
+            conntrack6 = lru.conntrack6,
+            revnat4 = lru.revnat4,
+            revnat6 = lru.revnat6,
+            affinity = lru.affinity,
+            udp_sticky = lru.udp_sticky,
+            mib = lru.bytes() / (1 << 20),
+            ratio = options.dynamic_size_ratio.get(),
+            "preallocated LRU maps sized (--bpf-map-dynamic-size-ratio of MemTotal; pinned maps keep their size)"
+        );
+        // A rebuilt service map is filled by the first sync before this agent's programs
+        // replace the previous agent's, which keep serving with their own maps meanwhile.
+        let defer_attach = plan.rebuilds_service_state() && links_pinned(&pin_dir);
+        let adopting = map_names::PINNED
+            .iter()
+            .any(|name| pin_dir.join(name).exists());
+
+        let slots_capacity = options.backends_capacity;
+        let use_set_retval = u8::from(features.uses(Feature::SetRetval));
+        let l4_csum_ipv6 = u8::from(features.uses(Feature::L4CsumIpv6));
+        let (icmp4, icmp6) = match options.icmp_ratelimit {
+            Some(interval) => {
+                let ns = u64::try_from(interval.as_nanos()).unwrap_or(MAX_ICMP_RATELIMIT_NS);
+                (ns.min(MAX_ICMP_RATELIMIT_NS), ns.min(MAX_ICMP_RATELIMIT_NS))
+            }
+            None => (
+                icmp_ratelimit_ns("/proc/sys/net/ipv4/icmp_ratelimit"),
+                icmp_ratelimit_ns("/proc/sys/net/ipv6/icmp/ratelimit"),
+            ),
+        };
+        let snat_min = u32::from(*options.snat_ports.start());
+        let snat_count = u32::from(*options.snat_ports.end()).saturating_sub(snat_min) + 1;
+        reserved_ports::reserve(&options.snat_ports);
+        let mut loader = EbpfLoader::new();
+        if !features.uses(Feature::Btf) {
+            loader.btf(None);
+        }
+        loader
+            .override_global("KPR_USE_SET_RETVAL", &use_set_retval, true)
+            .override_global("KPR_L4_CSUM_IPV6", &l4_csum_ipv6, true)
+            .override_global("KPR_ICMP_RATELIMIT_NS4", &icmp4, true)
+            .override_global("KPR_ICMP_RATELIMIT_NS6", &icmp6, true)
+            .override_global("KPR_SNAT_PORT_MIN", &snat_min, true)
+            .override_global("KPR_SNAT_PORT_COUNT", &snat_count, true);
+        let mut ebpf = loader
+            .default_map_pin_directory(&pin_dir)
+            .map_max_entries(map_names::FRONTENDS4, options.frontends_capacity)
+            .map_max_entries(map_names::FRONTENDS6, options.frontends_capacity)
+            .map_max_entries(map_names::BACKEND_SLOTS, slots_capacity)
+            .map_max_entries(map_names::AFFINITY_MATCH, slots_capacity)
+            .map_max_entries(map_names::BACKENDS4, options.backends_capacity)
+            .map_max_entries(map_names::BACKENDS6, options.backends_capacity)
+            .map_max_entries(map_names::SOURCE_RANGES, options.frontends_capacity)
+            .map_max_entries(map_names::MAGLEV, maglev_capacity)
+            .map_max_entries(map_names::CT4, lru.conntrack4)
+            .map_max_entries(map_names::CT6, lru.conntrack6)
+            .map_max_entries(map_names::CT4_NEW, lru.conntrack4_new())
+            .map_max_entries(map_names::CT6_NEW, lru.conntrack6_new())
+            .map_max_entries(map_names::REVNAT4, lru.revnat4)
+            .map_max_entries(map_names::REVNAT6, lru.revnat6)
+            .map_max_entries(map_names::AFFINITY, lru.affinity)
+            .map_max_entries(map_names::UDP_STICKY, lru.udp_sticky)
+            .map_max_entries(map_names::SERVICE_NAMES, options.frontends_capacity)
+            .load(object::OBJECT)?;
+        let log_drain = start_log_drain(&mut ebpf);
+        layout::write_records(&pin_dir);
+        plan.copy(&pin_dir, false);
+
+        let mut maps = ServiceMaps {
+            frontends4: take_map(&mut ebpf, map_names::FRONTENDS4)?,
+            frontends6: take_map(&mut ebpf, map_names::FRONTENDS6)?,
+            slots: take_map(&mut ebpf, map_names::BACKEND_SLOTS)?,
+            backends4: take_map(&mut ebpf, map_names::BACKENDS4)?,
+            backends6: take_map(&mut ebpf, map_names::BACKENDS6)?,
+            affinity_match: take_map(&mut ebpf, map_names::AFFINITY_MATCH)?,
+            revnat4: take_map(&mut ebpf, map_names::REVNAT4)?,
+            revnat6: take_map(&mut ebpf, map_names::REVNAT6)?,
+            source_ranges: take_map(&mut ebpf, map_names::SOURCE_RANGES)?,
+            maglev: take_map(&mut ebpf, map_names::MAGLEV)?,
+            touched: None,
+        };
+        let stats = take_map(&mut ebpf, map_names::STATS)?;
+        let names = take_map(&mut ebpf, map_names::SERVICE_NAMES)?;
+        // The affinity map is only used by the datapath; it stays in `ebpf` (taking and
+        // dropping it would close its fd before the programs that reference it are loaded).
+        for name in [
+            map_names::AFFINITY,
+            map_names::CT4,
+            map_names::CT6,
+            map_names::CT4_NEW,
+            map_names::CT6_NEW,
+        ] {
+            if ebpf.map(name).is_none() {
+                return Err(EbpfError::MissingMap(name));
+            }
+        }
+        let mut tc = TcState::new(
+            TcOptions {
+                tcx: features.uses(Feature::Tcx),
+                ..options.tc.clone()
+            },
+            take_map(&mut ebpf, map_names::NODE_ADDRS)?,
+            take_map(&mut ebpf, map_names::NODE_CONFIG)?,
+            take_map(&mut ebpf, map_names::SNAT_IFACES)?,
+            XdpState::new(options.tc.xdp, &mut ebpf),
+        );
+
+        let mut map_writer = if adopting {
+            MapWriter::adopt(maps.content(&mut BatchReader::default()), &mut maps)
+        } else {
+            MapWriter::default()
+        };
+        map_writer.set_maglev_table_size(options.lb.maglev.then_some(options.lb.maglev_table_size));
+        {
+            use crate::maps::map_writer::shares::{Entries, SharedMap};
+            map_writer.set_shares(
+                Entries::default()
+                    .with(SharedMap::Frontends, options.frontends_capacity.into())
+                    .with(SharedMap::Slots, slots_capacity.into())
+                    .with(SharedMap::Maglev, maglev_capacity.into())
+                    .with(SharedMap::SourceRanges, options.frontends_capacity.into()),
+                options.max_frontends_per_service,
+            );
+        }
+        map_writer.set_max_endpoints_per_service(options.max_endpoints_per_service);
+
+        // Before the tc programs attach (and before the first sync gives them frontends): from
+        // then on a UDP/SCTP packet without an entry would be a new flow of theirs.
+        adopt_kernel_nat_flows(&mut ebpf);
+        let (links, deferred) = if defer_attach {
+            info!(
+                rebuilt = ?plan.rebuilt,
+                "the previous agent's programs keep serving until the first sync has filled \
+                 the rebuilt maps; this agent's are attached then"
+            );
+            (Vec::new(), Some(DeferredAttach { cgroup_dir, plan }))
+        } else {
+            let links = attach_all(&mut ebpf, &mut tc, &cgroup_dir, &pin_dir)?;
+            plan.copy(&pin_dir, true);
+            (links, None)
+        };
+        let ct_worker = match CtWorker::start(&pin_dir) {
+            Ok(worker) => Some(worker),
+            Err(error) => {
+                warn!(%error, "cannot start the conntrack worker; GC and purges run in the sync loop");
+                None
+            }
+        };
+        info!(
+            cgroup = %cgroup_path.display(),
+            pins = %pin_dir.display(),
+            adopted = adopting,
+            tc_links = tc.link_count(),
+            attached = deferred.is_none(),
+            "eBPF socket and tc programs loaded, maps pinned"
+        );
+        let capacities = BTreeMap::from([
+            (map_names::FRONTENDS4, options.frontends_capacity),
+            (map_names::FRONTENDS6, options.frontends_capacity),
+            (map_names::BACKENDS4, options.backends_capacity),
+            (map_names::BACKENDS6, options.backends_capacity),
+            (map_names::BACKEND_SLOTS, slots_capacity),
+            (map_names::SOURCE_RANGES, options.frontends_capacity),
+            (map_names::MAGLEV, maglev_capacity),
+        ]);
+        Ok(Self {
+            maps,
+            names,
+            stats,
+            names_reconciled: false,
+            map_writer,
+            capacity_errors: 0,
+            capacities,
+            pin_dir,
+            cgroup_path,
+            links,
+            tc,
+            features,
+            ct_worker,
+            gc_rounds_reported: 0,
+            log_drain,
+            entry_by_entry_reads: false,
+            drift_jobs: 0,
+            deferred,
+            ebpf,
+        })
+    }
+
+    /// Attaches the programs whose attach `start` deferred, then finishes the migration of
+    /// older layouts (the previous programs no longer write the old maps). On failure the
+    /// previous programs keep serving and the next apply tries again.
+    fn attach_deferred(&mut self) {
+        let Some(mut deferred) = self.deferred.take() else {
+            return;
+        };
+        match attach_all(
+            &mut self.ebpf,
+            &mut self.tc,
+            &deferred.cgroup_dir,
+            &self.pin_dir,
+        ) {
+            Ok(links) => {
+                self.links = links;
+                deferred.plan.copy(&self.pin_dir, true);
+                info!(
+                    tc_links = self.tc.link_count(),
+                    "eBPF socket and tc programs attached after the first sync"
+                );
+            }
+            Err(error) => {
+                warn!(%error, "cannot attach the eBPF programs; the previous agent's keep serving, retried at the next sync");
+                self.deferred = Some(deferred);
+            }
+        }
+    }
+
+    /// The kernel's NATed flows into `KPR_CT` (see [`kernel_nat`]); the start does it once
+    /// before the tc programs attach, the first sync once more.
+    pub fn adopt_kernel_nat_flows(&mut self) {
+        adopt_kernel_nat_flows(&mut self.ebpf);
+        self.tc.kernel_flows_adopted();
+    }
+
+    /// The node settings (NodePort addresses, local-traffic detection, localhost NodePorts) the
+    /// tc programs use from now on; written at the next [`EbpfDataplane::apply`].
+    pub fn set_node(&mut self, settings: &proxy_kernel::node::NodeSettings) {
+        self.tc.set_node(settings);
+    }
+
+    /// Makes the maps match `snapshot` for the service ports in `changed` (`None`: all of them),
+    /// writing only entries that differ from what is programmed; then destroys connected UDP
+    /// sockets still pinned to backends that were removed.
+    pub fn apply(
+        &mut self,
+        snapshot: &Snapshot,
+        changed: Option<&BTreeSet<ServicePortName>>,
+    ) -> (ApplySummary, Vec<ApplyError>) {
+        // New interfaces (pods created since the last sync) get their tc program first.
+        if self.deferred.is_none() {
+            self.tc.refresh(&mut self.ebpf, &self.pin_dir, false);
+        }
+        let (mut summary, errors) = self.apply_service_maps(snapshot, changed);
+        if changed.is_none() {
+            self.attach_deferred();
+        }
+        self.capacity_errors += errors.iter().filter(|e| e.is_capacity()).count() as u64;
+        summary.udp_sockets_destroyed = self.destroy_stale_udp_sockets(&summary);
+        let tracked =
+            tc_conntrack::tracked(&summary.removed_backends, self.tc.host_namespace_only());
+        match &self.ct_worker {
+            Some(worker) if tc_conntrack::any_external(&tracked) => {
+                worker.purge(tracked);
+                summary.conntrack_purge_queued = true;
+            }
+            Some(_) => {}
+            None => summary.conntrack_purged = self.purge_conntrack(&tracked),
+        }
+        // A full pass that wrote nothing changed no service id: the names were checked by an
+        // earlier one. Checking them is a lookup per id and a walk of the map (200k syscalls
+        // at 50k Services, most of a periodic resync, which holds up the changes behind it).
+        if changed.is_some() || summary.changed_frontends() || !self.names_reconciled {
+            self.write_service_names(changed);
+        }
+        (summary, errors)
+    }
+
+    /// The service maps' part of [`EbpfDataplane::apply`] alone (no tc links, socket destroys,
+    /// conntrack purge or names): what a test racing the map writer against the datapath
+    /// drives, as fast as the writer itself goes.
+    pub fn apply_service_maps(
+        &mut self,
+        snapshot: &Snapshot,
+        changed: Option<&BTreeSet<ServicePortName>>,
+    ) -> (ApplySummary, Vec<ApplyError>) {
+        self.map_writer
+            .apply_snapshot(snapshot, changed, &mut self.maps)
+    }
+
+    /// When a generation taken out of use may be deleted (see
+    /// [`super::map_writer::GENERATION_GRACE`]): the agent's loop calls
+    /// [`EbpfDataplane::retire_generations`] then, sync or no sync.
+    pub fn next_retirement(&self) -> Option<std::time::Instant> {
+        self.map_writer.next_retirement()
+    }
+
+    /// Deletes the generations whose grace has passed. `true`: a sync now has work (a deferred
+    /// frontend, or one that did not fit and may now).
+    pub fn retire_generations(&mut self) -> bool {
+        let retirement = self.map_writer.retire_expired(&mut self.maps);
+        if retirement.deleted > 0 {
+            debug!(
+                deleted = retirement.deleted,
+                "retired generations deleted after their grace"
+            );
+        }
+        retirement.sync_needed
+    }
+
+    /// `KPR_SERVICE_NAMES` for `inspect`: the names of the service ports in `changed` (all with
+    /// `None`, which also deletes the names of service ids no frontend holds). Best effort: a
+    /// failed write only costs `inspect` a name (it shows `#<id>`).
+    fn write_service_names(&mut self, changed: Option<&BTreeSet<ServicePortName>>) {
+        let ports: Vec<&ServicePortName> = match changed {
+            Some(changed) => changed.iter().collect(),
+            None => self.map_writer.owners().collect(),
+        };
+        let names: Vec<(u32, String)> = ports
+            .into_iter()
+            .flat_map(|name| {
+                let text = name.to_string();
+                self.map_writer
+                    .service_ids_of(name)
+                    .into_iter()
+                    .map(move |id| (id, text.clone()))
+            })
+            .collect();
+        for (id, name) in &names {
+            let Some(value) = ServiceName::new(name) else {
+                continue;
+            };
+            if self.names.get(id, 0).ok() != Some(value)
+                && let Err(error) = self.names.insert(id, value, 0)
+            {
+                debug!(%error, id, name, "service name not written");
+            }
+        }
+        if changed.is_none() {
+            self.names_reconciled = true;
+            let live: BTreeSet<u32> = names.iter().map(|(id, _)| *id).collect();
+            let stale: Vec<u32> = self
+                .names
+                .keys()
+                .filter_map(Result::ok)
+                .filter(|id| !live.contains(id))
+                .collect();
+            for id in stale {
+                let _ = self.names.remove(&id);
+            }
+        }
+    }
+
+    /// Compares every entry of the service maps with what the agent wrote (see `drift`) and,
+    /// with `repair`, writes back what differs and deletes what the agent never wrote.
+    /// Reads and compares in this thread; the agent's loop does both on another
+    /// ([`Self::start_drift_check`]).
+    pub fn check_drift(&mut self, repair: bool) -> Result<DriftCheck, DriftNotChecked> {
+        let job = self.start_drift_check().map_err(|error| {
+            warn!(%error, "cannot read the maps for the drift check");
+            DriftNotChecked::Unreadable
+        })?;
+        // Nothing is written meanwhile: this thread is the only writer.
+        let found = job.run();
+        self.finish_drift_check(found, repair)
+    }
+
+    /// A drift check for another thread ([`DriftJob::run`]): descriptors of every map it
+    /// compares and a copy of the map writer's record. From now until
+    /// [`Self::finish_drift_check`] the service maps note the keys the agent writes (a check
+    /// started before this one can no longer be finished).
+    pub fn start_drift_check(&mut self) -> Result<DriftJob, EbpfError> {
+        let reader = self.drift_reader()?;
+        self.drift_jobs += 1;
+        let job = self.drift_jobs;
+        let record = self.map_writer.record_copy();
+        self.maps.touched = Some(Touched::new(job));
+        Ok(DriftJob {
+            job,
+            reader,
+            record,
+        })
+    }
+
+    /// The check [`Self::start_drift_check`] began will not be finished (its thread did not
+    /// start, or failed): the service maps stop noting the keys the agent writes.
+    pub fn abandon_drift_check(&mut self) {
+        self.maps.touched = None;
+    }
+
+    fn drift_reader(&mut self) -> Result<DriftReader, EbpfError> {
+        let data = |ebpf: &Ebpf, name: &'static str| -> Option<MapData> {
+            let map: &Map = ebpf.map(name)?;
+            let data = match map {
+                Map::HashMap(data) | Map::LruHashMap(data) => data,
+                _ => return None,
+            };
+            reader::reopen_data(data, name).ok()
+        };
+        let affinity = data(&self.ebpf, map_names::AFFINITY);
+        let udp_sticky = data(&self.ebpf, map_names::UDP_STICKY);
+        let conntrack = match (
+            data(&self.ebpf, map_names::CT4),
+            data(&self.ebpf, map_names::CT6),
+        ) {
+            (Some(v4), Some(v6)) => Some((v4, v6)),
+            _ => None,
+        };
+        DriftReader::new(
+            &self.maps,
+            affinity,
+            udp_sticky,
+            conntrack,
+            self.entry_by_entry_reads,
+        )
+    }
+
+    /// Finishes a check with what its thread found: the entries the agent wrote since it
+    /// started are left out (see `drift_reader`), the node maps are compared with what `tc`
+    /// last wrote, and with `repair` what differs is fixed. Cheap: the work was the thread's.
+    /// A result is finished only under the record its check started (else `Superseded`).
+    pub fn finish_drift_check(
+        &mut self,
+        found: DriftFound,
+        repair: bool,
+    ) -> Result<DriftCheck, DriftNotChecked> {
+        let touched = self
+            .maps
+            .touched
+            .take_if(|touched| touched.job() == found.job)
+            .ok_or(DriftNotChecked::Superseded)?;
+        let compared = found.compared.ok_or(DriftNotChecked::Damaged)?;
+        let (compared, left_out) = compared.without(&touched);
+        if left_out > 0 {
+            debug!(
+                left_out,
+                keys = touched.len(),
+                "entries written during the drift check left out of it"
+            );
+        }
+        let mut check = DriftCheck {
+            drift: Vec::with_capacity(compared.drift.len() + compared.orphans.len()),
+            repair: RepairReport::default(),
+            entries_compared: compared.entries_compared,
+        };
+        if repair {
+            check.repair = drift::repair(
+                compared.drift.iter().map(|keyed| &keyed.fix),
+                &mut self.maps,
+            );
+        }
+        check
+            .drift
+            .extend(compared.drift.into_iter().map(|keyed| keyed.drift));
+        let node = self.tc.check_drift(repair, &mut check.repair);
+        check.drift.extend(node);
+        for orphan in compared.orphans {
+            if repair {
+                self.delete_orphan(&orphan.entry, &mut check);
+            }
+            check.drift.push(orphan.drift);
+        }
+        Ok(check)
+    }
+
+    /// With `false`, every map read of the drift check goes entry by entry (`get_next_key` +
+    /// lookup, as before `BPF_MAP_LOOKUP_BATCH`): the benchmark measures both in one run.
+    pub fn set_batched_reads(&mut self, batched: bool) {
+        self.entry_by_entry_reads = !batched;
+    }
+
+    /// Deletes an orphan the drift check found (see `orphans`): an affinity or socket entry only
+    /// if it still holds what was read (one the datapath rewrote since is left for the next
+    /// check).
+    fn delete_orphan(&mut self, orphan: &OrphanEntry, check: &mut DriftCheck) {
+        match *orphan {
+            OrphanEntry::Pinned {
+                map: name,
+                key,
+                value,
+            } => {
+                let Some(map) = self.ebpf.map_mut(name) else {
+                    return;
+                };
+                let Ok(mut map) = HashMap::<_, AffinityKey, AffinityValue>::try_from(map) else {
+                    return;
+                };
+                if map.get(&key, 0).is_ok_and(|now| now == value) {
+                    count_repair(check, name, ignore_missing(name, map.remove(&key)));
+                }
+            }
+            OrphanEntry::Conntrack { key, .. } => {
+                let Ok(mut ct) = conntrack_maps(&mut self.ebpf) else {
+                    return;
+                };
+                let name = if key.family == proxy_common::family::V6 {
+                    map_names::CT6
+                } else {
+                    map_names::CT4
+                };
+                count_repair(check, name, ignore_missing(name, ct.remove(&key)));
+            }
+        }
+    }
+
+    /// Deletes the tc conntrack entries of backends this apply removed (see `ct`), after the
+    /// frontend switch: no new flow can pick them any more, so none is recreated.
+    fn purge_conntrack(&mut self, removed: &[RemovedBackend]) -> usize {
+        if !tc_conntrack::any_external(removed) {
+            return 0;
+        }
+        let started = std::time::Instant::now();
+        let mut map = match self.conntrack_map() {
+            Ok(map) => map,
+            Err(error) => {
+                warn!(%error, "cannot open the tc conntrack map; stale entries age out instead");
+                return 0;
+            }
+        };
+        let report = tc_conntrack::purge(&mut map, removed);
+        info!(
+            removed_backends = removed.len(),
+            scanned = report.scanned,
+            deleted = report.deleted,
+            elapsed_ms = started.elapsed().as_millis(),
+            "tc conntrack entries of removed backends purged"
+        );
+        report.deleted
+    }
+
+    /// Hands a garbage collection round to the conntrack worker (runs one inline without a
+    /// worker) and returns what GC finished since the last call, for the caller's metrics.
+    /// Called every 30 s (`run/`).
+    pub fn request_conntrack_gc(&mut self) -> Result<GcProgress, EbpfError> {
+        let Some(worker) = &self.ct_worker else {
+            let report = self.conntrack_gc()?;
+            return Ok(GcProgress {
+                rounds: 1,
+                remaining: Some(report.remaining),
+            });
+        };
+        worker.gc();
+        let reports = worker.reports();
+        let progress = GcProgress {
+            rounds: reports.gc_rounds.saturating_sub(self.gc_rounds_reported),
+            remaining: reports.last_gc.map(|last| last.remaining),
+        };
+        self.gc_rounds_reported = reports.gc_rounds;
+        Ok(progress)
+    }
+
+    /// What the conntrack worker did so far (`None` without a worker).
+    pub fn conntrack_worker_reports(&self) -> Option<crate::conntrack::ct_worker::WorkerReports> {
+        self.ct_worker.as_ref().map(CtWorker::reports)
+    }
+
+    /// Garbage collection of the tc conntrack in this thread (see `tc_conntrack::gc_round`):
+    /// deletes dead flows' entries.
+    pub fn conntrack_gc(&mut self) -> Result<tc_conntrack::GcReport, EbpfError> {
+        let started = std::time::Instant::now();
+        let now = tc_conntrack::monotonic_ns().map_err(EbpfError::Clock)?;
+        let mut maps = conntrack_pair(&mut self.ebpf)?;
+        let report = tc_conntrack::gc_round(&mut maps, now, 4096).map_err(EbpfError::Conntrack)?;
+        if report.deleted_forward + report.deleted_reply > 0 {
+            info!(
+                scanned = report.scanned,
+                deleted_forward = report.deleted_forward,
+                deleted_reply = report.deleted_reply,
+                remaining = report.remaining,
+                elapsed_ms = started.elapsed().as_millis(),
+                "tc conntrack garbage collected"
+            );
+        } else {
+            debug!(
+                scanned = report.scanned,
+                elapsed_ms = started.elapsed().as_millis(),
+                "tc conntrack garbage collection: nothing expired"
+            );
+        }
+        Ok(report)
+    }
+
+    /// The tc conntrack maps, borrowed from the object (they stay there: see `start`).
+    fn conntrack_map(&mut self) -> Result<ConntrackMaps<&mut MapData>, EbpfError> {
+        conntrack_maps(&mut self.ebpf)
+    }
+
+    /// Deletes every tc conntrack entry, so the next packet of any flow is a new flow that
+    /// chooses its backend again. For tests (the agent itself only purges removed backends).
+    pub fn clear_conntrack(&mut self) -> Result<usize, EbpfError> {
+        let mut map = self.conntrack_map()?;
+        let keys = map.keys();
+        let mut deleted = 0;
+        for key in keys {
+            deleted += usize::from(map.remove(&key).is_ok());
+        }
+        Ok(deleted)
+    }
+
+    /// Every tc conntrack entry (a snapshot: the datapath keeps changing it). For tests and
+    /// diagnostics.
+    pub fn conntrack_entries(&mut self) -> Result<Vec<(CtKey, CtValue)>, EbpfError> {
+        Ok(self.conntrack_map()?.entries())
+    }
+
+    /// Entries and capacity of each map the map_writer fills (`kubeproxy_ebpf_map_*`).
+    pub fn map_usage(&self) -> Vec<(&'static str, u64, u64)> {
+        self.map_writer
+            .entries()
+            .into_iter()
+            .map(|(map, entries)| {
+                let capacity = self.capacities.get(map).copied().unwrap_or(0);
+                (map, entries, u64::from(capacity))
+            })
+            .collect()
+    }
+
+    /// Frontend writes refused because a map was full, counted since the agent started (each
+    /// retry that fails again counts again): a counter for the metrics.
+    pub fn capacity_errors(&self) -> u64 {
+        self.capacity_errors
+    }
+
+    /// Service ports with at least one frontend that does not fit in the maps right now (not
+    /// programmed, or still on its previous backend set): a gauge for the metrics and the log.
+    pub fn unfit_service_ports(&self) -> BTreeSet<&ServicePortName> {
+        self.map_writer.unfit().values().collect()
+    }
+
+    /// The probed kernel features and the choice made for each.
+    pub fn features(&self) -> &KernelFeatures {
+        &self.features
+    }
+
+    fn destroy_stale_udp_sockets(&self, summary: &ApplySummary) -> usize {
+        if !self.features.uses(Feature::SocketDestroy) {
+            return 0;
+        }
+        let removed: Vec<_> = summary
+            .removed_backends
+            .iter()
+            .filter(|r| r.frontend.protocol == Protocol::Udp)
+            .collect();
+        if removed.is_empty() {
+            return 0;
+        }
+        let backends: BTreeSet<SocketAddr> = removed.iter().map(|r| r.backend).collect();
+        let translated = |socket: &DiagSocket| {
+            removed.iter().any(|r| {
+                r.backend == socket.destination
+                    && self
+                        .maps
+                        .translated_via(socket, SocketAddr::new(r.frontend.addr, r.frontend.port))
+            })
+        };
+        match sockdiag::destroy_udp_sockets(&self.cgroup_path, &backends, &translated) {
+            Ok(report) => {
+                info!(
+                    removed_backends = backends.len(),
+                    namespaces = report.namespaces,
+                    candidates = report.candidates,
+                    destroyed = report.destroyed,
+                    "connected UDP sockets to removed backends destroyed"
+                );
+                report.destroyed
+            }
+            Err(error) => {
+                warn!(%error, "cannot destroy connected UDP sockets of removed backends");
+                0
+            }
+        }
+    }
+
+    /// The agent's record of what is programmed.
+    pub fn map_writer(&self) -> &MapWriter {
+        &self.map_writer
+    }
+
+    /// The interfaces running the XDP program (`--bpf-xdp`): (name, ifindex).
+    pub fn xdp_interfaces(&self) -> Vec<(String, u32)> {
+        self.tc.xdp_interfaces()
+    }
+
+    /// Datapath counters summed over all CPUs (for logs and metrics).
+    pub fn stats(&self) -> Vec<(StatIndex, u64)> {
+        read_stats(&self.stats)
+    }
+
+    /// Stops managing the datapath and leaves it running: links and maps stay pinned, so
+    /// traffic keeps being translated with the last programmed state until the next agent
+    /// adopts it (or `--cleanup` removes it).
+    pub fn shutdown(self) {
+        for (index, value) in read_stats(&self.stats) {
+            info!(counter = index.name(), value, "datapath counter");
+        }
+        if let Some(task) = &self.log_drain {
+            task.abort();
+        }
+        info!(
+            cgroup = %self.cgroup_path.display(),
+            pins = %self.pin_dir.display(),
+            links = self.links.len(),
+            "leaving the eBPF datapath in place"
+        );
+        // Dropping closes our fds only; the pins keep links, programs and maps alive.
+    }
+}
+
+/// See [`kernel_nat`]. Best effort, like the adoption itself.
+fn adopt_kernel_nat_flows(ebpf: &mut Ebpf) {
+    let now = match monotonic_ns() {
+        Ok(now) => now,
+        Err(error) => {
+            warn!(%error, "no monotonic clock: UDP/SCTP flows the kernel's conntrack NATs are not adopted");
+            return;
+        }
+    };
+    match conntrack_maps(ebpf) {
+        Ok(mut ct) => {
+            kernel_nat::adopt(&mut ct, now);
+        }
+        Err(error) => {
+            warn!(%error, "tc conntrack: UDP/SCTP flows the kernel's conntrack NATs are not adopted")
+        }
+    }
+}
+
+/// The object's two conntrack maps at once (`Ebpf::map_mut` lends one at a time).
+fn conntrack_pair(ebpf: &mut Ebpf) -> Result<ConntrackPair<'_>, EbpfError> {
+    let (mut v4, mut v6, mut new4, mut new6) = (None, None, None, None);
+    for (name, map) in ebpf.maps_mut() {
+        match name {
+            map_names::CT4 => v4 = Some(map),
+            map_names::CT6 => v6 = Some(map),
+            map_names::CT4_NEW => new4 = Some(map),
+            map_names::CT6_NEW => new6 = Some(map),
+            _ => {}
+        }
+    }
+    Ok(ConntrackPair {
+        v4: v4.ok_or(EbpfError::MissingMap(map_names::CT4))?,
+        v6: v6.ok_or(EbpfError::MissingMap(map_names::CT6))?,
+        new4: new4.ok_or(EbpfError::MissingMap(map_names::CT4_NEW))?,
+        new6: new6.ok_or(EbpfError::MissingMap(map_names::CT6_NEW))?,
+    })
+}
+
+fn conntrack_maps(ebpf: &mut Ebpf) -> Result<ConntrackMaps<&mut MapData>, EbpfError> {
+    let pair = conntrack_pair(ebpf)?;
+    ConntrackMaps::borrow(pair.v4, pair.v6, pair.new4, pair.new6)
+}
+
+/// What a deferred attach needs.
+#[derive(Debug)]
+pub(super) struct DeferredAttach {
+    cgroup_dir: File,
+    plan: Plan,
+}
+
+/// Attaches the socket programs to the cgroup and the tc programs to the interfaces, each
+/// replacing a previous agent's program without a gap.
+fn attach_all(
+    ebpf: &mut Ebpf,
+    tc: &mut TcState,
+    cgroup_dir: &File,
+    pin_dir: &std::path::Path,
+) -> Result<Vec<PinnedLink>, EbpfError> {
+    let mut links = Vec::with_capacity(program_names::ALL.len());
+    for name in program_names::ALL {
+        links.push(attach_and_pin(ebpf, name, cgroup_dir, pin_dir)?);
+    }
+    tc.refresh(ebpf, pin_dir, true);
+    Ok(links)
+}
+
+fn take_map<T>(ebpf: &mut Ebpf, name: &'static str) -> Result<T, EbpfError>
+where
+    T: TryFrom<aya::maps::Map, Error = aya::maps::MapError>,
+{
+    let map = ebpf.take_map(name).ok_or(EbpfError::MissingMap(name))?;
+    T::try_from(map).map_err(|source| EbpfError::Map { name, source })
+}
+
+/// Forwards aya-log records from the eBPF programs into `tracing` (through the `log` bridge).
+fn start_log_drain(ebpf: &mut Ebpf) -> Option<JoinHandle<()>> {
+    let logger = match EbpfLogger::init(ebpf) {
+        Ok(logger) => logger,
+        Err(error) => {
+            warn!(%error, "eBPF log forwarding unavailable");
+            return None;
+        }
+    };
+    // SAFETY: the logger owns its ring buffer fd and keeps returning that same open fd until it
+    // is dropped, which only happens together with the AsyncFd.
+    let registered =
+        unsafe { AsyncFd::register_with_interest(logger, tokio::io::Interest::READABLE) };
+    let mut logger = match registered {
+        Ok(logger) => logger,
+        Err(error) => {
+            warn!(%error, "eBPF log forwarding unavailable");
+            return None;
+        }
+    };
+    Some(tokio::spawn(async move {
+        loop {
+            let Ok(mut guard) = logger.readable_mut().await else {
+                return;
+            };
+            guard.get_inner_mut().flush();
+            guard.clear_ready();
+        }
+    }))
+}

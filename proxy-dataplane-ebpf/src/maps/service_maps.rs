@@ -1,0 +1,353 @@
+//! The service maps as typed handles: the [`MapOps`] the map writer writes through, and
+//! their whole content read back (adoption, drift check).
+
+use std::{
+    collections::BTreeSet,
+    net::{IpAddr, SocketAddr},
+};
+
+use aya::maps::{
+    HashMap, MapData,
+    lpm_trie::{Key, LpmTrie},
+};
+use ipnet::IpNet;
+use proxy_common::{
+    AffinityMatchKey, Backend4, Backend6, BackendSlotKey, Frontend4Key, Frontend6Key,
+    FrontendValue, MaglevBlock, MaglevKey, RevNat4, RevNat4Key, RevNat6, RevNat6Key,
+    SourceRangeKey, map_names,
+};
+
+use crate::{
+    MapOps, MapWriteError,
+    maps::map_writer::{
+        BackendValue, FrontendMapKey, MapsContent, ip4_from_map, ip4_to_map, ip6_from_map,
+        ip6_to_map,
+    },
+    maps::touched_keys::Touched,
+};
+use proxy_kernel::bpf::{
+    map_batch::{BatchReader, read_all, update_all},
+    sockdiag::DiagSocket,
+};
+
+/// The service maps as typed handles.
+pub(crate) struct ServiceMaps {
+    pub(crate) frontends4: HashMap<MapData, Frontend4Key, FrontendValue>,
+    pub(crate) frontends6: HashMap<MapData, Frontend6Key, FrontendValue>,
+    pub(crate) slots: HashMap<MapData, BackendSlotKey, u32>,
+    pub(crate) backends4: HashMap<MapData, u32, Backend4>,
+    pub(crate) backends6: HashMap<MapData, u32, Backend6>,
+    pub(crate) affinity_match: HashMap<MapData, AffinityMatchKey, u8>,
+    pub(crate) revnat4: HashMap<MapData, RevNat4Key, RevNat4>,
+    pub(crate) revnat6: HashMap<MapData, RevNat6Key, RevNat6>,
+    pub(crate) source_ranges: LpmTrie<MapData, SourceRangeKey, u8>,
+    pub(crate) maglev: HashMap<MapData, MaglevKey, MaglevBlock>,
+    /// While a drift check is out: the keys written or deleted since it started.
+    pub(crate) touched: Option<Touched>,
+}
+
+/// The LPM key of a frontend's source range: 32 bits of service id, then the prefix.
+pub(crate) fn source_range_key(service_id: u32, range: IpNet) -> Key<SourceRangeKey> {
+    let (addr, bits) = match range.trunc() {
+        IpNet::V4(net) => ([ip4_to_map(net.network()), 0, 0, 0], net.prefix_len()),
+        IpNet::V6(net) => (ip6_to_map(net.network()), net.prefix_len()),
+    };
+    Key::new(32 + u32::from(bits), SourceRangeKey { service_id, addr })
+}
+
+pub(crate) fn source_range_of(key: &Key<SourceRangeKey>, v6: bool) -> Option<(u32, IpNet)> {
+    let data = key.data();
+    let bits = u8::try_from(key.prefix_len().checked_sub(32)?).ok()?;
+    let net = if v6 {
+        IpNet::new(IpAddr::V6(ip6_from_map(data.addr)), bits).ok()?
+    } else {
+        IpNet::new(IpAddr::V4(ip4_from_map(data.addr[0])), bits).ok()?
+    };
+    Some((data.service_id, net))
+}
+
+impl MapOps for ServiceMaps {
+    fn put_frontend(
+        &mut self,
+        key: FrontendMapKey,
+        value: FrontendValue,
+    ) -> Result<(), MapWriteError> {
+        if let Some(touched) = &mut self.touched {
+            touched.frontend(key);
+            touched.service(value.service_id);
+        }
+        match key {
+            FrontendMapKey::V4(key) => self
+                .frontends4
+                .insert(key, value, 0)
+                .map_err(|e| map_error(map_names::FRONTENDS4, e)),
+            FrontendMapKey::V6(key) => self
+                .frontends6
+                .insert(key, value, 0)
+                .map_err(|e| map_error(map_names::FRONTENDS6, e)),
+        }
+    }
+    fn delete_frontend(&mut self, key: FrontendMapKey) -> Result<(), MapWriteError> {
+        if let Some(touched) = &mut self.touched {
+            touched.frontend(key);
+        }
+        match key {
+            FrontendMapKey::V4(key) => {
+                ignore_missing(map_names::FRONTENDS4, self.frontends4.remove(&key))
+            }
+            FrontendMapKey::V6(key) => {
+                ignore_missing(map_names::FRONTENDS6, self.frontends6.remove(&key))
+            }
+        }
+    }
+    fn put_slot(&mut self, key: BackendSlotKey, backend_id: u32) -> Result<(), MapWriteError> {
+        if let Some(touched) = &mut self.touched {
+            touched.slot(key);
+        }
+        self.slots
+            .insert(key, backend_id, 0)
+            .map_err(|e| map_error(map_names::BACKEND_SLOTS, e))
+    }
+    fn put_slots(&mut self, slots: &[(BackendSlotKey, u32)]) -> Result<(), MapWriteError> {
+        if let Some(touched) = &mut self.touched {
+            for &(key, _) in slots {
+                touched.slot(key);
+            }
+        }
+        update_all(&mut self.slots, slots).map_err(|e| map_error(map_names::BACKEND_SLOTS, e))
+    }
+    fn delete_slot(&mut self, key: BackendSlotKey) -> Result<(), MapWriteError> {
+        if let Some(touched) = &mut self.touched {
+            touched.slot(key);
+        }
+        ignore_missing(map_names::BACKEND_SLOTS, self.slots.remove(&key))
+    }
+    fn put_backend(&mut self, id: u32, backend: BackendValue) -> Result<(), MapWriteError> {
+        if let Some(touched) = &mut self.touched {
+            touched.backend_value(id, &backend);
+        }
+        match backend {
+            BackendValue::V4(b) => self
+                .backends4
+                .insert(id, b, 0)
+                .map_err(|e| map_error(map_names::BACKENDS4, e)),
+            BackendValue::V6(b) => self
+                .backends6
+                .insert(id, b, 0)
+                .map_err(|e| map_error(map_names::BACKENDS6, e)),
+        }
+    }
+    fn put_backends(&mut self, backends: &[(u32, BackendValue)]) -> Result<(), MapWriteError> {
+        let mut v4 = Vec::new();
+        let mut v6 = Vec::new();
+        for &(id, backend) in backends {
+            if let Some(touched) = &mut self.touched {
+                touched.backend_value(id, &backend);
+            }
+            match backend {
+                BackendValue::V4(b) => v4.push((id, b)),
+                BackendValue::V6(b) => v6.push((id, b)),
+            }
+        }
+        update_all(&mut self.backends4, &v4).map_err(|e| map_error(map_names::BACKENDS4, e))?;
+        update_all(&mut self.backends6, &v6).map_err(|e| map_error(map_names::BACKENDS6, e))
+    }
+    fn delete_backend(&mut self, id: u32, backend: BackendValue) -> Result<(), MapWriteError> {
+        if let Some(touched) = &mut self.touched {
+            touched.backend(id);
+        }
+        match backend {
+            BackendValue::V4(_) => ignore_missing(map_names::BACKENDS4, self.backends4.remove(&id)),
+            BackendValue::V6(_) => ignore_missing(map_names::BACKENDS6, self.backends6.remove(&id)),
+        }
+    }
+    fn put_affinity_match(&mut self, key: AffinityMatchKey) -> Result<(), MapWriteError> {
+        if let Some(touched) = &mut self.touched {
+            touched.affinity_match(key);
+        }
+        self.affinity_match
+            .insert(key, 1, 0)
+            .map_err(|e| map_error(map_names::AFFINITY_MATCH, e))
+    }
+    fn delete_affinity_match(&mut self, key: AffinityMatchKey) -> Result<(), MapWriteError> {
+        if let Some(touched) = &mut self.touched {
+            touched.affinity_match(key);
+        }
+        ignore_missing(map_names::AFFINITY_MATCH, self.affinity_match.remove(&key))
+    }
+    fn put_source_range(&mut self, service_id: u32, range: IpNet) -> Result<(), MapWriteError> {
+        if let Some(touched) = &mut self.touched {
+            touched.source_ranges_of(service_id);
+        }
+        self.source_ranges
+            .insert(&source_range_key(service_id, range), 1, 0)
+            .map_err(|e| map_error(map_names::SOURCE_RANGES, e))
+    }
+    fn delete_source_range(&mut self, service_id: u32, range: IpNet) -> Result<(), MapWriteError> {
+        if let Some(touched) = &mut self.touched {
+            touched.source_ranges_of(service_id);
+        }
+        ignore_missing(
+            map_names::SOURCE_RANGES,
+            self.source_ranges
+                .remove(&source_range_key(service_id, range)),
+        )
+    }
+    fn put_maglev(&mut self, key: MaglevKey, block: MaglevBlock) -> Result<(), MapWriteError> {
+        if let Some(touched) = &mut self.touched {
+            touched.maglev(key);
+        }
+        self.maglev
+            .insert(key, block, 0)
+            .map_err(|e| map_error(map_names::MAGLEV, e))
+    }
+    fn delete_maglev(&mut self, key: MaglevKey) -> Result<(), MapWriteError> {
+        if let Some(touched) = &mut self.touched {
+            touched.maglev(key);
+        }
+        ignore_missing(map_names::MAGLEV, self.maglev.remove(&key))
+    }
+}
+
+impl ServiceMaps {
+    /// Everything in the service maps, for [`MapWriter::adopt`] and the drift check: the hash
+    /// maps in batches (`map_batch`), the LPM trie entry by entry (the kernel has no batch
+    /// lookup for it). Entries deleted under an entry-by-entry walk are skipped.
+    pub(crate) fn content(&self, reader: &mut BatchReader) -> MapsContent {
+        let mut content = MapsContent::default();
+        let mut frontends4 = Vec::new();
+        read_all(
+            &self.frontends4,
+            reader,
+            map_names::FRONTENDS4,
+            &mut frontends4,
+        );
+        let mut frontends6 = Vec::new();
+        read_all(
+            &self.frontends6,
+            reader,
+            map_names::FRONTENDS6,
+            &mut frontends6,
+        );
+        content
+            .frontends
+            .reserve(frontends4.len() + frontends6.len());
+        content.frontends.extend(
+            frontends4
+                .into_iter()
+                .map(|(k, v)| (FrontendMapKey::V4(k), v)),
+        );
+        content.frontends.extend(
+            frontends6
+                .into_iter()
+                .map(|(k, v)| (FrontendMapKey::V6(k), v)),
+        );
+        // Collected rather than inserted one by one: the standard library sorts once and
+        // builds the tree in bulk.
+        let mut slots = Vec::new();
+        read_all(&self.slots, reader, map_names::BACKEND_SLOTS, &mut slots);
+        content.slots = slots.into_iter().collect();
+        let mut maglev = Vec::new();
+        read_all(&self.maglev, reader, map_names::MAGLEV, &mut maglev);
+        content.maglev = maglev.into_iter().collect();
+        let mut backends4 = Vec::new();
+        read_all(
+            &self.backends4,
+            reader,
+            map_names::BACKENDS4,
+            &mut backends4,
+        );
+        let mut backends6 = Vec::new();
+        read_all(
+            &self.backends6,
+            reader,
+            map_names::BACKENDS6,
+            &mut backends6,
+        );
+        content.backends = backends4
+            .into_iter()
+            .map(|(id, b)| (id, BackendValue::V4(b)))
+            .chain(
+                backends6
+                    .into_iter()
+                    .map(|(id, b)| (id, BackendValue::V6(b))),
+            )
+            .collect();
+        // The value is always 1 and never compared: a key is the whole entry.
+        let mut matches = Vec::new();
+        read_all(
+            &self.affinity_match,
+            reader,
+            map_names::AFFINITY_MATCH,
+            &mut matches,
+        );
+        content.affinity_matches = matches.into_iter().map(|(key, _)| key).collect();
+        // The family is not in the key: a range belongs to a frontend of one family, so the
+        // frontend's service id tells which reading is right.
+        let v6_services: BTreeSet<u32> = content
+            .frontends
+            .iter()
+            .filter(|(key, _)| matches!(key, FrontendMapKey::V6(_)))
+            .map(|(_, value)| value.service_id)
+            .collect();
+        for key in self.source_ranges.keys().flatten() {
+            let v6 = v6_services.contains(&key.data().service_id);
+            if let Some(range) = source_range_of(&key, v6) {
+                content.source_ranges.insert(range);
+            }
+        }
+        content
+    }
+
+    /// Whether our datapath translated `socket` to its destination through `frontend`.
+    pub(crate) fn translated_via(&self, socket: &DiagSocket, frontend: SocketAddr) -> bool {
+        let destination = socket.destination;
+        match (destination.ip(), frontend.ip()) {
+            (IpAddr::V4(backend), IpAddr::V4(service)) => {
+                let key = RevNat4Key {
+                    cookie: socket.cookie,
+                    addr: ip4_to_map(backend),
+                    port: destination.port().to_be(),
+                    _pad: 0,
+                };
+                self.revnat4.get(&key, 0).is_ok_and(|revnat| {
+                    revnat.addr == ip4_to_map(service) && revnat.port == frontend.port().to_be()
+                })
+            }
+            (IpAddr::V6(backend), IpAddr::V6(service)) => {
+                let key = RevNat6Key {
+                    cookie: socket.cookie,
+                    addr: ip6_to_map(backend),
+                    port: destination.port().to_be(),
+                    _pad: [0; 3],
+                };
+                self.revnat6.get(&key, 0).is_ok_and(|revnat| {
+                    revnat.addr == ip6_to_map(service) && revnat.port == frontend.port().to_be()
+                })
+            }
+            _ => false,
+        }
+    }
+}
+
+/// A hash map refuses a new key with E2BIG when it holds `max_entries` already.
+pub(crate) fn map_error(map: &'static str, error: aya::maps::MapError) -> MapWriteError {
+    match &error {
+        aya::maps::MapError::SyscallError(syscall)
+            if syscall.io_error.raw_os_error() == Some(libc::E2BIG) =>
+        {
+            MapWriteError::Full(map)
+        }
+        _ => MapWriteError::Other(format!("map {map}: {error}")),
+    }
+}
+
+pub(crate) fn ignore_missing(
+    map: &'static str,
+    result: Result<(), aya::maps::MapError>,
+) -> Result<(), MapWriteError> {
+    match result {
+        Err(aya::maps::MapError::KeyNotFound) | Ok(()) => Ok(()),
+        Err(error) => Err(map_error(map, error)),
+    }
+}

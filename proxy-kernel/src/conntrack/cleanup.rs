@@ -1,0 +1,136 @@
+//! Stale conntrack entries after endpoint changes (kube-proxy's pkg/proxy/conntrack/cleanup.go,
+//! a reconciler rather than event-based deletes).
+//!
+//! For every UDP (and, unlike kube-proxy today, SCTP) service port, an entry whose original
+//! destination is one of the port's frontends (ClusterIP, externalIPs, load-balancer IPs — or
+//! its NodePort on any address) is stale when its reply source, the backend a DNAT chose, is not
+//! a serving endpoint any more. Such an entry would keep steering the flow to a dead backend
+//! (kubernetes#48370), and an entry created while the Service had no endpoints (not DNATed, so
+//! its reply source is the frontend itself) would keep black-holing it after endpoints appear.
+//!
+//! Deliberate difference: kube-proxy skips service ports without serving endpoints, so entries
+//! pinned to the last endpoint survive its removal (the N→0 regression, kubernetes#139628). Here
+//! such a port has an empty endpoint set and all its DNATed entries are removed.
+
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    net::IpAddr,
+};
+
+use super::netlink::{ConntrackEntry, ConntrackError, Ctnetlink};
+use proxy_model::desired::{FamilySnapshot, IpFamily, Protocol};
+
+/// Why an entry goes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StaleFilter {
+    /// Original destination is a frontend address:port whose endpoints do not include the reply
+    /// source.
+    Frontend,
+    /// Original destination port is a NodePort whose endpoints do not include the reply source.
+    NodePort,
+}
+
+/// Serving endpoint addresses per frontend, per protocol.
+#[derive(Debug, Default)]
+struct Frontends {
+    by_address: BTreeMap<(u8, IpAddr, u16), BTreeSet<IpAddr>>,
+    by_node_port: BTreeMap<(u8, u16), BTreeSet<IpAddr>>,
+}
+
+fn frontends(snapshot: &FamilySnapshot) -> Frontends {
+    let mut frontends = Frontends::default();
+    for port in snapshot.service_ports.values() {
+        if !matches!(port.protocol, Protocol::Udp | Protocol::Sctp) {
+            continue;
+        }
+        let proto = port.protocol.number();
+        // kube-proxy's IsServing(): ready or serving-terminating; policies and topology are
+        // deliberately ignored, an endpoint other nodes may use is not stale here either.
+        let serving: BTreeSet<IpAddr> = port
+            .endpoints
+            .iter()
+            .filter(|e| e.serving)
+            .map(|e| e.addr)
+            .collect();
+        let addresses = std::iter::once(&port.cluster_ip)
+            .chain(&port.external_ips)
+            .chain(&port.load_balancer_ips);
+        for addr in addresses {
+            frontends
+                .by_address
+                .insert((proto, *addr, port.port), serving.clone());
+        }
+        if let Some(node_port) = port.node_port {
+            frontends
+                .by_node_port
+                .insert((proto, node_port), serving.clone());
+        }
+    }
+    frontends
+}
+
+/// The entries that are stale for `snapshot`, with the reason.
+pub fn stale_filters(
+    snapshot: &FamilySnapshot,
+    entries: &[ConntrackEntry],
+) -> Vec<(ConntrackEntry, StaleFilter)> {
+    let frontends = frontends(snapshot);
+    let mut stale = Vec::new();
+    for entry in entries {
+        let original = &entry.original;
+        let backend = entry.reply.src;
+        let key = (original.protocol, original.dst, original.dst_port);
+        if let Some(serving) = frontends.by_address.get(&key) {
+            if !serving.contains(&backend) {
+                stale.push((*entry, StaleFilter::Frontend));
+            }
+            continue;
+        }
+        if let Some(serving) = frontends
+            .by_node_port
+            .get(&(original.protocol, original.dst_port))
+            && !serving.contains(&backend)
+        {
+            stale.push((*entry, StaleFilter::NodePort));
+        }
+    }
+    stale
+}
+
+/// What one reconcile did.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct CleanupReport {
+    pub scanned: usize,
+    pub deleted: usize,
+    pub failed: usize,
+}
+
+/// Dumps the conntrack table of `family` in the current network namespace and deletes the
+/// entries that are stale for `snapshot`.
+pub fn reconcile(
+    family: IpFamily,
+    snapshot: &FamilySnapshot,
+) -> Result<CleanupReport, ConntrackError> {
+    let mut ctnetlink = Ctnetlink::open()?;
+    let entries = ctnetlink.dump(family)?;
+    let mut report = CleanupReport {
+        scanned: entries.len(),
+        ..CleanupReport::default()
+    };
+    for (entry, reason) in stale_filters(snapshot, &entries) {
+        match ctnetlink.delete(&entry.original) {
+            Ok(()) => {
+                tracing::debug!(?entry, ?reason, "deleted stale conntrack entry");
+                report.deleted += 1;
+            }
+            Err(error) => {
+                tracing::warn!(?entry, %error, "cannot delete stale conntrack entry");
+                report.failed += 1;
+            }
+        }
+    }
+    Ok(report)
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,143 @@
+use std::collections::BTreeMap;
+
+use super::*;
+use crate::conntrack::Tuple;
+use proxy_model::{
+    desired::{Endpoint, ServicePort, ServicePortName},
+    objects::ObjectKey,
+};
+
+fn ip(last: u8) -> IpAddr {
+    IpAddr::from([10, 244, 0, last])
+}
+
+fn endpoint(last: u8, serving: bool) -> Endpoint {
+    Endpoint {
+        addr: ip(last),
+        port: 5353,
+        is_local: false,
+        ready: serving,
+        serving,
+        terminating: false,
+        cluster: serving,
+        local: false,
+    }
+}
+
+fn dns(protocol: Protocol, endpoints: Vec<Endpoint>) -> FamilySnapshot {
+    let name = ServicePortName {
+        service: ObjectKey {
+            namespace: "kube-system".into(),
+            name: "dns".into(),
+        },
+        port: "dns".into(),
+        protocol,
+    };
+    let port = ServicePort {
+        name: name.clone(),
+        cluster_ip: IpAddr::from([10, 96, 0, 10]),
+        port: 53,
+        protocol,
+        node_port: Some(30053),
+        external_ips: vec![IpAddr::from([192, 0, 2, 1])],
+        load_balancer_ips: Vec::new(),
+        source_ranges: Vec::new(),
+        affinity_timeout: None,
+        external_policy_local: false,
+        internal_policy_local: false,
+        health_check_node_port: None,
+        traffic_distribution: None,
+        has_any_endpoints: endpoints.iter().any(|e| e.serving),
+        endpoints,
+    };
+    FamilySnapshot {
+        service_ports: BTreeMap::from([(name, port)]),
+    }
+}
+
+fn entry(dst: IpAddr, dst_port: u16, backend: IpAddr, protocol: u8) -> ConntrackEntry {
+    let original = Tuple {
+        src: IpAddr::from([10, 0, 0, 1]),
+        dst,
+        protocol,
+        src_port: 40000,
+        dst_port,
+    };
+    ConntrackEntry {
+        original,
+        reply: Tuple {
+            src: backend,
+            dst: original.src,
+            protocol,
+            src_port: 5353,
+            dst_port: 40000,
+        },
+        tcp_state: None,
+    }
+}
+
+const UDP: u8 = 17;
+const TCP: u8 = 6;
+
+#[test]
+fn entries_to_removed_endpoints_are_stale_and_live_ones_are_kept() {
+    let snapshot = dns(Protocol::Udp, vec![endpoint(1, true), endpoint(2, false)]);
+    let cluster_ip = IpAddr::from([10, 96, 0, 10]);
+    let entries = [
+        entry(cluster_ip, 53, ip(1), UDP), // live endpoint: kept
+        entry(cluster_ip, 53, ip(2), UDP), // not serving: stale
+        entry(cluster_ip, 53, ip(3), UDP), // removed: stale
+        entry(IpAddr::from([192, 0, 2, 1]), 53, ip(3), UDP), // externalIP: stale
+        entry(IpAddr::from([172, 16, 0, 1]), 30053, ip(3), UDP), // NodePort on any address
+        entry(IpAddr::from([172, 16, 0, 1]), 30054, ip(3), UDP), // another port: not ours
+        entry(cluster_ip, 53, ip(3), TCP), // TCP is left alone
+    ];
+    let stale = stale_filters(&snapshot, &entries);
+    let got: Vec<(IpAddr, u16, IpAddr, StaleFilter)> = stale
+        .iter()
+        .map(|(e, why)| (e.original.dst, e.original.dst_port, e.reply.src, *why))
+        .collect();
+    assert_eq!(
+        got,
+        [
+            (cluster_ip, 53, ip(2), StaleFilter::Frontend),
+            (cluster_ip, 53, ip(3), StaleFilter::Frontend),
+            (
+                IpAddr::from([192, 0, 2, 1]),
+                53,
+                ip(3),
+                StaleFilter::Frontend
+            ),
+            (
+                IpAddr::from([172, 16, 0, 1]),
+                30053,
+                ip(3),
+                StaleFilter::NodePort
+            ),
+        ]
+    );
+}
+
+#[test]
+fn the_last_endpoint_going_away_still_cleans_up() {
+    // N → 0: kube-proxy skips this case; we do not.
+    let snapshot = dns(Protocol::Udp, Vec::new());
+    let entries = [entry(IpAddr::from([10, 96, 0, 10]), 53, ip(1), UDP)];
+    assert_eq!(stale_filters(&snapshot, &entries).len(), 1);
+}
+
+#[test]
+fn entries_from_before_the_first_endpoint_are_cleaned_up() {
+    // 0 → N: created while REJECTed/unanswered, never DNATed: the reply comes from the VIP.
+    let cluster_ip = IpAddr::from([10, 96, 0, 10]);
+    let snapshot = dns(Protocol::Udp, vec![endpoint(1, true)]);
+    let entries = [entry(cluster_ip, 53, cluster_ip, UDP)];
+    assert_eq!(stale_filters(&snapshot, &entries).len(), 1);
+}
+
+#[test]
+fn sctp_is_cleaned_up_too() {
+    let snapshot = dns(Protocol::Sctp, vec![endpoint(1, true)]);
+    let entries = [entry(IpAddr::from([10, 96, 0, 10]), 53, ip(9), 132)];
+    assert_eq!(stale_filters(&snapshot, &entries).len(), 1);
+}
