@@ -1,0 +1,142 @@
+//! After an agent restart: the record rebuilt from the maps the previous agent pinned, and what
+//! no live frontend can reach removed.
+
+use super::*;
+
+impl MapWriter {
+    /// Rebuilds the record from maps a previous agent left behind, and removes what no live
+    /// frontend can reach (slots of an interrupted update, orphan backends and match entries).
+    pub fn adopt(content: MapsContent, maps: &mut impl MapOps) -> Self {
+        let mut map_writer = MapWriter::default();
+        let mut live_slots = BTreeSet::new();
+        let mut live_matches = BTreeSet::new();
+        let mut live_maglev = BTreeSet::new();
+        let mut dropped = 0usize;
+        for (map_key, value) in content.frontends {
+            let Some(key) = frontend_key_of(&map_key) else {
+                // Not a protocol we program: remove it rather than carry it along.
+                if let Err(reason) = maps.delete_frontend(map_key) {
+                    warn!(?map_key, %reason, "cannot delete unknown frontend");
+                }
+                dropped += 1;
+                continue;
+            };
+            let mut slots = Vec::new();
+            let mut damaged = false;
+            for slot in 0..value.backend_count {
+                let slot_key = BackendSlotKey {
+                    service_id: value.service_id,
+                    slot,
+                    generation: value.generation,
+                    _pad: 0,
+                };
+                let backend = content
+                    .slots
+                    .get(&slot_key)
+                    .and_then(|id| Some((*id, *content.backends.get(id)?)));
+                match backend {
+                    // A backend value under a second id (maps no writer of ours leaves) is
+                    // known by its first: the slot counts as missing, so the frontend is
+                    // rewritten, and the second id is removed with the orphans.
+                    Some((id, backend))
+                        if map_writer
+                            .backends
+                            .id_of(&backend)
+                            .is_none_or(|known| known == id) =>
+                    {
+                        live_slots.insert(slot_key);
+                        slots.push(id);
+                        if map_writer.backends.hold(&backend).is_none() {
+                            map_writer.backends.insert(backend, id);
+                        }
+                    }
+                    _ => damaged = true,
+                }
+            }
+            let maglev_incomplete = !maglev_complete(&value, &content.maglev, &slots);
+            if maglev_incomplete {
+                // Its entries are deleted below and the next apply rewrites it; meanwhile the
+                // datapath falls back to random choice where the table misses, and the slots
+                // stay in use (unlike a damaged frontend's).
+                warn!(frontend = %key, "adopted frontend has an incomplete Maglev table; it will be rewritten");
+            } else {
+                live_maglev.extend(maglev_keys(&value));
+            }
+            if damaged {
+                // Keep what is there so the slots are cleaned up by the rewrite.
+                warn!(frontend = %key, "adopted frontend has missing slots; it will be rewritten");
+            }
+            if tracks_members(&value) {
+                live_matches.extend(slots.iter().map(|&backend_id| AffinityMatchKey {
+                    service_id: value.service_id,
+                    backend_id,
+                }));
+            }
+            let source_ranges = content
+                .source_ranges
+                .iter()
+                .filter(|(id, _)| *id == value.service_id)
+                .map(|(_, range)| *range)
+                .collect::<Box<[IpNet]>>();
+            map_writer.frontends.insert(
+                key,
+                AppliedFrontend {
+                    owner: None,
+                    value,
+                    slots: slots.into_boxed_slice(),
+                    source_ranges,
+                    damaged,
+                    maglev_incomplete,
+                },
+            );
+        }
+        // Slots of damaged frontends are deleted below too; their rewrite uses fresh slots.
+        let damaged_services: BTreeSet<u32> = map_writer
+            .frontends
+            .values()
+            .filter(|f| f.damaged)
+            .map(|f| f.value.service_id)
+            .collect();
+        let mut cleaned = 0usize;
+        for slot in content.slots.keys() {
+            if !live_slots.contains(slot) || damaged_services.contains(&slot.service_id) {
+                cleaned += usize::from(maps.delete_slot(*slot).is_ok());
+            }
+        }
+        for key in content.maglev.keys() {
+            if !live_maglev.contains(key) || damaged_services.contains(&key.service_id) {
+                cleaned += usize::from(maps.delete_maglev(*key).is_ok());
+            }
+        }
+        let used_ids: BTreeSet<u32> = map_writer.backends.iter().map(|(id, _)| id).collect();
+        for (id, backend) in &content.backends {
+            if !used_ids.contains(id) {
+                cleaned += usize::from(maps.delete_backend(*id, *backend).is_ok());
+            }
+        }
+        for key in content.affinity_matches.difference(&live_matches) {
+            cleaned += usize::from(maps.delete_affinity_match(*key).is_ok());
+        }
+        let live_services: BTreeSet<u32> = map_writer
+            .frontends
+            .values()
+            .map(|f| f.value.service_id)
+            .collect();
+        for (service_id, range) in &content.source_ranges {
+            if !live_services.contains(service_id) {
+                cleaned += usize::from(maps.delete_source_range(*service_id, *range).is_ok());
+            }
+        }
+        map_writer.service_ids =
+            IdAllocator::with_used(map_writer.frontends.values().map(|f| f.value.service_id));
+        map_writer.backend_ids = IdAllocator::with_used(used_ids);
+        info!(
+            frontends = map_writer.frontends.len(),
+            backends = map_writer.backends.len(),
+            cleaned,
+            dropped,
+            "adopted the service maps of a previous run"
+        );
+        map_writer
+    }
+}
