@@ -283,8 +283,41 @@ fn ensure_cargo_fuzz() -> Result<()> {
     Ok(())
 }
 
+/// Which sanitizer a fuzz build instruments with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Sanitizer {
+    /// By hand: AddressSanitizer, for whatever unsafe code a dependency has.
+    Address,
+    /// The CI replay: libFuzzer's coverage only. The parsers it feeds have no unsafe code of
+    /// their own, so the replay looks for panics, hangs and memory blow-ups, which libFuzzer
+    /// catches without a sanitizer; ASan's instrumentation of the whole tree cost a third of
+    /// the build, which the test command pays at every run.
+    None,
+}
+
+impl Sanitizer {
+    fn of(budget: FuzzBudget) -> Self {
+        match budget {
+            FuzzBudget::Seconds(_) => Self::Address,
+            FuzzBudget::Replay { .. } => Self::None,
+        }
+    }
+
+    fn flag(self) -> &'static str {
+        match self {
+            Self::Address => "address",
+            Self::None => "none",
+        }
+    }
+}
+
 /// `cargo +NIGHTLY fuzz SUBCOMMAND` in `tests/fuzz`, run through `prefix` (e.g. `nice`).
-fn fuzz_cargo(prefix: &[&str], subcommand: &str, object: &Path) -> Result<Command> {
+fn fuzz_cargo(
+    prefix: &[&str],
+    subcommand: &str,
+    object: &Path,
+    sanitizer: Sanitizer,
+) -> Result<Command> {
     let toolchain = crate::toolchain::ebpf_nightly()?;
     let mut command = match prefix.split_first() {
         Some((program, args)) => {
@@ -298,6 +331,7 @@ fn fuzz_cargo(prefix: &[&str], subcommand: &str, object: &Path) -> Result<Comman
         .current_dir(workspace_root().join("tests/fuzz"))
         .arg(format!("+{toolchain}"))
         .args(["fuzz", subcommand])
+        .args(["--sanitizer", sanitizer.flag()])
         // cargo-fuzz's default of one codegen unit makes LLVM optimise each of the ~220 crates
         // (k8s-openapi among them) in one piece: the build took 11 minutes of the test command
         // on two cores. Sixteen units give up a little speed per input, which runs of 100 000
@@ -329,7 +363,7 @@ fn start_fuzz_build(object: &Path) -> Result<(Background, PathBuf)> {
     let err = file
         .try_clone()
         .with_context(|| format!("opening {}", log.display()))?;
-    let child = fuzz_cargo(&["nice", "-n", "19"], "build", object)?
+    let child = fuzz_cargo(&["nice", "-n", "19"], "build", object, Sanitizer::of(CI_FUZZ))?
         .stdout(file)
         .stderr(err)
         // Its own process group, so that a failed test run can stop cargo and its rustcs.
@@ -376,9 +410,13 @@ pub fn fuzz(budget: FuzzBudget, targets: &[String], object: &Path) -> Result<()>
     };
     let dir = workspace_root().join("tests/fuzz");
     let toolchain = crate::toolchain::ebpf_nightly()?;
-    step("fuzz: build every target (nightly, sanitizers)");
+    let sanitizer = Sanitizer::of(budget);
+    step(&format!(
+        "fuzz: build every target (nightly, sanitizer: {})",
+        sanitizer.flag()
+    ));
     let started = std::time::Instant::now();
-    run_cmd(&mut fuzz_cargo(&[], "build", object)?)?;
+    run_cmd(&mut fuzz_cargo(&[], "build", object, sanitizer)?)?;
     println!("  fuzz build took {:.0?}", started.elapsed());
     for target in targets {
         let corpus = match budget {
@@ -402,7 +440,7 @@ pub fn fuzz(budget: FuzzBudget, targets: &[String], object: &Path) -> Result<()>
             .with_context(|| format!("creating {}", corpus.display()))?;
         let artifacts = dir.join("artifacts").join(target);
         let before = files_in(&artifacts);
-        let mut command = fuzz_cargo(&[], "run", object)?;
+        let mut command = fuzz_cargo(&[], "run", object, sanitizer)?;
         command.arg(target).arg(&corpus);
         let seeds = dir.join("seeds").join(target);
         if seeds.is_dir() {
