@@ -290,8 +290,8 @@ enum Sanitizer {
     Address,
     /// The CI replay: libFuzzer's coverage only. The parsers it feeds have no unsafe code of
     /// their own, so the replay looks for panics, hangs and memory blow-ups, which libFuzzer
-    /// catches without a sanitizer; ASan's instrumentation of the whole tree cost a third of
-    /// the build, which the test command pays at every run.
+    /// catches without a sanitizer; ASan instruments the whole tree and lengthens the build
+    /// that the test command pays at every run.
     None,
 }
 
