@@ -1152,7 +1152,8 @@ pub fn rolling_update_drains_established_connections(mode: &str) -> Result<()> {
             std::thread::spawn(move || client.run(target, 30))
         })
         .collect();
-    std::thread::sleep(Duration::from_millis(1000));
+    // Every stream connected before pod2 starts terminating.
+    s.wait_for_tcp_streams(14)?;
     let terminating = Endpoint {
         ready: false,
         serving: true,

@@ -92,7 +92,7 @@ fn open_streams(s: &mut Scenario, exchanges: u32) -> anyhow::Result<(Streams, Cl
         })
         .collect();
     // Every stream connected before the upgrade starts.
-    std::thread::sleep(Duration::from_millis(800));
+    s.wait_for_tcp_streams(NODE_PORT_STREAMS + CLUSTER_IP_STREAMS)?;
     Ok((streams, outside, node))
 }
 
