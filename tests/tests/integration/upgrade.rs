@@ -428,6 +428,7 @@ fn a_map_in_an_unknown_layout_is_reported_and_rebuilt_without_a_failed_connectio
         }
         Ok(attempts)
     });
+    // Pacing, not a settle: the load runs for a while before the restart it must span.
     std::thread::sleep(Duration::from_millis(300));
     s.agent()?.stop()?;
     let layouts = HashMap::<MapData, LayoutKey, LayoutRecord>::try_from(Map::from_map_data(
