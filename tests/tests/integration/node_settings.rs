@@ -297,12 +297,24 @@ fn node_cidr_waits_for_pod_cidrs_and_exits_when_they_change() -> anyhow::Result<
     s.manifests.write("node.yaml", &node_manifest())?;
     s.start_agent_with_args("iptables", &["--detect-local-mode", "NodeCIDR"])?;
     let client = ext_client(&s);
-    // Time, not state: no sync must happen while the podCIDRs are missing, which only a wait
-    // can show.
+    // The agent is up (it serves its metrics) and has had its sources...
+    let agent = s.agent()?;
+    proxy_tests::wait::wait_until(
+        "the agent's metrics served",
+        Duration::from_secs(20),
+        Duration::from_millis(100),
+        || agent.metrics().is_ok(),
+    )
+    .map_err(|e| agent.error(e.to_string()))?;
+    // ...and time, not state, shows that no sync happens while the podCIDRs are missing.
     std::thread::sleep(Duration::from_secs(3));
     let before = client.once(node_port(Topology::node_ext_ip()))?;
     s.ensure(refused(&before), || {
         format!("no sync may happen before the Node has podCIDRs: {before:?}")
+    })?;
+    let syncs = s.agent()?.syncs();
+    s.ensure(syncs == 0, || {
+        format!("no sync may happen before the Node has podCIDRs: {syncs} in /metrics")
     })?;
     s.manifests
         .write("node.yaml", &node_with_pod_cidrs(&["10.244.1.0/24"]))?;
