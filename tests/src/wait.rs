@@ -50,12 +50,14 @@ pub fn wait_for_held(
     interval: Duration,
     mut sample: impl FnMut() -> Result<BTreeSet<String>>,
 ) -> Result<()> {
-    let mut previous = sample()?;
+    let mut previous: Option<BTreeSet<String>> = None;
     let mut held = 0;
     try_wait_until(what, timeout, interval, || {
         let now = sample()?;
-        held = now.intersection(&previous).count();
-        previous = now;
+        held = previous
+            .as_ref()
+            .map_or(0, |before| now.intersection(before).count());
+        previous = Some(now);
         Ok(held >= n)
     })
     .map_err(|e| match e {
