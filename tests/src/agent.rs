@@ -217,7 +217,6 @@ impl Agent {
         Ok(out.status)
     }
 
-    /// Everything the agent has logged so far.
     /// Where the agent serves `/metrics`: `--metrics-bind-address` from the extra arguments,
     /// else kube-proxy's default, 127.0.0.1:10249 (in the agent's network namespace).
     pub fn metrics_address(&self) -> SocketAddr {
@@ -258,6 +257,21 @@ impl Agent {
         })
     }
 
+    /// True once the agent has synced successfully and no sync was requested after its last
+    /// successful one (IPv4's `kubeproxy_sync_proxy_rules_last_queued_timestamp_seconds` not
+    /// after its `..._last_timestamp_seconds`): every change it was given is programmed, and
+    /// nothing is queued that would sync again. False while the metrics server is not up.
+    pub fn settled(&self) -> bool {
+        self.metrics().is_ok_and(|exposition| {
+            let sample = |name| crate::http::metric_sum(&exposition, name, &["ip_family=\"IPv4\""]);
+            let synced = sample("kubeproxy_sync_proxy_rules_duration_seconds_count") >= 1.0;
+            synced
+                && sample("kubeproxy_sync_proxy_rules_last_queued_timestamp_seconds")
+                    <= sample("kubeproxy_sync_proxy_rules_last_timestamp_seconds")
+        })
+    }
+
+    /// Everything the agent has logged so far.
     pub fn log_contents(&self) -> String {
         fs::read(&self.log_path)
             .map(|b| String::from_utf8_lossy(&b).into_owned())

@@ -91,6 +91,28 @@ impl Netns {
         )
     }
 
+    /// The established sockets of this namespace (`ss`), TCP or (with `udp`) connected UDP
+    /// ones, narrowed by the `ss` filter expression `filter` (empty: all): one `local peer`
+    /// pair each.
+    pub fn established(&self, udp: bool, filter: &str) -> Result<Vec<String>> {
+        let mut args = vec![if udp { "-Hun" } else { "-Htn" }, "state", "established"];
+        if !filter.is_empty() {
+            args.push(filter);
+        }
+        let out = self.exec("ss", &args)?;
+        Ok(out
+            .lines()
+            .filter_map(|line| {
+                let fields: Vec<&str> = line.split_whitespace().collect();
+                // Recv-Q, Send-Q, local, peer (the state column is left out under a filter).
+                match fields.as_slice() {
+                    [.., local, peer] if fields.len() >= 4 => Some(format!("{local} {peer}")),
+                    _ => None,
+                }
+            })
+            .collect())
+    }
+
     /// TCP segments received in this namespace so far (`InSegs` of `/proc/net/snmp`, which is
     /// per network namespace): a kernel counter that shows whether anything reached a server
     /// here, whatever the client saw.

@@ -366,6 +366,52 @@ impl Scenario {
         }
     }
 
+    /// Waits (bounded by [`DATAPATH_TIMEOUT`]) until the pods' echo servers hold at least `n`
+    /// TCP connections, each established across two looks 100 ms apart: stream clients'
+    /// connections, made under the rules in place now, and not a passing single attempt's.
+    pub fn wait_for_tcp_streams(&self, n: usize) -> Result<()> {
+        let filter = format!("( sport = :{BACKEND_PORT} )");
+        crate::wait::wait_for_held(
+            "TCP streams established to the pods",
+            n,
+            DATAPATH_TIMEOUT,
+            Duration::from_millis(100),
+            || {
+                let mut held = std::collections::BTreeSet::new();
+                for i in 1..=self.topo.pod_count() {
+                    for socket in self.topo.pod(i)?.established(false, &filter)? {
+                        held.insert(format!("pod{i} {socket}"));
+                    }
+                }
+                Ok(held)
+            },
+        )
+        .map_err(|e| self.agent_error(e.to_string()))
+    }
+
+    /// Waits (bounded by [`DATAPATH_TIMEOUT`]) until the clients in `places` hold at least
+    /// `n` connected UDP sockets, each connected across two looks 100 ms apart: a flow's
+    /// client sends its first datagram right after connecting, so each such flow has
+    /// started under the rules in place now.
+    pub fn wait_for_udp_flows(&self, places: &[crate::topology::Place], n: usize) -> Result<()> {
+        crate::wait::wait_for_held(
+            "UDP flows started",
+            n,
+            DATAPATH_TIMEOUT,
+            Duration::from_millis(100),
+            || {
+                let mut held = std::collections::BTreeSet::new();
+                for place in places {
+                    for socket in self.topo.netns(*place)?.established(true, "")? {
+                        held.insert(format!("{place:?} {socket}"));
+                    }
+                }
+                Ok(held)
+            },
+        )
+        .map_err(|e| self.agent_error(e.to_string()))
+    }
+
     /// An error carrying the agent log tail (or just the message without an agent).
     pub fn agent_error(&self, message: String) -> RigError {
         match &self.agent {

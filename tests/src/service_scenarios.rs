@@ -1077,6 +1077,8 @@ pub fn agent_restarts_under_load_fail_nothing(mode: &str) -> Result<()> {
     // (killed, restarted) in ms since the clients were spawned.
     let mut outages = Vec::new();
     for _ in 0..2 {
+        // Pacing: the load runs between the outages, and each outage (no agent for this long)
+        // is what the connections must get through.
         std::thread::sleep(Duration::from_millis(800));
         s.agent()?.kill()?;
         let killed = spawned.elapsed().as_millis() as u64;
@@ -1152,7 +1154,8 @@ pub fn rolling_update_drains_established_connections(mode: &str) -> Result<()> {
             std::thread::spawn(move || client.run(target, 30))
         })
         .collect();
-    std::thread::sleep(Duration::from_millis(1000));
+    // Every stream connected before pod2 starts terminating.
+    s.wait_for_tcp_streams(14)?;
     let terminating = Endpoint {
         ready: false,
         serving: true,
@@ -1258,9 +1261,17 @@ pub fn unconnected_udp_sockets_keep_their_backend(mode: &str) -> Result<()> {
     s.wait_for_batch(&fresh, target, 8, "pod1 alone", only_pod1)?;
     let runner = client.clone().interval(Duration::from_millis(100));
     let long = std::thread::spawn(move || runner.run(target, 80));
+    // Pacing: the socket's history on pod1 (at least 20 answers, checked below) spans the
+    // scale-up.
     std::thread::sleep(Duration::from_millis(2000));
     s.manifests.write("dns-slice.yaml", &slice(&[1, 2, 3]))?;
-    std::thread::sleep(Duration::from_millis(3000));
+    let scaled_up = std::time::Instant::now();
+    // The socket stays on pod1 while pod2 and pod3 are programmed: a new socket reaches them.
+    let joined = |a: &Attempt| matches!(a.backend(), Some("pod2" | "pod3"));
+    let newcomer = local_client(&s, mode, Place::Pod(1))?.mode(Mode::Sendto);
+    s.wait_for_datapath_with(&newcomer, target, "pod2 or pod3 joined", joined)?;
+    // Pacing, as above: the history on pod1 goes on for a while after the scale-up.
+    std::thread::sleep(Duration::from_millis(3000).saturating_sub(scaled_up.elapsed()));
     s.manifests.write("dns-slice.yaml", &slice(&[2, 3]))?;
     let attempts = long
         .join()

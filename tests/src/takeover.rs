@@ -26,7 +26,7 @@ use crate::scenario::{
     BACKEND_PORT, CLUSTER_IP, CLUSTER_IP6, PORT_NAME, SERVICE_PORT, Scenario,
     http_and_dns_slice_ports, is_pod, pod_endpoint_family,
 };
-use crate::topology::Topology;
+use crate::topology::{Place, Topology};
 use crate::{Result, RigError};
 
 /// TCP streams per path and family: 5 paths × 2 families × 20 = 200, the figure.
@@ -364,17 +364,17 @@ pub fn load_nft_ruleset(s: &Scenario, ruleset: &str) -> Result<()> {
 }
 
 /// Waits until kube-proxy's nftables tables are gone, at most `drain` plus a margin after the
-/// agent decided to keep them for the drain (its "tables stay" log line): the drain period
-/// ends their drain, the connections' TIME_WAIT entries in the kernel's conntrack outliving
-/// them. The period starts when the agent has loaded and attached its programs, seconds after
-/// its start on a loaded machine, so the bound counts from that line and not from the spawn.
+/// agent's first successful sync, right after which it takes them over for the drain: the
+/// drain period ends their drain, the connections' TIME_WAIT entries in the kernel's conntrack
+/// outliving them. That sync comes once the agent has loaded and attached its programs, seconds
+/// after its start on a loaded machine, so the bound counts from it and not from the spawn.
 pub fn wait_for_kube_proxy_tables_removed(s: &mut Scenario, drain: Duration) -> Result<()> {
     let agent = s.agent()?;
     crate::wait::try_wait_until(
-        "the agent's decision to keep kube-proxy's nftables tables for the drain period",
+        "the agent's first successful sync (which starts the drain of kube-proxy's tables)",
         Duration::from_secs(60),
         Duration::from_millis(100),
-        || Ok(agent.log_contents().contains("nftables tables stay")),
+        || Ok(agent.syncs() >= 1),
     )?;
     crate::wait::try_wait_until(
         "kube-proxy's nftables tables removed after the drain period",
@@ -432,7 +432,7 @@ pub struct Traffic {
 }
 
 /// Starts every stream, flow and new-connection loop of both families, and returns once they
-/// have had time to connect (before the transition starts).
+/// have connected (before the transition starts).
 pub fn start_traffic(s: &Scenario) -> Result<Traffic> {
     let mut flows = Vec::new();
     for ipv6 in [false, true] {
@@ -465,9 +465,14 @@ pub fn start_traffic(s: &Scenario) -> Result<Traffic> {
             }
         }
     }
-    // Every stream connected (250 client processes started on a 2-core machine) before the
-    // transition starts.
-    std::thread::sleep(Duration::from_secs(3));
+    // Every stream connected and every flow started (250 client processes started on a
+    // 2-core machine) before the transition starts.
+    let per_path = PATHS.len() * 2;
+    s.wait_for_tcp_streams(TCP_PER_PATH * per_path)?;
+    s.wait_for_udp_flows(
+        &[Place::Ext, Place::Pod(CLIENT_POD), Place::Node],
+        UDP_PER_PATH * per_path,
+    )?;
     Ok(Traffic { flows })
 }
 

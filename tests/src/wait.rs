@@ -1,5 +1,6 @@
 //! Bounded polling.
 
+use std::collections::BTreeSet;
 use std::thread;
 use std::time::{Duration, Instant};
 
@@ -37,4 +38,34 @@ pub fn try_wait_until(
         }
         thread::sleep(interval);
     }
+}
+
+/// Waits until at least `n` connections are held: `sample` lists the connections there are
+/// now, and one counts once two samples `interval` apart both have it, so that short-lived
+/// ones (single attempts passing by) do not. Bounded by `timeout`.
+pub fn wait_for_held(
+    what: &str,
+    n: usize,
+    timeout: Duration,
+    interval: Duration,
+    mut sample: impl FnMut() -> Result<BTreeSet<String>>,
+) -> Result<()> {
+    let mut previous: Option<BTreeSet<String>> = None;
+    let mut held = 0;
+    try_wait_until(what, timeout, interval, || {
+        let now = sample()?;
+        held = previous
+            .as_ref()
+            .map_or(0, |before| now.intersection(before).count());
+        previous = Some(now);
+        Ok(held >= n)
+    })
+    .map_err(|e| match e {
+        RigError::Timeout { what, waited, .. } => RigError::Timeout {
+            what,
+            waited,
+            detail: format!("{held} of {n} held"),
+        },
+        other => other,
+    })
 }

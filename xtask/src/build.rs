@@ -3,6 +3,7 @@
 use std::{
     path::{Path, PathBuf},
     process::Command,
+    time::{Duration, Instant},
 };
 
 use std::os::unix::process::CommandExt as _;
@@ -65,13 +66,21 @@ pub fn ebpf() -> Result<()> {
 
 pub fn test(quick: bool) -> Result<()> {
     let object = ebpf_object();
+    // Prints each step's time as the next starts and, when `test` returns (a failed step
+    // included), the table of them all.
+    let mut timings = Timings::default();
+    timings.start("fmt");
     step("fmt: cargo fmt --check");
     run_cmd(cargo().args(["fmt", "--all", "--check"]))?;
+    timings.start("docs");
     crate::docs::check_links()?;
+    timings.start("layers");
     crate::layers::check()?;
     if !quick {
+        timings.start("deny");
         crate::deny::check()?;
     }
+    timings.start("clippy (host)");
     step("clippy: host crates");
     run_cmd(
         cargo()
@@ -86,9 +95,11 @@ pub fn test(quick: bool) -> Result<()> {
             .env("PROXY_EBPF_OBJECT", &object),
     )?;
     if !quick {
+        timings.start("clippy (eBPF)");
         step("clippy: eBPF programs");
         run_cmd(nightly_ebpf_cargo("clippy")?.args(["--", "-D", "warnings"]))?;
     }
+    timings.start("build");
     step("build: proxy-agent and test helpers");
     build_binaries(&object, false)?;
     if !is_root() {
@@ -99,9 +110,11 @@ pub fn test(quick: bool) -> Result<()> {
     let fuzz_build = if quick || !is_root() {
         None
     } else {
+        timings.start("fuzz build (start)");
         step("fuzz: build every target in the background, at the lowest priority");
         Some(start_fuzz_build(&object)?)
     };
+    timings.start("tests");
     step("test: unit and integration tests (workspace)");
     let skipped_file = workspace_root().join("target/tests-skipped.txt");
     if skipped_file.exists() {
@@ -121,6 +134,7 @@ pub fn test(quick: bool) -> Result<()> {
             )
             .env("KPR_SKIPPED_FILE", &skipped_file),
     )?;
+    timings.end();
     // One closing line for the whole run (the last per-binary line is often a doc-test run of 0).
     println!(
         "\ntests: {} passed, {} failed",
@@ -142,6 +156,7 @@ pub fn test(quick: bool) -> Result<()> {
         }
         bail!("the fuzz targets need root (tc_packets loads the eBPF programs)");
     };
+    timings.start("fuzz build (wait)");
     let started = std::time::Instant::now();
     let status = fuzz_build.wait()?;
     println!(
@@ -159,7 +174,73 @@ pub fn test(quick: bool) -> Result<()> {
             log.display()
         );
     }
+    timings.start("fuzz");
     fuzz(CI_FUZZ, &[], &object)
+}
+
+/// How long each step of [`test`] took. Each step's time is printed when it ends; the table
+/// of them all is printed on drop, so a run that stops at a failed step still shows it.
+#[derive(Debug)]
+struct Timings {
+    began: Instant,
+    running: Option<(&'static str, Instant)>,
+    done: Vec<(&'static str, Duration)>,
+}
+
+impl Default for Timings {
+    fn default() -> Self {
+        Self {
+            began: Instant::now(),
+            running: None,
+            done: Vec::new(),
+        }
+    }
+}
+
+impl Timings {
+    /// Ends the running step, if any, and starts timing `name`.
+    fn start(&mut self, name: &'static str) {
+        self.end();
+        self.running = Some((name, Instant::now()));
+    }
+
+    /// Ends the running step, if any, printing its time.
+    fn end(&mut self) {
+        if let Some((name, since)) = self.running.take() {
+            let took = since.elapsed();
+            println!("  [{name}: {}]", seconds(took));
+            self.done.push((name, took));
+        }
+    }
+}
+
+impl Drop for Timings {
+    fn drop(&mut self) {
+        self.end();
+        if self.done.is_empty() {
+            return;
+        }
+        let width = self
+            .done
+            .iter()
+            .map(|(name, _)| name.len())
+            .max()
+            .unwrap_or(0);
+        println!("\nstep times:");
+        for (name, took) in &self.done {
+            println!("  {name:<width$}  {:>8}", seconds(*took));
+        }
+        println!(
+            "  {:<width$}  {:>8}",
+            "total",
+            seconds(self.began.elapsed())
+        );
+    }
+}
+
+/// A duration as seconds with one decimal (`12.3 s`).
+fn seconds(duration: Duration) -> String {
+    format!("{:.1} s", duration.as_secs_f64())
 }
 
 #[derive(Debug, Default)]

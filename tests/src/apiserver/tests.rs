@@ -193,6 +193,7 @@ async fn watcher_sees_changes_relabels_expiry_disconnects_and_outages() {
     let watches = server.watches_started(Resource::Services);
     server.stop();
     server.apply(&service("f", "10.96.0.6", json!({}))).unwrap();
+    // The outage itself: the client's watch meets a server that is gone for this long.
     tokio::time::sleep(Duration::from_millis(500)).await;
     server.restart().unwrap();
     assert_eq!(
@@ -211,6 +212,15 @@ async fn held_lists_answer_only_when_released() {
     server.hold_lists(Resource::Nodes);
     let api = Api::<Node>::all(client(&server));
     let pending = tokio::spawn(async move { api.list(&ListParams::default()).await });
+    // The request has reached the server (its query is recorded before the hold)...
+    let arrived = tokio::time::timeout(EVENT_TIMEOUT, async {
+        while server.list_queries(Resource::Nodes).is_empty() {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await;
+    assert!(arrived.is_ok(), "the list request never reached the server");
+    // ...and time, not state, shows it is not answered: a negative check.
     tokio::time::sleep(Duration::from_millis(500)).await;
     assert!(!pending.is_finished(), "a held list must not be answered");
     assert_eq!(server.lists_served(Resource::Nodes), 0);

@@ -5,7 +5,6 @@
 //! needs nothing but itself and the agent binary.
 
 use std::collections::BTreeMap;
-use std::time::Duration;
 
 use anyhow::{Context, bail};
 use clap::Parser;
@@ -101,7 +100,17 @@ fn run() -> anyhow::Result<()> {
             &[pod_endpoint(1), pod_endpoint(2)],
         ),
     )?;
-    std::thread::sleep(Duration::from_secs(1));
+    // Applied once a batch of new connections no longer meets pod3.
+    s.wait_for_batch(
+        &s.cgroup_client(),
+        cluster_addr(),
+        10,
+        "pod3's removal",
+        |a| {
+            a.backend()
+                .is_some_and(|b| b.starts_with("pod") && b != "pod3")
+        },
+    )?;
 
     println!("Round 2: {REQUESTS} requests to {}", cluster_addr());
     let second = requests(&s)?;

@@ -72,7 +72,8 @@ fn run(mode: &str, args: &[&str]) -> anyhow::Result<Scenario> {
                 .mode(Mode::TcpStream)
                 .interval(Duration::from_millis(100));
             let handle = std::thread::spawn(move || stream.run(first_addr, EXCHANGES));
-            std::thread::sleep(Duration::from_millis(700));
+            // The stream holds the port when the second connection is made.
+            s.wait_for_tcp_streams(1)?;
             let answer = client.once(second_addr)?;
             let attempts = handle
                 .join()

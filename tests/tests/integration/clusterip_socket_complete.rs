@@ -19,7 +19,7 @@ use proxy_tests::scenario::{
     BACKEND_PORT, CLUSTER_IP, CLUSTER_IP6, SERVICE_PORT, Scenario, cluster_addr, cluster_addr6,
     is_pod, pod_endpoint_family,
 };
-use proxy_tests::topology::Topology;
+use proxy_tests::topology::{Place, Topology};
 
 const NAMESPACE: &str = "default";
 const SERVICE: &str = "svc";
@@ -177,6 +177,7 @@ fn session_affinity_holds_expires_and_can_be_switched_on_and_off() -> anyhow::Re
     let mut previous = tally(&client.run(cluster_addr(), 1)?);
     let mut changed_after = None;
     for round in 1..=8 {
+        // The affinity timeout is the behaviour under test: only idle time lets it expire.
         thread::sleep(Duration::from_millis(u64::from(TIMEOUT_S) * 1000 + 600));
         let attempts = client.run(cluster_addr(), 5)?;
         let counts = tally(&attempts);
@@ -319,7 +320,8 @@ fn connected_udp_client_recovers_within_a_second_after_its_backend_is_removed() 
         .interval(Duration::from_millis(50));
     let spawned = Instant::now();
     let stream = thread::spawn(move || client.run_timed(cluster_addr(), 80));
-    thread::sleep(Duration::from_millis(1500));
+    // The socket is talking to pod1 before pod1 is removed.
+    s.wait_for_udp_flows(&[Place::Node], 1)?;
     // pod1 keeps running: without the fix the socket would keep talking to it.
     write_service(&s, false, None, &[2, 3])?;
     let updated_ms = spawned.elapsed().as_millis() as u64;
@@ -386,6 +388,7 @@ fn agent_sigkill_and_restart_in_the_middle_of_traffic_fails_no_connection() -> a
     let spawned = Instant::now();
     let tcp = thread::spawn(move || tcp.run_timed(cluster_addr(), 400));
     let udp = thread::spawn(move || udp.run_timed(cluster_addr(), 400));
+    // Pacing, not a settle: the load runs for a while before the outage it must span.
     thread::sleep(Duration::from_millis(700));
     let pin_dir = s
         .agent()?
@@ -394,6 +397,7 @@ fn agent_sigkill_and_restart_in_the_middle_of_traffic_fails_no_connection() -> a
     let frontends_before = frontends(&pin_dir)?;
     s.agent()?.kill()?;
     let killed_ms = spawned.elapsed().as_millis() as u64;
+    // The outage itself: no agent for this long is what the connections must get through.
     thread::sleep(Duration::from_millis(500));
     s.agent()?.restart()?;
     let restarted_ms = spawned.elapsed().as_millis() as u64;
@@ -504,6 +508,8 @@ fn endpoint_churn_under_load_never_reaches_a_removed_endpoint() -> anyhow::Resul
     let mut updates: Vec<(u64, u64, BTreeSet<usize>)> =
         vec![(0, 0, sets[0].iter().copied().collect())];
     for set in &sets[1..] {
+        // The spacing is the behaviour under test: each update must come after the previous
+        // one's generation grace.
         thread::sleep(spacing);
         let before = syncs(&mut s)?;
         let written = spawned.elapsed().as_millis() as u64;

@@ -101,7 +101,8 @@ fn streams_keep_their_backends_while_the_conntrack_map_overflows() -> anyhow::Re
             std::thread::spawn(move || client.run(node_port_addr(), 120))
         })
         .collect();
-    std::thread::sleep(Duration::from_secs(2));
+    // Every stream connected before the flood starts.
+    s.wait_for_tcp_streams(STREAMS)?;
     let sent = flood(s.topo.ext().path())?;
     let running = streams.iter().filter(|t| !t.is_finished()).count();
     s.ensure(running == STREAMS, || {

@@ -188,6 +188,7 @@ fn junk_first_fragments_leave_fragmented_datagrams_working() -> anyhow::Result<(
             let mut answers = Vec::new();
             while !stop.load(Ordering::Relaxed) && answers.len() < 2_000 {
                 answers.push(exchange(&ext, target, DATAGRAM, false).map_err(|e| e.to_string()));
+                // Pacing of the exchanges beside the junk.
                 std::thread::sleep(Duration::from_millis(5));
             }
             Ok(answers)
@@ -283,6 +284,8 @@ fn slow_fragmented_datagrams(
         let fragments = fragment(&datagram, 1480, id);
         let (first, rest) = fragments.split_at(1.min(fragments.len()));
         writer.send(first)?;
+        // The gap between the fragments is the behaviour under test: the first one waits
+        // for the rest in reassembly.
         std::thread::sleep(Duration::from_millis(100));
         writer.send(rest)?;
         let mut buf = [0u8; 2048];

@@ -6,7 +6,7 @@
 use std::collections::BTreeSet;
 use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -102,25 +102,45 @@ type ProbeLog = Vec<(Instant, Attempt)>;
 /// each was made, until stopped.
 struct Prober {
     stop: Arc<AtomicBool>,
+    /// Probes answered or failed so far.
+    made: Arc<AtomicUsize>,
     thread: Option<JoinHandle<anyhow::Result<ProbeLog>>>,
 }
 
 impl Prober {
     fn start(client: Client, target: SocketAddr) -> Self {
         let stop = Arc::new(AtomicBool::new(false));
-        let flag = stop.clone();
+        let made = Arc::new(AtomicUsize::new(0));
+        let (flag, count) = (stop.clone(), made.clone());
         let thread = std::thread::spawn(move || {
             let mut seen = Vec::new();
             while !flag.load(Ordering::Relaxed) {
                 let at = Instant::now();
                 seen.push((at, client.once(target)?));
+                count.fetch_add(1, Ordering::Relaxed);
             }
             Ok(seen)
         });
         Self {
             stop,
+            made,
             thread: Some(thread),
         }
+    }
+
+    /// Waits (bounded) until `more` probes beyond those made so far are done.
+    fn wait_for_more(&self, more: usize) -> anyhow::Result<()> {
+        let target = self.made.load(Ordering::Relaxed) + more;
+        proxy_tests::wait::wait_until(
+            "probes made",
+            Duration::from_secs(10),
+            Duration::from_millis(20),
+            || {
+                self.made.load(Ordering::Relaxed) >= target
+                    || self.thread.as_ref().is_none_or(JoinHandle::is_finished)
+            },
+        )?;
+        Ok(())
     }
 
     fn finish(mut self) -> anyhow::Result<ProbeLog> {
@@ -193,7 +213,8 @@ fn probe_until_switched(
     change: impl FnOnce() -> anyhow::Result<()>,
 ) -> anyhow::Result<(ProbeLog, Instant)> {
     let prober = Prober::start(s.cgroup_client(), cluster_addr());
-    std::thread::sleep(Duration::from_millis(300));
+    // Probes of the old state before the change.
+    prober.wait_for_more(3)?;
     let changed_at = Instant::now();
     change()?;
     let client = s.cgroup_client();
@@ -208,7 +229,8 @@ fn probe_until_switched(
         }
         std::thread::sleep(Duration::from_millis(100));
     }
-    std::thread::sleep(Duration::from_millis(500));
+    // Probes after the switch, each of which must stay on the new endpoints.
+    prober.wait_for_more(5)?;
     Ok((prober.finish()?, changed_at))
 }
 
@@ -340,6 +362,8 @@ fn nothing_is_programmed_until_every_kind_was_listed() -> anyhow::Result<()> {
         Duration::from_millis(100),
         || s.agent().and_then(|agent| agent.metrics()).is_ok(),
     )?;
+    // Time, not state: nothing may be translated while the Node list is held, which only a
+    // wait can show.
     std::thread::sleep(Duration::from_secs(1));
     let held = answers(&s, cluster_addr(), "Node list held back")?;
     s.ensure(held == BTreeSet::from([DECOY_NAME.to_owned()]), || {

@@ -383,8 +383,9 @@ fn host_namespace_only_udp_flow_leaves_a_removed_backend() -> anyhow::Result<()>
             Ok((target, thread::spawn(move || client.run(target, 60))))
         })
         .collect::<anyhow::Result<_>>()?;
-    // pod2 keeps serving: only the purge can move the flows off it.
-    thread::sleep(Duration::from_millis(1000));
+    // Both flows started on pod2 before it is removed. pod2 keeps serving: only the purge can
+    // move the flows off it.
+    s.wait_for_udp_flows(&[Place::Pod(CLIENT_POD)], 2)?;
     write_service(&s, &[3])?;
     for (target, stream) in streams {
         let attempts = stream

@@ -264,6 +264,18 @@ fn ebpf_service_ports_that_do_not_fit_leave_the_proxy_healthy() -> anyhow::Resul
 }
 
 /// The value of a sample line `name{labels} value` in an exposition.
+/// Waits until the agent has programmed every change it was given and has nothing queued.
+fn wait_settled(s: &Scenario) -> anyhow::Result<()> {
+    proxy_tests::wait::wait_until(
+        "the agent settled",
+        Duration::from_secs(10),
+        Duration::from_millis(100),
+        || s.agent_ref().is_some_and(|agent| agent.settled()),
+    )
+    .map_err(|e| s.agent_error(e.to_string()))?;
+    Ok(())
+}
+
 fn sample(body: &str, prefix: &str) -> Option<f64> {
     body.lines()
         .find(|l| l.starts_with(prefix))
@@ -322,7 +334,25 @@ fn iptables_syncs_are_observed_once_as_full_or_partial() -> anyhow::Result<()> {
             Ok(sample(&body, PARTIAL).is_some_and(|n| n >= 1.0))
         },
     )?;
-    std::thread::sleep(Duration::from_millis(1500));
+    // The two writes may cost two syncs: count from when both are programmed and nothing is
+    // queued.
+    let other_endpoint = format!(
+        "default/other:http -> {}:{}",
+        Topology::pod_ip(2),
+        proxy_tests::scenario::BACKEND_PORT
+    );
+    try_wait_until(
+        "the other Service's endpoint in the nat table",
+        Duration::from_secs(10),
+        Duration::from_millis(100),
+        || {
+            Ok(s.topo
+                .node()
+                .exec("iptables-save", &["-t", "nat"])?
+                .contains(&other_endpoint))
+        },
+    )?;
+    wait_settled(&s)?;
     let before = sample(&get(&node, metrics, "/metrics")?.body, PARTIAL).unwrap_or(0.0);
     s.manifests.write(
         "web-slice.yaml",
@@ -345,7 +375,8 @@ fn iptables_syncs_are_observed_once_as_full_or_partial() -> anyhow::Result<()> {
             Ok(sample(&body, PARTIAL).is_some_and(|n| n > before))
         },
     )?;
-    std::thread::sleep(Duration::from_millis(500));
+    // A sync the change wrongly queued behind this one would be done too.
+    wait_settled(&s)?;
     body = get(&node, metrics, "/metrics")?.body;
     assert_eq!(sample(&body, FULL), Some(1.0), "{body}");
     assert_eq!(sample(&body, PARTIAL), Some(before + 1.0), "{body}");

@@ -297,10 +297,24 @@ fn node_cidr_waits_for_pod_cidrs_and_exits_when_they_change() -> anyhow::Result<
     s.manifests.write("node.yaml", &node_manifest())?;
     s.start_agent_with_args("iptables", &["--detect-local-mode", "NodeCIDR"])?;
     let client = ext_client(&s);
+    // The agent is up (it serves its metrics) and has had its sources...
+    let agent = s.agent()?;
+    proxy_tests::wait::wait_until(
+        "the agent's metrics served",
+        Duration::from_secs(20),
+        Duration::from_millis(100),
+        || agent.metrics().is_ok(),
+    )
+    .map_err(|e| agent.error(e.to_string()))?;
+    // ...and time, not state, shows that no sync happens while the podCIDRs are missing.
     std::thread::sleep(Duration::from_secs(3));
     let before = client.once(node_port(Topology::node_ext_ip()))?;
     s.ensure(refused(&before), || {
         format!("no sync may happen before the Node has podCIDRs: {before:?}")
+    })?;
+    let syncs = s.agent()?.syncs();
+    s.ensure(syncs == 0, || {
+        format!("no sync may happen before the Node has podCIDRs: {syncs} in /metrics")
     })?;
     s.manifests
         .write("node.yaml", &node_with_pod_cidrs(&["10.244.1.0/24"]))?;
@@ -569,8 +583,15 @@ fn node_heartbeats_do_not_sync() -> anyhow::Result<()> {
         is_pod,
     )?;
     let syncs = |s: &mut Scenario| -> anyhow::Result<u64> { Ok(s.agent()?.syncs()) };
-    // Let the start settle (the first sync and anything queued behind it).
-    std::thread::sleep(Duration::from_secs(2));
+    // The start settled: the first sync and anything queued behind it done.
+    let agent = s.agent()?;
+    proxy_tests::wait::wait_until(
+        "the agent settled after its start",
+        Duration::from_secs(10),
+        Duration::from_millis(100),
+        || agent.settled(),
+    )
+    .map_err(|e| agent.error(e.to_string()))?;
     let before = syncs(&mut s)?;
     for beat in ["2026-01-01T00:00:10Z", "2026-01-01T00:00:20Z"] {
         let heartbeat = format!(
@@ -578,6 +599,8 @@ fn node_heartbeats_do_not_sync() -> anyhow::Result<()> {
             node_manifest()
         );
         s.manifests.write("node.yaml", &heartbeat)?;
+        // Time, not state: nothing shows a heartbeat read and ignored, so this gives a sync
+        // it would wrongly cause the time to happen.
         std::thread::sleep(Duration::from_millis(1500));
     }
     let after = syncs(&mut s)?;

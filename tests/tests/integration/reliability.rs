@@ -174,6 +174,8 @@ fn iptables_agent_sigkilled_and_restarted_twice_under_load_fails_no_connection()
     // (killed, restarted) in ms since the client was spawned.
     let mut outages = Vec::new();
     for _ in 0..2 {
+        // Pacing: the load runs between the outages, and each outage (no agent for this long)
+        // is what the connections must get through.
         thread::sleep(Duration::from_millis(800));
         s.agent()?.kill()?;
         let killed = spawned.elapsed().as_millis() as u64;

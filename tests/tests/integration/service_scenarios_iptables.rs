@@ -105,7 +105,8 @@ fn canary_is_checked_while_services_churn() -> anyhow::Result<()> {
             }
         })
     };
-    // Let the churn drive syncs for longer than a sync period before the flush.
+    // Let the churn drive syncs for longer than a sync period before the flush: a sync
+    // period is time, so this is too.
     std::thread::sleep(Duration::from_secs(4));
     let node = s.topo.node();
     flush_mangle_and_nat(node)?;

@@ -20,7 +20,7 @@ use proxy_tests::scenario::{
 };
 use proxy_tests::service_scenarios::ServiceSpec;
 use proxy_tests::takeover::{load_nft_ruleset, wait_for_kube_proxy_tables_removed};
-use proxy_tests::topology::Topology;
+use proxy_tests::topology::{Place, Topology};
 use proxy_tests::wait::try_wait_until;
 
 const NODE_PORT: u16 = 30080;
@@ -68,7 +68,7 @@ fn open_streams(s: &mut Scenario, exchanges: u32) -> anyhow::Result<(Streams, Cl
         })
         .collect();
     // Every stream connected before the transition starts.
-    std::thread::sleep(Duration::from_millis(800));
+    s.wait_for_tcp_streams(14)?;
     Ok((streams, outside, node))
 }
 
@@ -333,8 +333,8 @@ fn open_udp_streams(s: &mut Scenario) -> anyhow::Result<(Streams, Client, Client
             std::thread::spawn(move || client.run(target, 200))
         })
         .collect();
-    // Every flow has its first answer before the transition starts.
-    std::thread::sleep(Duration::from_millis(800));
+    // Every flow has started before the transition starts.
+    s.wait_for_udp_flows(&[Place::Ext, Place::Node], 12)?;
     Ok((streams, outside, node))
 }
 
@@ -498,7 +498,7 @@ fn established_ipv6_tcp_connections_survive_the_takeover_from_iptables_rules() -
             std::thread::spawn(move || client.run(target, 150))
         })
         .collect();
-    std::thread::sleep(Duration::from_millis(800));
+    s.wait_for_tcp_streams(8)?;
     s.stop_agent()?;
     s.start_agent_with_args("ebpf", &["--interfaces", "vext"])?;
     wait_for_service_rules(&s, "ip6tables-save", false, Duration::from_secs(15))?;

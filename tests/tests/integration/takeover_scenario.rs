@@ -201,6 +201,7 @@ fn a_tuple_closed_under_the_iptables_rules_is_a_new_connection_after_the_takeove
     s.ensure(closed.elapsed() < Duration::from_secs(TIME_WAIT_S), || {
         "the takeover must adopt the closed connection while the kernel still tracks it".into()
     })?;
+    // The TIME_WAIT timeout is the behaviour under test: the next connection comes after it.
     std::thread::sleep(Duration::from_secs(TIME_WAIT_S + 1).saturating_sub(closed.elapsed()));
     let again = client.once(target)?;
     s.ensure(

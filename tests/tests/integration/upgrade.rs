@@ -9,9 +9,11 @@
 //! value). The test builds them from the live entries of the running datapath, as those agents
 //! would have written them.
 
+use std::collections::{BTreeMap, BTreeSet};
 use std::net::{SocketAddr, SocketAddrV4};
 use std::os::fd::{FromRawFd as _, OwnedFd};
 use std::path::{Path, PathBuf};
+use std::process::Command;
 use std::time::Duration;
 
 use aya::maps::{HashMap, IterableMap as _, Map, MapData};
@@ -92,7 +94,7 @@ fn open_streams(s: &mut Scenario, exchanges: u32) -> anyhow::Result<(Streams, Cl
         })
         .collect();
     // Every stream connected before the upgrade starts.
-    std::thread::sleep(Duration::from_millis(800));
+    s.wait_for_tcp_streams(NODE_PORT_STREAMS + CLUSTER_IP_STREAMS)?;
     Ok((streams, outside, node))
 }
 
@@ -196,30 +198,68 @@ fn pin_in_place(map: &MapData, pin: &Path) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Waits until the restarted agent's log (from `log_start`) says it migrated `map` again after
-/// its programs attached (the previous programs answer until then).
-fn wait_for_migration(s: &mut Scenario, log_start: usize, map: &str) -> anyhow::Result<()> {
+/// The program each link pinned in `pin_dir` runs (`bpftool link show pinned`): pin name →
+/// program id.
+fn linked_programs(pin_dir: &Path) -> anyhow::Result<BTreeMap<String, u64>> {
+    let mut programs = BTreeMap::new();
+    for entry in std::fs::read_dir(pin_dir)? {
+        let path = entry?.path();
+        let Some(name) = path
+            .file_name()
+            .and_then(|n| n.to_str())
+            .filter(|n| n.ends_with("_link"))
+        else {
+            continue;
+        };
+        let output = Command::new("bpftool")
+            .args(["-j", "link", "show", "pinned"])
+            .arg(&path)
+            .output()?;
+        anyhow::ensure!(
+            output.status.success(),
+            "bpftool link show pinned {}: {}",
+            path.display(),
+            String::from_utf8_lossy(&output.stderr)
+        );
+        let link: serde_json::Value = serde_json::from_slice(&output.stdout)?;
+        if let Some(id) = link["prog_id"].as_u64() {
+            programs.insert(name.to_owned(), id);
+        }
+    }
+    Ok(programs)
+}
+
+/// Waits until the restarted agent's programs replaced the previous ones (the previous
+/// programs answer until then): every link pinned before the restart (`before`) runs another
+/// program, and the agent's first sync is reported — it attaches its programs and copies
+/// what the previous ones wrote meanwhile before it reports that sync.
+fn wait_for_new_programs(
+    s: &mut Scenario,
+    pin_dir: &Path,
+    before: &BTreeMap<String, u64>,
+) -> anyhow::Result<()> {
+    let mut now = BTreeMap::new();
     try_wait_until(
-        "the migration finished after the new programs attached",
+        "the restarted agent's programs attached",
         Duration::from_secs(15),
         Duration::from_millis(50),
         || {
-            Ok(log_since(s, log_start).is_ok_and(|log| {
-                log.lines().any(|l| {
-                    l.contains("entries migrated from the older layout")
-                        && l.contains(map)
-                        && l.contains("after_attach=true")
-                })
-            }))
+            if s.agent()?.syncs() == 0 {
+                return Ok(false);
+            }
+            now = linked_programs(pin_dir).map_err(|e| RigError::Other(e.to_string()))?;
+            Ok(before
+                .iter()
+                .all(|(pin, old)| now.get(pin).is_some_and(|new| new != old)))
         },
     )
-    .map_err(|e| s.agent_error(e.to_string()))?;
+    .map_err(|e| s.agent_error(format!("{e}; links before {before:?}, now {now:?}")))?;
     Ok(())
 }
 
 /// Replaces the pinned `KPR_REVNAT4` by one in the foundation's layout with the same entries,
-/// and removes the layout records (the foundation agent kept none). Returns the entry count.
-fn rewrite_revnat4_as_v1(pin_dir: &Path) -> anyhow::Result<usize> {
+/// and removes the layout records (the foundation agent kept none). Returns the entries' keys.
+fn rewrite_revnat4_as_v1(pin_dir: &Path) -> anyhow::Result<Vec<RevNat4Key>> {
     let pin = pin_dir.join(map_names::REVNAT4);
     let current = HashMap::<MapData, RevNat4Key, RevNat4>::try_from(Map::from_map_data(
         MapData::from_pin(&pin)?,
@@ -238,7 +278,7 @@ fn rewrite_revnat4_as_v1(pin_dir: &Path) -> anyhow::Result<usize> {
     }
     pin_in_place(old.map(), &pin)?;
     std::fs::remove_file(pin_dir.join(LAYOUTS))?;
-    Ok(entries.len())
+    Ok(entries.into_iter().map(|(key, _)| key).collect())
 }
 
 /// The tc conntrack of both families in one map, as agents before `KPR_CT4`/`KPR_CT6` pinned
@@ -248,8 +288,8 @@ const ONE_CT_MAP: &str = "KPR_CT";
 /// Puts the flows of the pinned `KPR_CT4` and `KPR_CT6` into one map pinned as `KPR_CT`, in
 /// the layout of the last agent that had one (version 2: wide keys and values of both
 /// families), and unpins the two maps and their layout records, as that agent left its pins.
-/// The running programs keep the maps they reference. Returns the entry count.
-fn rewrite_ct_as_one_map(pin_dir: &Path) -> anyhow::Result<usize> {
+/// The running programs keep the maps they reference. Returns the entries' keys.
+fn rewrite_ct_as_one_map(pin_dir: &Path) -> anyhow::Result<Vec<CtKey>> {
     let open = |name: &str| -> anyhow::Result<Map> {
         Ok(Map::from_map_data(MapData::from_pin(pin_dir.join(name))?)?)
     };
@@ -270,7 +310,7 @@ fn rewrite_ct_as_one_map(pin_dir: &Path) -> anyhow::Result<usize> {
         std::fs::remove_file(pin_dir.join(name))?;
     }
     std::fs::remove_file(pin_dir.join(LAYOUTS))?;
-    Ok(entries.len())
+    Ok(entries.into_iter().map(|(key, _)| key).collect())
 }
 
 /// The layout record of `name` in the pinned `KPR_LAYOUTS`.
@@ -280,15 +320,6 @@ fn record(pin_dir: &Path, name: &str) -> anyhow::Result<Option<LayoutRecord>> {
     )?)?;
     let key = LayoutKey::new(name).ok_or_else(|| anyhow::anyhow!("name {name} too long"))?;
     Ok(map.get(&key, 0).ok())
-}
-
-/// The agent's log since `from` (a byte length of it before a restart).
-fn log_since(s: &mut Scenario, from: usize) -> anyhow::Result<String> {
-    Ok(s.agent()?
-        .log_contents()
-        .get(from..)
-        .unwrap_or_default()
-        .to_owned())
 }
 
 /// The issue's scenario (`proxy_tests::takeover`: 200 TCP streams and 50 UDP flows over every
@@ -307,25 +338,25 @@ fn established_connections_keep_their_state_across_an_upgrade_from_an_older_map_
     let pins = pin_dir(&mut s)?;
     let traffic = takeover::start_traffic(&s)?;
     s.agent()?.stop()?;
-    let entries = rewrite_revnat4_as_v1(&pins)?;
+    let keys = rewrite_revnat4_as_v1(&pins)?;
+    let entries = keys.len();
     // The node's and the pod's IPv4 ClusterIP streams and flows: one entry per socket.
     s.ensure(
         entries >= 2 * (takeover::TCP_PER_PATH + takeover::UDP_PER_PATH),
         || format!("the ClusterIP sockets' reverse NAT entries are in the map: {entries}"),
     )?;
-    let log_start = s.agent()?.log_contents().len();
+    let links = linked_programs(&pins)?;
     s.agent()?.restart()?;
     // The previous programs answer until the new agent's replace them: wait for that (the
     // second copy runs right after).
-    wait_for_migration(&mut s, log_start, map_names::REVNAT4)?;
+    wait_for_new_programs(&mut s, &pins, &links)?;
     let (running, all) = traffic.running();
     s.ensure(running == all, || {
         format!(
             "the upgrade must complete while the traffic runs: only {running} of {all} still ran"
         )
     })?;
-    let log = log_since(&mut s, log_start)?;
-    ensure_first_copy(&s, &log, map_names::REVNAT4, entries)?;
+    ensure_revnat4_migrated(&s, &pins, &keys)?;
     let transition = "upgrade with a map-layout change";
     let figures = traffic.finish(transition)?;
     takeover::report(&s, transition, &figures)?;
@@ -337,22 +368,54 @@ fn established_connections_keep_their_state_across_an_upgrade_from_an_older_map_
     Ok(())
 }
 
-/// Fails unless the log says the agent copied all `count` entries of `map` in the older layout
-/// before its programs attached.
-fn ensure_first_copy(s: &Scenario, log: &str, map: &str, count: usize) -> anyhow::Result<()> {
-    let first_copy = log.lines().find(|l| {
-        l.contains("entries migrated from the older layout")
-            && l.contains("after_attach=false")
-            && l.contains(map)
-    });
-    s.ensure(
-        first_copy.is_some_and(|l| l.contains(&format!("copied={count}"))),
-        || {
-            format!(
-                "the agent copies every entry of {map} before its programs attach: {first_copy:?}"
-            )
-        },
-    )?;
+/// Fails unless the pinned `KPR_REVNAT4` (the current layout) holds every entry `keys` of the
+/// older layout: the agent copied them all (nothing deletes reverse NAT entries).
+fn ensure_revnat4_migrated(
+    s: &Scenario,
+    pin_dir: &Path,
+    keys: &[RevNat4Key],
+) -> anyhow::Result<()> {
+    let map = HashMap::<MapData, RevNat4Key, RevNat4>::try_from(Map::from_map_data(
+        MapData::from_pin(pin_dir.join(map_names::REVNAT4))?,
+    )?)?;
+    let present: BTreeSet<RevNat4Key> = map.keys().filter_map(Result::ok).collect();
+    let missing = keys.iter().filter(|k| !present.contains(k)).count();
+    s.ensure(missing == 0, || {
+        format!(
+            "the agent copies every entry of KPR_REVNAT4's older layout: {missing} of {} missing",
+            keys.len()
+        )
+    })?;
+    Ok(())
+}
+
+/// Fails unless the pinned `KPR_CT4` and `KPR_CT6` hold at least `at_least` of the entries
+/// `keys` of the one conntrack map (the flows that ended meanwhile may be collected).
+fn ensure_ct_migrated(
+    s: &Scenario,
+    pin_dir: &Path,
+    keys: &[CtKey],
+    at_least: usize,
+) -> anyhow::Result<()> {
+    let open = |name: &str| -> anyhow::Result<Map> {
+        Ok(Map::from_map_data(MapData::from_pin(pin_dir.join(name))?)?)
+    };
+    let v4 = HashMap::<MapData, CtKey4, CtValue4>::try_from(open(map_names::CT4)?)?;
+    let v6 = HashMap::<MapData, CtKey, CtValue>::try_from(open(map_names::CT6)?)?;
+    let mut present: BTreeSet<CtKey> = v4
+        .keys()
+        .filter_map(Result::ok)
+        .map(|k| k.widen())
+        .collect();
+    present.extend(v6.keys().filter_map(Result::ok));
+    let copied = keys.iter().filter(|k| present.contains(k)).count();
+    s.ensure(copied >= at_least, || {
+        format!(
+            "the agent copies the one conntrack map's entries by family: {copied} of {} there, \
+             at least {at_least} expected",
+            keys.len()
+        )
+    })?;
     Ok(())
 }
 
@@ -367,16 +430,16 @@ fn external_flows_keep_their_conntrack_when_it_splits_by_family() -> anyhow::Res
     let pins = pin_dir(&mut s)?;
     let (streams, _, _) = open_streams(&mut s, 40)?;
     s.agent()?.stop()?;
-    let flows = rewrite_ct_as_one_map(&pins)?;
+    let keys = rewrite_ct_as_one_map(&pins)?;
+    let flows = keys.len();
     // Each NodePort stream is SNATed: forward, reply and two egress entries.
     s.ensure(flows >= 2 * NODE_PORT_STREAMS, || {
         format!("the NodePort streams' conntrack entries are in the map: {flows}")
     })?;
-    let log_start = s.agent()?.log_contents().len();
+    let links = linked_programs(&pins)?;
     s.agent()?.restart()?;
-    wait_for_migration(&mut s, log_start, ONE_CT_MAP)?;
-    let log = log_since(&mut s, log_start)?;
-    ensure_first_copy(&s, &log, ONE_CT_MAP, flows)?;
+    wait_for_new_programs(&mut s, &pins, &links)?;
+    ensure_ct_migrated(&s, &pins, &keys, 2 * NODE_PORT_STREAMS)?;
     ensure_streams_kept(&s, streams, "conntrack split by family")?;
     s.ensure(!pins.join(ONE_CT_MAP).exists(), || {
         "the one conntrack map is unpinned once migrated".to_owned()
@@ -428,6 +491,7 @@ fn a_map_in_an_unknown_layout_is_reported_and_rebuilt_without_a_failed_connectio
         }
         Ok(attempts)
     });
+    // Pacing, not a settle: the load runs for a while before the restart it must span.
     std::thread::sleep(Duration::from_millis(300));
     s.agent()?.stop()?;
     let layouts = HashMap::<MapData, LayoutKey, LayoutRecord>::try_from(Map::from_map_data(
@@ -439,30 +503,21 @@ fn a_map_in_an_unknown_layout_is_reported_and_rebuilt_without_a_failed_connectio
     newer.version = 99;
     layouts.insert(key, newer, 0)?;
     drop(layouts);
-    let log_start = s.agent()?.log_contents().len();
+    let frontends =
+        || aya::maps::MapInfo::from_pin(pins.join(map_names::FRONTENDS4)).map(|m| m.id());
+    let newer_map = frontends()?;
+    let links = linked_programs(&pins)?;
     s.agent()?.restart()?;
-    try_wait_until(
-        "the programs attached after the first sync",
-        Duration::from_secs(15),
-        Duration::from_millis(50),
-        || {
-            Ok(log_since(&mut s, log_start)
-                .is_ok_and(|log| log.contains("attached after the first sync")))
-        },
-    )
-    .map_err(|e| s.agent_error(e.to_string()))?;
+    wait_for_new_programs(&mut s, &pins, &links)?;
     s.ensure(!load.is_finished(), || {
         "the new connections must run across the whole restart".into()
     })?;
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
-    let log = log_since(&mut s, log_start)?;
-    let warning = log
-        .lines()
-        .find(|l| l.contains("does not know") && l.contains(map_names::FRONTENDS4));
-    s.ensure(
-        warning.is_some_and(|w| w.contains("version=99") && w.contains("rebuilt")),
-        || format!("the agent names the map it does not understand and what it does: {warning:?}"),
-    )?;
+    // Rebuilt: the pin holds another map than the one in the unknown layout.
+    let rebuilt = frontends()?;
+    s.ensure(rebuilt != newer_map, || {
+        format!("KPR_FRONTENDS4 in an unknown layout must be rebuilt: still map {rebuilt}")
+    })?;
     let attempts = load
         .join()
         .map_err(|_| RigError::Other("load thread panicked".into()))??;
