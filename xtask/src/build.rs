@@ -80,6 +80,16 @@ pub fn test(quick: bool) -> Result<()> {
         timings.start("deny");
         crate::deny::check()?;
     }
+    // Started before the host builds, not after them: at the lowest priority it takes only the
+    // CPU they leave, and a cargo build on two cores leaves some (one crate at a time at the
+    // ends of the graph, links), as the integration tests leave much.
+    let fuzz_build = if quick || !is_root() {
+        None
+    } else {
+        timings.start("fuzz build (start)");
+        step("fuzz: build every target in the background, at the lowest priority");
+        Some(start_fuzz_build(&object)?)
+    };
     timings.start("clippy (host)");
     step("clippy: host crates");
     run_cmd(
@@ -107,13 +117,6 @@ pub fn test(quick: bool) -> Result<()> {
             "  warning: not root — the integration tests will fail (they need namespaces, cgroups and BPF)"
         );
     }
-    let fuzz_build = if quick || !is_root() {
-        None
-    } else {
-        timings.start("fuzz build (start)");
-        step("fuzz: build every target in the background, at the lowest priority");
-        Some(start_fuzz_build(&object)?)
-    };
     timings.start("tests");
     step("test: unit and integration tests (workspace)");
     let skipped_file = workspace_root().join("target/tests-skipped.txt");
