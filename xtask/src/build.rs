@@ -447,13 +447,18 @@ fn start_fuzz_build(object: &Path) -> Result<(Background, PathBuf)> {
     let err = file
         .try_clone()
         .with_context(|| format!("opening {}", log.display()))?;
-    let child = fuzz_cargo(&["nice", "-n", "19"], "build", object, Sanitizer::of(CI_FUZZ))?
-        .stdout(file)
-        .stderr(err)
-        // Its own process group, so that a failed test run can stop cargo and its rustcs.
-        .process_group(0)
-        .spawn()
-        .context("cannot start the fuzz build")?;
+    let child = fuzz_cargo(
+        &["nice", "-n", "19"],
+        "build",
+        object,
+        Sanitizer::of(CI_FUZZ),
+    )?
+    .stdout(file)
+    .stderr(err)
+    // Its own process group, so that a failed test run can stop cargo and its rustcs.
+    .process_group(0)
+    .spawn()
+    .context("cannot start the fuzz build")?;
     Ok((Background(Some(child)), log))
 }
 

@@ -457,6 +457,8 @@ pub struct Package {
     pub roots: Vec<(String, PathBuf)>,
     /// Every dependency: name and whether it is a dev-dependency.
     pub dependencies: Vec<(String, bool)>,
+    /// The features this crate turns on in each dependency that it names with some.
+    pub features: Vec<(String, Vec<String>)>,
 }
 
 /// `cargo xtask test`'s step: fails naming every crate out of its layer and every module cycle
@@ -491,6 +493,16 @@ pub fn crate_layer_violations(packages: &[Package]) -> Vec<String> {
             ));
             continue;
         };
+        if package.name == "proxy-model" {
+            // proxy-common's `user` feature implements aya's traits: it would bring aya in.
+            for (dependency, features) in &package.features {
+                if dependency == "proxy-common" && !features.is_empty() {
+                    found.push(format!(
+                        "proxy-model turns on proxy-common's {features:?}: the model has no kernel client"
+                    ));
+                }
+            }
+        }
         for (dependency, dev) in &package.dependencies {
             if package.name == "proxy-model" && NOT_IN_MODEL.contains(&dependency.as_str()) {
                 found.push(format!(
@@ -567,10 +579,25 @@ pub fn workspace_packages(root: &Path) -> Result<Vec<Package>> {
                 )
             })
             .collect();
+        let features = package["dependencies"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|d| {
+                let features: Vec<String> = d["features"]
+                    .as_array()?
+                    .iter()
+                    .filter_map(|f| f.as_str().map(str::to_owned))
+                    .collect();
+                (!features.is_empty())
+                    .then(|| (d["name"].as_str().unwrap_or_default().to_owned(), features))
+            })
+            .collect();
         packages.push(Package {
             name,
             roots,
             dependencies,
+            features,
         });
     }
     packages.sort_by(|a, b| a.name.cmp(&b.name));
@@ -646,6 +673,11 @@ mod tests {
         Package {
             name: name.into(),
             roots: Vec::new(),
+            features: if name == "proxy-model" {
+                vec![("proxy-common".into(), vec!["user".into()])]
+            } else {
+                Vec::new()
+            },
             dependencies: dependencies
                 .iter()
                 .map(|(d, dev)| ((*d).into(), *dev))
@@ -676,7 +708,9 @@ mod tests {
         assert_eq!(
             crate_layer_violations(&packages),
             vec![
-                "proxy-model depends on tokio: the model has no kernel client or runtime".to_owned(),
+                "proxy-model turns on proxy-common's [\"user\"]: the model has no kernel client"
+                    .to_owned(),
+                "proxy-model depends on tokio: the model has no kernel client or runtime".into(),
                 "proxy-kernel depends on proxy-dataplane-ebpf, which is not in a lower layer".into(),
                 "proxy-dataplane-iptables depends on proxy-dataplane-ebpf, which is not in a lower layer".into(),
                 "stray: in no layer of xtask/src/layers.rs CRATE_LAYERS".into(),
