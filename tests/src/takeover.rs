@@ -612,7 +612,7 @@ fn time_of_day(at: std::time::SystemTime) -> String {
 /// unless every figure is 0.
 pub fn report(s: &Scenario, transition: &str, figures: &[Figures; 2]) -> Result<()> {
     let mut table = format!(
-        "\nissue 16 figures, {transition}:\n  {:<7} {:>11} {:>6} {:>8} {:>9} {:>6} {:>8} {:>9} {:>7} {:>10}\n",
+        "\ntakeover figures, {transition}:\n  {:<7} {:>11} {:>6} {:>8} {:>9} {:>6} {:>8} {:>9} {:>7} {:>10}\n",
         "family",
         "TCP streams",
         "reset",

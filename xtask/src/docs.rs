@@ -575,8 +575,8 @@ mod tests {
                 "4b-packet-rate-on-one-core-xdp-tc-iptables-routing",
             ),
             (
-                "7. SNAT under load: new connections per backend (issue 17)",
-                "7-snat-under-load-new-connections-per-backend-issue-17",
+                "7. SNAT under load: new connections per backend",
+                "7-snat-under-load-new-connections-per-backend",
             ),
             (
                 "2. Request/response over an established connection",

@@ -755,7 +755,7 @@ fn nodeport_section(md: &mut String, r: &Results) {
         "**New connections** ({} per run, fewer than §1: a closed flow keeps its SNAT port \
          for the tc conntrack's 10 s close timeout, as netfilter keeps a closed tuple, and \
          source NAT has a bounded port range per backend (`--bpf-snat-port-range`, 16384 ports by \
-         default; 4536 before issue 17), so thousands of new flows within seconds to one NodePort would exhaust them and measure failed port probes):\n",
+         default; 4536 in earlier releases), so thousands of new flows within seconds to one NodePort would exhaust them and measure failed port probes):\n",
         c.loops.external_connections
     );
     path_table(md, r, |d| &d.connect, &NODEPORT_PATHS, true);
@@ -1407,10 +1407,7 @@ fn per_endpoint_bytes(p: &ProgrammingSize) -> f64 {
 
 fn snat_section(md: &mut String, r: &Results) {
     use super::snat::{self, Failure, SnatModeRun, SnatStep, Stop};
-    let _ = writeln!(
-        md,
-        "## 7. SNAT under load: new connections per backend (issue 17)\n"
-    );
+    let _ = writeln!(md, "## 7. SNAT under load: new connections per backend\n");
     let Some(result) = &r.snat else {
         let _ = writeln!(md, "Not run (`--only` left it out).\n");
         return;
@@ -1694,10 +1691,7 @@ fn snat_section(md: &mut String, r: &Results) {
 
 fn syn_flood_section(md: &mut String, r: &Results) {
     use crate::flood::served_share;
-    let _ = writeln!(
-        md,
-        "## 7b. Spoofed SYN flood against a NodePort (issue 43)\n"
-    );
+    let _ = writeln!(md, "## 7b. Spoofed SYN flood against a NodePort\n");
     let Some(result) = &r.syn_flood else {
         let _ = writeln!(md, "Not run (`--only` left it out).\n");
         return;

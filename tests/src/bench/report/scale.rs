@@ -315,7 +315,7 @@ pub(super) fn section(md: &mut String, r: &Results) {
     let Some(scale) = r.scale.as_ref() else {
         return;
     };
-    let _ = writeln!(md, "## 6b. Scale (issue 19)\n");
+    let _ = writeln!(md, "## 6b. Scale\n");
     let _ = writeln!(
         md,
         "**BPF map memory per size** (eBPF agent; kernel memory: `memlock` of each map fd the \
