@@ -213,6 +213,47 @@ pub fn socket_admit(
     }
 }
 
+/// Whether a new external flow from `src` (map words) to `frontend` is source-NATed. kube-proxy
+/// masquerades all external traffic with `externalTrafficPolicy: Cluster` (KUBE-EXT →
+/// KUBE-MARK-MASQ) and none with `Local` ([`frontend_flags::PRESERVE_CLIENT`]); a ClusterIP
+/// reached from outside is masqueraded by the KUBE-SVC rule only with masqueradeAll or when
+/// the client is outside the cluster CIDR ([`outside_cluster_cidr`]).
+#[inline(always)]
+pub fn masquerades(
+    frontend: &FrontendValue,
+    config: &NodeConfig,
+    src: &[u32; 4],
+    v6: bool,
+) -> bool {
+    frontend.flags & frontend_flags::PRESERVE_CLIENT == 0
+        && (frontend.flags & frontend_flags::CLUSTER_IP == 0
+            || config.flags & node_flags::MASQUERADE_ALL != 0
+            || outside_cluster_cidr(src, v6, config))
+}
+
+/// Whether the client `src` is outside a configured cluster CIDR (kube-proxy's local detector;
+/// no CIDR for the family means no detection, so no masquerade). With interface-based detection
+/// ([`node_flags::LOCAL_BY_INTERFACE`]) nothing the external programs see is local: pod
+/// interfaces never get it.
+#[inline(always)]
+pub fn outside_cluster_cidr(src: &[u32; 4], v6: bool, config: &NodeConfig) -> bool {
+    if config.flags & node_flags::LOCAL_BY_INTERFACE != 0 {
+        return true;
+    }
+    if v6 {
+        let m = config.cluster6_mask;
+        let c = config.cluster6;
+        config.flags & node_flags::CLUSTER_CIDR6 != 0
+            && (src[0] & m[0] != c[0]
+                || src[1] & m[1] != c[1]
+                || src[2] & m[2] != c[2]
+                || src[3] & m[3] != c[3])
+    } else {
+        config.flags & node_flags::CLUSTER_CIDR4 != 0
+            && src[0] & config.cluster4_mask != config.cluster4
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -383,5 +424,31 @@ mod tests {
             Admit::Refuse
         );
         assert_eq!(source_range_key(1, &[1, 2, 3, 4], true).0, 160);
+    }
+
+    #[test]
+    fn cluster_ips_masquerade_only_clients_from_outside_the_cluster() {
+        let cluster_ip = FrontendValue {
+            flags: frontend_flags::CLUSTER_IP,
+            ..FrontendValue::default()
+        };
+        let mut config = NodeConfig {
+            cluster4: u32::from_ne_bytes([10, 244, 0, 0]),
+            cluster4_mask: u32::from_ne_bytes([255, 255, 0, 0]),
+            flags: node_flags::CLUSTER_CIDR4,
+            ..NodeConfig::default()
+        };
+        let pod = [u32::from_ne_bytes([10, 244, 3, 2]), 0, 0, 0];
+        let outside = [u32::from_ne_bytes([192, 0, 2, 1]), 0, 0, 0];
+        assert!(!masquerades(&cluster_ip, &config, &pod, false));
+        assert!(masquerades(&cluster_ip, &config, &outside, false));
+        let local = FrontendValue {
+            flags: frontend_flags::PRESERVE_CLIENT,
+            ..FrontendValue::default()
+        };
+        assert!(!masquerades(&local, &config, &outside, false));
+        assert!(masquerades(&FrontendValue::default(), &config, &pod, false));
+        config.flags |= node_flags::LOCAL_BY_INTERFACE;
+        assert!(masquerades(&cluster_ip, &config, &pod, false));
     }
 }

@@ -30,8 +30,7 @@ use aya_ebpf::{
 };
 use proxy_common::{
     FrontendValue, NodeConfig, StatIndex, TRANSLATED_MARK, TcFamilyProgram, TcFragmentProgram,
-    ct_flags, frontend_flags,
-    ip_family,
+    ct_flags, frontend_flags, ip_family,
     lookup::{self, TcSide},
     maglev::flow_hash,
     node_flags, proto,
@@ -854,23 +853,17 @@ fn choose_in<F: FamilyMaps>(pkt: &Packet, frontend: &FrontendValue) -> Decision<
     }
 }
 
-/// The address to source-NAT a new flow to, if any. kube-proxy masquerades all external
-/// traffic with `externalTrafficPolicy: Cluster` (KUBE-EXT → KUBE-MARK-MASQ) and none with
-/// `Local`; a ClusterIP reached from outside is masqueraded by the KUBE-SVC rule only with
-/// masqueradeAll or when the client is outside the cluster CIDR. The address is the egress
-/// interface's (`egress`, from `route_to_backend`) as MASQUERADE picks it, else — a route
-/// through an interface that is not external, or one without an address of the family — the
-/// node's SNAT address.
+/// The address to source-NAT a new flow to, if any (`proxy_common::lookup::masquerades` says
+/// whether). The address is the egress interface's (`egress`, from `route_to_backend`) as
+/// MASQUERADE picks it, else — a route through an interface that is not external, or one
+/// without an address of the family — the node's SNAT address.
 #[inline(always)]
 fn snat_address(pkt: &Packet, frontend: &FrontendValue, egress: &[u32; 4]) -> Option<[u32; 4]> {
     if frontend.flags & frontend_flags::PRESERVE_CLIENT != 0 {
         return None;
     }
     let config: NodeConfig = *KPR_NODE_CONFIG.get(0)?;
-    if frontend.flags & frontend_flags::CLUSTER_IP != 0
-        && config.flags & node_flags::MASQUERADE_ALL == 0
-        && !outside_cluster_cidr(pkt, &config)
-    {
+    if !lookup::masquerades(frontend, &config, &pkt.src, pkt.is_v6()) {
         return None;
     }
     let addr = if *egress != [0; 4] {
@@ -900,27 +893,4 @@ fn hairpin_snat(pkt: &Packet, backend: &[u32; 4]) -> Option<[u32; 4]> {
         [config.snat4, 0, 0, 0]
     };
     (addr != [0; 4]).then_some(addr)
-}
-
-/// Whether the client is outside a configured cluster CIDR (kube-proxy's local detector; no
-/// CIDR for the family means no detection, so no masquerade). With interface-based detection
-/// (`LOCAL_BY_INTERFACE`) nothing this program sees is local: pod interfaces never get it.
-#[inline(always)]
-fn outside_cluster_cidr(pkt: &Packet, config: &NodeConfig) -> bool {
-    if config.flags & node_flags::LOCAL_BY_INTERFACE != 0 {
-        return true;
-    }
-    let s = pkt.src;
-    if pkt.is_v6() {
-        let m = config.cluster6_mask;
-        let c = config.cluster6;
-        config.flags & node_flags::CLUSTER_CIDR6 != 0
-            && (s[0] & m[0] != c[0]
-                || s[1] & m[1] != c[1]
-                || s[2] & m[2] != c[2]
-                || s[3] & m[3] != c[3])
-    } else {
-        config.flags & node_flags::CLUSTER_CIDR4 != 0
-            && s[0] & config.cluster4_mask != config.cluster4
-    }
 }
