@@ -335,7 +335,10 @@ fn admit(ctx: &SockAddrContext, frontend: &FrontendValue, v6: bool) -> Option<i3
         KPR_NODE_CONFIG.get(0),
         |config| netns_cookie(ctx) == config.host_netns_cookie,
         v6,
-        |prefix, key| KPR_SOURCE_RANGES.get(&Key::new(prefix, *key)).is_some(),
+        |prefix, key| {
+            let key = Key::new(prefix, *key);
+            KPR_SOURCE_RANGES.get(&key).is_some()
+        },
     );
     match admit {
         Admit::Translate => None,

@@ -824,7 +824,8 @@ fn route_to_backend<C: Frame>(ctx: &C, pkt: &Packet) -> bool {
 #[inline(always)]
 pub fn source_allowed(pkt: &Packet, frontend: &FrontendValue) -> bool {
     let (prefix, key) = lookup::source_range_key(frontend.service_id, &pkt.src, pkt.is_v6());
-    KPR_SOURCE_RANGES.get(&Key::new(prefix, key)).is_some()
+    let key = Key::new(prefix, key);
+    KPR_SOURCE_RANGES.get(&key).is_some()
 }
 
 /// Picks a backend; affinity is keyed by the client address
@@ -853,17 +854,25 @@ fn choose_in<F: FamilyMaps>(pkt: &Packet, frontend: &FrontendValue) -> Decision<
     }
 }
 
-/// The address to source-NAT a new flow to, if any (`proxy_common::lookup::masquerades` says
-/// whether). The address is the egress interface's (`egress`, from `route_to_backend`) as
-/// MASQUERADE picks it, else — a route through an interface that is not external, or one
-/// without an address of the family — the node's SNAT address.
+/// The address to source-NAT a new flow to, if any. kube-proxy masquerades all external
+/// traffic with `externalTrafficPolicy: Cluster` (KUBE-EXT → KUBE-MARK-MASQ) and none with
+/// `Local`; a ClusterIP reached from outside is masqueraded by the KUBE-SVC rule only with
+/// masqueradeAll or when the client is outside the cluster CIDR. The address is the egress
+/// interface's (`egress`, from `route_to_backend`) as MASQUERADE picks it, else — a route
+/// through an interface that is not external, or one without an address of the family — the
+/// node's SNAT address. The flag tests stay here: moved into a `proxy-common` function, in
+/// three shapes, they compiled to a read of a register a call had clobbered, which the
+/// verifier rejects.
 #[inline(always)]
 fn snat_address(pkt: &Packet, frontend: &FrontendValue, egress: &[u32; 4]) -> Option<[u32; 4]> {
     if frontend.flags & frontend_flags::PRESERVE_CLIENT != 0 {
         return None;
     }
     let config: NodeConfig = *KPR_NODE_CONFIG.get(0)?;
-    if !lookup::masquerades(frontend, &config, &pkt.src, pkt.is_v6()) {
+    if frontend.flags & frontend_flags::CLUSTER_IP != 0
+        && config.flags & node_flags::MASQUERADE_ALL == 0
+        && !lookup::outside_cluster_cidr(&pkt.src, pkt.is_v6(), &config)
+    {
         return None;
     }
     let addr = if *egress != [0; 4] {

@@ -15,8 +15,8 @@
 //!   backends; SNAT to the node address unless the client is preserved.
 //!
 //! Random choices are not predictable: the candidates are listed, and the chosen backend is
-//! named only where it is determined — a Maglev table with a full tuple (`--sport`), a live tc
-//! affinity entry, an existing conntrack entry.
+//! named only where it is determined — tc with a full tuple (`--sport`: its hash picks the slot
+//! or Maglev entry), a live tc affinity entry, an existing conntrack entry.
 
 use std::{
     fmt::Write as _,
@@ -741,12 +741,19 @@ fn addr_of(words: [u32; 4], v6: bool, port_be: u16) -> SocketAddr {
     SocketAddr::new(ip, u16::from_be(port_be))
 }
 
-/// The node address tc source-NATs the flow to, if it does (`proxy_common::lookup::masquerades`;
-/// the programs take the egress interface's address where the route to the backend leaves by an
-/// external interface, which this does not resolve).
+/// `tc.rs`'s `snat_address`: none with a preserved client; a ClusterIP from outside only with
+/// masqueradeAll or a client outside the cluster CIDR; else the node address (the programs take
+/// the egress interface's address where the route to the backend leaves by an external
+/// interface, which this does not resolve).
 fn snat(maps: &impl Maps, q: &Query, frontend: &FrontendValue) -> Option<IpAddr> {
+    if frontend.flags & frontend_flags::PRESERVE_CLIENT != 0 {
+        return None;
+    }
     let config = maps.node_config()?;
-    if !lookup::masquerades(frontend, &config, &words(q.client), q.client.is_ipv6()) {
+    if frontend.flags & frontend_flags::CLUSTER_IP != 0
+        && config.flags & node_flags::MASQUERADE_ALL == 0
+        && !lookup::outside_cluster_cidr(&words(q.client), q.client.is_ipv6(), &config)
+    {
         return None;
     }
     snat_of(&config, q.dest.ip())
