@@ -81,6 +81,20 @@ pub fn socket_frontend(maps: &mut impl FrontendMaps, dst: &[u32; 4], v6: bool) -
     })
 }
 
+/// `--bpf-socket-lb-host-namespace-only` ([`node_flags::HOST_NAMESPACE_ONLY`]): whether a socket
+/// outside the node's namespace (`is_host` false, given the node config) keeps the address it
+/// dialled, for the tc program on the pod's interface to load-balance its packets instead.
+/// Without the node namespace's cookie nothing is left.
+#[inline(always)]
+pub fn left_to_tc(config: Option<&NodeConfig>, is_host: impl FnOnce(&NodeConfig) -> bool) -> bool {
+    let Some(config) = config else {
+        return false;
+    };
+    config.flags & node_flags::HOST_NAMESPACE_ONLY != 0
+        && config.host_netns_cookie != 0
+        && !is_host(config)
+}
+
 /// Where a tc program runs: which new flows it may start.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum TcSide {
@@ -427,5 +441,20 @@ mod tests {
         assert!(!outside_cluster_cidr(&[1, 2, 3, 4], true, &config));
         config.flags |= node_flags::LOCAL_BY_INTERFACE;
         assert!(outside_cluster_cidr(&pod, false, &config));
+    }
+
+    #[test]
+    fn only_pod_sockets_are_left_to_tc_and_only_with_host_namespace_only() {
+        let mut config = NodeConfig {
+            host_netns_cookie: 3,
+            ..NodeConfig::default()
+        };
+        assert!(!left_to_tc(None, |_| false));
+        assert!(!left_to_tc(Some(&config), |_| false));
+        config.flags = node_flags::HOST_NAMESPACE_ONLY;
+        assert!(left_to_tc(Some(&config), |_| false));
+        assert!(!left_to_tc(Some(&config), |_| true));
+        config.host_netns_cookie = 0;
+        assert!(!left_to_tc(Some(&config), |_| false));
     }
 }

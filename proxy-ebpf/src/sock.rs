@@ -24,7 +24,6 @@ use proxy_common::{
     FrontendValue, StatIndex, frontend_flags,
     ip_family::{self, IpFamily as _},
     lookup::{self, Admit, Matched},
-    node_flags,
 };
 
 use crate::{
@@ -301,7 +300,7 @@ fn translate_mapped(
     ALLOW
 }
 
-/// `--bpf-socket-lb-host-namespace-only` ([`node_flags::HOST_NAMESPACE_ONLY`]): a socket outside
+/// `--bpf-socket-lb-host-namespace-only` (`proxy_common::lookup::left_to_tc`): a socket outside
 /// the node's namespace keeps the address it dialled, so that a sidecar capturing by Service
 /// address (iptables REDIRECT in the pod) still sees it; the tc program on the pod's interface
 /// load-balances its packets instead. A socket left alone gets no reverse-NAT entry, so
@@ -310,17 +309,13 @@ fn translate_mapped(
 /// after the frontend lookup, so that the counter says how much the option moved to tc.
 #[inline(always)]
 fn left_to_tc(ctx: &SockAddrContext) -> bool {
-    let Some(config) = KPR_NODE_CONFIG.get(0) else {
-        return false;
-    };
-    if config.flags & node_flags::HOST_NAMESPACE_ONLY == 0
-        || config.host_netns_cookie == 0
-        || netns_cookie(ctx) == config.host_netns_cookie
-    {
-        return false;
+    let left = lookup::left_to_tc(KPR_NODE_CONFIG.get(0), |config| {
+        netns_cookie(ctx) == config.host_netns_cookie
+    });
+    if left {
+        bump(StatIndex::SockLeftToTc);
     }
-    bump(StatIndex::SockLeftToTc);
-    true
+    left
 }
 
 /// `loadBalancerSourceRanges` for local sockets (`proxy_common::lookup::socket_admit`):

@@ -335,11 +335,8 @@ fn socket(maps: &impl Maps, q: &Query, e: &mut Explanation) {
     e.service_id = Some(frontend.service_id);
     // `--bpf-socket-lb-host-namespace-only`: the same frontend, backends and verdicts, applied
     // per packet by the pod veth's tc program (`tc::internal_frontend` in the datapath).
-    let in_tc = q.from == From::Pod
-        && frontend.flags & frontend_flags::SOURCE_RANGES == 0
-        && maps.node_config().is_some_and(|c| {
-            c.flags & node_flags::HOST_NAMESPACE_ONLY != 0 && c.host_netns_cookie != 0
-        });
+    let in_tc = frontend.flags & frontend_flags::SOURCE_RANGES == 0
+        && lookup::left_to_tc(maps.node_config().as_ref(), |_| q.from == From::Node);
     if in_tc {
         e.program = "tc (pod veth; socket LB for the host namespace only)".to_owned();
         e.steps.push(
