@@ -9,9 +9,13 @@
 #![no_std]
 
 pub mod addr;
+pub mod conntrack;
 pub mod crc32c;
+pub mod ip_family;
+pub mod lookup;
 pub mod maglev;
 pub mod maps;
+pub mod select;
 pub mod stats;
 
 pub use maps::*;

@@ -36,10 +36,15 @@
 use core::ptr;
 
 use aya_ebpf::{bindings::BPF_NOEXIST, helpers::bpf_ktime_get_ns};
-use proxy_common::{CtKey, CtKey4, CtValue, CtValue4, StatIndex, ct_flags, ct_timeout, proto};
+use proxy_common::{
+    CtKey, CtKey4, CtValue, CtValue4, StatIndex,
+    conntrack::{answers, holds_reply, orphaned, write_reverse_key},
+    ct_flags, ct_timeout,
+    maglev::flow_hash,
+    proto,
+};
 
 use crate::{
-    maglev::flow_hash,
     maps::{KPR_CT4, KPR_CT4_NEW, KPR_CT6, KPR_CT6_NEW, TcScratch, scratch},
     parse::Packet,
     stats::bump,
@@ -381,33 +386,6 @@ pub fn touch<const V6: bool>(key: &CtKey, value: &CtValue, pkt: &Packet, now: u6
     }
 }
 
-/// Writes into `key` the key of the entry for the other direction of `value`'s flow: the
-/// packet a rewrite to `value` will be answered with. A forward entry's reverse is its reply
-/// entry's key and a reply entry's reverse is its forward entry's key. Field by field, into the
-/// caller's (scratch) key: a whole `CtKey` would be built on the stack first, and the frames
-/// of `new_flow`'s callees count towards the verifier's 512-byte combined stack.
-#[inline(always)]
-fn write_reverse_key(key: &mut CtKey, value: &CtValue, proto: u8, family: u8) {
-    key.src = value.dst;
-    key.dst = value.src;
-    key.sport = value.dport;
-    key.dport = value.sport;
-    key.proto = proto;
-    key.family = family;
-    key._pad = 0;
-}
-
-/// Whether forward entry `forward` rewrites to the reverse of reply key `reply_key`, i.e. is
-/// the flow that reply entry belongs to (a newer flow of the same client tuple is not).
-#[inline(always)]
-fn answers(forward: &CtValue, reply_key: &CtKey) -> bool {
-    forward.flags & ct_flags::REPLY == 0
-        && forward.src == reply_key.dst
-        && forward.sport == reply_key.dport
-        && forward.dst == reply_key.src
-        && forward.dport == reply_key.sport
-}
-
 /// Whether forward entry `forward` is the flow whose reply is `pkt` (backend → SNAT address or
 /// client).
 #[inline(always)]
@@ -529,10 +507,9 @@ pub fn reply_holder<const V6: bool>(reply_key: &CtKey, own_key: &CtKey) -> Holde
     // SAFETY: bpf_ktime_get_ns has no preconditions.
     let now = unsafe { bpf_ktime_get_ns() };
     let Some(forward) = lookup::<V6>(probe_key, View::B) else {
-        let idle = now.wrapping_sub(reply.last_seen_ns);
-        return if idle > ct_timeout::ORPHAN_REPLY_NS {
+        return if orphaned(reply, now) {
             Holder::Dead
-        } else if unanswered(reply) && idle > WRITING_NS {
+        } else if unanswered(reply) && now.wrapping_sub(reply.last_seen_ns) > WRITING_NS {
             oldest_unanswered(reply.last_seen_ns)
         } else {
             Holder::Live
@@ -542,9 +519,8 @@ pub fn reply_holder<const V6: bool>(reply_key: &CtKey, own_key: &CtKey) -> Holde
     // connection take the tuple of one in TIME_WAIT/CLOSE (`nf_nat_used_tuple_harder`): a
     // client reconnecting from the same port through another frontend is not refused for the
     // closed flow's 10 s.
-    if !answers(forward, reply_key)
+    if !holds_reply(forward, reply_key, now)
         || (reply_key.proto == proto::TCP && forward.flags & ct_flags::CLOSING != 0)
-        || ct_timeout::expired(reply_key.proto, forward.flags, forward.last_seen_ns, now)
     {
         Holder::Dead
     } else if unanswered(forward) && unanswered(reply) {

@@ -20,8 +20,6 @@ mod icmp_error;
 #[cfg(target_arch = "bpf")]
 mod lb;
 #[cfg(target_arch = "bpf")]
-mod maglev;
-#[cfg(target_arch = "bpf")]
 mod maps;
 #[cfg(target_arch = "bpf")]
 mod nat;

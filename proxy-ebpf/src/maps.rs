@@ -9,7 +9,7 @@
 //! LRU maps the datapath writes cannot be (the kernel preallocates every LRU hash map): the
 //! agent sizes them from the node's memory (`dataplane::ebpf::map_sizes`).
 
-use core::ptr;
+use core::{marker::PhantomData, ptr};
 
 use aya_ebpf::{
     bindings::BPF_F_NO_PREALLOC,
@@ -22,6 +22,8 @@ use proxy_common::{
     CtKey4, CtValue, CtValue4, Frontend4Key, Frontend6Key, FrontendValue, MaglevBlock, MaglevKey,
     NodeAddrKey, NodeConfig, RevNat4, RevNat4Key, RevNat6, RevNat6Key, ServiceName, SnatAddrs,
     SourceRangeKey, TcFamilyProgram, TcFragmentProgram, default_sizes,
+    ip_family::{self, IpFamily},
+    lookup::FrontendMaps,
 };
 
 #[map]
@@ -231,4 +233,89 @@ pub fn scratch() -> Option<*mut TcScratch> {
         )
     };
     (!slot.is_null()).then_some(slot.cast())
+}
+
+/// Each family's service maps, for code written once over both (`proxy_common::ip_family`).
+pub trait FamilyMaps: IpFamily + 'static {
+    /// `KPR_FRONTENDS4/6`.
+    fn frontend_map() -> &'static HashMap<Self::FrontendKey, FrontendValue>;
+    /// `KPR_BACKENDS4/6`.
+    fn backend_map() -> &'static HashMap<u32, Self::Backend>;
+    /// `KPR_REVNAT4/6`.
+    fn revnat_map() -> &'static LruHashMap<Self::RevNatKey, Self::RevNat>;
+}
+
+impl FamilyMaps for ip_family::V4 {
+    #[inline(always)]
+    fn frontend_map() -> &'static HashMap<Frontend4Key, FrontendValue> {
+        &KPR_FRONTENDS4
+    }
+    #[inline(always)]
+    fn backend_map() -> &'static HashMap<u32, Backend4> {
+        &KPR_BACKENDS4
+    }
+    #[inline(always)]
+    fn revnat_map() -> &'static LruHashMap<RevNat4Key, RevNat4> {
+        &KPR_REVNAT4
+    }
+}
+
+impl FamilyMaps for ip_family::V6 {
+    #[inline(always)]
+    fn frontend_map() -> &'static HashMap<Frontend6Key, FrontendValue> {
+        &KPR_FRONTENDS6
+    }
+    #[inline(always)]
+    fn backend_map() -> &'static HashMap<u32, Backend6> {
+        &KPR_BACKENDS6
+    }
+    #[inline(always)]
+    fn revnat_map() -> &'static LruHashMap<RevNat6Key, RevNat6> {
+        &KPR_REVNAT6
+    }
+}
+
+/// A destination of family `F` (address words, port in network order, protocol) as the
+/// frontend lookups of `proxy_common::lookup` read the maps for it.
+pub struct Destination<'a, F> {
+    pub addr: &'a [u32; 4],
+    pub port: u16,
+    pub proto: u8,
+    pub family: PhantomData<F>,
+}
+
+impl<'a, F> Destination<'a, F> {
+    #[inline(always)]
+    pub fn new(addr: &'a [u32; 4], port: u16, proto: u8) -> Self {
+        Self {
+            addr,
+            port,
+            proto,
+            family: PhantomData,
+        }
+    }
+}
+
+impl<F: FamilyMaps> FrontendMaps for Destination<'_, F> {
+    #[inline(always)]
+    fn frontend(&mut self, wildcard: bool, scope: u8) -> Option<FrontendValue> {
+        let addr = if wildcard { &[0; 4] } else { self.addr };
+        let key = F::frontend_key(addr, self.port, self.proto, scope);
+        // SAFETY: the value is copied out at once (whole-value updates by the agent).
+        unsafe { F::frontend_map().get(key) }.copied()
+    }
+    #[inline(always)]
+    fn node_port_address(&mut self) -> bool {
+        let key = NodeAddrKey {
+            addr: *self.addr,
+            family: F::FAMILY,
+            _pad: [0; 3],
+        };
+        // SAFETY: presence check only.
+        unsafe { KPR_NODE_ADDRS.get(key) }.is_some()
+    }
+    #[inline(always)]
+    fn node_config(&mut self) -> Option<&NodeConfig> {
+        KPR_NODE_CONFIG.get(0)
+    }
 }

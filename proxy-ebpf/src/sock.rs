@@ -21,17 +21,14 @@ use aya_ebpf::{
     programs::SockAddrContext,
 };
 use proxy_common::{
-    Backend4, Backend6, Frontend4Key, Frontend6Key, FrontendValue, NodeAddrKey, NodeConfig,
-    RevNat4, RevNat4Key, RevNat6, RevNat6Key, SourceRangeKey, StatIndex, family, frontend_flags,
-    node_flags, scope,
+    FrontendValue, StatIndex, frontend_flags,
+    ip_family::{self, IpFamily as _},
+    lookup::{self, Admit, Matched},
 };
 
 use crate::{
     lb::{Decision, select_backend},
-    maps::{
-        KPR_BACKENDS4, KPR_BACKENDS6, KPR_FRONTENDS4, KPR_FRONTENDS6, KPR_NODE_ADDRS,
-        KPR_NODE_CONFIG, KPR_REVNAT4, KPR_REVNAT6, KPR_SOURCE_RANGES,
-    },
+    maps::{Destination, FamilyMaps, KPR_NODE_CONFIG, KPR_REVNAT6, KPR_SOURCE_RANGES},
     nat::draining,
     stats::bump,
 };
@@ -127,7 +124,44 @@ fn protocol(sa: &bpf_sock_addr) -> Option<u8> {
     u8::try_from(sa.protocol).ok()
 }
 
+/// The address family's view of the hook's destination in `bpf_sock_addr`.
+trait SockFamily: FamilyMaps {
+    fn read_dst(sa: &bpf_sock_addr) -> [u32; 4];
+    fn write_dst(sa: &mut bpf_sock_addr, addr: &[u32; 4]);
+}
+
+impl SockFamily for ip_family::V4 {
+    #[inline(always)]
+    fn read_dst(sa: &bpf_sock_addr) -> [u32; 4] {
+        [sa.user_ip4, 0, 0, 0]
+    }
+    #[inline(always)]
+    fn write_dst(sa: &mut bpf_sock_addr, addr: &[u32; 4]) {
+        sa.user_ip4 = addr[0];
+    }
+}
+
+impl SockFamily for ip_family::V6 {
+    #[inline(always)]
+    fn read_dst(sa: &bpf_sock_addr) -> [u32; 4] {
+        read_ip6(sa)
+    }
+    #[inline(always)]
+    fn write_dst(sa: &mut bpf_sock_addr, addr: &[u32; 4]) {
+        write_ip6(sa, *addr);
+    }
+}
+
 pub fn translate4(ctx: &SockAddrContext, hook: Hook) -> i32 {
+    translate::<ip_family::V4>(ctx, hook)
+}
+
+pub fn translate6(ctx: &SockAddrContext, hook: Hook) -> i32 {
+    translate::<ip_family::V6>(ctx, hook)
+}
+
+#[inline(always)]
+fn translate<F: SockFamily>(ctx: &SockAddrContext, hook: Hook) -> i32 {
     // Draining for the iptables mode: new connections are its rules' (`node_flags::DRAINING`).
     if draining() {
         return ALLOW;
@@ -137,112 +171,54 @@ pub fn translate4(ctx: &SockAddrContext, hook: Hook) -> i32 {
     let Some(proto) = protocol(sa) else {
         return ALLOW;
     };
-    let key = Frontend4Key {
-        addr: sa.user_ip4,
-        port: user_port(sa),
-        proto,
-        scope: scope::INTERNAL,
-    };
-    let (backend, kept) = match choose4(ctx, &key, hook) {
+    let dst = F::read_dst(sa);
+    if F::V6
+        && let Some(v4) = ipv4_mapped(dst)
+    {
+        return translate_mapped(ctx, sa, v4, proto, hook);
+    }
+    let port = user_port(sa);
+    let (backend, kept) = match choose::<F>(ctx, &dst, port, proto, hook) {
         Ok(chosen) => chosen,
         Err(verdict) => return verdict,
     };
-    let revnat_key = RevNat4Key {
-        cookie: socket_cookie(ctx),
-        addr: backend.addr,
-        port: backend.port,
-        _pad: 0,
-    };
-    let revnat = RevNat4 {
-        addr: key.addr,
-        port: key.port,
-        _pad: 0,
-    };
+    let (addr, backend_port) = F::backend_addr(&backend);
     // Best effort: without the entry getpeername/recvmsg show the backend address. A socket
     // that keeps its backend has its entry already: no map write per datagram.
-    if !kept && KPR_REVNAT4.insert(revnat_key, revnat, 0).is_err() {
-        bump(StatIndex::RevNatUpdateFailed);
+    if !kept {
+        let revnat_key = F::revnat_key(socket_cookie(ctx), &addr, backend_port);
+        let revnat = F::revnat(&dst, port);
+        if F::revnat_map().insert(revnat_key, revnat, 0).is_err() {
+            bump(StatIndex::RevNatUpdateFailed);
+        }
     }
-    sa.user_ip4 = backend.addr;
-    sa.user_port = u32::from(backend.port);
+    F::write_dst(sa, &addr);
+    sa.user_port = u32::from(backend_port);
     bump(hook.translated());
     ALLOW
 }
 
-/// The IPv4 frontend for `key` (exact, else a NodePort) and the backend for this socket, or the
-/// verdict when there is none to translate to.
-#[inline(always)]
-fn choose4(ctx: &SockAddrContext, key: &Frontend4Key, hook: Hook) -> Result<(Backend4, bool), i32> {
-    let mut frontend = frontend4(key).ok_or(ALLOW)?;
-    if left_to_tc(ctx) {
-        return Err(ALLOW);
-    }
-    let socket = hook.per_socket().then(|| socket_cookie(ctx));
-    if let Some(verdict) = admit(ctx, &frontend, family::V4) {
-        return Err(verdict);
-    }
-    let mut decision = select_backend(
-        &frontend,
-        || netns_cookie(ctx),
-        || None,
-        socket,
-        &KPR_BACKENDS4,
-    );
-    // See `choose6`.
-    if matches!(decision, Decision::BackendMissing)
-        && let Some(again) = frontend4(key)
-        && again.generation != frontend.generation
-    {
-        frontend = again;
-        decision = select_backend(
-            &frontend,
-            || netns_cookie(ctx),
-            || None,
-            socket,
-            &KPR_BACKENDS4,
-        );
-    }
-    match decision {
-        Decision::NoBackends => Err(no_backends(&frontend, hook)),
-        Decision::BackendMissing => Err(backend_missing(ctx)),
-        Decision::Backend(backend) => Ok((backend, false)),
-        Decision::Kept(backend) => Ok((backend, true)),
-    }
-}
-
-/// The exact IPv4 frontend, else the NodePort one.
-#[inline(always)]
-fn frontend4(key: &Frontend4Key) -> Option<FrontendValue> {
-    // SAFETY: the value is copied out at once (whole-value updates by the agent).
-    match unsafe { KPR_FRONTENDS4.get(*key) } {
-        Some(frontend) => Some(*frontend),
-        None => node_port4(key),
-    }
-}
-
-/// The exact IPv6 frontend, else the NodePort one.
-#[inline(always)]
-fn frontend6(key: &Frontend6Key) -> Option<FrontendValue> {
-    // SAFETY: the value is copied out at once (whole-value updates by the agent).
-    match unsafe { KPR_FRONTENDS6.get(*key) } {
-        Some(frontend) => Some(*frontend),
-        None => node_port6(key),
-    }
-}
-
-/// Like `choose4`. The agent deletes a switched-out generation's slots a grace (1 s) after the
-/// switch, so a connect that read the frontend just before it still finds its slot; should the
-/// slot be gone all the same (the hook held up longer, slots deleted behind the agent's back),
-/// it reads the frontend once more and chooses from the live generation, whose slots were all
+/// The frontend for the destination (`proxy_common::lookup::socket_frontend`: exact, else a
+/// NodePort) and the backend for this socket, or the verdict when there is none to translate
+/// to. The agent deletes a switched-out generation's slots a grace (1 s) after the switch, so
+/// a connect that read the frontend just before it still finds its slot; should the slot be
+/// gone all the same (the hook held up longer, slots deleted behind the agent's back), it
+/// reads the frontend once more and chooses from the live generation, whose slots were all
 /// written before its switch, instead of refusing a Service that has backends.
 #[inline(always)]
-fn choose6(ctx: &SockAddrContext, key: &Frontend6Key, hook: Hook) -> Result<(Backend6, bool), i32> {
-    let mut frontend = frontend6(key).ok_or(ALLOW)?;
+fn choose<F: SockFamily>(
+    ctx: &SockAddrContext,
+    dst: &[u32; 4],
+    port: u16,
+    proto: u8,
+    hook: Hook,
+) -> Result<(F::Backend, bool), i32> {
+    let mut frontend = find_frontend::<F>(dst, port, proto).ok_or(ALLOW)?;
     if left_to_tc(ctx) {
         return Err(ALLOW);
     }
     let socket = hook.per_socket().then(|| socket_cookie(ctx));
-    if let Some(verdict) = admit(ctx, &frontend, family::V6) {
+    if let Some(verdict) = admit(ctx, &frontend, F::V6) {
         return Err(verdict);
     }
     let mut decision = select_backend(
@@ -250,10 +226,10 @@ fn choose6(ctx: &SockAddrContext, key: &Frontend6Key, hook: Hook) -> Result<(Bac
         || netns_cookie(ctx),
         || None,
         socket,
-        &KPR_BACKENDS6,
+        F::backend_map(),
     );
     if matches!(decision, Decision::BackendMissing)
-        && let Some(again) = frontend6(key)
+        && let Some(again) = find_frontend::<F>(dst, port, proto)
         && again.generation != frontend.generation
     {
         frontend = again;
@@ -262,15 +238,26 @@ fn choose6(ctx: &SockAddrContext, key: &Frontend6Key, hook: Hook) -> Result<(Bac
             || netns_cookie(ctx),
             || None,
             socket,
-            &KPR_BACKENDS6,
+            F::backend_map(),
         );
     }
     match decision {
         Decision::NoBackends => Err(no_backends(&frontend, hook)),
         Decision::BackendMissing => Err(backend_missing(ctx)),
-        Decision::Backend(backend) => Ok((backend, false)),
+        Decision::Backend(backend, _) => Ok((backend, false)),
         Decision::Kept(backend) => Ok((backend, true)),
     }
+}
+
+/// The socket hooks' frontend for the destination, counting NodePort matches.
+#[inline(always)]
+fn find_frontend<F: SockFamily>(dst: &[u32; 4], port: u16, proto: u8) -> Option<FrontendValue> {
+    let mut maps = Destination::<F>::new(dst, port, proto);
+    let found = lookup::socket_frontend(&mut maps, dst, F::V6)?;
+    if found.matched != Matched::Exact {
+        bump(StatIndex::SockNodePort);
+    }
+    Some(found.frontend)
 }
 
 /// `::ffff:a.b.c.d` (network order words: 0, 0, 0x0000ffff, addr): the IPv4 address an
@@ -293,30 +280,19 @@ fn translate_mapped(
     proto: u8,
     hook: Hook,
 ) -> i32 {
-    let key = Frontend4Key {
-        addr,
-        port: user_port(sa),
-        proto,
-        scope: scope::INTERNAL,
-    };
-    let (backend, kept) = match choose4(ctx, &key, hook) {
+    let port = user_port(sa);
+    let (backend, kept) = match choose::<ip_family::V4>(ctx, &[addr, 0, 0, 0], port, proto, hook) {
         Ok(chosen) => chosen,
         Err(verdict) => return verdict,
     };
     let mapped = |a: u32| [0, 0, u32::from_be(0x0000_ffff), a];
-    let revnat_key = RevNat6Key {
-        cookie: socket_cookie(ctx),
-        addr: mapped(backend.addr),
-        port: backend.port,
-        _pad: [0; 3],
-    };
-    let revnat = RevNat6 {
-        addr: mapped(key.addr),
-        port: key.port,
-        _pad: 0,
-    };
-    if !kept && KPR_REVNAT6.insert(revnat_key, revnat, 0).is_err() {
-        bump(StatIndex::RevNatUpdateFailed);
+    if !kept {
+        let revnat_key =
+            ip_family::V6::revnat_key(socket_cookie(ctx), &mapped(backend.addr), backend.port);
+        let revnat = ip_family::V6::revnat(&mapped(addr), port);
+        if KPR_REVNAT6.insert(revnat_key, revnat, 0).is_err() {
+            bump(StatIndex::RevNatUpdateFailed);
+        }
     }
     write_ip6(sa, mapped(backend.addr));
     sa.user_port = u32::from(backend.port);
@@ -324,51 +300,7 @@ fn translate_mapped(
     ALLOW
 }
 
-pub fn translate6(ctx: &SockAddrContext, hook: Hook) -> i32 {
-    // Draining for the iptables mode: new connections are its rules' (`node_flags::DRAINING`).
-    if draining() {
-        return ALLOW;
-    }
-    // SAFETY: the kernel passes a valid bpf_sock_addr; the verifier checks each field access.
-    let sa = unsafe { &mut *ctx.sock_addr };
-    let Some(proto) = protocol(sa) else {
-        return ALLOW;
-    };
-    let addr = read_ip6(sa);
-    if let Some(v4) = ipv4_mapped(addr) {
-        return translate_mapped(ctx, sa, v4, proto, hook);
-    }
-    let key = Frontend6Key {
-        addr,
-        port: user_port(sa),
-        proto,
-        scope: scope::INTERNAL,
-    };
-    let (backend, kept) = match choose6(ctx, &key, hook) {
-        Ok(chosen) => chosen,
-        Err(verdict) => return verdict,
-    };
-    let revnat_key = RevNat6Key {
-        cookie: socket_cookie(ctx),
-        addr: backend.addr,
-        port: backend.port,
-        _pad: [0; 3],
-    };
-    let revnat = RevNat6 {
-        addr: key.addr,
-        port: key.port,
-        _pad: 0,
-    };
-    if !kept && KPR_REVNAT6.insert(revnat_key, revnat, 0).is_err() {
-        bump(StatIndex::RevNatUpdateFailed);
-    }
-    write_ip6(sa, backend.addr);
-    sa.user_port = u32::from(backend.port);
-    bump(hook.translated());
-    ALLOW
-}
-
-/// `--bpf-socket-lb-host-namespace-only` ([`node_flags::HOST_NAMESPACE_ONLY`]): a socket outside
+/// `--bpf-socket-lb-host-namespace-only` (`proxy_common::lookup::left_to_tc`): a socket outside
 /// the node's namespace keeps the address it dialled, so that a sidecar capturing by Service
 /// address (iptables REDIRECT in the pod) still sees it; the tc program on the pod's interface
 /// load-balances its packets instead. A socket left alone gets no reverse-NAT entry, so
@@ -377,105 +309,40 @@ pub fn translate6(ctx: &SockAddrContext, hook: Hook) -> i32 {
 /// after the frontend lookup, so that the counter says how much the option moved to tc.
 #[inline(always)]
 fn left_to_tc(ctx: &SockAddrContext) -> bool {
-    let Some(config) = KPR_NODE_CONFIG.get(0) else {
-        return false;
-    };
-    if config.flags & node_flags::HOST_NAMESPACE_ONLY == 0
-        || config.host_netns_cookie == 0
-        || netns_cookie(ctx) == config.host_netns_cookie
-    {
-        return false;
+    let left = lookup::left_to_tc(KPR_NODE_CONFIG.get(0), |config| {
+        netns_cookie(ctx) == config.host_netns_cookie
+    });
+    if left {
+        bump(StatIndex::SockLeftToTc);
     }
-    bump(StatIndex::SockLeftToTc);
-    true
+    left
 }
 
-/// kube-proxy's `KUBE-SERVICES ... -m addrtype --dst-type LOCAL -j KUBE-NODEPORTS` for local
-/// sockets: a destination that is a NodePort address of this node (`KPR_NODE_ADDRS`, or any
-/// 127/8 address when localhost NodePorts are served on every loopback address) leads to the
-/// NodePort's socket frontend, the unspecified address with the node port.
+/// `loadBalancerSourceRanges` for local sockets (`proxy_common::lookup::socket_admit`):
+/// `None` lets the translation go on. A pod's socket is left untranslated (`ALLOW`): its
+/// packets reach the tc program on the pod's veth, which checks the pod's address. A host
+/// socket outside the ranges fails with `EHOSTUNREACH` where kube-proxy drops (a socket hook
+/// has no packet to drop).
 #[inline(always)]
-fn node_port4(key: &Frontend4Key) -> Option<FrontendValue> {
-    // `addr` is in network byte order, so its first octet is the low byte on this
-    // little-endian target.
-    let loopback = key.addr & 0xff == 127;
-    let localhost = loopback
-        && KPR_NODE_CONFIG
-            .get(0)
-            .is_some_and(|c| c.flags & node_flags::LOCALHOST_NODEPORTS != 0);
-    if !localhost && !is_node_port_address([key.addr, 0, 0, 0], family::V4) {
-        return None;
-    }
-    let wildcard = Frontend4Key { addr: 0, ..*key };
-    // SAFETY: the value is copied out at once.
-    let frontend = unsafe { KPR_FRONTENDS4.get(wildcard) }.copied()?;
-    bump(StatIndex::SockNodePort);
-    Some(frontend)
-}
-
-/// IPv6 NodePorts: never on `::1` (kube-proxy's `! -d ::1/128`; the agent never lists it).
-#[inline(always)]
-fn node_port6(key: &Frontend6Key) -> Option<FrontendValue> {
-    if !is_node_port_address(key.addr, family::V6) {
-        return None;
-    }
-    let wildcard = Frontend6Key {
-        addr: [0; 4],
-        ..*key
-    };
-    // SAFETY: the value is copied out at once.
-    let frontend = unsafe { KPR_FRONTENDS6.get(wildcard) }.copied()?;
-    bump(StatIndex::SockNodePort);
-    Some(frontend)
-}
-
-#[inline(always)]
-fn is_node_port_address(addr: [u32; 4], family: u8) -> bool {
-    let key = NodeAddrKey {
-        addr,
-        family,
-        _pad: [0; 3],
-    };
-    // SAFETY: presence check only.
-    unsafe { KPR_NODE_ADDRS.get(key) }.is_some()
-}
-
-/// `loadBalancerSourceRanges` for local sockets (frontends with
-/// [`frontend_flags::SOURCE_RANGES`]): `None` lets the translation go on. A pod's socket is
-/// left untranslated (`ALLOW`): its packets reach the tc program on the pod's veth, which checks
-/// the pod's address. A socket of the node's own namespace is judged by the node address
-/// (`NodeConfig::snat4/6`, the source such a connection gets), as kube-proxy's KUBE-FW chain
-/// judges node-originated packets by their source; outside the ranges it fails with
-/// `EHOSTUNREACH` where kube-proxy drops (a socket hook has no packet to drop).
-#[inline(always)]
-fn admit(ctx: &SockAddrContext, frontend: &FrontendValue, family: u8) -> Option<i32> {
-    if frontend.flags & frontend_flags::SOURCE_RANGES == 0 {
-        return None;
-    }
-    let config: NodeConfig = match KPR_NODE_CONFIG.get(0) {
-        Some(config) => *config,
-        None => return Some(ALLOW),
-    };
-    if config.host_netns_cookie == 0 || netns_cookie(ctx) != config.host_netns_cookie {
-        return Some(ALLOW);
-    }
-    let (addr, bits) = if family == family::V6 {
-        (config.snat6, 128)
-    } else {
-        ([config.snat4, 0, 0, 0], 32)
-    };
-    let key = Key::new(
-        32 + bits,
-        SourceRangeKey {
-            service_id: frontend.service_id,
-            addr,
+fn admit(ctx: &SockAddrContext, frontend: &FrontendValue, v6: bool) -> Option<i32> {
+    let admit = lookup::socket_admit(
+        frontend,
+        KPR_NODE_CONFIG.get(0),
+        |config| netns_cookie(ctx) == config.host_netns_cookie,
+        v6,
+        |prefix, key| {
+            let key = Key::new(prefix, *key);
+            KPR_SOURCE_RANGES.get(&key).is_some()
         },
     );
-    if addr != [0; 4] && KPR_SOURCE_RANGES.get(&key).is_some() {
-        return None;
+    match admit {
+        Admit::Translate => None,
+        Admit::Leave => Some(ALLOW),
+        Admit::Refuse => {
+            bump(StatIndex::SockDroppedSourceRange);
+            Some(unreachable())
+        }
     }
-    bump(StatIndex::SockDroppedSourceRange);
-    Some(unreachable())
 }
 
 /// A frontend without backends: kube-proxy REJECTs when the service has no endpoints at all
@@ -531,36 +398,23 @@ fn refuse() -> i32 {
 
 /// recvmsg (the datagram's source) and getpeername (the connected peer): backend → service.
 pub fn reverse4(ctx: &SockAddrContext, stat: StatIndex) -> i32 {
-    // SAFETY: the kernel passes a valid bpf_sock_addr; the verifier checks each field access.
-    let sa = unsafe { &mut *ctx.sock_addr };
-    let key = RevNat4Key {
-        cookie: socket_cookie(ctx),
-        addr: sa.user_ip4,
-        port: user_port(sa),
-        _pad: 0,
-    };
-    // SAFETY: the value is copied out at once.
-    if let Some(revnat) = (unsafe { KPR_REVNAT4.get(key) }).copied() {
-        sa.user_ip4 = revnat.addr;
-        sa.user_port = u32::from(revnat.port);
-        bump(stat);
-    }
-    ALLOW
+    reverse::<ip_family::V4>(ctx, stat)
 }
 
 pub fn reverse6(ctx: &SockAddrContext, stat: StatIndex) -> i32 {
+    reverse::<ip_family::V6>(ctx, stat)
+}
+
+#[inline(always)]
+fn reverse<F: SockFamily>(ctx: &SockAddrContext, stat: StatIndex) -> i32 {
     // SAFETY: the kernel passes a valid bpf_sock_addr; the verifier checks each field access.
     let sa = unsafe { &mut *ctx.sock_addr };
-    let key = RevNat6Key {
-        cookie: socket_cookie(ctx),
-        addr: read_ip6(sa),
-        port: user_port(sa),
-        _pad: [0; 3],
-    };
+    let key = F::revnat_key(socket_cookie(ctx), &F::read_dst(sa), user_port(sa));
     // SAFETY: the value is copied out at once.
-    if let Some(revnat) = (unsafe { KPR_REVNAT6.get(key) }).copied() {
-        write_ip6(sa, revnat.addr);
-        sa.user_port = u32::from(revnat.port);
+    if let Some(revnat) = (unsafe { F::revnat_map().get(key) }).copied() {
+        let (addr, port) = F::revnat_addr(&revnat);
+        F::write_dst(sa, &addr);
+        sa.user_port = u32::from(port);
         bump(stat);
     }
     ALLOW

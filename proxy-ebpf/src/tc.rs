@@ -29,20 +29,21 @@ use aya_ebpf::{
     programs::TcContext,
 };
 use proxy_common::{
-    Frontend4Key, Frontend6Key, FrontendValue, NodeAddrKey, NodeConfig, SourceRangeKey, StatIndex,
-    TRANSLATED_MARK, TcFamilyProgram, TcFragmentProgram, ct_flags, frontend_flags, node_flags,
-    proto, scope,
+    FrontendValue, NodeConfig, StatIndex, TRANSLATED_MARK, TcFamilyProgram, TcFragmentProgram,
+    ct_flags, frontend_flags, ip_family,
+    lookup::{self, TcSide},
+    maglev::flow_hash,
+    node_flags, proto,
+    select::{Chosen, address_client},
 };
 
 use crate::{
     conntrack::{self, ReplyKey, SnatPort, Tuple, View},
     fragments, icmp, icmp_error,
     lb::{Decision, select_backend},
-    maglev,
     maps::{
-        KPR_BACKENDS4, KPR_BACKENDS6, KPR_FRONTENDS4, KPR_FRONTENDS6, KPR_NODE_ADDRS,
-        KPR_NODE_CONFIG, KPR_SNAT_IFACES, KPR_SOURCE_RANGES, KPR_TC_FAMILY, KPR_TC_FRAGMENT,
-        scratch,
+        Destination, FamilyMaps, KPR_NODE_CONFIG, KPR_SNAT_IFACES, KPR_SOURCE_RANGES,
+        KPR_TC_FAMILY, KPR_TC_FRAGMENT, scratch,
     },
     nat::{draining, fast_path, fib_query, translate, translate_source},
     parse::{ETH_P_IP, ETH_P_IPV6, Frame, Packet, is_later_fragment, parse, parse_later_fragment},
@@ -59,19 +60,6 @@ const NEXT: i32 = TC_ACT_UNSPEC;
 
 /// The VLAN id bits of a tag (the rest is priority and DEI).
 const VLAN_VID_MASK: u32 = 0x0fff;
-
-/// Where a tc program runs: which new flows it may start.
-#[derive(Clone, Copy, PartialEq, Eq)]
-pub enum Side {
-    /// The node's external interfaces: every external frontend.
-    External,
-    /// Pod veths: only LB IPs guarded by `loadBalancerSourceRanges`. Pods reach every other
-    /// frontend through the socket hooks, which leave these alone because only a packet carries
-    /// the pod's source address (kube-proxy's KUBE-FW chain checks it for pod traffic too).
-    /// With `node_flags::HOST_NAMESPACE_ONLY` also the internal frontends, which the socket
-    /// hooks then leave alone for pods.
-    Pod,
-}
 
 /// Hands the packet to the program of its family in `KPR_TC_FAMILY`: `first` (the entry
 /// program's IPv4 slot) or the slot after it. One program per family, because the verifier
@@ -107,13 +95,13 @@ fn hand_over(ctx: &TcContext, programs: &ProgramArray, slot: u32) -> i32 {
 }
 
 pub fn external<const V6: bool>(ctx: &TcContext) -> i32 {
-    service::<V6>(ctx, Side::External)
+    service::<V6>(ctx, TcSide::External)
 }
 
 /// Replies of local backends (and of flows pods started to guarded LB IPs), then new flows of
 /// pods to LB IPs guarded by source ranges.
 pub fn reply<const V6: bool>(ctx: &TcContext) -> i32 {
-    service::<V6>(ctx, Side::Pod)
+    service::<V6>(ctx, TcSide::Pod)
 }
 
 /// Egress of every interface with an ingress program (netfilter path): the source half of
@@ -232,7 +220,7 @@ fn host_backend_reply<const V6: bool>(ctx: &TcContext) -> i32 {
 }
 
 #[inline(always)]
-fn service<const V6: bool>(ctx: &TcContext, side: Side) -> i32 {
+fn service<const V6: bool>(ctx: &TcContext, side: TcSide) -> i32 {
     // A VLAN tag the NIC stripped (hardware VLAN offload) is in `vlan_tci`, not in the
     // frame: the packet belongs to the VLAN device stacked on this interface, whose own
     // program (an external interface like any other) sees it untagged once the stack has
@@ -314,7 +302,7 @@ fn service<const V6: bool>(ctx: &TcContext, side: Side) -> i32 {
     if draining() {
         return NEXT;
     }
-    let Some((frontend, internal)) = lookup_frontend(pkt, side) else {
+    let Some((frontend, internal)) = lookup_frontend::<V6>(pkt, side) else {
         if pkt.proto == proto::TCP && !pkt.syn() && orphan_segment(ctx, pkt) {
             bump(StatIndex::TcOrphanSegmentDropped);
             return DROP;
@@ -367,159 +355,26 @@ pub enum Verdict {
     Translate,
 }
 
-/// The external frontend for the packet's destination: the exact address (externalIP, LB IP,
-/// ClusterIP), else the NodePort wildcard if the destination is a NodePort address. On the pod
-/// side: a guarded LB IP's, else (host-namespace-only socket LB) the internal frontend. The
-/// flag says which: internal frontends are load-balanced as the socket hooks do (no SNAT).
+/// The frontend for the packet's destination in the order of
+/// `proxy_common::lookup::tc_frontend` (see there for each side), and whether it is an internal
+/// one: internal frontends are load-balanced as the socket hooks do (no SNAT).
 #[inline(always)]
-fn lookup_frontend(pkt: &Packet, side: Side) -> Option<(FrontendValue, bool)> {
-    if side == Side::Pod {
-        if let Some(frontend) = guarded_frontend(pkt) {
-            return Some((frontend, false));
-        }
-        return internal_frontend(pkt).map(|frontend| (frontend, true));
-    }
-    external_frontend(pkt).map(|frontend| (frontend, false))
-}
-
-/// A pod's packet with `node_flags::HOST_NAMESPACE_ONLY`: the frontend the socket hooks would
-/// have used for it (exact, else the NodePort wildcard at a NodePort address), so a pod gets
-/// the same backends, affinity and no-endpoint verdicts per packet as it would per socket.
-/// Frontends guarded by source ranges are `guarded_frontend`'s.
-#[inline(always)]
-fn internal_frontend(pkt: &Packet) -> Option<FrontendValue> {
-    let config = KPR_NODE_CONFIG.get(0)?;
-    if config.flags & node_flags::HOST_NAMESPACE_ONLY == 0 || config.host_netns_cookie == 0 {
-        return None;
-    }
-    let frontend = if pkt.is_v6() {
-        let mut key = Frontend6Key {
-            addr: pkt.dst,
-            port: pkt.dport,
-            proto: pkt.proto,
-            scope: scope::INTERNAL,
-        };
-        // SAFETY: values are copied out at once (whole-value updates by the agent).
-        match unsafe { KPR_FRONTENDS6.get(key) } {
-            Some(value) => *value,
-            None if is_node_address(pkt) => {
-                key.addr = [0; 4];
-                // SAFETY: as above.
-                unsafe { KPR_FRONTENDS6.get(key) }.copied()?
-            }
-            None => return None,
-        }
+fn lookup_frontend<const V6: bool>(pkt: &Packet, side: TcSide) -> Option<(FrontendValue, bool)> {
+    let found = if V6 {
+        let mut maps = Destination::<ip_family::V6>::new(&pkt.dst, pkt.dport, pkt.proto);
+        lookup::tc_frontend(&mut maps, side)
     } else {
-        let mut key = Frontend4Key {
-            addr: pkt.dst[0],
-            port: pkt.dport,
-            proto: pkt.proto,
-            scope: scope::INTERNAL,
-        };
-        // SAFETY: as above.
-        match unsafe { KPR_FRONTENDS4.get(key) } {
-            Some(value) => *value,
-            None if is_node_address(pkt) => {
-                key.addr = 0;
-                // SAFETY: as above.
-                unsafe { KPR_FRONTENDS4.get(key) }.copied()?
-            }
-            None => return None,
-        }
-    };
-    (frontend.flags & frontend_flags::SOURCE_RANGES == 0).then_some(frontend)
+        let mut maps = Destination::<ip_family::V4>::new(&pkt.dst, pkt.dport, pkt.proto);
+        lookup::tc_frontend(&mut maps, side)
+    }?;
+    Some((found.frontend, found.internal))
 }
 
-/// The external frontend for the packet's destination (see `lookup_frontend`). The NodePort
-/// wildcard is looked up before the node address check: a port without a NodePort (most of
-/// what reaches a node that is no Service's) then costs one lookup, not two, and a NodePort
-/// the same two.
+/// The external frontend for the packet's destination (an external interface's, see
+/// `lookup_frontend`).
 #[inline(always)]
-pub fn external_frontend(pkt: &Packet) -> Option<FrontendValue> {
-    if let Some(frontend) = exact_external_frontend(pkt) {
-        return Some(frontend);
-    }
-    let frontend = if pkt.is_v6() {
-        let key = Frontend6Key {
-            addr: [0; 4],
-            port: pkt.dport,
-            proto: pkt.proto,
-            scope: scope::EXTERNAL,
-        };
-        // SAFETY: values are copied out at once (whole-value updates by the agent).
-        unsafe { KPR_FRONTENDS6.get(key) }.copied()?
-    } else {
-        let key = Frontend4Key {
-            addr: 0,
-            port: pkt.dport,
-            proto: pkt.proto,
-            scope: scope::EXTERNAL,
-        };
-        // SAFETY: as above.
-        unsafe { KPR_FRONTENDS4.get(key) }.copied()?
-    };
-    is_node_address(pkt).then_some(frontend)
-}
-
-/// The external frontend at exactly the packet's destination address and port (externalIP, LB
-/// IP, ClusterIP): one lookup, no NodePort wildcard.
-#[inline(always)]
-pub fn exact_external_frontend(pkt: &Packet) -> Option<FrontendValue> {
-    if pkt.is_v6() {
-        let key = Frontend6Key {
-            addr: pkt.dst,
-            port: pkt.dport,
-            proto: pkt.proto,
-            scope: scope::EXTERNAL,
-        };
-        // SAFETY: values are copied out at once (whole-value updates by the agent).
-        unsafe { KPR_FRONTENDS6.get(key) }.copied()
-    } else {
-        let key = Frontend4Key {
-            addr: pkt.dst[0],
-            port: pkt.dport,
-            proto: pkt.proto,
-            scope: scope::EXTERNAL,
-        };
-        // SAFETY: as above.
-        unsafe { KPR_FRONTENDS4.get(key) }.copied()
-    }
-}
-
-/// The external frontend of an LB IP guarded by source ranges, for a pod's packet.
-#[inline(always)]
-fn guarded_frontend(pkt: &Packet) -> Option<FrontendValue> {
-    let frontend = if pkt.is_v6() {
-        let key = Frontend6Key {
-            addr: pkt.dst,
-            port: pkt.dport,
-            proto: pkt.proto,
-            scope: scope::EXTERNAL,
-        };
-        // SAFETY: values are copied out at once (whole-value updates by the agent).
-        unsafe { KPR_FRONTENDS6.get(key) }.copied()?
-    } else {
-        let key = Frontend4Key {
-            addr: pkt.dst[0],
-            port: pkt.dport,
-            proto: pkt.proto,
-            scope: scope::EXTERNAL,
-        };
-        // SAFETY: as above.
-        unsafe { KPR_FRONTENDS4.get(key) }.copied()?
-    };
-    (frontend.flags & frontend_flags::SOURCE_RANGES != 0).then_some(frontend)
-}
-
-#[inline(always)]
-fn is_node_address(pkt: &Packet) -> bool {
-    let key = NodeAddrKey {
-        addr: pkt.dst,
-        family: pkt.family,
-        _pad: [0; 3],
-    };
-    // SAFETY: presence check only.
-    unsafe { KPR_NODE_ADDRS.get(key) }.is_some()
+pub fn external_frontend<const V6: bool>(pkt: &Packet) -> Option<FrontendValue> {
+    lookup_frontend::<V6>(pkt, TcSide::External).map(|(frontend, _)| frontend)
 }
 
 /// Whether `pkt`, a TCP segment other than a SYN without a conntrack entry and not to a
@@ -656,7 +511,7 @@ pub fn new_flow<const V6: bool, C: Frame>(
         return Verdict::Action(DROP);
     }
     let (backend_addr, backend_port) = match choose(pkt, frontend) {
-        Decision::Backend(backend) | Decision::Kept(backend) => backend,
+        Decision::Backend(backend, _) | Decision::Kept(backend) => backend,
         _ if midstream => return pass_midstream(),
         Decision::NoBackends if frontend.flags & frontend_flags::DROP_NO_BACKENDS != 0 => {
             bump(StatIndex::TcDroppedNoLocal);
@@ -968,42 +823,34 @@ fn route_to_backend<C: Frame>(ctx: &C, pkt: &Packet) -> bool {
 /// `loadBalancerSourceRanges`: the longest-prefix match on (service id, client address).
 #[inline(always)]
 pub fn source_allowed(pkt: &Packet, frontend: &FrontendValue) -> bool {
-    let bits = if pkt.is_v6() { 128 } else { 32 };
-    let key = Key::new(
-        32 + bits,
-        SourceRangeKey {
-            service_id: frontend.service_id,
-            addr: pkt.src,
-        },
-    );
+    let (prefix, key) = lookup::source_range_key(frontend.service_id, &pkt.src, pkt.is_v6());
+    let key = Key::new(prefix, key);
     KPR_SOURCE_RANGES.get(&key).is_some()
 }
 
-/// Picks a backend; affinity is keyed by the client address (folded to 64 bits for IPv6: a
-/// collision only makes two clients share a live backend).
+/// Picks a backend; affinity is keyed by the client address
+/// (`proxy_common::select::address_client`).
 #[inline(always)]
 fn choose(pkt: &Packet, frontend: &FrontendValue) -> Decision<([u32; 4], u16)> {
-    let s = pkt.src;
+    if pkt.is_v6() {
+        choose_in::<ip_family::V6>(pkt, frontend)
+    } else {
+        choose_in::<ip_family::V4>(pkt, frontend)
+    }
+}
+
+#[inline(always)]
+fn choose_in<F: FamilyMaps>(pkt: &Packet, frontend: &FrontendValue) -> Decision<([u32; 4], u16)> {
     let hash = || {
         let ports = (u32::from(pkt.sport) << 16) | u32::from(pkt.dport);
-        Some(maglev::flow_hash(&pkt.src, &pkt.dst, ports, pkt.proto))
+        Some(flow_hash(&pkt.src, &pkt.dst, ports, pkt.proto))
     };
-    if pkt.is_v6() {
-        let client = || (u64::from(s[0] ^ s[2]) << 32) | u64::from(s[1] ^ s[3]);
-        match select_backend(frontend, client, hash, None, &KPR_BACKENDS6) {
-            Decision::Backend(b) | Decision::Kept(b) => Decision::Backend((b.addr, b.port)),
-            Decision::NoBackends => Decision::NoBackends,
-            Decision::BackendMissing => Decision::BackendMissing,
-        }
-    } else {
-        let client = || u64::from(s[0]);
-        match select_backend(frontend, client, hash, None, &KPR_BACKENDS4) {
-            Decision::Backend(b) | Decision::Kept(b) => {
-                Decision::Backend(([b.addr, 0, 0, 0], b.port))
-            }
-            Decision::NoBackends => Decision::NoBackends,
-            Decision::BackendMissing => Decision::BackendMissing,
-        }
+    let client = || address_client(&pkt.src, F::V6);
+    match select_backend(frontend, client, hash, None, F::backend_map()) {
+        Decision::Backend(b, chosen) => Decision::Backend(F::backend_addr(&b), chosen),
+        Decision::Kept(b) => Decision::Backend(F::backend_addr(&b), Chosen::Affinity),
+        Decision::NoBackends => Decision::NoBackends,
+        Decision::BackendMissing => Decision::BackendMissing,
     }
 }
 
@@ -1013,7 +860,9 @@ fn choose(pkt: &Packet, frontend: &FrontendValue) -> Decision<([u32; 4], u16)> {
 /// masqueradeAll or when the client is outside the cluster CIDR. The address is the egress
 /// interface's (`egress`, from `route_to_backend`) as MASQUERADE picks it, else — a route
 /// through an interface that is not external, or one without an address of the family — the
-/// node's SNAT address.
+/// node's SNAT address. The flag tests stay here: moved into a `proxy-common` function, in
+/// three shapes, they compiled to a read of a register a call had clobbered, which the
+/// verifier rejects.
 #[inline(always)]
 fn snat_address(pkt: &Packet, frontend: &FrontendValue, egress: &[u32; 4]) -> Option<[u32; 4]> {
     if frontend.flags & frontend_flags::PRESERVE_CLIENT != 0 {
@@ -1022,7 +871,7 @@ fn snat_address(pkt: &Packet, frontend: &FrontendValue, egress: &[u32; 4]) -> Op
     let config: NodeConfig = *KPR_NODE_CONFIG.get(0)?;
     if frontend.flags & frontend_flags::CLUSTER_IP != 0
         && config.flags & node_flags::MASQUERADE_ALL == 0
-        && !outside_cluster_cidr(pkt, &config)
+        && !lookup::outside_cluster_cidr(&pkt.src, pkt.is_v6(), &config)
     {
         return None;
     }
@@ -1053,27 +902,4 @@ fn hairpin_snat(pkt: &Packet, backend: &[u32; 4]) -> Option<[u32; 4]> {
         [config.snat4, 0, 0, 0]
     };
     (addr != [0; 4]).then_some(addr)
-}
-
-/// Whether the client is outside a configured cluster CIDR (kube-proxy's local detector; no
-/// CIDR for the family means no detection, so no masquerade). With interface-based detection
-/// (`LOCAL_BY_INTERFACE`) nothing this program sees is local: pod interfaces never get it.
-#[inline(always)]
-fn outside_cluster_cidr(pkt: &Packet, config: &NodeConfig) -> bool {
-    if config.flags & node_flags::LOCAL_BY_INTERFACE != 0 {
-        return true;
-    }
-    let s = pkt.src;
-    if pkt.is_v6() {
-        let m = config.cluster6_mask;
-        let c = config.cluster6;
-        config.flags & node_flags::CLUSTER_CIDR6 != 0
-            && (s[0] & m[0] != c[0]
-                || s[1] & m[1] != c[1]
-                || s[2] & m[2] != c[2]
-                || s[3] & m[3] != c[3])
-    } else {
-        config.flags & node_flags::CLUSTER_CIDR4 != 0
-            && s[0] & config.cluster4_mask != config.cluster4
-    }
 }

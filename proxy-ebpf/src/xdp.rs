@@ -176,7 +176,7 @@ pub fn first_packet<const V6: bool>(ctx: &XdpContext) -> u32 {
     if draining() || (pkt.proto == proto::TCP && !pkt.opens()) {
         return XDP_PASS;
     }
-    let Some(frontend) = external_frontend(pkt) else {
+    let Some(frontend) = external_frontend::<V6>(pkt) else {
         return XDP_PASS;
     };
     if frontend.flags & frontend_flags::SOURCE_RANGES != 0 && !source_allowed(pkt, &frontend) {

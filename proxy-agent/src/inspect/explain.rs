@@ -1,5 +1,7 @@
 //! `proxy-agent inspect explain`: the decision the eBPF datapath would take for one packet (or
-//! connect) and why, read from the live pinned maps. It follows the programs' order exactly:
+//! connect) and why, read from the live pinned maps. The lookup order, the source-range rule
+//! and the backend choice are the programs' own (`proxy_common::lookup`,
+//! `proxy_common::select`), run here over the pinned maps:
 //!
 //! - a local client (`--from node|pod`) meets the socket hooks (`proxy-ebpf/src/sock.rs`): the
 //!   exact INTERNAL frontend, else the NodePort frontend when the destination is a NodePort
@@ -13,8 +15,8 @@
 //!   backends; SNAT to the node address unless the client is preserved.
 //!
 //! Random choices are not predictable: the candidates are listed, and the chosen backend is
-//! named only where it is determined — a Maglev table with a full tuple (`--sport`), a live tc
-//! affinity entry, an existing conntrack entry.
+//! named only where it is determined — tc with a full tuple (`--sport`: its hash picks the slot
+//! or Maglev entry), a live tc affinity entry, an existing conntrack entry.
 
 use std::{
     fmt::Write as _,
@@ -26,9 +28,11 @@ use anyhow::{Context as _, bail};
 use aya::maps::{Array, HashMap, LpmTrie, Map, MapData, lpm_trie::Key};
 use proxy_common::{
     AffinityKey, AffinityMatchKey, AffinityValue, Backend4, Backend6, BackendSlotKey, CtKey,
-    CtValue, Frontend4Key, Frontend6Key, FrontendValue, MAGLEV_BLOCK_SLOTS, MaglevBlock, MaglevKey,
-    NodeAddrKey, NodeConfig, SourceRangeKey, ct_flags, family, frontend_flags, map_names,
-    node_flags, proto, scope,
+    CtValue, Frontend4Key, Frontend6Key, FrontendValue, MaglevBlock, MaglevKey, NodeAddrKey,
+    NodeConfig, SourceRangeKey, StatIndex, ct_flags, family, frontend_flags,
+    lookup::{self, Admit, FrontendMaps, Matched, TcSide},
+    map_names, node_flags, proto, scope,
+    select::{self, BackendMaps, Chosen, Decision},
 };
 use serde::Serialize;
 
@@ -141,6 +145,92 @@ fn unspecified(addr: IpAddr) -> IpAddr {
     }
 }
 
+/// One destination as `proxy_common::lookup` reads the maps for it, noting what it read.
+struct Destination<'a, M> {
+    maps: &'a M,
+    addr: IpAddr,
+    port: u16,
+    protocol: u8,
+    config: Option<NodeConfig>,
+    /// Whether the NodePort wildcard was looked up.
+    wildcard_read: bool,
+    /// The NodePort address check's answer, if it was made.
+    node_port_address: Option<bool>,
+}
+
+impl<'a, M: Maps> Destination<'a, M> {
+    fn new(maps: &'a M, addr: IpAddr, port: u16, protocol: u8) -> Self {
+        Self {
+            maps,
+            addr,
+            port,
+            protocol,
+            config: maps.node_config(),
+            wildcard_read: false,
+            node_port_address: None,
+        }
+    }
+}
+
+impl<M: Maps> FrontendMaps for Destination<'_, M> {
+    fn frontend(&mut self, wildcard: bool, scope: u8) -> Option<FrontendValue> {
+        let addr = if wildcard {
+            self.wildcard_read = true;
+            unspecified(self.addr)
+        } else {
+            self.addr
+        };
+        self.maps.frontend(addr, self.port, self.protocol, scope)
+    }
+    fn node_port_address(&mut self) -> bool {
+        let answer = self.maps.node_address(self.addr);
+        self.node_port_address = Some(answer);
+        answer
+    }
+    fn node_config(&mut self) -> Option<&NodeConfig> {
+        self.config.as_ref()
+    }
+}
+
+/// The backend choice over the pinned maps: reads only (the datapath's writes are its own),
+/// backends as addresses; a random pick is reported as such by `Chosen`, never named.
+struct Choice<'a, M> {
+    maps: &'a M,
+    v6: bool,
+}
+
+impl<M: Maps> BackendMaps for Choice<'_, M> {
+    type Backend = SocketAddr;
+    fn backend(&mut self, id: u32) -> Option<SocketAddr> {
+        self.maps.backend(id, self.v6)
+    }
+    fn slot(&mut self, key: &BackendSlotKey) -> Option<u32> {
+        self.maps.slot(*key)
+    }
+    fn maglev(&mut self, key: &MaglevKey, index: usize) -> Option<u32> {
+        self.maps.maglev(*key)?.backend_ids.get(index).copied()
+    }
+    fn affinity(&mut self, key: &AffinityKey) -> Option<AffinityValue> {
+        self.maps.affinity(*key)
+    }
+    fn sticky(&mut self, _key: &AffinityKey) -> Option<AffinityValue> {
+        // Keyed by a socket cookie, which a query has none of.
+        None
+    }
+    fn member(&mut self, key: &AffinityMatchKey) -> bool {
+        self.maps.affinity_match(*key)
+    }
+    fn remember_affinity(&mut self, _key: &AffinityKey, _value: &AffinityValue) {}
+    fn remember_sticky(&mut self, _key: &AffinityKey, _value: &AffinityValue) {}
+    fn now_ns(&mut self) -> u64 {
+        self.maps.now_ns()
+    }
+    fn random(&mut self) -> u32 {
+        0
+    }
+    fn count(&mut self, _stat: StatIndex) {}
+}
+
 fn protocol_name(number: u8) -> &'static str {
     match number {
         proto::TCP => "TCP",
@@ -190,12 +280,6 @@ pub fn explain(maps: &impl Maps, query: &Query) -> Explanation {
     e
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum TcSide {
-    External,
-    Pod,
-}
-
 fn describe_frontend(addr: IpAddr, port: u16, protocol: u8, scope_value: u8) -> String {
     let addr = if addr.is_unspecified() {
         format!("*:{port}")
@@ -213,33 +297,33 @@ fn describe_frontend(addr: IpAddr, port: u16, protocol: u8, scope_value: u8) -> 
 fn socket(maps: &impl Maps, q: &Query, e: &mut Explanation) {
     e.program = "socket connect/sendmsg (cgroup hook)".to_owned();
     let (ip, port, protocol) = (q.dest.ip(), q.dest.port(), q.protocol);
-    let mut found = maps
-        .frontend(ip, port, protocol, scope::INTERNAL)
-        .map(|f| (f, ip));
-    if found.is_some() {
-        e.steps.push("exact internal frontend: found".to_owned());
-    } else {
-        e.steps.push("exact internal frontend: none".to_owned());
-        let loopback_nodeports = matches!(ip, IpAddr::V4(v4) if v4.is_loopback())
-            && maps
-                .node_config()
-                .is_some_and(|c| c.flags & node_flags::LOCALHOST_NODEPORTS != 0);
-        if maps.node_address(ip) || loopback_nodeports {
-            let why = if loopback_nodeports && !maps.node_address(ip) {
-                "a loopback address with localhost NodePorts"
-            } else {
-                "a NodePort address"
-            };
-            let wildcard = unspecified(ip);
-            found = maps
-                .frontend(wildcard, port, protocol, scope::INTERNAL)
-                .map(|f| (f, wildcard));
-            e.steps.push(format!(
-                "{ip} is {why}: NodePort frontend {}",
-                if found.is_some() { "found" } else { "none" }
-            ));
-        }
+    let mut dest = Destination::new(maps, ip, port, protocol);
+    let found = lookup::socket_frontend(&mut dest, &words(ip), ip.is_ipv6());
+    let exact = found.is_some_and(|f| f.matched == Matched::Exact);
+    e.steps.push(format!(
+        "exact internal frontend: {}",
+        if exact { "found" } else { "none" }
+    ));
+    if !exact && dest.wildcard_read {
+        // The NodePort address check is only made when localhost NodePorts did not apply.
+        let why = if dest.node_port_address == Some(true) {
+            "a NodePort address"
+        } else {
+            "a loopback address with localhost NodePorts"
+        };
+        e.steps.push(format!(
+            "{ip} is {why}: NodePort frontend {}",
+            if found.is_some() { "found" } else { "none" }
+        ));
     }
+    let found = found.map(|f| {
+        let addr = if f.matched == Matched::Exact {
+            ip
+        } else {
+            unspecified(ip)
+        };
+        (f.frontend, addr)
+    });
     let Some((frontend, addr)) = found else {
         e.verdict = "pass".to_owned();
         e.reason =
@@ -251,11 +335,8 @@ fn socket(maps: &impl Maps, q: &Query, e: &mut Explanation) {
     e.service_id = Some(frontend.service_id);
     // `--bpf-socket-lb-host-namespace-only`: the same frontend, backends and verdicts, applied
     // per packet by the pod veth's tc program (`tc::internal_frontend` in the datapath).
-    let in_tc = q.from == From::Pod
-        && frontend.flags & frontend_flags::SOURCE_RANGES == 0
-        && maps.node_config().is_some_and(|c| {
-            c.flags & node_flags::HOST_NAMESPACE_ONLY != 0 && c.host_netns_cookie != 0
-        });
+    let in_tc = frontend.flags & frontend_flags::SOURCE_RANGES == 0
+        && lookup::left_to_tc(maps.node_config().as_ref(), |_| q.from == From::Node);
     if in_tc {
         e.program = "tc (pod veth; socket LB for the host namespace only)".to_owned();
         e.steps.push(
@@ -265,6 +346,15 @@ fn socket(maps: &impl Maps, q: &Query, e: &mut Explanation) {
                 .to_owned(),
         );
     }
+    let v6 = addr.is_ipv6();
+    let config = maps.node_config();
+    let admit = lookup::socket_admit(
+        &frontend,
+        config.as_ref(),
+        |_| q.from == From::Node,
+        v6,
+        |_, key| maps.source_allowed(key.service_id, addr_of(key.addr, v6, 0).ip()),
+    );
     if frontend.flags & frontend_flags::SOURCE_RANGES != 0 {
         if q.from == From::Pod {
             e.steps.push(
@@ -275,17 +365,25 @@ fn socket(maps: &impl Maps, q: &Query, e: &mut Explanation) {
             tc(maps, q, TcSide::Pod, e);
             return;
         }
-        let snat = maps.node_config().map(|c| snat_of(&c, addr));
-        let allowed = snat
-            .flatten()
-            .is_some_and(|node| maps.source_allowed(frontend.service_id, node));
+        if admit == Admit::Leave {
+            e.steps
+                .push("guarded by source ranges: no node facts to tell host sockets by".to_owned());
+            e.verdict = "pass".to_owned();
+            e.reason = "left untranslated: the socket hook cannot judge the source".to_owned();
+            e.source = Some(kept(q.client));
+            return;
+        }
+        let snat = config.as_ref().and_then(|c| snat_of(c, addr));
         e.steps.push(format!(
             "guarded by source ranges: a host socket is judged by the node address {}: {}",
-            snat.flatten()
-                .map_or_else(|| "(none)".to_owned(), |a| a.to_string()),
-            if allowed { "inside" } else { "outside" }
+            snat.map_or_else(|| "(none)".to_owned(), |a| a.to_string()),
+            if admit == Admit::Translate {
+                "inside"
+            } else {
+                "outside"
+            }
         ));
-        if !allowed {
+        if admit == Admit::Refuse {
             e.verdict = "drop".to_owned();
             e.reason = "EHOSTUNREACH: the node address is outside loadBalancerSourceRanges \
                         (kube-proxy drops)"
@@ -310,9 +408,8 @@ fn socket(maps: &impl Maps, q: &Query, e: &mut Explanation) {
     if in_tc {
         e.netfilter = Some(netfilter_path(maps));
     }
-    let v6 = addr.is_ipv6();
     if frontend.flags & frontend_flags::AFFINITY != 0 {
-        let timeout = u64::from(frontend.affinity_timeout) * 1_000_000_000;
+        let timeout = select::affinity_timeout_ns(&frontend);
         e.affinity_entries = live_entries(maps, &frontend, v6, maps.affinity_entries(), timeout)
             .into_iter()
             .map(|(client, p)| Pinned {
@@ -369,7 +466,7 @@ fn live_entries(
         .into_iter()
         .filter(|(key, value)| {
             key.service_id == frontend.service_id
-                && now.saturating_sub(value.last_used_ns) <= timeout_ns
+                && select::fresh(value.last_used_ns, now, timeout_ns)
                 && maps.affinity_match(AffinityMatchKey {
                     service_id: frontend.service_id,
                     backend_id: value.backend_id,
@@ -422,12 +519,7 @@ fn no_backends(frontend: &FrontendValue, socket: bool, e: &mut Explanation) {
 /// Lists the live generation's backends.
 fn candidates(maps: &impl Maps, frontend: &FrontendValue, v6: bool, e: &mut Explanation) {
     for slot in 0..frontend.backend_count {
-        let key = BackendSlotKey {
-            service_id: frontend.service_id,
-            slot,
-            generation: frontend.generation,
-            _pad: 0,
-        };
+        let key = select::slot_key(frontend, u32::from(slot));
         match maps.slot(key).and_then(|id| maps.backend(id, v6)) {
             Some(backend) => e.candidates.push(backend.to_string()),
             None => e
@@ -485,23 +577,26 @@ fn tc(maps: &impl Maps, q: &Query, side: TcSide, e: &mut Explanation) {
         e.steps
             .push("conntrack: no entry for this tuple".to_owned());
     }
-    let exact = maps.frontend(ip, port, protocol, scope::EXTERNAL);
-    let found = match side {
-        TcSide::Pod => exact
-            .filter(|f| f.flags & frontend_flags::SOURCE_RANGES != 0)
-            .map(|f| (f, ip)),
-        TcSide::External => match exact {
-            Some(f) => Some((f, ip)),
-            None if maps.node_address(ip) => {
-                let wildcard = unspecified(ip);
-                e.steps.push(format!(
-                    "no exact external frontend; {ip} is a NodePort address"
-                ));
-                maps.frontend(wildcard, port, protocol, scope::EXTERNAL)
-                    .map(|f| (f, wildcard))
-            }
-            None => None,
-        },
+    let mut dest = Destination::new(maps, ip, port, protocol);
+    let found = lookup::tc_frontend(&mut dest, side);
+    if found.is_some_and(|f| f.matched == Matched::NodePort) {
+        e.steps.push(format!(
+            "no exact external frontend; {ip} is a NodePort address"
+        ));
+    }
+    let internal = found.is_some_and(|f| f.internal);
+    let found = found.map(|f| {
+        let addr = if f.matched == Matched::Exact {
+            ip
+        } else {
+            unspecified(ip)
+        };
+        (f.frontend, addr)
+    });
+    let scope = if internal {
+        scope::INTERNAL
+    } else {
+        scope::EXTERNAL
     };
     let Some((frontend, addr)) = found else {
         e.steps.push("external frontend: none".to_owned());
@@ -510,7 +605,7 @@ fn tc(maps: &impl Maps, q: &Query, side: TcSide, e: &mut Explanation) {
         e.source = Some(kept(q.client));
         return;
     };
-    e.frontend = Some(describe_frontend(addr, port, protocol, scope::EXTERNAL));
+    e.frontend = Some(describe_frontend(addr, port, protocol, scope));
     e.service_id = Some(frontend.service_id);
     if protocol == proto::TCP {
         e.steps.push(
@@ -537,78 +632,69 @@ fn tc(maps: &impl Maps, q: &Query, side: TcSide, e: &mut Explanation) {
     }
     candidates(maps, &frontend, ip.is_ipv6(), e);
     e.verdict = "translate".to_owned();
-    e.reason = "random backend among the candidates".to_owned();
     let v6 = ip.is_ipv6();
-    if frontend.flags & frontend_flags::AFFINITY != 0 {
-        let s = words(q.client);
-        let client = if v6 {
-            (u64::from(s[0] ^ s[2]) << 32) | u64::from(s[1] ^ s[3])
-        } else {
-            u64::from(s[0])
-        };
-        let key = AffinityKey {
-            client,
-            service_id: frontend.service_id,
-            _pad: 0,
-        };
-        let timeout = u64::from(frontend.affinity_timeout) * 1_000_000_000;
-        match maps.affinity(key) {
-            Some(entry)
-                if maps.now_ns().saturating_sub(entry.last_used_ns) <= timeout
-                    && maps.affinity_match(AffinityMatchKey {
-                        service_id: frontend.service_id,
-                        backend_id: entry.backend_id,
-                    }) =>
-            {
-                if let Some(backend) = maps.backend(entry.backend_id, v6) {
-                    e.steps.push("session affinity: a live entry".to_owned());
-                    e.chosen = Some(backend.to_string());
-                    e.reason = "session affinity: the client's live entry".to_owned();
-                }
-            }
-            _ => e
-                .steps
-                .push("session affinity: no live entry (a new one is made)".to_owned()),
-        }
+    // The programs hash every new flow's tuple: with the client port it is known here too.
+    let hash = q.sport.map(|sport| {
+        let ports = (u32::from(sport.to_be()) << 16) | u32::from(port.to_be());
+        proxy_common::maglev::flow_hash(&words(q.client), &words(ip), ports, protocol)
+    });
+    let mut choice = Choice { maps, v6 };
+    let decision = select::select_backend(
+        &mut choice,
+        &frontend,
+        || select::address_client(&words(q.client), v6),
+        || hash,
+        None,
+    );
+    let affinity = frontend.flags & frontend_flags::AFFINITY != 0;
+    let maglev = frontend.flags & frontend_flags::MAGLEV != 0;
+    if affinity && !matches!(decision, Decision::Backend(_, Chosen::Affinity)) {
+        e.steps
+            .push("session affinity: no live entry (a new one is made)".to_owned());
     }
-    if e.chosen.is_none() && frontend.flags & frontend_flags::MAGLEV != 0 {
-        match q.sport {
-            Some(sport) => {
-                let ports = (u32::from(sport.to_be()) << 16) | u32::from(port.to_be());
-                let hash =
-                    proxy_common::maglev::flow_hash(&words(q.client), &words(ip), ports, protocol);
-                let id = hash.checked_rem(frontend.maglev_size).and_then(|slot| {
-                    let key = MaglevKey {
-                        service_id: frontend.service_id,
-                        block: slot / MAGLEV_BLOCK_SLOTS,
-                        generation: frontend.generation,
-                        _pad: [0; 3],
-                    };
-                    let block = maps.maglev(key)?;
-                    block
-                        .backend_ids
-                        .get((slot % MAGLEV_BLOCK_SLOTS) as usize)
-                        .copied()
-                });
-                match id.and_then(|id| maps.backend(id, v6)) {
-                    Some(backend) => {
-                        e.steps.push(format!(
-                            "Maglev: slot {} of {}",
-                            hash % frontend.maglev_size.max(1),
-                            frontend.maglev_size
-                        ));
-                        e.chosen = Some(backend.to_string());
-                        e.reason = "Maglev: the tuple's table slot".to_owned();
-                    }
-                    None => e
-                        .steps
-                        .push("Maglev: table entry missing, random fallback".to_owned()),
-                }
-            }
-            None => e
-                .steps
-                .push("Maglev: give --sport for the slot of the full tuple".to_owned()),
+    match decision {
+        Decision::Backend(backend, Chosen::Affinity) | Decision::Kept(backend) => {
+            e.steps.push("session affinity: a live entry".to_owned());
+            e.chosen = Some(backend.to_string());
+            e.reason = "session affinity: the client's live entry".to_owned();
         }
+        Decision::Backend(backend, Chosen::Maglev { slot }) => {
+            e.steps
+                .push(format!("Maglev: slot {slot} of {}", frontend.maglev_size));
+            e.chosen = Some(backend.to_string());
+            e.reason = "Maglev: the tuple's table slot".to_owned();
+        }
+        Decision::Backend(backend, Chosen::Slot { slot, random }) => {
+            if maglev {
+                e.steps.push(
+                    if random {
+                        "Maglev: give --sport for the slot of the full tuple"
+                    } else {
+                        "Maglev: table entry missing, the flow hash's backend slot instead"
+                    }
+                    .to_owned(),
+                );
+            }
+            if random {
+                e.reason = "the backend at the slot the flow's tuple hashes to (give --sport \
+                            to name it)"
+                    .to_owned();
+            } else {
+                e.chosen = Some(backend.to_string());
+                e.reason = format!("the flow's tuple hashes to backend slot {slot}");
+            }
+        }
+        Decision::BackendMissing if hash.is_some() => {
+            e.verdict = "drop".to_owned();
+            e.reason = "DROP: the flow's backend slot or backend is missing".to_owned();
+            return;
+        }
+        Decision::BackendMissing | Decision::NoBackends => {}
+    }
+    if internal {
+        e.source = Some(kept(q.client));
+        e.netfilter = Some(netfilter_path(maps));
+        return;
     }
     e.source = Some(match snat(maps, q, &frontend) {
         Some(node) => format!("{node} (SNAT to the node address)"),
@@ -653,7 +739,9 @@ fn addr_of(words: [u32; 4], v6: bool, port_be: u16) -> SocketAddr {
 }
 
 /// `tc.rs`'s `snat_address`: none with a preserved client; a ClusterIP from outside only with
-/// masqueradeAll or a client outside the cluster CIDR; else the node address.
+/// masqueradeAll or a client outside the cluster CIDR; else the node address (the programs take
+/// the egress interface's address where the route to the backend leaves by an external
+/// interface, which this does not resolve).
 fn snat(maps: &impl Maps, q: &Query, frontend: &FrontendValue) -> Option<IpAddr> {
     if frontend.flags & frontend_flags::PRESERVE_CLIENT != 0 {
         return None;
@@ -661,25 +749,11 @@ fn snat(maps: &impl Maps, q: &Query, frontend: &FrontendValue) -> Option<IpAddr>
     let config = maps.node_config()?;
     if frontend.flags & frontend_flags::CLUSTER_IP != 0
         && config.flags & node_flags::MASQUERADE_ALL == 0
-        && !outside_cluster_cidr(q.client, &config)
+        && !lookup::outside_cluster_cidr(&words(q.client), q.client.is_ipv6(), &config)
     {
         return None;
     }
     snat_of(&config, q.dest.ip())
-}
-
-fn outside_cluster_cidr(client: IpAddr, config: &NodeConfig) -> bool {
-    let s = words(client);
-    match client {
-        IpAddr::V6(_) => {
-            let (m, c) = (config.cluster6_mask, config.cluster6);
-            config.flags & node_flags::CLUSTER_CIDR6 != 0 && (0..4).any(|i| s[i] & m[i] != c[i])
-        }
-        IpAddr::V4(_) => {
-            config.flags & node_flags::CLUSTER_CIDR4 != 0
-                && s[0] & config.cluster4_mask != config.cluster4
-        }
-    }
 }
 
 /// iptables mode: `tracer` holds the live ruleset (`iptables-save` of nat and filter); the walk
@@ -929,15 +1003,8 @@ impl Maps for PinnedMaps {
         self.node_config.get(&0, 0).ok()
     }
     fn source_allowed(&self, service_id: u32, addr: IpAddr) -> bool {
-        let bits = if addr.is_ipv6() { 128 } else { 32 };
-        let key = Key::new(
-            32 + bits,
-            SourceRangeKey {
-                service_id,
-                addr: words(addr),
-            },
-        );
-        self.source_ranges.get(&key, 0).is_ok()
+        let (prefix, key) = lookup::source_range_key(service_id, &words(addr), addr.is_ipv6());
+        self.source_ranges.get(&Key::new(prefix, key), 0).is_ok()
     }
     fn maglev(&self, key: MaglevKey) -> Option<MaglevBlock> {
         self.maglev.as_ref()?.get(&key, 0).ok()

@@ -31,7 +31,11 @@ use aya::{
     Pod,
     maps::{Map, MapData},
 };
-use proxy_common::{CtKey, CtKey4, CtValue, CtValue4, ct_flags, ct_timeout, family};
+use proxy_common::{
+    CtKey, CtKey4, CtValue, CtValue4,
+    conntrack::{holds_reply, orphaned, reverse_key},
+    ct_flags, ct_timeout, family,
+};
 
 use crate::{
     conntrack::ct_maps::ConntrackMaps,
@@ -176,31 +180,8 @@ pub fn purge<T: std::borrow::BorrowMut<MapData>>(
     report
 }
 
-/// The key of the entry for the other direction of `value`'s flow (as the datapath builds it):
-/// a forward entry's reply key, or a reply entry's forward key.
-fn reverse_key(key: &CtKey, value: &CtValue) -> CtKey {
-    CtKey {
-        src: value.dst,
-        dst: value.src,
-        sport: value.dport,
-        dport: value.sport,
-        proto: key.proto,
-        family: key.family,
-        _pad: 0,
-    }
-}
-
 fn is_reply(value: &CtValue) -> bool {
     value.flags & ct_flags::REPLY != 0
-}
-
-/// Whether forward entry `forward` is the flow reply entry `reply_key` belongs to.
-fn answers(forward: &CtValue, reply_key: &CtKey) -> bool {
-    !is_reply(forward)
-        && forward.src == reply_key.dst
-        && forward.sport == reply_key.dport
-        && forward.dst == reply_key.src
-        && forward.dport == reply_key.sport
 }
 
 fn forward_expired(key: &CtKey, value: &CtValue, now: u64) -> bool {
@@ -212,13 +193,8 @@ fn forward_expired(key: &CtKey, value: &CtValue, now: u64) -> bool {
 /// younger than `ORPHAN_REPLY_NS` is kept whatever: the datapath writes it just before the
 /// forward entry, so a walk can see it alone.
 fn reply_dead(key: &CtKey, value: &CtValue, forward: Option<&CtValue>, now: u64) -> bool {
-    let forward_key = reverse_key(key, value);
-    let alive = forward.is_some_and(|f| answers(f, key) && !forward_expired(&forward_key, f, now));
-    !alive && orphan_old(value, now)
-}
-
-fn orphan_old(value: &CtValue, now: u64) -> bool {
-    now.wrapping_sub(value.last_seen_ns) > ct_timeout::ORPHAN_REPLY_NS
+    let alive = forward.is_some_and(|f| holds_reply(f, key, now));
+    !alive && orphaned(value, now)
 }
 
 fn is_egress(value: &CtValue) -> bool {
@@ -257,13 +233,11 @@ fn entry_dead(
                     && reply.dport == key.sport
                     && {
                         let forward_key = reverse_key(&reply_key, &reply);
-                        lookup(&forward_key).is_some_and(|f| {
-                            answers(&f, &reply_key) && !forward_expired(&forward_key, &f, now)
-                        })
+                        lookup(&forward_key).is_some_and(|f| holds_reply(&f, &reply_key, now))
                     }
             })
         };
-        return !alive && orphan_old(value, now);
+        return !alive && orphaned(value, now);
     }
     if is_reply(value) {
         let forward = lookup(&reverse_key(key, value));

@@ -4,7 +4,7 @@
 //! The race: the connect hook reads the frontend (generation g), the agent switches the
 //! frontend to generation g^1, then the hook looks up its slot in g. Were g's slots deleted at
 //! the switch, the hook would find nothing: it reads the frontend once more and chooses from the
-//! new generation (`proxy-ebpf/src/sock.rs`, `choose4`/`choose6`), but a hook held up across two
+//! new generation (`proxy-ebpf/src/sock.rs`, `choose`), but a hook held up across two
 //! switches (the second deletes g^1's slots), or a tc program (which cannot re-read), would
 //! still fail. So the map writer deletes a switched-out generation only after
 //! `GENERATION_GRACE`, and never switches a frontend again before then (the idle generation is

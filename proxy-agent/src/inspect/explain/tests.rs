@@ -199,10 +199,21 @@ fn source_ranges_judge_external_clients_and_leave_pods_to_tc() {
     let pod = explain(&m, &query(From::Pod, "10.244.1.2", "192.0.2.10:80/tcp"));
     assert_eq!(pod.program, "tc (pod veth)");
     assert_eq!(pod.verdict, "drop", "the pod is outside the ranges");
+    // Without the node namespace's cookie the hooks cannot tell host sockets from pods' and
+    // leave the socket alone, as the datapath does.
+    let node = explain(&m, &query(From::Node, "0.0.0.0", "192.0.2.10:80/tcp"));
+    assert_eq!(node.verdict, "pass");
     // The node's own sockets are judged by the node address.
+    m.config = m.config.map(|c| NodeConfig {
+        host_netns_cookie: 1,
+        ..c
+    });
     let node = explain(&m, &query(From::Node, "0.0.0.0", "192.0.2.10:80/tcp"));
     assert_eq!(node.verdict, "drop");
     assert!(node.reason.starts_with("EHOSTUNREACH"), "{}", node.reason);
+    m.ranges.insert((4, ip("192.168.0.1")));
+    let node = explain(&m, &query(From::Node, "0.0.0.0", "192.0.2.10:80/tcp"));
+    assert_eq!(node.verdict, "translate");
 }
 
 #[test]
@@ -334,4 +345,33 @@ fn host_namespace_only_leaves_a_pods_cluster_ip_flow_to_the_pod_veth() {
     // The node's own processes keep socket-level translation.
     let node = explain(&m, &query(From::Node, "0.0.0.0", "10.96.0.10:80/tcp"));
     assert_eq!(node.program, "socket connect/sendmsg (cgroup hook)");
+}
+
+#[test]
+fn tc_names_the_backend_of_the_flow_hash_slot_given_the_client_port() {
+    let m = maps();
+    let mut q = query(From::External, "192.168.100.5", "192.168.0.1:30080/tcp");
+    assert_eq!(
+        explain(&m, &q).chosen,
+        None,
+        "no client port: the slot is unknown"
+    );
+    q.sport = Some(40_000);
+    let e = explain(&m, &q);
+    let chosen = e.chosen.expect("the tuple's slot is determined");
+    assert!(
+        e.candidates.contains(&chosen),
+        "{chosen} in {:?}",
+        e.candidates
+    );
+    // The same slot the programs compute (`proxy_common::select`).
+    let ports = (u32::from(40_000u16.to_be()) << 16) | u32::from(30_080u16.to_be());
+    let hash = proxy_common::maglev::flow_hash(
+        &[u32::from_ne_bytes([192, 168, 100, 5]), 0, 0, 0],
+        &[u32::from_ne_bytes([192, 168, 0, 1]), 0, 0, 0],
+        ports,
+        proto::TCP,
+    );
+    let expected = ["10.244.1.2:8080", "10.244.2.2:8080"][(hash % 2) as usize];
+    assert_eq!(chosen, expected);
 }
