@@ -227,6 +227,22 @@ pub fn socket_admit(
     }
 }
 
+/// Whether a translated connection to a frontend with the flags `frontend` is source-NATed to the node (kube-proxy's
+/// KUBE-MARK-MASQ): never for a frontend that preserves the client (`externalTrafficPolicy:
+/// Local`), always for the external frontends, and for a ClusterIP only with masqueradeAll or
+/// a client from outside the cluster CIDR (`node`: the node config's flags). The flags come as copies and the cluster CIDR test
+/// as a closure called last: the tc programs read the node config late and the verifier
+/// follows scalars better than references into map values.
+#[inline(always)]
+pub fn masquerades(frontend: u8, node: u32, client_outside_cluster: impl FnOnce() -> bool) -> bool {
+    if frontend & frontend_flags::PRESERVE_CLIENT != 0 {
+        return false;
+    }
+    frontend & frontend_flags::CLUSTER_IP == 0
+        || node & node_flags::MASQUERADE_ALL != 0
+        || client_outside_cluster()
+}
+
 /// Whether the client `src` is outside a configured cluster CIDR (kube-proxy's local detector;
 /// no CIDR for the family means no detection, so no masquerade). With interface-based detection
 /// ([`node_flags::LOCAL_BY_INTERFACE`]) nothing the external programs see is local: pod
@@ -456,5 +472,27 @@ mod tests {
         assert!(!left_to_tc(Some(&config), |_| true));
         config.host_netns_cookie = 0;
         assert!(!left_to_tc(Some(&config), |_| false));
+    }
+
+    #[test]
+    fn masquerading_follows_kube_proxys_mark_masq() {
+        let outside = || true;
+        let inside = || false;
+        // externalTrafficPolicy: Local keeps the client whatever else holds.
+        assert!(!masquerades(
+            frontend_flags::PRESERVE_CLIENT,
+            node_flags::MASQUERADE_ALL,
+            outside
+        ));
+        // External frontends always.
+        assert!(masquerades(0, 0, inside));
+        // A ClusterIP: only with masqueradeAll or a client from outside the cluster CIDR.
+        assert!(!masquerades(frontend_flags::CLUSTER_IP, 0, inside));
+        assert!(masquerades(frontend_flags::CLUSTER_IP, 0, outside));
+        assert!(masquerades(
+            frontend_flags::CLUSTER_IP,
+            node_flags::MASQUERADE_ALL,
+            inside
+        ));
     }
 }

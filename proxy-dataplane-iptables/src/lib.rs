@@ -6,7 +6,7 @@
 //! - `rules.rs`: the generator, a pure function snapshot → `iptables-restore` input.
 //! - `proxy_kernel::iptables` detects the backend and runs the tools; `canary.rs`: flush detection; `sync.rs`: [`IptablesDataplane`] (full/partial syncs);
 //!   `cleanup.rs`: removing what this mode created; `kube_proxy_modes.rs`: what kube-proxy's
-//!   nftables and IPVS modes leave behind (`ipvs.rs`: virtual services over generic netlink); `nfacct.rs`: the nfacct counters (nfnetlink).
+//!   nftables and IPVS modes leave behind (`ipvs.rs`: virtual services over generic netlink).
 
 pub mod canary;
 pub mod chains;
@@ -16,7 +16,6 @@ pub mod ipvs;
 pub mod jumps;
 pub mod kube_proxy_modes;
 pub mod localdetect;
-pub mod nfacct;
 pub mod rules;
 pub mod rules_drift;
 mod sync;

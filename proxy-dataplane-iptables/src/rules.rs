@@ -20,9 +20,7 @@ use proxy_model::{
     objects::ObjectKey,
 };
 
-/// nfacct counter names (kube-proxy's metrics package).
-pub const NFACCT_CT_STATE_INVALID: &str = "ct_state_invalid_dropped_pkts";
-pub const NFACCT_LOCALHOST_NODEPORTS: &str = "localhost_nps_accepted_pkts";
+pub use proxy_kernel::iptables::nfacct::{NFACCT_CT_STATE_INVALID, NFACCT_LOCALHOST_NODEPORTS};
 
 const NODEPORTS_LAST_COMMENT: &str =
     "\"kubernetes service nodeports; NOTE: this must be the last rule in this chain\"";

@@ -15,12 +15,12 @@ use super::{
     chains::KUBE_PROXY_CANARY,
     config::{FamilyRules, HostFeatures, IptablesConfig},
     jumps::{JUMP_RULES, KUBELET_JUMP_RULES},
-    nfacct,
     rules::{SyncInput, generate, is_large_cluster},
 };
 use proxy_kernel::iptables::{
     detect::{self, RANDOM_FULLY_MIN},
     exec::{ExecError, Iptables},
+    nfacct,
 };
 use proxy_kernel::{
     conntrack::{self, CleanupReport},

@@ -865,14 +865,10 @@ fn choose_in<F: FamilyMaps>(pkt: &Packet, frontend: &FrontendValue) -> Decision<
 /// verifier rejects.
 #[inline(always)]
 fn snat_address(pkt: &Packet, frontend: &FrontendValue, egress: &[u32; 4]) -> Option<[u32; 4]> {
-    if frontend.flags & frontend_flags::PRESERVE_CLIENT != 0 {
-        return None;
-    }
     let config: NodeConfig = *KPR_NODE_CONFIG.get(0)?;
-    if frontend.flags & frontend_flags::CLUSTER_IP != 0
-        && config.flags & node_flags::MASQUERADE_ALL == 0
-        && !lookup::outside_cluster_cidr(&pkt.src, pkt.is_v6(), &config)
-    {
+    if !lookup::masquerades(frontend.flags, config.flags, || {
+        lookup::outside_cluster_cidr(&pkt.src, pkt.is_v6(), &config)
+    }) {
         return None;
     }
     let addr = if *egress != [0; 4] {

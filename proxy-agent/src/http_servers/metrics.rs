@@ -712,11 +712,11 @@ impl IptablesMetrics {
             rules_total: Family::default(),
             rules_last: Family::default(),
             ct_state_invalid_dropped: NfacctMetric::new(
-                proxy_dataplane_iptables::rules::NFACCT_CT_STATE_INVALID,
+                proxy_kernel::iptables::nfacct::NFACCT_CT_STATE_INVALID,
                 &nfacct_reader,
             ),
             localhost_nodeports_accepted: NfacctMetric::new(
-                proxy_dataplane_iptables::rules::NFACCT_LOCALHOST_NODEPORTS,
+                proxy_kernel::iptables::nfacct::NFACCT_LOCALHOST_NODEPORTS,
                 &nfacct_reader,
             ),
             drift_repairs: Family::default(),

@@ -743,14 +743,10 @@ fn addr_of(words: [u32; 4], v6: bool, port_be: u16) -> SocketAddr {
 /// the egress interface's address where the route to the backend leaves by an external
 /// interface, which this does not resolve).
 fn snat(maps: &impl Maps, q: &Query, frontend: &FrontendValue) -> Option<IpAddr> {
-    if frontend.flags & frontend_flags::PRESERVE_CLIENT != 0 {
-        return None;
-    }
     let config = maps.node_config()?;
-    if frontend.flags & frontend_flags::CLUSTER_IP != 0
-        && config.flags & node_flags::MASQUERADE_ALL == 0
-        && !lookup::outside_cluster_cidr(&words(q.client), q.client.is_ipv6(), &config)
-    {
+    if !lookup::masquerades(frontend.flags, config.flags, || {
+        lookup::outside_cluster_cidr(&words(q.client), q.client.is_ipv6(), &config)
+    }) {
         return None;
     }
     snat_of(&config, q.dest.ip())

@@ -127,7 +127,7 @@ pub fn start_http_servers(
         .set_debug(config.configz.clone(), config.enable_profiling);
     if let Some(iptables) = http_servers.metrics().iptables() {
         iptables.read_nfacct_with(Box::new(|name| {
-            proxy_dataplane_iptables::nfacct::packets(name).map_err(|e| e.to_string())
+            proxy_kernel::iptables::nfacct::packets(name).map_err(|e| e.to_string())
         }));
     }
     if let (Some(metrics), Dataplane::Ebpf(ebpf)) = (http_servers.metrics().ebpf(), dataplane) {

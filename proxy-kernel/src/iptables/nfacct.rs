@@ -10,9 +10,11 @@ use std::time::Duration;
 use bytes::{BufMut as _, BytesMut};
 use nix::sys::socket::SockProtocol;
 
-use proxy_kernel::netlink::{
-    NLM_F_ACK, NLM_F_REQUEST, NetlinkError, NetlinkSocket, attributes, put_str,
-};
+use crate::netlink::{NLM_F_ACK, NLM_F_REQUEST, NetlinkError, NetlinkSocket, attributes, put_str};
+
+/// kube-proxy's two counters (its metrics package), matched by the iptables mode's rules.
+pub const NFACCT_CT_STATE_INVALID: &str = "ct_state_invalid_dropped_pkts";
+pub const NFACCT_LOCALHOST_NODEPORTS: &str = "localhost_nps_accepted_pkts";
 
 const NFNL_SUBSYS_ACCT: u16 = 7;
 const NFNL_MSG_ACCT_NEW: u16 = 0;
@@ -168,7 +170,6 @@ fn parse_counter(attrs: &[u8]) -> Option<Counter> {
 /// exist: `(ct_state_invalid_dropped_pkts, localhost_nps_accepted_pkts)`. A failure is logged
 /// once per counter with upstream's wording, and its `-m nfacct` match is then left out.
 pub fn ensure_kube_proxy_counters() -> (bool, bool) {
-    use super::rules::{NFACCT_CT_STATE_INVALID, NFACCT_LOCALHOST_NODEPORTS};
     let mut client = match Nfacct::open() {
         Ok(client) => client,
         Err(error) => {
