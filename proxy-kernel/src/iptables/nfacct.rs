@@ -200,7 +200,7 @@ mod tests {
 
     fn attr(kind: u16, payload: &[u8]) -> Vec<u8> {
         let mut buf = BytesMut::new();
-        proxy_kernel::netlink::put_attr(&mut buf, kind, payload);
+        crate::netlink::put_attr(&mut buf, kind, payload);
         buf.to_vec()
     }
 
