@@ -110,8 +110,21 @@ pub fn test(quick: bool) -> Result<()> {
         run_cmd(nightly_ebpf_cargo("clippy")?.args(["--", "-D", "warnings"]))?;
     }
     timings.start("build");
-    step("build: proxy-agent and test helpers");
-    build_binaries(&object, false)?;
+    // One cargo run for the binaries the tests start (the agent, the rig's helper) and every
+    // test harness: cargo keeps both cores busy across them, where two runs each ended on one
+    // crate linking alone.
+    step("build: proxy-agent, test helpers and every test binary");
+    run_cmd(
+        cargo()
+            .args(["test", "--workspace", "--no-run"])
+            .env("PROXY_EBPF_OBJECT", &object),
+    )?;
+    for binary in ["proxy-agent", "rig-helper"] {
+        let path = workspace_root().join("target/debug").join(binary);
+        if !path.is_file() {
+            bail!("the build made no {}", path.display());
+        }
+    }
     if !is_root() {
         println!(
             "  warning: not root — the integration tests will fail (they need namespaces, cgroups and BPF)"
