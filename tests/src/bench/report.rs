@@ -1327,10 +1327,10 @@ fn memory_section(md: &mut String, r: &Results) {
     let _ = writeln!(md, "## 6. Agent memory\n");
     let _ = writeln!(
         md,
-        "Peak resident set (`VmHWM` in /proc/<pid>/status) of the agent after its cold starts and \
+        "Peak resident set (`VmHWM` in `/proc/<pid>/status`) of the agent after its cold starts and \
          the end-to-end changes of §5 (1 reading per size, source and mode: the last agent started). BPF \
          map memory is kernel memory, not part of the RSS: the sum of `memlock` over the map fds \
-         the agent holds (/proc/<pid>/fdinfo, what `bpftool map show` reports), at the map \
+         the agent holds (`/proc/<pid>/fdinfo`, what `bpftool map show` reports), at the map \
          capacities used.\n"
     );
     let _ = writeln!(

@@ -281,16 +281,41 @@ impl Report {
                 observed_text(&r.ebpf),
                 observed_text(&r.iptables),
                 r.result_text(),
-                r.expected.rule.replace('|', "\\|")
+                markdown_text(&r.expected.rule)
             );
         }
         md
     }
 }
 
+/// A table cell's text as Markdown shows it: `|` would end the cell, and `<ip>` outside a code
+/// span would be taken for an HTML tag and vanish from the rendered book.
+fn markdown_text(text: &str) -> String {
+    text.split('`')
+        .enumerate()
+        .map(|(i, part)| {
+            if i % 2 == 1 {
+                part.to_owned()
+            } else {
+                part.replace('<', "&lt;").replace('>', "&gt;")
+            }
+        })
+        .collect::<Vec<_>>()
+        .join("`")
+        .replace('|', "\\|")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn markdown_text_escapes_tags_outside_code_spans_only() {
+        assert_eq!(
+            markdown_text("filter `<svc> has no endpoints` -d <ip> -j REJECT | x"),
+            "filter `<svc> has no endpoints` -d &lt;ip&gt; -j REJECT \\| x"
+        );
+    }
 
     /// Every difference a cell can carry is numbered in the report (and so in README's list).
     #[test]

@@ -319,7 +319,7 @@ pub(super) fn section(md: &mut String, r: &Results) {
     let _ = writeln!(
         md,
         "**BPF map memory per size** (eBPF agent; kernel memory: `memlock` of each map fd the \
-         agent holds, /proc/<pid>/fdinfo, at the end of its §5 runs; the 10-Service node is a \
+         agent holds, `/proc/<pid>/fdinfo`, at the end of its §5 runs; the 10-Service node is a \
          separate start on the manifests source). *Needed* is what the programmed entries \
          occupy: Σ over the maps the agent programs (frontends, backends, backend slots, \
          source ranges, Maglev tables) of entries × (key size + value size), with the entry \
