@@ -1,5 +1,6 @@
 //! Conntrack sysctls from `KubeProxyConntrackConfiguration` (kube-proxy's
-//! pkg/proxy/conntrack/sysctls.go): table size from maxPerCore × CPUs (at least `min`), TCP and
+//! pkg/proxy/conntrack/sysctls.go): table size from maxPerCore × CPUs (capped at
+//! [`SCALED_MAX_CAP`], else at least `min`), TCP and
 //! UDP timeouts, and tcp_be_liberal.
 
 use std::{path::PathBuf, time::Duration};
@@ -69,11 +70,22 @@ fn count_cpu_list(list: &str) -> Option<u32> {
     Some(count)
 }
 
+/// kube-proxy's ceiling (since 1.36) on a table size computed from maxPerCore: many-core
+/// machines otherwise reserved kernel memory for millions of entries nobody tracks.
+pub const SCALED_MAX_CAP: u32 = 1_048_576;
+
 /// The sysctl writes `settings` asks for on a machine with `cpus` CPUs, in order.
 pub fn planned_writes(settings: &ConntrackSettings, cpus: u32) -> Vec<(&'static str, String)> {
     let mut writes = Vec::new();
     if settings.max_per_core > 0 {
-        let max = settings.max_per_core.saturating_mul(cpus).max(settings.min);
+        let scaled = settings.max_per_core.saturating_mul(cpus);
+        // Upstream caps the scaled size before it compares it with the floor, so a `min` above
+        // the cap counts only while maxPerCore × CPUs stays below the cap.
+        let max = if scaled > SCALED_MAX_CAP {
+            SCALED_MAX_CAP
+        } else {
+            scaled.max(settings.min)
+        };
         writes.push(("net/netfilter/nf_conntrack_max", max.to_string()));
         // The hash table follows upstream's 1:4 ratio of buckets to entries.
         writes.push((BUCKETS, (max / 4).to_string()));
@@ -202,6 +214,28 @@ mod tests {
         assert_eq!(
             writes[1],
             ("net/netfilter/nf_conntrack_buckets", "65536".to_owned())
+        );
+    }
+
+    /// kube-proxy 1.36's getConntrackMax: the scaled size is capped before the floor is
+    /// compared with it.
+    #[test]
+    fn a_scaled_table_size_is_capped_at_a_million_entries() {
+        let size = |settings: &ConntrackSettings, cpus| planned_writes(settings, cpus)[0].1.clone();
+        // 64 CPUs × 32 768 = 2 097 152: capped.
+        assert_eq!(size(&kube_proxy_defaults(), 64), "1048576");
+        // 32 × 32 768 = 1 048 576 exactly: not above the cap.
+        assert_eq!(size(&kube_proxy_defaults(), 32), "1048576");
+        let big_floor = ConntrackSettings {
+            min: 2_000_000,
+            ..kube_proxy_defaults()
+        };
+        // Below the cap, a larger floor wins as before; above it, the cap wins over the floor.
+        assert_eq!(size(&big_floor, 2), "2000000");
+        assert_eq!(size(&big_floor, 64), "1048576");
+        assert_eq!(
+            planned_writes(&kube_proxy_defaults(), 64)[1],
+            ("net/netfilter/nf_conntrack_buckets", "262144".to_owned())
         );
     }
 
