@@ -490,6 +490,22 @@ fn lenient_decoding_still_rejects_bad_values() {
     }
 }
 
+/// kube-proxy 1.37's `KubeProxyIPVS` gate (IPVS mode behind it) is taken as upstream takes it,
+/// on or off; without an IPVS mode here it changes nothing and is listed with the other gates
+/// that have no effect.
+#[test]
+fn the_kube_proxy_ipvs_gate_of_1_37_is_accepted() {
+    for value in ["true", "false"] {
+        let loaded = load_args(&[&format!("--feature-gates=KubeProxyIPVS={value}")])
+            .unwrap_or_else(|e| panic!("{:?}", e.lines()));
+        assert_eq!(
+            loaded.config.feature_gates,
+            BTreeMap::from([("KubeProxyIPVS".to_owned(), value == "true")])
+        );
+        assert!(!super::features::APPLIED.contains(&"KubeProxyIPVS"));
+    }
+}
+
 /// Every flag of `kube-proxy --help` (1.35, Linux) is accepted with pflag's syntax.
 #[test]
 fn every_kube_proxy_1_35_flag_is_accepted() {
