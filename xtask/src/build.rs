@@ -148,7 +148,11 @@ pub fn test(quick: bool) -> Result<()> {
                 "PROXY_AGENT_BIN",
                 workspace_root().join("target/debug/proxy-agent"),
             )
-            .env("KPR_SKIPPED_FILE", &skipped_file),
+            .env("KPR_SKIPPED_FILE", &skipped_file)
+            // A failed test's error is printed with `{:?}`: without this, a CI that sets
+            // RUST_BACKTRACE has anyhow append a backtrace that pushes the message out of
+            // the tail CI shows.
+            .env("RUST_LIB_BACKTRACE", "0"),
     )?;
     timings.end();
     // One closing line for the whole run (the last per-binary line is often a doc-test run of 0).
@@ -156,6 +160,12 @@ pub fn test(quick: bool) -> Result<()> {
         "\ntests: {} passed, {} failed",
         totals.passed, totals.failed
     );
+    for failed in &totals.failures {
+        println!("\nfailed: {}", failed.name);
+        for line in failed.summary() {
+            println!("  | {line}");
+        }
+    }
     let skipped = std::fs::read_to_string(&skipped_file).unwrap_or_default();
     for line in skipped.lines() {
         println!("  skipped (this machine cannot): {line}");
@@ -264,6 +274,46 @@ struct TestTotals {
     passed: u64,
     failed: u64,
     success: bool,
+    /// Each failed test's own output (libtest's `---- name stdout ----` block), for the summary
+    /// printed last: CI shows only the tail of a run, where a failure's message must be.
+    failures: Vec<FailedTest>,
+    open_failure: Option<FailedTest>,
+}
+
+#[derive(Debug, Default)]
+struct FailedTest {
+    name: String,
+    lines: Vec<String>,
+}
+
+impl FailedTest {
+    /// How many lines of each failure the closing summary shows: its message sits at the end
+    /// of its output, after what the test printed on the way.
+    const SHOWN: usize = 12;
+
+    /// The failure's last lines, without backtrace frames (which would crowd the message out).
+    fn summary(&self) -> Vec<&str> {
+        let kept: Vec<&str> = self
+            .lines
+            .iter()
+            .map(String::as_str)
+            .filter(|line| !is_backtrace_frame(line) && !line.trim().is_empty())
+            .collect();
+        kept[kept.len().saturating_sub(Self::SHOWN)..].to_vec()
+    }
+}
+
+/// A line of a printed backtrace: `  12: symbol` or `             at path:line:col`.
+fn is_backtrace_frame(line: &str) -> bool {
+    let trimmed = line.trim_start();
+    if trimmed.starts_with("at ") && line.len() - trimmed.len() >= 8 {
+        return true;
+    }
+    trimmed
+        .split_once(": ")
+        .is_some_and(|(number, _)| !number.is_empty() && number.bytes().all(|b| b.is_ascii_digit()))
+        || trimmed == "Stack backtrace:"
+        || trimmed.starts_with("note: run with `RUST_BACKTRACE")
 }
 
 /// Runs `cargo test`, passing its output through, and adds up its `test result:` lines.
@@ -279,14 +329,40 @@ fn run_tests(command: &mut Command) -> Result<TestTotals> {
         for line in BufReader::new(stdout).lines() {
             let line = line?;
             println!("{line}");
-            if let Some(result) = line.strip_prefix("test result: ") {
-                totals.passed += count_before(result, " passed");
-                totals.failed += count_before(result, " failed");
-            }
+            totals.read(&line);
         }
     }
+    totals.close_failure();
     totals.success = child.wait()?.success();
     Ok(totals)
+}
+
+impl TestTotals {
+    /// Counts a `test result:` line and collects the lines of each failure block.
+    fn read(&mut self, line: &str) {
+        if let Some(name) = line
+            .strip_prefix("---- ")
+            .and_then(|rest| rest.strip_suffix(" stdout ----"))
+        {
+            self.close_failure();
+            self.open_failure = Some(FailedTest {
+                name: name.to_owned(),
+                lines: Vec::new(),
+            });
+        } else if line == "failures:" || line.starts_with("test result: ") {
+            self.close_failure();
+        } else if let Some(failure) = self.open_failure.as_mut() {
+            failure.lines.push(line.to_owned());
+        }
+        if let Some(result) = line.strip_prefix("test result: ") {
+            self.passed += count_before(result, " passed");
+            self.failed += count_before(result, " failed");
+        }
+    }
+
+    fn close_failure(&mut self) {
+        self.failures.extend(self.open_failure.take());
+    }
 }
 
 /// The number in front of `label` in "ok. 37 passed; 0 failed; ...".
@@ -736,6 +812,52 @@ fn watch_frame(object: &[u8]) -> Vec<u8> {
         .to_vec();
     frame.extend(event);
     frame
+}
+
+#[cfg(test)]
+mod test_output_tests {
+    use super::*;
+
+    /// libtest's closing output for one failed test whose anyhow error carries a backtrace.
+    #[test]
+    fn a_failure_is_summarised_by_its_message_without_the_backtrace() {
+        let output = "\
+test a::ok ... ok
+test b::broken ... FAILED
+
+failures:
+
+---- b::broken stdout ----
+stream 0: {\"pod1\": 120}
+Error: every stream answered by its one backend throughout: broken [(3, {})]
+
+Stack backtrace:
+   0: anyhow::error::<impl anyhow::Error>::msg
+             at /cargo/anyhow/src/error.rs:83:36
+   1: integration::b::broken
+note: run with `RUST_BACKTRACE=1` environment variable to display a backtrace
+
+failures:
+    b::broken
+
+test result: FAILED. 1 passed; 1 failed; 0 ignored; 0 measured; 0 filtered out; finished in 1.00s
+";
+        let mut totals = TestTotals::default();
+        for line in output.lines() {
+            totals.read(line);
+        }
+        totals.close_failure();
+        assert_eq!((totals.passed, totals.failed), (1, 1));
+        assert_eq!(totals.failures.len(), 1);
+        assert_eq!(totals.failures[0].name, "b::broken");
+        assert_eq!(
+            totals.failures[0].summary(),
+            [
+                "stream 0: {\"pod1\": 120}",
+                "Error: every stream answered by its one backend throughout: broken [(3, {})]",
+            ]
+        );
+    }
 }
 
 #[cfg(test)]
