@@ -87,6 +87,9 @@ struct Family {
     need_full_sync: bool,
     last_full_sync: Option<Instant>,
     last_stale_cleanup: Option<Instant>,
+    /// The last sync counted more endpoints than `large_cluster_threshold` (upstream's
+    /// `largeClusterMode`, which its next sync reads before counting again).
+    large_cluster: bool,
     /// `route_localnet` was set by us: only once localhost NodePorts are really served
     /// (upstream sets it in NewProxier under the same condition). Never unset: other
     /// components may rely on it.
@@ -151,6 +154,7 @@ impl IptablesDataplane {
                 need_full_sync: true,
                 last_full_sync: None,
                 last_stale_cleanup: None,
+                large_cluster: false,
                 route_localnet: false,
                 generation: 0,
             });
@@ -404,10 +408,12 @@ impl DriftInput {
 
 impl Family {
     fn full_sync_due(&self, config: &IptablesConfig) -> bool {
-        self.need_full_sync
-            || self
-                .last_full_sync
-                .is_none_or(|t| t.elapsed() > config.full_sync_period)
+        full_sync_due(
+            self.need_full_sync,
+            self.last_full_sync.map(|t| t.elapsed()),
+            self.large_cluster,
+            config.full_sync_period,
+        )
     }
 
     fn sync(
@@ -447,6 +453,8 @@ impl Family {
         }
         let family_snapshot = snapshot.family(family);
         let large_cluster = is_large_cluster(&self.rules, family_snapshot);
+        // Upstream records the mode before the restore, so a failed sync still counts.
+        self.large_cluster = large_cluster;
         // Listing nat can take seconds on big hosts; large clusters do it once per sync period.
         let cleanup_due = !large_cluster
             || self
@@ -508,6 +516,21 @@ impl Family {
         }
         Ok(())
     }
+}
+
+/// kube-proxy's `doFullSync`: a full sync after a failure, a canary flush or at start
+/// (`need_full_sync`), and otherwise once `period` has passed since the last one — except in
+/// large-cluster mode, where kube-proxy (1.37, and the 1.34–1.36 patch releases) skips the
+/// periodic one because rewriting every chain of a big node disrupted its traffic: there only
+/// drift (the canary, the drift check) or a failure brings a full sync.
+fn full_sync_due(
+    need_full_sync: bool,
+    since_last_full_sync: Option<Duration>,
+    large_cluster: bool,
+    period: Duration,
+) -> bool {
+    need_full_sync
+        || (!large_cluster && since_last_full_sync.is_none_or(|elapsed| elapsed > period))
 }
 
 /// Whether a sync may have left stale UDP/SCTP conntrack entries: a full sync, or a changed
@@ -572,6 +595,26 @@ pub fn cleanup() -> Vec<IptablesError> {
 mod tests {
     use super::*;
     use crate::rules_drift::ChainDrift;
+
+    const HOUR: Duration = Duration::from_secs(3600);
+
+    /// The periodic full sync of kube-proxy's iptables proxier, with and without the
+    /// large-cluster exception of its `doFullSync`.
+    #[test]
+    fn the_hourly_full_sync_is_skipped_in_large_cluster_mode_only() {
+        let past = Some(HOUR + Duration::from_secs(1));
+        let recent = Some(Duration::from_secs(10));
+        // Small cluster: due once the period has passed, and at start.
+        assert!(full_sync_due(false, past, false, HOUR));
+        assert!(!full_sync_due(false, recent, false, HOUR));
+        assert!(full_sync_due(false, None, false, HOUR));
+        // Large cluster: never for the period alone.
+        assert!(!full_sync_due(false, past, true, HOUR));
+        assert!(!full_sync_due(false, Some(100 * HOUR), true, HOUR));
+        // Start, a failure, a canary flush or drift force one in either mode.
+        assert!(full_sync_due(true, recent, true, HOUR));
+        assert!(full_sync_due(true, recent, false, HOUR));
+    }
 
     fn chain(name: &str) -> ChainDrift {
         ChainDrift {

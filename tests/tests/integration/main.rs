@@ -24,6 +24,7 @@ mod icmp_errors;
 mod inspect;
 mod ip_fragments;
 mod iptables_cleanup;
+mod iptables_large_cluster;
 mod kubernetes_source;
 mod maglev;
 mod map_memory;
