@@ -307,6 +307,52 @@ pub fn external_ip_and_load_balancer_ip_reach_pods(mode: &str) -> Result<()> {
     Ok(())
 }
 
+/// With kube-proxy's `AllowServiceExternalIPs` gate off (the deprecated field's switch,
+/// planned to be upstream's default in 1.40: KEP-5707) a Service's externalIPs are not served:
+/// a connection from outside to one reaches no pod, while the same Service's load-balancer IP
+/// still does. Setting the gate is warned about as upstream warns about a deprecated gate.
+pub fn external_ips_are_not_served_with_their_gate_off(mode: &str) -> Result<()> {
+    let lb = Ipv4Addr::new(192, 0, 2, 20);
+    let spec = ServiceSpec {
+        type_: "LoadBalancer",
+        external_ips: vec![VIP],
+        load_balancer_ip: Some(lb),
+        ..ServiceSpec::default()
+    };
+    let mut s = setup(2, &spec, &[pod_endpoint(1), pod_endpoint(2)])?;
+    route_via_node(&s, lb)?;
+    start_on(
+        &mut s,
+        mode,
+        "vext",
+        &["--feature-gates=AllowServiceExternalIPs=false"],
+    )?;
+    // The load balancer IP answers: the Service is programmed.
+    let lb_target = SocketAddr::from(SocketAddrV4::new(lb, SERVICE_PORT));
+    let label = format!("[{mode}] LB VIP {lb_target} from outside");
+    let (attempts, counts) = from_outside(&mut s, lb_target, &label, is_pod)?;
+    s.ensure(
+        attempts.iter().all(is_pod) && pods_of(&counts).len() == 2,
+        || format!("LB VIP: both pods must answer every connection: {counts:?}"),
+    )?;
+    let vip_target = SocketAddr::from(SocketAddrV4::new(VIP, SERVICE_PORT));
+    let attempts = s
+        .external_client()
+        .timeout(DROP_TIMEOUT)
+        .run(vip_target, 5)?;
+    eprintln!(
+        "[{mode}] externalIP {vip_target} with the gate off: {:?}",
+        tally(&attempts)
+    );
+    s.ensure(!attempts.iter().any(is_pod), || {
+        format!("no pod may answer the externalIP with its gate off: {attempts:?}")
+    })?;
+    let warning = "Setting deprecated feature gate AllowServiceExternalIPs=false. It will be \
+                   removed in a future release.";
+    let logged = s.agent()?.log_contents().contains(warning);
+    s.ensure(logged, || format!("the agent logs {warning:?}"))
+}
+
 /// A load balancer's status that lists `0.0.0.0` and `127.0.0.1` next to a real VIP (a buggy
 /// LB controller, or anyone allowed to write `services/status`): the unspecified and loopback
 /// addresses are never programmed, so the node's own listeners on the Service's port keep

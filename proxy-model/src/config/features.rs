@@ -10,11 +10,36 @@ use std::{collections::BTreeMap, sync::OnceLock};
 /// (pkg/proxy/topology.go `topologyModeFromHints`).
 pub const PREFER_SAME_TRAFFIC_DISTRIBUTION: &str = "PreferSameTrafficDistribution";
 
+/// pkg/features: whether kube-proxy still serves `spec.externalIPs`, deprecated with the
+/// field in 1.36 and on by default until upstream turns it off (planned for 1.40, KEP-5707).
+/// Off, a Service's external IPs are read as if it listed none.
+pub const ALLOW_SERVICE_EXTERNAL_IPS: &str = "AllowServiceExternalIPs";
+
+/// pkg/features (1.37): IPVS mode behind a gate, deprecated. There is no IPVS mode here; the
+/// gate is accepted for its deprecation warning.
+pub const KUBE_PROXY_IPVS: &str = "KubeProxyIPVS";
+
 /// The gates with an effect here, with upstream's default.
-const DEFAULTS: &[(&str, bool)] = &[(PREFER_SAME_TRAFFIC_DISTRIBUTION, true)];
+const DEFAULTS: &[(&str, bool)] = &[
+    (PREFER_SAME_TRAFFIC_DISTRIBUTION, true),
+    (ALLOW_SERVICE_EXTERNAL_IPS, true),
+];
 
 /// Names of the gates with an effect here.
-pub const APPLIED: &[&str] = &[PREFER_SAME_TRAFFIC_DISTRIBUTION];
+pub const APPLIED: &[&str] = &[PREFER_SAME_TRAFFIC_DISTRIBUTION, ALLOW_SERVICE_EXTERNAL_IPS];
+
+/// Gates at upstream's `Deprecated` stage: setting one is logged as component-base's
+/// feature gate logs it.
+pub const DEPRECATED: &[&str] = &[ALLOW_SERVICE_EXTERNAL_IPS, KUBE_PROXY_IPVS];
+
+/// component-base's warning for a deprecated gate that is set (either way).
+pub fn deprecation_warning(name: &str, on: bool) -> Option<String> {
+    DEPRECATED.contains(&name).then(|| {
+        format!(
+            "Setting deprecated feature gate {name}={on}. It will be removed in a future release."
+        )
+    })
+}
 
 static GATES: OnceLock<BTreeMap<String, bool>> = OnceLock::new();
 
@@ -50,5 +75,30 @@ mod tests {
         gates.insert(PREFER_SAME_TRAFFIC_DISTRIBUTION.to_owned(), false);
         assert!(!resolve(Some(&gates), PREFER_SAME_TRAFFIC_DISTRIBUTION));
         assert!(!resolve(Some(&gates), "SomeUnknownGate"));
+    }
+
+    /// Upstream's default until its planned switch: external IPs are served unless the gate
+    /// is turned off.
+    #[test]
+    fn external_ips_are_served_unless_the_gate_is_off() {
+        assert!(resolve(None, ALLOW_SERVICE_EXTERNAL_IPS));
+        let gates = BTreeMap::from([(ALLOW_SERVICE_EXTERNAL_IPS.to_owned(), false)]);
+        assert!(!resolve(Some(&gates), ALLOW_SERVICE_EXTERNAL_IPS));
+    }
+
+    #[test]
+    fn setting_a_deprecated_gate_is_warned_as_component_base_does() {
+        assert_eq!(
+            deprecation_warning(ALLOW_SERVICE_EXTERNAL_IPS, false).as_deref(),
+            Some(
+                "Setting deprecated feature gate AllowServiceExternalIPs=false. It will be \
+                 removed in a future release."
+            )
+        );
+        assert!(deprecation_warning(KUBE_PROXY_IPVS, true).is_some());
+        assert_eq!(
+            deprecation_warning(PREFER_SAME_TRAFFIC_DISTRIBUTION, true),
+            None
+        );
     }
 }

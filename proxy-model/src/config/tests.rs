@@ -490,9 +490,9 @@ fn lenient_decoding_still_rejects_bad_values() {
     }
 }
 
-/// kube-proxy 1.37's `KubeProxyIPVS` gate (IPVS mode behind it) is taken as upstream takes it,
-/// on or off; without an IPVS mode here it changes nothing and is listed with the other gates
-/// that have no effect.
+/// kube-proxy 1.37's `KubeProxyIPVS` gate (IPVS mode behind it, deprecated) is taken as
+/// upstream takes it, on or off, with component-base's warning for a deprecated gate; without
+/// an IPVS mode here it changes nothing and is listed with the other gates that have no effect.
 #[test]
 fn the_kube_proxy_ipvs_gate_of_1_37_is_accepted() {
     for value in ["true", "false"] {
@@ -503,7 +503,44 @@ fn the_kube_proxy_ipvs_gate_of_1_37_is_accepted() {
             BTreeMap::from([("KubeProxyIPVS".to_owned(), value == "true")])
         );
         assert!(!super::features::APPLIED.contains(&"KubeProxyIPVS"));
+        let warning = format!(
+            "Setting deprecated feature gate KubeProxyIPVS={value}. It will be removed in a \
+             future release."
+        );
+        assert!(
+            loaded.notices.contains(&Notice::Warn(warning)),
+            "{:?}",
+            loaded.notices
+        );
     }
+}
+
+/// 1.36's `AllowServiceExternalIPs` (deprecated with `spec.externalIPs`) is applied, and
+/// setting it is warned about as upstream does.
+#[test]
+fn the_external_ips_gate_of_1_36_is_applied_and_warned_about() {
+    let loaded = load_args(&["--feature-gates=AllowServiceExternalIPs=false"])
+        .unwrap_or_else(|e| panic!("{:?}", e.lines()));
+    assert_eq!(
+        loaded.config.feature_gates,
+        BTreeMap::from([("AllowServiceExternalIPs".to_owned(), false)])
+    );
+    assert!(
+        loaded.notices.contains(&Notice::Warn(
+            "Setting deprecated feature gate AllowServiceExternalIPs=false. It will be removed \
+             in a future release."
+                .to_owned()
+        )),
+        "{:?}",
+        loaded.notices
+    );
+    assert!(
+        loaded.notices.contains(&Notice::Info(
+            "feature gates applied: AllowServiceExternalIPs=false".to_owned()
+        )),
+        "{:?}",
+        loaded.notices
+    );
 }
 
 /// Every flag of `kube-proxy --help` (1.35, Linux) is accepted with pflag's syntax.

@@ -97,6 +97,11 @@ pub fn resolve(
     let mut c = Checker { origins, problems };
     let mut warnings = Vec::new();
 
+    for (name, on) in &doc.feature_gates {
+        if let Some(warning) = super::features::deprecation_warning(name, *on) {
+            warnings.push(Notice::Warn(warning));
+        }
+    }
     // Gates that change nothing here are listed once; the ones we apply are logged at info.
     let (applied, ignored): (Vec<_>, Vec<_>) = doc
         .feature_gates

@@ -133,7 +133,15 @@ pub fn service_ports(
         return Vec::new();
     };
     let type_ = spec.type_.as_deref().unwrap_or("ClusterIP");
-    let external_ip_strings = &spec.external_ips;
+    // With the deprecated field's gate off, upstream reads no external IP at all: the Service
+    // is then only externally accessible through its NodePorts and load balancer IPs.
+    let no_external_ips: &[Box<str>] = &[];
+    let external_ip_strings =
+        if crate::config::features::enabled(crate::config::features::ALLOW_SERVICE_EXTERNAL_IPS) {
+            &spec.external_ips[..]
+        } else {
+            no_external_ips
+        };
     let externally_accessible = matches!(type_, "LoadBalancer" | "NodePort")
         || (type_ == "ClusterIP" && !external_ip_strings.is_empty());
     let external_policy_local =

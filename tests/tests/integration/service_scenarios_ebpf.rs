@@ -4,6 +4,12 @@
 
 proxy_tests::service_scenario_tests!("ebpf");
 
+/// Run in the default path of each mode only: the gate changes what is programmed, not how a
+/// programmed frontend is served.
+mod external_ips_gate {
+    proxy_tests::service_scenario_tests!("ebpf": external_ips_are_not_served_with_their_gate_off);
+}
+
 /// The scenarios whose translated packets the fast path (`--tc-fast-path`) handles differently
 /// from the netfilter path.
 mod fast_path {
