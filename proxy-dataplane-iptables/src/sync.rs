@@ -87,6 +87,11 @@ struct Family {
     need_full_sync: bool,
     last_full_sync: Option<Instant>,
     last_stale_cleanup: Option<Instant>,
+    /// The UDP and SCTP frontends the rules served after the last successful sync.
+    datagram_frontends: conntrack::GoneFrontends,
+    /// Frontends that went since the last successful conntrack cleanup: their entries are
+    /// deleted with it (a failed cleanup keeps them for the next one).
+    gone_frontends: conntrack::GoneFrontends,
     /// The last sync counted more endpoints than `large_cluster_threshold` (upstream's
     /// `largeClusterMode`, which its next sync reads before counting again).
     large_cluster: bool,
@@ -154,6 +159,8 @@ impl IptablesDataplane {
                 need_full_sync: true,
                 last_full_sync: None,
                 last_stale_cleanup: None,
+                datagram_frontends: conntrack::GoneFrontends::default(),
+                gone_frontends: conntrack::GoneFrontends::default(),
                 large_cluster: false,
                 route_localnet: false,
                 generation: 0,
@@ -185,9 +192,20 @@ impl IptablesDataplane {
             .iter_mut()
             .map(|family| {
                 let mut report = family.sync(config, snapshot, services.as_ref())?;
+                let now = conntrack::GoneFrontends::of(snapshot.family(report.family));
+                family
+                    .gone_frontends
+                    .add_gone(&family.datagram_frontends, &now);
+                family.datagram_frontends = now;
                 let scope = if report.full { None } else { changed };
-                if needs_conntrack_cleanup(snapshot, scope, report.family) {
-                    report.conntrack = Some(clean_conntrack(report.family, snapshot));
+                if needs_conntrack_cleanup(snapshot, scope, report.family)
+                    || !family.gone_frontends.is_empty()
+                {
+                    let cleanup = clean_conntrack(report.family, snapshot, &family.gone_frontends);
+                    if cleanup.result.is_ok() {
+                        family.gone_frontends = conntrack::GoneFrontends::default();
+                    }
+                    report.conntrack = Some(cleanup);
                 }
                 Ok(report)
             })
@@ -552,9 +570,14 @@ fn needs_conntrack_cleanup(
     }
 }
 
-fn clean_conntrack(family: IpFamily, snapshot: &Snapshot) -> ConntrackCleanup {
+fn clean_conntrack(
+    family: IpFamily,
+    snapshot: &Snapshot,
+    gone: &conntrack::GoneFrontends,
+) -> ConntrackCleanup {
     let started = Instant::now();
-    let result = conntrack::reconcile(family, snapshot.family(family)).map_err(|e| e.to_string());
+    let result =
+        conntrack::reconcile(family, snapshot.family(family), gone).map_err(|e| e.to_string());
     ConntrackCleanup {
         elapsed: started.elapsed(),
         result,

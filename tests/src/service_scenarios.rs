@@ -1345,6 +1345,97 @@ pub fn unconnected_udp_sockets_keep_their_backend(mode: &str) -> Result<()> {
     )
 }
 
+/// A long-lived unconnected UDP socket (a statsd or syslog sender, one source port for ever)
+/// of a pod sends to a Service's ClusterIP while the Service is deleted and, a little later,
+/// another Service is created with the same ClusterIP and port (the address reused). Its
+/// datagrams stop reaching the deleted Service's backend once the deletion is programmed —
+/// kube-proxy 1.37 deletes a deleted UDP Service's conntrack entries, which each datagram
+/// would otherwise keep alive, steering the flow to the old backend's address for as long as
+/// the sender sends — and reach the new owner's backend once it is programmed.
+pub fn a_udp_sender_leaves_a_deleted_service_and_follows_its_reused_address(
+    mode: &str,
+) -> Result<()> {
+    use crate::{
+        client::Mode,
+        manifests::{Protocol, ServicePort, SlicePort, endpoint_slice_yaml, service_yaml},
+    };
+    crate::require_root();
+    let mut s = Scenario::new(2)?;
+    let write = |s: &Scenario, name: &str, pod: usize| -> Result<()> {
+        let slice_port = SlicePort {
+            name: "dns".into(),
+            port: BACKEND_PORT,
+            protocol: Protocol::Udp,
+        };
+        let port = ServicePort {
+            name: "dns".into(),
+            port: 53,
+            protocol: Protocol::Udp,
+        };
+        s.manifests.write(
+            &format!("{name}-slice.yaml"),
+            &endpoint_slice_yaml(
+                NAMESPACE,
+                &format!("{name}-1"),
+                name,
+                &[slice_port],
+                &[pod_endpoint(pod)],
+            ),
+        )?;
+        s.manifests.write(
+            &format!("{name}-svc.yaml"),
+            &service_yaml(NAMESPACE, name, CLUSTER_IP, &[port]),
+        )
+    };
+    write(&s, "statsd", 1)?;
+    start(&mut s, mode)?;
+    let target = SocketAddr::from(SocketAddrV4::new(CLUSTER_IP, 53));
+    let client = local_client(&s, mode, Place::Pod(2))?
+        .mode(Mode::SendtoSocket)
+        .timeout(Duration::from_millis(300));
+    s.wait_for_datapath_with(&client, target, "UDP ClusterIP answered by pod1", |a| {
+        a.backend() == Some("pod1")
+    })?;
+    let runner = client.clone().interval(Duration::from_millis(100));
+    let sender = std::thread::spawn(move || runner.run(target, 60));
+    // Pacing: the socket's flow through pod1 is established before the deletion.
+    std::thread::sleep(Duration::from_millis(1500));
+    s.manifests.remove("statsd-svc.yaml")?;
+    s.manifests.remove("statsd-slice.yaml")?;
+    let fresh = local_client(&s, mode, Place::Pod(2))?
+        .mode(Mode::Sendto)
+        .timeout(Duration::from_millis(300));
+    s.wait_for_datapath_with(&fresh, target, "the deleted Service unanswered", |a| {
+        !is_pod(a)
+    })?;
+    // Pacing: the address stays unowned for a while (the flow must show the gap).
+    std::thread::sleep(Duration::from_millis(2000));
+    write(&s, "metrics", 2)?;
+    let attempts = sender
+        .join()
+        .map_err(|_| RigError::Other("UDP sender thread panicked".into()))??;
+    let names: Vec<String> = attempts.iter().map(Attempt::label).collect();
+    eprintln!("[{mode}] one unconnected socket across the deletion and the reuse: {names:?}");
+    let first_gap = names
+        .iter()
+        .position(|n| n != "pod1")
+        .unwrap_or(names.len());
+    let (before, after) = names.split_at(first_gap);
+    let gap = after.iter().take_while(|n| !n.starts_with("pod")).count();
+    s.ensure(
+        before.len() >= 5
+            && gap >= 3
+            && after.iter().all(|n| n != "pod1")
+            && after.last().is_some_and(|n| n == "pod2"),
+        || {
+            format!(
+                "the socket must reach pod1, then no pod while the address is unowned (not \
+                 the deleted Service's backend), then pod2: {names:?}"
+            )
+        },
+    )
+}
+
 /// Java and .NET open dual-stack AF_INET6 sockets and dial IPv4 Services as IPv4-mapped IPv6
 /// addresses (`::ffff:10.96.0.10`): the kernel sends IPv4 packets, so kube-proxy's IPv4 rules
 /// translate them. Every connection from the node and from a pod reaches a pod, and

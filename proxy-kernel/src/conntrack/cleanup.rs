@@ -11,6 +11,12 @@
 //! Deliberate difference: kube-proxy skips service ports without serving endpoints, so entries
 //! pinned to the last endpoint survive its removal (the N→0 regression, kubernetes#139628). Here
 //! such a port has an empty endpoint set and all its DNATed entries are removed.
+//!
+//! Frontends that are gone (a deleted Service, a removed port or address: [`GoneFrontends`])
+//! are matched with an empty endpoint set too, as kube-proxy does for deleted UDP Services since
+//! 1.37: a one-way sender (statsd, syslog) refreshes its entry with every datagram and would
+//! otherwise keep reaching the old backend's address — perhaps another pod's by now — after the
+//! rules are gone. A frontend that is live again goes by its live endpoints.
 
 use std::{
     collections::{BTreeMap, BTreeSet},
@@ -37,8 +43,54 @@ struct Frontends {
     by_node_port: BTreeMap<(u8, u16), BTreeSet<IpAddr>>,
 }
 
-fn frontends(snapshot: &FamilySnapshot) -> Frontends {
-    let mut frontends = Frontends::default();
+/// The UDP and SCTP frontends of a snapshot, as addresses and NodePorts: what a later sync
+/// compares with to find the ones that went.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct GoneFrontends {
+    by_address: BTreeSet<(u8, IpAddr, u16)>,
+    by_node_port: BTreeSet<(u8, u16)>,
+}
+
+impl GoneFrontends {
+    /// Every UDP and SCTP frontend of `snapshot`.
+    pub fn of(snapshot: &FamilySnapshot) -> Self {
+        let frontends = frontends(snapshot, &Self::default());
+        Self {
+            by_address: frontends.by_address.into_keys().collect(),
+            by_node_port: frontends.by_node_port.into_keys().collect(),
+        }
+    }
+
+    /// Adds the frontends of `before` that `now` lacks, and forgets those `now` has again.
+    pub fn add_gone(&mut self, before: &Self, now: &Self) {
+        self.by_address
+            .extend(before.by_address.difference(&now.by_address));
+        self.by_node_port
+            .extend(before.by_node_port.difference(&now.by_node_port));
+        self.by_address.retain(|key| !now.by_address.contains(key));
+        self.by_node_port
+            .retain(|key| !now.by_node_port.contains(key));
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.by_address.is_empty() && self.by_node_port.is_empty()
+    }
+}
+
+fn frontends(snapshot: &FamilySnapshot, gone: &GoneFrontends) -> Frontends {
+    // Gone ones first, with no endpoint: a live frontend of the same key replaces them.
+    let mut frontends = Frontends {
+        by_address: gone
+            .by_address
+            .iter()
+            .map(|key| (*key, BTreeSet::new()))
+            .collect(),
+        by_node_port: gone
+            .by_node_port
+            .iter()
+            .map(|key| (*key, BTreeSet::new()))
+            .collect(),
+    };
     for port in snapshot.service_ports.values() {
         if !matches!(port.protocol, Protocol::Udp | Protocol::Sctp) {
             continue;
@@ -69,12 +121,13 @@ fn frontends(snapshot: &FamilySnapshot) -> Frontends {
     frontends
 }
 
-/// The entries that are stale for `snapshot`, with the reason.
+/// The entries that are stale for `snapshot` and the frontends that are `gone`, with the reason.
 pub fn stale_filters(
     snapshot: &FamilySnapshot,
+    gone: &GoneFrontends,
     entries: &[ConntrackEntry],
 ) -> Vec<(ConntrackEntry, StaleFilter)> {
-    let frontends = frontends(snapshot);
+    let frontends = frontends(snapshot, gone);
     let mut stale = Vec::new();
     for entry in entries {
         let original = &entry.original;
@@ -106,10 +159,11 @@ pub struct CleanupReport {
 }
 
 /// Dumps the conntrack table of `family` in the current network namespace and deletes the
-/// entries that are stale for `snapshot`.
+/// entries that are stale for `snapshot` and the `gone` frontends.
 pub fn reconcile(
     family: IpFamily,
     snapshot: &FamilySnapshot,
+    gone: &GoneFrontends,
 ) -> Result<CleanupReport, ConntrackError> {
     let mut ctnetlink = Ctnetlink::open()?;
     let entries = ctnetlink.dump(family)?;
@@ -117,7 +171,7 @@ pub fn reconcile(
         scanned: entries.len(),
         ..CleanupReport::default()
     };
-    for (entry, reason) in stale_filters(snapshot, &entries) {
+    for (entry, reason) in stale_filters(snapshot, gone, &entries) {
         match ctnetlink.delete(&entry.original) {
             Ok(()) => {
                 tracing::debug!(?entry, ?reason, "deleted stale conntrack entry");

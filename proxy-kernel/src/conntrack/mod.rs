@@ -9,7 +9,7 @@ mod cleanup;
 pub mod netlink;
 mod sysctls;
 
-pub use cleanup::{CleanupReport, StaleFilter, reconcile, stale_filters};
+pub use cleanup::{CleanupReport, GoneFrontends, StaleFilter, reconcile, stale_filters};
 pub use netlink::{ConntrackEntry, ConntrackError, Ctnetlink, Tuple};
 pub use sysctls::{ConntrackSettings, SysctlError, apply_sysctls, planned_writes};
 

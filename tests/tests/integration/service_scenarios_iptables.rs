@@ -10,6 +10,12 @@ mod external_ips_gate {
     proxy_tests::service_scenario_tests!("iptables": external_ips_are_not_served_with_their_gate_off);
 }
 
+/// In the default path of each mode: the deletion's cleanup is the mode's own.
+mod deleted_udp_services {
+    proxy_tests::service_scenario_tests!("iptables":
+        a_udp_sender_leaves_a_deleted_service_and_follows_its_reused_address);
+}
+
 const MODE: &str = "iptables";
 
 fn init() {

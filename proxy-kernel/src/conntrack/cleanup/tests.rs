@@ -92,7 +92,7 @@ fn entries_to_removed_endpoints_are_stale_and_live_ones_are_kept() {
         entry(IpAddr::from([172, 16, 0, 1]), 30054, ip(3), UDP), // another port: not ours
         entry(cluster_ip, 53, ip(3), TCP), // TCP is left alone
     ];
-    let stale = stale_filters(&snapshot, &entries);
+    let stale = stale_filters(&snapshot, &GoneFrontends::default(), &entries);
     let got: Vec<(IpAddr, u16, IpAddr, StaleFilter)> = stale
         .iter()
         .map(|(e, why)| (e.original.dst, e.original.dst_port, e.reply.src, *why))
@@ -123,7 +123,10 @@ fn the_last_endpoint_going_away_still_cleans_up() {
     // N → 0: kube-proxy skips this case; we do not.
     let snapshot = dns(Protocol::Udp, Vec::new());
     let entries = [entry(IpAddr::from([10, 96, 0, 10]), 53, ip(1), UDP)];
-    assert_eq!(stale_filters(&snapshot, &entries).len(), 1);
+    assert_eq!(
+        stale_filters(&snapshot, &GoneFrontends::default(), &entries).len(),
+        1
+    );
 }
 
 #[test]
@@ -132,12 +135,63 @@ fn entries_from_before_the_first_endpoint_are_cleaned_up() {
     let cluster_ip = IpAddr::from([10, 96, 0, 10]);
     let snapshot = dns(Protocol::Udp, vec![endpoint(1, true)]);
     let entries = [entry(cluster_ip, 53, cluster_ip, UDP)];
-    assert_eq!(stale_filters(&snapshot, &entries).len(), 1);
+    assert_eq!(
+        stale_filters(&snapshot, &GoneFrontends::default(), &entries).len(),
+        1
+    );
 }
 
 #[test]
 fn sctp_is_cleaned_up_too() {
     let snapshot = dns(Protocol::Sctp, vec![endpoint(1, true)]);
     let entries = [entry(IpAddr::from([10, 96, 0, 10]), 53, ip(9), 132)];
-    assert_eq!(stale_filters(&snapshot, &entries).len(), 1);
+    assert_eq!(
+        stale_filters(&snapshot, &GoneFrontends::default(), &entries).len(),
+        1
+    );
+}
+
+/// A deleted UDP Service (kube-proxy 1.37): its frontends are gone from the snapshot, and
+/// the entries still DNATed through them go, whatever backend they reach; a frontend that
+/// another Service took meanwhile goes by that Service's endpoints.
+#[test]
+fn entries_of_a_deleted_service_go_and_a_reused_frontend_follows_its_new_owner() {
+    let cluster_ip = IpAddr::from([10, 96, 0, 10]);
+    let before = GoneFrontends::of(&dns(Protocol::Udp, vec![endpoint(1, true)]));
+    let now = GoneFrontends::of(&FamilySnapshot::default());
+    let mut gone = GoneFrontends::default();
+    gone.add_gone(&before, &now);
+    assert!(!gone.is_empty());
+    let entries = [
+        entry(cluster_ip, 53, ip(1), UDP),
+        entry(IpAddr::from([192, 0, 2, 1]), 53, ip(1), UDP),
+        entry(IpAddr::from([172, 16, 0, 1]), 30053, ip(1), UDP),
+        entry(cluster_ip, 53, ip(1), TCP),
+    ];
+    let stale = stale_filters(&FamilySnapshot::default(), &gone, &entries);
+    assert_eq!(
+        stale.len(),
+        3,
+        "every UDP entry of the deleted Service: {stale:?}"
+    );
+    // Without the gone frontends, nothing matches any more: the entries would stay.
+    assert!(
+        stale_filters(
+            &FamilySnapshot::default(),
+            &GoneFrontends::default(),
+            &entries
+        )
+        .is_empty()
+    );
+
+    // The ClusterIP re-created for a Service whose endpoint is ip(1) again: its entry stays.
+    let reused = dns(Protocol::Udp, vec![endpoint(1, true)]);
+    let stale = stale_filters(&reused, &gone, &entries);
+    assert!(
+        stale.is_empty(),
+        "the live owner's endpoint keeps its entries: {stale:?}"
+    );
+    // And once that owner is synced, the frontend is no longer gone.
+    gone.add_gone(&now, &GoneFrontends::of(&reused));
+    assert!(gone.is_empty());
 }
