@@ -153,6 +153,39 @@ impl Scenario {
         self.start_agent_with(source, mode)
     }
 
+    /// Waits (at most a minute) until the running agent has synced once, as its metrics show
+    /// (at the default metrics address): the bounds of later waits then count from the first
+    /// sync, not from the spawn — loading the eBPF programs alone took 16 s on a loaded
+    /// machine, the verifier checking each of them.
+    pub fn wait_for_first_sync(&self) -> Result<()> {
+        let agent = self
+            .agent
+            .as_ref()
+            .ok_or_else(|| RigError::Other("no agent started".into()))?;
+        crate::wait::try_wait_until(
+            "the agent's first sync",
+            Duration::from_secs(60),
+            Duration::from_millis(100),
+            || Ok(agent.syncs() >= 1),
+        )
+        .map_err(|e| self.agent_error(e.to_string()))
+    }
+
+    /// Like [`Scenario::wait_for_first_sync`], for the waits on the datapath: an agent that
+    /// does not sync within the minute (one a test keeps from syncing, one that exited) is
+    /// left to the caller's own bound.
+    fn wait_for_first_sync_if_any(&mut self) {
+        let Some(agent) = self.agent.as_mut() else {
+            return;
+        };
+        let _ = crate::wait::try_wait_until(
+            "the agent's first sync",
+            Duration::from_secs(60),
+            Duration::from_millis(100),
+            || Ok(!agent.is_running() || agent.syncs() >= 1),
+        );
+    }
+
     /// Like [`Scenario::start_agent`], with the Kubernetes API source (`--kubeconfig FILE`).
     pub fn start_agent_with_kubeconfig(&mut self, kubeconfig: &Path) -> Result<&mut Agent> {
         self.start_agent_with(AgentSource::Kubeconfig(kubeconfig.to_path_buf()), "ebpf")
@@ -312,6 +345,7 @@ impl Scenario {
         what: &str,
         ready: impl Fn(&Attempt) -> bool,
     ) -> Result<Attempt> {
+        self.wait_for_first_sync_if_any();
         let start = Instant::now();
         let mut last = None;
         while start.elapsed() < DATAPATH_TIMEOUT {

@@ -39,6 +39,7 @@ fn setup(mode: &str, endpoints: &[Endpoint]) -> anyhow::Result<Scenario> {
         &http_slice("default", "web-1", "web", endpoints),
     )?;
     s.start_agent_in_mode(mode)?;
+    s.wait_for_first_sync()?;
     let _ = CLUSTER_IP;
     Ok(s)
 }

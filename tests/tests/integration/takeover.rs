@@ -85,6 +85,9 @@ fn wait_for_service_rules(
     } else {
         "the iptables mode's rules removed"
     };
+    // The rules come, or go, with the starting agent's first sync: the bound counts from it,
+    // not from the spawn (loading the programs alone takes seconds on a loaded machine).
+    s.wait_for_first_sync()?;
     try_wait_until(what, timeout, Duration::from_millis(50), || {
         let rules = s.topo.node().exec(save, &["-t", "nat"])?;
         Ok(rules.contains("KUBE-SERVICES") == present)

@@ -97,6 +97,9 @@ fn scenario_takeover_from_iptables_rules_keeps_every_stream_and_answers_every_ne
 }
 
 fn wait_for_iptables_rules_removed(s: &Scenario) -> anyhow::Result<()> {
+    // The rules go after the eBPF mode's first sync: the bound counts from it, not from the
+    // spawn (loading the programs alone took 16 s on a loaded machine).
+    s.wait_for_first_sync()?;
     try_wait_until(
         "the iptables mode's rules removed",
         Duration::from_secs(20),
