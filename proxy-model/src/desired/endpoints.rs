@@ -1,7 +1,7 @@
 //! EndpointSlices → the endpoints of each service port, as kube-proxy's `endpointslicecache`
 //! builds them: slice ports match by name and protocol, an endpoint's first address is used,
-//! endpoints of the other IP family are ignored, and an endpoint listed twice counts once (a
-//! local copy wins). The result is sorted by endpoint string, kube-proxy's order.
+//! endpoints of the other IP family are ignored, and an endpoint listed twice counts once (see
+//! `keeps_copy` for which copy). The result is sorted by endpoint string, kube-proxy's order.
 
 use std::{collections::BTreeMap, net::IpAddr};
 
@@ -159,9 +159,32 @@ fn add_endpoints(
             node_hints: hints.map(|h| names(&h.nodes)).unwrap_or_default(),
         };
         let endpoint_string = std::net::SocketAddr::new(addr, port).to_string();
-        // kube-proxy keeps the first copy unless a later one is local.
-        if is_local || !into.contains_key(&endpoint_string) {
+        if keeps_copy(into.contains_key(&endpoint_string), raw.terminating) {
             into.insert(endpoint_string, raw);
         }
     }
 }
+
+/// Whether a copy of an endpoint string replaces the copy seen before it (`seen`), as
+/// kube-proxy 1.36's `addEndpoints` decides: a copy that is not terminating always does, a
+/// terminating one only fills an empty place. Two cases list one address twice:
+///
+/// - a pod network that hands out the address of a pod still stuck terminating: the new pod's
+///   copy must win whatever the order of the copies (in one slice or across slices), or the
+///   Service loses its only ready endpoint to the ghost (a copy's node does not count, so a
+///   ghost on this node does not win for being local);
+/// - the EndpointSlice controller moving an endpoint between slices, so both slices list it
+///   for a moment: the copies are one pod's, and the next update of the slice left behind
+///   settles it; meanwhile a copy that is not terminating is kept, even if the other slice is
+///   the newer.
+///
+/// Between copies that are both terminating, the first stays; between copies that both are
+/// not, the last wins. Copies come in slice-name order and, within a slice, in the slice's own
+/// order; kube-proxy goes through the slices in Go's map order, so which of two such copies it
+/// keeps is not defined.
+fn keeps_copy(seen: bool, terminating: bool) -> bool {
+    !seen || !terminating
+}
+
+#[cfg(test)]
+mod tests;

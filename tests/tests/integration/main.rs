@@ -36,6 +36,7 @@ mod node_settings;
 mod reachability_matrix;
 mod reliability;
 mod reply_interface;
+mod reused_pod_addresses;
 mod rig;
 mod service_scenarios_ebpf;
 mod service_scenarios_ebpf_legacy_tc;

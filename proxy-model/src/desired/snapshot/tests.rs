@@ -201,8 +201,8 @@ fn several_slices_merge_and_a_duplicate_endpoint_counts_once() {
             "10.244.4.2:8080"
         ]
     );
-    // The first copy (web-a, ready) wins over web-b's not-ready copy: neither is local.
-    assert!(http.endpoints[1].ready);
+    // Neither copy is terminating, so the later one (web-b's, not ready) replaces web-a's.
+    assert!(!http.endpoints[1].ready);
 }
 
 #[test]
