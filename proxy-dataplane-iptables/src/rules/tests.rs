@@ -314,3 +314,36 @@ fn iptables_rules_follow_the_node_settings() {
     assert!(!text.contains("--dst-type LOCAL"), "{text}");
     assert!(text.contains("-d 10.10.0.1 -j KUBE-NODEPORTS"), "{text}");
 }
+
+/// Kubernetes 1.36 validates Service names as DNS labels (a name may start with a digit): the
+/// longest names there can be — a 63-character namespace and Service name starting with
+/// digits, with a 15-character port name — still give chain names iptables takes (at most 28
+/// characters) and comments within the comment match's 256 bytes.
+#[test]
+fn the_longest_service_names_fit_chain_names_and_comments() {
+    let namespace = format!("9{}", "n".repeat(62));
+    let name = format!("1{}", "w".repeat(62));
+    let mut port = port(&namespace, &name, "172.30.0.9", &["10.1.0.9"]);
+    port.name.port = "p234567890abcde".into();
+    port.node_port = Some(30099);
+    port.external_ips = vec!["192.0.2.9".parse().unwrap()];
+    let ruleset = generate(&context(IpFamily::V4), &snapshot(vec![port]), FULL);
+    let restore = text(&ruleset);
+    assert!(restore.contains(&format!("{namespace}/{name}:p234567890abcde")));
+    for line in restore.lines() {
+        if let Some(chain) = line.strip_prefix(':') {
+            let chain = chain.split(' ').next().unwrap_or_default();
+            assert!(
+                chain.len() <= 28,
+                "chain name too long for iptables: {chain}"
+            );
+        }
+        if let Some((_, rest)) = line.split_once("--comment ") {
+            let comment = rest
+                .strip_prefix('"')
+                .and_then(|quoted| quoted.split_once('"'))
+                .map_or_else(|| rest.split(' ').next().unwrap_or_default(), |(c, _)| c);
+            assert!(comment.len() <= 256, "comment too long: {comment}");
+        }
+    }
+}

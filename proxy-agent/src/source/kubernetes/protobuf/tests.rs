@@ -200,6 +200,32 @@ fn endpoint_slices_keep_conditions_zones_hints_and_ports() {
     assert_eq!(decoded, json);
 }
 
+/// Kubernetes 1.36 publishes an EndpointSlice's `endpoints` as optional: a slice without the
+/// field (JSON without the key or with `null`, protobuf without the repeated field) is a slice
+/// with no endpoint, not a decoding error.
+#[test]
+fn an_endpoint_slice_without_endpoints_decodes_with_none() {
+    let slice = pb_discovery::EndpointSlice {
+        metadata: meta("web-empty", "9"),
+        address_type: Some("IPv4".into()),
+        endpoints: Vec::new(),
+        ports: Vec::new(),
+    };
+    let decoded = EndpointSlice::from_message(
+        pb_discovery::EndpointSlice::decode(&*slice.encode_to_vec()).unwrap(),
+    );
+    let metadata = serde_json::json!({"name": "web-empty", "namespace": "ns",
+        "resourceVersion": "9", "labels": {"kubernetes.io/service-name": "web"}});
+    for json in [
+        serde_json::json!({"metadata": metadata, "addressType": "IPv4"}),
+        serde_json::json!({"metadata": metadata, "addressType": "IPv4", "endpoints": null}),
+    ] {
+        let json: EndpointSlice = serde_json::from_value(json).unwrap();
+        assert!(json.endpoints.is_empty());
+        assert_eq!(decoded, json);
+    }
+}
+
 #[test]
 fn broken_lists_are_errors_not_partial_lists() {
     let bytes = list_bytes(&[service("a"), service("b")], "42");
