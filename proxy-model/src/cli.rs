@@ -165,7 +165,7 @@ pub struct Args {
     #[arg(long, value_name = "IP:PORT", help_heading = "kube-proxy flags")]
     pub healthz_bind_address: Option<String>,
 
-    /// Metrics server address, IP or IP:port (default 127.0.0.1:10249); empty disables it.
+    /// Metrics server address, IP or IP:port (default 127.0.0.1:10249; empty means the default).
     /// [metricsBindAddress]
     #[arg(long, value_name = "IP:PORT", help_heading = "kube-proxy flags")]
     pub metrics_bind_address: Option<String>,

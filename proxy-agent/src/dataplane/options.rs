@@ -9,7 +9,7 @@ use proxy_model::config::{Config, DetectLocal, LbAlgorithm, NodePortAddresses};
 fn node_port_cidrs(config: &Config) -> Vec<ipnet::IpNet> {
     match &config.node_port_addresses {
         NodePortAddresses::Cidrs(cidrs) => cidrs.clone(),
-        NodePortAddresses::All | NodePortAddresses::Primary => Vec::new(),
+        NodePortAddresses::All | NodePortAddresses::Primary(_) => Vec::new(),
     }
 }
 

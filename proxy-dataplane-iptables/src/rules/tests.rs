@@ -296,7 +296,7 @@ fn iptables_rules_follow_the_node_settings() {
     let node = node(&[("InternalIP", "10.10.0.1")], &["10.244.1.0/24"]);
     let inputs = NodeInputs {
         bind_address: IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED),
-        node_port_addresses: NodePortAddresses::Primary,
+        node_port_addresses: NodePortAddresses::Primary(Vec::new()),
         detect_local: DetectLocal::NodeCidr,
         cluster_cidrs: vec!["10.244.0.0/16".parse().expect("cidr")],
         localhost_node_ports: true,

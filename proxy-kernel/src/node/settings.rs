@@ -113,11 +113,13 @@ impl NodeSettings {
             NodePortAddresses::All => Vec::new(),
             NodePortAddresses::Cidrs(cidrs) => cidrs.clone(),
             // server.go: `primary` becomes the node IPs as /32 and /128, loopback ones left
-            // out; a family without one then matches all (NewNodePortAddresses' zero CIDR).
-            NodePortAddresses::Primary => [v4_ip, v6_ip]
+            // out; a family without one then matches all (NewNodePortAddresses' zero CIDR),
+            // unless the other entries give it ranges.
+            NodePortAddresses::Primary(others) => [v4_ip, v6_ip]
                 .into_iter()
                 .filter(|ip| !ip.is_loopback())
                 .map(IpNet::from)
+                .chain(others.iter().copied())
                 .collect(),
         };
         let host = all_addresses(interfaces);

@@ -179,7 +179,11 @@ fn primary_means_the_node_ips_and_no_localhost_node_ports() {
         &[("InternalIP", "10.10.0.1"), ("InternalIP", "fd00:10::1")],
         &[],
     );
-    let settings = NodeSettings::compute(&inputs(NodePortAddresses::Primary), Some(&node), &host());
+    let settings = NodeSettings::compute(
+        &inputs(NodePortAddresses::Primary(Vec::new())),
+        Some(&node),
+        &host(),
+    );
     assert!(!settings.v4.node_ports.match_all);
     assert_eq!(settings.v4.node_port_ips, ips(&["10.10.0.1"]));
     assert_eq!(settings.v6.node_port_ips, ips(&["fd00:10::1"]));
@@ -193,7 +197,7 @@ fn primary_means_the_node_ips_and_no_localhost_node_ports() {
     // A node IP that is not on the host: nothing of that family is served.
     let elsewhere = node_with_ips(&["10.99.0.1"]);
     let settings = NodeSettings::compute(
-        &inputs(NodePortAddresses::Primary),
+        &inputs(NodePortAddresses::Primary(Vec::new())),
         Some(&elsewhere),
         &host(),
     );
@@ -201,6 +205,36 @@ fn primary_means_the_node_ips_and_no_localhost_node_ports() {
     assert!(!settings.v4.node_ports.match_all);
     // No IPv6 node IP: server.go adds no IPv6 CIDR, so IPv6 matches all (upstream).
     assert!(settings.v6.node_ports.match_all);
+}
+
+/// kube-proxy 1.37's `--nodeport-addresses primary,localhost`: the node IPs and the loopback
+/// addresses, so localhost NodePorts are served (IPv4) while the node's other addresses are
+/// not; `primary,all` serves every address.
+#[test]
+fn primary_with_localhost_adds_the_loopback_addresses() {
+    let node = node(
+        &[("InternalIP", "10.10.0.1"), ("InternalIP", "fd00:10::1")],
+        &[],
+    );
+    let localhost = vec!["127.0.0.0/8".parse().unwrap(), "::1/128".parse().unwrap()];
+    let settings = NodeSettings::compute(
+        &inputs(NodePortAddresses::Primary(localhost)),
+        Some(&node),
+        &host(),
+    );
+    assert!(!settings.v4.node_ports.match_all);
+    assert_eq!(settings.v4.node_port_ips, ips(&["10.10.0.1", "127.0.0.1"]));
+    assert_eq!(settings.v6.node_port_ips, ips(&["::1", "fd00:10::1"]));
+    assert!(settings.v4.localhost_node_ports);
+    assert!(!settings.v6.localhost_node_ports, "never IPv6");
+
+    let all = vec!["0.0.0.0/0".parse().unwrap(), "::/0".parse().unwrap()];
+    let settings = NodeSettings::compute(
+        &inputs(NodePortAddresses::Primary(all)),
+        Some(&node),
+        &host(),
+    );
+    assert!(settings.v4.node_ports.match_all && settings.v6.node_ports.match_all);
 }
 
 fn node_with_ips(list: &[&str]) -> NodeInfo {
@@ -216,7 +250,11 @@ fn external(settings: &NodeSettings) -> std::collections::BTreeSet<String> {
 fn primary_without_a_node_falls_back_like_upstream() {
     // detectNodeIPs falls back to 127.0.0.1/::1, which `primary` leaves out: both families
     // match all, and IPv4 then contains loopback.
-    let settings = NodeSettings::compute(&inputs(NodePortAddresses::Primary), None, &host());
+    let settings = NodeSettings::compute(
+        &inputs(NodePortAddresses::Primary(Vec::new())),
+        None,
+        &host(),
+    );
     assert!(settings.v4.node_ports.match_all && settings.v6.node_ports.match_all);
     assert!(settings.v4.localhost_node_ports);
     assert_eq!(settings.v4.node_ip, ip("127.0.0.1"));
@@ -430,7 +468,11 @@ fn an_added_address_changes_the_settings_once() {
 
 #[test]
 fn node_ip_follows_the_node_object() {
-    let mut manager = NodeManager::with_watcher(inputs(NodePortAddresses::Primary), "node-a", None);
+    let mut manager = NodeManager::with_watcher(
+        inputs(NodePortAddresses::Primary(Vec::new())),
+        "node-a",
+        None,
+    );
     let before = manager.update(None, &host()).cloned().expect("settings");
     assert_eq!(before.v4.node_ip, ip("127.0.0.1"));
     let node = node_with_ips(&["192.168.5.1"]);
@@ -443,7 +485,7 @@ fn node_ip_follows_the_node_object() {
     // --bind-address overrides the Node for its family.
     let bound = NodeInputs {
         bind_address: ip("10.10.0.1"),
-        ..inputs(NodePortAddresses::Primary)
+        ..inputs(NodePortAddresses::Primary(Vec::new()))
     };
     let settings = NodeSettings::compute(&bound, Some(&node), &host());
     assert_eq!(settings.v4.node_ip, ip("10.10.0.1"));
@@ -619,7 +661,7 @@ fn tc_node_config_matches_the_previous_behaviour_for_plain_options() {
 fn a_deleted_node_keeps_its_settings() {
     let node_cidr = NodeInputs {
         detect_local: DetectLocal::NodeCidr,
-        ..inputs(NodePortAddresses::Primary)
+        ..inputs(NodePortAddresses::Primary(Vec::new()))
     };
     let mut manager = NodeManager::with_watcher(node_cidr, "node-a", None);
     let node = node(&[("InternalIP", "10.10.0.1")], &["10.244.1.0/24"]);

@@ -62,7 +62,14 @@ pub fn apply(
         overlay.set("healthzBindAddress", "healthz-bind-address");
         doc.healthz_bind_address = append_port_if_needed(address.trim(), HEALTHZ_PORT);
     }
-    if let Some(address) = &args.metrics_bind_address {
+    // An empty value keeps the default (127.0.0.1:10249, or [::1] with an IPv6 bind address):
+    // upstream's defaulting runs after the flags, so it never disabled the server, whatever its
+    // help said before 1.37.
+    if let Some(address) = args
+        .metrics_bind_address
+        .as_ref()
+        .filter(|a| !a.trim().is_empty())
+    {
         overlay.set("metricsBindAddress", "metrics-bind-address");
         doc.metrics_bind_address = append_port_if_needed(address.trim(), METRICS_PORT);
     }

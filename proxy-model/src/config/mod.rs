@@ -140,9 +140,10 @@ pub enum DetectLocal {
 pub enum NodePortAddresses {
     /// Unset: every local IP.
     All,
-    /// `primary`: the Node object's primary IP(s).
-    Primary,
-    /// Node IPs inside these ranges.
+    /// `primary` (kube-proxy 1.37: with other keywords or CIDRs): the Node object's primary
+    /// IP(s), and node IPs inside these ranges.
+    Primary(Vec<IpNet>),
+    /// Node IPs inside these ranges (the keywords `localhost` and `all` are ranges too).
     Cidrs(Vec<IpNet>),
 }
 

@@ -249,8 +249,32 @@ fn every_flag_overrides_the_file() {
                 ]
         }),
         (&["--nodeport-addresses", "primary"], |c| {
-            c.node_port_addresses == NodePortAddresses::Primary
+            c.node_port_addresses == NodePortAddresses::Primary(Vec::new())
         }),
+        // kube-proxy 1.37: keywords in any combination with each other and with CIDRs.
+        (&["--nodeport-addresses", "primary,10.0.0.0/8"], |c| {
+            c.node_port_addresses == NodePortAddresses::Primary(vec!["10.0.0.0/8".parse().unwrap()])
+        }),
+        (&["--nodeport-addresses", "primary,localhost"], |c| {
+            c.node_port_addresses
+                == NodePortAddresses::Primary(vec![
+                    "127.0.0.0/8".parse().unwrap(),
+                    "::1/128".parse().unwrap(),
+                ])
+        }),
+        (
+            &["--nodeport-addresses", "localhost,all,192.168.0.0/16"],
+            |c| {
+                c.node_port_addresses
+                    == NodePortAddresses::Cidrs(vec![
+                        "127.0.0.0/8".parse().unwrap(),
+                        "::1/128".parse().unwrap(),
+                        "0.0.0.0/0".parse().unwrap(),
+                        "::/0".parse().unwrap(),
+                        "192.168.0.0/16".parse().unwrap(),
+                    ])
+            },
+        ),
         (&["--nodeport-addresses", "192.168.0.0/16,fd00::/8"], |c| {
             c.node_port_addresses
                 == NodePortAddresses::Cidrs(vec![
@@ -543,6 +567,23 @@ fn the_external_ips_gate_of_1_36_is_applied_and_warned_about() {
     );
 }
 
+/// kube-proxy 1.37's help for `--metrics-bind-address`: an empty value is the default, not
+/// "off" (upstream's defaulting runs after the flags).
+#[test]
+fn an_empty_metrics_bind_address_is_the_default() {
+    for (args, expected) in [
+        (&["--metrics-bind-address", ""][..], "127.0.0.1:10249"),
+        (&["--metrics-bind-address="][..], "127.0.0.1:10249"),
+    ] {
+        let loaded = load_args(args).unwrap_or_else(|e| panic!("{:?}", e.lines()));
+        assert_eq!(
+            loaded.config.metrics_bind_address,
+            Some(expected.parse().unwrap()),
+            "{args:?}"
+        );
+    }
+}
+
 /// Every flag of `kube-proxy --help` (1.35, Linux) is accepted with pflag's syntax.
 #[test]
 fn every_kube_proxy_1_35_flag_is_accepted() {
@@ -698,7 +739,10 @@ fn json_input_works() {
     assert_eq!(c.min_sync_period, Duration::from_millis(500));
     assert_eq!(c.conntrack.max_per_core, 32768);
     assert_eq!(c.cluster_cidrs.len(), 2);
-    assert_eq!(c.node_port_addresses, NodePortAddresses::Primary);
+    assert_eq!(
+        c.node_port_addresses,
+        NodePortAddresses::Primary(Vec::new())
+    );
 }
 
 /// What kubeadm puts in the kube-proxy ConfigMap: zero values and nulls everywhere.
@@ -903,10 +947,10 @@ fn every_invalid_value_is_reported_with_source_field_and_value() {
             "foo",
         ),
         (
-            &["--nodeport-addresses", "primary,10.0.0.0/8"],
+            &["--nodeport-addresses", "primary,loopback"],
             "--nodeport-addresses",
-            "nodePortAddresses[0]",
-            "primary",
+            "nodePortAddresses[1]",
+            "loopback",
         ),
         (
             &["--masquerade-all=maybe"],

@@ -451,35 +451,46 @@ fn cluster_cidrs(c: &mut Checker<'_>, text: &str) -> Vec<IpNet> {
 }
 
 fn node_port_addresses(c: &mut Checker<'_>, list: Option<&[String]>) -> NodePortAddresses {
-    match list {
-        None | Some([]) => NodePortAddresses::All,
-        Some([only]) if only == "primary" => NodePortAddresses::Primary,
-        Some(list) => {
-            let mut cidrs = Vec::new();
-            for (i, text) in list.iter().enumerate() {
-                match parse_cidr(text) {
-                    Some(cidr) => cidrs.push(cidr),
-                    None => {
-                        let reason = if text == "primary" {
-                            "'primary' cannot be combined with CIDRs"
-                        } else {
-                            "must be a valid CIDR (e.g. 10.0.0.0/8), or the single value 'primary'"
-                        };
-                        // The flag and the file set the whole list, so the source is the same.
-                        let source = c.origins.source("nodePortAddresses");
-                        c.problems.push(Problem {
-                            source,
-                            field: Some(format!("nodePortAddresses[{i}]")),
-                            value: text.clone(),
-                            reason: reason.to_owned(),
-                        });
-                    }
+    let Some(list) = list.filter(|list| !list.is_empty()) else {
+        return NodePortAddresses::All;
+    };
+    // kube-proxy 1.37: the keywords combine with each other and with CIDRs; `localhost` is
+    // the loopback ranges and `all` the zero ranges, `primary` is resolved from the Node.
+    let mut primary = false;
+    let mut cidrs = Vec::new();
+    for (i, text) in list.iter().enumerate() {
+        match text.trim() {
+            "primary" => primary = true,
+            "localhost" => cidrs.extend(LOCALHOST_CIDRS.iter().filter_map(|c| parse_cidr(c))),
+            "all" => cidrs.extend(ALL_CIDRS.iter().filter_map(|c| parse_cidr(c))),
+            _ => match parse_cidr(text) {
+                Some(cidr) => cidrs.push(cidr),
+                None => {
+                    // The flag and the file set the whole list, so the source is the same.
+                    let source = c.origins.source("nodePortAddresses");
+                    c.problems.push(Problem {
+                        source,
+                        field: Some(format!("nodePortAddresses[{i}]")),
+                        value: text.clone(),
+                        reason: "must be a valid CIDR (e.g. 10.0.0.0/8) or one of the keywords \
+                                 'primary', 'localhost' and 'all'"
+                            .to_owned(),
+                    });
                 }
-            }
-            NodePortAddresses::Cidrs(cidrs)
+            },
         }
     }
+    if primary {
+        NodePortAddresses::Primary(cidrs)
+    } else {
+        NodePortAddresses::Cidrs(cidrs)
+    }
 }
+
+/// What the `localhost` keyword of `nodePortAddresses` stands for: the loopback ranges.
+const LOCALHOST_CIDRS: [&str; 2] = ["127.0.0.0/8", "::1/128"];
+/// What the `all` keyword stands for: every address of both families.
+const ALL_CIDRS: [&str; 2] = ["0.0.0.0/0", "::/0"];
 
 /// A CIDR like Go's net.ParseCIDR: address/prefix, host bits allowed (the address is kept).
 pub fn parse_cidr(text: &str) -> Option<IpNet> {
