@@ -8,9 +8,9 @@
 //! (kubernetes#48370), and an entry created while the Service had no endpoints (not DNATed, so
 //! its reply source is the frontend itself) would keep black-holing it after endpoints appear.
 //!
-//! Deliberate difference: kube-proxy skips service ports without serving endpoints, so entries
-//! pinned to the last endpoint survive its removal (the N→0 regression, kubernetes#139628). Here
-//! such a port has an empty endpoint set and all its DNATed entries are removed.
+//! A port without serving endpoints has an empty endpoint set and all its DNATed entries are
+//! removed: kube-proxy from 1.32 to 1.36 skipped such ports, so entries pinned to the last
+//! endpoint survived its removal; 1.37 removes them too.
 //!
 //! Frontends that are gone (a deleted Service, a removed port or address: [`GoneFrontends`])
 //! are matched with an empty endpoint set too, as kube-proxy does for deleted UDP Services since
