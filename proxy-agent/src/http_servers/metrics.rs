@@ -284,6 +284,11 @@ impl Metrics {
         let frontend_conflicts = Gauge::default();
 
         described.add(
+            "kubernetes_build_info",
+            super::build_info::HELP,
+            super::build_info::family(),
+        );
+        described.add(
             "kubeproxy_sync_proxy_rules_duration_seconds",
             alpha("SyncProxyRules latency in seconds"),
             sync_duration.clone(),

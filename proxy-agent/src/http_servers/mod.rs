@@ -10,6 +10,7 @@
 //!
 //! [`HttpServers`] is the handle the agent's loop calls.
 
+pub mod build_info;
 pub mod exposition;
 pub mod health;
 pub mod http;

@@ -324,6 +324,45 @@ fn iptables_mode_also_exposes_the_iptables_metrics() {
     ));
 }
 
+/// component-base's `kubernetes_build_info` (beta from 1.36): one series at 1, with every label
+/// upstream has, describing this build.
+#[test]
+fn build_info_is_served_in_both_modes_as_component_base_serves_it() {
+    for mode in [ProxyMode::Ebpf, ProxyMode::Iptables] {
+        let text = Metrics::new(mode).encode();
+        assert_eq!(
+            types(&text)
+                .get("kubernetes_build_info")
+                .map(String::as_str),
+            Some("gauge")
+        );
+        assert!(
+            help(&text, "kubernetes_build_info")
+                .starts_with("[BETA] A metric with a constant '1' value")
+        );
+        let series: Vec<&str> = text
+            .lines()
+            .filter(|line| line.starts_with("kubernetes_build_info{"))
+            .collect();
+        assert_eq!(series.len(), 1, "{text}");
+        let series = series[0];
+        assert!(series.ends_with("} 1"), "{series}");
+        for label in [
+            "build_date=",
+            "compiler=\"rustc\"",
+            "git_commit=",
+            "git_tree_state=",
+            "go_version=",
+            "platform=\"linux/",
+        ] {
+            assert!(series.contains(label), "{label} in {series}");
+        }
+        let version = format!("git_version=\"v{}\"", env!("CARGO_PKG_VERSION"));
+        assert!(series.contains(&version), "{series}");
+        assert!(series.contains(&format!("major=\"{}\"", env!("CARGO_PKG_VERSION_MAJOR"))));
+    }
+}
+
 #[test]
 fn buckets_are_kube_proxys() {
     let metrics = Metrics::new(ProxyMode::Ebpf);
