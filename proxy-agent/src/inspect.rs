@@ -689,13 +689,16 @@ pub fn counters(pin_dir: &Path) -> anyhow::Result<Vec<CounterRow>> {
 
 /// Service frontends from kube-proxy-style rules: `KUBE-SERVICES` / `KUBE-NODEPORTS` jumps with
 /// their comment, each `KUBE-SVC-*`/`KUBE-EXT-*` chain's endpoint chains, each `KUBE-SEP-*`'s
-/// DNAT destination.
+/// DNAT destination; and from the filter table, the frontends of Services without endpoints,
+/// which kube-proxy rejects there (they have no nat rule at all).
 pub fn iptables_frontends() -> anyhow::Result<Vec<FrontendRow>> {
     let mut rows = Vec::new();
     for family in proxy_model::desired::IpFamily::ALL {
         // A family without a working ip(6)tables has no rules to show.
-        if let Ok(save) = iptables_save(family, "nat") {
-            rows.extend(parse_iptables_save(&save));
+        for table in ["nat", "filter"] {
+            if let Ok(save) = iptables_save(family, table) {
+                rows.extend(parse_iptables_save(&save));
+            }
         }
     }
     rows.sort();
@@ -719,11 +722,32 @@ pub fn parse_iptables_save(text: &str) -> Vec<FrontendRow> {
     let mut chain_jumps: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
     let mut dnat: BTreeMap<&str, String> = BTreeMap::new();
     let mut entries = Vec::new();
-    for rule in tables.iter().flat_map(|table| &table.rules) {
+    let rules = tables.iter().flat_map(|table| {
+        table
+            .rules
+            .iter()
+            .map(move |rule| (table.name.as_str(), rule))
+    });
+    for (table, rule) in rules {
         let chain = rule.chain.as_str();
         let Some(target) = rule.arg("-j") else {
             continue;
         };
+        // A Service port's comment starts with `namespace/name:port`; the jump to
+        // KUBE-NODEPORTS ("kubernetes service nodeports; …") and other rules are no Service.
+        let service = rule
+            .arg("--comment")
+            .map(|comment| comment.split(' ').next().unwrap_or(comment))
+            .filter(|name| name.contains('/'));
+        let rejecting = table == "filter"
+            && matches!(target, "REJECT" | "DROP")
+            && matches!(
+                chain,
+                "KUBE-SERVICES" | "KUBE-EXTERNAL-SERVICES" | "KUBE-NODEPORTS"
+            );
+        if table == "filter" && !rejecting {
+            continue;
+        }
         if chain.starts_with("KUBE-SEP-") && target == "DNAT" {
             if let Some(to) = rule.arg("--to-destination") {
                 dnat.insert(chain, to.to_owned());
@@ -733,9 +757,10 @@ pub fn parse_iptables_save(text: &str) -> Vec<FrontendRow> {
             || chain.starts_with("KUBE-EXT-")
         {
             chain_jumps.entry(chain).or_default().push(target);
-        } else if (chain == "KUBE-SERVICES" || chain == "KUBE-NODEPORTS")
-            && target.starts_with("KUBE-")
-            && let Some(name) = rule.arg("--comment")
+        } else if (chain == "KUBE-SERVICES" || chain == "KUBE-NODEPORTS" || rejecting)
+            && (target.starts_with("KUBE-") || rejecting)
+            && target != "KUBE-NODEPORTS"
+            && let Some(name) = service
         {
             let dest = rule
                 .arg("-d")
@@ -743,7 +768,7 @@ pub fn parse_iptables_save(text: &str) -> Vec<FrontendRow> {
                 .unwrap_or("*");
             let port_text = rule.arg("--dport").unwrap_or("?");
             let proto = rule.arg("-p").unwrap_or("tcp").to_uppercase();
-            let service = name.split(' ').next().unwrap_or(name).to_owned();
+            let service = name.to_owned();
             let protocol = match proto.as_str() {
                 "UDP" => "UDP",
                 "SCTP" => "SCTP",
@@ -819,5 +844,48 @@ COMMIT
         assert_eq!(rows[0].service, "default/web:http");
         assert_eq!(rows[0].frontend, "10.96.0.10:80/TCP");
         assert_eq!(rows[0].backends, ["10.244.1.2:8080", "10.244.2.2:8080"]);
+    }
+
+    /// The generator's own output: the jumps to KUBE-NODEPORTS are no Service (they showed as
+    /// `kubernetes *:?/TCP` and `kubernetes ::1:?/TCP`), and a Service without endpoints, which
+    /// only has REJECT rules in the filter table, is listed with no backend.
+    #[test]
+    fn the_node_port_jump_is_no_service_and_a_service_without_endpoints_is_listed() {
+        let save = r#"*filter
+:KUBE-SERVICES - [0:0]
+:KUBE-EXTERNAL-SERVICES - [0:0]
+-A KUBE-SERVICES -m comment --comment "default/empty:http has no endpoints" -m tcp -p tcp -d 10.96.0.20/32 --dport 80 -j REJECT
+-A KUBE-EXTERNAL-SERVICES -m comment --comment "default/empty:http has no endpoints" -m addrtype --dst-type LOCAL -m tcp -p tcp --dport 30020 -j REJECT
+-A KUBE-FORWARD -m conntrack --ctstate INVALID -m nfacct --nfacct-name ct_state_invalid_dropped_pkts -j DROP
+COMMIT
+*nat
+-A KUBE-SERVICES -m comment --comment "default/web:http cluster IP" -m tcp -p tcp -d 10.96.0.10/32 --dport 80 -j KUBE-SVC-AAA
+-A KUBE-SERVICES -m comment --comment "kubernetes service nodeports; NOTE: this must be the last rule in this chain" -m addrtype --dst-type LOCAL -j KUBE-NODEPORTS
+-A KUBE-SERVICES -m comment --comment "kubernetes service nodeports; NOTE: this must be the last rule in this chain" -d ::1/128 -j KUBE-NODEPORTS
+-A KUBE-SVC-AAA -m comment --comment "default/web:http -> 10.244.1.2:8080" -j KUBE-SEP-ONE
+-A KUBE-SEP-ONE -m comment --comment default/web:http -m tcp -p tcp -j DNAT --to-destination 10.244.1.2:8080
+COMMIT
+"#;
+        let mut rows = parse_iptables_save(save);
+        rows.sort();
+        let listed: Vec<(&str, &str, &str, usize)> = rows
+            .iter()
+            .map(|r| {
+                (
+                    r.service.as_str(),
+                    r.frontend.as_str(),
+                    r.path.as_str(),
+                    r.backends.len(),
+                )
+            })
+            .collect();
+        assert_eq!(
+            listed,
+            [
+                ("default/empty:http", "*:30020/TCP", "REJECT", 0),
+                ("default/empty:http", "10.96.0.20:80/TCP", "REJECT", 0),
+                ("default/web:http", "10.96.0.10:80/TCP", "KUBE-SVC-AAA", 1),
+            ]
+        );
     }
 }

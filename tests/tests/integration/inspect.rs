@@ -192,6 +192,16 @@ fn inspect_shows_the_service_in_iptables_mode() -> anyhow::Result<()> {
         .find(|r| r["frontend"] == "10.96.0.10:80/TCP")
         .ok_or_else(|| anyhow::anyhow!("no ClusterIP rule for default/web in {json}"))?;
     assert_eq!(backends(cluster_ip), ["10.244.1.2:8080", "10.244.2.2:8080"]);
+    // Every row is a Service port: the jumps to KUBE-NODEPORTS are not listed.
+    let all: Vec<serde_json::Value> = serde_json::from_str(&json)?;
+    let phantoms: Vec<&serde_json::Value> = all
+        .iter()
+        .filter(|r| !r["service"].as_str().is_some_and(|name| name.contains('/')))
+        .collect();
+    assert!(
+        phantoms.is_empty(),
+        "rows that are no Service: {phantoms:#?}"
+    );
     Ok(())
 }
 
