@@ -63,12 +63,43 @@ pub fn get_with_headers(
             .nth(1)
             .and_then(|s| s.parse().ok())
             .ok_or_else(|| RigError::Other(format!("no status line in {head:?}")))?;
+        let chunked = head.lines().any(|line| {
+            line.split_once(':').is_some_and(|(name, value)| {
+                name.eq_ignore_ascii_case("transfer-encoding")
+                    && value.trim().eq_ignore_ascii_case("chunked")
+            })
+        });
+        let body = if chunked {
+            dechunk(body).ok_or_else(|| {
+                RigError::Other(format!(
+                    "GET http://{addr}{path}: bad chunked body {body:?}"
+                ))
+            })?
+        } else {
+            body.to_owned()
+        };
         Ok(Response {
             status,
             head: head.to_owned(),
-            body: body.to_owned(),
+            body,
         })
     })?
+}
+
+/// A chunked body (Go's servers chunk a large answer, e.g. Prometheus' API) put together:
+/// `None` when it is cut short or malformed.
+fn dechunk(mut body: &str) -> Option<String> {
+    let mut out = String::new();
+    loop {
+        let (size_line, rest) = body.split_once("\r\n")?;
+        let size_text = size_line.split(';').next().unwrap_or("").trim();
+        let size = usize::from_str_radix(size_text, 16).ok()?;
+        if size == 0 {
+            return Some(out);
+        }
+        out.push_str(rest.get(..size)?);
+        body = rest.get(size..)?.strip_prefix("\r\n")?;
+    }
 }
 
 /// The sum of the samples of `name` in a Prometheus exposition whose labels contain every one

@@ -22,6 +22,7 @@ pub mod manifests;
 pub mod netns;
 pub mod packet;
 pub mod process;
+pub mod prometheus;
 pub mod reachability;
 pub mod scenario;
 pub mod service_scenarios;

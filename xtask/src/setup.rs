@@ -13,7 +13,8 @@ use crate::{
 /// Debian packages: LLVM 22 for bpf-linker (nightly's LLVM is 22), runtime tools for tests
 /// (`nftables`: the host-policy tests add a foreign nft table, as a CNI would; the agent
 /// removes kube-proxy's nftables tables and the migration test creates them; `prometheus`
-/// for `promtool check metrics` on the agent's expositions, `metrics_exposition.rs`; `ethtool`:
+/// for `promtool check metrics` on the agent's expositions, `metrics_exposition.rs`, and a
+/// Prometheus server scraping native histograms, `native_histograms.rs`; `ethtool`:
 /// the XDP test gives its veths a wire's complete checksums, `external_xdp.rs`).
 const DEBIAN_PACKAGES: [&str; 8] = [
     "llvm-22-dev",
@@ -84,8 +85,8 @@ pub fn run(mode: Mode) -> Result<()> {
                 .env("DEBIAN_FRONTEND", "noninteractive"),
         )?;
         if missing_packages.contains(&"prometheus") {
-            // Only promtool is wanted: on a machine with systemd the package starts a
-            // Prometheus server, which the tests do not need.
+            // On a machine with systemd the package starts a Prometheus server, which the
+            // tests do not need: they start their own, in a test namespace.
             let _ = Command::new("systemctl")
                 .args(["disable", "--now", "prometheus"])
                 .status();

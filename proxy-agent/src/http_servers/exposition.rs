@@ -1,13 +1,14 @@
 //! `/metrics` formats as client_golang's `promhttp` serves them: content negotiation
-//! (`expfmt.NegotiateIncludingOpenMetrics` over goautoneg's parsing of `Accept`) and the classic
-//! Prometheus text format 0.0.4 (`expfmt.MetricFamilyToText`).
+//! (`expfmt.NegotiateIncludingOpenMetrics` over goautoneg's parsing of `Accept`), the classic
+//! Prometheus text format 0.0.4 (`expfmt.MetricFamilyToText`), and the families the protobuf
+//! exposition (`protobuf.rs`) writes.
 //!
-//! prometheus-client only writes OpenMetrics, so the classic text is derived from its output:
-//! a counter family `x` with samples `x_total` becomes the family `x_total` (what a Go counter
-//! named `x_total` is), `_created` samples and `# EOF` go, `unknown` is `untyped`, numbers are
-//! written as Go's `strconv.FormatFloat(f, 'g', -1, 64)`, histogram buckets come before `_sum`
-//! and `_count`, and families are sorted by name and series by label values, as client_golang's
-//! `Gather` does.
+//! prometheus-client only writes OpenMetrics, so the classic families are derived from its
+//! output: a counter family `x` with samples `x_total` becomes the family `x_total` (what a Go
+//! counter named `x_total` is), `_created` samples and `# EOF` go, `unknown` is `untyped`,
+//! numbers are written as Go's `strconv.FormatFloat(f, 'g', -1, 64)`, histogram buckets come
+//! before `_sum` and `_count`, and families are sorted by name and series by label values, as
+//! client_golang's `Gather` does.
 
 /// A negotiated exposition format.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -16,7 +17,15 @@ pub enum Format {
     Text,
     /// OpenMetrics text; the version asked for (`0.0.1` or `1.0.0`).
     OpenMetrics(&'static str),
+    /// Length-delimited `io.prometheus.client.MetricFamily` messages, the only format that
+    /// carries native histograms.
+    Protobuf,
 }
+
+/// expfmt's `ProtoType`, `ProtoProtocol` and the delimited encoding's parameter.
+pub const PROTOBUF_MEDIA_TYPE: &str = "application/vnd.google.protobuf";
+pub const PROTOBUF_PROTO: &str = "io.prometheus.client.MetricFamily";
+pub const PROTOBUF_ENCODING: &str = "delimited";
 
 /// Name escaping schemes a scraper may ask for (prometheus/common `model`); every name we expose
 /// is a legacy name, so the body is the same whichever it is, only the header echoes it.
@@ -78,9 +87,12 @@ fn parse_accept(header: &str) -> Vec<AcceptEntry<'_>> {
     entries
 }
 
-/// `expfmt.NegotiateIncludingOpenMetrics` (what `promhttp` uses with `EnableOpenMetrics`),
-/// without the protobuf formats: a protobuf entry is passed over, so such a scraper gets the
-/// text format it lists next (Prometheus always lists it) or by default.
+/// `expfmt.NegotiateIncludingOpenMetrics` (what `promhttp` uses with `EnableOpenMetrics`): per
+/// `Accept` entry, protobuf when the entry is expfmt's `ProtoType` with
+/// `proto=io.prometheus.client.MetricFamily` and `encoding=delimited` (what Prometheus asks
+/// for when it scrapes native histograms), then the text format, then OpenMetrics. The
+/// protobuf text encodings (`encoding=text`, `compact-text`), debugging aids nobody scrapes,
+/// are passed over, so such an entry gets the next one's format.
 pub fn negotiate(accept: Option<&str>) -> Negotiated {
     let mut escaping = "underscores";
     for entry in parse_accept(accept.unwrap_or("")) {
@@ -88,6 +100,17 @@ pub fn negotiate(accept: Option<&str>) -> Negotiated {
             && let Some(known) = ESCAPING_SCHEMES.iter().find(|s| **s == scheme)
         {
             escaping = known;
+        }
+        if entry.media == PROTOBUF_MEDIA_TYPE
+            && entry.param("proto") == Some(PROTOBUF_PROTO)
+            && entry.param("encoding") == Some(PROTOBUF_ENCODING)
+        {
+            return Negotiated {
+                format: Format::Protobuf,
+                content_type: format!(
+                    "{PROTOBUF_MEDIA_TYPE}; proto={PROTOBUF_PROTO}; encoding={PROTOBUF_ENCODING}; escaping={escaping}"
+                ),
+            };
         }
         let version = entry.param("version").unwrap_or("");
         if entry.media == "text/plain" && (version == "0.0.4" || version.is_empty()) {
@@ -162,14 +185,85 @@ pub fn go_float(value: f64) -> String {
 }
 
 /// Label pairs (name, escaped value).
-type Labels = Vec<(String, String)>;
+pub type Labels = Vec<(String, String)>;
 
 /// One sample line: name, labels (name, escaped value) and the value text.
-#[derive(Debug, Clone)]
-struct Sample {
-    name: String,
-    labels: Vec<(String, String)>,
-    value: String,
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Sample {
+    pub name: String,
+    pub labels: Labels,
+    pub value: String,
+}
+
+impl Sample {
+    /// The bucket's `le` or the quantile's `quantile` (its value text), if the sample has one.
+    pub fn bound(&self) -> Option<(&str, &str)> {
+        self.labels
+            .iter()
+            .find(|(name, _)| name == "le" || name == "quantile")
+            .map(|(name, value)| (name.as_str(), value.as_str()))
+    }
+}
+
+/// A sample value or bound as written (`+Inf`, `-Inf` and `NaN` included).
+pub fn parse_number(text: &str) -> Option<f64> {
+    match text {
+        "+Inf" | "Inf" => Some(f64::INFINITY),
+        "-Inf" => Some(f64::NEG_INFINITY),
+        "NaN" => Some(f64::NAN),
+        other => other.parse::<f64>().ok(),
+    }
+}
+
+/// The type a family has in the classic formats.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    Counter,
+    Gauge,
+    Histogram,
+    Summary,
+    Untyped,
+}
+
+impl Kind {
+    /// The OpenMetrics type's classic counterpart (`info` is a gauge there).
+    fn of_openmetrics(kind: &str) -> Self {
+        match kind {
+            "counter" => Self::Counter,
+            "gauge" | "info" => Self::Gauge,
+            "histogram" => Self::Histogram,
+            "summary" => Self::Summary,
+            _ => Self::Untyped,
+        }
+    }
+
+    pub fn as_text(self) -> &'static str {
+        match self {
+            Self::Counter => "counter",
+            Self::Gauge => "gauge",
+            Self::Histogram => "histogram",
+            Self::Summary => "summary",
+            Self::Untyped => "untyped",
+        }
+    }
+}
+
+/// One series of a family: its labels (without `le`/`quantile`, sorted by name, values
+/// escaped) and its samples (a histogram's buckets, then `_sum`, then `_count`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Series {
+    pub labels: Labels,
+    pub samples: Vec<Sample>,
+}
+
+/// A family as the classic formats expose it (client_golang's gathered `MetricFamily`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ExposedFamily {
+    pub name: String,
+    pub kind: Kind,
+    /// The help text, unescaped.
+    pub help: Option<String>,
+    pub series: Vec<Series>,
 }
 
 #[derive(Debug, Default)]
@@ -325,12 +419,10 @@ fn write_sample(
     out.push_str(name);
     let extra = extra.map(|(key, raw)| {
         // The bound is a number: client_golang writes it as Go formats a float.
-        let parsed = match raw {
-            "+Inf" => Some(f64::INFINITY),
-            "-Inf" => Some(f64::NEG_INFINITY),
-            other => other.parse::<f64>().ok(),
-        };
-        (key, parsed.map_or_else(|| raw.to_owned(), go_float))
+        (
+            key,
+            parse_number(raw).map_or_else(|| raw.to_owned(), go_float),
+        )
     });
     if !labels.is_empty() || extra.is_some() {
         out.push('{');
@@ -352,59 +444,45 @@ fn write_sample(
         out.push('}');
     }
     out.push(' ');
-    let number = match value {
-        "+Inf" => Some(f64::INFINITY),
-        "-Inf" => Some(f64::NEG_INFINITY),
-        "NaN" => Some(f64::NAN),
-        other => other.parse::<f64>().ok(),
-    };
-    out.push_str(&number.map_or_else(|| value.to_owned(), go_float));
+    out.push_str(&parse_number(value).map_or_else(|| value.to_owned(), go_float));
     out.push('\n');
 }
 
-/// The classic text format of an OpenMetrics exposition (see the module comment).
-pub fn openmetrics_to_text(openmetrics: &str) -> String {
-    let mut families = parse_openmetrics(openmetrics);
-    for family in &mut families {
+/// The families of an OpenMetrics exposition as client_golang gathers them (see the module
+/// comment): sorted by name, series sorted, families without series left out.
+pub fn families(openmetrics: &str) -> Vec<ExposedFamily> {
+    let mut parsed = parse_openmetrics(openmetrics);
+    for family in &mut parsed {
         if family.kind == "counter" && !family.name.ends_with("_total") {
             family.name.push_str("_total");
         }
     }
-    families.sort_by(|a, b| a.name.cmp(&b.name));
-    let mut out = String::with_capacity(openmetrics.len());
-    for family in families {
-        let kind = match family.kind.as_str() {
-            "counter" | "gauge" | "histogram" | "summary" => family.kind.as_str(),
-            "info" => "gauge",
-            _ => "untyped",
-        };
+    parsed.sort_by(|a, b| a.name.cmp(&b.name));
+    let mut out = Vec::with_capacity(parsed.len());
+    for family in parsed {
+        let kind = Kind::of_openmetrics(&family.kind);
         // Series in first-seen order, then sorted; each keeps its samples.
-        let mut series: Vec<(Labels, Vec<Sample>)> = Vec::new();
+        let mut series: Vec<Series> = Vec::new();
         for sample in family.samples {
             if sample.name.ends_with("_created")
-                && matches!(kind, "counter" | "histogram" | "summary")
+                && matches!(kind, Kind::Counter | Kind::Histogram | Kind::Summary)
             {
                 continue;
             }
             let key = series_key(&sample);
-            match series.iter_mut().find(|(k, _)| *k == key) {
-                Some((_, samples)) => samples.push(sample),
-                None => series.push((key, vec![sample])),
+            match series.iter_mut().find(|s| s.labels == key) {
+                Some(existing) => existing.samples.push(sample),
+                None => series.push(Series {
+                    labels: key,
+                    samples: vec![sample],
+                }),
             }
         }
         if series.is_empty() {
             continue;
         }
-        series.sort_by(|a, b| series_order(&a.0, &b.0));
-        if let Some(help) = &family.help {
-            out.push_str(&format!(
-                "# HELP {} {}\n",
-                family.name,
-                escape_text_help(help)
-            ));
-        }
-        out.push_str(&format!("# TYPE {} {kind}\n", family.name));
-        for (labels, mut samples) in series {
+        series.sort_by(|a, b| series_order(&a.labels, &b.labels));
+        if matches!(kind, Kind::Histogram | Kind::Summary) {
             // client_golang: buckets (or quantiles) first, then _sum and _count.
             let rank = |s: &Sample| {
                 if s.name.ends_with("_sum") {
@@ -415,17 +493,69 @@ pub fn openmetrics_to_text(openmetrics: &str) -> String {
                     0
                 }
             };
-            if matches!(kind, "histogram" | "summary") {
-                samples.sort_by_key(rank);
+            for one in &mut series {
+                one.samples.sort_by_key(rank);
             }
-            for sample in &samples {
-                let extra = sample
-                    .labels
-                    .iter()
-                    .find(|(name, _)| name == "le" || name == "quantile")
-                    .map(|(name, value)| (name.as_str(), value.as_str()));
-                write_sample(&mut out, &sample.name, &labels, extra, &sample.value);
+        }
+        out.push(ExposedFamily {
+            name: family.name,
+            kind,
+            help: family.help,
+            series,
+        });
+    }
+    out
+}
+
+/// The classic text format of `families`.
+pub fn render_text(families: &[ExposedFamily]) -> String {
+    let mut out = String::new();
+    for family in families {
+        if let Some(help) = &family.help {
+            out.push_str(&format!(
+                "# HELP {} {}\n",
+                family.name,
+                escape_text_help(help)
+            ));
+        }
+        out.push_str(&format!(
+            "# TYPE {} {}\n",
+            family.name,
+            family.kind.as_text()
+        ));
+        for series in &family.series {
+            for sample in &series.samples {
+                write_sample(
+                    &mut out,
+                    &sample.name,
+                    &series.labels,
+                    sample.bound(),
+                    &sample.value,
+                );
             }
+        }
+    }
+    out
+}
+
+/// The classic text format of an OpenMetrics exposition (see the module comment).
+pub fn openmetrics_to_text(openmetrics: &str) -> String {
+    render_text(&families(openmetrics))
+}
+
+/// A label value as written in either text format, unescaped (`\\`, `\"`, `\n`).
+pub fn unescape_label_value(escaped: &str) -> String {
+    let mut out = String::with_capacity(escaped.len());
+    let mut chars = escaped.chars();
+    while let Some(c) = chars.next() {
+        if c != '\\' {
+            out.push(c);
+            continue;
+        }
+        match chars.next() {
+            Some('n') => out.push('\n'),
+            Some(other) => out.push(other),
+            None => out.push('\\'),
         }
     }
     out

@@ -2,6 +2,11 @@
 //! in one prometheus-client registry served on `--metrics-bind-address` with `/metrics`,
 //! `/proxyMode` and `/healthz`, as kube-proxy's metrics server does.
 //!
+//! The histograms are `histogram.rs`'s: with the `NativeHistograms` feature gate (on by
+//! default, as in kube-proxy 1.37) each also keeps native buckets with component-base's
+//! options, which only the protobuf exposition carries (`protobuf.rs`, negotiated as expfmt
+//! does); the text formats are the same either way.
+//!
 //! Names, types, labels, buckets and help strings follow kube-proxy. Help strings carry the
 //! `[ALPHA] ` prefix that Kubernetes' component-base adds to every ALPHA metric. The registry
 //! writes OpenMetrics text (a counter's `# TYPE` line names the family without `_total`);
@@ -37,26 +42,23 @@ use prometheus_client::{
     encoding::{
         DescriptorEncoder, EncodeLabelSet, EncodeMetric, MetricEncoder, NoLabelSet, text::encode,
     },
-    metrics::{
-        counter::Counter,
-        family::Family,
-        gauge::Gauge,
-        histogram::{Histogram, exponential_buckets},
-    },
+    metrics::{counter::Counter, family::Family, gauge::Gauge, histogram::exponential_buckets},
     registry::{Metric, Registry},
 };
 use tracing::{error, warn};
 
 use super::{
     exposition::{self, Format},
+    histogram::{HistogramVec, LabelPairs, NativeConfig},
     http::{go_not_found, response},
+    protobuf,
 };
 use proxy_model::{
     desired::{FamilySnapshot, IpFamily, ServicePort, ServicePortName},
     proxy_mode::ProxyMode,
 };
 
-#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, EncodeLabelSet)]
 struct FamilyLabel {
     ip_family: &'static str,
 }
@@ -66,6 +68,12 @@ impl FamilyLabel {
         Self {
             ip_family: family.as_k8s(),
         }
+    }
+}
+
+impl LabelPairs for FamilyLabel {
+    fn label_pairs(&self) -> Vec<(&'static str, String)> {
+        vec![("ip_family", self.ip_family.to_owned())]
     }
 }
 
@@ -103,11 +111,11 @@ struct ReasonLabel {
 }
 
 type FloatGauge = Gauge<f64, AtomicU64>;
-type HistogramFamily<L> = Family<L, Histogram, fn() -> Histogram>;
+type HistogramFamily = HistogramVec<FamilyLabel>;
 
 /// `ExponentialBuckets(0.001, 2, 15)`: 1 ms … 16.384 s, kube-proxy's sync duration buckets.
-fn sync_duration_histogram() -> Histogram {
-    Histogram::new(exponential_buckets(0.001, 2.0, 15))
+fn sync_duration_histogram(native: Option<NativeConfig>) -> HistogramFamily {
+    HistogramVec::new(exponential_buckets(0.001, 2.0, 15), native)
 }
 
 /// kube-proxy's network programming buckets: component-base's `MergeBuckets` starts with a 0
@@ -120,8 +128,8 @@ pub fn network_programming_buckets() -> Vec<f64> {
     buckets
 }
 
-fn network_programming_histogram() -> Histogram {
-    Histogram::new(network_programming_buckets())
+fn network_programming_histogram(native: Option<NativeConfig>) -> HistogramFamily {
+    HistogramVec::new(network_programming_buckets(), native)
 }
 
 fn seconds_since_epoch(time: SystemTime) -> f64 {
@@ -163,10 +171,10 @@ impl Collector for Described {
 pub struct Metrics {
     registry: Registry,
     mode: ProxyMode,
-    sync_duration: HistogramFamily<FamilyLabel>,
+    sync_duration: HistogramFamily,
     sync_last_timestamp: Family<FamilyLabel, FloatGauge>,
     sync_last_queued_timestamp: Family<FamilyLabel, FloatGauge>,
-    network_programming: HistogramFamily<FamilyLabel>,
+    network_programming: HistogramFamily,
     endpoint_changes_pending: Gauge,
     endpoint_changes_total: Counter,
     service_changes_pending: Gauge,
@@ -177,11 +185,13 @@ pub struct Metrics {
     healthz_total: Family<CodeLabel, Counter>,
     livez_total: Family<CodeLabel, Counter>,
     conntrack_deleted: Family<FamilyLabel, Counter>,
-    conntrack_sync_duration: HistogramFamily<FamilyLabel>,
+    conntrack_sync_duration: HistogramFamily,
     ignored_addresses: Family<ReasonLabel, Gauge>,
     frontend_conflicts: Gauge,
     iptables: Option<IptablesMetrics>,
     ebpf: Option<EbpfMetrics>,
+    /// Every histogram family by name, for the protobuf exposition's snapshots.
+    histograms: Vec<(&'static str, HistogramFamily)>,
     /// eBPF mode: service port name → the service ids of its frontends, so `proxy-agent
     /// inspect` can name what it reads from the pinned maps.
     service_ids: std::sync::RwLock<BTreeMap<String, Vec<u32>>>,
@@ -256,20 +266,37 @@ pub type DriftRequests = tokio::sync::mpsc::Sender<tokio::sync::oneshot::Sender<
 
 const ALPHA: &str = "[ALPHA] ";
 
+// The histogram families' names.
+const SYNC_DURATION: &str = "kubeproxy_sync_proxy_rules_duration_seconds";
+const NETWORK_PROGRAMMING: &str = "kubeproxy_network_programming_duration_seconds";
+const CONNTRACK_SYNC_DURATION: &str = "kubeproxy_conntrack_reconciler_sync_duration_seconds";
+const SYNC_FULL_DURATION: &str = "kubeproxy_sync_full_proxy_rules_duration_seconds";
+const SYNC_PARTIAL_DURATION: &str = "kubeproxy_sync_partial_proxy_rules_duration_seconds";
+
 fn alpha(help: &str) -> String {
     format!("{ALPHA}{help}")
 }
 
 impl Metrics {
+    /// The metrics of `mode`, with native histograms when the `NativeHistograms` feature gate
+    /// is on (component-base reads the gate once, before any histogram exists).
     pub fn new(mode: ProxyMode) -> Self {
+        Self::with_native_histograms(
+            mode,
+            proxy_model::config::features::enabled(
+                proxy_model::config::features::NATIVE_HISTOGRAMS,
+            ),
+        )
+    }
+
+    /// The metrics of `mode`; `native_histograms`: whether histograms keep native buckets.
+    pub fn with_native_histograms(mode: ProxyMode, native_histograms: bool) -> Self {
+        let native = native_histograms.then(NativeConfig::kube_proxy);
         let mut described = Described::default();
-        let sync_duration =
-            HistogramFamily::new_with_constructor(sync_duration_histogram as fn() -> Histogram);
+        let sync_duration = sync_duration_histogram(native);
         let sync_last_timestamp = Family::default();
         let sync_last_queued_timestamp = Family::default();
-        let network_programming = HistogramFamily::new_with_constructor(
-            network_programming_histogram as fn() -> Histogram,
-        );
+        let network_programming = network_programming_histogram(native);
         let endpoint_changes_pending = Gauge::default();
         let endpoint_changes_total = Counter::default();
         let service_changes_pending = Gauge::default();
@@ -278,8 +305,7 @@ impl Metrics {
         let healthz_total = Family::default();
         let livez_total = Family::default();
         let conntrack_deleted = Family::default();
-        let conntrack_sync_duration =
-            HistogramFamily::new_with_constructor(sync_duration_histogram as fn() -> Histogram);
+        let conntrack_sync_duration = sync_duration_histogram(native);
         let ignored_addresses = Family::default();
         let frontend_conflicts = Gauge::default();
 
@@ -289,7 +315,7 @@ impl Metrics {
             super::build_info::family(),
         );
         described.add(
-            "kubeproxy_sync_proxy_rules_duration_seconds",
+            SYNC_DURATION,
             alpha("SyncProxyRules latency in seconds"),
             sync_duration.clone(),
         );
@@ -304,7 +330,7 @@ impl Metrics {
             sync_last_queued_timestamp.clone(),
         );
         described.add(
-            "kubeproxy_network_programming_duration_seconds",
+            NETWORK_PROGRAMMING,
             alpha("In Cluster Network Programming Latency in seconds"),
             network_programming.clone(),
         );
@@ -350,7 +376,7 @@ impl Metrics {
             conntrack_deleted.clone(),
         );
         described.add(
-            "kubeproxy_conntrack_reconciler_sync_duration_seconds",
+            CONNTRACK_SYNC_DURATION,
             alpha("ReconcileConntrackFlowsLatency latency in seconds"),
             conntrack_sync_duration.clone(),
         );
@@ -365,9 +391,21 @@ impl Metrics {
             "Frontends (address, port, protocol) a Service names but an older Service owns",
             frontend_conflicts.clone(),
         );
-        let iptables =
-            (mode == ProxyMode::Iptables).then(|| IptablesMetrics::register(&mut described));
+        let iptables = (mode == ProxyMode::Iptables)
+            .then(|| IptablesMetrics::register(&mut described, native));
         let ebpf = (mode == ProxyMode::Ebpf).then(|| EbpfMetrics::register(&mut described));
+        let mut histograms = vec![
+            (SYNC_DURATION, sync_duration.clone()),
+            (NETWORK_PROGRAMMING, network_programming.clone()),
+            (CONNTRACK_SYNC_DURATION, conntrack_sync_duration.clone()),
+        ];
+        if let Some(iptables) = &iptables {
+            histograms.push((SYNC_FULL_DURATION, iptables.sync_full_duration.clone()));
+            histograms.push((
+                SYNC_PARTIAL_DURATION,
+                iptables.sync_partial_duration.clone(),
+            ));
+        }
         let mut registry = Registry::default();
         registry.register_collector(Box::new(described));
         Self {
@@ -391,6 +429,7 @@ impl Metrics {
             frontend_conflicts,
             iptables,
             ebpf,
+            histograms,
             service_ids: std::sync::RwLock::default(),
             drift_requests: Mutex::default(),
             drift_gate: Mutex::default(),
@@ -464,6 +503,24 @@ impl Metrics {
     /// The exposition in the classic text format (what `/metrics` answers by default).
     pub fn encode_text(&self) -> String {
         exposition::openmetrics_to_text(&self.encode())
+    }
+
+    /// The protobuf exposition: the families of the text format, each histogram written from
+    /// one snapshot of it (with its native buckets when they are kept).
+    pub fn encode_protobuf(&self) -> Vec<u8> {
+        let families = exposition::families(&self.encode());
+        let mut snapshots = protobuf::HistogramSnapshots::new();
+        for (name, family) in &self.histograms {
+            for (labels, snapshot) in family.snapshots() {
+                let mut labels: Vec<(String, String)> = labels
+                    .into_iter()
+                    .map(|(label, value)| (label.to_owned(), value))
+                    .collect();
+                labels.sort();
+                snapshots.insert(((*name).to_owned(), labels), snapshot);
+            }
+        }
+        protobuf::encode(&families, &snapshots)
     }
 
     /// The exposition text (OpenMetrics).
@@ -671,8 +728,8 @@ impl NoLocalPorts {
 /// What only the iptables dataplane reports.
 #[derive(Debug)]
 pub struct IptablesMetrics {
-    sync_full_duration: HistogramFamily<FamilyLabel>,
-    sync_partial_duration: HistogramFamily<FamilyLabel>,
+    sync_full_duration: HistogramFamily,
+    sync_partial_duration: HistogramFamily,
     restore_failures: Family<FamilyLabel, Counter>,
     partial_restore_failures: Family<FamilyLabel, Counter>,
     rules_total: Family<TableLabel, Gauge>,
@@ -703,15 +760,11 @@ impl IptablesTable {
 }
 
 impl IptablesMetrics {
-    fn register(described: &mut Described) -> Self {
+    fn register(described: &mut Described, native: Option<NativeConfig>) -> Self {
         let nfacct_reader = Arc::new(OnceLock::new());
         let this = Self {
-            sync_full_duration: HistogramFamily::new_with_constructor(
-                sync_duration_histogram as fn() -> Histogram,
-            ),
-            sync_partial_duration: HistogramFamily::new_with_constructor(
-                sync_duration_histogram as fn() -> Histogram,
-            ),
+            sync_full_duration: sync_duration_histogram(native),
+            sync_partial_duration: sync_duration_histogram(native),
             restore_failures: Family::default(),
             partial_restore_failures: Family::default(),
             rules_total: Family::default(),
@@ -727,12 +780,12 @@ impl IptablesMetrics {
             drift_repairs: Family::default(),
         };
         described.add(
-            "kubeproxy_sync_full_proxy_rules_duration_seconds",
+            SYNC_FULL_DURATION,
             alpha("SyncProxyRules latency in seconds for full resyncs"),
             this.sync_full_duration.clone(),
         );
         described.add(
-            "kubeproxy_sync_partial_proxy_rules_duration_seconds",
+            SYNC_PARTIAL_DURATION,
             alpha("SyncProxyRules latency in seconds for partial resyncs"),
             this.sync_partial_duration.clone(),
         );
@@ -1043,10 +1096,11 @@ async fn metrics_handler(
         .and_then(|value| value.to_str().ok());
     let negotiated = exposition::negotiate(accept);
     let body = match negotiated.format {
-        Format::Text => metrics.encode_text(),
-        Format::OpenMetrics(_) => metrics.encode(),
+        Format::Text => Body::from(metrics.encode_text()),
+        Format::OpenMetrics(_) => Body::from(metrics.encode()),
+        Format::Protobuf => Body::from(metrics.encode_protobuf()),
     };
-    let mut reply = Response::new(Body::from(body));
+    let mut reply = Response::new(body);
     if let Ok(value) = HeaderValue::from_str(&negotiated.content_type) {
         reply.headers_mut().insert(header::CONTENT_TYPE, value);
     }

@@ -5,7 +5,9 @@
 //! - `health.rs`: health state per IP family + the `/healthz` `/livez` server.
 //! - `service_health.rs`: one server per health check node port.
 //! - `metrics.rs`: the registry, kube-proxy's `kubeproxy_*` metrics and our `kubeproxy_ebpf_*`.
+//! - `histogram.rs`: kube-proxy's histograms, classic and native (client_golang's algorithm).
 //! - `exposition.rs`: `/metrics` content negotiation and the classic text format.
+//! - `protobuf.rs`: the protobuf exposition (`io.prometheus.client.MetricFamily`, delimited).
 //! - `http.rs`: serving (Go-like listeners and headers).
 //!
 //! [`HttpServers`] is the handle the agent's loop calls.
@@ -13,8 +15,10 @@
 pub mod build_info;
 pub mod exposition;
 pub mod health;
+pub mod histogram;
 pub mod http;
 pub mod metrics;
+pub mod protobuf;
 pub mod service_health;
 
 use std::{

@@ -19,14 +19,23 @@ pub const ALLOW_SERVICE_EXTERNAL_IPS: &str = "AllowServiceExternalIPs";
 /// gate is accepted for its deprecation warning.
 pub const KUBE_PROXY_IPVS: &str = "KubeProxyIPVS";
 
+/// component-base (KEP-5808): every histogram also keeps Prometheus native buckets, which
+/// the protobuf exposition carries. Alpha and off in 1.36, beta and on by default in 1.37.
+pub const NATIVE_HISTOGRAMS: &str = "NativeHistograms";
+
 /// The gates with an effect here, with upstream's default.
 const DEFAULTS: &[(&str, bool)] = &[
     (PREFER_SAME_TRAFFIC_DISTRIBUTION, true),
     (ALLOW_SERVICE_EXTERNAL_IPS, true),
+    (NATIVE_HISTOGRAMS, true),
 ];
 
 /// Names of the gates with an effect here.
-pub const APPLIED: &[&str] = &[PREFER_SAME_TRAFFIC_DISTRIBUTION, ALLOW_SERVICE_EXTERNAL_IPS];
+pub const APPLIED: &[&str] = &[
+    PREFER_SAME_TRAFFIC_DISTRIBUTION,
+    ALLOW_SERVICE_EXTERNAL_IPS,
+    NATIVE_HISTOGRAMS,
+];
 
 /// Gates at upstream's `Deprecated` stage: setting one is logged as component-base's
 /// feature gate logs it.
@@ -84,6 +93,15 @@ mod tests {
         assert!(resolve(None, ALLOW_SERVICE_EXTERNAL_IPS));
         let gates = BTreeMap::from([(ALLOW_SERVICE_EXTERNAL_IPS.to_owned(), false)]);
         assert!(!resolve(Some(&gates), ALLOW_SERVICE_EXTERNAL_IPS));
+    }
+
+    /// kube-proxy 1.37's default: native histograms unless the gate is turned off.
+    #[test]
+    fn native_histograms_are_kept_unless_the_gate_is_off() {
+        assert!(resolve(None, NATIVE_HISTOGRAMS));
+        assert!(APPLIED.contains(&NATIVE_HISTOGRAMS));
+        let gates = BTreeMap::from([(NATIVE_HISTOGRAMS.to_owned(), false)]);
+        assert!(!resolve(Some(&gates), NATIVE_HISTOGRAMS));
     }
 
     #[test]

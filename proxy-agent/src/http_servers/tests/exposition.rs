@@ -17,10 +17,13 @@ fn negotiation_follows_expfmt() {
         Some("application/json"),
         // A version we do not know is passed over, as expfmt does.
         Some("application/openmetrics-text;version=2.0.0"),
-        // Protobuf is not offered: the next entry (text) answers.
+        // The protobuf text encodings are not offered: the next entry (text) answers.
         Some(
-            "application/vnd.google.protobuf;proto=io.prometheus.client.MetricFamily;encoding=delimited,text/plain;version=0.0.4;q=0.5",
+            "application/vnd.google.protobuf;proto=io.prometheus.client.MetricFamily;encoding=text,text/plain;version=0.0.4;q=0.5",
         ),
+        // Nor protobuf of another message, or without an encoding.
+        Some("application/vnd.google.protobuf;proto=other.Message;encoding=delimited"),
+        Some("application/vnd.google.protobuf;proto=io.prometheus.client.MetricFamily"),
         // Quality decides, not the order written.
         Some("application/openmetrics-text;q=0.2,text/plain;q=0.9"),
     ] {
@@ -28,6 +31,23 @@ fn negotiation_follows_expfmt() {
         assert_eq!(negotiated.format, Format::Text, "{accept:?}");
         assert_eq!(negotiated.content_type, text, "{accept:?}");
     }
+    // Prometheus with native histograms lists protobuf first; expfmt answers it.
+    let protobuf = "application/vnd.google.protobuf; proto=io.prometheus.client.MetricFamily; encoding=delimited; escaping=underscores";
+    for accept in [
+        super::protobuf::PROMETHEUS_NATIVE_SCRAPE,
+        "application/vnd.google.protobuf;proto=io.prometheus.client.MetricFamily;encoding=delimited",
+        // Quality first: protobuf preferred although listed last.
+        "text/plain;version=0.0.4;q=0.5,application/vnd.google.protobuf;proto=io.prometheus.client.MetricFamily;encoding=delimited",
+    ] {
+        let negotiated = negotiate(Some(accept));
+        assert_eq!(negotiated.format, Format::Protobuf, "{accept}");
+        assert_eq!(negotiated.content_type, protobuf, "{accept}");
+    }
+    // Text listed with a higher quality wins over protobuf.
+    assert_eq!(
+        negotiate(Some("application/vnd.google.protobuf;proto=io.prometheus.client.MetricFamily;encoding=delimited;q=0.4,text/plain;q=0.9")).format,
+        Format::Text
+    );
     let om = negotiate(Some(PROMETHEUS_SCRAPER));
     assert_eq!(om.format, Format::OpenMetrics("1.0.0"));
     assert_eq!(

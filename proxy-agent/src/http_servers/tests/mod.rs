@@ -3,8 +3,10 @@
 
 mod exposition;
 mod health;
+mod histogram;
 mod http;
 mod metrics;
+mod protobuf;
 mod service_health;
 
 use std::{
@@ -92,7 +94,8 @@ pub async fn request_with(
         .await
         .expect("read timeout")
         .expect("read");
-    let raw = String::from_utf8(raw).expect("utf-8");
+    // Lossy: a protobuf body is not text; the tests that ask for one only read its headers.
+    let raw = String::from_utf8_lossy(&raw).into_owned();
     let (head, body) = raw.split_once("\r\n\r\n").expect("end of headers");
     let mut lines = head.split("\r\n");
     let status_line = lines.next().expect("status line").to_owned();
