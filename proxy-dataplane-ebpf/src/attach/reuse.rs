@@ -11,6 +11,10 @@
 //! stamp first and pins it again only once every program is attached, so a stamp never
 //! vouches for pins another build replaced half-way.
 //!
+//! An agent of an older build ignores the program pins and the stamp but replaces the links;
+//! so a socket program's link that runs another program than the pinned one of its name
+//! ([`open`]) means the pins are stale, and the start loads.
+//!
 //! The tc family and fragment programs need no pins of their own: the pinned program arrays
 //! that the entry programs tail-call through keep them, loaded once with their entry programs.
 
