@@ -999,6 +999,11 @@ fn attach_all(
     let mut links = Vec::with_capacity(program_names::ALL.len());
     for name in program_names::ALL {
         links.push(attach_and_pin(ebpf, name, cgroup_dir, pin_dir)?);
+        // Pinned for the next start (the link alone would keep it loaded, but only a pin
+        // lets that start open it).
+        if let Some(program) = ebpf.program_mut(name) {
+            reuse::pin_loaded(pin_dir, name, |path| program.pin(path));
+        }
     }
     tc.refresh(ebpf, pin_dir, true);
     if let Some(stamp) = stamp {

@@ -76,7 +76,7 @@ fn remove_legacy_filters() -> usize {
     }
 }
 
-/// Loads and attaches one program, pins it (for the next start, see `reuse`) and its link under a temporary name and renames that over
+/// Loads and attaches one program, pins its link under a temporary name and renames that over
 /// the previous run's pin, which releases the previous link (and so detaches the old program)
 /// only once the new one is attached.
 pub(crate) fn attach_and_pin(
@@ -98,7 +98,6 @@ pub(crate) fn attach_and_pin(
         elapsed_ms = started.elapsed().as_millis(),
         "program loaded (verified by the kernel)"
     );
-    crate::attach::tc_programs::pin_loaded(pin_dir, name, |path| program.pin(path));
     // cgroup links are always multi-attach; other modes give EINVAL with bpf_link_create.
     let link_id = program
         .attach(cgroup, CgroupAttachMode::Single)

@@ -283,6 +283,18 @@ pub fn pin_program(
     std::fs::rename(&new_pin, &final_pin).map_err(dir_error(&final_pin))
 }
 
+/// Pins a program just loaded for the next start. Best effort: a program not pinned only
+/// makes that start load it again.
+pub(crate) fn pin_loaded(
+    pin_dir: &Path,
+    program: &'static str,
+    pin: impl FnOnce(&Path) -> Result<(), aya::pin::PinError>,
+) {
+    if let Err(error) = pin_program(pin_dir, program, pin) {
+        warn!(program, %error, "cannot pin the program; the next start loads it again");
+    }
+}
+
 /// Why the pinned programs could not be reused after all (the start then loads them).
 #[derive(Debug, thiserror::Error)]
 pub enum ReuseError {

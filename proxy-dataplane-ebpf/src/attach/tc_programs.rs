@@ -42,21 +42,9 @@ pub fn loaded_classifier<'a>(
             name: program,
             source,
         })?;
-        pin_loaded(pin_dir, program, |path| classifier.pin(path));
+        reuse::pin_loaded(pin_dir, program, |path| classifier.pin(path));
     }
     Ok(classifier)
-}
-
-/// Pins a program just loaded for the next start (see `reuse`). Best effort: a program not
-/// pinned only makes that start load it again.
-pub(crate) fn pin_loaded(
-    pin_dir: &Path,
-    program: &'static str,
-    pin: impl FnOnce(&Path) -> Result<(), aya::pin::PinError>,
-) {
-    if let Err(error) = reuse::pin_program(pin_dir, program, pin) {
-        tracing::warn!(program, %error, "cannot pin the program; the next start loads it again");
-    }
 }
 
 fn classifier<'a>(

@@ -34,7 +34,8 @@ use tracing::{debug, info, warn};
 use crate::{
     attach::pin_files::remove_if_present,
     attach::pins::{LINK_SUFFIX, pin_replacing},
-    attach::tc_programs::{fill_program_array, load_in_parallel, pin_loaded},
+    attach::reuse::pin_loaded,
+    attach::tc_programs::{fill_program_array, load_in_parallel},
     error::EbpfError,
 };
 
