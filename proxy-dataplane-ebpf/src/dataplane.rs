@@ -27,6 +27,7 @@ use crate::{
     attach::layout::{self, Plan},
     attach::object,
     attach::pins::{PIN_DIR_NAME, attach_and_pin, links_pinned, prepare_pin_dir},
+    attach::reuse::{self, LoadStamp},
     attach::tc::TcOptions,
     attach::tc::TcState,
     attach::xdp::XdpState,
@@ -198,6 +199,46 @@ impl EbpfDataplane {
         let snat_min = u32::from(*options.snat_ports.start());
         let snat_count = u32::from(*options.snat_ports.end()).saturating_sub(snat_min) + 1;
         reserved_ports::reserve(&options.snat_ports);
+        // Everything that changes the loaded instructions (the globals, BTF, the map sizes the
+        // programs are relocated against) or where the reused links attach: pinned programs
+        // loaded with other values are not reused (see `reuse`).
+        let load_options = format!(
+            "btf={} set_retval={use_set_retval} l4_csum_ipv6={l4_csum_ipv6} icmp={icmp4}/{icmp6} \
+             snat={snat_min}+{snat_count} frontends={} backends={} maglev={maglev_capacity} \
+             lru={lru:?} cgroup={} tcx={} xdp={:?}",
+            features.uses(Feature::Btf),
+            options.frontends_capacity,
+            options.backends_capacity,
+            cgroup_path.display(),
+            features.uses(Feature::Tcx),
+            options.tc.xdp,
+        );
+        let stamp = reuse::kernel_release()
+            .map(|release| LoadStamp::new(object::OBJECT, &release, &load_options));
+        let decision = reuse::decide(
+            reuse::read(&pin_dir).as_ref(),
+            stamp.as_ref(),
+            reuse::first_missing_pin(&pin_dir).as_deref(),
+            plan.migrates() || !plan.rebuilt.is_empty(),
+        );
+        let reused = match decision {
+            Ok(()) => match reuse::open(&pin_dir) {
+                Ok(reused) => Some(reused),
+                Err(error) => {
+                    warn!(%error, "cannot reuse the pinned eBPF programs; loading them (the kernel verifies them)");
+                    None
+                }
+            },
+            Err(reason) => {
+                info!(%reason, "loading the eBPF programs (the kernel verifies them)");
+                None
+            }
+        };
+        if reused.is_none() {
+            // From here the pinned programs are replaced one by one: no stamp vouches for them
+            // until `attach_all` has pinned every one of this load.
+            reuse::invalidate(&pin_dir);
+        }
         let mut loader = EbpfLoader::new();
         if !features.uses(Feature::Btf) {
             loader.btf(None);
@@ -229,7 +270,21 @@ impl EbpfDataplane {
             .map_max_entries(map_names::UDP_STICKY, lru.udp_sticky)
             .map_max_entries(map_names::SERVICE_NAMES, options.frontends_capacity)
             .load(object::OBJECT)?;
-        let log_drain = start_log_drain(&mut ebpf);
+        let log_drain = match &reused {
+            // The reused programs log into the ring buffer of the load that verified them,
+            // which `aya-log` finds among a program's maps (one that never logs has none).
+            Some(reused) => start_log_drain(
+                reused
+                    .programs
+                    .ids
+                    .values()
+                    .map(|id| EbpfLogger::init_from_id(*id))
+                    .find(Result::is_ok)
+                    .unwrap_or(Err(aya_log::Error::ProgramNotFound)),
+                |logger| logger.flush(),
+            ),
+            None => start_log_drain(EbpfLogger::init(&mut ebpf), |logger| logger.flush()),
+        };
         layout::write_records(&pin_dir);
         plan.copy(&pin_dir, false);
 
@@ -294,15 +349,31 @@ impl EbpfDataplane {
         // Before the tc programs attach (and before the first sync gives them frontends): from
         // then on a UDP/SCTP packet without an entry would be a new flow of theirs.
         adopt_kernel_nat_flows(&mut ebpf);
-        let (links, deferred) = if defer_attach {
+        let (links, deferred) = if let Some(reused) = reused {
+            info!(
+                programs = ?reused.programs.ids,
+                object = %stamp.as_ref().map(LoadStamp::object_short).unwrap_or_default(),
+                "reused the pinned eBPF programs and their links: nothing loaded, no verifier"
+            );
+            tc.reuse_pinned(reused.programs);
+            tc.refresh(&mut ebpf, &pin_dir, true);
+            (reused.links, None)
+        } else if defer_attach {
             info!(
                 rebuilt = ?plan.rebuilt,
                 "the previous agent's programs keep serving until the first sync has filled \
                  the rebuilt maps; this agent's are attached then"
             );
-            (Vec::new(), Some(DeferredAttach { cgroup_dir, plan }))
+            (
+                Vec::new(),
+                Some(DeferredAttach {
+                    cgroup_dir,
+                    plan,
+                    stamp,
+                }),
+            )
         } else {
-            let links = attach_all(&mut ebpf, &mut tc, &cgroup_dir, &pin_dir)?;
+            let links = attach_all(&mut ebpf, &mut tc, &cgroup_dir, &pin_dir, stamp.as_ref())?;
             plan.copy(&pin_dir, true);
             (links, None)
         };
@@ -365,6 +436,7 @@ impl EbpfDataplane {
             &mut self.tc,
             &deferred.cgroup_dir,
             &self.pin_dir,
+            deferred.stamp.as_ref(),
         ) {
             Ok(links) => {
                 self.links = links;
@@ -910,21 +982,33 @@ fn conntrack_maps(ebpf: &mut Ebpf) -> Result<ConntrackMaps<&mut MapData>, EbpfEr
 pub(super) struct DeferredAttach {
     cgroup_dir: File,
     plan: Plan,
+    /// Pinned once the programs are attached.
+    stamp: Option<LoadStamp>,
 }
 
 /// Attaches the socket programs to the cgroup and the tc programs to the interfaces, each
-/// replacing a previous agent's program without a gap.
+/// replacing a previous agent's program without a gap; then pins `stamp`, which lets the next
+/// start reuse the programs it pinned (see `reuse`).
 fn attach_all(
     ebpf: &mut Ebpf,
     tc: &mut TcState,
     cgroup_dir: &File,
     pin_dir: &std::path::Path,
+    stamp: Option<&LoadStamp>,
 ) -> Result<Vec<PinnedLink>, EbpfError> {
     let mut links = Vec::with_capacity(program_names::ALL.len());
     for name in program_names::ALL {
         links.push(attach_and_pin(ebpf, name, cgroup_dir, pin_dir)?);
+        // Pinned for the next start (the link alone would keep it loaded, but only a pin
+        // lets that start open it).
+        if let Some(program) = ebpf.program_mut(name) {
+            reuse::pin_loaded(pin_dir, name, |path| program.pin(path));
+        }
     }
     tc.refresh(ebpf, pin_dir, true);
+    if let Some(stamp) = stamp {
+        reuse::write(pin_dir, stamp);
+    }
     Ok(links)
 }
 
@@ -937,8 +1021,16 @@ where
 }
 
 /// Forwards aya-log records from the eBPF programs into `tracing` (through the `log` bridge).
-fn start_log_drain(ebpf: &mut Ebpf) -> Option<JoinHandle<()>> {
-    let logger = match EbpfLogger::init(ebpf) {
+/// `flush` reads the records (`EbpfLogger::flush`; a function so that the logger's type, which
+/// names the `log` crate's trait, is only inferred).
+fn start_log_drain<L>(
+    logger: Result<L, aya_log::Error>,
+    flush: fn(&mut L),
+) -> Option<JoinHandle<()>>
+where
+    L: std::os::fd::AsRawFd + Send + 'static,
+{
+    let logger = match logger {
         Ok(logger) => logger,
         Err(error) => {
             warn!(%error, "eBPF log forwarding unavailable");
@@ -961,7 +1053,7 @@ fn start_log_drain(ebpf: &mut Ebpf) -> Option<JoinHandle<()>> {
             let Ok(mut guard) = logger.readable_mut().await else {
                 return;
             };
-            guard.get_inner_mut().flush();
+            flush(guard.get_inner_mut());
             guard.clear_ready();
         }
     }))

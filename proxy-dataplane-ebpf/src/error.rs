@@ -55,6 +55,11 @@ pub enum EbpfError {
         name: &'static str,
         source: aya::pin::PinError,
     },
+    #[error("program {name}: pinning it: {source}")]
+    PinProgram {
+        name: &'static str,
+        source: aya::pin::PinError,
+    },
     /// A legacy tc filter (`attach::legacy_tc::LegacyTcError`, which names the interface and
     /// why): boxed so that this type, which every room of the dataplane returns, names none of
     /// them.

@@ -147,7 +147,7 @@ impl EbpfDataplane {
         repeat: u32,
     ) -> Result<(XdpTestRun, std::time::Duration), EbpfError> {
         let name = proxy_common::program_names::XDP_EXTERNAL;
-        let program = xdp::loaded_program(&mut self.ebpf)?;
+        let program = xdp::loaded_program(&mut self.ebpf, None, &self.pin_dir)?;
         // `struct xdp_md`: data 0, data_end the packet's length, data_meta 0 (the kernel
         // requires these), then ingress_ifindex (offset 12), which the fib lookup starts from.
         let mut ctx = [0u8; 24];
@@ -188,7 +188,7 @@ impl EbpfDataplane {
             name: program,
             source,
         };
-        let classifier = loaded_classifier(&mut self.ebpf, program)?;
+        let classifier = loaded_classifier(&mut self.ebpf, None, program, &self.pin_dir)?;
         // A partial `struct __sk_buff`: the kernel copies what is given and requires the rest
         // zero. `ingress_ifindex` (offset 36) is what the programs read; `ifindex` (offset 40)
         // makes that interface the skb's device, so fib lookups start from it; `mark` is at 8.

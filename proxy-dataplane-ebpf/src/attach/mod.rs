@@ -7,6 +7,7 @@ pub mod legacy_tc;
 pub(super) mod object;
 pub(super) mod pin_files;
 pub(super) mod pins;
+pub mod reuse;
 pub(super) mod tc;
 pub(super) mod tc_programs;
 pub mod xdp;

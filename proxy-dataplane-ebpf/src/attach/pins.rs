@@ -30,7 +30,7 @@ pub const PIN_DIR_NAME: &str = "kubeproxy-rs";
 /// Suffix of link pins: `<program>_link`. (bpffs refuses names with a dot: EPERM.)
 pub(crate) const LINK_SUFFIX: &str = "_link";
 
-/// `--cleanup`: removes every link pin (which detaches the programs) and map pin under
+/// `--cleanup`: removes every link pin (which detaches the programs), program and map pin under
 /// `<bpf_root>/kubeproxy-rs/`, then the directory. Returns how many pins it removed.
 pub fn cleanup(bpf_root: &Path) -> Result<usize, EbpfError> {
     let filters = remove_legacy_filters();

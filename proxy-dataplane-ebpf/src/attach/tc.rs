@@ -37,7 +37,7 @@ use aya::{
     Ebpf,
     maps::{Array, HashMap, MapData},
     programs::{
-        LinkOrder, TcAttachType,
+        LinkOrder, SchedClassifier, TcAttachType,
         links::{FdLink, PinnedLink},
         tc::TcAttachOptions,
     },
@@ -52,6 +52,7 @@ use crate::{
     attach::legacy_tc,
     attach::pin_files::remove_if_present,
     attach::pins::LINK_SUFFIX,
+    attach::reuse::PinnedPrograms,
     attach::tc_programs::loaded_classifier,
     attach::xdp::{XdpSetting, XdpState},
     drift::{Drift, DriftKind, RepairReport},
@@ -177,6 +178,8 @@ pub struct TcState {
     kernel_flows: bool,
     /// The XDP links of the external interfaces (`--bpf-xdp`).
     xdp: XdpState,
+    /// The pinned entry programs a restart reuses (`reuse`); `None`: the object's, loaded.
+    pinned: Option<PinnedPrograms>,
 }
 
 /// One attachment of a tc program.
@@ -241,7 +244,14 @@ impl TcState {
             links: BTreeMap::new(),
             unusable: BTreeSet::new(),
             xdp,
+            pinned: None,
         }
+    }
+
+    /// Attaches the pinned programs a restart reuses (`reuse`) instead of the object's from now
+    /// on; a program without a pin is still loaded from the object when first needed.
+    pub fn reuse_pinned(&mut self, programs: PinnedPrograms) {
+        self.pinned = Some(programs);
     }
 
     /// Re-reads the interfaces, updates the node maps and attaches the programs to interfaces
@@ -305,11 +315,27 @@ impl TcState {
                 if self.links.contains_key(&pin_name) {
                     continue;
                 }
+                if first
+                    && self.options.tcx
+                    && let Some(link) = adopt_link(
+                        self.pinned.as_ref(),
+                        program,
+                        name,
+                        direction,
+                        &pin_dir.join(&pin_name),
+                    )
+                {
+                    debug!(interface = %name, program, "pinned tc link adopted");
+                    self.links.insert(pin_name, Attached::Tcx { _link: link });
+                    continue;
+                }
+                let pinned = self.pinned.as_mut();
                 let attached = if self.options.tcx {
-                    attach(ebpf, program, name, direction, pin_dir, &pin_name)
+                    attach(ebpf, pinned, program, name, direction, pin_dir, &pin_name)
                         .map(|link| Attached::Tcx { _link: link })
                 } else {
-                    attach_legacy(ebpf, program, name, index, direction).map(|()| Attached::Legacy)
+                    attach_legacy(ebpf, pinned, program, name, index, direction, pin_dir)
+                        .map(|()| Attached::Legacy)
                 };
                 match attached {
                     Ok(link) => {
@@ -334,8 +360,15 @@ impl TcState {
         self.program_node(config, &addrs);
         self.program_snat(snat);
         // After the node config and SNAT interfaces it reads; before tc detaches anything.
-        self.xdp
-            .refresh(ebpf, pin_dir, &xdp_ready, self.options.fast_path, first);
+        let pinned_xdp = self.pinned.as_mut().and_then(|p| p.xdp.as_mut());
+        self.xdp.refresh(
+            ebpf,
+            pinned_xdp,
+            pin_dir,
+            &xdp_ready,
+            self.options.fast_path,
+            first,
+        );
         self.detach_unwanted(&wanted, pin_dir);
         if first {
             self.remove_stale_pins(pin_dir);
@@ -706,15 +739,41 @@ fn describe_config(c: &NodeConfig) -> String {
     )
 }
 
+/// A previous run's TCX link pinned at `pin`, adopted as it is when it runs the pinned
+/// program a restart reuses and that program is attached to `interface` (`direction`): a link
+/// whose interface went away (an ifindex used again) runs nowhere and is replaced.
+fn adopt_link(
+    pinned: Option<&PinnedPrograms>,
+    program: &'static str,
+    interface: &str,
+    direction: TcAttachType,
+    pin: &Path,
+) -> Option<PinnedLink> {
+    let id = *pinned?.ids.get(program)?;
+    if !pinned?.classifiers.contains_key(program) || !pin.exists() {
+        return None;
+    }
+    let linked = FdLink::from(PinnedLink::from_pin(pin).ok()?)
+        .info()
+        .ok()?
+        .program_id();
+    let (_, attached) = SchedClassifier::query_tcx(interface, direction).ok()?;
+    (linked == id && attached.iter().any(|info| info.id() == id))
+        .then(|| PinnedLink::from_pin(pin).ok())
+        .flatten()
+}
+
 /// Attaches `program` to `interface` (`direction`) as a legacy clsact filter in our slot.
 fn attach_legacy(
     ebpf: &mut Ebpf,
+    pinned: Option<&mut PinnedPrograms>,
     program: &'static str,
     interface: &str,
     ifindex: u32,
     direction: TcAttachType,
+    pin_dir: &Path,
 ) -> Result<(), EbpfError> {
-    let classifier = loaded_classifier(ebpf, program)?;
+    let classifier = loaded_classifier(ebpf, pinned, program, pin_dir)?;
     legacy_tc::attach(classifier, interface, ifindex, direction)
         .map_err(|e| EbpfError::LegacyTc(Box::new(e)))
 }
@@ -723,6 +782,7 @@ fn attach_legacy(
 /// so detaching, a previous agent's link for the same interface only once the new one runs).
 fn attach(
     ebpf: &mut Ebpf,
+    pinned: Option<&mut PinnedPrograms>,
     program: &'static str,
     interface: &str,
     direction: TcAttachType,
@@ -733,7 +793,7 @@ fn attach(
         name: program,
         source,
     };
-    let classifier = loaded_classifier(ebpf, program)?;
+    let classifier = loaded_classifier(ebpf, pinned, program, pin_dir)?;
     // TCX on ≥ 6.6 (toolchain.md): a link, so it can be pinned and outlive the agent. Appended
     // last: programs attached before ours run first.
     let link_id = classifier

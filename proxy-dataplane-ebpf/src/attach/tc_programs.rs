@@ -7,6 +7,8 @@
 //! this agent's programs: it happens when the agent attaches (after the first sync where maps
 //! were rebuilt), never earlier.
 
+use std::path::Path;
+
 use aya::{
     Ebpf,
     maps::ProgramArray,
@@ -14,14 +16,23 @@ use aya::{
 };
 use proxy_common::{TcFamilyProgram, TcFragmentProgram, map_names};
 
-use crate::error::EbpfError;
+use crate::{
+    attach::reuse::{self, PinnedPrograms},
+    error::EbpfError,
+};
 
 /// `program`, loaded (with the programs of each family it hands packets to, and those written
-/// into `KPR_TC_FAMILY`).
+/// into `KPR_TC_FAMILY`) and pinned as `<program>_prog` in `pin_dir` (see `reuse`) — or, when
+/// the start reuses the pinned programs (`pinned`), the pinned one: no load, no verifier.
 pub fn loaded_classifier<'a>(
     ebpf: &'a mut Ebpf,
+    pinned: Option<&'a mut PinnedPrograms>,
     program: &'static str,
+    pin_dir: &Path,
 ) -> Result<&'a mut SchedClassifier, EbpfError> {
+    if let Some(classifier) = pinned.and_then(|p| p.classifiers.get_mut(program)) {
+        return Ok(classifier);
+    }
     if classifier(ebpf, program)?.fd().is_err() {
         fill_family_programs(ebpf)?;
     }
@@ -31,6 +42,7 @@ pub fn loaded_classifier<'a>(
             name: program,
             source,
         })?;
+        reuse::pin_loaded(pin_dir, program, |path| classifier.pin(path));
     }
     Ok(classifier)
 }

@@ -34,6 +34,7 @@ use tracing::{debug, info, warn};
 use crate::{
     attach::pin_files::remove_if_present,
     attach::pins::{LINK_SUFFIX, pin_replacing},
+    attach::reuse::pin_loaded,
     attach::tc_programs::{fill_program_array, load_in_parallel},
     error::EbpfError,
 };
@@ -103,6 +104,7 @@ impl XdpState {
     pub fn refresh(
         &mut self,
         ebpf: &mut Ebpf,
+        mut pinned: Option<&mut Xdp>,
         pin_dir: &Path,
         external: &BTreeMap<String, u32>,
         fast_path: bool,
@@ -123,7 +125,7 @@ impl XdpState {
             if self.links.contains_key(pin_name) || self.refused.contains(index) {
                 continue;
             }
-            match attach(ebpf, *index, pin_dir, pin_name) {
+            match attach(ebpf, pinned.as_deref_mut(), *index, pin_dir, pin_name) {
                 Ok(link) => {
                     if let Some(targets) = &mut self.targets
                         && let Err(error) = targets.insert(*index, *index, None, 0)
@@ -216,8 +218,16 @@ impl XdpState {
 
 /// `kpr_xdp_external`, loaded, with the new-flow programs it tail-calls loaded first and
 /// written into `KPR_XDP_NEW_FLOW` (which no earlier agent's program uses: writing it early
-/// changes nothing that runs).
-pub(crate) fn loaded_program(ebpf: &mut Ebpf) -> Result<&mut Xdp, EbpfError> {
+/// changes nothing that runs), and pinned in `pin_dir` (see `reuse`) — or the pinned one a
+/// restart reuses (`pinned`), whose new-flow programs are already in the pinned array.
+pub(crate) fn loaded_program<'a>(
+    ebpf: &'a mut Ebpf,
+    pinned: Option<&'a mut Xdp>,
+    pin_dir: &Path,
+) -> Result<&'a mut Xdp, EbpfError> {
+    if let Some(program) = pinned {
+        return Ok(program);
+    }
     let name = program_names::XDP_EXTERNAL;
     let program_error = |source| EbpfError::Program { name, source };
     let loaded = ebpf
@@ -233,16 +243,23 @@ pub(crate) fn loaded_program(ebpf: &mut Ebpf) -> Result<&mut Xdp, EbpfError> {
         let slots = [(0, first_packet[0]), (1, first_packet[1])];
         fill_program_array(ebpf, map_names::XDP_NEW_FLOW, &slots)?;
     }
-    ebpf.program_mut(name)
+    let program: &mut Xdp = ebpf
+        .program_mut(name)
         .ok_or(EbpfError::MissingProgram(name))?
         .try_into()
-        .map_err(program_error)
+        .map_err(program_error)?;
+    if !loaded {
+        pin_loaded(pin_dir, name, |path| program.pin(path));
+    }
+    Ok(program)
 }
 
-/// Attaches `kpr_xdp_external` to interface `ifindex` in native mode and pins the link as
-/// `pin_name`. A previous agent's pinned link there gets this program swapped in atomically.
+/// Attaches `kpr_xdp_external` (`pinned`, or loaded from the object) to interface `ifindex` in
+/// native mode and pins the link as `pin_name`. A previous agent's pinned link there gets this
+/// program swapped in atomically.
 fn attach(
     ebpf: &mut Ebpf,
+    pinned: Option<&mut Xdp>,
     ifindex: u32,
     pin_dir: &Path,
     pin_name: &str,
@@ -250,7 +267,7 @@ fn attach(
     let name = program_names::XDP_EXTERNAL;
     let program_error = |source| EbpfError::Program { name, source };
     let link_error = |source| EbpfError::Link { name, source };
-    let program = loaded_program(ebpf)?;
+    let program = loaded_program(ebpf, pinned, pin_dir)?;
     let pin = pin_dir.join(pin_name);
     if pin.exists() {
         // The previous agent's link: the interface keeps an XDP program throughout.

@@ -823,12 +823,22 @@ fn legacy_tc_attach_serves_external_traffic_next_to_a_foreign_filter() -> anyhow
     };
     check(&s, "legacy attach", true)?;
     let first_program = our_program_id(&s)?;
-    // Same bpffs: the new agent adopts the pinned maps, so the replaced program serves at once.
+    // Same bpffs, object and options: the new agent reuses the pinned program (no load) and
+    // attaches it again in our slot, so the filter keeps the same program.
     s.agent()?.stop()?;
     s.agent()?.restart()?;
-    // The old program keeps serving until the new agent replaced it: wait for the new one.
-    wait_for_filters(&s, "our filter's program replaced", |filters| {
-        our_program_id_in(filters).is_some_and(|id| Some(id) != first_program)
+    let agent = s.agent()?;
+    proxy_tests::wait::wait_until(
+        "the restarted agent's first sync",
+        Duration::from_secs(30),
+        Duration::from_millis(100),
+        || agent.syncs() >= 1,
+    )?;
+    let reused = our_program_id(&s)?;
+    s.ensure(reused.is_some() && reused == first_program, || {
+        format!(
+            "a restart on the legacy path reuses the pinned program: {first_program:?} → {reused:?}"
+        )
     })?;
     check(&s, "after a restart on the legacy path", true)?;
     let filters = ingress_filters(&s)?;

@@ -37,6 +37,7 @@ mod node_settings;
 mod reachability_matrix;
 mod reliability;
 mod reply_interface;
+mod restart_reuse;
 mod reused_pod_addresses;
 mod rig;
 mod service_scenarios_ebpf;
