@@ -12,7 +12,8 @@
 //! writes OpenMetrics text (a counter's `# TYPE` line names the family without `_total`);
 //! `/metrics` answers the classic text format unless OpenMetrics is asked for
 //! (`exposition.rs`). The nfacct counters are read from the kernel at each scrape, as
-//! upstream's collector does.
+//! upstream's collector does. client-go's `rest_client_*` families (`rest_client.rs`) are
+//! served here and fed by the API client, in both modes.
 //!
 //! The same server answers `/configz` (the effective configuration) and, with `--profiling`,
 //! `/debug/flags/v` (klog's verbosity), as kube-proxy's metrics server does.
@@ -49,9 +50,10 @@ use tracing::{error, warn};
 
 use super::{
     exposition::{self, Format},
-    histogram::{HistogramVec, LabelPairs, NativeConfig},
+    histogram::{HistogramVec, LabelPairs, NativeConfig, SeriesSnapshot},
     http::{go_not_found, response},
     protobuf,
+    rest_client::{self, RestClientMetrics},
 };
 use proxy_model::{
     desired::{FamilySnapshot, IpFamily, ServicePort, ServicePortName},
@@ -190,8 +192,10 @@ pub struct Metrics {
     frontend_conflicts: Gauge,
     iptables: Option<IptablesMetrics>,
     ebpf: Option<EbpfMetrics>,
+    /// client-go's `rest_client_*`, shared with the API client's layer.
+    rest_client: RestClientMetrics,
     /// Every histogram family by name, for the protobuf exposition's snapshots.
-    histograms: Vec<(&'static str, HistogramFamily)>,
+    histograms: Vec<(&'static str, Box<dyn SnapshotFamily>)>,
     /// eBPF mode: service port name → the service ids of its frontends, so `proxy-agent
     /// inspect` can name what it reads from the pinned maps.
     service_ids: std::sync::RwLock<BTreeMap<String, Vec<u32>>>,
@@ -277,6 +281,20 @@ fn alpha(help: &str) -> String {
     format!("{ALPHA}{help}")
 }
 
+/// A histogram family of any label type, as the protobuf exposition reads it.
+trait SnapshotFamily: std::fmt::Debug + Send + Sync {
+    fn series_snapshots(&self) -> Vec<SeriesSnapshot>;
+}
+
+impl<L> SnapshotFamily for HistogramVec<L>
+where
+    L: Ord + Clone + LabelPairs + std::fmt::Debug + Send + Sync + 'static,
+{
+    fn series_snapshots(&self) -> Vec<SeriesSnapshot> {
+        self.snapshots()
+    }
+}
+
 impl Metrics {
     /// The metrics of `mode`, with native histograms when the `NativeHistograms` feature gate
     /// is on (component-base reads the gate once, before any histogram exists).
@@ -292,6 +310,24 @@ impl Metrics {
     /// The metrics of `mode`; `native_histograms`: whether histograms keep native buckets.
     pub fn with_native_histograms(mode: ProxyMode, native_histograms: bool) -> Self {
         let native = native_histograms.then(NativeConfig::kube_proxy);
+        Self::with_parts(mode, native, RestClientMetrics::new(native))
+    }
+
+    /// The metrics of `mode`, serving `rest_client`'s families (the API client's, created
+    /// before the metrics: see [`RestClientMetrics`]). Native buckets as in [`Self::new`].
+    pub fn with_rest_client(mode: ProxyMode, rest_client: RestClientMetrics) -> Self {
+        let native = proxy_model::config::features::enabled(
+            proxy_model::config::features::NATIVE_HISTOGRAMS,
+        )
+        .then(NativeConfig::kube_proxy);
+        Self::with_parts(mode, native, rest_client)
+    }
+
+    fn with_parts(
+        mode: ProxyMode,
+        native: Option<NativeConfig>,
+        rest_client: RestClientMetrics,
+    ) -> Self {
         let mut described = Described::default();
         let sync_duration = sync_duration_histogram(native);
         let sync_last_timestamp = Family::default();
@@ -391,19 +427,40 @@ impl Metrics {
             "Frontends (address, port, protocol) a Service names but an older Service owns",
             frontend_conflicts.clone(),
         );
+        // client-go's, in both modes (and hidden while they have no series).
+        described.add(
+            rest_client::REQUEST_DURATION,
+            rest_client::REQUEST_DURATION_HELP,
+            rest_client.duration.clone(),
+        );
+        described.add(
+            rest_client::REQUESTS,
+            rest_client::REQUESTS_HELP,
+            rest_client.requests.clone(),
+        );
         let iptables = (mode == ProxyMode::Iptables)
             .then(|| IptablesMetrics::register(&mut described, native));
         let ebpf = (mode == ProxyMode::Ebpf).then(|| EbpfMetrics::register(&mut described));
-        let mut histograms = vec![
-            (SYNC_DURATION, sync_duration.clone()),
-            (NETWORK_PROGRAMMING, network_programming.clone()),
-            (CONNTRACK_SYNC_DURATION, conntrack_sync_duration.clone()),
+        let mut histograms: Vec<(&'static str, Box<dyn SnapshotFamily>)> = vec![
+            (SYNC_DURATION, Box::new(sync_duration.clone())),
+            (NETWORK_PROGRAMMING, Box::new(network_programming.clone())),
+            (
+                CONNTRACK_SYNC_DURATION,
+                Box::new(conntrack_sync_duration.clone()),
+            ),
+            (
+                rest_client::REQUEST_DURATION,
+                Box::new(rest_client.duration.clone()),
+            ),
         ];
         if let Some(iptables) = &iptables {
-            histograms.push((SYNC_FULL_DURATION, iptables.sync_full_duration.clone()));
+            histograms.push((
+                SYNC_FULL_DURATION,
+                Box::new(iptables.sync_full_duration.clone()),
+            ));
             histograms.push((
                 SYNC_PARTIAL_DURATION,
-                iptables.sync_partial_duration.clone(),
+                Box::new(iptables.sync_partial_duration.clone()),
             ));
         }
         let mut registry = Registry::default();
@@ -429,6 +486,7 @@ impl Metrics {
             frontend_conflicts,
             iptables,
             ebpf,
+            rest_client,
             histograms,
             service_ids: std::sync::RwLock::default(),
             drift_requests: Mutex::default(),
@@ -495,6 +553,11 @@ impl Metrics {
         self.iptables.as_ref()
     }
 
+    /// client-go's `rest_client_*` families.
+    pub fn rest_client(&self) -> &RestClientMetrics {
+        &self.rest_client
+    }
+
     /// The eBPF dataplane's metrics (`None` in iptables mode).
     pub fn ebpf(&self) -> Option<&EbpfMetrics> {
         self.ebpf.as_ref()
@@ -511,7 +574,7 @@ impl Metrics {
         let families = exposition::families(&self.encode());
         let mut snapshots = protobuf::HistogramSnapshots::new();
         for (name, family) in &self.histograms {
-            for (labels, snapshot) in family.snapshots() {
+            for (labels, snapshot) in family.series_snapshots() {
                 let mut labels: Vec<(String, String)> = labels
                     .into_iter()
                     .map(|(label, value)| (label.to_owned(), value))

@@ -6,6 +6,7 @@
 //! - `service_health.rs`: one server per health check node port.
 //! - `metrics.rs`: the registry, kube-proxy's `kubeproxy_*` metrics and our `kubeproxy_ebpf_*`.
 //! - `histogram.rs`: kube-proxy's histograms, classic and native (client_golang's algorithm).
+//! - `rest_client.rs`: client-go's `rest_client_*` families, fed by the API client.
 //! - `exposition.rs`: `/metrics` content negotiation and the classic text format.
 //! - `protobuf.rs`: the protobuf exposition (`io.prometheus.client.MetricFamily`, delimited).
 //! - `http.rs`: serving (Go-like listeners and headers).
@@ -19,6 +20,7 @@ pub mod histogram;
 pub mod http;
 pub mod metrics;
 pub mod protobuf;
+pub mod rest_client;
 pub mod service_health;
 
 use std::{
@@ -36,6 +38,7 @@ use self::{
     health::{Clock, ProxyHealth, SystemClock},
     http::{ServerHandle, listen, serve},
     metrics::Metrics,
+    rest_client::RestClientMetrics,
     service_health::ServiceHealthServers,
 };
 use proxy_model::{
@@ -69,6 +72,8 @@ pub struct HttpServersConfig {
     /// A missing Node makes `/healthz` fail (the API source; a manifests folder may hold
     /// no Node).
     pub node_required: bool,
+    /// The API client's request metrics, which `/metrics` serves (see [`RestClientMetrics`]).
+    pub rest_client: RestClientMetrics,
 }
 
 impl HttpServersConfig {
@@ -82,6 +87,7 @@ impl HttpServersConfig {
             health_timeout: sync_period * 2,
             node_port_addresses: Vec::new(),
             node_required: false,
+            rest_client: RestClientMetrics::from_feature_gates(),
         }
     }
 }
@@ -155,7 +161,10 @@ impl HttpServers {
         if config.node_required {
             health.require_node();
         }
-        let metrics = Arc::new(Metrics::new(config.mode));
+        let metrics = Arc::new(Metrics::with_rest_client(
+            config.mode,
+            config.rest_client.clone(),
+        ));
         let service_health = ServiceHealthServers::new(
             &config.node_name,
             config.node_port_addresses.clone(),

@@ -26,7 +26,7 @@ use self::{
 use crate::{
     dataplane::Dataplane,
     drift_checks::{self, DriftChecks, DriftReport},
-    http_servers::HttpServers,
+    http_servers::{HttpServers, rest_client::RestClientMetrics},
     source,
     sync_runner::{SyncReason, SyncRunner},
 };
@@ -46,7 +46,10 @@ const CONNTRACK_GC_INTERVAL: Duration = Duration::from_secs(30);
 
 pub async fn run(config: Config) -> anyhow::Result<()> {
     let node = NodeContext::new(&node_name(config.hostname_override.as_deref())?, None);
-    let source = Source::resolve(&config).await?;
+    // Before the client and the metrics server: the first has to record into what the second
+    // serves, and the metrics server starts only once the dataplane's mode is known.
+    let rest_client = RestClientMetrics::from_feature_gates();
+    let source = Source::resolve(&config, &rest_client).await?;
     info!(node = %node.name, mode = ?config.mode, source = source.name(), "starting proxy-agent");
     if config.bind_address_hard_fail {
         check_server_ports(&config)?;
@@ -63,7 +66,13 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     remove_kube_proxy_modes(
         (dataplane.mode() == ProxyMode::Ebpf).then_some(config.ebpf.mode_switch_drain_period),
     );
-    let http_servers = start_http_servers(&config, &dataplane, &node.name, started.node_required);
+    let http_servers = start_http_servers(
+        &config,
+        &dataplane,
+        &node.name,
+        started.node_required,
+        rest_client,
+    );
     let mut agent = Agent::new(
         config,
         node,

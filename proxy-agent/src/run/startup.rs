@@ -8,7 +8,7 @@ use tokio::{sync::mpsc, task::JoinHandle};
 
 use crate::{
     dataplane::Dataplane,
-    http_servers::{HttpServers, HttpServersConfig},
+    http_servers::{HttpServers, HttpServersConfig, rest_client::RestClientMetrics},
     source::{self, kubernetes::ClientOptions},
 };
 use proxy_model::{
@@ -24,8 +24,9 @@ pub enum Source {
 }
 
 impl Source {
-    /// Resolved before anything touches the kernel, so a bad flag fails fast.
-    pub async fn resolve(config: &Config) -> anyhow::Result<Self> {
+    /// Resolved before anything touches the kernel, so a bad flag fails fast. The API
+    /// client records its requests in `rest_client`.
+    pub async fn resolve(config: &Config, rest_client: &RestClientMetrics) -> anyhow::Result<Self> {
         Ok(match config.ebpf.manifests.clone() {
             Some(manifests) => {
                 if !manifests.is_dir() {
@@ -39,6 +40,7 @@ impl Source {
                     master: config.master.clone(),
                     qps: config.client_connection.qps,
                     burst: config.client_connection.burst,
+                    metrics: rest_client.clone(),
                 })
                 .await?,
                 source::kubernetes::Encoding::new(
@@ -115,11 +117,13 @@ pub fn start_http_servers(
     dataplane: &Dataplane,
     node_name: &str,
     node_required: bool,
+    rest_client: RestClientMetrics,
 ) -> HttpServers {
     let http_servers = HttpServers::start(&HttpServersConfig {
         healthz_bind_address: config.healthz_bind_address,
         metrics_bind_address: config.metrics_bind_address,
         node_required,
+        rest_client,
         ..HttpServersConfig::new(node_name, dataplane.mode(), config.sync_period)
     });
     http_servers

@@ -17,6 +17,7 @@ mod list;
 mod mapping;
 mod protobuf;
 mod rate_limit;
+mod request_metrics;
 mod watch_events;
 mod watcher;
 

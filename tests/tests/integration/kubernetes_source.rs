@@ -611,3 +611,75 @@ fn an_unusable_load_balancer_ip_is_reported_on_the_service() -> anyhow::Result<(
     );
     Ok(())
 }
+
+/// client-go's `rest_client_*` families, which kube-proxy's dashboards query: once the agent
+/// has listed and watched every kind, `/metrics` counts each list among the GETs the API
+/// server answered 200 (labelled with its host:port, as client-go labels the server URL's
+/// host) and shows the lists' latency.
+#[test]
+fn rest_client_metrics_count_the_api_requests() -> anyhow::Result<()> {
+    let (mut s, api) = setup(1, &[1])?;
+    start_and_wait_for_pods(&mut s, &api)?;
+    // A kind's watch starts after its list was read to the end.
+    proxy_tests::wait::wait_until(
+        "every kind watched",
+        Duration::from_secs(10),
+        Duration::from_millis(100),
+        || {
+            Resource::ALL
+                .iter()
+                .all(|&resource| api.watches_started(resource) > 0)
+        },
+    )?;
+    let lists: u64 = Resource::ALL
+        .iter()
+        .map(|&resource| api.lists_served(resource))
+        .sum();
+    let metrics = s.agent()?.metrics()?;
+    let host = format!("host=\"127.0.0.1:{}\"", api.port());
+    let answered = proxy_tests::http::metric_sum(
+        &metrics,
+        "rest_client_requests_total",
+        &["code=\"200\"", &host, "method=\"GET\""],
+    );
+    let timed = proxy_tests::http::metric_sum(
+        &metrics,
+        "rest_client_request_duration_seconds_count",
+        &[&host, "verb=\"GET\""],
+    );
+    eprintln!("lists served: {lists}; 200 GETs counted: {answered}; GETs timed: {timed}");
+    s.ensure(lists >= 3 && answered >= lists as f64, || {
+        format!("{lists} lists served, {answered} GETs answered 200 counted:\n{metrics}")
+    })?;
+    // One list per kind at least was read to its end before the kind's watch started.
+    s.ensure(timed >= 3.0, || {
+        format!("{timed} GET latencies observed:\n{metrics}")
+    })?;
+    for line in [
+        "# HELP rest_client_requests_total [ALPHA] Number of HTTP requests, partitioned by status code, method, and host.",
+        "# TYPE rest_client_request_duration_seconds histogram",
+    ] {
+        s.ensure(metrics.lines().any(|l| l == line), || {
+            format!("no {line:?} in:\n{metrics}")
+        })?;
+    }
+    Ok(())
+}
+
+/// With the manifests source the agent makes no API request, and client-go's families without
+/// series are not shown.
+#[test]
+fn rest_client_metrics_are_not_shown_with_the_manifests_source() -> anyhow::Result<()> {
+    proxy_tests::require_root();
+    proxy_tests::set_helper_binary(env!("CARGO_BIN_EXE_rig-helper"));
+    let mut s = Scenario::new(1)?;
+    s.start_agent()?;
+    s.wait_for_first_sync()?;
+    let metrics = s.agent()?.metrics()?;
+    s.ensure(
+        metrics.contains("kubeproxy_sync_proxy_rules_duration_seconds")
+            && !metrics.contains("rest_client_"),
+        || format!("rest_client_* with the manifests source:\n{metrics}"),
+    )?;
+    Ok(())
+}

@@ -7,6 +7,7 @@ mod histogram;
 mod http;
 mod metrics;
 mod protobuf;
+mod rest_client;
 mod service_health;
 
 use std::{

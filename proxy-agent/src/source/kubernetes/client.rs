@@ -9,6 +9,9 @@ use kube::{
     config::{InferConfigError, KubeConfigOptions, Kubeconfig, KubeconfigError},
 };
 
+use super::request_metrics::RequestMetricsLayer;
+use crate::http_servers::rest_client::RestClientMetrics;
+
 #[derive(Debug, thiserror::Error)]
 pub enum ClientError {
     #[error("--kubeconfig {path}: {source}")]
@@ -39,17 +42,21 @@ pub struct ClientOptions {
     /// `clientConnection.qps`/`burst`: the client-side token bucket ([`super::rate_limit`]).
     pub qps: f32,
     pub burst: i32,
+    /// Where every request is recorded (client-go's `rest_client_*`, [`super::request_metrics`]).
+    pub metrics: RestClientMetrics,
 }
 
 /// Builds the client; no request is made yet.
 pub async fn client(options: &ClientOptions) -> Result<Client, ClientError> {
     let config = config(options).await?;
+    let metrics = RequestMetricsLayer::new(options.metrics.clone(), &config.cluster_url);
     let builder =
         ClientBuilder::try_from(config).map_err(|source| ClientError::Build { source })?;
+    // The metrics layer outermost: client-go's latency includes the rate limiter's wait.
     Ok(
         match super::rate_limit::limit_layer(options.qps, options.burst) {
-            Some(layer) => builder.with_layer(&layer).build(),
-            None => builder.build(),
+            Some(layer) => builder.with_layer(&layer).with_layer(&metrics).build(),
+            None => builder.with_layer(&metrics).build(),
         },
     )
 }
