@@ -327,21 +327,9 @@ fn parse_sample(line: &str) -> Option<Sample> {
     })
 }
 
+/// OpenMetrics escapes HELP text as it escapes label values.
 fn unescape_openmetrics_help(help: &str) -> String {
-    let mut out = String::with_capacity(help.len());
-    let mut chars = help.chars();
-    while let Some(c) = chars.next() {
-        if c != '\\' {
-            out.push(c);
-            continue;
-        }
-        match chars.next() {
-            Some('n') => out.push('\n'),
-            Some(other) => out.push(other),
-            None => out.push('\\'),
-        }
-    }
-    out
+    unescape_label_value(help)
 }
 
 fn escape_text_help(help: &str) -> String {

@@ -801,11 +801,17 @@ async fn debug_drift_is_rate_limited() {
     services.metrics().serve_drift_requests(requests);
     let checks = Arc::new(AtomicUsize::new(0));
     let counted = Arc::clone(&checks);
-    // A loop whose check takes 200 ms.
+    // A loop whose first check lasts until the test lets it end (a timed check could end
+    // before the second request arrives on a loaded machine), the others 200 ms.
+    let release = Arc::new(tokio::sync::Notify::new());
+    let released = Arc::clone(&release);
     tokio::spawn(async move {
         while let Some(reply) = rx.recv().await {
-            counted.fetch_add(1, Ordering::SeqCst);
-            tokio::time::sleep(Duration::from_millis(200)).await;
+            if counted.fetch_add(1, Ordering::SeqCst) == 0 {
+                released.notified().await;
+            } else {
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
             let _ = reply.send("{\"checked\":true}".to_owned());
         }
     });
@@ -821,6 +827,7 @@ async fn debug_drift_is_rate_limited() {
     }
     let during = get(addr, "/debug/drift").await;
     assert_eq!(during.status(), 429);
+    release.notify_one();
     let first = first.await.unwrap();
     assert_eq!(first.status(), 200);
     assert_eq!(first.body, "{\"checked\":true}");
