@@ -283,26 +283,45 @@ pub fn node_port_without_endpoints_is_refused(mode: &str) -> Result<()> {
     })
 }
 
-/// externalIPs and load-balancer VIPs reach the pods from outside.
-pub fn external_ip_and_load_balancer_ip_reach_pods(mode: &str) -> Result<()> {
-    let lb = Ipv4Addr::new(192, 0, 2, 20);
+/// The load-balancer IP of [`external_ip_and_load_balancer_service`].
+const EXTERNAL_LB_IP: Ipv4Addr = Ipv4Addr::new(192, 0, 2, 20);
+
+/// A LoadBalancer Service on pods 1 and 2 with the externalIP [`VIP`] and the load-balancer IP
+/// [`EXTERNAL_LB_IP`], which the external client routes via the node.
+fn external_ip_and_load_balancer_service() -> Result<Scenario> {
     let spec = ServiceSpec {
         type_: "LoadBalancer",
         external_ips: vec![VIP],
-        load_balancer_ip: Some(lb),
+        load_balancer_ip: Some(EXTERNAL_LB_IP),
         ..ServiceSpec::default()
     };
-    let mut s = setup(2, &spec, &[pod_endpoint(1), pod_endpoint(2)])?;
-    route_via_node(&s, lb)?;
+    let s = setup(2, &spec, &[pod_endpoint(1), pod_endpoint(2)])?;
+    route_via_node(&s, EXTERNAL_LB_IP)?;
+    Ok(s)
+}
+
+/// Connections from outside to `addr`'s Service port: every one answered, by both pods.
+fn both_pods_answer_from_outside(
+    s: &mut Scenario,
+    mode: &str,
+    name: &str,
+    addr: Ipv4Addr,
+) -> Result<()> {
+    let target = SocketAddr::from(SocketAddrV4::new(addr, SERVICE_PORT));
+    let label = format!("[{mode}] {name} {target} from outside");
+    let (attempts, counts) = from_outside(s, target, &label, is_pod)?;
+    s.ensure(
+        attempts.iter().all(is_pod) && pods_of(&counts).len() == 2,
+        || format!("{name}: both pods must answer every connection: {counts:?}"),
+    )
+}
+
+/// externalIPs and load-balancer VIPs reach the pods from outside.
+pub fn external_ip_and_load_balancer_ip_reach_pods(mode: &str) -> Result<()> {
+    let mut s = external_ip_and_load_balancer_service()?;
     start(&mut s, mode)?;
-    for (name, addr) in [("externalIP", VIP), ("LB VIP", lb)] {
-        let target = SocketAddr::from(SocketAddrV4::new(addr, SERVICE_PORT));
-        let label = format!("[{mode}] {name} {target} from outside");
-        let (attempts, counts) = from_outside(&mut s, target, &label, is_pod)?;
-        s.ensure(
-            attempts.iter().all(is_pod) && pods_of(&counts).len() == 2,
-            || format!("{name}: both pods must answer every connection: {counts:?}"),
-        )?;
+    for (name, addr) in [("externalIP", VIP), ("LB VIP", EXTERNAL_LB_IP)] {
+        both_pods_answer_from_outside(&mut s, mode, name, addr)?;
     }
     Ok(())
 }
@@ -312,15 +331,7 @@ pub fn external_ip_and_load_balancer_ip_reach_pods(mode: &str) -> Result<()> {
 /// a connection from outside to one reaches no pod, while the same Service's load-balancer IP
 /// still does. Setting the gate is warned about as upstream warns about a deprecated gate.
 pub fn external_ips_are_not_served_with_their_gate_off(mode: &str) -> Result<()> {
-    let lb = Ipv4Addr::new(192, 0, 2, 20);
-    let spec = ServiceSpec {
-        type_: "LoadBalancer",
-        external_ips: vec![VIP],
-        load_balancer_ip: Some(lb),
-        ..ServiceSpec::default()
-    };
-    let mut s = setup(2, &spec, &[pod_endpoint(1), pod_endpoint(2)])?;
-    route_via_node(&s, lb)?;
+    let mut s = external_ip_and_load_balancer_service()?;
     start_on(
         &mut s,
         mode,
@@ -328,13 +339,7 @@ pub fn external_ips_are_not_served_with_their_gate_off(mode: &str) -> Result<()>
         &["--feature-gates=AllowServiceExternalIPs=false"],
     )?;
     // The load balancer IP answers: the Service is programmed.
-    let lb_target = SocketAddr::from(SocketAddrV4::new(lb, SERVICE_PORT));
-    let label = format!("[{mode}] LB VIP {lb_target} from outside");
-    let (attempts, counts) = from_outside(&mut s, lb_target, &label, is_pod)?;
-    s.ensure(
-        attempts.iter().all(is_pod) && pods_of(&counts).len() == 2,
-        || format!("LB VIP: both pods must answer every connection: {counts:?}"),
-    )?;
+    both_pods_answer_from_outside(&mut s, mode, "LB VIP", EXTERNAL_LB_IP)?;
     let vip_target = SocketAddr::from(SocketAddrV4::new(VIP, SERVICE_PORT));
     let attempts = s
         .external_client()
