@@ -479,6 +479,20 @@ pub struct ServiceSpec {
     pub source_ranges: Vec<&'static str>,
 }
 
+/// `default/web` as a LoadBalancer with `externalTrafficPolicy: Local` and health check node
+/// port `port` (only that kind of Service has one).
+pub fn health_checked_web_service_yaml(port: u16) -> String {
+    let spec = ServiceSpec {
+        type_: "LoadBalancer",
+        external_traffic_policy_local: true,
+        ..ServiceSpec::default()
+    };
+    web_service_yaml(&spec).replace(
+        "  externalTrafficPolicy: Local\n",
+        &format!("  externalTrafficPolicy: Local\n  healthCheckNodePort: {port}\n"),
+    )
+}
+
 /// The Service `default/web` with one TCP port 80 → 8080 (`http`) and NodePort 30080.
 pub fn web_service_yaml(spec: &ServiceSpec) -> String {
     let mut yaml = format!(

@@ -8,7 +8,7 @@ use proxy_tests::{
     http::Response,
     manifests::Endpoint,
     scenario::{CLUSTER_IP, Scenario, http_slice, pod_endpoint},
-    service_scenarios::{ServiceSpec, web_service_yaml},
+    service_scenarios::ServiceSpec,
     topology::Topology,
     wait::try_wait_until,
 };
@@ -24,16 +24,10 @@ fn setup(mode: &str, endpoints: &[Endpoint]) -> anyhow::Result<Scenario> {
     proxy_tests::require_root();
     proxy_tests::set_helper_binary(env!("CARGO_BIN_EXE_rig-helper"));
     let mut s = Scenario::new(2)?;
-    let spec = ServiceSpec {
-        type_: "LoadBalancer",
-        external_traffic_policy_local: true,
-        ..ServiceSpec::default()
-    };
-    let yaml = web_service_yaml(&spec).replace(
-        "  externalTrafficPolicy: Local\n",
-        &format!("  externalTrafficPolicy: Local\n  healthCheckNodePort: {HEALTH_CHECK_PORT}\n"),
-    );
-    s.manifests.write("web-svc.yaml", &yaml)?;
+    s.manifests.write(
+        "web-svc.yaml",
+        &proxy_tests::scenario::health_checked_web_service_yaml(HEALTH_CHECK_PORT),
+    )?;
     s.manifests.write(
         "web-slice.yaml",
         &http_slice("default", "web-1", "web", endpoints),

@@ -11,7 +11,6 @@ use proxy_tests::{
     http::Response,
     manifests::Endpoint,
     scenario::{DATAPATH_TIMEOUT, HOSTNAME, NODE_PORT, Scenario, cluster_addr, http_slice},
-    service_scenarios::{ServiceSpec, web_service_yaml},
     topology::Topology,
     wait::try_wait_until,
 };
@@ -66,16 +65,10 @@ fn scenario(mode: &str) -> anyhow::Result<()> {
     proxy_tests::set_helper_binary(env!("CARGO_BIN_EXE_rig-helper"));
     let mut s = Scenario::new(1)?;
     // A LoadBalancer: only its kind has a health check node port (its NodePort is tested).
-    let spec = ServiceSpec {
-        type_: "LoadBalancer",
-        external_traffic_policy_local: true,
-        ..ServiceSpec::default()
-    };
-    let yaml = web_service_yaml(&spec).replace(
-        "  externalTrafficPolicy: Local\n",
-        &format!("  externalTrafficPolicy: Local\n  healthCheckNodePort: {HEALTH_CHECK_PORT}\n"),
-    );
-    s.manifests.write("web-svc.yaml", &yaml)?;
+    s.manifests.write(
+        "web-svc.yaml",
+        &proxy_tests::scenario::health_checked_web_service_yaml(HEALTH_CHECK_PORT),
+    )?;
 
     // Seen from the ghost's node, the ghost listed first: kube-proxy used to keep it (first,
     // and local), leaving the ClusterIP without a usable endpoint. The new pod's copy (on
