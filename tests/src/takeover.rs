@@ -369,13 +369,8 @@ pub fn load_nft_ruleset(s: &Scenario, ruleset: &str) -> Result<()> {
 /// outliving them. That sync comes once the agent has loaded and attached its programs, seconds
 /// after its start on a loaded machine, so the bound counts from it and not from the spawn.
 pub fn wait_for_kube_proxy_tables_removed(s: &mut Scenario, drain: Duration) -> Result<()> {
-    let agent = s.agent()?;
-    crate::wait::try_wait_until(
-        "the agent's first successful sync (which starts the drain of kube-proxy's tables)",
-        Duration::from_secs(60),
-        Duration::from_millis(100),
-        || Ok(agent.syncs() >= 1),
-    )?;
+    // The first successful sync starts the drain of kube-proxy's tables.
+    s.wait_for_first_sync()?;
     crate::wait::try_wait_until(
         "kube-proxy's nftables tables removed after the drain period",
         drain + Duration::from_secs(10),
