@@ -192,15 +192,18 @@ impl IptablesDataplane {
             .iter_mut()
             .map(|family| {
                 let mut report = family.sync(config, snapshot, services.as_ref())?;
-                let now = conntrack::GoneFrontends::of(snapshot.family(report.family));
-                family
-                    .gone_frontends
-                    .add_gone(&family.datagram_frontends, &now);
-                family.datagram_frontends = now;
                 let scope = if report.full { None } else { changed };
-                if needs_conntrack_cleanup(snapshot, scope, report.family)
-                    || !family.gone_frontends.is_empty()
-                {
+                let cleanup_needed = needs_conntrack_cleanup(snapshot, scope, report.family);
+                // A UDP/SCTP frontend can only go with a full sync or a changed UDP/SCTP port:
+                // other partial syncs leave the set as it was, and skip the walk of every port.
+                if report.full || cleanup_needed {
+                    let now = conntrack::GoneFrontends::of(snapshot.family(report.family));
+                    family
+                        .gone_frontends
+                        .add_gone(&family.datagram_frontends, &now);
+                    family.datagram_frontends = now;
+                }
+                if cleanup_needed || !family.gone_frontends.is_empty() {
                     let cleanup = clean_conntrack(report.family, snapshot, &family.gone_frontends);
                     if cleanup.result.is_ok() {
                         family.gone_frontends = conntrack::GoneFrontends::default();
