@@ -453,11 +453,23 @@ impl EbpfDataplane {
         }
     }
 
-    /// The kernel's NATed flows into `KPR_CT` (see [`kernel_nat`]); the start does it once
-    /// before the tc programs attach, the first sync once more.
+    /// The kernel's NATed flows into `KPR_CT` (see [`kernel_nat`]), the last time: the start
+    /// does it before the tc programs attach, [`EbpfDataplane::adopt_kernel_nat_flows_before_frontends`]
+    /// before the first sync, and this once the first sync has given the programs their
+    /// frontends, so the other mode's rules start no flow any more.
     pub fn adopt_kernel_nat_flows(&mut self) {
         adopt_kernel_nat_flows(&mut self.ebpf);
         self.tc.kernel_flows_adopted();
+    }
+
+    /// The kernel's NATed flows into `KPR_CT` just before the first sync writes the frontends.
+    /// Until then the other mode's rules start every new flow (the programs pass what no
+    /// frontend claims), so the flows they started while the programs loaded — seconds of them
+    /// — are all known before any new flow of the programs' own can take one of their tuples
+    /// (see [`kernel_nat`]). What the rules start during this adoption and the sync is adopted
+    /// after it.
+    pub fn adopt_kernel_nat_flows_before_frontends(&mut self) {
+        adopt_kernel_nat_flows(&mut self.ebpf);
     }
 
     /// The node settings (NodePort addresses, local-traffic detection, localhost NodePorts) the

@@ -92,6 +92,14 @@ impl Dataplane {
         ))
     }
 
+    /// Before the first sync's writes: the eBPF mode adopts the flows the other mode's rules
+    /// started while it loaded (see `EbpfDataplane::adopt_kernel_nat_flows_before_frontends`).
+    pub fn before_first_sync(&mut self) {
+        if let Dataplane::Ebpf(dataplane) = self {
+            dataplane.adopt_kernel_nat_flows_before_frontends();
+        }
+    }
+
     /// After the first successful sync the new mode carries the traffic: remove what the other
     /// mode left behind (a mode switch), so nothing of it keeps intercepting traffic. The
     /// iptables rules go at once (established connections need only the kernel's conntrack

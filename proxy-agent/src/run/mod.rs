@@ -313,6 +313,9 @@ impl Agent {
             &self.http_servers,
         );
         let changed = (!all_services).then_some(&update.changed);
+        if !self.other_mode_removed {
+            self.dataplane.before_first_sync();
+        }
         let outcome = self.dataplane.sync(&self.snapshot, changed, reason);
         let metrics = self.http_servers.metrics();
         record_sync(&outcome, reason, changed.map(|c| c.len()), metrics);
