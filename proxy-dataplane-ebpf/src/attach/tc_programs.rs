@@ -100,9 +100,16 @@ pub(crate) fn load_in_parallel(ebpf: &mut Ebpf, names: &[&'static str]) -> Resul
                         Program::Xdp(xdp) => xdp.load(),
                         _ => Err(ProgramError::UnexpectedProgramType),
                     };
+                    // The instructions the verifier walked (every path, each state it kept):
+                    // what its time follows, unlike the program's length.
+                    let verified = program
+                        .info()
+                        .ok()
+                        .and_then(|info| info.verified_instruction_count());
                     tracing::debug!(
                         program = name,
                         elapsed_ms = started.elapsed().as_millis(),
+                        verified_instructions = verified,
                         "program loaded (verified by the kernel)"
                     );
                     loaded.map_err(|source| EbpfError::Program { name, source })
