@@ -95,6 +95,7 @@ pub struct Client {
     timeout: Duration,
     interval: Duration,
     bind: Option<IpAddr>,
+    until: Option<PathBuf>,
 }
 
 impl Client {
@@ -108,6 +109,7 @@ impl Client {
             timeout: Duration::from_millis(1000),
             interval: Duration::ZERO,
             bind: None,
+            until: None,
         }
     }
 
@@ -146,6 +148,13 @@ impl Client {
         self
     }
 
+    /// Stops before the next attempt once the file `stop` exists: a run's `count` is then its
+    /// bound, and it may make fewer attempts (at least one).
+    pub fn until(mut self, stop: &Path) -> Self {
+        self.until = Some(stop.to_path_buf());
+        self
+    }
+
     /// Per-attempt connect/read timeout.
     pub fn timeout(mut self, timeout: Duration) -> Self {
         self.timeout = timeout;
@@ -179,6 +188,9 @@ impl Client {
         if let Some(source) = self.bind {
             cmd.args(["--bind", &source.to_string()]);
         }
+        if let Some(stop) = &self.until {
+            cmd.arg("--until").arg(stop);
+        }
         // An attempt can wait for connect and then read: bound the whole run accordingly.
         let bound = (self.timeout * 2 + self.interval) * count + Duration::from_secs(5);
         let stdout = run_ok_within(&mut cmd, bound)?;
@@ -189,7 +201,13 @@ impl Client {
                 Attempt::parse_timed(line).map(|(attempt, at)| (attempt, at.unwrap_or_default()))
             })
             .collect::<Result<Vec<_>>>()?;
-        if attempts.len() != count as usize {
+        let printed = attempts.len();
+        let expected = if self.until.is_some() {
+            (1..=count as usize).contains(&printed)
+        } else {
+            printed == count as usize
+        };
+        if !expected {
             return Err(RigError::Other(format!(
                 "client printed {} results for {count} attempts",
                 attempts.len()

@@ -44,30 +44,7 @@ pub enum HelperCommand {
         netns: Option<PathBuf>,
     },
     /// Make N independent connection attempts and print one result line per attempt.
-    Client {
-        #[arg(long)]
-        target: SocketAddr,
-        #[arg(long, default_value_t = 1)]
-        count: u32,
-        #[arg(long, value_enum, default_value_t = Proto::Tcp)]
-        proto: Proto,
-        #[arg(long)]
-        netns: Option<PathBuf>,
-        /// cgroup2 directory to join (by writing our pid to its cgroup.procs).
-        #[arg(long)]
-        cgroup: Option<PathBuf>,
-        #[arg(long, default_value_t = 1000)]
-        timeout_ms: u64,
-        #[arg(long, value_enum, default_value_t = Mode::Connect)]
-        mode: Mode,
-        /// Pause between attempts.
-        #[arg(long, default_value_t = 0)]
-        interval_ms: u64,
-        /// Source address to bind before connecting (`connect` mode only): a client with
-        /// several addresses, e.g. one outside a Service's `loadBalancerSourceRanges`.
-        #[arg(long)]
-        bind: Option<std::net::IpAddr>,
-    },
+    Client(ClientArgs),
     /// Benchmark loop in one process: new connections (connect, read the greeting, close) or
     /// request/response round trips on one connection; prints one latency sample (ns) a line
     /// after a `summary` line. See `bench::client`.
@@ -84,6 +61,37 @@ pub enum HelperCommand {
     /// Open-loop load of short TCP connections at a fixed rate (the SNAT benchmark); prints one
     /// summary line. See `bench::snat`.
     SnatLoad(crate::bench::snat::SnatLoadArgs),
+}
+
+/// `rig-helper client`: see [`HelperCommand::Client`].
+#[derive(Debug, clap::Args)]
+pub struct ClientArgs {
+    #[arg(long)]
+    target: SocketAddr,
+    #[arg(long, default_value_t = 1)]
+    count: u32,
+    #[arg(long, value_enum, default_value_t = Proto::Tcp)]
+    proto: Proto,
+    #[arg(long)]
+    netns: Option<PathBuf>,
+    /// cgroup2 directory to join (by writing our pid to its cgroup.procs).
+    #[arg(long)]
+    cgroup: Option<PathBuf>,
+    #[arg(long, default_value_t = 1000)]
+    timeout_ms: u64,
+    #[arg(long, value_enum, default_value_t = Mode::Connect)]
+    mode: Mode,
+    /// Pause between attempts.
+    #[arg(long, default_value_t = 0)]
+    interval_ms: u64,
+    /// Source address to bind before connecting (`connect` mode only): a client with
+    /// several addresses, e.g. one outside a Service's `loadBalancerSourceRanges`.
+    #[arg(long)]
+    bind: Option<std::net::IpAddr>,
+    /// Stops before the next attempt once this file exists (`--count` stays the bound): a
+    /// run as long as what it watches, without a guess at its length.
+    #[arg(long)]
+    until: Option<PathBuf>,
 }
 
 /// Runs a parsed helper command (never returns for `echo` unless binding fails).
@@ -103,37 +111,19 @@ pub fn run(cli: Cli) -> Result<()> {
             }
             echo(&name, listen, original_dst)
         }
-        HelperCommand::Client {
-            target,
-            count,
-            proto,
-            netns,
-            cgroup,
-            timeout_ms,
-            mode,
-            interval_ms,
-            bind,
-        } => {
-            if let Some(ns) = netns {
-                enter_netns(&ns)?;
+        HelperCommand::Client(args) => {
+            if let Some(ns) = &args.netns {
+                enter_netns(ns)?;
             }
-            if let Some(cg) = cgroup {
-                join_cgroup(&cg)?;
+            if let Some(cg) = &args.cgroup {
+                join_cgroup(cg)?;
             }
-            if bind.is_some() && mode != Mode::Connect {
+            if args.bind.is_some() && args.mode != Mode::Connect {
                 return Err(RigError::Other(
                     "--bind only applies to --mode connect".into(),
                 ));
             }
-            client(
-                target,
-                count,
-                proto,
-                mode,
-                Duration::from_millis(timeout_ms),
-                Duration::from_millis(interval_ms),
-                bind,
-            )
+            client(&args)
         }
         HelperCommand::BenchConnect(args) => {
             enter_places(args.netns.as_deref(), args.cgroup.as_deref())?;
@@ -258,15 +248,12 @@ fn serve_udp(name: &str, sock: &UdpSocket) {
     }
 }
 
-fn client(
-    target: SocketAddr,
-    count: u32,
-    proto: Proto,
-    mode: Mode,
-    timeout: Duration,
-    interval: Duration,
-    bind: Option<std::net::IpAddr>,
-) -> Result<()> {
+fn client(args: &ClientArgs) -> Result<()> {
+    let (target, count, proto, mode, bind) =
+        (args.target, args.count, args.proto, args.mode, args.bind);
+    let timeout = Duration::from_millis(args.timeout_ms);
+    let interval = Duration::from_millis(args.interval_ms);
+    let until = args.until.as_deref();
     let mut out = io::stdout().lock();
     let start = std::time::Instant::now();
     let mut stream: Option<UdpSocket> = None;
@@ -275,6 +262,9 @@ fn client(
     for i in 0..count {
         if i > 0 && !interval.is_zero() {
             thread::sleep(interval);
+        }
+        if i > 0 && until.is_some_and(std::path::Path::exists) {
+            break;
         }
         let started_ms = start.elapsed().as_millis();
         let result = match mode {

@@ -17,6 +17,7 @@
 
 use std::io::Write as _;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
+use std::path::PathBuf;
 use std::thread::JoinHandle;
 use std::time::Duration;
 
@@ -35,9 +36,14 @@ pub const TCP_PER_PATH: usize = 20;
 pub const UDP_PER_PATH: usize = 5;
 /// Pause between a stream's exchanges (and between a loop's new connections).
 pub const INTERVAL: Duration = Duration::from_millis(200);
-/// Exchanges per stream: 30 s at [`INTERVAL`], across the whole transition (an eBPF agent's
-/// start alone took 13 s on a loaded machine, the verifier checking each program).
-pub const EXCHANGES: u32 = 150;
+/// The most exchanges per stream: 120 s at [`INTERVAL`]. The traffic runs until the transition
+/// is over and [`AFTER`] more ([`Traffic::finish`]), however long the transition takes (an
+/// eBPF agent's start alone took over 30 s on a loaded machine, the verifier checking each
+/// program); this only bounds a run whose test failed before finishing it.
+pub const EXCHANGES: u32 = 600;
+/// How long the traffic keeps running once the transition is over: what follows it (the first
+/// periodic syncs, the adoption of the other mode's flows, draining) is measured too.
+pub const AFTER: Duration = Duration::from_secs(10);
 /// A stream that waits this long for an answer is stalled (the definition).
 pub const STALL: Duration = Duration::from_millis(1000);
 
@@ -420,16 +426,38 @@ struct Flow {
     handle: JoinHandle<Result<Vec<(Attempt, u64)>>>,
 }
 
-/// The scenario's traffic, running.
+/// The scenario's traffic, running. Dropped without [`Traffic::finish`] (a failed test), it
+/// stops its clients and waits for them.
 #[derive(Debug)]
 pub struct Traffic {
     flows: Vec<Flow>,
+    /// The file whose creation stops every client before its next attempt (`Client::until`).
+    stop: PathBuf,
+}
+
+impl Traffic {
+    /// Stops every client before its next attempt.
+    fn stop_clients(&self) -> Result<()> {
+        std::fs::write(&self.stop, b"")
+            .map_err(|e| RigError::io(format!("creating {}", self.stop.display()), e))
+    }
+}
+
+impl Drop for Traffic {
+    fn drop(&mut self) {
+        let _ = self.stop_clients();
+        for flow in self.flows.drain(..) {
+            let _ = flow.handle.join();
+        }
+        let _ = std::fs::remove_file(&self.stop);
+    }
 }
 
 /// Starts every stream, flow and new-connection loop of both families, and returns once they
 /// have connected (before the transition starts).
 pub fn start_traffic(s: &Scenario) -> Result<Traffic> {
     let mut flows = Vec::new();
+    let stop = std::env::temp_dir().join(crate::unique_name("traffic-stop"));
     for ipv6 in [false, true] {
         for path in PATHS {
             let mut spawn = |kind: Kind, client: Client, target: SocketAddr| {
@@ -444,8 +472,8 @@ pub fn start_traffic(s: &Scenario) -> Result<Traffic> {
                     handle,
                 });
             };
-            let tcp = path.client(s, Proto::Tcp)?.interval(INTERVAL);
-            let udp = path.client(s, Proto::Udp)?.interval(INTERVAL);
+            let tcp = path.client(s, Proto::Tcp)?.interval(INTERVAL).until(&stop);
+            let udp = path.client(s, Proto::Udp)?.interval(INTERVAL).until(&stop);
             for _ in 0..TCP_PER_PATH {
                 let client = tcp.clone().mode(Mode::TcpStream);
                 spawn(Kind::TcpStream, client, path.addr(Proto::Tcp, ipv6));
@@ -462,13 +490,14 @@ pub fn start_traffic(s: &Scenario) -> Result<Traffic> {
     }
     // Every stream connected and every flow started (250 client processes started on a
     // 2-core machine) before the transition starts.
+    let traffic = Traffic { flows, stop };
     let per_path = PATHS.len() * 2;
     s.wait_for_tcp_streams(TCP_PER_PATH * per_path)?;
     s.wait_for_udp_flows(
         &[Place::Ext, Place::Pod(CLIENT_POD), Place::Node],
         UDP_PER_PATH * per_path,
     )?;
-    Ok(Traffic { flows })
+    Ok(traffic)
 }
 
 /// The figures for one family across one transition.
@@ -514,11 +543,14 @@ impl Traffic {
         (running, self.flows.len())
     }
 
-    /// Joins every flow and computes the figures of each family (IPv4 first); logs every
-    /// broken stream or flow and failed connection loop.
-    pub fn finish(self, transition: &str) -> Result<[Figures; 2]> {
+    /// Lets the traffic run [`AFTER`] more, stops it, joins every flow and computes the
+    /// figures of each family (IPv4 first); logs every broken stream or flow and failed
+    /// connection loop. Called once the transition is over.
+    pub fn finish(mut self, transition: &str) -> Result<[Figures; 2]> {
+        std::thread::sleep(AFTER);
+        self.stop_clients()?;
         let mut figures: [Figures; 2] = Default::default();
-        for flow in self.flows {
+        for flow in std::mem::take(&mut self.flows) {
             let timed = flow
                 .handle
                 .join()

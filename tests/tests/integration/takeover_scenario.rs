@@ -7,7 +7,7 @@
 //! UDP flows moved or stalled, new connections failed, sockets showing another peer, per family)
 //! and fails unless all are 0.
 //! Scale: 200 TCP streams and 50 UDP flows (20 and 5 per path and family, one exchange every
-//! 200 ms for 15 s) and 20 new-connection loops (one connection every 200 ms) per transition —
+//! 200 ms from before the transition until 10 s after it) and 20 new-connection loops (one connection every 200 ms) per transition —
 //! the numbers, about 270 client processes on top of the rig. Needs root and `nft`.
 //!
 //! Why it holds: the kernel's conntrack keeps the NAT of every connection the rules set up, and
@@ -218,7 +218,7 @@ fn a_tuple_closed_under_the_iptables_rules_is_a_new_connection_after_the_takeove
 /// stops and the same agent (its bpffs root, where the eBPF mode's pins are, as a DaemonSet's
 /// new pod would have on the host's /sys/fs/bpf) restarts in iptables mode. The eBPF programs
 /// carry the flows they know until they end or `--mode-switch-drain-period` is over (40 s
-/// here, past the traffic's 30 s), new connections meet the iptables rules at once, and the programs and maps are
+/// here, past the traffic's end), new connections meet the iptables rules at once, and the programs and maps are
 /// removed then: the UDP flows' entries idle for 120 s after their last datagram, so here the
 /// period ends the drain (with TCP streams only, their entries idle out 10 s after their FIN and
 /// the pins go before the period). With `0s` (removed at the first sync) the NodePort streams
@@ -288,7 +288,7 @@ fn scenario_takeover_from_nftables_rules_keeps_every_stream_and_answers_every_ne
     let figures = traffic.finish("nftables → eBPF")?;
     report(&s, "nftables → eBPF", &figures)?;
     // The streams' TIME_WAIT entries in the kernel's conntrack outlive them: the period ends
-    // the drain, 40 s (past the traffic's 30 s) after the agent decided to keep the tables.
+    // the drain, 40 s (past the traffic's end) after the agent decided to keep the tables.
     wait_for_kube_proxy_tables_removed(&mut s, Duration::from_secs(40))?;
     Ok(())
 }
