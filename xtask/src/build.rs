@@ -24,6 +24,33 @@ fn cargo() -> Command {
     command
 }
 
+/// `command` (a cargo build or test of the workspace) with clippy's driver as the workspace's
+/// rustc wrapper and `-D warnings`, as `cargo clippy -- -D warnings` runs it: the workspace's
+/// crates are compiled and linted at once, dependencies are compiled by rustc alone. Cargo
+/// fingerprints the wrapper: every cargo run over the same target directory must use it too,
+/// or the workspace's crates are compiled again.
+fn linted_by_clippy(command: &mut Command) -> Result<&mut Command> {
+    let driver = Command::new("rustup")
+        .args(["which", "clippy-driver"])
+        .current_dir(workspace_root())
+        .output()
+        .context("cannot run `rustup which clippy-driver`")?;
+    if !driver.status.success() {
+        bail!(
+            "no clippy-driver in the host toolchain (`rustup component add clippy`): {}",
+            String::from_utf8_lossy(&driver.stderr).trim()
+        );
+    }
+    let driver = String::from_utf8(driver.stdout).context("clippy-driver's path")?;
+    Ok(command
+        .env("RUSTC_WORKSPACE_WRAPPER", driver.trim())
+        // cargo-clippy's encoding of the arguments after `--`.
+        .env(
+            "CLIPPY_ARGS",
+            "-D__CLIPPY_HACKERY__warnings__CLIPPY_HACKERY__",
+        ))
+}
+
 /// `cargo +NIGHTLY SUBCOMMAND` for the eBPF crate with the pinned nightly
 /// ([`crate::toolchain::EBPF_NIGHTLY`]): release, bpfel target, build-std=core.
 fn nightly_ebpf_cargo(subcommand: &str) -> Result<Command> {
@@ -90,33 +117,22 @@ pub fn test(quick: bool) -> Result<()> {
         step("fuzz: build every target in the background, at the lowest priority");
         Some(start_fuzz_build(&object)?)
     };
-    timings.start("clippy (host)");
-    step("clippy: host crates");
-    run_cmd(
-        cargo()
-            .args([
-                "clippy",
-                "--workspace",
-                "--all-targets",
-                "--",
-                "-D",
-                "warnings",
-            ])
-            .env("PROXY_EBPF_OBJECT", &object),
-    )?;
     if !quick {
         timings.start("clippy (eBPF)");
         step("clippy: eBPF programs");
         run_cmd(nightly_ebpf_cargo("clippy")?.args(["--", "-D", "warnings"]))?;
     }
-    timings.start("build");
+    timings.start("build + clippy (host)");
     // One cargo run for the binaries the tests start (the agent, the rig's helper) and every
     // test harness: cargo keeps both cores busy across them, where two runs each ended on one
-    // crate linking alone.
-    step("build: proxy-agent, test helpers and every test binary");
+    // crate linking alone. Clippy lints the workspace's crates as they compile, as
+    // `cargo clippy` does, but in the build that makes the test binaries: a separate
+    // `cargo clippy` first compiled every dependency once more, as metadata only.
+    step(
+        "build: proxy-agent, test helpers and every test binary, each workspace crate linted by clippy",
+    );
     run_cmd(
-        cargo()
-            .args(["test", "--workspace", "--no-run"])
+        linted_by_clippy(cargo().args(["test", "--workspace", "--no-run"]))?
             .env("PROXY_EBPF_OBJECT", &object),
     )?;
     for binary in ["proxy-agent", "rig-helper"] {
@@ -138,8 +154,8 @@ pub fn test(quick: bool) -> Result<()> {
             .with_context(|| format!("removing {}", skipped_file.display()))?;
     }
     let totals = run_tests(
-        cargo()
-            .args(["test", "--workspace", "--no-fail-fast", "--"])
+        // Linted as they were built: another wrapper would build the workspace's crates again.
+        linted_by_clippy(cargo().args(["test", "--workspace", "--no-fail-fast", "--"]))?
             // Most integration tests wait on namespaces, the agent and the network rather than
             // on a core: more of them at once than the machine has cores.
             .arg(format!("--test-threads={TEST_THREADS}"))
