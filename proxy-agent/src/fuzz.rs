@@ -1,16 +1,15 @@
 //! Entry points for fuzzing: each parser that reads untrusted bytes, without its I/O. Used by
-//! the cargo-fuzz targets in `tests/fuzz/` and by the bounded mutation test
-//! (`proxy-agent/tests/fuzz_smoke.rs`) that `cargo xtask test` runs. A finding is a panic (or
-//! a hang); errors are the expected outcome for most inputs.
+//! the bounded mutation test (`proxy-agent/tests/fuzz_smoke.rs`) that `cargo xtask test` runs,
+//! and, as this very file, by the cargo-fuzz targets in `tests/fuzz/`, which build without the
+//! agent (no network client, no runtime): so it names the parsers' own crates only. A finding
+//! is a panic (or a hang); errors are the expected outcome for most inputs.
 
 use std::path::Path;
 
-use crate::source::manifests;
-
-/// A manifests file (`source::manifests` document loading). Any panic is a finding: the
+/// A manifests file (`proxy_decode::manifests` document loading). Any panic is a finding: the
 /// loader has no `catch_unwind` around the YAML library.
 pub fn manifests(bytes: &[u8]) {
-    let _ = manifests::load_bytes(Path::new("fuzz.yaml"), bytes);
+    let _ = proxy_decode::manifests::load_bytes(Path::new("fuzz.yaml"), bytes);
 }
 
 /// A KubeProxyConfiguration file (`config::parse`: size/nesting limits, strict decoding).
@@ -21,18 +20,18 @@ pub fn config(bytes: &[u8]) {
     let _ = proxy_model::config::parse(text);
 }
 
-/// One ctnetlink dump datagram (`kernel_conntrack::netlink`).
+/// One ctnetlink dump datagram (`proxy_kernel::conntrack::netlink`).
 pub fn ctnetlink(bytes: &[u8]) {
     let _ = proxy_kernel::conntrack::netlink::parse_dump_datagram(bytes);
 }
 
-/// One SOCK_DIAG dump datagram (`dataplane::ebpf::kernel::sockdiag`).
+/// One SOCK_DIAG dump datagram (`proxy_kernel::bpf::sockdiag`).
 pub fn sockdiag(bytes: &[u8]) {
     let _ = proxy_kernel::bpf::sockdiag::parse_dump_datagram(bytes);
 }
 
 /// An API server response in protobuf: a LIST body or a watch stream of each kind, an error
-/// `Status` (`source::kubernetes::protobuf`).
+/// `Status` (`proxy_decode::protobuf`).
 pub fn api_protobuf(bytes: &[u8]) {
-    crate::source::kubernetes::decode_protobuf(bytes);
+    proxy_decode::protobuf::decode_everything(bytes);
 }

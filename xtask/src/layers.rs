@@ -425,7 +425,7 @@ fn strongly_connected(graph: &Graph) -> Vec<Vec<String>> {
 pub const CRATE_LAYERS: &[&[&str]] = &[
     &["proxy-common"],
     &["proxy-model", "proxy-ebpf"],
-    &["proxy-kernel"],
+    &["proxy-kernel", "proxy-decode"],
     &["proxy-dataplane-ebpf", "proxy-dataplane-iptables"],
     &["proxy-agent"],
     &["proxy-tests", "xtask"],

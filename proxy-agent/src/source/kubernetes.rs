@@ -15,7 +15,6 @@ mod events;
 mod fixtures;
 mod list;
 mod mapping;
-mod protobuf;
 mod rate_limit;
 mod request_metrics;
 mod watch_events;
@@ -37,8 +36,8 @@ pub use client::{ClientError, ClientOptions, client};
 pub use encoding::{Encoding, EncodingError};
 pub use events::{ServiceEvent, ServiceWarnings, post_starting_event, service_warnings};
 pub use mapping::{EndpointSliceEvents, EventMapper, NodeEvents, ServiceEvents};
-pub use protobuf::decode_everything as decode_protobuf;
 
+use proxy_decode::protobuf;
 use proxy_model::objects::Update;
 
 /// kube-proxy's label selector for Services and EndpointSlices (one informer factory for both

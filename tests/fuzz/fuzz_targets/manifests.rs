@@ -1,4 +1,4 @@
-//! `proxy_agent::fuzz::manifests` under libFuzzer: a panic or a hang is a finding.
+//! `proxy_fuzz::fuzz::manifests` under libFuzzer: a panic or a hang is a finding.
 #![no_main]
 
-libfuzzer_sys::fuzz_target!(|data: &[u8]| proxy_agent::fuzz::manifests(data));
+libfuzzer_sys::fuzz_target!(|data: &[u8]| proxy_fuzz::fuzz::manifests(data));

@@ -1,4 +1,4 @@
-//! `proxy_agent::fuzz::sockdiag` under libFuzzer: a panic or a hang is a finding.
+//! `proxy_fuzz::fuzz::sockdiag` under libFuzzer: a panic or a hang is a finding.
 #![no_main]
 
-libfuzzer_sys::fuzz_target!(|data: &[u8]| proxy_agent::fuzz::sockdiag(data));
+libfuzzer_sys::fuzz_target!(|data: &[u8]| proxy_fuzz::fuzz::sockdiag(data));

@@ -297,7 +297,7 @@ pub struct ProgrammingSize {
     pub workload: Workload,
     /// Bytes of YAML in the manifests folder.
     pub manifests_bytes: u64,
-    /// The first `source::manifests::FolderReader::read` of the folder, in-process: what the
+    /// The first `proxy_decode::manifests::FolderReader::read` of the folder, in-process: what the
     /// agent's source does on start (read + parse every file).
     pub manifests_load: Option<Duration>,
     /// What the library's structures keep alive at this size (in-process, trimmed RSS).
@@ -803,7 +803,7 @@ fn programming_size(
     let t0 = Instant::now();
     result.memory = memory::breakdown(w, crate::scenario::HOSTNAME);
     // What the agent's source does on start: the first read of the folder.
-    let mut reader = proxy_agent::source::manifests::FolderReader::new(
+    let mut reader = proxy_decode::manifests::FolderReader::new(
         s.manifests.path().to_path_buf(),
         crate::scenario::HOSTNAME,
     );

@@ -1300,7 +1300,7 @@ fn attribution(md: &mut String, r: &Results) {
             "- {} Services (eBPF): cold start {} of which the library's full sync (snapshot + map \
              writes, in-process) is {}; the remaining {} is process start, program load/attach \
              and the manifests source, whose first read (every file parsed, on all cores) of \
-             the {:.1} MB folder takes {load} in-process (`source::manifests::FolderReader`). \
+             the {:.1} MB folder takes {load} in-process (`proxy_decode::manifests::FolderReader`). \
              A change reaches the datapath {} after the file write, of which snapshot + map \
              writes are {}; the rest is the source (a 50 ms settle delay, then parsing the one \
              changed file) and the sync loop.",

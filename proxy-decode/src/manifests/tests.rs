@@ -1,5 +1,9 @@
 use std::sync::atomic::{AtomicUsize, Ordering};
 
+use std::collections::BTreeSet;
+
+use proxy_model::objects::Update;
+
 use super::*;
 
 /// A scratch folder removed on drop.
@@ -524,7 +528,7 @@ fn incremental_reads_equal_full_reads_and_parse_only_changed_files() {
 #[test]
 fn an_alias_without_anchor_is_named_instead_of_panicking() {
     let input =
-        include_bytes!("../../../../tests/fuzz/seeds/manifests/unknown-alias-in-flow-sequence");
+        include_bytes!("../../../tests/fuzz/seeds/manifests/unknown-alias-in-flow-sequence");
     let loaded = load_bytes(Path::new("fuzz.yaml"), input);
     let messages = messages(&loaded);
     assert!(

@@ -21,7 +21,7 @@ use k8s_pb::apimachinery::pkg::{
     apis::meta::v1 as pb_meta,
     runtime::{TypeMeta, Unknown},
 };
-use kube::core::{
+use kube_core::{
     Status, WatchEvent,
     watch::{Bookmark, BookmarkMeta},
 };
@@ -159,7 +159,7 @@ pub fn decode_watch_event<K: FromMessage>(frame: &[u8]) -> Result<WatchEvent<K>,
 fn bookmark(types: TypeMeta, raw: &[u8]) -> Result<Bookmark, DecodeError> {
     let metadata = MetadataOnly::decode(raw)?.metadata.unwrap_or_default();
     Ok(Bookmark {
-        types: kube::core::TypeMeta {
+        types: kube_core::TypeMeta {
             api_version: types.api_version.unwrap_or_default(),
             kind: types.kind.unwrap_or_default(),
         },
@@ -283,7 +283,7 @@ fn skip(input: &mut impl Read, wire_type: WireType) -> Result<(), DecodeError> {
 }
 
 /// Every decoder here over `bytes`: as a list body of each kind, as a watch stream of each
-/// kind, as an error `Status` (for [`crate::fuzz`]).
+/// kind, as an error `Status` (the fuzz target `api_protobuf`).
 pub fn decode_everything(bytes: &[u8]) {
     use k8s_openapi::api::{
         core::v1::{Node, Service},

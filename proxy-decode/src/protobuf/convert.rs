@@ -117,15 +117,15 @@ pub fn list_meta(meta: pb_meta::ListMeta) -> meta::ListMeta {
 }
 
 /// A `metav1.Status` as kube reports an API error.
-pub fn status(status: pb_meta::Status) -> kube::core::Status {
+pub fn status(status: pb_meta::Status) -> kube_core::Status {
     let code = status
         .code
         .and_then(|code| u16::try_from(code).ok())
         .unwrap_or_default();
-    kube::core::Status {
+    kube_core::Status {
         status: match status.status.as_deref() {
-            Some("Success") => Some(kube::core::response::StatusSummary::Success),
-            Some("Failure") => Some(kube::core::response::StatusSummary::Failure),
+            Some("Success") => Some(kube_core::response::StatusSummary::Success),
+            Some("Failure") => Some(kube_core::response::StatusSummary::Failure),
             _ => None,
         },
         code,
@@ -134,7 +134,7 @@ pub fn status(status: pb_meta::Status) -> kube::core::Status {
         reason: status.reason.unwrap_or_default(),
         details: status
             .details
-            .map(|details| kube::core::response::StatusDetails {
+            .map(|details| kube_core::response::StatusDetails {
                 name: details.name.unwrap_or_default(),
                 group: details.group.unwrap_or_default(),
                 kind: details.kind.unwrap_or_default(),
@@ -142,7 +142,7 @@ pub fn status(status: pb_meta::Status) -> kube::core::Status {
                 causes: details
                     .causes
                     .into_iter()
-                    .map(|cause| kube::core::response::StatusCause {
+                    .map(|cause| kube_core::response::StatusCause {
                         reason: cause.reason.unwrap_or_default(),
                         message: cause.message.unwrap_or_default(),
                         field: cause.field.unwrap_or_default(),
