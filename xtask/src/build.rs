@@ -341,16 +341,30 @@ fn run_tests(command: &mut Command) -> Result<TestTotals> {
         .spawn()
         .with_context(|| format!("cannot start {shown}"))?;
     let mut totals = TestTotals::default();
+    let started = std::time::Instant::now();
     if let Some(stdout) = child.stdout.take() {
         for line in BufReader::new(stdout).lines() {
             let line = line?;
-            println!("{line}");
+            match test_outcome(&line) {
+                // When each test ended, to see from a CI log where the run's time went.
+                Some(_) => println!("{line}  [{:.0} s]", started.elapsed().as_secs_f64()),
+                None => println!("{line}"),
+            }
             totals.read(&line);
         }
     }
     totals.close_failure();
     totals.success = child.wait()?.success();
     Ok(totals)
+}
+
+/// The outcome of libtest's line for one test (`test <name> ... ok`), if `line` is one.
+fn test_outcome(line: &str) -> Option<&str> {
+    let rest = line.strip_prefix("test ")?;
+    let (_, outcome) = rest.rsplit_once(" ... ")?;
+    ["ok", "FAILED", "ignored"]
+        .into_iter()
+        .find(|&known| outcome == known)
 }
 
 impl TestTotals {
@@ -835,6 +849,21 @@ mod test_output_tests {
     use super::*;
 
     /// libtest's closing output for one failed test whose anyhow error carries a backtrace.
+    #[test]
+    fn a_test_line_is_told_from_the_other_output() {
+        assert_eq!(test_outcome("test drift::a_check ... ok"), Some("ok"));
+        assert_eq!(
+            test_outcome("test takeover::scenario ... FAILED"),
+            Some("FAILED")
+        );
+        assert_eq!(test_outcome("test result: ok. 3 passed; 0 failed"), None);
+        assert_eq!(
+            test_outcome("test x has been running for over 60 seconds"),
+            None
+        );
+        assert_eq!(test_outcome("running 3 tests"), None);
+    }
+
     #[test]
     fn a_failure_is_summarised_by_its_message_without_the_backtrace() {
         let output = "\
