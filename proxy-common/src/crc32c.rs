@@ -160,14 +160,14 @@ mod tests {
     #[test]
     fn the_tables_hold_the_powers_of_zero_bytes() {
         let mut power = ONE;
-        for j in 0..256 {
-            assert_eq!(ZERO_BYTES[j], power, "x^(8·{j})");
+        for (j, entry) in ZERO_BYTES.iter().enumerate() {
+            assert_eq!(*entry, power, "x^(8·{j})");
             power = multiply(power, ONE >> 8);
         }
         let by_256 = power;
         let mut power = ONE;
-        for j in 0..256 {
-            assert_eq!(ZERO_BYTES_BY_256[j], power, "x^(8·256·{j})");
+        for (j, entry) in ZERO_BYTES_BY_256.iter().enumerate() {
+            assert_eq!(*entry, power, "x^(8·256·{j})");
             power = multiply(power, by_256);
         }
     }
