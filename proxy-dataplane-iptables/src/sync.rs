@@ -92,6 +92,9 @@ struct Family {
     /// Frontends that went since the last successful conntrack cleanup: their entries are
     /// deleted with it (a failed cleanup keeps them for the next one).
     gone_frontends: conntrack::GoneFrontends,
+    /// The TCP frontend addresses served (with a serving endpoint) as of the last successful
+    /// conntrack cleanup: one newly served has its untranslated entries deleted.
+    served_streams: conntrack::ServedStreams,
     /// The last sync counted more endpoints than `large_cluster_threshold` (upstream's
     /// `largeClusterMode`, which its next sync reads before counting again).
     large_cluster: bool,
@@ -161,6 +164,7 @@ impl IptablesDataplane {
                 last_stale_cleanup: None,
                 datagram_frontends: conntrack::GoneFrontends::default(),
                 gone_frontends: conntrack::GoneFrontends::default(),
+                served_streams: conntrack::ServedStreams::default(),
                 large_cluster: false,
                 route_localnet: false,
                 generation: 0,
@@ -203,12 +207,30 @@ impl IptablesDataplane {
                         .add_gone(&family.datagram_frontends, &now);
                     family.datagram_frontends = now;
                 }
-                if cleanup_needed || !family.gone_frontends.is_empty() {
-                    let cleanup = clean_conntrack(report.family, snapshot, &family.gone_frontends);
+                // A TCP frontend can only become served with a full sync or a changed TCP port.
+                let streams = (report.full || tcp_changed(scope)).then(|| {
+                    let now = conntrack::ServedStreams::of(snapshot.family(report.family));
+                    let newly = now.newly(&family.served_streams);
+                    (now, newly)
+                });
+                let newly_served = streams.as_ref().map(|(_, newly)| newly);
+                let streams_to_clean = newly_served.is_some_and(|newly| !newly.is_empty());
+                if cleanup_needed || !family.gone_frontends.is_empty() || streams_to_clean {
+                    let cleanup = clean_conntrack(
+                        report.family,
+                        snapshot,
+                        &family.gone_frontends,
+                        newly_served.unwrap_or(&conntrack::ServedStreams::default()),
+                    );
                     if cleanup.result.is_ok() {
                         family.gone_frontends = conntrack::GoneFrontends::default();
+                        if let Some((now, _)) = streams {
+                            family.served_streams = now;
+                        }
                     }
                     report.conntrack = Some(cleanup);
+                } else if let Some((now, _)) = streams {
+                    family.served_streams = now;
                 }
                 Ok(report)
             })
@@ -573,14 +595,20 @@ fn needs_conntrack_cleanup(
     }
 }
 
+/// Whether a TCP port is among the `changed` ones (`None`: every port may have changed).
+fn tcp_changed(changed: Option<&BTreeSet<ServicePortName>>) -> bool {
+    changed.is_none_or(|changed| changed.iter().any(|name| name.protocol == Protocol::Tcp))
+}
+
 fn clean_conntrack(
     family: IpFamily,
     snapshot: &Snapshot,
     gone: &conntrack::GoneFrontends,
+    newly_served: &conntrack::ServedStreams,
 ) -> ConntrackCleanup {
     let started = Instant::now();
-    let result =
-        conntrack::reconcile(family, snapshot.family(family), gone).map_err(|e| e.to_string());
+    let result = conntrack::reconcile(family, snapshot.family(family), gone, newly_served)
+        .map_err(|e| e.to_string());
     ConntrackCleanup {
         elapsed: started.elapsed(),
         result,

@@ -17,6 +17,15 @@
 //! 1.37: a one-way sender (statsd, syslog) refreshes its entry with every datagram and would
 //! otherwise keep reaching the old backend's address — perhaps another pod's by now — after the
 //! rules are gone. A frontend that is live again goes by its live endpoints.
+//!
+//! TCP goes further than kube-proxy, which leaves TCP entries alone: when a TCP frontend address
+//! (ClusterIP, externalIP, LB IP) gets its first serving endpoint ([`ServedStreams`], the first
+//! sync included), its entries that were never translated (reply source = original destination)
+//! go. A client that tried the address before it was programmed (an agent's slow first sync)
+//! left them — a SYN to a ClusterIP goes out by the default route and gets no answer, so the
+//! entry waits in SYN_SENT for two minutes — and each later connection from a reused source port
+//! matched one, kept its untranslated destination and was black-holed. DNATed entries, live
+//! connections, are never touched.
 
 use std::{
     collections::{BTreeMap, BTreeSet},
@@ -34,6 +43,9 @@ pub enum StaleFilter {
     Frontend,
     /// Original destination port is a NodePort whose endpoints do not include the reply source.
     NodePort,
+    /// A TCP connection to a frontend address that has just been given serving endpoints, made
+    /// before: never translated, it would keep its source port's next connections from being.
+    Untranslated,
 }
 
 /// Serving endpoint addresses per frontend, per protocol.
@@ -74,6 +86,45 @@ impl GoneFrontends {
 
     pub fn is_empty(&self) -> bool {
         self.by_address.is_empty() && self.by_node_port.is_empty()
+    }
+}
+
+/// The TCP frontend addresses and ports (ClusterIP, externalIPs, LB IPs) with a serving
+/// endpoint: a later sync compares with them to find the newly served ones.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct ServedStreams {
+    by_address: BTreeSet<(IpAddr, u16)>,
+}
+
+impl ServedStreams {
+    /// Every TCP frontend address of `snapshot` with a serving endpoint.
+    pub fn of(snapshot: &FamilySnapshot) -> Self {
+        let mut by_address = BTreeSet::new();
+        for port in snapshot.service_ports.values() {
+            if port.protocol != Protocol::Tcp || !port.endpoints.iter().any(|e| e.serving) {
+                continue;
+            }
+            let addresses = std::iter::once(&port.cluster_ip)
+                .chain(&port.external_ips)
+                .chain(&port.load_balancer_ips);
+            by_address.extend(addresses.map(|addr| (*addr, port.port)));
+        }
+        Self { by_address }
+    }
+
+    /// The frontends served now that `before` did not serve.
+    pub fn newly(&self, before: &Self) -> Self {
+        Self {
+            by_address: self
+                .by_address
+                .difference(&before.by_address)
+                .copied()
+                .collect(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.by_address.is_empty()
     }
 }
 
@@ -121,10 +172,12 @@ fn frontends(snapshot: &FamilySnapshot, gone: &GoneFrontends) -> Frontends {
     frontends
 }
 
-/// The entries that are stale for `snapshot` and the frontends that are `gone`, with the reason.
+/// The entries that are stale for `snapshot`, the frontends that are `gone` and the TCP ones
+/// `newly_served`, with the reason.
 pub fn stale_filters(
     snapshot: &FamilySnapshot,
     gone: &GoneFrontends,
+    newly_served: &ServedStreams,
     entries: &[ConntrackEntry],
 ) -> Vec<(ConntrackEntry, StaleFilter)> {
     let frontends = frontends(snapshot, gone);
@@ -132,6 +185,18 @@ pub fn stale_filters(
     for entry in entries {
         let original = &entry.original;
         let backend = entry.reply.src;
+        if original.protocol == Protocol::Tcp.number() {
+            let untranslated =
+                entry.reply.src == original.dst && entry.reply.src_port == original.dst_port;
+            if untranslated
+                && newly_served
+                    .by_address
+                    .contains(&(original.dst, original.dst_port))
+            {
+                stale.push((*entry, StaleFilter::Untranslated));
+            }
+            continue;
+        }
         let key = (original.protocol, original.dst, original.dst_port);
         if let Some(serving) = frontends.by_address.get(&key) {
             if !serving.contains(&backend) {
@@ -159,11 +224,12 @@ pub struct CleanupReport {
 }
 
 /// Dumps the conntrack table of `family` in the current network namespace and deletes the
-/// entries that are stale for `snapshot` and the `gone` frontends.
+/// entries that are stale for `snapshot`, the `gone` frontends and the `newly_served` ones.
 pub fn reconcile(
     family: IpFamily,
     snapshot: &FamilySnapshot,
     gone: &GoneFrontends,
+    newly_served: &ServedStreams,
 ) -> Result<CleanupReport, ConntrackError> {
     let mut ctnetlink = Ctnetlink::open()?;
     let entries = ctnetlink.dump(family)?;
@@ -171,7 +237,7 @@ pub fn reconcile(
         scanned: entries.len(),
         ..CleanupReport::default()
     };
-    for (entry, reason) in stale_filters(snapshot, gone, &entries) {
+    for (entry, reason) in stale_filters(snapshot, gone, newly_served, &entries) {
         match ctnetlink.delete(&entry.original) {
             Ok(()) => {
                 tracing::debug!(?entry, ?reason, "deleted stale conntrack entry");

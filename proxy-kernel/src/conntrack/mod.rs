@@ -9,7 +9,9 @@ mod cleanup;
 pub mod netlink;
 mod sysctls;
 
-pub use cleanup::{CleanupReport, GoneFrontends, StaleFilter, reconcile, stale_filters};
+pub use cleanup::{
+    CleanupReport, GoneFrontends, ServedStreams, StaleFilter, reconcile, stale_filters,
+};
 pub use netlink::{ConntrackEntry, ConntrackError, Ctnetlink, Tuple};
 pub use sysctls::{ConntrackSettings, SysctlError, apply_sysctls, planned_writes};
 

@@ -8,7 +8,7 @@
 
 use std::{collections::BTreeMap, net::SocketAddr, path::Path};
 
-use proxy_kernel::conntrack::{ConntrackEntry, Ctnetlink, GoneFrontends, reconcile};
+use proxy_kernel::conntrack::{ConntrackEntry, Ctnetlink, GoneFrontends, ServedStreams, reconcile};
 use proxy_model::{
     desired::{IpFamily, Snapshot},
     objects::{ObjectKey, Objects},
@@ -132,7 +132,13 @@ fn stale_udp_entries_are_deleted_and_live_ones_kept() {
     assert_eq!(to_vip(&dump(&ns.path())), ["10.244.1.2"]);
     let moved = snapshot(&["10.244.1.3"]);
     let report = in_netns(&ns.path(), move || {
-        reconcile(IpFamily::V4, &moved, &GoneFrontends::default()).expect("reconcile")
+        reconcile(
+            IpFamily::V4,
+            &moved,
+            &GoneFrontends::default(),
+            &ServedStreams::default(),
+        )
+        .expect("reconcile")
     });
     eprintln!("endpoint moved: {report:?}");
     assert_eq!(report.deleted, 1);
@@ -145,7 +151,13 @@ fn stale_udp_entries_are_deleted_and_live_ones_kept() {
     request_via(&ns, "10.244.1.3");
     let live = snapshot(&["10.244.1.3"]);
     let report = in_netns(&ns.path(), move || {
-        reconcile(IpFamily::V4, &live, &GoneFrontends::default()).expect("reconcile")
+        reconcile(
+            IpFamily::V4,
+            &live,
+            &GoneFrontends::default(),
+            &ServedStreams::default(),
+        )
+        .expect("reconcile")
     });
     eprintln!("live endpoint: {report:?}");
     assert_eq!(report.deleted, 0);
@@ -154,7 +166,13 @@ fn stale_udp_entries_are_deleted_and_live_ones_kept() {
     // N → 0: the last endpoint goes away; its entry must not survive (upstream regression).
     let none = snapshot(&[]);
     let report = in_netns(&ns.path(), move || {
-        reconcile(IpFamily::V4, &none, &GoneFrontends::default()).expect("reconcile")
+        reconcile(
+            IpFamily::V4,
+            &none,
+            &GoneFrontends::default(),
+            &ServedStreams::default(),
+        )
+        .expect("reconcile")
     });
     eprintln!("last endpoint removed: {report:?}");
     assert_eq!(report.deleted, 1);

@@ -47,4 +47,5 @@ mod takeover;
 mod takeover_scenario;
 mod tc_fuzz;
 mod tc_test_run;
+mod tried_before_the_first_sync;
 mod upgrade;

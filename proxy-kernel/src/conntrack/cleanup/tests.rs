@@ -92,7 +92,12 @@ fn entries_to_removed_endpoints_are_stale_and_live_ones_are_kept() {
         entry(IpAddr::from([172, 16, 0, 1]), 30054, ip(3), UDP), // another port: not ours
         entry(cluster_ip, 53, ip(3), TCP), // TCP is left alone
     ];
-    let stale = stale_filters(&snapshot, &GoneFrontends::default(), &entries);
+    let stale = stale_filters(
+        &snapshot,
+        &GoneFrontends::default(),
+        &ServedStreams::default(),
+        &entries,
+    );
     let got: Vec<(IpAddr, u16, IpAddr, StaleFilter)> = stale
         .iter()
         .map(|(e, why)| (e.original.dst, e.original.dst_port, e.reply.src, *why))
@@ -124,7 +129,13 @@ fn the_last_endpoint_going_away_still_cleans_up() {
     let snapshot = dns(Protocol::Udp, Vec::new());
     let entries = [entry(IpAddr::from([10, 96, 0, 10]), 53, ip(1), UDP)];
     assert_eq!(
-        stale_filters(&snapshot, &GoneFrontends::default(), &entries).len(),
+        stale_filters(
+            &snapshot,
+            &GoneFrontends::default(),
+            &ServedStreams::default(),
+            &entries
+        )
+        .len(),
         1
     );
 }
@@ -136,7 +147,13 @@ fn entries_from_before_the_first_endpoint_are_cleaned_up() {
     let snapshot = dns(Protocol::Udp, vec![endpoint(1, true)]);
     let entries = [entry(cluster_ip, 53, cluster_ip, UDP)];
     assert_eq!(
-        stale_filters(&snapshot, &GoneFrontends::default(), &entries).len(),
+        stale_filters(
+            &snapshot,
+            &GoneFrontends::default(),
+            &ServedStreams::default(),
+            &entries
+        )
+        .len(),
         1
     );
 }
@@ -146,7 +163,13 @@ fn sctp_is_cleaned_up_too() {
     let snapshot = dns(Protocol::Sctp, vec![endpoint(1, true)]);
     let entries = [entry(IpAddr::from([10, 96, 0, 10]), 53, ip(9), 132)];
     assert_eq!(
-        stale_filters(&snapshot, &GoneFrontends::default(), &entries).len(),
+        stale_filters(
+            &snapshot,
+            &GoneFrontends::default(),
+            &ServedStreams::default(),
+            &entries
+        )
+        .len(),
         1
     );
 }
@@ -168,7 +191,12 @@ fn entries_of_a_deleted_service_go_and_a_reused_frontend_follows_its_new_owner()
         entry(IpAddr::from([172, 16, 0, 1]), 30053, ip(1), UDP),
         entry(cluster_ip, 53, ip(1), TCP),
     ];
-    let stale = stale_filters(&FamilySnapshot::default(), &gone, &entries);
+    let stale = stale_filters(
+        &FamilySnapshot::default(),
+        &gone,
+        &ServedStreams::default(),
+        &entries,
+    );
     assert_eq!(
         stale.len(),
         3,
@@ -179,6 +207,7 @@ fn entries_of_a_deleted_service_go_and_a_reused_frontend_follows_its_new_owner()
         stale_filters(
             &FamilySnapshot::default(),
             &GoneFrontends::default(),
+            &ServedStreams::default(),
             &entries
         )
         .is_empty()
@@ -186,7 +215,7 @@ fn entries_of_a_deleted_service_go_and_a_reused_frontend_follows_its_new_owner()
 
     // The ClusterIP re-created for a Service whose endpoint is ip(1) again: its entry stays.
     let reused = dns(Protocol::Udp, vec![endpoint(1, true)]);
-    let stale = stale_filters(&reused, &gone, &entries);
+    let stale = stale_filters(&reused, &gone, &ServedStreams::default(), &entries);
     assert!(
         stale.is_empty(),
         "the live owner's endpoint keeps its entries: {stale:?}"
@@ -194,4 +223,73 @@ fn entries_of_a_deleted_service_go_and_a_reused_frontend_follows_its_new_owner()
     // And once that owner is synced, the frontend is no longer gone.
     gone.add_gone(&now, &GoneFrontends::of(&reused));
     assert!(gone.is_empty());
+}
+
+/// A TCP entry to `dst:80` from `client:port`, with `reply_src` answering (the frontend itself:
+/// never translated).
+fn tcp_entry(dst: IpAddr, client: IpAddr, port: u16, reply_src: IpAddr) -> ConntrackEntry {
+    ConntrackEntry {
+        original: Tuple {
+            src: client,
+            dst,
+            protocol: Protocol::Tcp.number(),
+            src_port: port,
+            dst_port: 80,
+        },
+        reply: Tuple {
+            src: reply_src,
+            dst: client,
+            protocol: Protocol::Tcp.number(),
+            src_port: if reply_src == dst { 80 } else { 8080 },
+            dst_port: port,
+        },
+        tcp_state: Some(1),
+    }
+}
+
+#[test]
+fn untranslated_tcp_entries_go_when_their_frontend_is_first_served_and_translated_ones_stay() {
+    let mut web = dns(Protocol::Tcp, vec![endpoint(1, true)]);
+    for port in web.service_ports.values_mut() {
+        port.port = 80;
+    }
+    let cluster_ip = web
+        .service_ports
+        .values()
+        .next()
+        .map(|p| p.cluster_ip)
+        .expect("a port");
+    let client = ip(200);
+    let entries = [
+        // A SYN sent before the rules: the frontend answers for itself (it never did).
+        tcp_entry(cluster_ip, client, 40_000, cluster_ip),
+        // A live connection DNATed to the endpoint.
+        tcp_entry(cluster_ip, client, 40_001, ip(1)),
+    ];
+    let newly = ServedStreams::of(&web).newly(&ServedStreams::default());
+    let stale = stale_filters(&web, &GoneFrontends::default(), &newly, &entries);
+    assert_eq!(
+        stale,
+        vec![(entries[0], StaleFilter::Untranslated)],
+        "only the untranslated entry goes"
+    );
+    // Served before: nothing new, nothing walked away (kube-proxy leaves TCP alone).
+    let served = ServedStreams::of(&web);
+    assert!(served.newly(&served).is_empty());
+    assert!(
+        stale_filters(
+            &web,
+            &GoneFrontends::default(),
+            &served.newly(&served),
+            &entries
+        )
+        .is_empty()
+    );
+    // Without a serving endpoint the frontend is not served (its REJECT answers anyway).
+    for port in web.service_ports.values_mut() {
+        for endpoint in &mut port.endpoints {
+            endpoint.serving = false;
+        }
+    }
+    assert!(ServedStreams::of(&web).is_empty());
 }

@@ -1,0 +1,130 @@
+//! A pod that tries a ClusterIP while the agent is still starting (the slow first sync of a big
+//! cluster) must lose no connection once the Service is programmed. Its early SYNs leave the
+//! node's conntrack with untranslated entries: with no rule yet, the SYN went out by the node's
+//! default route, nobody answered, and the entry waits in SYN_SENT for two minutes. A later
+//! connection from a reused source port matched such an entry, so netfilter never asked the
+//! NAT rules again and it was black-holed too. The iptables mode now deletes a TCP frontend's
+//! untranslated entries once the frontend has serving endpoints (`proxy-kernel`'s
+//! `ServedStreams`); the eBPF mode translates at connect, before netfilter sees the packet, so
+//! the new connection's tuple is another one. Needs root.
+
+use std::net::{Ipv4Addr, SocketAddr};
+use std::time::Duration;
+
+use proxy_kernel::conntrack::Ctnetlink;
+use proxy_model::desired::IpFamily;
+use proxy_tests::client::Attempt;
+use proxy_tests::netns::on_thread_in;
+use proxy_tests::scenario::{
+    SERVICE_PORT, Scenario, http_service, http_slice, is_pod, pod_endpoint,
+};
+
+/// A ClusterIP nothing in the rig answers for (the scenario's decoy sits on another one).
+const SLOW_IP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 77);
+/// The client pod's one source port: every connection after the start reuses the port of the
+/// attempts made before it.
+const PORT: u16 = 40_100;
+
+fn target() -> SocketAddr {
+    SocketAddr::from((SLOW_IP, SERVICE_PORT))
+}
+
+/// The node's conntrack entries to the Service that were never translated.
+fn untranslated_entries(s: &Scenario) -> anyhow::Result<usize> {
+    let entries = on_thread_in(&s.topo.node().path(), || {
+        Ctnetlink::open().and_then(|mut ct| ct.dump(IpFamily::V4))
+    })??;
+    Ok(entries
+        .iter()
+        .filter(|e| {
+            e.original.dst == std::net::IpAddr::from(SLOW_IP)
+                && e.original.dst_port == SERVICE_PORT
+                && e.reply.src == e.original.dst
+        })
+        .count())
+}
+
+fn tried_before_the_first_sync(mode: &str) -> anyhow::Result<()> {
+    proxy_tests::require_root();
+    proxy_tests::set_helper_binary(env!("CARGO_BIN_EXE_rig-helper"));
+    let mut s = Scenario::new(2)?;
+    s.topo.route_node_via_ext()?;
+    // The node's netfilter tracks connections before any agent runs, as on a real node: a CNI
+    // with `ipMasq` (the reference plugins') masquerades pods' traffic leaving the pod network.
+    s.topo.node().exec(
+        "iptables",
+        &[
+            "-t",
+            "nat",
+            "-A",
+            "POSTROUTING",
+            "-s",
+            "10.244.0.0/16",
+            "!",
+            "-d",
+            "10.244.0.0/16",
+            "-j",
+            "MASQUERADE",
+        ],
+    )?;
+    s.manifests
+        .write("slow.yaml", &http_service("default", "slow", SLOW_IP))?;
+    s.manifests.write(
+        "slow-slice.yaml",
+        &http_slice(
+            "default",
+            "slow-1",
+            "slow",
+            &[pod_endpoint(1), pod_endpoint(2)],
+        ),
+    )?;
+    // The port, which the client itself holds in TIME_WAIT (it closes first), is reused a
+    // second later.
+    s.topo.pod(1)?.sysctl_all(&[
+        ("net.ipv4.ip_local_port_range", &format!("{PORT} {PORT}")),
+        ("net.ipv4.tcp_tw_reuse", "1"),
+    ])?;
+    let client = s.pod_client(1)?;
+    // Before any agent: the ClusterIP is tried twice, unanswered.
+    let early = client
+        .clone()
+        .timeout(Duration::from_millis(300))
+        .run(target(), 2)?;
+    s.ensure(early.iter().all(|a| matches!(a, Attempt::Err(_))), || {
+        format!("nothing answers the ClusterIP before the agent: {early:?}")
+    })?;
+    let left = untranslated_entries(&s)?;
+    s.ensure(left == 1, || {
+        format!("the early attempts left their untranslated conntrack entry on the node: {left}")
+    })?;
+    s.start_agent_in_mode(mode)?;
+    s.wait_for_first_sync()?;
+    // Every connection from now on reuses one of those ports; each must reach a pod.
+    let attempts = client
+        .timeout(Duration::from_secs(2))
+        .interval(Duration::from_millis(1100))
+        .run(target(), 6)?;
+    let lost: Vec<&Attempt> = attempts.iter().filter(|a| !is_pod(a)).collect();
+    s.ensure(lost.is_empty(), || {
+        format!(
+            "{mode}: {} of {} connections after the first sync were lost ({left} untranslated \
+             entries before it, {} now): {lost:?}",
+            lost.len(),
+            attempts.len(),
+            untranslated_entries(&s).map_or_else(|e| e.to_string(), |n| n.to_string()),
+        )
+    })?;
+    Ok(())
+}
+
+#[test]
+fn a_pod_that_tried_a_cluster_ip_during_the_start_loses_no_connection_after_it_iptables()
+-> anyhow::Result<()> {
+    tried_before_the_first_sync("iptables")
+}
+
+#[test]
+fn a_pod_that_tried_a_cluster_ip_during_the_start_loses_no_connection_after_it_ebpf()
+-> anyhow::Result<()> {
+    tried_before_the_first_sync("ebpf")
+}
