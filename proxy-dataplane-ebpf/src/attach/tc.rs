@@ -184,8 +184,12 @@ pub struct TcState {
 
 /// One attachment of a tc program.
 enum Attached {
-    /// The pinned link (the pin keeps it attached; this keeps its fd while we run).
-    Tcx { _link: PinnedLink },
+    /// The pinned link (the pin keeps it attached; this keeps its fd while we run) and the id of
+    /// the program it runs, when the kernel told (to see whether the link is still attached).
+    Tcx {
+        _link: PinnedLink,
+        program: Option<u32>,
+    },
     /// A filter in our slot of the hook (`legacy_tc`); it goes away with its interface, and a
     /// new role's program replaces it in place.
     Legacy,
@@ -312,12 +316,22 @@ impl TcState {
             ] {
                 let pin_name = format!("{program}_if{index}{LINK_SUFFIX}");
                 wanted.insert(pin_name.clone());
-                if self.links.contains_key(&pin_name) {
-                    continue;
+                if let Some(attached) = self.links.get(&pin_name) {
+                    if still_attached(attached, name, direction) {
+                        continue;
+                    }
+                    // Another tool detached it (`bpftool link detach`, an upgrade of another tc
+                    // program that cleared the hook): the interface's Service traffic would
+                    // pass untranslated until the agent restarted.
+                    warn!(interface = %name, program, "tc program no longer attached: attaching it again");
+                    self.links.remove(&pin_name);
+                    if let Err(error) = remove_if_present(&pin_dir.join(&pin_name)) {
+                        warn!(pin = %pin_name, %error, "cannot remove the detached link's pin");
+                    }
                 }
                 if first
                     && self.options.tcx
-                    && let Some(link) = adopt_link(
+                    && let Some((link, program)) = adopt_link(
                         self.pinned.as_ref(),
                         program,
                         name,
@@ -326,13 +340,23 @@ impl TcState {
                     )
                 {
                     debug!(interface = %name, program, "pinned tc link adopted");
-                    self.links.insert(pin_name, Attached::Tcx { _link: link });
+                    self.links.insert(
+                        pin_name,
+                        Attached::Tcx {
+                            _link: link,
+                            program: Some(program),
+                        },
+                    );
                     continue;
                 }
                 let pinned = self.pinned.as_mut();
                 let attached = if self.options.tcx {
-                    attach(ebpf, pinned, program, name, direction, pin_dir, &pin_name)
-                        .map(|link| Attached::Tcx { _link: link })
+                    attach(ebpf, pinned, program, name, direction, pin_dir, &pin_name).map(
+                        |(link, program)| Attached::Tcx {
+                            _link: link,
+                            program,
+                        },
+                    )
                 } else {
                     attach_legacy(ebpf, pinned, program, name, index, direction, pin_dir)
                         .map(|()| Attached::Legacy)
@@ -739,6 +763,26 @@ fn describe_config(c: &NodeConfig) -> String {
     )
 }
 
+/// Whether our link still runs its program on `interface` (`direction`): one query of the hook
+/// per link and sync. A TCX link can be detached behind our back while its pin (and our fd)
+/// stay: its program is then missing from the hook's list. Legacy filters, and links whose
+/// program id the kernel did not tell, are not checked (a legacy slot is ours only by
+/// convention; `legacy_tc` replaces a filter in place).
+fn still_attached(attached: &Attached, interface: &str, direction: TcAttachType) -> bool {
+    let Attached::Tcx {
+        program: Some(id), ..
+    } = attached
+    else {
+        return true;
+    };
+    let id = *id;
+    match SchedClassifier::query_tcx(interface, direction) {
+        Ok((_, programs)) => programs.iter().any(|program| program.id() == id),
+        // The interface went or cannot be asked: the next refresh sees what became of it.
+        Err(_) => true,
+    }
+}
+
 /// A previous run's TCX link pinned at `pin`, adopted as it is when it runs the pinned
 /// program a restart reuses and that program is attached to `interface` (`direction`): a link
 /// whose interface went away (an ifindex used again) runs nowhere and is replaced.
@@ -748,7 +792,7 @@ fn adopt_link(
     interface: &str,
     direction: TcAttachType,
     pin: &Path,
-) -> Option<PinnedLink> {
+) -> Option<(PinnedLink, u32)> {
     let id = *pinned?.ids.get(program)?;
     if !pinned?.classifiers.contains_key(program) || !pin.exists() {
         return None;
@@ -761,6 +805,7 @@ fn adopt_link(
     (linked == id && attached.iter().any(|info| info.id() == id))
         .then(|| PinnedLink::from_pin(pin).ok())
         .flatten()
+        .map(|link| (link, id))
 }
 
 /// Attaches `program` to `interface` (`direction`) as a legacy clsact filter in our slot.
@@ -788,7 +833,7 @@ fn attach(
     direction: TcAttachType,
     pin_dir: &Path,
     pin_name: &str,
-) -> Result<PinnedLink, EbpfError> {
+) -> Result<(PinnedLink, Option<u32>), EbpfError> {
     let program_error = |source| EbpfError::Program {
         name: program,
         source,
@@ -808,7 +853,9 @@ fn attach(
         name: program,
         source,
     })?;
-    crate::attach::pins::pin_replacing(link, program, &pin_dir.join(pin_name))
+    let program_id = link.info().ok().map(|info| info.program_id());
+    let link = crate::attach::pins::pin_replacing(link, program, &pin_dir.join(pin_name))?;
+    Ok((link, program_id))
 }
 
 #[cfg(test)]

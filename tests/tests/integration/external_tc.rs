@@ -12,7 +12,8 @@ use proxy_tests::client::{Attempt, Client, tally};
 use proxy_tests::manifests::{Endpoint, Protocol, SlicePort, endpoint_slice_yaml};
 use proxy_tests::netns::spawn_in;
 use proxy_tests::scenario::{
-    BACKEND_PORT, DATAPATH_TIMEOUT, Scenario, http_slice, is_pod, pod_endpoint, pod_endpoint_family,
+    BACKEND_PORT, DATAPATH_TIMEOUT, Scenario, http_service, http_slice, is_pod, pod_endpoint,
+    pod_endpoint_family,
 };
 use proxy_tests::topology::Topology;
 
@@ -1181,6 +1182,57 @@ fn vlan_tagged_packets_are_never_redirected_with_their_tag() -> anyhow::Result<(
     })?;
     s.ensure(translated == 0, || {
         format!("no VLAN 100 packet is translated: {translated}")
+    })?;
+    Ok(())
+}
+
+/// Another tool detaches our program from the external interface (`bpftool link detach`, what
+/// a careless upgrade of another tc tool does): NodePort goes at once, and the next sync finds
+/// the link's program missing from the hook and attaches it again.
+#[test]
+fn a_tc_program_detached_behind_the_agents_back_is_attached_again_at_the_next_sync()
+-> anyhow::Result<()> {
+    let mut s = setup(1)?;
+    write_lb_on_pod1(&s)?;
+    start(&mut s)?;
+    let client = ext_client()(&s);
+    s.wait_for_datapath_with(&client, node_port_addr(), "NodePort answered", is_pod)?;
+    let ifindex = s
+        .topo
+        .node()
+        .exec("cat", &["/sys/class/net/vext/ifindex"])?;
+    let pin = s
+        .agent()?
+        .bpf_root()
+        .join("kubeproxy-rs")
+        .join(format!("kpr_tc_external_if{}_link", ifindex.trim()));
+    s.topo.node().exec(
+        "bpftool",
+        &["link", "detach", "pinned", &pin.to_string_lossy()],
+    )?;
+    let detached = client
+        .clone()
+        .timeout(Duration::from_millis(500))
+        .once(node_port_addr())?;
+    s.ensure(!is_pod(&detached), || {
+        format!("with our program detached, the NodePort reaches no pod: {detached:?}")
+    })?;
+    // A sync: another Service appears.
+    let syncs = s.agent()?.syncs();
+    s.manifests.write(
+        "other.yaml",
+        &http_service(NAMESPACE, "other", Ipv4Addr::new(10, 96, 0, 21)),
+    )?;
+    let agent = s.agent()?;
+    proxy_tests::wait::wait_until(
+        "a sync after the detach",
+        Duration::from_secs(20),
+        Duration::from_millis(100),
+        || agent.syncs() > syncs,
+    )?;
+    let answered = client.run(node_port_addr(), 6)?;
+    s.ensure(answered.iter().all(is_pod), || {
+        format!("after the next sync the NodePort reaches the pod again: {answered:?}")
     })?;
     Ok(())
 }
