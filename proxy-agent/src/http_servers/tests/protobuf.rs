@@ -15,7 +15,7 @@ use crate::http_servers::{
 use proxy_model::desired::IpFamily;
 
 /// The delimited stream back into messages.
-fn decode(mut bytes: &[u8]) -> Vec<MetricFamily> {
+pub(super) fn decode(mut bytes: &[u8]) -> Vec<MetricFamily> {
     let mut out = Vec::new();
     while !bytes.is_empty() {
         let length = prost::decode_length_delimiter(bytes).expect("length");

@@ -2,31 +2,15 @@
 //! `metrics/prometheus/restclient`): hidden without series, and with upstream's names, types,
 //! help, label names and buckets in the text, OpenMetrics and protobuf expositions.
 
-use prost::Message as _;
-
-use super::*;
+use super::{protobuf::decode, *};
 use crate::http_servers::{
-    histogram::NativeConfig,
-    metrics::Metrics,
-    protobuf::{MetricFamily, MetricType},
-    rest_client::RestClientMetrics,
+    histogram::NativeConfig, metrics::Metrics, protobuf::MetricType, rest_client::RestClientMetrics,
 };
 
 const HOST: &str = "10.96.0.1:443";
 const REQUESTS_HELP: &str =
     "[ALPHA] Number of HTTP requests, partitioned by status code, method, and host.";
 const DURATION_HELP: &str = "[ALPHA] Request latency in seconds. Broken down by verb, and host.";
-
-fn decode(mut bytes: &[u8]) -> Vec<MetricFamily> {
-    let mut out = Vec::new();
-    while !bytes.is_empty() {
-        let length = prost::decode_length_delimiter(bytes).expect("length");
-        let prefix = prost::length_delimiter_len(length);
-        out.push(MetricFamily::decode(&bytes[prefix..prefix + length]).expect("family"));
-        bytes = &bytes[prefix + length..];
-    }
-    out
-}
 
 /// Metrics serving `rest_client`'s families, after three 200s, a 404, a failed GET and a
 /// POST; two GET latencies (30 ms, 2 s).
