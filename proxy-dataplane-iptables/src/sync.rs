@@ -92,9 +92,12 @@ struct Family {
     /// Frontends that went since the last successful conntrack cleanup: their entries are
     /// deleted with it (a failed cleanup keeps them for the next one).
     gone_frontends: conntrack::GoneFrontends,
-    /// The TCP frontend addresses served (with a serving endpoint) as of the last successful
-    /// conntrack cleanup: one newly served has its untranslated entries deleted.
+    /// The TCP frontend addresses the rules served (with a serving endpoint) after the last
+    /// sync that could change them.
     served_streams: conntrack::ServedStreams,
+    /// TCP frontends served since the last successful conntrack cleanup: their untranslated
+    /// entries are deleted with it (a failed cleanup keeps them for the next one).
+    newly_served: conntrack::ServedStreams,
     /// The last sync counted more endpoints than `large_cluster_threshold` (upstream's
     /// `largeClusterMode`, which its next sync reads before counting again).
     large_cluster: bool,
@@ -165,6 +168,7 @@ impl IptablesDataplane {
                 datagram_frontends: conntrack::GoneFrontends::default(),
                 gone_frontends: conntrack::GoneFrontends::default(),
                 served_streams: conntrack::ServedStreams::default(),
+                newly_served: conntrack::ServedStreams::default(),
                 large_cluster: false,
                 route_localnet: false,
                 generation: 0,
@@ -208,29 +212,26 @@ impl IptablesDataplane {
                     family.datagram_frontends = now;
                 }
                 // A TCP frontend can only become served with a full sync or a changed TCP port.
-                let streams = (report.full || tcp_changed(scope)).then(|| {
+                if report.full || tcp_changed(scope) {
                     let now = conntrack::ServedStreams::of(snapshot.family(report.family));
-                    let newly = now.newly(&family.served_streams);
-                    (now, newly)
-                });
-                let newly_served = streams.as_ref().map(|(_, newly)| newly);
-                let streams_to_clean = newly_served.is_some_and(|newly| !newly.is_empty());
-                if cleanup_needed || !family.gone_frontends.is_empty() || streams_to_clean {
+                    family.newly_served.add_newly(&family.served_streams, &now);
+                    family.served_streams = now;
+                }
+                if cleanup_needed
+                    || !family.gone_frontends.is_empty()
+                    || !family.newly_served.is_empty()
+                {
                     let cleanup = clean_conntrack(
                         report.family,
                         snapshot,
                         &family.gone_frontends,
-                        newly_served.unwrap_or(&conntrack::ServedStreams::default()),
+                        &family.newly_served,
                     );
                     if cleanup.result.is_ok() {
                         family.gone_frontends = conntrack::GoneFrontends::default();
-                        if let Some((now, _)) = streams {
-                            family.served_streams = now;
-                        }
+                        family.newly_served = conntrack::ServedStreams::default();
                     }
                     report.conntrack = Some(cleanup);
-                } else if let Some((now, _)) = streams {
-                    family.served_streams = now;
                 }
                 Ok(report)
             })

@@ -55,7 +55,7 @@ pub fn adoptable(entry: &ConntrackEntry, now_ns: u64) -> Vec<(CtKey, CtValue)> {
     let original = &entry.original;
     let reply = &entry.reply;
     let mut entries = Vec::new();
-    if original.dst == reply.src && original.dst_port == reply.src_port {
+    if !entry.dnat() {
         return entries;
     }
     let (Some((src, family)), Some((dst, dst_family)), Some((backend, backend_family))) =

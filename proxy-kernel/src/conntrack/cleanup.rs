@@ -104,23 +104,16 @@ impl ServedStreams {
             if port.protocol != Protocol::Tcp || !port.endpoints.iter().any(|e| e.serving) {
                 continue;
             }
-            let addresses = std::iter::once(&port.cluster_ip)
-                .chain(&port.external_ips)
-                .chain(&port.load_balancer_ips);
-            by_address.extend(addresses.map(|addr| (*addr, port.port)));
+            by_address.extend(port.frontend_addresses().map(|addr| (*addr, port.port)));
         }
         Self { by_address }
     }
 
-    /// The frontends served now that `before` did not serve.
-    pub fn newly(&self, before: &Self) -> Self {
-        Self {
-            by_address: self
-                .by_address
-                .difference(&before.by_address)
-                .copied()
-                .collect(),
-        }
+    /// Adds the frontends `now` serves that `before` did not (as [`GoneFrontends::add_gone`]
+    /// collects the ones that went, until a cleanup succeeds).
+    pub fn add_newly(&mut self, before: &Self, now: &Self) {
+        self.by_address
+            .extend(now.by_address.difference(&before.by_address));
     }
 
     pub fn is_empty(&self) -> bool {
@@ -155,10 +148,7 @@ fn frontends(snapshot: &FamilySnapshot, gone: &GoneFrontends) -> Frontends {
             .filter(|e| e.serving)
             .map(|e| e.addr)
             .collect();
-        let addresses = std::iter::once(&port.cluster_ip)
-            .chain(&port.external_ips)
-            .chain(&port.load_balancer_ips);
-        for addr in addresses {
+        for addr in port.frontend_addresses() {
             frontends
                 .by_address
                 .insert((proto, *addr, port.port), serving.clone());
@@ -186,9 +176,7 @@ pub fn stale_filters(
         let original = &entry.original;
         let backend = entry.reply.src;
         if original.protocol == Protocol::Tcp.number() {
-            let untranslated =
-                entry.reply.src == original.dst && entry.reply.src_port == original.dst_port;
-            if untranslated
+            if !entry.dnat()
                 && newly_served
                     .by_address
                     .contains(&(original.dst, original.dst_port))

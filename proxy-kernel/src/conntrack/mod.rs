@@ -27,10 +27,7 @@ pub fn dnat_connections() -> Result<usize, ConntrackError> {
         count += ctnetlink
             .dump(family)?
             .iter()
-            .filter(|entry| {
-                entry.original.dst != entry.reply.src
-                    || entry.original.dst_port != entry.reply.src_port
-            })
+            .filter(|entry| entry.dnat())
             .count();
     }
     Ok(count)

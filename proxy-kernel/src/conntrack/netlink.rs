@@ -62,6 +62,12 @@ pub struct ConntrackEntry {
 }
 
 impl ConntrackEntry {
+    /// Whether the connection's destination was translated: its reply comes from another
+    /// address or port than the one the client sent to (a DNAT picked a backend).
+    pub fn dnat(&self) -> bool {
+        self.reply.src != self.original.dst || self.reply.src_port != self.original.dst_port
+    }
+
     /// A TCP connection that saw its FIN or RST (FIN_WAIT, CLOSE_WAIT, LAST_ACK, TIME_WAIT,
     /// CLOSE): a SYN of its tuple starts a new one.
     pub fn tcp_closing(&self) -> bool {

@@ -148,6 +148,14 @@ impl ServicePort {
             || !self.external_ips.is_empty()
     }
 
+    /// The addresses the port is a frontend on: its ClusterIP, externalIPs and LB IPs (its
+    /// NodePort aside, which every node address serves).
+    pub fn frontend_addresses(&self) -> impl Iterator<Item = &IpAddr> {
+        std::iter::once(&self.cluster_ip)
+            .chain(&self.external_ips)
+            .chain(&self.load_balancer_ips)
+    }
+
     /// kube-proxy's `UsesClusterEndpoints`: Cluster internal policy, or any external access
     /// (even with Local external policy, for short-circuiting traffic from inside the cluster).
     pub fn uses_cluster_endpoints(&self) -> bool {

@@ -65,9 +65,7 @@ fn untranslated_entries(s: &Scenario, target: SocketAddr) -> anyhow::Result<usiz
     Ok(entries
         .iter()
         .filter(|e| {
-            e.original.dst == target.ip()
-                && e.original.dst_port == target.port()
-                && e.reply.src == e.original.dst
+            e.original.dst == target.ip() && e.original.dst_port == target.port() && !e.dnat()
         })
         .count())
 }

@@ -266,7 +266,8 @@ fn untranslated_tcp_entries_go_when_their_frontend_is_first_served_and_translate
         // A live connection DNATed to the endpoint.
         tcp_entry(cluster_ip, client, 40_001, ip(1)),
     ];
-    let newly = ServedStreams::of(&web).newly(&ServedStreams::default());
+    let mut newly = ServedStreams::default();
+    newly.add_newly(&ServedStreams::default(), &ServedStreams::of(&web));
     let stale = stale_filters(&web, &GoneFrontends::default(), &newly, &entries);
     assert_eq!(
         stale,
@@ -275,16 +276,10 @@ fn untranslated_tcp_entries_go_when_their_frontend_is_first_served_and_translate
     );
     // Served before: nothing new, nothing walked away (kube-proxy leaves TCP alone).
     let served = ServedStreams::of(&web);
-    assert!(served.newly(&served).is_empty());
-    assert!(
-        stale_filters(
-            &web,
-            &GoneFrontends::default(),
-            &served.newly(&served),
-            &entries
-        )
-        .is_empty()
-    );
+    let mut nothing_new = ServedStreams::default();
+    nothing_new.add_newly(&served, &served);
+    assert!(nothing_new.is_empty());
+    assert!(stale_filters(&web, &GoneFrontends::default(), &nothing_new, &entries).is_empty());
     // Without a serving endpoint the frontend is not served (its REJECT answers anyway).
     for port in web.service_ports.values_mut() {
         for endpoint in &mut port.endpoints {
