@@ -502,6 +502,24 @@ pub struct Args {
     )]
     pub drift_check_period: Option<String>,
 
+    /// Most per-Service traffic series (`kubeproxy_rs_service_*`: one per Service port,
+    /// protocol and frontend kind) the metrics export; Service ports beyond it are counted in
+    /// `kubeproxy_rs_service_traffic_series_capped`, not exported (default 5000; 0 turns the
+    /// per-Service counters off, in the programs too).
+    #[arg(
+        long,
+        value_name = "COUNT",
+        allow_hyphen_values = true,
+        help_heading = "kubeproxy-rs additions"
+    )]
+    pub service_traffic_max_series: Option<String>,
+
+    /// Also count each endpoint's new connections (`kubeproxy_rs_endpoint_new_connections`),
+    /// to see how a Service's load is spread; one series per endpoint, within
+    /// --service-traffic-max-series.
+    #[arg(long, help_heading = "kubeproxy-rs additions")]
+    pub service_traffic_endpoints: bool,
+
     /// How long an agent in iptables mode that finds the eBPF mode's programs on the node (a
     /// switch from eBPF to iptables) keeps them for the connections they carry: they translate
     /// only their established flows (new connections get the iptables rules) and are removed

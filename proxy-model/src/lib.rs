@@ -12,4 +12,5 @@ pub mod logging;
 pub mod objects;
 pub mod proxy_mode;
 pub mod time_format;
+pub mod traffic;
 pub mod yaml;

@@ -530,6 +530,13 @@ pub fn apply(
             Err(reason) => overlay.flag_only("mode-switch-drain-period", text, reason),
         }
     }
+    if let Some(text) = &args.service_traffic_max_series {
+        match parse_int::<u32>(text) {
+            Ok(count) => ebpf.service_traffic_max_series = count,
+            Err(reason) => overlay.flag_only("service-traffic-max-series", text, reason),
+        }
+    }
+    ebpf.service_traffic_endpoints = args.service_traffic_endpoints;
     if let Some(text) = &args.lb_algorithm {
         match text.as_str() {
             "random" => ebpf.lb_algorithm = LbAlgorithm::Random,

@@ -187,6 +187,10 @@ pub struct EbpfConfig {
     pub socket_lb_host_namespace_only: bool,
     /// `--drift-check-period` (both modes; zero: no check).
     pub drift_check_period: std::time::Duration,
+    /// `--service-traffic-max-series` (both modes; 0: no per-Service counters).
+    pub service_traffic_max_series: u32,
+    /// `--service-traffic-endpoints` (both modes).
+    pub service_traffic_endpoints: bool,
     /// `--mode-switch-drain-period`: how long the iptables mode keeps the eBPF mode's programs
     /// for their established flows (zero: removed at the first sync).
     pub mode_switch_drain_period: std::time::Duration,
@@ -196,6 +200,10 @@ pub struct EbpfConfig {
 
 /// `--drift-check-period`'s default: a full check of 30k Services' maps reads ~10^5 entries.
 pub const DEFAULT_DRIFT_CHECK_PERIOD: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// `--service-traffic-max-series`'s default: every Service port of a large cluster's busy
+/// part, at a few hundred bytes of metrics text per series.
+pub const DEFAULT_SERVICE_TRAFFIC_MAX_SERIES: u32 = 5000;
 
 /// `--mode-switch-drain-period`'s default: long enough for request/response connections and
 /// most streams to finish, bounded so a switch always completes.
@@ -231,6 +239,8 @@ impl Default for EbpfConfig {
             xdp: ebpf_settings::XdpSetting::Auto,
             socket_lb_host_namespace_only: false,
             drift_check_period: DEFAULT_DRIFT_CHECK_PERIOD,
+            service_traffic_max_series: DEFAULT_SERVICE_TRAFFIC_MAX_SERIES,
+            service_traffic_endpoints: false,
             mode_switch_drain_period: DEFAULT_MODE_SWITCH_DRAIN_PERIOD,
             disabled_features: std::collections::BTreeSet::new(),
         }

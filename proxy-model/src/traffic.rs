@@ -1,0 +1,112 @@
+//! Per-Service traffic as either dataplane counts it: the eBPF programs in per-CPU counters
+//! indexed by a frontend's service id, the iptables mode in the packet counters of each
+//! Service's own rules. A reading is a list of samples, one per counting *unit* (a frontend's
+//! service id, a rule); the metrics turn the units' increases into one counter per Service port,
+//! protocol and frontend kind, so a unit that disappears (a frontend removed, a chain rewritten)
+//! or restarts from 0 (an id handed out again) neither takes counts back nor counts twice.
+
+use std::fmt;
+use std::net::SocketAddr;
+
+use crate::desired::Protocol;
+
+/// How a client reached the Service: the frontend kinds kube-proxy writes rules for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum FrontendKind {
+    /// The ClusterIP (in the eBPF mode, at the socket or through tc).
+    ClusterIp,
+    /// A NodePort on a node address.
+    NodePort,
+    /// A `status.loadBalancer.ingress` IP.
+    LoadBalancer,
+    /// An address of `spec.externalIPs`.
+    ExternalIp,
+}
+
+impl FrontendKind {
+    pub const ALL: [FrontendKind; 4] = [
+        FrontendKind::ClusterIp,
+        FrontendKind::NodePort,
+        FrontendKind::LoadBalancer,
+        FrontendKind::ExternalIp,
+    ];
+
+    /// The `frontend` label's value.
+    pub const fn label(self) -> &'static str {
+        match self {
+            FrontendKind::ClusterIp => "cluster_ip",
+            FrontendKind::NodePort => "node_port",
+            FrontendKind::LoadBalancer => "load_balancer",
+            FrontendKind::ExternalIp => "external_ip",
+        }
+    }
+}
+
+impl fmt::Display for FrontendKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.label())
+    }
+}
+
+/// The Service port a counter belongs to, as its labels name it.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct ServicePortLabels {
+    pub namespace: String,
+    pub name: String,
+    /// The Service port's name; empty for a Service's single unnamed port.
+    pub port: String,
+    pub protocol: Protocol,
+}
+
+/// What a per-Service counter is labelled with.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct ServiceTrafficKey {
+    pub service: ServicePortLabels,
+    pub frontend: FrontendKind,
+}
+
+/// One unit's cumulative counts since the unit began counting.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct TrafficCounts {
+    /// Connections (TCP, SCTP) and flows (UDP) given a backend.
+    pub new_connections: u64,
+    /// Packets and bytes of the Service's traffic, where the path sees each packet (the tc
+    /// programs do; the socket hooks and the iptables NAT table see a connection's first packet
+    /// only): `None` where it does not.
+    pub packets: Option<u64>,
+    pub bytes: Option<u64>,
+    /// Connections refused because the Service had no endpoints (kube-proxy's REJECT).
+    pub rejected: u64,
+    /// Connections dropped because the client was outside `loadBalancerSourceRanges`.
+    pub dropped_source_range: u64,
+    /// Connections dropped because every endpoint was on another node
+    /// (`externalTrafficPolicy`/`internalTrafficPolicy: Local`).
+    pub dropped_no_local: u64,
+}
+
+/// A counting unit's reading.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TrafficSample {
+    /// Identifies the unit within one dataplane's readings, stable for as long as the unit
+    /// counts for the same key.
+    pub unit: u64,
+    pub key: ServiceTrafficKey,
+    pub counts: TrafficCounts,
+}
+
+/// New connections one endpoint was given (behind `--service-traffic-endpoints`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EndpointTrafficSample {
+    pub unit: u64,
+    /// Endpoints are shared by all of a Service port's frontends: no frontend kind.
+    pub service: ServicePortLabels,
+    pub endpoint: SocketAddr,
+    pub new_connections: u64,
+}
+
+/// One reading of a dataplane's per-Service counters.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct TrafficReading {
+    pub services: Vec<TrafficSample>,
+    pub endpoints: Vec<EndpointTrafficSample>,
+}
