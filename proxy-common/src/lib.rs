@@ -64,6 +64,8 @@ mod pod {
     // SAFETY: as above.
     unsafe impl aya::Pod for ServiceName {}
     // SAFETY: as above.
+    unsafe impl aya::Pod for ServiceTraffic {}
+    // SAFETY: as above.
     unsafe impl aya::Pod for AffinityMatchKey {}
     // SAFETY: as above.
     unsafe impl aya::Pod for CtKey {}

@@ -37,6 +37,8 @@ pub mod map_names {
     pub const MAGLEV: &str = "KPR_MAGLEV";
     pub const UDP_STICKY: &str = "KPR_UDP_STICKY";
     pub const SERVICE_NAMES: &str = "KPR_SERVICE_NAMES";
+    /// Each frontend's traffic counters, indexed by its service id ([`super::ServiceTraffic`]).
+    pub const SERVICE_TRAFFIC: &str = "KPR_SERVICE_TRAFFIC";
     /// The tc programs of each family the entry programs tail-call (a program array, pinned so
     /// that it outlives the agent; not in [`PINNED`]: it holds programs, not state).
     pub const TC_FAMILY: &str = "KPR_TC_FAMILY";
@@ -55,7 +57,7 @@ pub mod map_names {
     pub const FRAGMENTS: &str = "KPR_FRAGMENTS";
 
     /// Every map the agent pins (and `--cleanup` removes).
-    pub const PINNED: [&str; 21] = [
+    pub const PINNED: [&str; 22] = [
         FRONTENDS4,
         FRONTENDS6,
         BACKEND_SLOTS,
@@ -77,6 +79,7 @@ pub mod map_names {
         MAGLEV,
         UDP_STICKY,
         SERVICE_NAMES,
+        SERVICE_TRAFFIC,
     ];
 }
 
@@ -601,8 +604,20 @@ pub struct AffinityValue {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ServiceName {
     pub len: u16,
-    pub _pad: u16,
+    /// How clients reach this frontend ([`frontend_kind`]; 0: not recorded, as agents before
+    /// it wrote).
+    pub kind: u8,
+    /// The IP protocol number ([`crate::proto`]; 0: not recorded).
+    pub proto: u8,
     pub bytes: [u8; SERVICE_NAME_MAX],
+}
+
+/// [`ServiceName::kind`]: the frontend kinds kube-proxy writes rules for.
+pub mod frontend_kind {
+    pub const CLUSTER_IP: u8 = 1;
+    pub const NODE_PORT: u8 = 2;
+    pub const LOAD_BALANCER: u8 = 3;
+    pub const EXTERNAL_IP: u8 = 4;
 }
 
 /// Room for the longest `namespace/name:port`, rounded up to keep the value 4-byte aligned.
@@ -610,7 +625,7 @@ pub const SERVICE_NAME_MAX: usize = 156;
 
 impl ServiceName {
     /// `None` when `name` does not fit (it cannot for valid Kubernetes names).
-    pub fn new(name: &str) -> Option<Self> {
+    pub fn new(name: &str, kind: u8, proto: u8) -> Option<Self> {
         let len = name.len();
         if len > SERVICE_NAME_MAX {
             return None;
@@ -619,7 +634,8 @@ impl ServiceName {
         bytes[..len].copy_from_slice(name.as_bytes());
         Some(Self {
             len: len as u16,
-            _pad: 0,
+            kind,
+            proto,
             bytes,
         })
     }
@@ -628,6 +644,34 @@ impl ServiceName {
     pub fn as_str(&self) -> Option<&str> {
         core::str::from_utf8(self.bytes.get(..usize::from(self.len))?).ok()
     }
+}
+
+/// Value of `KPR_SERVICE_TRAFFIC` (an array indexed by service id): what happened to the
+/// connections a frontend was dialled with. One value shared by the CPUs and added to
+/// atomically: a per-CPU array would cost its size once per CPU, and these counters change
+/// once per connection, not per packet. The fields are in [`TrafficEvent`]'s order.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct ServiceTraffic {
+    pub counts: [u64; TrafficEvent::COUNT],
+}
+
+/// What a [`ServiceTraffic`] counts: the index of its count.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(usize)]
+pub enum TrafficEvent {
+    /// A connection (TCP, SCTP) or flow (UDP) was given a backend.
+    NewConnection = 0,
+    /// Refused: the Service has no endpoints (kube-proxy's REJECT).
+    Rejected = 1,
+    /// Dropped: the client is outside `loadBalancerSourceRanges`.
+    DroppedSourceRange = 2,
+    /// Dropped: every endpoint is on another node (kube-proxy's DROP for "no local endpoints").
+    DroppedNoLocal = 3,
+}
+
+impl TrafficEvent {
+    pub const COUNT: usize = 4;
 }
 
 /// Key of `KPR_AFFINITY_MATCH` (value: `u8`, unused): present exactly while `backend_id` is in

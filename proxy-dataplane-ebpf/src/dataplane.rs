@@ -51,7 +51,8 @@ use proxy_kernel::bpf::{
     map_batch::BatchReader,
     sockdiag::{self, DiagSocket},
 };
-use proxy_model::desired::{Protocol, ServicePortName, Snapshot};
+use proxy_model::desired::{FrontendKey, IpFamily, Protocol, ServicePortName, Snapshot};
+use proxy_model::traffic::FrontendKind;
 
 fn count_repair(check: &mut DriftCheck, map: &'static str, result: Result<(), MapWriteError>) {
     match result {
@@ -239,6 +240,10 @@ impl EbpfDataplane {
             // until `attach_all` has pinned every one of this load.
             reuse::invalidate(&pin_dir);
         }
+        // Service ids run from 1 to the frontends' capacity (slot 0 is never counted). Always
+        // this size: the counts cost one atomic add per connection, and a pinned array resized
+        // would take a stamp-matched restart's programs' map from under them.
+        let traffic_capacity = options.frontends_capacity.saturating_add(1);
         let mut loader = EbpfLoader::new();
         if !features.uses(Feature::Btf) {
             loader.btf(None);
@@ -269,6 +274,7 @@ impl EbpfDataplane {
             .map_max_entries(map_names::AFFINITY, lru.affinity)
             .map_max_entries(map_names::UDP_STICKY, lru.udp_sticky)
             .map_max_entries(map_names::SERVICE_NAMES, options.frontends_capacity)
+            .map_max_entries(map_names::SERVICE_TRAFFIC, traffic_capacity)
             .load(object::OBJECT)?;
         let log_drain = match &reused {
             // The reused programs log into the ring buffer of the load that verified them,
@@ -299,6 +305,7 @@ impl EbpfDataplane {
             revnat6: take_map(&mut ebpf, map_names::REVNAT6)?,
             source_ranges: take_map(&mut ebpf, map_names::SOURCE_RANGES)?,
             maglev: take_map(&mut ebpf, map_names::MAGLEV)?,
+            traffic: take_map(&mut ebpf, map_names::SERVICE_TRAFFIC)?,
             touched: None,
         };
         let stats = take_map(&mut ebpf, map_names::STATS)?;
@@ -510,7 +517,7 @@ impl EbpfDataplane {
         // earlier one. Checking them is a lookup per id and a walk of the map (200k syscalls
         // at 50k Services, most of a periodic resync, which holds up the changes behind it).
         if changed.is_some() || summary.changed_frontends() || !self.names_reconciled {
-            self.write_service_names(changed);
+            self.write_service_names(snapshot, changed);
         }
         (summary, errors)
     }
@@ -550,23 +557,30 @@ impl EbpfDataplane {
     /// `KPR_SERVICE_NAMES` for `inspect`: the names of the service ports in `changed` (all with
     /// `None`, which also deletes the names of service ids no frontend holds). Best effort: a
     /// failed write only costs `inspect` a name (it shows `#<id>`).
-    fn write_service_names(&mut self, changed: Option<&BTreeSet<ServicePortName>>) {
+    fn write_service_names(
+        &mut self,
+        snapshot: &Snapshot,
+        changed: Option<&BTreeSet<ServicePortName>>,
+    ) {
         let ports: Vec<&ServicePortName> = match changed {
             Some(changed) => changed.iter().collect(),
             None => self.map_writer.owners().collect(),
         };
-        let names: Vec<(u32, String)> = ports
+        let names: Vec<(u32, String, u8, u8)> = ports
             .into_iter()
             .flat_map(|name| {
                 let text = name.to_string();
                 self.map_writer
-                    .service_ids_of(name)
+                    .frontends_of(name)
                     .into_iter()
-                    .map(move |id| (id, text.clone()))
+                    .map(move |(id, key)| {
+                        let kind = frontend_kind(snapshot, name, &key);
+                        (id, text.clone(), kind, name.protocol.number())
+                    })
             })
             .collect();
-        for (id, name) in &names {
-            let Some(value) = ServiceName::new(name) else {
+        for (id, name, kind, proto) in &names {
+            let Some(value) = ServiceName::new(name, *kind, *proto) else {
                 continue;
             };
             if self.names.get(id, 0).ok() != Some(value)
@@ -577,7 +591,7 @@ impl EbpfDataplane {
         }
         if changed.is_none() {
             self.names_reconciled = true;
-            let live: BTreeSet<u32> = names.iter().map(|(id, _)| *id).collect();
+            let live: BTreeSet<u32> = names.iter().map(|(id, ..)| *id).collect();
             let stale: Vec<u32> = self
                 .names
                 .keys()
@@ -1069,4 +1083,14 @@ where
             guard.clear_ready();
         }
     }))
+}
+
+/// A frontend's kind as `KPR_SERVICE_NAMES` records it (0 when the snapshot no longer has its
+/// port: the next write of its names has it again).
+fn frontend_kind(snapshot: &Snapshot, name: &ServicePortName, key: &FrontendKey) -> u8 {
+    snapshot
+        .family(IpFamily::of(&key.addr))
+        .of_service(&name.service)
+        .find(|port| port.name == *name)
+        .map_or(0, |port| FrontendKind::of(port, key).code())
 }

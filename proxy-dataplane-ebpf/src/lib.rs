@@ -10,6 +10,7 @@ pub mod maps;
 mod options;
 mod stats;
 mod test_run;
+pub mod traffic;
 
 pub use attach::pins::{PIN_DIR_MODE, PIN_DIR_NAME, cleanup};
 pub use attach::tc::TcOptions;

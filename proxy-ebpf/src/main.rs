@@ -4,6 +4,13 @@
 //! flows, IP fragments).
 #![cfg_attr(target_arch = "bpf", no_std)]
 #![cfg_attr(target_arch = "bpf", no_main)]
+// The BPF target's `core` atomics lack read-modify-write operations; the intrinsic has them
+// (the eBPF object is built with the pinned nightly anyway, for `build-std`).
+#![cfg_attr(target_arch = "bpf", feature(core_intrinsics))]
+#![cfg_attr(
+    target_arch = "bpf",
+    expect(internal_features, reason = "atomic_xadd, see traffic.rs")
+)]
 
 // The programs only make sense for the BPF target; on the host this crate is an empty binary so
 // `cargo check/clippy --workspace` keep working.
@@ -35,6 +42,8 @@ mod sock;
 mod stats;
 #[cfg(target_arch = "bpf")]
 mod tc;
+#[cfg(target_arch = "bpf")]
+mod traffic;
 #[cfg(target_arch = "bpf")]
 mod xdp;
 

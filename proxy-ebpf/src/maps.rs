@@ -20,8 +20,8 @@ use aya_ebpf::{
 use proxy_common::{
     AffinityKey, AffinityMatchKey, AffinityValue, Backend4, Backend6, BackendSlotKey, CtKey,
     CtKey4, CtValue, CtValue4, Frontend4Key, Frontend6Key, FrontendValue, MaglevBlock, MaglevKey,
-    NodeAddrKey, NodeConfig, RevNat4, RevNat4Key, RevNat6, RevNat6Key, ServiceName, SnatAddrs,
-    SourceRangeKey, TcFamilyProgram, TcFragmentProgram, default_sizes,
+    NodeAddrKey, NodeConfig, RevNat4, RevNat4Key, RevNat6, RevNat6Key, ServiceName, ServiceTraffic,
+    SnatAddrs, SourceRangeKey, TcFamilyProgram, TcFragmentProgram, default_sizes,
     ip_family::{self, IpFamily},
     lookup::FrontendMaps,
 };
@@ -85,6 +85,11 @@ pub static KPR_AFFINITY_MATCH: HashMap<AffinityMatchKey, u8> =
 #[map]
 pub static KPR_SERVICE_NAMES: HashMap<u32, ServiceName> =
     HashMap::pinned(default_sizes::FRONTENDS, BPF_F_NO_PREALLOC);
+
+/// Service id → what happened to its connections; the agent sizes it to the frontends map's
+/// capacity (plus slot 0, which no id uses).
+#[map]
+pub static KPR_SERVICE_TRAFFIC: Array<ServiceTraffic> = Array::pinned(default_sizes::FRONTENDS, 0);
 
 #[map]
 pub static KPR_STATS: PerCpuArray<u64> = PerCpuArray::pinned(default_sizes::STATS, 0);

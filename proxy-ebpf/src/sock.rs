@@ -21,7 +21,7 @@ use aya_ebpf::{
     programs::SockAddrContext,
 };
 use proxy_common::{
-    FrontendValue, StatIndex, frontend_flags,
+    FrontendValue, StatIndex, TrafficEvent, frontend_flags,
     ip_family::{self, IpFamily as _},
     lookup::{self, Admit, Matched},
 };
@@ -31,6 +31,7 @@ use crate::{
     maps::{Destination, FamilyMaps, KPR_NODE_CONFIG, KPR_REVNAT6, KPR_SOURCE_RANGES},
     nat::draining,
     stats::bump,
+    traffic,
 };
 
 /// Let the syscall proceed (with whatever address the program left in the context). recvmsg
@@ -244,7 +245,10 @@ fn choose<F: SockFamily>(
     match decision {
         Decision::NoBackends => Err(no_backends(&frontend, hook)),
         Decision::BackendMissing => Err(backend_missing(ctx)),
-        Decision::Backend(backend, _) => Ok((backend, false)),
+        Decision::Backend(backend, _) => {
+            traffic::count(frontend.service_id, TrafficEvent::NewConnection);
+            Ok((backend, false))
+        }
         Decision::Kept(backend) => Ok((backend, true)),
     }
 }
@@ -340,6 +344,7 @@ fn admit(ctx: &SockAddrContext, frontend: &FrontendValue, v6: bool) -> Option<i3
         Admit::Leave => Some(ALLOW),
         Admit::Refuse => {
             bump(StatIndex::SockDroppedSourceRange);
+            traffic::count(frontend.service_id, TrafficEvent::DroppedSourceRange);
             Some(unreachable())
         }
     }
@@ -352,9 +357,11 @@ fn admit(ctx: &SockAddrContext, frontend: &FrontendValue, v6: bool) -> Option<i3
 fn no_backends(frontend: &FrontendValue, hook: Hook) -> i32 {
     if frontend.flags & frontend_flags::DROP_NO_BACKENDS != 0 {
         bump(StatIndex::SockDroppedNoLocal);
+        traffic::count(frontend.service_id, TrafficEvent::DroppedNoLocal);
         return unreachable();
     }
     bump(hook.rejected());
+    traffic::count(frontend.service_id, TrafficEvent::Rejected);
     refuse()
 }
 

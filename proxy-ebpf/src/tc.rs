@@ -30,7 +30,7 @@ use aya_ebpf::{
 };
 use proxy_common::{
     FrontendValue, NodeConfig, StatIndex, TRANSLATED_MARK, TcFamilyProgram, TcFragmentProgram,
-    ct_flags, frontend_flags, ip_family,
+    TrafficEvent, ct_flags, frontend_flags, ip_family,
     lookup::{self, TcSide},
     maglev::flow_hash,
     node_flags, proto,
@@ -48,6 +48,7 @@ use crate::{
     nat::{draining, fast_path, fib_query, translate, translate_source},
     parse::{ETH_P_IP, ETH_P_IPV6, Frame, Packet, is_later_fragment, parse, parse_later_fragment},
     stats::bump,
+    traffic,
 };
 
 pub const DROP: i32 = TC_ACT_SHOT;
@@ -508,6 +509,7 @@ pub fn new_flow<const V6: bool, C: Frame>(
             return pass_midstream();
         }
         bump(StatIndex::TcDroppedSourceRange);
+        traffic::count(frontend.service_id, TrafficEvent::DroppedSourceRange);
         return Verdict::Action(DROP);
     }
     let (backend_addr, backend_port) = match choose(pkt, frontend) {
@@ -515,9 +517,13 @@ pub fn new_flow<const V6: bool, C: Frame>(
         _ if midstream => return pass_midstream(),
         Decision::NoBackends if frontend.flags & frontend_flags::DROP_NO_BACKENDS != 0 => {
             bump(StatIndex::TcDroppedNoLocal);
+            traffic::count(frontend.service_id, TrafficEvent::DroppedNoLocal);
             return Verdict::Action(DROP);
         }
-        Decision::NoBackends => return Verdict::Reject,
+        Decision::NoBackends => {
+            traffic::count(frontend.service_id, TrafficEvent::Rejected);
+            return Verdict::Reject;
+        }
         Decision::BackendMissing => {
             bump(StatIndex::BackendMissing);
             return Verdict::Action(DROP);
@@ -673,6 +679,9 @@ pub fn new_flow<const V6: bool, C: Frame>(
         conntrack::remove::<V6>(&scratch.reply_key);
         bump(StatIndex::TcCtFailed);
         return Verdict::Action(DROP);
+    }
+    if !midstream {
+        traffic::count(frontend.service_id, TrafficEvent::NewConnection);
     }
     Verdict::Translate
 }

@@ -40,7 +40,7 @@ use aya_ebpf::{
     helpers::{bpf_fib_lookup, bpf_ktime_get_ns},
     programs::XdpContext,
 };
-use proxy_common::{CtValue, StatIndex, ct_flags, frontend_flags, proto};
+use proxy_common::{CtValue, StatIndex, TrafficEvent, ct_flags, frontend_flags, proto};
 
 use crate::{
     conntrack::{self, View},
@@ -50,6 +50,7 @@ use crate::{
     parse::{ETH_HLEN, ETH_P_IP, ETH_P_IPV6, Frame, Packet, linear_at, load, parse_whole},
     stats::bump,
     tc::{DROP, Verdict, external_frontend, new_flow, source_allowed},
+    traffic,
 };
 
 /// Offset of the IPv4 header checksum.
@@ -181,10 +182,12 @@ pub fn first_packet<const V6: bool>(ctx: &XdpContext) -> u32 {
     };
     if frontend.flags & frontend_flags::SOURCE_RANGES != 0 && !source_allowed(pkt, &frontend) {
         bump(StatIndex::XdpDroppedSourceRange);
+        traffic::count(frontend.service_id, TrafficEvent::DroppedSourceRange);
         return XDP_DROP;
     }
     if frontend.backend_count == 0 && frontend.flags & frontend_flags::DROP_NO_BACKENDS != 0 {
         bump(StatIndex::XdpDroppedNoLocal);
+        traffic::count(frontend.service_id, TrafficEvent::DroppedNoLocal);
         return XDP_DROP;
     }
     if !fast_path() || frontend.backend_count == 0 || !takes_first_packet::<V6>(ctx, pkt) {

@@ -505,7 +505,7 @@ pub struct Args {
     /// Most per-Service traffic series (`kubeproxy_rs_service_*`: one per Service port,
     /// protocol and frontend kind) the metrics export; Service ports beyond it are counted in
     /// `kubeproxy_rs_service_traffic_series_capped`, not exported (default 5000; 0 turns the
-    /// per-Service counters off, in the programs too).
+    /// per-Service metrics off).
     #[arg(
         long,
         value_name = "COUNT",

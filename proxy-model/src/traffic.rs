@@ -8,7 +8,7 @@
 use std::fmt;
 use std::net::SocketAddr;
 
-use crate::desired::Protocol;
+use crate::desired::{FrontendKey, Protocol, ServicePort, ServicePortName};
 
 /// How a client reached the Service: the frontend kinds kube-proxy writes rules for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -38,6 +38,67 @@ impl FrontendKind {
             FrontendKind::NodePort => "node_port",
             FrontendKind::LoadBalancer => "load_balancer",
             FrontendKind::ExternalIp => "external_ip",
+        }
+    }
+}
+
+impl FrontendKind {
+    /// The kind of a service port's frontend: a NodePort has the unspecified address; among
+    /// the rest the ClusterIP comes first, then LB IPs (an address both an LB IP and an
+    /// externalIP gets one frontend, whose claim the LB IP wins in kube-proxy's rule order).
+    pub fn of(port: &ServicePort, key: &FrontendKey) -> FrontendKind {
+        if key.addr.is_unspecified() {
+            FrontendKind::NodePort
+        } else if key.addr == port.cluster_ip {
+            FrontendKind::ClusterIp
+        } else if port.load_balancer_ips.contains(&key.addr) {
+            FrontendKind::LoadBalancer
+        } else {
+            FrontendKind::ExternalIp
+        }
+    }
+
+    /// The byte the maps record it as (`proxy_common::frontend_kind`).
+    pub const fn code(self) -> u8 {
+        use proxy_common::frontend_kind as k;
+        match self {
+            FrontendKind::ClusterIp => k::CLUSTER_IP,
+            FrontendKind::NodePort => k::NODE_PORT,
+            FrontendKind::LoadBalancer => k::LOAD_BALANCER,
+            FrontendKind::ExternalIp => k::EXTERNAL_IP,
+        }
+    }
+
+    pub fn from_code(code: u8) -> Option<FrontendKind> {
+        FrontendKind::ALL
+            .into_iter()
+            .find(|kind| kind.code() == code)
+    }
+}
+
+impl ServicePortLabels {
+    /// A service port's labels from the `namespace/name:port` (or `namespace/name`) text
+    /// `ServicePortName` displays and the maps record; `None` for other text.
+    pub fn parse(text: &str, protocol: Protocol) -> Option<ServicePortLabels> {
+        let (namespace, rest) = text.split_once('/')?;
+        let (name, port) = rest.split_once(':').unwrap_or((rest, ""));
+        if namespace.is_empty() || name.is_empty() {
+            return None;
+        }
+        Some(ServicePortLabels {
+            namespace: namespace.to_owned(),
+            name: name.to_owned(),
+            port: port.to_owned(),
+            protocol,
+        })
+    }
+
+    pub fn of(name: &ServicePortName) -> ServicePortLabels {
+        ServicePortLabels {
+            namespace: name.service.namespace.to_string(),
+            name: name.service.name.to_string(),
+            port: name.port.to_string(),
+            protocol: name.protocol,
         }
     }
 }

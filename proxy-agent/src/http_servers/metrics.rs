@@ -54,6 +54,7 @@ use super::{
     http::{go_not_found, response},
     protobuf,
     rest_client::{self, RestClientMetrics},
+    service_traffic::{self, ServiceTrafficMetrics},
 };
 use proxy_model::{
     desired::{FamilySnapshot, IpFamily, ServicePort, ServicePortName},
@@ -192,6 +193,8 @@ pub struct Metrics {
     frontend_conflicts: Gauge,
     iptables: Option<IptablesMetrics>,
     ebpf: Option<EbpfMetrics>,
+    /// Per-Service traffic, both modes.
+    service_traffic: Arc<ServiceTrafficMetrics>,
     /// client-go's `rest_client_*`, shared with the API client's layer.
     rest_client: RestClientMetrics,
     /// Every histogram family by name, for the protobuf exposition's snapshots.
@@ -441,6 +444,7 @@ impl Metrics {
         let iptables = (mode == ProxyMode::Iptables)
             .then(|| IptablesMetrics::register(&mut described, native));
         let ebpf = (mode == ProxyMode::Ebpf).then(|| EbpfMetrics::register(&mut described));
+        let service_traffic = Arc::new(register_service_traffic(&mut described));
         let mut histograms: Vec<(&'static str, Box<dyn SnapshotFamily>)> = vec![
             (SYNC_DURATION, Box::new(sync_duration.clone())),
             (NETWORK_PROGRAMMING, Box::new(network_programming.clone())),
@@ -486,6 +490,7 @@ impl Metrics {
             frontend_conflicts,
             iptables,
             ebpf,
+            service_traffic,
             rest_client,
             histograms,
             service_ids: std::sync::RwLock::default(),
@@ -556,6 +561,11 @@ impl Metrics {
     /// client-go's `rest_client_*` families.
     pub fn rest_client(&self) -> &RestClientMetrics {
         &self.rest_client
+    }
+
+    /// Per-Service traffic (both modes).
+    pub fn service_traffic(&self) -> &Arc<ServiceTrafficMetrics> {
+        &self.service_traffic
     }
 
     /// The eBPF dataplane's metrics (`None` in iptables mode).
@@ -1005,6 +1015,48 @@ impl EncodeMetric for NfacctMetric {
         *self.reading.lock().unwrap_or_else(PoisonError::into_inner) = reading;
         reading.is_none()
     }
+}
+
+fn register_service_traffic(described: &mut Described) -> ServiceTrafficMetrics {
+    let this = ServiceTrafficMetrics::default();
+    described.add(
+        service_traffic::NEW_CONNECTIONS,
+        "Connections (TCP, SCTP) and flows (UDP) given a backend, by Service port, protocol \
+         and frontend kind",
+        this.new_connections.clone(),
+    );
+    described.add(
+        service_traffic::PACKETS,
+        "Packets of a Service's traffic, where the datapath sees each packet",
+        this.packets.clone(),
+    );
+    described.add(
+        service_traffic::BYTES,
+        "Bytes of a Service's traffic, where the datapath sees each packet",
+        this.bytes.clone(),
+    );
+    described.add(
+        service_traffic::REJECTED,
+        "Connections refused because the Service had no endpoints",
+        this.rejected.clone(),
+    );
+    described.add(
+        service_traffic::DROPPED,
+        "Connections dropped, by reason: source_range (outside loadBalancerSourceRanges), \
+         no_local_endpoints (a Local traffic policy without endpoints on this node)",
+        this.dropped.clone(),
+    );
+    described.add(
+        service_traffic::ENDPOINT_NEW_CONNECTIONS,
+        "Connections given to each endpoint (--service-traffic-endpoints)",
+        this.endpoint_new_connections.clone(),
+    );
+    described.add(
+        service_traffic::SERIES_CAPPED,
+        "Service ports with traffic whose series --service-traffic-max-series left out",
+        this.series_capped.clone(),
+    );
+    this
 }
 
 fn source_increase(previous: u64, value: u64) -> u64 {

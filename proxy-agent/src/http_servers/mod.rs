@@ -22,6 +22,7 @@ pub mod metrics;
 pub mod protobuf;
 pub mod rest_client;
 pub mod service_health;
+pub mod service_traffic;
 
 use std::{
     collections::BTreeSet,

@@ -27,8 +27,8 @@ use aya::{
 use proxy_common::{
     AffinityKey, AffinityMatchKey, AffinityValue, Backend4, Backend6, BackendSlotKey, CtKey,
     CtKey4, CtValue, CtValue4, Frontend4Key, Frontend6Key, FrontendValue, MaglevBlock, MaglevKey,
-    NodeAddrKey, NodeConfig, RevNat4, RevNat4Key, RevNat6, RevNat6Key, ServiceName, SnatAddrs,
-    SourceRangeKey, map_names,
+    NodeAddrKey, NodeConfig, RevNat4, RevNat4Key, RevNat6, RevNat6Key, ServiceName, ServiceTraffic,
+    SnatAddrs, SourceRangeKey, map_names,
 };
 use tracing::{info, warn};
 
@@ -98,7 +98,7 @@ fn layout<K, V>(name: &'static str, version: u32) -> Layout {
 }
 
 /// This build's layout of every pinned map (`map_names::PINNED`).
-pub fn current() -> [Layout; 21] {
+pub fn current() -> [Layout; 22] {
     [
         layout::<Frontend4Key, FrontendValue>(map_names::FRONTENDS4, 1),
         layout::<Frontend6Key, FrontendValue>(map_names::FRONTENDS6, 1),
@@ -128,6 +128,7 @@ pub fn current() -> [Layout; 21] {
         layout::<MaglevKey, MaglevBlock>(map_names::MAGLEV, 1),
         layout::<AffinityKey, AffinityValue>(map_names::UDP_STICKY, 1),
         layout::<u32, ServiceName>(map_names::SERVICE_NAMES, 1),
+        layout::<u32, ServiceTraffic>(map_names::SERVICE_TRAFFIC, 1),
     ]
 }
 
@@ -160,7 +161,7 @@ pub fn holds(name: &str) -> Holds {
         map_names::CT4_NEW | map_names::CT6_NEW => Holds::DatapathState(
             "external TCP flows still in their handshake choose their backend again",
         ),
-        map_names::STATS => Holds::Counters,
+        map_names::STATS | map_names::SERVICE_TRAFFIC => Holds::Counters,
         _ => Holds::ServiceState,
     }
 }

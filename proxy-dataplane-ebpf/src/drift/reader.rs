@@ -294,6 +294,7 @@ impl DriftReader {
             revnat6: reopen_hash(&maps.revnat6, map_names::REVNAT6)?,
             source_ranges: trie(&maps.source_ranges)?,
             maglev: reopen_hash(&maps.maglev, map_names::MAGLEV)?,
+            traffic: reopen(maps.traffic.map(), map_names::SERVICE_TRAFFIC)?,
             touched: None,
         };
         let conntrack = match conntrack {

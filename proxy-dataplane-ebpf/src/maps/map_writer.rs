@@ -109,6 +109,9 @@ pub enum MapWriteError {
 /// Raw writes to the service maps; implemented over the kernel maps, and over plain collections
 /// in unit tests of the diff logic.
 pub trait MapOps {
+    /// Zeroes the traffic counters of a service id about to be handed to a new frontend (best
+    /// effort: the counters are not the datapath's state).
+    fn reset_traffic(&mut self, _service_id: u32) {}
     fn put_frontend(
         &mut self,
         key: FrontendMapKey,
@@ -432,6 +435,16 @@ impl MapWriter {
             .flatten()
             .filter_map(|key| self.frontends.get(key))
             .map(|applied| applied.value.service_id)
+            .collect()
+    }
+
+    /// The frontends `name` owns, with their service ids.
+    pub fn frontends_of(&self, name: &ServicePortName) -> Vec<(u32, FrontendKey)> {
+        self.owned
+            .get(name)
+            .into_iter()
+            .flatten()
+            .filter_map(|key| Some((self.frontends.get(key)?.value.service_id, *key)))
             .collect()
     }
 

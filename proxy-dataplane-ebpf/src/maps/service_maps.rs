@@ -7,14 +7,14 @@ use std::{
 };
 
 use aya::maps::{
-    HashMap, MapData,
+    Array, HashMap, MapData,
     lpm_trie::{Key, LpmTrie},
 };
 use ipnet::IpNet;
 use proxy_common::{
     AffinityMatchKey, Backend4, Backend6, BackendSlotKey, Frontend4Key, Frontend6Key,
     FrontendValue, MaglevBlock, MaglevKey, RevNat4, RevNat4Key, RevNat6, RevNat6Key,
-    SourceRangeKey, map_names,
+    ServiceTraffic, SourceRangeKey, map_names,
 };
 
 use crate::{
@@ -42,6 +42,9 @@ pub(crate) struct ServiceMaps {
     pub(crate) revnat6: HashMap<MapData, RevNat6Key, RevNat6>,
     pub(crate) source_ranges: LpmTrie<MapData, SourceRangeKey, u8>,
     pub(crate) maglev: HashMap<MapData, MaglevKey, MaglevBlock>,
+    /// Each service id's traffic counters (written by the programs; zeroed here when an id is
+    /// handed out again).
+    pub(crate) traffic: Array<MapData, ServiceTraffic>,
     /// While a drift check is out: the keys written or deleted since it started.
     pub(crate) touched: Option<Touched>,
 }
@@ -67,6 +70,15 @@ pub(crate) fn source_range_of(key: &Key<SourceRangeKey>, v6: bool) -> Option<(u3
 }
 
 impl MapOps for ServiceMaps {
+    fn reset_traffic(&mut self, service_id: u32) {
+        // Past the array's end when counting is off: nothing to reset.
+        if service_id < self.traffic.len()
+            && let Err(error) = self.traffic.set(service_id, ServiceTraffic::default(), 0)
+        {
+            // Costs only the counts: the new frontend starts from the old one's.
+            tracing::debug!(service_id, %error, "traffic counters not reset");
+        }
+    }
     fn put_frontend(
         &mut self,
         key: FrontendMapKey,

@@ -25,6 +25,16 @@ impl Protocol {
         }
     }
 
+    /// The protocol of an IP protocol number the kernel uses.
+    pub const fn from_number(number: u8) -> Option<Self> {
+        match number {
+            proxy_common::proto::TCP => Some(Protocol::Tcp),
+            proxy_common::proto::UDP => Some(Protocol::Udp),
+            proxy_common::proto::SCTP => Some(Protocol::Sctp),
+            _ => None,
+        }
+    }
+
     /// Parses a Kubernetes protocol field; the API server defaults it to TCP.
     pub fn from_k8s(value: Option<&str>) -> Option<Self> {
         match value {

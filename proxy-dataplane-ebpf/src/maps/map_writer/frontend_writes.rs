@@ -45,6 +45,9 @@ impl MapWriter {
             ),
         };
         let is_new = previous.is_none();
+        if is_new {
+            maps.reset_traffic(service_id);
+        }
         if !is_new {
             // The idle generation is the one the last switch retired: overwriting or deleting
             // it before its grace would pull slots from under a program that read the frontend

@@ -1,0 +1,169 @@
+//! Reading the per-Service traffic counters (`KPR_SERVICE_TRAFFIC`) with the names and kinds
+//! `KPR_SERVICE_NAMES` records for each service id, from the pins: the agent's metrics read
+//! them on a thread of their own, and `proxy-agent inspect top` without the agent.
+
+use std::{
+    collections::HashMap as StdHashMap,
+    path::{Path, PathBuf},
+};
+
+use aya::maps::{HashMap, Map, MapData};
+use proxy_common::{ServiceName, ServiceTraffic, TrafficEvent, map_names};
+use proxy_kernel::bpf::map_batch::BatchReader;
+use proxy_model::{
+    desired::Protocol,
+    traffic::{
+        FrontendKind, ServicePortLabels, ServiceTrafficKey, TrafficCounts, TrafficReading,
+        TrafficSample,
+    },
+};
+
+#[derive(Debug, thiserror::Error)]
+pub enum TrafficError {
+    #[error("cannot open the pinned map {path}: {source}")]
+    Open {
+        path: PathBuf,
+        #[source]
+        source: aya::maps::MapError,
+    },
+    #[error("the pinned map {0} is not of the expected type")]
+    Type(&'static str),
+    #[error("cannot read {map}: {source}")]
+    Read {
+        map: &'static str,
+        #[source]
+        source: proxy_kernel::bpf::map_batch::BatchError,
+    },
+}
+
+/// The pinned counters and names, and what was learnt of each service id.
+#[derive(Debug)]
+pub struct TrafficReader {
+    traffic: MapData,
+    names: HashMap<MapData, u32, ServiceName>,
+    batch: BatchReader,
+    entries: Vec<(u32, ServiceTraffic)>,
+    /// Each counting id's key, as long as its name record is the same.
+    keys: StdHashMap<u32, (ServiceName, Option<ServiceTrafficKey>)>,
+}
+
+impl TrafficReader {
+    /// Opens the maps the agent pinned in `pin_dir` (`<bpf-root>/kubeproxy-rs`).
+    pub fn open(pin_dir: &Path) -> Result<Self, TrafficError> {
+        let open = |name: &'static str| {
+            let path = pin_dir.join(name);
+            MapData::from_pin(&path).map_err(|source| TrafficError::Open { path, source })
+        };
+        let traffic = open(map_names::SERVICE_TRAFFIC)?;
+        // The batch read checks the key and value sizes each time.
+        let names = HashMap::try_from(Map::HashMap(open(map_names::SERVICE_NAMES)?))
+            .map_err(|_| TrafficError::Type(map_names::SERVICE_NAMES))?;
+        Ok(Self {
+            traffic,
+            names,
+            batch: BatchReader::default(),
+            entries: Vec::new(),
+            keys: StdHashMap::new(),
+        })
+    }
+
+    /// One sample per service id that counted anything and whose name is known; `unit` is the
+    /// service id. An id the agent hands to a new frontend starts again from 0 (the map writer
+    /// zeroes it), and its name record changes with it.
+    pub fn read(&mut self) -> Result<TrafficReading, TrafficError> {
+        self.batch
+            .read(&self.traffic, &mut self.entries)
+            .map_err(|source| TrafficError::Read {
+                map: map_names::SERVICE_TRAFFIC,
+                source,
+            })?;
+        let mut reading = TrafficReading::default();
+        let mut live = Vec::with_capacity(self.entries.len().min(1024));
+        for &(id, traffic) in &self.entries {
+            if traffic.counts.iter().all(|&count| count == 0) {
+                continue;
+            }
+            live.push(id);
+            let Ok(name) = self.names.get(&id, 0) else {
+                continue;
+            };
+            let key = match self.keys.get(&id) {
+                Some((known, key)) if *known == name => key.clone(),
+                _ => {
+                    let key = key_of(&name);
+                    self.keys.insert(id, (name, key.clone()));
+                    key
+                }
+            };
+            let Some(key) = key else {
+                continue;
+            };
+            reading.services.push(TrafficSample {
+                unit: u64::from(id),
+                key,
+                counts: counts_of(&traffic),
+            });
+        }
+        if self.keys.len() > live.len() {
+            let live: std::collections::HashSet<u32> = live.into_iter().collect();
+            self.keys.retain(|id, _| live.contains(id));
+        }
+        Ok(reading)
+    }
+}
+
+/// The counts as the model names them; the socket hooks and the tc programs count
+/// connections, not packets.
+pub fn counts_of(traffic: &ServiceTraffic) -> TrafficCounts {
+    let count = |event: TrafficEvent| traffic.counts[event as usize];
+    TrafficCounts {
+        new_connections: count(TrafficEvent::NewConnection),
+        packets: None,
+        bytes: None,
+        rejected: count(TrafficEvent::Rejected),
+        dropped_source_range: count(TrafficEvent::DroppedSourceRange),
+        dropped_no_local: count(TrafficEvent::DroppedNoLocal),
+    }
+}
+
+/// The labels a name record stands for; `None` for a record without its kind and protocol
+/// (written by an agent from before they were recorded, until the next sync rewrites it).
+pub fn key_of(name: &ServiceName) -> Option<ServiceTrafficKey> {
+    let frontend = FrontendKind::from_code(name.kind)?;
+    let protocol = Protocol::from_number(name.proto)?;
+    let service = ServicePortLabels::parse(name.as_str()?, protocol)?;
+    Some(ServiceTrafficKey { service, frontend })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_name_record_gives_the_labels_of_its_frontend() {
+        let name = ServiceName::new("shop/web:https", proxy_common::frontend_kind::NODE_PORT, 6)
+            .expect("fits");
+        let key = key_of(&name).expect("complete record");
+        assert_eq!(key.service.namespace, "shop");
+        assert_eq!(key.service.name, "web");
+        assert_eq!(key.service.port, "https");
+        assert_eq!(key.service.protocol, Protocol::Tcp);
+        assert_eq!(key.frontend, FrontendKind::NodePort);
+        let unnamed = ServiceName::new("shop/dns", proxy_common::frontend_kind::CLUSTER_IP, 17)
+            .expect("fits");
+        let key = key_of(&unnamed).expect("complete record");
+        assert_eq!(
+            (key.service.port.as_str(), key.service.protocol),
+            ("", Protocol::Udp)
+        );
+    }
+
+    #[test]
+    fn a_record_without_kind_or_protocol_has_no_labels() {
+        let old = ServiceName::new("shop/web:https", 0, 0).expect("fits");
+        assert_eq!(key_of(&old), None);
+        let unknown_proto =
+            ServiceName::new("shop/web", proxy_common::frontend_kind::CLUSTER_IP, 1).expect("fits");
+        assert_eq!(key_of(&unknown_proto), None);
+    }
+}
