@@ -38,7 +38,7 @@
 //! a unit's last reading and before its chain was rewritten are lost, but none is counted twice.
 
 use std::{
-    collections::{BTreeMap, BTreeSet, HashMap},
+    collections::{BTreeMap, BTreeSet, HashMap, HashSet},
     net::{IpAddr, SocketAddr},
 };
 
@@ -238,17 +238,20 @@ struct Facts {
     external_addresses: HashMap<(IpAddr, u16, Protocol), FrontendKind>,
     /// Service ports whose external traffic has no local endpoint to go to.
     no_local_external: BTreeSet<ServicePortLabels>,
+    /// The nat chains a packet can reach from KUBE-SERVICES (see [`live_chains`]).
+    live_chains: HashSet<String>,
     load_balancer_frontends: BTreeSet<(IpAddr, u16, Protocol)>,
 }
 
 impl Facts {
     fn of<'a>(
-        nat: impl Iterator<Item = &'a SavedRule>,
+        nat: impl Iterator<Item = &'a SavedRule> + Clone,
         filter: impl Iterator<Item = &'a SavedRule>,
         context: &TrafficContext,
     ) -> Self {
         let mut facts = Facts {
             load_balancer_frontends: context.load_balancer_frontends.clone(),
+            live_chains: live_chains(nat.clone()),
             ..Facts::default()
         };
         for rule in nat {
@@ -279,6 +282,7 @@ impl Facts {
                 .strip_prefix(SVC_PREFIX)
                 .or_else(|| chain.strip_prefix(SVL_PREFIX))
                 && target.starts_with(SEP_PREFIX)
+                && facts.live_chains.contains(chain)
             {
                 facts
                     .endpoint_chains
@@ -321,7 +325,9 @@ impl Facts {
                 return None;
             }
             (service, FrontendKind::NodePort, Count::NewConnections)
-        } else if let Some(hash) = chain.strip_prefix(FW_PREFIX) {
+        } else if let Some(hash) = chain.strip_prefix(FW_PREFIX)
+            && self.live_chains.contains(chain)
+        {
             // Its rules carry no `-p`: the Service port comes from the chain's hash.
             let service = self.chain_services.get(hash)?.clone();
             let comment = rule.arg("--comment")?;
@@ -384,7 +390,10 @@ impl Facts {
 
     /// A KUBE-SEP chain's DNAT: its Service port and endpoint.
     fn endpoint(&self, rule: &SavedRule) -> Option<(ServicePortLabels, SocketAddr)> {
-        if !rule.chain.starts_with(SEP_PREFIX) || rule.arg("-j") != Some("DNAT") {
+        if !rule.chain.starts_with(SEP_PREFIX)
+            || rule.arg("-j") != Some("DNAT")
+            || !self.live_chains.contains(&rule.chain)
+        {
             return None;
         }
         let endpoint: SocketAddr = rule.arg("--to-destination")?.parse().ok()?;
@@ -400,6 +409,31 @@ impl Facts {
         };
         Some((service, endpoint))
     }
+}
+
+/// The nat chains a packet can reach from KUBE-SERVICES (which also jumps to KUBE-NODEPORTS).
+/// Until deferred stale-chain deletion (large clusters) removes them, a Service's chains that no
+/// sync writes any more keep their old counters; their Service's epoch may still move (it
+/// changed), so counting them would count their old packets again under new units. No packet
+/// reaches them, so they are left out.
+fn live_chains<'a>(nat: impl Iterator<Item = &'a SavedRule>) -> HashSet<String> {
+    let mut jumps: HashMap<&str, Vec<&str>> = HashMap::new();
+    for rule in nat {
+        if let Some(target) = rule.arg("-j")
+            && target.starts_with("KUBE-")
+        {
+            jumps.entry(rule.chain.as_str()).or_default().push(target);
+        }
+    }
+    let mut live: HashSet<String> = HashSet::new();
+    let mut pending = vec![KUBE_SERVICES];
+    while let Some(chain) = pending.pop() {
+        if !live.insert(chain.to_owned()) {
+            continue;
+        }
+        pending.extend(jumps.get(chain).into_iter().flatten().copied());
+    }
+    live
 }
 
 /// A rule's Service port (`ns/name:port` at the start of its comment, protocol from `-p`) and
