@@ -36,6 +36,7 @@
 //! chains only in a full sync or a partial one that changed the Service. A sample's unit
 //! therefore includes the restore that last wrote its chain ([`RuleEpochs`]): counts made after
 //! a unit's last reading and before its chain was rewritten are lost, but none is counted twice.
+//! Chains no packet can reach from KUBE-SERVICES are not read (`live_chains`).
 
 use std::{
     collections::{BTreeMap, BTreeSet, HashMap, HashSet},
