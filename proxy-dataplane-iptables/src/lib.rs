@@ -7,6 +7,8 @@
 //! - `proxy_kernel::iptables` detects the backend and runs the tools; `canary.rs`: flush detection; `sync.rs`: [`IptablesDataplane`] (full/partial syncs);
 //!   `cleanup.rs`: removing what this mode created; `kube_proxy_modes.rs`: what kube-proxy's
 //!   nftables and IPVS modes leave behind (`ipvs.rs`: virtual services over generic netlink).
+//! - `traffic.rs`: per-Service traffic from the counters of each Service's rules
+//!   (`iptables-save -c`), read by [`IptablesDataplane::read_service_traffic`].
 
 pub mod canary;
 pub mod chains;
@@ -20,6 +22,7 @@ pub mod rules;
 pub mod rules_drift;
 mod sync;
 pub mod tracer;
+pub mod traffic;
 
 pub use config::{FamilyRules, HostFeatures, IptablesConfig, NodePortAddresses};
 pub use localdetect::{DetectLocalMode, LocalDetector};

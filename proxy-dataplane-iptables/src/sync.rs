@@ -16,6 +16,7 @@ use super::{
     config::{FamilyRules, HostFeatures, IptablesConfig},
     jumps::{JUMP_RULES, KUBELET_JUMP_RULES},
     rules::{SyncInput, generate, is_large_cluster},
+    traffic::{self, TrafficContext},
 };
 use proxy_kernel::iptables::{
     detect::{self, RANDOM_FULLY_MIN},
@@ -29,6 +30,7 @@ use proxy_kernel::{
 use proxy_model::{
     desired::{FamilySnapshot, IpFamily, Protocol, ServicePortName, Snapshot},
     objects::ObjectKey,
+    traffic::TrafficReading,
 };
 
 #[derive(Debug, thiserror::Error)]
@@ -110,6 +112,9 @@ struct Family {
     /// compares the rules generated at one count with the rules listed later; if the count
     /// moved meanwhile, the two may straddle a write and the result is stale.
     generation: u64,
+    /// What reading the rules' counters needs: which restore last restarted each chain's
+    /// counters, the LB frontends.
+    traffic: TrafficContext,
 }
 
 #[derive(Debug)]
@@ -172,6 +177,7 @@ impl IptablesDataplane {
                 large_cluster: false,
                 route_localnet: false,
                 generation: 0,
+                traffic: TrafficContext::default(),
             });
         }
         Ok(Self { config, families })
@@ -342,6 +348,27 @@ impl IptablesDataplane {
             }
         }
         settled
+    }
+
+    /// Per-Service traffic from the packet counters of each Service's rules, both families (see
+    /// `traffic.rs`): `iptables-save -c` of the nat and filter tables of each.
+    pub fn read_service_traffic(&self) -> Result<TrafficReading, IptablesError> {
+        let mut reading = TrafficReading::default();
+        for family in &self.families {
+            let ip_family = family.iptables.family;
+            let mut text = String::new();
+            for table in ["nat", "filter"] {
+                let saved = family
+                    .iptables
+                    .save_with_counters(table)
+                    .map_err(IptablesError::exec(ip_family))?;
+                text.push_str(&saved);
+            }
+            let family_reading = traffic::reading(ip_family, &text, &family.traffic);
+            reading.services.extend(family_reading.services);
+            reading.endpoints.extend(family_reading.endpoints);
+        }
+        Ok(reading)
     }
 
     /// Whether a family's periodic full sync is due (`full_sync_period` elapsed).
@@ -524,6 +551,10 @@ impl Family {
             },
         );
         self.iptables.restore(&ruleset.restore, None)?;
+        // A failed restore records nothing: whether it committed a table is unknown, and a
+        // chain counted as rewritten when it was not would count its packets twice.
+        self.traffic
+            .record_restore(family_snapshot, changed, existing.is_some());
         let now = Instant::now();
         self.need_full_sync = false;
         if full {

@@ -1,6 +1,6 @@
 //! Running the iptables tools of one family and backend (kube-proxy's `pkg/util/iptables`):
-//! `iptables-restore` fed on stdin, `iptables-save` parsed for chain names, and the single-rule
-//! commands used for jump rules and the canary.
+//! `iptables-restore` fed on stdin, `iptables-save` parsed for chain names or read with counters,
+//! and the single-rule commands used for jump rules and the canary.
 
 use std::{
     collections::BTreeSet,
@@ -122,6 +122,12 @@ impl Iptables {
     /// `iptables-save -t <table>` as text (the drift check).
     pub fn save(&self, table: &str) -> Result<String, ExecError> {
         self.output(&self.tool("-save"), &["-t", table])
+    }
+
+    /// `iptables-save -c -t <table>`: the rules with their `[packets:bytes]` counters (the
+    /// iptables mode's traffic counters).
+    pub fn save_with_counters(&self, table: &str) -> Result<String, ExecError> {
+        self.output(&self.tool("-save"), &["-c", "-t", table])
     }
 
     /// `iptables <wait> -N <chain> -t <table>`; an existing chain is fine.

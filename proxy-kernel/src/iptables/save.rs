@@ -1,7 +1,8 @@
 //! `iptables-save` output, read in one place: each table, the chains it declares, and each
-//! rule's chain and words (a quoted comment is one word, as `iptables-restore` reads it). The
-//! drift check, the parity tracer, the chain cleanup and `inspect` each take what they need from
-//! it.
+//! rule's chain, words (a quoted comment is one word, as `iptables-restore` reads it) and, in
+//! `iptables-save -c` output, its `[packets:bytes]` counters. The drift check, the parity
+//! tracer, the chain cleanup, `inspect` and the iptables mode's traffic counters each take what
+//! they need from it.
 
 /// One table of a dump (`*nat` … `COMMIT`).
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
@@ -18,6 +19,16 @@ pub struct Table {
 pub struct SavedRule {
     pub chain: String,
     pub words: Vec<String>,
+    /// The `[packets:bytes]` before the line (`iptables-save -c`); `None` without `-c`, or when
+    /// they are not two decimal numbers that fit in 64 bits.
+    pub counters: Option<Counters>,
+}
+
+/// A rule's packet and byte counters.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Counters {
+    pub packets: u64,
+    pub bytes: u64,
 }
 
 impl SavedRule {
@@ -50,26 +61,51 @@ pub fn parse(text: &str) -> Vec<Table> {
             if let Some(chain) = decl.split_whitespace().next() {
                 table.chains.push(chain.to_owned());
             }
-        } else if line.starts_with("-A ")
-            && let Some(rule) = rule_of(line)
-        {
+        } else if let Some(rule) = rule_of(line) {
             table.rules.push(rule);
         }
     }
     tables
 }
 
-/// One `-A CHAIN …` line as a rule.
+/// One `-A CHAIN …` line as a rule, with the `[packets:bytes]` prefix of `iptables-save -c` if
+/// it has one.
 pub fn rule_of(line: &str) -> Option<SavedRule> {
-    let mut words = words(line).into_iter().skip(1);
+    let (counters, rest) = match line.strip_prefix('[') {
+        Some(bracketed) => {
+            let (inside, rest) = bracketed.split_once(']')?;
+            (counters_of(inside), rest.trim_start())
+        }
+        None => (None, line),
+    };
+    let rest = rest.strip_prefix("-A ")?;
+    let mut words = words(rest).into_iter();
     let chain = words.next()?;
     Some(SavedRule {
         chain,
         words: words.collect(),
+        counters,
     })
 }
 
-/// A line's words: whitespace-separated, a `"…"` string one word without its quotes.
+/// `packets:bytes`, both decimal.
+fn counters_of(text: &str) -> Option<Counters> {
+    let (packets, bytes) = text.split_once(':')?;
+    let number = |digits: &str| {
+        if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
+            return None;
+        }
+        digits.parse::<u64>().ok()
+    };
+    Some(Counters {
+        packets: number(packets)?,
+        bytes: number(bytes)?,
+    })
+}
+
+/// A line's words: whitespace-separated, a `"…"` string one word without its quotes. Inside
+/// the quotes a backslash takes the next character as it is: `iptables-save` writes a comment's
+/// `"`, `\` and `'` as `\"`, `\\` and `\'`, and `iptables-restore` reads them so.
 pub fn words(line: &str) -> Vec<String> {
     let mut out = Vec::new();
     let mut chars = line.chars().peekable();
@@ -78,7 +114,14 @@ pub fn words(line: &str) -> Vec<String> {
             chars.next();
         } else if c == '"' {
             chars.next();
-            let word: String = chars.by_ref().take_while(|&c| c != '"').collect();
+            let mut word = String::new();
+            while let Some(c) = chars.next() {
+                match c {
+                    '"' => break,
+                    '\\' => word.extend(chars.next()),
+                    c => word.push(c),
+                }
+            }
             out.push(word);
         } else {
             let mut word = String::new();
@@ -123,5 +166,60 @@ mod tests {
             rule.arg("--comment"),
             Some("kube-system/kube-dns:dns cluster IP")
         );
+        assert_eq!(rule.counters, None);
+    }
+
+    #[test]
+    fn escaped_quotes_stay_inside_their_word() {
+        let words = words(r#"-A X -m comment --comment "say \"hi\" it\'s a \\ here" -j Y"#);
+        assert_eq!(
+            words,
+            [
+                "-A",
+                "X",
+                "-m",
+                "comment",
+                "--comment",
+                r#"say "hi" it's a \ here"#,
+                "-j",
+                "Y"
+            ]
+        );
+        // An unterminated string ends the line; a trailing backslash is dropped.
+        assert_eq!(super::words(r#"a "b c\"#), ["a", "b c"]);
+    }
+
+    #[test]
+    fn counters_of_save_dash_c() {
+        let text = "*nat\n:KUBE-SERVICES - [0:0]\n\
+                    [12:720] -A KUBE-SERVICES -d 10.96.0.10/32 -p tcp -m comment --comment \"ns/a:p cluster IP\" -j KUBE-SVC-X\n\
+                    [18446744073709551615:0] -A KUBE-SERVICES -j A\n\
+                    [18446744073709551616:0] -A KUBE-SERVICES -j TOO-BIG\n\
+                    [1:x] -A KUBE-SERVICES -j NOT-A-NUMBER\n\
+                    [+1:2] -A KUBE-SERVICES -j SIGNED\n\
+                    [3:4]-A KUBE-SERVICES -j NO-SPACE\n\
+                    [3:4] -X KUBE-SERVICES\n\
+                    [5:6\n\
+                    [] -A\n\
+                    COMMIT\n";
+        let rules = &parse(text)[0].rules;
+        let summary: Vec<(&str, Option<Counters>)> = rules
+            .iter()
+            .map(|r| (r.arg("-j").unwrap_or(""), r.counters))
+            .collect();
+        let counters = |packets, bytes| Some(Counters { packets, bytes });
+        assert_eq!(
+            summary,
+            [
+                ("KUBE-SVC-X", counters(12, 720)),
+                ("A", counters(u64::MAX, 0)),
+                ("TOO-BIG", None),
+                ("NOT-A-NUMBER", None),
+                ("SIGNED", None),
+                ("NO-SPACE", counters(3, 4)),
+            ]
+        );
+        assert_eq!(rules[0].chain, "KUBE-SERVICES");
+        assert_eq!(rules[0].arg("--comment"), Some("ns/a:p cluster IP"));
     }
 }

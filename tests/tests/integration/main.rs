@@ -25,6 +25,7 @@ mod inspect;
 mod ip_fragments;
 mod iptables_cleanup;
 mod iptables_large_cluster;
+mod iptables_traffic;
 mod kubernetes_source;
 mod maglev;
 mod map_memory;
