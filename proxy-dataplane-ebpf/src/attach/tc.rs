@@ -476,9 +476,20 @@ impl TcState {
         }
     }
 
-    /// Every attachment the last refresh wanted, as it left them (interface order).
+    /// Every attachment the last refresh wanted, as it left them (interface order). A failed
+    /// attach to an interface that is gone since is left out: a pod's veth deleted between
+    /// the listing and the attach is no broken hook.
     pub fn attachments(&self) -> Vec<Attachment> {
-        let mut all: Vec<Attachment> = self.status.values().cloned().collect();
+        let mut all: Vec<Attachment> = self
+            .status
+            .values()
+            .filter(|a| {
+                a.attached
+                    || nix::net::if_::if_nametoindex(a.interface.as_str())
+                        .is_ok_and(|index| index == a.ifindex)
+            })
+            .cloned()
+            .collect();
         all.sort_by(|a, b| (&a.interface, a.hook).cmp(&(&b.interface, b.hook)));
         all
     }
