@@ -4,7 +4,8 @@
 //! timer attaches the program again and repairs the slot without waiting for a sync, and the
 //! status stays 200 with the reasons in the body; a re-attach that cannot succeed (the pin
 //! directory hidden under a tmpfs, so the new link cannot be pinned) turns it 503 with the
-//! reason, and 200 again once the agent can repair it. Needs root.
+//! reason, and 200 again once the agent can repair it. With legacy tc filters the self-test
+//! runs the attached program too. Needs root.
 
 use std::{
     net::{IpAddr, SocketAddr},
@@ -18,7 +19,7 @@ use proxy_dataplane_ebpf::PIN_DIR_NAME;
 use proxy_tests::{
     client::Client,
     http::{Response, get},
-    scenario::{Scenario, http_slice, is_pod, pod_endpoint},
+    scenario::{BACKEND_PORT, Scenario, http_slice, is_pod, pod_endpoint},
     topology::Topology,
 };
 use serde_json::Value;
@@ -45,6 +46,10 @@ fn node_port_addr() -> SocketAddr {
 /// A node with the NodePort Service on pod 1, the agent serving it from `vext` with a short
 /// drift period and no periodic sync within the test (so what repairs is the drift timer).
 fn serve() -> anyhow::Result<(Scenario, Client)> {
+    serve_with(&[])
+}
+
+fn serve_with(extra: &[&str]) -> anyhow::Result<(Scenario, Client)> {
     proxy_tests::require_root();
     proxy_tests::set_helper_binary(env!("CARGO_BIN_EXE_rig-helper"));
     let mut s = Scenario::new(1)?;
@@ -54,17 +59,16 @@ fn serve() -> anyhow::Result<(Scenario, Client)> {
         &http_slice("default", "web-1", "web", &[pod_endpoint(1)]),
     )?;
     let period = format!("{}s", PERIOD.as_secs());
-    s.start_agent_with_args(
-        "ebpf",
-        &[
-            "--interfaces",
-            "vext",
-            "--drift-check-period",
-            &period,
-            "--iptables-sync-period",
-            "1h",
-        ],
-    )?;
+    let mut args = vec![
+        "--interfaces",
+        "vext",
+        "--drift-check-period",
+        &period,
+        "--iptables-sync-period",
+        "1h",
+    ];
+    args.extend_from_slice(extra);
+    s.start_agent_with_args("ebpf", &args)?;
     let client = Client::new(s.topo.ext().path()).timeout(Duration::from_millis(1500));
     s.wait_for_datapath_with(&client, node_port_addr(), "NodePort answered", is_pod)?;
     Ok((s, client))
@@ -355,5 +359,21 @@ fn a_program_that_cannot_be_attached_again_turns_healthz_503_with_the_reason() -
     s.ensure(answered.iter().all(is_pod), || {
         format!("once attached again the NodePort reaches the pod: {answered:?}")
     })?;
+    Ok(())
+}
+
+/// Without TCX the programs are legacy clsact filters, whose program ids the agent does not
+/// keep: the self-test runs the program it attached, and passes.
+#[test]
+fn the_self_test_runs_through_a_legacy_tc_filter_too() -> anyhow::Result<()> {
+    let (s, _client) = serve_with(&["--bpf-disable-feature", "tcx"])?;
+    let (status, body) = wait_healthz(&s, "a passing self-test", PERIOD * 5, |status, body| {
+        status == 200 && self_test_passed(body)
+    })?;
+    eprintln!("/healthz with legacy tc: {status} {body:#}");
+    let probe = &body["datapath"]["selfTest"]["programs"][0];
+    assert_eq!(probe["interface"], "vext", "{body:#}");
+    let pod1 = format!("{}:{BACKEND_PORT}", Topology::pod_ip(1));
+    assert_eq!(probe["translatedTo"], pod1.as_str(), "{body:#}");
     Ok(())
 }
