@@ -249,22 +249,44 @@ impl EbpfDataplane {
         (translated_to, outcome)
     }
 
-    /// Deletes the probe flow's conntrack entries: the forward one under `key` and the reply
-    /// entry it names when that one answers the probe client (never a real flow's).
+    /// Deletes the probe flow's conntrack entries: the forward one under `key`, the entry of
+    /// its translated tuple (the netfilter path's egress half: client → backend, which the
+    /// egress program source-translates), and the reply entries (backend → client, backend →
+    /// SNAT address). Each only if it is the probe client's (its key's source, or its value's
+    /// destination): never a real flow's.
     fn forget_probe(&mut self, key: &CtKey, client: IpAddr) {
         let Ok(mut maps) = self.conntrack_map() else {
             return;
         };
-        let Some(forward) = maps.get(key) else {
-            return;
-        };
-        let _ = maps.remove(key);
-        let reply_key = reverse_key(key, &forward);
-        if maps
-            .get(&reply_key)
-            .is_some_and(|reply| reply.dst == map_addr(client))
-        {
-            let _ = maps.remove(&reply_key);
+        let client = map_addr(client);
+        let mut keys = vec![*key];
+        if let Some(forward) = maps.get(key) {
+            keys.push(reverse_key(key, &forward));
+            let translated = CtKey {
+                dst: forward.dst,
+                dport: forward.dport,
+                ..*key
+            };
+            keys.push(translated);
+            // The backend's replies before the egress program's source translation.
+            keys.push(CtKey {
+                src: translated.dst,
+                dst: translated.src,
+                sport: translated.dport,
+                dport: translated.sport,
+                ..translated
+            });
+            if let Some(egress) = maps.get(&translated) {
+                keys.push(reverse_key(&translated, &egress));
+            }
+        }
+        for key in keys {
+            if maps
+                .get(&key)
+                .is_some_and(|value| key.src == client || value.dst == client)
+            {
+                let _ = maps.remove(&key);
+            }
         }
     }
 }

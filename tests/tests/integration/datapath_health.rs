@@ -15,7 +15,7 @@ use std::{
 
 use aya::maps::{HashMap, Map, MapData};
 use proxy_common::{BackendSlotKey, Frontend4Key, FrontendValue, map_names, proto, scope};
-use proxy_dataplane_ebpf::PIN_DIR_NAME;
+use proxy_dataplane_ebpf::{ConntrackMaps, PIN_DIR_NAME, PROBE_CLIENT4, ip4_to_map};
 use proxy_tests::{
     client::Client,
     http::{Response, get},
@@ -125,6 +125,27 @@ fn vext_ingress_pin(s: &mut Scenario) -> anyhow::Result<PathBuf> {
         .join(format!("kpr_tc_external_if{}_link", ifindex.trim())))
 }
 
+/// The probes ran through the live program, which wrote conntrack entries for them: none is
+/// left behind (read twice: a read may fall between a probe's run and its cleanup).
+fn assert_no_probe_entries_left(s: &mut Scenario) -> anyhow::Result<()> {
+    let pin_dir = s.agent()?.bpf_root().join(PIN_DIR_NAME);
+    let leftovers = || -> anyhow::Result<Vec<String>> {
+        let client = [ip4_to_map(PROBE_CLIENT4), 0, 0, 0];
+        Ok(ConntrackMaps::open_pinned(&pin_dir)?
+            .entries()
+            .into_iter()
+            .filter(|(key, value)| key.src == client || value.dst == client)
+            .map(|entry| format!("{entry:?}"))
+            .collect())
+    };
+    if !leftovers()?.is_empty() {
+        std::thread::sleep(Duration::from_millis(300));
+        let left = leftovers()?;
+        assert!(left.is_empty(), "probe conntrack entries left: {left:#?}");
+    }
+    Ok(())
+}
+
 #[test]
 fn a_detached_program_is_caught_by_the_self_test_and_attached_again_by_the_drift_timer()
 -> anyhow::Result<()> {
@@ -146,6 +167,7 @@ fn a_detached_program_is_caught_by_the_self_test_and_attached_again_by_the_drift
             && h["attached"] == true),
         "{body:#}"
     );
+    assert_no_probe_entries_left(&mut s)?;
     let syncs = s.agent()?.syncs();
     let pin = vext_ingress_pin(&mut s)?;
     s.topo.node().exec(
@@ -375,5 +397,18 @@ fn the_self_test_runs_through_a_legacy_tc_filter_too() -> anyhow::Result<()> {
     assert_eq!(probe["interface"], "vext", "{body:#}");
     let pod1 = format!("{}:{BACKEND_PORT}", Topology::pod_ip(1));
     assert_eq!(probe["translatedTo"], pod1.as_str(), "{body:#}");
+    Ok(())
+}
+
+/// On the fast path the ingress program translates fully (SNAT too) and redirects: the probe
+/// passes and leaves no conntrack entry either.
+#[test]
+fn the_self_test_passes_on_the_fast_path_and_leaves_no_entries() -> anyhow::Result<()> {
+    let (mut s, _client) = serve_with(&["--tc-fast-path"])?;
+    let (status, body) = wait_healthz(&s, "a passing self-test", PERIOD * 5, |status, body| {
+        status == 200 && self_test_passed(body)
+    })?;
+    eprintln!("/healthz on the fast path: {status} {body:#}");
+    assert_no_probe_entries_left(&mut s)?;
     Ok(())
 }
