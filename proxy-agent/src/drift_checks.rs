@@ -40,6 +40,13 @@ pub struct DriftReport {
     pub note: Option<String>,
     pub entries_compared: usize,
     pub drift: Vec<DriftEntry>,
+    /// Repairs that failed (a periodic check's; retried at the next one).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub repair_errors: usize,
+}
+
+fn is_zero(n: &usize) -> bool {
+    *n == 0
 }
 
 impl DriftReport {
@@ -50,6 +57,7 @@ impl DriftReport {
             note: Some(note.to_owned()),
             entries_compared: 0,
             drift: Vec::new(),
+            repair_errors: 0,
         }
     }
 }
@@ -221,11 +229,13 @@ pub enum Done {
 }
 
 /// What the loop does after [`DriftChecks::finish`].
-#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub struct Finished {
     /// iptables drift was found: the families are marked, the full sync that repairs them is
     /// due now.
     pub sync_needed: bool,
+    /// A periodic check finished (and repaired what it could): its report, for the health.
+    pub periodic: Option<DriftReport>,
 }
 
 impl DriftChecks {
@@ -382,8 +392,9 @@ impl DriftChecks {
                             DriftReport::not_checked(dataplane.mode_name(), "the check failed")
                         }
                     };
-                    if let Some(replies) = replies {
-                        answer(replies, &report);
+                    match replies {
+                        Some(replies) => answer(replies, &report),
+                        None => finished.periodic = Some(report),
                     }
                 }
             }
@@ -396,7 +407,7 @@ impl DriftChecks {
                             report_iptables_repair(&settled.drift, metrics);
                             let stale = !settled.stale.is_empty();
                             log_stale(&settled.stale, task.retry);
-                            iptables_report(settled.drift, task.started);
+                            finished.periodic = Some(iptables_report(settled.drift, task.started));
                             if stale && !task.retry {
                                 self.start_periodic_with(dataplane, snapshot, true);
                             }
@@ -512,6 +523,7 @@ fn report_ebpf(
         mode: "ebpf".to_owned(),
         checked: true,
         note: None,
+        repair_errors: check.repair.errors.len(),
         entries_compared: check.entries_compared,
         drift: check
             .drift
@@ -583,6 +595,7 @@ fn iptables_report(
         mode: "iptables".to_owned(),
         checked: true,
         note: None,
+        repair_errors: 0,
         entries_compared: 0,
         drift: drift
             .into_iter()

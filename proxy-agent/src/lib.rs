@@ -3,6 +3,7 @@
 //! their own: `proxy_model` (configuration, objects, desired state), `proxy_kernel` (kernel
 //! clients), `proxy_dataplane_ebpf` and `proxy_dataplane_iptables`.
 
+pub mod datapath_checks;
 pub mod dataplane;
 pub mod drift_checks;
 pub mod fuzz;

@@ -604,6 +604,29 @@ impl EbpfDataplane {
         }
     }
 
+    /// Between syncs (the drift check's timer): every wanted tc attachment is checked in its
+    /// hook and attached again when another tool detached it, as a sync does (the interfaces
+    /// are listed again too). Returns the attachments as left, and those found detached since
+    /// the last call (by this check or a sync). Nothing while the attach waits for the first
+    /// full sync.
+    pub fn check_attachments(&mut self) -> (Vec<crate::Attachment>, Vec<crate::Attachment>) {
+        if self.deferred.is_none() {
+            self.tc.refresh(&mut self.ebpf, &self.pin_dir, false);
+        }
+        (self.tc.attachments(), self.tc.take_reattached())
+    }
+
+    /// The pinned maps (`map_names::PINNED`) missing from the pin directory. The programs hold
+    /// their maps whatever becomes of a pin, so a missing one breaks no traffic: it breaks the
+    /// next start's adoption of the datapath (and `inspect`).
+    pub fn missing_map_pins(&self) -> Vec<&'static str> {
+        map_names::PINNED
+            .iter()
+            .copied()
+            .filter(|name| !self.pin_dir.join(name).exists())
+            .collect()
+    }
+
     /// Compares every entry of the service maps with what the agent wrote (see `drift`) and,
     /// with `repair`, writes back what differs and deletes what the agent never wrote.
     /// Reads and compares in this thread; the agent's loop does both on another
@@ -834,7 +857,7 @@ impl EbpfDataplane {
     }
 
     /// The tc conntrack maps, borrowed from the object (they stay there: see `start`).
-    fn conntrack_map(&mut self) -> Result<ConntrackMaps<&mut MapData>, EbpfError> {
+    pub(crate) fn conntrack_map(&mut self) -> Result<ConntrackMaps<&mut MapData>, EbpfError> {
         conntrack_maps(&mut self.ebpf)
     }
 

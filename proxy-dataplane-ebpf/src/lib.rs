@@ -8,12 +8,13 @@ mod drift;
 mod error;
 pub mod maps;
 mod options;
+mod self_test;
 mod stats;
 mod test_run;
 pub mod traffic;
 
 pub use attach::pins::{PIN_DIR_MODE, PIN_DIR_NAME, cleanup};
-pub use attach::tc::TcOptions;
+pub use attach::tc::{Attachment, TcOptions};
 pub use attach::xdp::XdpSetting;
 pub use conntrack::ct_maps::ConntrackMaps;
 pub use conntrack::ct_worker::WorkerReports;
@@ -28,12 +29,16 @@ pub use maps::maglev::{
 };
 pub use maps::map_writer::{
     ApplyError, ApplySummary, BackendValue, DEFAULT_MAX_ENDPOINTS_PER_SERVICE, FrontendMapKey,
-    GENERATION_GRACE, MapOps, MapWriteError, MapWriter, MapsContent, RecordCopy, RemovedBackend,
-    Retirement, ip4_from_map, ip4_to_map, ip6_from_map, ip6_to_map,
+    GENERATION_GRACE, MapOps, MapWriteError, MapWriter, MapsContent, ProbeTarget, RecordCopy,
+    RemovedBackend, Retirement, ip4_from_map, ip4_to_map, ip6_from_map, ip6_to_map,
 };
 pub use options::{EbpfOptions, LbOptions};
 pub use proxy_kernel::bpf::features::{Feature, FeatureState, KernelFeatures};
 pub use proxy_model::config::ebpf_settings::DEFAULT_MAX_FRONTENDS_PER_SERVICE;
+pub use self_test::{
+    MAX_PROBED_INTERFACES, PROBE_CLIENT4, PROBE_CLIENT6, PROBE_PORT, ProbeOutcome, ProgramProbe,
+    SelfTest,
+};
 pub use test_run::{TcTestInput, TcTestRun, XdpTestRun};
 
 /// The conntrack map's static size (`--bpf-map-dynamic-size-ratio 0`), for test rigs that want

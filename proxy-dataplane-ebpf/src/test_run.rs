@@ -184,48 +184,59 @@ impl EbpfDataplane {
         input: TcTestInput,
         repeat: u32,
     ) -> Result<(TcTestRun, std::time::Duration), EbpfError> {
-        let program_error = |source| EbpfError::Program {
+        let classifier = loaded_classifier(&mut self.ebpf, None, program, &self.pin_dir)?;
+        let fd = classifier.fd().map_err(|source| EbpfError::Program {
             name: program,
             source,
-        };
-        let classifier = loaded_classifier(&mut self.ebpf, None, program, &self.pin_dir)?;
-        // A partial `struct __sk_buff`: the kernel copies what is given and requires the rest
-        // zero. `ingress_ifindex` (offset 36) is what the programs read; `ifindex` (offset 40)
-        // makes that interface the skb's device, so fib lookups start from it; `mark` is at 8.
-        let mut ctx = [0u8; 44];
-        ctx[8..12].copy_from_slice(&input.mark.to_ne_bytes());
-        let ingress_ifindex = if input.local { 0 } else { input.ifindex };
-        ctx[36..40].copy_from_slice(&ingress_ifindex.to_ne_bytes());
-        ctx[40..44].copy_from_slice(&input.ifindex.to_ne_bytes());
-        // Room for growth: a reject may turn a short packet into a longer ICMP error.
-        let mut out = vec![0u8; packet.len().max(128) + 256];
-        // The kernel writes the whole `struct __sk_buff` back (ENOSPC if it does not fit).
-        let mut ctx_out = [0u8; 256];
-        let fd = classifier.fd().map_err(program_error)?;
-        let run = SkbTestRun {
-            data_in: packet,
-            ctx_in: &ctx,
-            repeat,
-            flags: if input.checksum_complete {
-                bpf_syscall::TEST_SKB_CHECKSUM_COMPLETE
-            } else {
-                0
-            },
-        };
-        let result = bpf_syscall::test_run_skb(fd.as_fd(), &run, &mut out, &mut ctx_out).map_err(
-            |source| EbpfError::TestRun {
-                name: program,
-                source,
-            },
-        )?;
-        out.truncate(result.data_size_out);
-        Ok((
-            TcTestRun {
-                action: result.retval as i32,
-                packet: out,
-                mark: u32::from_ne_bytes([ctx_out[8], ctx_out[9], ctx_out[10], ctx_out[11]]),
-            },
-            result.duration,
-        ))
+        })?;
+        run_tc_fd(fd.as_fd(), program, packet, input, repeat)
     }
+}
+
+/// One `BPF_PROG_TEST_RUN` of the tc program `fd` (named `program` in errors) on `packet`
+/// (`repeat` times), against the live maps.
+pub(crate) fn run_tc_fd(
+    fd: std::os::fd::BorrowedFd<'_>,
+    program: &'static str,
+    packet: &[u8],
+    input: TcTestInput,
+    repeat: u32,
+) -> Result<(TcTestRun, std::time::Duration), EbpfError> {
+    // A partial `struct __sk_buff`: the kernel copies what is given and requires the rest
+    // zero. `ingress_ifindex` (offset 36) is what the programs read; `ifindex` (offset 40)
+    // makes that interface the skb's device, so fib lookups start from it; `mark` is at 8.
+    let mut ctx = [0u8; 44];
+    ctx[8..12].copy_from_slice(&input.mark.to_ne_bytes());
+    let ingress_ifindex = if input.local { 0 } else { input.ifindex };
+    ctx[36..40].copy_from_slice(&ingress_ifindex.to_ne_bytes());
+    ctx[40..44].copy_from_slice(&input.ifindex.to_ne_bytes());
+    // Room for growth: a reject may turn a short packet into a longer ICMP error.
+    let mut out = vec![0u8; packet.len().max(128) + 256];
+    // The kernel writes the whole `struct __sk_buff` back (ENOSPC if it does not fit).
+    let mut ctx_out = [0u8; 256];
+    let run = SkbTestRun {
+        data_in: packet,
+        ctx_in: &ctx,
+        repeat,
+        flags: if input.checksum_complete {
+            bpf_syscall::TEST_SKB_CHECKSUM_COMPLETE
+        } else {
+            0
+        },
+    };
+    let result = bpf_syscall::test_run_skb(fd, &run, &mut out, &mut ctx_out).map_err(|source| {
+        EbpfError::TestRun {
+            name: program,
+            source,
+        }
+    })?;
+    out.truncate(result.data_size_out);
+    Ok((
+        TcTestRun {
+            action: result.retval as i32,
+            packet: out,
+            mark: u32::from_ne_bytes([ctx_out[8], ctx_out[9], ctx_out[10], ctx_out[11]]),
+        },
+        result.duration,
+    ))
 }

@@ -1,6 +1,8 @@
 //! The proxy health server (kube-proxy's `ProxyHealthServer`, `--healthz-bind-address`):
 //! `/healthz` and `/livez`, answered from the sync timestamps of each IP family and from whether
-//! the node is being deleted.
+//! the node is being deleted. `/healthz` also reports the datapath's own state (`datapath.rs`)
+//! after upstream's fields, and is 503 when it says Service traffic is broken beyond repair;
+//! `/livez` keeps upstream's meaning (the loop is alive) and ignores it.
 
 use std::{
     collections::BTreeMap,
@@ -18,6 +20,7 @@ use axum::{
 };
 
 use super::{
+    datapath::DatapathHealth,
     http::{go_not_found, response},
     metrics::Metrics,
 };
@@ -81,6 +84,8 @@ pub struct ProxyHealth {
     clock: Arc<dyn Clock>,
     health_timeout: Duration,
     state: RwLock<HealthState>,
+    /// The datapath's checks (`None` until the agent's loop records its first state).
+    datapath: RwLock<Option<DatapathHealth>>,
 }
 
 /// The result of a health evaluation: upstream's `ProxyHealth` (proxy_health.go).
@@ -108,7 +113,23 @@ impl ProxyHealth {
                 node_eligible: true,
                 node_required: false,
             }),
+            datapath: RwLock::new(None),
         }
+    }
+
+    /// What the datapath's checks found (see `datapath.rs`), for `/healthz`.
+    pub fn set_datapath(&self, datapath: DatapathHealth) {
+        *self
+            .datapath
+            .write()
+            .unwrap_or_else(PoisonError::into_inner) = Some(datapath);
+    }
+
+    pub fn datapath(&self) -> Option<DatapathHealth> {
+        self.datapath
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
     }
 
     fn read(&self) -> std::sync::RwLockReadGuard<'_, HealthState> {
@@ -256,6 +277,26 @@ pub fn health_body(
     body
 }
 
+/// `/healthz`'s body: upstream's, then `datapath` (this agent's addition) when known.
+pub fn healthz_body(
+    health: &Health,
+    last_updated: Option<Stamp>,
+    now: Stamp,
+    node_eligible: bool,
+    datapath: Option<&DatapathHealth>,
+) -> String {
+    let mut body = health_body(health, last_updated, now, Some(node_eligible));
+    if let Some(datapath) = datapath
+        && let Ok(json) = serde_json::to_string(datapath)
+    {
+        body.pop();
+        body.push_str(r#","datapath":"#);
+        body.push_str(&json);
+        body.push('}');
+    }
+    body
+}
+
 #[derive(Debug, Clone)]
 struct Shared {
     health: Arc<ProxyHealth>,
@@ -275,7 +316,11 @@ async fn healthz(State(shared): State<Shared>) -> Response<Body> {
     let node_eligible = shared.health.node_eligible();
     let health = shared.health.health();
     let now = shared.health.now();
-    let (status, last_updated) = if health.healthy && node_eligible {
+    let datapath = shared.health.datapath();
+    // Upstream's `healthy` field keeps its meaning (the syncs); the datapath's verdict only
+    // adds to the status code, and says why in its own object.
+    let datapath_healthy = datapath.as_ref().is_none_or(|datapath| datapath.healthy);
+    let (status, last_updated) = if health.healthy && node_eligible && datapath_healthy {
         // kube-proxy reports "now" as lastUpdated while healthy, for compatibility with
         // releases where it was the time of the last sync loop run.
         (StatusCode::OK, Some(now))
@@ -283,7 +328,7 @@ async fn healthz(State(shared): State<Shared>) -> Response<Body> {
         (StatusCode::SERVICE_UNAVAILABLE, health.last_updated)
     };
     shared.metrics.healthz_answered(status);
-    let body = health_body(&health, last_updated, now, Some(node_eligible));
+    let body = healthz_body(&health, last_updated, now, node_eligible, datapath.as_ref());
     response(status, "application/json", body)
 }
 

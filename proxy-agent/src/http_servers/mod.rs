@@ -3,6 +3,7 @@
 //! server (`/metrics`, `/proxyMode`), with kube-proxy's behaviour.
 //!
 //! - `health.rs`: health state per IP family + the `/healthz` `/livez` server.
+//! - `datapath.rs`: the datapath's state in `/healthz`'s body and when it makes it 503.
 //! - `service_health.rs`: one server per health check node port.
 //! - `metrics.rs`: the registry, kube-proxy's `kubeproxy_*` metrics and our `kubeproxy_ebpf_*`.
 //! - `histogram.rs`: kube-proxy's histograms, classic and native (client_golang's algorithm).
@@ -14,6 +15,7 @@
 //! [`HttpServers`] is the handle the agent's loop calls.
 
 pub mod build_info;
+pub mod datapath;
 pub mod exposition;
 pub mod health;
 pub mod histogram;

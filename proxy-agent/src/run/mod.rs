@@ -24,6 +24,7 @@ use self::{
     startup::{Source, start_http_servers, start_source},
 };
 use crate::{
+    datapath_checks::DatapathChecks,
     dataplane::Dataplane,
     drift_checks::{self, DriftChecks, DriftReport},
     http_servers::{HttpServers, rest_client::RestClientMetrics},
@@ -105,6 +106,8 @@ struct Agent {
     /// The Node object and the host's addresses → node settings (see `proxy_kernel::node`).
     node_manager: NodeManager,
     drift: DriftChecks,
+    /// The datapath's health checks, run with the periodic drift check (`/healthz`).
+    datapath_checks: DatapathChecks,
     synced_once: bool,
     /// The node services follow the snapshot by the changed service ports of each sync; after
     /// a sync they did not see (a failed one), they look at everything again.
@@ -138,6 +141,7 @@ impl Agent {
             canary_at: now + config.sync_period,
             drift_at: now + config.ebpf.drift_check_period,
             drift: DriftChecks::default(),
+            datapath_checks: DatapathChecks::new(&dataplane, http_servers.health()),
             snapshot: Snapshot::default(),
             synced_once: false,
             report_all: true,
@@ -221,6 +225,10 @@ impl Agent {
                     if finished.sync_needed {
                         // iptables repairs with a full sync (the family is marked): now.
                         self.runner.request();
+                    }
+                    if let Some(report) = &finished.periodic {
+                        self.datapath_checks.after_drift_check(
+                            report, &mut self.dataplane, self.http_servers.health());
                     }
                 }
                 // `/debug/drift` (rate limited by the metrics server): read off the loop,
@@ -358,9 +366,12 @@ impl Agent {
     }
 
     fn check_canaries(&mut self) {
-        if self.dataplane.check_canaries() {
+        let missing = self.dataplane.check_canaries();
+        if missing {
             self.runner.request();
         }
+        self.datapath_checks
+            .canary_checked(!missing, self.http_servers.health());
         self.canary_at = Instant::now() + self.config.sync_period;
     }
 
@@ -373,7 +384,11 @@ impl Agent {
 
     /// Read and compared on another thread; the loop takes the result (and repairs) when it is
     /// done. In place only when no thread can start.
+    /// The datapath's health checks first (the attachments are repaired there, between
+    /// syncs; see `datapath_checks`), then the maps' check.
     fn start_periodic_drift_check(&mut self) {
+        self.datapath_checks
+            .before_drift_check(&mut self.dataplane, self.http_servers.health());
         if !self
             .drift
             .start_periodic(&mut self.dataplane, &self.snapshot)
@@ -388,6 +403,11 @@ impl Agent {
                 // iptables repairs with a full sync (the family is marked): now.
                 self.runner.request();
             }
+            self.datapath_checks.after_drift_check(
+                &report,
+                &mut self.dataplane,
+                self.http_servers.health(),
+            );
         }
         self.drift_at = Instant::now() + self.config.ebpf.drift_check_period;
     }

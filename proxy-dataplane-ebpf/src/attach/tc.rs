@@ -180,6 +180,45 @@ pub struct TcState {
     xdp: XdpState,
     /// The pinned entry programs a restart reuses (`reuse`); `None`: the object's, loaded.
     pinned: Option<PinnedPrograms>,
+    /// What the last refresh found and did for each wanted attachment (by pin name), for the
+    /// datapath's health.
+    status: BTreeMap<String, Attachment>,
+    /// Attachments found detached and attached again since [`TcState::take_reattached`] last
+    /// asked (bounded: a hook cleared on every check would otherwise grow it).
+    reattached: Vec<Attachment>,
+}
+
+/// The most re-attachments [`TcState`] keeps between two reports.
+const MAX_REATTACHED: usize = 64;
+
+/// One attachment the agent wants (a program on one interface's tc hook), as the last
+/// refresh left it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Attachment {
+    pub interface: String,
+    pub ifindex: u32,
+    pub program: &'static str,
+    /// `ingress` or `egress`.
+    pub hook: &'static str,
+    /// An external interface's ingress program (the one the self-test runs).
+    pub external: bool,
+    /// TCX link (else a legacy clsact filter).
+    pub tcx: bool,
+    /// In place after the refresh: attached, found still attached, or attached again.
+    pub attached: bool,
+    /// The kernel id of the program our link runs, when known.
+    pub program_id: Option<u32>,
+    /// It had been detached behind the agent's back and this refresh attached it again.
+    pub reattached: bool,
+    /// Why it could not be attached.
+    pub error: Option<String>,
+}
+
+fn hook_name(direction: TcAttachType) -> &'static str {
+    match direction {
+        TcAttachType::Ingress => "ingress",
+        _ => "egress",
+    }
 }
 
 /// One attachment of a tc program.
@@ -193,6 +232,15 @@ enum Attached {
     /// A filter in our slot of the hook (`legacy_tc`); it goes away with its interface, and a
     /// new role's program replaces it in place.
     Legacy,
+}
+
+impl Attached {
+    fn program_id(&self) -> Option<u32> {
+        match self {
+            Attached::Tcx { program, .. } => *program,
+            Attached::Legacy => None,
+        }
+    }
 }
 
 impl std::fmt::Debug for TcState {
@@ -249,6 +297,8 @@ impl TcState {
             unusable: BTreeSet::new(),
             xdp,
             pinned: None,
+            status: BTreeMap::new(),
+            reattached: Vec::new(),
         }
     }
 
@@ -316,10 +366,26 @@ impl TcState {
             ] {
                 let pin_name = format!("{program}_if{index}{LINK_SUFFIX}");
                 wanted.insert(pin_name.clone());
+                let mut status = Attachment {
+                    interface: name.clone(),
+                    ifindex: index,
+                    program,
+                    hook: hook_name(direction),
+                    external: *role == TcRole::External && direction == TcAttachType::Ingress,
+                    tcx: self.options.tcx,
+                    attached: false,
+                    program_id: None,
+                    reattached: false,
+                    error: None,
+                };
                 if let Some(attached) = self.links.get(&pin_name) {
                     if still_attached(attached, name, direction) {
+                        status.attached = true;
+                        status.program_id = attached.program_id();
+                        self.status.insert(pin_name, status);
                         continue;
                     }
+                    status.reattached = true;
                     // Another tool detached it (`bpftool link detach`, an upgrade of another tc
                     // program that cleared the hook): the interface's Service traffic would
                     // pass untranslated until the agent restarted.
@@ -340,6 +406,9 @@ impl TcState {
                     )
                 {
                     debug!(interface = %name, program, "pinned tc link adopted");
+                    status.attached = true;
+                    status.program_id = Some(program);
+                    self.status.insert(pin_name.clone(), status);
                     self.links.insert(
                         pin_name,
                         Attached::Tcx {
@@ -364,12 +433,19 @@ impl TcState {
                 match attached {
                     Ok(link) => {
                         info!(interface = %name, program, tcx = self.options.tcx, "tc program attached");
-                        self.links.insert(pin_name, link);
+                        status.attached = true;
+                        status.program_id = link.program_id();
+                        self.links.insert(pin_name.clone(), link);
                     }
                     Err(error) => {
                         warn!(interface = %name, program, %error, "cannot attach tc program");
+                        status.error = Some(error.to_string());
                     }
                 }
+                if status.reattached && self.reattached.len() < MAX_REATTACHED {
+                    self.reattached.push(status.clone());
+                }
+                self.status.insert(pin_name, status);
             }
             let ingress = format!("{program}_if{index}{LINK_SUFFIX}");
             if *role == TcRole::External && self.links.contains_key(&ingress) {
@@ -394,9 +470,50 @@ impl TcState {
             first,
         );
         self.detach_unwanted(&wanted, pin_dir);
+        self.status.retain(|pin, _| wanted.contains(pin));
         if first {
             self.remove_stale_pins(pin_dir);
         }
+    }
+
+    /// Every attachment the last refresh wanted, as it left them (interface order). A failed
+    /// attach to an interface that is gone since is left out: a pod's veth deleted between
+    /// the listing and the attach is no broken hook.
+    pub fn attachments(&self) -> Vec<Attachment> {
+        let mut all: Vec<Attachment> = self
+            .status
+            .values()
+            .filter(|a| {
+                a.attached
+                    || nix::net::if_::if_nametoindex(a.interface.as_str())
+                        .is_ok_and(|index| index == a.ifindex)
+            })
+            .cloned()
+            .collect();
+        all.sort_by(|a, b| (&a.interface, a.hook).cmp(&(&b.interface, b.hook)));
+        all
+    }
+
+    /// The attachments found detached and attached again (or not) since the last call.
+    pub fn take_reattached(&mut self) -> Vec<Attachment> {
+        std::mem::take(&mut self.reattached)
+    }
+
+    /// The NodePort addresses written to `KPR_NODE_ADDRS` (a NodePort frontend's packets are
+    /// addressed to one of them).
+    pub fn node_port_addrs(&self) -> impl Iterator<Item = IpAddr> + '_ {
+        self.programmed_addrs.iter().copied()
+    }
+
+    /// The entry program attached as a legacy filter (loaded, or the pinned one a restart
+    /// reuses), for the self-test of a hook whose program id the kernel does not tell.
+    pub fn legacy_program<'a>(
+        &'a mut self,
+        ebpf: &'a mut Ebpf,
+        program: &'static str,
+        pin_dir: &Path,
+    ) -> Result<&'a mut SchedClassifier, EbpfError> {
+        loaded_classifier(ebpf, self.pinned.as_mut(), program, pin_dir)
     }
 
     /// Warns once per interface listed in `--interfaces` that cannot get the external program

@@ -254,6 +254,23 @@ fn maglev_complete(
     })
 }
 
+/// Candidates per family [`MapWriter::probe_targets`] returns: a NodePort needs a NodePort
+/// address of its family, so the self-test may have to pass over the first.
+pub const PROBE_CANDIDATES: usize = 4;
+
+/// A frontend the datapath self-test sends a synthetic packet to ([`MapWriter::probe_targets`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ProbeTarget {
+    pub family: IpFamily,
+    /// The frontend's address; unspecified for a NodePort (any NodePort address).
+    pub addr: IpAddr,
+    pub port: u16,
+    /// The service port that owns it (`namespace/name:port`).
+    pub service: String,
+    /// Its backends as written: a translated packet must be addressed to one of them.
+    pub backends: Vec<SocketAddr>,
+}
+
 /// The content of the pinned service maps, as read back after a restart.
 #[derive(Debug, Default, Clone)]
 pub struct MapsContent {
@@ -763,6 +780,57 @@ impl MapWriter {
     /// Number of frontends and distinct backends currently programmed.
     pub fn counts(&self) -> (usize, usize) {
         (self.frontends.len(), self.backends.len())
+    }
+
+    /// Per IP family, the first few ([`PROBE_CANDIDATES`]) external TCP frontends the datapath
+    /// self-test can send a synthetic SYN to and expect translated: ones with backends in its live generation, whose
+    /// owner is known, without session affinity (a probe would leave an affinity entry for its
+    /// client) or source ranges (they may refuse the probe's documentation address).
+    pub fn probe_targets(&self) -> Vec<ProbeTarget> {
+        let mut found: Vec<ProbeTarget> = Vec::new();
+        for (key, applied) in self.frontends.iter() {
+            let family = match key.addr {
+                IpAddr::V4(_) => IpFamily::V4,
+                IpAddr::V6(_) => IpFamily::V6,
+            };
+            if found
+                .iter()
+                .filter(|target| target.family == family)
+                .count()
+                >= PROBE_CANDIDATES
+            {
+                continue;
+            }
+            let skip = frontend_flags::AFFINITY | frontend_flags::SOURCE_RANGES;
+            if key.scope != Scope::External
+                || key.protocol != Protocol::Tcp
+                || applied.value.backend_count == 0
+                || applied.value.flags & skip != 0
+                || applied.damaged
+            {
+                continue;
+            }
+            let Some(owner) = &applied.owner else {
+                continue;
+            };
+            let backends: Vec<SocketAddr> = applied
+                .slots
+                .iter()
+                .filter_map(|&id| self.backends.value_of(id))
+                .map(|backend| backend.socket_addr())
+                .collect();
+            if backends.is_empty() {
+                continue;
+            }
+            found.push(ProbeTarget {
+                family,
+                addr: key.addr,
+                port: key.port,
+                service: owner.to_string(),
+                backends,
+            });
+        }
+        found
     }
 
     /// What the service maps must hold according to this record, entry by entry (the drift

@@ -10,6 +10,7 @@ mod clusterip_socket_complete;
 mod clusterip_socket_lb;
 mod conntrack_cleanup;
 mod conntrack_pressure;
+mod datapath_health;
 mod drift;
 mod drift_reading;
 mod explain;

@@ -214,6 +214,16 @@ fn proxy_mode_reports_iptables() -> anyhow::Result<()> {
         .find(|l| l.starts_with("kubeproxy_sync_proxy_rules_iptables_total{") && l.contains("nat"));
     eprintln!("{nat_rules:?}");
     assert!(nat_rules.is_some(), "no nat rule count in /metrics");
+    // iptables mode's datapath object: the mode, healthy, no eBPF fields.
+    let health = wait_for(&node, "127.0.0.1:10256".parse()?, "/healthz", 200)?;
+    let body: serde_json::Value = serde_json::from_str(&health.body)?;
+    assert_eq!(body["datapath"]["mode"], "iptables", "{}", health.body);
+    assert_eq!(body["datapath"]["healthy"], true, "{}", health.body);
+    assert!(
+        body["datapath"].get("selfTest").is_none(),
+        "{}",
+        health.body
+    );
     Ok(())
 }
 

@@ -272,3 +272,57 @@ fn json_time_is_gos() {
     assert_eq!(json_time(Some(at(1))), "2023-11-14T22:13:20.000000001Z");
     assert_eq!(json_time(None), GO_ZERO_TIME);
 }
+
+/// The datapath's verdict: after upstream's fields in `/healthz` only, 503 only when it is
+/// unhealthy (upstream's `healthy` unchanged), and never in `/livez`.
+#[tokio::test]
+async fn an_unhealthy_datapath_turns_healthz_503_but_not_livez() {
+    use crate::http_servers::datapath::{Attachments, DatapathHealth, Hook};
+    let (services, clock) = start(ProxyMode::Ebpf);
+    let addr = services.healthz_addr().unwrap();
+    let now = json_time(Some(clock.now()));
+    services.health().set_datapath(DatapathHealth::new("ebpf"));
+    let reply = get(addr, "/healthz").await;
+    assert_eq!(reply.status(), 200);
+    assert_eq!(
+        reply.body,
+        format!(
+            r#"{{"lastUpdated":"{now}","currentTime":"{now}","nodeEligible":true,"healthy":true,"datapath":{{"mode":"ebpf","healthy":true,"reasons":[],"lastDriftCheck":null}}}}"#
+        )
+    );
+
+    let mut broken = DatapathHealth::new("ebpf");
+    broken.attachments = Some(Attachments {
+        time: now.clone(),
+        expected: 1,
+        attached: 0,
+        hooks: vec![Hook {
+            interface: "eth0".to_owned(),
+            hook: "ingress",
+            program: "kpr_tc_external",
+            attached: false,
+            program_id: None,
+            error: Some("pinning the link failed".to_owned()),
+        }],
+        reattached: Vec::new(),
+    });
+    broken.evaluate();
+    services.health().set_datapath(broken);
+    let reply = get(addr, "/healthz").await;
+    assert_eq!(reply.status_line, "HTTP/1.1 503 Service Unavailable");
+    let value = parse(&reply.body);
+    // Upstream's fields keep their meaning: the syncs are fine.
+    assert_eq!(value["healthy"], true);
+    assert_eq!(value["nodeEligible"], true);
+    assert_eq!(value["datapath"]["healthy"], false);
+    assert!(
+        value["datapath"]["reasons"][0]
+            .as_str()
+            .unwrap()
+            .contains("could not be attached again: pinning the link failed"),
+        "{value}"
+    );
+    let reply = get(addr, "/livez").await;
+    assert_eq!(reply.status(), 200);
+    assert!(!reply.body.contains("datapath"), "{}", reply.body);
+}
