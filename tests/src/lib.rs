@@ -30,6 +30,8 @@ pub mod http;
 pub mod in_process;
 #[cfg(feature = "rig")]
 pub mod manifests;
+#[cfg(feature = "rig")]
+pub mod monitoring;
 pub mod netns;
 pub mod packet;
 pub mod process;

@@ -1,6 +1,6 @@
 //! `cargo xtask setup`: the eBPF build chain from ../shared/toolchain.md, installed idempotently.
 
-use std::process::Command;
+use std::{os::unix::fs::PermissionsExt as _, path::Path, process::Command};
 
 use anyhow::{Context as _, Result, bail};
 
@@ -13,8 +13,10 @@ use crate::{
 /// Debian packages: LLVM 22 for bpf-linker (nightly's LLVM is 22), runtime tools for tests
 /// (`nftables`: the host-policy tests add a foreign nft table, as a CNI would; the agent
 /// removes kube-proxy's nftables tables and the migration test creates them; `prometheus`
-/// for `promtool check metrics` on the agent's expositions, `metrics_exposition.rs`, and a
-/// Prometheus server scraping native histograms, `native_histograms.rs`; `ethtool`:
+/// for `promtool check metrics` on the agent's expositions, `metrics_exposition.rs`, a
+/// Prometheus server scraping native histograms, `native_histograms.rs`, and `promtool
+/// check/test rules` plus a Prometheus evaluating the dashboard's and alerts' queries,
+/// `monitoring.rs`; `ethtool`:
 /// the XDP test gives its veths a wire's complete checksums, `external_xdp.rs`).
 const DEBIAN_PACKAGES: [&str; 8] = [
     "llvm-22-dev",
@@ -78,6 +80,9 @@ pub fn run(mode: Mode) -> Result<()> {
             missing_packages.join(" ")
         );
         run_cmd(Command::new("apt-get").arg("update").arg("-q"))?;
+        // The packages' maintainer scripts start their services (`prometheus` would listen on
+        // the host's :9090); the tests start their own servers, in test namespaces.
+        let _no_starts = NoServiceStarts::install()?;
         run_cmd(
             Command::new("apt-get")
                 .args(["install", "-y", "-q", "--no-install-recommends"])
@@ -85,8 +90,8 @@ pub fn run(mode: Mode) -> Result<()> {
                 .env("DEBIAN_FRONTEND", "noninteractive"),
         )?;
         if missing_packages.contains(&"prometheus") {
-            // On a machine with systemd the package starts a Prometheus server, which the
-            // tests do not need: they start their own, in a test namespace.
+            // Not started by the install (above), but enabled for the next boot on a machine
+            // with systemd: the tests do not need it.
             let _ = Command::new("systemctl")
                 .args(["disable", "--now", "prometheus"])
                 .status();
@@ -169,6 +174,42 @@ fn has_rust_src(toolchain: &str) -> bool {
                     .lines()
                     .any(|line| line.starts_with("rust-src"))
         })
+}
+
+/// Debian's policy layer (`/usr/sbin/policy-rc.d`, read by `invoke-rc.d` and
+/// `deb-systemd-invoke`) answering 101, "action forbidden", to every service start while it
+/// lives: the install starts nothing, with or without systemd. A policy file the machine
+/// already has is left as it is.
+struct NoServiceStarts {
+    created: Option<&'static Path>,
+}
+
+impl NoServiceStarts {
+    const PATH: &'static str = "/usr/sbin/policy-rc.d";
+
+    fn install() -> Result<Self> {
+        let path = Path::new(Self::PATH);
+        if path.exists() {
+            return Ok(Self { created: None });
+        }
+        std::fs::write(path, "#!/bin/sh\n# cargo xtask setup: no service starts while it installs packages\nexit 101\n")
+            .with_context(|| format!("writing {}", path.display()))?;
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o755))
+            .with_context(|| format!("making {} executable", path.display()))?;
+        Ok(Self {
+            created: Some(path),
+        })
+    }
+}
+
+impl Drop for NoServiceStarts {
+    fn drop(&mut self) {
+        if let Some(path) = self.created
+            && let Err(e) = std::fs::remove_file(path)
+        {
+            eprintln!("setup: removing {} failed: {e}", path.display());
+        }
+    }
 }
 
 fn debian_package_installed(package: &str) -> bool {

@@ -33,6 +33,7 @@ mod map_memory;
 mod mesh_host_namespace_only;
 mod metrics_exposition;
 mod migration;
+mod monitoring;
 mod native_histograms;
 mod node_endpoints;
 mod node_settings;
