@@ -131,9 +131,10 @@ pub struct ServiceTrafficKey {
 pub struct TrafficCounts {
     /// Connections (TCP, SCTP) and flows (UDP) given a backend.
     pub new_connections: u64,
-    /// Packets and bytes of the Service's traffic, where the path sees each packet (the tc
-    /// programs do; the socket hooks and the iptables NAT table see a connection's first packet
-    /// only): `None` where it does not.
+    /// Packets and bytes of the Service's traffic, where the path sees each packet: `None` from
+    /// both dataplanes today (the socket hooks and the iptables NAT table see a connection's
+    /// first packet only; the tc programs' conntrack entries do not carry the service id), and
+    /// the metrics export neither.
     pub packets: Option<u64>,
     pub bytes: Option<u64>,
     /// Connections refused because the Service had no endpoints (kube-proxy's REJECT).

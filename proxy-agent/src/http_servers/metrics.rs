@@ -1026,16 +1026,6 @@ fn register_service_traffic(described: &mut Described) -> ServiceTrafficMetrics 
         this.new_connections.clone(),
     );
     described.add(
-        service_traffic::PACKETS,
-        "Packets of a Service's traffic, where the datapath sees each packet",
-        this.packets.clone(),
-    );
-    described.add(
-        service_traffic::BYTES,
-        "Bytes of a Service's traffic, where the datapath sees each packet",
-        this.bytes.clone(),
-    );
-    described.add(
         service_traffic::REJECTED,
         "Connections refused because the Service had no endpoints",
         this.rejected.clone(),

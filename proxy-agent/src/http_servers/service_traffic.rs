@@ -18,8 +18,6 @@ use prometheus_client::{
 use proxy_model::traffic::{ServicePortLabels, ServiceTrafficKey, TrafficCounts, TrafficReading};
 
 pub const NEW_CONNECTIONS: &str = "kubeproxy_rs_service_new_connections";
-pub const PACKETS: &str = "kubeproxy_rs_service_packets";
-pub const BYTES: &str = "kubeproxy_rs_service_bytes";
 pub const REJECTED: &str = "kubeproxy_rs_service_rejected";
 pub const DROPPED: &str = "kubeproxy_rs_service_dropped";
 pub const ENDPOINT_NEW_CONNECTIONS: &str = "kubeproxy_rs_endpoint_new_connections";
@@ -70,8 +68,6 @@ pub(super) struct EndpointLabel {
 #[derive(Debug, Default)]
 pub struct ServiceTrafficMetrics {
     pub(super) new_connections: Family<ServiceLabel, Counter>,
-    pub(super) packets: Family<ServiceLabel, Counter>,
-    pub(super) bytes: Family<ServiceLabel, Counter>,
     pub(super) rejected: Family<ServiceLabel, Counter>,
     pub(super) dropped: Family<DropLabel, Counter>,
     pub(super) endpoint_new_connections: Family<EndpointLabel, Counter>,
@@ -155,15 +151,6 @@ impl ServiceTrafficMetrics {
                 &self.rejected,
                 increase(was(|c| c.rejected), counts.rejected),
             );
-            if let Some(packets) = counts.packets {
-                add(
-                    &self.packets,
-                    increase(previous.and_then(|c| c.packets), packets),
-                );
-            }
-            if let Some(bytes) = counts.bytes {
-                add(&self.bytes, increase(previous.and_then(|c| c.bytes), bytes));
-            }
             for (reason, value, before) in [
                 (
                     "source_range",

@@ -44,6 +44,9 @@ use proxy_model::{
 /// from filling the LRU, so kube-proxy's default sync period is often enough, and a full walk
 /// of the default 262 144 entries (~0.5 s) stays a small share of the agent's time.
 const CONNTRACK_GC_INTERVAL: Duration = Duration::from_secs(30);
+/// How often the per-Service traffic counters are read into the metrics: a fraction of a
+/// usual scrape interval, so a scrape sees counts at most this old.
+const SERVICE_TRAFFIC_READ_PERIOD: Duration = Duration::from_secs(3);
 
 pub async fn run(config: Config) -> anyhow::Result<()> {
     let node = NodeContext::new(&node_name(config.hostname_override.as_deref())?, None);
@@ -119,6 +122,9 @@ struct Agent {
     /// else is syncing (proxier.go NewProxier).
     canary_at: Instant,
     drift_at: Instant,
+    traffic_at: Instant,
+    /// eBPF mode: the pinned counters and names, opened at the first reading.
+    traffic_reader: Option<proxy_dataplane_ebpf::traffic::TrafficReader>,
     host_namespace_only: bool,
 }
 
@@ -140,6 +146,8 @@ impl Agent {
             conntrack_gc_at: now + CONNTRACK_GC_INTERVAL,
             canary_at: now + config.sync_period,
             drift_at: now + config.ebpf.drift_check_period,
+            traffic_at: now + SERVICE_TRAFFIC_READ_PERIOD,
+            traffic_reader: None,
             drift: DriftChecks::default(),
             datapath_checks: DatapathChecks::new(&dataplane, http_servers.health()),
             snapshot: Snapshot::default(),
@@ -172,6 +180,12 @@ impl Agent {
             .metrics()
             .serve_drift_requests(drift_requests);
         let drift_period = self.config.ebpf.drift_check_period;
+        let traffic = &self.http_servers.metrics().service_traffic().clone();
+        traffic.set_limits(
+            self.config.ebpf.service_traffic_max_series,
+            self.config.ebpf.service_traffic_endpoints,
+        );
+        let traffic_enabled = traffic.enabled();
         loop {
             // Nothing is programmed until every kind was listed once (kube-proxy's rule), so a
             // restart never programs a half-empty view; with NodeCIDR, until the Node has
@@ -230,6 +244,11 @@ impl Agent {
                         self.datapath_checks.after_drift_check(
                             report, &mut self.dataplane, self.http_servers.health());
                     }
+                }
+                () = tokio::time::sleep_until(self.traffic_at),
+                    if self.synced_once && traffic_enabled => {
+                    self.read_service_traffic();
+                    self.traffic_at = Instant::now() + SERVICE_TRAFFIC_READ_PERIOD;
                 }
                 // `/debug/drift` (rate limited by the metrics server): read off the loop,
                 // answered when the reading is back.
@@ -363,6 +382,48 @@ impl Agent {
         self.runner.finished(Instant::now(), ok);
         log_snapshot_size(self.store.objects(), &self.snapshot);
         Ok(())
+    }
+
+    /// Reads the dataplane's per-Service counters into the metrics; a failed read is logged
+    /// and tried again at the next period.
+    fn read_service_traffic(&mut self) {
+        let reading = match &self.dataplane {
+            Dataplane::Ebpf(_) => {
+                if self.traffic_reader.is_none() {
+                    let pin_dir = self
+                        .config
+                        .ebpf
+                        .bpf_root
+                        .join(proxy_dataplane_ebpf::PIN_DIR_NAME);
+                    match proxy_dataplane_ebpf::traffic::TrafficReader::open(&pin_dir) {
+                        Ok(reader) => self.traffic_reader = Some(reader),
+                        Err(error) => {
+                            warn!(%error, "cannot open the per-Service traffic counters");
+                            return;
+                        }
+                    }
+                }
+                let Some(reader) = self.traffic_reader.as_mut() else {
+                    return;
+                };
+                reader.read().map_err(|error| error.to_string())
+            }
+            Dataplane::Iptables(iptables) => iptables
+                .read_service_traffic()
+                .map_err(|error| error.to_string()),
+        };
+        match reading {
+            Ok(reading) => self
+                .http_servers
+                .metrics()
+                .service_traffic()
+                .record(&reading),
+            Err(error) => {
+                // The pins may have been replaced (a --cleanup): open them again next time.
+                self.traffic_reader = None;
+                warn!(%error, "cannot read the per-Service traffic counters");
+            }
+        }
     }
 
     fn check_canaries(&mut self) {
