@@ -11,6 +11,7 @@
 pub mod addr;
 pub mod conntrack;
 pub mod crc32c;
+pub mod inet_checksum;
 pub mod ip_family;
 pub mod lookup;
 pub mod maglev;

@@ -18,7 +18,13 @@ use std::{
 };
 
 use aya::programs::{ProgramFd, SchedClassifier, TcAttachType};
-use proxy_common::{CtKey, conntrack::reverse_key, family, proto};
+use proxy_common::{
+    CtKey,
+    conntrack::reverse_key,
+    family,
+    inet_checksum::{inet_checksum, l4_checksum},
+    proto,
+};
 use tracing::debug;
 
 use crate::{
@@ -351,25 +357,6 @@ const TCP_HLEN: usize = 20;
 const PROBE_SRC_MAC: [u8; 6] = [0x02, 0, 0, 0, 0, 0x02];
 const PROBE_DST_MAC: [u8; 6] = [0x02, 0, 0, 0, 0, 0x01];
 
-/// One's-complement sum of 16-bit words (odd length padded), not folded.
-fn sum(mut acc: u32, bytes: &[u8]) -> u32 {
-    let mut chunks = bytes.chunks_exact(2);
-    for chunk in &mut chunks {
-        acc += u32::from(u16::from_be_bytes([chunk[0], chunk[1]]));
-    }
-    if let [last] = chunks.remainder() {
-        acc += u32::from(u16::from_be_bytes([*last, 0]));
-    }
-    acc
-}
-
-fn fold(mut acc: u32) -> u16 {
-    while acc > 0xffff {
-        acc = (acc & 0xffff) + (acc >> 16);
-    }
-    !(acc as u16)
-}
-
 /// An Ethernet frame with a TCP SYN from `src` to `dst` (same family), checksums correct.
 pub fn tcp_syn(src: SocketAddr, dst: SocketAddr) -> Vec<u8> {
     let mut tcp = [0u8; TCP_HLEN];
@@ -382,7 +369,6 @@ pub fn tcp_syn(src: SocketAddr, dst: SocketAddr) -> Vec<u8> {
     let mut frame = Vec::with_capacity(ETH_HLEN + 40 + TCP_HLEN);
     frame.extend_from_slice(&PROBE_DST_MAC);
     frame.extend_from_slice(&PROBE_SRC_MAC);
-    let tcp_len = TCP_HLEN as u32;
     match (src.ip(), dst.ip()) {
         (IpAddr::V4(s), IpAddr::V4(d)) => {
             frame.extend_from_slice(&0x0800_u16.to_be_bytes());
@@ -394,10 +380,9 @@ pub fn tcp_syn(src: SocketAddr, dst: SocketAddr) -> Vec<u8> {
             ip[9] = proto::TCP;
             ip[12..16].copy_from_slice(&s.octets());
             ip[16..20].copy_from_slice(&d.octets());
-            let check = fold(sum(0, &ip));
+            let check = inet_checksum(&ip);
             ip[10..12].copy_from_slice(&check.to_be_bytes());
-            let pseudo = sum(sum(0, &s.octets()), &d.octets()) + u32::from(proto::TCP) + tcp_len;
-            let check = fold(sum(pseudo, &tcp));
+            let check = l4_checksum(IpAddr::V4(s), IpAddr::V4(d), proto::TCP, &tcp);
             tcp[16..18].copy_from_slice(&check.to_be_bytes());
             frame.extend_from_slice(&ip);
         }
@@ -415,8 +400,7 @@ pub fn tcp_syn(src: SocketAddr, dst: SocketAddr) -> Vec<u8> {
             ip[7] = 64;
             ip[8..24].copy_from_slice(&s.octets());
             ip[24..40].copy_from_slice(&d.octets());
-            let pseudo = sum(sum(0, &s.octets()), &d.octets()) + u32::from(proto::TCP) + tcp_len;
-            let check = fold(sum(pseudo, &tcp));
+            let check = l4_checksum(IpAddr::V6(s), IpAddr::V6(d), proto::TCP, &tcp);
             tcp[16..18].copy_from_slice(&check.to_be_bytes());
             frame.extend_from_slice(&ip);
         }
@@ -475,18 +459,16 @@ mod tests {
             assert_eq!(destination(&frame), Some(dst));
             let l4 = if dst.is_ipv4() {
                 let ip = &frame[ETH_HLEN..ETH_HLEN + 20];
-                assert_eq!(fold(sum(0, ip)), 0, "IPv4 header checksum");
+                assert_eq!(inet_checksum(ip), 0, "IPv4 header checksum");
                 &frame[ETH_HLEN + 20..]
             } else {
                 &frame[ETH_HLEN + 40..]
             };
-            let pseudo = match (src.ip(), dst.ip()) {
-                (IpAddr::V4(s), IpAddr::V4(d)) => sum(sum(0, &s.octets()), &d.octets()),
-                (IpAddr::V6(s), IpAddr::V6(d)) => sum(sum(0, &s.octets()), &d.octets()),
-                _ => unreachable!(),
-            } + u32::from(proto::TCP)
-                + TCP_HLEN as u32;
-            assert_eq!(fold(sum(pseudo, l4)), 0, "TCP checksum of {dst}");
+            assert_eq!(
+                l4_checksum(src.ip(), dst.ip(), proto::TCP, l4),
+                0,
+                "TCP checksum of {dst}"
+            );
             assert_eq!(l4[13], 0x02, "a SYN");
         }
     }

@@ -447,28 +447,15 @@ fn service_comment(rule: &SavedRule) -> Option<(ServicePortLabels, &str)> {
 
 /// `ns/name:port` or `ns/name` (kube-proxy's `ServicePortName.String()`).
 fn labels(text: &str, protocol: Protocol) -> Option<ServicePortLabels> {
-    let (namespace, rest) = text.split_once('/')?;
-    let (name, port) = rest.split_once(':').unwrap_or((rest, ""));
+    let labels = ServicePortLabels::parse(text, protocol)?;
     // Kubernetes names and port names are DNS labels and IANA service names; anything else is
     // not a comment of ours.
     let name_chars = |part: &str| {
         part.bytes()
             .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'.' | b'_'))
     };
-    if namespace.is_empty()
-        || name.is_empty()
-        || !name_chars(namespace)
-        || !name_chars(name)
-        || !name_chars(port)
-    {
-        return None;
-    }
-    Some(ServicePortLabels {
-        namespace: namespace.to_owned(),
-        name: name.to_owned(),
-        port: port.to_owned(),
-        protocol,
-    })
+    (name_chars(&labels.namespace) && name_chars(&labels.name) && name_chars(&labels.port))
+        .then_some(labels)
 }
 
 /// The inverse of [`labels`], as the comments write it.
