@@ -1111,9 +1111,11 @@ where
 /// A frontend's kind as `KPR_SERVICE_NAMES` records it (0 when the snapshot no longer has its
 /// port: the next write of its names has it again).
 fn frontend_kind(snapshot: &Snapshot, name: &ServicePortName, key: &FrontendKey) -> u8 {
+    // A keyed lookup: a scan of the Service's ports per frontend is quadratic in a Service
+    // with thousands of ports.
     snapshot
         .family(IpFamily::of(&key.addr))
-        .of_service(&name.service)
-        .find(|port| port.name == *name)
+        .service_ports
+        .get(name)
         .map_or(0, |port| FrontendKind::of(port, key).code())
 }

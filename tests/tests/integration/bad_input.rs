@@ -298,7 +298,8 @@ fn malformed_manifests_are_named_while_the_running_agent_keeps_serving_the_valid
     for case in &corpus {
         let before = s.agent()?.log_contents().len();
         write_bytes(s.manifests.path(), &case.file, &case.content)?;
-        let deadline = Instant::now() + DATAPATH_TIMEOUT;
+        let written_at = Instant::now();
+        let deadline = written_at + DATAPATH_TIMEOUT;
         let line = loop {
             let log = s.agent()?.log_contents();
             let found = log
@@ -319,6 +320,7 @@ fn malformed_manifests_are_named_while_the_running_agent_keeps_serving_the_valid
             })?;
             thread::sleep(Duration::from_millis(50));
         };
+        let took = written_at.elapsed();
         let attempts = s.cgroup_client().run(cluster_addr(), 4)?;
         connections += attempts.len();
         failed_connections += attempts.iter().filter(|a| !is_pod(a)).count();
@@ -339,9 +341,12 @@ fn malformed_manifests_are_named_while_the_running_agent_keeps_serving_the_valid
             .split_once("proxy_agent")
             .map_or(line.as_str(), |(_, rest)| rest)
             .chars()
-            .take(200)
+            .take(600)
             .collect();
-        outcomes.push(format!("  {:<34} {level}: proxy_agent{shown}", case.what));
+        outcomes.push(format!(
+            "  {:<34} {level} after {took:.1?}: proxy_agent{shown}",
+            case.what
+        ));
     }
     let running = s.agent()?.is_running();
     eprintln!(
