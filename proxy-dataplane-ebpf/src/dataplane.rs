@@ -39,7 +39,7 @@ use crate::{
     drift,
     drift::reader::{self, DriftFound, DriftJob, DriftReader, OrphanEntry},
     error::EbpfError,
-    maps::map_sizes::LruSizes,
+    maps::map_sizes::{LruBudget, LruSizes},
     maps::service_maps::{ServiceMaps, ignore_missing},
     maps::touched_keys::Touched,
     options::EbpfOptions,
@@ -160,7 +160,7 @@ impl EbpfDataplane {
             1
         };
         let mut plan = prepare_pin_dir(&pin_dir, maglev_capacity, options.conntrack_capacity)?;
-        let mut lru = LruSizes::for_this_node(options.dynamic_size_ratio);
+        let mut lru = LruSizes::for_this_node(options.lru_budget);
         // Each family's map, as Cilium's `--bpf-ct-global-*-max` sizes each of its.
         if let Some(conntrack) = options.conntrack_capacity {
             lru.conntrack4 = conntrack;
@@ -174,8 +174,16 @@ impl EbpfDataplane {
             affinity = lru.affinity,
             udp_sticky = lru.udp_sticky,
             mib = lru.bytes() / (1 << 20),
-            ratio = options.dynamic_size_ratio.get(),
-            "preallocated LRU maps sized (--bpf-map-dynamic-size-ratio of MemTotal; pinned maps keep their size)"
+            sized_from = %match options.lru_budget {
+                LruBudget::ConntrackTable(flows) => format!(
+                    "conntrack table of {flows} flows (conntrack.maxPerCore × CPUs, at least conntrack.min)"
+                ),
+                LruBudget::MemoryShare(ratio) => format!(
+                    "{} of MemTotal (--bpf-map-dynamic-size-ratio)",
+                    ratio.get()
+                ),
+            },
+            "preallocated LRU maps sized (pinned maps keep their size)"
         );
         // A rebuilt service map is filled by the first sync before this agent's programs
         // replace the previous agent's, which keep serving with their own maps meanwhile.

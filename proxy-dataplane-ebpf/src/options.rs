@@ -16,12 +16,12 @@ pub struct EbpfOptions {
     /// Most backends one frontend is programmed with (the first by address and port).
     pub max_endpoints_per_service: u32,
     pub backends_capacity: u32,
-    /// `--bpf-map-conntrack`: entries of the tc conntrack map; `None`: from the node's memory
-    /// (`dynamic_size_ratio`), and a pinned map keeps its size.
+    /// `--bpf-map-conntrack`: entries of the tc conntrack map; `None`: from `lru_budget`, and a
+    /// pinned map keeps its size.
     pub conntrack_capacity: Option<u32>,
-    /// `--bpf-map-dynamic-size-ratio`: the share of the node's memory given to the
-    /// preallocated LRU maps (`map_sizes`); 0: their static sizes.
-    pub dynamic_size_ratio: crate::maps::map_sizes::SizeRatio,
+    /// What the preallocated LRU maps are sized from (`map_sizes`): kube-proxy's conntrack
+    /// table size, or `--bpf-map-dynamic-size-ratio` of the node's memory.
+    pub lru_budget: crate::maps::map_sizes::LruBudget,
     /// `--lb-algorithm` and the Maglev table for external traffic.
     pub lb: LbOptions,
     /// Interfaces and node facts for the tc programs (`tc.tcx` is set from the probe).

@@ -443,9 +443,9 @@ pub struct Args {
     pub bpf_map_backends: Option<String>,
 
     /// Capacity of the tc conntrack map in entries (two per external flow, four with SNAT on
-    /// the netfilter path; default: from --bpf-map-dynamic-size-ratio). LRU: when full, the
-    /// least recently used flows are evicted. A size given here that differs from the pinned
-    /// map's replaces that map at start (tracked flows are lost).
+    /// the netfilter path; default: with the other LRU maps, see --bpf-map-dynamic-size-ratio).
+    /// LRU: when full, the least recently used flows are evicted. A size given here that
+    /// differs from the pinned map's replaces that map at start (tracked flows are lost).
     #[arg(
         long,
         value_name = "N",
@@ -456,9 +456,11 @@ pub struct Args {
 
     /// Share of the node's memory (MemTotal) given to the preallocated LRU maps: tc conntrack
     /// (60 %), socket reverse NAT (10 % per family), session affinity and per-socket UDP
-    /// choice (10 % each), each at least 64k (conntrack) or 16k entries (default 0.0025, as
-    /// Cilium's flag of the same name; 0: fixed sizes of 262144 conntrack and reverse-NAT
-    /// entries, 65536 others). Pinned maps keep their size across restarts.
+    /// choice (10 % each), each at least 64k (conntrack) or 16k entries (as Cilium's flag of
+    /// the same name; 0: fixed sizes of 262144 conntrack and reverse-NAT entries, 65536
+    /// others). Unset, the maps are sized from the conntrack table kube-proxy would set
+    /// (conntrack.maxPerCore × CPUs, at least conntrack.min), or with 0.0025 when maxPerCore
+    /// is 0. Pinned maps keep their size across restarts.
     #[arg(
         long,
         value_name = "RATIO",

@@ -39,7 +39,7 @@ impl InProcess {
             max_endpoints_per_service: proxy_dataplane_ebpf::DEFAULT_MAX_ENDPOINTS_PER_SERVICE,
             backends_capacity: capacity,
             conntrack_capacity: Some(proxy_common::default_sizes::CT),
-            dynamic_size_ratio: map_sizes::DEFAULT_DYNAMIC_SIZE_RATIO,
+            lru_budget: map_sizes::LruBudget::MemoryShare(map_sizes::DEFAULT_DYNAMIC_SIZE_RATIO),
             lb: LbOptions::default(),
             tc: TcOptions::default(),
             disabled_features: Default::default(),

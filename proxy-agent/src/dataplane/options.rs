@@ -1,5 +1,6 @@
 //! The configuration → each dataplane's options, in one place.
 
+use proxy_dataplane_ebpf::maps::map_sizes::{self, LruBudget};
 use proxy_dataplane_ebpf::{EbpfOptions, LbOptions, TcOptions};
 use proxy_dataplane_iptables::{DetectLocalMode, IptablesConfig};
 use proxy_model::config::{Config, DetectLocal, LbAlgorithm, NodePortAddresses};
@@ -13,6 +14,25 @@ fn node_port_cidrs(config: &Config) -> Vec<ipnet::IpNet> {
     }
 }
 
+/// What the LRU maps are sized from: an explicit `--bpf-map-dynamic-size-ratio`, else the
+/// conntrack table kube-proxy would size (so a node gets the flow capacity its conntrack
+/// settings ask for, whatever its memory), else (maxPerCore 0: kube-proxy leaves the
+/// kernel's table, which the kernel sizes from memory) the default share of memory.
+fn lru_budget(config: &Config) -> LruBudget {
+    if let Some(ratio) = config.ebpf.map_dynamic_size_ratio {
+        return LruBudget::MemoryShare(ratio);
+    }
+    let cpus = proxy_kernel::conntrack::machine_cpus(std::path::Path::new("/sys"));
+    match proxy_kernel::conntrack::table_size(
+        config.conntrack.max_per_core,
+        config.conntrack.min,
+        cpus,
+    ) {
+        Some(flows) => LruBudget::ConntrackTable(flows),
+        None => LruBudget::MemoryShare(map_sizes::DEFAULT_DYNAMIC_SIZE_RATIO),
+    }
+}
+
 pub fn ebpf_options(config: &Config) -> EbpfOptions {
     EbpfOptions {
         cgroup_path: config.ebpf.cgroup_path.clone(),
@@ -22,7 +42,7 @@ pub fn ebpf_options(config: &Config) -> EbpfOptions {
         max_endpoints_per_service: config.ebpf.max_endpoints_per_service,
         backends_capacity: config.ebpf.map_backends,
         conntrack_capacity: config.ebpf.map_conntrack,
-        dynamic_size_ratio: config.ebpf.map_dynamic_size_ratio,
+        lru_budget: lru_budget(config),
         lb: LbOptions {
             maglev: config.ebpf.lb_algorithm == LbAlgorithm::Maglev,
             maglev_table_size: config.ebpf.maglev_table_size,

@@ -1,12 +1,14 @@
 //! Capacities of the LRU maps the datapath writes (tc conntrack, socket reverse NAT, session
-//! affinity, per-socket UDP choice), from the node's memory.
+//! affinity, per-socket UDP choice).
 //!
 //! The kernel preallocates every LRU hash map: its whole capacity is kernel memory from the
-//! moment it is created, used or not. Fixed sizes made every small node pay for the largest
-//! one; like Cilium's `--bpf-map-dynamic-size-ratio`, a share of the node's memory is given to
-//! these maps and divided among them (`--bpf-map-conntrack` still sets each conntrack map
-//! exactly). The hash maps only the agent writes are not preallocated and follow use (see
-//! `proxy-ebpf`'s `maps.rs`).
+//! moment it is created, used or not. By default they are sized as kube-proxy sizes the
+//! kernel's conntrack table (`conntrack.maxPerCore` × CPUs, at least `conntrack.min`): the
+//! flows a node is meant to track, whatever its memory. `--bpf-map-dynamic-size-ratio` (as
+//! Cilium's flag) gives them a share of the node's memory instead, which is also what a node
+//! with `conntrack.maxPerCore: 0` gets (kube-proxy leaves the kernel's table, sized from
+//! memory); `--bpf-map-conntrack` still sets each conntrack map exactly. The hash maps only the
+//! agent writes are not preallocated and follow use (see `proxy-ebpf`'s `maps.rs`).
 
 use proxy_common::{
     AffinityKey, AffinityValue, CtKey, CtKey4, CtValue, CtValue4, RevNat4, RevNat4Key, RevNat6,
@@ -31,6 +33,20 @@ const SOCKET_MIN: u32 = 16_384;
 /// Ceilings: the kernel allocates a map's preallocated elements in one vmalloc area.
 const CONNTRACK_MAX: u32 = 1 << 24;
 const SOCKET_MAX: u32 = 1 << 22;
+
+/// Floor of each conntrack map sized from a conntrack table size: a tiny `maxPerCore` and
+/// `min` must still leave room for a few flows of each family.
+const TABLE_CONNTRACK_MIN: u32 = 4096;
+
+/// What the LRU maps are sized from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LruBudget {
+    /// A share of the node's memory (`--bpf-map-dynamic-size-ratio`; 0: the static sizes).
+    MemoryShare(SizeRatio),
+    /// The conntrack table size kube-proxy would set (`conntrack.maxPerCore` × CPUs, at least
+    /// `conntrack.min`), in flows.
+    ConntrackTable(u32),
+}
 
 /// Capacities of the preallocated LRU maps, in entries.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -112,9 +128,36 @@ impl LruSizes {
         }
     }
 
-    /// Sizes for this node (`MemTotal` of `/proc/meminfo`); the static ones if it cannot be
-    /// read.
-    pub fn for_this_node(ratio: SizeRatio) -> LruSizes {
+    /// Sizes for a conntrack table of `flows` entries, as kube-proxy sizes the kernel's: the
+    /// conntrack maps share it two to one between IPv4 and IPv6 (most external traffic is
+    /// IPv4), as the memory budget does; a kernel conntrack entry covers both directions of a
+    /// flow where these maps hold an entry per direction, but the kernel's table tracks all of
+    /// the node's traffic and these maps only Service flows from outside. Each map of sockets or
+    /// clients gets an eighth of it (16384 for kube-proxy's default `conntrack.min`).
+    pub fn for_conntrack_table(flows: u32) -> LruSizes {
+        let conntrack = |share: u32| -> u32 {
+            u32::try_from(u64::from(flows) * u64::from(share) / 3)
+                .unwrap_or(u32::MAX)
+                .clamp(TABLE_CONNTRACK_MIN, CONNTRACK_MAX)
+        };
+        let sockets = (flows / 8).clamp(SOCKET_MIN, SOCKET_MAX);
+        LruSizes {
+            conntrack4: conntrack(2),
+            conntrack6: conntrack(1),
+            revnat4: sockets,
+            revnat6: sockets,
+            affinity: sockets,
+            udp_sticky: sockets,
+        }
+    }
+
+    /// Sizes for this node from `budget` (a memory share: of `MemTotal` in `/proc/meminfo`;
+    /// the static sizes if it cannot be read).
+    pub fn for_this_node(budget: LruBudget) -> LruSizes {
+        let ratio = match budget {
+            LruBudget::ConntrackTable(flows) => return Self::for_conntrack_table(flows),
+            LruBudget::MemoryShare(ratio) => ratio,
+        };
         match mem_total() {
             Some(bytes) => Self::for_memory(bytes, ratio),
             None => {
@@ -171,6 +214,34 @@ mod tests {
     use super::*;
 
     const GIB: u64 = 1 << 30;
+
+    #[test]
+    fn sizes_follow_kube_proxys_conntrack_table_between_their_bounds() {
+        // kube-proxy's defaults on 2 CPUs: max(32768 × 2, 131072).
+        let default = LruSizes::for_conntrack_table(131_072);
+        assert_eq!(default.conntrack4, 87_381);
+        assert_eq!(default.conntrack4_new(), 21_845);
+        assert_eq!(default.conntrack6, 43_690);
+        assert_eq!(default.revnat4, SOCKET_MIN);
+        assert_eq!(default.udp_sticky, SOCKET_MIN);
+        // Under the 32 MiB a small node's maps should take in all.
+        assert!(default.bytes() < 30 << 20, "{}", default.bytes());
+        let tiny = LruSizes::for_conntrack_table(2);
+        assert_eq!(tiny.conntrack6, TABLE_CONNTRACK_MIN);
+        assert_eq!(tiny.affinity, SOCKET_MIN);
+        // kube-proxy's cap (1048576) on 64 cores: the socket maps grow with it.
+        let large = LruSizes::for_conntrack_table(1 << 20);
+        assert_eq!(large.conntrack4, 699_050);
+        assert_eq!(large.revnat6, 1 << 17);
+        assert_eq!(
+            LruSizes::for_conntrack_table(u32::MAX).conntrack4,
+            CONNTRACK_MAX
+        );
+        assert_eq!(
+            LruSizes::for_this_node(LruBudget::ConntrackTable(131_072)),
+            default
+        );
+    }
 
     #[test]
     fn sizes_follow_the_nodes_memory_between_their_bounds() {

@@ -13,7 +13,9 @@ pub use cleanup::{
     CleanupReport, GoneFrontends, ServedStreams, StaleFilter, reconcile, stale_filters,
 };
 pub use netlink::{ConntrackEntry, ConntrackError, Ctnetlink, Tuple};
-pub use sysctls::{ConntrackSettings, SysctlError, apply_sysctls, planned_writes};
+pub use sysctls::{
+    ConntrackSettings, SysctlError, apply_sysctls, machine_cpus, planned_writes, table_size,
+};
 
 /// Connections in the kernel's conntrack (both families) whose reply comes from another
 /// address or port than the original destination: DNATed ones.

@@ -74,18 +74,27 @@ fn count_cpu_list(list: &str) -> Option<u32> {
 /// machines otherwise reserved kernel memory for millions of entries nobody tracks.
 pub const SCALED_MAX_CAP: u32 = 1_048_576;
 
+/// The conntrack table size kube-proxy sets (`nf_conntrack_max`, its getConntrackMax) on a
+/// machine with `cpus` CPUs: maxPerCore × CPUs, at least `min`, capped at [`SCALED_MAX_CAP`];
+/// `None` when maxPerCore is 0 (the table is left as the kernel sized it).
+pub fn table_size(max_per_core: u32, min: u32, cpus: u32) -> Option<u32> {
+    if max_per_core == 0 {
+        return None;
+    }
+    let scaled = max_per_core.saturating_mul(cpus);
+    // Upstream caps the scaled size before it compares it with the floor, so a `min` above
+    // the cap counts only while maxPerCore × CPUs stays below the cap.
+    Some(if scaled > SCALED_MAX_CAP {
+        SCALED_MAX_CAP
+    } else {
+        scaled.max(min)
+    })
+}
+
 /// The sysctl writes `settings` asks for on a machine with `cpus` CPUs, in order.
 pub fn planned_writes(settings: &ConntrackSettings, cpus: u32) -> Vec<(&'static str, String)> {
     let mut writes = Vec::new();
-    if settings.max_per_core > 0 {
-        let scaled = settings.max_per_core.saturating_mul(cpus);
-        // Upstream caps the scaled size before it compares it with the floor, so a `min` above
-        // the cap counts only while maxPerCore × CPUs stays below the cap.
-        let max = if scaled > SCALED_MAX_CAP {
-            SCALED_MAX_CAP
-        } else {
-            scaled.max(settings.min)
-        };
+    if let Some(max) = table_size(settings.max_per_core, settings.min, cpus) {
         writes.push(("net/netfilter/nf_conntrack_max", max.to_string()));
         // The hash table follows upstream's 1:4 ratio of buckets to entries.
         writes.push((BUCKETS, (max / 4).to_string()));

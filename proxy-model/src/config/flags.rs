@@ -474,7 +474,7 @@ pub fn apply(
     if let Some(text) = &args.bpf_map_dynamic_size_ratio {
         use crate::config::ebpf_settings::SizeRatio;
         match text.trim().parse::<f64>().map(SizeRatio::new) {
-            Ok(Some(ratio)) => ebpf.map_dynamic_size_ratio = ratio,
+            Ok(Some(ratio)) => ebpf.map_dynamic_size_ratio = Some(ratio),
             Ok(None) => overlay.flag_only(
                 "bpf-map-dynamic-size-ratio",
                 text,

@@ -164,10 +164,12 @@ pub struct EbpfConfig {
     pub max_frontends_per_service: u32,
     /// `--bpf-max-endpoints-per-service`.
     pub max_endpoints_per_service: u32,
-    /// `--bpf-map-conntrack`; `None`: sized from the node's memory.
+    /// `--bpf-map-conntrack`; `None`: sized with the other LRU maps (`map_dynamic_size_ratio`).
     pub map_conntrack: Option<u32>,
-    /// `--bpf-map-dynamic-size-ratio`.
-    pub map_dynamic_size_ratio: crate::config::ebpf_settings::SizeRatio,
+    /// `--bpf-map-dynamic-size-ratio`; `None`: the LRU maps are sized from the conntrack
+    /// table size (`conntrack.maxPerCore`, `conntrack.min`), or from the default ratio when
+    /// maxPerCore is 0.
+    pub map_dynamic_size_ratio: Option<crate::config::ebpf_settings::SizeRatio>,
     /// `--bpf-snat-port-range`.
     pub snat_ports: std::ops::RangeInclusive<u16>,
     /// `--interfaces` (for the tc programs; not used yet).
@@ -229,7 +231,7 @@ impl Default for EbpfConfig {
             max_frontends_per_service: ebpf_settings::DEFAULT_MAX_FRONTENDS_PER_SERVICE,
             max_endpoints_per_service: ebpf_settings::DEFAULT_MAX_ENDPOINTS_PER_SERVICE,
             map_conntrack: None,
-            map_dynamic_size_ratio: ebpf_settings::DEFAULT_DYNAMIC_SIZE_RATIO,
+            map_dynamic_size_ratio: None,
             snat_ports: ebpf_settings::DEFAULT_SNAT_RANGE,
             interfaces: Vec::new(),
             lb_algorithm: LbAlgorithm::Random,

@@ -397,7 +397,7 @@ fn every_flag_overrides_the_file() {
             c.ebpf.map_conntrack == Some(4096)
         }),
         (&["--bpf-map-dynamic-size-ratio", "0.01"], |c| {
-            c.ebpf.map_dynamic_size_ratio.get() == 0.01
+            c.ebpf.map_dynamic_size_ratio.map(|r| r.get()) == Some(0.01)
         }),
         (&["--bpf-snat-port-range", "61000-65535"], |c| {
             c.ebpf.snat_ports == (61_000..=65_535)

@@ -207,7 +207,9 @@ fn ebpf_in_current_netns(w: Workload, changes: usize) -> Result<EbpfResult> {
         max_endpoints_per_service: proxy_dataplane_ebpf::DEFAULT_MAX_ENDPOINTS_PER_SERVICE,
         backends_capacity: capacity,
         conntrack_capacity: Some(proxy_dataplane_ebpf::DEFAULT_CONNTRACK_CAPACITY),
-        dynamic_size_ratio: proxy_dataplane_ebpf::maps::map_sizes::DEFAULT_DYNAMIC_SIZE_RATIO,
+        lru_budget: proxy_dataplane_ebpf::maps::map_sizes::LruBudget::MemoryShare(
+            proxy_dataplane_ebpf::maps::map_sizes::DEFAULT_DYNAMIC_SIZE_RATIO,
+        ),
         lb: LbOptions::default(),
         tc: TcOptions::default(),
         disabled_features: Default::default(),

@@ -262,7 +262,9 @@ pub fn per_packet_cost(loops: TcLoops) -> Result<PacketCostResult> {
             max_endpoints_per_service: proxy_dataplane_ebpf::DEFAULT_MAX_ENDPOINTS_PER_SERVICE,
             backends_capacity: 1024,
             conntrack_capacity: Some(proxy_dataplane_ebpf::DEFAULT_CONNTRACK_CAPACITY),
-            dynamic_size_ratio: proxy_dataplane_ebpf::maps::map_sizes::DEFAULT_DYNAMIC_SIZE_RATIO,
+            lru_budget: proxy_dataplane_ebpf::maps::map_sizes::LruBudget::MemoryShare(
+                proxy_dataplane_ebpf::maps::map_sizes::DEFAULT_DYNAMIC_SIZE_RATIO,
+            ),
             lb: proxy_dataplane_ebpf::LbOptions::default(),
             tc: TcOptions {
                 interfaces: vec!["ext0".into()],

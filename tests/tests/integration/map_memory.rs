@@ -1,8 +1,9 @@
 //! BPF map memory that follows use. The agent's service maps are not
 //! preallocated, so their kernel memory (`memlock` in the map fd's fdinfo, what `bpftool map
 //! show` reports) grows with the Services written and not with the capacity; the preallocated
-//! LRU maps are sized from the node's memory by `--bpf-map-dynamic-size-ratio` (a pinned map
-//! keeps its size across a restart with another ratio, so its flows are kept). Needs root.
+//! LRU maps are sized from kube-proxy's conntrack table size by default, or from the node's
+//! memory by `--bpf-map-dynamic-size-ratio` (a pinned map keeps its size across a restart with
+//! another ratio, so its flows are kept). Needs root.
 
 use std::net::{Ipv4Addr, SocketAddr};
 use std::path::Path;
@@ -137,6 +138,62 @@ fn service_map_memory_follows_the_services_written() -> anyhow::Result<()> {
             "{name}: {small} B at 10 Services, {large} B at 2000: memory did not follow the entries"
         );
     }
+    Ok(())
+}
+
+/// The machine's online CPUs (`/sys/devices/system/cpu/online`, `0-3,6`), as kube-proxy's
+/// detectNumCPU counts them.
+fn online_cpus() -> anyhow::Result<u32> {
+    let list = std::fs::read_to_string("/sys/devices/system/cpu/online")?;
+    let mut count = 0;
+    for part in list.trim().split(',') {
+        let (first, last) = part.split_once('-').unwrap_or((part, part));
+        count += last.parse::<u32>()? - first.parse::<u32>()? + 1;
+    }
+    Ok(count)
+}
+
+#[test]
+fn lru_maps_are_sized_from_the_conntrack_table_kube_proxy_would_set() -> anyhow::Result<()> {
+    let mut s = Scenario::new(1)?;
+    write_services(&s, 1)?;
+    s.start_agent_with_args(
+        "ebpf",
+        &[
+            "--conntrack-max-per-core",
+            "24000",
+            "--conntrack-min",
+            "1000",
+        ],
+    )?;
+    let target = SocketAddr::from((extra_ip(0), 80));
+    s.wait_for_datapath(target, "the Service answered", is_pod)?;
+    let root = s.agent()?.bpf_root().to_path_buf();
+    // kube-proxy's getConntrackMax: maxPerCore × CPUs, at least min; the maps share it two
+    // to one between IPv4 and IPv6 (docs/map-memory.md), the unanswered flows' maps a quarter
+    // of each, the socket maps an eighth of it and at least 16384.
+    let table = (24_000 * online_cpus()?).max(1000);
+    let expected = (
+        (table * 2 / 3).max(4096),
+        (table / 3).max(4096),
+        (table / 8).max(16_384),
+    );
+    let sizes = (
+        pinned(&root, map_names::CT4)?.1,
+        pinned(&root, map_names::CT6)?.1,
+        pinned(&root, map_names::REVNAT6)?.1,
+    );
+    anyhow::ensure!(
+        sizes == expected,
+        "(IPv4 conntrack, IPv6 conntrack, IPv6 reverse NAT) of {sizes:?} entries, {expected:?} \
+         documented for a conntrack table of {table}"
+    );
+    let unanswered = pinned(&root, map_names::CT4_NEW)?.1;
+    anyhow::ensure!(
+        unanswered == expected.0 / 4,
+        "IPv4 unanswered flows' map of {unanswered} entries, a quarter of {} documented",
+        expected.0
+    );
     Ok(())
 }
 

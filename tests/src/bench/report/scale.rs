@@ -419,11 +419,15 @@ const MAP_TYPE_HASH: u32 = 1;
 const MAP_TYPE_LRU_HASH: u32 = 9;
 const MAP_TYPE_LRU_PERCPU_HASH: u32 = 10;
 
-/// The LRU maps' capacity for a node with `mem_total` bytes, by the kernel's (truncated) map
-/// name; None for a map the agent does not size from memory.
-fn lru_capacity(name: &str, mem_total: u64) -> Option<u64> {
-    use proxy_dataplane_ebpf::maps::map_sizes::{DEFAULT_DYNAMIC_SIZE_RATIO, LruSizes};
-    let sizes = LruSizes::for_memory(mem_total, DEFAULT_DYNAMIC_SIZE_RATIO);
+/// kube-proxy's default `conntrack.maxPerCore` and `conntrack.min` (KubeProxyConntrackConfiguration).
+const DEFAULT_MAX_PER_CORE: u32 = 32_768;
+const DEFAULT_CONNTRACK_MIN: u32 = 131_072;
+
+/// The LRU maps' capacity at a conntrack table of `flows`, by the kernel's (truncated) map
+/// name; None for a map the agent does not size with them.
+fn lru_capacity(name: &str, flows: u32) -> Option<u64> {
+    use proxy_dataplane_ebpf::maps::map_sizes::LruSizes;
+    let sizes = LruSizes::for_conntrack_table(flows);
     let entries = match name {
         "KPR_CT4" => sizes.conntrack4,
         "KPR_CT6" => sizes.conntrack6,
@@ -436,8 +440,9 @@ fn lru_capacity(name: &str, mem_total: u64) -> Option<u64> {
     Some(u64::from(entries))
 }
 
-/// What the small node's map memory is made of, and what the same maps would take on smaller
-/// nodes (the agent's own sizing for that memory × the memory per entry measured here).
+/// What the small node's map memory is made of, and what the same maps would take on nodes
+/// with more CPUs (the agent's own sizing for kube-proxy's default conntrack table there × the
+/// memory per entry measured here).
 fn small_node_profile(md: &mut String, small: &super::super::scale::SmallNode) {
     let maps = &small.memory.maps;
     let sum = |keep: &dyn Fn(&&super::super::sysinfo::MapMemory) -> bool| -> u64 {
@@ -446,38 +451,39 @@ fn small_node_profile(md: &mut String, small: &super::super::scale::SmallNode) {
     let total = small.memory.map_memlock();
     let lru = sum(&|m| matches!(m.map_type, MAP_TYPE_LRU_HASH | MAP_TYPE_LRU_PERCPU_HASH));
     let hash = sum(&|m| m.map_type == MAP_TYPE_HASH);
-    let Some(mem_total) = small.mem_total else {
-        return;
+    let cpus = proxy_kernel::conntrack::machine_cpus(std::path::Path::new("/sys"));
+    let table = |cpus: u32| {
+        proxy_kernel::conntrack::table_size(DEFAULT_MAX_PER_CORE, DEFAULT_CONNTRACK_MIN, cpus)
+            .unwrap_or(DEFAULT_CONNTRACK_MIN)
     };
-    let ratio = proxy_dataplane_ebpf::maps::map_sizes::DEFAULT_DYNAMIC_SIZE_RATIO.get();
-    let gib = |bytes: u64| bytes as f64 / f64::from(1u32 << 30);
-    let projected = |node: u64| -> u64 {
+    let projected = |cpus: u32| -> u64 {
         maps.iter()
-            .map(|m| match lru_capacity(&m.name, node) {
+            .map(|m| match lru_capacity(&m.name, table(cpus)) {
                 Some(entries) if m.max_entries > 0 => m.memlock / m.max_entries * entries,
                 _ => m.memlock,
             })
             .sum()
     };
-    let nodes: Vec<String> = [2u64, 4, 8, 16]
+    let nodes: Vec<String> = [8u32, 16, 32, 64]
         .iter()
-        .map(|&g| format!("{g} GiB: {:.1} MiB", mib(projected(g << 30))))
+        .map(|&n| format!("{n} CPUs: {:.1} MiB", mib(projected(n))))
         .collect();
     let _ = writeln!(
         md,
         "\nOf the {:.1} MiB: the LRU maps (conntrack, socket reverse NAT, affinity, UDP \
-         choice), which the kernel preallocates whole, {:.1} MiB: the agent sizes them from the \
-         node's memory, {:.2} % of this node's {:.1} GiB (Cilium's default ratio, with floors; \
+         choice), which the kernel preallocates whole, {:.1} MiB: the agent sizes them as \
+         kube-proxy sizes the kernel's conntrack table, `conntrack.maxPerCore` × CPUs, at least \
+         `conntrack.min` ({} flows with the defaults on this node's {cpus} CPUs; \
          `--bpf-map-dynamic-size-ratio` and `--bpf-map-conntrack` override it). The hash maps \
          that allocate as they fill (frontends, backends, slots, names) hold {:.1} MiB with \
          almost no entries: the kernel's bucket array, 16 bytes per bucket for the capacity \
          rounded up to a power of two, is allocated when the map is created. The rest: {:.1} \
-         MiB. The same agent on smaller nodes (the LRU maps at the agent's sizing for that \
-         memory × the memory per entry measured here; every other map as measured): {}.",
+         MiB. The same agent on nodes with more CPUs (the LRU maps at the agent's sizing for \
+         kube-proxy's default table there × the memory per entry measured here; every other \
+         map as measured): {}.",
         mib(total),
         mib(lru),
-        ratio * 100.0,
-        gib(mem_total),
+        table(cpus),
         mib(hash),
         mib(total.saturating_sub(lru + hash)),
         nodes.join(", ")

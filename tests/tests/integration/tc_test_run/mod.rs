@@ -239,7 +239,9 @@ fn with_node_sized<R: Send + 'static>(
             max_endpoints_per_service: proxy_dataplane_ebpf::DEFAULT_MAX_ENDPOINTS_PER_SERVICE,
             backends_capacity: 1024,
             conntrack_capacity: Some(conntrack_capacity),
-            dynamic_size_ratio: proxy_dataplane_ebpf::maps::map_sizes::DEFAULT_DYNAMIC_SIZE_RATIO,
+            lru_budget: proxy_dataplane_ebpf::maps::map_sizes::LruBudget::MemoryShare(
+                proxy_dataplane_ebpf::maps::map_sizes::DEFAULT_DYNAMIC_SIZE_RATIO,
+            ),
             lb,
             tc: tc_options,
             disabled_features,
