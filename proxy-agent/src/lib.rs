@@ -12,3 +12,4 @@ pub mod inspect;
 pub mod run;
 pub mod source;
 pub mod sync_runner;
+pub mod traffic_reads;

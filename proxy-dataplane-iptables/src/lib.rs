@@ -29,5 +29,5 @@ pub use localdetect::{DetectLocalMode, LocalDetector};
 pub use rules::{Ruleset, SyncInput, generate};
 pub use sync::{
     ConntrackCleanup, DriftInput, FamilyDrift, IptablesDataplane, IptablesError, SettledDrift,
-    SyncReport, cleanup, settle,
+    SyncReport, TrafficInput, TrafficRead, cleanup, settle,
 };

@@ -353,27 +353,78 @@ impl IptablesDataplane {
     /// Per-Service traffic from the packet counters of each Service's rules, both families (see
     /// `traffic.rs`): `iptables-save -c` of the nat and filter tables of each.
     pub fn read_service_traffic(&self) -> Result<TrafficReading, IptablesError> {
-        let mut reading = TrafficReading::default();
-        for family in &self.families {
-            let ip_family = family.iptables.family;
-            let mut text = String::new();
-            for table in ["nat", "filter"] {
-                let saved = family
-                    .iptables
-                    .save_with_counters(table)
-                    .map_err(IptablesError::exec(ip_family))?;
-                text.push_str(&saved);
-            }
-            let family_reading = traffic::reading(ip_family, &text, &family.traffic);
-            reading.services.extend(family_reading.services);
-            reading.endpoints.extend(family_reading.endpoints);
+        Ok(self.settle_traffic(self.traffic_input().read()?))
+    }
+
+    /// What a per-Service traffic reading needs, to take it off the agent's loop (the dump of a
+    /// large node's tables takes long): [`TrafficInput::read`] there, then
+    /// [`Self::settle_traffic`].
+    pub fn traffic_input(&self) -> TrafficInput {
+        TrafficInput {
+            families: self
+                .families
+                .iter()
+                .map(|family| (family.iptables.clone(), family.traffic.clone()))
+                .collect(),
         }
-        Ok(reading)
+    }
+
+    /// A reading of [`TrafficInput::read`], without the samples of chains a restore rewrote
+    /// since its input was taken (their counters restarted; the next reading has them).
+    pub fn settle_traffic(&self, read: TrafficRead) -> TrafficReading {
+        let mut reading = TrafficReading::default();
+        for (ip_family, family_read) in read.families {
+            let Some(family) = self
+                .families
+                .iter()
+                .find(|f| f.iptables.family == ip_family)
+            else {
+                continue;
+            };
+            let settled = family_read.settle(&family.traffic);
+            reading.services.extend(settled.services);
+            reading.endpoints.extend(settled.endpoints);
+        }
+        reading
     }
 
     /// Whether a family's periodic full sync is due (`full_sync_period` elapsed).
     pub fn full_sync_due(&self) -> bool {
         self.families.iter().any(|f| f.full_sync_due(&self.config))
+    }
+}
+
+/// A per-Service traffic reading, detached from the dataplane (see
+/// [`IptablesDataplane::traffic_input`]).
+#[derive(Debug, Clone)]
+pub struct TrafficInput {
+    families: Vec<(Iptables, TrafficContext)>,
+}
+
+/// What [`TrafficInput::read`] found, per family, with each sample's epoch.
+#[derive(Debug, Clone, Default)]
+pub struct TrafficRead {
+    families: Vec<(IpFamily, traffic::EpochReading)>,
+}
+
+impl TrafficInput {
+    /// `iptables-save -c` of each family's nat and filter tables, read with the rule epochs of
+    /// when the input was taken.
+    pub fn read(&self) -> Result<TrafficRead, IptablesError> {
+        let mut read = TrafficRead::default();
+        for (iptables, context) in &self.families {
+            let ip_family = iptables.family;
+            let mut text = String::new();
+            for table in ["nat", "filter"] {
+                let saved = iptables
+                    .save_with_counters(table)
+                    .map_err(IptablesError::exec(ip_family))?;
+                text.push_str(&saved);
+            }
+            read.families
+                .push((ip_family, traffic::epoch_reading(ip_family, &text, context)));
+        }
+        Ok(read)
     }
 }
 

@@ -171,11 +171,73 @@ impl Count {
     }
 }
 
+/// The restore whose counters a sample holds: that of its Service's chains (`service`) or of
+/// the chains every restore rewrites.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SampleEpoch {
+    pub service: Option<ObjectKey>,
+    pub epoch: u64,
+}
+
+impl SampleEpoch {
+    /// Whether `context` (taken later) still has the chain unwritten since: no restore between
+    /// the reading's context and `context` reset its counters.
+    pub fn current_in(&self, context: &TrafficContext) -> bool {
+        let now = match &self.service {
+            Some(service) => context.epochs.service(&service.namespace, &service.name),
+            None => context.epochs.shared,
+        };
+        now == self.epoch
+    }
+}
+
+/// A [`TrafficReading`] with each sample's [`SampleEpoch`], for a reading taken off the
+/// agent's loop: a restore may have rewritten a sample's chain between the context it was read
+/// with and the dump, and such a sample is dropped rather than counted against the wrong epoch.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct EpochReading {
+    pub services: Vec<(SampleEpoch, TrafficSample)>,
+    pub endpoints: Vec<(SampleEpoch, EndpointTrafficSample)>,
+}
+
+impl EpochReading {
+    /// The samples whose chains no restore rewrote after this reading's context, by `now`.
+    pub fn settle(self, now: &TrafficContext) -> TrafficReading {
+        TrafficReading {
+            services: self
+                .services
+                .into_iter()
+                .filter(|(epoch, _)| epoch.current_in(now))
+                .map(|(_, sample)| sample)
+                .collect(),
+            endpoints: self
+                .endpoints
+                .into_iter()
+                .filter(|(epoch, _)| epoch.current_in(now))
+                .map(|(_, sample)| sample)
+                .collect(),
+        }
+    }
+
+    /// Every sample, as the context the reading was taken with sees them.
+    pub fn into_reading(self) -> TrafficReading {
+        TrafficReading {
+            services: self.services.into_iter().map(|(_, s)| s).collect(),
+            endpoints: self.endpoints.into_iter().map(|(_, s)| s).collect(),
+        }
+    }
+}
+
 /// One family's `iptables-save -c` output (its nat and filter tables, in any order) → a sample
 /// per rule that counts a Service's traffic, and one per endpoint's DNAT rule. Rules without
 /// counters and rules that are not a Service's counting rule are skipped; nothing in the text
 /// can make it fail.
 pub fn reading(family: IpFamily, save_text: &str, context: &TrafficContext) -> TrafficReading {
+    epoch_reading(family, save_text, context).into_reading()
+}
+
+/// [`reading`] with each sample's epoch.
+pub fn epoch_reading(family: IpFamily, save_text: &str, context: &TrafficContext) -> EpochReading {
     let tables = save::parse(save_text);
     let rules_of = |name: &'static str| {
         tables
@@ -185,7 +247,7 @@ pub fn reading(family: IpFamily, save_text: &str, context: &TrafficContext) -> T
     };
     let facts = Facts::of(rules_of("nat"), rules_of("filter"), context);
     let mut units = Units::new(family);
-    let mut out = TrafficReading::default();
+    let mut out = EpochReading::default();
     for (table, rule) in rules_of("nat")
         .map(|rule| ("nat", rule))
         .chain(rules_of("filter").map(|rule| ("filter", rule)))
@@ -197,12 +259,22 @@ pub fn reading(family: IpFamily, save_text: &str, context: &TrafficContext) -> T
             && let Some((service, endpoint)) = facts.endpoint(rule)
         {
             let epoch = context.epochs.service(&service.namespace, &service.name);
-            out.endpoints.push(EndpointTrafficSample {
-                unit: units.unit(table, rule, "endpoint", epoch),
-                service,
-                endpoint,
-                new_connections: counters.packets,
-            });
+            let sample_epoch = SampleEpoch {
+                service: Some(ObjectKey {
+                    namespace: service.namespace.as_str().into(),
+                    name: service.name.as_str().into(),
+                }),
+                epoch,
+            };
+            out.endpoints.push((
+                sample_epoch,
+                EndpointTrafficSample {
+                    unit: units.unit(table, rule, "endpoint", epoch),
+                    service,
+                    endpoint,
+                    new_connections: counters.packets,
+                },
+            ));
             continue;
         }
         let counted = match table {
@@ -212,17 +284,30 @@ pub fn reading(family: IpFamily, save_text: &str, context: &TrafficContext) -> T
         let Some((service, frontend, count)) = counted else {
             continue;
         };
-        let epoch = if rule.chain.starts_with(FW_PREFIX) {
-            context.epochs.service(&service.namespace, &service.name)
+        let sample_epoch = if rule.chain.starts_with(FW_PREFIX) {
+            SampleEpoch {
+                epoch: context.epochs.service(&service.namespace, &service.name),
+                service: Some(ObjectKey {
+                    namespace: service.namespace.as_str().into(),
+                    name: service.name.as_str().into(),
+                }),
+            }
         } else {
-            context.epochs.shared
+            SampleEpoch {
+                service: None,
+                epoch: context.epochs.shared,
+            }
         };
         let tag = format!("{}/{}", frontend.label(), count.name());
-        out.services.push(TrafficSample {
-            unit: units.unit(table, rule, &tag, epoch),
-            key: ServiceTrafficKey { service, frontend },
-            counts: count.counts(counters.packets),
-        });
+        let unit = units.unit(table, rule, &tag, sample_epoch.epoch);
+        out.services.push((
+            sample_epoch,
+            TrafficSample {
+                unit,
+                key: ServiceTrafficKey { service, frontend },
+                counts: count.counts(counters.packets),
+            },
+        ));
     }
     out
 }

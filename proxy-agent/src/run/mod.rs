@@ -30,6 +30,7 @@ use crate::{
     http_servers::{HttpServers, rest_client::RestClientMetrics},
     source,
     sync_runner::{SyncReason, SyncRunner},
+    traffic_reads::{Taken, TrafficReads},
 };
 use proxy_kernel::node::{NodeInputs, NodeManager, NodeSettings};
 use proxy_model::{
@@ -123,8 +124,8 @@ struct Agent {
     canary_at: Instant,
     drift_at: Instant,
     traffic_at: Instant,
-    /// eBPF mode: the pinned counters and names, opened at the first reading.
-    traffic_reader: Option<proxy_dataplane_ebpf::traffic::TrafficReader>,
+    /// The per-Service traffic reading in flight (on a blocking thread).
+    traffic_reads: TrafficReads,
     host_namespace_only: bool,
 }
 
@@ -147,7 +148,12 @@ impl Agent {
             canary_at: now + config.sync_period,
             drift_at: now + config.ebpf.drift_check_period,
             traffic_at: now + SERVICE_TRAFFIC_READ_PERIOD,
-            traffic_reader: None,
+            traffic_reads: TrafficReads::new(
+                config
+                    .ebpf
+                    .bpf_root
+                    .join(proxy_dataplane_ebpf::PIN_DIR_NAME),
+            ),
             drift: DriftChecks::default(),
             datapath_checks: DatapathChecks::new(&dataplane, http_servers.health()),
             snapshot: Snapshot::default(),
@@ -246,10 +252,11 @@ impl Agent {
                     }
                 }
                 () = tokio::time::sleep_until(self.traffic_at),
-                    if self.synced_once && traffic_enabled => {
-                    self.read_service_traffic();
+                    if self.synced_once && traffic_enabled && self.traffic_reads.idle() => {
+                    self.traffic_reads.start(&self.dataplane);
                     self.traffic_at = Instant::now() + SERVICE_TRAFFIC_READ_PERIOD;
                 }
+                Some(taken) = self.traffic_reads.done() => self.record_service_traffic(taken),
                 // `/debug/drift` (rate limited by the metrics server): read off the loop,
                 // answered when the reading is back.
                 Some(reply) = drift_rx.recv() => self.answer_drift_request(reply),
@@ -384,45 +391,16 @@ impl Agent {
         Ok(())
     }
 
-    /// Reads the dataplane's per-Service counters into the metrics; a failed read is logged
-    /// and tried again at the next period.
-    fn read_service_traffic(&mut self) {
-        let reading = match &self.dataplane {
-            Dataplane::Ebpf(_) => {
-                if self.traffic_reader.is_none() {
-                    let pin_dir = self
-                        .config
-                        .ebpf
-                        .bpf_root
-                        .join(proxy_dataplane_ebpf::PIN_DIR_NAME);
-                    match proxy_dataplane_ebpf::traffic::TrafficReader::open(&pin_dir) {
-                        Ok(reader) => self.traffic_reader = Some(reader),
-                        Err(error) => {
-                            warn!(%error, "cannot open the per-Service traffic counters");
-                            return;
-                        }
-                    }
-                }
-                let Some(reader) = self.traffic_reader.as_mut() else {
-                    return;
-                };
-                reader.read().map_err(|error| error.to_string())
-            }
-            Dataplane::Iptables(iptables) => iptables
-                .read_service_traffic()
-                .map_err(|error| error.to_string()),
-        };
-        match reading {
+    /// A per-Service traffic reading into the metrics; a failed one is logged and tried again
+    /// at the next period.
+    fn record_service_traffic(&mut self, taken: Taken) {
+        match self.traffic_reads.finish(taken, &self.dataplane) {
             Ok(reading) => self
                 .http_servers
                 .metrics()
                 .service_traffic()
                 .record(&reading),
-            Err(error) => {
-                // The pins may have been replaced (a --cleanup): open them again next time.
-                self.traffic_reader = None;
-                warn!(%error, "cannot read the per-Service traffic counters");
-            }
+            Err(error) => warn!(%error, "cannot read the per-Service traffic counters"),
         }
     }
 

@@ -518,6 +518,40 @@ fn units_follow_the_rule_family_and_the_restore_that_wrote_the_chain() {
 }
 
 #[test]
+fn a_reading_taken_off_the_loop_keeps_only_the_chains_no_restore_rewrote_meanwhile() {
+    let snapshot = services();
+    let restore = generate(&rules_context(1000), &snapshot, FULL).restore;
+    let dump = Dump::of(&String::from_utf8_lossy(&restore));
+    let context = traffic_context(&snapshot);
+    let taken = epoch_reading(IpFamily::V4, &dump.text, &context);
+
+    // No restore since: all of it, as the loop would have read it.
+    assert_eq!(
+        taken.clone().settle(&context),
+        reading(IpFamily::V4, &dump.text, &context)
+    );
+
+    // A partial sync of web meanwhile restarted the shared chains' counters and web's: only
+    // the samples whose unit the new context still gives them are kept (local's endpoint).
+    let mut partial = context.clone();
+    partial.record_restore(&snapshot, Some(&[key("default", "web")].into()), false);
+    let settled = taken.clone().settle(&partial);
+    assert_eq!(units(&settled).len(), 1, "{:?}", units(&settled));
+    assert_eq!(units(&settled)[0].0, "local 10.2.0.1:8080");
+    let same = reading(IpFamily::V4, &dump.text, &partial);
+    assert!(
+        units(&settled)
+            .iter()
+            .all(|kept| units(&same).contains(kept))
+    );
+
+    // A full sync meanwhile: nothing is current.
+    let mut full = context.clone();
+    full.record_restore(&snapshot, None, true);
+    assert_eq!(taken.settle(&full), TrafficReading::default());
+}
+
+#[test]
 fn restores_move_the_epochs_of_what_they_wrote() {
     let snapshot = services();
     let mut context = TrafficContext::default();
