@@ -52,6 +52,7 @@ const MD_FILE: &str = "benchmarks.md";
 const SVG_CONNECT: &str = "bench-connect-latency.svg";
 const SVG_PROGRAMMING: &str = "bench-programming.svg";
 const SVG_COLD_START: &str = "bench-cold-start.svg";
+const SVG_MEMORY: &str = "bench-memory.svg";
 const SVG_NODEPORT: &str = "bench-nodeport.svg";
 
 /// Writes the Markdown report and the plots into `dir`.
@@ -1331,7 +1332,7 @@ fn memory_section(md: &mut String, r: &Results) {
          the end-to-end changes of §5 (1 reading per size, source and mode: the last agent started). BPF \
          map memory is kernel memory, not part of the RSS: the sum of `memlock` over the map fds \
          the agent holds (`/proc/<pid>/fdinfo`, what `bpftool map show` reports), at the map \
-         capacities used.\n"
+         capacities used.\n\n![agent and BPF map memory by Services]({SVG_MEMORY})\n"
     );
     let _ = writeln!(
         md,
@@ -1998,6 +1999,43 @@ fn plots(r: &Results, dir: &FsPath) -> Result<()> {
             Series {
                 name: "eBPF full sync in-process (snapshot + maps)".into(),
                 points: inproc_full,
+            },
+        ],
+    )?;
+
+    // Agent RSS and BPF map memory against Services, per source and mode.
+    let mib = |kib: u64| kib as f64 / 1024.0;
+    let memory = |pick: &dyn Fn(&ProgrammingSize) -> &Outcome<AgentModeRun>,
+                  value: &dyn Fn(&AgentModeRun) -> f64|
+     -> Vec<(f64, f64)> {
+        r.programming
+            .iter()
+            .filter_map(|p| Some((p.workload.services as f64, value(pick(p).done()?))))
+            .collect()
+    };
+    let rss = |run: &AgentModeRun| mib(run.memory.vm_hwm_kib);
+    let maps = |run: &AgentModeRun| mib(run.memory.map_memlock() / 1024);
+    log_log_chart(
+        &dir.join(SVG_MEMORY),
+        "Memory: agent peak RSS and BPF maps",
+        "Services",
+        "MiB",
+        &[
+            Series {
+                name: "eBPF agent RSS, manifests".into(),
+                points: memory(&|p| &p.ebpf, &rss),
+            },
+            Series {
+                name: "eBPF agent RSS, API server".into(),
+                points: memory(&|p| &p.api_ebpf, &rss),
+            },
+            Series {
+                name: "eBPF BPF maps (memlock)".into(),
+                points: memory(&|p| &p.ebpf, &maps),
+            },
+            Series {
+                name: "iptables agent RSS, manifests".into(),
+                points: memory(&|p| &p.iptables, &rss),
             },
         ],
     )

@@ -59,6 +59,10 @@ pub struct GapRun {
     /// Syncs the agent applied while the probe ran (restart: the new process's first;
     /// resync: the periodic ones).
     pub syncs: usize,
+    /// Restart: from starting the new process (the old one stopped) to its first `sync
+    /// applied` line, seen by polling the log every 5 ms — restart to ready, apart from a
+    /// fresh node's cold start (§5).
+    pub to_ready: Option<Duration>,
 }
 
 /// The eBPF agent's BPF map memory on a node with `w` (manifests source: the maps do not
@@ -169,6 +173,17 @@ fn wait_log_count(
     count: usize,
     timeout: Duration,
 ) -> Result<usize> {
+    wait_log_count_every(s, needle, count, timeout, Duration::from_millis(20))
+}
+
+/// [`wait_log_count`], looking every `poll`.
+fn wait_log_count_every(
+    s: &mut Scenario,
+    needle: &str,
+    count: usize,
+    timeout: Duration,
+    poll: Duration,
+) -> Result<usize> {
     let started = Instant::now();
     loop {
         let agent = s.agent()?;
@@ -184,7 +199,7 @@ fn wait_log_count(
                 "{seen} of {count} `{needle}` log lines after {timeout:?}"
             )));
         }
-        std::thread::sleep(Duration::from_millis(20));
+        std::thread::sleep(poll);
     }
 }
 
@@ -205,14 +220,23 @@ fn restart_gaps(s: &mut Scenario, w: Workload, live: LiveSet, timeout: Duration)
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let agent = s.agent()?;
     agent.stop()?;
+    let restarted = Instant::now();
     agent.restart_with_args(&args)?;
-    wait_log_count(s, "sync applied", before + 1, timeout)?;
+    wait_log_count_every(
+        s,
+        "sync applied",
+        before + 1,
+        timeout,
+        Duration::from_millis(5),
+    )?;
+    let to_ready = restarted.elapsed();
     std::thread::sleep(Duration::from_secs(1));
     let gaps = probe.finish()?;
     Ok(GapRun {
         gaps,
         duration: started.elapsed(),
         syncs: 1,
+        to_ready: Some(to_ready),
     })
 }
 
@@ -232,5 +256,6 @@ fn resync_gaps(s: &mut Scenario, live: LiveSet, timeout: Duration) -> Result<Gap
         gaps,
         duration: started.elapsed(),
         syncs: seen - before,
+        to_ready: None,
     })
 }
