@@ -27,6 +27,9 @@ use proxy_tests::{
 const API_IP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 20);
 const TO_WEB: u32 = 12;
 const TO_API: u32 = 3;
+const MORE_TO_WEB: u32 = 2;
+/// `default/extra`, written while the view runs.
+const EXTRA_IP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 30);
 const SESSION: &str = "top";
 /// Bound of each wait on what the pane shows (frames come every second).
 const FRAME_WAIT: Duration = Duration::from_secs(30);
@@ -203,16 +206,16 @@ fn row(screen: &str, name: &str) -> Option<(usize, String, [u64; 3])> {
     })
 }
 
-/// Both rows with the totals sent, `first` above `second`.
-fn shows(screen: &str, first: &str, second: &str) -> bool {
-    let want = |name: &str| if name == "web" { TO_WEB } else { TO_API };
-    match (row(screen, first), row(screen, second)) {
+/// Both rows with these totals of new connections (and nothing rejected or dropped), `first`
+/// above `second`.
+fn shows(screen: &str, first: (&str, u32), second: (&str, u32)) -> bool {
+    match (row(screen, first.0), row(screen, second.0)) {
         (Some((i, kind_a, a)), Some((j, kind_b, b))) => {
             i < j
                 && kind_a == "cluster_ip"
                 && kind_b == "cluster_ip"
-                && a == [u64::from(want(first)), 0, 0]
-                && b == [u64::from(want(second)), 0, 0]
+                && a == [u64::from(first.1), 0, 0]
+                && b == [u64::from(second.1), 0, 0]
         }
         _ => false,
     }
@@ -331,19 +334,60 @@ fn top_in_a_terminal(mode: &str) -> anyhow::Result<()> {
         );
     }
     let screen = tmux.wait_for("web's 12 and api's 3, web first", |screen| {
-        shows(screen, "web", "api")
+        shows(screen, ("web", TO_WEB), ("api", TO_API))
     })?;
     eprintln!("after the connections ({mode}):\n{screen}");
 
     tmux.send_key("s")?;
     let screen = tmux.wait_for("the rows by name: api first", |screen| {
-        screen.contains("sort: name") && shows(screen, "api", "web")
+        screen.contains("sort: name") && shows(screen, ("api", TO_API), ("web", TO_WEB))
     })?;
     eprintln!("sorted by name ({mode}):\n{screen}");
     tmux.send_key("n")?;
     tmux.wait_for("the rows by new connections again", |screen| {
-        screen.contains("sort: new/s") && shows(screen, "web", "api")
+        screen.contains("sort: new/s") && shows(screen, ("web", TO_WEB), ("api", TO_API))
     })?;
+
+    // A sync rewrites rules (iptables: KUBE-SERVICES, whose counters restart) and, in eBPF
+    // mode, writes the new Service's ids: the totals neither go back nor jump, and the
+    // connections after it are counted on top.
+    let syncs = s.agent()?.syncs();
+    s.topo.add_decoy(EXTRA_IP, SERVICE_PORT)?;
+    s.manifests.write(
+        "extra-svc.yaml",
+        &http_service("default", "extra", EXTRA_IP),
+    )?;
+    s.manifests.write(
+        "extra-slice.yaml",
+        &http_slice("default", "extra-1", "extra", &[pod_endpoint(2)]),
+    )?;
+    let extra = SocketAddr::from(SocketAddrV4::new(EXTRA_IP, SERVICE_PORT));
+    s.wait_for_datapath_with(&client, extra, "answered by a pod", is_pod)?;
+    let agent = s.agent()?;
+    ensure!(agent.syncs() > syncs, "no sync for default/extra");
+    let attempts = client.run(cluster_addr(), MORE_TO_WEB)?;
+    ensure!(attempts.iter().all(is_pod), "{attempts:?}");
+    let screen = tmux.wait_for("web's 14 after the sync, api's 3", |screen| {
+        shows(screen, ("web", TO_WEB + MORE_TO_WEB), ("api", TO_API))
+            && row(screen, "extra").is_some()
+    })?;
+    eprintln!("after a sync ({mode}):\n{screen}");
+    if mode == "iptables" {
+        // The rule did restart: it counted only what came after the sync.
+        let save = Command::new("nsenter")
+            .arg(format!("--net={}", netns.display()))
+            .args(["iptables-save", "-c", "-t", "nat"])
+            .output()?;
+        let save = String::from_utf8_lossy(&save.stdout);
+        let rule = save
+            .lines()
+            .find(|l| l.contains("-A KUBE-SERVICES") && l.contains("default/web:http cluster IP"))
+            .unwrap_or_default();
+        ensure!(
+            rule.starts_with(&format!("[{MORE_TO_WEB}:")),
+            "web's ClusterIP rule did not restart its counters: {rule:?}"
+        );
+    }
 
     // Left on the alternate screen while it runs.
     ensure!(
