@@ -204,6 +204,9 @@ impl Top {
             }
             let next = Instant::now() + self.interval;
             loop {
+                if terminal::RawTerminal::stopped() {
+                    return Ok(());
+                }
                 let left = next.saturating_duration_since(Instant::now());
                 if left.is_zero() {
                     break;

@@ -1,8 +1,10 @@
 //! `proxy-agent inspect top` used as a person would: in a terminal — a detached tmux session of
 //! fixed size on a private server socket — inside the node's network namespace, against an agent
 //! with two Services, in both modes. Real connections to the Services must show up as exact
-//! totals in the frame, busiest first; the sort key for names must reorder the rows; `q` must
-//! end the process (exit status 0) and leave the alternate screen. Batch mode prints its frames
+//! totals in the frame, busiest first; the sort key for names must reorder the rows; a sync
+//! (restarting the iptables rules' counters) must neither take from the totals nor add to them
+//! more than the connections made; `q`, and SIGTERM, must end the process (exit status 0) and
+//! leave the alternate screen. Batch mode prints its frames
 //! to stdout, and with neither pins nor rules the command names both. Needs root and tmux.
 
 use std::{
@@ -155,9 +157,55 @@ impl Drop for Tmux {
     }
 }
 
-struct RemoveOnDrop(PathBuf);
+/// The file the pane's shell writes `inspect top`'s exit status to, removed on drop.
+struct TopPane(PathBuf);
 
-impl Drop for RemoveOnDrop {
+impl TopPane {
+    /// Runs `top` in a new tmux server's session, under a shell that waits for it and writes
+    /// its exit status to a file: tmux 3.3 now and then left the exited process a zombie with
+    /// its pane alive, so the pane's state cannot tell.
+    fn start(socket: String, top: &[String]) -> anyhow::Result<(Tmux, TopPane)> {
+        let file = std::env::temp_dir().join(format!("{socket}.status"));
+        let _ = std::fs::remove_file(&file);
+        let status = TopPane(file);
+        let mut pane = vec![
+            "sh".to_owned(),
+            "-c".to_owned(),
+            format!("\"$@\"; echo $? > {}", status.0.display()),
+            "sh".to_owned(),
+        ];
+        pane.extend(top.iter().cloned());
+        Ok((Tmux::start(socket, &pane)?, status))
+    }
+
+    /// Waits for `inspect top` to exit after `what`: status 0, the terminal back on its
+    /// normal screen without the frame.
+    fn expect_exit(&self, tmux: &Tmux, what: &str) -> anyhow::Result<()> {
+        let mut status = None;
+        try_wait_until(
+            &format!("inspect top to exit on {what}"),
+            FRAME_WAIT,
+            Duration::from_millis(100),
+            || {
+                status = std::fs::read_to_string(&self.0).ok();
+                Ok(status.as_deref().is_some_and(|s| s.ends_with('\n')))
+            },
+        )
+        .with_context(|| diagnose(tmux))?;
+        ensure!(
+            status.as_deref() == Some("0\n"),
+            "inspect top's exit status after {what}: {status:?}"
+        );
+        let screen = tmux.screen()?;
+        ensure!(
+            !tmux.alternate_screen()? && !screen.contains("kubeproxy-rs top:"),
+            "the frame is still on the screen after {what}:\n{screen}"
+        );
+        Ok(())
+    }
+}
+
+impl Drop for TopPane {
     fn drop(&mut self) {
         let _ = std::fs::remove_file(&self.0);
     }
@@ -303,19 +351,8 @@ fn top_in_a_terminal(mode: &str) -> anyhow::Result<()> {
     ensure!(frames[0].starts_with(source), "{stdout}");
 
     let socket = format!("kpr-top-{}-{mode}", std::process::id());
-    // The pane runs a shell that waits for `inspect top` and writes its exit status to a
-    // file: tmux 3.3 now and then left the exited process a zombie with its pane alive.
-    let status_file = std::env::temp_dir().join(format!("{socket}.status"));
-    let _ = std::fs::remove_file(&status_file);
-    let _status_cleanup = RemoveOnDrop(status_file.clone());
-    let mut pane = vec![
-        "sh".to_owned(),
-        "-c".to_owned(),
-        format!("\"$@\"; echo $? > {}", status_file.display()),
-        "sh".to_owned(),
-    ];
-    pane.extend(top_command(&netns, &bpf_root, &["--interval", "1"])?);
-    let tmux = Tmux::start(socket, &pane)?;
+    let top = top_command(&netns, &bpf_root, &["--interval", "1"])?;
+    let (tmux, status_file) = TopPane::start(socket.clone(), &top)?;
     // The first frame is the baseline: what comes after it is counted.
     let screen = tmux.wait_for("the first frame", |screen| {
         screen.contains("keys: n new/s") && row(screen, "web").is_some()
@@ -395,27 +432,27 @@ fn top_in_a_terminal(mode: &str) -> anyhow::Result<()> {
         "inspect top does not use the alternate screen"
     );
     tmux.send_key("q")?;
-    let mut status = None;
-    try_wait_until(
-        "inspect top to exit on q",
-        FRAME_WAIT,
-        Duration::from_millis(100),
-        || {
-            status = std::fs::read_to_string(&status_file).ok();
-            Ok(status.as_deref().is_some_and(|s| s.ends_with('\n')))
-        },
-    )
-    .with_context(|| diagnose(&tmux))?;
-    ensure!(
-        status.as_deref() == Some("0\n"),
-        "inspect top's exit status after q: {status:?}"
-    );
-    // The terminal is back on its normal screen, without the frame.
-    let screen = tmux.screen()?;
-    ensure!(
-        !tmux.alternate_screen()? && !screen.contains("kubeproxy-rs top:"),
-        "the frame is still on the screen after q:\n{screen}"
-    );
+    status_file.expect_exit(&tmux, "q")?;
+
+    // SIGTERM (a terminal's closing sends SIGHUP) ends it as q does, terminal put back.
+    let (tmux, status_file) = TopPane::start(format!("{socket}-term"), &top)?;
+    tmux.wait_for("the first frame", |screen| screen.contains("keys: n new/s"))?;
+    let pane: i32 = tmux
+        .run(&["display-message", "-p", "-t", SESSION, "#{pane_pid}"])?
+        .trim()
+        .parse()?;
+    // The pane's shell waits for nsenter, which became the agent's binary.
+    let children = std::fs::read_to_string(format!("/proc/{pane}/task/{pane}/children"))?;
+    let pids: Vec<i32> = children
+        .split_whitespace()
+        .filter_map(|p| p.parse().ok())
+        .collect();
+    ensure!(pids.len() == 1, "the pane's shell runs {pids:?}");
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(pids[0]),
+        nix::sys::signal::Signal::SIGTERM,
+    )?;
+    status_file.expect_exit(&tmux, "SIGTERM")?;
     Ok(())
 }
 

@@ -5,8 +5,21 @@ use std::{
     fs::File,
     io::{self, Read as _, Write as _},
     os::fd::AsFd as _,
+    sync::atomic::{AtomicBool, Ordering},
     time::Duration,
 };
+
+/// Set by SIGTERM or SIGHUP while the terminal is raw: the view ends as on `q`, so that the
+/// terminal is put back, which the signals' default action would not do.
+static STOP: AtomicBool = AtomicBool::new(false);
+
+extern "C" fn on_stop_signal(_: libc::c_int) {
+    STOP.store(true, Ordering::Relaxed);
+}
+
+/// How long a wait for keys lasts at most, so that a stop signal that another thread took is
+/// seen soon.
+const STOP_CHECK: Duration = Duration::from_millis(200);
 
 /// Raw keys and the alternate screen while it lives.
 pub struct RawTerminal {
@@ -39,6 +52,15 @@ impl RawTerminal {
         // SAFETY: fd 0 and a valid termios.
         if unsafe { libc::tcsetattr(STDIN, libc::TCSANOW, &raw) } != 0 {
             return Err(io::Error::last_os_error());
+        }
+        for signal in [libc::SIGTERM, libc::SIGHUP] {
+            // SAFETY: the handler only stores to an atomic, which is async-signal-safe.
+            unsafe {
+                let mut action: libc::sigaction = std::mem::zeroed();
+                action.sa_sigaction = on_stop_signal as *const () as libc::sighandler_t;
+                libc::sigemptyset(&mut action.sa_mask);
+                libc::sigaction(signal, &action, std::ptr::null_mut());
+            }
         }
         let terminal = Self {
             saved,
@@ -82,8 +104,14 @@ impl RawTerminal {
         out.flush()
     }
 
-    /// The keys typed within `timeout` (empty when none was).
+    /// Whether SIGTERM or SIGHUP came.
+    pub fn stopped() -> bool {
+        STOP.load(Ordering::Relaxed)
+    }
+
+    /// The keys typed within `timeout` (empty when none was), waiting at most `STOP_CHECK`.
     pub fn keys(&mut self, timeout: Duration) -> io::Result<Vec<u8>> {
+        let timeout = timeout.min(STOP_CHECK);
         if self.input_closed {
             std::thread::sleep(timeout);
             return Ok(Vec::new());
