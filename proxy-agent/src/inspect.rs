@@ -1,6 +1,7 @@
 //! `proxy-agent inspect`: what the datapath of a running agent holds, in terms a user
 //! recognises — read from the pinned BPF maps in eBPF mode (Service names from the pinned
-//! `KPR_SERVICE_NAMES`), from `iptables-save` in iptables mode.
+//! `KPR_SERVICE_NAMES`), from `iptables-save` in iptables mode; `inspect top` (`top.rs`) shows
+//! the per-Service traffic counters of either, live.
 
 use std::{
     collections::BTreeMap,
@@ -28,6 +29,7 @@ mod drift;
 pub mod explain;
 mod http_client;
 pub mod interfaces;
+pub mod top;
 
 /// One frontend and where it leads.
 #[derive(Debug, Clone, Serialize, PartialEq, Eq, PartialOrd, Ord)]
@@ -94,6 +96,8 @@ pub fn run(config: &Config, args: &InspectArgs) -> anyhow::Result<String> {
     let pin_dir = config.ebpf.bpf_root.join(PIN_DIR_NAME);
     let ebpf = pin_dir.join(map_names::FRONTENDS4).exists();
     match (&args.what, ebpf) {
+        // Both modes, each from its own counters; it picks the mode itself.
+        (InspectWhat::Top, _) => top::run(args, &pin_dir),
         // The agent knows what it wrote; both modes answer.
         (InspectWhat::Drift, _) => drift::run(config.metrics_bind_address, args.json()),
         // The kernel's, whichever mode runs.
@@ -129,7 +133,7 @@ pub fn run(config: &Config, args: &InspectArgs) -> anyhow::Result<String> {
         }
         (what, false) => bail!(
             "no pinned eBPF maps under {}: `inspect {what:?}` reads the eBPF mode's maps (in \
-             iptables mode only `services`, `explain` and `drift` apply)",
+             iptables mode only `services`, `explain`, `drift`, `features` and `top` apply)",
             pin_dir.display()
         ),
     }

@@ -96,6 +96,8 @@ async fn agent_main() -> ExitCode {
 
     if let Some(cli::Command::Inspect(inspect)) = &args.command {
         return match proxy_agent::inspect::run(&config, inspect) {
+            // `inspect top` prints its frames itself and returns nothing more.
+            Ok(text) if text.is_empty() => ExitCode::SUCCESS,
             Ok(text) => {
                 println!("{text}");
                 ExitCode::SUCCESS

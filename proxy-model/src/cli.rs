@@ -660,6 +660,32 @@ pub struct InspectArgs {
     /// `explain`: the client's source port (completes the tuple: conntrack, Maglev).
     #[arg(long, value_name = "PORT")]
     pub sport: Option<u16>,
+    /// `top`: time between readings, in seconds (`2`, `0.5`) or with a unit (`2s`, `500ms`).
+    #[arg(long, value_name = "DURATION", default_value = "2s")]
+    pub interval: String,
+    /// `top`: the order of the rows (interactive keys change it).
+    #[arg(long, value_enum, default_value = "new")]
+    pub sort: TopSort,
+    /// `top`: print frames as plain text to stdout, no keys (like `top -b`); also taken when
+    /// stdout or stdin is not a terminal.
+    #[arg(long)]
+    pub batch: bool,
+    /// `top`: stop after this many frames (the first one is the baseline, without rates).
+    #[arg(long, value_name = "N")]
+    pub iterations: Option<u64>,
+}
+
+/// `inspect top`'s orders: by the rate of one count (then its total), or by name.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum TopSort {
+    /// New connections per second.
+    New,
+    /// Rejected connections per second (Services without endpoints).
+    Rejected,
+    /// Dropped connections per second (source ranges, no local endpoint).
+    Dropped,
+    /// Namespace, name, port, protocol, frontend.
+    Name,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -699,4 +725,8 @@ pub enum InspectWhat {
     /// The kernel features the eBPF dataplane can use, which it uses with these flags
     /// (--bpf-disable-feature), and which the running agent reports using.
     Features,
+    /// A live view of the busiest Service ports, refreshed every --interval: new, rejected and
+    /// dropped connections per second and since the view started (--sort, --batch,
+    /// --iterations; keys n, r, d, s, q).
+    Top,
 }

@@ -18,7 +18,7 @@ use crate::{
 /// check/test rules` plus a Prometheus evaluating the dashboard's and alerts' queries,
 /// `monitoring.rs`; `ethtool`:
 /// the XDP test gives its veths a wire's complete checksums, `external_xdp.rs`).
-const DEBIAN_PACKAGES: [&str; 8] = [
+const DEBIAN_PACKAGES: [&str; 9] = [
     "llvm-22-dev",
     "libpolly-22-dev",
     "iptables",
@@ -27,6 +27,8 @@ const DEBIAN_PACKAGES: [&str; 8] = [
     "nftables",
     "prometheus",
     "ethtool",
+    // `inspect top`'s test runs it in a terminal.
+    "tmux",
 ];
 const BPF_LINKER_VERSION: &str = "0.13.0";
 const LLVM_PREFIX: &str = "/usr/lib/llvm-22";

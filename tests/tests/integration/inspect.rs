@@ -3,7 +3,13 @@
 
 use std::{path::Path, process::Command};
 
-use proxy_tests::{agent::agent_binary, scenario::Scenario};
+use proxy_tests::{
+    agent::agent_binary,
+    scenario::{Scenario, http_service, http_slice},
+};
+
+/// `default/empty`'s ClusterIP: a Service without endpoints.
+const EMPTY_IP: std::net::Ipv4Addr = std::net::Ipv4Addr::new(10, 96, 0, 20);
 
 fn setup(mode: &str) -> anyhow::Result<Scenario> {
     proxy_tests::require_root();
@@ -178,13 +184,28 @@ fn inspect_shows_the_service_in_ebpf_mode() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// iptables mode, against the agent's real rules: web with its endpoints, `default/empty`
+/// without any — kube-proxy has no nat rule for it, only filter REJECTs, and it is listed all
+/// the same — and no row for the jumps to KUBE-NODEPORTS, which are no Service.
 #[test]
 fn inspect_shows_the_service_in_iptables_mode() -> anyhow::Result<()> {
-    let s = setup("iptables")?;
+    proxy_tests::require_root();
+    proxy_tests::set_helper_binary(env!("CARGO_BIN_EXE_rig-helper"));
+    let mut s = Scenario::new(2)?;
+    s.write_web_service(2)?;
+    s.manifests.write(
+        "empty-svc.yaml",
+        &http_service("default", "empty", EMPTY_IP),
+    )?;
+    s.manifests.write(
+        "empty-slice.yaml",
+        &http_slice("default", "empty-1", "empty", &[]),
+    )?;
+    s.start_serving("iptables", &[])?;
     let netns = s.topo.node().path();
-    // No pins under this bpf root: inspect reads the nat table.
-    let empty = tempdir_path();
-    let json = inspect(&netns, Some(&empty), &["services", "--json"])?;
+    // No pins under this bpf root: inspect reads the nat and filter tables.
+    let empty_root = tempdir_path();
+    let json = inspect(&netns, Some(&empty_root), &["services", "--json"])?;
     let rows = web_rows(&json)?;
     eprintln!("inspect services (iptables): {rows:#?}");
     let cluster_ip = rows
@@ -202,6 +223,28 @@ fn inspect_shows_the_service_in_iptables_mode() -> anyhow::Result<()> {
         phantoms.is_empty(),
         "rows that are no Service: {phantoms:#?}"
     );
+    let empty: Vec<(&str, &str, usize)> = all
+        .iter()
+        .filter(|r| r["service"] == "default/empty:http")
+        .map(|r| {
+            (
+                r["frontend"].as_str().unwrap_or_default(),
+                r["path"].as_str().unwrap_or_default(),
+                backends(r).len(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        empty,
+        [("10.96.0.20:80/TCP", "REJECT", 0)],
+        "default/empty, without endpoints, in {json}"
+    );
+    let table = inspect(&netns, Some(&empty_root), &["services"])?;
+    let line = table
+        .lines()
+        .find(|l| l.starts_with("default/empty:http"))
+        .unwrap_or_default();
+    assert!(line.ends_with("(none: rejected)"), "{table}");
     Ok(())
 }
 

@@ -23,6 +23,7 @@ mod floods;
 mod generation_race;
 mod icmp_errors;
 mod inspect;
+mod inspect_top;
 mod ip_fragments;
 mod iptables_cleanup;
 mod iptables_large_cluster;
