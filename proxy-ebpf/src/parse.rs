@@ -13,10 +13,10 @@ use aya_ebpf::{
     helpers::bpf_skb_load_bytes,
     programs::{TcContext, XdpContext},
 };
-use proxy_common::{family, proto};
+use proxy_common::{StatIndex, family, proto};
 
 pub use crate::packet::{ETH_HLEN, Packet};
-use crate::{fragments, maps::scratch};
+use crate::{fragments, maps::scratch, stats::bump};
 
 pub const ETH_P_IP: u16 = 0x0800;
 pub const ETH_P_IPV6: u16 = 0x86dd;
@@ -119,7 +119,11 @@ pub fn parse<const V6: bool>(ctx: &TcContext) -> Option<&'static Packet> {
     if fragment == Fragment::Later || (fragment == Fragment::First && pkt.proto == proto::SCTP) {
         return None;
     }
-    with_ports(ctx, pkt)
+    let parsed = with_ports(ctx, pkt);
+    if parsed.is_none() {
+        bump(StatIndex::TcTruncatedHeader);
+    }
+    parsed
 }
 
 /// Parses a whole (unfragmented) TCP or UDP packet of one family for the XDP program; `None`

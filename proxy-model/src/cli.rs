@@ -658,6 +658,10 @@ pub struct InspectArgs {
     /// `explain`: the client's source port (completes the tuple: conntrack, Maglev).
     #[arg(long, value_name = "PORT")]
     pub sport: Option<u16>,
+    /// `counters`: only the reasons for which packets were dropped, rejected or passed on
+    /// untranslated (action `dropped`, `rejected`, `passed_untranslated`).
+    #[arg(long)]
+    pub drops: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -677,7 +681,8 @@ impl InspectArgs {
 pub enum InspectWhat {
     /// Frontends (service address, NodePort, …) with their Service and backends.
     Services,
-    /// Datapath counters by reason.
+    /// Datapath counters by reason, with what the datapath did (dropped, rejected, passed
+    /// untranslated, translated, other), drops first (--drops: only those).
     Counters,
     /// Backend ids and addresses, with the service ids whose live slots use them.
     Backends,
