@@ -1666,6 +1666,15 @@ pub fn internal_policy_local_without_local_endpoints(mode: &str) -> Result<()> {
     let failed = |a: &Attempt| *a == Attempt::Err(expected.into());
     let node_client = local_client(&s, mode, Place::Node)?.timeout(DROP_TIMEOUT);
     s.wait_for_datapath_with(&node_client, cluster_addr(), "ClusterIP dropped", failed)?;
+    let dropped = |s: &mut Scenario| -> Result<u64> {
+        if is_ebpf(mode) {
+            s.agent()?
+                .datapath_counter(proxy_common::StatIndex::SockDroppedNoLocal)
+        } else {
+            Ok(0)
+        }
+    };
+    let dropped_before = dropped(&mut s)?;
     for (who, place) in [("node", Place::Node), ("pod2", Place::Pod(2))] {
         let client = local_client(&s, mode, place)?.timeout(DROP_TIMEOUT);
         let attempts = client.run(cluster_addr(), 3)?;
@@ -1673,6 +1682,13 @@ pub fn internal_policy_local_without_local_endpoints(mode: &str) -> Result<()> {
         eprintln!("[{mode}] {who} → ClusterIP, iTP=Local without local endpoints: {counts:?}");
         s.ensure(attempts.iter().all(failed), || {
             format!("{who}: expected {expected} on every attempt: {counts:?}")
+        })?;
+    }
+    // In eBPF mode each failed connect is one drop, counted by its reason.
+    if is_ebpf(mode) {
+        let counted = dropped(&mut s)? - dropped_before;
+        s.ensure(counted == 6, || {
+            format!("6 connects failed, sock_dropped_no_local_endpoints counted {counted}")
         })?;
     }
     Ok(())

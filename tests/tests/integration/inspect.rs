@@ -11,8 +11,9 @@ use std::{
 use anyhow::Context as _;
 use proxy_tests::{
     agent::agent_binary,
-    client::Attempt,
-    scenario::{SERVICE_PORT, Scenario, http_service, http_slice},
+    client::{Attempt, Mode},
+    manifests::{Protocol, ServicePort, service_yaml},
+    scenario::{SERVICE_PORT, Scenario, http_slice},
     wait::try_wait_until,
 };
 
@@ -288,12 +289,13 @@ fn counter(table: &str, reason: &str) -> anyhow::Result<(String, u64)> {
     }
 }
 
-/// A drop reason read from a real agent, end to end: three connections from the node to
-/// `default/empty` (a ClusterIP Service without endpoints; a local address answers for it,
-/// were the connection not refused) are refused by the socket hook. `inspect counters --drops`
-/// (the pinned counters) shows exactly three more `rejected_no_backends`, action `rejected`,
-/// and no translated or other reason; the JSON rows carry the action too; and the agent's
-/// metrics endpoint, after the next sync, shows
+/// A drop reason read from a real agent, end to end: three connections and two unconnected
+/// UDP datagrams from the node to `default/empty` (a ClusterIP Service, TCP 80 and UDP 53,
+/// without endpoints; a local address answers on 80, were the connection not refused) are
+/// refused by the socket hooks. `inspect counters --drops` (the pinned counters) shows exactly
+/// three more `rejected_no_backends` and two more `sendmsg_rejected_no_backends`, action
+/// `rejected`, and no translated or other reason; the JSON rows carry the action too; and the
+/// agent's metrics endpoint, after the next sync, shows
 /// `kubeproxy_ebpf_datapath_events_total{reason="rejected_no_backends",action="rejected"}` 3.
 #[test]
 fn inspect_and_metrics_show_a_drop_reason_with_its_action() -> anyhow::Result<()> {
@@ -303,9 +305,21 @@ fn inspect_and_metrics_show_a_drop_reason_with_its_action() -> anyhow::Result<()
     let mut s = Scenario::new(1)?;
     s.write_web_service(1)?;
     s.topo.add_decoy(EMPTY_IP, SERVICE_PORT)?;
+    let ports = [
+        ServicePort {
+            name: "http".into(),
+            port: SERVICE_PORT,
+            protocol: Protocol::Tcp,
+        },
+        ServicePort {
+            name: "dns".into(),
+            port: 53,
+            protocol: Protocol::Udp,
+        },
+    ];
     s.manifests.write(
         "empty-svc.yaml",
-        &http_service("default", "empty", EMPTY_IP),
+        &service_yaml("default", "empty", EMPTY_IP, &ports),
     )?;
     s.manifests.write(
         "empty-slice.yaml",
@@ -318,6 +332,7 @@ fn inspect_and_metrics_show_a_drop_reason_with_its_action() -> anyhow::Result<()
     let before = inspect(&netns, Some(&bpf_root), &["counters", "--drops"])?;
     let (action, refused_before) = counter(&before, "rejected_no_backends")?;
     assert_eq!(action, "rejected", "{before}");
+    let (_, sendmsg_before) = counter(&before, "sendmsg_rejected_no_backends")?;
     let empty = SocketAddr::from(SocketAddrV4::new(EMPTY_IP, SERVICE_PORT));
     let attempts = client
         .clone()
@@ -329,11 +344,28 @@ fn inspect_and_metrics_show_a_drop_reason_with_its_action() -> anyhow::Result<()
             .all(|a| *a == Attempt::Err("ECONNREFUSED".into())),
         "default/empty refuses: {attempts:?}"
     );
+    let dns = SocketAddr::from(SocketAddrV4::new(EMPTY_IP, 53));
+    let attempts = client
+        .clone()
+        .mode(Mode::Sendto)
+        .timeout(Duration::from_secs(2))
+        .run(dns, 2)?;
+    assert!(
+        attempts
+            .iter()
+            .all(|a| *a == Attempt::Err("ECONNREFUSED".into())),
+        "default/empty refuses datagrams: {attempts:?}"
+    );
     let after = inspect(&netns, Some(&bpf_root), &["counters", "--drops"])?;
     eprintln!("{after}");
     assert_eq!(
         counter(&after, "rejected_no_backends")?,
         ("rejected".to_owned(), refused_before + 3),
+        "{after}"
+    );
+    assert_eq!(
+        counter(&after, "sendmsg_rejected_no_backends")?,
+        ("rejected".to_owned(), sendmsg_before + 2),
         "{after}"
     );
     // Only drops, rejects and untranslated passes, with a header line.
