@@ -892,6 +892,27 @@ pub fn source_ranges_never_leak(mode: &str) -> Result<()> {
     s.ensure(leaked == 0, || {
         format!("{leaked} segments from clients outside the ranges reached the backend")
     })?;
+    // The node itself (10.10.0.1, outside the ranges): in eBPF mode the socket hook fails its
+    // connect() at once where kube-proxy drops (EHOSTUNREACH), one drop counted per connect.
+    if is_ebpf(mode) {
+        let node_client = local_client(&s, mode, Place::Node)?.timeout(DROP_TIMEOUT);
+        let counter = proxy_common::StatIndex::SockDroppedSourceRange;
+        let before = s.agent()?.datapath_counter(counter)?;
+        let attempts = node_client.run(lb, 3)?;
+        let counted = s.agent()?.datapath_counter(counter)? - before;
+        eprintln!(
+            "[{mode}] LB IP from the node (outside the ranges): {:?}, {} {counted}",
+            tally(&attempts),
+            counter.name()
+        );
+        s.ensure(
+            attempts
+                .iter()
+                .all(|a| *a == Attempt::Err("EHOSTUNREACH".into()))
+                && counted == 3,
+            || format!("3 connects from the node must fail, counted: {attempts:?}, {counted}"),
+        )?;
+    }
 
     let attempts = inside.run(lb, 10)?;
     let answered = received(&s, Place::Pod(1))? - before;
