@@ -250,7 +250,7 @@ fn assert_counted_once(
 /// Every drop, reject and untranslated pass tc makes of a packet to a frontend counts exactly
 /// one reason, once: a client outside `loadBalancerSourceRanges`; `externalTrafficPolicy:
 /// Local` without a local endpoint at the LB IP and at the NodePort; a Service without
-/// endpoints (REJECT); a TCP segment other than a SYN without a flow; TCP and UDP headers cut
+/// endpoints (REJECT, and a drop where the REJECT cannot be built); a TCP segment other than a SYN without a flow; TCP and UDP headers cut
 /// short before their ports (IPv4, IPv6); a frontend whose backend vanished from the backend
 /// map; an entry program whose family program is missing. A packet to no frontend moves no
 /// drop counter.
@@ -268,6 +268,18 @@ fn every_drop_is_counted_once_by_its_reason() {
             let mut frame = build(sa(CLIENT6, 48_106), sa(NODE_IP6, 30096), L4::Udp, b"");
             // Ethernet, IPv6, the source port only.
             frame.truncate(14 + 40 + 2);
+            frame
+        };
+        let with_options = {
+            let mut frame = build(sa(CLIENT, 48_109), sa(NODE_IP, 30094), L4::TcpSyn, b"");
+            // Four NOP options: a 24-byte IPv4 header, which the REJECT does not quote.
+            frame.splice(14 + 20..14 + 20, [1u8; 4]);
+            frame[14] = 0x46;
+            let total = u16::from_be_bytes([frame[16], frame[17]]) + 4;
+            frame[16..18].copy_from_slice(&total.to_be_bytes());
+            frame[24..26].fill(0);
+            let sum = inet_checksum(&frame[14..38]);
+            frame[24..26].copy_from_slice(&sum.to_be_bytes());
             frame
         };
         let cases = [
@@ -294,6 +306,12 @@ fn every_drop_is_counted_once_by_its_reason() {
                 build(sa(CLIENT, 48_103), sa(NODE_IP, 30094), L4::TcpSyn, b""),
                 TC_ACT_REDIRECT,
                 StatIndex::TcRejected,
+            ),
+            (
+                "a Service without endpoints, IPv4 options (no REJECT built)",
+                with_options,
+                TC_ACT_SHOT,
+                StatIndex::TcRejectFailed,
             ),
             (
                 "an ACK without a flow",
@@ -385,7 +403,7 @@ fn every_drop_is_counted_once_by_its_reason() {
 /// A later fragment of a flow's datagram whose first fragment was remembered, but whose
 /// flow's entries are gone since (expired, evicted), goes to the stack untouched and counts
 /// `tc_fragment_untracked`; one of a flow the kernel's conntrack NATs (adopted at the agent's
-/// start) counts `tc_kernel_nat_passed`, as the flow's other packets do.
+/// start) counts `tc_kernel_nat_passed`, as the flow's whole datagrams do.
 #[test]
 fn later_fragments_left_to_the_stack_are_counted() {
     with_netfilter_node(|node| {
@@ -438,6 +456,29 @@ fn later_fragments_left_to_the_stack_are_counted() {
                 [(reason.name(), 1)],
                 "{what}: counted once"
             );
+            if reason == StatIndex::TcKernelNatPassed {
+                // A whole datagram of the flow: left to the kernel's NAT as well.
+                let datagram = build(client, frontend, L4::Udp, b"ping");
+                let before = node.dataplane.stats();
+                let (action, out, mark) = run_fragment(
+                    node,
+                    program_names::TC_EXTERNAL,
+                    &datagram,
+                    node.ext0,
+                    0,
+                    &what,
+                );
+                assert_eq!(
+                    (action, out, mark),
+                    (TC_ACT_UNSPEC, datagram, 0),
+                    "{what}: a whole datagram untouched"
+                );
+                assert_eq!(
+                    drops_since(node, &before),
+                    [(reason.name(), 1)],
+                    "{what}: a whole datagram counted once"
+                );
+            }
         }
     });
 }
