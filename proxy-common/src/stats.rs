@@ -47,7 +47,8 @@ pub enum StatIndex {
     TcRewriteFailed = 19,
     /// A translated packet had no forwarding route (fib lookup) and went up the stack.
     TcPassedToStack = 20,
-    /// Building the ICMP reply failed; the packet was dropped instead.
+    /// Building the ICMP reply failed (an IPv4 header with options, which the reply does not
+    /// quote, or a helper error); the packet was dropped instead.
     TcRejectFailed = 21,
     /// A local socket dialled a frontend whose endpoints are all on other nodes
     /// (`internalTrafficPolicy: Local`): kube-proxy DROPs it; the hook fails the syscall at once
