@@ -482,3 +482,48 @@ fn later_fragments_left_to_the_stack_are_counted() {
         }
     });
 }
+
+/// A program missing behind a tail call (the agent fills the program arrays before it
+/// attaches): XDP hands a new flow's first packet on to tc, and a family program a later IP
+/// fragment to the stack, each untouched and counted `tc_family_program_missing` once.
+#[test]
+fn missing_tail_call_programs_are_counted() {
+    with_node(|node| {
+        program_remote(node);
+        let pins = node.parts.bpf.path().join(PIN_DIR_NAME);
+        let clear = |name: &str, slot: u32| {
+            let mut programs = aya::maps::ProgramArray::try_from(Map::ProgramArray(
+                MapData::from_pin(pins.join(name)).expect("program array pin"),
+            ))
+            .expect("program array");
+            programs.clear_index(&slot).expect("clear slot");
+        };
+        clear(map_names::XDP_NEW_FLOW, 0);
+        let syn = build(sa(CLIENT, 48_120), sa(NODE_IP, 30095), L4::TcpSyn, b"");
+        let before = node.dataplane.stats();
+        let (action, out) = run_xdp(node, &syn);
+        assert_eq!((action, &out), (XDP_PASS, &syn), "XDP: on to tc, untouched");
+        assert_eq!(
+            drops_since(node, &before),
+            [(StatIndex::TcFamilyProgramMissing.name(), 1)],
+            "XDP without its new-flow program: counted once"
+        );
+
+        clear(
+            map_names::TC_FRAGMENT,
+            proxy_common::TcFragmentProgram::Ingress4 as u32,
+        );
+        let Fragmented { pieces, .. } =
+            three_fragments(sa(CLIENT, 48_121), sa(NODE_IP, 30096), 0x7777);
+        let ext0 = node.ext0;
+        assert_counted_once(
+            node,
+            program_names::TC_EXTERNAL,
+            &pieces[1],
+            ext0,
+            TC_ACT_UNSPEC,
+            StatIndex::TcFamilyProgramMissing,
+            "a later fragment without the fragment program",
+        );
+    });
+}
