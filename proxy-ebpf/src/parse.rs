@@ -109,7 +109,9 @@ impl Frame for XdpContext {
 /// the first fragment of a TCP or UDP datagram included (`Packet::first_fragment`: the caller
 /// remembers its ports for the rest once it knows the flow, `fragments`); `None` for anything the tc programs leave to the kernel (the other
 /// family, other protocols, SCTP fragments, IPv6 extension headers other than a fragment
-/// header) and for later fragments, which [`parse_later_fragment`] parses.
+/// header) and for later fragments, which [`parse_later_fragment`] parses. A TCP, UDP or SCTP
+/// header cut short before its ports (and TCP's flags) is counted (`tc_truncated_header`): the
+/// stack drops it as malformed, whoever it was for.
 #[inline(always)]
 pub fn parse<const V6: bool>(ctx: &TcContext) -> Option<&'static Packet> {
     pull_headers::<V6>(ctx);
