@@ -14,8 +14,8 @@ use std::{
 use anyhow::{Context as _, bail};
 use aya::maps::{HashMap, Map, MapData, PerCpuArray};
 use proxy_common::{
-    Backend4, Backend6, BackendSlotKey, Frontend4Key, Frontend6Key, FrontendValue, StatIndex,
-    frontend_flags, map_names, scope,
+    Backend4, Backend6, BackendSlotKey, Frontend4Key, Frontend6Key, FrontendValue, StatAction,
+    StatIndex, frontend_flags, map_names, scope,
 };
 use serde::Serialize;
 
@@ -87,7 +87,10 @@ pub struct ConntrackRow {
 
 #[derive(Debug, Clone, Serialize)]
 pub struct CounterRow {
+    /// The reason (`StatIndex::name`, the metric's `reason` label).
     pub counter: &'static str,
+    /// What the datapath did (`StatAction::name`, the metric's `action` label).
+    pub action: &'static str,
     pub value: u64,
 }
 
@@ -125,7 +128,9 @@ pub fn run(config: &Config, args: &InspectArgs) -> anyhow::Result<String> {
         (InspectWhat::Interfaces, true) => {
             render(args.json(), &interfaces::rows(&pin_dir)?, interfaces::table)
         }
-        (InspectWhat::Counters, true) => render(args.json(), &counters(&pin_dir)?, counter_table),
+        (InspectWhat::Counters, true) => {
+            render(args.json(), &counters(&pin_dir, args.drops)?, counter_table)
+        }
         (InspectWhat::Backends, true) => render(args.json(), &backends(&pin_dir)?, backend_table),
         (InspectWhat::Affinity, true) => render(args.json(), &affinity(&pin_dir)?, affinity_table),
         (InspectWhat::Conntrack, true) => {
@@ -394,10 +399,13 @@ fn conntrack_table(rows: &[ConntrackRow]) -> String {
     out
 }
 
+/// One line per reason (reason first, count last, for `grep` and `awk`), in the order of
+/// [`counters`]: drops, rejects and untranslated passes first.
 fn counter_table(rows: &[CounterRow]) -> String {
     let mut out = String::new();
+    let _ = writeln!(out, "{:<40} {:<20} COUNT", "REASON", "ACTION");
     for row in rows {
-        let _ = writeln!(out, "{:<40} {}", row.counter, row.value);
+        let _ = writeln!(out, "{:<40} {:<20} {}", row.counter, row.action, row.value);
     }
     out
 }
@@ -676,19 +684,25 @@ fn monotonic_ns() -> u64 {
     u64::try_from(ts.tv_sec).unwrap_or(0) * 1_000_000_000 + u64::try_from(ts.tv_nsec).unwrap_or(0)
 }
 
-/// The per-CPU datapath counters, summed.
-pub fn counters(pin_dir: &Path) -> anyhow::Result<Vec<CounterRow>> {
+/// The per-CPU datapath counters, summed, grouped by action (dropped, rejected, passed
+/// untranslated, translated, other; by index within each); with `drops_only`, only the first
+/// three groups.
+pub fn counters(pin_dir: &Path, drops_only: bool) -> anyhow::Result<Vec<CounterRow>> {
     let stats: PerCpuArray<MapData, u64> = open_map(pin_dir, map_names::STATS)?.try_into()?;
-    StatIndex::ALL
-        .iter()
-        .map(|&index| {
-            let value = stats.get(&(index as u32), 0)?.iter().sum();
-            Ok(CounterRow {
+    let mut rows = Vec::new();
+    for action in StatAction::ALL {
+        if drops_only && !action.is_drop() {
+            continue;
+        }
+        for index in StatIndex::ALL.into_iter().filter(|i| i.action() == action) {
+            rows.push(CounterRow {
                 counter: index.name(),
-                value,
-            })
-        })
-        .collect()
+                action: action.name(),
+                value: stats.get(&(index as u32), 0)?.iter().sum(),
+            });
+        }
+    }
+    Ok(rows)
 }
 
 /// Service frontends from kube-proxy-style rules: `KUBE-SERVICES` / `KUBE-NODEPORTS` jumps with

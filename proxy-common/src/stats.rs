@@ -47,7 +47,8 @@ pub enum StatIndex {
     TcRewriteFailed = 19,
     /// A translated packet had no forwarding route (fib lookup) and went up the stack.
     TcPassedToStack = 20,
-    /// Building the ICMP reply failed; the packet was dropped instead.
+    /// Building the ICMP reply failed (an IPv4 header with options, which the reply does not
+    /// quote, or a helper error); the packet was dropped instead.
     TcRejectFailed = 21,
     /// A local socket dialled a frontend whose endpoints are all on other nodes
     /// (`internalTrafficPolicy: Local`): kube-proxy DROPs it; the hook fails the syscall at once
@@ -172,10 +173,67 @@ pub enum StatIndex {
     /// a spoofed SYN): that flow's entries were removed. Established flows' ports are never
     /// taken.
     TcSnatPortReclaimed = 54,
+    /// The per-CPU scratch slot (slot 0 of an array map, which always exists) could not be
+    /// read where a new flow is written or translated: the packet was dropped. Not expected
+    /// with a loaded object; a count means a kernel or build fault worth reporting.
+    TcScratchUnavailable = 55,
+    /// A TCP, UDP or SCTP packet (or first fragment) whose L4 header ends before its ports
+    /// (and, for TCP, its flags): it cannot be matched to a flow or a frontend and went to the
+    /// stack untranslated, which drops it as malformed. Counted for any destination: a
+    /// truncated header is never regular traffic.
+    TcTruncatedHeader = 56,
+}
+
+/// What the datapath did with the packet (or syscall) an event counts: the `action` label of
+/// `kubeproxy_ebpf_datapath_events_total` and the column of `inspect counters`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum StatAction {
+    /// The packet was dropped (or the syscall failed where kube-proxy's rules drop).
+    Dropped,
+    /// The client was refused: ICMP port unreachable, `ECONNREFUSED`, or an ICMP error sent in
+    /// the packet's place.
+    Rejected,
+    /// A packet to a frontend or of a tracked flow went on to the stack untranslated.
+    PassedUntranslated,
+    /// A packet, error or syscall address was translated (each packet counted once).
+    Translated,
+    /// Anything else: a detail of a translation counted above (SNAT, affinity, recovered
+    /// entries), a hand-over between programs, or a best-effort map write that failed.
+    Other,
+}
+
+impl StatAction {
+    pub const ALL: [StatAction; 5] = [
+        StatAction::Dropped,
+        StatAction::Rejected,
+        StatAction::PassedUntranslated,
+        StatAction::Translated,
+        StatAction::Other,
+    ];
+
+    /// Label value in metrics and `inspect`.
+    pub const fn name(self) -> &'static str {
+        match self {
+            StatAction::Dropped => "dropped",
+            StatAction::Rejected => "rejected",
+            StatAction::PassedUntranslated => "passed_untranslated",
+            StatAction::Translated => "translated",
+            StatAction::Other => "other",
+        }
+    }
+
+    /// Whether the user lost traffic to it: dropped, rejected or passed untranslated
+    /// (`inspect counters --drops`).
+    pub const fn is_drop(self) -> bool {
+        matches!(
+            self,
+            StatAction::Dropped | StatAction::Rejected | StatAction::PassedUntranslated
+        )
+    }
 }
 
 impl StatIndex {
-    pub const COUNT: u32 = 55;
+    pub const COUNT: u32 = 57;
     pub const ALL: [StatIndex; Self::COUNT as usize] = [
         StatIndex::Translated,
         StatIndex::RejectedNoBackends,
@@ -232,6 +290,8 @@ impl StatIndex {
         StatIndex::TcDroppedLoopback,
         StatIndex::XdpDroppedLoopback,
         StatIndex::TcSnatPortReclaimed,
+        StatIndex::TcScratchUnavailable,
+        StatIndex::TcTruncatedHeader,
     ];
 
     /// Label used in logs and metrics.
@@ -292,12 +352,81 @@ impl StatIndex {
             StatIndex::TcDroppedLoopback => "tc_dropped_loopback_destination",
             StatIndex::XdpDroppedLoopback => "xdp_dropped_loopback_destination",
             StatIndex::TcSnatPortReclaimed => "tc_snat_port_reclaimed",
+            StatIndex::TcScratchUnavailable => "tc_scratch_unavailable",
+            StatIndex::TcTruncatedHeader => "tc_truncated_header",
+        }
+    }
+
+    /// What the datapath did with what this reason counts (see [`StatAction`]).
+    pub const fn action(self) -> StatAction {
+        use StatAction::{Dropped, Other, PassedUntranslated, Rejected, Translated};
+        match self {
+            StatIndex::Translated
+            | StatIndex::PeerNameRewritten
+            | StatIndex::SendmsgTranslated
+            | StatIndex::RecvmsgRewritten
+            | StatIndex::TcTranslated
+            | StatIndex::TcEstablished
+            | StatIndex::TcReplyTranslated
+            | StatIndex::TcIcmpErrorTranslated
+            | StatIndex::XdpEstablished
+            | StatIndex::XdpReplyTranslated
+            | StatIndex::XdpTranslated => Translated,
+            StatIndex::RejectedNoBackends
+            | StatIndex::SendmsgRejectedNoBackends
+            | StatIndex::TcRejected
+            | StatIndex::TcTooBigSent => Rejected,
+            StatIndex::BackendMissing
+            | StatIndex::TcDroppedNoLocal
+            | StatIndex::TcDroppedSourceRange
+            | StatIndex::TcSnatPortExhausted
+            | StatIndex::TcCtFailed
+            | StatIndex::TcRewriteFailed
+            | StatIndex::TcRejectFailed
+            | StatIndex::SockDroppedNoLocal
+            | StatIndex::SockDroppedSourceRange
+            | StatIndex::TcRejectRateLimited
+            | StatIndex::TcReplyClash
+            | StatIndex::TcOrphanSegmentDropped
+            | StatIndex::XdpRewriteFailed
+            | StatIndex::XdpDroppedSourceRange
+            | StatIndex::XdpDroppedNoLocal
+            | StatIndex::TcDroppedLoopback
+            | StatIndex::XdpDroppedLoopback
+            | StatIndex::TcScratchUnavailable => Dropped,
+            StatIndex::TcMidstreamPassed
+            | StatIndex::TcKernelNatPassed
+            | StatIndex::TcFamilyProgramMissing
+            | StatIndex::TcFragmentUntracked
+            | StatIndex::TcTruncatedHeader => PassedUntranslated,
+            StatIndex::AffinityHit
+            | StatIndex::AffinityStale
+            | StatIndex::RevNatUpdateFailed
+            | StatIndex::TcSnat
+            | StatIndex::TcPassedToStack
+            | StatIndex::SockNodePort
+            | StatIndex::TcEgressTranslated
+            | StatIndex::TcVlanLeftToStack
+            | StatIndex::SockLeftToTc
+            | StatIndex::TcForwardRebuilt
+            | StatIndex::TcMidstreamRecovered
+            | StatIndex::TcMidstreamRecreated
+            | StatIndex::TcTupleBypassed
+            | StatIndex::TcReplyViaIngress
+            | StatIndex::XdpPassedChecksumPartial
+            | StatIndex::XdpPassedToTc
+            | StatIndex::TcTooBigToStack
+            | StatIndex::XdpPassedReturnRoute
+            | StatIndex::TcSnatPortReclaimed => Other,
         }
     }
 }
 
 #[cfg(test)]
 mod tests {
+    extern crate std;
+    use std::{collections::BTreeSet, vec::Vec};
+
     use super::*;
 
     #[test]
@@ -306,5 +435,53 @@ mod tests {
             assert_eq!(*index as usize, i, "{}", index.name());
         }
         const { assert!(StatIndex::COUNT <= crate::default_sizes::STATS) };
+    }
+
+    /// Every reason has a stable snake_case name of its own, an action (the match is
+    /// exhaustive: a new variant without one does not compile) and a row in the documented
+    /// table of datapath events that names the same action; the table has no row for a reason
+    /// that does not exist.
+    #[test]
+    fn every_reason_is_named_classified_and_documented() {
+        const CHAPTER: &str = include_str!("../../docs/monitoring.md");
+        let rows: Vec<(&str, &str)> = CHAPTER
+            .lines()
+            .filter_map(|line| {
+                let mut cells = line.strip_prefix("| `")?.split('|');
+                let reason = cells.next()?.trim().strip_suffix('`')?;
+                let action = cells.next()?.trim();
+                Some((reason, action))
+            })
+            .filter(|(_, action)| StatAction::ALL.iter().any(|a| a.name() == *action))
+            .collect();
+        let mut names = BTreeSet::new();
+        for index in StatIndex::ALL {
+            let name = index.name();
+            assert!(
+                !name.is_empty()
+                    && name
+                        .chars()
+                        .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_'),
+                "{name}: not snake_case"
+            );
+            assert!(names.insert(name), "{name}: named twice");
+            let documented: Vec<&str> = rows
+                .iter()
+                .filter(|(reason, _)| *reason == name)
+                .map(|(_, action)| *action)
+                .collect();
+            assert_eq!(
+                documented,
+                [index.action().name()],
+                "{name}: one row in docs/monitoring.md's table of datapath events, with its action"
+            );
+        }
+        for (reason, _) in &rows {
+            assert!(
+                names.contains(reason),
+                "{reason}: documented, but no such reason"
+            );
+        }
+        assert_eq!(rows.len(), StatIndex::ALL.len());
     }
 }

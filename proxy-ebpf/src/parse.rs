@@ -13,10 +13,10 @@ use aya_ebpf::{
     helpers::bpf_skb_load_bytes,
     programs::{TcContext, XdpContext},
 };
-use proxy_common::{family, proto};
+use proxy_common::{StatIndex, family, proto};
 
 pub use crate::packet::{ETH_HLEN, Packet};
-use crate::{fragments, maps::scratch};
+use crate::{fragments, maps::scratch, stats::bump};
 
 pub const ETH_P_IP: u16 = 0x0800;
 pub const ETH_P_IPV6: u16 = 0x86dd;
@@ -109,7 +109,9 @@ impl Frame for XdpContext {
 /// the first fragment of a TCP or UDP datagram included (`Packet::first_fragment`: the caller
 /// remembers its ports for the rest once it knows the flow, `fragments`); `None` for anything the tc programs leave to the kernel (the other
 /// family, other protocols, SCTP fragments, IPv6 extension headers other than a fragment
-/// header) and for later fragments, which [`parse_later_fragment`] parses.
+/// header) and for later fragments, which [`parse_later_fragment`] parses. A TCP, UDP or SCTP
+/// header cut short before its ports (and TCP's flags) is counted (`tc_truncated_header`): the
+/// stack drops it as malformed, whoever it was for.
 #[inline(always)]
 pub fn parse<const V6: bool>(ctx: &TcContext) -> Option<&'static Packet> {
     pull_headers::<V6>(ctx);
@@ -119,7 +121,11 @@ pub fn parse<const V6: bool>(ctx: &TcContext) -> Option<&'static Packet> {
     if fragment == Fragment::Later || (fragment == Fragment::First && pkt.proto == proto::SCTP) {
         return None;
     }
-    with_ports(ctx, pkt)
+    let parsed = with_ports(ctx, pkt);
+    if parsed.is_none() {
+        bump(StatIndex::TcTruncatedHeader);
+    }
+    parsed
 }
 
 /// Parses a whole (unfragmented) TCP or UDP packet of one family for the XDP program; `None`

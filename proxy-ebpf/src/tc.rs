@@ -165,6 +165,8 @@ pub fn fragment_ingress<const V6: bool>(ctx: &TcContext) -> i32 {
         return NEXT;
     };
     let Some(value) = conntrack::lookup::<V6>(&pkt.ct_key(), View::A) else {
+        // Its first fragment was a flow's, whose entries are gone since (expired, evicted).
+        bump(StatIndex::TcFragmentUntracked);
         return NEXT;
     };
     if value.flags & ct_flags::REPLY != 0 {
@@ -172,6 +174,7 @@ pub fn fragment_ingress<const V6: bool>(ctx: &TcContext) -> i32 {
     }
     // The kernel's conntrack NATs an adopted flow's packets: it reassembles them first.
     if value.flags & ct_flags::KERNEL_NAT != 0 {
+        bump(StatIndex::TcKernelNatPassed);
         return NEXT;
     }
     translate(ctx, pkt, value, StatIndex::TcEstablished)
@@ -336,6 +339,7 @@ fn service<const V6: bool>(ctx: &TcContext, side: TcSide) -> i32 {
 #[inline(always)]
 fn translate_new(ctx: &TcContext, pkt: &Packet) -> i32 {
     let Some(scratch) = scratch() else {
+        bump(StatIndex::TcScratchUnavailable);
         return DROP;
     };
     // SAFETY: the per-CPU slot is ours until the program ends; `translate` reads `forward`
@@ -530,6 +534,7 @@ pub fn new_flow<const V6: bool, C: Frame>(
         }
     };
     let Some(scratch) = scratch() else {
+        bump(StatIndex::TcScratchUnavailable);
         return Verdict::Action(DROP);
     };
     // SAFETY: the per-CPU slot is ours until the program ends (no preemption on a CPU).
@@ -658,8 +663,13 @@ pub fn new_flow<const V6: bool, C: Frame>(
         None => {
             // A bypassing flow's reply key was given up by its holder (see above).
             let inserted = if scratch.reply.flags & ct_flags::BYPASS != 0 {
-                conntrack::insert::<V6>(&scratch.reply_key, &scratch.reply)
+                let inserted = conntrack::insert::<V6>(&scratch.reply_key, &scratch.reply);
+                if !inserted {
+                    bump(StatIndex::TcCtFailed);
+                }
+                inserted
             } else {
+                // Counted there (`tc_ct_reply_clash`, `tc_ct_update_failed`).
                 conntrack::insert_reply::<V6>(&scratch.reply_key, &scratch.reply, &scratch.flow_key)
             };
             if !inserted {
@@ -716,6 +726,7 @@ fn record_client_interface<C: Frame>(ctx: &C) {
 #[inline(never)]
 fn insert_egress<const V6: bool>(pkt: &Packet) -> bool {
     let Some(scratch) = scratch() else {
+        bump(StatIndex::TcScratchUnavailable);
         return false;
     };
     // SAFETY: the per-CPU slot is ours until the program ends.

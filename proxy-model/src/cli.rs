@@ -673,6 +673,10 @@ pub struct InspectArgs {
     /// `top`: stop after this many frames (the first one is the baseline, without rates).
     #[arg(long, value_name = "N")]
     pub iterations: Option<u64>,
+    /// `counters`: only the reasons for which packets were dropped, rejected or passed on
+    /// untranslated (action `dropped`, `rejected`, `passed_untranslated`).
+    #[arg(long)]
+    pub drops: bool,
 }
 
 /// `inspect top`'s orders: by the rate of one count (then its total), or by name.
@@ -705,7 +709,8 @@ impl InspectArgs {
 pub enum InspectWhat {
     /// Frontends (service address, NodePort, …) with their Service and backends.
     Services,
-    /// Datapath counters by reason.
+    /// Datapath counters by reason, with what the datapath did (dropped, rejected, passed
+    /// untranslated, translated, other), drops first (--drops: only those).
     Counters,
     /// Backend ids and addresses, with the service ids whose live slots use them.
     Backends,

@@ -892,6 +892,27 @@ pub fn source_ranges_never_leak(mode: &str) -> Result<()> {
     s.ensure(leaked == 0, || {
         format!("{leaked} segments from clients outside the ranges reached the backend")
     })?;
+    // The node itself (10.10.0.1, outside the ranges): in eBPF mode the socket hook fails its
+    // connect() at once where kube-proxy drops (EHOSTUNREACH), one drop counted per connect.
+    if is_ebpf(mode) {
+        let node_client = local_client(&s, mode, Place::Node)?.timeout(DROP_TIMEOUT);
+        let counter = proxy_common::StatIndex::SockDroppedSourceRange;
+        let before = s.agent()?.datapath_counter(counter)?;
+        let attempts = node_client.run(lb, 3)?;
+        let counted = s.agent()?.datapath_counter(counter)? - before;
+        eprintln!(
+            "[{mode}] LB IP from the node (outside the ranges): {:?}, {} {counted}",
+            tally(&attempts),
+            counter.name()
+        );
+        s.ensure(
+            attempts
+                .iter()
+                .all(|a| *a == Attempt::Err("EHOSTUNREACH".into()))
+                && counted == 3,
+            || format!("3 connects from the node must fail, counted: {attempts:?}, {counted}"),
+        )?;
+    }
 
     let attempts = inside.run(lb, 10)?;
     let answered = received(&s, Place::Pod(1))? - before;
@@ -1666,6 +1687,15 @@ pub fn internal_policy_local_without_local_endpoints(mode: &str) -> Result<()> {
     let failed = |a: &Attempt| *a == Attempt::Err(expected.into());
     let node_client = local_client(&s, mode, Place::Node)?.timeout(DROP_TIMEOUT);
     s.wait_for_datapath_with(&node_client, cluster_addr(), "ClusterIP dropped", failed)?;
+    let dropped = |s: &mut Scenario| -> Result<u64> {
+        if is_ebpf(mode) {
+            s.agent()?
+                .datapath_counter(proxy_common::StatIndex::SockDroppedNoLocal)
+        } else {
+            Ok(0)
+        }
+    };
+    let dropped_before = dropped(&mut s)?;
     for (who, place) in [("node", Place::Node), ("pod2", Place::Pod(2))] {
         let client = local_client(&s, mode, place)?.timeout(DROP_TIMEOUT);
         let attempts = client.run(cluster_addr(), 3)?;
@@ -1673,6 +1703,13 @@ pub fn internal_policy_local_without_local_endpoints(mode: &str) -> Result<()> {
         eprintln!("[{mode}] {who} → ClusterIP, iTP=Local without local endpoints: {counts:?}");
         s.ensure(attempts.iter().all(failed), || {
             format!("{who}: expected {expected} on every attempt: {counts:?}")
+        })?;
+    }
+    // In eBPF mode each failed connect is one drop, counted by its reason.
+    if is_ebpf(mode) {
+        let counted = dropped(&mut s)? - dropped_before;
+        s.ensure(counted == 6, || {
+            format!("6 connects failed, sock_dropped_no_local_endpoints counted {counted}")
         })?;
     }
     Ok(())

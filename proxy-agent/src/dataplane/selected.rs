@@ -9,6 +9,7 @@ use tracing::{debug, info, warn};
 
 use super::options::{ebpf_options, iptables_config};
 use crate::sync_runner::{RunnerConfig, SyncReason};
+use proxy_common::StatIndex;
 use proxy_dataplane_ebpf::{self as ebpf, ApplyError, ApplySummary, EbpfDataplane, GcProgress};
 use proxy_dataplane_iptables::{self as iptables, IptablesDataplane, IptablesError, SyncReport};
 use proxy_kernel::node::NodeSettings;
@@ -256,13 +257,9 @@ impl Dataplane {
     }
 
     /// The eBPF datapath's counters (none in iptables mode).
-    pub fn datapath_counters(&self) -> Vec<(&'static str, u64)> {
+    pub fn datapath_counters(&self) -> Vec<(StatIndex, u64)> {
         match self {
-            Dataplane::Ebpf(ebpf) => ebpf
-                .stats()
-                .into_iter()
-                .map(|(c, v)| (c.name(), v))
-                .collect(),
+            Dataplane::Ebpf(ebpf) => ebpf.stats(),
             Dataplane::Iptables(_) => Vec::new(),
         }
     }

@@ -56,6 +56,7 @@ use super::{
     rest_client::{self, RestClientMetrics},
     service_traffic::{self, ServiceTrafficMetrics},
 };
+use proxy_common::StatIndex;
 use proxy_model::{
     desired::{FamilySnapshot, IpFamily, ServicePort, ServicePortName},
     proxy_mode::ProxyMode,
@@ -111,6 +112,15 @@ struct FeatureLabel {
 #[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
 struct ReasonLabel {
     reason: &'static str,
+}
+
+/// A datapath event: its reason and what the datapath did (`StatAction`), so that drops are
+/// one selector away (`action=~"dropped|rejected|passed_untranslated"`) while the series stay
+/// one per reason.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct DatapathLabel {
+    reason: &'static str,
+    action: &'static str,
 }
 
 type FloatGauge = Gauge<f64, AtomicU64>;
@@ -1062,7 +1072,7 @@ fn source_increase(previous: u64, value: u64) -> u64 {
 pub struct EbpfMetrics {
     map_entries: Family<MapLabel, Gauge>,
     map_capacity: Family<MapLabel, Gauge>,
-    datapath: Family<ReasonLabel, Counter>,
+    datapath: Family<DatapathLabel, Counter>,
     datapath_last: Mutex<BTreeMap<&'static str, u64>>,
     conntrack_entries: Gauge,
     conntrack_gc_runs: Counter,
@@ -1094,7 +1104,8 @@ impl EbpfMetrics {
         );
         described.add(
             "kubeproxy_ebpf_datapath_events",
-            "Datapath events counted by the eBPF programs, by reason",
+            "Datapath events counted by the eBPF programs, by reason and by what the datapath \
+             did (action: dropped, rejected, passed_untranslated, translated, other)",
             this.datapath.clone(),
         );
         described.add(
@@ -1142,15 +1153,19 @@ impl EbpfMetrics {
     }
 
     /// A reading of the per-CPU datapath counters (summed over CPUs, cumulative).
-    pub fn datapath_counters(&self, counters: &[(&'static str, u64)]) {
+    pub fn datapath_counters(&self, counters: &[(StatIndex, u64)]) {
         let mut last = self
             .datapath_last
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
-        for &(reason, value) in counters {
+        for &(index, value) in counters {
+            let reason = index.name();
             let previous = last.insert(reason, value).unwrap_or(0);
             self.datapath
-                .get_or_create(&ReasonLabel { reason })
+                .get_or_create(&DatapathLabel {
+                    reason,
+                    action: index.action().name(),
+                })
                 .inc_by(source_increase(previous, value));
         }
     }

@@ -359,7 +359,7 @@ impl Agent {
         if let Some(ebpf) = metrics.ebpf() {
             let counters = self.dataplane.datapath_counters();
             for (counter, value) in &counters {
-                debug!(counter, value, "datapath counter");
+                debug!(counter = counter.name(), value, "datapath counter");
             }
             ebpf.datapath_counters(&counters);
         }

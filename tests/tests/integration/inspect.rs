@@ -1,15 +1,24 @@
 //! `proxy-agent inspect` against a running agent, from inside the node's network namespace:
 //! the Service a test created shows up with its backends, in both modes. Needs root.
 
-use std::{path::Path, process::Command};
+use std::{
+    net::{Ipv4Addr, SocketAddr, SocketAddrV4},
+    path::Path,
+    process::Command,
+    time::Duration,
+};
 
+use anyhow::Context as _;
 use proxy_tests::{
     agent::agent_binary,
-    scenario::{Scenario, http_service, http_slice},
+    client::{Attempt, Mode},
+    manifests::{Protocol, ServicePort, service_yaml},
+    scenario::{SERVICE_PORT, Scenario, http_service, http_slice},
+    wait::try_wait_until,
 };
 
 /// `default/empty`'s ClusterIP: a Service without endpoints.
-const EMPTY_IP: std::net::Ipv4Addr = std::net::Ipv4Addr::new(10, 96, 0, 20);
+const EMPTY_IP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 20);
 
 fn setup(mode: &str) -> anyhow::Result<Scenario> {
     proxy_tests::require_root();
@@ -303,6 +312,148 @@ fn inspect_features_shows_the_kernel_and_the_running_agents_choice() -> anyhow::
     anyhow::ensure!(
         tcx_line.contains("legacy clsact tc filters") && table.starts_with("FEATURE"),
         "{table}"
+    );
+    Ok(())
+}
+
+/// The count `inspect counters` (table) shows for `reason`, with the action it names.
+fn counter(table: &str, reason: &str) -> anyhow::Result<(String, u64)> {
+    let line = table
+        .lines()
+        .find(|line| line.split_whitespace().next() == Some(reason))
+        .ok_or_else(|| anyhow::anyhow!("no {reason} in {table}"))?;
+    let fields: Vec<&str> = line.split_whitespace().collect();
+    match fields[..] {
+        [_, action, value] => Ok((action.to_owned(), value.parse()?)),
+        _ => anyhow::bail!("{line:?}: not REASON ACTION COUNT"),
+    }
+}
+
+/// A drop reason read from a real agent, end to end: three connections and two unconnected
+/// UDP datagrams from the node to `default/empty` (a ClusterIP Service, TCP 80 and UDP 53,
+/// without endpoints; a local address answers on 80, were the connection not refused) are
+/// refused by the socket hooks. `inspect counters --drops` (the pinned counters) shows exactly
+/// three more `rejected_no_backends` and two more `sendmsg_rejected_no_backends`, action
+/// `rejected`, and no translated or other reason; the JSON rows carry the action too; and the
+/// agent's metrics endpoint, after the next sync, shows
+/// `kubeproxy_ebpf_datapath_events_total{reason="rejected_no_backends",action="rejected"}` 3.
+#[test]
+fn inspect_and_metrics_show_a_drop_reason_with_its_action() -> anyhow::Result<()> {
+    const EMPTY_IP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 20);
+    proxy_tests::require_root();
+    proxy_tests::set_helper_binary(env!("CARGO_BIN_EXE_rig-helper"));
+    let mut s = Scenario::new(1)?;
+    s.write_web_service(1)?;
+    s.topo.add_decoy(EMPTY_IP, SERVICE_PORT)?;
+    let ports = [
+        ServicePort {
+            name: "http".into(),
+            port: SERVICE_PORT,
+            protocol: Protocol::Tcp,
+        },
+        ServicePort {
+            name: "dns".into(),
+            port: 53,
+            protocol: Protocol::Udp,
+        },
+    ];
+    s.manifests.write(
+        "empty-svc.yaml",
+        &service_yaml("default", "empty", EMPTY_IP, &ports),
+    )?;
+    s.manifests.write(
+        "empty-slice.yaml",
+        &http_slice("default", "empty-1", "empty", &[]),
+    )?;
+    let client = s.start_serving("ebpf", &[])?;
+    let netns = s.topo.node().path();
+    let bpf_root = s.agent()?.bpf_root().to_path_buf();
+
+    let before = inspect(&netns, Some(&bpf_root), &["counters", "--drops"])?;
+    let (action, refused_before) = counter(&before, "rejected_no_backends")?;
+    assert_eq!(action, "rejected", "{before}");
+    let (_, sendmsg_before) = counter(&before, "sendmsg_rejected_no_backends")?;
+    let empty = SocketAddr::from(SocketAddrV4::new(EMPTY_IP, SERVICE_PORT));
+    let attempts = client
+        .clone()
+        .timeout(Duration::from_secs(2))
+        .run(empty, 3)?;
+    assert!(
+        attempts
+            .iter()
+            .all(|a| *a == Attempt::Err("ECONNREFUSED".into())),
+        "default/empty refuses: {attempts:?}"
+    );
+    let dns = SocketAddr::from(SocketAddrV4::new(EMPTY_IP, 53));
+    let attempts = client
+        .clone()
+        .mode(Mode::Sendto)
+        .timeout(Duration::from_secs(2))
+        .run(dns, 2)?;
+    assert!(
+        attempts
+            .iter()
+            .all(|a| *a == Attempt::Err("ECONNREFUSED".into())),
+        "default/empty refuses datagrams: {attempts:?}"
+    );
+    let after = inspect(&netns, Some(&bpf_root), &["counters", "--drops"])?;
+    eprintln!("{after}");
+    assert_eq!(
+        counter(&after, "rejected_no_backends")?,
+        ("rejected".to_owned(), refused_before + 3),
+        "{after}"
+    );
+    assert_eq!(
+        counter(&after, "sendmsg_rejected_no_backends")?,
+        ("rejected".to_owned(), sendmsg_before + 2),
+        "{after}"
+    );
+    // Only drops, rejects and untranslated passes, with a header line.
+    for line in after.lines().skip(1).filter(|line| !line.trim().is_empty()) {
+        let action = line.split_whitespace().nth(1).unwrap_or_default();
+        assert!(
+            ["dropped", "rejected", "passed_untranslated"].contains(&action),
+            "{line:?} in --drops"
+        );
+    }
+    let rows: Vec<serde_json::Value> =
+        serde_json::from_str(&inspect(&netns, Some(&bpf_root), &["counters", "--json"])?)?;
+    let row = rows
+        .iter()
+        .find(|r| r["counter"] == "rejected_no_backends")
+        .ok_or_else(|| anyhow::anyhow!("no rejected_no_backends row"))?;
+    assert_eq!(row["action"], "rejected", "{row}");
+    assert!(
+        rows.iter()
+            .any(|r| r["counter"] == "translated" && r["action"] == "translated"),
+        "without --drops every reason"
+    );
+
+    // The metric follows the counters at each sync: a change to the manifests makes one.
+    let agent = s.agent()?;
+    let syncs = agent.syncs();
+    s.manifests.write(
+        "empty-slice.yaml",
+        &http_slice("default", "empty-2", "empty", &[]),
+    )?;
+    let agent = s.agent()?;
+    try_wait_until(
+        "a sync after the refused connections",
+        Duration::from_secs(20),
+        Duration::from_millis(100),
+        || Ok(agent.syncs() > syncs),
+    )
+    .with_context(|| agent.log_tail(30))?;
+    let refused = proxy_tests::http::metric_sum(
+        &agent.metrics()?,
+        "kubeproxy_ebpf_datapath_events_total",
+        &["reason=\"rejected_no_backends\"", "action=\"rejected\""],
+    );
+    assert_eq!(
+        refused,
+        (refused_before + 3) as f64,
+        "{}",
+        agent.log_tail(30)
     );
     Ok(())
 }

@@ -218,6 +218,19 @@ const PANELS: &[Panel] = &[
         ]],
     },
     Panel {
+        title: "Datapath drops by reason (eBPF)",
+        labels: &["reason", "action"],
+        modes: EBPF,
+        // `empty`'s refusals at the socket hook, `local`'s drops of outside clients at tc.
+        positive: &[
+            &[("reason", "rejected_no_backends"), ("action", "rejected")],
+            &[
+                ("reason", "tc_dropped_no_local_endpoints"),
+                ("action", "dropped"),
+            ],
+        ],
+    },
+    Panel {
         title: "Service rejected connections (no endpoints)",
         labels: SERVICE_FRONTEND,
         modes: BOTH,

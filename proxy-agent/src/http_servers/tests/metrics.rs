@@ -7,6 +7,7 @@ use crate::http_servers::{
     metrics::{IptablesTable, Metrics, network_programming_buckets, no_local_endpoints},
     trigger_times,
 };
+use proxy_common::StatIndex;
 use proxy_model::desired::{IpFamily, ServicePortName};
 
 /// `# TYPE` lines: family name → type.
@@ -59,7 +60,11 @@ fn feed(metrics: &Metrics) {
     }
     if let Some(ebpf) = metrics.ebpf() {
         ebpf.map_usage("frontends", 3, 65536);
-        ebpf.datapath_counters(&[("translated", 7), ("rejected_no_backends", 1)]);
+        ebpf.datapath_counters(&[
+            (StatIndex::Translated, 7),
+            (StatIndex::RejectedNoBackends, 1),
+            (StatIndex::TcSnatPortExhausted, 2),
+        ]);
         ebpf.conntrack_entries(9);
         ebpf.conntrack_gc_run();
     }
@@ -201,7 +206,11 @@ const IPTABLES_ONLY: &[(&str, &str, &str, &str)] = &[
 const EBPF_ONLY: &[(&str, &str, &str)] = &[
     ("kubeproxy_ebpf_map_entries", "gauge", "map"),
     ("kubeproxy_ebpf_map_capacity", "gauge", "map"),
-    ("kubeproxy_ebpf_datapath_events_total", "counter", "reason"),
+    (
+        "kubeproxy_ebpf_datapath_events_total",
+        "counter",
+        "action,reason",
+    ),
     ("kubeproxy_ebpf_conntrack_entries", "gauge", ""),
     ("kubeproxy_ebpf_conntrack_gc_runs_total", "counter", ""),
 ];
@@ -282,7 +291,16 @@ fn ebpf_mode_exposes_the_common_and_ebpf_metrics() {
     }
     assert!(has_sample(
         &text,
-        "kubeproxy_ebpf_datapath_events_total{reason=\"translated\"} 7"
+        "kubeproxy_ebpf_datapath_events_total{reason=\"translated\",action=\"translated\"} 7"
+    ));
+    // Each reason carries what the datapath did, so drops are one selector away.
+    assert!(has_sample(
+        &text,
+        "kubeproxy_ebpf_datapath_events_total{reason=\"rejected_no_backends\",action=\"rejected\"} 1"
+    ));
+    assert!(has_sample(
+        &text,
+        "kubeproxy_ebpf_datapath_events_total{reason=\"tc_snat_port_exhausted\",action=\"dropped\"} 2"
     ));
     assert!(has_sample(
         &text,
@@ -553,17 +571,17 @@ fn no_local_endpoints_vectors() {
 fn datapath_counters_follow_the_cumulative_readings() {
     let metrics = Metrics::new(ProxyMode::Ebpf);
     let ebpf = metrics.ebpf().unwrap();
-    ebpf.datapath_counters(&[("translated", 5)]);
-    ebpf.datapath_counters(&[("translated", 8)]);
+    ebpf.datapath_counters(&[(StatIndex::Translated, 5)]);
+    ebpf.datapath_counters(&[(StatIndex::Translated, 8)]);
     assert!(has_sample(
         &metrics.encode(),
-        "kubeproxy_ebpf_datapath_events_total{reason=\"translated\"} 8"
+        "kubeproxy_ebpf_datapath_events_total{reason=\"translated\",action=\"translated\"} 8"
     ));
     // The maps were recreated: counting restarts from the new reading.
-    ebpf.datapath_counters(&[("translated", 2)]);
+    ebpf.datapath_counters(&[(StatIndex::Translated, 2)]);
     assert!(has_sample(
         &metrics.encode(),
-        "kubeproxy_ebpf_datapath_events_total{reason=\"translated\"} 10"
+        "kubeproxy_ebpf_datapath_events_total{reason=\"translated\",action=\"translated\"} 10"
     ));
 }
 
