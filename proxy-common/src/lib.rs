@@ -16,6 +16,7 @@ pub mod ip_family;
 pub mod lookup;
 pub mod maglev;
 pub mod maps;
+pub mod probe;
 pub mod select;
 pub mod stats;
 

@@ -10,7 +10,8 @@
 //! port, and its entries (forward, and the reply entry that answers it) are deleted before the
 //! run (a leftover entry would pin the flow to an old backend and hide a broken translation)
 //! and after it. Frontends with session affinity or source ranges are not probed (an affinity
-//! entry per probe; a range may refuse the documentation address).
+//! entry per probe; a range may refuse the documentation address). The programs do not count
+//! the probe in the per-Service traffic counters (`proxy_common::probe`).
 
 use std::{
     net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr},
@@ -36,11 +37,13 @@ use crate::{
 use proxy_model::desired::IpFamily;
 
 /// The probe's IPv4 client: TEST-NET-1's last address.
-pub const PROBE_CLIENT4: Ipv4Addr = Ipv4Addr::new(192, 0, 2, 254);
+pub const PROBE_CLIENT4: Ipv4Addr = proxy_common::probe::CLIENT4;
 /// The probe's IPv6 client, in the documentation prefix.
-pub const PROBE_CLIENT6: Ipv6Addr = Ipv6Addr::new(0x2001, 0xdb8, 0, 0, 0, 0, 0xdead, 0xbeef);
-/// The probe's source port (its entries are deleted around each run, so one port serves).
-pub const PROBE_PORT: u16 = 40_999;
+pub const PROBE_CLIENT6: Ipv6Addr = proxy_common::probe::CLIENT6;
+/// The probe's source port (its entries are deleted around each run, so one port serves). The
+/// programs leave this client's flows out of the per-Service traffic counters
+/// (`proxy_common::probe`): a probe is no client's connection.
+pub const PROBE_PORT: u16 = proxy_common::probe::PORT;
 /// The most external interfaces one self-test probes: each costs a hook query and one run per
 /// family, and a node with more uplinks than this is not one to spend the loop's time on.
 pub const MAX_PROBED_INTERFACES: usize = 16;

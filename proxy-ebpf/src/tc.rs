@@ -691,7 +691,7 @@ pub fn new_flow<const V6: bool, C: Frame>(
         return Verdict::Action(DROP);
     }
     if !midstream {
-        traffic::count(frontend.service_id, TrafficEvent::NewConnection);
+        traffic::count_connection(pkt, frontend.service_id);
     }
     Verdict::Translate
 }

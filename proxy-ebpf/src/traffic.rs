@@ -2,9 +2,19 @@
 
 use core::intrinsics::{AtomicOrdering, atomic_xadd};
 
-use proxy_common::TrafficEvent;
+use proxy_common::{TrafficEvent, probe};
 
-use crate::maps::KPR_SERVICE_TRAFFIC;
+use crate::{maps::KPR_SERVICE_TRAFFIC, packet::Packet};
+
+/// Counts the new connection `pkt` starts to the frontend with `service_id`, once its flow's
+/// conntrack entries are written (the packets after it find them and are not new): unless it
+/// is the datapath self-test's probe, which runs the live program on a synthetic SYN.
+#[inline(always)]
+pub fn count_connection(pkt: &Packet, service_id: u32) {
+    if !probe::is_probe(&pkt.src, pkt.sport, pkt.is_v6()) {
+        count(service_id, TrafficEvent::NewConnection);
+    }
+}
 
 /// Counts `event` for the frontend with `service_id`. An id past the array's end (the agent
 /// sized it down, or turned counting off) is not counted.

@@ -56,6 +56,7 @@ mod icmp;
 mod maglev;
 mod sctp;
 mod snat;
+mod traffic;
 mod translation;
 mod xdp;
 
