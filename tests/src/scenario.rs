@@ -337,6 +337,20 @@ impl Scenario {
         self.wait_for_datapath_with(&client, target, what, ready)
     }
 
+    /// [`Scenario::wait_for_datapath`] bounded by `bound` instead of [`DATAPATH_TIMEOUT`]: for a
+    /// change whose sync is large (thousands of Services), which a CI machine's other work can
+    /// slow well past the bound of a small one.
+    pub fn wait_for_datapath_within(
+        &mut self,
+        target: SocketAddr,
+        what: &str,
+        bound: Duration,
+        ready: impl Fn(&Attempt) -> bool,
+    ) -> Result<Attempt> {
+        let client = self.cgroup_client();
+        self.wait_for_datapath_bounded(&client, target, what, bound, ready)
+    }
+
     /// [`Scenario::wait_for_datapath`] with a given client (protocol, mode, namespace).
     pub fn wait_for_datapath_with(
         &mut self,
@@ -345,10 +359,21 @@ impl Scenario {
         what: &str,
         ready: impl Fn(&Attempt) -> bool,
     ) -> Result<Attempt> {
+        self.wait_for_datapath_bounded(client, target, what, DATAPATH_TIMEOUT, ready)
+    }
+
+    fn wait_for_datapath_bounded(
+        &mut self,
+        client: &Client,
+        target: SocketAddr,
+        what: &str,
+        bound: Duration,
+        ready: impl Fn(&Attempt) -> bool,
+    ) -> Result<Attempt> {
         self.wait_for_first_sync_if_any();
         let start = Instant::now();
         let mut last = None;
-        while start.elapsed() < DATAPATH_TIMEOUT {
+        while start.elapsed() < bound {
             let attempt = client.once(target)?;
             if ready(&attempt) {
                 return Ok(attempt);
@@ -366,7 +391,7 @@ impl Scenario {
                  last attempt: {last:?}"
             ),
             None => format!(
-                "datapath for {target} not ready ({what}) within {DATAPATH_TIMEOUT:?}; \
+                "datapath for {target} not ready ({what}) within {bound:?}; \
                  last attempt: {last:?}"
             ),
         };

@@ -21,8 +21,9 @@ use proxy_tests::wait::wait_until;
 
 const NODE_PORT: u16 = 30053;
 const PODS: usize = 3;
-/// Client source ports of the measured flows, one flow each.
-const FLOW_PORTS: std::ops::Range<u16> = 40_000..40_060;
+/// Client source ports of the measured flows, one flow each: below the namespace's ephemeral
+/// range (32768-60999), so no socket given an ephemeral port there can hold one of them.
+const FLOW_PORTS: std::ops::Range<u16> = 20_000..20_060;
 
 fn udp_service() -> String {
     format!(
@@ -156,7 +157,7 @@ fn maglev_node_port_flows_keep_their_backend_across_a_datapath_rebuild() -> anyh
     s.start_agent_with_args("ebpf", &["--interfaces", "vext"])?;
     let target = SocketAddr::new(IpAddr::V4(Topology::node_ext_ip()), NODE_PORT);
     let ports: Vec<u16> = FLOW_PORTS.collect();
-    wait_for_datapath(&s, target, 39_997)?;
+    wait_for_datapath(&s, target, 19_997)?;
 
     // Random → maglev on the same pins.
     let agent = s.agent()?;
@@ -184,7 +185,7 @@ fn maglev_node_port_flows_keep_their_backend_across_a_datapath_rebuild() -> anyh
         random_capacity == 1 && maglev_capacity == proxy_common::default_sizes::MAGLEV,
         || "the Maglev map should be recreated with its capacity for maglev".into(),
     )?;
-    wait_for_datapath(&s, target, 39_999)?;
+    wait_for_datapath(&s, target, 19_999)?;
     // `inspect explain` names each tuple's backend before any packet of it: the Maglev slot
     // of the full 5-tuple (`--sport`).
     let predicted = predict(&mut s, target, &ports)?;
@@ -218,7 +219,7 @@ fn maglev_node_port_flows_keep_their_backend_across_a_datapath_rebuild() -> anyh
     let status = agent.run_cleanup()?;
     s.ensure(status.success(), || format!("--cleanup failed: {status}"))?;
     s.agent()?.restart()?;
-    wait_for_datapath(&s, target, 39_998)?;
+    wait_for_datapath(&s, target, 19_998)?;
     let second = send_flows(s.topo.ext().path(), target, ports)?;
     let same = first.iter().zip(&second).filter(|(a, b)| a == b).count();
     eprintln!(

@@ -110,7 +110,12 @@ fn service_map_memory_follows_the_services_written() -> anyhow::Result<()> {
         .collect::<anyhow::Result<_>>()?;
 
     write_services(&s, 2000)?;
-    s.wait_for_datapath(target(1999), "the 2000th Service answered", is_pod)?;
+    s.wait_for_datapath_within(
+        target(1999),
+        "the 2000th Service answered",
+        Duration::from_secs(60),
+        is_pod,
+    )?;
     let large: Vec<u64> = watched
         .iter()
         .map(|name| memlock(pid, &root, name))
