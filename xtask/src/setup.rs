@@ -30,7 +30,8 @@ const DEBIAN_PACKAGES: [&str; 10] = [
     // `inspect top`'s test runs it in a terminal.
     "tmux",
     // The CNI reference plugins (`bridge`, `ptp`, `host-local`): the reachability matrix and
-    // the pps benchmark wire pods with them as a container runtime would (`tests/src/cni.rs`).
+    // the pps benchmark (§4b) wire pods with them as a container runtime would
+    // (`tests/src/cni.rs`).
     "containernetworking-plugins",
 ];
 const BPF_LINKER_VERSION: &str = "0.13.0";
