@@ -80,6 +80,16 @@ impl CniNetwork {
             });
         }
         if plugin == CniPlugin::Bridge {
+            // The settings exist only with the kernel's `br_netfilter` (loaded or built in).
+            // Loading it is the host's business (it turns the same settings on in every
+            // namespace, the host's too), so the rig names it instead of loading it.
+            if !Path::new("/proc/sys/net/bridge/bridge-nf-call-iptables").exists() {
+                return Err(RigError::Other(
+                    "the bridge-wired pods need the kernel's br_netfilter (kube-proxy's \
+                     requirement for bridged pod networks): `modprobe br_netfilter` on the host"
+                        .into(),
+                ));
+            }
             node.sysctl_all(&[
                 ("net.bridge.bridge-nf-call-iptables", "1"),
                 ("net.bridge.bridge-nf-call-ip6tables", "1"),
