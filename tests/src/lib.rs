@@ -13,6 +13,8 @@ pub mod cgroup;
 #[cfg(feature = "rig")]
 pub mod client;
 #[cfg(feature = "rig")]
+pub mod cni;
+#[cfg(feature = "rig")]
 pub mod connect_loop;
 #[cfg(feature = "rig")]
 pub mod cpu;

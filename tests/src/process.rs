@@ -1,6 +1,6 @@
 //! Bounded execution of short-lived commands (`ip`, the client helper).
 
-use std::io::Read;
+use std::io::{Read, Write};
 use std::process::{Child, Command, ExitStatus, Output, Stdio};
 use std::thread;
 use std::time::{Duration, Instant};
@@ -22,13 +22,35 @@ pub fn describe(cmd: &Command) -> String {
 
 /// Runs `cmd` to completion, capturing output; kills it if it outlives `timeout`.
 pub fn run_bounded(cmd: &mut Command, timeout: Duration) -> Result<Output> {
+    run_bounded_with_input(cmd, None, timeout)
+}
+
+/// [`run_bounded`] with `input` written to the child's stdin (then closed); `None`: stdin is
+/// `/dev/null`.
+pub fn run_bounded_with_input(
+    cmd: &mut Command,
+    input: Option<&[u8]>,
+    timeout: Duration,
+) -> Result<Output> {
     let what = describe(cmd);
     let mut child = cmd
-        .stdin(Stdio::null())
+        .stdin(if input.is_some() {
+            Stdio::piped()
+        } else {
+            Stdio::null()
+        })
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
         .map_err(|e| RigError::io(format!("spawning `{what}`"), e))?;
+    if let (Some(input), Some(mut stdin)) = (input, child.stdin.take()) {
+        // Small (a network configuration): the pipe's buffer takes it whole, so writing
+        // before draining stdout cannot deadlock.
+        if let Err(e) = stdin.write_all(input) {
+            kill_and_reap(&mut child);
+            return Err(RigError::io(format!("writing the stdin of `{what}`"), e));
+        }
+    }
     // Drain both pipes on threads so a chatty child cannot block on a full pipe.
     let out = drain(child.stdout.take());
     let err = drain(child.stderr.take());

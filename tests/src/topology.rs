@@ -16,11 +16,17 @@
 //!                                                                  node2: default via node)
 //! ```
 //!
+//! [`Topology::with_wiring`] with [`PodWiring::Cni`] wires the pods with a CNI reference
+//! plugin instead ([`crate::cni`]): every pod on the bridge `cni0` (10.244.0.1/24,
+//! fd00:244::1/64) or behind a `ptp` veth each, with the addresses `host-local` hands out of
+//! 10.244.0.0/24 and fd00:244::/64 ([`Topology::pod_address`]; the plugin's result says which).
+//!
 //! IPv6 uses ULA addresses inside the test namespaces only, added with `nodad` so they are
 //! usable at once (duplicate address detection would hold them "tentative" for a second).
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV4, SocketAddrV6};
 
+use crate::cni::{CniAttachment, CniNetwork, CniPlugin};
 use crate::echo::EchoServer;
 use crate::netns::Netns;
 use crate::{Result, RigError};
@@ -41,6 +47,16 @@ pub enum Place {
     RemoteNode,
 }
 
+/// How the node's pods are connected to it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PodWiring {
+    /// A veth per pod, created by the rig, with a /24 (/64) per pod: pod `i` is
+    /// `10.244.<i>.2` behind `vpod<i>` (10.244.<i>.1).
+    Routed,
+    /// Wired by a CNI reference plugin, run as a container runtime runs it.
+    Cni(CniPlugin),
+}
+
 /// A node with `pods` pod namespaces and one external namespace. Dropping it kills the echo
 /// servers first (a process inside a namespace would keep it alive), then deletes every
 /// namespace, which also destroys the veth pairs.
@@ -52,14 +68,25 @@ pub struct Topology {
     uplink2: Vec<Netns>,
     remote_pods: Vec<Netns>,
     remote: Option<Netns>,
+    /// `DEL`ed before the pods' namespaces go, and before host-local's data directory.
+    cni_pods: Vec<CniAttachment>,
+    cni: Option<CniNetwork>,
     pods: Vec<Netns>,
+    /// Each pod's IPv4 and IPv6 address (the routed scheme's, or the CNI result's).
+    pod_addrs: Vec<(Ipv4Addr, Ipv6Addr)>,
     ext: Netns,
     node: Netns,
 }
 
 impl Topology {
-    /// Builds the node, `pods` pods (1..=pods) and the external namespace.
+    /// Builds the node, `pods` routed pods (1..=pods) and the external namespace.
     pub fn new(pods: usize) -> Result<Self> {
+        Self::with_wiring(pods, PodWiring::Routed)
+    }
+
+    /// Builds the node, `pods` pods (1..=pods) wired as `wiring` says and the external
+    /// namespace.
+    pub fn with_wiring(pods: usize, wiring: PodWiring) -> Result<Self> {
         if !(1..=254).contains(&pods) {
             return Err(RigError::Other(format!("pod count {pods} not in 1..=254")));
         }
@@ -72,7 +99,10 @@ impl Topology {
             uplink2: Vec::new(),
             remote_pods: Vec::new(),
             remote: None,
+            cni_pods: Vec::new(),
+            cni: None,
             pods: Vec::with_capacity(pods),
+            pod_addrs: Vec::with_capacity(pods),
             ext,
             node,
         };
@@ -85,6 +115,21 @@ impl Topology {
             "10.10.0.1",
         )?;
         link6(&topo.node, "vext", "fd00:10::1", &topo.ext, "fd00:10::2")?;
+        if let PodWiring::Cni(plugin) = wiring {
+            topo.cni = Some(CniNetwork::new(plugin, &topo.node)?);
+            for i in 1..=pods {
+                let pod = Netns::new(&format!("pod{i}"))?;
+                // Pushed first: should ADD fail half-way, the namespace still goes on drop.
+                topo.pods.push(pod);
+                let (Some(cni), Some(pod)) = (&topo.cni, topo.pods.last()) else {
+                    return Err(RigError::Other("CNI network".into()));
+                };
+                let attachment = cni.add(pod)?;
+                topo.pod_addrs.push(attachment.addresses());
+                topo.cni_pods.push(attachment);
+            }
+            return Ok(topo);
+        }
         for i in 1..=pods {
             let pod = Netns::new(&format!("pod{i}"))?;
             link(
@@ -103,8 +148,23 @@ impl Topology {
                 &Self::pod_ip6(i).to_string(),
             )?;
             topo.pods.push(pod);
+            topo.pod_addrs.push((Self::pod_ip(i), Self::pod_ip6(i)));
         }
         Ok(topo)
+    }
+
+    /// Pod `i`'s (1-based) address of the family, however the pods are wired.
+    pub fn pod_address(&self, i: usize, ipv6: bool) -> Result<IpAddr> {
+        let (v4, v6) = i
+            .checked_sub(1)
+            .and_then(|k| self.pod_addrs.get(k))
+            .ok_or_else(|| RigError::Other(format!("no pod {i}")))?;
+        Ok(if ipv6 { (*v6).into() } else { (*v4).into() })
+    }
+
+    /// The CNI plugin that wired the pods, if one did.
+    pub fn cni_plugin(&self) -> Option<CniPlugin> {
+        self.cni.as_ref().map(CniNetwork::plugin)
     }
 
     pub fn node(&self) -> &Netns {
@@ -430,20 +490,22 @@ impl Topology {
         Ok(())
     }
 
-    /// Starts `pod<i>` echo servers on `10.244.<i>.2:port` in every pod.
+    /// Starts `pod<i>` echo servers on pod `i`'s IPv4 address (`10.244.<i>.2` when routed)
+    /// and `port` in every pod.
     pub fn start_pod_echoes(&mut self, port: u16) -> Result<()> {
         for i in 1..=self.pods.len() {
-            let addr = SocketAddrV4::new(Self::pod_ip(i), port);
-            self.start_echo(Place::Pod(i), &format!("pod{i}"), addr.into())?;
+            let addr = SocketAddr::new(self.pod_address(i, false)?, port);
+            self.start_echo(Place::Pod(i), &format!("pod{i}"), addr)?;
         }
         Ok(())
     }
 
-    /// Starts `pod<i>` echo servers on `[fd00:244:<i>::2]:port` in every pod.
+    /// Starts `pod<i>` echo servers on pod `i`'s IPv6 address (`[fd00:244:<i>::2]` when
+    /// routed) and `port` in every pod.
     pub fn start_pod_echoes6(&mut self, port: u16) -> Result<()> {
         for i in 1..=self.pods.len() {
-            let addr = SocketAddrV6::new(Self::pod_ip6(i), port, 0, 0);
-            self.start_echo(Place::Pod(i), &format!("pod{i}"), addr.into())?;
+            let addr = SocketAddr::new(self.pod_address(i, true)?, port);
+            self.start_echo(Place::Pod(i), &format!("pod{i}"), addr)?;
         }
         Ok(())
     }
@@ -468,6 +530,8 @@ impl Drop for Topology {
         self.echoes.clear();
         self.remote_pods.clear();
         self.remote = None;
+        self.cni_pods.clear();
+        self.cni = None;
     }
 }
 

@@ -18,7 +18,7 @@ use crate::{
 /// check/test rules` plus a Prometheus evaluating the dashboard's and alerts' queries,
 /// `monitoring.rs`; `ethtool`:
 /// the XDP test gives its veths a wire's complete checksums, `external_xdp.rs`).
-const DEBIAN_PACKAGES: [&str; 9] = [
+const DEBIAN_PACKAGES: [&str; 10] = [
     "llvm-22-dev",
     "libpolly-22-dev",
     "iptables",
@@ -29,6 +29,10 @@ const DEBIAN_PACKAGES: [&str; 9] = [
     "ethtool",
     // `inspect top`'s test runs it in a terminal.
     "tmux",
+    // The CNI reference plugins (`bridge`, `ptp`, `host-local`): the reachability matrix and
+    // the pps benchmark (§4b) wire pods with them as a container runtime would
+    // (`tests/src/cni.rs`).
+    "containernetworking-plugins",
 ];
 const BPF_LINKER_VERSION: &str = "0.13.0";
 const LLVM_PREFIX: &str = "/usr/lib/llvm-22";

@@ -486,7 +486,10 @@ pub fn run(config: Config) -> Results {
         }
     });
     let pps = runner.config.runs(Section::Pps).then(|| {
-        step("packet rate through XDP, tc, iptables and routing", &runner);
+        step(
+            "packet rate through XDP, tc, iptables and routing (and a CNI bridge)",
+            &runner,
+        );
         let cpu = runner.config.pin_cpu.unwrap_or(0);
         match pps::packet_rate(runner.config.pps_loops, cpu) {
             Ok(r) => Outcome::Done(r),

@@ -20,6 +20,14 @@
 //! last frame arrived; frames the node dropped (a full veth ring when a stage is slower than
 //! the generator) count as not delivered, so the rate is the bottleneck's.
 //!
+//! Two more rows put the backend on the node itself, as a pod wired by the CNI reference
+//! plugin `bridge` with `host-local` (flannel's and kubenet's wiring, [`crate::cni`], run as a
+//! container runtime runs it): the sink is then a pod on the node's bridge `cni0` instead of a
+//! pod behind `ext1`, and the node forwards the frames into the bridge, which hands them to the
+//! pod's veth (the iptables mode, and the eBPF mode's tc program; XDP cannot redirect into a
+//! bridge, so there is no XDP row for it). The neighbour and the bridge's forwarding entry of
+//! the pod are static too, so the bridge never floods.
+//!
 //! Then, on the same rig, TCP round trips (TCP_RR: one connection, a line and its echo) from
 //! the client to an echo server on the sink through the same path, client and server on the
 //! same CPU.
@@ -37,6 +45,7 @@ use proxy_model::desired::Snapshot;
 use proxy_model::objects::{ObjectKey, Objects};
 
 use super::stats::Spread;
+use crate::cni::{CniAttachment, CniNetwork, CniPlugin};
 use crate::in_process::on_netns_thread;
 use crate::netns::{Netns, parse_mac};
 use crate::packet::{L4, build};
@@ -65,10 +74,21 @@ pub enum PpsMode {
     /// The eBPF mode's XDP program (`--tc-fast-path`, `--bpf-xdp auto`): redirect from the
     /// driver.
     Xdp,
+    /// The iptables mode with the backend a pod on the node's CNI bridge.
+    IptablesBridge,
+    /// The eBPF mode's tc program with the backend a pod on the node's CNI bridge.
+    TcBridge,
 }
 
 impl PpsMode {
-    pub const ALL: [Self; 4] = [Self::Routing, Self::Iptables, Self::Tc, Self::Xdp];
+    pub const ALL: [Self; 6] = [
+        Self::Routing,
+        Self::Iptables,
+        Self::Tc,
+        Self::Xdp,
+        Self::IptablesBridge,
+        Self::TcBridge,
+    ];
 
     pub fn label(self) -> &'static str {
         match self {
@@ -76,7 +96,14 @@ impl PpsMode {
             Self::Iptables => "iptables mode (DNAT + MASQUERADE)",
             Self::Tc => "eBPF, tc (--tc-fast-path --bpf-xdp off)",
             Self::Xdp => "eBPF, XDP (--tc-fast-path)",
+            Self::IptablesBridge => "iptables mode, backend a pod on the node's CNI bridge",
+            Self::TcBridge => "eBPF, tc, backend a pod on the node's CNI bridge",
         }
+    }
+
+    /// Whether the backend is a pod on the node's bridge (not behind `ext1`).
+    pub fn bridge(self) -> bool {
+        matches!(self, Self::IptablesBridge | Self::TcBridge)
     }
 }
 
@@ -134,7 +161,7 @@ pub fn packet_rate(loops: PpsLoops, cpu: usize) -> Result<PpsResult> {
         for (mode, list) in &mut measured {
             let m = one_run(*mode, loops, cpu)?;
             eprintln!(
-                "pps: {:<46} {:>10.0} packets/s ({:.1} % of {} frames delivered); TCP round \
+                "pps: {:<54} {:>10.0} packets/s ({:.1} % of {} frames delivered); TCP round \
                  trip p50 {:.1} µs, {:.0}/s",
                 mode.label(),
                 m.pps,
@@ -173,25 +200,39 @@ fn other(what: impl Into<String>) -> RigError {
     RigError::Other(what.into())
 }
 
-/// The three namespaces and their links.
+/// The three namespaces and their links. Drop order (fields): the sink's CNI attachment
+/// (`DEL`) and network before the namespaces.
 struct Rig {
+    cni_sink: Option<CniAttachment>,
+    cni: Option<CniNetwork>,
     client: Netns,
     node: Netns,
     sink: Netns,
+    /// The sink's address: behind `ext1`, or the one the bridge plugin's IPAM gave it.
+    sink_ip: Ipv4Addr,
+    /// The node's interface towards the sink (`ext1`, or the bridge).
+    sink_dev: &'static str,
 }
 
 impl Rig {
-    fn new() -> Result<Self> {
-        let rig = Self {
+    /// The rig; with `bridge`, the sink is a pod on the node's CNI bridge instead of behind
+    /// `ext1`.
+    fn new(bridge: bool) -> Result<Self> {
+        let mut rig = Self {
+            cni_sink: None,
+            cni: None,
             client: Netns::new("ppsc")?,
             node: Netns::new("ppsn")?,
             sink: Netns::new("ppss")?,
+            sink_ip: SINK,
+            sink_dev: "ext1",
         };
         rig.node.sysctl("net.ipv4.ip_forward", "1")?;
-        for (outer, dev, node_addr, peer_addr) in [
-            (&rig.client, "ext0", "10.10.0.1/24", "10.10.0.2/24"),
-            (&rig.sink, "ext1", "10.20.0.1/24", "10.20.0.2/24"),
-        ] {
+        let mut links = vec![(&rig.client, "ext0", "10.10.0.1/24", "10.10.0.2/24")];
+        if !bridge {
+            links.push((&rig.sink, "ext1", "10.20.0.1/24", "10.20.0.2/24"));
+        }
+        for (outer, dev, node_addr, peer_addr) in links {
             rig.node
                 .ip(&["link", "add", dev, "type", "veth", "peer", "name", "eth0"])?;
             rig.node
@@ -205,20 +246,41 @@ impl Rig {
             rig.node.exec("ethtool", &["-K", dev, "gro", "on"])?;
             outer.exec("ethtool", &["-K", "eth0", "gro", "on"])?;
         }
+        if bridge {
+            let cni = CniNetwork::new(CniPlugin::Bridge, &rig.node)?;
+            let attachment = cni.add(&rig.sink)?;
+            rig.sink_ip = attachment.addresses().0;
+            rig.sink_dev = crate::cni::BRIDGE_NAME;
+            rig.cni = Some(cni);
+            rig.cni_sink = Some(attachment);
+            rig.sink.exec("ethtool", &["-K", "eth0", "gro", "on"])?;
+        }
         // Static neighbours: no ARP in the measurement.
         let sink_mac = rig.sink.mac("eth0")?;
         let client_mac = rig.client.mac("eth0")?;
         rig.node.ip(&[
             "neigh",
             "replace",
-            "10.20.0.2",
+            &rig.sink_ip.to_string(),
             "lladdr",
             &sink_mac,
             "dev",
-            "ext1",
+            rig.sink_dev,
             "nud",
             "permanent",
         ])?;
+        if bridge {
+            // The bridge learns a MAC from the frames it receives, and the sink (dropping
+            // everything in XDP) sends none: a static entry on the pod's port, so the bridge
+            // forwards to that port instead of flooding.
+            let port = bridge_port(&rig.node)?;
+            rig.node.exec(
+                "bridge",
+                &[
+                    "fdb", "replace", &sink_mac, "dev", &port, "master", "static",
+                ],
+            )?;
+        }
         rig.node.ip(&[
             "neigh",
             "replace",
@@ -232,8 +294,11 @@ impl Rig {
         ])?;
         rig.client
             .ip(&["route", "add", "10.20.0.0/24", "via", "10.10.0.1"])?;
-        rig.sink
-            .ip(&["route", "add", "default", "via", "10.20.0.1"])?;
+        if !bridge {
+            // (The bridge plugin gave the pod its default route, via the bridge's address.)
+            rig.sink
+                .ip(&["route", "add", "default", "via", "10.20.0.1"])?;
+        }
         Ok(rig)
     }
 
@@ -275,6 +340,20 @@ impl Rig {
     }
 }
 
+/// The one port of the node's bridge (the sink pod's host-side veth): `ip -o link show
+/// master cni0` prints `<index>: <name>@<peer>: <flags> ...`.
+fn bridge_port(node: &Netns) -> Result<String> {
+    let text = node.ip(&["-o", "link", "show", "master", crate::cni::BRIDGE_NAME])?;
+    let mut names = text.lines().filter_map(|line| {
+        let name = line.split(": ").nth(1)?;
+        Some(name.split('@').next().unwrap_or(name).to_owned())
+    });
+    match (names.next(), names.next()) {
+        (Some(name), None) => Ok(name),
+        _ => Err(other(format!("not one port on the bridge: {text}"))),
+    }
+}
+
 /// A veth driver counter of `interface` in `netns` (`ethtool -S`).
 fn veth_counter(netns: &Netns, interface: &str, counter: &str) -> Result<u64> {
     let text = netns.exec("ethtool", &["-S", interface])?;
@@ -297,7 +376,7 @@ struct Measured {
 /// One measurement of `mode` on a fresh rig: the packet rate, then TCP round trips.
 fn one_run(mode: PpsMode, loops: PpsLoops, cpu: usize) -> Result<Measured> {
     let frames = loops.frames;
-    let rig = Rig::new()?;
+    let rig = Rig::new(mode.bridge())?;
     let sink = rig.sink_drop()?;
     let destination = match mode {
         PpsMode::Routing => SocketAddr::new(IpAddr::V4(SINK), SINK_PORT),
@@ -312,6 +391,7 @@ fn one_run(mode: PpsMode, loops: PpsLoops, cpu: usize) -> Result<Measured> {
     frame[0..6].copy_from_slice(&parse_mac(&rig.node.mac("ext0")?)?);
     frame[6..12].copy_from_slice(&parse_mac(&rig.client.mac("eth0")?)?);
     let client_path = rig.client.path();
+    let sink_ip = rig.sink_ip;
     let (ready_tx, ready_rx) = std::sync::mpsc::channel::<()>();
     let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
     // The node's dataplane lives on a thread in the node namespace until the measurement is
@@ -320,7 +400,7 @@ fn one_run(mode: PpsMode, loops: PpsLoops, cpu: usize) -> Result<Measured> {
         let path = rig.node.path();
         std::thread::spawn(move || -> Result<()> {
             on_netns_thread(path, move |parts| -> Result<()> {
-                let _dataplane = start_dataplane(mode, &parts)?;
+                let _dataplane = start_dataplane(mode, sink_ip, &parts)?;
                 let _ = ready_tx.send(());
                 let _ = done_rx.recv_timeout(Duration::from_secs(600));
                 Ok(())
@@ -364,7 +444,7 @@ fn round_trips(rig: &Rig, mode: PpsMode, count: u32, cpu: usize) -> Result<(f64,
     let echo = crate::echo::EchoServer::start(
         &rig.sink.path(),
         "pod-sink",
-        SocketAddr::new(IpAddr::V4(SINK), ECHO_PORT),
+        SocketAddr::new(IpAddr::V4(rig.sink_ip), ECHO_PORT),
     )?;
     super::client::pin_process(echo.pid(), cpu)?;
     let target = match mode {
@@ -375,7 +455,11 @@ fn round_trips(rig: &Rig, mode: PpsMode, count: u32, cpu: usize) -> Result<(f64,
         netns: rig.client.path(),
         cgroup: None,
     };
+    // (Read in the XDP mode only: in the bridge modes there is no `ext1`.)
     let redirected = |rig: &Rig| -> Result<[u64; 2]> {
+        if mode != PpsMode::Xdp {
+            return Ok([0, 0]);
+        }
         Ok([
             veth_counter(&rig.node, "ext0", "rx_queue_0_xdp_redirect")?,
             veth_counter(&rig.node, "ext1", "rx_queue_0_xdp_redirect")?,
@@ -461,12 +545,16 @@ fn settle(rig: &Rig) -> Result<Instant> {
 }
 
 /// Starts the node's dataplane of `mode` and programs `pps`: NodePort UDP 30090 → 9 on the sink
-/// (a pod on another node).
-fn start_dataplane(mode: PpsMode, parts: &crate::in_process::InProcess) -> Result<Option<Node>> {
-    let snapshot = snapshot()?;
+/// at `sink_ip` (a pod on another node, or on the node's bridge).
+fn start_dataplane(
+    mode: PpsMode,
+    sink_ip: Ipv4Addr,
+    parts: &crate::in_process::InProcess,
+) -> Result<Option<Node>> {
+    let snapshot = snapshot(sink_ip, mode.bridge())?;
     match mode {
         PpsMode::Routing => Ok(None),
-        PpsMode::Iptables => {
+        PpsMode::Iptables | PpsMode::IptablesBridge => {
             let mut dataplane = IptablesDataplane::start(IptablesConfig::default())
                 .map_err(|e| other(format!("starting the iptables dataplane: {e}")))?;
             for result in dataplane.apply(&snapshot, None) {
@@ -474,7 +562,7 @@ fn start_dataplane(mode: PpsMode, parts: &crate::in_process::InProcess) -> Resul
             }
             Ok(Some(Node::Iptables(Box::new(dataplane))))
         }
-        PpsMode::Tc | PpsMode::Xdp => {
+        PpsMode::Tc | PpsMode::Xdp | PpsMode::TcBridge => {
             let options = EbpfOptions {
                 cgroup_path: parts.cgroup_path(),
                 bpf_root: parts.bpf_root(),
@@ -488,7 +576,12 @@ fn start_dataplane(mode: PpsMode, parts: &crate::in_process::InProcess) -> Resul
                 ),
                 lb: proxy_dataplane_ebpf::LbOptions::default(),
                 tc: TcOptions {
-                    interfaces: vec!["ext0".into(), "ext1".into()],
+                    // The links to other hosts; a pod's bridge is not one.
+                    interfaces: if mode.bridge() {
+                        vec!["ext0".into()]
+                    } else {
+                        vec!["ext0".into(), "ext1".into()]
+                    },
                     fast_path: true,
                     xdp: if mode == PpsMode::Xdp {
                         XdpSetting::Auto
@@ -525,7 +618,8 @@ enum Node {
     Ebpf(#[expect(dead_code, reason = "kept for its links")] Box<EbpfDataplane>),
 }
 
-fn snapshot() -> Result<Snapshot> {
+/// The Service and its one endpoint, `sink_ip`: on this node (`local`) or another.
+fn snapshot(sink_ip: Ipv4Addr, local: bool) -> Result<Snapshot> {
     let key = |name: &str| ObjectKey {
         namespace: "bench".into(),
         name: name.into(),
@@ -545,7 +639,8 @@ fn snapshot() -> Result<Snapshot> {
         "addressType": "IPv4",
         "ports": [{"name": "udp", "port": SINK_PORT, "protocol": "UDP"},
             {"name": "tcp", "port": ECHO_PORT, "protocol": "TCP"}],
-        "endpoints": [{"addresses": [SINK.to_string()], "nodeName": "other-node",
+        "endpoints": [{"addresses": [sink_ip.to_string()],
+            "nodeName": if local { NODE } else { "other-node" },
             "conditions": {"ready": true}}]
     }))
     .map_err(|e| other(format!("EndpointSlice: {e}")))?;

@@ -934,7 +934,12 @@ fn pps_section(md: &mut String, r: &Results) {
          *XDP* `kpr_xdp_external` in the driver (the flow's first packet too, once the next \
          hop is resolved), *tc* `kpr_tc_external` on the skb (`--tc-fast-path --bpf-xdp \
          off`), *iptables* the iptables mode's rules (DNAT, MASQUERADE, conntrack), *routing* \
-         the kernel alone. The sink counts and drops every frame in an XDP program of its own. Generator, node and sink run on \
+         the kernel alone. The sink counts and drops every frame in an XDP program of its own. \
+         The two *backend a pod on the node's CNI bridge* rows put the sink on the node \
+         instead: a pod wired by the CNI reference plugin `bridge` with `host-local` (as \
+         flannel and kubenet nodes wire pods, the plugin run as a container runtime runs it), \
+         so the node forwards the frames into its bridge `cni0`, which hands them to the pod's \
+         veth (no XDP row: XDP cannot redirect into a bridge). Generator, node and sink run on \
          CPU {} (the generator is pinned there; the veth NAPI polls run where they are queued). \
          *Rate*: frames that reached the sink ÷ time from the generator's start to the last \
          arrival. {} round(s), modes interleaved; `median (min–max)`.\n",

@@ -66,6 +66,9 @@ pub enum Client {
     /// The external client from its second address (10.11.0.2 / fd00:11::2), outside the
     /// `loadBalancerSourceRanges` of the source-ranges shape.
     ExternalOutsideRanges,
+    /// `pod2` on this node dialling a Service whose only endpoint is itself: hairpin (on a
+    /// bridge, the packet leaves and re-enters the same bridge port).
+    Hairpin,
 }
 
 impl Client {
@@ -77,17 +80,31 @@ impl Client {
             Self::Localhost => "localhost",
             Self::External => "external",
             Self::ExternalOutsideRanges => "external, outside ranges",
+            Self::Hairpin => "hairpin pod",
         }
     }
 
-    /// The client's own address when it is not a node address (host clients use the node's).
-    pub fn own_address(self, family: Family) -> Option<IpAddr> {
+    /// The index of the pod on this node the client runs in, if it is one.
+    pub fn local_pod(self) -> Option<usize> {
         match self {
-            Self::Pod => Some(Topology::pod_addr(1, family.is_v6())),
+            Self::Pod => Some(1),
+            Self::Hairpin => Some(2),
+            _ => None,
+        }
+    }
+
+    /// The client's own address when it is not a node address (host clients use the node's);
+    /// for a pod of this node, its address on routed veths (the rig knows the CNI-given one:
+    /// `MatrixRig::client_address`).
+    pub fn own_address(self, family: Family) -> Option<IpAddr> {
+        if let Some(i) = self.local_pod() {
+            return Some(Topology::pod_addr(i, family.is_v6()));
+        }
+        match self {
             Self::RemotePod => Some(Topology::remote_pod_addr(1, family.is_v6())),
             Self::External => Some(family.pick(EXT_IP, EXT_IP6)),
             Self::ExternalOutsideRanges => Some(family.pick(EXT2_IP, EXT2_IP6)),
-            Self::Host | Self::Localhost => None,
+            Self::Pod | Self::Hairpin | Self::Host | Self::Localhost => None,
         }
     }
 }
@@ -184,6 +201,8 @@ pub enum Shape {
     LbProxy,
     /// LoadBalancer (ipMode VIP) with `loadBalancerSourceRanges` [`SOURCE_RANGES`]; pod2 + rpod2.
     SourceRanges,
+    /// NodePort; only pod2, which dials it itself ([`Client::Hairpin`]).
+    Hairpin,
 }
 
 /// An endpoint of a shape: an echo server name and where it runs.
@@ -229,7 +248,7 @@ const RPOD2: Backend = remote("rpod2", 2);
 const RPOD3: Backend = remote("rpod3", 3);
 const TERMINATING: &[Backend] = &[terminating(POD3), terminating(RPOD3)];
 
-use Client::{External, ExternalOutsideRanges, Host, Localhost, Pod, RemotePod};
+use Client::{External, ExternalOutsideRanges, Hairpin, Host, Localhost, Pod, RemotePod};
 use Frontend::{
     ClusterIp, ExternalIp, LoadBalancer, NodePortExternal, NodePortLoopback, NodePortOther,
     NodePortUnlisted,
@@ -253,7 +272,7 @@ const INTERNAL_POLICY: &[(Frontend, &[Client])] = &[
 ];
 
 impl Shape {
-    pub const ALL: [Self; 10] = [
+    pub const ALL: [Self; 11] = [
         Self::EtpCluster,
         Self::EtpLocal,
         Self::EtpLocalNoLocal,
@@ -264,6 +283,7 @@ impl Shape {
         Self::Affinity,
         Self::LbProxy,
         Self::SourceRanges,
+        Self::Hairpin,
     ];
 
     /// 1-based, used to derive the shape's addresses and NodePort.
@@ -279,6 +299,7 @@ impl Shape {
             Self::Affinity => 8,
             Self::LbProxy => 9,
             Self::SourceRanges => 10,
+            Self::Hairpin => 11,
         }
     }
 
@@ -295,6 +316,7 @@ impl Shape {
             Self::Affinity => "affinity",
             Self::LbProxy => "lb-ipmode-proxy",
             Self::SourceRanges => "lb-source-ranges",
+            Self::Hairpin => "hairpin",
         }
     }
 
@@ -365,6 +387,7 @@ impl Shape {
             Self::NoEndpoints => &[],
             Self::Terminating => TERMINATING,
             Self::Affinity => &[POD2, POD3, RPOD2, RPOD3],
+            Self::Hairpin => &[POD2],
         }
     }
 
@@ -393,6 +416,7 @@ impl Shape {
                 // Source ranges guard LB IPs only; the NodePort stays open to everyone.
                 (NodePortExternal, &[ExternalOutsideRanges]),
             ],
+            Self::Hairpin => &[(ClusterIp, &[Hairpin]), (NodePortExternal, &[Hairpin])],
         }
     }
 
@@ -469,10 +493,20 @@ impl Cell {
     }
 }
 
-/// Every cell, in table order (shape, frontend, client, family).
+/// Every cell but the hairpin ones, in table order (shape, frontend, client, family).
 pub fn all_cells() -> Vec<Cell> {
+    cells_of(Shape::ALL.into_iter().filter(|s| *s != Shape::Hairpin))
+}
+
+/// The hairpin cells: pod2 dialling the ClusterIP and a NodePort of a Service whose only
+/// endpoint is pod2 itself.
+pub fn hairpin_cells() -> Vec<Cell> {
+    cells_of([Shape::Hairpin])
+}
+
+fn cells_of(shapes: impl IntoIterator<Item = Shape>) -> Vec<Cell> {
     let mut cells = Vec::new();
-    for shape in Shape::ALL {
+    for shape in shapes {
         for (frontend, clients) in shape.frontends() {
             for client in *clients {
                 for family in Family::ALL {

@@ -148,6 +148,14 @@ pub const UNLISTED_ADDRESSES_UNTOUCHED: &str = "an address outside nodePortAddre
      never serves; the eBPF datapath acts on the configured NodePort addresses only, so there \
      the kernel answers as for any closed port (refused)";
 
+/// Reason for intended difference (6).
+pub const SOCKET_LB_HAIRPIN_KEEPS_POD_SOURCE: &str = "hairpin: a pod dialling a Service \
+     whose chosen endpoint is itself; upstream's KUBE-SEP `-s <endpoint IP> -j KUBE-MARK-MASQ` \
+     masquerades so the reply comes back through the node (on a bridge, out of the port it \
+     came in by: the bridge's hairpin mode); the socket hook connects the pod to its own \
+     address before a packet exists, so nothing leaves the pod and the backend sees the pod's \
+     own address";
+
 /// The expected outcome of `cell` (pure).
 pub fn expected(cell: Cell) -> Expectation {
     let (upstream, rule) = upstream(cell);
@@ -201,7 +209,7 @@ fn answer(shape: Shape, names: Vec<&'static str>, source: Source) -> Expect {
 /// The ClusterCIDR local-traffic detector (reference §8): only this node's pods are inside
 /// `--cluster-cidr`; node2's pods, the external client and node addresses are not.
 fn in_cluster_cidr(client: Client) -> bool {
-    client == Client::Pod
+    client.local_pod().is_some()
 }
 
 fn upstream(cell: Cell) -> (Expect, String) {
@@ -264,6 +272,17 @@ fn upstream(cell: Cell) -> (Expect, String) {
                     .into(),
             ),
         };
+    }
+
+    if client == Client::Hairpin {
+        return (
+            answer(shape, cluster_backends(shape), Source::Node),
+            "the endpoint's own chain KUBE-SEP `-s <endpoint IP> -j KUBE-MARK-MASQ` \
+             (hairpin, reference §4 item 3j) before its DNAT: the pod reaching itself is \
+             masqueraded, whatever the frontend (a NodePort of an eTP=Cluster Service \
+             masquerades in KUBE-EXT anyway)"
+                .into(),
+        );
     }
 
     // Node addresses kube-proxy does not serve NodePorts on: one outside nodePortAddresses,
@@ -365,7 +384,8 @@ fn upstream(cell: Cell) -> (Expect, String) {
     }
 
     match client {
-        Client::Pod => (
+        // (A hairpin client returned above.)
+        Client::Pod | Client::Hairpin => (
             answer(shape, cluster_backends(shape), Source::Client),
             format!(
                 "{via}KUBE-EXT (eTP=Local): `pod traffic for <svc> external destinations` -s \
@@ -413,6 +433,20 @@ fn upstream(cell: Cell) -> (Expect, String) {
 /// The eBPF mode's deliberate differences (the only ones; every other cell must equal
 /// upstream).
 fn ebpf_difference(cell: Cell, upstream: &Expect) -> Option<Difference> {
+    if cell.client == Client::Hairpin
+        && let Expect::Answer {
+            backends,
+            source: Source::Node,
+        } = upstream
+    {
+        return Some(Difference {
+            expect: Expect::Answer {
+                backends: backends.clone(),
+                source: Source::Client,
+            },
+            reason: SOCKET_LB_HAIRPIN_KEEPS_POD_SOURCE,
+        });
+    }
     let external = cell.frontend != Frontend::ClusterIp
         && cell.frontend != Frontend::NodePortUnlisted
         && cell.shape != Shape::LbProxy;
@@ -476,10 +510,35 @@ fn ebpf_difference(cell: Cell, upstream: &Expect) -> Option<Difference> {
     None
 }
 
+/// The cells whose packets cross this node's pod wiring — a pod of this node is the client,
+/// or a pod of this node answers (in either mode) — and the hairpin cells: what a node whose
+/// pods a CNI plugin wires runs. The rest (outside clients answered by node2's pods, or
+/// refused and dropped before any pod) do not depend on how the pods are wired.
+pub fn wiring_cells() -> Vec<Cell> {
+    let local_answer = |e: &Expect| match e {
+        Expect::Answer { backends, .. } => {
+            let (Backends::All(names) | Backends::OneOf(names)) = backends;
+            names.iter().any(|n| n.starts_with("pod"))
+        }
+        Expect::Fail(_) => false,
+    };
+    let mut cells: Vec<Cell> = super::cells::all_cells()
+        .into_iter()
+        .filter(|c| {
+            let e = expected(*c);
+            c.client.local_pod().is_some()
+                || local_answer(e.for_mode(false))
+                || local_answer(e.for_mode(true))
+        })
+        .collect();
+    cells.extend(super::cells::hairpin_cells());
+    cells
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::reachability::cells::all_cells;
+    use crate::reachability::cells::{all_cells, hairpin_cells};
 
     fn cell(shape: Shape, frontend: Frontend, client: Client) -> Cell {
         Cell {
@@ -555,8 +614,45 @@ mod tests {
     }
 
     #[test]
+    fn hairpin_is_masqueraded_upstream_and_kept_at_the_socket() {
+        for frontend in [Frontend::ClusterIp, Frontend::NodePortExternal] {
+            let e = expected(cell(Shape::Hairpin, frontend, Client::Hairpin));
+            assert_eq!(e.upstream.render(), "pod2 ← node");
+            assert_eq!(e.for_mode(true).render(), "pod2 ← client");
+        }
+    }
+
+    #[test]
+    fn the_wiring_subset_keeps_every_cell_a_local_pod_is_in() {
+        let all = all_cells();
+        let hairpin = hairpin_cells();
+        let wiring = wiring_cells();
+        for c in all.iter().chain(&hairpin) {
+            if c.client.local_pod().is_some() {
+                assert!(wiring.contains(c), "{}", c.id());
+            }
+        }
+        // eTP=Cluster from outside: pod2 answers (through the pod wiring), so it stays.
+        let outside = cell(
+            Shape::EtpCluster,
+            Frontend::NodePortExternal,
+            Client::External,
+        );
+        assert!(wiring.contains(&outside));
+        // Refused before any pod: left out, and the subset is a proper one.
+        let refused = cell(Shape::NoEndpoints, Frontend::ClusterIp, Client::External);
+        assert!(!wiring.contains(&refused));
+        assert!(
+            wiring
+                .iter()
+                .all(|c| all.contains(c) || hairpin.contains(c))
+        );
+        assert!(wiring.len() < all.len() + hairpin.len());
+    }
+
+    #[test]
     fn every_cell_has_a_rule() {
-        for c in all_cells() {
+        for c in all_cells().into_iter().chain(hairpin_cells()) {
             let e = expected(c);
             assert!(!e.rule.is_empty(), "{}", c.id());
         }

@@ -16,4 +16,5 @@ pub mod report;
 pub mod rig;
 pub mod runner;
 
-pub use cells::{Cell, Client, Family, Frontend, Shape, all_cells};
+pub use cells::{Cell, Client, Family, Frontend, Shape, all_cells, hairpin_cells};
+pub use expected::wiring_cells;

@@ -4,8 +4,8 @@ use std::fmt::Write as _;
 
 use super::cells::{CLUSTER_CIDR, Cell, NODEPORT_ADDRESSES, SOURCE_RANGES};
 use super::expected::{
-    Expectation, SOCKET_LB_ITP_LOCAL_UNREACHABLE, SOCKET_LB_KEEPS_POD_SOURCE,
-    SOCKET_LB_NO_ENDPOINTS_REFUSED, SOCKET_LB_SOURCE_RANGE_UNREACHABLE,
+    Expectation, SOCKET_LB_HAIRPIN_KEEPS_POD_SOURCE, SOCKET_LB_ITP_LOCAL_UNREACHABLE,
+    SOCKET_LB_KEEPS_POD_SOURCE, SOCKET_LB_NO_ENDPOINTS_REFUSED, SOCKET_LB_SOURCE_RANGE_UNREACHABLE,
     UNLISTED_ADDRESSES_UNTOUCHED, expected,
 };
 use super::runner::Outcome;
@@ -93,12 +93,13 @@ impl Row {
 }
 
 /// The numbered list of deliberate eBPF differences (`d1`, `d2`, ... in the table).
-pub const DIFFERENCES: [&str; 5] = [
+pub const DIFFERENCES: [&str; 6] = [
     SOCKET_LB_KEEPS_POD_SOURCE,
     SOCKET_LB_ITP_LOCAL_UNREACHABLE,
     SOCKET_LB_NO_ENDPOINTS_REFUSED,
     SOCKET_LB_SOURCE_RANGE_UNREACHABLE,
     UNLISTED_ADDRESSES_UNTOUCHED,
+    SOCKET_LB_HAIRPIN_KEEPS_POD_SOURCE,
 ];
 
 fn difference_number(reason: &str) -> String {
@@ -320,7 +321,11 @@ mod tests {
     /// Every difference a cell can carry is numbered in the report (and so in README's list).
     #[test]
     fn every_difference_is_numbered() {
-        for cell in super::super::cells::all_cells() {
+        let cells = super::super::cells::all_cells();
+        for cell in cells
+            .into_iter()
+            .chain(super::super::cells::hairpin_cells())
+        {
             if let Some(diff) = expected(cell).ebpf {
                 assert_ne!(difference_number(diff.reason), "?", "{cell:?}");
             }

@@ -9,6 +9,11 @@
 //!   served by the `lb-proxy` echo server             pod1..3 10.244.<i>.2 fd00:244:<i>::2        fd00:245:<i>::2
 //! ```
 //!
+//! [`MatrixRig::with_wiring`] builds the same node with its pods wired by a CNI reference
+//! plugin ([`PodWiring::Cni`]): on the bridge `cni0` or behind `ptp` veths, at the addresses
+//! `host-local` gave them (10.244.0.0/24, fd00:244::/64), which the Services' endpoints and the
+//! clients' own addresses then use.
+//!
 //! Drop order (fields): the agent first (it detaches from its cgroup and namespaces), then the
 //! manifests, the cgroup, and the topology (echo servers, then namespaces).
 
@@ -24,7 +29,7 @@ use crate::cgroup::ChildCgroup;
 use crate::client::{Attempt, Client};
 use crate::manifests::{Endpoint, ManifestsDir, Protocol, SlicePort, endpoint_slice_yaml_family};
 use crate::scenario::HOSTNAME;
-use crate::topology::{Place, Topology};
+use crate::topology::{Place, PodWiring, Topology};
 use crate::{Result, RigError};
 
 /// nodeName of node2's endpoints.
@@ -55,8 +60,13 @@ impl MatrixRig {
     /// Builds the topology, starts every echo server and writes every shape's Service and
     /// EndpointSlices (the agent is not started yet).
     pub fn new() -> Result<Self> {
+        Self::with_wiring(PodWiring::Routed)
+    }
+
+    /// [`MatrixRig::new`] with the node's pods wired as `wiring` says.
+    pub fn with_wiring(wiring: PodWiring) -> Result<Self> {
         crate::require_root();
-        let mut topo = Topology::new(3)?;
+        let mut topo = Topology::with_wiring(3, wiring)?;
         topo.start_pod_echoes(BACKEND_PORT)?;
         topo.start_pod_echoes6(BACKEND_PORT)?;
         topo.add_remote_node(3, BACKEND_PORT)?;
@@ -133,10 +143,11 @@ impl MatrixRig {
         }
 
         let manifests = ManifestsDir::new()?;
+        let pod_addr = |i: usize, family: Family| topo.pod_address(i, family.is_v6());
         for shape in Shape::ALL {
             manifests.write(
                 &format!("{}.yaml", shape.service_name()),
-                &shape_yaml(shape),
+                &shape_yaml_with(shape, &pod_addr)?,
             )?;
         }
         let node_addresses = addresses(&topo.node().ip(&["-o", "addr", "show"])?);
@@ -261,11 +272,23 @@ impl MatrixRig {
         &self.node_addresses
     }
 
+    /// The client's own address in `cell` (None for host clients, which use the node's): a
+    /// pod's is the one its wiring gave it.
+    pub fn client_address(&self, cell: &Cell) -> Option<IpAddr> {
+        match cell.client.local_pod() {
+            Some(i) => self.topo.pod_address(i, cell.family.is_v6()).ok(),
+            None => cell.client.own_address(cell.family),
+        }
+    }
+
     /// The client of a cell, with the matrix's per-attempt timeout.
     pub fn client(&self, cell: &Cell) -> Result<Client> {
         let cgroup = self.cgroup.path();
         let client = match cell.client {
-            CellClient::Pod => Client::new(self.topo.pod(1)?.path()).in_cgroup(cgroup),
+            CellClient::Pod | CellClient::Hairpin => {
+                let i = cell.client.local_pod().unwrap_or(1);
+                Client::new(self.topo.pod(i)?.path()).in_cgroup(cgroup)
+            }
             CellClient::RemotePod => Client::new(self.topo.netns(Place::RemotePod(1))?.path()),
             CellClient::Host | CellClient::Localhost => {
                 Client::new(self.topo.node().path()).in_cgroup(cgroup)
@@ -313,8 +336,17 @@ fn addresses(text: &str) -> Vec<IpAddr> {
 }
 
 /// The Service (dual-stack, one port `http` 80 → 8080 with the shape's NodePort) and one
-/// EndpointSlice per family of `shape`, as one multi-document manifest.
+/// EndpointSlice per family of `shape`, as one multi-document manifest, for routed pods.
 pub fn shape_yaml(shape: Shape) -> String {
+    let routed = |i: usize, family: Family| Ok(Topology::pod_addr(i, family.is_v6()));
+    shape_yaml_with(shape, &routed).unwrap_or_default()
+}
+
+/// [`shape_yaml`] with this node's pod `i` at `pod_addr(i, family)`.
+pub fn shape_yaml_with(
+    shape: Shape,
+    pod_addr: &dyn Fn(usize, Family) -> Result<IpAddr>,
+) -> Result<String> {
     let name = shape.service_name();
     let quoted = |ips: &[IpAddr]| {
         ips.iter()
@@ -380,22 +412,21 @@ pub fn shape_yaml(shape: Shape) -> String {
         protocol: Protocol::Tcp,
     };
     for family in Family::ALL {
-        let endpoints: Vec<Endpoint> = shape
-            .endpoints()
-            .iter()
-            .map(|b| Endpoint {
+        let mut endpoints = Vec::new();
+        for b in shape.endpoints() {
+            endpoints.push(Endpoint {
                 ip: if b.remote {
                     Topology::remote_pod_addr(b.index, family.is_v6())
                 } else {
-                    Topology::pod_addr(b.index, family.is_v6())
+                    pod_addr(b.index, family)?
                 },
                 ready: !b.terminating,
                 serving: true,
                 terminating: b.terminating,
                 node_name: Some(if b.remote { REMOTE_NODE_NAME } else { HOSTNAME }.into()),
                 zone: None,
-            })
-            .collect();
+            });
+        }
         y.push_str("---\n");
         y.push_str(&endpoint_slice_yaml_family(
             "default",
@@ -406,7 +437,7 @@ pub fn shape_yaml(shape: Shape) -> String {
             family.is_v6(),
         ));
     }
-    y
+    Ok(y)
 }
 
 #[cfg(test)]

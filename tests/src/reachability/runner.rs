@@ -113,9 +113,9 @@ pub fn fail_kind(reason: &str) -> Option<FailKind> {
     }
 }
 
-/// Summarises the attempts of `cell`; `node_addresses` are the node's own addresses.
-pub fn summarise(cell: &Cell, attempts: &[Attempt], node_addresses: &[IpAddr]) -> Outcome {
-    let own = cell.client.own_address(cell.family);
+/// Summarises the attempts of `cell`; `own` is the client's own address (None: a node
+/// address), `node_addresses` are the node's own addresses.
+pub fn summarise(own: Option<IpAddr>, attempts: &[Attempt], node_addresses: &[IpAddr]) -> Outcome {
     let mut answers: BTreeMap<String, BTreeSet<Seen>> = BTreeMap::new();
     let mut failures: BTreeMap<String, usize> = BTreeMap::new();
     for attempt in attempts {
@@ -166,7 +166,7 @@ fn observe(rig: &MatrixRig, cell: &Cell) -> Outcome {
         Ok(attempts)
     };
     match run() {
-        Ok(attempts) => summarise(cell, &attempts, rig.node_addresses()),
+        Ok(attempts) => summarise(rig.client_address(cell), &attempts, rig.node_addresses()),
         Err(e) => Outcome::Mixed(format!("rig error: {e}")),
     }
 }
@@ -221,15 +221,10 @@ pub fn run_cells(rig: &MatrixRig, cells: &[Cell]) -> Vec<Outcome> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::reachability::cells::{Client, Family, Frontend};
+    use crate::reachability::cells::{Client, Family};
 
-    fn cell(client: Client) -> Cell {
-        Cell {
-            shape: Shape::EtpCluster,
-            frontend: Frontend::ClusterIp,
-            client,
-            family: Family::V4,
-        }
+    fn own(client: Client) -> Option<IpAddr> {
+        client.own_address(Family::V4)
     }
 
     fn ok(backend: &str, client: &str) -> Attempt {
@@ -244,7 +239,7 @@ mod tests {
     fn summarises_and_matches() {
         let node: Vec<IpAddr> = vec![[10, 244, 2, 1].into()];
         let got = summarise(
-            &cell(Client::Pod),
+            own(Client::Pod),
             &[
                 ok("pod2", "10.244.1.2:1000"),
                 ok("rpod2", "10.244.1.2:1001"),
@@ -258,19 +253,19 @@ mod tests {
         assert!(got.matches(&want), "{got:?}");
         assert_eq!(got.render(), "pod2,rpod2 ← client");
         // A missing backend, or a masqueraded source, is a mismatch.
-        let got = summarise(&cell(Client::Pod), &[ok("pod2", "10.244.2.1:1")], &node);
+        let got = summarise(own(Client::Pod), &[ok("pod2", "10.244.2.1:1")], &node);
         assert!(!got.matches(&want));
         assert_eq!(got.render(), "pod2 ← node 10.244.2.1");
         let timeouts = [
             Attempt::Err("TIMEOUT".into()),
             Attempt::Err("TIMEOUT".into()),
         ];
-        let got = summarise(&cell(Client::External), &timeouts, &node);
+        let got = summarise(own(Client::External), &timeouts, &node);
         assert!(got.matches(&Expect::Fail(FailKind::Timeout)));
         assert!(!got.matches(&Expect::Fail(FailKind::Refused)));
         let mixed = [Attempt::Err("TIMEOUT".into()), ok("pod2", "10.10.0.2:5")];
         assert!(matches!(
-            summarise(&cell(Client::External), &mixed, &node),
+            summarise(own(Client::External), &mixed, &node),
             Outcome::Mixed(_)
         ));
     }

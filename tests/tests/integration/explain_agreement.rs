@@ -208,7 +208,7 @@ fn explain_args(case: &Case) -> Vec<String> {
     let mut args = vec!["--to".to_owned(), format!("{}/{proto}", case.target)];
     let own = case.cell.client.own_address(case.cell.family);
     let from = match case.cell.client {
-        Client::Pod => "pod",
+        Client::Pod | Client::Hairpin => "pod",
         Client::Host | Client::Localhost => "node",
         Client::RemotePod | Client::External | Client::ExternalOutsideRanges => "external",
     };
