@@ -487,7 +487,8 @@ pub fn run(config: Config) -> Results {
     });
     let pps = runner.config.runs(Section::Pps).then(|| {
         step(
-            "packet rate through XDP, tc, iptables and routing (and a CNI bridge)",
+            "packet rate through XDP, tc, the eBPF default path, iptables and routing (with and \
+             without the eBPF programs; and a CNI bridge)",
             &runner,
         );
         let cpu = runner.config.pin_cpu.unwrap_or(0);

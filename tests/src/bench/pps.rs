@@ -1,18 +1,22 @@
 //! The rate of real packets a node forwards to a NodePort's backend on one
-//! core, through XDP, tc and the iptables mode, with plain routing as the floor, side by side
-//! in one run.
+//! core, through XDP, tc, the eBPF mode's default path and the iptables mode, with plain
+//! routing as the floor and plain routing with the eBPF programs attached (the tax on traffic
+//! that is not a Service's), side by side in one run.
 //!
 //! The rig, three namespaces: `client` (eth0 10.10.0.2) ─veth─ `node` (ext0 10.10.0.1, ext1
 //! 10.20.0.1) ─veth─ `sink` (eth0 10.20.0.2, the backend: a pod on another node). The
 //! generator is `BPF_PROG_TEST_RUN` with live frames (`BPF_F_TEST_XDP_LIVE_FRAMES`) of an XDP
 //! program that returns `XDP_TX` on the client's eth0: each frame really leaves the client's
 //! veth and arrives on the node's ext0 through the veth driver, where the node's datapath of
-//! the mode under test takes it — the XDP program in the driver, the tc program on the skb, or
-//! netfilter's DNAT/SNAT — and forwards it out by ext1 to the sink, whose eth0 counts and
+//! the mode under test takes it — the XDP program in the driver, the tc program on the skb
+//! (redirecting it with `--tc-fast-path`; by default translating it for the kernel's FORWARD,
+//! with the source NAT at ext1's egress), or netfilter's DNAT/SNAT — and forwards it out by
+//! ext1 to the sink, whose eth0 counts and
 //! drops it in an XDP program (`rx_queue_0_xdp_drops`), so that the sink's own work, common to
 //! every mode, stays small. Every frame is one small UDP packet
 //! (60 bytes on the wire) of one flow: client 10.10.0.2:40000 → NodePort 10.10.0.1:30090
-//! (routing: straight to the sink's address). The generator thread is pinned to one CPU, and
+//! (the routing modes: straight to the sink's address). The generator thread is pinned to one
+//! CPU, and
 //! the veth NAPI polls that carry the frames run on that CPU too (softirqs of the CPU that
 //! queued them): the whole path runs on one core.
 //!
@@ -67,8 +71,16 @@ const NODE: &str = "pps-node";
 pub enum PpsMode {
     /// No proxy: frames addressed to the sink, routed by the kernel (the floor).
     Routing,
+    /// The same frames with the eBPF mode's programs attached to the node's interfaces as by
+    /// default (as [`Self::EbpfDefault`]): what a node running the eBPF mode costs traffic
+    /// that is not a Service's.
+    RoutingWithPrograms,
     /// kube-proxy's iptables rules (the agent's iptables mode): DNAT + MASQUERADE, conntrack.
     Iptables,
+    /// The eBPF mode as a user runs it, with its defaults (no `--tc-fast-path`, `--bpf-xdp
+    /// auto`, which attaches no XDP without the fast path): DNAT in the tc program at ext0's
+    /// ingress, the kernel's FORWARD, SNAT in the tc program at ext1's egress.
+    EbpfDefault,
     /// The eBPF mode's tc program (`--tc-fast-path --bpf-xdp off`): redirect from tc.
     Tc,
     /// The eBPF mode's XDP program (`--tc-fast-path`, `--bpf-xdp auto`): redirect from the
@@ -81,9 +93,11 @@ pub enum PpsMode {
 }
 
 impl PpsMode {
-    pub const ALL: [Self; 6] = [
+    pub const ALL: [Self; 8] = [
         Self::Routing,
+        Self::RoutingWithPrograms,
         Self::Iptables,
+        Self::EbpfDefault,
         Self::Tc,
         Self::Xdp,
         Self::IptablesBridge,
@@ -93,7 +107,11 @@ impl PpsMode {
     pub fn label(self) -> &'static str {
         match self {
             Self::Routing => "plain routing (no proxy; the floor)",
+            Self::RoutingWithPrograms => {
+                "plain routing, eBPF mode's programs attached (not a Service's traffic)"
+            }
             Self::Iptables => "iptables mode (DNAT + MASQUERADE)",
+            Self::EbpfDefault => "eBPF, default path (tc DNAT, kernel FORWARD, tc SNAT)",
             Self::Tc => "eBPF, tc (--tc-fast-path --bpf-xdp off)",
             Self::Xdp => "eBPF, XDP (--tc-fast-path)",
             Self::IptablesBridge => "iptables mode, backend a pod on the node's CNI bridge",
@@ -104,6 +122,11 @@ impl PpsMode {
     /// Whether the backend is a pod on the node's bridge (not behind `ext1`).
     pub fn bridge(self) -> bool {
         matches!(self, Self::IptablesBridge | Self::TcBridge)
+    }
+
+    /// Whether the client addresses the sink itself (no Service on the way).
+    pub fn routed(self) -> bool {
+        matches!(self, Self::Routing | Self::RoutingWithPrograms)
     }
 }
 
@@ -365,6 +388,21 @@ fn veth_counter(netns: &Netns, interface: &str, counter: &str) -> Result<u64> {
         .ok_or_else(|| other(format!("no {counter} in {text}")))
 }
 
+/// Datagrams the IP stack of `netns` forwarded (`Ip: ForwDatagrams` of `/proc/net/snmp`,
+/// which is per namespace).
+fn ip_forwarded(netns: &Netns) -> Result<u64> {
+    let text = netns.exec("cat", &["/proc/net/snmp"])?;
+    let mut ip = text.lines().filter(|line| line.starts_with("Ip: "));
+    let (Some(names), Some(values)) = (ip.next(), ip.next()) else {
+        return Err(other(format!("no Ip lines in /proc/net/snmp: {text}")));
+    };
+    names
+        .split_whitespace()
+        .zip(values.split_whitespace())
+        .find_map(|(name, value)| (name == "ForwDatagrams").then(|| value.parse().ok())?)
+        .ok_or_else(|| other(format!("no Ip ForwDatagrams in /proc/net/snmp: {text}")))
+}
+
 /// What one measurement of a mode gives.
 struct Measured {
     pps: f64,
@@ -378,9 +416,11 @@ fn one_run(mode: PpsMode, loops: PpsLoops, cpu: usize) -> Result<Measured> {
     let frames = loops.frames;
     let rig = Rig::new(mode.bridge())?;
     let sink = rig.sink_drop()?;
-    let destination = match mode {
-        PpsMode::Routing => SocketAddr::new(IpAddr::V4(SINK), SINK_PORT),
-        _ => SocketAddr::new(IpAddr::V4(NODE_IP), NODE_PORT),
+    let forwarded_before = ip_forwarded(&rig.node)?;
+    let destination = if mode.routed() {
+        SocketAddr::new(IpAddr::V4(SINK), SINK_PORT)
+    } else {
+        SocketAddr::new(IpAddr::V4(NODE_IP), NODE_PORT)
     };
     let mut frame = build(
         SocketAddr::new(IpAddr::V4(CLIENT), CLIENT_PORT),
@@ -410,6 +450,20 @@ fn one_run(mode: PpsMode, loops: PpsLoops, cpu: usize) -> Result<Measured> {
     let ready = ready_rx.recv_timeout(Duration::from_secs(120));
     let measured = match ready {
         Ok(()) => measure(&rig, client_path, frame, frames, cpu).and_then(|(pps, delivered)| {
+            // The default path's figure is only the default path's if the kernel forwarded
+            // the frames: a flow the tc program bypassed netfilter for (`ct_flags::BYPASS`)
+            // would measure the fast path instead.
+            if mode == PpsMode::EbpfDefault {
+                let forwarded = ip_forwarded(&rig.node)?.saturating_sub(forwarded_before);
+                if (forwarded as f64) < delivered * f64::from(frames) {
+                    return Err(other(format!(
+                        "{}: the kernel forwarded only {forwarded} of the {:.0} frames \
+                         delivered",
+                        mode.label(),
+                        delivered * f64::from(frames)
+                    )));
+                }
+            }
             drop(sink);
             let (rr_p50_ns, rr_rate) = round_trips(&rig, mode, loops.round_trips, cpu)?;
             Ok(Measured {
@@ -447,9 +501,10 @@ fn round_trips(rig: &Rig, mode: PpsMode, count: u32, cpu: usize) -> Result<(f64,
         SocketAddr::new(IpAddr::V4(rig.sink_ip), ECHO_PORT),
     )?;
     super::client::pin_process(echo.pid(), cpu)?;
-    let target = match mode {
-        PpsMode::Routing => SocketAddr::new(IpAddr::V4(SINK), ECHO_PORT),
-        _ => SocketAddr::new(IpAddr::V4(NODE_IP), TCP_NODE_PORT),
+    let target = if mode.routed() {
+        SocketAddr::new(IpAddr::V4(SINK), ECHO_PORT)
+    } else {
+        SocketAddr::new(IpAddr::V4(NODE_IP), TCP_NODE_PORT)
     };
     let place = super::client::Place {
         netns: rig.client.path(),
@@ -545,7 +600,9 @@ fn settle(rig: &Rig) -> Result<Instant> {
 }
 
 /// Starts the node's dataplane of `mode` and programs `pps`: NodePort UDP 30090 → 9 on the sink
-/// at `sink_ip` (a pod on another node, or on the node's bridge).
+/// at `sink_ip` (a pod on another node, or on the node's bridge). With the programs attached to
+/// routed traffic the Service is programmed too, as on any node: the programs then look up a
+/// populated map and miss, as they do for a real node's traffic that is not a Service's.
 fn start_dataplane(
     mode: PpsMode,
     sink_ip: Ipv4Addr,
@@ -562,7 +619,14 @@ fn start_dataplane(
             }
             Ok(Some(Node::Iptables(Box::new(dataplane))))
         }
-        PpsMode::Tc | PpsMode::Xdp | PpsMode::TcBridge => {
+        PpsMode::RoutingWithPrograms
+        | PpsMode::EbpfDefault
+        | PpsMode::Tc
+        | PpsMode::Xdp
+        | PpsMode::TcBridge => {
+            // The fast-path modes set the flag; the default path keeps `TcOptions`' defaults,
+            // which are the agent's (`--tc-fast-path` off, `--bpf-xdp auto`).
+            let fast_path = matches!(mode, PpsMode::Tc | PpsMode::Xdp | PpsMode::TcBridge);
             let options = EbpfOptions {
                 cgroup_path: parts.cgroup_path(),
                 bpf_root: parts.bpf_root(),
@@ -576,17 +640,18 @@ fn start_dataplane(
                 ),
                 lb: proxy_dataplane_ebpf::LbOptions::default(),
                 tc: TcOptions {
-                    // The links to other hosts; a pod's bridge is not one.
+                    // The links to other hosts (without a bridge, the interfaces `--interfaces`'
+                    // default, every one with a global address, picks); a pod's bridge is not
+                    // one.
                     interfaces: if mode.bridge() {
                         vec!["ext0".into()]
                     } else {
                         vec!["ext0".into(), "ext1".into()]
                     },
-                    fast_path: true,
-                    xdp: if mode == PpsMode::Xdp {
-                        XdpSetting::Auto
-                    } else {
-                        XdpSetting::Off
+                    fast_path,
+                    xdp: match mode {
+                        PpsMode::Tc | PpsMode::TcBridge => XdpSetting::Off,
+                        _ => XdpSetting::Auto,
                     },
                     ..TcOptions::default()
                 },
@@ -600,8 +665,9 @@ fn start_dataplane(
             if !errors.is_empty() {
                 return Err(other(format!("apply errors: {errors:?}")));
             }
+            // `--bpf-xdp auto` attaches only with the fast path: none on the default path.
             let attached = dataplane.xdp_interfaces().len();
-            if (mode == PpsMode::Xdp) != (attached == 2) {
+            if attached != if mode == PpsMode::Xdp { 2 } else { 0 } {
                 return Err(other(format!(
                     "{}: XDP on {attached} interfaces",
                     mode.label()

@@ -496,10 +496,32 @@ fn goals(md: &mut String, r: &Results) {
                 GOAL_XDP_OVER_IPTABLES
             ),
         );
+        let _ = writeln!(
+            md,
+            "| packet rate on one core: the eBPF mode's default path (no `--tc-fast-path`: tc DNAT, the kernel's FORWARD, tc SNAT) ≥ {GOAL_EBPF_DEFAULT_OVER_IPTABLES:.0}× the iptables mode (§4b) | default path {:.0}k, iptables {:.0}k packets/s | {} |",
+            rate(PpsMode::EbpfDefault),
+            rate(PpsMode::Iptables),
+            judge(
+                pps_ratio(p, PpsMode::EbpfDefault, PpsMode::Iptables),
+                GOAL_EBPF_DEFAULT_OVER_IPTABLES
+            ),
+        );
+        let _ = writeln!(
+            md,
+            "| packet rate on one core of traffic that is not a Service's: plain routing with the eBPF mode's programs attached (defaults) ≥ {GOAL_ROUTING_WITH_PROGRAMS:.2}× plain routing without them (§4b) | with {:.0}k, without {:.0}k packets/s | {} |",
+            rate(PpsMode::RoutingWithPrograms),
+            rate(PpsMode::Routing),
+            judge(
+                pps_ratio(p, PpsMode::RoutingWithPrograms, PpsMode::Routing),
+                GOAL_ROUTING_WITH_PROGRAMS
+            ),
+        );
     } else {
         let _ = writeln!(
             md,
-            "| packet rate on one core (XDP, tc, iptables) | – | not measured |"
+            "| packet rate on one core: XDP ≥ {GOAL_XDP_OVER_TC:.0}× tc and ≥ {GOAL_XDP_OVER_IPTABLES:.0}× the iptables mode (§4b) | – | not measured |\n\
+             | packet rate on one core: the eBPF mode's default path ≥ {GOAL_EBPF_DEFAULT_OVER_IPTABLES:.0}× the iptables mode (§4b) | – | not measured |\n\
+             | packet rate on one core of traffic that is not a Service's: plain routing with the eBPF mode's programs attached ≥ {GOAL_ROUTING_WITH_PROGRAMS:.2}× without them (§4b) | – | not measured |"
         );
     }
     let _ = writeln!(md);
@@ -894,6 +916,10 @@ fn tc_cost_section(md: &mut String, r: &Results) {
 /// The goals: XDP's packet rate against tc's and the iptables mode's.
 const GOAL_XDP_OVER_TC: f64 = 2.0;
 const GOAL_XDP_OVER_IPTABLES: f64 = 3.0;
+/// The path users run by default against the mode it replaces (issue 39).
+const GOAL_EBPF_DEFAULT_OVER_IPTABLES: f64 = 2.0;
+/// The tax the eBPF mode's programs may put on traffic that is not a Service's: ≤ 5 %.
+const GOAL_ROUTING_WITH_PROGRAMS: f64 = 0.95;
 
 /// Per-run ratios of two modes' packet rates (runs interleaved, so run *i* of each pairs).
 fn pps_ratio(p: &super::pps::PpsResult, num: PpsMode, den: PpsMode) -> Option<Spread> {
@@ -929,12 +955,19 @@ fn pps_section(md: &mut String, r: &Results) {
          endpoint, a pod on another node). The generator is `BPF_PROG_TEST_RUN` with live frames \
          (`BPF_F_TEST_XDP_LIVE_FRAMES`) of an XDP program on the client's eth0 that writes the \
          frame and returns `XDP_TX`: {} frames of one UDP flow (60 bytes each, client → NodePort; \
-         routing: straight to the sink) really leave the client's veth and arrive on the node's \
-         `ext0` through the veth driver, where the mode under test forwards them out by `ext1`: \
-         *XDP* `kpr_xdp_external` in the driver (the flow's first packet too, once the next \
-         hop is resolved), *tc* `kpr_tc_external` on the skb (`--tc-fast-path --bpf-xdp \
-         off`), *iptables* the iptables mode's rules (DNAT, MASQUERADE, conntrack), *routing* \
-         the kernel alone. The sink counts and drops every frame in an XDP program of its own. \
+         the two routing rows: straight to the sink) really leave the client's veth and arrive \
+         on the node's `ext0` through the veth driver, where the mode under test forwards them \
+         out by `ext1`: *XDP* `kpr_xdp_external` in the driver (the flow's first packet too, \
+         once the next hop is resolved), *tc* `kpr_tc_external` on the skb redirecting past \
+         the host's netfilter (`--tc-fast-path --bpf-xdp off`), the eBPF mode's *default \
+         path* as users run it (no `--tc-fast-path`, `--bpf-xdp auto`, which attaches no XDP \
+         then) `kpr_tc_external` translating at `ext0`'s ingress, the kernel's FORWARD, the \
+         source NAT in `kpr_tc_egress` at `ext1` (the run fails unless the node's IP stack \
+         forwarded every frame delivered, `ForwDatagrams` of `/proc/net/snmp`), *iptables* \
+         the iptables mode's rules (DNAT, MASQUERADE, conntrack), *routing* the kernel alone, \
+         and *routing with the eBPF mode's programs attached* the same frames with the default path's programs on `ext0` and \
+         `ext1` and the Service programmed: the tax the eBPF mode puts on traffic that is not \
+         a Service's. The sink counts and drops every frame in an XDP program of its own. \
          The two *backend a pod on the node's CNI bridge* rows put the sink on the node \
          instead: a pod wired by the CNI reference plugin `bridge` with `host-local` (as \
          flannel and kubenet nodes wire pods, the plugin run as a container runtime runs it), \
@@ -976,8 +1009,8 @@ fn pps_section(md: &mut String, r: &Results) {
         md,
         "\n*TCP round trips*: on the same rig after the packet rate, {} round trips over one \
          connection (`rig-helper bench-connect --workload rr`: a line written, its echo read) \
-         from the client to an echo server on the sink through the same path (routing: the \
-         sink's address), client and server pinned to the same CPU, both ends sending complete \
+         from the client to an echo server on the sink through the same path (the routing rows: \
+         the sink's address), client and server pinned to the same CPU, both ends sending complete \
          checksums (`ethtool -K eth0 tx off`, as behind a wire); in the XDP mode the run fails \
          unless the node's XDP redirected every request and every answer (the veth driver's \
          `rx_queue_0_xdp_redirect`). A round trip is mostly the two hosts' stacks and the \
