@@ -1,4 +1,5 @@
-//! Reading the per-Service traffic counters (`KPR_SERVICE_TRAFFIC`) with the names and kinds
+//! Reading the per-Service traffic counters (`KPR_SERVICE_TRAFFIC`, and the per-CPU packets and
+//! bytes of `KPR_SERVICE_PACKETS`, summed over the CPUs) with the names and kinds
 //! `KPR_SERVICE_NAMES` records for each service id, from the pins: the agent's metrics read
 //! them on a thread of their own, and `proxy-agent inspect top` without the agent.
 
@@ -7,14 +8,16 @@ use std::{
     path::{Path, PathBuf},
 };
 
-use aya::maps::{HashMap, Map, MapData};
-use proxy_common::{ServiceName, ServiceTraffic, TrafficEvent, map_names};
+use aya::maps::{HashMap, Map, MapData, PerCpuHashMap};
+use proxy_common::{
+    ServiceName, ServicePackets, ServiceTraffic, TrafficDirection, TrafficEvent, map_names,
+};
 use proxy_kernel::bpf::map_batch::BatchReader;
 use proxy_model::{
     desired::Protocol,
     traffic::{
-        FrontendKind, ServicePortLabels, ServiceTrafficKey, TrafficCounts, TrafficReading,
-        TrafficSample,
+        FrontendKind, PacketCounts, ServicePortLabels, ServiceTrafficKey, TrafficCounts,
+        TrafficReading, TrafficSample,
     },
 };
 
@@ -29,6 +32,12 @@ pub enum TrafficError {
     #[error("the pinned map {0} is not of the expected type")]
     Type(&'static str),
     #[error("cannot read {map}: {source}")]
+    ReadPackets {
+        map: &'static str,
+        #[source]
+        source: aya::maps::MapError,
+    },
+    #[error("cannot read {map}: {source}")]
     Read {
         map: &'static str,
         #[source]
@@ -40,6 +49,8 @@ pub enum TrafficError {
 #[derive(Debug)]
 pub struct TrafficReader {
     traffic: MapData,
+    /// `KPR_SERVICE_PACKETS` (a per-CPU hash, typed at each read).
+    packets: Map,
     names: HashMap<MapData, u32, ServiceName>,
     batch: BatchReader,
     entries: Vec<(u32, ServiceTraffic)>,
@@ -55,11 +66,15 @@ impl TrafficReader {
             MapData::from_pin(&path).map_err(|source| TrafficError::Open { path, source })
         };
         let traffic = open(map_names::SERVICE_TRAFFIC)?;
+        let packets = Map::PerCpuHashMap(open(map_names::SERVICE_PACKETS)?);
+        PerCpuHashMap::<&MapData, u32, ServicePackets>::try_from(&packets)
+            .map_err(|_| TrafficError::Type(map_names::SERVICE_PACKETS))?;
         // The batch read checks the key and value sizes each time.
         let names = HashMap::try_from(Map::HashMap(open(map_names::SERVICE_NAMES)?))
             .map_err(|_| TrafficError::Type(map_names::SERVICE_NAMES))?;
         Ok(Self {
             traffic,
+            packets,
             names,
             batch: BatchReader::default(),
             entries: Vec::new(),
@@ -77,10 +92,22 @@ impl TrafficReader {
                 map: map_names::SERVICE_TRAFFIC,
                 source,
             })?;
+        // Only the frontends reached through tc have an entry: a few next to the ids.
+        let per_cpu = PerCpuHashMap::<&MapData, u32, ServicePackets>::try_from(&self.packets)
+            .map_err(|_| TrafficError::Type(map_names::SERVICE_PACKETS))?;
+        let mut packets = StdHashMap::new();
+        for entry in per_cpu.iter() {
+            let (id, per_cpu) = entry.map_err(|source| TrafficError::ReadPackets {
+                map: map_names::SERVICE_PACKETS,
+                source,
+            })?;
+            packets.insert(id, packet_counts(per_cpu.iter()));
+        }
         let mut reading = TrafficReading::default();
         let mut live = Vec::with_capacity(self.entries.len().min(1024));
         for &(id, traffic) in &self.entries {
-            if traffic.counts.iter().all(|&count| count == 0) {
+            let packets = packets.get(&id).copied();
+            if traffic.counts.iter().all(|&count| count == 0) && packets.is_none() {
                 continue;
             }
             live.push(id);
@@ -101,7 +128,10 @@ impl TrafficReader {
             reading.services.push(TrafficSample {
                 unit: u64::from(id),
                 key,
-                counts: counts_of(&traffic),
+                counts: TrafficCounts {
+                    packets,
+                    ..counts_of(&traffic)
+                },
             });
         }
         if self.keys.len() > live.len() {
@@ -112,14 +142,27 @@ impl TrafficReader {
     }
 }
 
-/// The counts as the model names them; the socket hooks and the tc programs count
-/// connections, not packets.
+/// A service id's packets and bytes: its per-CPU values summed (wrapping, as the counters
+/// do).
+pub fn packet_counts<'a>(per_cpu: impl Iterator<Item = &'a ServicePackets>) -> PacketCounts {
+    let (forward, reply) = (
+        TrafficDirection::Forward as usize,
+        TrafficDirection::Reply as usize,
+    );
+    per_cpu.fold(PacketCounts::default(), |sum, cpu| PacketCounts {
+        forward_packets: sum.forward_packets.wrapping_add(cpu.packets[forward]),
+        forward_bytes: sum.forward_bytes.wrapping_add(cpu.bytes[forward]),
+        reply_packets: sum.reply_packets.wrapping_add(cpu.packets[reply]),
+        reply_bytes: sum.reply_bytes.wrapping_add(cpu.bytes[reply]),
+    })
+}
+
+/// The connection counts as the model names them (the packets are `KPR_SERVICE_PACKETS`').
 pub fn counts_of(traffic: &ServiceTraffic) -> TrafficCounts {
     let count = |event: TrafficEvent| traffic.counts[event as usize];
     TrafficCounts {
         new_connections: count(TrafficEvent::NewConnection),
         packets: None,
-        bytes: None,
         rejected: count(TrafficEvent::Rejected),
         dropped_source_range: count(TrafficEvent::DroppedSourceRange),
         dropped_no_local: count(TrafficEvent::DroppedNoLocal),

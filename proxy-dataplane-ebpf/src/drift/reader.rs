@@ -295,6 +295,7 @@ impl DriftReader {
             source_ranges: trie(&maps.source_ranges)?,
             maglev: reopen_hash(&maps.maglev, map_names::MAGLEV)?,
             traffic: reopen(maps.traffic.map(), map_names::SERVICE_TRAFFIC)?,
+            packets: reopen(maps.packets.map(), map_names::SERVICE_PACKETS)?,
             touched: None,
         };
         let conntrack = match conntrack {

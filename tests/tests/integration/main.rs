@@ -44,6 +44,7 @@ mod reply_interface;
 mod restart_reuse;
 mod reused_pod_addresses;
 mod rig;
+mod service_packets;
 mod service_scenarios_ebpf;
 mod service_scenarios_ebpf_legacy_tc;
 mod service_scenarios_iptables;
