@@ -42,6 +42,9 @@ pub mod map_names {
     /// The packets and bytes of each frontend's flows the tc programs translate, per CPU, by
     /// service id ([`super::ServicePackets`]).
     pub const SERVICE_PACKETS: &str = "KPR_SERVICE_PACKETS";
+    /// The new connections each frontend gave each endpoint (`--service-traffic-endpoints`),
+    /// by [`super::EndpointTrafficKey`].
+    pub const ENDPOINT_TRAFFIC: &str = "KPR_ENDPOINT_TRAFFIC";
     /// The tc programs of each family the entry programs tail-call (a program array, pinned so
     /// that it outlives the agent; not in [`PINNED`]: it holds programs, not state).
     pub const TC_FAMILY: &str = "KPR_TC_FAMILY";
@@ -60,7 +63,7 @@ pub mod map_names {
     pub const FRAGMENTS: &str = "KPR_FRAGMENTS";
 
     /// Every map the agent pins (and `--cleanup` removes).
-    pub const PINNED: [&str; 23] = [
+    pub const PINNED: [&str; 24] = [
         FRONTENDS4,
         FRONTENDS6,
         BACKEND_SLOTS,
@@ -84,6 +87,7 @@ pub mod map_names {
         SERVICE_NAMES,
         SERVICE_TRAFFIC,
         SERVICE_PACKETS,
+        ENDPOINT_TRAFFIC,
     ];
 }
 
@@ -351,6 +355,9 @@ pub mod node_flags {
     /// tc programs and XDP do not count them (`KPR_SERVICE_PACKETS`): a packet then costs what
     /// it did before they were counted (the benchmark's §4 compares the two).
     pub const NO_PACKET_COUNTS: u32 = 1 << 13;
+    /// `--service-traffic-endpoints` (with the per-Service metrics on): each new connection is
+    /// also counted for the endpoint it was given (`KPR_ENDPOINT_TRAFFIC`).
+    pub const ENDPOINT_COUNTS: u32 = 1 << 14;
 }
 
 /// The slots of `KPR_TC_FAMILY`: each tc entry program (`kpr_tc_external`, `kpr_tc_reply`,
@@ -697,6 +704,23 @@ pub struct ServicePackets {
     pub bytes: [u64; TrafficDirection::COUNT],
 }
 
+/// Key of `KPR_ENDPOINT_TRAFFIC` (value: `u64`, the new connections, added to atomically):
+/// a frontend's service id and the endpoint a new connection to it was given. Written where a
+/// backend is chosen (the socket hooks, tc's new flows) while [`node_flags::ENDPOINT_COUNTS`]
+/// is set; a hash, as only the pairs that were used get an entry.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
+pub struct EndpointTrafficKey {
+    pub service_id: u32,
+    /// The endpoint's address (IPv4: the first word), network order.
+    pub addr: [u32; 4],
+    /// The endpoint's port, network order.
+    pub port: u16,
+    /// [`family::V4`] or [`family::V6`].
+    pub family: u8,
+    pub _pad: u8,
+}
+
 /// The direction of a flow's packet: the index of its [`ServicePackets`] counts.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[repr(usize)]
@@ -956,6 +980,7 @@ mod tests {
         assert_eq!(size_of::<CtKey4>(), 16);
         assert_eq!(size_of::<CtValue4>(), 40);
         assert_eq!(size_of::<ServicePackets>(), 32);
+        assert_eq!(size_of::<EndpointTrafficKey>(), 24);
         assert_eq!(size_of::<SourceRangeKey>(), 20);
         assert_eq!(size_of::<NodeAddrKey>(), 20);
         assert_eq!(size_of::<NodeConfig>(), 72);

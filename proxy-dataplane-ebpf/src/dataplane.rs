@@ -284,6 +284,9 @@ impl EbpfDataplane {
             .map_max_entries(map_names::SERVICE_NAMES, options.frontends_capacity)
             .map_max_entries(map_names::SERVICE_TRAFFIC, traffic_capacity)
             .map_max_entries(map_names::SERVICE_PACKETS, traffic_capacity)
+            // Pairs of a frontend and an endpoint; as many as frontends: its bucket array is
+            // what it costs while unused (16 bytes a slot), and the frontends' is the smaller.
+            .map_max_entries(map_names::ENDPOINT_TRAFFIC, options.frontends_capacity)
             .load(object::OBJECT)?;
         let log_drain = match &reused {
             // The reused programs log into the ring buffer of the load that verified them,
@@ -316,6 +319,7 @@ impl EbpfDataplane {
             maglev: take_map(&mut ebpf, map_names::MAGLEV)?,
             traffic: take_map(&mut ebpf, map_names::SERVICE_TRAFFIC)?,
             packets: take_map(&mut ebpf, map_names::SERVICE_PACKETS)?,
+            endpoints: take_map(&mut ebpf, map_names::ENDPOINT_TRAFFIC)?,
             touched: None,
         };
         let stats = take_map(&mut ebpf, map_names::STATS)?;

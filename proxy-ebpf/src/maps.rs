@@ -21,9 +21,10 @@ use aya_ebpf::{
 };
 use proxy_common::{
     AffinityKey, AffinityMatchKey, AffinityValue, Backend4, Backend6, BackendSlotKey, CtKey,
-    CtKey4, CtValue, CtValue4, Frontend4Key, Frontend6Key, FrontendValue, MaglevBlock, MaglevKey,
-    NodeAddrKey, NodeConfig, RevNat4, RevNat4Key, RevNat6, RevNat6Key, ServiceName, ServicePackets,
-    ServiceTraffic, SnatAddrs, SourceRangeKey, TcFamilyProgram, TcFragmentProgram, default_sizes,
+    CtKey4, CtValue, CtValue4, EndpointTrafficKey, Frontend4Key, Frontend6Key, FrontendValue,
+    MaglevBlock, MaglevKey, NodeAddrKey, NodeConfig, RevNat4, RevNat4Key, RevNat6, RevNat6Key,
+    ServiceName, ServicePackets, ServiceTraffic, SnatAddrs, SourceRangeKey, TcFamilyProgram,
+    TcFragmentProgram, default_sizes,
     ip_family::{self, IpFamily},
     lookup::FrontendMaps,
 };
@@ -101,6 +102,13 @@ pub static KPR_SERVICE_TRAFFIC: Array<ServiceTraffic> = Array::pinned(default_si
 #[map]
 pub static KPR_SERVICE_PACKETS: PerCpuHashMap<u32, ServicePackets> =
     PerCpuHashMap::pinned(default_sizes::FRONTENDS, BPF_F_NO_PREALLOC);
+
+/// (Service id, endpoint) → new connections (`traffic::count_endpoint`), while the agent
+/// sets `node_flags::ENDPOINT_COUNTS`. An entry per pair that was used; the agent sizes it
+/// like the frontends and deletes an id's entries when it hands the id to another frontend.
+#[map]
+pub static KPR_ENDPOINT_TRAFFIC: HashMap<EndpointTrafficKey, u64> =
+    HashMap::pinned(default_sizes::FRONTENDS, BPF_F_NO_PREALLOC);
 
 #[map]
 pub static KPR_STATS: PerCpuArray<u64> = PerCpuArray::pinned(default_sizes::STATS, 0);

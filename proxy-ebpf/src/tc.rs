@@ -338,6 +338,7 @@ fn service<const V6: bool>(ctx: &TcContext, side: TcSide) -> i32 {
             // evict the datagrams of real flows from the LRU map.
             fragments::remember::<V6>(pkt);
             traffic::count_first_tc_packet(ctx, pkt, frontend.service_id);
+            traffic::count_new_flow_endpoint(pkt, frontend.service_id);
             translate_new(ctx, pkt)
         }
     }

@@ -6,10 +6,15 @@
 use core::intrinsics::{AtomicOrdering, atomic_xadd};
 
 use aya_ebpf::{bindings::BPF_NOEXIST, programs::TcContext};
-use proxy_common::{ServicePackets, TrafficDirection, TrafficEvent, node_flags, probe};
+use proxy_common::{
+    EndpointTrafficKey, ServicePackets, TrafficDirection, TrafficEvent, family, node_flags, probe,
+    proto,
+};
 
 use crate::{
-    maps::{KPR_NODE_CONFIG, KPR_SERVICE_PACKETS, KPR_SERVICE_TRAFFIC},
+    maps::{
+        KPR_ENDPOINT_TRAFFIC, KPR_NODE_CONFIG, KPR_SERVICE_PACKETS, KPR_SERVICE_TRAFFIC, scratch,
+    },
     packet::{ETH_HLEN, Packet},
 };
 
@@ -109,4 +114,58 @@ pub fn count(service_id: u32, event: TrafficEvent) {
             );
         }
     }
+}
+
+/// Counts a new connection to the frontend with `service_id` for the endpoint it was given
+/// (`addr`, `port`, network order), while the agent asks for it (`node_flags::ENDPOINT_COUNTS`,
+/// `--service-traffic-endpoints`).
+#[inline(always)]
+pub fn count_endpoint(service_id: u32, addr: &[u32; 4], port: u16, v6: bool) {
+    if !KPR_NODE_CONFIG
+        .get(0)
+        .is_some_and(|config| config.flags & node_flags::ENDPOINT_COUNTS != 0)
+    {
+        return;
+    }
+    let key = EndpointTrafficKey {
+        service_id,
+        addr: *addr,
+        port,
+        family: if v6 { family::V6 } else { family::V4 },
+        _pad: 0,
+    };
+    if KPR_ENDPOINT_TRAFFIC.get_ptr_mut(key).is_none() {
+        // Of two CPUs making it at once, one inserts and the other finds it. A full map
+        // refuses the pair: its connections go uncounted.
+        let _ = KPR_ENDPOINT_TRAFFIC.insert(key, 0, u64::from(BPF_NOEXIST));
+    }
+    if let Some(count) = KPR_ENDPOINT_TRAFFIC.get_ptr_mut(key) {
+        // SAFETY: the pointer comes from a successful lookup and stays valid while the
+        // program runs; other CPUs add to the same value, hence the atomic add (its result
+        // unused: the plain `lock +=`, see `count`).
+        unsafe {
+            atomic_xadd::<u64, u64, { AtomicOrdering::Relaxed }>(count, 1);
+        }
+    }
+}
+
+/// [`count_endpoint`] for the flow `new_flow` just wrote for `pkt` (its forward entry, in the
+/// scratch slot, holds the backend): as `new_flow` counts the connection, neither a recovered
+/// mid-stream TCP flow nor the self-test's probe. Not inlined, and called once `new_flow` has
+/// returned: the key then lives on a frame of its own, not under the new-flow chain's, which
+/// is at the verifier's 512-byte limit.
+#[inline(never)]
+pub fn count_new_flow_endpoint(pkt: &Packet, service_id: u32) {
+    if (pkt.proto == proto::TCP && !pkt.opens())
+        || probe::is_probe(&pkt.src, pkt.sport, pkt.is_v6())
+    {
+        return;
+    }
+    let Some(scratch) = scratch() else {
+        return;
+    };
+    // SAFETY: the per-CPU slot is ours until the program ends; `new_flow` left the flow's
+    // forward entry in it.
+    let (addr, port) = unsafe { ((*scratch).forward.dst, (*scratch).forward.dport) };
+    count_endpoint(service_id, &addr, port, pkt.is_v6());
 }

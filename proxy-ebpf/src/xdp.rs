@@ -222,7 +222,11 @@ pub fn first_packet<const V6: bool>(ctx: &XdpContext) -> u32 {
         return XDP_PASS;
     }
     match new_flow::<V6, _>(ctx, pkt, &frontend, false) {
-        Verdict::Translate => send_first_packet(ctx, pkt),
+        Verdict::Translate => {
+            // Here, whoever sends the packet on: tc finds the flow's entries written.
+            traffic::count_new_flow_endpoint(pkt, frontend.service_id);
+            send_first_packet(ctx, pkt)
+        }
         Verdict::Action(DROP) => XDP_DROP,
         Verdict::Action(_) | Verdict::Reject => XDP_PASS,
     }

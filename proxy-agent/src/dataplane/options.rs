@@ -59,6 +59,8 @@ pub fn ebpf_options(config: &Config) -> EbpfOptions {
             host_namespace_only: config.ebpf.socket_lb_host_namespace_only,
             // The per-Service metrics are off: no packet is counted for them.
             packet_counts_off: config.ebpf.service_traffic_max_series == 0,
+            endpoint_counts: config.ebpf.service_traffic_endpoints
+                && config.ebpf.service_traffic_max_series > 0,
             // The probe decides (`EbpfDataplane::start`).
             tcx: true,
         },

@@ -26,9 +26,9 @@ use aya::{
 };
 use proxy_common::{
     AffinityKey, AffinityMatchKey, AffinityValue, Backend4, Backend6, BackendSlotKey, CtKey,
-    CtKey4, CtValue, CtValue4, Frontend4Key, Frontend6Key, FrontendValue, MaglevBlock, MaglevKey,
-    NodeAddrKey, NodeConfig, RevNat4, RevNat4Key, RevNat6, RevNat6Key, ServiceName, ServicePackets,
-    ServiceTraffic, SnatAddrs, SourceRangeKey, map_names,
+    CtKey4, CtValue, CtValue4, EndpointTrafficKey, Frontend4Key, Frontend6Key, FrontendValue,
+    MaglevBlock, MaglevKey, NodeAddrKey, NodeConfig, RevNat4, RevNat4Key, RevNat6, RevNat6Key,
+    ServiceName, ServicePackets, ServiceTraffic, SnatAddrs, SourceRangeKey, map_names,
 };
 use tracing::{info, warn};
 
@@ -98,7 +98,7 @@ fn layout<K, V>(name: &'static str, version: u32) -> Layout {
 }
 
 /// This build's layout of every pinned map (`map_names::PINNED`).
-pub fn current() -> [Layout; 23] {
+pub fn current() -> [Layout; 24] {
     [
         layout::<Frontend4Key, FrontendValue>(map_names::FRONTENDS4, 1),
         layout::<Frontend6Key, FrontendValue>(map_names::FRONTENDS6, 1),
@@ -132,6 +132,7 @@ pub fn current() -> [Layout; 23] {
         layout::<u32, ServiceTraffic>(map_names::SERVICE_TRAFFIC, 1),
         // Per CPU: the kernel reports one CPU's value size.
         layout::<u32, ServicePackets>(map_names::SERVICE_PACKETS, 1),
+        layout::<EndpointTrafficKey, u64>(map_names::ENDPOINT_TRAFFIC, 1),
     ]
 }
 
@@ -164,9 +165,10 @@ pub fn holds(name: &str) -> Holds {
         map_names::CT4_NEW | map_names::CT6_NEW => Holds::DatapathState(
             "external TCP flows still in their handshake choose their backend again",
         ),
-        map_names::STATS | map_names::SERVICE_TRAFFIC | map_names::SERVICE_PACKETS => {
-            Holds::Counters
-        }
+        map_names::STATS
+        | map_names::SERVICE_TRAFFIC
+        | map_names::SERVICE_PACKETS
+        | map_names::ENDPOINT_TRAFFIC => Holds::Counters,
         _ => Holds::ServiceState,
     }
 }

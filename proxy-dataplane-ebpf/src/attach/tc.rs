@@ -88,6 +88,9 @@ pub struct TcOptions {
     /// `--service-traffic-max-series 0` (`node_flags::NO_PACKET_COUNTS`): the programs do not
     /// count each Service's packets and bytes, which nobody would read.
     pub packet_counts_off: bool,
+    /// `--service-traffic-endpoints` (`node_flags::ENDPOINT_COUNTS`): each new connection is
+    /// also counted for its endpoint.
+    pub endpoint_counts: bool,
     /// Attach as TCX links; otherwise as legacy clsact filters (`legacy_tc`).
     pub tcx: bool,
     /// `--bpf-xdp`: the XDP program on the external interfaces too (`xdp`).
@@ -344,6 +347,9 @@ impl TcState {
         }
         if self.options.packet_counts_off {
             config.flags |= node_flags::NO_PACKET_COUNTS;
+        }
+        if self.options.endpoint_counts {
+            config.flags |= node_flags::ENDPOINT_COUNTS;
         }
         if self.kernel_flows {
             config.flags |= node_flags::KERNEL_FLOWS;

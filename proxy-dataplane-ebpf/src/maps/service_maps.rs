@@ -12,8 +12,8 @@ use aya::maps::{
 };
 use ipnet::IpNet;
 use proxy_common::{
-    AffinityMatchKey, Backend4, Backend6, BackendSlotKey, Frontend4Key, Frontend6Key,
-    FrontendValue, MaglevBlock, MaglevKey, RevNat4, RevNat4Key, RevNat6, RevNat6Key,
+    AffinityMatchKey, Backend4, Backend6, BackendSlotKey, EndpointTrafficKey, Frontend4Key,
+    Frontend6Key, FrontendValue, MaglevBlock, MaglevKey, RevNat4, RevNat4Key, RevNat6, RevNat6Key,
     ServicePackets, ServiceTraffic, SourceRangeKey, map_names,
 };
 
@@ -48,6 +48,9 @@ pub(crate) struct ServiceMaps {
     /// Each service id's packets and bytes (per CPU, written by the programs; the id's entry
     /// deleted here when it is handed out again).
     pub(crate) packets: PerCpuHashMap<MapData, u32, ServicePackets>,
+    /// Each service id's new connections by endpoint (`--service-traffic-endpoints`; the id's
+    /// entries deleted here when it is handed out again).
+    pub(crate) endpoints: HashMap<MapData, EndpointTrafficKey, u64>,
     /// While a drift check is out: the keys written or deleted since it started.
     pub(crate) touched: Option<Touched>,
 }
@@ -83,6 +86,17 @@ impl MapOps for ServiceMaps {
         }
         // Absent unless the id's frontend was reached through tc.
         let _ = self.packets.remove(&service_id);
+        // Empty unless endpoints are counted: the walk costs nothing then.
+        let stale: Vec<EndpointTrafficKey> = self
+            .endpoints
+            .keys()
+            .filter_map(Result::ok)
+            .filter(|key| key.service_id == service_id)
+            .collect();
+        for key in stale {
+            // Gone already if the walk raced a delete: nothing to reset.
+            let _ = self.endpoints.remove(&key);
+        }
     }
     fn put_frontend(
         &mut self,

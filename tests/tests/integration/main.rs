@@ -13,6 +13,7 @@ mod conntrack_pressure;
 mod datapath_health;
 mod drift;
 mod drift_reading;
+mod endpoint_traffic;
 mod explain;
 mod explain_agreement;
 mod external_interfaces;

@@ -9,7 +9,7 @@ use crate::attach::layout::*;
 /// (`holds`) also register the previous layout in `OLDER` with a conversion, or its entries are
 /// lost at the upgrade (service state is refilled by the first sync before the new programs
 /// attach).
-const RELEASED: [(&str, u32, u32, u32); 23] = [
+const RELEASED: [(&str, u32, u32, u32); 24] = [
     (map_names::FRONTENDS4, 1, 8, 16),
     (map_names::FRONTENDS6, 1, 20, 16),
     (map_names::BACKEND_SLOTS, 1, 8, 4),
@@ -33,6 +33,7 @@ const RELEASED: [(&str, u32, u32, u32); 23] = [
     (map_names::SERVICE_NAMES, 1, 4, 160),
     (map_names::SERVICE_TRAFFIC, 1, 4, 32),
     (map_names::SERVICE_PACKETS, 1, 4, 32),
+    (map_names::ENDPOINT_TRAFFIC, 1, 24, 8),
 ];
 
 #[test]
