@@ -34,8 +34,10 @@ pub enum TrafficError {
     },
     #[error("the pinned map {0} is not of the expected type")]
     Type(&'static str),
+    /// A hash map the programs add entries to (`KPR_SERVICE_PACKETS`, `KPR_ENDPOINT_TRAFFIC`),
+    /// walked entry by entry.
     #[error("cannot read {map}: {source}")]
-    ReadPackets {
+    ReadEntries {
         map: &'static str,
         #[source]
         source: aya::maps::MapError,
@@ -115,7 +117,7 @@ impl TrafficReader {
             .map_err(|_| TrafficError::Type(map_names::SERVICE_PACKETS))?;
         let mut packets = StdHashMap::new();
         for entry in per_cpu.iter() {
-            let (id, per_cpu) = entry.map_err(|source| TrafficError::ReadPackets {
+            let (id, per_cpu) = entry.map_err(|source| TrafficError::ReadEntries {
                 map: map_names::SERVICE_PACKETS,
                 source,
             })?;
@@ -168,7 +170,7 @@ impl TrafficReader {
         };
         let mut seen = std::collections::HashSet::new();
         for entry in endpoints.iter() {
-            let (key, count) = entry.map_err(|source| TrafficError::ReadPackets {
+            let (key, count) = entry.map_err(|source| TrafficError::ReadEntries {
                 map: map_names::ENDPOINT_TRAFFIC,
                 source,
             })?;
