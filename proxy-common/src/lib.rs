@@ -68,6 +68,10 @@ mod pod {
     // SAFETY: as above.
     unsafe impl aya::Pod for ServiceTraffic {}
     // SAFETY: as above.
+    unsafe impl aya::Pod for ServicePackets {}
+    // SAFETY: as above.
+    unsafe impl aya::Pod for EndpointTrafficKey {}
+    // SAFETY: as above.
     unsafe impl aya::Pod for AffinityMatchKey {}
     // SAFETY: as above.
     unsafe impl aya::Pod for CtKey {}

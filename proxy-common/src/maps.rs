@@ -39,6 +39,12 @@ pub mod map_names {
     pub const SERVICE_NAMES: &str = "KPR_SERVICE_NAMES";
     /// Each frontend's traffic counters, indexed by its service id ([`super::ServiceTraffic`]).
     pub const SERVICE_TRAFFIC: &str = "KPR_SERVICE_TRAFFIC";
+    /// The packets and bytes of each frontend's flows the tc programs translate, per CPU, by
+    /// service id ([`super::ServicePackets`]).
+    pub const SERVICE_PACKETS: &str = "KPR_SERVICE_PACKETS";
+    /// The new connections each frontend gave each endpoint (`--service-traffic-endpoints`),
+    /// by [`super::EndpointTrafficKey`].
+    pub const ENDPOINT_TRAFFIC: &str = "KPR_ENDPOINT_TRAFFIC";
     /// The tc programs of each family the entry programs tail-call (a program array, pinned so
     /// that it outlives the agent; not in [`PINNED`]: it holds programs, not state).
     pub const TC_FAMILY: &str = "KPR_TC_FAMILY";
@@ -57,7 +63,7 @@ pub mod map_names {
     pub const FRAGMENTS: &str = "KPR_FRAGMENTS";
 
     /// Every map the agent pins (and `--cleanup` removes).
-    pub const PINNED: [&str; 22] = [
+    pub const PINNED: [&str; 24] = [
         FRONTENDS4,
         FRONTENDS6,
         BACKEND_SLOTS,
@@ -80,6 +86,8 @@ pub mod map_names {
         UDP_STICKY,
         SERVICE_NAMES,
         SERVICE_TRAFFIC,
+        SERVICE_PACKETS,
+        ENDPOINT_TRAFFIC,
     ];
 }
 
@@ -343,6 +351,13 @@ pub mod node_flags {
     /// (internal frontends, per packet), so a sidecar in the pod sees what the application
     /// dialled. Ignored while the cookie is unknown (0): every socket is translated then.
     pub const HOST_NAMESPACE_ONLY: u32 = 64;
+    /// `--service-traffic-max-series 0`: nobody reads the per-Service packets and bytes, so the
+    /// tc programs and XDP do not count them (`KPR_SERVICE_PACKETS`): a packet then costs what
+    /// it did before they were counted (the benchmark's §4 compares the two).
+    pub const NO_PACKET_COUNTS: u32 = 1 << 13;
+    /// `--service-traffic-endpoints` (with the per-Service metrics on): each new connection is
+    /// also counted for the endpoint it was given (`KPR_ENDPOINT_TRAFFIC`).
+    pub const ENDPOINT_COUNTS: u32 = 1 << 14;
 }
 
 /// The slots of `KPR_TC_FAMILY`: each tc entry program (`kpr_tc_external`, `kpr_tc_reply`,
@@ -674,6 +689,52 @@ impl TrafficEvent {
     pub const COUNT: usize = 4;
 }
 
+/// Value of `KPR_SERVICE_PACKETS` (a per-CPU hash keyed by service id): the packets and bytes
+/// (IP bytes: the frame past its Ethernet header) of the flows the tc programs (and XDP)
+/// translate for a frontend, by [`TrafficDirection`]. Per CPU, as these change with every
+/// packet: one shared value would bounce its cache line between the CPUs. A hash rather than
+/// an array: an array costs its whole size once per CPU, and only the frontends reached through
+/// tc (NodePorts, external IPs, LB IPs, a ClusterIP from outside) ever get an entry, on their
+/// first flow's first packet. The socket hooks see no packets: a ClusterIP's connections from
+/// the node and its pods have none.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct ServicePackets {
+    pub packets: [u64; TrafficDirection::COUNT],
+    pub bytes: [u64; TrafficDirection::COUNT],
+}
+
+/// Key of `KPR_ENDPOINT_TRAFFIC` (value: `u64`, the new connections, added to atomically):
+/// a frontend's service id and the endpoint a new connection to it was given. Written where a
+/// backend is chosen (the socket hooks, tc's new flows) while [`node_flags::ENDPOINT_COUNTS`]
+/// is set; a hash, as only the pairs that were used get an entry.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
+pub struct EndpointTrafficKey {
+    pub service_id: u32,
+    /// The endpoint's address (IPv4: the first word), network order.
+    pub addr: [u32; 4],
+    /// The endpoint's port, network order.
+    pub port: u16,
+    /// [`family::V4`] or [`family::V6`].
+    pub family: u8,
+    pub _pad: u8,
+}
+
+/// The direction of a flow's packet: the index of its [`ServicePackets`] counts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(usize)]
+pub enum TrafficDirection {
+    /// The client's packets, to the backend (a forward conntrack entry's).
+    Forward = 0,
+    /// The backend's packets, back to the client (a reply entry's).
+    Reply = 1,
+}
+
+impl TrafficDirection {
+    pub const COUNT: usize = 2;
+}
+
 /// Key of `KPR_AFFINITY_MATCH` (value: `u8`, unused): present exactly while `backend_id` is in
 /// the live backend set of `service_id`, so an affinity entry never leads to a backend that was
 /// removed from the service (it may still exist for other services under the same id).
@@ -740,6 +801,11 @@ pub struct CtValue {
     pub out_ifindex: u32,
     /// `bpf_ktime_get_ns()` of the last packet (forward entries), for the idle timeout.
     pub last_seen_ns: u64,
+    /// The service id of the frontend the flow was started to, whose packet and byte counters
+    /// ([`ServicePackets`]) its packets add to; 0: not counted (an adopted flow of the kernel's
+    /// NAT, or an entry migrated from a layout without it).
+    pub service_id: u32,
+    pub _pad2: u32,
 }
 
 /// Key of `KPR_CT4`: an IPv4 [`CtKey`] without the unused address words.
@@ -794,6 +860,8 @@ pub struct CtValue4 {
     pub out_mac: [u8; 6],
     pub out_ifindex: u32,
     pub last_seen_ns: u64,
+    pub service_id: u32,
+    pub _pad2: u32,
 }
 
 impl CtValue4 {
@@ -809,6 +877,8 @@ impl CtValue4 {
             out_mac: value.out_mac,
             out_ifindex: value.out_ifindex,
             last_seen_ns: value.last_seen_ns,
+            service_id: value.service_id,
+            _pad2: 0,
         }
     }
 
@@ -824,6 +894,8 @@ impl CtValue4 {
             out_mac: self.out_mac,
             out_ifindex: self.out_ifindex,
             last_seen_ns: self.last_seen_ns,
+            service_id: self.service_id,
+            _pad2: 0,
         }
     }
 }
@@ -904,9 +976,11 @@ mod tests {
         assert_eq!(size_of::<AffinityValue>(), 16);
         assert_eq!(size_of::<AffinityMatchKey>(), 8);
         assert_eq!(size_of::<CtKey>(), 40);
-        assert_eq!(size_of::<CtValue>(), 56);
+        assert_eq!(size_of::<CtValue>(), 64);
         assert_eq!(size_of::<CtKey4>(), 16);
-        assert_eq!(size_of::<CtValue4>(), 32);
+        assert_eq!(size_of::<CtValue4>(), 40);
+        assert_eq!(size_of::<ServicePackets>(), 32);
+        assert_eq!(size_of::<EndpointTrafficKey>(), 24);
         assert_eq!(size_of::<SourceRangeKey>(), 20);
         assert_eq!(size_of::<NodeAddrKey>(), 20);
         assert_eq!(size_of::<NodeConfig>(), 72);

@@ -283,6 +283,10 @@ impl EbpfDataplane {
             .map_max_entries(map_names::UDP_STICKY, lru.udp_sticky)
             .map_max_entries(map_names::SERVICE_NAMES, options.frontends_capacity)
             .map_max_entries(map_names::SERVICE_TRAFFIC, traffic_capacity)
+            .map_max_entries(map_names::SERVICE_PACKETS, traffic_capacity)
+            // Pairs of a frontend and an endpoint; as many as frontends: its bucket array is
+            // what it costs while unused (16 bytes a slot), and the frontends' is the smaller.
+            .map_max_entries(map_names::ENDPOINT_TRAFFIC, options.frontends_capacity)
             .load(object::OBJECT)?;
         let log_drain = match &reused {
             // The reused programs log into the ring buffer of the load that verified them,
@@ -314,6 +318,8 @@ impl EbpfDataplane {
             source_ranges: take_map(&mut ebpf, map_names::SOURCE_RANGES)?,
             maglev: take_map(&mut ebpf, map_names::MAGLEV)?,
             traffic: take_map(&mut ebpf, map_names::SERVICE_TRAFFIC)?,
+            packets: take_map(&mut ebpf, map_names::SERVICE_PACKETS)?,
+            endpoints: take_map(&mut ebpf, map_names::ENDPOINT_TRAFFIC)?,
             touched: None,
         };
         let stats = take_map(&mut ebpf, map_names::STATS)?;
@@ -485,6 +491,13 @@ impl EbpfDataplane {
     /// after it.
     pub fn adopt_kernel_nat_flows_before_frontends(&mut self) {
         adopt_kernel_nat_flows(&mut self.ebpf);
+    }
+
+    /// Whether the tc programs and XDP count each Service's packets and bytes
+    /// (`KPR_SERVICE_PACKETS`); from [`TcOptions::packet_counts_off`] at start. Takes effect at
+    /// once.
+    pub fn set_packet_counts(&mut self, on: bool) {
+        self.tc.set_packet_counts(on);
     }
 
     /// The node settings (NodePort addresses, local-traffic detection, localhost NodePorts) the

@@ -2,8 +2,8 @@
 //! tuple a matching packet is rewritten to (Cilium keeps NAT state apart from CT; one map per
 //! family is enough here because the agent never inspects flows, and it halves the lookups).
 //!
-//! IPv4 flows live in `KPR_CT4` in entries sized for IPv4 ([`CtKey4`], [`CtValue4`]: 120 bytes
-//! of kernel memory an entry against 168), IPv6 flows in `KPR_CT6`. The rest of the datapath
+//! IPv4 flows live in `KPR_CT4` in entries sized for IPv4 ([`CtKey4`], [`CtValue4`]: 128 bytes
+//! of kernel memory an entry against 176), IPv6 flows in `KPR_CT6`. The rest of the datapath
 //! works on the wide [`CtKey`] and [`CtValue`] of both families: this module converts at the
 //! maps' edge. A lookup copies the entry found into one of the scratch slot's views (widened
 //! for IPv4) and writes go back to the map by key (`mark`): a pointer into either map, kept
@@ -170,6 +170,7 @@ unsafe fn widen_into(from: &CtValue4, to: *mut CtValue, new: u8) {
         ptr::write_volatile(&raw mut (*to).out_mac, from.out_mac);
         ptr::write_volatile(&raw mut (*to).out_ifindex, from.out_ifindex);
         ptr::write_volatile(&raw mut (*to).last_seen_ns, from.last_seen_ns);
+        ptr::write_volatile(&raw mut (*to).service_id, from.service_id);
     }
 }
 
@@ -187,6 +188,7 @@ unsafe fn copy_into(from: &CtValue, to: *mut CtValue, new: u8) {
         ptr::write_volatile(&raw mut (*to).out_mac, from.out_mac);
         ptr::write_volatile(&raw mut (*to).out_ifindex, from.out_ifindex);
         ptr::write_volatile(&raw mut (*to).last_seen_ns, from.last_seen_ns);
+        ptr::write_volatile(&raw mut (*to).service_id, from.service_id);
     }
 }
 
@@ -201,6 +203,8 @@ fn narrow_into(from: &CtValue, to: &mut CtValue4) {
     to.out_mac = from.out_mac;
     to.out_ifindex = from.out_ifindex;
     to.last_seen_ns = from.last_seen_ns;
+    to.service_id = from.service_id;
+    to._pad2 = 0;
 }
 
 /// Adds `flags` to the entry under `key` in its map and, unless `now` is 0, sets its last
@@ -448,6 +452,8 @@ pub fn reply_seen<const V6: bool>(key: &CtKey, reply: &CtValue, pkt: &Packet, no
         out_mac: [0; 6],
         out_ifindex: 0,
         last_seen_ns: now,
+        service_id: reply.service_id,
+        _pad2: 0,
     };
     // NOEXIST: a new flow of the client tuple written meanwhile wins. An established flow's
     // entry: into the established map.

@@ -15,13 +15,16 @@ use aya_ebpf::{
     bindings::BPF_F_NO_PREALLOC,
     helpers::bpf_map_lookup_elem,
     macros::map,
-    maps::{Array, DevMapHash, HashMap, LpmTrie, LruHashMap, PerCpuArray, ProgramArray},
+    maps::{
+        Array, DevMapHash, HashMap, LpmTrie, LruHashMap, PerCpuArray, PerCpuHashMap, ProgramArray,
+    },
 };
 use proxy_common::{
     AffinityKey, AffinityMatchKey, AffinityValue, Backend4, Backend6, BackendSlotKey, CtKey,
-    CtKey4, CtValue, CtValue4, Frontend4Key, Frontend6Key, FrontendValue, MaglevBlock, MaglevKey,
-    NodeAddrKey, NodeConfig, RevNat4, RevNat4Key, RevNat6, RevNat6Key, ServiceName, ServiceTraffic,
-    SnatAddrs, SourceRangeKey, TcFamilyProgram, TcFragmentProgram, default_sizes,
+    CtKey4, CtValue, CtValue4, EndpointTrafficKey, Frontend4Key, Frontend6Key, FrontendValue,
+    MaglevBlock, MaglevKey, NodeAddrKey, NodeConfig, RevNat4, RevNat4Key, RevNat6, RevNat6Key,
+    ServiceName, ServicePackets, ServiceTraffic, SnatAddrs, SourceRangeKey, TcFamilyProgram,
+    TcFragmentProgram, default_sizes,
     ip_family::{self, IpFamily},
     lookup::FrontendMaps,
 };
@@ -90,6 +93,22 @@ pub static KPR_SERVICE_NAMES: HashMap<u32, ServiceName> =
 /// capacity (plus slot 0, which no id uses).
 #[map]
 pub static KPR_SERVICE_TRAFFIC: Array<ServiceTraffic> = Array::pinned(default_sizes::FRONTENDS, 0);
+
+/// Service id → the packets and bytes of its frontend's flows through tc and XDP, per CPU
+/// (`traffic::count_packet`). An entry per frontend the tc programs translate for, made by its
+/// first flow's first packet, so a node's ClusterIP-only frontends (served at the socket) cost
+/// nothing; the agent sizes it like `KPR_SERVICE_TRAFFIC` and deletes an id's entry when it
+/// hands the id to another frontend.
+#[map]
+pub static KPR_SERVICE_PACKETS: PerCpuHashMap<u32, ServicePackets> =
+    PerCpuHashMap::pinned(default_sizes::FRONTENDS, BPF_F_NO_PREALLOC);
+
+/// (Service id, endpoint) → new connections (`traffic::count_endpoint`), while the agent
+/// sets `node_flags::ENDPOINT_COUNTS`. An entry per pair that was used; the agent sizes it
+/// like the frontends and deletes an id's entries when it hands the id to another frontend.
+#[map]
+pub static KPR_ENDPOINT_TRAFFIC: HashMap<EndpointTrafficKey, u64> =
+    HashMap::pinned(default_sizes::FRONTENDS, BPF_F_NO_PREALLOC);
 
 #[map]
 pub static KPR_STATS: PerCpuArray<u64> = PerCpuArray::pinned(default_sizes::STATS, 0);

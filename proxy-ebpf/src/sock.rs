@@ -247,6 +247,8 @@ fn choose<F: SockFamily>(
         Decision::BackendMissing => Err(backend_missing(ctx)),
         Decision::Backend(backend, _) => {
             traffic::count(frontend.service_id, TrafficEvent::NewConnection);
+            let (addr, port) = F::backend_addr(&backend);
+            traffic::count_endpoint(frontend.service_id, &addr, port, F::V6);
             Ok((backend, false))
         }
         Decision::Kept(backend) => Ok((backend, true)),

@@ -30,7 +30,7 @@ use aya_ebpf::{
 };
 use proxy_common::{
     FrontendValue, NodeConfig, StatIndex, TRANSLATED_MARK, TcFamilyProgram, TcFragmentProgram,
-    TrafficEvent, ct_flags, frontend_flags, ip_family,
+    TrafficDirection, TrafficEvent, ct_flags, frontend_flags, ip_family,
     lookup::{self, TcSide},
     maglev::flow_hash,
     node_flags, proto,
@@ -170,6 +170,7 @@ pub fn fragment_ingress<const V6: bool>(ctx: &TcContext) -> i32 {
         return NEXT;
     };
     if value.flags & ct_flags::REPLY != 0 {
+        traffic::count_tc_packet(ctx, value.service_id, TrafficDirection::Reply);
         return translate(ctx, pkt, value, StatIndex::TcReplyTranslated);
     }
     // The kernel's conntrack NATs an adopted flow's packets: it reassembles them first.
@@ -177,6 +178,7 @@ pub fn fragment_ingress<const V6: bool>(ctx: &TcContext) -> i32 {
         bump(StatIndex::TcKernelNatPassed);
         return NEXT;
     }
+    traffic::count_tc_packet(ctx, value.service_id, TrafficDirection::Forward);
     translate(ctx, pkt, value, StatIndex::TcEstablished)
 }
 
@@ -220,6 +222,8 @@ fn host_backend_reply<const V6: bool>(ctx: &TcContext) -> i32 {
     if conntrack::reply_seen::<V6>(&key, value, pkt, now) {
         bump(StatIndex::TcForwardRebuilt);
     }
+    // No ingress program saw this reply (it leaves the node's own stack): counted here.
+    traffic::count_tc_packet(ctx, value.service_id, TrafficDirection::Reply);
     translate_source(ctx, pkt, value)
 }
 
@@ -281,6 +285,9 @@ fn service<const V6: bool>(ctx: &TcContext, side: TcSide) -> i32 {
         && value.flags & ct_flags::EGRESS == 0
     {
         if value.flags & ct_flags::REPLY != 0 {
+            // Counted at ingress only: on the netfilter path the egress program sees the
+            // packet again.
+            traffic::count_tc_packet(ctx, value.service_id, TrafficDirection::Reply);
             // A backend's reply (a remote one's is addressed to the SNAT address).
             if conntrack::reply_seen::<V6>(key, value, pkt, now) {
                 bump(StatIndex::TcForwardRebuilt);
@@ -299,6 +306,7 @@ fn service<const V6: bool>(ctx: &TcContext, side: TcSide) -> i32 {
                 bump(StatIndex::TcKernelNatPassed);
                 return NEXT;
             }
+            traffic::count_tc_packet(ctx, value.service_id, TrafficDirection::Forward);
             return translate(ctx, pkt, value, StatIndex::TcEstablished);
         }
     }
@@ -329,6 +337,8 @@ fn service<const V6: bool>(ctx: &TcContext, side: TcSide) -> i32 {
             // (no frontend, dropped, rejected) is not remembered, so a flood of them cannot
             // evict the datagrams of real flows from the LRU map.
             fragments::remember::<V6>(pkt);
+            traffic::count_first_tc_packet(ctx, pkt, frontend.service_id);
+            traffic::count_new_flow_endpoint(pkt, frontend.service_id);
             translate_new(ctx, pkt)
         }
     }
@@ -554,6 +564,9 @@ pub fn new_flow<const V6: bool, C: Frame>(
     forward.out_mac = [0; 6];
     forward.out_ifindex = 0;
     forward.last_seen_ns = now;
+    // The frontend whose packet and byte counters the flow's packets add to.
+    forward.service_id = frontend.service_id;
+    forward._pad2 = 0;
     let reply_key = &mut scratch.reply_key;
     reply_key.src = backend_addr;
     reply_key.dst = pkt.src;
@@ -572,6 +585,8 @@ pub fn new_flow<const V6: bool, C: Frame>(
     reply.out_mac = [0; 6];
     reply.out_ifindex = 0;
     reply.last_seen_ns = now;
+    reply.service_id = scratch.forward.service_id;
+    reply._pad2 = 0;
     record_client_interface(ctx);
     // Another live flow holds the tuple this one would show the kernel and key its egress
     // entries by on the netfilter path (see `ct_flags::BYPASS`).

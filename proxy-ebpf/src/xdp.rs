@@ -40,7 +40,9 @@ use aya_ebpf::{
     helpers::{bpf_fib_lookup, bpf_ktime_get_ns},
     programs::XdpContext,
 };
-use proxy_common::{CtValue, StatIndex, TrafficEvent, ct_flags, frontend_flags, proto};
+use proxy_common::{
+    CtValue, StatIndex, TrafficDirection, TrafficEvent, ct_flags, frontend_flags, proto,
+};
 
 use crate::{
     conntrack::{self, View},
@@ -126,6 +128,16 @@ fn established<const V6: bool>(ctx: &XdpContext) -> u32 {
     } else {
         conntrack::touch::<V6>(key, value, pkt, now);
     }
+    // Counted as tc counts it (a packet XDP sends on never reaches tc).
+    count(
+        ctx,
+        value.service_id,
+        if reply {
+            TrafficDirection::Reply
+        } else {
+            TrafficDirection::Forward
+        },
+    );
     if rewrite(ctx, pkt, value).is_none() {
         bump(StatIndex::XdpRewriteFailed);
         return XDP_DROP;
@@ -148,6 +160,22 @@ fn redirect(target: u32) -> u32 {
             bump(StatIndex::XdpRewriteFailed);
             action
         })
+}
+
+/// Counts a packet XDP translates, as `traffic::count_tc_packet` does in tc: one packet (XDP
+/// sees no GRO), its IP bytes; service id 0: not counted. Not inlined, for the verifier (see
+/// there).
+#[inline(never)]
+fn count(ctx: &XdpContext, service_id: u32, direction: TrafficDirection) {
+    if service_id == 0 {
+        return;
+    }
+    let bytes = Frame::data_end(ctx).saturating_sub(Frame::data(ctx) + ETH_HLEN);
+    #[expect(
+        clippy::cast_possible_truncation,
+        reason = "a frame XDP parses whole is at most a page"
+    )]
+    traffic::count_packet(service_id, direction, 1, bytes as u32);
 }
 
 /// Tail-calls the family's `first_packet` program (`KPR_XDP_NEW_FLOW`); to tc, counted as a
@@ -194,7 +222,11 @@ pub fn first_packet<const V6: bool>(ctx: &XdpContext) -> u32 {
         return XDP_PASS;
     }
     match new_flow::<V6, _>(ctx, pkt, &frontend, false) {
-        Verdict::Translate => send_first_packet(ctx, pkt),
+        Verdict::Translate => {
+            // Here, whoever sends the packet on: tc finds the flow's entries written.
+            traffic::count_new_flow_endpoint(pkt, frontend.service_id);
+            send_first_packet(ctx, pkt)
+        }
         Verdict::Action(DROP) => XDP_DROP,
         Verdict::Action(_) | Verdict::Reject => XDP_PASS,
     }
@@ -233,6 +265,7 @@ fn send_first_packet(ctx: &XdpContext, pkt: &Packet) -> u32 {
         bump(StatIndex::XdpPassedToTc);
         return XDP_PASS;
     };
+    count(ctx, forward.service_id, TrafficDirection::Forward);
     if rewrite(ctx, pkt, forward).is_none() {
         bump(StatIndex::XdpRewriteFailed);
         return XDP_DROP;

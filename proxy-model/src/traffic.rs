@@ -131,12 +131,11 @@ pub struct ServiceTrafficKey {
 pub struct TrafficCounts {
     /// Connections (TCP, SCTP) and flows (UDP) given a backend.
     pub new_connections: u64,
-    /// Packets and bytes of the Service's traffic, where the path sees each packet: `None` from
-    /// both dataplanes today (the socket hooks and the iptables NAT table see a connection's
-    /// first packet only; the tc programs' conntrack entries do not carry the service id), and
-    /// the metrics export neither.
-    pub packets: Option<u64>,
-    pub bytes: Option<u64>,
+    /// Packets and bytes of the Service's traffic, where the path sees each packet: the eBPF
+    /// mode's tc programs and XDP (external frontends, and a ClusterIP reached from outside);
+    /// `None` where no packet is seen (the socket hooks and the iptables NAT table see a
+    /// connection's first packet only), and the metrics then export none.
+    pub packets: Option<PacketCounts>,
     /// Connections refused because the Service had no endpoints (kube-proxy's REJECT).
     pub rejected: u64,
     /// Connections dropped because the client was outside `loadBalancerSourceRanges`.
@@ -144,6 +143,17 @@ pub struct TrafficCounts {
     /// Connections dropped because every endpoint was on another node
     /// (`externalTrafficPolicy`/`internalTrafficPolicy: Local`).
     pub dropped_no_local: u64,
+}
+
+/// Packets and bytes (IP bytes) in each direction of a Service's flows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct PacketCounts {
+    /// The clients' packets, to the backends.
+    pub forward_packets: u64,
+    pub forward_bytes: u64,
+    /// The backends' packets, back to the clients.
+    pub reply_packets: u64,
+    pub reply_bytes: u64,
 }
 
 /// A counting unit's reading.

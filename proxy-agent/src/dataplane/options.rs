@@ -57,6 +57,10 @@ pub fn ebpf_options(config: &Config) -> EbpfOptions {
             fast_path: config.ebpf.tc_fast_path,
             xdp: config.ebpf.xdp,
             host_namespace_only: config.ebpf.socket_lb_host_namespace_only,
+            // The per-Service metrics are off: no packet is counted for them.
+            packet_counts_off: config.ebpf.service_traffic_max_series == 0,
+            endpoint_counts: config.ebpf.service_traffic_endpoints
+                && config.ebpf.service_traffic_max_series > 0,
             // The probe decides (`EbpfDataplane::start`).
             tcx: true,
         },

@@ -1047,6 +1047,18 @@ fn register_service_traffic(described: &mut Described) -> ServiceTrafficMetrics 
         this.dropped.clone(),
     );
     described.add(
+        service_traffic::PACKETS,
+        "Packets of the Service's flows, by direction (forward: client to backend; reply), \
+         where the dataplane sees them (eBPF mode: the tc programs and XDP, not the socket \
+         hooks)",
+        this.packets.clone(),
+    );
+    described.add(
+        service_traffic::BYTES,
+        "IP bytes of the Service's flows, by direction, where the dataplane sees them",
+        this.bytes.clone(),
+    );
+    described.add(
         service_traffic::ENDPOINT_NEW_CONNECTIONS,
         "Connections given to each endpoint (--service-traffic-endpoints)",
         this.endpoint_new_connections.clone(),

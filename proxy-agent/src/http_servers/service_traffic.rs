@@ -1,6 +1,6 @@
 //! Per-Service traffic (`kubeproxy_rs_service_*`, `kubeproxy_rs_endpoint_new_connections`):
 //! each dataplane's [`TrafficReading`] turned into counters by Service port, protocol and
-//! frontend kind. Readings count per unit (a frontend's service id, a rule); the counters here
+//! frontend kind (and, for packets and bytes, where the dataplane sees them, direction). Readings count per unit (a frontend's service id, a rule); the counters here
 //! grow by each unit's increase since the last reading, so a unit that disappears keeps what it
 //! counted, and one that starts over (an id handed out again, a chain rewritten) counts from 0.
 //! At most `--service-traffic-max-series` Service keys get series; the ones past it are counted
@@ -15,11 +15,15 @@ use prometheus_client::{
     encoding::EncodeLabelSet,
     metrics::{counter::Counter, family::Family, gauge::Gauge},
 };
-use proxy_model::traffic::{ServicePortLabels, ServiceTrafficKey, TrafficCounts, TrafficReading};
+use proxy_model::traffic::{
+    PacketCounts, ServicePortLabels, ServiceTrafficKey, TrafficCounts, TrafficReading,
+};
 
 pub const NEW_CONNECTIONS: &str = "kubeproxy_rs_service_new_connections";
 pub const REJECTED: &str = "kubeproxy_rs_service_rejected";
 pub const DROPPED: &str = "kubeproxy_rs_service_dropped";
+pub const PACKETS: &str = "kubeproxy_rs_service_packets";
+pub const BYTES: &str = "kubeproxy_rs_service_bytes";
 pub const ENDPOINT_NEW_CONNECTIONS: &str = "kubeproxy_rs_endpoint_new_connections";
 pub const SERIES_CAPPED: &str = "kubeproxy_rs_service_traffic_series_capped";
 
@@ -55,6 +59,17 @@ pub(super) struct DropLabel {
     reason: &'static str,
 }
 
+/// A Service's packets or bytes in one `direction`: `forward` (client → backend) or `reply`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+pub(super) struct DirectionLabel {
+    direction: &'static str,
+    frontend: &'static str,
+    name: String,
+    namespace: String,
+    port: String,
+    protocol: &'static str,
+}
+
 #[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
 pub(super) struct EndpointLabel {
     endpoint: String,
@@ -70,6 +85,8 @@ pub struct ServiceTrafficMetrics {
     pub(super) new_connections: Family<ServiceLabel, Counter>,
     pub(super) rejected: Family<ServiceLabel, Counter>,
     pub(super) dropped: Family<DropLabel, Counter>,
+    pub(super) packets: Family<DirectionLabel, Counter>,
+    pub(super) bytes: Family<DirectionLabel, Counter>,
     pub(super) endpoint_new_connections: Family<EndpointLabel, Counter>,
     pub(super) series_capped: Gauge,
     state: Mutex<State>,
@@ -118,6 +135,15 @@ impl ServiceTrafficMetrics {
         let mut state = self.state.lock().unwrap_or_else(PoisonError::into_inner);
         let state = &mut *state;
         let max = usize::try_from(state.max_series).unwrap_or(usize::MAX);
+        // What each unit's packets were at the last reading (read before it is replaced).
+        let previous_packets: HashMap<u64, Option<PacketCounts>> = reading
+            .services
+            .iter()
+            .filter_map(|sample| {
+                let (key, counts) = state.last.get(&sample.unit)?;
+                (*key == sample.key).then_some((sample.unit, counts.packets))
+            })
+            .collect();
         let mut seen = HashSet::with_capacity(reading.services.len());
         for sample in &reading.services {
             seen.insert(sample.unit);
@@ -179,6 +205,7 @@ impl ServiceTrafficMetrics {
             }
         }
         state.last.retain(|unit, _| seen.contains(unit));
+        self.record_packets(reading, &previous_packets, &state.exported);
         if state.endpoints {
             let mut seen = HashSet::with_capacity(reading.endpoints.len());
             for sample in &reading.endpoints {
@@ -218,5 +245,56 @@ impl ServiceTrafficMetrics {
         }
         self.series_capped
             .set(i64::try_from(state.capped.len()).unwrap_or(i64::MAX));
+    }
+
+    /// Adds each exported unit's packets and bytes since the last reading (`previous`), by
+    /// direction; a unit whose dataplane sees no packets (`None`) has no series.
+    fn record_packets(
+        &self,
+        reading: &TrafficReading,
+        previous: &HashMap<u64, Option<PacketCounts>>,
+        exported: &HashSet<ServiceTrafficKey>,
+    ) {
+        for sample in &reading.services {
+            let Some(now) = sample.counts.packets else {
+                continue;
+            };
+            if !exported.contains(&sample.key) {
+                continue;
+            }
+            let before = previous.get(&sample.unit).copied().flatten();
+            let label = ServiceLabel::of(&sample.key);
+            for (direction, packets, bytes, was_packets, was_bytes) in [
+                (
+                    "forward",
+                    now.forward_packets,
+                    now.forward_bytes,
+                    before.map(|b| b.forward_packets),
+                    before.map(|b| b.forward_bytes),
+                ),
+                (
+                    "reply",
+                    now.reply_packets,
+                    now.reply_bytes,
+                    before.map(|b| b.reply_packets),
+                    before.map(|b| b.reply_bytes),
+                ),
+            ] {
+                let series = DirectionLabel {
+                    direction,
+                    frontend: label.frontend,
+                    name: label.name.clone(),
+                    namespace: label.namespace.clone(),
+                    port: label.port.clone(),
+                    protocol: label.protocol,
+                };
+                self.packets
+                    .get_or_create(&series)
+                    .inc_by(increase(was_packets, packets));
+                self.bytes
+                    .get_or_create(&series)
+                    .inc_by(increase(was_bytes, bytes));
+            }
+        }
     }
 }

@@ -26,9 +26,9 @@ use aya::{
 };
 use proxy_common::{
     AffinityKey, AffinityMatchKey, AffinityValue, Backend4, Backend6, BackendSlotKey, CtKey,
-    CtKey4, CtValue, CtValue4, Frontend4Key, Frontend6Key, FrontendValue, MaglevBlock, MaglevKey,
-    NodeAddrKey, NodeConfig, RevNat4, RevNat4Key, RevNat6, RevNat6Key, ServiceName, ServiceTraffic,
-    SnatAddrs, SourceRangeKey, map_names,
+    CtKey4, CtValue, CtValue4, EndpointTrafficKey, Frontend4Key, Frontend6Key, FrontendValue,
+    MaglevBlock, MaglevKey, NodeAddrKey, NodeConfig, RevNat4, RevNat4Key, RevNat6, RevNat6Key,
+    ServiceName, ServicePackets, ServiceTraffic, SnatAddrs, SourceRangeKey, map_names,
 };
 use tracing::{info, warn};
 
@@ -98,7 +98,7 @@ fn layout<K, V>(name: &'static str, version: u32) -> Layout {
 }
 
 /// This build's layout of every pinned map (`map_names::PINNED`).
-pub fn current() -> [Layout; 22] {
+pub fn current() -> [Layout; 24] {
     [
         layout::<Frontend4Key, FrontendValue>(map_names::FRONTENDS4, 1),
         layout::<Frontend6Key, FrontendValue>(map_names::FRONTENDS6, 1),
@@ -111,11 +111,12 @@ pub fn current() -> [Layout; 22] {
         layout::<AffinityKey, AffinityValue>(map_names::AFFINITY, 1),
         layout::<AffinityMatchKey, u8>(map_names::AFFINITY_MATCH, 1),
         layout::<u32, u64>(map_names::STATS, 1),
-        // Both replace the foundation's `KPR_CT` (see `v1::split_ct`).
-        layout::<CtKey4, CtValue4>(map_names::CT4, 1),
-        layout::<CtKey, CtValue>(map_names::CT6, 1),
-        layout::<CtKey4, CtValue4>(map_names::CT4_NEW, 1),
-        layout::<CtKey, CtValue>(map_names::CT6_NEW, 1),
+        // Both replace the foundation's `KPR_CT` (see `v1::split_ct`). Version 1: without the
+        // flow's service id (`v1::CtValue4V1`, `v1::CtValueV2`).
+        layout::<CtKey4, CtValue4>(map_names::CT4, 2),
+        layout::<CtKey, CtValue>(map_names::CT6, 2),
+        layout::<CtKey4, CtValue4>(map_names::CT4_NEW, 2),
+        layout::<CtKey, CtValue>(map_names::CT6_NEW, 2),
         // LPM trie keys carry the prefix length first.
         Layout {
             key_size: size::<u32>() + size::<SourceRangeKey>(),
@@ -129,6 +130,9 @@ pub fn current() -> [Layout; 22] {
         layout::<AffinityKey, AffinityValue>(map_names::UDP_STICKY, 1),
         layout::<u32, ServiceName>(map_names::SERVICE_NAMES, 1),
         layout::<u32, ServiceTraffic>(map_names::SERVICE_TRAFFIC, 1),
+        // Per CPU: the kernel reports one CPU's value size.
+        layout::<u32, ServicePackets>(map_names::SERVICE_PACKETS, 1),
+        layout::<EndpointTrafficKey, u64>(map_names::ENDPOINT_TRAFFIC, 1),
     ]
 }
 
@@ -161,7 +165,10 @@ pub fn holds(name: &str) -> Holds {
         map_names::CT4_NEW | map_names::CT6_NEW => Holds::DatapathState(
             "external TCP flows still in their handshake choose their backend again",
         ),
-        map_names::STATS | map_names::SERVICE_TRAFFIC => Holds::Counters,
+        map_names::STATS
+        | map_names::SERVICE_TRAFFIC
+        | map_names::SERVICE_PACKETS
+        | map_names::ENDPOINT_TRAFFIC => Holds::Counters,
         _ => Holds::ServiceState,
     }
 }
@@ -237,7 +244,49 @@ pub static OLDER: &[Migration] = &[
             value_size: 56,
         },
         into: &[map_names::CT4, map_names::CT6],
-        copy: v1::split_ct::<CtValue>,
+        copy: v1::split_ct::<v1::CtValueV2>,
+    },
+    // The per-family maps before their values carried the flow's service id: the flows keep
+    // their translation, uncounted (service id 0) until they end.
+    Migration {
+        from: Layout {
+            name: map_names::CT4,
+            version: 1,
+            key_size: 16,
+            value_size: 32,
+        },
+        into: &[map_names::CT4],
+        copy: |old, pin_dir, flags| v1::copy_ct4(old, pin_dir, map_names::CT4, flags),
+    },
+    Migration {
+        from: Layout {
+            name: map_names::CT4_NEW,
+            version: 1,
+            key_size: 16,
+            value_size: 32,
+        },
+        into: &[map_names::CT4_NEW],
+        copy: |old, pin_dir, flags| v1::copy_ct4(old, pin_dir, map_names::CT4_NEW, flags),
+    },
+    Migration {
+        from: Layout {
+            name: map_names::CT6,
+            version: 1,
+            key_size: 40,
+            value_size: 56,
+        },
+        into: &[map_names::CT6],
+        copy: |old, pin_dir, flags| v1::copy_ct6(old, pin_dir, map_names::CT6, flags),
+    },
+    Migration {
+        from: Layout {
+            name: map_names::CT6_NEW,
+            version: 1,
+            key_size: 40,
+            value_size: 56,
+        },
+        into: &[map_names::CT6_NEW],
+        copy: |old, pin_dir, flags| v1::copy_ct6(old, pin_dir, map_names::CT6_NEW, flags),
     },
 ];
 
@@ -250,9 +299,9 @@ pub mod v1 {
     use std::path::Path;
 
     use aya::maps::{HashMap, Map, MapData, MapError};
-    use proxy_common::{CtKey, CtValue, RevNat4Key, map_names};
+    use proxy_common::{CtKey, CtKey4, CtValue, CtValue4, RevNat4Key, map_names};
 
-    use super::{CopyCount, open};
+    use super::{CopyCount, copy_converted, open};
     use crate::conntrack::ct_maps::ConntrackMaps;
 
     /// The tc conntrack of both families in one map, before `KPR_CT4` and `KPR_CT6`.
@@ -288,8 +337,116 @@ pub mod v1 {
                 out_mac: [0; 6],
                 out_ifindex: 0,
                 last_seen_ns: old.last_seen_ns,
+                service_id: 0,
+                _pad2: 0,
             }
         }
+    }
+
+    /// [`CtValue`] before it carried the flow's service id: the value of `KPR_CT6` and
+    /// `KPR_CT6_NEW` in their version 1, and of `KPR_CT` in its version 2.
+    #[repr(C)]
+    #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+    pub struct CtValueV2 {
+        pub src: [u32; 4],
+        pub dst: [u32; 4],
+        pub sport: u16,
+        pub dport: u16,
+        pub flags: u8,
+        pub _pad: u8,
+        pub out_mac: [u8; 6],
+        pub out_ifindex: u32,
+        pub last_seen_ns: u64,
+    }
+
+    // SAFETY: `repr(C)` integers without implicit padding, valid for any bytes.
+    unsafe impl aya::Pod for CtValueV2 {}
+
+    /// Lossless but for the service id, which the old entries did not record: the flow's
+    /// packets are not counted (0), its translation is kept.
+    impl From<CtValueV2> for CtValue {
+        fn from(old: CtValueV2) -> CtValue {
+            CtValue {
+                src: old.src,
+                dst: old.dst,
+                sport: old.sport,
+                dport: old.dport,
+                flags: old.flags,
+                _pad: 0,
+                out_mac: old.out_mac,
+                out_ifindex: old.out_ifindex,
+                last_seen_ns: old.last_seen_ns,
+                service_id: 0,
+                _pad2: 0,
+            }
+        }
+    }
+
+    /// [`CtValue4`] before it carried the flow's service id (`KPR_CT4`, `KPR_CT4_NEW` version 1).
+    #[repr(C)]
+    #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+    pub struct CtValue4V1 {
+        pub src: u32,
+        pub dst: u32,
+        pub sport: u16,
+        pub dport: u16,
+        pub flags: u8,
+        pub _pad: u8,
+        pub out_mac: [u8; 6],
+        pub out_ifindex: u32,
+        pub last_seen_ns: u64,
+    }
+
+    // SAFETY: `repr(C)` integers without implicit padding, valid for any bytes.
+    unsafe impl aya::Pod for CtValue4V1 {}
+
+    /// As for [`CtValueV2`]: uncounted, translation kept.
+    impl From<CtValue4V1> for CtValue4 {
+        fn from(old: CtValue4V1) -> CtValue4 {
+            CtValue4 {
+                src: old.src,
+                dst: old.dst,
+                sport: old.sport,
+                dport: old.dport,
+                flags: old.flags,
+                _pad: 0,
+                out_mac: old.out_mac,
+                out_ifindex: old.out_ifindex,
+                last_seen_ns: old.last_seen_ns,
+                service_id: 0,
+                _pad2: 0,
+            }
+        }
+    }
+
+    /// Every entry of an IPv4 conntrack map of version 1 into the map `name` of this version.
+    pub fn copy_ct4(
+        old: &Map,
+        pin_dir: &Path,
+        name: &str,
+        flags: u64,
+    ) -> Result<CopyCount, MapError> {
+        copy_converted(
+            old,
+            &mut open(pin_dir, name)?,
+            flags,
+            |key: CtKey4, value: CtValue4V1| Some((key, CtValue4::from(value))),
+        )
+    }
+
+    /// Every entry of an IPv6 conntrack map of version 1 into the map `name` of this version.
+    pub fn copy_ct6(
+        old: &Map,
+        pin_dir: &Path,
+        name: &str,
+        flags: u64,
+    ) -> Result<CopyCount, MapError> {
+        copy_converted(
+            old,
+            &mut open(pin_dir, name)?,
+            flags,
+            |key: CtKey, value: CtValueV2| Some((key, CtValue::from(value))),
+        )
     }
 
     /// Each entry of `KPR_CT` (its value in layout `V`) into the map of its family (keys stay

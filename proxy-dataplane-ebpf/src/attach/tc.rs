@@ -85,6 +85,12 @@ pub struct TcOptions {
     /// `--bpf-socket-lb-host-namespace-only` (`node_flags::HOST_NAMESPACE_ONLY`): the socket
     /// hooks leave pods' sockets alone and the pod-side program load-balances their packets.
     pub host_namespace_only: bool,
+    /// `--service-traffic-max-series 0` (`node_flags::NO_PACKET_COUNTS`): the programs do not
+    /// count each Service's packets and bytes, which nobody would read.
+    pub packet_counts_off: bool,
+    /// `--service-traffic-endpoints` (`node_flags::ENDPOINT_COUNTS`): each new connection is
+    /// also counted for its endpoint.
+    pub endpoint_counts: bool,
     /// Attach as TCX links; otherwise as legacy clsact filters (`legacy_tc`).
     pub tcx: bool,
     /// `--bpf-xdp`: the XDP program on the external interfaces too (`xdp`).
@@ -338,6 +344,12 @@ impl TcState {
         }
         if self.options.host_namespace_only {
             config.flags |= node_flags::HOST_NAMESPACE_ONLY;
+        }
+        if self.options.packet_counts_off {
+            config.flags |= node_flags::NO_PACKET_COUNTS;
+        }
+        if self.options.endpoint_counts {
+            config.flags |= node_flags::ENDPOINT_COUNTS;
         }
         if self.kernel_flows {
             config.flags |= node_flags::KERNEL_FLOWS;
@@ -607,6 +619,25 @@ impl TcState {
             match self.node_config.set(0, config, 0) {
                 Ok(()) => self.programmed_config = Some(config),
                 Err(error) => warn!(%error, "cannot write the node config map"),
+            }
+        }
+    }
+
+    /// Turns the programs' per-Service packet and byte counting on or off
+    /// (`node_flags::NO_PACKET_COUNTS`), at once if the node config is written already.
+    pub fn set_packet_counts(&mut self, on: bool) {
+        self.options.packet_counts_off = !on;
+        if let Some(mut config) = self.programmed_config {
+            if on {
+                config.flags &= !node_flags::NO_PACKET_COUNTS;
+            } else {
+                config.flags |= node_flags::NO_PACKET_COUNTS;
+            }
+            if Some(config) != self.programmed_config {
+                match self.node_config.set(0, config, 0) {
+                    Ok(()) => self.programmed_config = Some(config),
+                    Err(error) => warn!(%error, "cannot write the node config map"),
+                }
             }
         }
     }

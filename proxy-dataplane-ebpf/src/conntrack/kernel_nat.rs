@@ -104,6 +104,9 @@ pub fn adoptable(entry: &ConntrackEntry, now_ns: u64) -> Vec<(CtKey, CtValue)> {
                 out_mac: [0; 6],
                 out_ifindex: 0,
                 last_seen_ns: now_ns,
+                // The kernel's NAT carries its packets: not counted here.
+                service_id: 0,
+                _pad2: 0,
             },
         ));
     }
@@ -134,6 +137,9 @@ pub fn adoptable(entry: &ConntrackEntry, now_ns: u64) -> Vec<(CtKey, CtValue)> {
                 out_mac: [0; 6],
                 out_ifindex: 0,
                 last_seen_ns: now_ns,
+                // The kernel's NAT carries its packets: not counted here.
+                service_id: 0,
+                _pad2: 0,
             },
         ));
     }

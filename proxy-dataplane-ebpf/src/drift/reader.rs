@@ -295,6 +295,8 @@ impl DriftReader {
             source_ranges: trie(&maps.source_ranges)?,
             maglev: reopen_hash(&maps.maglev, map_names::MAGLEV)?,
             traffic: reopen(maps.traffic.map(), map_names::SERVICE_TRAFFIC)?,
+            packets: reopen(maps.packets.map(), map_names::SERVICE_PACKETS)?,
+            endpoints: reopen_hash(&maps.endpoints, map_names::ENDPOINT_TRAFFIC)?,
             touched: None,
         };
         let conntrack = match conntrack {

@@ -7,14 +7,14 @@ use std::{
 };
 
 use aya::maps::{
-    Array, HashMap, MapData,
+    Array, HashMap, MapData, PerCpuHashMap,
     lpm_trie::{Key, LpmTrie},
 };
 use ipnet::IpNet;
 use proxy_common::{
-    AffinityMatchKey, Backend4, Backend6, BackendSlotKey, Frontend4Key, Frontend6Key,
-    FrontendValue, MaglevBlock, MaglevKey, RevNat4, RevNat4Key, RevNat6, RevNat6Key,
-    ServiceTraffic, SourceRangeKey, map_names,
+    AffinityMatchKey, Backend4, Backend6, BackendSlotKey, EndpointTrafficKey, Frontend4Key,
+    Frontend6Key, FrontendValue, MaglevBlock, MaglevKey, RevNat4, RevNat4Key, RevNat6, RevNat6Key,
+    ServicePackets, ServiceTraffic, SourceRangeKey, map_names,
 };
 
 use crate::{
@@ -45,6 +45,12 @@ pub(crate) struct ServiceMaps {
     /// Each service id's traffic counters (written by the programs; zeroed here when an id is
     /// handed out again).
     pub(crate) traffic: Array<MapData, ServiceTraffic>,
+    /// Each service id's packets and bytes (per CPU, written by the programs; the id's entry
+    /// deleted here when it is handed out again).
+    pub(crate) packets: PerCpuHashMap<MapData, u32, ServicePackets>,
+    /// Each service id's new connections by endpoint (`--service-traffic-endpoints`; the id's
+    /// entries deleted here when it is handed out again).
+    pub(crate) endpoints: HashMap<MapData, EndpointTrafficKey, u64>,
     /// While a drift check is out: the keys written or deleted since it started.
     pub(crate) touched: Option<Touched>,
 }
@@ -77,6 +83,19 @@ impl MapOps for ServiceMaps {
         {
             // Costs only the counts: the new frontend starts from the old one's.
             tracing::debug!(service_id, %error, "traffic counters not reset");
+        }
+        // Absent unless the id's frontend was reached through tc.
+        let _ = self.packets.remove(&service_id);
+        // Empty unless endpoints are counted: the walk costs nothing then.
+        let stale: Vec<EndpointTrafficKey> = self
+            .endpoints
+            .keys()
+            .filter_map(Result::ok)
+            .filter(|key| key.service_id == service_id)
+            .collect();
+        for key in stale {
+            // Gone already if the walk raced a delete: nothing to reset.
+            let _ = self.endpoints.remove(&key);
         }
     }
     fn put_frontend(

@@ -29,6 +29,9 @@ const GOAL_TC_PASS_NS: f64 = 60.0;
 const GOAL_TC_REPLY_NS: f64 = 150.0;
 const GOAL_TC_NEW_NS: f64 = 400.0;
 const GOAL_XDP_SHARE: f64 = 0.7;
+/// Counting each Service's packets and bytes costs the established path at most this factor
+/// of its cost without.
+const GOAL_COUNTING_OVER_UNCOUNTED: f64 = 1.05;
 
 /// The goal of `path`'s program cost in ns; XDP's is a share of its tc
 /// counterpart's measured cost. `None` for the floors.
@@ -469,10 +472,30 @@ fn goals(md: &mut String, r: &Results) {
             GOAL_XDP_SHARE * 100.0,
             measured.join(", ")
         );
+        let counting = t.counting;
+        let _ = writeln!(
+            md,
+            "| per-Service packet and byte counting: the established path (program cost) ≤ {GOAL_COUNTING_OVER_UNCOUNTED:.2}× the same path with counting off, same run (§4) | {} | {} |",
+            spread(counting, |x| format!("{x:.3}×")),
+            if counting.runs == 0 {
+                "not measured".to_owned()
+            } else if counting.median <= GOAL_COUNTING_OVER_UNCOUNTED {
+                "met".to_owned()
+            } else {
+                format!(
+                    "**missed** by {:.1} % — see §4",
+                    (counting.median - GOAL_COUNTING_OVER_UNCOUNTED) * 100.0
+                )
+            }
+        );
     } else {
         let _ = writeln!(
             md,
             "| per-packet cost of the tc and XDP programs | – | not measured |"
+        );
+        let _ = writeln!(
+            md,
+            "| per-Service packet and byte counting on the established path | – | not measured |"
         );
     }
     // Packet rate.
@@ -536,6 +559,7 @@ fn tc_short(path: TcPath) -> &'static str {
         TcPath::Drop => "drop",
         TcPath::NodePortNewFlow => "NodePort new flow",
         TcPath::NodePortEstablished => "NodePort established",
+        TcPath::NodePortEstablishedUncounted => "NodePort established, uncounted",
         TcPath::ReverseNat => "reverse NAT",
         TcPath::PodNotReply => "pod, not a reply",
         TcPath::RemoteEstablished => "established (remote backend)",
@@ -862,7 +886,12 @@ fn tc_cost_section(md: &mut String, r: &Results) {
          pass-through (no flow), a new NodePort flow to backends on other nodes, and a NodePort \
          flow to a backend on another node (reached through `ext0`, an XDP target; started by \
          tc) established and answered, beside tc's figures for the same flows; its goal is 70 % \
-         of tc's cost on the same path. Each path's \
+         of tc's cost on the same path. *Packets not counted*: the established packet again with \
+         the per-Service packet and byte counting off (`node_flags::NO_PACKET_COUNTS`, what \
+         `--service-traffic-max-series 0` sets; set just for those samples), so that what \
+         counting costs is the ratio of the two program costs in the same run (checked once: \
+         the counted run adds one packet and its bytes to the Service's counters, the other \
+         nothing). Each path's \
          action and output are checked once before timing. {} run(s), paths interleaved; cells \
          are `median (min–max)` over runs, in ns per packet.\n",
         l.samples, l.repeat, l.runs
@@ -907,6 +936,12 @@ fn tc_cost_section(md: &mut String, r: &Results) {
             },
         );
     }
+    let _ = writeln!(
+        md,
+        "\n*Counting*: the established path's program cost with the per-Service packet and byte \
+         counting ÷ without, per run: {} (goal ≤ {GOAL_COUNTING_OVER_UNCOUNTED:.2}×).",
+        spread(result.counting, |x| format!("{x:.3}×"))
+    );
     if let Some(profile) = &result.profile {
         let _ = writeln!(md, "\n{profile}");
     }

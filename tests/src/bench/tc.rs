@@ -79,6 +79,10 @@ pub enum TcPath {
     NodePortNewFlow,
     /// The same flow's next packet: conntrack hit, DNAT + SNAT, fib lookup, redirect.
     NodePortEstablished,
+    /// The same packet with the per-Service packet and byte counting off
+    /// (`node_flags::NO_PACKET_COUNTS`, as with `--service-traffic-max-series 0`): what
+    /// counting costs is the difference ([`PacketCostResult::counting`]).
+    NodePortEstablishedUncounted,
     /// The backend's reply on the pod interface: reverse NAT from conntrack, redirect.
     ReverseNat,
     /// Pod traffic on the pod interface that is no reply of a translated flow: passed.
@@ -105,7 +109,7 @@ pub enum TcPath {
 }
 
 impl TcPath {
-    pub const ALL: [Self; 17] = [
+    pub const ALL: [Self; 18] = [
         Self::Floor,
         Self::NonIp,
         Self::PassThrough,
@@ -113,6 +117,7 @@ impl TcPath {
         Self::Drop,
         Self::NodePortNewFlow,
         Self::NodePortEstablished,
+        Self::NodePortEstablishedUncounted,
         Self::ReverseNat,
         Self::PodNotReply,
         Self::RemoteEstablished,
@@ -159,6 +164,9 @@ impl TcPath {
             Self::Drop => "kpr_tc_external: source-range miss (drop)",
             Self::NodePortNewFlow => "kpr_tc_external: NodePort, new flow (DNAT+SNAT, CT insert)",
             Self::NodePortEstablished => "kpr_tc_external: NodePort, established (CT hit)",
+            Self::NodePortEstablishedUncounted => {
+                "kpr_tc_external: NodePort, established, packets not counted (CT hit)"
+            }
             Self::ReverseNat => "kpr_tc_reply: backend reply (reverse NAT)",
             Self::PodNotReply => "kpr_tc_reply: pod traffic, not a reply (pass)",
             Self::RemoteEstablished => {
@@ -231,6 +239,10 @@ pub struct PacketCostResult {
     pub paths: Vec<TcPathResult>,
     /// Where the time of the costliest paths goes (Markdown), when `perf` could profile them.
     pub profile: Option<String>,
+    /// Per run: the established path's program cost with the per-Service packet counting
+    /// over its cost without (the same program, `node_flags::NO_PACKET_COUNTS` set just for
+    /// those samples).
+    pub counting: Spread,
 }
 
 impl PacketCostResult {
@@ -285,7 +297,8 @@ pub fn per_packet_cost(loops: TcLoops) -> Result<PacketCostResult> {
             .map_err(|e| RigError::Other(format!("loading the eBPF dataplane: {e}")))?;
         program(&mut dataplane)?;
         let floor = EmptyProgram::load()?;
-        let result = measure(&mut dataplane, &floor, loops);
+        let pin_dir = options.bpf_root.join(proxy_dataplane_ebpf::PIN_DIR_NAME);
+        let result = measure(&mut dataplane, &floor, &pin_dir, loops);
         // Before the node's parts (cgroup, bpffs) go.
         drop(dataplane);
         result
@@ -637,13 +650,21 @@ fn run_once(
             );
             (TC_EXTERNAL, frame, f.ext0)
         }
-        TcPath::NodePortEstablished => (TC_EXTERNAL, f.established.clone(), f.ext0),
+        TcPath::NodePortEstablished | TcPath::NodePortEstablishedUncounted => {
+            (TC_EXTERNAL, f.established.clone(), f.ext0)
+        }
         TcPath::ReverseNat => (TC_REPLY, f.reply.clone(), f.pod0),
         TcPath::PodNotReply => (TC_REPLY, f.pod_not_reply.clone(), f.pod0),
     };
-    let (out, duration) = dp
-        .test_run_tc_timed(program, &frame, ifindex, repeat)
-        .map_err(|e| wrong(path, format!("test_run: {e}")))?;
+    let uncounted = path == TcPath::NodePortEstablishedUncounted;
+    if uncounted {
+        dp.set_packet_counts(false);
+    }
+    let run = dp.test_run_tc_timed(program, &frame, ifindex, repeat);
+    if uncounted {
+        dp.set_packet_counts(true);
+    }
+    let (out, duration) = run.map_err(|e| wrong(path, format!("test_run: {e}")))?;
     let ns = u64::try_from(duration.as_nanos()).unwrap_or(u64::MAX);
     Ok((out.action, ns, out.packet))
 }
@@ -662,16 +683,19 @@ fn check(path: TcPath, action: i32, out: &[u8], input: &Frames) -> Result<()> {
         | TcPath::PassThroughIpv4Program
         | TcPath::PodNotReply => TC_ACT_UNSPEC,
         TcPath::Drop => TC_ACT_SHOT,
-        TcPath::NodePortNewFlow | TcPath::NodePortEstablished | TcPath::ReverseNat => {
-            TC_ACT_REDIRECT
-        }
+        TcPath::NodePortNewFlow
+        | TcPath::NodePortEstablished
+        | TcPath::NodePortEstablishedUncounted
+        | TcPath::ReverseNat => TC_ACT_REDIRECT,
     };
     if action != expected {
         return Err(wrong(path, format!("action {action}, expected {expected}")));
     }
     let translated = tuple(out);
     let ok = match path {
-        TcPath::NodePortNewFlow | TcPath::NodePortEstablished => {
+        TcPath::NodePortNewFlow
+        | TcPath::NodePortEstablished
+        | TcPath::NodePortEstablishedUncounted => {
             translated.is_some_and(|(s, d)| s.ip() == NODE_IP && d.port() == BACKEND_PORT)
         }
         TcPath::ReverseNat => translated.is_some_and(|(s, d)| {
@@ -701,17 +725,55 @@ fn check(path: TcPath, action: i32, out: &[u8], input: &Frames) -> Result<()> {
     }
 }
 
+/// The forward packets and bytes `KPR_SERVICE_PACKETS` holds for `web`'s NodePort.
+fn web_forward_counts(
+    reader: &mut proxy_dataplane_ebpf::traffic::TrafficReader,
+) -> Result<(u64, u64)> {
+    let reading = reader
+        .read()
+        .map_err(|e| RigError::Other(format!("reading the per-Service counters: {e}")))?;
+    Ok(reading
+        .services
+        .iter()
+        .filter(|s| s.key.service.name == "web")
+        .filter_map(|s| s.counts.packets)
+        .fold((0, 0), |(packets, bytes), c| {
+            (packets + c.forward_packets, bytes + c.forward_bytes)
+        }))
+}
+
 fn measure(
     dp: &mut EbpfDataplane,
     floor: &EmptyProgram,
+    pin_dir: &std::path::Path,
     loops: TcLoops,
 ) -> Result<PacketCostResult> {
     let f = frames(dp)?;
     let mut new_flow = 0u32;
+    let mut reader = proxy_dataplane_ebpf::traffic::TrafficReader::open(pin_dir)
+        .map_err(|e| RigError::Other(format!("opening the per-Service counters: {e}")))?;
     for path in TcPath::ALL {
+        let before = web_forward_counts(&mut reader)?;
         let (action, _, out) = run_once(dp, floor, &f, path, &mut new_flow, 1)?;
         check(path, action, &out, &f)?;
+        // The comparison is only what it says if one path counts and the other does not.
+        let after = web_forward_counts(&mut reader)?;
+        let ip_bytes = (f.established.len() - 14) as u64;
+        let want = match path {
+            TcPath::NodePortEstablished => (before.0 + 1, before.1 + ip_bytes),
+            TcPath::NodePortEstablishedUncounted => before,
+            _ => after,
+        };
+        if after != want {
+            return Err(wrong(
+                path,
+                format!(
+                    "web's forward packets and bytes went {before:?} → {after:?}, not to {want:?}"
+                ),
+            ));
+        }
     }
+    let mut counting = Vec::new();
     let started = Instant::now();
     let bound = Duration::from_secs(120);
     let mut single: BTreeMap<TcPath, Vec<f64>> = BTreeMap::new();
@@ -741,6 +803,12 @@ fn measure(
         }
         let floor_ns = medians.get(&TcPath::Floor).copied().unwrap_or(0.0);
         let xdp_floor_ns = medians.get(&TcPath::XdpFloor).copied().unwrap_or(0.0);
+        if let (Some(counted), Some(uncounted)) = (
+            medians.get(&TcPath::NodePortEstablished),
+            medians.get(&TcPath::NodePortEstablishedUncounted),
+        ) {
+            counting.push((counted - floor_ns) / (uncounted - floor_ns));
+        }
         for (path, median) in medians {
             let floor = if path.is_xdp() {
                 xdp_floor_ns
@@ -786,6 +854,7 @@ fn measure(
         loops,
         paths,
         profile,
+        counting: Spread::of(counting),
     })
 }
 

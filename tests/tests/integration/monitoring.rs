@@ -256,8 +256,7 @@ const PANELS: &[Panel] = &[
     Panel {
         title: "Endpoint balance: new connections per endpoint",
         labels: &["namespace", "name", "port", "endpoint"],
-        // The eBPF programs count by frontend, not yet by endpoint.
-        modes: IPTABLES,
+        modes: BOTH,
         positive: &[
             &[("name", "web"), ("endpoint", "10.244.1.2")],
             &[("name", "web"), ("endpoint", "10.244.2.2")],

@@ -6,8 +6,9 @@
 //! alone with the service and the backend in the value (git history: the first commit's
 //! `proxy-common/src/maps.rs`), which the agent registers as version 1 of the map, and
 //! `KPR_CT` before its reply entries recorded the client's interface (version 1, a 48-byte
-//! value). The test builds them from the live entries of the running datapath, as those agents
-//! would have written them.
+//! value), the one `KPR_CT` of both families (version 2), and `KPR_CT4`/`KPR_CT6` before their
+//! values carried the flow's service id (version 1). The test builds them from the live
+//! entries of the running datapath, as those agents would have written them.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::{SocketAddr, SocketAddrV4};
@@ -19,7 +20,7 @@ use std::time::Duration;
 use aya::maps::{HashMap, IterableMap as _, Map, MapData};
 use proxy_common::{CtKey, CtKey4, CtValue, CtValue4, RevNat4, RevNat4Key, map_names};
 use proxy_dataplane_ebpf::PIN_DIR_NAME;
-use proxy_dataplane_ebpf::attach::layout::{LAYOUTS, LayoutKey, LayoutRecord};
+use proxy_dataplane_ebpf::attach::layout::{LAYOUTS, LayoutKey, LayoutRecord, v1};
 use proxy_tests::RigError;
 use proxy_tests::client::{Attempt, Client, Mode, tally};
 use proxy_tests::scenario::{Scenario, cluster_addr, is_pod, pod_endpoint};
@@ -301,15 +302,78 @@ fn rewrite_ct_as_one_map(pin_dir: &Path) -> anyhow::Result<Vec<CtKey>> {
         .map(|(k, v)| (k.widen(), v.widen()))
         .collect();
     entries.extend(v6.iter().filter_map(Result::ok));
-    let mut old = older_lru::<CtKey, CtValue>(v6.map())?;
+    let mut old = older_lru::<CtKey, v1::CtValueV2>(v6.map())?;
     for (key, value) in &entries {
-        old.insert(key, value, 0)?;
+        old.insert(key, ct_v2(value), 0)?;
     }
     old.map().pin(pin_dir.join(ONE_CT_MAP))?;
     for name in [map_names::CT4, map_names::CT6] {
         std::fs::remove_file(pin_dir.join(name))?;
     }
     std::fs::remove_file(pin_dir.join(LAYOUTS))?;
+    Ok(entries.into_iter().map(|(key, _)| key).collect())
+}
+
+/// A conntrack value as agents before the service id wrote it (`KPR_CT` version 2, `KPR_CT6`
+/// version 1).
+fn ct_v2(value: &CtValue) -> v1::CtValueV2 {
+    v1::CtValueV2 {
+        src: value.src,
+        dst: value.dst,
+        sport: value.sport,
+        dport: value.dport,
+        flags: value.flags,
+        _pad: 0,
+        out_mac: value.out_mac,
+        out_ifindex: value.out_ifindex,
+        last_seen_ns: value.last_seen_ns,
+    }
+}
+
+/// An IPv4 conntrack value as agents before the service id wrote it (`KPR_CT4` version 1).
+fn ct4_v1(value: &CtValue4) -> v1::CtValue4V1 {
+    v1::CtValue4V1 {
+        src: value.src,
+        dst: value.dst,
+        sport: value.sport,
+        dport: value.dport,
+        flags: value.flags,
+        _pad: 0,
+        out_mac: value.out_mac,
+        out_ifindex: value.out_ifindex,
+        last_seen_ns: value.last_seen_ns,
+    }
+}
+
+/// Replaces the map pinned as `name` (keys `K`, values `V`) by one with the same entries in an
+/// older value layout (`convert`), which the running programs do not reference, and records it
+/// in `KPR_LAYOUTS` as `version`, as the agent that pinned that layout did. Returns the keys.
+fn rewrite_values<K: aya::Pod, V: aya::Pod, O: aya::Pod>(
+    pin_dir: &Path,
+    name: &str,
+    version: u32,
+    convert: fn(&V) -> O,
+) -> anyhow::Result<Vec<K>> {
+    let pin = pin_dir.join(name);
+    let current =
+        HashMap::<MapData, K, V>::try_from(Map::from_map_data(MapData::from_pin(&pin)?)?)?;
+    let entries: Vec<(K, V)> = current.iter().filter_map(Result::ok).collect();
+    let mut old = older_lru::<K, O>(current.map())?;
+    for (key, value) in &entries {
+        old.insert(key, convert(value), 0)?;
+    }
+    pin_in_place(old.map(), &pin)?;
+    let mut layouts = HashMap::<MapData, LayoutKey, LayoutRecord>::try_from(Map::from_map_data(
+        MapData::from_pin(pin_dir.join(LAYOUTS))?,
+    )?)?;
+    let key = LayoutKey::new(name).ok_or_else(|| anyhow::anyhow!("name {name} too long"))?;
+    let record = LayoutRecord {
+        version,
+        key_size: std::mem::size_of::<K>() as u32,
+        value_size: std::mem::size_of::<O>() as u32,
+        _pad: 0,
+    };
+    layouts.insert(key, record, 0)?;
     Ok(entries.into_iter().map(|(key, _)| key).collect())
 }
 
@@ -444,15 +508,7 @@ fn external_flows_keep_their_conntrack_when_it_splits_by_family() -> anyhow::Res
     s.ensure(!pins.join(ONE_CT_MAP).exists(), || {
         "the one conntrack map is unpinned once migrated".to_owned()
     })?;
-    for (name, key_size, value_size) in [(map_names::CT4, 16, 32), (map_names::CT6, 40, 56)] {
-        let recorded = record(&pins, name)?;
-        s.ensure(
-            recorded.is_some_and(|r| {
-                r.version == 1 && r.key_size == key_size && r.value_size == value_size
-            }),
-            || format!("{name} is recorded in its current layout: {recorded:?}"),
-        )?;
-    }
+    ensure_ct_recorded_as_current(&s, &pins)?;
     // The streams' IPv4 flows went into the IPv4 map.
     let narrow = HashMap::<MapData, CtKey4, CtValue4>::try_from(Map::from_map_data(
         MapData::from_pin(pins.join(map_names::CT4))?,
@@ -461,6 +517,58 @@ fn external_flows_keep_their_conntrack_when_it_splits_by_family() -> anyhow::Res
     s.ensure(v4_entries >= 2 * NODE_PORT_STREAMS, || {
         format!("the IPv4 streams' entries are in KPR_CT4: {v4_entries}")
     })?;
+    Ok(())
+}
+
+/// Fails unless `KPR_CT4` and `KPR_CT6` are recorded in this build's layout (version 2: values
+/// with the flow's service id).
+fn ensure_ct_recorded_as_current(s: &Scenario, pins: &Path) -> anyhow::Result<()> {
+    for (name, key_size, value_size) in [(map_names::CT4, 16, 40), (map_names::CT6, 40, 64)] {
+        let recorded = record(pins, name)?;
+        s.ensure(
+            recorded.is_some_and(|r| {
+                r.version == 2 && r.key_size == key_size && r.value_size == value_size
+            }),
+            || format!("{name} is recorded in its current layout: {recorded:?}"),
+        )?;
+    }
+    Ok(())
+}
+
+/// The per-family conntrack maps of the agent before their values carried the flow's service
+/// id (`KPR_CT4`, `KPR_CT6` and their handshake maps in version 1, recorded as such): this
+/// agent copies every entry into maps of its own layout (service id 0: the flow's packets are
+/// not counted) before its programs replace the running ones, and the external streams through
+/// the NodePort keep their connection and backend.
+#[test]
+fn external_flows_keep_their_conntrack_when_its_values_gain_the_service_id() -> anyhow::Result<()> {
+    let mut s = setup()?;
+    let pins = pin_dir(&mut s)?;
+    let (streams, _, _) = open_streams(&mut s, 40)?;
+    s.agent()?.stop()?;
+    let mut keys: Vec<CtKey> = rewrite_values(&pins, map_names::CT4, 1, ct4_v1)?
+        .into_iter()
+        .map(|key: CtKey4| key.widen())
+        .collect();
+    keys.extend(rewrite_values::<CtKey, CtValue, _>(
+        &pins,
+        map_names::CT6,
+        1,
+        ct_v2,
+    )?);
+    rewrite_values::<CtKey4, CtValue4, _>(&pins, map_names::CT4_NEW, 1, ct4_v1)?;
+    rewrite_values::<CtKey, CtValue, _>(&pins, map_names::CT6_NEW, 1, ct_v2)?;
+    let flows = keys.len();
+    // Each NodePort stream is SNATed: forward, reply and two egress entries.
+    s.ensure(flows >= 2 * NODE_PORT_STREAMS, || {
+        format!("the NodePort streams' conntrack entries are in the maps: {flows}")
+    })?;
+    let links = linked_programs(&pins)?;
+    s.agent()?.restart()?;
+    wait_for_new_programs(&mut s, &pins, &links)?;
+    ensure_ct_migrated(&s, &pins, &keys, 2 * NODE_PORT_STREAMS)?;
+    ensure_streams_kept(&s, streams, "conntrack values with the service id")?;
+    ensure_ct_recorded_as_current(&s, &pins)?;
     Ok(())
 }
 

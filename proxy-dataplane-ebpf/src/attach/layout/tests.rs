@@ -9,7 +9,7 @@ use crate::attach::layout::*;
 /// (`holds`) also register the previous layout in `OLDER` with a conversion, or its entries are
 /// lost at the upgrade (service state is refilled by the first sync before the new programs
 /// attach).
-const RELEASED: [(&str, u32, u32, u32); 21] = [
+const RELEASED: [(&str, u32, u32, u32); 24] = [
     (map_names::FRONTENDS4, 1, 8, 16),
     (map_names::FRONTENDS6, 1, 20, 16),
     (map_names::BACKEND_SLOTS, 1, 8, 4),
@@ -20,10 +20,10 @@ const RELEASED: [(&str, u32, u32, u32); 21] = [
     (map_names::AFFINITY, 1, 16, 16),
     (map_names::AFFINITY_MATCH, 1, 8, 1),
     (map_names::STATS, 1, 4, 8),
-    (map_names::CT4, 1, 16, 32),
-    (map_names::CT6, 1, 40, 56),
-    (map_names::CT4_NEW, 1, 16, 32),
-    (map_names::CT6_NEW, 1, 40, 56),
+    (map_names::CT4, 2, 16, 40),
+    (map_names::CT6, 2, 40, 64),
+    (map_names::CT4_NEW, 2, 16, 40),
+    (map_names::CT6_NEW, 2, 40, 64),
     (map_names::SOURCE_RANGES, 1, 24, 1),
     (map_names::NODE_ADDRS, 1, 20, 1),
     (map_names::NODE_CONFIG, 1, 4, 72),
@@ -31,6 +31,9 @@ const RELEASED: [(&str, u32, u32, u32); 21] = [
     (map_names::MAGLEV, 1, 12, 64),
     (map_names::UDP_STICKY, 1, 16, 16),
     (map_names::SERVICE_NAMES, 1, 4, 160),
+    (map_names::SERVICE_TRAFFIC, 1, 4, 32),
+    (map_names::SERVICE_PACKETS, 1, 4, 32),
+    (map_names::ENDPOINT_TRAFFIC, 1, 24, 8),
 ];
 
 #[test]
@@ -81,6 +84,8 @@ fn every_older_layout_is_older_than_the_current_one_and_has_other_sizes() {
     assert_eq!(size::<u64>(), 8);
     assert_eq!(size::<v1::RevNat4>(), 16);
     assert_eq!(size::<v1::CtValueV1>(), 48);
+    assert_eq!(size::<v1::CtValueV2>(), 56);
+    assert_eq!(size::<v1::CtValue4V1>(), 32);
 }
 
 #[test]
@@ -140,8 +145,11 @@ fn decisions_by_record_and_sizes() {
     assert_eq!(decide(&now, Found::Recorded(3), 16, 8), Decision::Rebuild);
     assert_eq!(decide(&now, Found::Recorded(1), 16, 8), Decision::Rebuild);
     assert_eq!(decide(&now, Found::Unrecorded, 12, 8), Decision::Rebuild);
-    // A map without older layouts.
-    assert_eq!(decide(&ct6(), Found::Recorded(1), 40, 56), Decision::Adopt);
+    // The per-family conntrack before its values carried the service id: by record or sizes.
+    assert_eq!(decide(&ct6(), Found::Recorded(2), 40, 64), Decision::Adopt);
+    let migrate_ct6 = |d: Decision| matches!(d, Decision::Migrate(m) if m.from.name == map_names::CT6 && m.from.version == 1);
+    assert!(migrate_ct6(decide(&ct6(), Found::Recorded(1), 40, 56)));
+    assert!(migrate_ct6(decide(&ct6(), Found::Unrecorded, 40, 56)));
     assert_eq!(
         decide(&ct6(), Found::Recorded(2), 40, 56),
         Decision::Rebuild
@@ -299,7 +307,7 @@ fn the_one_conntrack_map_splits_into_one_per_family() {
 /// splits the same way, each entry keeping the interface and neighbour its replies leave by.
 #[test]
 fn the_one_conntrack_map_of_version_2_splits_keeping_the_reply_interface() {
-    let mut old = HashMap::<MapData, CtKey, CtValue>::create(16, 0).expect("old map");
+    let mut old = HashMap::<MapData, CtKey, v1::CtValueV2>::create(16, 0).expect("old map");
     let v4 = HashMap::<MapData, CtKey4, CtValue4>::create(16, 0).expect("v4 map");
     let v6 = HashMap::<MapData, CtKey, CtValue>::create(16, 0).expect("v6 map");
     let four = CtKey {
@@ -317,7 +325,7 @@ fn the_one_conntrack_map_of_version_2_splits_keeping_the_reply_interface() {
         family: proxy_common::family::V6,
         ..four
     };
-    let reply = |src: [u32; 4]| CtValue {
+    let reply = |src: [u32; 4]| v1::CtValueV2 {
         src,
         dst: [0x0a00_0003, 0, 0, 0],
         sport: 80u16.to_be(),
@@ -346,6 +354,84 @@ fn the_one_conntrack_map_of_version_2_splits_keeping_the_reply_interface() {
     let narrow: Vec<(CtKey4, CtValue4)> = v4.iter().flatten().collect();
     assert_eq!(narrow.len(), 1);
     assert_eq!(narrow[0].0.widen(), four);
-    assert_eq!(narrow[0].1.widen(), reply([0x0a00_0004, 0, 0, 0]));
-    assert_eq!(v6.get(&six, 0).expect("v6 entry"), reply([0xfd00, 0, 0, 4]));
+    assert_eq!(
+        narrow[0].1.widen(),
+        CtValue::from(reply([0x0a00_0004, 0, 0, 0]))
+    );
+    assert_eq!(
+        v6.get(&six, 0).expect("v6 entry"),
+        CtValue::from(reply([0xfd00, 0, 0, 4]))
+    );
+}
+
+/// Real maps (needs root): the per-family conntrack of the agent before its values carried the
+/// flow's service id is copied entry for entry, each keeping its translation, reply interface
+/// and age, with service id 0 (its packets are not counted).
+#[test]
+fn per_family_conntrack_entries_keep_their_translation_without_a_service_id() {
+    let mut old4 = HashMap::<MapData, CtKey4, v1::CtValue4V1>::create(16, 0).expect("old v4");
+    let mut old6 = HashMap::<MapData, CtKey, v1::CtValueV2>::create(16, 0).expect("old v6");
+    let v4 = HashMap::<MapData, CtKey4, CtValue4>::create(16, 0).expect("v4 map");
+    let v6 = HashMap::<MapData, CtKey, CtValue>::create(16, 0).expect("v6 map");
+    let key6 = CtKey {
+        src: [0xfd00, 0, 0, 2],
+        dst: [0xfd00, 0, 0, 7],
+        sport: 1234u16.to_be(),
+        dport: 80u16.to_be(),
+        proto: proxy_common::proto::TCP,
+        family: proxy_common::family::V6,
+        _pad: 0,
+    };
+    let key4 = CtKey4 {
+        src: 0x0a00_0002,
+        dst: 0x0a00_0007,
+        sport: 1234u16.to_be(),
+        dport: 80u16.to_be(),
+        proto: proxy_common::proto::TCP,
+        _pad: [0; 3],
+    };
+    let value6 = v1::CtValueV2 {
+        src: [0xfd00, 0, 0, 4],
+        dst: [0xfd00, 0, 0, 9],
+        sport: 40_000u16.to_be(),
+        dport: 8080u16.to_be(),
+        flags: proxy_common::ct_flags::REPLY,
+        _pad: 0,
+        out_mac: [2, 0, 0, 0, 0, 9],
+        out_ifindex: 5,
+        last_seen_ns: 42,
+    };
+    let value4 = v1::CtValue4V1 {
+        src: 0x0a00_0004,
+        dst: 0x0a00_0009,
+        sport: 40_000u16.to_be(),
+        dport: 8080u16.to_be(),
+        flags: proxy_common::ct_flags::SNAT,
+        _pad: 0,
+        out_mac: [2, 0, 0, 0, 0, 4],
+        out_ifindex: 3,
+        last_seen_ns: 43,
+    };
+    old4.insert(key4, value4, 0).expect("insert");
+    old6.insert(key6, value6, 0).expect("insert");
+    let pins = PinDir::new(&[(map_names::CT4, as_map(&v4)), (map_names::CT6, as_map(&v6))]);
+    let older = |name: &str| {
+        OLDER
+            .iter()
+            .find(|m| m.from.name == name && m.from.version == 1)
+            .expect("registered")
+    };
+    let count = (older(map_names::CT4).copy)(&as_map(&old4), pins.path(), 0).expect("copy");
+    assert_eq!((count.copied, count.skipped, count.failed), (1, 0, 0));
+    let count = (older(map_names::CT6).copy)(&as_map(&old6), pins.path(), 0).expect("copy");
+    assert_eq!((count.copied, count.skipped, count.failed), (1, 0, 0));
+    let copied = v4.get(&key4, 0).expect("v4 entry");
+    assert_eq!(copied, CtValue4::from(value4));
+    assert_eq!(
+        (copied.out_ifindex, copied.last_seen_ns, copied.service_id),
+        (3, 43, 0)
+    );
+    let copied = v6.get(&key6, 0).expect("v6 entry");
+    assert_eq!(copied, CtValue::from(value6));
+    assert_eq!((copied.out_mac, copied.service_id), ([2, 0, 0, 0, 0, 9], 0));
 }

@@ -4,8 +4,9 @@
 use super::*;
 
 /// IPv4 flows are kept in `KPR_CT4`, in entries sized for IPv4 (a 16-byte key
-/// and a 32-byte value, against 40 and 56 bytes in `KPR_CT6`), IPv6 flows in `KPR_CT6`; each
-/// flow's entry is in its family's map and not in the other. Until the client's ACK a TCP
+/// and a 40-byte value, against 40 and 64 bytes in `KPR_CT6`), IPv6 flows in `KPR_CT6`; each
+/// flow's entry is in its family's map and not in the other, and carries the service id of the
+/// frontend it was started to (whose packet counters its packets add to). Until the client's ACK a TCP
 /// flow is in its family's unanswered flows' map (`KPR_CT4_NEW`, sized as `KPR_CT4`).
 #[test]
 fn ipv4_flows_are_kept_in_entries_sized_for_ipv4() {
@@ -19,7 +20,7 @@ fn ipv4_flows_are_kept_in_entries_sized_for_ipv4() {
         let open = |name: &str| MapData::from_pin(pins.join(name)).expect("conntrack pin");
         let unanswered = open(map_names::CT4_NEW);
         let info = unanswered.info().expect("map info");
-        assert_eq!((info.key_size(), info.value_size()), (16, 32));
+        assert_eq!((info.key_size(), info.value_size()), (16, 40));
         let unanswered = AyaHashMap::<MapData, CtKey4, CtValue4>::try_from(
             Map::from_map_data(unanswered).expect("map"),
         )
@@ -43,8 +44,8 @@ fn ipv4_flows_are_kept_in_entries_sized_for_ipv4() {
             let info = map.info().expect("map info");
             (info.key_size(), info.value_size())
         };
-        assert_eq!(sizes(&v4), (16, 32));
-        assert_eq!(sizes(&v6), (40, 56));
+        assert_eq!(sizes(&v4), (16, 40));
+        assert_eq!(sizes(&v6), (40, 64));
         let narrow =
             AyaHashMap::<MapData, CtKey4, CtValue4>::try_from(Map::from_map_data(v4).expect("map"))
                 .expect("KPR_CT4");
@@ -57,6 +58,13 @@ fn ipv4_flows_are_kept_in_entries_sized_for_ipv4() {
             .get(&CtKey4::narrow(&key4), 0)
             .expect("the IPv4 flow in KPR_CT4");
         assert_eq!(forward4.widen().dst, words(sa(BACKEND, 8080).ip()));
+        let forward6 = wide.get(&key6, 0).expect("the IPv6 flow in KPR_CT6");
+        assert!(
+            forward4.service_id != 0 && forward6.service_id != 0,
+            "both flows carry their NodePort frontend's service id: {} and {}",
+            forward4.service_id,
+            forward6.service_id
+        );
         assert!(
             wide.get(&key4, 0).is_err(),
             "the IPv4 flow is not in KPR_CT6"

@@ -98,3 +98,90 @@ fn a_syn_sent_twice_counts_one_connection_and_the_self_test_none_netfilter_path(
 fn a_syn_sent_twice_counts_one_connection_and_the_self_test_none_fast_path() {
     with_node(|node| a_syn_sent_twice_is_one_connection(node, "fast path"));
 }
+
+/// The forward and reply packets and bytes of Service `name`'s `kind` frontends, all ports
+/// summed (`KPR_SERVICE_PACKETS`, the CPUs summed).
+fn packets(reading: &TrafficReading, name: &str, kind: FrontendKind) -> [u64; 4] {
+    reading
+        .services
+        .iter()
+        .filter(|s| s.key.service.name == name && s.key.frontend == kind)
+        .filter_map(|s| s.counts.packets)
+        .fold([0; 4], |sum, c| {
+            [
+                sum[0] + c.forward_packets,
+                sum[1] + c.forward_bytes,
+                sum[2] + c.reply_packets,
+                sum[3] + c.reply_bytes,
+            ]
+        })
+}
+
+/// A NodePort flow's packets through tc, each counted once in its direction with its IP bytes
+/// (the frame past the Ethernet header): the client's first and second packet forward, the
+/// backend's answer back. With the counting off (`node_flags::NO_PACKET_COUNTS`, what
+/// `--service-traffic-max-series 0` sets) another flow's packets count nothing, and with it on
+/// again a third flow's count as the first's did.
+#[test]
+fn a_flows_packets_and_bytes_count_by_direction_and_not_while_counting_is_off() {
+    with_node(|node| {
+        program_services(node);
+        let mut counters = reader(node);
+        let web = |counters: &mut TrafficReader| {
+            packets(
+                &counters.read().expect("read"),
+                "web",
+                FrontendKind::NodePort,
+            )
+        };
+        assert_eq!(web(&mut counters), [0; 4], "nothing before any traffic");
+        let frontend = sa(NODE_IP, 30080);
+        let backend = sa(BACKEND, 8080);
+        // `round_trip`'s frames: "ping" twice from the client, "pong" once from the backend.
+        let ip_bytes = |payload: &[u8]| {
+            (build(sa(CLIENT, 1), frontend, L4::TcpSyn, payload).len() - 14) as u64
+        };
+        let one_flow = [2, 2 * ip_bytes(b"ping"), 1, ip_bytes(b"pong")];
+        round_trip(
+            node,
+            sa(CLIENT, 41_200),
+            frontend,
+            backend,
+            L4::TcpSyn,
+            false,
+        );
+        assert_eq!(
+            web(&mut counters),
+            one_flow,
+            "[forward packets, bytes, reply packets, bytes]"
+        );
+        node.dataplane.set_packet_counts(false);
+        round_trip(
+            node,
+            sa(CLIENT, 41_201),
+            frontend,
+            backend,
+            L4::TcpSyn,
+            false,
+        );
+        assert_eq!(
+            web(&mut counters),
+            one_flow,
+            "nothing counted while counting is off"
+        );
+        node.dataplane.set_packet_counts(true);
+        round_trip(
+            node,
+            sa(CLIENT, 41_202),
+            frontend,
+            backend,
+            L4::TcpSyn,
+            false,
+        );
+        assert_eq!(
+            web(&mut counters),
+            one_flow.map(|n| 2 * n),
+            "counted again once it is on"
+        );
+    });
+}
