@@ -262,6 +262,32 @@ const PANELS: &[Panel] = &[
             &[("name", "web"), ("endpoint", "10.244.2.2")],
         ],
     },
+    Panel {
+        title: "Service throughput by direction (eBPF)",
+        labels: &[
+            "namespace",
+            "name",
+            "port",
+            "protocol",
+            "frontend",
+            "direction",
+        ],
+        modes: EBPF,
+        // `web`'s NodePort connections from outside cross the tc programs both ways; its
+        // ClusterIP connections are translated at the socket and have no packets.
+        positive: &[
+            &[
+                ("name", "web"),
+                ("frontend", "node_port"),
+                ("direction", "forward"),
+            ],
+            &[
+                ("name", "web"),
+                ("frontend", "node_port"),
+                ("direction", "reply"),
+            ],
+        ],
+    },
 ];
 
 /// The alerts whose expression this rig's traffic makes true (before their `for:`), by the
