@@ -951,7 +951,7 @@ fn tc_cost_section(md: &mut String, r: &Results) {
 /// The goals: XDP's packet rate against tc's and the iptables mode's.
 const GOAL_XDP_OVER_TC: f64 = 2.0;
 const GOAL_XDP_OVER_IPTABLES: f64 = 3.0;
-/// The path users run by default against the mode it replaces (issue 39).
+/// The path a user who turns nothing on gets, against the mode it replaces.
 const GOAL_EBPF_DEFAULT_OVER_IPTABLES: f64 = 2.0;
 /// The tax the eBPF mode's programs may put on traffic that is not a Service's: ≤ 5 %.
 const GOAL_ROUTING_WITH_PROGRAMS: f64 = 0.95;
