@@ -91,4 +91,6 @@ mod pod {
     unsafe impl aya::Pod for NodeConfig {}
     // SAFETY: as above.
     unsafe impl aya::Pod for SnatAddrs {}
+    // SAFETY: as above.
+    unsafe impl aya::Pod for PortFilter {}
 }

@@ -45,6 +45,8 @@ pub mod map_names {
     /// The new connections each frontend gave each endpoint (`--service-traffic-endpoints`),
     /// by [`super::EndpointTrafficKey`].
     pub const ENDPOINT_TRAFFIC: &str = "KPR_ENDPOINT_TRAFFIC";
+    /// The ports the tc ingress programs care about ([`super::PortFilter`]), one entry.
+    pub const PORT_FILTER: &str = "KPR_PORT_FILTER";
     /// The tc programs of each family the entry programs tail-call (a program array, pinned so
     /// that it outlives the agent; not in [`PINNED`]: it holds programs, not state).
     pub const TC_FAMILY: &str = "KPR_TC_FAMILY";
@@ -63,7 +65,7 @@ pub mod map_names {
     pub const FRAGMENTS: &str = "KPR_FRAGMENTS";
 
     /// Every map the agent pins (and `--cleanup` removes).
-    pub const PINNED: [&str; 24] = [
+    pub const PINNED: [&str; 25] = [
         FRONTENDS4,
         FRONTENDS6,
         BACKEND_SLOTS,
@@ -88,6 +90,7 @@ pub mod map_names {
         SERVICE_TRAFFIC,
         SERVICE_PACKETS,
         ENDPOINT_TRAFFIC,
+        PORT_FILTER,
     ];
 }
 
@@ -934,6 +937,77 @@ pub struct SnatAddrs {
     pub _pad: [u8; 2],
 }
 
+/// Words of each half of a [`PortFilter`]: one bit per port.
+pub const PORT_FILTER_WORDS: usize = 1024;
+
+/// The single entry of `KPR_PORT_FILTER`: which TCP, UDP and SCTP ports a packet must have for
+/// the tc ingress programs to look at it, so that most of a node's traffic (pod to pod, the
+/// node's own connections) is passed on after one array lookup, before any hash lookup or tail
+/// call. A packet is looked at when its destination port is a frontend's (a new flow, a
+/// client's packet of an established one) or its source port a backend's (a backend's reply),
+/// or its destination port is in the SNAT range (a remote backend's reply to the SNAT address).
+/// Bits are only added while Services change; the agent clears a port once neither a frontend,
+/// a backend nor a conntrack entry has used it for two garbage collection rounds, so an
+/// established flow keeps its translation after its Service is gone, as netfilter's conntrack
+/// keeps it for kube-proxy.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PortFilter {
+    /// Nonzero once the agent wrote the ports of everything it programmed: until then (a map
+    /// created by an upgrade, before the new agent's first sync) every packet is looked at.
+    pub armed: u64,
+    /// Bit `p`: `p` is a frontend's port (host order).
+    pub destination: [u64; PORT_FILTER_WORDS],
+    /// Bit `p`: `p` is a backend's port (host order).
+    pub source: [u64; PORT_FILTER_WORDS],
+}
+
+impl PortFilter {
+    pub const EMPTY: Self = Self {
+        armed: 0,
+        destination: [0; PORT_FILTER_WORDS],
+        source: [0; PORT_FILTER_WORDS],
+    };
+
+    /// Whether the programs must look at a packet with these ports (host order), by the bits
+    /// alone (the SNAT range is the program's own test).
+    #[inline(always)]
+    pub fn wants(&self, source: u16, destination: u16) -> bool {
+        self.armed == 0 || bit(&self.destination, destination) || bit(&self.source, source)
+    }
+
+    pub fn set_destination(&mut self, port: u16) -> bool {
+        set(&mut self.destination, port)
+    }
+
+    pub fn set_source(&mut self, port: u16) -> bool {
+        set(&mut self.source, port)
+    }
+
+    pub fn has_destination(&self, port: u16) -> bool {
+        bit(&self.destination, port)
+    }
+
+    pub fn has_source(&self, port: u16) -> bool {
+        bit(&self.source, port)
+    }
+}
+
+#[inline(always)]
+fn bit(words: &[u64; PORT_FILTER_WORDS], port: u16) -> bool {
+    // `port >> 6` is below 1024: no bounds check is left in the program.
+    words[usize::from(port >> 6)] & (1 << (port & 63)) != 0
+}
+
+/// Sets the port's bit; whether it was clear.
+fn set(words: &mut [u64; PORT_FILTER_WORDS], port: u16) -> bool {
+    let word = &mut words[usize::from(port >> 6)];
+    let mask = 1 << (port & 63);
+    let was_clear = *word & mask == 0;
+    *word |= mask;
+    was_clear
+}
+
 /// The single entry of `KPR_NODE_CONFIG`: node facts the tc programs need.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
@@ -957,6 +1031,27 @@ pub struct NodeConfig {
 mod tests {
     use super::*;
     use core::mem::size_of;
+
+    #[test]
+    fn the_port_filter_wants_every_packet_until_armed_then_its_ports_only() {
+        let mut filter = PortFilter::EMPTY;
+        assert!(filter.wants(40_000, 22), "unarmed");
+        filter.armed = 1;
+        assert!(!filter.wants(40_000, 22));
+        assert!(filter.set_destination(30_080));
+        assert!(!filter.set_destination(30_080), "set already");
+        assert!(filter.set_source(8_080));
+        assert!(filter.wants(40_000, 30_080), "to a frontend");
+        assert!(filter.wants(8_080, 40_000), "from a backend");
+        assert!(!filter.wants(30_080, 8_080), "each port in its own half");
+        for port in [0, 63, 64, 65_535] {
+            filter.set_destination(port);
+            assert!(
+                filter.has_destination(port) && !filter.has_source(port),
+                "{port}"
+            );
+        }
+    }
 
     #[test]
     fn layouts_have_no_implicit_padding() {
@@ -984,6 +1079,7 @@ mod tests {
         assert_eq!(size_of::<SourceRangeKey>(), 20);
         assert_eq!(size_of::<NodeAddrKey>(), 20);
         assert_eq!(size_of::<NodeConfig>(), 72);
+        assert_eq!(size_of::<PortFilter>(), 8 + 2 * 8 * PORT_FILTER_WORDS);
         assert_eq!(size_of::<SnatAddrs>(), 28);
     }
 }

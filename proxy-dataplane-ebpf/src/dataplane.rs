@@ -16,7 +16,8 @@ use aya::{
 };
 use aya_log::EbpfLogger;
 use proxy_common::{
-    AffinityKey, AffinityValue, CtKey, CtValue, ServiceName, StatIndex, map_names, program_names,
+    AffinityKey, AffinityValue, CtKey, CtValue, PortFilter, ServiceName, StatIndex, map_names,
+    program_names,
 };
 use tokio::{io::unix::AsyncFd, task::JoinHandle};
 use tracing::{debug, info, warn};
@@ -40,6 +41,7 @@ use crate::{
     drift::reader::{self, DriftFound, DriftJob, DriftReader, OrphanEntry},
     error::EbpfError,
     maps::map_sizes::{LruBudget, LruSizes},
+    maps::port_filter::PortFilterMap,
     maps::service_maps::{ServiceMaps, ignore_missing},
     maps::touched_keys::Touched,
     options::EbpfOptions,
@@ -320,6 +322,13 @@ impl EbpfDataplane {
             traffic: take_map(&mut ebpf, map_names::SERVICE_TRAFFIC)?,
             packets: take_map(&mut ebpf, map_names::SERVICE_PACKETS)?,
             endpoints: take_map(&mut ebpf, map_names::ENDPOINT_TRAFFIC)?,
+            port_filter: Some(
+                PortFilterMap::open(
+                    ebpf.take_map(map_names::PORT_FILTER)
+                        .ok_or(EbpfError::MissingMap(map_names::PORT_FILTER))?,
+                )
+                .map_err(EbpfError::PortFilter)?,
+            ),
             touched: None,
         };
         let stats = take_map(&mut ebpf, map_names::STATS)?;
@@ -837,13 +846,35 @@ impl EbpfDataplane {
             });
         };
         worker.gc();
+        let kept_ports = worker.take_ports();
         let reports = worker.reports();
+        if let Some(mut kept_ports) = kept_ports {
+            self.settle_port_filter(&mut kept_ports);
+        }
         let progress = GcProgress {
             rounds: reports.gc_rounds.saturating_sub(self.gc_rounds_reported),
             remaining: reports.last_gc.map(|last| last.remaining),
         };
         self.gc_rounds_reported = reports.gc_rounds;
         Ok(progress)
+    }
+
+    /// Clears from the programs' port filter the ports that neither the maps' frontends and
+    /// backends nor the conntrack entries a garbage collection round kept (`ct_ports`) used
+    /// at this settle and the last one.
+    fn settle_port_filter(&mut self, ct_ports: &mut PortFilter) {
+        self.map_writer.ports_in_use(ct_ports);
+        if let Some(filter) = &mut self.maps.port_filter {
+            let cleared = filter.settle(ct_ports);
+            if cleared > 0 {
+                debug!(cleared, "ports no Service uses left the port filter");
+            }
+        }
+    }
+
+    /// The programs' port filter as they see it now.
+    pub fn port_filter(&self) -> Option<PortFilter> {
+        self.maps.port_filter.as_ref().map(PortFilterMap::value)
     }
 
     /// What the conntrack worker did so far (`None` without a worker).
@@ -857,7 +888,10 @@ impl EbpfDataplane {
         let started = std::time::Instant::now();
         let now = tc_conntrack::monotonic_ns().map_err(EbpfError::Clock)?;
         let mut maps = conntrack_pair(&mut self.ebpf)?;
-        let report = tc_conntrack::gc_round(&mut maps, now, 4096).map_err(EbpfError::Conntrack)?;
+        let mut kept_ports = Box::new(PortFilter::EMPTY);
+        let report = tc_conntrack::gc_round(&mut maps, now, 4096, &mut kept_ports)
+            .map_err(EbpfError::Conntrack)?;
+        self.settle_port_filter(&mut kept_ports);
         if report.deleted_forward + report.deleted_reply > 0 {
             info!(
                 scanned = report.scanned,

@@ -65,6 +65,8 @@ pub enum EbpfError {
     /// them.
     #[error(transparent)]
     LegacyTc(Box<dyn std::error::Error + Send + Sync + 'static>),
+    #[error("map KPR_PORT_FILTER: {0}")]
+    PortFilter(String),
     #[error("walking the tc conntrack map: {0}")]
     Conntrack(io::Error),
     #[error("reading the monotonic clock: {0}")]

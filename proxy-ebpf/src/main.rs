@@ -35,6 +35,8 @@ mod packet;
 #[cfg(target_arch = "bpf")]
 mod parse;
 #[cfg(target_arch = "bpf")]
+mod port_filter;
+#[cfg(target_arch = "bpf")]
 mod sctp;
 #[cfg(target_arch = "bpf")]
 mod sock;

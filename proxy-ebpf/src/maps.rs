@@ -12,7 +12,7 @@
 use core::{marker::PhantomData, ptr};
 
 use aya_ebpf::{
-    bindings::BPF_F_NO_PREALLOC,
+    bindings::{BPF_F_MMAPABLE, BPF_F_NO_PREALLOC},
     helpers::bpf_map_lookup_elem,
     macros::map,
     maps::{
@@ -22,9 +22,9 @@ use aya_ebpf::{
 use proxy_common::{
     AffinityKey, AffinityMatchKey, AffinityValue, Backend4, Backend6, BackendSlotKey, CtKey,
     CtKey4, CtValue, CtValue4, EndpointTrafficKey, Frontend4Key, Frontend6Key, FrontendValue,
-    MaglevBlock, MaglevKey, NodeAddrKey, NodeConfig, RevNat4, RevNat4Key, RevNat6, RevNat6Key,
-    ServiceName, ServicePackets, ServiceTraffic, SnatAddrs, SourceRangeKey, TcFamilyProgram,
-    TcFragmentProgram, default_sizes,
+    MaglevBlock, MaglevKey, NodeAddrKey, NodeConfig, PortFilter, RevNat4, RevNat4Key, RevNat6,
+    RevNat6Key, ServiceName, ServicePackets, ServiceTraffic, SnatAddrs, SourceRangeKey,
+    TcFamilyProgram, TcFragmentProgram, default_sizes,
     ip_family::{self, IpFamily},
     lookup::FrontendMaps,
 };
@@ -159,6 +159,11 @@ pub static KPR_SOURCE_RANGES: LpmTrie<SourceRangeKey, u8> =
 #[map]
 pub static KPR_NODE_ADDRS: HashMap<NodeAddrKey, u8> =
     HashMap::pinned(default_sizes::NODE_ADDRS, BPF_F_NO_PREALLOC);
+
+/// One [`PortFilter`] at index 0: the ports the tc ingress programs look at
+/// (`port_filter`), written by the agent.
+#[map]
+pub static KPR_PORT_FILTER: Array<PortFilter> = Array::pinned(1, BPF_F_MMAPABLE);
 
 /// One [`NodeConfig`] at index 0.
 #[map]

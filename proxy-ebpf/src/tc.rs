@@ -47,6 +47,7 @@ use crate::{
     },
     nat::{draining, fast_path, fib_query, translate, translate_source},
     parse::{ETH_P_IP, ETH_P_IPV6, Frame, Packet, is_later_fragment, parse, parse_later_fragment},
+    port_filter,
     stats::bump,
     traffic,
 };
@@ -63,10 +64,14 @@ const NEXT: i32 = TC_ACT_UNSPEC;
 const VLAN_VID_MASK: u32 = 0x0fff;
 
 /// Hands the packet to the program of its family in `KPR_TC_FAMILY`: `first` (the entry
-/// program's IPv4 slot) or the slot after it. One program per family, because the verifier
+/// program's IPv4 slot) or the slot after it; unless `port_filter` shows at once that it
+/// cannot be a Service flow's, which passes on without the tail call. One program per family, because the verifier
 /// checks each program as a whole: with both families' conntrack code in one (a map each, with
 /// entries sized for their addresses) it went past its million instructions; the other family's
 /// code is compiled out of each.
+// Inlined: the tail call must be in the entry program itself (the kernel refuses tail calls
+// from BPF-to-BPF subprograms of an object without BTF).
+#[inline(always)]
 pub fn family(ctx: &TcContext, first: TcFamilyProgram) -> i32 {
     // The skb's protocol rather than the frame's ethertype: a field read, no packet access.
     // They agree on every frame the family programs parse (a tag the NIC stripped is in
@@ -76,11 +81,19 @@ pub fn family(ctx: &TcContext, first: TcFamilyProgram) -> i32 {
         reason = "the field holds a __be16 in a u32"
     )]
     let protocol = ctx.skb.protocol() as u16;
-    let slot = match u16::from_be(protocol) {
-        ETH_P_IP => first as u32,
-        ETH_P_IPV6 => first as u32 + 1,
+    let (slot, v6) = match u16::from_be(protocol) {
+        ETH_P_IP => (first as u32, false),
+        ETH_P_IPV6 => (first as u32 + 1, true),
         _ => return NEXT,
     };
+    let passes = if first == TcFamilyProgram::Egress4 {
+        port_filter::egress_passes(ctx, v6)
+    } else {
+        port_filter::ingress_passes(ctx, v6)
+    };
+    if passes {
+        return NEXT;
+    }
     hand_over(ctx, &KPR_TC_FAMILY, slot)
 }
 

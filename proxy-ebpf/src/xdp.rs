@@ -50,6 +50,7 @@ use crate::{
     maps::{KPR_SNAT_IFACES, KPR_XDP_NEW_FLOW, KPR_XDP_TARGETS, scratch},
     nat::{draining, fast_path, fib_query, fib_query_addrs},
     parse::{ETH_HLEN, ETH_P_IP, ETH_P_IPV6, Frame, Packet, linear_at, load, parse_whole},
+    port_filter,
     stats::bump,
     tc::{DROP, Verdict, external_frontend, new_flow, source_allowed},
     traffic,
@@ -66,10 +67,19 @@ pub fn external(ctx: &XdpContext) -> u32 {
     };
     // SAFETY: the Ethernet header is checked (`linear_at`); unaligned, as in `parse`.
     let ethertype = u16::from_be(unsafe { core::ptr::read_unaligned((eth + 12) as *const u16) });
-    match ethertype {
-        ETH_P_IP => established::<false>(ctx),
-        ETH_P_IPV6 => established::<true>(ctx),
-        _ => XDP_PASS,
+    let v6 = match ethertype {
+        ETH_P_IP => false,
+        ETH_P_IPV6 => true,
+        _ => return XDP_PASS,
+    };
+    // Not a Service flow's: tc's entry program passes it on the same way.
+    if port_filter::ingress_passes(ctx, v6) {
+        return XDP_PASS;
+    }
+    if v6 {
+        established::<true>(ctx)
+    } else {
+        established::<false>(ctx)
     }
 }
 

@@ -27,8 +27,8 @@ use aya::{
 use proxy_common::{
     AffinityKey, AffinityMatchKey, AffinityValue, Backend4, Backend6, BackendSlotKey, CtKey,
     CtKey4, CtValue, CtValue4, EndpointTrafficKey, Frontend4Key, Frontend6Key, FrontendValue,
-    MaglevBlock, MaglevKey, NodeAddrKey, NodeConfig, RevNat4, RevNat4Key, RevNat6, RevNat6Key,
-    ServiceName, ServicePackets, ServiceTraffic, SnatAddrs, SourceRangeKey, map_names,
+    MaglevBlock, MaglevKey, NodeAddrKey, NodeConfig, PortFilter, RevNat4, RevNat4Key, RevNat6,
+    RevNat6Key, ServiceName, ServicePackets, ServiceTraffic, SnatAddrs, SourceRangeKey, map_names,
 };
 use tracing::{info, warn};
 
@@ -98,7 +98,7 @@ fn layout<K, V>(name: &'static str, version: u32) -> Layout {
 }
 
 /// This build's layout of every pinned map (`map_names::PINNED`).
-pub fn current() -> [Layout; 24] {
+pub fn current() -> [Layout; 25] {
     [
         layout::<Frontend4Key, FrontendValue>(map_names::FRONTENDS4, 1),
         layout::<Frontend6Key, FrontendValue>(map_names::FRONTENDS6, 1),
@@ -133,6 +133,9 @@ pub fn current() -> [Layout; 24] {
         // Per CPU: the kernel reports one CPU's value size.
         layout::<u32, ServicePackets>(map_names::SERVICE_PACKETS, 1),
         layout::<EndpointTrafficKey, u64>(map_names::ENDPOINT_TRAFFIC, 1),
+        // Service state, but for the ports of flows to Services gone since: a new layout
+        // would keep only what the first sync writes (the programs then pass those flows on).
+        layout::<u32, PortFilter>(map_names::PORT_FILTER, 1),
     ]
 }
 

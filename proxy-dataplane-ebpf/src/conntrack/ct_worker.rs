@@ -14,7 +14,7 @@ use std::{
 };
 
 use aya::maps::{Map, MapData};
-use proxy_common::map_names;
+use proxy_common::{PortFilter, map_names};
 use tracing::{debug, info, warn};
 
 use crate::{
@@ -47,6 +47,8 @@ pub struct WorkerReports {
 pub struct CtWorker {
     jobs: Option<Sender<Job>>,
     reports: Arc<Mutex<WorkerReports>>,
+    /// The ports of the entries the last finished garbage collection round kept, until taken.
+    ports: Arc<Mutex<Option<Box<PortFilter>>>>,
     thread: Option<JoinHandle<()>>,
 }
 
@@ -66,13 +68,15 @@ impl CtWorker {
         ];
         let (jobs, queue) = mpsc::channel();
         let reports = Arc::new(Mutex::new(WorkerReports::default()));
-        let shared = Arc::clone(&reports);
+        let ports = Arc::new(Mutex::new(None));
+        let shared = (Arc::clone(&reports), Arc::clone(&ports));
         let thread = std::thread::Builder::new()
             .name("kpr-conntrack".into())
-            .spawn(move || run(maps, &queue, &shared))?;
+            .spawn(move || run(maps, &queue, &shared.0, &shared.1))?;
         Ok(Self {
             jobs: Some(jobs),
             reports,
+            ports,
             thread: Some(thread),
         })
     }
@@ -95,6 +99,15 @@ impl CtWorker {
         }
     }
 
+    /// The ports of the conntrack entries the last finished garbage collection round kept,
+    /// once per round.
+    pub fn take_ports(&self) -> Option<Box<PortFilter>> {
+        self.ports
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take()
+    }
+
     pub fn reports(&self) -> WorkerReports {
         *self.reports.lock().unwrap_or_else(PoisonError::into_inner)
     }
@@ -110,7 +123,12 @@ impl Drop for CtWorker {
     }
 }
 
-fn run(maps: [Map; 4], queue: &Receiver<Job>, reports: &Mutex<WorkerReports>) {
+fn run(
+    maps: [Map; 4],
+    queue: &Receiver<Job>,
+    reports: &Mutex<WorkerReports>,
+    ports: &Mutex<Option<Box<PortFilter>>>,
+) {
     let [mut v4, mut v6, mut new4, mut new6] = maps;
     let mut map = ConntrackPair {
         v4: &mut v4,
@@ -129,8 +147,10 @@ fn run(maps: [Map; 4], queue: &Receiver<Job>, reports: &Mutex<WorkerReports>) {
                         continue;
                     }
                 };
-                match tc_conntrack::gc_round(&mut map, now, BATCH) {
+                let mut kept_ports = Box::new(PortFilter::EMPTY);
+                match tc_conntrack::gc_round(&mut map, now, BATCH, &mut kept_ports) {
                     Ok(report) => {
+                        *ports.lock().unwrap_or_else(PoisonError::into_inner) = Some(kept_ports);
                         let deleted = report.deleted_forward + report.deleted_reply;
                         let elapsed_ms = started.elapsed().as_millis();
                         if deleted > 0 {

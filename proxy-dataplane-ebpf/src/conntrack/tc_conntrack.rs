@@ -32,7 +32,7 @@ use aya::{
     maps::{Map, MapData},
 };
 use proxy_common::{
-    CtKey, CtKey4, CtValue, CtValue4,
+    CtKey, CtKey4, CtValue, CtValue4, PortFilter,
     conntrack::{holds_reply, orphaned, reverse_key},
     ct_flags, ct_timeout, family,
 };
@@ -178,6 +178,21 @@ pub fn purge<T: std::borrow::BorrowMut<MapData>>(
         }
     }
     report
+}
+
+/// The port of a live entry that the ingress programs' port filter must let in: a forward
+/// entry's destination port (the frontend's, which the client's packets carry) and a reply
+/// entry's source port (the backend's). Egress entries are the egress program's, which the
+/// filter does not apply to.
+pub fn note_ports(key: &CtKey, value: &CtValue, ports: &mut PortFilter) {
+    if is_egress(value) {
+        return;
+    }
+    if is_reply(value) {
+        ports.set_source(u16::from_be(key.sport));
+    } else {
+        ports.set_destination(u16::from_be(key.dport));
+    }
 }
 
 fn is_reply(value: &CtValue) -> bool {
@@ -440,7 +455,15 @@ fn both<'m>(maps: &'m mut ConntrackPair<'_>) -> std::io::Result<ConntrackMaps<&'
 /// packet revived it since its batch was read, so only a flow that stays idle through the
 /// round loses its entries. For the worker, which runs it off the sync
 /// loop; a round's cost is bounded by the map's size, not by how much is deleted under it.
-pub fn gc_round(maps: &mut ConntrackPair<'_>, now: u64, batch: usize) -> std::io::Result<GcReport> {
+///
+/// The ports of the entries it keeps go into `ports`, as the programs' port filter must keep
+/// them (see [`note_ports`]).
+pub fn gc_round(
+    maps: &mut ConntrackPair<'_>,
+    now: u64,
+    batch: usize,
+    ports: &mut PortFilter,
+) -> std::io::Result<GcReport> {
     let mut walk = PairWalk::default();
     let mut report = GcReport::default();
     while !walk.finished() {
@@ -458,6 +481,8 @@ pub fn gc_round(maps: &mut ConntrackPair<'_>, now: u64, batch: usize) -> std::io
                 } else {
                     report.deleted_forward += 1;
                 }
+            } else {
+                note_ports(&key, &value, ports);
             }
         }
     }
@@ -557,6 +582,24 @@ mod tests {
             },
         );
         [forward, reply]
+    }
+
+    #[test]
+    fn live_entries_keep_the_frontend_port_and_the_backend_port_in_the_filter() {
+        let [forward, reply] = flow([10, 244, 1, 2], 40_000);
+        let mut ports = PortFilter::EMPTY;
+        note_ports(&forward.0, &forward.1, &mut ports);
+        note_ports(&reply.0, &reply.1, &mut ports);
+        assert!(ports.has_destination(30080));
+        assert!(ports.has_source(8080));
+        // Not the client's port, nor the SNAT port (the program's range test covers it).
+        assert!(!ports.has_source(40_000) && !ports.has_destination(61_000));
+        // An egress entry is the egress program's: it adds nothing.
+        let mut egress = forward.1;
+        egress.flags |= ct_flags::EGRESS;
+        let mut none = PortFilter::EMPTY;
+        note_ports(&reply.0, &egress, &mut none);
+        assert_eq!(none, PortFilter::EMPTY);
     }
 
     fn removed(addr: &str, port: u16, protocol: Protocol, backend: &str) -> RemovedBackend {

@@ -297,6 +297,8 @@ impl DriftReader {
             traffic: reopen(maps.traffic.map(), map_names::SERVICE_TRAFFIC)?,
             packets: reopen(maps.packets.map(), map_names::SERVICE_PACKETS)?,
             endpoints: reopen_hash(&maps.endpoints, map_names::ENDPOINT_TRAFFIC)?,
+            // The reader never writes.
+            port_filter: None,
             touched: None,
         };
         let conntrack = match conntrack {

@@ -36,7 +36,7 @@ use std::{
 use ipnet::IpNet;
 use proxy_common::{
     AffinityMatchKey, Backend4, Backend6, BackendSlotKey, Frontend4Key, Frontend6Key,
-    FrontendValue, MAGLEV_BLOCK_SLOTS, MaglevBlock, MaglevKey, frontend_flags, scope,
+    FrontendValue, MAGLEV_BLOCK_SLOTS, MaglevBlock, MaglevKey, PortFilter, frontend_flags, scope,
 };
 use tracing::{debug, info, warn};
 
@@ -75,6 +75,14 @@ pub enum BackendValue {
 }
 
 impl BackendValue {
+    /// The backend's port (host order).
+    pub fn port(&self) -> u16 {
+        match self {
+            BackendValue::V4(b) => u16::from_be(b.port),
+            BackendValue::V6(b) => u16::from_be(b.port),
+        }
+    }
+
     /// The backend as a socket address (host-order port).
     pub fn socket_addr(&self) -> SocketAddr {
         match self {
@@ -143,6 +151,11 @@ pub trait MapOps {
     fn delete_source_range(&mut self, service_id: u32, range: IpNet) -> Result<(), MapWriteError>;
     fn put_maglev(&mut self, key: MaglevKey, block: MaglevBlock) -> Result<(), MapWriteError>;
     fn delete_maglev(&mut self, key: MaglevKey) -> Result<(), MapWriteError>;
+    /// A frontend's port and its backends' ports, before the frontend is written: the
+    /// programs' port filter must let its packets in from its first one.
+    fn add_ports(&mut self, _destination: u16, _sources: impl Iterator<Item = u16>) {}
+    /// Every port the maps use (after a full apply): the port filter gets them all and is armed.
+    fn arm_ports(&mut self, _in_use: &PortFilter) {}
 }
 
 pub use proxy_model::config::ebpf_settings::DEFAULT_MAX_ENDPOINTS_PER_SERVICE;
@@ -519,6 +532,10 @@ impl MapWriter {
         }
         if changed.is_none() {
             self.remove_unclaimed(maps, &mut summary, &mut errors);
+            // Every frontend and backend is in the records now, adopted ones included.
+            let mut in_use = Box::new(PortFilter::EMPTY);
+            self.ports_in_use(&mut in_use);
+            maps.arm_ports(&in_use);
             // Every service port was written in name order: half-full B-tree nodes otherwise.
             // A full pass that wrote nothing (a periodic resync) left the trees as they were.
             if summary.changed_frontends() {
@@ -544,6 +561,17 @@ impl MapWriter {
             errors.extend(again_errors);
         }
         (summary, errors)
+    }
+
+    /// Adds the ports of every frontend in the records to `ports`' destination half and of
+    /// every backend (live or retired generations') to its source half.
+    pub fn ports_in_use(&self, ports: &mut PortFilter) {
+        for key in self.frontends.keys() {
+            ports.set_destination(key.port);
+        }
+        for backend in self.backends.values() {
+            ports.set_source(backend.port());
+        }
     }
 
     /// The frontends whose last write did not fit in the maps, with their service ports.

@@ -13,8 +13,8 @@ use aya::maps::{
 use ipnet::IpNet;
 use proxy_common::{
     AffinityMatchKey, Backend4, Backend6, BackendSlotKey, EndpointTrafficKey, Frontend4Key,
-    Frontend6Key, FrontendValue, MaglevBlock, MaglevKey, RevNat4, RevNat4Key, RevNat6, RevNat6Key,
-    ServicePackets, ServiceTraffic, SourceRangeKey, map_names,
+    Frontend6Key, FrontendValue, MaglevBlock, MaglevKey, PortFilter, RevNat4, RevNat4Key, RevNat6,
+    RevNat6Key, ServicePackets, ServiceTraffic, SourceRangeKey, map_names,
 };
 
 use crate::{
@@ -23,6 +23,7 @@ use crate::{
         BackendValue, FrontendMapKey, MapsContent, ip4_from_map, ip4_to_map, ip6_from_map,
         ip6_to_map,
     },
+    maps::port_filter::PortFilterMap,
     maps::touched_keys::Touched,
 };
 use proxy_kernel::bpf::{
@@ -51,6 +52,8 @@ pub(crate) struct ServiceMaps {
     /// Each service id's new connections by endpoint (`--service-traffic-endpoints`; the id's
     /// entries deleted here when it is handed out again).
     pub(crate) endpoints: HashMap<MapData, EndpointTrafficKey, u64>,
+    /// The programs' port filter (`None` only in tests of the maps alone).
+    pub(crate) port_filter: Option<PortFilterMap>,
     /// While a drift check is out: the keys written or deleted since it started.
     pub(crate) touched: Option<Touched>,
 }
@@ -237,6 +240,16 @@ impl MapOps for ServiceMaps {
             touched.maglev(key);
         }
         ignore_missing(map_names::MAGLEV, self.maglev.remove(&key))
+    }
+    fn add_ports(&mut self, destination: u16, sources: impl Iterator<Item = u16>) {
+        if let Some(filter) = &self.port_filter {
+            filter.add(destination, sources);
+        }
+    }
+    fn arm_ports(&mut self, in_use: &PortFilter) {
+        if let Some(filter) = &self.port_filter {
+            filter.arm(in_use);
+        }
     }
 }
 

@@ -159,7 +159,7 @@ impl TcPath {
             Self::NonIp => "kpr_tc_external: ARP frame (not IP)",
             Self::PassThrough => "kpr_tc_external: no frontend (pass-through)",
             Self::PassThroughIpv4Program => {
-                "kpr_tc_external4 run directly: no frontend (pass-through without the hand-off)"
+                "kpr_tc_external4 run directly: no frontend (the family program the port filter spares such a packet)"
             }
             Self::Drop => "kpr_tc_external: source-range miss (drop)",
             Self::NodePortNewFlow => "kpr_tc_external: NodePort, new flow (DNAT+SNAT, CT insert)",

@@ -9,7 +9,7 @@ use crate::attach::layout::*;
 /// (`holds`) also register the previous layout in `OLDER` with a conversion, or its entries are
 /// lost at the upgrade (service state is refilled by the first sync before the new programs
 /// attach).
-const RELEASED: [(&str, u32, u32, u32); 24] = [
+const RELEASED: [(&str, u32, u32, u32); 25] = [
     (map_names::FRONTENDS4, 1, 8, 16),
     (map_names::FRONTENDS6, 1, 20, 16),
     (map_names::BACKEND_SLOTS, 1, 8, 4),
@@ -34,6 +34,7 @@ const RELEASED: [(&str, u32, u32, u32); 24] = [
     (map_names::SERVICE_TRAFFIC, 1, 4, 32),
     (map_names::SERVICE_PACKETS, 1, 4, 32),
     (map_names::ENDPOINT_TRAFFIC, 1, 24, 8),
+    (map_names::PORT_FILTER, 1, 4, 16_392),
 ];
 
 #[test]

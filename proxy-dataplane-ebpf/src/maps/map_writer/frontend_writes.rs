@@ -71,6 +71,7 @@ impl MapWriter {
 
         let mut written = Written::default();
         let maglev_size = self.maglev_size_for(&key, backends.len());
+        maps.add_ports(key.port, backends.iter().map(BackendValue::port));
         let result =
             self.write_generation(service_id, new_generation, &backends, maps, &mut written);
         let result = result.and_then(|slots| {

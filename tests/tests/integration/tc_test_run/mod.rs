@@ -54,6 +54,7 @@ mod drops;
 mod fragments;
 mod icmp;
 mod maglev;
+mod port_filter;
 mod sctp;
 mod snat;
 mod traffic;
@@ -312,6 +313,14 @@ fn key(name: &str) -> ObjectKey {
 ///   (pods .128–.255 behind `pod0`), NodePort 30082.
 /// - `empty`: dual-stack NodePort TCP 30083 and SCTP 30869 without endpoints.
 fn program_services(node: &mut Node) {
+    let snapshot = services_snapshot();
+    let (summary, errors) = node.dataplane.apply(&snapshot, None);
+    assert!(errors.is_empty(), "apply errors: {errors:?}");
+    assert!(summary.frontends_written > 0, "{summary:?}");
+}
+
+/// The Services of [`program_services`].
+fn services_snapshot() -> Snapshot {
     let services = [
         "{name: web, namespace: default}\nspec: {type: NodePort, clusterIP: 10.96.0.20, \
          clusterIPs: [10.96.0.20, 'fd00:96::20'], ipFamilies: [IPv4, IPv6], \
@@ -347,9 +356,7 @@ fn program_services(node: &mut Node) {
     let snapshot = Snapshot::compute(&objects, NODE);
     let errors: Vec<String> = snapshot.errors().map(ToString::to_string).collect();
     assert!(errors.is_empty(), "snapshot errors: {errors:?}");
-    let (summary, errors) = node.dataplane.apply(&snapshot, None);
-    assert!(errors.is_empty(), "apply errors: {errors:?}");
-    assert!(summary.frontends_written > 0, "{summary:?}");
+    snapshot
 }
 
 fn sa(ip: &str, port: u16) -> SocketAddr {

@@ -51,6 +51,11 @@ impl BackendTable {
             .copied()
     }
 
+    /// Every backend in the table.
+    pub(in crate::maps::map_writer) fn values(&self) -> impl Iterator<Item = BackendValue> + '_ {
+        self.by_id.iter().map(|(_, held)| held.value)
+    }
+
     /// The backend with `id`.
     pub(in crate::maps::map_writer) fn value_of(&self, id: u32) -> Option<BackendValue> {
         self.by_id.get(id).map(|held| held.value)
