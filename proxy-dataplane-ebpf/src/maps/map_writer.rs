@@ -329,6 +329,8 @@ pub struct MapWriter {
     grace: Duration,
     /// `Instant::now`, or a test's clock.
     clock: fn() -> Instant,
+    /// The programs' port filter was armed (`MapOps::arm_ports`) after an apply.
+    ports_armed: bool,
 }
 
 impl Default for MapWriter {
@@ -348,6 +350,7 @@ impl Default for MapWriter {
             room_freed: false,
             grace: GENERATION_GRACE,
             clock: Instant::now,
+            ports_armed: false,
         }
     }
 }
@@ -532,16 +535,21 @@ impl MapWriter {
         }
         if changed.is_none() {
             self.remove_unclaimed(maps, &mut summary, &mut errors);
-            // Every frontend and backend is in the records now, adopted ones included.
-            let mut in_use = Box::new(PortFilter::EMPTY);
-            self.ports_in_use(&mut in_use);
-            maps.arm_ports(&in_use);
             // Every service port was written in name order: half-full B-tree nodes otherwise.
             // A full pass that wrote nothing (a periodic resync) left the trees as they were.
             if summary.changed_frontends() {
                 self.frontends.repack();
                 proxy_model::btree::repack(&mut self.owned);
             }
+        }
+        // Every frontend and backend in the maps is in the records, adopted ones included, and
+        // each write added its ports before it: the filter can be armed (again, after a full
+        // apply, which also repairs a filter someone else cleared).
+        if changed.is_none() || !self.ports_armed {
+            let mut in_use = Box::new(PortFilter::EMPTY);
+            self.ports_in_use(&mut in_use);
+            maps.arm_ports(&in_use);
+            self.ports_armed = true;
         }
         // Space freed by this apply may now hold what did not fit, possibly earlier in this
         // very apply (service ports go in name order): retry those now rather than at the next
