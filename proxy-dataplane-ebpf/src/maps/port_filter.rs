@@ -70,10 +70,15 @@ impl PortFilterMap {
         for (index, (destination, source)) in
             in_use.destination.iter().zip(&in_use.source).enumerate()
         {
-            self.word(DESTINATION + index)
-                .fetch_or(*destination, Ordering::Release);
-            self.word(SOURCE + index)
-                .fetch_or(*source, Ordering::Release);
+            // Most words are empty: no store (a full apply arms again, at every resync).
+            if *destination != 0 {
+                self.word(DESTINATION + index)
+                    .fetch_or(*destination, Ordering::Release);
+            }
+            if *source != 0 {
+                self.word(SOURCE + index)
+                    .fetch_or(*source, Ordering::Release);
+            }
         }
         self.word(ARMED).store(1, Ordering::Release);
     }
