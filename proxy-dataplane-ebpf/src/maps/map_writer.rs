@@ -154,7 +154,8 @@ pub trait MapOps {
     /// A frontend's port and its backends' ports, before the frontend is written: the
     /// programs' port filter must let its packets in from its first one.
     fn add_ports(&mut self, _destination: u16, _sources: impl Iterator<Item = u16>) {}
-    /// Every port the maps use (after a full apply): the port filter gets them all and is armed.
+    /// Every port the maps use (after the first apply and every full one): the port filter gets
+    /// them all and is armed.
     fn arm_ports(&mut self, _in_use: &PortFilter) {}
 }
 
