@@ -116,6 +116,12 @@ impl SyncRunner {
         self.retry_at = (!ok).then(|| now + self.config.retry_interval);
     }
 
+    /// A periodic sync that runs in steps started at `now`: the periodic timer is not due again
+    /// while its steps go on (only a sync for changes is, between them).
+    pub fn pass_started(&mut self, now: Instant) {
+        self.periodic_at = now + self.config.max_interval;
+    }
+
     /// A periodic sync that ran in steps ended at `now`: as [`SyncRunner::finished`], except
     /// that a success keeps a retry scheduled by a sync that failed between its steps (the pass
     /// may have covered that sync's service ports before it ran).
@@ -233,11 +239,12 @@ mod tests {
         let start = Instant::now();
         let mut runner = SyncRunner::new(CONFIG, start);
         assert_eq!(runner.due(start + ms(30_000)), Some(SyncReason::Periodic));
-        // A sync for changes between two steps fails (the runner still says periodic: the
-        // periodic timer restarts when a sync ends; the agent runs it as one for changes, the
-        // pass in flight being the periodic one)…
+        runner.pass_started(start + ms(30_000));
+        // The periodic timer is not due again while the pass goes on.
+        assert_eq!(runner.next_wakeup(start + ms(30_001)), start + ms(60_000));
+        // A sync for changes between two steps fails…
         runner.request();
-        assert!(runner.due(start + ms(30_010)).is_some());
+        assert_eq!(runner.due(start + ms(30_010)), Some(SyncReason::Changes));
         runner.finished(start + ms(30_011), false);
         // …and the pass that ends after it succeeds: the retry stands.
         runner.pass_finished(start + ms(30_050), true);

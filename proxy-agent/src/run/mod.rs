@@ -454,6 +454,7 @@ impl Agent {
         {
             // Its first step (with the changes this sync took) in this turn: a pass that fits
             // in one step is done here, as a sync in one go would be.
+            self.runner.pass_started(Instant::now());
             self.full_pass = Some(PeriodicPass {
                 pass: FullPass::new(changed),
                 changed: changed.clone(),
