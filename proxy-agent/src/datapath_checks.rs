@@ -17,7 +17,7 @@
 
 use std::time::{Duration, Instant};
 
-use tracing::{info, warn};
+use tracing::{debug, info, warn};
 
 use crate::{
     dataplane::Dataplane,
@@ -83,11 +83,20 @@ impl DatapathChecks {
         let due = self
             .last_self_test
             .is_none_or(|last| last.elapsed() >= MIN_SELF_TEST_INTERVAL);
+        let started = Instant::now();
         let before = due.then(|| {
             self.last_self_test = Some(Instant::now());
             ebpf.self_test()
         });
+        let self_tested = started.elapsed();
         let (attachments, reattached) = ebpf.check_attachments();
+        // In the agent's loop: what a change that comes meanwhile waits for.
+        debug!(
+            self_test_us = u64::try_from(self_tested.as_micros()).unwrap_or(u64::MAX),
+            attachments_us =
+                u64::try_from((started.elapsed() - self_tested).as_micros()).unwrap_or(u64::MAX),
+            "datapath checks before the drift check"
+        );
         self.record_attachments(now, &attachments, &reattached);
         let missing = ebpf.missing_map_pins();
         self.state.maps = Some(Maps {

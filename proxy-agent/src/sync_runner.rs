@@ -11,7 +11,10 @@
 //! - A failed sync is retried `retry_interval` after it ended (kube-proxy: the sync period),
 //!   unless something else runs one sooner; a successful sync cancels the retry.
 //!
-//! The agent's loop runs syncs inline, so a sync never overlaps another.
+//! The agent's loop runs syncs inline, so a sync never overlaps another. eBPF's periodic sync
+//! is the exception to "inline": its full pass runs in steps between the loop's other work, and
+//! the syncs for changes meanwhile run between them (they write the maps from the same loop,
+//! so still never at the same time); the pass reports with [`SyncRunner::pass_finished`].
 
 use std::time::Duration;
 
@@ -111,6 +114,23 @@ impl SyncRunner {
         self.cooldown_until = now + self.config.min_interval;
         self.periodic_at = now + self.config.max_interval;
         self.retry_at = (!ok).then(|| now + self.config.retry_interval);
+    }
+
+    /// A periodic sync that runs in steps started at `now`: the periodic timer is not due again
+    /// while its steps go on (only a sync for changes is, between them).
+    pub fn pass_started(&mut self, now: Instant) {
+        self.periodic_at = now + self.config.max_interval;
+    }
+
+    /// A periodic sync that ran in steps ended at `now`: as [`SyncRunner::finished`], except
+    /// that a success keeps a retry scheduled by a sync that failed between its steps (the pass
+    /// may have covered that sync's service ports before it ran).
+    pub fn pass_finished(&mut self, now: Instant, ok: bool) {
+        let retry = self.retry_at;
+        self.finished(now, ok);
+        if ok {
+            self.retry_at = retry;
+        }
     }
 }
 
@@ -212,5 +232,27 @@ mod tests {
             assert_eq!(runner.due(start), Some(SyncReason::Changes));
             runner.finished(start, true);
         }
+    }
+
+    #[test]
+    fn a_pass_in_steps_keeps_the_retry_of_a_sync_that_failed_between_its_steps() {
+        let start = Instant::now();
+        let mut runner = SyncRunner::new(CONFIG, start);
+        assert_eq!(runner.due(start + ms(30_000)), Some(SyncReason::Periodic));
+        runner.pass_started(start + ms(30_000));
+        // The periodic timer is not due again while the pass goes on.
+        assert_eq!(runner.next_wakeup(start + ms(30_001)), start + ms(60_000));
+        // A sync for changes between two steps fails…
+        runner.request();
+        assert_eq!(runner.due(start + ms(30_010)), Some(SyncReason::Changes));
+        runner.finished(start + ms(30_011), false);
+        // …and the pass that ends after it succeeds: the retry stands.
+        runner.pass_finished(start + ms(30_050), true);
+        assert_eq!(runner.next_wakeup(start + ms(30_050)), start + ms(35_011));
+        assert_eq!(runner.due(start + ms(35_011)), Some(SyncReason::Changes));
+        // A failed pass schedules its own.
+        runner.finished(start + ms(35_020), true);
+        runner.pass_finished(start + ms(35_100), false);
+        assert_eq!(runner.next_wakeup(start + ms(35_100)), start + ms(40_100));
     }
 }

@@ -84,6 +84,45 @@ pub struct GcProgress {
     pub remaining: Option<usize>,
 }
 
+/// How long one step of a full pass in steps ([`EbpfDataplane::full_pass_step`]) goes on
+/// applying service ports: about what a change that comes meanwhile waits for the loop. A
+/// pass over 50k Services in one go holds the loop for tens of milliseconds.
+pub const FULL_PASS_STEP: std::time::Duration = std::time::Duration::from_millis(1);
+
+/// Service ports a step applies between two looks at the clock.
+const FULL_PASS_CHUNK: usize = 32;
+
+/// A full pass over every service port (the periodic resync) applied in steps by
+/// [`EbpfDataplane::full_pass_step`], so that the agent's loop takes the changes that come
+/// meanwhile between them; what the steps did is summed.
+#[derive(Debug, Default)]
+pub struct FullPass {
+    /// The last service port (in name order) a step applied.
+    after: Option<ServicePortName>,
+    /// Applied with the first step: the changes of the sync that started the pass.
+    first: Option<BTreeSet<ServicePortName>>,
+    steps: usize,
+    summary: ApplySummary,
+    errors: Vec<ApplyError>,
+    /// The steps' own time, summed (not the loop's between them).
+    pub work: std::time::Duration,
+}
+
+impl FullPass {
+    /// A pass whose first step also applies `changed`.
+    pub fn new(changed: &BTreeSet<ServicePortName>) -> Self {
+        Self {
+            first: (!changed.is_empty()).then(|| changed.clone()),
+            ..Self::default()
+        }
+    }
+
+    /// Steps taken so far.
+    pub fn steps(&self) -> usize {
+        self.steps
+    }
+}
+
 /// A loaded and attached eBPF dataplane. Dropping it (or [`EbpfDataplane::shutdown`]) leaves
 /// the datapath in place: links and maps stay pinned. [`cleanup`] removes them.
 pub struct EbpfDataplane {
@@ -527,10 +566,27 @@ impl EbpfDataplane {
         if self.deferred.is_none() {
             self.tc.refresh(&mut self.ebpf, &self.pin_dir, false);
         }
-        let (mut summary, errors) = self.apply_service_maps(snapshot, changed);
+        let (summary, errors) = self.apply_service_maps(snapshot, changed);
         if changed.is_none() {
             self.attach_deferred();
         }
+        let summary = self.after_service_maps(summary, &errors);
+        // A full pass that wrote nothing changed no service id: the names were checked by an
+        // earlier one. Checking them is a lookup per id and a walk of the map (200k syscalls
+        // at 50k Services, most of a periodic resync, which holds up the changes behind it).
+        if changed.is_some() || summary.changed_frontends() || !self.names_reconciled {
+            self.write_service_names(snapshot, changed);
+        }
+        (summary, errors)
+    }
+
+    /// What follows a write of the service maps: capacity errors counted, connected UDP
+    /// sockets of removed backends destroyed, their tc conntrack entries purged (or queued).
+    fn after_service_maps(
+        &mut self,
+        mut summary: ApplySummary,
+        errors: &[ApplyError],
+    ) -> ApplySummary {
         self.capacity_errors += errors.iter().filter(|e| e.is_capacity()).count() as u64;
         summary.udp_sockets_destroyed = self.destroy_stale_udp_sockets(&summary);
         let tracked =
@@ -543,13 +599,83 @@ impl EbpfDataplane {
             Some(_) => {}
             None => summary.conntrack_purged = self.purge_conntrack(&tracked),
         }
-        // A full pass that wrote nothing changed no service id: the names were checked by an
-        // earlier one. Checking them is a lookup per id and a walk of the map (200k syscalls
-        // at 50k Services, most of a periodic resync, which holds up the changes behind it).
-        if changed.is_some() || summary.changed_frontends() || !self.names_reconciled {
-            self.write_service_names(snapshot, changed);
+        summary
+    }
+
+    /// One step of a full pass in steps ([`FullPass`]): the next service ports in name order
+    /// (with the pass's first step, the changes given to [`FullPass::new`]), applied as a sync
+    /// for changes applies them, until [`FULL_PASS_STEP`] has passed. At the end of the
+    /// service ports, what only a whole pass does (see [`EbpfDataplane::apply`] with `None`)
+    /// and the pass's summed result; `None` until then.
+    ///
+    /// The changes synced between two steps are applied on their own: a step applies the
+    /// snapshot as it is then, so each service port ends up compared once against the current
+    /// desired state, as in a pass in one go.
+    pub fn full_pass_step(
+        &mut self,
+        snapshot: &Snapshot,
+        pass: &mut FullPass,
+    ) -> Option<(ApplySummary, Vec<ApplyError>)> {
+        let started = std::time::Instant::now();
+        if pass.steps == 0 && self.deferred.is_none() {
+            self.tc.refresh(&mut self.ebpf, &self.pin_dir, false);
         }
-        (summary, errors)
+        pass.steps += 1;
+        let done = loop {
+            let mut names =
+                self.map_writer
+                    .full_pass_names(snapshot, pass.after.as_ref(), FULL_PASS_CHUNK);
+            let last_chunk = names.len() < FULL_PASS_CHUNK;
+            if let Some(last) = names.last() {
+                pass.after = Some(last.clone());
+            }
+            let first = pass.first.take();
+            if let Some(first) = &first {
+                names.extend(first.iter().cloned());
+            }
+            let (summary, errors) = self.apply_service_maps(snapshot, Some(&names));
+            let summary = self.after_service_maps(summary, &errors);
+            // As a pass in one go: names only where frontends changed (and a sync's changes).
+            if summary.changed_frontends() {
+                self.write_service_names(snapshot, Some(&names));
+            } else if let Some(first) = &first {
+                self.write_service_names(snapshot, Some(first));
+            }
+            pass.summary.add(summary);
+            pass.errors.extend(errors);
+            if last_chunk {
+                break true;
+            }
+            if started.elapsed() >= FULL_PASS_STEP {
+                break false;
+            }
+        };
+        if done {
+            let wrote = pass.summary.changed_frontends();
+            let (summary, errors) = self.map_writer.finish_full_pass(&mut self.maps, wrote);
+            let summary = self.after_service_maps(summary, &errors);
+            pass.summary.add(summary);
+            pass.errors.extend(errors);
+            self.attach_deferred();
+            // The names of ids no frontend holds any more go with a whole pass that changed
+            // frontends (a walk of the map), as with a pass in one go.
+            if pass.summary.changed_frontends() || !self.names_reconciled {
+                self.write_service_names(snapshot, None);
+            }
+        }
+        pass.work += started.elapsed();
+        debug!(
+            step = pass.steps,
+            done,
+            elapsed_us = u64::try_from(started.elapsed().as_micros()).unwrap_or(u64::MAX),
+            "full pass step"
+        );
+        done.then(|| {
+            (
+                std::mem::take(&mut pass.summary),
+                std::mem::take(&mut pass.errors),
+            )
+        })
     }
 
     /// The service maps' part of [`EbpfDataplane::apply`] alone (no tc links, socket destroys,
@@ -676,11 +802,19 @@ impl EbpfDataplane {
     /// [`Self::finish_drift_check`] the service maps note the keys the agent writes (a check
     /// started before this one can no longer be finished).
     pub fn start_drift_check(&mut self) -> Result<DriftJob, EbpfError> {
+        let started = std::time::Instant::now();
         let reader = self.drift_reader()?;
         self.drift_jobs += 1;
         let job = self.drift_jobs;
+        let opened = started.elapsed();
         let record = self.map_writer.record_copy();
         self.maps.touched = Some(Touched::new(job));
+        // The part of the check the loop does: what a change that comes meanwhile waits for.
+        debug!(
+            open_us = u64::try_from(opened.as_micros()).unwrap_or(u64::MAX),
+            copy_us = u64::try_from((started.elapsed() - opened).as_micros()).unwrap_or(u64::MAX),
+            "drift check reading handed over"
+        );
         Ok(DriftJob {
             job,
             reader,

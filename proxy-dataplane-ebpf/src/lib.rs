@@ -19,7 +19,7 @@ pub use attach::xdp::XdpSetting;
 pub use conntrack::ct_maps::ConntrackMaps;
 pub use conntrack::ct_worker::WorkerReports;
 pub use conntrack::tc_conntrack::{CtWalk, monotonic_ns};
-pub use dataplane::{EbpfDataplane, GcProgress};
+pub use dataplane::{EbpfDataplane, FULL_PASS_STEP, FullPass, GcProgress};
 pub use drift::reader::{DriftFound, DriftJob, DriftReader, DriftReading};
 pub use drift::{Drift, DriftCheck, DriftKind, DriftNotChecked, RepairReport};
 pub use error::EbpfError;

@@ -28,6 +28,6 @@ pub use config::{FamilyRules, HostFeatures, IptablesConfig, NodePortAddresses};
 pub use localdetect::{DetectLocalMode, LocalDetector};
 pub use rules::{Ruleset, SyncInput, generate};
 pub use sync::{
-    ConntrackCleanup, DriftInput, FamilyDrift, IptablesDataplane, IptablesError, SettledDrift,
-    SyncReport, TrafficInput, TrafficRead, cleanup, settle,
+    CanaryReader, CanaryReading, ConntrackCleanup, DriftInput, FamilyDrift, IptablesDataplane,
+    IptablesError, SettledDrift, SyncReport, TrafficInput, TrafficRead, cleanup, settle,
 };

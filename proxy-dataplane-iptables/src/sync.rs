@@ -245,22 +245,42 @@ impl IptablesDataplane {
     }
 
     /// Checks the canaries; after a flush, recreates them and makes the next sync a full one.
-    /// Returns whether a resync is needed now.
+    /// Returns whether a resync is needed now. In this thread: the agent's loop reads them on
+    /// another ([`IptablesDataplane::canary_reader`]).
     pub fn check_canaries(&mut self) -> bool {
+        let reading = self.canary_reader().run();
+        self.settle_canaries(&reading)
+    }
+
+    /// What reading the canaries needs, for a thread of its own: each family's tools. Listing
+    /// a chain is a process per family and table (and after a flush, polls while the other
+    /// tables catch up); nothing the loop writes meanwhile touches the canaries (restores
+    /// leave chains they do not name alone).
+    pub fn canary_reader(&self) -> CanaryReader {
+        CanaryReader {
+            tools: self.families.iter().map(|f| f.iptables.clone()).collect(),
+        }
+    }
+
+    /// A reading of [`IptablesDataplane::canary_reader`]'s: after a flush, recreates the
+    /// canaries and makes the next sync a full one. Returns whether a resync is needed now.
+    pub fn settle_canaries(&mut self, reading: &CanaryReading) -> bool {
         let mut flushed = false;
         for family in &mut self.families {
-            if canary::flushed(&family.iptables) {
-                warn!(
-                    family = family.iptables.family.as_k8s(),
-                    "KUBE-PROXY-CANARY is gone: iptables was flushed; resyncing everything"
-                );
-                if let Err(error) = canary::ensure(&family.iptables) {
-                    warn!(%error, "cannot recreate the canary chains");
-                }
-                family.generation += 1;
-                family.need_full_sync = true;
-                flushed = true;
+            let ip_family = family.iptables.family;
+            if !reading.flushed.contains(&ip_family) {
+                continue;
             }
+            warn!(
+                family = ip_family.as_k8s(),
+                "KUBE-PROXY-CANARY is gone: iptables was flushed; resyncing everything"
+            );
+            if let Err(error) = canary::ensure(&family.iptables) {
+                warn!(%error, "cannot recreate the canary chains");
+            }
+            family.generation += 1;
+            family.need_full_sync = true;
+            flushed = true;
         }
         flushed
     }
@@ -809,5 +829,30 @@ mod tests {
         });
         assert_eq!(settled.stale, [IpFamily::V6]);
         assert!(settled.drift.is_empty() && settled.to_repair.is_empty());
+    }
+}
+
+/// The canaries' check without the dataplane (see [`IptablesDataplane::canary_reader`]).
+#[derive(Debug, Clone)]
+pub struct CanaryReader {
+    tools: Vec<Iptables>,
+}
+
+/// What [`CanaryReader::run`] found: the families whose canary was flushed.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct CanaryReading {
+    pub flushed: Vec<IpFamily>,
+}
+
+impl CanaryReader {
+    pub fn run(self) -> CanaryReading {
+        CanaryReading {
+            flushed: self
+                .tools
+                .iter()
+                .filter(|tools| canary::flushed(tools))
+                .map(|tools| tools.family)
+                .collect(),
+        }
     }
 }

@@ -10,7 +10,9 @@ use tracing::{debug, info, warn};
 use super::options::{ebpf_options, iptables_config};
 use crate::sync_runner::{RunnerConfig, SyncReason};
 use proxy_common::StatIndex;
-use proxy_dataplane_ebpf::{self as ebpf, ApplyError, ApplySummary, EbpfDataplane, GcProgress};
+use proxy_dataplane_ebpf::{
+    self as ebpf, ApplyError, ApplySummary, EbpfDataplane, FullPass, GcProgress,
+};
 use proxy_dataplane_iptables::{self as iptables, IptablesDataplane, IptablesError, SyncReport};
 use proxy_kernel::node::NodeSettings;
 use proxy_model::{
@@ -113,17 +115,21 @@ impl Dataplane {
                 // flows the rules set up since the start's adoption keep their NAT (and SNAT
                 // ports) too.
                 dataplane.adopt_kernel_nat_flows();
-                // Before the rules go: the kernel keeps NATing their connections meanwhile.
-                proxy_kernel::iptables::nat_hold::hold_while_draining(
-                    config.ebpf.mode_switch_drain_period,
-                );
-                let problems = iptables::cleanup();
-                if problems.is_empty() {
-                    debug!("no iptables-mode leftovers");
-                }
-                for problem in problems {
-                    warn!(%problem, "removing iptables-mode leftovers");
-                }
+                // On a blocking thread: listing and restoring the tables is processes (a quarter
+                // of a second at 50k Services' first sync), and the loop, which writes only BPF
+                // maps in this mode, has the changes that came during the first sync to take.
+                let drain = config.ebpf.mode_switch_drain_period;
+                tokio::task::spawn_blocking(move || {
+                    // Before the rules go: the kernel keeps NATing their connections meanwhile.
+                    proxy_kernel::iptables::nat_hold::hold_while_draining(drain);
+                    let problems = iptables::cleanup();
+                    if problems.is_empty() {
+                        debug!("no iptables-mode leftovers");
+                    }
+                    for problem in problems {
+                        warn!(%problem, "removing iptables-mode leftovers");
+                    }
+                });
             }
             Dataplane::Iptables(_) => {
                 let bpf_root = &config.ebpf.bpf_root;
@@ -214,10 +220,18 @@ impl Dataplane {
         matches!(self, Dataplane::Iptables(_))
     }
 
-    /// The canary check (someone flushed our tables → full resync now).
-    pub fn check_canaries(&mut self) -> bool {
+    /// What the canary check reads, for a thread of its own (iptables; `None` in eBPF mode).
+    pub fn canary_reader(&self) -> Option<iptables::CanaryReader> {
         match self {
-            Dataplane::Iptables(iptables) => iptables.check_canaries(),
+            Dataplane::Iptables(iptables) => Some(iptables.canary_reader()),
+            Dataplane::Ebpf(_) => None,
+        }
+    }
+
+    /// The canary check's reading: someone flushed our tables → a full resync now (`true`).
+    pub fn settle_canaries(&mut self, reading: &iptables::CanaryReading) -> bool {
+        match self {
+            Dataplane::Iptables(iptables) => iptables.settle_canaries(reading),
             Dataplane::Ebpf(_) => false,
         }
     }
@@ -287,6 +301,34 @@ impl Dataplane {
         }
     }
 
+    /// Whether the periodic sync runs as a full pass in steps between the loop's other work
+    /// ([`Dataplane::full_pass_step`]; eBPF). iptables' full sync is one `iptables-restore`,
+    /// and it comes hourly.
+    pub fn steps_full_pass(&self) -> bool {
+        matches!(self, Dataplane::Ebpf(_))
+    }
+
+    /// One step of a periodic full pass; at its end, the outcome of the whole pass (as a
+    /// periodic sync's, its time the steps' own).
+    pub fn full_pass_step(
+        &mut self,
+        snapshot: &Snapshot,
+        pass: &mut FullPass,
+    ) -> Option<SyncOutcome> {
+        let Dataplane::Ebpf(ebpf) = self else {
+            return None;
+        };
+        let (summary, errors) = ebpf.full_pass_step(snapshot, pass)?;
+        Some(SyncOutcome::Ebpf(ebpf_outcome(
+            ebpf,
+            None,
+            SyncReason::Periodic,
+            summary,
+            errors,
+            pass.work,
+        )))
+    }
+
     pub fn shutdown(self) {
         match self {
             // Both leave the datapath in place, so a restarted agent takes over without a gap.
@@ -310,6 +352,18 @@ fn sync_ebpf(
         changed
     };
     let (summary, errors) = ebpf.apply(snapshot, scope);
+    ebpf_outcome(ebpf, scope, reason, summary, errors, started.elapsed())
+}
+
+/// What an eBPF apply over `scope` did, with what the metrics and `inspect` read after it.
+fn ebpf_outcome(
+    ebpf: &EbpfDataplane,
+    scope: Option<&BTreeSet<ServicePortName>>,
+    reason: SyncReason,
+    summary: ApplySummary,
+    errors: Vec<ApplyError>,
+    elapsed: Duration,
+) -> EbpfSyncOutcome {
     let map_writer = ebpf.map_writer();
     // A periodic resync that wrote nothing changed no service id: the metrics keep the ids the
     // earlier syncs reported (a list of every service port is tens of milliseconds at 50k).
@@ -337,6 +391,6 @@ fn sync_ebpf(
         service_ids,
         service_ids_complete: scope.is_none() && !ids_unchanged,
         map_usage: ebpf.map_usage(),
-        elapsed: started.elapsed(),
+        elapsed,
     }
 }

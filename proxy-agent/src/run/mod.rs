@@ -7,12 +7,16 @@ mod process;
 mod report;
 mod startup;
 
-use std::time::{Duration, SystemTime};
+use std::{
+    collections::BTreeSet,
+    time::{Duration, SystemTime},
+};
 
 use anyhow::Context as _;
 use tokio::{
     signal::unix::{SignalKind, signal},
     sync::mpsc,
+    task::JoinHandle,
     time::Instant,
 };
 use tracing::{debug, error, info, warn};
@@ -25,18 +29,20 @@ use self::{
 };
 use crate::{
     datapath_checks::DatapathChecks,
-    dataplane::Dataplane,
+    dataplane::{Dataplane, SyncOutcome},
     drift_checks::{self, DriftChecks, DriftReport},
     http_servers::{HttpServers, rest_client::RestClientMetrics},
     source,
     sync_runner::{SyncReason, SyncRunner},
     traffic_reads::{Taken, TrafficReads},
 };
+use proxy_dataplane_ebpf::FullPass;
+use proxy_dataplane_iptables::CanaryReading;
 use proxy_kernel::node::{NodeInputs, NodeManager, NodeSettings};
 use proxy_model::{
     config::Config,
-    desired::{IpFamily, NodeContext, Snapshot},
-    objects::{Store, Update},
+    desired::{IpFamily, NodeContext, ServicePortName, Snapshot},
+    objects::{Changes, Store, Update},
     proxy_mode::ProxyMode,
 };
 
@@ -127,6 +133,29 @@ struct Agent {
     /// The per-Service traffic reading in flight (on a blocking thread).
     traffic_reads: TrafficReads,
     host_namespace_only: bool,
+    /// The datapath's health checks ran for the periodic drift check due: it starts next.
+    drift_prepared: bool,
+    /// iptables: the canary reading in flight (on a blocking thread).
+    canary_read: Option<JoinHandle<CanaryReading>>,
+    /// eBPF: the periodic sync's full pass in flight, one step per loop turn.
+    full_pass: Option<PeriodicPass>,
+}
+
+/// What a sync took when it began, for its report.
+struct SyncBegun {
+    reason: SyncReason,
+    changes: Changes,
+    started_wall: SystemTime,
+    /// The snapshot's update and what else came before the dataplane's part.
+    prepared: Duration,
+}
+
+/// A periodic sync whose full pass runs in steps (see `Agent::full_pass_step`).
+struct PeriodicPass {
+    pass: FullPass,
+    /// The service ports the sync that started it changed in the snapshot.
+    changed: BTreeSet<ServicePortName>,
+    begun: SyncBegun,
 }
 
 impl Agent {
@@ -144,6 +173,9 @@ impl Agent {
             node_manager: NodeManager::new(NodeInputs::from_config(&config), &node.name),
             host_namespace_only: config.ebpf.socket_lb_host_namespace_only
                 && dataplane.mode() == ProxyMode::Ebpf,
+            full_pass: None,
+            canary_read: None,
+            drift_prepared: false,
             conntrack_gc_at: now + CONNTRACK_GC_INTERVAL,
             canary_at: now + config.sync_period,
             drift_at: now + config.ebpf.drift_check_period,
@@ -207,62 +239,120 @@ impl Agent {
             // Generations the eBPF map writer retired are deleted when their grace ends even if
             // no sync comes (a removed Service's slots, a switched-out backend set).
             let retire_at = self.dataplane.next_retirement().map(Instant::from_std);
-            tokio::select! {
-                update = updates.recv() => {
-                    let Some(update) = update else {
-                        anyhow::bail!("the {source_name} source stopped");
-                    };
-                    self.take_updates(update, &mut updates);
-                }
-                () = self.node_manager.addresses_changed() => self.host_changed()?,
+            // The select only says what happened; the work is done below, timed, so that what
+            // holds the loop (and the changes behind it) shows in the debug log.
+            let event = tokio::select! {
+                update = updates.recv() => match update {
+                    Some(update) => Event::Update(update),
+                    None => anyhow::bail!("the {source_name} source stopped"),
+                },
+                () = self.node_manager.addresses_changed() => Event::HostChanged,
                 // Not ready: the wake-up polls the node again.
-                () = tokio::time::sleep_until(wake) => {
-                    if let Some(reason) = ready.then(|| self.runner.due(Instant::now())).flatten() {
-                        self.sync(reason)?;
-                    }
-                }
+                () = tokio::time::sleep_until(wake) => Event::Wake { ready },
                 // Its own timer, not the periodic sync's: a sync for changes resets that one, so
                 // with Services changing more often than syncPeriod it would never come.
-                () = tokio::time::sleep_until(self.canary_at), if self.dataplane.has_canary() => {
-                    self.check_canaries();
-                }
+                () = tokio::time::sleep_until(self.canary_at),
+                    if self.dataplane.has_canary() && self.canary_read.is_none() => Event::Canary,
+                reading = canary_read_done(&mut self.canary_read) => Event::CanaryDone(reading),
                 () = tokio::time::sleep_until(retire_at.unwrap_or(wake)), if retire_at.is_some() => {
+                    Event::Retire
+                }
+                () = tokio::time::sleep_until(self.conntrack_gc_at),
+                    if self.dataplane.has_conntrack() => Event::ConntrackGc,
+                () = tokio::time::sleep_until(self.drift_at),
+                    if self.synced_once && !drift_period.is_zero() && self.drift.periodic_idle() => {
+                    if self.drift_prepared {
+                        Event::DriftDue
+                    } else {
+                        Event::DriftPrepare
+                    }
+                }
+                done = self.drift.done() => Event::DriftDone(done),
+                () = tokio::time::sleep_until(self.traffic_at),
+                    if self.synced_once && traffic_enabled && self.traffic_reads.idle() => {
+                    Event::TrafficDue
+                }
+                Some(taken) = self.traffic_reads.done() => Event::TrafficDone(taken),
+                // `/debug/drift` (rate limited by the metrics server): read off the loop,
+                // answered when the reading is back.
+                Some(reply) = drift_rx.recv() => Event::DriftRequest(reply),
+                // The periodic full pass goes on whenever nothing else is ready (the select
+                // picks among ready branches at random: a change waits one step at most).
+                () = std::future::ready(()), if self.full_pass.is_some() => Event::FullPassStep,
+                _ = sigint.recv() => return Ok("SIGINT"),
+                _ = sigterm.recv() => return Ok("SIGTERM"),
+            };
+            let turn = event.name();
+            let started = Instant::now();
+            match event {
+                Event::Update(update) => {
+                    self.take_updates(update, &mut updates);
+                    // A change is synced in this turn when the runner allows it now (always in
+                    // eBPF mode, where the minimum interval is zero): no timer round trip, which
+                    // tokio rounds up to the next millisecond.
+                    self.sync_if_due(ready)?;
+                }
+                Event::HostChanged => self.host_changed()?,
+                Event::Wake { ready } => self.sync_if_due(ready)?,
+                Event::Canary => self.start_canary_read(),
+                Event::CanaryDone(reading) => self.canaries_read(reading),
+                Event::Retire => {
                     if self.dataplane.retire_generations() {
                         self.runner.request();
                     }
                 }
-                () = tokio::time::sleep_until(self.conntrack_gc_at),
-                    if self.dataplane.has_conntrack() => self.conntrack_gc(),
-                () = tokio::time::sleep_until(self.drift_at),
-                    if self.synced_once && !drift_period.is_zero() && self.drift.periodic_idle() => {
-                    self.start_periodic_drift_check();
-                }
-                done = self.drift.done() => {
+                Event::ConntrackGc => self.conntrack_gc(),
+                Event::DriftPrepare => self.prepare_periodic_drift_check(),
+                Event::DriftDue => self.start_periodic_drift_check(),
+                Event::DriftDone(done) => {
                     let periodic_due = !drift_period.is_zero() && Instant::now() >= self.drift_at;
                     let finished = self.drift.finish(
-                        done, &mut self.dataplane, &self.snapshot, self.http_servers.metrics(),
-                        periodic_due);
+                        done,
+                        &mut self.dataplane,
+                        &self.snapshot,
+                        self.http_servers.metrics(),
+                        periodic_due,
+                    );
                     if finished.sync_needed {
                         // iptables repairs with a full sync (the family is marked): now.
                         self.runner.request();
                     }
                     if let Some(report) = &finished.periodic {
                         self.datapath_checks.after_drift_check(
-                            report, &mut self.dataplane, self.http_servers.health());
+                            report,
+                            &mut self.dataplane,
+                            self.http_servers.health(),
+                        );
                     }
                 }
-                () = tokio::time::sleep_until(self.traffic_at),
-                    if self.synced_once && traffic_enabled && self.traffic_reads.idle() => {
+                Event::TrafficDue => {
                     self.traffic_reads.start(&self.dataplane);
                     self.traffic_at = Instant::now() + SERVICE_TRAFFIC_READ_PERIOD;
                 }
-                Some(taken) = self.traffic_reads.done() => self.record_service_traffic(taken),
-                // `/debug/drift` (rate limited by the metrics server): read off the loop,
-                // answered when the reading is back.
-                Some(reply) = drift_rx.recv() => self.answer_drift_request(reply),
-                _ = sigint.recv() => return Ok("SIGINT"),
-                _ = sigterm.recv() => return Ok("SIGTERM"),
+                Event::TrafficDone(taken) => self.record_service_traffic(taken),
+                Event::DriftRequest(reply) => self.answer_drift_request(reply),
+                Event::FullPassStep => self.full_pass_step()?,
             }
+            debug!(
+                turn,
+                elapsed_us = u64::try_from(started.elapsed().as_micros()).unwrap_or(u64::MAX),
+                "loop turn"
+            );
+        }
+    }
+
+    /// A sync when the runner says one is due now (and the node is ready for it).
+    fn sync_if_due(&mut self, ready: bool) -> anyhow::Result<()> {
+        if !ready {
+            return Ok(());
+        }
+        match self.runner.due(Instant::now()) {
+            // The pass in flight is the periodic sync: one for changes meanwhile.
+            Some(SyncReason::Periodic) if self.full_pass.is_some() => {
+                self.sync(SyncReason::Changes)
+            }
+            Some(reason) => self.sync(reason),
+            None => Ok(()),
         }
     }
 
@@ -311,6 +401,8 @@ impl Agent {
     }
 
     /// One sync: node settings, the snapshot's changed Services, the dataplane, the reports.
+    /// eBPF's periodic sync only starts here: its full pass runs in steps between the loop's
+    /// other work ([`Agent::full_pass_step`]) and is reported when its last step is done.
     fn sync(&mut self, reason: SyncReason) -> anyhow::Result<()> {
         let changes = self.store.take_changes();
         self.http_servers
@@ -350,9 +442,64 @@ impl Agent {
         if !self.other_mode_removed {
             self.dataplane.before_first_sync();
         }
+        let begun = SyncBegun {
+            reason,
+            changes,
+            started_wall,
+            prepared: update_started.elapsed(),
+        };
+        if reason == SyncReason::Periodic
+            && self.dataplane.steps_full_pass()
+            && let Some(changed) = changed
+        {
+            // Its first step (with the changes this sync took) in this turn: a pass that fits
+            // in one step is done here, as a sync in one go would be.
+            self.runner.pass_started(Instant::now());
+            self.full_pass = Some(PeriodicPass {
+                pass: FullPass::new(changed),
+                changed: changed.clone(),
+                begun,
+            });
+            return self.full_pass_step();
+        }
         let outcome = self.dataplane.sync(&self.snapshot, changed, reason);
+        self.synced(&outcome, &begun, changed, update_started.elapsed());
+        Ok(())
+    }
+
+    /// The next step of the periodic full pass in flight; its end is reported as the periodic
+    /// sync (with the changes the sync that started it took).
+    fn full_pass_step(&mut self) -> anyhow::Result<()> {
+        let Some(mut pass) = self.full_pass.take() else {
+            return Ok(());
+        };
+        match self
+            .dataplane
+            .full_pass_step(&self.snapshot, &mut pass.pass)
+        {
+            Some(outcome) => {
+                debug!(steps = pass.pass.steps(), "periodic full pass done");
+                // Its time is the steps' own, not the loop's other work between them.
+                let elapsed = pass.begun.prepared + pass.pass.work;
+                self.synced(&outcome, &pass.begun, Some(&pass.changed), elapsed);
+            }
+            None => self.full_pass = Some(pass),
+        }
+        Ok(())
+    }
+
+    /// What a sync did, reported: logs, metrics, the node services, the runner. `elapsed`: its
+    /// duration for the metrics.
+    fn synced(
+        &mut self,
+        outcome: &SyncOutcome,
+        begun: &SyncBegun,
+        changed: Option<&BTreeSet<ServicePortName>>,
+        elapsed: Duration,
+    ) {
+        let reporting = Instant::now();
         let metrics = self.http_servers.metrics();
-        record_sync(&outcome, reason, changed.map(|c| c.len()), metrics);
+        record_sync(outcome, begun.reason, changed.map(|c| c.len()), metrics);
         let ok = outcome.ok();
         // Read before the sync is reported, so a scrape that sees the first sync's samples also
         // sees the datapath counters.
@@ -368,27 +515,35 @@ impl Agent {
             report_sync(
                 &self.http_servers,
                 self.store.objects(),
-                &changes,
+                &begun.changes,
                 &self.snapshot,
                 scope,
-                update_started.elapsed(),
+                elapsed,
                 self.last_sync_wall,
             );
-            self.last_sync_wall = started_wall;
+            self.last_sync_wall = begun.started_wall;
         }
         self.report_all = !ok;
         if ok && !self.other_mode_removed {
             self.dataplane.remove_other_mode(&self.config);
             self.other_mode_removed = true;
         }
+        // What the report took after the sync (`sync applied` is logged before it): the loop's
+        // time after a sync that the next change may wait for.
         debug!(
-            elapsed_us = update_started.elapsed().as_micros() as u64,
+            elapsed_us = elapsed.as_micros() as u64,
+            reported_us = reporting.elapsed().as_micros() as u64,
             "sync done"
         );
-        // A failed sync is retried after the retry interval (the sync period).
-        self.runner.finished(Instant::now(), ok);
+        // A failed sync is retried after the retry interval (the sync period). A full pass in
+        // steps keeps a retry that a sync for changes between its steps scheduled: the pass
+        // may have gone past that sync's service ports before it.
+        if begun.reason == SyncReason::Periodic && self.dataplane.steps_full_pass() {
+            self.runner.pass_finished(Instant::now(), ok);
+        } else {
+            self.runner.finished(Instant::now(), ok);
+        }
         log_snapshot_size(self.store.objects(), &self.snapshot);
-        Ok(())
     }
 
     /// A per-Service traffic reading into the metrics; a failed one is logged and tried again
@@ -404,14 +559,27 @@ impl Agent {
         }
     }
 
-    fn check_canaries(&mut self) {
-        let missing = self.dataplane.check_canaries();
+    /// The canaries are listed on a blocking thread (a process per family, polls after a
+    /// flush): the loop goes on syncing meanwhile, and settles the reading when it is back.
+    fn start_canary_read(&mut self) {
+        if let Some(reader) = self.dataplane.canary_reader() {
+            self.canary_read = Some(tokio::task::spawn_blocking(move || reader.run()));
+        }
+    }
+
+    /// A canary reading: a flush recreates them and requests the full resync now; `None` (the
+    /// thread failed) is tried again at the next period.
+    fn canaries_read(&mut self, reading: Option<CanaryReading>) {
+        self.canary_at = Instant::now() + self.config.sync_period;
+        let Some(reading) = reading else {
+            return;
+        };
+        let missing = self.dataplane.settle_canaries(&reading);
         if missing {
             self.runner.request();
         }
         self.datapath_checks
             .canary_checked(!missing, self.http_servers.health());
-        self.canary_at = Instant::now() + self.config.sync_period;
     }
 
     fn conntrack_gc(&mut self) {
@@ -421,13 +589,20 @@ impl Agent {
         self.conntrack_gc_at = Instant::now() + CONNTRACK_GC_INTERVAL;
     }
 
-    /// Read and compared on another thread; the loop takes the result (and repairs) when it is
-    /// done. In place only when no thread can start.
-    /// The datapath's health checks first (the attachments are repaired there, between
-    /// syncs; see `datapath_checks`), then the maps' check.
-    fn start_periodic_drift_check(&mut self) {
+    /// The datapath's health checks (the attachments are repaired there, between syncs; see
+    /// `datapath_checks`), in a turn of their own before the maps' check starts in the next
+    /// one: each is milliseconds at 50k Services (the self-test's runs, the record's copy),
+    /// and a change that comes meanwhile waits for one of them only.
+    fn prepare_periodic_drift_check(&mut self) {
         self.datapath_checks
             .before_drift_check(&mut self.dataplane, self.http_servers.health());
+        self.drift_prepared = true;
+    }
+
+    /// Read and compared on another thread; the loop takes the result (and repairs) when it is
+    /// done. In place only when no thread can start.
+    fn start_periodic_drift_check(&mut self) {
+        self.drift_prepared = false;
         if !self
             .drift
             .start_periodic(&mut self.dataplane, &self.snapshot)
@@ -509,6 +684,63 @@ fn report_service_problems(
                 reason,
                 note: error.to_string(),
             });
+        }
+    }
+}
+
+/// The canary reading in flight, when it is back (pending forever when there is none); `None`
+/// when its thread failed (logged).
+async fn canary_read_done(read: &mut Option<JoinHandle<CanaryReading>>) -> Option<CanaryReading> {
+    let Some(task) = read.as_mut() else {
+        return std::future::pending().await;
+    };
+    let reading = task.await;
+    *read = None;
+    reading
+        .inspect_err(|error| warn!(%error, "the iptables canary check did not finish"))
+        .ok()
+}
+
+/// What woke the loop up (see `Agent::serve`).
+enum Event {
+    Update(Update),
+    HostChanged,
+    /// The sync runner's wake-up (or, not ready, the node poll).
+    Wake {
+        ready: bool,
+    },
+    Canary,
+    CanaryDone(Option<CanaryReading>),
+    Retire,
+    ConntrackGc,
+    /// The datapath's health checks that come before the periodic drift check.
+    DriftPrepare,
+    DriftDue,
+    DriftDone(drift_checks::Done),
+    TrafficDue,
+    TrafficDone(Taken),
+    DriftRequest(drift_checks::Reply),
+    FullPassStep,
+}
+
+impl Event {
+    /// Its name in the loop's debug log.
+    fn name(&self) -> &'static str {
+        match self {
+            Event::Update(_) => "updates",
+            Event::HostChanged => "host changed",
+            Event::Wake { .. } => "sync runner",
+            Event::Canary => "iptables canary read start",
+            Event::CanaryDone(_) => "iptables canary read finish",
+            Event::Retire => "retire generations",
+            Event::ConntrackGc => "conntrack gc",
+            Event::DriftPrepare => "datapath checks",
+            Event::DriftDue => "drift check start",
+            Event::DriftDone(_) => "drift check finish",
+            Event::TrafficDue => "traffic read start",
+            Event::TrafficDone(_) => "traffic read finish",
+            Event::DriftRequest(_) => "drift request",
+            Event::FullPassStep => "full pass step",
         }
     }
 }

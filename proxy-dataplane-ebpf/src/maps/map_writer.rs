@@ -487,6 +487,60 @@ impl MapWriter {
         self.owned.keys()
     }
 
+    /// The next `count` service ports (in name order) after `after` that a full pass goes
+    /// through: those the writer owns and those the snapshot has. A full pass in steps (the
+    /// periodic resync) applies them with [`MapWriter::apply_snapshot`] and ends with
+    /// [`MapWriter::finish_full_pass`]; fewer than `count` means the pass has reached the end.
+    pub fn full_pass_names(
+        &self,
+        snapshot: &Snapshot,
+        after: Option<&ServicePortName>,
+        count: usize,
+    ) -> BTreeSet<ServicePortName> {
+        fn next<'a, V>(
+            map: &'a BTreeMap<ServicePortName, V>,
+            after: Option<&ServicePortName>,
+            count: usize,
+        ) -> impl Iterator<Item = &'a ServicePortName> + 'a {
+            let from = match after {
+                Some(after) => std::ops::Bound::Excluded(after.clone()),
+                None => std::ops::Bound::Unbounded,
+            };
+            map.range((from, std::ops::Bound::Unbounded))
+                .map(|(name, _)| name)
+                .take(count)
+        }
+        let mut names: BTreeSet<ServicePortName> = next(&self.owned, after, count)
+            .chain(next(&snapshot.v4.service_ports, after, count))
+            .chain(next(&snapshot.v6.service_ports, after, count))
+            .cloned()
+            .collect();
+        // Each source gave its first `count`: beyond the `count`th of their union one of them
+        // may have names it did not give yet, which the next step takes.
+        if let Some(last) = names.iter().nth(count).cloned() {
+            names.split_off(&last);
+        }
+        names
+    }
+
+    /// The end of a full pass in steps: what only a whole pass can do — remove the adopted
+    /// frontends no service port claimed and, when the pass wrote, repack the trees (see
+    /// [`MapWriter::apply_snapshot`] with `None`).
+    pub fn finish_full_pass(
+        &mut self,
+        maps: &mut impl MapOps,
+        wrote: bool,
+    ) -> (ApplySummary, Vec<ApplyError>) {
+        let mut summary = ApplySummary::default();
+        let mut errors = Vec::new();
+        self.remove_unclaimed(maps, &mut summary, &mut errors);
+        if wrote || summary.changed_frontends() {
+            self.frontends.repack();
+            proxy_model::btree::repack(&mut self.owned);
+        }
+        (summary, errors)
+    }
+
     /// Applies the snapshot for the service ports in `changed` (`None`: every service port,
     /// known or new — a full resync, which also removes adopted frontends nobody claimed).
     /// Service ports with deferred frontends are applied again whatever `changed` says, and

@@ -24,6 +24,14 @@ struct Cli {
     /// Backend of the iptables-mode runs (default legacy: see docs/benchmarks.md).
     #[arg(long, value_enum)]
     iptables_backend: Option<IptablesBackend>,
+    /// Services of the scale section (default: 50 000, or 2 000 with `--quick`), so a quick
+    /// run can still look at the largest size.
+    #[arg(long)]
+    scale_services: Option<usize>,
+    /// EndpointSlice changes through the API server in the scale section (default: 100, or 20
+    /// with `--quick`); about one a second, so enough of them span periodic resyncs.
+    #[arg(long)]
+    scale_changes: Option<usize>,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -41,6 +49,12 @@ fn main() -> anyhow::Result<()> {
     config.only = cli.only;
     if let Some(backend) = cli.iptables_backend {
         config.iptables_backend = backend;
+    }
+    if let Some(services) = cli.scale_services {
+        config.scale_workload.services = services;
+    }
+    if let Some(changes) = cli.scale_changes {
+        config.scale_changes = changes;
     }
     let results = bench::run(config);
     bench::report::write(&results, &cli.out_dir)?;

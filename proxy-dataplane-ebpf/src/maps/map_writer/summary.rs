@@ -90,6 +90,19 @@ impl ApplySummary {
         self.removed_backends.extend(again.removed_backends);
     }
 
+    /// Adds what another apply did (one step of a full pass in steps to the pass's total).
+    pub fn add(&mut self, other: ApplySummary) {
+        self.frontends_written += other.frontends_written;
+        self.frontends_removed += other.frontends_removed;
+        self.frontends_unchanged += other.frontends_unchanged;
+        self.frontends_unsupported += other.frontends_unsupported;
+        self.removed_backends.extend(other.removed_backends);
+        self.udp_sockets_destroyed += other.udp_sockets_destroyed;
+        self.conntrack_purged += other.conntrack_purged;
+        self.conntrack_purge_queued |= other.conntrack_purge_queued;
+        self.frontends_deferred += other.frontends_deferred;
+    }
+
     /// Whether a frontend was written or removed: what changes service ids, their names and
     /// the map writer's trees (an apply over unchanged service ports, such as an idle
     /// periodic resync, changes none of them).

@@ -1537,3 +1537,44 @@ fn a_service_over_the_endpoint_cap_is_programmed_with_its_first_endpoints_by_add
     assert_eq!(share_errors(&errors).len(), 1);
     assert!(truncation(&errors).is_empty(), "{errors:?}");
 }
+
+/// A full pass in steps goes through every service port the writer owns once, in name order,
+/// `count` at a time, and its end removes what a pass in one go removes.
+#[test]
+fn a_full_pass_in_steps_covers_every_owned_service_port_once() {
+    let mut maps = FakeMaps::with_slot_capacity(100);
+    let keys: Vec<FrontendKey> = (10..15).map(|last| key([10, 96, 0, last], 80)).collect();
+    let all: Vec<(FrontendKey, &[u8])> = keys.iter().map(|&k| (k, &[1_u8][..])).collect();
+    let mut writer = no_grace();
+    writer.apply(snapshot(&all), &mut maps);
+    let empty = Snapshot::default();
+    let mut after: Option<ServicePortName> = None;
+    let mut steps = Vec::new();
+    loop {
+        let names = writer.full_pass_names(&empty, after.as_ref(), 2);
+        let last_step = names.len() < 2;
+        after = names.last().cloned().or(after);
+        steps.push(names);
+        if last_step {
+            break;
+        }
+    }
+    let mut expected: Vec<ServicePortName> = keys.iter().map(name_of).collect();
+    expected.sort();
+    assert_eq!(
+        steps.iter().map(BTreeSet::len).collect::<Vec<_>>(),
+        [2, 2, 1]
+    );
+    let covered: Vec<ServicePortName> = steps.into_iter().flatten().collect();
+    assert_eq!(covered, expected, "each once, in name order");
+
+    // Adopted frontends nobody claims go at the end of the pass, as in one go.
+    let mut adopted =
+        MapWriter::adopt(maps.content(), &mut maps).with_grace(Duration::ZERO, Instant::now);
+    adopted.apply(snapshot(&all[..1]), &mut maps);
+    let (summary, errors) = adopted.finish_full_pass(&mut maps, false);
+    assert!(errors.is_empty(), "{errors:?}");
+    assert_eq!(summary.frontends_removed, 4);
+    maps.check_invariants();
+    assert_eq!(pods(&maps, &keys[0]), [1]);
+}
