@@ -154,8 +154,8 @@ pub trait MapOps {
     /// A frontend's port and its backends' ports, before the frontend is written: the
     /// programs' port filter must let its packets in from its first one.
     fn add_ports(&mut self, _destination: u16, _sources: impl Iterator<Item = u16>) {}
-    /// Every port the maps use (after the first apply and every full one): the port filter gets
-    /// them all and is armed.
+    /// Every port the maps use (after the first apply and every full one or full pass): the
+    /// port filter gets them all and is armed.
     fn arm_ports(&mut self, _in_use: &PortFilter) {}
 }
 
@@ -538,7 +538,17 @@ impl MapWriter {
             self.frontends.repack();
             proxy_model::btree::repack(&mut self.owned);
         }
+        self.arm_port_filter(maps);
         (summary, errors)
+    }
+
+    /// Hands the port filter every port the records use and arms it: they hold everything in
+    /// the maps, adopted frontends included, and each write added its ports before it.
+    fn arm_port_filter(&mut self, maps: &mut impl MapOps) {
+        let mut in_use = Box::new(PortFilter::EMPTY);
+        self.ports_in_use(&mut in_use);
+        maps.arm_ports(&in_use);
+        self.ports_armed = true;
     }
 
     /// Applies the snapshot for the service ports in `changed` (`None`: every service port,
@@ -597,14 +607,10 @@ impl MapWriter {
                 proxy_model::btree::repack(&mut self.owned);
             }
         }
-        // Every frontend and backend in the maps is in the records, adopted ones included, and
-        // each write added its ports before it: the filter can be armed (again, after a full
-        // apply, which also repairs a filter someone else cleared).
+        // Armed after the first apply; again after a full one (and a full pass in steps),
+        // which also repairs a filter someone else cleared.
         if changed.is_none() || !self.ports_armed {
-            let mut in_use = Box::new(PortFilter::EMPTY);
-            self.ports_in_use(&mut in_use);
-            maps.arm_ports(&in_use);
-            self.ports_armed = true;
+            self.arm_port_filter(maps);
         }
         // Space freed by this apply may now hold what did not fit, possibly earlier in this
         // very apply (service ports go in name order): retry those now rather than at the next
