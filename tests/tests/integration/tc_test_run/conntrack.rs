@@ -327,13 +327,7 @@ fn conntrack_purge_runs_off_the_apply() {
         program_services(node);
         let client = sa(CLIENT, 42_100);
         let dns = sa(NODE_IP, 30053);
-        let (action, _) = run(
-            node,
-            program_names::TC_EXTERNAL,
-            &build(client, dns, L4::Udp, b"q"),
-            node.ext0,
-        );
-        assert_eq!(action, TC_ACT_REDIRECT);
+        first_packet(node, client, dns, L4::Udp, b"q");
         let forward = ct_key(client, dns, PROTO_UDP);
         assert!(ct_entry(node, &forward).is_some(), "the flow's entry");
         // Every Service gone: the UDP NodePort's backend is removed.

@@ -411,6 +411,28 @@ fn run(node: &mut Node, program: &'static str, frame: &[u8], ifindex: u32) -> (i
     (out.action, parsed)
 }
 
+/// A flow's first packet from `client` to `frontend` through `kpr_tc_external` on `ext0`,
+/// which must redirect it (the fast path: [`with_node`]); what left.
+fn first_packet(
+    node: &mut Node,
+    client: SocketAddr,
+    frontend: SocketAddr,
+    l4: L4,
+    payload: &[u8],
+) -> Parsed {
+    let (action, out) = run(
+        node,
+        program_names::TC_EXTERNAL,
+        &build(client, frontend, l4, payload),
+        node.ext0,
+    );
+    assert_eq!(
+        action, TC_ACT_REDIRECT,
+        "{client} → {frontend}: first packet"
+    );
+    out
+}
+
 /// [`run`] on an skb that carries `mark`, also returning the frame and the mark it leaves with.
 fn run_marked(
     node: &mut Node,

@@ -34,13 +34,7 @@ fn filter(node: &Node) -> PortFilter {
 /// Service uses: a packet there would be translated to the backend if the programs looked.
 fn entry_for_unused_port(node: &mut Node, client: SocketAddr, port: u16) {
     let dns = sa(NODE_IP, 30053);
-    let (action, _) = run(
-        node,
-        program_names::TC_EXTERNAL,
-        &build(client, dns, L4::Udp, b"q"),
-        node.ext0,
-    );
-    assert_eq!(action, TC_ACT_REDIRECT, "the dns NodePort's first datagram");
+    first_packet(node, client, dns, L4::Udp, b"q");
     let value = ct_entry(node, &ct_key(client, dns, PROTO_UDP)).expect("forward entry");
     pinned_ct(node)
         .insert(&ct_key(client, sa(NODE_IP, port), PROTO_UDP), &value, 0)
@@ -126,13 +120,7 @@ fn a_flows_ports_stay_in_the_filter_while_its_entries_live() {
         // flows drain.
         let client = sa(CLIENT, 42_300);
         let frontend = sa(NODE_IP, 30080);
-        let (action, _) = run(
-            node,
-            program_names::TC_EXTERNAL,
-            &build(client, frontend, L4::TcpSyn, b""),
-            node.ext0,
-        );
-        assert_eq!(action, TC_ACT_REDIRECT);
+        first_packet(node, client, frontend, L4::TcpSyn, b"");
         let segment = build(client, frontend, L4::TcpAck, b"data");
 
         // Every Service goes; the removed generations' grace passes.
