@@ -993,16 +993,23 @@ impl PortFilter {
     }
 }
 
+/// The word (in either half) of a [`PortFilter`] that holds `port`'s bit, and the bit.
+#[inline(always)]
+pub fn port_bit(port: u16) -> (usize, u64) {
+    // `port >> 6` is below 1024: no bounds check is left in the program.
+    (usize::from(port >> 6), 1 << (port & 63))
+}
+
 #[inline(always)]
 fn bit(words: &[u64; PORT_FILTER_WORDS], port: u16) -> bool {
-    // `port >> 6` is below 1024: no bounds check is left in the program.
-    words[usize::from(port >> 6)] & (1 << (port & 63)) != 0
+    let (index, mask) = port_bit(port);
+    words[index] & mask != 0
 }
 
 /// Sets the port's bit; whether it was clear.
 fn set(words: &mut [u64; PORT_FILTER_WORDS], port: u16) -> bool {
-    let word = &mut words[usize::from(port >> 6)];
-    let mask = 1 << (port & 63);
+    let (index, mask) = port_bit(port);
+    let word = &mut words[index];
     let was_clear = *word & mask == 0;
     *word |= mask;
     was_clear

@@ -229,7 +229,7 @@ fn into_scratch(pkt: Packet) -> Option<&'static Packet> {
 /// # Safety
 /// `at + offset + size_of::<T>()` must be within what `linear_at` checked.
 #[inline(always)]
-unsafe fn read<T: Copy>(at: usize, offset: usize) -> T {
+pub unsafe fn read<T: Copy>(at: usize, offset: usize) -> T {
     // SAFETY: in bounds by the caller's contract; unaligned, as header fields can be (the
     // kernel allows unaligned packet loads where the CPU does, and the verifier checks them).
     unsafe { core::ptr::read_unaligned((at + offset) as *const T) }

@@ -22,7 +22,7 @@ use proxy_common::{TRANSLATED_MARK, proto};
 use crate::{
     conntrack::in_snat_range,
     maps::KPR_PORT_FILTER,
-    parse::{ETH_HLEN, Frame, linear_at},
+    parse::{ETH_HLEN, Frame, linear_at, read},
 };
 
 const IPV4_HLEN: usize = 20;
@@ -48,7 +48,7 @@ pub fn ingress_passes<C: Frame>(ctx: &C, v6: bool) -> bool {
 pub fn egress_passes(ctx: &TcContext, v6: bool) -> bool {
     // SAFETY: the context pointer is the program's own __sk_buff.
     let (ingress_ifindex, mark) = unsafe { ((*ctx.skb.skb).ingress_ifindex, (*ctx.skb.skb).mark) };
-    ingress_ifindex != 0 && mark & TRANSLATED_MARK == 0 && l4_protocol(ctx, v6).is_some()
+    ingress_ifindex != 0 && mark & TRANSLATED_MARK == 0 && carries_l4(ctx, v6)
 }
 
 /// The source and destination port (network order) of a TCP, UDP or SCTP packet whose headers
@@ -86,32 +86,23 @@ fn ports<C: Frame>(ctx: &C, v6: bool) -> Option<(u16, u16)> {
         }
         linear_at(ctx, ETH_HLEN + header, 4)?
     };
-    if l4 + 4 > ctx.data_end() {
-        return None;
-    }
-    // SAFETY: the 4 bytes at `l4` were checked against `data_end` just above.
+    // SAFETY: `linear_at` checked the 4 bytes at `l4` (past the IPv6 header, or at the IPv4
+    // header's end).
     Some(unsafe { (read::<u16>(l4, 0), read::<u16>(l4, 2)) })
 }
 
-/// The IP protocol of a TCP, UDP or SCTP packet (IPv6 without extension headers).
+/// Whether the packet is TCP, UDP or SCTP (IPv6 without extension headers).
 #[inline(always)]
-fn l4_protocol(ctx: &TcContext, v6: bool) -> Option<u8> {
+fn carries_l4(ctx: &TcContext, v6: bool) -> bool {
     let (offset, len) = if v6 { (6, IPV6_HLEN) } else { (9, IPV4_HLEN) };
-    let ip = linear_at(ctx, ETH_HLEN, len)?;
+    let Some(ip) = linear_at(ctx, ETH_HLEN, len) else {
+        return false;
+    };
     // SAFETY: `linear_at` checked the fixed IP header.
-    let protocol = unsafe { read::<u8>(ip, offset) };
-    is_l4(protocol).then_some(protocol)
+    is_l4(unsafe { read::<u8>(ip, offset) })
 }
 
 #[inline(always)]
 fn is_l4(protocol: u8) -> bool {
     protocol == proto::TCP || protocol == proto::UDP || protocol == proto::SCTP
-}
-
-/// # Safety
-/// `at + offset + size_of::<T>()` must be within what `linear_at` checked.
-#[inline(always)]
-unsafe fn read<T: Copy>(at: usize, offset: usize) -> T {
-    // SAFETY: in bounds by the caller's contract; unaligned reads of packet data are allowed.
-    unsafe { core::ptr::read_unaligned((at + offset) as *const T) }
 }

@@ -6,7 +6,7 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use aya::maps::{Map, MapData};
-use proxy_common::{PORT_FILTER_WORDS, PortFilter};
+use proxy_common::{PORT_FILTER_WORDS, PortFilter, port_bit};
 use proxy_kernel::bpf::mapped_array::MappedArray;
 
 /// Word offsets of the value's parts (`PortFilter` is `#[repr(C)]` of u64s).
@@ -53,8 +53,8 @@ impl PortFilterMap {
     fn set(&self, base: usize, port: u16) {
         // Release: the map update that follows (a frontend, a backend) is a syscall, which
         // orders it after this store for the programs too.
-        self.word(base + usize::from(port >> 6))
-            .fetch_or(1 << (port & 63), Ordering::Release);
+        let (index, mask) = port_bit(port);
+        self.word(base + index).fetch_or(mask, Ordering::Release);
     }
 
     pub(crate) fn add(&self, destination: u16, sources: impl Iterator<Item = u16>) {

@@ -52,7 +52,7 @@ pub(crate) struct ServiceMaps {
     /// Each service id's new connections by endpoint (`--service-traffic-endpoints`; the id's
     /// entries deleted here when it is handed out again).
     pub(crate) endpoints: HashMap<MapData, EndpointTrafficKey, u64>,
-    /// The programs' port filter (`None` only in tests of the maps alone).
+    /// The programs' port filter (`None` in the drift reader's copy, which never writes).
     pub(crate) port_filter: Option<PortFilterMap>,
     /// While a drift check is out: the keys written or deleted since it started.
     pub(crate) touched: Option<Touched>,
