@@ -59,7 +59,15 @@ pub mod map_names {
     pub const XDP_TARGETS: &str = "KPR_XDP_TARGETS";
     /// The XDP programs of a new flow's first packet the XDP entry program tail-calls, one per
     /// family (`program_names::XDP_NEW_FLOW`; pinned and not in [`PINNED`], as [`TC_FAMILY`]).
-    pub const XDP_NEW_FLOW: &str = "KPR_XDP_NEW_FLOW";
+    /// A name of its own since the XDP programs are multi-buffer (`xdp.frags`): a program
+    /// array takes the frags-ness of the first program that uses it for its lifetime, so the
+    /// single-buffer builds' array ([`XDP_NEW_FLOW_SINGLE_BUFFER`]) cannot hold these.
+    pub const XDP_NEW_FLOW: &str = "KPR_XDP_NEW_FLOW_FRAGS";
+    /// The program array of [`XDP_NEW_FLOW`]'s programs as builds before multi-buffer XDP
+    /// pinned it, owned by single-buffer programs; unpinned at start (the previous agent's
+    /// XDP program holds it until its link gets this build's program). An agent of such a
+    /// build, downgraded to, pins a new one of its own.
+    pub const XDP_NEW_FLOW_SINGLE_BUFFER: &str = "KPR_XDP_NEW_FLOW";
     /// The first fragments' ports by datagram ([`super::FragmentKey`]; not pinned: a
     /// datagram's fragments arrive within a moment, and a restart loses a few at most).
     pub const FRAGMENTS: &str = "KPR_FRAGMENTS";

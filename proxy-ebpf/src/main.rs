@@ -130,19 +130,27 @@ mod programs {
     /// XDP on the node's external interfaces (`--bpf-xdp`): fast-path flows translated and
     /// redirected in the driver (a new flow's first packet by `kpr_xdp_new_flow4/6`);
     /// everything else passes on to `kpr_tc_external`.
-    #[xdp]
+    ///
+    /// All three are multi-buffer programs (`xdp.frags`, `BPF_F_XDP_HAS_FRAGS`): a driver
+    /// refuses a single-buffer program on an interface whose MTU does not fit one page (veth
+    /// above about 3.5 kB, NICs with jumbo frames), and a frame larger than a page then
+    /// arrives in several buffers, of which direct packet access sees the first (see
+    /// `xdp.rs`). The tail-called two must be frags too: the kernel refuses a program in a
+    /// program array whose owner differs in frags-ness, at load (`bpf_check_tail_call`) and
+    /// at update.
+    #[xdp(frags)]
     pub fn kpr_xdp_external(ctx: XdpContext) -> u32 {
         crate::xdp::external(&ctx)
     }
 
     /// XDP: the first packet of a new external flow (`xdp::first_packet`), tail-called by
     /// `kpr_xdp_external` per family.
-    #[xdp]
+    #[xdp(frags)]
     pub fn kpr_xdp_new_flow4(ctx: XdpContext) -> u32 {
         crate::xdp::first_packet::<false>(&ctx)
     }
 
-    #[xdp]
+    #[xdp(frags)]
     pub fn kpr_xdp_new_flow6(ctx: XdpContext) -> u32 {
         crate::xdp::first_packet::<true>(&ctx)
     }

@@ -236,9 +236,11 @@ pub static KPR_XDP_TARGETS: DevMapHash = DevMapHash::pinned(default_sizes::XDP_T
 /// The XDP programs of new flows' first packets, one per family (slot 0 IPv4, 1 IPv6;
 /// `proxy_common::program_names::XDP_NEW_FLOW`), tail-called by `kpr_xdp_external`: each is
 /// verified with its family's conntrack code only, as the tc family programs are. Pinned, as
-/// the tc program arrays.
+/// the tc program arrays. Named for the multi-buffer programs it holds: the kernel fixes a
+/// program array's frags-ness with the first program that uses it, and the single-buffer
+/// builds' pinned `KPR_XDP_NEW_FLOW` would refuse them (see `map_names::XDP_NEW_FLOW`).
 #[map]
-pub static KPR_XDP_NEW_FLOW: ProgramArray = ProgramArray::pinned(2, 0);
+pub static KPR_XDP_NEW_FLOW_FRAGS: ProgramArray = ProgramArray::pinned(2, 0);
 
 /// Shared by tc and XDP: on one CPU they never run at once (XDP runs in the driver's NAPI
 /// poll, before an skb exists; tc later in the same softirq, or with bottom halves disabled).

@@ -130,14 +130,23 @@ pub fn parse<const V6: bool>(ctx: &TcContext) -> Option<&'static Packet> {
 
 /// Parses a whole (unfragmented) TCP or UDP packet of one family for the XDP program; `None`
 /// for everything it leaves to tc: fragments (tc must see every fragment of a datagram), SCTP
-/// (its CRC32c update needs the skb helpers), and whatever [`parse`] leaves alone. XDP buffers
-/// are linear: nothing to pull.
+/// (its CRC32c update needs the skb helpers), whatever [`parse`] leaves alone, and a frame
+/// whose headers are not all in its first buffer. XDP has nothing to pull: a multi-buffer
+/// frame (`xdp.frags`) shows its first buffer to direct packet access, and the headers the
+/// program reads and rewrites, the L4 checksum included, must be there (as they are in any
+/// first buffer a driver fills, a page or at least the headers a header-split NIC puts
+/// apart; veth's is a page).
 #[inline(always)]
 pub fn parse_whole<const V6: bool>(ctx: &XdpContext) -> Option<&'static Packet> {
     let (pkt, fragment, _) = ip_header::<V6, _>(ctx)?;
     if fragment != Fragment::None || pkt.proto == proto::SCTP {
         return None;
     }
+    // TCP's fixed header or UDP's, whose checksums `xdp::rewrite` updates. Checked here,
+    // where `pkt.l4` is still the bounded value the IP header gave (from the scratch slot it
+    // is unbounded for the verifier).
+    let l4_header = if pkt.proto == proto::TCP { 20 } else { 8 };
+    linear_at(ctx, pkt.l4, l4_header)?;
     with_ports(ctx, pkt)
 }
 

@@ -3,7 +3,7 @@
 //! hop; everything else goes on to the tc program (`XDP_PASS`), which does what it did without
 //! XDP.
 //!
-//! What XDP takes: a whole TCP or UDP packet of a flow in the tc conntrack (`KPR_CT4/6`, shared
+//! What XDP takes: a whole (not an IP fragment) TCP or UDP packet of a flow in the tc conntrack (`KPR_CT4/6`, shared
 //! with tc, so a flow moves between the two at any packet) that takes the fast path
 //! (`node_flags::FAST_PATH`, or a `ct_flags::BYPASS` flow): a client's packet to its backend,
 //! or a backend's reply to its client, whose next hop the fib lookup resolves to an interface
@@ -28,6 +28,17 @@
 //!   assumes a complete checksum, as every packet from a wire has).
 //!
 //! Checksums are updated here by RFC 1624 arithmetic (XDP has no `bpf_l3/l4_csum_replace`).
+//!
+//! The programs are multi-buffer (`xdp.frags`, see `main.rs`): on an interface whose MTU does
+//! not fit a page (jumbo frames), a frame may come in several buffers, and direct packet
+//! access (`data`..`data_end`) covers only the first. Everything read or written here is a
+//! header (Ethernet, IP, the L4 header up to its checksum), which `parse_whole` requires in
+//! that first buffer (a frame whose headers are not there is tc's); lengths come from the IP
+//! header or `bpf_xdp_get_buff_len`, never from `data_end`. The incremental checksum updates
+//! need nothing of the payload, wherever it is. A redirect takes the frame with all its
+//! buffers: a veth target transmits multi-buffer frames (`NETDEV_XDP_ACT_NDO_XMIT_SG`, which
+//! veth has whenever it takes redirected frames at all); a target whose driver does not fails
+//! the redirect of one, and the frame is dropped (docs/xdp.md, known limits).
 
 use core::mem;
 
@@ -37,7 +48,7 @@ use aya_ebpf::{
         BPF_FIB_LKUP_RET_NO_NEIGH, BPF_FIB_LKUP_RET_SUCCESS, bpf_fib_lookup as FibLookup,
         xdp_action::{XDP_DROP, XDP_PASS},
     },
-    helpers::{bpf_fib_lookup, bpf_ktime_get_ns},
+    helpers::{bpf_fib_lookup, bpf_ktime_get_ns, bpf_xdp_get_buff_len},
     programs::XdpContext,
 };
 use proxy_common::{
@@ -47,7 +58,7 @@ use proxy_common::{
 use crate::{
     conntrack::{self, View},
     csum::{add_words, fold, store, sum_port, sum_word},
-    maps::{KPR_SNAT_IFACES, KPR_XDP_NEW_FLOW, KPR_XDP_TARGETS, scratch},
+    maps::{KPR_SNAT_IFACES, KPR_XDP_NEW_FLOW_FRAGS, KPR_XDP_TARGETS, scratch},
     nat::{draining, fast_path, fib_query, fib_query_addrs},
     parse::{ETH_HLEN, ETH_P_IP, ETH_P_IPV6, Frame, Packet, linear_at, load, parse_whole},
     port_filter,
@@ -180,20 +191,19 @@ fn count(ctx: &XdpContext, service_id: u32, direction: TrafficDirection) {
     if service_id == 0 {
         return;
     }
-    let bytes = Frame::data_end(ctx).saturating_sub(Frame::data(ctx) + ETH_HLEN);
-    #[expect(
-        clippy::cast_possible_truncation,
-        reason = "a frame XDP parses whole is at most a page"
-    )]
-    traffic::count_packet(service_id, direction, 1, bytes as u32);
+    // The frame's length across all its buffers: `data_end` ends the first (multi-buffer).
+    // SAFETY: the context pointer is the program's own xdp_md.
+    let frame = unsafe { bpf_xdp_get_buff_len(ctx.ctx) };
+    let bytes = u32::try_from(frame.saturating_sub(ETH_HLEN as u64)).unwrap_or(u32::MAX);
+    traffic::count_packet(service_id, direction, 1, bytes);
 }
 
-/// Tail-calls the family's `first_packet` program (`KPR_XDP_NEW_FLOW`); to tc, counted as a
+/// Tail-calls the family's `first_packet` program (`KPR_XDP_NEW_FLOW_FRAGS`); to tc, counted as a
 /// missing program, if its slot is empty.
 #[inline(always)]
 fn hand_to_first_packet<const V6: bool>(ctx: &XdpContext) -> u32 {
     // SAFETY: the slots hold this object's XDP programs; on success this never returns.
-    unsafe { KPR_XDP_NEW_FLOW.tail_call(ctx, u32::from(V6)) };
+    unsafe { KPR_XDP_NEW_FLOW_FRAGS.tail_call(ctx, u32::from(V6)) };
     bump(StatIndex::TcFamilyProgramMissing);
     XDP_PASS
 }
@@ -321,7 +331,8 @@ fn checksum_partial<const V6: bool>(ctx: &XdpContext, pkt: &Packet) -> bool {
         return false;
     };
     // IPv4: total length minus the header; IPv6: payload length minus what precedes the L4
-    // header after the fixed header.
+    // header after the fixed header. From the IP header, so the whole packet's also when it
+    // spans several buffers.
     let length = if V6 {
         load::<u16, _>(ctx, ETH_HLEN + 4)
             .map(|len| u16::from_be(len).wrapping_sub((pkt.l4 - ETH_HLEN - 40) as u16))
@@ -355,7 +366,8 @@ fn next_hop(ctx: &XdpContext, pkt: &Packet, to: &CtValue) -> Option<u32> {
         (*ctx.ctx).ingress_ifindex
     });
     // With the packet's length the lookup checks the next hop's MTU (XDP frames are never
-    // aggregates): one too big is tc's, which answers it as a router would.
+    // aggregates): one too big is tc's, which answers it as a router would. The IP header's
+    // length, not the first buffer's (a jumbo frame's spans several).
     let length = if pkt.is_v6() {
         u16::from_be(load::<u16, _>(ctx, ETH_HLEN + 4)?).wrapping_add(40)
     } else {

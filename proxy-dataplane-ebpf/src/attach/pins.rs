@@ -202,6 +202,15 @@ pub(crate) fn prepare_pin_dir(
             remove_if_present(&pin).map_err(to_error)?;
         }
     }
+    // The single-buffer XDP programs' array of older builds: the kernel would refuse this
+    // build's multi-buffer programs in it, which have an array of their own
+    // (`map_names::XDP_NEW_FLOW`). The previous agent's XDP program keeps its array until its
+    // link gets this build's program.
+    let pin = pin_dir.join(map_names::XDP_NEW_FLOW_SINGLE_BUFFER);
+    if pin.exists() {
+        info!(pin = %pin.display(), "unpinning the single-buffer XDP programs' array of an older build");
+        remove_if_present(&pin).map_err(to_error)?;
+    }
     let pin = pin_dir.join(map_names::MAGLEV);
     if pin.exists()
         && !MapInfo::from_pin(&pin).is_ok_and(|info| info.max_entries() == maglev_capacity)

@@ -11,7 +11,12 @@
 //!
 //! Links are pinned as `kpr_xdp_external_if<ifindex>_link`, so the program outlives the agent;
 //! a new agent swaps its program into the pinned link atomically (`bpf_link_update`), never
-//! leaving the interface without one. `KPR_XDP_TARGETS` (pinned too) lists the interfaces
+//! leaving the interface without one (a driver that refuses the swap gets the old program
+//! detached and the new one attached, tc alone in between).
+//!
+//! The programs are multi-buffer (`xdp.frags`): a driver takes them at any MTU it supports
+//! (veth refuses a single-buffer program once the peer's MTU exceeds a page less its
+//! headroom, about 3.5 kB), so jumbo-frame interfaces run XDP too. `KPR_XDP_TARGETS` (pinned too) lists the interfaces
 //! with a link: only those are redirect targets.
 
 use std::{
@@ -139,9 +144,9 @@ impl XdpState {
                 }
                 Err(error) => {
                     self.refused.insert(*index);
-                    let message = "no XDP on this interface (driver without native XDP, an MTU \
-                        too large for it, or another XDP program there); its external traffic \
-                        stays with tc";
+                    let message = "no XDP on this interface (driver without native XDP or \
+                        without multi-buffer XDP at this MTU, or another XDP program there); its \
+                        external traffic stays with tc";
                     if self.setting == XdpSetting::Native {
                         warn!(interface = %name, %error, "{message}");
                     } else {
@@ -273,10 +278,24 @@ fn attach(
         // The previous agent's link: the interface keeps an XDP program throughout.
         let previous = PinnedLink::from_pin(&pin).map_err(link_error)?;
         let link = XdpLink::try_from(FdLink::from(previous)).map_err(link_error)?;
-        let id = program.attach_to_link(link).map_err(program_error)?;
-        let link = program.take_link(id).map_err(program_error)?;
-        let link = FdLink::try_from(link).map_err(link_error)?;
-        return pin_replacing(link, name, &pin);
+        match program.attach_to_link(link) {
+            Ok(id) => {
+                let link = program.take_link(id).map_err(program_error)?;
+                let link = FdLink::try_from(link).map_err(link_error)?;
+                return pin_replacing(link, name, &pin);
+            }
+            // A driver may refuse to swap programs in place, e.g. a single-buffer program of
+            // an older build for this multi-buffer one where its receive rings depend on it
+            // (veth swaps them). Detached (the pin holds the link) and attached anew: tc
+            // alone carries the interface's traffic in between, as it does without XDP.
+            Err(error) => {
+                info!(pin = %pin.display(), %error, "the previous XDP program cannot be replaced                     in place; detaching it and attaching this one");
+                remove_if_present(&pin).map_err(|source| EbpfError::PinDir {
+                    path: pin.clone(),
+                    source,
+                })?;
+            }
+        }
     }
     let id = program
         .attach_to_if_index(ifindex, XdpMode::Driver)

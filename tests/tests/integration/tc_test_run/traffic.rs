@@ -9,7 +9,7 @@ use proxy_model::traffic::{FrontendKind, TrafficReading};
 
 use super::*;
 
-fn reader(node: &Node) -> TrafficReader {
+pub(super) fn reader(node: &Node) -> TrafficReader {
     TrafficReader::open(&node.parts.bpf.path().join(PIN_DIR_NAME)).expect("pinned counters")
 }
 
@@ -101,7 +101,7 @@ fn a_syn_sent_twice_counts_one_connection_and_the_self_test_none_fast_path() {
 
 /// The forward and reply packets and bytes of Service `name`'s `kind` frontends, all ports
 /// summed (`KPR_SERVICE_PACKETS`, the CPUs summed).
-fn packets(reading: &TrafficReading, name: &str, kind: FrontendKind) -> [u64; 4] {
+pub(super) fn packets(reading: &TrafficReading, name: &str, kind: FrontendKind) -> [u64; 4] {
     reading
         .services
         .iter()

@@ -1,6 +1,8 @@
 //! The XDP program beside tc: later packets of tc's flows, new flows, what it leaves to tc, its
 //! drops.
 
+use proxy_model::traffic::FrontendKind;
+
 use super::*;
 
 /// A flow whose first packet went through tc (as on an interface without XDP,
@@ -375,5 +377,95 @@ fn xdp_drops_what_tc_drops_before_nat() {
         assert_eq!(stat(node, StatIndex::XdpDroppedNoLocal), dropped + 1);
         let (action, _) = run(node, program_names::TC_EXTERNAL, &node_port, node.ext0);
         assert_eq!(action, TC_ACT_SHOT, "tc drops it");
+    });
+}
+
+/// Jumbo frames (`ext0` at MTU 9000): a later packet of 8000 payload bytes, larger than a page,
+/// reaches the multi-buffer program in several buffers (`BPF_PROG_TEST_RUN` puts what does not
+/// fit the first page in fragments, as a driver does), of which direct packet access sees the
+/// first. XDP translates it and the backend's reply of the same size as it translates small
+/// ones: the headers in the first buffer rewritten, every checksum right over the whole
+/// packet (recomputed from scratch here), the payload intact, the length unchanged; and the
+/// Service's byte counts take the whole frame (`bpf_xdp_get_buff_len`), not its first buffer.
+/// TCP and UDP, IPv4 and IPv6.
+#[test]
+fn xdp_translates_jumbo_frames_in_several_buffers() {
+    with_node(|node| {
+        program_remote(node);
+        // This thread is in the node namespace; the child inherits it.
+        let status = std::process::Command::new("ip")
+            .args(["link", "set", "ext0", "mtu", "9000"])
+            .status()
+            .expect("ip link");
+        assert!(status.success(), "ext0 at MTU 9000");
+        let mut counters = super::traffic::reader(node);
+        let payload: Vec<u8> = (0..8000u32).map(|i| (i % 251) as u8).collect();
+        for (i, (client, node_ip, port, backend, backend_port, first, later)) in
+            REMOTE_CASES.into_iter().enumerate()
+        {
+            let client = sa(client, 45_300 + i as u16);
+            let frontend = sa(node_ip, port);
+            let backend = sa(backend, backend_port);
+            let what = format!("{later:?} {client} → {frontend}");
+            let syn = build(client, frontend, first, b"hello");
+            let (action, by_tc) = run(node, program_names::TC_EXTERNAL, &syn, node.ext0);
+            assert_eq!(action, TC_ACT_REDIRECT, "{what}: tc starts the flow");
+
+            let before = (
+                stat(node, StatIndex::XdpEstablished),
+                stat(node, StatIndex::XdpReplyTranslated),
+            );
+            let bytes_before = super::traffic::packets(
+                &counters.read().expect("read"),
+                "remote",
+                FrontendKind::NodePort,
+            );
+            let data = build(client, frontend, later, &payload);
+            assert!(data.len() > 4096, "{what}: larger than a page");
+            let (action, frame) = run_xdp(node, &data);
+            assert_eq!(action, XDP_REDIRECT, "{what}: XDP takes the jumbo frame");
+            assert_eq!(frame.len(), data.len(), "{what}: length unchanged");
+            let out = parse_checked(&frame)
+                .unwrap_or_else(|e| panic!("{what}: XDP output of {} bytes: {e}", frame.len()));
+            assert_eq!(out.destination(), backend, "{what}: DNAT");
+            assert_eq!(out.source(), by_tc.source(), "{what}: tc's SNAT");
+            assert!(out.l4.ends_with(&payload), "{what}: payload intact");
+            assert_eq!(out.eth_dst, REMOTE_MAC, "{what}: next hop's MAC");
+
+            let reply = build(backend, out.source(), later, &payload);
+            let (action, frame) = run_xdp(node, &reply);
+            assert_eq!(action, XDP_REDIRECT, "{what}: XDP takes the jumbo reply");
+            let back = parse_checked(&frame)
+                .unwrap_or_else(|e| panic!("{what}: XDP reply of {} bytes: {e}", frame.len()));
+            assert_eq!(
+                (back.source(), back.destination()),
+                (frontend, client),
+                "{what}: reply translated"
+            );
+            assert!(back.l4.ends_with(&payload), "{what}: reply payload intact");
+
+            assert_eq!(
+                (
+                    stat(node, StatIndex::XdpEstablished),
+                    stat(node, StatIndex::XdpReplyTranslated),
+                ),
+                (before.0 + 1, before.1 + 1),
+                "{what}: counted"
+            );
+            let bytes_after = super::traffic::packets(
+                &counters.read().expect("read"),
+                "remote",
+                FrontendKind::NodePort,
+            );
+            let ip_bytes = (data.len() - 14) as u64;
+            assert_eq!(
+                [
+                    bytes_after[1] - bytes_before[1],
+                    bytes_after[3] - bytes_before[3],
+                ],
+                [ip_bytes, ip_bytes],
+                "{what}: the whole frames' IP bytes counted, forward and reply"
+            );
+        }
     });
 }
