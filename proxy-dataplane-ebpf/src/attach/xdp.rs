@@ -286,10 +286,16 @@ fn attach(
             }
             // A driver may refuse to swap programs in place, e.g. a single-buffer program of
             // an older build for this multi-buffer one where its receive rings depend on it
-            // (veth swaps them). Detached (the pin holds the link) and attached anew: tc
-            // alone carries the interface's traffic in between, as it does without XDP.
+            // (veth swaps them). Detached and attached anew: tc alone carries the interface's
+            // traffic in between, as it does without XDP. Detached explicitly: removing the
+            // pin frees the link only after an RCU grace period, and the attach would find
+            // the interface still taken (`EBUSY`).
             Err(error) => {
-                info!(pin = %pin.display(), %error, "the previous XDP program cannot be replaced                     in place; detaching it and attaching this one");
+                info!(pin = %pin.display(), %error, "the previous XDP program cannot be \
+                    replaced in place; detaching it and attaching this one");
+                if let Err(error) = proxy_kernel::bpf::bpf_syscall::detach_pinned_link(&pin) {
+                    debug!(pin = %pin.display(), %error, "detaching the previous XDP link");
+                }
                 remove_if_present(&pin).map_err(|source| EbpfError::PinDir {
                     path: pin.clone(),
                     source,

@@ -2,7 +2,9 @@
 //! `BPF_PROG_TEST_RUN` with `flags` (aya's `TestRunAttrs` only sets the XDP live-frames flag,
 //! and `BPF_F_TEST_SKB_CHECKSUM_COMPLETE` is how a test gets a `CHECKSUM_COMPLETE` skb), and
 //! `BPF_PROG_LOAD` of a handful of raw instructions for feature probes that must call a helper
-//! with arguments the verifier cannot judge (flag bits are checked only when the helper runs).
+//! with arguments the verifier cannot judge (flag bits are checked only when the helper runs),
+//! and `BPF_LINK_DETACH` of a pinned link (aya's links detach when their last reference goes,
+//! which for a pin is its removal, and bpffs releases it after an RCU grace period).
 //!
 //! The attribute layouts are the kernel's `union bpf_attr`
 //! (<https://github.com/torvalds/linux/blob/master/include/uapi/linux/bpf.h>); the kernel
@@ -17,6 +19,8 @@ use std::{
 
 const BPF_PROG_LOAD: libc::c_long = 5;
 const BPF_PROG_TEST_RUN: libc::c_long = 10;
+const BPF_OBJ_GET: libc::c_long = 7;
+const BPF_LINK_DETACH: libc::c_long = 34;
 const BPF_PROG_TYPE_SCHED_CLS: u32 = 3;
 
 /// `BPF_F_TEST_SKB_CHECKSUM_COMPLETE` (kernel 6.17): the skb gets `CHECKSUM_COMPLETE` with
@@ -83,6 +87,28 @@ pub fn load_sched_cls(insns: &[u64]) -> io::Result<OwnedFd> {
     let fd = i32::try_from(fd).map_err(|_| io::Error::other(format!("bpf fd {fd}")))?;
     // SAFETY: the kernel just returned this fd and nothing else owns it.
     Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+/// Detaches the link pinned at `pin` now (`BPF_LINK_DETACH`): its program leaves the hook at
+/// once, while the link object lives on until its pin and fds go. Removing the pin alone
+/// detaches it only once bpffs frees the inode, after an RCU grace period: an attach to the
+/// same hook right after it can still find the hook taken (`EBUSY`).
+pub fn detach_pinned_link(pin: &std::path::Path) -> io::Result<()> {
+    let path = std::ffi::CString::new(pin.as_os_str().as_encoded_bytes())?;
+    // pathname, bpf_fd, file_flags.
+    let mut attr = [0u8; 16];
+    put_ptr(&mut attr, 0, path.as_ptr().cast());
+    // SAFETY: a zero-filled prefix with `path`, alive until the call returns.
+    let fd = unsafe { sys_bpf(BPF_OBJ_GET, &mut attr)? };
+    let fd = i32::try_from(fd).map_err(|_| io::Error::other(format!("bpf fd {fd}")))?;
+    // SAFETY: the kernel just returned this fd and nothing else owns it.
+    let link = unsafe { OwnedFd::from_raw_fd(fd) };
+    // link_fd.
+    let mut attr = [0u8; 4];
+    put_u32(&mut attr, 0, link.as_raw_fd() as u32);
+    // SAFETY: a prefix holding only the link's fd, open across the call.
+    unsafe { sys_bpf(BPF_LINK_DETACH, &mut attr)? };
+    Ok(())
 }
 
 /// What one `BPF_PROG_TEST_RUN` of a tc program takes.

@@ -10,7 +10,12 @@
 //! with only the pseudo-header sum in the L4 checksum (`CHECKSUM_PARTIAL`), which XDP must
 //! leave to tc (counted). Then they send complete checksums, as a NIC receiving from a wire
 //! delivers them (`ethtool -K eth0 tx off`), and have NAPI on (`gro on`), which a veth needs to
-//! take redirected XDP frames. Needs root.
+//! take redirected XDP frames.
+//!
+//! Jumbo frames: every link at MTU 9000, where only a multi-buffer XDP program attaches, with
+//! full-size TCP segments and 8000-byte UDP datagrams carried by XDP
+//! ([`jumbo_frames_run_through_xdp`]); and an upgrade from a build whose single-buffer program
+//! is in the pinned links. Needs root.
 
 use std::io::{Read as _, Write as _};
 use std::net::{IpAddr, Shutdown, SocketAddr, TcpListener, TcpStream, UdpSocket};
@@ -581,5 +586,217 @@ fn jumbo_frames_run_through_xdp() -> anyhow::Result<()> {
             format!("UDP ipv6={ipv6} carried by XDP, none by tc: {before:?} → {after:?}")
         })?;
     }
+    Ok(())
+}
+
+/// What an agent of a build before multi-buffer XDP leaves on an interface, made by hand: a
+/// single-buffer XDP program (`old_xdp`, `XDP_PASS` alone) attached through an XDP link in
+/// native mode and pinned where the agent pins its link, and the single-buffer programs'
+/// program array `KPR_XDP_NEW_FLOW` (owned by such a program). Raw `bpf(2)`: aya loads
+/// programs only from objects. Each returns an fd the kernel just made.
+mod single_buffer {
+    use std::ffi::CString;
+    use std::io;
+    use std::os::fd::{AsRawFd as _, FromRawFd as _, OwnedFd};
+    use std::path::Path;
+
+    const BPF_MAP_CREATE: libc::c_long = 0;
+    const BPF_MAP_UPDATE_ELEM: libc::c_long = 2;
+    const BPF_PROG_LOAD: libc::c_long = 5;
+    const BPF_OBJ_PIN: libc::c_long = 6;
+    const BPF_LINK_CREATE: libc::c_long = 28;
+    const BPF_MAP_TYPE_PROG_ARRAY: u32 = 3;
+    const BPF_PROG_TYPE_XDP: u32 = 6;
+    /// `enum bpf_attach_type`'s `BPF_XDP`, what aya loads interface XDP programs with (a
+    /// link update requires the same).
+    const BPF_XDP: u32 = 37;
+    const XDP_FLAGS_DRV_MODE: u32 = 1 << 2;
+    /// `r0 = XDP_PASS; exit`.
+    const PASS: [u64; 2] = [0x0000_0002_0000_00b7, 0x95];
+
+    fn put(attr: &mut [u8], offset: usize, value: &[u8]) {
+        attr[offset..offset + value.len()].copy_from_slice(value);
+    }
+
+    /// `bpf(cmd, attr)`; the attribute is a zero-filled prefix of `union bpf_attr`.
+    fn bpf(cmd: libc::c_long, attr: &mut [u8]) -> io::Result<libc::c_long> {
+        // SAFETY: `attr` is a zero-filled `union bpf_attr` prefix of its length whose pointers
+        // (set by the callers) point to memory alive across the call.
+        let ret = unsafe { libc::syscall(libc::SYS_bpf, cmd, attr.as_mut_ptr(), attr.len()) };
+        if ret < 0 {
+            Err(io::Error::last_os_error())
+        } else {
+            Ok(ret)
+        }
+    }
+
+    fn fd(ret: libc::c_long) -> io::Result<OwnedFd> {
+        let raw = i32::try_from(ret).map_err(|_| io::Error::other(format!("fd {ret}")))?;
+        // SAFETY: the kernel just returned this fd and nothing else owns it.
+        Ok(unsafe { OwnedFd::from_raw_fd(raw) })
+    }
+
+    fn pin(object: &OwnedFd, path: &Path) -> io::Result<()> {
+        let path = CString::new(path.as_os_str().as_encoded_bytes())?;
+        let mut attr = [0u8; 16];
+        put(&mut attr, 0, &(path.as_ptr() as u64).to_ne_bytes());
+        put(&mut attr, 8, &object.as_raw_fd().to_ne_bytes());
+        bpf(BPF_OBJ_PIN, &mut attr).map(drop)
+    }
+
+    /// The single-buffer program (no `BPF_F_XDP_HAS_FRAGS`).
+    pub fn program() -> io::Result<OwnedFd> {
+        let license = c"GPL";
+        let mut attr = [0u8; 72];
+        put(&mut attr, 0, &BPF_PROG_TYPE_XDP.to_ne_bytes());
+        put(&mut attr, 4, &(PASS.len() as u32).to_ne_bytes());
+        put(&mut attr, 8, &(PASS.as_ptr() as u64).to_ne_bytes());
+        put(&mut attr, 16, &(license.as_ptr() as u64).to_ne_bytes());
+        put(&mut attr, 48, b"old_xdp");
+        put(&mut attr, 68, &BPF_XDP.to_ne_bytes());
+        fd(bpf(BPF_PROG_LOAD, &mut attr)?)
+    }
+
+    /// Attaches `program` to interface `ifindex` of the calling thread's namespace (native
+    /// mode, an XDP link) and pins the link at `path`.
+    pub fn attach(program: &OwnedFd, ifindex: u32, path: &Path) -> io::Result<()> {
+        let mut attr = [0u8; 16];
+        put(&mut attr, 0, &program.as_raw_fd().to_ne_bytes());
+        put(&mut attr, 4, &ifindex.to_ne_bytes());
+        put(&mut attr, 8, &BPF_XDP.to_ne_bytes());
+        put(&mut attr, 12, &XDP_FLAGS_DRV_MODE.to_ne_bytes());
+        let link = fd(bpf(BPF_LINK_CREATE, &mut attr)?)?;
+        pin(&link, path)
+    }
+
+    /// A program array of two slots holding `program` in slot 0 (which makes a single-buffer
+    /// XDP program its owner), pinned at `path`.
+    pub fn program_array(program: &OwnedFd, path: &Path) -> io::Result<()> {
+        let mut attr = [0u8; 20];
+        put(&mut attr, 0, &BPF_MAP_TYPE_PROG_ARRAY.to_ne_bytes());
+        put(&mut attr, 4, &4u32.to_ne_bytes());
+        put(&mut attr, 8, &4u32.to_ne_bytes());
+        put(&mut attr, 12, &2u32.to_ne_bytes());
+        let map = fd(bpf(BPF_MAP_CREATE, &mut attr)?)?;
+        let key = 0u32;
+        let value = program.as_raw_fd();
+        let mut attr = [0u8; 32];
+        put(&mut attr, 0, &map.as_raw_fd().to_ne_bytes());
+        put(&mut attr, 8, &(&raw const key as u64).to_ne_bytes());
+        put(&mut attr, 16, &(&raw const value as u64).to_ne_bytes());
+        bpf(BPF_MAP_UPDATE_ELEM, &mut attr)?;
+        pin(&map, path)
+    }
+}
+
+/// The id of the link pinned at `pin` and of the program it runs.
+fn pinned_link(pin: &std::path::Path) -> anyhow::Result<(u32, u32)> {
+    let link = aya::programs::links::FdLink::from(aya::programs::links::PinnedLink::from_pin(pin)?);
+    let info = link.info()?;
+    Ok((info.id(), info.program_id()))
+}
+
+/// An upgrade from a build whose XDP programs were single-buffer: its links on `vext` and
+/// `vnode2` (made by hand, see [`single_buffer`]) get the multi-buffer program swapped in
+/// place (`bpf_link_update`: the same link, veth takes the change of frags-ness), the old
+/// build's program array is unpinned, and XDP carries the flows again. A start without XDP
+/// and one with it then lift veth's single-buffer MTU cap: the client's link goes to MTU 9000
+/// and XDP still carries its flows.
+#[test]
+fn an_upgrade_swaps_the_multi_buffer_program_into_a_single_buffer_programs_link()
+-> anyhow::Result<()> {
+    let mut s = setup()?;
+    complete_checksums(&s)?;
+    s.start_agent_with_args("ebpf", &["--interfaces", "vext,vnode2", "--tc-fast-path"])?;
+    serve_all(&mut s)?;
+    s.agent()?.stop()?;
+    let pin_dir = s.agent()?.bpf_root().join("kubeproxy-rs");
+    let old_array = pin_dir.join("KPR_XDP_NEW_FLOW");
+    let links = {
+        let pin_dir = pin_dir.clone();
+        let old_array = old_array.clone();
+        on_thread_in(
+            &s.topo.node().path(),
+            move || -> anyhow::Result<Vec<(std::path::PathBuf, u32, u32)>> {
+                let program = single_buffer::program()?;
+                let mut links = Vec::new();
+                for interface in ["vext", "vnode2"] {
+                    let ifindex = nix::net::if_::if_nametoindex(interface)?;
+                    let pin = pin_dir.join(format!("kpr_xdp_external_if{ifindex}_link"));
+                    // The new build's link goes (its program detached at once), the old
+                    // build's comes.
+                    proxy_kernel::bpf::bpf_syscall::detach_pinned_link(&pin)?;
+                    std::fs::remove_file(&pin)?;
+                    single_buffer::attach(&program, ifindex, &pin)?;
+                    let (link, program) = pinned_link(&pin)?;
+                    links.push((pin, link, program));
+                }
+                single_buffer::program_array(&program, &old_array)?;
+                Ok(links)
+            },
+        )??
+    };
+    // As after another build: the programs are loaded, not reused.
+    std::fs::remove_file(pin_dir.join("KPR_LOAD_STAMP"))?;
+    let program_pin = pin_dir.join("kpr_xdp_external_prog");
+    let previous = aya::programs::ProgramInfo::from_pin(&program_pin)?.id();
+    s.ensure(
+        links.iter().all(|(_, _, program)| *program != previous),
+        || format!("the single-buffer program in both links: {links:?}"),
+    )?;
+
+    let established = counter(&mut s, StatIndex::XdpEstablished)?;
+    s.agent()?.restart()?;
+    wait_synced(&mut s)?;
+    serve_all(&mut s)?;
+    // The agent's program, loaded again (multi-buffer), in each old link.
+    let loaded = aya::programs::ProgramInfo::from_pin(&program_pin)?.id();
+    for (pin, old_link, _) in &links {
+        let (link, program) = pinned_link(pin)?;
+        s.ensure(link == *old_link && program == loaded, || {
+            format!(
+                "{}: link {old_link} updated in place to program {loaded}: link {link}, \
+                 program {program}",
+                pin.display()
+            )
+        })?;
+    }
+    s.ensure(!old_array.exists(), || {
+        "the single-buffer programs' array unpinned".to_owned()
+    })?;
+    let now = counter(&mut s, StatIndex::XdpEstablished)?;
+    let tcp = u64::from(ATTEMPTS) * 2;
+    s.ensure(now >= established + tcp, || {
+        format!("XDP after the upgrade: xdp_established {established} → {now}")
+    })?;
+
+    // veth caps the peer's MTU when the first XDP program attaches, to what that program takes
+    // (a single-buffer one: about 3.5 kB), and an in-place update leaves the cap: the way to
+    // jumbo frames after such an upgrade is one start without XDP and one with it again,
+    // which attaches the multi-buffer program anew (docs/xdp.md).
+    for xdp in ["off", "auto"] {
+        s.agent()?.stop()?;
+        s.agent()?.restart_with_args(&[
+            "--interfaces",
+            "vext,vnode2",
+            "--tc-fast-path",
+            "--bpf-xdp",
+            xdp,
+        ])?;
+        wait_synced(&mut s)?;
+    }
+    s.topo
+        .ext()
+        .ip(&["link", "set", "dev", "eth0", "mtu", JUMBO_MTU])?;
+    s.topo
+        .node()
+        .ip(&["link", "set", "dev", "vext", "mtu", JUMBO_MTU])?;
+    let before = counter(&mut s, StatIndex::XdpEstablished)?;
+    serve_all(&mut s)?;
+    let rows = inspect_interfaces(&mut s)?;
+    let now = counter(&mut s, StatIndex::XdpEstablished)?;
+    s.ensure(has_xdp(&rows, "vext") && now >= before + tcp, || {
+        format!("XDP at MTU {JUMBO_MTU} after attaching anew: {rows:?}, {before} → {now}")
+    })?;
     Ok(())
 }
