@@ -132,6 +132,8 @@ impl XdpState {
             }
             match attach(ebpf, pinned.as_deref_mut(), *index, pin_dir, pin_name) {
                 Ok(link) => {
+                    // No devmap program (`None`): one would run on the redirected frames, which
+                    // can be multi-buffer, and would have to be `xdp.frags` as well.
                     if let Some(targets) = &mut self.targets
                         && let Err(error) = targets.insert(*index, *index, None, 0)
                     {
