@@ -107,8 +107,8 @@ pub enum StatIndex {
     /// A tc entry program found no program of the packet's family to hand it to, or a family
     /// program none for a later IP fragment (the agent fills `KPR_TC_FRAGMENT` and
     /// `KPR_TC_FAMILY` before attaching): the packet went to the stack untranslated. Also the
-    /// XDP program without the new-flow program of the packet's family (`KPR_XDP_NEW_FLOW`):
-    /// the packet went on to tc.
+    /// XDP program without the new-flow program of the packet's family
+    /// (`KPR_XDP_NEW_FLOW_FRAGS`): the packet went on to tc.
     TcFamilyProgramMissing = 38,
     /// An ICMP or ICMPv6 error (destination unreachable, fragmentation needed / packet too
     /// big, time exceeded, parameter problem) about a packet of a translated flow had its
