@@ -1,18 +1,19 @@
-//! Address and port rewrites with incremental checksum updates (RFC 1624), via the kernel's
-//! `bpf_l3_csum_replace`/`bpf_l4_csum_replace`, which also handle `CHECKSUM_PARTIAL` skbs
-//! (packets from a local stack over veth carry only the pseudo-header sum in the L4 field).
+//! Address and port rewrites with incremental checksum updates (RFC 1624): the IPv4 header
+//! checksum in place, the L4 checksum through the kernel's `bpf_l4_csum_replace`, which also
+//! handles `CHECKSUM_PARTIAL` skbs (packets from a local stack over veth carry only the
+//! pseudo-header sum in the L4 field) and `skb->csum` of `CHECKSUM_COMPLETE` ones.
 //! SCTP has no pseudo-header (its CRC32c covers only the SCTP packet): address rewrites leave
 //! it alone, port rewrites are in `sctp`.
 
 use aya_ebpf::{
     bindings::{BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR, BPF_F_RECOMPUTE_CSUM},
     cty::c_long,
-    helpers::{bpf_csum_diff, bpf_csum_update},
+    helpers::bpf_csum_update,
     programs::TcContext,
 };
 use proxy_common::proto;
 
-use crate::parse::{ETH_HLEN, Frame, Packet, linear_at};
+use crate::parse::{ETH_HLEN, Frame, Packet, linear_at, load};
 
 /// Offset of the IPv4 header checksum.
 const IPV4_CSUM: usize = ETH_HLEN + 10;
@@ -40,64 +41,117 @@ fn l4_flags(pkt: &Packet) -> u64 {
     }
 }
 
-/// Replaces the address at `offset` (source or destination) and fixes the IPv4 header
-/// checksum and the L4 checksum, whose pseudo-header covers both addresses (TCP, UDP).
+/// Replaces an SCTP packet's address at `offset` (source or destination) and fixes the IPv4
+/// header checksum; SCTP's CRC32c has no pseudo-header (ports: `sctp::replace_ports`).
 #[inline(always)]
-pub fn replace_addr(
+pub fn replace_sctp_addr(
     ctx: &TcContext,
     pkt: &Packet,
     offset: usize,
     old: &[u32; 4],
     new: &[u32; 4],
 ) -> Result<(), c_long> {
-    let pseudo = u64::from(BPF_F_PSEUDO_HDR) | l4_flags(pkt);
-    let sctp = pkt.proto == proto::SCTP;
     if pkt.is_v6() {
-        if sctp {
-            // Nothing else in the packet changes to compensate (no IPv6 header checksum, no
-            // pseudo-header in the CRC), so the packet's one's-complement sum moves: the flag
-            // has the kernel fix `skb->csum` of a CHECKSUM_COMPLETE skb.
-            return ctx.store(offset, new, u64::from(BPF_F_RECOMPUTE_CSUM));
+        // Nothing else in the packet changes to compensate (no IPv6 header checksum, no
+        // pseudo-header in the CRC), so the packet's one's-complement sum moves: the flag
+        // has the kernel fix `skb->csum` of a CHECKSUM_COMPLETE skb.
+        return ctx.store(offset, new, u64::from(BPF_F_RECOMPUTE_CSUM));
+    }
+    write(ctx, offset, &new[0])?;
+    ctx.l3_csum_replace(IPV4_CSUM, u64::from(old[0]), u64::from(new[0]), 4)
+}
+
+/// The new source and destination of a TCP or UDP packet; an address is written only with its
+/// flag. Flags rather than `Option<&_>`: LLVM folds such an option's test into arithmetic on the
+/// map-value pointer, which the verifier refuses.
+pub struct Rewrite<'a> {
+    pub src: &'a [u32; 4],
+    pub new_src: bool,
+    pub dst: &'a [u32; 4],
+    pub new_dst: bool,
+    pub sport: u16,
+    pub dport: u16,
+}
+
+/// Rewrites a TCP or UDP packet's addresses and ports in place and fixes its checksums with two
+/// helper calls at most, where one address or port at a time took two each (an established
+/// flow's both halves: six). The IPv4 header checksum is updated in place by RFC 1624: it
+/// covers only the header, so `skb->csum` of a CHECKSUM_COMPLETE skb (the sum of the whole
+/// packet) is unchanged by an address and its compensating header checksum, as
+/// `bpf_l3_csum_replace` leaves it. The L4 checksum takes the addresses' change as one
+/// pseudo-header difference and the ports' as another: a CHECKSUM_PARTIAL skb's field holds
+/// only the pseudo-header sum, so the helper must apply the first and not the second, which one
+/// call with one set of flags cannot say.
+#[inline(always)]
+pub fn rewrite_tuple(ctx: &TcContext, pkt: &Packet, to: &Rewrite) -> Result<(), c_long> {
+    let v6 = pkt.is_v6();
+    let mut addr_sum = 0u32;
+    if to.new_src {
+        addr_sum = address_sum(addr_sum, &pkt.src, to.src, v6);
+        write_address(ctx, pkt.src_offset(), to.src, v6)?;
+    }
+    if to.new_dst {
+        addr_sum = address_sum(addr_sum, &pkt.dst, to.dst, v6);
+        write_address(ctx, pkt.dst_offset(), to.dst, v6)?;
+    }
+    let mut port_sum = 0u32;
+    let ports = to.sport != pkt.sport || to.dport != pkt.dport;
+    if to.sport != pkt.sport {
+        port_sum = sum_port(port_sum, pkt.sport, to.sport);
+        write(ctx, pkt.l4, &to.sport)?;
+    }
+    if to.dport != pkt.dport {
+        port_sum = sum_port(port_sum, pkt.dport, to.dport);
+        write(ctx, pkt.l4 + 2, &to.dport)?;
+    }
+    let addresses = to.new_src || to.new_dst;
+    if addresses && !v6 {
+        let check = load::<u16, _>(ctx, IPV4_CSUM).ok_or(-1)?;
+        write(ctx, IPV4_CSUM, &fold(u32::from(!check) + addr_sum))?;
+    }
+    let flags = l4_flags(pkt);
+    if addresses {
+        let pseudo = u64::from(BPF_F_PSEUDO_HDR) | flags;
+        if !v6 || l4_csum_ipv6_flag() {
+            let ipv6 = if v6 { BPF_F_IPV6 } else { 0 };
+            // Size 0: the value is a checksum difference.
+            ctx.l4_csum_replace(pkt.l4_csum_offset(), 0, u64::from(addr_sum), pseudo | ipv6)?;
+        } else {
+            // See `replace_addr`: without `BPF_F_IPV6` the helper moves `skb->csum` as for
+            // IPv4; taken back unless the helper left a zero UDP checksum alone.
+            let untouched = pkt.proto == proto::UDP && ctx.load::<u16>(pkt.l4_csum_offset())? == 0;
+            ctx.l4_csum_replace(pkt.l4_csum_offset(), 0, u64::from(addr_sum), pseudo)?;
+            if !untouched {
+                // SAFETY: the helper only reads and writes the skb the program was given.
+                unsafe { bpf_csum_update(ctx.skb.skb, addr_sum) };
+            }
         }
-        // 16-byte addresses: one checksum difference over the whole address.
-        // SAFETY: both pointers are to 16-byte stack arrays; the helper only reads them.
-        let diff =
-            unsafe { bpf_csum_diff(old.as_ptr().cast_mut(), 16, new.as_ptr().cast_mut(), 16, 0) };
-        if diff < 0 {
-            return Err(diff);
-        }
-        write(ctx, offset, new)?;
-        // The address and the L4 checksum change by opposite amounts, so the packet's
-        // one's-complement sum — `skb->csum` of a CHECKSUM_COMPLETE skb — stays as it was
-        // (IPv6 has no header checksum to move it, unlike IPv4). Without `BPF_F_IPV6` the
-        // helper adjusts `skb->csum` by `diff` as for IPv4, and a NIC that sums packets then
-        // logs "hw csum failure"; kernels without the flag get the adjustment taken back with
-        // `bpf_csum_update` (a no-op on other skbs), as Cilium does.
-        if l4_csum_ipv6_flag() {
-            // Size 0: `diff` is a precomputed checksum difference.
-            return ctx.l4_csum_replace(pkt.l4_csum_offset(), 0, diff as u64, pseudo | BPF_F_IPV6);
-        }
-        // A zero UDP checksum (invalid over IPv6, yet possible) is left alone by the helper
-        // (`BPF_F_MARK_MANGLED_0`), so there is nothing to take back then.
-        let untouched = pkt.proto == proto::UDP && ctx.load::<u16>(pkt.l4_csum_offset())? == 0;
-        ctx.l4_csum_replace(pkt.l4_csum_offset(), 0, diff as u64, pseudo)?;
-        if !untouched {
-            // SAFETY: the helper only reads and writes the skb the program was given.
-            unsafe { bpf_csum_update(ctx.skb.skb, diff as u32) };
-        }
-        Ok(())
+    }
+    if ports {
+        ctx.l4_csum_replace(pkt.l4_csum_offset(), 0, u64::from(port_sum), flags)?;
+    }
+    Ok(())
+}
+
+/// Adds an address's change from `old` to `new` to `sum` (one word for IPv4, four for IPv6).
+#[inline(always)]
+fn address_sum(mut sum: u32, old: &[u32; 4], new: &[u32; 4], v6: bool) -> u32 {
+    sum = sum_word(sum, old[0], new[0]);
+    if v6 {
+        sum = sum_word(sum, old[1], new[1]);
+        sum = sum_word(sum, old[2], new[2]);
+        sum = sum_word(sum, old[3], new[3]);
+    }
+    sum
+}
+
+/// Writes an address in place: its one word (IPv4) or four (IPv6).
+#[inline(always)]
+fn write_address(ctx: &TcContext, offset: usize, new: &[u32; 4], v6: bool) -> Result<(), c_long> {
+    if v6 {
+        write(ctx, offset, new)
     } else {
-        write(ctx, offset, &new[0])?;
-        ctx.l3_csum_replace(IPV4_CSUM, u64::from(old[0]), u64::from(new[0]), 4)?;
-        if sctp {
-            return Ok(());
-        }
-        ctx.l4_csum_replace(
-            pkt.l4_csum_offset(),
-            u64::from(old[0]),
-            u64::from(new[0]),
-            pseudo | 4,
-        )
+        write(ctx, offset, &new[0])
     }
 }
 
@@ -118,24 +172,6 @@ pub fn replace_fragment_addr(
     }
     ctx.store(offset, &new[0], 0)?;
     ctx.l3_csum_replace(IPV4_CSUM, u64::from(old[0]), u64::from(new[0]), 4)
-}
-
-/// Replaces the port at `offset` and fixes the L4 checksum.
-#[inline(always)]
-pub fn replace_port(
-    ctx: &TcContext,
-    pkt: &Packet,
-    offset: usize,
-    old: u16,
-    new: u16,
-) -> Result<(), c_long> {
-    write(ctx, offset, &new)?;
-    ctx.l4_csum_replace(
-        pkt.l4_csum_offset(),
-        u64::from(old),
-        u64::from(new),
-        l4_flags(pkt) | 2,
-    )
 }
 
 /// Writes `value` at `offset` in place (direct packet access), where `bpf_skb_store_bytes`

@@ -41,7 +41,7 @@ use aya_ebpf::{
 use proxy_common::{CtValue, StatIndex, TRANSLATED_MARK, ct_flags, family, node_flags, proto};
 
 use crate::{
-    csum::{replace_addr, replace_fragment_addr, replace_port},
+    csum::{Rewrite, replace_fragment_addr, replace_sctp_addr, rewrite_tuple, store},
     icmp,
     maps::{KPR_NODE_CONFIG, KPR_SNAT_IFACES, scratch},
     parse::{ETH_HLEN, Packet},
@@ -93,24 +93,26 @@ fn rewrite(ctx: &TcContext, pkt: &Packet, to: &CtValue, half: Half) -> Result<()
         }
         return Ok(());
     }
-    if source && to.src != pkt.src {
-        replace_addr(ctx, pkt, pkt.src_offset(), &pkt.src, &to.src)?;
-    }
-    if destination && to.dst != pkt.dst {
-        replace_addr(ctx, pkt, pkt.dst_offset(), &pkt.dst, &to.dst)?;
-    }
     let sport = if source { to.sport } else { pkt.sport };
     let dport = if destination { to.dport } else { pkt.dport };
     if pkt.proto == proto::SCTP {
+        if source && to.src != pkt.src {
+            replace_sctp_addr(ctx, pkt, pkt.src_offset(), &pkt.src, &to.src)?;
+        }
+        if destination && to.dst != pkt.dst {
+            replace_sctp_addr(ctx, pkt, pkt.dst_offset(), &pkt.dst, &to.dst)?;
+        }
         return sctp::replace_ports(ctx, pkt, sport, dport);
     }
-    if sport != pkt.sport {
-        replace_port(ctx, pkt, pkt.l4, pkt.sport, sport)?;
-    }
-    if dport != pkt.dport {
-        replace_port(ctx, pkt, pkt.l4 + 2, pkt.dport, dport)?;
-    }
-    Ok(())
+    let rewrite = Rewrite {
+        src: &to.src,
+        new_src: source && to.src != pkt.src,
+        dst: &to.dst,
+        new_dst: destination && to.dst != pkt.dst,
+        sport,
+        dport,
+    };
+    rewrite_tuple(ctx, pkt, &rewrite)
 }
 
 /// Ingress: rewrites the packet, counts it under `stat` and sends it on — the destination
@@ -249,6 +251,9 @@ pub fn fib_query_addrs(
 pub enum Next {
     /// Out of this interface, to the next hop the kernel resolves.
     Redirect(u32),
+    /// Out of this interface, to the next hop whose MACs the fib lookup left in the scratch
+    /// slot's `fib`.
+    Resolved(u32),
     /// The link to the next hop takes at most this many bytes, fewer than the packet has
     /// (checked against the skb's length, so a GRO aggregate the stack would segment passes).
     TooBig(u16),
@@ -273,7 +278,10 @@ pub fn route(ctx: &TcContext, family: u8, protocol: u8, to: &CtValue) -> Next {
     // SAFETY: params is a stack value of the size passed.
     let ret =
         unsafe { bpf_fib_lookup(ctx.as_ptr(), params, mem::size_of::<FibLookup>() as i32, 0) };
-    if ret == i64::from(BPF_FIB_LKUP_RET_SUCCESS) || ret == i64::from(BPF_FIB_LKUP_RET_NO_NEIGH) {
+    if ret == i64::from(BPF_FIB_LKUP_RET_SUCCESS) {
+        return Next::Resolved(params.ifindex);
+    }
+    if ret == i64::from(BPF_FIB_LKUP_RET_NO_NEIGH) {
         return Next::Redirect(params.ifindex);
     }
     if ret == i64::from(BPF_FIB_LKUP_RET_FRAG_NEEDED) {
@@ -287,9 +295,13 @@ pub fn route(ctx: &TcContext, family: u8, protocol: u8, to: &CtValue) -> Next {
 /// Sends a packet the fast path has translated where [`route`] said.
 #[inline(always)]
 pub fn forward(ctx: &TcContext, to: &CtValue, next: Next) -> i32 {
-    let Next::Redirect(ifindex) = next else {
-        bump(StatIndex::TcPassedToStack);
-        return TC_ACT_OK;
+    let (ifindex, resolved) = match next {
+        Next::Redirect(ifindex) => (ifindex, false),
+        Next::Resolved(ifindex) => (ifindex, true),
+        Next::TooBig(_) | Next::Stack => {
+            bump(StatIndex::TcPassedToStack);
+            return TC_ACT_OK;
+        }
     };
     // A priority tag (VLAN 0, 802.1p) stripped by the NIC rides in `vlan_tci` and would
     // leave with the packet on the backend's interface: the stack would have dropped it on
@@ -305,6 +317,27 @@ pub fn forward(ctx: &TcContext, to: &CtValue, next: Next) -> i32 {
     if let Some(action) = leave_by_ingress(ctx, to, ifindex) {
         return action;
     }
+    if resolved && let Some(action) = redirect_resolved(ctx, ifindex) {
+        return action;
+    }
     // SAFETY: no neighbour parameters: the kernel resolves the next hop itself.
     unsafe { bpf_redirect_neigh(ifindex, ptr::null_mut(), 0, 0) as i32 }
+}
+
+/// Writes the MACs the fib lookup resolved and redirects straight to the interface's queue:
+/// `bpf_redirect_neigh` would look the same neighbour up again on transmit. A neighbour the
+/// kernel no longer holds valid comes back from the lookup as `NO_NEIGH`, and the packet then
+/// takes `bpf_redirect_neigh`, which resolves it (as Cilium's fast path does). `None`: the
+/// scratch slot is gone, so the kernel resolves it.
+#[inline(always)]
+fn redirect_resolved(ctx: &TcContext, ifindex: u32) -> Option<i32> {
+    let scratch = scratch()?;
+    // SAFETY: the per-CPU slot is ours until the program ends; `route` filled `fib`.
+    let params: &FibLookup = unsafe { &(*scratch).fib };
+    if store(ctx, 0, &params.dmac).is_none() || store(ctx, 6, &params.smac).is_none() {
+        bump(StatIndex::TcRewriteFailed);
+        return Some(TC_ACT_SHOT);
+    }
+    // SAFETY: plain helper call; the ifindex is the one the fib lookup chose.
+    Some(unsafe { bpf_redirect(ifindex, 0) } as i32)
 }
