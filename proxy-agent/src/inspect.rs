@@ -17,6 +17,7 @@ use proxy_common::{
     Backend4, Backend6, BackendEntry, BackendSlotKey, Frontend4Key, Frontend6Key, FrontendValue,
     StatAction, StatIndex, frontend_flags, map_names, scope,
 };
+use proxy_kernel::bpf::map_batch::{BatchReader, read_array};
 use serde::Serialize;
 
 use proxy_dataplane_ebpf::{KernelFeatures, PIN_DIR_NAME, ip4_from_map, ip6_from_map};
@@ -580,24 +581,36 @@ fn backend_addr(pin_dir: &Path) -> anyhow::Result<BTreeMap<u32, SocketAddr>> {
     let backends6: Array<MapData, Backend6> =
         open_map(pin_dir, map_names::BACKENDS6)?.try_into()?;
     let mut out = BTreeMap::new();
-    // Arrays indexed by backend id; an element without a backend is an unused id.
-    for (id, entry) in (0..).zip(backends4.iter()) {
-        let b = entry?;
-        if b.in_use() {
-            out.insert(
-                id,
-                SocketAddr::new(ip4_from_map(b.addr).into(), u16::from_be(b.port)),
-            );
-        }
+    // Arrays indexed by backend id, every index read (in batches: one lookup each would be a
+    // syscall per possible id); an element without a backend is an unused id.
+    let mut reader = BatchReader::default();
+    let mut read4 = Vec::new();
+    read_array(
+        &backends4,
+        &mut reader,
+        map_names::BACKENDS4,
+        BackendEntry::in_use,
+        &mut read4,
+    );
+    for (id, b) in read4 {
+        out.insert(
+            id,
+            SocketAddr::new(ip4_from_map(b.addr).into(), u16::from_be(b.port)),
+        );
     }
-    for (id, entry) in (0..).zip(backends6.iter()) {
-        let b = entry?;
-        if b.in_use() {
-            out.insert(
-                id,
-                SocketAddr::new(ip6_from_map(b.addr).into(), u16::from_be(b.port)),
-            );
-        }
+    let mut read6 = Vec::new();
+    read_array(
+        &backends6,
+        &mut reader,
+        map_names::BACKENDS6,
+        BackendEntry::in_use,
+        &mut read6,
+    );
+    for (id, b) in read6 {
+        out.insert(
+            id,
+            SocketAddr::new(ip6_from_map(b.addr).into(), u16::from_be(b.port)),
+        );
     }
     Ok(out)
 }
