@@ -12,11 +12,12 @@ use std::{
 };
 
 use anyhow::{Context as _, bail};
-use aya::maps::{HashMap, Map, MapData, PerCpuArray};
+use aya::maps::{Array, HashMap, Map, MapData, PerCpuArray};
 use proxy_common::{
-    Backend4, Backend6, BackendSlotKey, Frontend4Key, Frontend6Key, FrontendValue, StatAction,
-    StatIndex, frontend_flags, map_names, scope,
+    Backend4, Backend6, BackendEntry, BackendSlotKey, Frontend4Key, Frontend6Key, FrontendValue,
+    StatAction, StatIndex, frontend_flags, map_names, scope,
 };
+use proxy_kernel::bpf::map_batch::{BatchReader, read_array};
 use serde::Serialize;
 
 use proxy_dataplane_ebpf::{KernelFeatures, PIN_DIR_NAME, ip4_from_map, ip6_from_map};
@@ -488,13 +489,14 @@ pub fn ebpf_frontends(
         open_map(pin_dir, map_names::FRONTENDS6)?.try_into()?;
     let slots: HashMap<MapData, BackendSlotKey, u32> =
         open_map(pin_dir, map_names::BACKEND_SLOTS)?.try_into()?;
-    let backends4: HashMap<MapData, u32, Backend4> =
+    let backends4: Array<MapData, Backend4> =
         open_map(pin_dir, map_names::BACKENDS4)?.try_into()?;
-    let backends6: HashMap<MapData, u32, Backend6> =
+    let backends6: Array<MapData, Backend6> =
         open_map(pin_dir, map_names::BACKENDS6)?.try_into()?;
 
+    // Both arrays have every id: the family's is the one whose element holds a backend.
     let backend = |id: u32| -> Option<String> {
-        if let Ok(b) = backends4.get(&id, 0) {
+        if let Some(b) = backends4.get(&id, 0).ok().filter(BackendEntry::in_use) {
             return Some(
                 SocketAddr::new(ip4_from_map(b.addr).into(), u16::from_be(b.port)).to_string(),
             );
@@ -502,6 +504,7 @@ pub fn ebpf_frontends(
         backends6
             .get(&id, 0)
             .ok()
+            .filter(BackendEntry::in_use)
             .map(|b| SocketAddr::new(ip6_from_map(b.addr).into(), u16::from_be(b.port)).to_string())
     };
     let row = |addr: IpAddr, port: u16, proto: u8, scope_value: u8, value: FrontendValue| {
@@ -573,20 +576,37 @@ pub fn ebpf_frontends(
 }
 
 fn backend_addr(pin_dir: &Path) -> anyhow::Result<BTreeMap<u32, SocketAddr>> {
-    let backends4: HashMap<MapData, u32, Backend4> =
+    let backends4: Array<MapData, Backend4> =
         open_map(pin_dir, map_names::BACKENDS4)?.try_into()?;
-    let backends6: HashMap<MapData, u32, Backend6> =
+    let backends6: Array<MapData, Backend6> =
         open_map(pin_dir, map_names::BACKENDS6)?.try_into()?;
     let mut out = BTreeMap::new();
-    for entry in backends4.iter() {
-        let (id, b) = entry?;
+    // Arrays indexed by backend id, every index read (in batches: one lookup each would be a
+    // syscall per possible id); an element without a backend is an unused id.
+    let mut reader = BatchReader::default();
+    let mut read4 = Vec::new();
+    read_array(
+        &backends4,
+        &mut reader,
+        map_names::BACKENDS4,
+        BackendEntry::in_use,
+        &mut read4,
+    );
+    for (id, b) in read4 {
         out.insert(
             id,
             SocketAddr::new(ip4_from_map(b.addr).into(), u16::from_be(b.port)),
         );
     }
-    for entry in backends6.iter() {
-        let (id, b) = entry?;
+    let mut read6 = Vec::new();
+    read_array(
+        &backends6,
+        &mut reader,
+        map_names::BACKENDS6,
+        BackendEntry::in_use,
+        &mut read6,
+    );
+    for (id, b) in read6 {
         out.insert(
             id,
             SocketAddr::new(ip6_from_map(b.addr).into(), u16::from_be(b.port)),

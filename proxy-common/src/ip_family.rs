@@ -4,8 +4,8 @@
 //! their own layouts (pinned maps outlive a program); only the code is shared.
 
 use crate::{
-    Backend4, Backend6, Frontend4Key, Frontend6Key, RevNat4, RevNat4Key, RevNat6, RevNat6Key,
-    family,
+    Backend4, Backend6, BackendEntry, Frontend4Key, Frontend6Key, RevNat4, RevNat4Key, RevNat6,
+    RevNat6Key, family,
 };
 
 /// An address family and its map types.
@@ -17,7 +17,7 @@ pub trait IpFamily {
     /// Key of `KPR_FRONTENDS4/6`.
     type FrontendKey: Copy;
     /// Value of `KPR_BACKENDS4/6`.
-    type Backend: Copy;
+    type Backend: BackendEntry;
     /// Key of `KPR_REVNAT4/6`.
     type RevNatKey: Copy;
     /// Value of `KPR_REVNAT4/6`.

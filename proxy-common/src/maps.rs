@@ -537,9 +537,21 @@ pub struct MaglevBlock {
     pub backend_ids: [u32; MAGLEV_BLOCK_SLOTS as usize],
 }
 
-/// Value of `KPR_BACKENDS4` (keyed by a `u32` backend id allocated by the agent).
+/// A value of `KPR_BACKENDS4/6`: arrays indexed by backend id (ids are dense, handed out from 1
+/// by the agent), so an array of the backends' capacity costs about what its entries need,
+/// where a hash map element cost six times its value. An array has every index: a removed
+/// backend is written as the zero value, and readers (the programs, `inspect`, the agent's
+/// drift check) take a value without a protocol for an absent backend, as a hash miss was.
+pub trait BackendEntry: Copy {
+    /// Whether the slot holds a backend: every backend has a protocol (TCP, UDP, SCTP), the
+    /// zero value written for a removed one has none.
+    fn in_use(&self) -> bool;
+}
+
+/// Value of `KPR_BACKENDS4` (indexed by a `u32` backend id allocated by the agent; see
+/// [`BackendEntry`]).
 #[repr(C)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
 pub struct Backend4 {
     /// IPv4 address, network byte order.
     pub addr: u32,
@@ -549,14 +561,28 @@ pub struct Backend4 {
     pub flags: u8,
 }
 
-/// Value of `KPR_BACKENDS6`.
+/// Value of `KPR_BACKENDS6` (see [`BackendEntry`]).
 #[repr(C)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
 pub struct Backend6 {
     pub addr: [u32; 4],
     pub port: u16,
     pub proto: u8,
     pub flags: u8,
+}
+
+impl BackendEntry for Backend4 {
+    #[inline(always)]
+    fn in_use(&self) -> bool {
+        self.proto != 0
+    }
+}
+
+impl BackendEntry for Backend6 {
+    #[inline(always)]
+    fn in_use(&self) -> bool {
+        self.proto != 0
+    }
 }
 
 /// Key of `KPR_REVNAT4`, like Cilium's `lb4_reverse_sk`: a socket and the backend it was sent

@@ -234,6 +234,7 @@ impl EbpfDataplane {
             .any(|name| pin_dir.join(name).exists());
 
         let slots_capacity = options.backends_capacity;
+        let backend_array_len = options.backends_capacity.saturating_add(1);
         let use_set_retval = u8::from(features.uses(Feature::SetRetval));
         let l4_csum_ipv6 = u8::from(features.uses(Feature::L4CsumIpv6));
         let (icmp4, icmp6) = match options.icmp_ratelimit {
@@ -310,8 +311,9 @@ impl EbpfDataplane {
             .map_max_entries(map_names::FRONTENDS6, options.frontends_capacity)
             .map_max_entries(map_names::BACKEND_SLOTS, slots_capacity)
             .map_max_entries(map_names::AFFINITY_MATCH, slots_capacity)
-            .map_max_entries(map_names::BACKENDS4, options.backends_capacity)
-            .map_max_entries(map_names::BACKENDS6, options.backends_capacity)
+            // Arrays indexed by backend id: ids 1..=capacity, index 0 unused.
+            .map_max_entries(map_names::BACKENDS4, backend_array_len)
+            .map_max_entries(map_names::BACKENDS6, backend_array_len)
             .map_max_entries(map_names::SOURCE_RANGES, options.frontends_capacity)
             .map_max_entries(map_names::MAGLEV, maglev_capacity)
             .map_max_entries(map_names::CT4, lru.conntrack4)
@@ -414,6 +416,13 @@ impl EbpfDataplane {
             );
         }
         map_writer.set_max_endpoints_per_service(options.max_endpoints_per_service);
+        // An adopted pin keeps the length it was created with, whatever `--bpf-map-backends`
+        // says now, and aya checks indices against the configured one: ids stay below both.
+        map_writer.set_backend_id_limit(
+            array_len(&maps.backends4)
+                .min(array_len(&maps.backends6))
+                .min(backend_array_len),
+        );
 
         // Before the tc programs attach (and before the first sync gives them frontends): from
         // then on a UDP/SCTP packet without an entry would be a new flow of theirs.
@@ -1307,4 +1316,17 @@ fn frontend_kind(snapshot: &Snapshot, name: &ServicePortName, key: &FrontendKey)
         .service_ports
         .get(name)
         .map_or(0, |port| FrontendKind::of(port, key).code())
+}
+
+/// The length of an array map as the kernel has it (aya's `len` is the object's definition,
+/// which a reused pin need not match); `u32::MAX` (no bound of its own) when it cannot be read.
+fn array_len<V: aya::Pod>(array: &aya::maps::Array<aya::maps::MapData, V>) -> u32 {
+    use aya::maps::IterableMap as _;
+    match array.map().info() {
+        Ok(info) => info.max_entries(),
+        Err(error) => {
+            warn!(%error, "cannot read an array map's length; assuming the configured one");
+            u32::MAX
+        }
+    }
 }

@@ -4,12 +4,12 @@
 
 use aya_ebpf::{
     helpers::{bpf_get_prandom_u32, bpf_ktime_get_ns},
-    maps::HashMap,
+    maps::Array,
 };
 pub use proxy_common::select::Decision;
 use proxy_common::{
-    AffinityKey, AffinityMatchKey, AffinityValue, BackendSlotKey, FrontendValue, MaglevKey,
-    StatIndex, select::BackendMaps,
+    AffinityKey, AffinityMatchKey, AffinityValue, BackendEntry, BackendSlotKey, FrontendValue,
+    MaglevKey, StatIndex, select::BackendMaps,
 };
 
 use crate::{
@@ -19,17 +19,18 @@ use crate::{
 
 /// The maps a choice reads, with the backend map of the flow's family.
 struct Maps<'a, B: 'static> {
-    backends: &'a HashMap<u32, B>,
+    backends: &'a Array<B>,
 }
 
 // SAFETY (every `get` below): map values are plain integers, copied out at once; the agent and
 // the programs replace values with whole-value updates, so a copy is always one complete value.
-impl<B: Copy + 'static> BackendMaps for Maps<'_, B> {
+impl<B: BackendEntry + 'static> BackendMaps for Maps<'_, B> {
     type Backend = B;
     #[inline(always)]
     fn backend(&mut self, id: u32) -> Option<B> {
-        // SAFETY: see above.
-        (unsafe { self.backends.get(id) }).copied()
+        // An id past the array's end has no element; a removed backend is the zero value, a
+        // miss as the hash map's was (`BackendEntry`).
+        self.backends.get(id).copied().filter(BackendEntry::in_use)
     }
     #[inline(always)]
     fn slot(&mut self, key: &BackendSlotKey) -> Option<u32> {
@@ -86,12 +87,12 @@ impl<B: Copy + 'static> BackendMaps for Maps<'_, B> {
 /// Picks the backend for a new connection (or datagram) of `client` to `frontend` from
 /// `backends`: see `proxy_common::select::select_backend`.
 #[inline(always)]
-pub fn select_backend<B: Copy + 'static>(
+pub fn select_backend<B: BackendEntry + 'static>(
     frontend: &FrontendValue,
     client: impl FnOnce() -> u64,
     flow_hash: impl FnOnce() -> Option<u32>,
     socket: Option<u64>,
-    backends: &HashMap<u32, B>,
+    backends: &Array<B>,
 ) -> Decision<B> {
     proxy_common::select::select_backend(
         &mut Maps { backends },

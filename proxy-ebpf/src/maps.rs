@@ -3,9 +3,10 @@
 //! All maps are pinned by name so the agent can find (and, after a restart, re-adopt) them under
 //! its bpffs directory.
 //!
-//! Memory: the hash maps only the agent writes are not preallocated (`BPF_F_NO_PREALLOC`), so
-//! their kernel memory follows the Services there are; their capacity is a bound, and costs
-//! only the bucket array (16 bytes per slot of capacity, rounded up to a power of two). The
+//! Memory: the backend maps are arrays indexed by the agent's dense backend ids, costing what
+//! their values need. The hash maps only the agent writes are not preallocated
+//! (`BPF_F_NO_PREALLOC`), so their kernel memory follows the Services there are; their capacity
+//! is a bound, and costs only the bucket array (16 bytes per slot of capacity, rounded up to a power of two). The
 //! LRU maps the datapath writes cannot be (the kernel preallocates every LRU hash map): the
 //! agent sizes them from the node's memory (`dataplane::ebpf::map_sizes`).
 
@@ -48,13 +49,15 @@ pub static KPR_BACKEND_SLOTS: HashMap<BackendSlotKey, u32> =
 pub static KPR_MAGLEV: HashMap<MaglevKey, MaglevBlock> =
     HashMap::pinned(default_sizes::MAGLEV, BPF_F_NO_PREALLOC);
 
+/// Backend id → backend: arrays, as the agent hands out ids densely from 1 (index 0 is never
+/// used), so their memory is capacity × value size with no per-element overhead. A removed
+/// backend is the zero value (`proxy_common::BackendEntry`); the agent sizes both to the
+/// backends' capacity plus index 0.
 #[map]
-pub static KPR_BACKENDS4: HashMap<u32, Backend4> =
-    HashMap::pinned(default_sizes::BACKENDS, BPF_F_NO_PREALLOC);
+pub static KPR_BACKENDS4: Array<Backend4> = Array::pinned(default_sizes::BACKENDS + 1, 0);
 
 #[map]
-pub static KPR_BACKENDS6: HashMap<u32, Backend6> =
-    HashMap::pinned(default_sizes::BACKENDS, BPF_F_NO_PREALLOC);
+pub static KPR_BACKENDS6: Array<Backend6> = Array::pinned(default_sizes::BACKENDS + 1, 0);
 
 /// (socket cookie, backend) → service address. LRU: entries of closed sockets age out without
 /// the agent having to track socket lifetimes.
@@ -271,7 +274,7 @@ pub trait FamilyMaps: IpFamily + 'static {
     /// `KPR_FRONTENDS4/6`.
     fn frontend_map() -> &'static HashMap<Self::FrontendKey, FrontendValue>;
     /// `KPR_BACKENDS4/6`.
-    fn backend_map() -> &'static HashMap<u32, Self::Backend>;
+    fn backend_map() -> &'static Array<Self::Backend>;
     /// `KPR_REVNAT4/6`.
     fn revnat_map() -> &'static LruHashMap<Self::RevNatKey, Self::RevNat>;
 }
@@ -282,7 +285,7 @@ impl FamilyMaps for ip_family::V4 {
         &KPR_FRONTENDS4
     }
     #[inline(always)]
-    fn backend_map() -> &'static HashMap<u32, Backend4> {
+    fn backend_map() -> &'static Array<Backend4> {
         &KPR_BACKENDS4
     }
     #[inline(always)]
@@ -297,7 +300,7 @@ impl FamilyMaps for ip_family::V6 {
         &KPR_FRONTENDS6
     }
     #[inline(always)]
-    fn backend_map() -> &'static HashMap<u32, Backend6> {
+    fn backend_map() -> &'static Array<Backend6> {
         &KPR_BACKENDS6
     }
     #[inline(always)]

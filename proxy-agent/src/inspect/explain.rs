@@ -27,8 +27,8 @@ use std::{
 use anyhow::{Context as _, bail};
 use aya::maps::{Array, HashMap, LpmTrie, Map, MapData, lpm_trie::Key};
 use proxy_common::{
-    AffinityKey, AffinityMatchKey, AffinityValue, Backend4, Backend6, BackendSlotKey, CtKey,
-    CtValue, Frontend4Key, Frontend6Key, FrontendValue, MaglevBlock, MaglevKey, NodeAddrKey,
+    AffinityKey, AffinityMatchKey, AffinityValue, Backend4, Backend6, BackendEntry, BackendSlotKey,
+    CtKey, CtValue, Frontend4Key, Frontend6Key, FrontendValue, MaglevBlock, MaglevKey, NodeAddrKey,
     NodeConfig, SourceRangeKey, StatIndex, ct_flags, family, frontend_flags,
     lookup::{self, Admit, FrontendMaps, Matched, TcSide},
     map_names, node_flags, proto, scope,
@@ -890,8 +890,8 @@ pub struct PinnedMaps {
     frontends4: HashMap<MapData, Frontend4Key, FrontendValue>,
     frontends6: HashMap<MapData, Frontend6Key, FrontendValue>,
     slots: HashMap<MapData, BackendSlotKey, u32>,
-    backends4: HashMap<MapData, u32, Backend4>,
-    backends6: HashMap<MapData, u32, Backend6>,
+    backends4: Array<MapData, Backend4>,
+    backends6: Array<MapData, Backend6>,
     node_addrs: HashMap<MapData, NodeAddrKey, u8>,
     node_config: Array<MapData, NodeConfig>,
     source_ranges: LpmTrie<MapData, SourceRangeKey, u8>,
@@ -921,8 +921,8 @@ impl PinnedMaps {
             frontends4: HashMap::try_from(open(pin_dir, map_names::FRONTENDS4)?)?,
             frontends6: HashMap::try_from(open(pin_dir, map_names::FRONTENDS6)?)?,
             slots: HashMap::try_from(open(pin_dir, map_names::BACKEND_SLOTS)?)?,
-            backends4: HashMap::try_from(open(pin_dir, map_names::BACKENDS4)?)?,
-            backends6: HashMap::try_from(open(pin_dir, map_names::BACKENDS6)?)?,
+            backends4: Array::try_from(open(pin_dir, map_names::BACKENDS4)?)?,
+            backends6: Array::try_from(open(pin_dir, map_names::BACKENDS6)?)?,
             node_addrs: HashMap::try_from(open(pin_dir, map_names::NODE_ADDRS)?)?,
             node_config: Array::try_from(open(pin_dir, map_names::NODE_CONFIG)?)?,
             source_ranges: LpmTrie::try_from(open(pin_dir, map_names::SOURCE_RANGES)?)?,
@@ -975,11 +975,20 @@ impl Maps for PinnedMaps {
         self.slots.get(&key, 0).ok()
     }
     fn backend(&self, id: u32, v6: bool) -> Option<SocketAddr> {
+        // A removed backend is the zero value of its array element, a miss as in the programs.
         if v6 {
-            let b = self.backends6.get(&id, 0).ok()?;
+            let b = self
+                .backends6
+                .get(&id, 0)
+                .ok()
+                .filter(BackendEntry::in_use)?;
             Some(addr_of(b.addr, true, b.port))
         } else {
-            let b = self.backends4.get(&id, 0).ok()?;
+            let b = self
+                .backends4
+                .get(&id, 0)
+                .ok()
+                .filter(BackendEntry::in_use)?;
             Some(addr_of([b.addr, 0, 0, 0], false, b.port))
         }
     }

@@ -103,8 +103,10 @@ pub fn current() -> [Layout; 25] {
         layout::<Frontend4Key, FrontendValue>(map_names::FRONTENDS4, 1),
         layout::<Frontend6Key, FrontendValue>(map_names::FRONTENDS6, 1),
         layout::<BackendSlotKey, u32>(map_names::BACKEND_SLOTS, 1),
-        layout::<u32, Backend4>(map_names::BACKENDS4, 1),
-        layout::<u32, Backend6>(map_names::BACKENDS6, 1),
+        // Version 1: hash maps of the same key and value (service state: rebuilt, with the
+        // maps that share its ids, and filled by the first sync; `ARRAYS`).
+        layout::<u32, Backend4>(map_names::BACKENDS4, 2),
+        layout::<u32, Backend6>(map_names::BACKENDS6, 2),
         // Version 1: the foundation's cookie → (service, backend); see `v1::RevNat4`.
         layout::<RevNat4Key, RevNat4>(map_names::REVNAT4, 2),
         layout::<RevNat6Key, RevNat6>(map_names::REVNAT6, 1),
@@ -137,6 +139,18 @@ pub fn current() -> [Layout; 25] {
         // would keep only what the first sync writes (the programs then pass those flows on).
         layout::<u32, PortFilter>(map_names::PORT_FILTER, 1),
     ]
+}
+
+/// The pinned maps that were another map type (hash maps) in an earlier layout of the same
+/// key and value sizes: only the type tells such a map apart when it has no layout record, so
+/// one of another type is rebuilt whatever its record says.
+const ARRAYS: [&str; 2] = [map_names::BACKENDS4, map_names::BACKENDS6];
+
+/// Whether the pinned map is of the type this build creates under its name, as far as
+/// [`ARRAYS`] says (other maps never changed type).
+fn type_matches(name: &str, info: Option<&MapInfo>) -> bool {
+    !ARRAYS.contains(&name)
+        || info.is_some_and(|info| matches!(info.map_type(), Ok(aya::maps::MapType::Array)))
 }
 
 /// What a pinned map holds, so what starting it empty costs.
@@ -669,7 +683,12 @@ pub fn plan(pin_dir: &Path) -> std::io::Result<Plan> {
             }
             _ => Found::Unrecorded,
         };
-        match decide(&current, found, key_size, value_size) {
+        let decision = if type_matches(current.name, info.as_ref()) {
+            decide(&current, found, key_size, value_size)
+        } else {
+            Decision::Rebuild
+        };
+        match decision {
             Decision::Adopt => {}
             Decision::Migrate(migration) => match Map::from_map_data(data) {
                 Ok(old) => {
@@ -705,6 +724,25 @@ pub fn plan(pin_dir: &Path) -> std::io::Result<Plan> {
                     Holds::DatapathState(lost) => lost,
                     Holds::Counters => "its counters start from 0",
                 };
+                // An older agent's layout of what the first sync writes again (the hash maps
+                // the backend arrays replaced): expected at an upgrade, nothing is lost.
+                let older_service_state = holds(current.name) == Holds::ServiceState
+                    && match found {
+                        Found::Recorded(v) => v < current.version,
+                        Found::Unrecorded => !type_matches(current.name, info.as_ref()),
+                    };
+                if older_service_state {
+                    info!(
+                        map = current.name,
+                        version = %version,
+                        this_version = current.version,
+                        consequence,
+                        "pinned map has an older layout of service state; it is rebuilt"
+                    );
+                    crate::attach::pin_files::remove_if_present(&pin)?;
+                    plan.rebuilt.push(current.name);
+                    continue;
+                }
                 warn!(
                     map = current.name,
                     version = %version,

@@ -120,7 +120,7 @@ pub fn diff_keyed(expected: &MapsContent, found: &MapsContent) -> Vec<Keyed> {
         &expected.backends,
         &found.backends,
         Describe {
-            map_of: |(_, backend): &(u32, BackendValue)| backend_map(backend),
+            map_of: |(_, backend): &(u32, BackendValue)| backend.map_name(),
             key: |id: &u32| format!("backend {id}"),
             value: |backend: &BackendValue| backend.socket_addr().to_string(),
             put: Fix::PutBackend,
@@ -240,9 +240,9 @@ impl Fix {
             Fix::DeleteFrontend(key) => (frontend_map(&key), maps.delete_frontend(key)),
             Fix::PutSlot(key, id) => (map_names::BACKEND_SLOTS, maps.put_slot(key, id)),
             Fix::DeleteSlot(key) => (map_names::BACKEND_SLOTS, maps.delete_slot(key)),
-            Fix::PutBackend(id, backend) => (backend_map(&backend), maps.put_backend(id, backend)),
+            Fix::PutBackend(id, backend) => (backend.map_name(), maps.put_backend(id, backend)),
             Fix::DeleteBackend(id, backend) => {
-                (backend_map(&backend), maps.delete_backend(id, backend))
+                (backend.map_name(), maps.delete_backend(id, backend))
             }
             Fix::PutAffinityMatch(key) => (map_names::AFFINITY_MATCH, maps.put_affinity_match(key)),
             Fix::DeleteAffinityMatch(key) => {
@@ -421,13 +421,6 @@ pub fn repair<'a>(
         }
     }
     report
-}
-
-fn backend_map(backend: &BackendValue) -> &'static str {
-    match backend {
-        BackendValue::V4(_) => map_names::BACKENDS4,
-        BackendValue::V6(_) => map_names::BACKENDS6,
-    }
 }
 
 fn frontend_map(key: &FrontendMapKey) -> &'static str {

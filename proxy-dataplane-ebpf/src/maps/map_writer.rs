@@ -75,6 +75,14 @@ pub enum BackendValue {
 }
 
 impl BackendValue {
+    /// The map that holds it: `KPR_BACKENDS4` or `KPR_BACKENDS6`.
+    pub fn map_name(&self) -> &'static str {
+        match self {
+            BackendValue::V4(_) => proxy_common::map_names::BACKENDS4,
+            BackendValue::V6(_) => proxy_common::map_names::BACKENDS6,
+        }
+    }
+
     /// The backend's port (host order).
     pub fn port(&self) -> u16 {
         match self {
@@ -372,6 +380,13 @@ impl MapWriter {
                 .with(SharedMap::Frontends, u64::from(max_frontends_per_service)),
             Entries::splat(1).with(SharedMap::Maglev, table_blocks.into()),
         );
+    }
+
+    /// Backend ids index the backend arrays, of `limit` elements (the shorter of the two
+    /// families' arrays; index 0 unused): a backend that would need an id past them does not
+    /// fit (`MapWriteError::Full` naming its family's map).
+    pub fn set_backend_id_limit(&mut self, limit: u32) {
+        self.backend_ids.set_limit(limit);
     }
 
     /// `--bpf-max-endpoints-per-service`: each frontend is programmed with at most this many

@@ -12,9 +12,9 @@ use aya::maps::{
 };
 use ipnet::IpNet;
 use proxy_common::{
-    AffinityMatchKey, Backend4, Backend6, BackendSlotKey, EndpointTrafficKey, Frontend4Key,
-    Frontend6Key, FrontendValue, MaglevBlock, MaglevKey, PortFilter, RevNat4, RevNat4Key, RevNat6,
-    RevNat6Key, ServicePackets, ServiceTraffic, SourceRangeKey, map_names,
+    AffinityMatchKey, Backend4, Backend6, BackendEntry, BackendSlotKey, EndpointTrafficKey,
+    Frontend4Key, Frontend6Key, FrontendValue, MaglevBlock, MaglevKey, PortFilter, RevNat4,
+    RevNat4Key, RevNat6, RevNat6Key, ServicePackets, ServiceTraffic, SourceRangeKey, map_names,
 };
 
 use crate::{
@@ -27,7 +27,7 @@ use crate::{
     maps::touched_keys::Touched,
 };
 use proxy_kernel::bpf::{
-    map_batch::{BatchReader, read_all, update_all},
+    map_batch::{BatchReader, read_all, read_array, update_all, update_array_all},
     sockdiag::DiagSocket,
 };
 
@@ -36,8 +36,9 @@ pub(crate) struct ServiceMaps {
     pub(crate) frontends4: HashMap<MapData, Frontend4Key, FrontendValue>,
     pub(crate) frontends6: HashMap<MapData, Frontend6Key, FrontendValue>,
     pub(crate) slots: HashMap<MapData, BackendSlotKey, u32>,
-    pub(crate) backends4: HashMap<MapData, u32, Backend4>,
-    pub(crate) backends6: HashMap<MapData, u32, Backend6>,
+    /// Indexed by backend id; a removed backend is the zero value (`BackendEntry`).
+    pub(crate) backends4: Array<MapData, Backend4>,
+    pub(crate) backends6: Array<MapData, Backend6>,
     pub(crate) affinity_match: HashMap<MapData, AffinityMatchKey, u8>,
     pub(crate) revnat4: HashMap<MapData, RevNat4Key, RevNat4>,
     pub(crate) revnat6: HashMap<MapData, RevNat6Key, RevNat6>,
@@ -163,11 +164,11 @@ impl MapOps for ServiceMaps {
         match backend {
             BackendValue::V4(b) => self
                 .backends4
-                .insert(id, b, 0)
+                .set(id, b, 0)
                 .map_err(|e| map_error(map_names::BACKENDS4, e)),
             BackendValue::V6(b) => self
                 .backends6
-                .insert(id, b, 0)
+                .set(id, b, 0)
                 .map_err(|e| map_error(map_names::BACKENDS6, e)),
         }
     }
@@ -183,16 +184,29 @@ impl MapOps for ServiceMaps {
                 BackendValue::V6(b) => v6.push((id, b)),
             }
         }
-        update_all(&mut self.backends4, &v4).map_err(|e| map_error(map_names::BACKENDS4, e))?;
-        update_all(&mut self.backends6, &v6).map_err(|e| map_error(map_names::BACKENDS6, e))
+        update_array_all(&mut self.backends4, &v4)
+            .map_err(|e| map_error(map_names::BACKENDS4, e))?;
+        update_array_all(&mut self.backends6, &v6).map_err(|e| map_error(map_names::BACKENDS6, e))
     }
     fn delete_backend(&mut self, id: u32, backend: BackendValue) -> Result<(), MapWriteError> {
         if let Some(touched) = &mut self.touched {
             touched.backend(id);
         }
-        match backend {
-            BackendValue::V4(_) => ignore_missing(map_names::BACKENDS4, self.backends4.remove(&id)),
-            BackendValue::V6(_) => ignore_missing(map_names::BACKENDS6, self.backends6.remove(&id)),
+        // An array element cannot be deleted: the zero value is "no backend" to every reader.
+        // An id past the end was never written, so there is nothing to clear.
+        let cleared = match backend {
+            BackendValue::V4(_) => (
+                map_names::BACKENDS4,
+                self.backends4.set(id, Backend4::default(), 0),
+            ),
+            BackendValue::V6(_) => (
+                map_names::BACKENDS6,
+                self.backends6.set(id, Backend6::default(), 0),
+            ),
+        };
+        match cleared {
+            (_, Ok(()) | Err(aya::maps::MapError::OutOfBounds { .. })) => Ok(()),
+            (map, Err(error)) => Err(map_error(map, error)),
         }
     }
     fn put_affinity_match(&mut self, key: AffinityMatchKey) -> Result<(), MapWriteError> {
@@ -294,18 +308,21 @@ impl ServiceMaps {
         let mut maglev = Vec::new();
         read_all(&self.maglev, reader, map_names::MAGLEV, &mut maglev);
         content.maglev = maglev.into_iter().collect();
+        // Every index of the arrays is read; only those holding a backend are entries.
         let mut backends4 = Vec::new();
-        read_all(
+        read_array(
             &self.backends4,
             reader,
             map_names::BACKENDS4,
+            BackendEntry::in_use,
             &mut backends4,
         );
         let mut backends6 = Vec::new();
-        read_all(
+        read_array(
             &self.backends6,
             reader,
             map_names::BACKENDS6,
+            BackendEntry::in_use,
             &mut backends6,
         );
         content.backends = backends4
@@ -374,7 +391,8 @@ impl ServiceMaps {
     }
 }
 
-/// A hash map refuses a new key with E2BIG when it holds `max_entries` already.
+/// A hash map refuses a new key with E2BIG when it holds `max_entries` already; an array an
+/// index past its end, with E2BIG from the kernel or `OutOfBounds` from aya's own check.
 pub(crate) fn map_error(map: &'static str, error: aya::maps::MapError) -> MapWriteError {
     match &error {
         aya::maps::MapError::SyscallError(syscall)
@@ -382,6 +400,7 @@ pub(crate) fn map_error(map: &'static str, error: aya::maps::MapError) -> MapWri
         {
             MapWriteError::Full(map)
         }
+        aya::maps::MapError::OutOfBounds { .. } => MapWriteError::Full(map),
         _ => MapWriteError::Other(format!("map {map}: {error}")),
     }
 }

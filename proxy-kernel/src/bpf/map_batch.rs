@@ -19,7 +19,7 @@ use std::{
 
 use aya::{
     Pod,
-    maps::{HashMap, IterableMap as _, MapData},
+    maps::{Array, HashMap, IterableMap as _, MapData},
 };
 
 /// `BPF_MAP_LOOKUP_BATCH` in `enum bpf_cmd`, include/uapi/linux/bpf.h.
@@ -234,6 +234,99 @@ pub fn read_all<T: Borrow<MapData>, K: Pod, V: Pod>(
     out.extend(map.iter().flatten());
 }
 
+/// Replaces `out` with the elements of the array whose value `keep` accepts, with their
+/// index: batched when the kernel can, else (or after a failed batch, logged) index by index.
+/// An array has every index, so `keep` is what tells a held element from an empty one.
+pub fn read_array<T: Borrow<MapData>, V: Pod>(
+    map: &Array<T, V>,
+    reader: &mut BatchReader,
+    name: &'static str,
+    keep: impl Fn(&V) -> bool,
+    out: &mut Vec<(u32, V)>,
+) {
+    if !reader.entry_by_entry {
+        match reader.read(map.map(), out) {
+            Ok(()) => {
+                out.retain(|(_, value)| keep(value));
+                return;
+            }
+            Err(BatchError::Unsupported) => {}
+            Err(error) => {
+                tracing::warn!(map = name, %error, "batched read failed; reading entry by entry");
+            }
+        }
+    }
+    out.clear();
+    out.extend(
+        (0..map.len())
+            .filter_map(|index| Some((index, map.get(&index, 0).ok()?)))
+            .filter(|(_, value)| keep(value)),
+    );
+}
+
+/// Writes `entries` (index, value) into the array, as [`update_all`] does into a hash map: one
+/// `BPF_MAP_UPDATE_BATCH` call where the kernel has it. An index past the array's end fails
+/// with `E2BIG`, as a full hash map refuses a new key.
+pub fn update_array_all<T: std::borrow::BorrowMut<MapData>, V: Pod>(
+    map: &mut Array<T, V>,
+    entries: &[(u32, V)],
+) -> Result<(), aya::maps::MapError> {
+    if entries.len() > 1 {
+        let keys: Vec<u32> = entries.iter().map(|(index, _)| *index).collect();
+        let values: Vec<V> = entries.iter().map(|(_, value)| *value).collect();
+        match update_batch(map.map(), &keys, &values) {
+            Ok(()) => return Ok(()),
+            Err(Some(done)) => {
+                for (index, value) in &entries[done..] {
+                    map.set(*index, value, 0)?;
+                }
+                return Ok(());
+            }
+            Err(None) => {}
+        }
+    }
+    for (index, value) in entries {
+        map.set(*index, value, 0)?;
+    }
+    Ok(())
+}
+
+/// One `BPF_MAP_UPDATE_BATCH` of `keys` and `values` (as many of each). `Err(None)`: the
+/// kernel has no batch update for the map (nothing written); `Err(Some(done))`: the entry at
+/// `done` failed, the ones before it are written.
+fn update_batch<K: Pod, V: Pod>(
+    map: &MapData,
+    keys: &[K],
+    values: &[V],
+) -> Result<(), Option<usize>> {
+    let mut attr = BatchAttr {
+        keys: keys.as_ptr() as u64,
+        values: values.as_ptr() as u64,
+        count: u32::try_from(keys.len().min(values.len())).unwrap_or(u32::MAX),
+        map_fd: map.fd().as_fd().as_raw_fd() as u32,
+        ..BatchAttr::default()
+    };
+    // SAFETY: `attr` is a valid `bpf_attr.batch`; `keys` and `values` hold `count` entries of
+    // the map's key and value types (aya checked their sizes against the map when the typed
+    // handle was made) and outlive the call; the kernel only reads them.
+    let result = unsafe { crate::bpf::bpf_syscall::sys_bpf(BPF_MAP_UPDATE_BATCH, &mut attr) };
+    let done = (attr.count as usize).min(keys.len());
+    match result {
+        Ok(_) => Ok(()),
+        // Unknown command (before 5.6) or a map type without it: nothing was written.
+        Err(e)
+            if done == 0
+                && matches!(
+                    e.raw_os_error(),
+                    Some(libc::EINVAL | libc::EOPNOTSUPP | ENOTSUPP)
+                ) =>
+        {
+            Err(None)
+        }
+        Err(_) => Err(Some(done)),
+    }
+}
+
 /// Writes `entries` into the hash map (`BPF_ANY`), in one `BPF_MAP_UPDATE_BATCH` call when the
 /// kernel has it (5.6) and else one update each. A frontend's slots are written together: one
 /// call instead of one per backend made up most of a cold start's map writes (a syscall costs
@@ -247,35 +340,17 @@ pub fn update_all<T: std::borrow::BorrowMut<MapData>, K: Pod, V: Pod>(
     if entries.len() > 1 {
         let keys: Vec<K> = entries.iter().map(|(key, _)| *key).collect();
         let values: Vec<V> = entries.iter().map(|(_, value)| *value).collect();
-        let mut attr = BatchAttr {
-            keys: keys.as_ptr() as u64,
-            values: values.as_ptr() as u64,
-            count: u32::try_from(entries.len()).unwrap_or(u32::MAX),
-            map_fd: map.map().fd().as_fd().as_raw_fd() as u32,
-            ..BatchAttr::default()
-        };
-        // SAFETY: `attr` is a valid `bpf_attr.batch`; `keys` and `values` hold `count` entries
-        // of the map's key and value types (aya checked their sizes against the map when the
-        // typed handle was made) and outlive the call; the kernel only reads them.
-        let result = unsafe { crate::bpf::bpf_syscall::sys_bpf(BPF_MAP_UPDATE_BATCH, &mut attr) };
-        let done = (attr.count as usize).min(entries.len());
-        match result {
-            Ok(_) => return Ok(()),
-            // Unknown command (before 5.6) or a map type without it: nothing was written.
-            Err(e)
-                if done == 0
-                    && matches!(
-                        e.raw_os_error(),
-                        Some(libc::EINVAL | libc::EOPNOTSUPP | ENOTSUPP)
-                    ) => {}
+        match update_batch(map.map(), &keys, &values) {
+            Ok(()) => return Ok(()),
             // The entry at `done` failed: written one by one from there, it gives its own error
             // (and the entries after it are not written, as before).
-            Err(_) => {
+            Err(Some(done)) => {
                 for (key, value) in &entries[done..] {
                     map.insert(key, value, 0)?;
                 }
                 return Ok(());
             }
+            Err(None) => {}
         }
     }
     for (key, value) in entries {

@@ -130,10 +130,11 @@ fn tamper(pin_dir: &Path) -> anyhow::Result<u32> {
     };
     let first = slots.get(&slot(0), 0)?;
     // Corrupt: the first backend now leads to a documentation address.
-    let mut backends: HashMap<_, u32, Backend4> = open(pin_dir, map_names::BACKENDS4)?;
+    let data = MapData::from_pin(pin_dir.join(map_names::BACKENDS4))?;
+    let mut backends: Array<_, Backend4> = Array::try_from(Map::from_map_data(data)?)?;
     let mut backend = backends.get(&first, 0)?;
     backend.addr = map_addr(Ipv4Addr::new(192, 0, 2, 1));
-    backends.insert(first, backend, 0)?;
+    backends.set(first, backend, 0)?;
     // Delete: the second slot.
     slots.remove(&slot(1))?;
     // Add: a frontend nobody programmed, and an affinity match entry for a Service without

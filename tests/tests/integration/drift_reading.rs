@@ -17,7 +17,7 @@
 
 use std::{collections::BTreeMap, net::Ipv4Addr};
 
-use aya::maps::{HashMap, Map, MapData};
+use aya::maps::{Array, Map, MapData};
 use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
 use proxy_common::{Backend4, map_names};
 use proxy_dataplane_ebpf::{DriftNotChecked, EbpfDataplane, PIN_DIR_NAME};
@@ -130,12 +130,12 @@ fn writes_during_a_drift_reading_are_not_drift_but_tampering_is() {
         let map = MapData::from_pin(pin_dir.join(map_names::BACKENDS4))
             .and_then(Map::from_map_data)
             .expect("backends map");
-        let mut backends: HashMap<MapData, u32, Backend4> =
-            HashMap::try_from(map).expect("typed backends map");
+        let mut backends: Array<MapData, Backend4> =
+            Array::try_from(map).expect("typed backends map");
         let api_addr = u32::from(Ipv4Addr::new(10, 244, 2, 2)).to_be();
-        let (api_id, api_backend) = backends
-            .iter()
-            .filter_map(Result::ok)
+        let (api_id, api_backend) = (0..)
+            .zip(backends.iter())
+            .filter_map(|(id, b)| Some((id, b.ok()?)))
             .find(|(_, b)| b.addr == api_addr)
             .expect("api's backend in the map");
         let job = dataplane.start_drift_check().expect("drift check");
@@ -143,7 +143,7 @@ fn writes_during_a_drift_reading_are_not_drift_but_tampering_is() {
             addr: u32::from(Ipv4Addr::new(192, 0, 2, 66)).to_be(),
             ..api_backend
         };
-        backends.insert(api_id, tampered, 0).expect("tamper");
+        backends.set(api_id, tampered, 0).expect("tamper");
         let (_, errors) = dataplane.apply(&before, None);
         assert!(errors.is_empty(), "apply errors: {errors:?}");
         let found = job.run();

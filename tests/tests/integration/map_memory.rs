@@ -1,6 +1,7 @@
-//! BPF map memory that follows use. The agent's service maps are not
+//! BPF map memory that follows use. The agent's service hash maps are not
 //! preallocated, so their kernel memory (`memlock` in the map fd's fdinfo, what `bpftool map
-//! show` reports) grows with the Services written and not with the capacity; the preallocated
+//! show` reports) grows with the Services written and not with the capacity (the backend
+//! maps are arrays indexed by backend id: their length times a value, no more); the preallocated
 //! LRU maps are sized from kube-proxy's conntrack table size by default, or from the node's
 //! memory by `--bpf-map-dynamic-size-ratio` (a pinned map keeps its size across a restart with
 //! another ratio, so its flows are kept). Needs root.
@@ -96,9 +97,15 @@ fn service_map_memory_follows_the_services_written() -> anyhow::Result<()> {
     let watched = [
         map_names::FRONTENDS4,
         map_names::BACKEND_SLOTS,
-        map_names::BACKENDS4,
         map_names::AFFINITY_MATCH,
     ];
+    // The backend maps are arrays indexed by backend id: their element size times their
+    // length, with no per-element overhead, from the start.
+    let arrays = [(map_names::BACKENDS4, 8), (map_names::BACKENDS6, 24)];
+    let arrays_small: Vec<u64> = arrays
+        .iter()
+        .map(|(name, _)| memlock(pid, &root, name))
+        .collect::<anyhow::Result<_>>()?;
     let total: u64 = bpf_maps(pid).iter().map(|m| m.memlock).sum();
     println!(
         "all maps the agent holds, 10 Services: {} KiB",
@@ -121,6 +128,22 @@ fn service_map_memory_follows_the_services_written() -> anyhow::Result<()> {
         .map(|name| memlock(pid, &root, name))
         .collect::<anyhow::Result<_>>()?;
 
+    for (((name, element), small), large) in arrays.iter().zip(&arrays_small).zip(
+        arrays
+            .iter()
+            .map(|(name, _)| memlock(pid, &root, name))
+            .collect::<anyhow::Result<Vec<u64>>>()?,
+    ) {
+        let (_, length) = pinned(&root, name)?;
+        let values = u64::from(length) * element;
+        println!("{name}: length {length}, memlock {small} B at 10 Services, {large} B at 2000");
+        // The kernel's `struct bpf_array` and page rounding on top of the values.
+        anyhow::ensure!(
+            (values..=values + 64 * 1024).contains(small) && large == *small,
+            "{name}: {small} B at 10 Services, {large} B at 2000, for {length} values of \
+             {element} B"
+        );
+    }
     for ((name, small), large) in watched.iter().zip(&small).zip(&large) {
         let (_, capacity) = pinned(&root, name)?;
         // Preallocated, a map's memlock is its capacity in elements (≥ 56 bytes each) from

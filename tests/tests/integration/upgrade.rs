@@ -18,7 +18,9 @@ use std::process::Command;
 use std::time::Duration;
 
 use aya::maps::{HashMap, IterableMap as _, Map, MapData};
-use proxy_common::{CtKey, CtKey4, CtValue, CtValue4, RevNat4, RevNat4Key, map_names};
+use proxy_common::{
+    Backend4, BackendEntry as _, CtKey, CtKey4, CtValue, CtValue4, RevNat4, RevNat4Key, map_names,
+};
 use proxy_dataplane_ebpf::PIN_DIR_NAME;
 use proxy_dataplane_ebpf::attach::layout::{LAYOUTS, LayoutKey, LayoutRecord, v1};
 use proxy_tests::RigError;
@@ -583,7 +585,44 @@ fn a_map_in_an_unknown_layout_is_reported_and_rebuilt_without_a_failed_connectio
     let mut s = setup()?;
     let pins = pin_dir(&mut s)?;
     let (streams, _outside, node) = open_streams(&mut s, 80)?;
-    // New connections to the ClusterIP (socket hooks: the frontend map decides) all along.
+    let frontends =
+        || aya::maps::MapInfo::from_pin(pins.join(map_names::FRONTENDS4)).map(|m| m.id());
+    let mut newer_map = 0;
+    let attempts = restart_under_load(&mut s, &node, &pins, || {
+        let layouts = HashMap::<MapData, LayoutKey, LayoutRecord>::try_from(Map::from_map_data(
+            MapData::from_pin(pins.join(LAYOUTS))?,
+        )?)?;
+        let mut layouts = layouts;
+        let key = LayoutKey::new(map_names::FRONTENDS4).ok_or_else(|| anyhow::anyhow!("name"))?;
+        let mut newer = layouts.get(&key, 0)?;
+        newer.version = 99;
+        layouts.insert(key, newer, 0)?;
+        newer_map = frontends()?;
+        Ok(())
+    })?;
+    // Rebuilt: the pin holds another map than the one in the unknown layout.
+    let rebuilt = frontends()?;
+    s.ensure(rebuilt != newer_map, || {
+        format!("KPR_FRONTENDS4 in an unknown layout must be rebuilt: still map {rebuilt}")
+    })?;
+    ensure_none_failed(&s, &attempts, "unknown layout")?;
+    ensure_streams_kept(&s, streams, "rebuild of an unknown layout")?;
+    let recorded = record(&pins, map_names::FRONTENDS4)?;
+    s.ensure(recorded.is_some_and(|r| r.version == 1), || {
+        format!("KPR_FRONTENDS4 is recorded in this agent's version: {recorded:?}")
+    })?;
+    Ok(())
+}
+
+/// Stops the agent while new connections to the ClusterIP (socket hooks: the frontend map
+/// decides) run from `node`, calls `between` on the stopped agent's pins, restarts it and waits
+/// for its programs; returns the connections, which spanned the whole restart.
+fn restart_under_load(
+    s: &mut Scenario,
+    node: &Client,
+    pins: &Path,
+    between: impl FnOnce() -> anyhow::Result<()>,
+) -> anyhow::Result<Vec<Attempt>> {
     let load = node
         .clone()
         .interval(Duration::from_millis(10))
@@ -602,50 +641,110 @@ fn a_map_in_an_unknown_layout_is_reported_and_rebuilt_without_a_failed_connectio
     // Pacing, not a settle: the load runs for a while before the restart it must span.
     std::thread::sleep(Duration::from_millis(300));
     s.agent()?.stop()?;
-    let layouts = HashMap::<MapData, LayoutKey, LayoutRecord>::try_from(Map::from_map_data(
-        MapData::from_pin(pins.join(LAYOUTS))?,
-    )?)?;
-    let mut layouts = layouts;
-    let key = LayoutKey::new(map_names::FRONTENDS4).ok_or_else(|| anyhow::anyhow!("name"))?;
-    let mut newer = layouts.get(&key, 0)?;
-    newer.version = 99;
-    layouts.insert(key, newer, 0)?;
-    drop(layouts);
-    let frontends =
-        || aya::maps::MapInfo::from_pin(pins.join(map_names::FRONTENDS4)).map(|m| m.id());
-    let newer_map = frontends()?;
-    let links = linked_programs(&pins)?;
-    s.agent()?.restart()?;
-    wait_for_new_programs(&mut s, &pins, &links)?;
-    s.ensure(!load.is_finished(), || {
-        "the new connections must run across the whole restart".into()
-    })?;
+    let changed = between();
+    let restarted = changed.and_then(|()| {
+        let links = linked_programs(pins)?;
+        s.agent()?.restart()?;
+        wait_for_new_programs(s, pins, &links)?;
+        s.ensure(!load.is_finished(), || {
+            "the new connections must run across the whole restart".into()
+        })?;
+        Ok(())
+    });
+    // Stopped in any case: the thread ends within a batch.
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
-    // Rebuilt: the pin holds another map than the one in the unknown layout.
-    let rebuilt = frontends()?;
-    s.ensure(rebuilt != newer_map, || {
-        format!("KPR_FRONTENDS4 in an unknown layout must be rebuilt: still map {rebuilt}")
-    })?;
     let attempts = load
         .join()
         .map_err(|_| RigError::Other("load thread panicked".into()))??;
+    restarted?;
+    Ok(attempts)
+}
+
+fn ensure_none_failed(s: &Scenario, attempts: &[Attempt], what: &str) -> anyhow::Result<()> {
     let failed: Vec<&Attempt> = attempts.iter().filter(|a| !is_pod(a)).collect();
     eprintln!(
-        "unknown layout: {} new connections across the restart, {} failed: {:?}",
+        "{what}: {} new connections across the restart, {} failed: {:?}",
         attempts.len(),
         failed.len(),
-        tally(&attempts)
+        tally(attempts)
     );
     s.ensure(failed.is_empty(), || {
         format!(
-            "no new connection fails across the rebuild: {:?}",
-            tally(&attempts)
+            "{what}: no new connection fails across the restart: {:?}",
+            tally(attempts)
         )
     })?;
-    ensure_streams_kept(&s, streams, "rebuild of an unknown layout")?;
-    let recorded = record(&pins, map_names::FRONTENDS4)?;
-    s.ensure(recorded.is_some_and(|r| r.version == 1), || {
-        format!("KPR_FRONTENDS4 is recorded in this agent's version: {recorded:?}")
+    Ok(())
+}
+
+/// The previous agent's `KPR_BACKENDS4`, a hash map of backend id → backend (layout version 1,
+/// the same key and value sizes as today's array): the new agent rebuilds it as an array with
+/// the service maps that share its ids, fills them from the Services and only then replaces
+/// the previous programs, so no new connection fails; the array holds the backends afterwards
+/// and is recorded as version 2.
+#[test]
+fn backends_in_the_previous_hash_layout_become_an_array_without_a_failed_connection()
+-> anyhow::Result<()> {
+    const BPF_MAP_TYPE_HASH: u32 = 1;
+    let mut s = setup()?;
+    let pins = pin_dir(&mut s)?;
+    let (streams, _outside, node) = open_streams(&mut s, 80)?;
+    let backends = pins.join(map_names::BACKENDS4);
+    let mut written = Vec::new();
+    let attempts = restart_under_load(&mut s, &node, &pins, || {
+        let array = aya::maps::Array::<MapData, Backend4>::try_from(Map::from_map_data(
+            MapData::from_pin(&backends)?,
+        )?)?;
+        written = (0..)
+            .zip(array.iter())
+            .filter_map(|(id, b)| Some((id, b.ok()?)))
+            .filter(|(_, b)| b.in_use())
+            .collect();
+        let fd = create_map(
+            BPF_MAP_TYPE_HASH,
+            4,
+            std::mem::size_of::<Backend4>() as u32,
+            array.len(),
+        )?;
+        let mut hash = HashMap::<MapData, u32, Backend4>::try_from(Map::from_map_data(
+            MapData::from_fd(fd)?,
+        )?)?;
+        for (id, backend) in &written {
+            hash.insert(id, backend, 0)?;
+        }
+        pin_in_place(hash.map(), &backends)?;
+        let mut layouts = HashMap::<MapData, LayoutKey, LayoutRecord>::try_from(
+            Map::from_map_data(MapData::from_pin(pins.join(LAYOUTS))?)?,
+        )?;
+        let key = LayoutKey::new(map_names::BACKENDS4).ok_or_else(|| anyhow::anyhow!("name"))?;
+        let mut previous = layouts.get(&key, 0)?;
+        previous.version = 1;
+        layouts.insert(key, previous, 0)?;
+        Ok(())
+    })?;
+    s.ensure(written.len() == 2, || {
+        format!("web's two backends were in the array: {written:?}")
+    })?;
+    ensure_none_failed(&s, &attempts, "backends from a hash map to an array")?;
+    ensure_streams_kept(&s, streams, "backends from a hash map to an array")?;
+    let info = aya::maps::MapInfo::from_pin(&backends)?;
+    s.ensure(
+        info.map_type().ok() == Some(aya::maps::MapType::Array),
+        || format!("KPR_BACKENDS4 is an array again: {:?}", info.map_type()),
+    )?;
+    let array = aya::maps::Array::<MapData, Backend4>::try_from(Map::from_map_data(
+        MapData::from_pin(&backends)?,
+    )?)?;
+    let mut now: Vec<Backend4> = array.iter().flatten().filter(|b| b.in_use()).collect();
+    let mut before: Vec<Backend4> = written.iter().map(|(_, b)| *b).collect();
+    now.sort();
+    before.sort();
+    s.ensure(now == before, || {
+        format!("the array holds web's backends: {now:?}, before {before:?}")
+    })?;
+    let recorded = record(&pins, map_names::BACKENDS4)?;
+    s.ensure(recorded.is_some_and(|r| r.version == 2), || {
+        format!("KPR_BACKENDS4 is recorded as the array's version: {recorded:?}")
     })?;
     Ok(())
 }

@@ -13,8 +13,8 @@ const RELEASED: [(&str, u32, u32, u32); 25] = [
     (map_names::FRONTENDS4, 1, 8, 16),
     (map_names::FRONTENDS6, 1, 20, 16),
     (map_names::BACKEND_SLOTS, 1, 8, 4),
-    (map_names::BACKENDS4, 1, 4, 8),
-    (map_names::BACKENDS6, 1, 4, 20),
+    (map_names::BACKENDS4, 2, 4, 8),
+    (map_names::BACKENDS6, 2, 4, 20),
     (map_names::REVNAT4, 2, 16, 8),
     (map_names::REVNAT6, 1, 32, 20),
     (map_names::AFFINITY, 1, 16, 16),
@@ -235,8 +235,8 @@ impl PinDir {
         proxy_kernel::bpf::bpffs::ensure_mounted(&pins.dir).expect("bpffs");
         for (name, map) in maps {
             let data = match map {
-                Map::HashMap(data) | Map::LruHashMap(data) => data,
-                _ => panic!("a hash map"),
+                Map::HashMap(data) | Map::LruHashMap(data) | Map::Array(data) => data,
+                _ => panic!("a hash map or an array"),
             };
             data.pin(pins.dir.join(name)).expect("pin");
         }
@@ -435,4 +435,69 @@ fn per_family_conntrack_entries_keep_their_translation_without_a_service_id() {
     let copied = v6.get(&key6, 0).expect("v6 entry");
     assert_eq!(copied, CtValue::from(value6));
     assert_eq!((copied.out_mac, copied.service_id), ([2, 0, 0, 0, 0, 9], 0));
+}
+
+/// Real maps (needs root): the previous agent's backend maps were hash maps of the same key and
+/// value sizes as today's arrays, so only their type tells them apart when unrecorded, and
+/// their version when recorded. Either way the map is rebuilt, with the service maps that share
+/// its ids, to be filled by the first sync before the new programs attach; an array of this
+/// build's is adopted.
+#[test]
+fn hash_backend_maps_of_the_previous_layout_are_rebuilt_with_the_id_linked_maps() {
+    let frontends =
+        || HashMap::<MapData, Frontend4Key, FrontendValue>::create(16, 0).expect("frontends map");
+    let hash_backends = HashMap::<MapData, u32, Backend4>::create(16, 0).expect("hash backends");
+    let unrecorded = PinDir::new(&[
+        (map_names::BACKENDS4, as_map(&hash_backends)),
+        (map_names::FRONTENDS4, as_map(&frontends())),
+    ]);
+    let decided = plan(unrecorded.path()).expect("plan");
+    assert!(
+        decided.rebuilt.contains(&map_names::BACKENDS4),
+        "{decided:?}"
+    );
+    assert!(
+        decided.rebuilt.contains(&map_names::FRONTENDS4),
+        "{decided:?}"
+    );
+    assert!(decided.rebuilds_service_state() && !decided.migrates());
+    assert!(!unrecorded.path().join(map_names::BACKENDS4).exists());
+    assert!(!unrecorded.path().join(map_names::FRONTENDS4).exists());
+
+    // Recorded as version 1 by the previous agent.
+    let mut records =
+        HashMap::<MapData, LayoutKey, LayoutRecord>::create(LAYOUTS_CAPACITY, 0).expect("records");
+    records
+        .insert(
+            LayoutKey::new(map_names::BACKENDS4).expect("name fits"),
+            LayoutRecord {
+                version: 1,
+                key_size: 4,
+                value_size: 8,
+                _pad: 0,
+            },
+            0,
+        )
+        .expect("record");
+    let hash_backends = HashMap::<MapData, u32, Backend4>::create(16, 0).expect("hash backends");
+    let recorded = PinDir::new(&[
+        (map_names::BACKENDS4, as_map(&hash_backends)),
+        (LAYOUTS, as_map(&records)),
+    ]);
+    let decided = plan(recorded.path()).expect("plan");
+    assert_eq!(decided.rebuilt, [map_names::BACKENDS4], "{decided:?}");
+
+    // This build's array, unrecorded: adopted as it is.
+    let array = aya::maps::Array::<MapData, Backend4>::create(16, 0).expect("array");
+    let fd = array
+        .map()
+        .fd()
+        .as_fd()
+        .try_clone_to_owned()
+        .expect("dup map fd");
+    let array = Map::from_map_data(MapData::from_fd(fd).expect("map data")).expect("map");
+    let current = PinDir::new(&[(map_names::BACKENDS4, array)]);
+    let decided = plan(current.path()).expect("plan");
+    assert!(decided.rebuilt.is_empty(), "{decided:?}");
+    assert!(current.path().join(map_names::BACKENDS4).exists());
 }

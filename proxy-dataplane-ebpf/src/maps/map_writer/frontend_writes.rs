@@ -253,10 +253,12 @@ impl MapWriter {
             written.acquired.push(backend);
             return Ok(id);
         }
+        // The backend maps are arrays indexed by id: no id left below their length is their
+        // being full, as a hash map refused a new key.
         let id = self
             .backend_ids
             .allocate()
-            .ok_or(MapWriteError::Full("backend id"))?;
+            .ok_or(MapWriteError::Full(backend.map_name()))?;
         self.backends.insert(backend, id);
         written.acquired.push(backend);
         new.push((id, backend));

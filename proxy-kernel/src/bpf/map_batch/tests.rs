@@ -3,10 +3,12 @@
 
 use std::os::fd::{FromRawFd as _, OwnedFd};
 
-use aya::maps::{HashMap, IterableMap, Map, MapData};
+use aya::maps::{Array, HashMap, IterableMap, Map, MapData};
 use proxy_common::BackendSlotKey;
 
-use crate::bpf::map_batch::{BatchError, BatchReader, read_all, update_all};
+use crate::bpf::map_batch::{
+    BatchError, BatchReader, read_all, read_array, update_all, update_array_all,
+};
 
 const BPF_MAP_CREATE: libc::c_long = 0;
 const BPF_MAP_TYPE_HASH: u32 = 1;
@@ -194,5 +196,35 @@ fn batched_writes_write_every_entry_and_stop_at_a_full_map() {
         written,
         (40..64).collect::<Vec<_>>(),
         "the entries before the full one"
+    );
+}
+
+/// An array (the backend maps) written in one batch and read back, batched and index by index:
+/// only the elements `keep` accepts come back, and an index past the end fails as a full map.
+#[test]
+fn arrays_are_written_in_a_batch_and_read_back_without_their_empty_elements() {
+    const BPF_MAP_TYPE_ARRAY: u32 = 2;
+    let data = create(BPF_MAP_TYPE_ARRAY, 4, 8, 5000, 0);
+    let mut array = Array::<MapData, u64>::try_from(Map::Array(data)).expect("array");
+    // More than one batch call's worth of elements, with a gap at every third index.
+    let written: Vec<(u32, u64)> = (1..5000)
+        .filter(|i| i % 3 != 0)
+        .map(|i| (i, u64::from(i) << 8))
+        .collect();
+    update_array_all(&mut array, &written).expect("batched write");
+    for entry_by_entry in [false, true] {
+        let mut reader = BatchReader {
+            entry_by_entry,
+            ..BatchReader::default()
+        };
+        let mut read = Vec::new();
+        read_array(&array, &mut reader, "test", |v| *v != 0, &mut read);
+        assert_eq!(read, written, "entry by entry: {entry_by_entry}");
+    }
+    let past_the_end = update_array_all(&mut array, &[(4999, 1), (5000, 2)]);
+    assert!(past_the_end.is_err(), "{past_the_end:?}");
+    assert_eq!(
+        array.get(&4999, 0).expect("written before the failed one"),
+        1
     );
 }

@@ -355,17 +355,23 @@ fn every_drop_is_counted_once_by_its_reason() {
         // The frontend's backend vanished (the agent's update protocol never lets it): the
         // packet is dropped, not sent anywhere.
         let pins = node.parts.bpf.path().join(PIN_DIR_NAME);
-        let mut backends = AyaHashMap::<MapData, u32, proxy_common::Backend4>::try_from(
+        // An array indexed by backend id: a backend is removed by writing the zero value,
+        // which the programs must take for "no backend", as a hash miss was.
+        let mut backends = aya::maps::Array::<MapData, proxy_common::Backend4>::try_from(
             Map::from_map_data(
                 MapData::from_pin(pins.join(map_names::BACKENDS4)).expect("backends pin"),
             )
             .expect("map"),
         )
         .expect("backends map");
-        let ids: Vec<u32> = backends.keys().map(|id| id.expect("backend id")).collect();
+        let ids: Vec<u32> = (0..backends.len())
+            .filter(|&id| backends.get(&id, 0).is_ok_and(|b| b.proto != 0))
+            .collect();
         assert!(!ids.is_empty(), "the Services' backends");
         for id in ids {
-            backends.remove(&id).expect("remove backend");
+            backends
+                .set(id, proxy_common::Backend4::default(), 0)
+                .expect("remove backend");
         }
         let frame = build(sa(CLIENT, 48_108), sa(NODE_IP, 30095), L4::TcpSyn, b"");
         let ext0 = node.ext0;
