@@ -903,6 +903,24 @@ mod tests {
     use super::*;
 
     #[test]
+    fn the_fast_path_row_names_the_mode_the_choice_and_the_policy() {
+        let found = ForwardPolicy::Found("x chain FORWARD: policy DROP".into());
+        let row = fast_path_row(FastPathSetting::Auto, &found, Some(false));
+        assert!(!row.kernel && !row.used && !row.disabled);
+        assert_eq!(row.agent, Some(false));
+        assert_eq!(
+            row.path,
+            "--tc-fast-path=auto: netfilter path (forwarding policy: x chain FORWARD: policy DROP)"
+        );
+        let row = fast_path_row(FastPathSetting::Auto, &ForwardPolicy::None, None);
+        assert!(row.kernel && row.used && row.path.contains("fast path"));
+        // Forced, the policy is shown but does not decide.
+        assert!(fast_path_row(FastPathSetting::On, &found, None).used);
+        let off = fast_path_row(FastPathSetting::Off, &ForwardPolicy::None, None);
+        assert!(off.disabled && !off.used && off.kernel);
+    }
+
+    #[test]
     fn iptables_save_is_followed_to_the_endpoints() {
         let save = r#"*nat
 -A KUBE-SERVICES -m comment --comment "default/web:http cluster IP" -m tcp -p tcp -d 10.96.0.10/32 --dport 80 -j KUBE-SVC-AAA

@@ -266,7 +266,8 @@ impl Agent {
                 () = tokio::time::sleep_until(self.canary_at),
                     if self.dataplane.has_canary() && self.canary_read.is_none() => Event::Canary,
                 reading = canary_read_done(&mut self.canary_read) => Event::CanaryDone(reading),
-                // Before the timers: a forwarding policy that appeared must apply at once.
+                // A forwarding policy that appeared must apply at once: handled in its own
+                // turn, which costs a tc refresh (milliseconds), not a sync.
                 policy = forward_policy_changed(&mut self.forward_policy) => {
                     Event::ForwardPolicy(policy)
                 }

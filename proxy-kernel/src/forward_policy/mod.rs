@@ -458,8 +458,15 @@ pub fn watch(
         .spawn(move || {
             let mut last = current;
             let mut legacy = legacy_fingerprint();
+            // Read once as soon as the subscription stands: a change between the caller's
+            // reading and the subscription announced itself to no one.
+            let mut first = true;
             loop {
                 let notified = match &notifications {
+                    _ if first => {
+                        first = false;
+                        true
+                    }
                     Some(notifications) => match notifications.wait() {
                         Ok(notified) => notified,
                         Err(error) => {

@@ -9,6 +9,7 @@
 //!   XDP takes the flows again.
 //! - A CNI's conditional ACCEPT (flannel's) in FORWARD at start: the netfilter path from the
 //!   first packet, no XDP attached.
+//! - A drop in iptables-legacy's FORWARD, which sends no notification, is found by the poll.
 //!
 //! The rules are added inside the rig's node namespace only (iptables state is per
 //! namespace), which the rig deletes with everything in it. Needs root.
@@ -288,5 +289,42 @@ fn a_cni_accept_rule_at_start_keeps_the_netfilter_path() -> anyhow::Result<()> {
             .is_some_and(|p| p.contains("-s 10.244.0.0/16 -j ACCEPT")),
         || format!("inspect features names the rule: {row}"),
     )?;
+    Ok(())
+}
+
+/// iptables-legacy announces nothing: its FORWARD is polled every second. A drop added there
+/// while XDP serves sends traffic back to the netfilter path within the poll and a read.
+#[test]
+fn a_legacy_forward_drop_is_found_by_the_poll() -> anyhow::Result<()> {
+    let mut s = setup()?;
+    s.start_agent_with_args(
+        "ebpf",
+        &["--interfaces", "vext,vnode2", "--tc-fast-path=auto"],
+    )?;
+    s.wait_for_first_sync()?;
+    wait_for_metric(&mut s, 1.0, Duration::from_secs(10))?;
+    serve(&mut s)?;
+    s.topo
+        .node()
+        .exec("iptables-legacy", &["-A", "FORWARD", "-j", "DROP"])?;
+    // The poll's period, a read of every ruleset, and slack for a loaded machine.
+    wait_for_metric(&mut s, 0.0, Duration::from_secs(3))?;
+    let attempts = client(&s, Duration::from_millis(500)).run(target(), ATTEMPTS)?;
+    s.ensure(
+        attempts.iter().all(|a| !matches!(a, Attempt::Ok { .. })),
+        || format!("every connection dropped by the legacy FORWARD: {attempts:?}"),
+    )?;
+    let row = fast_path_row(&s)?;
+    s.ensure(
+        row["path"]
+            .as_str()
+            .is_some_and(|p| p.contains("iptables-legacy (IPv4) filter chain FORWARD")),
+        || format!("inspect features names the legacy chain: {row}"),
+    )?;
+    s.topo
+        .node()
+        .exec("iptables-legacy", &["-D", "FORWARD", "-j", "DROP"])?;
+    wait_for_metric(&mut s, 1.0, Duration::from_secs(3))?;
+    serve(&mut s)?;
     Ok(())
 }
