@@ -5,7 +5,8 @@
 //!   (`--bpf-xdp auto`) serves the flows, which its counters show. A `FORWARD -j DROP` added
 //!   while XDP serves (iptables-nft, announced over nfnetlink) sends external traffic back to
 //!   the netfilter path within a second: the client's next connection is dropped, and the
-//!   metric and `inspect features` show the netfilter path and the rule. Once the rule is gone,
+//!   node config's flag (`inspect explain`), the metric and `inspect features` show the
+//!   netfilter path and the rule. Once the rule is gone,
 //!   XDP takes the flows again.
 //! - A CNI's conditional ACCEPT (flannel's) in FORWARD at start: the netfilter path from the
 //!   first packet, no XDP attached.
@@ -159,6 +160,29 @@ fn fast_path_row(s: &Scenario) -> anyhow::Result<serde_json::Value> {
         .ok_or_else(|| anyhow::anyhow!("no fast-path row in inspect features"))
 }
 
+/// The node config's path flag (`node_flags::FAST_PATH` in the pinned `KPR_NODE_CONFIG`), as
+/// `inspect explain` reads it for the external client's NodePort connection: `"netfilter
+/// path: …"` or `"--tc-fast-path: …"`.
+fn explained_netfilter(s: &mut Scenario) -> anyhow::Result<String> {
+    let bpf_root = s.agent()?.bpf_root().to_path_buf();
+    let output = Command::new("nsenter")
+        .arg(format!("--net={}", s.topo.node().path().display()))
+        .arg(agent_binary()?)
+        .arg("--bpf-root")
+        .arg(bpf_root)
+        .args(["inspect", "explain", "--json", "--from", "external"])
+        .args(["--client", &Topology::ext_ip().to_string()])
+        .args(["--to", &format!("{}/tcp", target())])
+        .output()?;
+    anyhow::ensure!(
+        output.status.success(),
+        "inspect explain: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let e: serde_json::Value = serde_json::from_slice(&output.stdout)?;
+    Ok(e["netfilter"].as_str().unwrap_or_default().to_owned())
+}
+
 /// Whether XDP is attached to `vext` (`inspect interfaces`).
 fn xdp_on_vext(s: &mut Scenario) -> anyhow::Result<bool> {
     let bpf_root = s.agent()?.bpf_root().to_path_buf();
@@ -203,6 +227,10 @@ fn xdp_serves_until_a_forward_drop_appears_and_again_once_it_is_gone() -> anyhow
         row["used"] == true && row["agent"] == true && row["kernel"] == true,
         || format!("inspect features: {row}"),
     )?;
+    let flag = explained_netfilter(&mut s)?;
+    s.ensure(flag.starts_with("--tc-fast-path"), || {
+        format!("the node config's flag: {flag}")
+    })?;
 
     // A forwarding policy appears while XDP serves: the next connection is dropped by it
     // within the bound (attempts with a short timeout, one after the other).
@@ -232,6 +260,10 @@ fn xdp_serves_until_a_forward_drop_appears_and_again_once_it_is_gone() -> anyhow
     let attached = xdp_on_vext(&mut s)?;
     s.ensure(!attached, || {
         "XDP detached on the netfilter path".to_owned()
+    })?;
+    let flag = explained_netfilter(&mut s)?;
+    s.ensure(flag.starts_with("netfilter path"), || {
+        format!("the node config's flag: {flag}")
     })?;
     let row = fast_path_row(&s)?;
     s.ensure(
