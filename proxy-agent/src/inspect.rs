@@ -23,7 +23,8 @@ use serde::Serialize;
 use proxy_dataplane_ebpf::{KernelFeatures, PIN_DIR_NAME, ip4_from_map, ip6_from_map};
 use proxy_model::{
     cli::{InspectArgs, InspectWhat},
-    config::Config,
+    config::{Config, ebpf_settings::FastPathSetting},
+    forward_policy::ForwardPolicy,
 };
 
 mod drift;
@@ -235,12 +236,12 @@ pub struct FeatureRow {
     /// `kubeproxy_ebpf_kernel_feature` of the running agent; `None` when it does not answer.
     pub agent: Option<bool>,
     /// What the dataplane does on the chosen path.
-    pub path: &'static str,
+    pub path: String,
 }
 
 fn features(config: &Config, agent: &BTreeMap<String, bool>) -> Vec<FeatureRow> {
     let probed = KernelFeatures::probe(&config.ebpf.disabled_features);
-    probed
+    let mut rows: Vec<FeatureRow> = probed
         .states()
         .iter()
         .map(|state| {
@@ -251,11 +252,57 @@ fn features(config: &Config, agent: &BTreeMap<String, bool>) -> Vec<FeatureRow> 
                 disabled: state.disabled,
                 used: state.used(),
                 agent: agent.get(state.feature.name()).copied(),
-                path: if state.used() { with } else { without },
+                path: if state.used() { with } else { without }.to_owned(),
             }
         })
-        .collect()
+        .collect();
+    rows.push(fast_path_row(
+        config.ebpf.tc_fast_path,
+        &proxy_kernel::forward_policy::read(),
+        agent.get(FAST_PATH_FEATURE).copied(),
+    ));
+    rows
 }
+
+/// The fast path's row of `inspect features`: its columns read "the node allows it" (KERNEL:
+/// no forwarding policy), "turned off" (DISABLED: `--tc-fast-path=false`), "an agent with
+/// these flags takes it now" (USED) and "the running agent takes it" (AGENT,
+/// `kubeproxy_ebpf_fast_path_active`); PATH names the mode and the reason.
+fn fast_path_row(
+    setting: FastPathSetting,
+    policy: &ForwardPolicy,
+    agent: Option<bool>,
+) -> FeatureRow {
+    let used = match setting {
+        FastPathSetting::Auto => policy.fast_path_safe(),
+        FastPathSetting::On => true,
+        FastPathSetting::Off => false,
+    };
+    let path = match (setting, used) {
+        (FastPathSetting::Auto, true) => {
+            format!("--tc-fast-path=auto: fast path, XDP with --bpf-xdp auto ({policy})")
+        }
+        (FastPathSetting::Auto, false) => {
+            format!("--tc-fast-path=auto: netfilter path ({policy})")
+        }
+        (_, true) => format!(
+            "--tc-fast-path=true: fast path, XDP with --bpf-xdp auto, whatever the node's \
+             forward chains hold ({policy})"
+        ),
+        (_, false) => format!("--tc-fast-path=false: netfilter path ({policy})"),
+    };
+    FeatureRow {
+        feature: FAST_PATH_FEATURE,
+        kernel: policy.fast_path_safe(),
+        disabled: setting == FastPathSetting::Off,
+        used,
+        agent,
+        path,
+    }
+}
+
+/// The fast path's name in `inspect features`.
+const FAST_PATH_FEATURE: &str = "fast-path";
 
 /// The running agent's `kubeproxy_ebpf_kernel_feature` samples (empty if it does not answer or
 /// runs the iptables mode).
@@ -269,13 +316,21 @@ fn agent_features(metrics: Option<SocketAddr>) -> BTreeMap<String, bool> {
     let Ok(body) = http_get(addr, "/metrics") else {
         return BTreeMap::new();
     };
-    body.lines()
+    let mut features: BTreeMap<String, bool> = body
+        .lines()
         .filter_map(|line| line.strip_prefix("kubeproxy_ebpf_kernel_feature{feature=\""))
         .filter_map(|rest| {
             let (name, value) = rest.split_once("\"} ")?;
             Some((name.to_owned(), value.trim() == "1"))
         })
-        .collect()
+        .collect();
+    if let Some(value) = body
+        .lines()
+        .find_map(|line| line.strip_prefix("kubeproxy_ebpf_fast_path_active "))
+    {
+        features.insert(FAST_PATH_FEATURE.to_owned(), value.trim() == "1");
+    }
+    features
 }
 
 fn feature_table(rows: &[FeatureRow]) -> String {
@@ -866,6 +921,24 @@ pub fn parse_iptables_save(text: &str) -> Vec<FrontendRow> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_fast_path_row_names_the_mode_the_choice_and_the_policy() {
+        let found = ForwardPolicy::Found("x chain FORWARD: policy DROP".into());
+        let row = fast_path_row(FastPathSetting::Auto, &found, Some(false));
+        assert!(!row.kernel && !row.used && !row.disabled);
+        assert_eq!(row.agent, Some(false));
+        assert_eq!(
+            row.path,
+            "--tc-fast-path=auto: netfilter path (forwarding policy: x chain FORWARD: policy DROP)"
+        );
+        let row = fast_path_row(FastPathSetting::Auto, &ForwardPolicy::None, None);
+        assert!(row.kernel && row.used && row.path.contains("fast path"));
+        // Forced, the policy is shown but does not decide.
+        assert!(fast_path_row(FastPathSetting::On, &found, None).used);
+        let off = fast_path_row(FastPathSetting::Off, &ForwardPolicy::None, None);
+        assert!(off.disabled && !off.used && off.kernel);
+    }
 
     #[test]
     fn iptables_save_is_followed_to_the_endpoints() {

@@ -6,6 +6,7 @@
 pub mod datapath_checks;
 pub mod dataplane;
 pub mod drift_checks;
+pub mod fast_path;
 pub mod fuzz;
 pub mod http_servers;
 pub mod inspect;

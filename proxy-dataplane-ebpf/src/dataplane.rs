@@ -563,6 +563,23 @@ impl EbpfDataplane {
         self.tc.set_node(settings);
     }
 
+    /// Switches translated external traffic between the fast path and the netfilter path at
+    /// once: the node config's `FAST_PATH` flag, which the programs read per packet, and XDP
+    /// (attached with `--bpf-xdp auto` only on the fast path) are rewritten now, not at the
+    /// next sync, since a forwarding policy that just appeared must apply to the next packet.
+    /// While the attach waits for the first full sync, that attach takes the new path.
+    /// Flows established before keep their conntrack entries and continue on the new path.
+    pub fn set_fast_path(&mut self, on: bool) {
+        if self.tc.set_fast_path(on) && self.deferred.is_none() {
+            self.tc.refresh(&mut self.ebpf, &self.pin_dir, false);
+        }
+    }
+
+    /// Whether translated external traffic takes the fast path now.
+    pub fn fast_path(&self) -> bool {
+        self.tc.fast_path()
+    }
+
     /// Makes the maps match `snapshot` for the service ports in `changed` (`None`: all of them),
     /// writing only entries that differ from what is programmed; then destroys connected UDP
     /// sockets still pinned to backends that were removed.

@@ -5,6 +5,7 @@
 
 pub mod bpf;
 pub mod conntrack;
+pub mod forward_policy;
 pub mod iptables;
 pub mod netlink;
 pub mod node;

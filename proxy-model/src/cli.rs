@@ -568,17 +568,22 @@ pub struct Args {
     )]
     pub interfaces: Option<Vec<String>>,
 
-    /// External Service traffic (NodePort, LB IPs, externalIPs) to pods skips the host's
-    /// netfilter FORWARD and POSTROUTING (translated and redirected in tc): faster, but the
-    /// host's netfilter rules — a CNI's NetworkPolicy among them — no longer apply to it.
-    #[arg(long, help_heading = "kubeproxy-rs additions")]
-    pub tc_fast_path: bool,
+    /// Whether external Service traffic (NodePort, LB IPs, externalIPs) to pods skips the
+    /// host's netfilter FORWARD and POSTROUTING (translated and redirected in tc, and in XDP
+    /// with --bpf-xdp auto): faster, but the host's forwarding rules no longer apply to it.
+    /// auto (default): only while the node has no forwarding policy (every FORWARD chain and
+    /// nftables forward hook accepts everything, unconditionally); the agent watches the
+    /// rulesets and returns to the netfilter path as soon as one appears. true (or the flag
+    /// alone): always; false: never.
+    #[arg(long, value_name = "auto|BOOL", num_args = 0..=1, require_equals = true,
+          default_missing_value = "true", help_heading = "kubeproxy-rs additions")]
+    pub tc_fast_path: Option<String>,
 
     /// XDP on the external interfaces: established fast-path flows (--tc-fast-path) are
     /// translated and redirected in the network driver, before the kernel allocates a packet
     /// buffer; everything else goes on to the tc programs. auto (default): native XDP where
-    /// the driver has it, with --tc-fast-path; native: also without it (only flows that
-    /// bypass netfilter anyway), warning where a driver refuses; off.
+    /// the driver has it, while the fast path is taken (--tc-fast-path); native: also without
+    /// it (only flows that bypass netfilter anyway), warning where a driver refuses; off.
     #[arg(
         long,
         value_name = "MODE",

@@ -7,6 +7,7 @@ pub mod btree;
 pub mod cli;
 pub mod config;
 pub mod desired;
+pub mod forward_policy;
 pub mod ip_family;
 pub mod logging;
 pub mod objects;

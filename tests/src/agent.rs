@@ -139,11 +139,22 @@ impl Agent {
         .arg(&config.cgroup_path)
         .arg("--bpf-root")
         .arg(&self.bpf_root)
-        .arg("-v")
-        .args(&config.extra_args)
-        .stdin(Stdio::null())
-        .stdout(log)
-        .stderr(log2);
+        .arg("-v");
+        // The rig's node namespaces have empty forward chains, so the default
+        // `--tc-fast-path=auto` would put every test on the fast path (and XDP); the tests were
+        // written for the path they name, the netfilter path unless they pass the flag, and keep
+        // it. Those about `auto` pass `--tc-fast-path=auto`.
+        if !config
+            .extra_args
+            .iter()
+            .any(|arg| arg.starts_with("--tc-fast-path"))
+        {
+            cmd.arg("--tc-fast-path=false");
+        }
+        cmd.args(&config.extra_args)
+            .stdin(Stdio::null())
+            .stdout(log)
+            .stderr(log2);
         if std::env::var_os("RUST_LOG").is_none() {
             cmd.env("RUST_LOG", "info");
         }

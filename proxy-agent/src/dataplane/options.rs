@@ -54,7 +54,10 @@ pub fn ebpf_options(config: &Config) -> EbpfOptions {
             cluster_cidrs: config.cluster_cidrs.clone(),
             masquerade_all: config.masquerade_all,
             localhost_node_ports: config.iptables.localhost_node_ports,
-            fast_path: config.ebpf.tc_fast_path,
+            // `auto` is decided from the node's rulesets (`crate::fast_path::start`), which
+            // replaces this before the dataplane starts.
+            fast_path: config.ebpf.tc_fast_path
+                == proxy_model::config::ebpf_settings::FastPathSetting::On,
             xdp: config.ebpf.xdp,
             host_namespace_only: config.ebpf.socket_lb_host_namespace_only,
             // The per-Service metrics are off: no packet is counted for them.

@@ -71,9 +71,12 @@ impl SyncOutcome {
 impl Dataplane {
     /// Starts the configured mode; an eBPF dataplane that cannot start falls back to the
     /// iptables mode when the mode was not chosen explicitly (rather than no proxy at all).
-    pub fn start(config: &Config) -> anyhow::Result<Self> {
+    /// `fast_path`: the path external traffic starts on (`crate::fast_path::start`).
+    pub fn start(config: &Config, fast_path: bool) -> anyhow::Result<Self> {
+        let mut options = ebpf_options(config);
+        options.tc.fast_path = fast_path;
         match config.mode {
-            ProxyMode::Ebpf => match EbpfDataplane::start(&ebpf_options(config)) {
+            ProxyMode::Ebpf => match EbpfDataplane::start(&options) {
                 Ok(ebpf) => Ok(Dataplane::Ebpf(Box::new(ebpf))),
                 Err(error) if config.mode_defaulted => {
                     warn!(
@@ -212,6 +215,18 @@ impl Dataplane {
                 true
             }
             Dataplane::Iptables(iptables) => iptables.set_node(settings),
+        }
+    }
+
+    /// Switches external traffic between the fast path and the netfilter path now (eBPF;
+    /// nothing in iptables mode). Returns the path taken, `None` in iptables mode.
+    pub fn set_fast_path(&mut self, on: bool) -> Option<bool> {
+        match self {
+            Dataplane::Ebpf(ebpf) => {
+                ebpf.set_fast_path(on);
+                Some(ebpf.fast_path())
+            }
+            Dataplane::Iptables(_) => None,
         }
     }
 

@@ -1090,6 +1090,7 @@ pub struct EbpfMetrics {
     conntrack_gc_runs: Counter,
     drift_repairs: Family<MapLabel, Counter>,
     kernel_features: Family<FeatureLabel, Gauge>,
+    fast_path_active: Gauge,
 }
 
 impl EbpfMetrics {
@@ -1103,6 +1104,7 @@ impl EbpfMetrics {
             conntrack_gc_runs: Counter::default(),
             drift_repairs: Family::default(),
             kernel_features: Family::default(),
+            fast_path_active: Gauge::default(),
         };
         described.add(
             "kubeproxy_ebpf_map_entries",
@@ -1141,7 +1143,19 @@ impl EbpfMetrics {
              (missing in the kernel or turned off by --bpf-disable-feature)",
             this.kernel_features.clone(),
         );
+        described.add(
+            "kubeproxy_ebpf_fast_path_active",
+            "1 when translated external Service traffic takes the fast path (redirected past the \
+             host's netfilter FORWARD, and through XDP with --bpf-xdp auto), 0 on the netfilter \
+             path; with --tc-fast-path=auto it follows the node's forwarding policy",
+            this.fast_path_active.clone(),
+        );
         this
+    }
+
+    /// The path external traffic takes now: fast (1) or netfilter (0).
+    pub fn fast_path_active(&self, on: bool) {
+        self.fast_path_active.set(i64::from(on));
     }
 
     /// The probed kernel features the dataplane uses (1) or not (0).

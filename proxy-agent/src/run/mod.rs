@@ -70,7 +70,15 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     let source_name = source.name();
     let started = start_source(source, &node.name, &mut store);
     // On this worker, while the runtime's others run the source.
-    let dataplane = tokio::task::block_in_place(|| Dataplane::start(&config))?;
+    // With `--tc-fast-path=auto` the node's forward chains decide the path the programs start
+    // on, so that a node with a forwarding policy never runs a moment without it.
+    let fast_path = tokio::task::block_in_place(|| crate::fast_path::start(&config));
+    let dataplane = tokio::task::block_in_place(|| Dataplane::start(&config, fast_path.on))?;
+    let forward_policy = if dataplane.mode() == ProxyMode::Ebpf {
+        crate::fast_path::watch(&fast_path)
+    } else {
+        None
+    };
     // As kube-proxy's platformCleanup at start: its nftables/IPVS modes' state would keep
     // intercepting Service traffic next to ours. The eBPF mode registers no NAT of its own, so
     // it keeps kube-proxy's (emptied) nftables tables while its connections last.
@@ -92,6 +100,7 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
         http_servers,
         started.service_warnings,
     );
+    agent.forward_policy = forward_policy;
     let outcome = agent.serve(started.updates, source_name).await;
     started.task.abort();
     match &outcome {
@@ -139,6 +148,8 @@ struct Agent {
     canary_read: Option<JoinHandle<CanaryReading>>,
     /// eBPF: the periodic sync's full pass in flight, one step per loop turn.
     full_pass: Option<PeriodicPass>,
+    /// eBPF with `--tc-fast-path=auto`: the forwarding policy watch's decisions.
+    forward_policy: Option<mpsc::Receiver<proxy_model::forward_policy::ForwardPolicy>>,
 }
 
 /// What a sync took when it began, for its report.
@@ -174,6 +185,7 @@ impl Agent {
             host_namespace_only: config.ebpf.socket_lb_host_namespace_only
                 && dataplane.mode() == ProxyMode::Ebpf,
             full_pass: None,
+            forward_policy: None,
             canary_read: None,
             drift_prepared: false,
             conntrack_gc_at: now + CONNTRACK_GC_INTERVAL,
@@ -254,6 +266,11 @@ impl Agent {
                 () = tokio::time::sleep_until(self.canary_at),
                     if self.dataplane.has_canary() && self.canary_read.is_none() => Event::Canary,
                 reading = canary_read_done(&mut self.canary_read) => Event::CanaryDone(reading),
+                // A forwarding policy that appeared must apply at once: handled in its own
+                // turn, which costs a tc refresh (milliseconds), not a sync.
+                policy = forward_policy_changed(&mut self.forward_policy) => {
+                    Event::ForwardPolicy(policy)
+                }
                 () = tokio::time::sleep_until(retire_at.unwrap_or(wake)), if retire_at.is_some() => {
                     Event::Retire
                 }
@@ -332,12 +349,27 @@ impl Agent {
                 Event::TrafficDone(taken) => self.record_service_traffic(taken),
                 Event::DriftRequest(reply) => self.answer_drift_request(reply),
                 Event::FullPassStep => self.full_pass_step()?,
+                Event::ForwardPolicy(Some(policy)) => self.forward_policy_changed(&policy),
+                Event::ForwardPolicy(None) => {
+                    warn!("the forwarding policy watch stopped: the fast path stays as it is");
+                    self.forward_policy = None;
+                }
             }
             debug!(
                 turn,
                 elapsed_us = u64::try_from(started.elapsed().as_micros()).unwrap_or(u64::MAX),
                 "loop turn"
             );
+        }
+    }
+
+    /// `--tc-fast-path=auto`: the node's forwarding policy changed; the path follows now.
+    fn forward_policy_changed(&mut self, policy: &proxy_model::forward_policy::ForwardPolicy) {
+        crate::fast_path::log_decision(policy);
+        if let Some(on) = self.dataplane.set_fast_path(policy.fast_path_safe())
+            && let Some(metrics) = self.http_servers.metrics().ebpf()
+        {
+            metrics.fast_path_active(on);
         }
     }
 
@@ -701,6 +733,17 @@ async fn canary_read_done(read: &mut Option<JoinHandle<CanaryReading>>) -> Optio
         .ok()
 }
 
+/// The forwarding policy watch's next decision (pending forever without a watch); `None` when
+/// its thread ended.
+async fn forward_policy_changed(
+    watch: &mut Option<mpsc::Receiver<proxy_model::forward_policy::ForwardPolicy>>,
+) -> Option<proxy_model::forward_policy::ForwardPolicy> {
+    match watch.as_mut() {
+        Some(receiver) => receiver.recv().await,
+        None => std::future::pending().await,
+    }
+}
+
 /// What woke the loop up (see `Agent::serve`).
 enum Event {
     Update(Update),
@@ -721,6 +764,9 @@ enum Event {
     TrafficDone(Taken),
     DriftRequest(drift_checks::Reply),
     FullPassStep,
+    /// `--tc-fast-path=auto`: a new decision on the node's forwarding policy (`None`: the
+    /// watch ended).
+    ForwardPolicy(Option<proxy_model::forward_policy::ForwardPolicy>),
 }
 
 impl Event {
@@ -741,6 +787,7 @@ impl Event {
             Event::TrafficDone(_) => "traffic read finish",
             Event::DriftRequest(_) => "drift request",
             Event::FullPassStep => "full pass step",
+            Event::ForwardPolicy(_) => "forwarding policy changed",
         }
     }
 }

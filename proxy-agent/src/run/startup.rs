@@ -142,6 +142,7 @@ pub fn start_http_servers(
             .map(|state| (state.feature.name(), state.used()))
             .collect();
         metrics.kernel_features(&features);
+        metrics.fast_path_active(ebpf.fast_path());
     }
     for family in IpFamily::ALL {
         http_servers.loop_started(family);

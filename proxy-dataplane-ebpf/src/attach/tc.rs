@@ -78,9 +78,10 @@ pub struct TcOptions {
     pub masquerade_all: bool,
     /// `iptables.localhostNodePorts`: IPv4 NodePorts on loopback addresses too.
     pub localhost_node_ports: bool,
-    /// `--tc-fast-path`: redirect translated packets past the host's netfilter FORWARD and
-    /// POSTROUTING (`node_flags::FAST_PATH`); the host's netfilter policy then does not apply
-    /// to external Service traffic.
+    /// The fast path (`--tc-fast-path`, or `auto` while the node has no forwarding policy):
+    /// redirect translated packets past the host's netfilter FORWARD and POSTROUTING
+    /// (`node_flags::FAST_PATH`); the host's netfilter policy then does not apply to external
+    /// Service traffic. Changed at run time with [`TcState::set_fast_path`].
     pub fast_path: bool,
     /// `--bpf-socket-lb-host-namespace-only` (`node_flags::HOST_NAMESPACE_ONLY`): the socket
     /// hooks leave pods' sockets alone and the pod-side program load-balances their packets.
@@ -845,6 +846,20 @@ impl TcState {
     /// The agent's node settings; the next refresh programs them.
     pub fn set_node(&mut self, settings: &NodeSettings) {
         self.node = Some(settings.clone());
+    }
+
+    /// Switches between the fast path and the netfilter path (`--tc-fast-path=auto` follows
+    /// the node's forwarding policy); the next refresh writes the node config's flag and
+    /// attaches or detaches XDP. Returns whether it changed.
+    pub fn set_fast_path(&mut self, on: bool) -> bool {
+        let changed = self.options.fast_path != on;
+        self.options.fast_path = on;
+        changed
+    }
+
+    /// Whether translated external traffic takes the fast path now.
+    pub fn fast_path(&self) -> bool {
+        self.options.fast_path
     }
 
     /// Whether pods' Service traffic is the tc programs' (`--bpf-socket-lb-host-namespace-only`).

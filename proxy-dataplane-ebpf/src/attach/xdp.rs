@@ -104,7 +104,8 @@ impl XdpState {
     }
 
     /// Attaches the program to the external interfaces `external` (name → ifindex) that do not
-    /// have it, and detaches it from those that left the set. `fast_path`: `--tc-fast-path`.
+    /// have it, and detaches it from those that left the set. `fast_path`: whether the fast
+    /// path is taken now (`--tc-fast-path`, or `auto` while the node has no forwarding policy).
     /// At start (`first`), pins of interfaces not attached again are removed.
     pub fn refresh(
         &mut self,
@@ -186,7 +187,7 @@ impl XdpState {
             warn!(pin = %pin, %error, "cannot remove XDP link pin");
             return;
         }
-        info!(interface = %name, "XDP program detached (interface gone, no longer external, or XDP off)");
+        info!(interface = %name, "XDP program detached (interface gone, no longer external, XDP off, or the fast path left)");
         self.links.remove(pin);
     }
 

@@ -39,11 +39,53 @@ impl SizeRatio {
     }
 }
 
+/// `--tc-fast-path`: whether translated external traffic is redirected past the host's
+/// netfilter FORWARD and POSTROUTING (`node_flags::FAST_PATH`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum FastPathSetting {
+    /// The fast path while the node has no forwarding policy it would bypass
+    /// (`forward_policy::decide`), the netfilter path while it has one; the agent watches the
+    /// rulesets and switches at run time.
+    #[default]
+    Auto,
+    /// Always the fast path (`--tc-fast-path`, `--tc-fast-path=true`): the host's forwarding
+    /// policy does not apply to external Service traffic.
+    On,
+    /// Always the netfilter path (`--tc-fast-path=false`).
+    Off,
+}
+
+impl FastPathSetting {
+    /// The flag's value, as `--tc-fast-path=` takes it.
+    pub fn name(self) -> &'static str {
+        match self {
+            FastPathSetting::Auto => "auto",
+            FastPathSetting::On => "true",
+            FastPathSetting::Off => "false",
+        }
+    }
+}
+
+impl std::str::FromStr for FastPathSetting {
+    type Err = String;
+
+    /// `auto`, or a boolean as Go's flags take it (the flag was a boolean before `auto`).
+    fn from_str(text: &str) -> Result<Self, Self::Err> {
+        match text {
+            "auto" => Ok(FastPathSetting::Auto),
+            "1" | "t" | "T" | "TRUE" | "true" | "True" => Ok(FastPathSetting::On),
+            "0" | "f" | "F" | "FALSE" | "false" | "False" => Ok(FastPathSetting::Off),
+            _ => Err("must be auto, true or false".to_owned()),
+        }
+    }
+}
+
 /// `--bpf-xdp`.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub enum XdpSetting {
-    /// Native XDP on the external interfaces whose driver has it, with `--tc-fast-path` (the
-    /// only path XDP can take flows on: the netfilter path needs the skb).
+    /// Native XDP on the external interfaces whose driver has it while the fast path is taken
+    /// (the only path XDP can take flows on: the netfilter path needs the skb); with
+    /// `--tc-fast-path=auto` that follows the node's forwarding policy at run time.
     #[default]
     Auto,
     /// Native XDP on every external interface, also without `--tc-fast-path` (there it only
@@ -64,7 +106,8 @@ impl XdpSetting {
         }
     }
 
-    /// Whether external interfaces get the XDP program, with or without the fast path.
+    /// Whether external interfaces get the XDP program, with or without the fast path (the
+    /// path taken now: with `--tc-fast-path=auto` it changes at run time).
     pub fn attaches(self, fast_path: bool) -> bool {
         match self {
             XdpSetting::Auto => fast_path,

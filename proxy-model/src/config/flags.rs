@@ -559,7 +559,12 @@ pub fn apply(
             Err(reason) => overlay.flag_only("bpf-maglev-table-size", text, reason),
         }
     }
-    ebpf.tc_fast_path = args.tc_fast_path;
+    if let Some(text) = &args.tc_fast_path {
+        match text.parse() {
+            Ok(setting) => ebpf.tc_fast_path = setting,
+            Err(reason) => overlay.flag_only("tc-fast-path", text, reason),
+        }
+    }
     if let Some(text) = &args.bpf_xdp {
         match text.parse() {
             Ok(setting) => ebpf.xdp = setting,

@@ -180,8 +180,9 @@ pub struct EbpfConfig {
     pub maglev_table_size: u32,
     /// `--bpf-map-maglev`.
     pub map_maglev: u32,
-    /// `--tc-fast-path`: translated external traffic skips netfilter FORWARD/POSTROUTING.
-    pub tc_fast_path: bool,
+    /// `--tc-fast-path`: whether translated external traffic skips netfilter
+    /// FORWARD/POSTROUTING (auto: while the node has no forwarding policy).
+    pub tc_fast_path: ebpf_settings::FastPathSetting,
     /// `--bpf-xdp`: XDP on the external interfaces.
     pub xdp: ebpf_settings::XdpSetting,
     /// `--bpf-socket-lb-host-namespace-only`: pods' Service traffic is load-balanced in tc,
@@ -237,7 +238,7 @@ impl Default for EbpfConfig {
             lb_algorithm: LbAlgorithm::Random,
             maglev_table_size: proxy_common::maglev::DEFAULT_TABLE_SIZE,
             map_maglev: proxy_common::default_sizes::MAGLEV,
-            tc_fast_path: false,
+            tc_fast_path: ebpf_settings::FastPathSetting::Auto,
             xdp: ebpf_settings::XdpSetting::Auto,
             socket_lb_host_namespace_only: false,
             drift_check_period: DEFAULT_DRIFT_CHECK_PERIOD,

@@ -1503,3 +1503,26 @@ fn verbosity_maps_to_tracing_levels() {
         assert_eq!(load_args(&["-v", v]).unwrap().config.log_level(), level);
     }
 }
+
+/// `--tc-fast-path` was a boolean flag: alone it still means true, `=false` and `=true` keep
+/// working, and without it the fast path follows the node's forwarding policy (`auto`).
+#[test]
+fn tc_fast_path_is_auto_by_default_and_takes_the_old_boolean_forms() {
+    use crate::config::ebpf_settings::FastPathSetting;
+    let setting = |list: &[&str]| load_args(list).unwrap().config.ebpf.tc_fast_path;
+    assert_eq!(setting(&[]), FastPathSetting::Auto);
+    assert_eq!(setting(&["--tc-fast-path"]), FastPathSetting::On);
+    assert_eq!(setting(&["--tc-fast-path=true"]), FastPathSetting::On);
+    assert_eq!(setting(&["--tc-fast-path=false"]), FastPathSetting::Off);
+    assert_eq!(setting(&["--tc-fast-path=auto"]), FastPathSetting::Auto);
+    // The flag alone does not take the next argument as its value.
+    assert_eq!(
+        setting(&["--tc-fast-path", "--bpf-xdp", "off"]),
+        FastPathSetting::On
+    );
+    let lines = problems(&["--tc-fast-path=sometimes"]);
+    assert!(
+        lines.iter().any(|l| l.starts_with("--tc-fast-path: ")),
+        "{lines:?}"
+    );
+}

@@ -77,9 +77,11 @@ pub enum PpsMode {
     RoutingWithPrograms,
     /// kube-proxy's iptables rules (the agent's iptables mode): DNAT + MASQUERADE, conntrack.
     Iptables,
-    /// The eBPF mode as a user runs it, with its defaults (no `--tc-fast-path`, `--bpf-xdp
-    /// auto`, which attaches no XDP without the fast path): DNAT in the tc program at ext0's
-    /// ingress, the kernel's FORWARD, SNAT in the tc program at ext1's egress.
+    /// The eBPF mode's netfilter path, as a user's node with a forwarding policy runs it by
+    /// default (`--tc-fast-path=auto` finds the policy, or `=false`; `--bpf-xdp auto` then
+    /// attaches no XDP): DNAT in the tc program at ext0's ingress, the kernel's FORWARD, SNAT
+    /// in the tc program at ext1's egress. (A node without forwarding policy takes [`Self::Xdp`]
+    /// by default.)
     EbpfDefault,
     /// The eBPF mode's tc program (`--tc-fast-path --bpf-xdp off`): redirect from tc.
     Tc,
@@ -624,8 +626,9 @@ fn start_dataplane(
         | PpsMode::Tc
         | PpsMode::Xdp
         | PpsMode::TcBridge => {
-            // The fast-path modes set the flag; the default path keeps `TcOptions`' defaults,
-            // which are the agent's (`--tc-fast-path` off, `--bpf-xdp auto`).
+            // The fast-path modes set the flag; the netfilter path keeps `TcOptions`' defaults
+            // (fast path off, `--bpf-xdp auto`), what the agent's `--tc-fast-path=auto` starts
+            // with on a node with a forwarding policy.
             let fast_path = matches!(mode, PpsMode::Tc | PpsMode::Xdp | PpsMode::TcBridge);
             let options = EbpfOptions {
                 cgroup_path: parts.cgroup_path(),

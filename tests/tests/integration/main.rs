@@ -20,6 +20,7 @@ mod external_interfaces;
 mod external_sctp;
 mod external_tc;
 mod external_xdp;
+mod fast_path_auto;
 mod floods;
 mod generation_race;
 mod icmp_errors;
