@@ -113,9 +113,11 @@ impl PpsMode {
                 "plain routing, eBPF mode's programs attached (not a Service's traffic)"
             }
             Self::Iptables => "iptables mode (DNAT + MASQUERADE)",
-            Self::EbpfDefault => "eBPF, default path (tc DNAT, kernel FORWARD, tc SNAT)",
+            Self::EbpfDefault => {
+                "eBPF, netfilter path (tc DNAT, kernel FORWARD, tc SNAT; the default where a forwarding policy is)"
+            }
             Self::Tc => "eBPF, tc (--tc-fast-path --bpf-xdp off)",
-            Self::Xdp => "eBPF, XDP (--tc-fast-path)",
+            Self::Xdp => "eBPF, XDP (--tc-fast-path; the default without a forwarding policy)",
             Self::IptablesBridge => "iptables mode, backend a pod on the node's CNI bridge",
             Self::TcBridge => "eBPF, tc, backend a pod on the node's CNI bridge",
         }

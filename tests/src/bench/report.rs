@@ -564,7 +564,7 @@ fn goals(md: &mut String, r: &Results) {
         );
         let _ = writeln!(
             md,
-            "| packet rate on one core: the eBPF mode's default path (no `--tc-fast-path`: tc DNAT, the kernel's FORWARD, tc SNAT) ≥ {GOAL_EBPF_DEFAULT_OVER_IPTABLES:.0}× the iptables mode (§4b) | default path {:.0}k, iptables {:.0}k packets/s | {} |",
+            "| packet rate on one core: the eBPF mode's default path on a node with a forwarding policy (`--tc-fast-path=auto` then takes the netfilter path: tc DNAT, the kernel's FORWARD, tc SNAT; on a node without one the default is the XDP row above) ≥ {GOAL_EBPF_DEFAULT_OVER_IPTABLES:.0}× the iptables mode (§4b) | netfilter path {:.0}k, iptables {:.0}k packets/s | {} |",
             rate(PpsMode::EbpfDefault),
             rate(PpsMode::Iptables),
             judge(
@@ -1037,13 +1037,14 @@ fn pps_section(md: &mut String, r: &Results) {
          on the node's `ext0` through the veth driver, where the mode under test forwards them \
          out by `ext1`: *XDP* `kpr_xdp_external` in the driver (the flow's first packet too, \
          once the next hop is resolved), *tc* `kpr_tc_external` on the skb redirecting past \
-         the host's netfilter (`--tc-fast-path --bpf-xdp off`), the eBPF mode's *default \
-         path* as users run it (no `--tc-fast-path`, `--bpf-xdp auto`, which attaches no XDP \
-         then) `kpr_tc_external` translating at `ext0`'s ingress, the kernel's FORWARD, the \
+         the host's netfilter (`--tc-fast-path --bpf-xdp off`), the eBPF mode's *netfilter \
+         path* (its default on a node with a forwarding policy, where `--tc-fast-path=auto` \
+         keeps FORWARD in the path and `--bpf-xdp auto` attaches no XDP; on a node without one \
+         the default is the XDP row) `kpr_tc_external` translating at `ext0`'s ingress, the kernel's FORWARD, the \
          source NAT in `kpr_tc_egress` at `ext1` (the run fails unless the node's IP stack \
          forwarded every frame delivered, `ForwDatagrams` of `/proc/net/snmp`), *iptables* \
          the iptables mode's rules (DNAT, MASQUERADE, conntrack), *routing* the kernel alone, \
-         and *routing with the eBPF mode's programs attached* the same frames with the default path's programs on `ext0` and \
+         and *routing with the eBPF mode's programs attached* the same frames with the netfilter path's programs on `ext0` and \
          `ext1` and the Service programmed: the tax the eBPF mode puts on traffic that is not \
          a Service's. The sink counts and drops every frame in an XDP program of its own. \
          The two *backend a pod on the node's CNI bridge* rows put the sink on the node \
