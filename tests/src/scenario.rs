@@ -305,6 +305,29 @@ impl Scenario {
             .ok_or_else(|| RigError::Other("agent not started".into()))
     }
 
+    /// `proxy-agent inspect <args>` (with `--json` among them) run in the node namespace on the
+    /// running agent's pins, its output parsed.
+    pub fn inspect_json(&mut self, args: &[&str]) -> Result<serde_json::Value> {
+        let bpf_root = self.agent()?.bpf_root().to_path_buf();
+        let output = std::process::Command::new("nsenter")
+            .arg(format!("--net={}", self.topo.node().path().display()))
+            .arg(crate::agent::agent_binary()?)
+            .arg("--bpf-root")
+            .arg(bpf_root)
+            .arg("inspect")
+            .args(args)
+            .output()
+            .map_err(|e| RigError::io("running proxy-agent inspect", e))?;
+        if !output.status.success() {
+            return Err(RigError::Other(format!(
+                "inspect {args:?}: {}",
+                String::from_utf8_lossy(&output.stderr)
+            )));
+        }
+        serde_json::from_slice(&output.stdout)
+            .map_err(|e| RigError::Other(format!("inspect {args:?}: not JSON: {e}")))
+    }
+
     /// A client in the node namespace inside the agent's cgroup (subject to socket LB).
     pub fn cgroup_client(&self) -> Client {
         Client::new(self.topo.node().path()).in_cgroup(self.cgroup.path())

@@ -560,22 +560,11 @@ fn answered_under_forward_policy(s: &Scenario) -> anyhow::Result<[Vec<(SocketAdd
 /// What `proxy-agent inspect explain` says about netfilter for the external client's NodePort
 /// connection (eBPF mode): `"netfilter path: …"` or `"--tc-fast-path: …"`.
 fn explained_netfilter(s: &mut Scenario) -> anyhow::Result<String> {
-    let bpf_root = s.agent()?.bpf_root().to_path_buf();
-    let output = std::process::Command::new("nsenter")
-        .arg(format!("--net={}", s.topo.node().path().display()))
-        .arg(proxy_tests::agent::agent_binary()?)
-        .arg("--bpf-root")
-        .arg(bpf_root)
-        .args(["inspect", "explain", "--json", "--from", "external"])
-        .args(["--client", &Topology::ext_ip().to_string()])
-        .args(["--to", &format!("{}/tcp", node_port_addr())])
-        .output()?;
-    anyhow::ensure!(
-        output.status.success(),
-        "inspect explain: {}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-    let e: serde_json::Value = serde_json::from_slice(&output.stdout)?;
+    let client = Topology::ext_ip().to_string();
+    let to = format!("{}/tcp", node_port_addr());
+    let e = s.inspect_json(&[
+        "explain", "--json", "--from", "external", "--client", &client, "--to", &to,
+    ])?;
     Ok(e["netfilter"].as_str().unwrap_or_default().to_owned())
 }
 

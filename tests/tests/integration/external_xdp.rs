@@ -19,13 +19,11 @@
 
 use std::io::{Read as _, Write as _};
 use std::net::{IpAddr, Shutdown, SocketAddr, TcpListener, TcpStream, UdpSocket};
-use std::process::Command;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use proxy_common::StatIndex;
-use proxy_tests::agent::agent_binary;
 use proxy_tests::client::{Attempt, Client, Proto, tally};
 use proxy_tests::manifests::{Endpoint, Protocol, SlicePort, endpoint_slice_yaml};
 use proxy_tests::netns::on_thread_in;
@@ -139,20 +137,10 @@ fn complete_checksums(s: &Scenario) -> anyhow::Result<()> {
 /// `proxy-agent inspect interfaces --json` in the node's namespace: (interface, hook,
 /// program) rows.
 fn inspect_interfaces(s: &mut Scenario) -> anyhow::Result<Vec<(String, String, String)>> {
-    let bpf_root = s.agent()?.bpf_root().to_path_buf();
-    let output = Command::new("nsenter")
-        .arg(format!("--net={}", s.topo.node().path().display()))
-        .arg(agent_binary()?)
-        .arg("--bpf-root")
-        .arg(&bpf_root)
-        .args(["inspect", "interfaces", "--json"])
-        .output()?;
-    anyhow::ensure!(
-        output.status.success(),
-        "inspect interfaces failed: {}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-    let rows: Vec<serde_json::Value> = serde_json::from_slice(&output.stdout)?;
+    let rows = s.inspect_json(&["interfaces", "--json"])?;
+    let rows = rows
+        .as_array()
+        .ok_or_else(|| anyhow::anyhow!("inspect interfaces: not a list: {rows}"))?;
     Ok(rows
         .iter()
         .map(|row| {

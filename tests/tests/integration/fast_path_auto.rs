@@ -164,44 +164,21 @@ fn fast_path_row(s: &Scenario) -> anyhow::Result<serde_json::Value> {
 /// `inspect explain` reads it for the external client's NodePort connection: `"netfilter
 /// path: …"` or `"--tc-fast-path: …"`.
 fn explained_netfilter(s: &mut Scenario) -> anyhow::Result<String> {
-    let bpf_root = s.agent()?.bpf_root().to_path_buf();
-    let output = Command::new("nsenter")
-        .arg(format!("--net={}", s.topo.node().path().display()))
-        .arg(agent_binary()?)
-        .arg("--bpf-root")
-        .arg(bpf_root)
-        .args(["inspect", "explain", "--json", "--from", "external"])
-        .args(["--client", &Topology::ext_ip().to_string()])
-        .args(["--to", &format!("{}/tcp", target())])
-        .output()?;
-    anyhow::ensure!(
-        output.status.success(),
-        "inspect explain: {}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-    let e: serde_json::Value = serde_json::from_slice(&output.stdout)?;
+    let client = Topology::ext_ip().to_string();
+    let to = format!("{}/tcp", target());
+    let e = s.inspect_json(&[
+        "explain", "--json", "--from", "external", "--client", &client, "--to", &to,
+    ])?;
     Ok(e["netfilter"].as_str().unwrap_or_default().to_owned())
 }
 
 /// Whether XDP is attached to `vext` (`inspect interfaces`).
 fn xdp_on_vext(s: &mut Scenario) -> anyhow::Result<bool> {
-    let bpf_root = s.agent()?.bpf_root().to_path_buf();
-    let output = Command::new("nsenter")
-        .arg(format!("--net={}", s.topo.node().path().display()))
-        .arg(agent_binary()?)
-        .arg("--bpf-root")
-        .arg(&bpf_root)
-        .args(["inspect", "interfaces", "--json"])
-        .output()?;
-    anyhow::ensure!(
-        output.status.success(),
-        "inspect interfaces failed: {}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-    let rows: Vec<serde_json::Value> = serde_json::from_slice(&output.stdout)?;
-    Ok(rows
-        .iter()
-        .any(|row| row["interface"] == "vext" && row["hook"] == "xdp"))
+    let rows = s.inspect_json(&["interfaces", "--json"])?;
+    Ok(rows.as_array().is_some_and(|rows| {
+        rows.iter()
+            .any(|row| row["interface"] == "vext" && row["hook"] == "xdp")
+    }))
 }
 
 #[test]
