@@ -114,7 +114,11 @@ impl MapWriter {
         let copy = &mut copying.copy;
         if !copying.frontends_done {
             if copying.after.is_none() {
+                // Room for the whole copy up front: a vector that grows reallocates and copies
+                // everything so far within one step (4-7 ms steps at 50k Services).
                 copy.frontends.reserve(self.frontends.len());
+                let ids = self.frontends.usage().slots() + self.retired.usage().slots();
+                copy.ids.reserve(usize::try_from(ids).unwrap_or_default());
             }
             let rest = match copying.after {
                 Some(after) => self
