@@ -11,7 +11,9 @@ use serde::{Deserialize, Serialize};
 use tracing::{debug, warn};
 
 use crate::{dataplane::Dataplane, http_servers::metrics::Metrics};
-use proxy_dataplane_ebpf::{DriftCheck, DriftFound, DriftNotChecked, EbpfDataplane};
+use proxy_dataplane_ebpf::{
+    DriftCheck, DriftFound, DriftJob, DriftNotChecked, DriftStart, DriftStep, EbpfDataplane,
+};
 use proxy_dataplane_iptables::{DriftInput, FamilyDrift, IptablesDataplane};
 use proxy_model::desired::Snapshot;
 
@@ -64,7 +66,8 @@ impl DriftReport {
 
 /// One check of whichever dataplane runs, in the calling thread; with `repair`, what differs
 /// is fixed (iptables: the caller requests the full sync that repairs it). The loop uses it
-/// only when a check cannot start on a thread of its own ([`DriftChecks::start_periodic`]).
+/// only when a check cannot start ([`DriftChecks::start_periodic`]: eBPF maps that cannot be
+/// opened, an iptables thread that cannot start).
 pub fn check(
     dataplane: &mut Dataplane,
     repair: bool,
@@ -110,30 +113,55 @@ fn spawn<T: Send + 'static>(
     }
 }
 
-/// eBPF mode: a drift check (reading and comparison) started on a thread of its own so that the
-/// loop keeps syncing meanwhile (see `dataplane::ebpf::drift::reader`); `None` in iptables mode
-/// or when the maps cannot be opened (logged), so the caller checks in place.
-fn start_ebpf(dataplane: &mut Dataplane) -> Option<EbpfTask> {
+/// eBPF mode: a drift check begun, its record to be copied in steps between the loop's events
+/// ([`DriftChecks::copy_step`]) before it reads and compares on a thread of its own (see
+/// `dataplane::ebpf::drift::reader`); `None` in iptables mode or when the maps cannot be opened
+/// (logged), so the caller checks in place.
+fn begin_ebpf(dataplane: &mut Dataplane) -> Option<EbpfCopying> {
     let Dataplane::Ebpf(ebpf) = dataplane else {
         return None;
     };
-    let job = match ebpf.start_drift_check() {
-        Ok(job) => job,
+    let started = std::time::Instant::now();
+    match ebpf.begin_drift_check() {
+        Ok(start) => Some(EbpfCopying { started, start }),
         Err(error) => {
             warn!(%error, "cannot start the drift check's reading");
-            return None;
-        }
-    };
-    match spawn("drift-check", true, move || job.run()) {
-        Some(result) => Some(EbpfTask {
-            started: std::time::Instant::now(),
-            result,
-        }),
-        None => {
-            ebpf.abandon_drift_check();
             None
         }
     }
+}
+
+/// A copied record's job, read and compared on a thread of its own at a lower priority; in
+/// this thread when none can start (rare: the result then waits in the channel as a thread's
+/// would, so it is finished, counted and repaired the same way).
+fn run_ebpf(job: DriftJob, started: std::time::Instant) -> EbpfTask {
+    type Work = Option<(DriftJob, tokio::sync::oneshot::Sender<DriftFound>)>;
+    fn take(slot: &std::sync::Mutex<Work>) -> Work {
+        slot.lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .take()
+    }
+    let (done, result) = tokio::sync::oneshot::channel();
+    // std's `spawn` drops its closure when no thread starts: the work goes through a slot so
+    // that it can still run here.
+    let slot = std::sync::Arc::new(std::sync::Mutex::new(Some((job, done))));
+    let theirs = std::sync::Arc::clone(&slot);
+    let spawned = std::thread::Builder::new()
+        .name("drift-check".into())
+        .spawn(move || {
+            if let Some((job, done)) = take(&theirs) {
+                lower_priority();
+                // The receiver is gone only when the agent is shutting down.
+                let _ = done.send(DriftJob::run(job));
+            }
+        });
+    if let Err(error) = spawned {
+        warn!(%error, "cannot start the drift check's thread; checking in the loop");
+        if let Some((job, done)) = take(&slot) {
+            let _ = done.send(DriftJob::run(job));
+        }
+    }
+    EbpfTask { started, result }
 }
 
 /// Nice 10 for the calling thread (Linux: per thread; the `iptables-save` it runs inherits it).
@@ -153,6 +181,13 @@ fn lower_priority() {
     if set != 0 {
         debug!(error = %std::io::Error::last_os_error(), "drift check keeps its priority");
     }
+}
+
+/// An eBPF drift check whose record the loop is copying, a step per turn.
+#[derive(Debug)]
+struct EbpfCopying {
+    started: std::time::Instant,
+    start: DriftStart,
 }
 
 /// An eBPF drift check on its way (on a thread of its own, ended with the check).
@@ -210,6 +245,9 @@ pub type Reply = tokio::sync::oneshot::Sender<String>;
 /// the next one.
 #[derive(Debug, Default)]
 pub struct DriftChecks {
+    /// eBPF: the check whose record is being copied, with the requests it answers (`None`: the
+    /// periodic check).
+    ebpf_copying: Option<(EbpfCopying, Option<Vec<Reply>>)>,
     /// eBPF: the check in flight, with the requests it answers (`None`: the periodic check).
     ebpf: Option<(EbpfTask, Option<Vec<Reply>>)>,
     /// iptables: the periodic check in flight.
@@ -242,7 +280,43 @@ impl DriftChecks {
     /// No periodic check in flight (nor an eBPF one on demand: both modes' periodic check
     /// waits for it).
     pub fn periodic_idle(&self) -> bool {
-        self.ebpf.is_none() && self.iptables_periodic.is_none()
+        self.ebpf.is_none() && self.ebpf_copying.is_none() && self.iptables_periodic.is_none()
+    }
+
+    /// An eBPF check's record is being copied: the loop takes a [`Self::copy_step`] whenever
+    /// nothing else is ready.
+    pub fn copying(&self) -> bool {
+        self.ebpf_copying.is_some()
+    }
+
+    /// One step of the eBPF check's record copy; after the last, the check reads and compares
+    /// on a thread of its own and [`Self::done`] hands its result back.
+    pub fn copy_step(&mut self, dataplane: &mut Dataplane) {
+        let Some((copying, replies)) = self.ebpf_copying.take() else {
+            return;
+        };
+        let Dataplane::Ebpf(ebpf) = dataplane else {
+            // The mode does not change while the agent runs: nothing to check.
+            answer(
+                replies.unwrap_or_default(),
+                &DriftReport::not_checked("iptables", "an eBPF check in iptables mode"),
+            );
+            return;
+        };
+        match ebpf.drift_check_step(copying.start) {
+            DriftStep::More(start) => {
+                self.ebpf_copying = Some((
+                    EbpfCopying {
+                        started: copying.started,
+                        start,
+                    },
+                    replies,
+                ));
+            }
+            DriftStep::Ready(job) => {
+                self.ebpf = Some((run_ebpf(job, copying.started), replies));
+            }
+        }
     }
 
     /// The periodic check, started on a thread (`true`); `false` when the caller must check in
@@ -258,9 +332,9 @@ impl DriftChecks {
         retry: bool,
     ) -> bool {
         match dataplane {
-            Dataplane::Ebpf(_) => match start_ebpf(dataplane) {
-                Some(task) => {
-                    self.ebpf = Some((task, None));
+            Dataplane::Ebpf(_) => match begin_ebpf(dataplane) {
+                Some(copying) => {
+                    self.ebpf_copying = Some((copying, None));
                     true
                 }
                 None => false,
@@ -290,12 +364,12 @@ impl DriftChecks {
         }
         match dataplane {
             Dataplane::Ebpf(_) => {
-                if self.ebpf.is_some() {
+                if self.ebpf.is_some() || self.ebpf_copying.is_some() {
                     return;
                 }
                 let replies = std::mem::take(&mut self.waiting);
-                match start_ebpf(dataplane) {
-                    Some(task) => self.ebpf = Some((task, Some(replies))),
+                match begin_ebpf(dataplane) {
+                    Some(copying) => self.ebpf_copying = Some((copying, Some(replies))),
                     None => answer(
                         replies,
                         &DriftReport::not_checked("ebpf", "the maps cannot be read"),

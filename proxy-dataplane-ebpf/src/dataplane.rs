@@ -38,9 +38,10 @@ use crate::{
     conntrack::reserved_ports,
     conntrack::tc_conntrack::{self, ConntrackPair, monotonic_ns},
     drift,
-    drift::reader::{self, DriftFound, DriftJob, DriftReader, OrphanEntry},
+    drift::reader::{self, DriftFound, DriftJob, DriftReader, DriftStart, DriftStep, OrphanEntry},
     error::EbpfError,
     maps::map_sizes::{LruBudget, LruSizes},
+    maps::map_writer::{CopyStep, RecordCopying},
     maps::port_filter::PortFilterMap,
     maps::service_maps::{ServiceMaps, ignore_missing},
     maps::touched_keys::Touched,
@@ -88,6 +89,11 @@ pub struct GcProgress {
 /// applying service ports: about what a change that comes meanwhile waits for the loop. A
 /// pass over 50k Services in one go holds the loop for tens of milliseconds.
 pub const FULL_PASS_STEP: std::time::Duration = std::time::Duration::from_millis(1);
+
+/// Frontends one step of the drift check's record copy takes ([`EbpfDataplane::drift_check_step`]):
+/// the whole copy took 8–26 ms of the loop at 50k Services (a frontend each, with its ids and
+/// ranges), so a step is well under a millisecond and a change waits for one at most.
+pub const DRIFT_COPY_STEP: usize = 2048;
 
 /// Service ports a step applies between two looks at the clock.
 const FULL_PASS_CHUNK: usize = 32;
@@ -824,26 +830,66 @@ impl EbpfDataplane {
     }
 
     /// A drift check for another thread ([`DriftJob::run`]): descriptors of every map it
-    /// compares and a copy of the map writer's record. From now until
+    /// compares and a copy of the map writer's record, taken in one go. From now until
     /// [`Self::finish_drift_check`] the service maps note the keys the agent writes (a check
     /// started before this one can no longer be finished).
     pub fn start_drift_check(&mut self) -> Result<DriftJob, EbpfError> {
+        let mut start = self.begin_drift_check()?;
+        loop {
+            match self.drift_check_step_of(start, usize::MAX) {
+                DriftStep::More(more) => start = more,
+                DriftStep::Ready(job) => return Ok(job),
+            }
+        }
+    }
+
+    /// A drift check whose record is copied in steps ([`Self::drift_check_step`], one per
+    /// loop turn), so that a change arriving meanwhile waits for one step, not the whole copy.
+    /// The service maps note the keys the agent writes from now (before the first step: see
+    /// `RecordCopying`) until [`Self::finish_drift_check`].
+    pub fn begin_drift_check(&mut self) -> Result<DriftStart, EbpfError> {
         let started = std::time::Instant::now();
         let reader = self.drift_reader()?;
         self.drift_jobs += 1;
         let job = self.drift_jobs;
-        let opened = started.elapsed();
-        let record = self.map_writer.record_copy();
         self.maps.touched = Some(Touched::new(job));
-        // The part of the check the loop does: what a change that comes meanwhile waits for.
-        debug!(
-            open_us = u64::try_from(opened.as_micros()).unwrap_or(u64::MAX),
-            copy_us = u64::try_from((started.elapsed() - opened).as_micros()).unwrap_or(u64::MAX),
-            "drift check reading handed over"
-        );
-        Ok(DriftJob {
+        Ok(DriftStart {
             job,
             reader,
+            copying: RecordCopying::default(),
+            work: started.elapsed(),
+        })
+    }
+
+    /// One step of the record's copy: [`DRIFT_COPY_STEP`] frontends, or the rest once they are
+    /// all copied; the job once the copy is complete.
+    pub fn drift_check_step(&mut self, start: DriftStart) -> DriftStep {
+        self.drift_check_step_of(start, DRIFT_COPY_STEP)
+    }
+
+    fn drift_check_step_of(&mut self, mut start: DriftStart, frontends: usize) -> DriftStep {
+        let started = std::time::Instant::now();
+        let steps = start.copying.steps() + 1;
+        let record = match self.map_writer.record_copy_step(start.copying, frontends) {
+            CopyStep::More(copying) => {
+                start.copying = copying;
+                start.work += started.elapsed();
+                return DriftStep::More(start);
+            }
+            CopyStep::Done(copy) => Some(copy),
+            CopyStep::Damaged => None,
+        };
+        let work = start.work + started.elapsed();
+        // The part of the check the loop does: what changes that come meanwhile wait for, a
+        // step at a time.
+        debug!(
+            steps,
+            work_us = u64::try_from(work.as_micros()).unwrap_or(u64::MAX),
+            "drift check reading handed over"
+        );
+        DriftStep::Ready(DriftJob {
+            job: start.job,
+            reader: start.reader,
             record,
         })
     }

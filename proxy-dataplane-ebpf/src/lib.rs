@@ -19,8 +19,8 @@ pub use attach::xdp::XdpSetting;
 pub use conntrack::ct_maps::ConntrackMaps;
 pub use conntrack::ct_worker::WorkerReports;
 pub use conntrack::tc_conntrack::{CtWalk, monotonic_ns};
-pub use dataplane::{EbpfDataplane, FULL_PASS_STEP, FullPass, GcProgress};
-pub use drift::reader::{DriftFound, DriftJob, DriftReader, DriftReading};
+pub use dataplane::{DRIFT_COPY_STEP, EbpfDataplane, FULL_PASS_STEP, FullPass, GcProgress};
+pub use drift::reader::{DriftFound, DriftJob, DriftReader, DriftReading, DriftStart, DriftStep};
 pub use drift::{Drift, DriftCheck, DriftKind, DriftNotChecked, RepairReport};
 pub use error::EbpfError;
 pub use maps::maglev::{

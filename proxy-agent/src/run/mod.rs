@@ -296,6 +296,9 @@ impl Agent {
                 // The periodic full pass goes on whenever nothing else is ready (the select
                 // picks among ready branches at random: a change waits one step at most).
                 () = std::future::ready(()), if self.full_pass.is_some() => Event::FullPassStep,
+                // As the full pass: the eBPF drift check's record is copied a step per turn,
+                // so a change that comes meanwhile waits for one step, not the whole copy.
+                () = std::future::ready(()), if self.drift.copying() => Event::DriftCopyStep,
                 _ = sigint.recv() => return Ok("SIGINT"),
                 _ = sigterm.recv() => return Ok("SIGTERM"),
             };
@@ -321,6 +324,7 @@ impl Agent {
                 Event::ConntrackGc => self.conntrack_gc(),
                 Event::DriftPrepare => self.prepare_periodic_drift_check(),
                 Event::DriftDue => self.start_periodic_drift_check(),
+                Event::DriftCopyStep => self.drift.copy_step(&mut self.dataplane),
                 Event::DriftDone(done) => {
                     let periodic_due = !drift_period.is_zero() && Instant::now() >= self.drift_at;
                     let finished = self.drift.finish(
@@ -623,8 +627,8 @@ impl Agent {
 
     /// The datapath's health checks (the attachments are repaired there, between syncs; see
     /// `datapath_checks`), in a turn of their own before the maps' check starts in the next
-    /// one: each is milliseconds at 50k Services (the self-test's runs, the record's copy),
-    /// and a change that comes meanwhile waits for one of them only.
+    /// one (whose copy of the record then goes a step per turn): the self-test's runs are
+    /// milliseconds at 50k Services, and a change that comes meanwhile waits for them only.
     fn prepare_periodic_drift_check(&mut self) {
         self.datapath_checks
             .before_drift_check(&mut self.dataplane, self.http_servers.health());
@@ -759,6 +763,8 @@ enum Event {
     /// The datapath's health checks that come before the periodic drift check.
     DriftPrepare,
     DriftDue,
+    /// A step of the eBPF drift check's record copy.
+    DriftCopyStep,
     DriftDone(drift_checks::Done),
     TrafficDue,
     TrafficDone(Taken),
@@ -782,6 +788,7 @@ impl Event {
             Event::ConntrackGc => "conntrack gc",
             Event::DriftPrepare => "datapath checks",
             Event::DriftDue => "drift check start",
+            Event::DriftCopyStep => "drift check copy step",
             Event::DriftDone(_) => "drift check finish",
             Event::TrafficDue => "traffic read start",
             Event::TrafficDone(_) => "traffic read finish",

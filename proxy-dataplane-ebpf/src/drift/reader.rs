@@ -29,7 +29,7 @@ use crate::{
     drift::orphans,
     drift::{Drift, DriftKind, Keyed},
     error::EbpfError,
-    maps::map_writer::RecordCopy,
+    maps::map_writer::{RecordCopy, RecordCopying},
     maps::service_maps::ServiceMaps,
     maps::touched_keys::Touched,
 };
@@ -53,6 +53,35 @@ pub struct DriftJob {
     pub(crate) reader: DriftReader,
     /// `None`: the record knows it differs from the maps (a damaged adopted frontend).
     pub(crate) record: Option<RecordCopy>,
+}
+
+/// A drift check whose copy of the record is still being taken, a step per loop turn
+/// ([`super::EbpfDataplane::drift_check_step`]); the keys the agent writes are noted from its
+/// start, so writes between the steps make no false drift (see `RecordCopying`).
+pub struct DriftStart {
+    pub(crate) job: u64,
+    pub(crate) reader: DriftReader,
+    pub(crate) copying: RecordCopying,
+    /// The loop's time in the steps so far (the opening, then the copy).
+    pub(crate) work: std::time::Duration,
+}
+
+impl std::fmt::Debug for DriftStart {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DriftStart")
+            .field("job", &self.job)
+            .field("steps", &self.copying.steps())
+            .finish_non_exhaustive()
+    }
+}
+
+/// What one step of a [`DriftStart`] left.
+#[derive(Debug)]
+pub enum DriftStep {
+    /// More of the record to copy: step again.
+    More(DriftStart),
+    /// The copy is complete: the job can run on its thread.
+    Ready(DriftJob),
 }
 
 impl std::fmt::Debug for DriftJob {

@@ -949,7 +949,8 @@ impl MapWriter {
     /// check compares it with what they do hold). `None` while an adopted frontend is damaged
     /// or has an incomplete Maglev table: the record then knows it differs from the maps, and
     /// the next full apply rewrites that frontend anyway. The agent's loop only copies the
-    /// record ([`MapWriter::record_copy`]); the drift thread builds this from the copy.
+    /// record, in steps ([`MapWriter::record_copy_step`]); the drift thread builds this from
+    /// the copy.
     #[cfg(test)]
     pub(crate) fn expected_content(&self) -> Option<MapsContent> {
         self.record_copy()?.expected_content()
@@ -1152,5 +1153,5 @@ pub mod shares;
 mod summary;
 mod usage;
 
-pub use record_copy::RecordCopy;
+pub use record_copy::{CopyStep, RecordCopy, RecordCopying};
 pub use summary::{ApplyError, ApplySummary, RemovedBackend, Retirement};

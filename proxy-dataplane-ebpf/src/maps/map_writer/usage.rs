@@ -91,6 +91,11 @@ impl MapUsage {
         self.maglev = self.maglev.saturating_sub(other.maglev);
     }
 
+    /// Backend slot entries: what a copy of the record holds as many backend ids as.
+    pub(super) fn slots(&self) -> u64 {
+        self.slots
+    }
+
     pub(super) fn sum(parts: &[Self]) -> Self {
         let mut total = Self::default();
         for part in parts {

@@ -1,8 +1,12 @@
 //! The drift check (`dataplane::ebpf::drift`) over the in-memory maps: what it reports after
 //! each kind of outside change, and that its repair leaves maps the datapath can use.
 
-use crate::drift::{DriftKind, RepairReport, diff, diff_keyed, repair};
+use crate::drift::reader::{DriftReading, compare};
+use crate::drift::{Drift, DriftKind, RepairReport, diff, diff_keyed, repair};
 use crate::maps::map_writer::tests::*;
+use crate::maps::map_writer::{CopyStep, RecordCopy, RecordCopying};
+use crate::maps::touched_keys::Touched;
+use proxy_common::map_names;
 
 /// The repair of everything `diff` reports.
 fn repair_all(expected: &MapsContent, maps: &mut FakeMaps) -> RepairReport {
@@ -177,4 +181,151 @@ fn retired_generations_are_expected_until_their_grace_ends() {
     maps.check_invariants();
     let expected = map_writer.expected_content().expect("nothing damaged");
     assert_eq!(diff(&expected, &maps.content()), []);
+}
+
+/// The in-memory maps, noting the keys written as the service maps do while a drift check is
+/// out (`ServiceMaps::touched`).
+struct Noting<'a> {
+    maps: &'a mut FakeMaps,
+    touched: &'a mut Touched,
+}
+
+impl MapOps for Noting<'_> {
+    fn put_frontend(
+        &mut self,
+        key: FrontendMapKey,
+        value: FrontendValue,
+    ) -> Result<(), MapWriteError> {
+        self.touched.frontend(key);
+        self.touched.service(value.service_id);
+        self.maps.put_frontend(key, value)
+    }
+    fn delete_frontend(&mut self, key: FrontendMapKey) -> Result<(), MapWriteError> {
+        self.touched.frontend(key);
+        self.maps.delete_frontend(key)
+    }
+    fn put_slot(&mut self, key: BackendSlotKey, backend_id: u32) -> Result<(), MapWriteError> {
+        self.touched.slot(key);
+        self.maps.put_slot(key, backend_id)
+    }
+    fn delete_slot(&mut self, key: BackendSlotKey) -> Result<(), MapWriteError> {
+        self.touched.slot(key);
+        self.maps.delete_slot(key)
+    }
+    fn put_backend(&mut self, id: u32, backend: BackendValue) -> Result<(), MapWriteError> {
+        self.touched.backend_value(id, &backend);
+        self.maps.put_backend(id, backend)
+    }
+    fn delete_backend(&mut self, id: u32, backend: BackendValue) -> Result<(), MapWriteError> {
+        self.touched.backend(id);
+        self.maps.delete_backend(id, backend)
+    }
+    fn put_affinity_match(&mut self, key: AffinityMatchKey) -> Result<(), MapWriteError> {
+        self.touched.affinity_match(key);
+        self.maps.put_affinity_match(key)
+    }
+    fn delete_affinity_match(&mut self, key: AffinityMatchKey) -> Result<(), MapWriteError> {
+        self.touched.affinity_match(key);
+        self.maps.delete_affinity_match(key)
+    }
+    fn put_source_range(&mut self, service_id: u32, range: IpNet) -> Result<(), MapWriteError> {
+        self.touched.source_ranges_of(service_id);
+        self.maps.put_source_range(service_id, range)
+    }
+    fn delete_source_range(&mut self, service_id: u32, range: IpNet) -> Result<(), MapWriteError> {
+        self.touched.source_ranges_of(service_id);
+        self.maps.delete_source_range(service_id, range)
+    }
+    fn put_maglev(&mut self, key: MaglevKey, block: MaglevBlock) -> Result<(), MapWriteError> {
+        self.touched.maglev(key);
+        self.maps.put_maglev(key, block)
+    }
+    fn delete_maglev(&mut self, key: MaglevKey) -> Result<(), MapWriteError> {
+        self.touched.maglev(key);
+        self.maps.delete_maglev(key)
+    }
+}
+
+/// What the drift check reports of `maps` against a finished copy: differences of entries not
+/// written since the copy began (as `EbpfDataplane::finish_drift_check` leaves them).
+fn reported(copy: &RecordCopy, maps: &FakeMaps, touched: &Touched) -> Vec<Drift> {
+    let expected = copy.expected_content().expect("nothing damaged");
+    let reading = DriftReading {
+        found: maps.content(),
+        ..DriftReading::default()
+    };
+    let (kept, _) = compare(&expected, reading).without(touched);
+    assert!(kept.orphans.is_empty(), "{:?}", kept.orphans);
+    kept.drift.into_iter().map(|keyed| keyed.drift).collect()
+}
+
+#[test]
+fn changes_synced_between_copy_steps_are_no_drift_and_real_drift_is_still_found() {
+    let mut maps = FakeMaps::with_slot_capacity(1000);
+    // The real grace: generations switched out during the copy stay in the maps meanwhile.
+    let mut map_writer = with_test_clock();
+    let behind = key([10, 96, 0, 9], 80);
+    let web = key([10, 96, 0, 10], 80);
+    let api = key([10, 96, 0, 11], 80);
+    let db = key([10, 96, 0, 12], 80);
+    let gone = key([10, 96, 0, 13], 80);
+    let (_, errors) = map_writer.apply(
+        snapshot(&[(web, &[1, 2]), (api, &[2, 3]), (db, &[4]), (gone, &[5])]),
+        &mut maps,
+    );
+    assert!(errors.is_empty(), "{errors:?}");
+
+    // The check begins: keys are noted from here. One frontend a step: web is copied first.
+    let mut touched = Touched::new(1);
+    let CopyStep::More(mut copying) = map_writer.record_copy_step(RecordCopying::default(), 1)
+    else {
+        panic!("four frontends take more than one step");
+    };
+    // A change synced between two steps: web (copied already) switches backends, a frontend
+    // appears behind the cursor, db (not copied yet) grows, gone goes (before its copy).
+    let mut change = snapshot(&[
+        (behind, &[7]),
+        (web, &[2, 6]),
+        (api, &[2, 3]),
+        (db, &[4, 8]),
+    ]);
+    change.push((name_of(&gone), Vec::new()));
+    let (_, errors) = map_writer.apply(
+        change,
+        &mut Noting {
+            maps: &mut maps,
+            touched: &mut touched,
+        },
+    );
+    assert!(errors.is_empty(), "{errors:?}");
+    let mut steps = 1;
+    let copy = loop {
+        steps += 1;
+        match map_writer.record_copy_step(copying, 1) {
+            CopyStep::More(more) => copying = more,
+            CopyStep::Done(copy) => break copy,
+            CopyStep::Damaged => panic!("nothing damaged"),
+        }
+    };
+    // api and db a step each, then the retired generations and the backends.
+    assert_eq!(steps, 4);
+    // The copy straddles the change (web's old frontend, behind missing): only the noted keys
+    // keep that from being reported.
+    let straddling = kinds(&reported(&copy, &maps, &Touched::new(1)));
+    assert!(
+        straddling.contains(&(map_names::FRONTENDS4, DriftKind::Changed))
+            && straddling.contains(&(map_names::FRONTENDS4, DriftKind::Extra)),
+        "{straddling:?}"
+    );
+    assert_eq!(reported(&copy, &maps, &touched), []);
+
+    // Someone else changes api's frontend, which the agent did not write during the copy: the
+    // check still finds it.
+    let api_key = frontend_map_key(&api).expect("key");
+    let mut corrupted = maps.frontends[&api_key];
+    corrupted.backend_count = 9;
+    maps.frontends.insert(api_key, corrupted);
+    let drift = reported(&copy, &maps, &touched);
+    assert_eq!(kinds(&drift), [(map_names::FRONTENDS4, DriftKind::Changed)]);
+    assert_eq!(drift[0].entry, api.to_string());
 }
