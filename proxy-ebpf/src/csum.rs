@@ -41,26 +41,6 @@ fn l4_flags(pkt: &Packet) -> u64 {
     }
 }
 
-/// Replaces an SCTP packet's address at `offset` (source or destination) and fixes the IPv4
-/// header checksum; SCTP's CRC32c has no pseudo-header (ports: `sctp::replace_ports`).
-#[inline(always)]
-pub fn replace_sctp_addr(
-    ctx: &TcContext,
-    pkt: &Packet,
-    offset: usize,
-    old: &[u32; 4],
-    new: &[u32; 4],
-) -> Result<(), c_long> {
-    if pkt.is_v6() {
-        // Nothing else in the packet changes to compensate (no IPv6 header checksum, no
-        // pseudo-header in the CRC), so the packet's one's-complement sum moves: the flag
-        // has the kernel fix `skb->csum` of a CHECKSUM_COMPLETE skb.
-        return ctx.store(offset, new, u64::from(BPF_F_RECOMPUTE_CSUM));
-    }
-    write(ctx, offset, &new[0])?;
-    ctx.l3_csum_replace(IPV4_CSUM, u64::from(old[0]), u64::from(new[0]), 4)
-}
-
 /// The new source and destination of a TCP or UDP packet; an address is written only with its
 /// flag. Flags rather than `Option<&_>`: LLVM folds such an option's test into arithmetic on the
 /// map-value pointer, which the verifier refuses.
@@ -117,8 +97,14 @@ pub fn rewrite_tuple(ctx: &TcContext, pkt: &Packet, to: &Rewrite) -> Result<(), 
             // Size 0: the value is a checksum difference.
             ctx.l4_csum_replace(pkt.l4_csum_offset(), 0, u64::from(addr_sum), pseudo | ipv6)?;
         } else {
-            // See `replace_addr`: without `BPF_F_IPV6` the helper moves `skb->csum` as for
-            // IPv4; taken back unless the helper left a zero UDP checksum alone.
+            // The address and the L4 checksum change by opposite amounts, so the packet's
+            // one's-complement sum (`skb->csum` of a CHECKSUM_COMPLETE skb) stays as it was:
+            // IPv6 has no header checksum to move it. Without `BPF_F_IPV6` the helper adjusts
+            // `skb->csum` as for IPv4, and a NIC that sums packets then logs "hw csum
+            // failure"; so kernels without the flag get the adjustment taken back with
+            // `bpf_csum_update` (a no-op on other skbs), as Cilium does. A zero UDP checksum
+            // (invalid over IPv6, yet possible) is left alone by the helper
+            // (`BPF_F_MARK_MANGLED_0`): nothing to take back then.
             let untouched = pkt.proto == proto::UDP && ctx.load::<u16>(pkt.l4_csum_offset())? == 0;
             ctx.l4_csum_replace(pkt.l4_csum_offset(), 0, u64::from(addr_sum), pseudo)?;
             if !untouched {
@@ -155,10 +141,12 @@ fn write_address(ctx: &TcContext, offset: usize, new: &[u32; 4], v6: bool) -> Re
     }
 }
 
-/// Replaces an address (at `offset`) of a later fragment, which has no L4 header: the
-/// pseudo-header's change is in the L4 checksum of its first fragment, fixed there.
+/// Replaces an address (at `offset`) that no L4 checksum in the packet covers — a later
+/// fragment's (no L4 header: the pseudo-header's change is in its first fragment's checksum,
+/// fixed there) or an SCTP packet's (its CRC32c has no pseudo-header; ports:
+/// `sctp::replace_ports`) — and fixes the IPv4 header checksum.
 #[inline(always)]
-pub fn replace_fragment_addr(
+pub fn replace_addr_outside_l4(
     ctx: &TcContext,
     pkt: &Packet,
     offset: usize,

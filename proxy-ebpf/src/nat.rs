@@ -41,7 +41,7 @@ use aya_ebpf::{
 use proxy_common::{CtValue, StatIndex, TRANSLATED_MARK, ct_flags, family, node_flags, proto};
 
 use crate::{
-    csum::{Rewrite, replace_fragment_addr, replace_sctp_addr, rewrite_tuple, store},
+    csum::{Rewrite, replace_addr_outside_l4, rewrite_tuple, store},
     icmp,
     maps::{KPR_NODE_CONFIG, KPR_SNAT_IFACES, scratch},
     parse::{ETH_HLEN, Packet},
@@ -83,32 +83,29 @@ enum Half {
 fn rewrite(ctx: &TcContext, pkt: &Packet, to: &CtValue, half: Half) -> Result<(), i64> {
     let source = half != Half::Destination;
     let destination = half != Half::Source;
-    if pkt.later_fragment {
-        // Addresses only: the ports and the L4 checksum are in the first fragment.
-        if source && to.src != pkt.src {
-            replace_fragment_addr(ctx, pkt, pkt.src_offset(), &pkt.src, &to.src)?;
-        }
-        if destination && to.dst != pkt.dst {
-            replace_fragment_addr(ctx, pkt, pkt.dst_offset(), &pkt.dst, &to.dst)?;
-        }
-        return Ok(());
-    }
+    let new_src = source && to.src != pkt.src;
+    let new_dst = destination && to.dst != pkt.dst;
     let sport = if source { to.sport } else { pkt.sport };
     let dport = if destination { to.dport } else { pkt.dport };
-    if pkt.proto == proto::SCTP {
-        if source && to.src != pkt.src {
-            replace_sctp_addr(ctx, pkt, pkt.src_offset(), &pkt.src, &to.src)?;
+    if pkt.later_fragment || pkt.proto == proto::SCTP {
+        // Addresses no L4 checksum covers here: a later fragment's ports and checksum are in
+        // its first fragment, and SCTP's CRC32c has no pseudo-header.
+        if new_src {
+            replace_addr_outside_l4(ctx, pkt, pkt.src_offset(), &pkt.src, &to.src)?;
         }
-        if destination && to.dst != pkt.dst {
-            replace_sctp_addr(ctx, pkt, pkt.dst_offset(), &pkt.dst, &to.dst)?;
+        if new_dst {
+            replace_addr_outside_l4(ctx, pkt, pkt.dst_offset(), &pkt.dst, &to.dst)?;
+        }
+        if pkt.later_fragment {
+            return Ok(());
         }
         return sctp::replace_ports(ctx, pkt, sport, dport);
     }
     let rewrite = Rewrite {
         src: &to.src,
-        new_src: source && to.src != pkt.src,
+        new_src,
         dst: &to.dst,
-        new_dst: destination && to.dst != pkt.dst,
+        new_dst,
         sport,
         dport,
     };
