@@ -47,6 +47,10 @@ pub mod map_names {
     pub const ENDPOINT_TRAFFIC: &str = "KPR_ENDPOINT_TRAFFIC";
     /// The ports the tc ingress programs care about ([`super::PortFilter`]), one entry.
     pub const PORT_FILTER: &str = "KPR_PORT_FILTER";
+    /// The node's route generation (one `u32`), which the agent bumps on every route, rule,
+    /// neighbour and link change: the next hops conntrack entries keep
+    /// ([`super::NextHop`]) are valid only under the generation they were resolved in.
+    pub const ROUTE_GENERATION: &str = "KPR_ROUTE_GENERATION";
     /// The tc programs of each family the entry programs tail-call (a program array, pinned so
     /// that it outlives the agent; not in [`PINNED`]: it holds programs, not state).
     pub const TC_FAMILY: &str = "KPR_TC_FAMILY";
@@ -73,7 +77,7 @@ pub mod map_names {
     pub const FRAGMENTS: &str = "KPR_FRAGMENTS";
 
     /// Every map the agent pins (and `--cleanup` removes).
-    pub const PINNED: [&str; 25] = [
+    pub const PINNED: [&str; 26] = [
         FRONTENDS4,
         FRONTENDS6,
         BACKEND_SLOTS,
@@ -99,6 +103,7 @@ pub mod map_names {
         SERVICE_PACKETS,
         ENDPOINT_TRAFFIC,
         PORT_FILTER,
+        ROUTE_GENERATION,
     ];
 }
 
@@ -843,6 +848,53 @@ pub struct CtValue {
     /// NAT, or an entry migrated from a layout without it).
     pub service_id: u32,
     pub _pad2: u32,
+    /// Where the fast path sent this entry's last translated packet; see [`NextHop`].
+    pub next_hop: NextHop,
+}
+
+/// The next hop a fast-path fib lookup resolved for a conntrack entry's translated packets,
+/// kept in the entry so that the flow's next packets skip the lookup. Valid while
+/// `generation` is the node's route generation (the one entry of `KPR_ROUTE_GENERATION`,
+/// which the agent bumps on every route, rule, neighbour and link change) and `epoch` the
+/// epoch of the entry's `last_seen_ns` ([`NextHop::epoch_of`]: looked up again at least every
+/// second or so of the flow's life, also while no agent runs to bump the generation);
+/// `ifindex` 0: none.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct NextHop {
+    pub ifindex: u32,
+    /// The egress interface's MTU the lookup reported: a longer packet (not GSO) is looked
+    /// up again, and answered as too big.
+    pub mtu: u16,
+    pub dmac: [u8; 6],
+    pub smac: [u8; 6],
+    pub epoch: u16,
+    pub generation: u32,
+}
+
+impl NextHop {
+    /// No next hop kept.
+    pub const NONE: Self = Self {
+        ifindex: 0,
+        mtu: 0,
+        dmac: [0; 6],
+        smac: [0; 6],
+        epoch: 0,
+        generation: 0,
+    };
+
+    /// Bits of a `bpf_ktime_get_ns()` an epoch spans: 2^30 ns, about 1.07 s.
+    pub const EPOCH_SHIFT: u32 = 30;
+
+    /// The epoch of a time in ns (wrapping; only compared for equality).
+    #[inline(always)]
+    #[expect(
+        clippy::cast_possible_truncation,
+        reason = "an epoch is compared for equality only: its low bits are enough"
+    )]
+    pub fn epoch_of(ns: u64) -> u16 {
+        (ns >> Self::EPOCH_SHIFT) as u16
+    }
 }
 
 /// Key of `KPR_CT4`: an IPv4 [`CtKey`] without the unused address words.
@@ -899,6 +951,7 @@ pub struct CtValue4 {
     pub last_seen_ns: u64,
     pub service_id: u32,
     pub _pad2: u32,
+    pub next_hop: NextHop,
 }
 
 impl CtValue4 {
@@ -916,6 +969,7 @@ impl CtValue4 {
             last_seen_ns: value.last_seen_ns,
             service_id: value.service_id,
             _pad2: 0,
+            next_hop: value.next_hop,
         }
     }
 
@@ -933,6 +987,7 @@ impl CtValue4 {
             last_seen_ns: self.last_seen_ns,
             service_id: self.service_id,
             _pad2: 0,
+            next_hop: self.next_hop,
         }
     }
 }
@@ -1112,9 +1167,10 @@ mod tests {
         assert_eq!(size_of::<AffinityValue>(), 16);
         assert_eq!(size_of::<AffinityMatchKey>(), 8);
         assert_eq!(size_of::<CtKey>(), 40);
-        assert_eq!(size_of::<CtValue>(), 64);
+        assert_eq!(size_of::<CtValue>(), 88);
         assert_eq!(size_of::<CtKey4>(), 16);
-        assert_eq!(size_of::<CtValue4>(), 40);
+        assert_eq!(size_of::<CtValue4>(), 64);
+        assert_eq!(size_of::<NextHop>(), 24);
         assert_eq!(size_of::<ServicePackets>(), 32);
         assert_eq!(size_of::<EndpointTrafficKey>(), 24);
         assert_eq!(size_of::<SourceRangeKey>(), 20);

@@ -182,6 +182,10 @@ pub enum StatIndex {
     /// stack untranslated, which drops it as malformed. Counted for any destination: a
     /// truncated header is never regular traffic.
     TcTruncatedHeader = 56,
+    /// The fast path looked up the route of a translated packet whose conntrack entry kept no
+    /// valid next hop (the flow's first packets, the first after a route, neighbour or link
+    /// change, and about once a second); the others use the entry's ([`crate::NextHop`]).
+    TcNextHopLookedUp = 57,
 }
 
 /// What the datapath did with the packet (or syscall) an event counts: the `action` label of
@@ -233,7 +237,7 @@ impl StatAction {
 }
 
 impl StatIndex {
-    pub const COUNT: u32 = 57;
+    pub const COUNT: u32 = 58;
     pub const ALL: [StatIndex; Self::COUNT as usize] = [
         StatIndex::Translated,
         StatIndex::RejectedNoBackends,
@@ -292,6 +296,7 @@ impl StatIndex {
         StatIndex::TcSnatPortReclaimed,
         StatIndex::TcScratchUnavailable,
         StatIndex::TcTruncatedHeader,
+        StatIndex::TcNextHopLookedUp,
     ];
 
     /// Label used in logs and metrics.
@@ -354,6 +359,7 @@ impl StatIndex {
             StatIndex::TcSnatPortReclaimed => "tc_snat_port_reclaimed",
             StatIndex::TcScratchUnavailable => "tc_scratch_unavailable",
             StatIndex::TcTruncatedHeader => "tc_truncated_header",
+            StatIndex::TcNextHopLookedUp => "tc_next_hop_looked_up",
         }
     }
 
@@ -400,6 +406,7 @@ impl StatIndex {
             | StatIndex::TcFragmentUntracked
             | StatIndex::TcTruncatedHeader => PassedUntranslated,
             StatIndex::AffinityHit
+            | StatIndex::TcNextHopLookedUp
             | StatIndex::AffinityStale
             | StatIndex::RevNatUpdateFailed
             | StatIndex::TcSnat

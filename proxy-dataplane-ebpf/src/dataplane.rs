@@ -154,6 +154,10 @@ pub struct EbpfDataplane {
     /// Worker GC rounds already counted in the metrics.
     pub(super) gc_rounds_reported: u64,
     pub(super) log_drain: Option<JoinHandle<()>>,
+    /// Bumps the route generation on every route, rule, neighbour and link change; `None` if
+    /// it could not start (logged).
+    #[expect(dead_code, reason = "held for its drop, which stops the watch")]
+    pub(super) route_watch: Option<proxy_kernel::node::RouteWatch>,
     /// Every map read of the drift check goes entry by entry (the benchmark's baseline).
     pub(super) entry_by_entry_reads: bool,
     /// Drift checks started since start: each check's number, which its record of written keys
@@ -468,6 +472,7 @@ impl EbpfDataplane {
                 None
             }
         };
+        let route_watch = crate::route_generation::watch(&pin_dir);
         info!(
             cgroup = %cgroup_path.display(),
             pins = %pin_dir.display(),
@@ -501,6 +506,7 @@ impl EbpfDataplane {
             ct_worker,
             gc_rounds_reported: 0,
             log_drain,
+            route_watch,
             entry_by_entry_reads: false,
             drift_jobs: 0,
             deferred,

@@ -8,6 +8,7 @@ mod drift;
 mod error;
 pub mod maps;
 mod options;
+mod route_generation;
 mod self_test;
 mod stats;
 mod test_run;

@@ -37,7 +37,7 @@ use core::ptr;
 
 use aya_ebpf::{bindings::BPF_NOEXIST, helpers::bpf_ktime_get_ns};
 use proxy_common::{
-    CtKey, CtKey4, CtValue, CtValue4, StatIndex,
+    CtKey, CtKey4, CtValue, CtValue4, NextHop, StatIndex,
     conntrack::{answers, holds_reply, orphaned, write_reverse_key},
     ct_flags, ct_timeout,
     maglev::flow_hash,
@@ -171,6 +171,7 @@ unsafe fn widen_into(from: &CtValue4, to: *mut CtValue, new: u8) {
         ptr::write_volatile(&raw mut (*to).out_ifindex, from.out_ifindex);
         ptr::write_volatile(&raw mut (*to).last_seen_ns, from.last_seen_ns);
         ptr::write_volatile(&raw mut (*to).service_id, from.service_id);
+        copy_next_hop(&from.next_hop, &raw mut (*to).next_hop);
     }
 }
 
@@ -189,6 +190,22 @@ unsafe fn copy_into(from: &CtValue, to: *mut CtValue, new: u8) {
         ptr::write_volatile(&raw mut (*to).out_ifindex, from.out_ifindex);
         ptr::write_volatile(&raw mut (*to).last_seen_ns, from.last_seen_ns);
         ptr::write_volatile(&raw mut (*to).service_id, from.service_id);
+        copy_next_hop(&from.next_hop, &raw mut (*to).next_hop);
+    }
+}
+
+/// Field by field, as the rest of the copy: a whole `NextHop` written at once went through a
+/// stack temporary, which grew `lookup`'s frame past what the deepest call chain can take.
+#[inline(always)]
+unsafe fn copy_next_hop(from: &NextHop, to: *mut NextHop) {
+    // SAFETY: the caller's `to` is valid for a `NextHop`.
+    unsafe {
+        ptr::write_volatile(&raw mut (*to).ifindex, from.ifindex);
+        ptr::write_volatile(&raw mut (*to).mtu, from.mtu);
+        ptr::write_volatile(&raw mut (*to).dmac, from.dmac);
+        ptr::write_volatile(&raw mut (*to).smac, from.smac);
+        ptr::write_volatile(&raw mut (*to).epoch, from.epoch);
+        ptr::write_volatile(&raw mut (*to).generation, from.generation);
     }
 }
 
@@ -205,6 +222,36 @@ fn narrow_into(from: &CtValue, to: &mut CtValue4) {
     to.last_seen_ns = from.last_seen_ns;
     to.service_id = from.service_id;
     to._pad2 = 0;
+    to.next_hop = from.next_hop;
+}
+
+/// Keeps `hop` in the entry under `key`, where the flow's next packets find it ([`lookup`]
+/// copies it). Best effort: an entry gone meanwhile keeps nothing, and a racing writer stores
+/// the same next hop or a whole new value. Inlined into its one caller (`nat::keep_next_hop`,
+/// not inlined itself): one frame less on a chain the verifier bounds at 512 bytes.
+#[inline(always)]
+pub fn keep_next_hop<const V6: bool>(key: &CtKey, hop: &NextHop) {
+    let entry = if V6 {
+        let Some(entry) = KPR_CT6
+            .get_ptr_mut(key)
+            .or_else(|| KPR_CT6_NEW.get_ptr_mut(key))
+        else {
+            return;
+        };
+        // SAFETY: from a successful lookup; see `mark` for races.
+        unsafe { &mut (*entry).next_hop }
+    } else {
+        let Some(entry) = narrow_key(key).and_then(|(_, key4)| {
+            KPR_CT4
+                .get_ptr_mut(key4)
+                .or_else(|| KPR_CT4_NEW.get_ptr_mut(key4))
+        }) else {
+            return;
+        };
+        // SAFETY: from a successful lookup; see `mark` for races.
+        unsafe { &mut (*entry).next_hop }
+    };
+    *entry = *hop;
 }
 
 /// Adds `flags` to the entry under `key` in its map and, unless `now` is 0, sets its last
@@ -454,6 +501,7 @@ pub fn reply_seen<const V6: bool>(key: &CtKey, reply: &CtValue, pkt: &Packet, no
         last_seen_ns: now,
         service_id: reply.service_id,
         _pad2: 0,
+        next_hop: NextHop::NONE,
     };
     // NOEXIST: a new flow of the client tuple written meanwhile wins. An established flow's
     // entry: into the established map.

@@ -172,6 +172,11 @@ pub static KPR_PORT_FILTER: Array<PortFilter> = Array::pinned(1, BPF_F_MMAPABLE)
 #[map]
 pub static KPR_NODE_CONFIG: Array<NodeConfig> = Array::pinned(1, 0);
 
+/// The node's route generation at index 0 (see `proxy_common::NextHop`): written by the
+/// agent's route watch, apart from the node config the syncs write.
+#[map]
+pub static KPR_ROUTE_GENERATION: Array<u32> = Array::pinned(1, 0);
+
 /// External interface (ifindex) → the addresses a new flow is masqueraded to when the route to
 /// its backend leaves by that interface (`tc::route_to_backend`); written by the agent.
 #[map]
@@ -215,6 +220,10 @@ pub struct TcScratch {
     pub ct_new: u32,
     /// The packet `parse` read, where the program reads it from (`parse::into_scratch`).
     pub packet: crate::packet::Packet,
+    /// A translated packet's own key and the next hop its entry is to keep
+    /// (`nat::keep_next_hop`).
+    pub hop_key: CtKey,
+    pub hop: proxy_common::NextHop,
 }
 
 /// The tc programs of each family (`proxy_common::TcFamilyProgram` slots), written by the

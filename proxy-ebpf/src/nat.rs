@@ -13,11 +13,13 @@
 //!   way, every packet the stack sees carries a client or a backend address, and the kernel's
 //!   own conntrack sees one consistent flow (client ↔ backend). The host must forward
 //!   (`net.ipv4.ip_forward`/`net.ipv6.conf.all.forwarding`), as kube-proxy requires.
-//! - The fast path (`node_flags::FAST_PATH`, `--tc-fast-path`): both halves at ingress, then
-//!   `bpf_redirect_neigh` to the interface `bpf_fib_lookup` names for the new destination,
-//!   bypassing the host stack — and with it FORWARD/POSTROUTING, so netfilter policy does not
-//!   apply. When the fib lookup finds no forwarding route (the backend is the node itself, or
-//!   forwarding is off) the packet goes up the stack with `TC_ACT_OK`.
+//! - The fast path (`node_flags::FAST_PATH`, `--tc-fast-path`): both halves at ingress, then a
+//!   redirect to the interface `bpf_fib_lookup` names for the new destination, with the next
+//!   hop's MACs it resolved (`bpf_redirect_neigh` while it resolves none), bypassing the host
+//!   stack — and with it FORWARD/POSTROUTING, so netfilter policy does not apply. The resolved
+//!   next hop is kept in the flow's conntrack entry for its next packets (`next_hop`). When
+//!   the fib lookup finds no forwarding route (the backend is the node itself, or forwarding
+//!   is off) the packet goes up the stack with `TC_ACT_OK`.
 //!
 //! On either path a reply whose route leaves by another interface than the one its client's
 //! packets come in on (a node with several uplinks, the client reached through the second)
@@ -38,12 +40,15 @@ use aya_ebpf::{
     helpers::{bpf_fib_lookup, bpf_redirect, bpf_redirect_neigh, bpf_skb_vlan_pop},
     programs::TcContext,
 };
-use proxy_common::{CtValue, StatIndex, TRANSLATED_MARK, ct_flags, family, node_flags, proto};
+use proxy_common::{
+    CtValue, NextHop, StatIndex, TRANSLATED_MARK, ct_flags, family, node_flags, proto,
+};
 
 use crate::{
+    conntrack,
     csum::{Rewrite, replace_addr_outside_l4, rewrite_tuple, store},
     icmp,
-    maps::{KPR_NODE_CONFIG, KPR_SNAT_IFACES, scratch},
+    maps::{KPR_NODE_CONFIG, KPR_ROUTE_GENERATION, KPR_SNAT_IFACES, scratch},
     parse::{ETH_HLEN, Packet},
     sctp,
     stats::bump,
@@ -123,7 +128,7 @@ pub fn translate(ctx: &TcContext, pkt: &Packet, to: &CtValue, stat: StatIndex) -
     // The route is looked up before the rewrite: a packet too big for the next hop's link is
     // answered as its sender sent it (the quote must be its own packet to match its socket).
     let next = if fast {
-        match route(ctx, pkt.family, pkt.proto, to) {
+        match next_hop(ctx, pkt, to) {
             Next::TooBig(mtu) if pkt.is_v6() || dont_fragment(ctx) => {
                 return icmp::too_big(ctx, pkt, mtu);
             }
@@ -259,6 +264,99 @@ pub enum Next {
     Stack,
 }
 
+/// The fast path's route for `pkt` translated to `to`: the next hop the flow's conntrack entry
+/// keeps while it is valid ([`NextHop`]: resolved under the node's current route generation,
+/// in the epoch of the entry's last packet, and the packet fits the link), else a fib lookup,
+/// whose resolved next hop the entry then keeps. So a flow's packets pay the lookup once, and
+/// again after a route, rule, neighbour or link change (the agent bumps the generation) and
+/// about once a second. Not inlined: `translate`'s own frame stays as small as before, for the
+/// chains under it (`icmp::too_big`) that the verifier bounds at 512 bytes of stack.
+#[inline(never)]
+fn next_hop(ctx: &TcContext, pkt: &Packet, to: &CtValue) -> Next {
+    let generation = KPR_ROUTE_GENERATION.get(0).copied().unwrap_or(0);
+    let hop = &to.next_hop;
+    if hop.ifindex != 0
+        && hop.generation == generation
+        && hop.epoch == NextHop::epoch_of(to.last_seen_ns)
+        && fits(ctx, hop.mtu)
+        && let Some(scratch) = scratch()
+    {
+        // Where `forward` takes a lookup's MACs from: one path on from here for both, which
+        // keeps the verifier's work (every caller of `translate` is checked apart) as it was.
+        // SAFETY: the per-CPU slot is ours until the program ends; `fib` is only used by the
+        // route of this packet.
+        let params: &mut FibLookup = unsafe { &mut (*scratch).fib };
+        params.dmac = hop.dmac;
+        params.smac = hop.smac;
+        return Next::Resolved(hop.ifindex);
+    }
+    bump(StatIndex::TcNextHopLookedUp);
+    // The generation is read before the lookup: a change the lookup may have missed bumps it
+    // past the one kept.
+    let next = route(ctx, pkt.family, pkt.proto, to);
+    if let Next::Resolved(ifindex) = next {
+        // SAFETY: `route` filled `fib`; on SUCCESS of a lookup without `tot_len` the kernel
+        // wrote the egress device's MTU into this union member.
+        let mtu = scratch().map_or(0, |scratch| unsafe {
+            (*scratch).fib.__bindgen_anon_1.mtu_result
+        });
+        keep_next_hop(
+            pkt,
+            ifindex,
+            mtu,
+            generation,
+            NextHop::epoch_of(to.last_seen_ns),
+        );
+    }
+    next
+}
+
+/// Whether the packet fits a link of `mtu` without the fib lookup's check: as the kernel's
+/// `is_skb_forwardable`, its length up to the MTU plus an Ethernet header and a VLAN tag, or
+/// any GSO packet (segmented to fit on transmit).
+#[inline(always)]
+fn fits(ctx: &TcContext, mtu: u16) -> bool {
+    // SAFETY: the context pointer is the program's own __sk_buff.
+    let (len, gso_size) = unsafe { ((*ctx.skb.skb).len, (*ctx.skb.skb).gso_size) };
+    gso_size != 0 || len <= u32::from(mtu) + ETH_HLEN as u32 + VLAN_HLEN
+}
+
+/// An 802.1Q tag's length.
+const VLAN_HLEN: u32 = 4;
+
+/// Keeps the next hop a fib lookup resolved (its MACs in the scratch slot's `fib`, and `mtu`)
+/// in the conntrack entry keyed by `pkt`'s own tuple: the entry its translation came from
+/// (tc's fast path and XDP alike). Not inlined: it runs once per flow and route change, and
+/// stays off the frame of the packets that skip it.
+#[inline(never)]
+pub fn keep_next_hop(pkt: &Packet, ifindex: u32, mtu: u16, generation: u32, epoch: u16) {
+    let Some(scratch) = scratch() else {
+        return;
+    };
+    // SAFETY: the per-CPU slot is ours until the program ends; `route` filled `fib`, and
+    // `hop`/`hop_key` are only used here.
+    let (params, hop, key) = unsafe {
+        (
+            &(*scratch).fib,
+            &mut (*scratch).hop,
+            &mut (*scratch).hop_key,
+        )
+    };
+    hop.ifindex = ifindex;
+    hop.mtu = mtu;
+    hop.dmac = params.dmac;
+    hop.smac = params.smac;
+    hop.epoch = epoch;
+    hop.generation = generation;
+    pkt.write_ct_key(key);
+    let hop: &NextHop = hop;
+    if pkt.is_v6() {
+        conntrack::keep_next_hop::<true>(key, hop);
+    } else {
+        conntrack::keep_next_hop::<false>(key, hop);
+    }
+}
+
 /// The fib lookup of the fast path for a packet of `family` and L4 `protocol` translated to
 /// `to`. Not inlined: one copy for the flow's packets and for errors about them.
 #[inline(never)]
@@ -321,15 +419,16 @@ pub fn forward(ctx: &TcContext, to: &CtValue, next: Next) -> i32 {
     unsafe { bpf_redirect_neigh(ifindex, ptr::null_mut(), 0, 0) as i32 }
 }
 
-/// Writes the MACs the fib lookup resolved and redirects straight to the interface's queue:
-/// `bpf_redirect_neigh` would look the same neighbour up again on transmit. A neighbour the
-/// kernel no longer holds valid comes back from the lookup as `NO_NEIGH`, and the packet then
-/// takes `bpf_redirect_neigh`, which resolves it (as Cilium's fast path does). `None`: the
-/// scratch slot is gone, so the kernel resolves it.
+/// Writes the MACs the fib lookup resolved (or the flow's entry kept, [`next_hop`]) and
+/// redirects straight to the interface's queue: `bpf_redirect_neigh` would look the same
+/// neighbour up again on transmit. A neighbour the kernel no longer holds valid comes back from
+/// the lookup as `NO_NEIGH`, and the packet then takes `bpf_redirect_neigh`, which resolves it
+/// (as Cilium's fast path does). `None`: the scratch slot is gone, so the kernel resolves it.
 #[inline(always)]
 fn redirect_resolved(ctx: &TcContext, ifindex: u32) -> Option<i32> {
     let scratch = scratch()?;
-    // SAFETY: the per-CPU slot is ours until the program ends; `route` filled `fib`.
+    // SAFETY: the per-CPU slot is ours until the program ends; `route` (or `next_hop`) filled
+    // the MACs of `fib`.
     let params: &FibLookup = unsafe { &(*scratch).fib };
     if store(ctx, 0, &params.dmac).is_none() || store(ctx, 6, &params.smac).is_none() {
         bump(StatIndex::TcRewriteFailed);

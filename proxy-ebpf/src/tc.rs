@@ -29,8 +29,8 @@ use aya_ebpf::{
     programs::TcContext,
 };
 use proxy_common::{
-    FrontendValue, NodeConfig, StatIndex, TRANSLATED_MARK, TcFamilyProgram, TcFragmentProgram,
-    TrafficDirection, TrafficEvent, ct_flags, frontend_flags, ip_family,
+    FrontendValue, NextHop, NodeConfig, StatIndex, TRANSLATED_MARK, TcFamilyProgram,
+    TcFragmentProgram, TrafficDirection, TrafficEvent, ct_flags, frontend_flags, ip_family,
     lookup::{self, TcSide},
     maglev::flow_hash,
     node_flags, proto,
@@ -580,6 +580,7 @@ pub fn new_flow<const V6: bool, C: Frame>(
     // The frontend whose packet and byte counters the flow's packets add to.
     forward.service_id = frontend.service_id;
     forward._pad2 = 0;
+    forward.next_hop = NextHop::NONE;
     let reply_key = &mut scratch.reply_key;
     reply_key.src = backend_addr;
     reply_key.dst = pkt.src;
@@ -600,6 +601,7 @@ pub fn new_flow<const V6: bool, C: Frame>(
     reply.last_seen_ns = now;
     reply.service_id = scratch.forward.service_id;
     reply._pad2 = 0;
+    reply.next_hop = NextHop::NONE;
     record_client_interface(ctx);
     // Another live flow holds the tuple this one would show the kernel and key its egress
     // entries by on the netfilter path (see `ct_flags::BYPASS`).

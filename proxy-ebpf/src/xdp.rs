@@ -52,14 +52,16 @@ use aya_ebpf::{
     programs::XdpContext,
 };
 use proxy_common::{
-    CtValue, StatIndex, TrafficDirection, TrafficEvent, ct_flags, frontend_flags, proto,
+    CtValue, NextHop, StatIndex, TrafficDirection, TrafficEvent, ct_flags, frontend_flags, proto,
 };
 
 use crate::{
     conntrack::{self, View},
     csum::{add_words, fold, store, sum_port, sum_word},
-    maps::{KPR_SNAT_IFACES, KPR_XDP_NEW_FLOW_FRAGS, KPR_XDP_TARGETS, scratch},
-    nat::{draining, fast_path, fib_query, fib_query_addrs},
+    maps::{
+        KPR_ROUTE_GENERATION, KPR_SNAT_IFACES, KPR_XDP_NEW_FLOW_FRAGS, KPR_XDP_TARGETS, scratch,
+    },
+    nat::{self, draining, fast_path, fib_query, fib_query_addrs},
     parse::{ETH_HLEN, ETH_P_IP, ETH_P_IPV6, Frame, Packet, linear_at, load, parse_whole},
     port_filter,
     stats::bump,
@@ -352,19 +354,17 @@ fn checksum_partial<const V6: bool>(ctx: &XdpContext, pkt: &Packet) -> bool {
 }
 
 /// The interface the translated packet leaves by, with the MACs for it in the scratch slot's
-/// fib parameters: the fib lookup's (only `SUCCESS`, a resolved neighbour), or for a reply
-/// whose route leaves elsewhere the interface its client's packets come in on (as
-/// `nat::leave_by_ingress`). `None` unless it is in `KPR_XDP_TARGETS`.
+/// fib parameters: the next hop the flow's conntrack entry keeps while valid (as tc's fast
+/// path, `nat::next_hop`), else the fib lookup's (only `SUCCESS`, a resolved neighbour), which
+/// the entry then keeps; or for a reply whose route leaves elsewhere the interface its
+/// client's packets come in on (as `nat::leave_by_ingress`). `None` unless it is in
+/// `KPR_XDP_TARGETS`.
 #[inline(always)]
 fn next_hop(ctx: &XdpContext, pkt: &Packet, to: &CtValue) -> Option<u32> {
     let scratch = scratch()?;
     // SAFETY: the per-CPU slot is ours until the program ends; `fib` is only used here and by
     // `rewrite`, after this.
     let params: &mut FibLookup = unsafe { &mut (*scratch).fib };
-    // SAFETY: the context pointer is the program's own xdp_md.
-    fib_query(params, pkt.family, pkt.proto, to, unsafe {
-        (*ctx.ctx).ingress_ifindex
-    });
     // With the packet's length the lookup checks the next hop's MTU (XDP frames are never
     // aggregates): one too big is tc's, which answers it as a router would. The IP header's
     // length, not the first buffer's (a jumbo frame's spans several).
@@ -373,14 +373,40 @@ fn next_hop(ctx: &XdpContext, pkt: &Packet, to: &CtValue) -> Option<u32> {
     } else {
         u16::from_be(load::<u16, _>(ctx, ETH_HLEN + 2)?)
     };
-    params.__bindgen_anon_1.tot_len = length;
-    // SAFETY: params is a scratch value of the size passed.
-    let ret =
-        unsafe { bpf_fib_lookup(ctx.as_ptr(), params, mem::size_of::<FibLookup>() as i32, 0) };
-    if ret != i64::from(BPF_FIB_LKUP_RET_SUCCESS) {
-        return None;
-    }
-    let mut target = params.ifindex;
+    let generation = KPR_ROUTE_GENERATION.get(0).copied().unwrap_or(0);
+    let hop = &to.next_hop;
+    let mut target = if hop.ifindex != 0
+        && hop.generation == generation
+        && hop.epoch == NextHop::epoch_of(to.last_seen_ns)
+        && length <= hop.mtu
+    {
+        params.dmac = hop.dmac;
+        params.smac = hop.smac;
+        hop.ifindex
+    } else {
+        bump(StatIndex::TcNextHopLookedUp);
+        // SAFETY: the context pointer is the program's own xdp_md.
+        fib_query(params, pkt.family, pkt.proto, to, unsafe {
+            (*ctx.ctx).ingress_ifindex
+        });
+        params.__bindgen_anon_1.tot_len = length;
+        // SAFETY: params is a scratch value of the size passed.
+        let ret =
+            unsafe { bpf_fib_lookup(ctx.as_ptr(), params, mem::size_of::<FibLookup>() as i32, 0) };
+        if ret != i64::from(BPF_FIB_LKUP_RET_SUCCESS) {
+            return None;
+        }
+        // A successful lookup with `tot_len` reports no MTU: the length that passed is what
+        // the entry knows fits (a longer packet is looked up again).
+        nat::keep_next_hop(
+            pkt,
+            params.ifindex,
+            length,
+            generation,
+            NextHop::epoch_of(to.last_seen_ns),
+        );
+        params.ifindex
+    };
     if to.out_ifindex != 0 && to.out_ifindex != target {
         // SAFETY: the value is plain bytes, read in place; the agent writes whole values.
         let own = unsafe { KPR_SNAT_IFACES.get(to.out_ifindex) }?;

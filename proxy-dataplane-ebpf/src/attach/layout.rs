@@ -98,7 +98,7 @@ fn layout<K, V>(name: &'static str, version: u32) -> Layout {
 }
 
 /// This build's layout of every pinned map (`map_names::PINNED`).
-pub fn current() -> [Layout; 25] {
+pub fn current() -> [Layout; 26] {
     [
         layout::<Frontend4Key, FrontendValue>(map_names::FRONTENDS4, 1),
         layout::<Frontend6Key, FrontendValue>(map_names::FRONTENDS6, 1),
@@ -114,11 +114,12 @@ pub fn current() -> [Layout; 25] {
         layout::<AffinityMatchKey, u8>(map_names::AFFINITY_MATCH, 1),
         layout::<u32, u64>(map_names::STATS, 1),
         // Both replace the foundation's `KPR_CT` (see `v1::split_ct`). Version 1: without the
-        // flow's service id (`v1::CtValue4V1`, `v1::CtValueV2`).
-        layout::<CtKey4, CtValue4>(map_names::CT4, 2),
-        layout::<CtKey, CtValue>(map_names::CT6, 2),
-        layout::<CtKey4, CtValue4>(map_names::CT4_NEW, 2),
-        layout::<CtKey, CtValue>(map_names::CT6_NEW, 2),
+        // flow's service id (`v1::CtValue4V1`, `v1::CtValueV2`); version 2: without the next
+        // hop (`v2::CtValue4`, `v2::CtValue`).
+        layout::<CtKey4, CtValue4>(map_names::CT4, 3),
+        layout::<CtKey, CtValue>(map_names::CT6, 3),
+        layout::<CtKey4, CtValue4>(map_names::CT4_NEW, 3),
+        layout::<CtKey, CtValue>(map_names::CT6_NEW, 3),
         // LPM trie keys carry the prefix length first.
         Layout {
             key_size: size::<u32>() + size::<SourceRangeKey>(),
@@ -138,6 +139,7 @@ pub fn current() -> [Layout; 25] {
         // Service state, but for the ports of flows to Services gone since: a new layout
         // would keep only what the first sync writes (the programs then pass those flows on).
         layout::<u32, PortFilter>(map_names::PORT_FILTER, 1),
+        layout::<u32, u32>(map_names::ROUTE_GENERATION, 1),
     ]
 }
 
@@ -305,6 +307,48 @@ pub static OLDER: &[Migration] = &[
         into: &[map_names::CT6_NEW],
         copy: |old, pin_dir, flags| v1::copy_ct6(old, pin_dir, map_names::CT6_NEW, flags),
     },
+    // The per-family maps before their values kept the next hop: the flows keep their
+    // translation and look their next hop up again.
+    Migration {
+        from: Layout {
+            name: map_names::CT4,
+            version: 2,
+            key_size: 16,
+            value_size: 40,
+        },
+        into: &[map_names::CT4],
+        copy: |old, pin_dir, flags| v2::copy_ct4(old, pin_dir, map_names::CT4, flags),
+    },
+    Migration {
+        from: Layout {
+            name: map_names::CT4_NEW,
+            version: 2,
+            key_size: 16,
+            value_size: 40,
+        },
+        into: &[map_names::CT4_NEW],
+        copy: |old, pin_dir, flags| v2::copy_ct4(old, pin_dir, map_names::CT4_NEW, flags),
+    },
+    Migration {
+        from: Layout {
+            name: map_names::CT6,
+            version: 2,
+            key_size: 40,
+            value_size: 64,
+        },
+        into: &[map_names::CT6],
+        copy: |old, pin_dir, flags| v2::copy_ct6(old, pin_dir, map_names::CT6, flags),
+    },
+    Migration {
+        from: Layout {
+            name: map_names::CT6_NEW,
+            version: 2,
+            key_size: 40,
+            value_size: 64,
+        },
+        into: &[map_names::CT6_NEW],
+        copy: |old, pin_dir, flags| v2::copy_ct6(old, pin_dir, map_names::CT6_NEW, flags),
+    },
 ];
 
 fn open(pin_dir: &Path, name: &str) -> Result<Map, MapError> {
@@ -316,7 +360,7 @@ pub mod v1 {
     use std::path::Path;
 
     use aya::maps::{HashMap, Map, MapData, MapError};
-    use proxy_common::{CtKey, CtKey4, CtValue, CtValue4, RevNat4Key, map_names};
+    use proxy_common::{CtKey, CtKey4, CtValue, CtValue4, NextHop, RevNat4Key, map_names};
 
     use super::{CopyCount, copy_converted, open};
     use crate::conntrack::ct_maps::ConntrackMaps;
@@ -356,6 +400,7 @@ pub mod v1 {
                 last_seen_ns: old.last_seen_ns,
                 service_id: 0,
                 _pad2: 0,
+                next_hop: NextHop::NONE,
             }
         }
     }
@@ -395,6 +440,7 @@ pub mod v1 {
                 last_seen_ns: old.last_seen_ns,
                 service_id: 0,
                 _pad2: 0,
+                next_hop: NextHop::NONE,
             }
         }
     }
@@ -432,6 +478,7 @@ pub mod v1 {
                 last_seen_ns: old.last_seen_ns,
                 service_id: 0,
                 _pad2: 0,
+                next_hop: NextHop::NONE,
             }
         }
     }
@@ -518,6 +565,127 @@ pub mod v1 {
                 _pad: 0,
             },
         ))
+    }
+}
+
+/// The conntrack layouts of version 2, before the values kept the next hop.
+pub mod v2 {
+    use std::path::Path;
+
+    use aya::maps::{Map, MapError};
+    use proxy_common::{CtKey, CtKey4, NextHop};
+
+    use super::{CopyCount, copy_converted, open};
+
+    /// `KPR_CT4`'s and `KPR_CT4_NEW`'s value of version 2: [`proxy_common::CtValue4`] without
+    /// the next hop.
+    #[repr(C)]
+    #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+    pub struct CtValue4 {
+        pub src: u32,
+        pub dst: u32,
+        pub sport: u16,
+        pub dport: u16,
+        pub flags: u8,
+        pub _pad: u8,
+        pub out_mac: [u8; 6],
+        pub out_ifindex: u32,
+        pub last_seen_ns: u64,
+        pub service_id: u32,
+        pub _pad2: u32,
+    }
+
+    // SAFETY: `repr(C)` integers without implicit padding, valid for any bytes.
+    unsafe impl aya::Pod for CtValue4 {}
+
+    /// Lossless: no next hop kept yet, so the flow's next packet looks it up.
+    impl From<CtValue4> for proxy_common::CtValue4 {
+        fn from(old: CtValue4) -> Self {
+            Self {
+                src: old.src,
+                dst: old.dst,
+                sport: old.sport,
+                dport: old.dport,
+                flags: old.flags,
+                _pad: 0,
+                out_mac: old.out_mac,
+                out_ifindex: old.out_ifindex,
+                last_seen_ns: old.last_seen_ns,
+                service_id: old.service_id,
+                _pad2: 0,
+                next_hop: NextHop::NONE,
+            }
+        }
+    }
+
+    /// `KPR_CT6`'s and `KPR_CT6_NEW`'s value of version 2.
+    #[repr(C)]
+    #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+    pub struct CtValue {
+        pub src: [u32; 4],
+        pub dst: [u32; 4],
+        pub sport: u16,
+        pub dport: u16,
+        pub flags: u8,
+        pub _pad: u8,
+        pub out_mac: [u8; 6],
+        pub out_ifindex: u32,
+        pub last_seen_ns: u64,
+        pub service_id: u32,
+        pub _pad2: u32,
+    }
+
+    // SAFETY: as above.
+    unsafe impl aya::Pod for CtValue {}
+
+    /// As for [`CtValue4`].
+    impl From<CtValue> for proxy_common::CtValue {
+        fn from(old: CtValue) -> Self {
+            Self {
+                src: old.src,
+                dst: old.dst,
+                sport: old.sport,
+                dport: old.dport,
+                flags: old.flags,
+                _pad: 0,
+                out_mac: old.out_mac,
+                out_ifindex: old.out_ifindex,
+                last_seen_ns: old.last_seen_ns,
+                service_id: old.service_id,
+                _pad2: 0,
+                next_hop: NextHop::NONE,
+            }
+        }
+    }
+
+    /// Every entry of an IPv4 conntrack map of version 2 into the map `name` of this version.
+    pub fn copy_ct4(
+        old: &Map,
+        pin_dir: &Path,
+        name: &str,
+        flags: u64,
+    ) -> Result<CopyCount, MapError> {
+        copy_converted(
+            old,
+            &mut open(pin_dir, name)?,
+            flags,
+            |key: CtKey4, value: CtValue4| Some((key, proxy_common::CtValue4::from(value))),
+        )
+    }
+
+    /// Every entry of an IPv6 conntrack map of version 2 into the map `name` of this version.
+    pub fn copy_ct6(
+        old: &Map,
+        pin_dir: &Path,
+        name: &str,
+        flags: u64,
+    ) -> Result<CopyCount, MapError> {
+        copy_converted(
+            old,
+            &mut open(pin_dir, name)?,
+            flags,
+            |key: CtKey, value: CtValue| Some((key, proxy_common::CtValue::from(value))),
+        )
     }
 }
 

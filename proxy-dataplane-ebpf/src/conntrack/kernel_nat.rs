@@ -107,6 +107,7 @@ pub fn adoptable(entry: &ConntrackEntry, now_ns: u64) -> Vec<(CtKey, CtValue)> {
                 // The kernel's NAT carries its packets: not counted here.
                 service_id: 0,
                 _pad2: 0,
+                next_hop: proxy_common::NextHop::NONE,
             },
         ));
     }
@@ -140,6 +141,7 @@ pub fn adoptable(entry: &ConntrackEntry, now_ns: u64) -> Vec<(CtKey, CtValue)> {
                 // The kernel's NAT carries its packets: not counted here.
                 service_id: 0,
                 _pad2: 0,
+                next_hop: proxy_common::NextHop::NONE,
             },
         ));
     }

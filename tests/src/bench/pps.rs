@@ -92,16 +92,31 @@ pub enum PpsMode {
     IptablesBridge,
     /// The eBPF mode's tc program with the backend a pod on the node's CNI bridge.
     TcBridge,
+    /// The least any tc redirect does: a raw tc program at ext0's ingress that writes the next
+    /// hop's MACs and redirects to ext1 (no parsing, lookup or NAT; the frames are addressed to
+    /// the sink). What no tc program on this path can beat, so the ceiling of [`Self::Tc`].
+    TcFloor,
+    /// The least any XDP redirect does: the same in a raw XDP program at ext0 (`XDP_REDIRECT`
+    /// to ext1). The ceiling of [`Self::Xdp`].
+    XdpFloor,
+    /// Plain routing with raw tc programs that only pass the packet on (`TCX_NEXT`) where the
+    /// eBPF mode's netfilter path attaches its own on the frames' way (ext0's ingress, ext1's
+    /// egress): what having any tc program there costs, the ceiling of
+    /// [`Self::RoutingWithPrograms`].
+    RoutingWithEmptyPrograms,
 }
 
 impl PpsMode {
-    pub const ALL: [Self; 8] = [
+    pub const ALL: [Self; 11] = [
         Self::Routing,
         Self::RoutingWithPrograms,
+        Self::RoutingWithEmptyPrograms,
         Self::Iptables,
         Self::EbpfDefault,
         Self::Tc,
+        Self::TcFloor,
         Self::Xdp,
+        Self::XdpFloor,
         Self::IptablesBridge,
         Self::TcBridge,
     ];
@@ -120,6 +135,26 @@ impl PpsMode {
             Self::Xdp => "eBPF, XDP (--tc-fast-path; the default without a forwarding policy)",
             Self::IptablesBridge => "iptables mode, backend a pod on the node's CNI bridge",
             Self::TcBridge => "eBPF, tc, backend a pod on the node's CNI bridge",
+            Self::TcFloor => {
+                "floor of tc: a raw tc program that only writes the MACs and redirects"
+            }
+            Self::XdpFloor => {
+                "floor of XDP: a raw XDP program that only writes the MACs and redirects"
+            }
+            Self::RoutingWithEmptyPrograms => {
+                "plain routing, raw tc programs that only pass the packet on attached"
+            }
+        }
+    }
+
+    /// The floor this mode is bounded by: the same redirect or attachment without any of the
+    /// mode's work.
+    pub fn floor(self) -> Option<Self> {
+        match self {
+            Self::Tc => Some(Self::TcFloor),
+            Self::Xdp => Some(Self::XdpFloor),
+            Self::RoutingWithPrograms => Some(Self::RoutingWithEmptyPrograms),
+            _ => None,
         }
     }
 
@@ -130,7 +165,14 @@ impl PpsMode {
 
     /// Whether the client addresses the sink itself (no Service on the way).
     pub fn routed(self) -> bool {
-        matches!(self, Self::Routing | Self::RoutingWithPrograms)
+        matches!(
+            self,
+            Self::Routing
+                | Self::RoutingWithPrograms
+                | Self::RoutingWithEmptyPrograms
+                | Self::TcFloor
+                | Self::XdpFloor
+        )
     }
 }
 
@@ -335,28 +377,8 @@ impl Rig {
     fn sink_drop(&self) -> Result<(OwnedFd, OwnedFd)> {
         let program = super::tc::raw_program(super::tc::BPF_PROG_TYPE_XDP, 1)?;
         let prog_fd = program.as_raw_fd();
-        let link = crate::netns::on_thread_in(&self.sink.path(), move || -> Result<OwnedFd> {
-            let ifindex = nix::net::if_::if_nametoindex("eth0")
-                .map_err(|e| RigError::nix("ifindex of eth0", e))?;
-            // union bpf_attr, BPF_LINK_CREATE: prog_fd, target_ifindex, attach_type (BPF_XDP
-            // 37), flags (XDP_FLAGS_DRV_MODE 4).
-            let mut attr = [0u8; 64];
-            let fd = u32::try_from(prog_fd).map_err(|_| other("negative program fd"))?;
-            attr[0..4].copy_from_slice(&fd.to_ne_bytes());
-            attr[4..8].copy_from_slice(&ifindex.to_ne_bytes());
-            attr[8..12].copy_from_slice(&37u32.to_ne_bytes());
-            attr[12..16].copy_from_slice(&4u32.to_ne_bytes());
-            // SAFETY: attr is a valid bpf_attr prefix without pointers.
-            let rc = unsafe { libc::syscall(libc::SYS_bpf, 28, attr.as_ptr(), attr.len()) };
-            if rc < 0 {
-                return Err(RigError::io(
-                    "attaching the sink's XDP drop (BPF_LINK_CREATE)",
-                    std::io::Error::last_os_error(),
-                ));
-            }
-            let rc = i32::try_from(rc).map_err(|_| other("link fd"))?;
-            // SAFETY: the kernel just returned this fd and nothing else owns it.
-            Ok(unsafe { std::os::fd::FromRawFd::from_raw_fd(rc) })
+        let link = crate::netns::on_thread_in(&self.sink.path(), move || {
+            link_create(prog_fd, "eth0", BPF_XDP, XDP_FLAGS_DRV_MODE)
         })??;
         Ok((program, link))
     }
@@ -365,6 +387,77 @@ impl Rig {
     fn sink_rx(&self) -> Result<u64> {
         veth_counter(&self.sink, "eth0", "rx_queue_0_xdp_drops")
     }
+}
+
+/// `enum bpf_attach_type`: XDP, and tcx's ingress and egress hooks.
+const BPF_XDP: u32 = 37;
+const BPF_TCX_INGRESS: u32 = 46;
+const BPF_TCX_EGRESS: u32 = 47;
+/// `XDP_FLAGS_DRV_MODE`: in the driver (veth's native XDP), as the agent attaches.
+const XDP_FLAGS_DRV_MODE: u32 = 4;
+/// `BPF_FUNC_redirect`.
+const BPF_FUNC_REDIRECT: i32 = 23;
+
+/// Attaches the program `prog_fd` to `interface` of the calling thread's namespace at
+/// `attach_type` (a BPF link; the returned fd holds it).
+fn link_create(prog_fd: i32, interface: &str, attach_type: u32, flags: u32) -> Result<OwnedFd> {
+    let ifindex = nix::net::if_::if_nametoindex(interface)
+        .map_err(|e| RigError::nix(format!("ifindex of {interface}"), e))?;
+    // union bpf_attr, BPF_LINK_CREATE: prog_fd, target_ifindex, attach_type, flags; tcx's
+    // relative fd and expected revision stay 0 (anywhere in the chain, any revision).
+    let mut attr = [0u8; 64];
+    let fd = u32::try_from(prog_fd).map_err(|_| other("negative program fd"))?;
+    attr[0..4].copy_from_slice(&fd.to_ne_bytes());
+    attr[4..8].copy_from_slice(&ifindex.to_ne_bytes());
+    attr[8..12].copy_from_slice(&attach_type.to_ne_bytes());
+    attr[12..16].copy_from_slice(&flags.to_ne_bytes());
+    // SAFETY: attr is a valid bpf_attr prefix without pointers.
+    let rc = unsafe { libc::syscall(libc::SYS_bpf, 28, attr.as_ptr(), attr.len()) };
+    if rc < 0 {
+        return Err(RigError::io(
+            format!("attaching a program to {interface} (BPF_LINK_CREATE, type {attach_type})"),
+            std::io::Error::last_os_error(),
+        ));
+    }
+    let rc = i32::try_from(rc).map_err(|_| other("link fd"))?;
+    // SAFETY: the kernel just returned this fd and nothing else owns it.
+    Ok(unsafe { std::os::fd::FromRawFd::from_raw_fd(rc) })
+}
+
+/// The floor programs' instructions: if the frame is IPv4, write `dst` and `src` as its MACs
+/// and return `bpf_redirect(ifindex, 0)` (`TC_ACT_REDIRECT` from tc, `XDP_REDIRECT` from
+/// XDP); otherwise (ARP among them) return `pass`. `data` and `data_end` are the offsets of
+/// the context's packet pointers (`__sk_buff`: 76 and 80; `xdp_md`: 0 and 4).
+fn redirect_floor(
+    data: i16,
+    data_end: i16,
+    dst: [u8; 6],
+    src: [u8; 6],
+    ifindex: u32,
+    pass: i32,
+) -> Result<Vec<u64>> {
+    let word = |b: [u8; 4]| i32::from_le_bytes(b);
+    let half = |b: [u8; 2]| i32::from(i16::from_le_bytes(b));
+    let ifindex = i32::try_from(ifindex).map_err(|_| other("ifindex"))?;
+    Ok(vec![
+        insn(0x61, 2, 1, data, 0),     // r2 = ctx->data
+        insn(0x61, 3, 1, data_end, 0), // r3 = ctx->data_end
+        insn(0xbf, 4, 2, 0, 0),        // r4 = r2
+        insn(0x07, 4, 0, 0, 14),       // r4 += ETH_HLEN
+        insn(0x2d, 4, 3, 10, 0),       // if r4 > r3 goto pass
+        insn(0x69, 5, 2, 12, 0),       // r5 = *(u16 *)(r2 + 12): the ethertype
+        insn(0x55, 5, 0, 8, 0x0008),   // if r5 != ETH_P_IP (as loaded) goto pass
+        insn(0x62, 2, 0, 0, word([dst[0], dst[1], dst[2], dst[3]])), // *(u32 *)(r2 + 0)
+        insn(0x6a, 2, 0, 4, half([dst[4], dst[5]])), // *(u16 *)(r2 + 4)
+        insn(0x6a, 2, 0, 6, half([src[0], src[1]])), // *(u16 *)(r2 + 6)
+        insn(0x62, 2, 0, 8, word([src[2], src[3], src[4], src[5]])), // *(u32 *)(r2 + 8)
+        insn(0xb7, 1, 0, 0, ifindex),  // r1 = ifindex
+        insn(0xb7, 2, 0, 0, 0),        // r2 = 0 (flags)
+        insn(0x85, 0, 0, 0, BPF_FUNC_REDIRECT),
+        insn(0x95, 0, 0, 0, 0),    // exit (r0: the helper's verdict)
+        insn(0xb7, 0, 0, 0, pass), // pass: r0 = pass
+        insn(0x95, 0, 0, 0, 0),
+    ])
 }
 
 /// The one port of the node's bridge (the sink pod's host-side veth): `ip -o link show
@@ -436,6 +529,11 @@ fn one_run(mode: PpsMode, loops: PpsLoops, cpu: usize) -> Result<Measured> {
     frame[6..12].copy_from_slice(&parse_mac(&rig.client.mac("eth0")?)?);
     let client_path = rig.client.path();
     let sink_ip = rig.sink_ip;
+    // The sink's MAC and the node's on the link to it: what the floors write.
+    let next_hop = (
+        parse_mac(&rig.sink.mac("eth0")?)?,
+        parse_mac(&rig.node.mac(rig.sink_dev)?)?,
+    );
     let (ready_tx, ready_rx) = std::sync::mpsc::channel::<()>();
     let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
     // The node's dataplane lives on a thread in the node namespace until the measurement is
@@ -444,7 +542,7 @@ fn one_run(mode: PpsMode, loops: PpsLoops, cpu: usize) -> Result<Measured> {
         let path = rig.node.path();
         std::thread::spawn(move || -> Result<()> {
             on_netns_thread(path, move |parts| -> Result<()> {
-                let _dataplane = start_dataplane(mode, sink_ip, &parts)?;
+                let _dataplane = start_dataplane(mode, sink_ip, next_hop, &parts)?;
                 let _ = ready_tx.send(());
                 let _ = done_rx.recv_timeout(Duration::from_secs(600));
                 Ok(())
@@ -610,11 +708,54 @@ fn settle(rig: &Rig) -> Result<Instant> {
 fn start_dataplane(
     mode: PpsMode,
     sink_ip: Ipv4Addr,
+    next_hop: ([u8; 6], [u8; 6]),
     parts: &crate::in_process::InProcess,
 ) -> Result<Option<Node>> {
     let snapshot = snapshot(sink_ip, mode.bridge())?;
     match mode {
         PpsMode::Routing => Ok(None),
+        PpsMode::TcFloor | PpsMode::XdpFloor => {
+            let ifindex = nix::net::if_::if_nametoindex("ext1")
+                .map_err(|e| RigError::nix("ifindex of ext1", e))?;
+            let (dst, src) = next_hop;
+            let (prog_type, data, data_end, pass, attach, flags) = if mode == PpsMode::TcFloor {
+                // TC_ACT_UNSPEC: the next program, or the stack.
+                (
+                    super::tc::BPF_PROG_TYPE_SCHED_CLS,
+                    76,
+                    80,
+                    -1,
+                    BPF_TCX_INGRESS,
+                    0,
+                )
+            } else {
+                // XDP_PASS.
+                (
+                    super::tc::BPF_PROG_TYPE_XDP,
+                    0,
+                    4,
+                    2,
+                    BPF_XDP,
+                    XDP_FLAGS_DRV_MODE,
+                )
+            };
+            let program = super::tc::raw_program_of(
+                prog_type,
+                &redirect_floor(data, data_end, dst, src, ifindex, pass)?,
+            )?;
+            let link = link_create(program.as_raw_fd(), "ext0", attach, flags)?;
+            Ok(Some(Node::Raw(vec![program, link])))
+        }
+        PpsMode::RoutingWithEmptyPrograms => {
+            // TC_ACT_UNSPEC (TCX_NEXT), as the eBPF mode's programs return for such traffic.
+            let program = super::tc::raw_program_of(
+                super::tc::BPF_PROG_TYPE_SCHED_CLS,
+                &[insn(0xb7, 0, 0, 0, -1), insn(0x95, 0, 0, 0, 0)],
+            )?;
+            let ingress = link_create(program.as_raw_fd(), "ext0", BPF_TCX_INGRESS, 0)?;
+            let egress = link_create(program.as_raw_fd(), "ext1", BPF_TCX_EGRESS, 0)?;
+            Ok(Some(Node::Raw(vec![program, ingress, egress])))
+        }
         PpsMode::Iptables | PpsMode::IptablesBridge => {
             let mut dataplane = IptablesDataplane::start(IptablesConfig::default())
                 .map_err(|e| other(format!("starting the iptables dataplane: {e}")))?;
@@ -687,6 +828,8 @@ fn start_dataplane(
 enum Node {
     Iptables(#[expect(dead_code, reason = "kept for its rules")] Box<IptablesDataplane>),
     Ebpf(#[expect(dead_code, reason = "kept for its links")] Box<EbpfDataplane>),
+    /// A floor's raw program and links.
+    Raw(#[expect(dead_code, reason = "kept for the links")] Vec<OwnedFd>),
 }
 
 /// The Service and its one endpoint, `sink_ip`: on this node (`local`) or another.

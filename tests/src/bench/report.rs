@@ -35,6 +35,16 @@ const GOAL_COUNTING_OVER_UNCOUNTED: f64 = 1.05;
 /// A packet that is not a Service's (amortised over many runs) costs at most this factor of
 /// the empty program's run.
 const GOAL_PASS_OVER_EMPTY: f64 = 1.5;
+/// The datapath issue's goals: a single run of the established and reverse-NAT paths, and of a
+/// new flow, at most these factors of the empty program's single run (clock read included in
+/// both).
+const GOAL_HOT_OVER_EMPTY_RAW: f64 = 3.0;
+const GOAL_NEW_OVER_EMPTY_RAW: f64 = 10.0;
+/// Packet rate on one core, same run: the tc fast path and XDP over the iptables mode, and XDP
+/// over plain routing.
+const GOAL_TC_OVER_IPTABLES: f64 = 2.5;
+const GOAL_XDP_OVER_IPTABLES_PPS: f64 = 5.0;
+const GOAL_XDP_OVER_ROUTING: f64 = 2.0;
 
 /// The goal of `path`'s program cost in ns; XDP's is a share of its tc
 /// counterpart's measured cost. `None` for the floors.
@@ -49,6 +59,8 @@ fn tc_goal_ns(result: &super::tc::PacketCostResult, path: TcPath) -> Option<f64>
         TcPath::NonIp | TcPath::PassThrough | TcPath::PodNotReply => Some(GOAL_TC_PASS_NS),
         TcPath::ReverseNat | TcPath::RemoteReverseNat => Some(GOAL_TC_REPLY_NS),
         TcPath::NodePortNewFlow | TcPath::RemoteNewFlow => Some(GOAL_TC_NEW_NS),
+        // A SYN flood's cost, shown beside the goal's path.
+        TcPath::NodePortNewFlowFullTable => None,
         _ => Some(GOAL_TC_NS),
     }
 }
@@ -515,6 +527,48 @@ fn goals(md: &mut String, r: &Results) {
                 format!("**missed**: {} — see §4", missed_pass.join(", "))
             }
         );
+        // Raw single runs over the empty program's (the datapath issue's form of the goals).
+        let raw = |path: TcPath| t.of(path).map(|p| p.single.median);
+        let raw_rows: Vec<(TcPath, f64, f64)> = [
+            (TcPath::NodePortEstablished, GOAL_HOT_OVER_EMPTY_RAW),
+            (TcPath::ReverseNat, GOAL_HOT_OVER_EMPTY_RAW),
+            (TcPath::RemoteEstablished, GOAL_HOT_OVER_EMPTY_RAW),
+            (TcPath::RemoteReverseNat, GOAL_HOT_OVER_EMPTY_RAW),
+            (TcPath::NodePortNewFlow, GOAL_NEW_OVER_EMPTY_RAW),
+            (TcPath::RemoteNewFlow, GOAL_NEW_OVER_EMPTY_RAW),
+        ]
+        .into_iter()
+        .filter_map(|(path, goal)| {
+            let floor = raw(TcPath::Floor).filter(|f| *f > 0.0)?;
+            Some((path, raw(path)? / floor, goal))
+        })
+        .collect();
+        let missed_raw: Vec<String> = raw_rows
+            .iter()
+            .filter(|(_, ratio, goal)| ratio > goal)
+            .map(|(path, ratio, goal)| {
+                format!("{} at {ratio:.1}× (goal {goal:.0}×)", tc_short(*path))
+            })
+            .collect();
+        let _ = writeln!(
+            md,
+            "| single run (raw) over the empty program's single run: established and reverse NAT ≤ {GOAL_HOT_OVER_EMPTY_RAW:.0}×, new flow ≤ {GOAL_NEW_OVER_EMPTY_RAW:.0}× (§4) | {} | {} |",
+            raw_rows
+                .iter()
+                .map(|(path, ratio, _)| format!("{}: {ratio:.1}×", tc_short(*path)))
+                .collect::<Vec<_>>()
+                .join(", "),
+            if raw_rows.is_empty() {
+                "not measured".to_owned()
+            } else if missed_raw.is_empty() {
+                "met".to_owned()
+            } else {
+                format!(
+                    "**missed**: {} — §4's profiles show where the time goes",
+                    missed_raw.join(", ")
+                )
+            }
+        );
         let counting = t.counting;
         let _ = writeln!(
             md,
@@ -562,6 +616,55 @@ fn goals(md: &mut String, r: &Results) {
                 GOAL_XDP_OVER_IPTABLES
             ),
         );
+        // A goal the mode's floor (§4b: the same hook with a program that only redirects, or
+        // only passes the packet on) misses as well is out of reach of any program there.
+        let floor_note = |mode: PpsMode, den: PpsMode, goal: f64| -> String {
+            let Some(floor) = mode.floor() else {
+                return String::new();
+            };
+            match pps_ratio(p, floor, den) {
+                Some(ratio) if ratio.runs > 0 => format!(
+                    "; its floor ({}) {:.0}k: {:.2}×{}",
+                    floor.label(),
+                    rate(floor),
+                    ratio.median,
+                    if ratio.median < goal {
+                        ", so no program at that hook reaches the goal on this rig"
+                    } else {
+                        ""
+                    }
+                ),
+                _ => String::new(),
+            }
+        };
+        let _ = writeln!(
+            md,
+            "| packet rate on one core: tc fast path (`--tc-fast-path --bpf-xdp off`) ≥ {GOAL_TC_OVER_IPTABLES:.1}× the iptables mode (§4b) | tc {:.0}k, iptables {:.0}k packets/s | {}{} |",
+            rate(PpsMode::Tc),
+            rate(PpsMode::Iptables),
+            judge(
+                pps_ratio(p, PpsMode::Tc, PpsMode::Iptables),
+                GOAL_TC_OVER_IPTABLES
+            ),
+            floor_note(PpsMode::Tc, PpsMode::Iptables, GOAL_TC_OVER_IPTABLES),
+        );
+        let _ = writeln!(
+            md,
+            "| packet rate on one core: XDP ≥ {GOAL_XDP_OVER_IPTABLES_PPS:.0}× the iptables mode and ≥ {GOAL_XDP_OVER_ROUTING:.0}× plain routing (§4b) | XDP {:.0}k, iptables {:.0}k, routing {:.0}k packets/s | vs iptables {}{}; vs routing {}{} |",
+            rate(PpsMode::Xdp),
+            rate(PpsMode::Iptables),
+            rate(PpsMode::Routing),
+            judge(
+                pps_ratio(p, PpsMode::Xdp, PpsMode::Iptables),
+                GOAL_XDP_OVER_IPTABLES_PPS
+            ),
+            floor_note(PpsMode::Xdp, PpsMode::Iptables, GOAL_XDP_OVER_IPTABLES_PPS),
+            judge(
+                pps_ratio(p, PpsMode::Xdp, PpsMode::Routing),
+                GOAL_XDP_OVER_ROUTING
+            ),
+            floor_note(PpsMode::Xdp, PpsMode::Routing, GOAL_XDP_OVER_ROUTING),
+        );
         let _ = writeln!(
             md,
             "| packet rate on one core: the eBPF mode's default path on a node with a forwarding policy (`--tc-fast-path=auto` then takes the netfilter path: tc DNAT, the kernel's FORWARD, tc SNAT; on a node without one the default is the XDP row above) ≥ {GOAL_EBPF_DEFAULT_OVER_IPTABLES:.0}× the iptables mode (§4b) | netfilter path {:.0}k, iptables {:.0}k packets/s | {} |",
@@ -574,11 +677,16 @@ fn goals(md: &mut String, r: &Results) {
         );
         let _ = writeln!(
             md,
-            "| packet rate on one core of traffic that is not a Service's: plain routing with the eBPF mode's programs attached (defaults) ≥ {GOAL_ROUTING_WITH_PROGRAMS:.2}× plain routing without them (§4b) | with {:.0}k, without {:.0}k packets/s | {} |",
+            "| packet rate on one core of traffic that is not a Service's: plain routing with the eBPF mode's programs attached (defaults) ≥ {GOAL_ROUTING_WITH_PROGRAMS:.2}× plain routing without them (§4b) | with {:.0}k, without {:.0}k packets/s | {}{} |",
             rate(PpsMode::RoutingWithPrograms),
             rate(PpsMode::Routing),
             judge(
                 pps_ratio(p, PpsMode::RoutingWithPrograms, PpsMode::Routing),
+                GOAL_ROUTING_WITH_PROGRAMS
+            ),
+            floor_note(
+                PpsMode::RoutingWithPrograms,
+                PpsMode::Routing,
                 GOAL_ROUTING_WITH_PROGRAMS
             ),
         );
@@ -601,6 +709,7 @@ fn tc_short(path: TcPath) -> &'static str {
         TcPath::PassThroughIpv4Program => "pass-through in the IPv4 program",
         TcPath::Drop => "drop",
         TcPath::NodePortNewFlow => "NodePort new flow",
+        TcPath::NodePortNewFlowFullTable => "NodePort new flow, full table",
         TcPath::NodePortEstablished => "NodePort established",
         TcPath::NodePortEstablishedUncounted => "NodePort established, uncounted",
         TcPath::ReverseNat => "reverse NAT",
@@ -923,7 +1032,11 @@ fn tc_cost_section(md: &mut String, r: &Results) {
          empty program, per run. Paths that leave the packet alone are also measured with \
          `repeat = {}` in one syscall (clock read amortised). *New flow*: a different client \
          tuple every sample (conntrack miss: backend choice, DNAT + SNAT, forward and reply \
-         conntrack entries, SNAT port probe, fib lookup); *established*: the same tuple again \
+         conntrack entries, SNAT port probe, fib lookup) into a new-flow table with room, as a \
+         node's is outside a SYN flood (a flow's entries leave `KPR_CT4_NEW` with the client's \
+         first segment after the SYN; the bench removes its earlier new flows' entries before \
+         each batch); *into a full new-flow table*: the same after filling the table, so each \
+         SYN's entries evict others (a SYN flood's steady state); *established*: the same tuple again \
          (conntrack hit); *reverse NAT*: the chosen backend's answer on `pod0`. The XDP program \
          is measured the same way against an *empty XDP program* (`r0 = XDP_PASS; exit`): its \
          pass-through (no flow), a new NodePort flow to backends on other nodes, and a NodePort \
@@ -1046,7 +1159,14 @@ fn pps_section(md: &mut String, r: &Results) {
          the iptables mode's rules (DNAT, MASQUERADE, conntrack), *routing* the kernel alone, \
          and *routing with the eBPF mode's programs attached* the same frames with the netfilter path's programs on `ext0` and \
          `ext1` and the Service programmed: the tax the eBPF mode puts on traffic that is not \
-         a Service's. The sink counts and drops every frame in an XDP program of its own. \
+         a Service's. The three *floor* rows bound what any program at the same hook can \
+         do, with the frames addressed to the sink (no lookup, no NAT): *floor of tc* a raw \
+         17-instruction tc program at `ext0`'s ingress that writes the sink's and `ext1`'s MACs of IPv4 frames \
+         and redirects to `ext1`, *floor of XDP* the same as an XDP program (`XDP_REDIRECT`), \
+         and *raw tc programs that only pass the packet on* one returning `TCX_NEXT` at \
+         `ext0`'s ingress and `ext1`'s egress, the hooks the eBPF mode's programs sit on along \
+         routed traffic's way; *÷ its floor* is a mode's rate over its floor's in the same \
+         round. The sink counts and drops every frame in an XDP program of its own. \
          The two *backend a pod on the node's CNI bridge* rows put the sink on the node \
          instead: a pod wired by the CNI reference plugin `bridge` with `host-local` (as \
          flannel and kubenet nodes wire pods, the plugin run as a container runtime runs it), \
@@ -1059,7 +1179,7 @@ fn pps_section(md: &mut String, r: &Results) {
     );
     let _ = writeln!(
         md,
-        "| mode | packets per second | delivered | ÷ routing | XDP ÷ this | TCP round trip p50 | round trips per second | XDP ÷ this (round trips) |\n|---|---|---|---|---|---|---|---|"
+        "| mode | packets per second | delivered | ÷ routing | ÷ its floor | XDP ÷ this | TCP round trip p50 | round trips per second | XDP ÷ this (round trips) |\n|---|---|---|---|---|---|---|---|---|"
     );
     let times = |s: Spread| spread(s, |x| format!("{x:.2}×"));
     for m in &result.modes {
@@ -1073,11 +1193,15 @@ fn pps_section(md: &mut String, r: &Results) {
         };
         let _ = writeln!(
             md,
-            "| {} | {} | {} | {} | {} | {} | {} | {} |",
+            "| {} | {} | {} | {} | {} | {} | {} | {} | {} |",
             m.mode.label(),
             spread(m.pps, |x| format!("{:.0}k", x / 1000.0)),
             spread(m.delivered, |x| format!("{:.1} %", x * 100.0)),
             pps_ratio(result, m.mode, PpsMode::Routing).map_or("–".to_owned(), times),
+            m.mode
+                .floor()
+                .and_then(|floor| pps_ratio(result, m.mode, floor))
+                .map_or("–".to_owned(), times),
             xdp_over(&result.runs),
             spread(m.rr_p50_ns, |x| format!("{:.1} µs", x / 1000.0)),
             spread(m.rr_rate, |x| format!("{x:.0}")),

@@ -77,6 +77,10 @@ pub enum TcPath {
     /// A SYN of a new flow to a NodePort: conntrack miss, backend choice, DNAT + SNAT, both
     /// conntrack entries written, fib lookup, redirect.
     NodePortNewFlow,
+    /// [`Self::NodePortNewFlow`] into a full new-flow table: each SYN's entries evict others,
+    /// as under a SYN flood (the new-flow paths above measure a table with room, as a node's
+    /// is otherwise: a flow's entries leave it with the client's first segment after the SYN).
+    NodePortNewFlowFullTable,
     /// The same flow's next packet: conntrack hit, DNAT + SNAT, fib lookup, redirect.
     NodePortEstablished,
     /// The same packet with the per-Service packet and byte counting off
@@ -109,13 +113,14 @@ pub enum TcPath {
 }
 
 impl TcPath {
-    pub const ALL: [Self; 18] = [
+    pub const ALL: [Self; 19] = [
         Self::Floor,
         Self::NonIp,
         Self::PassThrough,
         Self::PassThroughIpv4Program,
         Self::Drop,
         Self::NodePortNewFlow,
+        Self::NodePortNewFlowFullTable,
         Self::NodePortEstablished,
         Self::NodePortEstablishedUncounted,
         Self::ReverseNat,
@@ -163,6 +168,9 @@ impl TcPath {
             }
             Self::Drop => "kpr_tc_external: source-range miss (drop)",
             Self::NodePortNewFlow => "kpr_tc_external: NodePort, new flow (DNAT+SNAT, CT insert)",
+            Self::NodePortNewFlowFullTable => {
+                "kpr_tc_external: NodePort, new flow into a full new-flow table (CT insert evicts)"
+            }
             Self::NodePortEstablished => "kpr_tc_external: NodePort, established (CT hit)",
             Self::NodePortEstablishedUncounted => {
                 "kpr_tc_external: NodePort, established, packets not counted (CT hit)"
@@ -190,6 +198,14 @@ impl TcPath {
                 "kpr_xdp_external: NodePort, new flow, backends on other nodes (CT insert)"
             }
         }
+    }
+
+    /// Whether each sample is a new flow into a table with room (see [`NewFlowTable`]).
+    fn new_flow_with_room(self) -> bool {
+        matches!(
+            self,
+            Self::NodePortNewFlow | Self::RemoteNewFlow | Self::XdpNewFlow
+        )
     }
 
     /// Whether the program leaves the packet as it was, so `repeat` measures it as given.
@@ -640,7 +656,7 @@ fn run_once(
         TcPath::PassThrough => (TC_EXTERNAL, f.pass.clone(), f.ext0),
         TcPath::PassThroughIpv4Program => (TC_EXTERNAL4, f.pass.clone(), f.ext0),
         TcPath::Drop => (TC_EXTERNAL, f.drop.clone(), f.ext0),
-        TcPath::NodePortNewFlow => {
+        TcPath::NodePortNewFlow | TcPath::NodePortNewFlowFullTable => {
             *new_flow += 1;
             let frame = build(
                 fresh_client(*new_flow),
@@ -684,6 +700,7 @@ fn check(path: TcPath, action: i32, out: &[u8], input: &Frames) -> Result<()> {
         | TcPath::PodNotReply => TC_ACT_UNSPEC,
         TcPath::Drop => TC_ACT_SHOT,
         TcPath::NodePortNewFlow
+        | TcPath::NodePortNewFlowFullTable
         | TcPath::NodePortEstablished
         | TcPath::NodePortEstablishedUncounted
         | TcPath::ReverseNat => TC_ACT_REDIRECT,
@@ -694,6 +711,7 @@ fn check(path: TcPath, action: i32, out: &[u8], input: &Frames) -> Result<()> {
     let translated = tuple(out);
     let ok = match path {
         TcPath::NodePortNewFlow
+        | TcPath::NodePortNewFlowFullTable
         | TcPath::NodePortEstablished
         | TcPath::NodePortEstablishedUncounted => {
             translated.is_some_and(|(s, d)| s.ip() == NODE_IP && d.port() == BACKEND_PORT)
@@ -742,6 +760,70 @@ fn web_forward_counts(
         }))
 }
 
+/// `KPR_CT4_NEW`, where a SYN's two entries go. Its entries leave with the client's first
+/// segment after the SYN, so outside a SYN flood a node's has room: the new-flow paths measure
+/// SYNs into a table with room, the entries of earlier fresh clients removed before each batch;
+/// [`TcPath::NodePortNewFlowFullTable`] fills it first, so each of its SYNs evicts.
+struct NewFlowTable {
+    map: aya::maps::HashMap<aya::maps::MapData, proxy_common::CtKey4, proxy_common::CtValue4>,
+    capacity: u32,
+}
+
+/// New-flow samples between two clearings (two entries each: far below the table's size).
+const NEW_FLOWS_PER_CLEARING: u64 = 2_000;
+
+impl NewFlowTable {
+    fn open(pin_dir: &std::path::Path) -> Result<Self> {
+        let name = proxy_common::map_names::CT4_NEW;
+        let fail = |e: &dyn std::fmt::Display| RigError::Other(format!("{name}: {e}"));
+        let data = aya::maps::MapData::from_pin(pin_dir.join(name)).map_err(|e| fail(&e))?;
+        let capacity = data.info().map_err(|e| fail(&e))?.max_entries();
+        let map =
+            aya::maps::HashMap::try_from(aya::maps::Map::LruHashMap(data)).map_err(|e| fail(&e))?;
+        Ok(Self { map, capacity })
+    }
+
+    /// Removes the entries of fresh clients' flows: forward entries from one, reply entries
+    /// translated to one (the fixed client's established flow keeps its own).
+    fn clear(&mut self) {
+        let fresh = |addr: u32| {
+            let [a, b, c, d] = addr.to_ne_bytes();
+            [a, b, c] == [10, 10, 0] && (3..=202).contains(&d)
+        };
+        let stale: Vec<proxy_common::CtKey4> = self
+            .map
+            .iter()
+            .filter_map(std::result::Result::ok)
+            .filter(|(key, value)| fresh(key.src) || fresh(value.dst))
+            .map(|(key, _)| key)
+            .collect();
+        for key in &stale {
+            // An entry the LRU evicted meanwhile is gone already.
+            let _ = self.map.remove(key);
+        }
+    }
+
+    /// Prepares the table for `path`'s samples: room for the new-flow paths, full (new flows
+    /// until every entry is taken) for the full-table path.
+    fn prepare(
+        &mut self,
+        path: TcPath,
+        dp: &mut EbpfDataplane,
+        floor: &EmptyProgram,
+        f: &Frames,
+        new_flow: &mut u32,
+    ) -> Result<()> {
+        if path.new_flow_with_room() {
+            self.clear();
+        } else if path == TcPath::NodePortNewFlowFullTable {
+            for _ in 0..self.capacity / 2 + 1_000 {
+                run_once(dp, floor, f, path, new_flow, 1)?;
+            }
+        }
+        Ok(())
+    }
+}
+
 fn measure(
     dp: &mut EbpfDataplane,
     floor: &EmptyProgram,
@@ -750,6 +832,7 @@ fn measure(
 ) -> Result<PacketCostResult> {
     let f = frames(dp)?;
     let mut new_flow = 0u32;
+    let mut table = NewFlowTable::open(pin_dir)?;
     let mut reader = proxy_dataplane_ebpf::traffic::TrafficReader::open(pin_dir)
         .map_err(|e| RigError::Other(format!("opening the per-Service counters: {e}")))?;
     for path in TcPath::ALL {
@@ -786,6 +869,7 @@ fn measure(
         }
         let mut medians = BTreeMap::new();
         for path in TcPath::ALL {
+            table.prepare(path, dp, floor, &f, &mut new_flow)?;
             let mut ns = Vec::with_capacity(loops.samples as usize);
             for _ in 0..loops.samples {
                 let (action, t, _) = run_once(dp, floor, &f, path, &mut new_flow, 1)?;
@@ -843,7 +927,7 @@ fn measure(
         .iter()
         .map(|p| (p.path, p.repeated.map_or(p.single.median, |r| r.median)))
         .collect();
-    let profile = match profile(dp, floor, &f, &mut new_flow, loops, &loop_ns) {
+    let profile = match profile(dp, floor, &f, &mut new_flow, &mut table, loops, &loop_ns) {
         Ok(p) => Some(p),
         Err(e) => {
             eprintln!("tc cost: no profile: {e}");
@@ -869,7 +953,7 @@ struct EmptyProgram {
 
 const BPF_PROG_LOAD: libc::c_long = 5;
 const BPF_PROG_TEST_RUN: libc::c_long = 10;
-const BPF_PROG_TYPE_SCHED_CLS: u32 = 3;
+pub(super) const BPF_PROG_TYPE_SCHED_CLS: u32 = 3;
 pub(super) const BPF_PROG_TYPE_XDP: u32 = 6;
 
 impl EmptyProgram {
@@ -987,10 +1071,11 @@ pub(super) fn raw_program_of(prog_type: u32, insns: &[u64]) -> Result<OwnedFd> {
 /// Paths profiled: every path with a goal except the non-IP frame (met) and the IPv4 program
 /// run directly (the pass-through without its hand-off): a goal missed is shown with where its
 /// time goes.
-const PROFILED: [TcPath; 13] = [
+const PROFILED: [TcPath; 14] = [
     TcPath::PassThrough,
     TcPath::Drop,
     TcPath::NodePortNewFlow,
+    TcPath::NodePortNewFlowFullTable,
     TcPath::NodePortEstablished,
     TcPath::ReverseNat,
     TcPath::PodNotReply,
@@ -1013,6 +1098,7 @@ fn profile(
     floor: &EmptyProgram,
     f: &Frames,
     new_flow: &mut u32,
+    table: &mut NewFlowTable,
     loops: TcLoops,
     loop_ns: &BTreeMap<TcPath, f64>,
 ) -> Result<String> {
@@ -1043,13 +1129,17 @@ fn profile(
             .map_err(|e| RigError::io("starting perf record", e))?;
         // perf needs a moment to attach before the loop starts.
         std::thread::sleep(Duration::from_millis(300));
+        let mut looped = table.prepare(path, dp, floor, f, new_flow);
         let started = Instant::now();
         let mut runs = 0u64;
-        let mut looped = Ok(());
         while looped.is_ok() && started.elapsed() < Duration::from_secs(1) && runs < 100_000_000 {
             let repeat = if path.unmodified() { loops.repeat } else { 1 };
             looped = run_once(dp, floor, f, path, new_flow, repeat).map(drop);
             runs += u64::from(repeat);
+            // (Outside `bpf_test_run`: not in the shares.)
+            if path.new_flow_with_room() && runs.is_multiple_of(NEW_FLOWS_PER_CLEARING) {
+                table.clear();
+            }
         }
         // SIGINT makes perf write its file and exit.
         let _ = nix::sys::signal::kill(

@@ -22,7 +22,7 @@ use proxy_common::{
     Backend4, BackendEntry as _, CtKey, CtKey4, CtValue, CtValue4, RevNat4, RevNat4Key, map_names,
 };
 use proxy_dataplane_ebpf::PIN_DIR_NAME;
-use proxy_dataplane_ebpf::attach::layout::{LAYOUTS, LayoutKey, LayoutRecord, v1};
+use proxy_dataplane_ebpf::attach::layout::{LAYOUTS, LayoutKey, LayoutRecord, v1, v2};
 use proxy_tests::RigError;
 use proxy_tests::client::{Attempt, Client, Mode, tally};
 use proxy_tests::scenario::{Scenario, cluster_addr, is_pod, pod_endpoint};
@@ -522,14 +522,14 @@ fn external_flows_keep_their_conntrack_when_it_splits_by_family() -> anyhow::Res
     Ok(())
 }
 
-/// Fails unless `KPR_CT4` and `KPR_CT6` are recorded in this build's layout (version 2: values
-/// with the flow's service id).
+/// Fails unless `KPR_CT4` and `KPR_CT6` are recorded in this build's layout (version 3: values
+/// with the flow's service id and its kept next hop).
 fn ensure_ct_recorded_as_current(s: &Scenario, pins: &Path) -> anyhow::Result<()> {
-    for (name, key_size, value_size) in [(map_names::CT4, 16, 40), (map_names::CT6, 40, 64)] {
+    for (name, key_size, value_size) in [(map_names::CT4, 16, 64), (map_names::CT6, 40, 88)] {
         let recorded = record(pins, name)?;
         s.ensure(
             recorded.is_some_and(|r| {
-                r.version == 2 && r.key_size == key_size && r.value_size == value_size
+                r.version == 3 && r.key_size == key_size && r.value_size == value_size
             }),
             || format!("{name} is recorded in its current layout: {recorded:?}"),
         )?;
@@ -572,6 +572,78 @@ fn external_flows_keep_their_conntrack_when_its_values_gain_the_service_id() -> 
     ensure_streams_kept(&s, streams, "conntrack values with the service id")?;
     ensure_ct_recorded_as_current(&s, &pins)?;
     Ok(())
+}
+
+/// The per-family conntrack maps of the agent before their values kept the next hop
+/// (version 2, recorded as such): this agent copies every entry into maps of its own layout
+/// (no next hop kept: each flow's next packet looks it up) before its programs replace the
+/// running ones, and the external streams through the NodePort keep their connection and
+/// backend.
+#[test]
+fn external_flows_keep_their_conntrack_when_its_values_gain_the_next_hop() -> anyhow::Result<()> {
+    let mut s = setup()?;
+    let pins = pin_dir(&mut s)?;
+    let (streams, _, _) = open_streams(&mut s, 40)?;
+    s.agent()?.stop()?;
+    let mut keys: Vec<CtKey> = rewrite_values(&pins, map_names::CT4, 2, ct4_v2)?
+        .into_iter()
+        .map(|key: CtKey4| key.widen())
+        .collect();
+    keys.extend(rewrite_values::<CtKey, CtValue, _>(
+        &pins,
+        map_names::CT6,
+        2,
+        ct6_v2,
+    )?);
+    rewrite_values::<CtKey4, CtValue4, _>(&pins, map_names::CT4_NEW, 2, ct4_v2)?;
+    rewrite_values::<CtKey, CtValue, _>(&pins, map_names::CT6_NEW, 2, ct6_v2)?;
+    s.ensure(keys.len() >= 2 * NODE_PORT_STREAMS, || {
+        format!(
+            "the NodePort streams' conntrack entries are in the maps: {}",
+            keys.len()
+        )
+    })?;
+    let links = linked_programs(&pins)?;
+    s.agent()?.restart()?;
+    wait_for_new_programs(&mut s, &pins, &links)?;
+    ensure_ct_migrated(&s, &pins, &keys, 2 * NODE_PORT_STREAMS)?;
+    ensure_streams_kept(&s, streams, "conntrack values with the next hop")?;
+    ensure_ct_recorded_as_current(&s, &pins)?;
+    Ok(())
+}
+
+/// An IPv4 conntrack value as agents before the kept next hop wrote it (`KPR_CT4` version 2).
+fn ct4_v2(value: &CtValue4) -> v2::CtValue4 {
+    v2::CtValue4 {
+        src: value.src,
+        dst: value.dst,
+        sport: value.sport,
+        dport: value.dport,
+        flags: value.flags,
+        _pad: 0,
+        out_mac: value.out_mac,
+        out_ifindex: value.out_ifindex,
+        last_seen_ns: value.last_seen_ns,
+        service_id: value.service_id,
+        _pad2: 0,
+    }
+}
+
+/// The same for `KPR_CT6` version 2.
+fn ct6_v2(value: &CtValue) -> v2::CtValue {
+    v2::CtValue {
+        src: value.src,
+        dst: value.dst,
+        sport: value.sport,
+        dport: value.dport,
+        flags: value.flags,
+        _pad: 0,
+        out_mac: value.out_mac,
+        out_ifindex: value.out_ifindex,
+        last_seen_ns: value.last_seen_ns,
+        service_id: value.service_id,
+        _pad2: 0,
+    }
 }
 
 /// A newer agent's `KPR_FRONTENDS4` (its record says version 99) found by this agent: it says so

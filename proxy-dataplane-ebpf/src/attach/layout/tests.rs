@@ -9,7 +9,7 @@ use crate::attach::layout::*;
 /// (`holds`) also register the previous layout in `OLDER` with a conversion, or its entries are
 /// lost at the upgrade (service state is refilled by the first sync before the new programs
 /// attach).
-const RELEASED: [(&str, u32, u32, u32); 25] = [
+const RELEASED: [(&str, u32, u32, u32); 26] = [
     (map_names::FRONTENDS4, 1, 8, 16),
     (map_names::FRONTENDS6, 1, 20, 16),
     (map_names::BACKEND_SLOTS, 1, 8, 4),
@@ -20,10 +20,10 @@ const RELEASED: [(&str, u32, u32, u32); 25] = [
     (map_names::AFFINITY, 1, 16, 16),
     (map_names::AFFINITY_MATCH, 1, 8, 1),
     (map_names::STATS, 1, 4, 8),
-    (map_names::CT4, 2, 16, 40),
-    (map_names::CT6, 2, 40, 64),
-    (map_names::CT4_NEW, 2, 16, 40),
-    (map_names::CT6_NEW, 2, 40, 64),
+    (map_names::CT4, 3, 16, 64),
+    (map_names::CT6, 3, 40, 88),
+    (map_names::CT4_NEW, 3, 16, 64),
+    (map_names::CT6_NEW, 3, 40, 88),
     (map_names::SOURCE_RANGES, 1, 24, 1),
     (map_names::NODE_ADDRS, 1, 20, 1),
     (map_names::NODE_CONFIG, 1, 4, 72),
@@ -35,6 +35,7 @@ const RELEASED: [(&str, u32, u32, u32); 25] = [
     (map_names::SERVICE_PACKETS, 1, 4, 32),
     (map_names::ENDPOINT_TRAFFIC, 1, 24, 8),
     (map_names::PORT_FILTER, 1, 4, 16_392),
+    (map_names::ROUTE_GENERATION, 1, 4, 4),
 ];
 
 #[test]
@@ -87,6 +88,8 @@ fn every_older_layout_is_older_than_the_current_one_and_has_other_sizes() {
     assert_eq!(size::<v1::CtValueV1>(), 48);
     assert_eq!(size::<v1::CtValueV2>(), 56);
     assert_eq!(size::<v1::CtValue4V1>(), 32);
+    assert_eq!(size::<v2::CtValue4>(), 40);
+    assert_eq!(size::<v2::CtValue>(), 64);
 }
 
 #[test]
@@ -146,11 +149,14 @@ fn decisions_by_record_and_sizes() {
     assert_eq!(decide(&now, Found::Recorded(3), 16, 8), Decision::Rebuild);
     assert_eq!(decide(&now, Found::Recorded(1), 16, 8), Decision::Rebuild);
     assert_eq!(decide(&now, Found::Unrecorded, 12, 8), Decision::Rebuild);
-    // The per-family conntrack before its values carried the service id: by record or sizes.
-    assert_eq!(decide(&ct6(), Found::Recorded(2), 40, 64), Decision::Adopt);
-    let migrate_ct6 = |d: Decision| matches!(d, Decision::Migrate(m) if m.from.name == map_names::CT6 && m.from.version == 1);
-    assert!(migrate_ct6(decide(&ct6(), Found::Recorded(1), 40, 56)));
-    assert!(migrate_ct6(decide(&ct6(), Found::Unrecorded, 40, 56)));
+    // The per-family conntrack before its values carried the service id, and before they
+    // kept the next hop: by record or sizes.
+    assert_eq!(decide(&ct6(), Found::Recorded(3), 40, 88), Decision::Adopt);
+    let migrate_ct6 = |d: Decision, version: u32| matches!(d, Decision::Migrate(m) if m.from.name == map_names::CT6 && m.from.version == version);
+    assert!(migrate_ct6(decide(&ct6(), Found::Recorded(1), 40, 56), 1));
+    assert!(migrate_ct6(decide(&ct6(), Found::Unrecorded, 40, 56), 1));
+    assert!(migrate_ct6(decide(&ct6(), Found::Recorded(2), 40, 64), 2));
+    assert!(migrate_ct6(decide(&ct6(), Found::Unrecorded, 40, 64), 2));
     assert_eq!(
         decide(&ct6(), Found::Recorded(2), 40, 56),
         Decision::Rebuild
@@ -435,6 +441,99 @@ fn per_family_conntrack_entries_keep_their_translation_without_a_service_id() {
     let copied = v6.get(&key6, 0).expect("v6 entry");
     assert_eq!(copied, CtValue::from(value6));
     assert_eq!((copied.out_mac, copied.service_id), ([2, 0, 0, 0, 0, 9], 0));
+}
+
+/// Real maps (needs root): the per-family conntrack of the agent before its values kept the
+/// next hop is copied entry for entry, each keeping its translation, reply interface, age and
+/// service id, with no next hop (the flow's next packet looks it up).
+#[test]
+fn per_family_conntrack_entries_keep_everything_and_look_their_next_hop_up_again() {
+    let mut old4 = HashMap::<MapData, CtKey4, v2::CtValue4>::create(16, 0).expect("old v4");
+    let mut old6 = HashMap::<MapData, CtKey, v2::CtValue>::create(16, 0).expect("old v6");
+    let v4 = HashMap::<MapData, CtKey4, CtValue4>::create(16, 0).expect("v4 map");
+    let v6 = HashMap::<MapData, CtKey, CtValue>::create(16, 0).expect("v6 map");
+    let key6 = CtKey {
+        src: [0xfd00, 0, 0, 2],
+        dst: [0xfd00, 0, 0, 7],
+        sport: 1234u16.to_be(),
+        dport: 80u16.to_be(),
+        proto: proxy_common::proto::TCP,
+        family: proxy_common::family::V6,
+        _pad: 0,
+    };
+    let key4 = CtKey4 {
+        src: 0x0a00_0002,
+        dst: 0x0a00_0007,
+        sport: 1234u16.to_be(),
+        dport: 80u16.to_be(),
+        proto: proxy_common::proto::TCP,
+        _pad: [0; 3],
+    };
+    let value6 = v2::CtValue {
+        src: [0xfd00, 0, 0, 4],
+        dst: [0xfd00, 0, 0, 9],
+        sport: 40_000u16.to_be(),
+        dport: 8080u16.to_be(),
+        flags: proxy_common::ct_flags::REPLY,
+        _pad: 0,
+        out_mac: [2, 0, 0, 0, 0, 9],
+        out_ifindex: 5,
+        last_seen_ns: 42,
+        service_id: 7,
+        _pad2: 0,
+    };
+    let value4 = v2::CtValue4 {
+        src: 0x0a00_0004,
+        dst: 0x0a00_0009,
+        sport: 40_000u16.to_be(),
+        dport: 8080u16.to_be(),
+        flags: proxy_common::ct_flags::SNAT,
+        _pad: 0,
+        out_mac: [2, 0, 0, 0, 0, 4],
+        out_ifindex: 3,
+        last_seen_ns: 43,
+        service_id: 8,
+        _pad2: 0,
+    };
+    old4.insert(key4, value4, 0).expect("insert");
+    old6.insert(key6, value6, 0).expect("insert");
+    let pins = PinDir::new(&[(map_names::CT4, as_map(&v4)), (map_names::CT6, as_map(&v6))]);
+    let older = |name: &str| {
+        OLDER
+            .iter()
+            .find(|m| m.from.name == name && m.from.version == 2)
+            .expect("registered")
+    };
+    let count = (older(map_names::CT4).copy)(&as_map(&old4), pins.path(), 0).expect("copy");
+    assert_eq!((count.copied, count.skipped, count.failed), (1, 0, 0));
+    let count = (older(map_names::CT6).copy)(&as_map(&old6), pins.path(), 0).expect("copy");
+    assert_eq!((count.copied, count.skipped, count.failed), (1, 0, 0));
+    let copied = v4.get(&key4, 0).expect("v4 entry");
+    assert_eq!(
+        (
+            copied.src,
+            copied.dst,
+            copied.flags,
+            copied.out_ifindex,
+            copied.last_seen_ns,
+            copied.service_id
+        ),
+        (
+            0x0a00_0004,
+            0x0a00_0009,
+            proxy_common::ct_flags::SNAT,
+            3,
+            43,
+            8
+        )
+    );
+    assert_eq!(copied.next_hop, proxy_common::NextHop::NONE);
+    let copied = v6.get(&key6, 0).expect("v6 entry");
+    assert_eq!(
+        (copied.dst, copied.out_mac, copied.service_id),
+        ([0xfd00, 0, 0, 9], [2, 0, 0, 0, 0, 9], 7)
+    );
+    assert_eq!(copied.next_hop, proxy_common::NextHop::NONE);
 }
 
 /// Real maps (needs root): the previous agent's backend maps were hash maps of the same key and

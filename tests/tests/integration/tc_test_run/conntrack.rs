@@ -20,7 +20,7 @@ fn ipv4_flows_are_kept_in_entries_sized_for_ipv4() {
         let open = |name: &str| MapData::from_pin(pins.join(name)).expect("conntrack pin");
         let unanswered = open(map_names::CT4_NEW);
         let info = unanswered.info().expect("map info");
-        assert_eq!((info.key_size(), info.value_size()), (16, 40));
+        assert_eq!((info.key_size(), info.value_size()), (16, 64));
         let unanswered = AyaHashMap::<MapData, CtKey4, CtValue4>::try_from(
             Map::from_map_data(unanswered).expect("map"),
         )
@@ -44,8 +44,8 @@ fn ipv4_flows_are_kept_in_entries_sized_for_ipv4() {
             let info = map.info().expect("map info");
             (info.key_size(), info.value_size())
         };
-        assert_eq!(sizes(&v4), (16, 40));
-        assert_eq!(sizes(&v6), (40, 64));
+        assert_eq!(sizes(&v4), (16, 64));
+        assert_eq!(sizes(&v6), (40, 88));
         let narrow =
             AyaHashMap::<MapData, CtKey4, CtValue4>::try_from(Map::from_map_data(v4).expect("map"))
                 .expect("KPR_CT4");

@@ -54,6 +54,7 @@ mod drops;
 mod fragments;
 mod icmp;
 mod maglev;
+mod next_hop;
 mod port_filter;
 mod sctp;
 mod snat;
