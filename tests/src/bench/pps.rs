@@ -1,5 +1,5 @@
 //! The rate of real packets a node forwards to a NodePort's backend on one
-//! core, through XDP, tc, the eBPF mode's default path and the iptables mode, with plain
+//! core, through XDP, tc, the eBPF mode's netfilter path and the iptables mode, with plain
 //! routing as the floor and plain routing with the eBPF programs attached (the tax on traffic
 //! that is not a Service's), side by side in one run.
 //!
@@ -552,7 +552,7 @@ fn one_run(mode: PpsMode, loops: PpsLoops, cpu: usize) -> Result<Measured> {
     let ready = ready_rx.recv_timeout(Duration::from_secs(120));
     let measured = match ready {
         Ok(()) => measure(&rig, client_path, frame, frames, cpu).and_then(|(pps, delivered)| {
-            // The default path's figure is only the default path's if the kernel forwarded
+            // The netfilter path's figure is only that path's if the kernel forwarded
             // the frames: a flow the tc program bypassed netfilter for (`ct_flags::BYPASS`)
             // would measure the fast path instead.
             if mode == PpsMode::EbpfDefault {
@@ -811,7 +811,7 @@ fn start_dataplane(
             if !errors.is_empty() {
                 return Err(other(format!("apply errors: {errors:?}")));
             }
-            // `--bpf-xdp auto` attaches only with the fast path: none on the default path.
+            // `--bpf-xdp auto` attaches only with the fast path: none on the netfilter path.
             let attached = dataplane.xdp_interfaces().len();
             if attached != if mode == PpsMode::Xdp { 2 } else { 0 } {
                 return Err(other(format!(

@@ -694,7 +694,7 @@ fn goals(md: &mut String, r: &Results) {
         let _ = writeln!(
             md,
             "| packet rate on one core: XDP ≥ {GOAL_XDP_OVER_TC:.0}× tc and ≥ {GOAL_XDP_OVER_IPTABLES:.0}× the iptables mode (§4b) | – | not measured |\n\
-             | packet rate on one core: the eBPF mode's default path ≥ {GOAL_EBPF_DEFAULT_OVER_IPTABLES:.0}× the iptables mode (§4b) | – | not measured |\n\
+             | packet rate on one core: the eBPF mode's netfilter path ≥ {GOAL_EBPF_DEFAULT_OVER_IPTABLES:.0}× the iptables mode (§4b) | – | not measured |\n\
              | packet rate on one core of traffic that is not a Service's: plain routing with the eBPF mode's programs attached ≥ {GOAL_ROUTING_WITH_PROGRAMS:.2}× without them (§4b) | – | not measured |"
         );
     }

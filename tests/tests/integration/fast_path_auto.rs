@@ -181,16 +181,22 @@ fn xdp_on_vext(s: &mut Scenario) -> anyhow::Result<bool> {
     }))
 }
 
-#[test]
-fn xdp_serves_until_a_forward_drop_appears_and_again_once_it_is_gone() -> anyhow::Result<()> {
-    let mut s = setup()?;
-    // What the default is; named because the rig pins the netfilter path for tests that do
-    // not name it (`proxy_tests::agent`).
+/// Starts the agent with `--tc-fast-path=auto`, the default, named because the rig pins the
+/// netfilter path for tests that do not name it (`proxy_tests::agent`), and waits for its
+/// first sync.
+fn start_auto(s: &mut Scenario) -> anyhow::Result<()> {
     s.start_agent_with_args(
         "ebpf",
         &["--interfaces", "vext,vnode2", "--tc-fast-path=auto"],
     )?;
     s.wait_for_first_sync()?;
+    Ok(())
+}
+
+#[test]
+fn xdp_serves_until_a_forward_drop_appears_and_again_once_it_is_gone() -> anyhow::Result<()> {
+    let mut s = setup()?;
+    start_auto(&mut s)?;
     wait_for_metric(&mut s, 1.0, Duration::from_secs(10))?;
     let before = xdp_translated(&mut s)?;
     serve(&mut s)?;
@@ -272,11 +278,7 @@ fn a_cni_accept_rule_at_start_keeps_the_netfilter_path() -> anyhow::Result<()> {
         &s,
         &["-A", "FORWARD", "-s", "10.244.0.0/16", "-j", "ACCEPT"],
     )?;
-    s.start_agent_with_args(
-        "ebpf",
-        &["--interfaces", "vext,vnode2", "--tc-fast-path=auto"],
-    )?;
-    s.wait_for_first_sync()?;
+    start_auto(&mut s)?;
     let xdp_before = xdp_translated(&mut s)?;
     let tc_before = counter(&mut s, StatIndex::TcTranslated)?;
     serve(&mut s)?;
@@ -306,11 +308,7 @@ fn a_cni_accept_rule_at_start_keeps_the_netfilter_path() -> anyhow::Result<()> {
 #[test]
 fn a_legacy_forward_drop_is_found_by_the_poll() -> anyhow::Result<()> {
     let mut s = setup()?;
-    s.start_agent_with_args(
-        "ebpf",
-        &["--interfaces", "vext,vnode2", "--tc-fast-path=auto"],
-    )?;
-    s.wait_for_first_sync()?;
+    start_auto(&mut s)?;
     wait_for_metric(&mut s, 1.0, Duration::from_secs(10))?;
     serve(&mut s)?;
     s.topo
