@@ -81,7 +81,8 @@ pub enum TcPath {
     /// as under a SYN flood (the new-flow paths above measure a table with room, as a node's
     /// is otherwise: a flow's entries leave it with the client's first segment after the SYN).
     NodePortNewFlowFullTable,
-    /// The same flow's next packet: conntrack hit, DNAT + SNAT, fib lookup, redirect.
+    /// The same flow's next packet: conntrack hit, DNAT + SNAT, fib lookup (the backend's
+    /// neighbour behind `pod0` is never resolved here, so no next hop is kept), redirect.
     NodePortEstablished,
     /// The same packet with the per-Service packet and byte counting off
     /// (`node_flags::NO_PACKET_COUNTS`, as with `--service-traffic-max-series 0`): what
@@ -92,7 +93,7 @@ pub enum TcPath {
     /// Pod traffic on the pod interface that is no reply of a translated flow: passed.
     PodNotReply,
     /// A NodePort flow to a backend on another node (next hop through `ext0`): tc, conntrack
-    /// hit, DNAT + SNAT, fib lookup, redirect.
+    /// hit, DNAT + SNAT, the next hop its entry keeps, redirect.
     RemoteEstablished,
     /// That backend's reply arriving on `ext0`: tc, reverse NAT from conntrack, redirect.
     RemoteReverseNat,
