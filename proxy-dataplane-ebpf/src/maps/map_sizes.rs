@@ -224,8 +224,9 @@ mod tests {
         assert_eq!(default.conntrack6, 43_690);
         assert_eq!(default.revnat4, SOCKET_MIN);
         assert_eq!(default.udp_sticky, SOCKET_MIN);
-        // Under the 32 MiB a small node's maps should take in all.
-        assert!(default.bytes() < 30 << 20, "{}", default.bytes());
+        // The 32 MiB a small node's maps should take in all, and then some: the next hop each
+        // conntrack entry keeps (24 bytes) took these past it (docs/benchmarks.md §6b).
+        assert!(default.bytes() < 34 << 20, "{}", default.bytes());
         let tiny = LruSizes::for_conntrack_table(2);
         assert_eq!(tiny.conntrack6, TABLE_CONNTRACK_MIN);
         assert_eq!(tiny.affinity, SOCKET_MIN);
@@ -253,13 +254,13 @@ mod tests {
         assert_eq!(small.conntrack6, CONNTRACK_MIN);
         assert_eq!(small.revnat4, SOCKET_MIN);
         assert_eq!(small.udp_sticky, SOCKET_MIN);
-        // 24 GiB: 61 MiB, 40 % of it in 128-byte IPv4 conntrack entries, four fifths of them
-        // established flows' and one fifth unanswered ones', 20 % in 176-byte IPv6 ones (at
+        // 24 GiB: 61 MiB, 40 % of it in 152-byte IPv4 conntrack entries, four fifths of them
+        // established flows' and one fifth unanswered ones', 20 % in 200-byte IPv6 ones (at
         // the floor).
-        assert_eq!(entry_bytes::<CtKey4, CtValue4>(), 128);
-        assert_eq!(entry_bytes::<CtKey, CtValue>(), 176);
-        assert_eq!(mid.conntrack4, 161_061);
-        assert_eq!(mid.conntrack4_new(), 40_265);
+        assert_eq!(entry_bytes::<CtKey4, CtValue4>(), 152);
+        assert_eq!(entry_bytes::<CtKey, CtValue>(), 200);
+        assert_eq!(mid.conntrack4, 135_630);
+        assert_eq!(mid.conntrack4_new(), 33_907);
         assert_eq!(mid.conntrack6, CONNTRACK_MIN);
         assert_eq!(mid.conntrack6_new(), CONNTRACK_MIN / 4);
         // Within the budget but for what the IPv6 map's floor takes past its fifth of it.
