@@ -57,7 +57,7 @@ fn memlock(pid: u32, root: &Path, name: &str) -> anyhow::Result<u64> {
         .ok_or_else(|| anyhow::anyhow!("the agent holds no fd of {name} (id {id})"))
 }
 
-/// 40 % of `ratio` × MemTotal in 128-byte IPv4 and 20 % in 176-byte IPv6 conntrack entries,
+/// 40 % of `ratio` × MemTotal in 152-byte IPv4 and 20 % in 200-byte IPv6 conntrack entries,
 /// four fifths of each to the established flows' map (at least 65 536 entries) and the rest to
 /// the unanswered flows' (a quarter of the former's entries): the sizing README documents for
 /// `--bpf-map-dynamic-size-ratio`.
@@ -77,8 +77,8 @@ fn documented_conntrack_sizes(ratio: f64) -> anyhow::Result<(u32, u32)> {
     )]
     let budget = ((kib * 1024) as f64 * ratio) as u64;
     Ok((
-        u32::try_from(budget * 32 / 100 / 128)?.max(65_536),
-        u32::try_from(budget * 16 / 100 / 176)?.max(65_536),
+        u32::try_from(budget * 32 / 100 / 152)?.max(65_536),
+        u32::try_from(budget * 16 / 100 / 200)?.max(65_536),
     ))
 }
 
