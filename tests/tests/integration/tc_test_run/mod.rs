@@ -993,14 +993,7 @@ fn program_remote(node: &mut Node) {
         (CLIENT, CLIENT_MAC),
         (CLIENT6, CLIENT_MAC),
     ] {
-        let mac = mac.map(|b| format!("{b:02x}")).join(":");
-        // This thread is in the node namespace; the child inherits it.
-        let status = std::process::Command::new("ip")
-            .args(["neigh", "replace", addr, "lladdr", &mac, "dev", "ext0"])
-            .args(["nud", "permanent"])
-            .status()
-            .expect("ip neigh");
-        assert!(status.success(), "ip neigh {addr}");
+        set_neighbour(addr, mac);
     }
     let services = [
         "{name: remote, namespace: default}\nspec: {type: NodePort, clusterIP: 10.96.0.60, \
@@ -1038,6 +1031,18 @@ fn program_remote(node: &mut Node) {
     assert!(errors.is_empty(), "snapshot errors: {errors:?}");
     let (_, errors) = node.dataplane.apply(&snapshot, None);
     assert!(errors.is_empty(), "apply errors: {errors:?}");
+}
+
+/// A permanent neighbour entry on `ext0`, `addr` at `mac`.
+fn set_neighbour(addr: &str, mac: [u8; 6]) {
+    let mac = mac.map(|b| format!("{b:02x}")).join(":");
+    // This thread is in the node namespace; the child inherits it.
+    let status = std::process::Command::new("ip")
+        .args(["neigh", "replace", addr, "lladdr", &mac, "dev", "ext0"])
+        .args(["nud", "permanent"])
+        .status()
+        .expect("ip neigh");
+    assert!(status.success(), "ip neigh {addr}");
 }
 
 /// `ext0`'s MAC, as the fib lookup reports it for packets leaving there.

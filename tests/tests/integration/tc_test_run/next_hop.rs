@@ -23,17 +23,6 @@ fn route_generation(node: &Node) -> u32 {
     array.get(&0, 0).expect("generation")
 }
 
-fn set_neighbour(addr: &str, mac: [u8; 6]) {
-    let mac = mac.map(|b| format!("{b:02x}")).join(":");
-    // This thread is in the node namespace; the child inherits it.
-    let status = std::process::Command::new("ip")
-        .args(["neigh", "replace", addr, "lladdr", &mac, "dev", "ext0"])
-        .args(["nud", "permanent"])
-        .status()
-        .expect("ip neigh");
-    assert!(status.success(), "ip neigh {addr}");
-}
-
 #[test]
 fn kept_next_hops_spare_the_lookup_until_the_neighbour_changes() {
     with_node(|node| {
