@@ -886,6 +886,16 @@ impl NextHop {
     /// Bits of a `bpf_ktime_get_ns()` an epoch spans: 2^30 ns, about 1.07 s.
     pub const EPOCH_SHIFT: u32 = 30;
 
+    /// Whether this next hop may still be used for an entry whose last packet was at
+    /// `last_seen_ns`, under the node's route `generation` (the packet's length is the caller's
+    /// to check: tc and XDP know the MTU differently).
+    #[inline(always)]
+    pub fn kept_under(&self, generation: u32, last_seen_ns: u64) -> bool {
+        self.ifindex != 0
+            && self.generation == generation
+            && self.epoch == Self::epoch_of(last_seen_ns)
+    }
+
     /// The epoch of a time in ns (wrapping; only compared for equality).
     #[inline(always)]
     #[expect(

@@ -275,9 +275,7 @@ pub enum Next {
 fn next_hop(ctx: &TcContext, pkt: &Packet, to: &CtValue) -> Next {
     let generation = KPR_ROUTE_GENERATION.get(0).copied().unwrap_or(0);
     let hop = &to.next_hop;
-    if hop.ifindex != 0
-        && hop.generation == generation
-        && hop.epoch == NextHop::epoch_of(to.last_seen_ns)
+    if hop.kept_under(generation, to.last_seen_ns)
         && fits(ctx, hop.mtu)
         && let Some(scratch) = scratch()
     {

@@ -375,11 +375,7 @@ fn next_hop(ctx: &XdpContext, pkt: &Packet, to: &CtValue) -> Option<u32> {
     };
     let generation = KPR_ROUTE_GENERATION.get(0).copied().unwrap_or(0);
     let hop = &to.next_hop;
-    let mut target = if hop.ifindex != 0
-        && hop.generation == generation
-        && hop.epoch == NextHop::epoch_of(to.last_seen_ns)
-        && length <= hop.mtu
-    {
+    let mut target = if hop.kept_under(generation, to.last_seen_ns) && length <= hop.mtu {
         params.dmac = hop.dmac;
         params.smac = hop.smac;
         hop.ifindex
