@@ -381,6 +381,7 @@ impl EbpfDataplane {
                 .map_err(EbpfError::PortFilter)?,
             ),
             touched: None,
+            endpoint_keys: None,
         };
         let stats = take_map(&mut ebpf, map_names::STATS)?;
         let names = take_map(&mut ebpf, map_names::SERVICE_NAMES)?;

@@ -329,6 +329,7 @@ impl DriftReader {
             // The reader never writes.
             port_filter: None,
             touched: None,
+            endpoint_keys: None,
         };
         let conntrack = match conntrack {
             Some((v4, v6)) => Some(ConntrackMaps {

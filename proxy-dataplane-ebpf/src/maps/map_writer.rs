@@ -125,6 +125,8 @@ pub enum MapWriteError {
 /// Raw writes to the service maps; implemented over the kernel maps, and over plain collections
 /// in unit tests of the diff logic.
 pub trait MapOps {
+    /// An apply starts: what the maps were read to hold may have changed since the last one.
+    fn begin_apply(&mut self) {}
     /// Zeroes the traffic counters of a service id about to be handed to a new frontend (best
     /// effort: the counters are not the datapath's state).
     fn reset_traffic(&mut self, _service_id: u32) {}
@@ -670,6 +672,7 @@ impl MapWriter {
         updates: impl IntoIterator<Item = (ServicePortName, Vec<(FrontendKey, Frontend)>)>,
         maps: &mut impl MapOps,
     ) -> (ApplySummary, Vec<ApplyError>) {
+        maps.begin_apply();
         self.retire_expired(maps);
         let mut summary = ApplySummary::default();
         let mut errors = Vec::new();

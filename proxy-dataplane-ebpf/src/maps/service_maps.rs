@@ -57,6 +57,11 @@ pub(crate) struct ServiceMaps {
     pub(crate) port_filter: Option<PortFilterMap>,
     /// While a drift check is out: the keys written or deleted since it started.
     pub(crate) touched: Option<Touched>,
+    /// `KPR_ENDPOINT_TRAFFIC`'s keys by service id, read at the first id handed out in an
+    /// apply (`None` until then). Finding an id's keys means walking the whole map: the
+    /// kernel's first-key lookup scans every bucket even when the map is empty, ~100 µs at
+    /// 64k buckets, which once per new frontend was most of a cold start's map writes.
+    pub(crate) endpoint_keys: Option<std::collections::BTreeMap<u32, Vec<EndpointTrafficKey>>>,
 }
 
 /// The LPM key of a frontend's source range: 32 bits of service id, then the prefix.
@@ -79,7 +84,34 @@ pub(crate) fn source_range_of(key: &Key<SourceRangeKey>, v6: bool) -> Option<(u3
     Some((data.service_id, net))
 }
 
+impl ServiceMaps {
+    /// The id's `KPR_ENDPOINT_TRAFFIC` keys, from one walk of the map per apply. Exact for an
+    /// id handed out: no frontend has it, so no program adds keys for it, and a frontend
+    /// deleted since the walk drops the walk (`delete_frontend`).
+    fn endpoint_keys_of(&mut self, service_id: u32) -> Vec<EndpointTrafficKey> {
+        let endpoints = &self.endpoints;
+        let keys = self.endpoint_keys.get_or_insert_with(|| {
+            let mut entries = Vec::new();
+            read_all(
+                endpoints,
+                &mut BatchReader::default(),
+                map_names::ENDPOINT_TRAFFIC,
+                &mut entries,
+            );
+            let mut by_id = std::collections::BTreeMap::<u32, Vec<EndpointTrafficKey>>::new();
+            for (key, _) in entries {
+                by_id.entry(key.service_id).or_default().push(key);
+            }
+            by_id
+        });
+        keys.remove(&service_id).unwrap_or_default()
+    }
+}
+
 impl MapOps for ServiceMaps {
+    fn begin_apply(&mut self) {
+        self.endpoint_keys = None;
+    }
     fn reset_traffic(&mut self, service_id: u32) {
         // Past the array's end when counting is off: nothing to reset.
         if service_id < self.traffic.len()
@@ -90,14 +122,7 @@ impl MapOps for ServiceMaps {
         }
         // Absent unless the id's frontend was reached through tc.
         let _ = self.packets.remove(&service_id);
-        // Empty unless endpoints are counted: the walk costs nothing then.
-        let stale: Vec<EndpointTrafficKey> = self
-            .endpoints
-            .keys()
-            .filter_map(Result::ok)
-            .filter(|key| key.service_id == service_id)
-            .collect();
-        for key in stale {
+        for key in self.endpoint_keys_of(service_id) {
             // Gone already if the walk raced a delete: nothing to reset.
             let _ = self.endpoints.remove(&key);
         }
@@ -123,6 +148,8 @@ impl MapOps for ServiceMaps {
         }
     }
     fn delete_frontend(&mut self, key: FrontendMapKey) -> Result<(), MapWriteError> {
+        // Its id goes free later; the programs may still count for it until then.
+        self.endpoint_keys = None;
         if let Some(touched) = &mut self.touched {
             touched.frontend(key);
         }
