@@ -307,8 +307,10 @@ fn drifted_ebpf_maps_are_reported_and_repaired_within_one_period() -> anyhow::Re
     let api_client = client.clone().interval(Duration::from_millis(100));
     let api_traffic = thread::spawn(move || api_client.run(api, 120));
 
-    // The agent's check may run between the tampering and the report (then the report is
-    // empty because it was already repaired): try again, a bounded number of times.
+    // The agent's check may run between the tampering and the looks below (then a look is
+    // empty because it was already repaired): try again, a bounded number of times. An attempt
+    // counts when the report, a second look and the table all show the drift, so a look that
+    // repaired anything would fail every attempt.
     let mut reported = None;
     for _ in 0..3 {
         tamper(&pin_dir)?;
@@ -316,13 +318,29 @@ fn drifted_ebpf_maps_are_reported_and_repaired_within_one_period() -> anyhow::Re
         let report = inspect_drift(&netns)?;
         eprintln!("inspect drift after tampering: {report:#}");
         if drift_kinds(&report) == expected_kinds() {
-            reported = Some((report, tampered_at));
-            break;
+            // Reporting repairs nothing: a second look sees the same (in the table for people).
+            let again = drift_kinds(&inspect_drift(&netns)?);
+            let table = Command::new("nsenter")
+                .arg(format!("--net={}", netns.display()))
+                .arg(agent_binary()?)
+                .args(["inspect", "drift"])
+                .output()?;
+            let table = String::from_utf8(table.stdout)?;
+            eprintln!("{table}");
+            if again == expected_kinds()
+                && table.contains("KPR_BACKENDS4")
+                && table.contains("192.0.2.1:8080")
+            {
+                reported = Some((report, tampered_at));
+                break;
+            }
+            eprintln!("a second look found {again:?}: the agent's check ran in between");
+        } else {
+            assert!(
+                tampered_at.elapsed() < PERIOD,
+                "inspect drift did not report the tampering: {report:#}"
+            );
         }
-        assert!(
-            tampered_at.elapsed() < PERIOD,
-            "inspect drift did not report the tampering: {report:#}"
-        );
         // The agent's check ran in between: once its repair is complete, the next check is a
         // whole period away, the best moment to tamper again.
         proxy_tests::wait::try_wait_until(
@@ -347,19 +365,6 @@ fn drifted_ebpf_maps_are_reported_and_repaired_within_one_period() -> anyhow::Re
         .find(|d| d["map"] == "KPR_BACKENDS4")
         .ok_or_else(|| anyhow::anyhow!("no backend entry in {report}"))?;
     assert_eq!(changed["found"], "192.0.2.1:8080", "{changed}");
-    // Reporting repairs nothing: a second look sees the same (in the table for people).
-    assert_eq!(drift_kinds(&inspect_drift(&netns)?), expected_kinds());
-    let table = Command::new("nsenter")
-        .arg(format!("--net={}", netns.display()))
-        .arg(agent_binary()?)
-        .args(["inspect", "drift"])
-        .output()?;
-    let table = String::from_utf8(table.stdout)?;
-    eprintln!("{table}");
-    assert!(
-        table.contains("KPR_BACKENDS4") && table.contains("192.0.2.1:8080"),
-        "{table}"
-    );
 
     // Repaired within one period (plus the time the check itself takes).
     let mut repaired_after = None;
