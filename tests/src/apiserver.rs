@@ -103,6 +103,10 @@ pub struct Counters {
 }
 
 /// State shared between the test's handle and the HTTP tasks; it outlives server restarts.
+/// Each object's protobuf list item by resource and key, with the resource version it was
+/// encoded at.
+type EncodedItems = std::collections::HashMap<(Resource, state::Key), (String, Arc<[u8]>)>;
+
 #[derive(Debug)]
 struct Shared {
     state: Mutex<State>,
@@ -113,6 +117,10 @@ struct Shared {
     bookmark_interval: Duration,
     /// Events (events.k8s.io/v1) the agent posted, as JSON.
     events: Mutex<Vec<serde_json::Value>>,
+    /// Each object's protobuf list item at the resource version it was encoded at: a real API
+    /// server serves lists from its watch cache, and converting every stored object again on
+    /// each list made the rig's lists, not the agent, most of a restart at 50k Services.
+    encoded_items: Mutex<EncodedItems>,
 }
 
 impl Shared {
@@ -214,6 +222,7 @@ impl ApiServer {
             counters: Default::default(),
             bookmark_interval: BOOKMARK_INTERVAL,
             events: Mutex::default(),
+            encoded_items: Mutex::default(),
         });
         let dir = std::env::temp_dir().join(unique_name("apiserver"));
         fs::create_dir(&dir).map_err(|e| RigError::io(format!("creating {}", dir.display()), e))?;

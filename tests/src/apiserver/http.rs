@@ -204,6 +204,52 @@ async fn list(shared: Arc<Shared>, resource: Resource, format: Format, filter: F
         .lists
         .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let state = shared.lock();
+    let rv = state.rv.to_string();
+    if format == Format::Protobuf {
+        let mut cache = shared
+            .encoded_items
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let mut items = Vec::new();
+        for object in state.list(resource).filter(|o| filter.matches(o)) {
+            let version = object["metadata"]["resourceVersion"]
+                .as_str()
+                .unwrap_or_default();
+            let key = (resource, super::state::key_of(object));
+            let bytes = match cache.get(&key) {
+                Some((at, bytes)) if at == version => Arc::clone(bytes),
+                _ => match protobuf::encode_item(resource, object) {
+                    Ok(bytes) => {
+                        let bytes: Arc<[u8]> = bytes.into();
+                        cache.insert(key, (version.to_owned(), Arc::clone(&bytes)));
+                        bytes
+                    }
+                    Err(message) => {
+                        return status_response(
+                            format,
+                            StatusCode::INTERNAL_SERVER_ERROR,
+                            "InternalError",
+                            &message,
+                        );
+                    }
+                },
+            };
+            items.push(bytes);
+        }
+        drop(cache);
+        drop(state);
+        record(
+            &shared.counters(resource).list_content_types,
+            format.content_type(),
+        );
+        let body = protobuf::encode_list_of(resource, &rv, &items);
+        return (
+            StatusCode::OK,
+            [(header::CONTENT_TYPE, protobuf::MEDIA_TYPE)],
+            body,
+        )
+            .into_response();
+    }
     let items: Vec<Value> = state
         .list(resource)
         .filter(|o| filter.matches(o))
@@ -217,37 +263,18 @@ async fn list(shared: Arc<Shared>, resource: Resource, format: Format, filter: F
             item
         })
         .collect();
-    let rv = state.rv.to_string();
     drop(state);
     record(
         &shared.counters(resource).list_content_types,
         format.content_type(),
     );
-    match format {
-        Format::Json => {
-            let body = json!({
-                "kind": resource.list_kind(),
-                "apiVersion": resource.api_version(),
-                "metadata": {"resourceVersion": rv},
-                "items": items,
-            });
-            json_response(StatusCode::OK, &body)
-        }
-        Format::Protobuf => match protobuf::encode_list(resource, &rv, &items) {
-            Ok(body) => (
-                StatusCode::OK,
-                [(header::CONTENT_TYPE, protobuf::MEDIA_TYPE)],
-                body,
-            )
-                .into_response(),
-            Err(message) => status_response(
-                format,
-                StatusCode::INTERNAL_SERVER_ERROR,
-                "InternalError",
-                &message,
-            ),
-        },
-    }
+    let body = json!({
+        "kind": resource.list_kind(),
+        "apiVersion": resource.api_version(),
+        "metadata": {"resourceVersion": rv},
+        "items": items,
+    });
+    json_response(StatusCode::OK, &body)
 }
 
 /// What a watch stream still has to do.

@@ -149,39 +149,33 @@ pub fn watch_frame(event_type: &str, object: Vec<u8>) -> Result<Vec<u8>, String>
 }
 
 /// A whole LIST body: `ServiceList`, `EndpointSliceList` or `NodeList`, enveloped.
-pub fn encode_list(
+/// One list item's bytes (the object's message, not enveloped): what a list repeats.
+pub fn encode_item(resource: Resource, item: &Value) -> Result<Vec<u8>, String> {
+    Ok(match resource {
+        Resource::Services => service(typed(item)?).encode_to_vec(),
+        Resource::EndpointSlices => endpoint_slice(typed(item)?).encode_to_vec(),
+        Resource::Nodes => node(typed(item)?).encode_to_vec(),
+    })
+}
+
+/// A list of items already encoded ([`encode_item`]), enveloped. Every `*List` message is
+/// `metadata = 1; repeated items = 2`, and a repeated message field is each item's bytes
+/// behind its tag and length: the concatenation is what encoding the whole list would give.
+pub fn encode_list_of<B: AsRef<[u8]>>(
     resource: Resource,
     resource_version: &str,
-    items: &[Value],
-) -> Result<Vec<u8>, String> {
-    let metadata = Some(list_meta(resource_version));
-    let raw = match resource {
-        Resource::Services => pb_core::ServiceList {
-            metadata,
-            items: items
-                .iter()
-                .map(|i| typed(i).map(service))
-                .collect::<Result<_, _>>()?,
-        }
-        .encode_to_vec(),
-        Resource::EndpointSlices => pb_discovery::EndpointSliceList {
-            metadata,
-            items: items
-                .iter()
-                .map(|i| typed(i).map(endpoint_slice))
-                .collect::<Result<_, _>>()?,
-        }
-        .encode_to_vec(),
-        Resource::Nodes => pb_core::NodeList {
-            metadata,
-            items: items
-                .iter()
-                .map(|i| typed(i).map(node))
-                .collect::<Result<_, _>>()?,
-        }
-        .encode_to_vec(),
-    };
-    Ok(envelope(resource.api_version(), &resource.list_kind(), raw))
+    items: &[B],
+) -> Vec<u8> {
+    let mut raw =
+        Vec::with_capacity(items.iter().map(|i| i.as_ref().len() + 6).sum::<usize>() + 32);
+    prost::encoding::message::encode(1, &list_meta(resource_version), &mut raw);
+    for item in items {
+        let item = item.as_ref();
+        prost::encoding::encode_key(2, prost::encoding::WireType::LengthDelimited, &mut raw);
+        prost::encoding::encode_varint(item.len() as u64, &mut raw);
+        raw.extend_from_slice(item);
+    }
+    envelope(resource.api_version(), &resource.list_kind(), raw)
 }
 
 /// A watched object (a `Status` for ERROR events, whatever the watched resource), enveloped.
@@ -573,5 +567,47 @@ fn node_info(i: core::NodeSystemInfo) -> pb_core::NodeSystemInfo {
         swap: i.swap.map(|s| pb_core::NodeSwapStatus {
             capacity: s.capacity,
         }),
+    }
+}
+
+#[cfg(test)]
+mod list_tests {
+    use super::*;
+
+    /// The list the server writes from its cached items is, byte for byte, prost's encoding of
+    /// the whole list message.
+    #[test]
+    fn a_list_of_encoded_items_is_the_encoded_list() -> Result<(), String> {
+        let objects: Vec<Value> = (1..=3)
+            .map(|i| {
+                serde_json::json!({
+                    "metadata": {"name": format!("web{i}"), "namespace": "default",
+                                 "resourceVersion": format!("{i}")},
+                    "spec": {"clusterIP": format!("10.96.0.{i}"),
+                             "ports": [{"name": "http", "port": 80, "protocol": "TCP"}]},
+                })
+            })
+            .collect();
+        let items = objects
+            .iter()
+            .map(|o| encode_item(Resource::Services, o))
+            .collect::<Result<Vec<_>, _>>()?;
+        let whole = pb_core::ServiceList {
+            metadata: Some(list_meta("7")),
+            items: objects
+                .iter()
+                .map(|o| typed(o).map(service))
+                .collect::<Result<_, _>>()?,
+        }
+        .encode_to_vec();
+        assert_eq!(
+            encode_list_of(Resource::Services, "7", &items),
+            envelope(
+                Resource::Services.api_version(),
+                &Resource::Services.list_kind(),
+                whole
+            )
+        );
+        Ok(())
     }
 }
