@@ -382,6 +382,8 @@ impl EbpfDataplane {
             ),
             touched: None,
             endpoint_keys: None,
+            // Nothing was pinned: the counters were created empty with the maps.
+            uncounted_from: (!adopting).then_some(1),
         };
         let stats = take_map(&mut ebpf, map_names::STATS)?;
         let names = take_map(&mut ebpf, map_names::SERVICE_NAMES)?;

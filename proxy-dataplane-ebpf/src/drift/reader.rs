@@ -330,6 +330,7 @@ impl DriftReader {
             port_filter: None,
             touched: None,
             endpoint_keys: None,
+            uncounted_from: None,
         };
         let conntrack = match conntrack {
             Some((v4, v6)) => Some(ConntrackMaps {

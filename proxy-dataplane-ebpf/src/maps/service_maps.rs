@@ -62,6 +62,10 @@ pub(crate) struct ServiceMaps {
     /// kernel's first-key lookup scans every bucket even when the map is empty, ~100 µs at
     /// 64k buckets, which once per new frontend was most of a cold start's map writes.
     pub(crate) endpoint_keys: Option<std::collections::BTreeMap<u32, Vec<EndpointTrafficKey>>>,
+    /// Service ids from this one up have never been handed out since the counters were created
+    /// empty (`None`: they were pinned by an earlier run): nothing to reset for them. A cold
+    /// start hands out ids upwards, so its frontends skip the two writes a reset costs.
+    pub(crate) uncounted_from: Option<u32>,
 }
 
 /// The LPM key of a frontend's source range: 32 bits of service id, then the prefix.
@@ -113,6 +117,12 @@ impl MapOps for ServiceMaps {
         self.endpoint_keys = None;
     }
     fn reset_traffic(&mut self, service_id: u32) {
+        if let Some(from) = &mut self.uncounted_from
+            && service_id >= *from
+        {
+            *from = service_id.saturating_add(1);
+            return;
+        }
         // Past the array's end when counting is off: nothing to reset.
         if service_id < self.traffic.len()
             && let Err(error) = self.traffic.set(service_id, ServiceTraffic::default(), 0)

@@ -1473,8 +1473,8 @@ fn programming_section(md: &mut String, r: &Results) {
          (`--manifests`) or from the rig's API test server in the node namespace \
          (`--kubeconfig`; list + watch as against a real API server, the same objects in \
          protobuf, kube-proxy's default content type, which the agent asks for; the test server \
-         encodes a list on each request, where a real API server serves it from its watch \
-         cache). \
+         keeps each object's encoded list item until the object changes, as a real API server \
+         serves lists from its watch cache, and frames a list from them on each request). \
          *Cold start*: agent process \
          started → first `sync applied` log line, and → the first connection to the ClusterIP \
          that reaches a pod (a probe connects in a tight loop from the cgroup meanwhile). \
