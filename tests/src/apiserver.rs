@@ -102,11 +102,11 @@ pub struct Counters {
     pub watch_content_types: std::sync::Mutex<Vec<String>>,
 }
 
-/// State shared between the test's handle and the HTTP tasks; it outlives server restarts.
 /// Each object's protobuf list item by resource and key, with the resource version it was
 /// encoded at.
 type EncodedItems = std::collections::HashMap<(Resource, state::Key), (String, Arc<[u8]>)>;
 
+/// State shared between the test's handle and the HTTP tasks; it outlives server restarts.
 #[derive(Debug)]
 struct Shared {
     state: Mutex<State>,

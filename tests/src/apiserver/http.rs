@@ -203,6 +203,10 @@ async fn list(shared: Arc<Shared>, resource: Resource, format: Format, filter: F
         .counters(resource)
         .lists
         .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    record(
+        &shared.counters(resource).list_content_types,
+        format.content_type(),
+    );
     let state = shared.lock();
     let rv = state.rv.to_string();
     if format == Format::Protobuf {
@@ -238,10 +242,6 @@ async fn list(shared: Arc<Shared>, resource: Resource, format: Format, filter: F
         }
         drop(cache);
         drop(state);
-        record(
-            &shared.counters(resource).list_content_types,
-            format.content_type(),
-        );
         let body = protobuf::encode_list_of(resource, &rv, &items);
         return (
             StatusCode::OK,
@@ -264,10 +264,6 @@ async fn list(shared: Arc<Shared>, resource: Resource, format: Format, filter: F
         })
         .collect();
     drop(state);
-    record(
-        &shared.counters(resource).list_content_types,
-        format.content_type(),
-    );
     let body = json!({
         "kind": resource.list_kind(),
         "apiVersion": resource.api_version(),

@@ -148,7 +148,6 @@ pub fn watch_frame(event_type: &str, object: Vec<u8>) -> Result<Vec<u8>, String>
     Ok(frame)
 }
 
-/// A whole LIST body: `ServiceList`, `EndpointSliceList` or `NodeList`, enveloped.
 /// One list item's bytes (the object's message, not enveloped): what a list repeats.
 pub fn encode_item(resource: Resource, item: &Value) -> Result<Vec<u8>, String> {
     Ok(match resource {
@@ -158,7 +157,8 @@ pub fn encode_item(resource: Resource, item: &Value) -> Result<Vec<u8>, String> 
     })
 }
 
-/// A list of items already encoded ([`encode_item`]), enveloped. Every `*List` message is
+/// A whole LIST body (`ServiceList`, `EndpointSliceList` or `NodeList`, enveloped) of items
+/// already encoded ([`encode_item`]). Every `*List` message is
 /// `metadata = 1; repeated items = 2`, and a repeated message field is each item's bytes
 /// behind its tag and length: the concatenation is what encoding the whole list would give.
 pub fn encode_list_of<B: AsRef<[u8]>>(
@@ -183,11 +183,7 @@ pub fn encode_object(resource: Resource, object: &Value) -> Result<Vec<u8>, Stri
     if object["kind"] == "Status" {
         return Ok(encode_status(object));
     }
-    let raw = match resource {
-        Resource::Services => service(typed(object)?).encode_to_vec(),
-        Resource::EndpointSlices => endpoint_slice(typed(object)?).encode_to_vec(),
-        Resource::Nodes => node(typed(object)?).encode_to_vec(),
-    };
+    let raw = encode_item(resource, object)?;
     Ok(envelope(resource.api_version(), resource.kind(), raw))
 }
 
