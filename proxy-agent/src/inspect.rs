@@ -476,19 +476,11 @@ fn open_map(pin_dir: &Path, name: &str) -> anyhow::Result<Map> {
 /// Service id → name: from the pinned `KPR_SERVICE_NAMES` the agent keeps, else (pins of an
 /// older agent) from the running agent, if it answers.
 fn service_names(pin_dir: &Path, metrics: Option<SocketAddr>) -> BTreeMap<u32, String> {
-    let pinned: Option<HashMap<MapData, u32, proxy_common::ServiceName>> =
-        open_map(pin_dir, map_names::SERVICE_NAMES)
-            .ok()
-            .and_then(|map| map.try_into().ok());
-    if let Some(pinned) = pinned {
-        let names: BTreeMap<u32, String> = pinned
-            .iter()
-            .filter_map(Result::ok)
-            .filter_map(|(id, name)| Some((id, name.as_str()?.to_owned())))
-            .collect();
-        if !names.is_empty() {
-            return names;
-        }
+    if let Some(names) = proxy_dataplane_ebpf::traffic::service_names(pin_dir)
+        .ok()
+        .filter(|names| !names.is_empty())
+    {
+        return names;
     }
     let Some(mut addr) = metrics else {
         return BTreeMap::new();

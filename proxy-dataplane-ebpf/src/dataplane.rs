@@ -549,9 +549,17 @@ impl EbpfDataplane {
     /// The kernel's NATed flows into `KPR_CT` (see [`kernel_nat`]), the last time: the start
     /// does it before the tc programs attach, [`EbpfDataplane::adopt_kernel_nat_flows_before_frontends`]
     /// before the first sync, and this once the first sync has given the programs their
-    /// frontends, so the other mode's rules start no flow any more.
-    pub fn adopt_kernel_nat_flows(&mut self) {
-        adopt_kernel_nat_flows(&mut self.ebpf);
+    /// frontends, so the other mode's rules start no flow any more. `flows`: what
+    /// [`read_kernel_nat_flows`] found, read off the agent's loop after that sync.
+    pub fn adopt_kernel_nat_flows(&mut self, flows: &KernelNatFlows) {
+        match conntrack_maps(&mut self.ebpf) {
+            Ok(mut ct) => {
+                kernel_nat::write(&mut ct, &flows.0);
+            }
+            Err(error) => {
+                warn!(%error, "tc conntrack: UDP/SCTP flows the kernel's conntrack NATs are not adopted")
+            }
+        }
         self.tc.kernel_flows_adopted();
     }
 
@@ -1259,6 +1267,23 @@ impl EbpfDataplane {
             "leaving the eBPF datapath in place"
         );
         // Dropping closes our fds only; the pins keep links, programs and maps alive.
+    }
+}
+
+/// The kernel's flows [`EbpfDataplane::adopt_kernel_nat_flows`] writes into the tc conntrack.
+#[derive(Debug, Default)]
+pub struct KernelNatFlows(Vec<(CtKey, CtValue)>);
+
+/// Reads the kernel's conntrack for [`EbpfDataplane::adopt_kernel_nat_flows`]; it needs no map,
+/// so it runs on any thread (a dump of a busy node's conntrack is milliseconds). Best effort,
+/// like the adoption itself: a failed read is logged and adopts nothing.
+pub fn read_kernel_nat_flows() -> KernelNatFlows {
+    match monotonic_ns() {
+        Ok(now) => KernelNatFlows(kernel_nat::read(now)),
+        Err(error) => {
+            warn!(%error, "no monotonic clock: UDP/SCTP flows the kernel's conntrack NATs are not adopted");
+            KernelNatFlows::default()
+        }
     }
 }
 

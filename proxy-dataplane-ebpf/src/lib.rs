@@ -20,7 +20,10 @@ pub use attach::xdp::XdpSetting;
 pub use conntrack::ct_maps::ConntrackMaps;
 pub use conntrack::ct_worker::WorkerReports;
 pub use conntrack::tc_conntrack::{CtWalk, monotonic_ns};
-pub use dataplane::{DRIFT_COPY_STEP, EbpfDataplane, FULL_PASS_STEP, FullPass, GcProgress};
+pub use dataplane::{
+    DRIFT_COPY_STEP, EbpfDataplane, FULL_PASS_STEP, FullPass, GcProgress, KernelNatFlows,
+    read_kernel_nat_flows,
+};
 pub use drift::reader::{DriftFound, DriftJob, DriftReader, DriftReading, DriftStart, DriftStep};
 pub use drift::{Drift, DriftCheck, DriftKind, DriftNotChecked, RepairReport};
 pub use error::EbpfError;

@@ -5,7 +5,7 @@
 //! read them on a thread of their own, and `proxy-agent inspect top` without the agent.
 
 use std::{
-    collections::HashMap as StdHashMap,
+    collections::{BTreeMap, HashMap as StdHashMap},
     net::{IpAddr, SocketAddr},
     path::{Path, PathBuf},
 };
@@ -48,6 +48,28 @@ pub enum TrafficError {
         #[source]
         source: proxy_kernel::bpf::map_batch::BatchError,
     },
+}
+
+/// `KPR_SERVICE_NAMES` from its pin in `pin_dir`: service id → `namespace/name:port`, what
+/// `proxy-agent inspect` and the metrics server's `/debug/ebpf/service-ids` show. Read when
+/// asked from the map the agent keeps current, so that no sync builds a second copy of every
+/// name.
+pub fn service_names(pin_dir: &Path) -> Result<BTreeMap<u32, String>, TrafficError> {
+    let path = pin_dir.join(map_names::SERVICE_NAMES);
+    let map = MapData::from_pin(&path).map_err(|source| TrafficError::Open { path, source })?;
+    let names: HashMap<MapData, u32, ServiceName> = HashMap::try_from(Map::HashMap(map))
+        .map_err(|_| TrafficError::Type(map_names::SERVICE_NAMES))?;
+    let mut by_id = BTreeMap::new();
+    for entry in names.iter() {
+        let (id, name) = entry.map_err(|source| TrafficError::ReadEntries {
+            map: map_names::SERVICE_NAMES,
+            source,
+        })?;
+        if let Some(name) = name.as_str() {
+            by_id.insert(id, name.to_owned());
+        }
+    }
+    Ok(by_id)
 }
 
 /// The pinned counters and names, and what was learnt of each service id.

@@ -7,7 +7,10 @@
 use std::{
     collections::{BTreeMap, BTreeSet},
     fmt,
+    time::SystemTime,
 };
+
+use crate::ip_family::IpFamily;
 
 mod node_change;
 
@@ -209,6 +212,12 @@ pub enum Update {
 pub struct Changes {
     /// Services whose own object or whose EndpointSlices changed.
     pub services: BTreeSet<ObjectKey>,
+    /// Per Service, the `last-change-trigger-time` of each of its EndpointSlices' updates (each
+    /// family's), as kube-proxy's endpoints change tracker keeps them: recorded when the update
+    /// comes, only when later than the store's start ([`Store::started_at`]), and dropped when
+    /// one of the Service's slices is deleted (a deletion carries the last update's time, not
+    /// its own). The network programming latency is measured from them after a sync.
+    pub trigger_times: BTreeMap<ObjectKey, Vec<(IpFamily, SystemTime)>>,
     /// What changed in this node that matters (topology labels, podCIDRs, addresses, taints,
     /// deletion; see [`proxy_kernel::node::node_change`]): status heartbeats are not a change.
     pub node: NodeChange,
@@ -225,6 +234,9 @@ impl Changes {
 
     pub fn merge(&mut self, other: Changes) {
         self.services.extend(other.services);
+        for (service, times) in other.trigger_times {
+            self.trigger_times.entry(service).or_default().extend(times);
+        }
         self.node.merge(other.node);
         self.service_events += other.service_events;
         self.slice_events += other.slice_events;
@@ -236,9 +248,21 @@ pub struct Store {
     objects: Objects,
     synced: BTreeSet<Kind>,
     changes: Changes,
+    /// Trigger times up to this one are not recorded (`None`: every one is).
+    trigger_times_after: Option<SystemTime>,
 }
 
 impl Store {
+    /// A store that records only the trigger times later than `started` (kube-proxy's
+    /// `trackerStartTime`): a slice listed at the start was changed before this process could
+    /// program it, so its time measures nothing of ours.
+    pub fn started_at(started: SystemTime) -> Self {
+        Self {
+            trigger_times_after: Some(started),
+            ..Self::default()
+        }
+    }
+
     pub fn objects(&self) -> &Objects {
         &self.objects
     }
@@ -284,6 +308,10 @@ impl Store {
                         .endpoint_slices
                         .get(key)
                         .and_then(|slice| slice_service(key, slice));
+                    match slices.get(key) {
+                        Some(slice) => self.record_trigger_time(key, slice),
+                        None => self.drop_trigger_times(old.as_ref()),
+                    }
                     let new = slices.get(key).and_then(|slice| slice_service(key, slice));
                     self.changes.services.extend(old.into_iter().chain(new));
                 }
@@ -320,6 +348,7 @@ impl Store {
                     return false;
                 }
                 self.mark_slice_service(&key, Some(&slice));
+                self.record_trigger_time(&key, &slice);
                 let old = self.objects.insert_slice(key.clone(), slice);
                 self.mark_slice_service(&key, old.as_ref());
                 self.changes.slice_events += 1;
@@ -328,9 +357,33 @@ impl Store {
             Update::EndpointSliceDeleted(key) => {
                 let old = self.objects.remove_slice(&key);
                 self.mark_slice_service(&key, old.as_ref());
+                let service = old.as_ref().and_then(|slice| slice_service(&key, slice));
+                self.drop_trigger_times(service.as_ref());
                 self.changes.slice_events += u64::from(old.is_some());
                 old.is_some()
             }
+        }
+    }
+
+    fn record_trigger_time(&mut self, key: &ObjectKey, slice: &EndpointSliceInfo) {
+        let (Some(family), Some(time)) = (slice.address_type, slice.trigger_time) else {
+            return;
+        };
+        if self.trigger_times_after.is_some_and(|after| time <= after) {
+            return;
+        }
+        if let Some(service) = slice_service(key, slice) {
+            self.changes
+                .trigger_times
+                .entry(service)
+                .or_default()
+                .push((family, time));
+        }
+    }
+
+    fn drop_trigger_times(&mut self, service: Option<&ObjectKey>) {
+        if let Some(service) = service {
+            self.changes.trigger_times.remove(service);
         }
     }
 

@@ -5,6 +5,7 @@
 use std::{collections::BTreeSet, time::Duration};
 
 use anyhow::Context as _;
+use tokio::task::JoinHandle;
 use tracing::{debug, info, warn};
 
 use super::options::{ebpf_options, iptables_config};
@@ -44,10 +45,6 @@ pub struct EbpfSyncOutcome {
     /// Service ports that do not fit in the maps (not programmed, or with their old backends).
     pub unfit: Vec<String>,
     pub capacity_errors: u64,
-    /// Map ids of the service ports this sync covered (`None` scope: every owner), for `inspect`.
-    pub service_ids: Vec<(String, Vec<u32>)>,
-    /// Whether `service_ids` replaces every name (a full reconcile) or updates some.
-    pub service_ids_complete: bool,
     /// (map, entries, capacity) of the maps the map_writer fills.
     pub map_usage: Vec<(&'static str, u64, u64)>,
     pub elapsed: Duration,
@@ -111,13 +108,20 @@ impl Dataplane {
     /// iptables rules go at once (established connections need only the kernel's conntrack
     /// entries, and the eBPF mode leaves segments of flows it does not know to the stack); the
     /// eBPF mode's programs drain their own flows first (`ebpf::attach::handback`).
-    pub fn remove_other_mode(&mut self, config: &Config) {
+    ///
+    /// eBPF mode: returns the read of the kernel's NATed flows, started on a blocking thread,
+    /// which [`Dataplane::adopt_kernel_nat_flows`] takes when it is back.
+    pub fn remove_other_mode(
+        &mut self,
+        config: &Config,
+    ) -> Option<JoinHandle<ebpf::KernelNatFlows>> {
         match self {
-            Dataplane::Ebpf(dataplane) => {
+            Dataplane::Ebpf(_) => {
                 // Again now that the first sync has given the tc programs their frontends: the
                 // flows the rules set up since the start's adoption keep their NAT (and SNAT
-                // ports) too.
-                dataplane.adopt_kernel_nat_flows();
+                // ports) too. Read off the loop: a dump of the kernel's conntrack is
+                // milliseconds that a change which came meanwhile would wait for.
+                let kernel_flows = tokio::task::spawn_blocking(ebpf::read_kernel_nat_flows);
                 // On a blocking thread: listing and restoring the tables is processes (a quarter
                 // of a second at 50k Services' first sync), and the loop, which writes only BPF
                 // maps in this mode, has the changes that came during the first sync to take.
@@ -133,6 +137,7 @@ impl Dataplane {
                         warn!(%problem, "removing iptables-mode leftovers");
                     }
                 });
+                Some(kernel_flows)
             }
             Dataplane::Iptables(_) => {
                 let bpf_root = &config.ebpf.bpf_root;
@@ -154,7 +159,7 @@ impl Dataplane {
                                     ebpf::conntrack::reserved_ports::release(&ports);
                                 },
                             );
-                            return;
+                            return None;
                         }
                         Ok(false) => {}
                         Err(error) => warn!(%error, "cannot drain the eBPF mode's flows"),
@@ -166,7 +171,16 @@ impl Dataplane {
                     Err(error) => warn!(%error, "removing eBPF-mode leftovers"),
                 }
                 ebpf::conntrack::reserved_ports::release(&config.ebpf.snat_ports);
+                None
             }
+        }
+    }
+
+    /// The kernel's NATed flows the read [`Dataplane::remove_other_mode`] started found, into
+    /// the tc conntrack (eBPF mode).
+    pub fn adopt_kernel_nat_flows(&mut self, flows: &ebpf::KernelNatFlows) {
+        if let Dataplane::Ebpf(dataplane) = self {
+            dataplane.adopt_kernel_nat_flows(flows);
         }
     }
 
@@ -335,12 +349,7 @@ impl Dataplane {
         };
         let (summary, errors) = ebpf.full_pass_step(snapshot, pass)?;
         Some(SyncOutcome::Ebpf(ebpf_outcome(
-            ebpf,
-            None,
-            SyncReason::Periodic,
-            summary,
-            errors,
-            pass.work,
+            ebpf, summary, errors, pass.work,
         )))
     }
 
@@ -367,33 +376,16 @@ fn sync_ebpf(
         changed
     };
     let (summary, errors) = ebpf.apply(snapshot, scope);
-    ebpf_outcome(ebpf, scope, reason, summary, errors, started.elapsed())
+    ebpf_outcome(ebpf, summary, errors, started.elapsed())
 }
 
-/// What an eBPF apply over `scope` did, with what the metrics and `inspect` read after it.
+/// What an eBPF apply did, with what the metrics read after it.
 fn ebpf_outcome(
     ebpf: &EbpfDataplane,
-    scope: Option<&BTreeSet<ServicePortName>>,
-    reason: SyncReason,
     summary: ApplySummary,
     errors: Vec<ApplyError>,
     elapsed: Duration,
 ) -> EbpfSyncOutcome {
-    let map_writer = ebpf.map_writer();
-    // A periodic resync that wrote nothing changed no service id: the metrics keep the ids the
-    // earlier syncs reported (a list of every service port is tens of milliseconds at 50k).
-    let ids_unchanged = reason == SyncReason::Periodic && !summary.changed_frontends();
-    let service_ids = match scope {
-        _ if ids_unchanged => Vec::new(),
-        Some(changed) => changed
-            .iter()
-            .map(|name| (name.to_string(), map_writer.service_ids_of(name)))
-            .collect(),
-        None => map_writer
-            .owners()
-            .map(|name| (name.to_string(), map_writer.service_ids_of(name)))
-            .collect(),
-    };
     EbpfSyncOutcome {
         summary,
         errors,
@@ -403,8 +395,6 @@ fn ebpf_outcome(
             .map(ToString::to_string)
             .collect(),
         capacity_errors: ebpf.capacity_errors(),
-        service_ids,
-        service_ids_complete: scope.is_none() && !ids_unchanged,
         map_usage: ebpf.map_usage(),
         elapsed,
     }

@@ -209,9 +209,9 @@ pub struct Metrics {
     rest_client: RestClientMetrics,
     /// Every histogram family by name, for the protobuf exposition's snapshots.
     histograms: Vec<(&'static str, Box<dyn SnapshotFamily>)>,
-    /// eBPF mode: service port name → the service ids of its frontends, so `proxy-agent
-    /// inspect` can name what it reads from the pinned maps.
-    service_ids: std::sync::RwLock<BTreeMap<String, Vec<u32>>>,
+    /// eBPF mode: reads service id → service port name when `/debug/ebpf/service-ids` is asked
+    /// (set by the agent), so `proxy-agent inspect` can name what it reads from older pins.
+    service_names: ServiceNamesSlot,
     /// Where `/debug/drift` asks the agent's loop for a drift report (JSON), set by the loop.
     drift_requests: Mutex<Option<DriftRequests>>,
     /// `/debug/drift`'s rate limit.
@@ -279,6 +279,20 @@ impl Drop for DriftGateGuard<'_> {
 }
 
 /// Requests for a drift report: each carries where to send the JSON answer.
+/// Reads service id → `namespace/name:port` (the pinned `KPR_SERVICE_NAMES`).
+pub type ServiceNamesReader = Box<dyn Fn() -> Result<BTreeMap<u32, String>, String> + Send + Sync>;
+
+#[derive(Default)]
+struct ServiceNamesSlot(OnceLock<Arc<ServiceNamesReader>>);
+
+impl std::fmt::Debug for ServiceNamesSlot {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ServiceNamesSlot")
+            .field("set", &self.0.get().is_some())
+            .finish()
+    }
+}
+
 pub type DriftRequests = tokio::sync::mpsc::Sender<tokio::sync::oneshot::Sender<String>>;
 
 const ALPHA: &str = "[ALPHA] ";
@@ -503,7 +517,7 @@ impl Metrics {
             service_traffic,
             rest_client,
             histograms,
-            service_ids: std::sync::RwLock::default(),
+            service_names: ServiceNamesSlot::default(),
             drift_requests: Mutex::default(),
             drift_gate: Mutex::default(),
             configz: RwLock::default(),
@@ -529,38 +543,9 @@ impl Metrics {
         self.mode
     }
 
-    /// Records the service ids a service port's frontends have (empty: it has none any more).
-    pub fn set_service_ids(&self, name: String, ids: Vec<u32>) {
-        let mut map = self
-            .service_ids
-            .write()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        if ids.is_empty() {
-            map.remove(&name);
-        } else {
-            map.insert(name, ids);
-        }
-    }
-
-    /// Replaces every record (after a full sync).
-    pub fn replace_service_ids(&self, all: BTreeMap<String, Vec<u32>>) {
-        *self
-            .service_ids
-            .write()
-            .unwrap_or_else(std::sync::PoisonError::into_inner) = all;
-    }
-
-    /// Service id → service port name, as JSON for `/debug/ebpf/service-ids`.
-    fn service_ids_json(&self) -> String {
-        let map = self
-            .service_ids
-            .read()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        let by_id: BTreeMap<u32, &str> = map
-            .iter()
-            .flat_map(|(name, ids)| ids.iter().map(move |id| (*id, name.as_str())))
-            .collect();
-        serde_json::to_string(&by_id).unwrap_or_else(|_| "{}".to_owned())
+    /// Where `/debug/ebpf/service-ids` reads its names from (eBPF mode; set once).
+    pub fn read_service_names_with(&self, reader: ServiceNamesReader) {
+        let _ = self.service_names.0.set(Arc::new(reader));
     }
 
     /// The iptables dataplane's metrics (`None` in eBPF mode).
@@ -1315,11 +1300,22 @@ async fn proxy_mode_handler(State(metrics): State<Arc<Metrics>>) -> Response<Bod
 
 /// Ours: which Service each service id in the pinned maps belongs to (`proxy-agent inspect`).
 async fn service_ids_handler(State(metrics): State<Arc<Metrics>>) -> Response<Body> {
-    response(
-        StatusCode::OK,
-        "application/json",
-        metrics.service_ids_json(),
-    )
+    let Some(reader) = metrics.service_names.0.get().cloned() else {
+        return response(StatusCode::OK, "application/json", "{}".to_owned());
+    };
+    // A map walk of a syscall per entry: tens of milliseconds at 50k Services, off the server's
+    // workers.
+    let names = tokio::task::spawn_blocking(move || reader())
+        .await
+        .unwrap_or_else(|error| Err(error.to_string()));
+    match names.and_then(|names| serde_json::to_string(&names).map_err(|e| e.to_string())) {
+        Ok(json) => response(StatusCode::OK, "application/json", json),
+        Err(error) => response(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "text/plain; charset=utf-8",
+            format!("cannot read the service names: {error}\n"),
+        ),
+    }
 }
 
 /// Ours: the drift check without repair, read off the agent's loop (`proxy-agent inspect

@@ -46,7 +46,7 @@ use self::{
 };
 use proxy_model::{
     desired::{IpFamily, ServicePortName, Snapshot},
-    objects::{NodeInfo, ObjectKey, Objects},
+    objects::NodeInfo,
     proxy_mode::ProxyMode,
 };
 
@@ -268,9 +268,8 @@ impl HttpServers {
         self.health.node_changed(node);
     }
 
-    /// After a successful sync: one network programming observation per trigger time (from the
-    /// changed EndpointSlices, see [`trigger_times`]); times before the agent started are
-    /// skipped.
+    /// After a successful sync: one network programming observation per trigger time (the
+    /// store's `Changes::trigger_times`); times before the agent started are skipped.
     pub fn network_programmed(&self, family: IpFamily, trigger_times: &[SystemTime]) {
         let recent: Vec<SystemTime> = trigger_times
             .iter()
@@ -285,28 +284,6 @@ impl HttpServers {
     pub fn shutdown(self) {
         self.service_health.close_all();
     }
-}
-
-/// The `last-change-trigger-time` of the EndpointSlices of `services` that is later than
-/// `after` (the start of the previous sync: a newer trigger time means the slice changed since),
-/// per IP family of the slice.
-pub fn trigger_times(
-    objects: &Objects,
-    services: &BTreeSet<ObjectKey>,
-    after: SystemTime,
-) -> Vec<(IpFamily, SystemTime)> {
-    let mut times = Vec::new();
-    for service in services {
-        for (_, slice) in objects.slices_of(service) {
-            let (Some(family), Some(time)) = (slice.address_type, slice.trigger_time) else {
-                continue;
-            };
-            if time > after {
-                times.push((family, time));
-            }
-        }
-    }
-    times
 }
 
 #[cfg(test)]

@@ -66,7 +66,7 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
         check_server_ports(&config)?;
     }
     apply_process_settings(&config);
-    let mut store = Store::default();
+    let mut store = Store::started_at(SystemTime::now());
     let source_name = source.name();
     let started = start_source(source, &node.name, &mut store);
     // On this worker, while the runtime's others run the source.
@@ -132,7 +132,6 @@ struct Agent {
     /// a sync they did not see (a failed one), they look at everything again.
     report_all: bool,
     other_mode_removed: bool,
-    last_sync_wall: SystemTime,
     conntrack_gc_at: Instant,
     /// iptables: ipt.Monitor checks the canaries every syncPeriod on its own timer, whatever
     /// else is syncing (proxier.go NewProxier).
@@ -146,17 +145,29 @@ struct Agent {
     drift_prepared: bool,
     /// iptables: the canary reading in flight (on a blocking thread).
     canary_read: Option<JoinHandle<CanaryReading>>,
+    /// eBPF: the read of the kernel's NATed flows after the first sync (on a blocking thread).
+    kernel_flows_read: Option<JoinHandle<proxy_dataplane_ebpf::KernelNatFlows>>,
     /// eBPF: the periodic sync's full pass in flight, one step per loop turn.
     full_pass: Option<PeriodicPass>,
     /// eBPF with `--tc-fast-path=auto`: the forwarding policy watch's decisions.
     forward_policy: Option<mpsc::Receiver<proxy_model::forward_policy::ForwardPolicy>>,
 }
 
+/// How many changed Services and service ports a sync's leftovers must hold to be freed on the
+/// blocking pool rather than on the loop.
+const FREE_OFF_LOOP_FROM: usize = 1000;
+
+/// Frees `value` on the blocking pool. A full sync's change sets at 50k Services are 100k heap
+/// objects whose frees (and reference counts shared with the store) take tens of milliseconds,
+/// which a change that came meanwhile would wait for.
+fn free_off_loop<T: Send + 'static>(value: T) {
+    tokio::task::spawn_blocking(move || drop(value));
+}
+
 /// What a sync took when it began, for its report.
 struct SyncBegun {
     reason: SyncReason,
     changes: Changes,
-    started_wall: SystemTime,
     /// The snapshot's update and what else came before the dataplane's part.
     prepared: Duration,
 }
@@ -187,6 +198,7 @@ impl Agent {
             full_pass: None,
             forward_policy: None,
             canary_read: None,
+            kernel_flows_read: None,
             drift_prepared: false,
             conntrack_gc_at: now + CONNTRACK_GC_INTERVAL,
             canary_at: now + config.sync_period,
@@ -204,7 +216,6 @@ impl Agent {
             synced_once: false,
             report_all: true,
             other_mode_removed: false,
-            last_sync_wall: SystemTime::UNIX_EPOCH,
             config,
             node,
             store,
@@ -266,6 +277,7 @@ impl Agent {
                 () = tokio::time::sleep_until(self.canary_at),
                     if self.dataplane.has_canary() && self.canary_read.is_none() => Event::Canary,
                 reading = canary_read_done(&mut self.canary_read) => Event::CanaryDone(reading),
+                flows = joined(&mut self.kernel_flows_read) => Event::KernelFlowsRead(flows),
                 // A forwarding policy that appeared must apply at once: handled in its own
                 // turn, which costs a tc refresh (milliseconds), not a sync.
                 policy = forward_policy_changed(&mut self.forward_policy) => {
@@ -316,6 +328,14 @@ impl Agent {
                 Event::Wake { ready } => self.sync_if_due(ready)?,
                 Event::Canary => self.start_canary_read(),
                 Event::CanaryDone(reading) => self.canaries_read(reading),
+                Event::KernelFlowsRead(flows) => {
+                    // A read that failed adopts nothing; the programs stop waiting for it all
+                    // the same.
+                    let flows = flows
+                        .inspect_err(|error| warn!(%error, "the read of the kernel's NATed flows did not finish"))
+                        .unwrap_or_default();
+                    self.dataplane.adopt_kernel_nat_flows(&flows);
+                }
                 Event::Retire => {
                     if self.dataplane.retire_generations() {
                         self.runner.request();
@@ -460,7 +480,6 @@ impl Agent {
         self.synced_once = true;
         let scope = (!all_services).then_some(&changes.services);
         let update_started = Instant::now();
-        let started_wall = SystemTime::now();
         let update = self
             .snapshot
             .update(self.store.objects(), &self.node.name, scope);
@@ -481,7 +500,6 @@ impl Agent {
         let begun = SyncBegun {
             reason,
             changes,
-            started_wall,
             prepared: update_started.elapsed(),
         };
         if reason == SyncReason::Periodic
@@ -499,7 +517,10 @@ impl Agent {
             return self.full_pass_step();
         }
         let outcome = self.dataplane.sync(&self.snapshot, changed, reason);
-        self.synced(&outcome, &begun, changed, update_started.elapsed());
+        self.synced(outcome, &begun, changed, update_started.elapsed());
+        if update.changed.len() + begun.changes.services.len() >= FREE_OFF_LOOP_FROM {
+            free_off_loop((update, begun));
+        }
         Ok(())
     }
 
@@ -517,7 +538,7 @@ impl Agent {
                 debug!(steps = pass.pass.steps(), "periodic full pass done");
                 // Its time is the steps' own, not the loop's other work between them.
                 let elapsed = pass.begun.prepared + pass.pass.work;
-                self.synced(&outcome, &pass.begun, Some(&pass.changed), elapsed);
+                self.synced(outcome, &pass.begun, Some(&pass.changed), elapsed);
             }
             None => self.full_pass = Some(pass),
         }
@@ -528,14 +549,14 @@ impl Agent {
     /// duration for the metrics.
     fn synced(
         &mut self,
-        outcome: &SyncOutcome,
+        outcome: SyncOutcome,
         begun: &SyncBegun,
         changed: Option<&BTreeSet<ServicePortName>>,
         elapsed: Duration,
     ) {
         let reporting = Instant::now();
         let metrics = self.http_servers.metrics();
-        record_sync(outcome, begun.reason, changed.map(|c| c.len()), metrics);
+        record_sync(&outcome, begun.reason, changed.map(|c| c.len()), metrics);
         let ok = outcome.ok();
         // Read before the sync is reported, so a scrape that sees the first sync's samples also
         // sees the datapath counters.
@@ -550,18 +571,15 @@ impl Agent {
             let scope = if self.report_all { None } else { changed };
             report_sync(
                 &self.http_servers,
-                self.store.objects(),
                 &begun.changes,
                 &self.snapshot,
                 scope,
                 elapsed,
-                self.last_sync_wall,
             );
-            self.last_sync_wall = begun.started_wall;
         }
         self.report_all = !ok;
         if ok && !self.other_mode_removed {
-            self.dataplane.remove_other_mode(&self.config);
+            self.kernel_flows_read = self.dataplane.remove_other_mode(&self.config);
             self.other_mode_removed = true;
         }
         // What the report took after the sync (`sync applied` is logged before it): the loop's
@@ -737,6 +755,16 @@ async fn canary_read_done(read: &mut Option<JoinHandle<CanaryReading>>) -> Optio
         .ok()
 }
 
+/// The blocking task in `task` joined (pending forever while there is none).
+async fn joined<T>(task: &mut Option<JoinHandle<T>>) -> Result<T, tokio::task::JoinError> {
+    let Some(running) = task.as_mut() else {
+        return std::future::pending().await;
+    };
+    let result = running.await;
+    *task = None;
+    result
+}
+
 /// The forwarding policy watch's next decision (pending forever without a watch); `None` when
 /// its thread ended.
 async fn forward_policy_changed(
@@ -758,6 +786,7 @@ enum Event {
     },
     Canary,
     CanaryDone(Option<CanaryReading>),
+    KernelFlowsRead(Result<proxy_dataplane_ebpf::KernelNatFlows, tokio::task::JoinError>),
     Retire,
     ConntrackGc,
     /// The datapath's health checks that come before the periodic drift check.
@@ -784,6 +813,7 @@ impl Event {
             Event::Wake { .. } => "sync runner",
             Event::Canary => "iptables canary read start",
             Event::CanaryDone(_) => "iptables canary read finish",
+            Event::KernelFlowsRead(_) => "kernel NAT flows read finish",
             Event::Retire => "retire generations",
             Event::ConntrackGc => "conntrack gc",
             Event::DriftPrepare => "datapath checks",

@@ -1,7 +1,7 @@
 //! What a sync did → logs, metrics and the health and latency reports of the node services.
 
 use std::{
-    collections::{BTreeMap, BTreeSet},
+    collections::BTreeSet,
     time::{Duration, SystemTime},
 };
 
@@ -12,7 +12,6 @@ use crate::{
     http_servers::{
         HttpServers,
         metrics::{IptablesTable, Metrics},
-        trigger_times,
     },
     sync_runner::SyncReason,
 };
@@ -143,20 +142,6 @@ fn record_ebpf(outcome: &EbpfSyncOutcome, reason: SyncReason, changed: usize, me
             ebpf.map_usage(map, entries, capacity);
         }
     }
-    // Names for `proxy-agent inspect`, kept current for what changed.
-    if outcome.service_ids_complete {
-        metrics.replace_service_ids(
-            outcome
-                .service_ids
-                .iter()
-                .cloned()
-                .collect::<BTreeMap<_, _>>(),
-        );
-    } else {
-        for (name, ids) in &outcome.service_ids {
-            metrics.set_service_ids(name.clone(), ids.clone());
-        }
-    }
 }
 
 /// The tc conntrack GC's rounds and what the last one left.
@@ -176,18 +161,17 @@ pub fn record_conntrack_gc(progress: &GcProgress, metrics: &Metrics) {
 /// after a successful sync of both families.
 pub fn report_sync(
     http_servers: &HttpServers,
-    objects: &Objects,
     changes: &Changes,
     snapshot: &Snapshot,
     scope: Option<&BTreeSet<ServicePortName>>,
     elapsed: Duration,
-    previous_sync: SystemTime,
 ) {
     http_servers.synced(&IpFamily::ALL, snapshot, scope, elapsed);
-    let times = trigger_times(objects, &changes.services, previous_sync);
     for family in IpFamily::ALL {
-        let of_family: Vec<SystemTime> = times
-            .iter()
+        let of_family: Vec<SystemTime> = changes
+            .trigger_times
+            .values()
+            .flatten()
             .filter(|(f, _)| *f == family)
             .map(|(_, time)| *time)
             .collect();

@@ -143,6 +143,15 @@ pub fn start_http_servers(
             .collect();
         metrics.kernel_features(&features);
         metrics.fast_path_active(ebpf.fast_path());
+        let pin_dir = config
+            .ebpf
+            .bpf_root
+            .join(proxy_dataplane_ebpf::PIN_DIR_NAME);
+        http_servers
+            .metrics()
+            .read_service_names_with(Box::new(move || {
+                proxy_dataplane_ebpf::traffic::service_names(&pin_dir).map_err(|e| e.to_string())
+            }));
     }
     for family in IpFamily::ALL {
         http_servers.loop_started(family);

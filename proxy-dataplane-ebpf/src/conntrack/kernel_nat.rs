@@ -160,28 +160,43 @@ fn words(addr: IpAddr) -> Option<([u32; 4], u8)> {
 /// effort: a failed read or write only costs those flows their backend, so it is logged and
 /// the start goes on. Returns the number of entries written.
 pub fn adopt(ct: &mut ConntrackMaps<&mut MapData>, now_ns: u64) -> usize {
+    write(ct, &read(now_ns))
+}
+
+/// The entries of the kernel's adoptable flows (both families), as [`adopt`] writes them: the
+/// read alone, which needs no map, so that it can run off the agent's loop (a dump of the
+/// kernel's conntrack is milliseconds on a busy node).
+pub fn read(now_ns: u64) -> Vec<(CtKey, CtValue)> {
     let mut ctnetlink = match Ctnetlink::open() {
         Ok(ctnetlink) => ctnetlink,
         Err(error) => {
             warn!(%error, "cannot read the kernel's conntrack: UDP/SCTP flows it NATs are not adopted");
-            return 0;
+            return Vec::new();
         }
     };
-    let mut adopted = 0;
+    let mut adoptable_entries = Vec::new();
     for ip_family in IpFamily::ALL {
-        let entries = match ctnetlink.dump(ip_family) {
-            Ok(entries) => entries,
+        match ctnetlink.dump(ip_family) {
+            Ok(entries) => {
+                adoptable_entries.extend(entries.iter().flat_map(|e| adoptable(e, now_ns)));
+            }
             Err(error) => {
                 warn!(%error, family = ?ip_family, "cannot read the kernel's conntrack: UDP/SCTP flows it NATs are not adopted");
-                continue;
             }
-        };
-        for (key, value) in entries.iter().flat_map(|e| adoptable(e, now_ns)) {
-            // An error leaves the flow as it is: already tracked by the datapath (EEXIST), or
-            // the map is full.
-            if ct.insert(&key, &value, BPF_NOEXIST).is_ok() {
-                adopted += 1;
-            }
+        }
+    }
+    adoptable_entries
+}
+
+/// Writes what [`read`] found, leaving every flow the tc conntrack holds already as it is.
+/// Returns the number of entries written.
+pub fn write(ct: &mut ConntrackMaps<&mut MapData>, entries: &[(CtKey, CtValue)]) -> usize {
+    let mut adopted = 0;
+    for (key, value) in entries {
+        // An error leaves the flow as it is: already tracked by the datapath (EEXIST), or
+        // the map is full.
+        if ct.insert(key, value, BPF_NOEXIST).is_ok() {
+            adopted += 1;
         }
     }
     if adopted > 0 {

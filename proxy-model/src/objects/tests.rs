@@ -23,6 +23,77 @@ fn slice(name: &str, service: &str) -> EndpointSliceInfo {
     .into()
 }
 
+/// A slice of `service` with a `last-change-trigger-time` of `second` seconds past 2030.
+fn timed_slice(name: &str, service: &str, family: &str, second: u32) -> EndpointSliceInfo {
+    serde_yaml::from_str::<k8s_openapi::api::discovery::v1::EndpointSlice>(&format!(
+        "metadata: {{name: {name}, namespace: ns, labels: {{kubernetes.io/service-name: {service}}}, \
+         annotations: {{endpoints.kubernetes.io/last-change-trigger-time: \"2030-01-01T00:00:{second:02}Z\"}}}}\n\
+         addressType: {family}\nendpoints: []"
+    ))
+    .expect("slice")
+    .into()
+}
+
+fn at(second: u32) -> SystemTime {
+    crate::time_format::parse_rfc3339(&format!("2030-01-01T00:00:{second:02}Z")).expect("time")
+}
+
+// kube-proxy's EndpointsChangeTracker.EndpointSliceUpdate: a time after the tracker's start is
+// appended per update, a slice's deletion drops its Service's times.
+#[test]
+fn trigger_times_are_recorded_per_update_after_the_start_and_dropped_with_a_deleted_slice() {
+    let mut store = Store::started_at(at(5));
+    store.apply(Update::ReplaceEndpointSlices(BTreeMap::from([
+        (key("s1"), timed_slice("s1", "web", "IPv4", 0)),
+        (key("s2"), timed_slice("s2", "api", "IPv4", 10)),
+    ])));
+    assert_eq!(
+        store.take_changes().trigger_times,
+        BTreeMap::from([(key("api"), vec![(IpFamily::V4, at(10))])])
+    );
+
+    store.apply(Update::EndpointSliceApplied(
+        key("s1"),
+        timed_slice("s1", "web", "IPv4", 20),
+    ));
+    store.apply(Update::EndpointSliceApplied(
+        key("s3"),
+        timed_slice("s3", "web", "IPv6", 30),
+    ));
+    assert_eq!(
+        store.take_changes().trigger_times,
+        BTreeMap::from([(
+            key("web"),
+            vec![(IpFamily::V4, at(20)), (IpFamily::V6, at(30))]
+        )])
+    );
+
+    store.apply(Update::EndpointSliceApplied(
+        key("s1"),
+        timed_slice("s1", "web", "IPv4", 40),
+    ));
+    store.apply(Update::EndpointSliceApplied(
+        key("s2"),
+        timed_slice("s2", "api", "IPv4", 41),
+    ));
+    store.apply(Update::EndpointSliceDeleted(key("s3")));
+    assert_eq!(
+        store.take_changes().trigger_times,
+        BTreeMap::from([(key("api"), vec![(IpFamily::V4, at(41))])])
+    );
+
+    // A relist that no longer has a slice: as its deletion.
+    store.apply(Update::EndpointSliceApplied(
+        key("s2"),
+        timed_slice("s2", "api", "IPv4", 50),
+    ));
+    store.apply(Update::ReplaceEndpointSlices(BTreeMap::from([(
+        key("s1"),
+        timed_slice("s1", "web", "IPv4", 40),
+    )])));
+    assert!(store.take_changes().trigger_times.is_empty());
+}
+
 #[test]
 fn synced_only_after_every_kind_was_listed() {
     let mut store = Store::default();

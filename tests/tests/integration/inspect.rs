@@ -109,6 +109,18 @@ fn inspect_shows_the_service_in_ebpf_mode() -> anyhow::Result<()> {
     let service_id = socket["service_id"]
         .as_u64()
         .ok_or_else(|| anyhow::anyhow!("service_id is not a number: {socket}"))?;
+    // The metrics server names the same id, read from the pinned names when asked (what an
+    // older `inspect` asks a running agent for).
+    let agent = s.agent()?;
+    let reply = proxy_tests::http::get(&netns, agent.metrics_address(), "/debug/ebpf/service-ids")?;
+    assert_eq!(reply.status, 200, "{}", reply.body);
+    let by_id: std::collections::BTreeMap<String, String> = serde_json::from_str(&reply.body)
+        .with_context(|| format!("/debug/ebpf/service-ids: {}", reply.body))?;
+    assert_eq!(
+        by_id.get(&service_id.to_string()).map(String::as_str),
+        Some("default/web:http"),
+        "/debug/ebpf/service-ids: {by_id:?}"
+    );
     let backends_json = inspect(&netns, Some(&bpf_root), &["backends", "-o", "json"])?;
     eprintln!("inspect backends: {backends_json}");
     let rows: Vec<serde_json::Value> = serde_json::from_str(&backends_json)?;

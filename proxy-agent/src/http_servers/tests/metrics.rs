@@ -3,9 +3,8 @@
 use std::{collections::BTreeSet, time::SystemTime};
 
 use super::*;
-use crate::http_servers::{
-    metrics::{IptablesTable, Metrics, network_programming_buckets, no_local_endpoints},
-    trigger_times,
+use crate::http_servers::metrics::{
+    IptablesTable, Metrics, network_programming_buckets, no_local_endpoints,
 };
 use proxy_common::StatIndex;
 use proxy_model::desired::{IpFamily, ServicePortName};
@@ -583,38 +582,6 @@ fn datapath_counters_follow_the_cumulative_readings() {
         &metrics.encode(),
         "kubeproxy_ebpf_datapath_events_total{reason=\"translated\",action=\"translated\"} 10"
     ));
-}
-
-#[test]
-fn trigger_times_of_changed_slices() {
-    let yaml = r#"
-kind: Service
-metadata: {name: svc1, namespace: ns1}
-spec: {clusterIP: 172.30.1.1, ports: [{port: 80}]}
----
-kind: EndpointSlice
-metadata:
-  name: svc1-new
-  namespace: ns1
-  labels: {kubernetes.io/service-name: svc1}
-  annotations: {endpoints.kubernetes.io/last-change-trigger-time: "2030-01-01T00:00:10Z"}
-addressType: IPv4
-endpoints: []
----
-kind: EndpointSlice
-metadata:
-  name: svc1-old
-  namespace: ns1
-  labels: {kubernetes.io/service-name: svc1}
-  annotations: {endpoints.kubernetes.io/last-change-trigger-time: "2030-01-01T00:00:00Z"}
-addressType: IPv6
-endpoints: []
-"#;
-    let objects = objects(yaml);
-    let after = proxy_model::time_format::parse_rfc3339("2030-01-01T00:00:05Z").unwrap();
-    let times = trigger_times(&objects, &BTreeSet::from([key("ns1", "svc1")]), after);
-    let expected = proxy_model::time_format::parse_rfc3339("2030-01-01T00:00:10Z").unwrap();
-    assert_eq!(times, vec![(IpFamily::V4, expected)]);
 }
 
 #[tokio::test]

@@ -367,7 +367,8 @@ fn evicted_forward_entry_keeps_its_snat_port_and_is_rebuilt() {
         program_services(node);
         // What the agent does after its first sync: from then on a segment without any entry
         // is one of the datapath's own flows.
-        node.dataplane.adopt_kernel_nat_flows();
+        node.dataplane
+            .adopt_kernel_nat_flows(&proxy_dataplane_ebpf::read_kernel_nat_flows());
         let mut ct = pinned_ct(node);
         for (i, (client, other, node_ip, backend)) in [
             (CLIENT, "203.0.113.7", NODE_IP, BACKEND),
@@ -509,7 +510,8 @@ fn segments_without_entries_are_left_to_the_kernel_until_its_flows_are_adopted()
         );
         assert_eq!(passed.destination(), frontend);
         assert_eq!(stat(node, StatIndex::TcMidstreamRecreated), 0);
-        node.dataplane.adopt_kernel_nat_flows();
+        node.dataplane
+            .adopt_kernel_nat_flows(&proxy_dataplane_ebpf::read_kernel_nat_flows());
         let (action, out) = run(node, program_names::TC_EXTERNAL, &ack, node.ext0);
         assert_eq!(
             action, TC_ACT_REDIRECT,
