@@ -12,6 +12,11 @@ impl MapWriter {
         let mut live_matches = BTreeSet::new();
         let mut live_maglev = BTreeSet::new();
         let mut dropped = 0usize;
+        // Grouped once: a filter of the whole set per frontend would be frontends × ranges.
+        let mut ranges_of: BTreeMap<u32, Vec<IpNet>> = BTreeMap::new();
+        for &(service_id, range) in &content.source_ranges {
+            ranges_of.entry(service_id).or_default().push(range);
+        }
         for (map_key, value) in content.frontends {
             let Some(key) = frontend_key_of(&map_key) else {
                 // Not a protocol we program: remove it rather than carry it along.
@@ -72,12 +77,9 @@ impl MapWriter {
                     backend_id,
                 }));
             }
-            let source_ranges = content
-                .source_ranges
-                .iter()
-                .filter(|(id, _)| *id == value.service_id)
-                .map(|(_, range)| *range)
-                .collect::<Box<[IpNet]>>();
+            let source_ranges = ranges_of
+                .get(&value.service_id)
+                .map_or_else(Box::default, |ranges| ranges.as_slice().into());
             map_writer.frontends.insert(
                 key,
                 AppliedFrontend {

@@ -986,3 +986,75 @@ fn a_cluster_ip_that_comes_and_goes_moves_the_external_ip_incrementally() {
     assert_eq!(external(&snapshot).len(), 1);
     assert_eq!(snapshot, Snapshot::compute(&only_old, NODE));
 }
+
+/// More Services than the full recompute does on one thread: split over the cores it must give
+/// what computing each Service on its own gives, errors included.
+#[test]
+fn a_full_recompute_split_over_the_cores_agrees_with_each_service_computed_alone() {
+    let count = PARALLEL_FROM + 904;
+    let mut yaml = String::new();
+    for i in 0..count {
+        let (high, low) = (i / 250, i % 250);
+        // Every 97th Service has a cluster IP that is no address: an error of its own.
+        let cluster_ip = if i % 97 == 0 {
+            "not-an-ip".to_owned()
+        } else {
+            format!("10.96.{high}.{low}")
+        };
+        let policy = if i % 3 == 0 { "Local" } else { "Cluster" };
+        yaml.push_str(&format!(
+            "---\nkind: Service\nmetadata: {{name: s{i}, namespace: n{}}}\n\
+             spec: {{clusterIP: {cluster_ip}, type: NodePort, externalTrafficPolicy: {policy}, \
+             ports: [{{name: http, port: 80, nodePort: {}, protocol: TCP}}]}}\n\
+             ---\nkind: EndpointSlice\naddressType: IPv4\n\
+             metadata: {{name: s{i}-1, namespace: n{}, labels: {{kubernetes.io/service-name: s{i}}}}}\n\
+             ports: [{{name: http, port: 8080, protocol: TCP}}]\n\
+             endpoints: [{{addresses: [10.244.{high}.{low}], nodeName: node-{}}}]\n",
+            i % 7,
+            30000 + i % 2000,
+            i % 7,
+            if i % 2 == 0 { "a" } else { "b" },
+        ));
+    }
+    let objects = objects(&yaml);
+    let whole = Snapshot::compute(&objects, NODE);
+    let mut one_by_one = Snapshot::default();
+    let keys: BTreeSet<ObjectKey> = objects.services.keys().cloned().collect();
+    one_by_one.update(&objects, NODE, Some(&keys));
+    assert_eq!(whole.v4.service_ports.len(), count - count.div_ceil(97));
+    for family in IpFamily::ALL {
+        assert!(
+            whole.family(family).service_ports == one_by_one.family(family).service_ports,
+            "{family:?}: the split recompute differs"
+        );
+    }
+    let errors = |snapshot: &Snapshot| {
+        snapshot
+            .errors()
+            .map(ToString::to_string)
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(errors(&whole).len(), count.div_ceil(97));
+    assert_eq!(errors(&whole), errors(&one_by_one));
+}
+
+#[test]
+fn work_split_over_the_cores_keeps_the_order_of_the_items() {
+    let mut items: Vec<usize> = (0..PARALLEL_FROM * 3 + 5).collect();
+    let doubled = in_parallel(&mut items, |item| {
+        *item += 1;
+        *item * 2
+    });
+    assert_eq!(
+        doubled,
+        (1..=PARALLEL_FROM * 3 + 5)
+            .map(|i| i * 2)
+            .collect::<Vec<_>>()
+    );
+    assert!(
+        items
+            .iter()
+            .enumerate()
+            .all(|(index, item)| *item == index + 1)
+    );
+}
