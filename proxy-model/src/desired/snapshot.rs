@@ -113,45 +113,42 @@ impl Snapshot {
     /// Every Service's claims are known before any is settled.
     fn recompute_all(&mut self, objects: &Objects, node: &NodeContext) -> SnapshotUpdate {
         let mut update = SnapshotUpdate::default();
-        // Per Service: its key, its raw ports of each family, its errors. Each Service is
-        // computed on its own from the objects (and, once every claim is known, the claims), so
-        // the work is split over the cores in key order, and the results are joined in it.
-        let mut raw: Vec<RawService<'_>> = objects
+        // Keyed by reference: only a Service with errors needs its own copy of the key.
+        let mut errors: BTreeMap<&ObjectKey, Vec<ServiceError>> = BTreeMap::new();
+        let mut raw: Vec<(&ObjectKey, [Vec<ServicePort>; 2])> = objects
             .services
             .keys()
-            .map(|key| RawService {
-                key,
-                ports: [Vec::new(), Vec::new()],
-                errors: Vec::new(),
+            .map(|key| {
+                let service_errors = errors.entry(key).or_default();
+                let ports =
+                    IpFamily::ALL.map(|family| raw_ports(objects, key, family, service_errors));
+                (key, ports)
             })
             .collect();
-        in_parallel(&mut raw, |service| {
-            service.ports = IpFamily::ALL
-                .map(|family| raw_ports(objects, service.key, family, &mut service.errors));
-        });
-        self.claims.rebuild(raw.iter().map(|service| {
+        self.claims.rebuild(raw.iter().map(|(key, ports)| {
             (
-                service.key,
-                objects.services.get(service.key),
-                service.ports.iter().flatten().collect(),
+                *key,
+                objects.services.get(*key),
+                ports.iter().flatten().collect(),
             )
         }));
         for (index, family) in IpFamily::ALL.into_iter().enumerate() {
-            let claims = &self.claims;
-            let finished = in_parallel(&mut raw, |service| {
-                let family_ports = std::mem::take(&mut service.ports[index]);
-                finish_service(
+            let mut ports = Vec::new();
+            for (key, family_ports) in &mut raw {
+                let service_errors = errors.entry(key).or_default();
+                let family_ports = std::mem::take(&mut family_ports[index]);
+                ports.extend(finish_service(
                     objects,
                     node,
-                    claims,
-                    service.key,
+                    &self.claims,
+                    key,
                     family,
                     family_ports,
-                    &mut service.errors,
-                )
-            });
+                    service_errors,
+                ));
+            }
             // Sorted already (Services in key order, each one's ports in name order).
-            let new = crate::btree::packed(finished.into_iter().flatten());
+            let new = crate::btree::packed(ports);
             let old = std::mem::replace(&mut self.family_mut(family).service_ports, new);
             let new = &self.family(family).service_ports;
             for (name, port) in new {
@@ -163,7 +160,6 @@ impl Snapshot {
                 .changed
                 .extend(old.into_keys().filter(|name| !new.contains_key(name)));
         }
-        let errors = raw.into_iter().map(|service| (service.key, service.errors));
         let previous = std::mem::take(&mut self.errors);
         for (key, mut service_errors) in errors {
             service_errors.dedup();
@@ -257,41 +253,6 @@ impl Snapshot {
 
 /// One Service's service ports in one family as its fields name them, before claims are
 /// settled and endpoints selected.
-/// A Service during [`Snapshot::recompute_all`].
-struct RawService<'a> {
-    key: &'a ObjectKey,
-    ports: [Vec<ServicePort>; 2],
-    errors: Vec<ServiceError>,
-}
-
-/// Below this many items the work is done on the calling thread: starting threads costs more
-/// than it saves.
-const PARALLEL_FROM: usize = 4096;
-
-/// `work` over each of `items`, split into one run of consecutive items per core; the results
-/// in the order of the items.
-fn in_parallel<T: Send, R: Send>(items: &mut [T], work: impl Fn(&mut T) -> R + Sync) -> Vec<R> {
-    let cores = std::thread::available_parallelism().map_or(1, std::num::NonZero::get);
-    if cores < 2 || items.len() < PARALLEL_FROM {
-        return items.iter_mut().map(&work).collect();
-    }
-    let chunk = items.len().div_ceil(cores);
-    let work = &work;
-    std::thread::scope(|scope| {
-        let runs: Vec<_> = items
-            .chunks_mut(chunk)
-            .map(|run| scope.spawn(move || run.iter_mut().map(work).collect::<Vec<R>>()))
-            .collect();
-        runs.into_iter()
-            .flat_map(|run| match run.join() {
-                Ok(results) => results,
-                // A panic in `work` is the caller's, as on one thread.
-                Err(panic) => std::panic::resume_unwind(panic),
-            })
-            .collect()
-    })
-}
-
 fn raw_ports(
     objects: &Objects,
     key: &ObjectKey,
