@@ -120,6 +120,14 @@ fn tried_before_the_first_sync(mode: &str, from: From) -> anyhow::Result<()> {
         ("net.ipv4.ip_local_port_range", &format!("{PORT} {PORT}")),
         ("net.ipv4.tcp_tw_reuse", "1"),
     ])?;
+    // The kernel reuses a TIME_WAIT tuple only once `tcp_tw_reuse_delay` (1 s by default) has
+    // passed since its last segment; the server's FIN can arrive well after the attempt ended
+    // on a loaded machine, so a reuse a second after the attempt could still find the tuple
+    // taken (EADDRNOTAVAIL) — a port clash of the client, not a lost connection. Kernels
+    // before 6.14 have no such knob and wait one second.
+    if std::path::Path::new("/proc/sys/net/ipv4/tcp_tw_reuse_delay").exists() {
+        client_ns.sysctl("net.ipv4.tcp_tw_reuse_delay", "100")?;
+    }
     let target = from.target();
     // Before any agent: the ClusterIP is tried twice, unanswered.
     let early = client
@@ -138,7 +146,7 @@ fn tried_before_the_first_sync(mode: &str, from: From) -> anyhow::Result<()> {
     // Every connection from now on reuses one of those ports; each must reach a pod.
     let attempts = client
         .timeout(Duration::from_secs(2))
-        .interval(Duration::from_millis(1100))
+        .interval(Duration::from_millis(1500))
         .run(target, 6)?;
     let lost: Vec<&Attempt> = attempts.iter().filter(|a| !is_pod(a)).collect();
     s.ensure(lost.is_empty(), || {
