@@ -342,7 +342,9 @@ pub struct Results {
     pub scale: Option<scale::ScaleResult>,
     /// iptables full-sync times seen (objects = Services + endpoints, seconds), for estimates.
     pub iptables_syncs: Vec<(usize, f64)>,
-    pub failures: usize,
+    /// What failed and the first line of its error, in the order it happened: the report
+    /// lists them all, since some (stopping an agent, cleaning up) have no table cell.
+    pub failures: Vec<String>,
 }
 
 /// Predicts iptables full-sync times from the ones measured so far.
@@ -389,7 +391,7 @@ struct Runner {
     config: Config,
     started: Instant,
     estimator: Estimator,
-    failures: usize,
+    failures: Vec<String>,
     /// Skip iptables runs that cannot be estimated (the scale size when no smaller iptables
     /// sync was measured in this run, e.g. `--only scale`): unbounded otherwise.
     require_estimate: bool,
@@ -439,10 +441,11 @@ impl Runner {
     }
 
     fn failed<T>(&mut self, what: &str, error: impl std::fmt::Display) -> Outcome<T> {
-        self.failures += 1;
         let message = format!("{error}");
         println!("  FAILED {what}: {message}");
-        Outcome::Failed(message.lines().next().unwrap_or_default().to_owned())
+        let first = message.lines().next().unwrap_or_default().to_owned();
+        self.failures.push(format!("{what}: {first}"));
+        Outcome::Failed(first)
     }
 
     fn note_skip<T>(skipped: Outcome<()>, what: &str) -> Outcome<T> {
@@ -475,7 +478,7 @@ pub fn run(config: Config) -> Results {
         config,
         started: Instant::now(),
         estimator: Estimator::default(),
-        failures: 0,
+        failures: Vec::new(),
         require_estimate: false,
     };
     let tc_cost = runner.config.runs(Section::TcCost).then(|| {

@@ -224,12 +224,16 @@ fn markdown(r: &Results) -> String {
          namespace without disturbing each other), so their ratios pair run *i* of each. \
          Figures that are not such same-run ratios are labelled.\n"
     );
-    if r.failures > 0 {
+    if !r.failures.is_empty() {
         let _ = writeln!(
             md,
-            "**{} measurement(s) failed in this run; see the notes in the tables.**\n",
-            r.failures
+            "**{} measurement(s) failed in this run:**\n",
+            r.failures.len()
         );
+        for failure in &r.failures {
+            let _ = writeln!(md, "- {}", failure.replace('\n', " "));
+        }
+        md.push('\n');
     }
     goals(&mut md, r);
     datapath_section(&mut md, r);

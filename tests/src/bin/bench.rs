@@ -62,10 +62,11 @@ fn main() -> anyhow::Result<()> {
         "wrote {}/benchmarks.md and its SVG plots",
         cli.out_dir.display()
     );
-    if results.failures > 0 {
+    if !results.failures.is_empty() {
         bail!(
-            "{} measurement(s) failed (see the report)",
-            results.failures
+            "{} measurement(s) failed (see the report): {}",
+            results.failures.len(),
+            results.failures.join("; ")
         );
     }
     Ok(())
