@@ -556,7 +556,13 @@ impl Agent {
     ) {
         let reporting = Instant::now();
         let metrics = self.http_servers.metrics();
-        record_sync(&outcome, begun.reason, changed.map(|c| c.len()), metrics);
+        record_sync(
+            &outcome,
+            begun.reason,
+            changed.map(|c| c.len()),
+            begun.prepared,
+            metrics,
+        );
         let ok = outcome.ok();
         // Read before the sync is reported, so a scrape that sees the first sync's samples also
         // sees the datapath counters.

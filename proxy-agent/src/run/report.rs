@@ -24,16 +24,21 @@ use proxy_model::{
 /// Logs one sync's outcome and records its metrics (sync durations, rule counts, conntrack
 /// cleanup, the service ids `inspect` reads).
 /// `changed`: how many service ports the sync was asked to cover (`None`: all, a full sync).
+/// `snapshot`: what the sync took before the dataplane's part (the store's changes and the
+/// snapshot's update), logged beside the dataplane's own `elapsed_us` so a slow sync shows
+/// which half it was.
 pub fn record_sync(
     outcome: &SyncOutcome,
     reason: SyncReason,
     changed: Option<usize>,
+    snapshot: Duration,
     metrics: &Metrics,
 ) {
     let partial = changed.is_some();
     let changed = changed.unwrap_or(0);
+    let snapshot_us = snapshot.as_micros() as u64;
     match outcome {
-        SyncOutcome::Ebpf(outcome) => record_ebpf(outcome, reason, changed, metrics),
+        SyncOutcome::Ebpf(outcome) => record_ebpf(outcome, reason, changed, snapshot_us, metrics),
         SyncOutcome::Iptables(results) => {
             for (family, result) in results {
                 match result {
@@ -45,6 +50,7 @@ pub fn record_sync(
                             filter_rules = report.filter_rules,
                             nat_rules = report.nat_rules,
                             deleted_chains = report.deleted_chains,
+                            snapshot_us,
                             elapsed_us = report.elapsed.as_micros() as u64,
                             "sync applied"
                         );
@@ -101,7 +107,13 @@ pub fn record_sync(
     }
 }
 
-fn record_ebpf(outcome: &EbpfSyncOutcome, reason: SyncReason, changed: usize, metrics: &Metrics) {
+fn record_ebpf(
+    outcome: &EbpfSyncOutcome,
+    reason: SyncReason,
+    changed: usize,
+    snapshot_us: u64,
+    metrics: &Metrics,
+) {
     for error in &outcome.errors {
         warn!("{error}");
     }
@@ -134,6 +146,7 @@ fn record_ebpf(outcome: &EbpfSyncOutcome, reason: SyncReason, changed: usize, me
         udp_sockets_destroyed = summary.udp_sockets_destroyed,
         conntrack_purged = summary.conntrack_purged,
         conntrack_purge_queued = summary.conntrack_purge_queued,
+        snapshot_us,
         elapsed_us = outcome.elapsed.as_micros() as u64,
         "sync applied"
     );
