@@ -136,8 +136,11 @@ pub struct StartPhases {
     pub dataplane_ready: Option<Duration>,
     /// → the source has everything ("manifests read", or the last kind's first "listed").
     pub source_read: Option<Duration>,
-    /// The first sync itself (its `elapsed_us`: snapshot and map writes or restore).
+    /// The first sync's dataplane part (its `elapsed_us`: map writes, or the restore).
     pub first_sync: Option<Duration>,
+    /// What the first sync took before that (its `snapshot_us`: the store's changes and the
+    /// snapshot).
+    pub first_snapshot: Option<Duration>,
 }
 
 impl StartPhases {
@@ -171,7 +174,8 @@ impl StartPhases {
                     phases.source_read = since(start);
                 }
             } else if line.contains("sync applied") && phases.first_sync.is_none() {
-                phases.first_sync = elapsed_us(line);
+                phases.first_sync = field_us(line, "elapsed_us=");
+                phases.first_snapshot = field_us(line, "snapshot_us=");
             }
         }
         phases
@@ -180,7 +184,12 @@ impl StartPhases {
 
 /// A `sync applied` line's `elapsed_us` field: the sync's own duration.
 fn elapsed_us(line: &str) -> Option<Duration> {
-    line.split("elapsed_us=")
+    field_us(line, "elapsed_us=")
+}
+
+/// A log line's field of microseconds (`name` with its `=`).
+fn field_us(line: &str, name: &str) -> Option<Duration> {
+    line.split(name)
         .nth(1)?
         .split(|c: char| !c.is_ascii_digit())
         .next()?
@@ -630,13 +639,14 @@ mod tests {
 2026-11-29T09:34:56.000000Z  INFO proxy_agent::source::kubernetes: listed kind=Service objects=9\n\
 2026-11-29T09:34:57.500000Z  INFO proxy_agent::source::kubernetes: listed kind=EndpointSlice objects=9\n\
 2026-11-29T09:34:59.000000Z  INFO proxy_agent::source::kubernetes: listed kind=Service objects=9\n\
-2026-11-29T09:34:59.100000Z  INFO proxy_agent::run::report: sync applied reason=Changes written=2 elapsed_us=1234567\n\
+2026-11-29T09:34:59.100000Z  INFO proxy_agent::run::report: sync applied reason=Changes written=2 snapshot_us=450000 elapsed_us=1234567\n\
 2026-11-29T09:35:00.100000Z  INFO proxy_agent::run::report: sync applied reason=Changes written=2 elapsed_us=7\n";
         let phases = StartPhases::of_log(log);
         assert_eq!(phases.dataplane_ready, Some(Duration::from_millis(1750)));
         // The last kind's first list (a relist later does not count).
         assert_eq!(phases.source_read, Some(Duration::from_secs(4)));
         assert_eq!(phases.first_sync, Some(Duration::from_micros(1_234_567)));
+        assert_eq!(phases.first_snapshot, Some(Duration::from_millis(450)));
 
         let manifests = "\
 2026-11-29T23:59:59.000000Z  INFO proxy_agent::run: starting proxy-agent node=n\n\

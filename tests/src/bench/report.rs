@@ -152,6 +152,16 @@ fn paired(runs: &PathRuns, num: Path, den: Path, metric: impl Fn(&Run) -> f64) -
     Spread::of(a.iter().zip(&b).map(|(x, y)| metric(x) / metric(y)))
 }
 
+/// A first sync's cell: its snapshot and dataplane parts (medians), or the dataplane part
+/// alone where the log had no snapshot figure.
+fn first_sync(snapshot: &str, dataplane: &str) -> String {
+    if snapshot == "–" {
+        dataplane.to_owned()
+    } else {
+        format!("{snapshot} + {dataplane}")
+    }
+}
+
 fn outcome_note<T>(o: &Outcome<T>) -> Option<String> {
     match o {
         Outcome::Done(_) => None,
@@ -1371,7 +1381,7 @@ fn agent_rows(md: &mut String, p: &ProgrammingSize) {
                     spread(first, dur_ns),
                     phase(|p| p.dataplane_ready),
                     phase(|p| p.source_read),
-                    phase(|p| p.first_sync),
+                    first_sync(&phase(|p| p.first_snapshot), &phase(|p| p.first_sync)),
                     spread(e2e, dur_ns),
                     run.e2e.len()
                 );
@@ -1495,8 +1505,9 @@ fn programming_section(md: &mut String, r: &Results) {
          `starting proxy-agent` line): *dataplane ready* is when its programs are loaded \
          (mostly the kernel's verifier) or its iptables families are set up; *source read* is \
          when the folder was parsed or the last kind was listed; the agent does both at once, \
-         and its first sync (snapshot and map writes, or restore; its own duration) starts when \
-         both are done.\n",
+         and its first sync starts when both are done: *first sync* is its two parts, *snapshot \
+         + dataplane* (the `sync applied` line's `snapshot_us`, the store's changes and the \
+         snapshot, and its `elapsed_us`, map writes or the restore).\n",
     );
     let _ = writeln!(
         md,

@@ -6,7 +6,7 @@
 
 use std::time::{Duration, Instant};
 
-use super::agent_runs::{self, AgentMemory, ChangeSample, ProxyMode, Source};
+use super::agent_runs::{self, AgentMemory, ChangeSample, ProxyMode, Source, StartPhases};
 use super::client::{GapProbe, Gaps};
 use super::workload::{LiveSet, Workload};
 use super::{Outcome, ProgrammingSize, Runner, step};
@@ -63,6 +63,8 @@ pub struct GapRun {
     /// applied` line, seen by polling the log every 5 ms — restart to ready, apart from a
     /// fresh node's cold start (§5).
     pub to_ready: Option<Duration>,
+    /// Restart: where the time to ready went, from the new process's log.
+    pub phases: Option<StartPhases>,
 }
 
 /// The eBPF agent's BPF map memory on a node with `w` (manifests source: the maps do not
@@ -232,11 +234,13 @@ fn restart_gaps(s: &mut Scenario, w: Workload, live: LiveSet, timeout: Duration)
     let to_ready = restarted.elapsed();
     std::thread::sleep(Duration::from_secs(1));
     let gaps = probe.finish()?;
+    let phases = StartPhases::of_log(&s.agent()?.log_contents());
     Ok(GapRun {
         gaps,
         duration: started.elapsed(),
         syncs: 1,
         to_ready: Some(to_ready),
+        phases: Some(phases),
     })
 }
 
@@ -257,5 +261,6 @@ fn resync_gaps(s: &mut Scenario, live: LiveSet, timeout: Duration) -> Result<Gap
         duration: started.elapsed(),
         syncs: seen - before,
         to_ready: None,
+        phases: None,
     })
 }

@@ -4,7 +4,7 @@
 use std::fmt::Write as _;
 use std::time::Duration;
 
-use super::super::agent_runs::{AgentMemory, ChangeSample, ChangeSplit};
+use super::super::agent_runs::{AgentMemory, ChangeSample, ChangeSplit, StartPhases};
 use super::super::scale::{GapRun, ScaleResult};
 use super::super::stats::Percentiles;
 use super::super::{AgentModeRun, Outcome, ProgrammingSize, Results};
@@ -692,6 +692,7 @@ fn gaps_part(md: &mut String, scale: &ScaleResult) {
                 duration,
                 syncs,
                 to_ready,
+                ..
             }) => {
                 let _ = writeln!(
                     md,
@@ -715,4 +716,36 @@ fn gaps_part(md: &mut String, scale: &ScaleResult) {
         }
     }
     let _ = writeln!(md);
+    if let Outcome::Done(GapRun {
+        to_ready: Some(ready),
+        phases: Some(phases),
+        ..
+    }) = &scale.restart
+    {
+        restart_phases(md, *ready, phases);
+    }
+}
+
+/// Where the restart's time went, from the new process's log (as §5's cold starts).
+fn restart_phases(md: &mut String, ready: Duration, p: &StartPhases) {
+    let at = |d: Option<Duration>| d.map_or_else(|| "–".to_owned(), dur);
+    let _ = writeln!(
+        md,
+        "*Where the restart goes* (from the new process's log lines, counted from its \
+         `starting proxy-agent` line; the API server source is listed while the dataplane \
+         starts, and the first sync waits for both): dataplane ready (the pinned programs and \
+         links reused with no verifier run, the service maps adopted) at {}; source read (the \
+         last kind listed) at {}; then the first sync, a full one, {} to compute the snapshot \
+         and {} to compare every map entry with it (and write what differs); {} from the \
+         process's start to its `sync applied` in all. What is left is work on the whole \
+         cluster that a restart repeats: the list of every object and a full snapshot and \
+         map comparison; a restart that kept the last snapshot and the list's \
+         resourceVersion beside the pins could watch from there and compare only what \
+         changed.\n",
+        at(p.dataplane_ready),
+        at(p.source_read),
+        at(p.first_snapshot),
+        at(p.first_sync),
+        dur(ready),
+    );
 }
