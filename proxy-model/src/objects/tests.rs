@@ -38,6 +38,16 @@ fn at(second: u32) -> SystemTime {
     crate::time_format::parse_rfc3339(&format!("2030-01-01T00:00:{second:02}Z")).expect("time")
 }
 
+/// Applies `(slice, service, addressType, trigger second)` updates one by one.
+fn apply_timed(store: &mut Store, updates: &[(&str, &str, &str, u32)]) {
+    for &(slice, service, family, second) in updates {
+        store.apply(Update::EndpointSliceApplied(
+            key(slice),
+            timed_slice(slice, service, family, second),
+        ));
+    }
+}
+
 // kube-proxy's EndpointsChangeTracker.EndpointSliceUpdate: a time after the tracker's start is
 // appended per update, a slice's deletion drops its Service's times.
 #[test]
@@ -52,14 +62,10 @@ fn trigger_times_are_recorded_per_update_after_the_start_and_dropped_with_a_dele
         BTreeMap::from([(key("api"), vec![(IpFamily::V4, at(10))])])
     );
 
-    store.apply(Update::EndpointSliceApplied(
-        key("s1"),
-        timed_slice("s1", "web", "IPv4", 20),
-    ));
-    store.apply(Update::EndpointSliceApplied(
-        key("s3"),
-        timed_slice("s3", "web", "IPv6", 30),
-    ));
+    apply_timed(
+        &mut store,
+        &[("s1", "web", "IPv4", 20), ("s3", "web", "IPv6", 30)],
+    );
     assert_eq!(
         store.take_changes().trigger_times,
         BTreeMap::from([(
@@ -68,14 +74,10 @@ fn trigger_times_are_recorded_per_update_after_the_start_and_dropped_with_a_dele
         )])
     );
 
-    store.apply(Update::EndpointSliceApplied(
-        key("s1"),
-        timed_slice("s1", "web", "IPv4", 40),
-    ));
-    store.apply(Update::EndpointSliceApplied(
-        key("s2"),
-        timed_slice("s2", "api", "IPv4", 41),
-    ));
+    apply_timed(
+        &mut store,
+        &[("s1", "web", "IPv4", 40), ("s2", "api", "IPv4", 41)],
+    );
     store.apply(Update::EndpointSliceDeleted(key("s3")));
     assert_eq!(
         store.take_changes().trigger_times,
@@ -83,10 +85,7 @@ fn trigger_times_are_recorded_per_update_after_the_start_and_dropped_with_a_dele
     );
 
     // A relist that no longer has a slice: as its deletion.
-    store.apply(Update::EndpointSliceApplied(
-        key("s2"),
-        timed_slice("s2", "api", "IPv4", 50),
-    ));
+    apply_timed(&mut store, &[("s2", "api", "IPv4", 50)]);
     store.apply(Update::ReplaceEndpointSlices(BTreeMap::from([(
         key("s1"),
         timed_slice("s1", "web", "IPv4", 40),
