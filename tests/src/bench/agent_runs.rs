@@ -174,7 +174,7 @@ impl StartPhases {
                     phases.source_read = since(start);
                 }
             } else if line.contains("sync applied") && phases.first_sync.is_none() {
-                phases.first_sync = field_us(line, "elapsed_us=");
+                phases.first_sync = elapsed_us(line);
                 phases.first_snapshot = field_us(line, "snapshot_us=");
             }
         }

@@ -241,7 +241,7 @@ fn markdown(r: &Results) -> String {
             r.failures.len()
         );
         for failure in &r.failures {
-            let _ = writeln!(md, "- {}", failure.replace('\n', " "));
+            let _ = writeln!(md, "- {failure}");
         }
         md.push('\n');
     }
