@@ -15,7 +15,7 @@ use anyhow::{Context as _, bail};
 use aya::maps::{Array, HashMap, Map, MapData, PerCpuArray};
 use proxy_common::{
     Backend4, Backend6, BackendEntry, BackendSlotKey, Frontend4Key, Frontend6Key, FrontendValue,
-    StatAction, StatIndex, frontend_flags, map_names, scope,
+    SLOT_BLOCK_SLOTS, SlotBlock, StatAction, StatIndex, frontend_flags, map_names, scope,
 };
 use proxy_kernel::bpf::map_batch::{BatchReader, read_array};
 use serde::Serialize;
@@ -534,7 +534,7 @@ pub fn ebpf_frontends(
         open_map(pin_dir, map_names::FRONTENDS4)?.try_into()?;
     let frontends6: HashMap<MapData, Frontend6Key, FrontendValue> =
         open_map(pin_dir, map_names::FRONTENDS6)?.try_into()?;
-    let slots: HashMap<MapData, BackendSlotKey, u32> =
+    let slots: HashMap<MapData, BackendSlotKey, SlotBlock> =
         open_map(pin_dir, map_names::BACKEND_SLOTS)?.try_into()?;
     let backends4: Array<MapData, Backend4> =
         open_map(pin_dir, map_names::BACKENDS4)?.try_into()?;
@@ -555,16 +555,23 @@ pub fn ebpf_frontends(
             .map(|b| SocketAddr::new(ip6_from_map(b.addr).into(), u16::from_be(b.port)).to_string())
     };
     let row = |addr: IpAddr, port: u16, proto: u8, scope_value: u8, value: FrontendValue| {
-        let backends = (0..value.backend_count)
-            .filter_map(|slot| {
+        // Each block entry holds `SLOT_BLOCK_SLOTS` slots (read once); a missing block's
+        // slots are skipped, as a missing slot was.
+        let count = u32::from(value.backend_count);
+        let backends = (0..count.div_ceil(SLOT_BLOCK_SLOTS))
+            .filter_map(|block| {
                 let key = BackendSlotKey {
                     service_id: value.service_id,
-                    slot,
+                    block: block as u16,
                     generation: value.generation,
                     _pad: 0,
                 };
-                slots.get(&key, 0).ok().and_then(&backend)
+                let used = (count - block * SLOT_BLOCK_SLOTS).min(SLOT_BLOCK_SLOTS) as usize;
+                let ids = slots.get(&key, 0).ok()?.backend_ids;
+                Some(ids.into_iter().take(used))
             })
+            .flatten()
+            .filter_map(&backend)
             .collect();
         let host = if addr.is_unspecified() {
             "*".to_owned()
@@ -665,12 +672,15 @@ fn backend_addr(pin_dir: &Path) -> anyhow::Result<BTreeMap<u32, SocketAddr>> {
 /// Backend ids with their address and the service ids whose slots point at them.
 pub fn backends(pin_dir: &Path) -> anyhow::Result<Vec<BackendRow>> {
     let addrs = backend_addr(pin_dir)?;
-    let slots: HashMap<MapData, BackendSlotKey, u32> =
+    let slots: HashMap<MapData, BackendSlotKey, SlotBlock> =
         open_map(pin_dir, map_names::BACKEND_SLOTS)?.try_into()?;
     let mut users: BTreeMap<u32, std::collections::BTreeSet<u32>> = BTreeMap::new();
     for entry in slots.iter() {
-        let (key, id) = entry?;
-        users.entry(id).or_default().insert(key.service_id);
+        let (key, block) = entry?;
+        // Entries past the frontend's backend count in its last block are 0, never an id.
+        for id in block.backend_ids.into_iter().filter(|&id| id != 0) {
+            users.entry(id).or_default().insert(key.service_id);
+        }
     }
     Ok(addrs
         .into_iter()

@@ -48,6 +48,8 @@ mod pod {
     // SAFETY: as above.
     unsafe impl aya::Pod for MaglevBlock {}
     // SAFETY: as above.
+    unsafe impl aya::Pod for SlotBlock {}
+    // SAFETY: as above.
     unsafe impl aya::Pod for Backend4 {}
     // SAFETY: as above.
     unsafe impl aya::Pod for Backend6 {}

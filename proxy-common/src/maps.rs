@@ -503,15 +503,30 @@ pub struct FrontendValue {
     pub maglev_size: u32,
 }
 
-/// Key of `KPR_BACKEND_SLOTS`.
+/// Slots per `KPR_BACKEND_SLOTS` entry. A hash-map element costs the kernel 56 bytes (header
+/// and list node) beside its key and value, each rounded up to 8, so one per slot made a 4-byte
+/// backend id cost 72 bytes; a block of 8 ids costs 96 for up to 8 slots, and a frontend's
+/// generation is written (and read back) in `backend_count.div_ceil(8)` entries.
+pub const SLOT_BLOCK_SLOTS: u32 = 8;
+
+/// Key of `KPR_BACKEND_SLOTS`: one block of a frontend generation's slots (slots
+/// `block * SLOT_BLOCK_SLOTS ..`).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct BackendSlotKey {
     pub service_id: u32,
-    /// Slot index in `0..backend_count`.
-    pub slot: u16,
+    /// Block index in `0..backend_count.div_ceil(SLOT_BLOCK_SLOTS)`.
+    pub block: u16,
     pub generation: u8,
     pub _pad: u8,
+}
+
+/// Value of `KPR_BACKEND_SLOTS`: the backend ids of one block's slots; in the last block the
+/// entries past the frontend's `backend_count` are 0 and never read.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
+pub struct SlotBlock {
+    pub backend_ids: [u32; SLOT_BLOCK_SLOTS as usize],
 }
 
 /// Slots per `KPR_MAGLEV` entry. A hash-map element costs far more than its 4-byte value
@@ -1165,6 +1180,7 @@ mod tests {
         assert_eq!(size_of::<Frontend6Key>(), 20);
         assert_eq!(size_of::<FrontendValue>(), 16);
         assert_eq!(size_of::<BackendSlotKey>(), 8);
+        assert_eq!(size_of::<SlotBlock>(), 32);
         assert_eq!(size_of::<MaglevKey>(), 12);
         assert_eq!(size_of::<MaglevBlock>(), 64);
         assert_eq!(size_of::<Backend4>(), 8);

@@ -5,7 +5,8 @@
 
 use crate::{
     AffinityKey, AffinityMatchKey, AffinityValue, BackendSlotKey, FrontendValue,
-    MAGLEV_BLOCK_SLOTS, MaglevKey, StatIndex, ct_timeout::NANOS_PER_SECOND, frontend_flags,
+    MAGLEV_BLOCK_SLOTS, MaglevKey, SLOT_BLOCK_SLOTS, StatIndex, ct_timeout::NANOS_PER_SECOND,
+    frontend_flags,
 };
 
 /// What to do with a connection to a frontend.
@@ -37,8 +38,8 @@ pub trait BackendMaps {
     type Backend: Copy;
     /// `KPR_BACKENDS4/6`.
     fn backend(&mut self, id: u32) -> Option<Self::Backend>;
-    /// `KPR_BACKEND_SLOTS`.
-    fn slot(&mut self, key: &BackendSlotKey) -> Option<u32>;
+    /// Entry `index` of the `KPR_BACKEND_SLOTS` block under `key`.
+    fn slot(&mut self, key: &BackendSlotKey, index: usize) -> Option<u32>;
     /// Entry `index` of the `KPR_MAGLEV` block under `key`.
     fn maglev(&mut self, key: &MaglevKey, index: usize) -> Option<u32>;
     /// `KPR_AFFINITY`.
@@ -126,14 +127,8 @@ pub fn select_backend<M: BackendMaps>(
                     Some(hash) => hash,
                     None => maps.random(),
                 };
-                let key = slot_key(frontend, pick);
-                (
-                    maps.slot(&key),
-                    Chosen::Slot {
-                        slot: key.slot,
-                        random,
-                    },
-                )
+                let (key, index, slot) = slot_entry(frontend, pick);
+                (maps.slot(&key, index), Chosen::Slot { slot, random })
             }
         };
     let Some(backend_id) = backend_id else {
@@ -157,15 +152,20 @@ pub fn select_backend<M: BackendMaps>(
     Decision::Backend(backend, chosen)
 }
 
-/// The key of the slot `pick % backend_count` of the frontend's live generation.
+/// The slot `pick % backend_count` of the frontend's live generation: the key and index of
+/// its `KPR_BACKEND_SLOTS` block entry, and the slot.
 #[inline(always)]
-pub fn slot_key(frontend: &FrontendValue, pick: u32) -> BackendSlotKey {
-    BackendSlotKey {
+pub fn slot_entry(frontend: &FrontendValue, pick: u32) -> (BackendSlotKey, usize, u16) {
+    let slot = pick % u32::from(frontend.backend_count).max(1);
+    let key = BackendSlotKey {
         service_id: frontend.service_id,
-        slot: (pick % u32::from(frontend.backend_count).max(1)) as u16,
+        block: (slot / SLOT_BLOCK_SLOTS) as u16,
         generation: frontend.generation,
         _pad: 0,
-    }
+    };
+    // The mask keeps the index provably inside the block for the verifier.
+    let index = (slot % SLOT_BLOCK_SLOTS) as usize & (SLOT_BLOCK_SLOTS as usize - 1);
+    (key, index, slot as u16)
 }
 
 /// The key and index of the `KPR_MAGLEV` block entry of the flow's slot, and the slot, if the
@@ -313,8 +313,9 @@ mod tests {
         fn backend(&mut self, id: u32) -> Option<u32> {
             Some(id)
         }
-        fn slot(&mut self, key: &BackendSlotKey) -> Option<u32> {
-            (key.slot < self.slots).then_some(100 + u32::from(key.slot))
+        fn slot(&mut self, key: &BackendSlotKey, index: usize) -> Option<u32> {
+            let slot = u32::from(key.block) * SLOT_BLOCK_SLOTS + index as u32;
+            (slot < u32::from(self.slots)).then_some(100 + slot)
         }
         fn maglev(&mut self, _key: &MaglevKey, _index: usize) -> Option<u32> {
             self.maglev

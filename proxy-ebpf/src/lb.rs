@@ -33,9 +33,10 @@ impl<B: BackendEntry + 'static> BackendMaps for Maps<'_, B> {
         self.backends.get(id).copied().filter(BackendEntry::in_use)
     }
     #[inline(always)]
-    fn slot(&mut self, key: &BackendSlotKey) -> Option<u32> {
+    fn slot(&mut self, key: &BackendSlotKey, index: usize) -> Option<u32> {
         // SAFETY: see above.
-        (unsafe { KPR_BACKEND_SLOTS.get(key) }).copied()
+        let block = unsafe { KPR_BACKEND_SLOTS.get(key) }?;
+        block.backend_ids.get(index).copied()
     }
     #[inline(always)]
     fn maglev(&mut self, key: &MaglevKey, index: usize) -> Option<u32> {

@@ -24,7 +24,7 @@ use proxy_common::{
     AffinityKey, AffinityMatchKey, AffinityValue, Backend4, Backend6, BackendSlotKey, CtKey,
     CtKey4, CtValue, CtValue4, EndpointTrafficKey, Frontend4Key, Frontend6Key, FrontendValue,
     MaglevBlock, MaglevKey, NodeAddrKey, NodeConfig, PortFilter, RevNat4, RevNat4Key, RevNat6,
-    RevNat6Key, ServiceName, ServicePackets, ServiceTraffic, SnatAddrs, SourceRangeKey,
+    RevNat6Key, ServiceName, ServicePackets, ServiceTraffic, SlotBlock, SnatAddrs, SourceRangeKey,
     TcFamilyProgram, TcFragmentProgram, default_sizes,
     ip_family::{self, IpFamily},
     lookup::FrontendMaps,
@@ -38,8 +38,9 @@ pub static KPR_FRONTENDS4: HashMap<Frontend4Key, FrontendValue> =
 pub static KPR_FRONTENDS6: HashMap<Frontend6Key, FrontendValue> =
     HashMap::pinned(default_sizes::FRONTENDS, BPF_F_NO_PREALLOC);
 
+/// Backend slots: (service id, block, generation) → the backend ids of a block of slots.
 #[map]
-pub static KPR_BACKEND_SLOTS: HashMap<BackendSlotKey, u32> =
+pub static KPR_BACKEND_SLOTS: HashMap<BackendSlotKey, SlotBlock> =
     HashMap::pinned(default_sizes::BACKEND_SLOTS, BPF_F_NO_PREALLOC);
 
 /// Maglev lookup tables: (service id, block, generation) → the backend ids of a block of

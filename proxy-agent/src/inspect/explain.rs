@@ -29,7 +29,7 @@ use aya::maps::{Array, HashMap, LpmTrie, Map, MapData, lpm_trie::Key};
 use proxy_common::{
     AffinityKey, AffinityMatchKey, AffinityValue, Backend4, Backend6, BackendEntry, BackendSlotKey,
     CtKey, CtValue, Frontend4Key, Frontend6Key, FrontendValue, MaglevBlock, MaglevKey, NodeAddrKey,
-    NodeConfig, SourceRangeKey, StatIndex, ct_flags, family, frontend_flags,
+    NodeConfig, SlotBlock, SourceRangeKey, StatIndex, ct_flags, family, frontend_flags,
     lookup::{self, Admit, FrontendMaps, Matched, TcSide},
     map_names, node_flags, proto, scope,
     select::{self, BackendMaps, Chosen, Decision},
@@ -110,7 +110,8 @@ pub struct Pinned {
 /// The map reads `explain` needs; over the pinned maps, or plain collections in tests.
 pub trait Maps {
     fn frontend(&self, addr: IpAddr, port: u16, protocol: u8, scope: u8) -> Option<FrontendValue>;
-    fn slot(&self, key: BackendSlotKey) -> Option<u32>;
+    /// The backend id at `index` of the `KPR_BACKEND_SLOTS` block entry `key`.
+    fn slot(&self, key: BackendSlotKey, index: usize) -> Option<u32>;
     fn backend(&self, id: u32, v6: bool) -> Option<SocketAddr>;
     fn node_address(&self, addr: IpAddr) -> bool;
     fn node_config(&self) -> Option<NodeConfig>;
@@ -204,8 +205,8 @@ impl<M: Maps> BackendMaps for Choice<'_, M> {
     fn backend(&mut self, id: u32) -> Option<SocketAddr> {
         self.maps.backend(id, self.v6)
     }
-    fn slot(&mut self, key: &BackendSlotKey) -> Option<u32> {
-        self.maps.slot(*key)
+    fn slot(&mut self, key: &BackendSlotKey, index: usize) -> Option<u32> {
+        self.maps.slot(*key, index)
     }
     fn maglev(&mut self, key: &MaglevKey, index: usize) -> Option<u32> {
         self.maps.maglev(*key)?.backend_ids.get(index).copied()
@@ -519,8 +520,8 @@ fn no_backends(frontend: &FrontendValue, socket: bool, e: &mut Explanation) {
 /// Lists the live generation's backends.
 fn candidates(maps: &impl Maps, frontend: &FrontendValue, v6: bool, e: &mut Explanation) {
     for slot in 0..frontend.backend_count {
-        let key = select::slot_key(frontend, u32::from(slot));
-        match maps.slot(key).and_then(|id| maps.backend(id, v6)) {
+        let (key, index, _) = select::slot_entry(frontend, u32::from(slot));
+        match maps.slot(key, index).and_then(|id| maps.backend(id, v6)) {
             Some(backend) => e.candidates.push(backend.to_string()),
             None => e
                 .steps
@@ -889,7 +890,7 @@ pub fn iptables_affinity(
 pub struct PinnedMaps {
     frontends4: HashMap<MapData, Frontend4Key, FrontendValue>,
     frontends6: HashMap<MapData, Frontend6Key, FrontendValue>,
-    slots: HashMap<MapData, BackendSlotKey, u32>,
+    slots: HashMap<MapData, BackendSlotKey, SlotBlock>,
     backends4: Array<MapData, Backend4>,
     backends6: Array<MapData, Backend6>,
     node_addrs: HashMap<MapData, NodeAddrKey, u8>,
@@ -971,8 +972,13 @@ impl Maps for PinnedMaps {
                 .ok(),
         }
     }
-    fn slot(&self, key: BackendSlotKey) -> Option<u32> {
-        self.slots.get(&key, 0).ok()
+    fn slot(&self, key: BackendSlotKey, index: usize) -> Option<u32> {
+        self.slots
+            .get(&key, 0)
+            .ok()?
+            .backend_ids
+            .get(index)
+            .copied()
     }
     fn backend(&self, id: u32, v6: bool) -> Option<SocketAddr> {
         // A removed backend is the zero value of its array element, a miss as in the programs.

@@ -28,7 +28,8 @@ use proxy_common::{
     AffinityKey, AffinityMatchKey, AffinityValue, Backend4, Backend6, BackendSlotKey, CtKey,
     CtKey4, CtValue, CtValue4, EndpointTrafficKey, Frontend4Key, Frontend6Key, FrontendValue,
     MaglevBlock, MaglevKey, NodeAddrKey, NodeConfig, PortFilter, RevNat4, RevNat4Key, RevNat6,
-    RevNat6Key, ServiceName, ServicePackets, ServiceTraffic, SnatAddrs, SourceRangeKey, map_names,
+    RevNat6Key, ServiceName, ServicePackets, ServiceTraffic, SlotBlock, SnatAddrs, SourceRangeKey,
+    map_names,
 };
 use tracing::{info, warn};
 
@@ -102,7 +103,8 @@ pub fn current() -> [Layout; 26] {
     [
         layout::<Frontend4Key, FrontendValue>(map_names::FRONTENDS4, 1),
         layout::<Frontend6Key, FrontendValue>(map_names::FRONTENDS6, 1),
-        layout::<BackendSlotKey, u32>(map_names::BACKEND_SLOTS, 1),
+        // Version 1: one backend id per slot (service state: rebuilt by the first sync).
+        layout::<BackendSlotKey, SlotBlock>(map_names::BACKEND_SLOTS, 2),
         // Version 1: hash maps of the same key and value (service state: rebuilt, with the
         // maps that share its ids, and filled by the first sync; `ARRAYS`).
         layout::<u32, Backend4>(map_names::BACKENDS4, 2),

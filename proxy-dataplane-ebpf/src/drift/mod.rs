@@ -26,7 +26,8 @@ use std::{
 
 use ipnet::IpNet;
 use proxy_common::{
-    AffinityMatchKey, BackendSlotKey, FrontendValue, MaglevBlock, MaglevKey, map_names,
+    AffinityMatchKey, BackendSlotKey, FrontendValue, MaglevBlock, MaglevKey, SLOT_BLOCK_SLOTS,
+    SlotBlock, map_names,
 };
 use serde::Serialize;
 
@@ -108,11 +109,11 @@ pub fn diff_keyed(expected: &MapsContent, found: &MapsContent) -> Vec<Keyed> {
         &expected.slots,
         &found.slots,
         Describe {
-            map_of: |_: &(BackendSlotKey, u32)| map_names::BACKEND_SLOTS,
+            map_of: |_: &(BackendSlotKey, SlotBlock)| map_names::BACKEND_SLOTS,
             key: describe_slot,
-            value: |id: &u32| format!("backend {id}"),
+            value: describe_slot_block,
             put: Fix::PutSlot,
-            delete: |key: BackendSlotKey, _: u32| Fix::DeleteSlot(key),
+            delete: |key: BackendSlotKey, _: SlotBlock| Fix::DeleteSlot(key),
         },
         &mut out,
     );
@@ -189,7 +190,7 @@ pub struct Keyed {
 pub enum Fix {
     PutFrontend(FrontendMapKey, FrontendValue),
     DeleteFrontend(FrontendMapKey),
-    PutSlot(BackendSlotKey, u32),
+    PutSlot(BackendSlotKey, SlotBlock),
     DeleteSlot(BackendSlotKey),
     PutBackend(u32, BackendValue),
     DeleteBackend(u32, BackendValue),
@@ -238,7 +239,7 @@ impl Fix {
         match *self {
             Fix::PutFrontend(key, value) => (frontend_map(&key), maps.put_frontend(key, value)),
             Fix::DeleteFrontend(key) => (frontend_map(&key), maps.delete_frontend(key)),
-            Fix::PutSlot(key, id) => (map_names::BACKEND_SLOTS, maps.put_slot(key, id)),
+            Fix::PutSlot(key, block) => (map_names::BACKEND_SLOTS, maps.put_slot(key, block)),
             Fix::DeleteSlot(key) => (map_names::BACKEND_SLOTS, maps.delete_slot(key)),
             Fix::PutBackend(id, backend) => (backend.map_name(), maps.put_backend(id, backend)),
             Fix::DeleteBackend(id, backend) => {
@@ -351,10 +352,23 @@ fn describe_frontend(value: &FrontendValue) -> String {
     )
 }
 
+/// The backend ids of a block's slots (a last block's unused entries are 0: left out).
+fn describe_slot_block(block: &SlotBlock) -> String {
+    let ids: Vec<String> = block
+        .backend_ids
+        .iter()
+        .filter(|&&id| id != 0)
+        .map(u32::to_string)
+        .collect();
+    format!("backends {}", ids.join(","))
+}
+
 fn describe_slot(key: &BackendSlotKey) -> String {
     format!(
-        "service {} slot {} generation {}",
-        key.service_id, key.slot, key.generation
+        "service {} slots from {} generation {}",
+        key.service_id,
+        u32::from(key.block) * SLOT_BLOCK_SLOTS,
+        key.generation
     )
 }
 

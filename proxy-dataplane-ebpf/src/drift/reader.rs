@@ -400,7 +400,7 @@ mod tests {
     use std::{collections::BTreeMap, net::Ipv4Addr};
 
     use proxy_common::{
-        Backend4, BackendSlotKey, Frontend4Key, FrontendValue, ct_flags, family, proto,
+        Backend4, BackendSlotKey, Frontend4Key, FrontendValue, SlotBlock, ct_flags, family, proto,
     };
 
     use super::*;
@@ -426,13 +426,20 @@ mod tests {
         })
     }
 
-    fn slot(slot: u16) -> BackendSlotKey {
+    /// The key of web's first block of slots.
+    fn slots_key() -> BackendSlotKey {
         BackendSlotKey {
             service_id: WEB,
-            slot,
+            block: 0,
             generation: 0,
             _pad: 0,
         }
+    }
+
+    fn block(ids: &[u32]) -> SlotBlock {
+        let mut block = SlotBlock::default();
+        block.backend_ids[..ids.len()].copy_from_slice(ids);
+        block
     }
 
     /// What the record held when the check started: web with backend 7 in slot 0.
@@ -446,7 +453,7 @@ mod tests {
                     ..FrontendValue::default()
                 },
             )],
-            slots: BTreeMap::from([(slot(0), 7)]),
+            slots: BTreeMap::from([(slots_key(), block(&[7]))]),
             backends: BTreeMap::from([(7, backend(7))]),
             ..MapsContent::default()
         }
@@ -458,7 +465,7 @@ mod tests {
     fn reading() -> DriftReading {
         let mut found = expected();
         found.frontends[0].1.backend_count = 2;
-        found.slots.insert(slot(1), 8);
+        found.slots.insert(slots_key(), block(&[7, 8]));
         found.backends.insert(8, backend(8));
         let gone = [ip4_to_map(Ipv4Addr::new(10, 244, 9, 9)), 0, 0, 0];
         DriftReading {
@@ -514,7 +521,7 @@ mod tests {
             [
                 (map_names::AFFINITY, DriftKind::Orphan),
                 (map_names::BACKENDS4, DriftKind::Extra),
-                (map_names::BACKEND_SLOTS, DriftKind::Extra),
+                (map_names::BACKEND_SLOTS, DriftKind::Changed),
                 (map_names::CT4, DriftKind::Orphan),
                 (map_names::FRONTENDS4, DriftKind::Changed),
             ]
@@ -525,12 +532,12 @@ mod tests {
 
     #[test]
     fn entries_the_agent_wrote_meanwhile_are_left_out() {
-        // The agent grew web itself while the check was out: its frontend, the new slot and
+        // The agent grew web itself while the check was out: its frontend, the slot block and
         // backend were written, so what the thread saw of them is the agent's own write.
         let mut touched = Touched::new(1);
         touched.frontend(frontend());
         touched.service(WEB);
-        touched.slot(slot(1));
+        touched.slot(slots_key());
         touched.backend_value(8, &backend(8));
         let (kept, left_out) = compare(&expected(), reading()).without(&touched);
         assert_eq!(

@@ -36,7 +36,8 @@ use std::{
 use ipnet::IpNet;
 use proxy_common::{
     AffinityMatchKey, Backend4, Backend6, BackendSlotKey, Frontend4Key, Frontend6Key,
-    FrontendValue, MAGLEV_BLOCK_SLOTS, MaglevBlock, MaglevKey, PortFilter, frontend_flags, scope,
+    FrontendValue, MAGLEV_BLOCK_SLOTS, MaglevBlock, MaglevKey, PortFilter, SLOT_BLOCK_SLOTS,
+    SlotBlock, frontend_flags, scope,
 };
 use tracing::{debug, info, warn};
 
@@ -136,11 +137,11 @@ pub trait MapOps {
         value: FrontendValue,
     ) -> Result<(), MapWriteError>;
     fn delete_frontend(&mut self, key: FrontendMapKey) -> Result<(), MapWriteError>;
-    fn put_slot(&mut self, key: BackendSlotKey, backend_id: u32) -> Result<(), MapWriteError>;
-    /// Several slots at once (one generation's). On an error, any of them may be written.
-    fn put_slots(&mut self, slots: &[(BackendSlotKey, u32)]) -> Result<(), MapWriteError> {
-        for &(key, backend_id) in slots {
-            self.put_slot(key, backend_id)?;
+    fn put_slot(&mut self, key: BackendSlotKey, block: SlotBlock) -> Result<(), MapWriteError>;
+    /// Several slot blocks at once (one generation's). On an error, any of them may be written.
+    fn put_slots(&mut self, blocks: &[(BackendSlotKey, SlotBlock)]) -> Result<(), MapWriteError> {
+        for &(key, block) in blocks {
+            self.put_slot(key, block)?;
         }
         Ok(())
     }
@@ -299,7 +300,7 @@ pub struct ProbeTarget {
 #[derive(Debug, Default, Clone)]
 pub struct MapsContent {
     pub frontends: Vec<(FrontendMapKey, FrontendValue)>,
-    pub slots: BTreeMap<BackendSlotKey, u32>,
+    pub slots: BTreeMap<BackendSlotKey, SlotBlock>,
     pub backends: BTreeMap<u32, BackendValue>,
     pub affinity_matches: BTreeSet<AffinityMatchKey>,
     /// (service id, range) entries of the source-range map.
@@ -1127,22 +1128,32 @@ fn entries_of(slots: usize, maglev_size: u32, source_ranges: usize) -> shares::E
         .with(SharedMap::SourceRanges, source_ranges as u64)
 }
 
-/// The slot map entries of one generation of `value`: backend ids by slot.
+/// The keys of the slot blocks of a generation of `slots` slots.
+fn slot_keys(
+    service_id: u32,
+    generation: u8,
+    slots: usize,
+) -> impl Iterator<Item = BackendSlotKey> + use<> {
+    (0..slots.div_ceil(SLOT_BLOCK_SLOTS as usize)).map(move |block| BackendSlotKey {
+        service_id,
+        block: block as u16,
+        generation,
+        _pad: 0,
+    })
+}
+
+/// The slot map entries of one generation of `value`: its backend ids by slot, in blocks.
 fn slot_entries<'a>(
     value: &'a FrontendValue,
     slots: &'a [u32],
-) -> impl Iterator<Item = (BackendSlotKey, u32)> + 'a {
-    (0u16..).zip(slots).map(|(slot, &id)| {
-        (
-            BackendSlotKey {
-                service_id: value.service_id,
-                slot,
-                generation: value.generation,
-                _pad: 0,
-            },
-            id,
-        )
-    })
+) -> impl Iterator<Item = (BackendSlotKey, SlotBlock)> + 'a {
+    slot_keys(value.service_id, value.generation, slots.len())
+        .zip(slots.chunks(SLOT_BLOCK_SLOTS as usize))
+        .map(|(key, ids)| {
+            let mut block = SlotBlock::default();
+            block.backend_ids[..ids.len()].copy_from_slice(ids);
+            (key, block)
+        })
 }
 
 #[cfg(test)]

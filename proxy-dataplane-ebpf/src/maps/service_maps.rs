@@ -14,7 +14,8 @@ use ipnet::IpNet;
 use proxy_common::{
     AffinityMatchKey, Backend4, Backend6, BackendEntry, BackendSlotKey, EndpointTrafficKey,
     Frontend4Key, Frontend6Key, FrontendValue, MaglevBlock, MaglevKey, PortFilter, RevNat4,
-    RevNat4Key, RevNat6, RevNat6Key, ServicePackets, ServiceTraffic, SourceRangeKey, map_names,
+    RevNat4Key, RevNat6, RevNat6Key, ServicePackets, ServiceTraffic, SlotBlock, SourceRangeKey,
+    map_names,
 };
 
 use crate::{
@@ -35,7 +36,7 @@ use proxy_kernel::bpf::{
 pub(crate) struct ServiceMaps {
     pub(crate) frontends4: HashMap<MapData, Frontend4Key, FrontendValue>,
     pub(crate) frontends6: HashMap<MapData, Frontend6Key, FrontendValue>,
-    pub(crate) slots: HashMap<MapData, BackendSlotKey, u32>,
+    pub(crate) slots: HashMap<MapData, BackendSlotKey, SlotBlock>,
     /// Indexed by backend id; a removed backend is the zero value (`BackendEntry`).
     pub(crate) backends4: Array<MapData, Backend4>,
     pub(crate) backends6: Array<MapData, Backend6>,
@@ -172,15 +173,15 @@ impl MapOps for ServiceMaps {
             }
         }
     }
-    fn put_slot(&mut self, key: BackendSlotKey, backend_id: u32) -> Result<(), MapWriteError> {
+    fn put_slot(&mut self, key: BackendSlotKey, block: SlotBlock) -> Result<(), MapWriteError> {
         if let Some(touched) = &mut self.touched {
             touched.slot(key);
         }
         self.slots
-            .insert(key, backend_id, 0)
+            .insert(key, block, 0)
             .map_err(|e| map_error(map_names::BACKEND_SLOTS, e))
     }
-    fn put_slots(&mut self, slots: &[(BackendSlotKey, u32)]) -> Result<(), MapWriteError> {
+    fn put_slots(&mut self, slots: &[(BackendSlotKey, SlotBlock)]) -> Result<(), MapWriteError> {
         if let Some(touched) = &mut self.touched {
             for &(key, _) in slots {
                 touched.slot(key);

@@ -249,7 +249,7 @@ impl AgentMemory {
     pub fn needed_bytes(&self) -> u64 {
         self.programmed_maps()
             .iter()
-            .map(|(m, entries)| entries * (m.key_size + m.value_size))
+            .map(|(m, entries)| entries * payload(m))
             .sum()
     }
 
@@ -257,6 +257,18 @@ impl AgentMemory {
     /// it follows the elements in them).
     pub fn programmed_memlock(&self) -> u64 {
         self.programmed_maps().iter().map(|(m, _)| m.memlock).sum()
+    }
+}
+
+/// The payload of one entry the agent's `kubeproxy_ebpf_map_entries` counts in `map`: its key
+/// and value, except in the slot map, which keeps `SLOT_BLOCK_SLOTS` slots to an element and
+/// whose count is of slots (what `--bpf-map-backends` bounds): a slot needs its backend id
+/// and the key a map of one slot per element gave it.
+pub fn payload(map: &MapMemory) -> u64 {
+    if same_map_name(&map.name, proxy_common::map_names::BACKEND_SLOTS) {
+        map.key_size + map.value_size / u64::from(proxy_common::SLOT_BLOCK_SLOTS)
+    } else {
+        map.key_size + map.value_size
     }
 }
 

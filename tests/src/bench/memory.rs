@@ -5,7 +5,9 @@
 
 use super::workload::{LiveSet, Workload};
 use ipnet::IpNet;
-use proxy_common::{AffinityMatchKey, BackendSlotKey, FrontendValue, MaglevBlock, MaglevKey};
+use proxy_common::{
+    AffinityMatchKey, BackendSlotKey, FrontendValue, MaglevBlock, MaglevKey, SlotBlock,
+};
 use proxy_dataplane_ebpf::{BackendValue, FrontendMapKey, MapOps, MapWriteError, MapWriter};
 use proxy_model::desired::Snapshot;
 use proxy_model::objects::{Kind, Store, Update};
@@ -37,7 +39,7 @@ impl MapOps for DiscardingMaps {
     fn delete_frontend(&mut self, _: FrontendMapKey) -> Result<(), MapWriteError> {
         Ok(())
     }
-    fn put_slot(&mut self, _: BackendSlotKey, _: u32) -> Result<(), MapWriteError> {
+    fn put_slot(&mut self, _: BackendSlotKey, _: SlotBlock) -> Result<(), MapWriteError> {
         Ok(())
     }
     fn delete_slot(&mut self, _: BackendSlotKey) -> Result<(), MapWriteError> {

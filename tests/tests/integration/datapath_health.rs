@@ -14,7 +14,10 @@ use std::{
 };
 
 use aya::maps::{HashMap, Map, MapData};
-use proxy_common::{BackendSlotKey, Frontend4Key, FrontendValue, map_names, proto, scope};
+use proxy_common::{
+    BackendSlotKey, Frontend4Key, FrontendValue, SLOT_BLOCK_SLOTS, SlotBlock, map_names, proto,
+    scope,
+};
 use proxy_dataplane_ebpf::{ConntrackMaps, PIN_DIR_NAME, PROBE_CLIENT4, ip4_to_map};
 use proxy_tests::{
     client::Client,
@@ -244,15 +247,21 @@ fn corrupt_node_port_slots(pin_dir: &Path) -> anyhow::Result<()> {
     };
     let web = frontends.get(&key, 0)?;
     anyhow::ensure!(web.backend_count == 1, "web's NodePort: {web:?}");
-    let mut slots: HashMap<_, BackendSlotKey, u32> = open(pin_dir, map_names::BACKEND_SLOTS)?;
-    for slot in 0..web.backend_count {
+    let mut slots: HashMap<_, BackendSlotKey, SlotBlock> = open(pin_dir, map_names::BACKEND_SLOTS)?;
+    let count = u32::from(web.backend_count);
+    for block in 0..count.div_ceil(SLOT_BLOCK_SLOTS) {
         let key = BackendSlotKey {
             service_id: web.service_id,
-            slot,
+            block: block as u16,
             generation: web.generation,
             _pad: 0,
         };
-        slots.insert(key, 0x00ff_fff0, 0)?;
+        let mut ids = slots.get(&key, 0)?;
+        // The block's live slots; past `backend_count` the entries are never read.
+        let first = block * SLOT_BLOCK_SLOTS;
+        let live = (count - first).min(SLOT_BLOCK_SLOTS) as usize;
+        ids.backend_ids[..live].fill(0x00ff_fff0);
+        slots.insert(key, ids, 0)?;
     }
     Ok(())
 }

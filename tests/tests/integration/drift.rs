@@ -20,8 +20,8 @@ use std::{
 use aya::maps::{Array, HashMap, LpmTrie, Map, MapData, lpm_trie::Key};
 use proxy_common::{
     AffinityKey, AffinityMatchKey, AffinityValue, Backend4, BackendSlotKey, CtKey, CtValue,
-    Frontend4Key, FrontendValue, NodeAddrKey, NodeConfig, SnatAddrs, SourceRangeKey, family,
-    map_names, proto, scope,
+    Frontend4Key, FrontendValue, NodeAddrKey, NodeConfig, SLOT_BLOCK_SLOTS, SlotBlock, SnatAddrs,
+    SourceRangeKey, family, map_names, proto, scope,
 };
 use proxy_dataplane_ebpf::{ConntrackMaps, PIN_DIR_NAME};
 use proxy_tests::{
@@ -121,22 +121,24 @@ fn tamper(pin_dir: &Path) -> anyhow::Result<u32> {
         open(pin_dir, map_names::FRONTENDS4)?;
     let web = frontends.get(&frontend_key(CLUSTER_IP), 0)?;
     anyhow::ensure!(web.backend_count == 2, "web: {web:?}");
-    let mut slots: HashMap<_, BackendSlotKey, u32> = open(pin_dir, map_names::BACKEND_SLOTS)?;
-    let slot = |slot| BackendSlotKey {
+    let mut slots: HashMap<_, BackendSlotKey, SlotBlock> = open(pin_dir, map_names::BACKEND_SLOTS)?;
+    // The block holding slot `slot`.
+    let block_of = |slot: u32| BackendSlotKey {
         service_id: web.service_id,
-        slot,
+        block: (slot / SLOT_BLOCK_SLOTS) as u16,
         generation: web.generation,
         _pad: 0,
     };
-    let first = slots.get(&slot(0), 0)?;
+    let first = slots.get(&block_of(0), 0)?.backend_ids[0];
     // Corrupt: the first backend now leads to a documentation address.
     let data = MapData::from_pin(pin_dir.join(map_names::BACKENDS4))?;
     let mut backends: Array<_, Backend4> = Array::try_from(Map::from_map_data(data)?)?;
     let mut backend = backends.get(&first, 0)?;
     backend.addr = map_addr(Ipv4Addr::new(192, 0, 2, 1));
     backends.set(first, backend, 0)?;
-    // Delete: the second slot.
-    slots.remove(&slot(1))?;
+    // Delete: the block holding the second slot (web's two slots share one block, so the
+    // frontend is left without slots until the repair).
+    slots.remove(&block_of(1))?;
     // Add: a frontend nobody programmed, and an affinity match entry for a Service without
     // affinity.
     frontends.insert(frontend_key(Ipv4Addr::new(10, 96, 0, 99)), web, 0)?;

@@ -7,6 +7,7 @@ use super::*;
 #[derive(Default)]
 struct FakeMaps {
     frontends: BTreeMap<(IpAddr, u16, u8, u8), FrontendValue>,
+    /// Backend ids by (service id, slot, generation); read back per block entry and index.
     slots: BTreeMap<(u32, u16, u8), u32>,
     backends: BTreeMap<u32, SocketAddr>,
     node_addrs: BTreeSet<IpAddr>,
@@ -20,9 +21,10 @@ impl Maps for FakeMaps {
     fn frontend(&self, addr: IpAddr, port: u16, protocol: u8, scope: u8) -> Option<FrontendValue> {
         self.frontends.get(&(addr, port, protocol, scope)).copied()
     }
-    fn slot(&self, key: BackendSlotKey) -> Option<u32> {
+    fn slot(&self, key: BackendSlotKey, index: usize) -> Option<u32> {
+        let slot = u32::from(key.block) * proxy_common::SLOT_BLOCK_SLOTS + index as u32;
         self.slots
-            .get(&(key.service_id, key.slot, key.generation))
+            .get(&(key.service_id, u16::try_from(slot).ok()?, key.generation))
             .copied()
     }
     fn backend(&self, id: u32, _v6: bool) -> Option<SocketAddr> {

@@ -12,7 +12,7 @@ use crate::attach::layout::*;
 const RELEASED: [(&str, u32, u32, u32); 26] = [
     (map_names::FRONTENDS4, 1, 8, 16),
     (map_names::FRONTENDS6, 1, 20, 16),
-    (map_names::BACKEND_SLOTS, 1, 8, 4),
+    (map_names::BACKEND_SLOTS, 2, 8, 32),
     (map_names::BACKENDS4, 2, 4, 8),
     (map_names::BACKENDS6, 2, 4, 20),
     (map_names::REVNAT4, 2, 16, 8),

@@ -28,16 +28,17 @@ impl MapWriter {
             };
             let mut slots = Vec::new();
             let mut damaged = false;
-            for slot in 0..value.backend_count {
+            for slot in 0..usize::from(value.backend_count) {
                 let slot_key = BackendSlotKey {
                     service_id: value.service_id,
-                    slot,
+                    block: (slot / SLOT_BLOCK_SLOTS as usize) as u16,
                     generation: value.generation,
                     _pad: 0,
                 };
                 let backend = content
                     .slots
                     .get(&slot_key)
+                    .and_then(|block| block.backend_ids.get(slot % SLOT_BLOCK_SLOTS as usize))
                     .and_then(|id| Some((*id, *content.backends.get(id)?)));
                 match backend {
                     // A backend value under a second id (maps no writer of ours leaves) is

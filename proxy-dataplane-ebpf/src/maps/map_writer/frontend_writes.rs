@@ -218,21 +218,21 @@ impl MapWriter {
         maps: &mut impl MapOps,
         written: &mut Written,
     ) -> Result<Vec<u32>, MapWriteError> {
+        if backends.len() > usize::from(u16::MAX) {
+            return Err(MapWriteError::Other("too many slots".to_owned()));
+        }
         let mut slots = Vec::with_capacity(backends.len());
-        let mut entries = Vec::with_capacity(backends.len());
         let mut new_backends = Vec::new();
-        for (slot, backend) in backends.iter().enumerate() {
+        for backend in backends {
             let id = self.acquire_backend(*backend, &mut new_backends, written)?;
-            let slot_key = BackendSlotKey {
-                service_id,
-                slot: u16::try_from(slot)
-                    .map_err(|_| MapWriteError::Other("too many slots".to_owned()))?,
-                generation,
-                _pad: 0,
-            };
-            entries.push((slot_key, id));
             slots.push(id);
         }
+        let value = FrontendValue {
+            service_id,
+            generation,
+            ..FrontendValue::default()
+        };
+        let entries: Vec<(BackendSlotKey, SlotBlock)> = slot_entries(&value, &slots).collect();
         // Acquired (and so released by an undo) before the write: a failed batch may have
         // written some of them.
         maps.put_backends(&new_backends)?;
@@ -326,13 +326,7 @@ impl MapWriter {
         maps: &mut impl MapOps,
     ) {
         let slot_count = if slots_in_maps { slots.len() } else { 0 };
-        for slot in 0..slot_count {
-            let key = BackendSlotKey {
-                service_id: value.service_id,
-                slot: slot as u16,
-                generation: value.generation,
-                _pad: 0,
-            };
+        for key in slot_keys(value.service_id, value.generation, slot_count) {
             if let Err(reason) = maps.delete_slot(key) {
                 warn!(?key, %reason, "cannot delete stale slot");
             }

@@ -15,7 +15,7 @@ use proxy_model::{
 #[derive(Debug, Default)]
 struct FakeMaps {
     frontends: BTreeMap<FrontendMapKey, FrontendValue>,
-    slots: BTreeMap<BackendSlotKey, u32>,
+    slots: BTreeMap<BackendSlotKey, SlotBlock>,
     backends: BTreeMap<u32, BackendValue>,
     matches: BTreeSet<AffinityMatchKey>,
     maglev: BTreeMap<MaglevKey, MaglevBlock>,
@@ -31,22 +31,22 @@ impl FakeMaps {
         }
     }
 
+    /// The backend id in `value`'s live generation's slot `slot`, as the datapath reads it.
+    fn slot_id(&self, value: &FrontendValue, slot: u16) -> Option<u32> {
+        let (key, index, _) = proxy_common::select::slot_entry(value, u32::from(slot));
+        let id = *self.slots.get(&key)?.backend_ids.get(index)?;
+        (id != 0).then_some(id)
+    }
+
     /// What a datapath lookup would see: every frontend's complete backend set, and nothing
     /// unreachable left behind.
     fn check_invariants(&self) {
-        let mut reachable_slots = 0;
+        let mut reachable_blocks = BTreeSet::new();
         let mut live_matches = BTreeSet::new();
         for (key, value) in &self.frontends {
             for slot in 0..value.backend_count {
-                let slot_key = BackendSlotKey {
-                    service_id: value.service_id,
-                    slot,
-                    generation: value.generation,
-                    _pad: 0,
-                };
-                let id = self
-                    .slots
-                    .get(&slot_key)
+                let id = &self
+                    .slot_id(value, slot)
                     .unwrap_or_else(|| panic!("{key:?}: slot {slot} missing"));
                 let backend = self
                     .backends
@@ -63,16 +63,21 @@ impl FakeMaps {
                         backend_id: *id,
                     });
                 }
-                reachable_slots += 1;
+                reachable_blocks.insert(proxy_common::select::slot_entry(value, slot.into()).0);
             }
         }
         assert_eq!(
-            reachable_slots,
+            reachable_blocks.len(),
             self.slots.len(),
             "orphan slots: {:?}",
             self.slots
         );
-        let used: BTreeSet<u32> = self.slots.values().copied().collect();
+        let used: BTreeSet<u32> = self
+            .slots
+            .values()
+            .flat_map(|block| block.backend_ids)
+            .filter(|&id| id != 0)
+            .collect();
         assert_eq!(
             used.len(),
             self.backends.len(),
@@ -88,14 +93,7 @@ impl FakeMaps {
                 continue;
             }
             let own: BTreeSet<u32> = (0..value.backend_count)
-                .map(|slot| {
-                    self.slots[&BackendSlotKey {
-                        service_id: value.service_id,
-                        slot,
-                        generation: value.generation,
-                        _pad: 0,
-                    }]
-                })
+                .filter_map(|slot| self.slot_id(value, slot))
                 .collect();
             for block in 0..value.maglev_size.div_ceil(MAGLEV_BLOCK_SLOTS) {
                 let entry = self
@@ -124,12 +122,7 @@ impl FakeMaps {
         };
         (0..value.backend_count)
             .map(|slot| {
-                let id = self.slots[&BackendSlotKey {
-                    service_id: value.service_id,
-                    slot,
-                    generation: value.generation,
-                    _pad: 0,
-                }];
+                let id = self.slot_id(value, slot).expect("slot");
                 self.backends[&id].socket_addr()
             })
             .collect()
@@ -163,12 +156,12 @@ impl MapOps for FakeMaps {
         self.frontends.remove(&key);
         Ok(())
     }
-    fn put_slot(&mut self, key: BackendSlotKey, backend_id: u32) -> Result<(), MapWriteError> {
+    fn put_slot(&mut self, key: BackendSlotKey, block: SlotBlock) -> Result<(), MapWriteError> {
         if !self.slots.contains_key(&key) && self.slots.len() >= self.slot_capacity {
             return Err(MapWriteError::Full("slots"));
         }
         self.writes += 1;
-        self.slots.insert(key, backend_id);
+        self.slots.insert(key, block);
         Ok(())
     }
     fn delete_slot(&mut self, key: BackendSlotKey) -> Result<(), MapWriteError> {
@@ -383,8 +376,8 @@ fn only_the_changed_frontend_is_rewritten() {
     let (summary, _) = map_writer.apply(snapshot(&changed), &mut maps);
     maps.check_invariants();
     assert_eq!(summary.frontends_written, 1);
-    // 1 new backend + 3 slots + 1 frontend + 2 old slots deleted.
-    assert_eq!(maps.writes - writes, 7);
+    // 1 new backend + 1 block of 3 slots + 1 frontend + the old generation's block deleted.
+    assert_eq!(maps.writes - writes, 4);
 }
 
 #[test]
@@ -416,12 +409,15 @@ fn a_frontend_without_backends_is_written_with_count_zero() {
 
 #[test]
 fn a_full_map_leaves_the_frontend_on_its_previous_complete_set() {
-    let mut maps = FakeMaps::with_slot_capacity(5);
+    // Room for 3 blocks of slots.
+    let mut maps = FakeMaps::with_slot_capacity(3);
     let mut map_writer = no_grace();
     let web = key([10, 96, 0, 10], 80);
-    map_writer.apply(snapshot(&[(web, &[1, 2])]), &mut maps);
-    // The new generation needs 4 slots while 2 are still live: only 3 fit.
-    let (summary, errors) = map_writer.apply(snapshot(&[(web, &[1, 2, 3, 4])]), &mut maps);
+    let nine: Vec<u8> = (1..=9).collect();
+    let ten: Vec<u8> = (1..=10).collect();
+    map_writer.apply(snapshot(&[(web, &nine)]), &mut maps);
+    // The new generation needs 2 blocks while 2 are still live: only 3 fit.
+    let (summary, errors) = map_writer.apply(snapshot(&[(web, &ten)]), &mut maps);
     assert_eq!(summary.frontends_written, 0);
     assert_eq!(errors.len(), 1);
     assert!(
@@ -432,7 +428,7 @@ fn a_full_map_leaves_the_frontend_on_its_previous_complete_set() {
         errors[0]
     );
     maps.check_invariants();
-    assert_eq!(pods(&maps, &web), [1, 2]);
+    assert_eq!(pods(&maps, &web), nine);
     // A later snapshot that fits is applied normally.
     let (summary, errors) = map_writer.apply(snapshot(&[(web, &[3])]), &mut maps);
     assert!(errors.is_empty());
@@ -443,10 +439,12 @@ fn a_full_map_leaves_the_frontend_on_its_previous_complete_set() {
 
 #[test]
 fn a_new_frontend_that_does_not_fit_leaves_nothing_behind() {
+    // Room for 2 blocks of slots; web needs 3.
     let mut maps = FakeMaps::with_slot_capacity(2);
     let mut map_writer = no_grace();
     let web = key([10, 96, 0, 10], 80);
-    let (_, errors) = map_writer.apply(snapshot(&[(web, &[1, 2, 3])]), &mut maps);
+    let pods17: Vec<u8> = (1..=17).collect();
+    let (_, errors) = map_writer.apply(snapshot(&[(web, &pods17)]), &mut maps);
     assert_eq!(errors.len(), 1);
     assert!(maps.frontends.is_empty() && maps.slots.is_empty() && maps.backends.is_empty());
     assert_eq!(map_writer.counts(), (0, 0));
@@ -653,14 +651,16 @@ fn adoption_cleans_what_an_interrupted_update_left_behind() {
             flags: 0,
         }),
     );
+    let mut block = SlotBlock::default();
+    block.backend_ids[0] = 99;
     maps.slots.insert(
         BackendSlotKey {
             service_id: value.service_id,
-            slot: 0,
+            block: 0,
             generation: value.generation ^ 1,
             _pad: 0,
         },
-        99,
+        block,
     );
     maps.matches.insert(AffinityMatchKey {
         service_id: value.service_id,
@@ -673,14 +673,17 @@ fn adoption_cleans_what_an_interrupted_update_left_behind() {
     assert_eq!(pods(&maps, &web), [1, 2]);
 }
 
-/// The slot of `key`'s live generation.
-fn live_slot(maps: &FakeMaps, key: &FrontendKey, slot: u16) -> BackendSlotKey {
+/// The block and index of the slot `slot` of `key`'s live generation.
+fn live_slot(maps: &FakeMaps, key: &FrontendKey, slot: u16) -> (BackendSlotKey, usize) {
     let value = maps.frontends[&frontend_map_key(key).expect("supported")];
-    BackendSlotKey {
-        service_id: value.service_id,
-        slot,
-        generation: value.generation,
-        _pad: 0,
+    let (key, index, _) = proxy_common::select::slot_entry(&value, slot.into());
+    (key, index)
+}
+
+/// Sets one slot's backend id in the maps (0: the slot holds none).
+fn set_slot(maps: &mut FakeMaps, (key, index): (BackendSlotKey, usize), id: u32) {
+    if let Some(block) = maps.slots.get_mut(&key) {
+        block.backend_ids[index] = id;
     }
 }
 
@@ -694,10 +697,11 @@ fn adoption_rewrites_frontends_with_a_missing_slot_or_a_backend_under_a_second_i
     no_grace().apply(state.clone(), &mut maps);
     // api's first slot names pod 2 under a second id; db's second slot is gone.
     let api_first = live_slot(&maps, &api, 0);
-    let pod2 = maps.backends[&maps.slots[&api_first]];
+    let pod2 = maps.backends[&maps.slots[&api_first.0].backend_ids[api_first.1]];
     maps.backends.insert(99, pod2);
-    maps.slots.insert(api_first, 99);
-    maps.slots.remove(&live_slot(&maps, &db, 1));
+    set_slot(&mut maps, api_first, 99);
+    let db_second = live_slot(&maps, &db, 1);
+    set_slot(&mut maps, db_second, 0);
 
     let mut adopted =
         MapWriter::adopt(maps.content(), &mut maps).with_grace(Duration::ZERO, Instant::now);
@@ -750,12 +754,15 @@ fn a_frontend_claimed_by_two_service_ports_stays_with_the_first() {
 
 #[test]
 fn a_frontend_that_does_not_fit_is_tracked_not_programmed_and_fits_once_space_is_freed() {
+    // Room for 3 blocks of slots; web and api need 2 each.
     let mut maps = FakeMaps::with_slot_capacity(3);
     let mut map_writer = no_grace();
     let web = key([10, 96, 0, 10], 80);
     let api = key([10, 96, 0, 11], 80);
+    let web_pods: Vec<u8> = (1..=9).collect();
+    let api_pods: Vec<u8> = (10..=18).collect();
     let (summary, errors) =
-        map_writer.apply(snapshot(&[(web, &[1, 2]), (api, &[3, 4])]), &mut maps);
+        map_writer.apply(snapshot(&[(web, &web_pods), (api, &api_pods)]), &mut maps);
     assert_eq!(summary.frontends_written, 1);
     assert_eq!(errors.len(), 1);
     assert!(errors[0].is_capacity(), "{}", errors[0]);
@@ -766,7 +773,7 @@ fn a_frontend_that_does_not_fit_is_tracked_not_programmed_and_fits_once_space_is
             .frontends
             .contains_key(&frontend_map_key(&api).expect("key"))
     );
-    assert_eq!(pods(&maps, &web), [1, 2]);
+    assert_eq!(pods(&maps, &web), web_pods);
     assert_eq!(maps.slots.len(), 2);
     assert_eq!(
         map_writer.unfit().keys().copied().collect::<Vec<_>>(),
@@ -776,10 +783,10 @@ fn a_frontend_that_does_not_fit_is_tracked_not_programmed_and_fits_once_space_is
     let (summary, errors) = map_writer.apply([gone(web)], &mut maps);
     assert!(errors.is_empty());
     assert_eq!(summary.frontends_removed, 1);
-    let (_, errors) = map_writer.apply(snapshot(&[(api, &[3, 4])]), &mut maps);
+    let (_, errors) = map_writer.apply(snapshot(&[(api, &api_pods)]), &mut maps);
     assert!(errors.is_empty(), "{errors:?}");
     maps.check_invariants();
-    assert_eq!(pods(&maps, &api), [3, 4]);
+    assert_eq!(pods(&maps, &api), api_pods);
     assert!(map_writer.unfit().is_empty());
 }
 
@@ -944,14 +951,8 @@ mod drift;
 fn reader_finds(maps: &FakeMaps, value: &FrontendValue) -> Vec<Option<SocketAddr>> {
     (0..value.backend_count)
         .map(|slot| {
-            let key = BackendSlotKey {
-                service_id: value.service_id,
-                slot,
-                generation: value.generation,
-                _pad: 0,
-            };
-            let id = maps.slots.get(&key)?;
-            maps.backends.get(id).map(BackendValue::socket_addr)
+            let id = maps.slot_id(value, slot)?;
+            maps.backends.get(&id).map(BackendValue::socket_addr)
         })
         .collect()
 }

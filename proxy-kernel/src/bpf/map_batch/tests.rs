@@ -55,7 +55,7 @@ fn create(map_type: u32, key_size: usize, value_size: usize, max: u32, flags: u3
 fn slot_key(i: u32) -> BackendSlotKey {
     BackendSlotKey {
         service_id: i / 10,
-        slot: u16::try_from(i % 10).expect("< 10"),
+        block: u16::try_from(i % 10).expect("< 10"),
         generation: u8::try_from(i % 2).expect("< 2"),
         _pad: 0,
     }
@@ -87,7 +87,7 @@ fn batch_reads_every_entry_of_a_hash_map() {
         .read(IterableMap::map(&map), &mut read)
         .expect("batched read");
     let sort = |v: &mut Vec<(BackendSlotKey, u32)>| {
-        v.sort_by_key(|(k, _)| (k.service_id, k.slot, k.generation))
+        v.sort_by_key(|(k, _)| (k.service_id, k.block, k.generation))
     };
     sort(&mut written);
     sort(&mut read);
@@ -174,9 +174,9 @@ fn batched_writes_write_every_entry_and_stop_at_a_full_map() {
     let entries: Vec<(BackendSlotKey, u32)> = (0..40).map(|i| (slot_key(i), i + 7)).collect();
     update_all(&mut map, &entries).expect("batched write");
     let mut read: Vec<(BackendSlotKey, u32)> = map.iter().map(|e| e.expect("entry")).collect();
-    read.sort_by_key(|(k, v)| (k.service_id, k.slot, k.generation, *v));
+    read.sort_by_key(|(k, v)| (k.service_id, k.block, k.generation, *v));
     let mut expected = entries.clone();
-    expected.sort_by_key(|(k, v)| (k.service_id, k.slot, k.generation, *v));
+    expected.sort_by_key(|(k, v)| (k.service_id, k.block, k.generation, *v));
     assert!(
         read == expected,
         "the map holds something else than was written"

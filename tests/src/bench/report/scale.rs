@@ -4,7 +4,7 @@
 use std::fmt::Write as _;
 use std::time::Duration;
 
-use super::super::agent_runs::{AgentMemory, ChangeSample, ChangeSplit, StartPhases};
+use super::super::agent_runs::{AgentMemory, ChangeSample, ChangeSplit, StartPhases, payload};
 use super::super::scale::{GapRun, ScaleResult};
 use super::super::stats::Percentiles;
 use super::super::{AgentModeRun, Outcome, ProgrammingSize, Results};
@@ -353,7 +353,9 @@ pub(super) fn section(md: &mut String, r: &Results) {
          occupy: Σ over the maps the agent programs (frontends, backends, backend slots, \
          source ranges, Maglev tables) of entries × (key size + value size), with the entry \
          counts from the agent's `kubeproxy_ebpf_map_entries` metric and the sizes from \
-         fdinfo. It leaves out the kernel's own per-element header, the hash buckets and the \
+         fdinfo; that metric counts the backend slots one per slot (what \
+         `--bpf-map-backends` bounds), which the map keeps 8 to an element, so a slot needs \
+         its 4-byte backend id and the key. It leaves out the kernel's own per-element header, the hash buckets and the \
          allocator's rounding, which is what the 1.5× allowance covers. *Other maps* are \
          every map that metric does not count: those the datapath fills itself (conntrack, \
          affinity, UDP), fixed-size ones (node config, counters), and the service-name and \
@@ -543,7 +545,7 @@ fn programmed_profile(md: &mut String, r: &Results) {
     let listed: Vec<String> = maps
         .iter()
         .map(|(map, entries)| {
-            let payload = map.key_size + map.value_size;
+            let payload = payload(map);
             if map.map_type != MAP_TYPE_HASH {
                 return format!(
                     "{} {:.1} MiB for {entries} entries of {payload} B",

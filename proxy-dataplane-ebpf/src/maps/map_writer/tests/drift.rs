@@ -47,11 +47,11 @@ fn corrupted_deleted_and_added_entries_are_reported_and_repaired() {
     let web_value = maps.frontends[&frontend_map_key(&web).expect("key")];
     let slot0 = BackendSlotKey {
         service_id: web_value.service_id,
-        slot: 0,
+        block: 0,
         generation: web_value.generation,
         _pad: 0,
     };
-    let pod1 = maps.slots[&slot0];
+    let pod1 = maps.slots[&slot0].backend_ids[0];
     // Corrupt: a backend's address, a frontend's count.
     maps.backends.insert(
         pod1,
@@ -66,18 +66,19 @@ fn corrupted_deleted_and_added_entries_are_reported_and_repaired() {
     corrupted.backend_count = 7;
     maps.frontends
         .insert(frontend_map_key(&web).expect("key"), corrupted);
-    // Delete: a slot and an affinity match entry.
-    let slot1 = BackendSlotKey { slot: 1, ..slot0 };
-    maps.slots.remove(&slot1);
+    // Delete: a block of slots and an affinity match entry.
+    maps.slots.remove(&slot0);
     let first_match = *maps.matches.iter().next().expect("affinity on");
     maps.matches.remove(&first_match);
     // Add: a slot of the idle generation, a frontend nobody programmed, an orphan backend.
+    let mut stray_block = SlotBlock::default();
+    stray_block.backend_ids[0] = pod1;
     maps.slots.insert(
         BackendSlotKey {
             generation: 1 - web_value.generation,
             ..slot0
         },
-        pod1,
+        stray_block,
     );
     let stray = frontend_map_key(&key([10, 96, 0, 99], 80)).expect("key");
     maps.frontends.insert(stray, web_value);
@@ -204,9 +205,9 @@ impl MapOps for Noting<'_> {
         self.touched.frontend(key);
         self.maps.delete_frontend(key)
     }
-    fn put_slot(&mut self, key: BackendSlotKey, backend_id: u32) -> Result<(), MapWriteError> {
+    fn put_slot(&mut self, key: BackendSlotKey, block: SlotBlock) -> Result<(), MapWriteError> {
         self.touched.slot(key);
-        self.maps.put_slot(key, backend_id)
+        self.maps.put_slot(key, block)
     }
     fn delete_slot(&mut self, key: BackendSlotKey) -> Result<(), MapWriteError> {
         self.touched.slot(key);
