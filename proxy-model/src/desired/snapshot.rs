@@ -13,7 +13,7 @@ use super::{
     services::{ServiceError, service_ports},
     topology::{Usage, categorize},
 };
-use crate::objects::{ObjectKey, Objects};
+use crate::objects::{ObjectKey, Objects, ServiceInfo};
 
 /// The service ports of one IP family.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -113,29 +113,33 @@ impl Snapshot {
     /// Every Service's claims are known before any is settled.
     fn recompute_all(&mut self, objects: &Objects, node: &NodeContext) -> SnapshotUpdate {
         let mut update = SnapshotUpdate::default();
-        // Keyed by reference: only a Service with errors needs its own copy of the key.
-        let mut errors: BTreeMap<&ObjectKey, Vec<ServiceError>> = BTreeMap::new();
-        let mut raw: Vec<(&ObjectKey, [Vec<ServicePort>; 2])> = objects
+        // Walked in key order beside the Services, not looked up by key: a lookup per Service
+        // and family compared namespace and name strings down a tree each time, most of a
+        // full recompute at 50k Services.
+        type Raw<'a> = (
+            &'a ObjectKey,
+            &'a ServiceInfo,
+            [Vec<ServicePort>; 2],
+            Vec<ServiceError>,
+        );
+        let mut raw: Vec<Raw<'_>> = objects
             .services
-            .keys()
-            .map(|key| {
-                let service_errors = errors.entry(key).or_default();
+            .iter()
+            .map(|(key, service)| {
+                let mut errors = Vec::new();
                 let ports =
-                    IpFamily::ALL.map(|family| raw_ports(objects, key, family, service_errors));
-                (key, ports)
+                    IpFamily::ALL.map(|family| service_ports(key, service, family, &mut errors));
+                (key, service, ports, errors)
             })
             .collect();
-        self.claims.rebuild(raw.iter().map(|(key, ports)| {
-            (
-                *key,
-                objects.services.get(*key),
-                ports.iter().flatten().collect(),
-            )
-        }));
+        self.claims
+            .rebuild(raw.iter().map(|(key, service, ports, _)| {
+                (*key, Some(*service), ports.iter().flatten().collect())
+            }));
+        let mut changed = Vec::new();
         for (index, family) in IpFamily::ALL.into_iter().enumerate() {
             let mut ports = Vec::new();
-            for (key, family_ports) in &mut raw {
-                let service_errors = errors.entry(key).or_default();
+            for (key, _, family_ports, service_errors) in &mut raw {
                 let family_ports = std::mem::take(&mut family_ports[index]);
                 ports.extend(finish_service(
                     objects,
@@ -150,18 +154,12 @@ impl Snapshot {
             // Sorted already (Services in key order, each one's ports in name order).
             let new = crate::btree::packed(ports);
             let old = std::mem::replace(&mut self.family_mut(family).service_ports, new);
-            let new = &self.family(family).service_ports;
-            for (name, port) in new {
-                if old.get(name) != Some(port) {
-                    update.changed.insert(name.clone());
-                }
-            }
-            update
-                .changed
-                .extend(old.into_keys().filter(|name| !new.contains_key(name)));
+            changed_between(&old, &self.family(family).service_ports, &mut changed);
         }
+        // Built in bulk: inserted one by one, each name was compared down the tree again.
+        update.changed = changed.into_iter().collect();
         let previous = std::mem::take(&mut self.errors);
-        for (key, mut service_errors) in errors {
+        for (key, _, _, mut service_errors) in raw {
             service_errors.dedup();
             if service_errors.is_empty() {
                 continue;
@@ -265,6 +263,57 @@ fn raw_ports(
     }
 }
 
+/// The names of the service ports added, removed or changed from `old` to `new`, into
+/// `changed`: one walk of both tables in key order, not a lookup per name.
+fn changed_between(
+    old: &BTreeMap<ServicePortName, ServicePort>,
+    new: &BTreeMap<ServicePortName, ServicePort>,
+    changed: &mut Vec<ServicePortName>,
+) {
+    let mut old = old.iter().peekable();
+    let mut new = new.iter().peekable();
+    loop {
+        let name = match (old.peek(), new.peek()) {
+            (None, None) => return,
+            (Some((name, _)), None) => {
+                let name = (*name).clone();
+                old.next();
+                name
+            }
+            (None, Some((name, _))) => {
+                let name = (*name).clone();
+                new.next();
+                name
+            }
+            (Some((old_name, old_port)), Some((new_name, new_port))) => {
+                match old_name.cmp(new_name) {
+                    std::cmp::Ordering::Less => {
+                        let name = (*old_name).clone();
+                        old.next();
+                        name
+                    }
+                    std::cmp::Ordering::Greater => {
+                        let name = (*new_name).clone();
+                        new.next();
+                        name
+                    }
+                    std::cmp::Ordering::Equal => {
+                        let differs = old_port != new_port;
+                        let name = (*new_name).clone();
+                        old.next();
+                        new.next();
+                        if !differs {
+                            continue;
+                        }
+                        name
+                    }
+                }
+            }
+        };
+        changed.push(name);
+    }
+}
+
 /// Takes away the external and load-balancer addresses another Service owns (see
 /// [`super::claims`]); the service port keeps its cluster IP and its other addresses.
 fn settle(
@@ -319,7 +368,11 @@ fn finish_service(
         return BTreeMap::new();
     }
     let mut warnings = Vec::new();
-    let mut by_port = endpoints_by_port(&objects.slices_of(key), family, &node.name, &mut warnings);
+    // Few ports a Service: searched in a list, which needs no owned key per lookup.
+    let mut by_port: Vec<_> =
+        endpoints_by_port(&objects.slices_of(key), family, &node.name, &mut warnings)
+            .into_iter()
+            .collect();
     for warning in warnings {
         let error = ServiceError::from(warning);
         if !errors.contains(&error) {
@@ -330,7 +383,11 @@ fn finish_service(
         .into_iter()
         .map(|mut port| {
             let raw = by_port
-                .remove(&(port.name.port.to_string(), port.protocol))
+                .iter()
+                .position(|((name, protocol), _)| {
+                    **name == *port.name.port && *protocol == port.protocol
+                })
+                .map(|at| by_port.swap_remove(at).1)
                 .unwrap_or_default();
             let usage = Usage {
                 cluster: port.uses_cluster_endpoints(),
