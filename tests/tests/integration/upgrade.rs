@@ -235,7 +235,10 @@ fn linked_programs(pin_dir: &Path) -> anyhow::Result<BTreeMap<String, u64>> {
 /// Waits until the restarted agent's programs replaced the previous ones (the previous
 /// programs answer until then): every link pinned before the restart (`before`) runs another
 /// program, and the agent's first sync is reported — it attaches its programs and copies
-/// what the previous ones wrote meanwhile before it reports that sync.
+/// what the previous ones wrote meanwhile before it reports that sync. Bounded by twice the
+/// rig's bound for programming the datapath: this restart verifies every program anew and
+/// creates the maps of the new layout, which took 15 s with four tests at once on a loaded
+/// two-core machine (each step about four times its time on an idle one).
 fn wait_for_new_programs(
     s: &mut Scenario,
     pin_dir: &Path,
@@ -244,7 +247,7 @@ fn wait_for_new_programs(
     let mut now = BTreeMap::new();
     try_wait_until(
         "the restarted agent's programs attached",
-        Duration::from_secs(15),
+        2 * proxy_tests::scenario::DATAPATH_TIMEOUT,
         Duration::from_millis(50),
         || {
             if s.agent()?.syncs() == 0 {
