@@ -25,16 +25,32 @@ pub use endpoint_slice::{
     EndpointAddress, EndpointHints, EndpointSliceInfo, LABEL_SERVICE_NAME,
     LAST_CHANGE_TRIGGER_TIME, SliceEndpoint, SlicePort,
 };
+pub(crate) use interned::cmp_shared;
 pub use interned::{Name, intern};
 pub use node::{NodeAddress, NodeInfo, REGION_LABEL, Taint, ZONE_LABEL};
 pub use service::{LoadBalancerIngress, ServiceInfo, ServicePortSpec};
 
 /// An object's namespace and name. Both are shared strings: the key is cloned into the store's
 /// index, the snapshot and every service port name, and a clone is a reference count.
-#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct ObjectKey {
     pub namespace: Name,
     pub name: Name,
+}
+
+/// Namespace, then name, as the derived order would; the namespace without reading it when
+/// both keys share its interned copy (see [`interned::cmp_shared`]).
+impl Ord for ObjectKey {
+    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
+        interned::cmp_shared(&self.namespace, &other.namespace)
+            .then_with(|| self.name.cmp(&other.name))
+    }
+}
+
+impl PartialOrd for ObjectKey {
+    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(other))
+    }
 }
 
 impl fmt::Display for ObjectKey {

@@ -591,6 +591,16 @@ impl MapWriter {
                 .collect(),
         };
         names.extend(self.deferred.values().cloned());
+        if changed.is_none() {
+            // At most one new backend per endpoint (fewer where service ports share one).
+            let endpoints: usize = [&snapshot.v4, &snapshot.v6]
+                .iter()
+                .flat_map(|family| family.service_ports.values())
+                .map(|port| port.endpoints.len())
+                .sum();
+            self.backends
+                .reserve(endpoints.saturating_sub(self.backends.len()));
+        }
         // Only this apply's hand-overs: a direct `apply` leaves its own behind.
         self.claimed_by_other.clear();
         if std::mem::take(&mut self.room_freed) {

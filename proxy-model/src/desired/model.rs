@@ -70,13 +70,30 @@ impl fmt::Display for Protocol {
 }
 
 /// kube-proxy's ServicePortName: a Service, one of its port names and the protocol.
-#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct ServicePortName {
     pub service: ObjectKey,
     /// The port's name; empty for a Service's single unnamed port. Shared with the Service's
     /// compact form (interned), so the snapshot's keys and values hold no copy of it.
     pub port: crate::objects::Name,
     pub protocol: Protocol,
+}
+
+/// Service, port name, protocol, as the derived order would; the port name without reading
+/// it when both share its interned copy.
+impl Ord for ServicePortName {
+    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
+        self.service
+            .cmp(&other.service)
+            .then_with(|| crate::objects::cmp_shared(&self.port, &other.port))
+            .then_with(|| self.protocol.cmp(&other.protocol))
+    }
+}
+
+impl PartialOrd for ServicePortName {
+    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(other))
+    }
 }
 
 impl fmt::Display for ServicePortName {

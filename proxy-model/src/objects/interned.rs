@@ -41,6 +41,17 @@ pub fn intern(text: &str) -> Name {
     name
 }
 
+/// `a.cmp(b)`, without reading the text when both are one shared copy: the namespaces and
+/// port names that keys are ordered by are interned, and the keys a B-tree search compares
+/// mostly share them (a tree keyed by Service compares their namespaces before their names).
+pub fn cmp_shared(a: &Name, b: &Name) -> std::cmp::Ordering {
+    if Arc::ptr_eq(a, b) {
+        std::cmp::Ordering::Equal
+    } else {
+        a.cmp(b)
+    }
+}
+
 /// [`intern`] of each item, as a boxed slice (no spare capacity).
 pub fn intern_all<'a>(texts: impl IntoIterator<Item = &'a str>) -> Box<[Name]> {
     texts.into_iter().map(intern).collect()

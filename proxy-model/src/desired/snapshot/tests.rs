@@ -986,3 +986,52 @@ fn a_cluster_ip_that_comes_and_goes_moves_the_external_ip_incrementally() {
     assert_eq!(external(&snapshot).len(), 1);
     assert_eq!(snapshot, Snapshot::compute(&only_old, NODE));
 }
+
+/// From `PARALLEL_FROM` Services on, a full recompute selects the endpoints on every core, in
+/// runs of Services: what it computes, the problems included, is what one Service at a time
+/// gives, across namespaces and the runs' boundaries alike.
+#[test]
+fn a_full_recompute_on_every_core_equals_one_service_at_a_time() {
+    let services = PARALLEL_FROM + 101;
+    let documents: Vec<String> = (0..services)
+        .flat_map(|i| {
+            let namespace = ["alpha", "beta", "gamma"][i % 3];
+            // Every 500th an invalid cluster IP: a problem reported for that Service.
+            let cluster_ip = if i % 500 == 7 {
+                format!("10.96.300.{}", i % 250)
+            } else {
+                format!("10.96.{}.{}", i / 250, i % 250 + 1)
+            };
+            let node = if i % 2 == 0 { NODE } else { "node-b" };
+            [
+                format!(
+                    "apiVersion: v1\nkind: Service\nmetadata: {{name: svc-{i}, namespace: \
+                     {namespace}}}\nspec: {{clusterIP: {cluster_ip}, ports: [{{name: http, \
+                     port: 80, protocol: TCP}}]}}\n"
+                ),
+                format!(
+                    "apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {{name: \
+                     svc-{i}-a, namespace: {namespace}, labels: {{kubernetes.io/service-name: \
+                     svc-{i}}}}}\naddressType: IPv4\nports: [{{name: http, port: 8080, \
+                     protocol: TCP}}]\nendpoints:\n- addresses: [10.244.{}.{}]\n  nodeName: \
+                     {node}\n- addresses: [10.245.{}.{}]\n  conditions: {{ready: false}}\n",
+                    i / 250,
+                    i % 250 + 1,
+                    i / 250,
+                    i % 250 + 1
+                ),
+            ]
+        })
+        .collect();
+    let objects = objects(&documents.join("---\n"));
+    let full = Snapshot::compute(&objects, NODE);
+    let keys: BTreeSet<ObjectKey> = objects.services.keys().cloned().collect();
+    let mut one_at_a_time = Snapshot::default();
+    one_at_a_time.update(&objects, NODE, Some(&keys));
+    assert_eq!(
+        full.v4.service_ports.len(),
+        services - services.div_ceil(500)
+    );
+    assert_eq!(full.errors().count(), services.div_ceil(500));
+    assert_eq!(full, one_at_a_time);
+}

@@ -78,6 +78,19 @@ impl BackendTable {
         Some(id)
     }
 
+    /// Room for `additional` more backends in the id lookup, so that a full apply into an
+    /// empty table does not grow it (rehashing every id it holds) a dozen times over.
+    pub(in crate::maps::map_writer) fn reserve(&mut self, additional: usize) {
+        let Self {
+            by_id, ids, hasher, ..
+        } = self;
+        ids.reserve(additional, |&other| {
+            by_id
+                .get(other)
+                .map_or(0, |held| hasher.hash_one(held.value))
+        });
+    }
+
     /// Adds `backend`, not in the table, under `id`, which no backend has, with one user.
     pub(in crate::maps::map_writer) fn insert(&mut self, backend: BackendValue, id: u32) {
         let Self {
