@@ -8,6 +8,7 @@ impl MapWriter {
     /// frontend can reach (slots of an interrupted update, orphan backends and match entries).
     pub fn adopt(content: MapsContent, maps: &mut impl MapOps) -> Self {
         let mut map_writer = MapWriter::default();
+        map_writer.backends.reserve(content.backends.len());
         let mut live_slots = BTreeSet::new();
         let mut live_matches = BTreeSet::new();
         let mut live_maglev = BTreeSet::new();
