@@ -15,9 +15,6 @@ use super::{
 };
 use crate::objects::{ObjectKey, Objects, ServiceInfo};
 
-/// Services from which a full recompute selects their endpoints on every core.
-const PARALLEL_FROM: usize = 2048;
-
 /// The service ports of one IP family.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct FamilySnapshot {
@@ -141,51 +138,19 @@ impl Snapshot {
             }));
         let mut changed = Vec::new();
         for (index, family) in IpFamily::ALL.into_iter().enumerate() {
-            let claims = &self.claims;
-            let finish = |chunk: &mut [Raw<'_>]| {
-                let mut ports = Vec::new();
-                for (key, _, family_ports, service_errors) in chunk {
-                    let family_ports = std::mem::take(&mut family_ports[index]);
-                    ports.extend(finish_service(
-                        objects,
-                        node,
-                        claims,
-                        key,
-                        family,
-                        family_ports,
-                        service_errors,
-                    ));
-                }
-                ports
-            };
-            // Each Service's endpoints are selected on its own, from state nothing writes
-            // meanwhile: on every core, in consecutive runs of Services, so the runs' ports
-            // joined in order are still sorted. Below a few thousand Services a thread costs
-            // more than it saves.
-            let threads = if raw.len() < PARALLEL_FROM {
-                1
-            } else {
-                std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get)
-            };
-            let ports: Vec<(ServicePortName, ServicePort)> = if threads <= 1 {
-                finish(&mut raw)
-            } else {
-                let run = raw.len().div_ceil(threads);
-                std::thread::scope(|scope| {
-                    let workers: Vec<_> = raw
-                        .chunks_mut(run)
-                        .map(|chunk| scope.spawn(move || finish(chunk)))
-                        .collect();
-                    let mut ports = Vec::new();
-                    for worker in workers {
-                        match worker.join() {
-                            Ok(part) => ports.extend(part),
-                            Err(panic) => std::panic::resume_unwind(panic),
-                        }
-                    }
-                    ports
-                })
-            };
+            let mut ports = Vec::new();
+            for (key, _, family_ports, service_errors) in &mut raw {
+                let family_ports = std::mem::take(&mut family_ports[index]);
+                ports.extend(finish_service(
+                    objects,
+                    node,
+                    &self.claims,
+                    key,
+                    family,
+                    family_ports,
+                    service_errors,
+                ));
+            }
             // Sorted already (Services in key order, each one's ports in name order).
             let new = crate::btree::packed(ports);
             let old = std::mem::replace(&mut self.family_mut(family).service_ports, new);
