@@ -53,7 +53,7 @@ use crate::{
     attach::pin_files::remove_if_present,
     attach::pins::LINK_SUFFIX,
     attach::reuse::PinnedPrograms,
-    attach::tc_programs::{loaded_classifier, preload},
+    attach::tc_programs::loaded_classifier,
     attach::xdp::{XdpSetting, XdpState},
     drift::{Drift, DriftKind, RepairReport},
     error::EbpfError,
@@ -337,15 +337,6 @@ impl TcState {
             .filter(|(_, role)| **role == TcRole::External)
             .map(|(name, _)| name.clone())
             .collect();
-        // A start that loads the programs verifies them all in one batch (see `preload`); a
-        // reuse loads none, and later refreshes find them loaded.
-        if first && self.pinned.is_none() && !roles.values().all(|r| *r == TcRole::Untouched) {
-            let xdp = !external.is_empty() && self.xdp.wanted(self.options.fast_path);
-            if let Err(error) = preload(ebpf, xdp) {
-                // Each attach loads what it needs again and reports its own failure.
-                warn!(%error, "cannot load the tc programs in one batch");
-            }
-        }
         let (mut config, addrs) = node::ebpf::node_config(&settings, &all, &external);
         let snat = node::ebpf::snat_by_interface(&all, &external);
         config.host_netns_cookie = self.host_netns_cookie;

@@ -14,7 +14,7 @@ use aya::{
     maps::ProgramArray,
     programs::{Program, ProgramError, ProgramFd, SchedClassifier},
 };
-use proxy_common::{TcFamilyProgram, TcFragmentProgram, map_names, program_names};
+use proxy_common::{TcFamilyProgram, TcFragmentProgram, map_names};
 
 use crate::{
     attach::reuse::{self, PinnedPrograms},
@@ -60,39 +60,16 @@ fn classifier<'a>(
         })
 }
 
-/// The programs the kernel verifies for the tc entry programs: every family program and every
-/// fragment program.
-fn family_and_fragment_programs() -> impl Iterator<Item = &'static str> {
-    TcFragmentProgram::ALL
-        .into_iter()
-        .map(TcFragmentProgram::program)
-        .chain(
-            TcFamilyProgram::ALL
-                .into_iter()
-                .map(TcFamilyProgram::program),
-        )
-}
-
-/// Loads, in one batch of threads, the family and fragment programs and, with `xdp`, the XDP
-/// new-flow programs: what the first attach of the entry programs (tc, then XDP) would load
-/// in two batches one after the other. The kernel's verification of one program runs on one
-/// core, and the IPv4 external program's alone is the last quarter of the tc batch: in one
-/// batch the XDP programs' verification takes the core it leaves idle. Nothing is written
-/// into a program array and nothing is pinned here: the attaches do that, as before.
-pub fn preload(ebpf: &mut Ebpf, xdp: bool) -> Result<(), EbpfError> {
-    let mut names: Vec<&'static str> = family_and_fragment_programs().collect();
-    if xdp {
-        names.extend(program_names::XDP_NEW_FLOW);
-    }
-    load_in_parallel(ebpf, &names)
-}
-
 /// Loads every family program and every fragment program not loaded yet and writes each into
 /// its slot: the fragment programs first, which the family programs tail-call.
 fn fill_family_programs(ebpf: &mut Ebpf) -> Result<(), EbpfError> {
     let fragment = TcFragmentProgram::ALL.map(|slot| (slot as u32, slot.program()));
     let family = TcFamilyProgram::ALL.map(|slot| (slot as u32, slot.program()));
-    let names: Vec<&'static str> = family_and_fragment_programs().collect();
+    let names: Vec<&'static str> = fragment
+        .iter()
+        .chain(&family)
+        .map(|&(_, name)| name)
+        .collect();
     load_in_parallel(ebpf, &names)?;
     fill_program_array(ebpf, map_names::TC_FRAGMENT, &fragment)?;
     fill_program_array(ebpf, map_names::TC_FAMILY, &family)

@@ -96,12 +96,6 @@ impl XdpState {
         }
     }
 
-    /// Whether an external interface gets the program with the fast path on or off
-    /// (`fast_path`), as [`XdpState::refresh`] decides.
-    pub fn wanted(&self, fast_path: bool) -> bool {
-        self.setting.attaches(fast_path) && self.targets.is_some()
-    }
-
     /// The interfaces running the XDP program: (name, ifindex).
     pub fn attached(&self) -> impl Iterator<Item = (&str, u32)> {
         self.links
@@ -122,14 +116,15 @@ impl XdpState {
         fast_path: bool,
         first: bool,
     ) {
-        let wanted: BTreeMap<String, (u32, &str)> = if self.wanted(fast_path) {
-            external
-                .iter()
-                .map(|(name, index)| (link_pin_name(*index), (*index, name.as_str())))
-                .collect()
-        } else {
-            BTreeMap::new()
-        };
+        let wanted: BTreeMap<String, (u32, &str)> =
+            if self.setting.attaches(fast_path) && self.targets.is_some() {
+                external
+                    .iter()
+                    .map(|(name, index)| (link_pin_name(*index), (*index, name.as_str())))
+                    .collect()
+            } else {
+                BTreeMap::new()
+            };
         self.refused
             .retain(|index| external.values().any(|i| i == index));
         for (pin_name, (index, name)) in &wanted {
