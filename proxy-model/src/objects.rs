@@ -39,7 +39,7 @@ pub struct ObjectKey {
 }
 
 /// Namespace, then name, as the derived order would; the namespace without reading it when
-/// both keys share its interned copy (see [`interned::cmp_shared`]).
+/// both keys share its interned copy (`cmp_shared`).
 impl Ord for ObjectKey {
     fn cmp(&self, other: &Self) -> std::cmp::Ordering {
         interned::cmp_shared(&self.namespace, &other.namespace)
