@@ -51,7 +51,7 @@ pub fn holds_reply(forward: &CtValue, reply_key: &CtKey, now: u64) -> bool {
 /// it), or the forward entry may be being written just after it.
 #[inline(always)]
 pub fn orphaned(reply: &CtValue, now: u64) -> bool {
-    now.wrapping_sub(reply.last_seen_ns) > ct_timeout::ORPHAN_REPLY_NS
+    now.saturating_sub(reply.last_seen_ns) > ct_timeout::ORPHAN_REPLY_NS
 }
 
 #[cfg(test)]

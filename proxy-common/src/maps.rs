@@ -325,7 +325,7 @@ pub mod ct_timeout {
     /// Whether a forward entry last seen at `last_seen_ns` is past its idle timeout at `now`.
     #[inline(always)]
     pub fn expired(protocol: u8, flags: u8, last_seen_ns: u64, now: u64) -> bool {
-        now.wrapping_sub(last_seen_ns) > forward_ns(protocol, flags)
+        now.saturating_sub(last_seen_ns) > forward_ns(protocol, flags)
     }
 }
 

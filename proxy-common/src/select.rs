@@ -213,7 +213,7 @@ pub fn affinity_timeout_ns(frontend: &FrontendValue) -> u64 {
 /// Whether an entry last used at `last_used_ns` is still within `timeout_ns` at `now`.
 #[inline(always)]
 pub fn fresh(last_used_ns: u64, now: u64, timeout_ns: u64) -> bool {
-    now.wrapping_sub(last_used_ns) <= timeout_ns
+    now.saturating_sub(last_used_ns) <= timeout_ns
 }
 
 /// The backend an unconnected UDP socket used last, if it is still a member of the service.

@@ -247,6 +247,7 @@ impl EbpfDataplane {
         let backend_array_len = options.backends_capacity.saturating_add(1);
         let use_set_retval = u8::from(features.uses(Feature::SetRetval));
         let l4_csum_ipv6 = u8::from(features.uses(Feature::L4CsumIpv6));
+        let coarse_clock = u8::from(features.uses(Feature::CoarseClock));
         let (icmp4, icmp6) = match options.icmp_ratelimit {
             Some(interval) => {
                 let ns = u64::try_from(interval.as_nanos()).unwrap_or(MAX_ICMP_RATELIMIT_NS);
@@ -264,7 +265,8 @@ impl EbpfDataplane {
         // programs are relocated against) or where the reused links attach: pinned programs
         // loaded with other values are not reused (see `reuse`).
         let load_options = format!(
-            "btf={} set_retval={use_set_retval} l4_csum_ipv6={l4_csum_ipv6} icmp={icmp4}/{icmp6} \
+            "btf={} set_retval={use_set_retval} l4_csum_ipv6={l4_csum_ipv6} \
+             coarse_clock={coarse_clock} icmp={icmp4}/{icmp6} \
              snat={snat_min}+{snat_count} frontends={} backends={} maglev={maglev_capacity} \
              lru={lru:?} cgroup={} tcx={} xdp={:?}",
             features.uses(Feature::Btf),
@@ -311,6 +313,7 @@ impl EbpfDataplane {
         loader
             .override_global("KPR_USE_SET_RETVAL", &use_set_retval, true)
             .override_global("KPR_L4_CSUM_IPV6", &l4_csum_ipv6, true)
+            .override_global("KPR_USE_COARSE_CLOCK", &coarse_clock, true)
             .override_global("KPR_ICMP_RATELIMIT_NS4", &icmp4, true)
             .override_global("KPR_ICMP_RATELIMIT_NS6", &icmp6, true)
             .override_global("KPR_SNAT_PORT_MIN", &snat_min, true)

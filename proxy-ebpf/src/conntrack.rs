@@ -35,7 +35,7 @@
 
 use core::ptr;
 
-use aya_ebpf::{bindings::BPF_NOEXIST, helpers::bpf_ktime_get_ns};
+use aya_ebpf::bindings::BPF_NOEXIST;
 use proxy_common::{
     CtKey, CtKey4, CtValue, CtValue4, NextHop, StatIndex,
     conntrack::{answers, holds_reply, orphaned, write_reverse_key},
@@ -45,6 +45,7 @@ use proxy_common::{
 };
 
 use crate::{
+    clock,
     maps::{KPR_CT4, KPR_CT4_NEW, KPR_CT6, KPR_CT6_NEW, TcScratch, scratch},
     parse::Packet,
     stats::bump,
@@ -427,7 +428,7 @@ pub fn touch<const V6: bool>(key: &CtKey, value: &CtValue, pkt: &Packet, now: u6
     if pkt.proto == proto::TCP && !pkt.opens() {
         flags |= ct_flags::ESTABLISHED;
     }
-    if flags != value.flags || now.wrapping_sub(value.last_seen_ns) > REFRESH_NS {
+    if flags != value.flags || now.saturating_sub(value.last_seen_ns) > REFRESH_NS {
         mark::<V6>(key, flags & !value.flags, now);
     }
     // A FIN or RST never promotes: `reply_seen` passes the backend's on to the forward entry,
@@ -461,7 +462,7 @@ pub fn reply_seen<const V6: bool>(key: &CtKey, reply: &CtValue, pkt: &Packet, no
     if reply.flags & ct_flags::EGRESS != 0 {
         return false;
     }
-    let refresh = now.wrapping_sub(reply.last_seen_ns) > REFRESH_NS;
+    let refresh = now.saturating_sub(reply.last_seen_ns) > REFRESH_NS;
     if !refresh && !pkt.closes() {
         return false;
     }
@@ -558,12 +559,11 @@ pub fn reply_holder<const V6: bool>(reply_key: &CtKey, own_key: &CtKey) -> Holde
     if probe_key == own_key {
         return Holder::Dead;
     }
-    // SAFETY: bpf_ktime_get_ns has no preconditions.
-    let now = unsafe { bpf_ktime_get_ns() };
+    let now = clock::now_ns();
     let Some(forward) = lookup::<V6>(probe_key, View::B) else {
         return if orphaned(reply, now) {
             Holder::Dead
-        } else if unanswered(reply) && now.wrapping_sub(reply.last_seen_ns) > WRITING_NS {
+        } else if unanswered(reply) && now.saturating_sub(reply.last_seen_ns) > WRITING_NS {
             oldest_unanswered(reply.last_seen_ns)
         } else {
             Holder::Live

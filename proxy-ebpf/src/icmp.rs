@@ -15,12 +15,13 @@
 
 use aya_ebpf::{
     bindings::{__sk_buff, TC_ACT_SHOT},
-    helpers::{bpf_ktime_get_ns, bpf_redirect, bpf_skb_change_tail},
+    helpers::{bpf_redirect, bpf_skb_change_tail},
     programs::TcContext,
 };
 use proxy_common::{NodeAddrKey, StatIndex};
 
 use crate::{
+    clock,
     csum::{add_words, fold},
     maps::{IcmpBucket, KPR_ICMP_RATE},
     parse::{ETH_HLEN, Packet},
@@ -144,8 +145,7 @@ fn allowed(pkt: &Packet) -> bool {
         family: pkt.family,
         _pad: [0; 3],
     };
-    // SAFETY: bpf_ktime_get_ns has no preconditions.
-    let now = unsafe { bpf_ktime_get_ns() };
+    let now = clock::now_ns();
     // No overflow: the agent caps the interval at a day (a saturating multiply would need a
     // 128-bit helper the BPF backend lacks).
     let full = interval.wrapping_mul(BURST);

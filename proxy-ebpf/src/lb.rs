@@ -2,10 +2,7 @@
 //! `proxy-agent inspect explain`); this module gives it the maps, the clock and the counters.
 //! Shared by IPv4 and IPv6; only the backend map differs.
 
-use aya_ebpf::{
-    helpers::{bpf_get_prandom_u32, bpf_ktime_get_ns},
-    maps::Array,
-};
+use aya_ebpf::{helpers::bpf_get_prandom_u32, maps::Array};
 pub use proxy_common::select::Decision;
 use proxy_common::{
     AffinityKey, AffinityMatchKey, AffinityValue, BackendEntry, BackendSlotKey, FrontendValue,
@@ -13,6 +10,7 @@ use proxy_common::{
 };
 
 use crate::{
+    clock,
     maps::{KPR_AFFINITY, KPR_AFFINITY_MATCH, KPR_BACKEND_SLOTS, KPR_MAGLEV, KPR_UDP_STICKY},
     stats::bump,
 };
@@ -71,8 +69,7 @@ impl<B: BackendEntry + 'static> BackendMaps for Maps<'_, B> {
     }
     #[inline(always)]
     fn now_ns(&mut self) -> u64 {
-        // SAFETY: bpf_ktime_get_ns has no preconditions.
-        unsafe { bpf_ktime_get_ns() }
+        clock::now_ns()
     }
     #[inline(always)]
     fn random(&mut self) -> u32 {

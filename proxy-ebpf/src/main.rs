@@ -15,6 +15,8 @@
 // The programs only make sense for the BPF target; on the host this crate is an empty binary so
 // `cargo check/clippy --workspace` keep working.
 #[cfg(target_arch = "bpf")]
+mod clock;
+#[cfg(target_arch = "bpf")]
 mod conntrack;
 #[cfg(target_arch = "bpf")]
 mod csum;

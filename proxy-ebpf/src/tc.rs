@@ -24,7 +24,7 @@ use aya_ebpf::{
         BPF_F_CURRENT_NETNS, BPF_FIB_LKUP_RET_NO_NEIGH, BPF_FIB_LKUP_RET_NOT_FWDED,
         BPF_FIB_LKUP_RET_SUCCESS, TC_ACT_SHOT, TC_ACT_UNSPEC, bpf_sock_tuple,
     },
-    helpers::{bpf_fib_lookup, bpf_ktime_get_ns, bpf_sk_release, bpf_skc_lookup_tcp},
+    helpers::{bpf_fib_lookup, bpf_sk_release, bpf_skc_lookup_tcp},
     maps::{ProgramArray, lpm_trie::Key},
     programs::TcContext,
 };
@@ -38,6 +38,7 @@ use proxy_common::{
 };
 
 use crate::{
+    clock,
     conntrack::{self, ReplyKey, SnatPort, Tuple, View},
     fragments, icmp, icmp_error,
     lb::{Decision, select_backend},
@@ -228,8 +229,7 @@ fn host_backend_reply<const V6: bool>(ctx: &TcContext) -> i32 {
     {
         return NEXT;
     }
-    // SAFETY: bpf_ktime_get_ns has no preconditions.
-    let now = unsafe { bpf_ktime_get_ns() };
+    let now = clock::now_ns();
     // Refreshed (and a FIN or RST passed on, an evicted forward entry rebuilt) as ingress does
     // for the replies of other backends.
     if conntrack::reply_seen::<V6>(&key, value, pkt, now) {
@@ -277,8 +277,7 @@ fn service<const V6: bool>(ctx: &TcContext, side: TcSide) -> i32 {
         bump(StatIndex::TcDroppedLoopback);
         return DROP;
     }
-    // SAFETY: bpf_ktime_get_ns has no preconditions.
-    let now = unsafe { bpf_ktime_get_ns() };
+    let now = clock::now_ns();
     // The key in the scratch slot, not on this frame: `new_flow` and its callees stack on it
     // within the verifier's 512 bytes. `new_flow` writes the same key there again.
     let Some(scratch) = scratch() else {
@@ -522,8 +521,7 @@ pub fn new_flow<const V6: bool, C: Frame>(
 ) -> Verdict {
     // Read here rather than passed in (the time, and the packet's conntrack key into the
     // scratch slot): a BPF call takes at most 5 arguments (the verdict's return slot is one).
-    // SAFETY: bpf_ktime_get_ns has no preconditions.
-    let now = unsafe { bpf_ktime_get_ns() };
+    let now = clock::now_ns();
     let midstream = pkt.proto == proto::TCP && !pkt.opens();
     // Until the agent has adopted the kernel's NATed flows, a segment without any entry may be
     // one of them: only a flow whose reply entry is ours is recovered.

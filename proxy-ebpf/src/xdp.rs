@@ -46,9 +46,9 @@ use aya_ebpf::{
     EbpfContext as _,
     bindings::{
         BPF_FIB_LKUP_RET_NO_NEIGH, BPF_FIB_LKUP_RET_SUCCESS, bpf_fib_lookup as FibLookup,
-        xdp_action::{XDP_DROP, XDP_PASS},
+        xdp_action::{XDP_DROP, XDP_PASS, XDP_REDIRECT},
     },
-    helpers::{bpf_fib_lookup, bpf_ktime_get_ns, bpf_xdp_get_buff_len},
+    helpers::{bpf_fib_lookup, bpf_xdp_get_buff_len},
     programs::XdpContext,
 };
 use proxy_common::{
@@ -56,6 +56,7 @@ use proxy_common::{
 };
 
 use crate::{
+    clock,
     conntrack::{self, View},
     csum::{add_words, fold, store, sum_port, sum_word},
     maps::{
@@ -121,8 +122,7 @@ fn established<const V6: bool>(ctx: &XdpContext) -> u32 {
         }
         return hand_to_first_packet::<V6>(ctx);
     };
-    // SAFETY: bpf_ktime_get_ns has no preconditions.
-    let now = unsafe { bpf_ktime_get_ns() };
+    let now = clock::now_ns();
     let reply = value.flags & ct_flags::REPLY != 0;
     if !reply && value.flags & ct_flags::KERNEL_NAT == 0 && !conntrack::carries(value, pkt, now) {
         // A flow that starts over (its entry expired, or a SYN on a closing one) chooses its
@@ -139,10 +139,10 @@ fn established<const V6: bool>(ctx: &XdpContext) -> u32 {
         return XDP_PASS;
     }
     // Where it goes, before anything changes: what XDP cannot send on, tc gets as it came.
-    let Some(target) = next_hop(ctx, pkt, value) else {
+    if next_hop(ctx, pkt, value).is_none() {
         bump(StatIndex::XdpPassedToTc);
         return XDP_PASS;
-    };
+    }
     // The conntrack state as tc keeps it.
     if reply {
         if conntrack::reply_seen::<V6>(key, value, pkt, now) {
@@ -170,19 +170,18 @@ fn established<const V6: bool>(ctx: &XdpContext) -> u32 {
     } else {
         StatIndex::XdpEstablished
     });
-    redirect(target)
+    XDP_REDIRECT
 }
 
-/// Redirects the rewritten packet to `target`. Dropped if the interface left the map since
-/// `next_hop` looked (the agent detaching): the packet is rewritten, and tc must not see it so.
+/// Claims `target` for this packet's redirect (`bpf_redirect_map`: the kernel sends the frame
+/// there once the program returns `XDP_REDIRECT`, whatever it wrote meanwhile); whether the
+/// interface is in `KPR_XDP_TARGETS`. One lookup where a check and the redirect took two: on a
+/// miss the frame is left untouched, for tc. A claim the program then does not use (the
+/// rewrite failed: `XDP_DROP`) is never read: the kernel reads it only after a program returns
+/// `XDP_REDIRECT`, and every such return here follows its own claim.
 #[inline(always)]
-fn redirect(target: u32) -> u32 {
-    KPR_XDP_TARGETS
-        .redirect(target, u64::from(XDP_DROP))
-        .unwrap_or_else(|action| {
-            bump(StatIndex::XdpRewriteFailed);
-            action
-        })
+fn claim_redirect(target: u32) -> bool {
+    KPR_XDP_TARGETS.redirect(target, u64::from(XDP_PASS)) == Ok(XDP_REDIRECT)
 }
 
 /// Counts a packet XDP translates, as `traffic::count_tc_packet` does in tc: one packet (XDP
@@ -283,17 +282,17 @@ fn send_first_packet(ctx: &XdpContext, pkt: &Packet) -> u32 {
     // forward tuple in `forward`, which `next_hop` and `rewrite` only read (they write `fib`).
     let forward = unsafe { &(*scratch).forward };
     // The flow's entries are written: a packet XDP cannot send on is tc's later packet.
-    let Some(target) = next_hop(ctx, pkt, forward) else {
+    if next_hop(ctx, pkt, forward).is_none() {
         bump(StatIndex::XdpPassedToTc);
         return XDP_PASS;
-    };
+    }
     count(ctx, forward.service_id, TrafficDirection::Forward);
     if rewrite(ctx, pkt, forward).is_none() {
         bump(StatIndex::XdpRewriteFailed);
         return XDP_DROP;
     }
     bump(StatIndex::XdpTranslated);
-    redirect(target)
+    XDP_REDIRECT
 }
 
 /// Whether the route back to the client (from the frontend, as its replies will leave) goes
@@ -353,14 +352,14 @@ fn checksum_partial<const V6: bool>(ctx: &XdpContext, pkt: &Packet) -> bool {
     field == !fold(sum)
 }
 
-/// The interface the translated packet leaves by, with the MACs for it in the scratch slot's
-/// fib parameters: the next hop the flow's conntrack entry keeps while valid (as tc's fast
+/// Finds the interface the translated packet leaves by and claims the redirect there
+/// (`claim_redirect`), with the MACs for it in the scratch slot's fib parameters: the next hop the flow's conntrack entry keeps while valid (as tc's fast
 /// path, `nat::next_hop`), else the fib lookup's (only `SUCCESS`, a resolved neighbour), which
 /// the entry then keeps; or for a reply whose route leaves elsewhere the interface its
-/// client's packets come in on (as `nat::leave_by_ingress`). `None` unless it is in
-/// `KPR_XDP_TARGETS`.
+/// client's packets come in on (as `nat::leave_by_ingress`). `None` (nothing claimed) unless
+/// it is in `KPR_XDP_TARGETS`.
 #[inline(always)]
-fn next_hop(ctx: &XdpContext, pkt: &Packet, to: &CtValue) -> Option<u32> {
+fn next_hop(ctx: &XdpContext, pkt: &Packet, to: &CtValue) -> Option<()> {
     let scratch = scratch()?;
     // SAFETY: the per-CPU slot is ours until the program ends; `fib` is only used here and by
     // `rewrite`, after this.
@@ -414,8 +413,7 @@ fn next_hop(ctx: &XdpContext, pkt: &Packet, to: &CtValue) -> Option<u32> {
         target = to.out_ifindex;
         bump(StatIndex::TcReplyViaIngress);
     }
-    KPR_XDP_TARGETS.get(target)?;
-    Some(target)
+    claim_redirect(target).then_some(())
 }
 
 /// Rewrites `pkt` to the tuple in `to` (both halves, as tc's fast path), checksums by RFC 1624,

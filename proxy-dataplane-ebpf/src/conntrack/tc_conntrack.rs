@@ -517,7 +517,9 @@ pub fn purge_round(
     Ok(report)
 }
 
-/// `bpf_ktime_get_ns`'s clock (`CLOCK_MONOTONIC`), for [`gc_round`].
+/// The programs' clock (`CLOCK_MONOTONIC`; they read it as of the last tick where the kernel
+/// has `bpf_ktime_get_coarse_ns`, so this may be up to a tick ahead of their times), for
+/// [`gc_round`].
 pub fn monotonic_ns() -> Result<u64, nix::Error> {
     let now = nix::time::clock_gettime(nix::time::ClockId::CLOCK_MONOTONIC)?;
     let secs = u64::try_from(now.tv_sec()).unwrap_or(0);

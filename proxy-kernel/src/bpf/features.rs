@@ -8,6 +8,7 @@
 //! | `set-retval`     | 5.18   | refused connects: ECONNREFUSED / EHOSTUNREACH | EPERM    |
 //! | `socket-destroy` | 5.4 (`CONFIG_INET_DIAG_DESTROY`) | connected UDP sockets of removed backends aborted | they keep sending to the removed backend until the application reconnects |
 //! | `btf`            | 5.4 (`CONFIG_DEBUG_INFO_BTF`) | aya reads the kernel's BTF | the object loads without it (it has no CO-RE relocations) |
+//! | `coarse-clock`   | 5.11   | the programs read the time of the last tick (`bpf_ktime_get_coarse_ns`): a memory read | they read the clock source on every packet that needs the time (`bpf_ktime_get_ns`: tens of ns where the TSC is slow to read, as in VMs) |
 //! | `l4-csum-ipv6`   | 6.16 (`BPF_F_IPV6`) | IPv6 address rewrites leave a `CHECKSUM_COMPLETE` skb's `csum` right | the kernel adjusts `skb->csum` as for IPv4, so a NIC that sums packets (CHECKSUM_COMPLETE) logs "hw csum failure" for translated IPv6 packets (they are still delivered: the L4 checksum itself is right) |
 //!
 //! No kfuncs are used. Probes only read or load throwaway programs: nothing is attached.
@@ -55,6 +56,7 @@ impl KernelFeatures {
             Feature::SocketDestroy => sockdiag::destroy_supported(),
             Feature::Btf => Path::new("/sys/kernel/btf/vmlinux").exists(),
             Feature::L4CsumIpv6 => probe_l4_csum_ipv6(),
+            Feature::CoarseClock => probe_coarse_clock(),
         })
     }
 
@@ -112,6 +114,16 @@ fn probe_set_retval() -> bool {
         .unwrap_or(false)
 }
 
+/// `bpf_ktime_get_coarse_ns`, for tc programs (the XDP and sock_addr programs get the same
+/// base helpers): unknown to the verifier of a kernel before 5.11.
+fn probe_coarse_clock() -> bool {
+    is_helper_supported(
+        ProgramType::SchedClassifier,
+        BpfHelper::BPF_FUNC_ktime_get_coarse_ns,
+    )
+    .unwrap_or(false)
+}
+
 /// `BPF_F_IPV6` of `bpf_l4_csum_replace`: flag bits are checked when the helper runs, not by
 /// the verifier, so the probe runs a program calling it with the flag (a checksum difference of
 /// 0, on a throwaway packet) and reads the helper's result: 0, or `-EINVAL` on kernels that do
@@ -159,7 +171,7 @@ mod tests {
         assert_eq!(
             features.summary(),
             "tcx=off(disabled by flag) set-retval=on socket-destroy=off(kernel) btf=on \
-             l4-csum-ipv6=on"
+             l4-csum-ipv6=on coarse-clock=on"
         );
     }
 
@@ -202,6 +214,12 @@ mod tests {
         assert_eq!(
             kernel(Feature::SetRetval),
             version >= (5, 18),
+            "{release}: {}",
+            features.summary()
+        );
+        assert_eq!(
+            kernel(Feature::CoarseClock),
+            version >= (5, 11),
             "{release}: {}",
             features.summary()
         );

@@ -15,15 +15,17 @@ pub enum Feature {
     SocketDestroy,
     Btf,
     L4CsumIpv6,
+    CoarseClock,
 }
 
 impl Feature {
-    pub const ALL: [Feature; 5] = [
+    pub const ALL: [Feature; 6] = [
         Feature::Tcx,
         Feature::SetRetval,
         Feature::SocketDestroy,
         Feature::Btf,
         Feature::L4CsumIpv6,
+        Feature::CoarseClock,
     ];
 
     /// The name used by `--bpf-disable-feature`, the metric label and `inspect features`.
@@ -34,6 +36,7 @@ impl Feature {
             Feature::SocketDestroy => "socket-destroy",
             Feature::Btf => "btf",
             Feature::L4CsumIpv6 => "l4-csum-ipv6",
+            Feature::CoarseClock => "coarse-clock",
         }
     }
 
@@ -56,6 +59,10 @@ impl Feature {
             Feature::L4CsumIpv6 => (
                 "IPv6 L4 checksum updates keep CHECKSUM_COMPLETE skbs' csum right (BPF_F_IPV6)",
                 "IPv6 NAT on CHECKSUM_COMPLETE NICs may log hw csum failures (packets still valid)",
+            ),
+            Feature::CoarseClock => (
+                "conntrack and affinity times read from the tick's clock (bpf_ktime_get_coarse_ns)",
+                "conntrack and affinity times read from the clock source on every packet",
             ),
         }
     }

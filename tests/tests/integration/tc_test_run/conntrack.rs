@@ -150,6 +150,80 @@ fn tcp_fin_or_rst_closes_the_flow_and_a_new_syn_chooses_again() {
     });
 }
 
+/// The programs stamp conntrack entries with `CLOCK_MONOTONIC` read as of the last tick
+/// (`coarse-clock`, the default where the kernel has `bpf_ktime_get_coarse_ns`) or read from
+/// the clock source (the feature turned off): a new flow's entry carries a time between the
+/// matching clock's readings before and after its packet. Either way an entry the agent
+/// stamped ahead of the programs' clock (the agent reads the precise clock, up to a tick ahead
+/// of the coarse one; 50 ms here) is fresh, not read as idle for centuries, and one idle past
+/// the UDP timeout (120 s) is not.
+#[test]
+fn flows_are_stamped_by_the_clock_the_programs_read_and_a_time_ahead_is_fresh() {
+    const MARKER: u16 = 9;
+    for disabled in [BTreeSet::new(), BTreeSet::from([Feature::CoarseClock])] {
+        let coarse = disabled.is_empty();
+        with_node_features(
+            LbOptions::default(),
+            true,
+            None,
+            SNAT_PORTS,
+            disabled,
+            move |node| {
+                program_services(node);
+                let clock = if coarse {
+                    nix::time::ClockId::CLOCK_MONOTONIC_COARSE
+                } else {
+                    nix::time::ClockId::CLOCK_MONOTONIC
+                };
+                let read = || {
+                    let now = nix::time::clock_gettime(clock).expect("clock");
+                    u64::try_from(now.tv_sec()).expect("sec") * 1_000_000_000
+                        + u64::try_from(now.tv_nsec()).expect("nsec")
+                };
+                let frontend = sa(NODE_IP, 30053);
+                let client = sa(CLIENT, 43_000);
+                let key = ct_key(client, frontend, PROTO_UDP);
+                let datagram = build(client, frontend, L4::Udp, b"ping");
+                let before = read();
+                let (action, out) = run(node, program_names::TC_EXTERNAL, &datagram, node.ext0);
+                let after = read();
+                assert_eq!(action, TC_ACT_REDIRECT, "coarse {coarse}: first datagram");
+                assert_eq!(out.dport(), 5353, "coarse {coarse}: to the backend");
+                let stamped = ct_entry(node, &key).expect("forward entry").last_seen_ns;
+                assert!(
+                    (before..=after).contains(&stamped),
+                    "coarse {coarse}: stamped {stamped} outside {before}..={after}"
+                );
+
+                let mut ct = pinned_ct(node);
+                let mut value = ct.get(&key).expect("forward entry");
+                value.last_seen_ns = monotonic_ns() + 50_000_000;
+                value.dport = MARKER.to_be();
+                ct.insert(&key, &value, 0).expect("update entry");
+                let (action, again) = run(node, program_names::TC_EXTERNAL, &datagram, node.ext0);
+                assert_eq!(action, TC_ACT_REDIRECT, "coarse {coarse}: second datagram");
+                assert_eq!(
+                    again.dport(),
+                    MARKER,
+                    "coarse {coarse}: an entry stamped ahead of the programs' clock carries the flow"
+                );
+
+                age_forward_entry(node, &key, 121, MARKER);
+                let (action, late) = run(node, program_names::TC_EXTERNAL, &datagram, node.ext0);
+                assert_eq!(
+                    action, TC_ACT_REDIRECT,
+                    "coarse {coarse}: datagram after 121 s"
+                );
+                assert_eq!(
+                    late.dport(),
+                    5353,
+                    "coarse {coarse}: an entry idle past the UDP timeout starts the flow again"
+                );
+            },
+        );
+    }
+}
+
 /// The agent's conntrack GC through the pinned map: a closed flow past the close timeout, a
 /// UDP flow past 120 s and a reply entry without its forward entry are deleted; a fresh flow
 /// and an established TCP flow idle 11 s stay; the run is counted in the metrics.
