@@ -1051,8 +1051,8 @@ fn tc_cost_section(md: &mut String, r: &Results) {
          first segment after the SYN; the bench removes its earlier new flows' entries before \
          each batch); *into a full new-flow table*: the same after filling the table, so each \
          SYN's entries evict others (a SYN flood's steady state); *established*: the same tuple again \
-         (conntrack hit; its next hop the one the entry keeps, but for a backend behind `pod0`, \
-         whose neighbour is never resolved here, so each packet looks its route up); *reverse \
+         (conntrack hit; its next hop the one the entry keeps: every backend's neighbour is \
+         resolved, as on a node that talks to them); *reverse \
          NAT*: the chosen backend's answer on `pod0`. The XDP program \
          is measured the same way against an *empty XDP program* (`r0 = XDP_PASS; exit`): its \
          pass-through (no flow), a new NodePort flow to backends on other nodes, and a NodePort \

@@ -81,8 +81,9 @@ pub enum TcPath {
     /// as under a SYN flood (the new-flow paths above measure a table with room, as a node's
     /// is otherwise: a flow's entries leave it with the client's first segment after the SYN).
     NodePortNewFlowFullTable,
-    /// The same flow's next packet: conntrack hit, DNAT + SNAT, fib lookup (the backend's
-    /// neighbour behind `pod0` is never resolved here, so no next hop is kept), redirect.
+    /// The same flow's next packet: conntrack hit, DNAT + SNAT, the next hop its entry keeps
+    /// (the backend's neighbour behind `pod0` is resolved, as on a node that talks to it),
+    /// redirect.
     NodePortEstablished,
     /// The same packet with the per-Service packet and byte counting off
     /// (`node_flags::NO_PACKET_COUNTS`, as with `--service-traffic-max-series 0`): what
@@ -387,14 +388,20 @@ fn program(dataplane: &mut EbpfDataplane) -> Result<()> {
                 "nodeName": "other-node", "conditions": {"ready": true}})
         })
         .collect();
-    // XDP redirects only to resolved neighbours: the remote backends' and the client's.
+    // XDP redirects only to resolved neighbours: the remote backends' and the client's. The
+    // local backends' behind `pod0` are resolved too, as a node's are for the pods it sends
+    // traffic to: an established flow then takes the next hop its entry keeps, not a route
+    // lookup per packet.
     let mut neighbours = vec![
-        (REMOTE, "02:00:00:00:00:09".to_owned()),
-        (CLIENT, "02:00:00:00:00:02".to_owned()),
+        (REMOTE, "02:00:00:00:00:09".to_owned(), "ext0"),
+        (CLIENT, "02:00:00:00:00:02".to_owned(), "ext0"),
     ];
+    neighbours.extend(
+        (0..BACKENDS).map(|i| (spread_backend(i), format!("02:00:00:00:01:{i:02x}"), "ext0")),
+    );
     neighbours
-        .extend((0..BACKENDS).map(|i| (spread_backend(i), format!("02:00:00:00:01:{i:02x}"))));
-    for (addr, mac) in &neighbours {
+        .extend((0..BACKENDS).map(|i| (backend(i), format!("02:00:00:00:02:{i:02x}"), "pod0")));
+    for (addr, mac, dev) in &neighbours {
         // This thread is in the node namespace; the child inherits it.
         let status = std::process::Command::new("ip")
             .args([
@@ -404,7 +411,7 @@ fn program(dataplane: &mut EbpfDataplane) -> Result<()> {
                 "lladdr",
                 mac.as_str(),
             ])
-            .args(["dev", "ext0", "nud", "permanent"])
+            .args(["dev", dev, "nud", "permanent"])
             .status()
             .map_err(|e| RigError::io("ip neigh", e))?;
         if !status.success() {
