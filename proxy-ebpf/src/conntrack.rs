@@ -824,13 +824,11 @@ pub fn snat_port<const V6: bool>(
     let client = u32::from(u16::from_be(reply_key.dport));
     let ports = (u32::from(own_key.sport) << 16) | u32::from(own_key.dport);
     let hash = flow_hash(&own_key.src, &own_key.dst, ports, own_key.proto);
-    // Network order; 0 (never in the range, which starts at 1024) for none yet. With `find`
-    // the first port nobody holds, else the port of the oldest unanswered flow met.
-    let mut spare = 0u16;
     if let Some(scratch) = scratch() {
         // SAFETY: the per-CPU scratch slot is ours until the program ends.
         unsafe { (*scratch).oldest_unanswered_ns = u64::MAX };
     }
+    set_spare(0);
     for attempt in 0..=SNAT_ATTEMPTS {
         let port = if attempt == 0 {
             if client.wrapping_sub(min) >= count {
@@ -845,7 +843,7 @@ pub fn snat_port<const V6: bool>(
         if find {
             match reply_key_holder::<V6>(reply_key, reply) {
                 ReplyKey::Flow => return Some(SnatPort::Found(port)),
-                ReplyKey::Free if spare == 0 => spare = port,
+                ReplyKey::Free if spare() == 0 => set_spare(port),
                 _ => {}
             }
             continue;
@@ -862,10 +860,11 @@ pub fn snat_port<const V6: bool>(
                     return Some(SnatPort::Reserved(port));
                 }
             }
-            Holder::Unanswered => spare = port,
+            Holder::Unanswered => set_spare(port),
             Holder::Live => {}
         }
     }
+    let spare = spare();
     if spare == 0 {
         return None;
     }
@@ -881,6 +880,31 @@ pub fn snat_port<const V6: bool>(
         return Some(SnatPort::Reserved(spare));
     }
     None
+}
+
+/// The port `snat_port` falls back on so far, network order; 0 (never in the range, which
+/// starts at 1024) for none yet. With `find` the first port nobody holds, else the port of the
+/// oldest unanswered flow met. Kept in the scratch slot rather than in a local: the verifier
+/// tracks a local's value, and walked the remaining probes once with none yet and once with
+/// one met, after every probe (a tenth of the verified instructions of the programs that start
+/// flows). Calls of their own: inlined, they grew `new_flow`'s frame past the verifier's
+/// 512-byte combined stack.
+#[inline(never)]
+fn spare() -> u16 {
+    let Some(scratch) = scratch() else {
+        return 0;
+    };
+    // SAFETY: the per-CPU scratch slot is ours until the program ends.
+    unsafe { core::ptr::read_volatile(&raw const (*scratch).snat_spare) }
+}
+
+/// See [`spare`].
+#[inline(never)]
+fn set_spare(port: u16) {
+    if let Some(scratch) = scratch() {
+        // SAFETY: as above.
+        unsafe { core::ptr::write_volatile(&raw mut (*scratch).snat_spare, port) };
+    }
 }
 
 /// Gives the new flow (`reply`) the SNAT port under `reply_key` that an unanswered flow holds

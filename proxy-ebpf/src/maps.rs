@@ -225,6 +225,8 @@ pub struct TcScratch {
     /// (`nat::keep_next_hop`).
     pub hop_key: CtKey,
     pub hop: proxy_common::NextHop,
+    /// The port a SNAT port search falls back on (`conntrack::snat_port`), network order.
+    pub snat_spare: u16,
 }
 
 /// The tc programs of each family (`proxy_common::TcFamilyProgram` slots), written by the
