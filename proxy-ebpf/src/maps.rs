@@ -225,6 +225,9 @@ pub struct TcScratch {
     /// (`nat::keep_next_hop`).
     pub hop_key: CtKey,
     pub hop: proxy_common::NextHop,
+    /// The counter a translated packet is counted under, on its way into `nat::translate`
+    /// (see `nat::translate_view`).
+    pub translate_stat: u32,
     /// The port a SNAT port search falls back on (`conntrack::snat_port`), network order.
     pub snat_spare: u16,
 }

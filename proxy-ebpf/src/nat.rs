@@ -51,7 +51,7 @@ use crate::{
     maps::{KPR_NODE_CONFIG, KPR_ROUTE_GENERATION, KPR_SNAT_IFACES, scratch},
     parse::{ETH_HLEN, Packet},
     sctp,
-    stats::bump,
+    stats::{bump, bump_slot},
 };
 
 const AF_INET: u8 = 2;
@@ -117,12 +117,37 @@ fn rewrite(ctx: &TcContext, pkt: &Packet, to: &CtValue, half: Half) -> Result<()
     rewrite_tuple(ctx, pkt, &rewrite)
 }
 
-/// Ingress: rewrites the packet, counts it under `stat` and sends it on — the destination
-/// half back to the stack (netfilter path), or both halves redirected (fast path); drops it
-/// if the rewrite fails (a half-rewritten packet must not leave).
+/// [`translate`] to the entry in the scratch slot's `view_a` (where `conntrack::lookup` with
+/// `View::A` copies it), counted under `stat`. Every path of a program that translates calls
+/// this once, at one place: the verifier walks `translate` (about a hundred thousand
+/// instructions with its callees) once for all of them, as the state it reaches that call with
+/// is then the same — the same pointer, and `stat` read back from memory, a value it does not
+/// know — where a call for each path, or one with a different pointer or a known counter, was
+/// walked once each.
+#[inline(always)]
+pub fn translate_view(ctx: &TcContext, pkt: &Packet, stat: StatIndex) -> i32 {
+    let Some(scratch) = scratch() else {
+        bump(StatIndex::TcScratchUnavailable);
+        return TC_ACT_SHOT;
+    };
+    // SAFETY: the per-CPU slot is ours until the program ends; `translate` only reads
+    // `view_a` (its callees write `fib`, `hop_key` and `hop`).
+    let (to, stat) = unsafe {
+        core::ptr::write_volatile(&raw mut (*scratch).translate_stat, stat as u32);
+        (
+            &(*scratch).view_a,
+            core::ptr::read_volatile(&raw const (*scratch).translate_stat),
+        )
+    };
+    translate(ctx, pkt, to, stat)
+}
+
+/// Ingress: rewrites the packet, counts it under `stat` (a `StatIndex` slot) and sends it on —
+/// the destination half back to the stack (netfilter path), or both halves redirected (fast
+/// path); drops it if the rewrite fails (a half-rewritten packet must not leave).
 // Not inlined, for the stack: see `icmp::reject`.
 #[inline(never)]
-pub fn translate(ctx: &TcContext, pkt: &Packet, to: &CtValue, stat: StatIndex) -> i32 {
+fn translate(ctx: &TcContext, pkt: &Packet, to: &CtValue, stat: u32) -> i32 {
     // A flow the kernel's conntrack must not see takes the fast path on either path.
     let fast = fast_path() || to.flags & ct_flags::BYPASS != 0;
     // The route is looked up before the rewrite: a packet too big for the next hop's link is
@@ -146,7 +171,7 @@ pub fn translate(ctx: &TcContext, pkt: &Packet, to: &CtValue, stat: StatIndex) -
         bump(StatIndex::TcRewriteFailed);
         return TC_ACT_SHOT;
     }
-    bump(stat);
+    bump_slot(stat);
     if !fast {
         // SAFETY: the context pointer is the program's own __sk_buff.
         let mark = unsafe { (*ctx.skb.skb).mark };

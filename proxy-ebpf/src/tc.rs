@@ -46,7 +46,7 @@ use crate::{
         Destination, FamilyMaps, KPR_NODE_CONFIG, KPR_SNAT_IFACES, KPR_SOURCE_RANGES,
         KPR_TC_FAMILY, KPR_TC_FRAGMENT, scratch,
     },
-    nat::{draining, fast_path, fib_query, translate, translate_source},
+    nat::{draining, fast_path, fib_query, translate_source, translate_view},
     parse::{ETH_P_IP, ETH_P_IPV6, Frame, Packet, is_later_fragment, parse, parse_later_fragment},
     port_filter,
     stats::bump,
@@ -183,17 +183,20 @@ pub fn fragment_ingress<const V6: bool>(ctx: &TcContext) -> i32 {
         bump(StatIndex::TcFragmentUntracked);
         return NEXT;
     };
-    if value.flags & ct_flags::REPLY != 0 {
+    // One `translate_view` for both directions (see there).
+    let stat = if value.flags & ct_flags::REPLY != 0 {
         traffic::count_tc_packet(ctx, value.service_id, TrafficDirection::Reply);
-        return translate(ctx, pkt, value, StatIndex::TcReplyTranslated);
-    }
-    // The kernel's conntrack NATs an adopted flow's packets: it reassembles them first.
-    if value.flags & ct_flags::KERNEL_NAT != 0 {
-        bump(StatIndex::TcKernelNatPassed);
-        return NEXT;
-    }
-    traffic::count_tc_packet(ctx, value.service_id, TrafficDirection::Forward);
-    translate(ctx, pkt, value, StatIndex::TcEstablished)
+        StatIndex::TcReplyTranslated
+    } else {
+        // The kernel's conntrack NATs an adopted flow's packets: it reassembles them first.
+        if value.flags & ct_flags::KERNEL_NAT != 0 {
+            bump(StatIndex::TcKernelNatPassed);
+            return NEXT;
+        }
+        traffic::count_tc_packet(ctx, value.service_id, TrafficDirection::Forward);
+        StatIndex::TcEstablished
+    };
+    translate_view(ctx, pkt, stat)
 }
 
 /// Egress of a later fragment (`kpr_tc_fragment_egress4/6`): the source half its first
@@ -286,88 +289,86 @@ fn service<const V6: bool>(ctx: &TcContext, side: TcSide) -> i32 {
     // SAFETY: the per-CPU slot is ours until the program ends.
     let key = unsafe { &mut (*scratch).flow_key };
     pkt.write_ct_key(key);
-    // A copy in the scratch slot (no copy on this frame, for the stack); the agent writes only
-    // new entries (the kernel's NATed flows it adopts at start, with `BPF_NOEXIST`), and a
-    // racing datapath update writes a whole, equally valid translation.
-    if let Some(value) = conntrack::lookup::<V6>(key, View::A)
-        // An egress entry is keyed by a translated flow's packet as it leaves for the backend
-        // (client → backend) or the client (backend → client): the egress program's. A packet
-        // arriving here with that tuple was sent to the pod's own address (the client's port
-        // reused, the flow closed or not): no flow of ours, whatever the entry says.
-        && value.flags & ct_flags::EGRESS == 0
-    {
-        if value.flags & ct_flags::REPLY != 0 {
-            // Counted at ingress only: on the netfilter path the egress program sees the
-            // packet again.
-            traffic::count_tc_packet(ctx, value.service_id, TrafficDirection::Reply);
-            // A backend's reply (a remote one's is addressed to the SNAT address).
-            if conntrack::reply_seen::<V6>(key, value, pkt, now) {
-                bump(StatIndex::TcForwardRebuilt);
+    // Every path that translates ends in the one `translate_view` below, with the entry to
+    // translate to in the scratch slot's `view_a` (see there: the verifier walks the
+    // translation once).
+    let stat = 'flow: {
+        // A copy in the scratch slot (no copy on this frame, for the stack); the agent writes
+        // only new entries (the kernel's NATed flows it adopts at start, with `BPF_NOEXIST`),
+        // and a racing datapath update writes a whole, equally valid translation.
+        if let Some(value) = conntrack::lookup::<V6>(key, View::A)
+            // An egress entry is keyed by a translated flow's packet as it leaves for the
+            // backend (client → backend) or the client (backend → client): the egress
+            // program's. A packet arriving here with that tuple was sent to the pod's own
+            // address (the client's port reused, the flow closed or not): no flow of ours,
+            // whatever the entry says.
+            && value.flags & ct_flags::EGRESS == 0
+        {
+            if value.flags & ct_flags::REPLY != 0 {
+                // Counted at ingress only: on the netfilter path the egress program sees the
+                // packet again.
+                traffic::count_tc_packet(ctx, value.service_id, TrafficDirection::Reply);
+                // A backend's reply (a remote one's is addressed to the SNAT address).
+                if conntrack::reply_seen::<V6>(key, value, pkt, now) {
+                    bump(StatIndex::TcForwardRebuilt);
+                }
+                fragments::remember::<V6>(pkt);
+                break 'flow StatIndex::TcReplyTranslated;
             }
-            fragments::remember::<V6>(pkt);
-            return translate(ctx, pkt, value, StatIndex::TcReplyTranslated);
-        }
-        if conntrack::carries(value, pkt, now) {
-            conntrack::touch::<V6>(key, value, pkt, now);
-            // Before the adopted flows' exit too: their later fragments are looked up, and
-            // passed on, by the flow's entry as well.
-            fragments::remember::<V6>(pkt);
-            // A flow the kernel's conntrack already NATs (adopted at the agent's start): its
-            // entry there keeps the NAT without any rule, so the stack keeps its backend.
-            if value.flags & ct_flags::KERNEL_NAT != 0 {
-                bump(StatIndex::TcKernelNatPassed);
-                return NEXT;
+            if conntrack::carries(value, pkt, now) {
+                conntrack::touch::<V6>(key, value, pkt, now);
+                // Before the adopted flows' exit too: their later fragments are looked up, and
+                // passed on, by the flow's entry as well.
+                fragments::remember::<V6>(pkt);
+                // A flow the kernel's conntrack already NATs (adopted at the agent's start):
+                // its entry there keeps the NAT without any rule, so the stack keeps its
+                // backend.
+                if value.flags & ct_flags::KERNEL_NAT != 0 {
+                    bump(StatIndex::TcKernelNatPassed);
+                    return NEXT;
+                }
+                traffic::count_tc_packet(ctx, value.service_id, TrafficDirection::Forward);
+                break 'flow StatIndex::TcEstablished;
             }
-            traffic::count_tc_packet(ctx, value.service_id, TrafficDirection::Forward);
-            return translate(ctx, pkt, value, StatIndex::TcEstablished);
         }
-    }
-    // Draining for the iptables mode: new flows are its rules' (see `node_flags::DRAINING`).
-    if draining() {
-        return NEXT;
-    }
-    let Some((frontend, internal)) = lookup_frontend::<V6>(pkt, side) else {
-        if pkt.proto == proto::TCP && !pkt.syn() && orphan_segment(ctx, pkt) {
-            bump(StatIndex::TcOrphanSegmentDropped);
-            return DROP;
+        // Draining for the iptables mode: new flows are its rules' (see
+        // `node_flags::DRAINING`).
+        if draining() {
+            return NEXT;
         }
-        return NEXT;
-    };
-    // Only a SYN starts a TCP connection; `new_flow` recovers the flow of any other segment
-    // without an entry (see there) or hands it to the stack.
-    match new_flow::<V6, _>(ctx, pkt, &frontend, internal) {
-        Verdict::Action(action) => action,
-        // Called from here, not from `new_flow`, so the two frames never stack up.
-        Verdict::Reject => icmp::reject(ctx, pkt),
-        // Here, not in `new_flow`: three frames (`external`, `new_flow`, and this or
-        // `reply_holder`) would exceed the verifier's 512-byte combined stack.
-        Verdict::Translate => {
-            if !insert_egress::<V6>(pkt) {
+        let Some((frontend, internal)) = lookup_frontend::<V6>(pkt, side) else {
+            if pkt.proto == proto::TCP && !pkt.syn() && orphan_segment(ctx, pkt) {
+                bump(StatIndex::TcOrphanSegmentDropped);
                 return DROP;
             }
-            // Only now, with the flow's entries written: a first fragment to anything else
-            // (no frontend, dropped, rejected) is not remembered, so a flood of them cannot
-            // evict the datagrams of real flows from the LRU map.
-            fragments::remember::<V6>(pkt);
-            traffic::count_first_tc_packet(ctx, pkt, frontend.service_id);
-            traffic::count_new_flow_endpoint(pkt, frontend.service_id);
-            translate_new(ctx, pkt)
+            return NEXT;
+        };
+        // Only a SYN starts a TCP connection; `new_flow` recovers the flow of any other
+        // segment without an entry (see there) or hands it to the stack.
+        match new_flow::<V6, _>(ctx, pkt, &frontend, internal) {
+            Verdict::Action(action) => return action,
+            // Called from here, not from `new_flow`, so the two frames never stack up.
+            Verdict::Reject => return icmp::reject(ctx, pkt),
+            // Here, not in `new_flow`: three frames (`external`, `new_flow`, and this or
+            // `reply_holder`) would exceed the verifier's 512-byte combined stack.
+            Verdict::Translate => {
+                if !insert_egress::<V6>(pkt) {
+                    return DROP;
+                }
+                // Only now, with the flow's entries written: a first fragment to anything else
+                // (no frontend, dropped, rejected) is not remembered, so a flood of them cannot
+                // evict the datagrams of real flows from the LRU map.
+                fragments::remember::<V6>(pkt);
+                traffic::count_first_tc_packet(ctx, pkt, frontend.service_id);
+                traffic::count_new_flow_endpoint(pkt, frontend.service_id);
+                // To the forward tuple `new_flow` left in the scratch slot.
+                // SAFETY: the per-CPU slot is ours until the program ends.
+                unsafe { (*scratch).view_a = (*scratch).forward };
+                break 'flow StatIndex::TcTranslated;
+            }
         }
-    }
-}
-
-/// Translates a new flow's first packet to the forward tuple `new_flow` left in the scratch
-/// slot.
-#[inline(always)]
-fn translate_new(ctx: &TcContext, pkt: &Packet) -> i32 {
-    let Some(scratch) = scratch() else {
-        bump(StatIndex::TcScratchUnavailable);
-        return DROP;
     };
-    // SAFETY: the per-CPU slot is ours until the program ends; `translate` reads `forward`
-    // while `nat::forward` writes only the disjoint `fib` field.
-    let forward = unsafe { &(*scratch).forward };
-    translate(ctx, pkt, forward, StatIndex::TcTranslated)
+    translate_view(ctx, pkt, stat)
 }
 
 /// What `new_flow` decided.
