@@ -3,7 +3,8 @@
 //! where the kernel has it. Every one of those times is compared with timeouts of a second or
 //! more, for which a tick (1–10 ms) is exact enough; and the precise read goes to the clock
 //! source, which in a VM (a TSC read the hypervisor traps or scales) costs tens of
-//! nanoseconds on every established packet, where the coarse one is a memory read.
+//! nanoseconds on every established packet, where the coarse one reads the time the kernel
+//! kept at its last tick.
 //!
 //! Both reads are the same clock, the coarse one up to a tick behind: the agent (conntrack
 //! garbage collection, adopted flows) reads `CLOCK_MONOTONIC`, so the times it writes may be

@@ -8,7 +8,7 @@
 //! | `set-retval`     | 5.18   | refused connects: ECONNREFUSED / EHOSTUNREACH | EPERM    |
 //! | `socket-destroy` | 5.4 (`CONFIG_INET_DIAG_DESTROY`) | connected UDP sockets of removed backends aborted | they keep sending to the removed backend until the application reconnects |
 //! | `btf`            | 5.4 (`CONFIG_DEBUG_INFO_BTF`) | aya reads the kernel's BTF | the object loads without it (it has no CO-RE relocations) |
-//! | `coarse-clock`   | 5.11   | the programs read the time of the last tick (`bpf_ktime_get_coarse_ns`): a memory read | they read the clock source on every packet that needs the time (`bpf_ktime_get_ns`: tens of ns where the TSC is slow to read, as in VMs) |
+//! | `coarse-clock`   | 5.11   | the programs read the time the kernel kept at its last tick (`bpf_ktime_get_coarse_ns`), no clock-source read | they read the clock source on every packet that needs the time (`bpf_ktime_get_ns`: tens of ns where the TSC is slow to read, as in VMs) |
 //! | `l4-csum-ipv6`   | 6.16 (`BPF_F_IPV6`) | IPv6 address rewrites leave a `CHECKSUM_COMPLETE` skb's `csum` right | the kernel adjusts `skb->csum` as for IPv4, so a NIC that sums packets (CHECKSUM_COMPLETE) logs "hw csum failure" for translated IPv6 packets (they are still delivered: the L4 checksum itself is right) |
 //!
 //! No kfuncs are used. Probes only read or load throwaway programs: nothing is attached.
