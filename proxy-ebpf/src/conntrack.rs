@@ -826,9 +826,11 @@ pub fn snat_port<const V6: bool>(
     let hash = flow_hash(&own_key.src, &own_key.dst, ports, own_key.proto);
     if let Some(scratch) = scratch() {
         // SAFETY: the per-CPU scratch slot is ours until the program ends.
-        unsafe { (*scratch).oldest_unanswered_ns = u64::MAX };
+        unsafe {
+            (*scratch).oldest_unanswered_ns = u64::MAX;
+            core::ptr::write_volatile(&raw mut (*scratch).snat_spare, 0);
+        }
     }
-    set_spare(0);
     for attempt in 0..=SNAT_ATTEMPTS {
         let port = if attempt == 0 {
             if client.wrapping_sub(min) >= count {

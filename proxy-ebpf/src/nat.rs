@@ -119,9 +119,9 @@ fn rewrite(ctx: &TcContext, pkt: &Packet, to: &CtValue, half: Half) -> Result<()
 
 /// [`translate`] to the entry in the scratch slot's `view_a` (where `conntrack::lookup` with
 /// `View::A` copies it), counted under `stat`. Every path of a program that translates calls
-/// this once, at one place: the verifier walks `translate` (about a hundred thousand
-/// instructions with its callees) once for all of them, as the state it reaches that call with
-/// is then the same — the same pointer, and `stat` read back from memory, a value it does not
+/// this once, at one place: the verifier walks `translate` (some forty thousand instructions
+/// with its callees) once for all of them, as the state it reaches that call with is then the
+/// same — the same pointer, and `stat` read back from memory, a value it does not
 /// know — where a call for each path, or one with a different pointer or a known counter, was
 /// walked once each.
 #[inline(always)]

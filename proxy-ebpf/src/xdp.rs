@@ -353,11 +353,11 @@ fn checksum_partial<const V6: bool>(ctx: &XdpContext, pkt: &Packet) -> bool {
 }
 
 /// Finds the interface the translated packet leaves by and claims the redirect there
-/// (`claim_redirect`), with the MACs for it in the scratch slot's fib parameters: the next hop the flow's conntrack entry keeps while valid (as tc's fast
-/// path, `nat::next_hop`), else the fib lookup's (only `SUCCESS`, a resolved neighbour), which
-/// the entry then keeps; or for a reply whose route leaves elsewhere the interface its
-/// client's packets come in on (as `nat::leave_by_ingress`). `None` (nothing claimed) unless
-/// it is in `KPR_XDP_TARGETS`.
+/// (`claim_redirect`), with the MACs for it in the scratch slot's fib parameters: the next hop
+/// the flow's conntrack entry keeps while valid (as tc's fast path, `nat::next_hop`), else the
+/// fib lookup's (only `SUCCESS`, a resolved neighbour), which the entry then keeps; or for a
+/// reply whose route leaves elsewhere the interface its client's packets come in on (as
+/// `nat::leave_by_ingress`). `None` (nothing claimed) unless it is in `KPR_XDP_TARGETS`.
 #[inline(always)]
 fn next_hop(ctx: &XdpContext, pkt: &Packet, to: &CtValue) -> Option<()> {
     let scratch = scratch()?;

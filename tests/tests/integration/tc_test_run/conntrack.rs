@@ -175,11 +175,7 @@ fn flows_are_stamped_by_the_clock_the_programs_read_and_a_time_ahead_is_fresh() 
                 } else {
                     nix::time::ClockId::CLOCK_MONOTONIC
                 };
-                let read = || {
-                    let now = nix::time::clock_gettime(clock).expect("clock");
-                    u64::try_from(now.tv_sec()).expect("sec") * 1_000_000_000
-                        + u64::try_from(now.tv_nsec()).expect("nsec")
-                };
+                let read = || clock_ns(clock);
                 let frontend = sa(NODE_IP, 30053);
                 let client = sa(CLIENT, 43_000);
                 let key = ct_key(client, frontend, PROTO_UDP);

@@ -691,9 +691,14 @@ fn sctp_crcs(l4: &[u8]) -> (u32, u32) {
     (stored, crc32c(&zeroed))
 }
 
-/// `bpf_ktime_get_ns`'s clock.
+/// `bpf_ktime_get_ns`'s clock (the agent's).
 fn monotonic_ns() -> u64 {
-    let now = nix::time::clock_gettime(nix::time::ClockId::CLOCK_MONOTONIC).expect("clock");
+    clock_ns(nix::time::ClockId::CLOCK_MONOTONIC)
+}
+
+/// `clock` now, in ns.
+fn clock_ns(clock: nix::time::ClockId) -> u64 {
+    let now = nix::time::clock_gettime(clock).expect("clock");
     u64::try_from(now.tv_sec()).expect("sec") * 1_000_000_000
         + u64::try_from(now.tv_nsec()).expect("nsec")
 }
