@@ -469,3 +469,63 @@ fn xdp_translates_jumbo_frames_in_several_buffers() {
         }
     });
 }
+
+/// A frame in one buffer is counted by its own length, as tc counts `skb->len`: later packets
+/// without payload, padded to Ethernet's 60-byte minimum as a wire delivers them (IPv4) or
+/// longer than it (IPv6), each sent once through tc and once through XDP in the same flow.
+/// Both add the frame's bytes past the Ethernet header, padding included, to the forward
+/// count; XDP reads that length from the frame it sees rather than asking the kernel for the
+/// length across buffers (the jumbo test above covers frames in several buffers).
+#[test]
+fn xdp_counts_a_frame_in_one_buffer_as_tc_does_padding_included() {
+    with_node(|node| {
+        program_remote(node);
+        let mut counters = super::traffic::reader(node);
+        let mut forward_bytes = || {
+            super::traffic::packets(
+                &counters.read().expect("read"),
+                "remote",
+                FrontendKind::NodePort,
+            )[1]
+        };
+        for (i, (client, node_ip, port, _, _, first, later)) in REMOTE_CASES.into_iter().enumerate()
+        {
+            let client = sa(client, 45_400 + i as u16);
+            let frontend = sa(node_ip, port);
+            let what = format!("{later:?} {client} → {frontend}");
+            let syn = build(client, frontend, first, b"");
+            let (action, _) = run(node, program_names::TC_EXTERNAL, &syn, node.ext0);
+            assert_eq!(action, TC_ACT_REDIRECT, "{what}: tc starts the flow");
+
+            let mut data = build(client, frontend, later, b"");
+            let unpadded = data.len();
+            data.resize(unpadded.max(60), 0);
+            let frame_bytes = (data.len() - 14) as u64;
+
+            let before = forward_bytes();
+            let (action, _) = run(node, program_names::TC_EXTERNAL, &data, node.ext0);
+            assert_eq!(
+                action, TC_ACT_REDIRECT,
+                "{what}: tc translates a later packet"
+            );
+            let by_tc = forward_bytes() - before;
+
+            let established = stat(node, StatIndex::XdpEstablished);
+            let before = forward_bytes();
+            let (action, _) = run_xdp(node, &data);
+            assert_eq!(action, XDP_REDIRECT, "{what}: XDP takes the padded frame");
+            assert_eq!(
+                stat(node, StatIndex::XdpEstablished),
+                established + 1,
+                "{what}: counted as established"
+            );
+            let by_xdp = forward_bytes() - before;
+            assert_eq!(
+                (by_tc, by_xdp),
+                (frame_bytes, frame_bytes),
+                "{what}: a {}-byte frame ({unpadded} before padding) counted by tc and by XDP",
+                data.len()
+            );
+        }
+    });
+}
