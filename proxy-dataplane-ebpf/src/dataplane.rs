@@ -139,6 +139,8 @@ pub struct EbpfDataplane {
     names_reconciled: bool,
     pub(super) stats: PerCpuArray<MapData, u64>,
     pub(super) map_writer: MapWriter,
+    /// The map writer's limits, for a writer made anew (see `apply_service_maps`).
+    writer_settings: WriterSettings,
     /// Frontend writes refused because a map was full, since start (a counter for metrics).
     pub(super) capacity_errors: u64,
     /// `max_entries` of the maps the map_writer fills, by pinned name.
@@ -387,6 +389,7 @@ impl EbpfDataplane {
             endpoint_keys: None,
             // Nothing was pinned: the counters were created empty with the maps.
             uncounted_from: (!adopting).then_some(1),
+            staged: None,
         };
         let stats = take_map(&mut ebpf, map_names::STATS)?;
         let names = take_map(&mut ebpf, map_names::SERVICE_NAMES)?;
@@ -414,31 +417,31 @@ impl EbpfDataplane {
             XdpState::new(options.tc.xdp, &mut ebpf),
         );
 
+        let writer_settings = {
+            use crate::maps::map_writer::shares::{Entries, SharedMap};
+            WriterSettings {
+                maglev_table_size: options.lb.maglev.then_some(options.lb.maglev_table_size),
+                capacity: Entries::default()
+                    .with(SharedMap::Frontends, options.frontends_capacity.into())
+                    .with(SharedMap::Slots, slots_capacity.into())
+                    .with(SharedMap::Maglev, maglev_capacity.into())
+                    .with(SharedMap::SourceRanges, options.frontends_capacity.into()),
+                max_frontends_per_service: options.max_frontends_per_service,
+                max_endpoints_per_service: options.max_endpoints_per_service,
+                // An adopted pin keeps the length it was created with, whatever
+                // `--bpf-map-backends` says now, and aya checks indices against the configured
+                // one: ids stay below both.
+                backend_id_limit: array_len(&maps.backends4)
+                    .min(array_len(&maps.backends6))
+                    .min(backend_array_len),
+            }
+        };
         let mut map_writer = if adopting {
             MapWriter::adopt(maps.content(&mut BatchReader::default()), &mut maps)
         } else {
             MapWriter::default()
         };
-        map_writer.set_maglev_table_size(options.lb.maglev.then_some(options.lb.maglev_table_size));
-        {
-            use crate::maps::map_writer::shares::{Entries, SharedMap};
-            map_writer.set_shares(
-                Entries::default()
-                    .with(SharedMap::Frontends, options.frontends_capacity.into())
-                    .with(SharedMap::Slots, slots_capacity.into())
-                    .with(SharedMap::Maglev, maglev_capacity.into())
-                    .with(SharedMap::SourceRanges, options.frontends_capacity.into()),
-                options.max_frontends_per_service,
-            );
-        }
-        map_writer.set_max_endpoints_per_service(options.max_endpoints_per_service);
-        // An adopted pin keeps the length it was created with, whatever `--bpf-map-backends`
-        // says now, and aya checks indices against the configured one: ids stay below both.
-        map_writer.set_backend_id_limit(
-            array_len(&maps.backends4)
-                .min(array_len(&maps.backends6))
-                .min(backend_array_len),
-        );
+        writer_settings.configure(&mut map_writer);
 
         // Before the tc programs attach (and before the first sync gives them frontends): from
         // then on a UDP/SCTP packet without an entry would be a new flow of theirs.
@@ -502,6 +505,7 @@ impl EbpfDataplane {
             stats,
             names_reconciled: false,
             map_writer,
+            writer_settings,
             capacity_errors: 0,
             capacities,
             pin_dir,
@@ -738,6 +742,26 @@ impl EbpfDataplane {
         snapshot: &Snapshot,
         changed: Option<&BTreeSet<ServicePortName>>,
     ) -> (ApplySummary, Vec<ApplyError>) {
+        // A first fill (a cold start, rebuilt maps): none of the writer's entries are in the
+        // maps, so every write is a new key, staged and written in large batches.
+        if !self.map_writer.is_empty() {
+            return self
+                .map_writer
+                .apply_snapshot(snapshot, changed, &mut self.maps);
+        }
+        self.maps.begin_staging();
+        let applied = self
+            .map_writer
+            .apply_snapshot(snapshot, changed, &mut self.maps);
+        let Err(error) = self.maps.finish_staging() else {
+            return applied;
+        };
+        // The maps are empty again: the fill is written anew, write by write, which gives
+        // each frontend's error to its own frontend.
+        warn!(%error, "the first fill's batched map writes failed; writing it entry by entry");
+        let mut writer = MapWriter::default();
+        self.writer_settings.configure(&mut writer);
+        self.map_writer = writer;
         self.map_writer
             .apply_snapshot(snapshot, changed, &mut self.maps)
     }
@@ -1430,6 +1454,26 @@ fn frontend_kind(snapshot: &Snapshot, name: &ServicePortName, key: &FrontendKey)
 
 /// The length of an array map as the kernel has it (aya's `len` is the object's definition,
 /// which a reused pin need not match); `u32::MAX` (no bound of its own) when it cannot be read.
+/// The map writer's limits from the options and the maps (see [`MapWriter`]'s setters).
+#[derive(Debug)]
+struct WriterSettings {
+    maglev_table_size: Option<u32>,
+    capacity: crate::maps::map_writer::shares::Entries,
+    max_frontends_per_service: u32,
+    max_endpoints_per_service: u32,
+    backend_id_limit: u32,
+}
+
+impl WriterSettings {
+    fn configure(&self, writer: &mut MapWriter) {
+        // The Maglev table size first: the shares' Maglev unit follows it.
+        writer.set_maglev_table_size(self.maglev_table_size);
+        writer.set_shares(self.capacity, self.max_frontends_per_service);
+        writer.set_max_endpoints_per_service(self.max_endpoints_per_service);
+        writer.set_backend_id_limit(self.backend_id_limit);
+    }
+}
+
 fn array_len<V: aya::Pod>(array: &aya::maps::Array<aya::maps::MapData, V>) -> u32 {
     use aya::maps::IterableMap as _;
     match array.map().info() {

@@ -331,6 +331,7 @@ impl DriftReader {
             touched: None,
             endpoint_keys: None,
             uncounted_from: None,
+            staged: None,
         };
         let conntrack = match conntrack {
             Some((v4, v6)) => Some(ConntrackMaps {

@@ -671,6 +671,12 @@ impl MapWriter {
         }
     }
 
+    /// Nothing of this writer's is in the maps: no frontend, no generation waiting for its
+    /// grace (what a writer made anew over empty maps is, until its first apply).
+    pub fn is_empty(&self) -> bool {
+        self.frontends.is_empty() && self.retired.is_empty()
+    }
+
     /// The frontends whose last write did not fit in the maps, with their service ports.
     pub fn unfit(&self) -> &BTreeMap<FrontendKey, ServicePortName> {
         &self.unfit

@@ -67,7 +67,39 @@ pub(crate) struct ServiceMaps {
     /// empty (`None`: they were pinned by an earlier run): nothing to reset for them. A cold
     /// start hands out ids upwards, so its frontends skip the two writes a reset costs.
     pub(crate) uncounted_from: Option<u32>,
+    /// While a first fill is staged ([`ServiceMaps::begin_staging`]): its frontend, slot and
+    /// backend writes, held for large batches.
+    pub(crate) staged: Option<Staged>,
 }
+
+/// The frontend, slot and backend writes of a first fill (every map of ours empty before it),
+/// held back and written in large batches: one update call per frontend and one per
+/// frontend's slots were most of a cold start's first sync (a syscall each, about as dear as
+/// the update itself). Written in dependency order — backends, then slots, then frontends —
+/// so no frontend is in a map before what it refers to, as the map writer's protocol wants;
+/// every delete writes what is held first, so no delete overtakes an earlier write. The other
+/// maps (Maglev, source ranges, affinity matches, counters, port filter) are written at once:
+/// a frontend's entries there come before the frontend itself either way.
+#[derive(Default)]
+pub(crate) struct Staged {
+    backends4: Vec<(u32, Backend4)>,
+    backends6: Vec<(u32, Backend6)>,
+    slots: Vec<(BackendSlotKey, SlotBlock)>,
+    frontends4: Vec<(Frontend4Key, FrontendValue)>,
+    frontends6: Vec<(Frontend6Key, FrontendValue)>,
+    /// How much of each list (in the order above) is in the maps already.
+    written: [usize; 5],
+    /// The entries written at once meanwhile, taken out again if the fill fails.
+    maglev: Vec<MaglevKey>,
+    source_ranges: Vec<(u32, IpNet)>,
+    affinity_matches: Vec<AffinityMatchKey>,
+    /// The first write that failed: nothing more is written.
+    failed: Option<MapWriteError>,
+}
+
+/// Entries per batch call: bounds the kernel's time in one call, with the syscall's cost
+/// already spread thin.
+const STAGED_BATCH: usize = 8192;
 
 /// The LPM key of a frontend's source range: 32 bits of service id, then the prefix.
 pub(crate) fn source_range_key(service_id: u32, range: IpNet) -> Key<SourceRangeKey> {
@@ -90,6 +122,87 @@ pub(crate) fn source_range_of(key: &Key<SourceRangeKey>, v6: bool) -> Option<(u3
 }
 
 impl ServiceMaps {
+    /// Holds the frontend, slot and backend writes from now on, for [`ServiceMaps::finish_staging`]
+    /// (see [`Staged`]): only for a first fill, into maps that hold none of our entries.
+    pub(crate) fn begin_staging(&mut self) {
+        self.staged = Some(Staged::default());
+    }
+
+    /// Writes what is held and ends the staging. On an error every staged entry is taken out
+    /// of the maps again (they held none before) and the error returned: the caller writes
+    /// the fill again entry by entry, which names what does not fit.
+    pub(crate) fn finish_staging(&mut self) -> Result<(), MapWriteError> {
+        self.write_staged();
+        let Some(mut staged) = self.staged.take() else {
+            return Ok(());
+        };
+        let Some(error) = staged.failed.take() else {
+            return Ok(());
+        };
+        for (key, _) in &staged.frontends4 {
+            let _ = self.frontends4.remove(key);
+        }
+        for (key, _) in &staged.frontends6 {
+            let _ = self.frontends6.remove(key);
+        }
+        for (key, _) in &staged.slots {
+            let _ = self.slots.remove(key);
+        }
+        for (id, _) in &staged.backends4 {
+            let _ = self.backends4.set(*id, Backend4::default(), 0);
+        }
+        for (id, _) in &staged.backends6 {
+            let _ = self.backends6.set(*id, Backend6::default(), 0);
+        }
+        for key in &staged.maglev {
+            let _ = self.maglev.remove(key);
+        }
+        for &(service_id, range) in &staged.source_ranges {
+            let _ = self
+                .source_ranges
+                .remove(&source_range_key(service_id, range));
+        }
+        for key in &staged.affinity_matches {
+            let _ = self.affinity_match.remove(key);
+        }
+        Err(error)
+    }
+
+    /// Writes what is held and not yet written, in dependency order (see [`Staged`]).
+    fn write_staged(&mut self) {
+        let Some(staged) = &mut self.staged else {
+            return;
+        };
+        if staged.failed.is_some() {
+            return;
+        }
+        let result = (|| {
+            write_from(&mut staged.written[0], &staged.backends4, |chunk| {
+                update_array_all(&mut self.backends4, chunk)
+                    .map_err(|e| map_error(map_names::BACKENDS4, e))
+            })?;
+            write_from(&mut staged.written[1], &staged.backends6, |chunk| {
+                update_array_all(&mut self.backends6, chunk)
+                    .map_err(|e| map_error(map_names::BACKENDS6, e))
+            })?;
+            write_from(&mut staged.written[2], &staged.slots, |chunk| {
+                update_all(&mut self.slots, chunk)
+                    .map_err(|e| map_error(map_names::BACKEND_SLOTS, e))
+            })?;
+            write_from(&mut staged.written[3], &staged.frontends4, |chunk| {
+                update_all(&mut self.frontends4, chunk)
+                    .map_err(|e| map_error(map_names::FRONTENDS4, e))
+            })?;
+            write_from(&mut staged.written[4], &staged.frontends6, |chunk| {
+                update_all(&mut self.frontends6, chunk)
+                    .map_err(|e| map_error(map_names::FRONTENDS6, e))
+            })
+        })();
+        if let Err(error) = result {
+            staged.failed = Some(error);
+        }
+    }
+
     /// The id's `KPR_ENDPOINT_TRAFFIC` keys, from one walk of the map per apply. Exact for an
     /// id handed out: no frontend has it, so no program adds keys for it, and a frontend
     /// deleted since the walk drops the walk (`delete_frontend`).
@@ -147,6 +260,13 @@ impl MapOps for ServiceMaps {
             touched.frontend(key);
             touched.service(value.service_id);
         }
+        if let Some(staged) = &mut self.staged {
+            match key {
+                FrontendMapKey::V4(key) => staged.frontends4.push((key, value)),
+                FrontendMapKey::V6(key) => staged.frontends6.push((key, value)),
+            }
+            return Ok(());
+        }
         match key {
             FrontendMapKey::V4(key) => self
                 .frontends4
@@ -159,6 +279,7 @@ impl MapOps for ServiceMaps {
         }
     }
     fn delete_frontend(&mut self, key: FrontendMapKey) -> Result<(), MapWriteError> {
+        self.write_staged();
         // Its id goes free later; the programs may still count for it until then.
         self.endpoint_keys = None;
         if let Some(touched) = &mut self.touched {
@@ -177,6 +298,10 @@ impl MapOps for ServiceMaps {
         if let Some(touched) = &mut self.touched {
             touched.slot(key);
         }
+        if let Some(staged) = &mut self.staged {
+            staged.slots.push((key, block));
+            return Ok(());
+        }
         self.slots
             .insert(key, block, 0)
             .map_err(|e| map_error(map_names::BACKEND_SLOTS, e))
@@ -187,9 +312,14 @@ impl MapOps for ServiceMaps {
                 touched.slot(key);
             }
         }
+        if let Some(staged) = &mut self.staged {
+            staged.slots.extend_from_slice(slots);
+            return Ok(());
+        }
         update_all(&mut self.slots, slots).map_err(|e| map_error(map_names::BACKEND_SLOTS, e))
     }
     fn delete_slot(&mut self, key: BackendSlotKey) -> Result<(), MapWriteError> {
+        self.write_staged();
         if let Some(touched) = &mut self.touched {
             touched.slot(key);
         }
@@ -198,6 +328,13 @@ impl MapOps for ServiceMaps {
     fn put_backend(&mut self, id: u32, backend: BackendValue) -> Result<(), MapWriteError> {
         if let Some(touched) = &mut self.touched {
             touched.backend_value(id, &backend);
+        }
+        if let Some(staged) = &mut self.staged {
+            match backend {
+                BackendValue::V4(b) => staged.backends4.push((id, b)),
+                BackendValue::V6(b) => staged.backends6.push((id, b)),
+            }
+            return Ok(());
         }
         match backend {
             BackendValue::V4(b) => self
@@ -222,11 +359,17 @@ impl MapOps for ServiceMaps {
                 BackendValue::V6(b) => v6.push((id, b)),
             }
         }
+        if let Some(staged) = &mut self.staged {
+            staged.backends4.append(&mut v4);
+            staged.backends6.append(&mut v6);
+            return Ok(());
+        }
         update_array_all(&mut self.backends4, &v4)
             .map_err(|e| map_error(map_names::BACKENDS4, e))?;
         update_array_all(&mut self.backends6, &v6).map_err(|e| map_error(map_names::BACKENDS6, e))
     }
     fn delete_backend(&mut self, id: u32, backend: BackendValue) -> Result<(), MapWriteError> {
+        self.write_staged();
         if let Some(touched) = &mut self.touched {
             touched.backend(id);
         }
@@ -251,11 +394,15 @@ impl MapOps for ServiceMaps {
         if let Some(touched) = &mut self.touched {
             touched.affinity_match(key);
         }
+        if let Some(staged) = &mut self.staged {
+            staged.affinity_matches.push(key);
+        }
         self.affinity_match
             .insert(key, 1, 0)
             .map_err(|e| map_error(map_names::AFFINITY_MATCH, e))
     }
     fn delete_affinity_match(&mut self, key: AffinityMatchKey) -> Result<(), MapWriteError> {
+        self.write_staged();
         if let Some(touched) = &mut self.touched {
             touched.affinity_match(key);
         }
@@ -265,11 +412,15 @@ impl MapOps for ServiceMaps {
         if let Some(touched) = &mut self.touched {
             touched.source_ranges_of(service_id);
         }
+        if let Some(staged) = &mut self.staged {
+            staged.source_ranges.push((service_id, range));
+        }
         self.source_ranges
             .insert(&source_range_key(service_id, range), 1, 0)
             .map_err(|e| map_error(map_names::SOURCE_RANGES, e))
     }
     fn delete_source_range(&mut self, service_id: u32, range: IpNet) -> Result<(), MapWriteError> {
+        self.write_staged();
         if let Some(touched) = &mut self.touched {
             touched.source_ranges_of(service_id);
         }
@@ -283,11 +434,15 @@ impl MapOps for ServiceMaps {
         if let Some(touched) = &mut self.touched {
             touched.maglev(key);
         }
+        if let Some(staged) = &mut self.staged {
+            staged.maglev.push(key);
+        }
         self.maglev
             .insert(key, block, 0)
             .map_err(|e| map_error(map_names::MAGLEV, e))
     }
     fn delete_maglev(&mut self, key: MaglevKey) -> Result<(), MapWriteError> {
+        self.write_staged();
         if let Some(touched) = &mut self.touched {
             touched.maglev(key);
         }
@@ -431,6 +586,24 @@ impl ServiceMaps {
 
 /// A hash map refuses a new key with E2BIG when it holds `max_entries` already; an array an
 /// index past its end, with E2BIG from the kernel or `OutOfBounds` from aya's own check.
+/// Writes `entries` from `*written` on, in batches of [`STAGED_BATCH`], advancing `*written`
+/// past each batch written.
+fn write_from<E>(
+    written: &mut usize,
+    entries: &[E],
+    mut write: impl FnMut(&[E]) -> Result<(), MapWriteError>,
+) -> Result<(), MapWriteError> {
+    for chunk in entries
+        .get(*written..)
+        .unwrap_or_default()
+        .chunks(STAGED_BATCH)
+    {
+        write(chunk)?;
+        *written += chunk.len();
+    }
+    Ok(())
+}
+
 pub(crate) fn map_error(map: &'static str, error: aya::maps::MapError) -> MapWriteError {
     match &error {
         aya::maps::MapError::SyscallError(syscall)

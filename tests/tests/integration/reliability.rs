@@ -316,6 +316,71 @@ fn tiny_maps_report_the_services_that_do_not_fit_and_never_half_program_one() ->
 /// namespace's Service, created afterwards, is still programmed and answers, and the node
 /// stays healthy: what did not fit is the flooding tenant's problem, reported in the log
 /// naming its Service, and the agent's syncs keep succeeding.
+/// Pinned maps keep their size across restarts: an agent started on a node whose pinned
+/// frontend map (4 entries, from an earlier run with `--bpf-map-frontends 4` and no Services)
+/// is smaller than its own flag says (the default) writes its first fill in large batches,
+/// which the kernel refuses past the map's room. The fill is taken out of the maps again and
+/// written entry by entry, as every later sync writes: each Service is served whole or
+/// reported as not fitting (named in the log), never half-programmed, and the two whose
+/// frontends fit are served.
+#[test]
+fn a_first_fill_a_smaller_pinned_map_refuses_is_written_again_entry_by_entry() -> anyhow::Result<()>
+{
+    const SERVICES: u8 = 8;
+    let mut s = setup(4)?;
+    s.start_agent_with_args("ebpf", &["--bpf-map-frontends", "4"])?;
+    wait_for_first_sync(&mut s)?;
+    s.agent()?.stop()?;
+    for i in 0..SERVICES {
+        s.topo.add_decoy(capacity_ip(i), SERVICE_PORT)?;
+        let pods = [usize::from(i % 4) + 1, usize::from((i + 1) % 4) + 1];
+        write_service(&s, &format!("fill-{i}"), capacity_ip(i), &pods)?;
+    }
+    s.agent()?.restart_with_args(&[])?;
+    let deadline = Instant::now() + DATAPATH_TIMEOUT;
+    loop {
+        let log = s.agent()?.log_contents();
+        if log.contains("the first fill's batched map writes failed")
+            && log.contains("service ports that do not fit in the eBPF maps")
+        {
+            break;
+        }
+        anyhow::ensure!(
+            Instant::now() < deadline,
+            s.agent_error(format!(
+                "no refused first fill written again within {DATAPATH_TIMEOUT:?}"
+            ))
+        );
+        thread::sleep(Duration::from_millis(50));
+    }
+    let log = s.agent()?.log_contents();
+    let mut fitted = Vec::new();
+    for i in 0..SERVICES {
+        let target: SocketAddr = SocketAddrV4::new(capacity_ip(i), SERVICE_PORT).into();
+        let counts = tally(&s.cgroup_client().run(target, 12)?);
+        let pods = [i % 4 + 1, (i + 1) % 4 + 1].map(|p| format!("pod{p}"));
+        let all_pods = counts.keys().all(|k| pods.contains(k));
+        let all_decoy = counts.keys().map(String::as_str).eq(["untranslated"]);
+        s.ensure(all_pods || all_decoy, || {
+            format!("fill-{i} is half-programmed or inconsistent: {counts:?} (pods {pods:?})")
+        })?;
+        if all_pods {
+            fitted.push(i);
+        } else {
+            s.ensure(log.contains(&format!("default/fill-{i}:http")), || {
+                format!("the log does not name fill-{i}, which did not fit")
+            })?;
+        }
+    }
+    eprintln!("a 4-entry pinned frontend map under the default flag: fitted {fitted:?}");
+    // A ClusterIP takes two of the map's entries (the address as pods reach it, and as the
+    // external program sees it), and Services are written in name order.
+    s.ensure(fitted == [0, 1], || {
+        format!("expected the map's 4 entries to serve fill-0 and fill-1, fitted {fitted:?}")
+    })?;
+    Ok(())
+}
+
 #[test]
 fn one_namespace_flooding_the_frontend_map_leaves_room_for_others() -> anyhow::Result<()> {
     let mut s = setup(1)?;
