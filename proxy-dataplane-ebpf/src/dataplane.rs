@@ -137,6 +137,10 @@ pub struct EbpfDataplane {
     pub(super) names: HashMap<MapData, u32, ServiceName>,
     /// Every name in `names` was checked once (see [`EbpfDataplane::write_service_names`]).
     names_reconciled: bool,
+    /// A restart on pinned maps: if the first sync is a full one that changes no frontend, the
+    /// names stay as the previous agent wrote them beside the adopted frontends, and the first
+    /// periodic pass checks them (see [`EbpfDataplane::apply`]).
+    names_deferred: bool,
     pub(super) stats: PerCpuArray<MapData, u64>,
     pub(super) map_writer: MapWriter,
     /// The map writer's limits, for a writer made anew (see `apply_service_maps`).
@@ -504,6 +508,7 @@ impl EbpfDataplane {
             names,
             stats,
             names_reconciled: false,
+            names_deferred: adopting,
             map_writer,
             writer_settings,
             capacity_errors: 0,
@@ -630,7 +635,16 @@ impl EbpfDataplane {
         // A full pass that wrote nothing changed no service id: the names were checked by an
         // earlier one. Checking them is a lookup per id and a walk of the map (200k syscalls
         // at 50k Services, most of a periodic resync, which holds up the changes behind it).
-        if changed.is_some() || summary.changed_frontends() || !self.names_reconciled {
+        // After a restart, a first full sync that changed nothing found every frontend where
+        // the previous agent left it, with the name it wrote beside it: reading every name
+        // back (a third of that sync at 50k Services) waits for the first periodic pass, not
+        // the agent's readiness. The names are only `inspect`'s.
+        let names_deferred = std::mem::take(&mut self.names_deferred)
+            && changed.is_none()
+            && !summary.changed_frontends();
+        if !names_deferred
+            && (changed.is_some() || summary.changed_frontends() || !self.names_reconciled)
+        {
             self.write_service_names(snapshot, changed);
         }
         (summary, errors)
