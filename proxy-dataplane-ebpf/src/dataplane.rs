@@ -1466,8 +1466,6 @@ fn frontend_kind(snapshot: &Snapshot, name: &ServicePortName, key: &FrontendKey)
         .map_or(0, |port| FrontendKind::of(port, key).code())
 }
 
-/// The length of an array map as the kernel has it (aya's `len` is the object's definition,
-/// which a reused pin need not match); `u32::MAX` (no bound of its own) when it cannot be read.
 /// The map writer's limits from the options and the maps (see [`MapWriter`]'s setters).
 #[derive(Debug)]
 struct WriterSettings {
@@ -1488,6 +1486,8 @@ impl WriterSettings {
     }
 }
 
+/// The length of an array map as the kernel has it (aya's `len` is the object's definition,
+/// which a reused pin need not match); `u32::MAX` (no bound of its own) when it cannot be read.
 fn array_len<V: aya::Pod>(array: &aya::maps::Array<aya::maps::MapData, V>) -> u32 {
     use aya::maps::IterableMap as _;
     match array.map().info() {
