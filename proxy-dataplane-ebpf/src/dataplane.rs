@@ -145,6 +145,9 @@ pub struct EbpfDataplane {
     pub(super) map_writer: MapWriter,
     /// The map writer's limits, for a writer made anew (see `apply_service_maps`).
     writer_settings: WriterSettings,
+    /// A first fill's batches were refused once: later fills (a writer that nothing fitted
+    /// stays empty) go entry by entry from the start.
+    fill_unbatched: bool,
     /// Frontend writes refused because a map was full, since start (a counter for metrics).
     pub(super) capacity_errors: u64,
     /// `max_entries` of the maps the map_writer fills, by pinned name.
@@ -511,6 +514,7 @@ impl EbpfDataplane {
             names_deferred: adopting,
             map_writer,
             writer_settings,
+            fill_unbatched: false,
             capacity_errors: 0,
             capacities,
             pin_dir,
@@ -758,7 +762,7 @@ impl EbpfDataplane {
     ) -> (ApplySummary, Vec<ApplyError>) {
         // A first fill (a cold start, rebuilt maps): none of the writer's entries are in the
         // maps, so every write is a new key, staged and written in large batches.
-        if !self.map_writer.is_empty() {
+        if self.fill_unbatched || !self.map_writer.is_empty() {
             return self
                 .map_writer
                 .apply_snapshot(snapshot, changed, &mut self.maps);
@@ -773,6 +777,7 @@ impl EbpfDataplane {
         // The maps are empty again: the fill is written anew, write by write, which gives
         // each frontend's error to its own frontend.
         warn!(%error, "the first fill's batched map writes failed; writing it entry by entry");
+        self.fill_unbatched = true;
         let mut writer = MapWriter::default();
         self.writer_settings.configure(&mut writer);
         self.map_writer = writer;
