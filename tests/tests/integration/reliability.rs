@@ -230,6 +230,38 @@ fn capacity_ip(i: u8) -> Ipv4Addr {
     Ipv4Addr::new(10, 96, 1, 10 + i)
 }
 
+/// Services `{prefix}-0` … `{prefix}-{count - 1}` (Service i on [`capacity_ip`] with pods
+/// `i % 4 + 1` and `(i + 1) % 4 + 1`), each classified by real traffic as served whole by its
+/// pods or not at all (its decoy answers): the ones served, and the others, which the agent's
+/// log must name. A mix of the two is a half-programmed Service: an error.
+fn served_or_named(
+    s: &mut Scenario,
+    prefix: &str,
+    count: u8,
+) -> anyhow::Result<(Vec<u8>, Vec<u8>)> {
+    let log = s.agent()?.log_contents();
+    let (mut fitted, mut unfit) = (Vec::new(), Vec::new());
+    for i in 0..count {
+        let target: SocketAddr = SocketAddrV4::new(capacity_ip(i), SERVICE_PORT).into();
+        let counts = tally(&s.cgroup_client().run(target, 12)?);
+        let pods = [i % 4 + 1, (i + 1) % 4 + 1].map(|p| format!("pod{p}"));
+        let all_pods = counts.keys().all(|k| pods.contains(k));
+        let all_decoy = counts.keys().map(String::as_str).eq(["untranslated"]);
+        s.ensure(all_pods || all_decoy, || {
+            format!("{prefix}-{i} is half-programmed or inconsistent: {counts:?} (pods {pods:?})")
+        })?;
+        if all_pods {
+            fitted.push(i);
+        } else {
+            unfit.push(i);
+            s.ensure(log.contains(&format!("default/{prefix}-{i}:http")), || {
+                format!("the log does not name {prefix}-{i}, which did not fit")
+            })?;
+        }
+    }
+    Ok((fitted, unfit))
+}
+
 #[test]
 fn tiny_maps_report_the_services_that_do_not_fit_and_never_half_program_one() -> anyhow::Result<()>
 {
@@ -258,27 +290,8 @@ fn tiny_maps_report_the_services_that_do_not_fit_and_never_half_program_one() ->
         ) == 8.0
     })?;
     // The warnings naming what did not fit are logged before the fill levels are recorded.
+    let (fitted, unfit) = served_or_named(&mut s, "cap", SERVICES)?;
     let log = s.agent()?.log_contents();
-    let mut fitted = Vec::new();
-    let mut unfit = Vec::new();
-    for i in 0..SERVICES {
-        let target: SocketAddr = SocketAddrV4::new(capacity_ip(i), SERVICE_PORT).into();
-        let counts = tally(&s.cgroup_client().run(target, 12)?);
-        let pods = [i % 4 + 1, (i + 1) % 4 + 1].map(|p| format!("pod{p}"));
-        let all_pods = counts.keys().all(|k| pods.contains(k));
-        let all_decoy = counts.keys().map(String::as_str).eq(["untranslated"]);
-        s.ensure(all_pods || all_decoy, || {
-            format!("cap-{i} is half-programmed or inconsistent: {counts:?} (pods {pods:?})")
-        })?;
-        if all_pods {
-            fitted.push(i);
-        } else {
-            unfit.push(i);
-            s.ensure(log.contains(&format!("default/cap-{i}:http")), || {
-                format!("the log does not name cap-{i}, which did not fit")
-            })?;
-        }
-    }
     eprintln!(
         "tiny maps (8 frontends, 8 slots/backends), {SERVICES} Services of 2 endpoints: fitted \
          {fitted:?}, did not fit {unfit:?}"
@@ -353,25 +366,7 @@ fn a_first_fill_a_smaller_pinned_map_refuses_is_written_again_entry_by_entry() -
         );
         thread::sleep(Duration::from_millis(50));
     }
-    let log = s.agent()?.log_contents();
-    let mut fitted = Vec::new();
-    for i in 0..SERVICES {
-        let target: SocketAddr = SocketAddrV4::new(capacity_ip(i), SERVICE_PORT).into();
-        let counts = tally(&s.cgroup_client().run(target, 12)?);
-        let pods = [i % 4 + 1, (i + 1) % 4 + 1].map(|p| format!("pod{p}"));
-        let all_pods = counts.keys().all(|k| pods.contains(k));
-        let all_decoy = counts.keys().map(String::as_str).eq(["untranslated"]);
-        s.ensure(all_pods || all_decoy, || {
-            format!("fill-{i} is half-programmed or inconsistent: {counts:?} (pods {pods:?})")
-        })?;
-        if all_pods {
-            fitted.push(i);
-        } else {
-            s.ensure(log.contains(&format!("default/fill-{i}:http")), || {
-                format!("the log does not name fill-{i}, which did not fit")
-            })?;
-        }
-    }
+    let (fitted, _) = served_or_named(&mut s, "fill", SERVICES)?;
     eprintln!("a 4-entry pinned frontend map under the default flag: fitted {fitted:?}");
     // A ClusterIP takes two of the map's entries (the address as pods reach it, and as the
     // external program sees it), and Services are written in name order.
