@@ -139,10 +139,10 @@ fn established<const V6: bool>(ctx: &XdpContext) -> u32 {
         return XDP_PASS;
     }
     // Where it goes, before anything changes: what XDP cannot send on, tc gets as it came.
-    if next_hop(ctx, pkt, value).is_none() {
+    let Some(ip_len) = next_hop(ctx, pkt, value) else {
         bump(StatIndex::XdpPassedToTc);
         return XDP_PASS;
-    }
+    };
     // The conntrack state as tc keeps it.
     if reply {
         if conntrack::reply_seen::<V6>(key, value, pkt, now) {
@@ -154,7 +154,7 @@ fn established<const V6: bool>(ctx: &XdpContext) -> u32 {
     // Counted as tc counts it (a packet XDP sends on never reaches tc).
     count(
         ctx,
-        V6,
+        ip_len,
         value.service_id,
         if reply {
             TrafficDirection::Reply
@@ -186,15 +186,15 @@ fn claim_redirect(target: u32) -> bool {
 }
 
 /// Counts a packet XDP translates, as `traffic::count_tc_packet` does in tc: one packet (XDP
-/// sees no GRO), its IP bytes; service id 0: not counted. Not inlined, for the verifier (see
-/// there).
+/// sees no GRO), its IP bytes; service id 0: not counted. `ip_len` is the IP header's length
+/// of the packet, as `next_hop` read it. Not inlined, for the verifier (see there).
 #[inline(never)]
-fn count(ctx: &XdpContext, v6: bool, service_id: u32, direction: TrafficDirection) {
+fn count(ctx: &XdpContext, ip_len: u32, service_id: u32, direction: TrafficDirection) {
     if service_id == 0 {
         return;
     }
     let bytes =
-        u32::try_from(frame_len(ctx, v6).saturating_sub(ETH_HLEN as u64)).unwrap_or(u32::MAX);
+        u32::try_from(frame_len(ctx, ip_len).saturating_sub(ETH_HLEN as u64)).unwrap_or(u32::MAX);
     traffic::count_packet(service_id, direction, 1, bytes);
 }
 
@@ -206,19 +206,26 @@ fn count(ctx: &XdpContext, v6: bool, service_id: u32, direction: TrafficDirectio
 /// `bpf_xdp_get_buff_len`: a helper call is tens of nanoseconds on a CPU that returns through
 /// a mitigation thunk, a twentieth of the established path.
 #[inline(always)]
-fn frame_len(ctx: &XdpContext, v6: bool) -> u64 {
-    let first = ctx.data_end().saturating_sub(ctx.data());
-    // IPv4's total length, or IPv6's payload length after its fixed header.
-    let ip = if v6 {
-        load::<u16, _>(ctx, ETH_HLEN + 4).map(|len| usize::from(u16::from_be(len)) + 40)
+fn frame_len(ctx: &XdpContext, ip_len: u32) -> u64 {
+    let first = ctx.data_end().saturating_sub(ctx.data()) as u64;
+    if ETH_HLEN as u64 + u64::from(ip_len) <= first {
+        first
     } else {
-        load::<u16, _>(ctx, ETH_HLEN + 2).map(|len| usize::from(u16::from_be(len)))
-    };
-    match ip {
-        Some(ip) if ETH_HLEN + ip <= first => first as u64,
         // SAFETY: the context pointer is the program's own xdp_md.
-        _ => unsafe { bpf_xdp_get_buff_len(ctx.ctx) },
+        unsafe { bpf_xdp_get_buff_len(ctx.ctx) }
     }
+}
+
+/// The IP packet's length from its header: IPv4's total length, or IPv6's payload length
+/// after its fixed header (not wrapped at 16 bits: a payload near 64 KiB is longer than any
+/// MTU, not shorter).
+#[inline(always)]
+fn ip_length(ctx: &XdpContext, v6: bool) -> Option<u32> {
+    Some(if v6 {
+        u32::from(u16::from_be(load::<u16, _>(ctx, ETH_HLEN + 4)?)) + 40
+    } else {
+        u32::from(u16::from_be(load::<u16, _>(ctx, ETH_HLEN + 2)?))
+    })
 }
 
 /// Tail-calls the family's `first_packet` program (`KPR_XDP_NEW_FLOW_FRAGS`); to tc, counted as a
@@ -304,16 +311,11 @@ fn send_first_packet(ctx: &XdpContext, pkt: &Packet) -> u32 {
     // forward tuple in `forward`, which `next_hop` and `rewrite` only read (they write `fib`).
     let forward = unsafe { &(*scratch).forward };
     // The flow's entries are written: a packet XDP cannot send on is tc's later packet.
-    if next_hop(ctx, pkt, forward).is_none() {
+    let Some(ip_len) = next_hop(ctx, pkt, forward) else {
         bump(StatIndex::XdpPassedToTc);
         return XDP_PASS;
-    }
-    count(
-        ctx,
-        pkt.is_v6(),
-        forward.service_id,
-        TrafficDirection::Forward,
-    );
+    };
+    count(ctx, ip_len, forward.service_id, TrafficDirection::Forward);
     if rewrite(ctx, pkt, forward).is_none() {
         bump(StatIndex::XdpRewriteFailed);
         return XDP_DROP;
@@ -384,9 +386,10 @@ fn checksum_partial<const V6: bool>(ctx: &XdpContext, pkt: &Packet) -> bool {
 /// the flow's conntrack entry keeps while valid (as tc's fast path, `nat::next_hop`), else the
 /// fib lookup's (only `SUCCESS`, a resolved neighbour), which the entry then keeps; or for a
 /// reply whose route leaves elsewhere the interface its client's packets come in on (as
-/// `nat::leave_by_ingress`). `None` (nothing claimed) unless it is in `KPR_XDP_TARGETS`.
+/// `nat::leave_by_ingress`). `None` (nothing claimed) unless it is in `KPR_XDP_TARGETS`;
+/// else the IP packet's length (`ip_length`), which `count` needs too.
 #[inline(always)]
-fn next_hop(ctx: &XdpContext, pkt: &Packet, to: &CtValue) -> Option<()> {
+fn next_hop(ctx: &XdpContext, pkt: &Packet, to: &CtValue) -> Option<u32> {
     let scratch = scratch()?;
     // SAFETY: the per-CPU slot is ours until the program ends; `fib` is only used here and by
     // `rewrite`, after this.
@@ -394,11 +397,8 @@ fn next_hop(ctx: &XdpContext, pkt: &Packet, to: &CtValue) -> Option<()> {
     // With the packet's length the lookup checks the next hop's MTU (XDP frames are never
     // aggregates): one too big is tc's, which answers it as a router would. The IP header's
     // length, not the first buffer's (a jumbo frame's spans several).
-    let length = if pkt.is_v6() {
-        u16::from_be(load::<u16, _>(ctx, ETH_HLEN + 4)?).wrapping_add(40)
-    } else {
-        u16::from_be(load::<u16, _>(ctx, ETH_HLEN + 2)?)
-    };
+    let ip_len = ip_length(ctx, pkt.is_v6())?;
+    let length = u16::try_from(ip_len).unwrap_or(u16::MAX);
     let generation = KPR_ROUTE_GENERATION.get(0).copied().unwrap_or(0);
     let hop = &to.next_hop;
     let mut target = if hop.kept_under(generation, to.last_seen_ns) && length <= hop.mtu {
@@ -440,7 +440,7 @@ fn next_hop(ctx: &XdpContext, pkt: &Packet, to: &CtValue) -> Option<()> {
         target = to.out_ifindex;
         bump(StatIndex::TcReplyViaIngress);
     }
-    claim_redirect(target).then_some(())
+    claim_redirect(target).then_some(ip_len)
 }
 
 /// Rewrites `pkt` to the tuple in `to` (both halves, as tc's fast path), checksums by RFC 1624,
