@@ -43,7 +43,7 @@ use crate::{
     maps::map_sizes::{LruBudget, LruSizes},
     maps::map_writer::{CopyStep, RecordCopying},
     maps::port_filter::PortFilterMap,
-    maps::service_maps::{ServiceMaps, ignore_missing},
+    maps::service_maps::{BackendArrays, ServiceMaps, ignore_missing},
     maps::touched_keys::Touched,
     options::EbpfOptions,
     stats::read_stats,
@@ -444,7 +444,10 @@ impl EbpfDataplane {
             }
         };
         let mut map_writer = if adopting {
-            MapWriter::adopt(maps.content(&mut BatchReader::default()), &mut maps)
+            MapWriter::adopt(
+                maps.content(&mut BatchReader::default(), BackendArrays::NamedBySlots),
+                &mut maps,
+            )
         } else {
             MapWriter::default()
         };

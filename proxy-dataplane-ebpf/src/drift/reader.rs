@@ -30,7 +30,7 @@ use crate::{
     drift::{Drift, DriftKind, Keyed},
     error::EbpfError,
     maps::map_writer::{RecordCopy, RecordCopying},
-    maps::service_maps::ServiceMaps,
+    maps::service_maps::{BackendArrays, ServiceMaps},
     maps::touched_keys::Touched,
 };
 use proxy_kernel::bpf::map_batch::{BatchReader, read_all};
@@ -361,7 +361,7 @@ impl DriftReader {
 
     /// Reads everything (blocking: hundreds of milliseconds at 50k Services).
     pub fn read(mut self) -> DriftReading {
-        let found = self.maps.content(&mut self.batch);
+        let found = self.maps.content(&mut self.batch, BackendArrays::Whole);
         let mut reading = DriftReading {
             found,
             ..DriftReading::default()

@@ -28,7 +28,7 @@ use crate::{
     maps::touched_keys::Touched,
 };
 use proxy_kernel::bpf::{
-    map_batch::{BatchReader, read_all, read_array, update_all, update_array_all},
+    map_batch::{BatchReader, read_all, read_array_below, update_all, update_array_all},
     sockdiag::DiagSocket,
 };
 
@@ -463,8 +463,9 @@ impl MapOps for ServiceMaps {
 impl ServiceMaps {
     /// Everything in the service maps, for [`MapWriter::adopt`] and the drift check: the hash
     /// maps in batches (`map_batch`), the LPM trie entry by entry (the kernel has no batch
-    /// lookup for it). Entries deleted under an entry-by-entry walk are skipped.
-    pub(crate) fn content(&self, reader: &mut BatchReader) -> MapsContent {
+    /// lookup for it), the backend arrays as `arrays` says. Entries deleted under an
+    /// entry-by-entry walk are skipped.
+    pub(crate) fn content(&self, reader: &mut BatchReader, arrays: BackendArrays) -> MapsContent {
         let mut content = MapsContent::default();
         let mut frontends4 = Vec::new();
         read_all(
@@ -501,20 +502,23 @@ impl ServiceMaps {
         let mut maglev = Vec::new();
         read_all(&self.maglev, reader, map_names::MAGLEV, &mut maglev);
         content.maglev = maglev.into_iter().collect();
-        // Every index of the arrays is read; only those holding a backend are entries.
+        // Only the indices holding a backend are entries.
+        let (end4, end6) = arrays.ends(&content);
         let mut backends4 = Vec::new();
-        read_array(
+        read_array_below(
             &self.backends4,
             reader,
             map_names::BACKENDS4,
+            end4,
             BackendEntry::in_use,
             &mut backends4,
         );
         let mut backends6 = Vec::new();
-        read_array(
+        read_array_below(
             &self.backends6,
             reader,
             map_names::BACKENDS6,
+            end6,
             BackendEntry::in_use,
             &mut backends6,
         );
@@ -580,6 +584,48 @@ impl ServiceMaps {
                 })
             }
             _ => false,
+        }
+    }
+}
+
+/// How much of the backend arrays [`ServiceMaps::content`] reads. An array has every index
+/// up to its length (`--bpf-map-backends`, 524k with the benchmark's flags), and reading all
+/// of both families' took a restart at 50k Services a third of a second for 100k backends.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum BackendArrays {
+    /// Every index: the drift check reports (and removes) backends no slot names too.
+    Whole,
+    /// The indices up to the highest backend id a slot read holds, in the arrays of the
+    /// families frontends were read for: all an adopted record can reach. A backend past it is
+    /// neither read nor removed as an orphan; no slot names it, and an id handed out again is
+    /// written before any slot names it (backends, then slots, then frontends).
+    NamedBySlots,
+}
+
+impl BackendArrays {
+    /// The end (exclusive) of the indices to read in the IPv4 and the IPv6 array, given the
+    /// frontends and slots already read.
+    fn ends(self, content: &MapsContent) -> (u32, u32) {
+        match self {
+            Self::Whole => (u32::MAX, u32::MAX),
+            Self::NamedBySlots => {
+                let end = content
+                    .slots
+                    .values()
+                    .flat_map(|block| block.backend_ids)
+                    .max()
+                    .map_or(0, |highest| highest.saturating_add(1));
+                let has = |v6: bool| {
+                    content
+                        .frontends
+                        .iter()
+                        .any(|(key, _)| matches!(key, FrontendMapKey::V6(_)) == v6)
+                };
+                (
+                    if has(false) { end } else { 0 },
+                    if has(true) { end } else { 0 },
+                )
+            }
         }
     }
 }

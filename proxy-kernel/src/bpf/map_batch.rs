@@ -108,6 +108,17 @@ impl BatchReader {
         map: &MapData,
         out: &mut Vec<(K, V)>,
     ) -> Result<(), BatchError> {
+        self.read_first(map, usize::MAX, out)
+    }
+
+    /// Replaces `out` with the first `limit` entries of `map` (or all, if it has fewer), in
+    /// the kernel's order: an array's, from index 0.
+    fn read_first<K: Pod, V: Pod>(
+        &mut self,
+        map: &MapData,
+        limit: usize,
+        out: &mut Vec<(K, V)>,
+    ) -> Result<(), BatchError> {
         out.clear();
         let info = map.info()?;
         let (key_size, value_size) = (size_of::<K>(), size_of::<V>());
@@ -125,6 +136,10 @@ impl BatchReader {
         let mut capacity = ENTRIES_PER_CALL;
         let mut first = true;
         loop {
+            let wanted = limit.saturating_sub(out.len()).min(capacity);
+            if wanted == 0 {
+                return Ok(());
+            }
             self.keys.resize(capacity * key_size, 0);
             self.values.resize(capacity * value_size, 0);
             let mut attr = BatchAttr {
@@ -138,7 +153,7 @@ impl BatchReader {
                 out_batch: self.out_batch.as_mut_ptr() as u64,
                 keys: self.keys.as_mut_ptr() as u64,
                 values: self.values.as_mut_ptr() as u64,
-                count: u32::try_from(capacity).unwrap_or(u32::MAX),
+                count: u32::try_from(wanted).unwrap_or(u32::MAX),
                 map_fd: u32::try_from(map.fd().as_fd().as_raw_fd()).unwrap_or(u32::MAX),
                 elem_flags: 0,
                 flags: 0,
@@ -150,7 +165,7 @@ impl BatchReader {
             let result = unsafe { lookup_batch(&mut attr) };
             // The kernel sets `count` to the entries it copied, also with ENOENT (the last
             // batch); never more than it was given, which the buffers hold.
-            let filled = (attr.count as usize).min(capacity);
+            let filled = (attr.count as usize).min(wanted);
             match result {
                 Ok(()) => {}
                 Err(e) if e.raw_os_error() == Some(libc::ENOENT) => {
@@ -244,8 +259,21 @@ pub fn read_array<T: Borrow<MapData>, V: Pod>(
     keep: impl Fn(&V) -> bool,
     out: &mut Vec<(u32, V)>,
 ) {
+    read_array_below(map, reader, name, map.len(), keep, out);
+}
+
+/// [`read_array`] of the indices below `end` only (all of them if the array is shorter).
+pub fn read_array_below<T: Borrow<MapData>, V: Pod>(
+    map: &Array<T, V>,
+    reader: &mut BatchReader,
+    name: &'static str,
+    end: u32,
+    keep: impl Fn(&V) -> bool,
+    out: &mut Vec<(u32, V)>,
+) {
+    let end = end.min(map.len());
     if !reader.entry_by_entry {
-        match reader.read(map.map(), out) {
+        match reader.read_first(map.map(), end as usize, out) {
             Ok(()) => {
                 out.retain(|(_, value)| keep(value));
                 return;
@@ -258,7 +286,7 @@ pub fn read_array<T: Borrow<MapData>, V: Pod>(
     }
     out.clear();
     out.extend(
-        (0..map.len())
+        (0..end)
             .filter_map(|index| Some((index, map.get(&index, 0).ok()?)))
             .filter(|(_, value)| keep(value)),
     );

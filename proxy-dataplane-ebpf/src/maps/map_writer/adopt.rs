@@ -6,10 +6,16 @@ use super::*;
 impl MapWriter {
     /// Rebuilds the record from maps a previous agent left behind, and removes what no live
     /// frontend can reach (slots of an interrupted update, orphan backends and match entries).
-    pub fn adopt(content: MapsContent, maps: &mut impl MapOps) -> Self {
+    pub fn adopt(mut content: MapsContent, maps: &mut impl MapOps) -> Self {
+        // In service id order, the slot blocks are looked up in their own order and the
+        // backends (ids handed out as the frontends were first written) nearly so: at 100k
+        // frontends, lookups that follow the trees' order instead of hash order.
+        content
+            .frontends
+            .sort_unstable_by_key(|(_, value)| value.service_id);
         let mut map_writer = MapWriter::default();
         map_writer.backends.reserve(content.backends.len());
-        let mut live_slots = BTreeSet::new();
+        let mut live_slots = Vec::with_capacity(content.slots.len());
         let mut live_matches = BTreeSet::new();
         let mut live_maglev = BTreeSet::new();
         let mut dropped = 0usize;
@@ -27,37 +33,32 @@ impl MapWriter {
                 dropped += 1;
                 continue;
             };
-            let mut slots = Vec::new();
+            let count = usize::from(value.backend_count);
+            let mut slots = Vec::with_capacity(count);
             let mut damaged = false;
-            for slot in 0..usize::from(value.backend_count) {
+            // A block at a time: one lookup for its (up to) eight slots.
+            for (block, first) in (0..count).step_by(SLOT_BLOCK_SLOTS as usize).enumerate() {
                 let slot_key = BackendSlotKey {
                     service_id: value.service_id,
-                    block: (slot / SLOT_BLOCK_SLOTS as usize) as u16,
+                    block: block as u16,
                     generation: value.generation,
                     _pad: 0,
                 };
-                let backend = content
-                    .slots
-                    .get(&slot_key)
-                    .and_then(|block| block.backend_ids.get(slot % SLOT_BLOCK_SLOTS as usize))
-                    .and_then(|id| Some((*id, *content.backends.get(id)?)));
-                match backend {
+                let Some(ids) = content.slots.get(&slot_key) else {
+                    damaged = true;
+                    continue;
+                };
+                // A damaged frontend's blocks are all deleted below, live or not.
+                live_slots.push(slot_key);
+                let in_block = (count - first).min(SLOT_BLOCK_SLOTS as usize);
+                for &id in ids.backend_ids.iter().take(in_block) {
                     // A backend value under a second id (maps no writer of ours leaves) is
                     // known by its first: the slot counts as missing, so the frontend is
                     // rewritten, and the second id is removed with the orphans.
-                    Some((id, backend))
-                        if map_writer
-                            .backends
-                            .id_of(&backend)
-                            .is_none_or(|known| known == id) =>
-                    {
-                        live_slots.insert(slot_key);
-                        slots.push(id);
-                        if map_writer.backends.hold(&backend).is_none() {
-                            map_writer.backends.insert(backend, id);
-                        }
+                    match content.backends.get(&id) {
+                        Some(&backend) if map_writer.backends.adopt(backend, id) => slots.push(id),
+                        _ => damaged = true,
                     }
-                    _ => damaged = true,
                 }
             }
             let maglev_incomplete = !maglev_complete(&value, &content.maglev, &slots);
@@ -102,8 +103,11 @@ impl MapWriter {
             .map(|f| f.value.service_id)
             .collect();
         let mut cleaned = 0usize;
+        live_slots.sort_unstable();
         for slot in content.slots.keys() {
-            if !live_slots.contains(slot) || damaged_services.contains(&slot.service_id) {
+            if live_slots.binary_search(slot).is_err()
+                || damaged_services.contains(&slot.service_id)
+            {
                 cleaned += usize::from(maps.delete_slot(*slot).is_ok());
             }
         }
@@ -112,9 +116,8 @@ impl MapWriter {
                 cleaned += usize::from(maps.delete_maglev(*key).is_ok());
             }
         }
-        let used_ids: BTreeSet<u32> = map_writer.backends.iter().map(|(id, _)| id).collect();
         for (id, backend) in &content.backends {
-            if !used_ids.contains(id) {
+            if map_writer.backends.value_of(*id).is_none() {
                 cleaned += usize::from(maps.delete_backend(*id, *backend).is_ok());
             }
         }
@@ -133,7 +136,8 @@ impl MapWriter {
         }
         map_writer.service_ids =
             IdAllocator::with_used(map_writer.frontends.values().map(|f| f.value.service_id));
-        map_writer.backend_ids = IdAllocator::with_used(used_ids);
+        map_writer.backend_ids =
+            IdAllocator::with_used(map_writer.backends.iter().map(|(id, _)| id));
         info!(
             frontends = map_writer.frontends.len(),
             backends = map_writer.backends.len(),

@@ -7,7 +7,7 @@ use aya::maps::{Array, HashMap, IterableMap, Map, MapData};
 use proxy_common::BackendSlotKey;
 
 use crate::bpf::map_batch::{
-    BatchError, BatchReader, read_all, read_array, update_all, update_array_all,
+    BatchError, BatchReader, read_all, read_array, read_array_below, update_all, update_array_all,
 };
 
 const BPF_MAP_CREATE: libc::c_long = 0;
@@ -220,6 +220,13 @@ fn arrays_are_written_in_a_batch_and_read_back_without_their_empty_elements() {
         let mut read = Vec::new();
         read_array(&array, &mut reader, "test", |v| *v != 0, &mut read);
         assert_eq!(read, written, "entry by entry: {entry_by_entry}");
+        // Below an index past one batch call's worth, and past the array's end.
+        for end in [0, 1, 4097, 4500, 5000, 9000] {
+            read_array_below(&array, &mut reader, "test", end, |v| *v != 0, &mut read);
+            let below: Vec<(u32, u64)> =
+                written.iter().copied().filter(|(i, _)| *i < end).collect();
+            assert_eq!(read, below, "below {end}, entry by entry: {entry_by_entry}");
+        }
     }
     let past_the_end = update_array_all(&mut array, &[(4999, 1), (5000, 2)]);
     assert!(past_the_end.is_err(), "{past_the_end:?}");

@@ -78,6 +78,34 @@ impl BackendTable {
         Some(id)
     }
 
+    /// One more user of `backend` under `id` (an adopted slot's): added with its first user if
+    /// the table does not have it; `false` (nothing changed) if it has it under another id.
+    /// One hash of the value where [`Self::id_of`] then [`Self::hold`] or [`Self::insert`]
+    /// took two or three: an adoption does this for every slot in the maps.
+    pub(in crate::maps::map_writer) fn adopt(&mut self, backend: BackendValue, id: u32) -> bool {
+        let hash = self.hasher.hash_one(backend);
+        let by_id = &self.by_id;
+        let known = self
+            .ids
+            .find(hash, |&other| {
+                by_id.get(other).is_some_and(|held| held.value == backend)
+            })
+            .copied();
+        match known {
+            Some(known) if known != id => false,
+            Some(_) => {
+                if let Some(held) = self.by_id.get_mut(id) {
+                    held.users = held.users.saturating_add(1);
+                }
+                true
+            }
+            None => {
+                self.insert_hashed(hash, backend, id);
+                true
+            }
+        }
+    }
+
     /// Room for `additional` more backends in the id lookup, so that a full apply into an
     /// empty table does not grow it (rehashing every id it holds) a dozen times over.
     pub(in crate::maps::map_writer) fn reserve(&mut self, additional: usize) {
@@ -93,10 +121,15 @@ impl BackendTable {
 
     /// Adds `backend`, not in the table, under `id`, which no backend has, with one user.
     pub(in crate::maps::map_writer) fn insert(&mut self, backend: BackendValue, id: u32) {
+        self.insert_hashed(self.hasher.hash_one(backend), backend, id);
+    }
+
+    /// [`Self::insert`] with the value's hash already taken.
+    fn insert_hashed(&mut self, hash: u64, backend: BackendValue, id: u32) {
         let Self {
             by_id, ids, hasher, ..
         } = self;
-        ids.insert_unique(hasher.hash_one(backend), id, |&other| {
+        ids.insert_unique(hash, id, |&other| {
             by_id
                 .get(other)
                 .map_or(0, |held| hasher.hash_one(held.value))
@@ -182,5 +215,23 @@ mod tests {
         assert_eq!((table.id_of(&pod(200)), table.value_of(1400)), (None, None));
         assert_eq!(table.release_id(1400), None, "gone");
         assert_eq!(table.len(), 198);
+    }
+
+    #[test]
+    fn an_adopted_backend_is_added_once_held_again_under_its_id_and_refused_under_another() {
+        let mut table = BackendTable::default();
+        assert!(table.adopt(pod(1), 5), "added");
+        assert!(table.adopt(pod(1), 5), "a second slot of it");
+        assert!(!table.adopt(pod(1), 6), "the same value under a second id");
+        assert_eq!((table.len(), table.value_of(6)), (1, None));
+        assert!(table.adopt(pod(2), 6));
+        assert_eq!(table.release_id(5), None, "one user is left");
+        assert_eq!(table.release_id(5), Some(pod(1)));
+        assert_eq!(table.id_of(&pod(2)), Some(6));
+        assert_eq!(table.usage(), {
+            let mut one = BackendTable::default();
+            one.insert(pod(2), 6);
+            one.usage()
+        });
     }
 }
