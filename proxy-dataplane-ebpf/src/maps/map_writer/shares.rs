@@ -31,7 +31,7 @@
 //! together can still exhaust the reserve: a `ResourceQuota` on `services` (and RBAC on
 //! EndpointSlices) is the cluster administrator's bound on that.
 
-use std::{collections::BTreeMap, fmt, ops::Index};
+use std::{collections::HashMap, fmt, ops::Index};
 
 use proxy_model::objects::{Name, ObjectKey};
 
@@ -185,8 +185,12 @@ pub struct Shares {
     /// Per map; `None`: no limits (maps whose capacity is unknown, and unit tests of the writer
     /// that are about something else).
     limits: [Option<Limits>; 4],
-    by_service: BTreeMap<ObjectKey, Entries>,
-    by_namespace: BTreeMap<Name, Entries>,
+    /// Hashed, not ordered: every frontend a full apply writes or keeps looks its Service up
+    /// here (count and check), and a tree of 50k Services compared names down a dozen levels
+    /// each time, a third of a restart's first comparison. Nothing walks them in order. The
+    /// standard library's keyed hasher, as tenants choose the names.
+    by_service: HashMap<ObjectKey, Entries>,
+    by_namespace: HashMap<Name, Entries>,
 }
 
 impl Shares {
@@ -204,14 +208,19 @@ impl Shares {
         if entries.is_zero() {
             return;
         }
-        self.by_service
-            .entry(service.clone())
-            .or_default()
-            .add(entries);
-        self.by_namespace
-            .entry(service.namespace.clone())
-            .or_default()
-            .add(entries);
+        // Looked up before inserting: an entry would clone the key for every call.
+        match self.by_service.get_mut(service) {
+            Some(count) => count.add(entries),
+            None => {
+                self.by_service.insert(service.clone(), entries);
+            }
+        }
+        match self.by_namespace.get_mut(&service.namespace) {
+            Some(count) => count.add(entries),
+            None => {
+                self.by_namespace.insert(service.namespace.clone(), entries);
+            }
+        }
     }
 
     /// `service` holds `entries` fewer.
