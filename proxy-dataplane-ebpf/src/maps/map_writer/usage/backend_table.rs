@@ -41,7 +41,11 @@ impl BackendTable {
 
     /// The id of `backend`, if it is in the table.
     pub(in crate::maps::map_writer) fn id_of(&self, backend: &BackendValue) -> Option<u32> {
-        let hash = self.hasher.hash_one(backend);
+        self.id_of_hashed(self.hasher.hash_one(backend), backend)
+    }
+
+    /// [`Self::id_of`] with the value's hash already taken.
+    fn id_of_hashed(&self, hash: u64, backend: &BackendValue) -> Option<u32> {
         self.ids
             .find(hash, |&id| {
                 self.by_id
@@ -72,9 +76,7 @@ impl BackendTable {
     /// One more user of `backend`, if it is in the table: its id.
     pub(in crate::maps::map_writer) fn hold(&mut self, backend: &BackendValue) -> Option<u32> {
         let id = self.id_of(backend)?;
-        if let Some(held) = self.by_id.get_mut(id) {
-            held.users = held.users.saturating_add(1);
-        }
+        self.add_user(id);
         Some(id)
     }
 
@@ -84,25 +86,22 @@ impl BackendTable {
     /// took two or three: an adoption does this for every slot in the maps.
     pub(in crate::maps::map_writer) fn adopt(&mut self, backend: BackendValue, id: u32) -> bool {
         let hash = self.hasher.hash_one(backend);
-        let by_id = &self.by_id;
-        let known = self
-            .ids
-            .find(hash, |&other| {
-                by_id.get(other).is_some_and(|held| held.value == backend)
-            })
-            .copied();
-        match known {
+        match self.id_of_hashed(hash, &backend) {
             Some(known) if known != id => false,
             Some(_) => {
-                if let Some(held) = self.by_id.get_mut(id) {
-                    held.users = held.users.saturating_add(1);
-                }
+                self.add_user(id);
                 true
             }
             None => {
                 self.insert_hashed(hash, backend, id);
                 true
             }
+        }
+    }
+
+    fn add_user(&mut self, id: u32) {
+        if let Some(held) = self.by_id.get_mut(id) {
+            held.users = held.users.saturating_add(1);
         }
     }
 
