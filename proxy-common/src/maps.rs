@@ -131,6 +131,13 @@ pub mod program_names {
     /// The first packet of a new external flow in XDP, per family, tail-called by
     /// [`XDP_EXTERNAL`] through `KPR_XDP_NEW_FLOW`: the slot is the index here (IPv4, IPv6).
     pub const XDP_NEW_FLOW: [&str; 2] = ["kpr_xdp_new_flow4", "kpr_xdp_new_flow6"];
+    /// Stands in for the IPv6 family programs (`KPR_TC_FAMILY`) while the node has no IPv6
+    /// Service: passes every packet on, as the entry program does with one that is not ours.
+    /// Verified in no time, where the IPv6 programs take the kernel's verifier about as long
+    /// as the IPv4 ones.
+    pub const TC_IDLE: &str = "kpr_tc_idle";
+    /// [`TC_IDLE`] for the IPv6 slot of `KPR_XDP_NEW_FLOW_FRAGS`: the packet goes on to tc.
+    pub const XDP_IDLE: &str = "kpr_xdp_idle";
 
     /// Every socket program, attached to the cgroup in this order.
     pub const ALL: [&str; 8] = [
@@ -410,6 +417,14 @@ impl TcFamilyProgram {
             TcFamilyProgram::Egress6 => "kpr_tc_egress6",
         }
     }
+
+    /// Whether the slot is an IPv6 program's.
+    pub const fn ipv6(self) -> bool {
+        matches!(
+            self,
+            TcFamilyProgram::External6 | TcFamilyProgram::Reply6 | TcFamilyProgram::Egress6
+        )
+    }
 }
 
 /// The slots of `KPR_TC_FRAGMENT`: a family program hands a later IP fragment (no L4 header)
@@ -440,6 +455,14 @@ impl TcFragmentProgram {
             TcFragmentProgram::Egress4 => "kpr_tc_fragment_egress4",
             TcFragmentProgram::Egress6 => "kpr_tc_fragment_egress6",
         }
+    }
+
+    /// Whether the slot is an IPv6 program's.
+    pub const fn ipv6(self) -> bool {
+        matches!(
+            self,
+            TcFragmentProgram::Ingress6 | TcFragmentProgram::Egress6
+        )
     }
 
     /// The ingress or egress program of a family.

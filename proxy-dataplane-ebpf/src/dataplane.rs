@@ -31,6 +31,7 @@ use crate::{
     attach::reuse::{self, LoadStamp},
     attach::tc::TcOptions,
     attach::tc::TcState,
+    attach::tc_programs,
     attach::xdp::XdpState,
     conntrack::ct_maps::ConntrackMaps,
     conntrack::ct_worker::CtWorker,
@@ -97,6 +98,9 @@ pub const DRIFT_COPY_STEP: usize = 2048;
 
 /// Service ports a step applies between two looks at the clock.
 const FULL_PASS_CHUNK: usize = 32;
+
+/// How long after a failed load of the IPv6 family programs the next sync tries again.
+const IPV6_LOAD_RETRY: std::time::Duration = std::time::Duration::from_secs(30);
 
 /// A full pass over every service port (the periodic resync) applied in steps by
 /// [`EbpfDataplane::full_pass_step`], so that the agent's loop takes the changes that come
@@ -175,6 +179,8 @@ pub struct EbpfDataplane {
     /// Programs not attached yet: `start` found a service map it had to rebuild, so the first
     /// full apply fills it before the programs replace the previous agent's.
     pub(super) deferred: Option<DeferredAttach>,
+    /// When loading the IPv6 family programs last failed, and why (see `load_ipv6_programs`).
+    ipv6_load_failed: Option<(std::time::Instant, String)>,
     // Last: the object (programs, log map); the tc programs attach to new interfaces later.
     pub(super) ebpf: Ebpf,
 }
@@ -456,6 +462,16 @@ impl EbpfDataplane {
         // Before the tc programs attach (and before the first sync gives them frontends): from
         // then on a UDP/SCTP packet without an entry would be a new flow of theirs.
         adopt_kernel_nat_flows(&mut ebpf);
+        // The IPv6 family programs are about as much verifier work as the IPv4 ones: loaded at
+        // the first IPv6 Service (`apply`), unless the node has IPv6 state already. A restart
+        // that reuses the pinned programs finds in their slots whether a previous agent
+        // loaded them; a load keeps them when the previous agent's maps hold IPv6 frontends
+        // or flows, which its programs serve until this agent's replace them.
+        let ipv6 = match &reused {
+            Some(_) => tc_programs::ipv6_in_slots(&ebpf).unwrap_or(false),
+            None => holds_ipv6_state(&maps, &mut ebpf),
+        };
+        tc.set_ipv6(ipv6);
         let (links, deferred) = if let Some(reused) = reused {
             info!(
                 programs = ?reused.programs.ids,
@@ -498,6 +514,7 @@ impl EbpfDataplane {
             adopted = adopting,
             tc_links = tc.link_count(),
             attached = deferred.is_none(),
+            ipv6_programs = tc.ipv6(),
             "eBPF socket and tc programs loaded, maps pinned"
         );
         let capacities = BTreeMap::from([
@@ -532,6 +549,7 @@ impl EbpfDataplane {
             entry_by_entry_reads: false,
             drift_jobs: 0,
             deferred,
+            ipv6_load_failed: None,
             ebpf,
         })
     }
@@ -630,11 +648,13 @@ impl EbpfDataplane {
         snapshot: &Snapshot,
         changed: Option<&BTreeSet<ServicePortName>>,
     ) -> (ApplySummary, Vec<ApplyError>) {
+        let ipv6_error = self.load_ipv6_programs(snapshot);
         // New interfaces (pods created since the last sync) get their tc program first.
         if self.deferred.is_none() {
             self.tc.refresh(&mut self.ebpf, &self.pin_dir, false);
         }
-        let (summary, errors) = self.apply_service_maps(snapshot, changed);
+        let (summary, mut errors) = self.apply_service_maps(snapshot, changed);
+        errors.extend(ipv6_error);
         if changed.is_none() {
             self.attach_deferred();
         }
@@ -694,6 +714,9 @@ impl EbpfDataplane {
         pass: &mut FullPass,
     ) -> Option<(ApplySummary, Vec<ApplyError>)> {
         let started = std::time::Instant::now();
+        if pass.steps == 0 {
+            pass.errors.extend(self.load_ipv6_programs(snapshot));
+        }
         if pass.steps == 0 && self.deferred.is_none() {
             self.tc.refresh(&mut self.ebpf, &self.pin_dir, false);
         }
@@ -753,6 +776,38 @@ impl EbpfDataplane {
                 std::mem::take(&mut pass.errors),
             )
         })
+    }
+
+    /// Loads the IPv6 family programs when `snapshot` has the node's first IPv6 service port,
+    /// before any of its frontends is written: its traffic through tc is translated from its
+    /// first packet. A failed load is retried at a later sync, not before
+    /// [`IPV6_LOAD_RETRY`] has passed (each try is the verifier's work again); the IPv6
+    /// frontends are written meanwhile (the socket hooks serve them).
+    fn load_ipv6_programs(&mut self, snapshot: &Snapshot) -> Option<ApplyError> {
+        if self.tc.ipv6() || snapshot.v6.service_ports.is_empty() {
+            return None;
+        }
+        let now = std::time::Instant::now();
+        if let Some((failed_at, reason)) = &self.ipv6_load_failed
+            && now.duration_since(*failed_at) < IPV6_LOAD_RETRY
+        {
+            return Some(ApplyError::Ipv6Programs {
+                reason: reason.clone(),
+            });
+        }
+        // Before the attach the previous agent's programs serve: the attach writes the slots.
+        let write = self.deferred.is_none();
+        match self.tc.load_ipv6(&mut self.ebpf, write) {
+            Ok(()) => {
+                self.ipv6_load_failed = None;
+                None
+            }
+            Err(error) => {
+                let reason = error.to_string();
+                self.ipv6_load_failed = Some((now, reason.clone()));
+                Some(ApplyError::Ipv6Programs { reason })
+            }
+        }
     }
 
     /// The service maps' part of [`EbpfDataplane::apply`] alone (no tc links, socket destroys,
@@ -1373,6 +1428,22 @@ fn conntrack_pair(ebpf: &mut Ebpf) -> Result<ConntrackPair<'_>, EbpfError> {
         new4: new4.ok_or(EbpfError::MissingMap(map_names::CT4_NEW))?,
         new6: new6.ok_or(EbpfError::MissingMap(map_names::CT6_NEW))?,
     })
+}
+
+/// Whether a previous agent left IPv6 frontends or IPv6 tc conntrack entries (its own flows,
+/// or the kernel's NATed flows the start just adopted) in the pinned maps.
+fn holds_ipv6_state(maps: &ServiceMaps, ebpf: &mut Ebpf) -> bool {
+    if maps.frontends6.keys().next().is_some() {
+        return true;
+    }
+    match conntrack_maps(ebpf) {
+        Ok(ct) => {
+            ct.v6.keys().next().is_some()
+                || ct.new6.is_some_and(|new6| new6.keys().next().is_some())
+        }
+        // Unreadable: loaded, as before the IPv6 programs could wait.
+        Err(_) => true,
+    }
 }
 
 fn conntrack_maps(ebpf: &mut Ebpf) -> Result<ConntrackMaps<&mut MapData>, EbpfError> {

@@ -147,7 +147,8 @@ impl EbpfDataplane {
         repeat: u32,
     ) -> Result<(XdpTestRun, std::time::Duration), EbpfError> {
         let name = proxy_common::program_names::XDP_EXTERNAL;
-        let program = xdp::loaded_program(&mut self.ebpf, None, &self.pin_dir)?;
+        let ipv6 = self.tc.ipv6();
+        let program = xdp::loaded_program(&mut self.ebpf, None, ipv6, &self.pin_dir)?;
         // `struct xdp_md`: data 0, data_end the packet's length, data_meta 0 (the kernel
         // requires these), then ingress_ifindex (offset 12), which the fib lookup starts from.
         let mut ctx = [0u8; 24];
@@ -184,7 +185,8 @@ impl EbpfDataplane {
         input: TcTestInput,
         repeat: u32,
     ) -> Result<(TcTestRun, std::time::Duration), EbpfError> {
-        let classifier = loaded_classifier(&mut self.ebpf, None, program, &self.pin_dir)?;
+        let ipv6 = self.tc.ipv6();
+        let classifier = loaded_classifier(&mut self.ebpf, None, ipv6, program, &self.pin_dir)?;
         let fd = classifier.fd().map_err(|source| EbpfError::Program {
             name: program,
             source,

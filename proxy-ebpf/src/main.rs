@@ -157,6 +157,20 @@ mod programs {
         crate::xdp::first_packet::<true>(&ctx)
     }
 
+    /// Stands in for the IPv6 programs in `KPR_TC_FAMILY` until the node has an IPv6 Service
+    /// (`program_names::TC_IDLE`): the agent loads those only then, which spares the verifier
+    /// nearly half of its work on an IPv4-only cluster.
+    #[classifier]
+    pub fn kpr_tc_idle(_ctx: TcContext) -> i32 {
+        crate::tc::NEXT
+    }
+
+    /// The same for the IPv6 slot of `KPR_XDP_NEW_FLOW_FRAGS`: on to tc, which passes it on.
+    #[xdp(frags)]
+    pub fn kpr_xdp_idle(_ctx: XdpContext) -> u32 {
+        aya_ebpf::bindings::xdp_action::XDP_PASS
+    }
+
     // The programs of one family each, reached by tail call from the three above: each is
     // verified with its family's conntrack code only (see `tc::family`).
 

@@ -59,7 +59,7 @@ pub const DROP: i32 = TC_ACT_SHOT;
 /// chain: a program attached after ours would never see the interface's traffic (cilium
 /// #36775). Translated packets too, on the netfilter path (see `nat::translate`); only the
 /// fast path's redirect and our drops end the chain.
-const NEXT: i32 = TC_ACT_UNSPEC;
+pub const NEXT: i32 = TC_ACT_UNSPEC;
 
 /// The VLAN id bits of a tag (the rest is priority and DEI).
 const VLAN_VID_MASK: u32 = 0x0fff;

@@ -187,6 +187,8 @@ pub struct TcState {
     xdp: XdpState,
     /// The pinned entry programs a restart reuses (`reuse`); `None`: the object's, loaded.
     pinned: Option<PinnedPrograms>,
+    /// Whether the IPv6 family programs are in `KPR_TC_FAMILY` (else `kpr_tc_idle`).
+    ipv6: bool,
     /// What the last refresh found and did for each wanted attachment (by pin name), for the
     /// datapath's health.
     status: BTreeMap<String, Attachment>,
@@ -304,6 +306,7 @@ impl TcState {
             unusable: BTreeSet::new(),
             xdp,
             pinned: None,
+            ipv6: true,
             status: BTreeMap::new(),
             reattached: Vec::new(),
         }
@@ -431,16 +434,19 @@ impl TcState {
                     );
                     continue;
                 }
-                let pinned = self.pinned.as_mut();
+                let loader = Loader {
+                    pinned: self.pinned.as_mut(),
+                    ipv6: self.ipv6,
+                };
                 let attached = if self.options.tcx {
-                    attach(ebpf, pinned, program, name, direction, pin_dir, &pin_name).map(
+                    attach(ebpf, loader, program, name, direction, pin_dir, &pin_name).map(
                         |(link, program)| Attached::Tcx {
                             _link: link,
                             program,
                         },
                     )
                 } else {
-                    attach_legacy(ebpf, pinned, program, name, index, direction, pin_dir)
+                    attach_legacy(ebpf, loader, program, name, index, direction, pin_dir)
                         .map(|()| Attached::Legacy)
                 };
                 match attached {
@@ -526,7 +532,37 @@ impl TcState {
         program: &'static str,
         pin_dir: &Path,
     ) -> Result<&'a mut SchedClassifier, EbpfError> {
-        loaded_classifier(ebpf, self.pinned.as_mut(), program, pin_dir)
+        loaded_classifier(ebpf, self.pinned.as_mut(), self.ipv6, program, pin_dir)
+    }
+
+    /// Whether the IPv6 family programs are loaded (or, on a restart, the pinned ones found in
+    /// their slots) rather than `kpr_tc_idle`.
+    pub fn ipv6(&self) -> bool {
+        self.ipv6
+    }
+
+    /// Records whether the IPv6 family programs are in their slots (the start finds out).
+    pub fn set_ipv6(&mut self, loaded: bool) {
+        self.ipv6 = loaded;
+        self.xdp.ipv6 = loaded;
+    }
+
+    /// Loads the IPv6 family programs (the kernel verifies them) unless they are loaded, and
+    /// with `write` puts them in their slots in place of the idle programs; without it (the
+    /// previous agent's programs still serve) the attach writes them with the rest.
+    pub fn load_ipv6(&mut self, ebpf: &mut Ebpf, write: bool) -> Result<(), EbpfError> {
+        if self.ipv6 {
+            return Ok(());
+        }
+        // The XDP new-flow slot only matters to an XDP program this agent loaded or reuses;
+        // one it loads later takes the IPv6 program with it.
+        let xdp = self.pinned.as_ref().is_some_and(|p| p.xdp.is_some())
+            || ebpf
+                .program(program_names::XDP_EXTERNAL)
+                .is_some_and(|program| program.fd().is_ok());
+        crate::attach::tc_programs::load_ipv6(ebpf, xdp, write)?;
+        self.set_ipv6(true);
+        Ok(())
     }
 
     /// Warns once per interface listed in `--interfaces` that cannot get the external program
@@ -971,17 +1007,24 @@ fn adopt_link(
         .map(|link| (link, id))
 }
 
+/// Where an entry program comes from: the pinned one a restart reuses, else the object's,
+/// loaded with the family programs (the IPv6 ones, or the idle program in their slots).
+struct Loader<'a> {
+    pinned: Option<&'a mut PinnedPrograms>,
+    ipv6: bool,
+}
+
 /// Attaches `program` to `interface` (`direction`) as a legacy clsact filter in our slot.
 fn attach_legacy(
     ebpf: &mut Ebpf,
-    pinned: Option<&mut PinnedPrograms>,
+    loader: Loader<'_>,
     program: &'static str,
     interface: &str,
     ifindex: u32,
     direction: TcAttachType,
     pin_dir: &Path,
 ) -> Result<(), EbpfError> {
-    let classifier = loaded_classifier(ebpf, pinned, program, pin_dir)?;
+    let classifier = loaded_classifier(ebpf, loader.pinned, loader.ipv6, program, pin_dir)?;
     legacy_tc::attach(classifier, interface, ifindex, direction)
         .map_err(|e| EbpfError::LegacyTc(Box::new(e)))
 }
@@ -990,7 +1033,7 @@ fn attach_legacy(
 /// so detaching, a previous agent's link for the same interface only once the new one runs).
 fn attach(
     ebpf: &mut Ebpf,
-    pinned: Option<&mut PinnedPrograms>,
+    loader: Loader<'_>,
     program: &'static str,
     interface: &str,
     direction: TcAttachType,
@@ -1001,7 +1044,7 @@ fn attach(
         name: program,
         source,
     };
-    let classifier = loaded_classifier(ebpf, pinned, program, pin_dir)?;
+    let classifier = loaded_classifier(ebpf, loader.pinned, loader.ipv6, program, pin_dir)?;
     // TCX on ≥ 6.6 (toolchain.md): a link, so it can be pinned and outlive the agent. Appended
     // last: programs attached before ours run first.
     let link_id = classifier

@@ -14,7 +14,9 @@ use aya::{
     maps::ProgramArray,
     programs::{Program, ProgramError, ProgramFd, SchedClassifier},
 };
-use proxy_common::{TcFamilyProgram, TcFragmentProgram, map_names};
+use std::os::fd::AsFd as _;
+
+use proxy_common::{TcFamilyProgram, TcFragmentProgram, map_names, program_names};
 
 use crate::{
     attach::reuse::{self, PinnedPrograms},
@@ -22,11 +24,13 @@ use crate::{
 };
 
 /// `program`, loaded (with the programs of each family it hands packets to, and those written
-/// into `KPR_TC_FAMILY`) and pinned as `<program>_prog` in `pin_dir` (see `reuse`) — or, when
-/// the start reuses the pinned programs (`pinned`), the pinned one: no load, no verifier.
+/// into `KPR_TC_FAMILY`; without `ipv6` the idle program stands in for the IPv6 ones) and
+/// pinned as `<program>_prog` in `pin_dir` (see `reuse`) — or, when the start reuses the
+/// pinned programs (`pinned`), the pinned one: no load, no verifier.
 pub fn loaded_classifier<'a>(
     ebpf: &'a mut Ebpf,
     pinned: Option<&'a mut PinnedPrograms>,
+    ipv6: bool,
     program: &'static str,
     pin_dir: &Path,
 ) -> Result<&'a mut SchedClassifier, EbpfError> {
@@ -34,7 +38,7 @@ pub fn loaded_classifier<'a>(
         return Ok(classifier);
     }
     if classifier(ebpf, program)?.fd().is_err() {
-        fill_family_programs(ebpf)?;
+        fill_family_programs(ebpf, ipv6)?;
     }
     let classifier = classifier(ebpf, program)?;
     if classifier.fd().is_err() {
@@ -61,10 +65,23 @@ fn classifier<'a>(
 }
 
 /// Loads every family program and every fragment program not loaded yet and writes each into
-/// its slot: the fragment programs first, which the family programs tail-call.
-fn fill_family_programs(ebpf: &mut Ebpf) -> Result<(), EbpfError> {
-    let fragment = TcFragmentProgram::ALL.map(|slot| (slot as u32, slot.program()));
-    let family = TcFamilyProgram::ALL.map(|slot| (slot as u32, slot.program()));
+/// its slot: the fragment programs first, which the family programs tail-call. Without `ipv6`
+/// the IPv6 family slots get `kpr_tc_idle` and the IPv6 fragment programs are not loaded (only
+/// the IPv6 family programs hand packets to them).
+fn fill_family_programs(ebpf: &mut Ebpf, ipv6: bool) -> Result<(), EbpfError> {
+    let fragment: Vec<(u32, &'static str)> = TcFragmentProgram::ALL
+        .into_iter()
+        .filter(|slot| ipv6 || !slot.ipv6())
+        .map(|slot| (slot as u32, slot.program()))
+        .collect();
+    let family = TcFamilyProgram::ALL.map(|slot| {
+        let program = if ipv6 || !slot.ipv6() {
+            slot.program()
+        } else {
+            program_names::TC_IDLE
+        };
+        (slot as u32, program)
+    });
     let names: Vec<&'static str> = fragment
         .iter()
         .chain(&family)
@@ -73,6 +90,69 @@ fn fill_family_programs(ebpf: &mut Ebpf) -> Result<(), EbpfError> {
     load_in_parallel(ebpf, &names)?;
     fill_program_array(ebpf, map_names::TC_FRAGMENT, &fragment)?;
     fill_program_array(ebpf, map_names::TC_FAMILY, &family)
+}
+
+/// Loads the IPv6 family and fragment programs not loaded yet (and with `xdp` the IPv6 XDP
+/// new-flow program); with `write`, puts each into its slot, in place of the idle program: the
+/// fragment programs first, which the family programs tail-call.
+pub(crate) fn load_ipv6(ebpf: &mut Ebpf, xdp: bool, write: bool) -> Result<(), EbpfError> {
+    let fragment: Vec<(u32, &'static str)> = TcFragmentProgram::ALL
+        .into_iter()
+        .filter(|slot| slot.ipv6())
+        .map(|slot| (slot as u32, slot.program()))
+        .collect();
+    let family: Vec<(u32, &'static str)> = TcFamilyProgram::ALL
+        .into_iter()
+        .filter(|slot| slot.ipv6())
+        .map(|slot| (slot as u32, slot.program()))
+        .collect();
+    let new_flow = [(1, program_names::XDP_NEW_FLOW[1])];
+    let new_flow = if xdp { &new_flow[..] } else { &[] };
+    let names: Vec<&'static str> = fragment
+        .iter()
+        .chain(&family)
+        .chain(new_flow)
+        .map(|&(_, name)| name)
+        .collect();
+    let started = std::time::Instant::now();
+    load_in_parallel(ebpf, &names)?;
+    tracing::info!(
+        elapsed_ms = started.elapsed().as_millis(),
+        xdp,
+        "IPv6 tc programs loaded for the node's first IPv6 Service"
+    );
+    if write {
+        fill_program_array(ebpf, map_names::TC_FRAGMENT, &fragment)?;
+        fill_program_array(ebpf, map_names::TC_FAMILY, &family)?;
+        fill_program_array(ebpf, map_names::XDP_NEW_FLOW, new_flow)?;
+    }
+    Ok(())
+}
+
+/// Whether the IPv6 slots of the pinned `KPR_TC_FAMILY` hold the IPv6 programs (a previous
+/// agent loaded them), rather than the idle program or nothing. `None`: the array cannot be
+/// read.
+pub(crate) fn ipv6_in_slots(ebpf: &Ebpf) -> Option<bool> {
+    let map = ebpf.map(map_names::TC_FAMILY)?;
+    let aya::maps::Map::ProgramArray(data) = map else {
+        return None;
+    };
+    let slot = TcFamilyProgram::External6 as u32;
+    let id = match proxy_kernel::bpf::bpf_syscall::program_array_slot(data.fd().as_fd(), slot) {
+        Ok(Some(id)) => id,
+        Ok(None) => return Some(false),
+        Err(error) => {
+            tracing::debug!(%error, "cannot read the IPv6 family slot");
+            return None;
+        }
+    };
+    let name = aya::programs::loaded_programs()
+        .flatten()
+        .find(|info| info.id() == id)?
+        .name_as_str()
+        .map(str::to_owned)?;
+    // The kernel keeps the first 15 bytes of a name: `kpr_tc_idle` whole.
+    Some(name != program_names::TC_IDLE)
 }
 
 /// Loads the programs `names` not loaded yet (classifiers, or XDP programs), each on a thread

@@ -60,6 +60,9 @@ pub struct XdpState {
     /// Interfaces that refused the program (driver, or another XDP program): not retried
     /// until they leave the external set, and logged once.
     refused: BTreeSet<u32>,
+    /// Whether the IPv6 new-flow program is loaded with the XDP program (else the idle one
+    /// holds its slot): the tc programs' choice (`TcState::load_ipv6`).
+    pub(crate) ipv6: bool,
 }
 
 impl std::fmt::Debug for XdpState {
@@ -93,6 +96,7 @@ impl XdpState {
             targets,
             links: BTreeMap::new(),
             refused: BTreeSet::new(),
+            ipv6: true,
         }
     }
 
@@ -131,7 +135,14 @@ impl XdpState {
             if self.links.contains_key(pin_name) || self.refused.contains(index) {
                 continue;
             }
-            match attach(ebpf, pinned.as_deref_mut(), *index, pin_dir, pin_name) {
+            match attach(
+                ebpf,
+                pinned.as_deref_mut(),
+                self.ipv6,
+                *index,
+                pin_dir,
+                pin_name,
+            ) {
                 Ok(link) => {
                     // No devmap program (`None`): one would run on the redirected frames, which
                     // can be multi-buffer, and would have to be `xdp.frags` as well.
@@ -227,10 +238,12 @@ impl XdpState {
 /// `kpr_xdp_external`, loaded, with the new-flow programs it tail-calls loaded first and
 /// written into `KPR_XDP_NEW_FLOW` (which no earlier agent's program uses: writing it early
 /// changes nothing that runs), and pinned in `pin_dir` (see `reuse`) — or the pinned one a
-/// restart reuses (`pinned`), whose new-flow programs are already in the pinned array.
+/// restart reuses (`pinned`), whose new-flow programs are already in the pinned array. Without
+/// `ipv6`, the idle program takes the IPv6 slot (see `TcState::load_ipv6`).
 pub(crate) fn loaded_program<'a>(
     ebpf: &'a mut Ebpf,
     pinned: Option<&'a mut Xdp>,
+    ipv6: bool,
     pin_dir: &Path,
 ) -> Result<&'a mut Xdp, EbpfError> {
     if let Some(program) = pinned {
@@ -244,11 +257,14 @@ pub(crate) fn loaded_program<'a>(
         .fd()
         .is_ok();
     if !loaded {
-        let first_packet = program_names::XDP_NEW_FLOW;
-        let mut names = first_packet.to_vec();
-        names.push(name);
-        load_in_parallel(ebpf, &names)?;
-        let slots = [(0, first_packet[0]), (1, first_packet[1])];
+        let [new_flow4, new_flow6] = program_names::XDP_NEW_FLOW;
+        let new_flow6 = if ipv6 {
+            new_flow6
+        } else {
+            program_names::XDP_IDLE
+        };
+        load_in_parallel(ebpf, &[new_flow4, new_flow6, name])?;
+        let slots = [(0, new_flow4), (1, new_flow6)];
         fill_program_array(ebpf, map_names::XDP_NEW_FLOW, &slots)?;
     }
     let program: &mut Xdp = ebpf
@@ -268,6 +284,7 @@ pub(crate) fn loaded_program<'a>(
 fn attach(
     ebpf: &mut Ebpf,
     pinned: Option<&mut Xdp>,
+    ipv6: bool,
     ifindex: u32,
     pin_dir: &Path,
     pin_name: &str,
@@ -275,7 +292,7 @@ fn attach(
     let name = program_names::XDP_EXTERNAL;
     let program_error = |source| EbpfError::Program { name, source };
     let link_error = |source| EbpfError::Link { name, source };
-    let program = loaded_program(ebpf, pinned, pin_dir)?;
+    let program = loaded_program(ebpf, pinned, ipv6, pin_dir)?;
     let pin = pin_dir.join(pin_name);
     if pin.exists() {
         // The previous agent's link: the interface keeps an XDP program throughout.

@@ -3,6 +3,7 @@
 //! and `BPF_F_TEST_SKB_CHECKSUM_COMPLETE` is how a test gets a `CHECKSUM_COMPLETE` skb), and
 //! `BPF_PROG_LOAD` of a handful of raw instructions for feature probes that must call a helper
 //! with arguments the verifier cannot judge (flag bits are checked only when the helper runs),
+//! `BPF_MAP_LOOKUP_ELEM` of a program array's slot (the program id; aya only writes them),
 //! and `BPF_LINK_DETACH` of a pinned link (aya's links detach when their last reference goes,
 //! which for a pin is its removal, and bpffs releases it after an RCU grace period).
 //!
@@ -17,6 +18,7 @@ use std::{
     time::Duration,
 };
 
+const BPF_MAP_LOOKUP_ELEM: libc::c_long = 1;
 const BPF_PROG_LOAD: libc::c_long = 5;
 const BPF_PROG_TEST_RUN: libc::c_long = 10;
 const BPF_OBJ_GET: libc::c_long = 7;
@@ -87,6 +89,30 @@ pub fn load_sched_cls(insns: &[u64]) -> io::Result<OwnedFd> {
     let fd = i32::try_from(fd).map_err(|_| io::Error::other(format!("bpf fd {fd}")))?;
     // SAFETY: the kernel just returned this fd and nothing else owns it.
     Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+/// The id of the program in slot `index` of the program array `map`; `None` when the slot is
+/// empty. aya's `ProgramArray` only sets and clears slots; a lookup from user space returns the
+/// program's id (the kernel's `prog_fd_array_sys_lookup_elem`).
+pub fn program_array_slot(map: BorrowedFd<'_>, index: u32) -> io::Result<Option<u32>> {
+    let key = index;
+    let mut id = 0u32;
+    // map_fd, (pad), key, value, flags.
+    let mut attr = [0u8; 32];
+    put_u32(&mut attr, 0, map.as_raw_fd() as u32);
+    put_ptr(&mut attr, 8, std::ptr::from_ref(&key).cast());
+    put_ptr(
+        &mut attr,
+        16,
+        std::ptr::from_mut(&mut id).cast_const().cast(),
+    );
+    // SAFETY: a zero-filled prefix with the map's fd (open across the call), a 4-byte key and
+    // a 4-byte value, both alive until the call returns: a program array's key and value size.
+    match unsafe { sys_bpf(BPF_MAP_LOOKUP_ELEM, &mut attr) } {
+        Ok(_) => Ok(Some(id)),
+        Err(error) if error.raw_os_error() == Some(libc::ENOENT) => Ok(None),
+        Err(error) => Err(error),
+    }
 }
 
 /// Detaches the link pinned at `pin` now (`BPF_LINK_DETACH`): its program leaves the hook at

@@ -1225,3 +1225,114 @@ fn a_tc_program_detached_behind_the_agents_back_is_attached_again_at_the_next_sy
     })?;
     Ok(())
 }
+
+/// The program in the IPv6 external slot of the pinned `KPR_TC_FAMILY`, by the name the kernel
+/// keeps (its first 15 bytes); `None` when the slot is empty.
+fn ipv6_family_program(s: &mut Scenario) -> anyhow::Result<Option<String>> {
+    use std::os::fd::AsFd as _;
+    let pin = s
+        .agent()?
+        .bpf_root()
+        .join(proxy_dataplane_ebpf::PIN_DIR_NAME)
+        .join(proxy_common::map_names::TC_FAMILY);
+    let map = aya::maps::MapData::from_pin(&pin)?;
+    let slot = proxy_common::TcFamilyProgram::External6 as u32;
+    let Some(id) = proxy_kernel::bpf::bpf_syscall::program_array_slot(map.fd().as_fd(), slot)?
+    else {
+        return Ok(None);
+    };
+    Ok(aya::programs::loaded_programs()
+        .flatten()
+        .find(|info| info.id() == id)
+        .and_then(|info| info.name_as_str().map(str::to_owned)))
+}
+
+/// An IPv4-only cluster gets no IPv6 tc programs (the idle one holds their slots, and the
+/// verifier never sees them); the first IPv6 Service loads them before its frontends are
+/// written, so its NodePort answers from its pods, and a restart that reuses the pinned
+/// programs finds them in their slots and loads nothing again.
+#[test]
+fn ipv6_programs_wait_for_the_first_ipv6_service_and_a_restart_keeps_them() -> anyhow::Result<()> {
+    proxy_tests::require_root();
+    proxy_tests::set_helper_binary(env!("CARGO_BIN_EXE_rig-helper"));
+    const LOADED: &str = "IPv6 tc programs loaded for the node's first IPv6 Service";
+    let mut s = Scenario::with_families(2, true)?;
+    s.manifests.write(
+        "svc.yaml",
+        &format!(
+            "apiVersion: v1\nkind: Service\nmetadata:\n  name: {SERVICE}\n  namespace: {NAMESPACE}\n\
+             spec:\n  type: NodePort\n  clusterIP: \"{CLUSTER_IP}\"\n  clusterIPs: [\"{CLUSTER_IP}\"]\n\
+             \x20 ports:\n  - name: http\n    port: 80\n    protocol: TCP\n    targetPort: 8080\n\
+             \x20   nodePort: {NODE_PORT}\n"
+        ),
+    )?;
+    s.manifests.write(
+        "slice4.yaml",
+        &http_slice(NAMESPACE, "web-4", SERVICE, &[pod_endpoint(1)]),
+    )?;
+    start(&mut s)?;
+    let client = ext_client()(&s);
+    s.wait_for_datapath_with(&client, node_port_addr(), "IPv4 NodePort answered", is_pod)?;
+    let log = s.agent()?.log_contents();
+    s.ensure(log.contains("ipv6_programs=false"), || {
+        "a start without IPv6 state leaves the IPv6 programs out".into()
+    })?;
+    let idle = ipv6_family_program(&mut s)?;
+    s.ensure(idle.as_deref() == Some("kpr_tc_idle"), || {
+        format!("the IPv6 slot holds the idle program: {idle:?}")
+    })?;
+    let node6: IpAddr = "fd00:10::1".parse()?;
+    let target = SocketAddr::new(node6, NODE_PORT);
+    let before = client.run(target, 3)?;
+    s.ensure(!before.iter().any(is_pod), || {
+        format!("no IPv6 Service, no pod behind [{node6}]:{NODE_PORT}: {before:?}")
+    })?;
+
+    s.manifests
+        .write("svc.yaml", &dual_stack_service("Cluster"))?;
+    let v6 = [pod_endpoint_family(1, true), pod_endpoint_family(2, true)];
+    s.manifests
+        .write("slice6.yaml", &http_slice(NAMESPACE, "web-6", SERVICE, &v6))?;
+    s.wait_for_datapath_with(&client, target, "IPv6 NodePort answered", is_pod)?;
+    let attempts = client.run(target, 20)?;
+    let counts = tally(&attempts);
+    s.ensure(attempts.iter().all(is_pod) && counts.len() == 2, || {
+        format!("IPv6 NodePort after the lazy load: both pods answer: {counts:?}")
+    })?;
+    let log = s.agent()?.log_contents();
+    s.ensure(log.matches(LOADED).count() == 1, || {
+        "the IPv6 programs were loaded once, for the IPv6 Service".into()
+    })?;
+    let loaded = ipv6_family_program(&mut s)?;
+    s.ensure(
+        loaded
+            .as_deref()
+            .is_some_and(|name| name.starts_with("kpr_tc_extern")),
+        || format!("the IPv6 slot holds the IPv6 external program: {loaded:?}"),
+    )?;
+
+    // A restart on the same object reuses the programs, the IPv6 ones in their slots too.
+    s.agent()?.stop()?;
+    s.agent()?.restart()?;
+    proxy_tests::wait::try_wait_until(
+        "the restarted agent's first sync",
+        Duration::from_secs(30),
+        Duration::from_millis(50),
+        || {
+            let agent = s.agent()?;
+            Ok(agent.log_contents().contains("ipv6_programs=true") && agent.syncs() >= 1)
+        },
+    )
+    .map_err(|e| s.agent_error(format!("{e}: the restart did not find the IPv6 programs")))?;
+    let log = s.agent()?.log_contents();
+    s.ensure(
+        log.contains("reused the pinned eBPF programs") && log.matches(LOADED).count() == 1,
+        || "the restart reused the programs and loaded no IPv6 program again".into(),
+    )?;
+    let attempts = client.run(target, 20)?;
+    let counts = tally(&attempts);
+    s.ensure(attempts.iter().all(is_pod) && counts.len() == 2, || {
+        format!("IPv6 NodePort after the restart: both pods answer: {counts:?}")
+    })?;
+    Ok(())
+}

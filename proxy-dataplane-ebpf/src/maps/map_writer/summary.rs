@@ -26,6 +26,14 @@ pub enum ApplyError {
         endpoints: usize,
         programmed: usize,
     },
+    /// The node's first IPv6 Service needed the IPv6 tc programs and the kernel did not load
+    /// them: its frontends are written (the socket hooks translate its ClusterIPs), but
+    /// traffic through tc (NodePorts, external and LoadBalancer IPs, replies) is not.
+    #[error(
+        "the IPv6 tc programs could not be loaded: {reason}; IPv6 Services are not translated \
+         on the tc path (NodePorts, external and LoadBalancer IPs) until they are"
+    )]
+    Ipv6Programs { reason: String },
 }
 
 impl ApplyError {
