@@ -145,6 +145,8 @@ pub struct EbpfDataplane {
     /// names stay as the previous agent wrote them beside the adopted frontends, and the first
     /// periodic pass checks them (see [`EbpfDataplane::apply`]).
     names_deferred: bool,
+    /// A full sync left every name to [`EbpfDataplane::write_pending_names`].
+    names_pending: bool,
     pub(super) stats: PerCpuArray<MapData, u64>,
     pub(super) map_writer: MapWriter,
     /// The map writer's limits, for a writer made anew (see `apply_service_maps`).
@@ -532,6 +534,7 @@ impl EbpfDataplane {
             stats,
             names_reconciled: false,
             names_deferred: adopting,
+            names_pending: false,
             map_writer,
             writer_settings,
             fill_unbatched: false,
@@ -669,9 +672,15 @@ impl EbpfDataplane {
         let names_deferred = std::mem::take(&mut self.names_deferred)
             && changed.is_none()
             && !summary.changed_frontends();
-        if !names_deferred
-            && (changed.is_some() || summary.changed_frontends() || !self.names_reconciled)
-        {
+        if names_deferred {
+            return (summary, errors);
+        }
+        if changed.is_none() && !self.names_reconciled {
+            // A first fill's names (one 160-byte value per frontend: a fourth of a cold
+            // start's first sync at 50k Services) come in a turn of their own right after it
+            // (`write_pending_names`), so the datapath is ready without waiting for them.
+            self.names_pending = true;
+        } else if changed.is_some() || summary.changed_frontends() {
             self.write_service_names(snapshot, changed);
         }
         (summary, errors)
@@ -776,6 +785,19 @@ impl EbpfDataplane {
                 std::mem::take(&mut pass.errors),
             )
         })
+    }
+
+    /// Whether a full sync left the service names to [`EbpfDataplane::write_pending_names`].
+    pub fn names_pending(&self) -> bool {
+        self.names_pending
+    }
+
+    /// Writes the names the first full sync left (all of them, checked against the map): what
+    /// `inspect` and the traffic metrics read, nothing the datapath does.
+    pub fn write_pending_names(&mut self, snapshot: &Snapshot) {
+        if self.names_pending {
+            self.write_service_names(snapshot, None);
+        }
     }
 
     /// Loads the IPv6 family programs when `snapshot` has the node's first IPv6 service port,
@@ -916,6 +938,7 @@ impl EbpfDataplane {
         }
         if let Some(in_map) = in_map {
             self.names_reconciled = true;
+            self.names_pending = false;
             let stale: Vec<u32> = in_map.into_keys().filter(|id| !live.contains(id)).collect();
             for id in stale {
                 let _ = self.names.remove(&id);

@@ -333,6 +333,19 @@ impl Dataplane {
     /// Whether the periodic sync runs as a full pass in steps between the loop's other work
     /// ([`Dataplane::full_pass_step`]; eBPF). iptables' full sync is one `iptables-restore`,
     /// and it comes hourly.
+    /// Whether the eBPF mode's first full sync left the service names for a turn of their own.
+    pub fn names_pending(&self) -> bool {
+        matches!(self, Dataplane::Ebpf(dataplane) if dataplane.names_pending())
+    }
+
+    /// Writes the names the first full sync left (eBPF mode; `inspect`'s and the traffic
+    /// metrics', not the datapath's).
+    pub fn write_pending_names(&mut self, snapshot: &Snapshot) {
+        if let Dataplane::Ebpf(dataplane) = self {
+            dataplane.write_pending_names(snapshot);
+        }
+    }
+
     pub fn steps_full_pass(&self) -> bool {
         matches!(self, Dataplane::Ebpf(_))
     }

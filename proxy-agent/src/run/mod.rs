@@ -308,6 +308,10 @@ impl Agent {
                 // The periodic full pass goes on whenever nothing else is ready (the select
                 // picks among ready branches at random: a change waits one step at most).
                 () = std::future::ready(()), if self.full_pass.is_some() => Event::FullPassStep,
+                // The names a first sync left (eBPF): right after it, in a turn of their own.
+                () = std::future::ready(()), if self.dataplane.names_pending() => {
+                    Event::ServiceNames
+                }
                 // As the full pass: the eBPF drift check's record is copied a step per turn,
                 // so a change that comes meanwhile waits for one step, not the whole copy.
                 () = std::future::ready(()), if self.drift.copying() => Event::DriftCopyStep,
@@ -373,6 +377,7 @@ impl Agent {
                 Event::TrafficDone(taken) => self.record_service_traffic(taken),
                 Event::DriftRequest(reply) => self.answer_drift_request(reply),
                 Event::FullPassStep => self.full_pass_step()?,
+                Event::ServiceNames => self.dataplane.write_pending_names(&self.snapshot),
                 Event::ForwardPolicy(Some(policy)) => self.forward_policy_changed(&policy),
                 Event::ForwardPolicy(None) => {
                     warn!("the forwarding policy watch stopped: the fast path stays as it is");
@@ -805,6 +810,7 @@ enum Event {
     TrafficDone(Taken),
     DriftRequest(drift_checks::Reply),
     FullPassStep,
+    ServiceNames,
     /// `--tc-fast-path=auto`: a new decision on the node's forwarding policy (`None`: the
     /// watch ended).
     ForwardPolicy(Option<proxy_model::forward_policy::ForwardPolicy>),
@@ -830,6 +836,7 @@ impl Event {
             Event::TrafficDone(_) => "traffic read finish",
             Event::DriftRequest(_) => "drift request",
             Event::FullPassStep => "full pass step",
+            Event::ServiceNames => "service names",
             Event::ForwardPolicy(_) => "forwarding policy changed",
         }
     }

@@ -88,6 +88,19 @@ fn inspect_shows_the_service_in_ebpf_mode() -> anyhow::Result<()> {
     let mut s = setup("ebpf")?;
     let netns = s.topo.node().path();
     let bpf_root = s.agent()?.bpf_root().to_path_buf();
+    // The first sync leaves the names to a turn of the agent's own right after it: they are in
+    // the pinned map (where `inspect` reads them) without asking the agent.
+    let pin_dir = bpf_root.join(proxy_dataplane_ebpf::PIN_DIR_NAME);
+    try_wait_until(
+        "the service names in the pinned map",
+        Duration::from_secs(10),
+        Duration::from_millis(20),
+        || {
+            let names = proxy_dataplane_ebpf::traffic::service_names(&pin_dir)
+                .map_err(|e| proxy_tests::RigError::Other(e.to_string()))?;
+            Ok(names.values().any(|name| name == "default/web:http"))
+        },
+    )?;
     let json = inspect(&netns, Some(&bpf_root), &["services", "--json"])?;
     let rows = web_rows(&json)?;
     eprintln!("inspect services (ebpf): {rows:#?}");
