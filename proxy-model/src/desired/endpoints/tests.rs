@@ -295,3 +295,41 @@ fn copies_the_rule_does_not_order_are_settled_by_position() {
         [raw([10, 0, 1, 1], 80, true, (false, false, false), None)]
     );
 }
+
+/// The stack-formatted key orders and matches exactly as the endpoint strings kube-proxy sorts
+/// by, for both families, the longest IPv6 text and every port width included.
+#[test]
+fn endpoint_text_orders_as_the_endpoint_strings() {
+    use std::net::{IpAddr, SocketAddr};
+    let addrs: Vec<IpAddr> = [
+        "10.0.0.2",
+        "10.0.0.10",
+        "10.0.0.1",
+        "9.255.255.255",
+        "100.64.0.1",
+        "fd00::2",
+        "fd00::10",
+        "fd00:0:0:0:0:0:0:a",
+        "ffff:ffff:ffff:ffff:ffff:ffff:ffff:ffff",
+        "::ffff:255.255.255.255",
+        "2001:db8::ffff:255.255.255.255",
+    ]
+    .iter()
+    .map(|a| a.parse().expect("address"))
+    .collect();
+    let endpoints: Vec<SocketAddr> = addrs
+        .iter()
+        .flat_map(|addr| [1, 80, 8080, 9, 65535].map(|port| SocketAddr::new(*addr, port)))
+        .collect();
+    for a in &endpoints {
+        let text = super::EndpointText::new(*a);
+        assert_eq!(text.as_bytes(), a.to_string().as_bytes(), "{a}");
+        for b in &endpoints {
+            assert_eq!(
+                super::EndpointText::new(*a).cmp(&super::EndpointText::new(*b)),
+                a.to_string().cmp(&b.to_string()),
+                "{a} vs {b}"
+            );
+        }
+    }
+}
