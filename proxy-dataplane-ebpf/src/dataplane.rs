@@ -147,6 +147,9 @@ pub struct EbpfDataplane {
     names_deferred: bool,
     /// A full sync left every name to [`EbpfDataplane::write_pending_names`].
     names_pending: bool,
+    /// Whether a full sync before the names were ever checked leaves them to
+    /// [`EbpfDataplane::write_pending_names`] ([`EbpfDataplane::write_names_later`]).
+    names_later: bool,
     pub(super) stats: PerCpuArray<MapData, u64>,
     pub(super) map_writer: MapWriter,
     /// The map writer's limits, for a writer made anew (see `apply_service_maps`).
@@ -535,6 +538,7 @@ impl EbpfDataplane {
             names_reconciled: false,
             names_deferred: adopting,
             names_pending: false,
+            names_later: false,
             map_writer,
             writer_settings,
             fill_unbatched: false,
@@ -675,12 +679,12 @@ impl EbpfDataplane {
         if names_deferred {
             return (summary, errors);
         }
-        if changed.is_none() && !self.names_reconciled {
+        if self.names_later && changed.is_none() && !self.names_reconciled {
             // A first fill's names (one 160-byte value per frontend: a fourth of a cold
             // start's first sync at 50k Services) come in a turn of their own right after it
             // (`write_pending_names`), so the datapath is ready without waiting for them.
             self.names_pending = true;
-        } else if changed.is_some() || summary.changed_frontends() {
+        } else if changed.is_some() || summary.changed_frontends() || !self.names_reconciled {
             self.write_service_names(snapshot, changed);
         }
         (summary, errors)
@@ -785,6 +789,13 @@ impl EbpfDataplane {
                 std::mem::take(&mut pass.errors),
             )
         })
+    }
+
+    /// From now on a full sync that would write every name (the first) leaves them to
+    /// [`EbpfDataplane::write_pending_names`], which the caller runs right after it: the agent,
+    /// whose readiness need not wait for them. Without it `apply` writes them itself.
+    pub fn write_names_later(&mut self) {
+        self.names_later = true;
     }
 
     /// Whether a full sync left the service names to [`EbpfDataplane::write_pending_names`].

@@ -74,7 +74,11 @@ impl Dataplane {
         options.tc.fast_path = fast_path;
         match config.mode {
             ProxyMode::Ebpf => match EbpfDataplane::start(&options) {
-                Ok(ebpf) => Ok(Dataplane::Ebpf(Box::new(ebpf))),
+                Ok(mut ebpf) => {
+                    // The loop writes them in the turn after the first sync (`names_pending`).
+                    ebpf.write_names_later();
+                    Ok(Dataplane::Ebpf(Box::new(ebpf)))
+                }
                 Err(error) if config.mode_defaulted => {
                     warn!(
                         error = %format!("{:#}", anyhow::Error::from(error)),
