@@ -145,8 +145,9 @@ pub struct EbpfDataplane {
     /// names stay as the previous agent wrote them beside the adopted frontends, and the first
     /// periodic pass checks them (see [`EbpfDataplane::apply`]).
     names_deferred: bool,
-    /// A full sync left every name to [`EbpfDataplane::write_pending_names`].
-    names_pending: bool,
+    /// The names a full sync left to [`EbpfDataplane::write_pending_names`], written a step
+    /// at a time.
+    names_pass: Option<NamesPass>,
     /// Whether a full sync before the names were ever checked leaves them to
     /// [`EbpfDataplane::write_pending_names`] ([`EbpfDataplane::write_names_later`]).
     names_later: bool,
@@ -537,7 +538,7 @@ impl EbpfDataplane {
             stats,
             names_reconciled: false,
             names_deferred: adopting,
-            names_pending: false,
+            names_pass: None,
             names_later: false,
             map_writer,
             writer_settings,
@@ -683,7 +684,7 @@ impl EbpfDataplane {
             // A first fill's names (one 160-byte value per frontend: a fourth of a cold
             // start's first sync at 50k Services) come in a turn of their own right after it
             // (`write_pending_names`), so the datapath is ready without waiting for them.
-            self.names_pending = true;
+            self.names_pass.get_or_insert_with(NamesPass::default);
         } else if changed.is_some() || summary.changed_frontends() || !self.names_reconciled {
             self.write_service_names(snapshot, changed);
         }
@@ -800,15 +801,66 @@ impl EbpfDataplane {
 
     /// Whether a full sync left the service names to [`EbpfDataplane::write_pending_names`].
     pub fn names_pending(&self) -> bool {
-        self.names_pending
+        self.names_pass.is_some()
     }
 
-    /// Writes the names the first full sync left (all of them, checked against the map): what
-    /// `inspect` and the traffic metrics read, nothing the datapath does.
+    /// One step of writing the names a full sync left (all of them, checked against the map,
+    /// then the stale ones removed): what `inspect` and the traffic metrics read, nothing the
+    /// datapath does. Steps of [`FULL_PASS_STEP`], as the periodic pass: at 50k Services the
+    /// names take about 200 ms, which a change arriving meanwhile would wait for.
     pub fn write_pending_names(&mut self, snapshot: &Snapshot) {
-        if self.names_pending {
-            self.write_service_names(snapshot, None);
+        let Some(mut pass) = self.names_pass.take() else {
+            return;
+        };
+        let started = std::time::Instant::now();
+        let names_map = &self.names;
+        let in_map = pass.in_map.get_or_insert_with(|| {
+            let mut entries = Vec::new();
+            read_all(
+                names_map,
+                &mut BatchReader::default(),
+                map_names::SERVICE_NAMES,
+                &mut entries,
+            );
+            entries.into_iter().collect()
+        });
+        let mut writes = Vec::new();
+        let mut text = String::new();
+        let done = loop {
+            let ports: Vec<ServicePortName> = self
+                .map_writer
+                .owners_after(pass.after.as_ref())
+                .take(FULL_PASS_CHUNK)
+                .cloned()
+                .collect();
+            for name in &ports {
+                name_writes(&self.map_writer, snapshot, name, &mut text, |id, value| {
+                    pass.live.insert(id);
+                    if in_map.get(&id) != Some(&value) {
+                        writes.push((id, value));
+                    }
+                });
+            }
+            if let Err(error) = update_all(&mut self.names, &writes) {
+                debug!(%error, written = writes.len(), "service names not written");
+            }
+            writes.clear();
+            if ports.len() < FULL_PASS_CHUNK {
+                break true;
+            }
+            pass.after = ports.last().cloned();
+            if started.elapsed() >= FULL_PASS_STEP {
+                break false;
+            }
+        };
+        if !done {
+            self.names_pass = Some(pass);
+            return;
         }
+        for id in in_map.keys().filter(|id| !pass.live.contains(id)) {
+            let _ = self.names.remove(id);
+        }
+        self.names_reconciled = true;
     }
 
     /// Loads the IPv6 family programs when `snapshot` has the node's first IPv6 service port,
@@ -926,15 +978,8 @@ impl EbpfDataplane {
         let mut writes = Vec::new();
         let mut text = String::new();
         for name in ports {
-            text.clear();
-            // Writing into a String cannot fail.
-            let _ = std::fmt::Write::write_fmt(&mut text, format_args!("{name}"));
-            for (id, key) in self.map_writer.frontends_of(name) {
+            name_writes(&self.map_writer, snapshot, name, &mut text, |id, value| {
                 live.insert(id);
-                let kind = frontend_kind(snapshot, name, &key);
-                let Some(value) = ServiceName::new(&text, kind, name.protocol.number()) else {
-                    continue;
-                };
                 let current = match &in_map {
                     Some(in_map) => in_map.get(&id).copied(),
                     None => self.names.get(&id, 0).ok(),
@@ -942,17 +987,26 @@ impl EbpfDataplane {
                 if current != Some(value) {
                     writes.push((id, value));
                 }
-            }
+            });
         }
         if let Err(error) = update_all(&mut self.names, &writes) {
             debug!(%error, written = writes.len(), "service names not written");
         }
-        if let Some(in_map) = in_map {
-            self.names_reconciled = true;
-            self.names_pending = false;
-            let stale: Vec<u32> = in_map.into_keys().filter(|id| !live.contains(id)).collect();
-            for id in stale {
-                let _ = self.names.remove(&id);
+        match in_map {
+            Some(in_map) => {
+                self.names_reconciled = true;
+                // Every name is checked: a pass in steps has nothing left to do.
+                self.names_pass = None;
+                let stale: Vec<u32> = in_map.into_keys().filter(|id| !live.contains(id)).collect();
+                for id in stale {
+                    let _ = self.names.remove(&id);
+                }
+            }
+            // Named by this sync: not stale for a pass in steps that read the map before.
+            None => {
+                if let Some(pass) = &mut self.names_pass {
+                    pass.live.extend(live);
+                }
             }
         }
     }
@@ -1462,6 +1516,37 @@ fn conntrack_pair(ebpf: &mut Ebpf) -> Result<ConntrackPair<'_>, EbpfError> {
         new4: new4.ok_or(EbpfError::MissingMap(map_names::CT4_NEW))?,
         new6: new6.ok_or(EbpfError::MissingMap(map_names::CT6_NEW))?,
     })
+}
+
+/// What a names pass in steps ([`EbpfDataplane::write_pending_names`]) keeps between them.
+#[derive(Debug, Default)]
+struct NamesPass {
+    /// `KPR_SERVICE_NAMES` as the pass found it (read at its first step).
+    in_map: Option<std::collections::HashMap<u32, ServiceName>>,
+    /// The last service port written.
+    after: Option<ServicePortName>,
+    /// Ids named since the pass began (by it, or by a sync between its steps): not stale.
+    live: std::collections::HashSet<u32>,
+}
+
+/// The name of each of `name`'s frontends (service id, value) to `each`; `text` is the
+/// buffer the name is formatted into, once.
+fn name_writes(
+    map_writer: &MapWriter,
+    snapshot: &Snapshot,
+    name: &ServicePortName,
+    text: &mut String,
+    mut each: impl FnMut(u32, ServiceName),
+) {
+    text.clear();
+    // Writing into a String cannot fail.
+    let _ = std::fmt::Write::write_fmt(text, format_args!("{name}"));
+    for (id, key) in map_writer.frontends_of(name) {
+        let kind = frontend_kind(snapshot, name, &key);
+        if let Some(value) = ServiceName::new(text, kind, name.protocol.number()) {
+            each(id, value);
+        }
+    }
 }
 
 /// Whether a previous agent left IPv6 frontends or IPv6 tc conntrack entries (its own flows,

@@ -505,6 +505,21 @@ impl MapWriter {
         self.owned.keys()
     }
 
+    /// The service ports that own frontends after `after` (all of them from `None`), in name
+    /// order.
+    pub fn owners_after(
+        &self,
+        after: Option<&ServicePortName>,
+    ) -> impl Iterator<Item = &ServicePortName> {
+        let from = match after {
+            Some(after) => std::ops::Bound::Excluded(after.clone()),
+            None => std::ops::Bound::Unbounded,
+        };
+        self.owned
+            .range((from, std::ops::Bound::Unbounded))
+            .map(|(name, _)| name)
+    }
+
     /// The next `count` service ports (in name order) after `after` that a full pass goes
     /// through: those the writer owns and those the snapshot has. A full pass in steps (the
     /// periodic resync) applies them with [`MapWriter::apply_snapshot`] and ends with

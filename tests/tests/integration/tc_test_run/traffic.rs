@@ -185,3 +185,82 @@ fn a_flows_packets_and_bytes_count_by_direction_and_not_while_counting_is_off() 
         );
     });
 }
+
+/// The agent's way (`write_names_later`): a first full sync of 400 Services leaves their names
+/// out of the pinned `KPR_SERVICE_NAMES`; then they are written a bounded step at a time, in
+/// several steps, until every frontend's name is in the map and a name a previous agent left
+/// under an id no frontend holds is gone.
+#[test]
+fn a_first_syncs_names_are_written_after_it_in_bounded_steps() {
+    with_node(|node| {
+        let pin_dir = node.parts.bpf.path().join(PIN_DIR_NAME);
+        let stale_id = 65_000;
+        {
+            let map = MapData::from_pin(pin_dir.join(map_names::SERVICE_NAMES)).expect("pin");
+            let mut names: AyaHashMap<MapData, u32, proxy_common::ServiceName> =
+                AyaHashMap::try_from(Map::HashMap(map)).expect("names map");
+            let stale = proxy_common::ServiceName::new("default/gone:http", 0, proto::TCP)
+                .expect("a short name");
+            names
+                .insert(stale_id, stale, 0)
+                .expect("stale name written");
+        }
+        node.dataplane.write_names_later();
+        let count = 400;
+        // Spread over namespaces: each namespace's share of the frontend map stays far off.
+        let namespace = |i: usize| format!("ns{}", i % 8);
+        let services: BTreeMap<ObjectKey, ServiceInfo> = (0..count)
+            .map(|i| {
+                let yaml = format!(
+                    "apiVersion: v1\nkind: Service\nmetadata: {{name: s{i}, namespace: {}}}\n\
+                     spec: {{clusterIP: 10.97.{}.{}, \
+                     ports: [{{name: http, port: 80, protocol: TCP, targetPort: 8080}}]}}\n",
+                    namespace(i),
+                    i / 250,
+                    i % 250 + 1
+                );
+                let service: Service = serde_yaml::from_str(&yaml).expect("service yaml");
+                let key = ObjectKey {
+                    namespace: namespace(i).into(),
+                    name: format!("s{i}").into(),
+                };
+                (key, service.into())
+            })
+            .collect();
+        let objects = Objects::new(services, BTreeMap::new(), None);
+        let snapshot = Snapshot::compute(&objects, NODE);
+        let (summary, errors) = node.dataplane.apply(&snapshot, None);
+        assert!(errors.is_empty(), "apply errors: {errors:?}");
+        assert_eq!(summary.frontends_written, 2 * count, "{summary:?}");
+        let wanted = |i: usize| format!("{}/s{i}:http", namespace(i));
+        let names = proxy_dataplane_ebpf::traffic::service_names(&pin_dir).expect("names");
+        assert!(node.dataplane.names_pending(), "the sync left the names");
+        assert!(
+            !names.values().any(|name| *name == wanted(0)),
+            "no name written by the sync itself: {} names",
+            names.len()
+        );
+        let mut steps = 0;
+        while node.dataplane.names_pending() && steps < 100_000 {
+            node.dataplane.write_pending_names(&snapshot);
+            steps += 1;
+        }
+        assert!(!node.dataplane.names_pending(), "done after {steps} steps");
+        eprintln!("{count} Services' names written in {steps} steps");
+        assert!(steps > 1, "{count} Services' names took {steps} step(s)");
+        let names = proxy_dataplane_ebpf::traffic::service_names(&pin_dir).expect("names");
+        for i in 0..count {
+            assert!(
+                names.values().any(|name| *name == wanted(i)),
+                "{} missing",
+                wanted(i)
+            );
+        }
+        assert!(!names.contains_key(&stale_id), "the stale name is removed");
+        assert_eq!(
+            names.len(),
+            2 * count,
+            "one name per frontend (ClusterIP, in and out)"
+        );
+    });
+}
